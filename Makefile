@@ -1,0 +1,25 @@
+# The two commands a user needs: `make parity` and `make test`. Both set up .venv first.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export TF_CPP_MIN_LOG_LEVEL := 2
+
+.PHONY: help install lint test
+
+help:  ## list the targets
+	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z]+):.*## /  make \1\t/'
+
+install: $(STAMP)  ## create .venv and install requirements.txt (once per change of it)
+
+$(STAMP): requirements.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet -r requirements.txt
+	touch $(STAMP)
+
+lint: install  ## ruff check and ruff format --check
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: install lint  ## set up, lint, then run every test
+	$(PY) -m pytest -n 2

@@ -1,0 +1,334 @@
+"""Multi-head attention: the float64 NumPy reference, with an explicit backward.
+
+This file is the oracle the PyTorch and TensorFlow layers are judged by. It follows the
+contract in SPEC.md step by step, one operation per line, so a student can check it by hand.
+
+Legend (every shape comment in this file uses these letters):
+    B: batch size          T: query length        S: key/value length
+    E: d_model             N: num_heads           K: num_kv_heads
+    H: head_dim
+
+The math, for query head n (which reads key/value head n // (N // K)):
+    q = query @ query_kernel + query_bias                       (B, T, N*H)
+    k = key @ key_kernel + key_bias                             (B, S, K*H)
+    v = value @ value_kernel + value_bias                       (B, S, K*H)
+    scores[n] = q[n] @ k[n // G]^T / sqrt(H) + float_mask       (B, N, T, S), G = N // K
+    weights = softmax(scores where kept, else lowest finite)    zeroed where not kept
+    context[n] = weights[n] @ v[n // G]                         (B, N, T, H)
+    output = concat_heads(context) @ output_kernel + output_bias
+
+Masks: a boolean `attention_mask` is True where a query may attend a key; a floating one is
+added to the scores (-inf removes a key). `causal=True` keeps key s for query t iff
+s <= t + (S - T). A query row with no key left gets weights of exactly 0, so its output is
+`output_bias`. Example, a key padding mask for keys [a, b, <pad>]:
+    keep = np.array([[True, True, False]])           # (B, S)
+    layer(x, attention_mask=keep[:, None, :])         # (B, 1, S) broadcasts to (B, N, T, S)
+
+The reference has no dropout: `dropout` must be 0.
+"""
+
+import math
+
+import numpy as np
+
+__all__ = ["MultiHeadAttention", "dot_product_attention"]
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+    return int(value)
+
+
+def _check_input(name, x, width_name, width):
+    """Checks one (B, L, width) input and returns it as a float64 array."""
+    x = np.asarray(x)
+    if not np.issubdtype(x.dtype, np.floating):
+        raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={x.dtype.name}")
+    letter = "T" if name == "query" else "S"
+    if x.ndim != 3 or x.shape[-1] != width:
+        raise ValueError(
+            f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
+            f"Received: {name}.shape={tuple(x.shape)}"
+        )
+    return x.astype(np.float64)
+
+
+def _check_lengths(query, key, value):
+    if not query.shape[0] == key.shape[0] == value.shape[0]:
+        raise ValueError(
+            "`query`, `key` and `value` must have the same batch size B. Received: "
+            f"query.shape={query.shape}, key.shape={key.shape}, value.shape={value.shape}"
+        )
+    if key.shape[1] != value.shape[1]:
+        raise ValueError(
+            f"`key` and `value` must have the same length S. Received: key.shape={key.shape}, value.shape={value.shape}"
+        )
+
+
+def _mask_to_4d(mask, target):
+    """Checks `attention_mask` against target (B, N, T, S) and returns it as rank 4."""
+    mask = np.asarray(mask)
+    if mask.dtype != np.bool_ and not np.issubdtype(mask.dtype, np.floating):
+        raise ValueError(
+            f"`attention_mask` must be boolean or floating. Received: attention_mask.dtype={mask.dtype.name}"
+        )
+    expected = {2: target[2:], 3: (target[0], *target[2:]), 4: target}.get(mask.ndim)
+    if expected is None or any(m not in (1, e) for m, e in zip(mask.shape, expected, strict=True)):
+        raise ValueError(
+            "`attention_mask` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
+            f"(B, N, T, S), each dimension full or 1. Expected: (B, N, T, S)={target}. "
+            f"Received: attention_mask.shape={tuple(mask.shape)}"
+        )
+    if mask.ndim == 2:
+        return mask[None, None]  # (T, S) -> (1, 1, T, S)
+    if mask.ndim == 3:
+        return mask[:, None]  # (B, T, S) -> (B, 1, T, S)
+    return mask
+
+
+def causal_mask(t, s):
+    """(T, S) boolean mask: query t keeps key s iff s <= t + (S - T) (bottom-right aligned)."""
+    return np.arange(s)[None, :] <= np.arange(t)[:, None] + (s - t)  # (T, S)
+
+
+def _split_mask(attention_mask, target):
+    """Splits `attention_mask` into (keep, bias): boolean and additive, both rank 4 or None."""
+    if attention_mask is None:
+        return None, None
+    mask = _mask_to_4d(attention_mask, target)
+    if mask.dtype == np.bool_:
+        return mask, None
+    removed = np.isneginf(mask)  # -inf removes a key; finite values are added
+    return ~removed, np.where(removed, 0.0, mask.astype(np.float64))
+
+
+def dot_product_attention(q, k, v, keep=None, bias=None, causal=False):
+    """Pure attention on split heads; returns (context, weights, probs, keep).
+
+    Args:
+        q: (B, N, T, H) queries.
+        k: (B, K, S, H) keys, K dividing N.
+        v: (B, K, S, H) values.
+        keep: None or boolean, broadcasts to (B, N, T, S); True where a query may attend a key.
+        bias: None or float, broadcasts to (B, N, T, S); added to the scaled scores.
+        causal: if True, query t keeps key s only if s <= t + (S - T).
+
+    Returns:
+        context (B, N, T, H), weights (B, N, T, S) with exact zeros where not kept, and the
+        softmax before zeroing and the keep mask used (both needed by the backward).
+    """
+    t, s = q.shape[2], k.shape[2]
+    keep = np.ones((1, 1, t, s), dtype=bool) if keep is None else keep  # (B, N, T, S), dims may be 1
+    keep = keep & causal_mask(t, s) if causal else keep
+    groups = q.shape[1] // k.shape[1]
+    k = np.repeat(k, groups, axis=1)  # (B, K, S, H) -> (B, N, S, H)
+    v = np.repeat(v, groups, axis=1)  # (B, K, S, H) -> (B, N, S, H)
+    scores = q @ k.swapaxes(-1, -2) / math.sqrt(q.shape[-1])  # (B, N, T, S)
+    scores = scores if bias is None else scores + bias  # (B, N, T, S)
+    scores = np.where(keep, scores, np.finfo(scores.dtype).min)  # (B, N, T, S)
+    shifted = scores - scores.max(axis=-1, keepdims=True)  # (B, N, T, S)
+    probs = np.exp(shifted) / np.exp(shifted).sum(axis=-1, keepdims=True)  # (B, N, T, S)
+    weights = np.where(keep, probs, 0.0)  # (B, N, T, S), rows with no key are all 0
+    context = weights @ v  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
+    return context, weights, probs, keep
+
+
+def _glorot_uniform(rng, fan_in, fan_out):
+    limit = math.sqrt(6.0 / (fan_in + fan_out))
+    return rng.uniform(-limit, limit, size=(fan_in, fan_out))
+
+
+class MultiHeadAttention:
+    """Multi-head attention (MHA, grouped-query GQA and multi-query MQA), NumPy float64.
+
+    Args:
+        d_model: E, the width of `query` and of the output.
+        num_heads: N, the number of query heads.
+        num_kv_heads: K, the number of key/value heads; must divide N. Defaults to N.
+        head_dim: H, the width of one head. Defaults to E // N (then N must divide E).
+        kdim: width of `key`. Defaults to E.
+        vdim: width of `value`. Defaults to E.
+        dropout: must be 0: the reference has no dropout.
+        bias: whether the four projections have biases.
+        seed: seed for the Glorot uniform initialisation of the kernels (biases start at 0).
+
+    Call arguments:
+        query: (B, T, E).
+        key: (B, S, kdim). Defaults to `value`, or to `query` if `value` is None too.
+        value: (B, S, vdim). Defaults to `key`.
+        attention_mask: boolean (True = attend) or floating (added to the scores), of shape
+            (T, S), (B, T, S) or (B, N, T, S), any dimension of which may be 1.
+        causal: if True, query t attends key s only if s <= t + (S - T).
+        return_attention: if True, also return the per-head attention weights.
+
+    Returns:
+        output (B, T, E), or (output, weights) with weights (B, N, T, S) when
+        `return_attention` is True.
+    """
+
+    def __init__(
+        self,
+        d_model,
+        num_heads,
+        *,
+        num_kv_heads=None,
+        head_dim=None,
+        kdim=None,
+        vdim=None,
+        dropout=0.0,
+        bias=True,
+        seed=None,
+    ):
+        self.d_model = _positive_int("d_model", d_model)
+        self.num_heads = _positive_int("num_heads", num_heads)
+        self.num_kv_heads = _positive_int("num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"`num_kv_heads` must divide `num_heads`. Received: num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+            )
+        if head_dim is None and self.d_model % self.num_heads:
+            raise ValueError(f"`num_heads` must divide `d_model`. Received: d_model={d_model}, num_heads={num_heads}")
+        self.head_dim = _positive_int("head_dim", self.d_model // self.num_heads if head_dim is None else head_dim)
+        self.kdim = _positive_int("kdim", self.d_model if kdim is None else kdim)
+        self.vdim = _positive_int("vdim", self.d_model if vdim is None else vdim)
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
+        if dropout != 0.0:
+            raise ValueError(f"`dropout` must be 0: the NumPy reference has no dropout. Received: dropout={dropout!r}")
+        self.dropout = 0.0
+        self.bias = bool(bias)
+        rng = np.random.default_rng(seed)
+        self.params = {}
+        for name, shape in self.weight_shapes().items():
+            is_kernel = name.endswith("_kernel")
+            self.params[name] = _glorot_uniform(rng, *shape) if is_kernel else np.zeros(shape)
+        self._cache = None
+
+    def weight_shapes(self):
+        """The portable layout: {name: shape}, biases left out when `bias` is False."""
+        nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        shapes = {
+            "query_kernel": (self.d_model, nh),
+            "query_bias": (nh,),
+            "key_kernel": (self.kdim, kh),
+            "key_bias": (kh,),
+            "value_kernel": (self.vdim, kh),
+            "value_bias": (kh,),
+            "output_kernel": (nh, self.d_model),
+            "output_bias": (self.d_model,),
+        }
+        return {k: v for k, v in shapes.items() if self.bias or k.endswith("_kernel")}
+
+    def export_weights(self):
+        """Returns the portable weights: a dict of float64 arrays (see SPEC.md)."""
+        return {name: value.copy() for name, value in self.params.items()}
+
+    def import_weights(self, weights):
+        """Loads portable weights; strict and atomic (a ValueError lists every problem)."""
+        expected = self.weight_shapes()
+        problems = [f"missing '{name}'" for name in expected if name not in weights]
+        problems += [f"unexpected '{name}'" for name in weights if name not in expected]
+        for name, shape in expected.items():
+            if name in weights and tuple(np.shape(weights[name])) != shape:
+                problems.append(f"'{name}' has shape {tuple(np.shape(weights[name]))}, expected {shape}")
+        if problems:
+            raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
+        self.params = {name: np.array(weights[name], dtype=np.float64) for name in expected}
+
+    def _project(self, x, kind, heads):
+        """(B, L, D) -> (B, heads, L, H): one projection split into heads."""
+        y = x @ self.params[f"{kind}_kernel"]  # (B, L, D) -> (B, L, heads*H)
+        if self.bias:
+            y = y + self.params[f"{kind}_bias"]
+        b, length, _ = y.shape
+        return y.reshape(b, length, heads, self.head_dim).transpose(0, 2, 1, 3)  # -> (B, heads, L, H)
+
+    def __call__(self, query, key=None, value=None, attention_mask=None, *, causal=False, return_attention=False):
+        defaulted = (
+            "both" if key is None and value is None else "key" if key is None else "value" if value is None else None
+        )
+        key = value if key is None else key
+        key = query if key is None else key
+        value = key if value is None else value
+        query = _check_input("query", query, "E", self.d_model)
+        key = _check_input("key", key, "kdim", self.kdim)
+        value = _check_input("value", value, "vdim", self.vdim)
+        _check_lengths(query, key, value)
+        (b, t, _), s = query.shape, key.shape[1]
+        keep, bias = _split_mask(attention_mask, (b, self.num_heads, t, s))
+
+        q = self._project(query, "query", self.num_heads)  # (B, T, E) -> (B, N, T, H)
+        k = self._project(key, "key", self.num_kv_heads)  # (B, S, kdim) -> (B, K, S, H)
+        v = self._project(value, "value", self.num_kv_heads)  # (B, S, vdim) -> (B, K, S, H)
+        context, weights, probs, keep = dot_product_attention(q, k, v, keep, bias, causal)  # (B, N, T, H)
+        merged = context.transpose(0, 2, 1, 3).reshape(b, t, -1)  # (B, N, T, H) -> (B, T, N*H)
+        output = merged @ self.params["output_kernel"]  # (B, T, N*H) -> (B, T, E)
+        if self.bias:
+            output = output + self.params["output_bias"]
+
+        self._cache = dict(
+            query=query, key=key, value=value, defaulted=defaulted, q=q, k=k, v=v,
+            keep=keep, probs=probs, weights=weights, merged=merged,
+        )  # fmt: skip
+        return (output, weights) if return_attention else output
+
+    def backward(self, grad_output):
+        """Gradients of sum(output * grad_output) after the last call.
+
+        Args:
+            grad_output: (B, T, E), the upstream gradient of the output.
+
+        Returns:
+            A dict with `query`, `key`, `value` (only for the inputs that were passed; the
+            gradient of a defaulted input is added to the one it defaulted to) and every name
+            of the portable weight layout.
+        """
+        if self._cache is None:
+            raise ValueError("`backward` needs a forward call first. Received: no forward call")
+        c, p = self._cache, self.params
+        g = np.asarray(grad_output, dtype=np.float64)  # (B, T, E)
+        if g.shape != (*c["merged"].shape[:2], self.d_model):
+            raise ValueError(
+                f"`grad_output` must have the output's shape {(*c['merged'].shape[:2], self.d_model)}. "
+                f"Received: grad_output.shape={g.shape}"
+            )
+        b, t, _ = g.shape
+        n, kv, h = self.num_heads, self.num_kv_heads, self.head_dim
+        grads = {"output_kernel": np.einsum("btm,bte->me", c["merged"], g), "output_bias": g.sum(axis=(0, 1))}
+        d_context = (g @ p["output_kernel"].T).reshape(b, t, n, h).transpose(0, 2, 1, 3)  # -> (B, N, T, H)
+
+        groups = n // kv
+        k_rep = np.repeat(c["k"], groups, axis=1)  # (B, K, S, H) -> (B, N, S, H)
+        v_rep = np.repeat(c["v"], groups, axis=1)  # (B, K, S, H) -> (B, N, S, H)
+        d_weights = d_context @ v_rep.swapaxes(-1, -2)  # (B, N, T, H) @ (B, N, H, S) -> (B, N, T, S)
+        d_v_rep = c["weights"].swapaxes(-1, -2) @ d_context  # (B, N, S, T) @ (B, N, T, H) -> (B, N, S, H)
+        d_probs = np.where(c["keep"], d_weights, 0.0)  # (B, N, T, S)
+        probs = c["probs"]
+        d_scores = probs * (d_probs - (d_probs * probs).sum(axis=-1, keepdims=True))  # softmax backward
+        d_scores = np.where(c["keep"], d_scores, 0.0) / math.sqrt(h)  # (B, N, T, S)
+        d_q = d_scores @ k_rep  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
+        d_k_rep = d_scores.swapaxes(-1, -2) @ c["q"]  # (B, N, S, T) @ (B, N, T, H) -> (B, N, S, H)
+        s = d_k_rep.shape[2]
+        d_k = d_k_rep.reshape(b, kv, groups, s, h).sum(axis=2)  # (B, N, S, H) -> (B, K, S, H)
+        d_v = d_v_rep.reshape(b, kv, groups, s, h).sum(axis=2)  # (B, N, S, H) -> (B, K, S, H)
+
+        inputs = {}
+        for kind, d_heads in (("query", d_q), ("key", d_k), ("value", d_v)):
+            d_y = d_heads.transpose(0, 2, 1, 3).reshape(b, d_heads.shape[2], -1)  # (B, heads, L, H) -> (B, L, heads*H)
+            grads[f"{kind}_kernel"] = np.einsum("bld,blm->dm", c[kind], d_y)
+            grads[f"{kind}_bias"] = d_y.sum(axis=(0, 1))
+            inputs[kind] = d_y @ p[f"{kind}_kernel"].T  # (B, L, heads*H) -> (B, L, D)
+        grads = {name: grads[name] for name in self.weight_shapes()}
+        return {**_fold_defaulted(inputs, c["defaulted"]), **grads}
+
+
+def _fold_defaulted(inputs, defaulted):
+    """Adds the gradient of each defaulted input to the input it defaulted to."""
+    if defaulted == "both":
+        return {"query": inputs["query"] + inputs["key"] + inputs["value"]}
+    if defaulted == "key":
+        return {"query": inputs["query"], "value": inputs["value"] + inputs["key"]}
+    if defaulted == "value":
+        return {"query": inputs["query"], "key": inputs["key"] + inputs["value"]}
+    return inputs

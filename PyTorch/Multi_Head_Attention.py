@@ -1,0 +1,439 @@
+"""Multi-head attention for PyTorch: one `nn.Module`, proven equal to the TensorFlow layer.
+
+Copy this one file into your model; it needs only torch, NumPy and the standard library.
+
+Legend (every shape comment in this file uses these letters):
+    B: batch size          T: query length        S: key/value length
+    E: d_model             N: num_heads           K: num_kv_heads
+    H: head_dim
+
+The math, for query head n (which reads key/value head n // (N // K)):
+    q = query @ query_kernel + query_bias                       (B, T, N*H)
+    k = key @ key_kernel + key_bias                             (B, S, K*H)
+    v = value @ value_kernel + value_bias                       (B, S, K*H)
+    scores[n] = q[n] @ k[n // G]^T / sqrt(H) + float_mask       (B, N, T, S), G = N // K
+    weights = softmax(scores where kept, else lowest finite)    zeroed where not kept
+    context[n] = weights[n] @ v[n // G]                         (B, N, T, H)
+    output = concat_heads(context) @ output_kernel + output_bias
+
+Masks: a boolean `attention_mask` is True where a query may attend a key (the opposite of
+`nn.MultiheadAttention`, where True means "ignore"); a floating one is added to the scores
+(-inf removes a key). `causal=True` keeps key s for query t iff s <= t + (S - T). A query row
+with no key left gets weights of exactly 0, so its output is `output_bias`: never NaN.
+Example, a key padding mask for keys [a, b, <pad>]:
+    keep = torch.tensor([[True, True, False]])       # (B, S)
+    layer(x, attention_mask=keep[:, None, :])         # (B, 1, S) broadcasts to (B, N, T, S)
+
+Parameters: `query`, `key`, `value` and `output` are `nn.Linear` submodules, so `state_dict`
+holds `query.weight` = query_kernel^T, `query.bias` = query_bias, and so on for the others.
+
+Two code paths give the same numbers: without `return_attention`, attention runs in
+`torch.nn.functional.scaled_dot_product_attention` (and self-attention projects q, k and v
+with one matmul); with it, an explicit softmax returns the per-head weights.
+"""
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["MultiHeadAttention", "dot_product_attention"]
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+    return int(value)
+
+
+def _dtype_name(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_input(name, x, width_name, width):
+    """Checks one (B, L, width) input."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        dtype = _dtype_name(x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={dtype}")
+    letter = "T" if name == "query" else "S"
+    if x.dim() != 3 or x.shape[-1] != width:
+        raise ValueError(
+            f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
+            f"Received: {name}.shape={tuple(x.shape)}"
+        )
+    return x
+
+
+def _check_lengths(query, key, value):
+    if not query.shape[0] == key.shape[0] == value.shape[0]:
+        raise ValueError(
+            "`query`, `key` and `value` must have the same batch size B. Received: "
+            f"query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
+        )
+    if key.shape[1] != value.shape[1]:
+        raise ValueError(
+            "`key` and `value` must have the same length S. Received: "
+            f"key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
+        )
+
+
+def _mask_to_4d(mask, target):
+    """Checks `attention_mask` against target (B, N, T, S) and returns it as rank 4."""
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise ValueError(
+            f"`attention_mask` must be boolean or floating. Received: attention_mask.dtype={_dtype_name(mask.dtype)}"
+        )
+    expected = {2: target[2:], 3: (target[0], *target[2:]), 4: target}.get(mask.dim())
+    if expected is None or any(m not in (1, e) for m, e in zip(mask.shape, expected, strict=True)):
+        raise ValueError(
+            "`attention_mask` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
+            f"(B, N, T, S), each dimension full or 1. Expected: (B, N, T, S)={target}. "
+            f"Received: attention_mask.shape={tuple(mask.shape)}"
+        )
+    if mask.dim() == 2:
+        return mask[None, None]  # (T, S) -> (1, 1, T, S)
+    if mask.dim() == 3:
+        return mask[:, None]  # (B, T, S) -> (B, 1, T, S)
+    return mask
+
+
+def causal_mask(t, s, device=None):
+    """(T, S) boolean mask: query t keeps key s iff s <= t + (S - T) (bottom-right aligned)."""
+    rows = torch.arange(t, device=device)[:, None]  # (T, 1)
+    return torch.arange(s, device=device)[None, :] <= rows + (s - t)  # (T, S)
+
+
+def _split_mask(attention_mask, target):
+    """Splits `attention_mask` into (keep, bias): boolean and additive, both rank 4 or None."""
+    if attention_mask is None:
+        return None, None
+    mask = _mask_to_4d(attention_mask, target)
+    if mask.dtype == torch.bool:
+        return mask, None
+    removed = torch.isneginf(mask)  # -inf removes a key; finite values are added
+    return ~removed, torch.where(removed, torch.zeros_like(mask), mask)
+
+
+def _softmax_dtype(dtype):
+    """Softmax runs in float32 at least (float64 stays float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _explicit_attention(q, k, v, keep, bias, dropout):
+    """Scores, mask, softmax, weighted sum; returns (context, weights)."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)  # (B, K, S, H) -> (B, N, S, H)
+    v = v.repeat_interleave(groups, dim=1)  # (B, K, S, H) -> (B, N, S, H)
+    dtype = _softmax_dtype(q.dtype)
+    scores = (q @ k.transpose(-1, -2)).to(dtype) / math.sqrt(q.shape[-1])  # (B, N, T, S)
+    scores = scores if bias is None else scores + bias.to(dtype)  # (B, N, T, S)
+    if keep is not None:
+        scores = torch.where(keep, scores, torch.finfo(dtype).min)  # (B, N, T, S)
+    weights = scores.softmax(dim=-1)  # (B, N, T, S)
+    if keep is not None:
+        weights = torch.where(keep, weights, 0.0)  # rows with no key are all 0
+    weights = weights.to(q.dtype)  # (B, N, T, S)
+    context = F.dropout(weights, dropout) @ v  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
+    return context, weights
+
+
+def _fused_attention(q, k, v, keep, bias, dropout):
+    """`scaled_dot_product_attention` with a finite additive mask; returns the context."""
+    gqa = q.shape[1] != k.shape[1]
+    if keep is None and bias is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, enable_gqa=gqa)  # (B, N, T, H)
+    additive = torch.zeros((), dtype=q.dtype, device=q.device) if bias is None else bias.to(q.dtype)
+    if keep is not None:
+        additive = torch.where(keep, additive, torch.finfo(q.dtype).min)  # (B, N, T, S), dims may be 1
+    context = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=dropout, enable_gqa=gqa)
+    if keep is None:
+        return context
+    return torch.where(keep.any(dim=-1, keepdim=True), context, 0.0)  # rows with no key are all 0
+
+
+def dot_product_attention(q, k, v, keep=None, bias=None, causal=False, *, dropout=0.0, return_attention=False):
+    """Pure attention on split heads; returns (context, weights).
+
+    Args:
+        q: (B, N, T, H) queries.
+        k: (B, K, S, H) keys, K dividing N.
+        v: (B, K, S, H) values.
+        keep: None or boolean, broadcasts to (B, N, T, S); True where a query may attend a key.
+        bias: None or float, broadcasts to (B, N, T, S); added to the scaled scores.
+        causal: if True, query t keeps key s only if s <= t + (S - T).
+        dropout: probability of dropping attention weights (pass 0 outside training).
+        return_attention: if True, take the explicit path and return the weights; otherwise
+            take `scaled_dot_product_attention` and return None for them.
+
+    Returns:
+        context (B, N, T, H) and weights (B, N, T, S) (None unless `return_attention`),
+        exactly 0 where not kept.
+    """
+    t, s = q.shape[2], k.shape[2]
+    if causal and keep is None and bias is None and t == s and not return_attention:
+        gqa = q.shape[1] != k.shape[1]
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=gqa), None
+    if causal:
+        triangle = causal_mask(t, s, q.device)  # (T, S)
+        keep = triangle if keep is None else keep & triangle  # (B, N, T, S), dims may be 1
+    if return_attention:
+        return _explicit_attention(q, k, v, keep, bias, dropout)
+    return _fused_attention(q, k, v, keep, bias, dropout), None
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention (MHA, grouped-query GQA and multi-query MQA) as an `nn.Module`.
+
+    Args:
+        d_model: E, the width of `query` and of the output.
+        num_heads: N, the number of query heads.
+        num_kv_heads: K, the number of key/value heads; must divide N. Defaults to N.
+        head_dim: H, the width of one head. Defaults to E // N (then N must divide E).
+        kdim: width of `key`. Defaults to E.
+        vdim: width of `value`. Defaults to E.
+        dropout: probability of dropping attention weights in training mode; 0 <= p < 1.
+        bias: whether the four projections have biases.
+        device: device of the parameters.
+        dtype: dtype of the parameters.
+
+    Call arguments:
+        query: (B, T, E), or unbatched (T, E).
+        key: (B, S, kdim). Defaults to `value`, or to `query` if `value` is None too.
+        value: (B, S, vdim). Defaults to `key`.
+        attention_mask: boolean (True = attend) or floating (added to the scores), of shape
+            (T, S), (B, T, S) or (B, N, T, S), any dimension of which may be 1.
+        causal: if True, query t attends key s only if s <= t + (S - T).
+        return_attention: if True, also return the per-head attention weights.
+
+    Returns:
+        output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before
+        dropout) when `return_attention` is True. Unbatched inputs give unbatched results.
+    """
+
+    def __init__(
+        self,
+        d_model,
+        num_heads,
+        *,
+        num_kv_heads=None,
+        head_dim=None,
+        kdim=None,
+        vdim=None,
+        dropout=0.0,
+        bias=True,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        self.d_model = _positive_int("d_model", d_model)
+        self.num_heads = _positive_int("num_heads", num_heads)
+        self.num_kv_heads = _positive_int("num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"`num_kv_heads` must divide `num_heads`. Received: num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+            )
+        if head_dim is None and self.d_model % self.num_heads:
+            raise ValueError(f"`num_heads` must divide `d_model`. Received: d_model={d_model}, num_heads={num_heads}")
+        self.head_dim = _positive_int("head_dim", self.d_model // self.num_heads if head_dim is None else head_dim)
+        self.kdim = _positive_int("kdim", self.d_model if kdim is None else kdim)
+        self.vdim = _positive_int("vdim", self.d_model if vdim is None else vdim)
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
+        self.dropout = float(dropout)
+        self.bias = bool(bias)
+        nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        factory = {"bias": self.bias, "device": device, "dtype": dtype}
+        self.query = nn.Linear(self.d_model, nh, **factory)  # query_kernel^T: (N*H, E)
+        self.key = nn.Linear(self.kdim, kh, **factory)  # key_kernel^T: (K*H, kdim)
+        self.value = nn.Linear(self.vdim, kh, **factory)  # value_kernel^T: (K*H, vdim)
+        self.output = nn.Linear(nh, self.d_model, **factory)  # output_kernel^T: (E, N*H)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        """Glorot (Xavier) uniform kernels, zero biases, as in the other two files."""
+        for kind in ("query", "key", "value", "output"):
+            projection = getattr(self, kind)
+            nn.init.xavier_uniform_(projection.weight)
+            if projection.bias is not None:
+                nn.init.zeros_(projection.bias)
+
+    def extra_repr(self):
+        return (
+            f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, dropout={self.dropout}"
+        )
+
+    def weight_shapes(self):
+        """The portable layout: {name: shape}, biases left out when `bias` is False."""
+        nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        shapes = {
+            "query_kernel": (self.d_model, nh),
+            "query_bias": (nh,),
+            "key_kernel": (self.kdim, kh),
+            "key_bias": (kh,),
+            "value_kernel": (self.vdim, kh),
+            "value_bias": (kh,),
+            "output_kernel": (nh, self.d_model),
+            "output_bias": (self.d_model,),
+        }
+        return {k: v for k, v in shapes.items() if self.bias or k.endswith("_kernel")}
+
+    def _parameter(self, name):
+        """The tensor behind a portable name and whether it is stored transposed."""
+        kind, part = name.rsplit("_", 1)
+        projection = getattr(self, kind)
+        return (projection.weight, True) if part == "kernel" else (projection.bias, False)
+
+    def export_weights(self):
+        """Returns the portable weights: a dict of NumPy arrays (bfloat16 is widened to float32)."""
+        weights = {}
+        for name in self.weight_shapes():
+            tensor, transposed = self._parameter(name)
+            tensor = tensor.detach().cpu()
+            tensor = tensor.float() if tensor.dtype == torch.bfloat16 else tensor
+            weights[name] = (tensor.T if transposed else tensor).numpy().copy()
+        return weights
+
+    def import_weights(self, weights):
+        """Loads portable weights; strict and atomic (a ValueError lists every problem)."""
+        expected = self.weight_shapes()
+        problems = [f"missing '{name}'" for name in expected if name not in weights]
+        problems += [f"unexpected '{name}'" for name in weights if name not in expected]
+        for name, shape in expected.items():
+            if name in weights and tuple(np.shape(weights[name])) != shape:
+                problems.append(f"'{name}' has shape {tuple(np.shape(weights[name]))}, expected {shape}")
+        if problems:
+            raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
+        with torch.no_grad():
+            for name in expected:
+                tensor, transposed = self._parameter(name)
+                value = torch.as_tensor(np.asarray(weights[name]), dtype=tensor.dtype, device=tensor.device)
+                tensor.copy_(value.T if transposed else value)
+
+    def _project(self, x, kind, heads):
+        """(B, L, D) -> (B, heads, L, H): one projection split into heads."""
+        y = getattr(self, kind)(x)  # (B, L, D) -> (B, L, heads*H)
+        return self._split_heads(y, heads)
+
+    def _split_heads(self, y, heads):
+        b, length, _ = y.shape
+        return y.view(b, length, heads, self.head_dim).transpose(1, 2)  # (B, L, heads*H) -> (B, heads, L, H)
+
+    def _project_fused(self, x):
+        """Self-attention: q, k and v from one matmul over the concatenated projections."""
+        weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])  # (N*H + 2*K*H, E)
+        bias = torch.cat([self.query.bias, self.key.bias, self.value.bias]) if self.bias else None
+        nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = F.linear(x, weight, bias).split([nh, kh, kh], dim=-1)  # (B, T, E) -> 3 x (B, T, heads*H)
+        return (
+            self._split_heads(q, self.num_heads),  # (B, N, T, H)
+            self._split_heads(k, self.num_kv_heads),  # (B, K, T, H)
+            self._split_heads(v, self.num_kv_heads),  # (B, K, T, H)
+        )
+
+    def forward(self, query, key=None, value=None, attention_mask=None, *, causal=False, return_attention=False):
+        unbatched = isinstance(query, torch.Tensor) and query.dim() == 2
+        if unbatched:
+            query, key, value = (x if x is None else x.unsqueeze(0) for x in (query, key, value))  # (L, D) -> (1, L, D)
+        self_attention = (key is None or key is query) and (value is None or value is query)
+        key = value if key is None else key
+        key = query if key is None else key
+        value = key if value is None else value
+        query = _check_input("query", query, "E", self.d_model)
+        key = _check_input("key", key, "kdim", self.kdim)
+        value = _check_input("value", value, "vdim", self.vdim)
+        _check_lengths(query, key, value)
+        (b, t, _), s = query.shape, key.shape[1]
+        if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+            attention_mask = torch.as_tensor(attention_mask, device=query.device)
+        keep, bias = _split_mask(attention_mask, (b, self.num_heads, t, s))
+
+        if self_attention:
+            q, k, v = self._project_fused(query)  # (B, T, E) -> (B, N, T, H), 2 x (B, K, T, H)
+        else:
+            q = self._project(query, "query", self.num_heads)  # (B, T, E) -> (B, N, T, H)
+            k = self._project(key, "key", self.num_kv_heads)  # (B, S, kdim) -> (B, K, S, H)
+            v = self._project(value, "value", self.num_kv_heads)  # (B, S, vdim) -> (B, K, S, H)
+        dropout = self.dropout if self.training else 0.0
+        context, weights = dot_product_attention(
+            q, k, v, keep, bias, causal, dropout=dropout, return_attention=return_attention
+        )  # (B, N, T, H), (B, N, T, S) or None
+        merged = context.transpose(1, 2).reshape(b, t, -1)  # (B, N, T, H) -> (B, T, N*H)
+        output = self.output(merged)  # (B, T, N*H) -> (B, T, E)
+
+        if unbatched:
+            output, weights = output[0], None if weights is None else weights[0]  # drop B
+        return (output, weights) if return_attention else output
+
+    @classmethod
+    def from_torch(cls, module):
+        """Builds a layer with the weights of a `torch.nn.MultiheadAttention`.
+
+        Packed (`in_proj_weight`) and separate (`q/k/v_proj_weight`) projections are read,
+        `batch_first` either way (this layer is always batch first), with or without bias.
+        """
+        if not isinstance(module, nn.MultiheadAttention):
+            raise ValueError(f"`module` must be a torch.nn.MultiheadAttention. Received: {type(module).__name__}")
+        if module.bias_k is not None or module.add_zero_attn:
+            raise ValueError(
+                "`module` uses add_bias_kv or add_zero_attn, which append learned or zero keys "
+                "that this layer does not have. Received: "
+                f"add_bias_kv={module.bias_k is not None}, add_zero_attn={module.add_zero_attn}"
+            )
+        e = module.embed_dim
+        has_bias = module.in_proj_bias is not None
+        reference = module.out_proj.weight
+        layer = cls(
+            e, module.num_heads, kdim=module.kdim, vdim=module.vdim, dropout=module.dropout,
+            bias=has_bias, device=reference.device, dtype=reference.dtype,
+        )  # fmt: skip
+        if module._qkv_same_embed_dim:
+            weights = module.in_proj_weight.detach().split(e)
+        else:
+            weights = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
+        with torch.no_grad():
+            for projection, weight in zip((layer.query, layer.key, layer.value), weights, strict=True):
+                projection.weight.copy_(weight)
+            layer.output.weight.copy_(module.out_proj.weight)
+            if has_bias:
+                for projection, bias in zip(
+                    (layer.query, layer.key, layer.value), module.in_proj_bias.split(e), strict=True
+                ):
+                    projection.bias.copy_(bias)
+                layer.output.bias.copy_(module.out_proj.bias)
+        return layer
+
+    def to_torch(self):
+        """Returns a `torch.nn.MultiheadAttention` (batch_first=True) with these weights."""
+        if self.num_kv_heads != self.num_heads:
+            raise ValueError(
+                "`torch.nn.MultiheadAttention` cannot hold grouped-query attention: it has one key/value "
+                f"head per query head. Received: num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}"
+            )
+        if self.num_heads * self.head_dim != self.d_model:
+            raise ValueError(
+                "`torch.nn.MultiheadAttention` needs num_heads * head_dim == d_model. "
+                f"Received: d_model={self.d_model}, num_heads={self.num_heads}, head_dim={self.head_dim}"
+            )
+        reference = self.output.weight
+        module = nn.MultiheadAttention(
+            self.d_model, self.num_heads, dropout=self.dropout, bias=self.bias, kdim=self.kdim, vdim=self.vdim,
+            batch_first=True, device=reference.device, dtype=reference.dtype,
+        )  # fmt: skip
+        projections = (self.query, self.key, self.value)
+        with torch.no_grad():
+            if module._qkv_same_embed_dim:
+                module.in_proj_weight.copy_(torch.cat([p.weight for p in projections]))
+            else:
+                for target, projection in zip(
+                    (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight), projections, strict=True
+                ):
+                    target.copy_(projection.weight)
+            module.out_proj.weight.copy_(self.output.weight)
+            if self.bias:
+                module.in_proj_bias.copy_(torch.cat([p.bias for p in projections]))
+                module.out_proj.bias.copy_(self.output.bias)
+        module.train(self.training)
+        return module

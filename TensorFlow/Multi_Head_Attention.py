@@ -1,0 +1,473 @@
+"""Multi-head attention for TensorFlow: one Keras 3 layer, proven equal to the PyTorch layer.
+
+Copy this one file into your model; it needs only TensorFlow, NumPy and the standard library.
+
+Legend (every shape comment in this file uses these letters):
+    B: batch size          T: query length        S: key/value length
+    E: d_model             N: num_heads           K: num_kv_heads
+    H: head_dim
+
+The math, for query head n (which reads key/value head n // (N // K)):
+    q = query @ query_kernel + query_bias                       (B, T, N*H)
+    k = key @ key_kernel + key_bias                             (B, S, K*H)
+    v = value @ value_kernel + value_bias                       (B, S, K*H)
+    scores[n] = q[n] @ k[n // G]^T / sqrt(H) + float_mask       (B, N, T, S), G = N // K
+    weights = softmax(scores where kept, else lowest finite)    zeroed where not kept
+    context[n] = weights[n] @ v[n // G]                         (B, N, T, H)
+    output = concat_heads(context) @ output_kernel + output_bias
+
+Masks: a boolean `attention_mask` is True where a query may attend a key; a floating one is
+added to the scores (-inf removes a key). `causal=True` keeps key s for query t iff
+s <= t + (S - T), and is combined with every other mask (never silently dropped). Keras
+implicit masks (`Embedding(mask_zero=True)`) are honoured: the query's mask removes query rows,
+the key's and value's masks remove keys, and the output carries the query's mask. A query row
+with no key left gets weights of exactly 0, so its output is `output_bias`: never NaN.
+Example, a key padding mask for keys [a, b, <pad>]:
+    keep = tf.constant([[True, True, False]])        # (B, S)
+    layer(x, attention_mask=keep[:, None, :])         # (B, 1, S) broadcasts to (B, N, T, S)
+
+Weights: `query_kernel` (E, N*H), `query_bias` (N*H,), `key_kernel` (kdim, K*H), ...,
+`output_kernel` (N*H, E), `output_bias` (E,): the portable layout itself, created in `build`.
+"""
+
+import math
+
+import numpy as np
+import tensorflow as tf
+
+__all__ = ["MultiHeadAttention", "dot_product_attention"]
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+    return int(value)
+
+
+def _static_shape(x):
+    return tuple(x.shape) if x.shape.rank is not None else None
+
+
+def _check_input(name, x, width_name, width):
+    """Checks one (B, L, width) input; dimensions unknown at trace time are not checked."""
+    x = tf.convert_to_tensor(x)
+    if not x.dtype.is_floating:
+        raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={x.dtype.name}")
+    letter = "T" if name == "query" else "S"
+    shape = _static_shape(x)
+    if shape is not None and (len(shape) != 3 or shape[-1] not in (None, width)):
+        raise ValueError(
+            f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
+            f"Received: {name}.shape={shape}"
+        )
+    return x
+
+
+def _differ(*dims):
+    known = {d for d in dims if d is not None}
+    return len(known) > 1
+
+
+def _check_lengths(query, key, value):
+    q, k, v = (tuple(x.shape) for x in (query, key, value))
+    if _differ(q[0], k[0], v[0]):
+        raise ValueError(
+            "`query`, `key` and `value` must have the same batch size B. Received: "
+            f"query.shape={q}, key.shape={k}, value.shape={v}"
+        )
+    if _differ(k[1], v[1]):
+        raise ValueError(f"`key` and `value` must have the same length S. Received: key.shape={k}, value.shape={v}")
+
+
+def _mask_to_4d(mask, target):
+    """Checks `attention_mask` against target (B, N, T, S) and returns it as rank 4."""
+    if mask.dtype != tf.bool and not mask.dtype.is_floating:
+        raise ValueError(
+            f"`attention_mask` must be boolean or floating. Received: attention_mask.dtype={mask.dtype.name}"
+        )
+    rank = mask.shape.rank
+    expected = {2: target[2:], 3: (target[0], *target[2:]), 4: target}.get(rank)
+    if expected is None or any(
+        m not in (1, e) and None not in (m, e) for m, e in zip(mask.shape, expected, strict=True)
+    ):
+        raise ValueError(
+            "`attention_mask` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
+            f"(B, N, T, S), each dimension full or 1. Expected: (B, N, T, S)={target}. "
+            f"Received: attention_mask.shape={_static_shape(mask)}"
+        )
+    if rank == 2:
+        return mask[None, None]  # (T, S) -> (1, 1, T, S)
+    if rank == 3:
+        return mask[:, None]  # (B, T, S) -> (B, 1, T, S)
+    return mask
+
+
+def causal_mask(t, s):
+    """(T, S) boolean mask: query t keeps key s iff s <= t + (S - T) (bottom-right aligned)."""
+    rows = tf.range(t)[:, None]  # (T, 1)
+    return tf.range(s)[None, :] <= rows + (s - t)  # (T, S)
+
+
+def _split_mask(attention_mask, target):
+    """Splits `attention_mask` into (keep, bias): boolean and additive, both rank 4 or None."""
+    if attention_mask is None:
+        return None, None
+    mask = _mask_to_4d(tf.convert_to_tensor(attention_mask), target)
+    if mask.dtype == tf.bool:
+        return mask, None
+    removed = tf.math.is_inf(mask) & (mask < 0)  # -inf removes a key; finite values are added
+    return tf.logical_not(removed), tf.where(removed, tf.zeros_like(mask), mask)
+
+
+def _implicit_keep(query_mask, key_mask):
+    """Keras masks: (B, T) query mask and (B, S) key mask -> (B, 1, T, S) keep, or None."""
+    keep = None
+    if query_mask is not None:
+        keep = tf.cast(query_mask, tf.bool)[:, None, :, None]  # (B, T) -> (B, 1, T, 1)
+    if key_mask is not None:
+        keys = tf.cast(key_mask, tf.bool)[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
+        keep = keys if keep is None else keep & keys  # (B, 1, T, S)
+    return keep
+
+
+def _and(a, b):
+    return b if a is None else a if b is None else a & b
+
+
+def _softmax_dtype(dtype):
+    """Softmax runs in float32 at least (float64 stays float64)."""
+    return tf.float64 if dtype == tf.float64 else tf.float32
+
+
+def dot_product_attention(q, k, v, keep=None, bias=None, causal=False, *, dropout=None):
+    """Pure attention on split heads; returns (context, weights).
+
+    Args:
+        q: (B, N, T, H) queries.
+        k: (B, K, S, H) keys, K dividing N.
+        v: (B, K, S, H) values.
+        keep: None or boolean, broadcasts to (B, N, T, S); True where a query may attend a key.
+        bias: None or float, broadcasts to (B, N, T, S); added to the scaled scores.
+        causal: if True, query t keeps key s only if s <= t + (S - T).
+        dropout: None, or a callable applied to the weights before the weighted sum.
+
+    Returns:
+        context (B, N, T, H) and weights (B, N, T, S), exactly 0 where not kept.
+    """
+    t, s = tf.shape(q)[2], tf.shape(k)[2]
+    if causal:
+        keep = _and(keep, causal_mask(t, s))  # (B, N, T, S), dims may be 1
+    groups = q.shape[1] // k.shape[1]
+    k = tf.repeat(k, groups, axis=1) if groups > 1 else k  # (B, K, S, H) -> (B, N, S, H)
+    v = tf.repeat(v, groups, axis=1) if groups > 1 else v  # (B, K, S, H) -> (B, N, S, H)
+    dtype = _softmax_dtype(q.dtype)
+    scores = tf.cast(tf.matmul(q, k, transpose_b=True), dtype) / math.sqrt(q.shape[-1])  # (B, N, T, S)
+    scores = scores if bias is None else scores + tf.cast(bias, dtype)  # (B, N, T, S)
+    if keep is not None:
+        scores = tf.where(keep, scores, dtype.min)  # (B, N, T, S)
+    weights = tf.nn.softmax(scores, axis=-1)  # (B, N, T, S)
+    if keep is not None:
+        weights = tf.where(keep, weights, tf.zeros((), dtype))  # rows with no key are all 0
+    weights = tf.cast(weights, q.dtype)  # (B, N, T, S)
+    dropped = weights if dropout is None else dropout(weights)
+    context = tf.matmul(dropped, v)  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
+    return context, weights
+
+
+@tf.keras.utils.register_keras_serializable(package="MultiHeadAttentionReference")
+class MultiHeadAttention(tf.keras.layers.Layer):
+    """Multi-head attention (MHA, grouped-query GQA and multi-query MQA) as a Keras layer.
+
+    Args:
+        d_model: E, the width of `query` and of the output.
+        num_heads: N, the number of query heads.
+        num_kv_heads: K, the number of key/value heads; must divide N. Defaults to N.
+        head_dim: H, the width of one head. Defaults to E // N (then N must divide E).
+        kdim: width of `key`. Defaults to E.
+        vdim: width of `value`. Defaults to E.
+        dropout: probability of dropping attention weights when training; 0 <= p < 1.
+        bias: whether the four projections have biases.
+        kernel_initializer: initializer of the four kernels.
+        bias_initializer: initializer of the four biases.
+        **kwargs: base layer arguments (`name`, `dtype` policy, ...).
+
+    Call arguments:
+        query: (B, T, E).
+        key: (B, S, kdim). Defaults to `value`, or to `query` if `value` is None too.
+        value: (B, S, vdim). Defaults to `key`.
+        attention_mask: boolean (True = attend) or floating (added to the scores), of shape
+            (T, S), (B, T, S) or (B, N, T, S), any dimension of which may be 1.
+        causal: if True, query t attends key s only if s <= t + (S - T).
+        return_attention: if True, also return the per-head attention weights.
+        training: dropout acts only when True.
+        query_mask, key_mask, value_mask: (B, T) / (B, S) Keras implicit masks; Keras fills
+            them from the inputs' masks, so you rarely pass them yourself.
+
+    Returns:
+        output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before
+        dropout) when `return_attention` is True.
+    """
+
+    def __init__(
+        self,
+        d_model,
+        num_heads,
+        *,
+        num_kv_heads=None,
+        head_dim=None,
+        kdim=None,
+        vdim=None,
+        dropout=0.0,
+        bias=True,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.d_model = _positive_int("d_model", d_model)
+        self.num_heads = _positive_int("num_heads", num_heads)
+        self.num_kv_heads = _positive_int("num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"`num_kv_heads` must divide `num_heads`. Received: num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+            )
+        if head_dim is None and self.d_model % self.num_heads:
+            raise ValueError(f"`num_heads` must divide `d_model`. Received: d_model={d_model}, num_heads={num_heads}")
+        self.head_dim = _positive_int("head_dim", self.d_model // self.num_heads if head_dim is None else head_dim)
+        self.kdim = _positive_int("kdim", self.d_model if kdim is None else kdim)
+        self.vdim = _positive_int("vdim", self.d_model if vdim is None else vdim)
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
+        self.dropout = float(dropout)
+        self.bias = bool(bias)
+        self.kernel_initializer = tf.keras.initializers.get(kernel_initializer)
+        self.bias_initializer = tf.keras.initializers.get(bias_initializer)
+        self.supports_masking = True
+        self._dropout_layer = tf.keras.layers.Dropout(self.dropout, dtype=self.dtype_policy)
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "d_model": self.d_model,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "kdim": self.kdim,
+            "vdim": self.vdim,
+            "dropout": self.dropout,
+            "bias": self.bias,
+            "kernel_initializer": tf.keras.initializers.serialize(self.kernel_initializer),
+            "bias_initializer": tf.keras.initializers.serialize(self.bias_initializer),
+        }
+
+    def weight_shapes(self):
+        """The portable layout: {name: shape}, biases left out when `bias` is False."""
+        nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        shapes = {
+            "query_kernel": (self.d_model, nh),
+            "query_bias": (nh,),
+            "key_kernel": (self.kdim, kh),
+            "key_bias": (kh,),
+            "value_kernel": (self.vdim, kh),
+            "value_bias": (kh,),
+            "output_kernel": (nh, self.d_model),
+            "output_bias": (self.d_model,),
+        }
+        return {k: v for k, v in shapes.items() if self.bias or k.endswith("_kernel")}
+
+    def build(self, input_shape=None):
+        """Creates the portable weights; every shape is known from the constructor."""
+        for name, shape in self.weight_shapes().items():
+            initializer = self.kernel_initializer if name.endswith("_kernel") else self.bias_initializer
+            setattr(self, name, self.add_weight(name=name, shape=shape, initializer=initializer))
+        self._dropout_layer.build(None)
+        self.built = True
+
+    def export_weights(self):
+        """Returns the portable weights: a dict of NumPy arrays (see SPEC.md)."""
+        if not self.built:
+            self.build()
+        return {name: getattr(self, name).numpy().copy() for name in self.weight_shapes()}
+
+    def import_weights(self, weights):
+        """Loads portable weights; strict and atomic (a ValueError lists every problem)."""
+        expected = self.weight_shapes()
+        problems = [f"missing '{name}'" for name in expected if name not in weights]
+        problems += [f"unexpected '{name}'" for name in weights if name not in expected]
+        for name, shape in expected.items():
+            if name in weights and tuple(np.shape(weights[name])) != shape:
+                problems.append(f"'{name}' has shape {tuple(np.shape(weights[name]))}, expected {shape}")
+        if problems:
+            raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
+        if not self.built:
+            self.build()
+        for name in expected:
+            variable = getattr(self, name)
+            variable.assign(np.asarray(weights[name]).astype(variable.dtype))
+
+    def _split_heads(self, y, heads):
+        b, length = tf.shape(y)[0], tf.shape(y)[1]
+        y = tf.reshape(y, [b, length, heads, self.head_dim])  # (B, L, heads*H) -> (B, L, heads, H)
+        return tf.transpose(y, [0, 2, 1, 3])  # -> (B, heads, L, H)
+
+    def _project(self, x, kind, heads):
+        """(B, L, D) -> (B, heads, L, H): one projection split into heads."""
+        y = tf.matmul(x, getattr(self, f"{kind}_kernel"))  # (B, L, D) -> (B, L, heads*H)
+        if self.bias:
+            y = y + getattr(self, f"{kind}_bias")
+        return self._split_heads(y, heads)
+
+    def _project_fused(self, x):
+        """Self-attention: q, k and v from one matmul over the concatenated projections."""
+        kinds = ("query", "key", "value")
+        kernel = tf.concat([getattr(self, f"{kind}_kernel") for kind in kinds], axis=1)  # (E, N*H + 2*K*H)
+        y = tf.matmul(x, kernel)  # (B, T, E) -> (B, T, N*H + 2*K*H)
+        if self.bias:
+            y = y + tf.concat([getattr(self, f"{kind}_bias") for kind in kinds], axis=0)
+        nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = tf.split(y, [nh, kh, kh], axis=-1)  # -> 3 x (B, T, heads*H)
+        return (
+            self._split_heads(q, self.num_heads),  # (B, N, T, H)
+            self._split_heads(k, self.num_kv_heads),  # (B, K, T, H)
+            self._split_heads(v, self.num_kv_heads),  # (B, K, T, H)
+        )
+
+    def call(
+        self,
+        query,
+        key=None,
+        value=None,
+        attention_mask=None,
+        *,
+        causal=False,
+        return_attention=False,
+        training=None,
+        query_mask=None,
+        key_mask=None,
+        value_mask=None,
+    ):
+        query_mask = getattr(query, "_keras_mask", None) if query_mask is None else query_mask
+        self_attention = (key is None or key is query) and (value is None or value is query)
+        key, key_mask = (value, value_mask) if key is None else (key, key_mask)
+        key, key_mask = (query, query_mask) if key is None else (key, key_mask)
+        value, value_mask = (key, key_mask) if value is None else (value, value_mask)
+        query = _check_input("query", query, "E", self.d_model)
+        key = _check_input("key", key, "kdim", self.kdim)
+        value = _check_input("value", value, "vdim", self.vdim)
+        _check_lengths(query, key, value)
+        b, t, s = query.shape[0], query.shape[1], key.shape[1]
+        keep, bias = _split_mask(attention_mask, (b, self.num_heads, t, s))
+        keep = _and(keep, _implicit_keep(query_mask, _and(key_mask, value_mask)))
+
+        if self_attention:
+            q, k, v = self._project_fused(query)  # (B, T, E) -> (B, N, T, H), 2 x (B, K, T, H)
+        else:
+            q = self._project(query, "query", self.num_heads)  # (B, T, E) -> (B, N, T, H)
+            k = self._project(key, "key", self.num_kv_heads)  # (B, S, kdim) -> (B, K, S, H)
+            v = self._project(value, "value", self.num_kv_heads)  # (B, S, vdim) -> (B, K, S, H)
+        dropout = (lambda w: self._dropout_layer(w, training=training)) if self.dropout > 0 else None
+        context, weights = dot_product_attention(q, k, v, keep, bias, causal, dropout=dropout)  # (B, N, T, H)
+        merged = tf.transpose(context, [0, 2, 1, 3])  # (B, N, T, H) -> (B, T, N, H)
+        merged = tf.reshape(merged, tf.concat([tf.shape(query)[:2], [-1]], 0))  # -> (B, T, N*H)
+        output = tf.matmul(merged, self.output_kernel)  # (B, T, N*H) -> (B, T, E)
+        if self.bias:
+            output = output + self.output_bias
+
+        return (output, weights) if return_attention else output
+
+    def compute_mask(self, query, previous_mask=None):
+        """The output carries the query's mask."""
+        return previous_mask
+
+    def compute_output_shape(self, query_shape, key_shape=None, value_shape=None):
+        """(B, T, E), whatever S is."""
+        return (query_shape[0], query_shape[1], self.d_model)
+
+    def compute_output_spec(self, query, key=None, value=None, attention_mask=None, *, return_attention=False, **_):
+        """Output (B, T, E) and, with `return_attention`, weights (B, N, T, S)."""
+        source = key if key is not None else value if value is not None else query
+        output = tf.keras.KerasTensor(self.compute_output_shape(query.shape), dtype=self.compute_dtype)
+        if not return_attention:
+            return output
+        weights_shape = (query.shape[0], self.num_heads, query.shape[1], source.shape[1])
+        return output, tf.keras.KerasTensor(weights_shape, dtype=self.compute_dtype)
+
+    @classmethod
+    def from_keras(cls, layer):
+        """Builds a layer with the weights of a built `keras.layers.MultiHeadAttention` or
+        `keras.layers.GroupQueryAttention` (3-D inputs, default attention axes)."""
+        config, dense = _keras_config(layer)
+        new = cls(**config, name=f"{layer.name}_reference", dtype=layer.dtype_policy)
+        weights = {}
+        for kind, sublayer in zip(("query", "key", "value", "output"), dense, strict=True):
+            kernel = sublayer.kernel.numpy()
+            rows = kernel.shape[0] * kernel.shape[1] if kind == "output" else kernel.shape[0]
+            weights[f"{kind}_kernel"] = kernel.reshape(rows, -1)  # heads flattened as h * H + d
+            if new.bias:
+                weights[f"{kind}_bias"] = sublayer.bias.numpy().reshape(-1)
+        new.import_weights(weights)
+        return new
+
+    def to_keras(self):
+        """Returns a built `keras.layers.MultiHeadAttention` (K == N) or
+        `keras.layers.GroupQueryAttention` (K < N) holding these weights."""
+        if self.num_kv_heads == self.num_heads:
+            layer = tf.keras.layers.MultiHeadAttention(
+                self.num_heads, self.head_dim, dropout=self.dropout, use_bias=self.bias, dtype=self.dtype_policy
+            )
+            layer.build((None, None, self.d_model), (None, None, self.vdim), (None, None, self.kdim))
+        else:
+            if (self.kdim, self.vdim) != (self.d_model, self.d_model):
+                raise ValueError(
+                    "`keras.layers.GroupQueryAttention` needs kdim == vdim == d_model. "
+                    f"Received: d_model={self.d_model}, kdim={self.kdim}, vdim={self.vdim}"
+                )
+            layer = tf.keras.layers.GroupQueryAttention(
+                self.head_dim, self.num_heads, self.num_kv_heads, dropout=self.dropout, use_bias=self.bias,
+                dtype=self.dtype_policy,
+            )  # fmt: skip
+            layer.build((None, None, self.d_model), (None, None, self.d_model))
+        weights = self.export_weights()
+        dense = (layer._query_dense, layer._key_dense, layer._value_dense, layer._output_dense)
+        for kind, sublayer in zip(("query", "key", "value", "output"), dense, strict=True):
+            sublayer.kernel.assign(weights[f"{kind}_kernel"].reshape(sublayer.kernel.shape))
+            if self.bias:
+                sublayer.bias.assign(weights[f"{kind}_bias"].reshape(sublayer.bias.shape))
+        return layer
+
+
+def _keras_config(layer):
+    """Constructor arguments and (query, key, value, output) sublayers of a Keras built-in."""
+    if not getattr(layer, "built", False):
+        raise ValueError(f"`layer` must be built. Received: an unbuilt {type(layer).__name__}")
+    if isinstance(layer, tf.keras.layers.GroupQueryAttention):
+        if layer.use_gate or layer.sliding_window is not None:
+            raise ValueError(
+                "`layer` uses a gate or a sliding window, which this layer does not have. "
+                f"Received: use_gate={layer.use_gate}, sliding_window={layer.sliding_window}"
+            )
+        heads, kv_heads, head_dim = layer.num_query_heads, layer.num_key_value_heads, layer.head_dim
+        bias = layer.use_bias
+    elif isinstance(layer, tf.keras.layers.MultiHeadAttention):
+        if layer.value_dim != layer.key_dim or layer._output_shape is not None:
+            raise ValueError(
+                "`layer` must have value_dim == key_dim and no output_shape. "
+                f"Received: key_dim={layer.key_dim}, value_dim={layer.value_dim}, output_shape={layer._output_shape}"
+            )
+        if tuple(layer._attention_axes) != (1,):
+            raise ValueError(
+                "`layer` must attend over axis 1 of 3-D inputs. "
+                f"Received: attention_axes={tuple(layer._attention_axes)}"
+            )
+        heads, kv_heads, head_dim, bias = layer.num_heads, layer.num_heads, layer.key_dim, layer.use_bias
+    else:
+        raise ValueError(
+            "`layer` must be a keras.layers.MultiHeadAttention or keras.layers.GroupQueryAttention. "
+            f"Received: {type(layer).__name__}"
+        )
+    dense = (layer._query_dense, layer._key_dense, layer._value_dense, layer._output_dense)
+    config = dict(
+        d_model=dense[0].kernel.shape[0], num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        kdim=dense[1].kernel.shape[0], vdim=dense[2].kernel.shape[0], dropout=layer.dropout, bias=bias,
+    )  # fmt: skip
+    return config, dense
