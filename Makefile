@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: help install lint test
+.PHONY: help install lint test parity
 
 help:  ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z]+):.*## /  make \1\t/'
@@ -23,3 +23,6 @@ lint: install  ## ruff check and ruff format --check
 
 test: install lint  ## set up, lint, then run every test
 	$(PY) -m pytest -n 2
+
+parity: install  ## set up, then the cross-framework parity report (exit 1 on any FAIL)
+	$(PY) -m shared_tests.parity $(ARGS)

@@ -1,0 +1,172 @@
+"""The one case table that drives every framework, and the seeded data each case runs on.
+
+Legend: B batch, T query length, S key/value length, E d_model, N num_heads,
+K num_kv_heads, H head_dim.
+"""
+
+import dataclasses
+
+import numpy as np
+
+# SPEC tolerances (absolute). Never loosen one without a comment saying why.
+TOLERANCES = {
+    "float32": {"output": 1e-5, "weights": 1e-6, "grads": 1e-4},
+    "float16": {"output": 1e-2, "weights": 1e-2, "grads": None},  # SPEC: n/a for gradients
+    "bfloat16": {"output": 5e-2, "weights": 5e-2, "grads": None},  # SPEC: n/a for gradients
+}
+
+MASK_KINDS = (
+    "none",  # no attention_mask
+    "bool_ts",  # boolean (T, S)
+    "bool_bts",  # boolean (B, T, S)
+    "bool_bnts",  # boolean (B, N, T, S)
+    "bool_b1s",  # boolean key padding (B, 1, S)
+    "bool_bn1s",  # boolean (B, 1, 1, S) with broadcast dimensions in rank 4
+    "float_ts",  # floating (T, S): values added to the scores, -inf removes a key
+    "float_bts",  # floating (B, T, S) with -inf
+    "rows_masked",  # boolean (B, T, S) in which some query rows keep no key
+    "batch_masked",  # key padding (B, 1, S) in which one batch element keeps no key
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One configuration (constructor) plus call options."""
+
+    name: str
+    b: int = 2
+    t: int = 5
+    s: int = 5
+    e: int = 16
+    n: int = 4
+    k: int | None = None  # num_kv_heads; None means N
+    h: int | None = None  # head_dim; None means E // N
+    kdim: int | None = None
+    vdim: int | None = None
+    bias: bool = True
+    mask: str = "none"
+    causal: bool = False
+    self_attention: bool = False  # call layer(query) with key and value left out
+    dtype: str = "float32"
+    scale: float = 1.0  # standard deviation of the inputs; large values push scores to ~1e3
+
+    @property
+    def config(self):
+        """Constructor arguments shared by the three layers."""
+        return dict(
+            d_model=self.e, num_heads=self.n, num_kv_heads=self.k, head_dim=self.h,
+            kdim=self.kdim, vdim=self.vdim, bias=self.bias,
+        )  # fmt: skip
+
+    @property
+    def tolerance(self):
+        """SPEC tolerances, stated for inputs ~ N(0, 1). With inputs of standard deviation
+        `scale`, outputs grow like `scale`, attention weights stay in [0, 1], and gradients of
+        the kernels (x^T @ dy, through scores that grow like scale^2) grow like scale^2; the
+        tolerances grow the same way so the relative bar stays the SPEC's."""
+        factors = {"output": self.scale, "weights": 1.0, "grads": self.scale**2}
+        return {q: None if tol is None else tol * factors[q] for q, tol in TOLERANCES[self.dtype].items()}
+
+
+CASES = [
+    Case("self_basic", self_attention=True),
+    Case("self_b1", b=1, self_attention=True),
+    Case("self_t1", t=1, s=1, self_attention=True),
+    Case("cross", t=4, s=7),
+    Case("cross_s1", t=4, s=1),
+    Case("cross_t1_decode", t=1, s=6),
+    Case("kdim_vdim", t=4, s=6, kdim=6, vdim=10),
+    Case("head_dim_explicit", n=3, h=5, t=4, s=6),
+    Case("no_bias", bias=False, t=4, s=6),
+    Case("gqa", n=4, k=2, t=4, s=6),
+    Case("mqa", n=4, k=1, t=4, s=6),
+    Case("single_head", n=1, t=4, s=6),
+    Case("gqa_self_causal", n=4, k=2, self_attention=True, causal=True),
+    Case("mask_bool_ts", t=4, s=6, mask="bool_ts"),
+    Case("mask_bool_bts", t=4, s=6, mask="bool_bts"),
+    Case("mask_bool_bnts", t=4, s=6, mask="bool_bnts"),
+    Case("mask_key_padding", t=4, s=6, mask="bool_b1s"),
+    Case("mask_bool_bn1s", t=4, s=6, mask="bool_bn1s"),
+    Case("mask_float_ts", t=4, s=6, mask="float_ts"),
+    Case("mask_float_bts_gqa", t=4, s=6, k=2, mask="float_bts"),
+    Case("causal_self", causal=True, self_attention=True),
+    Case("causal_t_eq_s_cross", t=6, s=6, causal=True),
+    Case("causal_t_lt_s", t=3, s=7, causal=True),
+    Case("causal_t_gt_s", t=6, s=3, causal=True),
+    Case("causal_plus_padding", t=5, s=5, causal=True, mask="bool_b1s"),
+    Case("causal_plus_float_mqa", t=3, s=6, k=1, causal=True, mask="float_ts"),
+    Case("rows_fully_masked", t=4, s=6, mask="rows_masked"),
+    Case("batch_fully_masked", t=4, s=6, mask="batch_masked"),
+    Case("batch_fully_masked_causal", causal=True, mask="batch_masked", self_attention=True),
+    Case("large_scores", t=4, s=6, scale=20.0),
+    Case("large_scores_masked", t=4, s=6, scale=20.0, mask="bool_bts"),
+    Case("wide", e=64, n=8, t=9, s=11, mask="bool_b1s"),
+    Case("float16_self", dtype="float16", self_attention=True, mask="bool_b1s"),
+    Case("float16_cross_causal", dtype="float16", t=4, s=6, causal=True),
+    Case("bfloat16_cross", dtype="bfloat16", t=4, s=6, mask="float_ts"),
+    Case("bfloat16_gqa_masked", dtype="bfloat16", k=2, t=4, s=6, mask="rows_masked"),
+]
+
+CASES_BY_NAME = {case.name: case for case in CASES}
+
+
+def _mask(case, rng):
+    """The case's attention_mask as a NumPy array (bool or float32), or None."""
+    b, n, t, s = case.b, case.n, case.t, case.s
+    shapes = {
+        "bool_ts": (t, s),
+        "bool_bts": (b, t, s),
+        "bool_bnts": (b, n, t, s),
+        "bool_b1s": (b, 1, s),
+        "bool_bn1s": (b, 1, 1, s),
+        "rows_masked": (b, t, s),
+        "batch_masked": (b, 1, s),
+    }
+    if case.mask == "none":
+        return None
+    if case.mask.startswith("float"):
+        shape = (t, s) if case.mask == "float_ts" else (b, t, s)
+        added = rng.normal(size=shape).astype(np.float32)
+        return np.where(rng.random(shape) < 0.3, -np.inf, added).astype(np.float32)
+    keep = rng.random(shapes[case.mask]) < 0.7
+    if case.mask == "rows_masked":
+        keep[0, 1] = False  # query 1 of batch 0 keeps no key
+        keep[-1, -1] = False  # neither does the last query of the last batch element
+    if case.mask == "batch_masked":
+        keep[-1] = False  # the last batch element keeps no key at all
+        keep[:-1, :, 0] = True  # the others keep at least key 0
+    return keep
+
+
+def make_data(case, seed=0):
+    """Seeded inputs, mask, upstream gradient and portable weights for one case.
+
+    Returns a dict of NumPy arrays: `query`, `key`, `value` (None for self-attention),
+    `attention_mask` (or None), `grad_output` and `weights` (a portable weight dict, float64
+    values rounded to float32 so every framework starts from the same numbers).
+    """
+    rng = np.random.default_rng([seed, sum(map(ord, case.name))])
+    kdim, vdim = case.kdim or case.e, case.vdim or case.e
+    query = rng.normal(scale=case.scale, size=(case.b, case.t, case.e))
+    key = None if case.self_attention else rng.normal(scale=case.scale, size=(case.b, case.s, kdim))
+    value = None if case.self_attention else rng.normal(scale=case.scale, size=(case.b, case.s, vdim))
+    return {
+        "query": query.astype(np.float32),
+        "key": None if key is None else key.astype(np.float32),
+        "value": None if value is None else value.astype(np.float32),
+        "attention_mask": _mask(case, rng),
+        "grad_output": rng.normal(size=(case.b, case.t, case.e)).astype(np.float32),
+        "weights": random_weights(case, rng),
+    }
+
+
+def random_weights(case, rng):
+    """Portable weights with Glorot-scale kernels and non-zero biases (so a bias bug shows)."""
+    from NumPy import MultiHeadAttention
+
+    shapes = MultiHeadAttention(**case.config).weight_shapes()
+    weights = {}
+    for name, shape in shapes.items():
+        scale = np.sqrt(2.0 / sum(shape)) if len(shape) == 2 else 0.1
+        weights[name] = rng.normal(scale=scale, size=shape).astype(np.float32)
+    return weights

@@ -1,0 +1,116 @@
+"""Runs one case through every layer and code path from one portable weight dict.
+
+Paths: `numpy` (the float64 oracle), `torch:sdpa` (scaled_dot_product_attention, no weights
+returned), `torch:explicit` (return_attention=True), `tf:eager` and `tf:function`. Each gives
+a `Result`: output, attention weights (None on `torch:sdpa`) and gradients of
+sum(output * grad_output) with respect to the inputs passed and every portable weight.
+TensorFlow is imported only when a TensorFlow path runs.
+"""
+
+import dataclasses
+import os
+
+import numpy as np
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+PATHS = ("numpy", "torch:sdpa", "torch:explicit", "tf:eager", "tf:function")
+INPUTS = ("query", "key", "value")
+
+
+@dataclasses.dataclass
+class Result:
+    output: np.ndarray
+    weights: np.ndarray | None
+    grads: dict | None
+
+
+def _inputs(data):
+    return [data[name] for name in INPUTS if data[name] is not None]
+
+
+def run_numpy(case, data):
+    from NumPy import MultiHeadAttention
+
+    layer = MultiHeadAttention(**case.config)
+    layer.import_weights(data["weights"])
+    args = [x.astype(np.float64) for x in _inputs(data)]
+    output, weights = layer(*args, attention_mask=data["attention_mask"], causal=case.causal, return_attention=True)
+    return Result(output, weights, layer.backward(data["grad_output"].astype(np.float64)))
+
+
+def make_torch_layer(case, data, layer_class=None):
+    import torch
+
+    from PyTorch import MultiHeadAttention
+
+    layer = (layer_class or MultiHeadAttention)(**case.config, dtype=getattr(torch, case.dtype))
+    layer.import_weights(data["weights"])
+    return layer.eval()
+
+
+def run_torch(case, data, path, layer_class=None):
+    import torch
+
+    layer = make_torch_layer(case, data, layer_class)
+    dtype = getattr(torch, case.dtype)
+    args = [torch.tensor(x, dtype=dtype, requires_grad=True) for x in _inputs(data)]
+    mask = None if data["attention_mask"] is None else torch.from_numpy(data["attention_mask"])
+    explicit = path == "torch:explicit"
+    result = layer(*args, attention_mask=mask, causal=case.causal, return_attention=explicit)
+    output, weights = result if explicit else (result, None)
+    grads = None
+    if case.tolerance["grads"] is not None:
+        (output * torch.from_numpy(data["grad_output"])).sum().backward()
+        grads = dict(zip(INPUTS, (x.grad.double().numpy() for x in args), strict=False))
+        for name in layer.weight_shapes():
+            tensor, transposed = layer._parameter(name)
+            grads[name] = (tensor.grad.T if transposed else tensor.grad).double().numpy()
+    return Result(_numpy(output), None if weights is None else _numpy(weights), grads)
+
+
+def _numpy(tensor):
+    return tensor.detach().double().numpy()
+
+
+def make_tf_layer(case, data, layer_class=None):
+    from TensorFlow import MultiHeadAttention
+
+    layer = (layer_class or MultiHeadAttention)(**case.config, dtype=case.dtype)
+    layer.import_weights(data["weights"])
+    return layer
+
+
+def run_tensorflow(case, data, path, layer_class=None):
+    import tensorflow as tf
+
+    layer = make_tf_layer(case, data, layer_class)
+    args = [tf.constant(x, dtype=case.dtype) for x in _inputs(data)]
+    mask = None if data["attention_mask"] is None else tf.constant(data["attention_mask"])
+    variables = [getattr(layer, name) for name in layer.weight_shapes()]
+
+    def forward_and_grads(*args):
+        with tf.GradientTape() as tape:
+            tape.watch(args)
+            output, weights = layer(*args, attention_mask=mask, causal=case.causal, return_attention=True)
+            loss = tf.reduce_sum(tf.cast(output, tf.float32) * data["grad_output"])
+        return output, weights, tape.gradient(loss, [*args, *variables])
+
+    step = tf.function(forward_and_grads) if path == "tf:function" else forward_and_grads
+    output, weights, grads = step(*args)
+    names = [*INPUTS[: len(args)], *layer.weight_shapes()]
+    as_numpy = {name: np.asarray(g.numpy(), dtype=np.float64) for name, g in zip(names, grads, strict=True)}
+    return Result(
+        np.asarray(output.numpy(), dtype=np.float64),
+        np.asarray(weights.numpy(), dtype=np.float64),
+        as_numpy if case.tolerance["grads"] is not None else None,
+    )
+
+
+def run(case, data, path, torch_class=None, tf_class=None):
+    """Runs one path; `torch_class` / `tf_class` swap in another layer class (tests use it)."""
+    if path == "numpy":
+        return run_numpy(case, data)
+    if path.startswith("torch"):
+        return run_torch(case, data, path, torch_class)
+    return run_tensorflow(case, data, path, tf_class)
