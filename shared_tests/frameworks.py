@@ -65,7 +65,8 @@ def run_torch(case, data, path, layer_class=None):
         grads = dict(zip(INPUTS, (x.grad.double().numpy() for x in args), strict=False))
         for name in layer.weight_shapes():
             tensor, transposed = layer._parameter(name)
-            grads[name] = (tensor.grad.T if transposed else tensor.grad).double().numpy()
+            grad = torch.zeros_like(tensor) if tensor.grad is None else tensor.grad  # None: autograd never reached it
+            grads[name] = (grad.T if transposed else grad).double().numpy()
     return Result(_numpy(output), None if weights is None else _numpy(weights), grads)
 
 
@@ -94,7 +95,10 @@ def run_tensorflow(case, data, path, layer_class=None):
             tape.watch(args)
             output, weights = layer(*args, attention_mask=mask, causal=case.causal, return_attention=True)
             loss = tf.reduce_sum(tf.cast(output, tf.float32) * data["grad_output"])
-        return output, weights, tape.gradient(loss, [*args, *variables])
+        sources = [*args, *variables]
+        grads = tape.gradient(loss, sources)
+        # A source the loss never reached has gradient zero (tf gives None).
+        return output, weights, [tf.zeros_like(x) if g is None else g for x, g in zip(sources, grads, strict=True)]
 
     step = tf.function(forward_and_grads) if path == "tf:function" else forward_and_grads
     output, weights, grads = step(*args)

@@ -1,0 +1,149 @@
+"""Every case of the shared table, every path, every pair within tolerance; and the harness
+catches a broken layer (a parity check that cannot fail would be worthless)."""
+
+import json
+
+import numpy as np
+import pytest
+
+import PyTorch.Multi_Head_Attention as torch_file
+import TensorFlow.Multi_Head_Attention as tf_file
+from PyTorch import MultiHeadAttention as TorchMultiHeadAttention
+from shared_tests import parity
+from shared_tests.cases import CASES, CASES_BY_NAME, TOLERANCES, make_data
+from TensorFlow import MultiHeadAttention as TFMultiHeadAttention
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_case_in_parity(case):
+    row, results = parity.run_case(case)
+    assert row.passed, row.failures
+    assert row.zeros
+    assert set(results) == set(parity.PATHS)
+    assert all(np.isfinite(r.output).all() for r in results.values())
+
+
+def test_case_table_covers_the_issue():
+    assert len(CASES) >= 30
+    assert {c.dtype for c in CASES} == set(TOLERANCES)
+    masks = {c.mask for c in CASES}
+    assert masks >= {"none", "bool_ts", "bool_bts", "bool_bnts", "bool_b1s", "float_ts", "rows_masked", "batch_masked"}
+    assert any(c.causal and c.t == c.s for c in CASES) and any(c.causal and c.t < c.s for c in CASES)
+    assert any(c.k == 1 for c in CASES) and any(c.k == 2 for c in CASES) and any(c.n == 1 for c in CASES)
+    assert any(c.b == 1 for c in CASES) and any(c.t == 1 for c in CASES) and any(c.s == 1 for c in CASES)
+
+
+def _negate(keep):
+    return keep if keep is None else ~keep
+
+
+class TorchNoBias(TorchMultiHeadAttention):
+    """The bias step dropped from the projections (but kept in the weight dict)."""
+
+    def _project(self, x, kind, heads):
+        return self._split_heads(torch_file.F.linear(x, getattr(self, kind).weight), heads)
+
+    def _project_fused(self, x):
+        return tuple(
+            self._project(x, kind, h)
+            for kind, h in (("query", self.num_heads), ("key", self.num_kv_heads), ("value", self.num_kv_heads))
+        )
+
+
+class TFNoBias(TFMultiHeadAttention):
+    def _project(self, x, kind, heads):
+        return self._split_heads(tf_file.tf.matmul(x, getattr(self, f"{kind}_kernel")), heads)
+
+    _project_fused = TorchNoBias._project_fused
+
+
+def _torch_wrong_split(self, y, heads):
+    b, length, _ = y.shape
+    return y.reshape(b, length, self.head_dim, heads).permute(0, 3, 1, 2)  # heads taken as the inner axis
+
+
+def _tf_wrong_split(self, y, heads):
+    shape = tf_file.tf.shape(y)
+    y = tf_file.tf.reshape(y, [shape[0], shape[1], self.head_dim, heads])
+    return tf_file.tf.transpose(y, [0, 3, 1, 2])
+
+
+MUTATIONS = {
+    "torch_scale": (torch_file, "math", type("m", (), {"sqrt": staticmethod(lambda x: x)}), "mask_float_ts"),
+    "tf_scale": (tf_file, "math", type("m", (), {"sqrt": staticmethod(lambda x: x)}), "mask_float_ts"),
+    "torch_mask_polarity": (
+        torch_file,
+        "_split_mask",
+        lambda m, t: (lambda k, b: (_negate(k), b))(*torch_file_split(m, t)),
+        "mask_bool_bts",
+    ),
+    "tf_mask_polarity": (
+        tf_file,
+        "_split_mask",
+        lambda m, t: (lambda k, b: (None if k is None else tf_file.tf.logical_not(k), b))(*tf_file_split(m, t)),
+        "mask_bool_bts",
+    ),
+    "torch_head_split": (TorchMultiHeadAttention, "_split_heads", _torch_wrong_split, "cross"),
+    "tf_head_split": (TFMultiHeadAttention, "_split_heads", _tf_wrong_split, "cross"),
+}
+torch_file_split, tf_file_split = torch_file._split_mask, tf_file._split_mask
+
+
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_broken_step_fails_the_report(name, monkeypatch, capsys):
+    target, attribute, replacement, case_name = MUTATIONS[name]
+    monkeypatch.setattr(target, attribute, replacement)
+    assert parity.main(["--case", case_name]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "classes", [{"torch_class": TorchNoBias}, {"tf_class": TFNoBias}], ids=["torch_bias", "tf_bias"]
+)
+def test_dropped_bias_fails_the_row(classes):
+    for name in ("cross", "self_basic"):
+        row, _ = parity.run_case(CASES_BY_NAME[name], **classes)
+        assert not row.passed, name
+
+
+def test_report_passes_and_writes_json_and_plot(tmp_path, capsys):
+    out_json, out_png = tmp_path / "table.json", tmp_path / "heads.png"
+    status = parity.main(
+        ["--case", "gqa", "--case", "rows_fully_masked", "--json", str(out_json), "--plot", str(out_png)]
+    )
+    printed = capsys.readouterr().out
+    assert status == 0
+    assert "2/2 cases PASS, 0 FAIL" in printed
+    table = json.loads(out_json.read_text())
+    assert [row["case"] for row in table] == ["gqa", "rows_fully_masked"]
+    assert all(row["passed"] for row in table)
+    assert out_png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_report_runs_user_weights(tmp_path, capsys):
+    layer = TorchMultiHeadAttention(24, 6, num_kv_heads=2, kdim=10, vdim=12)
+    path = tmp_path / "mine.npz"
+    np.savez(path, **layer.export_weights())
+    assert parity.main(["--weights", str(path), "--num-heads", "6", "--case", "cross", "--case", "self_basic"]) == 0
+    printed = capsys.readouterr().out
+    assert "1/1 cases PASS" in printed  # self_basic cannot run: kdim != d_model
+
+
+def test_report_rejects_weights_that_do_not_fit(tmp_path, capsys):
+    path = tmp_path / "mine.npz"
+    np.savez(path, **TorchMultiHeadAttention(24, 6).export_weights())
+    assert parity.main(["--weights", str(path), "--num-heads", "5"]) == 2
+    assert "--num-heads must divide the query width N*H=24" in capsys.readouterr().err
+    np.savez(path, query_kernel=np.zeros((4, 4)))
+    assert parity.main(["--weights", str(path), "--num-heads", "2"]) == 2
+    assert "missing key_kernel, value_kernel, output_kernel" in capsys.readouterr().err
+
+
+def test_nan_counts_as_a_failure():
+    case = CASES_BY_NAME["cross"]
+    data = make_data(case)
+    results = {path: parity.run(case, data, path) for path in parity.PATHS}
+    results["tf:eager"].output[0, 0, 0] = np.nan
+    row = parity.compare(case, data, results)
+    assert not row.passed
+    assert any("tf" in failure and "output" in failure for failure in row.failures)
