@@ -1,0 +1,232 @@
+"""PyTorch layer: interop with torch.nn.MultiheadAttention, fully masked rows, compile,
+export, state_dict, dtypes, unbatched inputs, dropout, and the fast paths."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from PyTorch import MultiHeadAttention
+
+OUTPUT_TOL = 1e-5  # SPEC: float32 output
+WEIGHTS_TOL = 1e-6  # SPEC: float32 attention weights
+GRAD_TOL = 1e-4  # SPEC: float32 gradients
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _with_random_biases(layer):
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(_randn(*p.shape, seed=len(name)) * 0.1)
+    return layer
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("kdim_vdim", [None, (6, 10)], ids=["packed", "separate"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_from_torch_matches_builtin(batch_first, kdim_vdim, bias):
+    kdim, vdim = kdim_vdim or (None, None)
+    builtin = nn.MultiheadAttention(16, 4, bias=bias, kdim=kdim, vdim=vdim, batch_first=batch_first).eval()
+    _with_random_biases(builtin)
+    layer = MultiHeadAttention.from_torch(builtin).eval()
+    x, y, z = _randn(2, 5, 16, seed=1), _randn(2, 7, kdim or 16, seed=2), _randn(2, 7, vdim or 16, seed=3)
+    padding = torch.ones(2, 7, dtype=torch.bool)
+    padding[1, 5:] = False  # keys 5 and 6 of batch 1 are padding
+    allowed = torch.rand(5, 7, generator=torch.Generator().manual_seed(4)) < 0.7
+    allowed[:, 0] = True  # every row keeps a key: the built-in gives NaN otherwise
+    # Translate: our True means "attend"; torch's key_padding_mask and boolean attn_mask mean "ignore".
+    ours_mask = allowed[None, None] & padding[:, None, None, :]
+    args = (x, y, z) if batch_first else (x.transpose(0, 1), y.transpose(0, 1), z.transpose(0, 1))
+    expected, expected_w = builtin(*args, key_padding_mask=~padding, attn_mask=~allowed, average_attn_weights=False)
+    expected = expected if batch_first else expected.transpose(0, 1)
+    output, weights = layer(x, y, z, attention_mask=ours_mask, return_attention=True)
+    torch.testing.assert_close(output, expected, atol=OUTPUT_TOL, rtol=0)
+    torch.testing.assert_close(weights, expected_w, atol=WEIGHTS_TOL, rtol=0)
+    torch.testing.assert_close(layer(x, y, z, attention_mask=ours_mask), expected, atol=OUTPUT_TOL, rtol=0)
+
+
+def test_causal_matches_builtin_with_an_explicit_mask():
+    layer = _with_random_biases(MultiHeadAttention(16, 4)).eval()
+    builtin = layer.to_torch().eval()
+    x = _randn(2, 6, 16, seed=5)
+    upper = torch.triu(torch.ones(6, 6, dtype=torch.bool), diagonal=1)  # torch: True = ignore
+    expected, expected_w = builtin(x, x, x, attn_mask=upper, average_attn_weights=False)
+    output, weights = layer(x, causal=True, return_attention=True)
+    torch.testing.assert_close(output, expected, atol=OUTPUT_TOL, rtol=0)
+    torch.testing.assert_close(weights, expected_w, atol=WEIGHTS_TOL, rtol=0)
+    torch.testing.assert_close(layer(x, causal=True), expected, atol=OUTPUT_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("kdim", [None, 6])
+def test_to_torch_round_trip(kdim):
+    layer = _with_random_biases(MultiHeadAttention(16, 4, kdim=kdim, vdim=kdim, dropout=0.1))
+    builtin = layer.to_torch()
+    assert builtin.batch_first and builtin.dropout == 0.1 and builtin._qkv_same_embed_dim == (kdim is None)
+    back = MultiHeadAttention.from_torch(builtin)
+    for name, value in layer.export_weights().items():
+        np.testing.assert_array_equal(back.export_weights()[name], value)
+
+
+def test_from_torch_refuses_appended_keys():
+    for kwargs in ({"add_bias_kv": True}, {"add_zero_attn": True}):
+        with pytest.raises(
+            ValueError, match=r"add_bias_kv or add_zero_attn.*Received: add_bias_kv=\w+, add_zero_attn=\w+"
+        ):
+            MultiHeadAttention.from_torch(nn.MultiheadAttention(8, 2, **kwargs))
+    with pytest.raises(ValueError, match=r"`module` must be a torch.nn.MultiheadAttention\. Received: Linear"):
+        MultiHeadAttention.from_torch(nn.Linear(2, 2))
+
+
+def test_to_torch_refuses_what_the_builtin_cannot_hold():
+    with pytest.raises(ValueError, match=r"cannot hold grouped-query attention.*num_heads=4, num_kv_heads=2"):
+        MultiHeadAttention(16, 4, num_kv_heads=2).to_torch()
+    with pytest.raises(
+        ValueError, match=r"needs num_heads \* head_dim == d_model\. Received: d_model=16, num_heads=4, head_dim=3"
+    ):
+        MultiHeadAttention(16, 4, head_dim=3).to_torch()
+
+
+def test_regression_builtin_nan_on_fully_masked_row_is_zero_here():
+    """nn.MultiheadAttention returns NaN for a query row whose keys are all masked; here the
+    row gives weights 0, output = output bias, and finite gradients, on both paths."""
+    layer = _with_random_biases(MultiHeadAttention(16, 4))
+    x = _randn(2, 4, 16, seed=6)
+    keep = torch.ones(2, 4, 4, dtype=torch.bool)
+    keep[0, 2] = False  # query 2 of batch 0 keeps no key
+    keep[1] = False  # batch 1 keeps nothing at all
+    builtin_out, _ = layer.to_torch()(x, x, x, attn_mask=~keep.repeat_interleave(4, 0))
+    assert torch.isnan(builtin_out).any()  # the bug this layer exists to avoid
+    for return_attention in (False, True):
+        xg = x.clone().requires_grad_()
+        layer.zero_grad()
+        result = layer(xg, attention_mask=keep, return_attention=return_attention)
+        output = result[0] if return_attention else result
+        torch.testing.assert_close(output[0, 2], layer.output.bias.detach(), atol=0, rtol=0)
+        torch.testing.assert_close(output[1], layer.output.bias.detach().expand(4, 16), atol=0, rtol=0)
+        if return_attention:
+            assert (result[1][0, :, 2] == 0).all() and (result[1][1] == 0).all()
+        output.square().sum().backward()
+        assert torch.isfinite(xg.grad).all()
+        assert all(torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
+def test_large_negative_float_mask_removes_the_key_and_keeps_rows_finite():
+    layer = MultiHeadAttention(8, 2)
+    x = _randn(1, 3, 8, seed=7)
+    mask = torch.zeros(3, 3)
+    mask[:, 1] = -1e9
+    _, weights = layer(x, attention_mask=mask, return_attention=True)
+    assert (weights[..., 1] == 0).all()
+    torch.testing.assert_close(weights.sum(-1), torch.ones(1, 2, 3))
+
+
+def test_fused_projection_equals_separate_projections():
+    layer = _with_random_biases(MultiHeadAttention(16, 4, num_kv_heads=2))
+    x = _randn(2, 5, 16, seed=8)
+    for return_attention in (False, True):
+        fused = layer(x, return_attention=return_attention)
+        separate = layer(x, x.clone(), x.clone(), return_attention=return_attention)
+        torch.testing.assert_close(fused, separate, atol=OUTPUT_TOL, rtol=0)
+
+
+def test_unbatched_inputs_give_unbatched_results():
+    layer = MultiHeadAttention(8, 2)
+    x, y = _randn(3, 8, seed=9), _randn(5, 8, seed=10)
+    output, weights = layer(x, y, return_attention=True)
+    assert output.shape == (3, 8) and weights.shape == (2, 3, 5)
+    torch.testing.assert_close(output, layer(x[None], y[None], return_attention=True)[0][0], atol=0, rtol=0)
+    torch.testing.assert_close(layer(x, y), layer(x[None], y[None])[0], atol=0, rtol=0)
+
+
+def test_state_dict_round_trip_with_weights_only(tmp_path):
+    layer = _with_random_biases(MultiHeadAttention(16, 4, num_kv_heads=1))
+    assert sorted(layer.state_dict()) == sorted(
+        f"{k}.{p}" for k in ("query", "key", "value", "output") for p in ("weight", "bias")
+    )
+    torch.save(layer.state_dict(), tmp_path / "mha.pt")
+    other = MultiHeadAttention(16, 4, num_kv_heads=1)
+    other.load_state_dict(torch.load(tmp_path / "mha.pt", weights_only=True))
+    x = _randn(2, 3, 16, seed=11)
+    torch.testing.assert_close(other(x), layer(x), atol=0, rtol=0)
+    np.testing.assert_array_equal(other.export_weights()["query_kernel"], layer.query.weight.detach().T.numpy())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_dtype_round_trip(dtype):
+    layer = _with_random_biases(MultiHeadAttention(16, 4))
+    x = _randn(2, 5, 16, seed=12)
+    expected = layer(x, causal=True)
+    low = MultiHeadAttention(16, 4, dtype=dtype)
+    low.import_weights(layer.export_weights())
+    tol = {torch.float64: OUTPUT_TOL, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]  # SPEC
+    for return_attention in (False, True):
+        result = low(x.to(dtype), causal=True, return_attention=return_attention)
+        output = result[0] if return_attention else result
+        assert output.dtype == dtype
+        torch.testing.assert_close(output.float(), expected, atol=tol, rtol=0)
+    assert {a.dtype for a in low.export_weights().values()} == {
+        np.dtype(np.float32 if dtype == torch.bfloat16 else str(dtype)[6:])
+    }
+
+
+def test_dropout_only_in_training_and_weights_before_dropout():
+    layer = MultiHeadAttention(16, 4, dropout=0.5)
+    x = _randn(2, 6, 16, seed=13)
+    layer.eval()
+    assert torch.equal(layer(x), layer(x))
+    _, weights = layer(x, return_attention=True)
+    layer.train()
+    torch.manual_seed(0)
+    first, train_weights = layer(x, return_attention=True)
+    assert not torch.equal(first, layer(x, return_attention=True)[0])
+    torch.testing.assert_close(train_weights, weights, atol=0, rtol=0)  # before dropout
+    assert not torch.equal(layer(x), layer(x))  # the fast path drops too
+
+
+@pytest.mark.parametrize(
+    ("backend", "return_attention"),
+    [("aot_eager", False), ("aot_eager", True), ("inductor", False)],
+)
+def test_compile_fullgraph_forward_and_backward(backend, return_attention):
+    layer = _with_random_biases(MultiHeadAttention(16, 4, num_kv_heads=2))
+    x, y = _randn(2, 5, 16, seed=14), _randn(2, 7, 16, seed=15)
+    keep = torch.rand(2, 1, 7, generator=torch.Generator().manual_seed(16)) < 0.7
+    keep[1] = False
+
+    def step(x, y, keep):
+        result = layer(x, y, attention_mask=keep, causal=True, return_attention=return_attention)
+        return result[0] if return_attention else result
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    expected = step(x, y, keep)
+    got = compiled(x, y, keep)
+    torch.testing.assert_close(got, expected, atol=OUTPUT_TOL, rtol=0)
+    got.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
+def test_torch_export():
+    layer = _with_random_biases(MultiHeadAttention(16, 4)).eval()
+    x, keep = _randn(2, 5, 16, seed=17), torch.ones(2, 1, 5, dtype=torch.bool)
+    keep[1, 0, 3:] = False
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = layer
+
+        def forward(self, x, keep):
+            return self.attention(x, attention_mask=keep, causal=True)
+
+    program = torch.export.export(Wrapped(), (x, keep))
+    torch.testing.assert_close(program.module()(x, keep), layer(x, attention_mask=keep, causal=True), atol=0, rtol=0)
+
+
+def test_device_and_dtype_arguments_and_repr():
+    layer = MultiHeadAttention(16, 4, num_kv_heads=2, device="cpu", dtype=torch.float64)
+    assert all(p.dtype == torch.float64 for p in layer.parameters())
+    assert "num_kv_heads=2" in repr(layer)
