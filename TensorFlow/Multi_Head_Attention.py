@@ -436,38 +436,44 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         return layer
 
 
+def _group_query_heads(layer):
+    """(N, K, H) of a `keras.layers.GroupQueryAttention` this layer can hold."""
+    if layer.use_gate or layer.sliding_window is not None:
+        raise ValueError(
+            "`layer` uses a gate or a sliding window, which this layer does not have. "
+            f"Received: use_gate={layer.use_gate}, sliding_window={layer.sliding_window}"
+        )
+    return layer.num_query_heads, layer.num_key_value_heads, layer.head_dim
+
+
+def _multi_head_heads(layer):
+    """(N, K, H) of a `keras.layers.MultiHeadAttention` this layer can hold."""
+    if layer.value_dim != layer.key_dim or layer._output_shape is not None:
+        raise ValueError(
+            "`layer` must have value_dim == key_dim and no output_shape. "
+            f"Received: key_dim={layer.key_dim}, value_dim={layer.value_dim}, output_shape={layer._output_shape}"
+        )
+    if tuple(layer._attention_axes) != (1,):
+        raise ValueError(
+            f"`layer` must attend over axis 1 of 3-D inputs. Received: attention_axes={tuple(layer._attention_axes)}"
+        )
+    return layer.num_heads, layer.num_heads, layer.key_dim
+
+
 def _keras_config(layer):
     """Constructor arguments and (query, key, value, output) sublayers of a Keras built-in."""
-    if not getattr(layer, "built", False):
-        raise ValueError(f"`layer` must be built. Received: an unbuilt {type(layer).__name__}")
-    if isinstance(layer, tf.keras.layers.GroupQueryAttention):
-        if layer.use_gate or layer.sliding_window is not None:
-            raise ValueError(
-                "`layer` uses a gate or a sliding window, which this layer does not have. "
-                f"Received: use_gate={layer.use_gate}, sliding_window={layer.sliding_window}"
-            )
-        heads, kv_heads, head_dim = layer.num_query_heads, layer.num_key_value_heads, layer.head_dim
-        bias = layer.use_bias
-    elif isinstance(layer, tf.keras.layers.MultiHeadAttention):
-        if layer.value_dim != layer.key_dim or layer._output_shape is not None:
-            raise ValueError(
-                "`layer` must have value_dim == key_dim and no output_shape. "
-                f"Received: key_dim={layer.key_dim}, value_dim={layer.value_dim}, output_shape={layer._output_shape}"
-            )
-        if tuple(layer._attention_axes) != (1,):
-            raise ValueError(
-                "`layer` must attend over axis 1 of 3-D inputs. "
-                f"Received: attention_axes={tuple(layer._attention_axes)}"
-            )
-        heads, kv_heads, head_dim, bias = layer.num_heads, layer.num_heads, layer.key_dim, layer.use_bias
-    else:
+    if not isinstance(layer, (tf.keras.layers.MultiHeadAttention, tf.keras.layers.GroupQueryAttention)):
         raise ValueError(
             "`layer` must be a keras.layers.MultiHeadAttention or keras.layers.GroupQueryAttention. "
             f"Received: {type(layer).__name__}"
         )
+    if not layer.built:
+        raise ValueError(f"`layer` must be built. Received: an unbuilt {type(layer).__name__}")
+    read_heads = _group_query_heads if isinstance(layer, tf.keras.layers.GroupQueryAttention) else _multi_head_heads
+    heads, kv_heads, head_dim = read_heads(layer)
     dense = (layer._query_dense, layer._key_dense, layer._value_dense, layer._output_dense)
     config = dict(
         d_model=dense[0].kernel.shape[0], num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        kdim=dense[1].kernel.shape[0], vdim=dense[2].kernel.shape[0], dropout=layer.dropout, bias=bias,
+        kdim=dense[1].kernel.shape[0], vdim=dense[2].kernel.shape[0], dropout=layer.dropout, bias=layer.use_bias,
     )  # fmt: skip
     return config, dense

@@ -1,0 +1,302 @@
+"""TensorFlow layer: Keras built-ins interop, implicit masks, serialization, saving, mixed
+precision, graph mode and XLA, unknown shapes, dropout."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from TensorFlow import MultiHeadAttention
+
+keras = tf.keras
+OUTPUT_TOL = 1e-5  # SPEC: float32 output
+WEIGHTS_TOL = 1e-6  # SPEC: float32 attention weights
+GRAD_TOL = 1e-4  # SPEC: float32 gradients
+MIXED_TOL = {"mixed_float16": 1e-2, "mixed_bfloat16": 5e-2}  # SPEC: float16 / bfloat16 vs float32
+
+rng = np.random.default_rng(0)
+X = rng.normal(size=(2, 5, 16)).astype(np.float32)  # (B, T, E)
+Y = rng.normal(size=(2, 7, 16)).astype(np.float32)  # (B, S, E)
+
+
+def _with_random_biases(layer):
+    for variable in layer.weights:
+        if variable.name.endswith("bias"):
+            variable.assign(rng.normal(scale=0.1, size=variable.shape).astype(np.float32))
+    return layer
+
+
+def _built(layer, *args):
+    layer(*args)
+    return _with_random_biases(layer)
+
+
+def _close(a, b, tol):
+    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_from_keras_multi_head_attention(cross):
+    builtin = _built(keras.layers.MultiHeadAttention(4, 4), X, Y if cross else X)
+    layer = MultiHeadAttention.from_keras(builtin)
+    key = Y if cross else X
+    keep = rng.random((2, 5, key.shape[1])) < 0.7
+    keep[..., 0] = True  # every row keeps a key (Keras spreads fully masked rows uniformly)
+    expected, expected_w = builtin(X, key, attention_mask=keep, return_attention_scores=True)
+    output, weights = layer(X, key, attention_mask=keep, return_attention=True)
+    _close(output, expected, OUTPUT_TOL)
+    _close(weights, expected_w, WEIGHTS_TOL)
+
+
+def test_causal_matches_keras_use_causal_mask():
+    builtin = _built(keras.layers.MultiHeadAttention(4, 4), X, X)
+    layer = MultiHeadAttention.from_keras(builtin)
+    expected, expected_w = builtin(X, X, use_causal_mask=True, return_attention_scores=True)
+    output, weights = layer(X, causal=True, return_attention=True)
+    _close(output, expected, OUTPUT_TOL)
+    _close(weights, expected_w, WEIGHTS_TOL)
+
+
+def test_regression_causal_is_kept_beside_an_explicit_mask():
+    """causal=True is combined with attention_mask and with implicit masks, never dropped."""
+    layer = MultiHeadAttention(16, 4)
+    keep = np.ones((2, 5, 5), bool)
+    keep[:, :, 4] = False
+    _, weights = layer(X, attention_mask=keep, causal=True, return_attention=True)
+    upper = np.triu(np.ones((5, 5), bool), 1)
+    assert (weights.numpy()[:, :, upper] == 0).all() and (weights.numpy()[..., 4] == 0).all()
+
+
+def test_from_keras_group_query_attention():
+    builtin = _built(keras.layers.GroupQueryAttention(4, 4, 2), X, Y)
+    layer = MultiHeadAttention.from_keras(builtin)
+    assert (layer.num_heads, layer.num_kv_heads, layer.head_dim) == (4, 2, 4)
+    expected, expected_w = builtin(X, Y, return_attention_scores=True)
+    output, weights = layer(X, Y, return_attention=True)
+    _close(output, expected, OUTPUT_TOL)
+    _close(weights, expected_w, WEIGHTS_TOL)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{}, {"num_kv_heads": 2}, {"kdim": 6, "vdim": 10}, {"bias": False}],
+    ids=["mha", "gqa", "kdim_vdim", "no_bias"],
+)
+def test_to_keras_round_trip(config):
+    layer = MultiHeadAttention(16, 4, **config)
+    key = rng.normal(size=(2, 7, config.get("kdim", 16))).astype(np.float32)
+    value = rng.normal(size=(2, 7, config.get("vdim", 16))).astype(np.float32)
+    _built(layer, X, key, value)
+    builtin = layer.to_keras()
+    expected_type = keras.layers.GroupQueryAttention if "num_kv_heads" in config else keras.layers.MultiHeadAttention
+    assert type(builtin) is expected_type
+    expected = builtin(X, value, key)  # Keras built-ins take (query, value, key)
+    _close(layer(X, key, value), expected, OUTPUT_TOL)
+    back = MultiHeadAttention.from_keras(builtin)
+    for name, value in layer.export_weights().items():
+        np.testing.assert_array_equal(back.export_weights()[name], value)
+
+
+def test_from_keras_refuses_what_it_cannot_hold():
+    with pytest.raises(ValueError, match=r"`layer` must be built\. Received: an unbuilt MultiHeadAttention"):
+        MultiHeadAttention.from_keras(keras.layers.MultiHeadAttention(2, 4))
+    with pytest.raises(ValueError, match=r"value_dim == key_dim.*key_dim=4, value_dim=3"):
+        MultiHeadAttention.from_keras(_built(keras.layers.MultiHeadAttention(2, 4, value_dim=3), X, X))
+    with pytest.raises(ValueError, match=r"gate or a sliding window.*use_gate=True"):
+        MultiHeadAttention.from_keras(_built(keras.layers.GroupQueryAttention(4, 4, 2, use_gate=True), X, X))
+    with pytest.raises(ValueError, match=r"must be a keras.layers.MultiHeadAttention or .*Received: Dense"):
+        MultiHeadAttention.from_keras(keras.layers.Dense(3))
+    with pytest.raises(ValueError, match=r"GroupQueryAttention` needs kdim == vdim == d_model.*kdim=6"):
+        MultiHeadAttention(16, 4, num_kv_heads=2, kdim=6).to_keras()
+
+
+TOKENS = np.array([[3, 5, 7, 0, 0], [4, 2, 0, 0, 0]])  # 0 is padding
+KEY_TOKENS = np.array([[1, 2, 3, 4, 0, 0, 0], [5, 0, 0, 0, 0, 0, 0]])
+
+
+def _explicit_keep(query_tokens, key_tokens):
+    return (query_tokens != 0)[:, :, None] & (key_tokens != 0)[:, None, :]  # (B, T, S)
+
+
+def test_implicit_masks_in_a_functional_model():
+    embed = keras.layers.Embedding(10, 16, mask_zero=True)
+    attention = MultiHeadAttention(16, 4)
+    q_in, k_in = keras.Input((None,), dtype="int32"), keras.Input((None,), dtype="int32")
+    q, k = embed(q_in), embed(k_in)
+    output, weights = attention(q, k, return_attention=True)
+    model = keras.Model([q_in, k_in], [output, weights])
+    got, got_w = model([TOKENS, KEY_TOKENS])
+    expected, expected_w = attention(
+        embed(TOKENS), embed(KEY_TOKENS), attention_mask=_explicit_keep(TOKENS, KEY_TOKENS), return_attention=True
+    )
+    _close(got, expected, OUTPUT_TOL)
+    _close(got_w, expected_w, 0)
+    assert (got_w.numpy()[1, :, 2:] == 0).all()  # padded query rows attend to nothing
+    assert model.output_shape == [(None, None, 16), (None, 4, None, None)]
+
+
+def test_implicit_mask_on_self_attention_with_one_input_and_mask_propagation():
+    """`layer(x)`: Keras fills no *_mask argument for a single input; the layer reads x's
+    mask itself, leaves it on x, and puts it on the output."""
+    embed = keras.layers.Embedding(10, 16, mask_zero=True)
+    attention = MultiHeadAttention(16, 4)
+    x = embed(TOKENS)
+    output, weights = attention(x, return_attention=True)
+    np.testing.assert_array_equal(x._keras_mask.numpy(), TOKENS != 0)  # the caller's mask is not cleared
+    np.testing.assert_array_equal(output._keras_mask.numpy(), TOKENS != 0)
+    _close(weights, attention(x, attention_mask=_explicit_keep(TOKENS, TOKENS), return_attention=True)[1], 0)
+
+
+def test_implicit_masks_in_a_subclassed_model_are_combined_with_causal():
+    class Decoder(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.embed = keras.layers.Embedding(10, 16, mask_zero=True)
+            self.attention = MultiHeadAttention(16, 4)
+
+        def call(self, tokens):
+            x = self.embed(tokens)
+            return self.attention(x, x, x, causal=True, return_attention=True)
+
+    model = Decoder()
+    _, weights = model(TOKENS)
+    keep = _explicit_keep(TOKENS, TOKENS) & np.tril(np.ones((5, 5), bool))
+    assert (weights.numpy()[:, :, ~keep[0]][0] == 0).all()
+    _close(weights, model.attention(model.embed(TOKENS), attention_mask=keep, return_attention=True)[1], 0)
+
+
+def test_fully_masked_rows_give_output_bias_and_finite_gradients():
+    layer = _built(MultiHeadAttention(16, 4), X)
+    keep = np.ones((2, 5, 5), bool)
+    keep[0, 1] = False
+    keep[1] = False
+    x = tf.constant(X)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        output, weights = layer(x, attention_mask=keep, return_attention=True)
+        loss = tf.reduce_sum(output**2)
+    bias = layer.output_bias.numpy()
+    np.testing.assert_array_equal(output.numpy()[0, 1], bias)
+    np.testing.assert_array_equal(output.numpy()[1], np.broadcast_to(bias, (5, 16)))
+    assert (weights.numpy()[0, :, 1] == 0).all() and (weights.numpy()[1] == 0).all()
+    grads = tape.gradient(loss, [x, *layer.trainable_weights])
+    assert all(np.isfinite(g.numpy()).all() for g in grads)
+
+
+def test_config_round_trip():
+    layer = MultiHeadAttention(
+        16,
+        4,
+        num_kv_heads=2,
+        head_dim=6,
+        kdim=5,
+        vdim=7,
+        dropout=0.1,
+        bias=False,
+        kernel_initializer="he_normal",
+        name="attn",
+    )
+    clone = MultiHeadAttention.from_config(layer.get_config())
+    assert clone.get_config() == layer.get_config()
+    assert keras.utils.get_registered_object("MultiHeadAttentionReference>MultiHeadAttention") is MultiHeadAttention
+
+
+def _model():
+    embed_in = keras.Input((None,), dtype="int32")
+    x = keras.layers.Embedding(10, 16, mask_zero=True)(embed_in)
+    x = MultiHeadAttention(16, 4, num_kv_heads=2)(x, causal=True)
+    return keras.Model(embed_in, keras.layers.Dense(3)(x))
+
+
+def test_keras_file_round_trip(tmp_path):
+    model = _model()
+    expected = model(TOKENS)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    _close(loaded(TOKENS), expected, 0)
+
+
+def test_savedmodel_export_round_trip(tmp_path):
+    model = _model()
+    expected = model(TOKENS)
+    model.export(str(tmp_path / "saved"), verbose=False)
+    served = tf.saved_model.load(str(tmp_path / "saved"))
+    _close(served.serve(tf.constant(TOKENS, tf.int32)), expected, 0)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision(policy):
+    reference = _built(MultiHeadAttention(16, 4), X)
+    layer = MultiHeadAttention(16, 4, dtype=policy)
+    layer.import_weights(reference.export_weights())
+    keep = np.ones((2, 5, 5), bool)
+    keep[0, 2] = False
+    mask = np.where(keep, 0.0, -np.inf).astype(np.float32)  # a float mask: -inf must not overflow anything
+    output, weights = layer(X * 30, attention_mask=mask, causal=True, return_attention=True)
+    expected, expected_w = reference(X * 30, attention_mask=mask, causal=True, return_attention=True)
+    assert output.dtype == layer.compute_dtype and layer.query_kernel.dtype == "float32"
+    assert np.isfinite(output.numpy().astype(np.float32)).all()
+    _close(weights, expected_w, MIXED_TOL[policy])
+    _close(
+        output.numpy().astype(np.float32) / 30, expected.numpy() / 30, MIXED_TOL[policy]
+    )  # outputs scale with inputs
+
+
+def test_jit_compile_and_unknown_shapes():
+    layer = _built(MultiHeadAttention(16, 4, num_kv_heads=2), X, Y)
+    spec = tf.TensorSpec((None, None, 16), tf.float32)
+    mask_spec = tf.TensorSpec((None, 1, None), tf.bool)
+
+    @tf.function(input_signature=[spec, spec, mask_spec], jit_compile=True)
+    def attend(query, key, keep):
+        return layer(query, key, attention_mask=keep, causal=True, return_attention=True)
+
+    keep = rng.random((2, 1, 7)) < 0.6
+    keep[1] = False
+    for length in (5, 3):
+        output, weights = attend(X[:, :length], Y, keep)
+        expected, expected_w = layer(X[:, :length], Y, attention_mask=keep, causal=True, return_attention=True)
+        _close(output, expected, OUTPUT_TOL)
+        _close(weights, expected_w, WEIGHTS_TOL)
+
+
+def test_shape_errors_are_value_errors_at_trace_time():
+    layer = MultiHeadAttention(16, 4)
+
+    @tf.function(input_signature=[tf.TensorSpec((None, None, 12), tf.float32)])
+    def attend(query):
+        return layer(query)
+
+    with pytest.raises(
+        ValueError, match=r"`query` must have shape \(B, T, E\) with E=16\. Received: query\.shape=\(None, None, 12\)"
+    ):
+        attend.get_concrete_function()
+
+
+def test_dropout_only_when_training():
+    layer = _built(MultiHeadAttention(16, 4, dropout=0.5), X)
+    assert np.array_equal(layer(X), layer(X))
+    assert np.array_equal(layer(X, training=False), layer(X))
+    _, weights = layer(X, return_attention=True)
+    first, train_weights = layer(X, training=True, return_attention=True)
+    assert not np.array_equal(first, layer(X, training=True))
+    _close(train_weights, weights, 0)  # weights are returned before dropout
+
+
+def test_compute_output_shape_for_s_not_t():
+    layer = MultiHeadAttention(16, 4)
+    assert layer.compute_output_shape((2, 5, 16), (2, 9, 16), (2, 9, 16)) == (2, 5, 16)
+    output, weights = layer.compute_output_spec(
+        keras.KerasTensor((2, 5, 16)), keras.KerasTensor((2, 9, 16)), return_attention=True
+    )
+    assert output.shape == (2, 5, 16) and weights.shape == (2, 4, 5, 9)
+
+
+def test_import_weights_builds_a_fresh_layer():
+    layer = MultiHeadAttention(16, 4, num_kv_heads=1)
+    assert not layer.built
+    weights = {name: rng.normal(size=shape).astype(np.float32) for name, shape in layer.weight_shapes().items()}
+    layer.import_weights(weights)
+    assert layer.built
+    assert [v.name for v in layer.trainable_weights] == list(weights)
+    for name, value in layer.export_weights().items():
+        np.testing.assert_array_equal(value, weights[name])
