@@ -1,0 +1,49 @@
+"""Properties: random shapes, head counts, masks and causal flags stay in parity across the
+three layers and every path (bounded so the suite stays fast on 2 cores)."""
+
+import dataclasses
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shared_tests import parity
+from shared_tests.cases import MASK_KINDS, Case, make_data
+
+MAX_EXAMPLES = 25
+
+
+@st.composite
+def cases(draw):
+    kv_heads = draw(st.integers(1, 3))
+    heads = kv_heads * draw(st.integers(1, 3))
+    t, s = draw(st.integers(1, 6)), draw(st.integers(1, 6))
+    self_attention = t == s and draw(st.booleans())
+    widths = (
+        {}
+        if self_attention
+        else {"kdim": draw(st.sampled_from([None, 3, 9])), "vdim": draw(st.sampled_from([None, 5]))}
+    )
+    return Case(
+        name="property",
+        b=draw(st.integers(1, 3)),
+        t=t,
+        s=s,
+        e=draw(st.integers(1, 12)),
+        n=heads,
+        k=kv_heads,
+        h=draw(st.integers(1, 5)),
+        bias=draw(st.booleans()),
+        mask=draw(st.sampled_from(MASK_KINDS)),
+        causal=draw(st.booleans()),
+        self_attention=self_attention,
+        **widths,
+    )
+
+
+@settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases(), seed=st.integers(0, 2**16))
+def test_random_configurations_stay_in_parity(case, seed):
+    data = make_data(case, seed)
+    row, results = parity.run_case(case, data)
+    assert row.passed, (dataclasses.asdict(case), row.failures)
+    assert results["numpy"].output.shape == (case.b, case.t, case.e)
