@@ -124,10 +124,12 @@ def _softmax_dtype(dtype):
 def _explicit_attention(q, k, v, keep, bias, dropout):
     """Scores, mask, softmax, weighted sum; returns (context, weights)."""
     groups = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(groups, dim=1)  # (B, K, S, H) -> (B, N, S, H)
-    v = v.repeat_interleave(groups, dim=1)  # (B, K, S, H) -> (B, N, S, H)
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)  # (B, K, S, H) -> (B, N, S, H)
+        v = v.repeat_interleave(groups, dim=1)  # (B, K, S, H) -> (B, N, S, H)
     dtype = _softmax_dtype(q.dtype)
-    scores = (q @ k.transpose(-1, -2)).to(dtype) / math.sqrt(q.shape[-1])  # (B, N, T, S)
+    q = q * (1.0 / math.sqrt(q.shape[-1]))  # scale the (B, N, T, H) queries, not the scores
+    scores = (q @ k.transpose(-1, -2)).to(dtype)  # (B, N, T, S)
     scores = scores if bias is None else scores + bias.to(dtype)  # (B, N, T, S)
     if keep is not None:
         scores = torch.where(keep, scores, torch.finfo(dtype).min)  # (B, N, T, S)

@@ -1,7 +1,8 @@
 """Runs one case through every layer and code path from one portable weight dict.
 
 Paths: `numpy` (the float64 oracle), `torch:sdpa` (scaled_dot_product_attention, no weights
-returned), `torch:explicit` (return_attention=True), `tf:eager` and `tf:function`. Each gives
+returned), `torch:explicit` (return_attention=True), `tf:eager`, `tf:function` and `tf:chunked`
+(tf.function with attention run one batch element at a time, forced on every case). Each gives
 a `Result`: output, attention weights (None on `torch:sdpa`) and gradients of
 sum(output * grad_output) with respect to the inputs passed and every portable weight.
 TensorFlow is imported only when a TensorFlow path runs.
@@ -14,7 +15,7 @@ import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-PATHS = ("numpy", "torch:sdpa", "torch:explicit", "tf:eager", "tf:function")
+PATHS = ("numpy", "torch:sdpa", "torch:explicit", "tf:eager", "tf:function", "tf:chunked")
 INPUTS = ("query", "key", "value")
 
 
@@ -86,6 +87,8 @@ def run_tensorflow(case, data, path, layer_class=None):
     import tensorflow as tf
 
     layer = make_tf_layer(case, data, layer_class)
+    if path == "tf:chunked":
+        layer.batch_chunk_threshold = 0  # every case with B > 1 takes the batch-chunked path
     args = [tf.constant(x, dtype=case.dtype) for x in _inputs(data)]
     mask = None if data["attention_mask"] is None else tf.constant(data["attention_mask"])
     variables = [getattr(layer, name) for name in layer.weight_shapes()]
@@ -100,7 +103,7 @@ def run_tensorflow(case, data, path, layer_class=None):
         # A source the loss never reached has gradient zero (tf gives None).
         return output, weights, [tf.zeros_like(x) if g is None else g for x, g in zip(sources, grads, strict=True)]
 
-    step = tf.function(forward_and_grads) if path == "tf:function" else forward_and_grads
+    step = forward_and_grads if path == "tf:eager" else tf.function(forward_and_grads)
     output, weights, grads = step(*args)
     names = [*INPUTS[: len(args)], *layer.weight_shapes()]
     as_numpy = {name: np.asarray(g.numpy(), dtype=np.float64) for name, g in zip(names, grads, strict=True)}

@@ -19,7 +19,7 @@ from shared_tests.frameworks import PATHS, run
 
 FRAMEWORK_PATHS = {
     "torch": ("torch:sdpa", "torch:explicit"),
-    "tf": ("tf:eager", "tf:function"),
+    "tf": ("tf:eager", "tf:function", "tf:chunked"),
     "numpy": ("numpy",),
 }
 PAIRS = (("torch", "tf"), ("torch", "numpy"), ("tf", "numpy"))
