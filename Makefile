@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: help install lint test parity
+.PHONY: help install lint test parity bench
 
 help:  ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z]+):.*## /  make \1\t/'
@@ -26,3 +26,6 @@ test: install lint  ## set up, lint, then run every test
 
 parity: install  ## set up, then the cross-framework parity report (exit 1 on any FAIL)
 	$(PY) -m shared_tests.parity $(ARGS)
+
+bench: install  ## set up, then the benchmark; writes bench/results.md (ARGS="--quick" for a smoke run)
+	$(PY) -m bench.benchmark $(ARGS)

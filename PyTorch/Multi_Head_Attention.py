@@ -142,17 +142,21 @@ def _explicit_attention(q, k, v, keep, bias, dropout):
 
 
 def _fused_attention(q, k, v, keep, bias, dropout):
-    """`scaled_dot_product_attention` with a finite additive mask; returns the context."""
+    """`scaled_dot_product_attention` with a finite additive mask; returns the context.
+
+    A row with no key left attends to every key inside the kernel (finite numbers, forward and
+    backward, in any dtype) and is then set to exactly 0.
+    """
     gqa = q.shape[1] != k.shape[1]
     if keep is None and bias is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, enable_gqa=gqa)  # (B, N, T, H)
     additive = torch.zeros((), dtype=q.dtype, device=q.device) if bias is None else bias.to(q.dtype)
-    if keep is not None:
-        additive = torch.where(keep, additive, torch.finfo(q.dtype).min)  # (B, N, T, S), dims may be 1
-    context = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=dropout, enable_gqa=gqa)
     if keep is None:
-        return context
-    return torch.where(keep.any(dim=-1, keepdim=True), context, 0.0)  # rows with no key are all 0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=dropout, enable_gqa=gqa)
+    has_key = keep.any(dim=-1, keepdim=True)  # (B, N, T, 1), dims may be 1
+    additive = torch.where(keep | ~has_key, additive, torch.finfo(q.dtype).min)  # (B, N, T, S), dims may be 1
+    context = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=dropout, enable_gqa=gqa)
+    return torch.where(has_key, context, 0.0)  # (B, N, T, H), rows with no key are all 0
 
 
 def dot_product_attention(q, k, v, keep=None, bias=None, causal=False, *, dropout=0.0, return_attention=False):

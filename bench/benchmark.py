@@ -59,15 +59,23 @@ QUICK = [Config("quick B=2 T=S=32 E=32 N=4", 2, 32, 32, 4), Config("quick GQA", 
 LONG = CONFIGS[2]
 
 
-def median_time(fn, runs, warmup=3):
-    for _ in range(warmup):
-        fn()
-    times = []
+def median_times(fns, runs, warmup=3):
+    """{label: median seconds}; the callables take turns run by run, so a machine that speeds up
+    or slows down during the measurement affects every one of them alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {label: [] for label in fns}
     for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for label, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[label].append(time.perf_counter() - start)
+    return {label: statistics.median(values) for label, values in times.items()}
+
+
+def median_time(fn, runs):
+    return median_times({"": fn}, runs)[""]
 
 
 def torch_matmul_flops(runs):
@@ -165,8 +173,8 @@ def time_config(config, runs):
     for framework, build in (("PyTorch", torch_layers), ("TensorFlow", tf_layers)):
         layers = build(config)
         for mode in MODES:
-            for label, calls in layers.items():
-                rows.append((framework, label, mode, median_time(calls[mode], runs)))
+            medians = median_times({label: calls[mode] for label, calls in layers.items()}, runs)
+            rows += [(framework, label, mode, seconds) for label, seconds in medians.items()]
     return rows
 
 
@@ -266,7 +274,8 @@ def main(argv=None):
         "",
         f"Machine: {machine()}.",
         f"Matmul throughput measured in this run (2048x2048 float32): PyTorch {flops['PyTorch'] / 1e9:.0f} GFLOP/s, "
-        f"TensorFlow {flops['TensorFlow'] / 1e9:.0f} GFLOP/s. Median of {runs} runs after 3 warm-up runs; CPU float32.",
+        f"TensorFlow {flops['TensorFlow'] / 1e9:.0f} GFLOP/s. Median of {runs} runs after 3 warm-up runs, "
+        "ours and the built-in taking turns run by run; CPU float32.",
         "PyTorch inference runs in eval mode under no_grad (the built-in's fast path); "
         "TensorFlow runs inside tf.function.",
         "",

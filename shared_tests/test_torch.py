@@ -11,6 +11,7 @@ from PyTorch import MultiHeadAttention
 OUTPUT_TOL = 1e-5  # SPEC: float32 output
 WEIGHTS_TOL = 1e-6  # SPEC: float32 attention weights
 GRAD_TOL = 1e-4  # SPEC: float32 gradients
+HALF_UPSTREAM = 1e-3  # small upstream gradient: kernel gradients of inputs ~30 must not overflow float16 themselves
 
 
 def _randn(*shape, seed=0):
@@ -112,6 +113,46 @@ def test_regression_builtin_nan_on_fully_masked_row_is_zero_here():
         output.square().sum().backward()
         assert torch.isfinite(xg.grad).all()
         assert all(torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("return_attention", [False, True])
+def test_fully_masked_rows_have_finite_gradients_in_half_precision(dtype, return_attention):
+    layer = MultiHeadAttention(16, 4, dtype=dtype)
+    x = (_randn(2, 4, 16, seed=20) * 30).to(dtype).requires_grad_()
+    keep = torch.ones(2, 1, 4, 4, dtype=torch.bool)
+    keep[0, 0, 1] = False
+    keep[1] = False
+    result = layer(x, attention_mask=keep, return_attention=return_attention)
+    output = result[0] if return_attention else result
+    assert torch.isfinite(output).all()
+    (output.float() * HALF_UPSTREAM).sum().backward()
+    assert torch.isfinite(x.grad).all()
+    assert all(torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
+def test_sdpa_never_receives_a_fully_masked_row(monkeypatch):
+    """What a kernel makes of a row whose keys are all masked differs (NaN in some, an
+    overflow of the finite fill to -inf in half precision in others), so such rows attend to
+    every key inside scaled_dot_product_attention and are zeroed afterwards."""
+    import PyTorch.Multi_Head_Attention as torch_file
+
+    masks = []
+
+    def spy(q, k, v, attn_mask=None, **kwargs):
+        masks.append(attn_mask)
+        return real_sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    real_sdpa = torch_file.F.scaled_dot_product_attention
+    monkeypatch.setattr(torch_file.F, "scaled_dot_product_attention", spy)
+    layer = MultiHeadAttention(16, 4)
+    keep = torch.ones(2, 1, 4, 4, dtype=torch.bool)
+    keep[0, 0, 1] = False
+    keep[1] = False
+    output = layer(_randn(2, 4, 16, seed=21), attention_mask=keep)
+    (mask,) = masks
+    assert (mask.expand(2, 4, 4, 4).max(dim=-1).values > torch.finfo(mask.dtype).min).all()
+    torch.testing.assert_close(output[1], layer.output.bias.detach().expand(4, 16), atol=0, rtol=0)
 
 
 def test_large_negative_float_mask_removes_the_key_and_keeps_rows_finite():

@@ -1,0 +1,45 @@
+"""Smoke runs of every example and of the benchmark, a few steps each, so they cannot rot.
+Full runs and their accuracy are recorded in the README, not asserted here."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE_STEPS = "30"
+
+
+def _run(args):
+    result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+@pytest.mark.parametrize("script", ["torch_model.py", "keras_model.py"])
+def test_training_example_saves_and_reloads(script, tmp_path):
+    out = _run([f"examples/{script}", "--steps", SMOKE_STEPS, "--out", str(tmp_path)])
+    assert "held-out token accuracy" in out
+    assert "reloaded model gives identical logits: True" in out
+    assert len(list(tmp_path.iterdir())) == 1
+
+
+def test_port_weights_example_gives_the_same_logits(tmp_path):
+    out = _run(["examples/port_weights.py", "--steps", SMOKE_STEPS, "--out", str(tmp_path)])
+    assert "predictions that agree: 100.0%" in out
+    assert (tmp_path / "attention.npz").exists()
+
+
+def test_visualize_example_writes_both_heatmaps(tmp_path):
+    _run(["examples/visualize_attention.py", "--steps", SMOKE_STEPS, "--out", str(tmp_path)])
+    for name in ("attention_heads.png", "attention_heads_causal.png"):
+        assert (tmp_path / name).read_bytes().startswith(b"\x89PNG")
+
+
+def test_benchmark_quick_writes_results(tmp_path):
+    out = _run(["-m", "bench.benchmark", "--quick", "--output", str(tmp_path / "results.md")])
+    text = (tmp_path / "results.md").read_text()
+    assert text in out  # printed and written
+    assert "| quick B=2 T=S=32 E=32 N=4 | forward | PyTorch |" in text
+    assert "keras MultiHeadAttention" in text and "Peak memory" in text
