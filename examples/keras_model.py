@@ -7,15 +7,13 @@ flows implicitly from the embedding) -> residual -> MLP -> logits over the value
 comes from TensorFlow/Multi_Head_Attention.py, imported as the copied file it is meant to be.
 """
 
-import argparse
 import os
-from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np
 import tensorflow as tf
-from task import IGNORE, VALUES, VOCAB, Progress, load_layer, make_batch
+from task import IGNORE, VALUES, VOCAB, Progress, load_layer, make_batch, parse_args
 
 keras = tf.keras
 MultiHeadAttention = load_layer("TensorFlow")
@@ -76,15 +74,10 @@ def evaluate(model, seed, batches=20):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("out/keras"))
-    args = parser.parse_args(argv)
+    args = parse_args(__doc__, "out/keras", argv)
     model = train(args.steps, args.seed)
     print(f"held-out token accuracy: {evaluate(model, args.seed):.1%}")
 
-    args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "lookup_model.keras"
     model.save(path)
     reloaded = keras.models.load_model(path)

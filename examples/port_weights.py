@@ -8,16 +8,14 @@ weight = kernel^T). The Keras model reads padding from Embedding(mask_zero=True)
 torch model passes a key padding mask: the same masking, spelled the way each framework spells it.
 """
 
-import argparse
 import os
-from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np
 import torch
 from keras_model import build_model
-from task import make_batch
+from task import make_batch, parse_args
 from torch_model import train
 
 LOGITS_TOL = 1e-4  # float32 logits after four layers (the SPEC's 1e-5 covers the attention layer alone)
@@ -47,12 +45,7 @@ def port(torch_model, npz_path):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("out/port"))
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+    args = parse_args(__doc__, "out/port", argv)
     torch_model = train(args.steps, args.seed).eval()
     keras_model = port(torch_model, args.out / "attention.npz")
 

@@ -8,6 +8,7 @@ the model has to attend. Sequences are padded with token 0 to a fixed length.
 Token ids: 0 padding; 1 + key * VALUES + value for a pair; PAIR_END + key for a query.
 """
 
+import argparse
 import importlib.util
 import sys
 import time
@@ -62,6 +63,17 @@ def load_layer(framework):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module.MultiHeadAttention
+
+
+def parse_args(doc, default_out, argv=None):
+    """The flags every example takes; creates the output directory."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1500, help="training steps (default 1500)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data and of the initialisation")
+    parser.add_argument("--out", type=Path, default=Path(default_out), help=f"output directory (default {default_out})")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    return args
 
 
 class Progress:

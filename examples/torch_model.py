@@ -7,12 +7,9 @@ residual -> MLP -> logits over the values. The layer comes from PyTorch/Multi_He
 imported as the copied file it is meant to be.
 """
 
-import argparse
-from pathlib import Path
-
 import numpy as np
 import torch
-from task import IGNORE, VALUES, VOCAB, Progress, load_layer, make_batch
+from task import IGNORE, VALUES, VOCAB, Progress, load_layer, make_batch, parse_args
 from torch import nn
 
 MultiHeadAttention = load_layer("PyTorch")
@@ -78,15 +75,10 @@ def evaluate(model, seed, batches=20):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("out/torch"))
-    args = parser.parse_args(argv)
+    args = parse_args(__doc__, "out/torch", argv)
     model = train(args.steps, args.seed)
     print(f"held-out token accuracy: {evaluate(model, args.seed):.1%}")
 
-    args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "lookup_model.pt"
     torch.save(model.state_dict(), path)
     reloaded = LookupModel()

@@ -7,9 +7,7 @@ with one row per head and the two frameworks side by side, tokens on the axes; t
 layer again with causal=True. Writes attention_heads.png and attention_heads_causal.png.
 """
 
-import argparse
 import os
-from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -21,7 +19,7 @@ import numpy as np
 import torch
 from keras_model import attention_weights
 from port_weights import port
-from task import describe, make_batch
+from task import describe, make_batch, parse_args
 from torch_model import train
 
 
@@ -45,12 +43,7 @@ def draw(torch_weights, keras_weights, labels, title, path):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("out/plots"))
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+    args = parse_args(__doc__, "out/plots", argv)
     torch_model = train(args.steps, args.seed).eval()
     keras_model = port(torch_model, args.out / "attention.npz")
     tokens, _ = make_batch(np.random.default_rng(args.seed + 4000), 1)

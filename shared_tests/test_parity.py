@@ -124,9 +124,11 @@ def test_report_runs_user_weights(tmp_path, capsys):
     layer = TorchMultiHeadAttention(24, 6, num_kv_heads=2, kdim=10, vdim=12)
     path = tmp_path / "mine.npz"
     np.savez(path, **layer.export_weights())
-    assert parity.main(["--weights", str(path), "--num-heads", "6", "--case", "cross", "--case", "self_basic"]) == 0
+    cases = ["--case", "cross", "--case", "self_basic", "--case", "mask_bool_bnts"]
+    assert parity.main(["--weights", str(path), "--num-heads", "6", *cases]) == 0
     printed = capsys.readouterr().out
-    assert "1/1 cases PASS" in printed  # self_basic cannot run: kdim != d_model
+    assert "2/2 cases PASS" in printed  # self_basic cannot run: kdim != d_model
+    assert "mask_bool_bnts" in printed  # its (B, N, T, S) mask is drawn with the file's N = 6
 
 
 def test_report_rejects_weights_that_do_not_fit(tmp_path, capsys):
