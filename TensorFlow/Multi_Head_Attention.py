@@ -420,14 +420,11 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         """(B, T, E), whatever S is."""
         return (query_shape[0], query_shape[1], self.d_model)
 
-    def compute_output_spec(self, query, key=None, value=None, attention_mask=None, *, return_attention=False, **_):
-        """Output (B, T, E) and, with `return_attention`, weights (B, N, T, S)."""
-        source = key if key is not None else value if value is not None else query
-        output = tf.keras.KerasTensor(self.compute_output_shape(query.shape), dtype=self.compute_dtype)
-        if not return_attention:
-            return output
-        weights_shape = (query.shape[0], self.num_heads, query.shape[1], source.shape[1])
-        return output, tf.keras.KerasTensor(weights_shape, dtype=self.compute_dtype)
+    def compute_output_spec(self, *args, **kwargs):
+        """Traces `call` on symbolic inputs (what Keras does for a layer without
+        `compute_output_shape`), so a functional model gets every shape check when it is built,
+        and both outputs with `return_attention=True`."""
+        return super(tf.keras.layers.Layer, self).compute_output_spec(*args, **kwargs)
 
     @classmethod
     def from_keras(cls, layer):

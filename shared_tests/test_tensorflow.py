@@ -285,10 +285,17 @@ def test_dropout_only_when_training():
 def test_compute_output_shape_for_s_not_t():
     layer = MultiHeadAttention(16, 4)
     assert layer.compute_output_shape((2, 5, 16), (2, 9, 16), (2, 9, 16)) == (2, 5, 16)
-    output, weights = layer.compute_output_spec(
-        keras.KerasTensor((2, 5, 16)), keras.KerasTensor((2, 9, 16)), return_attention=True
-    )
-    assert output.shape == (2, 5, 16) and weights.shape == (2, 4, 5, 9)
+    output, weights = layer(keras.Input((5, 16)), keras.Input((9, 16)), return_attention=True)
+    assert output.shape == (None, 5, 16) and weights.shape == (None, 4, 5, 9)
+
+
+def test_functional_model_checks_shapes_when_built():
+    with pytest.raises(
+        ValueError, match=r"`query` must have shape \(B, T, E\) with E=16\. Received: query\.shape=\(None, None, 12\)"
+    ):
+        MultiHeadAttention(16, 4)(keras.Input((None, 12)))
+    with pytest.raises(ValueError, match=r"`attention_mask` must broadcast to \(B, N, T, S\)"):
+        MultiHeadAttention(16, 4)(keras.Input((5, 16)), attention_mask=keras.Input((4, 5), dtype="bool"))
 
 
 def test_import_weights_builds_a_fresh_layer():
