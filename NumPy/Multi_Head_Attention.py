@@ -165,6 +165,16 @@ class MultiHeadAttention:
     Returns:
         output (B, T, E), or (output, weights) with weights (B, N, T, S) when
         `return_attention` is True.
+
+    Example, a key padding mask (the third key of the first sequence is padding):
+        >>> layer = MultiHeadAttention(16, 4, seed=0)
+        >>> x = np.random.default_rng(0).normal(size=(2, 3, 16))  # (B, T, E)
+        >>> keep = np.array([[True, True, False], [True, True, True]])  # (B, S)
+        >>> out, weights = layer(x, attention_mask=keep[:, None, :], return_attention=True)
+        >>> out.shape, weights.shape
+        ((2, 3, 16), (2, 4, 3, 3))
+        >>> bool((weights[0, :, :, 2] == 0).all())
+        True
     """
 
     def __init__(

@@ -216,6 +216,16 @@ class MultiHeadAttention(nn.Module):
     Returns:
         output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before
         dropout) when `return_attention` is True. Unbatched inputs give unbatched results.
+
+    Example, a key padding mask (the third key of the first sequence is padding):
+        >>> layer = MultiHeadAttention(16, 4)
+        >>> x = torch.randn(2, 3, 16)  # (B, T, E)
+        >>> keep = torch.tensor([[True, True, False], [True, True, True]])  # (B, S)
+        >>> out, weights = layer(x, attention_mask=keep[:, None, :], return_attention=True)
+        >>> tuple(out.shape), tuple(weights.shape)
+        ((2, 3, 16), (2, 4, 3, 3))
+        >>> bool((weights[0, :, :, 2] == 0).all())
+        True
     """
 
     def __init__(

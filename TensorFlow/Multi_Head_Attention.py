@@ -227,6 +227,16 @@ class MultiHeadAttention(tf.keras.layers.Layer):
     Returns:
         output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before
         dropout) when `return_attention` is True.
+
+    Example, a key padding mask (the third key of the first sequence is padding):
+        >>> layer = MultiHeadAttention(16, 4)
+        >>> x = tf.random.normal((2, 3, 16))  # (B, T, E)
+        >>> keep = tf.constant([[True, True, False], [True, True, True]])  # (B, S)
+        >>> out, weights = layer(x, attention_mask=keep[:, None, :], return_attention=True)
+        >>> tuple(out.shape), tuple(weights.shape)
+        ((2, 3, 16), (2, 4, 3, 3))
+        >>> bool(tf.reduce_all(weights[0, :, :, 2] == 0))
+        True
     """
 
     # (B, N, T, S) score elements above which attention runs one batch element at a time: the

@@ -1,0 +1,14 @@
+"""The examples in the three layer docstrings run and print what they say."""
+
+import doctest
+import importlib
+
+import pytest
+
+
+@pytest.mark.parametrize("framework", ["NumPy", "PyTorch", "TensorFlow"])
+def test_docstring_examples(framework):
+    module = importlib.import_module(f"{framework}.Multi_Head_Attention")
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted >= 4
+    assert result.failed == 0
