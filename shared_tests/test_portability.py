@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 
+from shared_tests.cases import TOLERANCES
+
 CONFIGS = [
     {"d_model": 16, "num_heads": 4},
     {"d_model": 16, "num_heads": 4, "num_kv_heads": 1, "head_dim": 6, "kdim": 5, "vdim": 7},
@@ -58,4 +60,4 @@ def test_moved_weights_give_the_same_numbers(tmp_path):
     x, k, v = rng.normal(size=(2, 3, 16)), rng.normal(size=(2, 4, 5)), rng.normal(size=(2, 4, 7))
     expected = source(*(torch.tensor(a, dtype=torch.float32) for a in (x, k, v))).detach().numpy()
     got = target(*(tf.constant(a, tf.float32) for a in (x, k, v))).numpy()
-    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got, expected, atol=TOLERANCES["float32"]["output"], rtol=0)

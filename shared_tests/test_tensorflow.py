@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from shared_tests.cases import TOLERANCES
 from TensorFlow import MultiHeadAttention
 
 keras = tf.keras
-OUTPUT_TOL = 1e-5  # SPEC: float32 output
-WEIGHTS_TOL = 1e-6  # SPEC: float32 attention weights
-GRAD_TOL = 1e-4  # SPEC: float32 gradients
-MIXED_TOL = {"mixed_float16": 1e-2, "mixed_bfloat16": 5e-2}  # SPEC: float16 / bfloat16 vs float32
+OUTPUT_TOL = TOLERANCES["float32"]["output"]
+WEIGHTS_TOL = TOLERANCES["float32"]["weights"]
+MIXED_TOL = {"mixed_float16": TOLERANCES["float16"]["output"], "mixed_bfloat16": TOLERANCES["bfloat16"]["output"]}
 
 rng = np.random.default_rng(0)
 X = rng.normal(size=(2, 5, 16)).astype(np.float32)  # (B, T, E)
