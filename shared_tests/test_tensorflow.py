@@ -134,6 +134,31 @@ def test_implicit_masks_in_a_functional_model():
     assert model.output_shape == [(None, None, 16), (None, 4, None, None)]
 
 
+@pytest.mark.parametrize("cross", [False, True])
+def test_implicit_masks_match_keras_multi_head_attention(cross):
+    """Both layers read Embedding(mask_zero=True) masks; compared on real query rows (Keras
+    spreads a row with no key uniformly, this layer gives it zeros). Each layer gets freshly
+    embedded tensors: the built-in deletes the masks of the tensors it is called on."""
+    embed = keras.layers.Embedding(10, 16, mask_zero=True)
+
+    def inputs():
+        return embed(TOKENS), embed(KEY_TOKENS if cross else TOKENS)
+
+    builtin = keras.layers.MultiHeadAttention(4, 4)
+    builtin(*inputs())
+    _with_random_biases(builtin)
+    query, key = inputs()
+    expected, expected_w = builtin(query, key, return_attention_scores=True)
+    assert getattr(query, "_keras_mask", None) is None  # the built-in cleared its caller's mask
+    query, key = inputs()
+    output, weights = MultiHeadAttention.from_keras(builtin)(query, key, return_attention=True)
+    real = TOKENS != 0
+    np.testing.assert_array_equal(query._keras_mask.numpy(), real)  # this layer leaves it in place
+    _close(output.numpy()[real], expected.numpy()[real], OUTPUT_TOL)
+    _close(weights.numpy().transpose(0, 2, 1, 3)[real], expected_w.numpy().transpose(0, 2, 1, 3)[real], WEIGHTS_TOL)
+    np.testing.assert_array_equal(output._keras_mask.numpy(), real)
+
+
 def test_implicit_mask_on_self_attention_with_one_input_and_mask_propagation():
     """`layer(x)`: Keras fills no *_mask argument for a single input; the layer reads x's
     mask itself, leaves it on x, and puts it on the output."""
