@@ -40,7 +40,7 @@ def test_from_keras_multi_head_attention(cross):
     layer = MultiHeadAttention.from_keras(builtin)
     key = Y if cross else X
     keep = rng.random((2, 5, key.shape[1])) < 0.7
-    keep[..., 0] = True  # every row keeps a key (Keras spreads fully masked rows uniformly)
+    keep[0, 3] = False  # a row with no key: Keras 3 gives it zero weights too
     expected, expected_w = builtin(X, key, attention_mask=keep, return_attention_scores=True)
     output, weights = layer(X, key, attention_mask=keep, return_attention=True)
     _close(output, expected, OUTPUT_TOL)
@@ -54,6 +54,16 @@ def test_causal_matches_keras_use_causal_mask():
     output, weights = layer(X, causal=True, return_attention=True)
     _close(output, expected, OUTPUT_TOL)
     _close(weights, expected_w, WEIGHTS_TOL)
+
+
+def test_regression_causal_is_bottom_right_when_t_lt_s_unlike_keras():
+    """Decoding 2 new tokens against 4 cached keys: Keras' use_causal_mask lets query 0 see
+    key 0 only (top-left); here query t sees keys 0 .. t + S - T."""
+    builtin = _built(keras.layers.MultiHeadAttention(4, 4), X[:, :2], Y[:, :4])
+    _, keras_w = builtin(X[:, :2], Y[:, :4], use_causal_mask=True, return_attention_scores=True)
+    _, weights = MultiHeadAttention.from_keras(builtin)(X[:, :2], Y[:, :4], causal=True, return_attention=True)
+    np.testing.assert_array_equal(keras_w.numpy()[0, 0] > 0, [[1, 0, 0, 0], [1, 1, 0, 0]])
+    np.testing.assert_array_equal(weights.numpy()[0, 0] > 0, [[1, 1, 1, 0], [1, 1, 1, 1]])
 
 
 def test_regression_causal_is_kept_beside_an_explicit_mask():
@@ -136,9 +146,9 @@ def test_implicit_masks_in_a_functional_model():
 
 @pytest.mark.parametrize("cross", [False, True])
 def test_implicit_masks_match_keras_multi_head_attention(cross):
-    """Both layers read Embedding(mask_zero=True) masks; compared on real query rows (Keras
-    spreads a row with no key uniformly, this layer gives it zeros). Each layer gets freshly
-    embedded tensors: the built-in deletes the masks of the tensors it is called on."""
+    """Both layers read Embedding(mask_zero=True) masks and give padded query rows zero
+    weights. Each layer gets freshly embedded tensors: the built-in deletes the masks of the
+    tensors it is called on."""
     embed = keras.layers.Embedding(10, 16, mask_zero=True)
 
     def inputs():
@@ -154,8 +164,9 @@ def test_implicit_masks_match_keras_multi_head_attention(cross):
     output, weights = MultiHeadAttention.from_keras(builtin)(query, key, return_attention=True)
     real = TOKENS != 0
     np.testing.assert_array_equal(query._keras_mask.numpy(), real)  # this layer leaves it in place
-    _close(output.numpy()[real], expected.numpy()[real], OUTPUT_TOL)
-    _close(weights.numpy().transpose(0, 2, 1, 3)[real], expected_w.numpy().transpose(0, 2, 1, 3)[real], WEIGHTS_TOL)
+    _close(output, expected, OUTPUT_TOL)
+    _close(weights, expected_w, WEIGHTS_TOL)
+    assert (weights.numpy()[~real[:, None, :].repeat(4, 1)] == 0).all()  # padded query rows
     np.testing.assert_array_equal(output._keras_mask.numpy(), real)
 
 
