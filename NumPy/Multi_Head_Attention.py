@@ -54,6 +54,17 @@ def _check_input(name, x, width_name, width):
     return x.astype(np.float64)
 
 
+def _apply_defaults(query, key, value):
+    """Fills in a missing key or value; returns (key, value, which input was left out)."""
+    if key is None and value is None:
+        return query, query, "both"  # self-attention
+    if key is None:
+        return value, value, "key"
+    if value is None:
+        return key, key, "value"
+    return key, value, None
+
+
 def _check_lengths(query, key, value):
     if not query.shape[0] == key.shape[0] == value.shape[0]:
         raise ValueError(
@@ -255,12 +266,7 @@ class MultiHeadAttention:
         return y.reshape(b, length, heads, self.head_dim).transpose(0, 2, 1, 3)  # -> (B, heads, L, H)
 
     def __call__(self, query, key=None, value=None, attention_mask=None, *, causal=False, return_attention=False):
-        defaulted = (
-            "both" if key is None and value is None else "key" if key is None else "value" if value is None else None
-        )
-        key = value if key is None else key
-        key = query if key is None else key
-        value = key if value is None else value
+        key, value, defaulted = _apply_defaults(query, key, value)
         query = _check_input("query", query, "E", self.d_model)
         key = _check_input("key", key, "kdim", self.kdim)
         value = _check_input("value", value, "vdim", self.vdim)
