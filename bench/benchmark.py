@@ -203,7 +203,10 @@ def _measure(fields, which):
     framework = "PyTorch" if which in ("PyTorch ours", "nn.MultiheadAttention") else "TensorFlow"
     forward = (torch_layers if framework == "PyTorch" else tf_layers)(config)[which]["forward"]
     forward()  # tracing and first-call allocations are not the layer's steady state
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    except OSError:
+        return "n/a (needs Linux /proc)"
     before = _rss_mib("VmRSS")
     forward()
     return round(_rss_mib("VmHWM") - before, 1)

@@ -130,7 +130,7 @@ def _mask(case, rng):
         return np.where(rng.random(shape) < 0.3, -np.inf, added).astype(np.float32)
     keep = rng.random(shapes[case.mask]) < 0.7
     if case.mask == "rows_masked":
-        keep[0, 1] = False  # query 1 of batch 0 keeps no key
+        keep[0, case.t // 2] = False  # the middle query of batch 0 keeps no key
         keep[-1, -1] = False  # neither does the last query of the last batch element
     if case.mask == "batch_masked":
         keep[-1] = False  # the last batch element keeps no key at all
