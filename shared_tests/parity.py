@@ -17,11 +17,7 @@ import numpy as np
 from shared_tests.cases import CASES, CASES_BY_NAME, make_data
 from shared_tests.frameworks import PATHS, run
 
-FRAMEWORK_PATHS = {
-    "torch": ("torch:sdpa", "torch:explicit"),
-    "tf": ("tf:eager", "tf:function", "tf:chunked"),
-    "numpy": ("numpy",),
-}
+FRAMEWORK_PATHS = {fw: tuple(p for p in PATHS if p.split(":")[0] == fw) for fw in ("torch", "tf", "numpy")}
 PAIRS = (("torch", "tf"), ("torch", "numpy"), ("tf", "numpy"))
 QUANTITIES = ("output", "weights", "grads")
 # Two low-precision layers may each sit a full SPEC tolerance away from the float64 truth, on
