@@ -340,17 +340,17 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             variable = getattr(self, name)
             variable.assign(np.asarray(weights[name]).astype(variable.dtype))
 
-    def _split_heads(self, y, heads):
-        b, length = tf.shape(y)[0], tf.shape(y)[1]
-        y = tf.reshape(y, [b, length, heads, self.head_dim])  # (B, L, heads*H) -> (B, L, heads, H)
-        return tf.transpose(y, [0, 2, 1, 3])  # -> (B, heads, L, H)
-
     def _project(self, x, kind, heads):
         """(B, L, D) -> (B, heads, L, H): one projection split into heads."""
         y = tf.matmul(x, getattr(self, f"{kind}_kernel"))  # (B, L, D) -> (B, L, heads*H)
         if self.bias:
             y = y + getattr(self, f"{kind}_bias")
         return self._split_heads(y, heads)
+
+    def _split_heads(self, y, heads):
+        b, length = tf.shape(y)[0], tf.shape(y)[1]
+        y = tf.reshape(y, [b, length, heads, self.head_dim])  # (B, L, heads*H) -> (B, L, heads, H)
+        return tf.transpose(y, [0, 2, 1, 3])  # -> (B, heads, L, H)
 
     def _project_fused(self, x):
         """Self-attention: q, k and v from one matmul over the concatenated projections."""
