@@ -141,15 +141,16 @@ def _explicit_attention(q, k, v, keep, bias, dropout):
     return context, weights
 
 
-def _fused_attention(q, k, v, keep, bias, dropout):
+def _fused_attention(q, k, v, keep, bias, dropout, is_causal=False):
     """`scaled_dot_product_attention` with a finite additive mask; returns the context.
 
+    `is_causal` is the kernel's own top-left triangle: pass it only with no mask and T == S.
     A row with no key left attends to every key inside the kernel (finite numbers, forward and
     backward, in any dtype) and is then set to exactly 0.
     """
     gqa = q.shape[1] != k.shape[1]
     if keep is None and bias is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, enable_gqa=gqa)  # (B, N, T, H)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=is_causal, enable_gqa=gqa)
     additive = torch.zeros((), dtype=q.dtype, device=q.device) if bias is None else bias.to(q.dtype)
     if keep is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=dropout, enable_gqa=gqa)
@@ -179,8 +180,7 @@ def dot_product_attention(q, k, v, keep=None, bias=None, causal=False, *, dropou
     """
     t, s = q.shape[2], k.shape[2]
     if causal and keep is None and bias is None and t == s and not return_attention:
-        gqa = q.shape[1] != k.shape[1]
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=gqa), None
+        return _fused_attention(q, k, v, None, None, dropout, is_causal=True), None  # (B, N, T, H)
     if causal:
         triangle = causal_mask(t, s, q.device)  # (T, S)
         keep = triangle if keep is None else keep & triangle  # (B, N, T, S), dims may be 1
