@@ -181,17 +181,21 @@ def _batch_chunked_attention(q, k, v, keep, bias, causal, return_attention):
     Same numbers; faster on CPU when the (B, N, T, S) scores do not fit in cache but one batch
     element's (N, T, S) do, since the softmax passes then run in cache.
     """
-    full = {name: m for name, m in (("keep", keep), ("bias", bias)) if m is not None and m.shape[0] != 1}
+    batch = tf.shape(q)[:1]
+    masks = {
+        name: tf.broadcast_to(m, tf.concat([batch, tf.shape(m)[1:]], 0))  # (1 or B, ...) -> (B, ...)
+        for name, m in (("keep", keep), ("bias", bias))
+        if m is not None
+    }
 
     def one(elements):
-        q1, k1, v1, masks = elements
-        keep1 = masks["keep"][None] if "keep" in masks else keep  # (1, N, T, S), dims may be 1
-        bias1 = masks["bias"][None] if "bias" in masks else bias
+        q1, k1, v1, masks1 = elements
+        keep1, bias1 = (masks1[name][None] if name in masks1 else None for name in ("keep", "bias"))
         context, weights = dot_product_attention(q1[None], k1[None], v1[None], keep1, bias1, causal)
         return (context[0], weights[0]) if return_attention else context[0]
 
     spec = tf.TensorSpec(None, q.dtype)
-    result = tf.map_fn(one, (q, k, v, full), fn_output_signature=(spec, spec) if return_attention else spec)
+    result = tf.map_fn(one, (q, k, v, masks), fn_output_signature=(spec, spec) if return_attention else spec)
     return result if return_attention else (result, None)
 
 

@@ -387,3 +387,20 @@ def test_default_threshold_chunks_the_benchmark_shape_only():
     assert layer._chunk_by_batch(q, q)
     assert not layer._chunk_by_batch(q[:1], q[:1])  # B = 1: nothing to chunk
     assert not layer._chunk_by_batch(q[:, :, :128], q[:, :, :128])  # (8, 8, 128, 128) fits in cache
+
+
+def test_regression_chunked_attention_with_a_mask_batch_unknown_at_trace_time():
+    """The chunked path used to pick which masks to map from their static batch size; a mask
+    traced as (None, 1, S) and fed with batch 1 then failed inside tf.map_fn."""
+    layer = _built(MultiHeadAttention(16, 4), X, Y)
+    layer.batch_chunk_threshold = 0
+    signature = [tf.TensorSpec((2, 5, 16)), tf.TensorSpec((2, 7, 16)), tf.TensorSpec((None, 1, 7), tf.bool)]
+    attend = tf.function(
+        lambda q, k, m: layer(q, k, attention_mask=m, return_attention=True), input_signature=signature
+    )
+    keep = rng.random((1, 1, 7)) < 0.6
+    output, weights = attend(X, Y, keep)
+    layer.batch_chunk_threshold = 2**62
+    expected, expected_w = layer(X, Y, attention_mask=keep, return_attention=True)
+    _close(output, expected, OUTPUT_TOL)
+    _close(weights, expected_w, WEIGHTS_TOL)
