@@ -1,7 +1,7 @@
 """Multi-head attention: the float64 NumPy reference, with an explicit backward.
 
 This file is the oracle the PyTorch and TensorFlow layers are judged by. It follows the
-contract in SPEC.md step by step, one operation per line, so a student can check it by hand.
+contract in docs/SPEC.md step by step, one operation per line, so a student can check it by hand.
 
 Legend (every shape comment in this file uses these letters):
     B: batch size          T: query length        S: key/value length
@@ -242,7 +242,7 @@ class MultiHeadAttention:
         return {k: v for k, v in shapes.items() if self.bias or k.endswith("_kernel")}
 
     def export_weights(self):
-        """Returns the portable weights: a dict of float64 arrays (see SPEC.md)."""
+        """Returns the portable weights: a dict of float64 arrays (see docs/SPEC.md)."""
         return {name: value.copy() for name, value in self.params.items()}
 
     def import_weights(self, weights):

@@ -323,7 +323,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         self.built = True
 
     def export_weights(self):
-        """Returns the portable weights: a dict of NumPy arrays (see SPEC.md)."""
+        """Returns the portable weights: a dict of NumPy arrays (see docs/SPEC.md)."""
         if not self.built:
             self.build()
         return {name: getattr(self, name).numpy().copy() for name in self.weight_shapes()}
