@@ -24,14 +24,38 @@ s <= t + (S - T). A query row with no key left gets weights of exactly 0, so its
     keep = np.array([[True, True, False]])           # (B, S)
     layer(x, attention_mask=keep[:, None, :])         # (B, 1, S) broadcasts to (B, N, T, S)
 
+Decoding with a KV cache (L: the cache's max length): `cache = layer.init_cache(B, L)`, then
+`output, cache = layer(x, cache=cache)` for a prompt (T > 1) and then one token at a time
+(T = 1). The keys and values of the T new tokens are written to slots [index, index + T), and
+query t attends slot s iff s < index + T, keep[b, s], (not causal or s <= index + t) and
+`attention_mask` (given over L) keeps it. Token-by-token equals the full causal pass. The
+reference copies the cache: the one passed in is left unchanged.
+
 The reference has no dropout: `dropout` must be 0.
 """
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["MultiHeadAttention", "dot_product_attention"]
+__all__ = ["KVCache", "MultiHeadAttention", "dot_product_attention"]
+
+
+class KVCache(NamedTuple):
+    """The keys and values of the tokens decoded so far (make one with `init_cache`).
+
+    Attributes:
+        key: (B, K, L, H) projected keys, one slot per position; L is the cache's max length.
+        value: (B, K, L, H) projected values.
+        keep: (B, L) boolean; False marks a slot no query may attend (left padding).
+        index: scalar integer; slots [0, index) are written, the next call writes from index.
+    """
+
+    key: np.ndarray
+    value: np.ndarray
+    keep: np.ndarray
+    index: np.ndarray
 
 
 def _positive_int(name, value):
@@ -75,6 +99,89 @@ def _check_lengths(query, key, value):
         raise ValueError(
             f"`key` and `value` must have the same length S. Received: key.shape={key.shape}, value.shape={value.shape}"
         )
+
+
+def _check_cache(cache, query, key, heads, head_dim):
+    """Checks a KVCache against the call's (B, T, E) query and (B, S, kdim) key."""
+    (b, t), s = query.shape[:2], key.shape[1]
+    if t == 0:
+        raise ValueError(
+            "`query` must hold at least one token (T >= 1) when decoding with `cache`. "
+            f"Received: query.shape={query.shape}"
+        )
+    if s != t:
+        raise ValueError(
+            "`key` and `value` must hold the T tokens of `query` when decoding with `cache` (they are written to "
+            f"it). Received: query.shape={query.shape}, key.shape={key.shape}"
+        )
+    k, v = cache.key, cache.value
+    if k.ndim != 4 or k.shape != v.shape or (k.shape[0], k.shape[1], k.shape[3]) != (b, heads, head_dim):
+        raise ValueError(
+            f"`cache.key` and `cache.value` must have shape (B, K, L, H) with B={b}, K={heads}, H={head_dim}. "
+            f"Received: cache.key.shape={tuple(k.shape)}, cache.value.shape={tuple(v.shape)}"
+        )
+    if tuple(cache.keep.shape) != (b, k.shape[2]):
+        raise ValueError(
+            f"`cache.keep` must have shape (B, L)=({b}, {k.shape[2]}). "
+            f"Received: cache.keep.shape={tuple(cache.keep.shape)}"
+        )
+
+
+def _check_cache_dtype(cache, dtype):
+    if cache.key.dtype != dtype or cache.value.dtype != dtype:
+        raise ValueError(
+            f"`cache` must hold the layer's compute dtype {np.dtype(dtype).name}. "
+            f"Received: cache.key.dtype={cache.key.dtype.name}, cache.value.dtype={cache.value.dtype.name}"
+        )
+
+
+def _cache_full_error(index, t, length):
+    return ValueError(
+        f"`cache` is full: index + T must be <= L (call `init_cache` with a larger `max_length`). "
+        f"Received: index={index}, T={t}, L={length}"
+    )
+
+
+def _check_keep(keep, batch_size, max_length):
+    """Checks the (B, L) boolean `keep` of `init_cache`."""
+    keep = np.asarray(keep)
+    if keep.dtype != np.bool_ or keep.shape != (batch_size, max_length):
+        raise ValueError(
+            f"`keep` must be a boolean array of shape (B, L)=({batch_size}, {max_length}). "
+            f"Received: keep.shape={tuple(keep.shape)}, keep.dtype={keep.dtype.name}"
+        )
+    return keep
+
+
+def _cache_keep(keep, index, t, causal):
+    """(B, L) cache keep -> (B, 1, T, L): slot s is written, not padding and, when causal, at most
+    the query's own position index + t."""
+    slots = np.arange(keep.shape[-1])[None, :]  # (1, L)
+    positions = index + np.arange(t)[:, None]  # (T, 1), the position of each query
+    allowed = slots <= positions if causal else slots < index + t  # (T, L)
+    return allowed[None, None] & keep[:, None, None, :]  # (B, 1, T, L)
+
+
+def _write_cache(cache, k, v):
+    """Copies the cache with (B, K, T, H) keys and values written to slots [index, index + T)."""
+    index, t, length = int(cache.index), k.shape[2], cache.key.shape[2]
+    if index + t > length:
+        raise _cache_full_error(index, t, length)
+    key, value = cache.key.copy(), cache.value.copy()
+    key[:, :, index : index + t] = k  # (B, K, L, H)
+    value[:, :, index : index + t] = v  # (B, K, L, H)
+    return KVCache(key, value, cache.keep.copy(), np.asarray(index + t))
+
+
+def _and(a, b):
+    return b if a is None else a if b is None else a & b
+
+
+def _results(output, weights, cache, return_attention):
+    """output, (output, weights), (output, cache) or (output, weights, cache)."""
+    results = (output, weights) if return_attention else (output,)
+    results = results if cache is None else (*results, cache)
+    return results[0] if len(results) == 1 else results
 
 
 def _mask_to_4d(mask, target):
@@ -172,10 +279,13 @@ class MultiHeadAttention:
             (T, S), (B, T, S) or (B, N, T, S), any dimension of which may be 1.
         causal: if True, query t attends key s only if s <= t + (S - T).
         return_attention: if True, also return the per-head attention weights.
+        cache: a `KVCache` from `init_cache`: decode T new tokens (`key` and `value`, if
+            given, hold the same T tokens); masks and weights are then over the L slots.
 
     Returns:
         output (B, T, E), or (output, weights) with weights (B, N, T, S) when
-        `return_attention` is True.
+        `return_attention` is True; with `cache`, the updated cache is appended and weights
+        are (B, N, T, L), exactly 0 at unwritten slots.
 
     Example, a key padding mask (the third key of the first sequence is padding):
         >>> layer = MultiHeadAttention(16, 4, seed=0)
@@ -224,7 +334,26 @@ class MultiHeadAttention:
         for name, shape in self.weight_shapes().items():
             is_kernel = name.endswith("_kernel")
             self.params[name] = _glorot_uniform(rng, *shape) if is_kernel else np.zeros(shape)
-        self._cache = None
+        self._saved = None
+
+    def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
+        """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
+
+        Args:
+            batch_size: B.
+            max_length: L, the number of slots.
+            keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
+                of different lengths). Defaults to all True.
+            dtype: dtype of the keys and values; defaults to the compute dtype, float64.
+
+        Returns:
+            A `KVCache` of zeros with index 0.
+        """
+        b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
+        keep = np.ones((b, length), dtype=bool) if keep is None else _check_keep(keep, b, length)
+        shape = (b, self.num_kv_heads, length, self.head_dim)
+        dtype = np.float64 if dtype is None else dtype
+        return KVCache(np.zeros(shape, dtype), np.zeros(shape, dtype), keep.copy(), np.asarray(0))
 
     def weight_shapes(self):
         """The portable layout: {name: shape}, biases left out when `bias` is False."""
@@ -265,29 +394,38 @@ class MultiHeadAttention:
         b, length, _ = y.shape
         return y.reshape(b, length, heads, self.head_dim).transpose(0, 2, 1, 3)  # -> (B, heads, L, H)
 
-    def __call__(self, query, key=None, value=None, attention_mask=None, *, causal=False, return_attention=False):
+    def __call__(
+        self, query, key=None, value=None, attention_mask=None, *, causal=False, return_attention=False, cache=None
+    ):
         key, value, defaulted = _apply_defaults(query, key, value)
         query = _check_input("query", query, "E", self.d_model)
         key = _check_input("key", key, "kdim", self.kdim)
         value = _check_input("value", value, "vdim", self.vdim)
         _check_lengths(query, key, value)
-        (b, t, _), s = query.shape, key.shape[1]
+        if cache is not None:
+            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
+            _check_cache_dtype(cache, np.float64)
+        (b, t, _), s = query.shape, key.shape[1] if cache is None else cache.key.shape[2]
         keep, bias = _split_mask(attention_mask, (b, self.num_heads, t, s))
 
         q = self._project(query, "query", self.num_heads)  # (B, T, E) -> (B, N, T, H)
         k = self._project(key, "key", self.num_kv_heads)  # (B, S, kdim) -> (B, K, S, H)
         v = self._project(value, "value", self.num_kv_heads)  # (B, S, vdim) -> (B, K, S, H)
+        if cache is not None:
+            keep = _and(keep, _cache_keep(cache.keep, int(cache.index), t, causal))  # (B, N, T, L), dims may be 1
+            cache = _write_cache(cache, k, v)
+            k, v, causal = cache.key, cache.value, False  # (B, K, L, H); causality is in `keep`
         context, weights, probs, keep = dot_product_attention(q, k, v, keep, bias, causal)  # (B, N, T, H)
         merged = context.transpose(0, 2, 1, 3).reshape(b, t, -1)  # (B, N, T, H) -> (B, T, N*H)
         output = merged @ self.params["output_kernel"]  # (B, T, N*H) -> (B, T, E)
         if self.bias:
             output = output + self.params["output_bias"]
 
-        self._cache = dict(
+        self._saved = None if cache is not None else dict(
             query=query, key=key, value=value, defaulted=defaulted, q=q, k=k, v=v,
             keep=keep, probs=probs, weights=weights, merged=merged,
         )  # fmt: skip
-        return (output, weights) if return_attention else output
+        return _results(output, weights, cache, return_attention)
 
     def backward(self, grad_output):
         """Gradients of sum(output * grad_output) after the last call.
@@ -300,9 +438,9 @@ class MultiHeadAttention:
             gradient of a defaulted input is added to the one it defaulted to) and every name
             of the portable weight layout.
         """
-        if self._cache is None:
-            raise ValueError("`backward` needs a forward call first. Received: no forward call")
-        c, p = self._cache, self.params
+        if self._saved is None:
+            raise ValueError("`backward` needs a forward call without `cache` first. Received: none since the last one")
+        c, p = self._saved, self.params
         g = np.asarray(grad_output, dtype=np.float64)  # (B, T, E)
         if g.shape != (*c["merged"].shape[:2], self.d_model):
             raise ValueError(

@@ -27,19 +27,44 @@ Example, a key padding mask for keys [a, b, <pad>]:
 Parameters: `query`, `key`, `value` and `output` are `nn.Linear` submodules, so `state_dict`
 holds `query.weight` = query_kernel^T, `query.bias` = query_bias, and so on for the others.
 
+Decoding with a KV cache (L: the cache's max length): `cache = layer.init_cache(B, L)`, then
+`output, cache = layer(x, cache=cache)` for a prompt (T > 1) and then one token at a time
+(T = 1). The keys and values of the T new tokens are written to slots [index, index + T), and
+query t attends slot s iff s < index + T, keep[b, s], (not causal or s <= index + t) and
+`attention_mask` (given over L) keeps it. Token-by-token equals the full causal pass. This
+layer writes the keys and values into the cache's tensors in place (for inference; call it
+under `torch.no_grad()`); the returned cache shares them, with the index moved on.
+
 Two code paths give the same numbers: without `return_attention`, attention runs in
 `torch.nn.functional.scaled_dot_product_attention` (and self-attention projects q, k and v
 with one matmul); with it, an explicit softmax returns the per-head weights.
 """
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MultiHeadAttention", "dot_product_attention"]
+__all__ = ["KVCache", "MultiHeadAttention", "dot_product_attention"]
+
+
+class KVCache(NamedTuple):
+    """The keys and values of the tokens decoded so far (make one with `init_cache`).
+
+    Attributes:
+        key: (B, K, L, H) projected keys, one slot per position; L is the cache's max length.
+        value: (B, K, L, H) projected values.
+        keep: (B, L) boolean; False marks a slot no query may attend (left padding).
+        index: scalar integer; slots [0, index) are written, the next call writes from index.
+    """
+
+    key: torch.Tensor
+    value: torch.Tensor
+    keep: torch.Tensor
+    index: torch.Tensor
 
 
 def _positive_int(name, value):
@@ -77,6 +102,94 @@ def _check_lengths(query, key, value):
             "`key` and `value` must have the same length S. Received: "
             f"key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
         )
+
+
+def _check_cache(cache, query, key, heads, head_dim):
+    """Checks a KVCache against the call's (B, T, E) query and (B, S, kdim) key."""
+    (b, t), s = query.shape[:2], key.shape[1]
+    if t == 0:
+        raise ValueError(
+            "`query` must hold at least one token (T >= 1) when decoding with `cache`. "
+            f"Received: query.shape={tuple(query.shape)}"
+        )
+    if s != t:
+        raise ValueError(
+            "`key` and `value` must hold the T tokens of `query` when decoding with `cache` (they are written to "
+            f"it). Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
+        )
+    k, v = cache.key, cache.value
+    if k.dim() != 4 or k.shape != v.shape or (k.shape[0], k.shape[1], k.shape[3]) != (b, heads, head_dim):
+        raise ValueError(
+            f"`cache.key` and `cache.value` must have shape (B, K, L, H) with B={b}, K={heads}, H={head_dim}. "
+            f"Received: cache.key.shape={tuple(k.shape)}, cache.value.shape={tuple(v.shape)}"
+        )
+    if tuple(cache.keep.shape) != (b, k.shape[2]):
+        raise ValueError(
+            f"`cache.keep` must have shape (B, L)=({b}, {k.shape[2]}). "
+            f"Received: cache.keep.shape={tuple(cache.keep.shape)}"
+        )
+
+
+def _check_cache_dtype(cache, dtype):
+    if cache.key.dtype != dtype or cache.value.dtype != dtype:
+        raise ValueError(
+            f"`cache` must hold the layer's compute dtype {_dtype_name(dtype)}. "
+            f"Received: cache.key.dtype={_dtype_name(cache.key.dtype)}, "
+            f"cache.value.dtype={_dtype_name(cache.value.dtype)}"
+        )
+
+
+def _cache_full_error(index, t, length):
+    return ValueError(
+        f"`cache` is full: index + T must be <= L (call `init_cache` with a larger `max_length`). "
+        f"Received: index={index}, T={t}, L={length}"
+    )
+
+
+def _check_keep(keep, batch_size, max_length):
+    """Checks the (B, L) boolean `keep` of `init_cache`."""
+    keep = torch.as_tensor(keep)
+    if keep.dtype != torch.bool or tuple(keep.shape) != (batch_size, max_length):
+        raise ValueError(
+            f"`keep` must be a boolean array of shape (B, L)=({batch_size}, {max_length}). "
+            f"Received: keep.shape={tuple(keep.shape)}, keep.dtype={_dtype_name(keep.dtype)}"
+        )
+    return keep
+
+
+def _cache_keep(keep, index, t, causal):
+    """(B, L) cache keep -> (B, 1, T, L): slot s is written, not padding and, when causal, at most
+    the query's own position index + t."""
+    slots = torch.arange(keep.shape[-1], device=keep.device)[None, :]  # (1, L)
+    positions = index + torch.arange(t, device=keep.device)[:, None]  # (T, 1), the position of each query
+    allowed = slots <= positions if causal else slots < index + t  # (T, L)
+    return allowed[None, None] & keep[:, None, None, :]  # (B, 1, T, L)
+
+
+def _write_cache(cache, k, v):
+    """Writes (B, K, T, H) keys and values to slots [index, index + T) of the cache's own tensors.
+
+    Eagerly a full cache is a ValueError. Under `torch.compile` (where raising needs a graph
+    break) the write is clamped to the last slot and the caller sets that call's output to NaN.
+    """
+    t, length = k.shape[2], cache.key.shape[2]
+    if not torch.compiler.is_compiling() and int(cache.index) + t > length:
+        raise _cache_full_error(int(cache.index), t, length)
+    positions = (cache.index + torch.arange(t, device=k.device)).clamp(max=length - 1)  # (T,)
+    cache.key.index_copy_(2, positions, k)  # (B, K, L, H)
+    cache.value.index_copy_(2, positions, v)  # (B, K, L, H)
+    return KVCache(cache.key, cache.value, cache.keep, cache.index + t)
+
+
+def _and(a, b):
+    return b if a is None else a if b is None else a & b
+
+
+def _results(output, weights, cache, return_attention):
+    """output, (output, weights), (output, cache) or (output, weights, cache)."""
+    results = (output, weights) if return_attention else (output,)
+    results = results if cache is None else (*results, cache)
+    return results[0] if len(results) == 1 else results
 
 
 def _mask_to_4d(mask, target):
@@ -212,10 +325,14 @@ class MultiHeadAttention(nn.Module):
             (T, S), (B, T, S) or (B, N, T, S), any dimension of which may be 1.
         causal: if True, query t attends key s only if s <= t + (S - T).
         return_attention: if True, also return the per-head attention weights.
+        cache: a `KVCache` from `init_cache`: decode T new tokens (`key` and `value`, if
+            given, hold the same T tokens); masks and weights are then over the L slots.
 
     Returns:
         output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before
-        dropout) when `return_attention` is True. Unbatched inputs give unbatched results.
+        dropout) when `return_attention` is True; with `cache`, the updated cache is appended
+        and weights are (B, N, T, L), exactly 0 at unwritten slots. Unbatched inputs give
+        unbatched results.
 
     Example, a key padding mask (the third key of the first sequence is padding):
         >>> layer = MultiHeadAttention(16, 4)
@@ -274,6 +391,31 @@ class MultiHeadAttention(nn.Module):
             nn.init.xavier_uniform_(projection.weight)
             if projection.bias is not None:
                 nn.init.zeros_(projection.bias)
+
+    def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
+        """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
+
+        Args:
+            batch_size: B.
+            max_length: L, the number of slots.
+            keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
+                of different lengths). Defaults to all True.
+            dtype: dtype of the keys and values; defaults to the compute dtype, the parameters'.
+
+        Returns:
+            A `KVCache` of zeros with index 0, on the parameters' device.
+        """
+        b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
+        device = self.output.weight.device
+        keep = torch.ones(b, length, dtype=torch.bool) if keep is None else _check_keep(keep, b, length)
+        shape = (b, self.num_kv_heads, length, self.head_dim)
+        dtype = self.output.weight.dtype if dtype is None else dtype
+        return KVCache(
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+            keep.to(device),
+            torch.zeros((), dtype=torch.long, device=device),
+        )
 
     def extra_repr(self):
         return (
@@ -349,7 +491,14 @@ class MultiHeadAttention(nn.Module):
             self._split_heads(v, self.num_kv_heads),  # (B, K, T, H)
         )
 
-    def forward(self, query, key=None, value=None, attention_mask=None, *, causal=False, return_attention=False):
+    def _compute_dtype(self, device_type):
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+        return self.output.weight.dtype
+
+    def forward(
+        self, query, key=None, value=None, attention_mask=None, *, causal=False, return_attention=False, cache=None
+    ):
         unbatched = isinstance(query, torch.Tensor) and query.dim() == 2
         if unbatched:
             query, key, value = (x if x is None else x.unsqueeze(0) for x in (query, key, value))  # (L, D) -> (1, L, D)
@@ -361,7 +510,10 @@ class MultiHeadAttention(nn.Module):
         key = _check_input("key", key, "kdim", self.kdim)
         value = _check_input("value", value, "vdim", self.vdim)
         _check_lengths(query, key, value)
-        (b, t, _), s = query.shape, key.shape[1]
+        if cache is not None:
+            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
+            _check_cache_dtype(cache, self._compute_dtype(query.device.type))
+        (b, t, _), s = query.shape, key.shape[1] if cache is None else cache.key.shape[2]
         if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
             attention_mask = torch.as_tensor(attention_mask, device=query.device)
         keep, bias = _split_mask(attention_mask, (b, self.num_heads, t, s))
@@ -372,16 +524,23 @@ class MultiHeadAttention(nn.Module):
             q = self._project(query, "query", self.num_heads)  # (B, T, E) -> (B, N, T, H)
             k = self._project(key, "key", self.num_kv_heads)  # (B, S, kdim) -> (B, K, S, H)
             v = self._project(value, "value", self.num_kv_heads)  # (B, S, vdim) -> (B, K, S, H)
+        if cache is not None:
+            keep = _and(keep, _cache_keep(cache.keep, cache.index, t, causal))  # (B, N, T, L), dims may be 1
+            full = cache.index + t > cache.key.shape[2]  # only ever True under torch.compile
+            cache = _write_cache(cache, k, v)
+            k, v, causal = cache.key, cache.value, False  # (B, K, L, H); causality is in `keep`
         dropout = self.dropout if self.training else 0.0
         context, weights = dot_product_attention(
             q, k, v, keep, bias, causal, dropout=dropout, return_attention=return_attention
         )  # (B, N, T, H), (B, N, T, S) or None
         merged = context.transpose(1, 2).reshape(b, t, -1)  # (B, N, T, H) -> (B, T, N*H)
         output = self.output(merged)  # (B, T, N*H) -> (B, T, E)
+        if cache is not None and torch.compiler.is_compiling():
+            output = torch.where(full, torch.nan, output)  # a full cache cannot raise inside a graph
 
         if unbatched:
             output, weights = output[0], None if weights is None else weights[0]  # drop B
-        return (output, weights) if return_attention else output
+        return _results(output, weights, cache, return_attention)
 
     @classmethod
     def from_torch(cls, module):
