@@ -26,16 +26,41 @@ Example, a key padding mask for keys [a, b, <pad>]:
     keep = tf.constant([[True, True, False]])        # (B, S)
     layer(x, attention_mask=keep[:, None, :])         # (B, 1, S) broadcasts to (B, N, T, S)
 
+Decoding with a KV cache (L: the cache's max length): `cache = layer.init_cache(B, L)`, then
+`output, cache = layer(x, cache=cache)` for a prompt (T > 1) and then one token at a time
+(T = 1). The keys and values of the T new tokens are written to slots [index, index + T), and
+query t attends slot s iff s < index + T, keep[b, s], (not causal or s <= index + t) and
+`attention_mask` (given over L) keeps it. Token-by-token equals the full causal pass. This
+layer is functional: it returns a new cache (a nest of tensors, so it can be a `tf.while_loop`
+variable), and the keys' implicit Keras mask is ANDed into the new cache's `keep`.
+
 Weights: `query_kernel` (E, N*H), `query_bias` (N*H,), `key_kernel` (kdim, K*H), ...,
 `output_kernel` (N*H, E), `output_bias` (E,): the portable layout itself, created in `build`.
 """
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["MultiHeadAttention", "dot_product_attention"]
+__all__ = ["KVCache", "MultiHeadAttention", "dot_product_attention"]
+
+
+class KVCache(NamedTuple):
+    """The keys and values of the tokens decoded so far (make one with `init_cache`).
+
+    Attributes:
+        key: (B, K, L, H) projected keys, one slot per position; L is the cache's max length.
+        value: (B, K, L, H) projected values.
+        keep: (B, L) boolean; False marks a slot no query may attend (left padding).
+        index: scalar integer; slots [0, index) are written, the next call writes from index.
+    """
+
+    key: tf.Tensor
+    value: tf.Tensor
+    keep: tf.Tensor
+    index: tf.Tensor
 
 
 def _positive_int(name, value):
@@ -77,6 +102,102 @@ def _check_lengths(query, key, value):
         )
     if _differ(k[1], v[1]):
         raise ValueError(f"`key` and `value` must have the same length S. Received: key.shape={k}, value.shape={v}")
+
+
+def _check_cache(cache, query, key, heads, head_dim):
+    """Checks a KVCache against the call's (B, T, E) query and (B, S, kdim) key; dimensions
+    unknown at trace time are not checked."""
+    (b, t), s = tuple(query.shape)[:2], key.shape[1]
+    if t == 0:
+        raise ValueError(
+            "`query` must hold at least one token (T >= 1) when decoding with `cache`. "
+            f"Received: query.shape={tuple(query.shape)}"
+        )
+    if _differ(s, t):
+        raise ValueError(
+            "`key` and `value` must hold the T tokens of `query` when decoding with `cache` (they are written to "
+            f"it). Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
+        )
+    k, v = tuple(cache.key.shape), tuple(cache.value.shape)
+    if len(k) != 4 or k != v or any(_differ(*pair) for pair in zip((k[0], k[1], k[3]), (b, heads, head_dim))):
+        raise ValueError(
+            f"`cache.key` and `cache.value` must have shape (B, K, L, H) with B={b}, K={heads}, H={head_dim}. "
+            f"Received: cache.key.shape={k}, cache.value.shape={v}"
+        )
+    keep = tuple(cache.keep.shape)
+    if len(keep) != 2 or _differ(keep[0], b) or _differ(keep[1], k[2]):
+        raise ValueError(f"`cache.keep` must have shape (B, L)=({b}, {k[2]}). Received: cache.keep.shape={keep}")
+
+
+def _check_cache_dtype(cache, dtype):
+    if cache.key.dtype != dtype or cache.value.dtype != dtype:
+        raise ValueError(
+            f"`cache` must hold the layer's compute dtype {tf.as_dtype(dtype).name}. "
+            f"Received: cache.key.dtype={cache.key.dtype.name}, cache.value.dtype={cache.value.dtype.name}"
+        )
+
+
+def _cache_full_error(index, t, length):
+    return ValueError(
+        f"`cache` is full: index + T must be <= L (call `init_cache` with a larger `max_length`). "
+        f"Received: index={index}, T={t}, L={length}"
+    )
+
+
+def _check_keep(keep, batch_size, max_length):
+    """Checks the (B, L) boolean `keep` of `init_cache`."""
+    keep = tf.convert_to_tensor(keep)
+    if keep.dtype != tf.bool or tuple(keep.shape) != (batch_size, max_length):
+        raise ValueError(
+            f"`keep` must be a boolean array of shape (B, L)=({batch_size}, {max_length}). "
+            f"Received: keep.shape={tuple(keep.shape)}, keep.dtype={keep.dtype.name}"
+        )
+    return keep
+
+
+def _cache_keep(keep, index, t, causal):
+    """(B, L) cache keep -> (B, 1, T, L): slot s is written, not padding and, when causal, at most
+    the query's own position index + t."""
+    slots = tf.range(tf.shape(keep)[-1])[None, :]  # (1, L)
+    positions = index + tf.range(t)[:, None]  # (T, 1), the position of each query
+    allowed = slots <= positions if causal else slots < index + t  # (T, L)
+    return allowed[None, None] & keep[:, None, None, :]  # (B, 1, T, L)
+
+
+def _check_room(cache, t):
+    """Eagerly a full cache is a ValueError; in a graph an InvalidArgumentError (XLA ignores it,
+    and the caller sets that call's output to NaN)."""
+    length = tf.shape(cache.key)[2]
+    if tf.executing_eagerly():
+        if int(cache.index) + int(t) > int(length):
+            raise _cache_full_error(int(cache.index), int(t), int(length))
+        return
+    tf.debugging.assert_less_equal(
+        cache.index + t, length, message="`cache` is full: index + T must be <= L (index + T, L follow)"
+    )
+
+
+def _write_cache(cache, k, v, key_keep):
+    """A new cache with (B, K, T, H) keys and values written to slots [index, index + T) and the
+    (B, T) `key_keep` ANDed into `keep` there."""
+    shape = tf.shape(k)
+    positions = cache.index + tf.range(shape[2])  # (T,)
+    grid = tf.meshgrid(tf.range(shape[0]), tf.range(shape[1]), positions, indexing="ij")
+    slots = tf.stack(grid, axis=-1)  # (B, K, T, 3): (b, head, slot) of every written vector
+    key = tf.tensor_scatter_nd_update(cache.key, slots, k)  # (B, K, L, H)
+    value = tf.tensor_scatter_nd_update(cache.value, slots, v)  # (B, K, L, H)
+    keep = cache.keep
+    if key_keep is not None:
+        written = tf.stack(tf.meshgrid(tf.range(shape[0]), positions, indexing="ij"), axis=-1)  # (B, T, 2)
+        keep = tf.tensor_scatter_nd_update(keep, written, tf.gather(keep, positions, axis=1) & key_keep)  # (B, L)
+    return KVCache(key, value, keep, cache.index + shape[2])
+
+
+def _results(output, weights, cache, return_attention):
+    """output, (output, weights), (output, cache) or (output, weights, cache)."""
+    results = (output, weights) if return_attention else (output,)
+    results = results if cache is None else (*results, cache)
+    return results[0] if len(results) == 1 else results
 
 
 def _mask_to_4d(mask, target):
@@ -227,10 +348,13 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         training: dropout acts only when True.
         query_mask, key_mask, value_mask: (B, T) / (B, S) Keras implicit masks; Keras fills
             them from the inputs' masks, so you rarely pass them yourself.
+        cache: a `KVCache` from `init_cache`: decode T new tokens (`key` and `value`, if
+            given, hold the same T tokens); masks and weights are then over the L slots.
 
     Returns:
         output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before
-        dropout) when `return_attention` is True.
+        dropout) when `return_attention` is True; with `cache`, the updated cache is appended
+        and weights are (B, N, T, L), exactly 0 at unwritten slots.
 
     Example, a key padding mask (the third key of the first sequence is padding):
         >>> layer = MultiHeadAttention(16, 4)
@@ -314,6 +438,25 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         }
         return {k: v for k, v in shapes.items() if self.bias or k.endswith("_kernel")}
 
+    def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
+        """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
+
+        Args:
+            batch_size: B.
+            max_length: L, the number of slots.
+            keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
+                of different lengths). Defaults to all True.
+            dtype: dtype of the keys and values; defaults to the compute dtype of the policy.
+
+        Returns:
+            A `KVCache` of zeros with index 0 (int32).
+        """
+        b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
+        keep = tf.ones((b, length), dtype=tf.bool) if keep is None else _check_keep(keep, b, length)
+        shape = (b, self.num_kv_heads, length, self.head_dim)
+        dtype = self.compute_dtype if dtype is None else dtype
+        return KVCache(tf.zeros(shape, dtype), tf.zeros(shape, dtype), keep, tf.constant(0, tf.int32))
+
     def build(self, input_shape=None):
         """Creates the portable weights; every shape is known from the constructor."""
         for name, shape in self.weight_shapes().items():
@@ -392,6 +535,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         query_mask=None,
         key_mask=None,
         value_mask=None,
+        cache=None,
     ):
         query_mask = getattr(query, "_keras_mask", None) if query_mask is None else query_mask
         self_attention = (key is None or key is query) and (value is None or value is query)
@@ -402,9 +546,14 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         key = _check_input("key", key, "kdim", self.kdim)
         value = _check_input("value", value, "vdim", self.vdim)
         _check_lengths(query, key, value)
-        b, t, s = query.shape[0], query.shape[1], key.shape[1]
+        key_keep = _and(key_mask, value_mask)
+        if cache is not None:
+            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
+            _check_cache_dtype(cache, self.compute_dtype)
+            key_keep = None if key_keep is None else tf.cast(key_keep, tf.bool)  # goes into the cache's keep
+        b, t, s = query.shape[0], query.shape[1], key.shape[1] if cache is None else cache.key.shape[2]
         keep, bias = _split_mask(attention_mask, (b, self.num_heads, t, s))
-        keep = _and(keep, _implicit_keep(query_mask, _and(key_mask, value_mask)))
+        keep = _and(keep, _implicit_keep(query_mask, key_keep if cache is None else None))
 
         if self_attention:
             q, k, v = self._project_fused(query)  # (B, T, E) -> (B, N, T, H), 2 x (B, K, T, H)
@@ -412,6 +561,13 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             q = self._project(query, "query", self.num_heads)  # (B, T, E) -> (B, N, T, H)
             k = self._project(key, "key", self.num_kv_heads)  # (B, S, kdim) -> (B, K, S, H)
             v = self._project(value, "value", self.num_kv_heads)  # (B, S, vdim) -> (B, K, S, H)
+        if cache is not None:
+            t = tf.shape(q)[2]
+            keep = _and(keep, _cache_keep(cache.keep, cache.index, t, causal))  # (B, N, T, L), dims may be 1
+            _check_room(cache, t)
+            full = cache.index + t > tf.shape(cache.key)[2]  # only ever True under XLA
+            cache = _write_cache(cache, k, v, key_keep)
+            k, v, causal = cache.key, cache.value, False  # (B, K, L, H); causality is in `keep`
         dropout_active = self.dropout > 0 and training is not False and training is not None
         if not dropout_active and self._chunk_by_batch(q, k):
             context, weights = _batch_chunked_attention(q, k, v, keep, bias, causal, return_attention)
@@ -423,8 +579,10 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         output = tf.matmul(merged, self.output_kernel)  # (B, T, N*H) -> (B, T, E)
         if self.bias:
             output = output + self.output_bias
+        if cache is not None and not tf.executing_eagerly():
+            output = tf.where(full, tf.cast(np.nan, output.dtype), output)  # XLA cannot raise for a full cache
 
-        return (output, weights) if return_attention else output
+        return _results(output, weights, cache, return_attention)
 
     def compute_mask(self, query, previous_mask=None):
         """The output carries the query's mask."""

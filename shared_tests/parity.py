@@ -3,7 +3,9 @@
 For every case of the shared table, one portable weight dict is loaded into the PyTorch, the
 TensorFlow and the NumPy layer; their outputs, attention weights and gradients are compared
 pairwise against the SPEC tolerances, and every masked position must hold a weight of exactly 0.
-Exit status 1 on any FAIL.
+A second table decodes the KV-cache cases (shared_tests/decoding.py) chunk by chunk on every
+path: outputs and weights are compared between frameworks and against one full causal pass,
+and the final caches must be equal. Exit status 1 on any FAIL.
 """
 
 import argparse
@@ -14,7 +16,9 @@ import sys
 
 import numpy as np
 
+from shared_tests import decoding
 from shared_tests.cases import CASES, CASES_BY_NAME, make_data
+from shared_tests.decoding import DECODE_CASES, DECODE_CASES_BY_NAME, DECODE_PATHS, make_decode_data, query_ends
 from shared_tests.frameworks import PATHS, run
 
 FRAMEWORK_PATHS = {fw: tuple(p for p in PATHS if p.split(":")[0] == fw) for fw in ("torch", "tf", "numpy")}
@@ -113,6 +117,97 @@ def run_case(case, data=None, **classes):
     return compare(case, data, results), results
 
 
+DECODE_FRAMEWORK_PATHS = {fw: tuple(p for p in DECODE_PATHS if p.split(":")[0] == fw) for fw in FRAMEWORK_PATHS}
+DECODE_QUANTITIES = ("output", "weights", "cache")
+
+
+def _cache_diff(a, b):
+    """Largest difference of the cached keys and values; keep and index must be equal."""
+    if any(not np.array_equal(a[name], b[name]) for name in ("keep", "index")):
+        return math.inf
+    return max(_max_diff(a[name], b[name]) for name in ("key", "value"))
+
+
+def decode_removed_positions(case, data):
+    """Boolean (B, N, P, L): the slots each decoded query may not attend, computed here
+    independently of the layers."""
+    slots = np.arange(case.length)[None, :]  # (1, L)
+    allowed = slots <= np.arange(case.p)[:, None] if case.causal else slots < query_ends(case)[:, None]  # (P, L)
+    keep = allowed[None, None] & data["keep"][:, None, None, :]  # (B, 1, P, L)
+    mask = data["attention_mask"]
+    if mask is not None:
+        mask = ~np.isneginf(mask) if mask.dtype != np.bool_ else mask
+        keep = keep & {2: mask[None, None], 3: mask[:, None], 4: mask}[mask.ndim]
+    return ~np.broadcast_to(keep, (case.b, case.n, case.p, case.length))
+
+
+def _decode_quantity(first, second, quantity):
+    if quantity == "cache":
+        return _cache_diff(first.cache, second.cache)
+    return diff(first, second, quantity)
+
+
+def _decode_vs_full(result):
+    """Decoded output and weights against the same path's full causal pass."""
+    p = result.full_weights.shape[-1]
+    weights = None if result.weights is None else _max_diff(result.weights[..., :p], result.full_weights)
+    return {"output": _max_diff(result.output, result.full_output), "weights": weights}
+
+
+def _padded_rows_give_output_bias(case, data, removed, results):
+    """Every query that no head lets attend any slot outputs exactly `output_bias` (0 without
+    bias), rounded to the path's dtype (the NumPy reference computes in float64)."""
+    empty = removed.all(axis=(1, 3))  # (B, P)
+    bias = data["weights"].get("output_bias", np.zeros(case.e, np.float32))
+    for path, result in results.items():
+        expected = bias.astype(np.float64 if path == "numpy" else case.dtype).astype(np.float64)
+        if not np.array_equal(result.output[empty], np.broadcast_to(expected, result.output[empty].shape)):
+            return False
+    return True
+
+
+def compare_decode(case, data, results):
+    """The report row of one decode case from the DecodeResults of every path."""
+    diffs, failures = {}, []
+    tols = {"output": case.tolerance["output"], "weights": case.tolerance["weights"]}
+    tols["cache"] = tols["output"]
+    for pair in PAIRS:
+        factor = LOW_PRECISION_PAIR_FACTOR if case.dtype != "float32" and "numpy" not in pair else 1.0
+        label = "/".join(pair)
+        diffs[label] = {}
+        for quantity in DECODE_QUANTITIES:
+            values = [
+                _decode_quantity(results[p], results[q], quantity)
+                for p in DECODE_FRAMEWORK_PATHS[pair[0]]
+                for q in DECODE_FRAMEWORK_PATHS[pair[1]]
+            ]
+            values = [v for v in values if v is not None]
+            worst = max(values) if values else None
+            diffs[label][quantity] = worst
+            if worst is None or not worst <= tols[quantity] * factor:
+                failures.append(f"{label} {quantity} {worst} > {tols[quantity] * factor}")
+    vs_full = [_decode_vs_full(r) for r in results.values()]
+    diffs["decode/full"] = {}
+    for quantity in ("output", "weights"):
+        worst = max(v[quantity] for v in vs_full if v[quantity] is not None)
+        diffs["decode/full"][quantity] = worst
+        if not worst <= tols[quantity]:
+            failures.append(f"decode/full {quantity} {worst} > {tols[quantity]}")
+    removed = decode_removed_positions(case, data)
+    zeros = all(np.all(r.weights[removed] == 0) for r in results.values() if r.weights is not None)
+    zeros = zeros and _padded_rows_give_output_bias(case, data, removed, results)
+    if not zeros:
+        failures.append("a removed slot has a non-zero weight, or a query with no slot is not output_bias")
+    return Row(case.name, case.dtype, diffs, zeros, failures)
+
+
+def run_decode_case(case, data=None):
+    """Decodes one case on every path; returns (row, results)."""
+    data = make_decode_data(case) if data is None else data
+    results = {path: decoding.run(case, data, path) for path in DECODE_PATHS}
+    return compare_decode(case, data, results), results
+
+
 def _fmt(value):
     return "-" if value is None else "inf" if value == math.inf else f"{value:.0e}"
 
@@ -130,6 +225,25 @@ def format_table(rows):
     passed = sum(row.passed for row in rows)
     lines.append("-" * len(head))
     lines.append(f"{passed}/{len(rows)} cases PASS, {len(rows) - passed} FAIL")
+    return "\n".join(lines)
+
+
+def format_decode_table(rows):
+    groups = "".join(f"{'/'.join(pair):<21}" for pair in PAIRS) + f"{'decode/full':<14}"
+    head = f"{'decode case':<27} {'dtype':<9} {groups}zeros  status"
+    sub = f"{'':<27} {'':<9} " + "out   wts   cache  " * len(PAIRS) + "out   wts     "
+    lines = [head, sub, "-" * len(head)]
+    for row in rows:
+        cells = "".join(
+            "".join(f"{_fmt(values[q]):<6}" for q in values) + ("   " if len(values) == 3 else "  ")
+            for values in row.diffs.values()
+        )
+        lines.append(
+            f"{row.case:<27} {row.dtype:<9} {cells}{'ok' if row.zeros else 'NO':<7}{'PASS' if row.passed else 'FAIL'}"
+        )
+    passed = sum(row.passed for row in rows)
+    lines.append("-" * len(head))
+    lines.append(f"{passed}/{len(rows)} decode cases PASS, {len(rows) - passed} FAIL")
     return "\n".join(lines)
 
 
@@ -182,7 +296,7 @@ def load_user_weights(path, num_heads):
 
 
 def select_cases(names, overrides):
-    cases = [CASES_BY_NAME[name] for name in names] if names else CASES
+    cases = [CASES_BY_NAME[name] for name in names if name in CASES_BY_NAME] if names else CASES
     if overrides is None:
         return cases
     fits_self = overrides["kdim"] == overrides["vdim"] == overrides["e"]
@@ -193,13 +307,37 @@ def select_cases(names, overrides):
     ]
 
 
+def select_decode_cases(names, overrides):
+    """Decode cases named by --case (all without --case); none with user weights."""
+    if overrides is not None:
+        return []
+    return [DECODE_CASES_BY_NAME[name] for name in names if name in DECODE_CASES_BY_NAME] if names else DECODE_CASES
+
+
+def _run_all(cases, run_one, make):
+    rows, first_results = [], None
+    for index, case in enumerate(cases, 1):
+        print(f"\r[{index}/{len(cases)}] {case.name:<40}", end="", file=sys.stderr, flush=True)
+        row, results = run_one(case, make(case))
+        rows.append(row)
+        first_results = first_results or results
+    print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
+    return rows, first_results
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m shared_tests.parity", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--case", action="append", choices=sorted(CASES_BY_NAME), metavar="NAME", help="run this case (repeatable)"
+        "--case",
+        action="append",
+        choices=sorted(CASES_BY_NAME | DECODE_CASES_BY_NAME),
+        metavar="NAME",
+        help="run this case or decode case (repeatable)",
     )
     parser.add_argument("--plot", metavar="FILE.png", help="draw the per-head weights of the first case run")
-    parser.add_argument("--weights", metavar="FILE.npz", help="run the cases through your own exported weights")
+    parser.add_argument(
+        "--weights", metavar="FILE.npz", help="run the (non-decode) cases through your own exported weights"
+    )
     parser.add_argument("--num-heads", type=int, help="N of the layer that exported --weights")
     parser.add_argument("--json", metavar="FILE", help="also write the table as JSON")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
@@ -209,7 +347,7 @@ def parse_args(argv):
 def main(argv=None):
     args = parse_args(argv)
     if args.list:
-        print("\n".join(f"{c.name:<28} {c}" for c in CASES))
+        print("\n".join(f"{c.name:<28} {c}" for c in [*CASES, *DECODE_CASES]))
         return 0
     user_weights, overrides = None, None
     if args.weights:
@@ -218,25 +356,35 @@ def main(argv=None):
         except ValueError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
-    cases = select_cases(args.case, overrides)
-    rows = []
-    for index, case in enumerate(cases, 1):
-        print(f"\r[{index}/{len(cases)}] {case.name:<40}", end="", file=sys.stderr, flush=True)
+    cases, decode_cases = select_cases(args.case, overrides), select_decode_cases(args.case, overrides)
+
+    def make(case):
         data = make_data(case)
-        if user_weights is not None:
-            data["weights"] = user_weights
-        row, results = run_case(case, data)
-        rows.append(row)
-        if args.plot and index == 1:
-            plot(case, results, args.plot)
-    print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
-    print(format_table(rows))
-    if args.plot:
+        return data if user_weights is None else {**data, "weights": user_weights}
+
+    rows, results = _run_all(cases, run_case, make)
+    decode_rows, _ = _run_all(decode_cases, run_decode_case, make_decode_data)
+    print(
+        "\n\n".join(
+            table for table in (rows and format_table(rows), decode_rows and format_decode_table(decode_rows)) if table
+        )
+    )
+    if args.plot and rows:
+        plot(cases[0], results, args.plot)
         print(f"plot of case {cases[0].name} written to {args.plot}")
     if args.json:
+        tables = [("attention", rows), ("decode", decode_rows)]
         with open(args.json, "w") as handle:
-            json.dump([dataclasses.asdict(row) | {"passed": row.passed} for row in rows], handle, indent=1)
-    return 0 if all(row.passed for row in rows) else 1
+            json.dump(
+                [
+                    dataclasses.asdict(row) | {"table": name, "passed": row.passed}
+                    for name, table in tables
+                    for row in table
+                ],
+                handle,
+                indent=1,
+            )
+    return 0 if all(row.passed for row in [*rows, *decode_rows]) else 1
 
 
 if __name__ == "__main__":

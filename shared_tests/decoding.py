@@ -1,0 +1,263 @@
+"""KV-cache decoding cases and the runners that decode them on every path.
+
+A decode case feeds P tokens to a layer in chunks (a prefill with T > 1, then T = 1 steps, or
+any other split) through a cache of L slots; the same P tokens in one full causal pass must give
+the same outputs and weights, and every framework must end with the same cache.
+
+Legend: B batch, P tokens decoded in all, L cache slots, E d_model, N num_heads,
+K num_kv_heads, H head_dim.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from shared_tests.cases import TOLERANCES, random_weights
+
+DECODE_PATHS = ("numpy", "torch:sdpa", "torch:explicit", "tf:eager", "tf:function")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCase:
+    """One configuration, the chunks it is decoded in, and its masks."""
+
+    name: str
+    chunks: tuple = (4, 1, 1, 1)  # T of each call; P = sum(chunks)
+    length: int = 10  # L, the cache's slots
+    b: int = 2
+    e: int = 16
+    n: int = 4
+    k: int | None = None
+    h: int | None = None
+    kdim: int | None = None  # set kdim or vdim to pass key and value apart from the query
+    vdim: int | None = None
+    bias: bool = True
+    padding: tuple | None = None  # left padding of each batch element (prompts of different lengths)
+    mask: str = "none"  # none, bool_btl, bool_bntl, float_tl: an attention_mask over (P, L)
+    causal: bool = True
+    dtype: str = "float32"
+
+    @property
+    def p(self):
+        return sum(self.chunks)
+
+    @property
+    def cross(self):
+        return self.kdim is not None or self.vdim is not None
+
+    @property
+    def config(self):
+        return dict(
+            d_model=self.e, num_heads=self.n, num_kv_heads=self.k, head_dim=self.h,
+            kdim=self.kdim, vdim=self.vdim, bias=self.bias,
+        )  # fmt: skip
+
+    @property
+    def tolerance(self):
+        return TOLERANCES[self.dtype]
+
+    def spans(self):
+        """(start, stop) of each chunk."""
+        stops = np.cumsum(self.chunks)
+        return list(zip(stops - self.chunks, stops, strict=True))
+
+
+DECODE_CASES = [
+    DecodeCase("decode_prefill_then_steps"),
+    DecodeCase("decode_all_steps", chunks=(1,) * 7),
+    DecodeCase("decode_one_prefill", chunks=(7,)),
+    DecodeCase("decode_uneven_chunks", chunks=(3, 2, 1, 1), length=7),  # fills every slot
+    DecodeCase("decode_gqa", k=2, chunks=(3, 2, 1, 1)),
+    DecodeCase("decode_mqa", k=1),
+    DecodeCase("decode_left_padding_gqa", k=2, padding=(0, 3), chunks=(5, 1, 1)),
+    DecodeCase("decode_left_padding_steps", b=3, padding=(2, 0, 4), chunks=(1,) * 6),
+    DecodeCase("decode_mask_bool_btl", mask="bool_btl", padding=(1, 0)),
+    DecodeCase("decode_mask_bool_bntl", mask="bool_bntl", k=2),
+    DecodeCase("decode_mask_float_tl", mask="float_tl", chunks=(3, 1, 1)),
+    DecodeCase("decode_not_causal", causal=False, chunks=(3, 1, 1)),
+    DecodeCase("decode_cross_widths", kdim=6, vdim=10, chunks=(2, 1, 1)),
+    DecodeCase("decode_head_dim_no_bias", n=3, h=5, bias=False),
+    DecodeCase("decode_b1", b=1, chunks=(2, 1, 1, 1)),
+    DecodeCase("decode_float16", dtype="float16", k=2, padding=(0, 2)),
+]
+
+DECODE_CASES_BY_NAME = {case.name: case for case in DECODE_CASES}
+
+
+def _cache_keep(case):
+    """(B, L) boolean: False at the left padding of each prompt."""
+    keep = np.ones((case.b, case.length), dtype=bool)
+    for row, pad in enumerate(case.padding or ()):
+        keep[row, :pad] = False
+    return keep
+
+
+def _mask(case, rng):
+    """The attention_mask over (P, L) slots, as a NumPy array, or None."""
+    p, length = case.p, case.length
+    if case.mask == "none":
+        return None
+    if case.mask == "float_tl":
+        added = rng.normal(size=(p, length)).astype(np.float32)
+        mask = np.where(rng.random((p, length)) < 0.3, -np.inf, added).astype(np.float32)
+        mask[1] = -np.inf  # query 1 keeps no key
+        return mask
+    shape = (case.b, p, length) if case.mask == "bool_btl" else (case.b, case.n, p, length)
+    keep = rng.random(shape) < 0.7
+    keep[0, ..., 2, :] = False  # query 2 of batch 0 keeps no key
+    return keep
+
+
+def make_decode_data(case, seed=0):
+    """Seeded inputs (B, P, E) (and key/value (B, P, kdim/vdim) for cross cases), the cache's
+    keep, the attention_mask over (P, L) and portable weights."""
+    rng = np.random.default_rng([seed, sum(map(ord, case.name))])
+    width = {"key": case.kdim or case.e, "value": case.vdim or case.e}
+    inputs = {"query": rng.normal(size=(case.b, case.p, case.e)).astype(np.float32)}
+    if case.cross:
+        inputs.update({name: rng.normal(size=(case.b, case.p, w)).astype(np.float32) for name, w in width.items()})
+    return {
+        "inputs": inputs,
+        "keep": _cache_keep(case),
+        "attention_mask": _mask(case, rng),
+        "weights": random_weights(case, rng),
+    }
+
+
+def chunk_mask(mask, start, stop):
+    """The rows [start, stop) of a (P, L), (B, P, L) or (B, N, P, L) mask."""
+    return None if mask is None else mask[..., start:stop, :]
+
+
+def query_ends(case):
+    """(P,): the end of each query's chunk; without `causal` a query attends every slot before it."""
+    return np.concatenate([np.full(stop - start, stop) for start, stop in case.spans()])
+
+
+def full_pass_mask(case, data):
+    """The mask of one full pass (causal if the case is) over the P tokens equivalent to
+    decoding: the cache's keep, the attention_mask and, without `causal`, the end of each
+    query's chunk, cut to (B, P, P) or (B, N, P, P)."""
+    p, keep = case.p, data["keep"][:, None, : case.p]  # (B, 1, P)
+    if not case.causal:
+        keep = keep & (np.arange(p)[None, :] < query_ends(case)[:, None])  # (B, P, P)
+    mask = data["attention_mask"]
+    if mask is None:
+        return keep
+    mask = mask[..., :p]
+    if mask.dtype == np.bool_:
+        return mask & (keep if mask.ndim == 3 else keep[:, None])  # (B, P, P) or (B, N, P, P)
+    return np.where(keep, mask, -np.inf).astype(np.float32)  # (B, P, P)
+
+
+@dataclasses.dataclass
+class DecodeResult:
+    output: np.ndarray  # (B, P, E)
+    weights: np.ndarray | None  # (B, N, P, L)
+    cache: dict  # key, value (B, K, L, H), keep (B, L), index: NumPy arrays
+    full_output: np.ndarray  # (B, P, E) of one full causal pass
+    full_weights: np.ndarray  # (B, N, P, P)
+
+
+def _as_numpy_cache(cache, to_numpy):
+    return {name: to_numpy(getattr(cache, name)) for name in ("key", "value", "keep", "index")}
+
+
+def run_numpy(case, data):
+    from NumPy import MultiHeadAttention
+
+    layer = MultiHeadAttention(**case.config)
+    layer.import_weights(data["weights"])
+    inputs = {name: x.astype(np.float64) for name, x in data["inputs"].items()}
+    cache = layer.init_cache(case.b, case.length, keep=data["keep"])
+    outputs, weights = [], []
+    for start, stop in case.spans():
+        chunk = {name: x[:, start:stop] for name, x in inputs.items()}
+        mask = chunk_mask(data["attention_mask"], start, stop)
+        output, w, cache = layer(**chunk, attention_mask=mask, causal=case.causal, return_attention=True, cache=cache)
+        outputs.append(output)
+        weights.append(w)
+    full, full_w = layer(**inputs, attention_mask=full_pass_mask(case, data), causal=case.causal, return_attention=True)
+    return DecodeResult(
+        np.concatenate(outputs, 1), np.concatenate(weights, 2), _as_numpy_cache(cache, np.asarray), full, full_w
+    )
+
+
+def run_torch(case, data, path):
+    import torch
+
+    from shared_tests.frameworks import make_torch_layer
+
+    layer = make_torch_layer(case, data)
+    dtype = getattr(torch, case.dtype)
+    explicit = path == "torch:explicit"
+    cache = layer.init_cache(case.b, case.length, keep=torch.from_numpy(data["keep"]))
+    outputs, weights = [], []
+    with torch.no_grad():
+        for start, stop in case.spans():
+            chunk = {name: torch.tensor(x[:, start:stop], dtype=dtype) for name, x in data["inputs"].items()}
+            mask = chunk_mask(data["attention_mask"], start, stop)
+            mask = None if mask is None else torch.from_numpy(mask)
+            result = layer(**chunk, attention_mask=mask, causal=case.causal, return_attention=explicit, cache=cache)
+            outputs.append(result[0])
+            weights.append(result[1] if explicit else None)
+            cache = result[-1]
+        inputs = {name: torch.tensor(x, dtype=dtype) for name, x in data["inputs"].items()}
+        full_mask = torch.from_numpy(full_pass_mask(case, data))
+        full, full_w = layer(**inputs, attention_mask=full_mask, causal=case.causal, return_attention=True)
+
+    def to_numpy(tensor):
+        return tensor.double().numpy() if tensor.is_floating_point() else tensor.numpy()
+
+    return DecodeResult(
+        to_numpy(torch.cat(outputs, 1)),
+        to_numpy(torch.cat(weights, 2)) if explicit else None,
+        _as_numpy_cache(cache, to_numpy),
+        to_numpy(full),
+        to_numpy(full_w),
+    )
+
+
+def run_tensorflow(case, data, path):
+    import tensorflow as tf
+
+    from shared_tests.frameworks import make_tf_layer
+
+    layer = make_tf_layer(case, data)
+
+    def step(inputs, mask, cache):
+        return layer(**inputs, attention_mask=mask, causal=case.causal, return_attention=True, cache=cache)
+
+    step = step if path == "tf:eager" else tf.function(step)
+    cache = layer.init_cache(case.b, case.length, keep=tf.constant(data["keep"]))
+    outputs, weights = [], []
+    for start, stop in case.spans():
+        chunk = {name: tf.constant(x[:, start:stop], dtype=case.dtype) for name, x in data["inputs"].items()}
+        mask = chunk_mask(data["attention_mask"], start, stop)
+        output, w, cache = step(chunk, None if mask is None else tf.constant(mask), cache)
+        outputs.append(output)
+        weights.append(w)
+    inputs = {name: tf.constant(x, dtype=case.dtype) for name, x in data["inputs"].items()}
+    full, full_w = layer(
+        **inputs, attention_mask=tf.constant(full_pass_mask(case, data)), causal=case.causal, return_attention=True
+    )
+
+    def to_numpy(tensor):
+        array = tensor.numpy()
+        return array.astype(np.float64) if tensor.dtype.is_floating else array
+
+    return DecodeResult(
+        to_numpy(tf.concat(outputs, 1)),
+        to_numpy(tf.concat(weights, 2)),
+        _as_numpy_cache(cache, to_numpy),
+        to_numpy(full),
+        to_numpy(full_w),
+    )
+
+
+def run(case, data, path):
+    if path == "numpy":
+        return run_numpy(case, data)
+    if path.startswith("torch"):
+        return run_torch(case, data, path)
+    return run_tensorflow(case, data, path)
