@@ -119,7 +119,11 @@ def _check_cache(cache, query, key, heads, head_dim):
             f"it). Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
         )
     k, v = tuple(cache.key.shape), tuple(cache.value.shape)
-    if len(k) != 4 or k != v or any(_differ(*pair) for pair in zip((k[0], k[1], k[3]), (b, heads, head_dim))):
+    if (
+        len(k) != 4
+        or k != v
+        or any(_differ(*pair) for pair in zip((k[0], k[1], k[3]), (b, heads, head_dim), strict=True))
+    ):
         raise ValueError(
             f"`cache.key` and `cache.value` must have shape (B, K, L, H) with B={b}, K={heads}, H={head_dim}. "
             f"Received: cache.key.shape={k}, cache.value.shape={v}"
@@ -522,6 +526,13 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             return False
         return b * n * t * s > self.batch_chunk_threshold
 
+    def __call__(self, *args, **kwargs):
+        """Checks the cache's dtype before Keras casts every floating input to the compute dtype
+        (which would silently convert a cache of another dtype on every call)."""
+        if kwargs.get("cache") is not None:
+            _check_cache_dtype(kwargs["cache"], self.compute_dtype)
+        return super().__call__(*args, **kwargs)
+
     def call(
         self,
         query,
@@ -549,7 +560,6 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         key_keep = _and(key_mask, value_mask)
         if cache is not None:
             _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
-            _check_cache_dtype(cache, self.compute_dtype)
             key_keep = None if key_keep is None else tf.cast(key_keep, tf.bool)  # goes into the cache's keep
         b, t, s = query.shape[0], query.shape[1], key.shape[1] if cache is None else cache.key.shape[2]
         keep, bias = _split_mask(attention_mask, (b, self.num_heads, t, s))

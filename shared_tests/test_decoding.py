@@ -1,0 +1,383 @@
+"""KV-cache decoding: every decode case in parity on every path and against one full pass,
+the same errors in all three files, static graphs (torch.compile, tf.function, XLA), the cache
+as a tf.while_loop variable, Keras implicit masks, and mutations the report must catch."""
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import NumPy.Multi_Head_Attention as numpy_file
+import PyTorch.Multi_Head_Attention as torch_file
+from NumPy import MultiHeadAttention as NumpyMultiHeadAttention
+from PyTorch import MultiHeadAttention as TorchMultiHeadAttention
+from shared_tests import parity
+from shared_tests.cases import TOLERANCES
+from shared_tests.decoding import DECODE_CASES, DECODE_CASES_BY_NAME
+
+OUTPUT_TOL = TOLERANCES["float32"]["output"]
+rng = np.random.default_rng(0)
+X = rng.normal(size=(2, 7, 8)).astype(np.float32)  # (B, P, E) with E = 8
+KEEP = np.ones((2, 10), dtype=bool)  # (B, L)
+KEEP[1, :3] = False  # the second prompt is left-padded by 3
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: c.name)
+def test_decode_case_in_parity(case):
+    row, results = parity.run_decode_case(case)
+    assert row.passed, row.failures
+    assert row.zeros
+    assert all(np.isfinite(r.output).all() for r in results.values())
+    assert all(int(r.cache["index"]) == case.p for r in results.values())
+
+
+def test_decode_table_covers_the_issue():
+    cases = DECODE_CASES
+    assert any(c.chunks == (c.p,) for c in cases) and any(set(c.chunks) == {1} for c in cases)
+    assert any(c.chunks[0] > 1 and c.chunks[1:] == (1,) * (len(c.chunks) - 1) for c in cases)
+    assert {c.k for c in cases} >= {None, 2, 1} and any(c.padding for c in cases)
+    assert {c.mask for c in cases} == {"none", "bool_btl", "bool_bntl", "float_tl"}
+    assert any(c.p == c.length for c in cases) and any(not c.causal for c in cases) and any(c.cross for c in cases)
+
+
+def _off_by_one_causal(keep, index, t, causal):
+    slots = torch.arange(keep.shape[-1])[None, :]
+    positions = index + torch.arange(t)[:, None]
+    allowed = slots < positions if causal else slots < index + t  # a query no longer sees its own slot
+    return allowed[None, None] & keep[:, None, None, :]
+
+
+def _numpy_write_one_slot_late(cache, k, v):
+    shifted = numpy_file.KVCache(cache.key, cache.value, cache.keep, np.asarray(int(cache.index) + 1))
+    return numpy_file.KVCache(*_numpy_write(shifted, k, v)[:3], np.asarray(int(cache.index) + k.shape[2]))
+
+
+_numpy_write = numpy_file._write_cache
+
+MUTATIONS = {
+    "torch_causal_off_by_one": (torch_file, "_cache_keep", _off_by_one_causal, "decode_prefill_then_steps"),
+    "numpy_writes_one_slot_late": (numpy_file, "_write_cache", _numpy_write_one_slot_late, "decode_all_steps"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_broken_decoding_fails_the_report(name, monkeypatch, capsys):
+    target, attribute, replacement, case_name = MUTATIONS[name]
+    monkeypatch.setattr(target, attribute, replacement)
+    assert parity.main(["--case", case_name]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_tf_cache_ignoring_padding_fails_the_report(monkeypatch):
+    import TensorFlow.Multi_Head_Attention as tf_file
+
+    real = tf_file._cache_keep
+    monkeypatch.setattr(tf_file, "_cache_keep", lambda keep, index, t, causal: real(keep | True, index, t, causal))
+    row, _ = parity.run_decode_case(DECODE_CASES_BY_NAME["decode_left_padding_gqa"])
+    assert not row.passed
+
+
+# -- errors: the same ValueError text in all three ------------------------------------------------
+
+
+def _numpy_layer(config):
+    return NumpyMultiHeadAttention(**config, seed=0)
+
+
+def _torch_layer(config):
+    return TorchMultiHeadAttention(**config, dtype=torch.float64)
+
+
+def _tf_layer(config):
+    from TensorFlow import MultiHeadAttention
+
+    return MultiHeadAttention(**config, dtype="float64")
+
+
+KERAS_FRAME = re.compile(r"Exception encountered when calling .*?\x1b\[1m(.*?)\x1b\[0m", re.DOTALL)
+
+
+def _convert(framework, value):
+    if framework == "torch":
+        return torch.from_numpy(np.asarray(value))
+    if framework == "tf":
+        import tensorflow as tf
+
+        return tf.constant(value)
+    return np.asarray(value)
+
+
+def _call(framework, config, call, cache_args, spoil):
+    """Makes a cache (from `cache_args`), spoils it, then calls the layer with it (float64
+    layers in all three, so the compute dtype is the same); returns the ValueError's text."""
+    layer = {"numpy": _numpy_layer, "torch": _torch_layer, "tf": _tf_layer}[framework](config)
+    cache_args = {k: _convert(framework, v) if k == "keep" else v for k, v in cache_args.items()}
+    cache = layer.init_cache(**cache_args)
+    cache = spoil(framework, cache)
+    inputs = {k: _convert(framework, v.astype(np.float64)) for k, v in call.items()}
+    try:
+        with torch.no_grad():
+            layer(**inputs, cache=cache)
+    except ValueError as error:
+        framed = KERAS_FRAME.match(str(error))
+        return framed.group(1) if framed else str(error)
+    raise AssertionError(f"{framework}: no ValueError")
+
+
+def _keep(framework, cache):
+    return cache
+
+
+def _as_dtype(dtype):
+    def spoil(framework, cache):
+        if framework == "torch":
+            return cache._replace(key=cache.key.to(getattr(torch, dtype)), value=cache.value.to(getattr(torch, dtype)))
+        if framework == "tf":
+            import tensorflow as tf
+
+            return cache._replace(key=tf.cast(cache.key, dtype), value=tf.cast(cache.value, dtype))
+        return cache._replace(key=cache.key.astype(dtype), value=cache.value.astype(dtype))
+
+    return spoil
+
+
+def _at_index(index):
+    def spoil(framework, cache):
+        return cache._replace(index=cache.index + index)
+
+    return spoil
+
+
+def _first_head(framework, cache):
+    return cache._replace(key=cache.key[:, :1], value=cache.value[:, :1])
+
+
+BASE = {"d_model": 8, "num_heads": 4, "num_kv_heads": 2}
+
+# name: (constructor kwargs, call inputs, init_cache kwargs, spoil, regex)
+CALL_ERRORS = {
+    "empty_query": (BASE, {"query": X[:, :0]}, {"batch_size": 2, "max_length": 10}, _keep, r"^`query` must hold at least one token \(T >= 1\) when decoding with `cache`\. Received: query\.shape=\(2, 0, 8\)$"),
+    "key_length_not_t": (BASE, {"query": X[:, :2], "key": X[:, :3], "value": X[:, :3]}, {"batch_size": 2, "max_length": 10}, _keep, r"^`key` and `value` must hold the T tokens of `query` when decoding with `cache` \(they are written to it\)\. Received: query\.shape=\(2, 2, 8\), key\.shape=\(2, 3, 8\)$"),
+    "batch_not_cache": (BASE, {"query": X[:1, :2]}, {"batch_size": 2, "max_length": 10}, _keep, r"^`cache\.key` and `cache\.value` must have shape \(B, K, L, H\) with B=1, K=2, H=2\. Received: cache\.key\.shape=\(2, 2, 10, 2\), cache\.value\.shape=\(2, 2, 10, 2\)$"),
+    "heads_not_cache": (BASE, {"query": X[:, :2]}, {"batch_size": 2, "max_length": 10}, _first_head, r"with B=2, K=2, H=2\. Received: cache\.key\.shape=\(2, 1, 10, 2\), cache\.value\.shape=\(2, 1, 10, 2\)$"),
+    "dtype_not_cache": (BASE, {"query": X[:, :2]}, {"batch_size": 2, "max_length": 10}, _as_dtype("float16"), r"^`cache` must hold the layer's compute dtype float64\. Received: cache\.key\.dtype=float16, cache\.value\.dtype=float16$"),
+    "cache_full": (BASE, {"query": X[:, :4]}, {"batch_size": 2, "max_length": 10}, _at_index(7), r"^`cache` is full: index \+ T must be <= L \(call `init_cache` with a larger `max_length`\)\. Received: index=7, T=4, L=10$"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(CALL_ERRORS))
+def test_same_cache_error_in_all_three(name):
+    config, call, cache_args, spoil, pattern = CALL_ERRORS[name]
+    messages = {fw: _call(fw, config, call, cache_args, spoil) for fw in ("numpy", "torch", "tf")}
+    for framework, message in messages.items():
+        assert re.search(pattern, message), (framework, message)
+    assert len(set(messages.values())) == 1, messages
+
+
+INIT_ERRORS = {
+    "keep_shape": ({"batch_size": 2, "max_length": 10, "keep": KEEP[:, :9]}, r"^`keep` must be a boolean array of shape \(B, L\)=\(2, 10\)\. Received: keep\.shape=\(2, 9\), keep\.dtype=bool$"),
+    "keep_dtype": ({"batch_size": 2, "max_length": 10, "keep": KEEP.astype(np.int32)}, r"^`keep` must be a boolean array of shape \(B, L\)=\(2, 10\)\. Received: keep\.shape=\(2, 10\), keep\.dtype=int32$"),
+    "max_length_zero": ({"batch_size": 2, "max_length": 0}, r"^`max_length` must be a positive integer\. Received: max_length=0$"),
+    "batch_size_float": ({"batch_size": 2.0, "max_length": 4}, r"^`batch_size` must be a positive integer\. Received: batch_size=2\.0$"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(INIT_ERRORS))
+def test_same_init_cache_error_in_all_three(name):
+    kwargs, pattern = INIT_ERRORS[name]
+    messages = {}
+    for framework, make in (("numpy", _numpy_layer), ("torch", _torch_layer), ("tf", _tf_layer)):
+        converted = {k: _convert(framework, v) if k == "keep" else v for k, v in kwargs.items()}
+        with pytest.raises(ValueError, match=pattern) as error:
+            make(BASE).init_cache(**converted)
+        messages[framework] = str(error.value)
+    assert len(set(messages.values())) == 1, messages
+
+
+# -- PyTorch ---------------------------------------------------------------------------------------
+
+
+def _torch_decode(layer, x, chunks, keep, call=None):
+    call = layer if call is None else call
+    cache, outputs = layer.init_cache(x.shape[0], keep.shape[1], keep=keep), []
+    for start, stop in chunks:
+        output, cache = call(x[:, start:stop], causal=True, cache=cache)
+        outputs.append(output)
+    return torch.cat(outputs, 1), cache
+
+
+CHUNKS = [(0, 4), (4, 5), (5, 6), (6, 7)]
+
+
+def _torch_setup():
+    layer = TorchMultiHeadAttention(8, 4, num_kv_heads=2).eval()
+    x, keep = torch.from_numpy(X), torch.from_numpy(KEEP)
+    with torch.no_grad():
+        full = layer(x, attention_mask=keep[:, None, :7], causal=True)
+    return layer, x, keep, full
+
+
+def test_torch_writes_the_cache_in_place():
+    layer, x, keep, _ = _torch_setup()
+    with torch.no_grad():
+        cache = layer.init_cache(2, 10, keep=keep)
+        _, new = layer(x[:, :3], causal=True, cache=cache)
+    assert new.key is cache.key and new.value is cache.value  # the same tensors, written in place
+    assert int(cache.index) == 0 and int(new.index) == 3
+    assert cache.key[:, :, :3].abs().sum() > 0 and (cache.key[:, :, 3:] == 0).all()
+
+
+def test_torch_compile_fullgraph_makes_one_graph_per_t_and_nan_when_full():
+    """The index is a tensor, so only a new T makes a new graph; a full cache cannot raise
+    inside a graph, so that call's output is NaN."""
+    layer, x, keep, full = _torch_setup()
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    compiled = torch.compile(layer, backend=backend, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        output, cache = _torch_decode(layer, x, CHUNKS, keep, call=compiled)
+        assert len(graphs) == 2  # T = 4 and T = 1
+        torch.testing.assert_close(output, full, atol=OUTPUT_TOL, rtol=0)
+        overflow, _ = compiled(x[:, :4], causal=True, cache=cache)  # index 7 + T 4 > L 10
+    assert torch.isnan(overflow).all()
+
+
+def test_torch_compile_inductor_decodes():
+    layer, x, keep, full = _torch_setup()
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        output, _ = _torch_decode(layer, x, CHUNKS, keep, call=compiled)
+    torch.testing.assert_close(output, full, atol=OUTPUT_TOL, rtol=0)
+
+
+def test_torch_unbatched_decoding():
+    layer, x, keep, full = _torch_setup()
+    with torch.no_grad():
+        cache = layer.init_cache(1, 10, keep=keep[1:])
+        first, cache = layer(x[1, :4], causal=True, cache=cache)  # (T, E)
+        second, cache = layer(x[1, 4:5], causal=True, cache=cache)
+    assert first.shape == (4, 8) and second.shape == (1, 8)
+    torch.testing.assert_close(torch.cat([first, second]), full[1, :5], atol=OUTPUT_TOL, rtol=0)
+
+
+def test_torch_cache_takes_the_layer_dtype():
+    layer = TorchMultiHeadAttention(8, 2, dtype=torch.float16)
+    cache = layer.init_cache(3, 5)
+    assert cache.key.dtype == torch.float16 and cache.key.shape == (3, 2, 5, 4)
+    assert cache.keep.dtype == torch.bool and cache.keep.all() and cache.index.dtype == torch.long
+
+
+def test_regression_padded_prompt_rows_are_output_bias_not_nan():
+    """Left padding + causal: the padded queries of a prompt have no slot to attend."""
+    layer, x, keep, _ = _torch_setup()
+    with torch.no_grad():
+        layer.output.bias.fill_(0.5)
+        output, _ = _torch_decode(layer, x, CHUNKS, keep)
+    assert (output[1, :3] == 0.5).all()
+    assert torch.isfinite(output).all()
+
+
+def test_numpy_copies_the_cache():
+    layer = NumpyMultiHeadAttention(8, 4, num_kv_heads=2, seed=0)
+    cache = layer.init_cache(2, 10, keep=KEEP)
+    _, new = layer(X[:, :3], causal=True, cache=cache)
+    assert int(cache.index) == 0 and (cache.key == 0).all() and int(new.index) == 3
+
+
+def test_numpy_backward_refuses_a_cached_call():
+    layer = NumpyMultiHeadAttention(8, 4, seed=0)
+    layer(X[:, :3], cache=layer.init_cache(2, 10))
+    with pytest.raises(ValueError, match=r"^`backward` needs a forward call without `cache` first"):
+        layer.backward(np.ones((2, 3, 8)))
+
+
+# -- TensorFlow ------------------------------------------------------------------------------------
+
+
+def _tf_setup():
+    import tensorflow as tf
+
+    from TensorFlow import MultiHeadAttention
+
+    layer = MultiHeadAttention(8, 4, num_kv_heads=2)
+    x, keep = tf.constant(X), tf.constant(KEEP)
+    full = layer(x, attention_mask=keep[:, None, :7], causal=True)
+    return tf, layer, x, keep, full.numpy()
+
+
+def _tf_decode(layer, x, keep, call):
+    cache, outputs = layer.init_cache(2, 10, keep=keep), []
+    for start, stop in CHUNKS:
+        output, cache = call(x[:, start:stop], cache)
+        outputs.append(output.numpy())
+    return np.concatenate(outputs, 1), cache
+
+
+def test_tf_function_retraces_per_t_only_and_raises_when_full():
+    tf, layer, x, keep, full = _tf_setup()
+    step = tf.function(lambda q, cache: layer(q, causal=True, cache=cache))
+    output, cache = _tf_decode(layer, x, keep, step)
+    np.testing.assert_allclose(output, full, atol=OUTPUT_TOL, rtol=0)
+    assert step.experimental_get_tracing_count() == 2  # T = 4 and T = 1
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"`cache` is full: index \+ T must be <= L"):
+        step(x[:, :4], cache)
+
+
+def test_tf_xla_decodes_and_gives_nan_when_full():
+    tf, layer, x, keep, full = _tf_setup()
+    step = tf.function(lambda q, cache: layer(q, causal=True, cache=cache), jit_compile=True)
+    output, cache = _tf_decode(layer, x, keep, step)
+    np.testing.assert_allclose(output, full, atol=OUTPUT_TOL, rtol=0)
+    assert step.experimental_get_tracing_count() == 2
+    overflow, _ = step(x[:, :4], cache)  # XLA drops the assertion; the output says it instead
+    assert np.isnan(overflow.numpy()).all()
+
+
+def test_tf_cache_is_a_while_loop_variable():
+    tf, layer, x, keep, full = _tf_setup()
+
+    @tf.function
+    def greedy_steps(cache):
+        def body(i, cache, outputs):
+            output, cache = layer(x[:, i : i + 1], causal=True, cache=cache)
+            return i + 1, cache, outputs.write(i, output[:, 0])
+
+        loop_vars = (tf.constant(0), cache, tf.TensorArray(tf.float32, size=7))
+        _, cache, outputs = tf.while_loop(lambda i, *_: i < 7, body, loop_vars)
+        return tf.transpose(outputs.stack(), [1, 0, 2]), cache
+
+    output, cache = greedy_steps(layer.init_cache(2, 10, keep=keep))
+    np.testing.assert_allclose(output.numpy(), full, atol=OUTPUT_TOL, rtol=0)
+    assert int(cache.index) == 7
+
+
+def test_tf_implicit_key_masks_go_into_the_cache_keep():
+    tf, layer, _, _, _ = _tf_setup()
+    embed = tf.keras.layers.Embedding(20, 8, mask_zero=True)
+    tokens = tf.constant([[3, 5, 7, 2], [0, 0, 4, 6]])  # the second prompt is left-padded by 2
+    x = embed(tokens)
+    _, cache = layer(x, causal=True, cache=layer.init_cache(2, 6))
+    np.testing.assert_array_equal(cache.keep.numpy(), [[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
+    explicit = np.array([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]], dtype=bool)
+    _, expected = layer(x, causal=True, cache=layer.init_cache(2, 6, keep=explicit))
+    next_token = embed(tf.constant([[1], [1]]))
+    np.testing.assert_allclose(
+        layer(next_token, causal=True, cache=cache)[0].numpy(),
+        layer(next_token, causal=True, cache=expected)[0].numpy(),
+        atol=0,
+    )
+
+
+def test_tf_cache_takes_the_compute_dtype():
+    from TensorFlow import MultiHeadAttention
+
+    layer = MultiHeadAttention(8, 2, dtype="mixed_float16")
+    cache = layer.init_cache(3, 5)
+    assert cache.key.dtype.name == "float16" and tuple(cache.key.shape) == (3, 2, 5, 4)
+    output, cache = layer(np.ones((3, 2, 8), np.float32), cache=cache)
+    assert output.dtype.name == "float16" and int(cache.index) == 2
