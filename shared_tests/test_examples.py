@@ -43,3 +43,10 @@ def test_benchmark_quick_writes_results(tmp_path):
     assert text in out  # printed and written
     assert "| quick B=2 T=S=32 E=32 N=4 | forward | PyTorch |" in text
     assert "keras MultiHeadAttention" in text and "Peak memory" in text
+
+
+def test_generate_example_gives_identical_strings(tmp_path):
+    out = _run(["examples/generate.py", "--steps", SMOKE_STEPS, "--out", str(tmp_path)])
+    assert out.count("'Alice was") == 4 and out.count("'The rabbit-hole went") == 4
+    assert "identical strings in all four: True" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["attention_0.npz", "attention_1.npz"]
