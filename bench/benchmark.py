@@ -1,12 +1,15 @@
 """Benchmark: our layers against the built-in ones, measured side by side in one run.
 
-`python -m bench.benchmark` (or `make bench`) times, per configuration, the median of at least
-10 runs after warm-up of: our PyTorch layer and `torch.nn.MultiheadAttention` (eval + no_grad for
-inference, its fast path), our TensorFlow layer and `keras.layers.MultiHeadAttention` (both inside
-`tf.function`), for a forward pass without weights, a forward pass with weights, and a training
-step (forward + backward). It prints ours / built-in per row, the fraction of the framework's own
-matmul throughput (measured in the same run) each achieves, and the peak memory of the long
-configuration, and writes bench/results.md. `--quick` runs a tiny configuration.
+`python -m bench.benchmark` (or `make bench`) times our PyTorch layer against
+`torch.nn.MultiheadAttention` (eval + no_grad for inference, its fast path) and our TensorFlow
+layer against `keras.layers.MultiHeadAttention` (both inside `tf.function`): a forward pass
+without weights, with weights, and a training step (forward + backward). Each comparison runs in
+`--rounds` rounds (default 3) of `--runs` timed runs (default 5), ours and the built-in taking
+turns run by run; a round gives one ratio ours / built-in (of the medians), and the report gives
+the median ratio over the rounds with its min-max spread. It also reports KV-cache decoding
+(one token with the cache against recomputing the full causal pass) and, each layer in a fresh
+process, time and peak memory at long sequence lengths, and writes bench/results.md. `--quick`
+runs tiny configurations.
 
 Legend: B batch, T query length, S key/value length, E d_model, N num_heads, K num_kv_heads.
 """
@@ -56,10 +59,27 @@ CONFIGS = [
     Config("GQA B=8 T=S=512 E=512 N=8 K=2", 8, 512, 512, 8, 2),
 ]
 QUICK = [Config("quick B=2 T=S=32 E=32 N=4", 2, 32, 32, 4), Config("quick GQA", 2, 32, 32, 4, 2)]
-LONG = CONFIGS[2]
+# (configuration, mode) measured each in a fresh process: time and peak memory growth.
+LONG = [
+    (Config("B=1 T=S=4096 E=256 N=4", 1, 4096, 256, 4), "forward"),
+    (Config("B=1 T=S=8192 E=256 N=4", 1, 8192, 256, 4), "train step"),
+    (Config("B=1 T=S=16384 E=256 N=4", 1, 16384, 256, 4), "forward"),
+    (Config("B=1 T=S=32768 E=256 N=4", 1, 32768, 256, 4), "forward"),
+]
+QUICK_LONG = [(QUICK[0], "forward"), (QUICK[0], "train step")]
+# Decoding one token at context length L (t = L): with the KV cache vs the full causal pass.
+DECODE = [
+    Config("decode B=1 L=1024 E=256 N=4", 1, 1024, 256, 4),
+    Config("decode B=1 L=4096 E=256 N=4", 1, 4096, 256, 4),
+]
+QUICK_DECODE = [Config("quick decode L=32", 1, 32, 32, 4)]
+LAYERS = {
+    "PyTorch": ("PyTorch ours", "nn.MultiheadAttention"),
+    "TensorFlow": ("TensorFlow ours", "keras MultiHeadAttention"),
+}
 
 
-def median_times(fns, runs, warmup=3):
+def median_times(fns, runs, warmup=2):
     """{label: median seconds}; the callables take turns run by run, so a machine that speeds up
     or slows down during the measurement affects every one of them alike."""
     for fn in fns.values():
@@ -74,8 +94,20 @@ def median_times(fns, runs, warmup=3):
     return {label: statistics.median(values) for label, values in times.items()}
 
 
+def rounds_of_times(fns, runs, rounds):
+    """{label: [median seconds of each round]}: `median_times` repeated `rounds` times."""
+    per_round = [median_times(fns, runs) for _ in range(rounds)]
+    return {label: [r[label] for r in per_round] for label in fns}
+
+
 def median_time(fn, runs):
     return median_times({"": fn}, runs)[""]
+
+
+def ratio_cell(ours, theirs):
+    """Median of the per-round ratios ours / theirs, and their min-max spread."""
+    ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
+    return f"**{statistics.median(ratios):.2f}x** ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def torch_matmul_flops(runs):
@@ -137,7 +169,7 @@ def tf_layers(config):
 
     x = tf.random.normal((config.b, config.t, config.e))
     ours = MultiHeadAttention(config.e, config.n, num_kv_heads=config.k)
-    ours(x)
+    ours.build()
     builtin = ours.to_keras()
     layers = {"TensorFlow ours": ours, "keras " + type(builtin).__name__: builtin}
 
@@ -167,22 +199,80 @@ def tf_layers(config):
     return {label: calls(label, layer) for label, layer in layers.items()}
 
 
-def time_config(config, runs):
-    """Rows of (framework, label, mode, seconds) for one configuration."""
-    rows = []
+def time_config(config, runs, rounds):
+    """{(framework, label, mode): [seconds of each round]} for one configuration."""
+    times = {}
     for framework, build in (("PyTorch", torch_layers), ("TensorFlow", tf_layers)):
         layers = build(config)
         for mode in MODES:
-            medians = median_times({label: calls[mode] for label, calls in layers.items()}, runs)
-            rows += [(framework, label, mode, seconds) for label, seconds in medians.items()]
-    return rows
+            measured = rounds_of_times({label: calls[mode] for label, calls in layers.items()}, runs, rounds)
+            times.update({(framework, label, mode): seconds for label, seconds in measured.items()})
+    return times
 
 
-def peak_memory(config, which):
-    """Peak memory growth (MiB) of one forward pass (no weights), measured in a fresh process."""
+def torch_decode(config):
+    """{"KV cache": one token at slot L - 1, "full pass": the causal pass over all L tokens}."""
+    import torch
+
+    from PyTorch import MultiHeadAttention
+
+    layer = MultiHeadAttention(config.e, config.n, num_kv_heads=config.k).eval()
+    x = torch.randn(config.b, config.t, config.e)
+    with torch.no_grad():
+        _, cache = layer(x[:, :-1], causal=True, cache=layer.init_cache(config.b, config.t))  # L - 1 tokens
+
+    def cached():
+        with torch.no_grad():
+            layer(x[:, -1:], causal=True, cache=cache)  # rewrites slot L - 1 every time
+
+    def full():
+        with torch.no_grad():
+            layer(x, causal=True)
+
+    return {"KV cache": cached, "full pass": full}
+
+
+def tf_decode(config):
+    import tensorflow as tf
+
+    from TensorFlow import MultiHeadAttention
+
+    layer = MultiHeadAttention(config.e, config.n, num_kv_heads=config.k)
+    x = tf.random.normal((config.b, config.t, config.e))
+    _, cache = layer(x[:, :-1], causal=True, cache=layer.init_cache(config.b, config.t))
+    step = tf.function(lambda: layer(x[:, -1:], causal=True, cache=cache)[0])
+    full = tf.function(lambda: layer(x, causal=True))
+    return {"KV cache": lambda: step().numpy(), "full pass": lambda: full().numpy()}
+
+
+def time_decode(config, runs, rounds):
+    return {
+        framework: rounds_of_times(build(config), runs, rounds)
+        for framework, build in (("PyTorch", torch_decode), ("TensorFlow", tf_decode))
+    }
+
+
+def fits_in_memory(config, which):
+    """Whether a layer that materialises the (B, N, T, S) float32 scores (three copies: scores,
+    softmax, gradient or temporaries) fits in half of the available memory."""
+    if which.endswith("ours"):
+        return True
+    available = next(
+        int(line.split()[1]) * 1024
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.startswith("MemAvailable")
+    )
+    return 3 * 4 * config.b * config.n * config.t * config.t < available / 2
+
+
+def measure_long(config, mode, which, rounds):
+    """Median seconds and peak memory growth (MiB) of one call, in a fresh process; None where
+    the layer cannot hold the configuration."""
+    if not fits_in_memory(config, which):
+        return None
     code = (
         "import sys, json; sys.path.insert(0, '.'); from bench.benchmark import _measure; "
-        f"print(json.dumps(_measure({dataclasses.astuple(config)!r}, {which!r})))"
+        f"print(json.dumps(_measure({dataclasses.astuple(config)!r}, {mode!r}, {which!r}, {rounds})))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path(__file__).parents[1]
@@ -196,20 +286,20 @@ def _rss_mib(field):
     return int(line.split()[1]) / 1024
 
 
-def _measure(fields, which):
-    """Peak RSS growth (MiB) of one warmed-up forward call. The peak is reset through
+def _measure(fields, mode, which, rounds):
+    """(median seconds, peak RSS growth in MiB) of a warmed-up call. The peak is reset through
     /proc/self/clear_refs (getrusage's ru_maxrss is inherited from the parent, so useless here)."""
     config = Config(*fields)
-    framework = "PyTorch" if which in ("PyTorch ours", "nn.MultiheadAttention") else "TensorFlow"
-    forward = (torch_layers if framework == "PyTorch" else tf_layers)(config)[which]["forward"]
-    forward()  # tracing and first-call allocations are not the layer's steady state
+    framework = "PyTorch" if which in LAYERS["PyTorch"] else "TensorFlow"
+    call = (torch_layers if framework == "PyTorch" else tf_layers)(config)[which][mode]
+    call()  # tracing and first-call allocations are not the layer's steady state
     try:
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+        before = _rss_mib("VmRSS")
     except OSError:
-        return "n/a (needs Linux /proc)"
-    before = _rss_mib("VmRSS")
-    forward()
-    return round(_rss_mib("VmHWM") - before, 1)
+        before = None
+    seconds = median_time(call, rounds)
+    return seconds, "n/a" if before is None else round(_rss_mib("VmHWM") - before, 1)
 
 
 def machine():
@@ -227,69 +317,111 @@ def machine():
     return f"{cpu}, {os.cpu_count()} cores, {versions}"
 
 
-def table(rows, flops_per_second, configs):
-    by_key = {(c, f, label, m): s for c, rows_c in rows.items() for f, label, m, s in rows_c}
+def table(times, flops_per_second, configs):
     lines = [
-        "| configuration | mode | framework | ours (ms) | built-in (ms) | ours / built-in "
+        "| configuration | mode | framework | ours (ms) | built-in (ms) | ours / built-in (spread) "
         "| ours % of matmul peak | built-in % of matmul peak |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for config in configs:
         for framework in ("PyTorch", "TensorFlow"):
-            labels = [label for c, f, label, _ in by_key if c == config.name and f == framework]
-            ours_label = f"{framework} ours"
-            others = [label for label in dict.fromkeys(labels) if label != ours_label]
+            labels = list(dict.fromkeys(label for f, label, _ in times[config.name] if f == framework))
+            ours_label, others = labels[0], labels[1:]
             for mode in MODES:
-                ours = by_key[(config.name, framework, ours_label, mode)]
+                ours = times[config.name][(framework, ours_label, mode)]
                 rate = config.flops(mode) / flops_per_second[framework]
-                cells = [config.name, mode, framework, f"{ours * 1e3:.1f}"]
+                cells = [config.name, mode, framework, f"{statistics.median(ours) * 1e3:.1f}"]
                 if others:
-                    theirs = by_key[(config.name, framework, others[0], mode)]
+                    theirs = times[config.name][(framework, others[0], mode)]
                     cells += [
-                        f"{theirs * 1e3:.1f} ({others[0]})",
-                        f"**{ours / theirs:.2f}x**",
-                        f"{rate / ours:.0%}",
-                        f"{rate / theirs:.0%}",
+                        f"{statistics.median(theirs) * 1e3:.1f} ({others[0]})",
+                        ratio_cell(ours, theirs),
+                        f"{rate / statistics.median(ours):.0%}",
+                        f"{rate / statistics.median(theirs):.0%}",
                     ]
                 else:
-                    cells += ["n/a (GQA)", "-", f"{rate / ours:.0%}", "-"]
+                    cells += ["n/a (GQA)", "-", f"{rate / statistics.median(ours):.0%}", "-"]
                 lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def decode_table(times, configs):
+    lines = [
+        "| configuration | framework | KV cache (ms/token) | full pass (ms/token) | KV cache tokens/s "
+        "| full pass tokens/s | full pass / KV cache (spread) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for config in configs:
+        for framework, measured in times[config.name].items():
+            cached, full = statistics.median(measured["KV cache"]), statistics.median(measured["full pass"])
+            lines.append(
+                f"| {config.name} | {framework} | {cached * 1e3:.2f} | {full * 1e3:.1f} | {1 / cached:.0f} "
+                f"| {1 / full:.1f} | {ratio_cell(measured['full pass'], measured['KV cache'])} |"
+            )
+    return "\n".join(lines)
+
+
+def long_table(results):
+    lines = ["| configuration | mode | layer | time (ms) | peak growth (MiB) |", "|---|---|---|---|---|"]
+    for (config, mode, which), result in results.items():
+        if result is None:
+            cells = ["not run: its (B, N, T, S) scores do not fit in memory", "-"]
+        else:
+            cells = [f"{result[0] * 1e3:.0f}", str(result[1])]
+        lines.append(f"| {config.name} | {mode} | {which} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.benchmark", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a tiny configuration, a few runs (smoke test)")
-    parser.add_argument("--runs", type=int, default=None, help="timed runs per measurement (default 10, quick 3)")
+    parser.add_argument("--quick", action="store_true", help="tiny configurations, few runs (smoke test)")
+    parser.add_argument("--runs", type=int, default=None, help="timed runs per round (default 5, quick 2)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per comparison (default 3)")
     parser.add_argument("--output", type=Path, default=RESULTS, help="where to write the Markdown results")
     args = parser.parse_args(argv)
-    configs, runs = (QUICK, args.runs or 3) if args.quick else (CONFIGS, args.runs or 10)
+    configs, long, decode = (QUICK, QUICK_LONG, QUICK_DECODE) if args.quick else (CONFIGS, LONG, DECODE)
+    runs = args.runs or (2 if args.quick else 5)
     flops = {"PyTorch": torch_matmul_flops(runs), "TensorFlow": tf_matmul_flops(runs)}
-    rows = {}
+    times, decode_times = {}, {}
     for index, config in enumerate(configs, 1):
         print(f"[{index}/{len(configs)}] {config.name}", file=sys.stderr, flush=True)
-        rows[config.name] = time_config(config, runs)
-    memory_config = configs[0] if args.quick else LONG
-    labels = ["PyTorch ours", "nn.MultiheadAttention", "TensorFlow ours", "keras MultiHeadAttention"]
-    memory = {label: peak_memory(memory_config, label) for label in labels}
+        times[config.name] = time_config(config, runs, args.rounds)
+    for config in decode:
+        print(config.name, file=sys.stderr, flush=True)
+        decode_times[config.name] = time_decode(config, runs, args.rounds)
+    long_results = {}
+    for config, mode in long:
+        for which in (label for pair in LAYERS.values() for label in pair):
+            print(f"{config.name} {mode} {which}", file=sys.stderr, flush=True)
+            long_results[(config, mode, which)] = measure_long(config, mode, which, args.rounds)
     report = [
         "# Benchmark results",
         "",
         f"Machine: {machine()}.",
         f"Matmul throughput measured in this run (2048x2048 float32): PyTorch {flops['PyTorch'] / 1e9:.0f} GFLOP/s, "
-        f"TensorFlow {flops['TensorFlow'] / 1e9:.0f} GFLOP/s. Median of {runs} runs after 3 warm-up runs, "
-        "ours and the built-in taking turns run by run; CPU float32.",
+        f"TensorFlow {flops['TensorFlow'] / 1e9:.0f} GFLOP/s. CPU float32. Each comparison: {args.rounds} rounds "
+        f"of {runs} timed runs after 2 warm-up runs, ours and the built-in taking turns run by run; times are the "
+        "median over the rounds of each round's median, ratios the median of the rounds' ratios with their "
+        "min-max spread in parentheses.",
         "PyTorch inference runs in eval mode under no_grad (the built-in's fast path); "
         "TensorFlow runs inside tf.function.",
         "",
-        table(rows, flops, configs),
+        table(times, flops, configs),
         "",
-        f"Peak memory of one forward pass without weights, {memory_config.name}: growth of the peak resident "
-        "memory over a warmed-up call, each layer in a fresh process.",
+        "## KV-cache decoding",
         "",
-        "| layer | peak growth (MiB) |",
-        "|---|---|",
-        *(f"| {label} | {growth} |" for label, growth in memory.items()),
+        "One token at context length L: a T = 1 call with a cache of L slots against the full causal pass over "
+        "the L tokens (what a decoder without a cache recomputes for every token). Same layer, same rounds.",
+        "",
+        decode_table(decode_times, decode),
+        "",
+        "## Long sequences",
+        "",
+        f"Each layer in a fresh process: median time of {args.rounds} calls after a warm-up call, and the growth "
+        "of the peak resident memory over the warmed-up state during them (PyTorch eval + no_grad for forward; "
+        "tf.function). Built-in layers whose (B, N, T, S) scores cannot fit in memory are not run.",
+        "",
+        long_table(long_results),
         "",
     ]
     text = "\n".join(report)

@@ -42,7 +42,8 @@ def test_benchmark_quick_writes_results(tmp_path):
     text = (tmp_path / "results.md").read_text()
     assert text in out  # printed and written
     assert "| quick B=2 T=S=32 E=32 N=4 | forward | PyTorch |" in text
-    assert "keras MultiHeadAttention" in text and "Peak memory" in text
+    assert "keras MultiHeadAttention" in text and "| quick decode L=32 | TensorFlow |" in text
+    assert "| quick B=2 T=S=32 E=32 N=4 | train step | TensorFlow ours |" in text
 
 
 def test_generate_example_gives_identical_strings(tmp_path):
