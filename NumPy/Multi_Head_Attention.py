@@ -439,7 +439,7 @@ class MultiHeadAttention:
             of the portable weight layout.
         """
         if self._saved is None:
-            raise ValueError("`backward` needs a forward call without `cache` first. Received: none since the last one")
+            raise ValueError("`backward` needs a forward call without `cache` first. Received: no such call")
         c, p = self._saved, self.params
         g = np.asarray(grad_output, dtype=np.float64)  # (B, T, E)
         if g.shape != (*c["merged"].shape[:2], self.d_model):

@@ -234,6 +234,22 @@ def _softmax_dtype(dtype):
     return torch.promote_types(dtype, torch.float32)
 
 
+def _masked_softmax(scores, keep):
+    """Softmax over S with every position not kept at weight exactly 0 (rows with no key are
+    all 0). Without autograd (and outside torch.compile) it overwrites `scores`, a tensor the
+    caller owns: no second (B, N, T, S) buffer, as in the built-in layer's inference kernel."""
+    lowest = torch.finfo(scores.dtype).min
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        scores = scores if keep is None else torch.where(keep, scores, lowest)
+        weights = scores.softmax(dim=-1)
+        return weights if keep is None else torch.where(keep, weights, 0.0)
+    removed = None if keep is None else ~keep
+    if removed is not None:
+        scores.masked_fill_(removed, lowest)
+    weights = torch.ops.aten._softmax.out(scores, -1, False, out=scores)  # in place
+    return weights if removed is None else weights.masked_fill_(removed, 0.0)
+
+
 def _explicit_attention(q, k, v, keep, bias, dropout):
     """Scores, mask, softmax, weighted sum; returns (context, weights)."""
     groups = q.shape[1] // k.shape[1]
@@ -242,14 +258,9 @@ def _explicit_attention(q, k, v, keep, bias, dropout):
         v = v.repeat_interleave(groups, dim=1)  # (B, K, S, H) -> (B, N, S, H)
     dtype = _softmax_dtype(q.dtype)
     q = q * (1.0 / math.sqrt(q.shape[-1]))  # scale the (B, N, T, H) queries, not the scores
-    scores = (q @ k.transpose(-1, -2)).to(dtype)  # (B, N, T, S)
+    scores = (q @ k.transpose(-1, -2)).to(dtype)  # (B, N, T, S), a new tensor
     scores = scores if bias is None else scores + bias.to(dtype)  # (B, N, T, S)
-    if keep is not None:
-        scores = torch.where(keep, scores, torch.finfo(dtype).min)  # (B, N, T, S)
-    weights = scores.softmax(dim=-1)  # (B, N, T, S)
-    if keep is not None:
-        weights = torch.where(keep, weights, 0.0)  # rows with no key are all 0
-    weights = weights.to(q.dtype)  # (B, N, T, S)
+    weights = _masked_softmax(scores, keep).to(q.dtype)  # (B, N, T, S)
     context = F.dropout(weights, dropout) @ v  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
     return context, weights
 

@@ -324,6 +324,129 @@ def _batch_chunked_attention(q, k, v, keep, bias, causal, return_attention):
     return result if return_attention else (result, None)
 
 
+def _rows(x, start, size):
+    """Rows [start, start + size) of a rank-4 tensor (a dynamic slice of static size, for XLA)."""
+    return tf.slice(x, tf.stack([0, 0, start, 0]), [-1, -1, size, -1])
+
+
+def _chunk_rows(mask, start, size):
+    """Rows [start, start + size) of a rank-4 mask whose T dimension is full; a mask with T = 1
+    broadcasts and is returned as is."""
+    if mask is None or mask.shape[2] == 1:
+        return mask
+    return _rows(mask, start, size)
+
+
+def _pad_rows(mask, rows):
+    """Pads the T dimension of a rank-4 mask (when it is full) with `rows` kept rows."""
+    if mask is None or mask.shape[2] == 1:
+        return mask
+    pad = [[0, 0], [0, 0], [0, rows], [0, 0]]
+    return tf.pad(mask, pad, constant_values=True if mask.dtype == tf.bool else 0)
+
+
+def _full_rows(mask, t):
+    """A rank-4 mask whose T dimension is unknown at trace time, broadcast to T rows."""
+    if mask is None or mask.shape[2] is not None:
+        return mask
+    shape = tf.shape(mask)
+    return tf.broadcast_to(mask, tf.stack([shape[0], shape[1], t, shape[3]]))
+
+
+def _dropout_keep(shape, rate, seed, chunk):
+    """The dropout mask of one chunk, the same every time it is drawn (forward and backward)."""
+    if not rate:
+        return None
+    draws = tf.random.stateless_uniform(shape, seed=seed + tf.stack([0, chunk]))
+    return tf.cast(draws >= rate, tf.float32) / (1.0 - rate)
+
+
+def _memory_efficient_attention(q, k, v, keep, bias, causal, chunk, dropout_rate=0.0, seed=None):
+    """`dot_product_attention` without the weights, `chunk` queries at a time, in memory linear
+    in T and S: only one chunk's (B, N, chunk, S) scores exist at a time, forward and backward
+    (a custom gradient recomputes them; the flash-attention backward). The floating mask gets no
+    gradient. Dropout draws a stateless mask per chunk from `seed` (shape (2,)), so the backward
+    drops the same weights as the forward.
+
+    Args: as `dot_product_attention`; `chunk` is a Python int.
+
+    Returns:
+        context (B, N, T, H).
+    """
+    b, n, t, h = (q.shape[i] if q.shape[i] is not None else tf.shape(q)[i] for i in range(4))
+    s, kv = tf.shape(k)[2], k.shape[1]
+    groups, dtype = q.shape[1] // kv, _softmax_dtype(q.dtype)
+    t = tf.shape(q)[2]
+    chunks = (t + chunk - 1) // chunk
+    padded = chunks * chunk - t
+    q = q * tf.cast(1.0 / math.sqrt(q.shape[-1]), q.dtype)  # scale the (B, N, T, H) queries, not the scores
+    q = tf.pad(q, [[0, 0], [0, 0], [0, padded], [0, 0]])  # (B, N, T', H), T' a multiple of chunk
+    keep, bias = (_pad_rows(_full_rows(m, t), padded) for m in (keep, bias))
+    seed = None if seed is None else tf.cast(seed, tf.int64)
+
+    def grouped(x):
+        return tf.reshape(x, [b, kv, groups * chunk, -1])  # (B, N, chunk, X) -> (B, K, G*chunk, X)
+
+    def by_head(x):
+        return tf.reshape(x, [b, n, chunk, -1])  # (B, K, G*chunk, X) -> (B, N, chunk, X)
+
+    def chunk_weights(q, k, i):
+        """Query rows [i*chunk, (i+1)*chunk): their (B, N, chunk, H) queries and float weights."""
+        start = i * chunk
+        q_i = _rows(q, start, chunk)  # (B, N, chunk, H)
+        scores = tf.cast(by_head(tf.matmul(grouped(q_i), k, transpose_b=True)), dtype)  # (B, N, chunk, S)
+        bias_i = _chunk_rows(bias, start, chunk)
+        scores = scores if bias_i is None else scores + tf.cast(bias_i, dtype)
+        keep_i = _chunk_rows(keep, start, chunk)
+        if causal:
+            rows = start + tf.range(chunk)[:, None]  # (chunk, 1)
+            keep_i = _and(keep_i, tf.range(s)[None, :] <= rows + (s - t))  # (B, N, chunk, S), dims may be 1
+        if keep_i is not None:
+            scores = tf.where(keep_i, scores, dtype.min)
+        weights = tf.nn.softmax(scores, axis=-1)  # (B, N, chunk, S)
+        return q_i, weights if keep_i is None else tf.where(keep_i, weights, tf.zeros((), dtype))
+
+    def dropped(weights, i):
+        mask = _dropout_keep(tf.shape(weights), dropout_rate, seed, i)
+        return (weights, None) if mask is None else (weights * mask, mask)
+
+    @tf.custom_gradient
+    def attend(q, k, v):
+        def one(i):
+            _, weights = chunk_weights(q, k, i)
+            weights, _ = dropped(weights, i)
+            return by_head(tf.matmul(grouped(tf.cast(weights, v.dtype)), v))  # (B, N, chunk, H)
+
+        contexts = tf.map_fn(one, tf.range(chunks), fn_output_signature=tf.TensorSpec(None, v.dtype))
+        context = tf.reshape(tf.transpose(contexts, [1, 2, 0, 3, 4]), [b, n, -1, h])  # -> (B, N, T', H)
+
+        def grad(d_context):
+            def accumulate(total, update):
+                return total + tf.ensure_shape(tf.cast(update, tf.float32), total.shape)  # (B, K, S, H)
+
+            def body(i, d_k, d_v, d_q):
+                q_i, weights = chunk_weights(q, k, i)
+                kept, mask = dropped(weights, i)
+                d_out = grouped(_rows(d_context, i * chunk, chunk))  # (B, K, G*chunk, H)
+                d_v = accumulate(d_v, tf.matmul(grouped(tf.cast(kept, v.dtype)), d_out, transpose_a=True))
+                d_weights = tf.cast(by_head(tf.matmul(d_out, v, transpose_b=True)), dtype)  # (B, N, chunk, S)
+                d_weights = d_weights if mask is None else d_weights * mask
+                d_scores = weights * (d_weights - tf.reduce_sum(d_weights * weights, -1, keepdims=True))
+                d_scores = grouped(tf.cast(d_scores, q.dtype))  # (B, K, G*chunk, S)
+                d_k = accumulate(d_k, tf.matmul(d_scores, grouped(q_i), transpose_a=True))
+                return i + 1, d_k, d_v, d_q.write(i, by_head(tf.matmul(d_scores, k)))
+
+            zeros = tf.zeros(tf.shape(k), tf.float32)
+            d_q = tf.TensorArray(q.dtype, size=chunks, element_shape=None, infer_shape=False)
+            _, d_k, d_v, d_q = tf.while_loop(lambda i, *_: i < chunks, body, (0, zeros, zeros, d_q))
+            d_q = tf.reshape(tf.transpose(d_q.stack(), [1, 2, 0, 3, 4]), tf.shape(q))  # (B, N, T', H)
+            return d_q, tf.cast(d_k, k.dtype), tf.cast(d_v, v.dtype)
+
+        return context, grad
+
+    return attend(q, k, v)[:, :, :t]  # (B, N, T, H)
+
+
 @tf.keras.utils.register_keras_serializable(package="MultiHeadAttentionReference")
 class MultiHeadAttention(tf.keras.layers.Layer):
     """Multi-head attention (MHA, grouped-query GQA and multi-query MQA) as a Keras layer.
@@ -374,6 +497,11 @@ class MultiHeadAttention(tf.keras.layers.Layer):
     # (B, N, T, S) score elements above which attention runs one batch element at a time: the
     # 2 Mi float32 scores (8 MiB) of one element stay in a CPU's last-level cache.
     batch_chunk_threshold = 1 << 21
+    # Without `return_attention`, (B, N, T, S) score elements above which attention runs a chunk
+    # of queries at a time (memory linear in T and S; 64 Mi float32 scores are 256 MiB), and the
+    # score elements of one chunk (8 MiB in float32, the fastest on the benchmark machine).
+    memory_efficient_threshold = 1 << 26
+    query_chunk_elements = 1 << 21
 
     def __init__(
         self,
@@ -518,6 +646,18 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             self._split_heads(v, self.num_kv_heads),  # (B, K, T, H)
         )
 
+    def _query_chunk(self, q, k):
+        """Queries per chunk of the memory-efficient path, or None to attend all at once: None
+        with the (B, N, T, S) scores at most `memory_efficient_threshold` elements. Dimensions
+        unknown at trace time count as large."""
+        b, n, t, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        known = [d for d in (b, t, s) if d is not None]
+        if len(known) == 3 and b * n * t * s <= self.memory_efficient_threshold:
+            return None
+        per_query = n * (b or 1) * (s or 4096)
+        chunk = max(1, self.query_chunk_elements // per_query)
+        return chunk if t is None else min(chunk, t)
+
     def _chunk_by_batch(self, q, k):
         """Whether to run attention one batch element at a time: B > 1, shapes known at trace
         time, and (B, N, T, S) scores larger than `batch_chunk_threshold` elements."""
@@ -579,7 +719,11 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             cache = _write_cache(cache, k, v, key_keep)
             k, v, causal = cache.key, cache.value, False  # (B, K, L, H); causality is in `keep`
         dropout_active = self.dropout > 0 and training is not False and training is not None
-        if not dropout_active and self._chunk_by_batch(q, k):
+        chunk = None if return_attention else self._query_chunk(q, k)
+        if chunk is not None:
+            rate, seed = (self.dropout, self._dropout_layer.seed_generator.next()) if dropout_active else (0.0, None)
+            context, weights = _memory_efficient_attention(q, k, v, keep, bias, causal, chunk, rate, seed), None
+        elif not dropout_active and self._chunk_by_batch(q, k):
             context, weights = _batch_chunked_attention(q, k, v, keep, bias, causal, return_attention)
         else:
             dropout = (lambda w: self._dropout_layer(w, training=training)) if dropout_active else None

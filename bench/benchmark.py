@@ -287,19 +287,21 @@ def _rss_mib(field):
 
 
 def _measure(fields, mode, which, rounds):
-    """(median seconds, peak RSS growth in MiB) of a warmed-up call. The peak is reset through
-    /proc/self/clear_refs (getrusage's ru_maxrss is inherited from the parent, so useless here)."""
+    """(median seconds, peak RSS growth in MiB) of the first call, then the timed ones. The first
+    call is measured because TensorFlow's allocator keeps what a call freed for the next one (the
+    growth of a second call is near 0 whatever it needs); it includes tracing. The peak is reset
+    through /proc/self/clear_refs (getrusage's ru_maxrss is inherited from the parent)."""
     config = Config(*fields)
     framework = "PyTorch" if which in LAYERS["PyTorch"] else "TensorFlow"
     call = (torch_layers if framework == "PyTorch" else tf_layers)(config)[which][mode]
-    call()  # tracing and first-call allocations are not the layer's steady state
     try:
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
         before = _rss_mib("VmRSS")
     except OSError:
         before = None
-    seconds = median_time(call, rounds)
-    return seconds, "n/a" if before is None else round(_rss_mib("VmHWM") - before, 1)
+    call()
+    growth = "n/a" if before is None else round(_rss_mib("VmHWM") - before, 1)
+    return median_time(call, rounds), growth
 
 
 def machine():
@@ -417,9 +419,10 @@ def main(argv=None):
         "",
         "## Long sequences",
         "",
-        f"Each layer in a fresh process: median time of {args.rounds} calls after a warm-up call, and the growth "
-        "of the peak resident memory over the warmed-up state during them (PyTorch eval + no_grad for forward; "
-        "tf.function). Built-in layers whose (B, N, T, S) scores cannot fit in memory are not run.",
+        f"Each layer in a fresh process: median time of {args.rounds} calls after a first call, and the growth "
+        "of the peak resident memory during that first call (tracing included; TensorFlow's allocator keeps "
+        "freed memory for later calls, so only a first call shows what a call needs). PyTorch eval + no_grad "
+        "for forward; tf.function. Built-in layers whose (B, N, T, S) scores cannot fit in memory are not run.",
         "",
         long_table(long_results),
         "",

@@ -1,8 +1,10 @@
 """Runs one case through every layer and code path from one portable weight dict.
 
 Paths: `numpy` (the float64 oracle), `torch:sdpa` (scaled_dot_product_attention, no weights
-returned), `torch:explicit` (return_attention=True), `tf:eager`, `tf:function` and `tf:chunked`
-(tf.function with attention run one batch element at a time, forced on every case). Each gives
+returned), `torch:explicit` (return_attention=True), `tf:eager`, `tf:function`, `tf:chunked`
+(tf.function with attention run one batch element at a time, forced on every case) and
+`tf:memory_efficient` (tf.function, no weights returned, attention run two queries at a time,
+forced on every case; its gradients come from the path's own backward). Each gives
 a `Result`: output, attention weights (None on `torch:sdpa`) and gradients of
 sum(output * grad_output) with respect to the inputs passed and every portable weight.
 TensorFlow is imported only when a TensorFlow path runs.
@@ -15,7 +17,8 @@ import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-PATHS = ("numpy", "torch:sdpa", "torch:explicit", "tf:eager", "tf:function", "tf:chunked")
+PATHS = ("numpy", "torch:sdpa", "torch:explicit", "tf:eager", "tf:function", "tf:chunked", "tf:memory_efficient")
+MEMORY_EFFICIENT_CHUNK = 2  # queries per chunk on `tf:memory_efficient`: odd T leaves a padded chunk
 INPUTS = ("query", "key", "value")
 
 
@@ -89,6 +92,10 @@ def run_tensorflow(case, data, path, layer_class=None):
     layer = make_tf_layer(case, data, layer_class)
     if path == "tf:chunked":
         layer.batch_chunk_threshold = 0  # every case with B > 1 takes the batch-chunked path
+    weighted = path != "tf:memory_efficient"
+    if not weighted:
+        layer.memory_efficient_threshold = 0  # every case takes the memory-efficient path
+        layer.query_chunk_elements = MEMORY_EFFICIENT_CHUNK * case.b * case.n * case.s
     args = [tf.constant(x, dtype=case.dtype) for x in _inputs(data)]
     mask = None if data["attention_mask"] is None else tf.constant(data["attention_mask"])
     variables = [getattr(layer, name) for name in layer.weight_shapes()]
@@ -96,7 +103,8 @@ def run_tensorflow(case, data, path, layer_class=None):
     def forward_and_grads(*args):
         with tf.GradientTape() as tape:
             tape.watch(args)
-            output, weights = layer(*args, attention_mask=mask, causal=case.causal, return_attention=True)
+            result = layer(*args, attention_mask=mask, causal=case.causal, return_attention=weighted)
+            output, weights = result if weighted else (result, None)
             loss = tf.reduce_sum(tf.cast(output, tf.float32) * data["grad_output"])
         sources = [*args, *variables]
         grads = tape.gradient(loss, sources)
@@ -109,7 +117,7 @@ def run_tensorflow(case, data, path, layer_class=None):
     as_numpy = {name: np.asarray(g.numpy(), dtype=np.float64) for name, g in zip(names, grads, strict=True)}
     return Result(
         np.asarray(output.numpy(), dtype=np.float64),
-        np.asarray(weights.numpy(), dtype=np.float64),
+        None if weights is None else np.asarray(weights.numpy(), dtype=np.float64),
         as_numpy if case.tolerance["grads"] is not None else None,
     )
 

@@ -292,7 +292,9 @@ def test_numpy_copies_the_cache():
 def test_numpy_backward_refuses_a_cached_call():
     layer = NumpyMultiHeadAttention(8, 4, seed=0)
     layer(X[:, :3], cache=layer.init_cache(2, 10))
-    with pytest.raises(ValueError, match=r"^`backward` needs a forward call without `cache` first"):
+    with pytest.raises(
+        ValueError, match=r"^`backward` needs a forward call without `cache` first\. Received: no such call$"
+    ):
         layer.backward(np.ones((2, 3, 8)))
 
 

@@ -272,7 +272,9 @@ def test_constructor_errors(kwargs, pattern):
 
 
 def test_backward_before_forward_is_an_error():
-    with pytest.raises(ValueError, match=r"`backward` needs a forward call first"):
+    with pytest.raises(
+        ValueError, match=r"^`backward` needs a forward call without `cache` first\. Received: no such call$"
+    ):
         MultiHeadAttention(8, 2).backward(np.zeros((1, 1, 8)))
 
 
