@@ -357,7 +357,7 @@ def _dropout_keep(shape, rate, seed, chunk):
     """The dropout mask of one chunk, the same every time it is drawn (forward and backward)."""
     if not rate:
         return None
-    draws = tf.random.stateless_uniform(shape, seed=seed + tf.stack([0, chunk]))
+    draws = tf.random.stateless_uniform(shape, seed=seed + tf.cast(tf.stack([0, chunk]), tf.int64))
     return tf.cast(draws >= rate, tf.float32) / (1.0 - rate)
 
 
@@ -647,16 +647,42 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         )
 
     def _query_chunk(self, q, k):
-        """Queries per chunk of the memory-efficient path, or None to attend all at once: None
-        with the (B, N, T, S) scores at most `memory_efficient_threshold` elements. Dimensions
-        unknown at trace time count as large."""
+        """Queries per chunk of the memory-efficient path, or None where the (B, N, T, S) scores
+        are known at trace time to be at most `memory_efficient_threshold` elements."""
         b, n, t, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-        known = [d for d in (b, t, s) if d is not None]
-        if len(known) == 3 and b * n * t * s <= self.memory_efficient_threshold:
+        if None not in (b, t, s) and b * n * t * s <= self.memory_efficient_threshold:
             return None
-        per_query = n * (b or 1) * (s or 4096)
-        chunk = max(1, self.query_chunk_elements // per_query)
+        chunk = max(1, self.query_chunk_elements // (n * (b or 1) * (s or 4096)))
         return chunk if t is None else min(chunk, t)
+
+    def _attend(self, q, k, v, keep, bias, causal, return_attention, training):
+        """Picks the attention path; returns (context, weights or None).
+
+        With weights: `dot_product_attention`, one batch element at a time when the scores are
+        large. Without: the memory-efficient path when the scores exceed
+        `memory_efficient_threshold` elements (decided at run time where shapes are unknown at
+        trace time), else `dot_product_attention`.
+        """
+        dropout_active = self.dropout > 0 and training is not False and training is not None
+        chunk = None if return_attention else self._query_chunk(q, k)
+
+        def at_once():
+            if not dropout_active and self._chunk_by_batch(q, k):
+                return _batch_chunked_attention(q, k, v, keep, bias, causal, return_attention)
+            dropout = (lambda w: self._dropout_layer(w, training=training)) if dropout_active else None
+            return dot_product_attention(q, k, v, keep, bias, causal, dropout=dropout)
+
+        def in_chunks():
+            rate, seed = (self.dropout, self._dropout_layer.seed_generator.next()) if dropout_active else (0.0, None)
+            return _memory_efficient_attention(q, k, v, keep, bias, causal, chunk, rate, seed)
+
+        if chunk is None:
+            return at_once()
+        if None not in (q.shape[0], q.shape[2], k.shape[2]):
+            return in_chunks(), None
+        scores = tf.reduce_prod(tf.cast(tf.shape(q)[:3], tf.int64)) * tf.cast(tf.shape(k)[2], tf.int64)
+        large = scores > self.memory_efficient_threshold
+        return tf.cond(large, in_chunks, lambda: at_once()[0]), None
 
     def _chunk_by_batch(self, q, k):
         """Whether to run attention one batch element at a time: B > 1, shapes known at trace
@@ -718,16 +744,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             full = cache.index + t > tf.shape(cache.key)[2]  # only ever True under XLA
             cache = _write_cache(cache, k, v, key_keep)
             k, v, causal = cache.key, cache.value, False  # (B, K, L, H); causality is in `keep`
-        dropout_active = self.dropout > 0 and training is not False and training is not None
-        chunk = None if return_attention else self._query_chunk(q, k)
-        if chunk is not None:
-            rate, seed = (self.dropout, self._dropout_layer.seed_generator.next()) if dropout_active else (0.0, None)
-            context, weights = _memory_efficient_attention(q, k, v, keep, bias, causal, chunk, rate, seed), None
-        elif not dropout_active and self._chunk_by_batch(q, k):
-            context, weights = _batch_chunked_attention(q, k, v, keep, bias, causal, return_attention)
-        else:
-            dropout = (lambda w: self._dropout_layer(w, training=training)) if dropout_active else None
-            context, weights = dot_product_attention(q, k, v, keep, bias, causal, dropout=dropout)  # (B, N, T, H)
+        context, weights = self._attend(q, k, v, keep, bias, causal, return_attention, training)  # (B, N, T, H)
         merged = tf.transpose(context, [0, 2, 1, 3])  # (B, N, T, H) -> (B, T, N, H)
         merged = tf.reshape(merged, tf.concat([tf.shape(query)[:2], [-1]], 0))  # -> (B, T, N*H)
         output = tf.matmul(merged, self.output_kernel)  # (B, T, N*H) -> (B, T, E)

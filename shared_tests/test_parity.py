@@ -84,9 +84,22 @@ MUTATIONS = {
         "mask_bool_bts",
     ),
     "torch_head_split": (TorchMultiHeadAttention, "_split_heads", _torch_wrong_split, "cross"),
+    "tf_memory_efficient_rows": (
+        tf_file,
+        "_chunk_rows",
+        lambda mask, start, size: tf_file_chunk_rows(mask, 0 * start, size),  # every chunk reads the first rows
+        "mask_bool_bts",
+    ),
+    "tf_memory_efficient_backward": (
+        tf_file,
+        "_memory_efficient_attention",
+        lambda q, k, v, *rest: tf_file_memory_efficient(q, tf_file.tf.stop_gradient(k), v, *rest),
+        "cross",
+    ),
     "tf_head_split": (TFMultiHeadAttention, "_split_heads", _tf_wrong_split, "cross"),
 }
 torch_file_split, tf_file_split = torch_file._split_mask, tf_file._split_mask
+tf_file_chunk_rows, tf_file_memory_efficient = tf_file._chunk_rows, tf_file._memory_efficient_attention
 
 
 @pytest.mark.parametrize("name", sorted(MUTATIONS))

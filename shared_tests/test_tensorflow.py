@@ -404,3 +404,88 @@ def test_regression_chunked_attention_with_a_mask_batch_unknown_at_trace_time():
     expected, expected_w = layer(X, Y, attention_mask=keep, return_attention=True)
     _close(output, expected, OUTPUT_TOL)
     _close(weights, expected_w, WEIGHTS_TOL)
+
+
+def test_memory_efficient_path_is_taken_for_large_scores_without_weights(monkeypatch):
+    """Above `memory_efficient_threshold` score elements, and only without `return_attention`."""
+    import TensorFlow.Multi_Head_Attention as tf_file
+
+    calls = []
+    original = tf_file._memory_efficient_attention
+    monkeypatch.setattr(tf_file, "_memory_efficient_attention", lambda *a: calls.append(a[6]) or original(*a))
+    layer = _built(MultiHeadAttention(16, 4), X, Y)
+    expected = layer(X, Y, causal=True)
+    assert calls == []
+    layer.memory_efficient_threshold = 2 * 4 * 5 * 7 - 1  # scores of (B, N, T, S) = (2, 4, 5, 7) exceed it
+    layer.query_chunk_elements = 2 * 2 * 4 * 7  # two queries per chunk: chunks of rows 0-1, 2-3, 4 (+ padding)
+    _close(layer(X, Y, causal=True), expected, OUTPUT_TOL)
+    assert calls == [2]
+    layer(X, Y, causal=True, return_attention=True)
+    assert calls == [2]
+
+
+def test_default_thresholds_chunk_long_sequences_only():
+    layer = MultiHeadAttention(256, 4)
+    long, short = tf.zeros((1, 4, 8192, 64)), tf.zeros((8, 4, 512, 64))
+    assert layer._query_chunk(long, long) == 64  # (1, 4, 64, 8192) scores per chunk: 2 Mi elements
+    assert layer._query_chunk(short, short) is None  # (8, 4, 512, 512): 8 Mi elements, attended at once
+
+
+def test_memory_efficient_path_under_xla_with_shapes_unknown_at_trace_time():
+    """Unknown shapes decide between the two paths at run time (tf.cond), under XLA too."""
+    layer = _built(MultiHeadAttention(16, 4, num_kv_heads=2), X, Y)
+    spec, mask_spec = tf.TensorSpec((None, None, 16), tf.float32), tf.TensorSpec((None, 1, None), tf.bool)
+    keep = rng.random((2, 1, 7)) < 0.6
+    keep[1] = False
+
+    def attend(query, key, keep):
+        with tf.GradientTape() as tape:
+            tape.watch(query)
+            output = layer(query, key, attention_mask=keep, causal=True)
+        return output, tape.gradient(tf.reduce_sum(output**2), query)
+
+    expected = attend(tf.constant(X), tf.constant(Y), keep)
+    layer.memory_efficient_threshold, layer.query_chunk_elements = 0, 1  # one query per chunk
+    compiled = tf.function(attend, input_signature=[spec, spec, mask_spec], jit_compile=True)
+    for got, want in zip(compiled(X, Y, keep), expected, strict=True):
+        _close(got, want, OUTPUT_TOL)
+
+
+def test_memory_efficient_dropout_drops_the_same_weights_forward_and_backward():
+    """The context is linear in v, so sum(g * context) == sum(grad_v * v) exactly when the
+    backward drops the same weights as the forward (a stateless mask per chunk and seed)."""
+    import TensorFlow.Multi_Head_Attention as tf_file
+
+    q, k, v = (tf.constant(rng.normal(size=(2, 4, 7, 8)), tf.float32) for _ in range(3))
+    g = tf.constant(rng.normal(size=(2, 4, 7, 8)), tf.float32)
+    seed = tf.constant([3, 4])
+
+    def loss_and_grad(rate):
+        with tf.GradientTape() as tape:
+            tape.watch(v)
+            loss = tf.reduce_sum(g * tf_file._memory_efficient_attention(q, k, v, None, None, True, 3, rate, seed))
+        return loss, tape.gradient(loss, v)
+
+    loss, grad = loss_and_grad(0.5)
+    np.testing.assert_allclose(float(loss), float(tf.reduce_sum(grad * v)), rtol=1e-5)
+    assert float(loss) != float(loss_and_grad(0.0)[0])  # something was dropped
+    assert float(loss) == float(loss_and_grad(0.5)[0])  # the same seed drops the same weights
+
+
+def test_memory_efficient_mixed_precision():
+    reference = MultiHeadAttention(16, 4)
+    reference.import_weights(_fixed_weights(reference, seed=4))
+    layer = MultiHeadAttention(16, 4, dtype="mixed_float16")
+    layer.import_weights(reference.export_weights())
+    layer.memory_efficient_threshold, layer.query_chunk_elements = 0, 2 * 2 * 4 * 5
+    output = layer(X, causal=True)
+    assert output.dtype == "float16"
+    _close(output, reference(X, causal=True), MIXED_TOL["mixed_float16"])
+
+
+def test_training_with_dropout_on_the_memory_efficient_path():
+    layer = _built(MultiHeadAttention(16, 4, dropout=0.5), X)
+    layer.memory_efficient_threshold = 0
+    first, second = layer(X, training=True), layer(X, training=True)
+    assert not np.array_equal(first, second)  # a new seed per call
+    assert np.array_equal(layer(X), layer(X, training=False))

@@ -274,3 +274,18 @@ def test_device_and_dtype_arguments_and_repr():
     layer = MultiHeadAttention(16, 4, num_kv_heads=2, device="cpu", dtype=torch.float64)
     assert all(p.dtype == torch.float64 for p in layer.parameters())
     assert "num_kv_heads=2" in repr(layer)
+
+
+def test_return_attention_under_no_grad_works_in_place_with_the_same_numbers():
+    """The softmax of `return_attention=True` overwrites its scores buffer under no_grad (as the
+    built-in's inference kernel does); the numbers are those of the autograd path, masks too."""
+    layer = _with_random_biases(MultiHeadAttention(16, 4, num_kv_heads=2)).eval()
+    x, y = _randn(2, 5, 16, seed=11), _randn(2, 7, 16, seed=12)
+    keep = torch.rand(2, 1, 5, 7, generator=torch.Generator().manual_seed(13)) < 0.6
+    keep[0, 0, 1] = False  # a row with no key
+    with_grad = layer(x, y, attention_mask=keep, causal=True, return_attention=True)
+    with torch.no_grad():
+        without = layer(x, y, attention_mask=keep, causal=True, return_attention=True)
+    for a, b in zip(with_grad, without, strict=True):
+        assert torch.equal(a.detach(), b)
+    assert (without[1][0, :, 1] == 0).all() and torch.equal(keep, keep & True)
