@@ -35,6 +35,11 @@ query t attends slot s iff s < index + T, keep[b, s], (not causal or s <= index 
 layer writes the keys and values into the cache's tensors in place (for inference; call it
 under `torch.no_grad()`); the returned cache shares them, with the index moved on.
 
+Tensor parallelism (`parallelize_module` with `ColwiseParallel` on `query`, `key`, `value` and
+`RowwiseParallel` on `output`) splits the heads across ranks: each rank attends its share of
+the heads, so `return_attention` returns this rank's heads. K must be divisible by the ranks,
+and a per-head (B, N, T, S) mask cannot be split.
+
 Two code paths give the same numbers: without `return_attention`, attention runs in
 `torch.nn.functional.scaled_dot_product_attention` (and self-attention projects q, k and v
 with one matmul); with it, an explicit softmax returns the per-head weights.
@@ -47,6 +52,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without torch.distributed
+    DTensor = ()
 
 __all__ = ["KVCache", "MultiHeadAttention", "dot_product_attention"]
 
@@ -487,8 +497,16 @@ class MultiHeadAttention(nn.Module):
         return self._split_heads(y, heads)
 
     def _split_heads(self, y, heads):
-        b, length, _ = y.shape
-        return y.view(b, length, heads, self.head_dim).transpose(1, 2)  # (B, L, heads*H) -> (B, heads, L, H)
+        """(B, L, heads*H) -> (B, heads, L, H). Under tensor parallelism a rank holds a share of
+        the heads, so the local count is read from the width."""
+        b, length, width = y.shape
+        if width % self.head_dim:
+            raise ValueError(
+                "Each tensor-parallel rank must hold whole heads: `num_heads` and `num_kv_heads` must be divisible "
+                f"by the number of ranks. Received: num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, a projection {width} wide on this rank"
+            )
+        return y.view(b, length, -1, self.head_dim).transpose(1, 2)  # (B, L, heads*H) -> (B, heads, L, H)
 
     def _project_fused(self, x):
         """Self-attention: q, k and v from one matmul over the concatenated projections."""
@@ -501,6 +519,25 @@ class MultiHeadAttention(nn.Module):
             self._split_heads(k, self.num_kv_heads),  # (B, K, T, H)
             self._split_heads(v, self.num_kv_heads),  # (B, K, T, H)
         )
+
+    def _check_local_heads(self, q, k, attention_mask):
+        """Tensor parallelism: this rank's query and key/value heads must keep the N : K grouping,
+        and a per-head (B, N, T, S) mask cannot be split with them."""
+        local, local_kv = q.shape[1], k.shape[1]
+        if (local, local_kv) == (self.num_heads, self.num_kv_heads):
+            return
+        if local * self.num_kv_heads != local_kv * self.num_heads:
+            raise ValueError(
+                "Each tensor-parallel rank must hold whole groups of heads: `num_kv_heads` must be divisible by the "
+                f"number of ranks. Received: num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"{local} query and {local_kv} key/value heads on this rank"
+            )
+        if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] != 1:
+            raise ValueError(
+                "A per-head `attention_mask` (B, N, T, S) cannot be used with heads split across tensor-parallel "
+                f"ranks ({local} of {self.num_heads} heads on this rank); pass (T, S), (B, T, S) or (B, 1, T, S). "
+                f"Received: attention_mask.shape={tuple(attention_mask.shape)}"
+            )
 
     def _compute_dtype(self, device_type):
         if torch.is_autocast_enabled(device_type):
@@ -529,12 +566,13 @@ class MultiHeadAttention(nn.Module):
             attention_mask = torch.as_tensor(attention_mask, device=query.device)
         keep, bias = _split_mask(attention_mask, (b, self.num_heads, t, s))
 
-        if self_attention:
+        if self_attention and not isinstance(self.query.weight, DTensor):  # sharded weights project one by one
             q, k, v = self._project_fused(query)  # (B, T, E) -> (B, N, T, H), 2 x (B, K, T, H)
         else:
             q = self._project(query, "query", self.num_heads)  # (B, T, E) -> (B, N, T, H)
             k = self._project(key, "key", self.num_kv_heads)  # (B, S, kdim) -> (B, K, S, H)
             v = self._project(value, "value", self.num_kv_heads)  # (B, S, vdim) -> (B, K, S, H)
+        self._check_local_heads(q, k, attention_mask)
         if cache is not None:
             keep = _and(keep, _cache_keep(cache.keep, cache.index, t, causal))  # (B, N, T, L), dims may be 1
             full = cache.index + t > cache.key.shape[2]  # only ever True under torch.compile

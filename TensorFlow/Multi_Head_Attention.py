@@ -300,30 +300,6 @@ def dot_product_attention(q, k, v, keep=None, bias=None, causal=False, *, dropou
     return context, weights
 
 
-def _batch_chunked_attention(q, k, v, keep, bias, causal, return_attention):
-    """`dot_product_attention` one batch element at a time (`tf.map_fn`, not a Python loop).
-
-    Same numbers; faster on CPU when the (B, N, T, S) scores do not fit in cache but one batch
-    element's (N, T, S) do, since the softmax passes then run in cache.
-    """
-    batch = tf.shape(q)[:1]
-    masks = {
-        name: tf.broadcast_to(m, tf.concat([batch, tf.shape(m)[1:]], 0))  # (1 or B, ...) -> (B, ...)
-        for name, m in (("keep", keep), ("bias", bias))
-        if m is not None
-    }
-
-    def one(elements):
-        q1, k1, v1, masks1 = elements
-        keep1, bias1 = (masks1[name][None] if name in masks1 else None for name in ("keep", "bias"))
-        context, weights = dot_product_attention(q1[None], k1[None], v1[None], keep1, bias1, causal)
-        return (context[0], weights[0]) if return_attention else context[0]
-
-    spec = tf.TensorSpec(None, q.dtype)
-    result = tf.map_fn(one, (q, k, v, masks), fn_output_signature=(spec, spec) if return_attention else spec)
-    return result if return_attention else (result, None)
-
-
 def _rows(x, start, size):
     """Rows [start, start + size) of a rank-4 tensor (a dynamic slice of static size, for XLA)."""
     return tf.slice(x, tf.stack([0, 0, start, 0]), [-1, -1, size, -1])
@@ -494,9 +470,6 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         True
     """
 
-    # (B, N, T, S) score elements above which attention runs one batch element at a time: the
-    # 2 Mi float32 scores (8 MiB) of one element stay in a CPU's last-level cache.
-    batch_chunk_threshold = 1 << 21
     # Without `return_attention`, (B, N, T, S) score elements above which attention runs a chunk
     # of queries at a time (memory linear in T and S; 64 Mi float32 scores are 256 MiB), and the
     # score elements of one chunk (8 MiB in float32, the fastest on the benchmark machine).
@@ -656,19 +629,14 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         return chunk if t is None else min(chunk, t)
 
     def _attend(self, q, k, v, keep, bias, causal, return_attention, training):
-        """Picks the attention path; returns (context, weights or None).
-
-        With weights: `dot_product_attention`, one batch element at a time when the scores are
-        large. Without: the memory-efficient path when the scores exceed
-        `memory_efficient_threshold` elements (decided at run time where shapes are unknown at
-        trace time), else `dot_product_attention`.
-        """
+        """Picks the attention path; returns (context, weights or None): without weights, the
+        memory-efficient path when the scores exceed `memory_efficient_threshold` elements
+        (decided at run time where shapes are unknown at trace time), else
+        `dot_product_attention`."""
         dropout_active = self.dropout > 0 and training is not False and training is not None
         chunk = None if return_attention else self._query_chunk(q, k)
 
         def at_once():
-            if not dropout_active and self._chunk_by_batch(q, k):
-                return _batch_chunked_attention(q, k, v, keep, bias, causal, return_attention)
             dropout = (lambda w: self._dropout_layer(w, training=training)) if dropout_active else None
             return dot_product_attention(q, k, v, keep, bias, causal, dropout=dropout)
 
@@ -683,21 +651,6 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         scores = tf.reduce_prod(tf.cast(tf.shape(q)[:3], tf.int64)) * tf.cast(tf.shape(k)[2], tf.int64)
         large = scores > self.memory_efficient_threshold
         return tf.cond(large, in_chunks, lambda: at_once()[0]), None
-
-    def _chunk_by_batch(self, q, k):
-        """Whether to run attention one batch element at a time: B > 1, shapes known at trace
-        time, and (B, N, T, S) scores larger than `batch_chunk_threshold` elements."""
-        b, n, t, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-        if None in (b, t, s) or b == 1:
-            return False
-        return b * n * t * s > self.batch_chunk_threshold
-
-    def __call__(self, *args, **kwargs):
-        """Checks the cache's dtype before Keras casts every floating input to the compute dtype
-        (which would silently convert a cache of another dtype on every call)."""
-        if kwargs.get("cache") is not None:
-            _check_cache_dtype(kwargs["cache"], self.compute_dtype)
-        return super().__call__(*args, **kwargs)
 
     def call(
         self,

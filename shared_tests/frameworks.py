@@ -1,8 +1,7 @@
 """Runs one case through every layer and code path from one portable weight dict.
 
 Paths: `numpy` (the float64 oracle), `torch:sdpa` (scaled_dot_product_attention, no weights
-returned), `torch:explicit` (return_attention=True), `tf:eager`, `tf:function`, `tf:chunked`
-(tf.function with attention run one batch element at a time, forced on every case) and
+returned), `torch:explicit` (return_attention=True), `tf:eager`, `tf:function` and
 `tf:memory_efficient` (tf.function, no weights returned, attention run two queries at a time,
 forced on every case; its gradients come from the path's own backward). Each gives
 a `Result`: output, attention weights (None on `torch:sdpa`) and gradients of
@@ -17,7 +16,7 @@ import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-PATHS = ("numpy", "torch:sdpa", "torch:explicit", "tf:eager", "tf:function", "tf:chunked", "tf:memory_efficient")
+PATHS = ("numpy", "torch:sdpa", "torch:explicit", "tf:eager", "tf:function", "tf:memory_efficient")
 MEMORY_EFFICIENT_CHUNK = 2  # queries per chunk on `tf:memory_efficient`: odd T leaves a padded chunk
 INPUTS = ("query", "key", "value")
 
@@ -90,8 +89,6 @@ def run_tensorflow(case, data, path, layer_class=None):
     import tensorflow as tf
 
     layer = make_tf_layer(case, data, layer_class)
-    if path == "tf:chunked":
-        layer.batch_chunk_threshold = 0  # every case with B > 1 takes the batch-chunked path
     weighted = path != "tf:memory_efficient"
     if not weighted:
         layer.memory_efficient_threshold = 0  # every case takes the memory-efficient path

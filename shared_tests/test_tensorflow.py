@@ -360,50 +360,17 @@ def test_import_weights_builds_a_fresh_layer():
         np.testing.assert_array_equal(value, weights[name])
 
 
-def test_large_scores_run_one_batch_element_at_a_time(monkeypatch):
-    """Above `batch_chunk_threshold` score elements the layer maps attention over the batch;
-    same numbers as the one-shot path; never while dropout is active."""
-    import TensorFlow.Multi_Head_Attention as tf_file
-
-    calls = []
-    original = tf_file._batch_chunked_attention
-    monkeypatch.setattr(tf_file, "_batch_chunked_attention", lambda *a: calls.append(1) or original(*a))
-    layer = _built(MultiHeadAttention(16, 4, dropout=0.5), X, Y)
-    keep = rng.random((2, 5, 7)) < 0.7
-    one_shot = layer(X, Y, attention_mask=keep, causal=True, return_attention=True)
-    assert calls == []
-    layer.batch_chunk_threshold = 2 * 4 * 5 * 7 - 1  # scores of (B, N, T, S) = (2, 4, 5, 7) exceed it
-    chunked = layer(X, Y, attention_mask=keep, causal=True, return_attention=True)
-    assert calls == [1]
-    for a, b in zip(chunked, one_shot, strict=True):
-        _close(a, b, OUTPUT_TOL)
-    layer(X, Y, training=True)
-    assert calls == [1]  # dropout active: one shot
-
-
-def test_default_threshold_chunks_the_benchmark_shape_only():
-    layer = MultiHeadAttention(512, 8)
-    q = tf.zeros((8, 8, 512, 64))
-    assert layer._chunk_by_batch(q, q)
-    assert not layer._chunk_by_batch(q[:1], q[:1])  # B = 1: nothing to chunk
-    assert not layer._chunk_by_batch(q[:, :, :128], q[:, :, :128])  # (8, 8, 128, 128) fits in cache
-
-
-def test_regression_chunked_attention_with_a_mask_batch_unknown_at_trace_time():
-    """The chunked path used to pick which masks to map from their static batch size; a mask
-    traced as (None, 1, S) and fed with batch 1 then failed inside tf.map_fn."""
+def test_regression_memory_efficient_attention_with_a_mask_batch_unknown_at_trace_time():
+    """The batch-chunked path this path replaced picked which masks to map from their static
+    batch size; a mask traced as (None, 1, S) and fed with batch 1 then failed inside tf.map_fn.
+    The memory-efficient path broadcasts masks instead: pinned here."""
     layer = _built(MultiHeadAttention(16, 4), X, Y)
-    layer.batch_chunk_threshold = 0
-    signature = [tf.TensorSpec((2, 5, 16)), tf.TensorSpec((2, 7, 16)), tf.TensorSpec((None, 1, 7), tf.bool)]
-    attend = tf.function(
-        lambda q, k, m: layer(q, k, attention_mask=m, return_attention=True), input_signature=signature
-    )
     keep = rng.random((1, 1, 7)) < 0.6
-    output, weights = attend(X, Y, keep)
-    layer.batch_chunk_threshold = 2**62
-    expected, expected_w = layer(X, Y, attention_mask=keep, return_attention=True)
-    _close(output, expected, OUTPUT_TOL)
-    _close(weights, expected_w, WEIGHTS_TOL)
+    expected = layer(X, Y, attention_mask=keep)
+    layer.memory_efficient_threshold = 0
+    signature = [tf.TensorSpec((2, 5, 16)), tf.TensorSpec((2, 7, 16)), tf.TensorSpec((None, 1, 7), tf.bool)]
+    attend = tf.function(lambda q, k, m: layer(q, k, attention_mask=m), input_signature=signature)
+    _close(attend(X, Y, keep), expected, OUTPUT_TOL)
 
 
 def test_memory_efficient_path_is_taken_for_large_scores_without_weights(monkeypatch):

@@ -1,0 +1,260 @@
+"""Distributed checks, run by test_distributed.py in their own processes.
+
+`python -m shared_tests.distributed torch OUT.json [--mix-batch]` spawns 2 CPU ranks (gloo,
+file:// rendezvous) that train under DDP and FSDP2 and run tensor parallelism by heads; rank 0
+writes, per check, the largest difference from one process doing the same work alone.
+`python -m shared_tests.distributed keras OUT.json [--mix-batch]` fits a Keras model under
+`tf.distribute.MirroredStrategy` on 2 logical CPU devices and on one device.
+`--mix-batch` swaps in a layer that mixes the batch elements, which the data-parallel checks
+must catch (tensor parallelism splits heads, not the batch).
+Everything runs in float64, so the differences are rounding alone (about 1e-15).
+"""
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+WORLD = 2
+STEPS, LR = 3, 0.1
+rng = np.random.default_rng(0)
+X = rng.normal(size=(4, 5, 8))  # (B, T, E): the full batch, split across the ranks
+Y = rng.normal(size=(4, 3))  # targets
+
+
+# -- PyTorch -------------------------------------------------------------------------------------
+
+
+def _torch_classes(mix_batch):
+    import torch
+    from torch import nn
+
+    from PyTorch import MultiHeadAttention
+
+    class BatchMixing(MultiHeadAttention):
+        """A broken layer: each output depends on the other batch elements."""
+
+        def forward(self, *args, **kwargs):
+            output = super().forward(*args, **kwargs)
+            return output + output.mean(dim=0, keepdim=True)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = (BatchMixing if mix_batch else MultiHeadAttention)(8, 4, num_kv_heads=2)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(self.attention(x, causal=True).mean(dim=1))  # (B, T, E) -> (B, 3)
+
+    torch.manual_seed(0)
+    return Model
+
+
+def _train(model, x, y):
+    """STEPS of SGD on the mean squared error; returns the final parameters as float64 arrays."""
+    import torch
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    return {name: _full(p).detach().numpy() for name, p in model.named_parameters()}
+
+
+def _full(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _largest(a, b):
+    return max(float(np.abs(a[name] - b[name]).max()) for name in a)
+
+
+def _data_parallel(rank, mix_batch):
+    """DDP and FSDP2, each rank on its half of the batch, against one process on all of it."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _torch_classes(mix_batch)()
+    x, y = torch.from_numpy(X), torch.from_numpy(Y)
+    initial = {name: p.detach().clone().numpy() for name, p in model.named_parameters()}
+    alone = _train(copy.deepcopy(model), x, y)
+    half = slice(rank * 2, rank * 2 + 2)
+    ddp = _train(DistributedDataParallel(copy.deepcopy(model)), x[half], y[half])
+    sharded = copy.deepcopy(model)
+    fully_shard(sharded.attention)
+    fully_shard(sharded)
+    fsdp = _train(sharded, x[half], y[half])
+    ddp = {name.removeprefix("module."): value for name, value in ddp.items()}
+    return {"ddp": _largest(ddp, alone), "fsdp2": _largest(fsdp, alone), "moved": _largest(alone, initial)}
+
+
+TP_CONFIGS = {
+    "mha": ({"d_model": 8, "num_heads": 4}, {}),
+    "gqa_causal": ({"d_model": 8, "num_heads": 4, "num_kv_heads": 2}, {"causal": True}),
+    "padding_mask": ({"d_model": 8, "num_heads": 4, "num_kv_heads": 2}, {"mask": "padding"}),
+    "head_dim_cross": ({"d_model": 8, "num_heads": 4, "head_dim": 3, "kdim": 6, "vdim": 5}, {"cross": True}),
+}
+
+
+def _tp_plan():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "query": ColwiseParallel(),
+        "key": ColwiseParallel(),
+        "value": ColwiseParallel(),
+        "output": RowwiseParallel(),
+    }
+
+
+def _tensor_parallel(mesh, config, options):
+    """Forward and gradients of the layer with heads split across the ranks, against the whole
+    layer in this process (every rank has the same inputs)."""
+    import torch
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from PyTorch import MultiHeadAttention
+
+    torch.manual_seed(1)
+    layer = MultiHeadAttention(**config)
+    split = parallelize_module(copy.deepcopy(layer), mesh, _tp_plan())
+    x = torch.randn(4, 5, 8)
+    kv = torch.randn(4, 7, config.get("kdim", 8)), torch.randn(4, 7, config.get("vdim", 8))
+    args = (x, *kv) if options.get("cross") else (x,)
+    s = 7 if options.get("cross") else 5
+    mask = None
+    if options.get("mask") == "padding":
+        mask = torch.rand(4, 1, s, generator=torch.Generator().manual_seed(2)) < 0.6
+        mask[:, :, 0] = True
+    g = torch.randn(4, 5, 8)
+    results = {}
+    for name, module in (("whole", layer), ("split", split)):
+        inputs = [a.clone().requires_grad_() for a in args]
+        output = module(*inputs, attention_mask=mask, causal=options.get("causal", False))
+        (output * g).sum().backward()
+        grads = {f"input{i}": a.grad for i, a in enumerate(inputs)}
+        grads.update({p_name: _full(p.grad) for p_name, p in module.named_parameters()})
+        results[name] = (output.detach(), grads)
+    (out_a, grads_a), (out_b, grads_b) = results["whole"], results["split"]
+    diff = float((out_a - out_b).abs().max())
+    return max(diff, *(float((grads_a[n] - grads_b[n]).abs().max()) for n in grads_a))
+
+
+def _tensor_parallel_errors(mesh):
+    """The two configurations tensor parallelism cannot split: the ValueError messages."""
+    import torch
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from PyTorch import MultiHeadAttention
+
+    messages = {}
+    x = torch.randn(2, 5, 8)
+    cases = {
+        "per_head_mask": ({"d_model": 8, "num_heads": 4}, torch.ones(2, 4, 5, 5, dtype=torch.bool)),
+        "mqa_on_two_ranks": ({"d_model": 8, "num_heads": 4, "num_kv_heads": 1}, None),
+    }
+    for name, (config, mask) in cases.items():
+        layer = parallelize_module(MultiHeadAttention(**config), mesh, _tp_plan())
+        try:
+            layer(x, attention_mask=mask)
+            messages[name] = None
+        except ValueError as error:
+            messages[name] = str(error)
+    return messages
+
+
+def _torch_rank(rank, init_file, out, mix_batch):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_default_dtype(torch.float64)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        results = _data_parallel(rank, mix_batch)
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for name, (config, options) in TP_CONFIGS.items():
+            results[f"tp_{name}"] = _tensor_parallel(mesh, config, options)
+        results["tp_errors"] = _tensor_parallel_errors(mesh)
+        gathered = [None] * WORLD
+        dist.all_gather_object(gathered, results)
+        if rank == 0:
+            with open(out, "w") as handle:
+                json.dump(gathered, handle)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_torch(out, mix_batch):
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_torch_rank, args=(os.path.join(tmp, "rendezvous"), out, mix_batch), nprocs=WORLD, join=True)
+
+
+# -- Keras -----------------------------------------------------------------------------------------
+
+
+def run_keras(out, mix_batch):
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * WORLD)
+    keras = tf.keras
+    keras.config.set_floatx("float64")
+
+    from TensorFlow import MultiHeadAttention
+
+    class BatchMixing(MultiHeadAttention):
+        def call(self, *args, **kwargs):
+            output = super().call(*args, **kwargs)
+            return output + tf.reduce_mean(output, axis=0, keepdims=True)
+
+    def fit():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((5, 8))
+        attended = (BatchMixing if mix_batch else MultiHeadAttention)(8, 4, num_kv_heads=2)(inputs, causal=True)
+        outputs = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(attended))
+        model = keras.Model(inputs, outputs)
+        model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+        initial = [w.numpy().copy() for w in model.weights]
+        model.fit(X, Y, batch_size=4, epochs=STEPS, shuffle=False, verbose=0)
+        return initial, [w.numpy() for w in model.weights]
+
+    initial, alone = fit()
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+    with tf.distribute.MirroredStrategy(devices).scope():
+        _, mirrored = fit()
+    results = {
+        "replicas": len(devices),
+        "mirrored": max(float(np.abs(a - b).max()) for a, b in zip(alone, mirrored, strict=True)),
+        "moved": max(float(np.abs(a - b).max()) for a, b in zip(alone, initial, strict=True)),
+    }
+    with open(out, "w") as handle:
+        json.dump(results, handle)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("framework", choices=["torch", "keras"])
+    parser.add_argument("out")
+    parser.add_argument("--mix-batch", action="store_true")
+    args = parser.parse_args(argv)
+    (run_torch if args.framework == "torch" else run_keras)(args.out, args.mix_batch)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
