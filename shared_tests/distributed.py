@@ -193,6 +193,7 @@ def _torch_rank(rank, init_file, out, mix_batch):
         if rank == 0:
             with open(out, "w") as handle:
                 json.dump(gathered, handle)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -51,3 +51,15 @@ def test_generate_example_gives_identical_strings(tmp_path):
     assert out.count("'Alice was") == 4 and out.count("'The rabbit-hole went") == 4
     assert "identical strings in all four: True" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["attention_0.npz", "attention_1.npz"]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "tp"])
+def test_distributed_torch_example_runs_on_two_ranks(mode):
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    out = _run([*torchrun, "examples/distributed_torch.py", "--mode", mode, "--steps", "10"])
+    assert f"{mode} on 2 ranks: held-out token accuracy" in out
+
+
+def test_distributed_keras_example_runs_on_two_replicas():
+    out = _run(["examples/distributed_keras.py", "--steps", "10"])
+    assert "2 replicas: held-out token accuracy" in out
