@@ -217,8 +217,9 @@ def _split_mask(attention_mask, target):
     mask = _mask_to_4d(attention_mask, target)
     if mask.dtype == np.bool_:
         return mask, None
-    removed = np.isneginf(mask)  # -inf removes a key; finite values are added
-    return ~removed, np.where(removed, 0.0, mask.astype(np.float64))
+    lowest = np.finfo(mask.dtype).min
+    removed = mask <= lowest  # -inf (or the lowest finite value, which converters put for it) removes a key
+    return ~removed, np.where(removed, 0.0, np.maximum(mask, lowest).astype(np.float64))  # finite, never 0 * -inf
 
 
 def dot_product_attention(q, k, v, keep=None, bias=None, causal=False):

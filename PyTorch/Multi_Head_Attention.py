@@ -235,8 +235,9 @@ def _split_mask(attention_mask, target):
     mask = _mask_to_4d(attention_mask, target)
     if mask.dtype == torch.bool:
         return mask, None
-    removed = torch.isneginf(mask)  # -inf removes a key; finite values are added
-    return ~removed, torch.where(removed, torch.zeros_like(mask), mask)
+    lowest = torch.finfo(mask.dtype).min
+    removed = mask <= lowest  # -inf (or the lowest finite value, which converters put for it) removes a key
+    return ~removed, torch.where(removed, 0.0, mask.clamp(min=lowest))  # finite, never 0 * -inf
 
 
 def _softmax_dtype(dtype):
@@ -271,7 +272,7 @@ def _explicit_attention(q, k, v, keep, bias, dropout):
     scores = (q @ k.transpose(-1, -2)).to(dtype)  # (B, N, T, S), a new tensor
     scores = scores if bias is None else scores + bias.to(dtype)  # (B, N, T, S)
     weights = _masked_softmax(scores, keep).to(q.dtype)  # (B, N, T, S)
-    context = F.dropout(weights, dropout) @ v  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
+    context = F.dropout(weights, dropout, training=dropout > 0) @ v  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
     return context, weights
 
 
@@ -282,7 +283,7 @@ def _fused_attention(q, k, v, keep, bias, dropout, is_causal=False):
     A row with no key left attends to every key inside the kernel (finite numbers, forward and
     backward, in any dtype) and is then set to exactly 0.
     """
-    gqa = q.shape[1] != k.shape[1]
+    gqa = bool(q.shape[1] != k.shape[1])  # a bool even where shapes are traced tensors (torch.jit.trace)
     if keep is None and bias is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=is_causal, enable_gqa=gqa)
     additive = torch.zeros((), dtype=q.dtype, device=q.device) if bias is None else bias.to(q.dtype)

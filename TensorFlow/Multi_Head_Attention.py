@@ -240,8 +240,9 @@ def _split_mask(attention_mask, target):
     mask = _mask_to_4d(tf.convert_to_tensor(attention_mask), target)
     if mask.dtype == tf.bool:
         return mask, None
-    removed = tf.math.is_inf(mask) & (mask < 0)  # -inf removes a key; finite values are added
-    return tf.logical_not(removed), tf.where(removed, tf.zeros_like(mask), mask)
+    lowest = mask.dtype.min
+    removed = mask <= lowest  # -inf (or the lowest finite value, which converters put for it) removes a key
+    return tf.logical_not(removed), tf.where(removed, tf.zeros_like(mask), tf.maximum(mask, lowest))  # finite
 
 
 def _implicit_keep(query_mask, key_mask):

@@ -24,6 +24,7 @@ MASK_KINDS = (
     "bool_bn1s",  # boolean (B, 1, 1, S) with broadcast dimensions in rank 4
     "float_ts",  # floating (T, S): values added to the scores, -inf removes a key
     "float_bts",  # floating (B, T, S) with -inf
+    "float_row_inf",  # floating (B, T, S): a row entirely -inf, and the lowest float32 (what converters put for -inf)
     "rows_masked",  # boolean (B, T, S) in which some query rows keep no key
     "batch_masked",  # key padding (B, 1, S) in which one batch element keeps no key
 )
@@ -89,6 +90,8 @@ CASES = [
     Case("mask_bool_bn1s", t=4, s=6, mask="bool_bn1s"),
     Case("mask_float_ts", t=4, s=6, mask="float_ts"),
     Case("mask_float_bts_gqa", t=4, s=6, k=2, mask="float_bts"),
+    Case("mask_float_inf_row", t=4, s=6, mask="float_row_inf"),
+    Case("mask_float_inf_row_causal", k=2, causal=True, self_attention=True, mask="float_row_inf"),
     Case("causal_self", causal=True, self_attention=True),
     Case("causal_t_eq_s_cross", t=6, s=6, causal=True),
     Case("causal_t_lt_s", t=3, s=7, causal=True),
@@ -127,7 +130,11 @@ def _mask(case, rng):
     if case.mask.startswith("float"):
         shape = (t, s) if case.mask == "float_ts" else (b, t, s)
         added = rng.normal(size=shape).astype(np.float32)
-        return np.where(rng.random(shape) < 0.3, -np.inf, added).astype(np.float32)
+        mask = np.where(rng.random(shape) < 0.3, -np.inf, added).astype(np.float32)
+        if case.mask == "float_row_inf":
+            mask[0, t // 2] = -np.inf  # the middle query of batch 0 keeps no key
+            mask[-1, -1, ::2] = np.finfo(np.float32).min  # removes, as -inf does
+        return mask
     keep = rng.random(shapes[case.mask]) < 0.7
     if case.mask == "rows_masked":
         keep[0, case.t // 2] = False  # the middle query of batch 0 keeps no key

@@ -57,7 +57,7 @@ def removed_positions(case, data):
     keep = np.ones((case.b, case.n, case.t, case.s), dtype=bool)
     mask = data["attention_mask"]
     if mask is not None:
-        mask = ~np.isneginf(mask) if mask.dtype != np.bool_ else mask
+        mask = mask > np.finfo(mask.dtype).min if mask.dtype != np.bool_ else mask
         mask = {2: mask[None, None], 3: mask[:, None], 4: mask}[mask.ndim]
         keep &= mask
     if case.causal:
@@ -136,7 +136,7 @@ def decode_removed_positions(case, data):
     keep = allowed[None, None] & data["keep"][:, None, None, :]  # (B, 1, P, L)
     mask = data["attention_mask"]
     if mask is not None:
-        mask = ~np.isneginf(mask) if mask.dtype != np.bool_ else mask
+        mask = mask > np.finfo(mask.dtype).min if mask.dtype != np.bool_ else mask
         keep = keep & {2: mask[None, None], 3: mask[:, None], 4: mask}[mask.ndim]
     return ~np.broadcast_to(keep, (case.b, case.n, case.p, case.length))
 

@@ -456,3 +456,29 @@ def test_training_with_dropout_on_the_memory_efficient_path():
     first, second = layer(X, training=True), layer(X, training=True)
     assert not np.array_equal(first, second)  # a new seed per call
     assert np.array_equal(layer(X), layer(X, training=False))
+
+
+def test_regression_float_mask_with_inf_stays_finite_when_where_becomes_arithmetic(monkeypatch):
+    """tf2onnx lowers tf.where(c, x, y) to c * x + !c * y, so a -inf in either operand gave NaN
+    (0 * -inf) in exported graphs. No operand of any tf.where in the layer holds -inf now."""
+
+    def arithmetic_where(condition, x, y):
+        x = tf.convert_to_tensor(x)
+        c = tf.cast(condition, x.dtype)
+        return c * x + (1 - c) * tf.convert_to_tensor(y, dtype=x.dtype)
+
+    layer = _built(MultiHeadAttention(16, 4), X, Y)
+    mask = np.where(rng.random((2, 5, 7)) < 0.3, -np.inf, 0.0).astype(np.float32)
+    mask[0, 1] = -np.inf  # a query with no key left
+    mask[1, 2, ::2] = np.finfo(np.float32).min  # what the TFLite converter puts for -inf: removes too
+    expected, expected_w = layer(X, Y, attention_mask=mask, return_attention=True)
+    monkeypatch.setattr(tf, "where", arithmetic_where)
+    for threshold in (2**62, 0):  # the explicit and the memory-efficient path
+        layer.memory_efficient_threshold = threshold
+        output = layer(X, Y, attention_mask=mask, return_attention=threshold > 0)
+        output, weights = output if threshold > 0 else (output, None)
+        assert np.isfinite(output.numpy()).all()
+        _close(output, expected, OUTPUT_TOL)
+        if weights is not None:
+            _close(weights, expected_w, WEIGHTS_TOL)
+    assert (expected_w.numpy()[0, :, 1] == 0).all() and (expected_w.numpy()[1, :, 2, ::2] == 0).all()

@@ -1,6 +1,8 @@
 """PyTorch layer: interop with torch.nn.MultiheadAttention, fully masked rows, compile,
 export, state_dict, dtypes, unbatched inputs, dropout, and the fast paths."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -289,3 +291,14 @@ def test_return_attention_under_no_grad_works_in_place_with_the_same_numbers():
     for a, b in zip(with_grad, without, strict=True):
         assert torch.equal(a.detach(), b)
     assert (without[1][0, :, 1] == 0).all() and torch.equal(keep, keep & True)
+
+
+def test_regression_gqa_traces_with_torch_jit_trace():
+    """Traced shapes are tensors (torch.jit.trace, the legacy torch.onnx exporter), and SDPA's
+    `enable_gqa` refused the tensor that `q.shape[1] != k.shape[1]` then gives."""
+    layer = MultiHeadAttention(16, 4, num_kv_heads=2).eval()
+    x, keep = _randn(2, 5, 16, seed=14), torch.ones(2, 1, 5, dtype=torch.bool)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tracer's warnings about Python values
+        traced = torch.jit.trace(layer, (x, x, x, keep))
+    torch.testing.assert_close(traced(x, x, x, keep), layer(x, x, x, keep), atol=OUTPUT_TOL, rtol=0)
