@@ -653,6 +653,13 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         large = scores > self.memory_efficient_threshold
         return tf.cond(large, in_chunks, lambda: at_once()[0]), None
 
+    def __call__(self, *args, **kwargs):
+        """Checks the cache's dtype before Keras casts every floating input to the compute dtype
+        (which would silently convert a cache of another dtype on every call)."""
+        if kwargs.get("cache") is not None:
+            _check_cache_dtype(kwargs["cache"], self.compute_dtype)
+        return super().__call__(*args, **kwargs)
+
     def call(
         self,
         query,

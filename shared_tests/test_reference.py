@@ -52,7 +52,7 @@ def loop_attention(case, data):
                         if mask is None
                         else mask[(t, s) if mask.ndim == 2 else (b, t, s) if mask.ndim == 3 else (b, head, t, s)]
                     )
-                    keep = (m is None or (m if mask.dtype == np.bool_ else m != -np.inf)) and (
+                    keep = (m is None or (m if mask.dtype == np.bool_ else m > np.finfo(mask.dtype).min)) and (
                         not case.causal or s <= t + case.s - case.t
                     )
                     added = 0.0 if m is None or mask.dtype == np.bool_ or not keep else float(m)
