@@ -350,10 +350,9 @@ def _memory_efficient_attention(q, k, v, keep, bias, causal, chunk, dropout_rate
     Returns:
         context (B, N, T, H).
     """
-    b, n, t, h = (q.shape[i] if q.shape[i] is not None else tf.shape(q)[i] for i in range(4))
-    s, kv = tf.shape(k)[2], k.shape[1]
+    b, n, h = (q.shape[i] if q.shape[i] is not None else tf.shape(q)[i] for i in (0, 1, 3))  # static if known
+    t, s, kv = tf.shape(q)[2], tf.shape(k)[2], k.shape[1]
     groups, dtype = q.shape[1] // kv, _softmax_dtype(q.dtype)
-    t = tf.shape(q)[2]
     chunks = (t + chunk - 1) // chunk
     padded = chunks * chunk - t
     q = q * tf.cast(1.0 / math.sqrt(q.shape[-1]), q.dtype)  # scale the (B, N, T, H) queries, not the scores
@@ -626,7 +625,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         b, n, t, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
         if None not in (b, t, s) and b * n * t * s <= self.memory_efficient_threshold:
             return None
-        chunk = max(1, self.query_chunk_elements // (n * (b or 1) * (s or 4096)))
+        chunk = max(1, self.query_chunk_elements // (n * (b or 1) * (s or 4096)))  # S unknown: sized for 4096
         return chunk if t is None else min(chunk, t)
 
     def _attend(self, q, k, v, keep, bias, causal, return_attention, training):

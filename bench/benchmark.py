@@ -367,7 +367,7 @@ def long_table(results):
     lines = ["| configuration | mode | layer | time (ms) | peak growth (MiB) |", "|---|---|---|---|---|"]
     for (config, mode, which), result in results.items():
         if result is None:
-            cells = ["not run: its (B, N, T, S) scores do not fit in memory", "-"]
+            cells = ["not run: three copies of its (B, N, T, S) float32 scores exceed half the free memory", "-"]
         else:
             cells = [f"{result[0] * 1e3:.0f}", str(result[1])]
         lines.append(f"| {config.name} | {mode} | {which} | " + " | ".join(cells) + " |")
