@@ -12,7 +12,7 @@ import dataclasses
 
 import numpy as np
 
-from shared_tests.cases import TOLERANCES, random_weights
+from shared_tests.cases import TOLERANCES, Case, random_weights
 
 DECODE_PATHS = ("numpy", "torch:sdpa", "torch:explicit", "tf:eager", "tf:function")
 
@@ -45,12 +45,7 @@ class DecodeCase:
     def cross(self):
         return self.kdim is not None or self.vdim is not None
 
-    @property
-    def config(self):
-        return dict(
-            d_model=self.e, num_heads=self.n, num_kv_heads=self.k, head_dim=self.h,
-            kdim=self.kdim, vdim=self.vdim, bias=self.bias,
-        )  # fmt: skip
+    config = Case.config  # the same constructor arguments from the same fields
 
     @property
     def tolerance(self):

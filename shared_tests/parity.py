@@ -86,23 +86,25 @@ def tolerance(case, pair):
     return tol
 
 
-def compare(case, data, results):
-    """Builds the report row of one case from the Results of every path."""
-    diffs, failures = {}, []
+def _pairwise(results, paths, quantities, measure, tolerances, diffs, failures):
+    """For each framework pair, the largest `measure(first, second, quantity)` over their paths,
+    recorded in `diffs` and checked against `tolerances(pair)[quantity]` (None: not checked)."""
     for pair in PAIRS:
-        tol, label = tolerance(case, pair), "/".join(pair)
+        tol, label = tolerances(pair), "/".join(pair)
         diffs[label] = {}
-        for quantity in QUANTITIES:
-            values = [
-                diff(results[p], results[q], quantity)
-                for p in FRAMEWORK_PATHS[pair[0]]
-                for q in FRAMEWORK_PATHS[pair[1]]
-            ]
+        for quantity in quantities:
+            values = [measure(results[p], results[q], quantity) for p in paths[pair[0]] for q in paths[pair[1]]]
             values = [v for v in values if v is not None]
             worst = max(values) if values else None
             diffs[label][quantity] = worst
             if tol[quantity] is not None and (worst is None or not worst <= tol[quantity]):
                 failures.append(f"{label} {quantity} {worst} > {tol[quantity]}")
+
+
+def compare(case, data, results):
+    """Builds the report row of one case from the Results of every path."""
+    diffs, failures = {}, []
+    _pairwise(results, FRAMEWORK_PATHS, QUANTITIES, diff, lambda pair: tolerance(case, pair), diffs, failures)
     removed = removed_positions(case, data)
     zeros = all(np.all(r.weights[removed] == 0) for r in results.values() if r.weights is not None)
     if not zeros:
@@ -169,23 +171,13 @@ def _padded_rows_give_output_bias(case, data, removed, results):
 def compare_decode(case, data, results):
     """The report row of one decode case from the DecodeResults of every path."""
     diffs, failures = {}, []
-    tols = {"output": case.tolerance["output"], "weights": case.tolerance["weights"]}
-    tols["cache"] = tols["output"]
-    for pair in PAIRS:
-        factor = LOW_PRECISION_PAIR_FACTOR if case.dtype != "float32" and "numpy" not in pair else 1.0
-        label = "/".join(pair)
-        diffs[label] = {}
-        for quantity in DECODE_QUANTITIES:
-            values = [
-                _decode_quantity(results[p], results[q], quantity)
-                for p in DECODE_FRAMEWORK_PATHS[pair[0]]
-                for q in DECODE_FRAMEWORK_PATHS[pair[1]]
-            ]
-            values = [v for v in values if v is not None]
-            worst = max(values) if values else None
-            diffs[label][quantity] = worst
-            if worst is None or not worst <= tols[quantity] * factor:
-                failures.append(f"{label} {quantity} {worst} > {tols[quantity] * factor}")
+
+    def tolerances(pair):
+        tol = tolerance(case, pair)
+        return {**tol, "cache": tol["output"]}  # cached keys and values are projections, like the output
+
+    _pairwise(results, DECODE_FRAMEWORK_PATHS, DECODE_QUANTITIES, _decode_quantity, tolerances, diffs, failures)
+    tols = case.tolerance  # a path against its own full pass: the SPEC tolerance, no pair factor
     vs_full = [_decode_vs_full(r) for r in results.values()]
     diffs["decode/full"] = {}
     for quantity in ("output", "weights"):
