@@ -3,7 +3,9 @@
 Paths: `numpy` (the float64 oracle), `torch:sdpa` (scaled_dot_product_attention, no weights
 returned), `torch:explicit` (return_attention=True), `tf:eager`, `tf:function` and
 `tf:memory_efficient` (tf.function, no weights returned, attention run two queries at a time,
-forced on every case; its gradients come from the path's own backward). Each gives
+forced on every case; its gradients come from the path's own backward), and the deployed
+runtimes of shared_tests/runtimes.py (`torch:onnx`, `tf:onnx`, `tf:litert`: output and weights,
+no gradients). Each gives
 a `Result`: output, attention weights (None on `torch:sdpa`) and gradients of
 sum(output * grad_output) with respect to the inputs passed and every portable weight.
 TensorFlow is imported only when a TensorFlow path runs.
@@ -14,9 +16,12 @@ import os
 
 import numpy as np
 
+from shared_tests import runtimes
+from shared_tests.runtimes import RUNTIME_PATHS
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-PATHS = ("numpy", "torch:sdpa", "torch:explicit", "tf:eager", "tf:function", "tf:memory_efficient")
+PATHS = ("numpy", "torch:sdpa", "torch:explicit", "tf:eager", "tf:function", "tf:memory_efficient", *RUNTIME_PATHS)
 MEMORY_EFFICIENT_CHUNK = 2  # queries per chunk on `tf:memory_efficient`: odd T leaves a padded chunk
 INPUTS = ("query", "key", "value")
 
@@ -120,9 +125,18 @@ def run_tensorflow(case, data, path, layer_class=None):
 
 
 def run(case, data, path, torch_class=None, tf_class=None):
-    """Runs one path; `torch_class` / `tf_class` swap in another layer class (tests use it)."""
+    """Runs one path; `torch_class` / `tf_class` swap in another layer class (tests use it).
+    A runtime path that cannot hold the case raises `runtimes.UnsupportedCaseError`."""
     if path == "numpy":
         return run_numpy(case, data)
+    if path in runtimes.RUNTIME_PATHS:
+
+        def make_layer(case, data):
+            if path.startswith("torch"):
+                return make_torch_layer(case, data, torch_class)
+            return make_tf_layer(case, data, tf_class)
+
+        return Result(*runtimes.run(case, data, path, make_layer), None)
     if path.startswith("torch"):
         return run_torch(case, data, path, torch_class)
     return run_tensorflow(case, data, path, tf_class)

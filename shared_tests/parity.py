@@ -20,9 +20,11 @@ from shared_tests import decoding
 from shared_tests.cases import CASES, CASES_BY_NAME, make_data
 from shared_tests.decoding import DECODE_CASES, DECODE_CASES_BY_NAME, DECODE_PATHS, make_decode_data, query_ends
 from shared_tests.frameworks import PATHS, run
+from shared_tests.runtimes import RUNTIME_PATHS, UnsupportedCaseError
 
 FRAMEWORK_PATHS = {fw: tuple(p for p in PATHS if p.split(":")[0] == fw) for fw in ("torch", "tf", "numpy")}
 PAIRS = (("torch", "tf"), ("torch", "numpy"), ("tf", "numpy"))
+RUNTIMES_LABEL = "onnx+litert/numpy"
 QUANTITIES = ("output", "weights", "grads")
 # Two low-precision layers may each sit a full SPEC tolerance away from the float64 truth, on
 # opposite sides, so between themselves they are allowed twice that tolerance.
@@ -73,6 +75,7 @@ class Row:
     diffs: dict  # "torch/tf" -> {"output": float, "weights": float, "grads": float | None}
     zeros: bool  # every removed position has a weight of exactly 0, in every path
     failures: list
+    skipped: dict = dataclasses.field(default_factory=dict)  # path -> why it cannot run this case
 
     @property
     def passed(self):
@@ -87,13 +90,21 @@ def tolerance(case, pair):
 
 
 def _pairwise(results, paths, quantities, measure, tolerances, diffs, failures):
-    """For each framework pair, the largest `measure(first, second, quantity)` over their paths,
-    recorded in `diffs` and checked against `tolerances(pair)[quantity]` (None: not checked)."""
+    """For each framework pair, the largest `measure(first, second, quantity)` over their paths
+    that ran, recorded in `diffs` and checked against `tolerances(pair)[quantity]` (None: not
+    checked)."""
     for pair in PAIRS:
         tol, label = tolerances(pair), "/".join(pair)
-        diffs[label] = {}
+        diffs[label] = dict.fromkeys(quantities)
+        if not all(any(p in results for p in paths[side]) for side in pair):
+            continue  # a framework none of whose paths ran (a subset of paths was asked for)
         for quantity in quantities:
-            values = [measure(results[p], results[q], quantity) for p in paths[pair[0]] for q in paths[pair[1]]]
+            values = [
+                measure(results[p], results[q], quantity)
+                for p in paths[pair[0]]
+                for q in paths[pair[1]]
+                if p in results and q in results
+            ]
             values = [v for v in values if v is not None]
             worst = max(values) if values else None
             diffs[label][quantity] = worst
@@ -101,10 +112,19 @@ def _pairwise(results, paths, quantities, measure, tolerances, diffs, failures):
                 failures.append(f"{label} {quantity} {worst} > {tol[quantity]}")
 
 
+def _runtimes_vs_numpy(results):
+    """The exported runtimes' largest differences from NumPy, shown in a column of their own
+    (they are also inside the torch/numpy and tf/numpy columns, which hold the tolerance)."""
+    ran = [results[p] for p in RUNTIME_PATHS if p in results]
+    worst = {q: max((diff(r, results["numpy"], q) for r in ran), default=None) for q in ("output", "weights")}
+    return {**worst, "grads": None}
+
+
 def compare(case, data, results):
     """Builds the report row of one case from the Results of every path."""
     diffs, failures = {}, []
     _pairwise(results, FRAMEWORK_PATHS, QUANTITIES, diff, lambda pair: tolerance(case, pair), diffs, failures)
+    diffs[RUNTIMES_LABEL] = _runtimes_vs_numpy(results)
     removed = removed_positions(case, data)
     zeros = all(np.all(r.weights[removed] == 0) for r in results.values() if r.weights is not None)
     if not zeros:
@@ -112,11 +132,19 @@ def compare(case, data, results):
     return Row(case.name, case.dtype, diffs, zeros, failures)
 
 
-def run_case(case, data=None, **classes):
-    """Runs every path on one case; returns (row, results)."""
+def run_case(case, data=None, paths=PATHS, **classes):
+    """Runs every path (or those given) on one case; returns (row, results). A runtime path that
+    cannot hold the case is listed in `row.skipped` with its reason."""
     data = make_data(case) if data is None else data
-    results = {path: run(case, data, path, **classes) for path in PATHS}
-    return compare(case, data, results), results
+    results, skipped = {}, {}
+    for path in paths:
+        try:
+            results[path] = run(case, data, path, **classes)
+        except UnsupportedCaseError as reason:
+            skipped[path] = str(reason)
+    row = compare(case, data, results)
+    row.skipped = skipped
+    return row, results
 
 
 DECODE_FRAMEWORK_PATHS = {fw: tuple(p for p in DECODE_PATHS if p.split(":")[0] == fw) for fw in FRAMEWORK_PATHS}
@@ -205,9 +233,9 @@ def _fmt(value):
 
 
 def format_table(rows):
-    groups = "".join(f"{'/'.join(pair):<21}" for pair in PAIRS)
+    groups = "".join(f"{label:<21}" for label in [*("/".join(pair) for pair in PAIRS), RUNTIMES_LABEL])
     head = f"{'case':<27} {'dtype':<9} {groups}zeros  status"
-    sub = f"{'':<27} {'':<9} " + "out   wts   grad   " * len(PAIRS)
+    sub = f"{'':<27} {'':<9} " + "out   wts   grad   " * (len(PAIRS) + 1)
     lines = [head, sub, "-" * len(head)]
     for row in rows:
         cells = "".join("".join(f"{_fmt(row.diffs[label][q]):<6}" for q in QUANTITIES) + "   " for label in row.diffs)
@@ -217,6 +245,11 @@ def format_table(rows):
     passed = sum(row.passed for row in rows)
     lines.append("-" * len(head))
     lines.append(f"{passed}/{len(rows)} cases PASS, {len(rows) - passed} FAIL")
+    reasons = {}
+    for row in rows:
+        for path, reason in row.skipped.items():
+            reasons.setdefault((path, reason), []).append(row.case)
+    lines += [f"skipped on {path} ({reason}): {', '.join(cases)}" for (path, reason), cases in reasons.items()]
     return "\n".join(lines)
 
 

@@ -1,0 +1,137 @@
+"""Deployed runtimes as parity paths: each case exported at its static shapes and run there.
+
+- `torch:onnx`: the PyTorch layer (with `return_attention=True`) through `torch.onnx.export`
+  (dynamo exporter, default opset), run in onnxruntime.
+- `tf:onnx`: the TensorFlow layer in a `tf.function` converted by tf2onnx, run in onnxruntime.
+- `tf:litert`: the same `tf.function` converted by the TFLite converter
+  (`experimental_lower_to_saved_model=False`), run in the ai-edge-litert interpreter.
+
+Each gives output and weights (no gradients: these runtimes serve inference). A case a runtime
+cannot hold raises `UnsupportedCaseError` with the reason, and the report lists it instead of dropping it.
+"""
+
+import contextlib
+import io
+import logging
+import warnings
+
+import numpy as np
+
+RUNTIME_PATHS = ("torch:onnx", "tf:onnx", "tf:litert")
+BFLOAT16_REASONS = {  # what each runtime said when asked (TensorFlow 2.21, onnxruntime 1.32, LiteRT 2.3)
+    "torch:onnx": "NumPy has no bfloat16 to feed onnxruntime with",
+    "tf:onnx": "tf2onnx emits a MatMul of float16 and bfloat16, which onnxruntime refuses",
+    "tf:litert": "the TFLite converter refuses bfloat16 inputs",
+}
+
+
+class UnsupportedCaseError(Exception):
+    """A path that cannot run a case; the message is the reason shown in the report."""
+
+
+def skip_reason(case, path):
+    """Why `path` cannot run `case`, or None."""
+    if case.dtype == "bfloat16":
+        return BFLOAT16_REASONS[path]
+    if case.dtype == "float16" and path == "tf:litert":
+        return "TFLite builtin ops have no float16 BatchMatMul (the converter asks for Flex ops)"
+    return None
+
+
+def _arrays(case, data):
+    """The case's inputs and mask as NumPy arrays in the case's dtype, and their names."""
+    names = [name for name in ("query", "key", "value") if data[name] is not None]
+    arrays = [data[name].astype(case.dtype) for name in names]
+    if data["attention_mask"] is not None:
+        names.append("attention_mask")
+        arrays.append(data["attention_mask"])
+    return names, arrays
+
+
+def _quietly(fn):
+    """Runs an exporter without its progress prints and warnings."""
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        return fn()
+
+
+def _onnxruntime(model_bytes, arrays):
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(model_bytes, providers=["CPUExecutionProvider"])
+    feeds = {given.name: array for given, array in zip(session.get_inputs(), arrays, strict=True)}
+    return session.run(None, feeds)
+
+
+def run_torch_onnx(case, data, make_layer):
+    import torch
+
+    layer = make_layer(case, data)
+    names, arrays = _arrays(case, data)
+
+    class Exported(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, *args):
+            inputs = dict(zip(names, args, strict=True))
+            mask = inputs.pop("attention_mask", None)
+            return self.layer(*inputs.values(), attention_mask=mask, causal=case.causal, return_attention=True)
+
+    tensors = tuple(torch.from_numpy(a) for a in arrays)
+    program = _quietly(lambda: torch.onnx.export(Exported(), tensors, dynamo=True))
+    return _onnxruntime(program.model_proto.SerializeToString(), arrays)
+
+
+def _tf_function(case, data, make_layer):
+    import tensorflow as tf
+
+    layer = make_layer(case, data)
+    names, arrays = _arrays(case, data)
+    signature = [tf.TensorSpec(a.shape, tf.as_dtype(a.dtype), name=n) for n, a in zip(names, arrays, strict=True)]
+
+    def attend(*args):
+        inputs = dict(zip(names, args, strict=True))
+        mask = inputs.pop("attention_mask", None)
+        return layer(*inputs.values(), attention_mask=mask, causal=case.causal, return_attention=True)
+
+    return tf.function(attend, input_signature=signature), signature, names, arrays
+
+
+def run_tf_onnx(case, data, make_layer):
+    import tf2onnx
+
+    function, signature, _, arrays = _tf_function(case, data, make_layer)
+    proto, _ = _quietly(lambda: tf2onnx.convert.from_function(function, input_signature=signature))
+    return _onnxruntime(proto.SerializeToString(), arrays)
+
+
+def run_tf_litert(case, data, make_layer):
+    import tensorflow as tf
+    from ai_edge_litert.interpreter import Interpreter
+
+    function, _, names, arrays = _tf_function(case, data, make_layer)
+    converter = tf.lite.TFLiteConverter.from_concrete_functions([function.get_concrete_function()])
+    converter.experimental_lower_to_saved_model = False
+    interpreter = Interpreter(model_content=_quietly(converter.convert))
+    interpreter.allocate_tensors()
+    by_name = dict(zip(names, arrays, strict=True))
+    for detail in interpreter.get_input_details():
+        interpreter.set_tensor(detail["index"], by_name[detail["name"]])
+    interpreter.invoke()
+    outputs = sorted(interpreter.get_output_details(), key=lambda d: d["name"])  # Identity, Identity_1
+    return [interpreter.get_tensor(d["index"]) for d in outputs]
+
+
+RUNNERS = {"torch:onnx": run_torch_onnx, "tf:onnx": run_tf_onnx, "tf:litert": run_tf_litert}
+
+
+def run(case, data, path, make_layer):
+    """(output, weights) as float64 arrays from one runtime path; raises UnsupportedCaseError."""
+    reason = skip_reason(case, path)
+    if reason is not None:
+        raise UnsupportedCaseError(reason)
+    output, weights = RUNNERS[path](case, data, make_layer)
+    return np.asarray(output, np.float64), np.asarray(weights, np.float64)
