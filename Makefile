@@ -3,6 +3,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TF_KERAS := tf_keras==2.21.0
 export TF_CPP_MIN_LOG_LEVEL := 2
 
 .PHONY: help install lint test parity bench
@@ -12,9 +13,11 @@ help:  ## list the targets
 
 install: $(STAMP)  ## create .venv and install requirements.txt (once per change of it)
 
-$(STAMP): requirements.txt
+# tf_keras (legacy Keras 2) asks for the `tensorflow` package, which tensorflow-cpu provides: --no-deps.
+$(STAMP): requirements.txt Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps $(TF_KERAS)
 	touch $(STAMP)
 
 lint: install  ## ruff check and ruff format --check

@@ -46,6 +46,9 @@ import tensorflow as tf
 
 __all__ = ["KVCache", "MultiHeadAttention", "dot_product_attention"]
 
+_GROUP_QUERY_ATTENTION = getattr(tf.keras.layers, "GroupQueryAttention", None)  # None in legacy Keras (tf_keras)
+_BUILT_IN_GQA = () if _GROUP_QUERY_ATTENTION is None else (_GROUP_QUERY_ATTENTION,)
+
 
 class KVCache(NamedTuple):
     """The keys and values of the tokens decoded so far (make one with `init_cache`).
@@ -566,7 +569,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         """Creates the portable weights; every shape is known from the constructor."""
         for name, shape in self.weight_shapes().items():
             initializer = self.kernel_initializer if name.endswith("_kernel") else self.bias_initializer
-            setattr(self, name, self.add_weight(name=name, shape=shape, initializer=initializer))
+            initializer = initializer.__class__.from_config(initializer.get_config())  # legacy Keras repeats
+            setattr(self, name, self.add_weight(name=name, shape=shape, initializer=initializer))  # an instance
         self._dropout_layer.build(None)
         self.built = True
 
@@ -590,7 +594,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             self.build()
         for name in expected:
             variable = getattr(self, name)
-            variable.assign(np.asarray(weights[name]).astype(variable.dtype))
+            variable.assign(np.asarray(weights[name]).astype(tf.as_dtype(variable.dtype).as_numpy_dtype))
 
     def _project(self, x, kind, heads):
         """(B, L, D) -> (B, heads, L, H): one projection split into heads."""
@@ -628,6 +632,15 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         chunk = max(1, self.query_chunk_elements // (n * (b or 1) * (s or 4096)))  # S unknown: sized for 4096
         return chunk if t is None else min(chunk, t)
 
+    def _dropout_seed(self):
+        """A (2,) seed for the memory-efficient path's stateless dropout: from the Keras dropout
+        layer's seed generator (so `keras.utils.set_random_seed` applies), or drawn from the
+        global TensorFlow seed under legacy Keras, which has no seed generator."""
+        generator = getattr(self._dropout_layer, "seed_generator", None)
+        if generator is not None:
+            return generator.next()
+        return tf.random.uniform((2,), maxval=2**31 - 1, dtype=tf.int64)
+
     def _attend(self, q, k, v, keep, bias, causal, return_attention, training):
         """Picks the attention path; returns (context, weights or None): without weights, the
         memory-efficient path when the scores exceed `memory_efficient_threshold` elements
@@ -641,7 +654,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             return dot_product_attention(q, k, v, keep, bias, causal, dropout=dropout)
 
         def in_chunks():
-            rate, seed = (self.dropout, self._dropout_layer.seed_generator.next()) if dropout_active else (0.0, None)
+            rate, seed = (self.dropout, self._dropout_seed()) if dropout_active else (0.0, None)
             return _memory_efficient_attention(q, k, v, keep, bias, causal, chunk, rate, seed)
 
         if chunk is None:
@@ -674,7 +687,10 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         value_mask=None,
         cache=None,
     ):
-        query_mask = getattr(query, "_keras_mask", None) if query_mask is None else query_mask
+        query_mask, key_mask, value_mask = (  # legacy Keras (tf_keras) leaves them on the tensors only
+            getattr(x, "_keras_mask", None) if m is None else m
+            for x, m in ((query, query_mask), (key, key_mask), (value, value_mask))
+        )
         self_attention = (key is None or key is query) and (value is None or value is query)
         key, key_mask = (value, value_mask) if key is None else (key, key_mask)
         key, key_mask = (query, query_mask) if key is None else (key, key_mask)
@@ -683,6 +699,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         key = _check_input("key", key, "kdim", self.kdim)
         value = _check_input("value", value, "vdim", self.vdim)
         _check_lengths(query, key, value)
+        query, key, value = (tf.cast(x, self.compute_dtype) for x in (query, key, value))  # legacy Keras: query only
         key_keep = _and(key_mask, value_mask)
         if cache is not None:
             _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
@@ -752,14 +769,23 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             layer = tf.keras.layers.MultiHeadAttention(
                 self.num_heads, self.head_dim, dropout=self.dropout, use_bias=self.bias, dtype=self.dtype_policy
             )
-            layer.build((None, None, self.d_model), (None, None, self.vdim), (None, None, self.kdim))
+            widths = (self.d_model, self.vdim, self.kdim)  # query, value, key: the built-in's call order
+            if hasattr(layer, "_build_from_signature"):  # legacy Keras builds its projections on a first call
+                layer(*(tf.zeros((1, 1, width)) for width in widths))
+            else:
+                layer.build(*((None, None, width) for width in widths))
         else:
+            if _GROUP_QUERY_ATTENTION is None:
+                raise ValueError(
+                    "Legacy Keras (tf_keras) has no GroupQueryAttention to hold grouped-query attention. "
+                    f"Received: num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}"
+                )
             if (self.kdim, self.vdim) != (self.d_model, self.d_model):
                 raise ValueError(
                     "`keras.layers.GroupQueryAttention` needs kdim == vdim == d_model. "
                     f"Received: d_model={self.d_model}, kdim={self.kdim}, vdim={self.vdim}"
                 )
-            layer = tf.keras.layers.GroupQueryAttention(
+            layer = _GROUP_QUERY_ATTENTION(
                 self.head_dim, self.num_heads, self.num_kv_heads, dropout=self.dropout, use_bias=self.bias,
                 dtype=self.dtype_policy,
             )  # fmt: skip
@@ -784,33 +810,37 @@ def _group_query_heads(layer):
 
 
 def _multi_head_heads(layer):
-    """(N, K, H) of a `keras.layers.MultiHeadAttention` this layer can hold."""
-    if layer.value_dim != layer.key_dim or layer._output_shape is not None:
+    """(N, K, H) of a `keras.layers.MultiHeadAttention` this layer can hold (read from its config,
+    the same in Keras 3 and legacy Keras)."""
+    config = layer.get_config()
+    key_dim, value_dim, output_shape = config["key_dim"], config["value_dim"], config["output_shape"]
+    if value_dim not in (None, key_dim) or output_shape is not None:
         raise ValueError(
             "`layer` must have value_dim == key_dim and no output_shape. "
-            f"Received: key_dim={layer.key_dim}, value_dim={layer.value_dim}, output_shape={layer._output_shape}"
+            f"Received: key_dim={key_dim}, value_dim={value_dim}, output_shape={output_shape}"
         )
     if tuple(layer._attention_axes) != (1,):
         raise ValueError(
             f"`layer` must attend over axis 1 of 3-D inputs. Received: attention_axes={tuple(layer._attention_axes)}"
         )
-    return layer.num_heads, layer.num_heads, layer.key_dim
+    return config["num_heads"], config["num_heads"], key_dim
 
 
 def _keras_config(layer):
     """Constructor arguments and (query, key, value, output) sublayers of a Keras built-in."""
-    if not isinstance(layer, (tf.keras.layers.MultiHeadAttention, tf.keras.layers.GroupQueryAttention)):
+    if not isinstance(layer, (tf.keras.layers.MultiHeadAttention, *_BUILT_IN_GQA)):
         raise ValueError(
             "`layer` must be a keras.layers.MultiHeadAttention or keras.layers.GroupQueryAttention. "
             f"Received: {type(layer).__name__}"
         )
     if not layer.built:
         raise ValueError(f"`layer` must be built. Received: an unbuilt {type(layer).__name__}")
-    read_heads = _group_query_heads if isinstance(layer, tf.keras.layers.GroupQueryAttention) else _multi_head_heads
+    read_heads = _group_query_heads if isinstance(layer, _BUILT_IN_GQA) else _multi_head_heads
     heads, kv_heads, head_dim = read_heads(layer)
     dense = (layer._query_dense, layer._key_dense, layer._value_dense, layer._output_dense)
     config = dict(
         d_model=dense[0].kernel.shape[0], num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        kdim=dense[1].kernel.shape[0], vdim=dense[2].kernel.shape[0], dropout=layer.dropout, bias=layer.use_bias,
+        kdim=dense[1].kernel.shape[0], vdim=dense[2].kernel.shape[0], dropout=layer.get_config()["dropout"],
+        bias=layer.get_config()["use_bias"],
     )  # fmt: skip
     return config, dense
