@@ -318,11 +318,14 @@ def _chunk_rows(mask, start, size):
 
 
 def _pad_rows(mask, rows):
-    """Pads the T dimension of a rank-4 mask (when it is full) with `rows` kept rows."""
+    """Appends `rows` kept rows to the T dimension of a rank-4 mask (when it is full); by
+    concatenation, since ONNX Runtime cannot pad a boolean tensor."""
     if mask is None or mask.shape[2] == 1:
         return mask
-    pad = [[0, 0], [0, 0], [0, rows], [0, 0]]
-    return tf.pad(mask, pad, constant_values=True if mask.dtype == tf.bool else 0)
+    shape = tf.shape(mask)
+    fill = tf.constant(True if mask.dtype == tf.bool else 0, mask.dtype)
+    kept = tf.fill(tf.stack([shape[0], shape[1], rows, shape[3]]), fill)
+    return tf.concat([mask, kept], axis=2)
 
 
 def _full_rows(mask, t):
@@ -396,7 +399,8 @@ def _memory_efficient_attention(q, k, v, keep, bias, causal, chunk, dropout_rate
             weights, _ = dropped(weights, i)
             return by_head(tf.matmul(grouped(tf.cast(weights, v.dtype)), v))  # (B, N, chunk, H)
 
-        contexts = tf.map_fn(one, tf.range(chunks), fn_output_signature=tf.TensorSpec(None, v.dtype))
+        per_chunk = tf.TensorSpec((q.shape[0], q.shape[1], chunk, q.shape[3]), v.dtype)  # static: LiteRT needs it
+        contexts = tf.map_fn(one, tf.range(chunks), fn_output_signature=per_chunk)
         context = tf.reshape(tf.transpose(contexts, [1, 2, 0, 3, 4]), [b, n, -1, h])  # -> (B, N, T', H)
 
         def grad(d_context):

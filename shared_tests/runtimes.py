@@ -85,7 +85,7 @@ def run_torch_onnx(case, data, make_layer):
     return _onnxruntime(program.model_proto.SerializeToString(), arrays)
 
 
-def _tf_function(case, data, make_layer):
+def _tf_function(case, data, make_layer, return_attention=True):
     import tensorflow as tf
 
     layer = make_layer(case, data)
@@ -95,24 +95,24 @@ def _tf_function(case, data, make_layer):
     def attend(*args):
         inputs = dict(zip(names, args, strict=True))
         mask = inputs.pop("attention_mask", None)
-        return layer(*inputs.values(), attention_mask=mask, causal=case.causal, return_attention=True)
+        return layer(*inputs.values(), attention_mask=mask, causal=case.causal, return_attention=return_attention)
 
     return tf.function(attend, input_signature=signature), signature, names, arrays
 
 
-def run_tf_onnx(case, data, make_layer):
+def run_tf_onnx(case, data, make_layer, return_attention=True):
     import tf2onnx
 
-    function, signature, _, arrays = _tf_function(case, data, make_layer)
+    function, signature, _, arrays = _tf_function(case, data, make_layer, return_attention)
     proto, _ = _quietly(lambda: tf2onnx.convert.from_function(function, input_signature=signature))
     return _onnxruntime(proto.SerializeToString(), arrays)
 
 
-def run_tf_litert(case, data, make_layer):
+def run_tf_litert(case, data, make_layer, return_attention=True):
     import tensorflow as tf
     from ai_edge_litert.interpreter import Interpreter
 
-    function, _, names, arrays = _tf_function(case, data, make_layer)
+    function, _, names, arrays = _tf_function(case, data, make_layer, return_attention)
     converter = tf.lite.TFLiteConverter.from_concrete_functions([function.get_concrete_function()])
     converter.experimental_lower_to_saved_model = False
     interpreter = Interpreter(model_content=_quietly(converter.convert))

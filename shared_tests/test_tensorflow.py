@@ -482,3 +482,25 @@ def test_regression_float_mask_with_inf_stays_finite_when_where_becomes_arithmet
         if weights is not None:
             _close(weights, expected_w, WEIGHTS_TOL)
     assert (expected_w.numpy()[0, :, 1] == 0).all() and (expected_w.numpy()[1, :, 2, ::2] == 0).all()
+
+
+@pytest.mark.parametrize("path", ["tf:onnx", "tf:litert"])
+def test_memory_efficient_path_exports(path):
+    """The memory-efficient path (no weights) through tf2onnx / LiteRT: its tf.map_fn has static
+    shapes, and no boolean tensor is padded (ONNX Runtime's Pad has no bool)."""
+    from shared_tests import runtimes
+    from shared_tests.cases import CASES_BY_NAME, make_data
+    from shared_tests.frameworks import make_tf_layer
+
+    case = CASES_BY_NAME["causal_plus_padding"]
+    data = make_data(case)
+    inputs = (data["query"], data["key"], data["value"])
+    expected = make_tf_layer(case, data)(*inputs, attention_mask=data["attention_mask"], causal=True)
+
+    def chunked_layer(case, data):
+        layer = make_tf_layer(case, data)
+        layer.memory_efficient_threshold, layer.query_chunk_elements = 0, 2 * case.b * case.n * case.s
+        return layer
+
+    (output,) = runtimes.RUNNERS[path](case, data, chunked_layer, return_attention=False)
+    _close(output, expected, OUTPUT_TOL)
