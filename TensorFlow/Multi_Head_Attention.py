@@ -172,16 +172,17 @@ def _cache_keep(keep, index, t, causal):
 
 
 def _check_room(cache, t):
-    """Eagerly a full cache is a ValueError; in a graph an InvalidArgumentError (XLA ignores it,
-    and the caller sets that call's output to NaN)."""
+    """Whether the T new tokens overflow the cache (index + T > L), as a boolean tensor. Eagerly
+    an overflow is a ValueError; in a graph an InvalidArgumentError (XLA ignores it, and the
+    caller sets that call's output to NaN)."""
     length = tf.shape(cache.key)[2]
-    if tf.executing_eagerly():
-        if int(cache.index) + int(t) > int(length):
-            raise _cache_full_error(int(cache.index), int(t), int(length))
-        return
-    tf.debugging.assert_less_equal(
-        cache.index + t, length, message="`cache` is full: index + T must be <= L (index + T, L follow)"
-    )
+    if tf.executing_eagerly() and int(cache.index) + int(t) > int(length):
+        raise _cache_full_error(int(cache.index), int(t), int(length))
+    if not tf.executing_eagerly():
+        tf.debugging.assert_less_equal(
+            cache.index + t, length, message="`cache` is full: index + T must be <= L (index + T, L follow)"
+        )
+    return cache.index + t > length
 
 
 def _write_cache(cache, k, v, key_keep):
@@ -721,8 +722,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         if cache is not None:
             t = tf.shape(q)[2]
             keep = _and(keep, _cache_keep(cache.keep, cache.index, t, causal))  # (B, N, T, L), dims may be 1
-            _check_room(cache, t)
-            full = cache.index + t > tf.shape(cache.key)[2]  # only ever True under XLA
+            full = _check_room(cache, t)  # only ever True under XLA
             cache = _write_cache(cache, k, v, key_keep)
             k, v, causal = cache.key, cache.value, False  # (B, K, L, H); causality is in `keep`
         context, weights = self._attend(q, k, v, keep, bias, causal, return_attention, training)  # (B, N, T, H)
