@@ -242,6 +242,9 @@ def _split_mask(attention_mask, target):
     return ~removed, torch.where(removed, 0.0, mask.clamp(min=lowest))  # finite, never 0 * -inf
 
 
+_BLOCK_SCORES = 1 << 21  # scores in one block of `_attention_in_blocks`: 8 MiB of float32
+
+
 def _softmax_dtype(dtype):
     """Softmax runs in float32 at least (float64 stays float64)."""
     return torch.promote_types(dtype, torch.float32)
@@ -269,12 +272,48 @@ def _explicit_attention(q, k, v, keep, bias, dropout):
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)  # (B, K, S, H) -> (B, N, S, H)
         v = v.repeat_interleave(groups, dim=1)  # (B, K, S, H) -> (B, N, S, H)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if _in_blocks(q):
+        return _attention_in_blocks(q, k, v, keep, bias, dropout, scale)
     dtype = _softmax_dtype(q.dtype)
-    q = q * (1.0 / math.sqrt(q.shape[-1]))  # scale the (B, N, T, H) queries, not the scores
-    scores = (q @ k.transpose(-1, -2)).to(dtype)  # (B, N, T, S), a new tensor
+    scores = ((q * scale) @ k.transpose(-1, -2)).to(dtype)  # (B, N, T, S), a new tensor; q scaled, not the scores
     scores = scores if bias is None else scores + bias.to(dtype)  # (B, N, T, S)
     weights = _masked_softmax(scores, keep).to(q.dtype)  # (B, N, T, S)
     context = F.dropout(weights, dropout, training=dropout > 0) @ v  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
+    return context, weights
+
+
+def _in_blocks(q):
+    """Whether `_explicit_attention` takes `_attention_in_blocks`: inference (no autograd, not
+    compiling) on the CPU, where the softmax runs in the dtype of q (float32, float64)."""
+    inference = not (torch.is_grad_enabled() or torch.compiler.is_compiling())
+    return inference and q.device.type == "cpu" and q.dtype == _softmax_dtype(q.dtype)
+
+
+def _batch_rows(mask, rows):
+    """The batch elements `rows` of a mask that broadcasts to (B, N, T, S)."""
+    return mask if mask is None or mask.dim() < 4 or mask.shape[0] == 1 else mask[rows]
+
+
+def _attention_in_blocks(q, k, v, keep, bias, dropout, scale):
+    """`_explicit_attention` without autograd, a block of batch elements at a time: each block's
+    scores are written into its slice of the weights, softmaxed there in place and multiplied by
+    v while they are still in the CPU cache (one (B, N, T, S) buffer in all)."""
+    (b, n, t, h), s = q.shape, k.shape[2]
+    weights = q.new_empty(b, n, t, s)  # (B, N, T, S)
+    context = q.new_empty(b, n, t, h)  # (B, N, T, H)
+    step = max(1, _BLOCK_SCORES // (n * t * s))
+    for start in range(0, b, step):
+        rows = slice(start, start + step)
+        scores = weights[rows].view(-1, t, s)  # (b*N, T, S), b <= step
+        q_rows, k_rows = q[rows].reshape(-1, t, h), k[rows].reshape(-1, s, h)  # (b*N, T, H), (b*N, S, H)
+        torch.baddbmm(scores, q_rows, k_rows.transpose(1, 2), beta=0.0, alpha=scale, out=scores)  # scaled q k^T
+        scores = scores.view(-1, n, t, s)  # (b*N, T, S) -> (b, N, T, S)
+        if bias is not None:
+            scores += _batch_rows(bias, rows)
+        _masked_softmax(scores, _batch_rows(keep, rows))  # in place
+        dropped = F.dropout(scores, dropout, training=dropout > 0)
+        torch.matmul(dropped, v[rows], out=context[rows])  # (b, N, T, S) @ (b, N, S, H) -> (b, N, T, H)
     return context, weights
 
 

@@ -264,6 +264,13 @@ def _and(a, b):
     return b if a is None else a if b is None else a & b
 
 
+def _linear(x, kernel, bias):
+    """(B, L, D) @ (D, F) + (F,) -> (B, L, F) as a 2-D matmul and a bias add, which oneDNN fuses."""
+    y = tf.matmul(tf.reshape(x, [-1, kernel.shape[0]]), kernel)  # (B, L, D) -> (B*L, F)
+    y = y if bias is None else tf.nn.bias_add(y, bias)
+    return tf.reshape(y, tf.concat([tf.shape(x)[:2], [kernel.shape[1]]], 0))  # (B*L, F) -> (B, L, F)
+
+
 def _softmax_dtype(dtype):
     """Softmax runs in float32 at least (float64 stays float64)."""
     return tf.float64 if dtype == tf.float64 else tf.float32
@@ -603,9 +610,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
 
     def _project(self, x, kind, heads):
         """(B, L, D) -> (B, heads, L, H): one projection split into heads."""
-        y = tf.matmul(x, getattr(self, f"{kind}_kernel"))  # (B, L, D) -> (B, L, heads*H)
-        if self.bias:
-            y = y + getattr(self, f"{kind}_bias")
+        bias = getattr(self, f"{kind}_bias") if self.bias else None
+        y = _linear(x, getattr(self, f"{kind}_kernel"), bias)  # (B, L, D) -> (B, L, heads*H)
         return self._split_heads(y, heads)
 
     def _split_heads(self, y, heads):
@@ -617,16 +623,10 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         """Self-attention: q, k and v from one matmul over the concatenated projections."""
         kinds = ("query", "key", "value")
         kernel = tf.concat([getattr(self, f"{kind}_kernel") for kind in kinds], axis=1)  # (E, N*H + 2*K*H)
-        y = tf.matmul(x, kernel)  # (B, T, E) -> (B, T, N*H + 2*K*H)
-        if self.bias:
-            y = y + tf.concat([getattr(self, f"{kind}_bias") for kind in kinds], axis=0)
-        nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = tf.split(y, [nh, kh, kh], axis=-1)  # -> 3 x (B, T, heads*H)
-        return (
-            self._split_heads(q, self.num_heads),  # (B, N, T, H)
-            self._split_heads(k, self.num_kv_heads),  # (B, K, T, H)
-            self._split_heads(v, self.num_kv_heads),  # (B, K, T, H)
-        )
+        bias = tf.concat([getattr(self, f"{kind}_bias") for kind in kinds], axis=0) if self.bias else None
+        y = _linear(x, kernel, bias)  # (B, T, E) -> (B, T, N*H + 2*K*H)
+        heads = self._split_heads(y, self.num_heads + 2 * self.num_kv_heads)  # -> (B, N + 2*K, T, H)
+        return tf.split(heads, [self.num_heads, self.num_kv_heads, self.num_kv_heads], axis=1)  # (B, N or K, T, H)
 
     def _query_chunk(self, q, k):
         """Queries per chunk of the memory-efficient path, or None where the (B, N, T, S) scores
@@ -728,9 +728,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         context, weights = self._attend(q, k, v, keep, bias, causal, return_attention, training)  # (B, N, T, H)
         merged = tf.transpose(context, [0, 2, 1, 3])  # (B, N, T, H) -> (B, T, N, H)
         merged = tf.reshape(merged, tf.concat([tf.shape(query)[:2], [-1]], 0))  # -> (B, T, N*H)
-        output = tf.matmul(merged, self.output_kernel)  # (B, T, N*H) -> (B, T, E)
-        if self.bias:
-            output = output + self.output_bias
+        output = _linear(merged, self.output_kernel, self.output_bias if self.bias else None)  # -> (B, T, E)
         if cache is not None and not tf.executing_eagerly():
             output = tf.where(full, tf.cast(np.nan, output.dtype), output)  # XLA cannot raise for a full cache
 

@@ -1,7 +1,9 @@
 """Runs one case through every layer and code path from one portable weight dict.
 
 Paths: `numpy` (the float64 oracle), `torch:sdpa` (scaled_dot_product_attention, no weights
-returned), `torch:explicit` (return_attention=True), `tf:eager`, `tf:function` and
+returned), `torch:explicit` (return_attention=True), `torch:inference` (return_attention=True
+under no_grad: the in-place path, one batch element per block; no gradients), `tf:eager`,
+`tf:function` and
 `tf:memory_efficient` (tf.function, no weights returned, attention run two queries at a time,
 forced on every case; its gradients come from the path's own backward), and the deployed
 runtimes of shared_tests/runtimes.py (`torch:onnx`, `tf:onnx`, `tf:litert`: output and weights,
@@ -13,6 +15,7 @@ TensorFlow is imported only when a TensorFlow path runs.
 
 import dataclasses
 import os
+from unittest import mock
 
 import numpy as np
 
@@ -21,7 +24,11 @@ from shared_tests.runtimes import RUNTIME_PATHS
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-PATHS = ("numpy", "torch:sdpa", "torch:explicit", "tf:eager", "tf:function", "tf:memory_efficient", *RUNTIME_PATHS)
+PATHS = (
+    "numpy", "torch:sdpa", "torch:explicit", "torch:inference", "tf:eager", "tf:function", "tf:memory_efficient",
+    *RUNTIME_PATHS,
+)  # fmt: skip
+INFERENCE_BLOCK_SCORES = 1  # scores per block on `torch:inference`: every batch element a block of its own
 MEMORY_EFFICIENT_CHUNK = 2  # queries per chunk on `tf:memory_efficient`: odd T leaves a padded chunk
 INPUTS = ("query", "key", "value")
 
@@ -60,6 +67,8 @@ def make_torch_layer(case, data, layer_class=None):
 def run_torch(case, data, path, layer_class=None):
     import torch
 
+    if path == "torch:inference":
+        return run_torch_inference(case, data, layer_class)
     layer = make_torch_layer(case, data, layer_class)
     dtype = getattr(torch, case.dtype)
     args = [torch.tensor(x, dtype=dtype, requires_grad=True) for x in _inputs(data)]
@@ -76,6 +85,19 @@ def run_torch(case, data, path, layer_class=None):
             grad = torch.zeros_like(tensor) if tensor.grad is None else tensor.grad  # None: autograd never reached it
             grads[name] = (grad.T if transposed else grad).double().numpy()
     return Result(_numpy(output), None if weights is None else _numpy(weights), grads)
+
+
+def run_torch_inference(case, data, layer_class=None):
+    import torch
+
+    from PyTorch import Multi_Head_Attention
+
+    layer = make_torch_layer(case, data, layer_class)
+    args = [torch.tensor(x, dtype=getattr(torch, case.dtype)) for x in _inputs(data)]
+    mask = None if data["attention_mask"] is None else torch.from_numpy(data["attention_mask"])
+    with torch.no_grad(), mock.patch.object(Multi_Head_Attention, "_BLOCK_SCORES", INFERENCE_BLOCK_SCORES):
+        output, weights = layer(*args, attention_mask=mask, causal=case.causal, return_attention=True)
+    return Result(_numpy(output), _numpy(weights), None)
 
 
 def _numpy(tensor):

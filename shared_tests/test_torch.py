@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from PyTorch import MultiHeadAttention
+from PyTorch import Multi_Head_Attention, MultiHeadAttention
 from shared_tests.cases import TOLERANCES
 
 OUTPUT_TOL = TOLERANCES["float32"]["output"]
@@ -278,19 +278,25 @@ def test_device_and_dtype_arguments_and_repr():
     assert "num_kv_heads=2" in repr(layer)
 
 
-def test_return_attention_under_no_grad_works_in_place_with_the_same_numbers():
-    """The softmax of `return_attention=True` overwrites its scores buffer under no_grad (as the
-    built-in's inference kernel does); the numbers are those of the autograd path, masks too."""
+@pytest.mark.parametrize("block_scores", [1 << 21, 1, 2 * 4 * 5 * 7])  # one block; 1 per batch element; 2, 2, 1
+def test_return_attention_under_no_grad_works_in_place_with_the_same_numbers(monkeypatch, block_scores):
+    """Under no_grad, `return_attention=True` writes the scores into the weights and softmaxes
+    them in place, a block of batch elements at a time (as the built-in's inference kernel, in
+    one buffer); the numbers are those of the autograd path, masks with a batch dimension too.
+    H = 4: the scale 1/2 is exact, so both paths agree bit for bit."""
+    monkeypatch.setattr(Multi_Head_Attention, "_BLOCK_SCORES", block_scores)
     layer = _with_random_biases(MultiHeadAttention(16, 4, num_kv_heads=2)).eval()
-    x, y = _randn(2, 5, 16, seed=11), _randn(2, 7, 16, seed=12)
-    keep = torch.rand(2, 1, 5, 7, generator=torch.Generator().manual_seed(13)) < 0.6
+    x, y = _randn(5, 5, 16, seed=11), _randn(5, 7, 16, seed=12)
+    keep = torch.rand(5, 1, 5, 7, generator=torch.Generator().manual_seed(13)) < 0.6
     keep[0, 0, 1] = False  # a row with no key
-    with_grad = layer(x, y, attention_mask=keep, causal=True, return_attention=True)
-    with torch.no_grad():
-        without = layer(x, y, attention_mask=keep, causal=True, return_attention=True)
-    for a, b in zip(with_grad, without, strict=True):
-        assert torch.equal(a.detach(), b)
-    assert (without[1][0, :, 1] == 0).all() and torch.equal(keep, keep & True)
+    bias = torch.where(keep, _randn(5, 4, 5, 7, seed=14), -torch.inf)  # per batch element and head
+    for mask in (keep, bias):
+        with_grad = layer(x, y, attention_mask=mask, causal=True, return_attention=True)
+        with torch.no_grad():
+            without = layer(x, y, attention_mask=mask, causal=True, return_attention=True)
+        for a, b in zip(with_grad, without, strict=True):
+            assert torch.equal(a.detach(), b)
+        assert (without[1][0, :, 1] == 0).all()
 
 
 def test_regression_gqa_traces_with_torch_jit_trace():
