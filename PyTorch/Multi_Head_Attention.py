@@ -245,9 +245,11 @@ def _split_mask(attention_mask, target):
 _BLOCK_SCORES = 1 << 21  # scores in one block of `_attention_in_blocks`: 8 MiB of float32
 
 
-def _softmax_dtype(dtype):
-    """Softmax runs in float32 at least (float64 stays float64)."""
-    return torch.promote_types(dtype, torch.float32)
+def _scores_dtype(dtype, bias):
+    """The dtype the (B, N, T, S) scores are held in: that of q, or float32 where a float mask is
+    added to float16 or bfloat16 scores (so that the sum is not rounded). The softmax of float16
+    and bfloat16 computes in float32 either way."""
+    return dtype if bias is None else torch.promote_types(dtype, torch.float32)
 
 
 def _masked_softmax(scores, keep):
@@ -273,9 +275,9 @@ def _explicit_attention(q, k, v, keep, bias, dropout):
         k = k.repeat_interleave(groups, dim=1)  # (B, K, S, H) -> (B, N, S, H)
         v = v.repeat_interleave(groups, dim=1)  # (B, K, S, H) -> (B, N, S, H)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    if _in_blocks(q):
+    dtype = _scores_dtype(q.dtype, bias)
+    if _in_blocks(q, dtype):
         return _attention_in_blocks(q, k, v, keep, bias, dropout, scale)
-    dtype = _softmax_dtype(q.dtype)
     scores = ((q * scale) @ k.transpose(-1, -2)).to(dtype)  # (B, N, T, S), a new tensor; q scaled, not the scores
     scores = scores if bias is None else scores + bias.to(dtype)  # (B, N, T, S)
     weights = _masked_softmax(scores, keep).to(q.dtype)  # (B, N, T, S)
@@ -283,11 +285,11 @@ def _explicit_attention(q, k, v, keep, bias, dropout):
     return context, weights
 
 
-def _in_blocks(q):
+def _in_blocks(q, dtype):
     """Whether `_explicit_attention` takes `_attention_in_blocks`: inference (no autograd, not
-    compiling) on the CPU, where the softmax runs in the dtype of q (float32, float64)."""
+    compiling) on the CPU, with scores held in the dtype of q."""
     inference = not (torch.is_grad_enabled() or torch.compiler.is_compiling())
-    return inference and q.device.type == "cpu" and q.dtype == _softmax_dtype(q.dtype)
+    return inference and q.device.type == "cpu" and q.dtype == dtype
 
 
 def _batch_rows(mask, rows):
@@ -317,6 +319,19 @@ def _attention_in_blocks(q, k, v, keep, bias, dropout, scale):
     return context, weights
 
 
+def _sdpa_heads(q, k, v, masked):
+    """Keys, values and `enable_gqa` for SDPA. Grouped heads are read by the flash kernels only
+    (on the CPU, and on CUDA in float16 and bfloat16 without a mask); elsewhere SDPA would fall
+    back to its math kernel, which holds the (B, N, T, S) scores, so k and v are repeated."""
+    groups = q.shape[1] // k.shape[1]
+    if groups == 1:
+        return k, v, False
+    if q.device.type == "cpu" or (not masked and q.dtype in (torch.float16, torch.bfloat16)):
+        return k, v, True
+    k = k.repeat_interleave(groups, dim=1)  # (B, K, S, H) -> (B, N, S, H)
+    return k, v.repeat_interleave(groups, dim=1), False  # (B, K, S, H) -> (B, N, S, H)
+
+
 def _fused_attention(q, k, v, keep, bias, dropout, is_causal=False):
     """`scaled_dot_product_attention` with a finite additive mask; returns the context.
 
@@ -324,7 +339,7 @@ def _fused_attention(q, k, v, keep, bias, dropout, is_causal=False):
     A row with no key left attends to every key inside the kernel (finite numbers, forward and
     backward, in any dtype) and is then set to exactly 0.
     """
-    gqa = bool(q.shape[1] != k.shape[1])  # a bool even where shapes are traced tensors (torch.jit.trace)
+    k, v, gqa = _sdpa_heads(q, k, v, masked=keep is not None or bias is not None)
     if keep is None and bias is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=is_causal, enable_gqa=gqa)
     additive = torch.zeros((), dtype=q.dtype, device=q.device) if bias is None else bias.to(q.dtype)

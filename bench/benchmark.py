@@ -125,14 +125,14 @@ def tf_matmul_flops(runs):
     return 2 * 2048**3 / median_time(lambda: matmul(a, b).numpy(), runs)
 
 
-def torch_layers(config):
+def torch_layers(config, device="cpu", dtype=None):
     """{label: {mode: callable}} for ours and the built-in; None where a mode does not apply."""
     import torch
 
     from PyTorch import MultiHeadAttention
 
-    x = torch.randn(config.b, config.t, config.e)
-    ours = MultiHeadAttention(config.e, config.n, num_kv_heads=config.k)
+    x = torch.randn(config.b, config.t, config.e, device=device, dtype=dtype)
+    ours = MultiHeadAttention(config.e, config.n, num_kv_heads=config.k, device=device, dtype=dtype)
     layers = {"PyTorch ours": ours}
     if config.k is None:
         layers["nn.MultiheadAttention"] = ours.to_torch()

@@ -181,7 +181,7 @@ def run_numpy(case, data):
 def run_torch(case, data, path):
     import torch
 
-    from shared_tests.frameworks import make_torch_layer
+    from shared_tests.frameworks import make_torch_layer, to_torch
 
     layer = make_torch_layer(case, data)
     dtype = getattr(torch, case.dtype)
@@ -190,18 +190,19 @@ def run_torch(case, data, path):
     outputs, weights = [], []
     with torch.no_grad():
         for start, stop in case.spans():
-            chunk = {name: torch.tensor(x[:, start:stop], dtype=dtype) for name, x in data["inputs"].items()}
+            chunk = {name: to_torch(x[:, start:stop], dtype=dtype) for name, x in data["inputs"].items()}
             mask = chunk_mask(data["attention_mask"], start, stop)
-            mask = None if mask is None else torch.from_numpy(mask)
+            mask = None if mask is None else to_torch(mask)
             result = layer(**chunk, attention_mask=mask, causal=case.causal, return_attention=explicit, cache=cache)
             outputs.append(result[0])
             weights.append(result[1] if explicit else None)
             cache = result[-1]
-        inputs = {name: torch.tensor(x, dtype=dtype) for name, x in data["inputs"].items()}
-        full_mask = torch.from_numpy(full_pass_mask(case, data))
+        inputs = {name: to_torch(x, dtype=dtype) for name, x in data["inputs"].items()}
+        full_mask = to_torch(full_pass_mask(case, data))
         full, full_w = layer(**inputs, attention_mask=full_mask, causal=case.causal, return_attention=True)
 
     def to_numpy(tensor):
+        tensor = tensor.cpu()
         return tensor.double().numpy() if tensor.is_floating_point() else tensor.numpy()
 
     return DecodeResult(

@@ -54,12 +54,24 @@ def run_numpy(case, data):
     return Result(output, weights, layer.backward(data["grad_output"].astype(np.float64)))
 
 
+def torch_device():
+    """The device of the PyTorch paths: $PARITY_TORCH_DEVICE (the parity report's --device), or cpu."""
+    return os.environ.get("PARITY_TORCH_DEVICE", "cpu")
+
+
+def to_torch(array, **kwargs):
+    """A NumPy array as a tensor on `torch_device()`."""
+    import torch
+
+    return torch.tensor(array, device=torch_device(), **kwargs)
+
+
 def make_torch_layer(case, data, layer_class=None):
     import torch
 
     from PyTorch import MultiHeadAttention
 
-    layer = (layer_class or MultiHeadAttention)(**case.config, dtype=getattr(torch, case.dtype))
+    layer = (layer_class or MultiHeadAttention)(**case.config, dtype=getattr(torch, case.dtype), device=torch_device())
     layer.import_weights(data["weights"])
     return layer.eval()
 
@@ -71,19 +83,19 @@ def run_torch(case, data, path, layer_class=None):
         return run_torch_inference(case, data, layer_class)
     layer = make_torch_layer(case, data, layer_class)
     dtype = getattr(torch, case.dtype)
-    args = [torch.tensor(x, dtype=dtype, requires_grad=True) for x in _inputs(data)]
-    mask = None if data["attention_mask"] is None else torch.from_numpy(data["attention_mask"])
+    args = [to_torch(x, dtype=dtype, requires_grad=True) for x in _inputs(data)]
+    mask = None if data["attention_mask"] is None else to_torch(data["attention_mask"])
     explicit = path == "torch:explicit"
     result = layer(*args, attention_mask=mask, causal=case.causal, return_attention=explicit)
     output, weights = result if explicit else (result, None)
     grads = None
     if case.tolerance["grads"] is not None:
-        (output * torch.from_numpy(data["grad_output"])).sum().backward()
-        grads = dict(zip(INPUTS, (x.grad.double().numpy() for x in args), strict=False))
+        (output * to_torch(data["grad_output"])).sum().backward()
+        grads = dict(zip(INPUTS, (_numpy(x.grad) for x in args), strict=False))
         for name in layer.weight_shapes():
             tensor, transposed = layer._parameter(name)
             grad = torch.zeros_like(tensor) if tensor.grad is None else tensor.grad  # None: autograd never reached it
-            grads[name] = (grad.T if transposed else grad).double().numpy()
+            grads[name] = _numpy(grad.T if transposed else grad)
     return Result(_numpy(output), None if weights is None else _numpy(weights), grads)
 
 
@@ -93,15 +105,15 @@ def run_torch_inference(case, data, layer_class=None):
     from PyTorch import Multi_Head_Attention
 
     layer = make_torch_layer(case, data, layer_class)
-    args = [torch.tensor(x, dtype=getattr(torch, case.dtype)) for x in _inputs(data)]
-    mask = None if data["attention_mask"] is None else torch.from_numpy(data["attention_mask"])
+    args = [to_torch(x, dtype=getattr(torch, case.dtype)) for x in _inputs(data)]
+    mask = None if data["attention_mask"] is None else to_torch(data["attention_mask"])
     with torch.no_grad(), mock.patch.object(Multi_Head_Attention, "_BLOCK_SCORES", INFERENCE_BLOCK_SCORES):
         output, weights = layer(*args, attention_mask=mask, causal=case.causal, return_attention=True)
     return Result(_numpy(output), _numpy(weights), None)
 
 
 def _numpy(tensor):
-    return tensor.detach().double().numpy()
+    return tensor.detach().double().cpu().numpy()
 
 
 def make_tf_layer(case, data, layer_class=None):

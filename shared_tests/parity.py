@@ -10,8 +10,10 @@ and the final caches must be equal. Exit status 1 on any FAIL.
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
+import os
 import sys
 
 import numpy as np
@@ -221,10 +223,10 @@ def compare_decode(case, data, results):
     return Row(case.name, case.dtype, diffs, zeros, failures)
 
 
-def run_decode_case(case, data=None):
-    """Decodes one case on every path; returns (row, results)."""
+def run_decode_case(case, data=None, paths=DECODE_PATHS):
+    """Decodes one case on every path (or those given); returns (row, results)."""
     data = make_decode_data(case) if data is None else data
-    results = {path: decoding.run(case, data, path) for path in DECODE_PATHS}
+    results = {path: decoding.run(case, data, path) for path in paths}
     return compare_decode(case, data, results), results
 
 
@@ -350,6 +352,14 @@ def _run_all(cases, run_one, make):
     return rows, first_results
 
 
+def describe_device(device):
+    import torch
+
+    device = torch.device(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return f"{device} ({name}, torch {torch.__version__})"
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m shared_tests.parity", description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -364,6 +374,11 @@ def parse_args(argv):
         "--weights", metavar="FILE.npz", help="run the (non-decode) cases through your own exported weights"
     )
     parser.add_argument("--num-heads", type=int, help="N of the layer that exported --weights")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="device of the PyTorch paths, e.g. cuda; on any other than cpu only NumPy and the PyTorch paths run",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the table as JSON")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     return parser.parse_args(argv)
@@ -371,6 +386,9 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.plot and args.device != "cpu":
+        print("error: --plot compares PyTorch with TensorFlow, which runs only with --device cpu", file=sys.stderr)
+        return 2
     if args.list:
         print("\n".join(f"{c.name:<28} {c}" for c in [*CASES, *DECODE_CASES]))
         return 0
@@ -387,8 +405,14 @@ def main(argv=None):
         data = make_data(case)
         return data if user_weights is None else {**data, "weights": user_weights}
 
-    rows, results = _run_all(cases, run_case, make)
-    decode_rows, _ = _run_all(decode_cases, run_decode_case, make_decode_data)
+    paths, decode_paths = PATHS, DECODE_PATHS
+    if args.device != "cpu":
+        os.environ["PARITY_TORCH_DEVICE"] = args.device
+        paths = ("numpy", *(p for p in FRAMEWORK_PATHS["torch"] if p not in RUNTIME_PATHS))
+        decode_paths = ("numpy", *DECODE_FRAMEWORK_PATHS["torch"])
+        print(f"PyTorch paths on {describe_device(args.device)}; TensorFlow and the runtimes are not run\n")
+    rows, results = _run_all(cases, functools.partial(run_case, paths=paths), make)
+    decode_rows, _ = _run_all(decode_cases, functools.partial(run_decode_case, paths=decode_paths), make_decode_data)
     print(
         "\n\n".join(
             table for table in (rows and format_table(rows), decode_rows and format_decode_table(decode_rows)) if table

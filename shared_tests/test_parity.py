@@ -86,6 +86,12 @@ MUTATIONS = {
         "mask_bool_bts",
     ),
     "torch_head_split": (TorchMultiHeadAttention, "_split_heads", _torch_wrong_split, "cross"),
+    "torch_inference_block_rows": (
+        torch_file,
+        "_batch_rows",
+        lambda mask, rows: mask if mask is None or mask.dim() < 4 else mask[:1],  # every block reads batch element 0
+        "mask_bool_bts",
+    ),
     "tf_memory_efficient_rows": (
         tf_file,
         "_chunk_rows",
@@ -133,6 +139,24 @@ def test_report_passes_and_writes_json_and_plot(tmp_path, capsys):
     assert [row["case"] for row in table] == ["gqa", "rows_fully_masked"]
     assert all(row["passed"] for row in table)
     assert out_png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_device_option_runs_numpy_and_the_torch_paths(tmp_path, monkeypatch, capsys):
+    """`--device` moves the PyTorch paths (here to "cpu:0", which takes the same branch as cuda)
+    and leaves out TensorFlow and the runtimes; `--plot` needs TensorFlow."""
+    monkeypatch.setenv("PARITY_TORCH_DEVICE", "cpu")  # restored after the test
+    out_json = tmp_path / "table.json"
+    assert (
+        parity.main(["--device", "cpu:0", "--case", "mask_bool_bts", "--case", "decode_gqa", "--json", str(out_json)])
+        == 0
+    )
+    assert "PyTorch paths on cpu:0" in capsys.readouterr().out
+    attention, decode = json.loads(out_json.read_text())
+    for row in (attention, decode):
+        assert row["passed"] and row["diffs"]["torch/numpy"]["output"] is not None
+        assert row["diffs"]["torch/tf"]["output"] is None and row["diffs"]["tf/numpy"]["output"] is None
+    assert parity.main(["--device", "cuda", "--plot", str(tmp_path / "p.png")]) == 2
+    assert "--plot compares PyTorch with TensorFlow" in capsys.readouterr().err
 
 
 def test_report_runs_user_weights(tmp_path, capsys):

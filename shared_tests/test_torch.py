@@ -308,3 +308,24 @@ def test_regression_gqa_traces_with_torch_jit_trace():
         warnings.simplefilter("ignore")  # the tracer's warnings about Python values
         traced = torch.jit.trace(layer, (x, x, x, keep))
     torch.testing.assert_close(traced(x, x, x, keep), layer(x, x, x, keep), atol=OUTPUT_TOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "masked", "native"),
+    [
+        ("cpu", torch.float32, True, True),  # the CPU flash kernel reads grouped heads, masks too
+        ("meta", torch.bfloat16, False, True),  # meta stands for cuda: flash takes bfloat16 without a mask
+        ("meta", torch.float16, False, True),
+        ("meta", torch.bfloat16, True, False),  # flash takes no mask
+        ("meta", torch.float32, False, False),  # nor float32
+    ],
+)
+def test_sdpa_reads_grouped_heads_only_where_a_flash_kernel_can(device, dtype, masked, native):
+    """Regression: on CUDA, `enable_gqa` with a mask or in float32 sent SDPA to its math kernel
+    (measured on an H100: GQA float32 forward 4.9 GiB and 10.5 ms, more than returning the
+    weights), so k and v are repeated to N heads there and the memory-efficient kernel runs."""
+    q = torch.empty(2, 8, 3, 16, device=device, dtype=dtype)
+    kv = torch.empty(2, 2, 5, 16, device=device, dtype=dtype)
+    k, v, gqa = Multi_Head_Attention._sdpa_heads(q, kv, kv, masked)
+    assert gqa == native
+    assert k.shape[1] == v.shape[1] == (2 if native else 8)
