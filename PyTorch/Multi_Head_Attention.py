@@ -42,7 +42,8 @@ and a per-head (B, N, T, S) mask cannot be split.
 
 Two code paths give the same numbers: without `return_attention`, attention runs in
 `torch.nn.functional.scaled_dot_product_attention` (and self-attention projects q, k and v
-with one matmul); with it, an explicit softmax returns the per-head weights.
+with one matmul); with it, an explicit softmax returns the per-head weights (under no_grad on
+the CPU it runs in place in the returned weights, a block of batch elements at a time).
 """
 
 import math

@@ -625,8 +625,13 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         kernel = tf.concat([getattr(self, f"{kind}_kernel") for kind in kinds], axis=1)  # (E, N*H + 2*K*H)
         bias = tf.concat([getattr(self, f"{kind}_bias") for kind in kinds], axis=0) if self.bias else None
         y = _linear(x, kernel, bias)  # (B, T, E) -> (B, T, N*H + 2*K*H)
-        heads = self._split_heads(y, self.num_heads + 2 * self.num_kv_heads)  # -> (B, N + 2*K, T, H)
-        return tf.split(heads, [self.num_heads, self.num_kv_heads, self.num_kv_heads], axis=1)  # (B, N or K, T, H)
+        nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = tf.split(y, [nh, kh, kh], axis=-1)  # -> 3 x (B, T, heads*H)
+        return (
+            self._split_heads(q, self.num_heads),  # (B, N, T, H)
+            self._split_heads(k, self.num_kv_heads),  # (B, K, T, H)
+            self._split_heads(v, self.num_kv_heads),  # (B, K, T, H)
+        )
 
     def _query_chunk(self, q, k):
         """Queries per chunk of the memory-efficient path, or None where the (B, N, T, S) scores
