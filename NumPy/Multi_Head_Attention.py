@@ -245,8 +245,9 @@ def dot_product_attention(q, k, v, keep=None, bias=None, causal=False):
     v = np.repeat(v, groups, axis=1)  # (B, K, S, H) -> (B, N, S, H)
     scores = q @ k.swapaxes(-1, -2) / math.sqrt(q.shape[-1])  # (B, N, T, S)
     scores = scores if bias is None else scores + bias  # (B, N, T, S)
-    scores = np.where(keep, scores, np.finfo(scores.dtype).min)  # (B, N, T, S)
-    shifted = scores - scores.max(axis=-1, keepdims=True)  # (B, N, T, S)
+    lowest = np.finfo(scores.dtype).min
+    scores = np.where(keep, scores, lowest)  # (B, N, T, S)
+    shifted = scores - scores.max(axis=-1, keepdims=True, initial=lowest)  # (B, N, T, S); `initial`: S may be 0
     probs = np.exp(shifted) / np.exp(shifted).sum(axis=-1, keepdims=True)  # (B, N, T, S)
     weights = np.where(keep, probs, 0.0)  # (B, N, T, S), rows with no key are all 0
     context = weights @ v  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
@@ -417,7 +418,7 @@ class MultiHeadAttention:
             cache = _write_cache(cache, k, v)
             k, v, causal = cache.key, cache.value, False  # (B, K, L, H); causality is in `keep`
         context, weights, probs, keep = dot_product_attention(q, k, v, keep, bias, causal)  # (B, N, T, H)
-        merged = context.transpose(0, 2, 1, 3).reshape(b, t, -1)  # (B, N, T, H) -> (B, T, N*H)
+        merged = context.transpose(0, 2, 1, 3).reshape(b, t, self.num_heads * self.head_dim)  # -> (B, T, N*H)
         output = merged @ self.params["output_kernel"]  # (B, T, N*H) -> (B, T, E)
         if self.bias:
             output = output + self.params["output_bias"]
@@ -470,7 +471,8 @@ class MultiHeadAttention:
 
         inputs = {}
         for kind, d_heads in (("query", d_q), ("key", d_k), ("value", d_v)):
-            d_y = d_heads.transpose(0, 2, 1, 3).reshape(b, d_heads.shape[2], -1)  # (B, heads, L, H) -> (B, L, heads*H)
+            length, width = d_heads.shape[2], d_heads.shape[1] * h
+            d_y = d_heads.transpose(0, 2, 1, 3).reshape(b, length, width)  # (B, heads, L, H) -> (B, L, heads*H)
             grads[f"{kind}_kernel"] = np.einsum("bld,blm->dm", c[kind], d_y)
             grads[f"{kind}_bias"] = d_y.sum(axis=(0, 1))
             inputs[kind] = d_y @ p[f"{kind}_kernel"].T  # (B, L, heads*H) -> (B, L, D)

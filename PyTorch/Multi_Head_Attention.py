@@ -305,18 +305,18 @@ def _attention_in_blocks(q, k, v, keep, bias, dropout, scale):
     (b, n, t, h), s = q.shape, k.shape[2]
     weights = q.new_empty(b, n, t, s)  # (B, N, T, S)
     context = q.new_empty(b, n, t, h)  # (B, N, T, H)
-    step = max(1, _BLOCK_SCORES // (n * t * s))
+    step = max(1, _BLOCK_SCORES // max(1, n * t * s))
     for start in range(0, b, step):
-        rows = slice(start, start + step)
-        scores = weights[rows].view(-1, t, s)  # (b*N, T, S), b <= step
-        q_rows, k_rows = q[rows].reshape(-1, t, h), k[rows].reshape(-1, s, h)  # (b*N, T, H), (b*N, S, H)
+        rows, r = slice(start, start + step), min(step, b - start)  # r batch elements in this block
+        scores = weights[rows].view(r * n, t, s)  # (r*N, T, S)
+        q_rows, k_rows = q[rows].reshape(r * n, t, h), k[rows].reshape(r * n, s, h)  # (r*N, T, H), (r*N, S, H)
         torch.baddbmm(scores, q_rows, k_rows.transpose(1, 2), beta=0.0, alpha=scale, out=scores)  # scaled q k^T
-        scores = scores.view(-1, n, t, s)  # (b*N, T, S) -> (b, N, T, S)
+        scores = scores.view(r, n, t, s)  # (r*N, T, S) -> (r, N, T, S)
         if bias is not None:
             scores += _batch_rows(bias, rows)
         _masked_softmax(scores, _batch_rows(keep, rows))  # in place
         dropped = F.dropout(scores, dropout, training=dropout > 0)
-        torch.matmul(dropped, v[rows], out=context[rows])  # (b, N, T, S) @ (b, N, S, H) -> (b, N, T, H)
+        torch.matmul(dropped, v[rows], out=context[rows])  # (r, N, T, S) @ (r, N, S, H) -> (r, N, T, H)
     return context, weights
 
 
@@ -564,7 +564,7 @@ class MultiHeadAttention(nn.Module):
                 f"by the number of ranks. Received: num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, a projection {width} wide on this rank"
             )
-        return y.view(b, length, -1, self.head_dim).transpose(1, 2)  # (B, L, heads*H) -> (B, heads, L, H)
+        return y.view(b, length, width // self.head_dim, self.head_dim).transpose(1, 2)  # -> (B, heads, L, H)
 
     def _project_fused(self, x):
         """Self-attention: q, k and v from one matmul over the concatenated projections."""
@@ -640,7 +640,7 @@ class MultiHeadAttention(nn.Module):
         context, weights = dot_product_attention(
             q, k, v, keep, bias, causal, dropout=dropout, return_attention=return_attention
         )  # (B, N, T, H), (B, N, T, S) or None
-        merged = context.transpose(1, 2).reshape(b, t, -1)  # (B, N, T, H) -> (B, T, N*H)
+        merged = context.transpose(1, 2).reshape(b, t, context.shape[1] * self.head_dim)  # -> (B, T, N*H)
         output = self.output(merged)  # (B, T, N*H) -> (B, T, E)
         if cache is not None and torch.compiler.is_compiling():
             output = torch.where(full, torch.nan, output)  # a full cache cannot raise inside a graph

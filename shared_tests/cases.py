@@ -104,6 +104,8 @@ CASES = [
     Case("large_scores", t=4, s=6, scale=20.0),
     Case("large_scores_masked", t=4, s=6, scale=20.0, mask="bool_bts"),
     Case("wide", e=64, n=8, t=9, s=11, mask="bool_b1s"),
+    Case("empty_query", t=0, s=6, mask="bool_bts"),  # T = 0: an empty output, as the built-ins give
+    Case("empty_keys", t=4, s=0, causal=True),  # S = 0: no query has a key, so the output is output_bias
     Case("float16_self", dtype="float16", self_attention=True, mask="bool_b1s"),
     Case("float16_cross_causal", dtype="float16", t=4, s=6, causal=True),
     Case("bfloat16_cross", dtype="bfloat16", t=4, s=6, mask="float_ts"),

@@ -38,6 +38,8 @@ def _max_diff(a, b):
     if a.shape != b.shape:
         return math.inf
     diff = np.abs(a - b)
+    if diff.size == 0:
+        return 0.0  # T = 0 or S = 0: nothing to differ
     return float(diff.max()) if np.isfinite(diff).all() else math.inf
 
 

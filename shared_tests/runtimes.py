@@ -25,6 +25,12 @@ BFLOAT16_REASONS = {  # what each runtime said when asked (TensorFlow 2.21, onnx
 }
 
 
+EMPTY_REASONS = {  # T = 0 or S = 0, exported at those static shapes
+    "tf:onnx": "onnxruntime's shape inference refuses the graph tf2onnx exports for a zero-length sequence",
+    "tf:litert": "the LiteRT interpreter refuses zero-size tensors (Invalid tensor size)",
+}
+
+
 class UnsupportedCaseError(Exception):
     """A path that cannot run a case; the message is the reason shown in the report."""
 
@@ -35,6 +41,8 @@ def skip_reason(case, path):
         return BFLOAT16_REASONS[path]
     if case.dtype == "float16" and path == "tf:litert":
         return "TFLite builtin ops have no float16 BatchMatMul (the converter asks for Flex ops)"
+    if 0 in (case.t, case.s) and path in EMPTY_REASONS:
+        return EMPTY_REASONS[path]
     return None
 
 

@@ -33,6 +33,7 @@ def test_case_table_covers_the_issue():
     assert any(c.causal and c.t == c.s for c in CASES) and any(c.causal and c.t < c.s for c in CASES)
     assert any(c.k == 1 for c in CASES) and any(c.k == 2 for c in CASES) and any(c.n == 1 for c in CASES)
     assert any(c.b == 1 for c in CASES) and any(c.t == 1 for c in CASES) and any(c.s == 1 for c in CASES)
+    assert any(c.t == 0 for c in CASES) and any(c.s == 0 for c in CASES)
 
 
 def _negate(keep):
@@ -191,9 +192,13 @@ def test_nan_counts_as_a_failure():
 
 
 def test_runtimes_run_every_float32_case_and_list_what_they_skip(capsys):
-    """Only bfloat16 (every runtime) and float16 on LiteRT are skipped, each with its reason,
-    and the report lists them under the table rather than dropping them."""
-    assert all(not skip_reason(case, path) for case in CASES if case.dtype == "float32" for path in RUNTIME_PATHS)
+    """Only bfloat16 (every runtime), float16 on LiteRT and zero-length sequences on the
+    TensorFlow exports are skipped, each with its reason, and the report lists them under the
+    table rather than dropping them."""
+    non_empty = [case for case in CASES if case.dtype == "float32" and 0 not in (case.t, case.s)]
+    assert all(not skip_reason(case, path) for case in non_empty for path in RUNTIME_PATHS)
+    empty = [case for case in CASES if 0 in (case.t, case.s)]
+    assert empty and all(not skip_reason(case, "torch:onnx") for case in empty)
     assert parity.main(["--case", "bfloat16_cross", "--case", "float16_self"]) == 0
     printed = capsys.readouterr().out
     assert "skipped on tf:litert (the TFLite converter refuses bfloat16 inputs): bfloat16_cross" in printed
