@@ -3,14 +3,13 @@
 Paths: `numpy` (the float64 oracle), `torch:sdpa` (scaled_dot_product_attention, no weights
 returned), `torch:explicit` (return_attention=True), `torch:inference` (return_attention=True
 under no_grad: the in-place path, one batch element per block; no gradients), `tf:eager`,
-`tf:function` and
-`tf:memory_efficient` (tf.function, no weights returned, attention run two queries at a time,
-forced on every case; its gradients come from the path's own backward), and the deployed
-runtimes of shared_tests/runtimes.py (`torch:onnx`, `tf:onnx`, `tf:litert`: output and weights,
-no gradients). Each gives
-a `Result`: output, attention weights (None on `torch:sdpa`) and gradients of
-sum(output * grad_output) with respect to the inputs passed and every portable weight.
-TensorFlow is imported only when a TensorFlow path runs.
+`tf:function` and `tf:memory_efficient` (tf.function, no weights returned, attention run two
+queries at a time, forced on every case; its gradients come from the path's own backward), and
+the deployed runtimes of shared_tests/runtimes.py (`torch:onnx`, `tf:onnx`, `tf:litert`: output
+and weights, no gradients). Each gives a `Result`: output, attention weights (None on
+`torch:sdpa`) and gradients of sum(output * grad_output) with respect to the inputs passed and
+every portable weight. TensorFlow is imported only when a TensorFlow path runs; the PyTorch
+paths run on `torch_device()`.
 """
 
 import dataclasses
