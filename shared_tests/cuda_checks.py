@@ -100,6 +100,11 @@ def compile_checks(dtype):
 
 
 def main():
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: no CUDA device (these checks run the PyTorch layer on a GPU)", file=sys.stderr)
+        return 2
     os.environ["PARITY_TORCH_DEVICE"] = "cuda"
     print(f"scaled_dot_product_attention backends on {parity.describe_device('cuda')}")
     runs = []
@@ -118,8 +123,6 @@ def main():
         for name, outcome in failed.items():
             print(f"  {name}: {outcome}")
         status = status or int(bool(failed))
-    import torch
-
     for dtype in (torch.float32, torch.bfloat16):
         failures = compile_checks(dtype)
         print(f"\ntorch.compile, {dtype}: " + ("; ".join(failures) if failures else "PASS"))

@@ -46,6 +46,14 @@ def test_benchmark_quick_writes_results(tmp_path):
     assert "| quick B=2 T=S=32 E=32 N=4 | train step | TensorFlow ours |" in text
 
 
+@pytest.mark.parametrize("module", ["bench.cuda", "shared_tests.cuda_checks"])
+def test_gpu_scripts_import_and_say_when_there_is_no_gpu(module):
+    """They run on a CUDA machine only (README, GPU); here they must import and refuse clearly."""
+    result = subprocess.run([sys.executable, "-m", module], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert "error: no CUDA device" in result.stderr
+
+
 def test_generate_example_gives_identical_strings(tmp_path):
     out = _run(["examples/generate.py", "--steps", SMOKE_STEPS, "--out", str(tmp_path)])
     assert out.count("'Alice was") == 4 and out.count("'The rabbit-hole went") == 4
