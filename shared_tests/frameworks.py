@@ -75,15 +75,22 @@ def make_torch_layer(case, data, layer_class=None):
     return layer.eval()
 
 
+def _torch_inputs(case, data, requires_grad=False):
+    """The case's inputs in its dtype and its mask, as tensors on `torch_device()`."""
+    import torch
+
+    args = [to_torch(x, dtype=getattr(torch, case.dtype), requires_grad=requires_grad) for x in _inputs(data)]
+    mask = None if data["attention_mask"] is None else to_torch(data["attention_mask"])
+    return args, mask
+
+
 def run_torch(case, data, path, layer_class=None):
     import torch
 
     if path == "torch:inference":
         return run_torch_inference(case, data, layer_class)
     layer = make_torch_layer(case, data, layer_class)
-    dtype = getattr(torch, case.dtype)
-    args = [to_torch(x, dtype=dtype, requires_grad=True) for x in _inputs(data)]
-    mask = None if data["attention_mask"] is None else to_torch(data["attention_mask"])
+    args, mask = _torch_inputs(case, data, requires_grad=True)
     explicit = path == "torch:explicit"
     result = layer(*args, attention_mask=mask, causal=case.causal, return_attention=explicit)
     output, weights = result if explicit else (result, None)
@@ -104,8 +111,7 @@ def run_torch_inference(case, data, layer_class=None):
     from PyTorch import Multi_Head_Attention
 
     layer = make_torch_layer(case, data, layer_class)
-    args = [to_torch(x, dtype=getattr(torch, case.dtype)) for x in _inputs(data)]
-    mask = None if data["attention_mask"] is None else to_torch(data["attention_mask"])
+    args, mask = _torch_inputs(case, data)
     with torch.no_grad(), mock.patch.object(Multi_Head_Attention, "_BLOCK_SCORES", INFERENCE_BLOCK_SCORES):
         output, weights = layer(*args, attention_mask=mask, causal=case.causal, return_attention=True)
     return Result(_numpy(output), _numpy(weights), None)
