@@ -5,37 +5,49 @@ Copy this one file into your model; it needs only TensorFlow, NumPy and the stan
 Legend (every shape comment in this file uses these letters):
     B: batch size          T: query length        S: key/value length
     E: d_model             N: num_heads           K: num_kv_heads
-    H: head_dim
+    H: head_dim            L: slots of a KV cache (its maximum length)
 
 The math, for query head n (which reads key/value head n // (N // K)):
     q = query @ query_kernel + query_bias                       (B, T, N*H)
     k = key @ key_kernel + key_bias                             (B, S, K*H)
     v = value @ value_kernel + value_bias                       (B, S, K*H)
-    scores[n] = q[n] @ k[n // G]^T / sqrt(H) + float_mask       (B, N, T, S), G = N // K
+    scores[n] = q[n] @ k[n // G]^T * scale + float_mask         (B, N, T, S), G = N // K
     weights = softmax(scores where kept, else lowest finite)    zeroed where not kept
     context[n] = weights[n] @ v[n // G]                         (B, N, T, H)
     output = concat_heads(context) @ output_kernel + output_bias
 
+Variants, each off by default and each one small step of the call (docs/SPEC.md, "Order of
+the steps"): `bias` per projection, `scale` (default 1 / sqrt(H)), `softcap` (scores become
+c * tanh(scores / c)), `window` (query t keeps key s only if s > t + (S - T) - W), RoPE
+(`rope_theta`, `rope_fraction`, `rope_interleaved`, `rope_scaling`; `positions` in the call),
+`qk_norm` (RMSNorm of q and k per head or over all heads) and `sinks` (a learned logit per
+head in the softmax's denominator). Call arguments `attention_bias` (added to the scores, with
+a gradient; see `alibi_bias`), `key_mask` (B, S) and `query_mask` (B, T).
+
 Masks: a boolean `attention_mask` is True where a query may attend a key; a floating one is
-added to the scores (-inf removes a key). `causal=True` keeps key s for query t iff
+added to the scores, read in its own dtype: a value at or below the lowest finite value of its
+dtype or of float32 (whichever is higher), or -inf, removes a key; every other value is added
+in the softmax's dtype (float32 at least). `causal=True` keeps key s for query t iff
 s <= t + (S - T), and is combined with every other mask (never silently dropped). Keras
 implicit masks (`Embedding(mask_zero=True)`) are honoured: the query's mask removes query rows,
-the key's and value's masks remove keys, and the output carries the query's mask. A query row
-with no key left gets weights of exactly 0, so its output is `output_bias`: never NaN.
-Example, a key padding mask for keys [a, b, <pad>]:
+the key's and value's masks remove keys, ANDed with `query_mask` and `key_mask`, and the output
+carries the query's mask. A query row with no key left gets weights of exactly 0, so its output
+is `output_bias`: never NaN. Example, a key padding mask for keys [a, b, <pad>]:
     keep = tf.constant([[True, True, False]])        # (B, S)
-    layer(x, attention_mask=keep[:, None, :])         # (B, 1, S) broadcasts to (B, N, T, S)
+    layer(x, key_mask=keep)                           # or attention_mask=keep[:, None, :]
 
-Decoding with a KV cache (L: the cache's max length): `cache = layer.init_cache(B, L)`, then
-`output, cache = layer(x, cache=cache)` for a prompt (T > 1) and then one token at a time
-(T = 1). The keys and values of the T new tokens are written to slots [index, index + T), and
-query t attends slot s iff s < index + T, keep[b, s], (not causal or s <= index + t) and
-`attention_mask` (given over L) keeps it. Token-by-token equals the full causal pass. This
-layer is functional: it returns a new cache (a nest of tensors, so it can be a `tf.while_loop`
-variable), and the keys' implicit Keras mask is ANDed into the new cache's `keep`.
+Decoding with a KV cache: `cache = layer.init_cache(B, L)`, then `output, cache = layer(x,
+cache=cache)` for a prompt (T > 1) and then one token at a time (T = 1). The keys (rotated by
+RoPE) and values of the T new tokens are written to slots [index, index + T), and query t
+attends slot s iff s < index + T, keep[b, s], (not causal or s <= index + t), (no window or
+s > index + t - window) and `attention_mask` (given over L) keeps it. Token-by-token equals the
+full causal pass. This layer is functional: it returns a new cache (a nest of tensors, so it
+can be a `tf.while_loop` variable), and `key_mask` and the keys' implicit Keras mask are ANDed
+into the new cache's `keep`.
 
 Weights: `query_kernel` (E, N*H), `query_bias` (N*H,), `key_kernel` (kdim, K*H), ...,
-`output_kernel` (N*H, E), `output_bias` (E,): the portable layout itself, created in `build`.
+`output_kernel` (N*H, E), `output_bias` (E,), `query_norm`, `key_norm` and `sinks` (N,): the
+portable layout itself, created in `build`.
 """
 
 import math
@@ -44,10 +56,16 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["KVCache", "MultiHeadAttention", "dot_product_attention"]
+__all__ = ["KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
 
 _GROUP_QUERY_ATTENTION = getattr(tf.keras.layers, "GroupQueryAttention", None)  # None in legacy Keras (tf_keras)
 _BUILT_IN_GQA = () if _GROUP_QUERY_ATTENTION is None else (_GROUP_QUERY_ATTENTION,)
+_PROJECTIONS = ("query", "key", "value", "output")
+_ROPE_SCALING = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+_ATTRIBUTES = {"sinks": "sink_logits"}  # portable weight name -> layer attribute (`layer.sinks` is the flag)
 
 
 class KVCache(NamedTuple):
@@ -72,8 +90,176 @@ def _positive_int(name, value):
     return int(value)
 
 
+def _is_positive_number(value):
+    number = not isinstance(value, (bool, np.bool_)) and isinstance(value, (int, float, np.integer, np.floating))
+    return number and math.isfinite(value) and value > 0
+
+
+def _positive_float(name, value, optional=False):
+    """A positive float; None stays None when `optional`."""
+    if optional and value is None:
+        return None
+    if not _is_positive_number(value):
+        raise ValueError(
+            f"`{name}` must be {'None or ' if optional else ''}a positive float. Received: {name}={value!r}"
+        )
+    return float(value)
+
+
+def _projection_biases(bias):
+    """`bias` (True, False or a collection of projection names) -> the tuple of the projections
+    that have a bias, in the order ("query", "key", "value", "output")."""
+    if isinstance(bias, (bool, np.bool_)):
+        return _PROJECTIONS if bias else ()
+    if isinstance(bias, (list, tuple, set, frozenset)) and all(name in _PROJECTIONS for name in bias):
+        return tuple(name for name in _PROJECTIONS if name in bias)
+    raise ValueError(
+        f"`bias` must be True, False or a collection of 'query', 'key', 'value', 'output'. Received: bias={bias!r}"
+    )
+
+
+def _rotary_dim(rope_fraction, head_dim):
+    """R = int(H * rope_fraction), the rotated features of each head: even and at least 2."""
+    valid = _is_positive_number(rope_fraction) and rope_fraction <= 1
+    rotary = int(head_dim * rope_fraction) if valid else 0
+    if rotary < 2 or rotary % 2:
+        raise ValueError(
+            "`rope_fraction` must be in (0, 1] and rotate an even number R = int(head_dim * rope_fraction) >= 2 of "
+            f"features. Received: rope_fraction={rope_fraction!r}, head_dim={head_dim}"
+        )
+    return rotary
+
+
+def _check_rope_scaling(scaling):
+    """`rope_scaling` as transformers writes it: None, or a dict whose `rope_type` (or `type`) is
+    'linear' or 'llama3', with its positive parameters."""
+    if scaling is None:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    needed = _ROPE_SCALING.get(kind)
+    if needed is None or not all(_is_positive_number(scaling.get(name)) for name in needed):
+        raise ValueError(
+            "`rope_scaling` must be None or a dict whose rope_type is 'linear' or 'llama3', with its parameters. "
+            f"Received: rope_scaling={scaling!r}"
+        )
+    return dict(scaling)
+
+
+def _llama3_frequencies(inv_freq, scaling):
+    """Llama 3.1's rewrite of the frequencies (transformers' `_compute_llama3_parameters`):
+    long wavelengths divided by `factor`, short ones kept, the ones between interpolated."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq  # (R/2,)
+    scaled = np.where(wavelength > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelength - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelength >= context / high) & (wavelength <= context / low)
+    return np.where(medium, smoothed, scaled)
+
+
+def rope_frequencies(rotary_dim, theta, scaling=None):
+    """(R/2,) float32 inverse frequencies `theta ** (-2i / R)` of RoPE, rewritten by `scaling`
+    (None, {"rope_type": "linear", "factor": f} or a "llama3" dict); computed in float64."""
+    inv_freq = float(theta) ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)  # (R/2,)
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        inv_freq = _llama3_frequencies(inv_freq, scaling)
+    return tf.constant(inv_freq, tf.float32)
+
+
+def apply_rope(x, positions, inv_freq, interleaved):
+    """Rotates the first R = 2 * len(inv_freq) features of each head of x.
+
+    Args:
+        x: (B, heads, T, H) queries or keys.
+        positions: (B, T) or (1, T) integer positions.
+        inv_freq: (R/2,) float32 frequencies from `rope_frequencies`.
+        interleaved: False pairs feature i with i + R/2 (Llama, GPT-NeoX); True pairs 2i and
+            2i + 1 (GPT-J).
+
+    Returns:
+        x rotated, in its dtype; the angles and their cos and sin are float32.
+    """
+    half = inv_freq.shape[0]
+    angles = tf.cast(positions, tf.float32)[:, None, :, None] * inv_freq  # (B, T) -> (B, 1, T, R/2)
+    dtype = _softmax_dtype(x.dtype)
+    cos, sin = tf.cast(tf.cos(angles), dtype), tf.cast(tf.sin(angles), dtype)
+    rotated, passed = tf.cast(x[..., : 2 * half], dtype), x[..., 2 * half :]  # (B, heads, T, R), (B, heads, T, H-R)
+    if interleaved:
+        x1, x2 = rotated[..., 0::2], rotated[..., 1::2]  # (B, heads, T, R) -> 2 x (B, heads, T, R/2)
+    else:
+        x1, x2 = rotated[..., :half], rotated[..., half:]  # (B, heads, T, R) -> 2 x (B, heads, T, R/2)
+    y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    pairs = tf.stack([y1, y2], axis=-1) if interleaved else tf.stack([y1, y2], axis=-2)  # (B, heads, T, R/2, 2)
+    y = tf.reshape(pairs, tf.shape(rotated))  # (B, heads, T, R/2, 2) or (B, heads, T, 2, R/2) -> (B, heads, T, R)
+    return tf.concat([tf.cast(y, x.dtype), passed], axis=-1)  # -> (B, heads, T, H)
+
+
+def rms_norm(x, scale, eps):
+    """RMSNorm over the last axis, `x / sqrt(mean(x ** 2) + eps) * scale`, computed in float32
+    at least and cast back to x's dtype."""
+    dtype = _softmax_dtype(x.dtype)
+    y = tf.cast(x, dtype)
+    y = y * tf.math.rsqrt(tf.reduce_mean(tf.square(y), axis=-1, keepdims=True) + eps) * tf.cast(scale, dtype)
+    return tf.cast(y, x.dtype)
+
+
+def _alibi_slopes(num_heads):
+    """Bloom's ALiBi slopes: 2 ** (-8 (n + 1) / N) for N a power of two; otherwise those of the
+    nearest lower power of two followed by every other slope of twice it."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = 2.0 ** (-8.0 * np.arange(1, closest + 1) / closest)
+    extra = 2.0 ** (-4.0 * np.arange(1, 2 * (num_heads - closest), 2) / closest)
+    return np.concatenate([slopes, extra])  # (N,)
+
+
+def alibi_bias(num_heads, positions):
+    """The ALiBi bias `slope[n] * positions[..., s]`, float32, to pass as `attention_bias` (with
+    `causal=True`; Bloom's key positions are `cumsum(key_mask) - 1`).
+
+    Args:
+        num_heads: N.
+        positions: integer (S,) or (B, S) key positions.
+
+    Returns:
+        (1, N, 1, S) for (S,) positions, (B, N, 1, S) for (B, S).
+    """
+    num_heads = _positive_int("num_heads", num_heads)
+    positions = tf.convert_to_tensor(positions)
+    if not positions.dtype.is_integer or positions.shape.rank not in (1, 2):
+        raise ValueError(
+            "`positions` must be an integer tensor of shape (S,) or (B, S). "
+            f"Received: positions.shape={_static_shape(positions)}, positions.dtype={positions.dtype.name}"
+        )
+    positions = positions[None] if positions.shape.rank == 1 else positions  # (S,) -> (1, S)
+    slopes = tf.constant(_alibi_slopes(num_heads), tf.float32)[:, None, None]  # (N, 1, 1)
+    return slopes * tf.cast(positions, tf.float32)[:, None, None, :]  # (B, 1, 1, S) -> (B, N, 1, S)
+
+
 def _static_shape(x):
     return tuple(x.shape) if x.shape.rank is not None else None
+
+
+def _dtype_of(x):
+    return tf.as_dtype(x.dtype) if hasattr(x, "dtype") else tf.convert_to_tensor(x).dtype
+
+
+def _check_same_dtype(query, key, value):
+    """`query`, `key` and `value` (as passed, before any cast) share one floating dtype; checked
+    only where all three are floating (an integer input gets its own error in `call`)."""
+    key = value if key is None else key
+    key = query if key is None else key
+    value = key if value is None else value
+    dtypes = [_dtype_of(x) for x in (query, key, value)]
+    if all(d.is_floating for d in dtypes) and len(set(dtypes)) > 1:
+        a, b, c = (d.name for d in dtypes)
+        raise ValueError(
+            "`query`, `key` and `value` must have the same dtype. "
+            f"Received: query.dtype={a}, key.dtype={b}, value.dtype={c}"
+        )
 
 
 def _check_input(name, x, width_name, width):
@@ -105,6 +291,69 @@ def _check_lengths(query, key, value):
         )
     if _differ(k[1], v[1]):
         raise ValueError(f"`key` and `value` must have the same length S. Received: key.shape={k}, value.shape={v}")
+
+
+def _keras_mask(x):
+    """The implicit Keras mask a tensor carries (`Embedding(mask_zero=True)`), as boolean, or None."""
+    mask = getattr(x, "_keras_mask", None)
+    return None if mask is None else tf.cast(mask, tf.bool)
+
+
+def _token_mask(name, mask, batch, length, letter):
+    """Checks a (B, T) `query_mask` or (B, S) `key_mask` / `value_mask`; dimensions unknown at
+    trace time are not checked."""
+    if mask is None:
+        return None
+    mask = tf.convert_to_tensor(mask)
+    shape = _static_shape(mask)
+    if (
+        mask.dtype != tf.bool
+        or shape is None
+        or len(shape) != 2
+        or _differ(shape[0], batch)
+        or _differ(shape[1], length)
+    ):
+        raise ValueError(
+            f"`{name}` must be a boolean tensor of shape (B, {letter})=({batch}, {length}). "
+            f"Received: {name}.shape={shape}, {name}.dtype={mask.dtype.name}"
+        )
+    return mask
+
+
+def _check_keeps_something(mask, name):
+    """Where values can be read (eagerly): a boolean mask False everywhere is refused, the
+    `nn.MultiheadAttention` habit (True = ignore)."""
+    if tf.executing_eagerly() and mask.dtype == tf.bool and tf.size(mask) > 0 and not bool(tf.reduce_any(mask)):
+        raise ValueError(
+            f"`{name}` keeps no key for any query: True means attend (in nn.MultiheadAttention True means ignore: "
+            f"pass `~mask`). Received: a boolean {name} that is False everywhere"
+        )
+
+
+def _check_not_zeros_and_ones(mask):
+    """Where values can be read (eagerly): a floating `attention_mask` of only 0s and 1s (some 1)
+    is refused, the Keras habit (Keras reads such a mask as boolean)."""
+    if not tf.executing_eagerly() or not mask.dtype.is_floating or tf.size(mask) == 0:
+        return
+    ones = mask == 1
+    if bool(tf.reduce_all(ones | (mask == 0))) and bool(tf.reduce_any(ones)):
+        raise ValueError(
+            "`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras reads such a "
+            "mask as boolean): pass `mask > 0` (True = attend) or an additive mask. "
+            "Received: a floating attention_mask of 0s and 1s"
+        )
+
+
+def _check_unambiguous(mask, batch, t):
+    """A rank-2 `attention_mask` is (T, S); with B == T > 1 it could be a (B, S) key padding mask
+    instead, so it is refused unless its first dimension is 1 (known shapes only)."""
+    shape = _static_shape(mask)
+    if shape is not None and len(shape) == 2 and batch is not None and batch == t and batch > 1 and shape[0] != 1:
+        raise ValueError(
+            "A 2-D `attention_mask` is read as (T, S), but with B == T it could be a (B, S) key padding mask: pass "
+            "`key_mask=mask` for that, or a (1, T, S) mask (`mask[None]`) for a (T, S) one. "
+            f"Received: attention_mask.shape={shape}, B=T={batch}"
+        )
 
 
 def _check_cache(cache, query, key, heads, head_dim):
@@ -162,67 +411,28 @@ def _check_keep(keep, batch_size, max_length):
     return keep
 
 
-def _cache_keep(keep, index, t, causal):
-    """(B, L) cache keep -> (B, 1, T, L): slot s is written, not padding and, when causal, at most
-    the query's own position index + t."""
-    slots = tf.range(tf.shape(keep)[-1])[None, :]  # (1, L)
-    positions = index + tf.range(t)[:, None]  # (T, 1), the position of each query
-    allowed = slots <= positions if causal else slots < index + t  # (T, L)
+def _cache_keep(keep, index, t, causal, window):
+    """(B, L) cache keep -> (B, 1, T, L): slot s is written, not padding, and, for the query at
+    position index + t, at most that position when causal and one of its last `window` ones."""
+    length = tf.shape(keep)[-1]
+    written = tf.range(length)[None, :] < index + t  # (1, L)
+    allowed = _and(written, _position_keep(index + tf.range(t), length, causal, window))  # (T, L)
     return allowed[None, None] & keep[:, None, None, :]  # (B, 1, T, L)
 
 
-def _check_room(cache, t):
-    """Whether the T new tokens overflow the cache (index + T > L), as a boolean tensor. Eagerly
-    an overflow is a ValueError; in a graph an InvalidArgumentError (XLA ignores it, and the
-    caller sets that call's output to NaN)."""
-    length = tf.shape(cache.key)[2]
-    if tf.executing_eagerly() and int(cache.index) + int(t) > int(length):
-        raise _cache_full_error(int(cache.index), int(t), int(length))
-    if not tf.executing_eagerly():
-        tf.debugging.assert_less_equal(
-            cache.index + t, length, message="`cache` is full: index + T must be <= L (index + T, L follow)"
-        )
-    return cache.index + t > length
-
-
-def _write_cache(cache, k, v, key_keep):
-    """A new cache with (B, K, T, H) keys and values written to slots [index, index + T) and the
-    (B, T) `key_keep` ANDed into `keep` there."""
-    shape = tf.shape(k)
-    positions = cache.index + tf.range(shape[2])  # (T,)
-    grid = tf.meshgrid(tf.range(shape[0]), tf.range(shape[1]), positions, indexing="ij")
-    slots = tf.stack(grid, axis=-1)  # (B, K, T, 3): (b, head, slot) of every written vector
-    key = tf.tensor_scatter_nd_update(cache.key, slots, k)  # (B, K, L, H)
-    value = tf.tensor_scatter_nd_update(cache.value, slots, v)  # (B, K, L, H)
-    keep = cache.keep
-    if key_keep is not None:
-        written = tf.stack(tf.meshgrid(tf.range(shape[0]), positions, indexing="ij"), axis=-1)  # (B, T, 2)
-        keep = tf.tensor_scatter_nd_update(keep, written, tf.gather(keep, positions, axis=1) & key_keep)  # (B, L)
-    return KVCache(key, value, keep, cache.index + shape[2])
-
-
-def _results(output, weights, cache, return_attention):
-    """output, (output, weights), (output, cache) or (output, weights, cache)."""
-    results = (output, weights) if return_attention else (output,)
-    results = results if cache is None else (*results, cache)
-    return results[0] if len(results) == 1 else results
-
-
-def _mask_to_4d(mask, target):
-    """Checks `attention_mask` against target (B, N, T, S) and returns it as rank 4."""
+def _mask_to_4d(mask, target, name="attention_mask"):
+    """Checks a mask against target (B, N, T, S) and returns it as rank 4."""
     if mask.dtype != tf.bool and not mask.dtype.is_floating:
-        raise ValueError(
-            f"`attention_mask` must be boolean or floating. Received: attention_mask.dtype={mask.dtype.name}"
-        )
+        raise ValueError(f"`{name}` must be boolean or floating. Received: {name}.dtype={mask.dtype.name}")
     rank = mask.shape.rank
     expected = {2: target[2:], 3: (target[0], *target[2:]), 4: target}.get(rank)
     if expected is None or any(
         m not in (1, e) and None not in (m, e) for m, e in zip(mask.shape, expected, strict=True)
     ):
         raise ValueError(
-            "`attention_mask` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
+            f"`{name}` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
             f"(B, N, T, S), each dimension full or 1. Expected: (B, N, T, S)={target}. "
-            f"Received: attention_mask.shape={_static_shape(mask)}"
+            f"Received: {name}.shape={_static_shape(mask)}"
         )
     if rank == 2:
         return mask[None, None]  # (T, S) -> (1, 1, T, S)
@@ -231,37 +441,65 @@ def _mask_to_4d(mask, target):
     return mask
 
 
+def _position_keep(positions, s, causal, window):
+    """(R, S) boolean for queries at `positions` (R,) over keys 0 .. S - 1: key s is kept iff
+    s <= position (when causal) and s > position - window (with a window); None if neither."""
+    keys, positions = tf.range(s)[None, :], positions[:, None]  # (1, S), (R, 1)
+    keep = keys <= positions if causal else None
+    return keep if window is None else _and(keep, keys > positions - window)
+
+
 def causal_mask(t, s):
     """(T, S) boolean mask: query t keeps key s iff s <= t + (S - T) (bottom-right aligned)."""
-    rows = tf.range(t)[:, None]  # (T, 1)
-    return tf.range(s)[None, :] <= rows + (s - t)  # (T, S)
+    return _position_keep(tf.range(t) + (s - t), s, True, None)
 
 
-def _split_mask(attention_mask, target):
-    """Splits `attention_mask` into (keep, bias): boolean and additive, both rank 4 or None."""
-    if attention_mask is None:
+def window_mask(t, s, window):
+    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - window (bottom-right aligned)."""
+    return _position_keep(tf.range(t) + (s - t), s, False, window)
+
+
+def _split_mask(mask, target, name, dtype):
+    """Splits a mask into (keep, additive), both rank 4 or None, by the floating mask rule: a
+    boolean mask is `keep`; a floating one, read in its own dtype, removes a key where it is -inf
+    or at most max(lowest of its dtype, lowest of float32), and adds every other value in
+    `dtype` (the softmax's, float32 at least). No -inf reaches arithmetic."""
+    if mask is None:
         return None, None
-    mask = _mask_to_4d(tf.convert_to_tensor(attention_mask), target)
+    mask = _mask_to_4d(tf.convert_to_tensor(mask), target, name)
     if mask.dtype == tf.bool:
         return mask, None
-    lowest = mask.dtype.min
-    removed = mask <= lowest  # -inf (or the lowest finite value, which converters put for it) removes a key
-    return tf.logical_not(removed), tf.where(removed, tf.zeros_like(mask), tf.maximum(mask, lowest))  # finite
+    threshold = tf.constant(max(mask.dtype.min, tf.float32.min), mask.dtype)
+    removed = mask <= threshold  # (B, N, T, S), dims may be 1
+    additive = tf.where(removed, tf.zeros_like(mask), tf.maximum(mask, threshold))  # finite
+    return tf.logical_not(removed), tf.cast(additive, dtype)
 
 
-def _implicit_keep(query_mask, key_mask):
-    """Keras masks: (B, T) query mask and (B, S) key mask -> (B, 1, T, S) keep, or None."""
-    keep = None
-    if query_mask is not None:
-        keep = tf.cast(query_mask, tf.bool)[:, None, :, None]  # (B, T) -> (B, 1, T, 1)
-    if key_mask is not None:
-        keys = tf.cast(key_mask, tf.bool)[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
-        keep = keys if keep is None else keep & keys  # (B, 1, T, S)
-    return keep
+def _split_bias(attention_bias, target, dtype):
+    """`attention_bias` (floating) -> (keep, additive) by the floating mask rule."""
+    if attention_bias is None:
+        return None, None
+    attention_bias = tf.convert_to_tensor(attention_bias)
+    if not attention_bias.dtype.is_floating:
+        raise ValueError(
+            f"`attention_bias` must be floating. Received: attention_bias.dtype={attention_bias.dtype.name}"
+        )
+    return _split_mask(attention_bias, target, "attention_bias", dtype)
+
+
+def _token_keep(query_keep, key_keep):
+    """(B, T) query keep and (B, S) key keep -> (B, 1, T, S) keep, or None."""
+    keep = None if query_keep is None else query_keep[:, None, :, None]  # (B, T) -> (B, 1, T, 1)
+    keys = None if key_keep is None else key_keep[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
+    return _and(keep, keys)  # (B, 1, T, S), dims may be 1
 
 
 def _and(a, b):
     return b if a is None else a if b is None else a & b
+
+
+def _add(a, b):
+    return b if a is None else a if b is None else a + b
 
 
 def _linear(x, kernel, bias):
@@ -273,10 +511,37 @@ def _linear(x, kernel, bias):
 
 def _softmax_dtype(dtype):
     """Softmax runs in float32 at least (float64 stays float64)."""
-    return tf.float64 if dtype == tf.float64 else tf.float32
+    return tf.float64 if tf.as_dtype(dtype) == tf.float64 else tf.float32
 
 
-def dot_product_attention(q, k, v, keep=None, bias=None, causal=False, *, dropout=None):
+def _soft_cap(scores, softcap):
+    """Gemma 2's logit soft-capping: scores -> c * tanh(scores / c); returns (scores, tanh or None)."""
+    if softcap is None:
+        return scores, None
+    capped = tf.tanh(scores / softcap)
+    return softcap * capped, capped
+
+
+def _softmax(scores, keep, sinks):
+    """Softmax over the last axis of (B, N, T, S) scores, in their dtype: keys not kept removed
+    (filled with the lowest finite value), one sink logit per head (N,) in the denominator (a
+    softmax over [scores, sink] whose sink column is dropped), rows with no key exactly 0."""
+    if keep is not None:
+        scores = tf.where(keep, scores, scores.dtype.min)  # (B, N, T, S)
+    if sinks is None:
+        weights = tf.nn.softmax(scores, axis=-1)  # (B, N, T, S)
+    else:
+        sink = tf.reshape(tf.cast(sinks, scores.dtype), [1, -1, 1, 1])  # (N,) -> (1, N, 1, 1)
+        sink = tf.broadcast_to(sink, tf.concat([tf.shape(scores)[:3], [1]], 0))  # -> (B, N, T, 1)
+        weights = tf.nn.softmax(tf.concat([scores, sink], axis=-1), axis=-1)[..., :-1]  # (B, N, T, S + 1) -> S
+    if keep is not None:
+        weights = tf.where(keep, weights, tf.zeros((), weights.dtype))  # rows with no key are all 0
+    return weights
+
+
+def dot_product_attention(
+    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, sinks=None, dropout=None
+):
     """Pure attention on split heads; returns (context, weights).
 
     Args:
@@ -284,8 +549,12 @@ def dot_product_attention(q, k, v, keep=None, bias=None, causal=False, *, dropou
         k: (B, K, S, H) keys, K dividing N.
         v: (B, K, S, H) values.
         keep: None or boolean, broadcasts to (B, N, T, S); True where a query may attend a key.
-        bias: None or float, broadcasts to (B, N, T, S); added to the scaled scores.
+        bias: None or float, broadcasts to (B, N, T, S); added to the (soft-capped) scores.
         causal: if True, query t keeps key s only if s <= t + (S - T).
+        scale: the factor of the scores; None is 1 / sqrt(H).
+        softcap: None or c: the scaled scores become c * tanh(scores / c).
+        window: None or W: query t keeps key s only if s > t + (S - T) - W.
+        sinks: None or (N,) logits, one per query head, in the softmax's denominator.
         dropout: None, or a callable applied to the weights before the weighted sum.
 
     Returns:
@@ -294,19 +563,18 @@ def dot_product_attention(q, k, v, keep=None, bias=None, causal=False, *, dropou
     t, s = tf.shape(q)[2], tf.shape(k)[2]
     if causal:
         keep = _and(keep, causal_mask(t, s))  # (B, N, T, S), dims may be 1
+    if window is not None:
+        keep = _and(keep, window_mask(t, s, window))  # (B, N, T, S), dims may be 1
     groups = q.shape[1] // k.shape[1]
     k = tf.repeat(k, groups, axis=1) if groups > 1 else k  # (B, K, S, H) -> (B, N, S, H)
     v = tf.repeat(v, groups, axis=1) if groups > 1 else v  # (B, K, S, H) -> (B, N, S, H)
     dtype = _softmax_dtype(q.dtype)
-    q = q * tf.cast(1.0 / math.sqrt(q.shape[-1]), q.dtype)  # scale the (B, N, T, H) queries, not the scores
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    q = q * tf.cast(scale, q.dtype)  # scale the (B, N, T, H) queries, not the scores
     scores = tf.cast(tf.matmul(q, k, transpose_b=True), dtype)  # (B, N, T, S)
+    scores, _ = _soft_cap(scores, softcap)
     scores = scores if bias is None else scores + tf.cast(bias, dtype)  # (B, N, T, S)
-    if keep is not None:
-        scores = tf.where(keep, scores, dtype.min)  # (B, N, T, S)
-    weights = tf.nn.softmax(scores, axis=-1)  # (B, N, T, S)
-    if keep is not None:
-        weights = tf.where(keep, weights, tf.zeros((), dtype))  # rows with no key are all 0
-    weights = tf.cast(weights, q.dtype)  # (B, N, T, S)
+    weights = tf.cast(_softmax(scores, keep, sinks), q.dtype)  # (B, N, T, S)
     dropped = weights if dropout is None else dropout(weights)
     context = tf.matmul(dropped, v)  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
     return context, weights
@@ -352,12 +620,22 @@ def _dropout_keep(shape, rate, seed, chunk):
     return tf.cast(draws >= rate, tf.float32) / (1.0 - rate)
 
 
-def _memory_efficient_attention(q, k, v, keep, bias, causal, chunk, dropout_rate=0.0, seed=None):
+def _reduce_to(gradient, shape):
+    """Sums a (B, N, R, S) gradient over the dimensions it was broadcast along from `shape`."""
+    axes, _ = tf.raw_ops.BroadcastGradientArgs(s0=shape, s1=tf.shape(gradient))
+    return tf.reshape(tf.reduce_sum(gradient, axes), shape)
+
+
+def _memory_efficient_attention(
+    q, k, v, keep, bias, causal, chunk, dropout_rate=0.0, seed=None, *,
+    scale=None, softcap=None, window=None, sinks=None, attention_bias=None,
+):  # fmt: skip
     """`dot_product_attention` without the weights, `chunk` queries at a time, in memory linear
     in T and S: only one chunk's (B, N, chunk, S) scores exist at a time, forward and backward
-    (a custom gradient recomputes them; the flash-attention backward). The floating mask gets no
-    gradient. Dropout draws a stateless mask per chunk from `seed` (shape (2,)), so the backward
-    drops the same weights as the forward.
+    (a custom gradient recomputes them; the flash-attention backward). `bias` (the floating
+    mask) gets no gradient; `attention_bias` (added beside it) and `sinks` do. Dropout draws a
+    stateless mask per chunk from `seed` (shape (2,)), so the backward drops the same weights as
+    the forward.
 
     Args: as `dot_product_attention`; `chunk` is a Python int.
 
@@ -369,9 +647,13 @@ def _memory_efficient_attention(q, k, v, keep, bias, causal, chunk, dropout_rate
     groups, dtype = q.shape[1] // kv, _softmax_dtype(q.dtype)
     chunks = (t + chunk - 1) // chunk
     padded = chunks * chunk - t
-    q = q * tf.cast(1.0 / math.sqrt(q.shape[-1]), q.dtype)  # scale the (B, N, T, H) queries, not the scores
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    q = q * tf.cast(scale, q.dtype)  # scale the (B, N, T, H) queries, not the scores
     q = tf.pad(q, [[0, 0], [0, 0], [0, padded], [0, 0]])  # (B, N, T', H), T' a multiple of chunk
-    keep, bias = (_pad_rows(_full_rows(m, t), padded) for m in (keep, bias))
+    attention_bias = None if attention_bias is None else tf.cast(attention_bias, dtype)
+    keep, bias, attention_bias = (_pad_rows(_full_rows(m, t), padded) for m in (keep, bias, attention_bias))
+    extras = {"attention_bias": attention_bias, "sinks": None if sinks is None else tf.cast(sinks, dtype)}
+    extras = {name: x for name, x in extras.items() if x is not None}  # the inputs with a gradient besides q, k, v
     seed = None if seed is None else tf.cast(seed, tf.int64)
 
     def grouped(x):
@@ -380,30 +662,30 @@ def _memory_efficient_attention(q, k, v, keep, bias, causal, chunk, dropout_rate
     def by_head(x):
         return tf.reshape(x, [b, n, chunk, -1])  # (B, K, G*chunk, X) -> (B, N, chunk, X)
 
-    def chunk_weights(q, k, i):
-        """Query rows [i*chunk, (i+1)*chunk): their (B, N, chunk, H) queries and float weights."""
+    def chunk_weights(q, k, i, extra):
+        """Query rows [i*chunk, (i+1)*chunk): their (B, N, chunk, H) queries, float weights, the
+        soft-cap's tanh (or None) and their rows of `attention_bias` (or None)."""
         start = i * chunk
         q_i = _rows(q, start, chunk)  # (B, N, chunk, H)
         scores = tf.cast(by_head(tf.matmul(grouped(q_i), k, transpose_b=True)), dtype)  # (B, N, chunk, S)
-        bias_i = _chunk_rows(bias, start, chunk)
-        scores = scores if bias_i is None else scores + tf.cast(bias_i, dtype)
-        keep_i = _chunk_rows(keep, start, chunk)
-        if causal:
-            rows = start + tf.range(chunk)[:, None]  # (chunk, 1)
-            keep_i = _and(keep_i, tf.range(s)[None, :] <= rows + (s - t))  # (B, N, chunk, S), dims may be 1
-        if keep_i is not None:
-            scores = tf.where(keep_i, scores, dtype.min)
-        weights = tf.nn.softmax(scores, axis=-1)  # (B, N, chunk, S)
-        return q_i, weights if keep_i is None else tf.where(keep_i, weights, tf.zeros((), dtype))
+        scores, capped = _soft_cap(scores, softcap)
+        bias_i = _chunk_rows(extra.get("attention_bias"), start, chunk)
+        for added in (_chunk_rows(bias, start, chunk), bias_i):
+            scores = scores if added is None else scores + tf.cast(added, dtype)
+        positions = start + tf.range(chunk) + (s - t)  # (chunk,)
+        keep_i = _and(_chunk_rows(keep, start, chunk), _position_keep(positions, s, causal, window))
+        return q_i, _softmax(scores, keep_i, extra.get("sinks")), capped, bias_i
 
     def dropped(weights, i):
         mask = _dropout_keep(tf.shape(weights), dropout_rate, seed, i)
         return (weights, None) if mask is None else (weights * mask, mask)
 
     @tf.custom_gradient
-    def attend(q, k, v):
+    def attend(q, k, v, *values):
+        extra = dict(zip(extras, values, strict=True))
+
         def one(i):
-            _, weights = chunk_weights(q, k, i)
+            weights = chunk_weights(q, k, i, extra)[1]
             weights, _ = dropped(weights, i)
             return by_head(tf.matmul(grouped(tf.cast(weights, v.dtype)), v))  # (B, N, chunk, H)
 
@@ -413,29 +695,91 @@ def _memory_efficient_attention(q, k, v, keep, bias, causal, chunk, dropout_rate
 
         def grad(d_context):
             def accumulate(total, update):
-                return total + tf.ensure_shape(tf.cast(update, tf.float32), total.shape)  # (B, K, S, H)
+                return total + tf.ensure_shape(tf.cast(update, total.dtype), total.shape)
 
-            def body(i, d_k, d_v, d_q):
-                q_i, weights = chunk_weights(q, k, i)
+            def extra_grads(d_extra, i, d_scores, weights, total, bias_i):
+                """Adds chunk i's gradients of `attention_bias` (reduced to its shape; per-chunk
+                rows when its T dimension is full) and of the sink logits."""
+                d_extra = dict(d_extra)
+                if "attention_bias" in d_extra:
+                    d_bias = _reduce_to(d_scores, tf.shape(bias_i))  # (B, N, chunk, S) -> bias_i's shape
+                    rows = d_extra["attention_bias"]
+                    full = isinstance(rows, tf.TensorArray)
+                    d_extra["attention_bias"] = rows.write(i, d_bias) if full else accumulate(rows, d_bias)
+                if "sinks" in d_extra:
+                    sink_weight = 1 - tf.reduce_sum(weights, axis=-1, keepdims=True)  # (B, N, chunk, 1)
+                    d_sinks = -tf.reduce_sum(sink_weight * total, axis=[0, 2, 3])  # (N,)
+                    d_extra["sinks"] = accumulate(d_extra["sinks"], d_sinks)
+                return d_extra
+
+            def body(i, d_k, d_v, d_q, d_extra):
+                q_i, weights, capped, bias_i = chunk_weights(q, k, i, extra)
                 kept, mask = dropped(weights, i)
                 d_out = grouped(_rows(d_context, i * chunk, chunk))  # (B, K, G*chunk, H)
                 d_v = accumulate(d_v, tf.matmul(grouped(tf.cast(kept, v.dtype)), d_out, transpose_a=True))
                 d_weights = tf.cast(by_head(tf.matmul(d_out, v, transpose_b=True)), dtype)  # (B, N, chunk, S)
                 d_weights = d_weights if mask is None else d_weights * mask
-                d_scores = weights * (d_weights - tf.reduce_sum(d_weights * weights, -1, keepdims=True))
+                total = tf.reduce_sum(d_weights * weights, -1, keepdims=True)  # (B, N, chunk, 1)
+                d_scores = weights * (d_weights - total)  # the softmax's input, after the bias
+                d_extra = extra_grads(d_extra, i, d_scores, weights, total, bias_i)
+                d_scores = d_scores if capped is None else d_scores * (1 - tf.square(capped))  # d tanh
                 d_scores = grouped(tf.cast(d_scores, q.dtype))  # (B, K, G*chunk, S)
                 d_k = accumulate(d_k, tf.matmul(d_scores, grouped(q_i), transpose_a=True))
-                return i + 1, d_k, d_v, d_q.write(i, by_head(tf.matmul(d_scores, k)))
+                return i + 1, d_k, d_v, d_q.write(i, by_head(tf.matmul(d_scores, k))), d_extra
 
-            zeros = tf.zeros(tf.shape(k), tf.float32)
+            zeros = tf.zeros(tf.shape(k), tf.float32)  # (B, K, S, H)
             d_q = tf.TensorArray(q.dtype, size=chunks, element_shape=None, infer_shape=False)
-            _, d_k, d_v, d_q = tf.while_loop(lambda i, *_: i < chunks, body, (0, zeros, zeros, d_q))
+            d_extra = {name: tf.zeros_like(x) for name, x in extra.items()}
+            bias_rows = "attention_bias" in extra and extra["attention_bias"].shape[2] != 1
+            if bias_rows:  # per-chunk rows of a bias whose T dimension is full
+                d_extra["attention_bias"] = tf.TensorArray(dtype, size=chunks, element_shape=None, infer_shape=False)
+            _, d_k, d_v, d_q, d_extra = tf.while_loop(lambda i, *_: i < chunks, body, (0, zeros, zeros, d_q, d_extra))
             d_q = tf.reshape(tf.transpose(d_q.stack(), [1, 2, 0, 3, 4]), tf.shape(q))  # (B, N, T', H)
-            return d_q, tf.cast(d_k, k.dtype), tf.cast(d_v, v.dtype)
+            if bias_rows:
+                rows = tf.transpose(d_extra["attention_bias"].stack(), [1, 2, 0, 3, 4])  # (b, n, chunks, chunk, S)
+                d_extra["attention_bias"] = tf.reshape(rows, tf.shape(extra["attention_bias"]))  # (b, n, T', S)
+            return (d_q, tf.cast(d_k, k.dtype), tf.cast(d_v, v.dtype), *(d_extra[name] for name in extras))
 
         return context, grad
 
-    return attend(q, k, v)[:, :, :t]  # (B, N, T, H)
+    return attend(q, k, v, *extras.values())[:, :, :t]  # (B, N, T, H)
+
+
+def _check_room(cache, t):
+    """Whether the T new tokens overflow the cache (index + T > L), as a boolean tensor. Eagerly
+    an overflow is a ValueError; in a graph an InvalidArgumentError (XLA ignores it, and the
+    caller sets that call's output to NaN)."""
+    length = tf.shape(cache.key)[2]
+    if tf.executing_eagerly() and int(cache.index) + int(t) > int(length):
+        raise _cache_full_error(int(cache.index), int(t), int(length))
+    if not tf.executing_eagerly():
+        tf.debugging.assert_less_equal(
+            cache.index + t, length, message="`cache` is full: index + T must be <= L (index + T, L follow)"
+        )
+    return cache.index + t > length
+
+
+def _write_cache(cache, k, v, key_keep):
+    """A new cache with (B, K, T, H) keys and values written to slots [index, index + T) and the
+    (B, T) `key_keep` ANDed into `keep` there."""
+    shape = tf.shape(k)
+    positions = cache.index + tf.range(shape[2])  # (T,)
+    grid = tf.meshgrid(tf.range(shape[0]), tf.range(shape[1]), positions, indexing="ij")
+    slots = tf.stack(grid, axis=-1)  # (B, K, T, 3): (b, head, slot) of every written vector
+    key = tf.tensor_scatter_nd_update(cache.key, slots, k)  # (B, K, L, H)
+    value = tf.tensor_scatter_nd_update(cache.value, slots, v)  # (B, K, L, H)
+    keep = cache.keep
+    if key_keep is not None:
+        written = tf.stack(tf.meshgrid(tf.range(shape[0]), positions, indexing="ij"), axis=-1)  # (B, T, 2)
+        keep = tf.tensor_scatter_nd_update(keep, written, tf.gather(keep, positions, axis=1) & key_keep)  # (B, L)
+    return KVCache(key, value, keep, cache.index + shape[2])
+
+
+def _results(output, weights, cache, return_attention):
+    """output, (output, weights), (output, cache) or (output, weights, cache)."""
+    results = (output, weights) if return_attention else (output,)
+    results = results if cache is None else (*results, cache)
+    return results[0] if len(results) == 1 else results
 
 
 @tf.keras.utils.register_keras_serializable(package="MultiHeadAttentionReference")
@@ -450,24 +794,45 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         kdim: width of `key`. Defaults to E.
         vdim: width of `value`. Defaults to E.
         dropout: probability of dropping attention weights when training; 0 <= p < 1.
-        bias: whether the four projections have biases.
+        bias: True (the four projections have biases), False (none), or a collection of the
+            names of those that have one, from "query", "key", "value", "output".
+        scale: the factor of the scores, `scores = (q . k) * scale`. Defaults to 1 / sqrt(H).
+        softcap: None or a positive float c: the scores become c * tanh(scores / c).
+        window: None or a positive integer W, a sliding window: query t keeps key s only if
+            s > t + (S - T) - W (with a cache: s > index + t - W).
+        rope_theta: None (no RoPE) or the base of rotary position embeddings.
+        rope_fraction: in (0, 1]; RoPE turns the first R = int(H * rope_fraction) features.
+        rope_interleaved: False pairs feature i with i + R/2; True pairs 2i and 2i + 1.
+        rope_scaling: None, {"rope_type": "linear", "factor": f} or a "llama3" dict (factor,
+            low_freq_factor, high_freq_factor, original_max_position_embeddings).
+        qk_norm: None, "head" (RMSNorm of each head of q and k) or "all" (over all heads).
+        qk_norm_eps: the epsilon of the QK-norm.
+        sinks: if True, one learned logit per query head in the softmax's denominator.
         kernel_initializer: initializer of the four kernels.
-        bias_initializer: initializer of the four biases.
+        bias_initializer: initializer of the biases.
         **kwargs: base layer arguments (`name`, `dtype` policy, ...).
 
     Call arguments:
         query: (B, T, E).
-        key: (B, S, kdim). Defaults to `value`, or to `query` if `value` is None too.
+        key: (B, S, kdim). Defaults to `value`, or to `query` if `value` is None too. Pass
+            `key` and `value` by name: `keras.layers.MultiHeadAttention` takes them in the
+            other order.
         value: (B, S, vdim). Defaults to `key`.
         attention_mask: boolean (True = attend) or floating (added to the scores), of shape
             (T, S), (B, T, S) or (B, N, T, S), any dimension of which may be 1.
+        key_mask: (B, S) boolean, True for a real key; ANDed with the key's and value's Keras
+            masks. In self-attention it defaults to `query_mask`.
+        query_mask: (B, T) boolean, True for a real query; ANDed with the query's Keras mask.
+        attention_bias: floating, added to the scores (with a gradient); shaped like a mask.
+        positions: integer (B, T) or (T,) RoPE positions. Defaults to arange(T) (+ the
+            cache's index).
         causal: if True, query t attends key s only if s <= t + (S - T).
         return_attention: if True, also return the per-head attention weights.
         training: dropout acts only when True.
-        query_mask, key_mask, value_mask: (B, T) / (B, S) Keras implicit masks; Keras fills
-            them from the inputs' masks, so you rarely pass them yourself.
+        value_mask: (B, S) boolean, ANDed with `key_mask` (Keras fills it from the value's mask).
         cache: a `KVCache` from `init_cache`: decode T new tokens (`key` and `value`, if
-            given, hold the same T tokens); masks and weights are then over the L slots.
+            given, hold the same T tokens); masks and weights are then over the L slots, and
+            `key_mask` is (B, T).
 
     Returns:
         output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before
@@ -478,7 +843,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         >>> layer = MultiHeadAttention(16, 4)
         >>> x = tf.random.normal((2, 3, 16))  # (B, T, E)
         >>> keep = tf.constant([[True, True, False], [True, True, True]])  # (B, S)
-        >>> out, weights = layer(x, attention_mask=keep[:, None, :], return_attention=True)
+        >>> out, weights = layer(x, key_mask=keep, return_attention=True)
         >>> tuple(out.shape), tuple(weights.shape)
         ((2, 3, 16), (2, 4, 3, 3))
         >>> bool(tf.reduce_all(weights[0, :, :, 2] == 0))
@@ -502,6 +867,16 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         vdim=None,
         dropout=0.0,
         bias=True,
+        scale=None,
+        softcap=None,
+        window=None,
+        rope_theta=None,
+        rope_fraction=1.0,
+        rope_interleaved=False,
+        rope_scaling=None,
+        qk_norm=None,
+        qk_norm_eps=1e-6,
+        sinks=False,
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
         **kwargs,
@@ -522,13 +897,31 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
         self.dropout = float(dropout)
-        self.bias = bool(bias)
+        self.bias = _projection_biases(bias)
+        self.scale = 1.0 / math.sqrt(self.head_dim) if scale is None else _positive_float("scale", scale)
+        self.softcap = _positive_float("softcap", softcap, optional=True)
+        self.window = None if window is None else _positive_int("window", window)
+        self.rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
+        self.rope_fraction = float(rope_fraction)
+        self.rope_interleaved = bool(rope_interleaved)
+        self.rope_scaling = _check_rope_scaling(rope_scaling)
+        if self.rope_theta is not None:
+            rotary = _rotary_dim(rope_fraction, self.head_dim)
+            self._inv_freq = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,)
+        if qk_norm not in (None, "head", "all"):
+            raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
+        self.qk_norm = qk_norm
+        self.qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
+        self.sinks = bool(sinks)
         self.kernel_initializer = tf.keras.initializers.get(kernel_initializer)
         self.bias_initializer = tf.keras.initializers.get(bias_initializer)
         self.supports_masking = True
+        self._convert_input_args = False  # Keras must not cast masks and biases: `call` casts query, key, value
+        self._allow_non_tensor_positional_args = True  # NumPy inputs reach `call` as they are
         self._dropout_layer = tf.keras.layers.Dropout(self.dropout, dtype=self.dtype_policy)
 
     def get_config(self):
+        bias = True if self.bias == _PROJECTIONS else bool(self.bias) and list(self.bias)
         return {
             **super().get_config(),
             "d_model": self.d_model,
@@ -538,25 +931,42 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             "kdim": self.kdim,
             "vdim": self.vdim,
             "dropout": self.dropout,
-            "bias": self.bias,
+            "bias": bias,
+            "scale": self.scale,
+            "softcap": self.softcap,
+            "window": self.window,
+            "rope_theta": self.rope_theta,
+            "rope_fraction": self.rope_fraction,
+            "rope_interleaved": self.rope_interleaved,
+            "rope_scaling": self.rope_scaling,
+            "qk_norm": self.qk_norm,
+            "qk_norm_eps": self.qk_norm_eps,
+            "sinks": self.sinks,
             "kernel_initializer": tf.keras.initializers.serialize(self.kernel_initializer),
             "bias_initializer": tf.keras.initializers.serialize(self.bias_initializer),
         }
 
     def weight_shapes(self):
-        """The portable layout: {name: shape}, biases left out when `bias` is False."""
+        """The portable layout: {name: shape}, in its order; a projection's bias only when `bias`
+        names it, the norm scales only with `qk_norm`, `sinks` only with `sinks=True`."""
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        shapes = {
-            "query_kernel": (self.d_model, nh),
-            "query_bias": (nh,),
-            "key_kernel": (self.kdim, kh),
-            "key_bias": (kh,),
-            "value_kernel": (self.vdim, kh),
-            "value_bias": (kh,),
-            "output_kernel": (nh, self.d_model),
-            "output_bias": (self.d_model,),
+        kernels = {
+            "query": (self.d_model, nh),
+            "key": (self.kdim, kh),
+            "value": (self.vdim, kh),
+            "output": (nh, self.d_model),
         }
-        return {k: v for k, v in shapes.items() if self.bias or k.endswith("_kernel")}
+        shapes = {}
+        for kind, shape in kernels.items():
+            shapes[f"{kind}_kernel"] = shape
+            if kind in self.bias:
+                shapes[f"{kind}_bias"] = shape[1:]
+        if self.qk_norm is not None:
+            shapes["query_norm"] = (self.head_dim,) if self.qk_norm == "head" else (nh,)
+            shapes["key_norm"] = (self.head_dim,) if self.qk_norm == "head" else (kh,)
+        if self.sinks:
+            shapes["sinks"] = (self.num_heads,)
+        return shapes
 
     def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
         """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
@@ -577,20 +987,32 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         dtype = self.compute_dtype if dtype is None else dtype
         return KVCache(tf.zeros(shape, dtype), tf.zeros(shape, dtype), keep, tf.constant(0, tf.int32))
 
+    def _initializer(self, name):
+        """Kernels and biases from the layer's initializers; QK-norm scales of one, sinks of zero."""
+        if name.endswith("_norm"):
+            return tf.keras.initializers.Ones()
+        if name == "sinks":
+            return tf.keras.initializers.Zeros()
+        initializer = self.kernel_initializer if name.endswith("_kernel") else self.bias_initializer
+        return initializer.__class__.from_config(initializer.get_config())  # a fresh instance: legacy Keras repeats
+
     def build(self, input_shape=None):
         """Creates the portable weights; every shape is known from the constructor."""
         for name, shape in self.weight_shapes().items():
-            initializer = self.kernel_initializer if name.endswith("_kernel") else self.bias_initializer
-            initializer = initializer.__class__.from_config(initializer.get_config())  # legacy Keras repeats
-            setattr(self, name, self.add_weight(name=name, shape=shape, initializer=initializer))  # an instance
+            variable = self.add_weight(name=name, shape=shape, initializer=self._initializer(name))
+            setattr(self, _ATTRIBUTES.get(name, name), variable)
         self._dropout_layer.build(None)
         self.built = True
+
+    def _variable(self, name):
+        """The variable of one portable weight (`sinks` is held as `sink_logits`)."""
+        return getattr(self, _ATTRIBUTES.get(name, name))
 
     def export_weights(self):
         """Returns the portable weights: a dict of NumPy arrays (see docs/SPEC.md)."""
         if not self.built:
             self.build()
-        return {name: getattr(self, name).numpy().copy() for name in self.weight_shapes()}
+        return {name: self._variable(name).numpy().copy() for name in self.weight_shapes()}
 
     def import_weights(self, weights):
         """Loads portable weights; strict and atomic (a ValueError lists every problem)."""
@@ -605,13 +1027,15 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         if not self.built:
             self.build()
         for name in expected:
-            variable = getattr(self, name)
+            variable = self._variable(name)
             variable.assign(np.asarray(weights[name]).astype(tf.as_dtype(variable.dtype).as_numpy_dtype))
+
+    def _bias_of(self, kind):
+        return getattr(self, f"{kind}_bias") if kind in self.bias else None
 
     def _project(self, x, kind, heads):
         """(B, L, D) -> (B, heads, L, H): one projection split into heads."""
-        bias = getattr(self, f"{kind}_bias") if self.bias else None
-        y = _linear(x, getattr(self, f"{kind}_kernel"), bias)  # (B, L, D) -> (B, L, heads*H)
+        y = _linear(x, getattr(self, f"{kind}_kernel"), self._bias_of(kind))  # (B, L, D) -> (B, L, heads*H)
         return self._split_heads(y, heads)
 
     def _split_heads(self, y, heads):
@@ -619,11 +1043,21 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         y = tf.reshape(y, [b, length, heads, self.head_dim])  # (B, L, heads*H) -> (B, L, heads, H)
         return tf.transpose(y, [0, 2, 1, 3])  # -> (B, heads, L, H)
 
+    def _merge_heads(self, x):
+        merged = tf.transpose(x, [0, 2, 1, 3])  # (B, heads, L, H) -> (B, L, heads, H)
+        return tf.reshape(merged, tf.concat([tf.shape(merged)[:2], [-1]], 0))  # -> (B, L, heads*H)
+
     def _project_fused(self, x):
-        """Self-attention: q, k and v from one matmul over the concatenated projections."""
+        """Self-attention: q, k and v from one matmul over the concatenated projections (a
+        projection without a bias adds zeros)."""
         kinds = ("query", "key", "value")
-        kernel = tf.concat([getattr(self, f"{kind}_kernel") for kind in kinds], axis=1)  # (E, N*H + 2*K*H)
-        bias = tf.concat([getattr(self, f"{kind}_bias") for kind in kinds], axis=0) if self.bias else None
+        kernels = [getattr(self, f"{kind}_kernel") for kind in kinds]
+        kernel = tf.concat(kernels, axis=1)  # (E, N*H + 2*K*H)
+        biases = [self._bias_of(kind) for kind in kinds]
+        bias = None
+        if any(b is not None for b in biases):
+            zeros = [tf.zeros(kernel_.shape[1:], kernel.dtype) for kernel_ in kernels]
+            bias = tf.concat([z if b is None else b for z, b in zip(zeros, biases, strict=True)], axis=0)
         y = _linear(x, kernel, bias)  # (B, T, E) -> (B, T, N*H + 2*K*H)
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = tf.split(y, [nh, kh, kh], axis=-1)  # -> 3 x (B, T, heads*H)
@@ -632,6 +1066,55 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             self._split_heads(k, self.num_kv_heads),  # (B, K, T, H)
             self._split_heads(v, self.num_kv_heads),  # (B, K, T, H)
         )
+
+    def _normalize_qk(self, q, k):
+        """QK-norm: RMSNorm of each head of q and k ("head", scales (H,)) or of all their heads
+        at once ("all", scales (N*H,) and (K*H,))."""
+        if self.qk_norm is None:
+            return q, k
+        eps = self.qk_norm_eps
+        if self.qk_norm == "head":
+            return rms_norm(q, self.query_norm, eps), rms_norm(k, self.key_norm, eps)  # (B, heads, L, H)
+        q = self._split_heads(rms_norm(self._merge_heads(q), self.query_norm, eps), self.num_heads)  # (B, N, T, H)
+        k = self._split_heads(rms_norm(self._merge_heads(k), self.key_norm, eps), self.num_kv_heads)  # (B, K, S, H)
+        return q, k
+
+    def _rotate(self, q, k, positions):
+        """RoPE of q (B, N, T, H) and k (B, K, T, H) at (B, T) or (1, T) `positions`."""
+        if self.rope_theta is None:
+            return q, k
+        rotate = lambda x: apply_rope(x, positions, self._inv_freq, self.rope_interleaved)  # noqa: E731
+        return rotate(q), rotate(k)
+
+    def _positions(self, positions, query, key, cache):
+        """Checks `positions` and returns them as (B, T) or (1, T) integers (default
+        arange(T), plus the cache's index), or None without RoPE."""
+        if self.rope_theta is None:
+            if positions is not None:
+                raise ValueError(
+                    "`positions` needs RoPE: construct the layer with `rope_theta`. "
+                    "Received: positions with rope_theta=None"
+                )
+            return None
+        if cache is None and _differ(query.shape[1], key.shape[1]):
+            raise ValueError(
+                "RoPE needs `key` and `value` to hold the query's own tokens (S == T, or decoding with `cache`). "
+                f"Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
+            )
+        if positions is None:
+            start = 0 if cache is None else cache.index
+            return (start + tf.range(tf.shape(query)[1]))[None]  # (1, T)
+        positions = tf.convert_to_tensor(positions)
+        b, t = query.shape[0], query.shape[1]
+        shape = _static_shape(positions)
+        dims = {1: (t,), 2: (b, t)}.get(None if shape is None else len(shape))
+        expected = dims is not None and not any(_differ(d, e) for d, e in zip(shape, dims, strict=True))
+        if not positions.dtype.is_integer or not expected:
+            raise ValueError(
+                f"`positions` must be an integer tensor of shape (B, T) or (T,) with B={b}, T={t}. "
+                f"Received: positions.shape={shape}, positions.dtype={positions.dtype.name}"
+            )
+        return positions[None] if len(shape) == 1 else positions  # (T,) -> (1, T)
 
     def _query_chunk(self, q, k):
         """Queries per chunk of the memory-efficient path, or None where the (B, N, T, S) scores
@@ -651,21 +1134,25 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             return generator.next()
         return tf.random.uniform((2,), maxval=2**31 - 1, dtype=tf.int64)
 
-    def _attend(self, q, k, v, keep, bias, causal, return_attention, training):
+    def _attend(self, q, k, v, keep, bias, attention_bias, causal, window, return_attention, training):
         """Picks the attention path; returns (context, weights or None): without weights, the
         memory-efficient path when the scores exceed `memory_efficient_threshold` elements
         (decided at run time where shapes are unknown at trace time), else
-        `dot_product_attention`."""
+        `dot_product_attention`. `bias` is the floating mask, `attention_bias` the call's bias."""
         dropout_active = self.dropout > 0 and training is not False and training is not None
         chunk = None if return_attention else self._query_chunk(q, k)
+        sinks = self.sink_logits if self.sinks else None
+        variants = dict(scale=self.scale, softcap=self.softcap, window=window, sinks=sinks)
 
         def at_once():
             dropout = (lambda w: self._dropout_layer(w, training=training)) if dropout_active else None
-            return dot_product_attention(q, k, v, keep, bias, causal, dropout=dropout)
+            return dot_product_attention(q, k, v, keep, _add(bias, attention_bias), causal, **variants, dropout=dropout)
 
         def in_chunks():
             rate, seed = (self.dropout, self._dropout_seed()) if dropout_active else (0.0, None)
-            return _memory_efficient_attention(q, k, v, keep, bias, causal, chunk, rate, seed)
+            return _memory_efficient_attention(
+                q, k, v, keep, bias, causal, chunk, rate, seed, attention_bias=attention_bias, **variants
+            )
 
         if chunk is None:
             return at_once()
@@ -676,11 +1163,61 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         return tf.cond(large, in_chunks, lambda: at_once()[0]), None
 
     def __call__(self, *args, **kwargs):
-        """Checks the cache's dtype before Keras casts every floating input to the compute dtype
-        (which would silently convert a cache of another dtype on every call)."""
+        """Checks what must be seen before any cast: `key` and `value` both given by position
+        (the built-in takes them in the other order), inputs of different dtypes, and the
+        cache's dtype (which a cast would silently convert on every call)."""
+        if len(args) >= 3 and args[1] is not None and args[2] is not None:
+            raise ValueError(
+                "`key` and `value` must be passed by name when both are given: keras.layers.MultiHeadAttention is "
+                "called (query, value, key), this layer (query, key, value). Received: 3 positional inputs"
+            )
+        inputs = dict(zip(("query", "key", "value"), args, strict=False))
+        inputs.update({name: kwargs[name] for name in ("query", "key", "value") if name in kwargs})
+        if inputs.get("query") is not None:
+            _check_same_dtype(inputs["query"], inputs.get("key"), inputs.get("value"))
         if kwargs.get("cache") is not None:
             _check_cache_dtype(kwargs["cache"], self.compute_dtype)
         return super().__call__(*args, **kwargs)
+
+    def _inputs(self, query, key, value, query_mask, key_mask, value_mask):
+        """Defaults and checks of the inputs, cast to the compute dtype, and their (B, T) query
+        keep and (B, S) key keep (None: all kept): the masks passed ANDed with the implicit Keras
+        masks of the inputs; in self-attention `key_mask` defaults to `query_mask`."""
+        self_attention = key is None and value is None
+        key = value if key is None else key
+        key = query if key is None else key
+        value = key if value is None else value
+        implicit = [_keras_mask(x) for x in (query, key, value)]  # legacy Keras passes masks on the tensors only
+        explicit_key_mask = key_mask is not None and key_mask is not getattr(key, "_keras_mask", None)
+        query = _check_input("query", query, "E", self.d_model)
+        key = _check_input("key", key, "kdim", self.kdim)
+        value = _check_input("value", value, "vdim", self.vdim)
+        _check_lengths(query, key, value)
+        (b, t), s = tuple(query.shape)[:2], key.shape[1]
+        query_keep = _and(_token_mask("query_mask", query_mask, b, t, "T"), implicit[0])  # (B, T)
+        key_mask = _token_mask("key_mask", key_mask, b, s, "S")
+        if explicit_key_mask:
+            _check_keeps_something(key_mask, "key_mask")
+        key_keep = _and(key_mask, _token_mask("value_mask", value_mask, b, s, "S"))  # (B, S)
+        if self_attention and key_keep is None:
+            key_keep = query_keep
+        key_keep = _and(key_keep, _and(implicit[1], implicit[2]))  # (B, S)
+        query, key, value = (tf.cast(x, self.compute_dtype) for x in (query, key, value))
+        return query, key, value, query_keep, key_keep
+
+    def _masks(self, attention_mask, attention_bias, target):
+        """The floating mask rule on `attention_mask` and `attention_bias`, and the built-ins'
+        traps refused: (keep, mask's additive, bias's additive), each rank 4 or None."""
+        dtype = _softmax_dtype(self.compute_dtype)
+        if attention_mask is not None:
+            attention_mask = tf.convert_to_tensor(attention_mask)
+            _check_unambiguous(attention_mask, target[0], target[2])
+        keep, mask_bias = _split_mask(attention_mask, target, "attention_mask", dtype)
+        if attention_mask is not None:
+            _check_keeps_something(attention_mask, "attention_mask")
+            _check_not_zeros_and_ones(attention_mask)
+        bias_keep, attention_bias = _split_bias(attention_bias, target, dtype)
+        return _and(keep, bias_keep), mask_bias, attention_bias
 
     def call(
         self,
@@ -689,51 +1226,51 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         value=None,
         attention_mask=None,
         *,
+        key_mask=None,
+        query_mask=None,
+        attention_bias=None,
+        positions=None,
         causal=False,
         return_attention=False,
         training=None,
-        query_mask=None,
-        key_mask=None,
         value_mask=None,
         cache=None,
     ):
-        query_mask, key_mask, value_mask = (  # legacy Keras (tf_keras) leaves them on the tensors only
-            getattr(x, "_keras_mask", None) if m is None else m
-            for x, m in ((query, query_mask), (key, key_mask), (value, value_mask))
-        )
+        # 1. Defaults and checks; the masks combined into one boolean keep and additive biases.
         self_attention = (key is None or key is query) and (value is None or value is query)
-        key, key_mask = (value, value_mask) if key is None else (key, key_mask)
-        key, key_mask = (query, query_mask) if key is None else (key, key_mask)
-        value, value_mask = (key, key_mask) if value is None else (value, value_mask)
-        query = _check_input("query", query, "E", self.d_model)
-        key = _check_input("key", key, "kdim", self.kdim)
-        value = _check_input("value", value, "vdim", self.vdim)
-        _check_lengths(query, key, value)
-        query, key, value = (tf.cast(x, self.compute_dtype) for x in (query, key, value))  # legacy Keras: query only
-        key_keep = _and(key_mask, value_mask)
+        query, key, value, query_keep, key_keep = self._inputs(query, key, value, query_mask, key_mask, value_mask)
         if cache is not None:
             _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
-            key_keep = None if key_keep is None else tf.cast(key_keep, tf.bool)  # goes into the cache's keep
         b, t, s = query.shape[0], query.shape[1], key.shape[1] if cache is None else cache.key.shape[2]
-        keep, bias = _split_mask(attention_mask, (b, self.num_heads, t, s))
-        keep = _and(keep, _implicit_keep(query_mask, key_keep if cache is None else None))
+        keep, bias, attention_bias = self._masks(attention_mask, attention_bias, (b, self.num_heads, t, s))
+        keep = _and(keep, _token_keep(query_keep, key_keep if cache is None else None))  # (B, N, T, S), dims may be 1
+        positions = self._positions(positions, query, key, cache)
 
+        # 2. Projections.
         if self_attention:
             q, k, v = self._project_fused(query)  # (B, T, E) -> (B, N, T, H), 2 x (B, K, T, H)
         else:
             q = self._project(query, "query", self.num_heads)  # (B, T, E) -> (B, N, T, H)
             k = self._project(key, "key", self.num_kv_heads)  # (B, S, kdim) -> (B, K, S, H)
             v = self._project(value, "value", self.num_kv_heads)  # (B, S, vdim) -> (B, K, S, H)
+        # 3. QK-norm and 4. RoPE.
+        q, k = self._normalize_qk(q, k)
+        q, k = self._rotate(q, k, positions)
+        # 5. Cache write: the new keys and values go to slots [index, index + T).
+        window = self.window
         if cache is not None:
             t = tf.shape(q)[2]
-            keep = _and(keep, _cache_keep(cache.keep, cache.index, t, causal))  # (B, N, T, L), dims may be 1
+            keep = _and(keep, _cache_keep(cache.keep, cache.index, t, causal, window))  # (B, N, T, L), dims may be 1
             full = _check_room(cache, t)  # only ever True under XLA
             cache = _write_cache(cache, k, v, key_keep)
-            k, v, causal = cache.key, cache.value, False  # (B, K, L, H); causality is in `keep`
-        context, weights = self._attend(q, k, v, keep, bias, causal, return_attention, training)  # (B, N, T, H)
-        merged = tf.transpose(context, [0, 2, 1, 3])  # (B, N, T, H) -> (B, T, N, H)
-        merged = tf.reshape(merged, tf.concat([tf.shape(query)[:2], [-1]], 0))  # -> (B, T, N*H)
-        output = _linear(merged, self.output_kernel, self.output_bias if self.bias else None)  # -> (B, T, E)
+            k, v, causal, window = cache.key, cache.value, False, None  # (B, K, L, H); causal and window in `keep`
+        # 6. Attention.
+        context, weights = self._attend(
+            q, k, v, keep, bias, attention_bias, causal, window, return_attention, training
+        )  # (B, N, T, H)
+        # 7. Heads merged and the output projection.
+        merged = self._merge_heads(context)  # (B, N, T, H) -> (B, T, N*H)
+        output = _linear(merged, self.output_kernel, self._bias_of("output"))  # -> (B, T, E)
         if cache is not None and not tf.executing_eagerly():
             output = tf.where(full, tf.cast(np.nan, output.dtype), output)  # XLA cannot raise for a full cache
 

@@ -25,8 +25,8 @@ def _with_random_biases(layer):
     return layer
 
 
-def _built(layer, *args):
-    layer(*args)
+def _built(layer, *args, **kwargs):
+    layer(*args, **kwargs)
     return _with_random_biases(layer)
 
 
@@ -95,12 +95,12 @@ def test_to_keras_round_trip(config):
     layer = MultiHeadAttention(16, 4, **config)
     key = rng.normal(size=(2, 7, config.get("kdim", 16))).astype(np.float32)
     value = rng.normal(size=(2, 7, config.get("vdim", 16))).astype(np.float32)
-    _built(layer, X, key, value)
+    _built(layer, X, key=key, value=value)
     builtin = layer.to_keras()
     expected_type = keras.layers.GroupQueryAttention if "num_kv_heads" in config else keras.layers.MultiHeadAttention
     assert type(builtin) is expected_type
     expected = builtin(X, value, key)  # Keras built-ins take (query, value, key)
-    _close(layer(X, key, value), expected, OUTPUT_TOL)
+    _close(layer(X, key=key, value=value), expected, OUTPUT_TOL)
     back = MultiHeadAttention.from_keras(builtin)
     for name, value in layer.export_weights().items():
         np.testing.assert_array_equal(back.export_weights()[name], value)
@@ -191,7 +191,7 @@ def test_implicit_masks_in_a_subclassed_model_are_combined_with_causal():
 
         def call(self, tokens):
             x = self.embed(tokens)
-            return self.attention(x, x, x, causal=True, return_attention=True)
+            return self.attention(x, key=x, value=x, causal=True, return_attention=True)
 
     model = Decoder()
     _, weights = model(TOKENS)
@@ -379,7 +379,7 @@ def test_memory_efficient_path_is_taken_for_large_scores_without_weights(monkeyp
 
     calls = []
     original = tf_file._memory_efficient_attention
-    monkeypatch.setattr(tf_file, "_memory_efficient_attention", lambda *a: calls.append(a[6]) or original(*a))
+    monkeypatch.setattr(tf_file, "_memory_efficient_attention", lambda *a, **kw: calls.append(a[6]) or original(*a, **kw))
     layer = _built(MultiHeadAttention(16, 4), X, Y)
     expected = layer(X, Y, causal=True)
     assert calls == []
