@@ -1259,10 +1259,10 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         # 5. Cache write: the new keys and values go to slots [index, index + T).
         window = self.window
         if cache is not None:
-            t = tf.shape(q)[2]
-            keep = _and(keep, _cache_keep(cache.keep, cache.index, t, causal, window))  # (B, N, T, L), dims may be 1
+            t, index = tf.shape(q)[2], cache.index
             full = _check_room(cache, t)  # only ever True under XLA
-            cache = _write_cache(cache, k, v, key_keep)
+            cache = _write_cache(cache, k, v, key_keep)  # `key_mask` goes into its keep
+            keep = _and(keep, _cache_keep(cache.keep, index, t, causal, window))  # (B, N, T, L), dims may be 1
             k, v, causal, window = cache.key, cache.value, False, None  # (B, K, L, H); causal and window in `keep`
         # 6. Attention.
         context, weights = self._attend(

@@ -1,0 +1,608 @@
+"""TensorFlow layer, the modern variants and the built-ins' habits: scale, softcap, window, RoPE,
+QK-norm, sinks, per-projection bias; key_mask, query_mask, attention_bias, positions; the
+floating mask rule and the refused traps. Each variant against a small NumPy formula, and every
+code path (eager, tf.function, XLA, memory-efficient) against the others, gradients included."""
+
+import math
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from shared_tests.cases import TOLERANCES
+from TensorFlow import KVCache, MultiHeadAttention, alibi_bias, dot_product_attention
+from TensorFlow import Multi_Head_Attention as tf_file
+
+keras = tf.keras
+OUTPUT_TOL = TOLERANCES["float32"]["output"]
+WEIGHTS_TOL = TOLERANCES["float32"]["weights"]
+GRADS_TOL = TOLERANCES["float32"]["grads"]
+MIXED_TOL = {"mixed_float16": TOLERANCES["float16"]["output"], "mixed_bfloat16": TOLERANCES["bfloat16"]["output"]}
+B, T, E, N = 2, 5, 16, 4
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+VARIANTS = {
+    "plain": {},
+    "scale": {"scale": 1.0},
+    "softcap": {"softcap": 1.5},
+    "window": {"window": 2},
+    "rope": {"rope_theta": 100.0},
+    "rope_partial_interleaved": {"rope_theta": 100.0, "rope_fraction": 0.5, "rope_interleaved": True},
+    "rope_linear": {"rope_theta": 10.0, "rope_scaling": {"type": "linear", "factor": 2.0}},
+    "rope_llama3": {"rope_theta": 10.0, "rope_scaling": LLAMA3},
+    "qk_norm_head": {"qk_norm": "head", "qk_norm_eps": 1e-3},
+    "qk_norm_all_gqa": {"qk_norm": "all", "num_kv_heads": 2},
+    "sinks_gqa": {"sinks": True, "num_kv_heads": 2},
+    "bias_qkv": {"bias": ("query", "key", "value")},
+    "bias_output_only": {"bias": ["output"]},
+    "everything": {
+        "num_kv_heads": 2, "scale": 0.3, "softcap": 3.0, "window": 3, "rope_theta": 50.0, "rope_fraction": 0.5,
+        "qk_norm": "head", "sinks": True, "bias": ("key", "output"),
+    },
+}  # fmt: skip
+
+
+def _close(a, b, tol):
+    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), atol=tol, rtol=0)
+
+
+def _layer(config, seed=0, **kwargs):
+    """A layer with random portable weights (norm scales around 1, sink logits around 0)."""
+    layer = MultiHeadAttention(E, N, **config, **kwargs)
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, shape in layer.weight_shapes().items():
+        scale = math.sqrt(2.0 / sum(shape)) if name.endswith("_kernel") else 0.3
+        weights[name] = (rng.normal(scale=scale, size=shape) + name.endswith("_norm")).astype(np.float32)
+    layer.import_weights(weights)
+    return layer
+
+
+# --- small NumPy formulas, written from docs/SPEC.md ------------------------------------------
+
+
+def np_attention(q, k, v, keep=None, bias=None, causal=False, scale=None, softcap=None, window=None, sinks=None):
+    """float64 attention on (B, N, T, H) / (B, K, S, H): (context, weights)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, groups, 1), np.repeat(v, groups, 1)
+    t, s = q.shape[2], k.shape[2]
+    scores = q @ k.swapaxes(-1, -2) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if softcap is not None:
+        scores = softcap * np.tanh(scores / softcap)
+    if bias is not None:
+        scores = scores + bias
+    position = np.arange(t)[:, None] + s - t
+    kept = np.ones(scores.shape, bool) & (True if keep is None else keep)
+    if causal:
+        kept &= np.arange(s) <= position
+    if window is not None:
+        kept &= np.arange(s) > position - window
+    z = np.where(kept, scores, -np.inf)
+    top = z.max(-1, keepdims=True, initial=-np.inf)
+    sink = None if sinks is None else np.asarray(sinks, np.float64)[None, :, None, None]
+    top = top if sink is None else np.maximum(top, sink)
+    top = np.where(np.isfinite(top), top, 0.0)
+    e = np.exp(z - top)
+    denominator = e.sum(-1, keepdims=True) + (0.0 if sink is None else np.exp(sink - top))
+    weights = np.divide(e, denominator, out=np.zeros_like(e), where=denominator > 0)
+    return weights @ v, weights
+
+
+def np_inv_freq(rotary, theta, scaling=None):
+    inv = theta ** (-np.arange(0, rotary, 2) / rotary)
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv / scaling["factor"]
+    if kind != "llama3":
+        return inv
+    out = []
+    low = scaling["original_max_position_embeddings"] / scaling["low_freq_factor"]
+    high = scaling["original_max_position_embeddings"] / scaling["high_freq_factor"]
+    for f in inv:  # one frequency at a time, as Meta's reference loop does
+        wavelength = 2 * math.pi / f
+        if wavelength < high:
+            out.append(f)
+        elif wavelength > low:
+            out.append(f / scaling["factor"])
+        else:
+            smooth = (scaling["original_max_position_embeddings"] / wavelength - scaling["low_freq_factor"]) / (
+                scaling["high_freq_factor"] - scaling["low_freq_factor"]
+            )
+            out.append((1 - smooth) * f / scaling["factor"] + smooth * f)
+    return np.array(out)
+
+
+def np_rope(x, positions, inv_freq, interleaved):
+    """x (B, heads, T, H), positions (B, T): the pairs (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    half = len(inv_freq)
+    first = np.arange(0, 2 * half, 2) if interleaved else np.arange(half)
+    second = first + 1 if interleaved else first + half
+    angles = positions[:, None, :, None] * inv_freq
+    y = np.array(x, np.float64)
+    y[..., first] = x[..., first] * np.cos(angles) - x[..., second] * np.sin(angles)
+    y[..., second] = x[..., second] * np.cos(angles) + x[..., first] * np.sin(angles)
+    return y
+
+
+def np_rms_norm(x, scale, eps):
+    return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * scale
+
+
+def np_layer(layer, query, causal=False, key_mask=None, attention_bias=None, positions=None):
+    """The whole self-attention layer in float64 from its portable weights (steps 2-4, 6, 7)."""
+    w = {name: value.astype(np.float64) for name, value in layer.export_weights().items()}
+    kv, h, t = layer.num_kv_heads, layer.head_dim, query.shape[1]
+
+    def project(kind):
+        return query @ w[f"{kind}_kernel"] + w.get(f"{kind}_bias", 0.0)  # (B, T, heads*H)
+
+    def split(x, heads):
+        return x.reshape(x.shape[0], t, heads, h).transpose(0, 2, 1, 3)  # (B, heads, T, H)
+
+    q, k, v = project("query"), project("key"), project("value")
+    if layer.qk_norm == "all":
+        q, k = np_rms_norm(q, w["query_norm"], layer.qk_norm_eps), np_rms_norm(k, w["key_norm"], layer.qk_norm_eps)
+    q, k, v = split(q, layer.num_heads), split(k, kv), split(v, kv)
+    if layer.qk_norm == "head":
+        q, k = np_rms_norm(q, w["query_norm"], layer.qk_norm_eps), np_rms_norm(k, w["key_norm"], layer.qk_norm_eps)
+    if layer.rope_theta is not None:
+        rotary = int(h * layer.rope_fraction)
+        inv = np_inv_freq(rotary, layer.rope_theta, layer.rope_scaling)
+        positions = np.broadcast_to(np.arange(t) if positions is None else positions, (query.shape[0], t))
+        q, k = (np_rope(x, positions, inv, layer.rope_interleaved) for x in (q, k))
+    keep = None if key_mask is None else key_mask[:, None, None, :]
+    context, weights = np_attention(
+        q, k, v, keep, attention_bias, causal, layer.scale, layer.softcap, layer.window, w.get("sinks")
+    )
+    merged = context.transpose(0, 2, 1, 3).reshape(query.shape[0], t, -1)
+    return merged @ w["output_kernel"] + w.get("output_bias", 0.0), weights
+
+
+rng = np.random.default_rng(0)
+X = rng.normal(size=(B, T, E)).astype(np.float32)  # (B, T, E)
+KEY_MASK = np.array([[True, True, True, False, True], [True, False, True, True, True]])  # (B, S)
+BIAS_FULL = rng.normal(size=(B, N, T, T)).astype(np.float32)  # (B, N, T, S)
+BIAS_HEADS = rng.normal(size=(1, N, 1, T)).astype(np.float32)  # (1, N, 1, S)
+
+
+# --- each variant against the formulas ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        {"scale": 0.7},
+        {"softcap": 1.2},
+        {"window": 2},
+        {"window": 2, "causal": True},
+        {"sinks": np.array([0.5, -1.0, 2.0, 0.0])},
+        {"softcap": 2.0, "window": 3, "causal": True, "sinks": np.array([1.0, 0.0, -1.0, 3.0]), "scale": 0.4},
+    ],
+    ids=["plain", "scale", "softcap", "window", "window_causal", "sinks", "all"],
+)
+def test_dot_product_attention_variants_match_the_formula(variant):
+    local = np.random.default_rng(1)
+    q = local.normal(size=(2, 4, 3, 8)).astype(np.float32)  # (B, N, T, H) with T < S: bottom-right aligned
+    k, v = (local.normal(size=(2, 2, 6, 8)).astype(np.float32) for _ in range(2))  # (B, K, S, H)
+    keep = local.random((2, 1, 3, 6)) < 0.8
+    keep[0, 0, 1] = False  # a query with no key: exactly 0, with or without sinks
+    bias = local.normal(size=(1, 4, 1, 6)).astype(np.float32)
+    context, weights = dot_product_attention(q, k, v, keep, bias, **variant)
+    expected, expected_w = np_attention(q, k, v, keep, bias, **variant)
+    _close(weights, expected_w, WEIGHTS_TOL)
+    _close(context, expected, OUTPUT_TOL)
+    assert (weights.numpy()[0, :, 1] == 0).all() and (context.numpy()[0, :, 1] == 0).all()
+
+
+def test_sinks_take_part_of_the_softmax_and_rows_with_no_key_stay_zero():
+    q, k, v = (tf.constant(rng.normal(size=(1, 2, 3, 4)), tf.float32) for _ in range(3))  # T = S = 3
+    keep = np.array([[True, True, False], [True, False, True], [False, False, False]])  # query 2 keeps no key
+
+    def sums(sinks):
+        context, weights = dot_product_attention(q, k, v, keep, sinks=sinks)
+        assert (weights.numpy()[0, :, 2] == 0).all() and (context.numpy()[0, :, 2] == 0).all()
+        return weights.numpy()[0, :, :2].sum(-1)
+
+    _close(sums(None), 1, WEIGHTS_TOL)
+    small, large = sums(np.zeros(2, np.float32)), sums(np.full(2, 3.0, np.float32))
+    assert (small < 1 - 1e-3).all() and (large < small).all()  # a larger sink logit takes more of each row
+
+
+def test_rope_frequencies_match_the_reference_loop():
+    for scaling in (None, {"rope_type": "linear", "factor": 4.0}, LLAMA3, {**LLAMA3, "factor": 2.0}):
+        got = tf_file.rope_frequencies(16, 10000.0, scaling)
+        assert got.dtype == tf.float32
+        _close(got, np_inv_freq(16, 10000.0, scaling), 1e-7)
+    llama = np_inv_freq(16, 10000.0, LLAMA3)  # all three regimes: kept, divided and interpolated
+    plain = np_inv_freq(16, 10000.0)
+    assert np.isclose(llama, plain).any() and np.isclose(llama, plain / 8).any()
+    assert (~np.isclose(llama, plain) & ~np.isclose(llama, plain / 8)).any()
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary", [8, 4])
+def test_apply_rope_matches_the_formula(interleaved, rotary):
+    x = rng.normal(size=(2, 3, 5, 8)).astype(np.float32)  # (B, heads, T, H)
+    positions = np.array([[0, 1, 2, 3, 4], [7, 3, 0, 9, 100]])
+    inv_freq = tf_file.rope_frequencies(rotary, 10000.0)
+    got = tf_file.apply_rope(tf.constant(x), positions, inv_freq, interleaved)
+    _close(got, np_rope(x, positions, inv_freq.numpy().astype(np.float64), interleaved), OUTPUT_TOL)
+    np.testing.assert_array_equal(got.numpy()[..., rotary:], x[..., rotary:])  # partial rotary passes the rest
+
+
+def test_rms_norm_matches_the_formula_in_float32_for_half_inputs():
+    x = rng.normal(size=(2, 3, 8)).astype(np.float32)
+    scale = rng.normal(size=(8,)).astype(np.float32)
+    _close(tf_file.rms_norm(tf.constant(x), scale, 1e-6), np_rms_norm(x, scale, 1e-6), OUTPUT_TOL)
+    half = tf_file.rms_norm(tf.constant(x * 300, tf.float16), scale, 1e-6)  # x ** 2 overflows float16
+    assert half.dtype == tf.float16
+    _close(half, np_rms_norm(x, scale, 1e-6), TOLERANCES["float16"]["output"] * 3)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_layer_variant_matches_the_formula(name):
+    layer = _layer(VARIANTS[name])
+    output, weights = layer(X, key_mask=KEY_MASK, attention_bias=BIAS_HEADS, causal=True, return_attention=True)
+    expected, expected_w = np_layer(layer, X.astype(np.float64), True, KEY_MASK, BIAS_HEADS)
+    _close(weights, expected_w, WEIGHTS_TOL)
+    _close(output, expected, OUTPUT_TOL)
+
+
+def test_rope_positions_default_to_arange_and_only_differences_count():
+    layer = _layer(VARIANTS["rope"])
+    _, weights = layer(X, return_attention=True)
+    _close(weights, layer(X, positions=np.arange(T), return_attention=True)[1], 0)
+    _, shifted = layer(X, positions=np.arange(T)[None].repeat(B, 0) + 11, return_attention=True)
+    _close(shifted, weights, WEIGHTS_TOL)  # RoPE is relative: the same shift of every position changes nothing
+    packed = np.array([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]])  # two packed sequences in batch 0
+    _, packed_w = layer(X, positions=packed, return_attention=True)
+    _close(packed_w, np_layer(layer, X.astype(np.float64), positions=packed)[1], WEIGHTS_TOL)
+    assert np.abs(packed_w.numpy()[0] - weights.numpy()[0]).max() > 1e-3
+
+
+def test_alibi_bias_has_blooms_slopes_and_shapes():
+    bias = alibi_bias(8, np.arange(4))
+    assert bias.shape == (1, 8, 1, 4) and bias.dtype == tf.float32
+    _close(bias[0, :, 0, 1], 2.0 ** -np.arange(1, 9), 0)
+    six = alibi_bias(6, np.array([[0, 1, 2], [0, 0, 1]]))  # 4 slopes of 4 heads, then every other one of 8 heads
+    assert six.shape == (2, 6, 1, 3)
+    _close(six[0, :, 0, 1], 2.0 ** -np.array([2, 4, 6, 8, 1, 3]), 0)
+    _close(six[1, :, 0, 2], 2.0 ** -np.array([2, 4, 6, 8, 1, 3]), 0)
+
+
+# --- every code path gives the same numbers, gradients included ----------------------------------
+
+PATHS = ("eager", "function", "jit_compile", "memory_efficient")
+
+
+def _forward_and_grads(layer, path, attention_bias):
+    """Output and gradients of sum(output * cos(output)) with respect to the query, every weight
+    and `attention_bias`, on one path."""
+    chunked = path.startswith("memory_efficient")
+    layer.memory_efficient_threshold = 0 if chunked else 1 << 26
+    layer.query_chunk_elements = 2 * B * N * T  # two queries per chunk: 5 rows leave a padded chunk
+
+    def step(x, bias):
+        with tf.GradientTape() as tape:
+            tape.watch([x, bias])
+            output = layer(x, key_mask=KEY_MASK, attention_bias=bias, causal=True)
+            loss = tf.reduce_sum(output * tf.cos(output))
+        return output, tape.gradient(loss, [x, bias, *layer.trainable_weights])
+
+    if path in ("function", "memory_efficient"):
+        step = tf.function(step)
+    if path.endswith("jit_compile") or path.endswith("_jit"):
+        step = tf.function(step, jit_compile=True)
+    return step(tf.constant(X), tf.constant(attention_bias))
+
+
+def _same_on_every_path(layer, paths, attention_bias):
+    expected, expected_grads = _forward_and_grads(layer, "eager", attention_bias)
+    assert all(g is not None for g in expected_grads)  # query, attention_bias, every weight
+    for path in paths:
+        output, grads = _forward_and_grads(layer, path, attention_bias)
+        _close(output, expected, OUTPUT_TOL)
+        for got, want in zip(grads, expected_grads, strict=True):
+            _close(got, want, GRADS_TOL)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_every_path_gives_the_same_output_and_gradients(name):
+    """A (B, N, T, S) bias (per-chunk rows of its gradient) for half the variants, a (1, N, 1, S)
+    one (its gradient summed over chunks) for the others."""
+    attention_bias = BIAS_FULL if sorted(VARIANTS).index(name) % 2 else BIAS_HEADS
+    _same_on_every_path(_layer(VARIANTS[name]), PATHS[1:], attention_bias)
+
+
+@pytest.mark.parametrize("bias", ["full", "heads"])
+def test_memory_efficient_path_under_xla_with_every_variant(bias):
+    attention_bias = BIAS_FULL if bias == "full" else BIAS_HEADS
+    _same_on_every_path(_layer(VARIANTS["everything"]), ["memory_efficient_jit"], attention_bias)
+
+
+def test_attention_bias_gradient_is_the_scores_gradient_reduced_to_its_shape():
+    """d loss / d bias equals d loss / d scores summed over the broadcast dimensions: compare a
+    (1, N, 1, S) bias with the same bias broadcast to (B, N, T, S)."""
+    layer = _layer(VARIANTS["sinks_gqa"])
+    full = np.broadcast_to(BIAS_HEADS, (B, N, T, T)).copy()
+    for path in ("eager", "memory_efficient"):
+        _, small = _forward_and_grads(layer, path, BIAS_HEADS)
+        _, large = _forward_and_grads(layer, path, full)
+        _close(small[1], large[1].numpy().sum(axis=(0, 2), keepdims=True), GRADS_TOL)
+
+
+# --- masks: the floating mask rule, key_mask and query_mask, regressions -----------------------
+
+
+def test_regression_float32_mask_on_mixed_float16_stays_a_finite_penalty():
+    """Keras cast a float32 mask to float16 before `call`, so -1e9 became -inf and removed keys it
+    should only penalise; a row of only penalties then lost every key. Now the mask is read in
+    its own dtype and added in float32."""
+    reference = _layer({})
+    layer = MultiHeadAttention(E, N, dtype="mixed_float16")
+    layer.import_weights(reference.export_weights())
+    mask = np.zeros((B, T, T), np.float32)
+    mask[0, 1] = -1e9  # every key penalised alike: an ordinary softmax, not a row with no key
+    mask[1, :, 3] = -1e9  # one key penalised: weight ~0, not removed
+    output, weights = layer(X, attention_mask=mask, return_attention=True)
+    expected, expected_w = reference(X, attention_mask=mask, return_attention=True)
+    _close(output, expected, MIXED_TOL["mixed_float16"])
+    _close(weights, expected_w, MIXED_TOL["mixed_float16"])
+    assert (weights.numpy()[0, :, 1] > 0).all()  # penalised, not removed: Keras' cast made it -inf, a row with no key
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_regression_float64_mask_holding_float32_lowest_removes_keys(dtype):
+    """transformers builds masks with float32's lowest; in a float64 mask it used to be added (a
+    float64 layer, no cast) or removed (a float32 layer, after Keras' cast). Now it removes in
+    both, read before any cast, and so does -1e300."""
+    layer = MultiHeadAttention(E, N, dtype=dtype)
+    mask = np.zeros((B, T, T))
+    mask[0, :, 2] = np.finfo(np.float32).min
+    mask[1, :, 0] = -1e300
+    mask[1, 3] = np.finfo(np.float32).min  # a query with no key left
+    output, weights = layer(X.astype(dtype), attention_mask=mask, return_attention=True)
+    weights = weights.numpy()
+    assert (weights[0, :, :, 2] == 0).all() and (weights[1, :, :, 0] == 0).all() and (weights[1, :, 3] == 0).all()
+    _close(output[1, 3], layer.output_bias, 0)
+    _close(weights[0].sum(-1), 1, WEIGHTS_TOL)
+
+
+def test_floating_mask_threshold_is_that_of_the_masks_own_dtype():
+    layer = _layer({})
+    mask = np.zeros((B, T, T), np.float16)
+    mask[:, :, 1] = -65504  # float16's lowest removes
+    mask[:, :, 2] = -60000  # a finite penalty, added in float32
+    _, weights = layer(X, attention_mask=mask, return_attention=True)
+    assert (weights.numpy()[..., 1] == 0).all()
+    _close(weights, np_layer(layer, X.astype(np.float64), attention_bias=mask.astype(np.float64)[:, None])[1], 1e-6)
+
+
+def test_regression_explicit_key_mask_in_self_attention_is_used():
+    """`layer(x, key_mask=m)` used to replace m by the query's mask (None): the keys were kept."""
+    layer = _layer({})
+    _, weights = layer(X, key_mask=KEY_MASK, return_attention=True)
+    assert (weights.numpy()[0, :, :, 3] == 0).all() and (weights.numpy()[1, :, :, 1] == 0).all()
+    _close(weights, layer(X, attention_mask=KEY_MASK[:, None, :], return_attention=True)[1], 0)
+    _, by_value = layer(X, value_mask=KEY_MASK, return_attention=True)
+    _close(by_value, weights, 0)
+
+
+def test_query_mask_gives_output_bias_and_key_mask_defaults_to_it_in_self_attention():
+    layer = _layer({})
+    query_mask = np.array([[True, True, False, True, True], [True, True, True, True, False]])
+    output, weights = layer(X, query_mask=query_mask, return_attention=True)
+    _close(output[0, 2], layer.output_bias, 0)
+    assert (weights.numpy()[0, :, 2] == 0).all() and (weights.numpy()[0, :, :, 2] == 0).all()
+    expected = layer(X, attention_mask=query_mask[:, :, None] & query_mask[:, None, :], return_attention=True)
+    _close(weights, expected[1], 0)
+    cross = layer(X, key=tf.constant(X), query_mask=query_mask, return_attention=True)[1]
+    assert (cross.numpy()[0, :, :, 2] != 0).any()  # with a key given, key_mask does not default to it
+
+
+def test_explicit_and_implicit_masks_are_anded_in_a_functional_model():
+    tokens = np.array([[3, 5, 7, 0, 0], [4, 2, 6, 1, 0]])
+    embed = keras.layers.Embedding(10, E, mask_zero=True)
+    attention = _layer({"rope_theta": 10.0})
+    tokens_in, key_mask_in = keras.Input((None,), dtype="int32"), keras.Input((None,), dtype="bool")
+    x = embed(tokens_in)
+    output, weights = attention(x, key=x, key_mask=key_mask_in, return_attention=True)
+    model = keras.Model([tokens_in, key_mask_in], [output, weights])
+    _, got_w = model([tokens, KEY_MASK])
+    keep = (tokens != 0) & KEY_MASK
+    want = attention(embed(tokens), attention_mask=keep[:, None, :] & (tokens != 0)[:, :, None], return_attention=True)
+    _close(got_w, want[1], 0)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_with_every_variant_and_a_float32_bias(policy):
+    reference = _layer(VARIANTS["everything"])
+    layer = MultiHeadAttention(E, N, **VARIANTS["everything"], dtype=policy)
+    layer.import_weights(reference.export_weights())
+    for threshold in (1 << 26, 0):  # the explicit and the memory-efficient path
+        layer.memory_efficient_threshold = threshold
+        output = layer(X, key_mask=KEY_MASK, attention_bias=BIAS_FULL, causal=True)
+        assert output.dtype == policy.split("_")[1]
+        _close(output, reference(X, key_mask=KEY_MASK, attention_bias=BIAS_FULL, causal=True), MIXED_TOL[policy] * 2)
+
+
+def test_functional_model_with_every_variant_and_kerastensor_bias():
+    x_in, bias_in = keras.Input((T, E)), keras.Input((N, T, T))
+    layer = _layer(VARIANTS["everything"])
+    model = keras.Model([x_in, bias_in], layer(x_in, attention_bias=bias_in, causal=True))
+    _close(model([X, BIAS_FULL]), layer(X, attention_bias=BIAS_FULL, causal=True), OUTPUT_TOL)
+
+
+# --- configuration, weights, saving -----------------------------------------------------------
+
+
+def test_weight_layout_order_and_initial_values():
+    layer = MultiHeadAttention(E, N, num_kv_heads=2, bias={"value", "query"}, qk_norm="all", sinks=True)
+    assert layer.bias == ("query", "value")
+    assert layer.weight_shapes() == {
+        "query_kernel": (16, 16), "query_bias": (16,), "key_kernel": (16, 8), "value_kernel": (16, 8),
+        "value_bias": (8,), "output_kernel": (16, 16), "query_norm": (16,), "key_norm": (8,), "sinks": (4,),
+    }  # fmt: skip
+    weights = layer.export_weights()
+    assert list(weights) == list(layer.weight_shapes())
+    assert (weights["query_norm"] == 1).all() and (weights["key_norm"] == 1).all() and (weights["sinks"] == 0).all()
+    assert layer.sinks is True and [v.name for v in layer.trainable_weights] == list(weights)
+    head = MultiHeadAttention(E, N, qk_norm="head")
+    assert head.weight_shapes()["query_norm"] == head.weight_shapes()["key_norm"] == (4,)
+
+
+def test_scale_is_the_float_actually_used():
+    assert MultiHeadAttention(E, N).scale == 0.5 and MultiHeadAttention(E, N, scale=2).scale == 2.0
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_config_round_trip_with_variants(name):
+    layer = MultiHeadAttention(E, N, **VARIANTS[name])
+    config = layer.get_config()
+    assert config["bias"] in (True, False) or isinstance(config["bias"], list)
+    clone = MultiHeadAttention.from_config(config)
+    assert clone.get_config() == config and clone.weight_shapes() == layer.weight_shapes()
+
+
+def test_keras_file_round_trip_with_variants(tmp_path):
+    x_in = keras.Input((None, E))
+    x = _layer(VARIANTS["everything"])(x_in, causal=True)
+    x = _layer({"rope_theta": 10.0, "rope_scaling": LLAMA3, "qk_norm": "all", "bias": ["query"]}, seed=1)(x)
+    model = keras.Model(x_in, x)
+    expected = model(X)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    _close(loaded(X), expected, 0)
+    assert loaded.layers[1].get_config() == model.layers[1].get_config()
+
+
+# --- KV cache with the variants -----------------------------------------------------------------
+
+
+def test_decoding_with_window_rope_sinks_and_key_mask_equals_the_full_pass():
+    layer = _layer({**VARIANTS["everything"], "window": 2})
+    key_mask = np.array([[False, True, True, True, True], [True, True, True, False, True]])  # left padding, a hole
+    bias = rng.normal(size=(1, N, 1, 8)).astype(np.float32)  # over the L = 8 slots
+    full, full_w = layer(X, key_mask=key_mask, attention_bias=bias[..., :T], causal=True, return_attention=True)
+    step = tf.function(
+        lambda x, m, c: layer(x, key_mask=m, attention_bias=bias, causal=True, return_attention=True, cache=c)
+    )
+    cache = layer.init_cache(B, 8)
+    outputs, weights = [], []
+    for start, stop in ((0, 2), (2, 3), (3, 4), (4, 5)):
+        output, w, cache = step(X[:, start:stop], key_mask[:, start:stop], cache)
+        outputs.append(output)
+        weights.append(w[..., :T])
+    assert isinstance(cache, KVCache) and int(cache.index) == T
+    _close(tf.concat(outputs, 1), full, OUTPUT_TOL)
+    _close(tf.concat(weights, 2), full_w, WEIGHTS_TOL)
+    np.testing.assert_array_equal(cache.keep.numpy()[:, :T], key_mask)
+    assert step.experimental_get_tracing_count() == 2  # one graph for T = 2, one for T = 1
+
+
+def test_decoding_positions_default_to_the_cache_index():
+    layer = _layer(VARIANTS["rope"])
+    cache = layer.init_cache(B, T)
+    _, cache = layer(X[:, :3], cache=cache, causal=True)
+    default, _ = layer(X[:, 3:], cache=cache, causal=True)
+    explicit, _ = layer(X[:, 3:], cache=cache, causal=True, positions=[3, 4])
+    _close(default, explicit, 0)
+    assert np.abs(default - layer(X[:, 3:], cache=cache, causal=True, positions=[0, 1])[0]).max() > 1e-4
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+CONSTRUCTOR_ERRORS = {
+    "bias_string": ({"bias": "query"}, r"^`bias` must be True, False or a collection of 'query', 'key', 'value', 'output'\. Received: bias='query'$"),
+    "bias_unknown_name": ({"bias": ("query", "gate")}, r"Received: bias=\('query', 'gate'\)$"),
+    "scale_zero": ({"scale": 0.0}, r"^`scale` must be a positive float\. Received: scale=0\.0$"),
+    "softcap_negative": ({"softcap": -1.0}, r"^`softcap` must be None or a positive float\. Received: softcap=-1\.0$"),
+    "window_zero": ({"window": 0}, r"^`window` must be a positive integer\. Received: window=0$"),
+    "window_float": ({"window": 2.5}, r"^`window` must be a positive integer\. Received: window=2\.5$"),
+    "rope_theta_zero": ({"rope_theta": 0}, r"^`rope_theta` must be None or a positive float\. Received: rope_theta=0$"),
+    "rope_fraction_odd": ({"rope_theta": 10.0, "rope_fraction": 0.75}, r"^`rope_fraction` must be in \(0, 1\] and rotate an even number R = int\(head_dim \* rope_fraction\) >= 2 of features\. Received: rope_fraction=0\.75, head_dim=4$"),
+    "rope_fraction_above_one": ({"rope_theta": 10.0, "rope_fraction": 1.5}, r"Received: rope_fraction=1\.5, head_dim=4$"),
+    "rope_scaling_type": ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, r"^`rope_scaling` must be None or a dict whose rope_type is 'linear' or 'llama3', with its parameters\. Received: rope_scaling=\{'rope_type': 'yarn', 'factor': 2\.0\}$"),
+    "rope_scaling_missing": ({"rope_scaling": {"rope_type": "llama3", "factor": 2.0}}, r"^`rope_scaling` must be None or a dict"),
+    "qk_norm": ({"qk_norm": "layer"}, r"^`qk_norm` must be None, 'head' or 'all'\. Received: qk_norm='layer'$"),
+    "qk_norm_eps": ({"qk_norm_eps": 0.0}, r"^`qk_norm_eps` must be a positive float\. Received: qk_norm_eps=0\.0$"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(CONSTRUCTOR_ERRORS))
+def test_constructor_errors(name):
+    kwargs, pattern = CONSTRUCTOR_ERRORS[name]
+    with pytest.raises(ValueError, match=pattern):
+        MultiHeadAttention(E, N, **kwargs)
+
+
+KERAS_FRAME = re.compile(r"Exception encountered when calling .*?\x1b\[1m(.*?)\x1b\[0m", re.DOTALL)
+Y = rng.normal(size=(B, 7, E)).astype(np.float32)  # (B, S, E)
+SQUARE = rng.normal(size=(2, 2, E)).astype(np.float32)  # B == T == 2
+
+CALL_ERRORS = {
+    "positions_without_rope": ({}, {"query": X, "positions": np.arange(T)}, r"^`positions` needs RoPE: construct the layer with `rope_theta`\. Received: positions with rope_theta=None$"),
+    "positions_shape": ({"rope_theta": 10.0}, {"query": X, "positions": np.zeros((3, T), np.int32)}, r"^`positions` must be an integer tensor of shape \(B, T\) or \(T,\) with B=2, T=5\. Received: positions\.shape=\(3, 5\), positions\.dtype=int32$"),
+    "positions_float": ({"rope_theta": 10.0}, {"query": X, "positions": np.arange(T, dtype=np.float32)}, r"Received: positions\.shape=\(5,\), positions\.dtype=float32$"),
+    "rope_cross_attention": ({"rope_theta": 10.0}, {"query": X, "key": Y}, r"^RoPE needs `key` and `value` to hold the query's own tokens \(S == T, or decoding with `cache`\)\. Received: query\.shape=\(2, 5, 16\), key\.shape=\(2, 7, 16\)$"),
+    "key_mask_shape": ({}, {"query": X, "key": Y, "key_mask": np.ones((B, T), bool)}, r"^`key_mask` must be a boolean tensor of shape \(B, S\)=\(2, 7\)\. Received: key_mask\.shape=\(2, 5\), key_mask\.dtype=bool$"),
+    "key_mask_float": ({}, {"query": X, "key_mask": np.ones((B, T), np.float32)}, r"Received: key_mask\.shape=\(2, 5\), key_mask\.dtype=float32$"),
+    "query_mask_shape": ({}, {"query": X, "query_mask": np.ones((B, 7), bool)}, r"^`query_mask` must be a boolean tensor of shape \(B, T\)=\(2, 5\)\. Received: query_mask\.shape=\(2, 7\), query_mask\.dtype=bool$"),
+    "attention_bias_bool": ({}, {"query": X, "attention_bias": np.ones((T, T), bool)}, r"^`attention_bias` must be floating\. Received: attention_bias\.dtype=bool$"),
+    "attention_bias_shape": ({}, {"query": X, "attention_bias": np.ones((3, T, T), np.float32)}, r"^`attention_bias` must broadcast to \(B, N, T, S\) .*Received: attention_bias\.shape=\(3, 5, 5\)$"),
+    "mask_2d_ambiguous": ({}, {"query": SQUARE, "attention_mask": np.ones((2, 2), bool)}, r"^A 2-D `attention_mask` is read as \(T, S\), but with B == T it could be a \(B, S\) key padding mask: pass `key_mask=mask` for that, or a \(1, T, S\) mask \(`mask\[None\]`\) for a \(T, S\) one\. Received: attention_mask\.shape=\(2, 2\), B=T=2$"),
+    "mask_all_false": ({}, {"query": X, "attention_mask": np.zeros((T, T), bool)}, r"^`attention_mask` keeps no key for any query: True means attend \(in nn\.MultiheadAttention True means ignore: pass `~mask`\)\. Received: a boolean attention_mask that is False everywhere$"),
+    "key_mask_all_false": ({}, {"query": X, "key_mask": np.zeros((B, T), bool)}, r"^`key_mask` keeps no key for any query: .* Received: a boolean key_mask that is False everywhere$"),
+    "mask_zeros_and_ones": ({}, {"query": X, "attention_mask": np.tril(np.ones((T, T), np.float32))}, r"^`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores \(Keras reads such a mask as boolean\): pass `mask > 0` \(True = attend\) or an additive mask\. Received: a floating attention_mask of 0s and 1s$"),
+    "mixed_dtypes": ({}, {"query": X, "key": Y.astype(np.float64)}, r"^`query`, `key` and `value` must have the same dtype\. Received: query\.dtype=float32, key\.dtype=float64, value\.dtype=float64$"),
+    "mixed_dtypes_value": ({}, {"query": X, "key": Y, "value": tf.constant(Y, tf.float16)}, r"Received: query\.dtype=float32, key\.dtype=float32, value\.dtype=float16$"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(CALL_ERRORS))
+def test_call_errors(name):
+    config, call, pattern = CALL_ERRORS[name]
+    layer = MultiHeadAttention(E, N, **config)
+    with pytest.raises(ValueError) as error:
+        layer(**call)
+    framed = KERAS_FRAME.match(str(error.value))
+    assert re.search(pattern, framed.group(1) if framed else str(error.value)), str(error.value)
+
+
+def test_key_and_value_by_position_are_refused_one_second_input_is_not():
+    layer = MultiHeadAttention(E, N)
+    pattern = (
+        r"^`key` and `value` must be passed by name when both are given: keras\.layers\.MultiHeadAttention is "
+        r"called \(query, value, key\), this layer \(query, key, value\)\. Received: 3 positional inputs$"
+    )
+    with pytest.raises(ValueError, match=pattern):
+        layer(X, Y, Y)
+    _close(layer(X, Y), layer(X, key=Y, value=Y), 0)
+
+
+def test_traps_are_not_checked_where_values_cannot_be_read():
+    """In a graph the values of a mask are unknown: an all-False mask there is every row with no
+    key (weights 0), as the SPEC's rows with no key; a mask of B == T unknown at trace time is
+    read as (T, S)."""
+    layer = _layer({})
+    attend = tf.function(lambda x, m: layer(x, attention_mask=m, return_attention=True))
+    output, weights = attend(X, np.zeros((T, T), bool))
+    assert (weights.numpy() == 0).all()
+    _close(output, np.broadcast_to(layer.output_bias.numpy(), X.shape), 0)
+    unknown = tf.function(lambda x, m: layer(x, attention_mask=m), input_signature=[
+        tf.TensorSpec((None, None, E)), tf.TensorSpec((None, None), tf.bool)
+    ])  # fmt: skip
+    _close(
+        unknown(SQUARE, np.tril(np.ones((2, 2), bool))),
+        layer(SQUARE, attention_mask=np.tril(np.ones((1, 2, 2), bool))),
+        0,
+    )
