@@ -379,7 +379,9 @@ def test_memory_efficient_path_is_taken_for_large_scores_without_weights(monkeyp
 
     calls = []
     original = tf_file._memory_efficient_attention
-    monkeypatch.setattr(tf_file, "_memory_efficient_attention", lambda *a, **kw: calls.append(a[6]) or original(*a, **kw))
+    monkeypatch.setattr(
+        tf_file, "_memory_efficient_attention", lambda *a, **kw: calls.append(a[6]) or original(*a, **kw)
+    )
     layer = _built(MultiHeadAttention(16, 4), X, Y)
     expected = layer(X, Y, causal=True)
     assert calls == []
