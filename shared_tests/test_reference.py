@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from NumPy import MultiHeadAttention
-from shared_tests.cases import CASES, make_data
+from shared_tests.cases import CASES, call_inputs, make_data
 
 FLOAT64_FORWARD_TOL = 1e-12  # two float64 formulations of the same sums
 FINITE_DIFFERENCE_TOL = 1e-6  # central differences with step 1e-6 on float64
@@ -92,6 +92,10 @@ def test_forward_matches_loops(case):
 FD_CASES = [c for c in FLOAT32_CASES if c.name in {
     "self_basic", "cross", "kdim_vdim", "head_dim_explicit", "no_bias", "gqa", "mqa", "mask_float_ts",
     "causal_t_lt_s", "causal_t_gt_s", "rows_fully_masked", "batch_fully_masked", "gqa_self_causal",
+    "mask_float64_far", "key_and_query_masks", "query_mask_self", "attention_bias_1nts", "attention_bias_bts_causal",
+    "partial_bias_qkv", "partial_bias_output", "scale_custom", "softcap", "window_causal", "window_not_causal",
+    "rope_partial_gqa", "rope_interleaved", "rope_llama3", "rope_linear_cross", "qk_norm_head_gqa", "qk_norm_all",
+    "sinks_rows_masked", "sinks_gqa_causal", "gemma2_like", "gemma3_like", "gpt_oss_like", "t5_like",
 }]  # fmt: skip
 
 
@@ -102,16 +106,23 @@ def test_backward_matches_finite_differences(case):
     args = _args(data)
     upstream = data["grad_output"].astype(np.float64)
 
+    given = call_inputs(data)
+    if "attention_bias" in given:
+        given["attention_bias"] = given["attention_bias"].astype(np.float64)  # perturbed in place below
+
     def loss():
-        return float((layer(*args, attention_mask=data["attention_mask"], causal=case.causal) * upstream).sum())
+        return float((layer(*args, **given, causal=case.causal) * upstream).sum())
 
     loss()
     grads = layer.backward(upstream)
     arrays = dict(zip(("query", "key", "value"), args, strict=False)) | layer.params
+    arrays |= {"attention_bias": given["attention_bias"]} if "attention_bias" in given else {}
     assert grads.keys() == arrays.keys()
     for name, array in arrays.items():
         numeric = np.zeros_like(array)
         for index in np.ndindex(array.shape):
+            if not np.isfinite(array[index]):
+                continue  # an attention_bias of -inf removes its key: no gradient there (checked below)
             old = array[index]
             array[index] = old + FD_STEP
             plus = loss()
