@@ -183,6 +183,7 @@ def apply_rope(x, positions, inv_freq, interleaved):
     Returns:
         x rotated, in its dtype; the angles and their cos and sin are float32.
     """
+    inv_freq = tf.convert_to_tensor(inv_freq, tf.float32)
     half = inv_freq.shape[0]
     angles = tf.cast(positions, tf.float32)[:, None, :, None] * inv_freq  # (B, T) -> (B, 1, T, R/2)
     dtype = _softmax_dtype(x.dtype)
@@ -466,7 +467,12 @@ def _split_mask(mask, target, name, dtype):
     `dtype` (the softmax's, float32 at least). No -inf reaches arithmetic."""
     if mask is None:
         return None, None
-    mask = _mask_to_4d(tf.convert_to_tensor(mask), target, name)
+    mask = tf.convert_to_tensor(mask)
+    if mask.dtype.is_floating and mask.dtype.size > tf.as_dtype(dtype).size:
+        # A float64 mask of a float32 softmax: the cast saturates every value below float32's range
+        # to -inf, which removes, as the rule does; and LiteRT has no float64 comparisons.
+        mask = tf.cast(mask, dtype)
+    mask = _mask_to_4d(mask, target, name)
     if mask.dtype == tf.bool:
         return mask, None
     threshold = tf.constant(max(mask.dtype.min, tf.float32.min), mask.dtype)
@@ -907,7 +913,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         self.rope_scaling = _check_rope_scaling(rope_scaling)
         if self.rope_theta is not None:
             rotary = _rotary_dim(rope_fraction, self.head_dim)
-            self._inv_freq = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,)
+            frequencies = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,)
+            self._inv_freq = frequencies.numpy()  # a constant of each graph, not a captured tensor (tf2onnx)
         if qk_norm not in (None, "head", "all"):
             raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
         self.qk_norm = qk_norm
