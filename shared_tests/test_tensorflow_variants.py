@@ -329,6 +329,27 @@ def test_memory_efficient_path_under_xla_with_every_variant(bias):
     _same_on_every_path(_layer(VARIANTS["everything"]), ["memory_efficient_jit"], attention_bias)
 
 
+def test_memory_efficient_path_under_xla_with_shapes_unknown_at_trace_time():
+    """B, T and S unknown at trace time: the path is picked at run time (tf.cond) and the bias is
+    broadcast to full rows inside it; gradients of the bias and the sinks as in eager mode."""
+    layer = _layer(VARIANTS["everything"])
+    spec = tf.TensorSpec((None, None, E))
+
+    def step(x, bias):
+        with tf.GradientTape() as tape:
+            tape.watch([x, bias])
+            output = layer(x, attention_bias=bias, causal=True)
+        return output, tape.gradient(tf.reduce_sum(output**2), [x, bias, layer.sink_logits])
+
+    expected = step(tf.constant(X), tf.constant(BIAS_HEADS))
+    layer.memory_efficient_threshold, layer.query_chunk_elements = 0, 1  # one query per chunk
+    compiled = tf.function(step, input_signature=[spec, tf.TensorSpec((None, N, None, None))], jit_compile=True)
+    output, grads = compiled(X, BIAS_HEADS)
+    _close(output, expected[0], OUTPUT_TOL)
+    for got, want in zip(grads, expected[1], strict=True):
+        _close(got, want, GRADS_TOL)
+
+
 def test_attention_bias_gradient_is_the_scores_gradient_reduced_to_its_shape():
     """d loss / d bias equals d loss / d scores summed over the broadcast dimensions: compare a
     (1, N, 1, S) bias with the same bias broadcast to (B, N, T, S)."""
