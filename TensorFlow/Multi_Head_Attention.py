@@ -1058,15 +1058,14 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         """Self-attention: q, k and v from one matmul over the concatenated projections (a
         projection without a bias adds zeros)."""
         kinds = ("query", "key", "value")
-        kernels = [getattr(self, f"{kind}_kernel") for kind in kinds]
-        kernel = tf.concat(kernels, axis=1)  # (E, N*H + 2*K*H)
-        biases = [self._bias_of(kind) for kind in kinds]
-        bias = None
-        if any(b is not None for b in biases):
-            zeros = [tf.zeros(kernel_.shape[1:], kernel.dtype) for kernel_ in kernels]
-            bias = tf.concat([z if b is None else b for z, b in zip(zeros, biases, strict=True)], axis=0)
-        y = _linear(x, kernel, bias)  # (B, T, E) -> (B, T, N*H + 2*K*H)
+        kernel = tf.concat([getattr(self, f"{kind}_kernel") for kind in kinds], axis=1)  # (E, N*H + 2*K*H)
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = None
+        if any(kind in self.bias for kind in kinds):
+            biases = [self._bias_of(kind) for kind in kinds]
+            biases = [tf.zeros(w, kernel.dtype) if b is None else b for b, w in zip(biases, (nh, kh, kh), strict=True)]
+            bias = tf.concat(biases, axis=0)  # (N*H + 2*K*H,)
+        y = _linear(x, kernel, bias)  # (B, T, E) -> (B, T, N*H + 2*K*H)
         q, k, v = tf.split(y, [nh, kh, kh], axis=-1)  # -> 3 x (B, T, heads*H)
         return (
             self._split_heads(q, self.num_heads),  # (B, N, T, H)
@@ -1216,11 +1215,10 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         """The floating mask rule on `attention_mask` and `attention_bias`, and the built-ins'
         traps refused: (keep, mask's additive, bias's additive), each rank 4 or None."""
         dtype = _softmax_dtype(self.compute_dtype)
+        attention_mask = None if attention_mask is None else tf.convert_to_tensor(attention_mask)
+        keep, mask_bias = _split_mask(attention_mask, target, "attention_mask", dtype)  # dtype and shape first
         if attention_mask is not None:
-            attention_mask = tf.convert_to_tensor(attention_mask)
             _check_unambiguous(attention_mask, target[0], target[2])
-        keep, mask_bias = _split_mask(attention_mask, target, "attention_mask", dtype)
-        if attention_mask is not None:
             _check_keeps_something(attention_mask, "attention_mask")
             _check_not_zeros_and_ones(attention_mask)
         bias_keep, attention_bias = _split_bias(attention_bias, target, dtype)
