@@ -1,0 +1,541 @@
+"""`interop/hf.py` against `transformers` itself: each family's attention module, ported into this
+project's layer, gives the module's output (float32, within the SPEC's 1e-5), on a full pass with
+padding and when decoding left-padded prompts step by step against transformers' own cache.
+
+Every model is a tiny random one built from a config (no download), seeded, in eval mode, with
+`attn_implementation="eager"`; its parameters are redrawn at sizes where every variant matters
+(scores of order 1, soft-capping active, norms away from 1). Forward hooks capture one attention
+module's input hidden states and output while the model runs; our layer, built from
+`port_attention`, runs on those hidden states with the call arguments of interop/hf.py's docstring.
+
+Frameworks: the NumPy reference (float64) always; PyTorch and TensorFlow are added to the
+parametrization as soon as their layer file's constructor takes the modern arguments
+(`rope_theta`, ...), read from the file's source without importing it (`_modern_frameworks`):
+until they do, their cases are not generated (not skipped). TensorFlow is imported only by its
+runner.
+"""
+
+import ast
+import contextlib
+import dataclasses
+import functools
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from interop.hf import alibi_positions, port_attention, supported_modules, t5_position_bias
+from shared_tests.cases import TOLERANCES
+
+OUTPUT_TOL = TOLERANCES["float32"]["output"]  # SPEC: float32 layer vs the float64 reference
+MEANINGFUL = 0.1  # outputs smaller than this would pass any comparison: the check that each test can fail
+SEED = 0
+ROOT = Path(__file__).resolve().parents[1]
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 32, 4, 2, 8, 64
+PROMPT_LENGTHS = (7, 5, 2)  # left-padded to the longest: padding in the batch, one row mostly padding
+DECODE_STEPS = 3
+WINDOW = 3  # shorter than the prompts, so the window removes keys
+
+COMMON = {"vocab_size": VOCAB, "num_hidden_layers": 2, "intermediate_size": 48, "max_position_embeddings": 64}
+GQA = {"hidden_size": HIDDEN, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM}
+
+
+# ----------------------------------------------------------------------------------------------
+# Frameworks
+# ----------------------------------------------------------------------------------------------
+
+
+def _accepts_modern_kwargs(directory):
+    """True if the layer file's `MultiHeadAttention.__init__` has a `rope_theta` parameter."""
+    tree = ast.parse((ROOT / directory / "Multi_Head_Attention.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == "MultiHeadAttention":
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                    arguments = item.args.args + item.args.kwonlyargs
+                    return any(argument.arg == "rope_theta" for argument in arguments)
+    return False
+
+
+def _modern_frameworks():
+    return [name for name in ("NumPy", "PyTorch", "TensorFlow") if _accepts_modern_kwargs(name)]
+
+
+FRAMEWORKS = _modern_frameworks()
+
+
+class _Runner:
+    """Builds one framework's layer from ported kwargs and weights, and calls it on NumPy arrays."""
+
+    def __init__(self, name):
+        self.name = name
+        self.module = importlib.import_module(f"{name}.Multi_Head_Attention")
+
+    def layer(self, kwargs, weights):
+        layer = self.module.MultiHeadAttention(**kwargs)
+        layer.import_weights(weights)
+        return layer
+
+    def tensor(self, array):
+        if self.name == "NumPy":
+            return array.astype(np.float64) if np.issubdtype(array.dtype, np.floating) else array
+        if self.name == "PyTorch":
+            return torch.from_numpy(np.ascontiguousarray(array))
+        import tensorflow as tf  # only when the TensorFlow layer is under test
+
+        return tf.convert_to_tensor(array)
+
+    def call(self, layer, hidden, arguments, cache=None):
+        arguments = {
+            name: self.tensor(value) if isinstance(value, np.ndarray) else value for name, value in arguments.items()
+        }
+        extra = {} if cache is None else {"cache": cache}
+        with torch.no_grad():
+            result = layer(self.tensor(hidden), **arguments, **extra)
+        output, cache = result if cache is not None else (result, None)
+        return np.asarray(output), cache
+
+    def alibi_bias(self, num_heads, positions):
+        return np.asarray(self.module.alibi_bias(num_heads, self.tensor(positions)), dtype=np.float32)
+
+
+@functools.cache
+def _runner(name):
+    return _Runner(name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiny models
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One `transformers` family: how to build a tiny model and where its attention modules are."""
+
+    name: str
+    build: Callable[[], torch.nn.Module]
+    attention: str  # path of layer i's attention module, with {i}
+    output: str = ""  # the module's submodule whose output is the layer's (BERT, Bloom: before the residual)
+    causal: bool = True
+    rope: bool = True  # RoPE: the model is called with position_ids, the layer with positions
+    bias: str = ""  # "t5" or "alibi": an attention_bias
+    decode: bool = True
+
+    def module(self, model, index):
+        return model.get_submodule(self.attention.format(i=index))
+
+
+def _llama_like(model_class, config_class, **config):
+    return lambda: model_class(config_class(**COMMON, **config))
+
+
+FAMILIES = [
+    Family(
+        "llama",
+        _llama_like(transformers.LlamaForCausalLM, transformers.LlamaConfig, **GQA),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "llama3_scaled",
+        _llama_like(
+            transformers.LlamaForCausalLM,
+            transformers.LlamaConfig,
+            **GQA,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8,
+            },
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "llama_linear",
+        _llama_like(
+            transformers.LlamaForCausalLM,
+            transformers.LlamaConfig,
+            **GQA,
+            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "mistral",
+        _llama_like(transformers.MistralForCausalLM, transformers.MistralConfig, **GQA, sliding_window=WINDOW),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "qwen2",
+        _llama_like(
+            transformers.Qwen2ForCausalLM,
+            transformers.Qwen2Config,
+            **GQA,
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            max_window_layers=1,
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "qwen3",
+        _llama_like(transformers.Qwen3ForCausalLM, transformers.Qwen3Config, **GQA),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "gemma2",
+        _llama_like(
+            transformers.Gemma2ForCausalLM,
+            transformers.Gemma2Config,
+            **GQA,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=2,
+            attn_logit_softcapping=1.0,
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "gemma3",
+        _llama_like(
+            transformers.Gemma3ForCausalLM,
+            transformers.Gemma3TextConfig,
+            **GQA,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=4,
+            sliding_window_pattern=2,
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "gpt2",
+        lambda: transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                n_embd=HIDDEN, n_head=HEADS, n_layer=2, vocab_size=VOCAB, n_positions=64, bos_token_id=0, eos_token_id=0
+            )
+        ),
+        "transformer.h.{i}.attn",
+        rope=False,
+    ),
+    Family(
+        "bert",
+        lambda: transformers.BertModel(
+            transformers.BertConfig(
+                hidden_size=HIDDEN,
+                num_attention_heads=HEADS,
+                num_hidden_layers=2,
+                intermediate_size=48,
+                vocab_size=VOCAB,
+                max_position_embeddings=64,
+            )
+        ),
+        "encoder.layer.{i}.attention",
+        output="output.dense",
+        causal=False,
+        rope=False,
+        decode=False,
+    ),
+    Family(
+        "olmo2",
+        _llama_like(transformers.Olmo2ForCausalLM, transformers.Olmo2Config, **GQA, eos_token_id=0),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "gpt_neox",
+        _llama_like(
+            transformers.GPTNeoXForCausalLM,
+            transformers.GPTNeoXConfig,
+            hidden_size=HIDDEN,
+            num_attention_heads=HEADS,
+            rotary_pct=0.5,
+        ),
+        "gpt_neox.layers.{i}.attention",
+    ),
+    Family(
+        "phi",
+        _llama_like(
+            transformers.PhiForCausalLM,
+            transformers.PhiConfig,
+            hidden_size=HIDDEN,
+            num_attention_heads=HEADS,
+            partial_rotary_factor=0.5,
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "gptj",
+        lambda: transformers.GPTJForCausalLM(
+            transformers.GPTJConfig(
+                n_embd=HIDDEN,
+                n_head=HEADS,
+                n_layer=2,
+                rotary_dim=4,
+                vocab_size=VOCAB,
+                n_positions=64,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        ),
+        "transformer.h.{i}.attn",
+    ),
+    Family(
+        "gpt_oss",
+        _llama_like(
+            transformers.GptOssForCausalLM,
+            transformers.GptOssConfig,
+            **GQA,
+            sliding_window=WINDOW,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "t5_encoder",
+        lambda: transformers.T5Model(
+            transformers.T5Config(
+                d_model=HIDDEN, d_kv=HEAD_DIM, num_heads=HEADS, num_layers=2, d_ff=48, vocab_size=VOCAB
+            )
+        ),
+        "encoder.block.{i}.layer.0.SelfAttention",
+        causal=False,
+        rope=False,
+        bias="t5",
+        decode=False,
+    ),
+    Family(
+        "t5_decoder",
+        lambda: transformers.T5Model(
+            transformers.T5Config(
+                d_model=HIDDEN, d_kv=HEAD_DIM, num_heads=HEADS, num_layers=2, d_ff=48, vocab_size=VOCAB
+            )
+        ),
+        "decoder.block.{i}.layer.0.SelfAttention",
+        rope=False,
+        bias="t5",
+        decode=False,
+    ),
+    Family(
+        "bloom",
+        lambda: transformers.BloomForCausalLM(
+            transformers.BloomConfig(hidden_size=HIDDEN, n_head=HEADS, n_layer=2, vocab_size=VOCAB)
+        ),
+        "transformer.h.{i}.self_attention",
+        output="dense",
+        rope=False,
+        bias="alibi",
+    ),
+]
+FAMILIES_BY_NAME = {family.name: family for family in FAMILIES}
+LAYERS = (0, 1)  # every family alternates or repeats its layer types within two layers
+
+
+def _redraw(model):
+    """Redraws every parameter at a size where each variant shows: unit-scale projections, norm scales
+    and biases away from 1 and 0, T5's relative bias and gpt-oss' sinks of order 1."""
+    generator = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            if name.endswith(("relative_attention_bias.weight", "sinks")):
+                parameter.copy_(noise)
+            elif parameter.ndim >= 2:
+                parameter.copy_(noise / HIDDEN**0.5)
+            elif name.endswith("bias"):
+                parameter.copy_(0.5 * noise)
+            else:  # norm scales (Gemma's are 1 + weight)
+                parameter.copy_(1.0 + 0.3 * noise)
+
+
+@functools.cache
+def _model(name):
+    torch.manual_seed(SEED)
+    model = FAMILIES_BY_NAME[name].build()
+    model.config._attn_implementation = "eager"
+    for config in (getattr(model.config, name, None) for name in ("text_config", "encoder", "decoder")):
+        if config is not None:
+            config._attn_implementation = "eager"
+    _redraw(model)
+    return model.eval()
+
+
+def _config(model):
+    return getattr(model.config, "text_config", model.config)
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs, capture and the call arguments of interop/hf.py's docstring
+# ----------------------------------------------------------------------------------------------
+
+
+def _left_padded_mask(lengths, total):
+    width = max(lengths)
+    mask = np.zeros((len(lengths), total), dtype=np.int64)
+    for row, length in enumerate(lengths):
+        mask[row, width - length :] = 1
+    return mask
+
+
+def _positions(mask):
+    """What `generate` uses for left padding: cumsum(mask) - 1, 1 at the padding."""
+    return np.where(mask == 1, np.cumsum(mask, axis=-1) - 1, 1)
+
+
+def _model_arguments(family, ids, mask, positions):
+    arguments = {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask)}
+    if family.rope or family.name == "gpt2":
+        arguments["position_ids"] = torch.from_numpy(positions)
+    if family.name.startswith("t5"):  # the decoder self-attends its own padded inputs
+        arguments |= {
+            "decoder_input_ids": arguments["input_ids"],
+            "decoder_attention_mask": arguments["attention_mask"],
+        }
+    return arguments
+
+
+@contextlib.contextmanager
+def _capture(model, family, index):
+    """Records each call's hidden states into layer `index`'s attention module and its attention output."""
+    module = family.module(model, index)
+    calls = []
+
+    def take_input(_, args, kwargs):
+        calls.append({"hidden": (args[0] if args else kwargs["hidden_states"]).detach().numpy().copy()})
+
+    def take_output(_, args, output):
+        calls[-1]["output"] = (output[0] if isinstance(output, tuple) else output).detach().numpy().copy()
+
+    handles = [module.register_forward_pre_hook(take_input, with_kwargs=True)]
+    handles.append(
+        (module.get_submodule(family.output) if family.output else module).register_forward_hook(take_output)
+    )
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _bias_module(model, family):
+    """The T5Attention holding the stack's relative bias: layer 0 of the stack under test."""
+    return family.module(model, 0)
+
+
+def _call_arguments(runner, model, family, key_mask, positions, *, query_length, slots, past=0):
+    """The call arguments of interop/hf.py's docstring for a call on T queries over `slots` keys."""
+    arguments = {"causal": family.causal, "key_mask": key_mask.astype(bool)}
+    if family.rope:
+        arguments["positions"] = positions.astype(np.int64)
+    if family.bias == "t5":
+        arguments["attention_bias"] = t5_position_bias(_bias_module(model, family), query_length, slots, past)
+    return arguments
+
+
+def _full_pass(family, index):
+    """Runs the model on left-padded prompts; returns the model, module input/output, mask and positions."""
+    model = _model(family.name)
+    total = max(PROMPT_LENGTHS)
+    mask = _left_padded_mask(PROMPT_LENGTHS, total)
+    ids = np.random.default_rng(SEED).integers(1, VOCAB, size=mask.shape)
+    positions = _positions(mask)
+    with _capture(model, family, index) as calls, torch.no_grad():
+        model(**_model_arguments(family, ids, mask, positions))
+    (call,) = calls
+    return model, call, mask, positions
+
+
+def _compared_rows(family, mask):
+    """Causal models: real tokens only (transformers leaves padded query rows attending nothing useful)."""
+    return mask.astype(bool) if family.causal else np.ones(mask.shape, dtype=bool)
+
+
+def _max_diff(ours, theirs, rows):
+    return float(np.max(np.abs(ours.astype(np.float64) - theirs.astype(np.float64))[rows]))
+
+
+CASES = [(framework, family.name, index) for framework in FRAMEWORKS for family in FAMILIES for index in LAYERS]
+DECODE_CASES = [case for case in CASES if FAMILIES_BY_NAME[case[1]].decode]
+
+
+def _case_id(case):
+    return "-".join(str(part) for part in case)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tests
+# ----------------------------------------------------------------------------------------------
+
+
+def test_every_supported_module_has_a_family_here():
+    tested = {type(_model(family.name).get_submodule(family.attention.format(i=0))).__name__ for family in FAMILIES}
+    assert set(supported_modules()) == tested
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_full_pass_with_padding_matches_transformers(case):
+    framework, name, index = case
+    family, runner = FAMILIES_BY_NAME[name], _runner(framework)
+    model, call, mask, positions = _full_pass(family, index)
+    kwargs, weights = port_attention(family.module(model, index), _config(model))
+    arguments = _call_arguments(runner, model, family, mask, positions, query_length=mask.shape[1], slots=mask.shape[1])
+    if family.bias == "alibi":
+        arguments["attention_bias"] = runner.alibi_bias(kwargs["num_heads"], alibi_positions(mask))
+    output, _ = runner.call(runner.layer(kwargs, weights), call["hidden"], arguments)
+    rows = _compared_rows(family, mask)
+    assert np.max(np.abs(call["output"][rows])) > MEANINGFUL
+    assert _max_diff(output, call["output"], rows) <= OUTPUT_TOL
+
+
+def _decode_with_transformers(model, family, index, ids, mask, positions, prompt):
+    """Prefill the prompt, then one token a step, with transformers' DynamicCache; returns each call's capture."""
+    cache = transformers.DynamicCache(config=_config(model))
+    with _capture(model, family, index) as calls, torch.no_grad():
+        for start, stop in [(0, prompt), *((p, p + 1) for p in range(prompt, mask.shape[1]))]:
+            arguments = _model_arguments(family, ids[:, start:stop], mask[:, :stop], positions[:, start:stop])
+            model(**arguments, past_key_values=cache, use_cache=True)
+    return calls
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=_case_id)
+def test_decoding_left_padded_prompts_matches_transformers_cache(case):
+    framework, name, index = case
+    family, runner = FAMILIES_BY_NAME[name], _runner(framework)
+    model = _model(name)
+    prompt = max(PROMPT_LENGTHS)
+    slots = prompt + DECODE_STEPS
+    mask = _left_padded_mask(PROMPT_LENGTHS, slots)
+    mask[:, prompt:] = 1
+    ids = np.random.default_rng(SEED).integers(1, VOCAB, size=mask.shape)
+    positions = _positions(mask)
+    calls = _decode_with_transformers(model, family, index, ids, mask, positions, prompt)
+    kwargs, weights = port_attention(family.module(model, index), _config(model))
+    layer = runner.layer(kwargs, weights)
+    cache = layer.init_cache(mask.shape[0], slots)
+    alibi = runner.alibi_bias(kwargs["num_heads"], alibi_positions(mask)) if family.bias == "alibi" else None
+    start = 0
+    for call in calls:
+        stop = start + call["hidden"].shape[1]
+        arguments = _call_arguments(
+            runner,
+            model,
+            family,
+            mask[:, start:stop],
+            positions[:, start:stop],
+            query_length=stop - start,
+            slots=slots,
+            past=start,
+        )
+        if alibi is not None:
+            arguments["attention_bias"] = alibi
+        output, cache = runner.call(layer, call["hidden"], arguments, cache)
+        rows = mask[:, start:stop].astype(bool)
+        assert np.max(np.abs(call["output"][rows])) > MEANINGFUL
+        assert _max_diff(output, call["output"], rows) <= OUTPUT_TOL, f"tokens [{start}, {stop})"
+        start = stop
