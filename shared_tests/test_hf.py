@@ -131,20 +131,21 @@ class Family:
 
 
 def _llama_like(model_class, config_class, **config):
-    return lambda: model_class(config_class(**COMMON, **config))
+    """A builder that imports the family's modeling code only when called (collection stays fast)."""
+    return lambda: getattr(transformers, model_class)(getattr(transformers, config_class)(**COMMON, **config))
 
 
 FAMILIES = [
     Family(
         "llama",
-        _llama_like(transformers.LlamaForCausalLM, transformers.LlamaConfig, **GQA),
+        _llama_like("LlamaForCausalLM", "LlamaConfig", **GQA),
         "model.layers.{i}.self_attn",
     ),
     Family(
         "llama3_scaled",
         _llama_like(
-            transformers.LlamaForCausalLM,
-            transformers.LlamaConfig,
+            "LlamaForCausalLM",
+            "LlamaConfig",
             **GQA,
             rope_parameters={
                 "rope_type": "llama3",
@@ -160,8 +161,8 @@ FAMILIES = [
     Family(
         "llama_linear",
         _llama_like(
-            transformers.LlamaForCausalLM,
-            transformers.LlamaConfig,
+            "LlamaForCausalLM",
+            "LlamaConfig",
             **GQA,
             rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
         ),
@@ -169,14 +170,14 @@ FAMILIES = [
     ),
     Family(
         "mistral",
-        _llama_like(transformers.MistralForCausalLM, transformers.MistralConfig, **GQA, sliding_window=WINDOW),
+        _llama_like("MistralForCausalLM", "MistralConfig", **GQA, sliding_window=WINDOW),
         "model.layers.{i}.self_attn",
     ),
     Family(
         "qwen2",
         _llama_like(
-            transformers.Qwen2ForCausalLM,
-            transformers.Qwen2Config,
+            "Qwen2ForCausalLM",
+            "Qwen2Config",
             **GQA,
             use_sliding_window=True,
             sliding_window=WINDOW,
@@ -186,14 +187,14 @@ FAMILIES = [
     ),
     Family(
         "qwen3",
-        _llama_like(transformers.Qwen3ForCausalLM, transformers.Qwen3Config, **GQA),
+        _llama_like("Qwen3ForCausalLM", "Qwen3Config", **GQA),
         "model.layers.{i}.self_attn",
     ),
     Family(
         "gemma2",
         _llama_like(
-            transformers.Gemma2ForCausalLM,
-            transformers.Gemma2Config,
+            "Gemma2ForCausalLM",
+            "Gemma2Config",
             **GQA,
             sliding_window=WINDOW,
             query_pre_attn_scalar=2,
@@ -204,8 +205,8 @@ FAMILIES = [
     Family(
         "gemma3",
         _llama_like(
-            transformers.Gemma3ForCausalLM,
-            transformers.Gemma3TextConfig,
+            "Gemma3ForCausalLM",
+            "Gemma3TextConfig",
             **GQA,
             sliding_window=WINDOW,
             query_pre_attn_scalar=4,
@@ -243,14 +244,14 @@ FAMILIES = [
     ),
     Family(
         "olmo2",
-        _llama_like(transformers.Olmo2ForCausalLM, transformers.Olmo2Config, **GQA, eos_token_id=0),
+        _llama_like("Olmo2ForCausalLM", "Olmo2Config", **GQA, eos_token_id=0),
         "model.layers.{i}.self_attn",
     ),
     Family(
         "gpt_neox",
         _llama_like(
-            transformers.GPTNeoXForCausalLM,
-            transformers.GPTNeoXConfig,
+            "GPTNeoXForCausalLM",
+            "GPTNeoXConfig",
             hidden_size=HIDDEN,
             num_attention_heads=HEADS,
             rotary_pct=0.5,
@@ -260,8 +261,8 @@ FAMILIES = [
     Family(
         "phi",
         _llama_like(
-            transformers.PhiForCausalLM,
-            transformers.PhiConfig,
+            "PhiForCausalLM",
+            "PhiConfig",
             hidden_size=HIDDEN,
             num_attention_heads=HEADS,
             partial_rotary_factor=0.5,
@@ -287,8 +288,8 @@ FAMILIES = [
     Family(
         "gpt_oss",
         _llama_like(
-            transformers.GptOssForCausalLM,
-            transformers.GptOssConfig,
+            "GptOssForCausalLM",
+            "GptOssConfig",
             **GQA,
             sliding_window=WINDOW,
             num_local_experts=2,
@@ -320,7 +321,6 @@ FAMILIES = [
         "decoder.block.{i}.layer.0.SelfAttention",
         rope=False,
         bias="t5",
-        decode=False,
     ),
     Family(
         "bloom",
@@ -388,12 +388,16 @@ def _positions(mask):
     return np.where(mask == 1, np.cumsum(mask, axis=-1) - 1, 1)
 
 
-def _model_arguments(family, ids, mask, positions):
+def _model_arguments(family, ids, mask, positions, prompt=None):
+    """The model call on `ids`; T5 encodes `prompt` (ids, mask) (default: `ids`) and self-attends `ids` in its decoder."""
     arguments = {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask)}
     if family.rope or family.name == "gpt2":
         arguments["position_ids"] = torch.from_numpy(positions)
-    if family.name.startswith("t5"):  # the decoder self-attends its own padded inputs
-        arguments |= {
+    if family.name.startswith("t5"):
+        encoder_ids, encoder_mask = (ids, mask) if prompt is None else prompt
+        arguments = {
+            "input_ids": torch.from_numpy(encoder_ids),
+            "attention_mask": torch.from_numpy(encoder_mask),
             "decoder_input_ids": arguments["input_ids"],
             "decoder_attention_mask": arguments["attention_mask"],
         }
@@ -496,9 +500,12 @@ def test_full_pass_with_padding_matches_transformers(case):
 def _decode_with_transformers(model, family, index, ids, mask, positions, prompt):
     """Prefill the prompt, then one token a step, with transformers' DynamicCache; returns each call's capture."""
     cache = transformers.DynamicCache(config=_config(model))
+    if family.name.startswith("t5"):
+        cache = transformers.EncoderDecoderCache(cache, transformers.DynamicCache(config=_config(model)))
+    encoder = (ids[:, :prompt], mask[:, :prompt])
     with _capture(model, family, index) as calls, torch.no_grad():
         for start, stop in [(0, prompt), *((p, p + 1) for p in range(prompt, mask.shape[1]))]:
-            arguments = _model_arguments(family, ids[:, start:stop], mask[:, :stop], positions[:, start:stop])
+            arguments = _model_arguments(family, ids[:, start:stop], mask[:, :stop], positions[:, start:stop], encoder)
             model(**arguments, past_key_values=cache, use_cache=True)
     return calls
 
@@ -539,3 +546,159 @@ def test_decoding_left_padded_prompts_matches_transformers_cache(case):
         assert np.max(np.abs(call["output"][rows])) > MEANINGFUL
         assert _max_diff(output, call["output"], rows) <= OUTPUT_TOL, f"tokens [{start}, {stop})"
         start = stop
+
+
+# What each family's port carries beyond plain attention; `test_every_ported_variant_matters` removes
+# each one in turn and requires the output to move, so the comparisons above cannot pass without it.
+# (`positions` is not among them: a left-padded row's positions are its plain ones shifted by a
+# constant, which RoPE, relative by construction, does not see in the scores.)
+VARIANTS = {
+    "llama": {"rope"},
+    "llama3_scaled": {"rope", "rope_scaling"},
+    "llama_linear": {"rope", "rope_scaling"},
+    "mistral": {"rope", "window"},
+    "qwen2": {"rope", "window"},
+    "qwen3": {"rope", "qk_norm"},
+    "gemma2": {"rope", "window", "softcap", "scale"},
+    "gemma3": {"rope", "window", "qk_norm", "scale"},
+    "gpt2": set(),
+    "bert": set(),
+    "olmo2": {"rope", "qk_norm"},
+    "gpt_neox": {"rope", "rope_fraction"},
+    "phi": {"rope", "rope_fraction"},
+    "gptj": {"rope", "rope_fraction", "rope_interleaved"},
+    "gpt_oss": {"rope", "window", "sinks"},
+    "t5_encoder": {"scale", "attention_bias"},
+    "t5_decoder": {"scale", "attention_bias"},
+    "bloom": {"attention_bias"},
+}
+DIFFERS = 1e-3  # a removed variant must move the output by 100 times the tolerance at least
+
+
+def _without(variant, kwargs, weights, arguments):
+    """The port with one variant removed (the layer's default in its place)."""
+    kwargs, weights, arguments = dict(kwargs), dict(weights), dict(arguments)
+    if variant == "rope":
+        for name in ("rope_theta", "rope_fraction", "rope_interleaved", "rope_scaling"):
+            kwargs.pop(name, None)
+        arguments.pop("positions")
+    elif variant == "scale":
+        kwargs["scale"] = (kwargs.get("head_dim") or kwargs["d_model"] // kwargs["num_heads"]) ** -0.5
+    elif variant == "attention_bias":
+        arguments.pop("attention_bias")
+    else:
+        kwargs.pop(variant)
+        for name in {"qk_norm": ("qk_norm_eps", "query_norm", "key_norm"), "sinks": ("sinks",)}.get(variant, ()):
+            kwargs.pop(name, None)
+            weights.pop(name, None)
+    return kwargs, weights, arguments
+
+
+def _variants(kwargs, arguments):
+    present = {
+        name
+        for name in ("window", "softcap", "rope_scaling", "rope_fraction", "rope_interleaved", "qk_norm", "sinks")
+        if name in kwargs
+    }
+    present |= {"rope"} if "rope_theta" in kwargs else set()
+    present |= {"attention_bias"} if "attention_bias" in arguments else set()
+    head_dim = kwargs.get("head_dim") or kwargs["d_model"] // kwargs["num_heads"]
+    return present | ({"scale"} if not np.isclose(kwargs["scale"], head_dim**-0.5) else set())
+
+
+@pytest.mark.parametrize("name", [family.name for family in FAMILIES] if "NumPy" in FRAMEWORKS else [])
+def test_every_ported_variant_matters(name):
+    family, runner = FAMILIES_BY_NAME[name], _runner("NumPy")
+    moved = {}
+    for index in LAYERS:
+        model, call, mask, positions = _full_pass(family, index)
+        kwargs, weights = port_attention(family.module(model, index), _config(model))
+        arguments = _call_arguments(
+            runner, model, family, mask, positions, query_length=mask.shape[1], slots=mask.shape[1]
+        )
+        if family.bias == "alibi":
+            arguments["attention_bias"] = runner.alibi_bias(kwargs["num_heads"], alibi_positions(mask))
+        for variant in _variants(kwargs, arguments):
+            kwargs_, weights_, arguments_ = _without(variant, kwargs, weights, arguments)
+            output, _ = runner.call(runner.layer(kwargs_, weights_), call["hidden"], arguments_)
+            moved[variant] = max(
+                moved.get(variant, 0.0), _max_diff(output, call["output"], _compared_rows(family, mask))
+            )
+    assert set(moved) == VARIANTS[name]
+    assert all(diff > DIFFERS for diff in moved.values()), moved
+
+
+def _tiny_module(module_class, config_class, **config):
+    return module_class(config_class(**COMMON, **config), layer_idx=0)
+
+
+ERROR_CASES = [
+    (
+        "yarn_rope",
+        lambda: _tiny_module(
+            transformers.models.llama.modeling_llama.LlamaAttention,
+            transformers.LlamaConfig,
+            **GQA,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+        r"`config.rope_parameters` must have rope_type 'default', 'linear' or 'llama3' .* Received: rope_parameters=.*'yarn'",
+    ),
+    (
+        "phi_layernorm_qk_norm",
+        lambda: _tiny_module(
+            transformers.models.phi.modeling_phi.PhiAttention,
+            transformers.PhiConfig,
+            hidden_size=HIDDEN,
+            num_attention_heads=HEADS,
+            qk_layernorm=True,
+        ),
+        r"Phi's `qk_layernorm` is a LayerNorm",
+    ),
+    (
+        "bert_self_attention",
+        lambda: transformers.models.bert.modeling_bert.BertSelfAttention(
+            transformers.BertConfig(hidden_size=HIDDEN, num_attention_heads=HEADS)
+        ),
+        r"Pass the `BertAttention` module .* Received: BertSelfAttention",
+    ),
+    (
+        "gpt2_cross_attention",
+        lambda: transformers.models.gpt2.modeling_gpt2.GPT2Attention(
+            transformers.GPT2Config(n_embd=HIDDEN, n_head=HEADS), is_cross_attention=True, layer_idx=0
+        ),
+        r"GPT-2 cross-attention is not ported",
+    ),
+    (
+        "unknown_module",
+        lambda: torch.nn.MultiheadAttention(HIDDEN, HEADS),
+        r"`module` must be one of the attention modules .* Received: MultiheadAttention",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "build", "message"), ERROR_CASES, ids=[case[0] for case in ERROR_CASES])
+def test_port_refuses_what_the_layer_cannot_hold(name, build, message):
+    module = build()
+    with pytest.raises(ValueError, match=message):
+        port_attention(module, getattr(module, "config", None))
+
+
+def test_t5_position_bias_needs_the_module_that_holds_it():
+    config = transformers.T5Config(
+        d_model=HIDDEN, d_kv=HEAD_DIM, num_heads=HEADS, num_layers=2, d_ff=48, vocab_size=VOCAB
+    )
+    module = transformers.models.t5.modeling_t5.T5Attention(config, has_relative_attention_bias=False, layer_idx=1)
+    with pytest.raises(
+        ValueError, match=r"`module` must hold T5's `relative_attention_bias` .* has_relative_attention_bias=False"
+    ):
+        t5_position_bias(module, 3, 3)
+
+
+def test_alibi_positions_are_blooms():
+    mask = np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    np.testing.assert_array_equal(alibi_positions(mask), [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]])
