@@ -286,7 +286,7 @@ def port_attention(module, config):
         module: the attention module of one layer (`model.model.layers[i].self_attn`, BERT's
             `encoder.layer[i].attention`, T5's `block[i].layer[0].SelfAttention`, ...), or an
             instance of a subclass of one of `supported_modules()`.
-        config: the model's config (`model.config`; Gemma 3: its text config).
+        config: the model's config (`model.config`; of a multimodal model, its text config is read).
 
     Returns:
         `(layer_kwargs, weights)`: `MultiHeadAttention(**layer_kwargs)` followed by
@@ -298,6 +298,8 @@ def port_attention(module, config):
             hold (RoPE scaling other than linear and llama3, Phi's LayerNorm QK-norm, GPT-2
             cross-attention).
     """
+    if hasattr(config, "get_text_config"):  # a multimodal config (Gemma 3) holds the text model's
+        config = config.get_text_config()
     for cls in type(module).__mro__:
         if cls.__name__ in _PORTERS:
             return _PORTERS[cls.__name__](module, config)
