@@ -31,7 +31,7 @@ import transformers
 from interop.hf import alibi_positions, port_attention, supported_modules, t5_position_bias
 from shared_tests.cases import TOLERANCES
 
-OUTPUT_TOL = TOLERANCES["float32"]["output"]  # SPEC: float32 layer vs the float64 reference
+OUTPUT_TOL = TOLERANCES["float32"]["output"]  # SPEC, float32 outputs: transformers' float32 module vs each layer
 MEANINGFUL = 0.1  # outputs smaller than this would pass any comparison: the check that each test can fail
 SEED = 0
 ROOT = Path(__file__).resolve().parents[1]
@@ -427,18 +427,16 @@ def _capture(model, family, index):
             handle.remove()
 
 
-def _bias_module(model, family):
-    """The T5Attention holding the stack's relative bias: layer 0 of the stack under test."""
-    return family.module(model, 0)
-
-
-def _call_arguments(runner, model, family, key_mask, positions, *, query_length, slots, past=0):
-    """The call arguments of interop/hf.py's docstring for a call on T queries over `slots` keys."""
-    arguments = {"causal": family.causal, "key_mask": key_mask.astype(bool)}
+def _call_arguments(runner, model, family, mask, positions, start, stop, num_heads):
+    """The call arguments of interop/hf.py's docstring for the tokens [start, stop) of a (B, L) padding mask
+    over the L keys (the cache's slots when decoding; L = T on a full pass)."""
+    arguments = {"causal": family.causal, "key_mask": mask[:, start:stop].astype(bool)}
     if family.rope:
-        arguments["positions"] = positions.astype(np.int64)
+        arguments["positions"] = positions[:, start:stop].astype(np.int64)
     if family.bias == "t5":
-        arguments["attention_bias"] = t5_position_bias(_bias_module(model, family), query_length, slots, past)
+        arguments["attention_bias"] = t5_position_bias(family.module(model, 0), stop - start, mask.shape[1], start)
+    if family.bias == "alibi":
+        arguments["attention_bias"] = runner.alibi_bias(num_heads, alibi_positions(mask))  # (B, N, 1, L)
     return arguments
 
 
@@ -488,9 +486,7 @@ def test_full_pass_with_padding_matches_transformers(case):
     family, runner = FAMILIES_BY_NAME[name], _runner(framework)
     model, call, mask, positions = _full_pass(family, index)
     kwargs, weights = port_attention(family.module(model, index), _config(model))
-    arguments = _call_arguments(runner, model, family, mask, positions, query_length=mask.shape[1], slots=mask.shape[1])
-    if family.bias == "alibi":
-        arguments["attention_bias"] = runner.alibi_bias(kwargs["num_heads"], alibi_positions(mask))
+    arguments = _call_arguments(runner, model, family, mask, positions, 0, mask.shape[1], kwargs["num_heads"])
     output, _ = runner.call(runner.layer(kwargs, weights), call["hidden"], arguments)
     rows = _compared_rows(family, mask)
     assert np.max(np.abs(call["output"][rows])) > MEANINGFUL
@@ -525,22 +521,10 @@ def test_decoding_left_padded_prompts_matches_transformers_cache(case):
     kwargs, weights = port_attention(family.module(model, index), _config(model))
     layer = runner.layer(kwargs, weights)
     cache = layer.init_cache(mask.shape[0], slots)
-    alibi = runner.alibi_bias(kwargs["num_heads"], alibi_positions(mask)) if family.bias == "alibi" else None
     start = 0
     for call in calls:
         stop = start + call["hidden"].shape[1]
-        arguments = _call_arguments(
-            runner,
-            model,
-            family,
-            mask[:, start:stop],
-            positions[:, start:stop],
-            query_length=stop - start,
-            slots=slots,
-            past=start,
-        )
-        if alibi is not None:
-            arguments["attention_bias"] = alibi
+        arguments = _call_arguments(runner, model, family, mask, positions, start, stop, kwargs["num_heads"])
         output, cache = runner.call(layer, call["hidden"], arguments, cache)
         rows = mask[:, start:stop].astype(bool)
         assert np.max(np.abs(call["output"][rows])) > MEANINGFUL
@@ -613,11 +597,7 @@ def test_every_ported_variant_matters(name):
     for index in LAYERS:
         model, call, mask, positions = _full_pass(family, index)
         kwargs, weights = port_attention(family.module(model, index), _config(model))
-        arguments = _call_arguments(
-            runner, model, family, mask, positions, query_length=mask.shape[1], slots=mask.shape[1]
-        )
-        if family.bias == "alibi":
-            arguments["attention_bias"] = runner.alibi_bias(kwargs["num_heads"], alibi_positions(mask))
+        arguments = _call_arguments(runner, model, family, mask, positions, 0, mask.shape[1], kwargs["num_heads"])
         for variant in _variants(kwargs, arguments):
             kwargs_, weights_, arguments_ = _without(variant, kwargs, weights, arguments)
             output, _ = runner.call(runner.layer(kwargs_, weights_), call["hidden"], arguments_)
