@@ -218,7 +218,15 @@ FAMILIES = [
         "gpt2",
         lambda: transformers.GPT2LMHeadModel(
             transformers.GPT2Config(
-                n_embd=HIDDEN, n_head=HEADS, n_layer=2, vocab_size=VOCAB, n_positions=64, bos_token_id=0, eos_token_id=0
+                n_embd=HIDDEN,
+                n_head=HEADS,
+                n_layer=2,
+                vocab_size=VOCAB,
+                n_positions=64,
+                bos_token_id=0,
+                eos_token_id=0,
+                scale_attn_by_inverse_layer_idx=True,  # layer i's scale is 1 / (sqrt(H) * (i + 1))
+                reorder_and_upcast_attn=True,  # its other eager code path
             )
         ),
         "transformer.h.{i}.attn",
@@ -545,7 +553,7 @@ VARIANTS = {
     "qwen3": {"rope", "qk_norm"},
     "gemma2": {"rope", "window", "softcap", "scale"},
     "gemma3": {"rope", "window", "qk_norm", "scale"},
-    "gpt2": set(),
+    "gpt2": {"scale"},
     "bert": set(),
     "olmo2": {"rope", "qk_norm"},
     "gpt_neox": {"rope", "rope_fraction"},
@@ -682,3 +690,10 @@ def test_t5_position_bias_needs_the_module_that_holds_it():
 def test_alibi_positions_are_blooms():
     mask = np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     np.testing.assert_array_equal(alibi_positions(mask), [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]])
+
+
+def test_a_multimodal_config_ports_like_its_text_config():
+    text = {**COMMON, **GQA, "sliding_window": WINDOW, "query_pre_attn_scalar": 4, "sliding_window_pattern": 2}
+    config = transformers.Gemma3Config(text_config=text)
+    module = FAMILIES_BY_NAME["gemma3"].module(_model("gemma3"), 1)
+    assert port_attention(module, config)[0] == port_attention(module, config.text_config)[0]
