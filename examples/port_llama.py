@@ -1,14 +1,14 @@
 """Port a Llama-architecture model from `transformers` to this layer, in PyTorch and in Keras.
 
-    python examples/port_llama.py [--steps 300] [--seed 0] [--frameworks NumPy PyTorch Keras]
+    python examples/port_llama.py [--steps 300] [--seed 0] [--out out/port_llama] [--frameworks NumPy PyTorch Keras]
 
 A small character-level Llama (`LlamaForCausalLM`: grouped-query attention, RoPE, RMSNorm,
 SiLU-gated MLP; built from a config, no download) learns examples/data/alice.txt for a few
 hundred steps. Then it is rebuilt around `MultiHeadAttention`: each attention module through
-`interop.hf.port_attention` (constructor arguments and portable weights, nothing computed
-outside the layer), the embeddings, norms and MLPs by copying their weights. Greedy generation
-from two prompts of different lengths, left-padded into one batch, runs in `transformers`
-(`generate`) and in each rebuilt model with the layer's KV cache (one prefill, then one token
+`interop.hf.port_attention` (constructor arguments to `--out` as JSON, portable weights as .npz;
+nothing computed outside the layer), the embeddings, norms and MLPs by copying their weights.
+Greedy generation from two prompts of different lengths, left-padded into one batch, runs in
+`transformers` (`generate`) and in each rebuilt model with the layer's KV cache (one prefill, then one token
 per step, `positions` as `generate` computes them: cumsum(mask) - 1). All give the same tokens.
 """
 
@@ -17,7 +17,9 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -104,13 +106,22 @@ def llama_weights(model):
     }
 
 
-def ported_attention(model, layer_class):
-    """One `MultiHeadAttention` per Llama layer, through interop.hf."""
-    layers = []
-    for layer in model.model.layers:
+def save_ports(model, out):
+    """Ports every attention module once, to files any framework reads: constructor arguments as
+    JSON, weights as .npz (the portable layout)."""
+    for index, layer in enumerate(model.model.layers):
         kwargs, weights = port_attention(layer.self_attn, model.config)
-        attention = layer_class(**kwargs)
-        attention.import_weights(weights)
+        (out / f"attention_{index}.json").write_text(json.dumps(kwargs, indent=1))
+        np.savez(out / f"attention_{index}.npz", **weights)
+
+
+def ported_attention(out, layer_class):
+    """One `MultiHeadAttention` per Llama layer, from the files of `save_ports`."""
+    layers = []
+    for index in range(LAYERS):
+        attention = layer_class(**json.loads((out / f"attention_{index}.json").read_text()))
+        with np.load(out / f"attention_{index}.npz", allow_pickle=False) as archive:
+            attention.import_weights(dict(archive))
         layers.append(attention)
     return layers
 
@@ -118,10 +129,10 @@ def ported_attention(model, layer_class):
 class NumPyLlama:
     """The Llama around the NumPy reference layer (float64)."""
 
-    def __init__(self, model):
+    def __init__(self, model, out):
         from NumPy import MultiHeadAttention
 
-        self.w, self.attention = llama_weights(model), ported_attention(model, MultiHeadAttention)
+        self.w, self.attention = llama_weights(model), ported_attention(out, MultiHeadAttention)
 
     def rms_norm(self, x, scale):
         return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + self.w["eps"]) * scale
@@ -146,12 +157,12 @@ class NumPyLlama:
 class TorchLlama(torch.nn.Module):
     """The Llama around the PyTorch layer."""
 
-    def __init__(self, model):
+    def __init__(self, model, out):
         super().__init__()
         from PyTorch import MultiHeadAttention
 
         self.w = llama_weights(model)
-        self.attention = torch.nn.ModuleList(ported_attention(model, MultiHeadAttention))
+        self.attention = torch.nn.ModuleList(ported_attention(out, MultiHeadAttention))
         self.tensors = {
             name: torch.from_numpy(value) for name, value in self.w.items() if isinstance(value, np.ndarray)
         }
@@ -180,13 +191,13 @@ class TorchLlama(torch.nn.Module):
 class KerasLlama:
     """The Llama built from Keras layers around the TensorFlow layer."""
 
-    def __init__(self, model):
+    def __init__(self, model, out):
         import tensorflow as tf
 
         from TensorFlow import MultiHeadAttention
 
         self.w, self.ops = llama_weights(model), tf.keras.ops
-        self.attention = ported_attention(model, MultiHeadAttention)
+        self.attention = ported_attention(out, MultiHeadAttention)
         self.embed = tf.keras.layers.Embedding(VOCAB, HIDDEN)
         self.embed.build((None, None))
         self.embed.embeddings.assign(self.w["embed"])
@@ -268,17 +279,22 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data and of the initialisation")
+    parser.add_argument("--out", type=Path, default=Path("out/port_llama"), help="where the ported layers are written")
     parser.add_argument("--frameworks", nargs="+", choices=list(REBUILDS), default=list(REBUILDS))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    return args
 
 
 def main(argv=None):
     args = parse_args(argv)
     model = train(args.steps, args.seed)
+    save_ports(model, args.out)
     tokens, mask = left_padded(PROMPTS)
     results = {"transformers generate": (generate_with_transformers(model, tokens, mask), None)}
     for name in args.frameworks:
-        results[f"{name} MultiHeadAttention, KV cache"] = generate_with_layer(REBUILDS[name](model), tokens, mask)
+        rebuilt = REBUILDS[name](model, args.out)
+        results[f"{name} MultiHeadAttention, KV cache"] = generate_with_layer(rebuilt, tokens, mask)
     for name, (new_tokens, margin) in results.items():
         print(name + ("" if margin is None else f" (smallest top-1 logit margin {margin:.1e})") + ":")
         for prompt, row in zip(PROMPTS, new_tokens, strict=True):
