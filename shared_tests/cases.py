@@ -31,9 +31,9 @@ MASK_KINDS = (
     "float_penalty",  # floating float32 (B, T, S) of -1e9 penalties, one row entirely -1e9 (beyond float16's range)
 )
 CALL_INPUTS = ("attention_mask", "key_mask", "query_mask", "attention_bias", "positions")  # beside the inputs
-LLAMA3_SCALING = {  # Llama 3.1's frequency rewrite, with a short original context so every branch is taken
+LLAMA3_SCALING = {  # Llama 3.1's frequency rewrite, with a short original context so every band is taken at H = 8
     "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 16,
+    "original_max_position_embeddings": 64,
 }  # fmt: skip
 
 
