@@ -44,6 +44,8 @@ a `ValueError` for now. The PyTorch tensors are read with `torch` only through t
 own parameters and methods (`.detach().cpu()`), so this file imports no framework itself.
 """
 
+import math
+
 import numpy as np
 
 __all__ = ["alibi_positions", "port_attention", "supported_modules", "t5_position_bias"]
@@ -110,8 +112,18 @@ def _rope_parameters(config, layer_type):
     return parameters
 
 
+def _rope_fraction(rotary_dim, head_dim):
+    """The `rope_fraction` f for which the layer's R = int(head_dim * f) is `rotary_dim` (R / H itself can round
+    below: 44 * (30 / 44) = 29.999...)."""
+    fraction = rotary_dim / head_dim
+    while int(head_dim * fraction) < rotary_dim:
+        fraction = math.nextafter(fraction, 2.0)
+    return fraction
+
+
 def _rope_kwargs(parameters, head_dim, rotary_dim=None):
-    """`rope_theta`, `rope_fraction` and `rope_scaling` from a `transformers` rope_parameters dict."""
+    """`rope_theta`, `rope_fraction` and `rope_scaling` from a `transformers` rope_parameters dict; `rotary_dim`
+    where the module gives it in place of a `partial_rotary_factor` (GPT-J)."""
     rope_type = parameters.get("rope_type", parameters.get("type", "default"))
     if rope_type != "default" and rope_type not in _ROPE_SCALING_KEYS:
         raise ValueError(
@@ -119,10 +131,12 @@ def _rope_kwargs(parameters, head_dim, rotary_dim=None):
             f"RoPE scaling yet). Received: rope_parameters={parameters!r}"
         )
     kwargs = {"rope_theta": float(parameters["rope_theta"])}
-    if rotary_dim is None:
-        rotary_dim = int(head_dim * parameters.get("partial_rotary_factor", 1.0))
-    if rotary_dim != head_dim:
-        kwargs["rope_fraction"] = rotary_dim / head_dim
+    # transformers rotates int(head_dim * partial_rotary_factor) features, as the layer does with `rope_fraction`.
+    fraction = (
+        parameters.get("partial_rotary_factor", 1.0) if rotary_dim is None else _rope_fraction(rotary_dim, head_dim)
+    )
+    if fraction != 1.0:
+        kwargs["rope_fraction"] = float(fraction)
     if rope_type != "default":
         kwargs["rope_scaling"] = {"rope_type": rope_type} | {k: parameters[k] for k in _ROPE_SCALING_KEYS[rope_type]}
     return kwargs
@@ -164,7 +178,10 @@ def _rotary_projections(module, config):
     if getattr(module, "attn_logit_softcapping", None) is not None:
         kwargs["softcap"] = float(module.attn_logit_softcapping)
     if getattr(module, "qk_layernorm", False):
-        raise ValueError("Phi's `qk_layernorm` is a LayerNorm (mean removed, with a bias), not the layer's RMSNorm.")
+        raise ValueError(
+            "`qk_layernorm` must be False: Phi's QK-norm is a LayerNorm (mean removed, with a bias), not the layer's "
+            "RMSNorm. Received: qk_layernorm=True"
+        )
     if hasattr(module, "q_norm"):
         kwargs |= _qk_norm(module, head_dim, weights)
     if hasattr(module, "sinks"):
@@ -188,16 +205,17 @@ def _gpt_neox(module, config):
     num_heads, head_dim = config.num_attention_heads, module.head_size
     weights, bias = _fused_projections(module.query_key_value, module.dense, num_heads, head_dim)
     kwargs = {"d_model": config.hidden_size, "num_heads": num_heads, "bias": bias}
-    kwargs |= {"scale": float(module.scaling)} | _rope_kwargs(
-        _rope_parameters(config, None), head_dim, module.rotary_ndims
-    )
+    kwargs |= {"scale": float(module.scaling)} | _rope_kwargs(_rope_parameters(config, None), head_dim)
     return kwargs, weights
 
 
 def _gpt2(module, config):
     """GPT-2: a fused Conv1D c_attn (E, 3E) = [query | key | value], y = x @ W + b."""
     if module.is_cross_attention:
-        raise ValueError("GPT-2 cross-attention is not ported: pass a self-attention module (`transformer.h[i].attn`).")
+        raise ValueError(
+            "`module` must be a GPT-2 self-attention (`transformer.h[i].attn`): cross-attention is not ported. "
+            "Received: is_cross_attention=True"
+        )
     width = module.embed_dim
     kernel, bias = _array(module.c_attn.weight), _array(module.c_attn.bias)  # (E, 3E), (3E,)
     weights = {}

@@ -645,7 +645,7 @@ ERROR_CASES = [
             num_attention_heads=HEADS,
             qk_layernorm=True,
         ),
-        r"Phi's `qk_layernorm` is a LayerNorm",
+        r"`qk_layernorm` must be False: Phi's QK-norm is a LayerNorm .* Received: qk_layernorm=True",
     ),
     (
         "bert_self_attention",
@@ -659,7 +659,7 @@ ERROR_CASES = [
         lambda: transformers.models.gpt2.modeling_gpt2.GPT2Attention(
             transformers.GPT2Config(n_embd=HIDDEN, n_head=HEADS), is_cross_attention=True, layer_idx=0
         ),
-        r"GPT-2 cross-attention is not ported",
+        r"`module` must be a GPT-2 self-attention .* Received: is_cross_attention=True",
     ),
     (
         "unknown_module",
@@ -697,3 +697,11 @@ def test_a_multimodal_config_ports_like_its_text_config():
     config = transformers.Gemma3Config(text_config=text)
     module = FAMILIES_BY_NAME["gemma3"].module(_model("gemma3"), 1)
     assert port_attention(module, config)[0] == port_attention(module, config.text_config)[0]
+
+
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(44, 30), (47, 6), (80, 32), (64, 64)])
+def test_gptj_rotary_dim_survives_float_rounding(head_dim, rotary_dim):
+    """44 * (30 / 44) is 29.999...: a fraction of R / H would make the layer rotate 29 features."""
+    config = transformers.GPTJConfig(n_embd=2 * head_dim, n_head=2, n_layer=1, rotary_dim=rotary_dim, vocab_size=VOCAB)
+    kwargs, _ = port_attention(transformers.models.gptj.modeling_gptj.GPTJAttention(config, layer_idx=0), config)
+    assert int(head_dim * kwargs.get("rope_fraction", 1.0)) == rotary_dim
