@@ -7,6 +7,11 @@ Every model is a tiny random one built from a config (no download), seeded, in e
 (scores of order 1, soft-capping active, norms away from 1). Forward hooks capture one attention
 module's input hidden states and output while the model runs; our layer, built from
 `port_attention`, runs on those hidden states with the call arguments of interop/hf.py's docstring.
+RoPE models are called with explicit `position_ids` (cumsum(mask) - 1, as `generate` computes them
+for left padding) and the layer gets the same `positions`. Every family is checked at two layers
+(sliding and full where it alternates). `test_every_ported_variant_matters` removes each ported
+variant in turn (window, soft-capping, QK-norm, RoPE and its scaling, sinks, scale, bias) and
+requires the output to move by more than 1e-3, so none of the comparisons passes without it.
 
 Frameworks: the NumPy reference (float64) always; PyTorch and TensorFlow are added to the
 parametrization as soon as their layer file's constructor takes the modern arguments
