@@ -20,7 +20,8 @@ The module does not hold its masks: `transformers` builds them in the model and 
 These call arguments reproduce them (`attention_mask` is the model's (B, S) 0/1 padding mask,
 `position_ids` the (B, T) positions the model was called with):
 
-- Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo2, gpt-oss, Phi, GPT-NeoX, GPT-J:
+- Llama, Mistral, Mixtral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, OLMo2, gpt-oss, Phi, GPT-NeoX,
+  GPT-J, Starcoder2, Granite, Cohere:
   `causal=True, key_mask=attention_mask.bool(), positions=position_ids`.
 - GPT-2: `causal=True, key_mask=attention_mask.bool()`.
 - BERT (encoder): `key_mask=attention_mask.bool()`.
@@ -29,8 +30,8 @@ These call arguments reproduce them (`attention_mask` is the model's (B, S) 0/1 
 - Bloom: `causal=True, key_mask=attention_mask.bool(),
   attention_bias=alibi_bias(N, alibi_positions(attention_mask))` (`alibi_bias` from the layer's file).
 
-The sliding window (Mistral, Qwen2, Gemma, gpt-oss) is part of the layer (`window`), so no
-band mask is needed. With left padding, `transformers` leaves the padded query rows attending
+The sliding window (Mistral, Mixtral, Starcoder2, Qwen2, Gemma 2 and 3, gpt-oss) is part of the
+layer (`window`), so no band mask is needed. With left padding, `transformers` leaves the padded query rows attending
 nothing useful; this layer gives them `output_bias` (no key left): compare real tokens only.
 
 Decoding: `cache = layer.init_cache(B, L)`, then `layer(x, cache=cache, causal=True,
@@ -44,6 +45,7 @@ a `ValueError` for now. The PyTorch tensors are read with `torch` only through t
 own parameters and methods (`.detach().cpu()`), so this file imports no framework itself.
 """
 
+import functools
 import math
 
 import numpy as np
@@ -145,6 +147,11 @@ def _rope_kwargs(parameters, head_dim, rotary_dim=None):
 def _qk_norm(module, head_dim, weights):
     """QK-norm kwargs and weights from `q_norm` / `k_norm` (Qwen3, Gemma 3: per head; OLMo2: over all heads)."""
     q_norm, k_norm = module.q_norm, module.k_norm
+    if type(q_norm).__name__.endswith("LayerNorm"):
+        raise ValueError(
+            "`q_norm` must be an RMSNorm: a LayerNorm removes the mean first, which the layer's QK-norm does not. "
+            f"Received: {type(q_norm).__name__}"
+        )
     eps = [getattr(norm, "variance_epsilon", getattr(norm, "eps", None)) for norm in (q_norm, k_norm)]
     if eps[0] != eps[1]:
         raise ValueError(f"`q_norm` and `k_norm` must share one epsilon. Received: eps={eps}")
@@ -156,8 +163,9 @@ def _qk_norm(module, head_dim, weights):
     return {"qk_norm": "head" if per_head else "all", "qk_norm_eps": float(eps[0])}
 
 
-def _rotary_projections(module, config):
-    """Llama and its descendants: q_proj, k_proj, v_proj and an output projection, RoPE from the config."""
+def _rotary_projections(module, config, interleaved=False):
+    """Llama and its descendants: q_proj, k_proj, v_proj and an output projection, RoPE from the config
+    (`interleaved`: Cohere pairs features 2i and 2i + 1)."""
     head_dim = module.head_dim
     output = "dense" if hasattr(module, "dense") else "o_proj"  # Phi calls it `dense`
     weights, bias = _separate_projections(module, ("q_proj", "k_proj", "v_proj", output))
@@ -171,7 +179,9 @@ def _rotary_projections(module, config):
     }
     layer_type = getattr(module, "layer_type", None)
     kwargs |= _rope_kwargs(_rope_parameters(config, layer_type), head_dim)
-    # Mistral reads its window from the config for every layer; the others set it per layer type.
+    if interleaved:
+        kwargs["rope_interleaved"] = True
+    # Mistral, Mixtral and Starcoder2 read their window from the config for every layer; the others per layer type.
     window = getattr(module, "sliding_window", getattr(config, "sliding_window", None))
     if window is not None:
         kwargs["window"] = int(window)
@@ -275,6 +285,11 @@ def _bloom(module, config):
 _PORTERS = {
     "LlamaAttention": _rotary_projections,
     "MistralAttention": _rotary_projections,
+    "MixtralAttention": _rotary_projections,
+    "Starcoder2Attention": _rotary_projections,
+    "GraniteAttention": _rotary_projections,
+    "CohereAttention": functools.partial(_rotary_projections, interleaved=True),
+    "GemmaAttention": _rotary_projections,
     "Qwen2Attention": _rotary_projections,
     "Qwen3Attention": _rotary_projections,
     "Gemma2Attention": _rotary_projections,

@@ -219,6 +219,40 @@ FAMILIES = [
         ),
         "model.layers.{i}.self_attn",
     ),
+    Family("gemma", _llama_like("GemmaForCausalLM", "GemmaConfig", **GQA), "model.layers.{i}.self_attn"),
+    Family(
+        "mixtral",
+        _llama_like(
+            "MixtralForCausalLM",
+            "MixtralConfig",
+            **GQA,
+            sliding_window=WINDOW,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "starcoder2",
+        _llama_like("Starcoder2ForCausalLM", "Starcoder2Config", **GQA, sliding_window=WINDOW),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "granite",
+        _llama_like("GraniteForCausalLM", "GraniteConfig", **GQA, attention_multiplier=0.5),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "cohere",
+        _llama_like(
+            "CohereForCausalLM",
+            "CohereConfig",
+            hidden_size=HIDDEN,
+            num_attention_heads=HEADS,
+            num_key_value_heads=KV_HEADS,
+        ),
+        "model.layers.{i}.self_attn",
+    ),
     Family(
         "gpt2",
         lambda: transformers.GPT2LMHeadModel(
@@ -558,6 +592,11 @@ VARIANTS = {
     "qwen3": {"rope", "qk_norm"},
     "gemma2": {"rope", "window", "softcap", "scale"},
     "gemma3": {"rope", "window", "qk_norm", "scale"},
+    "gemma": {"rope"},
+    "mixtral": {"rope", "window"},
+    "starcoder2": {"rope", "window"},
+    "granite": {"rope", "scale"},
+    "cohere": {"rope", "rope_interleaved"},
     "gpt2": {"scale"},
     "bert": set(),
     "olmo2": {"rope", "qk_norm"},
@@ -651,6 +690,17 @@ ERROR_CASES = [
             qk_layernorm=True,
         ),
         r"`qk_layernorm` must be False: Phi's QK-norm is a LayerNorm .* Received: qk_layernorm=True",
+    ),
+    (
+        "cohere_layernorm_qk_norm",
+        lambda: _tiny_module(
+            transformers.models.cohere.modeling_cohere.CohereAttention,
+            transformers.CohereConfig,
+            hidden_size=HIDDEN,
+            num_attention_heads=HEADS,
+            use_qk_norm=True,
+        ),
+        r"`q_norm` must be an RMSNorm: a LayerNorm removes the mean first.* Received: CohereLayerNorm",
     ),
     (
         "bert_self_attention",
