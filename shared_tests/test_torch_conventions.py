@@ -54,7 +54,8 @@ def _masks(kind, length):
 @pytest.mark.parametrize("config", list(GRADCHECK_CONFIGS))
 def test_gradcheck_float64(config, mask, return_attention):
     """Analytic gradients of query, key and value equal finite differences, fully masked rows
-    included (there the output is the output bias: a gradient of exactly 0, never NaN)."""
+    included (there the output is the output bias: a gradient of exactly 0, never NaN). Fast
+    mode compares random projections of the Jacobian, 10 times quicker than every column."""
     kwargs, cross, causal = GRADCHECK_CONFIGS[config]
     layer = MultiHeadAttention(E, kwargs.pop("num_heads", 2), dtype=torch.float64, **kwargs)
     with torch.no_grad():
@@ -67,7 +68,7 @@ def test_gradcheck_float64(config, mask, return_attention):
     def attend(q, k, v):
         return layer(q, k, v, attention_mask, causal=causal, return_attention=return_attention)
 
-    assert torch.autograd.gradcheck(attend, (query, key, value), eps=GRADCHECK_EPS, atol=GRADCHECK_ATOL)
+    assert torch.autograd.gradcheck(attend, (query, key, value), eps=GRADCHECK_EPS, atol=GRADCHECK_ATOL, fast_mode=True)
 
 
 @pytest.mark.parametrize("return_attention", [False, True], ids=["sdpa", "explicit"])
