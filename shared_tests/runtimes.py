@@ -63,11 +63,16 @@ def _arrays(case, data):
 
 
 def _quietly(fn):
-    """Runs an exporter without its progress prints and warnings."""
+    """Runs an exporter without its progress prints, warnings and log records below ERROR
+    (tf2onnx logs to the root logger, e.g. that it fuses no float16 MatMul into a Gemm)."""
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
-        return fn()
+        logging.disable(logging.WARNING)
+        try:
+            return fn()
+        finally:
+            logging.disable(logging.NOTSET)
 
 
 def _onnxruntime(model_bytes, arrays):
@@ -111,13 +116,13 @@ def _tf_function(case, data, make_layer, return_attention=True):
         mask = inputs.pop("attention_mask", None)
         return layer(*inputs.values(), attention_mask=mask, causal=case.causal, return_attention=return_attention)
 
-    return tf.function(attend, input_signature=signature), signature, names, arrays
+    return tf.function(attend, input_signature=signature), signature, names, arrays, layer
 
 
 def run_tf_onnx(case, data, make_layer, return_attention=True):
     import tf2onnx
 
-    function, signature, _, arrays = _tf_function(case, data, make_layer, return_attention)
+    function, signature, _, arrays, _ = _tf_function(case, data, make_layer, return_attention)
     proto, _ = _quietly(lambda: tf2onnx.convert.from_function(function, input_signature=signature))
     return _onnxruntime(proto.SerializeToString(), arrays)
 
@@ -126,8 +131,8 @@ def run_tf_litert(case, data, make_layer, return_attention=True):
     import tensorflow as tf
     from ai_edge_litert.interpreter import Interpreter
 
-    function, _, names, arrays = _tf_function(case, data, make_layer, return_attention)
-    converter = tf.lite.TFLiteConverter.from_concrete_functions([function.get_concrete_function()])
+    function, _, names, arrays, layer = _tf_function(case, data, make_layer, return_attention)
+    converter = tf.lite.TFLiteConverter.from_concrete_functions([function.get_concrete_function()], layer)
     converter.experimental_lower_to_saved_model = False
     interpreter = Interpreter(model_content=_quietly(converter.convert))
     interpreter.allocate_tensors()
