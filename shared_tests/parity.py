@@ -335,7 +335,7 @@ def plot(case, results, path):
 
     torch_w, tf_w = results["torch:explicit"].weights[0], results["tf:eager"].weights[0]  # (N, T, S)
     panels = (("PyTorch", torch_w), ("TensorFlow", tf_w), ("|PyTorch - TensorFlow|", np.abs(torch_w - tf_w)))
-    fig, axes = plt.subplots(case.n, 3, figsize=(9, 2.6 * case.n + 0.6), squeeze=False)
+    fig, axes = plt.subplots(case.n, 3, figsize=(10, 2.6 * case.n + 0.6), squeeze=False, layout="constrained")
     for head in range(case.n):
         for col, (title, weights) in enumerate(panels):
             ax = axes[head, col]
@@ -343,9 +343,10 @@ def plot(case, results, path):
             ax.set_title(f"{title}, head {head}", fontsize=8)
             ax.set_xlabel("key s", fontsize=7)
             ax.set_ylabel("query t", fontsize=7)
-            fig.colorbar(image, ax=ax, fraction=0.046)
+            # Every tick label written out (1e-08, not an offset "1e-8" drawn over the panel's title).
+            colorbar = fig.colorbar(image, ax=ax, fraction=0.046, format="%.0e" if col == 2 else "%.2g")
+            colorbar.ax.tick_params(labelsize=7)
     fig.suptitle(f"case {case.name}: attention weights, batch 0")
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
