@@ -61,7 +61,7 @@ def test_benchmark_quick_never_writes_the_recorded_results(capsys):
 
 @pytest.mark.parametrize("module", ["bench.cuda", "shared_tests.cuda_checks"])
 def test_gpu_scripts_import_and_say_when_there_is_no_gpu(module):
-    """They run on a CUDA machine only (README, GPU); here they must import and refuse clearly."""
+    """They run on a CUDA machine only (docs/gpu.md); here they must import and refuse clearly."""
     result = subprocess.run([sys.executable, "-m", module], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert "error: no CUDA device" in result.stderr
