@@ -303,3 +303,15 @@ def test_regression_tf2onnx_path_catches_inf_in_where(monkeypatch):
     exported, results = parity.run_case(case, data, paths=("numpy", "tf:onnx"))
     assert not exported.passed
     assert not np.isfinite(results["tf:onnx"].output).all()
+
+
+def test_regression_parity_run_logs_no_retracing(caplog):
+    """Each case traced its own tf.function through `__call__`, which TensorFlow (counting traces
+    per Python code, across cases) reported as retracing in a loop, in every full report."""
+    cases = [CASES_BY_NAME[name] for name in ("cross", "gqa", "self_basic", "mask_bool_bts", "causal_t_lt_s", "mqa")]
+    for case in cases:
+        parity.run_case(case, paths=("numpy", "tf:function"))
+    for name in ("decode_gqa", "decode_uneven_chunks", "decode_all_steps"):
+        parity.run_decode_case(parity.DECODE_CASES_BY_NAME[name], paths=("numpy", "tf:function"))
+    assert len(cases) > 5  # TensorFlow warns from the fifth trace of the same code on
+    assert not [record for record in caplog.records if "retracing" in record.getMessage()]
