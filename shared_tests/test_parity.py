@@ -239,6 +239,19 @@ def test_parity_tool_fail_row_names_quantity_value_and_tolerance():
     assert not any("tf/numpy" in line for line in lines if "FAIL:" in line)
 
 
+def test_parity_tool_zeros_failure_names_the_weight_it_found():
+    case = CASES_BY_NAME["mask_bool_bts"]
+    data = make_data(case)
+    results = {path: parity.run(case, data, path) for path in ("numpy", "tf:eager")}
+    first_removed = tuple(np.argwhere(parity.removed_positions(case, data))[0])  # (b, n, t, s)
+    results["tf:eager"].weights[first_removed] = 2e-3
+    row = parity.compare(case, data, results)
+    assert not row.zeros
+    assert "    FAIL: zeros: a removed position has weight 2.00e-03 > tolerance 0 (exactly 0)" in parity.format_table(
+        [row]
+    )
+
+
 def test_report_rejects_weights_that_do_not_fit(tmp_path, capsys):
     path = tmp_path / "mine.npz"
     np.savez(path, **TorchMultiHeadAttention(24, 6).export_weights())
