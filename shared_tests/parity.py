@@ -368,6 +368,10 @@ LOW_PRECISION_REASON = (
     "float16 and bfloat16 tolerances are stated for the table's Glorot-scale weights; --weights runs float32 cases"
 )
 
+SELF_ATTENTION_REASON = (
+    "key and value are the query there, so kdim == vdim == d_model; the file has kdim={kdim}, vdim={vdim}, d_model={e}"
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class WeightLayout:
@@ -463,8 +467,7 @@ def _keep_or_drop(cases, layout, weights, needs_self, changes):
     for case in cases:
         fitted, reason = None, LOW_PRECISION_REASON
         if case.dtype == "float32" and needs_self(case) and not layout.fits_self_attention:
-            reason = "key and value are the query there, so kdim == vdim == d_model; the file has {kdim}, {vdim}, {e}"
-            reason = reason.format(**layout.fields)
+            reason = SELF_ATTENTION_REASON.format(**layout.fields)
         elif case.dtype == "float32":
             fitted, reason = fit_case(case, layout, weights, **changes(case))
         if fitted is None:

@@ -193,7 +193,7 @@ def test_parity_tool_runs_user_weights_of_every_layout(layout, tmp_path, monkeyp
     assert "): float16_self, decode_float16" in printed
     if not self_fits:
         assert (
-            "not run (key and value are the query there, so kdim == vdim == d_model; the file has 10, 12, 24): self_basic, decode_gqa"
+            "not run (key and value are the query there, so kdim == vdim == d_model; the file has kdim=10, vdim=12, d_model=24): self_basic, decode_gqa"
             in printed
         )
 
