@@ -35,6 +35,17 @@ def test_case_table_covers_the_issue():
     assert any(c.k == 1 for c in CASES) and any(c.k == 2 for c in CASES) and any(c.n == 1 for c in CASES)
     assert any(c.b == 1 for c in CASES) and any(c.t == 1 for c in CASES) and any(c.s == 1 for c in CASES)
     assert any(c.t == 0 for c in CASES) and any(c.s == 0 for c in CASES)
+    variants = {name for c in CASES for name, _ in c.variants}
+    assert variants == {
+        "scale", "softcap", "window", "rope_theta", "rope_fraction", "rope_interleaved", "rope_scaling", "qk_norm",
+        "qk_norm_eps", "sinks",
+    }  # fmt: skip
+    assert any(len(c.variants) >= 3 and c.dtype == "float32" for c in CASES)  # combined, as today's models combine them
+    assert {c.dtype for c in CASES if c.variants} == set(TOLERANCES)
+    assert any(c.key_mask for c in CASES) and any(c.query_mask for c in CASES)
+    assert {c.attention_bias for c in CASES} == {"none", "1nts", "bts"} and any(c.positions == "shifted" for c in CASES)
+    assert any(isinstance(c.bias, tuple) for c in CASES)
+    assert masks >= {"float64_far", "float_penalty"}
 
 
 def _negate(keep):
