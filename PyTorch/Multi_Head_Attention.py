@@ -1129,10 +1129,13 @@ class MultiHeadAttention(nn.Module):
                 f"Received: attention_mask.shape={tuple(attention_mask.shape)}"
             )
 
-    def _compute_dtype(self, device_type):
-        if torch.is_autocast_enabled(device_type):
-            return torch.get_autocast_dtype(device_type)
-        return self.output.weight.dtype
+    def _compute_dtype(self, query):
+        """The dtype q, k and v are computed in: autocast's, else the parameters' (the query's where
+        the output projection holds no float weight, as a quantized module)."""
+        if torch.is_autocast_enabled(query.device.type):
+            return torch.get_autocast_dtype(query.device.type)
+        weight = self.output.weight
+        return weight.dtype if isinstance(weight, torch.Tensor) else query.dtype
 
     def forward(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
@@ -1150,12 +1153,12 @@ class MultiHeadAttention(nn.Module):
         query, key, value = self._inputs(query, key, value)
         if cache is not None:
             _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
-            _check_cache_dtype(cache, self._compute_dtype(query.device.type))
+            _check_cache_dtype(cache, self._compute_dtype(query))
         (b, t, _), s = query.shape, key.shape[1] if cache is None else cache.key.shape[2]
         key_mask = _check_token_mask("key_mask", key_mask, b, key.shape[1], "S")
         query_mask = _check_token_mask("query_mask", query_mask, b, t, "T")
         positions = self._positions(positions, query, key, cache)
-        softmax_dtype = torch.promote_types(self._compute_dtype(query.device.type), torch.float32)
+        softmax_dtype = torch.promote_types(self._compute_dtype(query), torch.float32)
         key_mask = query_mask if key_mask is None and self_attention else key_mask
         keep, bias = self._masks(
             attention_mask, attention_bias, None if cache is not None else key_mask, query_mask,
