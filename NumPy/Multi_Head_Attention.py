@@ -6,30 +6,36 @@ contract in docs/SPEC.md step by step, one operation per line, so a student can 
 Legend (every shape comment in this file uses these letters):
     B: batch size          T: query length        S: key/value length
     E: d_model             N: num_heads           K: num_kv_heads
-    H: head_dim
+    H: head_dim            L: slots of a KV cache R: rotated features of a head (RoPE)
 
 The math, for query head n (which reads key/value head n // (N // K)):
     q = query @ query_kernel + query_bias                       (B, T, N*H)
     k = key @ key_kernel + key_bias                             (B, S, K*H)
     v = value @ value_kernel + value_bias                       (B, S, K*H)
-    scores[n] = q[n] @ k[n // G]^T / sqrt(H) + float_mask       (B, N, T, S), G = N // K
+    q, k = rope(rms_norm(q), positions), rope(rms_norm(k))      only with qk_norm / rope_theta
+    scores[n] = q[n] @ k[n // G]^T * scale                      (B, N, T, S), G = N // K
+    scores = softcap * tanh(scores / softcap)                   only with softcap
+    scores = scores + attention_bias + float_mask               (B, N, T, S)
     weights = softmax(scores where kept, else lowest finite)    zeroed where not kept
+              (with sinks, exp(sinks[n]) joins the denominator)
     context[n] = weights[n] @ v[n // G]                         (B, N, T, H)
     output = concat_heads(context) @ output_kernel + output_bias
 
 Masks: a boolean `attention_mask` is True where a query may attend a key; a floating one is
-added to the scores (-inf removes a key). `causal=True` keeps key s for query t iff
-s <= t + (S - T). A query row with no key left gets weights of exactly 0, so its output is
-`output_bias`. Example, a key padding mask for keys [a, b, <pad>]:
+added to the scores (-inf, or a value at or below float32's lowest, removes a key). `key_mask`
+(B, S) and `query_mask` (B, T) are True for real tokens. `causal=True` keeps key s for query t
+iff s <= t + (S - T); a `window` W keeps it only if s > t + (S - T) - W. A query row with no
+key left gets weights of exactly 0, so its output is `output_bias`. Example, a key padding
+mask for keys [a, b, <pad>]:
     keep = np.array([[True, True, False]])           # (B, S)
-    layer(x, attention_mask=keep[:, None, :])         # (B, 1, S) broadcasts to (B, N, T, S)
+    layer(x, key_mask=keep)                           # the same as attention_mask=keep[:, None, :]
 
-Decoding with a KV cache (L: the cache's max length): `cache = layer.init_cache(B, L)`, then
+Decoding with a KV cache: `cache = layer.init_cache(B, L)`, then
 `output, cache = layer(x, cache=cache)` for a prompt (T > 1) and then one token at a time
 (T = 1). The keys and values of the T new tokens are written to slots [index, index + T), and
-query t attends slot s iff s < index + T, keep[b, s], (not causal or s <= index + t) and
-`attention_mask` (given over L) keeps it. Token-by-token equals the full causal pass. The
-reference copies the cache: the one passed in is left unchanged.
+query t attends slot s iff s < index + T, keep[b, s], (not causal or s <= index + t), (no
+window or s > index + t - W) and `attention_mask` (given over L) keeps it. Token-by-token
+equals the full causal pass. The reference copies the cache: the one passed in is left unchanged.
 
 The reference has no dropout: `dropout` must be 0.
 """
@@ -39,7 +45,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["KVCache", "MultiHeadAttention", "dot_product_attention"]
+__all__ = ["KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
+
+_PROJECTIONS = ("query", "key", "value", "output")
+_ROPE_SCALING = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 
 class KVCache(NamedTuple):
@@ -64,8 +77,113 @@ def _positive_int(name, value):
     return int(value)
 
 
+def _positive_float(name, value, *, optional=False):
+    if value is None and optional:
+        return None
+    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if not number or not 0 < value < math.inf:
+        raise ValueError(
+            f"`{name}` must be {'None or ' if optional else ''}a positive float. Received: {name}={value!r}"
+        )
+    return float(value)
+
+
+def _projection_biases(bias):
+    """`bias` (True, False or projection names) -> the names that have a bias, in layer order."""
+    if isinstance(bias, (bool, np.bool_)):
+        return _PROJECTIONS if bias else ()
+    names = tuple(bias) if isinstance(bias, (list, tuple, set, frozenset)) else None
+    if names is None or any(name not in _PROJECTIONS for name in names):
+        raise ValueError(
+            f"`bias` must be True, False or a collection of 'query', 'key', 'value', 'output'. Received: bias={bias!r}"
+        )
+    return tuple(name for name in _PROJECTIONS if name in names)
+
+
+def _rotary_dim(fraction, head_dim):
+    """R = int(head_dim * rope_fraction), checked to be even and at least 2."""
+    number = isinstance(fraction, (int, float, np.integer, np.floating)) and not isinstance(fraction, bool)
+    rotated = int(head_dim * fraction) if number and 0 < fraction <= 1 else 0
+    if rotated < 2 or rotated % 2:
+        raise ValueError(
+            "`rope_fraction` must be in (0, 1] and rotate an even number R = int(head_dim * rope_fraction) >= 2 of "
+            f"features. Received: rope_fraction={fraction!r}, head_dim={head_dim}"
+        )
+    return rotated
+
+
+def _rope_scaling(scaling):
+    """Checks `rope_scaling`: None or a dict with a known `rope_type` (or `type`) and its parameters."""
+    if scaling is None:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if kind not in _ROPE_SCALING or any(name not in scaling for name in _ROPE_SCALING[kind]):
+        raise ValueError(
+            "`rope_scaling` must be None or a dict whose rope_type is 'linear' or 'llama3', with its parameters. "
+            f"Received: rope_scaling={scaling!r}"
+        )
+    return dict(scaling)
+
+
+def _check_qk_norm(qk_norm):
+    if qk_norm not in (None, "head", "all"):
+        raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
+    return qk_norm
+
+
+def rope_frequencies(rotary_dim, theta, scaling=None):
+    """(R/2,) inverse frequencies `theta ** (-2i / R)`, rewritten by `rope_scaling` (as in transformers)."""
+    inv_freq = 1.0 / theta ** (np.arange(0, rotary_dim, 2) / rotary_dim)  # (R/2,)
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind != "llama3":
+        return inv_freq
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq  # (R/2,)
+    scaled = np.where(wavelength > context / low, inv_freq / factor, inv_freq)  # long wavelengths slowed down
+    smooth = (context / wavelength - low) / (high - low)
+    medium = (wavelength >= context / high) & (wavelength <= context / low)
+    return np.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)  # (R/2,)
+
+
+def apply_rope(x, positions, inv_freq, interleaved):
+    """Rotates the first R = 2 * len(inv_freq) features of each head of x (B, heads, T, H) by the
+    angles positions * inv_freq; `interleaved` pairs features (2i, 2i + 1), else (i, i + R/2)."""
+    angles = positions[:, None, :, None] * inv_freq  # (B, 1, T, R/2)
+    cos, sin = np.cos(angles), np.sin(angles)
+    r = 2 * inv_freq.shape[0]
+    rotated, rest = x[..., :r], x[..., r:]  # (B, heads, T, R), (B, heads, T, H - R)
+    if interleaved:
+        x1, x2 = rotated[..., 0::2], rotated[..., 1::2]  # 2 x (B, heads, T, R/2)
+        turned = np.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(rotated.shape)
+    else:
+        x1, x2 = rotated[..., : r // 2], rotated[..., r // 2 :]  # 2 x (B, heads, T, R/2)
+        turned = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)  # (B, heads, T, R)
+    return np.concatenate([turned, rest], axis=-1)  # (B, heads, T, H)
+
+
+def rms_norm(x, scale, eps):
+    """RMSNorm over the last axis: x / sqrt(mean(x ** 2) + eps) * scale."""
+    return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps) * scale
+
+
+def alibi_bias(num_heads, positions):
+    """ALiBi's attention_bias: slope[n] * positions[..., s], (1, N, 1, S) for (S,) positions or
+    (B, N, 1, S) for (B, S), float32, with Bloom's slopes."""
+    num_heads = _positive_int("num_heads", num_heads)
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = 2.0 ** (-8.0 * np.arange(1, closest + 1) / closest)  # (closest,)
+    extra = 2.0 ** (-4.0 * np.arange(1, 2 * (num_heads - closest), 2) / closest)  # every other slope of 2 * closest
+    slopes = np.concatenate([slopes, extra])  # (N,)
+    positions = np.asarray(positions)
+    positions = positions[None] if positions.ndim == 1 else positions  # (B, S)
+    return (slopes[None, :, None, None] * positions[:, None, None, :]).astype(np.float32)  # (B, N, 1, S)
+
+
 def _check_input(name, x, width_name, width):
-    """Checks one (B, L, width) input and returns it as a float64 array."""
+    """Checks one (B, L, width) input and returns it as an array."""
     x = np.asarray(x)
     if not np.issubdtype(x.dtype, np.floating):
         raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={x.dtype.name}")
@@ -75,7 +193,7 @@ def _check_input(name, x, width_name, width):
             f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
             f"Received: {name}.shape={tuple(x.shape)}"
         )
-    return x.astype(np.float64)
+    return x
 
 
 def _apply_defaults(query, key, value):
@@ -98,6 +216,79 @@ def _check_lengths(query, key, value):
     if key.shape[1] != value.shape[1]:
         raise ValueError(
             f"`key` and `value` must have the same length S. Received: key.shape={key.shape}, value.shape={value.shape}"
+        )
+
+
+def _check_dtypes(query, key, value):
+    dtypes = (np.asarray(query).dtype, np.asarray(key).dtype, np.asarray(value).dtype)
+    if len(set(dtypes)) > 1:
+        raise ValueError(
+            "`query`, `key` and `value` must have the same dtype. Received: "
+            f"query.dtype={dtypes[0].name}, key.dtype={dtypes[1].name}, value.dtype={dtypes[2].name}"
+        )
+
+
+def _check_padding_mask(name, mask, batch_size, length, letter):
+    """Checks a (B, L) boolean `key_mask` or `query_mask`."""
+    mask = np.asarray(mask)
+    if mask.dtype != np.bool_ or mask.shape != (batch_size, length):
+        raise ValueError(
+            f"`{name}` must be a boolean tensor of shape (B, {letter})=({batch_size}, {length}). "
+            f"Received: {name}.shape={tuple(mask.shape)}, {name}.dtype={mask.dtype.name}"
+        )
+    return mask
+
+
+def _check_keeps_some(name, mask):
+    """Refuses a boolean mask that is False everywhere: nn.MultiheadAttention's polarity."""
+    if mask.dtype == np.bool_ and mask.size and not mask.any():
+        raise ValueError(
+            f"`{name}` keeps no key for any query: True means attend (in nn.MultiheadAttention True means ignore: "
+            f"pass `~mask`). Received: a boolean {name} that is False everywhere"
+        )
+
+
+def _check_not_keras_mask(mask):
+    """Refuses a floating attention_mask of only 0s and 1s: a Keras mask, read as boolean there."""
+    if mask.dtype != np.bool_ and mask.size and np.isin(mask, (0.0, 1.0)).all() and (mask == 1).any():
+        raise ValueError(
+            "`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras reads such a "
+            "mask as boolean): pass `mask > 0` (True = attend) or an additive mask. "
+            "Received: a floating attention_mask of 0s and 1s"
+        )
+
+
+def _check_not_key_padding(mask, batch_size, t):
+    """Refuses a 2-D attention_mask that could be (T, S) or a (B, S) key padding mask (B == T)."""
+    if mask.ndim == 2 and batch_size == t > 1 and mask.shape[0] != 1:
+        raise ValueError(
+            "A 2-D `attention_mask` is read as (T, S), but with B == T it could be a (B, S) key padding mask: pass "
+            "`key_mask=mask` for that, or a (1, T, S) mask (`mask[None]`) for a (T, S) one. "
+            f"Received: attention_mask.shape={tuple(mask.shape)}, B=T={batch_size}"
+        )
+
+
+def _check_positions(positions, batch_size, t, rope):
+    """(B, T) integer RoPE positions from `positions` (B, T) or (T,)."""
+    if not rope:
+        raise ValueError(
+            "`positions` needs RoPE: construct the layer with `rope_theta`. Received: positions with rope_theta=None"
+        )
+    positions = np.asarray(positions)
+    if not np.issubdtype(positions.dtype, np.integer) or positions.shape not in ((batch_size, t), (t,)):
+        raise ValueError(
+            f"`positions` must be an integer tensor of shape (B, T) or (T,) with B={batch_size}, T={t}. "
+            f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={positions.dtype.name}"
+        )
+    return np.broadcast_to(positions, (batch_size, t))
+
+
+def _check_own_tokens(query, key):
+    """RoPE gives query t and key t one position: the keys must be the query's own tokens."""
+    if key.shape[1] != query.shape[1]:
+        raise ValueError(
+            "RoPE needs `key` and `value` to hold the query's own tokens (S == T, or decoding with `cache`). "
+            f"Received: query.shape={query.shape}, key.shape={key.shape}"
         )
 
 
@@ -153,24 +344,29 @@ def _check_keep(keep, batch_size, max_length):
     return keep
 
 
-def _cache_keep(keep, index, t, causal):
-    """(B, L) cache keep -> (B, 1, T, L): slot s is written, not padding and, when causal, at most
-    the query's own position index + t."""
+def _cache_keep(keep, index, t, causal, window):
+    """(B, L) cache keep -> (B, 1, T, L): slot s is written, not padding, when causal at most the
+    query's own position index + t, and with a window W above index + t - W."""
     slots = np.arange(keep.shape[-1])[None, :]  # (1, L)
     positions = index + np.arange(t)[:, None]  # (T, 1), the position of each query
     allowed = slots <= positions if causal else slots < index + t  # (T, L)
+    if window is not None:
+        allowed = allowed & (slots > positions - window)  # (T, L)
     return allowed[None, None] & keep[:, None, None, :]  # (B, 1, T, L)
 
 
-def _write_cache(cache, k, v):
-    """Copies the cache with (B, K, T, H) keys and values written to slots [index, index + T)."""
+def _write_cache(cache, k, v, key_mask):
+    """Copies the cache with (B, K, T, H) keys and values written to slots [index, index + T) and
+    the (B, T) `key_mask` ANDed into `keep` there."""
     index, t, length = int(cache.index), k.shape[2], cache.key.shape[2]
     if index + t > length:
         raise _cache_full_error(index, t, length)
-    key, value = cache.key.copy(), cache.value.copy()
+    key, value, keep = cache.key.copy(), cache.value.copy(), cache.keep.copy()
     key[:, :, index : index + t] = k  # (B, K, L, H)
     value[:, :, index : index + t] = v  # (B, K, L, H)
-    return KVCache(key, value, cache.keep.copy(), np.asarray(index + t))
+    if key_mask is not None:
+        keep[:, index : index + t] &= key_mask  # (B, L)
+    return KVCache(key, value, keep, np.asarray(index + t))
 
 
 def _and(a, b):
@@ -184,19 +380,16 @@ def _results(output, weights, cache, return_attention):
     return results[0] if len(results) == 1 else results
 
 
-def _mask_to_4d(mask, target):
-    """Checks `attention_mask` against target (B, N, T, S) and returns it as rank 4."""
-    mask = np.asarray(mask)
+def _mask_to_4d(mask, target, name="attention_mask"):
+    """Checks `attention_mask` (or `attention_bias`) against target (B, N, T, S), returns it as rank 4."""
     if mask.dtype != np.bool_ and not np.issubdtype(mask.dtype, np.floating):
-        raise ValueError(
-            f"`attention_mask` must be boolean or floating. Received: attention_mask.dtype={mask.dtype.name}"
-        )
+        raise ValueError(f"`{name}` must be boolean or floating. Received: {name}.dtype={mask.dtype.name}")
     expected = {2: target[2:], 3: (target[0], *target[2:]), 4: target}.get(mask.ndim)
     if expected is None or any(m not in (1, e) for m, e in zip(mask.shape, expected, strict=True)):
         raise ValueError(
-            "`attention_mask` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
+            f"`{name}` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
             f"(B, N, T, S), each dimension full or 1. Expected: (B, N, T, S)={target}. "
-            f"Received: attention_mask.shape={tuple(mask.shape)}"
+            f"Received: {name}.shape={tuple(mask.shape)}"
         )
     if mask.ndim == 2:
         return mask[None, None]  # (T, S) -> (1, 1, T, S)
@@ -210,53 +403,110 @@ def causal_mask(t, s):
     return np.arange(s)[None, :] <= np.arange(t)[:, None] + (s - t)  # (T, S)
 
 
-def _split_mask(attention_mask, target):
-    """Splits `attention_mask` into (keep, bias): boolean and additive, both rank 4 or None."""
-    if attention_mask is None:
+def window_mask(t, s, window):
+    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - window (bottom-right aligned)."""
+    return np.arange(s)[None, :] > np.arange(t)[:, None] + (s - t) - window  # (T, S)
+
+
+def _removal_threshold(dtype):
+    """A floating mask value at or below this removes a key: the lowest finite value of the
+    mask's dtype or of float32, whichever is higher (so -inf, and what converters put for it)."""
+    return max(np.finfo(dtype).min, np.finfo(np.float32).min)
+
+
+def _split_mask(mask, target, name="attention_mask"):
+    """Splits a mask into (keep, bias): boolean and additive (float64, finite), both rank 4 or None."""
+    if mask is None:
         return None, None
-    mask = _mask_to_4d(attention_mask, target)
+    mask = _mask_to_4d(mask, target, name)
     if mask.dtype == np.bool_:
         return mask, None
-    lowest = np.finfo(mask.dtype).min
-    removed = mask <= lowest  # -inf (or the lowest finite value, which converters put for it) removes a key
-    return ~removed, np.where(removed, 0.0, np.maximum(mask, lowest).astype(np.float64))  # finite, never 0 * -inf
+    removed = mask <= _removal_threshold(mask.dtype)  # read in the mask's own dtype, before any cast
+    return ~removed, np.where(removed, 0.0, mask.astype(np.float64))  # finite, never 0 * -inf
 
 
-def dot_product_attention(q, k, v, keep=None, bias=None, causal=False):
-    """Pure attention on split heads; returns (context, weights, probs, keep).
+def _split_bias(attention_bias, target):
+    """`attention_bias` -> (keep, bias) by the floating mask rule; a boolean one is refused."""
+    if attention_bias is None:
+        return None, None
+    attention_bias = np.asarray(attention_bias)
+    if not np.issubdtype(attention_bias.dtype, np.floating):
+        raise ValueError(
+            f"`attention_bias` must be floating. Received: attention_bias.dtype={attention_bias.dtype.name}"
+        )
+    return _split_mask(attention_bias, target, "attention_bias")
+
+
+def _sum_to_shape(grad, shape):
+    """The gradient of a tensor of `shape` broadcast to grad's rank-4 shape: summed back."""
+    rank4 = {2: (1, 1, *shape), 3: (shape[0], 1, *shape[1:]), 4: tuple(shape)}[len(shape)]
+    axes = tuple(i for i, (g, m) in enumerate(zip(grad.shape, rank4, strict=True)) if m == 1 and g != 1)
+    return grad.sum(axis=axes, keepdims=True).reshape(shape)
+
+
+def dot_product_attention(
+    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, sinks=None
+):
+    """Pure attention on split heads; returns (context, weights).
 
     Args:
         q: (B, N, T, H) queries.
         k: (B, K, S, H) keys, K dividing N.
         v: (B, K, S, H) values.
         keep: None or boolean, broadcasts to (B, N, T, S); True where a query may attend a key.
-        bias: None or float, broadcasts to (B, N, T, S); added to the scaled scores.
+        bias: None or float, broadcasts to (B, N, T, S); added to the (soft-capped) scores.
         causal: if True, query t keeps key s only if s <= t + (S - T).
+        scale: the factor of the scores; defaults to 1 / sqrt(H).
+        softcap: None, or c: the scaled scores become c * tanh(scores / c).
+        window: None, or W: query t keeps key s only if s > t + (S - T) - W.
+        sinks: None, or (N,) logits that join the softmax's denominator.
 
     Returns:
-        context (B, N, T, H), weights (B, N, T, S) with exact zeros where not kept, and the
-        softmax before zeroing and the keep mask used (both needed by the backward).
+        context (B, N, T, H) and weights (B, N, T, S), with exact zeros where not kept.
     """
+    context, weights, _ = _attention(q, k, v, keep, bias, causal, scale, softcap, window, sinks)
+    return context, weights
+
+
+def _attention(q, k, v, keep, bias, causal, scale, softcap, window, sinks):
+    """`dot_product_attention`, also returning what the backward needs."""
     t, s = q.shape[2], k.shape[2]
     keep = np.ones((1, 1, t, s), dtype=bool) if keep is None else keep  # (B, N, T, S), dims may be 1
     keep = keep & causal_mask(t, s) if causal else keep
+    keep = keep & window_mask(t, s, window) if window is not None else keep
     groups = q.shape[1] // k.shape[1]
     k = np.repeat(k, groups, axis=1)  # (B, K, S, H) -> (B, N, S, H)
     v = np.repeat(v, groups, axis=1)  # (B, K, S, H) -> (B, N, S, H)
-    scores = q @ k.swapaxes(-1, -2) / math.sqrt(q.shape[-1])  # (B, N, T, S)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = q @ k.swapaxes(-1, -2) * scale  # (B, N, T, S)
+    capped = None if softcap is None else np.tanh(scores / softcap)  # (B, N, T, S), kept for the backward
+    scores = scores if softcap is None else softcap * capped
     scores = scores if bias is None else scores + bias  # (B, N, T, S)
     lowest = np.finfo(scores.dtype).min
     scores = np.where(keep, scores, lowest)  # (B, N, T, S)
-    shifted = scores - scores.max(axis=-1, keepdims=True, initial=lowest)  # (B, N, T, S); `initial`: S may be 0
-    probs = np.exp(shifted) / np.exp(shifted).sum(axis=-1, keepdims=True)  # (B, N, T, S)
+    top = scores.max(axis=-1, keepdims=True, initial=lowest)  # (B, N, T, 1); `initial`: S may be 0
+    sink = None if sinks is None else sinks[None, :, None, None]  # (1, N, 1, 1)
+    top = top if sink is None else np.maximum(top, sink)
+    exp = np.exp(scores - top)  # (B, N, T, S)
+    total = exp.sum(axis=-1, keepdims=True)  # (B, N, T, 1)
+    total = total if sink is None else total + np.exp(sink - top)  # the sink joins the denominator
+    probs = exp / total  # (B, N, T, S)
     weights = np.where(keep, probs, 0.0)  # (B, N, T, S), rows with no key are all 0
     context = weights @ v  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
-    return context, weights, probs, keep
+    saved = dict(k=k, v=v, keep=keep, probs=probs, weights=weights, capped=capped, scale=scale, softcap=softcap)
+    return context, weights, saved
 
 
 def _glorot_uniform(rng, fan_in, fan_out):
     limit = math.sqrt(6.0 / (fan_in + fan_out))
     return rng.uniform(-limit, limit, size=(fan_in, fan_out))
+
+
+def _initial_value(rng, name, shape):
+    """Glorot uniform kernels, zero biases and sink logits, QK-norm scales of one."""
+    if name.endswith("_kernel"):
+        return _glorot_uniform(rng, *shape)
+    return np.ones(shape) if name.endswith("_norm") else np.zeros(shape)
 
 
 class MultiHeadAttention:
@@ -270,7 +520,21 @@ class MultiHeadAttention:
         kdim: width of `key`. Defaults to E.
         vdim: width of `value`. Defaults to E.
         dropout: must be 0: the reference has no dropout.
-        bias: whether the four projections have biases.
+        bias: True (all four projections have a bias), False, or the names of those that do,
+            from "query", "key", "value", "output" (Qwen2: ("query", "key", "value")).
+        scale: the factor of the scores q . k; defaults to 1 / sqrt(H).
+        softcap: None, or c: scores become c * tanh(scores / c) (Gemma 2).
+        window: None, or W: each query attends only keys s > t + (S - T) - W (with `causal`,
+            the W most recent keys, itself included).
+        rope_theta: None (no RoPE), or the base of rotary position embeddings (e.g. 10000.0).
+        rope_fraction: the share of each head's features that RoPE rotates (partial rotary).
+        rope_interleaved: pair features (2i, 2i + 1) (GPT-J) instead of (i, i + R/2) (Llama).
+        rope_scaling: None, or a dict {"rope_type": "linear" or "llama3", ...} as in transformers.
+        qk_norm: None, "head" (RMSNorm of each head of q and k, Qwen3) or "all" (of all heads,
+            OLMo2); its scales are the weights `query_norm` and `key_norm`.
+        qk_norm_eps: the epsilon of that RMSNorm.
+        sinks: if True, one learned logit per head (weight `sinks`) joins the softmax's
+            denominator (gpt-oss).
         seed: seed for the Glorot uniform initialisation of the kernels (biases start at 0).
 
     Call arguments:
@@ -279,6 +543,12 @@ class MultiHeadAttention:
         value: (B, S, vdim). Defaults to `key`.
         attention_mask: boolean (True = attend) or floating (added to the scores), of shape
             (T, S), (B, T, S) or (B, N, T, S), any dimension of which may be 1.
+        key_mask: (B, S) boolean, True for a real key (with `cache`: (B, T), the new tokens).
+            In self-attention it defaults to `query_mask`.
+        query_mask: (B, T) boolean, True for a real query; other rows output `output_bias`.
+        attention_bias: floating, shaped like `attention_mask`, added to the scores (T5's
+            relative position bias, ALiBi); it has a gradient.
+        positions: integer (B, T) or (T,) RoPE positions; default arange(T) (+ the cache index).
         causal: if True, query t attends key s only if s <= t + (S - T).
         return_attention: if True, also return the per-head attention weights.
         cache: a `KVCache` from `init_cache`: decode T new tokens (`key` and `value`, if
@@ -293,7 +563,7 @@ class MultiHeadAttention:
         >>> layer = MultiHeadAttention(16, 4, seed=0)
         >>> x = np.random.default_rng(0).normal(size=(2, 3, 16))  # (B, T, E)
         >>> keep = np.array([[True, True, False], [True, True, True]])  # (B, S)
-        >>> out, weights = layer(x, attention_mask=keep[:, None, :], return_attention=True)
+        >>> out, weights = layer(x, key_mask=keep, return_attention=True)
         >>> out.shape, weights.shape
         ((2, 3, 16), (2, 4, 3, 3))
         >>> bool((weights[0, :, :, 2] == 0).all())
@@ -311,6 +581,16 @@ class MultiHeadAttention:
         vdim=None,
         dropout=0.0,
         bias=True,
+        scale=None,
+        softcap=None,
+        window=None,
+        rope_theta=None,
+        rope_fraction=1.0,
+        rope_interleaved=False,
+        rope_scaling=None,
+        qk_norm=None,
+        qk_norm_eps=1e-6,
+        sinks=False,
         seed=None,
     ):
         self.d_model = _positive_int("d_model", d_model)
@@ -330,12 +610,25 @@ class MultiHeadAttention:
         if dropout != 0.0:
             raise ValueError(f"`dropout` must be 0: the NumPy reference has no dropout. Received: dropout={dropout!r}")
         self.dropout = 0.0
-        self.bias = bool(bias)
+        self.bias = _projection_biases(bias)
+        self.scale = 1.0 / math.sqrt(self.head_dim) if scale is None else _positive_float("scale", scale)
+        self.softcap = _positive_float("softcap", softcap, optional=True)
+        self.window = None if window is None else _positive_int("window", window)
+        self.rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
+        self.rope_fraction = rope_fraction
+        self.rope_interleaved = bool(rope_interleaved)
+        self.rope_scaling = _rope_scaling(rope_scaling)
+        self._inv_freq = None
+        if self.rope_theta is not None:
+            rotary_dim = _rotary_dim(rope_fraction, self.head_dim)
+            self._inv_freq = rope_frequencies(rotary_dim, self.rope_theta, self.rope_scaling)  # (R/2,)
+        self.qk_norm = _check_qk_norm(qk_norm)
+        self.qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
+        self.sinks = bool(sinks)
         rng = np.random.default_rng(seed)
         self.params = {}
         for name, shape in self.weight_shapes().items():
-            is_kernel = name.endswith("_kernel")
-            self.params[name] = _glorot_uniform(rng, *shape) if is_kernel else np.zeros(shape)
+            self.params[name] = _initial_value(rng, name, shape)
         self._saved = None
 
     def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
@@ -358,7 +651,8 @@ class MultiHeadAttention:
         return KVCache(np.zeros(shape, dtype), np.zeros(shape, dtype), keep.copy(), np.asarray(0))
 
     def weight_shapes(self):
-        """The portable layout: {name: shape}, biases left out when `bias` is False."""
+        """The portable layout: {name: shape}; biases of the projections in `bias`, the norm
+        scales with `qk_norm`, `sinks` with sinks."""
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         shapes = {
             "query_kernel": (self.d_model, nh),
@@ -369,8 +663,18 @@ class MultiHeadAttention:
             "value_bias": (kh,),
             "output_kernel": (nh, self.d_model),
             "output_bias": (self.d_model,),
+            "query_norm": (self.head_dim,) if self.qk_norm == "head" else (nh,),
+            "key_norm": (self.head_dim,) if self.qk_norm == "head" else (kh,),
+            "sinks": (self.num_heads,),
         }
-        return {k: v for k, v in shapes.items() if self.bias or k.endswith("_kernel")}
+        present = {
+            **{f"{kind}_kernel": True for kind in _PROJECTIONS},
+            **{f"{kind}_bias": kind in self.bias for kind in _PROJECTIONS},
+            "query_norm": self.qk_norm is not None,
+            "key_norm": self.qk_norm is not None,
+            "sinks": self.sinks,
+        }
+        return {name: shape for name, shape in shapes.items() if present[name]}
 
     def export_weights(self):
         """Returns the portable weights: a dict of float64 arrays (see docs/SPEC.md)."""
@@ -388,44 +692,100 @@ class MultiHeadAttention:
             raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
         self.params = {name: np.array(weights[name], dtype=np.float64) for name in expected}
 
-    def _project(self, x, kind, heads):
-        """(B, L, D) -> (B, heads, L, H): one projection split into heads."""
+    def _project(self, x, kind):
+        """(B, L, D) -> (B, L, heads*H): one projection, with its bias if it has one."""
         y = x @ self.params[f"{kind}_kernel"]  # (B, L, D) -> (B, L, heads*H)
-        if self.bias:
-            y = y + self.params[f"{kind}_bias"]
-        b, length, _ = y.shape
-        return y.reshape(b, length, heads, self.head_dim).transpose(0, 2, 1, 3)  # -> (B, heads, L, H)
+        return y + self.params[f"{kind}_bias"] if kind in self.bias else y
+
+    def _split_heads(self, y):
+        """(B, L, heads*H) -> (B, heads, L, H)."""
+        b, length, width = y.shape
+        return y.reshape(b, length, width // self.head_dim, self.head_dim).transpose(0, 2, 1, 3)
+
+    def _by_norm(self, y):
+        """(B, L, heads*H) -> the shape QK-norm normalizes over its last axis."""
+        return y.reshape(*y.shape[:2], -1, self.head_dim) if self.qk_norm == "head" else y  # (B, L, heads, H)
+
+    def _normalize_qk(self, q, k):
+        """QK-norm of the (B, T, N*H) queries and (B, S, K*H) keys, per head or over all heads."""
+        if self.qk_norm is None:
+            return q, k
+        eps = self.qk_norm_eps
+        q_normed = rms_norm(self._by_norm(q), self.params["query_norm"], eps).reshape(q.shape)  # (B, T, N*H)
+        k_normed = rms_norm(self._by_norm(k), self.params["key_norm"], eps).reshape(k.shape)  # (B, S, K*H)
+        return q_normed, k_normed
+
+    def _rotate(self, q, k, positions):
+        """RoPE of the (B, N, T, H) queries and (B, K, T, H) keys at (B, T) positions."""
+        if self._inv_freq is None:
+            return q, k
+        inv_freq, interleaved = self._inv_freq, self.rope_interleaved
+        return apply_rope(q, positions, inv_freq, interleaved), apply_rope(k, positions, inv_freq, interleaved)
+
+    def _positions(self, positions, batch_size, t, index):
+        """(B, T) RoPE positions: `positions`, or index + arange(T); None without RoPE."""
+        if positions is not None:
+            return _check_positions(positions, batch_size, t, self._inv_freq is not None)
+        return None if self._inv_freq is None else np.broadcast_to(index + np.arange(t), (batch_size, t))
 
     def __call__(
-        self, query, key=None, value=None, attention_mask=None, *, causal=False, return_attention=False, cache=None
+        self,
+        query,
+        key=None,
+        value=None,
+        attention_mask=None,
+        *,
+        key_mask=None,
+        query_mask=None,
+        attention_bias=None,
+        positions=None,
+        causal=False,
+        return_attention=False,
+        cache=None,
     ):
         key, value, defaulted = _apply_defaults(query, key, value)
         query = _check_input("query", query, "E", self.d_model)
         key = _check_input("key", key, "kdim", self.kdim)
         value = _check_input("value", value, "vdim", self.vdim)
         _check_lengths(query, key, value)
+        _check_dtypes(query, key, value)
+        query, key, value = (x.astype(np.float64) for x in (query, key, value))
+        (b, t, _), s = query.shape, key.shape[1]
+        query_mask = None if query_mask is None else _check_padding_mask("query_mask", query_mask, b, t, "T")
+        if key_mask is not None:
+            key_mask = _check_padding_mask("key_mask", key_mask, b, s, "S")
+            _check_keeps_some("key_mask", key_mask)
+        key_mask = query_mask if key_mask is None and defaulted == "both" else key_mask  # self-attention
         if cache is not None:
             _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
             _check_cache_dtype(cache, np.float64)
-        (b, t, _), s = query.shape, key.shape[1] if cache is None else cache.key.shape[2]
-        keep, bias = _split_mask(attention_mask, (b, self.num_heads, t, s))
+            s = cache.key.shape[2]
+        elif self._inv_freq is not None:
+            _check_own_tokens(query, key)
+        index = 0 if cache is None else int(cache.index)
+        positions = self._positions(positions, b, t, index)
+        target = (b, self.num_heads, t, s)
+        keep, bias = _combine_masks(attention_mask, attention_bias, query_mask, None if cache else key_mask, target)
 
-        q = self._project(query, "query", self.num_heads)  # (B, T, E) -> (B, N, T, H)
-        k = self._project(key, "key", self.num_kv_heads)  # (B, S, kdim) -> (B, K, S, H)
-        v = self._project(value, "value", self.num_kv_heads)  # (B, S, vdim) -> (B, K, S, H)
+        y = {kind: self._project(x, kind) for kind, x in (("query", query), ("key", key), ("value", value))}
+        q_flat, k_flat = self._normalize_qk(y["query"], y["key"])  # QK-norm: (B, T, N*H), (B, S, K*H)
+        q = self._split_heads(q_flat)  # (B, T, N*H) -> (B, N, T, H)
+        k = self._split_heads(k_flat)  # (B, S, K*H) -> (B, K, S, H)
+        v = self._split_heads(y["value"])  # (B, S, K*H) -> (B, K, S, H)
+        q, k = self._rotate(q, k, positions)  # RoPE: (B, N, T, H), (B, K, S, H)
+        causal_now, window = causal, self.window
         if cache is not None:
-            keep = _and(keep, _cache_keep(cache.keep, int(cache.index), t, causal))  # (B, N, T, L), dims may be 1
-            cache = _write_cache(cache, k, v)
-            k, v, causal = cache.key, cache.value, False  # (B, K, L, H); causality is in `keep`
-        context, weights, probs, keep = dot_product_attention(q, k, v, keep, bias, causal)  # (B, N, T, H)
+            cache = _write_cache(cache, k, v, key_mask)
+            keep = _and(keep, _cache_keep(cache.keep, index, t, causal, window))  # (B, N, T, L), dims may be 1
+            k, v, causal_now, window = cache.key, cache.value, False, None  # (B, K, L, H); all in `keep`
+        sinks = self.params.get("sinks")
+        context, weights, saved = _attention(q, k, v, keep, bias, causal_now, self.scale, self.softcap, window, sinks)
         merged = context.transpose(0, 2, 1, 3).reshape(b, t, self.num_heads * self.head_dim)  # -> (B, T, N*H)
-        output = merged @ self.params["output_kernel"]  # (B, T, N*H) -> (B, T, E)
-        if self.bias:
-            output = output + self.params["output_bias"]
+        output = self._project(merged, "output")  # (B, T, N*H) -> (B, T, E)
 
         self._saved = None if cache is not None else dict(
-            query=query, key=key, value=value, defaulted=defaulted, q=q, k=k, v=v,
-            keep=keep, probs=probs, weights=weights, merged=merged,
+            query=query, key=key, value=value, defaulted=defaulted, y=y, q=q, positions=positions, merged=merged,
+            attention_bias=None if attention_bias is None else np.shape(attention_bias), **saved,
         )  # fmt: skip
         return _results(output, weights, cache, return_attention)
 
@@ -437,8 +797,8 @@ class MultiHeadAttention:
 
         Returns:
             A dict with `query`, `key`, `value` (only for the inputs that were passed; the
-            gradient of a defaulted input is added to the one it defaulted to) and every name
-            of the portable weight layout.
+            gradient of a defaulted input is added to the one it defaulted to), `attention_bias`
+            (when one was passed) and every name of the portable weight layout.
         """
         if self._saved is None:
             raise ValueError("`backward` needs a forward call without `cache` first. Received: no such call")
@@ -454,30 +814,76 @@ class MultiHeadAttention:
         grads = {"output_kernel": np.einsum("btm,bte->me", c["merged"], g), "output_bias": g.sum(axis=(0, 1))}
         d_context = (g @ p["output_kernel"].T).reshape(b, t, n, h).transpose(0, 2, 1, 3)  # -> (B, N, T, H)
 
-        groups = n // kv
-        k_rep = np.repeat(c["k"], groups, axis=1)  # (B, K, S, H) -> (B, N, S, H)
-        v_rep = np.repeat(c["v"], groups, axis=1)  # (B, K, S, H) -> (B, N, S, H)
-        d_weights = d_context @ v_rep.swapaxes(-1, -2)  # (B, N, T, H) @ (B, N, H, S) -> (B, N, T, S)
+        d_weights = d_context @ c["v"].swapaxes(-1, -2)  # (B, N, T, H) @ (B, N, H, S) -> (B, N, T, S)
         d_v_rep = c["weights"].swapaxes(-1, -2) @ d_context  # (B, N, S, T) @ (B, N, T, H) -> (B, N, S, H)
         d_probs = np.where(c["keep"], d_weights, 0.0)  # (B, N, T, S)
         probs = c["probs"]
-        d_scores = probs * (d_probs - (d_probs * probs).sum(axis=-1, keepdims=True))  # softmax backward
-        d_scores = np.where(c["keep"], d_scores, 0.0) / math.sqrt(h)  # (B, N, T, S)
-        d_q = d_scores @ k_rep  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
+        inner = (d_probs * probs).sum(axis=-1, keepdims=True)  # (B, N, T, 1)
+        d_scores = np.where(c["keep"], probs * (d_probs - inner), 0.0)  # softmax backward, (B, N, T, S)
+        if self.sinks:
+            sink_probs = 1.0 - probs.sum(axis=-1, keepdims=True)  # (B, N, T, 1): the sink's share
+            grads["sinks"] = -(sink_probs * inner).sum(axis=(0, 2, 3))  # (N,)
+        if c["attention_bias"] is not None:
+            grads["attention_bias"] = _sum_to_shape(d_scores, c["attention_bias"])
+        if c["capped"] is not None:
+            d_scores = d_scores * (1.0 - c["capped"] ** 2)  # through softcap * tanh(scores / softcap)
+        d_scores = d_scores * c["scale"]  # (B, N, T, S)
+        d_q = d_scores @ c["k"]  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
         d_k_rep = d_scores.swapaxes(-1, -2) @ c["q"]  # (B, N, S, T) @ (B, N, T, H) -> (B, N, S, H)
         s = d_k_rep.shape[2]
-        d_k = d_k_rep.reshape(b, kv, groups, s, h).sum(axis=2)  # (B, N, S, H) -> (B, K, S, H)
-        d_v = d_v_rep.reshape(b, kv, groups, s, h).sum(axis=2)  # (B, N, S, H) -> (B, K, S, H)
+        d_k = d_k_rep.reshape(b, kv, n // kv, s, h).sum(axis=2)  # (B, N, S, H) -> (B, K, S, H)
+        d_v = d_v_rep.reshape(b, kv, n // kv, s, h).sum(axis=2)  # (B, N, S, H) -> (B, K, S, H)
+        if self._inv_freq is not None:  # RoPE is a rotation: its backward turns back
+            d_q, d_k = (apply_rope(d, -c["positions"], self._inv_freq, self.rope_interleaved) for d in (d_q, d_k))
 
         inputs = {}
         for kind, d_heads in (("query", d_q), ("key", d_k), ("value", d_v)):
-            length, width = d_heads.shape[2], d_heads.shape[1] * h
-            d_y = d_heads.transpose(0, 2, 1, 3).reshape(b, length, width)  # (B, heads, L, H) -> (B, L, heads*H)
+            d_y = d_heads.transpose(0, 2, 1, 3).reshape(*c["y"][kind].shape)  # (B, heads, L, H) -> (B, L, heads*H)
+            if kind != "value" and self.qk_norm is not None:
+                by_norm = self._by_norm(c["y"][kind])  # QK-norm's backward
+                d_y, grads[f"{kind}_norm"] = _rms_norm_backward(
+                    by_norm, p[f"{kind}_norm"], self.qk_norm_eps, d_y.reshape(by_norm.shape)
+                )
+                d_y = d_y.reshape(c["y"][kind].shape)
             grads[f"{kind}_kernel"] = np.einsum("bld,blm->dm", c[kind], d_y)
             grads[f"{kind}_bias"] = d_y.sum(axis=(0, 1))
             inputs[kind] = d_y @ p[f"{kind}_kernel"].T  # (B, L, heads*H) -> (B, L, D)
+        extra = {} if c["attention_bias"] is None else {"attention_bias": grads["attention_bias"]}
         grads = {name: grads[name] for name in self.weight_shapes()}
-        return {**_fold_defaulted(inputs, c["defaulted"]), **grads}
+        return {**_fold_defaulted(inputs, c["defaulted"]), **extra, **grads}
+
+
+def _rms_norm_backward(x, scale, eps, grad):
+    """Gradients of rms_norm(x, scale, eps) for the upstream `grad`: (d_x, d_scale)."""
+    rms = np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps)
+    normed = x / rms
+    d_scale = (grad * normed).reshape(-1, x.shape[-1]).sum(axis=0)
+    g = grad * scale
+    return (g - normed * np.mean(g * normed, axis=-1, keepdims=True)) / rms, d_scale
+
+
+def _combine_masks(attention_mask, attention_bias, query_mask, key_mask, target):
+    """One boolean keep and one additive bias (float64), broadcasting to (B, N, T, S), or None."""
+    if attention_mask is not None:
+        attention_mask = np.asarray(attention_mask)
+        _check_traps(attention_mask, target)
+    keep, mask_bias = _split_mask(attention_mask, target)
+    bias_keep, bias = _split_bias(attention_bias, target)
+    keep = _and(keep, bias_keep)
+    bias = mask_bias if bias is None else bias if mask_bias is None else bias + mask_bias
+    if query_mask is not None:
+        keep = _and(keep, query_mask[:, None, :, None])  # (B, T) -> (B, 1, T, 1)
+    if key_mask is not None:
+        keep = _and(keep, key_mask[:, None, None, :])  # (B, S) -> (B, 1, 1, S)
+    return keep, bias
+
+
+def _check_traps(mask, target):
+    """The built-ins' habits that would give wrong numbers silently (docs/SPEC.md, Masks)."""
+    _mask_to_4d(mask, target)  # dtype and shape first
+    _check_not_key_padding(mask, target[0], target[2])
+    _check_keeps_some("attention_mask", mask)
+    _check_not_keras_mask(mask)
 
 
 def _fold_defaulted(inputs, defaulted):

@@ -27,7 +27,14 @@ MASK_KINDS = (
     "float_row_inf",  # floating (B, T, S): a row entirely -inf, and the lowest float32 (what converters put for -inf)
     "rows_masked",  # boolean (B, T, S) in which some query rows keep no key
     "batch_masked",  # key padding (B, 1, S) in which one batch element keeps no key
+    "float64_far",  # floating float64 (B, T, S): -1e300, float32's lowest, and a row of -1e39 (below float32's range)
+    "float_penalty",  # floating float32 (B, T, S) of -1e9 penalties, one row entirely -1e9 (beyond float16's range)
 )
+CALL_INPUTS = ("attention_mask", "key_mask", "query_mask", "attention_bias", "positions")  # beside the inputs
+LLAMA3_SCALING = {  # Llama 3.1's frequency rewrite, with a short original context so every band is taken at H = 8
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,19 +51,24 @@ class Case:
     h: int | None = None  # head_dim; None means E // N
     kdim: int | None = None
     vdim: int | None = None
-    bias: bool = True
+    bias: bool | tuple = True  # True, False or the projections that have one
     mask: str = "none"
     causal: bool = False
     self_attention: bool = False  # call layer(query) with key and value left out
     dtype: str = "float32"
     scale: float = 1.0  # standard deviation of the inputs; large values push scores to ~1e3
+    variants: tuple = ()  # more constructor arguments as (name, value) pairs: scale, softcap, window, rope_*, ...
+    key_mask: bool = False  # pass a (B, S) key_mask in which the last batch element keeps no key
+    query_mask: bool = False  # pass a (B, T) query_mask
+    attention_bias: str = "none"  # none, 1nts (1, N, T, S) or bts (B, T, S), with some -inf
+    positions: str = "none"  # none (the default arange) or shifted: (B, T) positions, each row its own offset
 
     @property
     def config(self):
         """Constructor arguments shared by the three layers."""
         return dict(
             d_model=self.e, num_heads=self.n, num_kv_heads=self.k, head_dim=self.h,
-            kdim=self.kdim, vdim=self.vdim, bias=self.bias,
+            kdim=self.kdim, vdim=self.vdim, bias=self.bias, **dict(self.variants),
         )  # fmt: skip
 
     @property
@@ -110,6 +122,108 @@ CASES = [
     Case("float16_cross_causal", dtype="float16", t=4, s=6, causal=True),
     Case("bfloat16_cross", dtype="bfloat16", t=4, s=6, mask="float_ts"),
     Case("bfloat16_gqa_masked", dtype="bfloat16", k=2, t=4, s=6, mask="rows_masked"),
+    # The floating mask rule: read in the mask's own dtype, removed at or below max(its lowest, float32's)
+    Case("mask_float64_far", t=4, s=6, mask="float64_far"),
+    Case("mask_float64_far_gqa_causal", k=2, causal=True, self_attention=True, mask="float64_far"),
+    Case("float16_mask_penalty", dtype="float16", t=4, s=6, mask="float_penalty"),
+    Case("bfloat16_mask_float64_far", dtype="bfloat16", t=4, s=6, mask="float64_far"),
+    # Padding masks and the additive bias
+    Case("key_mask", t=4, s=6, key_mask=True),
+    Case("query_mask_self", self_attention=True, query_mask=True, causal=True),
+    Case("key_and_query_masks", t=4, s=6, key_mask=True, query_mask=True, mask="bool_bts"),
+    Case("attention_bias_1nts", t=4, s=6, attention_bias="1nts", mask="bool_b1s"),
+    Case("attention_bias_bts_causal", self_attention=True, causal=True, attention_bias="bts", k=2),
+    Case("partial_bias_qkv", t=4, s=6, bias=("query", "key", "value")),
+    Case("partial_bias_output", self_attention=True, bias=("output",)),
+    # Variants of today's models
+    Case("scale_custom", self_attention=True, variants=(("scale", 0.3),)),
+    Case("softcap", t=4, s=6, mask="bool_bts", scale=3.0, variants=(("softcap", 2.0),)),
+    Case("window_causal", self_attention=True, causal=True, variants=(("window", 2),)),
+    Case("window_t_lt_s", t=3, s=7, causal=True, variants=(("window", 3),)),
+    Case("window_not_causal", t=4, s=6, mask="rows_masked", variants=(("window", 2),)),
+    Case("rope_self_causal", self_attention=True, causal=True, variants=(("rope_theta", 10000.0),)),
+    Case(
+        "rope_partial_gqa",
+        e=32,
+        k=2,
+        self_attention=True,
+        causal=True,
+        positions="shifted",
+        variants=(("rope_theta", 10000.0), ("rope_fraction", 0.5)),
+    ),
+    Case(
+        "rope_interleaved",
+        self_attention=True,
+        positions="shifted",
+        variants=(("rope_theta", 100.0), ("rope_interleaved", True)),
+    ),
+    Case(
+        "rope_llama3",
+        e=32,
+        self_attention=True,
+        causal=True,
+        positions="shifted",
+        variants=(("rope_theta", 10000.0), ("rope_scaling", LLAMA3_SCALING)),
+    ),
+    Case(
+        "rope_linear_cross",
+        t=5,
+        s=5,
+        mask="bool_b1s",
+        variants=(("rope_theta", 10000.0), ("rope_scaling", {"rope_type": "linear", "factor": 2.0})),
+    ),
+    Case("qk_norm_head_gqa", k=2, self_attention=True, causal=True, variants=(("qk_norm", "head"),)),
+    Case("qk_norm_all", t=4, s=6, k=2, variants=(("qk_norm", "all"), ("qk_norm_eps", 1e-5))),
+    Case("sinks_rows_masked", t=4, s=6, mask="rows_masked", variants=(("sinks", True),)),
+    Case("sinks_gqa_causal", k=2, self_attention=True, causal=True, variants=(("sinks", True),)),
+    Case(
+        "gemma2_like",
+        e=32,
+        k=2,
+        self_attention=True,
+        causal=True,
+        mask="bool_b1s",
+        scale=2.0,
+        variants=(("rope_theta", 10000.0), ("softcap", 5.0), ("window", 3), ("scale", 0.25)),
+    ),
+    Case(
+        "gemma3_like",
+        e=32,
+        k=2,
+        self_attention=True,
+        causal=True,
+        query_mask=True,
+        positions="shifted",
+        variants=(("rope_theta", 10000.0), ("qk_norm", "head"), ("window", 3), ("scale", 0.25)),
+    ),
+    Case(
+        "gpt_oss_like",
+        e=32,
+        k=2,
+        self_attention=True,
+        causal=True,
+        query_mask=True,
+        variants=(("rope_theta", 150000.0), ("window", 3), ("sinks", True)),
+    ),
+    Case("t5_like", t=4, s=6, bias=False, key_mask=True, attention_bias="1nts", variants=(("scale", 1.0),)),
+    Case(
+        "float16_variants",
+        dtype="float16",
+        e=32,
+        self_attention=True,
+        causal=True,
+        variants=(("rope_theta", 10000.0), ("softcap", 5.0), ("sinks", True), ("window", 3)),
+    ),
+    Case(
+        "bfloat16_variants",
+        dtype="bfloat16",
+        e=32,
+        k=2,
+        self_attention=True,
+        causal=True,
+        attention_bias="bts",
+        variants=(("rope_theta", 10000.0), ("qk_norm", "head"), ("window", 3)),
+    ),
 ]
 
 CASES_BY_NAME = {case.name: case for case in CASES}
@@ -129,6 +243,16 @@ def _mask(case, rng):
     }
     if case.mask == "none":
         return None
+    if case.mask == "float64_far":
+        mask = rng.normal(size=(b, t, s))
+        mask = np.where(rng.random((b, t, s)) < 0.2, -1e300, mask)  # finite in float64, far below float32's range
+        mask = np.where(rng.random((b, t, s)) < 0.2, np.finfo(np.float32).min, mask)  # as transformers builds masks
+        mask[0, t // 2] = -1e39  # a row of penalties below float32's range: no key left
+        return mask
+    if case.mask == "float_penalty":
+        mask = np.where(rng.random((b, t, s)) < 0.3, -1e9, rng.normal(size=(b, t, s))).astype(np.float32)
+        mask[0, t // 2] = -1e9  # a row of finite penalties: an ordinary softmax
+        return mask
     if case.mask.startswith("float"):
         shape = (t, s) if case.mask == "float_ts" else (b, t, s)
         added = rng.normal(size=shape).astype(np.float32)
@@ -166,16 +290,43 @@ def make_data(case, seed=0):
         "attention_mask": _mask(case, rng),
         "grad_output": rng.normal(size=(case.b, case.t, case.e)).astype(np.float32),
         "weights": random_weights(case, rng),
+        **_call_inputs(case, rng),
     }
 
 
+def _call_inputs(case, rng):
+    """key_mask (B, S), query_mask (B, T), attention_bias and positions (B, T), or None each."""
+    b, n, t, s = case.b, case.n, case.t, case.s
+    key_mask = query_mask = attention_bias = positions = None
+    if case.key_mask:
+        key_mask = rng.random((b, s)) < 0.7
+        key_mask[:-1, 0] = True  # every batch element but the last keeps key 0
+        key_mask[-1] = False  # the last keeps no key
+    if case.query_mask:
+        query_mask = rng.random((b, t)) < 0.7
+        query_mask[:, 0] = True
+    if case.attention_bias != "none":
+        shape = (1, n, t, s) if case.attention_bias == "1nts" else (b, t, s)
+        attention_bias = rng.normal(size=shape).astype(np.float32)
+        attention_bias[rng.random(shape) < 0.15] = -np.inf  # the floating mask rule applies to the bias too
+    if case.positions == "shifted":
+        positions = np.arange(t)[None, :] + rng.integers(0, 50, size=(b, 1))  # (B, T), each row its own offset
+    return {"key_mask": key_mask, "query_mask": query_mask, "attention_bias": attention_bias, "positions": positions}
+
+
+def call_inputs(data):
+    """The call arguments beside query, key and value that a case passes (NumPy arrays)."""
+    return {name: data[name] for name in CALL_INPUTS if data.get(name) is not None}
+
+
 def random_weights(case, rng):
-    """Portable weights with Glorot-scale kernels and non-zero biases (so a bias bug shows)."""
+    """Portable weights with Glorot-scale kernels, non-zero biases and sink logits, and QK-norm
+    scales near 1 (so a bug in any of them shows)."""
     from NumPy import MultiHeadAttention
 
     shapes = MultiHeadAttention(**case.config).weight_shapes()
     weights = {}
     for name, shape in shapes.items():
-        scale = np.sqrt(2.0 / sum(shape)) if len(shape) == 2 else 0.1
-        weights[name] = rng.normal(scale=scale, size=shape).astype(np.float32)
+        scale = np.sqrt(2.0 / sum(shape)) if len(shape) == 2 else 1.0 if name == "sinks" else 0.1
+        weights[name] = rng.normal(scale=scale, size=shape).astype(np.float32) + (name.endswith("_norm"))
     return weights

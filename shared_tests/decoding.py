@@ -36,6 +36,8 @@ class DecodeCase:
     mask: str = "none"  # none, bool_btl, bool_bntl, float_tl: an attention_mask over (P, L)
     causal: bool = True
     dtype: str = "float32"
+    variants: tuple = ()  # more constructor arguments as (name, value) pairs, as in Case
+    positions: bool = False  # pass RoPE positions that skip the left padding (as transformers counts them)
 
     @property
     def p(self):
@@ -74,6 +76,33 @@ DECODE_CASES = [
     DecodeCase("decode_head_dim_no_bias", n=3, h=5, bias=False),
     DecodeCase("decode_b1", b=1, chunks=(2, 1, 1, 1)),
     DecodeCase("decode_float16", dtype="float16", k=2, padding=(0, 2)),
+    DecodeCase("decode_rope", chunks=(3, 1, 1, 1), variants=(("rope_theta", 10000.0),)),
+    DecodeCase(
+        "decode_rope_left_padding",
+        k=2,
+        padding=(0, 3),
+        chunks=(5, 1, 1),
+        positions=True,
+        variants=(("rope_theta", 10000.0), ("rope_fraction", 0.5)),
+    ),
+    DecodeCase("decode_window", chunks=(4, 1, 1, 1), variants=(("window", 3),)),
+    DecodeCase(
+        "decode_all_variants",
+        e=32,
+        k=2,
+        padding=(0, 2),
+        chunks=(4, 1, 1, 1),
+        positions=True,
+        mask="bool_btl",
+        variants=(
+            ("rope_theta", 10000.0),
+            ("qk_norm", "head"),
+            ("softcap", 5.0),
+            ("window", 3),
+            ("sinks", True),
+            ("scale", 0.3),
+        ),
+    ),
 ]
 
 DECODE_CASES_BY_NAME = {case.name: case for case in DECODE_CASES}
@@ -116,7 +145,21 @@ def make_decode_data(case, seed=0):
         "keep": _cache_keep(case),
         "attention_mask": _mask(case, rng),
         "weights": random_weights(case, rng),
+        "positions": _positions(case),
     }
+
+
+def _positions(case):
+    """(B, P) RoPE positions that start at 0 after each prompt's left padding, or None."""
+    if not case.positions:
+        return None
+    pads = np.array(case.padding or (0,) * case.b)[:, None]  # (B, 1)
+    return np.maximum(np.arange(case.p)[None, :] - pads, 0)  # (B, P)
+
+
+def chunk_positions(data, start, stop):
+    """{"positions": the chunk's (B, T) positions} or {} when the case passes none."""
+    return {} if data["positions"] is None else {"positions": data["positions"][:, start:stop]}
 
 
 def chunk_mask(mask, start, stop):
@@ -169,10 +212,16 @@ def run_numpy(case, data):
     for start, stop in case.spans():
         chunk = {name: x[:, start:stop] for name, x in inputs.items()}
         mask = chunk_mask(data["attention_mask"], start, stop)
-        output, w, cache = layer(**chunk, attention_mask=mask, causal=case.causal, return_attention=True, cache=cache)
+        extra = chunk_positions(data, start, stop)
+        output, w, cache = layer(
+            **chunk, **extra, attention_mask=mask, causal=case.causal, return_attention=True, cache=cache
+        )
         outputs.append(output)
         weights.append(w)
-    full, full_w = layer(**inputs, attention_mask=full_pass_mask(case, data), causal=case.causal, return_attention=True)
+    full, full_w = layer(
+        **inputs, **chunk_positions(data, 0, case.p), attention_mask=full_pass_mask(case, data), causal=case.causal,
+        return_attention=True,
+    )  # fmt: skip
     return DecodeResult(
         np.concatenate(outputs, 1), np.concatenate(weights, 2), _as_numpy_cache(cache, np.asarray), full, full_w
     )
@@ -193,13 +242,17 @@ def run_torch(case, data, path):
             chunk = {name: to_torch(x[:, start:stop], dtype=dtype) for name, x in data["inputs"].items()}
             mask = chunk_mask(data["attention_mask"], start, stop)
             mask = None if mask is None else to_torch(mask)
-            result = layer(**chunk, attention_mask=mask, causal=case.causal, return_attention=explicit, cache=cache)
+            extra = {name: to_torch(x) for name, x in chunk_positions(data, start, stop).items()}
+            result = layer(
+                **chunk, **extra, attention_mask=mask, causal=case.causal, return_attention=explicit, cache=cache
+            )
             outputs.append(result[0])
             weights.append(result[1] if explicit else None)
             cache = result[-1]
         inputs = {name: to_torch(x, dtype=dtype) for name, x in data["inputs"].items()}
         full_mask = to_torch(full_pass_mask(case, data))
-        full, full_w = layer(**inputs, attention_mask=full_mask, causal=case.causal, return_attention=True)
+        extra = {name: to_torch(x) for name, x in chunk_positions(data, 0, case.p).items()}
+        full, full_w = layer(**inputs, **extra, attention_mask=full_mask, causal=case.causal, return_attention=True)
 
     def to_numpy(tensor):
         tensor = tensor.cpu()
@@ -221,8 +274,8 @@ def run_tensorflow(case, data, path):
 
     layer = make_tf_layer(case, data)
 
-    def step(inputs, mask, cache):
-        return layer(**inputs, attention_mask=mask, causal=case.causal, return_attention=True, cache=cache)
+    def step(inputs, mask, cache, extra):
+        return layer(**inputs, **extra, attention_mask=mask, causal=case.causal, return_attention=True, cache=cache)
 
     step = step if path == "tf:eager" else tf.function(step)
     cache = layer.init_cache(case.b, case.length, keep=tf.constant(data["keep"]))
@@ -230,13 +283,16 @@ def run_tensorflow(case, data, path):
     for start, stop in case.spans():
         chunk = {name: tf.constant(x[:, start:stop], dtype=case.dtype) for name, x in data["inputs"].items()}
         mask = chunk_mask(data["attention_mask"], start, stop)
-        output, w, cache = step(chunk, None if mask is None else tf.constant(mask), cache)
+        extra = {name: tf.constant(x) for name, x in chunk_positions(data, start, stop).items()}
+        output, w, cache = step(chunk, None if mask is None else tf.constant(mask), cache, extra)
         outputs.append(output)
         weights.append(w)
     inputs = {name: tf.constant(x, dtype=case.dtype) for name, x in data["inputs"].items()}
+    extra = {name: tf.constant(x) for name, x in chunk_positions(data, 0, case.p).items()}
     full, full_w = layer(
-        **inputs, attention_mask=tf.constant(full_pass_mask(case, data)), causal=case.causal, return_attention=True
-    )
+        **inputs, **extra, attention_mask=tf.constant(full_pass_mask(case, data)), causal=case.causal,
+        return_attention=True,
+    )  # fmt: skip
 
     def to_numpy(tensor):
         array = tensor.numpy()

@@ -8,8 +8,8 @@ queries at a time, forced on every case; its gradients come from the path's own 
 the deployed runtimes of shared_tests/runtimes.py (`torch:onnx`, `tf:onnx`, `tf:litert`: output
 and weights, no gradients). Each gives a `Result`: output, attention weights (None on
 `torch:sdpa`) and gradients of sum(output * grad_output) with respect to the inputs passed and
-every portable weight. TensorFlow is imported only when a TensorFlow path runs; the PyTorch
-paths run on `torch_device()`.
+every portable weight (and `attention_bias`, when the case passes one). TensorFlow is imported
+only when a TensorFlow path runs; the PyTorch paths run on `torch_device()`.
 """
 
 import dataclasses
@@ -19,6 +19,7 @@ from unittest import mock
 import numpy as np
 
 from shared_tests import runtimes
+from shared_tests.cases import call_inputs
 from shared_tests.runtimes import RUNTIME_PATHS
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -49,7 +50,7 @@ def run_numpy(case, data):
     layer = MultiHeadAttention(**case.config)
     layer.import_weights(data["weights"])
     args = [x.astype(np.float64) for x in _inputs(data)]
-    output, weights = layer(*args, attention_mask=data["attention_mask"], causal=case.causal, return_attention=True)
+    output, weights = layer(*args, **call_inputs(data), causal=case.causal, return_attention=True)
     return Result(output, weights, layer.backward(data["grad_output"].astype(np.float64)))
 
 
@@ -76,12 +77,15 @@ def make_torch_layer(case, data, layer_class=None):
 
 
 def _torch_inputs(case, data, requires_grad=False):
-    """The case's inputs in its dtype and its mask, as tensors on `torch_device()`."""
+    """The case's inputs in its dtype and its other call arguments (masks in their own dtype, an
+    attention_bias that requires grad), as tensors on `torch_device()`."""
     import torch
 
     args = [to_torch(x, dtype=getattr(torch, case.dtype), requires_grad=requires_grad) for x in _inputs(data)]
-    mask = None if data["attention_mask"] is None else to_torch(data["attention_mask"])
-    return args, mask
+    kwargs = {name: to_torch(x) for name, x in call_inputs(data).items()}
+    if requires_grad and "attention_bias" in kwargs:
+        kwargs["attention_bias"].requires_grad_(True)
+    return args, kwargs
 
 
 def run_torch(case, data, path, layer_class=None):
@@ -90,14 +94,17 @@ def run_torch(case, data, path, layer_class=None):
     if path == "torch:inference":
         return run_torch_inference(case, data, layer_class)
     layer = make_torch_layer(case, data, layer_class)
-    args, mask = _torch_inputs(case, data, requires_grad=True)
+    args, kwargs = _torch_inputs(case, data, requires_grad=True)
     explicit = path == "torch:explicit"
-    result = layer(*args, attention_mask=mask, causal=case.causal, return_attention=explicit)
+    result = layer(*args, **kwargs, causal=case.causal, return_attention=explicit)
     output, weights = result if explicit else (result, None)
     grads = None
     if case.tolerance["grads"] is not None:
         (output * to_torch(data["grad_output"])).sum().backward()
         grads = dict(zip(INPUTS, (_numpy(x.grad) for x in args), strict=False))
+        if "attention_bias" in kwargs:
+            bias = kwargs["attention_bias"]
+            grads["attention_bias"] = _numpy(torch.zeros_like(bias) if bias.grad is None else bias.grad)
         for name in layer.weight_shapes():
             tensor, transposed = layer._parameter(name)
             grad = torch.zeros_like(tensor) if tensor.grad is None else tensor.grad  # None: autograd never reached it
@@ -111,9 +118,9 @@ def run_torch_inference(case, data, layer_class=None):
     from PyTorch import Multi_Head_Attention
 
     layer = make_torch_layer(case, data, layer_class)
-    args, mask = _torch_inputs(case, data)
+    args, kwargs = _torch_inputs(case, data)
     with torch.no_grad(), mock.patch.object(Multi_Head_Attention, "_BLOCK_SCORES", INFERENCE_BLOCK_SCORES):
-        output, weights = layer(*args, attention_mask=mask, causal=case.causal, return_attention=True)
+        output, weights = layer(*args, **kwargs, causal=case.causal, return_attention=True)
     return Result(_numpy(output), _numpy(weights), None)
 
 
@@ -138,23 +145,25 @@ def run_tensorflow(case, data, path, layer_class=None):
         layer.memory_efficient_threshold = 0  # every case takes the memory-efficient path
         layer.query_chunk_elements = MEMORY_EFFICIENT_CHUNK * case.b * case.n * case.s
     args = [tf.constant(x, dtype=case.dtype) for x in _inputs(data)]
-    mask = None if data["attention_mask"] is None else tf.constant(data["attention_mask"])
+    kwargs = {name: tf.constant(x) for name, x in call_inputs(data).items()}
+    bias = kwargs.pop("attention_bias", None)
     variables = [getattr(layer, name) for name in layer.weight_shapes()]
 
-    def forward_and_grads(*args):
+    def forward_and_grads(args, bias):
         with tf.GradientTape() as tape:
-            tape.watch(args)
-            result = layer(*args, attention_mask=mask, causal=case.causal, return_attention=weighted)
+            tape.watch([*args, *([] if bias is None else [bias])])
+            given = kwargs if bias is None else {**kwargs, "attention_bias": bias}
+            result = layer(*args, **given, causal=case.causal, return_attention=weighted)
             output, weights = result if weighted else (result, None)
             loss = tf.reduce_sum(tf.cast(output, tf.float32) * data["grad_output"])
-        sources = [*args, *variables]
+        sources = [*args, *([] if bias is None else [bias]), *variables]
         grads = tape.gradient(loss, sources)
         # A source the loss never reached has gradient zero (tf gives None).
         return output, weights, [tf.zeros_like(x) if g is None else g for x, g in zip(sources, grads, strict=True)]
 
     step = forward_and_grads if path == "tf:eager" else tf.function(forward_and_grads)
-    output, weights, grads = step(*args)
-    names = [*INPUTS[: len(args)], *layer.weight_shapes()]
+    output, weights, grads = step(args, bias)
+    names = [*INPUTS[: len(args)], *([] if bias is None else ["attention_bias"]), *layer.weight_shapes()]
     as_numpy = {name: np.asarray(g.numpy(), dtype=np.float64) for name, g in zip(names, grads, strict=True)}
     return Result(
         np.asarray(output.numpy(), dtype=np.float64),

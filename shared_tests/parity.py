@@ -57,18 +57,36 @@ def diff(first, second, quantity):
     return _grads_diff(a, b) if quantity == "grads" else _max_diff(a, b)
 
 
+def removal_threshold(dtype):
+    """A floating mask value at or below this removes a key (docs/SPEC.md, Masks)."""
+    return max(np.finfo(dtype).min, np.finfo(np.float32).min)
+
+
+def kept(mask):
+    """A boolean or floating mask as the boolean mask of the keys it keeps."""
+    return mask if mask.dtype == np.bool_ else mask > removal_threshold(mask.dtype)
+
+
 def removed_positions(case, data):
-    """Boolean (B, N, T, S): positions the mask or the causal rule removes, computed here
-    independently of the layers."""
+    """Boolean (B, N, T, S): positions the masks, the causal rule or the window remove,
+    computed here independently of the layers."""
     keep = np.ones((case.b, case.n, case.t, case.s), dtype=bool)
-    mask = data["attention_mask"]
-    if mask is not None:
-        mask = mask > np.finfo(mask.dtype).min if mask.dtype != np.bool_ else mask
-        mask = {2: mask[None, None], 3: mask[:, None], 4: mask}[mask.ndim]
-        keep &= mask
+    for name in ("attention_mask", "attention_bias"):
+        if data.get(name) is not None:
+            mask = kept(data[name])
+            keep &= {2: mask[None, None], 3: mask[:, None], 4: mask}[mask.ndim]
+    key_mask = data.get("key_mask")
+    key_mask = data.get("query_mask") if key_mask is None and data["key"] is None else key_mask
+    if key_mask is not None:
+        keep &= key_mask[:, None, None, :]
+    if data.get("query_mask") is not None:
+        keep &= data["query_mask"][:, None, :, None]
+    t, s = np.arange(case.t)[:, None], np.arange(case.s)[None, :]
     if case.causal:
-        t, s = np.arange(case.t)[:, None], np.arange(case.s)[None, :]
         keep &= s <= t + (case.s - case.t)
+    window = dict(case.variants).get("window")
+    if window is not None:
+        keep &= s > t + (case.s - case.t) - window
     return ~keep
 
 
@@ -168,9 +186,12 @@ def decode_removed_positions(case, data):
     slots = np.arange(case.length)[None, :]  # (1, L)
     allowed = slots <= np.arange(case.p)[:, None] if case.causal else slots < query_ends(case)[:, None]  # (P, L)
     keep = allowed[None, None] & data["keep"][:, None, None, :]  # (B, 1, P, L)
+    window = dict(case.variants).get("window")
+    if window is not None:
+        keep = keep & (slots > np.arange(case.p)[:, None] - window)  # (B, 1, P, L)
     mask = data["attention_mask"]
     if mask is not None:
-        mask = mask > np.finfo(mask.dtype).min if mask.dtype != np.bool_ else mask
+        mask = kept(mask)
         keep = keep & {2: mask[None, None], 3: mask[:, None], 4: mask}[mask.ndim]
     return ~np.broadcast_to(keep, (case.b, case.n, case.p, case.length))
 

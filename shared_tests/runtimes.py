@@ -17,6 +17,8 @@ import warnings
 
 import numpy as np
 
+from shared_tests.cases import CALL_INPUTS, call_inputs
+
 RUNTIME_PATHS = ("torch:onnx", "tf:onnx", "tf:litert")
 BFLOAT16_REASONS = {  # what each runtime said when asked (TensorFlow 2.21, onnxruntime 1.32, LiteRT 2.3)
     "torch:onnx": "NumPy has no bfloat16 to feed onnxruntime with",
@@ -47,13 +49,21 @@ def skip_reason(case, path):
 
 
 def _arrays(case, data):
-    """The case's inputs and mask as NumPy arrays in the case's dtype, and their names."""
+    """The case's inputs (in the case's dtype) and its other call arguments as NumPy arrays, and
+    their names."""
     names = [name for name in ("query", "key", "value") if data[name] is not None]
     arrays = [data[name].astype(case.dtype) for name in names]
-    if data["attention_mask"] is not None:
-        names.append("attention_mask")
-        arrays.append(data["attention_mask"])
+    for name, array in call_inputs(data).items():
+        names.append(name)
+        arrays.append(array)
     return names, arrays
+
+
+def _call(layer, names, args, case, return_attention):
+    """The layer called on exported inputs: query, key and value by position, the rest by name."""
+    inputs = dict(zip(names, args, strict=True))
+    kwargs = {name: inputs.pop(name) for name in CALL_INPUTS if name in inputs}
+    return layer(*inputs.values(), **kwargs, causal=case.causal, return_attention=return_attention)
 
 
 def _quietly(fn):
@@ -84,9 +94,7 @@ def run_torch_onnx(case, data, make_layer):
             self.layer = layer
 
         def forward(self, *args):
-            inputs = dict(zip(names, args, strict=True))
-            mask = inputs.pop("attention_mask", None)
-            return self.layer(*inputs.values(), attention_mask=mask, causal=case.causal, return_attention=True)
+            return _call(self.layer, names, args, case, return_attention=True)
 
     tensors = tuple(torch.from_numpy(a) for a in arrays)
     program = _quietly(lambda: torch.onnx.export(Exported(), tensors, dynamo=True))
@@ -101,9 +109,7 @@ def _tf_function(case, data, make_layer, return_attention=True):
     signature = [tf.TensorSpec(a.shape, tf.as_dtype(a.dtype), name=n) for n, a in zip(names, arrays, strict=True)]
 
     def attend(*args):
-        inputs = dict(zip(names, args, strict=True))
-        mask = inputs.pop("attention_mask", None)
-        return layer(*inputs.values(), attention_mask=mask, causal=case.causal, return_attention=return_attention)
+        return _call(layer, names, args, case, return_attention)
 
     return tf.function(attend, input_signature=signature), signature, names, arrays
 

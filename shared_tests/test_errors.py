@@ -35,6 +35,34 @@ CASES = {
     "mask_integer_dtype": (BASE, {"query": X, "key": Y, "attention_mask": np.ones((3, 5), np.int32)}, r"`attention_mask` must be boolean or floating\. Received: attention_mask\.dtype=int32"),
     "integer_query": (BASE, {"query": np.ones((2, 3, 8), np.int32)}, r"`query` must be a floating tensor\. Received: query\.dtype=int32"),
     "integer_value": (BASE, {"query": X, "key": Y, "value": np.ones((2, 5, 8), np.int32)}, r"`value` must be a floating tensor\. Received: value\.dtype=int32"),
+    # The variants' constructor arguments
+    "bias_unknown_projection": ({**BASE, "bias": ("query", "gate")}, None, r"`bias` must be True, False or a collection of 'query', 'key', 'value', 'output'\. Received: bias=\('query', 'gate'\)"),
+    "bias_string": ({**BASE, "bias": "query"}, None, r"`bias` must be True, False or a collection .* Received: bias='query'"),
+    "scale_zero": ({**BASE, "scale": 0.0}, None, r"`scale` must be a positive float\. Received: scale=0\.0"),
+    "softcap_negative": ({**BASE, "softcap": -1.0}, None, r"`softcap` must be None or a positive float\. Received: softcap=-1\.0"),
+    "window_zero": ({**BASE, "window": 0}, None, r"`window` must be a positive integer\. Received: window=0"),
+    "rope_theta_negative": ({**BASE, "rope_theta": -1.0}, None, r"`rope_theta` must be None or a positive float\. Received: rope_theta=-1\.0"),
+    "rope_fraction_odd": ({**BASE, "rope_theta": 10000.0, "rope_fraction": 0.25}, None, r"`rope_fraction` must be in \(0, 1\] and rotate an even number R = int\(head_dim \* rope_fraction\) >= 2 of features\. Received: rope_fraction=0\.25, head_dim=4"),
+    "rope_scaling_unknown": ({**BASE, "rope_theta": 10000.0, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, None, r"`rope_scaling` must be None or a dict whose rope_type is 'linear' or 'llama3', with its parameters\. Received: rope_scaling="),
+    "rope_scaling_missing_factor": ({**BASE, "rope_theta": 10000.0, "rope_scaling": {"rope_type": "linear"}}, None, r"`rope_scaling` must be None or a dict"),
+    "qk_norm_unknown": ({**BASE, "qk_norm": "layer"}, None, r"`qk_norm` must be None, 'head' or 'all'\. Received: qk_norm='layer'"),
+    "qk_norm_eps_zero": ({**BASE, "qk_norm": "head", "qk_norm_eps": 0.0}, None, r"`qk_norm_eps` must be a positive float\. Received: qk_norm_eps=0\.0"),
+    # The new call arguments
+    "mixed_input_dtypes": (BASE, {"query": X, "key": Y.astype(np.float16), "value": Y.astype(np.float16)}, r"`query`, `key` and `value` must have the same dtype\. Received: query\.dtype=float32, key\.dtype=float16, value\.dtype=float16"),
+    "positions_without_rope": (BASE, {"query": X, "positions": np.arange(3)}, r"`positions` needs RoPE: construct the layer with `rope_theta`\. Received: positions with rope_theta=None"),
+    "positions_shape": ({**BASE, "rope_theta": 10000.0}, {"query": X, "positions": np.arange(4)}, r"`positions` must be an integer tensor of shape \(B, T\) or \(T,\) with B=2, T=3\. Received: positions\.shape=\(4,\), positions\.dtype=int64"),
+    "positions_float": ({**BASE, "rope_theta": 10000.0}, {"query": X, "positions": np.zeros((2, 3), np.float32)}, r"`positions` must be an integer tensor .* Received: positions\.shape=\(2, 3\), positions\.dtype=float32"),
+    "rope_cross_attention": ({**BASE, "rope_theta": 10000.0}, {"query": X, "key": Y, "value": Y}, r"RoPE needs `key` and `value` to hold the query's own tokens \(S == T, or decoding with `cache`\)\. Received: query\.shape=\(2, 3, 8\), key\.shape=\(2, 5, 8\)"),
+    "key_mask_shape": (BASE, {"query": X, "key": Y, "value": Y, "key_mask": np.ones((2, 3), bool)}, r"`key_mask` must be a boolean tensor of shape \(B, S\)=\(2, 5\)\. Received: key_mask\.shape=\(2, 3\), key_mask\.dtype=bool"),
+    "key_mask_float": (BASE, {"query": X, "key": Y, "value": Y, "key_mask": np.ones((2, 5), np.float32)}, r"`key_mask` must be a boolean tensor .* Received: key_mask\.shape=\(2, 5\), key_mask\.dtype=float32"),
+    "query_mask_shape": (BASE, {"query": X, "query_mask": np.ones((2, 5), bool)}, r"`query_mask` must be a boolean tensor of shape \(B, T\)=\(2, 3\)\. Received: query_mask\.shape=\(2, 5\), query_mask\.dtype=bool"),
+    "attention_bias_boolean": (BASE, {"query": X, "attention_bias": np.ones((3, 3), bool)}, r"`attention_bias` must be floating\. Received: attention_bias\.dtype=bool"),
+    "attention_bias_shape": (BASE, {"query": X, "key": Y, "value": Y, "attention_bias": np.zeros((3, 4), np.float32)}, r"`attention_bias` must broadcast to \(B, N, T, S\) .* Received: attention_bias\.shape=\(3, 4\)"),
+    # Habits of the built-ins that would give wrong numbers silently
+    "mask_2d_when_b_equals_t": (BASE, {"query": X[:, :2], "key": Y, "value": Y, "attention_mask": np.ones((2, 5), bool)}, r"A 2-D `attention_mask` is read as \(T, S\), but with B == T it could be a \(B, S\) key padding mask: pass `key_mask=mask` for that, or a \(1, T, S\) mask \(`mask\[None\]`\) for a \(T, S\) one\. Received: attention_mask\.shape=\(2, 5\), B=T=2"),
+    "mask_torch_polarity": (BASE, {"query": X, "key": Y, "value": Y, "attention_mask": np.zeros((2, 1, 5), bool)}, r"`attention_mask` keeps no key for any query: True means attend \(in nn\.MultiheadAttention True means ignore: pass `~mask`\)\. Received: a boolean attention_mask that is False everywhere"),
+    "key_mask_torch_polarity": (BASE, {"query": X, "key": Y, "value": Y, "key_mask": np.zeros((2, 5), bool)}, r"`key_mask` keeps no key for any query: True means attend .* Received: a boolean key_mask that is False everywhere"),
+    "mask_keras_zero_one_float": (BASE, {"query": X, "key": Y, "value": Y, "attention_mask": np.ones((2, 3, 5), np.float32)}, r"`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores \(Keras reads such a mask as boolean\): pass `mask > 0` \(True = attend\) or an additive mask\. Received: a floating attention_mask of 0s and 1s"),
 }  # fmt: skip
 
 

@@ -1,0 +1,219 @@
+"""The NumPy reference's variants (RoPE, QK-norm, soft-capping, windows, sinks, attention_bias,
+padding masks, per-projection biases, ALiBi) against formulas written out here, independently of
+the layer's code; and the floating mask rule."""
+
+import math
+
+import numpy as np
+import pytest
+
+from NumPy import MultiHeadAttention
+from NumPy.Multi_Head_Attention import alibi_bias, apply_rope, rope_frequencies
+
+FLOAT64_TOL = 1e-12  # two float64 formulations of the same sums
+B, T, E, N = 2, 5, 16, 4
+H = E // N
+
+
+def _x(seed=0, shape=(B, T, E)):
+    return np.random.default_rng(seed).normal(size=shape)
+
+
+def _heads(y, heads):
+    """(B, L, heads*H) -> (B, heads, L, H)"""
+    b, length, width = y.shape
+    return y.reshape(b, length, heads, width // heads).transpose(0, 2, 1, 3)
+
+
+def _scores(layer, x):
+    """Scaled q . k of self-attention on x, computed from the exported weights, (B, N, T, T)."""
+    w = layer.export_weights()
+    q = _heads(x @ w["query_kernel"] + w["query_bias"], layer.num_heads)
+    k = _heads(x @ w["key_kernel"] + w["key_bias"], layer.num_heads)
+    return q @ k.swapaxes(-1, -2) * layer.scale
+
+
+def _softmax(scores):
+    e = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_is_a_complex_rotation(interleaved):
+    """Each feature pair, read as a complex number, is multiplied by exp(i * position * inv_freq)."""
+    x = _x(shape=(B, N, T, 8))
+    positions = np.arange(T)[None, :] + np.array([[0], [13]])  # (B, T)
+    inv_freq = rope_frequencies(6, 10000.0)  # R = 6 of 8 features rotated
+    pairs = (x[..., 0:6:2], x[..., 1:6:2]) if interleaved else (x[..., :3], x[..., 3:6])
+    z = (pairs[0] + 1j * pairs[1]) * np.exp(1j * positions[:, None, :, None] * inv_freq)
+    rotated = apply_rope(x, positions, inv_freq, interleaved)
+    first, second = (rotated[..., 0:6:2], rotated[..., 1:6:2]) if interleaved else (rotated[..., :3], rotated[..., 3:6])
+    np.testing.assert_allclose(first, z.real, atol=FLOAT64_TOL)
+    np.testing.assert_allclose(second, z.imag, atol=FLOAT64_TOL)
+    np.testing.assert_array_equal(rotated[..., 6:], x[..., 6:])  # the unrotated features pass unchanged
+
+
+def test_rope_scores_depend_only_on_relative_positions():
+    layer = MultiHeadAttention(E, N, rope_theta=10000.0, seed=0)
+    x = _x()
+    out = layer(x, causal=True, positions=np.arange(T))
+    shifted = layer(x, causal=True, positions=np.arange(T) + 1000)
+    np.testing.assert_allclose(out, shifted, atol=1e-9)  # cos/sin of angles near 1000 rad
+    moved = layer(x, causal=True, positions=np.arange(T) * 2)
+    assert np.abs(out - moved).max() > 1e-3  # other relative positions give other outputs
+
+
+def test_rope_frequency_scaling_as_transformers_writes_it():
+    base = rope_frequencies(8, 10000.0)
+    np.testing.assert_allclose(base, 10000.0 ** (-np.arange(0, 8, 2) / 8), atol=FLOAT64_TOL)
+    linear = rope_frequencies(8, 10000.0, {"rope_type": "linear", "factor": 4.0})
+    np.testing.assert_allclose(linear, base / 4.0, atol=FLOAT64_TOL)
+    scaling = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}  # fmt: skip
+    llama3 = rope_frequencies(8, 10000.0, scaling)
+    wavelength = 2 * math.pi / base  # (4,): 6.3, 63, 628, 6283
+    bands = []
+    for i, w in enumerate(wavelength):
+        if w < 64 / 4.0:  # high frequency: unchanged
+            bands.append("high")
+            assert llama3[i] == base[i]
+        elif w > 64 / 1.0:  # low frequency: divided by the factor
+            bands.append("low")
+            assert llama3[i] == pytest.approx(base[i] / 8.0, abs=FLOAT64_TOL)
+        else:  # in between: a blend
+            bands.append("medium")
+            smooth = (64 / w - 1.0) / (4.0 - 1.0)
+            assert llama3[i] == pytest.approx((1 - smooth) * base[i] / 8.0 + smooth * base[i], abs=FLOAT64_TOL)
+    assert bands == ["high", "medium", "low", "low"]
+
+
+def test_softcap_caps_the_scaled_scores_before_the_softmax():
+    layer = MultiHeadAttention(E, N, softcap=0.5, seed=0)
+    x = _x() * 4
+    _, weights = layer(x, return_attention=True)
+    expected = _softmax(0.5 * np.tanh(_scores(layer, x) / 0.5))
+    np.testing.assert_allclose(weights, expected, atol=FLOAT64_TOL)
+
+
+def test_sinks_join_the_denominator_as_gpt_oss_computes_them():
+    """gpt-oss: concatenate the sink logit to each row, softmax, drop the sink's column."""
+    layer = MultiHeadAttention(E, N, sinks=True, seed=0)
+    layer.import_weights({**layer.export_weights(), "sinks": np.array([0.5, -1.0, 2.0, 0.0])})
+    x = _x()
+    _, weights = layer(x, causal=True, return_attention=True)
+    scores = np.where(np.tril(np.ones((T, T), bool)), _scores(layer, x), -np.inf)  # (B, N, T, T)
+    sinks = np.broadcast_to(np.array([0.5, -1.0, 2.0, 0.0])[None, :, None, None], (B, N, T, 1))
+    expected = _softmax(np.concatenate([scores, sinks], axis=-1))[..., :-1]
+    np.testing.assert_allclose(weights, expected, atol=FLOAT64_TOL)
+    assert (weights.sum(axis=-1) < 1).all()
+
+
+def test_window_equals_a_band_mask():
+    layer = MultiHeadAttention(E, N, window=2, seed=0)
+    x = _x()
+    band = np.tril(np.ones((T, T), bool)) & ~np.tril(np.ones((T, T), bool), -2)  # keys t - 1 and t
+    windowed = layer(x, causal=True, return_attention=True)
+    plain = MultiHeadAttention(E, N, seed=0)(x, attention_mask=band[None], return_attention=True)
+    for got, expected in zip(windowed, plain, strict=True):
+        np.testing.assert_allclose(got, expected, atol=FLOAT64_TOL)
+
+
+@pytest.mark.parametrize("kind", ["head", "all"])
+def test_qk_norm_is_rms_norm_of_the_projections(kind):
+    layer = MultiHeadAttention(E, N, qk_norm=kind, qk_norm_eps=1e-5, seed=0)
+    rng = np.random.default_rng(1)
+    width = H if kind == "head" else E
+    norms = {name: 1 + 0.1 * rng.normal(size=width) for name in ("query_norm", "key_norm")}
+    layer.import_weights({**layer.export_weights(), **norms})
+    w, x = layer.export_weights(), _x()
+
+    def normed(y, scale):
+        y = y.reshape(B, T, N, H) if kind == "head" else y
+        return (y / np.sqrt((y**2).mean(axis=-1, keepdims=True) + 1e-5) * scale).reshape(B, T, E)
+
+    q = _heads(normed(x @ w["query_kernel"] + w["query_bias"], norms["query_norm"]), N)
+    k = _heads(normed(x @ w["key_kernel"] + w["key_bias"], norms["key_norm"]), N)
+    _, weights = layer(x, return_attention=True)
+    np.testing.assert_allclose(weights, _softmax(q @ k.swapaxes(-1, -2) / math.sqrt(H)), atol=FLOAT64_TOL)
+
+
+def test_padding_masks_equal_their_attention_mask_forms():
+    layer = MultiHeadAttention(E, N, seed=0)
+    x, y = _x(), _x(1, (B, 7, E))
+    keys = np.array([[True] * 5 + [False] * 2, [True] * 7])
+    queries = np.array([[True] * 3 + [False] * 2, [True] * 5])
+    got = layer(x, y, key_mask=keys, query_mask=queries, return_attention=True)
+    expected = layer(x, y, attention_mask=keys[:, None, :] & queries[:, :, None], return_attention=True)
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(got[0][0, 3:], np.broadcast_to(layer.params["output_bias"], (2, E)))
+
+
+def test_self_attention_key_mask_defaults_to_query_mask():
+    layer = MultiHeadAttention(E, N, seed=0)
+    x = _x()
+    queries = np.array([[True] * 3 + [False] * 2, [True] * 5])
+    got = layer(x, query_mask=queries, return_attention=True)
+    expected = layer(x, key_mask=queries, query_mask=queries, return_attention=True)
+    np.testing.assert_array_equal(got[1], expected[1])
+    assert (got[1][0, :, :, 3:] == 0).all()
+
+
+def test_attention_bias_adds_like_a_floating_mask():
+    layer = MultiHeadAttention(E, N, seed=0)
+    x, bias = _x(), _x(2, (1, N, T, T))
+    got = layer(x, attention_bias=bias, return_attention=True)
+    expected = layer(x, attention_mask=bias, return_attention=True)
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_allclose(a, b, atol=FLOAT64_TOL)
+
+
+def test_partial_biases_are_named_in_the_layout():
+    layer = MultiHeadAttention(E, N, bias=["value", "query", "key"])
+    assert layer.bias == ("query", "key", "value")
+    assert [n for n in layer.weight_shapes() if n.endswith("_bias")] == ["query_bias", "key_bias", "value_bias"]
+    assert list(MultiHeadAttention(E, N, qk_norm="all", sinks=True, bias=False).weight_shapes())[-3:] == [
+        "query_norm", "key_norm", "sinks",
+    ]  # fmt: skip
+
+
+def test_alibi_slopes_are_blooms():
+    """Bloom's build_alibi_tensor: 2 ** (-8 n / N) for N a power of two; for N = 6 the slopes of
+    4 heads, then every other slope of 8 (2 ** -1, 2 ** -3)."""
+    positions = np.arange(3)
+    eight = alibi_bias(8, positions)
+    assert eight.shape == (1, 8, 1, 3) and eight.dtype == np.float32
+    np.testing.assert_allclose(eight[0, :, 0, 1], 2.0 ** -np.arange(1, 9))
+    six = alibi_bias(6, np.stack([positions, positions + 1]))
+    assert six.shape == (2, 6, 1, 3)
+    np.testing.assert_allclose(six[0, :, 0, 1], [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3])
+    np.testing.assert_allclose(six[1, :, 0, 0], six[0, :, 0, 1])
+
+
+@pytest.mark.parametrize(
+    ("value", "dtype", "removes"),
+    [
+        (-np.inf, np.float64, True),
+        (np.finfo(np.float32).min, np.float64, True),  # transformers' mask value, built in float64
+        (-1e300, np.float64, True),  # finite, but below float32's range
+        (np.finfo(np.float16).min, np.float16, True),  # what a converter puts for -inf in float16
+        (-1e9, np.float32, False),  # a finite penalty
+        (-60000.0, np.float16, False),
+    ],
+)
+def test_floating_mask_rule(value, dtype, removes):
+    """One row of a value: removed, that row keeps no key (output_bias); else an ordinary
+    softmax of a constant shift (the unmasked weights)."""
+    layer = MultiHeadAttention(E, N, seed=0)
+    layer.import_weights({**layer.export_weights(), "output_bias": np.full(E, 0.5)})
+    x = _x()
+    mask = np.zeros((T, T), dtype)
+    mask[2] = value
+    mask[0, 0] = 0.5  # not a Keras 0/1 mask
+    out, weights = layer(x, attention_mask=mask, return_attention=True)
+    assert np.isfinite(out).all()
+    if removes:
+        np.testing.assert_array_equal(weights[:, :, 2], 0.0)
+        np.testing.assert_array_equal(out[:, 2], 0.5)
+    else:
+        np.testing.assert_allclose(weights[:, :, 2], layer(x, return_attention=True)[1][:, :, 2], atol=1e-9)
