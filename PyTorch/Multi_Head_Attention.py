@@ -107,7 +107,7 @@ def _positive_int(name, value):
 
 def _is_positive_number(value):
     number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
-    return number and math.isfinite(value) and value > 0
+    return number and 0 < value < float("inf")
 
 
 def _positive_float(name, value, optional=False):
@@ -518,6 +518,17 @@ def _split_mask(mask, target, name="attention_mask"):
     removed = mask <= threshold  # (B, N, T, S), dims may be 1
     additive = torch.where(removed, 0.0, mask)  # finite, never 0 * -inf
     return ~removed, additive.to(torch.promote_types(mask.dtype, torch.float32))
+
+
+def _split_bias(attention_bias, target):
+    """`attention_bias` -> (keep, additive) by the floating mask rule; a boolean one is refused."""
+    if attention_bias is None:
+        return None, None
+    if not attention_bias.is_floating_point():
+        raise ValueError(
+            f"`attention_bias` must be floating. Received: attention_bias.dtype={_dtype_name(attention_bias.dtype)}"
+        )
+    return _split_mask(attention_bias, target, "attention_bias")
 
 
 def _centre_rows(bias, keep):
@@ -1009,12 +1020,8 @@ class MultiHeadAttention(nn.Module):
     def _masks(self, attention_mask, attention_bias, key_mask, query_mask, target, dtype):
         """Step 1: every mask -> one boolean keep and one additive bias in the softmax `dtype`,
         both broadcasting to target (B, N, T, S), or None."""
-        if attention_bias is not None and not attention_bias.is_floating_point():
-            raise ValueError(
-                f"`attention_bias` must be floating. Received: attention_bias.dtype={_dtype_name(attention_bias.dtype)}"
-            )
         mask_keep, mask_add = _split_mask(attention_mask, target)
-        bias_keep, bias_add = _split_mask(attention_bias, target, "attention_bias")
+        bias_keep, bias_add = _split_bias(attention_bias, target)
         keep = _and(mask_keep, bias_keep)
         keep = _and(keep, None if key_mask is None else key_mask[:, None, None, :])  # (B, S) -> (B, 1, 1, S)
         keep = _and(keep, None if query_mask is None else query_mask[:, None, :, None])  # (B, T) -> (B, 1, T, 1)
