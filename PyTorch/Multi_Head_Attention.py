@@ -933,18 +933,17 @@ class MultiHeadAttention(nn.Module):
         return {name: value for name, value in variants.items() if value is not None}
 
     def extra_repr(self):
-        rope = {}
+        settings = {"bias": bool(self.bias), **self._variants()}  # a partial `bias` replaces True
         if self.rope_theta is not None:
-            rope = {"rope_fraction": self.rope_fraction, "rope_interleaved": self.rope_interleaved}
-            rope["rope_scaling"] = self.rope_scaling
-        variants = {**self._variants(), **rope}
+            settings |= {"rope_fraction": self.rope_fraction, "rope_interleaved": self.rope_interleaved}
+            settings |= {"rope_scaling": self.rope_scaling}
         if self.qk_norm is not None:
-            variants["qk_norm_eps"] = self.qk_norm_eps
+            settings["qk_norm_eps"] = self.qk_norm_eps
         return ", ".join(
             [
                 f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}",
-                f"head_dim={self.head_dim}, dropout={self.dropout}, bias={bool(self.bias)}",
-                *(f"{name}={value!r}" for name, value in variants.items()),
+                f"head_dim={self.head_dim}, dropout={self.dropout}",
+                *(f"{name}={value!r}" for name, value in settings.items()),
             ]
         )
 

@@ -669,9 +669,50 @@ def test_weight_shapes_order_and_names():
 
 
 def test_repr_names_the_variants():
-    text = repr(_layer(**VARIANTS["everything"]))
-    for part in ("softcap=3.0", "window=4", "rope_theta=500.0", "rope_fraction=0.75", "qk_norm='head'", "sinks=True"):
+    text = _layer(**VARIANTS["everything"]).extra_repr()
+    for part in (
+        "bias=['query', 'key', 'value']", "softcap=3.0", "window=4", "rope_theta=500.0", "rope_fraction=0.75",
+        "qk_norm='head'", "sinks=True",
+    ):  # fmt: skip
         assert part in text
+    assert text.count("bias=") == 1
+    assert "bias=True" in _layer().extra_repr() and "softcap" not in _layer().extra_repr()
+
+
+def test_unbatched_inputs_with_the_new_call_arguments():
+    layer = _layer(**VARIANTS["everything"])
+    x, y = _randn(T, E, seed=38), _randn(T, E, seed=39)
+    key_mask, positions = torch.tensor([True, True, False, True, True, True]), torch.arange(T) + 3
+    bias = _randn(1, N, T, T, seed=40)  # masks keep their batched shapes, with B = 1
+    output, weights = layer(x, y, key_mask=key_mask, attention_bias=bias, positions=positions, return_attention=True)
+    expected = layer(x[None], y[None], key_mask=key_mask[None], attention_bias=bias, positions=positions,
+                     return_attention=True)  # fmt: skip
+    assert output.shape == (T, E) and weights.shape == (N, T, T)
+    torch.testing.assert_close(output, expected[0][0], atol=0, rtol=0)
+    torch.testing.assert_close(weights, expected[1][0], atol=0, rtol=0)
+
+
+def test_torch_export_of_a_decoding_step_with_every_variant():
+    layer = _layer(**VARIANTS["everything"])
+    x = _randn(2, 3, E, seed=41)
+    key_mask = torch.tensor([[False, True, True], [True, True, True]])
+
+    class Step(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = layer
+
+        def forward(self, x, key_mask, key, value, keep, index):
+            output, cache = self.attention(x, key_mask=key_mask, causal=True, cache=KVCache(key, value, keep, index))
+            return output, cache.index
+
+    with torch.no_grad():
+        program = torch.export.export(Step(), (x, key_mask, *layer.init_cache(2, 8)))
+        cache = layer.init_cache(2, 8)
+        output, index = program.module()(x, key_mask, *cache)
+        expected = layer(x, key_mask=key_mask, causal=True)
+    torch.testing.assert_close(output, expected, atol=OUTPUT_TOL, rtol=0)
+    assert int(index) == 3 and torch.equal(cache.keep[:, :3], key_mask)  # written in place
 
 
 @pytest.mark.parametrize(
