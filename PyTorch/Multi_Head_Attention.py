@@ -350,8 +350,12 @@ def _values_readable():
     return not (torch.compiler.is_compiling() or torch.jit.is_tracing())
 
 
-def _refuse_traps(attention_mask, key_mask, b, t):
-    """The built-in layers' habits that would be read otherwise here, refused with the fix."""
+def _refuse_traps(attention_mask, key_mask, target):
+    """The built-in layers' habits that would be read otherwise here, refused with the fix
+    (`attention_mask` checked against target (B, N, T, S) first)."""
+    b, t = target[0], target[2]
+    if attention_mask is not None:
+        _mask_to_4d(attention_mask, target)
     if attention_mask is not None and attention_mask.dim() == 2 and b == t > 1 and attention_mask.shape[0] != 1:
         raise ValueError(
             "A 2-D `attention_mask` is read as (T, S), but with B == T it could be a (B, S) key padding mask: pass "
@@ -1164,13 +1168,13 @@ class MultiHeadAttention(nn.Module):
         key_mask = _check_token_mask("key_mask", key_mask, b, key.shape[1], "S")
         query_mask = _check_token_mask("query_mask", query_mask, b, t, "T")
         positions = self._positions(positions, query, key, cache)
-        softmax_dtype = torch.promote_types(self._compute_dtype(query), torch.float32)
+        target = (b, self.num_heads, t, s)
+        _refuse_traps(attention_mask, key_mask, target)
         key_mask = query_mask if key_mask is None and self_attention else key_mask
+        softmax_dtype = torch.promote_types(self._compute_dtype(query), torch.float32)
         keep, bias = self._masks(
-            attention_mask, attention_bias, None if cache is not None else key_mask, query_mask,
-            (b, self.num_heads, t, s), softmax_dtype,
-        )  # fmt: skip
-        _refuse_traps(attention_mask, key_mask, b, t)
+            attention_mask, attention_bias, None if cache is not None else key_mask, query_mask, target, softmax_dtype
+        )
 
         q, k, v = self._projections(query, key, value, self_attention)
         self._check_local_heads(q, k, attention_mask)

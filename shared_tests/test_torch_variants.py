@@ -359,6 +359,14 @@ def test_key_and_query_masks_are_the_keep_they_describe(path):
         torch.testing.assert_close(weights, expected_weights, atol=0, rtol=0)
 
 
+def test_only_a_key_mask_as_passed_is_refused_when_all_false():
+    """In self-attention key_mask defaults to query_mask; a query_mask that is all False (no real
+    query) is not nn.MultiheadAttention's habit: every output row is the output bias."""
+    layer = _layer()
+    output = layer(_randn(B, T, E, seed=42), query_mask=torch.zeros(B, T, dtype=torch.bool))
+    torch.testing.assert_close(output, layer.output.bias.detach().expand(B, T, E), atol=0, rtol=0)
+
+
 def test_key_mask_defaults_to_query_mask_in_self_attention():
     layer = _layer()
     x = _randn(B, T, E, seed=14)
