@@ -720,6 +720,8 @@ def dot_product_attention(
         keep = _and(keep, causal_mask(t, s, q.device))  # (B, N, T, S), dims may be 1
     if window is not None:
         keep = _and(keep, window_mask(t, s, window, q.device))  # (B, N, T, S), dims may be 1
+    if bias is not None and keep is not None and sinks is None:  # with sinks a softmax is not shift-invariant
+        bias = _centre_rows(bias, keep)  # (B, N, T, S), dims may be 1
     if explicit:
         context, weights = _explicit_attention(q, k, v, keep, bias, dropout, scale, softcap, sinks)
         return context, weights if return_attention else None
@@ -1033,9 +1035,7 @@ class MultiHeadAttention(nn.Module):
             bias = None if bias is None else bias.to(dtype)
         else:
             bias = (mask_add.to(dtype) + bias_add.to(dtype)).clamp(min=torch.finfo(dtype).min)  # two penalties
-        if bias is None or keep is None or self.sinks is not None:  # sinks: the softmax is not shift-invariant
-            return keep, bias
-        return keep, _centre_rows(bias, keep)
+        return keep, bias
 
     def _positions(self, positions, query, key, cache):
         """Step 1 for RoPE: checked (B, T) positions, arange(T) (+ the cache's index) by default."""

@@ -868,3 +868,19 @@ def test_regression_float16_layer_float32_mask_minus_1e9_differed_between_sdpa_a
         torch.testing.assert_close(output.float(), expected, atol=tol, rtol=0)
     torch.testing.assert_close(sdpa.float(), explicit.float(), atol=2 * tol, rtol=0)
     assert (weights[1, ..., 0] == 0).all() and (weights[0, :, 1] > 0).all()
+
+
+@pytest.mark.parametrize("path", ["sdpa", "explicit", "inference"])
+def test_a_row_of_only_penalties_among_its_kept_keys_is_an_ordinary_softmax(path):
+    """-1e9 on every key a query keeps (the causal rule removes the others, which hold 0): in
+    float32, scores + -1e9 round to multiples of 64 unless the row is shifted by its largest
+    kept value first (a per-query constant, which does not change a softmax)."""
+    layer = _layer()
+    x = _randn(2, 4, E, seed=43)
+    mask = torch.zeros(2, 4, 4)
+    mask[0, 2, :3] = -1e9  # query 2 of batch 0 keeps keys 0..2 (causal), all penalised
+    output, weights = _call(layer, path, x, attention_mask=mask, causal=True)
+    expected, expected_weights = reference(layer, x, bias=mask[:, None].double(), causal=True)
+    torch.testing.assert_close(output.double(), expected, atol=OUTPUT_TOL, rtol=0)
+    if weights is not None:
+        torch.testing.assert_close(weights.double(), expected_weights, atol=WEIGHTS_TOL, rtol=0)
