@@ -30,5 +30,5 @@ test: install lint  ## set up, lint, then run every test
 parity: install  ## set up, then the cross-framework parity report (exit 1 on any FAIL)
 	$(PY) -m shared_tests.parity $(ARGS)
 
-bench: install  ## set up, then the benchmark; writes bench/results.md (ARGS="--quick" for a smoke run)
+bench: install  ## set up, then the benchmark; writes bench/results.md (ARGS=--quick: a smoke run into out/bench_quick.md)
 	$(PY) -m bench.benchmark $(ARGS)

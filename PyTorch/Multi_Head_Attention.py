@@ -5,56 +5,82 @@ Copy this one file into your model; it needs only torch, NumPy and the standard 
 Legend (every shape comment in this file uses these letters):
     B: batch size          T: query length        S: key/value length
     E: d_model             N: num_heads           K: num_kv_heads
-    H: head_dim
+    H: head_dim            L: slots of a KV cache (its maximum length)
 
 The math, for query head n (which reads key/value head n // (N // K)):
     q = query @ query_kernel + query_bias                       (B, T, N*H)
     k = key @ key_kernel + key_bias                             (B, S, K*H)
     v = value @ value_kernel + value_bias                       (B, S, K*H)
-    scores[n] = q[n] @ k[n // G]^T / sqrt(H) + float_mask       (B, N, T, S), G = N // K
+    scores[n] = q[n] @ k[n // G]^T * scale + float_mask         (B, N, T, S), G = N // K, scale = 1 / sqrt(H)
     weights = softmax(scores where kept, else lowest finite)    zeroed where not kept
     context[n] = weights[n] @ v[n // G]                         (B, N, T, H)
     output = concat_heads(context) @ output_kernel + output_bias
 
+Variants, each off by default and each one small step of the call (constructor arguments):
+`bias` per projection (Qwen2), `scale` (T5, Gemma), `softcap` (Gemma 2), `window` (a sliding
+window: Mistral, gpt-oss), rotary position embeddings (`rope_theta`, `rope_fraction`,
+`rope_interleaved`, `rope_scaling`: Llama, GPT-NeoX, GPT-J, Llama 3.1), `qk_norm` (Qwen3,
+OLMo2) and `sinks` (gpt-oss). The order of the steps:
+    1. masks combined into one boolean `keep` and one additive `bias`
+    2. projections          3. QK-norm of q and k        4. RoPE of q and k at `positions`
+    5. cache write          6. scores * scale, soft-capping, + bias, keys removed by keep,
+                               causal and window, softmax with the sinks, weighted sum of v
+    7. heads merged and the output projection
+
 Masks: a boolean `attention_mask` is True where a query may attend a key (the opposite of
 `nn.MultiheadAttention`, where True means "ignore"); a floating one is added to the scores
-(-inf removes a key). `causal=True` keeps key s for query t iff s <= t + (S - T). A query row
-with no key left gets weights of exactly 0, so its output is `output_bias`: never NaN.
+(-inf, or any value at most the lowest of float32 or of its own dtype, removes a key).
+`key_mask` (B, S) and `query_mask` (B, T) are Keras' padding masks (True = real token);
+`attention_bias` is a learned or fixed float bias (T5, ALiBi: see `alibi_bias`) with a gradient.
+`causal=True` keeps key s for query t iff s <= t + (S - T). A query row with no key left gets
+weights of exactly 0, so its output is `output_bias`: never NaN.
 Example, a key padding mask for keys [a, b, <pad>]:
     keep = torch.tensor([[True, True, False]])       # (B, S)
-    layer(x, attention_mask=keep[:, None, :])         # (B, 1, S) broadcasts to (B, N, T, S)
+    layer(x, key_mask=keep)                           # same as attention_mask=keep[:, None, :]
 
 Parameters: `query`, `key`, `value` and `output` are `nn.Linear` submodules, so `state_dict`
-holds `query.weight` = query_kernel^T, `query.bias` = query_bias, and so on for the others.
+holds `query.weight` = query_kernel^T, `query.bias` = query_bias, and so on for the others;
+with `qk_norm` also `query_norm` and `key_norm`, with `sinks=True` also `sinks` (N,).
 
 Decoding with a KV cache (L: the cache's max length): `cache = layer.init_cache(B, L)`, then
 `output, cache = layer(x, cache=cache)` for a prompt (T > 1) and then one token at a time
 (T = 1). The keys and values of the T new tokens are written to slots [index, index + T), and
-query t attends slot s iff s < index + T, keep[b, s], (not causal or s <= index + t) and
-`attention_mask` (given over L) keeps it. Token-by-token equals the full causal pass. This
-layer writes the keys and values into the cache's tensors in place (for inference; call it
-under `torch.no_grad()`); the returned cache shares them, with the index moved on.
+query t attends slot s iff s < index + T, keep[b, s], (not causal or s <= index + t), (no
+window or s > index + t - window) and `attention_mask` (given over L) keeps it; `key_mask`
+(B, T) is ANDed into `keep` at the written slots, and RoPE turns the new tokens by positions
+index + t. Token-by-token equals the full causal pass. This layer writes the keys and values
+into the cache's tensors in place (for inference; call it under `torch.no_grad()`); the
+returned cache shares them, with the index moved on.
 
 Tensor parallelism (`parallelize_module` with `ColwiseParallel` on `query`, `key`, `value` and
 `RowwiseParallel` on `output`) splits the heads across ranks: each rank attends its share of
 the heads, so `return_attention` returns this rank's heads. K must be divisible by the ranks,
 and a per-head (B, N, T, S) mask cannot be split.
 
-Two code paths give the same numbers: without `return_attention`, attention runs in
+Code paths, all with the same numbers: without `return_attention`, attention runs in
 `torch.nn.functional.scaled_dot_product_attention` (and self-attention projects q, k and v
-with one matmul); with it, an explicit softmax returns the per-head weights (under no_grad on
-the CPU it runs in place in the returned weights, a block of batch elements at a time).
+with one matmul where the three projections are plain `nn.Linear` modules); with it, or with
+`softcap` or `sinks` (which SDPA cannot express), an explicit softmax (under no_grad on the CPU
+it runs in place in the returned weights, a block of batch elements at a time).
 """
 
 import math
+from collections.abc import Collection
 from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
-__all__ = ["KVCache", "MultiHeadAttention", "dot_product_attention"]
+__all__ = ["KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
+
+_PROJECTIONS = ("query", "key", "value", "output")
+_ROPE_SCALING = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 
 class KVCache(NamedTuple):
@@ -77,6 +103,175 @@ def _positive_int(name, value):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
     return int(value)
+
+
+def _is_positive_number(value):
+    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+    return number and 0 < value < float("inf")
+
+
+def _positive_float(name, value, optional=False):
+    """`value` as a float, checked positive (None passes through when `optional`)."""
+    if optional and value is None:
+        return None
+    if not _is_positive_number(value):
+        expected = "None or a positive float" if optional else "a positive float"
+        raise ValueError(f"`{name}` must be {expected}. Received: {name}={value!r}")
+    return float(value)
+
+
+def _projection_biases(bias):
+    """`bias` (True, False or a collection of projection names) -> the names with a bias, in order."""
+    if isinstance(bias, (bool, np.bool_)):
+        return _PROJECTIONS if bias else ()
+    names = (
+        isinstance(bias, Collection)
+        and not isinstance(bias, (str, bytes))
+        and all(isinstance(name, str) and name in _PROJECTIONS for name in bias)
+    )
+    if not names:
+        raise ValueError(
+            f"`bias` must be True, False or a collection of 'query', 'key', 'value', 'output'. Received: bias={bias!r}"
+        )
+    return tuple(name for name in _PROJECTIONS if name in bias)
+
+
+def _rotary_dim(rope_fraction, head_dim):
+    """R = int(H * rope_fraction), the rotated features of each head: even and at least 2."""
+    rotated = int(head_dim * rope_fraction) if _is_positive_number(rope_fraction) and rope_fraction <= 1 else 0
+    if rotated < 2 or rotated % 2:
+        raise ValueError(
+            "`rope_fraction` must be in (0, 1] and rotate an even number R = int(head_dim * rope_fraction) >= 2 of "
+            f"features. Received: rope_fraction={rope_fraction!r}, head_dim={head_dim}"
+        )
+    return rotated
+
+
+def _check_rope_scaling(scaling):
+    """A copy of `rope_scaling` (None, or a dict as `transformers` writes it), checked."""
+    if scaling is None:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    parameters = _ROPE_SCALING.get(kind, ())
+    valid = bool(parameters) and all(_is_positive_number(scaling.get(name)) for name in parameters)
+    if valid and kind == "llama3":
+        valid = scaling["high_freq_factor"] > scaling["low_freq_factor"]
+    if not valid:
+        raise ValueError(
+            "`rope_scaling` must be None or a dict whose rope_type is 'linear' or 'llama3', with its parameters. "
+            f"Received: rope_scaling={scaling!r}"
+        )
+    return dict(scaling)
+
+
+def rope_frequencies(rotary_dim, theta, scaling=None, *, device=None):
+    """The RoPE frequencies inv_freq[i] = theta ** (-2i / R) for i in [0, R/2), rewritten by
+    `scaling` (None, or a `transformers` rope_scaling dict: "linear" or "llama3").
+
+    Returns:
+        inv_freq (R/2,) float32, computed in float64 and rounded once.
+    """
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device) / rotary_dim  # (R/2,)
+    inv_freq = torch.pow(theta, -exponents)  # (R/2,)
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    if kind == "llama3":
+        inv_freq = _llama3_frequencies(inv_freq, scaling)
+    return inv_freq.float()
+
+
+def _llama3_frequencies(inv_freq, scaling):
+    """Llama 3.1's rewrite (transformers' `_compute_llama3_parameters`): wavelengths shorter than
+    original_max_position_embeddings / high_freq_factor are kept, those longer than
+    original_max_position_embeddings / low_freq_factor divided by `factor`, the ones between
+    interpolated smoothly."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq  # (R/2,)
+    smooth = (context / wavelength - low) / (high - low)  # (R/2,)
+    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq  # (R/2,)
+    scaled = torch.where(wavelength > context / low, inv_freq / factor, smoothed)  # (R/2,)
+    return torch.where(wavelength < context / high, inv_freq, scaled)  # (R/2,)
+
+
+def apply_rope(x, positions, inv_freq, interleaved):
+    """Rotary position embeddings: turns the first R = 2 * len(inv_freq) features of each head.
+
+    Args:
+        x: (B, heads, T, H) queries or keys.
+        positions: (B, T) integer positions.
+        inv_freq: (R/2,) float32 frequencies from `rope_frequencies`.
+        interleaved: False pairs feature i with feature i + R/2 ("rotate half": Llama, GPT-NeoX);
+            True pairs features 2i and 2i + 1 (GPT-J).
+
+    Returns:
+        x with each pair (x1, x2) at position p turned to (x1 cos - x2 sin, x2 cos + x1 sin) by the
+        angle p * inv_freq[i] (computed in float32), cast back to x's dtype; the other H - R
+        features unchanged.
+    """
+    rotary_dim = 2 * inv_freq.shape[0]
+    angles = positions[:, None, :, None].float() * inv_freq  # (B, 1, T, 1) * (R/2,) -> (B, 1, T, R/2)
+    cos, sin = angles.cos(), angles.sin()  # (B, 1, T, R/2)
+    rotary = x[..., :rotary_dim].to(torch.promote_types(x.dtype, torch.float32))  # (B, heads, T, R)
+    if interleaved:
+        x1, x2 = rotary[..., 0::2], rotary[..., 1::2]  # (B, heads, T, R/2) each
+        turned = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)  # -> (B, heads, T, R)
+    else:
+        x1, x2 = rotary.chunk(2, dim=-1)  # (B, heads, T, R/2) each
+        turned = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (B, heads, T, R)
+    return torch.cat((turned.to(x.dtype), x[..., rotary_dim:]), dim=-1)  # (B, heads, T, H)
+
+
+def rms_norm(x, scale, eps):
+    """RMSNorm over the last axis, x / sqrt(mean(x ** 2) + eps) * scale, computed in float32 at
+    least and cast back to x's dtype."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    y = x.to(dtype)
+    y = y * torch.rsqrt(y.square().mean(dim=-1, keepdim=True) + eps)
+    return (y * scale.to(dtype)).to(x.dtype)
+
+
+def _rms_norm_over_heads(x, scale, eps):
+    """`rms_norm` of (B, heads, L, H) x over all its heads' features, with a (heads*H,) scale."""
+    b, heads, length, h = x.shape
+    flat = x.transpose(1, 2).reshape(b, length, heads * h)  # (B, heads, L, H) -> (B, L, heads*H)
+    return rms_norm(flat, scale, eps).view(b, length, heads, h).transpose(1, 2)  # -> (B, heads, L, H)
+
+
+def _alibi_slopes(num_heads):
+    """Bloom's slopes: 2 ** (-8 (n + 1) / N) for N a power of two; otherwise those of the nearest
+    lower power of two P followed by every other slope of 2P."""
+    power = 2 ** math.floor(math.log2(num_heads))
+    slopes = [2 ** (-8 * (n + 1) / power) for n in range(power)]
+    return slopes + [2 ** (-8 * (n + 1) / (2 * power)) for n in range(0, 2 * (num_heads - power), 2)]
+
+
+def alibi_bias(num_heads, positions):
+    """The ALiBi bias slope[n] * positions[..., s], to pass as `attention_bias` with `causal=True`.
+
+    Args:
+        num_heads: N.
+        positions: integer key positions, (S,) or (B, S) (Bloom: `cumsum(key_mask) - 1`).
+
+    Returns:
+        float32 (1, N, 1, S) for (S,) positions, (B, N, 1, S) for (B, S). A per-query constant
+        does not change a softmax, so this equals Press et al.'s -slope * (t - s).
+    """
+    num_heads = _positive_int("num_heads", num_heads)
+    positions = torch.as_tensor(positions)
+    if positions.dim() not in (1, 2) or not _is_integer(positions):
+        raise ValueError(
+            "`positions` must be an integer tensor of shape (S,) or (B, S). "
+            f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={_dtype_name(positions.dtype)}"
+        )
+    slopes = torch.tensor(_alibi_slopes(num_heads), dtype=torch.float64, device=positions.device)  # (N,)
+    batched = positions if positions.dim() == 2 else positions[None]  # (S,) -> (1, S)
+    return (slopes[None, :, None, None] * batched[:, None, None, :]).float()  # (N,) * (B, S) -> (B, N, 1, S)
+
+
+def _is_integer(tensor):
+    return not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool)
 
 
 def _dtype_name(dtype):
@@ -115,6 +310,77 @@ def _check_lengths(query, key, value):
             "`key` and `value` must have the same length S. Received: "
             f"key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
         )
+
+
+def _check_dtypes(query, key, value):
+    if not query.dtype == key.dtype == value.dtype:
+        raise ValueError(
+            "`query`, `key` and `value` must have the same dtype. Received: "
+            f"query.dtype={_dtype_name(query.dtype)}, key.dtype={_dtype_name(key.dtype)}, "
+            f"value.dtype={_dtype_name(value.dtype)}"
+        )
+
+
+def _as_tensor(x, device):
+    return x if x is None or isinstance(x, torch.Tensor) else torch.as_tensor(x, device=device)
+
+
+def _check_token_mask(name, mask, b, length, letter):
+    """Checks a (B, length) boolean `key_mask` or `query_mask`."""
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (b, length)):
+        raise ValueError(
+            f"`{name}` must be a boolean tensor of shape (B, {letter})=({b}, {length}). "
+            f"Received: {name}.shape={tuple(mask.shape)}, {name}.dtype={_dtype_name(mask.dtype)}"
+        )
+    return mask
+
+
+def _check_positions(positions, b, t):
+    """Checks integer (B, T) or (T,) `positions` and returns them as (B, T)."""
+    if not _is_integer(positions) or tuple(positions.shape) not in ((b, t), (t,)):
+        raise ValueError(
+            f"`positions` must be an integer tensor of shape (B, T) or (T,) with B={b}, T={t}. "
+            f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={_dtype_name(positions.dtype)}"
+        )
+    return positions.expand(b, t)  # (T,) -> (B, T)
+
+
+def _values_readable():
+    """Whether a mask's values can be read here: not while torch.compile or torch.jit.trace trace."""
+    return not (torch.compiler.is_compiling() or torch.jit.is_tracing())
+
+
+def _refuse_traps(attention_mask, key_mask, target):
+    """The built-in layers' habits that would be read otherwise here, refused with the fix
+    (`attention_mask` checked against target (B, N, T, S) first)."""
+    b, t = target[0], target[2]
+    if attention_mask is not None:
+        _mask_to_4d(attention_mask, target)
+    if attention_mask is not None and attention_mask.dim() == 2 and b == t > 1 and attention_mask.shape[0] != 1:
+        raise ValueError(
+            "A 2-D `attention_mask` is read as (T, S), but with B == T it could be a (B, S) key padding mask: pass "
+            "`key_mask=mask` for that, or a (1, T, S) mask (`mask[None]`) for a (T, S) one. "
+            f"Received: attention_mask.shape={tuple(attention_mask.shape)}, B=T={b}"
+        )
+    if not _values_readable():
+        return
+    for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
+        if mask is not None and mask.dtype == torch.bool and mask.numel() and not mask.any():
+            raise ValueError(
+                f"`{name}` keeps no key for any query: True means attend (in nn.MultiheadAttention True means "
+                f"ignore: pass `~mask`). Received: a boolean {name} that is False everywhere"
+            )
+    if attention_mask is not None and attention_mask.is_floating_point() and _zeros_and_ones(attention_mask):
+        raise ValueError(
+            "`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras reads such a "
+            "mask as boolean): pass `mask > 0` (True = attend) or an additive mask. "
+            "Received: a floating attention_mask of 0s and 1s"
+        )
+
+
+def _zeros_and_ones(mask):
+    ones = mask == 1
+    return bool(((mask == 0) | ones).all() and ones.any())
 
 
 def _check_cache(cache, query, key, heads, head_dim):
@@ -170,17 +436,20 @@ def _check_keep(keep, batch_size, max_length):
     return keep
 
 
-def _cache_keep(keep, index, t, causal):
-    """(B, L) cache keep -> (B, 1, T, L): slot s is written, not padding and, when causal, at most
-    the query's own position index + t."""
+def _cache_keep(keep, index, t, causal, window):
+    """(B, L) cache keep -> (B, 1, T, L): slot s is written, not padding, when causal at most the
+    query's own position index + t, and with a window more recent than index + t - window."""
     slots = torch.arange(keep.shape[-1], device=keep.device)[None, :]  # (1, L)
     positions = index + torch.arange(t, device=keep.device)[:, None]  # (T, 1), the position of each query
     allowed = slots <= positions if causal else slots < index + t  # (T, L)
+    if window is not None:
+        allowed = allowed & (slots > positions - window)  # (T, L)
     return allowed[None, None] & keep[:, None, None, :]  # (B, 1, T, L)
 
 
-def _write_cache(cache, k, v):
-    """Writes (B, K, T, H) keys and values to slots [index, index + T) of the cache's own tensors.
+def _write_cache(cache, k, v, key_mask=None):
+    """Writes (B, K, T, H) keys and values to slots [index, index + T) of the cache's own tensors,
+    and ANDs a (B, T) `key_mask` into `keep` there.
 
     Eagerly a full cache is a ValueError. Under `torch.compile` (where raising needs a graph
     break) the write is clamped to the last slot and the caller sets that call's output to NaN.
@@ -191,6 +460,8 @@ def _write_cache(cache, k, v):
     positions = (cache.index + torch.arange(t, device=k.device)).clamp(max=length - 1)  # (T,)
     cache.key.index_copy_(2, positions, k)  # (B, K, L, H)
     cache.value.index_copy_(2, positions, v)  # (B, K, L, H)
+    if key_mask is not None:
+        cache.keep.index_copy_(1, positions, cache.keep.index_select(1, positions) & key_mask)  # (B, L)
     return KVCache(cache.key, cache.value, cache.keep, cache.index + t)
 
 
@@ -205,18 +476,16 @@ def _results(output, weights, cache, return_attention):
     return results[0] if len(results) == 1 else results
 
 
-def _mask_to_4d(mask, target):
-    """Checks `attention_mask` against target (B, N, T, S) and returns it as rank 4."""
+def _mask_to_4d(mask, target, name="attention_mask"):
+    """Checks a mask (`attention_mask` or `attention_bias`) against target (B, N, T, S) and returns it as rank 4."""
     if mask.dtype != torch.bool and not mask.is_floating_point():
-        raise ValueError(
-            f"`attention_mask` must be boolean or floating. Received: attention_mask.dtype={_dtype_name(mask.dtype)}"
-        )
+        raise ValueError(f"`{name}` must be boolean or floating. Received: {name}.dtype={_dtype_name(mask.dtype)}")
     expected = {2: target[2:], 3: (target[0], *target[2:]), 4: target}.get(mask.dim())
     if expected is None or any(m not in (1, e) for m, e in zip(mask.shape, expected, strict=True)):
         raise ValueError(
-            "`attention_mask` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
+            f"`{name}` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
             f"(B, N, T, S), each dimension full or 1. Expected: (B, N, T, S)={target}. "
-            f"Received: attention_mask.shape={tuple(mask.shape)}"
+            f"Received: {name}.shape={tuple(mask.shape)}"
         )
     if mask.dim() == 2:
         return mask[None, None]  # (T, S) -> (1, 1, T, S)
@@ -231,57 +500,109 @@ def causal_mask(t, s, device=None):
     return torch.arange(s, device=device)[None, :] <= rows + (s - t)  # (T, S)
 
 
-def _split_mask(attention_mask, target):
-    """Splits `attention_mask` into (keep, bias): boolean and additive, both rank 4 or None."""
-    if attention_mask is None:
+def window_mask(t, s, window, device=None):
+    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - window (bottom-right aligned)."""
+    rows = torch.arange(t, device=device)[:, None]  # (T, 1)
+    return torch.arange(s, device=device)[None, :] > rows + (s - t) - window  # (T, S)
+
+
+def _split_mask(mask, target, name="attention_mask"):
+    """Splits a mask into (keep, additive), both rank 4 or None (the floating mask rule).
+
+    A boolean mask is all keep. A floating one removes a key where it is at most the removal
+    threshold, the lowest finite value of its dtype or of float32, whichever is higher (-inf
+    too), read in its own dtype; the rest is added, in float32 at least (float64 stays float64).
+    """
+    if mask is None:
         return None, None
-    mask = _mask_to_4d(attention_mask, target)
+    mask = _mask_to_4d(mask, target, name)
     if mask.dtype == torch.bool:
         return mask, None
-    lowest = torch.finfo(mask.dtype).min
-    removed = mask <= lowest  # -inf (or the lowest finite value, which converters put for it) removes a key
-    return ~removed, torch.where(removed, 0.0, mask.clamp(min=lowest))  # finite, never 0 * -inf
+    threshold = max(torch.finfo(mask.dtype).min, torch.finfo(torch.float32).min)
+    removed = mask <= threshold  # (B, N, T, S), dims may be 1
+    additive = torch.where(removed, 0.0, mask)  # finite, never 0 * -inf
+    return ~removed, additive.to(torch.promote_types(mask.dtype, torch.float32))
+
+
+def _split_bias(attention_bias, target):
+    """`attention_bias` -> (keep, additive) by the floating mask rule; a boolean one is refused."""
+    if attention_bias is None:
+        return None, None
+    if not attention_bias.is_floating_point():
+        raise ValueError(
+            f"`attention_bias` must be floating. Received: attention_bias.dtype={_dtype_name(attention_bias.dtype)}"
+        )
+    return _split_mask(attention_bias, target, "attention_bias")
+
+
+def _centre_rows(bias, keep):
+    """`bias` minus each row's largest value where `keep` holds (rows keeping nothing: 0).
+
+    A per-query constant does not change a softmax; this keeps a row of only large finite
+    penalties (-1e9) an ordinary softmax instead of scores rounded away in float32 or float16.
+    """
+    if bias.shape[-1] == 0:
+        return bias
+    lowest = torch.finfo(bias.dtype).min
+    top = torch.where(keep, bias, lowest).amax(dim=-1, keepdim=True)  # (B, N, T, 1), dims may be 1
+    return bias - torch.where(top == lowest, 0.0, top)  # (B, N, T, S), dims may be 1
 
 
 _BLOCK_SCORES = 1 << 21  # scores in one block of `_attention_in_blocks`: 8 MiB of float32
 
 
-def _scores_dtype(dtype, bias):
-    """The dtype the (B, N, T, S) scores are held in: that of q, or float32 where a float mask is
-    added to float16 or bfloat16 scores (so that the sum is not rounded). The softmax of float16
-    and bfloat16 computes in float32 either way."""
-    return dtype if bias is None else torch.promote_types(dtype, torch.float32)
+def _scores_dtype(dtype, bias, sinks=None):
+    """The dtype the (B, N, T, S) scores are held in: that of q, or float32 where a float mask or
+    sinks are added to float16 or bfloat16 scores (so that the sum is not rounded). The softmax
+    of float16 and bfloat16 computes in float32 either way."""
+    return dtype if bias is None and sinks is None else torch.promote_types(dtype, torch.float32)
 
 
-def _masked_softmax(scores, keep):
-    """Softmax over S with every position not kept at weight exactly 0 (rows with no key are
-    all 0). Without autograd (and outside torch.compile) it overwrites `scores`, a tensor the
-    caller owns: no second (B, N, T, S) buffer, as in the built-in layer's inference kernel."""
+def _softcap(scores, softcap):
+    """Gemma 2's soft-capping: softcap * tanh(scores / softcap)."""
+    return scores if softcap is None else softcap * torch.tanh(scores / softcap)
+
+
+def _sink_logsumexp(scores, sinks):
+    """log(exp(sink) + sum over S of exp(scores)): the log of the softmax's denominator with one
+    sink logit per head (gpt-oss); (B, N, T, S) -> (B, N, T, 1)."""
+    sink = sinks.to(scores.dtype)[:, None, None]  # (N,) -> (N, 1, 1)
+    return torch.logaddexp(torch.logsumexp(scores, dim=-1, keepdim=True), sink)  # (B, N, T, 1)
+
+
+def _masked_softmax(scores, keep, sinks=None):
+    """Softmax over S (with `sinks` in its denominator) with every position not kept at weight
+    exactly 0 (rows with no key are all 0). Without autograd (and outside torch.compile) it
+    overwrites `scores`, a tensor the caller owns: no second (B, N, T, S) buffer, as in the
+    built-in layer's inference kernel."""
     lowest = torch.finfo(scores.dtype).min
     if torch.is_grad_enabled() or torch.compiler.is_compiling():
         scores = scores if keep is None else torch.where(keep, scores, lowest)
-        weights = scores.softmax(dim=-1)
+        weights = scores.softmax(dim=-1) if sinks is None else (scores - _sink_logsumexp(scores, sinks)).exp()
         return weights if keep is None else torch.where(keep, weights, 0.0)
     removed = None if keep is None else ~keep
     if removed is not None:
         scores.masked_fill_(removed, lowest)
-    weights = torch.ops.aten._softmax.out(scores, -1, False, out=scores)  # in place
+    if sinks is None:
+        weights = torch.ops.aten._softmax.out(scores, -1, False, out=scores)  # in place
+    else:
+        weights = scores.sub_(_sink_logsumexp(scores, sinks)).exp_()  # in place
     return weights if removed is None else weights.masked_fill_(removed, 0.0)
 
 
-def _explicit_attention(q, k, v, keep, bias, dropout):
-    """Scores, mask, softmax, weighted sum; returns (context, weights)."""
+def _explicit_attention(q, k, v, keep, bias, dropout, scale, softcap=None, sinks=None):
+    """Scores, soft-capping, mask, softmax (with sinks), weighted sum; returns (context, weights)."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)  # (B, K, S, H) -> (B, N, S, H)
         v = v.repeat_interleave(groups, dim=1)  # (B, K, S, H) -> (B, N, S, H)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    dtype = _scores_dtype(q.dtype, bias)
+    dtype = _scores_dtype(q.dtype, bias, sinks)
     if _in_blocks(q, dtype):
-        return _attention_in_blocks(q, k, v, keep, bias, dropout, scale)
+        return _attention_in_blocks(q, k, v, keep, bias, dropout, scale, softcap, sinks)
     scores = ((q * scale) @ k.transpose(-1, -2)).to(dtype)  # (B, N, T, S), a new tensor; q scaled, not the scores
+    scores = _softcap(scores, softcap)  # (B, N, T, S)
     scores = scores if bias is None else scores + bias.to(dtype)  # (B, N, T, S)
-    weights = _masked_softmax(scores, keep).to(q.dtype)  # (B, N, T, S)
+    weights = _masked_softmax(scores, keep, sinks).to(q.dtype)  # (B, N, T, S)
     context = F.dropout(weights, dropout, training=dropout > 0) @ v  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
     return context, weights
 
@@ -298,10 +619,10 @@ def _batch_rows(mask, rows):
     return mask if mask is None or mask.dim() < 4 or mask.shape[0] == 1 else mask[rows]
 
 
-def _attention_in_blocks(q, k, v, keep, bias, dropout, scale):
+def _attention_in_blocks(q, k, v, keep, bias, dropout, scale, softcap, sinks):
     """`_explicit_attention` without autograd, a block of batch elements at a time: each block's
-    scores are written into its slice of the weights, softmaxed there in place and multiplied by
-    v while they are still in the CPU cache (one (B, N, T, S) buffer in all)."""
+    scores are written into its slice of the weights, soft-capped, softmaxed there in place and
+    multiplied by v while they are still in the CPU cache (one (B, N, T, S) buffer in all)."""
     (b, n, t, h), s = q.shape, k.shape[2]
     weights = q.new_empty(b, n, t, s)  # (B, N, T, S)
     context = q.new_empty(b, n, t, h)  # (B, N, T, H)
@@ -312,9 +633,11 @@ def _attention_in_blocks(q, k, v, keep, bias, dropout, scale):
         q_rows, k_rows = q[rows].reshape(r * n, t, h), k[rows].reshape(r * n, s, h)  # (r*N, T, H), (r*N, S, H)
         torch.baddbmm(scores, q_rows, k_rows.transpose(1, 2), beta=0.0, alpha=scale, out=scores)  # scaled q k^T
         scores = scores.view(r, n, t, s)  # (r*N, T, S) -> (r, N, T, S)
+        if softcap is not None:
+            scores.div_(softcap).tanh_().mul_(softcap)  # `_softcap` in place
         if bias is not None:
             scores += _batch_rows(bias, rows)
-        _masked_softmax(scores, _batch_rows(keep, rows))  # in place
+        _masked_softmax(scores, _batch_rows(keep, rows), sinks)  # in place
         dropped = F.dropout(scores, dropout, training=dropout > 0)
         torch.matmul(dropped, v[rows], out=context[rows])  # (r, N, T, S) @ (r, N, S, H) -> (r, N, T, H)
     return context, weights
@@ -333,26 +656,39 @@ def _sdpa_heads(q, k, v, masked):
     return k, v.repeat_interleave(groups, dim=1), False  # (B, K, S, H) -> (B, N, S, H)
 
 
-def _fused_attention(q, k, v, keep, bias, dropout, is_causal=False):
+def _in_dtype(bias, dtype):
+    """An additive mask in SDPA's mask dtype (q's), clamped to its finite range where it is narrower."""
+    if bias.dtype == dtype:
+        return bias
+    info = torch.finfo(dtype)
+    return bias.clamp(info.min, info.max).to(dtype)
+
+
+def _fused_attention(q, k, v, keep, bias, dropout, scale, is_causal=False):
     """`scaled_dot_product_attention` with a finite additive mask; returns the context.
 
     `is_causal` is the kernel's own top-left triangle: pass it only with no mask and T == S.
     A row with no key left attends to every key inside the kernel (finite numbers, forward and
-    backward, in any dtype) and is then set to exactly 0.
+    backward, in any dtype) and is then set to exactly 0. SDPA gives its additive mask a
+    gradient (on the CPU too), so a learned `bias` trains on this path.
     """
     k, v, gqa = _sdpa_heads(q, k, v, masked=keep is not None or bias is not None)
+    options = {"dropout_p": dropout, "scale": scale, "enable_gqa": gqa}
     if keep is None and bias is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=is_causal, enable_gqa=gqa)
-    additive = torch.zeros((), dtype=q.dtype, device=q.device) if bias is None else bias.to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, **options)
+    additive = torch.zeros((), dtype=q.dtype, device=q.device) if bias is None else _in_dtype(bias, q.dtype)
     if keep is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=dropout, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=additive, **options)
     has_key = keep.any(dim=-1, keepdim=True)  # (B, N, T, 1), dims may be 1
     additive = torch.where(keep | ~has_key, additive, torch.finfo(q.dtype).min)  # (B, N, T, S), dims may be 1
-    context = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=dropout, enable_gqa=gqa)
+    context = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, **options)
     return torch.where(has_key, context, 0.0)  # (B, N, T, H), rows with no key are all 0
 
 
-def dot_product_attention(q, k, v, keep=None, bias=None, causal=False, *, dropout=0.0, return_attention=False):
+def dot_product_attention(
+    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, sinks=None,
+    dropout=0.0, return_attention=False,
+):  # fmt: skip
     """Pure attention on split heads; returns (context, weights).
 
     Args:
@@ -360,25 +696,53 @@ def dot_product_attention(q, k, v, keep=None, bias=None, causal=False, *, dropou
         k: (B, K, S, H) keys, K dividing N.
         v: (B, K, S, H) values.
         keep: None or boolean, broadcasts to (B, N, T, S); True where a query may attend a key.
-        bias: None or float, broadcasts to (B, N, T, S); added to the scaled scores.
+        bias: None or float, broadcasts to (B, N, T, S); added to the scaled (and soft-capped) scores.
         causal: if True, query t keeps key s only if s <= t + (S - T).
+        scale: the factor of the scores; defaults to 1 / sqrt(H).
+        softcap: None or c > 0: the scaled scores become c * tanh(scores / c).
+        window: None or W > 0: query t keeps key s only if s > t + (S - T) - W.
+        sinks: None or (N,) logits, one more term per head in the softmax's denominator.
         dropout: probability of dropping attention weights (pass 0 outside training).
-        return_attention: if True, take the explicit path and return the weights; otherwise
-            take `scaled_dot_product_attention` and return None for them.
+        return_attention: if True, return the weights. Without it attention runs in
+            `scaled_dot_product_attention` unless `softcap` or `sinks` (which SDPA cannot
+            express) need the explicit softmax; the weights are then None.
 
     Returns:
         context (B, N, T, H) and weights (B, N, T, S) (None unless `return_attention`),
         exactly 0 where not kept.
     """
     t, s = q.shape[2], k.shape[2]
-    if causal and keep is None and bias is None and t == s and not return_attention:
-        return _fused_attention(q, k, v, None, None, dropout, is_causal=True), None  # (B, N, T, H)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    explicit = return_attention or softcap is not None or sinks is not None
+    if causal and not explicit and keep is None and bias is None and window is None and t == s:
+        return _fused_attention(q, k, v, None, None, dropout, scale, is_causal=True), None  # (B, N, T, H)
     if causal:
-        triangle = causal_mask(t, s, q.device)  # (T, S)
-        keep = triangle if keep is None else keep & triangle  # (B, N, T, S), dims may be 1
-    if return_attention:
-        return _explicit_attention(q, k, v, keep, bias, dropout)
-    return _fused_attention(q, k, v, keep, bias, dropout), None
+        keep = _and(keep, causal_mask(t, s, q.device))  # (B, N, T, S), dims may be 1
+    if window is not None:
+        keep = _and(keep, window_mask(t, s, window, q.device))  # (B, N, T, S), dims may be 1
+    if bias is not None and keep is not None and sinks is None:  # with sinks a softmax is not shift-invariant
+        bias = _centre_rows(bias, keep)  # (B, N, T, S), dims may be 1
+    if explicit:
+        context, weights = _explicit_attention(q, k, v, keep, bias, dropout, scale, softcap, sinks)
+        return context, weights if return_attention else None
+    return _fused_attention(q, k, v, keep, bias, dropout, scale), None
+
+
+def _plain_linear(module):
+    """Whether `module` computes exactly F.linear(x, weight, bias): an `nn.Linear` itself (not a
+    subclass, a LoRA wrapper or a quantized module), with no hooks and no parametrizations."""
+    hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+    return type(module) is nn.Linear and not any(hooks) and not parametrize.is_parametrized(module)
+
+
+def _global_hooks():
+    """Whether module hooks registered for every module (`register_module_forward_hook` and friends) are set."""
+    state = torch.nn.modules.module
+    hooks = (
+        state._global_forward_hooks, state._global_forward_pre_hooks,
+        state._global_backward_hooks, state._global_backward_pre_hooks,
+    )  # fmt: skip
+    return any(hooks)
 
 
 class MultiHeadAttention(nn.Module):
@@ -392,16 +756,44 @@ class MultiHeadAttention(nn.Module):
         kdim: width of `key`. Defaults to E.
         vdim: width of `value`. Defaults to E.
         dropout: probability of dropping attention weights in training mode; 0 <= p < 1.
-        bias: whether the four projections have biases.
+        bias: True (all four projections have a bias), False (none), or a collection of the
+            names of those that have one, from "query", "key", "value", "output" (Qwen2:
+            ("query", "key", "value")). Kept as that tuple of names, in that order.
+        scale: the factor of the scores, scores = (q . k) * scale. Defaults to 1 / sqrt(H).
+        softcap: None or c > 0: the scaled scores become c * tanh(scores / c) (Gemma 2), before
+            `attention_bias` and the floating mask are added.
+        window: None or W > 0, a sliding window: query t keeps key s only if
+            s > t + (S - T) - W (with `causal`, the W most recent keys, itself included).
+        rope_theta: None (no RoPE) or the base of rotary position embeddings (Llama: 10000.0).
+        rope_fraction: in (0, 1]: the first R = int(H * rope_fraction) features of each head
+            are rotated (R even, at least 2), the others pass unchanged.
+        rope_interleaved: False pairs feature i with i + R/2 (Llama, GPT-NeoX); True pairs
+            features 2i and 2i + 1 (GPT-J).
+        rope_scaling: None or a dict as `transformers` writes it: {"rope_type": "linear",
+            "factor": f} or {"rope_type": "llama3", "factor", "low_freq_factor",
+            "high_freq_factor", "original_max_position_embeddings"} (Llama 3.1).
+        qk_norm: None, "head" (RMSNorm over each head's H features of q and of k, scales (H,)
+            shared by the heads: Qwen3) or "all" (over all N*H and K*H features: OLMo2).
+        qk_norm_eps: the epsilon of the QK-norm.
+        sinks: if True, one learned logit per query head (the parameter `sinks`, (N,)), an
+            extra term in the softmax's denominator (gpt-oss); rows then sum to less than 1.
         device: device of the parameters.
         dtype: dtype of the parameters.
 
     Call arguments:
         query: (B, T, E), or unbatched (T, E).
         key: (B, S, kdim). Defaults to `value`, or to `query` if `value` is None too.
-        value: (B, S, vdim). Defaults to `key`.
+        value: (B, S, vdim). Defaults to `key`. `query`, `key` and `value` share one dtype.
         attention_mask: boolean (True = attend) or floating (added to the scores), of shape
-            (T, S), (B, T, S) or (B, N, T, S), any dimension of which may be 1.
+            (T, S), (B, T, S) or (B, N, T, S), any dimension of which may be 1. A floating value
+            at most the lowest of float32 or of the mask's dtype (or -inf) removes a key.
+        key_mask: (B, S) boolean, True for a real key. In self-attention it defaults to
+            `query_mask`. With `cache`, (B, T): ANDed into the cache's `keep` where written.
+        query_mask: (B, T) boolean, True for a real query (others get weights 0).
+        attention_bias: floating, broadcasts like `attention_mask`; added to the scores, with
+            a gradient (T5's relative position bias, ALiBi from `alibi_bias`).
+        positions: integer (B, T) or (T,), the RoPE positions of the queries and of the keys
+            at the same index. Defaults to arange(T), plus the cache's index when decoding.
         causal: if True, query t attends key s only if s <= t + (S - T).
         return_attention: if True, also return the per-head attention weights.
         cache: a `KVCache` from `init_cache`: decode T new tokens (`key` and `value`, if
@@ -417,7 +809,7 @@ class MultiHeadAttention(nn.Module):
         >>> layer = MultiHeadAttention(16, 4)
         >>> x = torch.randn(2, 3, 16)  # (B, T, E)
         >>> keep = torch.tensor([[True, True, False], [True, True, True]])  # (B, S)
-        >>> out, weights = layer(x, attention_mask=keep[:, None, :], return_attention=True)
+        >>> out, weights = layer(x, key_mask=keep, return_attention=True)
         >>> tuple(out.shape), tuple(weights.shape)
         ((2, 3, 16), (2, 4, 3, 3))
         >>> bool((weights[0, :, :, 2] == 0).all())
@@ -435,6 +827,16 @@ class MultiHeadAttention(nn.Module):
         vdim=None,
         dropout=0.0,
         bias=True,
+        scale=None,
+        softcap=None,
+        window=None,
+        rope_theta=None,
+        rope_fraction=1.0,
+        rope_interleaved=False,
+        rope_scaling=None,
+        qk_norm=None,
+        qk_norm_eps=1e-6,
+        sinks=False,
         device=None,
         dtype=None,
     ):
@@ -454,22 +856,49 @@ class MultiHeadAttention(nn.Module):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
         self.dropout = float(dropout)
-        self.bias = bool(bias)
+        self.bias = _projection_biases(bias)
+        self._check_variants(scale, softcap, window, rope_theta, rope_fraction, rope_scaling, qk_norm, qk_norm_eps)
+        self.rope_interleaved = bool(rope_interleaved)
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        factory = {"bias": self.bias, "device": device, "dtype": dtype}
-        self.query = nn.Linear(self.d_model, nh, **factory)  # query_kernel^T: (N*H, E)
-        self.key = nn.Linear(self.kdim, kh, **factory)  # key_kernel^T: (K*H, kdim)
-        self.value = nn.Linear(self.vdim, kh, **factory)  # value_kernel^T: (K*H, vdim)
-        self.output = nn.Linear(nh, self.d_model, **factory)  # output_kernel^T: (E, N*H)
+        factory = {"device": device, "dtype": dtype}
+        self.query = nn.Linear(self.d_model, nh, bias="query" in self.bias, **factory)  # query_kernel^T: (N*H, E)
+        self.key = nn.Linear(self.kdim, kh, bias="key" in self.bias, **factory)  # key_kernel^T: (K*H, kdim)
+        self.value = nn.Linear(self.vdim, kh, bias="value" in self.bias, **factory)  # value_kernel^T: (K*H, vdim)
+        self.output = nn.Linear(nh, self.d_model, bias="output" in self.bias, **factory)  # output_kernel^T: (E, N*H)
+        norms = {None: (None, None), "head": (self.head_dim, self.head_dim), "all": (nh, kh)}[self.qk_norm]
+        self.query_norm, self.key_norm = (
+            None if width is None else nn.Parameter(torch.empty(width, **factory)) for width in norms
+        )  # (H,) or (N*H,), (H,) or (K*H,)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, **factory)) if sinks else None  # (N,)
         self.reset_parameters()
 
+    def _check_variants(self, scale, softcap, window, rope_theta, rope_fraction, rope_scaling, qk_norm, qk_norm_eps):
+        """Checks the variants' constructor arguments and sets their attributes."""
+        self.scale = 1.0 / math.sqrt(self.head_dim) if scale is None else _positive_float("scale", scale)
+        self.softcap = _positive_float("softcap", softcap, optional=True)
+        self.window = None if window is None else _positive_int("window", window)
+        self.rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
+        self._rotary_dim = None if self.rope_theta is None else _rotary_dim(rope_fraction, self.head_dim)
+        self.rope_fraction = float(rope_fraction)
+        self.rope_scaling = _check_rope_scaling(rope_scaling)
+        if qk_norm not in (None, "head", "all"):
+            raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
+        self.qk_norm = qk_norm
+        self.qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
+
     def reset_parameters(self):
-        """Glorot (Xavier) uniform kernels, zero biases, as in the other two files."""
-        for kind in ("query", "key", "value", "output"):
+        """Glorot (Xavier) uniform kernels, zero biases, QK-norm scales of one and sink logits of
+        zero, as in the other two files."""
+        for kind in _PROJECTIONS:
             projection = getattr(self, kind)
             nn.init.xavier_uniform_(projection.weight)
             if projection.bias is not None:
                 nn.init.zeros_(projection.bias)
+        for norm in (self.query_norm, self.key_norm):
+            if norm is not None:
+                nn.init.ones_(norm)
+        if self.sinks is not None:
+            nn.init.zeros_(self.sinks)
 
     def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
         """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
@@ -496,29 +925,61 @@ class MultiHeadAttention(nn.Module):
             torch.zeros((), dtype=torch.long, device=device),
         )
 
+    def _variants(self):
+        """The variants not at their default, {name: value}."""
+        variants = {
+            "bias": list(self.bias) if self.bias not in ((), _PROJECTIONS) else None,
+            "scale": None if self.scale == 1.0 / math.sqrt(self.head_dim) else self.scale,
+            "softcap": self.softcap,
+            "window": self.window,
+            "rope_theta": self.rope_theta,
+            "qk_norm": self.qk_norm,
+            "sinks": True if self.sinks is not None else None,
+        }
+        return {name: value for name, value in variants.items() if value is not None}
+
     def extra_repr(self):
-        return (
-            f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-            f"head_dim={self.head_dim}, dropout={self.dropout}"
+        settings = {"bias": bool(self.bias), **self._variants()}  # a partial `bias` replaces True
+        if self.rope_theta is not None:
+            settings |= {"rope_fraction": self.rope_fraction, "rope_interleaved": self.rope_interleaved}
+            settings |= {"rope_scaling": self.rope_scaling}
+        if self.qk_norm is not None:
+            settings["qk_norm_eps"] = self.qk_norm_eps
+        return ", ".join(
+            [
+                f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}",
+                f"head_dim={self.head_dim}, dropout={self.dropout}",
+                *(f"{name}={value!r}" for name, value in settings.items()),
+            ]
         )
 
     def weight_shapes(self):
-        """The portable layout: {name: shape}, biases left out when `bias` is False."""
+        """The portable layout: {name: shape}; a bias only where `bias` names its projection, the
+        QK-norm scales only with `qk_norm`, `sinks` only with `sinks=True`."""
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        shapes = {
-            "query_kernel": (self.d_model, nh),
-            "query_bias": (nh,),
-            "key_kernel": (self.kdim, kh),
-            "key_bias": (kh,),
-            "value_kernel": (self.vdim, kh),
-            "value_bias": (kh,),
-            "output_kernel": (nh, self.d_model),
-            "output_bias": (self.d_model,),
+        kernels = {
+            "query": (self.d_model, nh),
+            "key": (self.kdim, kh),
+            "value": (self.vdim, kh),
+            "output": (nh, self.d_model),
         }
-        return {k: v for k, v in shapes.items() if self.bias or k.endswith("_kernel")}
+        shapes = {}
+        for kind, shape in kernels.items():
+            shapes[f"{kind}_kernel"] = shape
+            if kind in self.bias:
+                shapes[f"{kind}_bias"] = shape[1:]
+        if self.qk_norm is not None:
+            per_head = self.qk_norm == "head"
+            shapes["query_norm"] = (self.head_dim if per_head else nh,)
+            shapes["key_norm"] = (self.head_dim if per_head else kh,)
+        if self.sinks is not None:
+            shapes["sinks"] = (self.num_heads,)
+        return shapes
 
     def _parameter(self, name):
         """The tensor behind a portable name and whether it is stored transposed."""
+        if name in ("query_norm", "key_norm", "sinks"):
+            return getattr(self, name), False
         kind, part = name.rsplit("_", 1)
         projection = getattr(self, kind)
         return (projection.weight, True) if part == "kernel" else (projection.bias, False)
@@ -549,6 +1010,60 @@ class MultiHeadAttention(nn.Module):
                 value = torch.as_tensor(np.asarray(weights[name]), dtype=tensor.dtype, device=tensor.device)
                 tensor.copy_(value.T if transposed else value)
 
+    def _inputs(self, query, key, value):
+        """Missing inputs filled in (self-attention, value = key, key = value) and all three checked."""
+        key = value if key is None else key
+        key = query if key is None else key
+        value = key if value is None else value
+        query = _check_input("query", query, "E", self.d_model)
+        key = _check_input("key", key, "kdim", self.kdim)
+        value = _check_input("value", value, "vdim", self.vdim)
+        _check_dtypes(query, key, value)
+        _check_lengths(query, key, value)
+        return query, key, value
+
+    def _masks(self, attention_mask, attention_bias, key_mask, query_mask, target, dtype):
+        """Step 1: every mask -> one boolean keep and one additive bias in the softmax `dtype`,
+        both broadcasting to target (B, N, T, S), or None."""
+        mask_keep, mask_add = _split_mask(attention_mask, target)
+        bias_keep, bias_add = _split_bias(attention_bias, target)
+        keep = _and(mask_keep, bias_keep)
+        keep = _and(keep, None if key_mask is None else key_mask[:, None, None, :])  # (B, S) -> (B, 1, 1, S)
+        keep = _and(keep, None if query_mask is None else query_mask[:, None, :, None])  # (B, T) -> (B, 1, T, 1)
+        if mask_add is None or bias_add is None:
+            bias = mask_add if bias_add is None else bias_add
+            bias = None if bias is None else bias.to(dtype)
+        else:
+            bias = (mask_add.to(dtype) + bias_add.to(dtype)).clamp(min=torch.finfo(dtype).min)  # two penalties
+        return keep, bias
+
+    def _positions(self, positions, query, key, cache):
+        """Step 1 for RoPE: checked (B, T) positions, arange(T) (+ the cache's index) by default."""
+        if self.rope_theta is None:
+            if positions is not None:
+                raise ValueError(
+                    "`positions` needs RoPE: construct the layer with `rope_theta`. "
+                    "Received: positions with rope_theta=None"
+                )
+            return None
+        (b, t), s = query.shape[:2], key.shape[1]
+        if cache is None and s != t:
+            raise ValueError(
+                "RoPE needs `key` and `value` to hold the query's own tokens (S == T, or decoding with `cache`). "
+                f"Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
+            )
+        if positions is None:
+            start = 0 if cache is None else cache.index
+            return (start + torch.arange(t, device=query.device)).expand(b, t)  # (T,) -> (B, T)
+        return _check_positions(positions, b, t)  # (B, T)
+
+    def _fusable(self):
+        """Whether self-attention may project q, k and v with one matmul: only where that computes
+        exactly what calling the three projections would (plain nn.Linear, no hooks, not sharded)."""
+        projections = (self.query, self.key, self.value)
+        plain = all(_plain_linear(projection) for projection in projections) and not _global_hooks()
+        return plain and not _is_dtensor(self.query.weight)
+
     def _project(self, x, kind, heads):
         """(B, L, D) -> (B, heads, L, H): one projection split into heads."""
         y = getattr(self, kind)(x)  # (B, L, D) -> (B, L, heads*H)
@@ -568,14 +1083,41 @@ class MultiHeadAttention(nn.Module):
 
     def _project_fused(self, x):
         """Self-attention: q, k and v from one matmul over the concatenated projections."""
-        weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])  # (N*H + 2*K*H, E)
-        bias = torch.cat([self.query.bias, self.key.bias, self.value.bias]) if self.bias else None
+        projections = (self.query, self.key, self.value)
+        weight = torch.cat([p.weight for p in projections])  # (N*H + 2*K*H, E)
+        biases = [p.weight.new_zeros(p.out_features) if p.bias is None else p.bias for p in projections]
+        bias = None if all(p.bias is None for p in projections) else torch.cat(biases)  # (N*H + 2*K*H,)
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = F.linear(x, weight, bias).split([nh, kh, kh], dim=-1)  # (B, T, E) -> 3 x (B, T, heads*H)
         return (
             self._split_heads(q, self.num_heads),  # (B, N, T, H)
             self._split_heads(k, self.num_kv_heads),  # (B, K, T, H)
             self._split_heads(v, self.num_kv_heads),  # (B, K, T, H)
+        )
+
+    def _projections(self, query, key, value, self_attention):
+        """Step 2: q (B, N, T, H), k and v (B, K, S, H)."""
+        if self_attention and self._fusable():
+            return self._project_fused(query)  # (B, T, E) -> (B, N, T, H), 2 x (B, K, T, H)
+        q = self._project(query, "query", self.num_heads)  # (B, T, E) -> (B, N, T, H)
+        k = self._project(key, "key", self.num_kv_heads)  # (B, S, kdim) -> (B, K, S, H)
+        v = self._project(value, "value", self.num_kv_heads)  # (B, S, vdim) -> (B, K, S, H)
+        return q, k, v
+
+    def _normalize_qk(self, q, k):
+        """Step 3, QK-norm: RMSNorm of q and k over each head ("head") or over all heads ("all")."""
+        if self.qk_norm is None:
+            return q, k
+        norm = rms_norm if self.qk_norm == "head" else _rms_norm_over_heads
+        return norm(q, self.query_norm, self.qk_norm_eps), norm(k, self.key_norm, self.qk_norm_eps)
+
+    def _rotate(self, q, k, positions):
+        """Step 4, RoPE: q and k turned at their (B, T) positions."""
+        if self.rope_theta is None:
+            return q, k
+        inv_freq = rope_frequencies(self._rotary_dim, self.rope_theta, self.rope_scaling, device=q.device)  # (R/2,)
+        return apply_rope(q, positions, inv_freq, self.rope_interleaved), apply_rope(
+            k, positions, inv_freq, self.rope_interleaved
         )
 
     def _check_local_heads(self, q, k, attention_mask):
@@ -597,49 +1139,58 @@ class MultiHeadAttention(nn.Module):
                 f"Received: attention_mask.shape={tuple(attention_mask.shape)}"
             )
 
-    def _compute_dtype(self, device_type):
-        if torch.is_autocast_enabled(device_type):
-            return torch.get_autocast_dtype(device_type)
-        return self.output.weight.dtype
+    def _compute_dtype(self, query):
+        """The dtype q, k and v are computed in: autocast's, else the parameters' (the query's where
+        the output projection holds no float weight, as a quantized module)."""
+        if torch.is_autocast_enabled(query.device.type):
+            return torch.get_autocast_dtype(query.device.type)
+        weight = self.output.weight
+        return weight.dtype if isinstance(weight, torch.Tensor) else query.dtype
 
     def forward(
-        self, query, key=None, value=None, attention_mask=None, *, causal=False, return_attention=False, cache=None
-    ):
+        self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
+        attention_bias=None, positions=None, causal=False, return_attention=False, cache=None,
+    ):  # fmt: skip
+        device = query.device if isinstance(query, torch.Tensor) else None
+        attention_mask, attention_bias, key_mask, query_mask, positions = (
+            _as_tensor(x, device) for x in (attention_mask, attention_bias, key_mask, query_mask, positions)
+        )
         unbatched = isinstance(query, torch.Tensor) and query.dim() == 2
         if unbatched:
             query, key, value = (x if x is None else x.unsqueeze(0) for x in (query, key, value))  # (L, D) -> (1, L, D)
+            key_mask, query_mask = (m if m is None or m.dim() != 1 else m[None] for m in (key_mask, query_mask))
         self_attention = (key is None or key is query) and (value is None or value is query)
-        key = value if key is None else key
-        key = query if key is None else key
-        value = key if value is None else value
-        query = _check_input("query", query, "E", self.d_model)
-        key = _check_input("key", key, "kdim", self.kdim)
-        value = _check_input("value", value, "vdim", self.vdim)
-        _check_lengths(query, key, value)
+        query, key, value = self._inputs(query, key, value)
         if cache is not None:
             _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
-            _check_cache_dtype(cache, self._compute_dtype(query.device.type))
+            _check_cache_dtype(cache, self._compute_dtype(query))
         (b, t, _), s = query.shape, key.shape[1] if cache is None else cache.key.shape[2]
-        if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
-            attention_mask = torch.as_tensor(attention_mask, device=query.device)
-        keep, bias = _split_mask(attention_mask, (b, self.num_heads, t, s))
+        key_mask = _check_token_mask("key_mask", key_mask, b, key.shape[1], "S")
+        query_mask = _check_token_mask("query_mask", query_mask, b, t, "T")
+        positions = self._positions(positions, query, key, cache)
+        target = (b, self.num_heads, t, s)
+        _refuse_traps(attention_mask, key_mask, target)
+        key_mask = query_mask if key_mask is None and self_attention else key_mask
+        softmax_dtype = torch.promote_types(self._compute_dtype(query), torch.float32)
+        keep, bias = self._masks(
+            attention_mask, attention_bias, None if cache is not None else key_mask, query_mask, target, softmax_dtype
+        )
 
-        if self_attention and not _is_dtensor(self.query.weight):  # sharded weights project one by one
-            q, k, v = self._project_fused(query)  # (B, T, E) -> (B, N, T, H), 2 x (B, K, T, H)
-        else:
-            q = self._project(query, "query", self.num_heads)  # (B, T, E) -> (B, N, T, H)
-            k = self._project(key, "key", self.num_kv_heads)  # (B, S, kdim) -> (B, K, S, H)
-            v = self._project(value, "value", self.num_kv_heads)  # (B, S, vdim) -> (B, K, S, H)
+        q, k, v = self._projections(query, key, value, self_attention)
         self._check_local_heads(q, k, attention_mask)
+        q, k = self._normalize_qk(q, k)  # (B, N, T, H), (B, K, S, H)
+        q, k = self._rotate(q, k, positions)  # (B, N, T, H), (B, K, S, H)
+        window = self.window
         if cache is not None:
-            keep = _and(keep, _cache_keep(cache.keep, cache.index, t, causal))  # (B, N, T, L), dims may be 1
-            full = cache.index + t > cache.key.shape[2]  # only ever True under torch.compile
-            cache = _write_cache(cache, k, v)
-            k, v, causal = cache.key, cache.value, False  # (B, K, L, H); causality is in `keep`
+            index, full = cache.index, cache.index + t > cache.key.shape[2]  # full: only ever True under compile
+            cache = _write_cache(cache, k, v, key_mask)
+            keep = _and(keep, _cache_keep(cache.keep, index, t, causal, window))  # (B, N, T, L), dims may be 1
+            k, v, causal, window = cache.key, cache.value, False, None  # (B, K, L, H); causal, window in `keep`
         dropout = self.dropout if self.training else 0.0
         context, weights = dot_product_attention(
-            q, k, v, keep, bias, causal, dropout=dropout, return_attention=return_attention
-        )  # (B, N, T, H), (B, N, T, S) or None
+            q, k, v, keep, bias, causal, scale=self.scale, softcap=self.softcap, window=window, sinks=self.sinks,
+            dropout=dropout, return_attention=return_attention,
+        )  # (B, N, T, H), (B, N, T, S) or None  # fmt: skip
         merged = context.transpose(1, 2).reshape(b, t, context.shape[1] * self.head_dim)  # -> (B, T, N*H)
         output = self.output(merged)  # (B, T, N*H) -> (B, T, E)
         if cache is not None and torch.compiler.is_compiling():
@@ -699,10 +1250,17 @@ class MultiHeadAttention(nn.Module):
                 "`torch.nn.MultiheadAttention` needs num_heads * head_dim == d_model. "
                 f"Received: d_model={self.d_model}, num_heads={self.num_heads}, head_dim={self.head_dim}"
             )
+        variants = self._variants()
+        if variants:
+            raise ValueError(
+                f"`torch.nn.MultiheadAttention` cannot hold {', '.join(variants)}: it has plain softmax attention "
+                "scaled by 1 / sqrt(head_dim), with biases on all four projections or on none. Received: "
+                + ", ".join(f"{name}={value!r}" for name, value in variants.items())
+            )
         reference = self.output.weight
         module = nn.MultiheadAttention(
-            self.d_model, self.num_heads, dropout=self.dropout, bias=self.bias, kdim=self.kdim, vdim=self.vdim,
-            batch_first=True, device=reference.device, dtype=reference.dtype,
+            self.d_model, self.num_heads, dropout=self.dropout, bias=bool(self.bias), kdim=self.kdim,
+            vdim=self.vdim, batch_first=True, device=reference.device, dtype=reference.dtype,
         )  # fmt: skip
         projections = (self.query, self.key, self.value)
         with torch.no_grad():

@@ -509,9 +509,10 @@ def _add(a, b):
 
 
 def _linear(x, kernel, bias):
-    """(B, L, D) @ (D, F) + (F,) -> (B, L, F) as a 2-D matmul and a bias add, which oneDNN fuses."""
-    y = tf.matmul(tf.reshape(x, [-1, kernel.shape[0]]), kernel)  # (B, L, D) -> (B*L, F)
-    y = y if bias is None else tf.nn.bias_add(y, bias)
+    """(B, L, D) @ (D, F) + (F,) -> (B, L, F) as a 2-D matmul and a bias add, which oneDNN fuses.
+    The weights are read in x's dtype (a no-op inside Keras' `__call__`, which autocasts them)."""
+    y = tf.matmul(tf.reshape(x, [-1, kernel.shape[0]]), tf.cast(kernel, x.dtype))  # (B, L, D) -> (B*L, F)
+    y = y if bias is None else tf.nn.bias_add(y, tf.cast(bias, x.dtype))
     return tf.reshape(y, tf.concat([tf.shape(x)[:2], [kernel.shape[1]]], 0))  # (B*L, F) -> (B, L, F)
 
 
@@ -1003,8 +1004,17 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         initializer = self.kernel_initializer if name.endswith("_kernel") else self.bias_initializer
         return initializer.__class__.from_config(initializer.get_config())  # a fresh instance: legacy Keras repeats
 
-    def build(self, input_shape=None):
-        """Creates the portable weights; every shape is known from the constructor."""
+    def build(self, query_shape=None, value_shape=None, key_shape=None):
+        """Creates the portable weights; every shape is known from the constructor.
+
+        Args:
+            query_shape: optional (B, T, E) (the only shape legacy Keras passes, by position).
+            value_shape: optional (B, S, vdim).
+            key_shape: optional (B, S, kdim). Keras' attention-layer convention, in its order
+                (query, value, key); a missing shape defaults as in the call, and a width other
+                than the constructor's is a ValueError.
+        """
+        self._check_shapes(query_shape, value_shape, key_shape)
         for name, shape in self.weight_shapes().items():
             variable = self.add_weight(name=name, shape=shape, initializer=self._initializer(name))
             setattr(self, _ATTRIBUTES.get(name, name), variable)
@@ -1285,25 +1295,70 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         """The output carries the query's mask."""
         return previous_mask
 
-    def compute_output_shape(self, query_shape, key_shape=None, value_shape=None):
-        """(B, T, E), whatever S is."""
+    def _check_shapes(self, query_shape, value_shape, key_shape):
+        """Shapes given to `build` or `compute_output_shape`, checked as the call checks its
+        inputs (the same messages); returns the query's shape. A missing key or value shape is the
+        other one's, as in the call; with neither, they are unknown (legacy Keras passes only the
+        query's shape, whatever the call's key and value are)."""
+        query_shape, value_shape, key_shape = (_shape_tuple(shape) for shape in (query_shape, value_shape, key_shape))
+        key_shape = value_shape if key_shape is None else key_shape
+        value_shape = key_shape if value_shape is None else value_shape
+        for name, shape, width_name, width in (
+            ("query", query_shape, "E", self.d_model),
+            ("key", key_shape, "kdim", self.kdim),
+            ("value", value_shape, "vdim", self.vdim),
+        ):
+            letter = "T" if name == "query" else "S"
+            if shape is not None and (len(shape) != 3 or shape[-1] not in (None, width)):
+                raise ValueError(
+                    f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
+                    f"Received: {name}.shape={shape}"
+                )
+        if None in (query_shape, key_shape, value_shape):
+            return query_shape
+        if _differ(query_shape[0], key_shape[0], value_shape[0]):
+            raise ValueError(
+                "`query`, `key` and `value` must have the same batch size B. Received: "
+                f"query.shape={query_shape}, key.shape={key_shape}, value.shape={value_shape}"
+            )
+        if _differ(key_shape[1], value_shape[1]):
+            raise ValueError(
+                f"`key` and `value` must have the same length S. Received: key.shape={key_shape}, "
+                f"value.shape={value_shape}"
+            )
+        return query_shape
+
+    def compute_output_shape(self, query_shape, value_shape=None, key_shape=None):
+        """(B, T, E), whatever S is; shapes in Keras' order (query, value, key), checked as in `build`."""
+        query_shape = self._check_shapes(query_shape, value_shape, key_shape)
         return (query_shape[0], query_shape[1], self.d_model)
 
     def compute_output_spec(self, *args, **kwargs):
         """Traces `call` on symbolic inputs (what Keras does for a layer without
         `compute_output_shape`), so a functional model gets every shape check when it is built,
-        and both outputs with `return_attention=True`."""
+        and both outputs with `return_attention=True`. It also works outside `__call__` (Keras'
+        layer tests call it there): it builds the layer if needed, and every weight is read in
+        the dtype of the input it meets, so under a mixed policy the specs have the compute dtype."""
+        if not self.built:
+            self.build()
         return super(tf.keras.layers.Layer, self).compute_output_spec(*args, **kwargs)
 
     @classmethod
     def from_keras(cls, layer):
         """Builds a layer with the weights of a built `keras.layers.MultiHeadAttention` or
-        `keras.layers.GroupQueryAttention` (3-D inputs, default attention axes)."""
+        `keras.layers.GroupQueryAttention` (3-D inputs, default attention axes).
+
+        Its dtype policy, initializers and `trainable` are kept; LoRA adapters on its
+        projections are merged into the kernels. Every option this layer cannot hold (a gate,
+        a sliding window, regularizers, constraints, other attention axes or output shapes,
+        value_dim != key_dim, quantized projections) is a ValueError that lists them all.
+        """
         config, dense = _keras_config(layer)
         new = cls(**config, name=f"{layer.name}_reference", dtype=layer.dtype_policy)
+        new.trainable = layer.trainable
         weights = {}
         for kind, sublayer in zip(("query", "key", "value", "output"), dense, strict=True):
-            kernel = sublayer.kernel.numpy()
+            kernel = sublayer.kernel.numpy()  # with LoRA, the merged kernel
             rows = kernel.shape[0] * kernel.shape[1] if kind == "output" else kernel.shape[0]
             weights[f"{kind}_kernel"] = kernel.reshape(rows, -1)  # heads flattened as h * H + d
             if new.bias:
@@ -1313,12 +1368,20 @@ class MultiHeadAttention(tf.keras.layers.Layer):
 
     def to_keras(self):
         """Returns a built `keras.layers.MultiHeadAttention` (K == N) or
-        `keras.layers.GroupQueryAttention` (K < N) holding these weights."""
+        `keras.layers.GroupQueryAttention` (K < N) holding these weights.
+
+        Keras' GroupQueryAttention takes any key and value widths, but its
+        `compute_output_shape` refuses a value width other than the query's, so with
+        vdim != d_model it runs eagerly but not on symbolic inputs (a functional model).
+        """
+        _check_keras_can_hold(self)
+        common = dict(
+            dropout=self.dropout, use_bias=bool(self.bias), kernel_initializer=self.kernel_initializer,
+            bias_initializer=self.bias_initializer, dtype=self.dtype_policy,
+        )  # fmt: skip
+        widths = (self.d_model, self.vdim, self.kdim)  # query, value, key: the built-ins' call order
         if self.num_kv_heads == self.num_heads:
-            layer = tf.keras.layers.MultiHeadAttention(
-                self.num_heads, self.head_dim, dropout=self.dropout, use_bias=self.bias, dtype=self.dtype_policy
-            )
-            widths = (self.d_model, self.vdim, self.kdim)  # query, value, key: the built-in's call order
+            layer = tf.keras.layers.MultiHeadAttention(self.num_heads, self.head_dim, **common)
             if hasattr(layer, "_build_from_signature"):  # legacy Keras builds its projections on a first call
                 layer(*(tf.zeros((1, 1, width)) for width in widths))
             else:
@@ -1329,16 +1392,9 @@ class MultiHeadAttention(tf.keras.layers.Layer):
                     "Legacy Keras (tf_keras) has no GroupQueryAttention to hold grouped-query attention. "
                     f"Received: num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}"
                 )
-            if (self.kdim, self.vdim) != (self.d_model, self.d_model):
-                raise ValueError(
-                    "`keras.layers.GroupQueryAttention` needs kdim == vdim == d_model. "
-                    f"Received: d_model={self.d_model}, kdim={self.kdim}, vdim={self.vdim}"
-                )
-            layer = _GROUP_QUERY_ATTENTION(
-                self.head_dim, self.num_heads, self.num_kv_heads, dropout=self.dropout, use_bias=self.bias,
-                dtype=self.dtype_policy,
-            )  # fmt: skip
-            layer.build((None, None, self.d_model), (None, None, self.d_model))
+            layer = _GROUP_QUERY_ATTENTION(self.head_dim, self.num_heads, self.num_kv_heads, **common)
+            layer.build(*((None, None, width) for width in widths))
+        layer.trainable = self.trainable
         weights = self.export_weights()
         dense = (layer._query_dense, layer._key_dense, layer._value_dense, layer._output_dense)
         for kind, sublayer in zip(("query", "key", "value", "output"), dense, strict=True):
@@ -1348,31 +1404,86 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         return layer
 
 
-def _group_query_heads(layer):
-    """(N, K, H) of a `keras.layers.GroupQueryAttention` this layer can hold."""
-    if layer.use_gate or layer.sliding_window is not None:
+def _check_keras_can_hold(layer):
+    """Refuses, naming them, the variants of docs/SPEC.md that the Keras built-ins cannot hold
+    (read with their defaults, so that a layer without one of them passes)."""
+    bias = getattr(layer, "bias", True)
+    defaults = {
+        "bias": isinstance(bias, bool) or len(bias) in (0, 4),  # a tuple of names: all four or none
+        "scale": _default_scale(getattr(layer, "scale", None), layer.head_dim),
+        "softcap": getattr(layer, "softcap", None) is None,
+        "window": getattr(layer, "window", None) is None,
+        "rope_theta": getattr(layer, "rope_theta", None) is None,
+        "qk_norm": getattr(layer, "qk_norm", None) is None,
+        "sinks": not getattr(layer, "sinks", False),
+    }
+    held = [name for name, plain in defaults.items() if not plain]
+    if held:
+        received = ", ".join(f"{name}={getattr(layer, name)!r}" for name in held)
         raise ValueError(
-            "`layer` uses a gate or a sliding window, which this layer does not have. "
-            f"Received: use_gate={layer.use_gate}, sliding_window={layer.sliding_window}"
+            "`to_keras` needs a layer the Keras built-ins can hold: all four biases or none, the default "
+            f"scale, and no softcap, window, RoPE, QK-norm or sinks. Received: {received}"
         )
+
+
+def _default_scale(scale, head_dim):
+    return scale is None or math.isclose(scale, 1 / math.sqrt(head_dim))
+
+
+def _group_query_heads(layer):
+    """(N, K, H) of a `keras.layers.GroupQueryAttention`."""
     return layer.num_query_heads, layer.num_key_value_heads, layer.head_dim
 
 
 def _multi_head_heads(layer):
-    """(N, K, H) of a `keras.layers.MultiHeadAttention` this layer can hold (read from its config,
-    the same in Keras 3 and legacy Keras)."""
+    """(N, K, H) of a `keras.layers.MultiHeadAttention` (read from its config, the same in Keras 3
+    and legacy Keras)."""
     config = layer.get_config()
-    key_dim, value_dim, output_shape = config["key_dim"], config["value_dim"], config["output_shape"]
-    if value_dim not in (None, key_dim) or output_shape is not None:
-        raise ValueError(
-            "`layer` must have value_dim == key_dim and no output_shape. "
-            f"Received: key_dim={key_dim}, value_dim={value_dim}, output_shape={output_shape}"
+    return config["num_heads"], config["num_heads"], config["key_dim"]
+
+
+def _described(value):
+    """A serialized Keras object (regularizer, constraint) as `ClassName(arg=value, ...)`."""
+    if not isinstance(value, dict):
+        return repr(value)
+    arguments = ", ".join(f"{key}={argument!r}" for key, argument in (value.get("config") or {}).items())
+    return f"{value.get('class_name')}({arguments})"
+
+
+def _options_it_cannot_hold(layer, config, dense):
+    """{option: (value, why)} for every option of a built Keras built-in that changes its results
+    (or its training) and that this layer cannot hold."""
+    found = {}
+    if config.get("use_gate"):
+        found["use_gate"] = (True, "a sigmoid gate on the attention output")
+    window = config.get("sliding_window")
+    if window is not None:
+        found["sliding_window"] = (
+            window,
+            f"Keras keeps keys with |t - s| < {window}, on both sides of the query; with causal=True and T == S "
+            f"that is this layer's window: construct it with `window={window}` and call it with `causal=True`",
         )
-    if tuple(layer._attention_axes) != (1,):
-        raise ValueError(
-            f"`layer` must attend over axis 1 of 3-D inputs. Received: attention_axes={tuple(layer._attention_axes)}"
-        )
-    return config["num_heads"], config["num_heads"], key_dim
+    for name in ("kernel_regularizer", "bias_regularizer", "activity_regularizer"):
+        if config.get(name) is not None:
+            found[name] = (_described(config[name]), "a loss this layer does not add")
+    for name in ("kernel_constraint", "bias_constraint"):
+        if config.get(name) is not None:
+            found[name] = (_described(config[name]), "a projection of the weights after each update")
+    if "key_dim" in config:  # keras.layers.MultiHeadAttention
+        if config["value_dim"] not in (None, config["key_dim"]):
+            found["value_dim"] = (config["value_dim"], f"value heads as wide as key_dim={config['key_dim']}")
+        width = dense[0].kernel.shape[0]
+        if config["output_shape"] not in (None, width, (width,), [width]):
+            found["output_shape"] = (config["output_shape"], f"an output as wide as the query, {width}")
+        rank = len(layer._dot_product_equation.split(",")[0]) - 1  # projected (B, ..., N, H) less the heads
+        axes = tuple(layer._attention_axes)
+        if axes != (1,) or rank != 3:
+            found["attention_axes"] = (axes, f"attention over axis 1 of 3-D inputs; it has {rank}-D inputs")
+    for sublayer in dense:
+        mode = getattr(sublayer, "quantization_mode", None)
+        if mode is not None:
+            found[f"{sublayer.name}.quantization_mode"] = (mode, "float kernels")
+    return found
 
 
 def _keras_config(layer):
@@ -1384,12 +1495,26 @@ def _keras_config(layer):
         )
     if not layer.built:
         raise ValueError(f"`layer` must be built. Received: an unbuilt {type(layer).__name__}")
+    dense = (layer._query_dense, layer._key_dense, layer._value_dense, layer._output_dense)
+    config = layer.get_config()
+    found = _options_it_cannot_hold(layer, config, dense)
+    if found:
+        reasons = "; ".join(f"{name} ({why})" for name, (_, why) in found.items())
+        received = ", ".join(f"{name}={value}" for name, (value, _) in found.items())
+        raise ValueError(f"`layer` must use only options this layer can hold; it uses {reasons}. Received: {received}")
     read_heads = _group_query_heads if isinstance(layer, _BUILT_IN_GQA) else _multi_head_heads
     heads, kv_heads, head_dim = read_heads(layer)
-    dense = (layer._query_dense, layer._key_dense, layer._value_dense, layer._output_dense)
-    config = dict(
+    arguments = dict(
         d_model=dense[0].kernel.shape[0], num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        kdim=dense[1].kernel.shape[0], vdim=dense[2].kernel.shape[0], dropout=layer.get_config()["dropout"],
-        bias=layer.get_config()["use_bias"],
+        kdim=dense[1].kernel.shape[0], vdim=dense[2].kernel.shape[0], dropout=config["dropout"],
+        bias=config["use_bias"], kernel_initializer=config["kernel_initializer"],
+        bias_initializer=config["bias_initializer"],
     )  # fmt: skip
-    return config, dense
+    return arguments, dense
+
+
+def _shape_tuple(shape):
+    """A shape (tuple, list, TensorShape) as a tuple, or None where it or its rank is unknown."""
+    if shape is None or tf.TensorShape(shape).rank is None:
+        return None
+    return tuple(tf.TensorShape(shape).as_list())

@@ -9,7 +9,8 @@ turns run by run; a round gives one ratio ours / built-in (of the medians), and 
 the median ratio over the rounds with its min-max spread. It also reports KV-cache decoding
 (one token with the cache against recomputing the full causal pass) and, each layer in a fresh
 process, time and peak memory at long sequence lengths, and writes bench/results.md. `--quick`
-runs tiny configurations.
+runs tiny configurations and writes out/bench_quick.md instead (out/ is not tracked), so a smoke
+run never replaces the recorded results.
 
 Legend: B batch, T query length, S key/value length, E d_model, N num_heads, K num_kv_heads.
 """
@@ -28,6 +29,7 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 RESULTS = Path(__file__).with_name("results.md")
+QUICK_RESULTS = Path(__file__).parents[1] / "out" / "bench_quick.md"
 MODES = ("forward", "forward+weights", "train step")
 
 
@@ -374,13 +376,26 @@ def long_table(results):
     return "\n".join(lines)
 
 
+def output_path(quick, output=None):
+    """Where the results go: `output`, or the default of the run's kind; None when a quick run
+    would replace the recorded full results."""
+    if output is None:
+        return QUICK_RESULTS if quick else RESULTS
+    return None if quick and output.resolve() == RESULTS.resolve() else output
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.benchmark", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny configurations, few runs (smoke test)")
     parser.add_argument("--runs", type=int, default=None, help="timed runs per round (default 5, quick 2)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per comparison (default 3)")
-    parser.add_argument("--output", type=Path, default=RESULTS, help="where to write the Markdown results")
+    parser.add_argument(
+        "--output", type=Path, help=f"where to write the Markdown results (default {RESULTS}; --quick: {QUICK_RESULTS})"
+    )
     args = parser.parse_args(argv)
+    args.output = output_path(args.quick, args.output)
+    if args.output is None:
+        parser.error(f"--quick results are smoke numbers: write them anywhere but {RESULTS}")
     configs, long, decode = (QUICK, QUICK_LONG, QUICK_DECODE) if args.quick else (CONFIGS, LONG, DECODE)
     runs = args.runs or (2 if args.quick else 5)
     flops = {"PyTorch": torch_matmul_flops(runs), "TensorFlow": tf_matmul_flops(runs)}
@@ -429,6 +444,7 @@ def main(argv=None):
     ]
     text = "\n".join(report)
     print(text)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(text)
     return 0
 

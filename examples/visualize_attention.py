@@ -26,7 +26,7 @@ from torch_model import train
 def draw(torch_weights, keras_weights, labels, title, path):
     """torch_weights, keras_weights: (N, T, S) for one sequence."""
     heads = torch_weights.shape[0]
-    fig, axes = plt.subplots(heads, 2, figsize=(10, 4.2 * heads), squeeze=False)
+    fig, axes = plt.subplots(heads, 2, figsize=(10, 4.2 * heads), squeeze=False, layout="constrained")
     for head in range(heads):
         for col, (name, weights) in enumerate((("PyTorch", torch_weights), ("TensorFlow", keras_weights))):
             ax = axes[head, col]
@@ -36,8 +36,7 @@ def draw(torch_weights, keras_weights, labels, title, path):
             ax.set_yticks(range(len(labels)), labels, fontsize=7)
             ax.set_xlabel("key")
             ax.set_ylabel("query")
-    fig.suptitle(title)
-    fig.tight_layout()
+    fig.suptitle(title)  # constrained layout keeps it, and every panel's title, clear of the panels
     fig.savefig(path, dpi=90)
     plt.close(fig)
 

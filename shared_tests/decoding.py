@@ -270,14 +270,14 @@ def run_torch(case, data, path):
 def run_tensorflow(case, data, path):
     import tensorflow as tf
 
-    from shared_tests.frameworks import make_tf_layer
+    from shared_tests.frameworks import make_tf_layer, traced_up_front
 
     layer = make_tf_layer(case, data)
 
     def step(inputs, mask, cache, extra):
         return layer(**inputs, **extra, attention_mask=mask, causal=case.causal, return_attention=True, cache=cache)
 
-    step = step if path == "tf:eager" else tf.function(step)
+    step = step if path == "tf:eager" else traced_up_front(tf.function(step))  # one trace per distinct T
     cache = layer.init_cache(case.b, case.length, keep=tf.constant(data["keep"]))
     outputs, weights = [], []
     for start, stop in case.spans():

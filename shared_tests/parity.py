@@ -6,6 +6,10 @@ pairwise against the SPEC tolerances, and every masked position must hold a weig
 A second table decodes the KV-cache cases (shared_tests/decoding.py) chunk by chunk on every
 path: outputs and weights are compared between frameworks and against one full causal pass,
 and the final caches must be equal. Exit status 1 on any FAIL.
+
+A FAIL row is followed by what failed: the quantity, its value and its tolerance. A path that
+raises is an error of its row, never the end of the report. Every case or path not run is listed
+at the end of the report with its reason.
 """
 
 import argparse
@@ -131,7 +135,28 @@ def _pairwise(results, paths, quantities, measure, tolerances, diffs, failures):
             worst = max(values) if values else None
             diffs[label][quantity] = worst
             if tol[quantity] is not None and (worst is None or not worst <= tol[quantity]):
-                failures.append(f"{label} {quantity} {worst} > {tol[quantity]}")
+                failures.append(exceeded(label, quantity, worst, tol[quantity]))
+
+
+def _fmt_value(value):
+    return "missing" if value is None else "inf or NaN" if not math.isfinite(value) else f"{value:.2e}"
+
+
+def exceeded(label, quantity, value, tol):
+    """The failure text of one quantity: which, its value and its tolerance."""
+    return f"{label} {quantity} {_fmt_value(value)} > tolerance {tol:.0e}"
+
+
+def _largest_removed_weight(removed, results):
+    """The largest |weight| any path gives a removed position (inf for NaN); must be exactly 0."""
+    weights = [np.abs(r.weights[removed]) for r in results.values() if r.weights is not None]
+    return max((float(np.nan_to_num(w, nan=math.inf).max(initial=0.0)) for w in weights), default=0.0)
+
+
+def raised(path, error):
+    """The failure text of a path that raised: the exception's type and first line."""
+    lines = str(error).strip().splitlines()
+    return f"{path} raised {type(error).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 def _runtimes_vs_numpy(results):
@@ -148,24 +173,29 @@ def compare(case, data, results):
     _pairwise(results, FRAMEWORK_PATHS, QUANTITIES, diff, lambda pair: tolerance(case, pair), diffs, failures)
     diffs[RUNTIMES_LABEL] = _runtimes_vs_numpy(results)
     removed = removed_positions(case, data)
-    zeros = all(np.all(r.weights[removed] == 0) for r in results.values() if r.weights is not None)
+    worst = _largest_removed_weight(removed, results)
+    zeros = worst == 0
     if not zeros:
-        failures.append("a removed position has a non-zero weight")
+        failures.append(f"zeros: a removed position has weight {_fmt_value(worst)} > tolerance 0 (exactly 0)")
     return Row(case.name, case.dtype, diffs, zeros, failures)
 
 
 def run_case(case, data=None, paths=PATHS, **classes):
     """Runs every path (or those given) on one case; returns (row, results). A runtime path that
-    cannot hold the case is listed in `row.skipped` with its reason."""
+    cannot hold the case is listed in `row.skipped` with its reason; a path that raises anything
+    else fails the row, with the error among its failures."""
     data = make_data(case) if data is None else data
-    results, skipped = {}, {}
+    results, skipped, errors = {}, {}, []
     for path in paths:
         try:
             results[path] = run(case, data, path, **classes)
         except UnsupportedCaseError as reason:
             skipped[path] = str(reason)
+        except Exception as error:  # the report goes on; the row says which path raised what
+            errors.append(raised(path, error))
     row = compare(case, data, results)
     row.skipped = skipped
+    row.failures = errors + row.failures
     return row, results
 
 
@@ -234,48 +264,83 @@ def compare_decode(case, data, results):
     vs_full = [_decode_vs_full(r) for r in results.values()]
     diffs["decode/full"] = {}
     for quantity in ("output", "weights"):
-        worst = max(v[quantity] for v in vs_full if v[quantity] is not None)
+        worst = max((v[quantity] for v in vs_full if v[quantity] is not None), default=None)
         diffs["decode/full"][quantity] = worst
-        if not worst <= tols[quantity]:
-            failures.append(f"decode/full {quantity} {worst} > {tols[quantity]}")
+        if worst is None or not worst <= tols[quantity]:
+            failures.append(exceeded("decode/full", quantity, worst, tols[quantity]))
     removed = decode_removed_positions(case, data)
-    zeros = all(np.all(r.weights[removed] == 0) for r in results.values() if r.weights is not None)
-    zeros = zeros and _padded_rows_give_output_bias(case, data, removed, results)
-    if not zeros:
-        failures.append("a removed slot has a non-zero weight, or a query with no slot is not output_bias")
-    return Row(case.name, case.dtype, diffs, zeros, failures)
+    worst = _largest_removed_weight(removed, results)
+    if worst != 0:
+        failures.append(f"zeros: a removed slot has weight {_fmt_value(worst)} > tolerance 0 (exactly 0)")
+    padded_ok = _padded_rows_give_output_bias(case, data, removed, results)
+    if not padded_ok:
+        failures.append("zeros: a query with no slot left does not output exactly output_bias")
+    return Row(case.name, case.dtype, diffs, worst == 0 and padded_ok, failures)
 
 
 def run_decode_case(case, data=None, paths=DECODE_PATHS):
-    """Decodes one case on every path (or those given); returns (row, results)."""
+    """Decodes one case on every path (or those given); returns (row, results). A path that
+    raises fails the row, with the error among its failures."""
     data = make_decode_data(case) if data is None else data
-    results = {path: decoding.run(case, data, path) for path in paths}
-    return compare_decode(case, data, results), results
+    results, errors = {}, []
+    for path in paths:
+        try:
+            results[path] = decoding.run(case, data, path)
+        except Exception as error:  # the report goes on; the row says which path raised what
+            errors.append(raised(path, error))
+    if not results:
+        return Row(case.name, case.dtype, {}, False, errors), results
+    row = compare_decode(case, data, results)
+    row.failures = errors + row.failures
+    return row, results
 
 
 def _fmt(value):
     return "-" if value is None else "inf" if value == math.inf else f"{value:.0e}"
 
 
+def _row_lines(row, cells):
+    """The row, and under a FAIL row each failure: quantity, value and tolerance, or the error."""
+    status = f"{'ok' if row.zeros else 'NO':<7}{'PASS' if row.passed else 'FAIL'}"
+    return [f"{row.case:<27} {row.dtype:<9} {cells}{status}", *(f"    FAIL: {failure}" for failure in row.failures)]
+
+
+def _cells(diffs, labels, quantities, gap):
+    """The table cells of one row: `-` where a group has no value (its paths did not run)."""
+    return "".join(
+        "".join(f"{_fmt(diffs.get(label, {}).get(q)):<6}" for q in quantities[label]) + gap[label] for label in labels
+    )
+
+
 def format_table(rows):
-    groups = "".join(f"{label:<21}" for label in [*("/".join(pair) for pair in PAIRS), RUNTIMES_LABEL])
+    labels = [*("/".join(pair) for pair in PAIRS), RUNTIMES_LABEL]
+    groups = "".join(f"{label:<21}" for label in labels)
     head = f"{'case':<27} {'dtype':<9} {groups}zeros  status"
     sub = f"{'':<27} {'':<9} " + "out   wts   grad   " * (len(PAIRS) + 1)
     lines = [head, sub, "-" * len(head)]
     for row in rows:
-        cells = "".join("".join(f"{_fmt(row.diffs[label][q]):<6}" for q in QUANTITIES) + "   " for label in row.diffs)
-        lines.append(
-            f"{row.case:<27} {row.dtype:<9} {cells}{'ok' if row.zeros else 'NO':<7}{'PASS' if row.passed else 'FAIL'}"
+        lines += _row_lines(
+            row, _cells(row.diffs, labels, dict.fromkeys(labels, QUANTITIES), dict.fromkeys(labels, "   "))
         )
     passed = sum(row.passed for row in rows)
     lines.append("-" * len(head))
     lines.append(f"{passed}/{len(rows)} cases PASS, {len(rows) - passed} FAIL")
-    reasons = {}
+    return "\n".join(lines)
+
+
+def format_not_run(rows, dropped):
+    """The end of the report: every case left out (`dropped`: (name, reason) pairs) and every
+    path that could not run a case, each with its reason; empty when everything ran."""
+    lines, by_reason = [], {}
+    for name, reason in dropped:
+        by_reason.setdefault(reason, []).append(name)
+    lines += [f"not run ({reason}): {', '.join(names)}" for reason, names in by_reason.items()]
+    by_path = {}
     for row in rows:
         for path, reason in row.skipped.items():
-            reasons.setdefault((path, reason), []).append(row.case)
-    lines += [f"skipped on {path} ({reason}): {', '.join(cases)}" for (path, reason), cases in reasons.items()]
-    return "\n".join(lines)
+            by_path.setdefault((path, reason), []).append(row.case)
+    lines += [f"skipped on {path} ({reason}): {', '.join(cases)}" for (path, reason), cases in by_path.items()]
+    return "\n".join(["Cases and paths not run:", *lines]) if lines else ""
 
 
 def format_decode_table(rows):
@@ -283,14 +348,11 @@ def format_decode_table(rows):
     head = f"{'decode case':<27} {'dtype':<9} {groups}zeros  status"
     sub = f"{'':<27} {'':<9} " + "out   wts   cache  " * len(PAIRS) + "out   wts     "
     lines = [head, sub, "-" * len(head)]
+    labels = [*("/".join(pair) for pair in PAIRS), "decode/full"]
+    quantities = {**dict.fromkeys(labels, DECODE_QUANTITIES), "decode/full": ("output", "weights")}
+    gaps = {**dict.fromkeys(labels, "   "), "decode/full": "  "}
     for row in rows:
-        cells = "".join(
-            "".join(f"{_fmt(values[q]):<6}" for q in values) + ("   " if len(values) == 3 else "  ")
-            for values in row.diffs.values()
-        )
-        lines.append(
-            f"{row.case:<27} {row.dtype:<9} {cells}{'ok' if row.zeros else 'NO':<7}{'PASS' if row.passed else 'FAIL'}"
-        )
+        lines += _row_lines(row, _cells(row.diffs, labels, quantities, gaps))
     passed = sum(row.passed for row in rows)
     lines.append("-" * len(head))
     lines.append(f"{passed}/{len(rows)} decode cases PASS, {len(rows) - passed} FAIL")
@@ -306,7 +368,7 @@ def plot(case, results, path):
 
     torch_w, tf_w = results["torch:explicit"].weights[0], results["tf:eager"].weights[0]  # (N, T, S)
     panels = (("PyTorch", torch_w), ("TensorFlow", tf_w), ("|PyTorch - TensorFlow|", np.abs(torch_w - tf_w)))
-    fig, axes = plt.subplots(case.n, 3, figsize=(9, 2.6 * case.n + 0.6), squeeze=False)
+    fig, axes = plt.subplots(case.n, 3, figsize=(10, 2.6 * case.n + 0.6), squeeze=False, layout="constrained")
     for head in range(case.n):
         for col, (title, weights) in enumerate(panels):
             ax = axes[head, col]
@@ -314,18 +376,64 @@ def plot(case, results, path):
             ax.set_title(f"{title}, head {head}", fontsize=8)
             ax.set_xlabel("key s", fontsize=7)
             ax.set_ylabel("query t", fontsize=7)
-            fig.colorbar(image, ax=ax, fraction=0.046)
+            # Every tick label written out (1e-08, not an offset "1e-8" drawn over the panel's title).
+            colorbar = fig.colorbar(image, ax=ax, fraction=0.046, format="%.0e" if col == 2 else "%.2g")
+            colorbar.ax.tick_params(labelsize=7)
     fig.suptitle(f"case {case.name}: attention weights, batch 0")
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def load_user_weights(path, num_heads):
-    """Reads an exported `.npz`; returns (weights, config overrides) or raises ValueError."""
+PROJECTIONS = ("query", "key", "value", "output")
+LOW_PRECISION_REASON = (
+    "float16 and bfloat16 tolerances are stated for the table's Glorot-scale weights; --weights runs float32 cases"
+)
+
+SELF_ATTENTION_REASON = (
+    "key and value are the query there, so kdim == vdim == d_model; the file has kdim={kdim}, vdim={vdim}, d_model={e}"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightLayout:
+    """The configuration an exported weight file fits, in the case table's field names.
+
+    `fields`: e, n, k, h, kdim, vdim, bias; `features`: the variants that carry weights
+    (`qk_norm`, `sinks`), set on a case only where its table has the field."""
+
+    fields: dict
+    features: dict
+
+    @property
+    def fits_self_attention(self):
+        return self.fields["kdim"] == self.fields["vdim"] == self.fields["e"]
+
+
+def _num_heads(weights, nh, kh, num_heads, num_kv_heads):
+    """N: --num-heads, or what the file tells (`sinks` (N,), a per-head `query_norm` (H,)), or
+    the query width over the head width that --num-kv-heads gives."""
+    if num_heads is not None:
+        return num_heads
+    if "sinks" in weights:
+        return weights["sinks"].shape[0]
+    if "query_norm" in weights and 0 < weights["query_norm"].shape[0] < nh:
+        return nh // weights["query_norm"].shape[0]
+    if num_kv_heads and kh % num_kv_heads == 0 and nh % (kh // num_kv_heads) == 0:
+        return nh // (kh // num_kv_heads)
+    raise ValueError(
+        f"the shapes do not tell the number of heads (query width N*H={nh}, key/value width K*H={kh}): pass "
+        f"--num-heads N (or --num-kv-heads K). Received: --num-heads={num_heads}, --num-kv-heads={num_kv_heads}"
+    )
+
+
+def load_user_weights(path, num_heads=None, num_kv_heads=None):
+    """Reads an exported `.npz`; returns (weights, WeightLayout) or raises ValueError.
+
+    The layout comes from the shapes (E, kdim, vdim, N*H, K*H, which biases, QK-norm, sinks)
+    plus N, from --num-heads, the file's `sinks` or per-head norm, or --num-kv-heads."""
     with np.load(path, allow_pickle=False) as archive:
         weights = {name: archive[name] for name in archive.files}
-    required = ("query_kernel", "key_kernel", "value_kernel", "output_kernel")
+    required = [f"{name}_kernel" for name in PROJECTIONS]
     missing = [name for name in required if name not in weights]
     if missing:
         raise ValueError(
@@ -333,35 +441,84 @@ def load_user_weights(path, num_heads):
         )
     e, nh = weights["query_kernel"].shape
     kh = weights["key_kernel"].shape[1]
-    if num_heads is None or nh % num_heads or (kh * num_heads) % nh:
+    n = _num_heads(weights, nh, kh, num_heads, num_kv_heads)
+    h = nh // n if n > 0 and nh % n == 0 else 0
+    k = kh // h if h and kh % h == 0 else 0
+    if not (k and n % k == 0 and num_kv_heads in (None, k)):
         raise ValueError(
             f"--num-heads must divide the query width N*H={nh} and give a whole number of key/value heads "
-            f"(K*H={kh}). Received: --num-heads={num_heads}"
+            f"(K*H={kh}) that divides it. Received: --num-heads={n}, --num-kv-heads={num_kv_heads}"
         )
-    overrides = dict(
-        e=e, n=num_heads, k=kh * num_heads // nh, h=nh // num_heads,
-        kdim=weights["key_kernel"].shape[0], vdim=weights["value_kernel"].shape[0], bias="query_bias" in weights,
+    biases = tuple(name for name in PROJECTIONS if f"{name}_bias" in weights)
+    norm = weights.get("query_norm")
+    fields = dict(
+        e=e, n=n, k=k, h=h, kdim=weights["key_kernel"].shape[0], vdim=weights["value_kernel"].shape[0],
+        bias={PROJECTIONS: True, (): False}.get(biases, biases),  # a tuple: only some projections have one
     )  # fmt: skip
-    return weights, overrides
+    features = {
+        "qk_norm": None if norm is None else "head" if norm.shape == (h,) else "all",
+        "sinks": "sinks" in weights,
+    }
+    return weights, WeightLayout(fields, features)
 
 
-def select_cases(names, overrides):
+def fit_case(case, layout, weights, **changes):
+    """The case with the file's layout, or (None, why it cannot run with it)."""
+    from NumPy import MultiHeadAttention
+
+    fields = {field.name for field in dataclasses.fields(case)}
+    unknown = [name for name, value in layout.features.items() if value and name not in fields]
+    if unknown:
+        return None, f"the file holds {', '.join(unknown)} weights, which these cases have no field to configure"
+    features = {name: value for name, value in layout.features.items() if name in fields}
+    try:
+        fitted = dataclasses.replace(case, **{**layout.fields, **features, **changes})
+        shapes = MultiHeadAttention(**fitted.config).weight_shapes()
+    except (TypeError, ValueError) as error:
+        return None, f"its own settings do not fit the file's layout: {error}"
+    given = {name: tuple(array.shape) for name, array in weights.items()}
+    if shapes != given:
+        return None, f"its layer's weights {shapes} are not the file's {given}"
+    return fitted, None
+
+
+def _keep_or_drop(cases, layout, weights, needs_self, changes):
+    """(cases to run with the file's layout, [(name, reason)] of those that cannot)."""
+    kept, dropped = [], []
+    for case in cases:
+        fitted, reason = None, LOW_PRECISION_REASON
+        if case.dtype == "float32" and needs_self(case) and not layout.fits_self_attention:
+            reason = SELF_ATTENTION_REASON.format(**layout.fields)
+        elif case.dtype == "float32":
+            fitted, reason = fit_case(case, layout, weights, **changes(case))
+        if fitted is None:
+            dropped.append((case.name, reason))
+        else:
+            kept.append(fitted)
+    return kept, dropped
+
+
+def select_cases(names, layout=None, weights=None):
+    """The cases named by --case (all without it), with the file's layout under --weights;
+    returns (cases, [(name, reason)] of those left out)."""
     cases = [CASES_BY_NAME[name] for name in names if name in CASES_BY_NAME] if names else CASES
-    if overrides is None:
-        return cases
-    fits_self = overrides["kdim"] == overrides["vdim"] == overrides["e"]
-    return [
-        dataclasses.replace(case, **overrides)
-        for case in cases
-        if case.dtype == "float32" and (fits_self or not case.self_attention)
-    ]
+    if layout is None:
+        return cases, []
+    return _keep_or_drop(cases, layout, weights, lambda case: case.self_attention, lambda case: {})
 
 
-def select_decode_cases(names, overrides):
-    """Decode cases named by --case (all without --case); none with user weights."""
-    if overrides is not None:
-        return []
-    return [DECODE_CASES_BY_NAME[name] for name in names if name in DECODE_CASES_BY_NAME] if names else DECODE_CASES
+def select_decode_cases(names, layout=None, weights=None):
+    """The decode cases named by --case (all without it), with the file's layout under
+    --weights (key and value passed apart only in the cases that do); returns (cases, [(name,
+    reason)] of those left out)."""
+    cases = [DECODE_CASES_BY_NAME[name] for name in names if name in DECODE_CASES_BY_NAME] if names else DECODE_CASES
+    if layout is None:
+        return cases, []
+
+    def widths(case):
+        return {} if case.cross else {"kdim": None, "vdim": None}
+
+    return _keep_or_drop(cases, layout, weights, lambda case: not case.cross, widths)
 
 
 def _run_all(cases, run_one, make):
@@ -393,10 +550,13 @@ def parse_args(argv):
         help="run this case or decode case (repeatable)",
     )
     parser.add_argument("--plot", metavar="FILE.png", help="draw the per-head weights of the first case run")
+    parser.add_argument("--weights", metavar="FILE.npz", help="run the float32 cases through your own exported weights")
     parser.add_argument(
-        "--weights", metavar="FILE.npz", help="run the (non-decode) cases through your own exported weights"
+        "--num-heads", "--heads", type=int, help="N of the layer that exported --weights (if its shapes do not tell)"
     )
-    parser.add_argument("--num-heads", type=int, help="N of the layer that exported --weights")
+    parser.add_argument(
+        "--num-kv-heads", "--kv-heads", type=int, help="K of that layer (enough without --num-heads, or checked)"
+    )
     parser.add_argument(
         "--device",
         default="cpu",
@@ -415,18 +575,22 @@ def main(argv=None):
     if args.list:
         print("\n".join(f"{c.name:<28} {c}" for c in [*CASES, *DECODE_CASES]))
         return 0
-    user_weights, overrides = None, None
+    user_weights, layout = None, None
     if args.weights:
         try:
-            user_weights, overrides = load_user_weights(args.weights, args.num_heads)
-        except ValueError as error:
+            user_weights, layout = load_user_weights(args.weights, args.num_heads, args.num_kv_heads)
+        except (OSError, ValueError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
-    cases, decode_cases = select_cases(args.case, overrides), select_decode_cases(args.case, overrides)
+    cases, dropped = select_cases(args.case, layout, user_weights)
+    decode_cases, decode_dropped = select_decode_cases(args.case, layout, user_weights)
 
-    def make(case):
-        data = make_data(case)
-        return data if user_weights is None else {**data, "weights": user_weights}
+    def with_user_weights(make_one):
+        def make(case):
+            data = make_one(case)
+            return data if user_weights is None else {**data, "weights": user_weights}
+
+        return make
 
     paths, decode_paths = PATHS, DECODE_PATHS
     if args.device != "cpu":
@@ -434,16 +598,21 @@ def main(argv=None):
         paths = ("numpy", *(p for p in FRAMEWORK_PATHS["torch"] if p not in RUNTIME_PATHS))
         decode_paths = ("numpy", *DECODE_FRAMEWORK_PATHS["torch"])
         print(f"PyTorch paths on {describe_device(args.device)}; TensorFlow and the runtimes are not run\n")
-    rows, results = _run_all(cases, functools.partial(run_case, paths=paths), make)
-    decode_rows, _ = _run_all(decode_cases, functools.partial(run_decode_case, paths=decode_paths), make_decode_data)
-    print(
-        "\n\n".join(
-            table for table in (rows and format_table(rows), decode_rows and format_decode_table(decode_rows)) if table
-        )
+    rows, results = _run_all(cases, functools.partial(run_case, paths=paths), with_user_weights(make_data))
+    decode_rows, _ = _run_all(
+        decode_cases, functools.partial(run_decode_case, paths=decode_paths), with_user_weights(make_decode_data)
     )
-    if args.plot and rows:
+    tables = (
+        rows and format_table(rows),
+        decode_rows and format_decode_table(decode_rows),
+        format_not_run(rows, [*dropped, *decode_dropped]),
+    )
+    print("\n\n".join(table for table in tables if table))
+    if args.plot and rows and {"torch:explicit", "tf:eager"} <= set(results):
         plot(cases[0], results, args.plot)
         print(f"plot of case {cases[0].name} written to {args.plot}")
+    elif args.plot:
+        print(f"no plot: the first case's torch:explicit and tf:eager paths did not both run ({args.plot} not written)")
     if args.json:
         tables = [("attention", rows), ("decode", decode_rows)]
         with open(args.json, "w") as handle:

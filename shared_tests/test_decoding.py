@@ -41,16 +41,17 @@ def test_decode_table_covers_the_issue():
     assert any(c.p == c.length for c in cases) and any(not c.causal for c in cases) and any(c.cross for c in cases)
 
 
-def _off_by_one_causal(keep, index, t, causal):
+def _off_by_one_causal(keep, index, t, causal, window):
     slots = torch.arange(keep.shape[-1])[None, :]
     positions = index + torch.arange(t)[:, None]
     allowed = slots < positions if causal else slots < index + t  # a query no longer sees its own slot
+    allowed = allowed if window is None else allowed & (slots > positions - window)
     return allowed[None, None] & keep[:, None, None, :]
 
 
-def _numpy_write_one_slot_late(cache, k, v):
+def _numpy_write_one_slot_late(cache, k, v, key_mask):
     shifted = numpy_file.KVCache(cache.key, cache.value, cache.keep, np.asarray(int(cache.index) + 1))
-    return numpy_file.KVCache(*_numpy_write(shifted, k, v)[:3], np.asarray(int(cache.index) + k.shape[2]))
+    return numpy_file.KVCache(*_numpy_write(shifted, k, v, key_mask)[:3], np.asarray(int(cache.index) + k.shape[2]))
 
 
 _numpy_write = numpy_file._write_cache
@@ -73,7 +74,7 @@ def test_tf_cache_ignoring_padding_fails_the_report(monkeypatch):
     import TensorFlow.Multi_Head_Attention as tf_file
 
     real = tf_file._cache_keep
-    monkeypatch.setattr(tf_file, "_cache_keep", lambda keep, index, t, causal: real(keep | True, index, t, causal))
+    monkeypatch.setattr(tf_file, "_cache_keep", lambda keep, *rest: real(keep | True, *rest))
     row, _ = parity.run_decode_case(DECODE_CASES_BY_NAME["decode_left_padding_gqa"])
     assert not row.passed
 

@@ -46,9 +46,22 @@ def test_benchmark_quick_writes_results(tmp_path):
     assert "| quick B=2 T=S=32 E=32 N=4 | train step | TensorFlow ours |" in text
 
 
+def test_benchmark_quick_never_writes_the_recorded_results(capsys):
+    """`make bench ARGS=--quick` used to overwrite the tracked bench/results.md with smoke numbers."""
+    from bench import benchmark
+
+    assert benchmark.output_path(quick=True) == ROOT / "out" / "bench_quick.md"
+    assert benchmark.output_path(quick=False) == ROOT / "bench" / "results.md"
+    assert benchmark.output_path(quick=True, output=Path("elsewhere.md")) == Path("elsewhere.md")
+    with pytest.raises(SystemExit):
+        benchmark.main(["--quick", "--output", str(ROOT / "bench" / "results.md")])
+    assert "--quick results are smoke numbers" in capsys.readouterr().err
+    assert "/out/" in (ROOT / ".gitignore").read_text().split()  # where quick runs write is not tracked
+
+
 @pytest.mark.parametrize("module", ["bench.cuda", "shared_tests.cuda_checks"])
 def test_gpu_scripts_import_and_say_when_there_is_no_gpu(module):
-    """They run on a CUDA machine only (README, GPU); here they must import and refuse clearly."""
+    """They run on a CUDA machine only (docs/gpu.md); here they must import and refuse clearly."""
     result = subprocess.run([sys.executable, "-m", module], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert "error: no CUDA device" in result.stderr

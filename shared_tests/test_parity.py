@@ -2,6 +2,7 @@
 catches a broken layer (a parity check that cannot fail would be worthless)."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -34,6 +35,17 @@ def test_case_table_covers_the_issue():
     assert any(c.k == 1 for c in CASES) and any(c.k == 2 for c in CASES) and any(c.n == 1 for c in CASES)
     assert any(c.b == 1 for c in CASES) and any(c.t == 1 for c in CASES) and any(c.s == 1 for c in CASES)
     assert any(c.t == 0 for c in CASES) and any(c.s == 0 for c in CASES)
+    variants = {name for c in CASES for name, _ in c.variants}
+    assert variants == {
+        "scale", "softcap", "window", "rope_theta", "rope_fraction", "rope_interleaved", "rope_scaling", "qk_norm",
+        "qk_norm_eps", "sinks",
+    }  # fmt: skip
+    assert any(len(c.variants) >= 3 and c.dtype == "float32" for c in CASES)  # combined, as today's models combine them
+    assert {c.dtype for c in CASES if c.variants} == set(TOLERANCES)
+    assert any(c.key_mask for c in CASES) and any(c.query_mask for c in CASES)
+    assert {c.attention_bias for c in CASES} == {"none", "1nts", "bts"} and any(c.positions == "shifted" for c in CASES)
+    assert any(isinstance(c.bias, tuple) for c in CASES)
+    assert masks >= {"float64_far", "float_penalty"}
 
 
 def _negate(keep):
@@ -160,15 +172,95 @@ def test_device_option_runs_numpy_and_the_torch_paths(tmp_path, monkeypatch, cap
     assert "--plot compares PyTorch with TensorFlow" in capsys.readouterr().err
 
 
-def test_report_runs_user_weights(tmp_path, capsys):
-    layer = TorchMultiHeadAttention(24, 6, num_kv_heads=2, kdim=10, vdim=12)
+IN_PROCESS_PATHS = ("numpy", "torch:sdpa", "torch:explicit", "tf:eager", "tf:function")  # the runtimes: test below
+WEIGHT_LAYOUTS = {  # (constructor arguments, flags telling the heads)
+    "gqa": ((16, 4), {"num_kv_heads": 2}, ["--num-heads", "4"]),
+    "gqa_told_by_kv_heads": ((16, 4), {"num_kv_heads": 2}, ["--num-kv-heads", "2"]),
+    "mqa_no_bias": ((16, 4), {"num_kv_heads": 1, "bias": False}, ["--heads", "4"]),
+    "head_dim_kdim_vdim": ((24, 6), {"num_kv_heads": 2, "head_dim": 5, "kdim": 10, "vdim": 12}, ["--num-heads", "6"]),
+}
+USER_WEIGHT_CASES = ["cross", "self_basic", "mask_bool_bnts", "causal_t_lt_s", "float16_self"]
+USER_WEIGHT_DECODE_CASES = ["decode_gqa", "decode_cross_widths", "decode_float16"]
+
+
+@pytest.mark.parametrize("layout", sorted(WEIGHT_LAYOUTS))
+def test_parity_tool_runs_user_weights_of_every_layout(layout, tmp_path, monkeypatch, capsys):
+    """Every layout the layer accepts runs from its file; what cannot run is listed with why."""
+    monkeypatch.setattr(parity, "PATHS", IN_PROCESS_PATHS)
+    args, kwargs, heads = WEIGHT_LAYOUTS[layout]
     path = tmp_path / "mine.npz"
-    np.savez(path, **layer.export_weights())
-    cases = ["--case", "cross", "--case", "self_basic", "--case", "mask_bool_bnts"]
-    assert parity.main(["--weights", str(path), "--num-heads", "6", *cases]) == 0
+    np.savez(path, **TorchMultiHeadAttention(*args, **kwargs).export_weights())
+    out_json = tmp_path / "table.json"
+    cases = [flag for name in USER_WEIGHT_CASES + USER_WEIGHT_DECODE_CASES for flag in ("--case", name)]
+    assert parity.main(["--weights", str(path), *heads, *cases, "--json", str(out_json)]) == 0
     printed = capsys.readouterr().out
-    assert "2/2 cases PASS" in printed  # self_basic cannot run: kdim != d_model
-    assert "mask_bool_bnts" in printed  # its (B, N, T, S) mask is drawn with the file's N = 6
+    self_fits = "kdim" not in kwargs
+    ran = {row["case"] for row in json.loads(out_json.read_text())}
+    self_cases = {"self_basic", "decode_gqa"}  # key and value are the query: they need kdim == vdim == d_model
+    assert ran == {"cross", "mask_bool_bnts", "causal_t_lt_s", "decode_cross_widths"} | (
+        self_cases if self_fits else set()
+    )
+    assert "not run (float16 and bfloat16 tolerances are stated for the table's Glorot-scale weights" in printed
+    assert "): float16_self, decode_float16" in printed
+    if not self_fits:
+        assert (
+            "not run (key and value are the query there, so kdim == vdim == d_model; the file has kdim=10, vdim=12, d_model=24): self_basic, decode_gqa"
+            in printed
+        )
+
+
+def test_regression_gqa_weights_with_empty_keys_prints_the_report(tmp_path, capsys):
+    """`--weights` of a GQA layer died with an onnxruntime traceback on `torch:onnx`, case
+    `empty_keys`, and printed no table; the runtime's refusal is now a listed skip."""
+    path = tmp_path / "gqa.npz"
+    np.savez(path, **TorchMultiHeadAttention(16, 4, num_kv_heads=2).export_weights())
+    assert parity.main(["--weights", str(path), "--num-heads", "4", "--case", "empty_keys"]) == 0
+    printed = capsys.readouterr().out
+    assert "1/1 cases PASS, 0 FAIL" in printed
+    assert re.search(
+        r"skipped on torch:onnx \(onnxruntime's shape inference refuses .* grouped key/value heads .*\): empty_keys",
+        printed,
+    )
+
+
+class TorchRaises(TorchMultiHeadAttention):
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("boom\nsecond line")
+
+
+def test_parity_tool_turns_a_path_that_raises_into_an_error_row():
+    case = CASES_BY_NAME["cross"]
+    row, results = parity.run_case(case, paths=("numpy", "torch:sdpa", "tf:eager"), torch_class=TorchRaises)
+    assert not row.passed and set(results) == {"numpy", "tf:eager"}
+    table = parity.format_table([row])
+    assert "    FAIL: torch:sdpa raised RuntimeError: boom" in table.splitlines()
+    assert "0/1 cases PASS, 1 FAIL" in table
+
+
+def test_parity_tool_fail_row_names_quantity_value_and_tolerance():
+    case = CASES_BY_NAME["cross"]
+    data = make_data(case)
+    results = {path: parity.run(case, data, path) for path in ("numpy", "torch:explicit", "tf:eager")}
+    results["torch:explicit"].output[0, 0, 0] += 1e-3
+    table = parity.format_table([parity.compare(case, data, results)])
+    lines = table.splitlines()
+    assert lines[3].startswith("cross") and lines[3].endswith("FAIL")
+    assert "    FAIL: torch/tf output 1.00e-03 > tolerance 1e-05" in lines
+    assert "    FAIL: torch/numpy output 1.00e-03 > tolerance 1e-05" in lines
+    assert not any("tf/numpy" in line for line in lines if "FAIL:" in line)
+
+
+def test_parity_tool_zeros_failure_names_the_weight_it_found():
+    case = CASES_BY_NAME["mask_bool_bts"]
+    data = make_data(case)
+    results = {path: parity.run(case, data, path) for path in ("numpy", "tf:eager")}
+    first_removed = tuple(np.argwhere(parity.removed_positions(case, data))[0])  # (b, n, t, s)
+    results["tf:eager"].weights[first_removed] = 2e-3
+    row = parity.compare(case, data, results)
+    assert not row.zeros
+    assert "    FAIL: zeros: a removed position has weight 2.00e-03 > tolerance 0 (exactly 0)" in parity.format_table(
+        [row]
+    )
 
 
 def test_report_rejects_weights_that_do_not_fit(tmp_path, capsys):
@@ -176,9 +268,18 @@ def test_report_rejects_weights_that_do_not_fit(tmp_path, capsys):
     np.savez(path, **TorchMultiHeadAttention(24, 6).export_weights())
     assert parity.main(["--weights", str(path), "--num-heads", "5"]) == 2
     assert "--num-heads must divide the query width N*H=24" in capsys.readouterr().err
+    assert parity.main(["--weights", str(path), "--num-heads", "6", "--num-kv-heads", "3"]) == 2
+    assert "Received: --num-heads=6, --num-kv-heads=3" in capsys.readouterr().err
+    assert parity.main(["--weights", str(path)]) == 2
+    assert (
+        "the shapes do not tell the number of heads (query width N*H=24, key/value width K*H=24): pass --num-heads"
+        in capsys.readouterr().err
+    )
     np.savez(path, query_kernel=np.zeros((4, 4)))
     assert parity.main(["--weights", str(path), "--num-heads", "2"]) == 2
     assert "missing key_kernel, value_kernel, output_kernel" in capsys.readouterr().err
+    assert parity.main(["--weights", str(tmp_path / "absent.npz"), "--num-heads", "2"]) == 2
+    assert "absent.npz" in capsys.readouterr().err
 
 
 def test_nan_counts_as_a_failure():
@@ -226,3 +327,15 @@ def test_regression_tf2onnx_path_catches_inf_in_where(monkeypatch):
     exported, results = parity.run_case(case, data, paths=("numpy", "tf:onnx"))
     assert not exported.passed
     assert not np.isfinite(results["tf:onnx"].output).all()
+
+
+def test_regression_parity_run_logs_no_retracing(caplog):
+    """Each case traced its own tf.function through `__call__`, which TensorFlow (counting traces
+    per Python code, across cases) reported as retracing in a loop, in every full report."""
+    cases = [CASES_BY_NAME[name] for name in ("cross", "gqa", "self_basic", "mask_bool_bts", "causal_t_lt_s", "mqa")]
+    for case in cases:
+        parity.run_case(case, paths=("numpy", "tf:function"))
+    for name in ("decode_gqa", "decode_uneven_chunks", "decode_all_steps"):
+        parity.run_decode_case(parity.DECODE_CASES_BY_NAME[name], paths=("numpy", "tf:function"))
+    assert len(cases) > 5  # TensorFlow warns from the fifth trace of the same code on
+    assert not [record for record in caplog.records if "retracing" in record.getMessage()]

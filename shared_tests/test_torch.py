@@ -342,7 +342,7 @@ def test_low_precision_scores_stay_in_their_dtype_with_float32_numbers(monkeypat
     assert Multi_Head_Attention._scores_dtype(dtype, None) == dtype
     with torch.no_grad():
         _, weights = layer(x, attention_mask=keep, causal=True, return_attention=True)
-        monkeypatch.setattr(Multi_Head_Attention, "_scores_dtype", lambda d, bias: torch.float32)
+        monkeypatch.setattr(Multi_Head_Attention, "_scores_dtype", lambda d, *masks: torch.float32)
         _, float32_weights = layer(x, attention_mask=keep, causal=True, return_attention=True)
     assert weights.dtype == float32_weights.dtype == dtype
     torch.testing.assert_close(weights.float(), float32_weights.float(), atol=torch.finfo(dtype).eps, rtol=0)

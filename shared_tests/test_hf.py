@@ -1,0 +1,762 @@
+"""`interop/hf.py` against `transformers` itself: each family's attention module, ported into this
+project's layer, gives the module's output (float32, within the SPEC's 1e-5), on a full pass with
+padding and when decoding left-padded prompts step by step against transformers' own cache.
+
+Every model is a tiny random one built from a config (no download), seeded, in eval mode, with
+`attn_implementation="eager"`; its parameters are redrawn at sizes where every variant matters
+(scores of order 1, soft-capping active, norms away from 1). Forward hooks capture one attention
+module's input hidden states and output while the model runs; our layer, built from
+`port_attention`, runs on those hidden states with the call arguments of interop/hf.py's docstring.
+RoPE models are called with explicit `position_ids` (cumsum(mask) - 1, as `generate` computes them
+for left padding) and the layer gets the same `positions`. Every family is checked at two layers
+(sliding and full where it alternates). `test_every_ported_variant_matters` removes each ported
+variant in turn (window, soft-capping, QK-norm, RoPE and its scaling, sinks, scale, bias) and
+requires the output to move by more than 1e-3, so none of the comparisons passes without it.
+
+Frameworks: the NumPy reference (float64) always; PyTorch and TensorFlow are added to the
+parametrization as soon as their layer file's constructor takes the modern arguments
+(`rope_theta`, ...), read from the file's source without importing it (`_modern_frameworks`):
+until they do, their cases are not generated (not skipped). TensorFlow is imported only by its
+runner.
+"""
+
+import ast
+import contextlib
+import dataclasses
+import functools
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from interop.hf import alibi_positions, port_attention, supported_modules, t5_position_bias
+from shared_tests.cases import TOLERANCES
+
+OUTPUT_TOL = TOLERANCES["float32"]["output"]  # SPEC, float32 outputs: transformers' float32 module vs each layer
+MEANINGFUL = 0.1  # outputs smaller than this would pass any comparison: the check that each test can fail
+SEED = 0
+ROOT = Path(__file__).resolve().parents[1]
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 32, 4, 2, 8, 64
+PROMPT_LENGTHS = (7, 5, 2)  # left-padded to the longest: padding in the batch, one row mostly padding
+DECODE_STEPS = 3
+WINDOW = 3  # shorter than the prompts, so the window removes keys
+
+COMMON = {"vocab_size": VOCAB, "num_hidden_layers": 2, "intermediate_size": 48, "max_position_embeddings": 64}
+GQA = {"hidden_size": HIDDEN, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM}
+
+
+# ----------------------------------------------------------------------------------------------
+# Frameworks
+# ----------------------------------------------------------------------------------------------
+
+
+def _accepts_modern_kwargs(directory):
+    """True if the layer file's `MultiHeadAttention.__init__` has a `rope_theta` parameter."""
+    tree = ast.parse((ROOT / directory / "Multi_Head_Attention.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == "MultiHeadAttention":
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                    arguments = item.args.args + item.args.kwonlyargs
+                    return any(argument.arg == "rope_theta" for argument in arguments)
+    return False
+
+
+def _modern_frameworks():
+    return [name for name in ("NumPy", "PyTorch", "TensorFlow") if _accepts_modern_kwargs(name)]
+
+
+FRAMEWORKS = _modern_frameworks()
+
+
+class _Runner:
+    """Builds one framework's layer from ported kwargs and weights, and calls it on NumPy arrays."""
+
+    def __init__(self, name):
+        self.name = name
+        self.module = importlib.import_module(f"{name}.Multi_Head_Attention")
+
+    def layer(self, kwargs, weights):
+        layer = self.module.MultiHeadAttention(**kwargs)
+        layer.import_weights(weights)
+        return layer
+
+    def tensor(self, array):
+        if self.name == "NumPy":
+            return array.astype(np.float64) if np.issubdtype(array.dtype, np.floating) else array
+        if self.name == "PyTorch":
+            return torch.from_numpy(np.ascontiguousarray(array))
+        import tensorflow as tf  # only when the TensorFlow layer is under test
+
+        return tf.convert_to_tensor(array)
+
+    def call(self, layer, hidden, arguments, cache=None):
+        arguments = {
+            name: self.tensor(value) if isinstance(value, np.ndarray) else value for name, value in arguments.items()
+        }
+        extra = {} if cache is None else {"cache": cache}
+        with torch.no_grad():
+            result = layer(self.tensor(hidden), **arguments, **extra)
+        output, cache = result if cache is not None else (result, None)
+        return np.asarray(output), cache
+
+    def alibi_bias(self, num_heads, positions):
+        return np.asarray(self.module.alibi_bias(num_heads, self.tensor(positions)), dtype=np.float32)
+
+
+@functools.cache
+def _runner(name):
+    return _Runner(name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiny models
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One `transformers` family: how to build a tiny model and where its attention modules are."""
+
+    name: str
+    build: Callable[[], torch.nn.Module]
+    attention: str  # path of layer i's attention module, with {i}
+    output: str = ""  # the module's submodule whose output is the layer's (BERT, Bloom: before the residual)
+    causal: bool = True
+    rope: bool = True  # RoPE: the model is called with position_ids, the layer with positions
+    bias: str = ""  # "t5" or "alibi": an attention_bias
+    decode: bool = True
+
+    def module(self, model, index):
+        return model.get_submodule(self.attention.format(i=index))
+
+
+def _llama_like(model_class, config_class, **config):
+    """A builder that imports the family's modeling code only when called (collection stays fast)."""
+    return lambda: getattr(transformers, model_class)(getattr(transformers, config_class)(**COMMON, **config))
+
+
+FAMILIES = [
+    Family(
+        "llama",
+        _llama_like("LlamaForCausalLM", "LlamaConfig", **GQA),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "llama3_scaled",
+        _llama_like(
+            "LlamaForCausalLM",
+            "LlamaConfig",
+            **GQA,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8,
+            },
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "llama_linear",
+        _llama_like(
+            "LlamaForCausalLM",
+            "LlamaConfig",
+            **GQA,
+            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "mistral",
+        _llama_like("MistralForCausalLM", "MistralConfig", **GQA, sliding_window=WINDOW),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "qwen2",
+        _llama_like(
+            "Qwen2ForCausalLM",
+            "Qwen2Config",
+            **GQA,
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            max_window_layers=1,
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "qwen3",
+        _llama_like("Qwen3ForCausalLM", "Qwen3Config", **GQA),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "gemma2",
+        _llama_like(
+            "Gemma2ForCausalLM",
+            "Gemma2Config",
+            **GQA,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=2,
+            attn_logit_softcapping=1.0,
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "gemma3",
+        _llama_like(
+            "Gemma3ForCausalLM",
+            "Gemma3TextConfig",
+            **GQA,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=4,
+            sliding_window_pattern=2,
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family("gemma", _llama_like("GemmaForCausalLM", "GemmaConfig", **GQA), "model.layers.{i}.self_attn"),
+    Family(
+        "mixtral",
+        _llama_like(
+            "MixtralForCausalLM",
+            "MixtralConfig",
+            **GQA,
+            sliding_window=WINDOW,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "starcoder2",
+        _llama_like("Starcoder2ForCausalLM", "Starcoder2Config", **GQA, sliding_window=WINDOW),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "granite",
+        _llama_like("GraniteForCausalLM", "GraniteConfig", **GQA, attention_multiplier=0.5),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "cohere",
+        _llama_like(
+            "CohereForCausalLM",
+            "CohereConfig",
+            hidden_size=HIDDEN,
+            num_attention_heads=HEADS,
+            num_key_value_heads=KV_HEADS,
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "gpt2",
+        lambda: transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                n_embd=HIDDEN,
+                n_head=HEADS,
+                n_layer=2,
+                vocab_size=VOCAB,
+                n_positions=64,
+                bos_token_id=0,
+                eos_token_id=0,
+                scale_attn_by_inverse_layer_idx=True,  # layer i's scale is 1 / (sqrt(H) * (i + 1))
+                reorder_and_upcast_attn=True,  # its other eager code path
+            )
+        ),
+        "transformer.h.{i}.attn",
+        rope=False,
+    ),
+    Family(
+        "bert",
+        lambda: transformers.BertModel(
+            transformers.BertConfig(
+                hidden_size=HIDDEN,
+                num_attention_heads=HEADS,
+                num_hidden_layers=2,
+                intermediate_size=48,
+                vocab_size=VOCAB,
+                max_position_embeddings=64,
+            )
+        ),
+        "encoder.layer.{i}.attention",
+        output="output.dense",
+        causal=False,
+        rope=False,
+        decode=False,
+    ),
+    Family(
+        "olmo2",
+        _llama_like("Olmo2ForCausalLM", "Olmo2Config", **GQA, eos_token_id=0),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "gpt_neox",
+        _llama_like(
+            "GPTNeoXForCausalLM",
+            "GPTNeoXConfig",
+            hidden_size=HIDDEN,
+            num_attention_heads=HEADS,
+            rotary_pct=0.5,
+        ),
+        "gpt_neox.layers.{i}.attention",
+    ),
+    Family(
+        "phi",
+        _llama_like(
+            "PhiForCausalLM",
+            "PhiConfig",
+            hidden_size=HIDDEN,
+            num_attention_heads=HEADS,
+            partial_rotary_factor=0.5,
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "gptj",
+        lambda: transformers.GPTJForCausalLM(
+            transformers.GPTJConfig(
+                n_embd=HIDDEN,
+                n_head=HEADS,
+                n_layer=2,
+                rotary_dim=4,
+                vocab_size=VOCAB,
+                n_positions=64,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        ),
+        "transformer.h.{i}.attn",
+    ),
+    Family(
+        "gpt_oss",
+        _llama_like(
+            "GptOssForCausalLM",
+            "GptOssConfig",
+            **GQA,
+            sliding_window=WINDOW,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "t5_encoder",
+        lambda: transformers.T5Model(
+            transformers.T5Config(
+                d_model=HIDDEN, d_kv=HEAD_DIM, num_heads=HEADS, num_layers=2, d_ff=48, vocab_size=VOCAB
+            )
+        ),
+        "encoder.block.{i}.layer.0.SelfAttention",
+        causal=False,
+        rope=False,
+        bias="t5",
+        decode=False,
+    ),
+    Family(
+        "t5_decoder",
+        lambda: transformers.T5Model(
+            transformers.T5Config(
+                d_model=HIDDEN, d_kv=HEAD_DIM, num_heads=HEADS, num_layers=2, d_ff=48, vocab_size=VOCAB
+            )
+        ),
+        "decoder.block.{i}.layer.0.SelfAttention",
+        rope=False,
+        bias="t5",
+    ),
+    Family(
+        "bloom",
+        lambda: transformers.BloomForCausalLM(
+            transformers.BloomConfig(hidden_size=HIDDEN, n_head=HEADS, n_layer=2, vocab_size=VOCAB)
+        ),
+        "transformer.h.{i}.self_attention",
+        output="dense",
+        rope=False,
+        bias="alibi",
+    ),
+]
+FAMILIES_BY_NAME = {family.name: family for family in FAMILIES}
+LAYERS = (0, 1)  # every family alternates or repeats its layer types within two layers
+
+
+def _redraw(model):
+    """Redraws every parameter at a size where each variant shows: unit-scale projections, norm scales
+    and biases away from 1 and 0, T5's relative bias and gpt-oss' sinks of order 1."""
+    generator = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            if name.endswith(("relative_attention_bias.weight", "sinks")):
+                parameter.copy_(noise)
+            elif parameter.ndim >= 2:
+                parameter.copy_(noise / HIDDEN**0.5)
+            elif name.endswith("bias"):
+                parameter.copy_(0.5 * noise)
+            else:  # norm scales (Gemma's are 1 + weight)
+                parameter.copy_(1.0 + 0.3 * noise)
+
+
+@functools.cache
+def _model(name):
+    torch.manual_seed(SEED)
+    model = FAMILIES_BY_NAME[name].build()
+    model.config._attn_implementation = "eager"
+    for config in (getattr(model.config, name, None) for name in ("text_config", "encoder", "decoder")):
+        if config is not None:
+            config._attn_implementation = "eager"
+    _redraw(model)
+    return model.eval()
+
+
+def _config(model):
+    return getattr(model.config, "text_config", model.config)
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs, capture and the call arguments of interop/hf.py's docstring
+# ----------------------------------------------------------------------------------------------
+
+
+def _left_padded_mask(lengths, total):
+    width = max(lengths)
+    mask = np.zeros((len(lengths), total), dtype=np.int64)
+    for row, length in enumerate(lengths):
+        mask[row, width - length :] = 1
+    return mask
+
+
+def _positions(mask):
+    """What `generate` uses for left padding: cumsum(mask) - 1, 1 at the padding."""
+    return np.where(mask == 1, np.cumsum(mask, axis=-1) - 1, 1)
+
+
+def _model_arguments(family, ids, mask, positions, prompt=None):
+    """The model call on `ids`; T5 encodes `prompt` (ids, mask) (default: `ids`) and self-attends `ids` in its decoder."""
+    arguments = {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask)}
+    if family.rope or family.name == "gpt2":
+        arguments["position_ids"] = torch.from_numpy(positions)
+    if family.name.startswith("t5"):
+        encoder_ids, encoder_mask = (ids, mask) if prompt is None else prompt
+        arguments = {
+            "input_ids": torch.from_numpy(encoder_ids),
+            "attention_mask": torch.from_numpy(encoder_mask),
+            "decoder_input_ids": arguments["input_ids"],
+            "decoder_attention_mask": arguments["attention_mask"],
+        }
+    return arguments
+
+
+@contextlib.contextmanager
+def _capture(model, family, index):
+    """Records each call's hidden states into layer `index`'s attention module and its attention output."""
+    module = family.module(model, index)
+    calls = []
+
+    def take_input(_, args, kwargs):
+        calls.append({"hidden": (args[0] if args else kwargs["hidden_states"]).detach().numpy().copy()})
+
+    def take_output(_, args, output):
+        calls[-1]["output"] = (output[0] if isinstance(output, tuple) else output).detach().numpy().copy()
+
+    handles = [module.register_forward_pre_hook(take_input, with_kwargs=True)]
+    handles.append(
+        (module.get_submodule(family.output) if family.output else module).register_forward_hook(take_output)
+    )
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _call_arguments(runner, model, family, mask, positions, start, stop, num_heads):
+    """The call arguments of interop/hf.py's docstring for the tokens [start, stop) of a (B, L) padding mask
+    over the L keys (the cache's slots when decoding; L = T on a full pass)."""
+    arguments = {"causal": family.causal, "key_mask": mask[:, start:stop].astype(bool)}
+    if family.rope:
+        arguments["positions"] = positions[:, start:stop].astype(np.int64)
+    if family.bias == "t5":
+        arguments["attention_bias"] = t5_position_bias(family.module(model, 0), stop - start, mask.shape[1], start)
+    if family.bias == "alibi":
+        arguments["attention_bias"] = runner.alibi_bias(num_heads, alibi_positions(mask))  # (B, N, 1, L)
+    return arguments
+
+
+def _full_pass(family, index):
+    """Runs the model on left-padded prompts; returns the model, module input/output, mask and positions."""
+    model = _model(family.name)
+    total = max(PROMPT_LENGTHS)
+    mask = _left_padded_mask(PROMPT_LENGTHS, total)
+    ids = np.random.default_rng(SEED).integers(1, VOCAB, size=mask.shape)
+    positions = _positions(mask)
+    with _capture(model, family, index) as calls, torch.no_grad():
+        model(**_model_arguments(family, ids, mask, positions))
+    (call,) = calls
+    return model, call, mask, positions
+
+
+def _compared_rows(family, mask):
+    """Causal models: real tokens only (transformers leaves padded query rows attending nothing useful)."""
+    return mask.astype(bool) if family.causal else np.ones(mask.shape, dtype=bool)
+
+
+def _max_diff(ours, theirs, rows):
+    return float(np.max(np.abs(ours.astype(np.float64) - theirs.astype(np.float64))[rows]))
+
+
+CASES = [(framework, family.name, index) for framework in FRAMEWORKS for family in FAMILIES for index in LAYERS]
+DECODE_CASES = [case for case in CASES if FAMILIES_BY_NAME[case[1]].decode]
+
+
+def _case_id(case):
+    return "-".join(str(part) for part in case)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tests
+# ----------------------------------------------------------------------------------------------
+
+
+def test_every_supported_module_has_a_family_here():
+    tested = {type(_model(family.name).get_submodule(family.attention.format(i=0))).__name__ for family in FAMILIES}
+    assert set(supported_modules()) == tested
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_full_pass_with_padding_matches_transformers(case):
+    framework, name, index = case
+    family, runner = FAMILIES_BY_NAME[name], _runner(framework)
+    model, call, mask, positions = _full_pass(family, index)
+    kwargs, weights = port_attention(family.module(model, index), _config(model))
+    arguments = _call_arguments(runner, model, family, mask, positions, 0, mask.shape[1], kwargs["num_heads"])
+    output, _ = runner.call(runner.layer(kwargs, weights), call["hidden"], arguments)
+    rows = _compared_rows(family, mask)
+    assert np.max(np.abs(call["output"][rows])) > MEANINGFUL
+    assert _max_diff(output, call["output"], rows) <= OUTPUT_TOL
+
+
+def _decode_with_transformers(model, family, index, ids, mask, positions, prompt):
+    """Prefill the prompt, then one token a step, with transformers' DynamicCache; returns each call's capture."""
+    cache = transformers.DynamicCache(config=_config(model))
+    if family.name.startswith("t5"):
+        cache = transformers.EncoderDecoderCache(cache, transformers.DynamicCache(config=_config(model)))
+    encoder = (ids[:, :prompt], mask[:, :prompt])
+    with _capture(model, family, index) as calls, torch.no_grad():
+        for start, stop in [(0, prompt), *((p, p + 1) for p in range(prompt, mask.shape[1]))]:
+            arguments = _model_arguments(family, ids[:, start:stop], mask[:, :stop], positions[:, start:stop], encoder)
+            model(**arguments, past_key_values=cache, use_cache=True)
+    return calls
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=_case_id)
+def test_decoding_left_padded_prompts_matches_transformers_cache(case):
+    framework, name, index = case
+    family, runner = FAMILIES_BY_NAME[name], _runner(framework)
+    model = _model(name)
+    prompt = max(PROMPT_LENGTHS)
+    slots = prompt + DECODE_STEPS
+    mask = _left_padded_mask(PROMPT_LENGTHS, slots)
+    mask[:, prompt:] = 1
+    ids = np.random.default_rng(SEED).integers(1, VOCAB, size=mask.shape)
+    positions = _positions(mask)
+    calls = _decode_with_transformers(model, family, index, ids, mask, positions, prompt)
+    kwargs, weights = port_attention(family.module(model, index), _config(model))
+    layer = runner.layer(kwargs, weights)
+    cache = layer.init_cache(mask.shape[0], slots)
+    start = 0
+    for call in calls:
+        stop = start + call["hidden"].shape[1]
+        arguments = _call_arguments(runner, model, family, mask, positions, start, stop, kwargs["num_heads"])
+        output, cache = runner.call(layer, call["hidden"], arguments, cache)
+        rows = mask[:, start:stop].astype(bool)
+        assert np.max(np.abs(call["output"][rows])) > MEANINGFUL
+        assert _max_diff(output, call["output"], rows) <= OUTPUT_TOL, f"tokens [{start}, {stop})"
+        start = stop
+
+
+# What each family's port carries beyond plain attention; `test_every_ported_variant_matters` removes
+# each one in turn and requires the output to move, so the comparisons above cannot pass without it.
+# (`positions` is not among them: a left-padded row's positions are its plain ones shifted by a
+# constant, which RoPE, relative by construction, does not see in the scores.)
+VARIANTS = {
+    "llama": {"rope"},
+    "llama3_scaled": {"rope", "rope_scaling"},
+    "llama_linear": {"rope", "rope_scaling"},
+    "mistral": {"rope", "window"},
+    "qwen2": {"rope", "window"},
+    "qwen3": {"rope", "qk_norm"},
+    "gemma2": {"rope", "window", "softcap", "scale"},
+    "gemma3": {"rope", "window", "qk_norm", "scale"},
+    "gemma": {"rope"},
+    "mixtral": {"rope", "window"},
+    "starcoder2": {"rope", "window"},
+    "granite": {"rope", "scale"},
+    "cohere": {"rope", "rope_interleaved"},
+    "gpt2": {"scale"},
+    "bert": set(),
+    "olmo2": {"rope", "qk_norm"},
+    "gpt_neox": {"rope", "rope_fraction"},
+    "phi": {"rope", "rope_fraction"},
+    "gptj": {"rope", "rope_fraction", "rope_interleaved"},
+    "gpt_oss": {"rope", "window", "sinks"},
+    "t5_encoder": {"scale", "attention_bias"},
+    "t5_decoder": {"scale", "attention_bias"},
+    "bloom": {"attention_bias"},
+}
+DIFFERS = 1e-3  # a removed variant must move the output by 100 times the tolerance at least
+
+
+def _without(variant, kwargs, weights, arguments):
+    """The port with one variant removed (the layer's default in its place)."""
+    kwargs, weights, arguments = dict(kwargs), dict(weights), dict(arguments)
+    if variant == "rope":
+        for name in ("rope_theta", "rope_fraction", "rope_interleaved", "rope_scaling"):
+            kwargs.pop(name, None)
+        arguments.pop("positions")
+    elif variant == "scale":
+        kwargs["scale"] = (kwargs.get("head_dim") or kwargs["d_model"] // kwargs["num_heads"]) ** -0.5
+    elif variant == "attention_bias":
+        arguments.pop("attention_bias")
+    else:
+        kwargs.pop(variant)
+        for name in {"qk_norm": ("qk_norm_eps", "query_norm", "key_norm"), "sinks": ("sinks",)}.get(variant, ()):
+            kwargs.pop(name, None)
+            weights.pop(name, None)
+    return kwargs, weights, arguments
+
+
+def _variants(kwargs, arguments):
+    present = {
+        name
+        for name in ("window", "softcap", "rope_scaling", "rope_fraction", "rope_interleaved", "qk_norm", "sinks")
+        if name in kwargs
+    }
+    present |= {"rope"} if "rope_theta" in kwargs else set()
+    present |= {"attention_bias"} if "attention_bias" in arguments else set()
+    head_dim = kwargs.get("head_dim") or kwargs["d_model"] // kwargs["num_heads"]
+    return present | ({"scale"} if not np.isclose(kwargs["scale"], head_dim**-0.5) else set())
+
+
+@pytest.mark.parametrize("name", [family.name for family in FAMILIES] if "NumPy" in FRAMEWORKS else [])
+def test_every_ported_variant_matters(name):
+    family, runner = FAMILIES_BY_NAME[name], _runner("NumPy")
+    moved = {}
+    for index in LAYERS:
+        model, call, mask, positions = _full_pass(family, index)
+        kwargs, weights = port_attention(family.module(model, index), _config(model))
+        arguments = _call_arguments(runner, model, family, mask, positions, 0, mask.shape[1], kwargs["num_heads"])
+        for variant in _variants(kwargs, arguments):
+            kwargs_, weights_, arguments_ = _without(variant, kwargs, weights, arguments)
+            output, _ = runner.call(runner.layer(kwargs_, weights_), call["hidden"], arguments_)
+            moved[variant] = max(
+                moved.get(variant, 0.0), _max_diff(output, call["output"], _compared_rows(family, mask))
+            )
+    assert set(moved) == VARIANTS[name]
+    assert all(diff > DIFFERS for diff in moved.values()), moved
+
+
+def _tiny_module(module_class, config_class, **config):
+    return module_class(config_class(**COMMON, **config), layer_idx=0)
+
+
+ERROR_CASES = [
+    (
+        "yarn_rope",
+        lambda: _tiny_module(
+            transformers.models.llama.modeling_llama.LlamaAttention,
+            transformers.LlamaConfig,
+            **GQA,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+        r"`config.rope_parameters` must have rope_type 'default', 'linear' or 'llama3' .* Received: rope_parameters=.*'yarn'",
+    ),
+    (
+        "phi_layernorm_qk_norm",
+        lambda: _tiny_module(
+            transformers.models.phi.modeling_phi.PhiAttention,
+            transformers.PhiConfig,
+            hidden_size=HIDDEN,
+            num_attention_heads=HEADS,
+            qk_layernorm=True,
+        ),
+        r"`qk_layernorm` must be False: Phi's QK-norm is a LayerNorm .* Received: qk_layernorm=True",
+    ),
+    (
+        "cohere_layernorm_qk_norm",
+        lambda: _tiny_module(
+            transformers.models.cohere.modeling_cohere.CohereAttention,
+            transformers.CohereConfig,
+            hidden_size=HIDDEN,
+            num_attention_heads=HEADS,
+            use_qk_norm=True,
+        ),
+        r"`q_norm` must be an RMSNorm: a LayerNorm removes the mean first.* Received: CohereLayerNorm",
+    ),
+    (
+        "bert_self_attention",
+        lambda: transformers.models.bert.modeling_bert.BertSelfAttention(
+            transformers.BertConfig(hidden_size=HIDDEN, num_attention_heads=HEADS)
+        ),
+        r"Pass the `BertAttention` module .* Received: BertSelfAttention",
+    ),
+    (
+        "gpt2_cross_attention",
+        lambda: transformers.models.gpt2.modeling_gpt2.GPT2Attention(
+            transformers.GPT2Config(n_embd=HIDDEN, n_head=HEADS), is_cross_attention=True, layer_idx=0
+        ),
+        r"`module` must be a GPT-2 self-attention .* Received: is_cross_attention=True",
+    ),
+    (
+        "unknown_module",
+        lambda: torch.nn.MultiheadAttention(HIDDEN, HEADS),
+        r"`module` must be one of the attention modules .* Received: MultiheadAttention",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "build", "message"), ERROR_CASES, ids=[case[0] for case in ERROR_CASES])
+def test_port_refuses_what_the_layer_cannot_hold(name, build, message):
+    module = build()
+    with pytest.raises(ValueError, match=message):
+        port_attention(module, getattr(module, "config", None))
+
+
+def test_t5_position_bias_needs_the_module_that_holds_it():
+    config = transformers.T5Config(
+        d_model=HIDDEN, d_kv=HEAD_DIM, num_heads=HEADS, num_layers=2, d_ff=48, vocab_size=VOCAB
+    )
+    module = transformers.models.t5.modeling_t5.T5Attention(config, has_relative_attention_bias=False, layer_idx=1)
+    with pytest.raises(
+        ValueError, match=r"`module` must hold T5's `relative_attention_bias` .* has_relative_attention_bias=False"
+    ):
+        t5_position_bias(module, 3, 3)
+
+
+def test_alibi_positions_are_blooms():
+    mask = np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    np.testing.assert_array_equal(alibi_positions(mask), [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]])
+
+
+def test_a_multimodal_config_ports_like_its_text_config():
+    text = {**COMMON, **GQA, "sliding_window": WINDOW, "query_pre_attn_scalar": 4, "sliding_window_pattern": 2}
+    config = transformers.Gemma3Config(text_config=text)
+    module = FAMILIES_BY_NAME["gemma3"].module(_model("gemma3"), 1)
+    assert port_attention(module, config)[0] == port_attention(module, config.text_config)[0]
+
+
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(44, 30), (47, 6), (80, 32), (64, 64)])
+def test_gptj_rotary_dim_survives_float_rounding(head_dim, rotary_dim):
+    """44 * (30 / 44) is 29.999...: a fraction of R / H would make the layer rotate 29 features."""
+    config = transformers.GPTJConfig(n_embd=2 * head_dim, n_head=2, n_layer=1, rotary_dim=rotary_dim, vocab_size=VOCAB)
+    kwargs, _ = port_attention(transformers.models.gptj.modeling_gptj.GPTJAttention(config, layer_idx=0), config)
+    assert int(head_dim * kwargs.get("rope_fraction", 1.0)) == rotary_dim

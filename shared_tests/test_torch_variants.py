@@ -1,0 +1,886 @@
+"""PyTorch layer, modern attention: each variant (per-projection bias, scale, softcap, window,
+RoPE, QK-norm, sinks) and each new call argument (key_mask, query_mask, attention_bias,
+positions) against a small hand-written float64 reference in the style of `transformers`'
+eager attention; every code path equal; compile and export; the refused traps; the fused q/k/v
+projection only where it computes what the modules would; and the regressions of the floating
+mask rule."""
+
+import math
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from PyTorch import KVCache, Multi_Head_Attention, MultiHeadAttention, alibi_bias, dot_product_attention
+from shared_tests.cases import TOLERANCES
+
+OUTPUT_TOL = TOLERANCES["float32"]["output"]
+WEIGHTS_TOL = TOLERANCES["float32"]["weights"]
+GRADS_TOL = TOLERANCES["float32"]["grads"]
+FLOAT16_TOL = TOLERANCES["float16"]["output"]
+E, N, K, H = 16, 4, 2, 8  # d_model, num_heads, num_kv_heads, head_dim
+B, T = 3, 6
+
+VARIANTS = {
+    "plain": {},
+    "bias_qkv": {"bias": ("query", "key", "value")},
+    "bias_output_only": {"bias": ["output"]},
+    "no_bias": {"bias": False},
+    "scale": {"scale": 0.9},
+    "softcap": {"softcap": 1.5},
+    "window": {"window": 3},
+    "rope": {"rope_theta": 10000.0},
+    "rope_partial_interleaved": {"rope_theta": 100.0, "rope_fraction": 0.5, "rope_interleaved": True},
+    "qk_norm_head": {"qk_norm": "head"},
+    "qk_norm_all": {"qk_norm": "all", "qk_norm_eps": 1e-3},
+    "sinks": {"sinks": True},
+    "everything": {
+        "bias": ("query", "key", "value"),
+        "scale": 0.5,
+        "softcap": 3.0,
+        "window": 4,
+        "rope_theta": 500.0,
+        "rope_fraction": 0.75,
+        "qk_norm": "head",
+        "sinks": True,
+    },  # fmt: skip  (rope_fraction 0.75: R = 6 of H = 8 rotated)
+}
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _layer(seed=0, **config):
+    """A layer with every parameter random (biases, QK-norm scales around 1, sink logits)."""
+    torch.manual_seed(seed)
+    layer = MultiHeadAttention(E, N, num_kv_heads=K, head_dim=H, **config)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if not name.endswith("weight"):
+                offset = 1.0 if name.endswith("norm") else 0.0
+                p.copy_(offset + _randn(*p.shape, seed=len(name) + seed) * 0.3)
+    return layer.eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference: float64, written the way `transformers` writes eager attention.
+
+
+def _rms(x, scale, eps):
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * scale
+
+
+def _hf_inv_freq(rotary_dim, theta, scaling=None):
+    """transformers' `_compute_default_rope_parameters` and `_compute_llama3_parameters`, element by element."""
+    inv_freq = [1.0 / theta ** (i / rotary_dim) for i in range(0, rotary_dim, 2)]
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        inv_freq = [f / scaling["factor"] for f in inv_freq]
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        rewritten = []
+        for f in inv_freq:
+            wavelen = 2 * math.pi / f
+            if wavelen < old / high:
+                rewritten.append(f)
+            elif wavelen > old / low:
+                rewritten.append(f / factor)
+            else:
+                smooth = (old / wavelen - low) / (high - low)
+                rewritten.append((1 - smooth) * f / factor + smooth * f)
+        inv_freq = rewritten
+    return torch.tensor(inv_freq, dtype=torch.float64)
+
+
+def _rope_reference(x, positions, theta, fraction, interleaved):
+    """Rotate-half as in transformers' Llama (`x * cos + rotate_half(x) * sin`), or for
+    interleaved pairs Meta's complex multiplication (GPT-J layout); (B, heads, T, H) float64."""
+    rotary = int(x.shape[-1] * fraction)
+    freqs = positions.double()[..., None] * _hf_inv_freq(rotary, theta)  # (B, T, R/2)
+    x_rot, x_pass = x[..., :rotary], x[..., rotary:]
+    if interleaved:
+        pairs = torch.view_as_complex(x_rot.reshape(*x_rot.shape[:-1], rotary // 2, 2).contiguous())
+        turned = torch.view_as_real(pairs * torch.polar(torch.ones_like(freqs), freqs)[:, None]).flatten(-2)
+    else:
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, R)
+        half = rotary // 2
+        rotate_half = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+        turned = x_rot * emb.cos() + rotate_half * emb.sin()
+    return torch.cat((turned, x_pass), dim=-1)
+
+
+def reference(layer, query, key=None, value=None, *, keep=None, bias=None, causal=False, positions=None):
+    """Float64 attention from the layer's own parameters (so gradients reach them); returns (output, weights)."""
+    key = query if key is None else key
+    value = key if value is None else value
+    query, key, value = (x.double() for x in (query, key, value))
+    (b, t, _), s = query.shape, key.shape[1]
+
+    def project(x, module, heads):
+        y = x @ module.weight.double().T + (0 if module.bias is None else module.bias.double())
+        if layer.qk_norm == "all" and module in (layer.query, layer.key):
+            y = _rms(y, (layer.query_norm if module is layer.query else layer.key_norm).double(), layer.qk_norm_eps)
+        return y.view(b, x.shape[1], heads, H).transpose(1, 2)
+
+    q, k, v = project(query, layer.query, N), project(key, layer.key, K), project(value, layer.value, K)
+    if layer.qk_norm == "head":
+        q, k = (
+            _rms(q, layer.query_norm.double(), layer.qk_norm_eps),
+            _rms(k, layer.key_norm.double(), layer.qk_norm_eps),
+        )
+    if layer.rope_theta is not None:
+        positions = torch.arange(t).expand(b, t) if positions is None else positions.expand(b, t)
+        rope = (layer.rope_theta, layer.rope_fraction, layer.rope_interleaved)
+        q, k = _rope_reference(q, positions, *rope), _rope_reference(k, positions, *rope)
+    k, v = k.repeat_interleave(N // K, 1), v.repeat_interleave(N // K, 1)
+    scores = q @ k.transpose(-1, -2) * layer.scale
+    if layer.softcap is not None:
+        scores = layer.softcap * torch.tanh(scores / layer.softcap)
+    if bias is not None:
+        scores = scores + bias.double()
+    allowed = torch.ones(b, 1, t, s, dtype=torch.bool)
+    if causal:
+        allowed = allowed & torch.ones(t, s, dtype=torch.bool).tril(diagonal=s - t)
+    if layer.window is not None:
+        allowed = allowed & torch.ones(t, s, dtype=torch.bool).triu(diagonal=s - t - layer.window + 1)
+    if keep is not None:
+        allowed = allowed & keep
+    scores = scores.masked_fill(~allowed, -torch.inf)
+    if layer.sinks is not None:  # gpt-oss `eager_attention_forward`
+        sinks = layer.sinks.double().reshape(1, -1, 1, 1).expand(b, -1, t, -1)
+        combined = torch.cat([scores, sinks], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        weights = torch.softmax(combined, dim=-1)[..., :-1]
+    else:
+        weights = torch.where(allowed.any(-1, keepdim=True), torch.softmax(scores, dim=-1), 0.0)
+    merged = (weights @ v).transpose(1, 2).reshape(b, t, N * H)
+    output = merged @ layer.output.weight.double().T + (0 if layer.output.bias is None else layer.output.bias.double())
+    return output, weights
+
+
+# ---------------------------------------------------------------------------------------------
+# Each variant against the reference, on every path.
+
+
+def _output_bias(layer):
+    """What a query with no key outputs: the output bias (zeros without one)."""
+    return torch.zeros(E) if layer.output.bias is None else layer.output.bias.detach()
+
+
+def _inputs(seed=1, b=B, t=T):
+    x = _randn(b, t, E, seed=seed) * 2  # scores of a few units: soft-capping and sinks matter
+    keep = torch.rand(b, 1, t, t, generator=torch.Generator().manual_seed(seed + 1)) < 0.8
+    keep[..., 0] = True
+    keep[0, 0, 2] = False  # query 2 of batch 0 keeps no key
+    positions = torch.randint(0, 50, (b, t), generator=torch.Generator().manual_seed(seed + 2))
+    return x, keep, positions
+
+
+def _call(layer, path, *args, **kwargs):
+    """(output, weights or None) on one path: sdpa, explicit, inference (in place, one batch element per block)."""
+    if path == "sdpa":
+        return layer(*args, **kwargs), None
+    if path == "explicit":
+        return layer(*args, return_attention=True, **kwargs)
+    with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Multi_Head_Attention, "_BLOCK_SCORES", 1)
+        return layer(*args, return_attention=True, **kwargs)
+
+
+@pytest.mark.parametrize("path", ["sdpa", "explicit", "inference"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variant_matches_the_reference(variant, causal, path):
+    layer = _layer(**VARIANTS[variant])
+    x, keep, positions = _inputs()
+    rope = {"positions": positions} if layer.rope_theta is not None else {}
+    output, weights = _call(layer, path, x, attention_mask=keep, causal=causal, **rope)
+    expected, expected_weights = reference(layer, x, keep=keep, causal=causal, **rope)
+    torch.testing.assert_close(output.double(), expected, atol=OUTPUT_TOL, rtol=0)
+    if weights is not None:
+        torch.testing.assert_close(weights.double(), expected_weights, atol=WEIGHTS_TOL, rtol=0)
+        assert (weights[0, :, 2] == 0).all()  # the row with no key, exactly
+
+
+@pytest.mark.parametrize("path", ["sdpa", "explicit"])
+@pytest.mark.parametrize("variant", ["plain", "everything", "qk_norm_all", "sinks"])
+def test_variant_gradients_match_the_reference(variant, path):
+    """Gradients of the inputs, every parameter (sinks and norm scales too) and attention_bias."""
+    layer = _layer(**VARIANTS[variant]).train()
+    x, keep, positions = _inputs()
+    y = _randn(B, T, E, seed=7)
+    bias = (_randn(1, N, T, T, seed=8) * 0.5).requires_grad_()
+    rope = {"positions": positions} if layer.rope_theta is not None else {}
+    grad_output = _randn(B, T, E, seed=9)
+    grads = []
+    for run in ("layer", "reference"):
+        layer.zero_grad()
+        inputs = [x.clone().requires_grad_(), y.clone().requires_grad_()]
+        bias.grad = None
+        if run == "layer":
+            output, _ = _call(layer, path, *inputs, attention_mask=keep, attention_bias=bias, **rope)
+        else:
+            output, _ = reference(layer, *inputs, keep=keep, bias=bias, **rope)
+        (output * grad_output).sum().backward()
+        named = {name: p.grad.clone() for name, p in layer.named_parameters()}
+        grads.append({**named, "query": inputs[0].grad, "key": inputs[1].grad, "attention_bias": bias.grad.clone()})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name].double(), grads[1][name].double(), atol=GRADS_TOL, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {"rope_type": "linear", "factor": 4.0},
+        {"type": "linear", "factor": 2.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+)
+def test_rope_frequencies_match_transformers(scaling):
+    """Llama 3.1's scaling keeps the short wavelengths, divides the long ones, interpolates between
+    (original_max_position_embeddings = 64 puts frequencies of R = 64 in all three bands)."""
+    got = Multi_Head_Attention.rope_frequencies(64, 10000.0, scaling)
+    assert got.dtype == torch.float32 and got.shape == (32,)
+    torch.testing.assert_close(got.double(), _hf_inv_freq(64, 10000.0, scaling), atol=0, rtol=1e-7)
+
+
+def test_rope_scaling_changes_the_layer_as_the_frequencies_say():
+    scaling = {"rope_type": "linear", "factor": 4.0}
+    x, _, positions = _inputs()
+    scaled = _layer(rope_theta=100.0, rope_scaling=scaling)
+    plain = _layer(rope_theta=100.0)
+    # linear scaling by 4 is the same as positions divided by 4: positions 4p against p
+    torch.testing.assert_close(
+        scaled(x, positions=positions * 4), plain(x, positions=positions), atol=OUTPUT_TOL, rtol=0
+    )
+    assert not torch.allclose(scaled(x, positions=positions), plain(x, positions=positions), atol=1e-3)
+
+
+def test_rope_positions_default_to_arange_and_broadcast():
+    layer = _layer(rope_theta=10000.0)
+    x, _, _ = _inputs()
+    expected = layer(x, positions=torch.arange(T).expand(B, T))
+    torch.testing.assert_close(layer(x), expected, atol=0, rtol=0)
+    torch.testing.assert_close(layer(x, positions=torch.arange(T)), expected, atol=0, rtol=0)
+    shifted = layer(x, positions=torch.arange(T) + 7)  # relative: only differences of positions count
+    torch.testing.assert_close(shifted, expected, atol=OUTPUT_TOL, rtol=0)
+
+
+def test_cross_attention_with_rope_on_keys_of_the_query_length():
+    layer = _layer(rope_theta=10000.0)
+    x, keep, positions = _inputs()
+    y = _randn(B, T, E, seed=3)
+    expected, _ = reference(layer, x, y, keep=keep, positions=positions)
+    torch.testing.assert_close(
+        layer(x, y, attention_mask=keep, positions=positions).double(), expected, atol=OUTPUT_TOL, rtol=0
+    )
+
+
+def test_sinks_rows_sum_below_one_and_rows_with_no_key_are_zero():
+    layer = _layer(sinks=True)
+    with torch.no_grad():
+        layer.sinks.fill_(1.0)  # as large as the scores of inputs ~ N(0, 1): the sink takes a visible share
+    x, keep, _ = _inputs()
+    _, weights = layer(x / 2, attention_mask=keep, return_attention=True)
+    sums = weights.sum(-1)
+    assert (sums[keep.expand(B, N, T, T).any(-1)] < 0.99).all()
+    assert (weights[0, :, 2] == 0).all()
+
+
+def test_softcap_bounds_the_scores():
+    """With softcap c the weights are those of scores in (-c, c): the largest ratio of two weights
+    of a row is below exp(2c), however large the inputs."""
+    layer = _layer(softcap=1.0)
+    x = _randn(2, 5, E, seed=4) * 100
+    _, weights = layer(x, return_attention=True)
+    ratio = weights.amax(-1) / weights.amin(-1)
+    assert (ratio < math.exp(2.0) * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("window", [1, 2, 5])
+def test_window_band(window):
+    """Query t keeps key s iff t + (S - T) - W < s (with causal: the W most recent keys, itself included)."""
+    layer = _layer(window=window)
+    x, y = _randn(2, 4, E, seed=5), _randn(2, 6, E, seed=6)
+    _, weights = layer(x, y, causal=True, return_attention=True)
+    t, s = torch.arange(4)[:, None], torch.arange(6)[None, :]
+    band = (s <= t + 2) & (s > t + 2 - window)
+    assert torch.equal(weights[0, 0] > 0, band)
+
+
+@pytest.mark.parametrize("variant", ["softcap", "sinks", "everything"])
+@pytest.mark.parametrize("path", ["explicit", "inference"])
+def test_fully_masked_rows_stay_finite_with_sinks_and_softcap(variant, path):
+    layer = _layer(**VARIANTS[variant])
+    x = (_randn(2, 4, E, seed=10) * 30).requires_grad_(path != "inference")
+    keep = torch.ones(2, 1, 4, 4, dtype=torch.bool)
+    keep[0, 0, 1] = False
+    keep[1] = False
+    keep[1, 0, 0, 0] = True  # not all False: that is refused as nn.MultiheadAttention's habit
+    output, weights = _call(layer, path, x, attention_mask=keep)
+    assert torch.isfinite(output).all() and torch.isfinite(weights).all()
+    assert (weights[0, :, 1] == 0).all() and (weights[1, :, 1:] == 0).all()
+    torch.testing.assert_close(output[0, 1], _output_bias(layer), atol=0, rtol=0)
+    if path != "inference":
+        output.square().sum().backward()
+        assert torch.isfinite(x.grad).all()
+        assert all(torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
+# ---------------------------------------------------------------------------------------------
+# Call arguments: key_mask, query_mask, attention_bias, positions.
+
+
+@pytest.mark.parametrize("path", ["sdpa", "explicit", "inference"])
+def test_key_and_query_masks_are_the_keep_they_describe(path):
+    layer = _layer(**VARIANTS["everything"])
+    x, y = _randn(B, T, E, seed=11), _randn(B, T, E, seed=12)
+    key_mask = torch.rand(B, T, generator=torch.Generator().manual_seed(13)) < 0.7
+    key_mask[:, 0] = True
+    query_mask = torch.ones(B, T, dtype=torch.bool)
+    query_mask[1, 3:] = False
+    keep = key_mask[:, None, None, :] & query_mask[:, None, :, None]
+    output, weights = _call(layer, path, x, y, key_mask=key_mask, query_mask=query_mask, causal=True)
+    expected, expected_weights = _call(layer, path, x, y, attention_mask=keep, causal=True)
+    torch.testing.assert_close(output, expected, atol=0, rtol=0)
+    torch.testing.assert_close(output[1, 3:], _output_bias(layer).expand(3, E), atol=0, rtol=0)
+    if weights is not None:
+        torch.testing.assert_close(weights, expected_weights, atol=0, rtol=0)
+
+
+def test_only_a_key_mask_as_passed_is_refused_when_all_false():
+    """In self-attention key_mask defaults to query_mask; a query_mask that is all False (no real
+    query) is not nn.MultiheadAttention's habit: every output row is the output bias."""
+    layer = _layer()
+    output = layer(_randn(B, T, E, seed=42), query_mask=torch.zeros(B, T, dtype=torch.bool))
+    torch.testing.assert_close(output, layer.output.bias.detach().expand(B, T, E), atol=0, rtol=0)
+
+
+def test_key_mask_defaults_to_query_mask_in_self_attention():
+    layer = _layer()
+    x = _randn(B, T, E, seed=14)
+    query_mask = torch.ones(B, T, dtype=torch.bool)
+    query_mask[0, 4:] = False  # right padding
+    expected = layer(x, attention_mask=query_mask[:, None, None, :] & query_mask[:, None, :, None])
+    torch.testing.assert_close(layer(x, query_mask=query_mask), expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("path", ["sdpa", "explicit", "inference"])
+def test_attention_bias_is_added_with_the_mask_and_minus_inf_removes(path):
+    layer = _layer()
+    x, keep, _ = _inputs()
+    bias = _randn(B, 1, T, T, seed=15)
+    bias[1, 0, :, 3] = -torch.inf  # key 3 of batch 1 removed by the bias
+    float_mask = torch.where(keep, _randn(1, T, T, seed=16), -torch.inf)  # (B, T, S) float mask
+    output, weights = _call(layer, path, x, attention_mask=float_mask, attention_bias=bias)
+    allowed = keep & (bias > -torch.inf)
+    expected, expected_weights = reference(
+        layer, x, keep=allowed, bias=torch.where(allowed, bias + torch.where(keep, float_mask, 0), 0)
+    )
+    torch.testing.assert_close(output.double(), expected, atol=OUTPUT_TOL, rtol=0)
+    if weights is not None:
+        torch.testing.assert_close(weights.double(), expected_weights, atol=WEIGHTS_TOL, rtol=0)
+        assert (weights[1, ..., 3] == 0).all()
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_sdpa_gives_attention_bias_a_gradient_equal_to_the_explicit_path(mixed):
+    """The SDPA path passes the bias as its additive mask; SDPA differentiates it (on the CPU too)."""
+    layer = _layer()
+    x, keep, _ = _inputs()
+    mask = keep if mixed else None
+    grads = []
+    for return_attention in (False, True):
+        bias = _randn(1, N, T, T, seed=17).requires_grad_()
+        result = layer(x, attention_mask=mask, attention_bias=bias, return_attention=return_attention)
+        (result[0] if return_attention else result).square().sum().backward()
+        grads.append(bias.grad)
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[0], grads[1], atol=GRADS_TOL, rtol=0)
+
+
+def test_alibi_bias_is_blooms():
+    """Against Bloom's `build_alibi_tensor` (transformers), written out here: N = 8 and N = 6."""
+    for heads in (8, 6, 1):
+        closest = 2 ** math.floor(math.log2(heads))
+        base = 2 ** (-(2 ** -(math.log2(closest) - 3)))
+        slopes = [base**p for p in range(1, closest + 1)]
+        extra_base = 2 ** (-(2 ** -(math.log2(2 * closest) - 3)))
+        slopes += [extra_base**p for p in range(1, 1 + 2 * min(closest, heads - closest), 2)]
+        key_mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+        positions = key_mask.cumsum(-1) - 1  # Bloom's positions, -1 at padding
+        expected = torch.tensor(slopes)[None, :, None, None] * (positions * key_mask)[:, None, None, :]
+        got = alibi_bias(heads, positions * key_mask)
+        assert got.shape == (2, heads, 1, 5) and got.dtype == torch.float32
+        torch.testing.assert_close(got, expected, atol=1e-7, rtol=0)
+    assert alibi_bias(4, torch.arange(3)).shape == (1, 4, 1, 3)
+
+
+def test_alibi_equals_press_et_al_linear_bias():
+    layer = _layer()
+    x = _randn(2, T, E, seed=18)
+    slopes = alibi_bias(N, torch.ones(1, dtype=torch.long))[0, :, 0, 0]  # (N,)
+    distance = torch.arange(T)[:, None] - torch.arange(T)[None, :]  # t - s
+    press = -slopes[:, None, None] * distance  # (N, T, S)
+    press = press[None]  # (1, N, T, S)
+    expected = layer(x, attention_bias=press, causal=True)
+    torch.testing.assert_close(
+        layer(x, attention_bias=alibi_bias(N, torch.arange(T)), causal=True), expected, atol=OUTPUT_TOL, rtol=0
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Code paths: SDPA, explicit and in-place blocks equal for every variant; public function.
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_paths_agree_for_every_variant(variant):
+    layer = _layer(**VARIANTS[variant])
+    x, keep, positions = _inputs(b=5)
+    y = _randn(5, T, E, seed=19)
+    bias = _randn(5, 1, T, T, seed=20)
+    kwargs = {"attention_mask": keep, "attention_bias": bias, "causal": True, "key_mask": keep[:, 0, 0]}
+    kwargs |= {"positions": positions} if layer.rope_theta is not None else {}
+    results = {path: _call(layer, path, x, y, **kwargs) for path in ("sdpa", "explicit", "inference")}
+    for path in ("explicit", "inference"):
+        torch.testing.assert_close(results[path][0], results["sdpa"][0], atol=OUTPUT_TOL, rtol=0)
+    torch.testing.assert_close(results["inference"][1], results["explicit"][1], atol=WEIGHTS_TOL, rtol=0)
+
+
+def test_dot_product_attention_takes_the_variants():
+    q, k, v = _randn(2, 4, 5, 8, seed=21), _randn(2, 2, 7, 8, seed=22), _randn(2, 2, 7, 8, seed=23)
+    sinks = _randn(4, seed=24)
+    context, weights = dot_product_attention(
+        q, k, v, causal=True, scale=0.3, softcap=2.0, window=3, sinks=sinks, return_attention=True
+    )
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    scores = 2.0 * torch.tanh(q @ kk.transpose(-1, -2) * 0.3 / 2.0)
+    t, s = torch.arange(5)[:, None], torch.arange(7)[None, :]
+    scores = scores.masked_fill(~((s <= t + 2) & (s > t + 2 - 3)), -torch.inf)
+    combined = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(2, -1, 5, 1)], dim=-1)
+    expected = combined.softmax(-1)[..., :-1]
+    torch.testing.assert_close(weights, expected, atol=WEIGHTS_TOL, rtol=0)
+    torch.testing.assert_close(context, expected @ vv, atol=OUTPUT_TOL, rtol=0)
+    no_weights, none = dot_product_attention(q, k, v, causal=True, scale=0.3, softcap=2.0, window=3, sinks=sinks)
+    assert none is None
+    torch.testing.assert_close(no_weights, context, atol=0, rtol=0)  # softcap and sinks: always explicit
+
+
+def test_compile_fullgraph_with_every_variant():
+    layer = _layer(**VARIANTS["everything"]).train()
+    x, keep, positions = _inputs()
+    bias = _randn(1, N, T, T, seed=25).requires_grad_()
+
+    def step(x, keep, bias, positions):
+        return layer(x, key_mask=keep[:, 0, 0], attention_bias=bias, positions=positions, causal=True)
+
+    expected = step(x, keep, bias, positions)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = compiled(x, keep, bias, positions)
+    torch.testing.assert_close(got, expected, atol=OUTPUT_TOL, rtol=0)
+    got.sum().backward()
+    assert torch.isfinite(bias.grad).all() and bias.grad.abs().sum() > 0
+    assert all(torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
+def test_torch_export_with_every_variant():
+    layer = _layer(**VARIANTS["everything"])
+    x, keep, positions = _inputs()
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = layer
+
+        def forward(self, x, key_mask, positions):
+            return self.attention(x, key_mask=key_mask, positions=positions, causal=True)
+
+    program = torch.export.export(Wrapped(), (x, keep[:, 0, 0], positions))
+    expected = layer(x, key_mask=keep[:, 0, 0], positions=positions, causal=True)
+    torch.testing.assert_close(program.module()(x, keep[:, 0, 0], positions), expected, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache with the variants.
+
+
+def _decode(layer, x, chunks, key_mask=None, length=10):
+    cache = layer.init_cache(x.shape[0], length)
+    outputs, start = [], 0
+    with torch.no_grad():
+        for size in chunks:
+            chunk = slice(start, start + size)
+            mask = None if key_mask is None else key_mask[:, chunk]
+            output, cache = layer(x[:, chunk], key_mask=mask, causal=True, cache=cache)
+            outputs.append(output)
+            start += size
+    return torch.cat(outputs, dim=1), cache
+
+
+@pytest.mark.parametrize("chunks", [(7,), (4, 1, 1, 1), (1,) * 7])
+def test_decoding_with_every_variant_equals_the_full_pass(chunks):
+    """Window in the cache's keep, RoPE at index + t, key_mask written into keep."""
+    layer = _layer(**VARIANTS["everything"])
+    x = _randn(2, 7, E, seed=26)
+    key_mask = torch.ones(2, 7, dtype=torch.bool)
+    key_mask[1, :2] = False  # left padding
+    key_mask[0, 4] = False
+    output, cache = _decode(layer, x, chunks, key_mask)
+    expected = layer(x, key_mask=key_mask, causal=True)
+    torch.testing.assert_close(output, expected, atol=OUTPUT_TOL, rtol=0)
+    assert torch.equal(cache.keep[:, :7], key_mask) and cache.keep[:, 7:].all()
+    assert isinstance(cache, KVCache) and int(cache.index) == 7
+
+
+def test_decoding_compiles_fullgraph_with_every_variant():
+    layer = _layer(**VARIANTS["everything"])
+    x = _randn(2, 5, E, seed=27)
+    key_mask = torch.ones(2, 5, dtype=torch.bool)
+    key_mask[1, 0] = False
+
+    def step(x, key_mask, cache):
+        return layer(x, key_mask=key_mask, causal=True, cache=cache)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    cache = layer.init_cache(2, 8)
+    outputs = []
+    with torch.no_grad():
+        for t in range(5):
+            output, cache = compiled(x[:, t : t + 1], key_mask[:, t : t + 1], cache)
+            outputs.append(output)
+        expected = layer(x, key_mask=key_mask, causal=True)
+    torch.testing.assert_close(torch.cat(outputs, 1), expected, atol=OUTPUT_TOL, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused q/k/v projection of self-attention: only where it computes what the modules would.
+
+
+class LoRA(nn.Module):
+    """A LoRA adapter: the frozen Linear plus a low-rank delta."""
+
+    def __init__(self, base, rank=2):
+        super().__init__()
+        self.base = base
+        self.down = nn.Linear(base.in_features, rank, bias=False)
+        self.up = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.normal_(self.up.weight)
+
+    def forward(self, x):
+        return self.base(x) + self.up(self.down(x))
+
+
+class Double(nn.Module):
+    def forward(self, weight):
+        return weight * 2
+
+
+def _hooked(layer):
+    layer.key.register_forward_hook(lambda module, args, output: output * 3)
+    return layer
+
+
+def _parametrized(layer):
+    nn.utils.parametrize.register_parametrization(layer.value, "weight", Double())
+    return layer
+
+
+def _lora(layer):
+    layer.query = LoRA(layer.query)
+    return layer
+
+
+def _quantized(layer):
+    return torch.ao.quantization.quantize_dynamic(layer, {nn.Linear}, dtype=torch.qint8)
+
+
+@pytest.mark.parametrize("change", [_hooked, _parametrized, _lora, _quantized], ids=lambda f: f.__name__[1:])
+@pytest.mark.parametrize("return_attention", [False, True])
+def test_changed_projections_act_in_self_attention_as_in_cross_attention(change, return_attention, monkeypatch):
+    """Regression (the issue): self-attention concatenated the weights of `query`, `key` and
+    `value` and skipped a hook, a parametrization, a LoRA wrapper or a quantized module. (A
+    parametrized weight read through `.weight` happens to be right when concatenated, but only
+    the modules themselves know what they compute: they are called.)"""
+    layer = _layer(**VARIANTS["bias_qkv"])
+    x = _randn(B, T, E, seed=28)
+    with torch.no_grad():
+        plain = layer(x, return_attention=return_attention)
+        changed = change(layer)
+        monkeypatch.setattr(MultiHeadAttention, "_project_fused", None)  # never reached with a changed projection
+        self_attention = changed(x, return_attention=return_attention)
+        cross_attention = changed(x, x.clone(), x.clone(), return_attention=return_attention)
+    first = (lambda r: r[0]) if return_attention else (lambda r: r)
+    torch.testing.assert_close(self_attention, cross_attention, atol=0, rtol=0)
+    assert not torch.allclose(first(self_attention), first(plain), atol=1e-3)  # the change does change the result
+
+
+def test_global_hooks_switch_off_the_fused_projection():
+    layer = _layer()
+    x = _randn(B, T, E, seed=29)
+    seen = []
+    handle = nn.modules.module.register_module_forward_hook(lambda module, args, output: seen.append(module))
+    try:
+        layer(x)
+    finally:
+        handle.remove()
+    assert {id(layer.query), id(layer.key), id(layer.value)} <= {id(m) for m in seen}
+
+
+def test_plain_layer_still_fuses(monkeypatch):
+    calls = []
+    real = MultiHeadAttention._project_fused
+    monkeypatch.setattr(MultiHeadAttention, "_project_fused", lambda self, x: calls.append(1) or real(self, x))
+    _layer(**VARIANTS["bias_output_only"])(_randn(B, T, E, seed=30))
+    assert calls == [1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights, repr, interop.
+
+
+@pytest.mark.parametrize("variant", ["everything", "qk_norm_all", "bias_output_only"])
+def test_portable_weights_and_state_dict_hold_the_variants(variant):
+    layer = _layer(**VARIANTS[variant])
+    weights = layer.export_weights()
+    assert list(weights) == list(layer.weight_shapes())
+    assert {name: w.shape for name, w in weights.items()} == layer.weight_shapes()
+    other = MultiHeadAttention(E, N, num_kv_heads=K, head_dim=H, **VARIANTS[variant])
+    other.import_weights(weights)
+    x, _, _ = _inputs()
+    torch.testing.assert_close(other(x), layer(x), atol=0, rtol=0)
+    names = set(layer.state_dict())
+    for name in ("query_norm", "key_norm", "sinks"):
+        assert (name in names) == (name in weights)
+
+
+def test_weight_shapes_order_and_names():
+    layer = MultiHeadAttention(E, N, num_kv_heads=K, head_dim=H, bias=("key", "query"), qk_norm="all", sinks=True)
+    assert layer.bias == ("query", "key")
+    assert layer.weight_shapes() == {
+        "query_kernel": (E, N * H), "query_bias": (N * H,), "key_kernel": (E, K * H), "key_bias": (K * H,),
+        "value_kernel": (E, K * H), "output_kernel": (N * H, E), "query_norm": (N * H,), "key_norm": (K * H,),
+        "sinks": (N,),
+    }  # fmt: skip
+    assert layer.value.bias is None and layer.output.bias is None
+    assert layer.sinks.detach().eq(0).all() and layer.query_norm.detach().eq(1).all()
+
+
+def test_repr_names_the_variants():
+    text = _layer(**VARIANTS["everything"]).extra_repr()
+    for part in (
+        "bias=['query', 'key', 'value']", "softcap=3.0", "window=4", "rope_theta=500.0", "rope_fraction=0.75",
+        "qk_norm='head'", "sinks=True",
+    ):  # fmt: skip
+        assert part in text
+    assert text.count("bias=") == 1
+    assert "bias=True" in _layer().extra_repr() and "softcap" not in _layer().extra_repr()
+
+
+def test_unbatched_inputs_with_the_new_call_arguments():
+    layer = _layer(**VARIANTS["everything"])
+    x, y = _randn(T, E, seed=38), _randn(T, E, seed=39)
+    key_mask, positions = torch.tensor([True, True, False, True, True, True]), torch.arange(T) + 3
+    bias = _randn(1, N, T, T, seed=40)  # masks keep their batched shapes, with B = 1
+    output, weights = layer(x, y, key_mask=key_mask, attention_bias=bias, positions=positions, return_attention=True)
+    expected = layer(x[None], y[None], key_mask=key_mask[None], attention_bias=bias, positions=positions,
+                     return_attention=True)  # fmt: skip
+    assert output.shape == (T, E) and weights.shape == (N, T, T)
+    torch.testing.assert_close(output, expected[0][0], atol=0, rtol=0)
+    torch.testing.assert_close(weights, expected[1][0], atol=0, rtol=0)
+
+
+def test_torch_export_of_a_decoding_step_with_every_variant():
+    layer = _layer(**VARIANTS["everything"])
+    x = _randn(2, 3, E, seed=41)
+    key_mask = torch.tensor([[False, True, True], [True, True, True]])
+
+    class Step(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = layer
+
+        def forward(self, x, key_mask, key, value, keep, index):
+            output, cache = self.attention(x, key_mask=key_mask, causal=True, cache=KVCache(key, value, keep, index))
+            return output, cache.index
+
+    with torch.no_grad():
+        program = torch.export.export(Step(), (x, key_mask, *layer.init_cache(2, 8)))
+        cache = layer.init_cache(2, 8)
+        output, index = program.module()(x, key_mask, *cache)
+        expected = layer(x, key_mask=key_mask, causal=True)
+    torch.testing.assert_close(output, expected, atol=OUTPUT_TOL, rtol=0)
+    assert int(index) == 3 and torch.equal(cache.keep[:, :3], key_mask)  # written in place
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        ({"bias": ("query", "key", "value")}, r"bias=\['query', 'key', 'value'\]"),
+        ({"rope_theta": 10000.0}, r"rope_theta=10000\.0"),
+        ({"qk_norm": "head"}, r"qk_norm='head'"),
+        ({"sinks": True}, r"sinks=True"),
+        ({"softcap": 30.0, "window": 8}, r"softcap=30\.0, window=8"),
+        ({"scale": 1.0}, r"scale=1\.0"),
+    ],
+)
+def test_to_torch_refuses_the_variants_it_cannot_hold(config, named):
+    with pytest.raises(ValueError, match=r"`torch.nn.MultiheadAttention` cannot hold .*Received: " + named):
+        MultiHeadAttention(16, 4, **config).to_torch()
+    MultiHeadAttention(16, 4, scale=0.5).to_torch()  # 1 / sqrt(4): the default, held
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors (exact texts from the shared API) and the refused traps.
+
+CONSTRUCTOR_ERRORS = {
+    "bias_string": ({"bias": "query"}, r"`bias` must be True, False or a collection of 'query', 'key', 'value', 'output'\. Received: bias='query'"),
+    "bias_unknown": ({"bias": ["gate"]}, r"Received: bias=\['gate'\]"),
+    "scale": ({"scale": 0}, r"`scale` must be a positive float\. Received: scale=0"),
+    "softcap": ({"softcap": -1.0}, r"`softcap` must be None or a positive float\. Received: softcap=-1\.0"),
+    "window": ({"window": 0}, r"`window` must be a positive integer\. Received: window=0"),
+    "rope_theta": ({"rope_theta": "big"}, r"`rope_theta` must be None or a positive float\. Received: rope_theta='big'"),
+    "rope_fraction_odd": ({"rope_theta": 10.0, "rope_fraction": 0.375}, re.escape("`rope_fraction` must be in (0, 1] and rotate an even number R = int(head_dim * rope_fraction) >= 2 of features. Received: rope_fraction=0.375, head_dim=8")),
+    "rope_fraction_above_one": ({"rope_theta": 10.0, "rope_fraction": 1.5}, r"Received: rope_fraction=1\.5, head_dim=8"),
+    "rope_scaling_type": ({"rope_theta": 10.0, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, r"`rope_scaling` must be None or a dict whose rope_type is 'linear' or 'llama3', with its parameters\. Received: rope_scaling=\{'rope_type': 'yarn'"),
+    "rope_scaling_missing": ({"rope_theta": 10.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"Received: rope_scaling=\{'rope_type': 'llama3', 'factor': 8\.0\}"),
+    "qk_norm": ({"qk_norm": "layer"}, r"`qk_norm` must be None, 'head' or 'all'\. Received: qk_norm='layer'"),
+    "qk_norm_eps": ({"qk_norm_eps": 0.0}, r"`qk_norm_eps` must be a positive float\. Received: qk_norm_eps=0\.0"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(CONSTRUCTOR_ERRORS))
+def test_constructor_errors(name):
+    config, pattern = CONSTRUCTOR_ERRORS[name]
+    with pytest.raises(ValueError, match=pattern):
+        MultiHeadAttention(E, N, head_dim=H, **config)
+
+
+X = _randn(2, 3, E, seed=31)
+Y = _randn(2, 5, E, seed=32)
+CALL_ERRORS = {
+    "positions_without_rope": ({}, {"query": X, "positions": torch.arange(3)}, r"`positions` needs RoPE: construct the layer with `rope_theta`\. Received: positions with rope_theta=None"),
+    "positions_shape": ({"rope_theta": 10.0}, {"query": X, "positions": torch.arange(4)}, r"`positions` must be an integer tensor of shape \(B, T\) or \(T,\) with B=2, T=3\. Received: positions\.shape=\(4,\), positions\.dtype=int64"),
+    "positions_float": ({"rope_theta": 10.0}, {"query": X, "positions": torch.zeros(2, 3)}, r"Received: positions\.shape=\(2, 3\), positions\.dtype=float32"),
+    "rope_cross_lengths": ({"rope_theta": 10.0}, {"query": X, "key": Y}, r"RoPE needs `key` and `value` to hold the query's own tokens \(S == T, or decoding with `cache`\)\. Received: query\.shape=\(2, 3, 16\), key\.shape=\(2, 5, 16\)"),
+    "mixed_dtypes": ({}, {"query": X, "key": Y.double(), "value": Y}, r"`query`, `key` and `value` must have the same dtype\. Received: query\.dtype=float32, key\.dtype=float64, value\.dtype=float32"),
+    "key_mask_shape": ({}, {"query": X, "key": Y, "key_mask": torch.ones(2, 3, dtype=torch.bool)}, r"`key_mask` must be a boolean tensor of shape \(B, S\)=\(2, 5\)\. Received: key_mask\.shape=\(2, 3\), key_mask\.dtype=bool"),
+    "key_mask_dtype": ({}, {"query": X, "key": Y, "key_mask": torch.ones(2, 5)}, r"Received: key_mask\.shape=\(2, 5\), key_mask\.dtype=float32"),
+    "query_mask_shape": ({}, {"query": X, "query_mask": torch.ones(3, dtype=torch.bool)}, r"`query_mask` must be a boolean tensor of shape \(B, T\)=\(2, 3\)\. Received: query_mask\.shape=\(3,\), query_mask\.dtype=bool"),
+    "attention_bias_bool": ({}, {"query": X, "attention_bias": torch.ones(3, 3, dtype=torch.bool)}, r"`attention_bias` must be floating\. Received: attention_bias\.dtype=bool"),
+    "attention_bias_shape": ({}, {"query": X, "key": Y, "attention_bias": torch.ones(3, 4)}, r"`attention_bias` must broadcast to \(B, N, T, S\) .* Expected: \(B, N, T, S\)=\(2, 4, 3, 5\)\. Received: attention_bias\.shape=\(3, 4\)"),
+    "mask_2d_b_equals_t": ({}, {"query": _randn(3, 3, E), "key": Y[:1].expand(3, 5, E), "attention_mask": torch.ones(3, 5, dtype=torch.bool)}, re.escape("A 2-D `attention_mask` is read as (T, S), but with B == T it could be a (B, S) key padding mask: pass `key_mask=mask` for that, or a (1, T, S) mask (`mask[None]`) for a (T, S) one. Received: attention_mask.shape=(3, 5), B=T=3")),
+    "mask_all_false": ({}, {"query": X, "attention_mask": torch.zeros(2, 3, 3, dtype=torch.bool)}, re.escape("`attention_mask` keeps no key for any query: True means attend (in nn.MultiheadAttention True means ignore: pass `~mask`). Received: a boolean attention_mask that is False everywhere")),
+    "key_mask_all_false": ({}, {"query": X, "key_mask": torch.zeros(2, 3, dtype=torch.bool)}, r"`key_mask` keeps no key for any query: .* Received: a boolean key_mask that is False everywhere"),
+    "mask_zero_one_float": ({}, {"query": X, "attention_mask": torch.tensor([[1.0, 1.0, 0.0]])[:, None].expand(2, 3, 3)}, re.escape("`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras reads such a mask as boolean): pass `mask > 0` (True = attend) or an additive mask. Received: a floating attention_mask of 0s and 1s")),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(CALL_ERRORS))
+def test_call_errors(name):
+    config, call, pattern = CALL_ERRORS[name]
+    layer = MultiHeadAttention(E, N, head_dim=H, **config)
+    with pytest.raises(ValueError, match=pattern):
+        layer(**call)
+
+
+def test_traps_that_are_not_traps_pass():
+    layer = _layer()
+    x = _randn(3, 3, E, seed=33)
+    layer(x, attention_mask=torch.ones(1, 3, dtype=torch.bool))  # (1, S): no ambiguity
+    layer(x, attention_mask=torch.zeros(3, 3, 3))  # a float mask of only 0s adds nothing: no 1 in it
+    layer(x[:2], attention_mask=torch.ones(3, 3, dtype=torch.bool))  # B != T
+    layer(x, attention_mask=torch.tensor([[0.0, 1.0, 0.5]]).expand(3, 3)[None])  # not only 0s and 1s
+
+
+def test_value_traps_are_not_read_while_compiling():
+    layer = _layer()
+    x = _randn(2, 3, E, seed=34)
+    compiled = torch.compile(lambda x, m: layer(x, attention_mask=m), fullgraph=True, backend="aot_eager")
+    output = compiled(x, torch.zeros(2, 3, 3, dtype=torch.bool))  # no graph break to read the values
+    torch.testing.assert_close(output, layer.output.bias.detach().expand(2, 3, E), atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Regressions of the floating mask rule.
+
+
+def test_regression_float64_mask_minus_1e300_gave_nan_on_the_explicit_path():
+    """-1e300 is above float64's lowest, so it was added, cast to float32 as -inf: NaN on rows it filled."""
+    layer = _layer()
+    x = _randn(2, 4, E, seed=35)
+    mask = torch.zeros(2, 4, 4, dtype=torch.float64)
+    mask[:, :, 1] = -1e300
+    mask[0, 2] = -1e300  # a row with no key left
+    for return_attention in (False, True):
+        result = layer(x, attention_mask=mask, return_attention=return_attention)
+        output = result[0] if return_attention else result
+        assert torch.isfinite(output).all()
+        torch.testing.assert_close(output[0, 2], layer.output.bias.detach(), atol=0, rtol=0)
+        if return_attention:
+            assert (result[1][..., 1] == 0).all() and (result[1][0, :, 2] == 0).all()
+
+
+def test_regression_float64_mask_holding_float32_lowest_removes_the_key():
+    """transformers builds masks with float32's lowest; in a float64 NumPy mask that value was
+    above the float64 threshold and was added as a finite penalty instead of removing the key."""
+    layer = _layer()
+    x = _randn(2, 4, E, seed=36)
+    lowest = torch.finfo(torch.float32).min
+    mask = torch.zeros(2, 4, 4, dtype=torch.float64)
+    mask[:, :, 3] = lowest
+    mask[1, 0] = lowest  # query 0 of batch 1 keeps no key
+    _, weights = layer(x, attention_mask=mask, return_attention=True)
+    assert (weights[..., 3] == 0).all() and (weights[1, :, 0] == 0).all()
+    output = layer(x, attention_mask=mask)
+    torch.testing.assert_close(output[1, 0], layer.output.bias.detach(), atol=0, rtol=0)
+    torch.testing.assert_close(output, layer(x, attention_mask=mask > lowest), atol=OUTPUT_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_regression_float16_layer_float32_mask_minus_1e9_differed_between_sdpa_and_explicit(dtype):
+    """SDPA took the mask cast to q's dtype, where -1e9 is -inf: a row of only -1e9 penalties was
+    NaN there and an ordinary softmax on the explicit path. Now -1e9 is a finite penalty on both
+    paths, and a row of only penalties an ordinary softmax (the float32 layer's numbers)."""
+    reference_layer = _layer()
+    layer = MultiHeadAttention(E, N, num_kv_heads=K, head_dim=H, dtype=dtype).eval()
+    layer.import_weights(reference_layer.export_weights())
+    x = _randn(2, 4, E, seed=37)
+    mask = torch.zeros(2, 4, 4)
+    mask[:, :, 0] = -1e9  # a penalty on key 0
+    mask[0, 1] = -1e9  # query 1 of batch 0: only penalties
+    expected = reference_layer(x, attention_mask=mask)
+    sdpa = layer(x.to(dtype), attention_mask=mask)
+    explicit, weights = layer(x.to(dtype), attention_mask=mask, return_attention=True)
+    tol = TOLERANCES[str(dtype).removeprefix("torch.")]["output"]
+    for output in (sdpa, explicit):
+        assert torch.isfinite(output).all()
+        torch.testing.assert_close(output.float(), expected, atol=tol, rtol=0)
+    torch.testing.assert_close(sdpa.float(), explicit.float(), atol=2 * tol, rtol=0)
+    assert (weights[1, ..., 0] == 0).all() and (weights[0, :, 1] > 0).all()
+
+
+@pytest.mark.parametrize("path", ["sdpa", "explicit", "inference"])
+def test_a_row_of_only_penalties_among_its_kept_keys_is_an_ordinary_softmax(path):
+    """-1e9 on every key a query keeps (the causal rule removes the others, which hold 0): in
+    float32, scores + -1e9 round to multiples of 64 unless the row is shifted by its largest
+    kept value first (a per-query constant, which does not change a softmax)."""
+    layer = _layer()
+    x = _randn(2, 4, E, seed=43)
+    mask = torch.zeros(2, 4, 4)
+    mask[0, 2, :3] = -1e9  # query 2 of batch 0 keeps keys 0..2 (causal), all penalised
+    output, weights = _call(layer, path, x, attention_mask=mask, causal=True)
+    expected, expected_weights = reference(layer, x, bias=mask[:, None].double(), causal=True)
+    torch.testing.assert_close(output.double(), expected, atol=OUTPUT_TOL, rtol=0)
+    if weights is not None:
+        torch.testing.assert_close(weights.double(), expected_weights, atol=WEIGHTS_TOL, rtol=0)
