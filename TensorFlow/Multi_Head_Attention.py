@@ -529,6 +529,21 @@ def _soft_cap(scores, softcap):
     return softcap * capped, capped
 
 
+def _added(bias, keep, sinks, dtype):
+    """The floating mask and bias, in the softmax's dtype, to add to the scores. Without sinks a
+    per-query constant does not change a softmax, so each row's largest kept value is taken off
+    first: a row of only large finite penalties (-1e9) stays an ordinary softmax instead of
+    scores rounded away in float32 (rows keeping nothing: unchanged)."""
+    if bias is None:
+        return None
+    bias = tf.cast(bias, dtype)
+    if keep is None or sinks is not None or bias.shape[-1] == 0:
+        return bias
+    lowest = tf.constant(dtype.min, dtype)
+    top = tf.reduce_max(tf.where(keep, bias, lowest), axis=-1, keepdims=True)  # (B, N, T, 1), dims may be 1
+    return bias - tf.where(top == lowest, tf.zeros_like(top), top)  # (B, N, T, S), dims may be 1
+
+
 def _softmax(scores, keep, sinks):
     """Softmax over the last axis of (B, N, T, S) scores, in their dtype: keys not kept removed
     (filled with the lowest finite value), one sink logit per head (N,) in the denominator (a
@@ -580,7 +595,8 @@ def dot_product_attention(
     q = q * tf.cast(scale, q.dtype)  # scale the (B, N, T, H) queries, not the scores
     scores = tf.cast(tf.matmul(q, k, transpose_b=True), dtype)  # (B, N, T, S)
     scores, _ = _soft_cap(scores, softcap)
-    scores = scores if bias is None else scores + tf.cast(bias, dtype)  # (B, N, T, S)
+    bias = _added(bias, keep, sinks, dtype)
+    scores = scores if bias is None else scores + bias  # (B, N, T, S)
     weights = tf.cast(_softmax(scores, keep, sinks), q.dtype)  # (B, N, T, S)
     dropped = weights if dropout is None else dropout(weights)
     context = tf.matmul(dropped, v)  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
@@ -676,11 +692,11 @@ def _memory_efficient_attention(
         q_i = _rows(q, start, chunk)  # (B, N, chunk, H)
         scores = tf.cast(by_head(tf.matmul(grouped(q_i), k, transpose_b=True)), dtype)  # (B, N, chunk, S)
         scores, capped = _soft_cap(scores, softcap)
-        bias_i = _chunk_rows(extra.get("attention_bias"), start, chunk)
-        for added in (_chunk_rows(bias, start, chunk), bias_i):
-            scores = scores if added is None else scores + tf.cast(added, dtype)
         positions = start + tf.range(chunk) + (s - t)  # (chunk,)
         keep_i = _and(_chunk_rows(keep, start, chunk), _position_keep(positions, s, causal, window))
+        bias_i = _chunk_rows(extra.get("attention_bias"), start, chunk)
+        added = _added(_add(_chunk_rows(bias, start, chunk), bias_i), keep_i, extra.get("sinks"), dtype)
+        scores = scores if added is None else scores + added  # (B, N, chunk, S)
         return q_i, _softmax(scores, keep_i, extra.get("sinks")), capped, bias_i
 
     def dropped(weights, i):

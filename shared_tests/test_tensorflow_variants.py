@@ -379,6 +379,22 @@ def test_regression_float32_mask_on_mixed_float16_stays_a_finite_penalty():
     _close(output, expected, MIXED_TOL["mixed_float16"])
     _close(weights, expected_w, MIXED_TOL["mixed_float16"])
     assert (weights.numpy()[0, :, 1] > 0).all()  # penalised, not removed: Keras' cast made it -inf, a row with no key
+    unmasked = reference(X, return_attention=True)[1][0, :, 1]  # a per-row constant: the same softmax
+    _close(weights[0, :, 1], unmasked, MIXED_TOL["mixed_float16"])
+
+
+@pytest.mark.parametrize("threshold", [1 << 26, 0], ids=["explicit", "memory_efficient"])
+def test_a_row_of_large_penalties_is_an_ordinary_softmax_in_float32(threshold):
+    """-1e9 + a score is -1e9 in float32 (its spacing there is 64): each row's largest kept mask
+    value is taken off first, so the scores are not rounded away."""
+    layer = _layer({})
+    layer.memory_efficient_threshold = threshold
+    mask = np.zeros((B, T, T), np.float32)
+    mask[0, 1] = -1e9
+    mask[1, 2, 1:] = -1e9 + np.arange(4)  # and -1e9 beside -1e9 + 3
+    got = layer(X, attention_mask=mask, causal=False)
+    expected, _ = np_layer(layer, X.astype(np.float64), attention_bias=mask.astype(np.float64)[:, None])
+    _close(got, expected, OUTPUT_TOL)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
