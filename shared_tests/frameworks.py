@@ -44,13 +44,19 @@ def _inputs(data):
     return [data[name] for name in INPUTS if data[name] is not None]
 
 
+def by_name(args):
+    """(query,) and {"key": ..., "value": ...} from [query] or [query, key, value]: key and value
+    go by name, as the TensorFlow layer asks (Keras' built-in is called (query, value, key))."""
+    return args[:1], dict(zip(INPUTS[1:], args[1:], strict=False))
+
+
 def run_numpy(case, data):
     from NumPy import MultiHeadAttention
 
     layer = MultiHeadAttention(**case.config)
     layer.import_weights(data["weights"])
-    args = [x.astype(np.float64) for x in _inputs(data)]
-    output, weights = layer(*args, **call_inputs(data), causal=case.causal, return_attention=True)
+    query, kv = by_name([x.astype(np.float64) for x in _inputs(data)])
+    output, weights = layer(*query, **kv, **call_inputs(data), causal=case.causal, return_attention=True)
     return Result(output, weights, layer.backward(data["grad_output"].astype(np.float64)))
 
 
@@ -96,7 +102,8 @@ def run_torch(case, data, path, layer_class=None):
     layer = make_torch_layer(case, data, layer_class)
     args, kwargs = _torch_inputs(case, data, requires_grad=True)
     explicit = path == "torch:explicit"
-    result = layer(*args, **kwargs, causal=case.causal, return_attention=explicit)
+    query, kv = by_name(args)
+    result = layer(*query, **kv, **kwargs, causal=case.causal, return_attention=explicit)
     output, weights = result if explicit else (result, None)
     grads = None
     if case.tolerance["grads"] is not None:
@@ -120,7 +127,8 @@ def run_torch_inference(case, data, layer_class=None):
     layer = make_torch_layer(case, data, layer_class)
     args, kwargs = _torch_inputs(case, data)
     with torch.no_grad(), mock.patch.object(Multi_Head_Attention, "_BLOCK_SCORES", INFERENCE_BLOCK_SCORES):
-        output, weights = layer(*args, **kwargs, causal=case.causal, return_attention=True)
+        query, kv = by_name(args)
+        output, weights = layer(*query, **kv, **kwargs, causal=case.causal, return_attention=True)
     return Result(_numpy(output), _numpy(weights), None)
 
 
@@ -159,13 +167,14 @@ def run_tensorflow(case, data, path, layer_class=None):
     args = [tf.constant(x, dtype=case.dtype) for x in _inputs(data)]
     kwargs = {name: tf.constant(x) for name, x in call_inputs(data).items()}
     bias = kwargs.pop("attention_bias", None)
-    variables = [getattr(layer, name) for name in layer.weight_shapes()]
+    variables = [layer._variable(name) for name in layer.weight_shapes()]
 
     def forward_and_grads(args, bias):
         with tf.GradientTape() as tape:
             tape.watch([*args, *([] if bias is None else [bias])])
             given = kwargs if bias is None else {**kwargs, "attention_bias": bias}
-            result = layer(*args, **given, causal=case.causal, return_attention=weighted)
+            query, kv = by_name(args)
+            result = layer(*query, **kv, **given, causal=case.causal, return_attention=weighted)
             output, weights = result if weighted else (result, None)
             loss = tf.reduce_sum(tf.cast(output, tf.float32) * data["grad_output"])
         sources = [*args, *([] if bias is None else [bias]), *variables]

@@ -60,7 +60,7 @@ def test_implicit_masks_of_query_key_and_value():
 
 def test_inputs_are_cast_to_the_compute_dtype():
     layer = MultiHeadAttention(16, 4)
-    _close(layer(X, Y.astype(np.float64)), layer(X, Y))
+    _close(layer(X.astype(np.float64), Y.astype(np.float64)), layer(X, Y))
 
 
 def test_from_and_to_the_legacy_built_in():

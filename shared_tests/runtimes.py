@@ -66,10 +66,10 @@ def _arrays(case, data):
 
 
 def _call(layer, names, args, case, return_attention):
-    """The layer called on exported inputs: query, key and value by position, the rest by name."""
+    """The layer called on exported inputs: the query by position, the rest by name."""
     inputs = dict(zip(names, args, strict=True))
     kwargs = {name: inputs.pop(name) for name in CALL_INPUTS if name in inputs}
-    return layer(*inputs.values(), **kwargs, causal=case.causal, return_attention=return_attention)
+    return layer(inputs.pop("query"), **inputs, **kwargs, causal=case.causal, return_attention=return_attention)
 
 
 def _quietly(fn):

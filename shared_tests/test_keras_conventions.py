@@ -341,7 +341,7 @@ def test_group_query_attention_round_trips_with_other_key_and_value_widths(kdim,
         got, got_w = keras_layer(X, value, key, return_attention_scores=True)
         np.testing.assert_allclose(got, expected, atol=OUTPUT_TOL, rtol=0)
         np.testing.assert_allclose(got_w, expected_w, atol=WEIGHTS_TOL, rtol=0)
-    output, weights = layer(X, key, value, return_attention=True)
+    output, weights = layer(X, key=key, value=value, return_attention=True)
     np.testing.assert_allclose(output, expected, atol=OUTPUT_TOL, rtol=0)
     np.testing.assert_allclose(weights, expected_w, atol=WEIGHTS_TOL, rtol=0)
     for name, array in layer.export_weights().items():

@@ -59,5 +59,5 @@ def test_moved_weights_give_the_same_numbers(tmp_path):
     rng = np.random.default_rng(0)
     x, k, v = rng.normal(size=(2, 3, 16)), rng.normal(size=(2, 4, 5)), rng.normal(size=(2, 4, 7))
     expected = source(*(torch.tensor(a, dtype=torch.float32) for a in (x, k, v))).detach().numpy()
-    got = target(*(tf.constant(a, tf.float32) for a in (x, k, v))).numpy()
+    got = target(tf.constant(x, tf.float32), key=tf.constant(k, tf.float32), value=tf.constant(v, tf.float32)).numpy()
     np.testing.assert_allclose(got, expected, atol=TOLERANCES["float32"]["output"], rtol=0)
