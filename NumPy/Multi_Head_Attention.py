@@ -6,36 +6,42 @@ contract in docs/SPEC.md step by step, one operation per line, so a student can 
 Legend (every shape comment in this file uses these letters):
     B: batch size          T: query length        S: key/value length
     E: d_model             N: num_heads           K: num_kv_heads
-    H: head_dim            L: slots of a KV cache R: rotated features of a head (RoPE)
+    H: head_dim            L: slots of a KV cache (its maximum length)
+    R: the features of a head that RoPE rotates
 
 The math, for query head n (which reads key/value head n // (N // K)):
     q = query @ query_kernel + query_bias                       (B, T, N*H)
     k = key @ key_kernel + key_bias                             (B, S, K*H)
     v = value @ value_kernel + value_bias                       (B, S, K*H)
-    q, k = rope(rms_norm(q), positions), rope(rms_norm(k))      only with qk_norm / rope_theta
-    scores[n] = q[n] @ k[n // G]^T * scale                      (B, N, T, S), G = N // K
-    scores = softcap * tanh(scores / softcap)                   only with softcap
-    scores = scores + attention_bias + float_mask               (B, N, T, S)
+    scores[n] = q[n] @ k[n // G]^T * scale + float_mask         (B, N, T, S), G = N // K
     weights = softmax(scores where kept, else lowest finite)    zeroed where not kept
-              (with sinks, exp(sinks[n]) joins the denominator)
     context[n] = weights[n] @ v[n // G]                         (B, N, T, H)
     output = concat_heads(context) @ output_kernel + output_bias
 
-Masks: a boolean `attention_mask` is True where a query may attend a key; a floating one is
-added to the scores (-inf, or a value at or below float32's lowest, removes a key). `key_mask`
-(B, S) and `query_mask` (B, T) are True for real tokens. `causal=True` keeps key s for query t
-iff s <= t + (S - T); a `window` W keeps it only if s > t + (S - T) - W. A query row with no
-key left gets weights of exactly 0, so its output is `output_bias`. Example, a key padding
-mask for keys [a, b, <pad>]:
-    keep = np.array([[True, True, False]])           # (B, S)
-    layer(x, key_mask=keep)                           # the same as attention_mask=keep[:, None, :]
+Variants, each off by default and each one small step of the call (docs/SPEC.md, "Order of
+the steps"): `bias` per projection, `scale` (default 1 / sqrt(H)), `softcap` (scores become
+c * tanh(scores / c)), `window` (query t keeps key s only if s > t + (S - T) - W), RoPE
+(`rope_theta`, `rope_fraction`, `rope_interleaved`, `rope_scaling`; `positions` in the call),
+`qk_norm` (RMSNorm of q and k per head or over all heads) and `sinks` (a learned logit per
+head in the softmax's denominator). Call arguments `attention_bias` (added to the scores, with
+a gradient; see `alibi_bias`), `key_mask` (B, S) and `query_mask` (B, T).
 
-Decoding with a KV cache: `cache = layer.init_cache(B, L)`, then
-`output, cache = layer(x, cache=cache)` for a prompt (T > 1) and then one token at a time
-(T = 1). The keys and values of the T new tokens are written to slots [index, index + T), and
-query t attends slot s iff s < index + T, keep[b, s], (not causal or s <= index + t), (no
-window or s > index + t - W) and `attention_mask` (given over L) keeps it. Token-by-token
-equals the full causal pass. The reference copies the cache: the one passed in is left unchanged.
+Masks: a boolean `attention_mask` is True where a query may attend a key; a floating one is
+added to the scores, read in its own dtype: a value at or below the lowest finite value of its
+dtype or of float32 (whichever is higher), or -inf, removes a key; every other value is added.
+`causal=True` keeps key s for query t iff s <= t + (S - T). A query row with no key left gets
+weights of exactly 0, so its output is `output_bias`. Example, a key padding mask for keys
+[a, b, <pad>]:
+    keep = np.array([[True, True, False]])           # (B, S)
+    layer(x, key_mask=keep)                           # or attention_mask=keep[:, None, :]
+
+Decoding with a KV cache: `cache = layer.init_cache(B, L)`, then `output, cache = layer(x,
+cache=cache)` for a prompt (T > 1) and then one token at a time (T = 1). The keys (rotated by
+RoPE) and values of the T new tokens are written to slots [index, index + T), and query t
+attends slot s iff s < index + T, keep[b, s], (not causal or s <= index + t), (no window or
+s > index + t - window) and `attention_mask` (given over L) keeps it. Token-by-token equals the
+full causal pass. The reference copies the cache (the one passed in is left unchanged), and
+`key_mask` is ANDed into the new cache's `keep`.
 
 The reference has no dropout: `dropout` must be 0.
 """

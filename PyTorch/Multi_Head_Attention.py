@@ -1120,9 +1120,10 @@ class MultiHeadAttention(nn.Module):
             k, positions, inv_freq, self.rope_interleaved
         )
 
-    def _check_local_heads(self, q, k, attention_mask):
+    def _check_local_heads(self, q, k, attention_mask, attention_bias):
         """Tensor parallelism: this rank's query and key/value heads must keep the N : K grouping,
-        and a per-head (B, N, T, S) mask cannot be split with them."""
+        and neither a per-head (B, N, T, S) mask or bias nor the variants that hold numbers of
+        every head (sinks, QK-norm over all heads) can be split with them."""
         local, local_kv = q.shape[1], k.shape[1]
         if (local, local_kv) == (self.num_heads, self.num_kv_heads):
             return
@@ -1132,11 +1133,18 @@ class MultiHeadAttention(nn.Module):
                 f"number of ranks. Received: num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"{local} query and {local_kv} key/value heads on this rank"
             )
-        if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] != 1:
+        for name, mask in (("attention_mask", attention_mask), ("attention_bias", attention_bias)):
+            if mask is not None and mask.dim() == 4 and mask.shape[1] != 1:
+                raise ValueError(
+                    f"A per-head `{name}` (B, N, T, S) cannot be used with heads split across tensor-parallel "
+                    f"ranks ({local} of {self.num_heads} heads on this rank); pass (T, S), (B, T, S) or (B, 1, T, S). "
+                    f"Received: {name}.shape={tuple(mask.shape)}"
+                )
+        if self.sinks is not None or self.qk_norm == "all":
             raise ValueError(
-                "A per-head `attention_mask` (B, N, T, S) cannot be used with heads split across tensor-parallel "
-                f"ranks ({local} of {self.num_heads} heads on this rank); pass (T, S), (B, T, S) or (B, 1, T, S). "
-                f"Received: attention_mask.shape={tuple(attention_mask.shape)}"
+                "`sinks` and `qk_norm='all'` hold numbers of every head and cannot be split across tensor-parallel "
+                f"ranks ({local} of {self.num_heads} heads on this rank). "
+                f"Received: sinks={self.sinks is not None}, qk_norm={self.qk_norm!r}"
             )
 
     def _compute_dtype(self, query):
@@ -1177,7 +1185,7 @@ class MultiHeadAttention(nn.Module):
         )
 
         q, k, v = self._projections(query, key, value, self_attention)
-        self._check_local_heads(q, k, attention_mask)
+        self._check_local_heads(q, k, attention_mask, attention_bias)
         q, k = self._normalize_qk(q, k)  # (B, N, T, H), (B, K, S, H)
         q, k = self._rotate(q, k, positions)  # (B, N, T, H), (B, K, S, H)
         window = self.window

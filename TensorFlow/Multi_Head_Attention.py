@@ -1421,17 +1421,15 @@ class MultiHeadAttention(tf.keras.layers.Layer):
 
 
 def _check_keras_can_hold(layer):
-    """Refuses, naming them, the variants of docs/SPEC.md that the Keras built-ins cannot hold
-    (read with their defaults, so that a layer without one of them passes)."""
-    bias = getattr(layer, "bias", True)
+    """Refuses, naming them, the variants of docs/SPEC.md that the Keras built-ins cannot hold."""
     defaults = {
-        "bias": isinstance(bias, bool) or len(bias) in (0, 4),  # a tuple of names: all four or none
-        "scale": _default_scale(getattr(layer, "scale", None), layer.head_dim),
-        "softcap": getattr(layer, "softcap", None) is None,
-        "window": getattr(layer, "window", None) is None,
-        "rope_theta": getattr(layer, "rope_theta", None) is None,
-        "qk_norm": getattr(layer, "qk_norm", None) is None,
-        "sinks": not getattr(layer, "sinks", False),
+        "bias": len(layer.bias) in (0, 4),  # all four biases or none
+        "scale": math.isclose(layer.scale, 1 / math.sqrt(layer.head_dim)),
+        "softcap": layer.softcap is None,
+        "window": layer.window is None,
+        "rope_theta": layer.rope_theta is None,
+        "qk_norm": layer.qk_norm is None,
+        "sinks": not layer.sinks,
     }
     held = [name for name, plain in defaults.items() if not plain]
     if held:
@@ -1440,10 +1438,6 @@ def _check_keras_can_hold(layer):
             "`to_keras` needs a layer the Keras built-ins can hold: all four biases or none, the default "
             f"scale, and no softcap, window, RoPE, QK-norm or sinks. Received: {received}"
         )
-
-
-def _default_scale(scale, head_dim):
-    return scale is None or math.isclose(scale, 1 / math.sqrt(head_dim))
 
 
 def _group_query_heads(layer):

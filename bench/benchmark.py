@@ -75,6 +75,16 @@ DECODE = [
     Config("decode B=1 L=4096 E=256 N=4", 1, 4096, 256, 4),
 ]
 QUICK_DECODE = [Config("quick decode L=32", 1, 32, 32, 4)]
+# The variants of today's models, each against the plain layer (same sizes, same run): what they cost.
+VARIANTS = {
+    "RoPE": {"rope_theta": 10000.0},
+    "RoPE + QK-norm": {"rope_theta": 10000.0, "qk_norm": "head"},
+    "window 128": {"window": 128},
+    "soft-capping": {"softcap": 50.0},
+    "sinks": {"sinks": True},
+}
+VARIANT_CONFIGS = [CONFIGS[0]]
+VARIANT_MODES = ("forward", "train step")
 LAYERS = {
     "PyTorch": ("PyTorch ours", "nn.MultiheadAttention"),
     "TensorFlow": ("TensorFlow ours", "keras MultiHeadAttention"),
@@ -127,16 +137,17 @@ def tf_matmul_flops(runs):
     return 2 * 2048**3 / median_time(lambda: matmul(a, b).numpy(), runs)
 
 
-def torch_layers(config, device="cpu", dtype=None):
-    """{label: {mode: callable}} for ours and the built-in; None where a mode does not apply."""
+def torch_layers(config, device="cpu", dtype=None, variant=None):
+    """{label: {mode: callable}} for ours (with the constructor arguments `variant`) and, for a
+    plain layer without GQA, the built-in."""
     import torch
 
     from PyTorch import MultiHeadAttention
 
     x = torch.randn(config.b, config.t, config.e, device=device, dtype=dtype)
-    ours = MultiHeadAttention(config.e, config.n, num_kv_heads=config.k, device=device, dtype=dtype)
+    ours = MultiHeadAttention(config.e, config.n, num_kv_heads=config.k, device=device, dtype=dtype, **(variant or {}))
     layers = {"PyTorch ours": ours}
-    if config.k is None:
+    if config.k is None and not variant:
         layers["nn.MultiheadAttention"] = ours.to_torch()
 
     def calls(label, layer):
@@ -164,16 +175,20 @@ def torch_layers(config, device="cpu", dtype=None):
     return {label: calls(label, layer) for label, layer in layers.items()}
 
 
-def tf_layers(config):
+def tf_layers(config, variant=None):
+    """{label: {mode: callable}} for ours (with the constructor arguments `variant`) and, for a
+    plain layer, the Keras built-in."""
     import tensorflow as tf
 
     from TensorFlow import MultiHeadAttention
 
     x = tf.random.normal((config.b, config.t, config.e))
-    ours = MultiHeadAttention(config.e, config.n, num_kv_heads=config.k)
+    ours = MultiHeadAttention(config.e, config.n, num_kv_heads=config.k, **(variant or {}))
     ours.build()
-    builtin = ours.to_keras()
-    layers = {"TensorFlow ours": ours, "keras " + type(builtin).__name__: builtin}
+    layers = {"TensorFlow ours": ours}
+    if not variant:
+        builtin = ours.to_keras()
+        layers["keras " + type(builtin).__name__] = builtin
 
     def calls(label, layer):
         theirs = label.startswith("keras")
@@ -210,6 +225,34 @@ def time_config(config, runs, rounds):
             measured = rounds_of_times({label: calls[mode] for label, calls in layers.items()}, runs, rounds)
             times.update({(framework, label, mode): seconds for label, seconds in measured.items()})
     return times
+
+
+def time_variants(config, runs, rounds):
+    """{(framework, variant, mode): ([plain seconds], [variant seconds]) of each round}: each
+    variant taking turns with the plain layer, run by run."""
+    times = {}
+    for framework, build in (("PyTorch", torch_layers), ("TensorFlow", tf_layers)):
+        plain = next(iter(build(config).values()))
+        for name, variant in VARIANTS.items():
+            changed = next(iter(build(config, variant=variant).values()))
+            for mode in VARIANT_MODES:
+                measured = rounds_of_times({"plain": plain[mode], name: changed[mode]}, runs, rounds)
+                times[(framework, name, mode)] = (measured["plain"], measured[name])
+    return times
+
+
+def variants_table(times, config):
+    lines = [
+        "| configuration | framework | variant | mode | plain (ms) | with the variant (ms) "
+        "| variant / plain (spread) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (framework, name, mode), (plain, changed) in times.items():
+        lines.append(
+            f"| {config.name} | {framework} | {name} | {mode} | {statistics.median(plain) * 1e3:.1f} "
+            f"| {statistics.median(changed) * 1e3:.1f} | {ratio_cell(changed, plain)} |"
+        )
+    return "\n".join(lines)
 
 
 def torch_decode(config):
@@ -397,6 +440,7 @@ def main(argv=None):
     if args.output is None:
         parser.error(f"--quick results are smoke numbers: write them anywhere but {RESULTS}")
     configs, long, decode = (QUICK, QUICK_LONG, QUICK_DECODE) if args.quick else (CONFIGS, LONG, DECODE)
+    variant_config = QUICK[0] if args.quick else VARIANT_CONFIGS[0]
     runs = args.runs or (2 if args.quick else 5)
     flops = {"PyTorch": torch_matmul_flops(runs), "TensorFlow": tf_matmul_flops(runs)}
     times, decode_times = {}, {}
@@ -406,6 +450,8 @@ def main(argv=None):
     for config in decode:
         print(config.name, file=sys.stderr, flush=True)
         decode_times[config.name] = time_decode(config, runs, args.rounds)
+    print(f"variants, {variant_config.name}", file=sys.stderr, flush=True)
+    variant_times = time_variants(variant_config, runs, args.rounds)
     long_results = {}
     for config, mode in long:
         for which in (label for pair in LAYERS.values() for label in pair):
@@ -431,6 +477,14 @@ def main(argv=None):
         "the L tokens (what a decoder without a cache recomputes for every token). Same layer, same rounds.",
         "",
         decode_table(decode_times, decode),
+        "",
+        "## Variants of today's models",
+        "",
+        "Each variant (docs/modern.md) against the same layer without it, taking turns run by run: what it "
+        "costs. PyTorch forward: eval + no_grad, without weights (soft-capping and sinks take the explicit "
+        "softmax, which SDPA cannot express). TensorFlow inside tf.function.",
+        "",
+        variants_table(variant_times, variant_config),
         "",
         "## Long sequences",
         "",

@@ -151,7 +151,7 @@ def _tensor_parallel(mesh, config, options):
 
 
 def _tensor_parallel_errors(mesh):
-    """The two configurations tensor parallelism cannot split: the ValueError messages."""
+    """The configurations tensor parallelism cannot split: the ValueError messages."""
     import torch
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -160,13 +160,16 @@ def _tensor_parallel_errors(mesh):
     messages = {}
     x = torch.randn(2, 5, 8)
     cases = {
-        "per_head_mask": ({"d_model": 8, "num_heads": 4}, torch.ones(2, 4, 5, 5, dtype=torch.bool)),
-        "mqa_on_two_ranks": ({"d_model": 8, "num_heads": 4, "num_kv_heads": 1}, None),
+        "per_head_mask": ({"d_model": 8, "num_heads": 4}, {"attention_mask": torch.ones(2, 4, 5, 5, dtype=torch.bool)}),
+        "per_head_bias": ({"d_model": 8, "num_heads": 4}, {"attention_bias": torch.zeros(1, 4, 5, 5)}),
+        "mqa_on_two_ranks": ({"d_model": 8, "num_heads": 4, "num_kv_heads": 1}, {}),
+        "sinks": ({"d_model": 8, "num_heads": 4, "sinks": True}, {}),
+        "qk_norm_all": ({"d_model": 8, "num_heads": 4, "qk_norm": "all"}, {}),
     }
-    for name, (config, mask) in cases.items():
+    for name, (config, kwargs) in cases.items():
         layer = parallelize_module(MultiHeadAttention(**config), mesh, _tp_plan())
         try:
-            layer(x, attention_mask=mask)
+            layer(x, **kwargs)
             messages[name] = None
         except ValueError as error:
             messages[name] = str(error)

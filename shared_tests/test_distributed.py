@@ -65,6 +65,12 @@ def test_tensor_parallel_refuses_what_it_cannot_split(torch_ranks):
             "A per-head `attention_mask` (B, N, T, S) cannot be used with heads split across tensor-parallel ranks "
             "(2 of 4 heads on this rank)"
         )
+        assert errors["per_head_bias"].startswith("A per-head `attention_bias` (B, N, T, S) cannot be used with heads")
+        for name in ("sinks", "qk_norm_all"):
+            assert errors[name].startswith(
+                "`sinks` and `qk_norm='all'` hold numbers of every head and cannot be split across tensor-parallel "
+                "ranks (2 of 4 heads on this rank)"
+            ), errors[name]
         assert errors["mqa_on_two_ranks"].startswith(
             "Each tensor-parallel rank must hold whole heads: `num_heads` and `num_kv_heads` must be divisible by "
             "the number of ranks. Received: num_heads=4, num_kv_heads=1, head_dim=2, a projection 1 wide on this rank"

@@ -44,6 +44,8 @@ def test_benchmark_quick_writes_results(tmp_path):
     assert "| quick B=2 T=S=32 E=32 N=4 | forward | PyTorch |" in text
     assert "keras MultiHeadAttention" in text and "| quick decode L=32 | TensorFlow |" in text
     assert "| quick B=2 T=S=32 E=32 N=4 | train step | TensorFlow ours |" in text
+    assert "| quick B=2 T=S=32 E=32 N=4 | PyTorch | RoPE | forward |" in text
+    assert "| quick B=2 T=S=32 E=32 N=4 | TensorFlow | sinks | train step |" in text
 
 
 def test_benchmark_quick_never_writes_the_recorded_results(capsys):
@@ -84,3 +86,9 @@ def test_distributed_torch_example_runs_on_two_ranks(mode):
 def test_distributed_keras_example_runs_on_two_replicas():
     out = _run(["examples/distributed_keras.py", "--steps", "10"])
     assert "2 replicas: held-out token accuracy" in out
+
+
+def test_port_llama_example_gives_the_tokens_of_transformers(tmp_path):
+    out = _run(["examples/port_llama.py", "--steps", SMOKE_STEPS, "--out", str(tmp_path)])
+    assert out.count("'Alice was") == 4 and out.count("'The rabbit-hole went") == 4
+    assert "identical tokens in all 4: True" in out
