@@ -222,8 +222,8 @@ def run_keras(out, mix_batch):
     from TensorFlow import MultiHeadAttention
 
     class BatchMixing(MultiHeadAttention):
-        def call(self, *args, **kwargs):
-            output = super().call(*args, **kwargs)
+        def call(self, query, key=None, value=None, **kwargs):  # Keras matches build's *_shape to these
+            output = super().call(query, key, value, **kwargs)
             return output + tf.reduce_mean(output, axis=0, keepdims=True)
 
     def fit():

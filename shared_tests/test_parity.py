@@ -307,13 +307,16 @@ def test_runtimes_run_every_float32_case_and_list_what_they_skip(capsys):
     assert "skipped on tf:litert (TFLite builtin ops have no float16 BatchMatMul" in printed
 
 
-def _old_split_mask(attention_mask, target):
+def _old_split_mask(attention_mask, target, name, dtype):
     """The TensorFlow mask split before this fix: -inf reached tf.where's operand."""
-    mask = tf_file._mask_to_4d(tf_file.tf.convert_to_tensor(attention_mask), target)
+    if attention_mask is None:
+        return None, None
+    mask = tf_file._mask_to_4d(tf_file.tf.convert_to_tensor(attention_mask), target, name)
     if mask.dtype == tf_file.tf.bool:
         return mask, None
     removed = tf_file.tf.math.is_inf(mask) & (mask < 0)
-    return tf_file.tf.logical_not(removed), tf_file.tf.where(removed, tf_file.tf.zeros_like(mask), mask)
+    additive = tf_file.tf.where(removed, tf_file.tf.zeros_like(mask), mask)
+    return tf_file.tf.logical_not(removed), tf_file.tf.cast(additive, dtype)
 
 
 def test_regression_tf2onnx_path_catches_inf_in_where(monkeypatch):

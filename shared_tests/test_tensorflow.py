@@ -490,8 +490,9 @@ def test_memory_efficient_path_exports(path):
 
     case = CASES_BY_NAME["causal_plus_padding"]
     data = make_data(case)
-    inputs = (data["query"], data["key"], data["value"])
-    expected = make_tf_layer(case, data)(*inputs, attention_mask=data["attention_mask"], causal=True)
+    expected = make_tf_layer(case, data)(
+        data["query"], key=data["key"], value=data["value"], attention_mask=data["attention_mask"], causal=True
+    )
 
     def chunked_layer(case, data):
         layer = make_tf_layer(case, data)
