@@ -55,7 +55,6 @@ __all__ = ["KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention
 
 _PROJECTIONS = ("query", "key", "value", "output")
 _ROPE_SCALING = {
-    "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
@@ -86,8 +85,7 @@ def _positive_int(name, value):
 def _positive_float(name, value, *, optional=False):
     if value is None and optional:
         return None
-    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-    if not number or not 0 < value < math.inf:
+    if not _is_positive_number(value):
         raise ValueError(
             f"`{name}` must be {'None or ' if optional else ''}a positive float. Received: {name}={value!r}"
         )
@@ -108,8 +106,7 @@ def _projection_biases(bias):
 
 def _rotary_dim(fraction, head_dim):
     """R = int(head_dim * rope_fraction), checked to be even and at least 2."""
-    number = isinstance(fraction, (int, float, np.integer, np.floating)) and not isinstance(fraction, bool)
-    rotated = int(head_dim * fraction) if number and 0 < fraction <= 1 else 0
+    rotated = int(head_dim * fraction) if _is_positive_number(fraction) and fraction <= 1 else 0
     if rotated < 2 or rotated % 2:
         raise ValueError(
             "`rope_fraction` must be in (0, 1] and rotate an even number R = int(head_dim * rope_fraction) >= 2 of "
@@ -118,12 +115,21 @@ def _rotary_dim(fraction, head_dim):
     return rotated
 
 
+def _is_positive_number(value):
+    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+    return number and 0 < value < math.inf
+
+
 def _rope_scaling(scaling):
-    """Checks `rope_scaling`: None or a dict with a known `rope_type` (or `type`) and its parameters."""
+    """Checks `rope_scaling`: None or a dict whose `rope_type` (or `type`) is 'linear' or 'llama3',
+    with its positive parameters (llama3: high_freq_factor above low_freq_factor)."""
     if scaling is None:
         return None
     kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-    if kind not in _ROPE_SCALING or any(name not in scaling for name in _ROPE_SCALING[kind]):
+    valid = kind in _ROPE_SCALING and all(_is_positive_number(scaling.get(name)) for name in _ROPE_SCALING[kind])
+    if valid and kind == "llama3":
+        valid = scaling["high_freq_factor"] > scaling["low_freq_factor"]
+    if not valid:
         raise ValueError(
             "`rope_scaling` must be None or a dict whose rope_type is 'linear' or 'llama3', with its parameters. "
             f"Received: rope_scaling={scaling!r}"

@@ -132,12 +132,16 @@ def _rotary_dim(rope_fraction, head_dim):
 
 def _check_rope_scaling(scaling):
     """`rope_scaling` as transformers writes it: None, or a dict whose `rope_type` (or `type`) is
-    'linear' or 'llama3', with its positive parameters."""
+    'linear' or 'llama3', with its positive parameters (llama3: high_freq_factor above
+    low_freq_factor)."""
     if scaling is None:
         return None
     kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
     needed = _ROPE_SCALING.get(kind)
-    if needed is None or not all(_is_positive_number(scaling.get(name)) for name in needed):
+    valid = needed is not None and all(_is_positive_number(scaling.get(name)) for name in needed)
+    if valid and kind == "llama3":
+        valid = scaling["high_freq_factor"] > scaling["low_freq_factor"]
+    if not valid:
         raise ValueError(
             "`rope_scaling` must be None or a dict whose rope_type is 'linear' or 'llama3', with its parameters. "
             f"Received: rope_scaling={scaling!r}"

@@ -44,6 +44,7 @@ CASES = {
     "rope_theta_negative": ({**BASE, "rope_theta": -1.0}, None, r"`rope_theta` must be None or a positive float\. Received: rope_theta=-1\.0"),
     "rope_fraction_odd": ({**BASE, "rope_theta": 10000.0, "rope_fraction": 0.25}, None, r"`rope_fraction` must be in \(0, 1\] and rotate an even number R = int\(head_dim \* rope_fraction\) >= 2 of features\. Received: rope_fraction=0\.25, head_dim=4"),
     "rope_scaling_unknown": ({**BASE, "rope_theta": 10000.0, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, None, r"`rope_scaling` must be None or a dict whose rope_type is 'linear' or 'llama3', with its parameters\. Received: rope_scaling="),
+    "rope_scaling_llama3_bands_swapped": ({**BASE, "rope_theta": 10000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0, "original_max_position_embeddings": 64}}, None, r"`rope_scaling` must be None or a dict"),
     "rope_scaling_missing_factor": ({**BASE, "rope_theta": 10000.0, "rope_scaling": {"rope_type": "linear"}}, None, r"`rope_scaling` must be None or a dict"),
     "qk_norm_unknown": ({**BASE, "qk_norm": "layer"}, None, r"`qk_norm` must be None, 'head' or 'all'\. Received: qk_norm='layer'"),
     "qk_norm_eps_zero": ({**BASE, "qk_norm": "head", "qk_norm_eps": 0.0}, None, r"`qk_norm_eps` must be a positive float\. Received: qk_norm_eps=0\.0"),
