@@ -211,16 +211,30 @@ def apply_rope(x, positions, inv_freq, interleaved):
         features unchanged.
     """
     rotary_dim = 2 * inv_freq.shape[0]
-    angles = positions[:, None, :, None].float() * inv_freq  # (B, 1, T, 1) * (R/2,) -> (B, 1, T, R/2)
-    cos, sin = angles.cos(), angles.sin()  # (B, 1, T, R/2)
-    rotary = x[..., :rotary_dim].to(torch.promote_types(x.dtype, torch.float32))  # (B, heads, T, R)
+    x = x.transpose(1, 2)  # (B, heads, T, H) -> (B, T, heads, H), the projections' memory order
+    angles = positions[:, :, None, None].float() * inv_freq  # (B, T, 1, 1) * (R/2,) -> (B, T, 1, R/2)
+    cos, sin = angles.cos(), angles.sin()  # (B, T, 1, R/2)
+    cos, sin = _on_pairs(cos, cos, interleaved), _on_pairs(-sin, sin, interleaved)  # (B, T, 1, R)
+    rotary = x[..., :rotary_dim].to(torch.promote_types(x.dtype, torch.float32))  # (B, T, heads, R)
+    turned = torch.addcmul(rotary * cos, _swap_pairs(rotary, interleaved), sin).to(x.dtype)  # (B, T, heads, R)
+    turned = turned if rotary_dim == x.shape[-1] else torch.cat((turned, x[..., rotary_dim:]), dim=-1)
+    return turned.transpose(1, 2)  # (B, T, heads, H) -> (B, heads, T, H)
+
+
+def _on_pairs(first, second, interleaved):
+    """Two (..., R/2) values of each pair -> (..., R): on its first and on its second feature."""
     if interleaved:
-        x1, x2 = rotary[..., 0::2], rotary[..., 1::2]  # (B, heads, T, R/2) each
-        turned = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)  # -> (B, heads, T, R)
-    else:
-        x1, x2 = rotary.chunk(2, dim=-1)  # (B, heads, T, R/2) each
-        turned = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (B, heads, T, R)
-    return torch.cat((turned.to(x.dtype), x[..., rotary_dim:]), dim=-1)  # (B, heads, T, H)
+        return torch.stack((first, second), dim=-1).flatten(-2)  # (..., R/2, 2) -> (..., R)
+    return torch.cat((first, second), dim=-1)  # (..., R)
+
+
+def _swap_pairs(x, interleaved):
+    """(..., R) -> (..., R): each pair (x1, x2) as (x2, x1). With cos on both features and
+    (-sin, sin) on the pair, x * cos + swapped * sin = (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    if interleaved:
+        return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (..., R/2, 2) flipped -> (..., R)
+    x1, x2 = x.chunk(2, dim=-1)  # (..., R/2) each
+    return torch.cat((x2, x1), dim=-1)  # (..., R)
 
 
 def rms_norm(x, scale, eps):

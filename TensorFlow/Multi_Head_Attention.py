@@ -188,19 +188,47 @@ def apply_rope(x, positions, inv_freq, interleaved):
         x rotated, in its dtype; the angles and their cos and sin are float32.
     """
     inv_freq = tf.convert_to_tensor(inv_freq, tf.float32)
-    half = inv_freq.shape[0]
+    rotary_dim = 2 * inv_freq.shape[0]
     angles = tf.cast(positions, tf.float32)[:, None, :, None] * inv_freq  # (B, T) -> (B, 1, T, R/2)
     dtype = _softmax_dtype(x.dtype)
-    cos, sin = tf.cast(tf.cos(angles), dtype), tf.cast(tf.sin(angles), dtype)
-    rotated, passed = tf.cast(x[..., : 2 * half], dtype), x[..., 2 * half :]  # (B, heads, T, R), (B, heads, T, H-R)
+    cos, sin = tf.cast(tf.cos(angles), dtype), tf.cast(tf.sin(angles), dtype)  # (B, 1, T, R/2)
+    cos, sin = _on_pairs(cos, cos, interleaved), _on_pairs(-sin, sin, interleaved)  # (B, 1, T, R)
+    rotary = tf.cast(x[..., :rotary_dim], dtype)  # (B, heads, T, R)
+    turned = tf.cast(_turn(rotary, cos, sin, interleaved), x.dtype)  # (B, heads, T, R)
+    if rotary_dim == x.shape[-1]:
+        return turned
+    return tf.concat([turned, x[..., rotary_dim:]], axis=-1)  # (B, heads, T, H)
+
+
+def _on_pairs(first, second, interleaved):
+    """Two (..., R/2) values of each pair -> (..., R): on its first and on its second feature."""
     if interleaved:
-        x1, x2 = rotated[..., 0::2], rotated[..., 1::2]  # (B, heads, T, R) -> 2 x (B, heads, T, R/2)
-    else:
-        x1, x2 = rotated[..., :half], rotated[..., half:]  # (B, heads, T, R) -> 2 x (B, heads, T, R/2)
-    y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-    pairs = tf.stack([y1, y2], axis=-1) if interleaved else tf.stack([y1, y2], axis=-2)  # (B, heads, T, R/2, 2)
-    y = tf.reshape(pairs, tf.shape(rotated))  # (B, heads, T, R/2, 2) or (B, heads, T, 2, R/2) -> (B, heads, T, R)
-    return tf.concat([tf.cast(y, x.dtype), passed], axis=-1)  # -> (B, heads, T, H)
+        pairs = tf.stack([first, second], axis=-1)  # (..., R/2, 2)
+        return tf.reshape(pairs, tf.concat([tf.shape(first)[:-1], [2 * first.shape[-1]]], 0))  # (..., R)
+    return tf.concat([first, second], axis=-1)  # (..., R)
+
+
+def _swap_pairs(x, interleaved):
+    """(..., R) -> (..., R): each pair (x1, x2) as (x2, x1)."""
+    if interleaved:
+        pairs = tf.reshape(x, tf.concat([tf.shape(x)[:-1], [x.shape[-1] // 2, 2]], 0))  # (..., R/2, 2)
+        return tf.reshape(tf.reverse(pairs, axis=[-1]), tf.shape(x))  # (..., R)
+    return tf.roll(x, shift=x.shape[-1] // 2, axis=-1)  # (..., R): the halves swapped
+
+
+def _turn(x, cos, sin, interleaved):
+    """x * cos + swapped * sin = (x1 cos - x2 sin, x2 cos + x1 sin) for every pair, with cos on
+    both features and (-sin, sin) on the pair. A rotation: its gradient, cos * g + swap(sin * g),
+    turns back by the same angles (cheaper than differentiating the swap)."""
+
+    @tf.custom_gradient
+    def turn(x):
+        def grad(upstream):
+            return upstream * cos + _swap_pairs(upstream * sin, interleaved)
+
+        return x * cos + _swap_pairs(x, interleaved) * sin, grad
+
+    return turn(x)
 
 
 def rms_norm(x, scale, eps):
