@@ -356,28 +356,57 @@ def _check_keep(keep, batch_size, max_length):
     return keep
 
 
+def _cache_too_short_error(window, t, length):
+    return ValueError(
+        "`cache` rolls with `window`: a call that wraps around it (index + T > L) needs L >= window + T - 1 "
+        f"(call `init_cache` with a larger `max_length`, or decode in shorter chunks). "
+        f"Received: window={window}, T={t}, L={length}"
+    )
+
+
+def _check_room(index, t, length, window):
+    """Without a window the T new tokens must fit (index + T <= L); with one the cache rolls, and a
+    call that wraps must leave its first query's keys in place (L >= window + T - 1)."""
+    if index + t <= length:
+        return
+    if window is None:
+        raise _cache_full_error(index, t, length)
+    if length < window + t - 1:
+        raise _cache_too_short_error(window, t, length)
+
+
+def _slot_positions(length, last):
+    """(L,) the position held by each slot once positions up to `last` are written (position p in
+    slot p mod L); negative where nothing is written yet."""
+    slots = np.arange(length)  # (L,)
+    return slots + length * ((last - slots) // length)  # (L,)
+
+
 def _cache_keep(keep, index, t, causal, window):
-    """(B, L) cache keep -> (B, 1, T, L): slot s is written, not padding, when causal at most the
-    query's own position index + t, and with a window W above index + t - W."""
-    slots = np.arange(keep.shape[-1])[None, :]  # (1, L)
+    """(B, L) cache keep -> (B, 1, T, L): slot s holds a written position p(s), is not padding,
+    when causal p(s) is at most the query's own position index + t, and with a window W
+    p(s) > index + t - W."""
+    held = _slot_positions(keep.shape[-1], index + t - 1)[None, :]  # (1, L), p(s)
     positions = index + np.arange(t)[:, None]  # (T, 1), the position of each query
-    allowed = slots <= positions if causal else slots < index + t  # (T, L)
+    allowed = (held >= 0) & (held <= positions if causal else held < index + t)  # (T, L)
     if window is not None:
-        allowed = allowed & (slots > positions - window)  # (T, L)
+        allowed = allowed & (held > positions - window)  # (T, L)
     return allowed[None, None] & keep[:, None, None, :]  # (B, 1, T, L)
 
 
-def _write_cache(cache, k, v, key_mask):
-    """Copies the cache with (B, K, T, H) keys and values written to slots [index, index + T) and
-    the (B, T) `key_mask` ANDed into `keep` there."""
+def _write_cache(cache, k, v, key_mask, window):
+    """Copies the cache with (B, K, T, H) keys and values of positions [index, index + T) written
+    to slots position mod L, and `keep` there: the (B, T) `key_mask` ANDed into it on the first
+    lap (left padding), in its place once a slot holds a new token."""
     index, t, length = int(cache.index), k.shape[2], cache.key.shape[2]
-    if index + t > length:
-        raise _cache_full_error(index, t, length)
+    _check_room(index, t, length, window)
+    positions = index + np.arange(t)  # (T,)
+    slots = positions % length  # (T,)
     key, value, keep = cache.key.copy(), cache.value.copy(), cache.keep.copy()
-    key[:, :, index : index + t] = k  # (B, K, L, H)
-    value[:, :, index : index + t] = v  # (B, K, L, H)
-    if key_mask is not None:
-        keep[:, index : index + t] &= key_mask  # (B, L)
+    key[:, :, slots] = k  # (B, K, L, H)
+    value[:, :, slots] = v  # (B, K, L, H)
+    new = np.ones((k.shape[0], t), dtype=bool) if key_mask is None else key_mask  # (B, T)
+    keep[:, slots] = np.where(positions < length, keep[:, slots] & new, new)  # (B, L)
     return KVCache(key, value, keep, np.asarray(index + t))
 
 
@@ -570,6 +599,11 @@ class MultiHeadAttention:
         output (B, T, E), or (output, weights) with weights (B, N, T, S) when
         `return_attention` is True; with `cache`, the updated cache is appended and weights
         are (B, N, T, L), exactly 0 at unwritten slots.
+
+    Coming from `nn.MultiheadAttention`: a boolean mask here is True where a query may attend
+    (there True means "ignore": pass `~attn_mask`, and `key_mask=~key_padding_mask`);
+    `need_weights=True, average_attn_weights=False` is `return_attention=True`; `is_causal=True`
+    is `causal=True` (bottom-right aligned when T < S); inputs are batch first.
 
     Example, a key padding mask (the third key of the first sequence is padding):
         >>> layer = MultiHeadAttention(16, 4, seed=0)
@@ -787,7 +821,7 @@ class MultiHeadAttention:
         q, k = self._rotate(q, k, positions)  # RoPE: (B, N, T, H), (B, K, S, H)
         causal_now, window = causal, self.window
         if cache is not None:
-            cache = _write_cache(cache, k, v, key_mask)
+            cache = _write_cache(cache, k, v, key_mask, self.window)
             keep = _and(keep, _cache_keep(cache.keep, index, t, causal, window))  # (B, N, T, L), dims may be 1
             k, v, causal_now, window = cache.key, cache.value, False, None  # (B, K, L, H); all in `keep`
         sinks = self.params.get("sinks")

@@ -86,6 +86,18 @@ DECODE_CASES = [
         variants=(("rope_theta", 10000.0), ("rope_fraction", 0.5)),
     ),
     DecodeCase("decode_window", chunks=(4, 1, 1, 1), variants=(("window", 3),)),
+    # A rolling cache (window): positions past L overwrite slot p mod L; decoding past L tokens
+    DecodeCase("decode_rolling_window", length=4, chunks=(2,) + (1,) * 7, variants=(("window", 3),)),
+    DecodeCase("decode_rolling_l_equals_window", length=3, chunks=(1,) * 8, k=2, variants=(("window", 3),)),
+    DecodeCase(
+        "decode_rolling_rope_left_padding",
+        length=5,
+        k=2,
+        padding=(0, 2),
+        chunks=(3, 1, 2, 1, 1, 1),
+        positions=True,
+        variants=(("rope_theta", 10000.0), ("window", 3), ("sinks", True)),
+    ),
     DecodeCase(
         "decode_all_variants",
         e=32,
@@ -172,11 +184,33 @@ def query_ends(case):
     return np.concatenate([np.full(stop - start, stop) for start, stop in case.spans()])
 
 
+def slot_positions(case):
+    """(P, L): the position each slot holds when each query attends (position p in slot p mod L,
+    written up to the end of the query's chunk); negative where nothing is written yet."""
+    slots = np.arange(case.length)[None, :]  # (1, L)
+    last = query_ends(case)[:, None] - 1  # (P, 1)
+    return slots + case.length * ((last - slots) // case.length)  # (P, L)
+
+
+def position_keep(case, data):
+    """(B, P): the cache's keep read by position: the left padding of the first lap; a position
+    past L is a new token in a rolling cache (window), kept."""
+    rolled = np.ones((case.b, max(0, case.p - case.length)), dtype=bool)
+    return np.concatenate([data["keep"][:, : case.p], rolled], axis=1)  # (B, P)
+
+
+def by_slot(case, full_weights):
+    """(B, N, P, P) weights of the full pass -> (B, N, P, L): where each query's slots held them."""
+    held = slot_positions(case)  # (P, L)
+    gathered = np.take_along_axis(full_weights, np.maximum(held, 0)[None, None], axis=-1)  # (B, N, P, L)
+    return np.where(held >= 0, gathered, 0.0)
+
+
 def full_pass_mask(case, data):
     """The mask of one full pass (causal if the case is) over the P tokens equivalent to
     decoding: the cache's keep, the attention_mask and, without `causal`, the end of each
     query's chunk, cut to (B, P, P) or (B, N, P, P)."""
-    p, keep = case.p, data["keep"][:, None, : case.p]  # (B, 1, P)
+    p, keep = case.p, position_keep(case, data)[:, None, :]  # (B, 1, P)
     if not case.causal:
         keep = keep & (np.arange(p)[None, :] < query_ends(case)[:, None])  # (B, P, P)
     mask = data["attention_mask"]

@@ -213,12 +213,14 @@ def _cache_diff(a, b):
 def decode_removed_positions(case, data):
     """Boolean (B, N, P, L): the slots each decoded query may not attend, computed here
     independently of the layers."""
-    slots = np.arange(case.length)[None, :]  # (1, L)
-    allowed = slots <= np.arange(case.p)[:, None] if case.causal else slots < query_ends(case)[:, None]  # (P, L)
-    keep = allowed[None, None] & data["keep"][:, None, None, :]  # (B, 1, P, L)
+    held = decoding.slot_positions(case)  # (P, L): the position in each slot
+    queries = np.arange(case.p)[:, None]  # (P, 1)
+    allowed = (held >= 0) & (held <= queries if case.causal else held < query_ends(case)[:, None])  # (P, L)
     window = dict(case.variants).get("window")
     if window is not None:
-        keep = keep & (slots > np.arange(case.p)[:, None] - window)  # (B, 1, P, L)
+        allowed = allowed & (held > queries - window)  # (P, L)
+    slot_keep = np.where(held < case.length, data["keep"][:, None, :], True)  # (B, P, L): new tokens past L
+    keep = allowed[None, None] & slot_keep[:, None]  # (B, 1, P, L)
     mask = data["attention_mask"]
     if mask is not None:
         mask = kept(mask)
@@ -232,10 +234,10 @@ def _decode_quantity(first, second, quantity):
     return diff(first, second, quantity)
 
 
-def _decode_vs_full(result):
-    """Decoded output and weights against the same path's full causal pass."""
-    p = result.full_weights.shape[-1]
-    weights = None if result.weights is None else _max_diff(result.weights[..., :p], result.full_weights)
+def _decode_vs_full(case, result):
+    """Decoded output and weights against the same path's full causal pass (its weights moved
+    to the slots that held their positions)."""
+    weights = None if result.weights is None else _max_diff(result.weights, decoding.by_slot(case, result.full_weights))
     return {"output": _max_diff(result.output, result.full_output), "weights": weights}
 
 
@@ -261,7 +263,7 @@ def compare_decode(case, data, results):
 
     _pairwise(results, DECODE_FRAMEWORK_PATHS, DECODE_QUANTITIES, _decode_quantity, tolerances, diffs, failures)
     tols = case.tolerance  # a path against its own full pass: the SPEC tolerance, no pair factor
-    vs_full = [_decode_vs_full(r) for r in results.values()]
+    vs_full = [_decode_vs_full(case, r) for r in results.values()]
     diffs["decode/full"] = {}
     for quantity in ("output", "weights"):
         worst = max((v[quantity] for v in vs_full if v[quantity] is not None), default=None)

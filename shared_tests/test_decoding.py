@@ -49,9 +49,11 @@ def _off_by_one_causal(keep, index, t, causal, window):
     return allowed[None, None] & keep[:, None, None, :]
 
 
-def _numpy_write_one_slot_late(cache, k, v, key_mask):
+def _numpy_write_one_slot_late(cache, k, v, key_mask, window):
     shifted = numpy_file.KVCache(cache.key, cache.value, cache.keep, np.asarray(int(cache.index) + 1))
-    return numpy_file.KVCache(*_numpy_write(shifted, k, v, key_mask)[:3], np.asarray(int(cache.index) + k.shape[2]))
+    return numpy_file.KVCache(
+        *_numpy_write(shifted, k, v, key_mask, window)[:3], np.asarray(int(cache.index) + k.shape[2])
+    )
 
 
 _numpy_write = numpy_file._write_cache
@@ -164,6 +166,7 @@ CALL_ERRORS = {
     "heads_not_cache": (BASE, {"query": X[:, :2]}, {"batch_size": 2, "max_length": 10}, _first_head, r"with B=2, K=2, H=2\. Received: cache\.key\.shape=\(2, 1, 10, 2\), cache\.value\.shape=\(2, 1, 10, 2\)$"),
     "dtype_not_cache": (BASE, {"query": X[:, :2]}, {"batch_size": 2, "max_length": 10}, _as_dtype("float16"), r"^`cache` must hold the layer's compute dtype float64\. Received: cache\.key\.dtype=float16, cache\.value\.dtype=float16$"),
     "cache_full": (BASE, {"query": X[:, :4]}, {"batch_size": 2, "max_length": 10}, _at_index(7), r"^`cache` is full: index \+ T must be <= L \(call `init_cache` with a larger `max_length`\)\. Received: index=7, T=4, L=10$"),
+    "rolling_cache_too_short": ({**BASE, "window": 4}, {"query": X[:, :3]}, {"batch_size": 2, "max_length": 5}, _at_index(3), r"^`cache` rolls with `window`: a call that wraps around it \(index \+ T > L\) needs L >= window \+ T - 1 \(call `init_cache` with a larger `max_length`, or decode in shorter chunks\)\. Received: window=4, T=3, L=5$"),
 }  # fmt: skip
 
 
