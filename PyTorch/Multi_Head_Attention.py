@@ -819,6 +819,11 @@ class MultiHeadAttention(nn.Module):
         and weights are (B, N, T, L), exactly 0 at unwritten slots. Unbatched inputs give
         unbatched results.
 
+    Coming from `nn.MultiheadAttention`: a boolean mask here is True where a query may attend
+    (there True means "ignore": pass `~attn_mask`, and `key_mask=~key_padding_mask`);
+    `need_weights=True, average_attn_weights=False` is `return_attention=True`; `is_causal=True`
+    is `causal=True` (bottom-right aligned when T < S); inputs are batch first.
+
     Example, a key padding mask (the third key of the first sequence is padding):
         >>> layer = MultiHeadAttention(16, 4)
         >>> x = torch.randn(2, 3, 16)  # (B, T, E)

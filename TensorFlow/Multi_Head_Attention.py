@@ -894,6 +894,12 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         dropout) when `return_attention` is True; with `cache`, the updated cache is appended
         and weights are (B, N, T, L), exactly 0 at unwritten slots.
 
+    Coming from `keras.layers.MultiHeadAttention`: it is called `(query, value, key)`, this layer
+    `(query, key, value)`, so pass `key=` and `value=` by name (both by position is refused). A
+    floating `attention_mask` is added to the scores here, where Keras reads a 0/1 float mask as
+    boolean: pass `mask > 0`. `use_causal_mask=True` is `causal=True` (bottom-right aligned when
+    T < S); `return_attention_scores=True` is `return_attention=True`.
+
     Example, a key padding mask (the third key of the first sequence is padding):
         >>> layer = MultiHeadAttention(16, 4)
         >>> x = tf.random.normal((2, 3, 16))  # (B, T, E)
