@@ -48,9 +48,12 @@ Decoding with a KV cache (L: the cache's max length): `cache = layer.init_cache(
 query t attends slot s iff s < index + T, keep[b, s], (not causal or s <= index + t), (no
 window or s > index + t - window) and `attention_mask` (given over L) keeps it; `key_mask`
 (B, T) is ANDed into `keep` at the written slots, and RoPE turns the new tokens by positions
-index + t. Token-by-token equals the full causal pass. This layer writes the keys and values
-into the cache's tensors in place (for inference; call it under `torch.no_grad()`); the
-returned cache shares them, with the index moved on.
+index + t. Token-by-token equals the full causal pass. With a `window` W the cache rolls:
+position p goes to slot p mod L and query t attends the position each slot holds by the rule
+above, so L = W slots decode any number of tokens one at a time (a call that wraps needs
+L >= W + T - 1). This layer writes the keys and values into the cache's tensors in place (for
+inference; call it under `torch.no_grad()`); the returned cache shares them, with the index
+moved on.
 
 Tensor parallelism (`parallelize_module` with `ColwiseParallel` on `query`, `key`, `value` and
 `RowwiseParallel` on `output`) splits the heads across ranks: each rank attends its share of
@@ -450,32 +453,60 @@ def _check_keep(keep, batch_size, max_length):
     return keep
 
 
+def _cache_too_short_error(window, t, length):
+    return ValueError(
+        "`cache` rolls with `window`: a call that wraps around it (index + T > L) needs L >= window + T - 1 "
+        f"(call `init_cache` with a larger `max_length`, or decode in shorter chunks). "
+        f"Received: window={window}, T={t}, L={length}"
+    )
+
+
+def _check_room(index, t, length, window):
+    """Without a window the T new tokens must fit (index + T <= L); with one the cache rolls, and a
+    call that wraps must leave its first query's keys in place (L >= window + T - 1).
+
+    Eagerly a call without room is a ValueError. Under `torch.compile` (where raising needs a
+    graph break) it returns a () boolean tensor, True for a call without room, and the caller
+    sets that call's output to NaN.
+    """
+    no_room = (index + t > length) & (window is None or length < window + t - 1)  # ()
+    if not torch.compiler.is_compiling() and bool(no_room):
+        raise _cache_full_error(int(index), t, length) if window is None else _cache_too_short_error(window, t, length)
+    return no_room
+
+
+def _slot_positions(length, last):
+    """(L,) the position held by each slot once positions up to `last` are written (position p in
+    slot p mod L); negative where nothing is written yet."""
+    slots = torch.arange(length, device=last.device)  # (L,)
+    return slots + length * torch.div(last - slots, length, rounding_mode="floor")  # (L,)
+
+
 def _cache_keep(keep, index, t, causal, window):
-    """(B, L) cache keep -> (B, 1, T, L): slot s is written, not padding, when causal at most the
-    query's own position index + t, and with a window more recent than index + t - window."""
-    slots = torch.arange(keep.shape[-1], device=keep.device)[None, :]  # (1, L)
+    """(B, L) cache keep -> (B, 1, T, L): slot s holds a written position p(s), is not padding,
+    when causal p(s) is at most the query's own position index + t, and with a window W
+    p(s) > index + t - W."""
+    held = _slot_positions(keep.shape[-1], index + t - 1)[None, :]  # (1, L), p(s)
     positions = index + torch.arange(t, device=keep.device)[:, None]  # (T, 1), the position of each query
-    allowed = slots <= positions if causal else slots < index + t  # (T, L)
+    allowed = (held >= 0) & (held <= positions if causal else held < index + t)  # (T, L)
     if window is not None:
-        allowed = allowed & (slots > positions - window)  # (T, L)
+        allowed = allowed & (held > positions - window)  # (T, L)
     return allowed[None, None] & keep[:, None, None, :]  # (B, 1, T, L)
 
 
-def _write_cache(cache, k, v, key_mask=None):
-    """Writes (B, K, T, H) keys and values to slots [index, index + T) of the cache's own tensors,
-    and ANDs a (B, T) `key_mask` into `keep` there.
-
-    Eagerly a full cache is a ValueError. Under `torch.compile` (where raising needs a graph
-    break) the write is clamped to the last slot and the caller sets that call's output to NaN.
-    """
-    t, length = k.shape[2], cache.key.shape[2]
-    if not torch.compiler.is_compiling() and int(cache.index) + t > length:
-        raise _cache_full_error(int(cache.index), t, length)
-    positions = (cache.index + torch.arange(t, device=k.device)).clamp(max=length - 1)  # (T,)
-    cache.key.index_copy_(2, positions, k)  # (B, K, L, H)
-    cache.value.index_copy_(2, positions, v)  # (B, K, L, H)
-    if key_mask is not None:
-        cache.keep.index_copy_(1, positions, cache.keep.index_select(1, positions) & key_mask)  # (B, L)
+def _write_cache(cache, k, v, key_mask):
+    """Writes (B, K, T, H) keys and values of positions [index, index + T) to slots position mod L
+    of the cache's own tensors, and `keep` there: the (B, T) `key_mask` ANDed into it on the
+    first lap (left padding), in its place once a slot holds a new token. The caller checks the
+    room first (`_check_room`); under `torch.compile` a call without room still writes in range."""
+    b, t, length = k.shape[0], k.shape[2], cache.key.shape[2]
+    positions = cache.index + torch.arange(t, device=k.device)  # (T,)
+    slots = positions % length  # (T,)
+    cache.key.index_copy_(2, slots, k)  # (B, K, L, H)
+    cache.value.index_copy_(2, slots, v)  # (B, K, L, H)
+    new = torch.ones(b, t, dtype=torch.bool, device=k.device) if key_mask is None else key_mask  # (B, T)
+    old = cache.keep.index_select(1, slots)  # (B, T)
+    cache.keep.index_copy_(1, slots, torch.where(positions < length, old & new, new))  # (B, L)
     return KVCache(cache.key, cache.value, cache.keep, cache.index + t)
 
 
@@ -940,7 +971,7 @@ class MultiHeadAttention(nn.Module):
         return KVCache(
             torch.zeros(shape, dtype=dtype, device=device),
             torch.zeros(shape, dtype=dtype, device=device),
-            keep.to(device),
+            keep.to(device, copy=True),  # the cache's own: decoding writes it in place
             torch.zeros((), dtype=torch.long, device=device),
         )
 
@@ -1209,7 +1240,7 @@ class MultiHeadAttention(nn.Module):
         q, k = self._rotate(q, k, positions)  # (B, N, T, H), (B, K, S, H)
         window = self.window
         if cache is not None:
-            index, full = cache.index, cache.index + t > cache.key.shape[2]  # full: only ever True under compile
+            index, no_room = cache.index, _check_room(cache.index, t, cache.key.shape[2], window)  # True: compiling
             cache = _write_cache(cache, k, v, key_mask)
             keep = _and(keep, _cache_keep(cache.keep, index, t, causal, window))  # (B, N, T, L), dims may be 1
             k, v, causal, window = cache.key, cache.value, False, None  # (B, K, L, H); causal, window in `keep`
@@ -1221,7 +1252,7 @@ class MultiHeadAttention(nn.Module):
         merged = context.transpose(1, 2).reshape(b, t, context.shape[1] * self.head_dim)  # -> (B, T, N*H)
         output = self.output(merged)  # (B, T, N*H) -> (B, T, E)
         if cache is not None and torch.compiler.is_compiling():
-            output = torch.where(full, torch.nan, output)  # a full cache cannot raise inside a graph
+            output = torch.where(no_room, torch.nan, output)  # a call without room cannot raise inside a graph
 
         if unbatched:
             output, weights = output[0], None if weights is None else weights[0]  # drop B
