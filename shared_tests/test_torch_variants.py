@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from PyTorch import KVCache, Multi_Head_Attention, MultiHeadAttention, alibi_bias, dot_product_attention
 from shared_tests.cases import TOLERANCES
@@ -561,6 +562,74 @@ def test_decoding_compiles_fullgraph_with_every_variant():
             outputs.append(output)
         expected = layer(x, key_mask=key_mask, causal=True)
     torch.testing.assert_close(torch.cat(outputs, 1), expected, atol=OUTPUT_TOL, rtol=0)
+
+
+ROLLING_CHUNKS = (2, 1, 1, 2, 1, 1, 1, 2, 1)  # 12 tokens through L = 5 slots: the cache wraps twice
+
+
+def test_rolling_decoding_compiled_equals_eager_and_the_full_pass_one_graph_per_t():
+    """A window W = 4 and L = W + 1 slots (room for the T = 2 chunks that wrap): decoding 12
+    tokens compiled equals eager and the full pass with the window, and the index being a tensor
+    keeps it to one graph per T however often the cache wraps."""
+    layer = _layer(**VARIANTS["everything"])
+    x = _randn(2, sum(ROLLING_CHUNKS), E, seed=42)
+    key_mask = torch.ones(2, x.shape[1], dtype=torch.bool)
+    key_mask[1, :2] = False  # left padding, overwritten by the second lap
+    key_mask[0, 7] = False  # padding written past the first lap
+    counter = CompileCounterWithBackend("aot_eager")  # counts the graphs
+    compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        outputs = {}
+        for name, call in (("eager", layer), ("compiled", compiled)):
+            cache, steps, start = layer.init_cache(2, 5), [], 0
+            for size in ROLLING_CHUNKS:
+                chunk = slice(start, start + size)
+                output, cache = call(x[:, chunk], key_mask=key_mask[:, chunk], causal=True, cache=cache)
+                steps.append(output)
+                start += size
+            outputs[name] = torch.cat(steps, 1)
+        expected = layer(x, key_mask=key_mask, causal=True)
+    assert counter.frame_count == 2  # T = 2 and T = 1
+    torch.testing.assert_close(outputs["compiled"], outputs["eager"], atol=OUTPUT_TOL, rtol=0)
+    torch.testing.assert_close(outputs["eager"], expected, atol=OUTPUT_TOL, rtol=0)
+    assert torch.equal(cache.keep, key_mask[:, [10, 11, 7, 8, 9]])  # slot s: the last p with p mod 5 == s
+
+
+NO_ROOM = {
+    "full_without_window": ({}, r"^`cache` is full: index \+ T must be <= L .*Received: index=3, T=3, L=5$"),
+    "too_short_with_window": ({"window": 4}, r"^`cache` rolls with `window`: .*Received: window=4, T=3, L=5$"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(NO_ROOM))
+def test_a_call_without_room_raises_eagerly_and_gives_nan_under_compile(name):
+    """index 3 + T 3 > L 5: without a window the cache is full; with W = 4 it would wrap but
+    needs L >= W + T - 1 = 6. A graph cannot raise, so the compiled call's output is NaN (and
+    its write stays inside the cache)."""
+    config, pattern = NO_ROOM[name]
+    layer = _layer(**config)
+    x = _randn(2, 3, E, seed=43)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager", dynamic=False)
+    with torch.no_grad():
+        _, cache = layer(x, causal=True, cache=layer.init_cache(2, 5))
+        with pytest.raises(ValueError, match=pattern):
+            layer(x, causal=True, cache=cache)
+        fits, _ = compiled(x[:, :2], causal=True, cache=layer.init_cache(2, 5))
+        output, _ = compiled(x, causal=True, cache=cache)
+    assert torch.isfinite(fits).all() and torch.isnan(output).all()
+
+
+def test_regression_decoding_wrote_into_the_keep_passed_to_init_cache():
+    """The cache's keep was the caller's tensor itself, so writing a key_mask (or a slot's new
+    token past the first lap) changed the caller's mask."""
+    layer = _layer(window=3)
+    keep = torch.tensor([[False, True, True], [True, True, True]])
+    with torch.no_grad():
+        cache = layer.init_cache(2, 3, keep=keep)
+        for t in range(4):
+            _, cache = layer(_randn(2, 1, E, seed=t), key_mask=torch.tensor([[True], [False]]), cache=cache)
+    assert torch.equal(keep, torch.tensor([[False, True, True], [True, True, True]]))
+    assert torch.equal(cache.keep, torch.tensor([[True, True, True], [False, False, False]]))
 
 
 # ---------------------------------------------------------------------------------------------
