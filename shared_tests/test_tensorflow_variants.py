@@ -601,8 +601,9 @@ def test_rolling_cache_is_a_while_loop_variable():
         _, cache, outputs = tf.while_loop(lambda i, *_: i < steps, body, loop_vars)
         return tf.transpose(outputs.stack(), [1, 0, 2]), cache
 
-    output, cache = greedy_steps(layer.init_cache(B, 3))  # L = window: T = 1 steps need no more
-    _close(output, layer(LONG, causal=True), OUTPUT_TOL)
+    padding = np.arange(steps) >= np.array([[0], [1]])  # (B, P): the second prompt is left-padded by 1
+    output, cache = greedy_steps(layer.init_cache(B, 3, keep=padding[:, :3]))  # L = window: enough for T = 1
+    _close(output, layer(LONG, key_mask=padding, causal=True), OUTPUT_TOL)  # slot 0 holds a real token again
     assert int(cache.index) == steps and tuple(cache.key.shape) == (B, 2, 3, E // N)
 
 
