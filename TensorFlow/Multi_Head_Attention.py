@@ -41,9 +41,11 @@ cache=cache)` for a prompt (T > 1) and then one token at a time (T = 1). The key
 RoPE) and values of the T new tokens are written to slots [index, index + T), and query t
 attends slot s iff s < index + T, keep[b, s], (not causal or s <= index + t), (no window or
 s > index + t - window) and `attention_mask` (given over L) keeps it. Token-by-token equals the
-full causal pass. This layer is functional: it returns a new cache (a nest of tensors, so it
-can be a `tf.while_loop` variable), and `key_mask` and the keys' implicit Keras mask are ANDed
-into the new cache's `keep`.
+full causal pass. With a `window` W the cache rolls: position p goes to slot p mod L, so L >= W
+slots decode any number of tokens (a call that wraps, index + T > L, needs L >= W + T - 1), and
+slot s is read as the last position written there. This layer is functional: it returns a new
+cache (a nest of tensors, so it can be a `tf.while_loop` variable), and `key_mask` and the keys'
+implicit Keras mask go into the new cache's `keep` (ANDed on the first lap, in its place after).
 
 Weights: `query_kernel` (E, N*H), `query_bias` (N*H,), `key_kernel` (kdim, K*H), ...,
 `output_kernel` (N*H, E), `output_bias` (E,), `query_norm`, `key_norm` and `sinks` (N,): the
@@ -444,13 +446,75 @@ def _check_keep(keep, batch_size, max_length):
     return keep
 
 
+def _cache_too_short_error(window, t, length):
+    return ValueError(
+        "`cache` rolls with `window`: a call that wraps around it (index + T > L) needs L >= window + T - 1 "
+        f"(call `init_cache` with a larger `max_length`, or decode in shorter chunks). "
+        f"Received: window={window}, T={t}, L={length}"
+    )
+
+
+def _check_room(cache, t, window):
+    """Whether the T new tokens do not fit, as a boolean tensor: without a window index + T must be
+    <= L; with one the cache rolls, and a call that wraps must leave its first query's keys in
+    place (L >= window + T - 1). Eagerly a misfit is a ValueError; in a graph an
+    InvalidArgumentError (XLA ignores it, and the caller sets that call's output to NaN)."""
+    index, length = cache.index, tf.shape(cache.key)[2]
+    misfit = index + t > length  # ()
+    if window is not None:
+        misfit = misfit & (length < window + t - 1)  # ()
+    if tf.executing_eagerly() and bool(misfit):
+        if window is None:
+            raise _cache_full_error(int(index), int(t), int(length))
+        raise _cache_too_short_error(window, int(t), int(length))
+    if not tf.executing_eagerly():
+        tf.debugging.Assert(~misfit, _room_message(window, index, t, length))
+    return misfit
+
+
+def _room_message(window, index, t, length):
+    """The data of the graph's assertion that the T new tokens fit: the rule, then its numbers."""
+    if window is None:
+        return ["`cache` is full: index + T must be <= L (index, T, L follow)", index, t, length]
+    rule = "`cache` rolls with `window`: a call that wraps around it (index + T > L) needs L >= window + T - 1"
+    return [f"{rule} (window, T, L follow)", window, t, length]
+
+
+def _slot_positions(length, last):
+    """(L,) the position held by each slot once positions up to `last` are written (position p in
+    slot p mod L); negative where nothing is written yet."""
+    slots = tf.range(length)  # (L,)
+    return slots + length * tf.math.floordiv(last - slots, length)  # (L,)
+
+
 def _cache_keep(keep, index, t, causal, window):
-    """(B, L) cache keep -> (B, 1, T, L): slot s is written, not padding, and, for the query at
-    position index + t, at most that position when causal and one of its last `window` ones."""
-    length = tf.shape(keep)[-1]
-    written = tf.range(length)[None, :] < index + t  # (1, L)
-    allowed = _and(written, _position_keep(index + tf.range(t), length, causal, window))  # (T, L)
+    """(B, L) cache keep -> (B, 1, T, L): slot s holds a written position p(s), is not padding,
+    when causal p(s) is at most the query's own position index + t, and with a window W
+    p(s) > index + t - W."""
+    held = _slot_positions(tf.shape(keep)[-1], index + t - 1)[None, :]  # (1, L), p(s)
+    positions = index + tf.range(t)[:, None]  # (T, 1), the position of each query
+    allowed = (held >= 0) & (held <= positions if causal else held < index + t)  # (T, L)
+    if window is not None:
+        allowed = allowed & (held > positions - window)  # (T, L)
     return allowed[None, None] & keep[:, None, None, :]  # (B, 1, T, L)
+
+
+def _write_cache(cache, k, v, key_keep, window):
+    """A new cache with (B, K, T, H) keys and values of positions [index, index + T) written to
+    slots position mod L, and `keep` there: the (B, T) `key_keep` ANDed into it on the first lap
+    (left padding), in its place once a slot holds a new token."""
+    shape, length = tf.shape(k), tf.shape(cache.key)[2]
+    positions = cache.index + tf.range(shape[2])  # (T,)
+    slots = tf.math.floormod(positions, length)  # (T,)
+    grid = tf.meshgrid(tf.range(shape[0]), tf.range(shape[1]), slots, indexing="ij")
+    written = tf.stack(grid, axis=-1)  # (B, K, T, 3): (b, head, slot) of every written vector
+    key = tf.tensor_scatter_nd_update(cache.key, written, k)  # (B, K, L, H)
+    value = tf.tensor_scatter_nd_update(cache.value, written, v)  # (B, K, L, H)
+    new = tf.ones((shape[0], shape[2]), tf.bool) if key_keep is None else key_keep  # (B, T)
+    kept = tf.where(positions < length, tf.gather(cache.keep, slots, axis=1) & new, new)  # (B, T)
+    rows = tf.stack(tf.meshgrid(tf.range(shape[0]), slots, indexing="ij"), axis=-1)  # (B, T, 2): (b, slot)
+    keep = tf.tensor_scatter_nd_update(cache.keep, rows, kept)  # (B, L)
+    return KVCache(key, value, keep, cache.index + shape[2])
 
 
 def _mask_to_4d(mask, target, name="attention_mask"):
@@ -798,36 +862,6 @@ def _memory_efficient_attention(
         return context, grad
 
     return attend(q, k, v, *extras.values())[:, :, :t]  # (B, N, T, H)
-
-
-def _check_room(cache, t):
-    """Whether the T new tokens overflow the cache (index + T > L), as a boolean tensor. Eagerly
-    an overflow is a ValueError; in a graph an InvalidArgumentError (XLA ignores it, and the
-    caller sets that call's output to NaN)."""
-    length = tf.shape(cache.key)[2]
-    if tf.executing_eagerly() and int(cache.index) + int(t) > int(length):
-        raise _cache_full_error(int(cache.index), int(t), int(length))
-    if not tf.executing_eagerly():
-        tf.debugging.assert_less_equal(
-            cache.index + t, length, message="`cache` is full: index + T must be <= L (index + T, L follow)"
-        )
-    return cache.index + t > length
-
-
-def _write_cache(cache, k, v, key_keep):
-    """A new cache with (B, K, T, H) keys and values written to slots [index, index + T) and the
-    (B, T) `key_keep` ANDed into `keep` there."""
-    shape = tf.shape(k)
-    positions = cache.index + tf.range(shape[2])  # (T,)
-    grid = tf.meshgrid(tf.range(shape[0]), tf.range(shape[1]), positions, indexing="ij")
-    slots = tf.stack(grid, axis=-1)  # (B, K, T, 3): (b, head, slot) of every written vector
-    key = tf.tensor_scatter_nd_update(cache.key, slots, k)  # (B, K, L, H)
-    value = tf.tensor_scatter_nd_update(cache.value, slots, v)  # (B, K, L, H)
-    keep = cache.keep
-    if key_keep is not None:
-        written = tf.stack(tf.meshgrid(tf.range(shape[0]), positions, indexing="ij"), axis=-1)  # (B, T, 2)
-        keep = tf.tensor_scatter_nd_update(keep, written, tf.gather(keep, positions, axis=1) & key_keep)  # (B, L)
-    return KVCache(key, value, keep, cache.index + shape[2])
 
 
 def _results(output, weights, cache, return_attention):
@@ -1325,12 +1359,12 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         # 3. QK-norm and 4. RoPE.
         q, k = self._normalize_qk(q, k)
         q, k = self._rotate(q, k, positions)
-        # 5. Cache write: the new keys and values go to slots [index, index + T).
+        # 5. Cache write: the new keys and values go to slots [index, index + T) (mod L with a window).
         window = self.window
         if cache is not None:
             t, index = tf.shape(q)[2], cache.index
-            full = _check_room(cache, t)  # only ever True under XLA
-            cache = _write_cache(cache, k, v, key_keep)  # `key_mask` goes into its keep
+            misfit = _check_room(cache, t, window)  # only ever True under XLA
+            cache = _write_cache(cache, k, v, key_keep, window)  # `key_mask` goes into its keep
             keep = _and(keep, _cache_keep(cache.keep, index, t, causal, window))  # (B, N, T, L), dims may be 1
             k, v, causal, window = cache.key, cache.value, False, None  # (B, K, L, H); causal and window in `keep`
         # 6. Attention.
@@ -1341,7 +1375,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         merged = self._merge_heads(context)  # (B, N, T, H) -> (B, T, N*H)
         output = _linear(merged, self.output_kernel, self._bias_of("output"))  # -> (B, T, E)
         if cache is not None and not tf.executing_eagerly():
-            output = tf.where(full, tf.cast(np.nan, output.dtype), output)  # XLA cannot raise for a full cache
+            output = tf.where(misfit, tf.cast(np.nan, output.dtype), output)  # XLA cannot raise for a misfit
 
         return _results(output, weights, cache, return_attention)
 

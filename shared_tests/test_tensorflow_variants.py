@@ -556,6 +556,79 @@ def test_decoding_positions_default_to_the_cache_index():
     assert np.abs(default - layer(X[:, 3:], cache=cache, causal=True, positions=[0, 1])[0]).max() > 1e-4
 
 
+ROLLING = {**VARIANTS["everything"], "window": 3}  # GQA, RoPE, sinks, soft-capping, QK-norm and a window of 3
+LONG = rng.normal(size=(B, 11, E)).astype(np.float32)  # (B, P, E): 11 tokens, several laps of a small cache
+ROLLING_CHUNKS = ((0, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 8), (8, 9), (9, 10), (10, 11))
+TOO_SHORT = r"`cache` rolls with `window`: a call that wraps around it \(index \+ T > L\) needs L >= window \+ T - 1"
+
+
+def _rolling_decode(step, layer, length):
+    """Decodes LONG in ROLLING_CHUNKS through `step` with a cache of `length` slots."""
+    cache, outputs, weights = layer.init_cache(B, length), [], []
+    for start, stop in ROLLING_CHUNKS:
+        output, w, cache = step(LONG[:, start:stop], cache)
+        outputs.append(output)
+        weights.append(w)
+    return tf.concat(outputs, 1), tf.concat(weights, 2), cache
+
+
+def test_rolling_decoding_under_xla_equals_eager_across_wraps_with_one_trace_per_t():
+    layer = _layer(ROLLING)
+    full = layer(LONG, causal=True)
+    eager = _rolling_decode(lambda x, c: layer(x, causal=True, return_attention=True, cache=c), layer, 4)
+    step = tf.function(lambda x, c: layer(x, causal=True, return_attention=True, cache=c), jit_compile=True)
+    xla = _rolling_decode(step, layer, 4)  # L = 4 = window + T - 1 for the T = 2 chunk at index 6
+    _close(eager[0], full, OUTPUT_TOL)
+    _close(xla[0], eager[0], OUTPUT_TOL)
+    _close(xla[1], eager[1], WEIGHTS_TOL)
+    for got, expected in zip(xla[2], eager[2], strict=True):
+        _close(got, expected, OUTPUT_TOL)
+    assert int(xla[2].index) == LONG.shape[1]
+    assert step.experimental_get_tracing_count() == 2  # T = 2 and T = 1, whatever the lap
+
+
+def test_rolling_cache_is_a_while_loop_variable():
+    layer, tokens = _layer(ROLLING), tf.constant(LONG)
+    steps = LONG.shape[1]
+
+    @tf.function
+    def greedy_steps(cache):
+        def body(i, cache, outputs):
+            output, cache = layer(tokens[:, i : i + 1], causal=True, cache=cache)
+            return i + 1, cache, outputs.write(i, output[:, 0])
+
+        loop_vars = (tf.constant(0), cache, tf.TensorArray(tf.float32, size=steps))
+        _, cache, outputs = tf.while_loop(lambda i, *_: i < steps, body, loop_vars)
+        return tf.transpose(outputs.stack(), [1, 0, 2]), cache
+
+    padding = np.arange(steps) >= np.array([[0], [1]])  # (B, P): the second prompt is left-padded by 1
+    output, cache = greedy_steps(layer.init_cache(B, 3, keep=padding[:, :3]))  # L = window: enough for T = 1
+    _close(output, layer(LONG, key_mask=padding, causal=True), OUTPUT_TOL)  # slot 0 holds a real token again
+    assert int(cache.index) == steps and tuple(cache.key.shape) == (B, 2, 3, E // N)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["function", "xla"])
+def test_rolling_cache_too_short_for_a_wrapping_call(jit_compile):
+    """L = 4 < window + T - 1 = 5: the T = 3 call at index 2 would overwrite its first query's keys."""
+    layer = _layer(ROLLING)
+    step = tf.function(lambda x, c: layer(x, causal=True, cache=c), jit_compile=jit_compile)
+    _, cache = step(LONG[:, :2], layer.init_cache(B, 4))
+    fits, _ = step(LONG[:, :3], layer.init_cache(B, 4))  # the same T without a wrap is no error
+    assert np.isfinite(fits.numpy()).all()
+    if not jit_compile:
+        with pytest.raises(tf.errors.InvalidArgumentError, match=TOO_SHORT):
+            step(LONG[:, 2:5], cache)
+    else:
+        assert np.isnan(step(LONG[:, 2:5], cache)[0].numpy()).all()  # XLA drops the assertion
+
+
+def test_rolling_cache_too_short_raises_eagerly():
+    layer = _layer(ROLLING)
+    _, cache = layer(LONG[:, :2], causal=True, cache=layer.init_cache(B, 4))
+    with pytest.raises(ValueError, match=TOO_SHORT + r" .*Received: window=3, T=3, L=4"):
+        layer(LONG[:, 2:5], causal=True, cache=cache)
+
+
 # --- errors --------------------------------------------------------------------------------------
 
 CONSTRUCTOR_ERRORS = {
