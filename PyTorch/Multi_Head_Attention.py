@@ -93,7 +93,8 @@ class KVCache(NamedTuple):
         key: (B, K, L, H) projected keys, one slot per position; L is the cache's max length.
         value: (B, K, L, H) projected values.
         keep: (B, L) boolean; False marks a slot no query may attend (left padding).
-        index: scalar integer; slots [0, index) are written, the next call writes from index.
+        index: scalar integer, the positions written so far; position p is in slot p (with a
+            `window`, slot p mod L: the cache rolls), and the next call writes from index.
     """
 
     key: torch.Tensor
