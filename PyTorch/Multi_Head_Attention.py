@@ -505,6 +505,8 @@ def _write_cache(cache, k, v, key_mask):
     slots = positions % length  # (T,)
     cache.key.index_copy_(2, slots, k)  # (B, K, L, H)
     cache.value.index_copy_(2, slots, v)  # (B, K, L, H)
+    if key_mask is None and not torch.compiler.is_compiling() and int(cache.index) + t <= length:
+        return KVCache(cache.key, cache.value, cache.keep, cache.index + t)  # first lap, nothing to AND: keep stays
     new = torch.ones(b, t, dtype=torch.bool, device=k.device) if key_mask is None else key_mask  # (B, T)
     old = cache.keep.index_select(1, slots)  # (B, T)
     cache.keep.index_copy_(1, slots, torch.where(positions < length, old & new, new))  # (B, L)
