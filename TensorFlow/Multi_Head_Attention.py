@@ -1188,8 +1188,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         """RoPE of q (B, N, T, H) and k (B, K, T, H) at (B, T) or (1, T) `positions`."""
         if self.rope_theta is None:
             return q, k
-        rotate = lambda x: apply_rope(x, positions, self._inv_freq, self.rope_interleaved)  # noqa: E731
-        return rotate(q), rotate(k)
+        inv_freq, interleaved = self._inv_freq, self.rope_interleaved
+        return apply_rope(q, positions, inv_freq, interleaved), apply_rope(k, positions, inv_freq, interleaved)
 
     def _positions(self, positions, query, key, cache):
         """Checks `positions` and returns them as (B, T) or (1, T) integers (default
