@@ -562,8 +562,9 @@ class MultiHeadAttention:
         kdim: width of `key`. Defaults to E.
         vdim: width of `value`. Defaults to E.
         dropout: must be 0: the reference has no dropout.
-        bias: True (all four projections have a bias), False, or the names of those that do,
-            from "query", "key", "value", "output" (Qwen2: ("query", "key", "value")).
+        bias: True (all four projections have a bias), False (none), or a collection of the
+            names of those that have one, among "query", "key", "value", "output" (Qwen2:
+            ("query", "key", "value")). Kept as that tuple of names, in that order.
         scale: the factor of the scores q . k; defaults to 1 / sqrt(H).
         softcap: None, or c: scores become c * tanh(scores / c) (Gemma 2).
         window: None, or W: each query attends only keys s > t + (S - T) - W (with `causal`,

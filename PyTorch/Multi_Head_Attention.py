@@ -805,7 +805,7 @@ class MultiHeadAttention(nn.Module):
         vdim: width of `value`. Defaults to E.
         dropout: probability of dropping attention weights in training mode; 0 <= p < 1.
         bias: True (all four projections have a bias), False (none), or a collection of the
-            names of those that have one, from "query", "key", "value", "output" (Qwen2:
+            names of those that have one, among "query", "key", "value", "output" (Qwen2:
             ("query", "key", "value")). Kept as that tuple of names, in that order.
         scale: the factor of the scores, scores = (q . k) * scale. Defaults to 1 / sqrt(H).
         softcap: None or c > 0: the scaled scores become c * tanh(scores / c) (Gemma 2), before

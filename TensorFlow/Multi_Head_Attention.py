@@ -884,8 +884,9 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         kdim: width of `key`. Defaults to E.
         vdim: width of `value`. Defaults to E.
         dropout: probability of dropping attention weights when training; 0 <= p < 1.
-        bias: True (the four projections have biases), False (none), or a collection of the
-            names of those that have one, from "query", "key", "value", "output".
+        bias: True (all four projections have a bias), False (none), or a collection of the
+            names of those that have one, among "query", "key", "value", "output" (Qwen2:
+            ("query", "key", "value")). Kept as that tuple of names, in that order.
         scale: the factor of the scores, `scores = (q . k) * scale`. Defaults to 1 / sqrt(H).
         softcap: None or a positive float c: the scores become c * tanh(scores / c).
         window: None or a positive integer W, a sliding window: query t keeps key s only if
