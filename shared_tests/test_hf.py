@@ -788,6 +788,37 @@ def test_a_multimodal_config_ports_like_its_text_config():
     assert port_attention(module, config)[0] == port_attention(module, config.text_config)[0]
 
 
+YARN_PARAMETERS = {
+    "gpt_oss_default": {"rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                        "truncate": False, "original_max_position_embeddings": 4096},
+    "truncated": {"rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 2048},
+    "mscale": {"rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
+               "mscale_all_dim": 0.707},
+    "attention_factor_and_betas": {"rope_theta": 500000.0, "factor": 8.0, "original_max_position_embeddings": 8192,
+                                   "attention_factor": 1.5, "beta_fast": 16.0, "beta_slow": 2.0},
+}  # fmt: skip
+YARN_RELATIVE_TOL = 1e-6  # transformers computes its frequencies in float32, the layers in float64 rounded once
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("name", sorted(YARN_PARAMETERS))
+def test_yarn_frequencies_and_attention_factor_are_transformers(framework, name):
+    """At a real head size (H = 64, partial 0.5 and full), for every YaRN option transformers reads."""
+    parameters = {"rope_type": "yarn", **YARN_PARAMETERS[name]}
+    layer_file = _runner(framework).module
+    for fraction in (0.5, 1.0):
+        config = transformers.LlamaConfig(
+            hidden_size=256, num_attention_heads=4, head_dim=64, max_position_embeddings=131072,
+            rope_parameters={**parameters, "partial_rotary_factor": fraction},
+        )  # fmt: skip
+        inv_freq, attention_factor = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["yarn"](config)
+        module_kwargs, _ = port_attention(transformers.models.llama.modeling_llama.LlamaAttention(config, 0), config)
+        scaling = module_kwargs["rope_scaling"]
+        ours = np.asarray(layer_file.rope_frequencies(int(64 * fraction), parameters["rope_theta"], scaling))
+        np.testing.assert_allclose(ours, inv_freq.numpy(), rtol=YARN_RELATIVE_TOL, atol=0)
+        assert layer_file.rope_attention_factor(scaling) == pytest.approx(attention_factor, rel=1e-12)
+
+
 @pytest.mark.parametrize(("head_dim", "rotary_dim"), [(44, 30), (47, 6), (80, 32), (64, 64)])
 def test_gptj_rotary_dim_survives_float_rounding(head_dim, rotary_dim):
     """44 * (30 / 44) is 29.999...: a fraction of R / H would make the layer rotate 29 features."""
