@@ -57,7 +57,9 @@ _PROJECTIONS = ("query", "key", "value", "output")
 _ROPE_SCALING = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
 }
+_YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
 class KVCache(NamedTuple):
@@ -122,20 +124,32 @@ def _is_positive_number(value):
 
 
 def _rope_scaling(scaling):
-    """Checks `rope_scaling`: None or a dict whose `rope_type` (or `type`) is 'linear' or 'llama3',
-    with its positive parameters (llama3: high_freq_factor above low_freq_factor)."""
+    """Checks `rope_scaling`: None or a dict whose `rope_type` (or `type`) is 'linear', 'llama3' or
+    'yarn', with its positive parameters (llama3: high_freq_factor above low_freq_factor; yarn: see
+    `_valid_yarn`)."""
     if scaling is None:
         return None
     kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
     valid = kind in _ROPE_SCALING and all(_is_positive_number(scaling.get(name)) for name in _ROPE_SCALING[kind])
     if valid and kind == "llama3":
         valid = scaling["high_freq_factor"] > scaling["low_freq_factor"]
+    if valid and kind == "yarn":
+        valid = _valid_yarn(scaling)
     if not valid:
         raise ValueError(
-            "`rope_scaling` must be None or a dict whose rope_type is 'linear' or 'llama3', with its parameters. "
-            f"Received: rope_scaling={scaling!r}"
+            "`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3' or 'yarn', with its "
+            f"parameters. Received: rope_scaling={scaling!r}"
         )
     return dict(scaling)
+
+
+def _valid_yarn(scaling):
+    """YaRN's optional parameters: each None (absent) or positive, `truncate` True or False, and
+    beta_fast (default 32) at least beta_slow (default 1)."""
+    if not all(scaling.get(name) is None or _is_positive_number(scaling[name]) for name in _YARN_OPTIONAL):
+        return False
+    truncate = isinstance(scaling.get("truncate", True), (bool, np.bool_))
+    return truncate and (scaling.get("beta_fast") or 32) >= (scaling.get("beta_slow") or 1)
 
 
 def _check_qk_norm(qk_norm):
@@ -150,6 +164,8 @@ def rope_frequencies(rotary_dim, theta, scaling=None):
     kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind == "yarn":
+        return _yarn_frequencies(inv_freq, theta, scaling)
     if kind != "llama3":
         return inv_freq
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -159,6 +175,56 @@ def rope_frequencies(rotary_dim, theta, scaling=None):
     smooth = (context / wavelength - low) / (high - low)
     medium = (wavelength >= context / high) & (wavelength <= context / low)
     return np.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)  # (R/2,)
+
+
+def _yarn_correction_dim(rotations, rotary_dim, theta, context):
+    """The (fractional) pair index whose wavelength turns `rotations` times over `context` positions."""
+    return rotary_dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+
+def _yarn_frequencies(inv_freq, theta, scaling):
+    """YaRN's rewrite (transformers' `_compute_yarn_parameters`): pairs below the correction dim of
+    beta_fast rotations keep inv_freq (extrapolation), pairs above that of beta_slow take
+    inv_freq / factor (interpolation), a linear ramp between (bounds floored and ceiled when
+    `truncate`, the default)."""
+    rotary_dim, context = 2 * inv_freq.shape[0], scaling["original_max_position_embeddings"]
+    low = _yarn_correction_dim(scaling.get("beta_fast") or 32, rotary_dim, theta, context)
+    high = _yarn_correction_dim(scaling.get("beta_slow") or 1, rotary_dim, theta, context)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    high = high + 0.001 if high == low else high  # as transformers: no ramp of zero width
+    ramp = np.clip((np.arange(rotary_dim // 2) - low) / (high - low), 0.0, 1.0)  # (R/2,), 1 = interpolated
+    return inv_freq / scaling["factor"] * ramp + inv_freq * (1.0 - ramp)  # (R/2,)
+
+
+def rope_attention_factor(scaling):
+    """The factor of the rotated features of q and k (transformers multiplies cos and sin by it):
+    YaRN's `attention_factor`, else mscale(factor, mscale) / mscale(factor, mscale_all_dim) when
+    both are given, else mscale(factor, 1), with mscale(s, m) = 0.1 * m * ln(s) + 1 (1 for s <= 1);
+    1.0 for the other scalings."""
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return _yarn_mscale(factor, 1.0)
+
+
+def _yarn_mscale(factor, mscale):
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def scale_rotated(x, rotary_dim, factor):
+    """The first R (rotated) features of each head of x (B, heads, T, H) times `factor` (YaRN)."""
+    if factor == 1.0:
+        return x
+    if rotary_dim == x.shape[-1]:
+        return x * factor
+    return np.concatenate([x[..., :rotary_dim] * factor, x[..., rotary_dim:]], axis=-1)  # (B, heads, T, H)
 
 
 def apply_rope(x, positions, inv_freq, interleaved):
@@ -572,7 +638,8 @@ class MultiHeadAttention:
         rope_theta: None (no RoPE), or the base of rotary position embeddings (e.g. 10000.0).
         rope_fraction: the share of each head's features that RoPE rotates (partial rotary).
         rope_interleaved: pair features (2i, 2i + 1) (GPT-J) instead of (i, i + R/2) (Llama).
-        rope_scaling: None, or a dict {"rope_type": "linear" or "llama3", ...} as in transformers.
+        rope_scaling: None, or a dict {"rope_type": "linear", "llama3" or "yarn", ...} as in
+            transformers; YaRN also multiplies the rotated features of q and k by its attention factor.
         qk_norm: None, "head" (RMSNorm of each head of q and k, Qwen3) or "all" (of all heads,
             OLMo2); its scales are the weights `query_norm` and `key_norm`.
         qk_norm_eps: the epsilon of that RMSNorm.
@@ -768,7 +835,9 @@ class MultiHeadAttention:
         if self._inv_freq is None:
             return q, k
         inv_freq, interleaved = self._inv_freq, self.rope_interleaved
-        return apply_rope(q, positions, inv_freq, interleaved), apply_rope(k, positions, inv_freq, interleaved)
+        q, k = apply_rope(q, positions, inv_freq, interleaved), apply_rope(k, positions, inv_freq, interleaved)
+        factor, rotary_dim = rope_attention_factor(self.rope_scaling), 2 * inv_freq.shape[0]
+        return scale_rotated(q, rotary_dim, factor), scale_rotated(k, rotary_dim, factor)  # YaRN's factor
 
     def _positions(self, positions, batch_size, t, index):
         """(B, T) RoPE positions: `positions`, or index + arange(T); None without RoPE."""
@@ -881,7 +950,9 @@ class MultiHeadAttention:
         s = d_k_rep.shape[2]
         d_k = d_k_rep.reshape(b, kv, n // kv, s, h).sum(axis=2)  # (B, N, S, H) -> (B, K, S, H)
         d_v = d_v_rep.reshape(b, kv, n // kv, s, h).sum(axis=2)  # (B, N, S, H) -> (B, K, S, H)
-        if self._inv_freq is not None:  # RoPE is a rotation: its backward turns back
+        if self._inv_freq is not None:  # RoPE is a rotation (times YaRN's factor): its backward scales, turns back
+            factor, rotary_dim = rope_attention_factor(self.rope_scaling), 2 * self._inv_freq.shape[0]
+            d_q, d_k = (scale_rotated(d, rotary_dim, factor) for d in (d_q, d_k))
             d_q, d_k = (apply_rope(d, -c["positions"], self._inv_freq, self.rope_interleaved) for d in (d_q, d_k))
 
         inputs = {}

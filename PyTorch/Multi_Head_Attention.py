@@ -83,7 +83,9 @@ _PROJECTIONS = ("query", "key", "value", "output")
 _ROPE_SCALING = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
 }
+_YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
 class KVCache(NamedTuple):
@@ -160,17 +162,28 @@ def _check_rope_scaling(scaling):
     valid = bool(parameters) and all(_is_positive_number(scaling.get(name)) for name in parameters)
     if valid and kind == "llama3":
         valid = scaling["high_freq_factor"] > scaling["low_freq_factor"]
+    if valid and kind == "yarn":
+        valid = _valid_yarn(scaling)
     if not valid:
         raise ValueError(
-            "`rope_scaling` must be None or a dict whose rope_type is 'linear' or 'llama3', with its parameters. "
-            f"Received: rope_scaling={scaling!r}"
+            "`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3' or 'yarn', with its "
+            f"parameters. Received: rope_scaling={scaling!r}"
         )
     return dict(scaling)
 
 
+def _valid_yarn(scaling):
+    """YaRN's optional parameters: each None (absent) or positive, `truncate` True or False, and
+    beta_fast (default 32) at least beta_slow (default 1)."""
+    if not all(scaling.get(name) is None or _is_positive_number(scaling[name]) for name in _YARN_OPTIONAL):
+        return False
+    truncate = isinstance(scaling.get("truncate", True), bool)
+    return truncate and (scaling.get("beta_fast") or 32) >= (scaling.get("beta_slow") or 1)
+
+
 def rope_frequencies(rotary_dim, theta, scaling=None, *, device=None):
     """The RoPE frequencies inv_freq[i] = theta ** (-2i / R) for i in [0, R/2), rewritten by
-    `scaling` (None, or a `transformers` rope_scaling dict: "linear" or "llama3").
+    `scaling` (None, or a `transformers` rope_scaling dict: "linear", "llama3" or "yarn").
 
     Returns:
         inv_freq (R/2,) float32, computed in float64 and rounded once.
@@ -182,6 +195,8 @@ def rope_frequencies(rotary_dim, theta, scaling=None, *, device=None):
         inv_freq = inv_freq / scaling["factor"]
     if kind == "llama3":
         inv_freq = _llama3_frequencies(inv_freq, scaling)
+    if kind == "yarn":
+        inv_freq = _yarn_frequencies(inv_freq, theta, scaling)
     return inv_freq.float()
 
 
@@ -197,6 +212,57 @@ def _llama3_frequencies(inv_freq, scaling):
     smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq  # (R/2,)
     scaled = torch.where(wavelength > context / low, inv_freq / factor, smoothed)  # (R/2,)
     return torch.where(wavelength < context / high, inv_freq, scaled)  # (R/2,)
+
+
+def _yarn_correction_dim(rotations, rotary_dim, theta, context):
+    """The (fractional) pair index whose wavelength turns `rotations` times over `context` positions."""
+    return rotary_dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+
+def _yarn_frequencies(inv_freq, theta, scaling):
+    """YaRN's rewrite (transformers' `_compute_yarn_parameters`): pairs below the correction dim of
+    beta_fast rotations keep inv_freq (extrapolation), pairs above that of beta_slow take
+    inv_freq / factor (interpolation), a linear ramp between (bounds floored and ceiled when
+    `truncate`, the default)."""
+    rotary_dim, context = 2 * inv_freq.shape[0], scaling["original_max_position_embeddings"]
+    low = _yarn_correction_dim(scaling.get("beta_fast") or 32, rotary_dim, theta, context)
+    high = _yarn_correction_dim(scaling.get("beta_slow") or 1, rotary_dim, theta, context)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    high = high + 0.001 if high == low else high  # as transformers: no ramp of zero width
+    pairs = torch.arange(rotary_dim // 2, dtype=inv_freq.dtype, device=inv_freq.device)  # (R/2,)
+    ramp = ((pairs - low) / (high - low)).clamp(0.0, 1.0)  # (R/2,), 1 = interpolated
+    return inv_freq / scaling["factor"] * ramp + inv_freq * (1.0 - ramp)  # (R/2,)
+
+
+def rope_attention_factor(scaling):
+    """The factor of the rotated features of q and k (transformers multiplies cos and sin by it):
+    YaRN's `attention_factor`, else mscale(factor, mscale) / mscale(factor, mscale_all_dim) when
+    both are given, else mscale(factor, 1), with mscale(s, m) = 0.1 * m * ln(s) + 1 (1 for s <= 1);
+    1.0 for the other scalings."""
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return _yarn_mscale(factor, 1.0)
+
+
+def _yarn_mscale(factor, mscale):
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def scale_rotated(x, rotary_dim, factor):
+    """The first R (rotated) features of each head of x (B, heads, T, H) times `factor` (YaRN)."""
+    if factor == 1.0:
+        return x
+    if rotary_dim == x.shape[-1]:
+        return x * factor
+    return torch.cat((x[..., :rotary_dim] * factor, x[..., rotary_dim:]), dim=-1)  # (B, heads, T, H)
 
 
 def apply_rope(x, positions, inv_freq, interleaved):
@@ -818,8 +884,11 @@ class MultiHeadAttention(nn.Module):
         rope_interleaved: False pairs feature i with i + R/2 (Llama, GPT-NeoX); True pairs
             features 2i and 2i + 1 (GPT-J).
         rope_scaling: None or a dict as `transformers` writes it: {"rope_type": "linear",
-            "factor": f} or {"rope_type": "llama3", "factor", "low_freq_factor",
-            "high_freq_factor", "original_max_position_embeddings"} (Llama 3.1).
+            "factor": f}, {"rope_type": "llama3", "factor", "low_freq_factor",
+            "high_freq_factor", "original_max_position_embeddings"} (Llama 3.1) or {"rope_type":
+            "yarn", "factor", "original_max_position_embeddings", optional "attention_factor",
+            "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"} (gpt-oss; the
+            rotated features of q and k are also multiplied by its attention factor).
         qk_norm: None, "head" (RMSNorm over each head's H features of q and of k, scales (H,)
             shared by the heads: Qwen3) or "all" (over all N*H and K*H features: OLMo2).
         qk_norm_eps: the epsilon of the QK-norm.
@@ -1169,9 +1238,10 @@ class MultiHeadAttention(nn.Module):
         if self.rope_theta is None:
             return q, k
         inv_freq = rope_frequencies(self._rotary_dim, self.rope_theta, self.rope_scaling, device=q.device)  # (R/2,)
-        return apply_rope(q, positions, inv_freq, self.rope_interleaved), apply_rope(
-            k, positions, inv_freq, self.rope_interleaved
-        )
+        interleaved = self.rope_interleaved
+        q, k = apply_rope(q, positions, inv_freq, interleaved), apply_rope(k, positions, inv_freq, interleaved)
+        factor = rope_attention_factor(self.rope_scaling)
+        return scale_rotated(q, self._rotary_dim, factor), scale_rotated(k, self._rotary_dim, factor)  # YaRN's factor
 
     def _check_local_heads(self, q, k, attention_mask, attention_bias):
         """Tensor parallelism: this rank's query and key/value heads must keep the N : K grouping,

@@ -66,7 +66,9 @@ _PROJECTIONS = ("query", "key", "value", "output")
 _ROPE_SCALING = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
 }
+_YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 _ATTRIBUTES = {"sinks": "sink_logits"}  # portable weight name -> layer attribute (`layer.sinks` is the flag)
 
 
@@ -135,8 +137,8 @@ def _rotary_dim(rope_fraction, head_dim):
 
 def _check_rope_scaling(scaling):
     """`rope_scaling` as transformers writes it: None, or a dict whose `rope_type` (or `type`) is
-    'linear' or 'llama3', with its positive parameters (llama3: high_freq_factor above
-    low_freq_factor)."""
+    'linear', 'llama3' or 'yarn', with its positive parameters (llama3: high_freq_factor above
+    low_freq_factor; yarn: see `_valid_yarn`)."""
     if scaling is None:
         return None
     kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
@@ -144,12 +146,23 @@ def _check_rope_scaling(scaling):
     valid = needed is not None and all(_is_positive_number(scaling.get(name)) for name in needed)
     if valid and kind == "llama3":
         valid = scaling["high_freq_factor"] > scaling["low_freq_factor"]
+    if valid and kind == "yarn":
+        valid = _valid_yarn(scaling)
     if not valid:
         raise ValueError(
-            "`rope_scaling` must be None or a dict whose rope_type is 'linear' or 'llama3', with its parameters. "
-            f"Received: rope_scaling={scaling!r}"
+            "`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3' or 'yarn', with its "
+            f"parameters. Received: rope_scaling={scaling!r}"
         )
     return dict(scaling)
+
+
+def _valid_yarn(scaling):
+    """YaRN's optional parameters: each None (absent) or positive, `truncate` True or False, and
+    beta_fast (default 32) at least beta_slow (default 1)."""
+    if not all(scaling.get(name) is None or _is_positive_number(scaling[name]) for name in _YARN_OPTIONAL):
+        return False
+    truncate = isinstance(scaling.get("truncate", True), (bool, np.bool_))
+    return truncate and (scaling.get("beta_fast") or 32) >= (scaling.get("beta_slow") or 1)
 
 
 def _llama3_frequencies(inv_freq, scaling):
@@ -165,15 +178,67 @@ def _llama3_frequencies(inv_freq, scaling):
     return np.where(medium, smoothed, scaled)
 
 
+def _yarn_correction_dim(rotations, rotary_dim, theta, context):
+    """The (fractional) pair index whose wavelength turns `rotations` times over `context` positions."""
+    return rotary_dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+
+def _yarn_frequencies(inv_freq, theta, scaling):
+    """YaRN's rewrite (transformers' `_compute_yarn_parameters`): pairs below the correction dim of
+    beta_fast rotations keep inv_freq (extrapolation), pairs above that of beta_slow take
+    inv_freq / factor (interpolation), a linear ramp between (bounds floored and ceiled when
+    `truncate`, the default)."""
+    rotary_dim, context = 2 * inv_freq.shape[0], scaling["original_max_position_embeddings"]
+    low = _yarn_correction_dim(scaling.get("beta_fast") or 32, rotary_dim, theta, context)
+    high = _yarn_correction_dim(scaling.get("beta_slow") or 1, rotary_dim, theta, context)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    high = high + 0.001 if high == low else high  # as transformers: no ramp of zero width
+    ramp = np.clip((np.arange(rotary_dim // 2) - low) / (high - low), 0.0, 1.0)  # (R/2,), 1 = interpolated
+    return inv_freq / scaling["factor"] * ramp + inv_freq * (1.0 - ramp)  # (R/2,)
+
+
+def rope_attention_factor(scaling):
+    """The factor of the rotated features of q and k (transformers multiplies cos and sin by it):
+    YaRN's `attention_factor`, else mscale(factor, mscale) / mscale(factor, mscale_all_dim) when
+    both are given, else mscale(factor, 1), with mscale(s, m) = 0.1 * m * ln(s) + 1 (1 for s <= 1);
+    1.0 for the other scalings."""
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return _yarn_mscale(factor, 1.0)
+
+
+def _yarn_mscale(factor, mscale):
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def scale_rotated(x, rotary_dim, factor):
+    """The first R (rotated) features of each head of x (B, heads, T, H) times `factor` (YaRN)."""
+    if factor == 1.0:
+        return x
+    if rotary_dim == x.shape[-1]:
+        return x * factor
+    return tf.concat([x[..., :rotary_dim] * factor, x[..., rotary_dim:]], axis=-1)  # (B, heads, T, H)
+
+
 def rope_frequencies(rotary_dim, theta, scaling=None):
     """(R/2,) float32 inverse frequencies `theta ** (-2i / R)` of RoPE, rewritten by `scaling`
-    (None, {"rope_type": "linear", "factor": f} or a "llama3" dict); computed in float64."""
+    (None, {"rope_type": "linear", "factor": f}, a "llama3" or a "yarn" dict); computed in float64."""
     inv_freq = float(theta) ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)  # (R/2,)
     kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif kind == "llama3":
         inv_freq = _llama3_frequencies(inv_freq, scaling)
+    elif kind == "yarn":
+        inv_freq = _yarn_frequencies(inv_freq, theta, scaling)
     return tf.constant(inv_freq, tf.float32)
 
 
@@ -894,8 +959,11 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         rope_theta: None (no RoPE) or the base of rotary position embeddings.
         rope_fraction: in (0, 1]; RoPE turns the first R = int(H * rope_fraction) features.
         rope_interleaved: False pairs feature i with i + R/2; True pairs 2i and 2i + 1.
-        rope_scaling: None, {"rope_type": "linear", "factor": f} or a "llama3" dict (factor,
-            low_freq_factor, high_freq_factor, original_max_position_embeddings).
+        rope_scaling: None, {"rope_type": "linear", "factor": f}, a "llama3" dict (factor,
+            low_freq_factor, high_freq_factor, original_max_position_embeddings) or a "yarn" dict
+            (factor, original_max_position_embeddings, optional attention_factor, beta_fast,
+            beta_slow, mscale, mscale_all_dim, truncate; the rotated features of q and k are
+            also multiplied by its attention factor).
         qk_norm: None, "head" (RMSNorm of each head of q and k) or "all" (over all heads).
         qk_norm_eps: the epsilon of the QK-norm.
         sinks: if True, one learned logit per query head in the softmax's denominator.
@@ -1190,7 +1258,9 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         if self.rope_theta is None:
             return q, k
         inv_freq, interleaved = self._inv_freq, self.rope_interleaved
-        return apply_rope(q, positions, inv_freq, interleaved), apply_rope(k, positions, inv_freq, interleaved)
+        q, k = apply_rope(q, positions, inv_freq, interleaved), apply_rope(k, positions, inv_freq, interleaved)
+        factor, rotary_dim = rope_attention_factor(self.rope_scaling), 2 * inv_freq.shape[0]
+        return scale_rotated(q, rotary_dim, factor), scale_rotated(k, rotary_dim, factor)  # YaRN's factor
 
     def _positions(self, positions, query, key, cache):
         """Checks `positions` and returns them as (B, T) or (1, T) integers (default

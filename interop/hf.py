@@ -40,9 +40,10 @@ token at a time, as `transformers` does with its `DynamicCache`; T5 and Bloom pa
 over the L cache slots (`t5_position_bias(module, T, L, past_length=index)`, ALiBi over the
 positions of all L slots).
 
-RoPE scaling: `default`, `linear` and `llama3` port; other types (YaRN, dynamic, LongRoPE) are
-a `ValueError` for now. The PyTorch tensors are read with `torch` only through the modules'
-own parameters and methods (`.detach().cpu()`), so this file imports no framework itself.
+RoPE scaling: `default`, `linear`, `llama3` and `yarn` (gpt-oss' default) port with their
+parameters; other types (dynamic, LongRoPE) are a `ValueError` for now. The PyTorch tensors are
+read with `torch` only through the modules' own parameters and methods (`.detach().cpu()`), so
+this file imports no framework itself.
 """
 
 import functools
@@ -55,7 +56,9 @@ __all__ = ["alibi_positions", "port_attention", "supported_modules", "t5_positio
 _ROPE_SCALING_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
 }
+_YARN_OPTIONAL_KEYS = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
 def _array(tensor):
@@ -129,8 +132,8 @@ def _rope_kwargs(parameters, head_dim, rotary_dim=None):
     rope_type = parameters.get("rope_type", parameters.get("type", "default"))
     if rope_type != "default" and rope_type not in _ROPE_SCALING_KEYS:
         raise ValueError(
-            "`config.rope_parameters` must have rope_type 'default', 'linear' or 'llama3' (the layer has no other "
-            f"RoPE scaling yet). Received: rope_parameters={parameters!r}"
+            "`config.rope_parameters` must have rope_type 'default', 'linear', 'llama3' or 'yarn' (the layer has no "
+            f"other RoPE scaling yet). Received: rope_parameters={parameters!r}"
         )
     kwargs = {"rope_theta": float(parameters["rope_theta"])}
     # transformers rotates int(head_dim * partial_rotary_factor) features, as the layer does with `rope_fraction`.
@@ -141,7 +144,18 @@ def _rope_kwargs(parameters, head_dim, rotary_dim=None):
         kwargs["rope_fraction"] = float(fraction)
     if rope_type != "default":
         kwargs["rope_scaling"] = {"rope_type": rope_type} | {k: parameters[k] for k in _ROPE_SCALING_KEYS[rope_type]}
+    if rope_type == "yarn":
+        kwargs["rope_scaling"] |= _yarn_options(parameters)
     return kwargs
+
+
+def _yarn_options(parameters):
+    """YaRN's optional parameters as transformers reads them: a None one is absent; `truncate`, where
+    given, is read for its truth (None does not truncate)."""
+    options = {k: parameters[k] for k in _YARN_OPTIONAL_KEYS if parameters.get(k) is not None}
+    if "truncate" in parameters:
+        options["truncate"] = bool(parameters["truncate"])
+    return options
 
 
 def _qk_norm(module, head_dim, weights):
@@ -328,7 +342,7 @@ def port_attention(module, config):
 
     Raises:
         ValueError: for a module this converter does not know, or a variant the layer cannot
-            hold (RoPE scaling other than linear and llama3, Phi's LayerNorm QK-norm, GPT-2
+            hold (RoPE scaling other than linear, llama3 and yarn, Phi's LayerNorm QK-norm, GPT-2
             cross-attention).
     """
     if hasattr(config, "get_text_config"):  # a multimodal config (Gemma 3) holds the text model's

@@ -35,6 +35,9 @@ LLAMA3_SCALING = {  # Llama 3.1's frequency rewrite, with a short original conte
     "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }  # fmt: skip
+YARN_SCALING = {  # YaRN at H = 8, theta 10000: frequency ramp (0, 0.6, 1, 1) over the pairs, attention factor 1.14
+    "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "truncate": False,
+}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +226,15 @@ CASES = [
         causal=True,
         attention_bias="bts",
         variants=(("rope_theta", 10000.0), ("qk_norm", "head"), ("window", 3)),
+    ),
+    Case(
+        "rope_yarn_gqa",
+        e=32,
+        k=2,
+        self_attention=True,
+        causal=True,
+        positions="shifted",
+        variants=(("rope_theta", 10000.0), ("rope_scaling", YARN_SCALING)),
     ),
 ]
 

@@ -174,6 +174,43 @@ FAMILIES = [
         "model.layers.{i}.self_attn",
     ),
     Family(
+        "llama_yarn",
+        _llama_like(
+            "LlamaForCausalLM",
+            "LlamaConfig",
+            **GQA,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 256,  # the ramp of R = 8 spans pairs 0 to 2 (0, 0.5, 1, 1)
+                "mscale": 1.0,
+                "mscale_all_dim": 0.5,  # attention factor (0.1 ln 4 + 1) / (0.05 ln 4 + 1)
+            },
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "phi_yarn",
+        _llama_like(
+            "PhiForCausalLM",
+            "PhiConfig",
+            hidden_size=HIDDEN,
+            num_attention_heads=HEADS,
+            partial_rotary_factor=0.5,  # the attention factor scales the 4 rotated features of 8 only
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "original_max_position_embeddings": 64,
+                "attention_factor": 1.25,
+                "beta_fast": 16.0,
+                "beta_slow": 2.0,
+            },
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
         "mistral",
         _llama_like("MistralForCausalLM", "MistralConfig", **GQA, sliding_window=WINDOW),
         "model.layers.{i}.self_attn",
@@ -341,8 +378,7 @@ FAMILIES = [
             sliding_window=WINDOW,
             num_local_experts=2,
             num_experts_per_tok=1,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        ),
+        ),  # its default rope_parameters: YaRN, factor 32, theta 150000, truncate False
         "model.layers.{i}.self_attn",
     ),
     Family(
@@ -587,6 +623,8 @@ VARIANTS = {
     "llama": {"rope"},
     "llama3_scaled": {"rope", "rope_scaling"},
     "llama_linear": {"rope", "rope_scaling"},
+    "llama_yarn": {"rope", "rope_scaling"},
+    "phi_yarn": {"rope", "rope_fraction", "rope_scaling"},
     "mistral": {"rope", "window"},
     "qwen2": {"rope", "window"},
     "qwen3": {"rope", "qk_norm"},
@@ -603,7 +641,7 @@ VARIANTS = {
     "gpt_neox": {"rope", "rope_fraction"},
     "phi": {"rope", "rope_fraction"},
     "gptj": {"rope", "rope_fraction", "rope_interleaved"},
-    "gpt_oss": {"rope", "window", "sinks"},
+    "gpt_oss": {"rope", "window", "sinks", "rope_scaling"},
     "t5_encoder": {"scale", "attention_bias"},
     "t5_decoder": {"scale", "attention_bias"},
     "bloom": {"attention_bias"},
@@ -666,19 +704,15 @@ def _tiny_module(module_class, config_class, **config):
 
 ERROR_CASES = [
     (
-        "yarn_rope",
+        "dynamic_rope",
         lambda: _tiny_module(
             transformers.models.llama.modeling_llama.LlamaAttention,
             transformers.LlamaConfig,
             **GQA,
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 16,
-            },
+            rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
         ),
-        r"`config.rope_parameters` must have rope_type 'default', 'linear' or 'llama3' .* Received: rope_parameters=.*'yarn'",
+        r"`config.rope_parameters` must have rope_type 'default', 'linear', 'llama3' or 'yarn' .* "
+        r"Received: rope_parameters=.*'dynamic'",
     ),
     (
         "phi_layernorm_qk_norm",
@@ -752,6 +786,37 @@ def test_a_multimodal_config_ports_like_its_text_config():
     config = transformers.Gemma3Config(text_config=text)
     module = FAMILIES_BY_NAME["gemma3"].module(_model("gemma3"), 1)
     assert port_attention(module, config)[0] == port_attention(module, config.text_config)[0]
+
+
+YARN_PARAMETERS = {
+    "gpt_oss_default": {"rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                        "truncate": False, "original_max_position_embeddings": 4096},
+    "truncated": {"rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 2048},
+    "mscale": {"rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
+               "mscale_all_dim": 0.707},
+    "attention_factor_and_betas": {"rope_theta": 500000.0, "factor": 8.0, "original_max_position_embeddings": 8192,
+                                   "attention_factor": 1.5, "beta_fast": 16.0, "beta_slow": 2.0},
+}  # fmt: skip
+YARN_RELATIVE_TOL = 1e-6  # transformers computes its frequencies in float32, the layers in float64 rounded once
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("name", sorted(YARN_PARAMETERS))
+def test_yarn_frequencies_and_attention_factor_are_transformers(framework, name):
+    """At a real head size (H = 64, partial 0.5 and full), for every YaRN option transformers reads."""
+    parameters = {"rope_type": "yarn", **YARN_PARAMETERS[name]}
+    layer_file = _runner(framework).module
+    for fraction in (0.5, 1.0):
+        config = transformers.LlamaConfig(
+            hidden_size=256, num_attention_heads=4, head_dim=64, max_position_embeddings=131072,
+            rope_parameters={**parameters, "partial_rotary_factor": fraction},
+        )  # fmt: skip
+        inv_freq, attention_factor = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["yarn"](config)
+        module_kwargs, _ = port_attention(transformers.models.llama.modeling_llama.LlamaAttention(config, 0), config)
+        scaling = module_kwargs["rope_scaling"]
+        ours = np.asarray(layer_file.rope_frequencies(int(64 * fraction), parameters["rope_theta"], scaling))
+        np.testing.assert_allclose(ours, inv_freq.numpy(), rtol=YARN_RELATIVE_TOL, atol=0)
+        assert layer_file.rope_attention_factor(scaling) == pytest.approx(attention_factor, rel=1e-12)
 
 
 @pytest.mark.parametrize(("head_dim", "rotary_dim"), [(44, 30), (47, 6), (80, 32), (64, 64)])

@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 from NumPy import MultiHeadAttention
-from NumPy.Multi_Head_Attention import alibi_bias, apply_rope, rope_frequencies
+from NumPy.Multi_Head_Attention import alibi_bias, apply_rope, rope_attention_factor, rope_frequencies
 
 FLOAT64_TOL = 1e-12  # two float64 formulations of the same sums
+FD_STEP = 1e-6
+FINITE_DIFFERENCE_TOL = 1e-7  # central differences of a float64 loss of order 1 at step 1e-6
 B, T, E, N = 2, 5, 16, 4
 H = E // N
 
@@ -85,6 +87,90 @@ def test_rope_frequency_scaling_as_transformers_writes_it():
             smooth = (64 / w - 1.0) / (4.0 - 1.0)
             assert llama3[i] == pytest.approx((1 - smooth) * base[i] / 8.0 + smooth * base[i], abs=FLOAT64_TOL)
     assert bands == ["high", "medium", "low", "low"]
+
+
+@pytest.mark.parametrize("truncate", [True, False])
+def test_yarn_frequencies_ramp_between_the_correction_dims(truncate):
+    """transformers' `_compute_yarn_parameters`: pair i keeps inv_freq below the correction dim of
+    beta_fast rotations over the original context, takes inv_freq / factor above that of beta_slow,
+    and a linear blend between (bounds floored and ceiled when `truncate`)."""
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "truncate": truncate}
+    base = rope_frequencies(16, 10000.0)
+
+    def correction_dim(rotations):  # the pair whose wavelength 2 pi / inv_freq fits `rotations` times in 4096
+        return 16 * math.log(4096 / (rotations * 2 * math.pi)) / (2 * math.log(10000.0))
+
+    low, high = correction_dim(32), correction_dim(1)  # 2.40 and 7.19
+    low, high = (math.floor(low), math.ceil(high)) if truncate else (low, high)
+    low, high = max(low, 0), min(high, 15)
+    for i, (got, f) in enumerate(zip(rope_frequencies(16, 10000.0, scaling), base, strict=True)):
+        ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+        assert got == pytest.approx(f / 4.0 * ramp + f * (1 - ramp), rel=FLOAT64_TOL)
+    ramp_of = (rope_frequencies(16, 10000.0, scaling) - base) / (base / 4.0 - base)  # (8,), 0 kept, 1 divided
+    assert ramp_of[0] == pytest.approx(0) and ramp_of[-1] == pytest.approx(1) and 0.1 < ramp_of[4] < 0.9
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({}, 0.1 * math.log(4.0) + 1),
+        ({"attention_factor": 0.8}, 0.8),
+        ({"mscale": 1.0, "mscale_all_dim": 0.5}, (0.1 * math.log(4.0) + 1) / (0.05 * math.log(4.0) + 1)),
+        ({"mscale": 1.0}, 0.1 * math.log(4.0) + 1),  # mscale alone is not read
+        ({"factor": 1.0}, 1.0),
+    ],
+)
+def test_yarn_attention_factor(extra, expected):
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, **extra}
+    assert rope_attention_factor(scaling) == pytest.approx(expected, rel=FLOAT64_TOL)
+    assert rope_attention_factor({"rope_type": "linear", "factor": 4.0}) == 1.0
+
+
+def _yarn_layer(attention_factor=None, seed=0):
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "truncate": False}
+    scaling |= {} if attention_factor is None else {"attention_factor": attention_factor}
+    return MultiHeadAttention(E, N, rope_theta=100.0, rope_fraction=0.5, rope_scaling=scaling, seed=seed)
+
+
+def test_yarn_attention_factor_multiplies_the_rotated_features_of_q_and_k():
+    """YaRN with attention factor f equals the same frequencies with factor 1 and the query and key
+    kernels' rotated columns (the first R = 2 of each head's 4) times f: the factor scales exactly
+    the rotated features of q and k, and it matters."""
+    x, positions = _x(), np.arange(T) + np.array([[0], [7]])
+    yarn, plain = _yarn_layer(), _yarn_layer(attention_factor=1.0)
+    f = rope_attention_factor(yarn.rope_scaling)
+    columns = np.tile(np.r_[np.full(2, f), np.ones(H - 2)], N)  # (N*H,)
+    weights = yarn.export_weights()
+    for kind in ("query", "key"):
+        weights[f"{kind}_kernel"] = weights[f"{kind}_kernel"] * columns
+        weights[f"{kind}_bias"] = weights[f"{kind}_bias"] * columns
+    plain.import_weights(weights)
+    expected = yarn(x, causal=True, positions=positions)
+    np.testing.assert_allclose(plain(x, causal=True, positions=positions), expected, atol=FLOAT64_TOL)
+    plain.import_weights(yarn.export_weights())
+    assert np.abs(plain(x, causal=True, positions=positions) - expected).max() > 1e-3
+
+
+def test_yarn_backward_matches_finite_differences():
+    """The explicit backward carries YaRN's attention factor through q and k."""
+    layer = _yarn_layer()
+    x, positions, upstream = _x(1, (B, 3, E)), np.arange(3) + 5, _x(2, (B, 3, E))
+
+    def loss():
+        return float((layer(x, causal=True, positions=positions) * upstream).sum())
+
+    loss()
+    grads = layer.backward(upstream)
+    for name, array in {"query": x, **layer.params}.items():
+        numeric = np.zeros_like(array)
+        for index in np.ndindex(array.shape):
+            old = array[index]
+            array[index] = old + FD_STEP
+            plus = loss()
+            array[index] = old - FD_STEP
+            numeric[index] = (plus - loss()) / (2 * FD_STEP)
+            array[index] = old
+        np.testing.assert_allclose(grads[name], numeric, atol=FINITE_DIFFERENCE_TOL, rtol=0, err_msg=name)
 
 
 def test_softcap_caps_the_scaled_scores_before_the_softmax():

@@ -27,6 +27,15 @@ LLAMA3 = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
+YARN = {  # R = 4 at theta 10: pair 0 kept, pair 1 blended (0.44); attention factor (0.1 ln 4 + 1) / (0.05 ln 4 + 1)
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "truncate": False,
+    "beta_fast": 8.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.5,
+}
 
 VARIANTS = {
     "plain": {},
@@ -37,6 +46,7 @@ VARIANTS = {
     "rope_partial_interleaved": {"rope_theta": 100.0, "rope_fraction": 0.5, "rope_interleaved": True},
     "rope_linear": {"rope_theta": 10.0, "rope_scaling": {"type": "linear", "factor": 2.0}},
     "rope_llama3": {"rope_theta": 10.0, "rope_scaling": LLAMA3},
+    "rope_yarn_partial": {"head_dim": 8, "rope_theta": 10.0, "rope_fraction": 0.5, "rope_scaling": YARN},
     "qk_norm_head": {"qk_norm": "head", "qk_norm_eps": 1e-3},
     "qk_norm_all_gqa": {"qk_norm": "all", "num_kv_heads": 2},
     "sinks_gqa": {"sinks": True, "num_kv_heads": 2},
@@ -101,6 +111,8 @@ def np_inv_freq(rotary, theta, scaling=None):
     kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
         return inv / scaling["factor"]
+    if kind == "yarn":
+        return np_yarn(inv, rotary, theta, scaling)
     if kind != "llama3":
         return inv
     out = []
@@ -120,15 +132,39 @@ def np_inv_freq(rotary, theta, scaling=None):
     return np.array(out)
 
 
-def np_rope(x, positions, inv_freq, interleaved):
+def np_yarn(inv, dim, base, scaling):
+    """transformers' `_compute_yarn_parameters`, written out: the ramp between the correction dims."""
+    context = scaling["original_max_position_embeddings"]
+    dims = [dim * math.log(context / (r * 2 * math.pi)) / (2 * math.log(base)) for r in (
+        scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1)]  # fmt: skip
+    if scaling.get("truncate", True):
+        dims = [math.floor(dims[0]), math.ceil(dims[1])]
+    low, high = max(dims[0], 0), min(dims[1], dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = np.clip((np.arange(dim // 2) - low) / (high - low), 0, 1)
+    return inv / scaling["factor"] * ramp + inv * (1 - ramp)
+
+
+def np_attention_factor(scaling):
+    """YaRN's attention factor: transformers multiplies cos and sin by it (1 for the other scalings)."""
+    if scaling is None or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    factor, m, m_all = scaling["factor"], scaling.get("mscale") or 1.0, scaling.get("mscale_all_dim")
+    return (0.1 * m * math.log(factor) + 1) / (0.1 * m_all * math.log(factor) + 1 if m_all else 1.0)
+
+
+def np_rope(x, positions, inv_freq, interleaved, factor=1.0):
     """x (B, heads, T, H), positions (B, T): the pairs (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
     half = len(inv_freq)
     first = np.arange(0, 2 * half, 2) if interleaved else np.arange(half)
     second = first + 1 if interleaved else first + half
     angles = positions[:, None, :, None] * inv_freq
     y = np.array(x, np.float64)
-    y[..., first] = x[..., first] * np.cos(angles) - x[..., second] * np.sin(angles)
-    y[..., second] = x[..., second] * np.cos(angles) + x[..., first] * np.sin(angles)
+    cos, sin = np.cos(angles) * factor, np.sin(angles) * factor
+    y[..., first] = x[..., first] * cos - x[..., second] * sin
+    y[..., second] = x[..., second] * cos + x[..., first] * sin
     return y
 
 
@@ -157,7 +193,8 @@ def np_layer(layer, query, causal=False, key_mask=None, attention_bias=None, pos
         rotary = int(h * layer.rope_fraction)
         inv = np_inv_freq(rotary, layer.rope_theta, layer.rope_scaling)
         positions = np.broadcast_to(np.arange(t) if positions is None else positions, (query.shape[0], t))
-        q, k = (np_rope(x, positions, inv, layer.rope_interleaved) for x in (q, k))
+        factor = np_attention_factor(layer.rope_scaling)
+        q, k = (np_rope(x, positions, inv, layer.rope_interleaved, factor) for x in (q, k))
     keep = None if key_mask is None else key_mask[:, None, None, :]
     context, weights = np_attention(
         q, k, v, keep, attention_bias, causal, layer.scale, layer.softcap, layer.window, w.get("sinks")
@@ -218,7 +255,7 @@ def test_sinks_take_part_of_the_softmax_and_rows_with_no_key_stay_zero():
 
 
 def test_rope_frequencies_match_the_reference_loop():
-    for scaling in (None, {"rope_type": "linear", "factor": 4.0}, LLAMA3, {**LLAMA3, "factor": 2.0}):
+    for scaling in (None, {"rope_type": "linear", "factor": 4.0}, LLAMA3, {**LLAMA3, "factor": 2.0}, YARN):
         got = tf_file.rope_frequencies(16, 10000.0, scaling)
         assert got.dtype == tf.float32
         _close(got, np_inv_freq(16, 10000.0, scaling), 1e-7)
@@ -641,7 +678,7 @@ CONSTRUCTOR_ERRORS = {
     "rope_theta_zero": ({"rope_theta": 0}, r"^`rope_theta` must be None or a positive float\. Received: rope_theta=0$"),
     "rope_fraction_odd": ({"rope_theta": 10.0, "rope_fraction": 0.75}, r"^`rope_fraction` must be in \(0, 1\] and rotate an even number R = int\(head_dim \* rope_fraction\) >= 2 of features\. Received: rope_fraction=0\.75, head_dim=4$"),
     "rope_fraction_above_one": ({"rope_theta": 10.0, "rope_fraction": 1.5}, r"Received: rope_fraction=1\.5, head_dim=4$"),
-    "rope_scaling_type": ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, r"^`rope_scaling` must be None or a dict whose rope_type is 'linear' or 'llama3', with its parameters\. Received: rope_scaling=\{'rope_type': 'yarn', 'factor': 2\.0\}$"),
+    "rope_scaling_type": ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, r"^`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3' or 'yarn', with its parameters\. Received: rope_scaling=\{'rope_type': 'longrope', 'factor': 2\.0\}$"),
     "rope_scaling_missing": ({"rope_scaling": {"rope_type": "llama3", "factor": 2.0}}, r"^`rope_scaling` must be None or a dict"),
     "qk_norm": ({"qk_norm": "layer"}, r"^`qk_norm` must be None, 'head' or 'all'\. Received: qk_norm='layer'$"),
     "qk_norm_eps": ({"qk_norm_eps": 0.0}, r"^`qk_norm_eps` must be a positive float\. Received: qk_norm_eps=0\.0$"),

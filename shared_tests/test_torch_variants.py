@@ -22,6 +22,12 @@ GRADS_TOL = TOLERANCES["float32"]["grads"]
 FLOAT16_TOL = TOLERANCES["float16"]["output"]
 E, N, K, H = 16, 4, 2, 8  # d_model, num_heads, num_kv_heads, head_dim
 B, T = 3, 6
+YARN = {  # YaRN with a ramp inside R = 4 at theta 100: pair 0 kept, pair 1 blended (0.6); attention factor 1.14
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 256,
+    "truncate": False,
+}
 
 VARIANTS = {
     "plain": {},
@@ -33,6 +39,7 @@ VARIANTS = {
     "window": {"window": 3},
     "rope": {"rope_theta": 10000.0},
     "rope_partial_interleaved": {"rope_theta": 100.0, "rope_fraction": 0.5, "rope_interleaved": True},
+    "rope_yarn_partial": {"rope_theta": 100.0, "rope_fraction": 0.5, "rope_scaling": YARN},
     "qk_norm_head": {"qk_norm": "head"},
     "qk_norm_all": {"qk_norm": "all", "qk_norm_eps": 1e-3},
     "sinks": {"sinks": True},
@@ -74,7 +81,8 @@ def _rms(x, scale, eps):
 
 
 def _hf_inv_freq(rotary_dim, theta, scaling=None):
-    """transformers' `_compute_default_rope_parameters` and `_compute_llama3_parameters`, element by element."""
+    """transformers' `_compute_default_rope_parameters`, `_compute_llama3_parameters` and
+    `_compute_yarn_parameters`, element by element."""
     inv_freq = [1.0 / theta ** (i / rotary_dim) for i in range(0, rotary_dim, 2)]
     kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
@@ -93,23 +101,62 @@ def _hf_inv_freq(rotary_dim, theta, scaling=None):
                 smooth = (old / wavelen - low) / (high - low)
                 rewritten.append((1 - smooth) * f / factor + smooth * f)
         inv_freq = rewritten
+    if kind == "yarn":
+        inv_freq = _hf_yarn(inv_freq, rotary_dim, theta, scaling)
     return torch.tensor(inv_freq, dtype=torch.float64)
 
 
-def _rope_reference(x, positions, theta, fraction, interleaved):
-    """Rotate-half as in transformers' Llama (`x * cos + rotate_half(x) * sin`), or for
-    interleaved pairs Meta's complex multiplication (GPT-J layout); (B, heads, T, H) float64."""
+def _hf_yarn(inv_freq, dim, base, scaling):
+    """YaRN: 1 - ramp of extrapolation (inv_freq) and ramp of interpolation (inv_freq / factor), the
+    ramp linear between the correction dims of beta_fast and beta_slow rotations."""
+    context = scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations):
+        return (dim * math.log(context / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramps = [min(max((i - low) / (high - low), 0.0), 1.0) for i in range(dim // 2)]
+    return [f / scaling["factor"] * ramp + f * (1 - ramp) for f, ramp in zip(inv_freq, ramps, strict=True)]
+
+
+def _hf_attention_factor(scaling):
+    """transformers' YaRN `attention_factor` (1 for the other scalings), which multiplies cos and sin."""
+    if scaling is None or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+
+    def get_mscale(scale, mscale=1):
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return get_mscale(scaling["factor"], scaling["mscale"]) / get_mscale(
+            scaling["factor"], scaling["mscale_all_dim"]
+        )
+    return get_mscale(scaling["factor"])
+
+
+def _rope_reference(x, positions, theta, fraction, interleaved, scaling=None):
+    """Rotate-half as in transformers' Llama (`x * cos + rotate_half(x) * sin`, cos and sin times
+    YaRN's attention factor), or for interleaved pairs Meta's complex multiplication (GPT-J
+    layout); (B, heads, T, H) float64."""
     rotary = int(x.shape[-1] * fraction)
-    freqs = positions.double()[..., None] * _hf_inv_freq(rotary, theta)  # (B, T, R/2)
+    freqs = positions.double()[..., None] * _hf_inv_freq(rotary, theta, scaling)  # (B, T, R/2)
+    factor = _hf_attention_factor(scaling)
     x_rot, x_pass = x[..., :rotary], x[..., rotary:]
     if interleaved:
         pairs = torch.view_as_complex(x_rot.reshape(*x_rot.shape[:-1], rotary // 2, 2).contiguous())
-        turned = torch.view_as_real(pairs * torch.polar(torch.ones_like(freqs), freqs)[:, None]).flatten(-2)
+        turned = torch.view_as_real(pairs * torch.polar(factor * torch.ones_like(freqs), freqs)[:, None]).flatten(-2)
     else:
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, R)
         half = rotary // 2
         rotate_half = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
-        turned = x_rot * emb.cos() + rotate_half * emb.sin()
+        turned = x_rot * (emb.cos() * factor) + rotate_half * (emb.sin() * factor)
     return torch.cat((turned, x_pass), dim=-1)
 
 
@@ -134,7 +181,7 @@ def reference(layer, query, key=None, value=None, *, keep=None, bias=None, causa
         )
     if layer.rope_theta is not None:
         positions = torch.arange(t).expand(b, t) if positions is None else positions.expand(b, t)
-        rope = (layer.rope_theta, layer.rope_fraction, layer.rope_interleaved)
+        rope = (layer.rope_theta, layer.rope_fraction, layer.rope_interleaved, layer.rope_scaling)
         q, k = _rope_reference(q, positions, *rope), _rope_reference(k, positions, *rope)
     k, v = k.repeat_interleave(N // K, 1), v.repeat_interleave(N // K, 1)
     scores = q @ k.transpose(-1, -2) * layer.scale
@@ -207,7 +254,7 @@ def test_variant_matches_the_reference(variant, causal, path):
 
 
 @pytest.mark.parametrize("path", ["sdpa", "explicit"])
-@pytest.mark.parametrize("variant", ["plain", "everything", "qk_norm_all", "sinks"])
+@pytest.mark.parametrize("variant", ["plain", "everything", "qk_norm_all", "sinks", "rope_yarn_partial"])
 def test_variant_gradients_match_the_reference(variant, path):
     """Gradients of the inputs, every parameter (sinks and norm scales too) and attention_bias."""
     layer = _layer(**VARIANTS[variant]).train()
@@ -246,11 +293,14 @@ def test_variant_gradients_match_the_reference(variant, path):
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64,
         },
+        {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "truncate": False},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 8, "beta_slow": 2},
     ],
 )
 def test_rope_frequencies_match_transformers(scaling):
     """Llama 3.1's scaling keeps the short wavelengths, divides the long ones, interpolates between
-    (original_max_position_embeddings = 64 puts frequencies of R = 64 in all three bands)."""
+    (original_max_position_embeddings = 64 puts frequencies of R = 64 in all three bands); YaRN
+    ramps from kept to divided between its correction dims (truncated or not)."""
     got = Multi_Head_Attention.rope_frequencies(64, 10000.0, scaling)
     assert got.dtype == torch.float32 and got.shape == (32,)
     torch.testing.assert_close(got.double(), _hf_inv_freq(64, 10000.0, scaling), atol=0, rtol=1e-7)
@@ -266,6 +316,24 @@ def test_rope_scaling_changes_the_layer_as_the_frequencies_say():
         scaled(x, positions=positions * 4), plain(x, positions=positions), atol=OUTPUT_TOL, rtol=0
     )
     assert not torch.allclose(scaled(x, positions=positions), plain(x, positions=positions), atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [None, {"rope_type": "linear", "factor": 4.0}, YARN, {**YARN, "attention_factor": 0.5}, {**YARN, "factor": 1.0}],
+)
+def test_rope_attention_factor_is_transformers(scaling):
+    assert Multi_Head_Attention.rope_attention_factor(scaling) == pytest.approx(
+        _hf_attention_factor(scaling), rel=1e-15
+    )
+
+
+def test_yarn_attention_factor_changes_the_layer():
+    """The same YaRN frequencies with attention factor 1 give other outputs: the factor is applied."""
+    x, _, positions = _inputs()
+    yarn = _layer(**VARIANTS["rope_yarn_partial"])
+    unscaled = _layer(**{**VARIANTS["rope_yarn_partial"], "rope_scaling": {**YARN, "attention_factor": 1.0}})
+    assert not torch.allclose(yarn(x, positions=positions), unscaled(x, positions=positions), atol=1e-3)
 
 
 def test_rope_positions_default_to_arange_and_broadcast():
@@ -821,7 +889,7 @@ CONSTRUCTOR_ERRORS = {
     "rope_theta": ({"rope_theta": "big"}, r"`rope_theta` must be None or a positive float\. Received: rope_theta='big'"),
     "rope_fraction_odd": ({"rope_theta": 10.0, "rope_fraction": 0.375}, re.escape("`rope_fraction` must be in (0, 1] and rotate an even number R = int(head_dim * rope_fraction) >= 2 of features. Received: rope_fraction=0.375, head_dim=8")),
     "rope_fraction_above_one": ({"rope_theta": 10.0, "rope_fraction": 1.5}, r"Received: rope_fraction=1\.5, head_dim=8"),
-    "rope_scaling_type": ({"rope_theta": 10.0, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, r"`rope_scaling` must be None or a dict whose rope_type is 'linear' or 'llama3', with its parameters\. Received: rope_scaling=\{'rope_type': 'yarn'"),
+    "rope_scaling_type": ({"rope_theta": 10.0, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, r"`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3' or 'yarn', with its parameters\. Received: rope_scaling=\{'rope_type': 'longrope'"),
     "rope_scaling_missing": ({"rope_theta": 10.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"Received: rope_scaling=\{'rope_type': 'llama3', 'factor': 8\.0\}"),
     "qk_norm": ({"qk_norm": "layer"}, r"`qk_norm` must be None, 'head' or 'all'\. Received: qk_norm='layer'"),
     "qk_norm_eps": ({"qk_norm_eps": 0.0}, r"`qk_norm_eps` must be a positive float\. Received: qk_norm_eps=0\.0"),
