@@ -207,6 +207,7 @@ def export_tf_litert_step(served, weights, keep):
 
     step, _, layer = _tf_step(served, weights)
     converter = tf.lite.TFLiteConverter.from_concrete_functions([step.get_concrete_function()], layer)
+    converter.experimental_lower_to_saved_model = False  # lowered, the layer's variables read as garbage
     return _quietly(converter.convert), _tf_initial(served, layer, keep)
 
 
@@ -224,17 +225,22 @@ def decode_onnx(model, initial, calls):
 
 
 def decode_litert(model, initial, calls):
-    """Each call's output, decoding in the LiteRT interpreter (`x` resized to each call's T)."""
+    """Each call's output, decoding in the LiteRT interpreter: `x` resized to each call's T, the
+    outputs (Identity, Identity_1, ...) in the step's order."""
     from ai_edge_litert.interpreter import Interpreter
 
     interpreter = Interpreter(model_content=model)
-    runner = interpreter.get_signature_runner()
-    cache, outputs = dict(zip(CACHE_INPUTS, initial, strict=True)), []
+    inputs = {detail["name"]: detail["index"] for detail in interpreter.get_input_details()}
+    results = sorted(interpreter.get_output_details(), key=lambda d: (len(d["name"]), d["name"]))
+    cache, outputs = initial, []
     for x in calls:
-        result = runner(x=x, **cache)
-        by_position = [result[name] for name in sorted(result, key=lambda n: int(n.split("_")[-1] or 0))]
-        outputs.append(by_position[0])
-        cache = dict(zip(CACHE_INPUTS, by_position[1:], strict=True))
+        interpreter.resize_tensor_input(inputs["x"], x.shape)
+        interpreter.allocate_tensors()
+        for name, array in zip(("x", *CACHE_INPUTS), (x, *cache), strict=True):
+            interpreter.set_tensor(inputs[name], array)
+        interpreter.invoke()
+        output, *cache = [interpreter.get_tensor(detail["index"]) for detail in results]
+        outputs.append(output)
     return outputs
 
 
