@@ -22,15 +22,16 @@ import sys
 
 import numpy as np
 
-from shared_tests import decoding
+from shared_tests import decoding, runtimes
 from shared_tests.cases import CASES, CASES_BY_NAME, make_data
 from shared_tests.decoding import DECODE_CASES, DECODE_CASES_BY_NAME, DECODE_PATHS, make_decode_data, query_ends
-from shared_tests.frameworks import PATHS, run
-from shared_tests.runtimes import RUNTIME_PATHS, UnsupportedCaseError
+from shared_tests.frameworks import PATHS, make_tf_layer, make_torch_layer, run
+from shared_tests.runtimes import DYNAMIC_PATHS, RUNTIME_PATHS, UnsupportedCaseError
 
 FRAMEWORK_PATHS = {fw: tuple(p for p in PATHS if p.split(":")[0] == fw) for fw in ("torch", "tf", "numpy")}
 PAIRS = (("torch", "tf"), ("torch", "numpy"), ("tf", "numpy"))
 RUNTIMES_LABEL = "onnx+litert/numpy"
+DYNAMIC_LABEL = "dynamic/eager"  # the dynamic-shape exports against the eager layer each exported
 QUANTITIES = ("output", "weights", "grads")
 # Two low-precision layers may each sit a full SPEC tolerance away from the float64 truth, on
 # opposite sides, so between themselves they are allowed twice that tolerance.
@@ -180,10 +181,11 @@ def compare(case, data, results):
     return Row(case.name, case.dtype, diffs, zeros, failures)
 
 
-def run_case(case, data=None, paths=PATHS, **classes):
-    """Runs every path (or those given) on one case; returns (row, results). A runtime path that
-    cannot hold the case is listed in `row.skipped` with its reason; a path that raises anything
-    else fails the row, with the error among its failures."""
+def run_case(case, data=None, paths=PATHS, dynamic_paths=(), **classes):
+    """Runs every path (or those given) on one case, and the `dynamic_paths` (runtimes.DYNAMIC_PATHS)
+    against the eager layer each exported; returns (row, results). A runtime path that cannot hold
+    the case is listed in `row.skipped` with its reason; a path that raises anything else fails
+    the row, with the error among its failures."""
     data = make_data(case) if data is None else data
     results, skipped, errors = {}, {}, []
     for path in paths:
@@ -194,9 +196,37 @@ def run_case(case, data=None, paths=PATHS, **classes):
         except Exception as error:  # the report goes on; the row says which path raised what
             errors.append(raised(path, error))
     row = compare(case, data, results)
+    dynamic = run_dynamic_paths(case, data, dynamic_paths, skipped, errors, **classes)
+    if dynamic is not None:
+        row.diffs[DYNAMIC_LABEL] = {"output": dynamic, "weights": None, "grads": None}
+        if not dynamic <= case.tolerance["output"]:
+            row.failures.append(exceeded(DYNAMIC_LABEL, "output", dynamic, case.tolerance["output"]))
     row.skipped = skipped
     row.failures = errors + row.failures
     return row, results
+
+
+def run_dynamic_paths(case, data, paths, skipped, errors, torch_class=None, tf_class=None):
+    """The largest difference of the dynamic-shape exports from eager (None: none ran); what
+    cannot run goes to `skipped`, what raises to `errors`."""
+    worst = None
+    for path in paths:
+        layer_class = torch_class if path.startswith("torch") else tf_class
+
+        def make_layer(case, data, layer_class=layer_class, path=path):
+            make = make_torch_layer if path.startswith("torch") else make_tf_layer
+            return make(case, data, layer_class)
+
+        try:
+            value = runtimes.run_dynamic(case, data, path, make_layer, layer_class)
+        except UnsupportedCaseError as reason:
+            skipped[path] = str(reason)
+            continue
+        except Exception as error:  # the report goes on; the row says which path raised what
+            errors.append(raised(path, error))
+            continue
+        worst = value if worst is None else max(worst, value)
+    return worst
 
 
 DECODE_FRAMEWORK_PATHS = {fw: tuple(p for p in DECODE_PATHS if p.split(":")[0] == fw) for fw in FRAMEWORK_PATHS}
@@ -316,14 +346,14 @@ def _cells(diffs, labels, quantities, gap):
 
 def format_table(rows):
     labels = [*("/".join(pair) for pair in PAIRS), RUNTIMES_LABEL]
-    groups = "".join(f"{label:<21}" for label in labels)
+    groups = "".join(f"{label:<21}" for label in labels) + f"{DYNAMIC_LABEL:<14}"
     head = f"{'case':<27} {'dtype':<9} {groups}zeros  status"
-    sub = f"{'':<27} {'':<9} " + "out   wts   grad   " * (len(PAIRS) + 1)
+    sub = f"{'':<27} {'':<9} " + "out   wts   grad   " * (len(PAIRS) + 1) + "out           "
     lines = [head, sub, "-" * len(head)]
+    quantities = {**dict.fromkeys(labels, QUANTITIES), DYNAMIC_LABEL: ("output",)}
+    gaps = {**dict.fromkeys(labels, "   "), DYNAMIC_LABEL: "        "}
     for row in rows:
-        lines += _row_lines(
-            row, _cells(row.diffs, labels, dict.fromkeys(labels, QUANTITIES), dict.fromkeys(labels, "   "))
-        )
+        lines += _row_lines(row, _cells(row.diffs, [*labels, DYNAMIC_LABEL], quantities, gaps))
     passed = sum(row.passed for row in rows)
     lines.append("-" * len(head))
     lines.append(f"{passed}/{len(rows)} cases PASS, {len(rows) - passed} FAIL")
@@ -600,7 +630,9 @@ def main(argv=None):
         paths = ("numpy", *(p for p in FRAMEWORK_PATHS["torch"] if p not in RUNTIME_PATHS))
         decode_paths = ("numpy", *DECODE_FRAMEWORK_PATHS["torch"])
         print(f"PyTorch paths on {describe_device(args.device)}; TensorFlow and the runtimes are not run\n")
-    rows, results = _run_all(cases, functools.partial(run_case, paths=paths), with_user_weights(make_data))
+    dynamic_paths = DYNAMIC_PATHS if args.device == "cpu" else ()
+    run_one = functools.partial(run_case, paths=paths, dynamic_paths=dynamic_paths)
+    rows, results = _run_all(cases, run_one, with_user_weights(make_data))
     decode_rows, _ = _run_all(
         decode_cases, functools.partial(run_decode_case, paths=decode_paths), with_user_weights(make_decode_data)
     )

@@ -160,3 +160,281 @@ def run(case, data, path, make_layer):
         raise UnsupportedCaseError(reason)
     output, weights = RUNNERS[path](case, data, make_layer)
     return np.asarray(output, np.float64), np.asarray(weights, np.float64)
+
+
+# Exports with unknown batch and lengths: each exported once per group of cases that share the
+# constructor arguments, dtype and call options, at a shape of its own (B + 1, T + 2, S + 3), and
+# run there and at the shape of every case of its group, each against the eager layer that was
+# exported (the group's first case's weights). Served as deployed: the output only.
+DYNAMIC_PATHS = ("torch:onnx:dynamic", "tf:onnx:dynamic", "tf:litert:dynamic", "tf:saved_model:dynamic")
+DYNAMIC_GROUPS = (  # the first case of each group exported with dynamic shapes, within `make parity`'s time
+    "self_basic",  # self_b1, self_t1
+    "cross",  # cross_s1, cross_t1_decode, large_scores
+    "causal_t_eq_s_cross",  # causal_t_lt_s, causal_t_gt_s, empty_keys
+    "key_and_query_masks",
+    "rope_partial_gqa",
+    "gpt_oss_like",
+    "float16_cross_causal",
+)
+NOT_IN_DYNAMIC_GROUPS = (
+    "shape-polymorphic exports run on {groups} groups of cases sharing their layer and call options "
+    "(runtimes.DYNAMIC_GROUPS, within make parity's time); this case runs exported at its static shapes"
+)
+DYNAMIC_EMPTY_KEYS_REASON = (  # S = 0 in a graph exported at S >= 2
+    "onnxruntime refuses a Reshape of the zero-length keys in the graph torch.onnx exports with a dynamic key length"
+)
+SHAPE_STEPS = {"b": 1, "t": 2, "s": 3}  # the export's own shape: each size grown by a step of its own
+DIMENSION_NAMES = {1: "batch", 2: "query_length", 3: "key_length"}  # a dimension named by how much it grew
+
+
+def export_key(case):
+    """What an export fixes: constructor arguments, dtype, causal and which call inputs are passed."""
+    fields = ("dtype", "causal", "self_attention", "mask", "key_mask", "query_mask", "attention_bias", "positions")
+    return repr(case.config), *(getattr(case, name) for name in fields)
+
+
+def dynamic_group(case):
+    """The first case of the dynamic-shape group `case` belongs to, or None."""
+    from shared_tests.cases import CASES_BY_NAME
+
+    return next((name for name in DYNAMIC_GROUPS if export_key(CASES_BY_NAME[name]) == export_key(case)), None)
+
+
+def dynamic_skip_reason(case, path):
+    """Why the dynamic-shape `path` does not run `case`, or None."""
+    static = path.removesuffix(":dynamic")
+    if static in RUNTIME_PATHS and skip_reason(case, static) is not None:
+        return skip_reason(case, static)
+    if case.s == 0 and path == "torch:onnx:dynamic":
+        return DYNAMIC_EMPTY_KEYS_REASON
+    if dynamic_group(case) is None:
+        return NOT_IN_DYNAMIC_GROUPS.format(groups=len(DYNAMIC_GROUPS))
+    return None
+
+
+def export_shape_case(case):
+    """The case at the export's own shape: B, T and S each grown by its own step (S with T in
+    self-attention), so that every size is >= 2 and each dimension is told by how much it grew."""
+    import dataclasses
+
+    t = case.t + SHAPE_STEPS["t"]
+    s = t if case.self_attention else case.s + SHAPE_STEPS["s"]
+    return dataclasses.replace(case, b=case.b + SHAPE_STEPS["b"], t=t, s=s)
+
+
+def dynamic_dimensions(arrays, grown):
+    """For each input, {axis: name} of its dimensions that change with the shape (batch,
+    query_length, key_length), from its shape at the case's and at the export's shape."""
+    return [
+        {axis: DIMENSION_NAMES[g - a] for axis, (a, g) in enumerate(zip(x.shape, y.shape, strict=True)) if g != a}
+        for x, y in zip(arrays, grown, strict=True)
+    ]
+
+
+class DynamicExport:
+    """One shape-polymorphic export of a layer: `run(arrays)` in the runtime, `eager(arrays)` in
+    the layer exported; both give the (B, T, E) output."""
+
+    def __init__(self, run, eager):
+        self.run, self.eager = run, eager
+
+
+def _polymorphic_shapes(arrays, dimensions):
+    """Each input's shape with None at its dynamic dimensions."""
+    return [
+        tuple(None if axis in dims else size for axis, size in enumerate(a.shape))
+        for a, dims in zip(arrays, dimensions, strict=True)
+    ]
+
+
+def _torch_module(layer, names, case, return_attention):
+    import torch
+
+    class Exported(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, *args):
+            return _call(self.layer, names, args, case, return_attention)
+
+    return Exported()
+
+
+def export_torch_onnx(layer, names, arrays, dimensions, case):
+    """The layer through `torch.onnx.export(dynamo=True)` with `dynamic_shapes`, in onnxruntime."""
+    import onnxruntime
+    import torch
+
+    module = _torch_module(layer, names, case, return_attention=False)
+    dims = {name: torch.export.Dim(name) for name in DIMENSION_NAMES.values()}
+    shapes = tuple({axis: dims[name] for axis, name in given.items()} or None for given in dimensions)
+    tensors = tuple(torch.from_numpy(a) for a in arrays)
+    program = _quietly(lambda: torch.onnx.export(module, tensors, dynamo=True, dynamic_shapes=(shapes,)))
+    session = onnxruntime.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+
+    def run(arrays):
+        return session.run(None, {given.name: a for given, a in zip(session.get_inputs(), arrays, strict=True)})[0]
+
+    def eager(arrays):
+        with torch.no_grad():
+            return module(*(torch.from_numpy(a) for a in arrays)).numpy()
+
+    return DynamicExport(run, eager)
+
+
+def _tf_signature(names, arrays, dimensions):
+    import tensorflow as tf
+
+    shapes = _polymorphic_shapes(arrays, dimensions)
+    return [
+        tf.TensorSpec(shape, tf.as_dtype(a.dtype), name=n) for n, a, shape in zip(names, arrays, shapes, strict=True)
+    ]
+
+
+def _tf_eager(layer, names, case):
+    import tensorflow as tf
+
+    def eager(arrays):
+        return _call(layer, names, [tf.constant(a) for a in arrays], case, return_attention=False).numpy()
+
+    return eager
+
+
+def tf2onnx_dynamic(function, signature):
+    """tf2onnx of a `tf.function` with None dimensions, without tf2onnx's `reshape_optimizer`:
+    with unknown lengths it gave the (B, L, F) -> (B, L, heads, H) reshape of a separate key or
+    value projection the shape of the (B*L, F) matmul before it, which onnxruntime refuses
+    (tf2onnx 1.17; the fused self-attention projection converts either way)."""
+    from unittest import mock
+
+    import tf2onnx.optimizer
+
+    optimizers = {name: o for name, o in tf2onnx.optimizer._optimizers.items() if name != "reshape_optimizer"}
+    with mock.patch.object(tf2onnx.optimizer, "_optimizers", optimizers):
+        proto, _ = _quietly(lambda: tf2onnx.convert.from_function(function, input_signature=signature))
+    return proto
+
+
+def export_tf_onnx(layer, names, arrays, dimensions, case):
+    """The layer in a `tf.function` with None dimensions through tf2onnx, in onnxruntime."""
+    import onnxruntime
+    import tensorflow as tf
+
+    signature = _tf_signature(names, arrays, dimensions)
+    function = tf.function(lambda *args: _call(layer, names, args, case, False), input_signature=signature)
+    proto = tf2onnx_dynamic(function, signature)
+    session = onnxruntime.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+
+    def run(arrays):
+        return session.run(None, {given.name: a for given, a in zip(session.get_inputs(), arrays, strict=True)})[0]
+
+    return DynamicExport(run, _tf_eager(layer, names, case))
+
+
+def functional_model(layer, names, arrays, dimensions, case):
+    """A functional `keras.Model` of the layer whose inputs have None dimensions (batch among them)."""
+    import keras
+
+    signature = _tf_signature(names, arrays, dimensions)
+    inputs = [keras.Input(batch_shape=spec.shape, dtype=spec.dtype.name, name=spec.name) for spec in signature]
+    return keras.Model(inputs, _call(layer, names, inputs, case, return_attention=False))
+
+
+def export_tf_litert(layer, names, arrays, dimensions, case):
+    """The functional model through `TFLiteConverter.from_keras_model`, in the LiteRT interpreter,
+    its inputs resized to each call's shapes."""
+    import tensorflow as tf
+    from ai_edge_litert.interpreter import Interpreter
+
+    model = functional_model(layer, names, arrays, dimensions, case)
+    content = _quietly(tf.lite.TFLiteConverter.from_keras_model(model).convert)
+
+    def run(arrays):
+        interpreter = Interpreter(model_content=content)
+        details = {detail["name"]: detail["index"] for detail in interpreter.get_input_details()}
+        by_input = {index: arrays[names.index(_input_name(name, names))] for name, index in details.items()}
+        for index, array in by_input.items():
+            interpreter.resize_tensor_input(index, array.shape)
+        interpreter.allocate_tensors()
+        for index, array in by_input.items():
+            interpreter.set_tensor(index, array)
+        interpreter.invoke()
+        return interpreter.get_tensor(interpreter.get_output_details()[0]["index"])
+
+    return DynamicExport(run, _tf_eager(layer, names, case))
+
+
+def _input_name(detail_name, names):
+    """The input a LiteRT tensor name (`serving_default_query:0`) stands for."""
+    return max((name for name in names if name in detail_name), key=len)
+
+
+def export_tf_saved_model(layer, names, arrays, dimensions, case):
+    """The functional model through `model.export` (a SavedModel), reloaded by
+    `tf.saved_model.load` and called through its `serve` endpoint."""
+    import tempfile
+
+    import tensorflow as tf
+
+    model = functional_model(layer, names, arrays, dimensions, case)
+    with tempfile.TemporaryDirectory() as directory:
+        _quietly(lambda: model.export(directory, verbose=False))
+        served = tf.saved_model.load(directory)
+
+    def run(arrays):
+        return served.serve(list(arrays)).numpy()
+
+    return DynamicExport(run, _tf_eager(layer, names, case))
+
+
+DYNAMIC_EXPORTERS = {
+    "torch:onnx:dynamic": export_torch_onnx,
+    "tf:onnx:dynamic": export_tf_onnx,
+    "tf:litert:dynamic": export_tf_litert,
+    "tf:saved_model:dynamic": export_tf_saved_model,
+}
+_EXPORTS = {}  # (path, group, layer class) -> (DynamicExport, its difference from eager at its own shape), or the error
+
+
+def _max_abs(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"the export gave an output of shape {a.shape}, the eager layer {b.shape}")
+    return float(np.abs(a - b).max(initial=0.0)) if np.isfinite(a).all() else np.inf
+
+
+def dynamic_export(path, group, make_layer, layer_class=None):
+    """The export of `path` for the group whose first case is `group`, made once (the error it
+    raised, raised again for every case of the group), and its difference from eager at its own
+    shape."""
+    from shared_tests.cases import CASES_BY_NAME, make_data
+
+    key = (path, group, layer_class)
+    if key not in _EXPORTS:
+        case = CASES_BY_NAME[group]
+        data, grown = make_data(case), export_shape_case(case)
+        names, arrays = _arrays(case, data)
+        _, grown_arrays = _arrays(grown, {**make_data(grown), "weights": data["weights"]})
+        try:
+            export = DYNAMIC_EXPORTERS[path](
+                make_layer(case, data), names, grown_arrays, dynamic_dimensions(arrays, grown_arrays), case
+            )
+            _EXPORTS[key] = export, _max_abs(export.run(grown_arrays), export.eager(grown_arrays))
+        except Exception as error:  # every case of the group reports it
+            _EXPORTS[key] = error
+    if isinstance(_EXPORTS[key], Exception):
+        raise _EXPORTS[key]
+    return _EXPORTS[key]
+
+
+def run_dynamic(case, data, path, make_layer, layer_class=None):
+    """The largest difference between the dynamic-shape export of `path` and the eager layer it
+    exported, at the export's own shape and at this case's shape (with this case's inputs and
+    the exported weights); raises UnsupportedCaseError for a case it cannot run."""
+    reason = dynamic_skip_reason(case, path)
+    if reason is not None:
+        raise UnsupportedCaseError(reason)
+    export, at_own_shape = dynamic_export(path, dynamic_group(case), make_layer, layer_class)
+    _, arrays = _arrays(case, data)
+    return max(at_own_shape, _max_abs(export.run(arrays), export.eager(arrays)))

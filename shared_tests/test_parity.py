@@ -10,7 +10,7 @@ import pytest
 import PyTorch.Multi_Head_Attention as torch_file
 import TensorFlow.Multi_Head_Attention as tf_file
 from PyTorch import MultiHeadAttention as TorchMultiHeadAttention
-from shared_tests import parity
+from shared_tests import parity, runtimes
 from shared_tests.cases import CASES, CASES_BY_NAME, TOLERANCES, make_data
 from shared_tests.runtimes import RUNTIME_PATHS, skip_reason
 from TensorFlow import MultiHeadAttention as TFMultiHeadAttention
@@ -342,3 +342,70 @@ def test_regression_parity_run_logs_no_retracing(caplog):
         parity.run_decode_case(parity.DECODE_CASES_BY_NAME[name], paths=("numpy", "tf:function"))
     assert len(cases) > 5  # TensorFlow warns from the fifth trace of the same code on
     assert not [record for record in caplog.records if "retracing" in record.getMessage()]
+
+
+DYNAMIC_GROUP_CASES = ("cross", "cross_s1", "cross_t1_decode")  # one export, three shapes beside its own
+
+
+@pytest.mark.parametrize("path", runtimes.DYNAMIC_PATHS)
+def test_dynamic_export_runs_at_every_shape_of_its_group_equal_to_eager(path):
+    """One export with unknown batch and lengths per path serves the cases of its group (T, S
+    and B differ) and its own shape, each within the output tolerance of the eager layer."""
+    for name in DYNAMIC_GROUP_CASES:
+        case = CASES_BY_NAME[name]
+        row, _ = parity.run_case(case, paths=("numpy",), dynamic_paths=(path,))
+        assert row.passed, row.failures
+        assert row.diffs[parity.DYNAMIC_LABEL]["output"] <= case.tolerance["output"]
+    assert sum(key[0] == path and key[1] == "cross" for key in runtimes._EXPORTS) == 1
+
+
+def test_every_case_runs_a_dynamic_export_or_says_why():
+    grouped = [case for case in CASES if runtimes.dynamic_group(case) is not None]
+    assert {runtimes.dynamic_group(case) for case in grouped} == set(runtimes.DYNAMIC_GROUPS)
+    assert len(grouped) > len(runtimes.DYNAMIC_GROUPS)  # some exports serve more than one case
+    for case in CASES:
+        reasons = {path: runtimes.dynamic_skip_reason(case, path) for path in runtimes.DYNAMIC_PATHS}
+        if runtimes.dynamic_group(case) is None:
+            assert all(reasons.values()) and any("DYNAMIC_GROUPS" in reason for reason in reasons.values())
+        elif case.dtype == "float32" and 0 not in (case.t, case.s):
+            assert set(reasons.values()) == {None}
+        else:  # what the static exports cannot hold either (T = 0 or S = 0, float16 on LiteRT)
+            assert any(reasons.values())
+
+
+@pytest.mark.parametrize(
+    ("case_name", "expected"),
+    [
+        ("cross", [{0: "batch", 1: "query_length"}, {0: "batch", 1: "key_length"}, {0: "batch", 1: "key_length"}]),
+        ("key_and_query_masks", [{0: "batch", 1: "query_length"}, *[{0: "batch", 1: "key_length"}] * 2,
+                                 {0: "batch", 1: "query_length", 2: "key_length"}, {0: "batch", 1: "key_length"},
+                                 {0: "batch", 1: "query_length"}]),
+        ("self_t1", [{0: "batch", 1: "query_length"}]),
+    ],
+)  # fmt: skip
+def test_dynamic_dimensions_are_told_by_how_much_each_grew(case_name, expected):
+    case = CASES_BY_NAME[case_name]
+    grown = runtimes.export_shape_case(case)
+    _, arrays = runtimes._arrays(case, make_data(case))
+    _, grown_arrays = runtimes._arrays(grown, make_data(grown))
+    assert runtimes.dynamic_dimensions(arrays, grown_arrays) == expected
+
+
+def test_regression_tf2onnx_reshape_optimizer_breaks_unknown_lengths(monkeypatch):
+    """With unknown lengths, tf2onnx's reshape_optimizer gave the key projection's split into
+    heads the shape of the 2-D matmul before it, and onnxruntime refused every call; the
+    dynamic tf:onnx export converts without that optimizer."""
+    import tf2onnx.optimizer
+
+    case = CASES_BY_NAME["cross"]
+    monkeypatch.setattr(runtimes, "_EXPORTS", {})
+    monkeypatch.setattr(
+        runtimes,
+        "tf2onnx_dynamic",
+        lambda function, signature: runtimes._quietly(
+            lambda: tf2onnx.convert.from_function(function, input_signature=signature)
+        )[0],
+    )
+    row, _ = parity.run_case(case, paths=("numpy",), dynamic_paths=("tf:onnx:dynamic",))
+    assert not row.passed
+    assert any(re.search(r"tf:onnx:dynamic raised .*Reshape", failure) for failure in row.failures)

@@ -1,0 +1,257 @@
+"""A KV-cache decode step exported as a deployable graph, and decoding through it.
+
+One graph per layer holds the step (x, cache in) -> (output, cache out) with T unknown: called
+once on the prompt (T = PROMPT) and then once per token (T = 1). The cache is four tensors that
+go in as inputs and come back as outputs (key, value, keep, index), so the runtime holds no
+state of its own and the caller feeds each step's cache to the next. B and L are fixed at export.
+
+- `torch:onnx`: `torch.onnx.export(dynamo=True)` with T dynamic, run in onnxruntime.
+- `tf:onnx`: a `tf.function` with T = None through tf2onnx, run in onnxruntime.
+- `tf:litert`: the same `tf.function` through the TFLite converter, run in the LiteRT
+  interpreter (its `x` resized to each call's T).
+
+The TensorFlow step is exported with `return_attention=True`: with T unknown, the layer picks
+between its one-shot and its memory-efficient path at run time, and the latter's `tf.map_fn`
+loop is what the TFLite converter cannot lower; the weights are a second output, unused here.
+
+Legend: B batch, T tokens per call, E d_model, N num_heads, K num_kv_heads, H head_dim, L cache
+slots.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from shared_tests.runtimes import _quietly, tf2onnx_dynamic
+
+SERVING_PATHS = ("torch:onnx", "tf:onnx", "tf:litert")
+PROMPT = 8  # T of the first call
+STEPS = 32  # T = 1 calls after the prompt
+PADDING = (0, 3)  # left padding of each prompt: the second one is 3 tokens shorter
+STEP_TOLERANCE = 1e-5  # float32: each call's output, runtime against eager (SPEC's output tolerance)
+CACHE_INPUTS = ("key", "value", "keep", "index")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedLayer:
+    """A small decoder layer and its cache: RoPE, causal, grouped key/value heads."""
+
+    name: str
+    length: int  # L
+    variants: tuple = ()
+    b: int = 2
+    e: int = 32
+    n: int = 4
+    k: int = 2
+
+    @property
+    def config(self):
+        return dict(d_model=self.e, num_heads=self.n, num_kv_heads=self.k, rope_theta=10000.0, **dict(self.variants))
+
+
+SERVED_LAYERS = [
+    ServedLayer("rope_gqa", length=PROMPT + STEPS),
+    ServedLayer("rolling_window", length=PROMPT, variants=(("window", PROMPT),)),  # L = W: the cache rolls
+]
+SERVED_LAYERS_BY_NAME = {layer.name: layer for layer in SERVED_LAYERS}
+
+
+def make_inputs(served, seed=0):
+    """Portable weights, the (B, L) keep of the left-padded prompts, and the input of each call:
+    the (B, PROMPT, E) prompt, then STEPS of (B, 1, E), drawn once (no sampling)."""
+    from NumPy import MultiHeadAttention
+
+    rng = np.random.default_rng([seed, sum(map(ord, served.name))])
+    shapes = MultiHeadAttention(**served.config).weight_shapes()
+    weights = {name: rng.normal(scale=np.sqrt(2.0 / sum(s)), size=s).astype(np.float32) for name, s in shapes.items()}
+    keep = np.ones((served.b, served.length), bool)
+    for row, padding in enumerate(PADDING):
+        keep[row, :padding] = False
+    calls = [rng.normal(size=(served.b, PROMPT, served.e)).astype(np.float32)]
+    calls += [rng.normal(size=(served.b, 1, served.e)).astype(np.float32) for _ in range(STEPS)]
+    return weights, keep, calls
+
+
+def torch_layer(served, weights):
+    from PyTorch import MultiHeadAttention
+
+    layer = MultiHeadAttention(**served.config)
+    layer.import_weights(weights)
+    return layer.eval()
+
+
+def tf_layer(served, weights):
+    from TensorFlow import MultiHeadAttention
+
+    layer = MultiHeadAttention(**served.config)
+    layer.import_weights(weights)
+    return layer
+
+
+def decode_eager_torch(served, weights, keep, calls):
+    """Each call's (B, T, E) output, decoding in the PyTorch layer."""
+    import torch
+
+    layer = torch_layer(served, weights)
+    cache = layer.init_cache(served.b, served.length, keep=torch.from_numpy(keep))
+    outputs = []
+    with torch.no_grad():
+        for x in calls:
+            output, cache = layer(torch.from_numpy(x), causal=True, cache=cache)
+            outputs.append(output.numpy())
+    return outputs
+
+
+def decode_eager_tf(served, weights, keep, calls):
+    """Each call's (B, T, E) output, decoding in the TensorFlow layer (eagerly)."""
+    layer = tf_layer(served, weights)
+    cache = layer.init_cache(served.b, served.length, keep=keep)
+    outputs = []
+    for x in calls:
+        output, cache = layer(x, causal=True, cache=cache)
+        outputs.append(output.numpy())
+    return outputs
+
+
+def export_torch_step(served, weights, keep, example):
+    """The PyTorch decode step as ONNX: inputs x (B, T, E), key and value (B, K, L, H), keep
+    (B, L), index (); outputs the (B, T, E) output and the four cache tensors after the step.
+    T is dynamic; the layer writes its cache in place, so the step returns copies."""
+    import torch
+
+    from PyTorch import KVCache
+
+    layer = torch_layer(served, weights)
+
+    class Step(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x, key, value, keep, index):
+            output, cache = self.layer(x, causal=True, cache=KVCache(key.clone(), value.clone(), keep.clone(), index))
+            return output, *cache
+
+    cache = layer.init_cache(served.b, served.length, keep=torch.from_numpy(keep))
+    tokens = torch.export.Dim("tokens", min=1, max=served.length)
+    shapes = ({1: tokens}, None, None, None, None)
+    args = (torch.from_numpy(example), *cache)
+    program = _quietly(lambda: torch.onnx.export(Step(), args, dynamo=True, dynamic_shapes=shapes))
+    initial = [np.asarray(c.numpy()) for c in cache]
+    return without_boolean_where(program.model_proto).SerializeToString(), initial
+
+
+def without_boolean_where(model):
+    """The ONNX model with each `Where` that selects between booleans (the layer's update of
+    `keep`) done on uint8 between two Casts: onnxruntime's CPU provider has no boolean Where."""
+    import onnx
+
+    types = {v.name: v.type.tensor_type.elem_type for v in onnx.shape_inference.infer_shapes(model).graph.value_info}
+    types |= {v.name: v.type.tensor_type.elem_type for v in [*model.graph.input, *model.graph.output]}
+    nodes = []
+    for node in model.graph.node:
+        if node.op_type != "Where" or types.get(node.input[1]) != onnx.TensorProto.BOOL:
+            nodes.append(node)
+            continue
+        as_uint8 = [f"{name}_as_uint8" for name in node.input[1:]]
+        nodes += [
+            onnx.helper.make_node("Cast", [given], [cast], to=onnx.TensorProto.UINT8)
+            for given, cast in zip(node.input[1:], as_uint8, strict=True)
+        ]
+        selected = f"{node.output[0]}_as_uint8"
+        nodes.append(onnx.helper.make_node("Where", [node.input[0], *as_uint8], [selected], name=node.name))
+        nodes.append(onnx.helper.make_node("Cast", [selected], [node.output[0]], to=onnx.TensorProto.BOOL))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return model
+
+
+def _tf_step(served, weights):
+    """The TensorFlow decode step as a `tf.function` of (x, key, value, keep, index) with T None."""
+    import tensorflow as tf
+
+    from TensorFlow import KVCache
+
+    layer = tf_layer(served, weights)
+    cache = layer.init_cache(served.b, served.length)
+    signature = [
+        tf.TensorSpec((served.b, None, served.e), tf.float32, name="x"),
+        tf.TensorSpec(cache.key.shape, tf.float32, name="key"),
+        tf.TensorSpec(cache.value.shape, tf.float32, name="value"),
+        tf.TensorSpec(cache.keep.shape, tf.bool, name="keep"),
+        tf.TensorSpec((), tf.int32, name="index"),
+    ]
+
+    @tf.function(input_signature=signature)
+    def step(x, key, value, keep, index):
+        output, _, cache = layer(x, causal=True, cache=KVCache(key, value, keep, index), return_attention=True)
+        return output, *cache
+
+    return step, signature, layer
+
+
+def _tf_initial(served, layer, keep):
+    cache = layer.init_cache(served.b, served.length, keep=keep)
+    return [np.asarray(c.numpy()) for c in cache]
+
+
+def export_tf_onnx_step(served, weights, keep):
+    """The TensorFlow decode step through tf2onnx (inputs and outputs as in `export_torch_step`)."""
+    step, signature, layer = _tf_step(served, weights)
+    return tf2onnx_dynamic(step, signature).SerializeToString(), _tf_initial(served, layer, keep)
+
+
+def export_tf_litert_step(served, weights, keep):
+    """The TensorFlow decode step through the TFLite converter, as a flatbuffer."""
+    import tensorflow as tf
+
+    step, _, layer = _tf_step(served, weights)
+    converter = tf.lite.TFLiteConverter.from_concrete_functions([step.get_concrete_function()], layer)
+    converter.experimental_lower_to_saved_model = False  # lowered, the layer's variables read as garbage
+    return _quietly(converter.convert), _tf_initial(served, layer, keep)
+
+
+def decode_onnx(model, initial, calls):
+    """Each call's output, decoding in onnxruntime: every step's cache fed to the next."""
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"])
+    names = [given.name for given in session.get_inputs()]
+    cache, outputs = initial, []
+    for x in calls:
+        output, *cache = session.run(None, dict(zip(names, [x, *cache], strict=True)))
+        outputs.append(output)
+    return outputs
+
+
+def decode_litert(model, initial, calls):
+    """Each call's output, decoding in the LiteRT interpreter: `x` resized to each call's T, the
+    outputs (Identity, Identity_1, ...) in the step's order."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    interpreter = Interpreter(model_content=model)
+    inputs = {detail["name"]: detail["index"] for detail in interpreter.get_input_details()}
+    results = sorted(interpreter.get_output_details(), key=lambda d: (len(d["name"]), d["name"]))
+    cache, outputs = initial, []
+    for x in calls:
+        interpreter.resize_tensor_input(inputs["x"], x.shape)
+        interpreter.allocate_tensors()
+        for name, array in zip(("x", *CACHE_INPUTS), (x, *cache), strict=True):
+            interpreter.set_tensor(inputs[name], array)
+        interpreter.invoke()
+        output, *cache = [interpreter.get_tensor(detail["index"]) for detail in results]
+        outputs.append(output)
+    return outputs
+
+
+def decode(served, path, seed=0):
+    """(runtime outputs, eager outputs) of every call, decoding `served` on `path`."""
+    weights, keep, calls = make_inputs(served, seed)
+    if path == "torch:onnx":
+        model, initial = export_torch_step(served, weights, keep, calls[0])
+        return decode_onnx(model, initial, calls), decode_eager_torch(served, weights, keep, calls)
+    if path == "tf:onnx":
+        model, initial = export_tf_onnx_step(served, weights, keep)
+        return decode_onnx(model, initial, calls), decode_eager_tf(served, weights, keep, calls)
+    model, initial = export_tf_litert_step(served, weights, keep)
+    return decode_litert(model, initial, calls), decode_eager_tf(served, weights, keep, calls)
