@@ -257,7 +257,7 @@ def apply_rope(x, positions, inv_freq, interleaved):
     """
     inv_freq = tf.convert_to_tensor(inv_freq, tf.float32)
     rotary_dim = 2 * inv_freq.shape[0]
-    angles = tf.cast(positions, tf.float32)[:, None, :, None] * inv_freq  # (B, T) -> (B, 1, T, R/2)
+    angles = tf.expand_dims(tf.expand_dims(tf.cast(positions, tf.float32), 1), -1) * inv_freq  # -> (B, 1, T, R/2)
     dtype = _softmax_dtype(x.dtype)
     cos, sin = tf.cast(tf.cos(angles), dtype), tf.cast(tf.sin(angles), dtype)  # (B, 1, T, R/2)
     cos, sin = _on_pairs(cos, cos, interleaved), _on_pairs(-sin, sin, interleaved)  # (B, 1, T, R)
@@ -281,7 +281,8 @@ def _swap_pairs(x, interleaved):
     if interleaved:
         pairs = tf.reshape(x, tf.concat([tf.shape(x)[:-1], [x.shape[-1] // 2, 2]], 0))  # (..., R/2, 2)
         return tf.reshape(tf.reverse(pairs, axis=[-1]), tf.shape(x))  # (..., R)
-    return tf.roll(x, shift=x.shape[-1] // 2, axis=-1)  # (..., R): the halves swapped
+    half = x.shape[-1] // 2
+    return tf.concat([x[..., half:], x[..., :half]], axis=-1)  # (..., R): the halves swapped (LiteRT has no roll)
 
 
 def _turn(x, cos, sin, interleaved):
