@@ -518,6 +518,43 @@ def _write_cache(cache, k, v, key_keep, window):
     return KVCache(key, value, keep, cache.index + shape[2])
 
 
+def _as_variables(cache):
+    """The same cache with non-trainable `tf.Variable`s for fields: an in-place cache."""
+    return KVCache(*(tf.Variable(x, trainable=False) for x in cache))
+
+
+def _is_in_place(cache):
+    return isinstance(cache.key, tf.Variable)
+
+
+def _write_cache_in_place(cache, k, v, key_keep, misfit):
+    """What `_write_cache` returns, written into the variables of an in-place cache: the
+    (B, K, T, H) keys and values of positions [index, index + T) to slots position mod L, their
+    `keep` (the (B, T) `key_keep` ANDed on the first lap, in its place after) and index + T.
+    In a graph nothing is written when the tokens do not fit (`misfit`, only ever True under
+    XLA). Returns the same cache."""
+    if tf.executing_eagerly():
+        _write_in_place(cache, k, v, key_keep)
+    else:
+        tf.cond(misfit, tf.no_op, lambda: _write_in_place(cache, k, v, key_keep))
+    return cache
+
+
+def _write_in_place(cache, k, v, key_keep):
+    shape, length = tf.shape(k), cache.key.shape[2]
+    positions = cache.index + tf.range(shape[2])  # (T,)
+    slots = tf.math.floormod(positions, length)  # (T,)
+    written = tf.stack(tf.meshgrid(tf.range(shape[0]), tf.range(shape[1]), slots, indexing="ij"), axis=-1)
+    new = tf.ones((shape[0], shape[2]), tf.bool) if key_keep is None else key_keep  # (B, T)
+    kept = tf.where(positions < length, tf.gather(cache.keep, slots, axis=1) & new, new)  # (B, T)
+    rows = tf.stack(tf.meshgrid(tf.range(shape[0]), slots, indexing="ij"), axis=-1)  # (B, T, 2): (b, slot)
+    cache.key.scatter_nd_update(written, k)  # (B, K, L, H), (b, head, slot) of every written vector
+    cache.value.scatter_nd_update(written, v)  # (B, K, L, H)
+    cache.keep.scatter_nd_update(rows, kept)  # (B, L)
+    cache.index.assign_add(shape[2])
+    return tf.no_op()
+
+
 def _mask_to_4d(mask, target, name="attention_mask"):
     """Checks a mask against target (B, N, T, S) and returns it as rank 4."""
     if mask.dtype != tf.bool and not mask.dtype.is_floating:
@@ -1066,7 +1103,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             shapes["sinks"] = (self.num_heads,)
         return shapes
 
-    def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
+    def init_cache(self, batch_size, max_length, *, keep=None, dtype=None, in_place=False):
         """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
 
         Args:
@@ -1075,6 +1112,9 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
                 of different lengths). Defaults to all True.
             dtype: dtype of the keys and values; defaults to the compute dtype of the policy.
+            in_place: if True, the cache's four fields are non-trainable `tf.Variable`s that
+                each call writes in place (call this outside any `tf.function`); a compiled
+                step then returns only its output. Copy-free per step under XLA.
 
         Returns:
             A `KVCache` of zeros with index 0 (int32).
@@ -1083,7 +1123,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         keep = tf.ones((b, length), dtype=tf.bool) if keep is None else _check_keep(keep, b, length)
         shape = (b, self.num_kv_heads, length, self.head_dim)
         dtype = self.compute_dtype if dtype is None else dtype
-        return KVCache(tf.zeros(shape, dtype), tf.zeros(shape, dtype), keep, tf.constant(0, tf.int32))
+        cache = KVCache(tf.zeros(shape, dtype), tf.zeros(shape, dtype), keep, tf.constant(0, tf.int32))
+        return _as_variables(cache) if in_place else cache
 
     def _initializer(self, name):
         """Kernels and biases from the layer's initializers; QK-norm scales of one, sinks of zero."""
@@ -1364,11 +1405,16 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         # 5. Cache write: the new keys and values go to slots [index, index + T) (mod L with a window).
         window = self.window
         if cache is not None:
-            t, index = tf.shape(q)[2], cache.index
+            t, index = tf.shape(q)[2], tf.convert_to_tensor(cache.index)  # the index before this call's write
             misfit = _check_room(cache, t, window)  # only ever True under XLA
-            cache = _write_cache(cache, k, v, key_keep, window)  # `key_mask` goes into its keep
-            keep = _and(keep, _cache_keep(cache.keep, index, t, causal, window))  # (B, N, T, L), dims may be 1
-            k, v, causal, window = cache.key, cache.value, False, None  # (B, K, L, H); causal and window in `keep`
+            if _is_in_place(cache):
+                cache = _write_cache_in_place(cache, k, v, key_keep, misfit)  # the same variables, written
+            else:
+                cache = _write_cache(cache, k, v, key_keep, window)  # `key_mask` goes into its keep
+            slots_keep = _cache_keep(tf.convert_to_tensor(cache.keep), index, t, causal, window)  # (B, 1, T, L)
+            keep = _and(keep, slots_keep)  # (B, N, T, L), dims may be 1
+            k, v = tf.convert_to_tensor(cache.key), tf.convert_to_tensor(cache.value)  # (B, K, L, H), read once
+            causal, window = False, None  # both in `keep`
         # 6. Attention.
         context, weights = self._attend(
             q, k, v, keep, bias, attention_bias, causal, window, return_attention, training
