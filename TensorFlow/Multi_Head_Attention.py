@@ -460,7 +460,7 @@ def _check_room(cache, t, window):
     <= L; with one the cache rolls, and a call that wraps must leave its first query's keys in
     place (L >= window + T - 1). Eagerly a misfit is a ValueError; in a graph an
     InvalidArgumentError (XLA ignores it, and the caller sets that call's output to NaN)."""
-    index, length = cache.index, tf.shape(cache.key)[2]
+    index, length = cache.index, _cache_length(cache)
     misfit = index + t > length  # ()
     if window is not None:
         misfit = misfit & (length < window + t - 1)  # ()
@@ -471,6 +471,13 @@ def _check_room(cache, t, window):
     if not tf.executing_eagerly():
         tf.debugging.Assert(~misfit, _room_message(window, index, t, length))
     return misfit
+
+
+def _cache_length(cache):
+    """L, static where it is known: the shape of an in-place cache's variable is read from the
+    variable itself, a copy of it once it has been written in part."""
+    length = cache.key.shape[2]
+    return tf.shape(cache.key)[2] if length is None else length
 
 
 def _room_message(window, index, t, length):
@@ -488,15 +495,25 @@ def _slot_positions(length, last):
     return slots + length * tf.math.floordiv(last - slots, length)  # (L,)
 
 
+def _held_positions(length, last, window):
+    """(1, L) the position p(s) each slot holds once positions up to `last` are written: the slot
+    itself without a window (the cache does not roll, and the slots past `last` are read as
+    unwritten by the rules of `_cache_keep`), else `_slot_positions`."""
+    if window is None:
+        return tf.range(length)[None, :]  # (1, L)
+    return _slot_positions(length, last)[None, :]  # (1, L)
+
+
 def _cache_keep(keep, index, t, causal, window):
     """(B, L) cache keep -> (B, 1, T, L): slot s holds a written position p(s), is not padding,
     when causal p(s) is at most the query's own position index + t, and with a window W
     p(s) > index + t - W."""
-    held = _slot_positions(tf.shape(keep)[-1], index + t - 1)[None, :]  # (1, L), p(s)
+    length = keep.shape[-1] or tf.shape(keep)[-1]  # L, static where known
+    held = _held_positions(length, index + t - 1, window)  # (1, L), p(s)
     positions = index + tf.range(t)[:, None]  # (T, 1), the position of each query
-    allowed = (held >= 0) & (held <= positions if causal else held < index + t)  # (T, L)
+    allowed = held <= positions if causal else held < index + t  # (T, L)
     if window is not None:
-        allowed = allowed & (held > positions - window)  # (T, L)
+        allowed = allowed & (held >= 0) & (held > positions - window)  # (T, L)
     return allowed[None, None] & keep[:, None, None, :]  # (B, 1, T, L)
 
 
