@@ -46,6 +46,8 @@ slots decode any number of tokens (a call that wraps, index + T > L, needs L >= 
 slot s is read as the last position written there. This layer is functional: it returns a new
 cache (a nest of tensors, so it can be a `tf.while_loop` variable), and `key_mask` and the keys'
 implicit Keras mask go into the new cache's `keep` (ANDed on the first lap, in its place after).
+`init_cache(B, L, in_place=True)` makes a cache of `tf.Variable`s that each call writes in place
+instead, with no copy of the cache per step (a compiled step then returns only its output).
 
 Weights: `query_kernel` (E, N*H), `query_bias` (N*H,), `key_kernel` (kdim, K*H), ...,
 `output_kernel` (N*H, E), `output_bias` (E,), `query_norm`, `key_norm` and `sinks` (N,): the
@@ -548,27 +550,36 @@ def _write_cache_in_place(cache, k, v, key_keep, misfit):
     """What `_write_cache` returns, written into the variables of an in-place cache: the
     (B, K, T, H) keys and values of positions [index, index + T) to slots position mod L, their
     `keep` (the (B, T) `key_keep` ANDed on the first lap, in its place after) and index + T.
-    In a graph nothing is written when the tokens do not fit (`misfit`, only ever True under
-    XLA). Returns the same cache."""
-    if tf.executing_eagerly():
-        _write_in_place(cache, k, v, key_keep)
-    else:
-        tf.cond(misfit, tf.no_op, lambda: _write_in_place(cache, k, v, key_keep))
+    Nothing is written when the tokens do not fit (`misfit`, only ever True under XLA). Returns
+    the same cache."""
+    handles = tuple(variable.handle for variable in cache)
+    _write_variables(handles, k, v, key_keep, misfit, _cache_length(cache))
     return cache
 
 
-def _write_in_place(cache, k, v, key_keep):
-    shape, length = tf.shape(k), cache.key.shape[2]
-    positions = cache.index + tf.range(shape[2])  # (T,)
+@tf.function(jit_compile=True, reduce_retracing=True)
+def _write_variables(handles, k, v, key_keep, misfit, length):
+    """The write, compiled with XLA, which updates the variables where they lie, in eager mode
+    and in any graph (TensorFlow's own scatter ops on a variable that is also read cost a copy
+    of the whole cache per step). It takes the variables' handles: variables passed from one
+    traced function into another are not the caller's."""
+    tf.cond(misfit, tf.no_op, lambda: _write_in_place(handles, k, v, key_keep, length))
+
+
+def _write_in_place(handles, k, v, key_keep, length):
+    key, value, keep, index = handles
+    shape, start = tf.shape(k), tf.raw_ops.ReadVariableOp(resource=index, dtype=tf.int32)
+    positions = start + tf.range(shape[2])  # (T,)
     slots = tf.math.floormod(positions, length)  # (T,)
     written = tf.stack(tf.meshgrid(tf.range(shape[0]), tf.range(shape[1]), slots, indexing="ij"), axis=-1)
     new = tf.ones((shape[0], shape[2]), tf.bool) if key_keep is None else key_keep  # (B, T)
-    kept = tf.where(positions < length, tf.gather(cache.keep, slots, axis=1) & new, new)  # (B, T)
+    old = tf.gather(tf.raw_ops.ReadVariableOp(resource=keep, dtype=tf.bool), slots, axis=1)  # (B, T)
+    kept = tf.where(positions < length, old & new, new)  # (B, T)
     rows = tf.stack(tf.meshgrid(tf.range(shape[0]), slots, indexing="ij"), axis=-1)  # (B, T, 2): (b, slot)
-    cache.key.scatter_nd_update(written, k)  # (B, K, L, H), (b, head, slot) of every written vector
-    cache.value.scatter_nd_update(written, v)  # (B, K, L, H)
-    cache.keep.scatter_nd_update(rows, kept)  # (B, L)
-    cache.index.assign_add(shape[2])
+    tf.raw_ops.ResourceScatterNdUpdate(ref=key, indices=written, updates=k)  # (B, K, L, H) at (b, head, slot)
+    tf.raw_ops.ResourceScatterNdUpdate(ref=value, indices=written, updates=v)  # (B, K, L, H)
+    tf.raw_ops.ResourceScatterNdUpdate(ref=keep, indices=rows, updates=kept)  # (B, L)
+    tf.raw_ops.AssignAddVariableOp(resource=index, value=shape[2])
     return tf.no_op()
 
 
@@ -1130,8 +1141,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
                 of different lengths). Defaults to all True.
             dtype: dtype of the keys and values; defaults to the compute dtype of the policy.
             in_place: if True, the cache's four fields are non-trainable `tf.Variable`s that
-                each call writes in place (call this outside any `tf.function`); a compiled
-                step then returns only its output. Copy-free per step under XLA.
+                each call writes in place, with no copy of the cache (call this outside any
+                `tf.function`); a compiled step then returns only its output.
 
         Returns:
             A `KVCache` of zeros with index 0 (int32).

@@ -440,8 +440,10 @@ def test_tf_in_place_cache_equals_the_functional_one(setup, mode):
 
 
 def test_regression_tf_in_place_cache_is_written_in_its_variables():
-    """The same variable objects come back, written; and the traced step makes no new
-    (B, K, L, H) tensor (the functional cache's `tensor_scatter_nd_update` makes two)."""
+    """The same variable objects come back, written; the traced step makes no new (B, K, L, H)
+    tensor (the functional cache's `tensor_scatter_nd_update` makes two) and writes through the
+    XLA-compiled writer (TensorFlow's own scatter ops cost a copy of the variable per step once it
+    is read: about 20 ms for a 134 MiB cache, 0.4 ms through XLA)."""
     tf, layer, x, keep, full = _tf_setup()
     cache = layer.init_cache(2, 10, keep=keep, in_place=True)
     variables = tuple(cache)
@@ -452,14 +454,21 @@ def test_regression_tf_in_place_cache_is_written_in_its_variables():
     assert (cache.key.numpy()[:, :, 3:] == 0).all() and (cache.value.numpy()[:, :, 3:] == 0).all()
     np.testing.assert_allclose(output.numpy(), full[:, :3], atol=OUTPUT_TOL, rtol=0)
 
-    def made(cache):
+    def traced(cache):
         step = tf.function(lambda q, cache: layer(q, causal=True, cache=cache)[0])
-        graph = step.get_concrete_function(x[:, 3:4], cache).graph
-        cache_shape = tuple(cache.key.shape)
-        return {op.type for op in graph.get_operations() for out in op.outputs if tuple(out.shape) == cache_shape}
+        return step.get_concrete_function(x[:, 3:4], cache).graph.get_operations()
+
+    def made(cache):
+        shape = tuple(cache.key.shape)
+        return {op.type for op in traced(cache) for out in op.outputs if tuple(out.shape) == shape}
+
+    def compiled_calls(cache):
+        return [op for op in traced(cache) if "_XlaMustCompile" in op.node_def.attr and op.get_attr("_XlaMustCompile")]
 
     assert made(cache) == {"ReadVariableOp"}  # the reads the attention needs, nothing else
-    assert "TensorScatterUpdate" in made(layer.init_cache(2, 10, keep=keep))  # the check can fail
+    assert len(compiled_calls(cache)) == 1
+    functional = layer.init_cache(2, 10, keep=keep)
+    assert "TensorScatterUpdate" in made(functional) and not compiled_calls(functional)  # the checks can fail
 
 
 def _as_variables(framework, cache):
