@@ -476,8 +476,7 @@ def _check_room(cache, t, window):
 
 
 def _cache_length(cache):
-    """L, static where it is known: the shape of an in-place cache's variable is read from the
-    variable itself, a copy of it once it has been written in part."""
+    """L, static where it is known (`tf.shape` of an in-place cache's variable reads all of it)."""
     length = cache.key.shape[2]
     return tf.shape(cache.key)[2] if length is None else length
 
@@ -567,6 +566,7 @@ def _write_variables(handles, k, v, key_keep, misfit, length):
 
 
 def _write_in_place(handles, k, v, key_keep, length):
+    """`_write_cache`'s rule, on the handles of the key, value, keep and index variables."""
     key, value, keep, index = handles
     shape, start = tf.shape(k), tf.raw_ops.ReadVariableOp(resource=index, dtype=tf.int32)
     positions = start + tf.range(shape[2])  # (T,)
