@@ -517,3 +517,12 @@ def test_tf_in_place_cache_never_written_fails_the_report(monkeypatch):
     monkeypatch.setattr(tf_file, "_write_cache_in_place", lambda cache, *rest: cache)
     row, _ = parity.run_decode_case(DECODE_CASES_BY_NAME["decode_prefill_then_steps"], paths=("numpy", "tf:in_place"))
     assert not row.passed
+
+
+def test_tf_in_place_cache_takes_the_implicit_key_mask_into_its_keep():
+    tf, layer, _, _, _ = _tf_setup()
+    embed = tf.keras.layers.Embedding(20, 8, mask_zero=True)
+    x = embed(tf.constant([[3, 5, 7, 2], [0, 0, 4, 6]]))  # the second prompt is left-padded by 2
+    cache = layer.init_cache(2, 6, in_place=True)
+    layer(x, causal=True, cache=cache)
+    np.testing.assert_array_equal(cache.keep.numpy(), [[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
