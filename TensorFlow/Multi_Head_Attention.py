@@ -46,6 +46,8 @@ slots decode any number of tokens (a call that wraps, index + T > L, needs L >= 
 slot s is read as the last position written there. This layer is functional: it returns a new
 cache (a nest of tensors, so it can be a `tf.while_loop` variable), and `key_mask` and the keys'
 implicit Keras mask go into the new cache's `keep` (ANDed on the first lap, in its place after).
+`init_cache(B, L, in_place=True)` makes a cache of `tf.Variable`s that each call writes in place
+instead, with no copy of the cache per step (a compiled step then returns only its output).
 
 Weights: `query_kernel` (E, N*H), `query_bias` (N*H,), `key_kernel` (kdim, K*H), ...,
 `output_kernel` (N*H, E), `output_bias` (E,), `query_norm`, `key_norm` and `sinks` (N,): the
@@ -526,7 +528,7 @@ def _check_room(cache, t, window):
     <= L; with one the cache rolls, and a call that wraps must leave its first query's keys in
     place (L >= window + T - 1). Eagerly a misfit is a ValueError; in a graph an
     InvalidArgumentError (XLA ignores it, and the caller sets that call's output to NaN)."""
-    index, length = cache.index, tf.shape(cache.key)[2]
+    index, length = cache.index, _cache_length(cache)
     misfit = index + t > length  # ()
     if window is not None:
         misfit = misfit & (length < window + t - 1)  # ()
@@ -537,6 +539,12 @@ def _check_room(cache, t, window):
     if not tf.executing_eagerly():
         tf.debugging.Assert(~misfit, _room_message(window, index, t, length))
     return misfit
+
+
+def _cache_length(cache):
+    """L, static where it is known (`tf.shape` of an in-place cache's variable reads all of it)."""
+    length = cache.key.shape[2]
+    return tf.shape(cache.key)[2] if length is None else length
 
 
 def _room_message(window, index, t, length):
@@ -554,15 +562,25 @@ def _slot_positions(length, last):
     return slots + length * tf.math.floordiv(last - slots, length)  # (L,)
 
 
+def _held_positions(length, last, window):
+    """(1, L) the position p(s) each slot holds once positions up to `last` are written: the slot
+    itself without a window (the cache does not roll, and the slots past `last` are read as
+    unwritten by the rules of `_cache_keep`), else `_slot_positions`."""
+    if window is None:
+        return tf.range(length)[None, :]  # (1, L)
+    return _slot_positions(length, last)[None, :]  # (1, L)
+
+
 def _cache_keep(keep, index, t, causal, window):
     """(B, L) cache keep -> (B, 1, T, L): slot s holds a written position p(s), is not padding,
     when causal p(s) is at most the query's own position index + t, and with a window W
     p(s) > index + t - W."""
-    held = _slot_positions(tf.shape(keep)[-1], index + t - 1)[None, :]  # (1, L), p(s)
+    length = keep.shape[-1] or tf.shape(keep)[-1]  # L, static where known
+    held = _held_positions(length, index + t - 1, window)  # (1, L), p(s)
     positions = index + tf.range(t)[:, None]  # (T, 1), the position of each query
-    allowed = (held >= 0) & (held <= positions if causal else held < index + t)  # (T, L)
+    allowed = held <= positions if causal else held < index + t  # (T, L)
     if window is not None:
-        allowed = allowed & (held > positions - window)  # (T, L)
+        allowed = allowed & (held >= 0) & (held > positions - window)  # (T, L)
     return allowed[None, None] & keep[:, None, None, :]  # (B, 1, T, L)
 
 
@@ -582,6 +600,53 @@ def _write_cache(cache, k, v, key_keep, window):
     rows = tf.stack(tf.meshgrid(tf.range(shape[0]), slots, indexing="ij"), axis=-1)  # (B, T, 2): (b, slot)
     keep = tf.tensor_scatter_nd_update(cache.keep, rows, kept)  # (B, L)
     return KVCache(key, value, keep, cache.index + shape[2])
+
+
+def _as_variables(cache):
+    """The same cache with non-trainable `tf.Variable`s for fields: an in-place cache."""
+    return KVCache(*(tf.Variable(x, trainable=False) for x in cache))
+
+
+def _is_in_place(cache):
+    return isinstance(cache.key, tf.Variable)
+
+
+def _write_cache_in_place(cache, k, v, key_keep, misfit):
+    """What `_write_cache` returns, written into the variables of an in-place cache: the
+    (B, K, T, H) keys and values of positions [index, index + T) to slots position mod L, their
+    `keep` (the (B, T) `key_keep` ANDed on the first lap, in its place after) and index + T.
+    Nothing is written when the tokens do not fit (`misfit`, only ever True under XLA). Returns
+    the same cache."""
+    handles = tuple(variable.handle for variable in cache)
+    _write_variables(handles, k, v, key_keep, misfit, _cache_length(cache))
+    return cache
+
+
+@tf.function(jit_compile=True, reduce_retracing=True)
+def _write_variables(handles, k, v, key_keep, misfit, length):
+    """The write, compiled with XLA, which updates the variables where they lie, in eager mode
+    and in any graph (TensorFlow's own scatter ops on a variable that is also read cost a copy
+    of the whole cache per step). It takes the variables' handles: variables passed from one
+    traced function into another are not the caller's."""
+    tf.cond(misfit, tf.no_op, lambda: _write_in_place(handles, k, v, key_keep, length))
+
+
+def _write_in_place(handles, k, v, key_keep, length):
+    """`_write_cache`'s rule, on the handles of the key, value, keep and index variables."""
+    key, value, keep, index = handles
+    shape, start = tf.shape(k), tf.raw_ops.ReadVariableOp(resource=index, dtype=tf.int32)
+    positions = start + tf.range(shape[2])  # (T,)
+    slots = tf.math.floormod(positions, length)  # (T,)
+    written = tf.stack(tf.meshgrid(tf.range(shape[0]), tf.range(shape[1]), slots, indexing="ij"), axis=-1)
+    new = tf.ones((shape[0], shape[2]), tf.bool) if key_keep is None else key_keep  # (B, T)
+    old = tf.gather(tf.raw_ops.ReadVariableOp(resource=keep, dtype=tf.bool), slots, axis=1)  # (B, T)
+    kept = tf.where(positions < length, old & new, new)  # (B, T)
+    rows = tf.stack(tf.meshgrid(tf.range(shape[0]), slots, indexing="ij"), axis=-1)  # (B, T, 2): (b, slot)
+    tf.raw_ops.ResourceScatterNdUpdate(ref=key, indices=written, updates=k)  # (B, K, L, H) at (b, head, slot)
+    tf.raw_ops.ResourceScatterNdUpdate(ref=value, indices=written, updates=v)  # (B, K, L, H)
+    tf.raw_ops.ResourceScatterNdUpdate(ref=keep, indices=rows, updates=kept)  # (B, L)
+    tf.raw_ops.AssignAddVariableOp(resource=index, value=shape[2])
+    return tf.no_op()
 
 
 def _mask_to_4d(mask, target, name="attention_mask"):
@@ -1135,7 +1200,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             shapes["sinks"] = (self.num_heads,)
         return shapes
 
-    def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
+    def init_cache(self, batch_size, max_length, *, keep=None, dtype=None, in_place=False):
         """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
 
         Args:
@@ -1144,6 +1209,9 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
                 of different lengths). Defaults to all True.
             dtype: dtype of the keys and values; defaults to the compute dtype of the policy.
+            in_place: if True, the cache's four fields are non-trainable `tf.Variable`s that
+                each call writes in place, with no copy of the cache (call this outside any
+                `tf.function`); a compiled step then returns only its output.
 
         Returns:
             A `KVCache` of zeros with index 0 (int32).
@@ -1152,7 +1220,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         keep = tf.ones((b, length), dtype=tf.bool) if keep is None else _check_keep(keep, b, length)
         shape = (b, self.num_kv_heads, length, self.head_dim)
         dtype = self.compute_dtype if dtype is None else dtype
-        return KVCache(tf.zeros(shape, dtype), tf.zeros(shape, dtype), keep, tf.constant(0, tf.int32))
+        cache = KVCache(tf.zeros(shape, dtype), tf.zeros(shape, dtype), keep, tf.constant(0, tf.int32))
+        return _as_variables(cache) if in_place else cache
 
     def _initializer(self, name):
         """Kernels and biases from the layer's initializers; QK-norm scales of one, sinks of zero."""
@@ -1435,11 +1504,16 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         # 5. Cache write: the new keys and values go to slots [index, index + T) (mod L with a window).
         window = self.window
         if cache is not None:
-            t, index = tf.shape(q)[2], cache.index
+            t, index = tf.shape(q)[2], tf.convert_to_tensor(cache.index)  # the index before this call's write
             misfit = _check_room(cache, t, window)  # only ever True under XLA
-            cache = _write_cache(cache, k, v, key_keep, window)  # `key_mask` goes into its keep
-            keep = _and(keep, _cache_keep(cache.keep, index, t, causal, window))  # (B, N, T, L), dims may be 1
-            k, v, causal, window = cache.key, cache.value, False, None  # (B, K, L, H); causal and window in `keep`
+            if _is_in_place(cache):
+                cache = _write_cache_in_place(cache, k, v, key_keep, misfit)  # the same variables, written
+            else:
+                cache = _write_cache(cache, k, v, key_keep, window)  # `key_mask` goes into its keep
+            slots_keep = _cache_keep(tf.convert_to_tensor(cache.keep), index, t, causal, window)  # (B, 1, T, L)
+            keep = _and(keep, slots_keep)  # (B, N, T, L), dims may be 1
+            k, v = tf.convert_to_tensor(cache.key), tf.convert_to_tensor(cache.value)  # (B, K, L, H), read once
+            causal, window = False, None  # both in `keep`
         # 6. Attention.
         context, weights = self._attend(
             q, k, v, keep, bias, attention_bias, causal, window, return_attention, training

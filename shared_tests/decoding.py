@@ -14,7 +14,9 @@ import numpy as np
 
 from shared_tests.cases import TOLERANCES, Case, random_weights
 
-DECODE_PATHS = ("numpy", "torch:sdpa", "torch:explicit", "tf:eager", "tf:function")
+# tf:in_place: a tf.function step over an in-place cache (`init_cache(..., in_place=True)`): tf.Variables written by
+# each call, the step returning only its output and weights
+DECODE_PATHS = ("numpy", "torch:sdpa", "torch:explicit", "tf:eager", "tf:function", "tf:in_place")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,18 +309,21 @@ def run_tensorflow(case, data, path):
     from shared_tests.frameworks import make_tf_layer, traced_up_front
 
     layer = make_tf_layer(case, data)
+    in_place = path == "tf:in_place"
 
     def step(inputs, mask, cache, extra):
-        return layer(**inputs, **extra, attention_mask=mask, causal=case.causal, return_attention=True, cache=cache)
+        result = layer(**inputs, **extra, attention_mask=mask, causal=case.causal, return_attention=True, cache=cache)
+        return result[:2] if in_place else result  # an in-place cache is the one passed in, written
 
     step = step if path == "tf:eager" else traced_up_front(tf.function(step))  # one trace per distinct T
-    cache = layer.init_cache(case.b, case.length, keep=tf.constant(data["keep"]))
+    cache = layer.init_cache(case.b, case.length, keep=tf.constant(data["keep"]), in_place=in_place)
     outputs, weights = [], []
     for start, stop in case.spans():
         chunk = {name: tf.constant(x[:, start:stop], dtype=case.dtype) for name, x in data["inputs"].items()}
         mask = chunk_mask(data["attention_mask"], start, stop)
         extra = {name: tf.constant(x) for name, x in chunk_positions(data, start, stop).items()}
-        output, w, cache = step(chunk, None if mask is None else tf.constant(mask), cache, extra)
+        result = step(chunk, None if mask is None else tf.constant(mask), cache, extra)
+        output, w, cache = (*result, cache) if in_place else result
         outputs.append(output)
         weights.append(w)
     inputs = {name: tf.constant(x, dtype=case.dtype) for name, x in data["inputs"].items()}
