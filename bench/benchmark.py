@@ -471,7 +471,7 @@ def main(argv=None):
     if args.output is None:
         parser.error(f"--quick results are smoke numbers: write them anywhere but {RESULTS}")
     configs, long, decode = (QUICK, QUICK_LONG, QUICK_DECODE) if args.quick else (CONFIGS, LONG, DECODE)
-    anchors = QUICK_DECODE_ANCHORS if args.quick else DECODE_ANCHORS
+    anchors, anchor_runs = (QUICK_DECODE_ANCHORS, 3) if args.quick else (DECODE_ANCHORS, DECODE_ANCHOR_RUNS)
     memory_cases, processes = (QUICK_MEMORY, 1) if args.quick else (MEMORY, MEMORY_PROCESSES)
     variant_config = QUICK[0] if args.quick else VARIANT_CONFIGS[0]
     runs = args.runs or (2 if args.quick else 5)
@@ -486,7 +486,7 @@ def main(argv=None):
     anchor_times = {}
     for config, _ in anchors:
         print(config.name, file=sys.stderr, flush=True)
-        anchor_times[config.name] = time_decode_anchors(config, 3 if args.quick else DECODE_ANCHOR_RUNS, args.rounds)
+        anchor_times[config.name] = time_decode_anchors(config, anchor_runs, args.rounds)
     print(f"variants, {variant_config.name}", file=sys.stderr, flush=True)
     variant_times = time_variants(variant_config, runs, args.rounds)
     long_results = {}
@@ -495,7 +495,9 @@ def main(argv=None):
             print(f"{config.name} {mode} {which}", file=sys.stderr, flush=True)
             long_results[(config, mode, which)] = measure_long(config, mode, which, args.rounds)
     memory_results = memory.measure_all(memory_cases, processes, QUICK_MEMORY_THRESHOLD if args.quick else None)
-    hub = f"keras-hub {decode_anchors.keras_hub_version()}" if decode_anchors.has_keras_hub() else "not installed"
+    hub = "not installed: see docs/benchmark.md"
+    if decode_anchors.has_keras_hub():
+        hub = f"keras-hub {decode_anchors.keras_hub_version()}"
     report = [
         "# Benchmark results",
         "",
@@ -520,7 +522,7 @@ def main(argv=None):
         "## Decoding step against anchors",
         "",
         f"One T = 1 step with L - 1 tokens in the cache (it writes slot L - 1 and attends all L), {args.rounds} "
-        f"rounds of {3 if args.quick else DECODE_ANCHOR_RUNS} steps after 2 warm-up steps, every step taking "
+        f"rounds of {anchor_runs} steps after 2 warm-up steps, every step taking "
         "turns step by step in one process, same weights. PyTorch under no_grad; the hand-written decode (fused "
         "q/k/v matmul, in-place cache write, scaled_dot_product_attention) is checked once to give ours' output "
         f"within {decode_anchors.HAND_ATOL}. TensorFlow's functional step returns the output and the new cache; "

@@ -119,9 +119,10 @@ def measure(case, config, threshold=None):
         [sys.executable, "-m", "bench.memory", *map(str, args)],
         capture_output=True,
         text=True,
-        check=True,
         cwd=Path(__file__).parents[1],
     )
+    if out.returncode != 0:
+        raise RuntimeError(f"the measurement of {case!r} at {config.name} failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
