@@ -7,10 +7,13 @@ without weights, with weights, and a training step (forward + backward). Each co
 `--rounds` rounds (default 3) of `--runs` timed runs (default 5), ours and the built-in taking
 turns run by run; a round gives one ratio ours / built-in (of the medians), and the report gives
 the median ratio over the rounds with its min-max spread. It also reports KV-cache decoding
-(one token with the cache against recomputing the full causal pass) and, each layer in a fresh
-process, time and peak memory at long sequence lengths, and writes bench/results.md. `--quick`
-runs tiny configurations and writes out/bench_quick.md instead (out/ is not tracked), so a smoke
-run never replaces the recorded results.
+(one token with the cache against recomputing the full causal pass), one decoding step against
+two anchors (a hand-written PyTorch decode and keras-hub's `CachedMultiHeadAttention`, see
+bench/decode_anchors.py), each layer in a fresh process, time and peak memory at long sequence
+lengths, and the peak memory of TensorFlow in eager mode and inside `tf.function` (see
+bench/memory.py), and writes bench/results.md. `--quick` runs tiny configurations and writes
+out/bench_quick.md instead (out/ is not tracked), so a smoke run never replaces the recorded
+results.
 
 Legend: B batch, T query length, S key/value length, E d_model, N num_heads, K num_kv_heads.
 """
@@ -25,6 +28,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench import decode_anchors, memory
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -75,6 +80,27 @@ DECODE = [
     Config("decode B=1 L=4096 E=256 N=4", 1, 4096, 256, 4),
 ]
 QUICK_DECODE = [Config("quick decode L=32", 1, 32, 32, 4)]
+# One decoding step (T = 1, L - 1 tokens cached) against the anchors, with the target of PyTorch
+# ours / the hand-written decode at each size.
+DECODE_ANCHORS = [
+    (Config("decode B=1 E=256 N=4 L=1024", 1, 1024, 256, 4), 1.5),
+    (Config("decode B=8 E=512 N=8 L=2048", 8, 2048, 512, 8), 1.15),
+]
+QUICK_DECODE_ANCHORS = [(Config("quick decode B=2 E=32 N=4 L=64", 2, 64, 32, 4), 1.5)]
+DECODE_ANCHOR_RUNS = 30  # timed steps per round (quick: 3): a step takes 0.1 to 50 ms
+# TensorFlow in eager mode against tf.function, and against PyTorch: (measurement, configuration).
+MEMORY_TRAIN = Config("B=1 T=S=8192 E=256 N=4", 1, 8192, 256, 4)
+MEMORY_FORWARD = Config("B=1 T=S=32768 E=256 N=4", 1, 32768, 256, 4)
+MEMORY = [
+    (memory.TF_EAGER_TRAIN, MEMORY_TRAIN),
+    (memory.TF_GRAPH_TRAIN, MEMORY_TRAIN),
+    (memory.TF_FORWARD, MEMORY_FORWARD),
+    (memory.TORCH_FORWARD, MEMORY_FORWARD),
+]
+MEMORY_PROCESSES = 3
+# Smoke sizes, one process each, with a threshold that sends them down the memory-efficient path.
+QUICK_MEMORY = [(case, Config("quick T=S=256 E=32 N=4", 1, 256, 32, 4)) for case, _ in MEMORY]
+QUICK_MEMORY_THRESHOLD = 1 << 12
 # The variants of today's models, each against the plain layer (same sizes, same run): what they cost.
 VARIANTS = {
     "RoPE": {"rope_theta": 10000.0},
@@ -297,6 +323,11 @@ def time_decode(config, runs, rounds):
     }
 
 
+def time_decode_anchors(config, runs, rounds):
+    """{label: [seconds of each round]}: every step of bench/decode_anchors.py taking turns."""
+    return rounds_of_times(decode_anchors.decode_steps(config), runs, rounds)
+
+
 def fits_in_memory(config, which):
     """Whether a layer that materialises the (B, N, T, S) float32 scores (three copies: scores,
     softmax, gradient or temporaries) fits in half of the available memory."""
@@ -440,6 +471,8 @@ def main(argv=None):
     if args.output is None:
         parser.error(f"--quick results are smoke numbers: write them anywhere but {RESULTS}")
     configs, long, decode = (QUICK, QUICK_LONG, QUICK_DECODE) if args.quick else (CONFIGS, LONG, DECODE)
+    anchors, anchor_runs = (QUICK_DECODE_ANCHORS, 3) if args.quick else (DECODE_ANCHORS, DECODE_ANCHOR_RUNS)
+    memory_cases, processes = (QUICK_MEMORY, 1) if args.quick else (MEMORY, MEMORY_PROCESSES)
     variant_config = QUICK[0] if args.quick else VARIANT_CONFIGS[0]
     runs = args.runs or (2 if args.quick else 5)
     flops = {"PyTorch": torch_matmul_flops(runs), "TensorFlow": tf_matmul_flops(runs)}
@@ -450,6 +483,10 @@ def main(argv=None):
     for config in decode:
         print(config.name, file=sys.stderr, flush=True)
         decode_times[config.name] = time_decode(config, runs, args.rounds)
+    anchor_times = {}
+    for config, _ in anchors:
+        print(config.name, file=sys.stderr, flush=True)
+        anchor_times[config.name] = time_decode_anchors(config, anchor_runs, args.rounds)
     print(f"variants, {variant_config.name}", file=sys.stderr, flush=True)
     variant_times = time_variants(variant_config, runs, args.rounds)
     long_results = {}
@@ -457,6 +494,10 @@ def main(argv=None):
         for which in (label for pair in LAYERS.values() for label in pair):
             print(f"{config.name} {mode} {which}", file=sys.stderr, flush=True)
             long_results[(config, mode, which)] = measure_long(config, mode, which, args.rounds)
+    memory_results = memory.measure_all(memory_cases, processes, QUICK_MEMORY_THRESHOLD if args.quick else None)
+    hub = "not installed: see docs/benchmark.md"
+    if decode_anchors.has_keras_hub():
+        hub = f"keras-hub {decode_anchors.keras_hub_version()}"
     report = [
         "# Benchmark results",
         "",
@@ -478,6 +519,18 @@ def main(argv=None):
         "",
         decode_table(decode_times, decode),
         "",
+        "## Decoding step against anchors",
+        "",
+        f"One T = 1 step with L - 1 tokens in the cache (it writes slot L - 1 and attends all L), {args.rounds} "
+        f"rounds of {anchor_runs} steps after 2 warm-up steps, every step taking "
+        "turns step by step in one process, same weights. PyTorch under no_grad; the hand-written decode (fused "
+        "q/k/v matmul, in-place cache write, scaled_dot_product_attention) is checked once to give ours' output "
+        f"within {decode_anchors.HAND_ATOL}. TensorFlow's functional step returns the output and the new cache; "
+        "the in-place step writes the variables of init_cache(in_place=True). keras-hub's "
+        f"CachedMultiHeadAttention ({hub}) holds the same weights and cache, with the mask of the written slots.",
+        "",
+        decode_anchors.anchor_tables(anchor_times, anchors),
+        "",
         "## Variants of today's models",
         "",
         "Each variant (docs/modern.md) against the same layer without it, taking turns run by run: what it "
@@ -494,6 +547,18 @@ def main(argv=None):
         "for forward; tf.function. Built-in layers whose (B, N, T, S) scores cannot fit in memory are not run.",
         "",
         long_table(long_results),
+        "",
+        "## TensorFlow memory: eager and tf.function",
+        "",
+        f"Each measurement in a fresh process, repeated in {processes} processes (medians over them, min-max in "
+        "parentheses): the growth is the peak "
+        "resident memory after one step (getrusage's ru_maxrss) minus the resident memory after the layer is "
+        "built and the input allocated; the time is that of a second step. The process forks before its "
+        "imports, so its peak does not start at the benchmark's. The eager training step runs "
+        "tf.GradientTape outside tf.function; PyTorch's forward is eval + no_grad. '<=' marks a growth that is "
+        "an upper bound (the step did not raise the process's earlier peak).",
+        "",
+        memory.memory_table(memory_results, dict(memory_cases)),
         "",
     ]
     text = "\n".join(report)

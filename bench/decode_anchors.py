@@ -1,0 +1,203 @@
+"""One decoding step of our layers against two anchors: a hand-written PyTorch decode and
+keras-hub's `CachedMultiHeadAttention`.
+
+Each step is a T = 1 call at context length L (`config.t`) with L - 1 tokens in the cache: it
+writes slot L - 1 and attends all L slots, and every timed run writes the same slot again, so
+every run does the same work. The steps (float32, same weights everywhere) are:
+
+- PyTorch ours under `torch.no_grad`: `output, cache = layer(x, causal=True, cache=cache)`;
+- the hand-written PyTorch decode: a fused q/k/v matmul, an in-place cache write,
+  `F.scaled_dot_product_attention` over the written slots and the output projection;
+- TensorFlow ours in `tf.function` and in `tf.function(jit_compile=True)`, with the functional
+  cache (the step returns the output and the new cache) and with the in-place cache of
+  `init_cache(..., in_place=True)` (variables written in place);
+- keras-hub's `CachedMultiHeadAttention` in `tf.function` and in XLA, with its (B, 2, L, N, H)
+  cache and the (B, 1, L) mask of the written slots that keras-hub's decoders pass, when
+  keras-hub is importable (it is not in requirements.txt: docs/benchmark.md says why).
+
+Legend: B batch, T query length (1), E d_model, N num_heads, H head_dim, L cache length.
+"""
+
+import importlib.util
+import statistics
+
+import numpy as np
+
+TORCH_OURS = "PyTorch ours"
+HAND = "hand PyTorch"
+TF_FUNCTION = "TF ours (tf.function)"
+TF_XLA = "TF ours (XLA)"
+TF_IN_PLACE_FUNCTION = "TF ours in-place (tf.function)"
+TF_IN_PLACE_XLA = "TF ours in-place (XLA)"
+HUB_FUNCTION = "keras-hub (tf.function)"
+HUB_XLA = "keras-hub (XLA)"
+TF_STEPS = (TF_FUNCTION, TF_XLA, TF_IN_PLACE_FUNCTION, TF_IN_PLACE_XLA)
+TF_TARGET = 1.3  # each TensorFlow step / PyTorch ours, at every size
+# Each anchor must compute what ours computes; float32 at E <= 512.
+HAND_ATOL = 1e-5
+HUB_ATOL = 1e-4
+
+
+def has_keras_hub():
+    return importlib.util.find_spec("keras_hub") is not None
+
+
+def keras_hub_version():
+    import keras_hub
+
+    return keras_hub.__version__
+
+
+def hand_decode(x, w_qkv, b_qkv, w_out, b_out, cache_k, cache_v, index, num_heads):
+    """The anchor: one decoding step written by hand. x (B, 1, E); cache_k, cache_v (B, N, L, H)."""
+    import torch.nn.functional as F
+
+    b, t, e = x.shape
+    qkv = F.linear(x, w_qkv, b_qkv).view(b, t, 3, num_heads, e // num_heads)  # (B, 1, E) -> (B, 1, 3, N, H)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4)  # (B, 1, 3, N, H) -> 3 x (B, N, 1, H)
+    cache_k[:, :, index] = k[:, :, 0]
+    cache_v[:, :, index] = v[:, :, 0]
+    out = F.scaled_dot_product_attention(q, cache_k[:, :, : index + 1], cache_v[:, :, : index + 1])  # (B, N, 1, H)
+    return F.linear(out.transpose(1, 2).reshape(b, t, e), w_out, b_out)  # (B, N, 1, H) -> (B, 1, E)
+
+
+def torch_steps(config, x):
+    """{label: step} for PyTorch ours and the hand decode on the same weights and cache, after
+    checking once that they give the same output. x (B, L, E) float32 NumPy."""
+    import torch
+
+    from PyTorch import MultiHeadAttention
+
+    layer = MultiHeadAttention(config.e, config.n).eval()
+    x = torch.from_numpy(x)
+    last, index = x[:, -1:], config.t - 1
+    with torch.no_grad():
+        _, cache = layer(x[:, :-1], causal=True, cache=layer.init_cache(config.b, config.t))  # L - 1 tokens
+        projections = (layer.query, layer.key, layer.value)
+        w_qkv = torch.cat([p.weight for p in projections])  # (3E, E)
+        b_qkv = torch.cat([p.bias for p in projections])  # (3E,)
+        hand_cache = (cache.key.clone(), cache.value.clone())  # (B, N, L, H) each
+
+    def ours():
+        with torch.no_grad():
+            return layer(last, causal=True, cache=cache)[0]
+
+    def hand():
+        with torch.no_grad():
+            return hand_decode(last, w_qkv, b_qkv, layer.output.weight, layer.output.bias, *hand_cache, index, config.n)
+
+    np.testing.assert_allclose(hand().numpy(), ours().numpy(), rtol=0, atol=HAND_ATOL)
+    return {TORCH_OURS: ours, HAND: hand}, layer.export_weights()
+
+
+def tf_layer(config, weights):
+    from TensorFlow import MultiHeadAttention
+
+    layer = MultiHeadAttention(config.e, config.n)
+    layer.import_weights(weights)
+    return layer
+
+
+def tf_functional_step(layer, x, length, jit_compile):
+    """TF ours with the functional cache: the step returns the output and the new cache."""
+    import tensorflow as tf
+
+    _, cache = layer(x[:, :-1], causal=True, cache=layer.init_cache(x.shape[0], length))  # L - 1 tokens
+    step = tf.function(lambda x, cache: layer(x, causal=True, cache=cache), jit_compile=jit_compile)
+    last = x[:, -1:]
+    return lambda: step(last, cache)[0].numpy()
+
+
+def tf_in_place_step(layer, x, length, jit_compile):
+    """TF ours with the in-place cache: `init_cache(..., in_place=True)` holds variables that
+    each step writes in place, and the returned cache holds the same variables. An index kept
+    in a variable is set back to L - 1 before each step, so each step rewrites slot L - 1."""
+    import tensorflow as tf
+
+    _, cache = layer(x[:, :-1], causal=True, cache=layer.init_cache(x.shape[0], length, in_place=True))
+    step = tf.function(lambda x, cache: layer(x, causal=True, cache=cache)[0], jit_compile=jit_compile)
+    last = x[:, -1:]
+
+    def run():
+        if isinstance(cache.index, tf.Variable):
+            cache.index.assign(length - 1)
+        return step(last, cache).numpy()
+
+    return run
+
+
+def keras_hub_step(layer, x, length, jit_compile):
+    """keras-hub's CachedMultiHeadAttention holding the layer's weights, its cache filled with
+    the same L - 1 keys and values; the step returns the output and the new cache."""
+    import keras_hub
+    import tensorflow as tf
+
+    hub = keras_hub.layers.CachedMultiHeadAttention(layer.num_heads, layer.head_dim)
+    hub.build((None, None, layer.d_model), (None, None, layer.d_model))
+    hub.set_weights(layer.to_keras().get_weights())
+    _, cache = layer(x[:, :-1], causal=True, cache=layer.init_cache(x.shape[0], length))
+    hub_cache = tf.transpose(tf.stack([cache.key, cache.value], axis=1), (0, 1, 3, 2, 4))  # (B, 2, L, N, H)
+
+    def call(x, hub_cache, index):
+        written = tf.range(length)[None, None, :] <= index  # (1, 1, L)
+        mask = tf.broadcast_to(written, (tf.shape(x)[0], 1, length))  # (B, 1, L)
+        return hub(x, x, attention_mask=mask, cache=hub_cache, cache_update_index=index)
+
+    step = tf.function(call, jit_compile=jit_compile)
+    last, index = x[:, -1:], tf.constant(length - 1)
+    return lambda: step(last, hub_cache, index)[0].numpy()
+
+
+def tf_steps(config, x, weights):
+    """{label: step} for TensorFlow ours (functional and in-place cache, tf.function and XLA)
+    and, when importable, keras-hub's layer, whose output is checked once against ours."""
+    import tensorflow as tf
+
+    layer, x = tf_layer(config, weights), tf.constant(x)
+    steps = {
+        TF_FUNCTION: tf_functional_step(layer, x, config.t, jit_compile=False),
+        TF_XLA: tf_functional_step(layer, x, config.t, jit_compile=True),
+        TF_IN_PLACE_FUNCTION: tf_in_place_step(layer, x, config.t, jit_compile=False),
+        TF_IN_PLACE_XLA: tf_in_place_step(layer, x, config.t, jit_compile=True),
+    }
+    if has_keras_hub():
+        steps[HUB_FUNCTION] = keras_hub_step(layer, x, config.t, jit_compile=False)
+        steps[HUB_XLA] = keras_hub_step(layer, x, config.t, jit_compile=True)
+        np.testing.assert_allclose(steps[HUB_FUNCTION](), steps[TF_FUNCTION](), rtol=0, atol=HUB_ATOL)
+    return steps
+
+
+def decode_steps(config):
+    """{label: step} of every decoding step at one size, on the same weights and input."""
+    x = np.random.default_rng(0).standard_normal((config.b, config.t, config.e)).astype(np.float32)
+    steps, weights = torch_steps(config, x)
+    steps.update(tf_steps(config, x, weights))
+    return steps
+
+
+def _ratio(times, ours, theirs):
+    """(median ratio, min, max) of the per-round ratios ours / theirs."""
+    ratios = [a / b for a, b in zip(times[ours], times[theirs], strict=True)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def anchor_tables(times, configs):
+    """The step times of every size, then the ratios with their targets. `times`: {config name:
+    {label: [seconds of each round]}}; `configs`: [(config, target of PyTorch ours / hand)]."""
+    labels = list(dict.fromkeys(label for measured in times.values() for label in measured))
+    lines = ["| configuration | " + " | ".join(f"{label} (ms)" for label in labels) + " |"]
+    lines.append("|---" * (len(labels) + 1) + "|")
+    for config, _ in configs:
+        measured = times[config.name]
+        cells = [f"{statistics.median(measured[label]) * 1e3:.2f}" if label in measured else "-" for label in labels]
+        lines.append(f"| {config.name} | " + " | ".join(cells) + " |")
+    lines += ["", "| configuration | ratio | target | measured (spread) | met |", "|---|---|---|---|---|"]
+    for config, hand_target in configs:
+        pairs = [(label, TORCH_OURS, TF_TARGET) for label in TF_STEPS] + [(TORCH_OURS, HAND, hand_target)]
+        for ours, theirs, target in pairs:
+            median, low, high = _ratio(times[config.name], ours, theirs)
+            lines.append(
+                f"| {config.name} | {ours} / {theirs} | <= {target}x | **{median:.2f}x** ({low:.2f}-{high:.2f}) "
+                f"| {'yes' if median <= target else 'no'} |"
+            )
+    return "\n".join(lines)

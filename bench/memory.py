@@ -1,0 +1,193 @@
+"""Peak memory of the TensorFlow layer in eager mode and inside `tf.function`, and against PyTorch.
+
+Each measurement runs in a fresh process: `python -m bench.memory CASE B T E N [THRESHOLD]`
+prints one JSON line, {"growth_mib", "seconds", "raised_peak"}. The growth is the peak resident
+memory after one step (`resource.getrusage(RUSAGE_SELF).ru_maxrss`) minus the resident memory
+after the layer is built and the input allocated; the time is that of a second step (tracing
+is in the first). A process started by `subprocess` inherits its parent's `ru_maxrss` (the
+benchmark's own peak, gigabytes), so this module forks before anything else is imported and
+measures in the child, whose peak starts at that of a bare interpreter. `raised_peak` is False
+when the step did not raise the peak above what the process reached before it (then the growth
+is an upper bound). THRESHOLD, when given, replaces the TensorFlow layer's
+`memory_efficient_threshold` (smoke runs use it to reach the memory-efficient path at small T).
+
+Legend: B batch, T = S sequence length, E d_model, N num_heads.
+"""
+
+import gc
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TF_EAGER_TRAIN = "TensorFlow train step, GradientTape outside tf.function (eager)"
+TF_GRAPH_TRAIN = "TensorFlow train step, GradientTape inside tf.function"
+TF_FORWARD = "TensorFlow forward, tf.function"
+TORCH_FORWARD = "PyTorch forward, no_grad"
+# What the layers are held to (benchmark targets, not timed tests).
+EAGER_GROWTH_MIB = 1024
+EAGER_TIME_RATIO = 1.3
+FORWARD_GROWTH_RATIO = 1.5
+
+
+def _rss_mib():
+    """The resident memory of this process now, in MiB."""
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmRSS"))
+    return int(line.split()[1]) / 1024
+
+
+def _peak_mib():
+    """The peak resident memory of this process so far, in MiB (ru_maxrss is in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _tf_layer(e, n, threshold):
+    from TensorFlow import MultiHeadAttention
+
+    layer = MultiHeadAttention(e, n)
+    layer.build()
+    if threshold is not None:
+        layer.memory_efficient_threshold = threshold
+    return layer
+
+
+def _tf_train(b, t, e, n, threshold, eager):
+    import tensorflow as tf
+
+    layer, x = _tf_layer(e, n, threshold), tf.random.normal((b, t, e))
+
+    def train():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(x, training=True))
+        return tape.gradient(loss, layer.trainable_weights)
+
+    step = train if eager else tf.function(train)
+    return lambda: [g.numpy() for g in step()]
+
+
+def _tf_forward(b, t, e, n, threshold):
+    import tensorflow as tf
+
+    layer, x = _tf_layer(e, n, threshold), tf.random.normal((b, t, e))
+    forward = tf.function(lambda: layer(x))
+    return lambda: forward().numpy()
+
+
+def _torch_forward(b, t, e, n, threshold):
+    import torch
+
+    from PyTorch import MultiHeadAttention
+
+    layer, x = MultiHeadAttention(e, n).eval(), torch.randn(b, t, e)
+
+    def forward():
+        with torch.no_grad():
+            return layer(x)
+
+    return forward
+
+
+STEPS = {
+    TF_EAGER_TRAIN: lambda *sizes: _tf_train(*sizes, eager=True),
+    TF_GRAPH_TRAIN: lambda *sizes: _tf_train(*sizes, eager=False),
+    TF_FORWARD: _tf_forward,
+    TORCH_FORWARD: _torch_forward,
+}
+
+
+def measure_here(case, b, t, e, n, threshold=None):
+    """{"growth_mib", "seconds", "raised_peak"} of one step of `case`, in this process."""
+    step = STEPS[case](b, t, e, n, threshold)
+    gc.collect()
+    before, peak_before = _rss_mib(), _peak_mib()
+    step()
+    peak = _peak_mib()
+    start = time.perf_counter()
+    step()
+    seconds = time.perf_counter() - start
+    return {"growth_mib": round(peak - before, 1), "seconds": seconds, "raised_peak": peak > peak_before}
+
+
+def measure(case, config, threshold=None):
+    """One measurement of `case` at `config` in a fresh process."""
+    args = [case, config.b, config.t, config.e, config.n] + ([] if threshold is None else [threshold])
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.memory", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[1],
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"the measurement of {case!r} at {config.name} failed:\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure_all(cases, processes, threshold=None):
+    """{case: [result of each process]} for [(case, config)], each in `processes` fresh processes."""
+    results = {}
+    for case, config in cases:
+        print(f"memory: {case}, {config.name}", file=sys.stderr, flush=True)
+        results[case] = [measure(case, config, threshold) for _ in range(processes)]
+    return results
+
+
+def _growth_cell(results):
+    growths = [r["growth_mib"] for r in results]
+    bound = "" if all(r["raised_peak"] for r in results) else "<= "
+    return f"{bound}{statistics.median(growths):.0f} ({min(growths):.0f}-{max(growths):.0f})"
+
+
+def _median(results, field):
+    return statistics.median(r[field] for r in results)
+
+
+def memory_table(results, configs):
+    """The measurements, then each target with the measured value."""
+    lines = [
+        "| measurement | configuration | peak growth (MiB): median (min-max) | time (ms): median (min-max) |",
+        "|---|---|---|---|",
+    ]
+    for case, measured in results.items():
+        times = [r["seconds"] * 1e3 for r in measured]
+        lines.append(
+            f"| {case} | {configs[case].name} | {_growth_cell(measured)} "
+            f"| {statistics.median(times):.0f} ({min(times):.0f}-{max(times):.0f}) |"
+        )
+    eager_growth = _median(results[TF_EAGER_TRAIN], "growth_mib")
+    eager_ratio = _median(results[TF_EAGER_TRAIN], "seconds") / _median(results[TF_GRAPH_TRAIN], "seconds")
+    forward_ratio = _median(results[TF_FORWARD], "growth_mib") / _median(results[TORCH_FORWARD], "growth_mib")
+    targets = [
+        ("eager TensorFlow train step: peak growth", f"< {EAGER_GROWTH_MIB} MiB", f"{eager_growth:.0f} MiB",
+         eager_growth < EAGER_GROWTH_MIB),
+        ("eager TensorFlow train step: time / tf.function time", f"<= {EAGER_TIME_RATIO}x", f"{eager_ratio:.2f}x",
+         eager_ratio <= EAGER_TIME_RATIO),
+        ("TensorFlow forward: peak growth / PyTorch's", f"<= {FORWARD_GROWTH_RATIO}x", f"{forward_ratio:.2f}x",
+         forward_ratio <= FORWARD_GROWTH_RATIO),
+    ]  # fmt: skip
+    lines += ["", "| target | goal | measured (medians) | met |", "|---|---|---|---|"]
+    lines += [f"| {name} | {goal} | {value} | {'yes' if met else 'no'} |" for name, goal, value, met in targets]
+    return "\n".join(lines)
+
+
+def main(argv):
+    """Forks first: the child's ru_maxrss starts from its own small peak, not the parent's."""
+    pid = os.fork()
+    if pid:
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    case, *sizes = argv
+    try:
+        print(json.dumps(measure_here(case, *map(int, sizes))), flush=True)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
