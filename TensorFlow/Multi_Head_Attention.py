@@ -592,8 +592,8 @@ def _split_bias(attention_bias, target, dtype):
 
 def _token_keep(query_keep, key_keep):
     """(B, T) query keep and (B, S) key keep -> (B, 1, T, S) keep, or None."""
-    keep = None if query_keep is None else query_keep[:, None, :, None]  # (B, T) -> (B, 1, T, 1)
-    keys = None if key_keep is None else key_keep[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
+    keep = None if query_keep is None else tf.expand_dims(query_keep, 1)[..., None]  # (B, T) -> (B, 1, T, 1)
+    keys = None if key_keep is None else tf.expand_dims(tf.expand_dims(key_keep, 1), 1)  # (B, S) -> (B, 1, 1, S)
     return _and(keep, keys)  # (B, 1, T, S), dims may be 1
 
 
@@ -740,6 +740,20 @@ def _dropout_keep(shape, rate, seed, chunk):
     return tf.cast(draws >= rate, tf.float32) / (1.0 - rate)
 
 
+def _stacked(fn, count, shape, dtype):
+    """`tf.stack([fn(i) for i in range(count)])`, each `fn(i)` of `shape`: in eager mode a Python
+    loop; in a graph a `tf.while_loop` writing each into a preallocated (count, *shape) tensor,
+    which LiteRT converts with dimensions unknown at trace time (it cannot with a TensorArray)."""
+    if tf.executing_eagerly():
+        return tf.stack([fn(i) for i in range(int(count))])  # count x shape -> (count, *shape)
+
+    def body(i, stack):
+        return i + 1, tf.tensor_scatter_nd_update(stack, tf.reshape(i, [1, 1]), fn(i)[None])
+
+    stack = tf.zeros(tf.stack([count, *shape]), dtype)  # (count, *shape)
+    return tf.while_loop(lambda i, _: i < count, body, (0, stack))[1]
+
+
 def _reduce_to(gradient, shape):
     """Sums a (B, N, R, S) gradient over the dimensions it was broadcast along from `shape`."""
     axes, _ = tf.raw_ops.BroadcastGradientArgs(s0=shape, s1=tf.shape(gradient))
@@ -803,14 +817,16 @@ def _memory_efficient_attention(
     @tf.custom_gradient
     def attend(q, k, v, *values):
         extra = dict(zip(extras, values, strict=True))
+        fixed = [tf.stop_gradient(x) for x in (q, k, v)]  # the forward untaped: an eager tape kept every chunk
+        fixed_extra = {name: tf.stop_gradient(x) for name, x in extra.items()}
 
         def one(i):
-            weights = chunk_weights(q, k, i, extra)[1]
+            q, k, v = fixed
+            weights = chunk_weights(q, k, i, fixed_extra)[1]
             weights, _ = dropped(weights, i)
             return by_head(tf.matmul(grouped(tf.cast(weights, v.dtype)), v))  # (B, N, chunk, H)
 
-        per_chunk = tf.TensorSpec((q.shape[0], q.shape[1], chunk, q.shape[3]), v.dtype)  # static: LiteRT needs it
-        contexts = tf.map_fn(one, tf.range(chunks), fn_output_signature=per_chunk)
+        contexts = _stacked(one, chunks, (b, n, chunk, h), v.dtype)  # (chunks, B, N, chunk, H)
         context = tf.reshape(tf.transpose(contexts, [1, 2, 0, 3, 4]), [b, n, -1, h])  # -> (B, N, T', H)
 
         def grad(d_context):
