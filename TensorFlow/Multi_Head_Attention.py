@@ -741,17 +741,22 @@ def _dropout_keep(shape, rate, seed, chunk):
 
 
 def _stacked(fn, count, shape, dtype):
-    """`tf.stack([fn(i) for i in range(count)])`, each `fn(i)` of `shape`: in eager mode a Python
-    loop; in a graph a `tf.while_loop` writing each into a preallocated (count, *shape) tensor,
-    which LiteRT converts with dimensions unknown at trace time (it cannot with a TensorArray)."""
-    if tf.executing_eagerly():
-        return tf.stack([fn(i) for i in range(int(count))])  # count x shape -> (count, *shape)
+    """`tf.stack([fn(i) for i in range(count)])`, each `fn(i)` of `shape`, by a `tf.while_loop`:
+    into a TensorArray where `shape` is known at trace time; else written into a preallocated
+    (count, *shape) tensor, which LiteRT converts with unknown dimensions (a TensorArray it cannot)
+    and TensorFlow copies at every step (linear memory still)."""
+    if all(isinstance(d, int) for d in shape):
+        array = tf.TensorArray(dtype, size=count, element_shape=shape)
+        _, array = tf.while_loop(
+            lambda i, _: i < count, lambda i, array: (i + 1, array.write(i, fn(i))), (0, array), parallel_iterations=1
+        )
+        return array.stack()  # (count, *shape)
 
-    def body(i, stack):
+    def write(i, stack):
         return i + 1, tf.tensor_scatter_nd_update(stack, tf.reshape(i, [1, 1]), fn(i)[None])
 
     stack = tf.zeros(tf.stack([count, *shape]), dtype)  # (count, *shape)
-    return tf.while_loop(lambda i, _: i < count, body, (0, stack))[1]
+    return tf.while_loop(lambda i, _: i < count, write, (0, stack))[1]
 
 
 def _reduce_to(gradient, shape):
@@ -760,7 +765,14 @@ def _reduce_to(gradient, shape):
     return tf.reshape(tf.reduce_sum(gradient, axes), shape)
 
 
-def _memory_efficient_attention(
+def _memory_efficient_attention(*args, **kwargs):
+    """`_chunked_attention`, run as one graph in eager mode: eager ops would run one at a time, and
+    a GradientTape would record each chunk's, keeping every chunk's scores alive until the gradient."""
+    attention = _chunked_graph if tf.executing_eagerly() else _chunked_attention
+    return attention(*args, **kwargs)
+
+
+def _chunked_attention(
     q, k, v, keep, bias, causal, chunk, dropout_rate=0.0, seed=None, *,
     scale=None, softcap=None, window=None, sinks=None, attention_bias=None,
 ):  # fmt: skip
@@ -817,12 +829,9 @@ def _memory_efficient_attention(
     @tf.custom_gradient
     def attend(q, k, v, *values):
         extra = dict(zip(extras, values, strict=True))
-        fixed = [tf.stop_gradient(x) for x in (q, k, v)]  # the forward untaped: an eager tape kept every chunk
-        fixed_extra = {name: tf.stop_gradient(x) for name, x in extra.items()}
 
         def one(i):
-            q, k, v = fixed
-            weights = chunk_weights(q, k, i, fixed_extra)[1]
+            weights = chunk_weights(q, k, i, extra)[1]
             weights, _ = dropped(weights, i)
             return by_head(tf.matmul(grouped(tf.cast(weights, v.dtype)), v))  # (B, N, chunk, H)
 
@@ -879,6 +888,9 @@ def _memory_efficient_attention(
         return context, grad
 
     return attend(q, k, v, *extras.values())[:, :, :t]  # (B, N, T, H)
+
+
+_chunked_graph = tf.function(_chunked_attention)
 
 
 def _results(output, weights, cache, return_attention):
