@@ -30,7 +30,7 @@ def _inputs(b, t):
 
 
 def _layer(threshold):
-    layer = MultiHeadAttention(E, N, num_kv_heads=2)
+    layer = MultiHeadAttention(E, N, num_kv_heads=2, sinks=True, softcap=5.0)
     layer.memory_efficient_threshold, layer.query_chunk_elements = threshold, CHUNK_ELEMENTS
     return layer
 
