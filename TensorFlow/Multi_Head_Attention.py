@@ -592,7 +592,7 @@ def _split_bias(attention_bias, target, dtype):
 
 def _token_keep(query_keep, key_keep):
     """(B, T) query keep and (B, S) key keep -> (B, 1, T, S) keep, or None."""
-    keep = None if query_keep is None else tf.expand_dims(query_keep, 1)[..., None]  # (B, T) -> (B, 1, T, 1)
+    keep = None if query_keep is None else tf.expand_dims(tf.expand_dims(query_keep, 1), 3)  # (B, T) -> (B, 1, T, 1)
     keys = None if key_keep is None else tf.expand_dims(tf.expand_dims(key_keep, 1), 1)  # (B, S) -> (B, 1, 1, S)
     return _and(keep, keys)  # (B, 1, T, S), dims may be 1
 
@@ -741,10 +741,10 @@ def _dropout_keep(shape, rate, seed, chunk):
 
 
 def _stacked(fn, count, shape, dtype):
-    """`tf.stack([fn(i) for i in range(count)])`, each `fn(i)` of `shape`, by a `tf.while_loop`:
-    into a TensorArray where `shape` is known at trace time; else written into a preallocated
-    (count, *shape) tensor, which LiteRT converts with unknown dimensions (a TensorArray it cannot)
-    and TensorFlow copies at every step (linear memory still)."""
+    """`tf.stack([fn(i) for i in range(count)])`, each `fn(i)` of `shape`, by a `tf.while_loop`, one
+    step at a time: into a TensorArray where `shape` is known at trace time; else into a
+    preallocated (count, *shape) tensor, since LiteRT cannot convert a TensorArray of unknown
+    shape (TensorFlow copies that tensor at every step: memory stays linear, time grows)."""
     if all(isinstance(d, int) for d in shape):
         array = tf.TensorArray(dtype, size=count, element_shape=shape)
         _, array = tf.while_loop(

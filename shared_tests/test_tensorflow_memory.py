@@ -39,18 +39,19 @@ def _functional_model(threshold, causal, key_mask):
     """keras.Input((None, E)) (batch unknown too) -> the layer -> keras.Model."""
     x = keras.Input((None, E))
     keep = keras.Input((None,), dtype="bool") if key_mask else None
-    output = _layer(threshold)(x, key_mask=keep, causal=causal)
+    output = _layer(threshold)(x, key_mask=keep, query_mask=keep, causal=causal)
     return keras.Model([x, keep] if key_mask else x, output)
 
 
 @pytest.mark.parametrize(
     "threshold, causal, key_mask",
     [(EXPLICIT, False, False), (CHUNKED, True, True), (1 << 26, True, True)],
-    ids=["runs_explicit", "runs_memory_efficient_causal_key_mask", "default_threshold_causal_key_mask"],
+    ids=["runs_explicit", "runs_memory_efficient_causal_masks", "default_threshold_causal_masks"],
 )
 def test_functional_model_with_unknown_batch_and_length_converts_to_litert(threshold, causal, key_mask):
     """The default TFLite converter (builtin ops only) holds both paths with every dimension but
-    E unknown, and LiteRT runs the model at two shapes as eager Keras does."""
+    E unknown, and LiteRT runs the model at two shapes as eager Keras does (with `key_mask`, the
+    same (B, T) mask is the `query_mask` too)."""
     from ai_edge_litert.interpreter import Interpreter
 
     model = _functional_model(threshold, causal, key_mask)
