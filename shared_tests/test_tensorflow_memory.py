@@ -113,3 +113,17 @@ def test_regression_eager_memory_efficient_path_taped_every_chunk(monkeypatch):
     np.testing.assert_allclose(output, expected, atol=OUTPUT_TOL, rtol=0)
     for got, want in zip(grads, expected_grads, strict=True):
         np.testing.assert_allclose(got, want, atol=GRADS_TOL, rtol=0)
+
+
+def test_memory_efficient_gradients_with_unknown_batch_and_length():
+    """Traced with batch and length None (the chunks written into a preallocated tensor), the
+    memory-efficient path gives the explicit path's output and gradients."""
+    x, keep = (tf.constant(a) for a in _inputs(*SHAPES[1]))
+    layer = _layer(EXPLICIT)
+    expected, expected_grads = _forward_and_grads(layer, x, keep)
+    layer.memory_efficient_threshold = CHUNKED
+    signature = [tf.TensorSpec((None, None, E)), tf.TensorSpec((None, None), tf.bool)]
+    output, grads = tf.function(lambda x, keep: _forward_and_grads(layer, x, keep), input_signature=signature)(x, keep)
+    np.testing.assert_allclose(output, expected, atol=OUTPUT_TOL, rtol=0)
+    for got, want in zip(grads, expected_grads, strict=True):
+        np.testing.assert_allclose(got, want, atol=GRADS_TOL, rtol=0)
