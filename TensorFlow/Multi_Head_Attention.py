@@ -723,8 +723,8 @@ def _split_bias(attention_bias, target, dtype):
 
 def _token_keep(query_keep, key_keep):
     """(B, T) query keep and (B, S) key keep -> (B, 1, T, S) keep, or None."""
-    keep = None if query_keep is None else query_keep[:, None, :, None]  # (B, T) -> (B, 1, T, 1)
-    keys = None if key_keep is None else key_keep[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
+    keep = None if query_keep is None else tf.expand_dims(tf.expand_dims(query_keep, 1), 3)  # (B, T) -> (B, 1, T, 1)
+    keys = None if key_keep is None else tf.expand_dims(tf.expand_dims(key_keep, 1), 1)  # (B, S) -> (B, 1, 1, S)
     return _and(keep, keys)  # (B, 1, T, S), dims may be 1
 
 
@@ -871,13 +871,39 @@ def _dropout_keep(shape, rate, seed, chunk):
     return tf.cast(draws >= rate, tf.float32) / (1.0 - rate)
 
 
+def _stacked(fn, count, shape, dtype):
+    """`tf.stack([fn(i) for i in range(count)])`, each `fn(i)` of `shape`, by a `tf.while_loop`, one
+    step at a time: into a TensorArray where `shape` is known at trace time; else into a
+    preallocated (count, *shape) tensor, since LiteRT cannot convert a TensorArray of unknown
+    shape (TensorFlow copies that tensor at every step: memory stays linear, time grows)."""
+    if all(isinstance(d, int) for d in shape):
+        array = tf.TensorArray(dtype, size=count, element_shape=shape)
+        _, array = tf.while_loop(
+            lambda i, _: i < count, lambda i, array: (i + 1, array.write(i, fn(i))), (0, array), parallel_iterations=1
+        )
+        return array.stack()  # (count, *shape)
+
+    def write(i, stack):
+        return i + 1, tf.tensor_scatter_nd_update(stack, tf.reshape(i, [1, 1]), fn(i)[None])
+
+    stack = tf.zeros(tf.stack([count, *shape]), dtype)  # (count, *shape)
+    return tf.while_loop(lambda i, _: i < count, write, (0, stack))[1]
+
+
 def _reduce_to(gradient, shape):
     """Sums a (B, N, R, S) gradient over the dimensions it was broadcast along from `shape`."""
     axes, _ = tf.raw_ops.BroadcastGradientArgs(s0=shape, s1=tf.shape(gradient))
     return tf.reshape(tf.reduce_sum(gradient, axes), shape)
 
 
-def _memory_efficient_attention(
+def _memory_efficient_attention(*args, **kwargs):
+    """`_chunked_attention`, run as one graph in eager mode: eager ops would run one at a time, and
+    a GradientTape would record each chunk's, keeping every chunk's scores alive until the gradient."""
+    attention = _chunked_graph if tf.executing_eagerly() else _chunked_attention
+    return attention(*args, **kwargs)
+
+
+def _chunked_attention(
     q, k, v, keep, bias, causal, chunk, dropout_rate=0.0, seed=None, *,
     scale=None, softcap=None, window=None, sinks=None, attention_bias=None,
 ):  # fmt: skip
@@ -940,8 +966,7 @@ def _memory_efficient_attention(
             weights, _ = dropped(weights, i)
             return by_head(tf.matmul(grouped(tf.cast(weights, v.dtype)), v))  # (B, N, chunk, H)
 
-        per_chunk = tf.TensorSpec((q.shape[0], q.shape[1], chunk, q.shape[3]), v.dtype)  # static: LiteRT needs it
-        contexts = tf.map_fn(one, tf.range(chunks), fn_output_signature=per_chunk)
+        contexts = _stacked(one, chunks, (b, n, chunk, h), v.dtype)  # (chunks, B, N, chunk, H)
         context = tf.reshape(tf.transpose(contexts, [1, 2, 0, 3, 4]), [b, n, -1, h])  # -> (B, N, T', H)
 
         def grad(d_context):
@@ -994,6 +1019,9 @@ def _memory_efficient_attention(
         return context, grad
 
     return attend(q, k, v, *extras.values())[:, :, :t]  # (B, N, T, H)
+
+
+_chunked_graph = tf.function(_chunked_attention)
 
 
 def _results(output, weights, cache, return_attention):

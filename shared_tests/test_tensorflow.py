@@ -482,8 +482,8 @@ def test_regression_float_mask_with_inf_stays_finite_when_where_becomes_arithmet
 
 @pytest.mark.parametrize("path", ["tf:onnx", "tf:litert"])
 def test_memory_efficient_path_exports(path):
-    """The memory-efficient path (no weights) through tf2onnx / LiteRT: its tf.map_fn has static
-    shapes, and no boolean tensor is padded (ONNX Runtime's Pad has no bool)."""
+    """The memory-efficient path (no weights) through tf2onnx / LiteRT at static shapes: its chunk
+    loop converts, and no boolean tensor is padded (ONNX Runtime's Pad has no bool)."""
     from shared_tests import runtimes
     from shared_tests.cases import CASES_BY_NAME, make_data
     from shared_tests.frameworks import make_tf_layer
