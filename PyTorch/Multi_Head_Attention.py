@@ -214,15 +214,37 @@ def apply_rope(x, positions, inv_freq, interleaved):
         angle p * inv_freq[i] (computed in float32), cast back to x's dtype; the other H - R
         features unchanged.
     """
-    rotary_dim = 2 * inv_freq.shape[0]
-    x = x.transpose(1, 2)  # (B, heads, T, H) -> (B, T, heads, H), the projections' memory order
     angles = positions[:, :, None, None].float() * inv_freq  # (B, T, 1, 1) * (R/2,) -> (B, T, 1, R/2)
     cos, sin = angles.cos(), angles.sin()  # (B, T, 1, R/2)
     cos, sin = _on_pairs(cos, cos, interleaved), _on_pairs(-sin, sin, interleaved)  # (B, T, 1, R)
+    x = x.transpose(1, 2)  # (B, heads, T, H) -> (B, T, heads, H), the projections' memory order
+    return _Turn.apply(x, cos, sin, interleaved).transpose(1, 2)  # -> (B, heads, T, H)
+
+
+class _Turn(torch.autograd.Function):
+    """`_turn` with its own backward, the gradient turned by the opposite angle (a rotation's
+    transpose: sin negated), so autograd records one step and a backward is one turn."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, interleaved):
+        ctx.save_for_backward(cos, sin)
+        ctx.interleaved = interleaved
+        return _turn(x, cos, sin, interleaved)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _Turn.apply(grad, cos, -sin, ctx.interleaved), None, None, None
+
+
+def _turn(x, cos, sin, interleaved):
+    """(B, T, heads, H) -> (B, T, heads, H): x * cos + swapped * sin on the first R features (cos
+    and sin (B, T, 1, R) on pairs, as `apply_rope` makes them), in float32 at least; the other
+    H - R features unchanged."""
+    rotary_dim = cos.shape[-1]
     rotary = x[..., :rotary_dim].to(torch.promote_types(x.dtype, torch.float32))  # (B, T, heads, R)
     turned = torch.addcmul(rotary * cos, _swap_pairs(rotary, interleaved), sin).to(x.dtype)  # (B, T, heads, R)
-    turned = turned if rotary_dim == x.shape[-1] else torch.cat((turned, x[..., rotary_dim:]), dim=-1)
-    return turned.transpose(1, 2)  # (B, T, heads, H) -> (B, heads, T, H)
+    return turned if rotary_dim == x.shape[-1] else torch.cat((turned, x[..., rotary_dim:]), dim=-1)
 
 
 def _on_pairs(first, second, interleaved):
