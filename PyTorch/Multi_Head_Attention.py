@@ -62,9 +62,11 @@ and a per-head (B, N, T, S) mask cannot be split.
 
 Code paths, all with the same numbers: without `return_attention`, attention runs in
 `torch.nn.functional.scaled_dot_product_attention` (and self-attention projects q, k and v
-with one matmul where the three projections are plain `nn.Linear` modules); with it, or with
-`softcap` or `sinks` (which SDPA cannot express), an explicit softmax (under no_grad on the CPU
-it runs in place in the returned weights, a block of batch elements at a time).
+with one matmul where the three projections are plain `nn.Linear` modules, except in a decode
+step); with it, or with `softcap` or `sinks` (which SDPA cannot express), an explicit softmax
+(under no_grad on the CPU it runs in place in the returned weights, a block of batch elements at
+a time). An eager decode step without masks or returned weights that stays within the cache's
+first lap attends the first index + T slots directly; other steps attend all L through a keep.
 """
 
 import math
