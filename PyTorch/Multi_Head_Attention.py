@@ -240,12 +240,12 @@ class _Turn(torch.autograd.Function):
 
 
 def _turn(x, cos, sin, interleaved):
-    """(B, T, heads, H) -> (B, T, heads, H): x * cos + swapped * sin on the first R features (cos
-    and sin (B, T, 1, R) on pairs, as `apply_rope` makes them), in float32 at least; the other
-    H - R features unchanged."""
+    """(B, T, heads, H) -> (B, T, heads, H): swapped * sin + x * cos on the first R features (cos
+    and sin (B, T, 1, R) on pairs, as `apply_rope` makes them), in float32 at least, in place in
+    the swapped copy (one new tensor, not three); the other H - R features unchanged."""
     rotary_dim = cos.shape[-1]
     rotary = x[..., :rotary_dim].to(torch.promote_types(x.dtype, torch.float32))  # (B, T, heads, R)
-    turned = torch.addcmul(rotary * cos, _swap_pairs(rotary, interleaved), sin).to(x.dtype)  # (B, T, heads, R)
+    turned = _swap_pairs(rotary, interleaved).mul_(sin).addcmul_(rotary, cos).to(x.dtype)  # (B, T, heads, R)
     return turned if rotary_dim == x.shape[-1] else torch.cat((turned, x[..., rotary_dim:]), dim=-1)
 
 
@@ -257,7 +257,7 @@ def _on_pairs(first, second, interleaved):
 
 
 def _swap_pairs(x, interleaved):
-    """(..., R) -> (..., R): each pair (x1, x2) as (x2, x1). With cos on both features and
+    """(..., R) -> a new (..., R): each pair (x1, x2) as (x2, x1). With cos on both features and
     (-sin, sin) on the pair, x * cos + swapped * sin = (x1 cos - x2 sin, x2 cos + x1 sin)."""
     if interleaved:
         return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (..., R/2, 2) flipped -> (..., R)
