@@ -62,9 +62,11 @@ and a per-head (B, N, T, S) mask cannot be split.
 
 Code paths, all with the same numbers: without `return_attention`, attention runs in
 `torch.nn.functional.scaled_dot_product_attention` (and self-attention projects q, k and v
-with one matmul where the three projections are plain `nn.Linear` modules); with it, or with
-`softcap` or `sinks` (which SDPA cannot express), an explicit softmax (under no_grad on the CPU
-it runs in place in the returned weights, a block of batch elements at a time).
+with one matmul where the three projections are plain `nn.Linear` modules, except in a decode
+step); with it, or with `softcap` or `sinks` (which SDPA cannot express), an explicit softmax
+(under no_grad on the CPU it runs in place in the returned weights, a block of batch elements at
+a time). An eager decode step without masks or returned weights that stays within the cache's
+first lap attends the first index + T slots directly; other steps attend all L through a keep.
 """
 
 import math
@@ -280,15 +282,37 @@ def apply_rope(x, positions, inv_freq, interleaved):
         angle p * inv_freq[i] (computed in float32), cast back to x's dtype; the other H - R
         features unchanged.
     """
-    rotary_dim = 2 * inv_freq.shape[0]
-    x = x.transpose(1, 2)  # (B, heads, T, H) -> (B, T, heads, H), the projections' memory order
     angles = positions[:, :, None, None].float() * inv_freq  # (B, T, 1, 1) * (R/2,) -> (B, T, 1, R/2)
     cos, sin = angles.cos(), angles.sin()  # (B, T, 1, R/2)
     cos, sin = _on_pairs(cos, cos, interleaved), _on_pairs(-sin, sin, interleaved)  # (B, T, 1, R)
+    x = x.transpose(1, 2)  # (B, heads, T, H) -> (B, T, heads, H), the projections' memory order
+    return _Turn.apply(x, cos, sin, interleaved).transpose(1, 2)  # -> (B, heads, T, H)
+
+
+class _Turn(torch.autograd.Function):
+    """`_turn` with its own backward, the gradient turned by the opposite angle (a rotation's
+    transpose: sin negated), so autograd records one step and a backward is one turn."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, interleaved):
+        ctx.save_for_backward(cos, sin)
+        ctx.interleaved = interleaved
+        return _turn(x, cos, sin, interleaved)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _Turn.apply(grad, cos, -sin, ctx.interleaved), None, None, None
+
+
+def _turn(x, cos, sin, interleaved):
+    """(B, T, heads, H) -> (B, T, heads, H): swapped * sin + x * cos on the first R features (cos
+    and sin (B, T, 1, R) on pairs, as `apply_rope` makes them), in float32 at least, in place in
+    the swapped copy (one new tensor, not three); the other H - R features unchanged."""
+    rotary_dim = cos.shape[-1]
     rotary = x[..., :rotary_dim].to(torch.promote_types(x.dtype, torch.float32))  # (B, T, heads, R)
-    turned = torch.addcmul(rotary * cos, _swap_pairs(rotary, interleaved), sin).to(x.dtype)  # (B, T, heads, R)
-    turned = turned if rotary_dim == x.shape[-1] else torch.cat((turned, x[..., rotary_dim:]), dim=-1)
-    return turned.transpose(1, 2)  # (B, T, heads, H) -> (B, heads, T, H)
+    turned = _swap_pairs(rotary, interleaved).mul_(sin).addcmul_(rotary, cos).to(x.dtype)  # (B, T, heads, R)
+    return turned if rotary_dim == x.shape[-1] else torch.cat((turned, x[..., rotary_dim:]), dim=-1)
 
 
 def _on_pairs(first, second, interleaved):
@@ -299,7 +323,7 @@ def _on_pairs(first, second, interleaved):
 
 
 def _swap_pairs(x, interleaved):
-    """(..., R) -> (..., R): each pair (x1, x2) as (x2, x1). With cos on both features and
+    """(..., R) -> a new (..., R): each pair (x1, x2) as (x2, x1). With cos on both features and
     (-sin, sin) on the pair, x * cos + swapped * sin = (x1 cos - x2 sin, x2 cos + x1 sin)."""
     if interleaved:
         return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (..., R/2, 2) flipped -> (..., R)
@@ -577,6 +601,35 @@ def _write_cache(cache, k, v, key_mask):
     old = cache.keep.index_select(1, slots)  # (B, T)
     cache.keep.index_copy_(1, slots, torch.where(positions < length, old & new, new))  # (B, L)
     return KVCache(cache.key, cache.value, cache.keep, cache.index + t)
+
+
+def _prefix_stop(cache, t, window):
+    """The lean decode step's end, index + T as a Python int, where the call writes within the
+    cache's first lap (slot s holds position s), so its queries attend the first index + T slots
+    as a full pass attends its keys; None where it wraps (a rolling cache) or inside a graph
+    (which cannot slice by the index). Without a window a call without room is a ValueError."""
+    if not _values_readable():
+        return None
+    index, length = int(cache.index), cache.key.shape[2]
+    if index + t <= length:
+        return index + t
+    if window is None:
+        raise _cache_full_error(index, t, length)
+    return None
+
+
+def _write_prefix(cache, k, v, key_mask, stop):
+    """The lean decode step's write: (B, K, T, H) keys and values to slots [stop - T, stop) and
+    the (B, T) `key_mask` ANDed into `keep` there. Returns the cache with index `stop` and the
+    keep of the slots [0, stop) to attend, None where all are kept."""
+    start = stop - k.shape[2]
+    cache.key.narrow(2, start, k.shape[2]).copy_(k)  # (B, K, L, H)
+    cache.value.narrow(2, start, k.shape[2]).copy_(v)  # (B, K, L, H)
+    if key_mask is not None:
+        cache.keep.narrow(1, start, k.shape[2]).logical_and_(key_mask)  # (B, L)
+    keep = cache.keep[:, :stop]  # (B, L) -> (B, S), S = index + T
+    keep = None if keep.all() else keep[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
+    return KVCache(cache.key, cache.value, cache.keep, cache.index + k.shape[2]), keep
 
 
 def _and(a, b):
@@ -1292,9 +1345,10 @@ class MultiHeadAttention(nn.Module):
             key_mask, query_mask = (m if m is None or m.dim() != 1 else m[None] for m in (key_mask, query_mask))
         self_attention = (key is None or key is query) and (value is None or value is query)
         query, key, value = self._inputs(query, key, value)
+        compute_dtype = self._compute_dtype(query)
         if cache is not None:
             _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
-            _check_cache_dtype(cache, self._compute_dtype(query))
+            _check_cache_dtype(cache, compute_dtype)
         (b, t, _), s = query.shape, key.shape[1] if cache is None else cache.key.shape[2]
         key_mask = _check_token_mask("key_mask", key_mask, b, key.shape[1], "S")
         query_mask = _check_token_mask("query_mask", query_mask, b, t, "T")
@@ -1302,17 +1356,23 @@ class MultiHeadAttention(nn.Module):
         target = (b, self.num_heads, t, s)
         _refuse_traps(attention_mask, key_mask, target)
         key_mask = query_mask if key_mask is None and self_attention else key_mask
-        softmax_dtype = torch.promote_types(self._compute_dtype(query), torch.float32)
+        softmax_dtype = torch.promote_types(compute_dtype, torch.float32)
         keep, bias = self._masks(
             attention_mask, attention_bias, None if cache is not None else key_mask, query_mask, target, softmax_dtype
         )
 
-        q, k, v = self._projections(query, key, value, self_attention)
+        fuse = self_attention and cache is None  # a step's few tokens: concatenating the kernels would cost more
+        q, k, v = self._projections(query, key, value, fuse)
         self._check_local_heads(q, k, attention_mask, attention_bias)
         q, k = self._normalize_qk(q, k)  # (B, N, T, H), (B, K, S, H)
         q, k = self._rotate(q, k, positions)  # (B, N, T, H), (B, K, S, H)
         window = self.window
-        if cache is not None:
+        lean = cache is not None and keep is None and bias is None and not return_attention
+        stop = _prefix_stop(cache, t, window) if lean else None
+        if stop is not None:  # the first index + T slots, attended with causal and window as in a full pass
+            cache, keep = _write_prefix(cache, k, v, key_mask, stop)
+            k, v, causal = cache.key[:, :, :stop], cache.value[:, :, :stop], causal and t > 1  # (B, K, S, H)
+        elif cache is not None:
             index, no_room = cache.index, _check_room(cache.index, t, cache.key.shape[2], window)  # True: compiling
             cache = _write_cache(cache, k, v, key_mask)
             keep = _and(keep, _cache_keep(cache.keep, index, t, causal, window))  # (B, N, T, L), dims may be 1

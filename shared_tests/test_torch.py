@@ -346,3 +346,67 @@ def test_low_precision_scores_stay_in_their_dtype_with_float32_numbers(monkeypat
         _, float32_weights = layer(x, attention_mask=keep, causal=True, return_attention=True)
     assert weights.dtype == float32_weights.dtype == dtype
     torch.testing.assert_close(weights.float(), float32_weights.float(), atol=torch.finfo(dtype).eps, rtol=0)
+
+
+# -- the decode step -------------------------------------------------------------------------------
+
+DECODE_CHUNKS = {"steps": (1,) * 7, "prefill_then_steps": (4, 1, 1, 1), "chunks": (3, 2, 2)}
+
+
+def _decode_chunks(layer, x, chunks, **call):
+    """Decodes x in `chunks` into a cache of 10 slots with the first slot of batch row 1 padded."""
+    keep = torch.ones(x.shape[0], 10, dtype=torch.bool)
+    keep[1, 0] = False
+    cache, outputs, start = layer.init_cache(x.shape[0], 10, keep=keep), [], 0
+    with torch.no_grad():
+        for size in chunks:
+            *results, cache = layer(x[:, start : start + size], causal=True, cache=cache, **call)
+            outputs.append(results[0])
+            start += size
+    return torch.cat(outputs, 1), cache
+
+
+@pytest.mark.parametrize("chunks", DECODE_CHUNKS.values(), ids=DECODE_CHUNKS.keys())
+def test_lean_decode_step_equals_the_step_over_all_slots(chunks):
+    """Without masks an eager step attends the first index + T slots; with `return_attention` it
+    attends all L slots through the (B, 1, T, L) keep. Both give the full causal pass."""
+    layer = _with_random_biases(MultiHeadAttention(16, 4, num_kv_heads=2)).eval()
+    x = _randn(2, 7, 16, seed=21)
+    lean, lean_cache = _decode_chunks(layer, x, chunks)
+    over_all, all_cache = _decode_chunks(layer, x, chunks, return_attention=True)
+    torch.testing.assert_close(lean, over_all, atol=OUTPUT_TOL, rtol=0)
+    torch.testing.assert_close(lean_cache.key, all_cache.key, atol=0, rtol=0)
+    assert torch.equal(lean_cache.keep, all_cache.keep) and int(lean_cache.index) == int(all_cache.index) == 7
+    keep = torch.ones(2, 1, 7, dtype=torch.bool)
+    keep[1, 0, 0] = False
+    with torch.no_grad():
+        full = layer(x, attention_mask=keep, causal=True)
+    torch.testing.assert_close(lean, full, atol=OUTPUT_TOL, rtol=0)
+
+
+def test_lean_decode_step_skips_the_slot_keep_and_the_kernel_concatenation(monkeypatch):
+    """A step without masks builds no (B, 1, T, L) keep and does not concatenate the q, k, v
+    kernels (work that cannot change between steps); a step with a mask still uses the keep."""
+    layer = MultiHeadAttention(16, 4).eval()
+    x = _randn(2, 7, 16, seed=22)
+    calls = []
+    real_keep = Multi_Head_Attention._cache_keep
+    monkeypatch.setattr(Multi_Head_Attention, "_cache_keep", lambda *a: calls.append("keep") or real_keep(*a))
+    monkeypatch.setattr(layer, "_project_fused", lambda *a: calls.append("fused"))
+    _decode_chunks(layer, x, (4, 1, 1))
+    assert calls == []
+    cache = layer.init_cache(2, 10)
+    with torch.no_grad():
+        layer(x[:, :1], attention_mask=torch.ones(1, 10, dtype=torch.bool), cache=cache)
+    assert calls == ["keep"]
+
+
+def test_lean_decode_step_refuses_a_full_cache_and_writes_nothing():
+    layer = MultiHeadAttention(16, 4).eval()
+    cache = layer.init_cache(2, 5)
+    with torch.no_grad():
+        _, cache = layer(_randn(2, 4, 16), cache=cache)
+        written = cache.key.clone()
+        with pytest.raises(ValueError, match=r"^`cache` is full: .*Received: index=4, T=2, L=5$"):
+            layer(_randn(2, 2, 16, seed=1), cache=cache)
+    assert torch.equal(cache.key, written) and int(cache.index) == 4

@@ -336,6 +336,24 @@ def test_yarn_attention_factor_changes_the_layer():
     assert not torch.allclose(yarn(x, positions=positions), unscaled(x, positions=positions), atol=1e-3)
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("rotary", [8, 4], ids=["full", "partial"])
+def test_apply_rope_gradient_is_the_turn_by_the_opposite_angle(interleaved, rotary):
+    """`apply_rope`'s own backward (the gradient turned back) against finite differences in
+    float64, twice differentiable, and cos/sin in float32 whatever the dtype."""
+    x = _randn(2, 3, 4, H).double().requires_grad_()  # (B, heads, T, H)
+    positions = torch.tensor([[0, 1, 2, 3], [5, 9, 2, 40]])
+    inv_freq = Multi_Head_Attention.rope_frequencies(rotary, 100.0)
+
+    def turn(x):
+        return Multi_Head_Attention.apply_rope(x, positions, inv_freq, interleaved)
+
+    assert torch.autograd.gradcheck(turn, (x,)) and torch.autograd.gradgradcheck(turn, (x,))
+    half = turn(x.detach().half())
+    assert half.dtype == torch.float16
+    torch.testing.assert_close(half.double(), turn(x.detach().half().double()), atol=FLOAT16_TOL, rtol=0)
+
+
 def test_rope_positions_default_to_arange_and_broadcast():
     layer = _layer(rope_theta=10000.0)
     x, _, _ = _inputs()
