@@ -10,10 +10,6 @@ state of its own and the caller feeds each step's cache to the next. B and L are
 - `tf:litert`: the same `tf.function` through the TFLite converter, run in the LiteRT
   interpreter (its `x` resized to each call's T).
 
-The TensorFlow step is exported with `return_attention=True`: with T unknown, the layer picks
-between its one-shot and its memory-efficient path at run time, and the latter's `tf.map_fn`
-loop is what the TFLite converter cannot lower; the weights are a second output, unused here.
-
 Legend: B batch, T tokens per call, E d_model, N num_heads, K num_kv_heads, H head_dim, L cache
 slots.
 """
@@ -184,7 +180,7 @@ def _tf_step(served, weights):
 
     @tf.function(input_signature=signature)
     def step(x, key, value, keep, index):
-        output, _, cache = layer(x, causal=True, cache=KVCache(key, value, keep, index), return_attention=True)
+        output, cache = layer(x, causal=True, cache=KVCache(key, value, keep, index))
         return output, *cache
 
     return step, signature, layer
