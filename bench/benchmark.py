@@ -324,8 +324,14 @@ def time_decode(config, runs, rounds):
 
 
 def time_decode_anchors(config, runs, rounds):
-    """{label: [seconds of each round]}: every step of bench/decode_anchors.py taking turns."""
-    return rounds_of_times(decode_anchors.decode_steps(config), runs, rounds)
+    """{label: [seconds of each round]}: the steps of bench/decode_anchors.py, each framework's
+    taking turns step by step among themselves, the frameworks one after the other in every
+    round. Not across frameworks: TensorFlow's threads keep spinning after a step, and a PyTorch
+    step right after one ran 2x slower on 2 cores."""
+    steps = decode_anchors.decode_steps(config)
+    groups = [{label: steps[label] for label in labels if label in steps} for labels in decode_anchors.FRAMEWORKS]
+    per_round = [median_times(group, runs) for _ in range(rounds) for group in groups]
+    return {label: [measured[label] for measured in per_round if label in measured] for label in steps}
 
 
 def fits_in_memory(config, which):
@@ -522,8 +528,9 @@ def main(argv=None):
         "## Decoding step against anchors",
         "",
         f"One T = 1 step with L - 1 tokens in the cache (it writes slot L - 1 and attends all L), {args.rounds} "
-        f"rounds of {anchor_runs} steps after 2 warm-up steps, every step taking "
-        "turns step by step in one process, same weights. PyTorch under no_grad; the hand-written decode (fused "
+        f"rounds of {anchor_runs} steps after 2 warm-up steps in one process, same weights; in each round the PyTorch "
+        "steps take turns step by step, then the TensorFlow steps (a PyTorch step right after a TensorFlow one "
+        "pays for TensorFlow's spinning threads). PyTorch under no_grad; the hand-written decode (fused "
         "q/k/v matmul, in-place cache write, scaled_dot_product_attention) is checked once to give ours' output "
         f"within {decode_anchors.HAND_ATOL}. TensorFlow's functional step returns the output and the new cache; "
         "the in-place step writes the variables of init_cache(in_place=True). keras-hub's "
