@@ -1110,8 +1110,9 @@ class MultiHeadAttention(tf.keras.layers.Layer):
     """
 
     # Without `return_attention`, (B, N, T, S) score elements above which attention runs a chunk
-    # of queries at a time (memory linear in T and S; 64 Mi float32 scores are 256 MiB), and the
-    # score elements of one chunk (8 MiB in float32, the fastest on the benchmark machine).
+    # of queries at a time (memory linear in T and S; 64 Mi float32 scores are 256 MiB; None:
+    # never, and no run-time choice where shapes are unknown, which XLA cannot differentiate),
+    # and the score elements of one chunk (8 MiB in float32, the fastest on the benchmark machine).
     memory_efficient_threshold = 1 << 26
     query_chunk_elements = 1 << 21
 
@@ -1392,7 +1393,9 @@ class MultiHeadAttention(tf.keras.layers.Layer):
 
     def _query_chunk(self, q, k):
         """Queries per chunk of the memory-efficient path, or None where the (B, N, T, S) scores
-        are known at trace time to be at most `memory_efficient_threshold` elements."""
+        are known at trace time to be at most `memory_efficient_threshold` elements, or where it is None."""
+        if self.memory_efficient_threshold is None:
+            return None
         b, n, t, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
         if None not in (b, t, s) and b * n * t * s <= self.memory_efficient_threshold:
             return None

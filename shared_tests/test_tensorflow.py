@@ -11,6 +11,7 @@ from TensorFlow import MultiHeadAttention
 keras = tf.keras
 OUTPUT_TOL = TOLERANCES["float32"]["output"]
 WEIGHTS_TOL = TOLERANCES["float32"]["weights"]
+GRAD_TOL = TOLERANCES["float32"]["grads"]
 MIXED_TOL = {"mixed_float16": TOLERANCES["float16"]["output"], "mixed_bfloat16": TOLERANCES["bfloat16"]["output"]}
 
 rng = np.random.default_rng(0)
@@ -302,6 +303,30 @@ def test_jit_compile_and_unknown_shapes():
         expected, expected_w = layer(X[:, :length], Y, attention_mask=keep, causal=True, return_attention=True)
         _close(output, expected, OUTPUT_TOL)
         _close(weights, expected_w, WEIGHTS_TOL)
+
+
+def test_xla_gradients_with_unknown_shapes_need_the_threshold_off():
+    """XLA compiles both branches of the run-time choice between the one-shot and the
+    memory-efficient path, and the gradient of the branch not taken fails to compile where the
+    batch or a length is unknown; `memory_efficient_threshold = None` removes the choice."""
+    layer = _built(MultiHeadAttention(16, 4), X)
+    spec = tf.TensorSpec((None, None, 16), tf.float32)
+
+    def gradients(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(layer(x, causal=True) ** 2)
+        return tape.gradient(loss, [x, *layer.trainable_variables])
+
+    compiled = tf.function(gradients, input_signature=[spec], jit_compile=True)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="shape of dy"):
+        compiled(tf.constant(X))
+    layer.memory_efficient_threshold = None
+    compiled = tf.function(gradients, input_signature=[spec], jit_compile=True)
+    for length in (5, 3):
+        x = tf.constant(X[:, :length])
+        for got, expected in zip(compiled(x), gradients(x), strict=True):
+            _close(got, expected, GRAD_TOL)
 
 
 def test_shape_errors_are_value_errors_at_trace_time():
