@@ -1024,6 +1024,13 @@ def _chunked_attention(
 _chunked_graph = tf.function(_chunked_attention)
 
 
+def _compiled_by_xla():
+    """Whether the graph being traced is compiled by XLA (`jit_compile=True`). XLA compiles the
+    gradient of both branches of a `tf.cond`, the one not taken with placeholders for its tensors
+    (0 for unknown dimensions), where the gradients of reshapes and broadcasts fail to compile."""
+    return tf.__internal__.get_enclosing_xla_context() is not None
+
+
 def _results(output, weights, cache, return_attention):
     """output, (output, weights), (output, cache) or (output, weights, cache)."""
     results = (output, weights) if return_attention else (output,)
@@ -1110,9 +1117,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
     """
 
     # Without `return_attention`, (B, N, T, S) score elements above which attention runs a chunk
-    # of queries at a time (memory linear in T and S; 64 Mi float32 scores are 256 MiB; None:
-    # never, and no run-time choice where shapes are unknown, which XLA cannot differentiate),
-    # and the score elements of one chunk (8 MiB in float32, the fastest on the benchmark machine).
+    # of queries at a time (memory linear in T and S; 64 Mi float32 scores are 256 MiB), and the
+    # score elements of one chunk (8 MiB in float32, the fastest on the benchmark machine).
     memory_efficient_threshold = 1 << 26
     query_chunk_elements = 1 << 21
 
@@ -1393,9 +1399,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
 
     def _query_chunk(self, q, k):
         """Queries per chunk of the memory-efficient path, or None where the (B, N, T, S) scores
-        are known at trace time to be at most `memory_efficient_threshold` elements, or where it is None."""
-        if self.memory_efficient_threshold is None:
-            return None
+        are known at trace time to be at most `memory_efficient_threshold` elements."""
         b, n, t, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
         if None not in (b, t, s) and b * n * t * s <= self.memory_efficient_threshold:
             return None
@@ -1414,8 +1418,9 @@ class MultiHeadAttention(tf.keras.layers.Layer):
     def _attend(self, q, k, v, keep, bias, attention_bias, causal, window, return_attention, training):
         """Picks the attention path; returns (context, weights or None): without weights, the
         memory-efficient path when the scores exceed `memory_efficient_threshold` elements
-        (decided at run time where shapes are unknown at trace time), else
-        `dot_product_attention`. `bias` is the floating mask, `attention_bias` the call's bias."""
+        (decided at run time where shapes are unknown at trace time, but under XLA, which cannot
+        differentiate that choice: there always), else `dot_product_attention`. `bias` is the
+        floating mask, `attention_bias` the call's bias."""
         dropout_active = self.dropout > 0 and training is not False and training is not None
         chunk = None if return_attention else self._query_chunk(q, k)
         sinks = self.sink_logits if self.sinks else None
@@ -1433,7 +1438,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
 
         if chunk is None:
             return at_once()
-        if None not in (q.shape[0], q.shape[2], k.shape[2]):
+        if None not in (q.shape[0], q.shape[2], k.shape[2]) or _compiled_by_xla():
             return in_chunks(), None
         scores = tf.reduce_prod(tf.cast(tf.shape(q)[:3], tf.int64)) * tf.cast(tf.shape(k)[2], tf.int64)
         large = scores > self.memory_efficient_threshold

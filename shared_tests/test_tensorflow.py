@@ -305,28 +305,38 @@ def test_jit_compile_and_unknown_shapes():
         _close(weights, expected_w, WEIGHTS_TOL)
 
 
-def test_xla_gradients_with_unknown_shapes_need_the_threshold_off():
-    """XLA compiles both branches of the run-time choice between the one-shot and the
-    memory-efficient path, and the gradient of the branch not taken fails to compile where the
-    batch or a length is unknown; `memory_efficient_threshold = None` removes the choice."""
-    layer = _built(MultiHeadAttention(16, 4), X)
-    spec = tf.TensorSpec((None, None, 16), tf.float32)
+@pytest.mark.parametrize("options", [{}, {"sinks": True}, {"num_kv_heads": 2}], ids=["mha", "sinks", "gqa"])
+def test_regression_xla_gradients_with_unknown_shapes(options):
+    """With the batch or a length unknown, `_attend` picked its path in a `tf.cond`, and XLA
+    compiles the gradient of the branch not taken with placeholders for its tensors (0 for
+    unknown dimensions): gradients failed to compile ("shape of dy was [2,4,6,4] instead of
+    [2,4,0,4]"). Under XLA such shapes now take the memory-efficient path, without a choice.
+    With a per-query bias, whose gradient that path sums chunk by chunk."""
+    layer = _built(MultiHeadAttention(16, 4, **options), X)
+    spec, bias_spec = tf.TensorSpec((None, None, 16), tf.float32), tf.TensorSpec((None, 1, None, None), tf.float32)
 
-    def gradients(x):
+    def gradients(x, attention_bias):
         with tf.GradientTape() as tape:
-            tape.watch(x)
-            loss = tf.reduce_sum(layer(x, causal=True) ** 2)
-        return tape.gradient(loss, [x, *layer.trainable_variables])
+            tape.watch([x, attention_bias])
+            loss = tf.reduce_sum(layer(x, attention_bias=attention_bias, causal=True) ** 2)
+        return tape.gradient(loss, [x, attention_bias, *layer.trainable_variables])
 
-    compiled = tf.function(gradients, input_signature=[spec], jit_compile=True)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="shape of dy"):
-        compiled(tf.constant(X))
-    layer.memory_efficient_threshold = None
-    compiled = tf.function(gradients, input_signature=[spec], jit_compile=True)
+    compiled = tf.function(gradients, input_signature=[spec, bias_spec], jit_compile=True)
     for length in (5, 3):
-        x = tf.constant(X[:, :length])
-        for got, expected in zip(compiled(x), gradients(x), strict=True):
+        x, attention_bias = tf.constant(X[:, :length]), tf.constant(rng.normal(size=(2, 1, length, length)), tf.float32)
+        for got, expected in zip(compiled(x, attention_bias), gradients(x, attention_bias), strict=True):
             _close(got, expected, GRAD_TOL)
+
+
+def test_regression_keras_fit_under_xla_with_a_last_partial_batch():
+    """`model.fit` with `jit_compile=True` retraces with an unknown batch for a last, smaller
+    batch, and failed there (the XLA gradient above)."""
+    inputs = keras.Input((None, 16))
+    model = keras.Model(inputs, MultiHeadAttention(16, 4)(inputs, causal=True))
+    model.compile("sgd", "mse", jit_compile=True)
+    data = rng.normal(size=(10, 6, 16)).astype(np.float32)
+    history = model.fit(data, data, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
 
 
 def test_shape_errors_are_value_errors_at_trace_time():
