@@ -1418,9 +1418,9 @@ class MultiHeadAttention(tf.keras.layers.Layer):
     def _attend(self, q, k, v, keep, bias, attention_bias, causal, window, return_attention, training):
         """Picks the attention path; returns (context, weights or None): without weights, the
         memory-efficient path when the scores exceed `memory_efficient_threshold` elements
-        (decided at run time where shapes are unknown at trace time, but under XLA, which cannot
-        differentiate that choice: there always), else `dot_product_attention`. `bias` is the
-        floating mask, `attention_bias` the call's bias."""
+        (where shapes are unknown at trace time: decided at run time, or always under XLA, which
+        cannot differentiate that choice), else `dot_product_attention`. `bias` is the floating
+        mask, `attention_bias` the call's bias."""
         dropout_active = self.dropout > 0 and training is not False and training is not None
         chunk = None if return_attention else self._query_chunk(q, k)
         sinks = self.sink_logits if self.sinks else None
