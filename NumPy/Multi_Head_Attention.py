@@ -327,6 +327,34 @@ def _check_keeps_some(name, mask):
         )
 
 
+def _check_keeps_some_at_or_before(mask, t, s):
+    """Refuses a boolean mask that keeps keys only after each query (none where `causal` keeps
+    one): nn.MultiheadAttention's causal `attn_mask` (True = ignore, `triu(ones, 1)`), whose
+    last query then keeps no key, and which `causal=True` would leave keeping nothing."""
+    if mask.dtype == np.bool_ and mask.size and t and s and not (mask & causal_mask(t, s)).any():
+        raise ValueError(
+            "`attention_mask` keeps keys only after each query, none at or before it: True means attend (in "
+            "nn.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`). "
+            "Received: a boolean attention_mask False wherever causal attention keeps a key"
+        )
+
+
+def _check_not_inverted_padding(key_mask):
+    """Refuses a (B, S) boolean `key_mask` that reads as nn.MultiheadAttention's
+    `key_padding_mask` (True = padding): every row False then True, some row keeping no key and
+    none keeping all (inverted right padding; left padding has its longest sequence all True)."""
+    kept = key_mask.sum(-1)  # (B,)
+    ordered = (key_mask[:, 1:] >= key_mask[:, :-1]).all()  # False then True in every row
+    if ordered and (kept == 0).any() and not (kept == key_mask.shape[1]).any():
+        raise ValueError(
+            "`key_mask` reads as nn.MultiheadAttention's key_padding_mask (True = padding): True means a real key, "
+            "pass `~mask` (left padding with an empty sequence and none full: pass it as "
+            "`attention_mask=key_mask[:, None, :]`). "
+            f"Received: a key_mask False then True in every row, {int((kept == 0).sum())} of {key_mask.shape[0]} rows "
+            "keeping no key and none keeping all"
+        )
+
+
 def _check_not_keras_mask(mask):
     """Refuses a floating attention_mask of only 0s and 1s: a Keras mask, read as boolean there."""
     if mask.dtype != np.bool_ and mask.size and np.isin(mask, (0.0, 1.0)).all() and (mask == 1).any():
@@ -872,6 +900,7 @@ class MultiHeadAttention:
         if key_mask is not None:
             key_mask = _check_padding_mask("key_mask", key_mask, b, s, "S")
             _check_keeps_some("key_mask", key_mask)
+            _check_not_inverted_padding(key_mask)
         key_mask = query_mask if key_mask is None and defaulted == "both" else key_mask  # self-attention
         if cache is not None:
             _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
@@ -882,7 +911,9 @@ class MultiHeadAttention:
         index = 0 if cache is None else int(cache.index)
         positions = self._positions(positions, b, t, index)
         target = (b, self.num_heads, t, s)
-        keep, bias = _combine_masks(attention_mask, attention_bias, query_mask, None if cache else key_mask, target)
+        keep, bias = _combine_masks(
+            attention_mask, attention_bias, query_mask, None if cache else key_mask, target, cached=cache is not None
+        )
 
         y = {kind: self._project(x, kind) for kind, x in (("query", query), ("key", key), ("value", value))}
         q_flat, k_flat = self._normalize_qk(y["query"], y["key"])  # QK-norm: (B, T, N*H), (B, S, K*H)
@@ -981,11 +1012,11 @@ def _rms_norm_backward(x, scale, eps, grad):
     return (g - normed * np.mean(g * normed, axis=-1, keepdims=True)) / rms, d_scale
 
 
-def _combine_masks(attention_mask, attention_bias, query_mask, key_mask, target):
+def _combine_masks(attention_mask, attention_bias, query_mask, key_mask, target, cached=False):
     """One boolean keep and one additive bias (float64), broadcasting to (B, N, T, S), or None."""
     if attention_mask is not None:
         attention_mask = np.asarray(attention_mask)
-        _check_traps(attention_mask, target)
+        _check_traps(attention_mask, target, cached)
     keep, mask_bias = _split_mask(attention_mask, target)
     bias_keep, bias = _split_bias(attention_bias, target)
     keep = _and(keep, bias_keep)
@@ -997,11 +1028,14 @@ def _combine_masks(attention_mask, attention_bias, query_mask, key_mask, target)
     return keep, bias
 
 
-def _check_traps(mask, target):
-    """The built-ins' habits that would give wrong numbers silently (docs/SPEC.md, Masks)."""
+def _check_traps(mask, target, cached):
+    """The built-ins' habits that would give wrong numbers silently (docs/SPEC.md, Masks); masks
+    over a cache's slots are not read for the causal direction."""
     _mask_to_4d(mask, target)  # dtype and shape first
     _check_not_key_padding(mask, target[0], target[2])
     _check_keeps_some("attention_mask", mask)
+    if not cached:
+        _check_keeps_some_at_or_before(mask, target[2], target[3])
     _check_not_keras_mask(mask)
 
 

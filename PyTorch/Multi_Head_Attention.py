@@ -396,8 +396,9 @@ def _is_dtensor(tensor):
 def _check_input(name, x, width_name, width):
     """Checks one (B, L, width) input."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        dtype = _dtype_name(x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={dtype}")
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"`{name}` must be a floating tensor. Received: {name} of type {type(x).__name__}")
+        raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={_dtype_name(x.dtype)}")
     letter = "T" if name == "query" else "S"
     if x.dim() != 3 or x.shape[-1] != width:
         raise ValueError(
@@ -458,9 +459,10 @@ def _values_readable():
     return not (torch.compiler.is_compiling() or torch.jit.is_tracing())
 
 
-def _refuse_traps(attention_mask, key_mask, target):
+def _refuse_traps(attention_mask, key_mask, target, cached=False):
     """The built-in layers' habits that would be read otherwise here, refused with the fix
-    (`attention_mask` checked against target (B, N, T, S) first)."""
+    (`attention_mask` checked against target (B, N, T, S) first; masks over a cache's slots are
+    not read for the causal direction)."""
     b, t = target[0], target[2]
     if attention_mask is not None:
         _mask_to_4d(attention_mask, target)
@@ -478,11 +480,43 @@ def _refuse_traps(attention_mask, key_mask, target):
                 f"`{name}` keeps no key for any query: True means attend (in nn.MultiheadAttention True means "
                 f"ignore: pass `~mask`). Received: a boolean {name} that is False everywhere"
             )
+    if attention_mask is not None and attention_mask.dtype == torch.bool and not cached:
+        _check_keeps_some_at_or_before(attention_mask, target[2], target[3])
+    if key_mask is not None and key_mask.dtype == torch.bool:
+        _check_not_inverted_padding(key_mask)
     if attention_mask is not None and attention_mask.is_floating_point() and _zeros_and_ones(attention_mask):
         raise ValueError(
             "`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras reads such a "
             "mask as boolean): pass `mask > 0` (True = attend) or an additive mask. "
             "Received: a floating attention_mask of 0s and 1s"
+        )
+
+
+def _check_keeps_some_at_or_before(mask, t, s):
+    """Refuses a boolean mask that keeps keys only after each query (none where `causal` keeps
+    one): nn.MultiheadAttention's causal `attn_mask` (True = ignore, `triu(ones, 1)`), whose
+    last query then keeps no key, and which `causal=True` would leave keeping nothing."""
+    if mask.numel() and t and s and not (mask & causal_mask(t, s, mask.device)).any():
+        raise ValueError(
+            "`attention_mask` keeps keys only after each query, none at or before it: True means attend (in "
+            "nn.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`). "
+            "Received: a boolean attention_mask False wherever causal attention keeps a key"
+        )
+
+
+def _check_not_inverted_padding(key_mask):
+    """Refuses a (B, S) boolean `key_mask` that reads as nn.MultiheadAttention's
+    `key_padding_mask` (True = padding): every row False then True, some row keeping no key and
+    none keeping all (inverted right padding; left padding has its longest sequence all True)."""
+    kept = key_mask.sum(-1)  # (B,)
+    ordered = bool((key_mask[:, 1:] >= key_mask[:, :-1]).all())  # False then True in every row
+    if ordered and bool((kept == 0).any()) and not bool((kept == key_mask.shape[1]).any()):
+        raise ValueError(
+            "`key_mask` reads as nn.MultiheadAttention's key_padding_mask (True = padding): True means a real key, "
+            "pass `~mask` (left padding with an empty sequence and none full: pass it as "
+            "`attention_mask=key_mask[:, None, :]`). "
+            f"Received: a key_mask False then True in every row, {int((kept == 0).sum())} of {key_mask.shape[0]} rows "
+            "keeping no key and none keeping all"
         )
 
 
@@ -514,6 +548,16 @@ def _check_cache(cache, query, key, heads, head_dim):
         raise ValueError(
             f"`cache.keep` must have shape (B, L)=({b}, {k.shape[2]}). "
             f"Received: cache.keep.shape={tuple(cache.keep.shape)}"
+        )
+
+
+def _check_compute_dtype(query, dtype):
+    """Outside autocast the inputs must have the dtype the layer computes in (its parameters'):
+    the projections' matmuls would fail with a RuntimeError, or a cast would hide the mismatch."""
+    if query.dtype != dtype and not torch.is_autocast_enabled(query.device.type):
+        raise ValueError(
+            f"`query`, `key` and `value` must have the layer's dtype {_dtype_name(dtype)}: cast them, or the layer "
+            f"(`layer.to(dtype)`), or call it under torch.autocast. Received: query.dtype={_dtype_name(query.dtype)}"
         )
 
 
@@ -1346,6 +1390,7 @@ class MultiHeadAttention(nn.Module):
         self_attention = (key is None or key is query) and (value is None or value is query)
         query, key, value = self._inputs(query, key, value)
         compute_dtype = self._compute_dtype(query)
+        _check_compute_dtype(query, compute_dtype)
         if cache is not None:
             _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
             _check_cache_dtype(cache, compute_dtype)
@@ -1354,7 +1399,7 @@ class MultiHeadAttention(nn.Module):
         query_mask = _check_token_mask("query_mask", query_mask, b, t, "T")
         positions = self._positions(positions, query, key, cache)
         target = (b, self.num_heads, t, s)
-        _refuse_traps(attention_mask, key_mask, target)
+        _refuse_traps(attention_mask, key_mask, target, cached=cache is not None)
         key_mask = query_mask if key_mask is None and self_attention else key_mask
         softmax_dtype = torch.promote_types(compute_dtype, torch.float32)
         keep, bias = self._masks(

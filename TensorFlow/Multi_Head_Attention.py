@@ -434,6 +434,40 @@ def _check_keeps_something(mask, name):
         )
 
 
+def _check_keeps_some_at_or_before(mask, t, s):
+    """Where values can be read (eagerly): refuses a boolean mask that keeps keys only after each
+    query (none where `causal` keeps one): nn.MultiheadAttention's causal `attn_mask` (True =
+    ignore, `triu(ones, 1)`), whose last query then keeps no key, and which `causal=True` would
+    leave keeping nothing."""
+    if not tf.executing_eagerly() or mask.dtype != tf.bool or tf.size(mask) == 0 or not t or not s:
+        return
+    if not bool(tf.reduce_any(mask & causal_mask(t, s))):
+        raise ValueError(
+            "`attention_mask` keeps keys only after each query, none at or before it: True means attend (in "
+            "nn.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`). "
+            "Received: a boolean attention_mask False wherever causal attention keeps a key"
+        )
+
+
+def _check_not_inverted_padding(key_mask):
+    """Where values can be read (eagerly): refuses a (B, S) boolean `key_mask` that reads as
+    nn.MultiheadAttention's `key_padding_mask` (True = padding): every row False then True, some
+    row keeping no key and none keeping all (inverted right padding; left padding has its
+    longest sequence all True)."""
+    if not tf.executing_eagerly() or key_mask.dtype != tf.bool:
+        return
+    kept = tf.reduce_sum(tf.cast(key_mask, tf.int32), -1)  # (B,)
+    ordered = bool(tf.reduce_all(tf.cast(key_mask[:, 1:], tf.int8) >= tf.cast(key_mask[:, :-1], tf.int8)))
+    if ordered and bool(tf.reduce_any(kept == 0)) and not bool(tf.reduce_any(kept == key_mask.shape[1])):
+        raise ValueError(
+            "`key_mask` reads as nn.MultiheadAttention's key_padding_mask (True = padding): True means a real key, "
+            "pass `~mask` (left padding with an empty sequence and none full: pass it as "
+            "`attention_mask=key_mask[:, None, :]`). "
+            f"Received: a key_mask False then True in every row, {int(tf.reduce_sum(tf.cast(kept == 0, tf.int32)))} "
+            f"of {key_mask.shape[0]} rows keeping no key and none keeping all"
+        )
+
+
 def _check_not_zeros_and_ones(mask):
     """Where values can be read (eagerly): a floating `attention_mask` of only 0s and 1s (some 1)
     is refused, the Keras habit (Keras reads such a mask as boolean)."""
@@ -1451,7 +1485,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         if len(args) >= 3 and args[1] is not None and args[2] is not None:
             raise ValueError(
                 "`key` and `value` must be passed by name when both are given: keras.layers.MultiHeadAttention is "
-                "called (query, value, key), this layer (query, key, value). Received: 3 positional inputs"
+                f"called (query, value, key), this layer (query, key, value). Received: {len(args)} positional inputs"
             )
         inputs = dict(zip(("query", "key", "value"), args, strict=False))
         inputs.update({name: kwargs[name] for name in ("query", "key", "value") if name in kwargs})
@@ -1480,6 +1514,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         key_mask = _token_mask("key_mask", key_mask, b, s, "S")
         if explicit_key_mask:
             _check_keeps_something(key_mask, "key_mask")
+            _check_not_inverted_padding(key_mask)
         key_keep = _and(key_mask, _token_mask("value_mask", value_mask, b, s, "S"))  # (B, S)
         if self_attention and key_keep is None:
             key_keep = query_keep
@@ -1487,15 +1522,18 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         query, key, value = (tf.cast(x, self.compute_dtype) for x in (query, key, value))
         return query, key, value, query_keep, key_keep
 
-    def _masks(self, attention_mask, attention_bias, target):
+    def _masks(self, attention_mask, attention_bias, target, cached=False):
         """The floating mask rule on `attention_mask` and `attention_bias`, and the built-ins'
-        traps refused: (keep, mask's additive, bias's additive), each rank 4 or None."""
+        traps refused (masks over a cache's slots not read for the causal direction): (keep,
+        mask's additive, bias's additive), each rank 4 or None."""
         dtype = _softmax_dtype(self.compute_dtype)
         attention_mask = None if attention_mask is None else tf.convert_to_tensor(attention_mask)
         keep, mask_bias = _split_mask(attention_mask, target, "attention_mask", dtype)  # dtype and shape first
         if attention_mask is not None:
             _check_unambiguous(attention_mask, target[0], target[2])
             _check_keeps_something(attention_mask, "attention_mask")
+            if not cached:
+                _check_keeps_some_at_or_before(attention_mask, target[2], target[3])
             _check_not_zeros_and_ones(attention_mask)
         bias_keep, attention_bias = _split_bias(attention_bias, target, dtype)
         return _and(keep, bias_keep), mask_bias, attention_bias
@@ -1523,7 +1561,9 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         if cache is not None:
             _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
         b, t, s = query.shape[0], query.shape[1], key.shape[1] if cache is None else cache.key.shape[2]
-        keep, bias, attention_bias = self._masks(attention_mask, attention_bias, (b, self.num_heads, t, s))
+        keep, bias, attention_bias = self._masks(
+            attention_mask, attention_bias, (b, self.num_heads, t, s), cached=cache is not None
+        )
         keep = _and(keep, _token_keep(query_keep, key_keep if cache is None else None))  # (B, N, T, S), dims may be 1
         positions = self._positions(positions, query, key, cache)
 

@@ -219,6 +219,21 @@ def test_dtype_round_trip(dtype):
     }
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_regression_input_dtype_other_than_the_layers_is_a_value_error(dtype):
+    """A float64 or bfloat16 input into a float32 layer failed inside the first matmul with
+    "RuntimeError: mat1 and mat2 must have the same dtype"; autocast still decides the dtype."""
+    layer = MultiHeadAttention(16, 4)
+    x = _randn(2, 5, 16, seed=3).to(dtype)
+    message = (
+        rf"`query`, `key` and `value` must have the layer's dtype float32: .* Received: query\.dtype={str(dtype)[6:]}"
+    )
+    with pytest.raises(ValueError, match=message):
+        layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(x.float()).dtype == torch.bfloat16
+
+
 def test_dropout_only_in_training_and_weights_before_dropout():
     layer = MultiHeadAttention(16, 4, dropout=0.5)
     x = _randn(2, 6, 16, seed=13)
