@@ -690,7 +690,10 @@ def _results(output, weights, cache, return_attention):
 def _mask_to_4d(mask, target, name="attention_mask"):
     """Checks a mask (`attention_mask` or `attention_bias`) against target (B, N, T, S) and returns it as rank 4."""
     if mask.dtype != torch.bool and not mask.is_floating_point():
-        raise ValueError(f"`{name}` must be boolean or floating. Received: {name}.dtype={_dtype_name(mask.dtype)}")
+        raise ValueError(
+            f"`{name}` must be boolean (True = attend; for a 0/1 integer mask pass `mask > 0`) or floating. "
+            f"Received: {name}.dtype={_dtype_name(mask.dtype)}"
+        )
     expected = {2: target[2:], 3: (target[0], *target[2:]), 4: target}.get(mask.dim())
     if expected is None or any(m not in (1, e) for m, e in zip(mask.shape, expected, strict=True)):
         raise ValueError(

@@ -686,7 +686,10 @@ def _write_in_place(handles, k, v, key_keep, length):
 def _mask_to_4d(mask, target, name="attention_mask"):
     """Checks a mask against target (B, N, T, S) and returns it as rank 4."""
     if mask.dtype != tf.bool and not mask.dtype.is_floating:
-        raise ValueError(f"`{name}` must be boolean or floating. Received: {name}.dtype={mask.dtype.name}")
+        raise ValueError(
+            f"`{name}` must be boolean (True = attend; for a 0/1 integer mask pass `mask > 0`) or floating. "
+            f"Received: {name}.dtype={mask.dtype.name}"
+        )
     rank = mask.shape.rank
     expected = {2: target[2:], 3: (target[0], *target[2:]), 4: target}.get(rank)
     if expected is None or any(

@@ -32,7 +32,7 @@ CASES = {
     "mask_not_broadcastable": (BASE, {"query": X, "key": Y, "attention_mask": np.ones((3, 4), bool)}, r"`attention_mask` must broadcast to \(B, N, T, S\) .* Expected: \(B, N, T, S\)=\(2, 2, 3, 5\)\. Received: attention_mask\.shape=\(3, 4\)"),
     "mask_rank_1": (BASE, {"query": X, "key": Y, "attention_mask": np.ones((5,), bool)}, r"Received: attention_mask\.shape=\(5,\)"),
     "mask_rank_3_wrong_batch": (BASE, {"query": X, "key": Y, "attention_mask": np.ones((3, 3, 5), bool)}, r"Received: attention_mask\.shape=\(3, 3, 5\)"),
-    "mask_integer_dtype": (BASE, {"query": X, "key": Y, "attention_mask": np.ones((3, 5), np.int32)}, r"`attention_mask` must be boolean or floating\. Received: attention_mask\.dtype=int32"),
+    "mask_integer_dtype": (BASE, {"query": X, "key": Y, "attention_mask": np.ones((3, 5), np.int32)}, r"`attention_mask` must be boolean \(True = attend; for a 0/1 integer mask pass `mask > 0`\) or floating\. Received: attention_mask\.dtype=int32"),
     "integer_query": (BASE, {"query": np.ones((2, 3, 8), np.int32)}, r"`query` must be a floating tensor\. Received: query\.dtype=int32"),
     "integer_value": (BASE, {"query": X, "key": Y, "value": np.ones((2, 5, 8), np.int32)}, r"`value` must be a floating tensor\. Received: value\.dtype=int32"),
     # The variants' constructor arguments
