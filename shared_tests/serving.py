@@ -211,11 +211,11 @@ def decode_onnx(model, initial, calls):
     """Each call's output, decoding in onnxruntime: every step's cache fed to the next."""
     import onnxruntime
 
-    session = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"])
-    names = [given.name for given in session.get_inputs()]
+    runtime = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"])
+    names = [given.name for given in runtime.get_inputs()]
     cache, outputs = initial, []
     for x in calls:
-        output, *cache = session.run(None, dict(zip(names, [x, *cache], strict=True)))
+        output, *cache = runtime.run(None, dict(zip(names, [x, *cache], strict=True)))
         outputs.append(output)
     return outputs
 
