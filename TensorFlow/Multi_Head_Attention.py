@@ -1571,7 +1571,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         positions = self._positions(positions, query, key, cache)
 
         # 2. Projections.
-        if self_attention:
+        if self_attention and cache is None:  # a step's few tokens: concatenating the kernels would cost more
             q, k, v = self._project_fused(query)  # (B, T, E) -> (B, N, T, H), 2 x (B, K, T, H)
         else:
             q = self._project(query, "query", self.num_heads)  # (B, T, E) -> (B, N, T, H)
