@@ -510,12 +510,13 @@ def _check_not_inverted_padding(key_mask):
     none keeping all (inverted right padding; left padding has its longest sequence all True)."""
     kept = key_mask.sum(-1)  # (B,)
     ordered = bool((key_mask[:, 1:] >= key_mask[:, :-1]).all())  # False then True in every row
-    if ordered and bool((kept == 0).any()) and not bool((kept == key_mask.shape[1]).any()):
+    empty = int((kept == 0).sum())
+    if ordered and empty and not bool((kept == key_mask.shape[1]).any()):
         raise ValueError(
             "`key_mask` reads as nn.MultiheadAttention's key_padding_mask (True = padding): True means a real key, "
             "pass `~mask` (left padding with an empty sequence and none full: pass it as "
             "`attention_mask=key_mask[:, None, :]`). "
-            f"Received: a key_mask False then True in every row, {int((kept == 0).sum())} of {key_mask.shape[0]} rows "
+            f"Received: a key_mask False then True in every row, {empty} of {key_mask.shape[0]} rows "
             "keeping no key and none keeping all"
         )
 

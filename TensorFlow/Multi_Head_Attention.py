@@ -458,13 +458,14 @@ def _check_not_inverted_padding(key_mask):
         return
     kept = tf.reduce_sum(tf.cast(key_mask, tf.int32), -1)  # (B,)
     ordered = bool(tf.reduce_all(tf.cast(key_mask[:, 1:], tf.int8) >= tf.cast(key_mask[:, :-1], tf.int8)))
-    if ordered and bool(tf.reduce_any(kept == 0)) and not bool(tf.reduce_any(kept == key_mask.shape[1])):
+    empty = int(tf.reduce_sum(tf.cast(kept == 0, tf.int32)))
+    if ordered and empty and not bool(tf.reduce_any(kept == key_mask.shape[1])):
         raise ValueError(
             "`key_mask` reads as nn.MultiheadAttention's key_padding_mask (True = padding): True means a real key, "
             "pass `~mask` (left padding with an empty sequence and none full: pass it as "
             "`attention_mask=key_mask[:, None, :]`). "
-            f"Received: a key_mask False then True in every row, {int(tf.reduce_sum(tf.cast(kept == 0, tf.int32)))} "
-            f"of {key_mask.shape[0]} rows keeping no key and none keeping all"
+            f"Received: a key_mask False then True in every row, {empty} of {key_mask.shape[0]} rows "
+            "keeping no key and none keeping all"
         )
 
 
