@@ -328,10 +328,10 @@ def _check_keeps_some(name, mask):
 
 
 def _check_keeps_some_at_or_before(mask, t, s):
-    """Refuses a boolean mask that keeps keys only after each query (none where `causal` keeps
-    one): nn.MultiheadAttention's causal `attn_mask` (True = ignore, `triu(ones, 1)`), whose
+    """Refuses a square (T == S) boolean mask that keeps keys only after each query (none where
+    `causal` keeps one): nn.MultiheadAttention's causal `attn_mask` (True = ignore, `triu(ones, 1)`), whose
     last query then keeps no key, and which `causal=True` would leave keeping nothing."""
-    if mask.dtype == np.bool_ and mask.size and t and s and not (mask & causal_mask(t, s)).any():
+    if mask.dtype == np.bool_ and mask.size and t == s > 0 and not (mask & causal_mask(t, s)).any():
         raise ValueError(
             "`attention_mask` keeps keys only after each query, none at or before it: True means attend (in "
             "nn.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`). "

@@ -435,11 +435,11 @@ def _check_keeps_something(mask, name):
 
 
 def _check_keeps_some_at_or_before(mask, t, s):
-    """Where values can be read (eagerly): refuses a boolean mask that keeps keys only after each
-    query (none where `causal` keeps one): nn.MultiheadAttention's causal `attn_mask` (True =
+    """Where values can be read (eagerly): refuses a square (T == S) boolean mask that keeps keys
+    only after each query (none where `causal` keeps one): nn.MultiheadAttention's causal `attn_mask` (True =
     ignore, `triu(ones, 1)`), whose last query then keeps no key, and which `causal=True` would
     leave keeping nothing."""
-    if not tf.executing_eagerly() or mask.dtype != tf.bool or tf.size(mask) == 0 or not t or not s:
+    if not tf.executing_eagerly() or mask.dtype != tf.bool or tf.size(mask) == 0 or not t == s > 0:
         return
     if not bool(tf.reduce_any(mask & causal_mask(t, s))):
         raise ValueError(

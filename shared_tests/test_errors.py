@@ -69,7 +69,6 @@ CASES = {
     "key_mask_torch_polarity": (BASE, {"query": X, "key": Y, "value": Y, "key_mask": np.zeros((2, 5), bool)}, r"`key_mask` keeps no key for any query: True means attend .* Received: a boolean key_mask that is False everywhere"),
     "mask_torch_causal_polarity": (BASE, {"query": X, "attention_mask": np.triu(np.ones((3, 3), bool), 1)}, r"`attention_mask` keeps keys only after each query, none at or before it: True means attend \(in nn\.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`\)\. Received: a boolean attention_mask False wherever causal attention keeps a key"),
     "mask_torch_causal_polarity_and_causal": (BASE, {"query": X, "attention_mask": np.triu(np.ones((3, 3), bool), 1), "causal": True}, r"`attention_mask` keeps keys only after each query, none at or before it"),
-    "mask_cross_keeps_only_later_keys": (BASE, {"query": X, "key": Y, "value": Y, "attention_mask": np.triu(np.ones((2, 3, 5), bool), 3)}, r"`attention_mask` keeps keys only after each query, none at or before it"),
     "key_mask_torch_padding_polarity": (BASE, {"query": X, "key": Y, "value": Y, "key_mask": np.arange(5) >= np.array([[5], [3]])}, r"`key_mask` reads as nn\.MultiheadAttention's key_padding_mask \(True = padding\): True means a real key, pass `~mask` \(left padding with an empty sequence and none full: pass it as `attention_mask=key_mask\[:, None, :\]`\)\. Received: a key_mask False then True in every row, 1 of 2 rows keeping no key and none keeping all"),
     "mask_keras_zero_one_float": (BASE, {"query": X, "key": Y, "value": Y, "attention_mask": np.ones((2, 3, 5), np.float32)}, r"`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores \(Keras reads such a mask as boolean\): pass `mask > 0` \(True = attend\) or an additive mask\. Received: a floating attention_mask of 0s and 1s"),
 }  # fmt: skip
@@ -135,13 +134,20 @@ ACCEPTED = {
         "query": X, "key": Y, "value": Y, "attention_mask": (np.arange(5) >= np.array([[5], [2]]))[:, None, :],
     },
     "anti_causal_with_the_diagonal": {"query": X, "attention_mask": np.triu(np.ones((3, 3), bool))},
+    "cross_attention_keeping_only_later_keys": {
+        "query": X, "key": Y, "value": Y, "attention_mask": np.triu(np.ones((2, 3, 5), bool), 3),
+    },
+    "regression_t_above_s_first_query_only": {  # found by test_properties: T=2, S=1, query 1 keeps nothing
+        "query": X[:, :2], "key": Y[:, :1], "value": Y[:, :1], "attention_mask": np.array([[[True], [False]]]),  # (1, T, S)
+    },
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(ACCEPTED))
 def test_masks_near_the_traps_are_accepted(name):
     """What the trap checks must let through: genuine left padding (its longest sequence keeps
-    every key), the way out the inverted-padding message gives, and keys at or after each query."""
+    every key), the way out the inverted-padding message gives, keys at or after each query, and
+    cross-attention masks (T != S), where "after the query" means nothing."""
     for caller in CALLERS.values():
         caller(BASE, ACCEPTED[name])
 
