@@ -24,6 +24,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 WORLD = 2
 STEPS, LR = 3, 0.1
+ATTEMPTS = 2  # spawns of the PyTorch ranks when gloo kills one with a signal (see run_torch)
 rng = np.random.default_rng(0)
 X = rng.normal(size=(4, 5, 8))  # (B, T, E): the full batch, split across the ranks
 Y = rng.normal(size=(4, 3))  # targets
@@ -176,14 +177,19 @@ def _tensor_parallel_errors(mesh):
     return messages
 
 
-def _torch_rank(rank, init_file, out, mix_batch):
+def _torch_rank(rank, folder, mix_batch):
+    """One rank: every check, then its results in folder/rank<N>.json before the teardown."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_default_dtype(torch.float64)
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
+        "gloo",
+        init_method=f"file://{os.path.join(folder, 'rendezvous')}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
     )
     try:
         results = _data_parallel(rank, mix_batch)
@@ -191,21 +197,52 @@ def _torch_rank(rank, init_file, out, mix_batch):
         for name, (config, options) in TP_CONFIGS.items():
             results[f"tp_{name}"] = _tensor_parallel(mesh, config, options)
         results["tp_errors"] = _tensor_parallel_errors(mesh)
-        gathered = [None] * WORLD
-        dist.all_gather_object(gathered, results)
-        if rank == 0:
-            with open(out, "w") as handle:
-                json.dump(gathered, handle)
+        with open(os.path.join(folder, f"rank{rank}.json"), "w") as handle:
+            json.dump(results, handle)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
+def _finished_ranks(folder):
+    """The results of every rank, or None when some rank did not write them."""
+    paths = [os.path.join(folder, f"rank{rank}.json") for rank in range(WORLD)]
+    if not all(os.path.exists(path) for path in paths):
+        return None
+    ranks = []
+    for path in paths:
+        with open(path) as handle:
+            ranks.append(json.load(handle))
+    return ranks
+
+
 def run_torch(out, mix_batch):
+    """Spawns the ranks and writes their results to `out`.
+
+    gloo's TCP transport can kill a rank with a signal (SIGABRT from a C++ exception in its I/O
+    thread, pytorch/pytorch#50701) on a loaded machine. Such a death after every rank wrote its
+    results is a teardown crash and is reported on stderr; one before is retried once. A Python
+    exception in a rank (a wrong number, a ValueError) is never retried.
+    """
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_torch_rank, args=(os.path.join(tmp, "rendezvous"), out, mix_batch), nprocs=WORLD, join=True)
+    for attempt in range(1, ATTEMPTS + 1):
+        with tempfile.TemporaryDirectory() as folder:
+            try:
+                mp.spawn(_torch_rank, args=(folder, mix_batch), nprocs=WORLD, join=True)
+            except mp.ProcessExitedException as error:
+                if error.signal_name is None or (attempt == ATTEMPTS and _finished_ranks(folder) is None):
+                    raise
+                print(
+                    f"attempt {attempt}: {error} ({'after' if _finished_ranks(folder) else 'before'} "
+                    "every rank wrote its results)",
+                    file=sys.stderr,
+                )
+            ranks = _finished_ranks(folder)
+        if ranks is not None:
+            with open(out, "w") as handle:
+                json.dump(ranks, handle)
+            return
 
 
 # -- Keras -----------------------------------------------------------------------------------------
