@@ -77,6 +77,7 @@ def main(argv=None):
         score = accuracy(model(tokens), labels)
     if rank == 0:
         print(f"{args.mode} on {world} ranks: held-out token accuracy {score:.1%}")
+    dist.barrier()  # no rank tears down while another still talks to it (gloo aborts the other)
     dist.destroy_process_group()
     return 0
 
