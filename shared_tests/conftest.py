@@ -1,12 +1,21 @@
-"""Pytest setup shared by every test: quiet TensorFlow, repository root importable, and a fresh
-torch.compile cache for each test."""
+"""Pytest setup shared by every test: quiet TensorFlow, repository root importable, a fresh
+torch.compile cache for each test, and the hypothesis profiles.
+
+Hypothesis draws the same 25 examples in every run by default (profile "ci": `make test` is
+reproducible, a red CI is never a new random draw). `--hypothesis-profile=explore` draws 250
+new random examples: run it to look for new failures, then pin what it finds as a regression
+case."""
 
 import os
 import sys
 
 import pytest
+from hypothesis import settings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+settings.register_profile("ci", max_examples=25, derandomize=True, database=None)
+settings.register_profile("explore", max_examples=250)
+settings.load_profile("ci")
 
 
 @pytest.fixture(autouse=True)
