@@ -197,8 +197,10 @@ def _torch_rank(rank, folder, mix_batch):
         for name, (config, options) in TP_CONFIGS.items():
             results[f"tp_{name}"] = _tensor_parallel(mesh, config, options)
         results["tp_errors"] = _tensor_parallel_errors(mesh)
-        with open(os.path.join(folder, f"rank{rank}.json"), "w") as handle:
+        path = os.path.join(folder, f"rank{rank}.json")
+        with open(f"{path}.part", "w") as handle:
             json.dump(results, handle)
+        os.replace(f"{path}.part", path)  # a rank killed while writing leaves no results
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -231,18 +233,15 @@ def run_torch(out, mix_batch):
             try:
                 mp.spawn(_torch_rank, args=(folder, mix_batch), nprocs=WORLD, join=True)
             except mp.ProcessExitedException as error:
-                if error.signal_name is None or (attempt == ATTEMPTS and _finished_ranks(folder) is None):
+                if error.signal_name is None:
                     raise
-                print(
-                    f"attempt {attempt}: {error} ({'after' if _finished_ranks(folder) else 'before'} "
-                    "every rank wrote its results)",
-                    file=sys.stderr,
-                )
+                print(f"attempt {attempt}: {error}", file=sys.stderr)
             ranks = _finished_ranks(folder)
         if ranks is not None:
             with open(out, "w") as handle:
                 json.dump(ranks, handle)
             return
+    raise RuntimeError(f"a signal killed a rank before every rank wrote its results, in all {ATTEMPTS} attempts")
 
 
 # -- Keras -----------------------------------------------------------------------------------------
