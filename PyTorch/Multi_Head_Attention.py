@@ -77,7 +77,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import parametrize
 
 __all__ = ["KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
 
@@ -945,9 +944,18 @@ def dot_product_attention(
 
 def _plain_linear(module):
     """Whether `module` computes exactly F.linear(x, weight, bias): an `nn.Linear` itself (not a
-    subclass, a LoRA wrapper or a quantized module), with no hooks and no parametrizations."""
+    subclass, a LoRA wrapper, a quantized, sharded or parametrized module: those change the
+    class), with no hooks."""
     hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
-    return type(module) is nn.Linear and not any(hooks) and not parametrize.is_parametrized(module)
+    return type(module) is nn.Linear and not any(hooks)
+
+
+def _linear(module, x):
+    """module(x), as F.linear where that is exactly what it computes: the module call's own work
+    (hooks, tracing state) is a tenth of a small decode step's matmul."""
+    if _plain_linear(module) and not _global_hooks():
+        return F.linear(x, module.weight, module.bias)
+    return module(x)
 
 
 def _global_hooks():
@@ -1137,10 +1145,12 @@ class MultiHeadAttention(nn.Module):
             A `KVCache` of zeros with index 0, on the parameters' device.
         """
         b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
-        device = self.output.weight.device
+        weight = self._float_weight()
+        device = torch.device("cpu") if weight is None else weight.device  # a quantized module runs on the CPU
         keep = torch.ones(b, length, dtype=torch.bool) if keep is None else _check_keep(keep, b, length)
         shape = (b, self.num_kv_heads, length, self.head_dim)
-        dtype = self.output.weight.dtype if dtype is None else dtype
+        default = torch.get_default_dtype() if weight is None else weight.dtype
+        dtype = default if dtype is None else dtype
         return KVCache(
             torch.zeros(shape, dtype=dtype, device=device),
             torch.zeros(shape, dtype=dtype, device=device),
@@ -1289,7 +1299,7 @@ class MultiHeadAttention(nn.Module):
 
     def _project(self, x, kind, heads):
         """(B, L, D) -> (B, heads, L, H): one projection split into heads."""
-        y = getattr(self, kind)(x)  # (B, L, D) -> (B, L, heads*H)
+        y = _linear(getattr(self, kind), x)  # (B, L, D) -> (B, L, heads*H)
         return self._split_heads(y, heads)
 
     def _split_heads(self, y, heads):
@@ -1371,13 +1381,21 @@ class MultiHeadAttention(nn.Module):
                 f"Received: sinks={self.sinks is not None}, qk_norm={self.qk_norm!r}"
             )
 
+    def _float_weight(self):
+        """The output projection's float weight (a wrapper's first float parameter, as LoRA's), or
+        None where it holds none (a quantized module)."""
+        weight = getattr(self.output, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            return weight
+        return next((p for p in self.output.parameters() if p.is_floating_point()), None)
+
     def _compute_dtype(self, query):
-        """The dtype q, k and v are computed in: autocast's, else the parameters' (the query's where
-        the output projection holds no float weight, as a quantized module)."""
+        """The dtype q, k and v are computed in: autocast's, else the output projection's float
+        weight's, else the query's (a quantized module)."""
         if torch.is_autocast_enabled(query.device.type):
             return torch.get_autocast_dtype(query.device.type)
-        weight = self.output.weight
-        return weight.dtype if isinstance(weight, torch.Tensor) else query.dtype
+        weight = self._float_weight()
+        return query.dtype if weight is None else weight.dtype
 
     def forward(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
@@ -1432,7 +1450,7 @@ class MultiHeadAttention(nn.Module):
             dropout=dropout, return_attention=return_attention,
         )  # (B, N, T, H), (B, N, T, S) or None  # fmt: skip
         merged = context.transpose(1, 2).reshape(b, t, context.shape[1] * self.head_dim)  # -> (B, T, N*H)
-        output = self.output(merged)  # (B, T, N*H) -> (B, T, E)
+        output = _linear(self.output, merged)  # (B, T, N*H) -> (B, T, E)
         if cache is not None and torch.compiler.is_compiling():
             output = torch.where(no_room, torch.nan, output)  # a call without room cannot raise inside a graph
 

@@ -324,14 +324,13 @@ def time_decode(config, runs, rounds):
 
 
 def time_decode_anchors(config, runs, rounds):
-    """{label: [seconds of each round]}: the steps of bench/decode_anchors.py, each framework's
-    taking turns step by step among themselves, the frameworks one after the other in every
-    round. Not across frameworks: TensorFlow's threads keep spinning after a step, and a PyTorch
-    step right after one ran 2x slower on 2 cores."""
+    """{label: [seconds of each round]}: the steps of bench/decode_anchors.py, in every round each
+    step timed over `runs` steps in a row, as a decoding loop calls it. Not step by step across
+    steps: after TensorFlow's steps in `tf.function` its threads keep spinning, and a step timed
+    right after another kind took up to twice its time on 2 cores."""
     steps = decode_anchors.decode_steps(config)
-    groups = [{label: steps[label] for label in labels if label in steps} for labels in decode_anchors.FRAMEWORKS]
-    per_round = [median_times(group, runs) for _ in range(rounds) for group in groups]
-    return {label: [measured[label] for measured in per_round if label in measured] for label in steps}
+    per_round = [{label: median_time(step, runs) for label, step in steps.items()} for _ in range(rounds)]
+    return {label: [measured[label] for measured in per_round] for label in steps}
 
 
 def fits_in_memory(config, which):
@@ -532,8 +531,10 @@ def main(argv=None):
         "steps take turns step by step, then the TensorFlow steps (a PyTorch step right after a TensorFlow one "
         "pays for TensorFlow's spinning threads). PyTorch under no_grad; the hand-written decode (fused "
         "q/k/v matmul, in-place cache write, scaled_dot_product_attention) is checked once to give ours' output "
-        f"within {decode_anchors.HAND_ATOL}. TensorFlow's functional step returns the output and the new cache; "
-        "the in-place step writes the variables of init_cache(in_place=True). keras-hub's "
+        f"within {decode_anchors.HAND_ATOL}. TensorFlow's functional step takes the cache and returns the output "
+        "and the new cache; the in-place step closes over the variables of init_cache(in_place=True) and writes "
+        "them (setting the index back to L - 1 first, in the same graph), called as a tf.function or as its "
+        "ConcreteFunction (concrete); every TensorFlow step is checked once to give the same output. keras-hub's "
         f"CachedMultiHeadAttention ({hub}) holds the same weights and cache, with the mask of the written slots.",
         "",
         decode_anchors.anchor_tables(anchor_times, anchors),

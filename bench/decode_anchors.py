@@ -9,8 +9,9 @@ every run does the same work. The steps (float32, same weights everywhere) are:
 - the hand-written PyTorch decode: a fused q/k/v matmul, an in-place cache write,
   `F.scaled_dot_product_attention` over the written slots and the output projection;
 - TensorFlow ours in `tf.function` and in `tf.function(jit_compile=True)`, with the functional
-  cache (the step returns the output and the new cache) and with the in-place cache of
-  `init_cache(..., in_place=True)` (variables written in place);
+  cache (the step returns the output and the new cache, which it takes as an argument) and with
+  the in-place cache of `init_cache(..., in_place=True)` (variables written in place, closed
+  over by the step), the latter also as the step's ConcreteFunction called directly;
 - keras-hub's `CachedMultiHeadAttention` in `tf.function` and in XLA, with its (B, 2, L, N, H)
   cache and the (B, 1, L) mask of the written slots that keras-hub's decoders pass, when
   keras-hub is importable (it is not in requirements.txt: docs/benchmark.md says why).
@@ -29,9 +30,10 @@ TF_FUNCTION = "TF ours (tf.function)"
 TF_XLA = "TF ours (XLA)"
 TF_IN_PLACE_FUNCTION = "TF ours in-place (tf.function)"
 TF_IN_PLACE_XLA = "TF ours in-place (XLA)"
+TF_IN_PLACE_CONCRETE = "TF ours in-place (XLA, concrete)"
 HUB_FUNCTION = "keras-hub (tf.function)"
 HUB_XLA = "keras-hub (XLA)"
-TF_STEPS = (TF_FUNCTION, TF_XLA, TF_IN_PLACE_FUNCTION, TF_IN_PLACE_XLA)
+TF_STEPS = (TF_FUNCTION, TF_XLA, TF_IN_PLACE_FUNCTION, TF_IN_PLACE_XLA, TF_IN_PLACE_CONCRETE)
 FRAMEWORKS = ((TORCH_OURS, HAND), (*TF_STEPS, HUB_FUNCTION, HUB_XLA))  # the steps timed turn by turn together
 TF_TARGET = 1.3  # each TensorFlow step / PyTorch ours, at every size
 # Each anchor must compute what ours computes; float32 at E <= 512.
@@ -109,22 +111,24 @@ def tf_functional_step(layer, x, length, jit_compile):
     return lambda: step(last, cache)[0].numpy()
 
 
-def tf_in_place_step(layer, x, length, jit_compile):
-    """TF ours with the in-place cache: `init_cache(..., in_place=True)` holds variables that
-    each step writes in place, and the returned cache holds the same variables. An index kept
-    in a variable is set back to L - 1 before each step, so each step rewrites slot L - 1."""
+def tf_in_place_step(layer, x, length, jit_compile, concrete=False):
+    """TF ours with the in-place cache, as docs/serving.md decodes with it: `init_cache(...,
+    in_place=True)` holds variables that each step writes in place, and the step closes over
+    them, taking only the new token (a cache passed as an argument is walked by tf.function on
+    every call). `concrete` calls the step's ConcreteFunction directly. Each timed step first
+    sets the index back to L - 1 inside the same graph, so every step rewrites slot L - 1."""
     import tensorflow as tf
 
     _, cache = layer(x[:, :-1], causal=True, cache=layer.init_cache(x.shape[0], length, in_place=True))
-    step = tf.function(lambda x, cache: layer(x, causal=True, cache=cache)[0], jit_compile=jit_compile)
+
+    def rewrite_the_last_slot(x):
+        cache.index.assign(length - 1)
+        return layer(x, causal=True, cache=cache)[0]
+
     last = x[:, -1:]
-
-    def run():
-        if isinstance(cache.index, tf.Variable):
-            cache.index.assign(length - 1)
-        return step(last, cache).numpy()
-
-    return run
+    step = tf.function(rewrite_the_last_slot, jit_compile=jit_compile)
+    step = step.get_concrete_function(last) if concrete else step
+    return lambda: step(last).numpy()
 
 
 def keras_hub_step(layer, x, length, jit_compile):
@@ -151,7 +155,8 @@ def keras_hub_step(layer, x, length, jit_compile):
 
 def tf_steps(config, x, weights):
     """{label: step} for TensorFlow ours (functional and in-place cache, tf.function and XLA)
-    and, when importable, keras-hub's layer, whose output is checked once against ours."""
+    and, when importable, keras-hub's layer; every step's output is checked once against the
+    first one's."""
     import tensorflow as tf
 
     layer, x = tf_layer(config, weights), tf.constant(x)
@@ -160,7 +165,11 @@ def tf_steps(config, x, weights):
         TF_XLA: tf_functional_step(layer, x, config.t, jit_compile=True),
         TF_IN_PLACE_FUNCTION: tf_in_place_step(layer, x, config.t, jit_compile=False),
         TF_IN_PLACE_XLA: tf_in_place_step(layer, x, config.t, jit_compile=True),
+        TF_IN_PLACE_CONCRETE: tf_in_place_step(layer, x, config.t, jit_compile=True, concrete=True),
     }
+    reference = steps[TF_FUNCTION]()
+    for label in TF_STEPS[1:]:
+        np.testing.assert_allclose(steps[label](), reference, rtol=0, atol=HAND_ATOL)
     if has_keras_hub():
         steps[HUB_FUNCTION] = keras_hub_step(layer, x, config.t, jit_compile=False)
         steps[HUB_XLA] = keras_hub_step(layer, x, config.t, jit_compile=True)

@@ -439,6 +439,38 @@ def test_tf_in_place_cache_equals_the_functional_one(setup, mode):
     assert int(in_place[2]["index"]) == int(functional[2]["index"]) == chunks[-1][1]
 
 
+@pytest.mark.parametrize("mode", ["function", "xla", "concrete"])
+@pytest.mark.parametrize("setup", sorted(IN_PLACE_SETUPS))
+def test_tf_step_closing_over_the_in_place_cache_decodes_as_eager(setup, mode):
+    """The fast decode loop of docs/serving.md: the step takes only the new tokens and reads and
+    writes the in-place cache it closes over (no cache argument for tf.function to walk per call);
+    "concrete" calls the ConcreteFunction of each distinct T directly."""
+    import tensorflow as tf
+
+    from TensorFlow import MultiHeadAttention
+
+    config, length, chunks, keep = IN_PLACE_SETUPS[setup]
+    layer = MultiHeadAttention(8, 4, **config)
+    x, keep = tf.constant(X[:, : chunks[-1][1]]), tf.constant(keep)
+    eager = _tf_decode_with(layer, x, length, chunks, keep, _tf_step(tf, layer, "eager", False), False)
+    cache = layer.init_cache(x.shape[0], length, keep=keep, in_place=True)
+    step = tf.function(
+        lambda q: layer(q, causal=True, return_attention=True, cache=cache)[:2], jit_compile=mode != "function"
+    )
+    concrete = {}  # T -> ConcreteFunction
+    outputs, weights = [], []
+    for start, stop in chunks:
+        q = x[:, start:stop]
+        call = step if mode != "concrete" else concrete.setdefault(stop - start, step.get_concrete_function(q))
+        output, w = call(q)
+        outputs.append(output.numpy())
+        weights.append(w.numpy())
+    np.testing.assert_allclose(np.concatenate(outputs, 1), eager[0], atol=OUTPUT_TOL, rtol=0)
+    np.testing.assert_allclose(np.concatenate(weights, 2), eager[1], atol=OUTPUT_TOL, rtol=0)
+    np.testing.assert_array_equal(cache.keep.numpy(), eager[2]["keep"])
+    assert int(cache.index) == chunks[-1][1]
+
+
 def test_regression_tf_in_place_cache_is_written_in_its_variables():
     """The same variable objects come back, written; the traced step makes no new (B, K, L, H)
     tensor (the functional cache's `tensor_scatter_nd_update` makes two) and writes through the

@@ -3,6 +3,7 @@ Full runs and their accuracy are recorded in the README, not asserted here."""
 
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -76,10 +77,28 @@ def test_generate_example_gives_identical_strings(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["attention_0.npz", "attention_1.npz"]
 
 
+def _torchrun(args):
+    """torchrun on 2 ranks, run once more where a rank died of SIGABRT: gloo's TCP transport can
+    abort a rank, at teardown too, on a loaded machine ("terminate called without an active
+    exception"; pytorch/pytorch#50701, docs/distributed.md). Any other failure, or a second abort,
+    fails the test; the first abort is reported as a warning."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+
+    def run():
+        return subprocess.run(torchrun, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    result = run()
+    if result.returncode != 0:
+        assert "Signal 6 (SIGABRT)" in result.stderr, result.stdout + result.stderr
+        warnings.warn(f"torchrun {' '.join(args)}: a rank died of SIGABRT; running it once more", stacklevel=2)
+        result = run()
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
 @pytest.mark.parametrize("mode", ["ddp", "tp"])
 def test_distributed_torch_example_runs_on_two_ranks(mode):
-    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    out = _run([*torchrun, "examples/distributed_torch.py", "--mode", mode, "--steps", "10"])
+    out = _torchrun(["examples/distributed_torch.py", "--mode", mode, "--steps", "10"])
     assert f"{mode} on 2 ranks: held-out token accuracy" in out
 
 

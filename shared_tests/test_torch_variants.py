@@ -780,16 +780,60 @@ def test_changed_projections_act_in_self_attention_as_in_cross_attention(change,
     assert not torch.allclose(first(self_attention), first(plain), atol=1e-3)  # the change does change the result
 
 
-def test_global_hooks_switch_off_the_fused_projection():
+@pytest.mark.parametrize("cached", [False, True], ids=["full_pass", "decode_step"])
+def test_global_hooks_switch_off_the_fused_projection(cached):
+    """A module hook registered for every module sees all four projections, in a full pass and
+    in a decode step (where a plain projection is otherwise computed with F.linear)."""
     layer = _layer()
     x = _randn(B, T, E, seed=29)
     seen = []
     handle = nn.modules.module.register_module_forward_hook(lambda module, args, output: seen.append(module))
     try:
-        layer(x)
+        with torch.no_grad():
+            layer(x, cache=layer.init_cache(B, T) if cached else None)
     finally:
         handle.remove()
-    assert {id(layer.query), id(layer.key), id(layer.value)} <= {id(m) for m in seen}
+    assert {id(layer.query), id(layer.key), id(layer.value), id(layer.output)} <= {id(m) for m in seen}
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["full_pass", "decode_step"])
+def test_hooked_or_wrapped_output_projection_is_called(cached):
+    """Regression guard for computing plain projections with F.linear: a hook on `output` and a
+    LoRA wrapper around it still act, with and without a cache."""
+    x = _randn(B, T, E, seed=31)
+
+    def run(layer):
+        result = layer(x, cache=layer.init_cache(B, T) if cached else None)
+        return result[0] if cached else result
+
+    with torch.no_grad():
+        plain = run(_layer())
+        hooked = _layer()
+        hooked.output.register_forward_hook(lambda module, args, output: output * 3)
+        torch.testing.assert_close(run(hooked), plain * 3, atol=OUTPUT_TOL, rtol=0)
+        wrapped, merged = _layer(), []
+        wrapped.output = LoRA(wrapped.output)
+        wrapped.output.base.register_forward_hook(lambda module, args, output: merged.append(args[0]))
+        result = run(wrapped)
+        delta = wrapped.output.up(wrapped.output.down(merged[0]))  # (B, T, E)
+        assert delta.abs().max() > 1e-2
+        torch.testing.assert_close(result, plain + delta, atol=OUTPUT_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("change", [_lora, _quantized], ids=lambda f: f.__name__[1:])
+def test_decoding_with_changed_projections_equals_their_full_pass(change):
+    """Regression: `init_cache` and the compute dtype read `output.weight`, which a LoRA wrapper
+    does not have (AttributeError) and a quantized module holds as a method."""
+    layer = change(_layer())
+    if change is _lora:
+        layer.output = LoRA(layer.output)
+    x = _randn(B, T, E, seed=32)
+    with torch.no_grad():
+        cache = layer.init_cache(B, T)
+        decoded, cache = layer(x, causal=True, cache=cache)
+        full = layer(x, causal=True)
+    assert cache.key.dtype == torch.float32 and int(cache.index) == T
+    torch.testing.assert_close(decoded, full, atol=OUTPUT_TOL, rtol=0)
 
 
 def test_plain_layer_still_fuses(monkeypatch):
