@@ -462,6 +462,8 @@ def _refuse_traps(attention_mask, key_mask, target, cached=False):
     """The built-in layers' habits that would be read otherwise here, refused with the fix
     (`attention_mask` checked against target (B, N, T, S) first; masks over a cache's slots are
     not read for the causal direction)."""
+    if attention_mask is None and key_mask is None:
+        return
     b, t = target[0], target[2]
     if attention_mask is not None:
         _mask_to_4d(attention_mask, target)
