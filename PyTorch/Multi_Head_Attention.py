@@ -1251,6 +1251,8 @@ class MultiHeadAttention(nn.Module):
         key = query if key is None else key
         value = key if value is None else value
         query = _check_input("query", query, "E", self.d_model)
+        if key is query and value is query and self.kdim == self.vdim == self.d_model:
+            return query, key, value  # self-attention: one tensor, checked once
         key = _check_input("key", key, "kdim", self.kdim)
         value = _check_input("value", value, "vdim", self.vdim)
         _check_dtypes(query, key, value)

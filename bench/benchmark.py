@@ -527,9 +527,9 @@ def main(argv=None):
         "## Decoding step against anchors",
         "",
         f"One T = 1 step with L - 1 tokens in the cache (it writes slot L - 1 and attends all L), {args.rounds} "
-        f"rounds of {anchor_runs} steps after 2 warm-up steps in one process, same weights; in each round the PyTorch "
-        "steps take turns step by step, then the TensorFlow steps (a PyTorch step right after a TensorFlow one "
-        "pays for TensorFlow's spinning threads). PyTorch under no_grad; the hand-written decode (fused "
+        f"rounds in one process, same weights; in each round every step runs {anchor_runs} times in a row after 2 "
+        "warm-up steps, as a decoding loop calls it (not step by step across steps: TensorFlow's threads keep "
+        "spinning after a tf.function step). PyTorch under no_grad; the hand-written decode (fused "
         "q/k/v matmul, in-place cache write, scaled_dot_product_attention) is checked once to give ours' output "
         f"within {decode_anchors.HAND_ATOL}. TensorFlow's functional step takes the cache and returns the output "
         "and the new cache; the in-place step closes over the variables of init_cache(in_place=True) and writes "

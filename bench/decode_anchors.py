@@ -34,7 +34,6 @@ TF_IN_PLACE_CONCRETE = "TF ours in-place (XLA, concrete)"
 HUB_FUNCTION = "keras-hub (tf.function)"
 HUB_XLA = "keras-hub (XLA)"
 TF_STEPS = (TF_FUNCTION, TF_XLA, TF_IN_PLACE_FUNCTION, TF_IN_PLACE_XLA, TF_IN_PLACE_CONCRETE)
-FRAMEWORKS = ((TORCH_OURS, HAND), (*TF_STEPS, HUB_FUNCTION, HUB_XLA))  # the steps timed turn by turn together
 TF_TARGET = 1.3  # each TensorFlow step / PyTorch ours, at every size
 # Each anchor must compute what ours computes; float32 at E <= 512.
 HAND_ATOL = 1e-5
