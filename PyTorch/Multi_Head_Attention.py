@@ -673,9 +673,11 @@ def _write_prefix(cache, k, v, key_mask, stop):
     cache.value.narrow(2, start, k.shape[2]).copy_(v)  # (B, K, L, H)
     if key_mask is not None:
         cache.keep.narrow(1, start, k.shape[2]).logical_and_(key_mask)  # (B, L)
+    cache = KVCache(cache.key, cache.value, cache.keep, cache.index + k.shape[2])
+    if cache.keep.all():  # no padding anywhere (the common case, read without slicing)
+        return cache, None
     keep = cache.keep[:, :stop]  # (B, L) -> (B, S), S = index + T
-    keep = None if keep.all() else keep[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
-    return KVCache(cache.key, cache.value, cache.keep, cache.index + k.shape[2]), keep
+    return cache, None if keep.all() else keep[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
 
 
 def _and(a, b):
@@ -1262,6 +1264,8 @@ class MultiHeadAttention(nn.Module):
     def _masks(self, attention_mask, attention_bias, key_mask, query_mask, target, dtype):
         """Step 1: every mask -> one boolean keep and one additive bias in the softmax `dtype`,
         both broadcasting to target (B, N, T, S), or None."""
+        if attention_mask is None and attention_bias is None and key_mask is None and query_mask is None:
+            return None, None
         mask_keep, mask_add = _split_mask(attention_mask, target)
         bias_keep, bias_add = _split_bias(attention_bias, target)
         keep = _and(mask_keep, bias_keep)
@@ -1406,9 +1410,9 @@ class MultiHeadAttention(nn.Module):
         attention_bias=None, positions=None, causal=False, return_attention=False, cache=None,
     ):  # fmt: skip
         device = query.device if isinstance(query, torch.Tensor) else None
-        attention_mask, attention_bias, key_mask, query_mask, positions = (
+        attention_mask, attention_bias, key_mask, query_mask, positions = [
             _as_tensor(x, device) for x in (attention_mask, attention_bias, key_mask, query_mask, positions)
-        )
+        ]
         unbatched = isinstance(query, torch.Tensor) and query.dim() == 2
         if unbatched:
             query, key, value = (x if x is None else x.unsqueeze(0) for x in (query, key, value))  # (L, D) -> (1, L, D)
@@ -1442,7 +1446,8 @@ class MultiHeadAttention(nn.Module):
         stop = _prefix_stop(cache, t, window) if lean else None
         if stop is not None:  # the first index + T slots, attended with causal and window as in a full pass
             cache, keep = _write_prefix(cache, k, v, key_mask, stop)
-            k, v, causal = cache.key[:, :, :stop], cache.value[:, :, :stop], causal and t > 1  # (B, K, S, H)
+            k, v = cache.key.narrow(2, 0, stop), cache.value.narrow(2, 0, stop)  # (B, K, L, H) -> (B, K, S, H)
+            causal = causal and t > 1
         elif cache is not None:
             index, no_room = cache.index, _check_room(cache.index, t, cache.key.shape[2], window)  # True: compiling
             cache = _write_cache(cache, k, v, key_mask)
