@@ -952,7 +952,8 @@ def _chunked_attention(
     stateless mask per chunk from `seed` (shape (2,)), so the backward drops the same weights as
     the forward.
 
-    Args: as `dot_product_attention`; `chunk` is a Python int.
+    Args: as `dot_product_attention`; `chunk` is a Python int (under XLA, a () tensor that XLA
+        folds to a constant).
 
     Returns:
         context (B, N, T, H).
@@ -1437,11 +1438,15 @@ class MultiHeadAttention(tf.keras.layers.Layer):
 
     def _query_chunk(self, q, k):
         """Queries per chunk of the memory-efficient path, or None where the (B, N, T, S) scores
-        are known at trace time to be at most `memory_efficient_threshold` elements."""
+        are known at trace time to be at most `memory_efficient_threshold` elements. With T
+        unknown under XLA, a () tensor of at most T that XLA folds to a constant for each T it
+        compiles: a short call (a decode step) is not padded to a whole chunk of queries."""
         b, n, t, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
         if None not in (b, t, s) and b * n * t * s <= self.memory_efficient_threshold:
             return None
         chunk = max(1, self.query_chunk_elements // (n * (b or 1) * (s or 4096)))  # S unknown: sized for 4096
+        if t is None and _compiled_by_xla():
+            return tf.maximum(tf.minimum(chunk, tf.shape(q)[2]), 1)  # () int32, 1 <= chunk <= max(T, 1)
         return chunk if t is None else min(chunk, t)
 
     def _dropout_seed(self):

@@ -471,6 +471,37 @@ def test_tf_step_closing_over_the_in_place_cache_decodes_as_eager(setup, mode):
     assert int(cache.index) == chunks[-1][1]
 
 
+def test_regression_xla_step_traced_with_t_unknown_is_not_padded_to_a_whole_chunk(monkeypatch):
+    """Traced with T unknown under XLA, a call takes the memory-efficient path, which padded a
+    T = 1 decode step to a whole chunk of queries (512 at B=1, E=256, L=1024: the step took 15
+    times as long). The chunk is now at most T, and decoding equals eager decoding."""
+    import tensorflow as tf
+
+    from TensorFlow import MultiHeadAttention
+
+    config, length, chunks, keep = IN_PLACE_SETUPS["gqa_left_padding"]
+    layer = MultiHeadAttention(8, 4, **config)
+    x, keep = tf.constant(X[:, : chunks[-1][1]]), tf.constant(keep)
+    eager = _tf_decode_with(layer, x, length, chunks, keep, _tf_step(tf, layer, "eager", False), False)
+    sizes = []  # the chunk size of each trace: a Python int, or a tensor of the traced graph
+    real = MultiHeadAttention._query_chunk
+    monkeypatch.setattr(
+        MultiHeadAttention, "_query_chunk", lambda self, q, k: sizes.append(real(self, q, k)) or sizes[-1]
+    )
+    cache = layer.init_cache(x.shape[0], length, keep=keep, in_place=True)
+
+    @tf.function(jit_compile=True, input_signature=[tf.TensorSpec((None, None, 8), tf.float32)])
+    def step(q):
+        return layer(q, causal=True, cache=cache)[0], sizes[-1]
+
+    outputs = []
+    for start, stop in chunks:
+        output, size = step(x[:, start:stop])
+        assert int(size) == stop - start
+        outputs.append(output.numpy())
+    np.testing.assert_allclose(np.concatenate(outputs, 1), eager[0], atol=OUTPUT_TOL, rtol=0)
+
+
 def test_regression_tf_in_place_cache_is_written_in_its_variables():
     """The same variable objects come back, written; the traced step makes no new (B, K, L, H)
     tensor (the functional cache's `tensor_scatter_nd_update` makes two) and writes through the
