@@ -949,15 +949,16 @@ def dot_product_attention(
 def _plain_linear(module):
     """Whether `module` computes exactly F.linear(x, weight, bias): an `nn.Linear` itself (a
     subclass, a LoRA wrapper, a quantized, parametrized or FSDP2-sharded module has another
-    class), with no hooks (tensor parallelism and pruning add hooks)."""
+    class), with no hooks of its own (tensor parallelism and pruning add hooks) and no hooks
+    registered for every module."""
     hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
-    return type(module) is nn.Linear and not any(hooks)
+    return type(module) is nn.Linear and not any(hooks) and not _global_hooks()
 
 
 def _linear(module, x):
     """module(x), as F.linear where that is exactly what it computes: the module call's own work
     (hooks, tracing state) costs about a third of the small matmul of a T = 1 step."""
-    if _plain_linear(module) and not _global_hooks():
+    if _plain_linear(module):
         return F.linear(x, module.weight, module.bias)
     return module(x)
 
@@ -1302,8 +1303,7 @@ class MultiHeadAttention(nn.Module):
         """Whether self-attention may project q, k and v with one matmul: only where that computes
         exactly what calling the three projections would (plain nn.Linear, no hooks, not sharded)."""
         projections = (self.query, self.key, self.value)
-        plain = all(_plain_linear(projection) for projection in projections) and not _global_hooks()
-        return plain and not _is_dtensor(self.query.weight)
+        return all(_plain_linear(projection) for projection in projections) and not _is_dtensor(self.query.weight)
 
     def _project(self, x, kind, heads):
         """(B, L, D) -> (B, heads, L, H): one projection split into heads."""
