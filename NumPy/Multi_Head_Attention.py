@@ -47,11 +47,12 @@ The reference has no dropout: `dropout` must be 0.
 """
 
 import math
+import warnings
 from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
+__all__ = ["AttentionMaskWarning", "KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
 
 _PROJECTIONS = ("query", "key", "value", "output")
 _ROPE_SCALING = {
@@ -60,6 +61,33 @@ _ROPE_SCALING = {
     "yarn": ("factor", "original_max_position_embeddings"),
 }
 _YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+_EMPTY_MASK = (
+    "`{name}` keeps no key for any query, so every output row is `output_bias`: True means attend (in "
+    "nn.MultiheadAttention True means ignore: pass `~mask`). Received: a boolean {name} that is False everywhere"
+)
+_CAUSAL_TRAP = (
+    "`attention_mask` keeps keys only after each query, none at or before it: True means attend (in "
+    "nn.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`). "
+    "Received: a boolean attention_mask False wherever causal attention keeps a key"
+)
+_PADDING_TRAP = (
+    "`key_mask` reads as nn.MultiheadAttention's key_padding_mask (True = padding): True means a real key, "
+    "pass `~mask`. Received: a key_mask False then True in every row, {empty} of {b} rows keeping no key "
+    "and none keeping all"
+)
+_ZEROS_AND_ONES = (
+    "`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras reads such a "
+    "mask as boolean): pass `mask > 0` (True = attend) or an additive mask. "
+    "Received: a floating attention_mask of 0s and 1s"
+)
+
+
+class AttentionMaskWarning(UserWarning):
+    """A mask whose values read like another library's convention (nn.MultiheadAttention's True =
+    ignore, Keras' 0/1 floats): the layer computes what docs/SPEC.md says all the same, and warns
+    once per layer. `warnings.simplefilter("error", AttentionMaskWarning)` makes it an error."""
 
 
 class KVCache(NamedTuple):
@@ -318,62 +346,60 @@ def _check_padding_mask(name, mask, batch_size, length, letter):
     return mask
 
 
-def _check_keeps_some(name, mask):
-    """Refuses a boolean mask that is False everywhere: nn.MultiheadAttention's polarity."""
-    if mask.dtype == np.bool_ and mask.size and not mask.any():
+def _attention_mask(attention_mask, mask):
+    """`mask=` is another name for `attention_mask` (the seed usage `layer(q, k, v, mask=None)`)."""
+    if mask is None:
+        return attention_mask
+    if attention_mask is not None:
         raise ValueError(
-            f"`{name}` keeps no key for any query: True means attend (in nn.MultiheadAttention True means ignore: "
-            f"pass `~mask`). Received: a boolean {name} that is False everywhere"
+            "Pass the attention mask as `attention_mask` or as `mask`, not both. Received: attention_mask and mask"
         )
+    return mask
 
 
-def _check_keeps_some_at_or_before(mask, t, s):
-    """Refuses a square (T == S) boolean mask that keeps keys only after each query (none where
-    `causal` keeps one): nn.MultiheadAttention's causal `attn_mask` (True = ignore, `triu(ones, 1)`), whose
-    last query then keeps no key, and which `causal=True` would leave keeping nothing."""
-    if mask.dtype == np.bool_ and mask.size and t == s > 0 and not (mask & causal_mask(t, s)).any():
-        raise ValueError(
-            "`attention_mask` keeps keys only after each query, none at or before it: True means attend (in "
-            "nn.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`). "
-            "Received: a boolean attention_mask False wherever causal attention keeps a key"
-        )
+def _mask_traps(attention_mask, key_mask, t, s):
+    """The built-in layers' habits that the masks' values suggest (docs/SPEC.md, Masks), as
+    {kind: message}; the call computes what the SPEC says either way."""
+    traps = {}
+    for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
+        if mask is not None and mask.dtype == np.bool_ and _keeps_nothing(mask):
+            traps[name] = _EMPTY_MASK.format(name=name)
+    boolean = attention_mask is not None and attention_mask.dtype == np.bool_
+    if boolean and "attention_mask" not in traps and _keeps_only_later(attention_mask, t, s):
+        traps["causal"] = _CAUSAL_TRAP
+    empty = 0 if key_mask is None or "key_mask" in traps else _inverted_padding(key_mask)
+    if empty:
+        traps["padding"] = _PADDING_TRAP.format(empty=empty, b=key_mask.shape[0])
+    if attention_mask is not None and attention_mask.dtype != np.bool_ and _zeros_and_ones(attention_mask):
+        traps["zeros and ones"] = _ZEROS_AND_ONES
+    return traps
 
 
-def _check_not_inverted_padding(key_mask):
-    """Refuses a (B, S) boolean `key_mask` that reads as nn.MultiheadAttention's
+def _keeps_nothing(mask):
+    """A boolean mask False everywhere (nn.MultiheadAttention's True = ignore, nothing padded)."""
+    return mask.size > 0 and not mask.any()
+
+
+def _keeps_only_later(mask, t, s):
+    """A square (T == S) boolean mask that keeps keys only after each query, none where `causal`
+    keeps one (nn.MultiheadAttention's causal `attn_mask`, `triu(ones, 1)`)."""
+    return mask.size > 0 and t == s > 0 and not (mask & causal_mask(t, s)).any()
+
+
+def _inverted_padding(key_mask):
+    """The rows keeping no key of a (B, S) `key_mask` that reads as nn.MultiheadAttention's
     `key_padding_mask` (True = padding): every row False then True, some row keeping no key and
-    none keeping all (inverted right padding; left padding has its longest sequence all True)."""
+    none keeping all (left padding has its longest sequence all True); else 0."""
     kept = key_mask.sum(-1)  # (B,)
     ordered = (key_mask[:, 1:] >= key_mask[:, :-1]).all()  # False then True in every row
-    empty = int((kept == 0).sum())
-    if ordered and empty and not (kept == key_mask.shape[1]).any():
-        raise ValueError(
-            "`key_mask` reads as nn.MultiheadAttention's key_padding_mask (True = padding): True means a real key, "
-            "pass `~mask` (left padding with an empty sequence and none full: pass it as "
-            "`attention_mask=key_mask[:, None, :]`). "
-            f"Received: a key_mask False then True in every row, {empty} of {key_mask.shape[0]} rows "
-            "keeping no key and none keeping all"
-        )
+    full = (kept == key_mask.shape[1]).any()
+    return 0 if not ordered or full else int((kept == 0).sum())
 
 
-def _check_not_keras_mask(mask):
-    """Refuses a floating attention_mask of only 0s and 1s: a Keras mask, read as boolean there."""
-    if mask.dtype != np.bool_ and mask.size and np.isin(mask, (0.0, 1.0)).all() and (mask == 1).any():
-        raise ValueError(
-            "`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras reads such a "
-            "mask as boolean): pass `mask > 0` (True = attend) or an additive mask. "
-            "Received: a floating attention_mask of 0s and 1s"
-        )
-
-
-def _check_not_key_padding(mask, batch_size, t):
-    """Refuses a 2-D attention_mask that could be (T, S) or a (B, S) key padding mask (B == T)."""
-    if mask.ndim == 2 and batch_size == t > 1 and mask.shape[0] != 1:
-        raise ValueError(
-            "A 2-D `attention_mask` is read as (T, S), but with B == T it could be a (B, S) key padding mask: pass "
-            "`key_mask=mask` for that, or a (1, T, S) mask (`mask[None]`) for a (T, S) one. "
-            f"Received: attention_mask.shape={tuple(mask.shape)}, B=T={batch_size}"
-        )
+def _zeros_and_ones(mask):
+    """A floating mask of only 0s and 1s, some 1 (a Keras mask, which Keras reads as boolean)."""
+    ones = mask == 1
+    return bool(((mask == 0) | ones).all() and ones.any())
 
 
 def _check_positions(positions, batch_size, t, rope):
@@ -777,6 +803,7 @@ class MultiHeadAttention:
         for name, shape in self.weight_shapes().items():
             self.params[name] = _initial_value(rng, name, shape)
         self._saved = None
+        self._warned_traps = set()  # the mask habits warned of, once each
 
     def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
         """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
@@ -877,6 +904,14 @@ class MultiHeadAttention:
             return _check_positions(positions, batch_size, t, self._inv_freq is not None)
         return None if self._inv_freq is None else np.broadcast_to(index + np.arange(t), (batch_size, t))
 
+    def _warn_traps(self, attention_mask, key_mask, t, s):
+        """Warns once per layer for each built-in habit the masks' values suggest; a call with a
+        cache is not read."""
+        for kind, message in _mask_traps(attention_mask, key_mask, t, s).items():
+            if kind not in self._warned_traps:
+                self._warned_traps.add(kind)
+                warnings.warn(message, AttentionMaskWarning, stacklevel=3)
+
     def __call__(
         self,
         query,
@@ -891,7 +926,11 @@ class MultiHeadAttention:
         causal=False,
         return_attention=False,
         cache=None,
+        mask=None,
     ):
+        attention_mask = (
+            None if mask is None and attention_mask is None else np.asarray(_attention_mask(attention_mask, mask))
+        )
         key, value, defaulted = _apply_defaults(query, key, value)
         query = _check_input("query", query, "E", self.d_model)
         key = _check_input("key", key, "kdim", self.kdim)
@@ -901,10 +940,8 @@ class MultiHeadAttention:
         query, key, value = (x.astype(np.float64) for x in (query, key, value))
         (b, t, _), s = query.shape, key.shape[1]
         query_mask = None if query_mask is None else _check_padding_mask("query_mask", query_mask, b, t, "T")
-        if key_mask is not None:
-            key_mask = _check_padding_mask("key_mask", key_mask, b, s, "S")
-            _check_keeps_some("key_mask", key_mask)
-            _check_not_inverted_padding(key_mask)
+        key_mask = None if key_mask is None else _check_padding_mask("key_mask", key_mask, b, s, "S")
+        explicit_key_mask = key_mask
         key_mask = query_mask if key_mask is None and defaulted == "both" else key_mask  # self-attention
         if cache is not None:
             _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
@@ -915,9 +952,9 @@ class MultiHeadAttention:
         index = 0 if cache is None else int(cache.index)
         positions = self._positions(positions, b, t, index)
         target = (b, self.num_heads, t, s)
-        keep, bias = _combine_masks(
-            attention_mask, attention_bias, query_mask, None if cache else key_mask, target, cached=cache is not None
-        )
+        keep, bias = _combine_masks(attention_mask, attention_bias, query_mask, None if cache else key_mask, target)
+        if cache is None:
+            self._warn_traps(attention_mask, explicit_key_mask, t, s)
 
         y = {kind: self._project(x, kind) for kind, x in (("query", query), ("key", key), ("value", value))}
         q_flat, k_flat = self._normalize_qk(y["query"], y["key"])  # QK-norm: (B, T, N*H), (B, S, K*H)
@@ -1016,11 +1053,8 @@ def _rms_norm_backward(x, scale, eps, grad):
     return (g - normed * np.mean(g * normed, axis=-1, keepdims=True)) / rms, d_scale
 
 
-def _combine_masks(attention_mask, attention_bias, query_mask, key_mask, target, cached=False):
+def _combine_masks(attention_mask, attention_bias, query_mask, key_mask, target):
     """One boolean keep and one additive bias (float64), broadcasting to (B, N, T, S), or None."""
-    if attention_mask is not None:
-        attention_mask = np.asarray(attention_mask)
-        _check_traps(attention_mask, target, cached)
     keep, mask_bias = _split_mask(attention_mask, target)
     bias_keep, bias = _split_bias(attention_bias, target)
     keep = _and(keep, bias_keep)
@@ -1030,17 +1064,6 @@ def _combine_masks(attention_mask, attention_bias, query_mask, key_mask, target,
     if key_mask is not None:
         keep = _and(keep, key_mask[:, None, None, :])  # (B, S) -> (B, 1, 1, S)
     return keep, bias
-
-
-def _check_traps(mask, target, cached):
-    """The built-ins' habits that would give wrong numbers silently (docs/SPEC.md, Masks); masks
-    over a cache's slots are not read for the causal direction."""
-    _mask_to_4d(mask, target)  # dtype and shape first
-    _check_not_key_padding(mask, target[0], target[2])
-    _check_keeps_some("attention_mask", mask)
-    if not cached:
-        _check_keeps_some_at_or_before(mask, target[2], target[3])
-    _check_not_keras_mask(mask)
 
 
 def _fold_defaulted(inputs, defaulted):

@@ -70,6 +70,7 @@ first lap attends the first index + T slots directly; other steps attend all L t
 """
 
 import math
+import warnings
 from collections.abc import Collection
 from typing import NamedTuple
 
@@ -78,7 +79,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
+__all__ = ["AttentionMaskWarning", "KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
 
 _PROJECTIONS = ("query", "key", "value", "output")
 _ROPE_SCALING = {
@@ -87,6 +88,33 @@ _ROPE_SCALING = {
     "yarn": ("factor", "original_max_position_embeddings"),
 }
 _YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+_EMPTY_MASK = (
+    "`{name}` keeps no key for any query, so every output row is `output_bias`: True means attend (in "
+    "nn.MultiheadAttention True means ignore: pass `~mask`). Received: a boolean {name} that is False everywhere"
+)
+_CAUSAL_TRAP = (
+    "`attention_mask` keeps keys only after each query, none at or before it: True means attend (in "
+    "nn.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`). "
+    "Received: a boolean attention_mask False wherever causal attention keeps a key"
+)
+_PADDING_TRAP = (
+    "`key_mask` reads as nn.MultiheadAttention's key_padding_mask (True = padding): True means a real key, "
+    "pass `~mask`. Received: a key_mask False then True in every row, {empty} of {b} rows keeping no key "
+    "and none keeping all"
+)
+_ZEROS_AND_ONES = (
+    "`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras reads such a "
+    "mask as boolean): pass `mask > 0` (True = attend) or an additive mask. "
+    "Received: a floating attention_mask of 0s and 1s"
+)
+
+
+class AttentionMaskWarning(UserWarning):
+    """A mask whose values read like another library's convention (nn.MultiheadAttention's True =
+    ignore, Keras' 0/1 floats): the layer computes what docs/SPEC.md says all the same, and warns
+    once per layer. `warnings.simplefilter("error", AttentionMaskWarning)` makes it an error."""
 
 
 class KVCache(NamedTuple):
@@ -453,76 +481,66 @@ def _check_positions(positions, b, t):
     return positions.expand(b, t)  # (T,) -> (B, T)
 
 
-def _values_readable():
-    """Whether a mask's values can be read here: not while torch.compile or torch.jit.trace trace."""
-    return not (torch.compiler.is_compiling() or torch.jit.is_tracing())
+def _values_readable(*tensors):
+    """Whether tensor values can be read here for free: not while torch.compile or torch.jit.trace
+    trace, and only on the CPU (reading a CUDA tensor waits for the device; meta holds none)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    return all(x.device.type == "cpu" for x in tensors)
 
 
-def _refuse_traps(attention_mask, key_mask, target, cached=False):
-    """The built-in layers' habits that would be read otherwise here, refused with the fix
-    (`attention_mask` checked against target (B, N, T, S) first; masks over a cache's slots are
-    not read for the causal direction)."""
-    if attention_mask is None and key_mask is None:
-        return
-    b, t = target[0], target[2]
+def _attention_mask(attention_mask, mask):
+    """`mask=` is another name for `attention_mask` (the seed usage `layer(q, k, v, mask=None)`)."""
+    if mask is None:
+        return attention_mask
     if attention_mask is not None:
-        _mask_to_4d(attention_mask, target)
-    if attention_mask is not None and attention_mask.dim() == 2 and b == t > 1 and attention_mask.shape[0] != 1:
         raise ValueError(
-            "A 2-D `attention_mask` is read as (T, S), but with B == T it could be a (B, S) key padding mask: pass "
-            "`key_mask=mask` for that, or a (1, T, S) mask (`mask[None]`) for a (T, S) one. "
-            f"Received: attention_mask.shape={tuple(attention_mask.shape)}, B=T={b}"
+            "Pass the attention mask as `attention_mask` or as `mask`, not both. Received: attention_mask and mask"
         )
-    if not _values_readable():
-        return
+    return mask
+
+
+def _mask_traps(attention_mask, key_mask, t, s):
+    """The built-in layers' habits that the masks' values suggest (docs/SPEC.md, Masks), as
+    {kind: message}; the call computes what the SPEC says either way."""
+    traps = {}
     for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
-        if mask is not None and mask.dtype == torch.bool and mask.numel() and not mask.any():
-            raise ValueError(
-                f"`{name}` keeps no key for any query: True means attend (in nn.MultiheadAttention True means "
-                f"ignore: pass `~mask`). Received: a boolean {name} that is False everywhere"
-            )
-    if attention_mask is not None and attention_mask.dtype == torch.bool and not cached:
-        _check_keeps_some_at_or_before(attention_mask, target[2], target[3])
-    if key_mask is not None and key_mask.dtype == torch.bool:
-        _check_not_inverted_padding(key_mask)
+        if mask is not None and mask.dtype == torch.bool and _keeps_nothing(mask):
+            traps[name] = _EMPTY_MASK.format(name=name)
+    boolean = attention_mask is not None and attention_mask.dtype == torch.bool
+    if boolean and "attention_mask" not in traps and _keeps_only_later(attention_mask, t, s):
+        traps["causal"] = _CAUSAL_TRAP
+    empty = 0 if key_mask is None or "key_mask" in traps else _inverted_padding(key_mask)
+    if empty:
+        traps["padding"] = _PADDING_TRAP.format(empty=empty, b=key_mask.shape[0])
     if attention_mask is not None and attention_mask.is_floating_point() and _zeros_and_ones(attention_mask):
-        raise ValueError(
-            "`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras reads such a "
-            "mask as boolean): pass `mask > 0` (True = attend) or an additive mask. "
-            "Received: a floating attention_mask of 0s and 1s"
-        )
+        traps["zeros and ones"] = _ZEROS_AND_ONES
+    return traps
 
 
-def _check_keeps_some_at_or_before(mask, t, s):
-    """Refuses a square (T == S) boolean mask that keeps keys only after each query (none where
-    `causal` keeps one): nn.MultiheadAttention's causal `attn_mask` (True = ignore, `triu(ones, 1)`), whose
-    last query then keeps no key, and which `causal=True` would leave keeping nothing."""
-    if mask.numel() and t == s > 0 and not (mask & causal_mask(t, s, mask.device)).any():
-        raise ValueError(
-            "`attention_mask` keeps keys only after each query, none at or before it: True means attend (in "
-            "nn.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`). "
-            "Received: a boolean attention_mask False wherever causal attention keeps a key"
-        )
+def _keeps_nothing(mask):
+    """A boolean mask False everywhere (nn.MultiheadAttention's True = ignore, nothing padded)."""
+    return mask.numel() > 0 and not bool(mask.any())
 
 
-def _check_not_inverted_padding(key_mask):
-    """Refuses a (B, S) boolean `key_mask` that reads as nn.MultiheadAttention's
+def _keeps_only_later(mask, t, s):
+    """A square (T == S) boolean mask that keeps keys only after each query, none where `causal`
+    keeps one (nn.MultiheadAttention's causal `attn_mask`, `triu(ones, 1)`)."""
+    return mask.numel() > 0 and t == s > 0 and not bool((mask & causal_mask(t, s, mask.device)).any())
+
+
+def _inverted_padding(key_mask):
+    """The rows keeping no key of a (B, S) `key_mask` that reads as nn.MultiheadAttention's
     `key_padding_mask` (True = padding): every row False then True, some row keeping no key and
-    none keeping all (inverted right padding; left padding has its longest sequence all True)."""
+    none keeping all (left padding has its longest sequence all True); else 0."""
     kept = key_mask.sum(-1)  # (B,)
     ordered = bool((key_mask[:, 1:] >= key_mask[:, :-1]).all())  # False then True in every row
-    empty = int((kept == 0).sum())
-    if ordered and empty and not bool((kept == key_mask.shape[1]).any()):
-        raise ValueError(
-            "`key_mask` reads as nn.MultiheadAttention's key_padding_mask (True = padding): True means a real key, "
-            "pass `~mask` (left padding with an empty sequence and none full: pass it as "
-            "`attention_mask=key_mask[:, None, :]`). "
-            f"Received: a key_mask False then True in every row, {empty} of {key_mask.shape[0]} rows "
-            "keeping no key and none keeping all"
-        )
+    full = bool((kept == key_mask.shape[1]).any())
+    return 0 if not ordered or full else int((kept == 0).sum())
 
 
 def _zeros_and_ones(mask):
+    """A floating mask of only 0s and 1s, some 1 (a Keras mask, which Keras reads as boolean)."""
     ones = mask == 1
     return bool(((mask == 0) | ones).all() and ones.any())
 
@@ -1106,6 +1124,7 @@ class MultiHeadAttention(nn.Module):
             None if width is None else nn.Parameter(torch.empty(width, **factory)) for width in norms
         )  # (H,) or (N*H,), (H,) or (K*H,)
         self.sinks = nn.Parameter(torch.empty(self.num_heads, **factory)) if sinks else None  # (N,)
+        self._warned_traps = set()  # the mask habits warned of, once each
         self.reset_parameters()
 
     def _check_variants(self, scale, softcap, window, rope_theta, rope_fraction, rope_scaling, qk_norm, qk_norm_eps):
@@ -1215,15 +1234,21 @@ class MultiHeadAttention(nn.Module):
         return shapes
 
     def _parameter(self, name):
-        """The tensor behind a portable name and whether it is stored transposed."""
+        """The tensor behind a portable name and whether it is stored transposed. A dynamically
+        quantized projection (`torch.ao.quantization.quantize_dynamic`) gives its dequantized weight."""
         if name in ("query_norm", "key_norm", "sinks"):
             return getattr(self, name), False
         kind, part = name.rsplit("_", 1)
         projection = getattr(self, kind)
-        return (projection.weight, True) if part == "kernel" else (projection.bias, False)
+        tensor = projection.weight if part == "kernel" else projection.bias
+        if callable(tensor):  # a quantized module's weight() and bias() are methods
+            tensor = tensor()
+            tensor = tensor.dequantize() if tensor.is_quantized else tensor
+        return tensor, part == "kernel"
 
     def export_weights(self):
-        """Returns the portable weights: a dict of NumPy arrays (bfloat16 is widened to float32)."""
+        """Returns the portable weights: a dict of NumPy arrays (bfloat16 is widened to float32; a
+        dynamically quantized projection gives its dequantized weight)."""
         weights = {}
         for name in self.weight_shapes():
             tensor, transposed = self._parameter(name)
@@ -1242,6 +1267,12 @@ class MultiHeadAttention(nn.Module):
                 problems.append(f"'{name}' has shape {tuple(np.shape(weights[name]))}, expected {shape}")
         if problems:
             raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
+        quantized = [kind for kind in _PROJECTIONS if callable(getattr(getattr(self, kind), "weight", None))]
+        if quantized:
+            raise ValueError(
+                "`import_weights` writes float projections: import the weights before quantizing. "
+                f"Received: quantized projections {quantized}"
+            )
         with torch.no_grad():
             for name in expected:
                 tensor, transposed = self._parameter(name)
@@ -1405,10 +1436,22 @@ class MultiHeadAttention(nn.Module):
         weight = self._float_weight()
         return query.dtype if weight is None else weight.dtype
 
+    def _warn_traps(self, attention_mask, key_mask, t, s):
+        """Warns once per layer for each built-in habit the masks' values suggest, where reading
+        them is free (eager, on the CPU); a call with a cache is not read."""
+        masks = [mask for mask in (attention_mask, key_mask) if mask is not None]
+        if not masks or not _values_readable(*masks):
+            return
+        for kind, message in _mask_traps(attention_mask, key_mask, t, s).items():
+            if kind not in self._warned_traps:
+                self._warned_traps.add(kind)
+                warnings.warn(message, AttentionMaskWarning, stacklevel=4)
+
     def forward(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
-        attention_bias=None, positions=None, causal=False, return_attention=False, cache=None,
+        attention_bias=None, positions=None, causal=False, return_attention=False, cache=None, mask=None,
     ):  # fmt: skip
+        attention_mask = _attention_mask(attention_mask, mask)
         device = query.device if isinstance(query, torch.Tensor) else None
         attention_mask, attention_bias, key_mask, query_mask, positions = [
             _as_tensor(x, device) for x in (attention_mask, attention_bias, key_mask, query_mask, positions)
@@ -1429,12 +1472,14 @@ class MultiHeadAttention(nn.Module):
         query_mask = _check_token_mask("query_mask", query_mask, b, t, "T")
         positions = self._positions(positions, query, key, cache)
         target = (b, self.num_heads, t, s)
-        _refuse_traps(attention_mask, key_mask, target, cached=cache is not None)
-        key_mask = query_mask if key_mask is None and self_attention else key_mask
         softmax_dtype = torch.promote_types(compute_dtype, torch.float32)
+        token_keys = query_mask if key_mask is None and self_attention else key_mask  # (B, S)
         keep, bias = self._masks(
-            attention_mask, attention_bias, None if cache is not None else key_mask, query_mask, target, softmax_dtype
+            attention_mask, attention_bias, None if cache is not None else token_keys, query_mask, target, softmax_dtype
         )
+        if cache is None:
+            self._warn_traps(attention_mask, key_mask, t, s)
+        key_mask = token_keys
 
         fuse = self_attention and cache is None  # a step's few tokens: concatenating the kernels would cost more
         q, k, v = self._projections(query, key, value, fuse)

@@ -55,12 +55,13 @@ portable layout itself, created in `build`.
 """
 
 import math
+import warnings
 from typing import NamedTuple
 
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
+__all__ = ["AttentionMaskWarning", "KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
 
 _GROUP_QUERY_ATTENTION = getattr(tf.keras.layers, "GroupQueryAttention", None)  # None in legacy Keras (tf_keras)
 _BUILT_IN_GQA = () if _GROUP_QUERY_ATTENTION is None else (_GROUP_QUERY_ATTENTION,)
@@ -72,6 +73,33 @@ _ROPE_SCALING = {
 }
 _YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 _ATTRIBUTES = {"sinks": "sink_logits"}  # portable weight name -> layer attribute (`layer.sinks` is the flag)
+
+
+_EMPTY_MASK = (
+    "`{name}` keeps no key for any query, so every output row is `output_bias`: True means attend (in "
+    "nn.MultiheadAttention True means ignore: pass `~mask`). Received: a boolean {name} that is False everywhere"
+)
+_CAUSAL_TRAP = (
+    "`attention_mask` keeps keys only after each query, none at or before it: True means attend (in "
+    "nn.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`). "
+    "Received: a boolean attention_mask False wherever causal attention keeps a key"
+)
+_PADDING_TRAP = (
+    "`key_mask` reads as nn.MultiheadAttention's key_padding_mask (True = padding): True means a real key, "
+    "pass `~mask`. Received: a key_mask False then True in every row, {empty} of {b} rows keeping no key "
+    "and none keeping all"
+)
+_ZEROS_AND_ONES = (
+    "`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras reads such a "
+    "mask as boolean): pass `mask > 0` (True = attend) or an additive mask. "
+    "Received: a floating attention_mask of 0s and 1s"
+)
+
+
+class AttentionMaskWarning(UserWarning):
+    """A mask whose values read like another library's convention (nn.MultiheadAttention's True =
+    ignore, Keras' 0/1 floats): the layer computes what docs/SPEC.md says all the same, and warns
+    once per layer. `warnings.simplefilter("error", AttentionMaskWarning)` makes it an error."""
 
 
 class KVCache(NamedTuple):
@@ -424,75 +452,66 @@ def _token_mask(name, mask, batch, length, letter):
     return mask
 
 
-def _check_keeps_something(mask, name):
-    """Where values can be read (eagerly): a boolean mask False everywhere is refused, the
-    `nn.MultiheadAttention` habit (True = ignore)."""
-    if tf.executing_eagerly() and mask.dtype == tf.bool and tf.size(mask) > 0 and not bool(tf.reduce_any(mask)):
+def _values_readable(*tensors):
+    """Whether tensor values can be read here for free: eagerly (not in a graph, not under XLA),
+    and only on the CPU (reading a GPU tensor waits for the device)."""
+    return tf.executing_eagerly() and all("CPU" in x.device.upper() for x in tensors)
+
+
+def _attention_mask(attention_mask, mask):
+    """`mask=` is another name for `attention_mask` (the seed usage `layer(q, k, v, mask=None)`)."""
+    if mask is None:
+        return attention_mask
+    if attention_mask is not None:
         raise ValueError(
-            f"`{name}` keeps no key for any query: True means attend (in nn.MultiheadAttention True means ignore: "
-            f"pass `~mask`). Received: a boolean {name} that is False everywhere"
+            "Pass the attention mask as `attention_mask` or as `mask`, not both. Received: attention_mask and mask"
         )
+    return mask
 
 
-def _check_keeps_some_at_or_before(mask, t, s):
-    """Where values can be read (eagerly): refuses a square (T == S) boolean mask that keeps keys
-    only after each query (none where `causal` keeps one): nn.MultiheadAttention's causal `attn_mask` (True =
-    ignore, `triu(ones, 1)`), whose last query then keeps no key, and which `causal=True` would
-    leave keeping nothing."""
-    if not tf.executing_eagerly() or mask.dtype != tf.bool or tf.size(mask) == 0 or not t == s > 0:
-        return
-    if not bool(tf.reduce_any(mask & causal_mask(t, s))):
-        raise ValueError(
-            "`attention_mask` keeps keys only after each query, none at or before it: True means attend (in "
-            "nn.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`). "
-            "Received: a boolean attention_mask False wherever causal attention keeps a key"
-        )
+def _mask_traps(attention_mask, key_mask, t, s):
+    """The built-in layers' habits that the masks' values suggest (docs/SPEC.md, Masks), as
+    {kind: message}; the call computes what the SPEC says either way."""
+    traps = {}
+    for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
+        if mask is not None and mask.dtype == tf.bool and _keeps_nothing(mask):
+            traps[name] = _EMPTY_MASK.format(name=name)
+    boolean = attention_mask is not None and attention_mask.dtype == tf.bool
+    if boolean and "attention_mask" not in traps and _keeps_only_later(attention_mask, t, s):
+        traps["causal"] = _CAUSAL_TRAP
+    empty = 0 if key_mask is None or "key_mask" in traps else _inverted_padding(key_mask)
+    if empty:
+        traps["padding"] = _PADDING_TRAP.format(empty=empty, b=key_mask.shape[0])
+    if attention_mask is not None and attention_mask.dtype.is_floating and _zeros_and_ones(attention_mask):
+        traps["zeros and ones"] = _ZEROS_AND_ONES
+    return traps
 
 
-def _check_not_inverted_padding(key_mask):
-    """Where values can be read (eagerly): refuses a (B, S) boolean `key_mask` that reads as
-    nn.MultiheadAttention's `key_padding_mask` (True = padding): every row False then True, some
-    row keeping no key and none keeping all (inverted right padding; left padding has its
-    longest sequence all True)."""
-    if not tf.executing_eagerly() or key_mask.dtype != tf.bool:
-        return
+def _keeps_nothing(mask):
+    """A boolean mask False everywhere (nn.MultiheadAttention's True = ignore, nothing padded)."""
+    return int(tf.size(mask)) > 0 and not bool(tf.reduce_any(mask))
+
+
+def _keeps_only_later(mask, t, s):
+    """A square (T == S) boolean mask that keeps keys only after each query, none where `causal`
+    keeps one (nn.MultiheadAttention's causal `attn_mask`, `triu(ones, 1)`)."""
+    return int(tf.size(mask)) > 0 and t == s > 0 and not bool(tf.reduce_any(mask & causal_mask(t, s)))
+
+
+def _inverted_padding(key_mask):
+    """The rows keeping no key of a (B, S) `key_mask` that reads as nn.MultiheadAttention's
+    `key_padding_mask` (True = padding): every row False then True, some row keeping no key and
+    none keeping all (left padding has its longest sequence all True); else 0."""
     kept = tf.reduce_sum(tf.cast(key_mask, tf.int32), -1)  # (B,)
     ordered = bool(tf.reduce_all(tf.cast(key_mask[:, 1:], tf.int8) >= tf.cast(key_mask[:, :-1], tf.int8)))
-    empty = int(tf.reduce_sum(tf.cast(kept == 0, tf.int32)))
-    if ordered and empty and not bool(tf.reduce_any(kept == key_mask.shape[1])):
-        raise ValueError(
-            "`key_mask` reads as nn.MultiheadAttention's key_padding_mask (True = padding): True means a real key, "
-            "pass `~mask` (left padding with an empty sequence and none full: pass it as "
-            "`attention_mask=key_mask[:, None, :]`). "
-            f"Received: a key_mask False then True in every row, {empty} of {key_mask.shape[0]} rows "
-            "keeping no key and none keeping all"
-        )
+    full = bool(tf.reduce_any(kept == key_mask.shape[1]))
+    return 0 if not ordered or full else int(tf.reduce_sum(tf.cast(kept == 0, tf.int32)))
 
 
-def _check_not_zeros_and_ones(mask):
-    """Where values can be read (eagerly): a floating `attention_mask` of only 0s and 1s (some 1)
-    is refused, the Keras habit (Keras reads such a mask as boolean)."""
-    if not tf.executing_eagerly() or not mask.dtype.is_floating or tf.size(mask) == 0:
-        return
+def _zeros_and_ones(mask):
+    """A floating mask of only 0s and 1s, some 1 (a Keras mask, which Keras reads as boolean)."""
     ones = mask == 1
-    if bool(tf.reduce_all(ones | (mask == 0))) and bool(tf.reduce_any(ones)):
-        raise ValueError(
-            "`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras reads such a "
-            "mask as boolean): pass `mask > 0` (True = attend) or an additive mask. "
-            "Received: a floating attention_mask of 0s and 1s"
-        )
-
-
-def _check_unambiguous(mask, batch, t):
-    """A rank-2 `attention_mask` is (T, S); with B == T > 1 it could be a (B, S) key padding mask
-    instead, so it is refused unless its first dimension is 1 (known shapes only)."""
-    shape = _static_shape(mask)
-    if shape is not None and len(shape) == 2 and batch is not None and batch == t and batch > 1 and shape[0] != 1:
-        raise ValueError(
-            "A 2-D `attention_mask` is read as (T, S), but with B == T it could be a (B, S) key padding mask: pass "
-            "`key_mask=mask` for that, or a (1, T, S) mask (`mask[None]`) for a (T, S) one. "
-            f"Received: attention_mask.shape={shape}, B=T={batch}"
-        )
+    return bool(tf.reduce_all(ones | (mask == 0))) and bool(tf.reduce_any(ones))
 
 
 def _check_cache(cache, query, key, heads, head_dim):
@@ -1222,6 +1241,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         self.kernel_initializer = tf.keras.initializers.get(kernel_initializer)
         self.bias_initializer = tf.keras.initializers.get(bias_initializer)
         self.supports_masking = True
+        self._warned_traps = set()  # the mask habits warned of, once each
         self._convert_input_args = False  # Keras must not cast masks and biases: `call` casts query, key, value
         self._allow_non_tensor_positional_args = True  # NumPy inputs reach `call` as they are
         self._dropout_layer = tf.keras.layers.Dropout(self.dropout, dtype=self.dtype_policy)
@@ -1487,15 +1507,13 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         large = scores > self.memory_efficient_threshold
         return tf.cond(large, in_chunks, lambda: at_once()[0]), None
 
-    def __call__(self, *args, **kwargs):
-        """Checks what must be seen before any cast: `key` and `value` both given by position
-        (the built-in takes them in the other order), inputs of different dtypes, and the
-        cache's dtype (which a cast would silently convert on every call)."""
-        if len(args) >= 3 and args[1] is not None and args[2] is not None:
-            raise ValueError(
-                "`key` and `value` must be passed by name when both are given: keras.layers.MultiHeadAttention is "
-                f"called (query, value, key), this layer (query, key, value). Received: {len(args)} positional inputs"
-            )
+    def __call__(self, *args, mask=None, **kwargs):
+        """`mask=` moved into `attention_mask` (so that `call` has no `mask` argument for Keras to
+        fill with a propagated implicit mask), then what must be seen before any cast: inputs of
+        different dtypes and the cache's dtype (which a cast would silently convert on every call)."""
+        if mask is not None:
+            given = kwargs.pop("attention_mask", args[3] if len(args) > 3 else None)
+            args, kwargs["attention_mask"] = args[:3], _attention_mask(given, mask)
         inputs = dict(zip(("query", "key", "value"), args, strict=False))
         inputs.update({name: kwargs[name] for name in ("query", "key", "value") if name in kwargs})
         if inputs.get("query") is not None:
@@ -1513,7 +1531,6 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         key = query if key is None else key
         value = key if value is None else value
         implicit = [_keras_mask(x) for x in (query, key, value)]  # legacy Keras passes masks on the tensors only
-        explicit_key_mask = key_mask is not None and key_mask is not getattr(key, "_keras_mask", None)
         query = _check_input("query", query, "E", self.d_model)
         key = _check_input("key", key, "kdim", self.kdim)
         value = _check_input("value", value, "vdim", self.vdim)
@@ -1521,9 +1538,6 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         (b, t), s = tuple(query.shape)[:2], key.shape[1]
         query_keep = _and(_token_mask("query_mask", query_mask, b, t, "T"), implicit[0])  # (B, T)
         key_mask = _token_mask("key_mask", key_mask, b, s, "S")
-        if explicit_key_mask:
-            _check_keeps_something(key_mask, "key_mask")
-            _check_not_inverted_padding(key_mask)
         key_keep = _and(key_mask, _token_mask("value_mask", value_mask, b, s, "S"))  # (B, S)
         if self_attention and key_keep is None:
             key_keep = query_keep
@@ -1531,21 +1545,26 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         query, key, value = (tf.cast(x, self.compute_dtype) for x in (query, key, value))
         return query, key, value, query_keep, key_keep
 
-    def _masks(self, attention_mask, attention_bias, target, cached=False):
-        """The floating mask rule on `attention_mask` and `attention_bias`, and the built-ins'
-        traps refused (masks over a cache's slots not read for the causal direction): (keep,
-        mask's additive, bias's additive), each rank 4 or None."""
+    def _masks(self, attention_mask, attention_bias, target):
+        """The floating mask rule on `attention_mask` and `attention_bias`: (keep, mask's
+        additive, bias's additive), each rank 4 or None."""
         dtype = _softmax_dtype(self.compute_dtype)
         attention_mask = None if attention_mask is None else tf.convert_to_tensor(attention_mask)
-        keep, mask_bias = _split_mask(attention_mask, target, "attention_mask", dtype)  # dtype and shape first
-        if attention_mask is not None:
-            _check_unambiguous(attention_mask, target[0], target[2])
-            _check_keeps_something(attention_mask, "attention_mask")
-            if not cached:
-                _check_keeps_some_at_or_before(attention_mask, target[2], target[3])
-            _check_not_zeros_and_ones(attention_mask)
+        keep, mask_bias = _split_mask(attention_mask, target, "attention_mask", dtype)
         bias_keep, attention_bias = _split_bias(attention_bias, target, dtype)
         return _and(keep, bias_keep), mask_bias, attention_bias
+
+    def _warn_traps(self, attention_mask, key_mask, t, s):
+        """Warns once per layer for each built-in habit the masks' values suggest, where reading
+        them is free (eagerly, on the CPU); a call with a cache is not read."""
+        attention_mask, key_mask = (None if m is None else tf.convert_to_tensor(m) for m in (attention_mask, key_mask))
+        masks = [mask for mask in (attention_mask, key_mask) if mask is not None]
+        if not masks or not _values_readable(*masks):
+            return
+        for kind, message in _mask_traps(attention_mask, key_mask, t, s).items():
+            if kind not in self._warned_traps:
+                self._warned_traps.add(kind)
+                warnings.warn(message, AttentionMaskWarning, stacklevel=2)
 
     def call(
         self,
@@ -1566,13 +1585,14 @@ class MultiHeadAttention(tf.keras.layers.Layer):
     ):
         # 1. Defaults and checks; the masks combined into one boolean keep and additive biases.
         self_attention = (key is None or key is query) and (value is None or value is query)
+        explicit_key_mask = None if key_mask is getattr(key, "_keras_mask", None) else key_mask  # not Keras' fill
         query, key, value, query_keep, key_keep = self._inputs(query, key, value, query_mask, key_mask, value_mask)
         if cache is not None:
             _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
         b, t, s = query.shape[0], query.shape[1], key.shape[1] if cache is None else cache.key.shape[2]
-        keep, bias, attention_bias = self._masks(
-            attention_mask, attention_bias, (b, self.num_heads, t, s), cached=cache is not None
-        )
+        keep, bias, attention_bias = self._masks(attention_mask, attention_bias, (b, self.num_heads, t, s))
+        if cache is None:
+            self._warn_traps(attention_mask, explicit_key_mask, t, s)
         keep = _and(keep, _token_keep(query_keep, key_keep if cache is None else None))  # (B, N, T, S), dims may be 1
         positions = self._positions(positions, query, key, cache)
 
