@@ -2,12 +2,15 @@
 PyTorch, TensorFlow and NumPy layers; a failed import leaves every layer unchanged."""
 
 import re
+import warnings
 
 import numpy as np
 import pytest
 
 from NumPy import MultiHeadAttention as NumpyMultiHeadAttention
+from shared_tests.cases import TOLERANCES
 
+OUTPUT_TOL = TOLERANCES["float32"]["output"]
 rng = np.random.default_rng(0)
 X = rng.normal(size=(2, 3, 8)).astype(np.float32)  # (B, T, E) with E = 8
 Y = rng.normal(size=(2, 5, 8)).astype(np.float32)  # (B, S, E) with S = 5
@@ -63,25 +66,17 @@ CASES = {
     "query_mask_shape": (BASE, {"query": X, "query_mask": np.ones((2, 5), bool)}, r"`query_mask` must be a boolean tensor of shape \(B, T\)=\(2, 3\)\. Received: query_mask\.shape=\(2, 5\), query_mask\.dtype=bool"),
     "attention_bias_boolean": (BASE, {"query": X, "attention_bias": np.ones((3, 3), bool)}, r"`attention_bias` must be floating\. Received: attention_bias\.dtype=bool"),
     "attention_bias_shape": (BASE, {"query": X, "key": Y, "value": Y, "attention_bias": np.zeros((3, 4), np.float32)}, r"`attention_bias` must broadcast to \(B, N, T, S\) .* Received: attention_bias\.shape=\(3, 4\)"),
-    # Habits of the built-ins that would give wrong numbers silently
-    "mask_2d_when_b_equals_t": (BASE, {"query": X[:, :2], "key": Y, "value": Y, "attention_mask": np.ones((2, 5), bool)}, r"A 2-D `attention_mask` is read as \(T, S\), but with B == T it could be a \(B, S\) key padding mask: pass `key_mask=mask` for that, or a \(1, T, S\) mask \(`mask\[None\]`\) for a \(T, S\) one\. Received: attention_mask\.shape=\(2, 5\), B=T=2"),
-    "mask_torch_polarity": (BASE, {"query": X, "key": Y, "value": Y, "attention_mask": np.zeros((2, 1, 5), bool)}, r"`attention_mask` keeps no key for any query: True means attend \(in nn\.MultiheadAttention True means ignore: pass `~mask`\)\. Received: a boolean attention_mask that is False everywhere"),
-    "key_mask_torch_polarity": (BASE, {"query": X, "key": Y, "value": Y, "key_mask": np.zeros((2, 5), bool)}, r"`key_mask` keeps no key for any query: True means attend .* Received: a boolean key_mask that is False everywhere"),
-    "mask_torch_causal_polarity": (BASE, {"query": X, "attention_mask": np.triu(np.ones((3, 3), bool), 1)}, r"`attention_mask` keeps keys only after each query, none at or before it: True means attend \(in nn\.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`\)\. Received: a boolean attention_mask False wherever causal attention keeps a key"),
-    "mask_torch_causal_polarity_and_causal": (BASE, {"query": X, "attention_mask": np.triu(np.ones((3, 3), bool), 1), "causal": True}, r"`attention_mask` keeps keys only after each query, none at or before it"),
-    "key_mask_torch_padding_polarity": (BASE, {"query": X, "key": Y, "value": Y, "key_mask": np.arange(5) >= np.array([[5], [3]])}, r"`key_mask` reads as nn\.MultiheadAttention's key_padding_mask \(True = padding\): True means a real key, pass `~mask` \(left padding with an empty sequence and none full: pass it as `attention_mask=key_mask\[:, None, :\]`\)\. Received: a key_mask False then True in every row, 1 of 2 rows keeping no key and none keeping all"),
-    "mask_keras_zero_one_float": (BASE, {"query": X, "key": Y, "value": Y, "attention_mask": np.ones((2, 3, 5), np.float32)}, r"`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores \(Keras reads such a mask as boolean\): pass `mask > 0` \(True = attend\) or an additive mask\. Received: a floating attention_mask of 0s and 1s"),
 }  # fmt: skip
 
 
 def _torch_call(kwargs, call):
-    import torch
 
     from PyTorch import MultiHeadAttention
 
     layer = MultiHeadAttention(**kwargs)
     if call is not None:
-        layer(**{k: torch.from_numpy(np.asarray(v)) for k, v in call.items()})
+        layer(**_converted("torch", call))
+    return layer
 
 
 KERAS_FRAME = re.compile(r"Exception encountered when calling .*?\x1b\[1m(.*?)\x1b\[0m", re.DOTALL)
@@ -91,23 +86,35 @@ def _tf_call(kwargs, call):
     """Keras frames every error raised in `call()` ("Exception encountered when calling ...",
     the layer's message in bold, then the arguments received); this compares the layer's own
     message, and checks that Keras kept it verbatim."""
-    import tensorflow as tf
 
     from TensorFlow import MultiHeadAttention
 
     layer = MultiHeadAttention(**kwargs)
     if call is not None:
         try:
-            layer(**{k: tf.constant(v) for k, v in call.items()})
+            layer(**_converted("tf", call))
         except ValueError as error:
             framed = KERAS_FRAME.match(str(error))
             raise ValueError(framed.group(1) if framed else str(error)) from error
+    return layer
 
 
 def _numpy_call(kwargs, call):
     layer = NumpyMultiHeadAttention(**kwargs)
     if call is not None:
         layer(**call)
+    return layer
+
+
+def _converted(framework, call):
+    """Call arguments as the framework's tensors (NumPy arrays stay arrays; flags stay flags)."""
+    if framework == "numpy":
+        return call
+    import tensorflow as tf
+    import torch
+
+    convert = torch.from_numpy if framework == "torch" else tf.constant
+    return {k: convert(np.asarray(v)) if isinstance(v, np.ndarray) else v for k, v in call.items()}
 
 
 CALLERS = {"torch": _torch_call, "tf": _tf_call, "numpy": _numpy_call}
@@ -128,28 +135,163 @@ def test_same_value_error_in_all_three(name):
     assert messages["torch"] == messages["tf"] == messages["numpy"], messages
 
 
-ACCEPTED = {
-    "left_padding_with_a_full_row": {"query": X, "key": Y, "value": Y, "key_mask": np.arange(5) >= np.array([[0], [2]])},
-    "empty_left_padded_sequence_as_attention_mask": {
-        "query": X, "key": Y, "value": Y, "attention_mask": (np.arange(5) >= np.array([[5], [2]]))[:, None, :],
-    },
-    "anti_causal_with_the_diagonal": {"query": X, "attention_mask": np.triu(np.ones((3, 3), bool))},
-    "cross_attention_keeping_only_later_keys": {
-        "query": X, "key": Y, "value": Y, "attention_mask": np.triu(np.ones((2, 3, 5), bool), 3),
-    },
-    "regression_t_above_s_first_query_only": {  # found by test_properties: T=2, S=1, query 1 keeps nothing
-        "query": X[:, :2], "key": Y[:, :1], "value": Y[:, :1], "attention_mask": np.array([[[True], [False]]]),  # (1, T, S)
-    },
+# The built-ins' habits, read from mask values: a warning, never an error (docs/SPEC.md, Masks).
+# name: (call arguments, regex the warning must match)
+HABITS = {
+    "torch_polarity_attention_mask": ({"query": X, "key": Y, "value": Y, "attention_mask": np.zeros((2, 1, 5), bool)}, r"^`attention_mask` keeps no key for any query, so every output row is `output_bias`: True means attend \(in nn\.MultiheadAttention True means ignore: pass `~mask`\)\. Received: a boolean attention_mask that is False everywhere$"),
+    "torch_polarity_key_mask": ({"query": X, "key": Y, "value": Y, "key_mask": np.zeros((2, 5), bool)}, r"^`key_mask` keeps no key for any query, so every output row is `output_bias`: .* Received: a boolean key_mask that is False everywhere$"),
+    "torch_causal_attn_mask": ({"query": X, "attention_mask": np.triu(np.ones((3, 3), bool), 1)}, r"^`attention_mask` keeps keys only after each query, none at or before it: True means attend \(in nn\.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`\)\. Received: a boolean attention_mask False wherever causal attention keeps a key$"),
+    "torch_causal_attn_mask_and_causal": ({"query": X, "attention_mask": np.triu(np.ones((3, 3), bool), 1), "causal": True}, r"^`attention_mask` keeps keys only after each query, none at or before it"),
+    "torch_key_padding_mask": ({"query": X, "key": Y, "value": Y, "key_mask": np.arange(5) >= np.array([[5], [3]])}, r"^`key_mask` reads as nn\.MultiheadAttention's key_padding_mask \(True = padding\): True means a real key, pass `~mask`\. Received: a key_mask False then True in every row, 1 of 2 rows keeping no key and none keeping all$"),
+    "keras_zero_one_float": ({"query": X, "key": Y, "value": Y, "attention_mask": np.ones((2, 3, 5), np.float32)}, r"^`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores \(Keras reads such a mask as boolean\): pass `mask > 0` \(True = attend\) or an additive mask\. Received: a floating attention_mask of 0s and 1s$"),
+}  # fmt: skip
+
+# Valid input near the habits, or valid input the habits' checks once refused: no warning.
+# name: (call arguments, initial cache keep and prompt length or None)
+VALID = {
+    "left_padding_with_a_full_row": ({"query": X, "key": Y, "value": Y, "key_mask": np.arange(5) >= np.array([[0], [2]])}, None),
+    "empty_left_padded_sequence_as_attention_mask": ({"query": X, "key": Y, "value": Y, "attention_mask": (np.arange(5) >= np.array([[5], [2]]))[:, None, :]}, None),
+    "one_sequence_all_padding": ({"query": X, "key_mask": np.array([[True, True, False], [False, False, False]])}, None),
+    "anti_causal_with_the_diagonal": ({"query": X, "attention_mask": np.triu(np.ones((3, 3), bool))}, None),
+    "cross_attention_keeping_only_later_keys": ({"query": X, "key": Y, "value": Y, "attention_mask": np.triu(np.ones((2, 3, 5), bool), 3)}, None),
+    "regression_t_above_s_first_query_only": ({"query": X[:, :2], "key": Y[:, :1], "value": Y[:, :1], "attention_mask": np.array([[[True], [False]]])}, None),  # found by test_properties: T=2, S=1
+    "regression_2d_mask_with_b_equal_to_t": ({"query": np.concatenate([X, X[:1]])[:, :3], "attention_mask": np.tril(np.ones((3, 3), bool))}, None),  # B == T == 3: a (T, S) mask, once refused
+    "regression_decode_step_all_padding": ({"query": X[:1, :1], "key_mask": np.zeros((1, 1), bool), "causal": True}, (np.ones((1, 4), bool), 2)),  # key_mask [[False]] at B=1, once refused
+    "decode_step_padding_in_every_row": ({"query": X[:, :1], "key_mask": np.zeros((2, 1), bool), "causal": True}, (np.ones((2, 4), bool), 2)),
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("name", sorted(ACCEPTED))
-def test_masks_near_the_traps_are_accepted(name):
-    """What the trap checks must let through: genuine left padding (its longest sequence keeps
-    every key), the way out the inverted-padding message gives, keys at or after each query, and
-    cross-attention masks (T != S), where "after the query" means nothing."""
+def _warning_class(framework):
+    """Each layer file defines its own AttentionMaskWarning (each file stands alone)."""
+    module = {"torch": "PyTorch", "tf": "TensorFlow", "numpy": "NumPy"}[framework]
+    return __import__(module).AttentionMaskWarning
+
+
+def _is_habit(warning):
+    return warning.category.__name__ == "AttentionMaskWarning" and issubclass(warning.category, UserWarning)
+
+
+def _run_all(call, cache=None):
+    """The call in all three layers (the same weights) as NumPy outputs, with the warnings each raised:
+    {framework: (output, [warning messages])}. `cache`: (keep, P) decodes a prompt of P tokens first."""
+    from PyTorch import MultiHeadAttention as TorchMultiHeadAttention
+    from TensorFlow import MultiHeadAttention as TFMultiHeadAttention
+
+    reference = NumpyMultiHeadAttention(**BASE, seed=0)
+    layers = {"numpy": reference, "torch": TorchMultiHeadAttention(**BASE), "tf": TFMultiHeadAttention(**BASE)}
+    results = {}
+    for framework, layer in layers.items():
+        layer.import_weights(reference.export_weights())
+        args = _converted(framework, call)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if cache is None:
+                output = layer(**args)
+            else:
+                keep, prompt = cache
+                prompt = {"query": np.full((keep.shape[0], prompt, 8), 0.5, np.float32), "causal": True}
+                state = layer.init_cache(keep.shape[0], keep.shape[1], keep=_converted(framework, {"k": keep})["k"])
+                _, state = layer(**_converted(framework, prompt), cache=state)
+                output, _ = layer(**args, cache=state)
+        output = output.detach().numpy() if framework == "torch" else np.asarray(output)
+        habits = [str(w.message) for w in caught if _is_habit(w)]
+        results[framework] = (output, habits)
+    return results
+
+
+@pytest.mark.parametrize("name", sorted(HABITS))
+def test_each_habit_warns_the_same_in_all_three_and_computes_by_the_spec(name):
+    call, pattern = HABITS[name]
+    results = _run_all(call)
+    for framework, (output, habits) in results.items():
+        assert len(habits) == 1 and re.search(pattern, habits[0]), (framework, habits)
+        np.testing.assert_allclose(output, results["numpy"][0], atol=OUTPUT_TOL, rtol=0, err_msg=framework)
+    assert len({habits[0] for _, habits in results.values()}) == 1
+
+
+@pytest.mark.parametrize("name", sorted(HABITS))
+def test_a_habit_is_an_error_where_the_warning_is_made_one(name):
+    call, pattern = HABITS[name]
+    for framework, caller in CALLERS.items():
+        habit = _warning_class(framework)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", habit)
+            with pytest.raises(habit) as error:
+                caller(BASE, call)
+        framed = KERAS_FRAME.match(str(error.value))
+        assert re.search(pattern, framed.group(1) if framed else str(error.value)), framework
+
+
+@pytest.mark.parametrize("name", sorted(VALID))
+def test_valid_masks_compute_by_the_spec_without_a_warning(name):
+    call, cache = VALID[name]
+    results = _run_all(call, cache)
+    for framework, (output, habits) in results.items():
+        assert habits == [], (framework, habits)
+        np.testing.assert_allclose(output, results["numpy"][0], atol=OUTPUT_TOL, rtol=0, err_msg=framework)
+
+
+@pytest.mark.parametrize("mask", ["attention_mask", "key_mask"])
+def test_all_false_masks_give_output_bias_rows(mask):
+    """A batch of only padding (DDP on uneven inputs): every row has no key, so every output row
+    is the output bias, in all three layers (with the polarity warning)."""
+    call = {"query": X, mask: np.zeros((2, 3) if mask == "key_mask" else (3, 3), bool)}
+    for framework, (output, _) in _run_all(call).items():
+        bias = NumpyMultiHeadAttention(**BASE, seed=0).params["output_bias"]
+        np.testing.assert_allclose(
+            output, np.broadcast_to(bias, output.shape), atol=OUTPUT_TOL, rtol=0, err_msg=framework
+        )
+
+
+def test_a_layer_warns_of_each_habit_once():
+    call, _ = HABITS["torch_polarity_key_mask"]
+    for framework, caller in CALLERS.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            layer = caller(BASE, call)
+            layer(**_converted(framework, call))
+            caller(BASE, call)  # a new layer warns again
+        assert sum(_is_habit(w) for w in caught) == 2, framework
+
+
+def test_mask_is_attention_mask_and_both_is_an_error():
+    mask = np.tril(np.ones((3, 3), bool))
+    results = {name: output for name, (output, _) in _run_all({"query": X, "mask": mask}).items()}
+    for framework, (output, _) in _run_all({"query": X, "attention_mask": mask}).items():
+        np.testing.assert_array_equal(output, results[framework], err_msg=framework)
+    pattern = (
+        r"^Pass the attention mask as `attention_mask` or as `mask`, not both\. Received: attention_mask and mask$"
+    )
     for caller in CALLERS.values():
-        caller(BASE, ACCEPTED[name])
+        with pytest.raises(ValueError, match=pattern):
+            caller(BASE, {"query": X, "attention_mask": mask, "mask": mask})
+
+
+def test_the_seed_usage_is_positional_query_key_value_in_all_three():
+    """`mha = MultiHeadAttention(d_model=512, num_heads=8); output = mha(query, key, value, mask=None)`."""
+    import tensorflow as tf
+    import torch
+
+    from PyTorch import MultiHeadAttention as TorchMultiHeadAttention
+    from TensorFlow import MultiHeadAttention as TFMultiHeadAttention
+
+    query, key, value = (rng.normal(size=(2, t, 512)).astype(np.float32) for t in (3, 5, 5))
+    numpy_layer = NumpyMultiHeadAttention(d_model=512, num_heads=8, seed=0)
+    expected = numpy_layer(query, key, value, mask=None)
+    torch_layer, tf_layer = (
+        TorchMultiHeadAttention(d_model=512, num_heads=8),
+        TFMultiHeadAttention(d_model=512, num_heads=8),
+    )
+    for layer in (torch_layer, tf_layer):
+        layer.import_weights(numpy_layer.export_weights())
+    outputs = {
+        "torch": torch_layer(*(torch.from_numpy(x) for x in (query, key, value)), mask=None).detach().numpy(),
+        "tf": np.asarray(tf_layer(*(tf.constant(x) for x in (query, key, value)), mask=None)),
+    }
+    for framework, output in outputs.items():
+        np.testing.assert_allclose(output, expected, atol=OUTPUT_TOL, rtol=0, err_msg=framework)
+    swapped = numpy_layer(query, value, key)  # positional order matters: (query, key, value)
+    assert not np.allclose(swapped, expected)
 
 
 def test_numpy_reference_refuses_dropout_with_its_own_message():

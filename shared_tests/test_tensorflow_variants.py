@@ -5,13 +5,14 @@ code path (eager, tf.function, XLA, memory-efficient) against the others, gradie
 
 import math
 import re
+import warnings
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from shared_tests.cases import TOLERANCES
-from TensorFlow import KVCache, MultiHeadAttention, alibi_bias, dot_product_attention
+from TensorFlow import AttentionMaskWarning, KVCache, MultiHeadAttention, alibi_bias, dot_product_attention
 from TensorFlow import Multi_Head_Attention as tf_file
 
 keras = tf.keras
@@ -706,10 +707,6 @@ CALL_ERRORS = {
     "query_mask_shape": ({}, {"query": X, "query_mask": np.ones((B, 7), bool)}, r"^`query_mask` must be a boolean tensor of shape \(B, T\)=\(2, 5\)\. Received: query_mask\.shape=\(2, 7\), query_mask\.dtype=bool$"),
     "attention_bias_bool": ({}, {"query": X, "attention_bias": np.ones((T, T), bool)}, r"^`attention_bias` must be floating\. Received: attention_bias\.dtype=bool$"),
     "attention_bias_shape": ({}, {"query": X, "attention_bias": np.ones((3, T, T), np.float32)}, r"^`attention_bias` must broadcast to \(B, N, T, S\) .*Received: attention_bias\.shape=\(3, 5, 5\)$"),
-    "mask_2d_ambiguous": ({}, {"query": SQUARE, "attention_mask": np.ones((2, 2), bool)}, r"^A 2-D `attention_mask` is read as \(T, S\), but with B == T it could be a \(B, S\) key padding mask: pass `key_mask=mask` for that, or a \(1, T, S\) mask \(`mask\[None\]`\) for a \(T, S\) one\. Received: attention_mask\.shape=\(2, 2\), B=T=2$"),
-    "mask_all_false": ({}, {"query": X, "attention_mask": np.zeros((T, T), bool)}, r"^`attention_mask` keeps no key for any query: True means attend \(in nn\.MultiheadAttention True means ignore: pass `~mask`\)\. Received: a boolean attention_mask that is False everywhere$"),
-    "key_mask_all_false": ({}, {"query": X, "key_mask": np.zeros((B, T), bool)}, r"^`key_mask` keeps no key for any query: .* Received: a boolean key_mask that is False everywhere$"),
-    "mask_zeros_and_ones": ({}, {"query": X, "attention_mask": np.tril(np.ones((T, T), np.float32))}, r"^`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores \(Keras reads such a mask as boolean\): pass `mask > 0` \(True = attend\) or an additive mask\. Received: a floating attention_mask of 0s and 1s$"),
     "mixed_dtypes": ({}, {"query": X, "key": Y.astype(np.float64)}, r"^`query`, `key` and `value` must have the same dtype\. Received: query\.dtype=float32, key\.dtype=float64, value\.dtype=float64$"),
     "mixed_dtypes_value": ({}, {"query": X, "key": Y, "value": tf.constant(Y, tf.float16)}, r"Received: query\.dtype=float32, key\.dtype=float32, value\.dtype=float16$"),
 }  # fmt: skip
@@ -725,24 +722,23 @@ def test_call_errors(name):
     assert re.search(pattern, framed.group(1) if framed else str(error.value)), str(error.value)
 
 
-def test_key_and_value_by_position_are_refused_one_second_input_is_not():
+def test_key_and_value_by_position_in_the_project_order():
+    """`layer(query, key, value)` as in the other two files (Keras' built-in is called (query, value, key))."""
+    layer = MultiHeadAttention(E, N, vdim=3)
+    value = rng.normal(size=(B, 7, 3)).astype(np.float32)
+    _close(layer(X, Y, value), layer(X, key=Y, value=value), 0)
     layer = MultiHeadAttention(E, N)
-    pattern = (
-        r"^`key` and `value` must be passed by name when both are given: keras\.layers\.MultiHeadAttention is "
-        r"called \(query, value, key\), this layer \(query, key, value\)\. Received: 3 positional inputs$"
-    )
-    with pytest.raises(ValueError, match=pattern):
-        layer(X, Y, Y)
     _close(layer(X, Y), layer(X, key=Y, value=Y), 0)
 
 
-def test_traps_are_not_checked_where_values_cannot_be_read():
-    """In a graph the values of a mask are unknown: an all-False mask there is every row with no
-    key (weights 0), as the SPEC's rows with no key; a mask of B == T unknown at trace time is
-    read as (T, S)."""
+def test_mask_habits_are_not_read_where_values_cannot_be_read():
+    """In a graph the values of a mask are unknown (no warning): an all-False mask there is every
+    row with no key (weights 0), as in eager mode; a (T, S) mask with B == T is (T, S) in both."""
     layer = _layer({})
     attend = tf.function(lambda x, m: layer(x, attention_mask=m, return_attention=True))
-    output, weights = attend(X, np.zeros((T, T), bool))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AttentionMaskWarning)
+        output, weights = attend(X, np.zeros((T, T), bool))
     assert (weights.numpy() == 0).all()
     _close(output, np.broadcast_to(layer.output_bias.numpy(), X.shape), 0)
     unknown = tf.function(lambda x, m: layer(x, attention_mask=m), input_signature=[

@@ -7,13 +7,21 @@ mask rule."""
 
 import math
 import re
+import warnings
 
 import pytest
 import torch
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from PyTorch import KVCache, Multi_Head_Attention, MultiHeadAttention, alibi_bias, dot_product_attention
+from PyTorch import (
+    AttentionMaskWarning,
+    KVCache,
+    Multi_Head_Attention,
+    MultiHeadAttention,
+    alibi_bias,
+    dot_product_attention,
+)
 from shared_tests.cases import TOLERANCES
 
 OUTPUT_TOL = TOLERANCES["float32"]["output"]
@@ -978,10 +986,6 @@ CALL_ERRORS = {
     "query_mask_shape": ({}, {"query": X, "query_mask": torch.ones(3, dtype=torch.bool)}, r"`query_mask` must be a boolean tensor of shape \(B, T\)=\(2, 3\)\. Received: query_mask\.shape=\(3,\), query_mask\.dtype=bool"),
     "attention_bias_bool": ({}, {"query": X, "attention_bias": torch.ones(3, 3, dtype=torch.bool)}, r"`attention_bias` must be floating\. Received: attention_bias\.dtype=bool"),
     "attention_bias_shape": ({}, {"query": X, "key": Y, "attention_bias": torch.ones(3, 4)}, r"`attention_bias` must broadcast to \(B, N, T, S\) .* Expected: \(B, N, T, S\)=\(2, 4, 3, 5\)\. Received: attention_bias\.shape=\(3, 4\)"),
-    "mask_2d_b_equals_t": ({}, {"query": _randn(3, 3, E), "key": Y[:1].expand(3, 5, E), "attention_mask": torch.ones(3, 5, dtype=torch.bool)}, re.escape("A 2-D `attention_mask` is read as (T, S), but with B == T it could be a (B, S) key padding mask: pass `key_mask=mask` for that, or a (1, T, S) mask (`mask[None]`) for a (T, S) one. Received: attention_mask.shape=(3, 5), B=T=3")),
-    "mask_all_false": ({}, {"query": X, "attention_mask": torch.zeros(2, 3, 3, dtype=torch.bool)}, re.escape("`attention_mask` keeps no key for any query: True means attend (in nn.MultiheadAttention True means ignore: pass `~mask`). Received: a boolean attention_mask that is False everywhere")),
-    "key_mask_all_false": ({}, {"query": X, "key_mask": torch.zeros(2, 3, dtype=torch.bool)}, r"`key_mask` keeps no key for any query: .* Received: a boolean key_mask that is False everywhere"),
-    "mask_zero_one_float": ({}, {"query": X, "attention_mask": torch.tensor([[1.0, 1.0, 0.0]])[:, None].expand(2, 3, 3)}, re.escape("`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras reads such a mask as boolean): pass `mask > 0` (True = attend) or an additive mask. Received: a floating attention_mask of 0s and 1s")),
 }  # fmt: skip
 
 
@@ -1002,12 +1006,22 @@ def test_traps_that_are_not_traps_pass():
     layer(x, attention_mask=torch.tensor([[0.0, 1.0, 0.5]]).expand(3, 3)[None])  # not only 0s and 1s
 
 
-def test_value_traps_are_not_read_while_compiling():
+def test_mask_habits_are_not_read_while_compiling():
+    """Inside a graph the mask's values are not read (no graph break, no warning): an all-False
+    mask is every row with no key, the output bias, as in eager mode."""
     layer = _layer()
     x = _randn(2, 3, E, seed=34)
     compiled = torch.compile(lambda x, m: layer(x, attention_mask=m), fullgraph=True, backend="aot_eager")
-    output = compiled(x, torch.zeros(2, 3, 3, dtype=torch.bool))  # no graph break to read the values
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AttentionMaskWarning)
+        output = compiled(x, torch.zeros(2, 3, 3, dtype=torch.bool))
     torch.testing.assert_close(output, layer.output.bias.detach().expand(2, 3, E), atol=0, rtol=0)
+
+
+def test_mask_habits_are_read_only_on_the_cpu():
+    """Reading values off the CPU costs a device sync (CUDA) or is impossible (meta): not read."""
+    assert Multi_Head_Attention._values_readable(torch.zeros(2, 3))
+    assert not Multi_Head_Attention._values_readable(torch.zeros(2, 3), torch.zeros(2, 3, device="meta"))
 
 
 # ---------------------------------------------------------------------------------------------
