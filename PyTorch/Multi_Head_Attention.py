@@ -1047,6 +1047,9 @@ class MultiHeadAttention(nn.Module):
         return_attention: if True, also return the per-head attention weights.
         cache: a `KVCache` from `init_cache`: decode T new tokens (`key` and `value`, if
             given, hold the same T tokens); masks and weights are then over the L slots.
+        mask: another name for `attention_mask` (the call `layer(query, key, value, mask=None)`);
+            giving both is a ValueError. Masks whose values read like another library's
+            convention warn once per layer with `AttentionMaskWarning` and compute as given.
 
     Returns:
         output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before

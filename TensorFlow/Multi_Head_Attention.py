@@ -1132,9 +1132,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
 
     Call arguments:
         query: (B, T, E).
-        key: (B, S, kdim). Defaults to `value`, or to `query` if `value` is None too. Pass
-            `key` and `value` by name: `keras.layers.MultiHeadAttention` takes them in the
-            other order.
+        key: (B, S, kdim). Defaults to `value`, or to `query` if `value` is None too.
         value: (B, S, vdim). Defaults to `key`.
         attention_mask: boolean (True = attend) or floating (added to the scores), of shape
             (T, S), (B, T, S) or (B, N, T, S), any dimension of which may be 1.
@@ -1151,6 +1149,10 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         cache: a `KVCache` from `init_cache`: decode T new tokens (`key` and `value`, if
             given, hold the same T tokens); masks and weights are then over the L slots, and
             `key_mask` is (B, T).
+        mask: another name for `attention_mask` (the call `layer(query, key, value, mask=None)`);
+            giving both is a ValueError. Never Keras' propagated implicit mask, which is read
+            from the inputs. Masks whose values read like another library's convention warn
+            once per layer with `AttentionMaskWarning` and compute as given.
 
     Returns:
         output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before
@@ -1158,7 +1160,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         and weights are (B, N, T, L), exactly 0 at unwritten slots.
 
     Coming from `keras.layers.MultiHeadAttention`: it is called `(query, value, key)`, this layer
-    `(query, key, value)`, so pass `key=` and `value=` by name (both by position is refused). A
+    `(query, key, value)`: by position, key comes before value (or name them). A
     floating `attention_mask` is added to the scores here, where Keras reads a 0/1 float mask as
     boolean: pass `mask > 0`. `use_causal_mask=True` is `causal=True` (bottom-right aligned when
     T < S); `return_attention_scores=True` is `return_attention=True`.
