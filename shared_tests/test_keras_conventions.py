@@ -396,3 +396,58 @@ def test_keras_fully_masked_rows_depend_on_its_code_path():
         output = layer(X, attention_mask=keep, return_attention=return_attention)
         output = output[0] if return_attention else output
         np.testing.assert_array_equal(output[0, 1], layer.output_bias.numpy())
+
+
+def _embedded(ids, vocabulary, seed):
+    """Token ids through `Embedding(mask_zero=True)`: (B, L, E) carrying its implicit (B, L) mask."""
+    return keras.layers.Embedding(
+        vocabulary, E, mask_zero=True, embeddings_initializer=keras.initializers.RandomNormal(seed=seed)
+    )(ids)
+
+
+def test_keras_masking_test_ported_query_and_value_masks_are_the_explicit_mask():
+    """Keras' own `test_masking`: the implicit masks of an `Embedding(mask_zero=True)` query and
+    value equal the (B, T, S) mask written by hand, and the call is `layer(query=..., value=...)`."""
+    query_ids = np.array([[1, 2, 3, 0, 0], [3, 3, 1, 1, 2], [1, 0, 0, 0, 0]])
+    value_ids = np.array([[5, 4, 0], [3, 0, 0], [2, 1, 1]])
+    query, value = _embedded(query_ids, 4, 0), _embedded(value_ids, 6, 1)
+    layer = MultiHeadAttention(E, 2)
+    implicit = layer(query=query, value=value)
+    mask = (query_ids > 0)[:, :, None] & (value_ids > 0)[:, None, :]  # (B, T, S)
+    plain_query, plain_value = tf.identity(query), tf.identity(value)  # no implicit masks
+    np.testing.assert_allclose(implicit, layer(plain_query, value=plain_value, attention_mask=mask), atol=OUTPUT_TOL)
+    np.testing.assert_array_equal(implicit._keras_mask, query_ids > 0)  # the query's mask goes on
+
+
+@pytest.mark.parametrize("mask_name", ["mask", "attention_mask"])
+def test_an_implicit_mask_is_never_read_as_an_explicit_mask(mask_name, tmp_path):
+    """With `Embedding(mask_zero=True)` inputs in a functional model, an explicit `mask=` is the
+    attention mask, ANDed with the inputs' implicit masks, and without one Keras' propagated mask
+    is never taken for an attention mask; a saved model reloads with the same numbers."""
+    ids = keras.Input((4,), dtype="int32")
+    embedding = keras.layers.Embedding(10, E, mask_zero=True)
+    x = embedding(ids)
+    layer = MultiHeadAttention(E, 4)
+    causal = np.tril(np.ones((4, 4), bool))
+    model = keras.Model(ids, [layer(x, x, x, **{mask_name: causal}), layer(x)])
+    tokens = np.array([[1, 2, 3, 0], [4, 5, 0, 0]])
+    explicit, implicit = model(tokens)
+    keep = tokens > 0
+    plain = tf.identity(embedding(tokens))  # the same embeddings, without an implicit mask
+    expected = layer(plain, attention_mask=causal[None] & keep[:, None, :], query_mask=keep)
+    np.testing.assert_allclose(explicit, expected, atol=OUTPUT_TOL)
+    np.testing.assert_allclose(implicit, layer(plain, key_mask=keep, query_mask=keep), atol=OUTPUT_TOL)
+    assert not np.allclose(explicit, implicit, atol=1e-3)  # the causal mask mattered
+    model.save(tmp_path / "model.keras")
+    reloaded = keras.models.load_model(tmp_path / "model.keras")
+    for got, want in zip(reloaded(tokens), (explicit, implicit), strict=True):
+        np.testing.assert_allclose(got, want, atol=OUTPUT_TOL)
+
+
+def test_keras_positional_call_of_query_and_value_is_the_same_here():
+    """Keras' tests call `layer(query, value)`: one second input is both key and value in both."""
+    builtin = keras.layers.MultiHeadAttention(num_heads=4, key_dim=E // 4)
+    value = rng.normal(size=(B, S, E)).astype(np.float32)
+    expected = builtin(X, value)
+    layer = MultiHeadAttention.from_keras(builtin)
+    np.testing.assert_allclose(layer(X, value), expected, atol=OUTPUT_TOL)

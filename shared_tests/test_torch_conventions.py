@@ -112,3 +112,31 @@ def test_dropout_builtin_is_the_one_round_tripped_through_from_torch():
     expected, _ = builtin(x, x, x, need_weights=False)
     torch.manual_seed(3)
     torch.testing.assert_close(layer(x), expected, atol=OUTPUT_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", ["bool", "float"])
+def test_builtin_attn_mask_of_shape_t_s_with_batch_equal_to_t(dtype):
+    """PyTorch's tests pass 2-D (T, S) `attn_mask`s with any batch size, B == T among them: the
+    same mask (inverted when boolean: True means ignore there) gives the built-in's numbers."""
+    builtin = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    layer = MultiHeadAttention.from_torch(builtin).eval()
+    x = _randn(4, 4, 16, seed=11, dtype=torch.float32)  # B == T == 4
+    ignore = torch.triu(torch.ones(4, 4, dtype=torch.bool), 1)  # (T, S), True = ignore
+    theirs = ignore if dtype == "bool" else torch.zeros(4, 4).masked_fill(ignore, float("-inf"))
+    ours = ~ignore if dtype == "bool" else theirs
+    expected, _ = builtin(x, x, x, attn_mask=theirs, need_weights=False)
+    torch.testing.assert_close(layer(x, x, x, mask=ours), expected, atol=OUTPUT_TOL, rtol=0)
+
+
+def test_builtin_key_padding_mask_with_a_fully_padded_sequence():
+    """A batch holding a sequence of only padding: the built-in's other rows, and the output bias
+    (never NaN) for the padded sequence's rows."""
+    builtin = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    layer = MultiHeadAttention.from_torch(builtin).eval()
+    x = _randn(2, 3, 16, seed=12, dtype=torch.float32)
+    padding = torch.tensor([[False, False, True], [True, True, True]])  # True = padding
+    with torch.no_grad():
+        expected, _ = builtin(x[:1], x[:1], x[:1], key_padding_mask=padding[:1], need_weights=False)
+        output = layer(x, x, x, key_mask=~padding)
+    torch.testing.assert_close(output[:1], expected, atol=OUTPUT_TOL, rtol=0)
+    torch.testing.assert_close(output[1], builtin.out_proj.bias.expand(3, 16), atol=0, rtol=0)
