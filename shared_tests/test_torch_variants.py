@@ -5,10 +5,12 @@ eager attention; every code path equal; compile and export; the refused traps; t
 projection only where it computes what the modules would; and the regressions of the floating
 mask rule."""
 
+import copy
 import math
 import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -1097,3 +1099,26 @@ def test_a_row_of_only_penalties_among_its_kept_keys_is_an_ordinary_softmax(path
     torch.testing.assert_close(output.double(), expected, atol=OUTPUT_TOL, rtol=0)
     if weights is not None:
         torch.testing.assert_close(weights.double(), expected_weights, atol=WEIGHTS_TOL, rtol=0)
+
+
+def test_regression_export_weights_after_quantize_dynamic_failed_on_the_weight_method():
+    """`quantize_dynamic` turns `weight` and `bias` into methods: export_weights raised
+    AttributeError ('function' object has no attribute 'detach'). It now exports the dequantized
+    weights, which a float layer computes the quantized layer's numbers within its quantization
+    error with; importing into quantized projections is a ValueError that says what to do."""
+    layer = _layer(**VARIANTS["bias_qkv"])
+    x = _randn(B, T, E, seed=30)
+    quantized = _quantized(copy.deepcopy(layer))
+    weights = quantized.export_weights()
+    assert set(weights) == set(layer.export_weights())
+    for name, value in weights.items():
+        np.testing.assert_allclose(value, layer.export_weights()[name], atol=0.02, err_msg=name)
+    restored = _layer(**VARIANTS["bias_qkv"])
+    restored.import_weights(weights)
+    with torch.no_grad():
+        torch.testing.assert_close(restored(x), quantized(x), atol=0.05, rtol=0)
+    with pytest.raises(
+        ValueError,
+        match=r"^`import_weights` writes float projections: import the weights before quantizing\. Received: quantized projections \['query', 'key', 'value', 'output'\]$",
+    ):
+        quantized.import_weights(weights)
