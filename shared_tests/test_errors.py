@@ -36,8 +36,8 @@ CASES = {
     "integer_query": (BASE, {"query": np.ones((2, 3, 8), np.int32)}, r"`query` must be a floating tensor\. Received: query\.dtype=int32"),
     "integer_value": (BASE, {"query": X, "key": Y, "value": np.ones((2, 5, 8), np.int32)}, r"`value` must be a floating tensor\. Received: value\.dtype=int32"),
     # The variants' constructor arguments
-    "bias_unknown_projection": ({**BASE, "bias": ("query", "gate")}, None, r"`bias` must be True, False or a collection of 'query', 'key', 'value', 'output'\. Received: bias=\('query', 'gate'\)"),
-    "bias_string": ({**BASE, "bias": "query"}, None, r"`bias` must be True, False or a collection .* Received: bias='query'"),
+    "bias_unknown_projection": ({**BASE, "bias": ("query", "gate")}, None, r"`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output'\. Received: bias=\('query', 'gate'\)"),
+    "bias_string": ({**BASE, "bias": "query"}, None, r"`bias` must be True, False or a list, tuple or set .* Received: bias='query'"),
     "scale_zero": ({**BASE, "scale": 0.0}, None, r"`scale` must be a positive float\. Received: scale=0\.0"),
     "softcap_negative": ({**BASE, "softcap": -1.0}, None, r"`softcap` must be None or a positive float\. Received: softcap=-1\.0"),
     "window_zero": ({**BASE, "window": 0}, None, r"`window` must be a positive integer\. Received: window=0"),
