@@ -799,13 +799,13 @@ class MultiHeadAttention:
         self.rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
         rotary_dim = _rotary_dim(rope_fraction, self.head_dim, self.rope_theta is not None)  # None without RoPE
         self.rope_fraction = float(rope_fraction)
-        self.rope_interleaved = _flag("rope_interleaved", rope_interleaved)
         self.rope_scaling = _rope_scaling(rope_scaling)
         self._inv_freq = None
         if self.rope_theta is not None:
             self._inv_freq = rope_frequencies(rotary_dim, self.rope_theta, self.rope_scaling)  # (R/2,)
         self.qk_norm = _check_qk_norm(qk_norm)
         self.qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
+        self.rope_interleaved = _flag("rope_interleaved", rope_interleaved)
         self.sinks = _flag("sinks", sinks)
         rng = np.random.default_rng(seed)
         self.params = {}

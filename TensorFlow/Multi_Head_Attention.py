@@ -1229,7 +1229,6 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         self.rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
         rotary = _rotary_dim(rope_fraction, self.head_dim, self.rope_theta is not None)  # None without RoPE
         self.rope_fraction = float(rope_fraction)
-        self.rope_interleaved = _flag("rope_interleaved", rope_interleaved)
         self.rope_scaling = _check_rope_scaling(rope_scaling)
         if self.rope_theta is not None:
             frequencies = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,)
@@ -1238,6 +1237,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
         self.qk_norm = qk_norm
         self.qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
+        self.rope_interleaved = _flag("rope_interleaved", rope_interleaved)
         self.sinks = _flag("sinks", sinks)
         self.kernel_initializer = tf.keras.initializers.get(kernel_initializer)
         self.bias_initializer = tf.keras.initializers.get(bias_initializer)
@@ -1590,11 +1590,11 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         if cache is not None:
             _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
         b, t, s = query.shape[0], query.shape[1], key.shape[1] if cache is None else cache.key.shape[2]
+        positions = self._positions(positions, query, key, cache)  # before the masks, as in the other files
         keep, bias, attention_bias = self._masks(
             attention_mask, attention_bias, (b, self.num_heads, t, s), cached=cache is not None
         )
         keep = _and(keep, _token_keep(query_keep, key_keep if cache is None else None))  # (B, N, T, S), dims may be 1
-        positions = self._positions(positions, query, key, cache)
 
         # 2. Projections.
         if self_attention and cache is None:  # a step's few tokens: concatenating the kernels would cost more
