@@ -163,7 +163,7 @@ def _rope_scaling(scaling):
             "`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3' or 'yarn', with its "
             f"parameters. Received: rope_scaling={scaling!r}"
         )
-    return dict(scaling)
+    return {name: value.item() if isinstance(value, np.generic) else value for name, value in scaling.items()}
 
 
 def _valid_yarn(scaling):
@@ -178,7 +178,7 @@ def _valid_yarn(scaling):
 def _check_qk_norm(qk_norm):
     if qk_norm not in (None, "head", "all"):
         raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
-    return qk_norm
+    return None if qk_norm is None else str(qk_norm)  # np.str_ held as str
 
 
 def rope_frequencies(rotary_dim, theta, scaling=None):

@@ -188,7 +188,7 @@ def _check_rope_scaling(scaling):
             "`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3' or 'yarn', with its "
             f"parameters. Received: rope_scaling={scaling!r}"
         )
-    return dict(scaling)
+    return {name: value.item() if isinstance(value, np.generic) else value for name, value in scaling.items()}
 
 
 def _valid_yarn(scaling):
@@ -1135,7 +1135,7 @@ class MultiHeadAttention(nn.Module):
         self.rope_scaling = _check_rope_scaling(rope_scaling)
         if qk_norm not in (None, "head", "all"):
             raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
-        self.qk_norm = qk_norm
+        self.qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
         self.qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
 
     def reset_parameters(self):
@@ -1442,8 +1442,8 @@ class MultiHeadAttention(nn.Module):
             _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
             _check_cache_dtype(cache, compute_dtype)
         (b, t, _), s = query.shape, key.shape[1] if cache is None else cache.key.shape[2]
+        query_mask = _check_token_mask("query_mask", query_mask, b, t, "T")  # query_mask first, as in the other files
         key_mask = _check_token_mask("key_mask", key_mask, b, key.shape[1], "S")
-        query_mask = _check_token_mask("query_mask", query_mask, b, t, "T")
         positions = self._positions(positions, query, key, cache)
         target = (b, self.num_heads, t, s)
         _refuse_traps(attention_mask, key_mask, target, cached=cache is not None)

@@ -177,7 +177,7 @@ def _check_rope_scaling(scaling):
             "`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3' or 'yarn', with its "
             f"parameters. Received: rope_scaling={scaling!r}"
         )
-    return dict(scaling)
+    return {name: value.item() if isinstance(value, np.generic) else value for name, value in scaling.items()}
 
 
 def _valid_yarn(scaling):
@@ -1235,7 +1235,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             self._inv_freq = frequencies.numpy()  # a constant of each graph, not a captured tensor (tf2onnx)
         if qk_norm not in (None, "head", "all"):
             raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
-        self.qk_norm = qk_norm
+        self.qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
         self.qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
         self.rope_interleaved = _flag("rope_interleaved", rope_interleaved)
         self.sinks = _flag("sinks", sinks)
