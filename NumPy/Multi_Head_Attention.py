@@ -123,27 +123,50 @@ def _positive_float(name, value, *, optional=False):
     return float(value)
 
 
+def _flag(name, value):
+    """A constructor flag: a Python or NumPy bool (not 0 or 1, not a string)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
+    return bool(value)
+
+
+def _dropout_rate(dropout):
+    """`dropout` as a float: a Python or NumPy number (not a bool, not None) in [0, 1)."""
+    number = isinstance(dropout, (int, float, np.integer, np.floating)) and not isinstance(dropout, (bool, np.bool_))
+    if not (number and 0.0 <= dropout < 1.0):
+        raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
+    return float(dropout)
+
+
 def _projection_biases(bias):
-    """`bias` (True, False or projection names) -> the names that have a bias, in layer order."""
+    """`bias` -> the names of the projections that have a bias, in the order ("query", "key",
+    "value", "output"). `bias` is a Python or NumPy bool (all or none), or a list, tuple, set or
+    frozenset of those names; anything else (a string, a dict or its keys, an array) is refused."""
     if isinstance(bias, (bool, np.bool_)):
         return _PROJECTIONS if bias else ()
-    names = tuple(bias) if isinstance(bias, (list, tuple, set, frozenset)) else None
-    if names is None or any(name not in _PROJECTIONS for name in names):
+    names = isinstance(bias, (list, tuple, set, frozenset)) and all(
+        isinstance(name, str) and name in _PROJECTIONS for name in bias
+    )
+    if not names:
         raise ValueError(
-            f"`bias` must be True, False or a collection of 'query', 'key', 'value', 'output'. Received: bias={bias!r}"
+            "`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output'. "
+            f"Received: bias={bias!r}"
         )
-    return tuple(name for name in _PROJECTIONS if name in names)
+    return tuple(name for name in _PROJECTIONS if name in bias)
 
 
-def _rotary_dim(fraction, head_dim):
-    """R = int(head_dim * rope_fraction), checked to be even and at least 2."""
-    rotated = int(head_dim * fraction) if _is_positive_number(fraction) and fraction <= 1 else 0
-    if rotated < 2 or rotated % 2:
+def _rotary_dim(rope_fraction, head_dim, rope):
+    """R = int(H * rope_fraction), the rotated features of each head (None without RoPE).
+    `rope_fraction` is checked whether or not RoPE is on: a Python or NumPy number in (0, 1];
+    with RoPE, R must also be even and at least 2."""
+    valid = _is_positive_number(rope_fraction) and rope_fraction <= 1
+    rotary = int(head_dim * rope_fraction) if valid else 0
+    if not valid or (rope and (rotary < 2 or rotary % 2)):
         raise ValueError(
             "`rope_fraction` must be in (0, 1] and rotate an even number R = int(head_dim * rope_fraction) >= 2 of "
-            f"features. Received: rope_fraction={fraction!r}, head_dim={head_dim}"
+            f"features. Received: rope_fraction={rope_fraction!r}, head_dim={head_dim}"
         )
-    return rotated
+    return rotary if rope else None
 
 
 def _is_positive_number(value):
@@ -168,7 +191,7 @@ def _rope_scaling(scaling):
             "`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3' or 'yarn', with its "
             f"parameters. Received: rope_scaling={scaling!r}"
         )
-    return dict(scaling)
+    return {name: value.item() if isinstance(value, np.generic) else value for name, value in scaling.items()}
 
 
 def _valid_yarn(scaling):
@@ -183,7 +206,7 @@ def _valid_yarn(scaling):
 def _check_qk_norm(qk_norm):
     if qk_norm not in (None, "head", "all"):
         raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
-    return qk_norm
+    return None if qk_norm is None else str(qk_norm)  # np.str_ held as str
 
 
 def rope_frequencies(rotary_dim, theta, scaling=None):
@@ -285,6 +308,11 @@ def alibi_bias(num_heads, positions):
     extra = 2.0 ** (-4.0 * np.arange(1, 2 * (num_heads - closest), 2) / closest)  # every other slope of 2 * closest
     slopes = np.concatenate([slopes, extra])  # (N,)
     positions = np.asarray(positions)
+    if positions.ndim not in (1, 2) or not np.issubdtype(positions.dtype, np.integer):
+        raise ValueError(
+            "`positions` must be an integer tensor of shape (S,) or (B, S). "
+            f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={positions.dtype.name}"
+        )
     positions = positions[None] if positions.ndim == 1 else positions  # (B, S)
     return (slopes[None, :, None, None] * positions[:, None, None, :]).astype(np.float32)  # (B, N, 1, S)
 
@@ -647,6 +675,7 @@ def _attention(q, k, v, keep, bias, causal, scale, softcap, window, sinks):
     scores = q @ k.swapaxes(-1, -2) * scale  # (B, N, T, S)
     capped = None if softcap is None else np.tanh(scores / softcap)  # (B, N, T, S), kept for the backward
     scores = scores if softcap is None else softcap * capped
+    bias = bias if bias is None or sinks is not None else _centre_rows(bias, keep)  # with sinks the level matters
     scores = scores if bias is None else scores + bias  # (B, N, T, S)
     lowest = np.finfo(scores.dtype).min
     scores = np.where(keep, scores, lowest)  # (B, N, T, S)
@@ -661,6 +690,14 @@ def _attention(q, k, v, keep, bias, causal, scale, softcap, window, sinks):
     context = weights @ v  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
     saved = dict(k=k, v=v, keep=keep, probs=probs, weights=weights, capped=capped, scale=scale, softcap=softcap)
     return context, weights, saved
+
+
+def _centre_rows(bias, keep):
+    """`bias` minus each query row's largest kept value (rows keeping nothing: unchanged), as
+    docs/SPEC.md "Numerics" asks: a softmax does not change, and a row whose kept keys all carry
+    the same large finite penalty (-1e20) stays an ordinary softmax instead of one rounded away."""
+    top = np.where(keep, bias, -np.inf).max(axis=-1, keepdims=True, initial=-np.inf)  # (B, N, T, 1), dims may be 1
+    return bias - np.where(np.isfinite(top), top, 0.0)  # (B, N, T, S), dims may be 1
 
 
 def _glorot_uniform(rng, fan_in, fan_out):
@@ -686,7 +723,7 @@ class MultiHeadAttention:
         kdim: width of `key`. Defaults to E.
         vdim: width of `value`. Defaults to E.
         dropout: must be 0: the reference has no dropout.
-        bias: True (all four projections have a bias), False (none), or a collection of the
+        bias: True (all four projections have a bias), False (none), or a list, tuple or set of the
             names of those that have one, among "query", "key", "value", "output" (Qwen2:
             ("query", "key", "value")). Kept as that tuple of names, in that order.
         scale: the factor of the scores q . k; defaults to 1 / sqrt(H).
@@ -781,9 +818,7 @@ class MultiHeadAttention:
         self.head_dim = _positive_int("head_dim", self.d_model // self.num_heads if head_dim is None else head_dim)
         self.kdim = _positive_int("kdim", self.d_model if kdim is None else kdim)
         self.vdim = _positive_int("vdim", self.d_model if vdim is None else vdim)
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
-        if dropout != 0.0:
+        if _dropout_rate(dropout) != 0.0:
             raise ValueError(f"`dropout` must be 0: the NumPy reference has no dropout. Received: dropout={dropout!r}")
         self.dropout = 0.0
         self.bias = _projection_biases(bias)
@@ -791,16 +826,16 @@ class MultiHeadAttention:
         self.softcap = _positive_float("softcap", softcap, optional=True)
         self.window = None if window is None else _positive_int("window", window)
         self.rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
-        self.rope_fraction = rope_fraction
-        self.rope_interleaved = bool(rope_interleaved)
+        rotary_dim = _rotary_dim(rope_fraction, self.head_dim, self.rope_theta is not None)  # None without RoPE
+        self.rope_fraction = float(rope_fraction)
         self.rope_scaling = _rope_scaling(rope_scaling)
         self._inv_freq = None
         if self.rope_theta is not None:
-            rotary_dim = _rotary_dim(rope_fraction, self.head_dim)
             self._inv_freq = rope_frequencies(rotary_dim, self.rope_theta, self.rope_scaling)  # (R/2,)
         self.qk_norm = _check_qk_norm(qk_norm)
         self.qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
-        self.sinks = bool(sinks)
+        self.rope_interleaved = _flag("rope_interleaved", rope_interleaved)
+        self.sinks = _flag("sinks", sinks)
         rng = np.random.default_rng(seed)
         self.params = {}
         for name, shape in self.weight_shapes().items():
@@ -881,7 +916,8 @@ class MultiHeadAttention:
 
     def _by_norm(self, y):
         """(B, L, heads*H) -> the shape QK-norm normalizes over its last axis."""
-        return y.reshape(*y.shape[:2], -1, self.head_dim) if self.qk_norm == "head" else y  # (B, L, heads, H)
+        heads = y.shape[-1] // self.head_dim  # not -1: L may be 0
+        return y.reshape(*y.shape[:2], heads, self.head_dim) if self.qk_norm == "head" else y  # (B, L, heads, H)
 
     def _normalize_qk(self, q, k):
         """QK-norm of the (B, T, N*H) queries and (B, S, K*H) keys, per head or over all heads."""

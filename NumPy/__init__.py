@@ -1,5 +1,5 @@
 """NumPy multi-head attention; see Multi_Head_Attention.py."""
 
-from .Multi_Head_Attention import AttentionMaskWarning, KVCache, MultiHeadAttention, dot_product_attention
+from .Multi_Head_Attention import AttentionMaskWarning, KVCache, MultiHeadAttention, alibi_bias, dot_product_attention
 
-__all__ = ["AttentionMaskWarning", "KVCache", "MultiHeadAttention", "dot_product_attention"]
+__all__ = ["AttentionMaskWarning", "KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]

@@ -71,7 +71,6 @@ first lap attends the first index + T slots directly; other steps attend all L t
 
 import math
 import warnings
-from collections.abc import Collection
 from typing import NamedTuple
 
 import numpy as np
@@ -155,31 +154,50 @@ def _positive_float(name, value, optional=False):
     return float(value)
 
 
+def _flag(name, value):
+    """A constructor flag: a Python or NumPy bool (not 0 or 1, not a string)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
+    return bool(value)
+
+
+def _dropout_rate(dropout):
+    """`dropout` as a float: a Python or NumPy number (not a bool, not None) in [0, 1)."""
+    number = isinstance(dropout, (int, float, np.integer, np.floating)) and not isinstance(dropout, (bool, np.bool_))
+    if not (number and 0.0 <= dropout < 1.0):
+        raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
+    return float(dropout)
+
+
 def _projection_biases(bias):
-    """`bias` (True, False or a collection of projection names) -> the names with a bias, in order."""
+    """`bias` -> the names of the projections that have a bias, in the order ("query", "key",
+    "value", "output"). `bias` is a Python or NumPy bool (all or none), or a list, tuple, set or
+    frozenset of those names; anything else (a string, a dict or its keys, an array) is refused."""
     if isinstance(bias, (bool, np.bool_)):
         return _PROJECTIONS if bias else ()
-    names = (
-        isinstance(bias, Collection)
-        and not isinstance(bias, (str, bytes))
-        and all(isinstance(name, str) and name in _PROJECTIONS for name in bias)
+    names = isinstance(bias, (list, tuple, set, frozenset)) and all(
+        isinstance(name, str) and name in _PROJECTIONS for name in bias
     )
     if not names:
         raise ValueError(
-            f"`bias` must be True, False or a collection of 'query', 'key', 'value', 'output'. Received: bias={bias!r}"
+            "`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output'. "
+            f"Received: bias={bias!r}"
         )
     return tuple(name for name in _PROJECTIONS if name in bias)
 
 
-def _rotary_dim(rope_fraction, head_dim):
-    """R = int(H * rope_fraction), the rotated features of each head: even and at least 2."""
-    rotated = int(head_dim * rope_fraction) if _is_positive_number(rope_fraction) and rope_fraction <= 1 else 0
-    if rotated < 2 or rotated % 2:
+def _rotary_dim(rope_fraction, head_dim, rope):
+    """R = int(H * rope_fraction), the rotated features of each head (None without RoPE).
+    `rope_fraction` is checked whether or not RoPE is on: a Python or NumPy number in (0, 1];
+    with RoPE, R must also be even and at least 2."""
+    valid = _is_positive_number(rope_fraction) and rope_fraction <= 1
+    rotary = int(head_dim * rope_fraction) if valid else 0
+    if not valid or (rope and (rotary < 2 or rotary % 2)):
         raise ValueError(
             "`rope_fraction` must be in (0, 1] and rotate an even number R = int(head_dim * rope_fraction) >= 2 of "
             f"features. Received: rope_fraction={rope_fraction!r}, head_dim={head_dim}"
         )
-    return rotated
+    return rotary if rope else None
 
 
 def _check_rope_scaling(scaling):
@@ -198,7 +216,7 @@ def _check_rope_scaling(scaling):
             "`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3' or 'yarn', with its "
             f"parameters. Received: rope_scaling={scaling!r}"
         )
-    return dict(scaling)
+    return {name: value.item() if isinstance(value, np.generic) else value for name, value in scaling.items()}
 
 
 def _valid_yarn(scaling):
@@ -206,7 +224,7 @@ def _valid_yarn(scaling):
     beta_fast (default 32) at least beta_slow (default 1)."""
     if not all(scaling.get(name) is None or _is_positive_number(scaling[name]) for name in _YARN_OPTIONAL):
         return False
-    truncate = isinstance(scaling.get("truncate", True), bool)
+    truncate = isinstance(scaling.get("truncate", True), (bool, np.bool_))
     return truncate and (scaling.get("beta_fast") or 32) >= (scaling.get("beta_slow") or 1)
 
 
@@ -777,7 +795,7 @@ def _centre_rows(bias, keep):
     A per-query constant does not change a softmax; this keeps a row of only large finite
     penalties (-1e9) an ordinary softmax instead of scores rounded away in float32 or float16.
     """
-    if bias.shape[-1] == 0:
+    if bias.shape[-1] == 0 or keep.shape[-1] == 0:  # S = 0 (a (T, 1) bias broadcasts over no key)
         return bias
     lowest = torch.finfo(bias.dtype).min
     top = torch.where(keep, bias, lowest).amax(dim=-1, keepdim=True)  # (B, N, T, 1), dims may be 1
@@ -1002,7 +1020,7 @@ class MultiHeadAttention(nn.Module):
         kdim: width of `key`. Defaults to E.
         vdim: width of `value`. Defaults to E.
         dropout: probability of dropping attention weights in training mode; 0 <= p < 1.
-        bias: True (all four projections have a bias), False (none), or a collection of the
+        bias: True (all four projections have a bias), False (none), or a list, tuple or set of the
             names of those that have one, among "query", "key", "value", "output" (Qwen2:
             ("query", "key", "value")). Kept as that tuple of names, in that order.
         scale: the factor of the scores, scores = (q . k) * scale. Defaults to 1 / sqrt(H).
@@ -1110,12 +1128,10 @@ class MultiHeadAttention(nn.Module):
         self.head_dim = _positive_int("head_dim", self.d_model // self.num_heads if head_dim is None else head_dim)
         self.kdim = _positive_int("kdim", self.d_model if kdim is None else kdim)
         self.vdim = _positive_int("vdim", self.d_model if vdim is None else vdim)
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
-        self.dropout = float(dropout)
+        self.dropout = _dropout_rate(dropout)
         self.bias = _projection_biases(bias)
         self._check_variants(scale, softcap, window, rope_theta, rope_fraction, rope_scaling, qk_norm, qk_norm_eps)
-        self.rope_interleaved = bool(rope_interleaved)
+        self.rope_interleaved = _flag("rope_interleaved", rope_interleaved)
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         factory = {"device": device, "dtype": dtype}
         self.query = nn.Linear(self.d_model, nh, bias="query" in self.bias, **factory)  # query_kernel^T: (N*H, E)
@@ -1126,7 +1142,7 @@ class MultiHeadAttention(nn.Module):
         self.query_norm, self.key_norm = (
             None if width is None else nn.Parameter(torch.empty(width, **factory)) for width in norms
         )  # (H,) or (N*H,), (H,) or (K*H,)
-        self.sinks = nn.Parameter(torch.empty(self.num_heads, **factory)) if sinks else None  # (N,)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, **factory)) if _flag("sinks", sinks) else None  # (N,)
         self._warned_traps = set()  # the mask habits warned of, once each
         self.reset_parameters()
 
@@ -1136,12 +1152,12 @@ class MultiHeadAttention(nn.Module):
         self.softcap = _positive_float("softcap", softcap, optional=True)
         self.window = None if window is None else _positive_int("window", window)
         self.rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
-        self._rotary_dim = None if self.rope_theta is None else _rotary_dim(rope_fraction, self.head_dim)
+        self._rotary_dim = _rotary_dim(rope_fraction, self.head_dim, self.rope_theta is not None)  # None: no RoPE
         self.rope_fraction = float(rope_fraction)
         self.rope_scaling = _check_rope_scaling(rope_scaling)
         if qk_norm not in (None, "head", "all"):
             raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
-        self.qk_norm = qk_norm
+        self.qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
         self.qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
 
     def reset_parameters(self):
@@ -1463,7 +1479,8 @@ class MultiHeadAttention(nn.Module):
         if unbatched:
             query, key, value = (x if x is None else x.unsqueeze(0) for x in (query, key, value))  # (L, D) -> (1, L, D)
             key_mask, query_mask = (m if m is None or m.dim() != 1 else m[None] for m in (key_mask, query_mask))
-        self_attention = (key is None or key is query) and (value is None or value is query)
+        self_attention = key is None and value is None  # what key_mask defaults by (SPEC: key and value left out)
+        one_input = (key is None or key is query) and (value is None or value is query)  # may fuse the projections
         query, key, value = self._inputs(query, key, value)
         compute_dtype = self._compute_dtype(query)
         _check_compute_dtype(query, compute_dtype)
@@ -1471,8 +1488,8 @@ class MultiHeadAttention(nn.Module):
             _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
             _check_cache_dtype(cache, compute_dtype)
         (b, t, _), s = query.shape, key.shape[1] if cache is None else cache.key.shape[2]
+        query_mask = _check_token_mask("query_mask", query_mask, b, t, "T")  # query_mask first, as in the other files
         key_mask = _check_token_mask("key_mask", key_mask, b, key.shape[1], "S")
-        query_mask = _check_token_mask("query_mask", query_mask, b, t, "T")
         positions = self._positions(positions, query, key, cache)
         target = (b, self.num_heads, t, s)
         softmax_dtype = torch.promote_types(compute_dtype, torch.float32)
@@ -1484,7 +1501,7 @@ class MultiHeadAttention(nn.Module):
             self._warn_traps(attention_mask, key_mask, t, s)
         key_mask = token_keys
 
-        fuse = self_attention and cache is None  # a step's few tokens: concatenating the kernels would cost more
+        fuse = one_input and cache is None  # a step's few tokens: concatenating the kernels would cost more
         q, k, v = self._projections(query, key, value, fuse)
         self._check_local_heads(q, k, attention_mask, attention_bias)
         q, k = self._normalize_qk(q, k)  # (B, N, T, H), (B, K, S, H)

@@ -141,28 +141,50 @@ def _positive_float(name, value, optional=False):
     return float(value)
 
 
+def _flag(name, value):
+    """A constructor flag: a Python or NumPy bool (not 0 or 1, not a string)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
+    return bool(value)
+
+
+def _dropout_rate(dropout):
+    """`dropout` as a float: a Python or NumPy number (not a bool, not None) in [0, 1)."""
+    number = isinstance(dropout, (int, float, np.integer, np.floating)) and not isinstance(dropout, (bool, np.bool_))
+    if not (number and 0.0 <= dropout < 1.0):
+        raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
+    return float(dropout)
+
+
 def _projection_biases(bias):
-    """`bias` (True, False or a collection of projection names) -> the tuple of the projections
-    that have a bias, in the order ("query", "key", "value", "output")."""
+    """`bias` -> the names of the projections that have a bias, in the order ("query", "key",
+    "value", "output"). `bias` is a Python or NumPy bool (all or none), or a list, tuple, set or
+    frozenset of those names; anything else (a string, a dict or its keys, an array) is refused."""
     if isinstance(bias, (bool, np.bool_)):
         return _PROJECTIONS if bias else ()
-    if isinstance(bias, (list, tuple, set, frozenset)) and all(name in _PROJECTIONS for name in bias):
-        return tuple(name for name in _PROJECTIONS if name in bias)
-    raise ValueError(
-        f"`bias` must be True, False or a collection of 'query', 'key', 'value', 'output'. Received: bias={bias!r}"
+    names = isinstance(bias, (list, tuple, set, frozenset)) and all(
+        isinstance(name, str) and name in _PROJECTIONS for name in bias
     )
+    if not names:
+        raise ValueError(
+            "`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output'. "
+            f"Received: bias={bias!r}"
+        )
+    return tuple(name for name in _PROJECTIONS if name in bias)
 
 
-def _rotary_dim(rope_fraction, head_dim):
-    """R = int(H * rope_fraction), the rotated features of each head: even and at least 2."""
+def _rotary_dim(rope_fraction, head_dim, rope):
+    """R = int(H * rope_fraction), the rotated features of each head (None without RoPE).
+    `rope_fraction` is checked whether or not RoPE is on: a Python or NumPy number in (0, 1];
+    with RoPE, R must also be even and at least 2."""
     valid = _is_positive_number(rope_fraction) and rope_fraction <= 1
     rotary = int(head_dim * rope_fraction) if valid else 0
-    if rotary < 2 or rotary % 2:
+    if not valid or (rope and (rotary < 2 or rotary % 2)):
         raise ValueError(
             "`rope_fraction` must be in (0, 1] and rotate an even number R = int(head_dim * rope_fraction) >= 2 of "
             f"features. Received: rope_fraction={rope_fraction!r}, head_dim={head_dim}"
         )
-    return rotary
+    return rotary if rope else None
 
 
 def _check_rope_scaling(scaling):
@@ -183,7 +205,7 @@ def _check_rope_scaling(scaling):
             "`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3' or 'yarn', with its "
             f"parameters. Received: rope_scaling={scaling!r}"
         )
-    return dict(scaling)
+    return {name: value.item() if isinstance(value, np.generic) else value for name, value in scaling.items()}
 
 
 def _valid_yarn(scaling):
@@ -877,7 +899,7 @@ def dot_product_attention(
     v = tf.repeat(v, groups, axis=1) if groups > 1 else v  # (B, K, S, H) -> (B, N, S, H)
     dtype = _softmax_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    q = q * tf.cast(scale, q.dtype)  # scale the (B, N, T, H) queries, not the scores
+    q = q * tf.constant(scale, q.dtype)  # scale the (B, N, T, H) queries, not the scores (no float32 rounding)
     scores = tf.cast(tf.matmul(q, k, transpose_b=True), dtype)  # (B, N, T, S)
     scores, _ = _soft_cap(scores, softcap)
     bias = _added(bias, keep, sinks, dtype)
@@ -920,12 +942,12 @@ def _full_rows(mask, t):
     return tf.broadcast_to(mask, tf.stack([shape[0], shape[1], t, shape[3]]))
 
 
-def _dropout_keep(shape, rate, seed, chunk):
-    """The dropout mask of one chunk, the same every time it is drawn (forward and backward)."""
+def _dropout_keep(shape, rate, seed, chunk, dtype):
+    """The dropout mask of one chunk in `dtype`, the same every time it is drawn (forward and backward)."""
     if not rate:
         return None
     draws = tf.random.stateless_uniform(shape, seed=seed + tf.cast(tf.stack([0, chunk]), tf.int64))
-    return tf.cast(draws >= rate, tf.float32) / (1.0 - rate)
+    return tf.cast(draws >= rate, dtype) / (1.0 - rate)
 
 
 def _stacked(fn, count, shape, dtype):
@@ -983,7 +1005,7 @@ def _chunked_attention(
     chunks = (t + chunk - 1) // chunk
     padded = chunks * chunk - t
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    q = q * tf.cast(scale, q.dtype)  # scale the (B, N, T, H) queries, not the scores
+    q = q * tf.constant(scale, q.dtype)  # scale the (B, N, T, H) queries, not the scores (no float32 rounding)
     q = tf.pad(q, [[0, 0], [0, 0], [0, padded], [0, 0]])  # (B, N, T', H), T' a multiple of chunk
     attention_bias = None if attention_bias is None else tf.cast(attention_bias, dtype)
     keep, bias, attention_bias = (_pad_rows(_full_rows(m, t), padded) for m in (keep, bias, attention_bias))
@@ -1012,7 +1034,7 @@ def _chunked_attention(
         return q_i, _softmax(scores, keep_i, extra.get("sinks")), capped, bias_i
 
     def dropped(weights, i):
-        mask = _dropout_keep(tf.shape(weights), dropout_rate, seed, i)
+        mask = _dropout_keep(tf.shape(weights), dropout_rate, seed, i, weights.dtype)
         return (weights, None) if mask is None else (weights * mask, mask)
 
     @tf.custom_gradient
@@ -1061,7 +1083,7 @@ def _chunked_attention(
                 d_k = accumulate(d_k, tf.matmul(d_scores, grouped(q_i), transpose_a=True))
                 return i + 1, d_k, d_v, d_q.write(i, by_head(tf.matmul(d_scores, k))), d_extra
 
-            zeros = tf.zeros(tf.shape(k), tf.float32)  # (B, K, S, H)
+            zeros = tf.zeros(tf.shape(k), dtype)  # (B, K, S, H), accumulated in float32 at least (float64 stays)
             d_q = tf.TensorArray(q.dtype, size=chunks, element_shape=None, infer_shape=False)
             d_extra = {name: tf.zeros_like(x) for name, x in extra.items()}
             bias_rows = "attention_bias" in extra and extra["attention_bias"].shape[2] != 1
@@ -1108,7 +1130,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         kdim: width of `key`. Defaults to E.
         vdim: width of `value`. Defaults to E.
         dropout: probability of dropping attention weights when training; 0 <= p < 1.
-        bias: True (all four projections have a bias), False (none), or a collection of the
+        bias: True (all four projections have a bias), False (none), or a list, tuple or set of the
             names of those that have one, among "query", "key", "value", "output" (Qwen2:
             ("query", "key", "value")). Kept as that tuple of names, in that order.
         scale: the factor of the scores, `scores = (q . k) * scale`. Defaults to 1 / sqrt(H).
@@ -1220,26 +1242,24 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         self.head_dim = _positive_int("head_dim", self.d_model // self.num_heads if head_dim is None else head_dim)
         self.kdim = _positive_int("kdim", self.d_model if kdim is None else kdim)
         self.vdim = _positive_int("vdim", self.d_model if vdim is None else vdim)
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
-        self.dropout = float(dropout)
+        self.dropout = _dropout_rate(dropout)
         self.bias = _projection_biases(bias)
         self.scale = 1.0 / math.sqrt(self.head_dim) if scale is None else _positive_float("scale", scale)
         self.softcap = _positive_float("softcap", softcap, optional=True)
         self.window = None if window is None else _positive_int("window", window)
         self.rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
+        rotary = _rotary_dim(rope_fraction, self.head_dim, self.rope_theta is not None)  # None without RoPE
         self.rope_fraction = float(rope_fraction)
-        self.rope_interleaved = bool(rope_interleaved)
         self.rope_scaling = _check_rope_scaling(rope_scaling)
         if self.rope_theta is not None:
-            rotary = _rotary_dim(rope_fraction, self.head_dim)
             frequencies = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,)
             self._inv_freq = frequencies.numpy()  # a constant of each graph, not a captured tensor (tf2onnx)
         if qk_norm not in (None, "head", "all"):
             raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
-        self.qk_norm = qk_norm
+        self.qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
         self.qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
-        self.sinks = bool(sinks)
+        self.rope_interleaved = _flag("rope_interleaved", rope_interleaved)
+        self.sinks = _flag("sinks", sinks)
         self.kernel_initializer = tf.keras.initializers.get(kernel_initializer)
         self.bias_initializer = tf.keras.initializers.get(bias_initializer)
         self.supports_masking = True
@@ -1592,11 +1612,11 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         if cache is not None:
             _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
         b, t, s = query.shape[0], query.shape[1], key.shape[1] if cache is None else cache.key.shape[2]
+        positions = self._positions(positions, query, key, cache)  # before the masks, as in the other files
         keep, bias, attention_bias = self._masks(attention_mask, attention_bias, (b, self.num_heads, t, s))
         if cache is None:
             self._warn_traps(attention_mask, explicit_key_mask, t, s)
         keep = _and(keep, _token_keep(query_keep, key_keep if cache is None else None))  # (B, N, T, S), dims may be 1
-        positions = self._positions(positions, query, key, cache)
 
         # 2. Projections.
         if self_attention and cache is None:  # a step's few tokens: concatenating the kernels would cost more

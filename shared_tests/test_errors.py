@@ -39,8 +39,8 @@ CASES = {
     "integer_query": (BASE, {"query": np.ones((2, 3, 8), np.int32)}, r"`query` must be a floating tensor\. Received: query\.dtype=int32"),
     "integer_value": (BASE, {"query": X, "key": Y, "value": np.ones((2, 5, 8), np.int32)}, r"`value` must be a floating tensor\. Received: value\.dtype=int32"),
     # The variants' constructor arguments
-    "bias_unknown_projection": ({**BASE, "bias": ("query", "gate")}, None, r"`bias` must be True, False or a collection of 'query', 'key', 'value', 'output'\. Received: bias=\('query', 'gate'\)"),
-    "bias_string": ({**BASE, "bias": "query"}, None, r"`bias` must be True, False or a collection .* Received: bias='query'"),
+    "bias_unknown_projection": ({**BASE, "bias": ("query", "gate")}, None, r"`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output'\. Received: bias=\('query', 'gate'\)"),
+    "bias_string": ({**BASE, "bias": "query"}, None, r"`bias` must be True, False or a list, tuple or set .* Received: bias='query'"),
     "scale_zero": ({**BASE, "scale": 0.0}, None, r"`scale` must be a positive float\. Received: scale=0\.0"),
     "softcap_negative": ({**BASE, "softcap": -1.0}, None, r"`softcap` must be None or a positive float\. Received: softcap=-1\.0"),
     "window_zero": ({**BASE, "window": 0}, None, r"`window` must be a positive integer\. Received: window=0"),
@@ -55,6 +55,23 @@ CASES = {
     "rope_scaling_missing_factor": ({**BASE, "rope_theta": 10000.0, "rope_scaling": {"rope_type": "linear"}}, None, r"`rope_scaling` must be None or a dict"),
     "qk_norm_unknown": ({**BASE, "qk_norm": "layer"}, None, r"`qk_norm` must be None, 'head' or 'all'\. Received: qk_norm='layer'"),
     "qk_norm_eps_zero": ({**BASE, "qk_norm": "head", "qk_norm_eps": 0.0}, None, r"`qk_norm_eps` must be a positive float\. Received: qk_norm_eps=0\.0"),
+    # Regressions D6, D8, D9 (and the flags): one rule for the types each argument takes, in all three files
+    "d06_bias_ndarray": ({**BASE, "bias": np.array(["query", "key"])}, None, r"`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output'\. Received: bias=array\("),
+    "d06_bias_dict": ({**BASE, "bias": {"query": True}}, None, r"`bias` must be True, False or a list, tuple or set .* Received: bias=\{'query': True\}"),
+    "d06_bias_dict_keys": ({**BASE, "bias": {"value": 1}.keys()}, None, r"`bias` must be True, False or a list, tuple or set .* Received: bias=dict_keys\(\['value'\]\)"),
+    "d06_bias_none": ({**BASE, "bias": None}, None, r"`bias` must be True, False or a list, tuple or set .* Received: bias=None"),
+    "d08_rope_fraction_none_with_rope": ({**BASE, "rope_theta": 10000.0, "rope_fraction": None}, None, r"`rope_fraction` must be in \(0, 1\] .* Received: rope_fraction=None, head_dim=4"),
+    "d08_rope_fraction_none_without_rope": ({**BASE, "rope_fraction": None}, None, r"`rope_fraction` must be in \(0, 1\] .* Received: rope_fraction=None, head_dim=4"),
+    "rope_fraction_above_one_without_rope": ({**BASE, "rope_fraction": 1.5}, None, r"`rope_fraction` must be in \(0, 1\] .* Received: rope_fraction=1\.5, head_dim=4"),
+    "rope_scaling_without_rope": ({**BASE, "rope_scaling": {"rope_type": "linear"}}, None, r"`rope_scaling` must be None or a dict"),
+    "qk_norm_eps_without_qk_norm": ({**BASE, "qk_norm_eps": -1.0}, None, r"`qk_norm_eps` must be a positive float\. Received: qk_norm_eps=-1\.0"),
+    "d09_dropout_none": ({**BASE, "dropout": None}, None, r"`dropout` must be in \[0, 1\)\. Received: dropout=None"),
+    "dropout_bool": ({**BASE, "dropout": True}, None, r"`dropout` must be in \[0, 1\)\. Received: dropout=True"),
+    "dropout_string": ({**BASE, "dropout": "0.1"}, None, r"`dropout` must be in \[0, 1\)\. Received: dropout='0\.1'"),
+    "sinks_not_bool": ({**BASE, "sinks": 1}, None, r"`sinks` must be True or False\. Received: sinks=1"),
+    "rope_interleaved_not_bool": ({**BASE, "rope_interleaved": "yes"}, None, r"`rope_interleaved` must be True or False\. Received: rope_interleaved='yes'"),
+    "scale_bool": ({**BASE, "scale": True}, None, r"`scale` must be a positive float\. Received: scale=True"),
+    "window_float": ({**BASE, "window": 2.0}, None, r"`window` must be a positive integer\. Received: window=2\.0"),
     # The new call arguments
     "mixed_input_dtypes": (BASE, {"query": X, "key": Y.astype(np.float16), "value": Y.astype(np.float16)}, r"`query`, `key` and `value` must have the same dtype\. Received: query\.dtype=float32, key\.dtype=float16, value\.dtype=float16"),
     "positions_without_rope": (BASE, {"query": X, "positions": np.arange(3)}, r"`positions` needs RoPE: construct the layer with `rope_theta`\. Received: positions with rope_theta=None"),
@@ -133,6 +150,81 @@ def test_same_value_error_in_all_three(name):
             caller(kwargs, call)
         messages[framework] = str(error.value)
     assert messages["torch"] == messages["tf"] == messages["numpy"], messages
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+# name: constructor kwargs every file accepts, and the attributes they must all give
+ACCEPTED_ARGUMENTS = {
+    "d07_yarn_truncate_numpy_bool": (
+        {**BASE, "rope_theta": 10000.0, "rope_scaling": {**YARN, "truncate": np.bool_(False)}}, {"rope_theta": 10000.0},
+    ),
+    "numpy_scalars": (
+        {"d_model": np.int64(8), "num_heads": np.int32(2), "head_dim": np.int16(4), "scale": np.float32(0.5),
+         "softcap": np.float64(3.0), "window": np.uint8(2), "rope_theta": np.int64(100), "rope_fraction": np.float32(0.5),
+         "qk_norm_eps": np.float32(1e-5), "rope_interleaved": np.bool_(True), "sinks": np.bool_(True), "dropout": np.float64(0.0)},
+        {"d_model": 8, "num_heads": 2, "head_dim": 4, "scale": 0.5, "softcap": 3.0, "window": 2, "rope_theta": 100.0,
+         "rope_fraction": 0.5, "rope_interleaved": True, "sinks": True, "dropout": 0.0},
+    ),
+    "bias_numpy_bool": ({**BASE, "bias": np.bool_(False)}, {"bias": ()}),
+    "bias_frozenset": ({**BASE, "bias": frozenset({"value", "query"})}, {"bias": ("query", "value")}),
+    "bias_list_with_duplicates": ({**BASE, "bias": ["output", "key", "output"]}, {"bias": ("key", "output")}),
+    "bias_empty_tuple": ({**BASE, "bias": ()}, {"bias": ()}),
+    # a variant switched off: its arguments are checked on their own, never against the others
+    "rope_fraction_odd_without_rope": ({**BASE, "rope_fraction": 0.25}, {"rope_fraction": 0.25, "rope_theta": None}),
+}  # fmt: skip
+
+
+def _constructors():
+    from PyTorch import MultiHeadAttention as TorchMultiHeadAttention
+    from TensorFlow import MultiHeadAttention as TFMultiHeadAttention
+
+    return {"torch": TorchMultiHeadAttention, "tf": TFMultiHeadAttention, "numpy": NumpyMultiHeadAttention}
+
+
+@pytest.mark.parametrize("name", sorted(ACCEPTED_ARGUMENTS))
+def test_python_and_numpy_arguments_are_accepted_alike(name):
+    """Regression D7 (YaRN's `truncate=np.bool_(False)` was refused by PyTorch only), and the rule
+    of docs/SPEC.md "Argument types": Python and NumPy scalars alike, a bool or a list, tuple or
+    set for `bias`, and a switched-off variant's arguments checked on their own."""
+    kwargs, expected = ACCEPTED_ARGUMENTS[name]
+    for framework, cls in _constructors().items():
+        layer = cls(**kwargs)
+        got = {attribute: getattr(layer, attribute) for attribute in expected}
+        if framework == "torch" and "sinks" in got:  # the PyTorch layer holds the sink logits as `sinks`
+            got["sinks"] = got["sinks"] is not None
+        assert got == expected, (framework, got)
+        assert all(type(value) is type(expected[key]) for key, value in got.items()), (framework, got)
+
+
+POSITIONS = {
+    "float": np.arange(5.0),
+    "bool": np.ones(3, bool),
+    "rank_3": np.arange(8).reshape(2, 2, 2),
+    "rank_0": np.array(3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(POSITIONS))
+def test_d10_alibi_bias_refuses_alike(name):
+    """Regression D10: NumPy's `alibi_bias` accepted float, bool and rank-3 positions, which the
+    others refuse; all three refuse them with one message (and NumPy/__init__.py exports it)."""
+    import torch
+
+    from NumPy import alibi_bias as numpy_alibi
+    from PyTorch import alibi_bias as torch_alibi
+    from TensorFlow import alibi_bias as tf_alibi
+
+    positions = POSITIONS[name]
+    messages = {}
+    for framework, alibi, convert in (
+        ("numpy", numpy_alibi, np.asarray), ("torch", torch_alibi, torch.from_numpy), ("tf", tf_alibi, np.asarray),
+    ):  # fmt: skip
+        with pytest.raises(
+            ValueError, match=r"`positions` must be an integer tensor of shape \(S,\) or \(B, S\)\. "
+        ) as error:
+            alibi(2, convert(positions))
+        messages[framework] = str(error.value)
+    assert len(set(messages.values())) == 1, messages
 
 
 # The built-ins' habits, read from mask values: a warning, never an error (docs/SPEC.md, Masks).

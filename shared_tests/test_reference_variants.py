@@ -303,3 +303,37 @@ def test_floating_mask_rule(value, dtype, removes):
         np.testing.assert_array_equal(out[:, 2], 0.5)
     else:
         np.testing.assert_allclose(weights[:, :, 2], layer(x, return_attention=True)[1][:, :, 2], atol=1e-9)
+
+
+@pytest.mark.parametrize("qk_norm", ["head", "all"])
+@pytest.mark.parametrize(("t", "s"), [(0, 3), (3, 0), (0, 0)])
+def test_d03_qk_norm_with_an_empty_sequence(qk_norm, t, s):
+    """Regression D3: qk_norm="head" with T = 0 or S = 0 crashed in a reshape (-1 over no
+    element); an empty sequence gives the empty result and gradients, as in the other files."""
+    layer = MultiHeadAttention(E, N, qk_norm=qk_norm, seed=0)
+    out, weights = layer(_x(0, (B, t, E)), key=_x(1, (B, s, E)), return_attention=True)
+    assert out.shape == (B, t, E) and weights.shape == (B, N, t, s)
+    grads = layer.backward(np.ones_like(out))
+    assert grads["query"].shape == (B, t, E) and grads["key"].shape == (B, s, E)
+    np.testing.assert_array_equal(grads["query_norm"], 0.0)
+
+
+@pytest.mark.parametrize("penalty", [-1e9, -1e20, -1e30, np.nextafter(np.finfo(np.float32).min, 0.0)])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_d11_a_row_of_one_finite_penalty_is_an_ordinary_softmax(penalty, sinks):
+    """Regression D11: the reference added a float mask without taking each row's largest kept
+    value off first (docs/SPEC.md "Numerics"), so a row whose kept keys all carry the same large
+    finite penalty gave uniform weights (and -1e9 lost digits). Without sinks that row is now the
+    unmasked softmax; with sinks the penalty is added as is (the row's level matters), so the
+    sink takes nearly all the weight."""
+    layer = MultiHeadAttention(E, N, sinks=sinks, seed=0)
+    x = _x()
+    mask = np.zeros((T, T))
+    mask[2] = penalty
+    mask[0, 0] = 0.5  # not a Keras 0/1 mask
+    weights = layer(x, attention_mask=mask, return_attention=True)[1]
+    plain = layer(x, return_attention=True)[1]
+    if sinks:
+        assert (weights[:, :, 2] < 1e-8).all()
+    else:
+        np.testing.assert_allclose(weights[:, :, 2], plain[:, :, 2], atol=FLOAT64_TOL)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from shared_tests.cases import TOLERANCES
+from shared_tests.cases import FLOAT64_TOLERANCES, TOLERANCES
 from TensorFlow import MultiHeadAttention
 
 keras = tf.keras
@@ -536,3 +536,18 @@ def test_memory_efficient_path_exports(path):
 
     (output,) = runtimes.RUNNERS[path](case, data, chunked_layer, return_attention=False)
     _close(output, expected, OUTPUT_TOL)
+
+
+@pytest.mark.parametrize("scale", [None, 0.3, 0.1])
+def test_d01_float64_layer_keeps_scale_in_float64(scale):
+    """Regression D1: a float64 layer multiplied q by `scale` cast through float32 (1/sqrt(2)
+    about 1.2e-8 off). It now gives the NumPy reference within the float64 tolerance."""
+    from NumPy import MultiHeadAttention as NumpyMultiHeadAttention
+
+    reference = NumpyMultiHeadAttention(8, 4, scale=scale, seed=0)  # H = 2: 1 / sqrt(2) by default
+    layer = MultiHeadAttention(8, 4, scale=scale, dtype="float64")
+    layer.import_weights(reference.export_weights())
+    x = rng.normal(size=(1, 3, 8))
+    np.testing.assert_allclose(
+        layer(tf.constant(x)).numpy(), reference(x), atol=FLOAT64_TOLERANCES["plain"]["output"], rtol=0
+    )

@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import TensorFlow.Multi_Head_Attention as tf_file
-from shared_tests.cases import TOLERANCES
+from shared_tests.cases import FLOAT64_TOLERANCES, TOLERANCES
 from shared_tests.runtimes import _quietly
 from TensorFlow import MultiHeadAttention
 
@@ -127,3 +127,40 @@ def test_memory_efficient_gradients_with_unknown_batch_and_length():
     np.testing.assert_allclose(output, expected, atol=OUTPUT_TOL, rtol=0)
     for got, want in zip(grads, expected_grads, strict=True):
         np.testing.assert_allclose(got, want, atol=GRADS_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("threshold", [EXPLICIT, CHUNKED])
+def test_d02_float64_gradients_on_the_memory_efficient_path(threshold):
+    """Regression D2: the memory-efficient path accumulated the key and value gradients of a
+    float64 layer in float32 (about 1.6e-8 off). Both paths now give the NumPy reference's
+    gradients within the float64 tolerance."""
+    from NumPy import MultiHeadAttention as NumpyMultiHeadAttention
+
+    q, kv, grad = rng.normal(size=(1, 3, 4)), rng.normal(size=(1, 4, 4)), rng.normal(size=(1, 3, 4))
+    reference = NumpyMultiHeadAttention(4, 1, num_kv_heads=1, seed=0)
+    reference(q, key=kv)
+    want = reference.backward(grad)
+    layer = MultiHeadAttention(4, 1, dtype="float64")
+    layer.import_weights(reference.export_weights())
+    layer.memory_efficient_threshold, layer.query_chunk_elements = threshold, 2 * 4  # two queries per chunk
+    q, kv = tf.constant(q), tf.constant(kv)
+    with tf.GradientTape() as tape:
+        tape.watch([q, kv])
+        loss = tf.reduce_sum(layer(q, key=kv) * grad)
+    got = dict(zip(["query", "key"], tape.gradient(loss, [q, kv]), strict=True))
+    for name, value in got.items():
+        np.testing.assert_allclose(value.numpy(), want[name], atol=FLOAT64_TOLERANCES["plain"]["grads"], rtol=0)
+
+
+def test_float64_dropout_on_the_memory_efficient_path():
+    """Regression (found beside D2): a float64 layer training with dropout on the memory-efficient
+    path multiplied float64 weights by a float32 dropout mask and failed; the mask now takes the
+    weights' dtype, and the gradients stay float64."""
+    layer = MultiHeadAttention(4, 1, dtype="float64", dropout=0.5)
+    layer.memory_efficient_threshold = CHUNKED
+    x = tf.constant(rng.normal(size=(1, 3, 4)))
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        loss = tf.reduce_sum(layer(x, training=True))
+    grad = tape.gradient(loss, x)
+    assert grad.dtype == tf.float64 and np.isfinite(grad.numpy()).all()

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from PyTorch import Multi_Head_Attention, MultiHeadAttention
-from shared_tests.cases import TOLERANCES
+from shared_tests.cases import FLOAT64_TOLERANCES, TOLERANCES
 
 OUTPUT_TOL = TOLERANCES["float32"]["output"]
 WEIGHTS_TOL = TOLERANCES["float32"]["weights"]
@@ -425,3 +425,62 @@ def test_lean_decode_step_refuses_a_full_cache_and_writes_nothing():
         with pytest.raises(ValueError, match=r"^`cache` is full: .*Received: index=4, T=2, L=5$"):
             layer(_randn(2, 2, 16, seed=1), cache=cache)
     assert torch.equal(cache.key, written) and int(cache.index) == 4
+
+
+FLOAT64_TOL = FLOAT64_TOLERANCES["plain"]["output"]
+
+
+def _float64_pair(**config):
+    """A NumPy reference and a float64 PyTorch layer with its weights."""
+    from NumPy import MultiHeadAttention as NumpyMultiHeadAttention
+
+    reference = NumpyMultiHeadAttention(**config, seed=0)
+    layer = MultiHeadAttention(**config, dtype=torch.float64)
+    layer.import_weights(reference.export_weights())
+    return reference, layer
+
+
+@pytest.mark.parametrize("given", ["key_and_value", "key", "value"])
+def test_d04_key_and_value_given_as_the_query_is_not_self_attention(given):
+    """Regression D4: `layer(x, key=x, value=x, query_mask=m)` was read as self-attention (the
+    same tensor), so `key_mask` defaulted to `query_mask`. Self-attention is defined by the call:
+    key and value both left out (docs/SPEC.md, Call); key or value given, the keys are not masked."""
+    reference, layer = _float64_pair(d_model=4, num_heads=1)
+    x = np.random.default_rng(0).normal(size=(1, 3, 4))  # (B, T, E)
+    keep = np.array([[True, False, True]])  # (B, T)
+    inputs = {"key_and_value": {"key": x, "value": x}, "key": {"key": x}, "value": {"value": x}}[given]
+    want = reference(x, **inputs, query_mask=keep)
+    xt = torch.tensor(x)
+    got = layer(xt, **{name: xt for name in inputs}, query_mask=torch.tensor(keep))
+    np.testing.assert_allclose(got.detach().numpy(), want, atol=FLOAT64_TOL, rtol=0)
+    self_attention = layer(xt, query_mask=torch.tensor(keep))  # here key_mask defaults to query_mask
+    np.testing.assert_allclose(self_attention.detach().numpy(), reference(x, query_mask=keep), atol=FLOAT64_TOL, rtol=0)
+    assert not np.allclose(self_attention.detach().numpy(), want)
+
+
+@pytest.mark.parametrize("name", ["attention_bias", "attention_mask"])
+@pytest.mark.parametrize(
+    "options",
+    [{"causal": True}, {"key_mask": np.ones((1, 0), bool)}, {"window": 2}, {"causal": True, "window": 1}],
+    ids=["causal", "key_mask", "window", "causal_window"],
+)
+@pytest.mark.parametrize("return_attention", [False, True])
+def test_d05_no_keys_with_a_broadcast_float_mask(name, options, return_attention):
+    """Regression D5: with S = 0, a (T, 1) floating mask or bias plus causal, a window or a
+    key_mask raised IndexError in `_centre_rows` (a (T, 1) bias broadcast over no key). No query
+    has a key: the output is `output_bias`, the weights (B, N, T, 0)."""
+    options = dict(options)
+    window = options.pop("window", None)
+    _, layer = _float64_pair(d_model=4, num_heads=1, window=window)
+    with torch.no_grad():
+        layer.output.bias.copy_(torch.arange(4.0))
+    call = {
+        name: torch.zeros(2, 1, dtype=torch.float64),
+        **{k: torch.tensor(v) if isinstance(v, np.ndarray) else v for k, v in options.items()},
+    }
+    result = layer(torch.ones(1, 2, 4, dtype=torch.float64), key=torch.ones(1, 0, 4, dtype=torch.float64),
+                   **call, return_attention=return_attention)  # fmt: skip
+    output = result[0] if return_attention else result
+    assert torch.equal(output, torch.arange(4.0, dtype=torch.float64).expand(1, 2, 4))
+    if return_attention:
+        assert result[1].shape == (1, 1, 2, 0)
