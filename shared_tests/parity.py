@@ -8,8 +8,9 @@ path: outputs and weights are compared between frameworks and against one full c
 and the final caches must be equal. Exit status 1 on any FAIL.
 
 A FAIL row is followed by what failed: the quantity, its value and its tolerance. A path that
-raises is an error of its row, never the end of the report. Every case or path not run is listed
-at the end of the report with its reason.
+raises is an error of its row, never the end of the report. After the tables, one line per path
+(and per reason a case was left out) says how many cases did not run there and why (`--verbose`
+lists them); the report ends with the two summary lines and the time it took.
 """
 
 import argparse
@@ -19,6 +20,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -354,25 +356,42 @@ def format_table(rows):
     gaps = {**dict.fromkeys(labels, "   "), DYNAMIC_LABEL: "        "}
     for row in rows:
         lines += _row_lines(row, _cells(row.diffs, [*labels, DYNAMIC_LABEL], quantities, gaps))
-    passed = sum(row.passed for row in rows)
     lines.append("-" * len(head))
-    lines.append(f"{passed}/{len(rows)} cases PASS, {len(rows) - passed} FAIL")
     return "\n".join(lines)
 
 
-def format_not_run(rows, dropped):
-    """The end of the report: every case left out (`dropped`: (name, reason) pairs) and every
-    path that could not run a case, each with its reason; empty when everything ran."""
-    lines, by_reason = [], {}
+def _counted(by_reason, verbose):
+    """`n reason` for each reason (joined by `; `), and with `verbose` each followed by its cases."""
+    return "; ".join(
+        f"{len(names)} {'case' if len(names) == 1 else 'cases'}" + (f" ({', '.join(names)})" if verbose else "")
+        + f": {reason}"
+        for reason, names in by_reason.items()
+    )  # fmt: skip
+
+
+def format_not_run(rows, dropped, skipped_paths=(), verbose=False):
+    """After the tables: one line for the cases left out (`dropped`: (name, reason) pairs), one
+    per path that could not run some cases, and one per path not run at all (`skipped_paths`:
+    (paths, reason) pairs): how many and why; `verbose` names the cases. Empty when all ran."""
+    by_reason, by_path = {}, {}
     for name, reason in dropped:
         by_reason.setdefault(reason, []).append(name)
-    lines += [f"not run ({reason}): {', '.join(names)}" for reason, names in by_reason.items()]
-    by_path = {}
     for row in rows:
         for path, reason in row.skipped.items():
-            by_path.setdefault((path, reason), []).append(row.case)
-    lines += [f"skipped on {path} ({reason}): {', '.join(cases)}" for (path, reason), cases in by_path.items()]
-    return "\n".join(["Cases and paths not run:", *lines]) if lines else ""
+            by_path.setdefault(path, {}).setdefault(reason, []).append(row.case)
+    lines = [f"  cases left out: {_counted(by_reason, verbose)}"] if by_reason else []
+    width = max((len(path) for path in by_path), default=0)
+    lines += [f"  {path:<{width}}  {_counted(reasons, verbose)}" for path, reasons in by_path.items()]
+    lines += [f"  {', '.join(paths)}: not run, {reason}" for paths, reason in skipped_paths]
+    if not lines:
+        return ""
+    title = "Not run (cases by reason):" if verbose else "Not run (how many cases and why; --verbose names them):"
+    return "\n".join([title, *lines])
+
+
+def _duration(seconds):
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
 
 
 def format_decode_table(rows):
@@ -385,10 +404,14 @@ def format_decode_table(rows):
     gaps = {**dict.fromkeys(labels, "   "), "decode/full": "  "}
     for row in rows:
         lines += _row_lines(row, _cells(row.diffs, labels, quantities, gaps))
-    passed = sum(row.passed for row in rows)
     lines.append("-" * len(head))
-    lines.append(f"{passed}/{len(rows)} decode cases PASS, {len(rows) - passed} FAIL")
     return "\n".join(lines)
+
+
+def summary(rows, what="cases"):
+    """The summary line of one table: how many of its rows PASS and FAIL."""
+    passed = sum(row.passed for row in rows)
+    return f"{passed}/{len(rows)} {what} PASS, {len(rows) - passed} FAIL"
 
 
 def plot(case, results, path):
@@ -594,15 +617,65 @@ def parse_args(argv):
         default="cpu",
         help="device of the PyTorch paths, e.g. cuda; on any other than cpu only NumPy and the PyTorch paths run",
     )
+    parser.add_argument(
+        "--no-runtimes",
+        action="store_true",
+        help="skip the deployed runtimes (ONNX Runtime, LiteRT, the exports): the quick form for iterating",
+    )
+    parser.add_argument("--verbose", action="store_true", help="name every case a path did not run")
     parser.add_argument("--json", metavar="FILE", help="also write the table as JSON")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     return parser.parse_args(argv)
 
 
+NO_RUNTIMES_REASON = "--no-runtimes"
+OFF_CPU_REASON = "TensorFlow and the runtimes run only with --device cpu"
+WEIGHTS_DYNAMIC_REASON = (
+    "the shape-polymorphic exports are made once per group of cases (runtimes.DYNAMIC_GROUPS) from the table's own "
+    "layers and weights; with --weights the static-shape exports (torch:onnx, tf:onnx, tf:litert) run your file"
+)
+
+
+def device_error(device):
+    """Why the PyTorch paths cannot run on `device` (the text after `error: `), or None."""
+    import torch
+
+    try:
+        device = torch.device(device)
+    except RuntimeError as error:
+        return f"--device {device!r} is not a PyTorch device: {str(error).splitlines()[0]}"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device (--device cuda runs the PyTorch paths on a GPU)"
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        return f"no CUDA device {device.index} ({torch.cuda.device_count()} found)"
+    return None
+
+
+def _paths(args):
+    """(paths, decode paths, dynamic paths, [(paths, reason)] of the paths not run at all)."""
+    paths, decode_paths, dynamic_paths, reason = PATHS, DECODE_PATHS, DYNAMIC_PATHS, None
+    if args.device != "cpu":
+        paths = ("numpy", *(p for p in FRAMEWORK_PATHS["torch"] if p not in RUNTIME_PATHS))
+        decode_paths, dynamic_paths = ("numpy", *DECODE_FRAMEWORK_PATHS["torch"]), ()
+        reason = OFF_CPU_REASON
+    elif args.no_runtimes:
+        paths, dynamic_paths, reason = tuple(p for p in PATHS if p not in RUNTIME_PATHS), (), NO_RUNTIMES_REASON
+    elif args.weights:
+        return paths, decode_paths, (), [(DYNAMIC_PATHS, WEIGHTS_DYNAMIC_REASON)]
+    every = dict.fromkeys([*PATHS, *DECODE_PATHS, *DYNAMIC_PATHS])
+    left_out = [p for p in every if p not in {*paths, *decode_paths, *dynamic_paths}]
+    return paths, decode_paths, dynamic_paths, [(left_out, reason)] if left_out else []
+
+
 def main(argv=None):
+    started = time.perf_counter()
     args = parse_args(argv)
     if args.plot and args.device != "cpu":
         print("error: --plot compares PyTorch with TensorFlow, which runs only with --device cpu", file=sys.stderr)
+        return 2
+    error = None if args.device == "cpu" else device_error(args.device)
+    if error is not None:
+        print(f"error: {error}", file=sys.stderr)
         return 2
     if args.list:
         print("\n".join(f"{c.name:<28} {c}" for c in [*CASES, *DECODE_CASES]))
@@ -624,13 +697,10 @@ def main(argv=None):
 
         return make
 
-    paths, decode_paths = PATHS, DECODE_PATHS
+    paths, decode_paths, dynamic_paths, not_run = _paths(args)
     if args.device != "cpu":
         os.environ["PARITY_TORCH_DEVICE"] = args.device
-        paths = ("numpy", *(p for p in FRAMEWORK_PATHS["torch"] if p not in RUNTIME_PATHS))
-        decode_paths = ("numpy", *DECODE_FRAMEWORK_PATHS["torch"])
         print(f"PyTorch paths on {describe_device(args.device)}; TensorFlow and the runtimes are not run\n")
-    dynamic_paths = DYNAMIC_PATHS if args.device == "cpu" else ()
     run_one = functools.partial(run_case, paths=paths, dynamic_paths=dynamic_paths)
     rows, results = _run_all(cases, run_one, with_user_weights(make_data))
     decode_rows, _ = _run_all(
@@ -639,7 +709,7 @@ def main(argv=None):
     tables = (
         rows and format_table(rows),
         decode_rows and format_decode_table(decode_rows),
-        format_not_run(rows, [*dropped, *decode_dropped]),
+        format_not_run(rows, [*dropped, *decode_dropped], not_run, args.verbose),
     )
     print("\n\n".join(table for table in tables if table))
     if args.plot and rows and {"torch:explicit", "tf:eager"} <= set(results):
@@ -659,6 +729,8 @@ def main(argv=None):
                 handle,
                 indent=1,
             )
+    print(f"\n{summary(rows)}\n{summary(decode_rows, 'decode cases')}")
+    print(f"report took {_duration(time.perf_counter() - started)}")
     return 0 if all(row.passed for row in [*rows, *decode_rows]) else 1
 
 
