@@ -736,13 +736,13 @@ def main(argv=None):
     if args.plot and args.device != "cpu":
         print("error: --plot compares PyTorch with TensorFlow, which runs only with --device cpu", file=sys.stderr)
         return 2
+    if args.list:
+        print("\n".join(f"{c.name:<28} {c}" for c in [*CASES, *DECODE_CASES]))
+        return 0
     error = None if args.device == "cpu" else device_error(args.device)
     if error is not None:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if args.list:
-        print("\n".join(f"{c.name:<28} {c}" for c in [*CASES, *DECODE_CASES]))
-        return 0
     user_weights, layout = None, None
     if args.weights:
         try:
