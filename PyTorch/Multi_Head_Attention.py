@@ -507,6 +507,11 @@ def _values_readable(*tensors):
     return all(x.device.type == "cpu" for x in tensors)
 
 
+def _on_meta(*tensors):
+    """Whether any of the tensors (None ignored) is on the meta device, which holds shapes and no values."""
+    return any(x is not None and x.device.type == "meta" for x in tensors)
+
+
 def _attention_mask(attention_mask, mask):
     """`mask=` is another name for `attention_mask` (the seed usage `layer(q, k, v, mask=None)`)."""
     if mask is None:
@@ -589,10 +594,15 @@ def _check_cache(cache, query, key, heads, head_dim):
         )
 
 
+def _autocast_enabled(device):
+    """Whether autocast is on for the device's type; never on the meta device, which autocast does not know."""
+    return device.type != "meta" and torch.is_autocast_enabled(device.type)
+
+
 def _check_compute_dtype(query, dtype):
     """Outside autocast the inputs must have the dtype the layer computes in (its parameters'):
     the projections' matmuls would fail with a RuntimeError, or a cast would hide the mismatch."""
-    if query.dtype != dtype and not torch.is_autocast_enabled(query.device.type):
+    if query.dtype != dtype and not _autocast_enabled(query.device):
         raise ValueError(
             f"`query`, `key` and `value` must have the layer's dtype {_dtype_name(dtype)}: cast them, or the layer "
             f"(`layer.to(dtype)`), or call it under torch.autocast. Received: query.dtype={_dtype_name(query.dtype)}"
@@ -640,10 +650,10 @@ def _check_room(index, t, length, window):
 
     Eagerly a call without room is a ValueError. Under `torch.compile` (where raising needs a
     graph break) it returns a () boolean tensor, True for a call without room, and the caller
-    sets that call's output to NaN.
+    sets that call's output to NaN. On the meta device (no values) nothing is checked.
     """
     no_room = (index + t > length) & (window is None or length < window + t - 1)  # ()
-    if not torch.compiler.is_compiling() and bool(no_room):
+    if not (torch.compiler.is_compiling() or _on_meta(no_room)) and bool(no_room):
         raise _cache_full_error(int(index), t, length) if window is None else _cache_too_short_error(window, t, length)
     return no_room
 
@@ -677,7 +687,8 @@ def _write_cache(cache, k, v, key_mask):
     slots = positions % length  # (T,)
     cache.key.index_copy_(2, slots, k)  # (B, K, L, H)
     cache.value.index_copy_(2, slots, v)  # (B, K, L, H)
-    if key_mask is None and not torch.compiler.is_compiling() and int(cache.index) + t <= length:
+    index_known = not (torch.compiler.is_compiling() or _on_meta(cache.index))  # a Python int can be read
+    if key_mask is None and index_known and int(cache.index) + t <= length:
         return KVCache(cache.key, cache.value, cache.keep, cache.index + t)  # first lap, nothing to AND: keep stays
     new = torch.ones(b, t, dtype=torch.bool, device=k.device) if key_mask is None else key_mask  # (B, T)
     old = cache.keep.index_select(1, slots)  # (B, T)
@@ -688,9 +699,10 @@ def _write_cache(cache, k, v, key_mask):
 def _prefix_stop(cache, t, window):
     """The lean decode step's end, index + T as a Python int, where the call writes within the
     cache's first lap (slot s holds position s), so its queries attend the first index + T slots
-    as a full pass attends its keys; None where it wraps (a rolling cache) or inside a graph
-    (which cannot slice by the index). Without a window a call without room is a ValueError."""
-    if not _values_readable():
+    as a full pass attends its keys; None where it wraps (a rolling cache), inside a graph
+    (which cannot slice by the index) or on the meta device (no index to read).
+    Without a window a call without room is a ValueError."""
+    if not _values_readable() or _on_meta(cache.index):
         return None
     index, length = int(cache.index), cache.key.shape[2]
     if index + t <= length:
@@ -1450,7 +1462,7 @@ class MultiHeadAttention(nn.Module):
     def _compute_dtype(self, query):
         """The dtype q, k and v are computed in: autocast's, else the output projection's float
         weight's, else the query's (a quantized module)."""
-        if torch.is_autocast_enabled(query.device.type):
+        if _autocast_enabled(query.device):
             return torch.get_autocast_dtype(query.device.type)
         weight = self._float_weight()
         return query.dtype if weight is None else weight.dtype

@@ -177,8 +177,8 @@ DYNAMIC_GROUPS = (  # the first case of each group exported with dynamic shapes,
     "float16_cross_causal",
 )
 NOT_IN_DYNAMIC_GROUPS = (
-    "shape-polymorphic exports run on {groups} groups of cases sharing their layer and call options "
-    "(runtimes.DYNAMIC_GROUPS, within make parity's time); this case runs exported at its static shapes"
+    "outside the {groups} groups of cases sharing their layer and call options that the shape-polymorphic exports "
+    "run (runtimes.DYNAMIC_GROUPS, few for make parity's time)"
 )
 DYNAMIC_EMPTY_KEYS_REASON = (  # S = 0 in a graph exported at S >= 2
     "onnxruntime refuses a Reshape of the zero-length keys in the graph torch.onnx exports with a dynamic key length"

@@ -62,10 +62,13 @@ def test_benchmark_quick_never_writes_the_recorded_results(capsys):
     assert "/out/" in (ROOT / ".gitignore").read_text().split()  # where quick runs write is not tracked
 
 
-@pytest.mark.parametrize("module", ["bench.cuda", "shared_tests.cuda_checks"])
-def test_gpu_scripts_import_and_say_when_there_is_no_gpu(module):
-    """They run on a CUDA machine only (docs/gpu.md); here they must import and refuse clearly."""
-    result = subprocess.run([sys.executable, "-m", module], cwd=ROOT, capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize(
+    "command", [["bench.cuda"], ["shared_tests.cuda_checks"], ["shared_tests.parity", "--device", "cuda"]], ids=str
+)
+def test_gpu_scripts_import_and_say_when_there_is_no_gpu(command):
+    """They run on a CUDA machine only (docs/gpu.md); here they must import and refuse clearly,
+    with status 2 (the parity report raised an AssertionError from torch, status 1)."""
+    result = subprocess.run([sys.executable, "-m", *command], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert "error: no CUDA device" in result.stderr
 

@@ -1,6 +1,7 @@
 """Conventions that PyTorch's own tests check for nn.MultiheadAttention and SDPA, written for this
 layer: `torch.autograd.gradcheck` in float64 (masks, fully masked rows, both code paths, causal,
-grouped-query heads), and dropout in training mode equal to the built-in's under the same seed."""
+grouped-query heads), dropout in training mode equal to the built-in's under the same seed, and
+the forward pass on the meta device (every path, the KV cache included)."""
 
 import pytest
 import torch
@@ -140,3 +141,121 @@ def test_builtin_key_padding_mask_with_a_fully_padded_sequence():
         output = layer(x, x, x, key_mask=~padding)
     torch.testing.assert_close(output[:1], expected, atol=OUTPUT_TOL, rtol=0)
     torch.testing.assert_close(output[1], builtin.out_proj.bias.expand(3, 16), atol=0, rtol=0)
+
+
+def _meta_call_inputs(b=2, t=5, s=5, e=16, kdim=16, vdim=16):
+    """Values on the CPU for every input a call may take (moved to meta for the meta layer)."""
+    keep = torch.ones(b, s, dtype=torch.bool)
+    keep[0, :2] = False  # left padding of batch 0
+    return {
+        "query": _randn(b, t, e, seed=10, dtype=torch.float32),
+        "key": _randn(b, s, kdim, seed=11, dtype=torch.float32),
+        "value": _randn(b, s, vdim, seed=12, dtype=torch.float32),
+        "key_mask": keep,  # (B, S)
+        "query_mask": torch.arange(t) < torch.tensor([t, t - 1])[:, None],  # (B, T)
+        "bool_mask": torch.ones(t, s, dtype=torch.bool).tril(s - t),  # (T, S)
+        "float_mask": _randn(b, 1, t, s, seed=13, dtype=torch.float32),  # (B, 1, T, S)
+        "attention_bias": _randn(b, 4, t, s, seed=14, dtype=torch.float32),  # (B, N, T, S)
+    }
+
+
+# name: (constructor arguments, the call's arguments from _meta_call_inputs(), the call's options)
+META_PATHS = {
+    "sdpa": ({}, ("query",), {}),
+    "causal": ({}, ("query",), {"causal": True}),
+    "return_attention": ({}, ("query",), {"return_attention": True}),
+    "cross_kdim_vdim": ({"kdim": 6, "vdim": 7}, ("query", "key", "value"), {}),
+    "key_mask": ({}, ("query",), {"key_mask": "key_mask", "causal": True}),
+    "query_mask": ({}, ("query",), {"query_mask": "query_mask", "return_attention": True}),
+    "bool_mask": ({}, ("query",), {"attention_mask": "bool_mask"}),
+    "float_mask": ({}, ("query",), {"attention_mask": "float_mask", "return_attention": True}),
+    "attention_bias": ({}, ("query",), {"attention_bias": "attention_bias"}),
+    "softcap": ({"softcap": 5.0}, ("query",), {"causal": True}),
+    "sinks": ({"sinks": True}, ("query",), {"key_mask": "key_mask", "return_attention": True}),
+    "window": ({"window": 2}, ("query",), {"causal": True}),
+    "rope": ({"rope_theta": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, ("query",), {}),
+    "qk_norm_head": ({"qk_norm": "head"}, ("query",), {"return_attention": True}),
+    "qk_norm_all": ({"qk_norm": "all"}, ("query",), {"causal": True}),
+    "gqa": ({"num_kv_heads": 2}, ("query",), {"causal": True, "return_attention": True}),
+    "gemma2": ({"num_kv_heads": 2, "softcap": 5.0, "window": 3, "rope_theta": 10000.0}, ("query",), {"causal": True}),
+}
+
+
+def _meta_and_cpu(kwargs, run):
+    """`run(layer, device)` for a CPU layer and for the same layer built on the meta device."""
+    cpu = run(MultiHeadAttention(16, 4, **kwargs), torch.device("cpu"))
+    meta = run(MultiHeadAttention(16, 4, device="meta", **kwargs), torch.device("meta"))
+    return cpu, meta
+
+
+def _assert_like_cpu(meta, cpu):
+    """The meta results have the CPU results' structure, shapes and dtypes, on the meta device."""
+    meta_leaves, cpu_leaves = torch.utils._pytree.tree_leaves(meta), torch.utils._pytree.tree_leaves(cpu)
+    assert len(meta_leaves) == len(cpu_leaves) > 0
+    for got, expected in zip(meta_leaves, cpu_leaves, strict=True):
+        assert (got.device.type, got.shape, got.dtype) == ("meta", expected.shape, expected.dtype)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "autograd"])
+@pytest.mark.parametrize("path", list(META_PATHS))
+def test_forward_on_the_meta_device_gives_the_cpu_shapes_and_dtypes(path, grad):
+    """A layer built with device="meta" (deferred initialization, FSDP2, shape inference) runs
+    its forward pass on meta tensors: no autocast query for the meta device, no mask value read."""
+    kwargs, args, options = META_PATHS[path]
+    inputs = _meta_call_inputs(kdim=kwargs.get("kdim", 16), vdim=kwargs.get("vdim", 16))
+
+    def run(layer, device):
+        call = {name: inputs[value].to(device) if isinstance(value, str) else value for name, value in options.items()}
+        with torch.set_grad_enabled(grad):
+            return layer(*(inputs[name].to(device) for name in args), **call)
+
+    cpu, meta = _meta_and_cpu(kwargs, run)
+    _assert_like_cpu(meta, cpu)
+
+
+META_DECODE_PATHS = {
+    "lean_step": ({}, {}),
+    "padded_prompt": ({}, {"keep": True}),
+    "return_attention": ({}, {"return_attention": True}),
+    "key_mask": ({}, {"key_mask": True}),
+    "rolling_window": ({"window": 3}, {}),
+    "gqa_rope_sinks": ({"num_kv_heads": 2, "rope_theta": 10000.0, "sinks": True}, {"return_attention": True}),
+    "softcap_qk_norm": ({"softcap": 5.0, "qk_norm": "head"}, {"keep": True}),
+}
+
+
+@pytest.mark.parametrize("path", list(META_DECODE_PATHS))
+def test_kv_cache_decoding_on_the_meta_device_gives_the_cpu_shapes_and_dtypes(path):
+    """A prefill of 3 tokens then three steps of 1 into a cache of L = 5 (a window rolls it),
+    with each call's output, weights and cache on meta shaped as on the CPU."""
+    kwargs, options = META_DECODE_PATHS[path]
+    inputs = _meta_call_inputs(t=6, s=6)
+    keep = torch.ones(2, 5, dtype=torch.bool)
+    keep[0, 0] = False  # a left-padded prompt
+    steps = [(0, 3), (3, 4), (4, 5)] + ([(5, 6)] if "window" in kwargs else [])
+
+    def run(layer, device):
+        cache = layer.init_cache(2, 5, keep=keep if options.get("keep") else None)
+        results = []
+        with torch.no_grad():
+            for start, stop in steps:
+                key_mask = inputs["key_mask"][:, start:stop].to(device) if options.get("key_mask") else None
+                result = layer(
+                    inputs["query"][:, start:stop].to(device), causal=True, cache=cache, key_mask=key_mask,
+                    return_attention=options.get("return_attention", False),
+                )  # fmt: skip
+                cache = result[-1]
+                results.append(result)
+        return results
+
+    cpu, meta = _meta_and_cpu(kwargs, run)
+    _assert_like_cpu(meta, cpu)
+    assert meta[-1][-1].key.device.type == "meta"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_meta_forward_keeps_the_layers_low_precision_dtype(dtype):
+    """A half-precision layer on meta returns its own dtype, as on the CPU."""
+    layer = MultiHeadAttention(16, 4, device="meta", dtype=dtype)
+    output, weights = layer(torch.empty(2, 5, 16, device="meta", dtype=dtype), causal=True, return_attention=True)
+    assert (output.shape, output.dtype, weights.shape, weights.dtype) == ((2, 5, 16), dtype, (2, 4, 5, 5), dtype)

@@ -1,0 +1,163 @@
+"""Every Python code block of README.md and docs/*.md runs, as printed: a snippet that stops
+working fails here.
+
+The blocks are read from the pages at test time, so an edited snippet is what runs. The blocks
+of a page run in order in one namespace (a page reads top to bottom), in a temporary working
+directory. What a snippet takes for granted (a `layer`, a `prompt`, a tiny `transformers`
+model) is set up by hidden blocks: a ```python block inside an HTML comment, which GitHub does
+not render. They run where they stand, before (or after, to check a result) the block beside
+them, with `ROOT`, the repository's root, in the namespace. A visible block can be left out
+only with `<!-- not run: REASON -->` on the line before it, REASON one of NOT_RUN_REASONS.
+Code blocks marked `bash` are commands (`make`, the examples), run by their own tests
+(test_examples.py); unmarked blocks are signatures and output excerpts.
+"""
+
+import dataclasses
+import linecache
+import re
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+NOT_RUN_REASONS = {}  # reason -> why CI cannot run it (CUDA, torchrun): none today, keep it short
+NOT_RUN = re.compile(r"<!--\s*not run:\s*(.*?)\s*-->")
+FENCE = "```"
+
+
+@dataclasses.dataclass(frozen=True)
+class Snippet:
+    line: int  # of its first line of code, 1-based
+    source: str
+    hidden: bool  # inside an HTML comment: setup or a check, not shown
+    not_run: str | None = None  # the reason of a `<!-- not run: REASON -->` on the line before
+
+
+def _block_end(lines, start):
+    """The index of the fence that closes the block whose opening fence is at `start`."""
+    return next(i for i in range(start + 1, len(lines)) if lines[i].strip() == FENCE)
+
+
+def snippets(text):
+    """The ```python blocks of a Markdown text, hidden (inside `<!-- -->`) or shown, in order."""
+    lines, found, in_comment, not_run, i = text.splitlines(), [], False, None, 0
+    while i < len(lines):
+        stripped = lines[i].strip()
+        if stripped.startswith(FENCE):
+            end = _block_end(lines, i)
+            if stripped == FENCE + "python":
+                found.append(Snippet(i + 2, "\n".join(lines[i + 1 : end]), in_comment, None if in_comment else not_run))
+            not_run = not_run if in_comment else None  # a marker holds for the next shown block only
+            i = end + 1
+            continue
+        marker = NOT_RUN.search(stripped)
+        if marker:
+            not_run = marker.group(1)
+        elif stripped and not in_comment:
+            not_run = None
+        if "<!--" in stripped and "-->" not in stripped:
+            in_comment = True
+        elif "-->" in stripped:
+            in_comment = False
+        i += 1
+    return found
+
+
+def run_page(text, name):
+    """Runs a page's blocks in order in one namespace; a failing block raises, its traceback
+    naming `name:line` (its source registered in linecache, as a file's is, for tracebacks and
+    for tf.function's autograph). Returns the namespace. sys.path and the copied layer module
+    (`Multi_Head_Attention`) are restored after."""
+    module, path = types.ModuleType("__snippets__"), sys.path[:]
+    module.ROOT, namespace = ROOT, module.__dict__
+    sys.modules[module.__name__] = module  # a module of its own, as a user's file is (autograph looks it up)
+    try:
+        for snippet in snippets(text):
+            if snippet.not_run is not None:
+                assert snippet.not_run in NOT_RUN_REASONS, f"{name}:{snippet.line}: unknown reason {snippet.not_run!r}"
+                continue
+            filename = f"{name}:{snippet.line}"
+            linecache.cache[filename] = (len(snippet.source), None, snippet.source.splitlines(True), filename)
+            exec(compile(snippet.source, filename, "exec"), namespace)  # the page's own code
+    finally:
+        sys.path[:] = path
+        sys.modules.pop("Multi_Head_Attention", None)
+        sys.modules.pop(module.__name__)
+    return namespace
+
+
+PAGES_WITH_SNIPPETS = [page for page in PAGES if any(not s.hidden for s in snippets(page.read_text()))]
+
+
+LIBRARY_NOTICES = (
+    DeprecationWarning,
+    PendingDeprecationWarning,
+    FutureWarning,
+)  # the libraries' own, not the snippet's
+
+
+@pytest.mark.parametrize("page", PAGES_WITH_SNIPPETS, ids=lambda page: page.name)
+def test_every_python_snippet_of_the_page_runs_without_a_warning(page, tmp_path, monkeypatch):
+    """As printed, with no warning for the reader to wonder about (an export in training mode
+    warned) other than the libraries' deprecation notices."""
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_page(page.read_text(), str(page.relative_to(ROOT)))
+    assert [f"{w.category.__name__}: {w.message}" for w in caught if not issubclass(w.category, LIBRARY_NOTICES)] == []
+
+
+def test_the_pages_with_python_snippets_are_found():
+    """The runner reads the pages it should: the README's quickstart and usage, and the docs."""
+    names = {page.name for page in PAGES_WITH_SNIPPETS}
+    assert {"README.md", "modern.md", "serving.md", "distributed.md"} <= names
+    assert sum(not s.hidden for s in snippets((ROOT / "README.md").read_text())) >= 7
+
+
+BROKEN_PAGE = """# A page
+
+<!-- setup, not shown:
+```python
+x = 2
+```
+-->
+
+```python
+y = x * 3
+```
+
+<!-- not run: {reason} -->
+```python
+raise SystemExit("a block marked not run ran")
+```
+
+```bash
+exit 1
+```
+
+```python
+assert y == 7, "the snippet is wrong"
+```
+"""
+
+
+def test_a_broken_snippet_fails_naming_its_line():
+    assert [(s.line, s.hidden) for s in snippets(BROKEN_PAGE.format(reason="cuda"))] == [
+        (5, True),
+        (10, False),
+        (15, False),
+        (23, False),
+    ]
+    with pytest.raises(AssertionError, match="unknown reason 'cuda'"):
+        run_page(BROKEN_PAGE.format(reason="cuda"), "page.md")
+    NOT_RUN_REASONS["cuda"] = "no GPU in CI"
+    try:
+        with pytest.raises(AssertionError, match="the snippet is wrong") as failure:
+            run_page(BROKEN_PAGE.format(reason="cuda"), "page.md")
+    finally:
+        del NOT_RUN_REASONS["cuda"]
+    assert any(str(entry.path) == "page.md:23" for entry in failure.traceback)
