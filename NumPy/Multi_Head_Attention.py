@@ -174,7 +174,7 @@ def _is_positive_number(value):
     return number and 0 < value < math.inf
 
 
-def _rope_scaling(scaling):
+def _check_rope_scaling(scaling):
     """Checks `rope_scaling`: None or a dict whose `rope_type` (or `type`) is 'linear', 'llama3' or
     'yarn', with its positive parameters (llama3: high_freq_factor above low_freq_factor; yarn: see
     `_valid_yarn`)."""
@@ -363,7 +363,7 @@ def _check_dtypes(query, key, value):
         )
 
 
-def _check_padding_mask(name, mask, batch_size, length, letter):
+def _check_token_mask(name, mask, batch_size, length, letter):
     """Checks a (B, L) boolean `key_mask` or `query_mask`."""
     mask = np.asarray(mask)
     if mask.dtype != np.bool_ or mask.shape != (batch_size, length):
@@ -828,7 +828,7 @@ class MultiHeadAttention:
         self.rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
         rotary_dim = _rotary_dim(rope_fraction, self.head_dim, self.rope_theta is not None)  # None without RoPE
         self.rope_fraction = float(rope_fraction)
-        self.rope_scaling = _rope_scaling(rope_scaling)
+        self.rope_scaling = _check_rope_scaling(rope_scaling)
         self._inv_freq = None
         if self.rope_theta is not None:
             self._inv_freq = rope_frequencies(rotary_dim, self.rope_theta, self.rope_scaling)  # (R/2,)
@@ -978,8 +978,8 @@ class MultiHeadAttention:
         _check_dtypes(query, key, value)
         query, key, value = (x.astype(np.float64) for x in (query, key, value))
         (b, t, _), s = query.shape, key.shape[1]
-        query_mask = None if query_mask is None else _check_padding_mask("query_mask", query_mask, b, t, "T")
-        key_mask = None if key_mask is None else _check_padding_mask("key_mask", key_mask, b, s, "S")
+        query_mask = None if query_mask is None else _check_token_mask("query_mask", query_mask, b, t, "T")
+        key_mask = None if key_mask is None else _check_token_mask("key_mask", key_mask, b, s, "S")
         explicit_key_mask = key_mask
         key_mask = query_mask if key_mask is None and defaulted == "both" else key_mask  # self-attention
         if cache is not None:

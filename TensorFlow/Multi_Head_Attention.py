@@ -401,7 +401,7 @@ def _dtype_of(x):
     return tf.as_dtype(x.dtype) if hasattr(x, "dtype") else tf.convert_to_tensor(x).dtype
 
 
-def _check_same_dtype(query, key, value):
+def _check_dtypes(query, key, value):
     """`query`, `key` and `value` (as passed, before any cast) share one floating dtype; checked
     only where all three are floating (an integer input gets its own error in `call`)."""
     key = value if key is None else key
@@ -453,7 +453,7 @@ def _keras_mask(x):
     return None if mask is None else tf.cast(mask, tf.bool)
 
 
-def _token_mask(name, mask, batch, length, letter):
+def _check_token_mask(name, mask, batch, length, letter):
     """Checks a (B, T) `query_mask` or (B, S) `key_mask` / `value_mask`; dimensions unknown at
     trace time are not checked."""
     if mask is None:
@@ -1539,7 +1539,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         inputs = dict(zip(("query", "key", "value"), args, strict=False))
         inputs.update({name: kwargs[name] for name in ("query", "key", "value") if name in kwargs})
         if inputs.get("query") is not None:
-            _check_same_dtype(inputs["query"], inputs.get("key"), inputs.get("value"))
+            _check_dtypes(inputs["query"], inputs.get("key"), inputs.get("value"))
         if kwargs.get("cache") is not None:
             _check_cache_dtype(kwargs["cache"], self.compute_dtype)
         return super().__call__(*args, **kwargs)
@@ -1558,9 +1558,9 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         value = _check_input("value", value, "vdim", self.vdim)
         _check_lengths(query, key, value)
         (b, t), s = tuple(query.shape)[:2], key.shape[1]
-        query_keep = _and(_token_mask("query_mask", query_mask, b, t, "T"), implicit[0])  # (B, T)
-        key_mask = _token_mask("key_mask", key_mask, b, s, "S")
-        key_keep = _and(key_mask, _token_mask("value_mask", value_mask, b, s, "S"))  # (B, S)
+        query_keep = _and(_check_token_mask("query_mask", query_mask, b, t, "T"), implicit[0])  # (B, T)
+        key_mask = _check_token_mask("key_mask", key_mask, b, s, "S")
+        key_keep = _and(key_mask, _check_token_mask("value_mask", value_mask, b, s, "S"))  # (B, S)
         if self_attention and key_keep is None:
             key_keep = query_keep
         key_keep = _and(key_keep, _and(implicit[1], implicit[2]))  # (B, S)
