@@ -47,6 +47,8 @@ WINDOW = 3  # shorter than the prompts, so the window removes keys
 
 COMMON = {"vocab_size": VOCAB, "num_hidden_layers": 2, "intermediate_size": 48, "max_position_embeddings": 64}
 GQA = {"hidden_size": HIDDEN, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM}
+MOE = {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 16}
+TOKENS = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}  # within the tiny vocabulary
 
 
 # ----------------------------------------------------------------------------------------------
@@ -130,6 +132,8 @@ class Family:
     rope: bool = True  # RoPE: the model is called with position_ids, the layer with positions
     bias: str = ""  # "t5" or "alibi": an attention_bias
     decode: bool = True
+    seq2seq: bool = False  # an encoder-decoder model: the decoder self-attends, the encoder reads the prompt
+    prefix: bool = False  # port_checkpoint needs `prefix=` (a decoder stack, not the family's default path)
 
     def module(self, model, index):
         return model.get_submodule(self.attention.format(i=index))
@@ -138,6 +142,23 @@ class Family:
 def _llama_like(model_class, config_class, **config):
     """A builder that imports the family's modeling code only when called (collection stays fast)."""
     return lambda: getattr(transformers, model_class)(getattr(transformers, config_class)(**COMMON, **config))
+
+
+def _bart():
+    sizes = {"encoder_layers": 2, "decoder_layers": 2, "encoder_ffn_dim": 48, "decoder_ffn_dim": 48}
+    config = transformers.BartConfig(
+        d_model=HIDDEN, encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, vocab_size=VOCAB,
+        max_position_embeddings=64, **sizes, **TOKENS,
+    )  # fmt: skip
+    return transformers.BartModel(config)
+
+
+def _bert_like(prefix):
+    config = getattr(transformers, f"{prefix}Config")(
+        hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=2, intermediate_size=48, vocab_size=VOCAB,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    return getattr(transformers, f"{prefix}Model")(config)
 
 
 FAMILIES = [
@@ -393,6 +414,7 @@ FAMILIES = [
         rope=False,
         bias="t5",
         decode=False,
+        seq2seq=True,
     ),
     Family(
         "t5_decoder",
@@ -404,6 +426,8 @@ FAMILIES = [
         "decoder.block.{i}.layer.0.SelfAttention",
         rope=False,
         bias="t5",
+        seq2seq=True,
+        prefix=True,
     ),
     Family(
         "bloom",
@@ -416,6 +440,84 @@ FAMILIES = [
         bias="alibi",
     ),
 ]
+FAMILIES += [
+    Family("qwen3_moe", _llama_like("Qwen3MoeForCausalLM", "Qwen3MoeConfig", **GQA, **MOE), "model.layers.{i}.self_attn"),
+    Family(
+        "qwen2_moe",
+        _llama_like(
+            "Qwen2MoeForCausalLM", "Qwen2MoeConfig", **GQA, **MOE, shared_expert_intermediate_size=16,
+            use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family("phi3", _llama_like("Phi3ForCausalLM", "Phi3Config", **GQA, **TOKENS, sliding_window=WINDOW),
+           "model.layers.{i}.self_attn"),
+    Family("olmo", _llama_like("OlmoForCausalLM", "OlmoConfig", **GQA, **TOKENS), "model.layers.{i}.self_attn"),
+    Family(
+        "stablelm",
+        _llama_like("StableLmForCausalLM", "StableLmConfig", **GQA, **TOKENS, use_qkv_bias=True),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "smollm3",
+        _llama_like("SmolLM3ForCausalLM", "SmolLM3Config", **GQA, **TOKENS, no_rope_layers=[1, 0]),
+        "model.layers.{i}.self_attn",
+    ),
+    Family("glm4", _llama_like("Glm4ForCausalLM", "Glm4Config", **GQA, **TOKENS), "model.layers.{i}.self_attn"),
+    Family(
+        "cohere2",
+        _llama_like(
+            "Cohere2ForCausalLM", "Cohere2Config", **GQA, **TOKENS, sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "gpt_neo",
+        lambda: transformers.GPTNeoForCausalLM(
+            transformers.GPTNeoConfig(
+                hidden_size=HIDDEN, num_heads=HEADS, num_layers=2, attention_types=[[["global", "local"], 1]],
+                window_size=WINDOW, vocab_size=VOCAB, max_position_embeddings=64, **TOKENS,
+            )
+        ),
+        "transformer.h.{i}.attn.attention",
+        rope=False,
+    ),
+    Family(
+        "gpt_bigcode",
+        lambda: transformers.GPTBigCodeForCausalLM(
+            transformers.GPTBigCodeConfig(n_embd=HIDDEN, n_head=HEADS, n_layer=2, vocab_size=VOCAB, n_positions=64,
+                                          **TOKENS)
+        ),
+        "transformer.h.{i}.attn",
+        rope=False,
+    ),
+    Family(
+        "gpt_bigcode_mha",
+        lambda: transformers.GPTBigCodeForCausalLM(
+            transformers.GPTBigCodeConfig(n_embd=HIDDEN, n_head=HEADS, n_layer=2, vocab_size=VOCAB, n_positions=64,
+                                          multi_query=False, **TOKENS)
+        ),
+        "transformer.h.{i}.attn",
+        rope=False,
+    ),
+    Family(
+        "opt",
+        lambda: transformers.OPTForCausalLM(
+            transformers.OPTConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=2, ffn_dim=48,
+                                   vocab_size=VOCAB, max_position_embeddings=64, word_embed_proj_dim=HIDDEN, **TOKENS)
+        ),
+        "model.decoder.layers.{i}.self_attn",
+        rope=False,
+    ),
+    Family("bart_encoder", lambda: _bart(), "encoder.layers.{i}.self_attn", causal=False, rope=False, decode=False,
+           seq2seq=True),
+    Family("bart_decoder", lambda: _bart(), "decoder.layers.{i}.self_attn", rope=False, seq2seq=True, prefix=True),
+    Family("roberta", lambda: _bert_like("Roberta"), "encoder.layer.{i}.attention", output="output.dense",
+           causal=False, rope=False, decode=False),
+    Family("xlm_roberta", lambda: _bert_like("XLMRoberta"), "encoder.layer.{i}.attention", output="output.dense",
+           causal=False, rope=False, decode=False),
+]  # fmt: skip
 FAMILIES_BY_NAME = {family.name: family for family in FAMILIES}
 LAYERS = (0, 1)  # every family alternates or repeats its layer types within two layers
 
@@ -476,7 +578,7 @@ def _model_arguments(family, ids, mask, positions, prompt=None):
     arguments = {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask)}
     if family.rope or family.name == "gpt2":
         arguments["position_ids"] = torch.from_numpy(positions)
-    if family.name.startswith("t5"):
+    if family.seq2seq:
         encoder_ids, encoder_mask = (ids, mask) if prompt is None else prompt
         arguments = {
             "input_ids": torch.from_numpy(encoder_ids),
@@ -510,16 +612,17 @@ def _capture(model, family, index):
             handle.remove()
 
 
-def _call_arguments(runner, model, family, mask, positions, start, stop, num_heads):
+def _call_arguments(runner, model, family, mask, positions, start, stop, kwargs):
     """The call arguments of interop/hf.py's docstring for the tokens [start, stop) of a (B, L) padding mask
-    over the L keys (the cache's slots when decoding; L = T on a full pass)."""
+    over the L keys (the cache's slots when decoding; L = T on a full pass); `kwargs` the port's (a NoPE
+    layer, with no `rope_theta`, takes no positions)."""
     arguments = {"causal": family.causal, "key_mask": mask[:, start:stop].astype(bool)}
-    if family.rope:
+    if family.rope and "rope_theta" in kwargs:
         arguments["positions"] = positions[:, start:stop].astype(np.int64)
     if family.bias == "t5":
         arguments["attention_bias"] = t5_position_bias(family.module(model, 0), stop - start, mask.shape[1], start)
     if family.bias == "alibi":
-        arguments["attention_bias"] = runner.alibi_bias(num_heads, alibi_positions(mask))  # (B, N, 1, L)
+        arguments["attention_bias"] = runner.alibi_bias(kwargs["num_heads"], alibi_positions(mask))  # (B, N, 1, L)
     return arguments
 
 
@@ -558,9 +661,12 @@ def _case_id(case):
 # ----------------------------------------------------------------------------------------------
 
 
-def test_every_supported_module_has_a_family_here():
-    tested = {type(_model(family.name).get_submodule(family.attention.format(i=0))).__name__ for family in FAMILIES}
-    assert set(supported_modules()) == tested
+PACKAGE_NAMES = {"gemma3", "xlm_roberta"}  # where a transformers package's name is not its config's model type
+
+
+def test_every_supported_model_type_has_a_family_here():
+    tested = {_config(_model(family.name)).model_type for family in FAMILIES}
+    assert set(supported_modules()) == tested | PACKAGE_NAMES
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
@@ -569,7 +675,7 @@ def test_full_pass_with_padding_matches_transformers(case):
     family, runner = FAMILIES_BY_NAME[name], _runner(framework)
     model, call, mask, positions = _full_pass(family, index)
     kwargs, weights = port_attention(family.module(model, index), _config(model))
-    arguments = _call_arguments(runner, model, family, mask, positions, 0, mask.shape[1], kwargs["num_heads"])
+    arguments = _call_arguments(runner, model, family, mask, positions, 0, mask.shape[1], kwargs)
     output, _ = runner.call(runner.layer(kwargs, weights), call["hidden"], arguments)
     rows = _compared_rows(family, mask)
     assert np.max(np.abs(call["output"][rows])) > MEANINGFUL
@@ -579,7 +685,7 @@ def test_full_pass_with_padding_matches_transformers(case):
 def _decode_with_transformers(model, family, index, ids, mask, positions, prompt):
     """Prefill the prompt, then one token a step, with transformers' DynamicCache; returns each call's capture."""
     cache = transformers.DynamicCache(config=_config(model))
-    if family.name.startswith("t5"):
+    if family.seq2seq:
         cache = transformers.EncoderDecoderCache(cache, transformers.DynamicCache(config=_config(model)))
     encoder = (ids[:, :prompt], mask[:, :prompt])
     with _capture(model, family, index) as calls, torch.no_grad():
@@ -607,7 +713,7 @@ def test_decoding_left_padded_prompts_matches_transformers_cache(case):
     start = 0
     for call in calls:
         stop = start + call["hidden"].shape[1]
-        arguments = _call_arguments(runner, model, family, mask, positions, start, stop, kwargs["num_heads"])
+        arguments = _call_arguments(runner, model, family, mask, positions, start, stop, kwargs)
         output, cache = runner.call(layer, call["hidden"], arguments, cache)
         rows = mask[:, start:stop].astype(bool)
         assert np.max(np.abs(call["output"][rows])) > MEANINGFUL
@@ -645,6 +751,22 @@ VARIANTS = {
     "t5_encoder": {"scale", "attention_bias"},
     "t5_decoder": {"scale", "attention_bias"},
     "bloom": {"attention_bias"},
+    "qwen3_moe": {"rope", "qk_norm"},
+    "qwen2_moe": {"rope", "window"},
+    "phi3": {"rope", "window"},
+    "olmo": {"rope"},
+    "stablelm": {"rope", "rope_fraction"},
+    "smollm3": {"rope"},
+    "glm4": {"rope", "rope_fraction", "rope_interleaved"},
+    "cohere2": {"rope", "rope_interleaved", "window"},
+    "gpt_neo": {"scale", "window"},
+    "gpt_bigcode": set(),
+    "gpt_bigcode_mha": set(),
+    "opt": set(),
+    "bart_encoder": set(),
+    "bart_decoder": set(),
+    "roberta": set(),
+    "xlm_roberta": set(),
 }
 DIFFERS = 1e-3  # a removed variant must move the output by 100 times the tolerance at least
 
@@ -687,7 +809,7 @@ def test_every_ported_variant_matters(name):
     for index in LAYERS:
         model, call, mask, positions = _full_pass(family, index)
         kwargs, weights = port_attention(family.module(model, index), _config(model))
-        arguments = _call_arguments(runner, model, family, mask, positions, 0, mask.shape[1], kwargs["num_heads"])
+        arguments = _call_arguments(runner, model, family, mask, positions, 0, mask.shape[1], kwargs)
         for variant in _variants(kwargs, arguments):
             kwargs_, weights_, arguments_ = _without(variant, kwargs, weights, arguments)
             output, _ = runner.call(runner.layer(kwargs_, weights_), call["hidden"], arguments_)
@@ -696,6 +818,26 @@ def test_every_ported_variant_matters(name):
             )
     assert set(moved) == VARIANTS[name]
     assert all(diff > DIFFERS for diff in moved.values()), moved
+
+
+class _ClampedLlamaAttention(transformers.models.llama.modeling_llama.LlamaAttention):
+    """A subclass that computes otherwise: it clamps the hidden states first."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return super().forward(hidden_states.clamp(-0.1, 0.1), *args, **kwargs)
+
+
+class _ScaledLinear(torch.nn.Linear):
+    """A projection class of the user's (as LoRA or quantization wrappers are): it doubles its output."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def _with_custom_projection():
+    module = _tiny_module(transformers.models.llama.modeling_llama.LlamaAttention, transformers.LlamaConfig, **GQA)
+    module.q_proj = _ScaledLinear(HIDDEN, HEADS * HEAD_DIM, bias=False)
+    return module
 
 
 def _tiny_module(module_class, config_class, **config):
@@ -723,7 +865,7 @@ ERROR_CASES = [
             num_attention_heads=HEADS,
             qk_layernorm=True,
         ),
-        r"`qk_layernorm` must be False: Phi's QK-norm is a LayerNorm .* Received: qk_layernorm=True",
+        r"`config.qk_layernorm` must be off: Phi's and StableLM's QK-norm is a LayerNorm .* Received: qk_layernorm=True",
     ),
     (
         "cohere_layernorm_qk_norm",
@@ -734,26 +876,43 @@ ERROR_CASES = [
             num_attention_heads=HEADS,
             use_qk_norm=True,
         ),
-        r"`q_norm` must be an RMSNorm: a LayerNorm removes the mean first.* Received: CohereLayerNorm",
+        r"`config.use_qk_norm` must be off: Cohere's QK-norm is a LayerNorm .* Received: use_qk_norm=True",
     ),
     (
         "bert_self_attention",
         lambda: transformers.models.bert.modeling_bert.BertSelfAttention(
             transformers.BertConfig(hidden_size=HIDDEN, num_attention_heads=HEADS)
         ),
-        r"Pass the `BertAttention` module .* Received: BertSelfAttention",
+        r"Pass the `BertAttention` module .* Received: a module holding key.bias, key.weight",
     ),
     (
         "gpt2_cross_attention",
         lambda: transformers.models.gpt2.modeling_gpt2.GPT2Attention(
             transformers.GPT2Config(n_embd=HIDDEN, n_head=HEADS), is_cross_attention=True, layer_idx=0
         ),
-        r"`module` must be a GPT-2 self-attention .* Received: is_cross_attention=True",
+        r"`module` must be a GPT-2 self-attention .* Received: a module with `q_attn`",
     ),
     (
         "unknown_module",
         lambda: torch.nn.MultiheadAttention(HIDDEN, HEADS),
-        r"`module` must be one of the attention modules .* Received: MultiheadAttention",
+        r"`module` must be a transformers attention module of one of the model types .* Received: MultiheadAttention",
+    ),
+    (
+        "olmo_clip_qkv",
+        lambda: _tiny_module(
+            transformers.models.olmo.modeling_olmo.OlmoAttention, transformers.OlmoConfig, **GQA, clip_qkv=8.0
+        ),
+        r"`config.clip_qkv` must be off: the layer does not clamp its projections yet. Received: clip_qkv=8.0",
+    ),
+    (
+        "subclass_overriding_forward",
+        lambda: _ClampedLlamaAttention(transformers.LlamaConfig(**COMMON, **GQA), layer_idx=0),
+        r"`module` must compute what its transformers class computes: _ClampedLlamaAttention overrides `forward`",
+    ),
+    (
+        "replaced_projection",
+        lambda: _with_custom_projection(),
+        r"`module`'s projections must be torch or transformers modules .* Received: `q_proj` is _ScaledLinear",
     ),
 ]
 
