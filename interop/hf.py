@@ -813,7 +813,7 @@ def _find_prefix(tensors, path):
             f"`tensors` must hold one attention module at `{path}` (pass `prefix=` to choose). "
             f"Received: {len(found)} ({', '.join(sorted(found)) or 'none'})"
         )
-    return found[0]
+    return found.pop()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,9 +22,12 @@ runner.
 
 import ast
 import contextlib
+import copy
 import dataclasses
 import functools
 import importlib
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,7 +36,15 @@ import pytest
 import torch
 import transformers
 
-from interop.hf import alibi_positions, port_attention, supported_modules, t5_position_bias
+import interop.hf
+from interop.hf import (
+    alibi_positions,
+    port_attention,
+    port_checkpoint,
+    register_porter,
+    supported_modules,
+    t5_position_bias,
+)
 from shared_tests.cases import TOLERANCES
 
 OUTPUT_TOL = TOLERANCES["float32"]["output"]  # SPEC, float32 outputs: transformers' float32 module vs each layer
@@ -984,3 +995,163 @@ def test_gptj_rotary_dim_survives_float_rounding(head_dim, rotary_dim):
     config = transformers.GPTJConfig(n_embd=2 * head_dim, n_head=2, n_layer=1, rotary_dim=rotary_dim, vocab_size=VOCAB)
     kwargs, _ = port_attention(transformers.models.gptj.modeling_gptj.GPTJAttention(config, layer_idx=0), config)
     assert int(head_dim * kwargs.get("rope_fraction", 1.0)) == rotary_dim
+
+
+# ----------------------------------------------------------------------------------------------
+# From a checkpoint: config.json and safetensors, with NumPy only
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """`saved(name)`: the directory where the family's tiny model was saved with `save_pretrained` (once)."""
+    paths = {}
+
+    def save(name):
+        if name not in paths:
+            paths[name] = tmp_path_factory.mktemp(name)
+            _model(name).save_pretrained(paths[name])
+        return paths[name]
+
+    return save
+
+
+def _assert_same_port(ours, theirs):
+    assert ours[0] == theirs[0]
+    assert sorted(ours[1]) == sorted(theirs[1])
+    for name, array in theirs[1].items():
+        assert ours[1][name].dtype == np.float32
+        np.testing.assert_array_equal(ours[1][name], array, err_msg=name)
+
+
+@pytest.mark.parametrize(("name", "index"), [(family.name, index) for family in FAMILIES for index in LAYERS])
+def test_checkpoint_ports_like_the_module(name, index, saved):
+    """config.json as `save_pretrained` writes it (defaults left out) and model.safetensors give `port_attention`'s
+    arguments and weights, the attention found at its family's path under the model's own prefix."""
+    family, model, path = FAMILIES_BY_NAME[name], _model(name), saved(name)
+    prefix = family.attention.format(i=index) if family.prefix else None
+    ours = port_checkpoint(path / "config.json", path / "model.safetensors", index, prefix=prefix)
+    _assert_same_port(ours, port_attention(family.module(model, index), _config(model)))
+
+
+def test_checkpoint_reads_bfloat16_shards(tmp_path):
+    """A bfloat16 checkpoint split in shards (model.safetensors.index.json) reads as the bfloat16 module does."""
+    model = copy.deepcopy(_model("gemma3")).to(torch.bfloat16)
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    module = FAMILIES_BY_NAME["gemma3"].module(model, 1)
+    ours = port_checkpoint(tmp_path, tmp_path / "model.safetensors.index.json", 1)
+    _assert_same_port(ours, port_attention(module, _config(model)))
+
+
+def test_checkpoint_from_dicts_with_a_prefix():
+    model = _model("t5_decoder")
+    tensors = {name: tensor.numpy() for name, tensor in model.state_dict().items()}
+    path = FAMILIES_BY_NAME["t5_decoder"].attention.format(i=1)
+    ours = port_checkpoint(model.config.to_dict(), tensors, 1, prefix=path)
+    _assert_same_port(ours, port_attention(model.get_submodule(path), model.config))
+
+
+CHECKPOINT_ERRORS = [
+    ({"model_type": "mamba"}, {}, 0, r"`config` must be of one of the model types .* Received: model_type='mamba'"),
+    (
+        {**COMMON, **GQA, "model_type": "llama"},
+        {"model.layers.0.self_attn.q_proj.weight": np.zeros((32, 32))},
+        1,
+        r"`tensors` must hold one attention module at `layers.1.self_attn` .* Received: 0 \(none\)",
+    ),
+    (
+        {**COMMON, **GQA, "model_type": "llama"},
+        {f"{part}.layers.0.self_attn.q_proj.weight": np.zeros((32, 32)) for part in ("vision", "text")},
+        0,
+        r"\(pass `prefix=` to choose\). Received: 2 \(text.layers.0.self_attn, vision.layers.0.self_attn\)",
+    ),
+    (
+        {**COMMON, **GQA, "model_type": "llama"},
+        {"layers.0.self_attn.q_proj.weight": np.zeros((32, 32))},
+        0,
+        r"`tensors` must hold `k_proj.weight` for this family's attention. Received: q_proj.weight",
+    ),
+    ({"model_type": "llama"}, [1, 2], 0, r"`tensors` must be a mapping of names to arrays .* Received: list"),
+    ([1, 2], {}, 0, r"`config` must be a dict, a path to config.json or a transformers config. Received: list"),
+]
+
+
+@pytest.mark.parametrize(("config", "tensors", "index", "message"), CHECKPOINT_ERRORS)
+def test_checkpoint_refuses_with_the_reason(config, tensors, index, message):
+    with pytest.raises(ValueError, match=message):
+        port_checkpoint(config, tensors, index)
+
+
+# The checkpoint route in a process where torch, transformers and safetensors cannot be imported.
+BLOCKED_SCRIPT = """
+import importlib.abc, sys
+
+class Blocked(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers", "safetensors", "tensorflow"):
+            raise ImportError(f"{name} is blocked")
+
+sys.meta_path.insert(0, Blocked())
+import numpy as np
+from interop.hf import port_checkpoint
+from NumPy.Multi_Head_Attention import MultiHeadAttention
+
+directory, index, data = sys.argv[1], int(sys.argv[2]), np.load(sys.argv[3])
+kwargs, weights = port_checkpoint(directory + "/config.json", directory + "/model.safetensors", index)
+layer = MultiHeadAttention(**kwargs)
+layer.import_weights(weights)
+arguments = {name: data[name] for name in data.files if name not in ("hidden", "causal")}
+output = layer(data["hidden"].astype(np.float64), causal=bool(data["causal"]), **arguments)
+np.save(sys.argv[4], output)
+print(sorted(name for name in ("torch", "transformers", "safetensors") if name in sys.modules))
+"""
+
+
+@pytest.mark.parametrize(("name", "index"), [("gemma3", 0), ("bert", 1)])
+def test_checkpoint_route_runs_without_torch_or_transformers(name, index, saved, tmp_path):
+    """A NumPy user's route: config.json and model.safetensors to the NumPy layer, with torch, transformers and
+    safetensors blocked from importing, gives what transformers' module gave (full pass, padding)."""
+    family, runner = FAMILIES_BY_NAME[name], _runner("NumPy")
+    model, call, mask, positions = _full_pass(family, index)
+    kwargs, _ = port_attention(family.module(model, index), _config(model))
+    arguments = _call_arguments(runner, model, family, mask, positions, 0, mask.shape[1], kwargs)
+    np.savez(tmp_path / "data.npz", hidden=call["hidden"], **arguments)
+    result = subprocess.run(
+        [sys.executable, "-c", BLOCKED_SCRIPT, str(saved(name)), str(index), str(tmp_path / "data.npz"),
+         str(tmp_path / "output.npy")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"  # none of them was imported
+    rows = _compared_rows(family, mask)
+    assert _max_diff(np.load(tmp_path / "output.npy"), call["output"], rows) <= OUTPUT_TOL
+
+
+# ----------------------------------------------------------------------------------------------
+# Registered porters
+# ----------------------------------------------------------------------------------------------
+
+
+def test_a_registered_porter_ports_a_subclass_and_a_model_type(monkeypatch):
+    """`register_porter` by class name takes a subclass that overrides `forward` (refused otherwise); by model
+    type it serves `port_checkpoint`; the porter gets the config dict, the module's tensor names and its layer."""
+    monkeypatch.setattr(interop.hf, "_REGISTERED", {})
+    received = []
+
+    def porter(config, tensors, index):
+        received.append((config["model_type"], sorted(tensors), index))
+        return {"d_model": config["hidden_size"], "num_heads": config["num_attention_heads"]}, {}
+
+    register_porter("_ClampedLlamaAttention", porter)
+    register_porter("my_llama", porter)
+    assert "my_llama" in supported_modules()
+    config = transformers.LlamaConfig(**COMMON, **GQA)
+    module = _ClampedLlamaAttention(config, layer_idx=1)
+    assert port_attention(module, config) == ({"d_model": HIDDEN, "num_heads": HEADS}, {})
+    tensors = {f"model.layers.0.self_attn.{name}": value.numpy() for name, value in module.state_dict().items()}
+    port_checkpoint({**config.to_dict(), "model_type": "my_llama"}, tensors, 0)
+    names = ["k_proj.weight", "o_proj.weight", "q_proj.weight", "v_proj.weight"]
+    assert received == [("llama", names, 1), ("my_llama", names, 0)]
+    with pytest.raises(ValueError, match=r"`porter` must be callable. Received: str"):
+        register_porter("x", "not a porter")
