@@ -70,6 +70,7 @@ and ModernBERT's local layers (their window is two-sided). The PyTorch tensors a
 framework itself; safetensors files are read with NumPy.
 """
 
+import functools
 import json
 import math
 import os
@@ -83,6 +84,7 @@ __all__ = [
     "port_attention",
     "port_checkpoint",
     "register_porter",
+    "replace_attention",
     "supported_modules",
     "t5_position_bias",
 ]
@@ -603,7 +605,7 @@ def _family(porter, path, **options):
     def port(config, tensors, index):
         return porter(config, tensors, index, **options)
 
-    port.__doc__ = porter.__doc__
+    port.__doc__, port.family = porter.__doc__, porter
     return port, path
 
 
@@ -814,6 +816,168 @@ def _find_prefix(tensors, path):
             f"Received: {len(found)} ({', '.join(sorted(found)) or 'none'})"
         )
     return found.pop()
+
+
+# ----------------------------------------------------------------------------------------------
+# Swapping the layer into a transformers model
+# ----------------------------------------------------------------------------------------------
+
+
+def replace_attention(model, layer_class=None):
+    """Replaces every attention module of a `transformers` PyTorch model by this project's layer, in place.
+
+    Each module becomes a wrapper that holds the ported `MultiHeadAttention` (its `layer`) and takes
+    the module's call: the model's own `forward` and `generate` keep working, with their masks
+    (the mask the model builds is the layer's `attention_mask`) and their KV cache (the layer keeps
+    the keys and values in its own `KVCache`, grown as decoding goes; the model's cache only counts
+    the tokens). Greedy and sampled decoding are supported; beam search, which reorders the model's
+    cache, is not. The model is switched to the "eager" attention implementation, whose masks are
+    always materialized.
+
+    Args:
+        model: a `transformers` PyTorch model of the Llama kind (the families with `q_proj`, `k_proj`,
+            `v_proj`, `o_proj`: Llama, Mistral, Qwen, Gemma, OLMo, Phi3, ...) or of the BERT kind
+            (BERT, RoBERTa, XLM-RoBERTa).
+        layer_class: the `MultiHeadAttention` class to build (default: the one in `PyTorch/`).
+
+    Returns:
+        The names of the replaced modules.
+
+    Raises:
+        ValueError: for a model with no attention module of these kinds, or a module `port_attention` refuses.
+    """
+    import torch
+
+    if layer_class is None:
+        from PyTorch import Multi_Head_Attention as layer_file
+
+        layer_class = layer_file.MultiHeadAttention
+    _set_eager(model)
+    replaced = []
+    for name, module in list(model.named_modules()):
+        if any(name.startswith(done + ".") for done in replaced) or not type(module).__name__.endswith("Attention"):
+            continue
+        if _transformers_model_type(type(module)) is None and not any(
+            c.__name__ in _REGISTERED for c in type(module).__mro__
+        ):
+            continue
+        family = getattr(_module_porter(module), "family", None)
+        if family not in (_rotary, _bert):
+            continue
+        if getattr(module, "is_cross_attention", False):
+            raise ValueError(f"`model` must have self-attention only: `{name}` is a cross-attention. Received: {name}")
+        wrapper = _swapped(torch, module, layer_class, family is _bert)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, wrapper)
+        replaced.append(name)
+    if not replaced:
+        raise ValueError(
+            "`model` must hold attention modules of the Llama kind (q_proj, k_proj, v_proj, o_proj) or of the BERT "
+            f"kind. Received: {type(model).__name__}"
+        )
+    return replaced
+
+
+def _set_eager(model):
+    for config in (getattr(model, "config", None), *(m.config for m in model.modules() if hasattr(m, "config"))):
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = "eager"
+
+
+def _swapped(torch, module, layer_class, bert):
+    """The wrapper module that calls the ported layer as `module` was called."""
+    config = getattr(module, "config", None) or getattr(module.self, "config", None)
+    kwargs, weights = port_attention(module, config)
+    parameter = next(module.parameters())
+    layer = layer_class(**kwargs)
+    layer.import_weights(weights)
+    layer.to(device=parameter.device, dtype=parameter.dtype)
+    wrapper = _wrapper_class(torch)(layer, _layer_index(module), getattr(module, "is_causal", not bert))
+    if bert:
+        wrapper.norm, wrapper.dropout = module.output.LayerNorm, module.output.dropout
+    return wrapper
+
+
+@functools.cache
+def _wrapper_class(torch):
+    class SwappedAttention(torch.nn.Module):
+        """A `transformers` attention module's call, computed by `layer` (`MultiHeadAttention`).
+
+        BERT's residual, dropout and LayerNorm after the output projection are kept as `norm` and `dropout`.
+        """
+
+        def __init__(self, layer, layer_idx, is_causal):
+            super().__init__()
+            self.layer, self.layer_idx, self.is_causal = layer, layer_idx, is_causal
+            self.norm = self.dropout = None
+            self._cache = None
+
+        def forward(self, hidden_states, attention_mask=None, *args, past_key_values=None, **kwargs):
+            positions = kwargs.get("position_ids")
+            if self.layer.rope_theta is None:
+                positions = None
+            elif positions is None:
+                positions = kwargs.get("cache_position")  # (T,)
+            elif positions.shape[0] != hidden_states.shape[0]:
+                positions = positions.expand(hidden_states.shape[0], -1)  # (1, T) -> (B, T)
+            if past_key_values is None:
+                output = self.layer(
+                    hidden_states, **self._masks(attention_mask, hidden_states, 0, None), positions=positions
+                )
+            else:
+                output = self._step(hidden_states, attention_mask, past_key_values, positions)
+            if self.norm is not None:
+                output = self.norm(self.dropout(output) + hidden_states)
+            return output, None
+
+        def _step(self, hidden_states, attention_mask, past_key_values, positions):
+            """One call with the model's cache: the layer's own cache holds the keys and values."""
+            (b, t, _), past = hidden_states.shape, past_key_values.get_seq_length(self.layer_idx)
+            empty = hidden_states.new_zeros(b, 1, t, 1)  # the model's cache counts the tokens only (one number each)
+            past_key_values.update(empty, empty, self.layer_idx)
+            if past == 0 or self._cache is None:
+                self._cache = self.layer.init_cache(b, max(2 * t, 16))
+            if int(self._cache.index) != past:
+                raise ValueError(
+                    "`past_key_values` must grow one call after another (beam search and cache cropping are not "
+                    f"supported). Received: {past} past tokens, the layer's cache holds {int(self._cache.index)}"
+                )
+            self._grow(past + t)
+            masks = self._masks(attention_mask, hidden_states, past, self._cache.key.shape[2])
+            output, self._cache = self.layer(hidden_states, **masks, positions=positions, cache=self._cache)
+            return output
+
+        def _grow(self, length):
+            """Doubles the layer's cache until it has `length` slots."""
+            cache = self._cache
+            slots = cache.key.shape[2]
+            if length <= slots:
+                return
+            extra = max(slots, length - slots)
+            zeros = cache.key.new_zeros(*cache.key.shape[:2], extra, cache.key.shape[3])
+            keep = cache.keep.new_ones(cache.keep.shape[0], extra)
+            self._cache = type(cache)(
+                torch.cat([cache.key, zeros], 2), torch.cat([cache.value, zeros], 2),
+                torch.cat([cache.keep, keep], 1), cache.index,
+            )  # fmt: skip
+
+        def _masks(self, attention_mask, hidden_states, past, slots):
+            """The model's mask (B, 1, T, S') over the keys up to past + T, as a boolean mask over `slots` keys."""
+            if attention_mask is None:
+                return {"causal": self.is_causal}
+            keep = (
+                attention_mask
+                if attention_mask.dtype == torch.bool
+                else attention_mask > torch.finfo(attention_mask.dtype).min / 2
+            )
+            if slots is None:
+                return {"attention_mask": keep}
+            end = past + hidden_states.shape[1]
+            full = keep.new_zeros(*keep.shape[:-1], slots)
+            full[..., end - keep.shape[-1] : end] = keep  # a sliding layer's mask covers its last keys only
+            return {"attention_mask": full}
+
+    return SwappedAttention
 
 
 # ----------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from interop.hf import (
     port_attention,
     port_checkpoint,
     register_porter,
+    replace_attention,
     supported_modules,
     t5_position_bias,
 )
@@ -1155,3 +1156,62 @@ def test_a_registered_porter_ports_a_subclass_and_a_model_type(monkeypatch):
     assert received == [("llama", names, 1), ("my_llama", names, 0)]
     with pytest.raises(ValueError, match=r"`porter` must be callable. Received: str"):
         register_porter("x", "not a porter")
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer swapped into transformers models
+# ----------------------------------------------------------------------------------------------
+
+NEW_TOKENS = 12  # past the layer's first cache of 16 slots: the wrapper grows it while generating
+
+
+def _swapped(name):
+    """The family's tiny model and a copy of it with every attention module replaced by the PyTorch layer."""
+    model = _model(name)
+    ours = copy.deepcopy(model)
+    replaced = replace_attention(ours)
+    assert replaced == [FAMILIES_BY_NAME[name].attention.format(i=index) for index in LAYERS]
+    assert all(isinstance(ours.get_submodule(path).layer, _runner("PyTorch").module.MultiHeadAttention)
+               for path in replaced)  # fmt: skip
+    return model, ours
+
+
+def _prompts():
+    mask = _left_padded_mask(PROMPT_LENGTHS, max(PROMPT_LENGTHS))
+    ids = np.random.default_rng(SEED).integers(1, VOCAB, size=mask.shape)
+    return torch.from_numpy(ids), torch.from_numpy(mask)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3", "qwen3"] if "PyTorch" in FRAMEWORKS else [])
+def test_replaced_attention_generates_the_same_tokens(name):
+    """Left-padded prompts: the same logits on a full pass and at every greedy step (transformers' DynamicCache
+    beside the layer's own cache; Gemma 3's sliding layers included), hence the same tokens."""
+    model, ours = _swapped(name)
+    ids, mask = _prompts()
+    with torch.no_grad():
+        full = [m(input_ids=ids, attention_mask=mask).logits for m in (model, ours)]
+    assert _max_diff(full[1].numpy(), full[0].numpy(), mask.numpy().astype(bool)) <= OUTPUT_TOL
+    settings = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": 0, "eos_token_id": None}
+    theirs, mine = (
+        m.generate(input_ids=ids, attention_mask=mask, output_logits=True, return_dict_in_generate=True, **settings)
+        for m in (model, ours)
+    )
+    assert theirs.sequences.shape[1] == ids.shape[1] + NEW_TOKENS
+    assert torch.equal(mine.sequences, theirs.sequences)
+    assert max(float((a - b).abs().max()) for a, b in zip(mine.logits, theirs.logits, strict=True)) <= OUTPUT_TOL
+
+
+@pytest.mark.parametrize("name", ["bert", "roberta"] if "PyTorch" in FRAMEWORKS else [])
+def test_replaced_attention_gives_the_encoders_states(name):
+    """BERT's wrapper keeps the module's dropout, residual and LayerNorm after the ported output projection."""
+    model, ours = _swapped(name)
+    ids, mask = _prompts()
+    with torch.no_grad():
+        theirs, mine = (m(input_ids=ids, attention_mask=mask).last_hidden_state for m in (model, ours))
+    assert np.max(np.abs(theirs.numpy())) > MEANINGFUL
+    assert _max_diff(mine.numpy(), theirs.numpy(), mask.numpy().astype(bool)) <= OUTPUT_TOL
+
+
+def test_replace_attention_refuses_a_model_it_cannot_swap():
+    with pytest.raises(ValueError, match=r"`model` must hold attention modules of the Llama kind .* Received: GPT2"):
+        replace_attention(copy.deepcopy(_model("gpt2")))
