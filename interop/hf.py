@@ -81,6 +81,7 @@ import numpy as np
 
 __all__ = [
     "alibi_positions",
+    "load_tensors",
     "port_attention",
     "port_checkpoint",
     "register_porter",
@@ -252,8 +253,17 @@ class _ShardedSafetensors(Mapping):
         return len(self._map)
 
 
-def _load_tensors(tensors):
-    """A mapping of names to arrays from a dict, a `.safetensors` file or a sharded checkpoint's index json."""
+def load_tensors(tensors):
+    """A checkpoint's tensors as a mapping of names to NumPy arrays, read with NumPy only, one tensor when asked.
+
+    Args:
+        tensors: a `.safetensors` file (or the directory holding `model.safetensors`), a sharded
+            checkpoint's `model.safetensors.index.json`, or a mapping (returned as it is).
+
+    Returns:
+        A mapping: `load_tensors(path)["embeddings.word_embeddings.weight"]` reads that tensor
+        (bfloat16 widened to float32; the other dtypes as stored).
+    """
     if isinstance(tensors, Mapping):
         return tensors
     if isinstance(tensors, (str, os.PathLike)):
@@ -797,7 +807,7 @@ def port_checkpoint(config, tensors, layer_index, *, prefix=None):
             f"`config` must be of one of the model types {', '.join(supported_modules())}. "
             f"Received: model_type={model_type!r}"
         )
-    tensors = _load_tensors(tensors)
+    tensors = load_tensors(tensors)
     if prefix is None:
         prefix = _find_prefix(tensors, _BUILTIN.get(model_type, (None, _LAYERS))[1].format(i=layer_index))
     return porter(config, _Prefixed(tensors, prefix.rstrip(".") + "."), layer_index)
