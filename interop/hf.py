@@ -142,22 +142,11 @@ def _separate_projections(tensors, sources):
     return weights, _bias_argument(with_bias)
 
 
-def _split_fused(tensors, fused, output, sizes, per_head=None):
-    """Weights and `bias` of a fused q/k/v `nn.Linear` and the output one.
-
-    `sizes`: the (q, k, v) widths of blocks [q | k | v] along the fused output (Phi3, GPTBigCode
-    multi-query, MPT, ModernBERT); `per_head`: (N, H) where the rows are [q_n, k_n, v_n] for each
-    head n instead (GPT-NeoX, Bloom, GPTBigCode).
-    """
-    kernel = _tensor(tensors, f"{fused}.weight").T  # (3*N*H, E) -> (E, 3*N*H)
+def _split_fused(tensors, fused, output, columns):
+    """Weights and `bias` of a fused q/k/v `nn.Linear` and the output one; `columns`: the q, k and v rows of the
+    fused weight (`_blocks`, `_per_head`, `_grouped`)."""
+    kernel = _tensor(tensors, f"{fused}.weight").T  # (q + k + v widths, E) -> (E, q + k + v widths)
     bias = _tensor(tensors, f"{fused}.bias") if f"{fused}.bias" in tensors else None
-    if per_head is not None:
-        num_heads, head_dim = per_head
-        order = np.arange(3 * num_heads * head_dim).reshape(num_heads, 3, head_dim)  # rows of head n, part p
-        columns = [order[:, part].reshape(-1) for part in range(3)]  # 3 x (N*H,)
-    else:
-        edges = np.cumsum((0, *sizes))
-        columns = [np.arange(edges[part], edges[part + 1]) for part in range(3)]
     weights, with_bias = {}, []
     for name, index in zip(("query", "key", "value"), columns, strict=True):
         weights[f"{name}_kernel"] = kernel[:, index].copy()  # (E, width)
@@ -167,6 +156,24 @@ def _split_fused(tensors, fused, output, sizes, per_head=None):
     if _linear("output", tensors, output, weights):
         with_bias.append("output")
     return weights, _bias_argument(with_bias)
+
+
+def _blocks(*sizes):
+    """Rows [q | k | v] of the given widths (Phi3, GPTBigCode and Falcon multi-query, MPT, ModernBERT)."""
+    edges = np.cumsum((0, *sizes))
+    return [np.arange(edges[part], edges[part + 1]) for part in range(3)]
+
+
+def _per_head(num_heads, head_dim):
+    """Rows [q_n, k_n, v_n] for each head n (GPT-NeoX, Bloom, GPTBigCode and Falcon without multi-query)."""
+    order = np.arange(3 * num_heads * head_dim).reshape(num_heads, 3, head_dim)
+    return [order[:, part].reshape(-1) for part in range(3)]
+
+
+def _grouped(num_kv_heads, group, head_dim):
+    """Rows [q_g0 .. q_g(G-1), k_g, v_g] for each key/value head g (Falcon's new decoder architecture)."""
+    order = np.arange(num_kv_heads * (group + 2) * head_dim).reshape(num_kv_heads, group + 2, head_dim)
+    return [order[:, :group].reshape(-1), order[:, group].reshape(-1), order[:, group + 1].reshape(-1)]
 
 
 class _Prefixed(Mapping):
@@ -426,8 +433,8 @@ def _rotary(config, tensors, index, *, interleaved=False, scale=None, rope="all"
     _refuse(config, "use_qk_norm", "Cohere's QK-norm is a LayerNorm (mean removed), not the layer's RMSNorm")
     _refuse(config, "clip_qkv", "the layer does not clamp its projections yet")
     if "qkv_proj.weight" in tensors:  # Phi3
-        sizes = (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
-        weights, bias = _split_fused(tensors, "qkv_proj", "o_proj", sizes)
+        columns = _blocks(num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
+        weights, bias = _split_fused(tensors, "qkv_proj", "o_proj", columns)
     else:
         output = "dense" if "dense.weight" in tensors else "o_proj"  # Phi calls it `dense`
         weights, bias = _separate_projections(tensors, ("q_proj", "k_proj", "v_proj", output))
@@ -485,7 +492,7 @@ def _gpt_neox(config, tensors, index):
     """GPT-NeoX: one fused q/k/v projection, interleaved per head; partial RoPE."""
     num_heads = config["num_attention_heads"]
     head_dim = config["hidden_size"] // num_heads
-    weights, bias = _split_fused(tensors, "query_key_value", "dense", None, per_head=(num_heads, head_dim))
+    weights, bias = _split_fused(tensors, "query_key_value", "dense", _per_head(num_heads, head_dim))
     kwargs = {"d_model": config["hidden_size"], "num_heads": num_heads, "bias": bias}
     kwargs |= {"scale": float(head_dim**-0.5)} | _rope_kwargs(_rope_parameters(config, None), head_dim)
     return kwargs, weights
@@ -522,10 +529,8 @@ def _gpt_bigcode(config, tensors, index):
     """GPTBigCode (StarCoder): a fused c_attn, [q | k | v] with one key/value head (multi-query) or per head."""
     width, num_heads = config["n_embd"], config["n_head"]
     head_dim = width // num_heads
-    if config.get("multi_query", True):
-        weights, bias = _split_fused(tensors, "c_attn", "c_proj", (width, head_dim, head_dim))
-    else:
-        weights, bias = _split_fused(tensors, "c_attn", "c_proj", None, per_head=(num_heads, head_dim))
+    columns = _blocks(width, head_dim, head_dim) if config.get("multi_query", True) else _per_head(num_heads, head_dim)
+    weights, bias = _split_fused(tensors, "c_attn", "c_proj", columns)
     scale = head_dim**-0.5 if config.get("scale_attn_weights", True) else 1.0
     kwargs = {
         "d_model": width,
@@ -605,8 +610,58 @@ def _bloom(config, tensors, index):
     num_heads = config["n_head"]
     width = config["hidden_size"]
     head_dim = width // num_heads
-    weights, bias = _split_fused(tensors, "query_key_value", "dense", None, per_head=(num_heads, head_dim))
+    weights, bias = _split_fused(tensors, "query_key_value", "dense", _per_head(num_heads, head_dim))
     return {"d_model": width, "num_heads": num_heads, "bias": bias, "scale": float(head_dim**-0.5)}, weights
+
+
+def _falcon(config, tensors, index):
+    """Falcon: a fused query_key_value laid out per head, multi-query or in groups (new decoder architecture);
+    RoPE (its ALiBi models are refused)."""
+    _refuse(config, "alibi", "Falcon's ALiBi models are not ported yet (their RoPE models are)")
+    width, num_heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = width // num_heads
+    if config.get("new_decoder_architecture"):
+        num_kv_heads = config["num_kv_heads"]
+        columns = _grouped(num_kv_heads, num_heads // num_kv_heads, head_dim)
+    elif config.get("multi_query", True):
+        num_kv_heads, columns = 1, _blocks(width, head_dim, head_dim)
+    else:
+        num_kv_heads, columns = num_heads, _per_head(num_heads, head_dim)
+    weights, bias = _split_fused(tensors, "query_key_value", "dense", columns)
+    kwargs = {"d_model": width, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "bias": bias}
+    kwargs |= {"scale": float(head_dim**-0.5)} | _rope_kwargs(_rope_parameters(config, None), head_dim)
+    return kwargs, weights
+
+
+def _mpt(config, tensors, index):
+    """MPT: a fused Wqkv [q | k | v], `softmax_scale`; its ALiBi is the call's `attention_bias`."""
+    attn = config.get("attn_config") or {}
+    _refuse(attn, "clip_qkv", "the layer does not clamp its projections yet")
+    if attn.get("alibi", True) and attn.get("alibi_bias_max", 8) != 8:
+        raise ValueError(
+            "`config.attn_config.alibi_bias_max` must be 8 (the slopes of the layer's `alibi_bias`). "
+            f"Received: alibi_bias_max={attn['alibi_bias_max']}"
+        )
+    width, num_heads = config["d_model"], config["n_heads"]
+    weights, bias = _split_fused(tensors, "Wqkv", "out_proj", _blocks(width, width, width))
+    scale = attn.get("softmax_scale") or (width / num_heads) ** -0.5
+    return {"d_model": width, "num_heads": num_heads, "bias": bias, "scale": float(scale)}, weights
+
+
+def _modernbert(config, tensors, index):
+    """ModernBERT's global layers: a fused Wqkv [q | k | v], Wo, RoPE of the layer type (its local layers are
+    refused: their window reaches both ways)."""
+    layer_type = _layer_type(config, index)
+    if layer_type == "sliding_attention":
+        raise ValueError(
+            "`layer_index` must be a global ModernBERT layer: its local layers attend a window on both sides of "
+            f"each token, which the layer's `window` (keys before the query) is not. Received: layer_index={index}"
+        )
+    width, num_heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = width // num_heads
+    weights, bias = _split_fused(tensors, "Wqkv", "Wo", _blocks(width, width, width))
+    kwargs = {"d_model": width, "num_heads": num_heads, "bias": bias, "scale": float(head_dim**-0.5)}
+    return kwargs | _rope_kwargs(_rope_parameters(config, layer_type), head_dim), weights
 
 
 def _family(porter, path, **options):
@@ -657,6 +712,10 @@ _BUILTIN = {
     "xlm_roberta": _family(_bert, "encoder.layer.{i}.attention"),  # its package's name
     "t5": _family(_t5, "encoder.block.{i}.layer.0.SelfAttention"),
     "bloom": _family(_bloom, "h.{i}.self_attention"),
+    "falcon": _family(_falcon, "h.{i}.self_attention"),
+    "mpt": _family(_mpt, "blocks.{i}.attn"),
+    "modernbert": _family(_modernbert, "layers.{i}.attn"),
+    "whisper": _family(_bart, "encoder.layers.{i}.self_attn"),
 }
 _REGISTERED = {}
 

@@ -165,6 +165,24 @@ def _bart():
     return transformers.BartModel(config)
 
 
+def _falcon(**config):
+    sizes = {"hidden_size": HIDDEN, "num_attention_heads": HEADS, "num_hidden_layers": 2, "vocab_size": VOCAB}
+    return transformers.FalconForCausalLM(transformers.FalconConfig(**sizes, bias=True, **TOKENS, **config))
+
+
+WHISPER_FEATURES = (8, 16)  # mel bins, frames (2 * max_source_positions)
+
+
+def _whisper():
+    config = transformers.WhisperConfig(
+        d_model=HIDDEN, encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_layers=2,
+        decoder_layers=2, encoder_ffn_dim=48, decoder_ffn_dim=48, num_mel_bins=WHISPER_FEATURES[0],
+        max_source_positions=WHISPER_FEATURES[1] // 2, max_target_positions=64, vocab_size=VOCAB,
+        decoder_start_token_id=0, **TOKENS,
+    )  # fmt: skip
+    return transformers.WhisperModel(config)
+
+
 def _bert_like(prefix):
     config = getattr(transformers, f"{prefix}Config")(
         hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=2, intermediate_size=48, vocab_size=VOCAB,
@@ -525,6 +543,33 @@ FAMILIES += [
     Family("bart_encoder", lambda: _bart(), "encoder.layers.{i}.self_attn", causal=False, rope=False, decode=False,
            seq2seq=True),
     Family("bart_decoder", lambda: _bart(), "decoder.layers.{i}.self_attn", rope=False, seq2seq=True, prefix=True),
+    Family("falcon", lambda: _falcon(), "transformer.h.{i}.self_attention"),
+    Family("falcon_grouped", lambda: _falcon(new_decoder_architecture=True, num_kv_heads=KV_HEADS),
+           "transformer.h.{i}.self_attention"),
+    Family("falcon_mha", lambda: _falcon(multi_query=False), "transformer.h.{i}.self_attention"),
+    Family(
+        "mpt",
+        lambda: transformers.MptForCausalLM(
+            transformers.MptConfig(d_model=HIDDEN, n_heads=HEADS, n_layers=2, expansion_ratio=2, max_seq_len=64,
+                                   vocab_size=VOCAB, **TOKENS)
+        ),
+        "transformer.blocks.{i}.attn",
+        rope=False,
+        bias="alibi",
+    ),
+    Family(
+        "modernbert",
+        lambda: transformers.ModernBertModel(
+            transformers.ModernBertConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=2,
+                                          intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=64,
+                                          global_attn_every_n_layers=1, attention_bias=True, **TOKENS)
+        ),
+        "layers.{i}.attn",
+        causal=False,
+        decode=False,
+    ),
+    Family("whisper_decoder", lambda: _whisper(), "decoder.layers.{i}.self_attn", rope=False, seq2seq=True,
+           prefix=True),
     Family("roberta", lambda: _bert_like("Roberta"), "encoder.layer.{i}.attention", output="output.dense",
            causal=False, rope=False, decode=False),
     Family("xlm_roberta", lambda: _bert_like("XLMRoberta"), "encoder.layer.{i}.attention", output="output.dense",
@@ -592,9 +637,11 @@ def _model_arguments(family, ids, mask, positions, prompt=None):
         arguments["position_ids"] = torch.from_numpy(positions)
     if family.seq2seq:
         encoder_ids, encoder_mask = (ids, mask) if prompt is None else prompt
-        arguments = {
-            "input_ids": torch.from_numpy(encoder_ids),
-            "attention_mask": torch.from_numpy(encoder_mask),
+        encoder = {"input_ids": torch.from_numpy(encoder_ids), "attention_mask": torch.from_numpy(encoder_mask)}
+        if family.name.startswith("whisper"):  # the encoder reads audio features
+            features = np.random.default_rng(SEED).standard_normal((ids.shape[0], *WHISPER_FEATURES))
+            encoder = {"input_features": torch.from_numpy(features.astype(np.float32))}
+        arguments = encoder | {
             "decoder_input_ids": arguments["input_ids"],
             "decoder_attention_mask": arguments["attention_mask"],
         }
@@ -778,6 +825,12 @@ VARIANTS = {
     "bart_encoder": set(),
     "bart_decoder": set(),
     "roberta": set(),
+    "falcon": {"rope"},
+    "falcon_grouped": {"rope"},
+    "falcon_mha": {"rope"},
+    "mpt": {"attention_bias"},
+    "modernbert": {"rope"},
+    "whisper_decoder": set(),
     "xlm_roberta": set(),
 }
 DIFFERS = 1e-3  # a removed variant must move the output by 100 times the tolerance at least
@@ -852,6 +905,13 @@ def _with_custom_projection():
     return module
 
 
+def _holding_config(module_class, config):
+    """A module that does not keep its config (MPT's), given it so the test can pass it to `port_attention`."""
+    module = module_class(config, layer_idx=0)
+    module.config = config
+    return module
+
+
 def _tiny_module(module_class, config_class, **config):
     return module_class(config_class(**COMMON, **config), layer_idx=0)
 
@@ -915,6 +975,29 @@ ERROR_CASES = [
             transformers.models.olmo.modeling_olmo.OlmoAttention, transformers.OlmoConfig, **GQA, clip_qkv=8.0
         ),
         r"`config.clip_qkv` must be off: the layer does not clamp its projections yet. Received: clip_qkv=8.0",
+    ),
+    (
+        "falcon_alibi",
+        lambda: transformers.models.falcon.modeling_falcon.FalconAttention(
+            transformers.FalconConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, alibi=True), layer_idx=0
+        ),
+        r"`config.alibi` must be off: Falcon's ALiBi models are not ported yet .* Received: alibi=True",
+    ),
+    (
+        "modernbert_local_layer",
+        lambda: transformers.models.modernbert.modeling_modernbert.ModernBertAttention(
+            transformers.ModernBertConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=3),
+            layer_idx=1,
+        ),
+        r"`layer_index` must be a global ModernBERT layer: its local layers .* Received: layer_index=1",
+    ),
+    (
+        "mpt_clip_qkv",
+        lambda: _holding_config(
+            transformers.models.mpt.modeling_mpt.MptAttention,
+            transformers.MptConfig(d_model=HIDDEN, n_heads=HEADS, attn_config={"clip_qkv": 6.0}),
+        ),
+        r"`config.clip_qkv` must be off: the layer does not clamp its projections yet. Received: clip_qkv=6.0",
     ),
     (
         "subclass_overriding_forward",
