@@ -664,6 +664,27 @@ def _modernbert(config, tensors, index):
     return kwargs | _rope_kwargs(_rope_parameters(config, layer_type), head_dim), weights
 
 
+def _llama4(config, tensors, index):
+    """Llama 4's text attention: interleaved RoPE and a weightless RMS QK-norm on its RoPE layers (the norm
+    commutes with the rotation, so the layer's norm-then-rotate order computes the same), NoPE layers."""
+    if _layer_type(config, index) == "chunked_attention" and config.get("attention_chunk_size") is not None:
+        raise ValueError(
+            "`config.attention_chunk_size` must be None: the layer has no chunked attention yet. "
+            f"Received: attention_chunk_size={config['attention_chunk_size']} on layer {index}"
+        )
+    rotates = _rotates(config, index, None, "no_rope_layers")
+    if not rotates and config.get("attn_temperature_tuning"):
+        raise ValueError(
+            "`config.attn_temperature_tuning` must be off for a NoPE layer: it scales the queries by their "
+            f"position, which the layer cannot. Received: attn_temperature_tuning=True on layer {index}"
+        )
+    kwargs, weights = _rotary({**config, "use_qk_norm": False}, tensors, index, interleaved=True, rope="no_rope_layers")
+    if config.get("use_qk_norm") and rotates:
+        weights["query_norm"] = weights["key_norm"] = np.ones(kwargs["head_dim"], np.float32)
+        kwargs |= {"qk_norm": "head", "qk_norm_eps": float(config["rms_norm_eps"])}
+    return kwargs, weights
+
+
 def _family(porter, path, **options):
     """One family: its porter, given `options`, and the path of layer {i}'s attention in its checkpoints."""
 
@@ -713,6 +734,8 @@ _BUILTIN = {
     "t5": _family(_t5, "encoder.block.{i}.layer.0.SelfAttention"),
     "bloom": _family(_bloom, "h.{i}.self_attention"),
     "falcon": _family(_falcon, "h.{i}.self_attention"),
+    "llama4": _family(_llama4, _LAYERS),
+    "llama4_text": _family(_llama4, _LAYERS),
     "mpt": _family(_mpt, "blocks.{i}.attn"),
     "modernbert": _family(_modernbert, "layers.{i}.attn"),
     "whisper": _family(_bart, "encoder.layers.{i}.self_attn"),

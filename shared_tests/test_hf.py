@@ -568,6 +568,15 @@ FAMILIES += [
         causal=False,
         decode=False,
     ),
+    Family(
+        "llama4",
+        _llama_like(
+            "Llama4ForCausalLM", "Llama4TextConfig", **GQA, **TOKENS, num_local_experts=2, intermediate_size_mlp=48,
+            no_rope_layers=[1, 0], attention_chunk_size=64, attn_temperature_tuning=False,  # no layer chunks
+            layer_types=["full_attention", "full_attention"],
+        ),
+        "model.layers.{i}.self_attn",
+    ),
     Family("whisper_decoder", lambda: _whisper(), "decoder.layers.{i}.self_attn", rope=False, seq2seq=True,
            prefix=True),
     Family("roberta", lambda: _bert_like("Roberta"), "encoder.layer.{i}.attention", output="output.dense",
@@ -720,7 +729,11 @@ def _case_id(case):
 # ----------------------------------------------------------------------------------------------
 
 
-PACKAGE_NAMES = {"gemma3", "xlm_roberta"}  # where a transformers package's name is not its config's model type
+PACKAGE_NAMES = {
+    "gemma3",
+    "xlm_roberta",
+    "llama4",
+}  # where a transformers package's name is not its config's model type
 
 
 def test_every_supported_model_type_has_a_family_here():
@@ -831,6 +844,7 @@ VARIANTS = {
     "mpt": {"attention_bias"},
     "modernbert": {"rope"},
     "whisper_decoder": set(),
+    "llama4": {"rope", "rope_interleaved", "qk_norm"},
     "xlm_roberta": set(),
 }
 DIFFERS = 1e-3  # a removed variant must move the output by 100 times the tolerance at least
@@ -998,6 +1012,17 @@ ERROR_CASES = [
             transformers.MptConfig(d_model=HIDDEN, n_heads=HEADS, attn_config={"clip_qkv": 6.0}),
         ),
         r"`config.clip_qkv` must be off: the layer does not clamp its projections yet. Received: clip_qkv=6.0",
+    ),
+    (
+        "llama4_chunked",
+        lambda: _tiny_module(
+            transformers.models.llama4.modeling_llama4.Llama4TextAttention,
+            transformers.Llama4TextConfig,
+            **GQA,
+            attention_chunk_size=8192,
+        ),
+        r"`config.attention_chunk_size` must be None: the layer has no chunked attention yet. "
+        r"Received: attention_chunk_size=8192 on layer 0",
     ),
     (
         "subclass_overriding_forward",
