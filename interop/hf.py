@@ -39,17 +39,19 @@ These call arguments reproduce them (`attention_mask` is the model's (B, S) 0/1 
 
 - Llama, Mistral, Mixtral, Qwen2 (and MoE), Qwen3 (and MoE), Gemma, Gemma 2, Gemma 3, OLMo, OLMo2,
   gpt-oss, Phi, Phi3, GPT-NeoX, GPT-J, Starcoder2, Granite, Cohere, Cohere2, StableLM, SmolLM3,
-  GLM4: `causal=True, key_mask=attention_mask.bool(), positions=position_ids`.
+  GLM4, Falcon, Llama 4: `causal=True, key_mask=attention_mask.bool(), positions=position_ids`;
+  a NoPE layer (no `rope_theta` in its kwargs: SmolLM3's `no_rope_layers`, Cohere2's full
+  layers, Llama 4's NoPE layers) takes no `positions`.
 - GPT-2, GPT-Neo, GPTBigCode, OPT, the BART and Whisper decoders' self-attention:
   `causal=True, key_mask=attention_mask.bool()`.
-- BERT, RoBERTa, XLM-RoBERTa, the BART and Whisper encoders (self-attention):
-  `key_mask=attention_mask.bool()`.
-- BART and Whisper cross-attention (`encoder_attn`): `layer(decoder_states, encoder_states,
-  encoder_states, key_mask=encoder_attention_mask.bool())`.
+- BERT, RoBERTa, XLM-RoBERTa, the BART encoder: `key_mask=attention_mask.bool()`; ModernBERT's
+  global layers add `positions=position_ids`; the Whisper encoder attends every frame (no mask).
 - T5 self-attention: `key_mask=attention_mask.bool(), attention_bias=t5_position_bias(module0, T, S)`
   (`module0`: the first layer's T5Attention of that stack); the decoder adds `causal=True`.
-- Bloom: `causal=True, key_mask=attention_mask.bool(),
-  attention_bias=alibi_bias(N, alibi_positions(attention_mask))` (`alibi_bias` from the layer's file).
+- Bloom and MPT: `causal=True, key_mask=attention_mask.bool(),
+  attention_bias=alibi_bias(N, alibi_positions(attention_mask))` (`alibi_bias` from the layer's
+  file; MPT's slopes are the same for its default `alibi_bias_max=8`, and its key positions differ
+  from these by a constant per query, which the softmax does not see).
 
 The sliding window (Mistral, Mixtral, Starcoder2, Qwen2, Gemma 2 and 3, gpt-oss, Phi3, Cohere2,
 GPT-Neo's local layers) is part of the layer (`window`), so no band mask is needed. With left
@@ -58,16 +60,18 @@ them `output_bias` (no key left): compare real tokens only.
 
 Decoding: `cache = layer.init_cache(B, L)`, then `layer(x, cache=cache, causal=True,
 key_mask=<the new tokens' mask>, positions=<their position_ids>)`, one prefill and then one
-token at a time, as `transformers` does with its `DynamicCache`; T5 and Bloom pass their bias
+token at a time, as `transformers` does with its `DynamicCache`; T5, Bloom and MPT pass their bias
 over the L cache slots (`t5_position_bias(module, T, L, past_length=index)`, ALiBi over the
 positions of all L slots).
 
 RoPE scaling: `default`, `linear`, `llama3` and `yarn` (gpt-oss' default) port with their
 parameters; other types (dynamic, LongRoPE) are a `ValueError` for now. Refused with the reason:
 `clip_qkv` (OLMo, MPT), a LayerNorm QK-norm (Phi, StableLM, Cohere), Llama 4's chunked attention
-and ModernBERT's local layers (their window is two-sided). The PyTorch tensors are read with
-`torch` only through the modules' own parameters (`.detach().cpu()`), so this file imports no
-framework itself; safetensors files are read with NumPy.
+and its NoPE layers' temperature tuning, ModernBERT's local layers (their window is two-sided),
+Falcon's ALiBi models, GPT-2 and GPTBigCode cross-attention. This file imports no framework at
+module level: `port_attention` reads a module's tensors through its own `state_dict`,
+`port_checkpoint` and `load_tensors` read safetensors files with NumPy, and `replace_attention`
+imports torch and the PyTorch layer when called.
 """
 
 import functools
@@ -528,6 +532,11 @@ def _gpt2(config, tensors, index):
 def _gpt_bigcode(config, tensors, index):
     """GPTBigCode (StarCoder): a fused c_attn, [q | k | v] with one key/value head (multi-query) or per head."""
     width, num_heads = config["n_embd"], config["n_head"]
+    if "q_attn.weight" in tensors:
+        raise ValueError(
+            "`module` must be a GPTBigCode self-attention: cross-attention is not ported. "
+            "Received: a module with `q_attn`"
+        )
     head_dim = width // num_heads
     columns = _blocks(width, head_dim, head_dim) if config.get("multi_query", True) else _per_head(num_heads, head_dim)
     weights, bias = _split_fused(tensors, "c_attn", "c_proj", columns)
