@@ -694,19 +694,30 @@ def _call_arguments(runner, model, family, mask, positions, start, stop, kwargs)
     return arguments
 
 
-@functools.cache
 def _full_pass(family, index):
-    """Runs the model on left-padded prompts; returns the model, module input/output, mask and positions
-    (once per process: every framework's case compares with the same capture)."""
+    """The model run on left-padded prompts: the model, layer `index`'s module input/output, mask and positions."""
+    calls, mask, positions = _full_passes(family)
+    return _model(family.name), calls[index], mask, positions
+
+
+@functools.cache
+def _full_passes(family):
+    """One run of the model captures every layer in LAYERS, once per process (every framework compares with it)."""
     model = _model(family.name)
     total = max(PROMPT_LENGTHS)
     mask = _left_padded_mask(PROMPT_LENGTHS, total)
     ids = np.random.default_rng(SEED).integers(1, VOCAB, size=mask.shape)
     positions = _positions(mask)
-    with _capture(model, family, index) as calls, torch.no_grad():
+    with _capture_layers(model, family) as calls, torch.no_grad():
         model(**_model_arguments(family, ids, mask, positions))
-    (call,) = calls
-    return model, call, mask, positions
+    return {index: captured for index, (captured,) in calls.items()}, mask, positions
+
+
+@contextlib.contextmanager
+def _capture_layers(model, family):
+    """`_capture` of every layer in LAYERS: {index: its calls}."""
+    with contextlib.ExitStack() as stack:
+        yield {index: stack.enter_context(_capture(model, family, index)) for index in LAYERS}
 
 
 def _compared_rows(family, mask):
@@ -765,13 +776,14 @@ def test_full_pass_with_padding_matches_transformers(case):
     assert _max_diff(output, call["output"], rows) <= OUTPUT_TOL
 
 
-def _decode_with_transformers(model, family, index, ids, mask, positions, prompt):
-    """Prefill the prompt, then one token a step, with transformers' DynamicCache; returns each call's capture."""
+def _decode_with_transformers(model, family, ids, mask, positions, prompt):
+    """Prefill the prompt, then one token a step, with transformers' DynamicCache; returns each call's capture
+    for each layer in LAYERS."""
     cache = transformers.DynamicCache(config=_config(model))
     if family.seq2seq:
         cache = transformers.EncoderDecoderCache(cache, transformers.DynamicCache(config=_config(model)))
     encoder = (ids[:, :prompt], mask[:, :prompt])
-    with _capture(model, family, index) as calls, torch.no_grad():
+    with _capture_layers(model, family) as calls, torch.no_grad():
         for start, stop in [(0, prompt), *((p, p + 1) for p in range(prompt, mask.shape[1]))]:
             arguments = _model_arguments(family, ids[:, start:stop], mask[:, :stop], positions[:, start:stop], encoder)
             model(**arguments, past_key_values=cache, use_cache=True)
@@ -779,14 +791,14 @@ def _decode_with_transformers(model, family, index, ids, mask, positions, prompt
 
 
 @functools.cache
-def _transformers_decoding(family, index):
-    """transformers decoding left-padded prompts (once per process): each call's capture, the mask, the positions."""
+def _transformers_decoding(family):
+    """transformers decoding left-padded prompts (once per process): {layer: each call's capture}, mask, positions."""
     prompt = max(PROMPT_LENGTHS)
     mask = _left_padded_mask(PROMPT_LENGTHS, prompt + DECODE_STEPS)
     mask[:, prompt:] = 1
     ids = np.random.default_rng(SEED).integers(1, VOCAB, size=mask.shape)
     positions = _positions(mask)
-    return _decode_with_transformers(_model(family.name), family, index, ids, mask, positions, prompt), mask, positions
+    return _decode_with_transformers(_model(family.name), family, ids, mask, positions, prompt), mask, positions
 
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=_case_id)
@@ -794,7 +806,8 @@ def test_decoding_left_padded_prompts_matches_transformers_cache(case):
     framework, name, index = case
     family, runner = FAMILIES_BY_NAME[name], _runner(framework)
     model = _model(name)
-    calls, mask, positions = _transformers_decoding(family, index)
+    calls, mask, positions = _transformers_decoding(family)
+    calls = calls[index]
     kwargs, weights = port_attention(family.module(model, index), _config(model))
     layer = runner.layer(kwargs, weights)
     cache = layer.init_cache(*mask.shape)
