@@ -1,11 +1,28 @@
-"""Port the attention modules of Hugging Face `transformers` models to `MultiHeadAttention`.
+"""Port the attention of Hugging Face `transformers` models to `MultiHeadAttention`.
 
-One converter for the three layers: it reads a `transformers` attention module and its config
-and returns the constructor arguments and the portable weights (docs/SPEC.md, "Weights"):
+One converter for the three layers, two routes to the same `(layer_kwargs, weights)`: the
+constructor arguments and the portable weights (docs/SPEC.md, "Weights").
+
+From a loaded PyTorch model (needs torch and transformers):
 
     layer_kwargs, weights = port_attention(model.model.layers[0].self_attn, model.config)
+
+From a checkpoint, with neither torch nor transformers installed (a Keras or NumPy user):
+
+    layer_kwargs, weights = port_checkpoint("model/config.json", "model/model.safetensors", 0)
+
+and in both cases:
+
     layer = MultiHeadAttention(**layer_kwargs)  # NumPy, PyTorch or TensorFlow: the same arguments
     layer.import_weights(weights)
+
+Both routes run one porter per family: `porter(config, tensors, layer_index)` reads the config as
+a dict and the attention module's own tensors by their names in its `state_dict` (`q_proj.weight`,
+...). A family is found by its `transformers` model type (the config's `model_type`; for a module,
+the `transformers.models.<type>` package its class comes from), so exact clones port like their
+original (RoBERTa as BERT, Qwen3-MoE as Qwen3). A subclass that overrides `forward`, or a module
+whose projections are not `torch` or `transformers` modules (LoRA, quantized, user classes), is
+refused unless a porter is registered for its class name with `register_porter`.
 
 Only what is attention is ported: the q/k/v projections (their biases where the module has
 them), QK-norm, RoPE, the softmax scale, soft-capping, the sliding window, sinks and the output
@@ -20,38 +37,62 @@ The module does not hold its masks: `transformers` builds them in the model and 
 These call arguments reproduce them (`attention_mask` is the model's (B, S) 0/1 padding mask,
 `position_ids` the (B, T) positions the model was called with):
 
-- Llama, Mistral, Mixtral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, OLMo2, gpt-oss, Phi, GPT-NeoX,
-  GPT-J, Starcoder2, Granite, Cohere:
-  `causal=True, key_mask=attention_mask.bool(), positions=position_ids`.
-- GPT-2: `causal=True, key_mask=attention_mask.bool()`.
-- BERT (encoder): `key_mask=attention_mask.bool()`.
+- Llama, Mistral, Mixtral, Qwen2 (and MoE), Qwen3 (and MoE), Gemma, Gemma 2, Gemma 3, OLMo, OLMo2,
+  gpt-oss, Phi, Phi3, GPT-NeoX, GPT-J, Starcoder2, Granite, Cohere, Cohere2, StableLM, SmolLM3,
+  GLM4, Falcon, Llama 4: `causal=True, key_mask=attention_mask.bool(), positions=position_ids`;
+  a NoPE layer (no `rope_theta` in its kwargs: SmolLM3's `no_rope_layers`, Cohere2's full
+  layers, Llama 4's NoPE layers) takes no `positions`.
+- GPT-2, GPT-Neo, GPTBigCode, OPT, the BART and Whisper decoders' self-attention:
+  `causal=True, key_mask=attention_mask.bool()`.
+- BERT, RoBERTa, XLM-RoBERTa, the BART encoder: `key_mask=attention_mask.bool()`; ModernBERT's
+  global layers add `positions=position_ids`; the Whisper encoder attends every frame (no mask).
 - T5 self-attention: `key_mask=attention_mask.bool(), attention_bias=t5_position_bias(module0, T, S)`
   (`module0`: the first layer's T5Attention of that stack); the decoder adds `causal=True`.
-- Bloom: `causal=True, key_mask=attention_mask.bool(),
-  attention_bias=alibi_bias(N, alibi_positions(attention_mask))` (`alibi_bias` from the layer's file).
+- Bloom and MPT: `causal=True, key_mask=attention_mask.bool(),
+  attention_bias=alibi_bias(N, alibi_positions(attention_mask))` (`alibi_bias` from the layer's
+  file; MPT's slopes are the same for its default `alibi_bias_max=8`, and its key positions differ
+  from these by a constant per query, which the softmax does not see).
 
-The sliding window (Mistral, Mixtral, Starcoder2, Qwen2, Gemma 2 and 3, gpt-oss) is part of the
-layer (`window`), so no band mask is needed. With left padding, `transformers` leaves the padded query rows attending
-nothing useful; this layer gives them `output_bias` (no key left): compare real tokens only.
+The sliding window (Mistral, Mixtral, Starcoder2, Qwen2, Gemma 2 and 3, gpt-oss, Phi3, Cohere2,
+GPT-Neo's local layers) is part of the layer (`window`), so no band mask is needed. With left
+padding, `transformers` leaves the padded query rows attending nothing useful; this layer gives
+them `output_bias` (no key left): compare real tokens only.
 
 Decoding: `cache = layer.init_cache(B, L)`, then `layer(x, cache=cache, causal=True,
 key_mask=<the new tokens' mask>, positions=<their position_ids>)`, one prefill and then one
-token at a time, as `transformers` does with its `DynamicCache`; T5 and Bloom pass their bias
+token at a time, as `transformers` does with its `DynamicCache`; T5, Bloom and MPT pass their bias
 over the L cache slots (`t5_position_bias(module, T, L, past_length=index)`, ALiBi over the
 positions of all L slots).
 
 RoPE scaling: `default`, `linear`, `llama3` and `yarn` (gpt-oss' default) port with their
-parameters; other types (dynamic, LongRoPE) are a `ValueError` for now. The PyTorch tensors are
-read with `torch` only through the modules' own parameters and methods (`.detach().cpu()`), so
-this file imports no framework itself.
+parameters; other types (dynamic, LongRoPE) are a `ValueError` for now. Refused with the reason:
+`clip_qkv` (OLMo, MPT), a LayerNorm QK-norm (Phi, StableLM, Cohere), Llama 4's chunked attention
+and its NoPE layers' temperature tuning, ModernBERT's local layers (their window is two-sided),
+Falcon's ALiBi models, GPT-2 and GPTBigCode cross-attention. This file imports no framework at
+module level: `port_attention` reads a module's tensors through its own `state_dict`,
+`port_checkpoint` and `load_tensors` read safetensors files with NumPy, and `replace_attention`
+imports torch and the PyTorch layer when called.
 """
 
 import functools
+import json
 import math
+import os
+import struct
+from collections.abc import Mapping
 
 import numpy as np
 
-__all__ = ["alibi_positions", "port_attention", "supported_modules", "t5_position_bias"]
+__all__ = [
+    "alibi_positions",
+    "load_tensors",
+    "port_attention",
+    "port_checkpoint",
+    "register_porter",
+    "replace_attention",
+    "supported_modules",
+    "t5_position_bias",
+]
 
 _ROPE_SCALING_KEYS = {
     "linear": ("factor",),
@@ -61,17 +102,31 @@ _ROPE_SCALING_KEYS = {
 _YARN_OPTIONAL_KEYS = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
-def _array(tensor):
-    """A torch parameter or tensor as a float32 NumPy array (a copy)."""
-    return tensor.detach().cpu().float().numpy().copy()
+# ----------------------------------------------------------------------------------------------
+# Reading tensors and configs
+# ----------------------------------------------------------------------------------------------
 
 
-def _linear(name, linear, weights):
-    """Adds an `nn.Linear` as `{name}_kernel` (in, out) (and `{name}_bias`); returns True if it has a bias."""
-    weights[f"{name}_kernel"] = _array(linear.weight).T.copy()  # (out, in) -> (in, out)
-    if linear.bias is None:
+def _float32(array):
+    """An array as float32 NumPy (a copy)."""
+    return np.array(array, dtype=np.float32)
+
+
+def _tensor(tensors, name):
+    """The module's tensor `name` as float32, or a ValueError naming what the module holds."""
+    if name not in tensors:
+        raise ValueError(
+            f"`tensors` must hold `{name}` for this family's attention. Received: {', '.join(sorted(tensors))}"
+        )
+    return _float32(tensors[name])
+
+
+def _linear(name, tensors, source, weights):
+    """Adds the `nn.Linear` `source` ((out, in) weight) as `{name}_kernel` (in, out) and its bias; True if biased."""
+    weights[f"{name}_kernel"] = _tensor(tensors, f"{source}.weight").T.copy()  # (out, in) -> (in, out)
+    if f"{source}.bias" not in tensors:
         return False
-    weights[f"{name}_bias"] = _array(linear.bias)
+    weights[f"{name}_bias"] = _tensor(tensors, f"{source}.bias")
     return True
 
 
@@ -82,37 +137,227 @@ def _bias_argument(names):
     return tuple(names) if names else False
 
 
-def _separate_projections(module, projections):
-    """Weights and `bias` of four `nn.Linear` projections named by `projections` (query, key, value, output)."""
+def _separate_projections(tensors, sources):
+    """Weights and `bias` of four `nn.Linear` projections named by `sources` (query, key, value, output)."""
     weights, with_bias = {}, []
-    for name, attribute in zip(("query", "key", "value", "output"), projections, strict=True):
-        if _linear(name, getattr(module, attribute), weights):
+    for name, source in zip(("query", "key", "value", "output"), sources, strict=True):
+        if _linear(name, tensors, source, weights):
             with_bias.append(name)
     return weights, _bias_argument(with_bias)
 
 
-def _fused_projections(fused, output, num_heads, head_dim):
-    """Weights and `bias` of a fused (3*N*H, E) q/k/v `nn.Linear` whose rows are [q_n, k_n, v_n] for each head n
-    (GPT-NeoX, Bloom) and of the output `nn.Linear`."""
+def _split_fused(tensors, fused, output, columns):
+    """Weights and `bias` of a fused q/k/v `nn.Linear` and the output one; `columns`: the q, k and v rows of the
+    fused weight (`_blocks`, `_per_head`, `_grouped`)."""
+    kernel = _tensor(tensors, f"{fused}.weight").T  # (q + k + v widths, E) -> (E, q + k + v widths)
+    bias = _tensor(tensors, f"{fused}.bias") if f"{fused}.bias" in tensors else None
     weights, with_bias = {}, []
-    kernel = _array(fused.weight).reshape(num_heads, 3, head_dim, -1)  # (3*N*H, E) -> (N, 3, H, E)
-    for index, name in enumerate(("query", "key", "value")):
-        weights[f"{name}_kernel"] = kernel[:, index].reshape(num_heads * head_dim, -1).T.copy()  # -> (E, N*H)
-        if fused.bias is not None:
-            bias = _array(fused.bias).reshape(num_heads, 3, head_dim)  # (3*N*H,) -> (N, 3, H)
-            weights[f"{name}_bias"] = bias[:, index].reshape(-1)  # -> (N*H,)
+    for name, index in zip(("query", "key", "value"), columns, strict=True):
+        weights[f"{name}_kernel"] = kernel[:, index].copy()  # (E, width)
+        if bias is not None:
+            weights[f"{name}_bias"] = bias[index].copy()
             with_bias.append(name)
-    if _linear("output", output, weights):
+    if _linear("output", tensors, output, weights):
         with_bias.append("output")
     return weights, _bias_argument(with_bias)
 
 
+def _blocks(*sizes):
+    """Rows [q | k | v] of the given widths (Phi3, GPTBigCode and Falcon multi-query, MPT, ModernBERT)."""
+    edges = np.cumsum((0, *sizes))
+    return [np.arange(edges[part], edges[part + 1]) for part in range(3)]
+
+
+def _per_head(num_heads, head_dim):
+    """Rows [q_n, k_n, v_n] for each head n (GPT-NeoX, Bloom, GPTBigCode and Falcon without multi-query)."""
+    order = np.arange(3 * num_heads * head_dim).reshape(num_heads, 3, head_dim)
+    return [order[:, part].reshape(-1) for part in range(3)]
+
+
+def _grouped(num_kv_heads, group, head_dim):
+    """Rows [q_g0 .. q_g(G-1), k_g, v_g] for each key/value head g (Falcon's new decoder architecture)."""
+    order = np.arange(num_kv_heads * (group + 2) * head_dim).reshape(num_kv_heads, group + 2, head_dim)
+    return [order[:, :group].reshape(-1), order[:, group].reshape(-1), order[:, group + 1].reshape(-1)]
+
+
+class _Prefixed(Mapping):
+    """The tensors under `prefix` of a checkpoint's mapping, by their names in the module's `state_dict`."""
+
+    def __init__(self, tensors, prefix):
+        self._tensors, self._prefix = tensors, prefix
+        self._names = [name[len(prefix) :] for name in tensors if name.startswith(prefix)]
+
+    def __getitem__(self, name):
+        return self._tensors[self._prefix + name]
+
+    def __contains__(self, name):
+        return self._prefix + name in self._tensors
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self):
+        return len(self._names)
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": np.uint16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+class _SafetensorsFile(Mapping):
+    """A `.safetensors` file read with NumPy only, one tensor at a time (bfloat16 widened to float32)."""
+
+    def __init__(self, path):
+        self._path = os.fspath(path)
+        with open(self._path, "rb") as file:
+            (length,) = struct.unpack("<Q", file.read(8))
+            self._header = json.loads(file.read(length))
+        self._header.pop("__metadata__", None)
+        self._start = 8 + length
+
+    def __getitem__(self, name):
+        entry = self._header[name]
+        if entry["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"`tensors` holds `{name}` in a dtype this reader lacks. Received: {entry['dtype']}")
+        begin, end = entry["data_offsets"]
+        dtype = np.dtype(_SAFETENSORS_DTYPES[entry["dtype"]]).newbyteorder("<")
+        with open(self._path, "rb") as file:
+            file.seek(self._start + begin)
+            array = np.frombuffer(file.read(end - begin), dtype=dtype).reshape(entry["shape"])
+        if entry["dtype"] == "BF16":
+            return (array.astype(np.uint32) << 16).view(np.float32)  # bfloat16 is float32's top 16 bits
+        return array
+
+    def __iter__(self):
+        return iter(self._header)
+
+    def __len__(self):
+        return len(self._header)
+
+
+class _ShardedSafetensors(Mapping):
+    """A sharded checkpoint: `model.safetensors.index.json` and the files its `weight_map` names."""
+
+    def __init__(self, index_path):
+        directory = os.path.dirname(os.fspath(index_path))
+        with open(index_path) as file:
+            self._map = json.load(file)["weight_map"]
+        self._files = {name: _SafetensorsFile(os.path.join(directory, name)) for name in set(self._map.values())}
+
+    def __getitem__(self, name):
+        return self._files[self._map[name]][name]
+
+    def __iter__(self):
+        return iter(self._map)
+
+    def __len__(self):
+        return len(self._map)
+
+
+def load_tensors(tensors):
+    """A checkpoint's tensors as a mapping of names to NumPy arrays, read with NumPy only, one tensor when asked.
+
+    Args:
+        tensors: a `.safetensors` file (or the directory holding `model.safetensors`), a sharded
+            checkpoint's `model.safetensors.index.json`, or a mapping (returned as it is).
+
+    Returns:
+        A mapping: `load_tensors(path)["embeddings.word_embeddings.weight"]` reads that tensor
+        (bfloat16 widened to float32; the other dtypes as stored).
+    """
+    if isinstance(tensors, Mapping):
+        return tensors
+    if isinstance(tensors, (str, os.PathLike)):
+        path = os.fspath(tensors)
+        if path.endswith(".json"):
+            return _ShardedSafetensors(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "model.safetensors")
+        return _SafetensorsFile(path)
+    raise ValueError(
+        "`tensors` must be a mapping of names to arrays or the path of a .safetensors file. "
+        f"Received: {type(tensors).__name__}"
+    )
+
+
+def _load_config(config):
+    """A config as a dict: a dict, a `config.json` path (or its directory) or a `transformers` config;
+    a multimodal config's text config."""
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        with open(os.path.join(path, "config.json") if os.path.isdir(path) else path) as file:
+            config = json.load(file)
+    elif hasattr(config, "get_text_config"):  # a transformers config; of a multimodal model, its text model's
+        config = config.get_text_config().to_dict()
+    if not isinstance(config, Mapping):
+        raise ValueError(
+            "`config` must be a dict, a path to config.json or a transformers config. "
+            f"Received: {type(config).__name__}"
+        )
+    if isinstance(config.get("text_config"), Mapping):
+        config = config["text_config"]
+    return dict(config)
+
+
+# ----------------------------------------------------------------------------------------------
+# What configs say
+# ----------------------------------------------------------------------------------------------
+
+
+def _head_dim(config):
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def _default_layer_types(config):
+    """Configs written before `layer_types` existed: Gemma 2 alternates sliding and full layers, Gemma 3 and
+    Cohere2 make every `sliding_window_pattern`-th layer full."""
+    model_type, layers = config.get("model_type", ""), config.get("num_hidden_layers", 0)
+    pattern = {"gemma2": 2, "cohere2": 4}.get(model_type, config.get("sliding_window_pattern", 6))
+    if model_type in ("gemma2", "gemma3", "gemma3_text", "cohere2"):
+        return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    return None
+
+
+def _layer_type(config, index):
+    """The layer's entry in `layer_types` ("sliding_attention", "full_attention"), or None where there is none."""
+    types = config.get("layer_types") or _default_layer_types(config)
+    if not types:
+        return None
+    if index is None:
+        raise ValueError(
+            "`layer_index` must be given for a model whose layers differ (`layer_types`). Received: layer_index=None"
+        )
+    return types[index]
+
+
+def _window(config, index):
+    """The sliding window of layer `index`: `sliding_window` on its sliding layers (all without `layer_types`)."""
+    window = config.get("sliding_window")
+    if window is None or config.get("use_sliding_window") is False:
+        return None
+    layer_type = _layer_type(config, index)
+    return int(window) if layer_type in (None, "sliding_attention") else None
+
+
 def _rope_parameters(config, layer_type):
-    """The RoPE parameters of one layer: `config.rope_parameters`, or its entry for `layer_type` (Gemma 3)."""
-    parameters = getattr(config, "rope_parameters", None)
+    """The RoPE parameters of one layer: `rope_parameters` (or its entry for `layer_type`, Gemma 3), or the
+    `rope_theta`, `rope_scaling` and `partial_rotary_factor` of configs written before it."""
+    parameters = config.get("rope_parameters")
     if parameters is None:
-        raise ValueError(f"`config` must have `rope_parameters` for a RoPE model. Received: {type(config).__name__}")
-    if layer_type is not None and isinstance(parameters.get(layer_type), dict):
+        parameters = {"rope_theta": config.get("rope_theta", 10000.0), **(config.get("rope_scaling") or {})}
+        if config.get("partial_rotary_factor") is not None:
+            parameters["partial_rotary_factor"] = config["partial_rotary_factor"]
+    if layer_type is not None and isinstance(parameters.get(layer_type), Mapping):
         parameters = parameters[layer_type]
     return parameters
 
@@ -128,7 +373,7 @@ def _rope_fraction(rotary_dim, head_dim):
 
 def _rope_kwargs(parameters, head_dim, rotary_dim=None):
     """`rope_theta`, `rope_fraction` and `rope_scaling` from a `transformers` rope_parameters dict; `rotary_dim`
-    where the module gives it in place of a `partial_rotary_factor` (GPT-J)."""
+    where the model gives it in place of a `partial_rotary_factor` (GPT-J)."""
     rope_type = parameters.get("rope_type", parameters.get("type", "default"))
     if rope_type != "default" and rope_type not in _ROPE_SCALING_KEYS:
         raise ValueError(
@@ -158,172 +403,447 @@ def _yarn_options(parameters):
     return options
 
 
-def _qk_norm(module, head_dim, weights):
+def _refuse(config, key, reason):
+    """A ValueError where the config turns on `key`, which the layer cannot compute yet."""
+    if config.get(key):
+        raise ValueError(f"`config.{key}` must be off: {reason}. Received: {key}={config[key]!r}")
+
+
+def _qk_norm(config, tensors, head_dim, weights):
     """QK-norm kwargs and weights from `q_norm` / `k_norm` (Qwen3, Gemma 3: per head; OLMo2: over all heads)."""
-    q_norm, k_norm = module.q_norm, module.k_norm
-    if type(q_norm).__name__.endswith("LayerNorm"):
-        raise ValueError(
-            "`q_norm` must be an RMSNorm: a LayerNorm removes the mean first, which the layer's QK-norm does not. "
-            f"Received: {type(q_norm).__name__}"
-        )
-    eps = [getattr(norm, "variance_epsilon", getattr(norm, "eps", None)) for norm in (q_norm, k_norm)]
-    if eps[0] != eps[1]:
-        raise ValueError(f"`q_norm` and `k_norm` must share one epsilon. Received: eps={eps}")
     # Gemma's RMSNorm multiplies by (1 + weight): the portable scale is 1 + weight, computed as it does (float32).
-    offset = 1.0 if type(q_norm).__name__.startswith("Gemma") else 0.0
-    weights["query_norm"] = _array(q_norm.weight) + np.float32(offset)
-    weights["key_norm"] = _array(k_norm.weight) + np.float32(offset)
+    offset = np.float32(1.0 if config.get("model_type", "").startswith("gemma") else 0.0)
+    weights["query_norm"] = _tensor(tensors, "q_norm.weight") + offset
+    weights["key_norm"] = _tensor(tensors, "k_norm.weight") + offset
     per_head = weights["query_norm"].shape == (head_dim,)
-    return {"qk_norm": "head" if per_head else "all", "qk_norm_eps": float(eps[0])}
+    return {"qk_norm": "head" if per_head else "all", "qk_norm_eps": float(config["rms_norm_eps"])}
 
 
-def _rotary_projections(module, config, interleaved=False):
-    """Llama and its descendants: q_proj, k_proj, v_proj and an output projection, RoPE from the config
-    (`interleaved`: Cohere pairs features 2i and 2i + 1)."""
-    head_dim = module.head_dim
-    output = "dense" if hasattr(module, "dense") else "o_proj"  # Phi calls it `dense`
-    weights, bias = _separate_projections(module, ("q_proj", "k_proj", "v_proj", output))
-    kwargs = {
-        "d_model": config.hidden_size,
-        "num_heads": config.num_attention_heads,
-        "num_kv_heads": config.num_key_value_heads,
-        "head_dim": head_dim,
-        "bias": bias,
-        "scale": float(module.scaling),
-    }
-    layer_type = getattr(module, "layer_type", None)
-    kwargs |= _rope_kwargs(_rope_parameters(config, layer_type), head_dim)
-    if interleaved:
-        kwargs["rope_interleaved"] = True
-    # Mistral, Mixtral and Starcoder2 read their window from the config for every layer; the others per layer type.
-    window = getattr(module, "sliding_window", getattr(config, "sliding_window", None))
+# ----------------------------------------------------------------------------------------------
+# The porters: porter(config dict, the module's tensors, layer index) -> (layer_kwargs, weights)
+# ----------------------------------------------------------------------------------------------
+
+
+def _rotary(config, tensors, index, *, interleaved=False, scale=None, rope="all"):
+    """Llama and its descendants: q_proj, k_proj, v_proj and o_proj (Phi: dense; Phi3: a fused qkv_proj),
+    RoPE from the config (`interleaved`: Cohere and GLM pair features 2i and 2i + 1; `scale`: the config
+    key of a scale other than 1 / sqrt(H); `rope`: "all", "sliding" (Cohere2) or "no_rope_layers" (SmolLM3)
+    for the layers that rotate)."""
+    head_dim, num_heads = _head_dim(config), config["num_attention_heads"]
+    num_kv_heads = config.get("num_key_value_heads") or num_heads
+    _refuse(
+        config, "qk_layernorm", "Phi's and StableLM's QK-norm is a LayerNorm (mean removed), not the layer's RMSNorm"
+    )
+    _refuse(config, "use_qk_norm", "Cohere's QK-norm is a LayerNorm (mean removed), not the layer's RMSNorm")
+    _refuse(config, "clip_qkv", "the layer does not clamp its projections yet")
+    if "qkv_proj.weight" in tensors:  # Phi3
+        columns = _blocks(num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
+        weights, bias = _split_fused(tensors, "qkv_proj", "o_proj", columns)
+    else:
+        output = "dense" if "dense.weight" in tensors else "o_proj"  # Phi calls it `dense`
+        weights, bias = _separate_projections(tensors, ("q_proj", "k_proj", "v_proj", output))
+    kwargs = {"d_model": config["hidden_size"], "num_heads": num_heads, "num_kv_heads": num_kv_heads}
+    kwargs |= {"head_dim": head_dim, "bias": bias, "scale": _scale(config, scale, head_dim)}
+    layer_type = _layer_type(config, index)
+    if _rotates(config, index, layer_type, rope):
+        kwargs |= _rope_kwargs(_rope_parameters(config, layer_type), head_dim)
+        if interleaved:
+            kwargs["rope_interleaved"] = True
+    window = _window(config, index)
     if window is not None:
-        kwargs["window"] = int(window)
-    if getattr(module, "attn_logit_softcapping", None) is not None:
-        kwargs["softcap"] = float(module.attn_logit_softcapping)
-    if getattr(module, "qk_layernorm", False):
-        raise ValueError(
-            "`qk_layernorm` must be False: Phi's QK-norm is a LayerNorm (mean removed, with a bias), not the layer's "
-            "RMSNorm. Received: qk_layernorm=True"
-        )
-    if hasattr(module, "q_norm"):
-        kwargs |= _qk_norm(module, head_dim, weights)
-    if hasattr(module, "sinks"):
+        kwargs["window"] = window
+    if config.get("attn_logit_softcapping") is not None:
+        kwargs["softcap"] = float(config["attn_logit_softcapping"])
+    if "q_norm.weight" in tensors:
+        kwargs |= _qk_norm(config, tensors, head_dim, weights)
+    if "sinks" in tensors:
         kwargs["sinks"] = True
-        weights["sinks"] = _array(module.sinks)
+        weights["sinks"] = _tensor(tensors, "sinks")
     return kwargs, weights
 
 
-def _gptj(module, config):
+def _scale(config, key, head_dim):
+    """The softmax scale: 1 / sqrt(H), Gemma's `query_pre_attn_scalar ** -0.5` or Granite's `attention_multiplier`."""
+    if key == "query_pre_attn_scalar":
+        return float(config[key] ** -0.5)
+    if key is not None:
+        return float(config[key])
+    return float(head_dim**-0.5)
+
+
+def _rotates(config, index, layer_type, rope):
+    """Whether layer `index` applies RoPE: every layer, the sliding ones (Cohere2) or SmolLM3's `no_rope_layers`."""
+    if rope == "sliding":
+        return layer_type == "sliding_attention"
+    if rope == "no_rope_layers":
+        if index is None:
+            raise ValueError("`layer_index` must be given for SmolLM3 (`no_rope_layers`). Received: layer_index=None")
+        return bool(config["no_rope_layers"][index])
+    return True
+
+
+def _gptj(config, tensors, index):
     """GPT-J: no biases, interleaved RoPE on the first `rotary_dim` features, base 10000."""
-    head_dim = module.head_dim
-    weights, bias = _separate_projections(module, ("q_proj", "k_proj", "v_proj", "out_proj"))
-    kwargs = {"d_model": module.embed_dim, "num_heads": module.num_attention_heads, "bias": bias}
-    kwargs |= {"scale": 1.0 / module.scale_attn, "rope_interleaved": True}
-    kwargs |= _rope_kwargs({"rope_theta": 10000.0}, head_dim, module.rotary_dim or head_dim)
+    head_dim = config["n_embd"] // config["n_head"]
+    weights, bias = _separate_projections(tensors, ("q_proj", "k_proj", "v_proj", "out_proj"))
+    kwargs = {"d_model": config["n_embd"], "num_heads": config["n_head"], "bias": bias}
+    kwargs |= {"scale": float(head_dim**-0.5), "rope_interleaved": True}
+    kwargs |= _rope_kwargs({"rope_theta": 10000.0}, head_dim, config.get("rotary_dim") or head_dim)
     return kwargs, weights
 
 
-def _gpt_neox(module, config):
+def _gpt_neox(config, tensors, index):
     """GPT-NeoX: one fused q/k/v projection, interleaved per head; partial RoPE."""
-    num_heads, head_dim = config.num_attention_heads, module.head_size
-    weights, bias = _fused_projections(module.query_key_value, module.dense, num_heads, head_dim)
-    kwargs = {"d_model": config.hidden_size, "num_heads": num_heads, "bias": bias}
-    kwargs |= {"scale": float(module.scaling)} | _rope_kwargs(_rope_parameters(config, None), head_dim)
+    num_heads = config["num_attention_heads"]
+    head_dim = config["hidden_size"] // num_heads
+    weights, bias = _split_fused(tensors, "query_key_value", "dense", _per_head(num_heads, head_dim))
+    kwargs = {"d_model": config["hidden_size"], "num_heads": num_heads, "bias": bias}
+    kwargs |= {"scale": float(head_dim**-0.5)} | _rope_kwargs(_rope_parameters(config, None), head_dim)
     return kwargs, weights
 
 
-def _gpt2(module, config):
+def _gpt2(config, tensors, index):
     """GPT-2: a fused Conv1D c_attn (E, 3E) = [query | key | value], y = x @ W + b."""
-    if module.is_cross_attention:
+    width, num_heads = config["n_embd"], config["n_head"]
+    if "q_attn.weight" in tensors:
         raise ValueError(
             "`module` must be a GPT-2 self-attention (`transformer.h[i].attn`): cross-attention is not ported. "
-            "Received: is_cross_attention=True"
+            "Received: a module with `q_attn`"
         )
-    width = module.embed_dim
-    kernel, bias = _array(module.c_attn.weight), _array(module.c_attn.bias)  # (E, 3E), (3E,)
+    kernel, bias = _tensor(tensors, "c_attn.weight"), _tensor(tensors, "c_attn.bias")  # (E, 3E), (3E,)
     weights = {}
-    for index, name in enumerate(("query", "key", "value")):
-        weights[f"{name}_kernel"] = kernel[:, index * width : (index + 1) * width].copy()  # (E, E)
-        weights[f"{name}_bias"] = bias[index * width : (index + 1) * width].copy()  # (E,)
-    weights["output_kernel"], weights["output_bias"] = _array(module.c_proj.weight), _array(module.c_proj.bias)
-    kwargs = {"d_model": width, "num_heads": module.num_heads, "bias": True, "scale": float(module.scaling)}
-    return kwargs, weights
-
-
-def _bert(module, config):
-    """BERT's `BertAttention`: `self.query/key/value` and `output.dense` (its residual and LayerNorm stay out)."""
-    attention = module.self
-    weights, bias = {}, []
-    for name, linear in zip(
-        ("query", "key", "value", "output"),
-        (attention.query, attention.key, attention.value, module.output.dense),
-        strict=True,
-    ):
-        if _linear(name, linear, weights):
-            bias.append(name)
-    kwargs = {"d_model": config.hidden_size, "num_heads": attention.num_attention_heads}
-    kwargs |= {
-        "head_dim": attention.attention_head_size,
-        "bias": _bias_argument(bias),
-        "scale": float(attention.scaling),
-    }
-    return kwargs, weights
-
-
-def _bert_self(module, config):
-    raise ValueError(
-        "Pass the `BertAttention` module (`encoder.layer[i].attention`), which holds the output projection "
-        f"`output.dense`, not its `self`. Received: {type(module).__name__}"
+    for part, name in enumerate(("query", "key", "value")):
+        weights[f"{name}_kernel"] = kernel[:, part * width : (part + 1) * width].copy()  # (E, E)
+        weights[f"{name}_bias"] = bias[part * width : (part + 1) * width].copy()  # (E,)
+    weights["output_kernel"], weights["output_bias"] = (
+        _tensor(tensors, "c_proj.weight"),
+        _tensor(tensors, "c_proj.bias"),
     )
+    scale = (width // num_heads) ** -0.5 if config.get("scale_attn_weights", True) else 1.0
+    if config.get("scale_attn_by_inverse_layer_idx"):
+        if index is None:
+            raise ValueError(
+                "`layer_index` must be given for GPT-2 with scale_attn_by_inverse_layer_idx. Received: layer_index=None"
+            )
+        scale /= index + 1
+    return {"d_model": width, "num_heads": num_heads, "bias": True, "scale": float(scale)}, weights
 
 
-def _t5(module, config):
+def _gpt_bigcode(config, tensors, index):
+    """GPTBigCode (StarCoder): a fused c_attn, [q | k | v] with one key/value head (multi-query) or per head."""
+    width, num_heads = config["n_embd"], config["n_head"]
+    if "q_attn.weight" in tensors:
+        raise ValueError(
+            "`module` must be a GPTBigCode self-attention: cross-attention is not ported. "
+            "Received: a module with `q_attn`"
+        )
+    head_dim = width // num_heads
+    columns = _blocks(width, head_dim, head_dim) if config.get("multi_query", True) else _per_head(num_heads, head_dim)
+    weights, bias = _split_fused(tensors, "c_attn", "c_proj", columns)
+    scale = head_dim**-0.5 if config.get("scale_attn_weights", True) else 1.0
+    kwargs = {
+        "d_model": width,
+        "num_heads": num_heads,
+        "num_kv_heads": 1 if config.get("multi_query", True) else num_heads,
+    }
+    return kwargs | {"bias": bias, "scale": float(scale)}, weights
+
+
+def _gpt_neo(config, tensors, index):
+    """GPT-Neo: no scale (1.0), no q/k/v biases; its local layers keep the `window_size` most recent keys."""
+    if "attention.q_proj.weight" in tensors:  # the GPTNeoAttention wrapper: its `attention` is the module
+        tensors = _Prefixed(tensors, "attention.")
+    weights, bias = _separate_projections(tensors, ("q_proj", "k_proj", "v_proj", "out_proj"))
+    kwargs = {"d_model": config["hidden_size"], "num_heads": config["num_heads"], "bias": bias, "scale": 1.0}
+    types = config["attention_types"]  # [[["global", "local"], repeat], ...]
+    layers = config.get("attention_layers") or [
+        kind for kinds, repeat in types for _ in range(repeat) for kind in kinds
+    ]
+    if index is None:
+        raise ValueError(
+            "`layer_index` must be given for GPT-Neo (global and local layers). Received: layer_index=None"
+        )
+    if layers[index] == "local":
+        kwargs["window"] = int(config["window_size"])
+    return kwargs, weights
+
+
+def _bart(config, tensors, index):
+    """BART, Whisper, OPT (and the other BART-style models): q/k/v_proj and out_proj, scale 1 / sqrt(H)."""
+    width = config.get("d_model") or config["hidden_size"]
+    num_heads = _bart_heads(config)
+    weights, bias = _separate_projections(tensors, ("q_proj", "k_proj", "v_proj", "out_proj"))
+    return {
+        "d_model": width,
+        "num_heads": num_heads,
+        "bias": bias,
+        "scale": float((width // num_heads) ** -0.5),
+    }, weights
+
+
+def _bart_heads(config):
+    """BART-style configs give encoder and decoder heads apart: they must agree for one porter to read either."""
+    heads = {config.get(key) for key in ("encoder_attention_heads", "decoder_attention_heads")} - {None}
+    if len(heads) > 1:
+        raise ValueError(
+            "`config` must have one number of heads for the encoder and the decoder (this porter cannot tell them "
+            f"apart). Received: encoder_attention_heads and decoder_attention_heads {sorted(heads)}"
+        )
+    return heads.pop() if heads else config["num_attention_heads"]
+
+
+def _bert(config, tensors, index):
+    """BERT's `BertAttention`: `self.query/key/value` and `output.dense` (its residual and LayerNorm stay out)."""
+    if "output.dense.weight" not in tensors:
+        raise ValueError(
+            "Pass the `BertAttention` module (`encoder.layer[i].attention`), which holds the output projection "
+            f"`output.dense`, not its `self`. Received: a module holding {', '.join(sorted(tensors))}"
+        )
+    num_heads = config["num_attention_heads"]
+    head_dim = config["hidden_size"] // num_heads
+    sources = ("self.query", "self.key", "self.value", "output.dense")
+    weights, bias = _separate_projections(tensors, sources)
+    kwargs = {"d_model": config["hidden_size"], "num_heads": num_heads, "head_dim": head_dim}
+    return kwargs | {"bias": bias, "scale": float(head_dim**-0.5)}, weights
+
+
+def _t5(config, tensors, index):
     """T5: no biases, scale 1.0; the relative position bias is a call argument (`t5_position_bias`)."""
-    weights, bias = _separate_projections(module, ("q", "k", "v", "o"))
-    kwargs = {"d_model": module.d_model, "num_heads": module.n_heads, "head_dim": module.key_value_proj_dim}
-    kwargs |= {"bias": bias, "scale": float(module.scaling)}
-    return kwargs, weights
+    weights, bias = _separate_projections(tensors, ("q", "k", "v", "o"))
+    kwargs = {"d_model": config["d_model"], "num_heads": config["num_heads"], "head_dim": config["d_kv"]}
+    return kwargs | {"bias": bias, "scale": 1.0}, weights
 
 
-def _bloom(module, config):
+def _bloom(config, tensors, index):
     """Bloom: fused q/k/v per head, ALiBi as a call argument; the module's residual add stays out."""
-    if module.beta != 1.0:
-        raise ValueError(f"Bloom's ALiBi weight `beta` must be 1.0. Received: beta={module.beta}")
-    weights, bias = _fused_projections(module.query_key_value, module.dense, module.num_heads, module.head_dim)
-    kwargs = {"d_model": module.hidden_size, "num_heads": module.num_heads, "bias": bias}
-    kwargs["scale"] = float(module.inv_norm_factor)
+    num_heads = config["n_head"]
+    width = config["hidden_size"]
+    head_dim = width // num_heads
+    weights, bias = _split_fused(tensors, "query_key_value", "dense", _per_head(num_heads, head_dim))
+    return {"d_model": width, "num_heads": num_heads, "bias": bias, "scale": float(head_dim**-0.5)}, weights
+
+
+def _falcon(config, tensors, index):
+    """Falcon: a fused query_key_value laid out per head, multi-query or in groups (new decoder architecture);
+    RoPE (its ALiBi models are refused)."""
+    _refuse(config, "alibi", "Falcon's ALiBi models are not ported yet (their RoPE models are)")
+    width, num_heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = width // num_heads
+    if config.get("new_decoder_architecture"):
+        num_kv_heads = config["num_kv_heads"]
+        columns = _grouped(num_kv_heads, num_heads // num_kv_heads, head_dim)
+    elif config.get("multi_query", True):
+        num_kv_heads, columns = 1, _blocks(width, head_dim, head_dim)
+    else:
+        num_kv_heads, columns = num_heads, _per_head(num_heads, head_dim)
+    weights, bias = _split_fused(tensors, "query_key_value", "dense", columns)
+    kwargs = {"d_model": width, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "bias": bias}
+    kwargs |= {"scale": float(head_dim**-0.5)} | _rope_kwargs(_rope_parameters(config, None), head_dim)
     return kwargs, weights
 
 
-_PORTERS = {
-    "LlamaAttention": _rotary_projections,
-    "MistralAttention": _rotary_projections,
-    "MixtralAttention": _rotary_projections,
-    "Starcoder2Attention": _rotary_projections,
-    "GraniteAttention": _rotary_projections,
-    "CohereAttention": functools.partial(_rotary_projections, interleaved=True),
-    "GemmaAttention": _rotary_projections,
-    "Qwen2Attention": _rotary_projections,
-    "Qwen3Attention": _rotary_projections,
-    "Gemma2Attention": _rotary_projections,
-    "Gemma3Attention": _rotary_projections,
-    "Olmo2Attention": _rotary_projections,
-    "GptOssAttention": _rotary_projections,
-    "PhiAttention": _rotary_projections,
-    "GPTJAttention": _gptj,
-    "GPTNeoXAttention": _gpt_neox,
-    "GPT2Attention": _gpt2,
-    "BertAttention": _bert,
-    "BertSelfAttention": _bert_self,
-    "T5Attention": _t5,
-    "BloomAttention": _bloom,
+def _mpt(config, tensors, index):
+    """MPT: a fused Wqkv [q | k | v], `softmax_scale`; its ALiBi is the call's `attention_bias`."""
+    attn = config.get("attn_config") or {}
+    _refuse(attn, "clip_qkv", "the layer does not clamp its projections yet")
+    if attn.get("alibi", True) and attn.get("alibi_bias_max", 8) != 8:
+        raise ValueError(
+            "`config.attn_config.alibi_bias_max` must be 8 (the slopes of the layer's `alibi_bias`). "
+            f"Received: alibi_bias_max={attn['alibi_bias_max']}"
+        )
+    width, num_heads = config["d_model"], config["n_heads"]
+    weights, bias = _split_fused(tensors, "Wqkv", "out_proj", _blocks(width, width, width))
+    scale = attn.get("softmax_scale") or (width / num_heads) ** -0.5
+    return {"d_model": width, "num_heads": num_heads, "bias": bias, "scale": float(scale)}, weights
+
+
+def _modernbert(config, tensors, index):
+    """ModernBERT's global layers: a fused Wqkv [q | k | v], Wo, RoPE of the layer type (its local layers are
+    refused: their window reaches both ways)."""
+    layer_type = _layer_type(config, index)
+    if layer_type == "sliding_attention":
+        raise ValueError(
+            "`layer_index` must be a global ModernBERT layer: its local layers attend a window on both sides of "
+            f"each token, which the layer's `window` (keys before the query) is not. Received: layer_index={index}"
+        )
+    width, num_heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = width // num_heads
+    weights, bias = _split_fused(tensors, "Wqkv", "Wo", _blocks(width, width, width))
+    kwargs = {"d_model": width, "num_heads": num_heads, "bias": bias, "scale": float(head_dim**-0.5)}
+    return kwargs | _rope_kwargs(_rope_parameters(config, layer_type), head_dim), weights
+
+
+def _llama4(config, tensors, index):
+    """Llama 4's text attention: interleaved RoPE and a weightless RMS QK-norm on its RoPE layers (the norm
+    commutes with the rotation, so the layer's norm-then-rotate order computes the same), NoPE layers."""
+    if _layer_type(config, index) == "chunked_attention" and config.get("attention_chunk_size") is not None:
+        raise ValueError(
+            "`config.attention_chunk_size` must be None: the layer has no chunked attention yet. "
+            f"Received: attention_chunk_size={config['attention_chunk_size']} on layer {index}"
+        )
+    rotates = _rotates(config, index, None, "no_rope_layers")
+    if not rotates and config.get("attn_temperature_tuning"):
+        raise ValueError(
+            "`config.attn_temperature_tuning` must be off for a NoPE layer: it scales the queries by their "
+            f"position, which the layer cannot. Received: attn_temperature_tuning=True on layer {index}"
+        )
+    kwargs, weights = _rotary({**config, "use_qk_norm": False}, tensors, index, interleaved=True, rope="no_rope_layers")
+    if config.get("use_qk_norm") and rotates:
+        weights["query_norm"] = weights["key_norm"] = np.ones(kwargs["head_dim"], np.float32)
+        kwargs |= {"qk_norm": "head", "qk_norm_eps": float(config["rms_norm_eps"])}
+    return kwargs, weights
+
+
+def _family(porter, path, **options):
+    """One family: its porter, given `options`, and the path of layer {i}'s attention in its checkpoints."""
+
+    def port(config, tensors, index):
+        return porter(config, tensors, index, **options)
+
+    port.__doc__, port.family = porter.__doc__, porter
+    return port, path
+
+
+_LAYERS = "layers.{i}.self_attn"
+_BUILTIN = {
+    "llama": _family(_rotary, _LAYERS),
+    "mistral": _family(_rotary, _LAYERS),
+    "mixtral": _family(_rotary, _LAYERS),
+    "starcoder2": _family(_rotary, _LAYERS),
+    "granite": _family(_rotary, _LAYERS, scale="attention_multiplier"),
+    "cohere": _family(_rotary, _LAYERS, interleaved=True),
+    "cohere2": _family(_rotary, _LAYERS, interleaved=True, rope="sliding"),
+    "gemma": _family(_rotary, _LAYERS),
+    "gemma2": _family(_rotary, _LAYERS, scale="query_pre_attn_scalar"),
+    "gemma3": _family(_rotary, _LAYERS, scale="query_pre_attn_scalar"),
+    "gemma3_text": _family(_rotary, _LAYERS, scale="query_pre_attn_scalar"),
+    "qwen2": _family(_rotary, _LAYERS),
+    "qwen2_moe": _family(_rotary, _LAYERS),
+    "qwen3": _family(_rotary, _LAYERS),
+    "qwen3_moe": _family(_rotary, _LAYERS),
+    "olmo": _family(_rotary, _LAYERS),
+    "olmo2": _family(_rotary, _LAYERS),
+    "gpt_oss": _family(_rotary, _LAYERS),
+    "phi": _family(_rotary, _LAYERS),
+    "phi3": _family(_rotary, _LAYERS),
+    "stablelm": _family(_rotary, _LAYERS),
+    "smollm3": _family(_rotary, _LAYERS, rope="no_rope_layers"),
+    "glm4": _family(_rotary, _LAYERS, interleaved=True),
+    "gptj": _family(_gptj, "h.{i}.attn"),
+    "gpt_neox": _family(_gpt_neox, "layers.{i}.attention"),
+    "gpt2": _family(_gpt2, "h.{i}.attn"),
+    "gpt_bigcode": _family(_gpt_bigcode, "h.{i}.attn"),
+    "gpt_neo": _family(_gpt_neo, "h.{i}.attn.attention"),
+    "opt": _family(_bart, _LAYERS),
+    "bart": _family(_bart, "encoder.layers.{i}.self_attn"),
+    "bert": _family(_bert, "encoder.layer.{i}.attention"),
+    "roberta": _family(_bert, "encoder.layer.{i}.attention"),
+    "xlm-roberta": _family(_bert, "encoder.layer.{i}.attention"),
+    "xlm_roberta": _family(_bert, "encoder.layer.{i}.attention"),  # its package's name
+    "t5": _family(_t5, "encoder.block.{i}.layer.0.SelfAttention"),
+    "bloom": _family(_bloom, "h.{i}.self_attention"),
+    "falcon": _family(_falcon, "h.{i}.self_attention"),
+    "llama4": _family(_llama4, _LAYERS),
+    "llama4_text": _family(_llama4, _LAYERS),
+    "mpt": _family(_mpt, "blocks.{i}.attn"),
+    "modernbert": _family(_modernbert, "layers.{i}.attn"),
+    "whisper": _family(_bart, "encoder.layers.{i}.self_attn"),
 }
+_REGISTERED = {}
+
+
+def register_porter(name, porter):
+    """Adds a porter for a `transformers` model type or an attention class name (a subclass of yours).
+
+    Args:
+        name: a model type (`config.model_type`, e.g. "llama") or the name of an attention module's
+            class. A class name is looked up along the module's class hierarchy before the checks
+            that refuse subclasses, so a subclass that overrides `forward` ports through its porter.
+        porter: `porter(config, tensors, layer_index) -> (layer_kwargs, weights)`: `config` a dict,
+            `tensors` a mapping from the module's `state_dict` names (`q_proj.weight`, ...) to arrays,
+            `layer_index` an int (None where the module does not know its layer).
+    """
+    if not callable(porter):
+        raise ValueError(f"`porter` must be callable. Received: {type(porter).__name__}")
+    _REGISTERED[name] = porter
 
 
 def supported_modules():
-    """The class names of the `transformers` attention modules `port_attention` reads."""
-    return tuple(name for name, porter in _PORTERS.items() if porter is not _bert_self)
+    """The `transformers` model types `port_attention` and `port_checkpoint` read, and the names registered."""
+    return tuple(_BUILTIN) + tuple(name for name in _REGISTERED if name not in _BUILTIN)
+
+
+def _porter(name):
+    if name in _REGISTERED:
+        return _REGISTERED[name]
+    return _BUILTIN[name][0] if name in _BUILTIN else None
+
+
+# ----------------------------------------------------------------------------------------------
+# The two routes
+# ----------------------------------------------------------------------------------------------
+
+
+def _transformers_model_type(cls):
+    """The model type of a `transformers.models.<type>.modeling_<type>` class, else None."""
+    parts = cls.__module__.split(".")
+    return parts[2] if len(parts) > 3 and parts[:2] == ["transformers", "models"] else None
+
+
+def _module_porter(module):
+    """The porter of a module: registered for a class along its hierarchy, else of its transformers model type,
+    refusing a subclass that overrides `forward` and projections that are not torch or transformers modules."""
+    for cls in type(module).__mro__:
+        if cls.__name__ in _REGISTERED:
+            return _REGISTERED[cls.__name__]
+        model_type = _transformers_model_type(cls)
+        if model_type is not None:
+            break
+        if cls.__module__.split(".")[0] in ("torch", "builtins"):
+            _refuse_unknown(module)
+        if "forward" in vars(cls):
+            raise ValueError(
+                f"`module` must compute what its transformers class computes: {cls.__name__} overrides `forward`. "
+                "Register a porter for it with `register_porter`. Received: " + type(module).__name__
+            )
+    else:
+        _refuse_unknown(module)
+    _check_submodules(module)
+    porter = _porter(model_type)
+    if porter is None:
+        _refuse_unknown(module, f" of model type {model_type!r}")
+    return porter
+
+
+def _refuse_unknown(module, detail=""):
+    raise ValueError(
+        "`module` must be a transformers attention module of one of the model types "
+        f"{', '.join(supported_modules())}, or of a class given to `register_porter`. "
+        f"Received: {type(module).__name__}{detail}"
+    )
+
+
+def _check_submodules(module):
+    """Refuses an instance whose `forward` was replaced, or a projection of a class outside torch and transformers."""
+    for name, submodule in module.named_modules():
+        if "forward" in vars(submodule):
+            raise ValueError(f"`module` must use its class's forward: `{name or 'module'}.forward` was replaced.")
+        root = type(submodule).__module__.split(".")[0]
+        if root not in ("torch", "transformers"):
+            raise ValueError(
+                f"`module`'s projections must be torch or transformers modules (LoRA, quantized or custom layers "
+                f"compute otherwise): register a porter with `register_porter`. Received: `{name}` is "
+                f"{type(submodule).__name__} from {type(submodule).__module__}"
+            )
+
+
+def _layer_index(module):
+    """The layer index a module (or its first submodule that knows it) was built with, else None."""
+    for submodule in module.modules():
+        for attribute in ("layer_idx", "layer_id"):
+            if isinstance(getattr(submodule, attribute, None), int):
+                return getattr(submodule, attribute)
+    return None
 
 
 def port_attention(module, config):
@@ -331,9 +851,10 @@ def port_attention(module, config):
 
     Args:
         module: the attention module of one layer (`model.model.layers[i].self_attn`, BERT's
-            `encoder.layer[i].attention`, T5's `block[i].layer[0].SelfAttention`, ...), or an
-            instance of a subclass of one of `supported_modules()`.
-        config: the model's config (`model.config`; of a multimodal model, its text config is read).
+            `encoder.layer[i].attention`, T5's `block[i].layer[0].SelfAttention`, ...) of a model
+            type in `supported_modules()`, or of a class registered with `register_porter`.
+        config: the model's config (`model.config`; of a multimodal model, its text config is read),
+            or a dict of it.
 
     Returns:
         `(layer_kwargs, weights)`: `MultiHeadAttention(**layer_kwargs)` followed by
@@ -341,19 +862,228 @@ def port_attention(module, config):
         the module docstring. `weights` holds float32 NumPy arrays in the portable layout.
 
     Raises:
-        ValueError: for a module this converter does not know, or a variant the layer cannot
-            hold (RoPE scaling other than linear, llama3 and yarn, Phi's LayerNorm QK-norm, GPT-2
-            cross-attention).
+        ValueError: for a module this converter does not know, a subclass that overrides `forward`
+            or its projections, or a variant the layer cannot hold (RoPE scaling other than
+            linear, llama3 and yarn, a LayerNorm QK-norm, `clip_qkv`, GPT-2 cross-attention).
     """
-    if hasattr(config, "get_text_config"):  # a multimodal config (Gemma 3) holds the text model's
-        config = config.get_text_config()
-    for cls in type(module).__mro__:
-        if cls.__name__ in _PORTERS:
-            return _PORTERS[cls.__name__](module, config)
-    raise ValueError(
-        f"`module` must be one of the attention modules {', '.join(supported_modules())}. "
-        f"Received: {type(module).__name__}"
-    )
+    porter = _module_porter(module)
+    tensors = {name: tensor.detach().cpu().float().numpy() for name, tensor in module.state_dict().items()}
+    return porter(_load_config(config), tensors, _layer_index(module))
+
+
+def port_checkpoint(config, tensors, layer_index, *, prefix=None):
+    """Reads one layer's attention from a checkpoint, with NumPy only (no torch, no transformers).
+
+    Args:
+        config: the model's `config.json` (a path, its directory, or the dict it holds).
+        tensors: the model's weights: a `.safetensors` file (or its directory), a sharded
+            checkpoint's `model.safetensors.index.json`, or a dict of names to arrays.
+        layer_index: the layer (0-based).
+        prefix: the attention module's path in `tensors` (e.g. "decoder.block.0.layer.0.SelfAttention"
+            for T5's decoder); by default the family's path for `layer_index` (`layers.{i}.self_attn`,
+            `encoder.layer.{i}.attention`, ...) under whatever the checkpoint puts before it.
+
+    Returns:
+        `(layer_kwargs, weights)`, as `port_attention` returns them for that layer's module.
+
+    Raises:
+        ValueError: for a model type this converter does not know, a layer not in `tensors`, or what
+            `port_attention` refuses.
+    """
+    config = _load_config(config)
+    model_type = config.get("model_type")
+    porter = _porter(model_type)
+    if porter is None:
+        raise ValueError(
+            f"`config` must be of one of the model types {', '.join(supported_modules())}. "
+            f"Received: model_type={model_type!r}"
+        )
+    tensors = load_tensors(tensors)
+    if prefix is None:
+        prefix = _find_prefix(tensors, _BUILTIN.get(model_type, (None, _LAYERS))[1].format(i=layer_index))
+    return porter(config, _Prefixed(tensors, prefix.rstrip(".") + "."), layer_index)
+
+
+def _find_prefix(tensors, path):
+    """The one prefix in `tensors` that ends with `path` ("model.layers.3.self_attn" for "layers.3.self_attn")."""
+    marker, found = "." + path + ".", set()
+    for name in tensors:
+        dotted = "." + name
+        if marker in dotted:
+            found.add(dotted[1 : dotted.index(marker) + len(marker) - 1])
+    if len(found) != 1:
+        raise ValueError(
+            f"`tensors` must hold one attention module at `{path}` (pass `prefix=` to choose). "
+            f"Received: {len(found)} ({', '.join(sorted(found)) or 'none'})"
+        )
+    return found.pop()
+
+
+# ----------------------------------------------------------------------------------------------
+# Swapping the layer into a transformers model
+# ----------------------------------------------------------------------------------------------
+
+
+def replace_attention(model, layer_class=None):
+    """Replaces every attention module of a `transformers` PyTorch model by this project's layer, in place.
+
+    Each module becomes a wrapper that holds the ported `MultiHeadAttention` (its `layer`) and takes
+    the module's call: the model's own `forward` and `generate` keep working, with their masks
+    (the mask the model builds is the layer's `attention_mask`) and their KV cache (the layer keeps
+    the keys and values in its own `KVCache`, grown as decoding goes; the model's cache only counts
+    the tokens). Greedy and sampled decoding are supported; beam search, which reorders the model's
+    cache, is not. The model is switched to the "eager" attention implementation, whose masks are
+    always materialized.
+
+    Args:
+        model: a `transformers` PyTorch model of the Llama kind (the families with `q_proj`, `k_proj`,
+            `v_proj`, `o_proj`: Llama, Mistral, Qwen, Gemma, OLMo, Phi3, ...) or of the BERT kind
+            (BERT, RoBERTa, XLM-RoBERTa).
+        layer_class: the `MultiHeadAttention` class to build (default: the one in `PyTorch/`).
+
+    Returns:
+        The names of the replaced modules.
+
+    Raises:
+        ValueError: for a model with no attention module of these kinds, or a module `port_attention` refuses.
+    """
+    import torch
+
+    if layer_class is None:
+        from PyTorch import Multi_Head_Attention as layer_file
+
+        layer_class = layer_file.MultiHeadAttention
+    _set_eager(model)
+    replaced = []
+    for name, module in list(model.named_modules()):
+        if any(name.startswith(done + ".") for done in replaced) or not type(module).__name__.endswith("Attention"):
+            continue
+        if _transformers_model_type(type(module)) is None and not any(
+            c.__name__ in _REGISTERED for c in type(module).__mro__
+        ):
+            continue
+        family = getattr(_module_porter(module), "family", None)
+        if family not in (_rotary, _bert):
+            continue
+        if getattr(module, "is_cross_attention", False):
+            raise ValueError(f"`model` must have self-attention only: `{name}` is a cross-attention. Received: {name}")
+        wrapper = _swapped(torch, module, layer_class, family is _bert)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, wrapper)
+        replaced.append(name)
+    if not replaced:
+        raise ValueError(
+            "`model` must hold attention modules of the Llama kind (q_proj, k_proj, v_proj, o_proj) or of the BERT "
+            f"kind. Received: {type(model).__name__}"
+        )
+    return replaced
+
+
+def _set_eager(model):
+    for config in (getattr(model, "config", None), *(m.config for m in model.modules() if hasattr(m, "config"))):
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = "eager"
+
+
+def _swapped(torch, module, layer_class, bert):
+    """The wrapper module that calls the ported layer as `module` was called."""
+    config = getattr(module, "config", None) or getattr(module.self, "config", None)
+    kwargs, weights = port_attention(module, config)
+    parameter = next(module.parameters())
+    layer = layer_class(**kwargs)
+    layer.import_weights(weights)
+    layer.to(device=parameter.device, dtype=parameter.dtype)
+    wrapper = _wrapper_class(torch)(layer, _layer_index(module), getattr(module, "is_causal", not bert))
+    if bert:
+        wrapper.norm, wrapper.dropout = module.output.LayerNorm, module.output.dropout
+    return wrapper
+
+
+@functools.cache
+def _wrapper_class(torch):
+    class SwappedAttention(torch.nn.Module):
+        """A `transformers` attention module's call, computed by `layer` (`MultiHeadAttention`).
+
+        BERT's residual, dropout and LayerNorm after the output projection are kept as `norm` and `dropout`.
+        """
+
+        def __init__(self, layer, layer_idx, is_causal):
+            super().__init__()
+            self.layer, self.layer_idx, self.is_causal = layer, layer_idx, is_causal
+            self.norm = self.dropout = None
+            self._cache = None
+
+        def forward(self, hidden_states, attention_mask=None, *args, past_key_values=None, **kwargs):
+            positions = kwargs.get("position_ids")
+            if self.layer.rope_theta is None:
+                positions = None
+            elif positions is None:
+                positions = kwargs.get("cache_position")  # (T,)
+            elif positions.shape[0] != hidden_states.shape[0]:
+                positions = positions.expand(hidden_states.shape[0], -1)  # (1, T) -> (B, T)
+            if past_key_values is None:
+                output = self.layer(
+                    hidden_states, **self._masks(attention_mask, hidden_states, 0, None), positions=positions
+                )
+            else:
+                output = self._step(hidden_states, attention_mask, past_key_values, positions)
+            if self.norm is not None:
+                output = self.norm(self.dropout(output) + hidden_states)
+            return output, None
+
+        def _step(self, hidden_states, attention_mask, past_key_values, positions):
+            """One call with the model's cache: the layer's own cache holds the keys and values."""
+            (b, t, _), past = hidden_states.shape, past_key_values.get_seq_length(self.layer_idx)
+            empty = hidden_states.new_zeros(b, 1, t, 1)  # the model's cache counts the tokens only (one number each)
+            past_key_values.update(empty, empty, self.layer_idx)
+            if past == 0 or self._cache is None:
+                self._cache = self.layer.init_cache(b, max(2 * t, 16))
+            if int(self._cache.index) != past:
+                raise ValueError(
+                    "`past_key_values` must grow one call after another (beam search and cache cropping are not "
+                    f"supported). Received: {past} past tokens, the layer's cache holds {int(self._cache.index)}"
+                )
+            self._grow(past + t)
+            masks = self._masks(attention_mask, hidden_states, past, self._cache.key.shape[2])
+            output, self._cache = self.layer(hidden_states, **masks, positions=positions, cache=self._cache)
+            return output
+
+        def _grow(self, length):
+            """Doubles the layer's cache until it has `length` slots."""
+            cache = self._cache
+            slots = cache.key.shape[2]
+            if length <= slots:
+                return
+            extra = max(slots, length - slots)
+            zeros = cache.key.new_zeros(*cache.key.shape[:2], extra, cache.key.shape[3])
+            keep = cache.keep.new_ones(cache.keep.shape[0], extra)
+            self._cache = type(cache)(
+                torch.cat([cache.key, zeros], 2), torch.cat([cache.value, zeros], 2),
+                torch.cat([cache.keep, keep], 1), cache.index,
+            )  # fmt: skip
+
+        def _masks(self, attention_mask, hidden_states, past, slots):
+            """The model's mask (B, 1, T, S') over the keys up to past + T, as a boolean mask over `slots` keys."""
+            if attention_mask is None:
+                return {"causal": self.is_causal}
+            keep = (
+                attention_mask
+                if attention_mask.dtype == torch.bool
+                else attention_mask > torch.finfo(attention_mask.dtype).min / 2
+            )
+            if slots is None:
+                return {"attention_mask": keep}
+            end = past + hidden_states.shape[1]
+            full = keep.new_zeros(*keep.shape[:-1], slots)
+            full[..., end - keep.shape[-1] : end] = keep  # a sliding layer's mask covers its last keys only
+            return {"attention_mask": full}
+
+    return SwappedAttention
+
+
+# ----------------------------------------------------------------------------------------------
+# Call arguments
+# ----------------------------------------------------------------------------------------------
 
 
 def t5_position_bias(module, query_length, key_length, past_length=0):
@@ -371,7 +1101,8 @@ def t5_position_bias(module, query_length, key_length, past_length=0):
             "`module` must hold T5's `relative_attention_bias` (the first layer of its stack holds it, the others "
             "reuse it). Received: a T5Attention with has_relative_attention_bias=False"
         )
-    return _array(module.compute_bias(query_length, key_length, past_seen_tokens=past_length))
+    bias = module.compute_bias(query_length, key_length, past_seen_tokens=past_length)
+    return bias.detach().cpu().float().numpy().copy()
 
 
 def alibi_positions(key_mask):

@@ -114,3 +114,12 @@ def test_port_llama_example_gives_the_tokens_of_transformers(tmp_path):
     out = _run(["examples/port_llama.py", "--steps", SMOKE_STEPS, "--out", str(tmp_path)])
     assert out.count("'Alice was") == 4 and out.count("'The rabbit-hole went") == 4
     assert "identical tokens in all 4: True" in out
+
+
+def test_port_minilm_example_agrees_four_ways():
+    """The real all-MiniLM-L6-v2 checkpoint: Keras and NumPy built without torch, transformers, and
+    transformers with the PyTorch layer swapped in give the same sentence embeddings within 1e-5."""
+    out = _run(["examples/port_minilm.py"])
+    assert "4 sentences padded to" in out
+    assert "with torch or transformers imported: none" in out
+    assert "all four agree within 1e-05: True" in out

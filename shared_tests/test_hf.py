@@ -22,9 +22,12 @@ runner.
 
 import ast
 import contextlib
+import copy
 import dataclasses
 import functools
 import importlib
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,7 +36,16 @@ import pytest
 import torch
 import transformers
 
-from interop.hf import alibi_positions, port_attention, supported_modules, t5_position_bias
+import interop.hf
+from interop.hf import (
+    alibi_positions,
+    port_attention,
+    port_checkpoint,
+    register_porter,
+    replace_attention,
+    supported_modules,
+    t5_position_bias,
+)
 from shared_tests.cases import TOLERANCES
 
 OUTPUT_TOL = TOLERANCES["float32"]["output"]  # SPEC, float32 outputs: transformers' float32 module vs each layer
@@ -47,6 +59,8 @@ WINDOW = 3  # shorter than the prompts, so the window removes keys
 
 COMMON = {"vocab_size": VOCAB, "num_hidden_layers": 2, "intermediate_size": 48, "max_position_embeddings": 64}
 GQA = {"hidden_size": HIDDEN, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM}
+MOE = {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 16}
+TOKENS = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}  # within the tiny vocabulary
 
 
 # ----------------------------------------------------------------------------------------------
@@ -130,6 +144,8 @@ class Family:
     rope: bool = True  # RoPE: the model is called with position_ids, the layer with positions
     bias: str = ""  # "t5" or "alibi": an attention_bias
     decode: bool = True
+    seq2seq: bool = False  # an encoder-decoder model: the decoder self-attends, the encoder reads the prompt
+    prefix: bool = False  # port_checkpoint needs `prefix=` (a decoder stack, not the family's default path)
 
     def module(self, model, index):
         return model.get_submodule(self.attention.format(i=index))
@@ -138,6 +154,41 @@ class Family:
 def _llama_like(model_class, config_class, **config):
     """A builder that imports the family's modeling code only when called (collection stays fast)."""
     return lambda: getattr(transformers, model_class)(getattr(transformers, config_class)(**COMMON, **config))
+
+
+def _bart():
+    sizes = {"encoder_layers": 2, "decoder_layers": 2, "encoder_ffn_dim": 48, "decoder_ffn_dim": 48}
+    config = transformers.BartConfig(
+        d_model=HIDDEN, encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, vocab_size=VOCAB,
+        max_position_embeddings=64, **sizes, **TOKENS,
+    )  # fmt: skip
+    return transformers.BartModel(config)
+
+
+def _falcon(**config):
+    sizes = {"hidden_size": HIDDEN, "num_attention_heads": HEADS, "num_hidden_layers": 2, "vocab_size": VOCAB}
+    return transformers.FalconForCausalLM(transformers.FalconConfig(**sizes, bias=True, **TOKENS, **config))
+
+
+WHISPER_FEATURES = (8, 16)  # mel bins, frames (2 * max_source_positions)
+
+
+def _whisper():
+    config = transformers.WhisperConfig(
+        d_model=HIDDEN, encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_layers=2,
+        decoder_layers=2, encoder_ffn_dim=48, decoder_ffn_dim=48, num_mel_bins=WHISPER_FEATURES[0],
+        max_source_positions=WHISPER_FEATURES[1] // 2, max_target_positions=64, vocab_size=VOCAB,
+        decoder_start_token_id=0, **TOKENS,
+    )  # fmt: skip
+    return transformers.WhisperModel(config)
+
+
+def _bert_like(prefix):
+    config = getattr(transformers, f"{prefix}Config")(
+        hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=2, intermediate_size=48, vocab_size=VOCAB,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    return getattr(transformers, f"{prefix}Model")(config)
 
 
 FAMILIES = [
@@ -393,6 +444,7 @@ FAMILIES = [
         rope=False,
         bias="t5",
         decode=False,
+        seq2seq=True,
     ),
     Family(
         "t5_decoder",
@@ -404,6 +456,8 @@ FAMILIES = [
         "decoder.block.{i}.layer.0.SelfAttention",
         rope=False,
         bias="t5",
+        seq2seq=True,
+        prefix=True,
     ),
     Family(
         "bloom",
@@ -416,6 +470,120 @@ FAMILIES = [
         bias="alibi",
     ),
 ]
+FAMILIES += [
+    Family("qwen3_moe", _llama_like("Qwen3MoeForCausalLM", "Qwen3MoeConfig", **GQA, **MOE), "model.layers.{i}.self_attn"),
+    Family(
+        "qwen2_moe",
+        _llama_like(
+            "Qwen2MoeForCausalLM", "Qwen2MoeConfig", **GQA, **MOE, shared_expert_intermediate_size=16,
+            use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family("phi3", _llama_like("Phi3ForCausalLM", "Phi3Config", **GQA, **TOKENS, sliding_window=WINDOW),
+           "model.layers.{i}.self_attn"),
+    Family("olmo", _llama_like("OlmoForCausalLM", "OlmoConfig", **GQA, **TOKENS), "model.layers.{i}.self_attn"),
+    Family(
+        "stablelm",
+        _llama_like("StableLmForCausalLM", "StableLmConfig", **GQA, **TOKENS, use_qkv_bias=True),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "smollm3",
+        _llama_like("SmolLM3ForCausalLM", "SmolLM3Config", **GQA, **TOKENS, no_rope_layers=[1, 0]),
+        "model.layers.{i}.self_attn",
+    ),
+    Family("glm4", _llama_like("Glm4ForCausalLM", "Glm4Config", **GQA, **TOKENS), "model.layers.{i}.self_attn"),
+    Family(
+        "cohere2",
+        _llama_like(
+            "Cohere2ForCausalLM", "Cohere2Config", **GQA, **TOKENS, sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "gpt_neo",
+        lambda: transformers.GPTNeoForCausalLM(
+            transformers.GPTNeoConfig(
+                hidden_size=HIDDEN, num_heads=HEADS, num_layers=2, attention_types=[[["global", "local"], 1]],
+                window_size=WINDOW, vocab_size=VOCAB, max_position_embeddings=64, **TOKENS,
+            )
+        ),
+        "transformer.h.{i}.attn.attention",
+        rope=False,
+    ),
+    Family(
+        "gpt_bigcode",
+        lambda: transformers.GPTBigCodeForCausalLM(
+            transformers.GPTBigCodeConfig(n_embd=HIDDEN, n_head=HEADS, n_layer=2, vocab_size=VOCAB, n_positions=64,
+                                          **TOKENS)
+        ),
+        "transformer.h.{i}.attn",
+        rope=False,
+    ),
+    Family(
+        "gpt_bigcode_mha",
+        lambda: transformers.GPTBigCodeForCausalLM(
+            transformers.GPTBigCodeConfig(n_embd=HIDDEN, n_head=HEADS, n_layer=2, vocab_size=VOCAB, n_positions=64,
+                                          multi_query=False, **TOKENS)
+        ),
+        "transformer.h.{i}.attn",
+        rope=False,
+    ),
+    Family(
+        "opt",
+        lambda: transformers.OPTForCausalLM(
+            transformers.OPTConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=2, ffn_dim=48,
+                                   vocab_size=VOCAB, max_position_embeddings=64, word_embed_proj_dim=HIDDEN, **TOKENS)
+        ),
+        "model.decoder.layers.{i}.self_attn",
+        rope=False,
+    ),
+    Family("bart_encoder", lambda: _bart(), "encoder.layers.{i}.self_attn", causal=False, rope=False, decode=False,
+           seq2seq=True),
+    Family("bart_decoder", lambda: _bart(), "decoder.layers.{i}.self_attn", rope=False, seq2seq=True, prefix=True),
+    Family("falcon", lambda: _falcon(), "transformer.h.{i}.self_attention"),
+    Family("falcon_grouped", lambda: _falcon(new_decoder_architecture=True, num_kv_heads=KV_HEADS),
+           "transformer.h.{i}.self_attention"),
+    Family("falcon_mha", lambda: _falcon(multi_query=False), "transformer.h.{i}.self_attention"),
+    Family(
+        "mpt",
+        lambda: transformers.MptForCausalLM(
+            transformers.MptConfig(d_model=HIDDEN, n_heads=HEADS, n_layers=2, expansion_ratio=2, max_seq_len=64,
+                                   vocab_size=VOCAB, **TOKENS)
+        ),
+        "transformer.blocks.{i}.attn",
+        rope=False,
+        bias="alibi",
+    ),
+    Family(
+        "modernbert",
+        lambda: transformers.ModernBertModel(
+            transformers.ModernBertConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=2,
+                                          intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=64,
+                                          global_attn_every_n_layers=1, attention_bias=True, **TOKENS)
+        ),
+        "layers.{i}.attn",
+        causal=False,
+        decode=False,
+    ),
+    Family(
+        "llama4",
+        _llama_like(
+            "Llama4ForCausalLM", "Llama4TextConfig", **GQA, **TOKENS, num_local_experts=2, intermediate_size_mlp=48,
+            no_rope_layers=[1, 0], attention_chunk_size=64, attn_temperature_tuning=False,  # no layer chunks
+            layer_types=["full_attention", "full_attention"],
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family("whisper_decoder", lambda: _whisper(), "decoder.layers.{i}.self_attn", rope=False, seq2seq=True,
+           prefix=True),
+    Family("roberta", lambda: _bert_like("Roberta"), "encoder.layer.{i}.attention", output="output.dense",
+           causal=False, rope=False, decode=False),
+    Family("xlm_roberta", lambda: _bert_like("XLMRoberta"), "encoder.layer.{i}.attention", output="output.dense",
+           causal=False, rope=False, decode=False),
+]  # fmt: skip
 FAMILIES_BY_NAME = {family.name: family for family in FAMILIES}
 LAYERS = (0, 1)  # every family alternates or repeats its layer types within two layers
 
@@ -476,11 +644,13 @@ def _model_arguments(family, ids, mask, positions, prompt=None):
     arguments = {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask)}
     if family.rope or family.name == "gpt2":
         arguments["position_ids"] = torch.from_numpy(positions)
-    if family.name.startswith("t5"):
+    if family.seq2seq:
         encoder_ids, encoder_mask = (ids, mask) if prompt is None else prompt
-        arguments = {
-            "input_ids": torch.from_numpy(encoder_ids),
-            "attention_mask": torch.from_numpy(encoder_mask),
+        encoder = {"input_ids": torch.from_numpy(encoder_ids), "attention_mask": torch.from_numpy(encoder_mask)}
+        if family.name.startswith("whisper"):  # the encoder reads audio features
+            features = np.random.default_rng(SEED).standard_normal((ids.shape[0], *WHISPER_FEATURES))
+            encoder = {"input_features": torch.from_numpy(features.astype(np.float32))}
+        arguments = encoder | {
             "decoder_input_ids": arguments["input_ids"],
             "decoder_attention_mask": arguments["attention_mask"],
         }
@@ -510,30 +680,44 @@ def _capture(model, family, index):
             handle.remove()
 
 
-def _call_arguments(runner, model, family, mask, positions, start, stop, num_heads):
+def _call_arguments(runner, model, family, mask, positions, start, stop, kwargs):
     """The call arguments of interop/hf.py's docstring for the tokens [start, stop) of a (B, L) padding mask
-    over the L keys (the cache's slots when decoding; L = T on a full pass)."""
+    over the L keys (the cache's slots when decoding; L = T on a full pass); `kwargs` the port's (a NoPE
+    layer, with no `rope_theta`, takes no positions)."""
     arguments = {"causal": family.causal, "key_mask": mask[:, start:stop].astype(bool)}
-    if family.rope:
+    if family.rope and "rope_theta" in kwargs:
         arguments["positions"] = positions[:, start:stop].astype(np.int64)
     if family.bias == "t5":
         arguments["attention_bias"] = t5_position_bias(family.module(model, 0), stop - start, mask.shape[1], start)
     if family.bias == "alibi":
-        arguments["attention_bias"] = runner.alibi_bias(num_heads, alibi_positions(mask))  # (B, N, 1, L)
+        arguments["attention_bias"] = runner.alibi_bias(kwargs["num_heads"], alibi_positions(mask))  # (B, N, 1, L)
     return arguments
 
 
 def _full_pass(family, index):
-    """Runs the model on left-padded prompts; returns the model, module input/output, mask and positions."""
+    """The model run on left-padded prompts: the model, layer `index`'s module input/output, mask and positions."""
+    calls, mask, positions = _full_passes(family)
+    return _model(family.name), calls[index], mask, positions
+
+
+@functools.cache
+def _full_passes(family):
+    """One run of the model captures every layer in LAYERS, once per process (every framework compares with it)."""
     model = _model(family.name)
     total = max(PROMPT_LENGTHS)
     mask = _left_padded_mask(PROMPT_LENGTHS, total)
     ids = np.random.default_rng(SEED).integers(1, VOCAB, size=mask.shape)
     positions = _positions(mask)
-    with _capture(model, family, index) as calls, torch.no_grad():
+    with _capture_layers(model, family) as calls, torch.no_grad():
         model(**_model_arguments(family, ids, mask, positions))
-    (call,) = calls
-    return model, call, mask, positions
+    return {index: captured for index, (captured,) in calls.items()}, mask, positions
+
+
+@contextlib.contextmanager
+def _capture_layers(model, family):
+    """`_capture` of every layer in LAYERS: {index: its calls}."""
+    with contextlib.ExitStack() as stack:
+        yield {index: stack.enter_context(_capture(model, family, index)) for index in LAYERS}
 
 
 def _compared_rows(family, mask):
@@ -545,7 +729,16 @@ def _max_diff(ours, theirs, rows):
     return float(np.max(np.abs(ours.astype(np.float64) - theirs.astype(np.float64))[rows]))
 
 
-CASES = [(framework, family.name, index) for framework in FRAMEWORKS for family in FAMILIES for index in LAYERS]
+# Exact clones and second layouts of a family that runs in every framework: their ports differ from it only in
+# what the porter reads (the same arguments reach the layer), which the NumPy case checks.
+NUMPY_ONLY = {"qwen2_moe", "qwen3_moe", "roberta", "xlm_roberta", "falcon_mha", "gpt_bigcode_mha"}
+CASES = [
+    (framework, family.name, index)
+    for framework in FRAMEWORKS
+    for family in FAMILIES
+    for index in LAYERS
+    if framework == "NumPy" or family.name not in NUMPY_ONLY
+]
 DECODE_CASES = [case for case in CASES if FAMILIES_BY_NAME[case[1]].decode]
 
 
@@ -558,9 +751,16 @@ def _case_id(case):
 # ----------------------------------------------------------------------------------------------
 
 
-def test_every_supported_module_has_a_family_here():
-    tested = {type(_model(family.name).get_submodule(family.attention.format(i=0))).__name__ for family in FAMILIES}
-    assert set(supported_modules()) == tested
+PACKAGE_NAMES = {
+    "gemma3",
+    "xlm_roberta",
+    "llama4",
+}  # where a transformers package's name is not its config's model type
+
+
+def test_every_supported_model_type_has_a_family_here():
+    tested = {_config(_model(family.name)).model_type for family in FAMILIES}
+    assert set(supported_modules()) == tested | PACKAGE_NAMES
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
@@ -569,24 +769,36 @@ def test_full_pass_with_padding_matches_transformers(case):
     family, runner = FAMILIES_BY_NAME[name], _runner(framework)
     model, call, mask, positions = _full_pass(family, index)
     kwargs, weights = port_attention(family.module(model, index), _config(model))
-    arguments = _call_arguments(runner, model, family, mask, positions, 0, mask.shape[1], kwargs["num_heads"])
+    arguments = _call_arguments(runner, model, family, mask, positions, 0, mask.shape[1], kwargs)
     output, _ = runner.call(runner.layer(kwargs, weights), call["hidden"], arguments)
     rows = _compared_rows(family, mask)
     assert np.max(np.abs(call["output"][rows])) > MEANINGFUL
     assert _max_diff(output, call["output"], rows) <= OUTPUT_TOL
 
 
-def _decode_with_transformers(model, family, index, ids, mask, positions, prompt):
-    """Prefill the prompt, then one token a step, with transformers' DynamicCache; returns each call's capture."""
+def _decode_with_transformers(model, family, ids, mask, positions, prompt):
+    """Prefill the prompt, then one token a step, with transformers' DynamicCache; returns each call's capture
+    for each layer in LAYERS."""
     cache = transformers.DynamicCache(config=_config(model))
-    if family.name.startswith("t5"):
+    if family.seq2seq:
         cache = transformers.EncoderDecoderCache(cache, transformers.DynamicCache(config=_config(model)))
     encoder = (ids[:, :prompt], mask[:, :prompt])
-    with _capture(model, family, index) as calls, torch.no_grad():
+    with _capture_layers(model, family) as calls, torch.no_grad():
         for start, stop in [(0, prompt), *((p, p + 1) for p in range(prompt, mask.shape[1]))]:
             arguments = _model_arguments(family, ids[:, start:stop], mask[:, :stop], positions[:, start:stop], encoder)
             model(**arguments, past_key_values=cache, use_cache=True)
     return calls
+
+
+@functools.cache
+def _transformers_decoding(family):
+    """transformers decoding left-padded prompts (once per process): {layer: each call's capture}, mask, positions."""
+    prompt = max(PROMPT_LENGTHS)
+    mask = _left_padded_mask(PROMPT_LENGTHS, prompt + DECODE_STEPS)
+    mask[:, prompt:] = 1
+    ids = np.random.default_rng(SEED).integers(1, VOCAB, size=mask.shape)
+    positions = _positions(mask)
+    return _decode_with_transformers(_model(family.name), family, ids, mask, positions, prompt), mask, positions
 
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=_case_id)
@@ -594,20 +806,15 @@ def test_decoding_left_padded_prompts_matches_transformers_cache(case):
     framework, name, index = case
     family, runner = FAMILIES_BY_NAME[name], _runner(framework)
     model = _model(name)
-    prompt = max(PROMPT_LENGTHS)
-    slots = prompt + DECODE_STEPS
-    mask = _left_padded_mask(PROMPT_LENGTHS, slots)
-    mask[:, prompt:] = 1
-    ids = np.random.default_rng(SEED).integers(1, VOCAB, size=mask.shape)
-    positions = _positions(mask)
-    calls = _decode_with_transformers(model, family, index, ids, mask, positions, prompt)
+    calls, mask, positions = _transformers_decoding(family)
+    calls = calls[index]
     kwargs, weights = port_attention(family.module(model, index), _config(model))
     layer = runner.layer(kwargs, weights)
-    cache = layer.init_cache(mask.shape[0], slots)
+    cache = layer.init_cache(*mask.shape)
     start = 0
     for call in calls:
         stop = start + call["hidden"].shape[1]
-        arguments = _call_arguments(runner, model, family, mask, positions, start, stop, kwargs["num_heads"])
+        arguments = _call_arguments(runner, model, family, mask, positions, start, stop, kwargs)
         output, cache = runner.call(layer, call["hidden"], arguments, cache)
         rows = mask[:, start:stop].astype(bool)
         assert np.max(np.abs(call["output"][rows])) > MEANINGFUL
@@ -645,6 +852,29 @@ VARIANTS = {
     "t5_encoder": {"scale", "attention_bias"},
     "t5_decoder": {"scale", "attention_bias"},
     "bloom": {"attention_bias"},
+    "qwen3_moe": {"rope", "qk_norm"},
+    "qwen2_moe": {"rope", "window"},
+    "phi3": {"rope", "window"},
+    "olmo": {"rope"},
+    "stablelm": {"rope", "rope_fraction"},
+    "smollm3": {"rope"},
+    "glm4": {"rope", "rope_fraction", "rope_interleaved"},
+    "cohere2": {"rope", "rope_interleaved", "window"},
+    "gpt_neo": {"scale", "window"},
+    "gpt_bigcode": set(),
+    "gpt_bigcode_mha": set(),
+    "opt": set(),
+    "bart_encoder": set(),
+    "bart_decoder": set(),
+    "roberta": set(),
+    "falcon": {"rope"},
+    "falcon_grouped": {"rope"},
+    "falcon_mha": {"rope"},
+    "mpt": {"attention_bias"},
+    "modernbert": {"rope"},
+    "whisper_decoder": set(),
+    "llama4": {"rope", "rope_interleaved", "qk_norm"},
+    "xlm_roberta": set(),
 }
 DIFFERS = 1e-3  # a removed variant must move the output by 100 times the tolerance at least
 
@@ -687,7 +917,7 @@ def test_every_ported_variant_matters(name):
     for index in LAYERS:
         model, call, mask, positions = _full_pass(family, index)
         kwargs, weights = port_attention(family.module(model, index), _config(model))
-        arguments = _call_arguments(runner, model, family, mask, positions, 0, mask.shape[1], kwargs["num_heads"])
+        arguments = _call_arguments(runner, model, family, mask, positions, 0, mask.shape[1], kwargs)
         for variant in _variants(kwargs, arguments):
             kwargs_, weights_, arguments_ = _without(variant, kwargs, weights, arguments)
             output, _ = runner.call(runner.layer(kwargs_, weights_), call["hidden"], arguments_)
@@ -696,6 +926,38 @@ def test_every_ported_variant_matters(name):
             )
     assert set(moved) == VARIANTS[name]
     assert all(diff > DIFFERS for diff in moved.values()), moved
+
+
+@functools.cache
+def _clamped_llama_attention():
+    """A subclass that computes otherwise: it clamps the hidden states first (defined when first used, so that
+    collecting the tests imports no modeling code)."""
+
+    class _ClampedLlamaAttention(transformers.models.llama.modeling_llama.LlamaAttention):
+        def forward(self, hidden_states, *args, **kwargs):
+            return super().forward(hidden_states.clamp(-0.1, 0.1), *args, **kwargs)
+
+    return _ClampedLlamaAttention
+
+
+class _ScaledLinear(torch.nn.Linear):
+    """A projection class of the user's (as LoRA or quantization wrappers are): it doubles its output."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def _with_custom_projection():
+    module = _tiny_module(transformers.models.llama.modeling_llama.LlamaAttention, transformers.LlamaConfig, **GQA)
+    module.q_proj = _ScaledLinear(HIDDEN, HEADS * HEAD_DIM, bias=False)
+    return module
+
+
+def _holding_config(module_class, config):
+    """A module that does not keep its config (MPT's), given it so the test can pass it to `port_attention`."""
+    module = module_class(config, layer_idx=0)
+    module.config = config
+    return module
 
 
 def _tiny_module(module_class, config_class, **config):
@@ -723,7 +985,7 @@ ERROR_CASES = [
             num_attention_heads=HEADS,
             qk_layernorm=True,
         ),
-        r"`qk_layernorm` must be False: Phi's QK-norm is a LayerNorm .* Received: qk_layernorm=True",
+        r"`config.qk_layernorm` must be off: Phi's and StableLM's QK-norm is a LayerNorm .* Received: qk_layernorm=True",
     ),
     (
         "cohere_layernorm_qk_norm",
@@ -734,26 +996,77 @@ ERROR_CASES = [
             num_attention_heads=HEADS,
             use_qk_norm=True,
         ),
-        r"`q_norm` must be an RMSNorm: a LayerNorm removes the mean first.* Received: CohereLayerNorm",
+        r"`config.use_qk_norm` must be off: Cohere's QK-norm is a LayerNorm .* Received: use_qk_norm=True",
     ),
     (
         "bert_self_attention",
         lambda: transformers.models.bert.modeling_bert.BertSelfAttention(
             transformers.BertConfig(hidden_size=HIDDEN, num_attention_heads=HEADS)
         ),
-        r"Pass the `BertAttention` module .* Received: BertSelfAttention",
+        r"Pass the `BertAttention` module .* Received: a module holding key.bias, key.weight",
     ),
     (
         "gpt2_cross_attention",
         lambda: transformers.models.gpt2.modeling_gpt2.GPT2Attention(
             transformers.GPT2Config(n_embd=HIDDEN, n_head=HEADS), is_cross_attention=True, layer_idx=0
         ),
-        r"`module` must be a GPT-2 self-attention .* Received: is_cross_attention=True",
+        r"`module` must be a GPT-2 self-attention .* Received: a module with `q_attn`",
     ),
     (
         "unknown_module",
         lambda: torch.nn.MultiheadAttention(HIDDEN, HEADS),
-        r"`module` must be one of the attention modules .* Received: MultiheadAttention",
+        r"`module` must be a transformers attention module of one of the model types .* Received: MultiheadAttention",
+    ),
+    (
+        "olmo_clip_qkv",
+        lambda: _tiny_module(
+            transformers.models.olmo.modeling_olmo.OlmoAttention, transformers.OlmoConfig, **GQA, clip_qkv=8.0
+        ),
+        r"`config.clip_qkv` must be off: the layer does not clamp its projections yet. Received: clip_qkv=8.0",
+    ),
+    (
+        "falcon_alibi",
+        lambda: transformers.models.falcon.modeling_falcon.FalconAttention(
+            transformers.FalconConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, alibi=True), layer_idx=0
+        ),
+        r"`config.alibi` must be off: Falcon's ALiBi models are not ported yet .* Received: alibi=True",
+    ),
+    (
+        "modernbert_local_layer",
+        lambda: transformers.models.modernbert.modeling_modernbert.ModernBertAttention(
+            transformers.ModernBertConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=3),
+            layer_idx=1,
+        ),
+        r"`layer_index` must be a global ModernBERT layer: its local layers .* Received: layer_index=1",
+    ),
+    (
+        "mpt_clip_qkv",
+        lambda: _holding_config(
+            transformers.models.mpt.modeling_mpt.MptAttention,
+            transformers.MptConfig(d_model=HIDDEN, n_heads=HEADS, attn_config={"clip_qkv": 6.0}),
+        ),
+        r"`config.clip_qkv` must be off: the layer does not clamp its projections yet. Received: clip_qkv=6.0",
+    ),
+    (
+        "llama4_chunked",
+        lambda: _tiny_module(
+            transformers.models.llama4.modeling_llama4.Llama4TextAttention,
+            transformers.Llama4TextConfig,
+            **GQA,
+            attention_chunk_size=8192,
+        ),
+        r"`config.attention_chunk_size` must be None: the layer has no chunked attention yet. "
+        r"Received: attention_chunk_size=8192 on layer 0",
+    ),
+    (
+        "subclass_overriding_forward",
+        lambda: _clamped_llama_attention()(transformers.LlamaConfig(**COMMON, **GQA), layer_idx=0),
+        r"`module` must compute what its transformers class computes: _ClampedLlamaAttention overrides `forward`",
+    ),
+    (
+        "replaced_projection",
+        lambda: _with_custom_projection(),
+        r"`module`'s projections must be torch or transformers modules .* Received: `q_proj` is _ScaledLinear",
     ),
 ]
 
@@ -825,3 +1138,222 @@ def test_gptj_rotary_dim_survives_float_rounding(head_dim, rotary_dim):
     config = transformers.GPTJConfig(n_embd=2 * head_dim, n_head=2, n_layer=1, rotary_dim=rotary_dim, vocab_size=VOCAB)
     kwargs, _ = port_attention(transformers.models.gptj.modeling_gptj.GPTJAttention(config, layer_idx=0), config)
     assert int(head_dim * kwargs.get("rope_fraction", 1.0)) == rotary_dim
+
+
+# ----------------------------------------------------------------------------------------------
+# From a checkpoint: config.json and safetensors, with NumPy only
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """`saved(name)`: the directory where the family's tiny model was saved with `save_pretrained` (once)."""
+    paths = {}
+
+    def save(name):
+        if name not in paths:
+            paths[name] = tmp_path_factory.mktemp(name)
+            _model(name).save_pretrained(paths[name])
+        return paths[name]
+
+    return save
+
+
+def _assert_same_port(ours, theirs):
+    assert ours[0] == theirs[0]
+    assert sorted(ours[1]) == sorted(theirs[1])
+    for name, array in theirs[1].items():
+        assert ours[1][name].dtype == np.float32
+        np.testing.assert_array_equal(ours[1][name], array, err_msg=name)
+
+
+@pytest.mark.parametrize(("name", "index"), [(family.name, index) for family in FAMILIES for index in LAYERS])
+def test_checkpoint_ports_like_the_module(name, index, saved):
+    """config.json as `save_pretrained` writes it (defaults left out) and model.safetensors give `port_attention`'s
+    arguments and weights, the attention found at its family's path under the model's own prefix."""
+    family, model, path = FAMILIES_BY_NAME[name], _model(name), saved(name)
+    prefix = family.attention.format(i=index) if family.prefix else None
+    ours = port_checkpoint(path / "config.json", path / "model.safetensors", index, prefix=prefix)
+    _assert_same_port(ours, port_attention(family.module(model, index), _config(model)))
+
+
+def test_checkpoint_reads_bfloat16_shards(tmp_path):
+    """A bfloat16 checkpoint split in shards (model.safetensors.index.json) reads as the bfloat16 module does."""
+    model = copy.deepcopy(_model("gemma3")).to(torch.bfloat16)
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    module = FAMILIES_BY_NAME["gemma3"].module(model, 1)
+    ours = port_checkpoint(tmp_path, tmp_path / "model.safetensors.index.json", 1)
+    _assert_same_port(ours, port_attention(module, _config(model)))
+
+
+def test_checkpoint_from_dicts_with_a_prefix():
+    model = _model("t5_decoder")
+    tensors = {name: tensor.numpy() for name, tensor in model.state_dict().items()}
+    path = FAMILIES_BY_NAME["t5_decoder"].attention.format(i=1)
+    ours = port_checkpoint(model.config.to_dict(), tensors, 1, prefix=path)
+    _assert_same_port(ours, port_attention(model.get_submodule(path), model.config))
+
+
+CHECKPOINT_ERRORS = [
+    ({"model_type": "mamba"}, {}, 0, r"`config` must be of one of the model types .* Received: model_type='mamba'"),
+    (
+        {**COMMON, **GQA, "model_type": "llama"},
+        {"model.layers.0.self_attn.q_proj.weight": np.zeros((32, 32))},
+        1,
+        r"`tensors` must hold one attention module at `layers.1.self_attn` .* Received: 0 \(none\)",
+    ),
+    (
+        {**COMMON, **GQA, "model_type": "llama"},
+        {f"{part}.layers.0.self_attn.q_proj.weight": np.zeros((32, 32)) for part in ("vision", "text")},
+        0,
+        r"\(pass `prefix=` to choose\). Received: 2 \(text.layers.0.self_attn, vision.layers.0.self_attn\)",
+    ),
+    (
+        {**COMMON, **GQA, "model_type": "llama"},
+        {"layers.0.self_attn.q_proj.weight": np.zeros((32, 32))},
+        0,
+        r"`tensors` must hold `k_proj.weight` for this family's attention. Received: q_proj.weight",
+    ),
+    ({"model_type": "llama"}, [1, 2], 0, r"`tensors` must be a mapping of names to arrays .* Received: list"),
+    ([1, 2], {}, 0, r"`config` must be a dict, a path to config.json or a transformers config. Received: list"),
+]
+
+
+@pytest.mark.parametrize(("config", "tensors", "index", "message"), CHECKPOINT_ERRORS)
+def test_checkpoint_refuses_with_the_reason(config, tensors, index, message):
+    with pytest.raises(ValueError, match=message):
+        port_checkpoint(config, tensors, index)
+
+
+# The checkpoint route in a process where torch, transformers and safetensors cannot be imported.
+BLOCKED_SCRIPT = """
+import importlib.abc, sys
+
+class Blocked(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers", "safetensors", "tensorflow"):
+            raise ImportError(f"{name} is blocked")
+
+sys.meta_path.insert(0, Blocked())
+import numpy as np
+from interop.hf import port_checkpoint
+from NumPy.Multi_Head_Attention import MultiHeadAttention
+
+directory, index, data = sys.argv[1], int(sys.argv[2]), np.load(sys.argv[3])
+kwargs, weights = port_checkpoint(directory + "/config.json", directory + "/model.safetensors", index)
+layer = MultiHeadAttention(**kwargs)
+layer.import_weights(weights)
+arguments = {name: data[name] for name in data.files if name not in ("hidden", "causal")}
+output = layer(data["hidden"].astype(np.float64), causal=bool(data["causal"]), **arguments)
+np.save(sys.argv[4], output)
+print(sorted(name for name in ("torch", "transformers", "safetensors") if name in sys.modules))
+"""
+
+
+@pytest.mark.parametrize(("name", "index"), [("gemma3", 0), ("bert", 1)])
+def test_checkpoint_route_runs_without_torch_or_transformers(name, index, saved, tmp_path):
+    """A NumPy user's route: config.json and model.safetensors to the NumPy layer, with torch, transformers and
+    safetensors blocked from importing, gives what transformers' module gave (full pass, padding)."""
+    family, runner = FAMILIES_BY_NAME[name], _runner("NumPy")
+    model, call, mask, positions = _full_pass(family, index)
+    kwargs, _ = port_attention(family.module(model, index), _config(model))
+    arguments = _call_arguments(runner, model, family, mask, positions, 0, mask.shape[1], kwargs)
+    np.savez(tmp_path / "data.npz", hidden=call["hidden"], **arguments)
+    result = subprocess.run(
+        [sys.executable, "-c", BLOCKED_SCRIPT, str(saved(name)), str(index), str(tmp_path / "data.npz"),
+         str(tmp_path / "output.npy")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"  # none of them was imported
+    rows = _compared_rows(family, mask)
+    assert _max_diff(np.load(tmp_path / "output.npy"), call["output"], rows) <= OUTPUT_TOL
+
+
+# ----------------------------------------------------------------------------------------------
+# Registered porters
+# ----------------------------------------------------------------------------------------------
+
+
+def test_a_registered_porter_ports_a_subclass_and_a_model_type(monkeypatch):
+    """`register_porter` by class name takes a subclass that overrides `forward` (refused otherwise); by model
+    type it serves `port_checkpoint`; the porter gets the config dict, the module's tensor names and its layer."""
+    monkeypatch.setattr(interop.hf, "_REGISTERED", {})
+    received = []
+
+    def porter(config, tensors, index):
+        received.append((config["model_type"], sorted(tensors), index))
+        return {"d_model": config["hidden_size"], "num_heads": config["num_attention_heads"]}, {}
+
+    register_porter("_ClampedLlamaAttention", porter)
+    register_porter("my_llama", porter)
+    assert "my_llama" in supported_modules()
+    config = transformers.LlamaConfig(**COMMON, **GQA)
+    module = _clamped_llama_attention()(config, layer_idx=1)
+    assert port_attention(module, config) == ({"d_model": HIDDEN, "num_heads": HEADS}, {})
+    tensors = {f"model.layers.0.self_attn.{name}": value.numpy() for name, value in module.state_dict().items()}
+    port_checkpoint({**config.to_dict(), "model_type": "my_llama"}, tensors, 0)
+    names = ["k_proj.weight", "o_proj.weight", "q_proj.weight", "v_proj.weight"]
+    assert received == [("llama", names, 1), ("my_llama", names, 0)]
+    with pytest.raises(ValueError, match=r"`porter` must be callable. Received: str"):
+        register_porter("x", "not a porter")
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer swapped into transformers models
+# ----------------------------------------------------------------------------------------------
+
+NEW_TOKENS = 12  # past the layer's first cache of 16 slots: the wrapper grows it while generating
+
+
+def _swapped(name):
+    """The family's tiny model and a copy of it with every attention module replaced by the PyTorch layer."""
+    model = _model(name)
+    ours = copy.deepcopy(model)
+    replaced = replace_attention(ours)
+    assert replaced == [FAMILIES_BY_NAME[name].attention.format(i=index) for index in LAYERS]
+    assert all(isinstance(ours.get_submodule(path).layer, _runner("PyTorch").module.MultiHeadAttention)
+               for path in replaced)  # fmt: skip
+    return model, ours
+
+
+def _prompts():
+    mask = _left_padded_mask(PROMPT_LENGTHS, max(PROMPT_LENGTHS))
+    ids = np.random.default_rng(SEED).integers(1, VOCAB, size=mask.shape)
+    return torch.from_numpy(ids), torch.from_numpy(mask)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3", "qwen3"] if "PyTorch" in FRAMEWORKS else [])
+def test_replaced_attention_generates_the_same_tokens(name):
+    """Left-padded prompts: the same logits on a full pass and at every greedy step (transformers' DynamicCache
+    beside the layer's own cache; Gemma 3's sliding layers included), hence the same tokens."""
+    model, ours = _swapped(name)
+    ids, mask = _prompts()
+    with torch.no_grad():
+        full = [m(input_ids=ids, attention_mask=mask).logits for m in (model, ours)]
+    assert _max_diff(full[1].numpy(), full[0].numpy(), mask.numpy().astype(bool)) <= OUTPUT_TOL
+    settings = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": 0, "eos_token_id": None}
+    theirs, mine = (
+        m.generate(input_ids=ids, attention_mask=mask, output_logits=True, return_dict_in_generate=True, **settings)
+        for m in (model, ours)
+    )
+    assert theirs.sequences.shape[1] == ids.shape[1] + NEW_TOKENS
+    assert torch.equal(mine.sequences, theirs.sequences)
+    assert max(float((a - b).abs().max()) for a, b in zip(mine.logits, theirs.logits, strict=True)) <= OUTPUT_TOL
+
+
+@pytest.mark.parametrize("name", ["bert", "roberta"] if "PyTorch" in FRAMEWORKS else [])
+def test_replaced_attention_gives_the_encoders_states(name):
+    """BERT's wrapper keeps the module's dropout, residual and LayerNorm after the ported output projection."""
+    model, ours = _swapped(name)
+    ids, mask = _prompts()
+    with torch.no_grad():
+        theirs, mine = (m(input_ids=ids, attention_mask=mask).last_hidden_state for m in (model, ours))
+    assert np.max(np.abs(theirs.numpy())) > MEANINGFUL
+    assert _max_diff(mine.numpy(), theirs.numpy(), mask.numpy().astype(bool)) <= OUTPUT_TOL
+
+
+def test_replace_attention_refuses_a_model_it_cannot_swap():
+    with pytest.raises(ValueError, match=r"`model` must hold attention modules of the Llama kind .* Received: GPT2"):
+        replace_attention(copy.deepcopy(_model("gpt2")))
