@@ -780,7 +780,9 @@ def _softmax(scores, keep, sinks):
     softmax over [scores, sink] whose sink column is dropped), rows with no key exactly 0."""
     if keep is not None:
         scores = ops.where(keep, scores, _lowest(scores.dtype))  # (B, N, T, S)
-    if sinks is None:
+    if sinks is None and scores.shape[-1] == 1:
+        weights = ops.ones_like(scores)  # a softmax over one key (which Keras warns about)
+    elif sinks is None:
         weights = ops.softmax(scores, axis=-1)  # (B, N, T, S)
     else:
         sink = ops.reshape(ops.cast(sinks, scores.dtype), (1, -1, 1, 1))  # (N,) -> (1, N, 1, 1)
