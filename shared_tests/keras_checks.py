@@ -125,6 +125,21 @@ def check_mask_warnings():
     _close(output, np.broadcast_to(bias, (2, 6, 16)), "an all-False key_mask gives output_bias", 0.0)
 
 
+def check_builtins():
+    """`from_keras` of the built-ins (MultiHeadAttention, GroupQueryAttention) gives their outputs,
+    and `to_keras` gives this layer's, called in Keras' order (query, value, key)."""
+    import keras
+
+    from Keras import MultiHeadAttention
+
+    x, kv = _inputs(), _inputs((2, 5, 16), seed=4)
+    for builtin in (keras.layers.MultiHeadAttention(4, 4), keras.layers.GroupQueryAttention(4, 4, 2)):
+        expected = builtin(x, kv, kv)
+        _close(MultiHeadAttention.from_keras(builtin)(x, kv, kv), expected, f"from_keras({type(builtin).__name__})")
+    for layer in (_layer(), _layer(num_kv_heads=2)):
+        _close(layer.to_keras()(x, kv, kv), layer(x, kv, kv), f"to_keras() with K={layer.num_kv_heads}")
+
+
 def check_tensorflow_file_refuses():
     """The TensorFlow file under another backend refuses at construction, naming the Keras file."""
     from TensorFlow import MultiHeadAttention
@@ -168,6 +183,7 @@ CHECKS = {
     "mask_alias": check_mask_alias,
     "implicit_mask": check_implicit_mask,
     "mask_warnings": check_mask_warnings,
+    "builtins": check_builtins,
     "tensorflow_file_refuses": check_tensorflow_file_refuses,
     "save": check_save,
     "load": check_load,
