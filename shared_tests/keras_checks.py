@@ -140,6 +140,42 @@ def check_builtins():
         _close(layer.to_keras()(x, kv, kv), layer(x, kv, kv), f"to_keras() with K={layer.num_kv_heads}")
 
 
+def check_while_loop_decode():
+    """Decoding token by token inside `ops.while_loop` (the cache a loop variable) equals the
+    full causal pass, with a rolling window and left padding."""
+    from keras import ops
+
+    layer = _layer(num_kv_heads=2, rope_theta=10000.0, window=3)
+    x = _inputs((2, 7, 16))
+    keep = np.ones((2, 5), dtype=bool)
+    keep[1, :2] = False  # the second prompt is left-padded by two tokens
+    full = _numpy(layer(x, causal=True, query_mask=np.pad(keep, ((0, 0), (0, 2)), constant_values=True)))
+    inputs = ops.convert_to_tensor(x)
+
+    def step(i, outputs, cache):
+        token = ops.slice(inputs, (0, i, 0), (2, 1, 16))  # (B, 1, E)
+        output, cache = layer(token, causal=True, cache=cache)
+        return i + 1, ops.slice_update(outputs, (0, i, 0), output), cache
+
+    start = (0, ops.zeros((2, 7, 16)), layer.init_cache(2, 5, keep=keep))
+    _, outputs, _ = ops.while_loop(lambda i, *_: i < 7, step, start)
+    rows = np.pad(keep, ((0, 0), (0, 2)), constant_values=True)  # padded queries attend nothing in the full pass
+    _close(_numpy(outputs)[rows], full[rows], "while_loop decoding against the full pass")
+
+
+def check_mixed_precision():
+    """Under mixed_float16 and mixed_bfloat16 the output has the compute dtype and is near float32's."""
+    import keras
+
+    x = _inputs()
+    expected = _numpy(_layer()(x))
+    for policy, tolerance in (("mixed_float16", 1e-2), ("mixed_bfloat16", 5e-2)):
+        layer = _layer(dtype=policy)
+        output = layer(x)
+        assert keras.backend.standardize_dtype(output.dtype) == policy.split("_")[1], (policy, output.dtype)
+        _close(output, expected, policy, tolerance)
+
+
 def check_tensorflow_file_refuses():
     """The TensorFlow file under another backend refuses at construction, naming the Keras file."""
     from TensorFlow import MultiHeadAttention
@@ -184,6 +220,8 @@ CHECKS = {
     "implicit_mask": check_implicit_mask,
     "mask_warnings": check_mask_warnings,
     "builtins": check_builtins,
+    "while_loop_decode": check_while_loop_decode,
+    "mixed_precision": check_mixed_precision,
     "tensorflow_file_refuses": check_tensorflow_file_refuses,
     "save": check_save,
     "load": check_load,

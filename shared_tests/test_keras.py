@@ -25,7 +25,9 @@ JAX_CASES = (
 JAX_DECODE_CASES = (
     "decode_left_padding_gqa", "decode_mask_float_tl", "decode_rolling_rope_left_padding", "decode_all_variants",
 )  # fmt: skip
-CHECKS = ("fit", "dropout", "mask_alias", "implicit_mask", "mask_warnings", "builtins")
+CHECKS = (
+    "fit", "dropout", "mask_alias", "implicit_mask", "mask_warnings", "builtins", "while_loop_decode", "mixed_precision",
+)  # fmt: skip
 
 
 def _tables(backend):
@@ -62,7 +64,8 @@ def _decode_failures(path, cases, results):
 def test_every_case_decode_case_and_check_on_the_backend(backend):
     """Parity with NumPy (output, weights, gradients, exact zeros; decoding equal to the full pass
     and the caches equal), fit under XLA, seeded dropout, the mask alias, implicit masks, the
-    mask warnings and the built-ins' round trips; on JAX and torch, the TensorFlow file's refusal."""
+    mask warnings, the built-ins' round trips, decoding in `ops.while_loop` and mixed precision; on
+    JAX and torch, the TensorFlow file's refusal."""
     cases, decode_cases = _tables(backend)
     cases = [(case, make_data(case)) for case in cases]
     decode_cases = [(case, make_decode_data(case)) for case in decode_cases]
