@@ -625,7 +625,7 @@ def _write_cache(cache, k, v, key_keep):
     """A new cache with (B, K, T, H) keys and values of positions [index, index + T) written to
     slots position mod L, and `keep` there: the (B, T) `key_keep` ANDed into it on the first lap
     (left padding), in its place once a slot holds a new token."""
-    b, heads, t = k.shape[0], k.shape[1], k.shape[2]
+    b, heads, t = _shape(k)[:3]
     length, index = cache.key.shape[2], ops.convert_to_tensor(cache.index, "int32")
     positions = index + ops.arange(t, dtype="int32")  # (T,)
     slots = ops.mod(positions, length)  # (T,)
@@ -814,7 +814,7 @@ def dot_product_attention(
     Returns:
         context (B, N, T, H) and weights (B, N, T, S), exactly 0 where not kept.
     """
-    t, s = q.shape[2], k.shape[2]
+    t, s = _shape(q)[2], _shape(k)[2]  # static where known
     if causal:
         keep = _and(keep, causal_mask(t, s))  # (B, N, T, S), dims may be 1
     if window is not None:
@@ -1333,7 +1333,7 @@ class MultiHeadAttention(keras.layers.Layer):
         # 5. Cache write: the new keys and values go to slots [index, index + T) (mod L with a window).
         window, misfit = self.window, None
         if cache is not None:
-            index = ops.convert_to_tensor(cache.index, "int32")  # the index before this call's write
+            t, index = _shape(q)[2], ops.convert_to_tensor(cache.index, "int32")  # the index before this write
             misfit = _check_room(cache, t, window)
             cache = _write_cache(cache, k, v, key_keep)  # `key_mask` goes into its keep
             keep = _and(keep, _cache_keep(cache.keep, index, t, causal, window))  # (B, N, T, L), dims may be 1

@@ -48,7 +48,7 @@ def check_fit():
     from Keras import MultiHeadAttention
 
     keras.utils.set_random_seed(0)
-    tokens = keras.Input((8, 16))
+    tokens = keras.Input((None, 16))  # T unknown when the model is built and traced
     attended = MultiHeadAttention(16, 4, num_kv_heads=2, rope_theta=10000.0, dropout=0.1)(tokens, causal=True)
     model = keras.Model(tokens, keras.layers.Dense(1)(attended))
     jit = keras.backend.backend() in ("tensorflow", "jax")
