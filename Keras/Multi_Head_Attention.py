@@ -414,19 +414,21 @@ def _check_lengths(query, key, value):
         raise ValueError(f"`key` and `value` must have the same length S. Received: key.shape={k}, value.shape={v}")
 
 
-def _keras_mask(x):
-    """The implicit Keras mask a tensor carries (`Embedding(mask_zero=True)`), as boolean, or None.
-    TensorFlow and torch tensors carry it as an attribute; Keras keeps a JAX array's aside."""
+def _implicit_mask(x):
+    """The implicit Keras mask a tensor carries (`Embedding(mask_zero=True)`), as Keras set it, or
+    None. TensorFlow and torch tensors carry it as an attribute; Keras keeps a JAX array's aside."""
     mask = getattr(x, "_keras_mask", None)
     if mask is None and x is not None and not isinstance(x, np.ndarray):
-        mask = _keras_mask_aside(x)
+        from keras.src.backend import get_keras_mask  # Keras' own reader (arrays that take no attribute)
+
+        mask = get_keras_mask(x)
+    return mask
+
+
+def _keras_mask(x):
+    """`_implicit_mask` as boolean, or None."""
+    mask = _implicit_mask(x)
     return None if mask is None else ops.cast(mask, "bool")
-
-
-def _keras_mask_aside(x):
-    from keras.src.backend import get_keras_mask  # Keras' own reader (arrays that take no attribute)
-
-    return get_keras_mask(x)
 
 
 def _token_mask(name, mask, batch, length, letter):
@@ -1105,7 +1107,7 @@ class MultiHeadAttention(keras.layers.Layer):
             self.build()
         for name in expected:
             variable = self._variable(name)
-            variable.assign(ops.cast(np.asarray(weights[name], np.float32), variable.dtype))
+            variable.assign(ops.cast(np.asarray(weights[name]), variable.dtype))
 
     def _bias_of(self, kind):
         return getattr(self, f"{kind}_bias") if kind in self.bias else None
@@ -1269,7 +1271,7 @@ class MultiHeadAttention(keras.layers.Layer):
         key = query if key is None else key
         value = key if value is None else value
         implicit = [_keras_mask(x) for x in (query, key, value)]
-        explicit_key_mask = key_mask is not None and key_mask is not getattr(key, "_keras_mask", None)
+        explicit_key_mask = key_mask is not None and key_mask is not _implicit_mask(key)  # not filled by Keras
         query = _check_input("query", query, "E", self.d_model)
         key = _check_input("key", key, "kdim", self.kdim)
         value = _check_input("value", value, "vdim", self.vdim)

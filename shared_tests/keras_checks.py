@@ -88,8 +88,8 @@ def check_mask_alias():
 
 
 def check_implicit_mask():
-    """An `Embedding(mask_zero=True)` mask removes padded keys and queries (eagerly and in a
-    functional model), and the output carries it."""
+    """An `Embedding(mask_zero=True)` mask removes padded keys and queries (eagerly, in a
+    functional model and as the key and value of cross-attention), and the output carries it."""
     import keras
     from keras import ops
 
@@ -103,6 +103,9 @@ def check_implicit_mask():
     inputs = keras.Input((5,), dtype="int32")
     model = keras.Model(inputs, layer(embedding(inputs)))
     _close(model(tokens), expected, "functional model on an embedding with mask_zero")
+    query = ops.convert_to_tensor(_inputs((2, 3, 16)))
+    cross = layer(query, ops.convert_to_tensor(ops.convert_to_numpy(embedded)), key_mask=tokens != 0)
+    _close(layer(query, embedded), cross, "cross-attention to an embedding with mask_zero")
     from keras.src.backend import get_keras_mask
 
     carried = get_keras_mask(layer(embedded))
