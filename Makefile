@@ -28,7 +28,7 @@ test: install lint  ## set up, lint, then run every test
 	$(PY) -m pytest -n 2
 
 parity: install  ## set up, then the cross-framework parity report (exit 1 on any FAIL)
-	$(PY) -m shared_tests.parity $(ARGS)
+	$(PY) -m shared_tests.parity --keras tensorflow,jax,torch $(ARGS)
 
 bench: install  ## set up, then the benchmark; writes bench/results.md (ARGS=--quick: a smoke run into out/bench_quick.md)
 	$(PY) -m bench.benchmark $(ARGS)

@@ -1229,6 +1229,12 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         bias_initializer="zeros",
         **kwargs,
     ):
+        if tf.keras.backend.backend() != "tensorflow":
+            raise ValueError(
+                "This layer is written in TensorFlow ops and runs only on the TensorFlow Keras backend: on any "
+                "backend, use Keras/Multi_Head_Attention.py. Received: "
+                f"KERAS_BACKEND={tf.keras.backend.backend()}"
+            )
         super().__init__(**kwargs)
         self.d_model = _positive_int("d_model", d_model)
         self.num_heads = _positive_int("num_heads", num_heads)

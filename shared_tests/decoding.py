@@ -347,8 +347,12 @@ def run_tensorflow(case, data, path):
 
 
 def run(case, data, path):
+    from shared_tests import keras_backends
+
     if path == "numpy":
         return run_numpy(case, data)
+    if path in keras_backends.KERAS_PATHS:  # in the backend's own process
+        return keras_backends.decode_result(case, data, path)
     if path.startswith("torch"):
         return run_torch(case, data, path)
     return run_tensorflow(case, data, path)

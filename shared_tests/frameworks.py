@@ -6,9 +6,11 @@ under no_grad: the in-place path, one batch element per block; no gradients), `t
 `tf:function` and `tf:memory_efficient` (tf.function, no weights returned, attention run two
 queries at a time, forced on every case; its gradients come from the path's own backward), and
 the deployed runtimes of shared_tests/runtimes.py (`torch:onnx`, `tf:onnx`, `tf:litert`: output
-and weights, no gradients). Each gives a `Result`: output, attention weights (None on
-`torch:sdpa`) and gradients of sum(output * grad_output) with respect to the inputs passed and
-every portable weight (and `attention_bias`, when the case passes one). TensorFlow is imported
+and weights, no gradients). The Keras file's paths (`keras:tensorflow`, `keras:jax`,
+`keras:torch`, shared_tests/keras_backends.py) run in a process per backend and are not in
+`PATHS`. Each gives a `Result`: output, attention weights (None on `torch:sdpa`) and
+gradients of sum(output * grad_output) with respect to the inputs passed and every portable
+weight (and `attention_bias`, when the case passes one). TensorFlow is imported
 only when a TensorFlow path runs; the PyTorch paths run on `torch_device()`.
 """
 
@@ -18,7 +20,7 @@ from unittest import mock
 
 import numpy as np
 
-from shared_tests import runtimes
+from shared_tests import keras_backends, runtimes
 from shared_tests.cases import call_inputs
 from shared_tests.runtimes import RUNTIME_PATHS
 
@@ -198,6 +200,8 @@ def run(case, data, path, torch_class=None, tf_class=None):
     A runtime path that cannot hold the case raises `runtimes.UnsupportedCaseError`."""
     if path == "numpy":
         return run_numpy(case, data)
+    if path in keras_backends.KERAS_PATHS:  # in the backend's own process (kept by `keras_backends.prefetch`)
+        return keras_backends.result(case, data, path)
     if path in runtimes.RUNTIME_PATHS:
 
         def make_layer(case, data):

@@ -5,7 +5,10 @@ TensorFlow and the NumPy layer; their outputs, attention weights and gradients a
 pairwise against the SPEC tolerances, and every masked position must hold a weight of exactly 0.
 A second table decodes the KV-cache cases (shared_tests/decoding.py) chunk by chunk on every
 path: outputs and weights are compared between frameworks and against one full causal pass,
-and the final caches must be equal. Exit status 1 on any FAIL.
+and the final caches must be equal. With `--keras tensorflow,jax,torch` (as `make parity` runs
+it) the Keras file runs every case on each Keras backend, in a process per backend, in the
+columns `keras:tensorflow`, `keras:jax` and `keras:torch`, each against NumPy. Exit status 1 on
+any FAIL.
 
 A FAIL row is followed by what failed: the quantity, its value and its tolerance. A path that
 raises is an error of its row, never the end of the report. After the tables, one line per path
@@ -24,14 +27,15 @@ import time
 
 import numpy as np
 
-from shared_tests import decoding, runtimes
+from shared_tests import decoding, keras_backends, runtimes
 from shared_tests.cases import CASES, CASES_BY_NAME, make_data
 from shared_tests.decoding import DECODE_CASES, DECODE_CASES_BY_NAME, DECODE_PATHS, make_decode_data, query_ends
 from shared_tests.frameworks import PATHS, make_tf_layer, make_torch_layer, run
 from shared_tests.runtimes import DYNAMIC_PATHS, RUNTIME_PATHS, UnsupportedCaseError
 
 FRAMEWORK_PATHS = {fw: tuple(p for p in PATHS if p.split(":")[0] == fw) for fw in ("torch", "tf", "numpy")}
-PAIRS = (("torch", "tf"), ("torch", "numpy"), ("tf", "numpy"))
+FRAMEWORK_PATHS.update({path: (path,) for path in keras_backends.KERAS_PATHS})  # each backend a column of its own
+PAIRS = (("torch", "tf"), ("torch", "numpy"), ("tf", "numpy"), *((p, "numpy") for p in keras_backends.KERAS_PATHS))
 RUNTIMES_LABEL = "onnx+litert/numpy"
 DYNAMIC_LABEL = "dynamic/eager"  # the dynamic-shape exports against the eager layer each exported
 QUANTITIES = ("output", "weights", "grads")
@@ -171,13 +175,18 @@ def conditioning_note(case, floor):
     )
 
 
+def label(pair):
+    """The column of a pair: "torch/tf", ..., and a Keras backend's own path (against NumPy)."""
+    return pair[0] if pair[0] in keras_backends.KERAS_PATHS else "/".join(pair)
+
+
 def _pairwise(results, paths, quantities, measure, tolerances, diffs, failures):
     """For each framework pair, the largest `measure(first, second, quantity)` over their paths
     that ran, recorded in `diffs` and checked against `tolerances(pair)[quantity]` (None: not
     checked)."""
     for pair in PAIRS:
-        tol, label = tolerances(pair), "/".join(pair)
-        diffs[label] = dict.fromkeys(quantities)
+        tol, name = tolerances(pair), label(pair)
+        diffs[name] = dict.fromkeys(quantities)
         if not all(any(p in results for p in paths[side]) for side in pair):
             continue  # a framework none of whose paths ran (a subset of paths was asked for)
         for quantity in quantities:
@@ -189,9 +198,9 @@ def _pairwise(results, paths, quantities, measure, tolerances, diffs, failures):
             ]
             values = [v for v in values if v is not None]
             worst = max(values) if values else None
-            diffs[label][quantity] = worst
+            diffs[name][quantity] = worst
             if tol[quantity] is not None and (worst is None or not worst <= tol[quantity]):
-                failures.append(exceeded(label, quantity, worst, tol[quantity]))
+                failures.append(exceeded(name, quantity, worst, tol[quantity]))
 
 
 def _fmt_value(value):
@@ -292,7 +301,10 @@ def run_dynamic_paths(case, data, paths, skipped, errors, torch_class=None, tf_c
     return worst
 
 
-DECODE_FRAMEWORK_PATHS = {fw: tuple(p for p in DECODE_PATHS if p.split(":")[0] == fw) for fw in FRAMEWORK_PATHS}
+DECODE_FRAMEWORK_PATHS = {
+    fw: tuple(p for p in (*DECODE_PATHS, *keras_backends.KERAS_PATHS) if p == fw or p.split(":")[0] == fw)
+    for fw in FRAMEWORK_PATHS
+}
 DECODE_QUANTITIES = ("output", "weights", "cache")
 
 
@@ -409,7 +421,7 @@ def _cells(diffs, labels, quantities, gap):
 
 
 def format_table(rows):
-    labels = [*("/".join(pair) for pair in PAIRS), RUNTIMES_LABEL]
+    labels = [*(label(pair) for pair in PAIRS), RUNTIMES_LABEL]
     groups = "".join(f"{label:<21}" for label in labels) + f"{DYNAMIC_LABEL:<14}"
     head = f"{'case':<27} {'dtype':<9} {groups}zeros  status"
     sub = f"{'':<27} {'':<9} " + "out   wts   grad   " * (len(PAIRS) + 1) + "out           "
@@ -457,11 +469,11 @@ def _duration(seconds):
 
 
 def format_decode_table(rows):
-    groups = "".join(f"{'/'.join(pair):<21}" for pair in PAIRS) + f"{'decode/full':<14}"
+    groups = "".join(f"{label(pair):<21}" for pair in PAIRS) + f"{'decode/full':<14}"
     head = f"{'decode case':<27} {'dtype':<9} {groups}zeros  status"
     sub = f"{'':<27} {'':<9} " + "out   wts   cache  " * len(PAIRS) + "out   wts     "
     lines = [head, sub, "-" * len(head)]
-    labels = [*("/".join(pair) for pair in PAIRS), "decode/full"]
+    labels = [*(label(pair) for pair in PAIRS), "decode/full"]
     quantities = {**dict.fromkeys(labels, DECODE_QUANTITIES), "decode/full": ("output", "weights")}
     gaps = {**dict.fromkeys(labels, "   "), "decode/full": "  "}
     for row in rows:
@@ -686,6 +698,13 @@ def parse_args(argv):
         help="skip the deployed runtimes (ONNX Runtime, LiteRT, the exports): the quick form for iterating",
     )
     parser.add_argument("--verbose", action="store_true", help="name every case a path did not run")
+    parser.add_argument(
+        "--keras",
+        default="",
+        metavar="BACKENDS",
+        help="also run Keras/Multi_Head_Attention.py on these Keras backends, each in its own process "
+        "(comma separated, e.g. tensorflow,jax,torch; `make parity` runs all three)",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the table as JSON")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     return parser.parse_args(argv)
@@ -764,10 +783,26 @@ def main(argv=None):
     if args.device != "cpu":
         os.environ["PARITY_TORCH_DEVICE"] = args.device
         print(f"PyTorch paths on {describe_device(args.device)}; TensorFlow and the runtimes are not run\n")
+    datas = {case.name: with_user_weights(make_data)(case) for case in cases}
+    decode_datas = {case.name: with_user_weights(make_decode_data)(case) for case in decode_cases}
+    backends = [backend for backend in args.keras.split(",") if backend]
+    unknown = [backend for backend in backends if backend not in keras_backends.KERAS_BACKENDS]
+    if unknown:
+        print(
+            f"error: --keras takes {', '.join(keras_backends.KERAS_BACKENDS)}. Received: {args.keras}", file=sys.stderr
+        )
+        return 2
+    if backends:
+        print(f"Keras file on {', '.join(backends)} (a process per backend)", file=sys.stderr, flush=True)
+        keras_backends.prefetch(
+            backends, [(c, datas[c.name]) for c in cases], [(c, decode_datas[c.name]) for c in decode_cases]
+        )
+        paths = (*paths, *(f"keras:{backend}" for backend in backends))
+        decode_paths = (*decode_paths, *(f"keras:{backend}" for backend in backends))
     run_one = functools.partial(run_case, paths=paths, dynamic_paths=dynamic_paths, conditioning=bool(args.weights))
-    rows, results = _run_all(cases, run_one, with_user_weights(make_data))
+    rows, results = _run_all(cases, run_one, lambda case: datas[case.name])
     decode_rows, _ = _run_all(
-        decode_cases, functools.partial(run_decode_case, paths=decode_paths), with_user_weights(make_decode_data)
+        decode_cases, functools.partial(run_decode_case, paths=decode_paths), lambda case: decode_datas[case.name]
     )
     tables = (
         rows and format_table(rows),

@@ -1,6 +1,7 @@
 """Error parity: each bad argument or input gives a ValueError with the same message in the
 PyTorch, TensorFlow and NumPy layers; a failed import leaves every layer unchanged."""
 
+import functools
 import re
 import warnings
 
@@ -99,14 +100,12 @@ def _torch_call(kwargs, call):
 KERAS_FRAME = re.compile(r"Exception encountered when calling .*?\x1b\[1m(.*?)\x1b\[0m", re.DOTALL)
 
 
-def _tf_call(kwargs, call):
+def _tf_call(kwargs, call, module="TensorFlow"):
     """Keras frames every error raised in `call()` ("Exception encountered when calling ...",
     the layer's message in bold, then the arguments received); this compares the layer's own
-    message, and checks that Keras kept it verbatim."""
-
-    from TensorFlow import MultiHeadAttention
-
-    layer = MultiHeadAttention(**kwargs)
+    message, and checks that Keras kept it verbatim. `module`: the TensorFlow file, or the Keras
+    file (here on the TensorFlow backend; test_keras.py runs it on the others)."""
+    layer = __import__(module).MultiHeadAttention(**kwargs)
     if call is not None:
         try:
             layer(**_converted("tf", call))
@@ -130,11 +129,13 @@ def _converted(framework, call):
     import tensorflow as tf
     import torch
 
-    convert = torch.from_numpy if framework == "torch" else tf.constant
+    convert = torch.from_numpy if framework == "torch" else tf.constant  # the Keras file runs on TensorFlow here
     return {k: convert(np.asarray(v)) if isinstance(v, np.ndarray) else v for k, v in call.items()}
 
 
 CALLERS = {"torch": _torch_call, "tf": _tf_call, "numpy": _numpy_call}
+# The mask habits, the valid masks and `mask=` also in the Keras file (on the TensorFlow backend here)
+MASK_CALLERS = {**CALLERS, "keras": functools.partial(_tf_call, module="Keras")}
 
 
 def test_table_has_at_least_15_bad_inputs():
@@ -149,7 +150,7 @@ def test_same_value_error_in_all_three(name):
         with pytest.raises(ValueError, match=pattern) as error:
             caller(kwargs, call)
         messages[framework] = str(error.value)
-    assert messages["torch"] == messages["tf"] == messages["numpy"], messages
+    assert len(set(messages.values())) == 1, messages
 
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
@@ -255,7 +256,7 @@ VALID = {
 
 def _warning_class(framework):
     """Each layer file defines its own AttentionMaskWarning (each file stands alone)."""
-    module = {"torch": "PyTorch", "tf": "TensorFlow", "numpy": "NumPy"}[framework]
+    module = {"torch": "PyTorch", "tf": "TensorFlow", "keras": "Keras", "numpy": "NumPy"}[framework]
     return __import__(module).AttentionMaskWarning
 
 
@@ -270,7 +271,12 @@ def _run_all(call, cache=None):
     from TensorFlow import MultiHeadAttention as TFMultiHeadAttention
 
     reference = NumpyMultiHeadAttention(**BASE, seed=0)
-    layers = {"numpy": reference, "torch": TorchMultiHeadAttention(**BASE), "tf": TFMultiHeadAttention(**BASE)}
+    layers = {
+        "numpy": reference,
+        "torch": TorchMultiHeadAttention(**BASE),
+        "tf": TFMultiHeadAttention(**BASE),
+        "keras": __import__("Keras").MultiHeadAttention(**BASE),
+    }
     results = {}
     for framework, layer in layers.items():
         layer.import_weights(reference.export_weights())
@@ -304,7 +310,7 @@ def test_each_habit_warns_the_same_in_all_three_and_computes_by_the_spec(name):
 @pytest.mark.parametrize("name", sorted(HABITS))
 def test_a_habit_is_an_error_where_the_warning_is_made_one(name):
     call, pattern = HABITS[name]
-    for framework, caller in CALLERS.items():
+    for framework, caller in MASK_CALLERS.items():
         habit = _warning_class(framework)
         with warnings.catch_warnings():
             warnings.simplefilter("error", habit)
@@ -337,7 +343,7 @@ def test_all_false_masks_give_output_bias_rows(mask):
 
 def test_a_layer_warns_of_each_habit_once():
     call, _ = HABITS["torch_polarity_key_mask"]
-    for framework, caller in CALLERS.items():
+    for framework, caller in MASK_CALLERS.items():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             layer = caller(BASE, call)
@@ -354,7 +360,7 @@ def test_mask_is_attention_mask_and_both_is_an_error():
     pattern = (
         r"^Pass the attention mask as `attention_mask` or as `mask`, not both\. Received: attention_mask and mask$"
     )
-    for caller in CALLERS.values():
+    for caller in MASK_CALLERS.values():
         with pytest.raises(ValueError, match=pattern):
             caller(BASE, {"query": X, "attention_mask": mask, "mask": mask})
 

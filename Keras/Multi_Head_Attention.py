@@ -1,0 +1,1561 @@
+"""Multi-head attention for Keras 3 on any backend: one layer in `keras.ops`, proven equal to the others.
+
+Copy this one file into your model; it needs only Keras 3, NumPy and the standard library, and
+runs under `KERAS_BACKEND=tensorflow`, `jax` and `torch` (no backend is imported here).
+
+Legend (every shape comment in this file uses these letters):
+    B: batch size          T: query length        S: key/value length
+    E: d_model             N: num_heads           K: num_kv_heads
+    H: head_dim            L: slots of a KV cache (its maximum length)
+
+The math, for query head n (which reads key/value head n // (N // K)):
+    q = query @ query_kernel + query_bias                       (B, T, N*H)
+    k = key @ key_kernel + key_bias                             (B, S, K*H)
+    v = value @ value_kernel + value_bias                       (B, S, K*H)
+    scores[n] = q[n] @ k[n // G]^T * scale + float_mask         (B, N, T, S), G = N // K
+    weights = softmax(scores where kept, else lowest finite)    zeroed where not kept
+    context[n] = weights[n] @ v[n // G]                         (B, N, T, H)
+    output = concat_heads(context) @ output_kernel + output_bias
+
+Variants, each off by default and each one small step of the call (docs/SPEC.md, "Order of
+the steps"): `bias` per projection, `scale` (default 1 / sqrt(H)), `softcap` (scores become
+c * tanh(scores / c)), `window` (query t keeps key s only if s > t + (S - T) - W), RoPE
+(`rope_theta`, `rope_fraction`, `rope_interleaved`, `rope_scaling`; `positions` in the call),
+`qk_norm` (RMSNorm of q and k per head or over all heads) and `sinks` (a learned logit per
+head in the softmax's denominator). Call arguments `attention_bias` (added to the scores, with
+a gradient; see `alibi_bias`), `key_mask` (B, S) and `query_mask` (B, T).
+
+Masks: a boolean `attention_mask` (or `mask`, its alias) is True where a query may attend a
+key; a floating one is added to the scores, read in its own dtype: a value at or below the
+lowest finite value of its dtype or of float32 (whichever is higher), or -inf, removes a key;
+every other value is added in the softmax's dtype (float32 at least). `causal=True` keeps key s
+for query t iff s <= t + (S - T), and is combined with every other mask (never silently
+dropped). Keras implicit masks (`Embedding(mask_zero=True)`) are honoured: the query's mask
+removes query rows, the key's and value's masks remove keys, ANDed with `query_mask` and
+`key_mask`, and the output carries the query's mask. A query row with no key left gets weights
+of exactly 0, so its output is `output_bias`: never NaN. Masks that look like another
+library's habit (True = ignore, a 0/1 float mask) compute as written and warn once per layer
+with `AttentionMaskWarning`, where their values can be read (eagerly, on the CPU). Example, a
+key padding mask for keys [a, b, <pad>]:
+    keep = keras.ops.convert_to_tensor([[True, True, False]])  # (B, S)
+    layer(x, key_mask=keep)                           # or attention_mask=keep[:, None, :]
+
+Decoding with a KV cache: `cache = layer.init_cache(B, L)`, then `output, cache = layer(x,
+cache=cache)` for a prompt (T > 1) and then one token at a time (T = 1). The keys (rotated by
+RoPE) and values of the T new tokens are written to slots [index, index + T), and query t
+attends slot s iff s < index + T, keep[b, s], (not causal or s <= index + t), (no window or
+s > index + t - window) and `attention_mask` (given over L) keeps it. Token-by-token equals the
+full causal pass. With a `window` W the cache rolls: position p goes to slot p mod L, so L >= W
+slots decode any number of tokens (a call that wraps, index + T > L, needs L >= W + T - 1), and
+slot s is read as the last position written there. This layer is functional: it returns a new
+cache (a NamedTuple of tensors, so it can be carried by `keras.ops.while_loop` and `jax.jit`),
+and `key_mask` and the keys' implicit Keras mask go into the new cache's `keep` (ANDed on the
+first lap, in its place after).
+
+Weights: `query_kernel` (E, N*H), `query_bias` (N*H,), `key_kernel` (kdim, K*H), ...,
+`output_kernel` (N*H, E), `output_bias` (E,), `query_norm`, `key_norm` and `sinks` (N,): the
+portable layout itself, created in `build`.
+"""
+
+import math
+import warnings
+from typing import Any, NamedTuple
+
+import keras
+import numpy as np
+from keras import ops
+
+__all__ = ["AttentionMaskWarning", "KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
+
+_PROJECTIONS = ("query", "key", "value", "output")
+_ROPE_SCALING = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
+_YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+_ATTRIBUTES = {"sinks": "sink_logits"}  # portable weight name -> layer attribute (`layer.sinks` is the flag)
+_FLOAT32_LOWEST = float(np.finfo(np.float32).min)
+_LOWEST = {"float16": -65504.0, "bfloat16": -3.3895313892515355e38, "float32": _FLOAT32_LOWEST}
+
+
+_EMPTY_MASK = (
+    "`{name}` keeps no key for any query, so every output row is `output_bias`: True means attend (in "
+    "nn.MultiheadAttention True means ignore: pass `~mask`). Received: a boolean {name} that is False everywhere"
+)
+_CAUSAL_TRAP = (
+    "`attention_mask` keeps keys only after each query, none at or before it: True means attend (in "
+    "nn.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`). "
+    "Received: a boolean attention_mask False wherever causal attention keeps a key"
+)
+_PADDING_TRAP = (
+    "`key_mask` reads as nn.MultiheadAttention's key_padding_mask (True = padding): True means a real key, "
+    "pass `~mask`. Received: a key_mask False then True in every row, {empty} of {b} rows keeping no key "
+    "and none keeping all"
+)
+_ZEROS_AND_ONES = (
+    "`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras reads such a "
+    "mask as boolean): pass `mask > 0` (True = attend) or an additive mask. "
+    "Received: a floating attention_mask of 0s and 1s"
+)
+
+
+class AttentionMaskWarning(UserWarning):
+    """A mask whose values read like another library's convention (nn.MultiheadAttention's True =
+    ignore, Keras' 0/1 floats): the layer computes what docs/SPEC.md says all the same, and warns
+    once per layer. `warnings.simplefilter("error", AttentionMaskWarning)` makes it an error."""
+
+
+class KVCache(NamedTuple):
+    """The keys and values of the tokens decoded so far (make one with `init_cache`).
+
+    Attributes:
+        key: (B, K, L, H) projected keys, one slot per position; L is the cache's max length.
+        value: (B, K, L, H) projected values.
+        keep: (B, L) boolean; False marks a slot no query may attend (left padding).
+        index: scalar integer, the positions written so far; position p is in slot p (with a
+            `window`, slot p mod L: the cache rolls), and the next call writes from index.
+    """
+
+    key: Any
+    value: Any
+    keep: Any
+    index: Any
+
+
+# Checks of the constructor's arguments.
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+    return int(value)
+
+
+def _is_positive_number(value):
+    number = not isinstance(value, (bool, np.bool_)) and isinstance(value, (int, float, np.integer, np.floating))
+    return number and math.isfinite(value) and value > 0
+
+
+def _positive_float(name, value, optional=False):
+    """A positive float; None stays None when `optional`."""
+    if optional and value is None:
+        return None
+    if not _is_positive_number(value):
+        raise ValueError(
+            f"`{name}` must be {'None or ' if optional else ''}a positive float. Received: {name}={value!r}"
+        )
+    return float(value)
+
+
+def _projection_biases(bias):
+    """`bias` (True, False or a collection of projection names) -> the tuple of the projections
+    that have a bias, in the order ("query", "key", "value", "output")."""
+    if isinstance(bias, (bool, np.bool_)):
+        return _PROJECTIONS if bias else ()
+    if isinstance(bias, (list, tuple, set, frozenset)) and all(name in _PROJECTIONS for name in bias):
+        return tuple(name for name in _PROJECTIONS if name in bias)
+    raise ValueError(
+        f"`bias` must be True, False or a collection of 'query', 'key', 'value', 'output'. Received: bias={bias!r}"
+    )
+
+
+def _rotary_dim(rope_fraction, head_dim):
+    """R = int(H * rope_fraction), the rotated features of each head: even and at least 2."""
+    valid = _is_positive_number(rope_fraction) and rope_fraction <= 1
+    rotary = int(head_dim * rope_fraction) if valid else 0
+    if rotary < 2 or rotary % 2:
+        raise ValueError(
+            "`rope_fraction` must be in (0, 1] and rotate an even number R = int(head_dim * rope_fraction) >= 2 of "
+            f"features. Received: rope_fraction={rope_fraction!r}, head_dim={head_dim}"
+        )
+    return rotary
+
+
+def _check_rope_scaling(scaling):
+    """`rope_scaling` as transformers writes it: None, or a dict whose `rope_type` (or `type`) is
+    'linear', 'llama3' or 'yarn', with its positive parameters (llama3: high_freq_factor above
+    low_freq_factor; yarn: see `_valid_yarn`)."""
+    if scaling is None:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    needed = _ROPE_SCALING.get(kind)
+    valid = needed is not None and all(_is_positive_number(scaling.get(name)) for name in needed)
+    if valid and kind == "llama3":
+        valid = scaling["high_freq_factor"] > scaling["low_freq_factor"]
+    if valid and kind == "yarn":
+        valid = _valid_yarn(scaling)
+    if not valid:
+        raise ValueError(
+            "`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3' or 'yarn', with its "
+            f"parameters. Received: rope_scaling={scaling!r}"
+        )
+    return dict(scaling)
+
+
+def _valid_yarn(scaling):
+    """YaRN's optional parameters: each None (absent) or positive, `truncate` True or False, and
+    beta_fast (default 32) at least beta_slow (default 1)."""
+    if not all(scaling.get(name) is None or _is_positive_number(scaling[name]) for name in _YARN_OPTIONAL):
+        return False
+    truncate = isinstance(scaling.get("truncate", True), (bool, np.bool_))
+    return truncate and (scaling.get("beta_fast") or 32) >= (scaling.get("beta_slow") or 1)
+
+
+# RoPE, QK-norm and ALiBi.
+
+
+def _llama3_frequencies(inv_freq, scaling):
+    """Llama 3.1's rewrite of the frequencies (transformers' `_compute_llama3_parameters`):
+    long wavelengths divided by `factor`, short ones kept, the ones between interpolated."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq  # (R/2,)
+    scaled = np.where(wavelength > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelength - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelength >= context / high) & (wavelength <= context / low)
+    return np.where(medium, smoothed, scaled)
+
+
+def _yarn_correction_dim(rotations, rotary_dim, theta, context):
+    """The (fractional) pair index whose wavelength turns `rotations` times over `context` positions."""
+    return rotary_dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+
+def _yarn_frequencies(inv_freq, theta, scaling):
+    """YaRN's rewrite (transformers' `_compute_yarn_parameters`): pairs below the correction dim of
+    beta_fast rotations keep inv_freq (extrapolation), pairs above that of beta_slow take
+    inv_freq / factor (interpolation), a linear ramp between (bounds floored and ceiled when
+    `truncate`, the default)."""
+    rotary_dim, context = 2 * inv_freq.shape[0], scaling["original_max_position_embeddings"]
+    low = _yarn_correction_dim(scaling.get("beta_fast") or 32, rotary_dim, theta, context)
+    high = _yarn_correction_dim(scaling.get("beta_slow") or 1, rotary_dim, theta, context)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    high = high + 0.001 if high == low else high  # as transformers: no ramp of zero width
+    ramp = np.clip((np.arange(rotary_dim // 2) - low) / (high - low), 0.0, 1.0)  # (R/2,), 1 = interpolated
+    return inv_freq / scaling["factor"] * ramp + inv_freq * (1.0 - ramp)  # (R/2,)
+
+
+def rope_attention_factor(scaling):
+    """The factor of the rotated features of q and k (transformers multiplies cos and sin by it):
+    YaRN's `attention_factor`, else mscale(factor, mscale) / mscale(factor, mscale_all_dim) when
+    both are given, else mscale(factor, 1), with mscale(s, m) = 0.1 * m * ln(s) + 1 (1 for s <= 1);
+    1.0 for the other scalings."""
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return _yarn_mscale(factor, 1.0)
+
+
+def _yarn_mscale(factor, mscale):
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def scale_rotated(x, rotary_dim, factor):
+    """The first R (rotated) features of each head of x (B, heads, T, H) times `factor` (YaRN)."""
+    if factor == 1.0:
+        return x
+    if rotary_dim == x.shape[-1]:
+        return x * factor
+    return ops.concatenate([x[..., :rotary_dim] * factor, x[..., rotary_dim:]], axis=-1)  # (B, heads, T, H)
+
+
+def rope_frequencies(rotary_dim, theta, scaling=None):
+    """(R/2,) float32 inverse frequencies `theta ** (-2i / R)` of RoPE, rewritten by `scaling`
+    (None, {"rope_type": "linear", "factor": f}, a "llama3" or a "yarn" dict); computed in
+    float64 and returned as a NumPy array (a constant of every trace)."""
+    inv_freq = float(theta) ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)  # (R/2,)
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        inv_freq = _llama3_frequencies(inv_freq, scaling)
+    elif kind == "yarn":
+        inv_freq = _yarn_frequencies(inv_freq, theta, scaling)
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x, positions, inv_freq, interleaved):
+    """Rotates the first R = 2 * len(inv_freq) features of each head of x.
+
+    Args:
+        x: (B, heads, T, H) queries or keys.
+        positions: (B, T) or (1, T) integer positions.
+        inv_freq: (R/2,) float32 frequencies from `rope_frequencies`.
+        interleaved: False pairs feature i with i + R/2 (Llama, GPT-NeoX); True pairs 2i and
+            2i + 1 (GPT-J).
+
+    Returns:
+        x rotated, in its dtype; the angles and their cos and sin are float32.
+    """
+    rotary_dim = 2 * inv_freq.shape[0]
+    positions = ops.cast(positions, "float32")[:, None, :, None]  # (B, T) -> (B, 1, T, 1)
+    angles = positions * ops.convert_to_tensor(inv_freq, "float32")  # (B, 1, T, R/2)
+    dtype = _softmax_dtype(x.dtype)
+    cos, sin = ops.cast(ops.cos(angles), dtype), ops.cast(ops.sin(angles), dtype)  # (B, 1, T, R/2)
+    rotary = ops.cast(x[..., :rotary_dim], dtype)  # (B, heads, T, R)
+    if interleaved:
+        pairs = ops.reshape(rotary, (*_shape(rotary)[:-1], rotary_dim // 2, 2))  # (B, heads, T, R/2, 2)
+        first, second = pairs[..., 0], pairs[..., 1]  # (B, heads, T, R/2) each
+        turned = ops.stack([first * cos - second * sin, second * cos + first * sin], axis=-1)  # (B, heads, T, R/2, 2)
+        turned = ops.reshape(turned, _shape(rotary))  # (B, heads, T, R)
+    else:
+        first, second = rotary[..., : rotary_dim // 2], rotary[..., rotary_dim // 2 :]  # (B, heads, T, R/2) each
+        turned = ops.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)  # (.., R)
+    turned = ops.cast(turned, x.dtype)
+    if rotary_dim == x.shape[-1]:
+        return turned
+    return ops.concatenate([turned, x[..., rotary_dim:]], axis=-1)  # (B, heads, T, H)
+
+
+def rms_norm(x, scale, eps):
+    """RMSNorm over the last axis, `x / sqrt(mean(x ** 2) + eps) * scale`, computed in float32
+    at least and cast back to x's dtype."""
+    dtype = _softmax_dtype(x.dtype)
+    y = ops.cast(x, dtype)
+    y = y * ops.rsqrt(ops.mean(ops.square(y), axis=-1, keepdims=True) + eps) * ops.cast(scale, dtype)
+    return ops.cast(y, x.dtype)
+
+
+def _alibi_slopes(num_heads):
+    """Bloom's ALiBi slopes: 2 ** (-8 (n + 1) / N) for N a power of two; otherwise those of the
+    nearest lower power of two followed by every other slope of twice it."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = 2.0 ** (-8.0 * np.arange(1, closest + 1) / closest)
+    extra = 2.0 ** (-4.0 * np.arange(1, 2 * (num_heads - closest), 2) / closest)
+    return np.concatenate([slopes, extra])  # (N,)
+
+
+def alibi_bias(num_heads, positions):
+    """The ALiBi bias `slope[n] * positions[..., s]`, float32, to pass as `attention_bias` (with
+    `causal=True`; Bloom's key positions are `cumsum(key_mask) - 1`).
+
+    Args:
+        num_heads: N.
+        positions: integer (S,) or (B, S) key positions.
+
+    Returns:
+        (1, N, 1, S) for (S,) positions, (B, N, 1, S) for (B, S).
+    """
+    num_heads = _positive_int("num_heads", num_heads)
+    positions = ops.convert_to_tensor(positions)
+    if not _is_int(positions.dtype) or len(positions.shape) not in (1, 2):
+        raise ValueError(
+            "`positions` must be an integer tensor of shape (S,) or (B, S). "
+            f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={_dtype_name(positions)}"
+        )
+    positions = positions[None] if len(positions.shape) == 1 else positions  # (S,) -> (1, S)
+    slopes = ops.convert_to_tensor(_alibi_slopes(num_heads).astype(np.float32))[:, None, None]  # (N, 1, 1)
+    return slopes * ops.cast(positions, "float32")[:, None, None, :]  # (B, 1, 1, S) -> (B, N, 1, S)
+
+
+# Checks of the call's inputs.
+
+
+def _dtype_name(x):
+    return keras.backend.standardize_dtype(x.dtype)
+
+
+def _is_float(dtype):
+    return keras.backend.is_float_dtype(keras.backend.standardize_dtype(dtype))
+
+
+def _is_int(dtype):
+    return keras.backend.is_int_dtype(keras.backend.standardize_dtype(dtype))
+
+
+def _is_bool(x):
+    return _dtype_name(x) == "bool"
+
+
+def _shape(x):
+    """The shape of x, static where known; a dimension unknown at trace time (TensorFlow) as a tensor."""
+    static = tuple(x.shape)
+    if None not in static:
+        return static
+    dynamic = ops.shape(x)
+    return tuple(dynamic[i] if d is None else d for i, d in enumerate(static))
+
+
+def _static_shape(x):
+    return tuple(x.shape)
+
+
+def _check_same_dtype(query, key, value):
+    """`query`, `key` and `value` (as passed, before any cast) share one floating dtype; checked
+    only where all three are floating (an integer input gets its own error in `call`)."""
+    key = value if key is None else key
+    key = query if key is None else key
+    value = key if value is None else value
+    dtypes = [keras.backend.standardize_dtype(np.asarray(x).dtype if isinstance(x, list) else x.dtype)
+              for x in (query, key, value)]  # fmt: skip
+    if all(keras.backend.is_float_dtype(d) for d in dtypes) and len(set(dtypes)) > 1:
+        a, b, c = dtypes
+        raise ValueError(
+            "`query`, `key` and `value` must have the same dtype. "
+            f"Received: query.dtype={a}, key.dtype={b}, value.dtype={c}"
+        )
+
+
+def _check_input(name, x, width_name, width):
+    """Checks one (B, L, width) input; dimensions unknown at trace time are not checked."""
+    x = ops.convert_to_tensor(x)
+    if not _is_float(x.dtype):
+        raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={_dtype_name(x)}")
+    letter = "T" if name == "query" else "S"
+    shape = _static_shape(x)
+    if len(shape) != 3 or shape[-1] not in (None, width):
+        raise ValueError(
+            f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
+            f"Received: {name}.shape={shape}"
+        )
+    return x
+
+
+def _differ(*dims):
+    known = {d for d in dims if d is not None}
+    return len(known) > 1
+
+
+def _check_lengths(query, key, value):
+    q, k, v = (tuple(x.shape) for x in (query, key, value))
+    if _differ(q[0], k[0], v[0]):
+        raise ValueError(
+            "`query`, `key` and `value` must have the same batch size B. Received: "
+            f"query.shape={q}, key.shape={k}, value.shape={v}"
+        )
+    if _differ(k[1], v[1]):
+        raise ValueError(f"`key` and `value` must have the same length S. Received: key.shape={k}, value.shape={v}")
+
+
+def _implicit_mask(x):
+    """The implicit Keras mask a tensor carries (`Embedding(mask_zero=True)`), as Keras set it, or
+    None. TensorFlow and torch tensors carry it as an attribute; Keras keeps a JAX array's aside."""
+    mask = getattr(x, "_keras_mask", None)
+    if mask is None and x is not None and not isinstance(x, np.ndarray):
+        from keras.src.backend import get_keras_mask  # Keras' own reader (arrays that take no attribute)
+
+        mask = get_keras_mask(x)
+    return mask
+
+
+def _keras_mask(x):
+    """`_implicit_mask` as boolean, or None."""
+    mask = _implicit_mask(x)
+    return None if mask is None else ops.cast(mask, "bool")
+
+
+def _token_mask(name, mask, batch, length, letter):
+    """Checks a (B, T) `query_mask` or (B, S) `key_mask` / `value_mask`; dimensions unknown at
+    trace time are not checked."""
+    if mask is None:
+        return None
+    mask = ops.convert_to_tensor(mask)
+    shape = _static_shape(mask)
+    if not _is_bool(mask) or len(shape) != 2 or _differ(shape[0], batch) or _differ(shape[1], length):
+        raise ValueError(
+            f"`{name}` must be a boolean tensor of shape (B, {letter})=({batch}, {length}). "
+            f"Received: {name}.shape={shape}, {name}.dtype={_dtype_name(mask)}"
+        )
+    return mask
+
+
+def _values(x):
+    """x as a NumPy array where its values can be read cheaply (eagerly, on the CPU), else None:
+    not inside a TensorFlow graph, `jax.jit` or another JAX trace, `torch.compile`, nor for a
+    symbolic Keras tensor or a tensor on an accelerator."""
+    if x is None or isinstance(x, keras.KerasTensor):
+        return None
+    if isinstance(x, np.ndarray):
+        return x
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf  # the backend in use, already imported by Keras
+
+        readable = tf.executing_eagerly() and "CPU" in x.device.upper()
+    elif backend == "jax":
+        import jax
+
+        readable = not isinstance(x, jax.core.Tracer) and all(d.platform == "cpu" for d in x.devices())
+    elif backend == "torch":
+        import torch
+
+        readable = not torch.compiler.is_compiling() and x.device.type == "cpu"
+    else:
+        readable = False
+    return ops.convert_to_numpy(x) if readable else None
+
+
+def _mask_traps(attention_mask, key_mask, t, s):
+    """The built-in layers' habits that the masks' values (NumPy arrays) suggest (docs/SPEC.md,
+    Masks), as {kind: message}; the call computes what the SPEC says either way."""
+    traps = {}
+    for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
+        if mask is not None and mask.dtype == np.bool_ and _keeps_nothing(mask):
+            traps[name] = _EMPTY_MASK.format(name=name)
+    boolean = attention_mask is not None and attention_mask.dtype == np.bool_
+    if boolean and "attention_mask" not in traps and _keeps_only_later(attention_mask, t, s):
+        traps["causal"] = _CAUSAL_TRAP
+    empty = 0 if key_mask is None or "key_mask" in traps else _inverted_padding(key_mask)
+    if empty:
+        traps["padding"] = _PADDING_TRAP.format(empty=empty, b=key_mask.shape[0])
+    if attention_mask is not None and attention_mask.dtype != np.bool_ and _zeros_and_ones(attention_mask):
+        traps["zeros and ones"] = _ZEROS_AND_ONES
+    return traps
+
+
+def _keeps_nothing(mask):
+    """A boolean mask False everywhere (nn.MultiheadAttention's True = ignore, nothing padded)."""
+    return mask.size > 0 and not mask.any()
+
+
+def _keeps_only_later(mask, t, s):
+    """A square (T == S) boolean mask that keeps keys only after each query, none where `causal`
+    keeps one (nn.MultiheadAttention's causal `attn_mask`, `triu(ones, 1)`)."""
+    return mask.size > 0 and t == s > 0 and not (mask & np.tril(np.ones((t, s), bool))).any()  # (T, S) causal
+
+
+def _inverted_padding(key_mask):
+    """The rows keeping no key of a (B, S) `key_mask` that reads as nn.MultiheadAttention's
+    `key_padding_mask` (True = padding): every row False then True, some row keeping no key and
+    none keeping all (left padding has its longest sequence all True); else 0."""
+    kept = key_mask.sum(-1)  # (B,)
+    ordered = (key_mask[:, 1:] >= key_mask[:, :-1]).all()  # False then True in every row
+    full = (kept == key_mask.shape[1]).any()
+    return 0 if not ordered or full else int((kept == 0).sum())
+
+
+def _zeros_and_ones(mask):
+    """A floating mask of only 0s and 1s, some 1 (a Keras mask, which Keras reads as boolean)."""
+    ones = mask == 1
+    return bool(((mask == 0) | ones).all() and ones.any())
+
+
+def _check_cache(cache, query, key, heads, head_dim):
+    """Checks a KVCache against the call's (B, T, E) query and (B, S, kdim) key; dimensions
+    unknown at trace time are not checked."""
+    (b, t), s = tuple(query.shape)[:2], key.shape[1]
+    if t == 0:
+        raise ValueError(
+            "`query` must hold at least one token (T >= 1) when decoding with `cache`. "
+            f"Received: query.shape={tuple(query.shape)}"
+        )
+    if _differ(s, t):
+        raise ValueError(
+            "`key` and `value` must hold the T tokens of `query` when decoding with `cache` (they are written to "
+            f"it). Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
+        )
+    k, v = tuple(cache.key.shape), tuple(cache.value.shape)
+    if (
+        len(k) != 4
+        or k != v
+        or any(_differ(*pair) for pair in zip((k[0], k[1], k[3]), (b, heads, head_dim), strict=True))
+    ):
+        raise ValueError(
+            f"`cache.key` and `cache.value` must have shape (B, K, L, H) with B={b}, K={heads}, H={head_dim}. "
+            f"Received: cache.key.shape={k}, cache.value.shape={v}"
+        )
+    keep = tuple(cache.keep.shape)
+    if len(keep) != 2 or _differ(keep[0], b) or _differ(keep[1], k[2]):
+        raise ValueError(f"`cache.keep` must have shape (B, L)=({b}, {k[2]}). Received: cache.keep.shape={keep}")
+
+
+def _check_cache_dtype(cache, dtype):
+    if _dtype_name(cache.key) != dtype or _dtype_name(cache.value) != dtype:
+        raise ValueError(
+            f"`cache` must hold the layer's compute dtype {dtype}. "
+            f"Received: cache.key.dtype={_dtype_name(cache.key)}, cache.value.dtype={_dtype_name(cache.value)}"
+        )
+
+
+def _cache_full_error(index, t, length):
+    return ValueError(
+        f"`cache` is full: index + T must be <= L (call `init_cache` with a larger `max_length`). "
+        f"Received: index={index}, T={t}, L={length}"
+    )
+
+
+def _check_keep(keep, batch_size, max_length):
+    """Checks the (B, L) boolean `keep` of `init_cache`."""
+    keep = ops.convert_to_tensor(keep)
+    if not _is_bool(keep) or tuple(keep.shape) != (batch_size, max_length):
+        raise ValueError(
+            f"`keep` must be a boolean array of shape (B, L)=({batch_size}, {max_length}). "
+            f"Received: keep.shape={tuple(keep.shape)}, keep.dtype={_dtype_name(keep)}"
+        )
+    return keep
+
+
+def _cache_too_short_error(window, t, length):
+    return ValueError(
+        "`cache` rolls with `window`: a call that wraps around it (index + T > L) needs L >= window + T - 1 "
+        f"(call `init_cache` with a larger `max_length`, or decode in shorter chunks). "
+        f"Received: window={window}, T={t}, L={length}"
+    )
+
+
+# The KV cache.
+
+
+def _check_room(cache, t, window):
+    """Whether the T new tokens do not fit, as a boolean tensor: without a window index + T must be
+    <= L; with one the cache rolls, and a call that wraps must leave its first query's keys in
+    place (L >= window + T - 1). Where the index can be read (eagerly) a misfit is a ValueError;
+    in a trace (`jax.jit`, a TensorFlow graph) the caller sets that call's output to NaN."""
+    index, length = ops.convert_to_tensor(cache.index), cache.key.shape[2]
+    misfit = index + t > length  # ()
+    if window is not None:
+        misfit = ops.logical_and(misfit, length < window + t - 1)  # ()
+    value = _values(misfit)
+    if value is not None and bool(value):
+        if window is None:
+            raise _cache_full_error(int(_values(index)), int(t), int(length))
+        raise _cache_too_short_error(window, int(t), int(length))
+    return misfit
+
+
+def _slot_positions(length, last):
+    """(L,) the position held by each slot once positions up to `last` are written (position p in
+    slot p mod L); negative where nothing is written yet."""
+    slots = ops.arange(length, dtype="int32")  # (L,)
+    return slots + length * ops.floor_divide(last - slots, length)  # (L,)
+
+
+def _held_positions(length, last, window):
+    """(1, L) the position p(s) each slot holds once positions up to `last` are written: the slot
+    itself without a window (the cache does not roll, and the slots past `last` are read as
+    unwritten by the rules of `_cache_keep`), else `_slot_positions`."""
+    if window is None:
+        return ops.arange(length, dtype="int32")[None, :]  # (1, L)
+    return _slot_positions(length, last)[None, :]  # (1, L)
+
+
+def _cache_keep(keep, index, t, causal, window):
+    """(B, L) cache keep -> (B, 1, T, L): slot s holds a written position p(s), is not padding,
+    when causal p(s) is at most the query's own position index + t, and with a window W
+    p(s) > index + t - W."""
+    length = keep.shape[-1]
+    held = _held_positions(length, index + t - 1, window)  # (1, L), p(s)
+    positions = index + ops.arange(t, dtype="int32")[:, None]  # (T, 1), the position of each query
+    allowed = held <= positions if causal else held < index + t  # (T, L)
+    if window is not None:
+        allowed = allowed & (held >= 0) & (held > positions - window)  # (T, L)
+    return ops.logical_and(allowed[None, None], keep[:, None, None, :])  # (B, 1, T, L)
+
+
+def _write_cache(cache, k, v, key_keep):
+    """A new cache with (B, K, T, H) keys and values of positions [index, index + T) written to
+    slots position mod L, and `keep` there: the (B, T) `key_keep` ANDed into it on the first lap
+    (left padding), in its place once a slot holds a new token."""
+    b, heads, t = _shape(k)[:3]
+    length, index = cache.key.shape[2], ops.convert_to_tensor(cache.index, "int32")
+    positions = index + ops.arange(t, dtype="int32")  # (T,)
+    slots = ops.mod(positions, length)  # (T,)
+    grid = ops.meshgrid(ops.arange(b, dtype="int32"), ops.arange(heads, dtype="int32"), slots, indexing="ij")
+    written = ops.reshape(ops.stack(grid, axis=-1), (-1, 3))  # (B*K*T, 3): (b, head, slot) of every vector
+    key = ops.scatter_update(cache.key, written, ops.reshape(k, (-1, k.shape[-1])))  # (B, K, L, H)
+    value = ops.scatter_update(cache.value, written, ops.reshape(v, (-1, v.shape[-1])))  # (B, K, L, H)
+    new = ops.ones((b, t), "bool") if key_keep is None else key_keep  # (B, T)
+    old = ops.take(cache.keep, slots, axis=1)  # (B, T)
+    kept = ops.where((positions < length)[None, :], ops.logical_and(old, new), new)  # (B, T)
+    rows = ops.reshape(ops.stack(ops.meshgrid(ops.arange(b, dtype="int32"), slots, indexing="ij"), -1), (-1, 2))
+    keep = ops.scatter_update(cache.keep, rows, ops.reshape(kept, (-1,)))  # (B, L) at (b, slot)
+    return KVCache(key, value, keep, index + t)
+
+
+# Masks.
+
+
+def _mask_to_4d(mask, target, name="attention_mask"):
+    """Checks a mask against target (B, N, T, S) and returns it as rank 4."""
+    if not _is_bool(mask) and not _is_float(mask.dtype):
+        raise ValueError(
+            f"`{name}` must be boolean (True = attend; for a 0/1 integer mask pass `mask > 0`) or floating. "
+            f"Received: {name}.dtype={_dtype_name(mask)}"
+        )
+    rank = len(mask.shape)
+    expected = {2: target[2:], 3: (target[0], *target[2:]), 4: target}.get(rank)
+    if expected is None or any(
+        m not in (1, e) and None not in (m, e) for m, e in zip(mask.shape, expected, strict=True)
+    ):
+        raise ValueError(
+            f"`{name}` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
+            f"(B, N, T, S), each dimension full or 1. Expected: (B, N, T, S)={target}. "
+            f"Received: {name}.shape={_static_shape(mask)}"
+        )
+    if rank == 2:
+        return mask[None, None]  # (T, S) -> (1, 1, T, S)
+    if rank == 3:
+        return mask[:, None]  # (B, T, S) -> (B, 1, T, S)
+    return mask
+
+
+def _position_keep(positions, s, causal, window):
+    """(R, S) boolean for queries at `positions` (R,) over keys 0 .. S - 1: key s is kept iff
+    s <= position (when causal) and s > position - window (with a window); None if neither."""
+    keys, positions = ops.arange(s, dtype="int32")[None, :], positions[:, None]  # (1, S), (R, 1)
+    keep = keys <= positions if causal else None
+    return keep if window is None else _and(keep, keys > positions - window)
+
+
+def causal_mask(t, s):
+    """(T, S) boolean mask: query t keeps key s iff s <= t + (S - T) (bottom-right aligned)."""
+    return _position_keep(ops.arange(t, dtype="int32") + (s - t), s, True, None)
+
+
+def window_mask(t, s, window):
+    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - window (bottom-right aligned)."""
+    return _position_keep(ops.arange(t, dtype="int32") + (s - t), s, False, window)
+
+
+def _split_mask(mask, target, name, dtype):
+    """Splits a mask into (keep, additive), both rank 4 or None, by the floating mask rule: a
+    boolean mask is `keep`; a floating one, read in its own dtype, removes a key where it is -inf
+    or at most max(lowest of its dtype, lowest of float32), and adds every other value in
+    `dtype` (the softmax's, float32 at least). No -inf reaches arithmetic."""
+    if mask is None:
+        return None, None
+    mask = ops.convert_to_tensor(mask)
+    if _dtype_name(mask) == "float64" and dtype == "float32":
+        # A float64 mask of a float32 softmax: the cast saturates every value below float32's range
+        # to -inf, which removes, as the rule does (JAX without x64 reads float64 as float32 anyway).
+        mask = ops.cast(mask, dtype)
+    mask = _mask_to_4d(mask, target, name)
+    if _is_bool(mask):
+        return mask, None
+    threshold = _LOWEST.get(_dtype_name(mask), _FLOAT32_LOWEST)
+    removed = mask <= threshold  # (B, N, T, S), dims may be 1
+    additive = ops.where(removed, ops.zeros_like(mask), ops.maximum(mask, threshold))  # finite
+    return ops.logical_not(removed), ops.cast(additive, dtype)
+
+
+def _split_bias(attention_bias, target, dtype):
+    """`attention_bias` (floating) -> (keep, additive) by the floating mask rule."""
+    if attention_bias is None:
+        return None, None
+    attention_bias = ops.convert_to_tensor(attention_bias)
+    if not _is_float(attention_bias.dtype):
+        raise ValueError(
+            f"`attention_bias` must be floating. Received: attention_bias.dtype={_dtype_name(attention_bias)}"
+        )
+    return _split_mask(attention_bias, target, "attention_bias", dtype)
+
+
+def _token_keep(query_keep, key_keep):
+    """(B, T) query keep and (B, S) key keep -> (B, 1, T, S) keep, or None."""
+    keep = None if query_keep is None else query_keep[:, None, :, None]  # (B, T) -> (B, 1, T, 1)
+    keys = None if key_keep is None else key_keep[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
+    return _and(keep, keys)  # (B, 1, T, S), dims may be 1
+
+
+def _and(a, b):
+    return b if a is None else a if b is None else ops.logical_and(a, b)
+
+
+def _add(a, b):
+    return b if a is None else a if b is None else a + b
+
+
+# Attention.
+
+
+def _linear(x, kernel, bias):
+    """(B, L, D) @ (D, F) + (F,) -> (B, L, F). The weights are read in x's dtype (a no-op inside
+    Keras' `__call__`, which autocasts them)."""
+    y = ops.matmul(x, ops.cast(kernel, x.dtype))  # (B, L, D) -> (B, L, F)
+    return y if bias is None else y + ops.cast(bias, x.dtype)
+
+
+def _softmax_dtype(dtype):
+    """Softmax runs in float32 at least (float64 stays float64)."""
+    return "float64" if keras.backend.standardize_dtype(dtype) == "float64" else "float32"
+
+
+def _soft_cap(scores, softcap):
+    """Gemma 2's logit soft-capping: scores -> c * tanh(scores / c)."""
+    return scores if softcap is None else softcap * ops.tanh(scores / softcap)
+
+
+def _lowest(dtype):
+    """The lowest finite value of a float32 or float64 dtype (the softmax's)."""
+    return float(np.finfo(keras.backend.standardize_dtype(dtype)).min)
+
+
+def _added(bias, keep, sinks, dtype):
+    """The floating mask and bias, in the softmax's dtype, to add to the scores. Without sinks a
+    per-query constant does not change a softmax, so each row's largest kept value is taken off
+    first: a row of only large finite penalties (-1e9) stays an ordinary softmax instead of
+    scores rounded away in float32 (rows keeping nothing: unchanged)."""
+    if bias is None:
+        return None
+    bias = ops.cast(bias, dtype)
+    if keep is None or sinks is not None or bias.shape[-1] == 0:
+        return bias
+    lowest = _lowest(dtype)
+    top = ops.stop_gradient(ops.max(ops.where(keep, bias, lowest), axis=-1, keepdims=True))  # (B, N, T, 1), dims 1
+    return bias - ops.where(top == lowest, ops.zeros_like(top), top)  # (B, N, T, S), dims may be 1
+
+
+def _softmax(scores, keep, sinks):
+    """Softmax over the last axis of (B, N, T, S) scores, in their dtype: keys not kept removed
+    (filled with the lowest finite value), one sink logit per head (N,) in the denominator (a
+    softmax over [scores, sink] whose sink column is dropped), rows with no key exactly 0."""
+    if keep is not None:
+        scores = ops.where(keep, scores, _lowest(scores.dtype))  # (B, N, T, S)
+    if sinks is None and scores.shape[-1] == 1:
+        weights = ops.ones_like(scores)  # a softmax over one key (which Keras warns about)
+    elif sinks is None:
+        weights = ops.softmax(scores, axis=-1)  # (B, N, T, S)
+    else:
+        sink = ops.reshape(ops.cast(sinks, scores.dtype), (1, -1, 1, 1))  # (N,) -> (1, N, 1, 1)
+        sink = ops.broadcast_to(sink, (*_shape(scores)[:3], 1))  # -> (B, N, T, 1)
+        weights = ops.softmax(ops.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]  # (B, N, T, S + 1) -> S
+    if keep is not None:
+        weights = ops.where(keep, weights, ops.zeros((), weights.dtype))  # rows with no key are all 0
+    return weights
+
+
+def dot_product_attention(
+    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, sinks=None, dropout=None
+):
+    """Pure attention on split heads; returns (context, weights).
+
+    Args:
+        q: (B, N, T, H) queries.
+        k: (B, K, S, H) keys, K dividing N.
+        v: (B, K, S, H) values.
+        keep: None or boolean, broadcasts to (B, N, T, S); True where a query may attend a key.
+        bias: None or float, broadcasts to (B, N, T, S); added to the (soft-capped) scores.
+        causal: if True, query t keeps key s only if s <= t + (S - T).
+        scale: the factor of the scores; None is 1 / sqrt(H).
+        softcap: None or c: the scaled scores become c * tanh(scores / c).
+        window: None or W: query t keeps key s only if s > t + (S - T) - W.
+        sinks: None or (N,) logits, one per query head, in the softmax's denominator.
+        dropout: None, or a callable applied to the weights before the weighted sum.
+
+    Returns:
+        context (B, N, T, H) and weights (B, N, T, S), exactly 0 where not kept.
+    """
+    t, s = _shape(q)[2], _shape(k)[2]  # static where known
+    if causal:
+        keep = _and(keep, causal_mask(t, s))  # (B, N, T, S), dims may be 1
+    if window is not None:
+        keep = _and(keep, window_mask(t, s, window))  # (B, N, T, S), dims may be 1
+    groups = q.shape[1] // k.shape[1]
+    k = ops.repeat(k, groups, axis=1) if groups > 1 else k  # (B, K, S, H) -> (B, N, S, H)
+    v = ops.repeat(v, groups, axis=1) if groups > 1 else v  # (B, K, S, H) -> (B, N, S, H)
+    dtype = _softmax_dtype(q.dtype)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    q = q * ops.cast(scale, q.dtype)  # scale the (B, N, T, H) queries, not the scores
+    scores = ops.cast(ops.matmul(q, ops.swapaxes(k, -1, -2)), dtype)  # (B, N, T, S)
+    scores = _soft_cap(scores, softcap)
+    bias = _added(bias, keep, sinks, dtype)
+    scores = scores if bias is None else scores + bias  # (B, N, T, S)
+    weights = ops.cast(_softmax(scores, keep, sinks), q.dtype)  # (B, N, T, S)
+    dropped = weights if dropout is None else dropout(weights)
+    context = ops.matmul(dropped, v)  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
+    return context, weights
+
+
+def _results(output, weights, cache, return_attention):
+    """output, (output, weights), (output, cache) or (output, weights, cache)."""
+    results = (output, weights) if return_attention else (output,)
+    results = results if cache is None else (*results, cache)
+    return results[0] if len(results) == 1 else results
+
+
+# The layer.
+
+
+@keras.saving.register_keras_serializable(package="MultiHeadAttentionKeras")
+class MultiHeadAttention(keras.layers.Layer):
+    """Multi-head attention (MHA, grouped-query GQA and multi-query MQA) as a Keras 3 layer on any backend.
+
+    Args:
+        d_model: E, the width of `query` and of the output.
+        num_heads: N, the number of query heads.
+        num_kv_heads: K, the number of key/value heads; must divide N. Defaults to N.
+        head_dim: H, the width of one head. Defaults to E // N (then N must divide E).
+        kdim: width of `key`. Defaults to E.
+        vdim: width of `value`. Defaults to E.
+        dropout: probability of dropping attention weights when training; 0 <= p < 1.
+        bias: True (all four projections have a bias), False (none), or a collection of the
+            names of those that have one, among "query", "key", "value", "output" (Qwen2:
+            ("query", "key", "value")). Kept as that tuple of names, in that order.
+        scale: the factor of the scores, `scores = (q . k) * scale`. Defaults to 1 / sqrt(H).
+        softcap: None or a positive float c: the scores become c * tanh(scores / c).
+        window: None or a positive integer W, a sliding window: query t keeps key s only if
+            s > t + (S - T) - W (with a cache: s > index + t - W).
+        rope_theta: None (no RoPE) or the base of rotary position embeddings.
+        rope_fraction: in (0, 1]; RoPE turns the first R = int(H * rope_fraction) features.
+        rope_interleaved: False pairs feature i with i + R/2; True pairs 2i and 2i + 1.
+        rope_scaling: None, {"rope_type": "linear", "factor": f}, a "llama3" dict (factor,
+            low_freq_factor, high_freq_factor, original_max_position_embeddings) or a "yarn" dict
+            (factor, original_max_position_embeddings, optional attention_factor, beta_fast,
+            beta_slow, mscale, mscale_all_dim, truncate; the rotated features of q and k are
+            also multiplied by its attention factor).
+        qk_norm: None, "head" (RMSNorm of each head of q and k) or "all" (over all heads).
+        qk_norm_eps: the epsilon of the QK-norm.
+        sinks: if True, one learned logit per query head in the softmax's denominator.
+        kernel_initializer: initializer of the four kernels.
+        bias_initializer: initializer of the biases.
+        **kwargs: base layer arguments (`name`, `dtype` policy, ...).
+
+    Call arguments:
+        query: (B, T, E).
+        key: (B, S, kdim). Defaults to `value`, or to `query` if `value` is None too. Note
+            that `keras.layers.MultiHeadAttention` takes them in the other order (query, value,
+            key): this layer is called (query, key, value).
+        value: (B, S, vdim). Defaults to `key`.
+        attention_mask: boolean (True = attend) or floating (added to the scores), of shape
+            (T, S), (B, T, S) or (B, N, T, S), any dimension of which may be 1. `mask=` is
+            accepted as its alias (not both).
+        key_mask: (B, S) boolean, True for a real key; ANDed with the key's and value's Keras
+            masks. In self-attention it defaults to `query_mask`.
+        query_mask: (B, T) boolean, True for a real query; ANDed with the query's Keras mask.
+        attention_bias: floating, added to the scores (with a gradient); shaped like a mask.
+        positions: integer (B, T) or (T,) RoPE positions. Defaults to arange(T) (+ the
+            cache's index).
+        causal: if True, query t attends key s only if s <= t + (S - T).
+        return_attention: if True, also return the per-head attention weights.
+        training: dropout acts only when True.
+        value_mask: (B, S) boolean, ANDed with `key_mask` (Keras fills it from the value's mask).
+        cache: a `KVCache` from `init_cache`: decode T new tokens (`key` and `value`, if
+            given, hold the same T tokens); masks and weights are then over the L slots, and
+            `key_mask` is (B, T).
+
+    Returns:
+        output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before
+        dropout) when `return_attention` is True; with `cache`, the updated cache is appended
+        and weights are (B, N, T, L), exactly 0 at unwritten slots.
+
+    Coming from `keras.layers.MultiHeadAttention`: it is called `(query, value, key)`, this layer
+    `(query, key, value)`. A floating `attention_mask` is added to the scores here, where Keras
+    reads a 0/1 float mask as boolean: pass `mask > 0`. `use_causal_mask=True` is `causal=True`
+    (bottom-right aligned when T < S); `return_attention_scores=True` is `return_attention=True`.
+
+    Example, a key padding mask (the third key of the first sequence is padding):
+        >>> layer = MultiHeadAttention(16, 4)
+        >>> x = keras.random.normal((2, 3, 16), seed=0)  # (B, T, E)
+        >>> keep = ops.convert_to_tensor([[True, True, False], [True, True, True]])  # (B, S)
+        >>> out, weights = layer(x, key_mask=keep, return_attention=True)
+        >>> tuple(out.shape), tuple(weights.shape)
+        ((2, 3, 16), (2, 4, 3, 3))
+        >>> bool(ops.all(weights[0, :, :, 2] == 0))
+        True
+    """
+
+    def __init__(
+        self,
+        d_model,
+        num_heads,
+        *,
+        num_kv_heads=None,
+        head_dim=None,
+        kdim=None,
+        vdim=None,
+        dropout=0.0,
+        bias=True,
+        scale=None,
+        softcap=None,
+        window=None,
+        rope_theta=None,
+        rope_fraction=1.0,
+        rope_interleaved=False,
+        rope_scaling=None,
+        qk_norm=None,
+        qk_norm_eps=1e-6,
+        sinks=False,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.d_model = _positive_int("d_model", d_model)
+        self.num_heads = _positive_int("num_heads", num_heads)
+        self.num_kv_heads = _positive_int("num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"`num_kv_heads` must divide `num_heads`. Received: num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+            )
+        if head_dim is None and self.d_model % self.num_heads:
+            raise ValueError(f"`num_heads` must divide `d_model`. Received: d_model={d_model}, num_heads={num_heads}")
+        self.head_dim = _positive_int("head_dim", self.d_model // self.num_heads if head_dim is None else head_dim)
+        self.kdim = _positive_int("kdim", self.d_model if kdim is None else kdim)
+        self.vdim = _positive_int("vdim", self.d_model if vdim is None else vdim)
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
+        self.dropout = float(dropout)
+        self.bias = _projection_biases(bias)
+        self.scale = 1.0 / math.sqrt(self.head_dim) if scale is None else _positive_float("scale", scale)
+        self.softcap = _positive_float("softcap", softcap, optional=True)
+        self.window = None if window is None else _positive_int("window", window)
+        self.rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
+        self.rope_fraction = float(rope_fraction)
+        self.rope_interleaved = bool(rope_interleaved)
+        self.rope_scaling = _check_rope_scaling(rope_scaling)
+        if self.rope_theta is not None:
+            rotary = _rotary_dim(rope_fraction, self.head_dim)
+            self._inv_freq = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,) NumPy
+        if qk_norm not in (None, "head", "all"):
+            raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
+        self.qk_norm = qk_norm
+        self.qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
+        self.sinks = bool(sinks)
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(bias_initializer)
+        self.supports_masking = True
+        self._convert_input_args = False  # Keras must not cast masks and biases: `call` casts query, key, value
+        self._allow_non_tensor_positional_args = True  # NumPy inputs reach `call` as they are
+        self._dropout_layer = keras.layers.Dropout(self.dropout, dtype=self.dtype_policy)
+        self._warned_traps = set()  # the mask habits warned of, once each
+
+    def get_config(self):
+        bias = True if self.bias == _PROJECTIONS else bool(self.bias) and list(self.bias)
+        return {
+            **super().get_config(),
+            "d_model": self.d_model,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "kdim": self.kdim,
+            "vdim": self.vdim,
+            "dropout": self.dropout,
+            "bias": bias,
+            "scale": self.scale,
+            "softcap": self.softcap,
+            "window": self.window,
+            "rope_theta": self.rope_theta,
+            "rope_fraction": self.rope_fraction,
+            "rope_interleaved": self.rope_interleaved,
+            "rope_scaling": self.rope_scaling,
+            "qk_norm": self.qk_norm,
+            "qk_norm_eps": self.qk_norm_eps,
+            "sinks": self.sinks,
+            "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+            "bias_initializer": keras.initializers.serialize(self.bias_initializer),
+        }
+
+    def weight_shapes(self):
+        """The portable layout: {name: shape}, in its order; a projection's bias only when `bias`
+        names it, the norm scales only with `qk_norm`, `sinks` only with `sinks=True`."""
+        nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        kernels = {
+            "query": (self.d_model, nh),
+            "key": (self.kdim, kh),
+            "value": (self.vdim, kh),
+            "output": (nh, self.d_model),
+        }
+        shapes = {}
+        for kind, shape in kernels.items():
+            shapes[f"{kind}_kernel"] = shape
+            if kind in self.bias:
+                shapes[f"{kind}_bias"] = shape[1:]
+        if self.qk_norm is not None:
+            shapes["query_norm"] = (self.head_dim,) if self.qk_norm == "head" else (nh,)
+            shapes["key_norm"] = (self.head_dim,) if self.qk_norm == "head" else (kh,)
+        if self.sinks:
+            shapes["sinks"] = (self.num_heads,)
+        return shapes
+
+    def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
+        """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
+
+        Args:
+            batch_size: B.
+            max_length: L, the number of slots.
+            keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
+                of different lengths). Defaults to all True.
+            dtype: dtype of the keys and values; defaults to the compute dtype of the policy.
+
+        Returns:
+            A `KVCache` of zeros with index 0 (int32).
+        """
+        b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
+        keep = ops.ones((b, length), dtype="bool") if keep is None else _check_keep(keep, b, length)
+        shape = (b, self.num_kv_heads, length, self.head_dim)
+        dtype = self.compute_dtype if dtype is None else dtype
+        return KVCache(ops.zeros(shape, dtype), ops.zeros(shape, dtype), keep, ops.convert_to_tensor(0, "int32"))
+
+    def _initializer(self, name):
+        """Kernels and biases from the layer's initializers; QK-norm scales of one, sinks of zero."""
+        if name.endswith("_norm"):
+            return keras.initializers.Ones()
+        if name == "sinks":
+            return keras.initializers.Zeros()
+        initializer = self.kernel_initializer if name.endswith("_kernel") else self.bias_initializer
+        return initializer.__class__.from_config(initializer.get_config())  # a fresh instance for each weight
+
+    def build(self, query_shape=None, value_shape=None, key_shape=None):
+        """Creates the portable weights; every shape is known from the constructor.
+
+        Args:
+            query_shape: optional (B, T, E).
+            value_shape: optional (B, S, vdim).
+            key_shape: optional (B, S, kdim). Keras' attention-layer convention, in its order
+                (query, value, key); a missing shape defaults as in the call, and a width other
+                than the constructor's is a ValueError.
+        """
+        self._check_shapes(query_shape, value_shape, key_shape)
+        for name, shape in self.weight_shapes().items():
+            variable = self.add_weight(name=name, shape=shape, initializer=self._initializer(name))
+            setattr(self, _ATTRIBUTES.get(name, name), variable)
+        self._dropout_layer.build(None)
+        self.built = True
+
+    def _variable(self, name):
+        """The variable of one portable weight (`sinks` is held as `sink_logits`)."""
+        return getattr(self, _ATTRIBUTES.get(name, name))
+
+    def export_weights(self):
+        """Returns the portable weights: a dict of NumPy arrays (see docs/SPEC.md)."""
+        if not self.built:
+            self.build()
+        return {name: np.array(ops.convert_to_numpy(self._variable(name).value)) for name in self.weight_shapes()}
+
+    def import_weights(self, weights):
+        """Loads portable weights; strict and atomic (a ValueError lists every problem)."""
+        expected = self.weight_shapes()
+        problems = [f"missing '{name}'" for name in expected if name not in weights]
+        problems += [f"unexpected '{name}'" for name in weights if name not in expected]
+        for name, shape in expected.items():
+            if name in weights and tuple(np.shape(weights[name])) != shape:
+                problems.append(f"'{name}' has shape {tuple(np.shape(weights[name]))}, expected {shape}")
+        if problems:
+            raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
+        if not self.built:
+            self.build()
+        for name in expected:
+            variable = self._variable(name)
+            variable.assign(ops.cast(np.asarray(weights[name]), variable.dtype))
+
+    def _bias_of(self, kind):
+        return getattr(self, f"{kind}_bias") if kind in self.bias else None
+
+    def _project(self, x, kind, heads):
+        """(B, L, D) -> (B, heads, L, H): one projection split into heads."""
+        y = _linear(x, getattr(self, f"{kind}_kernel"), self._bias_of(kind))  # (B, L, D) -> (B, L, heads*H)
+        return self._split_heads(y, heads)
+
+    def _split_heads(self, y, heads):
+        b, length = _shape(y)[:2]
+        y = ops.reshape(y, (b, length, heads, self.head_dim))  # (B, L, heads*H) -> (B, L, heads, H)
+        return ops.transpose(y, (0, 2, 1, 3))  # -> (B, heads, L, H)
+
+    def _merge_heads(self, x):
+        merged = ops.transpose(x, (0, 2, 1, 3))  # (B, heads, L, H) -> (B, L, heads, H)
+        b, length, heads, h = _shape(merged)
+        return ops.reshape(merged, (b, length, heads * h))  # -> (B, L, heads*H)
+
+    def _normalize_qk(self, q, k):
+        """QK-norm: RMSNorm of each head of q and k ("head", scales (H,)) or of all their heads
+        at once ("all", scales (N*H,) and (K*H,))."""
+        if self.qk_norm is None:
+            return q, k
+        eps = self.qk_norm_eps
+        if self.qk_norm == "head":
+            return rms_norm(q, self.query_norm, eps), rms_norm(k, self.key_norm, eps)  # (B, heads, L, H)
+        q = self._split_heads(rms_norm(self._merge_heads(q), self.query_norm, eps), self.num_heads)  # (B, N, T, H)
+        k = self._split_heads(rms_norm(self._merge_heads(k), self.key_norm, eps), self.num_kv_heads)  # (B, K, S, H)
+        return q, k
+
+    def _rotate(self, q, k, positions):
+        """RoPE of q (B, N, T, H) and k (B, K, T, H) at (B, T) or (1, T) `positions`."""
+        if self.rope_theta is None:
+            return q, k
+        inv_freq, interleaved = self._inv_freq, self.rope_interleaved
+        q, k = apply_rope(q, positions, inv_freq, interleaved), apply_rope(k, positions, inv_freq, interleaved)
+        factor, rotary_dim = rope_attention_factor(self.rope_scaling), 2 * inv_freq.shape[0]
+        return scale_rotated(q, rotary_dim, factor), scale_rotated(k, rotary_dim, factor)  # YaRN's factor
+
+    def _positions(self, positions, query, key, cache):
+        """Checks `positions` and returns them as (B, T) or (1, T) integers (default
+        arange(T), plus the cache's index), or None without RoPE."""
+        if self.rope_theta is None:
+            if positions is not None:
+                raise ValueError(
+                    "`positions` needs RoPE: construct the layer with `rope_theta`. "
+                    "Received: positions with rope_theta=None"
+                )
+            return None
+        if cache is None and _differ(query.shape[1], key.shape[1]):
+            raise ValueError(
+                "RoPE needs `key` and `value` to hold the query's own tokens (S == T, or decoding with `cache`). "
+                f"Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
+            )
+        if positions is None:
+            start = 0 if cache is None else ops.convert_to_tensor(cache.index, "int32")
+            return (start + ops.arange(_shape(query)[1], dtype="int32"))[None]  # (1, T)
+        positions = ops.convert_to_tensor(positions)
+        b, t = query.shape[0], query.shape[1]
+        shape = _static_shape(positions)
+        dims = {1: (t,), 2: (b, t)}.get(len(shape))
+        expected = dims is not None and not any(_differ(d, e) for d, e in zip(shape, dims, strict=True))
+        if not _is_int(positions.dtype) or not expected:
+            raise ValueError(
+                f"`positions` must be an integer tensor of shape (B, T) or (T,) with B={b}, T={t}. "
+                f"Received: positions.shape={shape}, positions.dtype={_dtype_name(positions)}"
+            )
+        return positions[None] if len(shape) == 1 else positions  # (T,) -> (1, T)
+
+    def _attend(self, q, k, v, keep, bias, causal, window, training):
+        """`dot_product_attention` with the layer's variants and its dropout (when training);
+        returns (context, weights)."""
+        dropout_active = self.dropout > 0 and training is not False and training is not None
+        dropout = (lambda w: self._dropout_layer(w, training=training)) if dropout_active else None
+        sinks = self.sink_logits if self.sinks else None
+        return dot_product_attention(
+            q, k, v, keep, bias, causal, scale=self.scale, softcap=self.softcap, window=window, sinks=sinks,
+            dropout=dropout,
+        )  # fmt: skip
+
+    def __call__(self, *args, mask=None, **kwargs):
+        """Moves `mask=` (the alias of `attention_mask`) into `attention_mask`, and checks what must
+        be seen before any cast: inputs of different dtypes, and the cache's dtype (which a cast
+        would silently convert on every call). `call` has no `mask` argument, so Keras never
+        fills it with a propagated implicit mask (those are read from the inputs)."""
+        if mask is not None:
+            if kwargs.get("attention_mask") is not None or (len(args) > 3 and args[3] is not None):
+                raise ValueError(
+                    "Pass the attention mask as `attention_mask` or as `mask`, not both. "
+                    "Received: attention_mask and mask"
+                )
+            kwargs["attention_mask"] = mask
+        inputs = dict(zip(("query", "key", "value"), args, strict=False))
+        inputs.update({name: kwargs[name] for name in ("query", "key", "value") if name in kwargs})
+        if inputs.get("query") is not None:
+            _check_same_dtype(inputs["query"], inputs.get("key"), inputs.get("value"))
+        if kwargs.get("cache") is not None:
+            _check_cache_dtype(kwargs["cache"], self.compute_dtype)
+        return super().__call__(*args, **kwargs)
+
+    def _warn_traps(self, attention_mask, key_mask, t, s):
+        """Warns once per layer for each built-in habit the masks' values suggest, where reading
+        them is free (eagerly, on the CPU: not in a graph, `jax.jit` or `torch.compile`); a call
+        with a cache is not read."""
+        masks = (attention_mask, key_mask)
+        values = [None if mask is None else _values(mask) for mask in masks]
+        unreadable = any(mask is not None and value is None for mask, value in zip(masks, values, strict=True))
+        if all(value is None for value in values) or unreadable:
+            return
+        for kind, message in _mask_traps(*values, t, s).items():
+            if kind not in self._warned_traps:
+                self._warned_traps.add(kind)
+                warnings.warn(message, AttentionMaskWarning, stacklevel=2)
+
+    def _inputs(self, query, key, value, query_mask, key_mask, value_mask):
+        """Defaults and checks of the inputs, cast to the compute dtype, and their (B, T) query
+        keep, (B, S) key keep (None: all kept) and the `key_mask` the caller passed (None where
+        Keras filled it from the key's implicit mask): the masks passed ANDed with the implicit
+        Keras masks of the inputs; in self-attention `key_mask` defaults to `query_mask`."""
+        self_attention = key is None and value is None
+        key = value if key is None else key
+        key = query if key is None else key
+        value = key if value is None else value
+        implicit = [_keras_mask(x) for x in (query, key, value)]
+        explicit_key_mask = key_mask is not None and key_mask is not _implicit_mask(key)  # not filled by Keras
+        query = _check_input("query", query, "E", self.d_model)
+        key = _check_input("key", key, "kdim", self.kdim)
+        value = _check_input("value", value, "vdim", self.vdim)
+        _check_lengths(query, key, value)
+        (b, t), s = tuple(query.shape)[:2], key.shape[1]
+        query_keep = _and(_token_mask("query_mask", query_mask, b, t, "T"), implicit[0])  # (B, T)
+        key_mask = _token_mask("key_mask", key_mask, b, s, "S")
+        passed_key_mask = key_mask if explicit_key_mask else None
+        key_keep = _and(key_mask, _token_mask("value_mask", value_mask, b, s, "S"))  # (B, S)
+        if self_attention and key_keep is None:
+            key_keep = query_keep
+        key_keep = _and(key_keep, _and(implicit[1], implicit[2]))  # (B, S)
+        query, key, value = (ops.cast(x, self.compute_dtype) for x in (query, key, value))
+        return query, key, value, query_keep, key_keep, passed_key_mask
+
+    def _masks(self, attention_mask, attention_bias, target):
+        """The floating mask rule on `attention_mask` and `attention_bias`: (keep, mask's
+        additive, bias's additive), each rank 4 or None."""
+        dtype = _softmax_dtype(self.compute_dtype)
+        keep, mask_bias = _split_mask(attention_mask, target, "attention_mask", dtype)  # dtype and shape first
+        bias_keep, attention_bias = _split_bias(attention_bias, target, dtype)
+        return _and(keep, bias_keep), mask_bias, attention_bias
+
+    def call(
+        self,
+        query,
+        key=None,
+        value=None,
+        attention_mask=None,
+        *,
+        key_mask=None,
+        query_mask=None,
+        attention_bias=None,
+        positions=None,
+        causal=False,
+        return_attention=False,
+        training=None,
+        value_mask=None,
+        cache=None,
+    ):
+        # 1. Defaults and checks; the masks combined into one boolean keep and additive biases.
+        inputs = self._inputs(query, key, value, query_mask, key_mask, value_mask)
+        query, key, value, query_keep, key_keep, passed_key_mask = inputs
+        if cache is not None:
+            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
+        b, t, s = query.shape[0], query.shape[1], key.shape[1] if cache is None else cache.key.shape[2]
+        target = (b, self.num_heads, t, s)
+        attention_mask = None if attention_mask is None else ops.convert_to_tensor(attention_mask)
+        keep, bias, attention_bias = self._masks(attention_mask, attention_bias, target)
+        if cache is None:
+            self._warn_traps(attention_mask, passed_key_mask, t, s)
+        keep = _and(keep, _token_keep(query_keep, key_keep if cache is None else None))  # (B, N, T, S), dims may be 1
+        positions = self._positions(positions, query, key, cache)
+
+        # 2. Projections.
+        q = self._project(query, "query", self.num_heads)  # (B, T, E) -> (B, N, T, H)
+        k = self._project(key, "key", self.num_kv_heads)  # (B, S, kdim) -> (B, K, S, H)
+        v = self._project(value, "value", self.num_kv_heads)  # (B, S, vdim) -> (B, K, S, H)
+        # 3. QK-norm and 4. RoPE.
+        q, k = self._normalize_qk(q, k)
+        q, k = self._rotate(q, k, positions)
+        # 5. Cache write: the new keys and values go to slots [index, index + T) (mod L with a window).
+        window, misfit = self.window, None
+        if cache is not None:
+            t, index = _shape(q)[2], ops.convert_to_tensor(cache.index, "int32")  # the index before this write
+            misfit = _check_room(cache, t, window)
+            cache = _write_cache(cache, k, v, key_keep)  # `key_mask` goes into its keep
+            keep = _and(keep, _cache_keep(cache.keep, index, t, causal, window))  # (B, N, T, L), dims may be 1
+            k, v = cache.key, cache.value  # (B, K, L, H)
+            causal, window = False, None  # both in `keep`
+        # 6. Attention.
+        context, weights = self._attend(
+            q, k, v, keep, _add(bias, attention_bias), causal, window, training
+        )  # (B, N, T, H)
+        # 7. Heads merged and the output projection.
+        merged = self._merge_heads(context)  # (B, N, T, H) -> (B, T, N*H)
+        output = _linear(merged, self.output_kernel, self._bias_of("output"))  # -> (B, T, E)
+        if misfit is not None and _values(misfit) is None:
+            output = ops.where(misfit, ops.cast(float("nan"), output.dtype), output)  # a trace cannot raise
+
+        return _results(output, weights, cache, return_attention)
+
+    def compute_mask(self, query, previous_mask=None):
+        """The output carries the query's mask."""
+        return previous_mask
+
+    def _check_shapes(self, query_shape, value_shape, key_shape):
+        """Shapes given to `build` or `compute_output_shape`, checked as the call checks its
+        inputs (the same messages); returns the query's shape. A missing key or value shape is the
+        other one's, as in the call; with neither, they are unknown."""
+        query_shape, value_shape, key_shape = (_shape_tuple(shape) for shape in (query_shape, value_shape, key_shape))
+        key_shape = value_shape if key_shape is None else key_shape
+        value_shape = key_shape if value_shape is None else value_shape
+        for name, shape, width_name, width in (
+            ("query", query_shape, "E", self.d_model),
+            ("key", key_shape, "kdim", self.kdim),
+            ("value", value_shape, "vdim", self.vdim),
+        ):
+            letter = "T" if name == "query" else "S"
+            if shape is not None and (len(shape) != 3 or shape[-1] not in (None, width)):
+                raise ValueError(
+                    f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
+                    f"Received: {name}.shape={shape}"
+                )
+        if None in (query_shape, key_shape, value_shape):
+            return query_shape
+        if _differ(query_shape[0], key_shape[0], value_shape[0]):
+            raise ValueError(
+                "`query`, `key` and `value` must have the same batch size B. Received: "
+                f"query.shape={query_shape}, key.shape={key_shape}, value.shape={value_shape}"
+            )
+        if _differ(key_shape[1], value_shape[1]):
+            raise ValueError(
+                f"`key` and `value` must have the same length S. Received: key.shape={key_shape}, "
+                f"value.shape={value_shape}"
+            )
+        return query_shape
+
+    def compute_output_shape(self, query_shape, value_shape=None, key_shape=None):
+        """(B, T, E), whatever S is; shapes in Keras' order (query, value, key), checked as in `build`."""
+        query_shape = self._check_shapes(query_shape, value_shape, key_shape)
+        return (query_shape[0], query_shape[1], self.d_model)
+
+    def compute_output_spec(self, *args, **kwargs):
+        """Traces `call` on symbolic inputs (what Keras does for a layer without
+        `compute_output_shape`), so a functional model gets every shape check when it is built,
+        and every output with `return_attention=True` or a cache. It also works outside
+        `__call__`: it builds the layer if needed."""
+        if not self.built:
+            self.build()
+        return super(keras.layers.Layer, self).compute_output_spec(*args, **kwargs)
+
+    @classmethod
+    def from_keras(cls, layer):
+        """Builds a layer with the weights of a built `keras.layers.MultiHeadAttention` or
+        `keras.layers.GroupQueryAttention` (3-D inputs, default attention axes).
+
+        Its dtype policy, initializers and `trainable` are kept; LoRA adapters on its
+        projections are merged into the kernels. Every option this layer cannot hold (a gate,
+        a sliding window, regularizers, constraints, other attention axes or output shapes,
+        value_dim != key_dim, quantized projections) is a ValueError that lists them all.
+        """
+        config, dense = _keras_config(layer)
+        new = cls(**config, name=f"{layer.name}_reference", dtype=layer.dtype_policy)
+        new.trainable = layer.trainable
+        weights = {}
+        for kind, sublayer in zip(("query", "key", "value", "output"), dense, strict=True):
+            kernel = ops.convert_to_numpy(sublayer.kernel)  # with LoRA, the merged kernel
+            rows = kernel.shape[0] * kernel.shape[1] if kind == "output" else kernel.shape[0]
+            weights[f"{kind}_kernel"] = kernel.reshape(rows, -1)  # heads flattened as h * H + d
+            if new.bias:
+                weights[f"{kind}_bias"] = ops.convert_to_numpy(sublayer.bias).reshape(-1)
+        new.import_weights(weights)
+        return new
+
+    def to_keras(self):
+        """Returns a built `keras.layers.MultiHeadAttention` (K == N) or
+        `keras.layers.GroupQueryAttention` (K < N) holding these weights.
+
+        Keras' GroupQueryAttention takes any key and value widths, but its
+        `compute_output_shape` refuses a value width other than the query's, so with
+        vdim != d_model it runs eagerly but not on symbolic inputs (a functional model).
+        """
+        _check_keras_can_hold(self)
+        common = dict(
+            dropout=self.dropout, use_bias=bool(self.bias), kernel_initializer=self.kernel_initializer,
+            bias_initializer=self.bias_initializer, dtype=self.dtype_policy,
+        )  # fmt: skip
+        widths = (self.d_model, self.vdim, self.kdim)  # query, value, key: the built-ins' call order
+        if self.num_kv_heads == self.num_heads:
+            layer = keras.layers.MultiHeadAttention(self.num_heads, self.head_dim, **common)
+        else:
+            layer = keras.layers.GroupQueryAttention(self.head_dim, self.num_heads, self.num_kv_heads, **common)
+        layer.build(*((None, None, width) for width in widths))
+        layer.trainable = self.trainable
+        weights = self.export_weights()
+        dense = (layer._query_dense, layer._key_dense, layer._value_dense, layer._output_dense)
+        for kind, sublayer in zip(("query", "key", "value", "output"), dense, strict=True):
+            sublayer.kernel.assign(weights[f"{kind}_kernel"].reshape(sublayer.kernel.shape))
+            if self.bias:
+                sublayer.bias.assign(weights[f"{kind}_bias"].reshape(sublayer.bias.shape))
+        return layer
+
+
+# The Keras built-ins (interop).
+
+
+def _check_keras_can_hold(layer):
+    """Refuses, naming them, the variants of docs/SPEC.md that the Keras built-ins cannot hold."""
+    defaults = {
+        "bias": len(layer.bias) in (0, 4),  # all four biases or none
+        "scale": math.isclose(layer.scale, 1 / math.sqrt(layer.head_dim)),
+        "softcap": layer.softcap is None,
+        "window": layer.window is None,
+        "rope_theta": layer.rope_theta is None,
+        "qk_norm": layer.qk_norm is None,
+        "sinks": not layer.sinks,
+    }
+    held = [name for name, plain in defaults.items() if not plain]
+    if held:
+        received = ", ".join(f"{name}={getattr(layer, name)!r}" for name in held)
+        raise ValueError(
+            "`to_keras` needs a layer the Keras built-ins can hold: all four biases or none, the default "
+            f"scale, and no softcap, window, RoPE, QK-norm or sinks. Received: {received}"
+        )
+
+
+def _group_query_heads(layer):
+    """(N, K, H) of a `keras.layers.GroupQueryAttention`."""
+    return layer.num_query_heads, layer.num_key_value_heads, layer.head_dim
+
+
+def _multi_head_heads(layer):
+    """(N, K, H) of a `keras.layers.MultiHeadAttention` (read from its config)."""
+    config = layer.get_config()
+    return config["num_heads"], config["num_heads"], config["key_dim"]
+
+
+def _described(value):
+    """A serialized Keras object (regularizer, constraint) as `ClassName(arg=value, ...)`."""
+    if not isinstance(value, dict):
+        return repr(value)
+    arguments = ", ".join(f"{key}={argument!r}" for key, argument in (value.get("config") or {}).items())
+    return f"{value.get('class_name')}({arguments})"
+
+
+def _options_it_cannot_hold(layer, config, dense):
+    """{option: (value, why)} for every option of a built Keras built-in that changes its results
+    (or its training) and that this layer cannot hold."""
+    found = {}
+    if config.get("use_gate"):
+        found["use_gate"] = (True, "a sigmoid gate on the attention output")
+    window = config.get("sliding_window")
+    if window is not None:
+        found["sliding_window"] = (
+            window,
+            f"Keras keeps keys with |t - s| < {window}, on both sides of the query; with causal=True and T == S "
+            f"that is this layer's window: construct it with `window={window}` and call it with `causal=True`",
+        )
+    for name in ("kernel_regularizer", "bias_regularizer", "activity_regularizer"):
+        if config.get(name) is not None:
+            found[name] = (_described(config[name]), "a loss this layer does not add")
+    for name in ("kernel_constraint", "bias_constraint"):
+        if config.get(name) is not None:
+            found[name] = (_described(config[name]), "a projection of the weights after each update")
+    if "key_dim" in config:  # keras.layers.MultiHeadAttention
+        if config["value_dim"] not in (None, config["key_dim"]):
+            found["value_dim"] = (config["value_dim"], f"value heads as wide as key_dim={config['key_dim']}")
+        width = dense[0].kernel.shape[0]
+        if config["output_shape"] not in (None, width, (width,), [width]):
+            found["output_shape"] = (config["output_shape"], f"an output as wide as the query, {width}")
+        rank = len(layer._dot_product_equation.split(",")[0]) - 1  # projected (B, ..., N, H) less the heads
+        axes = tuple(layer._attention_axes)
+        if axes != (1,) or rank != 3:
+            found["attention_axes"] = (axes, f"attention over axis 1 of 3-D inputs; it has {rank}-D inputs")
+    for sublayer in dense:
+        mode = getattr(sublayer, "quantization_mode", None)
+        if mode is not None:
+            found[f"{sublayer.name}.quantization_mode"] = (mode, "float kernels")
+    return found
+
+
+def _keras_config(layer):
+    """Constructor arguments and (query, key, value, output) sublayers of a Keras built-in."""
+    if not isinstance(layer, (keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention)):
+        raise ValueError(
+            "`layer` must be a keras.layers.MultiHeadAttention or keras.layers.GroupQueryAttention. "
+            f"Received: {type(layer).__name__}"
+        )
+    if not layer.built:
+        raise ValueError(f"`layer` must be built. Received: an unbuilt {type(layer).__name__}")
+    dense = (layer._query_dense, layer._key_dense, layer._value_dense, layer._output_dense)
+    config = layer.get_config()
+    found = _options_it_cannot_hold(layer, config, dense)
+    if found:
+        reasons = "; ".join(f"{name} ({why})" for name, (_, why) in found.items())
+        received = ", ".join(f"{name}={value}" for name, (value, _) in found.items())
+        raise ValueError(f"`layer` must use only options this layer can hold; it uses {reasons}. Received: {received}")
+    read_heads = _group_query_heads if isinstance(layer, keras.layers.GroupQueryAttention) else _multi_head_heads
+    heads, kv_heads, head_dim = read_heads(layer)
+    arguments = dict(
+        d_model=dense[0].kernel.shape[0], num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        kdim=dense[1].kernel.shape[0], vdim=dense[2].kernel.shape[0], dropout=config["dropout"],
+        bias=config["use_bias"], kernel_initializer=config["kernel_initializer"],
+        bias_initializer=config["bias_initializer"],
+    )  # fmt: skip
+    return arguments, dense
+
+
+def _shape_tuple(shape):
+    """A shape (tuple, list) as a tuple, or None where it or its rank is unknown."""
+    if shape is None:
+        return None
+    try:
+        return tuple(None if d is None else int(d) for d in shape)
+    except TypeError:  # a shape of unknown rank
+        return None
