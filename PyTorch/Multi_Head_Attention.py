@@ -1089,6 +1089,13 @@ def _is_int8_layout(weights):
     return any(str(name).endswith("_kernel_scale") for name in weights)
 
 
+def _torchao_weight(tensor):
+    """Whether `tensor` is a weight quantized by torchao's `quantize_` (a tensor subclass holding
+    `qdata` and `scale`): int8 with scale abs-max / 127.5 and -128 allowed, activations likewise, so
+    not the portable int8 scheme; `export_weights` gives it dequantized."""
+    return isinstance(tensor, torch.Tensor) and hasattr(tensor, "qdata") and hasattr(tensor, "dequantize")
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention (MHA, grouped-query GQA and multi-query MQA) as an `nn.Module`.
 
@@ -1347,6 +1354,8 @@ class MultiHeadAttention(nn.Module):
         if callable(tensor):  # a quantized module's weight() and bias() are methods
             tensor = tensor()
             tensor = tensor.dequantize() if tensor.is_quantized else tensor
+        if _torchao_weight(tensor):
+            tensor = tensor.dequantize()  # (F, D) float: torchao's int8 is not the portable scheme
         return tensor, part == "kernel"
 
     def export_weights(self):
@@ -1375,7 +1384,8 @@ class MultiHeadAttention(nn.Module):
         problems += _int8_problems(weights, expected) if int8 else []
         if problems:
             raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
-        quantized = [kind for kind in _PROJECTIONS if callable(getattr(getattr(self, kind), "weight", None))]
+        weights_now = {kind: getattr(getattr(self, kind), "weight", None) for kind in _PROJECTIONS}
+        quantized = [kind for kind, weight in weights_now.items() if callable(weight) or _torchao_weight(weight)]
         if quantized:
             raise ValueError(
                 "`import_weights` writes float projections: import the weights before quantizing. "
@@ -1465,9 +1475,15 @@ class MultiHeadAttention(nn.Module):
 
     def _fusable(self):
         """Whether self-attention may project q, k and v with one matmul: only where that computes
-        exactly what calling the three projections would (plain nn.Linear, no hooks, not sharded)."""
+        exactly what calling the three projections would (plain nn.Linear, no hooks, not sharded,
+        weights that are no tensor subclass such as torchao's quantized weights, which cannot be concatenated)."""
         projections = (self.query, self.key, self.value)
-        return all(_plain_linear(projection) for projection in projections) and not _is_dtensor(self.query.weight)
+        plain = all(type(projection.weight) in (nn.Parameter, torch.Tensor) for projection in projections)
+        return (
+            all(_plain_linear(projection) for projection in projections)
+            and plain
+            and not _is_dtensor(self.query.weight)
+        )
 
     def _project(self, x, kind, heads):
         """(B, L, D) -> (B, heads, L, H): one projection split into heads."""
