@@ -1510,7 +1510,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         _check_int8_config(config)
         for kind in _PROJECTIONS:
             kernel, scale = _quantize_kernel(getattr(self, f"{kind}_kernel").numpy())
-            delattr(self, f"{kind}_kernel")  # untracks the float variable
+            self._untrack_variable(getattr(self, f"{kind}_kernel"))  # Keras' `del` would run gc.collect() per kernel
             for name, value in ((f"{kind}_kernel", kernel), (f"{kind}_kernel_scale", scale)):
                 options = {"initializer": "zeros", "trainable": False, "dtype": value.dtype.name}
                 setattr(self, name, self.add_weight(name=name, shape=value.shape, **options))
