@@ -44,6 +44,10 @@ full causal pass. The reference copies the cache (the one passed in is left unch
 `key_mask` is ANDed into the new cache's `keep`.
 
 The reference has no dropout: `dropout` must be 0.
+
+int8: `layer.quantize("int8")` computes Keras' int8 scheme exactly (int8 kernels with a float32
+scale per output column, each projection's input quantized per token at every call:
+y = (quantize(x) @ kernel) * x_scale * kernel_scale + bias); such a layer has no `backward`.
 """
 
 import math

@@ -67,6 +67,11 @@ step); with it, or with `softcap` or `sinks` (which SDPA cannot express), an exp
 (under no_grad on the CPU it runs in place in the returned weights, a block of batch elements at
 a time). An eager decode step without masks or returned weights that stays within the cache's
 first lap attends the first index + T slots directly; other steps attend all L through a keep.
+
+int8: `layer.quantize("int8")` replaces the four projections by `Int8Linear` modules, Keras' int8
+scheme (int8 weights with a float32 scale per output feature, inputs quantized per token at every
+call: y = (quantize(x) @ kernel) * x_scale * kernel_scale + bias), and `export_weights` gives the
+portable int8 layout (`<kind>_kernel` int8, `<kind>_kernel_scale` float32).
 """
 
 import math

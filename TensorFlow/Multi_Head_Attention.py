@@ -52,6 +52,11 @@ instead, with no copy of the cache per step (a compiled step then returns only i
 Weights: `query_kernel` (E, N*H), `query_bias` (N*H,), `key_kernel` (kdim, K*H), ...,
 `output_kernel` (N*H, E), `output_bias` (E,), `query_norm`, `key_norm` and `sinks` (N,): the
 portable layout itself, created in `build`.
+
+int8: `layer.quantize("int8")` or `model.quantize("int8")` (Keras' quantization API, policy
+"int8_from_<policy>", `.keras` save and load) makes each kernel an int8 variable with a float32
+`<kind>_kernel_scale` per output column, and quantizes each projection's input per token at every
+call, as Keras' int8 `Dense` does: y = (quantize(x) @ kernel) * x_scale * kernel_scale + bias.
 """
 
 import math

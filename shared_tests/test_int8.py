@@ -24,7 +24,7 @@ FLOAT32 = TOLERANCES["float32"]["output"]  # what float32 arithmetic alone may c
 FLIP_SHARE = (
     0.01  # outputs beyond FLOAT32 allowed: a token's rounding flipped by float noise (each costs at most a step)
 )
-INT8_ERROR = 0.05  # int8 against float32 on these cases (Glorot weights, N(0, 1) inputs): about 0.02 measured
+INT8_ERROR = 0.05  # int8 against float32 on these cases (Glorot weights, N(0, 1) inputs): up to 0.032 measured
 SOURCES = ("numpy", "torch", "tf")
 PATHS = ("numpy", "torch:sdpa", "torch:explicit", "tf:eager", "tf:function")
 CASE_NAMES = (
