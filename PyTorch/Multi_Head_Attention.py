@@ -1481,9 +1481,9 @@ class MultiHeadAttention(nn.Module):
     def _fusable(self):
         """Whether self-attention may project q, k and v with one matmul: only where that computes
         exactly what calling the three projections would (plain nn.Linear, no hooks, not sharded,
-        weights that are no tensor subclass such as torchao's quantized weights, which cannot be concatenated)."""
+        no torchao quantized weights, which cannot be concatenated)."""
         projections = (self.query, self.key, self.value)
-        plain = all(type(projection.weight) in (nn.Parameter, torch.Tensor) for projection in projections)
+        plain = not any(_torchao_weight(projection.weight) for projection in projections)
         return (
             all(_plain_linear(projection) for projection in projections)
             and plain
