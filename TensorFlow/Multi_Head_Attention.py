@@ -1342,7 +1342,10 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         self._warned_traps = set()  # the mask habits warned of, once each
         self._convert_input_args = False  # Keras must not cast masks and biases: `call` casts query, key, value
         self._allow_non_tensor_positional_args = True  # NumPy inputs reach `call` as they are
-        self._dropout_layer = tf.keras.layers.Dropout(self.dropout, dtype=_unquantized_policy(self.dtype_policy))
+        dropout_layer = tf.keras.layers.Dropout(self.dropout, dtype=_unquantized_policy(self.dtype_policy))
+        object.__setattr__(self, "_dropout_layer", dropout_layer)  # no sublayer: `model.quantize` quantizes leaves
+        if getattr(dropout_layer, "seed_generator", None) is not None:  # Keras 3: its seed is this layer's state
+            self._dropout_seed_generator = dropout_layer.seed_generator
 
     def get_config(self):
         bias = True if self.bias == _PROJECTIONS else bool(self.bias) and list(self.bias)
@@ -1526,17 +1529,6 @@ class MultiHeadAttention(tf.keras.layers.Layer):
     def _int8_call(self, *args, **kwargs):
         """Keras' entry for an int8 policy: `call`, whose projections read the int8 variables."""
         return self.call(*args, **kwargs)
-
-    def _flatten_layers(self, *args, **kwargs):
-        """Keras 3: the layer is one unit, not a model of its own sublayers. `model.quantize` quantizes
-        only the layers whose `_flatten_layers` is themselves alone; the Dropout this layer calls
-        then warns, as the built-in layer's does, that it has no `quantize`. (Keras 3 collects
-        variables, the Dropout's seed among them, through `_layers`; legacy Keras 2 walks this for
-        weights and losses, so there it is left as it is.)"""
-        if not hasattr(self, "quantization_mode"):
-            return super()._flatten_layers(*args, **kwargs)
-        include_self = kwargs.get("include_self", args[0] if args else True)  # Keras 3: (include_self, recursive)
-        return [self] if include_self else []
 
     def _project(self, x, kind, heads):
         """(B, L, D) -> (B, heads, L, H): one projection split into heads."""
