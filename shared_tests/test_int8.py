@@ -267,6 +267,22 @@ def test_int8_input_gradient_goes_through_the_dequantized_kernel(framework):
     assert np.abs(grads[0]).max() > 10 * INT8_ERROR  # a gradient, not zeros
 
 
+def test_torch_int8_state_dict_loads_into_a_quantized_layer():
+    """`state_dict` holds the int8 weights and scales as buffers; a layer quantized first loads it."""
+    case = CASES_BY_NAME["self_basic"]
+    data = make_data(case)
+    layer = _float_layer("torch", case, data["weights"])
+    layer.quantize("int8")
+    state = layer.state_dict()
+    assert state["output.weight"].dtype == torch.int8 and state["output.weight_scale"].dtype == torch.float32
+    other = torch_file.MultiHeadAttention(**case.config)
+    other.quantize("int8")
+    other.load_state_dict(state)
+    query = torch.as_tensor(data["query"])
+    with torch.no_grad():
+        torch.testing.assert_close(other(query), layer(query), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("config", (Int8WeightOnlyConfig(), Int8DynamicActivationInt8WeightConfig()), ids=str)
 def test_torchao_int8_schemes(config):
     """torchao's int8 weight-only and dynamic schemes run the layer (fused projections left out,
