@@ -1483,12 +1483,8 @@ class MultiHeadAttention(nn.Module):
         exactly what calling the three projections would (plain nn.Linear, no hooks, not sharded,
         no torchao quantized weights, which cannot be concatenated)."""
         projections = (self.query, self.key, self.value)
-        plain = not any(_torchao_weight(projection.weight) for projection in projections)
-        return (
-            all(_plain_linear(projection) for projection in projections)
-            and plain
-            and not _is_dtensor(self.query.weight)
-        )
+        plain = all(_plain_linear(projection) and not _torchao_weight(projection.weight) for projection in projections)
+        return plain and not _is_dtensor(self.query.weight)
 
     def _project(self, x, kind, heads):
         """(B, L, D) -> (B, heads, L, H): one projection split into heads."""
