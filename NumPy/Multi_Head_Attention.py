@@ -44,6 +44,10 @@ full causal pass. The reference copies the cache (the one passed in is left unch
 `key_mask` is ANDed into the new cache's `keep`.
 
 The reference has no dropout: `dropout` must be 0.
+
+int8: `layer.quantize("int8")` computes Keras' int8 scheme exactly (int8 kernels with a float32
+scale per output column, each projection's input quantized per token at every call:
+y = (quantize(x) @ kernel) * x_scale * kernel_scale + bias); such a layer has no `backward`.
 """
 
 import math
@@ -712,6 +716,69 @@ def _initial_value(rng, name, shape):
     return np.ones(shape) if name.endswith("_norm") else np.zeros(shape)
 
 
+# int8 (docs/SPEC.md, "int8"): Keras' scheme, `keras.quantizers.abs_max_quantize` on the kernels
+# (per output column) and on the inputs of each projection (per token, at run time).
+_INT8_MAX = 127.0
+_INT8_EPSILON = 1e-7  # Keras' `backend.epsilon()`, added to the abs-max before dividing
+
+
+def _quantize_kernel(kernel):
+    """A float (D, F) kernel -> (int8 (D, F) kernel, float32 (F,) kernel_scale), computed in float32
+    as Keras' `abs_max_quantize(kernel, axis=0)`: r = 127 / (max |column| + 1e-7), the integers
+    round(kernel * r) (half to even) clipped to [-127, 127], and kernel_scale = 1 / r (Keras
+    keeps r and divides by it)."""
+    kernel = np.asarray(kernel, dtype=np.float32)
+    ratio = np.float32(_INT8_MAX) / (np.max(np.abs(kernel), axis=0) + np.float32(_INT8_EPSILON))  # (F,)
+    quantized = np.clip(np.round(kernel * ratio), -_INT8_MAX, _INT8_MAX).astype(np.int8)  # (D, F)
+    return quantized, (np.float32(1.0) / ratio).astype(np.float32)
+
+
+def _quantize_rows(x):
+    """Per-token run-time quantization of x (..., D): (integers (..., D) as floats, x_scale (..., 1))
+    with r = 127 / (max |row| + 1e-7), round(x * r) clipped to [-127, 127], x_scale = 1 / r."""
+    ratio = _INT8_MAX / (np.max(np.abs(x), axis=-1, keepdims=True) + _INT8_EPSILON)  # (..., 1)
+    return np.clip(np.round(x * ratio), -_INT8_MAX, _INT8_MAX), 1.0 / ratio
+
+
+def _int8_matmul(x, kernel, kernel_scale):
+    """(B, L, D) @ an int8 (D, F) kernel: (quantize(x) @ kernel) * x_scale * kernel_scale, (B, L, F)."""
+    x_int, x_scale = _quantize_rows(x)  # (B, L, D), (B, L, 1)
+    accumulated = x_int @ kernel.astype(np.float64)  # (B, L, D) @ (D, F) -> (B, L, F), exact integers
+    return accumulated * (x_scale * kernel_scale.astype(np.float64))  # (B, L, F)
+
+
+def _with_scales(shapes):
+    """The int8 layout of a float layout: `<kind>_kernel_scale` (F,) after each (D, F) `<kind>_kernel`."""
+    scaled = {}
+    for name, shape in shapes.items():
+        scaled[name] = shape
+        if name.endswith("_kernel"):
+            scaled[f"{name}_scale"] = shape[1:]
+    return scaled
+
+
+def _int8_problems(weights, shapes):
+    """The kernels of an int8 layout that are not integers in [-127, 127]."""
+    problems = []
+    for name in (name for name in shapes if name.endswith("_kernel") and name in weights):
+        value = np.asarray(weights[name])
+        integral = np.issubdtype(value.dtype, np.integer)
+        if not integral or (value.size and np.abs(value.astype(np.int64)).max() > _INT8_MAX):
+            problems.append(f"'{name}' must hold integers in [-127, 127], received dtype {value.dtype.name}")
+    return problems
+
+
+def _portable_dtype(name, int8):
+    """The dtype an imported entry is held in: int8 kernels and float32 scales in an int8 layout, else float64."""
+    if int8 and name.endswith("_kernel"):
+        return np.int8
+    return np.float32 if name.endswith("_kernel_scale") else np.float64
+
+
+def _is_int8_layout(weights):
+    return any(str(name).endswith("_kernel_scale") for name in weights)
+
+
 class MultiHeadAttention:
     """Multi-head attention (MHA, grouped-query GQA and multi-query MQA), NumPy float64.
 
@@ -886,27 +953,60 @@ class MultiHeadAttention:
             "key_norm": self.qk_norm is not None,
             "sinks": self.sinks,
         }
-        return {name: shape for name, shape in shapes.items() if present[name]}
+        shapes = {name: shape for name, shape in shapes.items() if present[name]}
+        return _with_scales(shapes) if self.quantization_mode == "int8" else shapes
 
     def export_weights(self):
-        """Returns the portable weights: a dict of float64 arrays (see docs/SPEC.md)."""
+        """Returns the portable weights: a dict of float64 arrays (see docs/SPEC.md); once
+        quantized, the kernels are int8 and each has its float32 `<kind>_kernel_scale`."""
         return {name: value.copy() for name, value in self.params.items()}
 
     def import_weights(self, weights):
-        """Loads portable weights; strict and atomic (a ValueError lists every problem)."""
-        expected = self.weight_shapes()
+        """Loads portable weights; strict and atomic (a ValueError lists every problem). An int8
+        layout (with `<kind>_kernel_scale`) quantizes a float layer; an int8 layer takes only one."""
+        int8 = self.quantization_mode == "int8" or _is_int8_layout(weights)
+        expected = (
+            _with_scales(self.weight_shapes()) if int8 and self.quantization_mode is None else self.weight_shapes()
+        )
         problems = [f"missing '{name}'" for name in expected if name not in weights]
         problems += [f"unexpected '{name}'" for name in weights if name not in expected]
         for name, shape in expected.items():
             if name in weights and tuple(np.shape(weights[name])) != shape:
                 problems.append(f"'{name}' has shape {tuple(np.shape(weights[name]))}, expected {shape}")
+        problems += _int8_problems(weights, expected) if int8 else []
         if problems:
             raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
-        self.params = {name: np.array(weights[name], dtype=np.float64) for name in expected}
+        self.params = {name: np.array(weights[name], dtype=_portable_dtype(name, int8)) for name in expected}
+
+    @property
+    def quantization_mode(self):
+        """ "int8" once `quantize("int8")` (or an int8 `import_weights`) quantized the projections, else None."""
+        return "int8" if "query_kernel_scale" in self.params else None
+
+    def quantize(self, mode):
+        """Quantizes the four projections' kernels to int8 with one float32 scale per output
+        column (Keras' scheme, docs/SPEC.md "int8"); each call then quantizes the projections'
+        inputs per token. The quantized layer has no `backward`.
+
+        Args:
+            mode: "int8", the only mode.
+        """
+        if mode != "int8":
+            raise ValueError(f"`mode` must be 'int8'. Received: mode={mode!r}")
+        if self.quantization_mode is not None:
+            raise ValueError(f"The layer is already quantized. Received: mode={mode!r}")
+        params = dict(self.params)
+        for kind in _PROJECTIONS:
+            params[f"{kind}_kernel"], params[f"{kind}_kernel_scale"] = _quantize_kernel(params[f"{kind}_kernel"])
+        self.params = {name: params[name] for name in _with_scales(self.weight_shapes())}
 
     def _project(self, x, kind):
         """(B, L, D) -> (B, L, heads*H): one projection, with its bias if it has one."""
-        y = x @ self.params[f"{kind}_kernel"]  # (B, L, D) -> (B, L, heads*H)
+        kernel = self.params[f"{kind}_kernel"]
+        if self.quantization_mode == "int8":
+            y = _int8_matmul(x, kernel, self.params[f"{kind}_kernel_scale"])  # (B, L, D) -> (B, L, heads*H)
+        else:
+            y = x @ kernel  # (B, L, D) -> (B, L, heads*H)
         return y + self.params[f"{kind}_bias"] if kind in self.bias else y
 
     def _split_heads(self, y):
@@ -1030,6 +1130,11 @@ class MultiHeadAttention:
         """
         if self._saved is None:
             raise ValueError("`backward` needs a forward call without `cache` first. Received: no such call")
+        if self.quantization_mode is not None:
+            raise ValueError(
+                "`backward` is defined for float weights only: an int8 layer rounds its inputs, which has no "
+                f"gradient. Received: quantization_mode={self.quantization_mode!r}"
+            )
         c, p = self._saved, self.params
         g = np.asarray(grad_output, dtype=np.float64)  # (B, T, E)
         if g.shape != (*c["merged"].shape[:2], self.d_model):

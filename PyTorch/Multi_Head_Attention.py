@@ -67,6 +67,11 @@ step); with it, or with `softcap` or `sinks` (which SDPA cannot express), an exp
 (under no_grad on the CPU it runs in place in the returned weights, a block of batch elements at
 a time). An eager decode step without masks or returned weights that stays within the cache's
 first lap attends the first index + T slots directly; other steps attend all L through a keep.
+
+int8: `layer.quantize("int8")` replaces the four projections by `Int8Linear` modules, Keras' int8
+scheme (int8 weights with a float32 scale per output feature, inputs quantized per token at every
+call: y = (quantize(x) @ kernel) * x_scale * kernel_scale + bias), and `export_weights` gives the
+portable int8 layout (`<kind>_kernel` int8, `<kind>_kernel_scale` float32).
 """
 
 import math
@@ -78,7 +83,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["AttentionMaskWarning", "KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
+__all__ = ["AttentionMaskWarning", "Int8Linear", "KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
 
 _PROJECTIONS = ("query", "key", "value", "output")
 _ROPE_SCALING = {
@@ -1021,6 +1026,111 @@ def _global_hooks():
     return any(hooks)
 
 
+# int8 (docs/SPEC.md, "int8"): Keras' scheme, `keras.quantizers.abs_max_quantize` on the kernels
+# (per output column, when quantizing) and on the inputs of each projection (per token, at run time).
+_INT8_MAX = 127.0
+_INT8_EPSILON = 1e-7  # Keras' `backend.epsilon()`, added to the abs-max before dividing
+
+
+def _quantize_kernel(kernel):
+    """A float (D, F) kernel -> (int8 (D, F) kernel, float32 (F,) kernel_scale), computed in float32
+    with NumPy as Keras' `abs_max_quantize(kernel, axis=0, to_numpy=True)`: r = 127 / (max |column|
+    + 1e-7), the integers round(kernel * r) (half to even) clipped to [-127, 127], and
+    kernel_scale = 1 / r (Keras keeps r and divides by it)."""
+    kernel = np.asarray(kernel, dtype=np.float32)
+    ratio = np.float32(_INT8_MAX) / (np.max(np.abs(kernel), axis=0) + np.float32(_INT8_EPSILON))  # (F,)
+    quantized = np.clip(np.round(kernel * ratio), -_INT8_MAX, _INT8_MAX).astype(np.int8)  # (D, F)
+    return quantized, (np.float32(1.0) / ratio).astype(np.float32)
+
+
+class _Int8Matmul(torch.autograd.Function):
+    """x (..., D) times an int8 (F, D) weight: x quantized per token (r = 127 / (max |row| + 1e-7),
+    round(x * r) clipped to [-127, 127]), the integer products summed in x's dtype (exact in float32
+    while a sum stays below 2**24), then * (1 / r) * weight_scale. The gradient of x goes through
+    the dequantized weight (Keras' straight-through gradient); the weight and its scale get none."""
+
+    @staticmethod
+    def forward(ctx, x, weight, weight_scale):
+        ratio = _INT8_MAX / (x.abs().amax(dim=-1, keepdim=True) + _INT8_EPSILON)  # (..., 1)
+        integers = torch.round(x * ratio).clamp_(-_INT8_MAX, _INT8_MAX)  # (..., D)
+        accumulated = F.linear(integers, weight.to(x.dtype))  # (..., D) -> (..., F)
+        ctx.save_for_backward(weight, weight_scale)
+        return accumulated * ((1.0 / ratio) * weight_scale.to(x.dtype))  # (..., F)
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, weight_scale = ctx.saved_tensors
+        dequantized = weight.to(grad.dtype) * weight_scale.to(grad.dtype)[:, None]  # (F, D)
+        return grad @ dequantized, None, None  # (..., F) -> (..., D)
+
+
+class Int8Linear(nn.Module):
+    """A projection quantized by `MultiHeadAttention.quantize("int8")`: an int8 `weight` buffer
+    (F, D) (nn.Linear's orientation: the portable kernel transposed), a float32 `weight_scale`
+    buffer (F,), and the float `bias` parameter (or None) of the linear it replaced.
+    `y = (quantize(x) @ weight.T) * x_scale * weight_scale + bias`, x quantized per token.
+
+    Args:
+        weight: (F, D) int8 tensor.
+        weight_scale: (F,) float32 tensor.
+        bias: None or an (F,) `nn.Parameter`.
+    """
+
+    def __init__(self, weight, weight_scale, bias=None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight)  # (F, D) int8
+        self.register_buffer("weight_scale", weight_scale)  # (F,) float32
+        self.bias = bias
+
+    @classmethod
+    def from_linear(cls, linear):
+        """The int8 projection of an `nn.Linear` (its weight quantized in float32 as Keras does; its bias kept)."""
+        kernel, scale = _quantize_kernel(linear.weight.detach().float().cpu().numpy().T)  # (D, F), (F,)
+        device = linear.weight.device
+        weight = torch.from_numpy(np.ascontiguousarray(kernel.T)).to(device)  # (F, D)
+        return cls(weight, torch.from_numpy(scale).to(device), linear.bias)
+
+    def forward(self, x):
+        y = _Int8Matmul.apply(x, self.weight, self.weight_scale)  # (..., D) -> (..., F)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _with_scales(shapes):
+    """The int8 layout of a float layout: `<kind>_kernel_scale` (F,) after each (D, F) `<kind>_kernel`."""
+    scaled = {}
+    for name, shape in shapes.items():
+        scaled[name] = shape
+        if name.endswith("_kernel"):
+            scaled[f"{name}_scale"] = shape[1:]
+    return scaled
+
+
+def _int8_problems(weights, shapes):
+    """The kernels of an int8 layout that are not integers in [-127, 127]."""
+    problems = []
+    for name in (name for name in shapes if name.endswith("_kernel") and name in weights):
+        value = np.asarray(weights[name])
+        integral = np.issubdtype(value.dtype, np.integer)
+        if not integral or (value.size and np.abs(value.astype(np.int64)).max() > _INT8_MAX):
+            problems.append(f"'{name}' must hold integers in [-127, 127], received dtype {value.dtype.name}")
+    return problems
+
+
+def _is_int8_layout(weights):
+    return any(str(name).endswith("_kernel_scale") for name in weights)
+
+
+def _torchao_weight(tensor):
+    """Whether `tensor` is a weight quantized by torchao's `quantize_` (a tensor subclass holding
+    `qdata` and `scale`): int8 with scale abs-max / 127.5 and -128 allowed, activations likewise, so
+    not the portable int8 scheme; `export_weights` gives it dequantized."""
+    return isinstance(tensor, torch.Tensor) and hasattr(tensor, "qdata") and hasattr(tensor, "dequantize")
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention (MHA, grouped-query GQA and multi-query MQA) as an `nn.Module`.
 
@@ -1262,19 +1372,23 @@ class MultiHeadAttention(nn.Module):
             shapes["key_norm"] = (self.head_dim if per_head else kh,)
         if self.sinks is not None:
             shapes["sinks"] = (self.num_heads,)
-        return shapes
+        return _with_scales(shapes) if self.quantization_mode == "int8" else shapes
 
     def _parameter(self, name):
         """The tensor behind a portable name and whether it is stored transposed. A dynamically
         quantized projection (`torch.ao.quantization.quantize_dynamic`) gives its dequantized weight."""
         if name in ("query_norm", "key_norm", "sinks"):
             return getattr(self, name), False
+        if name.endswith("_kernel_scale"):
+            return getattr(self, name.removesuffix("_kernel_scale")).weight_scale, False
         kind, part = name.rsplit("_", 1)
         projection = getattr(self, kind)
         tensor = projection.weight if part == "kernel" else projection.bias
         if callable(tensor):  # a quantized module's weight() and bias() are methods
             tensor = tensor()
             tensor = tensor.dequantize() if tensor.is_quantized else tensor
+        if _torchao_weight(tensor):
+            tensor = tensor.dequantize()  # (F, D) float: torchao's int8 is not the portable scheme
         return tensor, part == "kernel"
 
     def export_weights(self):
@@ -1289,26 +1403,57 @@ class MultiHeadAttention(nn.Module):
         return weights
 
     def import_weights(self, weights):
-        """Loads portable weights; strict and atomic (a ValueError lists every problem)."""
-        expected = self.weight_shapes()
+        """Loads portable weights; strict and atomic (a ValueError lists every problem). An int8
+        layout (with `<kind>_kernel_scale`) quantizes a float layer first; an int8 layer takes only one."""
+        int8 = self.quantization_mode == "int8" or _is_int8_layout(weights)
+        expected = (
+            _with_scales(self.weight_shapes()) if int8 and self.quantization_mode is None else self.weight_shapes()
+        )
         problems = [f"missing '{name}'" for name in expected if name not in weights]
         problems += [f"unexpected '{name}'" for name in weights if name not in expected]
         for name, shape in expected.items():
             if name in weights and tuple(np.shape(weights[name])) != shape:
                 problems.append(f"'{name}' has shape {tuple(np.shape(weights[name]))}, expected {shape}")
+        problems += _int8_problems(weights, expected) if int8 else []
         if problems:
             raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
-        quantized = [kind for kind in _PROJECTIONS if callable(getattr(getattr(self, kind), "weight", None))]
+        weights_now = {kind: getattr(getattr(self, kind), "weight", None) for kind in _PROJECTIONS}
+        quantized = [kind for kind, weight in weights_now.items() if callable(weight) or _torchao_weight(weight)]
         if quantized:
             raise ValueError(
                 "`import_weights` writes float projections: import the weights before quantizing. "
                 f"Received: quantized projections {quantized}"
             )
+        if int8 and self.quantization_mode is None:
+            self.quantize("int8")
         with torch.no_grad():
             for name in expected:
                 tensor, transposed = self._parameter(name)
                 value = torch.as_tensor(np.asarray(weights[name]), dtype=tensor.dtype, device=tensor.device)
                 tensor.copy_(value.T if transposed else value)
+
+    @property
+    def quantization_mode(self):
+        """ "int8" once `quantize("int8")` (or an int8 `import_weights`) made the four projections
+        `Int8Linear` modules, else None."""
+        return "int8" if all(isinstance(getattr(self, kind), Int8Linear) for kind in _PROJECTIONS) else None
+
+    def quantize(self, mode):
+        """Replaces the four `nn.Linear` projections by `Int8Linear` modules: int8 weights with one
+        float32 scale per output feature, the inputs quantized per token at each call (Keras'
+        scheme, docs/SPEC.md "int8"). `export_weights` then gives the portable int8 layout.
+
+        Args:
+            mode: "int8", the only mode.
+        """
+        if mode != "int8":
+            raise ValueError(f"`mode` must be 'int8'. Received: mode={mode!r}")
+        others = {kind: type(getattr(self, kind)).__name__ for kind in _PROJECTIONS}
+        others = {kind: name for kind, name in others.items() if name != "Linear"}
+        if others:
+            raise ValueError(f"`quantize` needs the four projections as nn.Linear modules. Received: {others}")
+        for kind in _PROJECTIONS:
+            setattr(self, kind, Int8Linear.from_linear(getattr(self, kind)))
 
     def _inputs(self, query, key, value):
         """Missing inputs filled in (self-attention, value = key, key = value) and all three checked."""
@@ -1363,9 +1508,11 @@ class MultiHeadAttention(nn.Module):
 
     def _fusable(self):
         """Whether self-attention may project q, k and v with one matmul: only where that computes
-        exactly what calling the three projections would (plain nn.Linear, no hooks, not sharded)."""
+        exactly what calling the three projections would (plain nn.Linear, no hooks, not sharded,
+        no torchao quantized weights, which cannot be concatenated)."""
         projections = (self.query, self.key, self.value)
-        return all(_plain_linear(projection) for projection in projections) and not _is_dtensor(self.query.weight)
+        plain = all(_plain_linear(projection) and not _torchao_weight(projection.weight) for projection in projections)
+        return plain and not _is_dtensor(self.query.weight)
 
     def _project(self, x, kind, heads):
         """(B, L, D) -> (B, heads, L, H): one projection split into heads."""
@@ -1455,9 +1602,10 @@ class MultiHeadAttention(nn.Module):
         """The output projection's float weight (a wrapper's first float parameter, as LoRA's), or
         None where it holds none (a quantized module)."""
         weight = getattr(self.output, "weight", None)
-        if isinstance(weight, torch.Tensor):
+        if isinstance(weight, torch.Tensor) and weight.is_floating_point():
             return weight
-        return next((p for p in self.output.parameters() if p.is_floating_point()), None)
+        tensors = (*self.output.parameters(), *self.output.buffers())  # an Int8Linear: its bias, else its scale
+        return next((p for p in tensors if p.is_floating_point()), None)
 
     def _compute_dtype(self, query):
         """The dtype q, k and v are computed in: autocast's, else the output projection's float

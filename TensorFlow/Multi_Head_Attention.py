@@ -52,6 +52,11 @@ instead, with no copy of the cache per step (a compiled step then returns only i
 Weights: `query_kernel` (E, N*H), `query_bias` (N*H,), `key_kernel` (kdim, K*H), ...,
 `output_kernel` (N*H, E), `output_bias` (E,), `query_norm`, `key_norm` and `sinks` (N,): the
 portable layout itself, created in `build`.
+
+int8: `layer.quantize("int8")` or `model.quantize("int8")` (Keras' quantization API, policy
+"int8_from_<policy>", `.keras` save and load) makes each kernel an int8 variable with a float32
+`<kind>_kernel_scale` per output column, and quantizes each projection's input per token at every
+call, as Keras' int8 `Dense` does: y = (quantize(x) @ kernel) * x_scale * kernel_scale + bias.
 """
 
 import math
@@ -815,12 +820,103 @@ def _add(a, b):
     return b if a is None else a if b is None else a + b
 
 
-def _linear(x, kernel, bias):
+def _linear(x, kernel, bias, kernel_scale=None):
     """(B, L, D) @ (D, F) + (F,) -> (B, L, F) as a 2-D matmul and a bias add, which oneDNN fuses.
-    The weights are read in x's dtype (a no-op inside Keras' `__call__`, which autocasts them)."""
-    y = tf.matmul(tf.reshape(x, [-1, kernel.shape[0]]), tf.cast(kernel, x.dtype))  # (B, L, D) -> (B*L, F)
+    The weights are read in x's dtype (a no-op inside Keras' `__call__`, which autocasts them).
+    With a `kernel_scale` the kernel is int8 and x is quantized per token (`_int8_matmul`)."""
+    rows = tf.reshape(x, [-1, kernel.shape[0]])  # (B, L, D) -> (B*L, D)
+    if kernel_scale is None:
+        y = tf.matmul(rows, tf.cast(kernel, x.dtype))  # (B*L, D) -> (B*L, F)
+    else:
+        y = _int8_matmul(rows, tf.convert_to_tensor(kernel), tf.cast(kernel_scale, x.dtype))  # -> (B*L, F)
     y = y if bias is None else tf.nn.bias_add(y, tf.cast(bias, x.dtype))
     return tf.reshape(y, tf.concat([tf.shape(x)[:2], [kernel.shape[1]]], 0))  # (B*L, F) -> (B, L, F)
+
+
+# int8 (docs/SPEC.md, "int8"): Keras' scheme, `keras.quantizers.abs_max_quantize` on the kernels
+# (per output column, when quantizing) and on the inputs of each projection (per token, at run time).
+_INT8_MAX = 127.0
+_INT8_EPSILON = 1e-7  # Keras' `backend.epsilon()`, added to the abs-max before dividing
+
+
+def _quantize_kernel(kernel):
+    """A float (D, F) kernel -> (int8 (D, F) kernel, float32 (F,) kernel_scale), computed in float32
+    with NumPy as Keras' `abs_max_quantize(kernel, axis=0, to_numpy=True)`: r = 127 / (max |column|
+    + 1e-7), the integers round(kernel * r) (half to even) clipped to [-127, 127], and
+    kernel_scale = 1 / r (Keras keeps r and divides by it)."""
+    kernel = np.asarray(kernel, dtype=np.float32)
+    ratio = np.float32(_INT8_MAX) / (np.max(np.abs(kernel), axis=0) + np.float32(_INT8_EPSILON))  # (F,)
+    quantized = np.clip(np.round(kernel * ratio), -_INT8_MAX, _INT8_MAX).astype(np.int8)  # (D, F)
+    return quantized, (np.float32(1.0) / ratio).astype(np.float32)
+
+
+@tf.custom_gradient
+def _int8_matmul(rows, kernel, kernel_scale):
+    """(M, D) @ an int8 (D, F) kernel: rows quantized per token as Keras' `AbsMaxQuantizer` does
+    (r = 127 / (max |row| + 1e-7), round(rows * r) clipped to [-127, 127]), an int8 x int8 -> int32
+    matmul, then * (1 / r) * kernel_scale. The gradient of `rows` goes through the dequantized
+    kernel (Keras' straight-through gradient); the kernel and its scale get none."""
+    ratio = _INT8_MAX / (tf.reduce_max(tf.abs(rows), axis=-1, keepdims=True) + _INT8_EPSILON)  # (M, 1)
+    quantized = tf.cast(tf.clip_by_value(tf.round(rows * ratio), -_INT8_MAX, _INT8_MAX), tf.int8)  # (M, D)
+    accumulated = tf.matmul(quantized, kernel, output_type=tf.int32)  # (M, D) @ (D, F) -> (M, F)
+    y = tf.cast(accumulated, rows.dtype) * ((1.0 / ratio) * kernel_scale)  # (M, F)
+
+    def grad(upstream):
+        dequantized = tf.cast(kernel, rows.dtype) * kernel_scale  # (D, F)
+        return tf.matmul(upstream, dequantized, transpose_b=True), None, None  # (M, F) -> (M, D)
+
+    return y, grad
+
+
+def _with_scales(shapes):
+    """The int8 layout of a float layout: `<kind>_kernel_scale` (F,) after each (D, F) `<kind>_kernel`."""
+    scaled = {}
+    for name, shape in shapes.items():
+        scaled[name] = shape
+        if name.endswith("_kernel"):
+            scaled[f"{name}_scale"] = shape[1:]
+    return scaled
+
+
+def _int8_problems(weights, shapes):
+    """The kernels of an int8 layout that are not integers in [-127, 127]."""
+    problems = []
+    for name in (name for name in shapes if name.endswith("_kernel") and name in weights):
+        value = np.asarray(weights[name])
+        integral = np.issubdtype(value.dtype, np.integer)
+        if not integral or (value.size and np.abs(value.astype(np.int64)).max() > _INT8_MAX):
+            problems.append(f"'{name}' must hold integers in [-127, 127], received dtype {value.dtype.name}")
+    return problems
+
+
+def _is_int8_layout(weights):
+    return any(str(name).endswith("_kernel_scale") for name in weights)
+
+
+def _check_int8_config(config):
+    """Keras' default int8 config only (the scheme of the portable layout): no weight quantizer of
+    its own and the default per-token `AbsMaxQuantizer` of the inputs."""
+    if config is None:
+        return
+    activation = getattr(config, "activation_quantizer", None)
+    default_activation = (
+        type(activation).__name__ == "AbsMaxQuantizer"
+        and tuple(activation.value_range) == (-127, 127)
+        and activation.axis in (None, (-1,))
+        and activation.epsilon == _INT8_EPSILON
+    )
+    if getattr(config, "weight_quantizer", None) is not None or not default_activation:
+        raise ValueError(
+            "`config` must be Keras' default int8 config (per-column abs-max kernels, per-token abs-max inputs in "
+            f"[-127, 127]): the portable int8 layout holds only that scheme. Received: config={config!r}"
+        )
+
+
+def _unquantized_policy(policy):
+    """A quantized dtype policy's source ("int8_from_float32" -> "float32"): the Dropout sublayer
+    computes in floats, and a quantized policy would send it to Keras' `quantized_call`."""
+    name = getattr(policy, "name", policy)
+    return name.partition("_from_")[2] if isinstance(name, str) and "_from_" in name else policy
 
 
 def _softmax_dtype(dtype):
@@ -1272,7 +1368,10 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         self._warned_traps = set()  # the mask habits warned of, once each
         self._convert_input_args = False  # Keras must not cast masks and biases: `call` casts query, key, value
         self._allow_non_tensor_positional_args = True  # NumPy inputs reach `call` as they are
-        self._dropout_layer = tf.keras.layers.Dropout(self.dropout, dtype=self.dtype_policy)
+        dropout_layer = tf.keras.layers.Dropout(self.dropout, dtype=_unquantized_policy(self.dtype_policy))
+        object.__setattr__(self, "_dropout_layer", dropout_layer)  # no sublayer: `model.quantize` quantizes leaves
+        if getattr(dropout_layer, "seed_generator", None) is not None:  # Keras 3: its seed is this layer's state
+            self._dropout_seed_generator = dropout_layer.seed_generator
 
     def get_config(self):
         bias = True if self.bias == _PROJECTIONS else bool(self.bias) and list(self.bias)
@@ -1320,7 +1419,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             shapes["key_norm"] = (self.head_dim,) if self.qk_norm == "head" else (kh,)
         if self.sinks:
             shapes["sinks"] = (self.num_heads,)
-        return shapes
+        return _with_scales(shapes) if self._int8 else shapes
 
     def init_cache(self, batch_size, max_length, *, keep=None, dtype=None, in_place=False):
         """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
@@ -1366,7 +1465,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         """
         self._check_shapes(query_shape, value_shape, key_shape)
         for name, shape in self.weight_shapes().items():
-            variable = self.add_weight(name=name, shape=shape, initializer=self._initializer(name))
+            variable = self.add_weight(name=name, shape=shape, **self._weight_options(name))
             setattr(self, _ATTRIBUTES.get(name, name), variable)
         self._dropout_layer.build(None)
         self.built = True
@@ -1382,17 +1481,22 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         return {name: self._variable(name).numpy().copy() for name in self.weight_shapes()}
 
     def import_weights(self, weights):
-        """Loads portable weights; strict and atomic (a ValueError lists every problem)."""
-        expected = self.weight_shapes()
+        """Loads portable weights; strict and atomic (a ValueError lists every problem). An int8
+        layout (with `<kind>_kernel_scale`) quantizes a float layer first; an int8 layer takes only one."""
+        int8 = self._int8 or _is_int8_layout(weights)
+        expected = _with_scales(self.weight_shapes()) if int8 and not self._int8 else self.weight_shapes()
         problems = [f"missing '{name}'" for name in expected if name not in weights]
         problems += [f"unexpected '{name}'" for name in weights if name not in expected]
         for name, shape in expected.items():
             if name in weights and tuple(np.shape(weights[name])) != shape:
                 problems.append(f"'{name}' has shape {tuple(np.shape(weights[name]))}, expected {shape}")
+        problems += _int8_problems(weights, expected) if int8 else []
         if problems:
             raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
         if not self.built:
             self.build()
+        if int8 and not self._int8:
+            self.quantize("int8")
         for name in expected:
             variable = self._variable(name)
             variable.assign(np.asarray(weights[name]).astype(tf.as_dtype(variable.dtype).as_numpy_dtype))
@@ -1400,9 +1504,61 @@ class MultiHeadAttention(tf.keras.layers.Layer):
     def _bias_of(self, kind):
         return getattr(self, f"{kind}_bias") if kind in self.bias else None
 
+    # int8: Keras' quantization API (`layer.quantize("int8")`, `model.quantize("int8")`, the
+    # "int8_from_<policy>" dtype policies), with the portable int8 layout as the variables.
+
+    @property
+    def _int8(self):
+        """Whether the projections are int8: the dtype policy is "int8_from_..." (Keras 3 only)."""
+        return getattr(self, "quantization_mode", None) == "int8"
+
+    def _scale_of(self, kind):
+        return getattr(self, f"{kind}_kernel_scale") if self._int8 else None
+
+    def _weight_options(self, name):
+        """`add_weight` arguments of one portable weight: int8 kernels and their float scales are
+        not trainable (as in Keras' int8 `Dense`)."""
+        if self._int8 and name.endswith("_kernel"):
+            return {"initializer": "zeros", "dtype": "int8", "trainable": False}
+        if name.endswith("_kernel_scale"):
+            return {"initializer": "ones", "dtype": "float32", "trainable": False}
+        return {"initializer": self._initializer(name)}
+
+    def quantize(self, mode=None, type_check=True, config=None):
+        """Quantizes the four projections to int8 as Keras' `Dense.quantize("int8")` does: each
+        kernel becomes an int8 variable with one float32 `<kind>_kernel_scale` per output column,
+        each call quantizes the projections' inputs per token, and the dtype policy becomes
+        "int8_from_<policy>". `model.quantize("int8")` calls it; other modes raise
+        `NotImplementedError`, which `model.quantize` turns into a warning, as for any Keras layer.
+
+        Args:
+            mode: "int8".
+            type_check: unused (Keras' signature).
+            config: None or Keras' default `Int8QuantizationConfig`.
+        """
+        del type_check
+        if mode != "int8":
+            raise NotImplementedError(f"{type(self).__name__} quantizes to 'int8' only. Received: mode={mode!r}")
+        if not hasattr(self, "quantization_mode"):
+            raise ValueError(f"int8 quantization needs Keras 3 (not legacy Keras 2). Received: mode={mode!r}")
+        _check_int8_config(config)
+        for kind in _PROJECTIONS:
+            kernel, scale = _quantize_kernel(getattr(self, f"{kind}_kernel").numpy())
+            self._untrack_variable(getattr(self, f"{kind}_kernel"))  # Keras' `del` would run gc.collect() per kernel
+            for name, value in ((f"{kind}_kernel", kernel), (f"{kind}_kernel_scale", scale)):
+                options = {"initializer": "zeros", "trainable": False, "dtype": value.dtype.name}
+                setattr(self, name, self.add_weight(name=name, shape=value.shape, **options))
+                getattr(self, name).assign(value)
+        self._is_quantized = True  # Keras' flag: setting the policy below must not quantize again
+        self.dtype_policy = f"int8_from_{self.dtype_policy.name}"
+
+    def _int8_call(self, *args, **kwargs):
+        """Keras' entry for an int8 policy: `call`, whose projections read the int8 variables."""
+        return self.call(*args, **kwargs)
+
     def _project(self, x, kind, heads):
         """(B, L, D) -> (B, heads, L, H): one projection split into heads."""
-        y = _linear(x, getattr(self, f"{kind}_kernel"), self._bias_of(kind))  # (B, L, D) -> (B, L, heads*H)
+        y = _linear(x, getattr(self, f"{kind}_kernel"), self._bias_of(kind), self._scale_of(kind))  # -> (B, L, heads*H)
         return self._split_heads(y, heads)
 
     def _split_heads(self, y, heads):
@@ -1423,9 +1579,10 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         bias = None
         if any(kind in self.bias for kind in kinds):
             biases = [self._bias_of(kind) for kind in kinds]
-            biases = [tf.zeros(w, kernel.dtype) if b is None else b for b, w in zip(biases, (nh, kh, kh), strict=True)]
+            biases = [tf.zeros(w, self.dtype) if b is None else b for b, w in zip(biases, (nh, kh, kh), strict=True)]
             bias = tf.concat(biases, axis=0)  # (N*H + 2*K*H,)
-        y = _linear(x, kernel, bias)  # (B, T, E) -> (B, T, N*H + 2*K*H)
+        scale = tf.concat([self._scale_of(kind) for kind in kinds], axis=0) if self._int8 else None  # (N*H + 2*K*H,)
+        y = _linear(x, kernel, bias, scale)  # (B, T, E) -> (B, T, N*H + 2*K*H)
         q, k, v = tf.split(y, [nh, kh, kh], axis=-1)  # -> 3 x (B, T, heads*H)
         return (
             self._split_heads(q, self.num_heads),  # (B, N, T, H)
@@ -1653,7 +1810,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         )  # (B, N, T, H)
         # 7. Heads merged and the output projection.
         merged = self._merge_heads(context)  # (B, N, T, H) -> (B, T, N*H)
-        output = _linear(merged, self.output_kernel, self._bias_of("output"))  # -> (B, T, E)
+        output = _linear(merged, self.output_kernel, self._bias_of("output"), self._scale_of("output"))  # -> (B, T, E)
         if cache is not None and not tf.executing_eagerly():
             output = tf.where(misfit, tf.cast(np.nan, output.dtype), output)  # XLA cannot raise for a misfit
 

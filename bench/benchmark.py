@@ -111,6 +111,9 @@ VARIANTS = {
 }
 VARIANT_CONFIGS = [CONFIGS[0]]
 VARIANT_MODES = ("forward", "train step")
+# int8 (docs/SPEC.md, "int8"): weight memory and forward time against float32, ours and the built-in's.
+INT8_CONFIGS = [CONFIGS[0]]
+QUICK_INT8 = [QUICK[0]]
 LAYERS = {
     "PyTorch": ("PyTorch ours", "nn.MultiheadAttention"),
     "TensorFlow": ("TensorFlow ours", "keras MultiHeadAttention"),
@@ -278,6 +281,114 @@ def variants_table(times, config):
             f"| {config.name} | {framework} | {name} | {mode} | {statistics.median(plain) * 1e3:.1f} "
             f"| {statistics.median(changed) * 1e3:.1f} | {ratio_cell(changed, plain)} |"
         )
+    return "\n".join(lines)
+
+
+def _torch_bytes(module):
+    """Bytes of a module's state: int8 tensors as int8 (torchao's `qdata` and `scale`, a quantized
+    tensor's integers), everything else as stored."""
+    import torch
+
+    def nbytes(value):
+        if isinstance(value, (tuple, list)):
+            return sum(nbytes(v) for v in value)
+        if not isinstance(value, torch.Tensor):
+            return 0
+        if hasattr(value, "qdata"):
+            return value.qdata.nbytes + value.scale.nbytes
+        return value.int_repr().nbytes if value.is_quantized else value.nbytes
+
+    return sum(nbytes(value) for value in module.state_dict().values())
+
+
+def torch_int8_layers(config):
+    """{label: (forward callable, weight bytes)}: ours in float32, `quantize("int8")`, torchao's int8
+    dynamic scheme and `quantize_dynamic` (nn.MultiheadAttention cannot be quantized: its input
+    projection is a bare parameter and its output projection is excluded from quantize_dynamic)."""
+    import copy
+
+    import torch
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    from PyTorch import MultiHeadAttention
+
+    x = torch.randn(config.b, config.t, config.e)
+    float_layer = MultiHeadAttention(config.e, config.n, num_kv_heads=config.k).eval()
+    int8, torchao, dynamic = (copy.deepcopy(float_layer) for _ in range(3))
+    int8.quantize("int8")
+    quantize_(torchao, Int8DynamicActivationInt8WeightConfig())
+    dynamic = torch.ao.quantization.quantize_dynamic(dynamic, {torch.nn.Linear}, dtype=torch.qint8)
+    layers = {"ours float32": float_layer, "ours int8": int8, "ours torchao int8 dynamic": torchao}
+    layers["ours quantize_dynamic"] = dynamic
+
+    def forward(layer):
+        with torch.no_grad():
+            layer(x)
+
+    return {label: ((lambda layer=layer: forward(layer)), _torch_bytes(layer)) for label, layer in layers.items()}
+
+
+def tf_int8_layers(config):
+    """{label: (forward callable, weight bytes)}: ours and Keras' MultiHeadAttention, in float32 and
+    quantized to int8 (the built-in's EinsumDense projections, as `model.quantize` does), in tf.function."""
+    import keras
+    import tensorflow as tf
+
+    from TensorFlow import MultiHeadAttention
+
+    x = tf.random.normal((config.b, config.t, config.e))
+    layers = {}
+    for quantized in (False, True):
+        ours = MultiHeadAttention(config.e, config.n, num_kv_heads=config.k)
+        ours.build()
+        builtin = ours.to_keras()
+        if quantized:
+            ours.quantize("int8")
+            for dense in builtin._flatten_layers(include_self=False):
+                if isinstance(dense, keras.layers.EinsumDense):
+                    dense.quantize("int8")
+        suffix = "int8" if quantized else "float32"
+        layers[f"ours {suffix}"] = (ours, tf.function(lambda layer=ours: layer(x)))
+        layers[f"keras {type(builtin).__name__} {suffix}"] = (builtin, tf.function(lambda layer=builtin: layer(x, x)))
+    return {
+        label: ((lambda call=call: call().numpy()), sum(v.numpy().nbytes for v in layer.weights))
+        for label, (layer, call) in layers.items()
+    }
+
+
+def time_int8(config, runs, rounds):
+    """{framework: {label: ([seconds of each round], weight bytes)}}, each framework's layers taking turns."""
+    results = {}
+    for framework, build in (("PyTorch", torch_int8_layers), ("TensorFlow", tf_int8_layers)):
+        layers = build(config)
+        measured = rounds_of_times({label: call for label, (call, _) in layers.items()}, runs, rounds)
+        results[framework] = {label: (measured[label], size) for label, (_, size) in layers.items()}
+    return results
+
+
+def int8_table(results, config):
+    """Each layer against its own float32 form (ours against ours float32, the built-in against the
+    built-in float32) and, for Keras, ours int8 against the built-in int8."""
+    lines = [
+        "| configuration | framework | layer | weights (KiB) | weights / float32 | forward (ms) "
+        "| forward / float32 (spread) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for framework, layers in results.items():
+        for label, (seconds, size) in layers.items():
+            base_label = label.rsplit(" ", 1)[0] + " float32" if label.startswith("keras") else "ours float32"
+            base_seconds, base_size = layers[base_label]
+            lines.append(
+                f"| {config.name} | {framework} | {label} | {size / 1024:.0f} | {size / base_size:.2f} "
+                f"| {statistics.median(seconds) * 1e3:.1f} | {ratio_cell(seconds, base_seconds)} |"
+            )
+    keras_layers = results["TensorFlow"]
+    builtin = next(label for label in keras_layers if label.startswith("keras") and label.endswith("int8"))
+    lines += [
+        "",
+        f"TensorFlow ours int8 / {builtin}, forward: "
+        f"{ratio_cell(keras_layers['ours int8'][0], keras_layers[builtin][0])}.",
+    ]
     return "\n".join(lines)
 
 
@@ -479,6 +590,7 @@ def main(argv=None):
     anchors, anchor_runs = (QUICK_DECODE_ANCHORS, 3) if args.quick else (DECODE_ANCHORS, DECODE_ANCHOR_RUNS)
     memory_cases, processes = (QUICK_MEMORY, 1) if args.quick else (MEMORY, MEMORY_PROCESSES)
     variant_config = QUICK[0] if args.quick else VARIANT_CONFIGS[0]
+    int8_configs = QUICK_INT8 if args.quick else INT8_CONFIGS
     runs = args.runs or (2 if args.quick else 5)
     flops = {"PyTorch": torch_matmul_flops(runs), "TensorFlow": tf_matmul_flops(runs)}
     times, decode_times = {}, {}
@@ -494,6 +606,10 @@ def main(argv=None):
         anchor_times[config.name] = time_decode_anchors(config, anchor_runs, args.rounds)
     print(f"variants, {variant_config.name}", file=sys.stderr, flush=True)
     variant_times = time_variants(variant_config, runs, args.rounds)
+    int8_results = {}
+    for config in int8_configs:
+        print(f"int8, {config.name}", file=sys.stderr, flush=True)
+        int8_results[config.name] = time_int8(config, runs, args.rounds)
     long_results = {}
     for config, mode in long:
         for which in (label for pair in LAYERS.values() for label in pair):
@@ -546,6 +662,17 @@ def main(argv=None):
         "softmax, which SDPA cannot express). TensorFlow inside tf.function.",
         "",
         variants_table(variant_times, variant_config),
+        "",
+        "## int8",
+        "",
+        '`quantize("int8")` (docs/SPEC.md, "int8") against the same layer in float32, forward only (PyTorch '
+        "eval + no_grad, TensorFlow inside tf.function), taking turns run by run; weights are the bytes of the "
+        "layer's state. Goal: weights 4x smaller (0.25 minus the float biases and scales), a forward no slower "
+        "than float32. PyTorch's int8 runs the scheme in float32 arithmetic (its CPU int8 matmul is slower); "
+        "torchao's dynamic int8 and quantize_dynamic are other schemes on the same layer (nn.MultiheadAttention "
+        "cannot be quantized). Keras' built-in is quantized the same way as ours (its EinsumDense projections).",
+        "",
+        *(int8_table(int8_results[config.name], config) for config in int8_configs),
         "",
         "## Long sequences",
         "",

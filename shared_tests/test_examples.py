@@ -47,6 +47,8 @@ def test_benchmark_quick_writes_results(tmp_path):
     assert "| quick B=2 T=S=32 E=32 N=4 | train step | TensorFlow ours |" in text
     assert "| quick B=2 T=S=32 E=32 N=4 | PyTorch | RoPE | forward |" in text
     assert "| quick B=2 T=S=32 E=32 N=4 | TensorFlow | sinks | train step |" in text
+    assert "| quick B=2 T=S=32 E=32 N=4 | PyTorch | ours int8 |" in text
+    assert "| quick B=2 T=S=32 E=32 N=4 | TensorFlow | keras MultiHeadAttention int8 |" in text
 
 
 def test_benchmark_quick_never_writes_the_recorded_results(capsys):

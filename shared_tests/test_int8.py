@@ -1,0 +1,310 @@
+"""int8 layers (docs/SPEC.md, "int8"): one scheme and one portable layout in the three files.
+
+A layer quantized in any framework, exported and imported into every other, gives the NumPy
+reference's numbers within one quantization step, and the Keras layer quantizes as the built-in
+does (`model.quantize("int8")`, `.keras` save and load). Kept apart from the parity report: the
+int8 layers have no gradient to compare (the NumPy reference has no int8 backward).
+"""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+import torch
+from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
+
+from NumPy import Multi_Head_Attention as numpy_file
+from PyTorch import Multi_Head_Attention as torch_file
+from shared_tests.cases import CASES_BY_NAME, TOLERANCES, call_inputs, make_data
+from TensorFlow import Multi_Head_Attention as tf_file
+
+FLOAT32 = TOLERANCES["float32"]["output"]  # what float32 arithmetic alone may change
+FLIP_SHARE = (
+    0.01  # outputs beyond FLOAT32 allowed: a token's rounding flipped by float noise (each costs at most a step)
+)
+INT8_ERROR = 0.05  # int8 against float32 on these cases (Glorot weights, N(0, 1) inputs): up to 0.032 measured
+SOURCES = ("numpy", "torch", "tf")
+PATHS = ("numpy", "torch:sdpa", "torch:explicit", "tf:eager", "tf:function")
+CASE_NAMES = (
+    "self_basic", "kdim_vdim", "no_bias", "gqa_self_causal", "rows_fully_masked", "empty_query", "rope_self_causal",
+    "qk_norm_all", "sinks_gqa_causal", "wide",
+)  # fmt: skip
+LAYERS = {"numpy": numpy_file.MultiHeadAttention, "torch": torch_file.MultiHeadAttention}
+
+
+def _float_layer(framework, case, weights):
+    layer_class = tf_file.MultiHeadAttention if framework == "tf" else LAYERS[framework]
+    layer = layer_class(**case.config)
+    layer.import_weights(weights)
+    return layer
+
+
+def _quantized_export(source, case, data):
+    layer = _float_layer(source, case, data["weights"])
+    layer.quantize("int8")
+    return layer.export_weights()
+
+
+def _call(path, layer, case, data):
+    """The int8 layer's output (and weights where the path returns them) as float64 arrays."""
+    framework = path.split(":")[0]
+    inputs = {name: data[name] for name in ("key", "value") if data[name] is not None}
+    kwargs = {**call_inputs(data), "causal": case.causal}
+    if framework == "numpy":
+        return layer(data["query"], **inputs, **kwargs, return_attention=True)[0]
+    if framework == "torch":
+        as_tensor = {name: torch.as_tensor(x) for name, x in {**inputs, **call_inputs(data)}.items()}
+        with torch.no_grad():
+            result = layer(torch.as_tensor(data["query"]), **as_tensor, causal=case.causal)
+            if path == "torch:explicit":
+                result = layer(torch.as_tensor(data["query"]), **as_tensor, causal=case.causal, return_attention=True)[
+                    0
+                ]
+        return result.double().numpy()
+
+    def call(query, *values):
+        return layer(query, **dict(zip(inputs, values, strict=True)), **kwargs)
+
+    call = tf.function(call) if path == "tf:function" else call
+    return np.asarray(call(data["query"], *inputs.values()).numpy(), dtype=np.float64)
+
+
+def _one_step(reference):
+    """One quantization step of the output: one integer of the output projection's input
+    (x_scale = max |row| / 127) times its largest dequantized weight (127 * kernel_scale)."""
+    merged = reference._saved["merged"]  # (B, T, N*H), the output projection's input
+    return float(np.abs(merged).max(initial=0.0) * reference.params["output_kernel_scale"].max())
+
+
+def _assert_within_a_step(output, expected, step):
+    difference = np.abs(output - expected)
+    assert difference.max(initial=0.0) <= step + FLOAT32
+    assert np.mean(difference > FLOAT32) <= FLIP_SHARE if difference.size else True
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_every_file_quantizes_to_the_same_layout(name):
+    """From the same float weights, the three files give the same int8 integers and scales."""
+    case = CASES_BY_NAME[name]
+    data = make_data(case)
+    layouts = {framework: _quantized_export(framework, case, data) for framework in SOURCES}
+    for framework, layout in layouts.items():
+        assert layout.keys() == layouts["numpy"].keys()
+        for layout_name, value in layout.items():
+            if layout_name.endswith(("_kernel", "_kernel_scale")):
+                np.testing.assert_array_equal(
+                    value, layouts["numpy"][layout_name], err_msg=f"{framework} {layout_name}"
+                )
+                assert value.dtype == layouts["numpy"][layout_name].dtype
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_quantized_anywhere_runs_the_same_everywhere(name, source):
+    """Quantized in `source`, exported, imported into a float layer of every file (which the int8
+    layout quantizes): the reference's output within one quantization step on every path, and
+    the same layout exported again."""
+    case = CASES_BY_NAME[name]
+    data = make_data(case)
+    layout = _quantized_export(source, case, data)
+    reference = _float_layer("numpy", case, layout)
+    assert reference.quantization_mode == "int8"
+    expected = _call("numpy", reference, case, data)
+    layers = {framework: _float_layer(framework, case, layout) for framework in ("torch", "tf")}
+    for path in PATHS[1:]:
+        _assert_within_a_step(_call(path, layers[path.split(":")[0]], case, data), expected, _one_step(reference))
+    for layer in layers.values():
+        exported = layer.export_weights()
+        for layout_name in (name for name in layout if "kernel" in name):
+            np.testing.assert_array_equal(exported[layout_name], layout[layout_name])
+
+
+@pytest.mark.parametrize("framework", ("numpy", "torch", "tf"))
+def test_kernel_quantization_is_keras_abs_max(framework):
+    """The integers are Keras' `abs_max_quantize(kernel, axis=0)` exactly, and the scale is the
+    reciprocal of Keras' (which divides by it)."""
+    kernel = np.random.default_rng(0).normal(size=(24, 10)).astype(np.float32)
+    kernel[:, 3] = 0.0  # an all-zero column: integers 0, scale 1e-7 / 127
+    integers, keras_scale = keras.quantizers.abs_max_quantize(kernel, axis=0, to_numpy=True)
+    file = {"numpy": numpy_file, "torch": torch_file, "tf": tf_file}[framework]
+    quantized, scale = file._quantize_kernel(kernel)
+    np.testing.assert_array_equal(quantized, np.asarray(integers))
+    np.testing.assert_array_equal(scale, np.float32(1.0) / np.asarray(keras_scale)[0])
+    assert quantized.dtype == np.int8 and scale.dtype == np.float32
+
+
+def _keras_model(case):
+    query = keras.Input((case.t, case.e))
+    layer = tf_file.MultiHeadAttention(**case.config)
+    return keras.Model(query, layer(query, causal=True)), layer
+
+
+def test_keras_model_quantize_saves_and_loads(tmp_path):
+    """`model.quantize("int8")` quantizes the layer as Keras quantizes its own (int8 kernels, the
+    policy int8_from_float32), the output is the reference's, and a `.keras` file keeps it."""
+    case = CASES_BY_NAME["self_basic"]
+    data = make_data(case)
+    model, layer = _keras_model(case)
+    layer.import_weights(data["weights"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.quantize("int8")
+    refused = [str(w.message) for w in caught if "does not have a `quantize`" in str(w.message)]
+    assert refused and all("InputLayer" in message for message in refused)  # neither this layer nor its dropout
+    assert layer.dtype_policy.name == "int8_from_float32"
+    assert {v.name: v.dtype for v in layer.weights}["output_kernel"] == "int8"
+    reference = _float_layer("numpy", case, layer.export_weights())
+    expected = reference(data["query"], causal=True)
+    output = model(data["query"]).numpy()
+    _assert_within_a_step(output, expected, _one_step(reference))
+    model.save(tmp_path / "int8.keras")
+    loaded = keras.models.load_model(tmp_path / "int8.keras")
+    np.testing.assert_array_equal(loaded(data["query"]).numpy(), output)
+    assert loaded.layers[-1].dtype_policy.name == "int8_from_float32"
+
+
+def test_keras_layer_equals_built_in_int8():
+    """The same float weights quantized in this layer and in Keras' `MultiHeadAttention` (whose
+    `EinsumDense` projections quantize per output column, inputs per token): the same integers
+    and the same output."""
+    x = np.random.default_rng(1).normal(size=(2, 5, 16)).astype(np.float32)
+    built_in = keras.layers.MultiHeadAttention(num_heads=4, key_dim=4)
+    built_in(x, x)
+    layer = tf_file.MultiHeadAttention.from_keras(built_in)
+    projections = (built_in._query_dense, built_in._key_dense, built_in._value_dense, built_in._output_dense)
+    for projection in projections:
+        projection.quantize("int8")
+    layer.quantize("int8")
+    np.testing.assert_array_equal(layer.query_kernel.numpy(), built_in._query_dense._kernel.numpy().reshape(16, 16))
+    np.testing.assert_allclose(layer(x).numpy(), built_in(x, x).numpy(), rtol=0, atol=FLOAT32)
+
+
+@pytest.mark.parametrize("framework", ("numpy", "torch", "tf"))
+def test_int8_decoding_equals_the_full_pass(framework):
+    """Each token is quantized on its own, so decoding one token at a time equals the full pass."""
+    case = CASES_BY_NAME["causal_self"]
+    data = make_data(case)
+    layer = _float_layer(framework, case, data["weights"])
+    layer.quantize("int8")
+    convert = {"numpy": np.asarray, "torch": torch.as_tensor, "tf": tf.constant}[framework]
+    with torch.no_grad():
+        full = np.asarray(layer(convert(data["query"]), causal=True), dtype=np.float64)
+        cache, steps = layer.init_cache(case.b, case.t), []
+        for t in range(case.t):
+            output, cache = layer(convert(data["query"][:, t : t + 1]), causal=True, cache=cache)
+            steps.append(np.asarray(output, dtype=np.float64))
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=0, atol=FLOAT32)
+
+
+@pytest.mark.parametrize("framework", ("numpy", "torch", "tf"))
+def test_int8_layout_checks(framework):
+    """A float layout into an int8 layer and an int8 layout whose kernels are not int8 integers
+    are refused, naming every problem; quantizing twice or to another mode is refused."""
+    case = CASES_BY_NAME["self_basic"]
+    data = make_data(case)
+    layout = _quantized_export("numpy", case, data)
+    layer = _float_layer(framework, case, data["weights"])
+    layer.quantize("int8")
+    with pytest.raises(ValueError, match=r"missing 'query_kernel_scale'.*missing 'output_kernel_scale'"):
+        layer.import_weights(data["weights"])
+    floats = {**layout, "key_kernel": layout["key_kernel"].astype(np.float32)}
+    with pytest.raises(ValueError, match=r"'key_kernel' must hold integers in \[-127, 127\], received dtype float32"):
+        _float_layer(framework, case, data["weights"]).import_weights(floats)
+    with pytest.raises(ValueError, match=r"already quantized|nn.Linear modules"):
+        layer.quantize("int8")
+    error = NotImplementedError if framework == "tf" else ValueError  # Keras' convention: model.quantize warns
+    with pytest.raises(error, match="int8"):
+        _float_layer(framework, case, data["weights"]).quantize("int4")
+
+
+def test_numpy_int8_backward_is_refused():
+    case = CASES_BY_NAME["self_basic"]
+    data = make_data(case)
+    layer = _float_layer("numpy", case, data["weights"])
+    layer.quantize("int8")
+    layer(data["query"])
+    with pytest.raises(ValueError, match=r"`backward` is defined for float weights only.*quantization_mode='int8'"):
+        layer.backward(data["grad_output"])
+
+
+def test_keras_refuses_another_int8_scheme():
+    case = CASES_BY_NAME["self_basic"]
+    layer = _float_layer("tf", case, make_data(case)["weights"])
+    config = keras.quantizers.Int8QuantizationConfig(weight_quantizer=keras.quantizers.AbsMaxQuantizer(axis=0))
+    with pytest.raises(ValueError, match="`config` must be Keras' default int8 config"):
+        layer.quantize(config=config)
+
+
+@pytest.mark.parametrize("framework", ("torch", "tf"))
+def test_int8_input_gradient_goes_through_the_dequantized_kernel(framework):
+    """Keras' straight-through gradient: the inputs' gradient is the float layer's with the
+    dequantized kernels, within the int8 error; biases still train."""
+    case = CASES_BY_NAME["self_basic"]
+    data = make_data(case)
+    layout = _quantized_export("numpy", case, data)
+    dequantized = {
+        name: value * layout[f"{name}_scale"] if name.endswith("_kernel") else value
+        for name, value in layout.items()
+        if not name.endswith("_scale")
+    }
+    grads = []
+    for weights in (layout, dequantized):
+        layer = _float_layer(framework, case, weights)
+        if framework == "torch":
+            x = torch.tensor(data["query"], requires_grad=True)
+            (layer(x) * torch.as_tensor(data["grad_output"])).sum().backward()
+            grads.append(x.grad.numpy())
+            assert layer.output.bias.grad is not None
+        else:
+            x = tf.constant(data["query"])
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(layer(x) * data["grad_output"])
+            grads.append(tape.gradient(loss, x).numpy())
+    np.testing.assert_allclose(grads[0], grads[1], rtol=0, atol=INT8_ERROR)
+    assert np.abs(grads[0]).max() > 10 * INT8_ERROR  # a gradient, not zeros
+
+
+def test_torch_int8_state_dict_loads_into_a_quantized_layer():
+    """`state_dict` holds the int8 weights and scales as buffers; a layer quantized first loads it."""
+    case = CASES_BY_NAME["self_basic"]
+    data = make_data(case)
+    layer = _float_layer("torch", case, data["weights"])
+    layer.quantize("int8")
+    state = layer.state_dict()
+    assert state["output.weight"].dtype == torch.int8 and state["output.weight_scale"].dtype == torch.float32
+    other = torch_file.MultiHeadAttention(**case.config)
+    other.quantize("int8")
+    other.load_state_dict(state)
+    query = torch.as_tensor(data["query"])
+    with torch.no_grad():
+        torch.testing.assert_close(other(query), layer(query), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("config", (Int8WeightOnlyConfig(), Int8DynamicActivationInt8WeightConfig()), ids=str)
+def test_torchao_int8_schemes(config):
+    """torchao's int8 weight-only and dynamic schemes run the layer (fused projections left out,
+    decoding too) within the int8 error of the float layer; their export is the dequantized float
+    layout (their scheme, abs-max / 127.5 with -128, is not the portable one); import is refused."""
+    case = CASES_BY_NAME["gqa_self_causal"]
+    data = make_data(case)
+    layer = _float_layer("torch", case, data["weights"])
+    query = torch.as_tensor(data["query"])
+    with torch.no_grad():
+        expected = layer(query, causal=True)
+        quantize_(layer, config)
+        for return_attention in (False, True):
+            result = layer(query, causal=True, return_attention=return_attention)
+            output = result[0] if return_attention else result
+            assert 0 < (output - expected).abs().max() < INT8_ERROR
+        output, _ = layer(query, causal=True, cache=layer.init_cache(case.b, case.t))
+    torch.testing.assert_close(output, layer(query, causal=True), rtol=0, atol=FLOAT32)
+    exported = layer.export_weights()
+    assert exported["query_kernel"].dtype == np.float32 and "query_kernel_scale" not in exported
+    with torch.no_grad():
+        dequantized = _float_layer("torch", case, exported)(query, causal=True)
+    assert (dequantized - output).abs().max() < INT8_ERROR
+    with pytest.raises(ValueError, match="import the weights before quantizing"):
+        layer.import_weights(exported)
