@@ -481,10 +481,9 @@ def _values(x):
         import tensorflow as tf  # the backend in use, already imported by Keras
 
         readable = tf.executing_eagerly() and "CPU" in x.device.upper()
-    elif backend == "jax":
-        import jax
-
-        readable = not isinstance(x, jax.core.Tracer) and all(d.platform == "cpu" for d in x.devices())
+    elif backend == "jax":  # a tracer (jax.jit, grad) holds no values; its class says so, no jax import needed
+        traced = any(kind.__name__.endswith("Tracer") for kind in type(x).__mro__)
+        readable = not traced and all(d.platform == "cpu" for d in x.devices())
     elif backend == "torch":
         import torch
 

@@ -1268,8 +1268,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             given, hold the same T tokens); masks and weights are then over the L slots, and
             `key_mask` is (B, T).
         mask: another name for `attention_mask` (the call `layer(query, key, value, mask=None)`);
-            giving both is a ValueError. Never Keras' propagated implicit mask, which is read
-            from the inputs. Masks whose values read like another library's convention warn
+            giving both is a ValueError. Never Keras' propagated implicit mask, which the layer
+            reads off the inputs. Masks whose values read like another library's convention warn
             once per layer with `AttentionMaskWarning` and compute as given.
 
     Returns:
