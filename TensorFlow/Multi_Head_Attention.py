@@ -1579,7 +1579,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         bias = None
         if any(kind in self.bias for kind in kinds):
             biases = [self._bias_of(kind) for kind in kinds]
-            biases = [tf.zeros(w, self.dtype) if b is None else b for b, w in zip(biases, (nh, kh, kh), strict=True)]
+            dtype = next(b.dtype for b in biases if b is not None)  # the compute dtype under a mixed policy
+            biases = [tf.zeros(w, dtype) if b is None else b for b, w in zip(biases, (nh, kh, kh), strict=True)]
             bias = tf.concat(biases, axis=0)  # (N*H + 2*K*H,)
         scale = tf.concat([self._scale_of(kind) for kind in kinds], axis=0) if self._int8 else None  # (N*H + 2*K*H,)
         y = _linear(x, kernel, bias, scale)  # (B, T, E) -> (B, T, N*H + 2*K*H)
