@@ -34,26 +34,16 @@ def _tables(backend):
     return [CASES_BY_NAME[name] for name in JAX_CASES], [DECODE_CASES_BY_NAME[name] for name in JAX_DECODE_CASES]
 
 
-def _case_failures(path, cases, results):
+def _failures(path, cases, results, compare, reference):
+    """Each case's failures against the NumPy reference: `compare` and `reference` are the
+    parity report's pair for full passes (`parity.compare`, `parity.run`) or decoding."""
     failures = []
     for case, data in cases:
         result = results[case.name]
         if isinstance(result, str):
             failures.append(f"{case.name}: raised {result}")
             continue
-        row = parity.compare(case, data, {"numpy": parity.run(case, data, "numpy"), path: result})
-        failures += [f"{case.name}: {failure}" for failure in row.failures]
-    return failures
-
-
-def _decode_failures(path, cases, results):
-    failures = []
-    for case, data in cases:
-        result = results[case.name]
-        if isinstance(result, str):
-            failures.append(f"{case.name}: raised {result}")
-            continue
-        row = parity.compare_decode(case, data, {"numpy": decoding.run(case, data, "numpy"), path: result})
+        row = compare(case, data, {"numpy": reference(case, data, "numpy"), path: result})
         failures += [f"{case.name}: {failure}" for failure in row.failures]
     return failures
 
@@ -71,7 +61,8 @@ def test_every_case_decode_case_and_check_on_the_backend(backend):
     checks = (*checks, *(("tensorflow_file_refuses",) if backend != "tensorflow" else ()))
     out = run_batch(backend, cases, decode_cases, checks)
     path = f"keras:{backend}"
-    failures = _case_failures(path, cases, out["cases"]) + _decode_failures(path, decode_cases, out["decode"])
+    failures = _failures(path, cases, out["cases"], parity.compare, parity.run)
+    failures += _failures(path, decode_cases, out["decode"], parity.compare_decode, decoding.run)
     failures += [f"check {name}: {error}" for name, error in out["checks"].items() if error is not None]
     assert set(out["checks"]) == set(checks)
     assert not failures, "\n".join(failures)
