@@ -52,6 +52,9 @@ These call arguments reproduce them (`attention_mask` is the model's (B, S) 0/1 
   attention_bias=alibi_bias(N, alibi_positions(attention_mask))` (`alibi_bias` from the layer's
   file; MPT's slopes are the same for its default `alibi_bias_max=8`, and its key positions differ
   from these by a constant per query, which the softmax does not see).
+- Falcon's ALiBi models (`alibi=True`): the same, with the bias times the layer's `scale`
+  (Falcon scales its bias with the scores): `attention_bias=alibi_bias(N,
+  alibi_positions(attention_mask)) * kwargs["scale"]`.
 
 The sliding window (Mistral, Mixtral, Starcoder2, Qwen2, Gemma 2 and 3, gpt-oss, Phi3, Cohere2,
 GPT-Neo's local layers) is part of the layer (`window`), so no band mask is needed. With left
@@ -60,7 +63,8 @@ them `output_bias` (no key left): compare real tokens only.
 
 Decoding: `cache = layer.init_cache(B, L)`, then `layer(x, cache=cache, causal=True,
 key_mask=<the new tokens' mask>, positions=<their position_ids>)`, one prefill and then one
-token at a time, as `transformers` does with its `DynamicCache`; T5, Bloom and MPT pass their bias
+token at a time, as `transformers` does with its `DynamicCache`; T5, Bloom, MPT and Falcon's ALiBi
+models pass their bias
 over the L cache slots (`t5_position_bias(module, T, L, past_length=index)`, ALiBi over the
 positions of all L slots).
 
@@ -68,7 +72,7 @@ RoPE scaling: `default`, `linear`, `llama3` and `yarn` (gpt-oss' default) port w
 parameters; other types (dynamic, LongRoPE) are a `ValueError` for now. Refused with the reason:
 `clip_qkv` (OLMo, MPT), a LayerNorm QK-norm (Phi, StableLM, Cohere), Llama 4's chunked attention
 and its NoPE layers' temperature tuning, ModernBERT's local layers (their window is two-sided),
-Falcon's ALiBi models, GPT-2 and GPTBigCode cross-attention. This file imports no framework at
+GPT-2 and GPTBigCode cross-attention. This file imports no framework at
 module level: `port_attention` reads a module's tensors through its own `state_dict`,
 `port_checkpoint` and `load_tensors` read safetensors files with NumPy, and `replace_attention`
 imports torch and the PyTorch layer when called.
@@ -625,8 +629,7 @@ def _bloom(config, tensors, index):
 
 def _falcon(config, tensors, index):
     """Falcon: a fused query_key_value laid out per head, multi-query or in groups (new decoder architecture);
-    RoPE (its ALiBi models are refused)."""
-    _refuse(config, "alibi", "Falcon's ALiBi models are not ported yet (their RoPE models are)")
+    RoPE, or ALiBi as a call argument (`alibi=True`: Falcon scales the bias with the scores)."""
     width, num_heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = width // num_heads
     if config.get("new_decoder_architecture"):
@@ -638,7 +641,9 @@ def _falcon(config, tensors, index):
         num_kv_heads, columns = num_heads, _per_head(num_heads, head_dim)
     weights, bias = _split_fused(tensors, "query_key_value", "dense", columns)
     kwargs = {"d_model": width, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "bias": bias}
-    kwargs |= {"scale": float(head_dim**-0.5)} | _rope_kwargs(_rope_parameters(config, None), head_dim)
+    kwargs["scale"] = float(head_dim**-0.5)
+    if not config.get("alibi"):
+        kwargs |= _rope_kwargs(_rope_parameters(config, None), head_dim)
     return kwargs, weights
 
 

@@ -142,10 +142,11 @@ class Family:
     output: str = ""  # the module's submodule whose output is the layer's (BERT, Bloom: before the residual)
     causal: bool = True
     rope: bool = True  # RoPE: the model is called with position_ids, the layer with positions
-    bias: str = ""  # "t5" or "alibi": an attention_bias
+    bias: str = ""  # "t5", "alibi" or "scaled_alibi" (Falcon's): an attention_bias
     decode: bool = True
     seq2seq: bool = False  # an encoder-decoder model: the decoder self-attends, the encoder reads the prompt
     prefix: bool = False  # port_checkpoint needs `prefix=` (a decoder stack, not the family's default path)
+    implementation: str = "eager"  # transformers' attention implementation the model runs
 
     def module(self, model, index):
         return model.get_submodule(self.attention.format(i=index))
@@ -547,6 +548,10 @@ FAMILIES += [
     Family("falcon_grouped", lambda: _falcon(new_decoder_architecture=True, num_kv_heads=KV_HEADS),
            "transformer.h.{i}.self_attention"),
     Family("falcon_mha", lambda: _falcon(multi_query=False), "transformer.h.{i}.self_attention"),
+    # transformers' eager Falcon adds ALiBi twice (in the module and in the mask it builds); its default sdpa
+    # path adds it once, as the original Falcon code does, and the port follows that.
+    Family("falcon_alibi", lambda: _falcon(alibi=True), "transformer.h.{i}.self_attention", rope=False,
+           bias="scaled_alibi", implementation="sdpa"),
     Family(
         "mpt",
         lambda: transformers.MptForCausalLM(
@@ -609,10 +614,11 @@ def _redraw(model):
 def _model(name):
     torch.manual_seed(SEED)
     model = FAMILIES_BY_NAME[name].build()
-    model.config._attn_implementation = "eager"
+    implementation = FAMILIES_BY_NAME[name].implementation
+    model.config._attn_implementation = implementation
     for config in (getattr(model.config, name, None) for name in ("text_config", "encoder", "decoder")):
         if config is not None:
-            config._attn_implementation = "eager"
+            config._attn_implementation = implementation
     _redraw(model)
     return model.eval()
 
@@ -691,6 +697,9 @@ def _call_arguments(runner, model, family, mask, positions, start, stop, kwargs)
         arguments["attention_bias"] = t5_position_bias(family.module(model, 0), stop - start, mask.shape[1], start)
     if family.bias == "alibi":
         arguments["attention_bias"] = runner.alibi_bias(kwargs["num_heads"], alibi_positions(mask))  # (B, N, 1, L)
+    if family.bias == "scaled_alibi":  # Falcon: the bias is scaled with the scores
+        alibi = runner.alibi_bias(kwargs["num_heads"], alibi_positions(mask))  # (B, N, 1, L)
+        arguments["attention_bias"] = alibi * np.float32(kwargs["scale"])
     return arguments
 
 
@@ -774,6 +783,68 @@ def test_full_pass_with_padding_matches_transformers(case):
     rows = _compared_rows(family, mask)
     assert np.max(np.abs(call["output"][rows])) > MEANINGFUL
     assert _max_diff(output, call["output"], rows) <= OUTPUT_TOL
+
+
+CROSS_ATTENTION = ["bart", "whisper"]
+
+
+@functools.cache
+def _seq2seq_pass(name, attention):
+    """A padded batch through a seq2seq model: each layer's call of the module at `attention` (with {i}):
+    (query states, key states, output), the key states' padding mask (all frames real for Whisper's
+    encoder) and the model."""
+    family = FAMILIES_BY_NAME[f"{name}_decoder"]
+    model = _model(family.name)
+    mask = _left_padded_mask(PROMPT_LENGTHS, max(PROMPT_LENGTHS))
+    ids = np.random.default_rng(SEED).integers(1, VOCAB, size=mask.shape)
+    calls = {}
+    handles = []
+    for index in LAYERS:
+
+        def take(_, args, kwargs, output, index=index):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            states = kwargs.get("key_value_states")
+            states = hidden if states is None else states
+            calls[index] = [t.detach().numpy().copy() for t in (hidden, states, output[0])]
+
+        module = model.get_submodule(attention.format(i=index))
+        handles.append(module.register_forward_hook(take, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(**_model_arguments(family, ids, mask, _positions(mask)))
+    finally:
+        for handle in handles:
+            handle.remove()
+    key_mask = mask if name == "bart" else np.ones(calls[LAYERS[0]][1].shape[:2], dtype=mask.dtype)
+    return model, calls, key_mask
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("name", CROSS_ATTENTION)
+@pytest.mark.parametrize("index", LAYERS)
+def test_cross_attention_matches_transformers(framework, name, index):
+    """BART's and Whisper's `encoder_attn`: `layer(decoder_states, encoder_states, encoder_states,
+    key_mask=encoder_mask)`, every decoder row (cross-attention has no causal mask)."""
+    _assert_seq2seq_module_ported(framework, name, "decoder.layers.{i}.encoder_attn", index)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("index", LAYERS)
+def test_whisper_encoder_self_attention_matches_transformers(framework, index):
+    """Whisper's encoder (its module class is the decoder's): `layer(frames)`, every frame attended."""
+    _assert_seq2seq_module_ported(framework, "whisper", "encoder.layers.{i}.self_attn", index)
+
+
+def _assert_seq2seq_module_ported(framework, name, attention, index):
+    model, calls, key_mask = _seq2seq_pass(name, attention)
+    runner = _runner(framework)
+    hidden, states, expected = calls[index]
+    kwargs, weights = port_attention(model.get_submodule(attention.format(i=index)), _config(model))
+    layer = runner.layer(kwargs, weights)
+    with torch.no_grad():
+        output = layer(*(runner.tensor(x) for x in (hidden, states, states)), key_mask=runner.tensor(key_mask > 0))
+    assert np.max(np.abs(expected)) > MEANINGFUL
+    assert _max_diff(np.asarray(output), expected, np.ones(expected.shape[:2], dtype=bool)) <= OUTPUT_TOL
 
 
 def _decode_with_transformers(model, family, ids, mask, positions, prompt):
@@ -870,6 +941,7 @@ VARIANTS = {
     "falcon": {"rope"},
     "falcon_grouped": {"rope"},
     "falcon_mha": {"rope"},
+    "falcon_alibi": {"attention_bias"},
     "mpt": {"attention_bias"},
     "modernbert": {"rope"},
     "whisper_decoder": set(),
@@ -1023,13 +1095,6 @@ ERROR_CASES = [
             transformers.models.olmo.modeling_olmo.OlmoAttention, transformers.OlmoConfig, **GQA, clip_qkv=8.0
         ),
         r"`config.clip_qkv` must be off: the layer does not clamp its projections yet. Received: clip_qkv=8.0",
-    ),
-    (
-        "falcon_alibi",
-        lambda: transformers.models.falcon.modeling_falcon.FalconAttention(
-            transformers.FalconConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, alibi=True), layer_idx=0
-        ),
-        r"`config.alibi` must be off: Falcon's ALiBi models are not ported yet .* Received: alibi=True",
     ),
     (
         "modernbert_local_layer",
