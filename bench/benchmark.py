@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import decode_anchors, memory
+from bench import decode_anchors, keras_bench, memory
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -496,6 +496,47 @@ def _measure(fields, mode, which, rounds):
     return median_time(call, rounds), growth
 
 
+KERAS_BACKENDS = ("tensorflow", "jax", "torch")
+
+
+def time_keras(config, runs, rounds):
+    """{backend: {mode: {"ours": [...], "builtin": [...]}}} from bench/keras_bench.py, one process
+    per backend (a Keras backend is fixed at import); a backend that fails gives its error text."""
+    results = {}
+    for backend in KERAS_BACKENDS:
+        numbers = [str(v) for v in (config.b, config.t, config.e, config.n, runs, rounds)]
+        command = [sys.executable, "-m", "bench.keras_bench", backend, *numbers]
+        done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).parents[1])
+        lines = done.stdout.strip().splitlines()
+        results[backend] = json.loads(lines[-1]) if done.returncode == 0 and lines else done.stderr[-300:]
+    return results
+
+
+def keras_table(results, config):
+    lines = [
+        "| configuration | backend | mode | ours (ms) | keras MultiHeadAttention (ms) | ours / built-in (spread) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for backend, measured in results.items():
+        if isinstance(measured, str):
+            lines.append(f"| {config.name} | {backend} | failed: {measured.splitlines()[-1]} | | | |")
+            continue
+        for mode in MODES:
+            ours, theirs = measured[mode]["ours"], measured[mode]["builtin"]
+            lines.append(
+                f"| {config.name} | {backend} | {mode} | {statistics.median(ours) * 1e3:.1f} "
+                f"| {statistics.median(theirs) * 1e3:.1f} | {ratio_cell(ours, theirs)} |"
+            )
+    lines += ["", "| decoding step (ours only) | backend | ms |", "|---|---|---|"]
+    for backend, measured in results.items():
+        if not isinstance(measured, str):
+            step = statistics.median(measured["decode"]["ours"]) * 1e3
+            width = min(config.e, keras_bench.DECODE_WIDTH)
+            shape = f"B=1 L={keras_bench.DECODE_LENGTH} E={width} N={keras_bench.DECODE_HEADS}"
+            lines.append(f"| {shape}, T = 1 | {backend} | {step:.2f} |")
+    return "\n".join(lines)
+
+
 def machine():
     import tensorflow as tf
     import torch
@@ -610,6 +651,9 @@ def main(argv=None):
     for config in int8_configs:
         print(f"int8, {config.name}", file=sys.stderr, flush=True)
         int8_results[config.name] = time_int8(config, runs, args.rounds)
+    keras_config = QUICK[0] if args.quick else CONFIGS[0]
+    print(f"Keras file, {keras_config.name}", file=sys.stderr, flush=True)
+    keras_results = time_keras(keras_config, runs, args.rounds)
     long_results = {}
     for config, mode in long:
         for which in (label for pair in LAYERS.values() for label in pair):
@@ -673,6 +717,16 @@ def main(argv=None):
         "cannot be quantized). Keras' built-in is quantized the same way as ours (its EinsumDense projections).",
         "",
         *(int8_table(int8_results[config.name], config) for config in int8_configs),
+        "",
+        "## The Keras 3 file on each backend",
+        "",
+        "Keras/Multi_Head_Attention.py against keras.layers.MultiHeadAttention with the same weights, one "
+        "process per backend, taking turns run by run (bench/keras_bench.py): JAX under jax.jit "
+        "(stateless_call), TensorFlow inside tf.function, torch eagerly (forward under no_grad), as each "
+        "backend's users run it. Goal: at most 1.0x. Then one T = 1 decoding step of ours with a cache "
+        "(JAX: under jax.jit; the built-in has no cache).",
+        "",
+        keras_table(keras_results, keras_config),
         "",
         "## Long sequences",
         "",

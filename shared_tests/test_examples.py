@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SMOKE_STEPS = "30"
 
 
-def _run(args):
-    result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+def _run(args, timeout=300):
+    result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
@@ -39,7 +39,8 @@ def test_visualize_example_writes_both_heatmaps(tmp_path):
 
 
 def test_benchmark_quick_writes_results(tmp_path):
-    out = _run(["-m", "bench.benchmark", "--quick", "--output", str(tmp_path / "results.md")])
+    # every framework, each Keras backend in a process of its own, long sequences and memory in fresh processes
+    out = _run(["-m", "bench.benchmark", "--quick", "--output", str(tmp_path / "results.md")], timeout=900)
     text = (tmp_path / "results.md").read_text()
     assert text in out  # printed and written
     assert "| quick B=2 T=S=32 E=32 N=4 | forward | PyTorch |" in text
@@ -49,6 +50,9 @@ def test_benchmark_quick_writes_results(tmp_path):
     assert "| quick B=2 T=S=32 E=32 N=4 | TensorFlow | sinks | train step |" in text
     assert "| quick B=2 T=S=32 E=32 N=4 | PyTorch | ours int8 |" in text
     assert "| quick B=2 T=S=32 E=32 N=4 | TensorFlow | keras MultiHeadAttention int8 |" in text
+    for backend in ("tensorflow", "jax", "torch"):  # the Keras file on every backend, and its decoding step
+        assert f"| quick B=2 T=S=32 E=32 N=4 | {backend} | train step |" in text
+        assert f"| B=1 L=1024 E=32 N=4, T = 1 | {backend} |" in text
 
 
 def test_benchmark_quick_never_writes_the_recorded_results(capsys):
