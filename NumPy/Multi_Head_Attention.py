@@ -1,7 +1,8 @@
 """Multi-head attention: the float64 NumPy reference, with an explicit backward.
 
-This file is the oracle the PyTorch and TensorFlow layers are judged by. It follows the
-contract in docs/SPEC.md step by step, one operation per line, so a student can check it by hand.
+Copy this one file into your project; it needs only NumPy and the standard library. It is the
+oracle the PyTorch, TensorFlow and Keras layers are judged by, following docs/SPEC.md step by
+step, one operation per line, so a student can check it by hand.
 
 Legend (every shape comment in this file uses these letters):
     B: batch size          T: query length        S: key/value length
@@ -18,13 +19,20 @@ The math, for query head n (which reads key/value head n // (N // K)):
     context[n] = weights[n] @ v[n // G]                         (B, N, T, H)
     output = concat_heads(context) @ output_kernel + output_bias
 
-Variants, each off by default and each one small step of the call (docs/SPEC.md, "Order of
-the steps"): `bias` per projection, `scale` (default 1 / sqrt(H)), `softcap` (scores become
-c * tanh(scores / c)), `window` (query t keeps key s only if s > t + (S - T) - W), RoPE
-(`rope_theta`, `rope_fraction`, `rope_interleaved`, `rope_scaling`; `positions` in the call),
-`qk_norm` (RMSNorm of q and k per head or over all heads) and `sinks` (a learned logit per
-head in the softmax's denominator). Call arguments `attention_bias` (added to the scores, with
-a gradient; see `alibi_bias`), `key_mask` (B, S) and `query_mask` (B, T).
+The steps of a call (docs/SPEC.md, "Order of the steps"), one method each in `__call__`:
+    1. defaults and checks; masks combined into one boolean `keep` and one additive `bias`
+    2. projections          3. QK-norm of q and k        4. RoPE of q and k at `positions`
+    5. cache write          6. scores * scale, soft-capping, + bias, keys removed by keep,
+                               causal and window, softmax with the sinks, weighted sum of v
+    7. heads merged and the output projection
+
+Variants, each off by default: `bias` per projection, `scale` (default 1 / sqrt(H)), `softcap`
+(scores become c * tanh(scores / c)), `window` (query t keeps key s only if s > t + (S - T) - W),
+RoPE (`rope_theta`, `rope_fraction`, `rope_interleaved`, `rope_scaling`; `positions` in the
+call), `qk_norm` (RMSNorm of q and k per head or over all heads) and `sinks` (a learned logit
+per head in the softmax's denominator). Call arguments `attention_bias` (added to the scores,
+with a gradient; see `alibi_bias`), `key_mask` (B, S) and `query_mask` (B, T). The reference
+has no dropout: `dropout` must be 0.
 
 Masks: a boolean `attention_mask` is True where a query may attend a key; a floating one is
 added to the scores, read in its own dtype: a value at or below the lowest finite value of its
@@ -35,19 +43,17 @@ weights of exactly 0, so its output is `output_bias`. Example, a key padding mas
     keep = np.array([[True, True, False]])           # (B, S)
     layer(x, key_mask=keep)                           # or attention_mask=keep[:, None, :]
 
+Weights (`export_weights`, docs/SPEC.md "Weights"): `<kind>_kernel` (D, heads*H) and
+`<kind>_bias` for kind in query, key, value, output; `query_norm`, `key_norm` with `qk_norm`;
+`sinks` (N,) with sinks; float64, and int8 kernels with float32 `<kind>_kernel_scale` once
+`quantize("int8")` (Keras' scheme; such a layer has no `backward`).
+
 Decoding with a KV cache: `cache = layer.init_cache(B, L)`, then `output, cache = layer(x,
 cache=cache)` for a prompt (T > 1) and then one token at a time (T = 1). The keys (rotated by
 RoPE) and values of the T new tokens are written to slots [index, index + T), and query t
 attends slot s iff s < index + T, keep[b, s], (not causal or s <= index + t), (no window or
 s > index + t - window) and `attention_mask` (given over L) keeps it. Token-by-token equals the
-full causal pass. The reference copies the cache (the one passed in is left unchanged), and
-`key_mask` is ANDed into the new cache's `keep`.
-
-The reference has no dropout: `dropout` must be 0.
-
-int8: `layer.quantize("int8")` computes Keras' int8 scheme exactly (int8 kernels with a float32
-scale per output column, each projection's input quantized per token at every call:
-y = (quantize(x) @ kernel) * x_scale * kernel_scale + bias); such a layer has no `backward`.
+full causal pass.
 """
 
 import math
@@ -111,6 +117,67 @@ class KVCache(NamedTuple):
     index: np.ndarray
 
 
+# -------------------------------------------------------------------------------------------------
+# Variants: the constructor's arguments checked into one record
+# -------------------------------------------------------------------------------------------------
+
+
+class _Variants(NamedTuple):
+    """The variants of the layer, checked (`_check_variants`); each is also the layer's attribute."""
+
+    scale: float
+    softcap: float | None
+    window: int | None
+    rope_theta: float | None
+    rope_fraction: float
+    rope_interleaved: bool
+    rope_scaling: dict | None
+    qk_norm: str | None
+    qk_norm_eps: float
+    sinks: bool
+
+
+def _check_variants(
+    head_dim,
+    scale,
+    softcap,
+    window,
+    rope_theta,
+    rope_fraction,
+    rope_interleaved,
+    rope_scaling,
+    qk_norm,
+    qk_norm_eps,
+    sinks,
+):
+    """Checks the constructor's variant arguments (a ValueError names the first one that is
+    invalid) and returns them as a `_Variants`: `scale` defaults to 1 / sqrt(H)."""
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float("scale", scale)
+    softcap = _positive_float("softcap", softcap, optional=True)
+    window = None if window is None else _positive_int("window", window)
+    rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
+    _rotary_dim(rope_fraction, head_dim, rope_theta is not None)
+    rope_scaling = _check_rope_scaling(rope_scaling)
+    if qk_norm not in (None, "head", "all"):
+        raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
+    qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
+    qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
+    rope_interleaved = _flag("rope_interleaved", rope_interleaved)
+    sinks = _flag("sinks", sinks)
+    return _Variants(
+        scale,
+        softcap,
+        window,
+        rope_theta,
+        float(rope_fraction),
+        rope_interleaved,
+        rope_scaling,
+        qk_norm,
+        qk_norm_eps,
+        sinks,
+    )
+
+
 def _positive_int(name, value):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
@@ -125,6 +192,11 @@ def _positive_float(name, value, *, optional=False):
             f"`{name}` must be {'None or ' if optional else ''}a positive float. Received: {name}={value!r}"
         )
     return float(value)
+
+
+def _is_positive_number(value):
+    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+    return number and 0 < value < math.inf
 
 
 def _flag(name, value):
@@ -173,11 +245,6 @@ def _rotary_dim(rope_fraction, head_dim, rope):
     return rotary if rope else None
 
 
-def _is_positive_number(value):
-    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
-    return number and 0 < value < math.inf
-
-
 def _check_rope_scaling(scaling):
     """Checks `rope_scaling`: None or a dict whose `rope_type` (or `type`) is 'linear', 'llama3' or
     'yarn', with its positive parameters (llama3: high_freq_factor above low_freq_factor; yarn: see
@@ -207,10 +274,263 @@ def _valid_yarn(scaling):
     return truncate and (scaling.get("beta_fast") or 32) >= (scaling.get("beta_slow") or 1)
 
 
-def _check_qk_norm(qk_norm):
-    if qk_norm not in (None, "head", "all"):
-        raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
-    return None if qk_norm is None else str(qk_norm)  # np.str_ held as str
+# -------------------------------------------------------------------------------------------------
+# Step 1: defaults and checks of a call
+# -------------------------------------------------------------------------------------------------
+
+
+class _Call(NamedTuple):
+    """A call's arguments after `_check_call`: checked, defaulted, cast to float64."""
+
+    query: np.ndarray  # (B, T, E)
+    key: np.ndarray  # (B, S, kdim)
+    value: np.ndarray  # (B, S, vdim)
+    attention_mask: np.ndarray | None  # after the `mask=` alias, made rank 4 by `_mask_to_4d`
+    attention_bias: np.ndarray | None  # made rank 4 by `_mask_to_4d`
+    key_mask: np.ndarray | None  # (B, S), after the self-attention default
+    query_mask: np.ndarray | None  # (B, T)
+    positions: np.ndarray | None  # (B, T) integers, None without RoPE
+    causal: bool  # the cache step replaces it by False once folded into keep
+    window: int | None  # self.window; the cache step replaces it by None once folded into keep
+    return_attention: bool
+    cache: "KVCache | None"  # the cache step replaces it by the written cache
+    training: None  # TF/Keras only
+    fuse: bool  # False: the reference projects q, k and v one at a time
+
+
+def _inputs(query, key, value):
+    """Fills in a missing key or value; returns (key, value, which input was left out)."""
+    if key is None and value is None:
+        return query, query, "both"  # self-attention
+    if key is None:
+        return value, value, "key"
+    if value is None:
+        return key, key, "value"
+    return key, value, None
+
+
+def _check_input(name, x, width_name, width):
+    """Checks one (B, L, width) input and returns it as an array."""
+    x = np.asarray(x)
+    if not np.issubdtype(x.dtype, np.floating):
+        raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={x.dtype.name}")
+    letter = "T" if name == "query" else "S"
+    if x.ndim != 3 or x.shape[-1] != width:
+        raise ValueError(
+            f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
+            f"Received: {name}.shape={tuple(x.shape)}"
+        )
+    return x
+
+
+def _check_lengths(query, key, value):
+    if not query.shape[0] == key.shape[0] == value.shape[0]:
+        raise ValueError(
+            "`query`, `key` and `value` must have the same batch size B. Received: "
+            f"query.shape={query.shape}, key.shape={key.shape}, value.shape={value.shape}"
+        )
+    if key.shape[1] != value.shape[1]:
+        raise ValueError(
+            f"`key` and `value` must have the same length S. Received: key.shape={key.shape}, value.shape={value.shape}"
+        )
+
+
+def _check_dtypes(query, key, value):
+    dtypes = (np.asarray(query).dtype, np.asarray(key).dtype, np.asarray(value).dtype)
+    if len(set(dtypes)) > 1:
+        raise ValueError(
+            "`query`, `key` and `value` must have the same dtype. Received: "
+            f"query.dtype={dtypes[0].name}, key.dtype={dtypes[1].name}, value.dtype={dtypes[2].name}"
+        )
+
+
+def _check_token_mask(name, mask, batch_size, length, letter):
+    """Checks a (B, L) boolean `key_mask` or `query_mask`."""
+    mask = np.asarray(mask)
+    if mask.dtype != np.bool_ or mask.shape != (batch_size, length):
+        raise ValueError(
+            f"`{name}` must be a boolean tensor of shape (B, {letter})=({batch_size}, {length}). "
+            f"Received: {name}.shape={tuple(mask.shape)}, {name}.dtype={mask.dtype.name}"
+        )
+    return mask
+
+
+def _attention_mask(attention_mask, mask):
+    """`mask=` is another name for `attention_mask` (the seed usage `layer(q, k, v, mask=None)`)."""
+    if mask is None:
+        return attention_mask
+    if attention_mask is not None:
+        raise ValueError(
+            "Pass the attention mask as `attention_mask` or as `mask`, not both. Received: attention_mask and mask"
+        )
+    return mask
+
+
+def _check_positions(positions, batch_size, t, rope):
+    """(B, T) integer RoPE positions from `positions` (B, T) or (T,)."""
+    if not rope:
+        raise ValueError(
+            "`positions` needs RoPE: construct the layer with `rope_theta`. Received: positions with rope_theta=None"
+        )
+    positions = np.asarray(positions)
+    if not np.issubdtype(positions.dtype, np.integer) or positions.shape not in ((batch_size, t), (t,)):
+        raise ValueError(
+            f"`positions` must be an integer tensor of shape (B, T) or (T,) with B={batch_size}, T={t}. "
+            f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={positions.dtype.name}"
+        )
+    return np.broadcast_to(positions, (batch_size, t))
+
+
+def _check_own_tokens(query, key):
+    """RoPE gives query t and key t one position: the keys must be the query's own tokens."""
+    if key.shape[1] != query.shape[1]:
+        raise ValueError(
+            "RoPE needs `key` and `value` to hold the query's own tokens (S == T, or decoding with `cache`). "
+            f"Received: query.shape={query.shape}, key.shape={key.shape}"
+        )
+
+
+def _mask_traps(attention_mask, key_mask, t, s):
+    """The built-in layers' habits that the masks' values suggest (docs/SPEC.md, Masks), as
+    {kind: message}; the call computes what the SPEC says either way."""
+    traps = {}
+    for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
+        if mask is not None and mask.dtype == np.bool_ and _keeps_nothing(mask):
+            traps[name] = _EMPTY_MASK.format(name=name)
+    boolean = attention_mask is not None and attention_mask.dtype == np.bool_
+    if boolean and "attention_mask" not in traps and _keeps_only_later(attention_mask, t, s):
+        traps["causal"] = _CAUSAL_TRAP
+    empty = 0 if key_mask is None or "key_mask" in traps else _inverted_padding(key_mask)
+    if empty:
+        traps["padding"] = _PADDING_TRAP.format(empty=empty, b=key_mask.shape[0])
+    if attention_mask is not None and attention_mask.dtype != np.bool_ and _zeros_and_ones(attention_mask):
+        traps["zeros and ones"] = _ZEROS_AND_ONES
+    return traps
+
+
+def _keeps_nothing(mask):
+    """A boolean mask False everywhere (nn.MultiheadAttention's True = ignore, nothing padded)."""
+    return mask.size > 0 and not mask.any()
+
+
+def _keeps_only_later(mask, t, s):
+    """A square (T == S) boolean mask that keeps keys only after each query, none where `causal`
+    keeps one (nn.MultiheadAttention's causal `attn_mask`, `triu(ones, 1)`)."""
+    return mask.size > 0 and t == s > 0 and not (mask & causal_mask(t, s)).any()
+
+
+def _inverted_padding(key_mask):
+    """The rows keeping no key of a (B, S) `key_mask` that reads as nn.MultiheadAttention's
+    `key_padding_mask` (True = padding): every row False then True, some row keeping no key and
+    none keeping all (left padding has its longest sequence all True); else 0."""
+    kept = key_mask.sum(-1)  # (B,)
+    ordered = (key_mask[:, 1:] >= key_mask[:, :-1]).all()  # False then True in every row
+    full = (kept == key_mask.shape[1]).any()
+    return 0 if not ordered or full else int((kept == 0).sum())
+
+
+def _zeros_and_ones(mask):
+    """A floating mask of only 0s and 1s, some 1 (a Keras mask, which Keras reads as boolean)."""
+    ones = mask == 1
+    return bool(((mask == 0) | ones).all() and ones.any())
+
+
+# -------------------------------------------------------------------------------------------------
+# Step 1: masks, combined into one keep and one bias
+# -------------------------------------------------------------------------------------------------
+
+
+def _mask_to_4d(mask, target, name="attention_mask"):
+    """Checks `attention_mask` (or `attention_bias`, which must be floating) against target
+    (B, N, T, S), returns it as rank 4."""
+    mask = np.asarray(mask)
+    if name == "attention_bias" and not np.issubdtype(mask.dtype, np.floating):
+        raise ValueError(f"`attention_bias` must be floating. Received: attention_bias.dtype={mask.dtype.name}")
+    if mask.dtype != np.bool_ and not np.issubdtype(mask.dtype, np.floating):
+        raise ValueError(
+            f"`{name}` must be boolean (True = attend; for a 0/1 integer mask pass `mask > 0`) or floating. "
+            f"Received: {name}.dtype={mask.dtype.name}"
+        )
+    expected = {2: target[2:], 3: (target[0], *target[2:]), 4: target}.get(mask.ndim)
+    if expected is None or any(m not in (1, e) for m, e in zip(mask.shape, expected, strict=True)):
+        raise ValueError(
+            f"`{name}` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
+            f"(B, N, T, S), each dimension full or 1. Expected: (B, N, T, S)={target}. "
+            f"Received: {name}.shape={tuple(mask.shape)}"
+        )
+    if mask.ndim == 2:
+        return mask[None, None]  # (T, S) -> (1, 1, T, S)
+    if mask.ndim == 3:
+        return mask[:, None]  # (B, T, S) -> (B, 1, T, S)
+    return mask
+
+
+def causal_mask(t, s):
+    """(T, S) boolean mask: query t keeps key s iff s <= t + (S - T) (bottom-right aligned)."""
+    return np.arange(s)[None, :] <= np.arange(t)[:, None] + (s - t)  # (T, S)
+
+
+def window_mask(t, s, window):
+    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - window (bottom-right aligned)."""
+    return np.arange(s)[None, :] > np.arange(t)[:, None] + (s - t) - window  # (T, S)
+
+
+def _removal_threshold(dtype):
+    """A floating mask value at or below this removes a key: the lowest finite value of the
+    mask's dtype or of float32, whichever is higher (so -inf, and what converters put for it)."""
+    return max(np.finfo(dtype).min, np.finfo(np.float32).min)
+
+
+def _split_mask(mask):
+    """Splits a rank-4 mask (or `attention_bias`) into (keep, bias): boolean and additive
+    (float64, finite), each None or rank 4."""
+    if mask is None:
+        return None, None
+    if mask.dtype == np.bool_:
+        return mask, None
+    removed = mask <= _removal_threshold(mask.dtype)  # read in the mask's own dtype, before any cast
+    return ~removed, np.where(removed, 0.0, mask.astype(np.float64))  # finite, never 0 * -inf
+
+
+def _and(a, b):
+    return b if a is None else a if b is None else a & b
+
+
+def _add(a, b):
+    return b if a is None else a if b is None else a + b
+
+
+def alibi_bias(num_heads, positions):
+    """ALiBi's attention_bias: slope[n] * positions[..., s], (1, N, 1, S) for (S,) positions or
+    (B, N, 1, S) for (B, S), float32, with Bloom's slopes."""
+    num_heads = _positive_int("num_heads", num_heads)
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = 2.0 ** (-8.0 * np.arange(1, closest + 1) / closest)  # (closest,)
+    extra = 2.0 ** (-4.0 * np.arange(1, 2 * (num_heads - closest), 2) / closest)  # every other slope of 2 * closest
+    slopes = np.concatenate([slopes, extra])  # (N,)
+    positions = np.asarray(positions)
+    if positions.ndim not in (1, 2) or not np.issubdtype(positions.dtype, np.integer):
+        raise ValueError(
+            "`positions` must be an integer tensor of shape (S,) or (B, S). "
+            f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={positions.dtype.name}"
+        )
+    positions = positions[None] if positions.ndim == 1 else positions  # (B, S)
+    return (slopes[None, :, None, None] * positions[:, None, None, :]).astype(np.float32)  # (B, N, 1, S)
+
+
+# -------------------------------------------------------------------------------------------------
+# Steps 2 and 3: projections and QK-norm
+# -------------------------------------------------------------------------------------------------
+
+
+def rms_norm(x, scale, eps):
+    """RMSNorm over the last axis: x / sqrt(mean(x ** 2) + eps) * scale."""
+    return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps) * scale
+
+
+# -------------------------------------------------------------------------------------------------
+# Step 4: RoPE
+# -------------------------------------------------------------------------------------------------
 
 
 def rope_frequencies(rotary_dim, theta, scaling=None):
@@ -219,17 +539,25 @@ def rope_frequencies(rotary_dim, theta, scaling=None):
     kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return _llama3_frequencies(inv_freq, scaling)
     if kind == "yarn":
         return _yarn_frequencies(inv_freq, theta, scaling)
-    if kind != "llama3":
-        return inv_freq
+    return inv_freq
+
+
+def _llama3_frequencies(inv_freq, scaling):
+    """Llama 3.1's rewrite (transformers' `_compute_llama3_parameters`): wavelengths shorter than
+    original_max_position_embeddings / high_freq_factor are kept, those longer than
+    original_max_position_embeddings / low_freq_factor divided by `factor`, the ones between
+    interpolated smoothly."""
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     context = scaling["original_max_position_embeddings"]
     wavelength = 2 * math.pi / inv_freq  # (R/2,)
-    scaled = np.where(wavelength > context / low, inv_freq / factor, inv_freq)  # long wavelengths slowed down
-    smooth = (context / wavelength - low) / (high - low)
-    medium = (wavelength >= context / high) & (wavelength <= context / low)
-    return np.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)  # (R/2,)
+    smooth = (context / wavelength - low) / (high - low)  # (R/2,)
+    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq  # (R/2,)
+    scaled = np.where(wavelength > context / low, inv_freq / factor, smoothed)  # (R/2,)
+    return np.where(wavelength < context / high, inv_freq, scaled)  # (R/2,)
 
 
 def _yarn_correction_dim(rotations, rotary_dim, theta, context):
@@ -298,164 +626,9 @@ def apply_rope(x, positions, inv_freq, interleaved):
     return np.concatenate([turned, rest], axis=-1)  # (B, heads, T, H)
 
 
-def rms_norm(x, scale, eps):
-    """RMSNorm over the last axis: x / sqrt(mean(x ** 2) + eps) * scale."""
-    return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps) * scale
-
-
-def alibi_bias(num_heads, positions):
-    """ALiBi's attention_bias: slope[n] * positions[..., s], (1, N, 1, S) for (S,) positions or
-    (B, N, 1, S) for (B, S), float32, with Bloom's slopes."""
-    num_heads = _positive_int("num_heads", num_heads)
-    closest = 2 ** math.floor(math.log2(num_heads))
-    slopes = 2.0 ** (-8.0 * np.arange(1, closest + 1) / closest)  # (closest,)
-    extra = 2.0 ** (-4.0 * np.arange(1, 2 * (num_heads - closest), 2) / closest)  # every other slope of 2 * closest
-    slopes = np.concatenate([slopes, extra])  # (N,)
-    positions = np.asarray(positions)
-    if positions.ndim not in (1, 2) or not np.issubdtype(positions.dtype, np.integer):
-        raise ValueError(
-            "`positions` must be an integer tensor of shape (S,) or (B, S). "
-            f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={positions.dtype.name}"
-        )
-    positions = positions[None] if positions.ndim == 1 else positions  # (B, S)
-    return (slopes[None, :, None, None] * positions[:, None, None, :]).astype(np.float32)  # (B, N, 1, S)
-
-
-def _check_input(name, x, width_name, width):
-    """Checks one (B, L, width) input and returns it as an array."""
-    x = np.asarray(x)
-    if not np.issubdtype(x.dtype, np.floating):
-        raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={x.dtype.name}")
-    letter = "T" if name == "query" else "S"
-    if x.ndim != 3 or x.shape[-1] != width:
-        raise ValueError(
-            f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
-            f"Received: {name}.shape={tuple(x.shape)}"
-        )
-    return x
-
-
-def _apply_defaults(query, key, value):
-    """Fills in a missing key or value; returns (key, value, which input was left out)."""
-    if key is None and value is None:
-        return query, query, "both"  # self-attention
-    if key is None:
-        return value, value, "key"
-    if value is None:
-        return key, key, "value"
-    return key, value, None
-
-
-def _check_lengths(query, key, value):
-    if not query.shape[0] == key.shape[0] == value.shape[0]:
-        raise ValueError(
-            "`query`, `key` and `value` must have the same batch size B. Received: "
-            f"query.shape={query.shape}, key.shape={key.shape}, value.shape={value.shape}"
-        )
-    if key.shape[1] != value.shape[1]:
-        raise ValueError(
-            f"`key` and `value` must have the same length S. Received: key.shape={key.shape}, value.shape={value.shape}"
-        )
-
-
-def _check_dtypes(query, key, value):
-    dtypes = (np.asarray(query).dtype, np.asarray(key).dtype, np.asarray(value).dtype)
-    if len(set(dtypes)) > 1:
-        raise ValueError(
-            "`query`, `key` and `value` must have the same dtype. Received: "
-            f"query.dtype={dtypes[0].name}, key.dtype={dtypes[1].name}, value.dtype={dtypes[2].name}"
-        )
-
-
-def _check_token_mask(name, mask, batch_size, length, letter):
-    """Checks a (B, L) boolean `key_mask` or `query_mask`."""
-    mask = np.asarray(mask)
-    if mask.dtype != np.bool_ or mask.shape != (batch_size, length):
-        raise ValueError(
-            f"`{name}` must be a boolean tensor of shape (B, {letter})=({batch_size}, {length}). "
-            f"Received: {name}.shape={tuple(mask.shape)}, {name}.dtype={mask.dtype.name}"
-        )
-    return mask
-
-
-def _attention_mask(attention_mask, mask):
-    """`mask=` is another name for `attention_mask` (the seed usage `layer(q, k, v, mask=None)`)."""
-    if mask is None:
-        return attention_mask
-    if attention_mask is not None:
-        raise ValueError(
-            "Pass the attention mask as `attention_mask` or as `mask`, not both. Received: attention_mask and mask"
-        )
-    return mask
-
-
-def _mask_traps(attention_mask, key_mask, t, s):
-    """The built-in layers' habits that the masks' values suggest (docs/SPEC.md, Masks), as
-    {kind: message}; the call computes what the SPEC says either way."""
-    traps = {}
-    for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
-        if mask is not None and mask.dtype == np.bool_ and _keeps_nothing(mask):
-            traps[name] = _EMPTY_MASK.format(name=name)
-    boolean = attention_mask is not None and attention_mask.dtype == np.bool_
-    if boolean and "attention_mask" not in traps and _keeps_only_later(attention_mask, t, s):
-        traps["causal"] = _CAUSAL_TRAP
-    empty = 0 if key_mask is None or "key_mask" in traps else _inverted_padding(key_mask)
-    if empty:
-        traps["padding"] = _PADDING_TRAP.format(empty=empty, b=key_mask.shape[0])
-    if attention_mask is not None and attention_mask.dtype != np.bool_ and _zeros_and_ones(attention_mask):
-        traps["zeros and ones"] = _ZEROS_AND_ONES
-    return traps
-
-
-def _keeps_nothing(mask):
-    """A boolean mask False everywhere (nn.MultiheadAttention's True = ignore, nothing padded)."""
-    return mask.size > 0 and not mask.any()
-
-
-def _keeps_only_later(mask, t, s):
-    """A square (T == S) boolean mask that keeps keys only after each query, none where `causal`
-    keeps one (nn.MultiheadAttention's causal `attn_mask`, `triu(ones, 1)`)."""
-    return mask.size > 0 and t == s > 0 and not (mask & causal_mask(t, s)).any()
-
-
-def _inverted_padding(key_mask):
-    """The rows keeping no key of a (B, S) `key_mask` that reads as nn.MultiheadAttention's
-    `key_padding_mask` (True = padding): every row False then True, some row keeping no key and
-    none keeping all (left padding has its longest sequence all True); else 0."""
-    kept = key_mask.sum(-1)  # (B,)
-    ordered = (key_mask[:, 1:] >= key_mask[:, :-1]).all()  # False then True in every row
-    full = (kept == key_mask.shape[1]).any()
-    return 0 if not ordered or full else int((kept == 0).sum())
-
-
-def _zeros_and_ones(mask):
-    """A floating mask of only 0s and 1s, some 1 (a Keras mask, which Keras reads as boolean)."""
-    ones = mask == 1
-    return bool(((mask == 0) | ones).all() and ones.any())
-
-
-def _check_positions(positions, batch_size, t, rope):
-    """(B, T) integer RoPE positions from `positions` (B, T) or (T,)."""
-    if not rope:
-        raise ValueError(
-            "`positions` needs RoPE: construct the layer with `rope_theta`. Received: positions with rope_theta=None"
-        )
-    positions = np.asarray(positions)
-    if not np.issubdtype(positions.dtype, np.integer) or positions.shape not in ((batch_size, t), (t,)):
-        raise ValueError(
-            f"`positions` must be an integer tensor of shape (B, T) or (T,) with B={batch_size}, T={t}. "
-            f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={positions.dtype.name}"
-        )
-    return np.broadcast_to(positions, (batch_size, t))
-
-
-def _check_own_tokens(query, key):
-    """RoPE gives query t and key t one position: the keys must be the query's own tokens."""
-    if key.shape[1] != query.shape[1]:
-        raise ValueError(
-            "RoPE needs `key` and `value` to hold the query's own tokens (S == T, or decoding with `cache`). "
-            f"Received: query.shape={query.shape}, key.shape={key.shape}"
-        )
+# -------------------------------------------------------------------------------------------------
+# Step 5: the KV cache
+# -------------------------------------------------------------------------------------------------
 
 
 def _check_cache(cache, query, key, heads, head_dim):
@@ -492,13 +665,6 @@ def _check_cache_dtype(cache, dtype):
         )
 
 
-def _cache_full_error(index, t, length):
-    return ValueError(
-        f"`cache` is full: index + T must be <= L (call `init_cache` with a larger `max_length`). "
-        f"Received: index={index}, T={t}, L={length}"
-    )
-
-
 def _check_keep(keep, batch_size, max_length):
     """Checks the (B, L) boolean `keep` of `init_cache`."""
     keep = np.asarray(keep)
@@ -510,14 +676,6 @@ def _check_keep(keep, batch_size, max_length):
     return keep
 
 
-def _cache_too_short_error(window, t, length):
-    return ValueError(
-        "`cache` rolls with `window`: a call that wraps around it (index + T > L) needs L >= window + T - 1 "
-        f"(call `init_cache` with a larger `max_length`, or decode in shorter chunks). "
-        f"Received: window={window}, T={t}, L={length}"
-    )
-
-
 def _check_room(index, t, length, window):
     """Without a window the T new tokens must fit (index + T <= L); with one the cache rolls, and a
     call that wraps must leave its first query's keys in place (L >= window + T - 1)."""
@@ -527,6 +685,21 @@ def _check_room(index, t, length, window):
         raise _cache_full_error(index, t, length)
     if length < window + t - 1:
         raise _cache_too_short_error(window, t, length)
+
+
+def _cache_full_error(index, t, length):
+    return ValueError(
+        f"`cache` is full: index + T must be <= L (call `init_cache` with a larger `max_length`). "
+        f"Received: index={index}, T={t}, L={length}"
+    )
+
+
+def _cache_too_short_error(window, t, length):
+    return ValueError(
+        "`cache` rolls with `window`: a call that wraps around it (index + T > L) needs L >= window + T - 1 "
+        f"(call `init_cache` with a larger `max_length`, or decode in shorter chunks). "
+        f"Received: window={window}, T={t}, L={length}"
+    )
 
 
 def _slot_positions(length, last):
@@ -548,12 +721,12 @@ def _cache_keep(keep, index, t, causal, window):
     return allowed[None, None] & keep[:, None, None, :]  # (B, 1, T, L)
 
 
-def _write_cache(cache, k, v, key_mask, window):
+def _write_cache(cache, k, v, key_mask):
     """Copies the cache with (B, K, T, H) keys and values of positions [index, index + T) written
     to slots position mod L, and `keep` there: the (B, T) `key_mask` ANDed into it on the first
-    lap (left padding), in its place once a slot holds a new token."""
+    lap (left padding), in its place once a slot holds a new token. Room is checked before
+    (`_check_room`)."""
     index, t, length = int(cache.index), k.shape[2], cache.key.shape[2]
-    _check_room(index, t, length, window)
     positions = index + np.arange(t)  # (T,)
     slots = positions % length  # (T,)
     key, value, keep = cache.key.copy(), cache.value.copy(), cache.keep.copy()
@@ -564,82 +737,9 @@ def _write_cache(cache, k, v, key_mask, window):
     return KVCache(key, value, keep, np.asarray(index + t))
 
 
-def _and(a, b):
-    return b if a is None else a if b is None else a & b
-
-
-def _results(output, weights, cache, return_attention):
-    """output, (output, weights), (output, cache) or (output, weights, cache)."""
-    results = (output, weights) if return_attention else (output,)
-    results = results if cache is None else (*results, cache)
-    return results[0] if len(results) == 1 else results
-
-
-def _mask_to_4d(mask, target, name="attention_mask"):
-    """Checks `attention_mask` (or `attention_bias`) against target (B, N, T, S), returns it as rank 4."""
-    if mask.dtype != np.bool_ and not np.issubdtype(mask.dtype, np.floating):
-        raise ValueError(
-            f"`{name}` must be boolean (True = attend; for a 0/1 integer mask pass `mask > 0`) or floating. "
-            f"Received: {name}.dtype={mask.dtype.name}"
-        )
-    expected = {2: target[2:], 3: (target[0], *target[2:]), 4: target}.get(mask.ndim)
-    if expected is None or any(m not in (1, e) for m, e in zip(mask.shape, expected, strict=True)):
-        raise ValueError(
-            f"`{name}` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
-            f"(B, N, T, S), each dimension full or 1. Expected: (B, N, T, S)={target}. "
-            f"Received: {name}.shape={tuple(mask.shape)}"
-        )
-    if mask.ndim == 2:
-        return mask[None, None]  # (T, S) -> (1, 1, T, S)
-    if mask.ndim == 3:
-        return mask[:, None]  # (B, T, S) -> (B, 1, T, S)
-    return mask
-
-
-def causal_mask(t, s):
-    """(T, S) boolean mask: query t keeps key s iff s <= t + (S - T) (bottom-right aligned)."""
-    return np.arange(s)[None, :] <= np.arange(t)[:, None] + (s - t)  # (T, S)
-
-
-def window_mask(t, s, window):
-    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - window (bottom-right aligned)."""
-    return np.arange(s)[None, :] > np.arange(t)[:, None] + (s - t) - window  # (T, S)
-
-
-def _removal_threshold(dtype):
-    """A floating mask value at or below this removes a key: the lowest finite value of the
-    mask's dtype or of float32, whichever is higher (so -inf, and what converters put for it)."""
-    return max(np.finfo(dtype).min, np.finfo(np.float32).min)
-
-
-def _split_mask(mask, target, name="attention_mask"):
-    """Splits a mask into (keep, bias): boolean and additive (float64, finite), both rank 4 or None."""
-    if mask is None:
-        return None, None
-    mask = _mask_to_4d(mask, target, name)
-    if mask.dtype == np.bool_:
-        return mask, None
-    removed = mask <= _removal_threshold(mask.dtype)  # read in the mask's own dtype, before any cast
-    return ~removed, np.where(removed, 0.0, mask.astype(np.float64))  # finite, never 0 * -inf
-
-
-def _split_bias(attention_bias, target):
-    """`attention_bias` -> (keep, bias) by the floating mask rule; a boolean one is refused."""
-    if attention_bias is None:
-        return None, None
-    attention_bias = np.asarray(attention_bias)
-    if not np.issubdtype(attention_bias.dtype, np.floating):
-        raise ValueError(
-            f"`attention_bias` must be floating. Received: attention_bias.dtype={attention_bias.dtype.name}"
-        )
-    return _split_mask(attention_bias, target, "attention_bias")
-
-
-def _sum_to_shape(grad, shape):
-    """The gradient of a tensor of `shape` broadcast to grad's rank-4 shape: summed back."""
-    rank4 = {2: (1, 1, *shape), 3: (shape[0], 1, *shape[1:]), 4: tuple(shape)}[len(shape)]
-    axes = tuple(i for i, (g, m) in enumerate(zip(grad.shape, rank4, strict=True)) if m == 1 and g != 1)
-    return grad.sum(axis=axes, keepdims=True).reshape(shape)
+# -------------------------------------------------------------------------------------------------
+# Step 6: attention, the reference
+# -------------------------------------------------------------------------------------------------
 
 
 def dot_product_attention(
@@ -662,25 +762,33 @@ def dot_product_attention(
     Returns:
         context (B, N, T, H) and weights (B, N, T, S), with exact zeros where not kept.
     """
-    context, weights, _ = _attention(q, k, v, keep, bias, causal, scale, softcap, window, sinks)
-    return context, weights
-
-
-def _attention(q, k, v, keep, bias, causal, scale, softcap, window, sinks):
-    """`dot_product_attention`, also returning what the backward needs."""
-    t, s = q.shape[2], k.shape[2]
-    keep = np.ones((1, 1, t, s), dtype=bool) if keep is None else keep  # (B, N, T, S), dims may be 1
-    keep = keep & causal_mask(t, s) if causal else keep
-    keep = keep & window_mask(t, s, window) if window is not None else keep
+    keep = _full_keep(keep, q.shape[2], k.shape[2], causal, window)  # (B, N, T, S), dims may be 1
     groups = q.shape[1] // k.shape[1]
     k = np.repeat(k, groups, axis=1)  # (B, K, S, H) -> (B, N, S, H)
     v = np.repeat(v, groups, axis=1)  # (B, K, S, H) -> (B, N, S, H)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = q @ k.swapaxes(-1, -2) * scale  # (B, N, T, S)
-    capped = None if softcap is None else np.tanh(scores / softcap)  # (B, N, T, S), kept for the backward
-    scores = scores if softcap is None else softcap * capped
+    scores = _softcap(q @ k.swapaxes(-1, -2) * scale, softcap)  # (B, N, T, S)
     bias = bias if bias is None or sinks is not None else _centre_rows(bias, keep)  # with sinks the level matters
     scores = scores if bias is None else scores + bias  # (B, N, T, S)
+    weights = _masked_softmax(scores, keep, sinks)  # (B, N, T, S)
+    return weights @ v, weights  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
+
+
+def _full_keep(keep, t, s, causal, window):
+    """`keep` (None: all kept) with `causal` and `window` folded in; broadcasts to (B, N, T, S)."""
+    keep = np.ones((1, 1, t, s), dtype=bool) if keep is None else keep  # (B, N, T, S), dims may be 1
+    keep = keep & causal_mask(t, s) if causal else keep
+    return keep & window_mask(t, s, window) if window is not None else keep
+
+
+def _softcap(scores, softcap):
+    """Gemma 2's soft-capping: softcap * tanh(scores / softcap)."""
+    return scores if softcap is None else softcap * np.tanh(scores / softcap)
+
+
+def _masked_softmax(scores, keep, sinks=None):
+    """Softmax over S (with one `sinks` logit per head in its denominator) with every position not
+    kept at weight exactly 0 (rows with no key are all 0)."""
     lowest = np.finfo(scores.dtype).min
     scores = np.where(keep, scores, lowest)  # (B, N, T, S)
     top = scores.max(axis=-1, keepdims=True, initial=lowest)  # (B, N, T, 1); `initial`: S may be 0
@@ -689,11 +797,7 @@ def _attention(q, k, v, keep, bias, causal, scale, softcap, window, sinks):
     exp = np.exp(scores - top)  # (B, N, T, S)
     total = exp.sum(axis=-1, keepdims=True)  # (B, N, T, 1)
     total = total if sink is None else total + np.exp(sink - top)  # the sink joins the denominator
-    probs = exp / total  # (B, N, T, S)
-    weights = np.where(keep, probs, 0.0)  # (B, N, T, S), rows with no key are all 0
-    context = weights @ v  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
-    saved = dict(k=k, v=v, keep=keep, probs=probs, weights=weights, capped=capped, scale=scale, softcap=softcap)
-    return context, weights, saved
+    return np.where(keep, exp / total, 0.0)  # (B, N, T, S), rows with no key are all 0
 
 
 def _centre_rows(bias, keep):
@@ -704,20 +808,86 @@ def _centre_rows(bias, keep):
     return bias - np.where(np.isfinite(top), top, 0.0)  # (B, N, T, S), dims may be 1
 
 
-def _glorot_uniform(rng, fan_in, fan_out):
-    limit = math.sqrt(6.0 / (fan_in + fan_out))
-    return rng.uniform(-limit, limit, size=(fan_in, fan_out))
+# -------------------------------------------------------------------------------------------------
+# NumPy only: the backward pass
+# -------------------------------------------------------------------------------------------------
 
 
-def _initial_value(rng, name, shape):
-    """Glorot uniform kernels, zero biases and sink logits, QK-norm scales of one."""
-    if name.endswith("_kernel"):
-        return _glorot_uniform(rng, *shape)
-    return np.ones(shape) if name.endswith("_norm") else np.zeros(shape)
+def _output_backward(g, merged, output_kernel, heads, head_dim):
+    """Step 7 backward: ({output_kernel, output_bias} gradients, d_context (B, N, T, H))."""
+    b, t, _ = g.shape
+    grads = {"output_kernel": np.einsum("btm,bte->me", merged, g), "output_bias": g.sum(axis=(0, 1))}
+    d_context = (g @ output_kernel.T).reshape(b, t, heads, head_dim).transpose(0, 2, 1, 3)  # -> (B, N, T, H)
+    return grads, d_context
 
 
-# int8 (docs/SPEC.md, "int8"): Keras' scheme, `keras.quantizers.abs_max_quantize` on the kernels
-# (per output column) and on the inputs of each projection (per token, at run time).
+def _attention_backward(d_context, q, k, v, keep, weights, scale, softcap, sinks):
+    """Step 6 backward, from `dot_product_attention`'s (B, N, T, H) q, (B, K, S, H) k and v, its
+    `keep` with causal and window folded in, and its weights: (d_q, d_k, d_v, d_scores, d_sinks)
+    with d_scores (B, N, T, S) the gradient of the biased scores (None: no sinks)."""
+    groups = q.shape[1] // k.shape[1]
+    k_rep, v_rep = np.repeat(k, groups, axis=1), np.repeat(v, groups, axis=1)  # (B, N, S, H)
+    d_weights = d_context @ v_rep.swapaxes(-1, -2)  # (B, N, T, H) @ (B, N, H, S) -> (B, N, T, S)
+    d_v_rep = weights.swapaxes(-1, -2) @ d_context  # (B, N, S, T) @ (B, N, T, H) -> (B, N, S, H)
+    d_probs = np.where(keep, d_weights, 0.0)  # (B, N, T, S)
+    inner = (d_probs * weights).sum(axis=-1, keepdims=True)  # (B, N, T, 1)
+    d_scores = np.where(keep, weights * (d_probs - inner), 0.0)  # softmax backward, (B, N, T, S)
+    d_sinks = None
+    if sinks is not None:
+        sink_probs = 1.0 - weights.sum(axis=-1, keepdims=True)  # (B, N, T, 1): the sink's share
+        d_sinks = -(sink_probs * inner).sum(axis=(0, 2, 3))  # (N,)
+    d_biased = d_scores
+    if softcap is not None:  # through softcap * tanh(scores / softcap), the scores recomputed
+        capped = np.tanh(q @ k_rep.swapaxes(-1, -2) * scale / softcap)  # (B, N, T, S)
+        d_scores = d_scores * (1.0 - capped**2)
+    d_scores = d_scores * scale  # (B, N, T, S)
+    d_q = d_scores @ k_rep  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
+    d_k_rep = d_scores.swapaxes(-1, -2) @ q  # (B, N, S, T) @ (B, N, T, H) -> (B, N, S, H)
+    (b, kv, s, h) = k.shape
+    d_k = d_k_rep.reshape(b, kv, groups, s, h).sum(axis=2)  # (B, N, S, H) -> (B, K, S, H)
+    d_v = d_v_rep.reshape(b, kv, groups, s, h).sum(axis=2)  # (B, N, S, H) -> (B, K, S, H)
+    return d_q, d_k, d_v, d_biased, d_sinks
+
+
+def _rope_backward(d, positions, inv_freq, interleaved, factor):
+    """Step 4 backward: RoPE is a rotation (times YaRN's factor): its backward scales, turns back."""
+    d = scale_rotated(d, 2 * inv_freq.shape[0], factor)
+    return apply_rope(d, -positions, inv_freq, interleaved)
+
+
+def _rms_norm_backward(x, scale, eps, grad):
+    """Gradients of rms_norm(x, scale, eps) for the upstream `grad`: (d_x, d_scale)."""
+    rms = np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps)
+    normed = x / rms
+    d_scale = (grad * normed).reshape(-1, x.shape[-1]).sum(axis=0)
+    g = grad * scale
+    return (g - normed * np.mean(g * normed, axis=-1, keepdims=True)) / rms, d_scale
+
+
+def _sum_to_shape(grad, shape):
+    """The gradient of a tensor of `shape` broadcast to grad's rank-4 shape: summed back."""
+    rank4 = {2: (1, 1, *shape), 3: (shape[0], 1, *shape[1:]), 4: tuple(shape)}[len(shape)]
+    axes = tuple(i for i, (g, m) in enumerate(zip(grad.shape, rank4, strict=True)) if m == 1 and g != 1)
+    return grad.sum(axis=axes, keepdims=True).reshape(shape)
+
+
+def _fold_defaulted(inputs, defaulted):
+    """Adds the gradient of each defaulted input to the input it defaulted to."""
+    if defaulted == "both":
+        return {"query": inputs["query"] + inputs["key"] + inputs["value"]}
+    if defaulted == "key":
+        return {"query": inputs["query"], "value": inputs["value"] + inputs["key"]}
+    if defaulted == "value":
+        return {"query": inputs["query"], "key": inputs["key"] + inputs["value"]}
+    return inputs
+
+
+# -------------------------------------------------------------------------------------------------
+# int8
+# -------------------------------------------------------------------------------------------------
+
+# Keras' scheme (docs/SPEC.md, "int8"): `keras.quantizers.abs_max_quantize` on the kernels (per
+# output column) and on the inputs of each projection (per token, at run time).
 _INT8_MAX = 127.0
 _INT8_EPSILON = 1e-7  # Keras' `backend.epsilon()`, added to the abs-max before dividing
 
@@ -777,6 +947,30 @@ def _portable_dtype(name, int8):
 
 def _is_int8_layout(weights):
     return any(str(name).endswith("_kernel_scale") for name in weights)
+
+
+# -------------------------------------------------------------------------------------------------
+# The layer
+# -------------------------------------------------------------------------------------------------
+
+
+def _glorot_uniform(rng, fan_in, fan_out):
+    limit = math.sqrt(6.0 / (fan_in + fan_out))
+    return rng.uniform(-limit, limit, size=(fan_in, fan_out))
+
+
+def _initial_value(rng, name, shape):
+    """Glorot uniform kernels, zero biases and sink logits, QK-norm scales of one."""
+    if name.endswith("_kernel"):
+        return _glorot_uniform(rng, *shape)
+    return np.ones(shape) if name.endswith("_norm") else np.zeros(shape)
+
+
+def _results(output, weights, cache, return_attention):
+    """output, (output, weights), (output, cache) or (output, weights, cache)."""
+    results = (output, weights) if return_attention else (output,)
+    results = results if cache is None else (*results, cache)
+    return results[0] if len(results) == 1 else results
 
 
 class MultiHeadAttention:
@@ -889,45 +1083,22 @@ class MultiHeadAttention:
             raise ValueError(f"`dropout` must be 0: the NumPy reference has no dropout. Received: dropout={dropout!r}")
         self.dropout = 0.0
         self.bias = _projection_biases(bias)
-        self.scale = 1.0 / math.sqrt(self.head_dim) if scale is None else _positive_float("scale", scale)
-        self.softcap = _positive_float("softcap", softcap, optional=True)
-        self.window = None if window is None else _positive_int("window", window)
-        self.rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
-        rotary_dim = _rotary_dim(rope_fraction, self.head_dim, self.rope_theta is not None)  # None without RoPE
-        self.rope_fraction = float(rope_fraction)
-        self.rope_scaling = _check_rope_scaling(rope_scaling)
-        self._inv_freq = None
+        variants = _check_variants(
+            self.head_dim, scale, softcap, window, rope_theta, rope_fraction, rope_interleaved, rope_scaling, qk_norm,
+            qk_norm_eps, sinks,
+        )  # fmt: skip
+        for name, value in variants._asdict().items():
+            setattr(self, name, value)  # self.scale, self.softcap, ..., self.sinks
+        self._inv_freq = None  # (R/2,), computed once
         if self.rope_theta is not None:
-            self._inv_freq = rope_frequencies(rotary_dim, self.rope_theta, self.rope_scaling)  # (R/2,)
-        self.qk_norm = _check_qk_norm(qk_norm)
-        self.qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
-        self.rope_interleaved = _flag("rope_interleaved", rope_interleaved)
-        self.sinks = _flag("sinks", sinks)
+            rotary_dim = _rotary_dim(rope_fraction, self.head_dim, True)
+            self._inv_freq = rope_frequencies(rotary_dim, self.rope_theta, self.rope_scaling)
         rng = np.random.default_rng(seed)
         self.params = {}
         for name, shape in self.weight_shapes().items():
             self.params[name] = _initial_value(rng, name, shape)
-        self._saved = None
+        self._saved = None  # what `backward` needs from the last call without a cache
         self._warned_traps = set()  # the mask habits warned of, once each
-
-    def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
-        """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
-
-        Args:
-            batch_size: B.
-            max_length: L, the number of slots.
-            keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
-                of different lengths). Defaults to all True.
-            dtype: dtype of the keys and values; defaults to the compute dtype, float64.
-
-        Returns:
-            A `KVCache` of zeros with index 0.
-        """
-        b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
-        keep = np.ones((b, length), dtype=bool) if keep is None else _check_keep(keep, b, length)
-        shape = (b, self.num_kv_heads, length, self.head_dim)
-        dtype = np.float64 if dtype is None else dtype
-        return KVCache(np.zeros(shape, dtype), np.zeros(shape, dtype), keep.copy(), np.asarray(0))
 
     def weight_shapes(self):
         """The portable layout: {name: shape}; biases of the projections in `bias`, the norm
@@ -978,11 +1149,6 @@ class MultiHeadAttention:
             raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
         self.params = {name: np.array(weights[name], dtype=_portable_dtype(name, int8)) for name in expected}
 
-    @property
-    def quantization_mode(self):
-        """ "int8" once `quantize("int8")` (or an int8 `import_weights`) quantized the projections, else None."""
-        return "int8" if "query_kernel_scale" in self.params else None
-
     def quantize(self, mode):
         """Quantizes the four projections' kernels to int8 with one float32 scale per output
         column (Keras' scheme, docs/SPEC.md "int8"); each call then quantizes the projections'
@@ -1000,6 +1166,101 @@ class MultiHeadAttention:
             params[f"{kind}_kernel"], params[f"{kind}_kernel_scale"] = _quantize_kernel(params[f"{kind}_kernel"])
         self.params = {name: params[name] for name in _with_scales(self.weight_shapes())}
 
+    @property
+    def quantization_mode(self):
+        """ "int8" once `quantize("int8")` (or an int8 `import_weights`) quantized the projections, else None."""
+        return "int8" if "query_kernel_scale" in self.params else None
+
+    def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
+        """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
+
+        Args:
+            batch_size: B.
+            max_length: L, the number of slots.
+            keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
+                of different lengths). Defaults to all True.
+            dtype: dtype of the keys and values; defaults to the compute dtype, float64.
+
+        Returns:
+            A `KVCache` of zeros with index 0.
+        """
+        b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
+        keep = np.ones((b, length), dtype=bool) if keep is None else _check_keep(keep, b, length)
+        shape = (b, self.num_kv_heads, length, self.head_dim)
+        dtype = np.float64 if dtype is None else dtype
+        return KVCache(np.zeros(shape, dtype), np.zeros(shape, dtype), keep.copy(), np.asarray(0))
+
+    def _check_call(
+        self, query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
+        return_attention, cache, mask,
+    ):  # fmt: skip
+        """Step 1 but the masks' combination: the `mask` alias, defaults, every check, the cast to
+        float64, the self-attention default of `key_mask`, positions and the habit warnings."""
+        attention_mask = _attention_mask(attention_mask, mask)
+        key, value, defaulted = _inputs(query, key, value)
+        query = _check_input("query", query, "E", self.d_model)
+        key = _check_input("key", key, "kdim", self.kdim)
+        value = _check_input("value", value, "vdim", self.vdim)
+        _check_lengths(query, key, value)
+        _check_dtypes(query, key, value)
+        query, key, value = (x.astype(np.float64) for x in (query, key, value))
+        (b, t, _), s = query.shape, key.shape[1]
+        query_mask = None if query_mask is None else _check_token_mask("query_mask", query_mask, b, t, "T")
+        explicit_key_mask = None if key_mask is None else _check_token_mask("key_mask", key_mask, b, s, "S")
+        key_mask = query_mask if explicit_key_mask is None and defaulted == "both" else explicit_key_mask
+        if cache is not None:
+            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
+            _check_cache_dtype(cache, np.float64)
+            s = cache.key.shape[2]
+        positions = self._positions(positions, query, key, cache)
+        target = (b, self.num_heads, t, s)
+        attention_mask = None if attention_mask is None else _mask_to_4d(attention_mask, target)
+        attention_bias = None if attention_bias is None else _mask_to_4d(attention_bias, target, "attention_bias")
+        if cache is None:
+            self._warn_traps(attention_mask, explicit_key_mask, t, s)
+        return _Call(
+            query, key, value, attention_mask, attention_bias, key_mask, query_mask, positions, causal, self.window,
+            return_attention, cache, None, False,
+        )  # fmt: skip
+
+    def _positions(self, positions, query, key, cache):
+        """(B, T) RoPE positions: `positions`, or index + arange(T); None without RoPE. Without a
+        cache RoPE needs the keys to be the query's own tokens."""
+        (b, t), rope = query.shape[:2], self._inv_freq is not None
+        if cache is None and rope:
+            _check_own_tokens(query, key)
+        if positions is not None:
+            return _check_positions(positions, b, t, rope)
+        index = 0 if cache is None else int(cache.index)
+        return None if not rope else np.broadcast_to(index + np.arange(t), (b, t))
+
+    def _warn_traps(self, attention_mask, key_mask, t, s):
+        """Warns once per layer for each built-in habit the masks' values suggest; a call with a
+        cache is not read."""
+        for kind, message in _mask_traps(attention_mask, key_mask, t, s).items():
+            if kind not in self._warned_traps:
+                self._warned_traps.add(kind)
+                warnings.warn(message, AttentionMaskWarning, stacklevel=4)
+
+    def _masks(self, call):
+        """Step 1: one boolean keep and one float64 bias, each None or (B|1, N|1, T|1, S|1); with a
+        cache `key_mask` goes into the cache's keep instead (step 5)."""
+        keep, mask_bias = _split_mask(call.attention_mask)
+        bias_keep, bias = _split_mask(call.attention_bias)
+        keep, bias = _and(keep, bias_keep), _add(mask_bias, bias)
+        if call.query_mask is not None:
+            keep = _and(keep, call.query_mask[:, None, :, None])  # (B, T) -> (B, 1, T, 1)
+        if call.key_mask is not None and call.cache is None:
+            keep = _and(keep, call.key_mask[:, None, None, :])  # (B, S) -> (B, 1, 1, S)
+        return keep, bias
+
+    def _project_qkv(self, call):
+        """Step 2: q (B, N, T, H), k and v (B, K, S, H), each with its bias if it has one."""
+        q = self._split_heads(self._project(call.query, "query"))  # (B, T, E) -> (B, N, T, H)
+        k = self._split_heads(self._project(call.key, "key"))  # (B, S, kdim) -> (B, K, S, H)
+        v = self._split_heads(self._project(call.value, "value"))  # (B, S, vdim) -> (B, K, S, H)
+        return q, k, v
+
     def _project(self, x, kind):
         """(B, L, D) -> (B, L, heads*H): one projection, with its bias if it has one."""
         kernel = self.params[f"{kind}_kernel"]
@@ -1014,22 +1275,29 @@ class MultiHeadAttention:
         b, length, width = y.shape
         return y.reshape(b, length, width // self.head_dim, self.head_dim).transpose(0, 2, 1, 3)
 
+    def _merge_heads(self, x):
+        """(B, heads, L, H) -> (B, L, heads*H)."""
+        b, heads, length, h = x.shape
+        return x.transpose(0, 2, 1, 3).reshape(b, length, heads * h)
+
     def _by_norm(self, y):
         """(B, L, heads*H) -> the shape QK-norm normalizes over its last axis."""
         heads = y.shape[-1] // self.head_dim  # not -1: L may be 0
         return y.reshape(*y.shape[:2], heads, self.head_dim) if self.qk_norm == "head" else y  # (B, L, heads, H)
 
     def _normalize_qk(self, q, k):
-        """QK-norm of the (B, T, N*H) queries and (B, S, K*H) keys, per head or over all heads."""
+        """Step 3: QK-norm of the (B, N, T, H) queries and (B, K, S, H) keys, per head or over all heads."""
         if self.qk_norm is None:
             return q, k
         eps = self.qk_norm_eps
-        q_normed = rms_norm(self._by_norm(q), self.params["query_norm"], eps).reshape(q.shape)  # (B, T, N*H)
-        k_normed = rms_norm(self._by_norm(k), self.params["key_norm"], eps).reshape(k.shape)  # (B, S, K*H)
-        return q_normed, k_normed
+        if self.qk_norm == "head":
+            return rms_norm(q, self.params["query_norm"], eps), rms_norm(k, self.params["key_norm"], eps)
+        q = rms_norm(self._merge_heads(q), self.params["query_norm"], eps)  # over (B, T, N*H)
+        k = rms_norm(self._merge_heads(k), self.params["key_norm"], eps)  # over (B, S, K*H)
+        return self._split_heads(q), self._split_heads(k)
 
     def _rotate(self, q, k, positions):
-        """RoPE of the (B, N, T, H) queries and (B, K, T, H) keys at (B, T) positions."""
+        """Step 4: RoPE of the (B, N, T, H) queries and (B, K, T, H) keys at (B, T) positions."""
         if self._inv_freq is None:
             return q, k
         inv_freq, interleaved = self._inv_freq, self.rope_interleaved
@@ -1037,19 +1305,24 @@ class MultiHeadAttention:
         factor, rotary_dim = rope_attention_factor(self.rope_scaling), 2 * inv_freq.shape[0]
         return scale_rotated(q, rotary_dim, factor), scale_rotated(k, rotary_dim, factor)  # YaRN's factor
 
-    def _positions(self, positions, batch_size, t, index):
-        """(B, T) RoPE positions: `positions`, or index + arange(T); None without RoPE."""
-        if positions is not None:
-            return _check_positions(positions, batch_size, t, self._inv_freq is not None)
-        return None if self._inv_freq is None else np.broadcast_to(index + np.arange(t), (batch_size, t))
+    def _update_cache(self, call, k, v, keep):
+        """Step 5: writes the (B, K, T, H) keys and values into a copy of the cache; returns its
+        (B, K, L, H) keys and values, keep with the cache's rule folded in (B, N|1, T, L), and the
+        call with that cache, `causal` False and `window` None (both now in keep)."""
+        if call.cache is None:
+            return k, v, keep, call
+        index, t, length = int(call.cache.index), k.shape[2], call.cache.key.shape[2]
+        _check_room(index, t, length, call.window)
+        cache = _write_cache(call.cache, k, v, call.key_mask)
+        keep = _and(keep, _cache_keep(cache.keep, index, t, call.causal, call.window))  # dims may be 1
+        return cache.key, cache.value, keep, call._replace(causal=False, window=None, cache=cache)
 
-    def _warn_traps(self, attention_mask, key_mask, t, s):
-        """Warns once per layer for each built-in habit the masks' values suggest; a call with a
-        cache is not read."""
-        for kind, message in _mask_traps(attention_mask, key_mask, t, s).items():
-            if kind not in self._warned_traps:
-                self._warned_traps.add(kind)
-                warnings.warn(message, AttentionMaskWarning, stacklevel=3)
+    def _attend(self, q, k, v, keep, bias, call):
+        """Step 6: `dot_product_attention`, the reference, with the layer's variants."""
+        return dot_product_attention(
+            q, k, v, keep, bias, call.causal, scale=self.scale, softcap=self.softcap, window=call.window,
+            sinks=self.params.get("sinks"),
+        )  # fmt: skip
 
     def __call__(
         self,
@@ -1067,55 +1340,35 @@ class MultiHeadAttention:
         cache=None,
         mask=None,
     ):
-        attention_mask = (
-            None if mask is None and attention_mask is None else np.asarray(_attention_mask(attention_mask, mask))
-        )
-        key, value, defaulted = _apply_defaults(query, key, value)
-        query = _check_input("query", query, "E", self.d_model)
-        key = _check_input("key", key, "kdim", self.kdim)
-        value = _check_input("value", value, "vdim", self.vdim)
-        _check_lengths(query, key, value)
-        _check_dtypes(query, key, value)
-        query, key, value = (x.astype(np.float64) for x in (query, key, value))
-        (b, t, _), s = query.shape, key.shape[1]
-        query_mask = None if query_mask is None else _check_token_mask("query_mask", query_mask, b, t, "T")
-        key_mask = None if key_mask is None else _check_token_mask("key_mask", key_mask, b, s, "S")
-        explicit_key_mask = key_mask
-        key_mask = query_mask if key_mask is None and defaulted == "both" else key_mask  # self-attention
-        if cache is not None:
-            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
-            _check_cache_dtype(cache, np.float64)
-            s = cache.key.shape[2]
-        elif self._inv_freq is not None:
-            _check_own_tokens(query, key)
-        index = 0 if cache is None else int(cache.index)
-        positions = self._positions(positions, b, t, index)
-        target = (b, self.num_heads, t, s)
-        keep, bias = _combine_masks(attention_mask, attention_bias, query_mask, None if cache else key_mask, target)
-        if cache is None:
-            self._warn_traps(attention_mask, explicit_key_mask, t, s)
+        call = self._check_call(
+            query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
+            return_attention, cache, mask,
+        )  # 1. defaults and checks  # fmt: skip
+        keep, bias = self._masks(call)  # 1. (B|1, N|1, T|1, S|1) keep and bias
+        q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H)
+        q, k = self._normalize_qk(q, k)  # 3. QK-norm
+        q, k = self._rotate(q, k, call.positions)  # 4. RoPE
+        k, v, keep, call = self._update_cache(call, k, v, keep)  # 5. KV cache (replaces causal/window/cache)
+        context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S)
+        merged = self._merge_heads(context)  # 7. (B, N, T, H) -> (B, T, N*H)
+        output = self._project(merged, "output")  # 7. (B, T, N*H) -> (B, T, E)
+        self._save_for_backward(call, key, value, attention_bias, q, k, v, keep, weights, merged)  # for `backward`
+        return _results(output, weights, call.cache, call.return_attention)
 
-        y = {kind: self._project(x, kind) for kind, x in (("query", query), ("key", key), ("value", value))}
-        q_flat, k_flat = self._normalize_qk(y["query"], y["key"])  # QK-norm: (B, T, N*H), (B, S, K*H)
-        q = self._split_heads(q_flat)  # (B, T, N*H) -> (B, N, T, H)
-        k = self._split_heads(k_flat)  # (B, S, K*H) -> (B, K, S, H)
-        v = self._split_heads(y["value"])  # (B, S, K*H) -> (B, K, S, H)
-        q, k = self._rotate(q, k, positions)  # RoPE: (B, N, T, H), (B, K, S, H)
-        causal_now, window = causal, self.window
-        if cache is not None:
-            cache = _write_cache(cache, k, v, key_mask, self.window)
-            keep = _and(keep, _cache_keep(cache.keep, index, t, causal, window))  # (B, N, T, L), dims may be 1
-            k, v, causal_now, window = cache.key, cache.value, False, None  # (B, K, L, H); all in `keep`
-        sinks = self.params.get("sinks")
-        context, weights, saved = _attention(q, k, v, keep, bias, causal_now, self.scale, self.softcap, window, sinks)
-        merged = context.transpose(0, 2, 1, 3).reshape(b, t, self.num_heads * self.head_dim)  # -> (B, T, N*H)
-        output = self._project(merged, "output")  # (B, T, N*H) -> (B, T, E)
-
-        self._saved = None if cache is not None else dict(
-            query=query, key=key, value=value, defaulted=defaulted, y=y, q=q, positions=positions, merged=merged,
-            attention_bias=None if attention_bias is None else np.shape(attention_bias), **saved,
+    def _save_for_backward(self, call, key, value, attention_bias, q, k, v, keep, weights, merged):
+        """Keeps what `backward` needs from a call without a cache (after one: nothing): the call,
+        which of key and value were left out, the shape of `attention_bias`, the (B, N, T, H) q
+        and (B, K, S, H) k and v attended, keep with causal and window folded in, the weights and
+        the (B, T, N*H) merged heads. `backward` recomputes the rest."""
+        if call.cache is not None:
+            self._saved = None
+            return
+        keep = _full_keep(keep, q.shape[2], k.shape[2], call.causal, call.window)  # as in dot_product_attention
+        bias_shape = None if attention_bias is None else np.shape(attention_bias)
+        self._saved = dict(
+            call=call, defaulted=_inputs(None, key, value)[2], bias_shape=bias_shape, q=q, k=k, v=v, keep=keep,
+            weights=weights, merged=merged,
         )  # fmt: skip
-        return _results(output, weights, cache, return_attention)
 
     def backward(self, grad_output):
         """Gradients of sum(output * grad_output) after the last call.
@@ -1128,6 +1381,25 @@ class MultiHeadAttention:
             gradient of a defaulted input is added to the one it defaulted to), `attention_bias`
             (when one was passed) and every name of the portable weight layout.
         """
+        g, c = self._check_backward(grad_output), self._saved  # (B, T, E)
+        grads, d_context = _output_backward(g, c["merged"], self.params["output_kernel"], self.num_heads, self.head_dim)
+        sinks = self.params.get("sinks")  # 6. attention
+        d_q, d_k, d_v, d_biased, d_sinks = _attention_backward(
+            d_context, c["q"], c["k"], c["v"], c["keep"], c["weights"], self.scale, self.softcap, sinks
+        )
+        extra = {} if c["bias_shape"] is None else {"attention_bias": _sum_to_shape(d_biased, c["bias_shape"])}
+        grads.update({} if d_sinks is None else {"sinks": d_sinks})
+        if self._inv_freq is not None:  # 4. RoPE
+            factor, positions = rope_attention_factor(self.rope_scaling), c["call"].positions
+            d_q, d_k = (_rope_backward(d, positions, self._inv_freq, self.rope_interleaved, factor) for d in (d_q, d_k))
+        inputs = {}
+        for kind, d_heads in (("query", d_q), ("key", d_k), ("value", d_v)):  # 3. QK-norm, 2. projections
+            inputs[kind] = self._project_backward(kind, getattr(c["call"], kind), d_heads, grads)
+        grads = {name: grads[name] for name in self.weight_shapes()}
+        return {**_fold_defaulted(inputs, c["defaulted"]), **extra, **grads}
+
+    def _check_backward(self, grad_output):
+        """`grad_output` as a float64 (B, T, E) array, after the checks that `backward` can run."""
         if self._saved is None:
             raise ValueError("`backward` needs a forward call without `cache` first. Received: no such call")
         if self.quantization_mode is not None:
@@ -1135,87 +1407,25 @@ class MultiHeadAttention:
                 "`backward` is defined for float weights only: an int8 layer rounds its inputs, which has no "
                 f"gradient. Received: quantization_mode={self.quantization_mode!r}"
             )
-        c, p = self._saved, self.params
         g = np.asarray(grad_output, dtype=np.float64)  # (B, T, E)
-        if g.shape != (*c["merged"].shape[:2], self.d_model):
+        expected = (*self._saved["merged"].shape[:2], self.d_model)
+        if g.shape != expected:
             raise ValueError(
-                f"`grad_output` must have the output's shape {(*c['merged'].shape[:2], self.d_model)}. "
-                f"Received: grad_output.shape={g.shape}"
+                f"`grad_output` must have the output's shape {expected}. Received: grad_output.shape={g.shape}"
             )
-        b, t, _ = g.shape
-        n, kv, h = self.num_heads, self.num_kv_heads, self.head_dim
-        grads = {"output_kernel": np.einsum("btm,bte->me", c["merged"], g), "output_bias": g.sum(axis=(0, 1))}
-        d_context = (g @ p["output_kernel"].T).reshape(b, t, n, h).transpose(0, 2, 1, 3)  # -> (B, N, T, H)
+        return g
 
-        d_weights = d_context @ c["v"].swapaxes(-1, -2)  # (B, N, T, H) @ (B, N, H, S) -> (B, N, T, S)
-        d_v_rep = c["weights"].swapaxes(-1, -2) @ d_context  # (B, N, S, T) @ (B, N, T, H) -> (B, N, S, H)
-        d_probs = np.where(c["keep"], d_weights, 0.0)  # (B, N, T, S)
-        probs = c["probs"]
-        inner = (d_probs * probs).sum(axis=-1, keepdims=True)  # (B, N, T, 1)
-        d_scores = np.where(c["keep"], probs * (d_probs - inner), 0.0)  # softmax backward, (B, N, T, S)
-        if self.sinks:
-            sink_probs = 1.0 - probs.sum(axis=-1, keepdims=True)  # (B, N, T, 1): the sink's share
-            grads["sinks"] = -(sink_probs * inner).sum(axis=(0, 2, 3))  # (N,)
-        if c["attention_bias"] is not None:
-            grads["attention_bias"] = _sum_to_shape(d_scores, c["attention_bias"])
-        if c["capped"] is not None:
-            d_scores = d_scores * (1.0 - c["capped"] ** 2)  # through softcap * tanh(scores / softcap)
-        d_scores = d_scores * c["scale"]  # (B, N, T, S)
-        d_q = d_scores @ c["k"]  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
-        d_k_rep = d_scores.swapaxes(-1, -2) @ c["q"]  # (B, N, S, T) @ (B, N, T, H) -> (B, N, S, H)
-        s = d_k_rep.shape[2]
-        d_k = d_k_rep.reshape(b, kv, n // kv, s, h).sum(axis=2)  # (B, N, S, H) -> (B, K, S, H)
-        d_v = d_v_rep.reshape(b, kv, n // kv, s, h).sum(axis=2)  # (B, N, S, H) -> (B, K, S, H)
-        if self._inv_freq is not None:  # RoPE is a rotation (times YaRN's factor): its backward scales, turns back
-            factor, rotary_dim = rope_attention_factor(self.rope_scaling), 2 * self._inv_freq.shape[0]
-            d_q, d_k = (scale_rotated(d, rotary_dim, factor) for d in (d_q, d_k))
-            d_q, d_k = (apply_rope(d, -c["positions"], self._inv_freq, self.rope_interleaved) for d in (d_q, d_k))
-
-        inputs = {}
-        for kind, d_heads in (("query", d_q), ("key", d_k), ("value", d_v)):
-            d_y = d_heads.transpose(0, 2, 1, 3).reshape(*c["y"][kind].shape)  # (B, heads, L, H) -> (B, L, heads*H)
-            if kind != "value" and self.qk_norm is not None:
-                by_norm = self._by_norm(c["y"][kind])  # QK-norm's backward
-                d_y, grads[f"{kind}_norm"] = _rms_norm_backward(
-                    by_norm, p[f"{kind}_norm"], self.qk_norm_eps, d_y.reshape(by_norm.shape)
-                )
-                d_y = d_y.reshape(c["y"][kind].shape)
-            grads[f"{kind}_kernel"] = np.einsum("bld,blm->dm", c[kind], d_y)
-            grads[f"{kind}_bias"] = d_y.sum(axis=(0, 1))
-            inputs[kind] = d_y @ p[f"{kind}_kernel"].T  # (B, L, heads*H) -> (B, L, D)
-        extra = {} if c["attention_bias"] is None else {"attention_bias": grads["attention_bias"]}
-        grads = {name: grads[name] for name in self.weight_shapes()}
-        return {**_fold_defaulted(inputs, c["defaulted"]), **extra, **grads}
-
-
-def _rms_norm_backward(x, scale, eps, grad):
-    """Gradients of rms_norm(x, scale, eps) for the upstream `grad`: (d_x, d_scale)."""
-    rms = np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps)
-    normed = x / rms
-    d_scale = (grad * normed).reshape(-1, x.shape[-1]).sum(axis=0)
-    g = grad * scale
-    return (g - normed * np.mean(g * normed, axis=-1, keepdims=True)) / rms, d_scale
-
-
-def _combine_masks(attention_mask, attention_bias, query_mask, key_mask, target):
-    """One boolean keep and one additive bias (float64), broadcasting to (B, N, T, S), or None."""
-    keep, mask_bias = _split_mask(attention_mask, target)
-    bias_keep, bias = _split_bias(attention_bias, target)
-    keep = _and(keep, bias_keep)
-    bias = mask_bias if bias is None else bias if mask_bias is None else bias + mask_bias
-    if query_mask is not None:
-        keep = _and(keep, query_mask[:, None, :, None])  # (B, T) -> (B, 1, T, 1)
-    if key_mask is not None:
-        keep = _and(keep, key_mask[:, None, None, :])  # (B, S) -> (B, 1, 1, S)
-    return keep, bias
-
-
-def _fold_defaulted(inputs, defaulted):
-    """Adds the gradient of each defaulted input to the input it defaulted to."""
-    if defaulted == "both":
-        return {"query": inputs["query"] + inputs["key"] + inputs["value"]}
-    if defaulted == "key":
-        return {"query": inputs["query"], "value": inputs["value"] + inputs["key"]}
-    if defaulted == "value":
-        return {"query": inputs["query"], "key": inputs["key"] + inputs["value"]}
-    return inputs
+    def _project_backward(self, kind, x, d_heads, grads):
+        """Steps 3 and 2 backward for one of q, k, v: adds the kernel's, bias' and norm's gradients
+        to `grads`, returns the input's (B, L, D)."""
+        d_y = self._merge_heads(d_heads)  # (B, heads, L, H) -> (B, L, heads*H)
+        if kind != "value" and self.qk_norm is not None:
+            y = self._project(x, kind)  # (B, L, heads*H), the projection before QK-norm, recomputed
+            by_norm = self._by_norm(y)  # QK-norm's backward
+            d_y, grads[f"{kind}_norm"] = _rms_norm_backward(
+                by_norm, self.params[f"{kind}_norm"], self.qk_norm_eps, d_y.reshape(by_norm.shape)
+            )
+            d_y = d_y.reshape(y.shape)
+        grads[f"{kind}_kernel"] = np.einsum("bld,blm->dm", x, d_y)
+        grads[f"{kind}_bias"] = d_y.sum(axis=(0, 1))
+        return d_y @ self.params[f"{kind}_kernel"].T  # (B, L, heads*H) -> (B, L, D)

@@ -49,11 +49,9 @@ def _off_by_one_causal(keep, index, t, causal, window):
     return allowed[None, None] & keep[:, None, None, :]
 
 
-def _numpy_write_one_slot_late(cache, k, v, key_mask, window):
+def _numpy_write_one_slot_late(cache, k, v, key_mask):
     shifted = numpy_file.KVCache(cache.key, cache.value, cache.keep, np.asarray(int(cache.index) + 1))
-    return numpy_file.KVCache(
-        *_numpy_write(shifted, k, v, key_mask, window)[:3], np.asarray(int(cache.index) + k.shape[2])
-    )
+    return numpy_file.KVCache(*_numpy_write(shifted, k, v, key_mask)[:3], np.asarray(int(cache.index) + k.shape[2]))
 
 
 _numpy_write = numpy_file._write_cache
