@@ -765,7 +765,7 @@ def _check_room(index, t, length, window):
     """Whether the T new tokens do not fit, as a () boolean tensor: without a window index + T must
     be <= L; with one the cache rolls, and a call that wraps must leave its first query's keys in
     place (L >= window + T - 1). Where the index can be read (eagerly) a misfit is a ValueError;
-    in a trace (`jax.jit`, a TensorFlow graph) the cache step makes that call's output NaN."""
+    in a trace (`jax.jit`, a TensorFlow graph) `_attend` makes that call's output NaN."""
     index = ops.convert_to_tensor(index)
     misfit = index + t > length  # ()
     if window is not None:
@@ -1282,7 +1282,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self_attention = key is None and value is None
         key, value = _inputs(query, key, value)
         implicit = [_keras_mask(x) for x in (query, key, value)]  # read before any conversion
-        explicit = key_mask is not _implicit_mask(key)  # a `key_mask` passed, not filled in by Keras
+        explicit = key_mask is not None and key_mask is not _implicit_mask(key)  # passed, not filled in by Keras
         query = _check_input("query", query, "E", self.d_model)
         key = _check_input("key", key, "kdim", self.kdim)
         value = _check_input("value", value, "vdim", self.vdim)
@@ -1409,26 +1409,31 @@ class MultiHeadAttention(keras.layers.Layer):
         """The cache write: the new keys and values go to slots [index, index + T) (mod L with a
         window), `key_mask` into the cache's keep; returns the cache's (B, K, L, H) keys and values,
         `keep` over the L slots with `causal` and `window` folded in, and the call with the new
-        cache. In a trace a call without room (`_check_room`) gets NaN values, so a NaN output."""
+        cache."""
         if call.cache is None:
             return k, v, keep, call
-        t, index, length = _shape(k)[2], ops.convert_to_tensor(call.cache.index, "int32"), call.cache.key.shape[2]
-        misfit = _check_room(index, t, length, call.window)  # raised in `_check_call` where it can be read
+        t, index = _shape(k)[2], ops.convert_to_tensor(call.cache.index, "int32")  # the index before this write
         cache = _write_cache(call.cache, k, v, call.key_mask)  # `key_mask` goes into its keep
         keep = _and(keep, _cache_keep(cache.keep, index, t, call.causal, call.window))  # (B, N, T, L), dims may be 1
-        v = cache.value if _values_readable(misfit) else ops.where(misfit, ops.cast(float("nan"), v.dtype), cache.value)
-        return cache.key, v, keep, call._replace(causal=False, window=None, cache=cache)
+        return cache.key, cache.value, keep, call._replace(causal=False, window=None, cache=cache)
 
     def _attend(self, q, k, v, keep, bias, call):
         """`dot_product_attention` with the layer's variants and its dropout (when training);
-        returns (context, weights), (B, N, T, H) and (B, N, T, S)."""
+        returns (context, weights), (B, N, T, H) and (B, N, T, S). A decoding call without room
+        raised in `_check_call` where the cache's index can be read; elsewhere (a trace) its
+        context, so its output, is NaN."""
         dropout_active = self.dropout > 0 and call.training is not False and call.training is not None
         dropout = (lambda w: self._dropout_layer(w, training=call.training)) if dropout_active else None
         sinks = self.sink_logits if self.sinks else None
-        return dot_product_attention(
+        context, weights = dot_product_attention(
             q, k, v, keep, bias, call.causal, scale=self.scale, softcap=self.softcap, window=call.window,
             sinks=sinks, dropout=dropout,
         )  # fmt: skip
+        if call.cache is not None and not _values_readable(call.cache.index):
+            t = _shape(q)[2]
+            misfit = _check_room(call.cache.index - t, t, k.shape[2], self.window)  # the index before the write
+            context = ops.where(misfit, ops.cast(float("nan"), context.dtype), context)  # a trace cannot raise
+        return context, weights
 
     def call(
         self,
