@@ -17,44 +17,44 @@ The math, for query head n (which reads key/value head n // (N // K)):
     context[n] = weights[n] @ v[n // G]                         (B, N, T, H)
     output = concat_heads(context) @ output_kernel + output_bias
 
-Variants, each off by default and each one small step of the call (docs/SPEC.md, "Order of
-the steps"): `bias` per projection, `scale` (default 1 / sqrt(H)), `softcap` (scores become
-c * tanh(scores / c)), `window` (query t keeps key s only if s > t + (S - T) - W), RoPE
-(`rope_theta`, `rope_fraction`, `rope_interleaved`, `rope_scaling`; `positions` in the call),
-`qk_norm` (RMSNorm of q and k per head or over all heads) and `sinks` (a learned logit per
-head in the softmax's denominator). Call arguments `attention_bias` (added to the scores, with
-a gradient; see `alibi_bias`), `key_mask` (B, S) and `query_mask` (B, T).
+The steps of a call (docs/SPEC.md, "Order of the steps"), one line each in `call`:
+    1. defaults and checks (`_check_call`); the masks combined into one keep and one bias (`_masks`)
+    2. the projections q, k, v (`_project_qkv`)
+    3. QK-norm of q and k (`_normalize_qk`)
+    4. RoPE of q and k (`_rotate`)
+    5. the KV-cache write (`_update_cache`)
+    6. attention (`_attend`, over `dot_product_attention`)
+    7. heads merged and the output projection (`_merge_heads`, `_project`)
+
+Variants, each off by default and each one small step of the call: `bias` per projection,
+`scale` (default 1 / sqrt(H)), `softcap` (scores become c * tanh(scores / c)), `window` (query
+t keeps key s only if s > t + (S - T) - W), RoPE (`rope_theta`, `rope_fraction`,
+`rope_interleaved`, `rope_scaling`; `positions` in the call), `qk_norm` (RMSNorm of q and k per
+head or over all heads) and `sinks` (a learned logit per head in the softmax's denominator).
+Call arguments `attention_bias` (added to the scores, with a gradient; see `alibi_bias`),
+`key_mask` (B, S) and `query_mask` (B, T).
 
 Masks: a boolean `attention_mask` (or `mask`, its alias) is True where a query may attend a
-key; a floating one is added to the scores, read in its own dtype: a value at or below the
-lowest finite value of its dtype or of float32 (whichever is higher), or -inf, removes a key;
-every other value is added in the softmax's dtype (float32 at least). `causal=True` keeps key s
-for query t iff s <= t + (S - T), and is combined with every other mask (never silently
-dropped). Keras implicit masks (`Embedding(mask_zero=True)`) are honoured: the query's mask
-removes query rows, the key's and value's masks remove keys, ANDed with `query_mask` and
-`key_mask`, and the output carries the query's mask. A query row with no key left gets weights
-of exactly 0, so its output is `output_bias`: never NaN. Masks that look like another
-library's habit (True = ignore, a 0/1 float mask) compute as written and warn once per layer
-with `AttentionMaskWarning`, where their values can be read (eagerly, on the CPU). Example, a
-key padding mask for keys [a, b, <pad>]:
+key; a floating one is added to the scores, and -inf or a value at or below the lowest finite
+value of its dtype (or of float32) removes a key. `causal=True` keeps key s for query t iff
+s <= t + (S - T). `key_mask`, `query_mask` and the inputs' implicit Keras masks remove keys and
+queries. A query row with no key left gets weights of exactly 0, so its output is
+`output_bias`. Masks that read as another library's habit warn with `AttentionMaskWarning`.
+Example, a key padding mask for keys [a, b, <pad>]:
     keep = keras.ops.convert_to_tensor([[True, True, False]])  # (B, S)
     layer(x, key_mask=keep)                           # or attention_mask=keep[:, None, :]
 
-Decoding with a KV cache: `cache = layer.init_cache(B, L)`, then `output, cache = layer(x,
-cache=cache)` for a prompt (T > 1) and then one token at a time (T = 1). The keys (rotated by
-RoPE) and values of the T new tokens are written to slots [index, index + T), and query t
-attends slot s iff s < index + T, keep[b, s], (not causal or s <= index + t), (no window or
-s > index + t - window) and `attention_mask` (given over L) keeps it. Token-by-token equals the
-full causal pass. With a `window` W the cache rolls: position p goes to slot p mod L, so L >= W
-slots decode any number of tokens (a call that wraps, index + T > L, needs L >= W + T - 1), and
-slot s is read as the last position written there. This layer is functional: it returns a new
-cache (a NamedTuple of tensors, so it can be carried by `keras.ops.while_loop` and `jax.jit`),
-and `key_mask` and the keys' implicit Keras mask go into the new cache's `keep` (ANDed on the
-first lap, in its place after).
-
 Weights: `query_kernel` (E, N*H), `query_bias` (N*H,), `key_kernel` (kdim, K*H), ...,
 `output_kernel` (N*H, E), `output_bias` (E,), `query_norm`, `key_norm` and `sinks` (N,): the
-portable layout itself, created in `build`.
+portable layout itself.
+
+KV cache: `cache = layer.init_cache(B, L)`, then `output, cache = layer(x, cache=cache)` for a
+prompt and then one token at a time. The keys (rotated by RoPE) and values of the T new tokens
+go to slots position mod L, and query t attends slot s iff s holds a position before
+index + T, keep[b, s], (not causal or that position <= index + t), (no window or that position
+> index + t - window) and `attention_mask` (given over L) keeps it. Token by token equals the
+full causal pass. With a `window` W the cache rolls: L >= W slots decode any number of tokens
+(a call that wraps, index + T > L, needs L >= W + T - 1).
 """
 
 import math
@@ -106,24 +106,25 @@ class AttentionMaskWarning(UserWarning):
     once per layer. `warnings.simplefilter("error", AttentionMaskWarning)` makes it an error."""
 
 
-class KVCache(NamedTuple):
-    """The keys and values of the tokens decoded so far (make one with `init_cache`).
-
-    Attributes:
-        key: (B, K, L, H) projected keys, one slot per position; L is the cache's max length.
-        value: (B, K, L, H) projected values.
-        keep: (B, L) boolean; False marks a slot no query may attend (left padding).
-        index: scalar integer, the positions written so far; position p is in slot p (with a
-            `window`, slot p mod L: the cache rolls), and the next call writes from index.
-    """
-
-    key: Any
-    value: Any
-    keep: Any
-    index: Any
+# -------------------------------------------------------------------------------------------------
+# Variants: the constructor's arguments checked into one record
+# -------------------------------------------------------------------------------------------------
 
 
-# Checks of the constructor's arguments.
+class _Variants(NamedTuple):
+    """The variants' constructor arguments, checked and held as Python types (docs/SPEC.md,
+    "Argument types"); each is off at its default."""
+
+    scale: float  # 1 / sqrt(H) when None was passed
+    softcap: Any  # None or float
+    window: Any  # None or int
+    rope_theta: Any  # None or float
+    rope_fraction: float
+    rope_interleaved: bool
+    rope_scaling: Any  # None or a dict of Python scalars
+    qk_norm: Any  # None, "head" or "all"
+    qk_norm_eps: float
+    sinks: bool
 
 
 def _positive_int(name, value):
@@ -148,34 +149,56 @@ def _positive_float(name, value, optional=False):
     return float(value)
 
 
+def _flag(name, value):
+    """A constructor flag: a Python or NumPy bool (not 0 or 1, not a string)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
+    return bool(value)
+
+
+def _dropout_rate(dropout):
+    """`dropout` as a float: a Python or NumPy number (not a bool, not None) in [0, 1)."""
+    number = isinstance(dropout, (int, float, np.integer, np.floating)) and not isinstance(dropout, (bool, np.bool_))
+    if not (number and 0.0 <= dropout < 1.0):
+        raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
+    return float(dropout)
+
+
 def _projection_biases(bias):
-    """`bias` (True, False or a collection of projection names) -> the tuple of the projections
-    that have a bias, in the order ("query", "key", "value", "output")."""
+    """`bias` -> the names of the projections that have a bias, in the order ("query", "key",
+    "value", "output"). `bias` is a Python or NumPy bool (all or none), or a list, tuple, set or
+    frozenset of those names; anything else (a string, a dict or its keys, an array) is refused."""
     if isinstance(bias, (bool, np.bool_)):
         return _PROJECTIONS if bias else ()
-    if isinstance(bias, (list, tuple, set, frozenset)) and all(name in _PROJECTIONS for name in bias):
-        return tuple(name for name in _PROJECTIONS if name in bias)
-    raise ValueError(
-        f"`bias` must be True, False or a collection of 'query', 'key', 'value', 'output'. Received: bias={bias!r}"
+    names = isinstance(bias, (list, tuple, set, frozenset)) and all(
+        isinstance(name, str) and name in _PROJECTIONS for name in bias
     )
+    if not names:
+        raise ValueError(
+            "`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output'. "
+            f"Received: bias={bias!r}"
+        )
+    return tuple(name for name in _PROJECTIONS if name in bias)
 
 
-def _rotary_dim(rope_fraction, head_dim):
-    """R = int(H * rope_fraction), the rotated features of each head: even and at least 2."""
+def _rotary_dim(rope_fraction, head_dim, rope):
+    """R = int(H * rope_fraction), the rotated features of each head (None without RoPE).
+    `rope_fraction` is checked whether or not RoPE is on: a Python or NumPy number in (0, 1];
+    with RoPE, R must also be even and at least 2."""
     valid = _is_positive_number(rope_fraction) and rope_fraction <= 1
     rotary = int(head_dim * rope_fraction) if valid else 0
-    if rotary < 2 or rotary % 2:
+    if not valid or (rope and (rotary < 2 or rotary % 2)):
         raise ValueError(
             "`rope_fraction` must be in (0, 1] and rotate an even number R = int(head_dim * rope_fraction) >= 2 of "
             f"features. Received: rope_fraction={rope_fraction!r}, head_dim={head_dim}"
         )
-    return rotary
+    return rotary if rope else None
 
 
 def _check_rope_scaling(scaling):
     """`rope_scaling` as transformers writes it: None, or a dict whose `rope_type` (or `type`) is
     'linear', 'llama3' or 'yarn', with its positive parameters (llama3: high_freq_factor above
-    low_freq_factor; yarn: see `_valid_yarn`)."""
+    low_freq_factor; yarn: see `_valid_yarn`). Returned as a copy whose NumPy scalars are Python's."""
     if scaling is None:
         return None
     kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
@@ -190,7 +213,7 @@ def _check_rope_scaling(scaling):
             "`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3' or 'yarn', with its "
             f"parameters. Received: rope_scaling={scaling!r}"
         )
-    return dict(scaling)
+    return {name: value.item() if isinstance(value, np.generic) else value for name, value in scaling.items()}
 
 
 def _valid_yarn(scaling):
@@ -202,20 +225,375 @@ def _valid_yarn(scaling):
     return truncate and (scaling.get("beta_fast") or 32) >= (scaling.get("beta_slow") or 1)
 
 
-# RoPE, QK-norm and ALiBi.
+def _check_variants(
+    head_dim, scale, softcap, window, rope_theta, rope_fraction, rope_interleaved, rope_scaling, qk_norm,
+    qk_norm_eps, sinks,
+):  # fmt: skip
+    """Checks the variants' arguments, each on its own whether its variant is on or off, in the
+    signature's order with the two flags last (so that every file names the same first bad
+    argument); returns them as a `_Variants`."""
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float("scale", scale)
+    softcap = _positive_float("softcap", softcap, optional=True)
+    window = None if window is None else _positive_int("window", window)
+    rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
+    _rotary_dim(rope_fraction, head_dim, rope_theta is not None)
+    rope_scaling = _check_rope_scaling(rope_scaling)
+    if qk_norm not in (None, "head", "all"):
+        raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
+    qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
+    qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
+    rope_interleaved = _flag("rope_interleaved", rope_interleaved)
+    sinks = _flag("sinks", sinks)
+    return _Variants(
+        scale, softcap, window, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling, qk_norm,
+        qk_norm_eps, sinks,
+    )  # fmt: skip
+
+
+# -------------------------------------------------------------------------------------------------
+# Step 1: defaults and checks of a call
+# -------------------------------------------------------------------------------------------------
+
+
+class _Call(NamedTuple):
+    """One call's arguments, checked and defaulted by `_check_call`; the cache step replaces
+    `causal`, `window` and `cache`."""
+
+    query: Any  # (B, T, E), cast to the compute dtype
+    key: Any  # (B, S, kdim)
+    value: Any  # (B, S, vdim)
+    attention_mask: Any  # None, or checked and rank 4 (dims may be 1), after the `mask=` alias
+    attention_bias: Any  # None, or checked floating and rank 4 (dims may be 1)
+    key_mask: Any  # (B, S) boolean or None: after the self-attention default and the implicit Keras masks
+    query_mask: Any  # (B, T) boolean or None: ANDed with the query's implicit Keras mask
+    positions: Any  # (B|1, T) integers, or None without RoPE
+    causal: bool
+    window: Any  # the layer's window, or None
+    return_attention: bool
+    cache: Any  # KVCache or None
+    training: Any  # the call's training flag
+    fuse: bool  # q, k, v from one matmul: never in this file
+
+
+def _dtype_name(dtype):
+    return keras.backend.standardize_dtype(dtype)
+
+
+def _inputs(query, key, value):
+    """The defaults of `key` and `value`: neither -> self-attention on `query`; only `key` ->
+    `value = key`; only `value` -> `key = value`."""
+    key = value if key is None else key
+    key = query if key is None else key
+    value = key if value is None else value
+    return key, value
+
+
+def _check_dtypes(query, key, value):
+    """`query`, `key` and `value` (as passed, before any cast) share one floating dtype; checked
+    only where all three are floating (an integer input gets its own error in `call`)."""
+    key, value = _inputs(query, key, value)
+    dtypes = [keras.backend.standardize_dtype(np.asarray(x).dtype if isinstance(x, list) else x.dtype)
+              for x in (query, key, value)]  # fmt: skip
+    if all(keras.backend.is_float_dtype(d) for d in dtypes) and len(set(dtypes)) > 1:
+        a, b, c = dtypes
+        raise ValueError(
+            "`query`, `key` and `value` must have the same dtype. "
+            f"Received: query.dtype={a}, key.dtype={b}, value.dtype={c}"
+        )
+
+
+def _check_input(name, x, width_name, width):
+    """Checks one (B, L, width) input; dimensions unknown at trace time are not checked."""
+    x = ops.convert_to_tensor(x)
+    if not _is_float(x.dtype):
+        raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={_dtype_name(x.dtype)}")
+    letter = "T" if name == "query" else "S"
+    shape = _static_shape(x)
+    if len(shape) != 3 or shape[-1] not in (None, width):
+        raise ValueError(
+            f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
+            f"Received: {name}.shape={shape}"
+        )
+    return x
+
+
+def _check_lengths(query, key, value):
+    q, k, v = (tuple(x.shape) for x in (query, key, value))
+    if _differ(q[0], k[0], v[0]):
+        raise ValueError(
+            "`query`, `key` and `value` must have the same batch size B. Received: "
+            f"query.shape={q}, key.shape={k}, value.shape={v}"
+        )
+    if _differ(k[1], v[1]):
+        raise ValueError(f"`key` and `value` must have the same length S. Received: key.shape={k}, value.shape={v}")
+
+
+def _check_token_mask(name, mask, b, length, letter):
+    """Checks a (B, T) `query_mask` or (B, S) `key_mask` / `value_mask`; dimensions unknown at
+    trace time are not checked."""
+    if mask is None:
+        return None
+    mask = ops.convert_to_tensor(mask)
+    shape = _static_shape(mask)
+    if not _is_bool(mask) or len(shape) != 2 or _differ(shape[0], b) or _differ(shape[1], length):
+        raise ValueError(
+            f"`{name}` must be a boolean tensor of shape (B, {letter})=({b}, {length}). "
+            f"Received: {name}.shape={shape}, {name}.dtype={_dtype_name(mask.dtype)}"
+        )
+    return mask
+
+
+def _check_positions(positions, b, t):
+    """Checks integer (B, T) or (T,) `positions` and returns them as (B, T) or (1, T)."""
+    positions = ops.convert_to_tensor(positions)
+    shape = _static_shape(positions)
+    dims = {1: (t,), 2: (b, t)}.get(len(shape))
+    expected = dims is not None and not any(_differ(d, e) for d, e in zip(shape, dims, strict=True))
+    if not _is_int(positions.dtype) or not expected:
+        raise ValueError(
+            f"`positions` must be an integer tensor of shape (B, T) or (T,) with B={b}, T={t}. "
+            f"Received: positions.shape={shape}, positions.dtype={_dtype_name(positions.dtype)}"
+        )
+    return positions[None] if len(shape) == 1 else positions  # (T,) -> (1, T)
+
+
+def _attention_mask(attention_mask, mask):
+    """`mask=` is another name for `attention_mask` (the seed usage `layer(q, k, v, mask=None)`)."""
+    if mask is None:
+        return attention_mask
+    if attention_mask is not None:
+        raise ValueError(
+            "Pass the attention mask as `attention_mask` or as `mask`, not both. Received: attention_mask and mask"
+        )
+    return mask
+
+
+def _values_readable(*tensors):
+    """Whether the tensors' values can be read here for free (eagerly, on the CPU): not inside a
+    TensorFlow graph, `jax.jit` or another JAX trace, `torch.compile`, nor for a symbolic Keras
+    tensor or a tensor on an accelerator. NumPy arrays always can."""
+    backend = keras.backend.backend()
+    for x in tensors:
+        if isinstance(x, np.ndarray):
+            continue
+        if isinstance(x, keras.KerasTensor):
+            return False
+        if backend == "tensorflow":
+            import tensorflow as tf  # the backend in use, already imported by Keras
+
+            readable = tf.executing_eagerly() and "CPU" in x.device.upper()
+        elif backend == "jax":  # a tracer (jax.jit, grad) holds no values; its class says so, no jax import needed
+            traced = any(kind.__name__.endswith("Tracer") for kind in type(x).__mro__)
+            readable = not traced and all(d.platform == "cpu" for d in x.devices())
+        elif backend == "torch":
+            import torch
+
+            readable = not torch.compiler.is_compiling() and x.device.type == "cpu"
+        else:
+            readable = False
+        if not readable:
+            return False
+    return True
+
+
+def _mask_traps(attention_mask, key_mask, t, s):
+    """The built-in layers' habits that the masks' values (NumPy arrays) suggest (docs/SPEC.md,
+    Masks), as {kind: message}; the call computes what the SPEC says either way."""
+    traps = {}
+    for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
+        if mask is not None and mask.dtype == np.bool_ and _keeps_nothing(mask):
+            traps[name] = _EMPTY_MASK.format(name=name)
+    boolean = attention_mask is not None and attention_mask.dtype == np.bool_
+    if boolean and "attention_mask" not in traps and _keeps_only_later(attention_mask, t, s):
+        traps["causal"] = _CAUSAL_TRAP
+    empty = 0 if key_mask is None or "key_mask" in traps else _inverted_padding(key_mask)
+    if empty:
+        traps["padding"] = _PADDING_TRAP.format(empty=empty, b=key_mask.shape[0])
+    if attention_mask is not None and attention_mask.dtype != np.bool_ and _zeros_and_ones(attention_mask):
+        traps["zeros and ones"] = _ZEROS_AND_ONES
+    return traps
+
+
+def _keeps_nothing(mask):
+    """A boolean mask False everywhere (nn.MultiheadAttention's True = ignore, nothing padded)."""
+    return mask.size > 0 and not mask.any()
+
+
+def _keeps_only_later(mask, t, s):
+    """A square (T == S) boolean mask that keeps keys only after each query, none where `causal`
+    keeps one (nn.MultiheadAttention's causal `attn_mask`, `triu(ones, 1)`)."""
+    return mask.size > 0 and t == s > 0 and not (mask & np.tril(np.ones((t, s), bool))).any()  # (T, S) causal
+
+
+def _inverted_padding(key_mask):
+    """The rows keeping no key of a (B, S) `key_mask` that reads as nn.MultiheadAttention's
+    `key_padding_mask` (True = padding): every row False then True, some row keeping no key and
+    none keeping all (left padding has its longest sequence all True); else 0."""
+    kept = key_mask.sum(-1)  # (B,)
+    ordered = (key_mask[:, 1:] >= key_mask[:, :-1]).all()  # False then True in every row
+    full = (kept == key_mask.shape[1]).any()
+    return 0 if not ordered or full else int((kept == 0).sum())
+
+
+def _zeros_and_ones(mask):
+    """A floating mask of only 0s and 1s, some 1 (a Keras mask, which Keras reads as boolean)."""
+    ones = mask == 1
+    return bool(((mask == 0) | ones).all() and ones.any())
+
+
+# -------------------------------------------------------------------------------------------------
+# Step 1: masks, combined into one keep and one bias
+# -------------------------------------------------------------------------------------------------
+
+
+def _mask_to_4d(mask, target, name="attention_mask"):
+    """Checks a mask (or `attention_bias`) against target (B, N, T, S) and returns it as rank 4."""
+    if name == "attention_bias" and not _is_float(mask.dtype):
+        raise ValueError(f"`attention_bias` must be floating. Received: attention_bias.dtype={_dtype_name(mask.dtype)}")
+    if not _is_bool(mask) and not _is_float(mask.dtype):
+        raise ValueError(
+            f"`{name}` must be boolean (True = attend; for a 0/1 integer mask pass `mask > 0`) or floating. "
+            f"Received: {name}.dtype={_dtype_name(mask.dtype)}"
+        )
+    rank = len(mask.shape)
+    expected = {2: target[2:], 3: (target[0], *target[2:]), 4: target}.get(rank)
+    if expected is None or any(
+        m not in (1, e) and None not in (m, e) for m, e in zip(mask.shape, expected, strict=True)
+    ):
+        raise ValueError(
+            f"`{name}` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
+            f"(B, N, T, S), each dimension full or 1. Expected: (B, N, T, S)={target}. "
+            f"Received: {name}.shape={_static_shape(mask)}"
+        )
+    if rank == 2:
+        return mask[None, None]  # (T, S) -> (1, 1, T, S)
+    if rank == 3:
+        return mask[:, None]  # (B, T, S) -> (B, 1, T, S)
+    return mask
+
+
+def causal_mask(t, s):
+    """(T, S) boolean mask: query t keeps key s iff s <= t + (S - T) (bottom-right aligned)."""
+    keys, queries = ops.arange(s, dtype="int32")[None, :], ops.arange(t, dtype="int32")[:, None] + (s - t)
+    return keys <= queries  # (T, S)
+
+
+def window_mask(t, s, window):
+    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - window (bottom-right aligned)."""
+    keys, queries = ops.arange(s, dtype="int32")[None, :], ops.arange(t, dtype="int32")[:, None] + (s - t)
+    return keys > queries - window  # (T, S)
+
+
+def _split_mask(mask, dtype):
+    """Splits a checked rank-4 mask into (keep, additive), both rank 4 or None, by the floating
+    mask rule: a boolean mask is `keep`; a floating one, read in its own dtype, removes a key where
+    it is -inf or at most max(lowest of its dtype, lowest of float32), and adds every other value
+    in `dtype` (the softmax's, float32 at least). No -inf reaches arithmetic."""
+    if mask is None:
+        return None, None
+    if _dtype_name(mask.dtype) == "float64" and dtype == "float32":
+        # A float64 mask of a float32 softmax: the cast saturates every value below float32's range
+        # to -inf, which removes, as the rule does (JAX without x64 reads float64 as float32 anyway).
+        mask = ops.cast(mask, dtype)
+    if _is_bool(mask):
+        return mask, None
+    threshold = _LOWEST.get(_dtype_name(mask.dtype), _FLOAT32_LOWEST)
+    removed = mask <= threshold  # (B, N, T, S), dims may be 1
+    additive = ops.where(removed, ops.zeros_like(mask), ops.maximum(mask, threshold))  # finite
+    return ops.logical_not(removed), ops.cast(additive, dtype)
+
+
+def _split_bias(attention_bias, dtype):
+    """A checked rank-4 floating `attention_bias` -> (keep, additive) by the floating mask rule."""
+    return _split_mask(attention_bias, dtype)
+
+
+def _and(a, b):
+    return b if a is None else a if b is None else ops.logical_and(a, b)
+
+
+def _add(a, b):
+    return b if a is None else a if b is None else a + b
+
+
+def _alibi_slopes(num_heads):
+    """Bloom's ALiBi slopes: 2 ** (-8 (n + 1) / N) for N a power of two; otherwise those of the
+    nearest lower power of two followed by every other slope of twice it."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = 2.0 ** (-8.0 * np.arange(1, closest + 1) / closest)
+    extra = 2.0 ** (-4.0 * np.arange(1, 2 * (num_heads - closest), 2) / closest)
+    return np.concatenate([slopes, extra])  # (N,)
+
+
+def alibi_bias(num_heads, positions):
+    """The ALiBi bias `slope[n] * positions[..., s]`, float32, to pass as `attention_bias` (with
+    `causal=True`; Bloom's key positions are `cumsum(key_mask) - 1`).
+
+    Args:
+        num_heads: N.
+        positions: integer (S,) or (B, S) key positions.
+
+    Returns:
+        (1, N, 1, S) for (S,) positions, (B, N, 1, S) for (B, S).
+    """
+    num_heads = _positive_int("num_heads", num_heads)
+    positions = ops.convert_to_tensor(positions)
+    if not _is_int(positions.dtype) or len(positions.shape) not in (1, 2):
+        raise ValueError(
+            "`positions` must be an integer tensor of shape (S,) or (B, S). "
+            f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={_dtype_name(positions.dtype)}"
+        )
+    positions = positions[None] if len(positions.shape) == 1 else positions  # (S,) -> (1, S)
+    slopes = ops.convert_to_tensor(_alibi_slopes(num_heads).astype(np.float32))[:, None, None]  # (N, 1, 1)
+    return slopes * ops.cast(positions, "float32")[:, None, None, :]  # (B, 1, 1, S) -> (B, N, 1, S)
+
+
+# -------------------------------------------------------------------------------------------------
+# Steps 2 and 3: projections and QK-norm
+# -------------------------------------------------------------------------------------------------
+
+
+def rms_norm(x, scale, eps):
+    """RMSNorm over the last axis, `x / sqrt(mean(x ** 2) + eps) * scale`, computed in float32
+    at least and cast back to x's dtype."""
+    dtype = _softmax_dtype(x.dtype)
+    y = ops.cast(x, dtype)
+    y = y * ops.rsqrt(ops.mean(ops.square(y), axis=-1, keepdims=True) + eps) * ops.cast(scale, dtype)
+    return ops.cast(y, x.dtype)
+
+
+# -------------------------------------------------------------------------------------------------
+# Step 4: RoPE
+# -------------------------------------------------------------------------------------------------
+
+
+def rope_frequencies(rotary_dim, theta, scaling=None):
+    """(R/2,) float32 inverse frequencies `theta ** (-2i / R)` of RoPE, rewritten by `scaling`
+    (None, {"rope_type": "linear", "factor": f}, a "llama3" or a "yarn" dict); computed in
+    float64 and returned as a NumPy array (a constant of every trace)."""
+    inv_freq = float(theta) ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)  # (R/2,)
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        inv_freq = _llama3_frequencies(inv_freq, scaling)
+    elif kind == "yarn":
+        inv_freq = _yarn_frequencies(inv_freq, theta, scaling)
+    return inv_freq.astype(np.float32)
 
 
 def _llama3_frequencies(inv_freq, scaling):
-    """Llama 3.1's rewrite of the frequencies (transformers' `_compute_llama3_parameters`):
-    long wavelengths divided by `factor`, short ones kept, the ones between interpolated."""
+    """Llama 3.1's rewrite (transformers' `_compute_llama3_parameters`): wavelengths shorter than
+    original_max_position_embeddings / high_freq_factor are kept, those longer than
+    original_max_position_embeddings / low_freq_factor divided by `factor`, the ones between
+    interpolated smoothly."""
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     context = scaling["original_max_position_embeddings"]
     wavelength = 2 * math.pi / inv_freq  # (R/2,)
-    scaled = np.where(wavelength > context / low, inv_freq / factor, inv_freq)
-    smooth = (context / wavelength - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelength >= context / high) & (wavelength <= context / low)
-    return np.where(medium, smoothed, scaled)
+    smooth = (context / wavelength - low) / (high - low)  # (R/2,)
+    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq  # (R/2,)
+    scaled = np.where(wavelength > context / low, inv_freq / factor, smoothed)  # (R/2,)
+    return np.where(wavelength < context / high, inv_freq, scaled)  # (R/2,)
 
 
 def _yarn_correction_dim(rotations, rotary_dim, theta, context):
@@ -268,21 +646,6 @@ def scale_rotated(x, rotary_dim, factor):
     return ops.concatenate([x[..., :rotary_dim] * factor, x[..., rotary_dim:]], axis=-1)  # (B, heads, T, H)
 
 
-def rope_frequencies(rotary_dim, theta, scaling=None):
-    """(R/2,) float32 inverse frequencies `theta ** (-2i / R)` of RoPE, rewritten by `scaling`
-    (None, {"rope_type": "linear", "factor": f}, a "llama3" or a "yarn" dict); computed in
-    float64 and returned as a NumPy array (a constant of every trace)."""
-    inv_freq = float(theta) ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)  # (R/2,)
-    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
-    if kind == "linear":
-        inv_freq = inv_freq / scaling["factor"]
-    elif kind == "llama3":
-        inv_freq = _llama3_frequencies(inv_freq, scaling)
-    elif kind == "yarn":
-        inv_freq = _yarn_frequencies(inv_freq, theta, scaling)
-    return inv_freq.astype(np.float32)
-
-
 def apply_rope(x, positions, inv_freq, interleaved):
     """Rotates the first R = 2 * len(inv_freq) features of each head of x.
 
@@ -302,240 +665,51 @@ def apply_rope(x, positions, inv_freq, interleaved):
     dtype = _softmax_dtype(x.dtype)
     cos, sin = ops.cast(ops.cos(angles), dtype), ops.cast(ops.sin(angles), dtype)  # (B, 1, T, R/2)
     rotary = ops.cast(x[..., :rotary_dim], dtype)  # (B, heads, T, R)
-    if interleaved:
-        pairs = ops.reshape(rotary, (*_shape(rotary)[:-1], rotary_dim // 2, 2))  # (B, heads, T, R/2, 2)
-        first, second = pairs[..., 0], pairs[..., 1]  # (B, heads, T, R/2) each
-        turned = ops.stack([first * cos - second * sin, second * cos + first * sin], axis=-1)  # (B, heads, T, R/2, 2)
-        turned = ops.reshape(turned, _shape(rotary))  # (B, heads, T, R)
-    else:
-        first, second = rotary[..., : rotary_dim // 2], rotary[..., rotary_dim // 2 :]  # (B, heads, T, R/2) each
-        turned = ops.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)  # (.., R)
-    turned = ops.cast(turned, x.dtype)
+    turned = ops.cast(_turn(rotary, cos, sin, interleaved), x.dtype)  # (B, heads, T, R)
     if rotary_dim == x.shape[-1]:
         return turned
     return ops.concatenate([turned, x[..., rotary_dim:]], axis=-1)  # (B, heads, T, H)
 
 
-def rms_norm(x, scale, eps):
-    """RMSNorm over the last axis, `x / sqrt(mean(x ** 2) + eps) * scale`, computed in float32
-    at least and cast back to x's dtype."""
-    dtype = _softmax_dtype(x.dtype)
-    y = ops.cast(x, dtype)
-    y = y * ops.rsqrt(ops.mean(ops.square(y), axis=-1, keepdims=True) + eps) * ops.cast(scale, dtype)
-    return ops.cast(y, x.dtype)
-
-
-def _alibi_slopes(num_heads):
-    """Bloom's ALiBi slopes: 2 ** (-8 (n + 1) / N) for N a power of two; otherwise those of the
-    nearest lower power of two followed by every other slope of twice it."""
-    closest = 2 ** math.floor(math.log2(num_heads))
-    slopes = 2.0 ** (-8.0 * np.arange(1, closest + 1) / closest)
-    extra = 2.0 ** (-4.0 * np.arange(1, 2 * (num_heads - closest), 2) / closest)
-    return np.concatenate([slopes, extra])  # (N,)
-
-
-def alibi_bias(num_heads, positions):
-    """The ALiBi bias `slope[n] * positions[..., s]`, float32, to pass as `attention_bias` (with
-    `causal=True`; Bloom's key positions are `cumsum(key_mask) - 1`).
-
-    Args:
-        num_heads: N.
-        positions: integer (S,) or (B, S) key positions.
-
-    Returns:
-        (1, N, 1, S) for (S,) positions, (B, N, 1, S) for (B, S).
-    """
-    num_heads = _positive_int("num_heads", num_heads)
-    positions = ops.convert_to_tensor(positions)
-    if not _is_int(positions.dtype) or len(positions.shape) not in (1, 2):
-        raise ValueError(
-            "`positions` must be an integer tensor of shape (S,) or (B, S). "
-            f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={_dtype_name(positions)}"
-        )
-    positions = positions[None] if len(positions.shape) == 1 else positions  # (S,) -> (1, S)
-    slopes = ops.convert_to_tensor(_alibi_slopes(num_heads).astype(np.float32))[:, None, None]  # (N, 1, 1)
-    return slopes * ops.cast(positions, "float32")[:, None, None, :]  # (B, 1, 1, S) -> (B, N, 1, S)
-
-
-# Checks of the call's inputs.
-
-
-def _dtype_name(x):
-    return keras.backend.standardize_dtype(x.dtype)
-
-
-def _is_float(dtype):
-    return keras.backend.is_float_dtype(keras.backend.standardize_dtype(dtype))
-
-
-def _is_int(dtype):
-    return keras.backend.is_int_dtype(keras.backend.standardize_dtype(dtype))
-
-
-def _is_bool(x):
-    return _dtype_name(x) == "bool"
-
-
-def _shape(x):
-    """The shape of x, static where known; a dimension unknown at trace time (TensorFlow) as a tensor."""
-    static = tuple(x.shape)
-    if None not in static:
-        return static
-    dynamic = ops.shape(x)
-    return tuple(dynamic[i] if d is None else d for i, d in enumerate(static))
-
-
-def _static_shape(x):
-    return tuple(x.shape)
-
-
-def _check_same_dtype(query, key, value):
-    """`query`, `key` and `value` (as passed, before any cast) share one floating dtype; checked
-    only where all three are floating (an integer input gets its own error in `call`)."""
-    key = value if key is None else key
-    key = query if key is None else key
-    value = key if value is None else value
-    dtypes = [keras.backend.standardize_dtype(np.asarray(x).dtype if isinstance(x, list) else x.dtype)
-              for x in (query, key, value)]  # fmt: skip
-    if all(keras.backend.is_float_dtype(d) for d in dtypes) and len(set(dtypes)) > 1:
-        a, b, c = dtypes
-        raise ValueError(
-            "`query`, `key` and `value` must have the same dtype. "
-            f"Received: query.dtype={a}, key.dtype={b}, value.dtype={c}"
-        )
-
-
-def _check_input(name, x, width_name, width):
-    """Checks one (B, L, width) input; dimensions unknown at trace time are not checked."""
-    x = ops.convert_to_tensor(x)
-    if not _is_float(x.dtype):
-        raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={_dtype_name(x)}")
-    letter = "T" if name == "query" else "S"
-    shape = _static_shape(x)
-    if len(shape) != 3 or shape[-1] not in (None, width):
-        raise ValueError(
-            f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
-            f"Received: {name}.shape={shape}"
-        )
-    return x
-
-
-def _differ(*dims):
-    known = {d for d in dims if d is not None}
-    return len(known) > 1
-
-
-def _check_lengths(query, key, value):
-    q, k, v = (tuple(x.shape) for x in (query, key, value))
-    if _differ(q[0], k[0], v[0]):
-        raise ValueError(
-            "`query`, `key` and `value` must have the same batch size B. Received: "
-            f"query.shape={q}, key.shape={k}, value.shape={v}"
-        )
-    if _differ(k[1], v[1]):
-        raise ValueError(f"`key` and `value` must have the same length S. Received: key.shape={k}, value.shape={v}")
-
-
-def _implicit_mask(x):
-    """The implicit Keras mask a tensor carries (`Embedding(mask_zero=True)`), as Keras set it, or
-    None. TensorFlow and torch tensors carry it as an attribute; Keras keeps a JAX array's aside."""
-    mask = getattr(x, "_keras_mask", None)
-    if mask is None and x is not None and not isinstance(x, np.ndarray):
-        from keras.src.backend import get_keras_mask  # Keras' own reader (arrays that take no attribute)
-
-        mask = get_keras_mask(x)
-    return mask
-
-
-def _keras_mask(x):
-    """`_implicit_mask` as boolean, or None."""
-    mask = _implicit_mask(x)
-    return None if mask is None else ops.cast(mask, "bool")
-
-
-def _token_mask(name, mask, batch, length, letter):
-    """Checks a (B, T) `query_mask` or (B, S) `key_mask` / `value_mask`; dimensions unknown at
-    trace time are not checked."""
-    if mask is None:
-        return None
-    mask = ops.convert_to_tensor(mask)
-    shape = _static_shape(mask)
-    if not _is_bool(mask) or len(shape) != 2 or _differ(shape[0], batch) or _differ(shape[1], length):
-        raise ValueError(
-            f"`{name}` must be a boolean tensor of shape (B, {letter})=({batch}, {length}). "
-            f"Received: {name}.shape={shape}, {name}.dtype={_dtype_name(mask)}"
-        )
-    return mask
-
-
-def _values(x):
-    """x as a NumPy array where its values can be read cheaply (eagerly, on the CPU), else None:
-    not inside a TensorFlow graph, `jax.jit` or another JAX trace, `torch.compile`, nor for a
-    symbolic Keras tensor or a tensor on an accelerator."""
-    if x is None or isinstance(x, keras.KerasTensor):
-        return None
-    if isinstance(x, np.ndarray):
-        return x
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        import tensorflow as tf  # the backend in use, already imported by Keras
-
-        readable = tf.executing_eagerly() and "CPU" in x.device.upper()
-    elif backend == "jax":  # a tracer (jax.jit, grad) holds no values; its class says so, no jax import needed
-        traced = any(kind.__name__.endswith("Tracer") for kind in type(x).__mro__)
-        readable = not traced and all(d.platform == "cpu" for d in x.devices())
-    elif backend == "torch":
-        import torch
-
-        readable = not torch.compiler.is_compiling() and x.device.type == "cpu"
+def _turn(x, cos, sin, interleaved):
+    """Each pair (x1, x2) of x (..., R) turned by its angle, given as (..., R/2) cos and sin:
+    (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    if interleaved:
+        pairs = ops.reshape(x, (*_shape(x)[:-1], x.shape[-1] // 2, 2))  # (..., R/2, 2)
+        first, second = pairs[..., 0], pairs[..., 1]  # (..., R/2) each
     else:
-        readable = False
-    return ops.convert_to_numpy(x) if readable else None
+        first, second = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]  # (..., R/2) each
+    return _on_pairs(first * cos - second * sin, second * cos + first * sin, interleaved)  # (..., R)
 
 
-def _mask_traps(attention_mask, key_mask, t, s):
-    """The built-in layers' habits that the masks' values (NumPy arrays) suggest (docs/SPEC.md,
-    Masks), as {kind: message}; the call computes what the SPEC says either way."""
-    traps = {}
-    for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
-        if mask is not None and mask.dtype == np.bool_ and _keeps_nothing(mask):
-            traps[name] = _EMPTY_MASK.format(name=name)
-    boolean = attention_mask is not None and attention_mask.dtype == np.bool_
-    if boolean and "attention_mask" not in traps and _keeps_only_later(attention_mask, t, s):
-        traps["causal"] = _CAUSAL_TRAP
-    empty = 0 if key_mask is None or "key_mask" in traps else _inverted_padding(key_mask)
-    if empty:
-        traps["padding"] = _PADDING_TRAP.format(empty=empty, b=key_mask.shape[0])
-    if attention_mask is not None and attention_mask.dtype != np.bool_ and _zeros_and_ones(attention_mask):
-        traps["zeros and ones"] = _ZEROS_AND_ONES
-    return traps
+def _on_pairs(first, second, interleaved):
+    """Two (..., R/2) values of each pair -> (..., R): on its first and on its second feature."""
+    if interleaved:
+        pairs = ops.stack([first, second], axis=-1)  # (..., R/2, 2)
+        return ops.reshape(pairs, (*_shape(first)[:-1], 2 * first.shape[-1]))  # (..., R)
+    return ops.concatenate([first, second], axis=-1)  # (..., R)
 
 
-def _keeps_nothing(mask):
-    """A boolean mask False everywhere (nn.MultiheadAttention's True = ignore, nothing padded)."""
-    return mask.size > 0 and not mask.any()
+# -------------------------------------------------------------------------------------------------
+# Step 5: the KV cache
+# -------------------------------------------------------------------------------------------------
 
 
-def _keeps_only_later(mask, t, s):
-    """A square (T == S) boolean mask that keeps keys only after each query, none where `causal`
-    keeps one (nn.MultiheadAttention's causal `attn_mask`, `triu(ones, 1)`)."""
-    return mask.size > 0 and t == s > 0 and not (mask & np.tril(np.ones((t, s), bool))).any()  # (T, S) causal
+class KVCache(NamedTuple):
+    """The keys and values of the tokens decoded so far (make one with `init_cache`).
 
+    Attributes:
+        key: (B, K, L, H) projected keys, one slot per position; L is the cache's max length.
+        value: (B, K, L, H) projected values.
+        keep: (B, L) boolean; False marks a slot no query may attend (left padding).
+        index: scalar integer, the positions written so far; position p is in slot p (with a
+            `window`, slot p mod L: the cache rolls), and the next call writes from index.
+    """
 
-def _inverted_padding(key_mask):
-    """The rows keeping no key of a (B, S) `key_mask` that reads as nn.MultiheadAttention's
-    `key_padding_mask` (True = padding): every row False then True, some row keeping no key and
-    none keeping all (left padding has its longest sequence all True); else 0."""
-    kept = key_mask.sum(-1)  # (B,)
-    ordered = (key_mask[:, 1:] >= key_mask[:, :-1]).all()  # False then True in every row
-    full = (kept == key_mask.shape[1]).any()
-    return 0 if not ordered or full else int((kept == 0).sum())
-
-
-def _zeros_and_ones(mask):
-    """A floating mask of only 0s and 1s, some 1 (a Keras mask, which Keras reads as boolean)."""
-    ones = mask == 1
-    return bool(((mask == 0) | ones).all() and ones.any())
+    key: Any
+    value: Any
+    keep: Any
+    index: Any
 
 
 def _check_cache(cache, query, key, heads, head_dim):
@@ -568,18 +742,12 @@ def _check_cache(cache, query, key, heads, head_dim):
 
 
 def _check_cache_dtype(cache, dtype):
-    if _dtype_name(cache.key) != dtype or _dtype_name(cache.value) != dtype:
+    key, value = _dtype_name(cache.key.dtype), _dtype_name(cache.value.dtype)
+    if key != dtype or value != dtype:
         raise ValueError(
             f"`cache` must hold the layer's compute dtype {dtype}. "
-            f"Received: cache.key.dtype={_dtype_name(cache.key)}, cache.value.dtype={_dtype_name(cache.value)}"
+            f"Received: cache.key.dtype={key}, cache.value.dtype={value}"
         )
-
-
-def _cache_full_error(index, t, length):
-    return ValueError(
-        f"`cache` is full: index + T must be <= L (call `init_cache` with a larger `max_length`). "
-        f"Received: index={index}, T={t}, L={length}"
-    )
 
 
 def _check_keep(keep, batch_size, max_length):
@@ -588,9 +756,32 @@ def _check_keep(keep, batch_size, max_length):
     if not _is_bool(keep) or tuple(keep.shape) != (batch_size, max_length):
         raise ValueError(
             f"`keep` must be a boolean array of shape (B, L)=({batch_size}, {max_length}). "
-            f"Received: keep.shape={tuple(keep.shape)}, keep.dtype={_dtype_name(keep)}"
+            f"Received: keep.shape={tuple(keep.shape)}, keep.dtype={_dtype_name(keep.dtype)}"
         )
     return keep
+
+
+def _check_room(index, t, length, window):
+    """Whether the T new tokens do not fit, as a () boolean tensor: without a window index + T must
+    be <= L; with one the cache rolls, and a call that wraps must leave its first query's keys in
+    place (L >= window + T - 1). Where the index can be read (eagerly) a misfit is a ValueError;
+    in a trace (`jax.jit`, a TensorFlow graph) `_attend` makes that call's output NaN."""
+    index = ops.convert_to_tensor(index)
+    misfit = index + t > length  # ()
+    if window is not None:
+        misfit = ops.logical_and(misfit, length < window + t - 1)  # ()
+    if _values_readable(misfit) and bool(ops.convert_to_numpy(misfit)):
+        if window is None:
+            raise _cache_full_error(int(ops.convert_to_numpy(index)), int(t), int(length))
+        raise _cache_too_short_error(window, int(t), int(length))
+    return misfit
+
+
+def _cache_full_error(index, t, length):
+    return ValueError(
+        f"`cache` is full: index + T must be <= L (call `init_cache` with a larger `max_length`). "
+        f"Received: index={index}, T={t}, L={length}"
+    )
 
 
 def _cache_too_short_error(window, t, length):
@@ -601,26 +792,6 @@ def _cache_too_short_error(window, t, length):
     )
 
 
-# The KV cache.
-
-
-def _check_room(cache, t, window):
-    """Whether the T new tokens do not fit, as a boolean tensor: without a window index + T must be
-    <= L; with one the cache rolls, and a call that wraps must leave its first query's keys in
-    place (L >= window + T - 1). Where the index can be read (eagerly) a misfit is a ValueError;
-    in a trace (`jax.jit`, a TensorFlow graph) the caller sets that call's output to NaN."""
-    index, length = ops.convert_to_tensor(cache.index), cache.key.shape[2]
-    misfit = index + t > length  # ()
-    if window is not None:
-        misfit = ops.logical_and(misfit, length < window + t - 1)  # ()
-    value = _values(misfit)
-    if value is not None and bool(value):
-        if window is None:
-            raise _cache_full_error(int(_values(index)), int(t), int(length))
-        raise _cache_too_short_error(window, int(t), int(length))
-    return misfit
-
-
 def _slot_positions(length, last):
     """(L,) the position held by each slot once positions up to `last` are written (position p in
     slot p mod L); negative where nothing is written yet."""
@@ -628,31 +799,21 @@ def _slot_positions(length, last):
     return slots + length * ops.floor_divide(last - slots, length)  # (L,)
 
 
-def _held_positions(length, last, window):
-    """(1, L) the position p(s) each slot holds once positions up to `last` are written: the slot
-    itself without a window (the cache does not roll, and the slots past `last` are read as
-    unwritten by the rules of `_cache_keep`), else `_slot_positions`."""
-    if window is None:
-        return ops.arange(length, dtype="int32")[None, :]  # (1, L)
-    return _slot_positions(length, last)[None, :]  # (1, L)
-
-
 def _cache_keep(keep, index, t, causal, window):
     """(B, L) cache keep -> (B, 1, T, L): slot s holds a written position p(s), is not padding,
     when causal p(s) is at most the query's own position index + t, and with a window W
     p(s) > index + t - W."""
-    length = keep.shape[-1]
-    held = _held_positions(length, index + t - 1, window)  # (1, L), p(s)
+    held = _slot_positions(keep.shape[-1], index + t - 1)[None, :]  # (1, L), p(s)
     positions = index + ops.arange(t, dtype="int32")[:, None]  # (T, 1), the position of each query
-    allowed = held <= positions if causal else held < index + t  # (T, L)
+    allowed = (held >= 0) & (held <= positions if causal else held < index + t)  # (T, L)
     if window is not None:
-        allowed = allowed & (held >= 0) & (held > positions - window)  # (T, L)
+        allowed = allowed & (held > positions - window)  # (T, L)
     return ops.logical_and(allowed[None, None], keep[:, None, None, :])  # (B, 1, T, L)
 
 
-def _write_cache(cache, k, v, key_keep):
+def _write_cache(cache, k, v, key_mask):
     """A new cache with (B, K, T, H) keys and values of positions [index, index + T) written to
-    slots position mod L, and `keep` there: the (B, T) `key_keep` ANDed into it on the first lap
+    slots position mod L, and `keep` there: the (B, T) `key_mask` ANDed into it on the first lap
     (left padding), in its place once a slot holds a new token."""
     b, heads, t = _shape(k)[:3]
     length, index = cache.key.shape[2], ops.convert_to_tensor(cache.index, "int32")
@@ -662,7 +823,7 @@ def _write_cache(cache, k, v, key_keep):
     written = ops.reshape(ops.stack(grid, axis=-1), (-1, 3))  # (B*K*T, 3): (b, head, slot) of every vector
     key = ops.scatter_update(cache.key, written, ops.reshape(k, (-1, k.shape[-1])))  # (B, K, L, H)
     value = ops.scatter_update(cache.value, written, ops.reshape(v, (-1, v.shape[-1])))  # (B, K, L, H)
-    new = ops.ones((b, t), "bool") if key_keep is None else key_keep  # (B, T)
+    new = ops.ones((b, t), "bool") if key_mask is None else key_mask  # (B, T)
     old = ops.take(cache.keep, slots, axis=1)  # (B, T)
     kept = ops.where((positions < length)[None, :], ops.logical_and(old, new), new)  # (B, T)
     rows = ops.reshape(ops.stack(ops.meshgrid(ops.arange(b, dtype="int32"), slots, indexing="ij"), -1), (-1, 2))
@@ -670,107 +831,9 @@ def _write_cache(cache, k, v, key_keep):
     return KVCache(key, value, keep, index + t)
 
 
-# Masks.
-
-
-def _mask_to_4d(mask, target, name="attention_mask"):
-    """Checks a mask against target (B, N, T, S) and returns it as rank 4."""
-    if not _is_bool(mask) and not _is_float(mask.dtype):
-        raise ValueError(
-            f"`{name}` must be boolean (True = attend; for a 0/1 integer mask pass `mask > 0`) or floating. "
-            f"Received: {name}.dtype={_dtype_name(mask)}"
-        )
-    rank = len(mask.shape)
-    expected = {2: target[2:], 3: (target[0], *target[2:]), 4: target}.get(rank)
-    if expected is None or any(
-        m not in (1, e) and None not in (m, e) for m, e in zip(mask.shape, expected, strict=True)
-    ):
-        raise ValueError(
-            f"`{name}` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
-            f"(B, N, T, S), each dimension full or 1. Expected: (B, N, T, S)={target}. "
-            f"Received: {name}.shape={_static_shape(mask)}"
-        )
-    if rank == 2:
-        return mask[None, None]  # (T, S) -> (1, 1, T, S)
-    if rank == 3:
-        return mask[:, None]  # (B, T, S) -> (B, 1, T, S)
-    return mask
-
-
-def _position_keep(positions, s, causal, window):
-    """(R, S) boolean for queries at `positions` (R,) over keys 0 .. S - 1: key s is kept iff
-    s <= position (when causal) and s > position - window (with a window); None if neither."""
-    keys, positions = ops.arange(s, dtype="int32")[None, :], positions[:, None]  # (1, S), (R, 1)
-    keep = keys <= positions if causal else None
-    return keep if window is None else _and(keep, keys > positions - window)
-
-
-def causal_mask(t, s):
-    """(T, S) boolean mask: query t keeps key s iff s <= t + (S - T) (bottom-right aligned)."""
-    return _position_keep(ops.arange(t, dtype="int32") + (s - t), s, True, None)
-
-
-def window_mask(t, s, window):
-    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - window (bottom-right aligned)."""
-    return _position_keep(ops.arange(t, dtype="int32") + (s - t), s, False, window)
-
-
-def _split_mask(mask, target, name, dtype):
-    """Splits a mask into (keep, additive), both rank 4 or None, by the floating mask rule: a
-    boolean mask is `keep`; a floating one, read in its own dtype, removes a key where it is -inf
-    or at most max(lowest of its dtype, lowest of float32), and adds every other value in
-    `dtype` (the softmax's, float32 at least). No -inf reaches arithmetic."""
-    if mask is None:
-        return None, None
-    mask = ops.convert_to_tensor(mask)
-    if _dtype_name(mask) == "float64" and dtype == "float32":
-        # A float64 mask of a float32 softmax: the cast saturates every value below float32's range
-        # to -inf, which removes, as the rule does (JAX without x64 reads float64 as float32 anyway).
-        mask = ops.cast(mask, dtype)
-    mask = _mask_to_4d(mask, target, name)
-    if _is_bool(mask):
-        return mask, None
-    threshold = _LOWEST.get(_dtype_name(mask), _FLOAT32_LOWEST)
-    removed = mask <= threshold  # (B, N, T, S), dims may be 1
-    additive = ops.where(removed, ops.zeros_like(mask), ops.maximum(mask, threshold))  # finite
-    return ops.logical_not(removed), ops.cast(additive, dtype)
-
-
-def _split_bias(attention_bias, target, dtype):
-    """`attention_bias` (floating) -> (keep, additive) by the floating mask rule."""
-    if attention_bias is None:
-        return None, None
-    attention_bias = ops.convert_to_tensor(attention_bias)
-    if not _is_float(attention_bias.dtype):
-        raise ValueError(
-            f"`attention_bias` must be floating. Received: attention_bias.dtype={_dtype_name(attention_bias)}"
-        )
-    return _split_mask(attention_bias, target, "attention_bias", dtype)
-
-
-def _token_keep(query_keep, key_keep):
-    """(B, T) query keep and (B, S) key keep -> (B, 1, T, S) keep, or None."""
-    keep = None if query_keep is None else query_keep[:, None, :, None]  # (B, T) -> (B, 1, T, 1)
-    keys = None if key_keep is None else key_keep[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
-    return _and(keep, keys)  # (B, 1, T, S), dims may be 1
-
-
-def _and(a, b):
-    return b if a is None else a if b is None else ops.logical_and(a, b)
-
-
-def _add(a, b):
-    return b if a is None else a if b is None else a + b
-
-
-# Attention.
-
-
-def _linear(x, kernel, bias):
-    """(B, L, D) @ (D, F) + (F,) -> (B, L, F). The weights are read in x's dtype (a no-op inside
-    Keras' `__call__`, which autocasts them)."""
-    y = ops.matmul(x, ops.cast(kernel, x.dtype))  # (B, L, D) -> (B, L, F)
-    return y if bias is None else y + ops.cast(bias, x.dtype)
+# -------------------------------------------------------------------------------------------------
+# Step 6: attention, the reference
+# -------------------------------------------------------------------------------------------------
 
 
 def _softmax_dtype(dtype):
@@ -778,32 +841,25 @@ def _softmax_dtype(dtype):
     return "float64" if keras.backend.standardize_dtype(dtype) == "float64" else "float32"
 
 
-def _soft_cap(scores, softcap):
+def _softcap(scores, softcap):
     """Gemma 2's logit soft-capping: scores -> c * tanh(scores / c)."""
     return scores if softcap is None else softcap * ops.tanh(scores / softcap)
 
 
-def _lowest(dtype):
-    """The lowest finite value of a float32 or float64 dtype (the softmax's)."""
-    return float(np.finfo(keras.backend.standardize_dtype(dtype)).min)
+def _centre_rows(bias, keep):
+    """`bias` minus each row's largest value where `keep` holds (rows keeping nothing: unchanged).
 
-
-def _added(bias, keep, sinks, dtype):
-    """The floating mask and bias, in the softmax's dtype, to add to the scores. Without sinks a
-    per-query constant does not change a softmax, so each row's largest kept value is taken off
-    first: a row of only large finite penalties (-1e9) stays an ordinary softmax instead of
-    scores rounded away in float32 (rows keeping nothing: unchanged)."""
-    if bias is None:
-        return None
-    bias = ops.cast(bias, dtype)
-    if keep is None or sinks is not None or bias.shape[-1] == 0:
+    A per-query constant does not change a softmax (without sinks); this keeps a row of only
+    large finite penalties (-1e9) an ordinary softmax instead of scores rounded away in float32.
+    """
+    if bias.shape[-1] == 0:
         return bias
-    lowest = _lowest(dtype)
+    lowest = _lowest(bias.dtype)
     top = ops.stop_gradient(ops.max(ops.where(keep, bias, lowest), axis=-1, keepdims=True))  # (B, N, T, 1), dims 1
     return bias - ops.where(top == lowest, ops.zeros_like(top), top)  # (B, N, T, S), dims may be 1
 
 
-def _softmax(scores, keep, sinks):
+def _masked_softmax(scores, keep, sinks):
     """Softmax over the last axis of (B, N, T, S) scores, in their dtype: keys not kept removed
     (filled with the lowest finite value), one sink logit per head (N,) in the denominator (a
     softmax over [scores, sink] whose sink column is dropped), rows with no key exactly 0."""
@@ -855,13 +911,88 @@ def dot_product_attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     q = q * ops.cast(scale, q.dtype)  # scale the (B, N, T, H) queries, not the scores
     scores = ops.cast(ops.matmul(q, ops.swapaxes(k, -1, -2)), dtype)  # (B, N, T, S)
-    scores = _soft_cap(scores, softcap)
-    bias = _added(bias, keep, sinks, dtype)
-    scores = scores if bias is None else scores + bias  # (B, N, T, S)
-    weights = ops.cast(_softmax(scores, keep, sinks), q.dtype)  # (B, N, T, S)
+    scores = _softcap(scores, softcap)
+    if bias is not None:
+        bias = ops.cast(bias, dtype)
+        bias = bias if keep is None or sinks is not None else _centre_rows(bias, keep)
+        scores = scores + bias  # (B, N, T, S)
+    weights = ops.cast(_masked_softmax(scores, keep, sinks), q.dtype)  # (B, N, T, S)
     dropped = weights if dropout is None else dropout(weights)
     context = ops.matmul(dropped, v)  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
     return context, weights
+
+
+# -------------------------------------------------------------------------------------------------
+# Keras only: backends and implicit masks
+# -------------------------------------------------------------------------------------------------
+
+
+def _is_float(dtype):
+    return keras.backend.is_float_dtype(keras.backend.standardize_dtype(dtype))
+
+
+def _is_int(dtype):
+    return keras.backend.is_int_dtype(keras.backend.standardize_dtype(dtype))
+
+
+def _is_bool(x):
+    return _dtype_name(x.dtype) == "bool"
+
+
+def _lowest(dtype):
+    """The lowest finite value of a float32 or float64 dtype (the softmax's)."""
+    return float(np.finfo(keras.backend.standardize_dtype(dtype)).min)
+
+
+def _shape(x):
+    """The shape of x, static where known; a dimension unknown at trace time (TensorFlow) as a tensor."""
+    static = tuple(x.shape)
+    if None not in static:
+        return static
+    dynamic = ops.shape(x)
+    return tuple(dynamic[i] if d is None else d for i, d in enumerate(static))
+
+
+def _static_shape(x):
+    return tuple(x.shape)
+
+
+def _differ(*dims):
+    """Whether the known dimensions (None: unknown at trace time) differ."""
+    known = {d for d in dims if d is not None}
+    return len(known) > 1
+
+
+def _shape_tuple(shape):
+    """A shape (tuple, list) as a tuple, or None where it or its rank is unknown."""
+    if shape is None:
+        return None
+    try:
+        return tuple(None if d is None else int(d) for d in shape)
+    except TypeError:  # a shape of unknown rank
+        return None
+
+
+def _implicit_mask(x):
+    """The implicit Keras mask a tensor carries (`Embedding(mask_zero=True)`), as Keras set it, or
+    None. TensorFlow and torch tensors carry it as an attribute; Keras keeps a JAX array's aside."""
+    mask = getattr(x, "_keras_mask", None)
+    if mask is None and x is not None and not isinstance(x, np.ndarray):
+        from keras.src.backend import get_keras_mask  # Keras' own reader (arrays that take no attribute)
+
+        mask = get_keras_mask(x)
+    return mask
+
+
+def _keras_mask(x):
+    """`_implicit_mask` as boolean, or None."""
+    mask = _implicit_mask(x)
+    return None if mask is None else ops.cast(mask, "bool")
+
+
+# -------------------------------------------------------------------------------------------------
+# The layer
+# -------------------------------------------------------------------------------------------------
 
 
 def _results(output, weights, cache, return_attention):
@@ -869,9 +1000,6 @@ def _results(output, weights, cache, return_attention):
     results = (output, weights) if return_attention else (output,)
     results = results if cache is None else (*results, cache)
     return results[0] if len(results) == 1 else results
-
-
-# The layer.
 
 
 @keras.saving.register_keras_serializable(package="MultiHeadAttentionKeras")
@@ -886,8 +1014,8 @@ class MultiHeadAttention(keras.layers.Layer):
         kdim: width of `key`. Defaults to E.
         vdim: width of `value`. Defaults to E.
         dropout: probability of dropping attention weights when training; 0 <= p < 1.
-        bias: True (all four projections have a bias), False (none), or a collection of the
-            names of those that have one, among "query", "key", "value", "output" (Qwen2:
+        bias: True (all four projections have a bias), False (none), or a list, tuple or set of
+            the names of those that have one, among "query", "key", "value", "output" (Qwen2:
             ("query", "key", "value")). Kept as that tuple of names, in that order.
         scale: the factor of the scores, `scores = (q . k) * scale`. Defaults to 1 / sqrt(H).
         softcap: None or a positive float c: the scores become c * tanh(scores / c).
@@ -990,32 +1118,51 @@ class MultiHeadAttention(keras.layers.Layer):
         self.head_dim = _positive_int("head_dim", self.d_model // self.num_heads if head_dim is None else head_dim)
         self.kdim = _positive_int("kdim", self.d_model if kdim is None else kdim)
         self.vdim = _positive_int("vdim", self.d_model if vdim is None else vdim)
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
-        self.dropout = float(dropout)
+        self.dropout = _dropout_rate(dropout)
         self.bias = _projection_biases(bias)
-        self.scale = 1.0 / math.sqrt(self.head_dim) if scale is None else _positive_float("scale", scale)
-        self.softcap = _positive_float("softcap", softcap, optional=True)
-        self.window = None if window is None else _positive_int("window", window)
-        self.rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
-        self.rope_fraction = float(rope_fraction)
-        self.rope_interleaved = bool(rope_interleaved)
-        self.rope_scaling = _check_rope_scaling(rope_scaling)
+        (
+            self.scale, self.softcap, self.window, self.rope_theta, self.rope_fraction, self.rope_interleaved,
+            self.rope_scaling, self.qk_norm, self.qk_norm_eps, self.sinks,
+        ) = _check_variants(
+            self.head_dim, scale, softcap, window, rope_theta, rope_fraction, rope_interleaved, rope_scaling, qk_norm,
+            qk_norm_eps, sinks,
+        )  # fmt: skip
         if self.rope_theta is not None:
-            rotary = _rotary_dim(rope_fraction, self.head_dim)
+            rotary = _rotary_dim(self.rope_fraction, self.head_dim, True)
             self._inv_freq = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,) NumPy
-        if qk_norm not in (None, "head", "all"):
-            raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
-        self.qk_norm = qk_norm
-        self.qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
-        self.sinks = bool(sinks)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
         self.supports_masking = True
-        self._convert_input_args = False  # Keras must not cast masks and biases: `call` casts query, key, value
+        self._convert_input_args = False  # Keras must not cast masks and biases: `_check_call` casts the inputs
         self._allow_non_tensor_positional_args = True  # NumPy inputs reach `call` as they are
         self._dropout_layer = keras.layers.Dropout(self.dropout, dtype=self.dtype_policy)
         self._warned_traps = set()  # the mask habits warned of, once each
+
+    def _initializer(self, name):
+        """Kernels and biases from the layer's initializers; QK-norm scales of one, sinks of zero."""
+        if name.endswith("_norm"):
+            return keras.initializers.Ones()
+        if name == "sinks":
+            return keras.initializers.Zeros()
+        initializer = self.kernel_initializer if name.endswith("_kernel") else self.bias_initializer
+        return initializer.__class__.from_config(initializer.get_config())  # a fresh instance for each weight
+
+    def build(self, query_shape=None, value_shape=None, key_shape=None):
+        """Creates the portable weights; every shape is known from the constructor.
+
+        Args:
+            query_shape: optional (B, T, E).
+            value_shape: optional (B, S, vdim).
+            key_shape: optional (B, S, kdim). Keras' attention-layer convention, in its order
+                (query, value, key); a missing shape defaults as in the call, and a width other
+                than the constructor's is a ValueError.
+        """
+        self._check_shapes(query_shape, value_shape, key_shape)
+        for name, shape in self.weight_shapes().items():
+            variable = self.add_weight(name=name, shape=shape, initializer=self._initializer(name))
+            setattr(self, _ATTRIBUTES.get(name, name), variable)
+        self._dropout_layer.build(None)
+        self.built = True
 
     def get_config(self):
         bias = True if self.bias == _PROJECTIONS else bool(self.bias) and list(self.bias)
@@ -1065,51 +1212,6 @@ class MultiHeadAttention(keras.layers.Layer):
             shapes["sinks"] = (self.num_heads,)
         return shapes
 
-    def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
-        """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
-
-        Args:
-            batch_size: B.
-            max_length: L, the number of slots.
-            keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
-                of different lengths). Defaults to all True.
-            dtype: dtype of the keys and values; defaults to the compute dtype of the policy.
-
-        Returns:
-            A `KVCache` of zeros with index 0 (int32).
-        """
-        b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
-        keep = ops.ones((b, length), dtype="bool") if keep is None else _check_keep(keep, b, length)
-        shape = (b, self.num_kv_heads, length, self.head_dim)
-        dtype = self.compute_dtype if dtype is None else dtype
-        return KVCache(ops.zeros(shape, dtype), ops.zeros(shape, dtype), keep, ops.convert_to_tensor(0, "int32"))
-
-    def _initializer(self, name):
-        """Kernels and biases from the layer's initializers; QK-norm scales of one, sinks of zero."""
-        if name.endswith("_norm"):
-            return keras.initializers.Ones()
-        if name == "sinks":
-            return keras.initializers.Zeros()
-        initializer = self.kernel_initializer if name.endswith("_kernel") else self.bias_initializer
-        return initializer.__class__.from_config(initializer.get_config())  # a fresh instance for each weight
-
-    def build(self, query_shape=None, value_shape=None, key_shape=None):
-        """Creates the portable weights; every shape is known from the constructor.
-
-        Args:
-            query_shape: optional (B, T, E).
-            value_shape: optional (B, S, vdim).
-            key_shape: optional (B, S, kdim). Keras' attention-layer convention, in its order
-                (query, value, key); a missing shape defaults as in the call, and a width other
-                than the constructor's is a ValueError.
-        """
-        self._check_shapes(query_shape, value_shape, key_shape)
-        for name, shape in self.weight_shapes().items():
-            variable = self.add_weight(name=name, shape=shape, initializer=self._initializer(name))
-            setattr(self, _ATTRIBUTES.get(name, name), variable)
-        self._dropout_layer.build(None)
-        self.built = True
-
     def _variable(self, name):
         """The variable of one portable weight (`sinks` is held as `sink_logits`)."""
         return getattr(self, _ATTRIBUTES.get(name, name))
@@ -1136,13 +1238,141 @@ class MultiHeadAttention(keras.layers.Layer):
             variable = self._variable(name)
             variable.assign(ops.cast(np.asarray(weights[name]), variable.dtype))
 
+    def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
+        """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
+
+        Args:
+            batch_size: B.
+            max_length: L, the number of slots.
+            keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
+                of different lengths). Defaults to all True.
+            dtype: dtype of the keys and values; defaults to the compute dtype of the policy.
+
+        Returns:
+            A `KVCache` of zeros with index 0 (int32).
+        """
+        b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
+        keep = ops.ones((b, length), dtype="bool") if keep is None else _check_keep(keep, b, length)
+        shape = (b, self.num_kv_heads, length, self.head_dim)
+        dtype = self.compute_dtype if dtype is None else dtype
+        return KVCache(ops.zeros(shape, dtype), ops.zeros(shape, dtype), keep, ops.convert_to_tensor(0, "int32"))
+
+    def _non_defaults(self):
+        """The variants not at their default and a partial `bias` (all four biases or none is the
+        default), {name: value as held}: what the Keras built-ins cannot hold."""
+        plain = {
+            "bias": self.bias in ((), _PROJECTIONS),
+            "scale": math.isclose(self.scale, 1 / math.sqrt(self.head_dim)),
+            "softcap": self.softcap is None,
+            "window": self.window is None,
+            "rope_theta": self.rope_theta is None,
+            "qk_norm": self.qk_norm is None,
+            "sinks": not self.sinks,
+        }
+        return {name: getattr(self, name) for name, default in plain.items() if not default}
+
+    def _check_call(
+        self, query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
+        return_attention, cache, training, value_mask,
+    ):  # fmt: skip
+        """Step 1 but the masks' combination: the inputs' defaults and checks, the token masks
+        ANDed with the inputs' implicit Keras masks (in self-attention `key_mask` defaults to
+        `query_mask`), the cache, the masks' dtypes and shapes, the habit warnings and the
+        positions; returns the `_Call`, the inputs cast to the compute dtype."""
+        self_attention = key is None and value is None
+        key, value = _inputs(query, key, value)
+        implicit = [_keras_mask(x) for x in (query, key, value)]  # read before any conversion
+        explicit = key_mask is not None and key_mask is not _implicit_mask(key)  # passed, not filled in by Keras
+        query = _check_input("query", query, "E", self.d_model)
+        key = _check_input("key", key, "kdim", self.kdim)
+        value = _check_input("value", value, "vdim", self.vdim)
+        _check_lengths(query, key, value)
+        (b, t), s = tuple(query.shape)[:2], key.shape[1]
+        query_mask = _and(_check_token_mask("query_mask", query_mask, b, t, "T"), implicit[0])  # (B, T)
+        key_mask = _check_token_mask("key_mask", key_mask, b, s, "S")
+        passed_key_mask = key_mask if explicit else None
+        key_keep = _and(key_mask, _check_token_mask("value_mask", value_mask, b, s, "S"))  # (B, S)
+        key_keep = query_mask if self_attention and key_keep is None else key_keep
+        key_keep = _and(key_keep, _and(implicit[1], implicit[2]))  # (B, S)
+        if cache is not None:
+            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
+        target = (b, self.num_heads, t, s if cache is None else cache.key.shape[2])
+        attention_mask = None if attention_mask is None else ops.convert_to_tensor(attention_mask)
+        mask = None if attention_mask is None else _mask_to_4d(attention_mask, target)
+        if attention_bias is not None:
+            attention_bias = _mask_to_4d(ops.convert_to_tensor(attention_bias), target, "attention_bias")
+        if cache is None:
+            self._warn_traps(attention_mask, passed_key_mask, t, s)
+        positions = self._positions(positions, query, key, cache)
+        if cache is not None:
+            _check_room(cache.index, _shape(query)[1], cache.key.shape[2], self.window)
+        query, key, value = (ops.cast(x, self.compute_dtype) for x in (query, key, value))
+        return _Call(
+            query, key, value, mask, attention_bias, key_keep, query_mask, positions, causal, self.window,
+            return_attention, cache, training, False,
+        )  # fmt: skip
+
+    def _positions(self, positions, query, key, cache):
+        """Checks `positions` and returns them as (B, T) or (1, T) integers (default
+        arange(T), plus the cache's index), or None without RoPE."""
+        if self.rope_theta is None:
+            if positions is not None:
+                raise ValueError(
+                    "`positions` needs RoPE: construct the layer with `rope_theta`. "
+                    "Received: positions with rope_theta=None"
+                )
+            return None
+        if cache is None and _differ(query.shape[1], key.shape[1]):
+            raise ValueError(
+                "RoPE needs `key` and `value` to hold the query's own tokens (S == T, or decoding with `cache`). "
+                f"Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
+            )
+        if positions is None:
+            start = 0 if cache is None else ops.convert_to_tensor(cache.index, "int32")
+            return (start + ops.arange(_shape(query)[1], dtype="int32"))[None]  # (1, T)
+        return _check_positions(positions, query.shape[0], query.shape[1])
+
+    def _warn_traps(self, attention_mask, key_mask, t, s):
+        """Warns once per layer for each built-in habit the masks' values suggest, where reading
+        them is free (eagerly, on the CPU: not in a graph, `jax.jit` or `torch.compile`); a call
+        with a cache is not read."""
+        masks = [mask for mask in (attention_mask, key_mask) if mask is not None]
+        if not masks or not _values_readable(*masks):
+            return
+        values = [None if mask is None else ops.convert_to_numpy(mask) for mask in (attention_mask, key_mask)]
+        for kind, message in _mask_traps(*values, t, s).items():
+            if kind not in self._warned_traps:
+                self._warned_traps.add(kind)
+                warnings.warn(message, AttentionMaskWarning, stacklevel=2)
+
+    def _masks(self, call):
+        """The floating mask rule on `attention_mask` and `attention_bias`, and the token masks
+        (the keys' only without a cache: the cache step writes them into its keep): one boolean
+        keep and one additive bias in the softmax's dtype, (B|1, N|1, T|1, S|1) each, or None."""
+        dtype = _softmax_dtype(self.compute_dtype)
+        keep, mask_bias = _split_mask(call.attention_mask, dtype)
+        bias_keep, bias = _split_bias(call.attention_bias, dtype)
+        queries = None if call.query_mask is None else call.query_mask[:, None, :, None]  # (B, T) -> (B, 1, T, 1)
+        keys = None if call.key_mask is None or call.cache is not None else call.key_mask[:, None, None, :]
+        keep = _and(_and(keep, bias_keep), _and(queries, keys))  # (B, N, T, S), dims may be 1
+        return keep, _add(mask_bias, bias)
+
+    def _project_qkv(self, call):
+        """The three input projections split into heads: (B, N, T, H), (B, K, S, H), (B, K, S, H)."""
+        q = self._split_heads(self._project(call.query, "query"), self.num_heads)
+        k = self._split_heads(self._project(call.key, "key"), self.num_kv_heads)
+        v = self._split_heads(self._project(call.value, "value"), self.num_kv_heads)
+        return q, k, v
+
     def _bias_of(self, kind):
         return getattr(self, f"{kind}_bias") if kind in self.bias else None
 
-    def _project(self, x, kind, heads):
-        """(B, L, D) -> (B, heads, L, H): one projection split into heads."""
-        y = _linear(x, getattr(self, f"{kind}_kernel"), self._bias_of(kind))  # (B, L, D) -> (B, L, heads*H)
-        return self._split_heads(y, heads)
+    def _project(self, x, kind):
+        """(B, L, D) @ (D, F) + (F,) -> (B, L, F) with the `kind` projection's weights, read in x's
+        dtype (a no-op inside Keras' `__call__`, which autocasts them)."""
+        y = ops.matmul(x, ops.cast(getattr(self, f"{kind}_kernel"), x.dtype))  # (B, L, D) -> (B, L, F)
+        bias = self._bias_of(kind)
+        return y if bias is None else y + ops.cast(bias, x.dtype)
 
     def _split_heads(self, y, heads):
         b, length = _shape(y)[:2]
@@ -1175,114 +1405,35 @@ class MultiHeadAttention(keras.layers.Layer):
         factor, rotary_dim = rope_attention_factor(self.rope_scaling), 2 * inv_freq.shape[0]
         return scale_rotated(q, rotary_dim, factor), scale_rotated(k, rotary_dim, factor)  # YaRN's factor
 
-    def _positions(self, positions, query, key, cache):
-        """Checks `positions` and returns them as (B, T) or (1, T) integers (default
-        arange(T), plus the cache's index), or None without RoPE."""
-        if self.rope_theta is None:
-            if positions is not None:
-                raise ValueError(
-                    "`positions` needs RoPE: construct the layer with `rope_theta`. "
-                    "Received: positions with rope_theta=None"
-                )
-            return None
-        if cache is None and _differ(query.shape[1], key.shape[1]):
-            raise ValueError(
-                "RoPE needs `key` and `value` to hold the query's own tokens (S == T, or decoding with `cache`). "
-                f"Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
-            )
-        if positions is None:
-            start = 0 if cache is None else ops.convert_to_tensor(cache.index, "int32")
-            return (start + ops.arange(_shape(query)[1], dtype="int32"))[None]  # (1, T)
-        positions = ops.convert_to_tensor(positions)
-        b, t = query.shape[0], query.shape[1]
-        shape = _static_shape(positions)
-        dims = {1: (t,), 2: (b, t)}.get(len(shape))
-        expected = dims is not None and not any(_differ(d, e) for d, e in zip(shape, dims, strict=True))
-        if not _is_int(positions.dtype) or not expected:
-            raise ValueError(
-                f"`positions` must be an integer tensor of shape (B, T) or (T,) with B={b}, T={t}. "
-                f"Received: positions.shape={shape}, positions.dtype={_dtype_name(positions)}"
-            )
-        return positions[None] if len(shape) == 1 else positions  # (T,) -> (1, T)
+    def _update_cache(self, call, k, v, keep):
+        """The cache write: the new keys and values go to slots [index, index + T) (mod L with a
+        window), `key_mask` into the cache's keep; returns the cache's (B, K, L, H) keys and values,
+        `keep` over the L slots with `causal` and `window` folded in, and the call with the new
+        cache."""
+        if call.cache is None:
+            return k, v, keep, call
+        t, index = _shape(k)[2], ops.convert_to_tensor(call.cache.index, "int32")  # the index before this write
+        cache = _write_cache(call.cache, k, v, call.key_mask)  # `key_mask` goes into its keep
+        keep = _and(keep, _cache_keep(cache.keep, index, t, call.causal, call.window))  # (B, N, T, L), dims may be 1
+        return cache.key, cache.value, keep, call._replace(causal=False, window=None, cache=cache)
 
-    def _attend(self, q, k, v, keep, bias, causal, window, training):
+    def _attend(self, q, k, v, keep, bias, call):
         """`dot_product_attention` with the layer's variants and its dropout (when training);
-        returns (context, weights)."""
-        dropout_active = self.dropout > 0 and training is not False and training is not None
-        dropout = (lambda w: self._dropout_layer(w, training=training)) if dropout_active else None
+        returns (context, weights), (B, N, T, H) and (B, N, T, S). A decoding call without room
+        raised in `_check_call` where the cache's index can be read; elsewhere (a trace) its
+        context, so its output, is NaN."""
+        dropout_active = self.dropout > 0 and call.training is not False and call.training is not None
+        dropout = (lambda w: self._dropout_layer(w, training=call.training)) if dropout_active else None
         sinks = self.sink_logits if self.sinks else None
-        return dot_product_attention(
-            q, k, v, keep, bias, causal, scale=self.scale, softcap=self.softcap, window=window, sinks=sinks,
-            dropout=dropout,
+        context, weights = dot_product_attention(
+            q, k, v, keep, bias, call.causal, scale=self.scale, softcap=self.softcap, window=call.window,
+            sinks=sinks, dropout=dropout,
         )  # fmt: skip
-
-    def __call__(self, *args, mask=None, **kwargs):
-        """Moves `mask=` (the alias of `attention_mask`) into `attention_mask`, and checks what must
-        be seen before any cast: inputs of different dtypes, and the cache's dtype (which a cast
-        would silently convert on every call). `call` has no `mask` argument, so Keras never
-        fills it with a propagated implicit mask (those are read from the inputs)."""
-        if mask is not None:
-            if kwargs.get("attention_mask") is not None or (len(args) > 3 and args[3] is not None):
-                raise ValueError(
-                    "Pass the attention mask as `attention_mask` or as `mask`, not both. "
-                    "Received: attention_mask and mask"
-                )
-            kwargs["attention_mask"] = mask
-        inputs = dict(zip(("query", "key", "value"), args, strict=False))
-        inputs.update({name: kwargs[name] for name in ("query", "key", "value") if name in kwargs})
-        if inputs.get("query") is not None:
-            _check_same_dtype(inputs["query"], inputs.get("key"), inputs.get("value"))
-        if kwargs.get("cache") is not None:
-            _check_cache_dtype(kwargs["cache"], self.compute_dtype)
-        return super().__call__(*args, **kwargs)
-
-    def _warn_traps(self, attention_mask, key_mask, t, s):
-        """Warns once per layer for each built-in habit the masks' values suggest, where reading
-        them is free (eagerly, on the CPU: not in a graph, `jax.jit` or `torch.compile`); a call
-        with a cache is not read."""
-        masks = (attention_mask, key_mask)
-        values = [None if mask is None else _values(mask) for mask in masks]
-        unreadable = any(mask is not None and value is None for mask, value in zip(masks, values, strict=True))
-        if all(value is None for value in values) or unreadable:
-            return
-        for kind, message in _mask_traps(*values, t, s).items():
-            if kind not in self._warned_traps:
-                self._warned_traps.add(kind)
-                warnings.warn(message, AttentionMaskWarning, stacklevel=2)
-
-    def _inputs(self, query, key, value, query_mask, key_mask, value_mask):
-        """Defaults and checks of the inputs, cast to the compute dtype, and their (B, T) query
-        keep, (B, S) key keep (None: all kept) and the `key_mask` the caller passed (None where
-        Keras filled it from the key's implicit mask): the masks passed ANDed with the implicit
-        Keras masks of the inputs; in self-attention `key_mask` defaults to `query_mask`."""
-        self_attention = key is None and value is None
-        key = value if key is None else key
-        key = query if key is None else key
-        value = key if value is None else value
-        implicit = [_keras_mask(x) for x in (query, key, value)]
-        explicit_key_mask = key_mask is not None and key_mask is not _implicit_mask(key)  # not filled by Keras
-        query = _check_input("query", query, "E", self.d_model)
-        key = _check_input("key", key, "kdim", self.kdim)
-        value = _check_input("value", value, "vdim", self.vdim)
-        _check_lengths(query, key, value)
-        (b, t), s = tuple(query.shape)[:2], key.shape[1]
-        query_keep = _and(_token_mask("query_mask", query_mask, b, t, "T"), implicit[0])  # (B, T)
-        key_mask = _token_mask("key_mask", key_mask, b, s, "S")
-        passed_key_mask = key_mask if explicit_key_mask else None
-        key_keep = _and(key_mask, _token_mask("value_mask", value_mask, b, s, "S"))  # (B, S)
-        if self_attention and key_keep is None:
-            key_keep = query_keep
-        key_keep = _and(key_keep, _and(implicit[1], implicit[2]))  # (B, S)
-        query, key, value = (ops.cast(x, self.compute_dtype) for x in (query, key, value))
-        return query, key, value, query_keep, key_keep, passed_key_mask
-
-    def _masks(self, attention_mask, attention_bias, target):
-        """The floating mask rule on `attention_mask` and `attention_bias`: (keep, mask's
-        additive, bias's additive), each rank 4 or None."""
-        dtype = _softmax_dtype(self.compute_dtype)
-        keep, mask_bias = _split_mask(attention_mask, target, "attention_mask", dtype)  # dtype and shape first
-        bias_keep, attention_bias = _split_bias(attention_bias, target, dtype)
-        return _and(keep, bias_keep), mask_bias, attention_bias
+        if call.cache is not None and not _values_readable(call.cache.index):
+            t = _shape(q)[2]
+            misfit = _check_room(call.cache.index - t, t, k.shape[2], self.window)  # the index before the write
+            context = ops.where(misfit, ops.cast(float("nan"), context.dtype), context)  # a trace cannot raise
+        return context, weights
 
     def call(
         self,
@@ -1301,47 +1452,33 @@ class MultiHeadAttention(keras.layers.Layer):
         value_mask=None,
         cache=None,
     ):
-        # 1. Defaults and checks; the masks combined into one boolean keep and additive biases.
-        inputs = self._inputs(query, key, value, query_mask, key_mask, value_mask)
-        query, key, value, query_keep, key_keep, passed_key_mask = inputs
-        if cache is not None:
-            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
-        b, t, s = query.shape[0], query.shape[1], key.shape[1] if cache is None else cache.key.shape[2]
-        target = (b, self.num_heads, t, s)
-        attention_mask = None if attention_mask is None else ops.convert_to_tensor(attention_mask)
-        keep, bias, attention_bias = self._masks(attention_mask, attention_bias, target)
-        if cache is None:
-            self._warn_traps(attention_mask, passed_key_mask, t, s)
-        keep = _and(keep, _token_keep(query_keep, key_keep if cache is None else None))  # (B, N, T, S), dims may be 1
-        positions = self._positions(positions, query, key, cache)
+        call = self._check_call(
+            query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
+            return_attention, cache, training, value_mask,
+        )  # 1. defaults and checks  # fmt: skip
+        keep, bias = self._masks(call)  # 1. (B|1, N|1, T|1, S|1) keep and bias
+        q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H)
+        q, k = self._normalize_qk(q, k)  # 3. QK-norm
+        q, k = self._rotate(q, k, call.positions)  # 4. RoPE
+        k, v, keep, call = self._update_cache(call, k, v, keep)  # 5. KV cache (replaces causal/window/cache)
+        context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S)
+        output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*H) -> (B, T, E)
+        return _results(output, weights, call.cache, call.return_attention)
 
-        # 2. Projections.
-        q = self._project(query, "query", self.num_heads)  # (B, T, E) -> (B, N, T, H)
-        k = self._project(key, "key", self.num_kv_heads)  # (B, S, kdim) -> (B, K, S, H)
-        v = self._project(value, "value", self.num_kv_heads)  # (B, S, vdim) -> (B, K, S, H)
-        # 3. QK-norm and 4. RoPE.
-        q, k = self._normalize_qk(q, k)
-        q, k = self._rotate(q, k, positions)
-        # 5. Cache write: the new keys and values go to slots [index, index + T) (mod L with a window).
-        window, misfit = self.window, None
-        if cache is not None:
-            t, index = _shape(q)[2], ops.convert_to_tensor(cache.index, "int32")  # the index before this write
-            misfit = _check_room(cache, t, window)
-            cache = _write_cache(cache, k, v, key_keep)  # `key_mask` goes into its keep
-            keep = _and(keep, _cache_keep(cache.keep, index, t, causal, window))  # (B, N, T, L), dims may be 1
-            k, v = cache.key, cache.value  # (B, K, L, H)
-            causal, window = False, None  # both in `keep`
-        # 6. Attention.
-        context, weights = self._attend(
-            q, k, v, keep, _add(bias, attention_bias), causal, window, training
-        )  # (B, N, T, H)
-        # 7. Heads merged and the output projection.
-        merged = self._merge_heads(context)  # (B, N, T, H) -> (B, T, N*H)
-        output = _linear(merged, self.output_kernel, self._bias_of("output"))  # -> (B, T, E)
-        if misfit is not None and _values(misfit) is None:
-            output = ops.where(misfit, ops.cast(float("nan"), output.dtype), output)  # a trace cannot raise
-
-        return _results(output, weights, cache, return_attention)
+    def __call__(self, *args, mask=None, **kwargs):
+        """`mask=` moved into `attention_mask` (so that `call` has no `mask` argument for Keras to
+        fill with a propagated implicit mask), then what must be seen before any cast: inputs of
+        different dtypes and the cache's dtype (which a cast would silently convert on every call)."""
+        if mask is not None:
+            given = kwargs.pop("attention_mask", args[3] if len(args) > 3 else None)
+            args, kwargs["attention_mask"] = args[:3], _attention_mask(given, mask)
+        inputs = dict(zip(("query", "key", "value"), args, strict=False))
+        inputs.update({name: kwargs[name] for name in ("query", "key", "value") if name in kwargs})
+        if inputs.get("query") is not None:
+            _check_dtypes(inputs["query"], inputs.get("key"), inputs.get("value"))
+        if kwargs.get("cache") is not None:
+            _check_cache_dtype(kwargs["cache"], self.compute_dtype)
+        return super().__call__(*args, **kwargs)
 
     def compute_mask(self, query, previous_mask=None):
         """The output carries the query's mask."""
@@ -1445,23 +1582,16 @@ class MultiHeadAttention(keras.layers.Layer):
         return layer
 
 
-# The Keras built-ins (interop).
+# -------------------------------------------------------------------------------------------------
+# Interop with the built-in layers
+# -------------------------------------------------------------------------------------------------
 
 
 def _check_keras_can_hold(layer):
     """Refuses, naming them, the variants of docs/SPEC.md that the Keras built-ins cannot hold."""
-    defaults = {
-        "bias": len(layer.bias) in (0, 4),  # all four biases or none
-        "scale": math.isclose(layer.scale, 1 / math.sqrt(layer.head_dim)),
-        "softcap": layer.softcap is None,
-        "window": layer.window is None,
-        "rope_theta": layer.rope_theta is None,
-        "qk_norm": layer.qk_norm is None,
-        "sinks": not layer.sinks,
-    }
-    held = [name for name, plain in defaults.items() if not plain]
+    held = layer._non_defaults()
     if held:
-        received = ", ".join(f"{name}={getattr(layer, name)!r}" for name in held)
+        received = ", ".join(f"{name}={value!r}" for name, value in held.items())
         raise ValueError(
             "`to_keras` needs a layer the Keras built-ins can hold: all four biases or none, the default "
             f"scale, and no softcap, window, RoPE, QK-norm or sinks. Received: {received}"
@@ -1548,13 +1678,3 @@ def _keras_config(layer):
         bias_initializer=config["bias_initializer"],
     )  # fmt: skip
     return arguments, dense
-
-
-def _shape_tuple(shape):
-    """A shape (tuple, list) as a tuple, or None where it or its rank is unknown."""
-    if shape is None:
-        return None
-    try:
-        return tuple(None if d is None else int(d) for d in shape)
-    except TypeError:  # a shape of unknown rank
-        return None

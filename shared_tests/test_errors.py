@@ -1,5 +1,6 @@
 """Error parity: each bad argument or input gives a ValueError with the same message in the
-PyTorch, TensorFlow and NumPy layers; a failed import leaves every layer unchanged."""
+PyTorch, TensorFlow, Keras and NumPy layers (the Keras file on the TensorFlow backend here;
+test_keras.py runs it on the others); a failed import leaves every layer unchanged."""
 
 import functools
 import re
@@ -73,6 +74,10 @@ CASES = {
     "rope_interleaved_not_bool": ({**BASE, "rope_interleaved": "yes"}, None, r"`rope_interleaved` must be True or False\. Received: rope_interleaved='yes'"),
     "scale_bool": ({**BASE, "scale": True}, None, r"`scale` must be a positive float\. Received: scale=True"),
     "window_float": ({**BASE, "window": 2.0}, None, r"`window` must be a positive integer\. Received: window=2\.0"),
+    # The checks' one order (the signature's, the two flags last): every file names the same first bad argument
+    "order_qk_norm_eps_before_flags": ({**BASE, "sinks": 1, "rope_interleaved": 0, "qk_norm_eps": 0.0}, None, r"`qk_norm_eps` must be a positive float\. Received: qk_norm_eps=0\.0"),
+    "order_rope_interleaved_before_sinks": ({**BASE, "sinks": 1, "rope_interleaved": 0}, None, r"`rope_interleaved` must be True or False\. Received: rope_interleaved=0"),
+    "order_dropout_before_bias": ({**BASE, "bias": None, "dropout": None}, None, r"`dropout` must be in \[0, 1\)\. Received: dropout=None"),
     # The new call arguments
     "mixed_input_dtypes": (BASE, {"query": X, "key": Y.astype(np.float16), "value": Y.astype(np.float16)}, r"`query`, `key` and `value` must have the same dtype\. Received: query\.dtype=float32, key\.dtype=float16, value\.dtype=float16"),
     "positions_without_rope": (BASE, {"query": X, "positions": np.arange(3)}, r"`positions` needs RoPE: construct the layer with `rope_theta`\. Received: positions with rope_theta=None"),
@@ -133,9 +138,14 @@ def _converted(framework, call):
     return {k: convert(np.asarray(v)) if isinstance(v, np.ndarray) else v for k, v in call.items()}
 
 
-CALLERS = {"torch": _torch_call, "tf": _tf_call, "numpy": _numpy_call}
-# The mask habits, the valid masks and `mask=` also in the Keras file (on the TensorFlow backend here)
-MASK_CALLERS = {**CALLERS, "keras": functools.partial(_tf_call, module="Keras")}
+# The Keras file runs on the TensorFlow backend here, framed by Keras as the TensorFlow file is
+CALLERS = {
+    "torch": _torch_call,
+    "tf": _tf_call,
+    "keras": functools.partial(_tf_call, module="Keras"),
+    "numpy": _numpy_call,
+}
+MASK_CALLERS = CALLERS  # the mask habits, the valid masks and `mask=`: the same four layers
 
 
 def test_table_has_at_least_15_bad_inputs():
@@ -144,6 +154,9 @@ def test_table_has_at_least_15_bad_inputs():
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_same_value_error_in_all_three(name):
+    """Every file, the Keras file included (regression: it once lacked the D-rule argument checks
+    of docs/SPEC.md "Argument types": `dropout=None`, `rope_fraction=None`, flags of 0 or 1, a
+    switched-off variant's arguments)."""
     kwargs, call, pattern = CASES[name]
     messages = {}
     for framework, caller in CALLERS.items():
@@ -176,10 +189,16 @@ ACCEPTED_ARGUMENTS = {
 
 
 def _constructors():
+    from Keras import MultiHeadAttention as KerasMultiHeadAttention
     from PyTorch import MultiHeadAttention as TorchMultiHeadAttention
     from TensorFlow import MultiHeadAttention as TFMultiHeadAttention
 
-    return {"torch": TorchMultiHeadAttention, "tf": TFMultiHeadAttention, "numpy": NumpyMultiHeadAttention}
+    return {
+        "torch": TorchMultiHeadAttention,
+        "tf": TFMultiHeadAttention,
+        "keras": KerasMultiHeadAttention,
+        "numpy": NumpyMultiHeadAttention,
+    }
 
 
 @pytest.mark.parametrize("name", sorted(ACCEPTED_ARGUMENTS))
@@ -197,6 +216,19 @@ def test_python_and_numpy_arguments_are_accepted_alike(name):
         assert all(type(value) is type(expected[key]) for key, value in got.items()), (framework, got)
 
 
+def test_regression_rope_scaling_is_held_with_python_scalars():
+    """The layer holds a copy of `rope_scaling` whose NumPy scalars are Python's, so none reaches
+    `get_config` (the Keras file once kept the dict as given)."""
+    scaling = {"rope_type": "yarn", "factor": np.float32(4.0), "original_max_position_embeddings": np.int64(64),
+               "beta_fast": np.int32(16), "truncate": np.bool_(False)}  # fmt: skip
+    expected = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16,
+                "truncate": False}  # fmt: skip
+    for framework, cls in _constructors().items():
+        held = cls(**BASE, rope_theta=10000.0, rope_scaling=scaling).rope_scaling
+        assert held == expected and held is not scaling, (framework, held)
+        assert [type(value) for value in held.values()] == [type(value) for value in expected.values()], framework
+
+
 POSITIONS = {
     "float": np.arange(5.0),
     "bool": np.ones(3, bool),
@@ -211,6 +243,7 @@ def test_d10_alibi_bias_refuses_alike(name):
     others refuse; all three refuse them with one message (and NumPy/__init__.py exports it)."""
     import torch
 
+    from Keras import alibi_bias as keras_alibi
     from NumPy import alibi_bias as numpy_alibi
     from PyTorch import alibi_bias as torch_alibi
     from TensorFlow import alibi_bias as tf_alibi
@@ -219,6 +252,7 @@ def test_d10_alibi_bias_refuses_alike(name):
     messages = {}
     for framework, alibi, convert in (
         ("numpy", numpy_alibi, np.asarray), ("torch", torch_alibi, torch.from_numpy), ("tf", tf_alibi, np.asarray),
+        ("keras", keras_alibi, np.asarray),
     ):  # fmt: skip
         with pytest.raises(
             ValueError, match=r"`positions` must be an integer tensor of shape \(S,\) or \(B, S\)\. "
@@ -399,14 +433,10 @@ def test_numpy_reference_refuses_dropout_with_its_own_message():
 
 
 def _layers():
-    from PyTorch import MultiHeadAttention as TorchMultiHeadAttention
-    from TensorFlow import MultiHeadAttention as TFMultiHeadAttention
-
     config = {"d_model": 8, "num_heads": 4, "num_kv_heads": 2}
     return {
-        "torch": TorchMultiHeadAttention(**config),
-        "tf": TFMultiHeadAttention(**config),
-        "numpy": NumpyMultiHeadAttention(**config, seed=0),
+        framework: cls(**config, seed=0) if framework == "numpy" else cls(**config)
+        for framework, cls in _constructors().items()
     }
 
 
