@@ -762,7 +762,7 @@ def _check_room(index, t, length, window):
     graph break) it returns a () boolean tensor, True for a call without room, and `forward`
     sets that call's output to NaN. On the meta device (no values) nothing is checked.
     """
-    if torch.compiler.is_compiling() or _on_meta(index):
+    if torch.compiler.is_compiling() or index.device.type == "meta":
         return (index + t > length) & (window is None or length < window + t - 1)  # ()
     index = int(index)
     if index + t > length and (window is None or length < window + t - 1):
@@ -788,7 +788,7 @@ def _cache_too_short_error(window, t, length):
 def _known_index(index):
     """A cache's index as a Python int where it can be read: eagerly (not inside `torch.compile` or
     `torch.jit.trace`, whose graphs cannot depend on it) and off the meta device; else None."""
-    if not _values_readable() or _on_meta(index):
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or index.device.type == "meta":
         return None
     return int(index)
 
