@@ -1048,11 +1048,6 @@ def _is_dtensor(tensor):
     return kind.__name__ == "DTensor" and kind.__module__.startswith("torch.distributed.tensor")
 
 
-def _on_meta(*tensors):
-    """Whether any of the tensors (None ignored) is on the meta device, which holds shapes and no values."""
-    return any(x is not None and x.device.type == "meta" for x in tensors)
-
-
 def _autocast_enabled(device):
     """Whether autocast is on for the device's type; never on the meta device, which autocast does not know."""
     return device.type != "meta" and torch.is_autocast_enabled(device.type)
