@@ -16,16 +16,19 @@ The math, for query head n (which reads key/value head n // (N // K)):
     context[n] = weights[n] @ v[n // G]                         (B, N, T, H)
     output = concat_heads(context) @ output_kernel + output_bias
 
-Variants, each off by default and each one small step of the call (constructor arguments):
-`bias` per projection (Qwen2), `scale` (T5, Gemma), `softcap` (Gemma 2), `window` (a sliding
-window: Mistral, gpt-oss), rotary position embeddings (`rope_theta`, `rope_fraction`,
-`rope_interleaved`, `rope_scaling`: Llama, GPT-NeoX, GPT-J, Llama 3.1), `qk_norm` (Qwen3,
-OLMo2) and `sinks` (gpt-oss). The order of the steps:
-    1. masks combined into one boolean `keep` and one additive `bias`
+The steps of a call (`forward` reads as these seven lines):
+    1. defaults and checks (`_check_call`); the masks combined into one boolean `keep` and one
+       additive `bias` (`_masks`)
     2. projections          3. QK-norm of q and k        4. RoPE of q and k at `positions`
     5. cache write          6. scores * scale, soft-capping, + bias, keys removed by keep,
                                causal and window, softmax with the sinks, weighted sum of v
     7. heads merged and the output projection
+
+Variants, each off by default and each one small step of the call (constructor arguments):
+`bias` per projection (Qwen2), `scale` (T5, Gemma), `softcap` (Gemma 2), `window` (a sliding
+window: Mistral, gpt-oss), rotary position embeddings (`rope_theta`, `rope_fraction`,
+`rope_interleaved`, `rope_scaling`: Llama, GPT-NeoX, GPT-J, Llama 3.1), `qk_norm` (Qwen3,
+OLMo2) and `sinks` (gpt-oss).
 
 Masks: a boolean `attention_mask` is True where a query may attend a key (the opposite of
 `nn.MultiheadAttention`, where True means "ignore"); a floating one is added to the scores
@@ -41,6 +44,7 @@ Example, a key padding mask for keys [a, b, <pad>]:
 Parameters: `query`, `key`, `value` and `output` are `nn.Linear` submodules, so `state_dict`
 holds `query.weight` = query_kernel^T, `query.bias` = query_bias, and so on for the others;
 with `qk_norm` also `query_norm` and `key_norm`, with `sinks=True` also `sinks` (N,).
+`layer.quantize("int8")` makes the four projections `Int8Linear` modules (Keras' int8 scheme).
 
 Decoding with a KV cache (L: the cache's max length): `cache = layer.init_cache(B, L)`, then
 `output, cache = layer(x, cache=cache)` for a prompt (T > 1) and then one token at a time
@@ -49,29 +53,9 @@ query t attends slot s iff s < index + T, keep[b, s], (not causal or s <= index 
 window or s > index + t - window) and `attention_mask` (given over L) keeps it; `key_mask`
 (B, T) is ANDed into `keep` at the written slots, and RoPE turns the new tokens by positions
 index + t. Token-by-token equals the full causal pass. With a `window` W the cache rolls:
-position p goes to slot p mod L and query t attends the position each slot holds by the rule
-above, so L = W slots decode any number of tokens one at a time (a call that wraps needs
-L >= W + T - 1). This layer writes the keys and values into the cache's tensors in place (for
-inference; call it under `torch.no_grad()`); the returned cache shares them, with the index
-moved on.
-
-Tensor parallelism (`parallelize_module` with `ColwiseParallel` on `query`, `key`, `value` and
-`RowwiseParallel` on `output`) splits the heads across ranks: each rank attends its share of
-the heads, so `return_attention` returns this rank's heads. K must be divisible by the ranks,
-and a per-head (B, N, T, S) mask cannot be split.
-
-Code paths, all with the same numbers: without `return_attention`, attention runs in
-`torch.nn.functional.scaled_dot_product_attention` (and self-attention projects q, k and v
-with one matmul where the three projections are plain `nn.Linear` modules, except in a decode
-step); with it, or with `softcap` or `sinks` (which SDPA cannot express), an explicit softmax
-(under no_grad on the CPU it runs in place in the returned weights, a block of batch elements at
-a time). An eager decode step without masks or returned weights that stays within the cache's
-first lap attends the first index + T slots directly; other steps attend all L through a keep.
-
-int8: `layer.quantize("int8")` replaces the four projections by `Int8Linear` modules, Keras' int8
-scheme (int8 weights with a float32 scale per output feature, inputs quantized per token at every
-call: y = (quantize(x) @ kernel) * x_scale * kernel_scale + bias), and `export_weights` gives the
-portable int8 layout (`<kind>_kernel` int8, `<kind>_kernel_scale` float32).
+position p goes to slot p mod L, so L = W slots decode any number of tokens one at a time (a
+call that wraps needs L >= W + T - 1). The cache's tensors are written in place (for
+inference; call it under `torch.no_grad()`).
 """
 
 import math
@@ -92,6 +76,7 @@ _ROPE_SCALING = {
     "yarn": ("factor", "original_max_position_embeddings"),
 }
 _YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+_BLOCK_SCORES = 1 << 21  # scores in one block of `_attention_in_blocks`: 8 MiB of float32
 
 
 _EMPTY_MASK = (
@@ -121,21 +106,47 @@ class AttentionMaskWarning(UserWarning):
     once per layer. `warnings.simplefilter("error", AttentionMaskWarning)` makes it an error."""
 
 
-class KVCache(NamedTuple):
-    """The keys and values of the tokens decoded so far (make one with `init_cache`).
+# -------------------------------------------------------------------------------------------------
+# Variants: the constructor's arguments checked into one record
+# -------------------------------------------------------------------------------------------------
 
-    Attributes:
-        key: (B, K, L, H) projected keys, one slot per position; L is the cache's max length.
-        value: (B, K, L, H) projected values.
-        keep: (B, L) boolean; False marks a slot no query may attend (left padding).
-        index: scalar integer, the positions written so far; position p is in slot p (with a
-            `window`, slot p mod L: the cache rolls), and the next call writes from index.
-    """
 
-    key: torch.Tensor
-    value: torch.Tensor
-    keep: torch.Tensor
-    index: torch.Tensor
+class _Variants(NamedTuple):
+    """The variants' constructor arguments, checked (`_check_variants`); `scale` is resolved."""
+
+    scale: float  # 1 / sqrt(H) by default
+    softcap: float | None
+    window: int | None
+    rope_theta: float | None  # None: no RoPE
+    rope_fraction: float
+    rope_interleaved: bool
+    rope_scaling: dict | None
+    qk_norm: str | None  # None, "head" or "all"
+    qk_norm_eps: float
+    sinks: bool
+
+
+def _check_variants(
+    head_dim, scale, softcap, window, rope_theta, rope_fraction, rope_interleaved, rope_scaling, qk_norm,
+    qk_norm_eps, sinks,
+):  # fmt: skip
+    """The variants' constructor arguments checked, in this order, into a `_Variants` (a
+    ValueError names the first one that is not valid)."""
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float("scale", scale)
+    softcap = _positive_float("softcap", softcap, optional=True)
+    window = None if window is None else _positive_int("window", window)
+    rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
+    _rotary_dim(rope_fraction, head_dim, rope_theta is not None)  # checks rope_fraction
+    rope_interleaved = _flag("rope_interleaved", rope_interleaved)
+    rope_scaling = _check_rope_scaling(rope_scaling)
+    if qk_norm not in (None, "head", "all"):
+        raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
+    qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
+    qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
+    return _Variants(
+        scale, softcap, window, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling, qk_norm,
+        qk_norm_eps, _flag("sinks", sinks),
+    )  # fmt: skip
 
 
 def _positive_int(name, value):
@@ -231,6 +242,316 @@ def _valid_yarn(scaling):
         return False
     truncate = isinstance(scaling.get("truncate", True), (bool, np.bool_))
     return truncate and (scaling.get("beta_fast") or 32) >= (scaling.get("beta_slow") or 1)
+
+
+# -------------------------------------------------------------------------------------------------
+# Step 1: defaults and checks of a call
+# -------------------------------------------------------------------------------------------------
+
+
+class _Call(NamedTuple):
+    """One call's arguments, defaulted and checked by `MultiHeadAttention._check_call`."""
+
+    query: torch.Tensor  # (B, T, E), checked
+    key: torch.Tensor  # (B, S, kdim), defaulted and checked
+    value: torch.Tensor  # (B, S, vdim)
+    attention_mask: torch.Tensor | None  # as given after the `mask=` alias
+    attention_bias: torch.Tensor | None
+    key_mask: torch.Tensor | None  # (B, S), query_mask in self-attention by default; (B, T) with a cache
+    query_mask: torch.Tensor | None  # (B, T)
+    positions: torch.Tensor | None  # (B, T) integers, None without RoPE
+    causal: bool  # the cache step replaces it by False once folded into keep
+    window: int | None  # self.window; the cache step replaces it by None once folded into keep
+    return_attention: bool
+    cache: "KVCache | None"  # the cache step replaces it by the written cache
+    training: None  # TensorFlow and Keras only
+    fuse: bool  # q, k and v may come from one matmul (one input, no cache)
+
+
+def _inputs(query, key, value):
+    """The missing inputs filled in: neither -> self-attention on `query`; only `key` -> value =
+    key; only `value` -> key = value. Returns (key, value)."""
+    key = value if key is None else key
+    key = query if key is None else key
+    return key, key if value is None else value
+
+
+def _check_input(name, x, dim_name, dim):
+    """Checks one (B, L, dim) input."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"`{name}` must be a floating tensor. Received: {name} of type {type(x).__name__}")
+        raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={_dtype_name(x.dtype)}")
+    letter = "T" if name == "query" else "S"
+    if x.dim() != 3 or x.shape[-1] != dim:
+        raise ValueError(
+            f"`{name}` must have shape (B, {letter}, {dim_name}) with {dim_name}={dim}. "
+            f"Received: {name}.shape={tuple(x.shape)}"
+        )
+    return x
+
+
+def _check_lengths(query, key, value):
+    if not query.shape[0] == key.shape[0] == value.shape[0]:
+        raise ValueError(
+            "`query`, `key` and `value` must have the same batch size B. Received: "
+            f"query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
+        )
+    if key.shape[1] != value.shape[1]:
+        raise ValueError(
+            "`key` and `value` must have the same length S. Received: "
+            f"key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
+        )
+
+
+def _check_dtypes(query, key, value):
+    if not query.dtype == key.dtype == value.dtype:
+        raise ValueError(
+            "`query`, `key` and `value` must have the same dtype. Received: "
+            f"query.dtype={_dtype_name(query.dtype)}, key.dtype={_dtype_name(key.dtype)}, "
+            f"value.dtype={_dtype_name(value.dtype)}"
+        )
+
+
+def _check_token_mask(name, mask, b, length, letter):
+    """Checks a (B, length) boolean `key_mask` or `query_mask`."""
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (b, length)):
+        raise ValueError(
+            f"`{name}` must be a boolean tensor of shape (B, {letter})=({b}, {length}). "
+            f"Received: {name}.shape={tuple(mask.shape)}, {name}.dtype={_dtype_name(mask.dtype)}"
+        )
+    return mask
+
+
+def _check_positions(positions, b, t):
+    """Checks integer (B, T) or (T,) `positions` and returns them as (B, T)."""
+    if not _is_integer(positions) or tuple(positions.shape) not in ((b, t), (t,)):
+        raise ValueError(
+            f"`positions` must be an integer tensor of shape (B, T) or (T,) with B={b}, T={t}. "
+            f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={_dtype_name(positions.dtype)}"
+        )
+    return positions.expand(b, t)  # (T,) -> (B, T)
+
+
+def _is_integer(tensor):
+    return not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool)
+
+
+def _dtype_name(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
+def _attention_mask(attention_mask, mask):
+    """`mask=` is another name for `attention_mask` (the seed usage `layer(q, k, v, mask=None)`)."""
+    if mask is None:
+        return attention_mask
+    if attention_mask is not None:
+        raise ValueError(
+            "Pass the attention mask as `attention_mask` or as `mask`, not both. Received: attention_mask and mask"
+        )
+    return mask
+
+
+def _values_readable(*tensors):
+    """Whether tensor values can be read here for free: not while torch.compile or torch.jit.trace
+    trace, and only on the CPU (reading a CUDA tensor waits for the device; meta holds none)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    return all(x.device.type == "cpu" for x in tensors)
+
+
+def _mask_traps(attention_mask, key_mask, t, s):
+    """The built-in layers' habits that the masks' values suggest (docs/SPEC.md, Masks), as
+    {kind: message}; the call computes what the SPEC says either way."""
+    traps = {}
+    for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
+        if mask is not None and mask.dtype == torch.bool and _keeps_nothing(mask):
+            traps[name] = _EMPTY_MASK.format(name=name)
+    boolean = attention_mask is not None and attention_mask.dtype == torch.bool
+    if boolean and "attention_mask" not in traps and _keeps_only_later(attention_mask, t, s):
+        traps["causal"] = _CAUSAL_TRAP
+    empty = 0 if key_mask is None or "key_mask" in traps else _inverted_padding(key_mask)
+    if empty:
+        traps["padding"] = _PADDING_TRAP.format(empty=empty, b=key_mask.shape[0])
+    if attention_mask is not None and attention_mask.is_floating_point() and _zeros_and_ones(attention_mask):
+        traps["zeros and ones"] = _ZEROS_AND_ONES
+    return traps
+
+
+def _keeps_nothing(mask):
+    """A boolean mask False everywhere (nn.MultiheadAttention's True = ignore, nothing padded)."""
+    return mask.numel() > 0 and not bool(mask.any())
+
+
+def _keeps_only_later(mask, t, s):
+    """A square (T == S) boolean mask that keeps keys only after each query, none where `causal`
+    keeps one (nn.MultiheadAttention's causal `attn_mask`, `triu(ones, 1)`). A mask whose last two
+    dimensions do not broadcast to (T, S) is not read: `_mask_to_4d` refuses it."""
+    fits = mask.dim() >= 2 and mask.shape[-2] in (1, t) and mask.shape[-1] in (1, s)
+    return fits and mask.numel() > 0 and t == s > 0 and not bool((mask & causal_mask(t, s, mask.device)).any())
+
+
+def _inverted_padding(key_mask):
+    """The rows keeping no key of a (B, S) `key_mask` that reads as nn.MultiheadAttention's
+    `key_padding_mask` (True = padding): every row False then True, some row keeping no key and
+    none keeping all (left padding has its longest sequence all True); else 0."""
+    kept = key_mask.sum(-1)  # (B,)
+    ordered = bool((key_mask[:, 1:] >= key_mask[:, :-1]).all())  # False then True in every row
+    full = bool((kept == key_mask.shape[1]).any())
+    return 0 if not ordered or full else int((kept == 0).sum())
+
+
+def _zeros_and_ones(mask):
+    """A floating mask of only 0s and 1s, some 1 (a Keras mask, which Keras reads as boolean)."""
+    ones = mask == 1
+    return bool(((mask == 0) | ones).all() and ones.any())
+
+
+def _results(output, weights, cache, return_attention):
+    """output, (output, weights), (output, cache) or (output, weights, cache)."""
+    results = (output, weights) if return_attention else (output,)
+    results = results if cache is None else (*results, cache)
+    return results[0] if len(results) == 1 else results
+
+
+# -------------------------------------------------------------------------------------------------
+# Step 1: masks, combined into one keep and one bias
+# -------------------------------------------------------------------------------------------------
+
+
+def _mask_to_4d(mask, target, name="attention_mask"):
+    """Checks a mask (`attention_mask` or `attention_bias`) against target (B, N, T, S) and returns it as rank 4."""
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise ValueError(
+            f"`{name}` must be boolean (True = attend; for a 0/1 integer mask pass `mask > 0`) or floating. "
+            f"Received: {name}.dtype={_dtype_name(mask.dtype)}"
+        )
+    expected = {2: target[2:], 3: (target[0], *target[2:]), 4: target}.get(mask.dim())
+    if expected is None or any(m not in (1, e) for m, e in zip(mask.shape, expected, strict=True)):
+        raise ValueError(
+            f"`{name}` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
+            f"(B, N, T, S), each dimension full or 1. Expected: (B, N, T, S)={target}. "
+            f"Received: {name}.shape={tuple(mask.shape)}"
+        )
+    if mask.dim() == 2:
+        return mask[None, None]  # (T, S) -> (1, 1, T, S)
+    if mask.dim() == 3:
+        return mask[:, None]  # (B, T, S) -> (B, 1, T, S)
+    return mask
+
+
+def causal_mask(t, s, device=None):
+    """(T, S) boolean mask: query t keeps key s iff s <= t + (S - T) (bottom-right aligned)."""
+    rows = torch.arange(t, device=device)[:, None]  # (T, 1)
+    return torch.arange(s, device=device)[None, :] <= rows + (s - t)  # (T, S)
+
+
+def window_mask(t, s, window, device=None):
+    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - window (bottom-right aligned)."""
+    rows = torch.arange(t, device=device)[:, None]  # (T, 1)
+    return torch.arange(s, device=device)[None, :] > rows + (s - t) - window  # (T, S)
+
+
+def _split_mask(mask, target, name="attention_mask"):
+    """Splits a mask into (keep, additive), both rank 4 or None (the floating mask rule).
+
+    A boolean mask is all keep. A floating one removes a key where it is at most the removal
+    threshold, the lowest finite value of its dtype or of float32, whichever is higher (-inf
+    too), read in its own dtype; the rest is added, in float32 at least (float64 stays float64).
+    """
+    if mask is None:
+        return None, None
+    mask = _mask_to_4d(mask, target, name)
+    if mask.dtype == torch.bool:
+        return mask, None
+    threshold = max(torch.finfo(mask.dtype).min, torch.finfo(torch.float32).min)
+    removed = mask <= threshold  # (B, N, T, S), dims may be 1
+    additive = torch.where(removed, 0.0, mask)  # finite, never 0 * -inf
+    return ~removed, additive.to(torch.promote_types(mask.dtype, torch.float32))
+
+
+def _split_bias(attention_bias, target):
+    """`attention_bias` -> (keep, additive) by the floating mask rule; a boolean one is refused."""
+    if attention_bias is None:
+        return None, None
+    if not attention_bias.is_floating_point():
+        raise ValueError(
+            f"`attention_bias` must be floating. Received: attention_bias.dtype={_dtype_name(attention_bias.dtype)}"
+        )
+    return _split_mask(attention_bias, target, "attention_bias")
+
+
+def _and(a, b):
+    return b if a is None else a if b is None else a & b
+
+
+def _add(a, b):
+    return b if a is None else a if b is None else a + b
+
+
+def _alibi_slopes(num_heads):
+    """Bloom's slopes: 2 ** (-8 (n + 1) / N) for N a power of two; otherwise those of the nearest
+    lower power of two P followed by every other slope of 2P."""
+    power = 2 ** math.floor(math.log2(num_heads))
+    slopes = [2 ** (-8 * (n + 1) / power) for n in range(power)]
+    return slopes + [2 ** (-8 * (n + 1) / (2 * power)) for n in range(0, 2 * (num_heads - power), 2)]
+
+
+def alibi_bias(num_heads, positions):
+    """The ALiBi bias slope[n] * positions[..., s], to pass as `attention_bias` with `causal=True`.
+
+    Args:
+        num_heads: N.
+        positions: integer key positions, (S,) or (B, S) (Bloom: `cumsum(key_mask) - 1`).
+
+    Returns:
+        float32 (1, N, 1, S) for (S,) positions, (B, N, 1, S) for (B, S). A per-query constant
+        does not change a softmax, so this equals Press et al.'s -slope * (t - s).
+    """
+    num_heads = _positive_int("num_heads", num_heads)
+    positions = torch.as_tensor(positions)
+    if positions.dim() not in (1, 2) or not _is_integer(positions):
+        raise ValueError(
+            "`positions` must be an integer tensor of shape (S,) or (B, S). "
+            f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={_dtype_name(positions.dtype)}"
+        )
+    slopes = torch.tensor(_alibi_slopes(num_heads), dtype=torch.float64, device=positions.device)  # (N,)
+    batched = positions if positions.dim() == 2 else positions[None]  # (S,) -> (1, S)
+    return (slopes[None, :, None, None] * batched[:, None, None, :]).float()  # (N,) * (B, S) -> (B, N, 1, S)
+
+
+# -------------------------------------------------------------------------------------------------
+# Steps 2 and 3: projections and QK-norm
+# -------------------------------------------------------------------------------------------------
+
+
+def _linear(module, x):
+    """module(x), as F.linear where that is exactly what it computes: the module call's own work
+    (hooks, tracing state) costs about a third of the small matmul of a T = 1 step."""
+    if _plain_linear(module):
+        return F.linear(x, module.weight, module.bias)
+    return module(x)
+
+
+def rms_norm(x, scale, eps):
+    """RMSNorm over the last axis, x / sqrt(mean(x ** 2) + eps) * scale, computed in float32 at
+    least and cast back to x's dtype."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    y = x.to(dtype)
+    y = y * torch.rsqrt(y.square().mean(dim=-1, keepdim=True) + eps)
+    return (y * scale.to(dtype)).to(x.dtype)
+
+
+def _rms_norm_over_heads(x, scale, eps):
+    """`rms_norm` of (B, heads, L, H) x over all its heads' features, with a (heads*H,) scale."""
+    b, heads, length, h = x.shape
+    flat = x.transpose(1, 2).reshape(b, length, heads * h)  # (B, heads, L, H) -> (B, L, heads*H)
+    return rms_norm(flat, scale, eps).view(b, length, heads, h).transpose(1, 2)  # -> (B, heads, L, H)
+
+
+# -------------------------------------------------------------------------------------------------
+# Step 4: RoPE
+# -------------------------------------------------------------------------------------------------
 
 
 def rope_frequencies(rotary_dim, theta, scaling=None, *, device=None):
@@ -339,22 +660,6 @@ def apply_rope(x, positions, inv_freq, interleaved):
     return _Turn.apply(x, cos, sin, interleaved).transpose(1, 2)  # -> (B, heads, T, H)
 
 
-class _Turn(torch.autograd.Function):
-    """`_turn` with its own backward, the gradient turned by the opposite angle (a rotation's
-    transpose: sin negated), so autograd records one step and a backward is one turn."""
-
-    @staticmethod
-    def forward(ctx, x, cos, sin, interleaved):
-        ctx.save_for_backward(cos, sin)
-        ctx.interleaved = interleaved
-        return _turn(x, cos, sin, interleaved)
-
-    @staticmethod
-    def backward(ctx, grad):
-        cos, sin = ctx.saved_tensors
-        return _Turn.apply(grad, cos, -sin, ctx.interleaved), None, None, None
-
-
 def _turn(x, cos, sin, interleaved):
     """(B, T, heads, H) -> (B, T, heads, H): swapped * sin + x * cos on the first R features (cos
     and sin (B, T, 1, R) on pairs, as `apply_rope` makes them), in float32 at least, in place in
@@ -381,196 +686,26 @@ def _swap_pairs(x, interleaved):
     return torch.cat((x2, x1), dim=-1)  # (..., R)
 
 
-def rms_norm(x, scale, eps):
-    """RMSNorm over the last axis, x / sqrt(mean(x ** 2) + eps) * scale, computed in float32 at
-    least and cast back to x's dtype."""
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    y = x.to(dtype)
-    y = y * torch.rsqrt(y.square().mean(dim=-1, keepdim=True) + eps)
-    return (y * scale.to(dtype)).to(x.dtype)
+# -------------------------------------------------------------------------------------------------
+# Step 5: the KV cache
+# -------------------------------------------------------------------------------------------------
 
 
-def _rms_norm_over_heads(x, scale, eps):
-    """`rms_norm` of (B, heads, L, H) x over all its heads' features, with a (heads*H,) scale."""
-    b, heads, length, h = x.shape
-    flat = x.transpose(1, 2).reshape(b, length, heads * h)  # (B, heads, L, H) -> (B, L, heads*H)
-    return rms_norm(flat, scale, eps).view(b, length, heads, h).transpose(1, 2)  # -> (B, heads, L, H)
+class KVCache(NamedTuple):
+    """The keys and values of the tokens decoded so far (make one with `init_cache`).
 
-
-def _alibi_slopes(num_heads):
-    """Bloom's slopes: 2 ** (-8 (n + 1) / N) for N a power of two; otherwise those of the nearest
-    lower power of two P followed by every other slope of 2P."""
-    power = 2 ** math.floor(math.log2(num_heads))
-    slopes = [2 ** (-8 * (n + 1) / power) for n in range(power)]
-    return slopes + [2 ** (-8 * (n + 1) / (2 * power)) for n in range(0, 2 * (num_heads - power), 2)]
-
-
-def alibi_bias(num_heads, positions):
-    """The ALiBi bias slope[n] * positions[..., s], to pass as `attention_bias` with `causal=True`.
-
-    Args:
-        num_heads: N.
-        positions: integer key positions, (S,) or (B, S) (Bloom: `cumsum(key_mask) - 1`).
-
-    Returns:
-        float32 (1, N, 1, S) for (S,) positions, (B, N, 1, S) for (B, S). A per-query constant
-        does not change a softmax, so this equals Press et al.'s -slope * (t - s).
+    Attributes:
+        key: (B, K, L, H) projected keys, one slot per position; L is the cache's max length.
+        value: (B, K, L, H) projected values.
+        keep: (B, L) boolean; False marks a slot no query may attend (left padding).
+        index: scalar integer, the positions written so far; position p is in slot p (with a
+            `window`, slot p mod L: the cache rolls), and the next call writes from index.
     """
-    num_heads = _positive_int("num_heads", num_heads)
-    positions = torch.as_tensor(positions)
-    if positions.dim() not in (1, 2) or not _is_integer(positions):
-        raise ValueError(
-            "`positions` must be an integer tensor of shape (S,) or (B, S). "
-            f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={_dtype_name(positions.dtype)}"
-        )
-    slopes = torch.tensor(_alibi_slopes(num_heads), dtype=torch.float64, device=positions.device)  # (N,)
-    batched = positions if positions.dim() == 2 else positions[None]  # (S,) -> (1, S)
-    return (slopes[None, :, None, None] * batched[:, None, None, :]).float()  # (N,) * (B, S) -> (B, N, 1, S)
 
-
-def _is_integer(tensor):
-    return not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool)
-
-
-def _dtype_name(dtype):
-    return str(dtype).removeprefix("torch.")
-
-
-def _is_dtensor(tensor):
-    """Whether `tensor` is a DTensor (sharded by tensor parallelism), read from its type so that
-    importing this file does not import torch.distributed.tensor (0.7 s)."""
-    kind = type(tensor)
-    return kind.__name__ == "DTensor" and kind.__module__.startswith("torch.distributed.tensor")
-
-
-def _check_input(name, x, width_name, width):
-    """Checks one (B, L, width) input."""
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"`{name}` must be a floating tensor. Received: {name} of type {type(x).__name__}")
-        raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={_dtype_name(x.dtype)}")
-    letter = "T" if name == "query" else "S"
-    if x.dim() != 3 or x.shape[-1] != width:
-        raise ValueError(
-            f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
-            f"Received: {name}.shape={tuple(x.shape)}"
-        )
-    return x
-
-
-def _check_lengths(query, key, value):
-    if not query.shape[0] == key.shape[0] == value.shape[0]:
-        raise ValueError(
-            "`query`, `key` and `value` must have the same batch size B. Received: "
-            f"query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
-        )
-    if key.shape[1] != value.shape[1]:
-        raise ValueError(
-            "`key` and `value` must have the same length S. Received: "
-            f"key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
-        )
-
-
-def _check_dtypes(query, key, value):
-    if not query.dtype == key.dtype == value.dtype:
-        raise ValueError(
-            "`query`, `key` and `value` must have the same dtype. Received: "
-            f"query.dtype={_dtype_name(query.dtype)}, key.dtype={_dtype_name(key.dtype)}, "
-            f"value.dtype={_dtype_name(value.dtype)}"
-        )
-
-
-def _as_tensor(x, device):
-    return x if x is None or isinstance(x, torch.Tensor) else torch.as_tensor(x, device=device)
-
-
-def _check_token_mask(name, mask, b, length, letter):
-    """Checks a (B, length) boolean `key_mask` or `query_mask`."""
-    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (b, length)):
-        raise ValueError(
-            f"`{name}` must be a boolean tensor of shape (B, {letter})=({b}, {length}). "
-            f"Received: {name}.shape={tuple(mask.shape)}, {name}.dtype={_dtype_name(mask.dtype)}"
-        )
-    return mask
-
-
-def _check_positions(positions, b, t):
-    """Checks integer (B, T) or (T,) `positions` and returns them as (B, T)."""
-    if not _is_integer(positions) or tuple(positions.shape) not in ((b, t), (t,)):
-        raise ValueError(
-            f"`positions` must be an integer tensor of shape (B, T) or (T,) with B={b}, T={t}. "
-            f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={_dtype_name(positions.dtype)}"
-        )
-    return positions.expand(b, t)  # (T,) -> (B, T)
-
-
-def _values_readable(*tensors):
-    """Whether tensor values can be read here for free: not while torch.compile or torch.jit.trace
-    trace, and only on the CPU (reading a CUDA tensor waits for the device; meta holds none)."""
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():
-        return False
-    return all(x.device.type == "cpu" for x in tensors)
-
-
-def _on_meta(*tensors):
-    """Whether any of the tensors (None ignored) is on the meta device, which holds shapes and no values."""
-    return any(x is not None and x.device.type == "meta" for x in tensors)
-
-
-def _attention_mask(attention_mask, mask):
-    """`mask=` is another name for `attention_mask` (the seed usage `layer(q, k, v, mask=None)`)."""
-    if mask is None:
-        return attention_mask
-    if attention_mask is not None:
-        raise ValueError(
-            "Pass the attention mask as `attention_mask` or as `mask`, not both. Received: attention_mask and mask"
-        )
-    return mask
-
-
-def _mask_traps(attention_mask, key_mask, t, s):
-    """The built-in layers' habits that the masks' values suggest (docs/SPEC.md, Masks), as
-    {kind: message}; the call computes what the SPEC says either way."""
-    traps = {}
-    for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
-        if mask is not None and mask.dtype == torch.bool and _keeps_nothing(mask):
-            traps[name] = _EMPTY_MASK.format(name=name)
-    boolean = attention_mask is not None and attention_mask.dtype == torch.bool
-    if boolean and "attention_mask" not in traps and _keeps_only_later(attention_mask, t, s):
-        traps["causal"] = _CAUSAL_TRAP
-    empty = 0 if key_mask is None or "key_mask" in traps else _inverted_padding(key_mask)
-    if empty:
-        traps["padding"] = _PADDING_TRAP.format(empty=empty, b=key_mask.shape[0])
-    if attention_mask is not None and attention_mask.is_floating_point() and _zeros_and_ones(attention_mask):
-        traps["zeros and ones"] = _ZEROS_AND_ONES
-    return traps
-
-
-def _keeps_nothing(mask):
-    """A boolean mask False everywhere (nn.MultiheadAttention's True = ignore, nothing padded)."""
-    return mask.numel() > 0 and not bool(mask.any())
-
-
-def _keeps_only_later(mask, t, s):
-    """A square (T == S) boolean mask that keeps keys only after each query, none where `causal`
-    keeps one (nn.MultiheadAttention's causal `attn_mask`, `triu(ones, 1)`)."""
-    return mask.numel() > 0 and t == s > 0 and not bool((mask & causal_mask(t, s, mask.device)).any())
-
-
-def _inverted_padding(key_mask):
-    """The rows keeping no key of a (B, S) `key_mask` that reads as nn.MultiheadAttention's
-    `key_padding_mask` (True = padding): every row False then True, some row keeping no key and
-    none keeping all (left padding has its longest sequence all True); else 0."""
-    kept = key_mask.sum(-1)  # (B,)
-    ordered = bool((key_mask[:, 1:] >= key_mask[:, :-1]).all())  # False then True in every row
-    full = bool((kept == key_mask.shape[1]).any())
-    return 0 if not ordered or full else int((kept == 0).sum())
-
-
-def _zeros_and_ones(mask):
-    """A floating mask of only 0s and 1s, some 1 (a Keras mask, which Keras reads as boolean)."""
-    ones = mask == 1
-    return bool(((mask == 0) | ones).all() and ones.any())
+    key: torch.Tensor
+    value: torch.Tensor
+    keep: torch.Tensor
+    index: torch.Tensor
 
 
 def _check_cache(cache, query, key, heads, head_dim):
@@ -599,21 +734,6 @@ def _check_cache(cache, query, key, heads, head_dim):
         )
 
 
-def _autocast_enabled(device):
-    """Whether autocast is on for the device's type; never on the meta device, which autocast does not know."""
-    return device.type != "meta" and torch.is_autocast_enabled(device.type)
-
-
-def _check_compute_dtype(query, dtype):
-    """Outside autocast the inputs must have the dtype the layer computes in (its parameters'):
-    the projections' matmuls would fail with a RuntimeError, or a cast would hide the mismatch."""
-    if query.dtype != dtype and not _autocast_enabled(query.device):
-        raise ValueError(
-            f"`query`, `key` and `value` must have the layer's dtype {_dtype_name(dtype)}: cast them, or the layer "
-            f"(`layer.to(dtype)`), or call it under torch.autocast. Received: query.dtype={_dtype_name(query.dtype)}"
-        )
-
-
 def _check_cache_dtype(cache, dtype):
     if cache.key.dtype != dtype or cache.value.dtype != dtype:
         raise ValueError(
@@ -621,13 +741,6 @@ def _check_cache_dtype(cache, dtype):
             f"Received: cache.key.dtype={_dtype_name(cache.key.dtype)}, "
             f"cache.value.dtype={_dtype_name(cache.value.dtype)}"
         )
-
-
-def _cache_full_error(index, t, length):
-    return ValueError(
-        f"`cache` is full: index + T must be <= L (call `init_cache` with a larger `max_length`). "
-        f"Received: index={index}, T={t}, L={length}"
-    )
 
 
 def _check_keep(keep, batch_size, max_length):
@@ -641,6 +754,29 @@ def _check_keep(keep, batch_size, max_length):
     return keep
 
 
+def _check_room(index, t, length, window):
+    """Without a window the T new tokens must fit (index + T <= L); with one the cache rolls, and a
+    call that wraps must leave its first query's keys in place (L >= window + T - 1).
+
+    Eagerly a call without room is a ValueError. Under `torch.compile` (where raising needs a
+    graph break) it returns a () boolean tensor, True for a call without room, and `forward`
+    sets that call's output to NaN. On the meta device (no values) nothing is checked.
+    """
+    if torch.compiler.is_compiling() or index.device.type == "meta":
+        return (index + t > length) & (window is None or length < window + t - 1)  # ()
+    index = int(index)
+    if index + t > length and (window is None or length < window + t - 1):
+        raise _cache_full_error(index, t, length) if window is None else _cache_too_short_error(window, t, length)
+    return False
+
+
+def _cache_full_error(index, t, length):
+    return ValueError(
+        f"`cache` is full: index + T must be <= L (call `init_cache` with a larger `max_length`). "
+        f"Received: index={index}, T={t}, L={length}"
+    )
+
+
 def _cache_too_short_error(window, t, length):
     return ValueError(
         "`cache` rolls with `window`: a call that wraps around it (index + T > L) needs L >= window + T - 1 "
@@ -649,18 +785,12 @@ def _cache_too_short_error(window, t, length):
     )
 
 
-def _check_room(index, t, length, window):
-    """Without a window the T new tokens must fit (index + T <= L); with one the cache rolls, and a
-    call that wraps must leave its first query's keys in place (L >= window + T - 1).
-
-    Eagerly a call without room is a ValueError. Under `torch.compile` (where raising needs a
-    graph break) it returns a () boolean tensor, True for a call without room, and the caller
-    sets that call's output to NaN. On the meta device (no values) nothing is checked.
-    """
-    no_room = (index + t > length) & (window is None or length < window + t - 1)  # ()
-    if not (torch.compiler.is_compiling() or _on_meta(no_room)) and bool(no_room):
-        raise _cache_full_error(int(index), t, length) if window is None else _cache_too_short_error(window, t, length)
-    return no_room
+def _known_index(index):
+    """A cache's index as a Python int where it can be read: eagerly (not inside `torch.compile` or
+    `torch.jit.trace`, whose graphs cannot depend on it) and off the meta device; else None."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or index.device.type == "meta":
+        return None
+    return int(index)
 
 
 def _slot_positions(length, last):
@@ -683,162 +813,101 @@ def _cache_keep(keep, index, t, causal, window):
 
 
 def _write_cache(cache, k, v, key_mask):
-    """Writes (B, K, T, H) keys and values of positions [index, index + T) to slots position mod L
-    of the cache's own tensors, and `keep` there: the (B, T) `key_mask` ANDed into it on the
-    first lap (left padding), in its place once a slot holds a new token. The caller checks the
-    room first (`_check_room`); under `torch.compile` a call without room still writes in range."""
-    b, t, length = k.shape[0], k.shape[2], cache.key.shape[2]
+    """gpt-fast's `KVCache.update`: the (B, K, T, H) keys and values of positions [index, index + T)
+    go to slots position mod L of the cache's own tensors, and the (B, T) `key_mask` (True without
+    one) into `keep` there: ANDed into it on the first lap (left padding), in its place once a slot
+    holds a new token. Returns the cache with index + T. The caller checks the room first
+    (`_check_room`); under `torch.compile` a call without room still writes in range. A call whose
+    index can be read (`_known_index`) and that stays in the first lap writes slots [index,
+    index + T) as views, without index tensors (the same rule, cheaper for a decode step)."""
+    t, length = k.shape[2], cache.key.shape[2]
+    start = _known_index(cache.index)
+    if start is not None and start + t <= length:  # the first lap: slot p holds position p
+        cache.key.narrow(2, start, t).copy_(k)  # (B, K, L, H)
+        cache.value.narrow(2, start, t).copy_(v)  # (B, K, L, H)
+        if key_mask is not None:
+            cache.keep.narrow(1, start, t).logical_and_(key_mask)  # (B, L)
+        return KVCache(cache.key, cache.value, cache.keep, cache.index + t)
     positions = cache.index + torch.arange(t, device=k.device)  # (T,)
     slots = positions % length  # (T,)
     cache.key.index_copy_(2, slots, k)  # (B, K, L, H)
     cache.value.index_copy_(2, slots, v)  # (B, K, L, H)
-    index_known = not (torch.compiler.is_compiling() or _on_meta(cache.index))  # a Python int can be read
-    if key_mask is None and index_known and int(cache.index) + t <= length:
-        return KVCache(cache.key, cache.value, cache.keep, cache.index + t)  # first lap, nothing to AND: keep stays
-    new = torch.ones(b, t, dtype=torch.bool, device=k.device) if key_mask is None else key_mask  # (B, T)
+    new = torch.ones(k.shape[0], t, dtype=torch.bool, device=k.device) if key_mask is None else key_mask  # (B, T)
     old = cache.keep.index_select(1, slots)  # (B, T)
     cache.keep.index_copy_(1, slots, torch.where(positions < length, old & new, new))  # (B, L)
     return KVCache(cache.key, cache.value, cache.keep, cache.index + t)
 
 
-def _prefix_stop(cache, t, window):
-    """The lean decode step's end, index + T as a Python int, where the call writes within the
-    cache's first lap (slot s holds position s), so its queries attend the first index + T slots
-    as a full pass attends its keys; None where it wraps (a rolling cache), inside a graph
-    (which cannot slice by the index) or on the meta device (no index to read).
-    Without a window a call without room is a ValueError."""
-    if not _values_readable() or _on_meta(cache.index):
-        return None
-    index, length = int(cache.index), cache.key.shape[2]
-    if index + t <= length:
-        return index + t
-    if window is None:
-        raise _cache_full_error(index, t, length)
-    return None
+# -------------------------------------------------------------------------------------------------
+# Step 6: attention, the reference
+# -------------------------------------------------------------------------------------------------
 
 
-def _write_prefix(cache, k, v, key_mask, stop):
-    """The lean decode step's write: (B, K, T, H) keys and values to slots [stop - T, stop) and
-    the (B, T) `key_mask` ANDed into `keep` there. Returns the cache with index `stop` and the
-    keep of the slots [0, stop) to attend, None where all are kept."""
-    start = stop - k.shape[2]
-    cache.key.narrow(2, start, k.shape[2]).copy_(k)  # (B, K, L, H)
-    cache.value.narrow(2, start, k.shape[2]).copy_(v)  # (B, K, L, H)
-    if key_mask is not None:
-        cache.keep.narrow(1, start, k.shape[2]).logical_and_(key_mask)  # (B, L)
-    cache = KVCache(cache.key, cache.value, cache.keep, cache.index + k.shape[2])
-    if cache.keep.all():  # no padding anywhere (the common case, read without slicing)
-        return cache, None
-    keep = cache.keep[:, :stop]  # (B, L) -> (B, S), S = index + T
-    return cache, None if keep.all() else keep[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
+def dot_product_attention(
+    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, sinks=None,
+    dropout=0.0, return_attention=False,
+):  # fmt: skip
+    """Attention on split heads, the formula written out; returns (context, weights). The layer
+    computes the same numbers on its faster paths (`MultiHeadAttention._attend`).
 
+    Args:
+        q: (B, N, T, H) queries.
+        k: (B, K, S, H) keys, K dividing N.
+        v: (B, K, S, H) values.
+        keep: None or boolean, broadcasts to (B, N, T, S); True where a query may attend a key.
+        bias: None or float, broadcasts to (B, N, T, S); added to the scaled (and soft-capped) scores.
+        causal: if True, query t keeps key s only if s <= t + (S - T).
+        scale: the factor of the scores; defaults to 1 / sqrt(H).
+        softcap: None or c > 0: the scaled scores become c * tanh(scores / c).
+        window: None or W > 0: query t keeps key s only if s > t + (S - T) - W.
+        sinks: None or (N,) logits, one more term per head in the softmax's denominator.
+        dropout: probability of dropping attention weights (pass 0 outside training).
+        return_attention: if True, return the weights; else None in their place.
 
-def _and(a, b):
-    return b if a is None else a if b is None else a & b
-
-
-def _results(output, weights, cache, return_attention):
-    """output, (output, weights), (output, cache) or (output, weights, cache)."""
-    results = (output, weights) if return_attention else (output,)
-    results = results if cache is None else (*results, cache)
-    return results[0] if len(results) == 1 else results
-
-
-def _mask_to_4d(mask, target, name="attention_mask"):
-    """Checks a mask (`attention_mask` or `attention_bias`) against target (B, N, T, S) and returns it as rank 4."""
-    if mask.dtype != torch.bool and not mask.is_floating_point():
-        raise ValueError(
-            f"`{name}` must be boolean (True = attend; for a 0/1 integer mask pass `mask > 0`) or floating. "
-            f"Received: {name}.dtype={_dtype_name(mask.dtype)}"
-        )
-    expected = {2: target[2:], 3: (target[0], *target[2:]), 4: target}.get(mask.dim())
-    if expected is None or any(m not in (1, e) for m, e in zip(mask.shape, expected, strict=True)):
-        raise ValueError(
-            f"`{name}` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
-            f"(B, N, T, S), each dimension full or 1. Expected: (B, N, T, S)={target}. "
-            f"Received: {name}.shape={tuple(mask.shape)}"
-        )
-    if mask.dim() == 2:
-        return mask[None, None]  # (T, S) -> (1, 1, T, S)
-    if mask.dim() == 3:
-        return mask[:, None]  # (B, T, S) -> (B, 1, T, S)
-    return mask
-
-
-def causal_mask(t, s, device=None):
-    """(T, S) boolean mask: query t keeps key s iff s <= t + (S - T) (bottom-right aligned)."""
-    rows = torch.arange(t, device=device)[:, None]  # (T, 1)
-    return torch.arange(s, device=device)[None, :] <= rows + (s - t)  # (T, S)
-
-
-def window_mask(t, s, window, device=None):
-    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - window (bottom-right aligned)."""
-    rows = torch.arange(t, device=device)[:, None]  # (T, 1)
-    return torch.arange(s, device=device)[None, :] > rows + (s - t) - window  # (T, S)
-
-
-def _split_mask(mask, target, name="attention_mask"):
-    """Splits a mask into (keep, additive), both rank 4 or None (the floating mask rule).
-
-    A boolean mask is all keep. A floating one removes a key where it is at most the removal
-    threshold, the lowest finite value of its dtype or of float32, whichever is higher (-inf
-    too), read in its own dtype; the rest is added, in float32 at least (float64 stays float64).
+    Returns:
+        context (B, N, T, H) and weights (B, N, T, S) (None unless `return_attention`),
+        exactly 0 where not kept.
     """
-    if mask is None:
-        return None, None
-    mask = _mask_to_4d(mask, target, name)
-    if mask.dtype == torch.bool:
-        return mask, None
-    threshold = max(torch.finfo(mask.dtype).min, torch.finfo(torch.float32).min)
-    removed = mask <= threshold  # (B, N, T, S), dims may be 1
-    additive = torch.where(removed, 0.0, mask)  # finite, never 0 * -inf
-    return ~removed, additive.to(torch.promote_types(mask.dtype, torch.float32))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    keep, bias = _final_masks(keep, bias, causal, window, sinks, q.shape[2], k.shape[2], q.device)
+    k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])  # (B, K, S, H) -> (B, N, S, H)
+    dtype = _softmax_dtype(q.dtype, bias, sinks)
+    scores = ((q * scale) @ k.transpose(-1, -2)).to(dtype)  # (B, N, T, S), a new tensor; q scaled, not the scores
+    scores = _softcap(scores, softcap)  # (B, N, T, S)
+    scores = scores if bias is None else scores + bias.to(dtype)  # (B, N, T, S)
+    weights = _masked_softmax(scores, keep, sinks).to(q.dtype)  # (B, N, T, S)
+    context = F.dropout(weights, dropout, training=dropout > 0) @ v  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
+    return context, weights if return_attention else None
 
 
-def _split_bias(attention_bias, target):
-    """`attention_bias` -> (keep, additive) by the floating mask rule; a boolean one is refused."""
-    if attention_bias is None:
-        return None, None
-    if not attention_bias.is_floating_point():
-        raise ValueError(
-            f"`attention_bias` must be floating. Received: attention_bias.dtype={_dtype_name(attention_bias.dtype)}"
-        )
-    return _split_mask(attention_bias, target, "attention_bias")
+def _final_masks(keep, bias, causal, window, sinks, t, s, device):
+    """`keep` with `causal` and `window` (bottom-right aligned) ANDed in, and `bias` less each row's
+    largest kept value (`_centre_rows`; not with sinks, where a softmax is not shift-invariant)."""
+    if causal:
+        keep = _and(keep, causal_mask(t, s, device))  # (B, N, T, S), dims may be 1
+    if window is not None:
+        keep = _and(keep, window_mask(t, s, window, device))  # (B, N, T, S), dims may be 1
+    if bias is not None and keep is not None and sinks is None:
+        bias = _centre_rows(bias, keep)  # (B, N, T, S), dims may be 1
+    return keep, bias
 
 
-def _centre_rows(bias, keep):
-    """`bias` minus each row's largest value where `keep` holds (rows keeping nothing: 0).
-
-    A per-query constant does not change a softmax; this keeps a row of only large finite
-    penalties (-1e9) an ordinary softmax instead of scores rounded away in float32 or float16.
-    """
-    if bias.shape[-1] == 0 or keep.shape[-1] == 0:  # S = 0 (a (T, 1) bias broadcasts over no key)
-        return bias
-    lowest = torch.finfo(bias.dtype).min
-    top = torch.where(keep, bias, lowest).amax(dim=-1, keepdim=True)  # (B, N, T, 1), dims may be 1
-    return bias - torch.where(top == lowest, 0.0, top)  # (B, N, T, S), dims may be 1
+def _repeat_heads(x, heads):
+    """(B, K, S, H) -> (B, heads, S, H): each key/value head repeated for its heads // K query heads."""
+    groups = heads // x.shape[1]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-_BLOCK_SCORES = 1 << 21  # scores in one block of `_attention_in_blocks`: 8 MiB of float32
-
-
-def _scores_dtype(dtype, bias, sinks=None):
-    """The dtype the (B, N, T, S) scores are held in: that of q, or float32 where a float mask or
-    sinks are added to float16 or bfloat16 scores (so that the sum is not rounded). The softmax
-    of float16 and bfloat16 computes in float32 either way."""
+def _softmax_dtype(dtype, bias=None, sinks=None):
+    """The dtype the (B, N, T, S) scores are held in: that of q, or float32 at least where a float
+    mask or sinks are added to them (so that the sum is not rounded). The softmax of float16 and
+    bfloat16 computes in float32 either way."""
     return dtype if bias is None and sinks is None else torch.promote_types(dtype, torch.float32)
 
 
 def _softcap(scores, softcap):
     """Gemma 2's soft-capping: softcap * tanh(scores / softcap)."""
     return scores if softcap is None else softcap * torch.tanh(scores / softcap)
-
-
-def _sink_logsumexp(scores, sinks):
-    """log(exp(sink) + sum over S of exp(scores)): the log of the softmax's denominator with one
-    sink logit per head (gpt-oss); (B, N, T, S) -> (B, N, T, 1)."""
-    sink = sinks.to(scores.dtype)[:, None, None]  # (N,) -> (N, 1, 1)
-    return torch.logaddexp(torch.logsumexp(scores, dim=-1, keepdim=True), sink)  # (B, N, T, 1)
 
 
 def _masked_softmax(scores, keep, sinks=None):
@@ -861,25 +930,33 @@ def _masked_softmax(scores, keep, sinks=None):
     return weights if removed is None else weights.masked_fill_(removed, 0.0)
 
 
-def _explicit_attention(q, k, v, keep, bias, dropout, scale, softcap=None, sinks=None):
-    """Scores, soft-capping, mask, softmax (with sinks), weighted sum; returns (context, weights)."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)  # (B, K, S, H) -> (B, N, S, H)
-        v = v.repeat_interleave(groups, dim=1)  # (B, K, S, H) -> (B, N, S, H)
-    dtype = _scores_dtype(q.dtype, bias, sinks)
-    if _in_blocks(q, dtype):
-        return _attention_in_blocks(q, k, v, keep, bias, dropout, scale, softcap, sinks)
-    scores = ((q * scale) @ k.transpose(-1, -2)).to(dtype)  # (B, N, T, S), a new tensor; q scaled, not the scores
-    scores = _softcap(scores, softcap)  # (B, N, T, S)
-    scores = scores if bias is None else scores + bias.to(dtype)  # (B, N, T, S)
-    weights = _masked_softmax(scores, keep, sinks).to(q.dtype)  # (B, N, T, S)
-    context = F.dropout(weights, dropout, training=dropout > 0) @ v  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
-    return context, weights
+def _centre_rows(bias, keep):
+    """`bias` minus each row's largest value where `keep` holds (rows keeping nothing: 0).
+
+    A per-query constant does not change a softmax; this keeps a row of only large finite
+    penalties (-1e9) an ordinary softmax instead of scores rounded away in float32 or float16.
+    """
+    if bias.shape[-1] == 0 or keep.shape[-1] == 0:  # S = 0 (a (T, 1) bias broadcasts over no key)
+        return bias
+    lowest = torch.finfo(bias.dtype).min
+    top = torch.where(keep, bias, lowest).amax(dim=-1, keepdim=True)  # (B, N, T, 1), dims may be 1
+    return bias - torch.where(top == lowest, 0.0, top)  # (B, N, T, S), dims may be 1
+
+
+def _sink_logsumexp(scores, sinks):
+    """log(exp(sink) + sum over S of exp(scores)): the log of the softmax's denominator with one
+    sink logit per head (gpt-oss); (B, N, T, S) -> (B, N, T, 1)."""
+    sink = sinks.to(scores.dtype)[:, None, None]  # (N,) -> (N, 1, 1)
+    return torch.logaddexp(torch.logsumexp(scores, dim=-1, keepdim=True), sink)  # (B, N, T, 1)
+
+
+# -------------------------------------------------------------------------------------------------
+# Step 6: attention, the fast paths
+# -------------------------------------------------------------------------------------------------
 
 
 def _in_blocks(q, dtype):
-    """Whether `_explicit_attention` takes `_attention_in_blocks`: inference (no autograd, not
+    """Whether the explicit softmax takes `_attention_in_blocks`: inference (no autograd, not
     compiling) on the CPU, with scores held in the dtype of q."""
     inference = not (torch.is_grad_enabled() or torch.compiler.is_compiling())
     return inference and q.device.type == "cpu" and q.dtype == dtype
@@ -891,9 +968,10 @@ def _batch_rows(mask, rows):
 
 
 def _attention_in_blocks(q, k, v, keep, bias, dropout, scale, softcap, sinks):
-    """`_explicit_attention` without autograd, a block of batch elements at a time: each block's
-    scores are written into its slice of the weights, soft-capped, softmaxed there in place and
-    multiplied by v while they are still in the CPU cache (one (B, N, T, S) buffer in all)."""
+    """`dot_product_attention` without autograd on N key/value heads, a block of batch elements at a
+    time: each block's scores are written into its slice of the weights, soft-capped, softmaxed
+    there in place and multiplied by v while they are still in the CPU cache (one (B, N, T, S)
+    buffer in all). `keep` and `bias` already hold causal, window and the rows' centring."""
     (b, n, t, h), s = q.shape, k.shape[2]
     weights = q.new_empty(b, n, t, s)  # (B, N, T, S)
     context = q.new_empty(b, n, t, h)  # (B, N, T, H)
@@ -918,13 +996,11 @@ def _sdpa_heads(q, k, v, masked):
     """Keys, values and `enable_gqa` for SDPA. Grouped heads are read by the flash kernels only
     (on the CPU, and on CUDA in float16 and bfloat16 without a mask); elsewhere SDPA would fall
     back to its math kernel, which holds the (B, N, T, S) scores, so k and v are repeated."""
-    groups = q.shape[1] // k.shape[1]
-    if groups == 1:
+    if q.shape[1] == k.shape[1]:
         return k, v, False
     if q.device.type == "cpu" or (not masked and q.dtype in (torch.float16, torch.bfloat16)):
         return k, v, True
-    k = k.repeat_interleave(groups, dim=1)  # (B, K, S, H) -> (B, N, S, H)
-    return k, v.repeat_interleave(groups, dim=1), False  # (B, K, S, H) -> (B, N, S, H)
+    return _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1]), False  # (B, K, S, H) -> (B, N, S, H)
 
 
 def _in_dtype(bias, dtype):
@@ -935,7 +1011,7 @@ def _in_dtype(bias, dtype):
     return bias.clamp(info.min, info.max).to(dtype)
 
 
-def _fused_attention(q, k, v, keep, bias, dropout, scale, is_causal=False):
+def _sdpa_attention(q, k, v, keep, bias, dropout, scale, is_causal=False):
     """`scaled_dot_product_attention` with a finite additive mask; returns the context.
 
     `is_causal` is the kernel's own top-left triangle: pass it only with no mask and T == S.
@@ -956,47 +1032,35 @@ def _fused_attention(q, k, v, keep, bias, dropout, scale, is_causal=False):
     return torch.where(has_key, context, 0.0)  # (B, N, T, H), rows with no key are all 0
 
 
-def dot_product_attention(
-    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, sinks=None,
-    dropout=0.0, return_attention=False,
-):  # fmt: skip
-    """Pure attention on split heads; returns (context, weights).
+# -------------------------------------------------------------------------------------------------
+# PyTorch only: tensor parallelism, autocast, meta device, module hooks, RoPE's backward
+# -------------------------------------------------------------------------------------------------
 
-    Args:
-        q: (B, N, T, H) queries.
-        k: (B, K, S, H) keys, K dividing N.
-        v: (B, K, S, H) values.
-        keep: None or boolean, broadcasts to (B, N, T, S); True where a query may attend a key.
-        bias: None or float, broadcasts to (B, N, T, S); added to the scaled (and soft-capped) scores.
-        causal: if True, query t keeps key s only if s <= t + (S - T).
-        scale: the factor of the scores; defaults to 1 / sqrt(H).
-        softcap: None or c > 0: the scaled scores become c * tanh(scores / c).
-        window: None or W > 0: query t keeps key s only if s > t + (S - T) - W.
-        sinks: None or (N,) logits, one more term per head in the softmax's denominator.
-        dropout: probability of dropping attention weights (pass 0 outside training).
-        return_attention: if True, return the weights. Without it attention runs in
-            `scaled_dot_product_attention` unless `softcap` or `sinks` (which SDPA cannot
-            express) need the explicit softmax; the weights are then None.
 
-    Returns:
-        context (B, N, T, H) and weights (B, N, T, S) (None unless `return_attention`),
-        exactly 0 where not kept.
-    """
-    t, s = q.shape[2], k.shape[2]
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    explicit = return_attention or softcap is not None or sinks is not None
-    if causal and not explicit and keep is None and bias is None and window is None and t == s:
-        return _fused_attention(q, k, v, None, None, dropout, scale, is_causal=True), None  # (B, N, T, H)
-    if causal:
-        keep = _and(keep, causal_mask(t, s, q.device))  # (B, N, T, S), dims may be 1
-    if window is not None:
-        keep = _and(keep, window_mask(t, s, window, q.device))  # (B, N, T, S), dims may be 1
-    if bias is not None and keep is not None and sinks is None:  # with sinks a softmax is not shift-invariant
-        bias = _centre_rows(bias, keep)  # (B, N, T, S), dims may be 1
-    if explicit:
-        context, weights = _explicit_attention(q, k, v, keep, bias, dropout, scale, softcap, sinks)
-        return context, weights if return_attention else None
-    return _fused_attention(q, k, v, keep, bias, dropout, scale), None
+def _as_tensor(x, device):
+    return x if x is None or isinstance(x, torch.Tensor) else torch.as_tensor(x, device=device)
+
+
+def _is_dtensor(tensor):
+    """Whether `tensor` is a DTensor (sharded by tensor parallelism), read from its type so that
+    importing this file does not import torch.distributed.tensor (0.7 s)."""
+    kind = type(tensor)
+    return kind.__name__ == "DTensor" and kind.__module__.startswith("torch.distributed.tensor")
+
+
+def _autocast_enabled(device):
+    """Whether autocast is on for the device's type; never on the meta device, which autocast does not know."""
+    return device.type != "meta" and torch.is_autocast_enabled(device.type)
+
+
+def _check_compute_dtype(query, dtype):
+    """Outside autocast the inputs must have the dtype the layer computes in (its parameters'):
+    the projections' matmuls would fail with a RuntimeError, or a cast would hide the mismatch."""
+    if query.dtype != dtype and not _autocast_enabled(query.device):
+        raise ValueError(
+            f"`query`, `key` and `value` must have the layer's dtype {_dtype_name(dtype)}: cast them, or the layer "
+            f"(`layer.to(dtype)`), or call it under torch.autocast. Received: query.dtype={_dtype_name(query.dtype)}"
+        )
 
 
 def _plain_linear(module):
@@ -1006,14 +1070,6 @@ def _plain_linear(module):
     registered for every module."""
     hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
     return type(module) is nn.Linear and not any(hooks) and not _global_hooks()
-
-
-def _linear(module, x):
-    """module(x), as F.linear where that is exactly what it computes: the module call's own work
-    (hooks, tracing state) costs about a third of the small matmul of a T = 1 step."""
-    if _plain_linear(module):
-        return F.linear(x, module.weight, module.bias)
-    return module(x)
 
 
 def _global_hooks():
@@ -1026,8 +1082,28 @@ def _global_hooks():
     return any(hooks)
 
 
-# int8 (docs/SPEC.md, "int8"): Keras' scheme, `keras.quantizers.abs_max_quantize` on the kernels
-# (per output column, when quantizing) and on the inputs of each projection (per token, at run time).
+class _Turn(torch.autograd.Function):
+    """`_turn` with its own backward, the gradient turned by the opposite angle (a rotation's
+    transpose: sin negated), so autograd records one step and a backward is one turn."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, interleaved):
+        ctx.save_for_backward(cos, sin)
+        ctx.interleaved = interleaved
+        return _turn(x, cos, sin, interleaved)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _Turn.apply(grad, cos, -sin, ctx.interleaved), None, None, None
+
+
+# -------------------------------------------------------------------------------------------------
+# int8
+# -------------------------------------------------------------------------------------------------
+
+# Keras' scheme (docs/SPEC.md, "int8"): `keras.quantizers.abs_max_quantize` on the kernels (per
+# output column, when quantizing) and on the inputs of each projection (per token, at run time).
 _INT8_MAX = 127.0
 _INT8_EPSILON = 1e-7  # Keras' `backend.epsilon()`, added to the abs-max before dividing
 
@@ -1129,6 +1205,11 @@ def _torchao_weight(tensor):
     `qdata` and `scale`): int8 with scale abs-max / 127.5 and -128 allowed, activations likewise, so
     not the portable int8 scheme; `export_weights` gives it dequantized."""
     return isinstance(tensor, torch.Tensor) and hasattr(tensor, "qdata") and hasattr(tensor, "dequantize")
+
+
+# -------------------------------------------------------------------------------------------------
+# The layer
+# -------------------------------------------------------------------------------------------------
 
 
 class MultiHeadAttention(nn.Module):
@@ -1252,10 +1333,24 @@ class MultiHeadAttention(nn.Module):
         self.vdim = _positive_int("vdim", self.d_model if vdim is None else vdim)
         self.dropout = _dropout_rate(dropout)
         self.bias = _projection_biases(bias)
-        self._check_variants(scale, softcap, window, rope_theta, rope_fraction, rope_scaling, qk_norm, qk_norm_eps)
-        self.rope_interleaved = _flag("rope_interleaved", rope_interleaved)
+        variants = _check_variants(
+            self.head_dim, scale, softcap, window, rope_theta, rope_fraction, rope_interleaved, rope_scaling, qk_norm,
+            qk_norm_eps, sinks,
+        )  # fmt: skip
+        self.scale, self.softcap, self.window = variants.scale, variants.softcap, variants.window
+        self.rope_theta, self.rope_fraction = variants.rope_theta, variants.rope_fraction
+        self.rope_interleaved, self.rope_scaling = variants.rope_interleaved, variants.rope_scaling
+        self.qk_norm, self.qk_norm_eps = variants.qk_norm, variants.qk_norm_eps
+        self._rotary_dim = _rotary_dim(self.rope_fraction, self.head_dim, self.rope_theta is not None)  # None: no RoPE
+        self._make_weights(variants.sinks, {"device": device, "dtype": dtype})
+        self._warned_traps = set()  # the mask habits warned of, once each
+        self.reset_parameters()
+
+    def _make_weights(self, sinks, factory):
+        """The four projections, the QK-norm scales, the sink logits and the RoPE frequencies (a
+        non-persistent float32 buffer `_inv_freq` (R/2,), None without RoPE, filled by
+        `reset_parameters`), uninitialized."""
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        factory = {"device": device, "dtype": dtype}
         self.query = nn.Linear(self.d_model, nh, bias="query" in self.bias, **factory)  # query_kernel^T: (N*H, E)
         self.key = nn.Linear(self.kdim, kh, bias="key" in self.bias, **factory)  # key_kernel^T: (K*H, kdim)
         self.value = nn.Linear(self.vdim, kh, bias="value" in self.bias, **factory)  # value_kernel^T: (K*H, vdim)
@@ -1264,27 +1359,14 @@ class MultiHeadAttention(nn.Module):
         self.query_norm, self.key_norm = (
             None if width is None else nn.Parameter(torch.empty(width, **factory)) for width in norms
         )  # (H,) or (N*H,), (H,) or (K*H,)
-        self.sinks = nn.Parameter(torch.empty(self.num_heads, **factory)) if _flag("sinks", sinks) else None  # (N,)
-        self._warned_traps = set()  # the mask habits warned of, once each
-        self.reset_parameters()
-
-    def _check_variants(self, scale, softcap, window, rope_theta, rope_fraction, rope_scaling, qk_norm, qk_norm_eps):
-        """Checks the variants' constructor arguments and sets their attributes."""
-        self.scale = 1.0 / math.sqrt(self.head_dim) if scale is None else _positive_float("scale", scale)
-        self.softcap = _positive_float("softcap", softcap, optional=True)
-        self.window = None if window is None else _positive_int("window", window)
-        self.rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
-        self._rotary_dim = _rotary_dim(rope_fraction, self.head_dim, self.rope_theta is not None)  # None: no RoPE
-        self.rope_fraction = float(rope_fraction)
-        self.rope_scaling = _check_rope_scaling(rope_scaling)
-        if qk_norm not in (None, "head", "all"):
-            raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
-        self.qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
-        self.qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, **factory)) if sinks else None  # (N,)
+        rope = self._rotary_dim is not None
+        inv_freq = torch.empty(self._rotary_dim // 2, device=factory["device"]) if rope else None  # (R/2,)
+        self.register_buffer("_inv_freq", inv_freq, persistent=False)
 
     def reset_parameters(self):
         """Glorot (Xavier) uniform kernels, zero biases, QK-norm scales of one and sink logits of
-        zero, as in the other two files."""
+        zero, as in the other two files; and the RoPE frequencies computed (`_reset_rope`)."""
         for kind in _PROJECTIONS:
             projection = getattr(self, kind)
             nn.init.xavier_uniform_(projection.weight)
@@ -1295,61 +1377,20 @@ class MultiHeadAttention(nn.Module):
                 nn.init.ones_(norm)
         if self.sinks is not None:
             nn.init.zeros_(self.sinks)
+        self._reset_rope()
 
-    def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
-        """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
+    def _reset_rope(self):
+        """`_inv_freq` computed (`rope_frequencies`, float32) on the device it is on."""
+        if self._inv_freq is not None:
+            device = self._inv_freq.device
+            self._inv_freq = rope_frequencies(self._rotary_dim, self.rope_theta, self.rope_scaling, device=device)
 
-        Args:
-            batch_size: B.
-            max_length: L, the number of slots.
-            keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
-                of different lengths). Defaults to all True.
-            dtype: dtype of the keys and values; defaults to the compute dtype, the parameters'.
-
-        Returns:
-            A `KVCache` of zeros with index 0, on the parameters' device.
-        """
-        b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
-        weight = self._float_weight()
-        device = torch.device("cpu") if weight is None else weight.device  # a quantized module runs on the CPU
-        keep = torch.ones(b, length, dtype=torch.bool) if keep is None else _check_keep(keep, b, length)
-        shape = (b, self.num_kv_heads, length, self.head_dim)
-        default = torch.get_default_dtype() if weight is None else weight.dtype
-        dtype = default if dtype is None else dtype
-        return KVCache(
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-            keep.to(device, copy=True),  # the cache's own: decoding writes it in place
-            torch.zeros((), dtype=torch.long, device=device),
-        )
-
-    def _variants(self):
-        """The variants not at their default, {name: value}."""
-        variants = {
-            "bias": list(self.bias) if self.bias not in ((), _PROJECTIONS) else None,
-            "scale": None if self.scale == 1.0 / math.sqrt(self.head_dim) else self.scale,
-            "softcap": self.softcap,
-            "window": self.window,
-            "rope_theta": self.rope_theta,
-            "qk_norm": self.qk_norm,
-            "sinks": True if self.sinks is not None else None,
-        }
-        return {name: value for name, value in variants.items() if value is not None}
-
-    def extra_repr(self):
-        settings = {"bias": bool(self.bias), **self._variants()}  # a partial `bias` replaces True
-        if self.rope_theta is not None:
-            settings |= {"rope_fraction": self.rope_fraction, "rope_interleaved": self.rope_interleaved}
-            settings |= {"rope_scaling": self.rope_scaling}
-        if self.qk_norm is not None:
-            settings["qk_norm_eps"] = self.qk_norm_eps
-        return ", ".join(
-            [
-                f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}",
-                f"head_dim={self.head_dim}, dropout={self.dropout}",
-                *(f"{name}={value!r}" for name, value in settings.items()),
-            ]
-        )
+    def _apply(self, fn, recurse=True):
+        """`nn.Module`'s moves and casts (`.to`, `.half()`, `to_empty`), then `_inv_freq` computed
+        again in float32 where it went: a cast would round it and `to_empty` leaves it unset."""
+        module = super()._apply(fn, recurse)
+        self._reset_rope()
+        return module
 
     def weight_shapes(self):
         """The portable layout: {name: shape}; a bias only where `bias` names its projection, the
@@ -1432,12 +1473,6 @@ class MultiHeadAttention(nn.Module):
                 value = torch.as_tensor(np.asarray(weights[name]), dtype=tensor.dtype, device=tensor.device)
                 tensor.copy_(value.T if transposed else value)
 
-    @property
-    def quantization_mode(self):
-        """ "int8" once `quantize("int8")` (or an int8 `import_weights`) made the four projections
-        `Int8Linear` modules, else None."""
-        return "int8" if all(isinstance(getattr(self, kind), Int8Linear) for kind in _PROJECTIONS) else None
-
     def quantize(self, mode):
         """Replaces the four `nn.Linear` projections by `Int8Linear` modules: int8 weights with one
         float32 scale per output feature, the inputs quantized per token at each call (Keras'
@@ -1455,36 +1490,123 @@ class MultiHeadAttention(nn.Module):
         for kind in _PROJECTIONS:
             setattr(self, kind, Int8Linear.from_linear(getattr(self, kind)))
 
-    def _inputs(self, query, key, value):
-        """Missing inputs filled in (self-attention, value = key, key = value) and all three checked."""
-        key = value if key is None else key
-        key = query if key is None else key
-        value = key if value is None else value
-        query = _check_input("query", query, "E", self.d_model)
-        if key is query and value is query and self.kdim == self.vdim == self.d_model:
-            return query, key, value  # self-attention: one tensor, checked once
-        key = _check_input("key", key, "kdim", self.kdim)
-        value = _check_input("value", value, "vdim", self.vdim)
-        _check_dtypes(query, key, value)
-        _check_lengths(query, key, value)
-        return query, key, value
+    @property
+    def quantization_mode(self):
+        """ "int8" once `quantize("int8")` (or an int8 `import_weights`) made the four projections
+        `Int8Linear` modules, else None."""
+        return "int8" if all(isinstance(getattr(self, kind), Int8Linear) for kind in _PROJECTIONS) else None
 
-    def _masks(self, attention_mask, attention_bias, key_mask, query_mask, target, dtype):
-        """Step 1: every mask -> one boolean keep and one additive bias in the softmax `dtype`,
-        both broadcasting to target (B, N, T, S), or None."""
-        if attention_mask is None and attention_bias is None and key_mask is None and query_mask is None:
-            return None, None
-        mask_keep, mask_add = _split_mask(attention_mask, target)
-        bias_keep, bias_add = _split_bias(attention_bias, target)
-        keep = _and(mask_keep, bias_keep)
-        keep = _and(keep, None if key_mask is None else key_mask[:, None, None, :])  # (B, S) -> (B, 1, 1, S)
-        keep = _and(keep, None if query_mask is None else query_mask[:, None, :, None])  # (B, T) -> (B, 1, T, 1)
-        if mask_add is None or bias_add is None:
-            bias = mask_add if bias_add is None else bias_add
-            bias = None if bias is None else bias.to(dtype)
-        else:
-            bias = (mask_add.to(dtype) + bias_add.to(dtype)).clamp(min=torch.finfo(dtype).min)  # two penalties
-        return keep, bias
+    def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
+        """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
+
+        Args:
+            batch_size: B.
+            max_length: L, the number of slots.
+            keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
+                of different lengths). Defaults to all True.
+            dtype: dtype of the keys and values; defaults to the compute dtype, the parameters'.
+
+        Returns:
+            A `KVCache` of zeros with index 0, on the parameters' device.
+        """
+        b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
+        weight = self._float_weight()
+        device = torch.device("cpu") if weight is None else weight.device  # a quantized module runs on the CPU
+        keep = torch.ones(b, length, dtype=torch.bool) if keep is None else _check_keep(keep, b, length)
+        shape = (b, self.num_kv_heads, length, self.head_dim)
+        default = torch.get_default_dtype() if weight is None else weight.dtype
+        dtype = default if dtype is None else dtype
+        return KVCache(
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+            keep.to(device, copy=True),  # the cache's own: decoding writes it in place
+            torch.zeros((), dtype=torch.long, device=device),
+        )
+
+    def _non_defaults(self):
+        """The variants not at their default, and a partial `bias`, {name: value}."""
+        variants = {
+            "bias": list(self.bias) if self.bias not in ((), _PROJECTIONS) else None,
+            "scale": None if self.scale == 1.0 / math.sqrt(self.head_dim) else self.scale,
+            "softcap": self.softcap,
+            "window": self.window,
+            "rope_theta": self.rope_theta,
+            "qk_norm": self.qk_norm,
+            "sinks": True if self.sinks is not None else None,
+        }
+        return {name: value for name, value in variants.items() if value is not None}
+
+    def extra_repr(self):
+        settings = {"bias": bool(self.bias), **self._non_defaults()}  # a partial `bias` replaces True
+        if self.rope_theta is not None:
+            settings |= {"rope_fraction": self.rope_fraction, "rope_interleaved": self.rope_interleaved}
+            settings |= {"rope_scaling": self.rope_scaling}
+        if self.qk_norm is not None:
+            settings["qk_norm_eps"] = self.qk_norm_eps
+        return ", ".join(
+            [
+                f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}",
+                f"head_dim={self.head_dim}, dropout={self.dropout}",
+                *(f"{name}={value!r}" for name, value in settings.items()),
+            ]
+        )
+
+    def _float_weight(self):
+        """The output projection's float weight (a wrapper's first float parameter, as LoRA's), or
+        None where it holds none (a quantized module)."""
+        weight = getattr(self.output, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+            return weight
+        tensors = (*self.output.parameters(), *self.output.buffers())  # an Int8Linear: its bias, else its scale
+        return next((p for p in tensors if p.is_floating_point()), None)
+
+    def _compute_dtype(self, query):
+        """The dtype q, k and v are computed in: autocast's, else the output projection's float
+        weight's, else the query's (a quantized module)."""
+        if _autocast_enabled(query.device):
+            return torch.get_autocast_dtype(query.device.type)
+        weight = self._float_weight()
+        return query.dtype if weight is None else weight.dtype
+
+    def _check_call(
+        self, query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
+        return_attention, cache, mask,
+    ):  # fmt: skip
+        """Step 1: the call's defaults and checks (all but the masks' combination), as a `_Call`.
+        Unbatched (T, E) inputs are given a batch of one here; `forward` takes it off the results."""
+        attention_mask = _attention_mask(attention_mask, mask)
+        device = query.device if isinstance(query, torch.Tensor) else None
+        attention_mask, attention_bias, key_mask, query_mask, positions = [
+            _as_tensor(x, device) for x in (attention_mask, attention_bias, key_mask, query_mask, positions)
+        ]
+        if isinstance(query, torch.Tensor) and query.dim() == 2:  # unbatched
+            query, key, value = (x if x is None else x.unsqueeze(0) for x in (query, key, value))  # (L, D) -> (1, L, D)
+            key_mask, query_mask = (m if m is None or m.dim() != 1 else m[None] for m in (key_mask, query_mask))
+        self_attention = key is None and value is None  # what key_mask defaults by (SPEC: key and value left out)
+        one_input = (key is None or key is query) and (value is None or value is query)  # may fuse the projections
+        key, value = _inputs(query, key, value)
+        query = _check_input("query", query, "E", self.d_model)
+        if not (key is query and value is query and self.kdim == self.vdim == self.d_model):  # else checked once
+            key, value = _check_input("key", key, "kdim", self.kdim), _check_input("value", value, "vdim", self.vdim)
+            _check_dtypes(query, key, value)
+            _check_lengths(query, key, value)
+        compute_dtype = self._compute_dtype(query)
+        _check_compute_dtype(query, compute_dtype)
+        (b, t), s = query.shape[:2], key.shape[1]
+        if cache is not None:
+            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
+            _check_cache_dtype(cache, compute_dtype)
+            _check_room(cache.index, t, cache.key.shape[2], self.window)  # eagerly; NaN under torch.compile
+        query_mask = _check_token_mask("query_mask", query_mask, b, t, "T")  # query_mask first, as in the other files
+        key_mask = _check_token_mask("key_mask", key_mask, b, s, "S")
+        positions = self._positions(positions, query, key, cache)
+        if cache is None:
+            self._warn_traps(attention_mask, key_mask, t, s)
+        key_mask = query_mask if key_mask is None and self_attention else key_mask  # (B, S)
+        return _Call(
+            query, key, value, attention_mask, attention_bias, key_mask, query_mask, positions, causal, self.window,
+            return_attention, cache, None, one_input and cache is None,  # a step's few tokens: fusing costs more
+        )  # fmt: skip
 
     def _positions(self, positions, query, key, cache):
         """Step 1 for RoPE: checked (B, T) positions, arange(T) (+ the cache's index) by default."""
@@ -1506,6 +1628,51 @@ class MultiHeadAttention(nn.Module):
             return (start + torch.arange(t, device=query.device)).expand(b, t)  # (T,) -> (B, T)
         return _check_positions(positions, b, t)  # (B, T)
 
+    def _warn_traps(self, attention_mask, key_mask, t, s):
+        """Warns once per layer for each built-in habit the masks' values suggest, where reading
+        them is free (eager, on the CPU); a call with a cache is not read."""
+        masks = [mask for mask in (attention_mask, key_mask) if mask is not None]
+        if not masks or not _values_readable(*masks):
+            return
+        for kind, message in _mask_traps(attention_mask, key_mask, t, s).items():
+            if kind not in self._warned_traps:
+                self._warned_traps.add(kind)
+                warnings.warn(message, AttentionMaskWarning, stacklevel=5)
+
+    def _masks(self, call):
+        """Step 1: every mask -> one boolean keep and one additive bias in the softmax's dtype, both
+        broadcasting to (B, N, T, S) (S: the cache's L when decoding), or None. With a cache the
+        `key_mask` goes into the cache's keep instead (step 5)."""
+        key_mask = call.key_mask if call.cache is None else None
+        if call.attention_mask is None and call.attention_bias is None and key_mask is None and call.query_mask is None:
+            return None, None
+        (b, t), s = call.query.shape[:2], call.key.shape[1] if call.cache is None else call.cache.key.shape[2]
+        target = (b, self.num_heads, t, s)
+        dtype = torch.promote_types(self._compute_dtype(call.query), torch.float32)
+        mask_keep, mask_add = _split_mask(call.attention_mask, target)
+        bias_keep, bias_add = _split_bias(call.attention_bias, target)
+        keep = _and(mask_keep, bias_keep)
+        keep = _and(keep, None if key_mask is None else key_mask[:, None, None, :])  # (B, S) -> (B, 1, 1, S)
+        keep = _and(
+            keep, None if call.query_mask is None else call.query_mask[:, None, :, None]
+        )  # (B, T) -> (B, 1, T, 1)
+        bias = _add(*(None if x is None else x.to(dtype) for x in (mask_add, bias_add)))
+        if mask_add is not None and bias_add is not None:
+            bias = bias.clamp(min=torch.finfo(dtype).min)  # two penalties may add up past the lowest value
+        return keep, bias
+
+    def _project_qkv(self, call):
+        """Step 2: q (B, N, T, H), k and v (B, K, S, H); one matmul for the three where the call
+        may fuse them and that computes what the three projections would (`_fusable`)."""
+        if call.fuse and self._fusable():
+            q, k, v = self._project_fused(call.query)  # (B, T, E) -> (B, N, T, H), 2 x (B, K, T, H)
+        else:
+            q = self._split_heads(self._project(call.query, "query"), self.num_heads)  # (B, T, E) -> (B, N, T, H)
+            k = self._split_heads(self._project(call.key, "key"), self.num_kv_heads)  # (B, S, kdim) -> (B, K, S, H)
+            v = self._split_heads(self._project(call.value, "value"), self.num_kv_heads)  # (B, S, vdim) -> (B, K, S, H)
+        self._check_local_heads(q, k, call.attention_mask, call.attention_bias)
+        return q, k, v
+
     def _fusable(self):
         """Whether self-attention may project q, k and v with one matmul: only where that computes
         exactly what calling the three projections would (plain nn.Linear, no hooks, not sharded,
@@ -1513,23 +1680,6 @@ class MultiHeadAttention(nn.Module):
         projections = (self.query, self.key, self.value)
         plain = all(_plain_linear(projection) and not _torchao_weight(projection.weight) for projection in projections)
         return plain and not _is_dtensor(self.query.weight)
-
-    def _project(self, x, kind, heads):
-        """(B, L, D) -> (B, heads, L, H): one projection split into heads."""
-        y = _linear(getattr(self, kind), x)  # (B, L, D) -> (B, L, heads*H)
-        return self._split_heads(y, heads)
-
-    def _split_heads(self, y, heads):
-        """(B, L, heads*H) -> (B, heads, L, H). Under tensor parallelism a rank holds a share of
-        the heads, so the local count is read from the width."""
-        b, length, width = y.shape
-        if width % self.head_dim:
-            raise ValueError(
-                "Each tensor-parallel rank must hold whole heads: `num_heads` and `num_kv_heads` must be divisible "
-                f"by the number of ranks. Received: num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, a projection {width} wide on this rank"
-            )
-        return y.view(b, length, width // self.head_dim, self.head_dim).transpose(1, 2)  # -> (B, heads, L, H)
 
     def _project_fused(self, x):
         """Self-attention: q, k and v from one matmul over the concatenated projections."""
@@ -1545,31 +1695,26 @@ class MultiHeadAttention(nn.Module):
             self._split_heads(v, self.num_kv_heads),  # (B, K, T, H)
         )
 
-    def _projections(self, query, key, value, self_attention):
-        """Step 2: q (B, N, T, H), k and v (B, K, S, H)."""
-        if self_attention and self._fusable():
-            return self._project_fused(query)  # (B, T, E) -> (B, N, T, H), 2 x (B, K, T, H)
-        q = self._project(query, "query", self.num_heads)  # (B, T, E) -> (B, N, T, H)
-        k = self._project(key, "key", self.num_kv_heads)  # (B, S, kdim) -> (B, K, S, H)
-        v = self._project(value, "value", self.num_kv_heads)  # (B, S, vdim) -> (B, K, S, H)
-        return q, k, v
+    def _project(self, x, kind):
+        """(B, L, D) -> (B, L, F): the projection `kind` ("query", "key", "value" or "output")."""
+        return _linear(getattr(self, kind), x)
 
-    def _normalize_qk(self, q, k):
-        """Step 3, QK-norm: RMSNorm of q and k over each head ("head") or over all heads ("all")."""
-        if self.qk_norm is None:
-            return q, k
-        norm = rms_norm if self.qk_norm == "head" else _rms_norm_over_heads
-        return norm(q, self.query_norm, self.qk_norm_eps), norm(k, self.key_norm, self.qk_norm_eps)
+    def _split_heads(self, y, heads):
+        """(B, L, heads*H) -> (B, heads, L, H). Under tensor parallelism a rank holds a share of
+        the heads, so the local count is read from the width."""
+        b, length, width = y.shape
+        if width % self.head_dim:
+            raise ValueError(
+                "Each tensor-parallel rank must hold whole heads: `num_heads` and `num_kv_heads` must be divisible "
+                f"by the number of ranks. Received: num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, a projection {width} wide on this rank"
+            )
+        return y.view(b, length, width // self.head_dim, self.head_dim).transpose(1, 2)  # -> (B, heads, L, H)
 
-    def _rotate(self, q, k, positions):
-        """Step 4, RoPE: q and k turned at their (B, T) positions."""
-        if self.rope_theta is None:
-            return q, k
-        inv_freq = rope_frequencies(self._rotary_dim, self.rope_theta, self.rope_scaling, device=q.device)  # (R/2,)
-        interleaved = self.rope_interleaved
-        q, k = apply_rope(q, positions, inv_freq, interleaved), apply_rope(k, positions, inv_freq, interleaved)
-        factor = rope_attention_factor(self.rope_scaling)
-        return scale_rotated(q, self._rotary_dim, factor), scale_rotated(k, self._rotary_dim, factor)  # YaRN's factor
+    def _merge_heads(self, context):
+        """(B, heads, T, H) -> (B, T, heads*H)."""
+        b, heads, t, h = context.shape
+        return context.transpose(1, 2).reshape(b, t, heads * h)
 
     def _check_local_heads(self, q, k, attention_mask, attention_bias):
         """Tensor parallelism: this rank's query and key/value heads must keep the N : K grouping,
@@ -1598,99 +1743,87 @@ class MultiHeadAttention(nn.Module):
                 f"Received: sinks={self.sinks is not None}, qk_norm={self.qk_norm!r}"
             )
 
-    def _float_weight(self):
-        """The output projection's float weight (a wrapper's first float parameter, as LoRA's), or
-        None where it holds none (a quantized module)."""
-        weight = getattr(self.output, "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.is_floating_point():
-            return weight
-        tensors = (*self.output.parameters(), *self.output.buffers())  # an Int8Linear: its bias, else its scale
-        return next((p for p in tensors if p.is_floating_point()), None)
+    def _normalize_qk(self, q, k):
+        """Step 3, QK-norm: RMSNorm of q and k over each head ("head") or over all heads ("all")."""
+        if self.qk_norm is None:
+            return q, k
+        norm = rms_norm if self.qk_norm == "head" else _rms_norm_over_heads
+        return norm(q, self.query_norm, self.qk_norm_eps), norm(k, self.key_norm, self.qk_norm_eps)
 
-    def _compute_dtype(self, query):
-        """The dtype q, k and v are computed in: autocast's, else the output projection's float
-        weight's, else the query's (a quantized module)."""
-        if _autocast_enabled(query.device):
-            return torch.get_autocast_dtype(query.device.type)
-        weight = self._float_weight()
-        return query.dtype if weight is None else weight.dtype
+    def _rotate(self, q, k, positions):
+        """Step 4, RoPE: q and k turned at their (B, T) positions by the frequencies `_inv_freq`."""
+        if self.rope_theta is None:
+            return q, k
+        inv_freq, interleaved = self._inv_freq.to(q.device), self.rope_interleaved  # (R/2,) float32
+        q, k = apply_rope(q, positions, inv_freq, interleaved), apply_rope(k, positions, inv_freq, interleaved)
+        factor = rope_attention_factor(self.rope_scaling)
+        return scale_rotated(q, self._rotary_dim, factor), scale_rotated(k, self._rotary_dim, factor)  # YaRN's factor
 
-    def _warn_traps(self, attention_mask, key_mask, t, s):
-        """Warns once per layer for each built-in habit the masks' values suggest, where reading
-        them is free (eager, on the CPU); a call with a cache is not read."""
-        masks = [mask for mask in (attention_mask, key_mask) if mask is not None]
-        if not masks or not _values_readable(*masks):
-            return
-        for kind, message in _mask_traps(attention_mask, key_mask, t, s).items():
-            if kind not in self._warned_traps:
-                self._warned_traps.add(kind)
-                warnings.warn(message, AttentionMaskWarning, stacklevel=4)
+    def _update_cache(self, call, k, v, keep):
+        """Step 5, the KV cache: the new keys and values written (`_write_cache`, checked by
+        `_check_call`), then k and v are the cache's. A lean decode step (eager, no mask, bias,
+        query_mask or returned weights, within the cache's first lap) attends the first index + T
+        slots as a full pass attends its keys (causal and window bottom-right aligned, the cache's
+        keep only where it holds a False): no (B, 1, T, L) keep. Every other call attends all L
+        slots through that keep, with causal and window folded into it."""
+        cache = call.cache
+        if cache is None:
+            return k, v, keep, call
+        t, length, index = k.shape[2], cache.key.shape[2], cache.index
+        start = _known_index(index) if keep is None and not call.return_attention else None  # each mask gives a keep
+        cache = _write_cache(cache, k, v, call.key_mask)
+        if start is not None and start + t <= length:  # lean: the first S = index + T slots
+            stop = start + t
+            prefix = None if cache.keep.all() else cache.keep[:, :stop]  # (B, L) -> (B, S); all kept: not sliced
+            keep = None if prefix is None or prefix.all() else prefix[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
+            k, v = cache.key.narrow(2, 0, stop), cache.value.narrow(2, 0, stop)  # (B, K, L, H) -> (B, K, S, H)
+            return k, v, keep, call._replace(causal=call.causal and t > 1, cache=cache)
+        keep = _and(keep, _cache_keep(cache.keep, index, t, call.causal, call.window))  # (B, N, T, L), dims may be 1
+        return cache.key, cache.value, keep, call._replace(causal=False, window=None, cache=cache)
+
+    def _attend(self, q, k, v, keep, bias, call):
+        """Step 6, the one entry to the speed paths, all with `dot_product_attention`'s numbers:
+        SDPA without returned weights (its own causal triangle where nothing else masks); the
+        explicit softmax with them, or with `softcap` or `sinks` (which SDPA cannot express), in
+        blocks of batch elements under no_grad on the CPU (`_attention_in_blocks`)."""
+        (n, t), s, sinks = q.shape[1:3], k.shape[2], self.sinks
+        dropout = self.dropout if self.training else 0.0
+        explicit = call.return_attention or self.softcap is not None or sinks is not None
+        if not explicit and call.causal and keep is None and bias is None and call.window is None and t == s:
+            return _sdpa_attention(q, k, v, None, None, dropout, self.scale, is_causal=True), None  # (B, N, T, H)
+        if explicit and not _in_blocks(q, _softmax_dtype(q.dtype, bias, sinks)):
+            return dot_product_attention(
+                q, k, v, keep, bias, call.causal, scale=self.scale, softcap=self.softcap, window=call.window,
+                sinks=sinks, dropout=dropout, return_attention=call.return_attention,
+            )  # fmt: skip
+        keep, bias = _final_masks(keep, bias, call.causal, call.window, sinks, t, s, q.device)
+        if explicit:
+            k, v = _repeat_heads(k, n), _repeat_heads(v, n)  # (B, K, S, H) -> (B, N, S, H)
+            context, weights = _attention_in_blocks(q, k, v, keep, bias, dropout, self.scale, self.softcap, sinks)
+            return context, weights if call.return_attention else None
+        return _sdpa_attention(q, k, v, keep, bias, dropout, self.scale), None
 
     def forward(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
         attention_bias=None, positions=None, causal=False, return_attention=False, cache=None, mask=None,
     ):  # fmt: skip
-        attention_mask = _attention_mask(attention_mask, mask)
-        device = query.device if isinstance(query, torch.Tensor) else None
-        attention_mask, attention_bias, key_mask, query_mask, positions = [
-            _as_tensor(x, device) for x in (attention_mask, attention_bias, key_mask, query_mask, positions)
-        ]
-        unbatched = isinstance(query, torch.Tensor) and query.dim() == 2
-        if unbatched:
-            query, key, value = (x if x is None else x.unsqueeze(0) for x in (query, key, value))  # (L, D) -> (1, L, D)
-            key_mask, query_mask = (m if m is None or m.dim() != 1 else m[None] for m in (key_mask, query_mask))
-        self_attention = key is None and value is None  # what key_mask defaults by (SPEC: key and value left out)
-        one_input = (key is None or key is query) and (value is None or value is query)  # may fuse the projections
-        query, key, value = self._inputs(query, key, value)
-        compute_dtype = self._compute_dtype(query)
-        _check_compute_dtype(query, compute_dtype)
-        if cache is not None:
-            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
-            _check_cache_dtype(cache, compute_dtype)
-        (b, t, _), s = query.shape, key.shape[1] if cache is None else cache.key.shape[2]
-        query_mask = _check_token_mask("query_mask", query_mask, b, t, "T")  # query_mask first, as in the other files
-        key_mask = _check_token_mask("key_mask", key_mask, b, key.shape[1], "S")
-        positions = self._positions(positions, query, key, cache)
-        target = (b, self.num_heads, t, s)
-        softmax_dtype = torch.promote_types(compute_dtype, torch.float32)
-        token_keys = query_mask if key_mask is None and self_attention else key_mask  # (B, S)
-        keep, bias = self._masks(
-            attention_mask, attention_bias, None if cache is not None else token_keys, query_mask, target, softmax_dtype
-        )
-        if cache is None:
-            self._warn_traps(attention_mask, key_mask, t, s)
-        key_mask = token_keys
-
-        fuse = one_input and cache is None  # a step's few tokens: concatenating the kernels would cost more
-        q, k, v = self._projections(query, key, value, fuse)
-        self._check_local_heads(q, k, attention_mask, attention_bias)
-        q, k = self._normalize_qk(q, k)  # (B, N, T, H), (B, K, S, H)
-        q, k = self._rotate(q, k, positions)  # (B, N, T, H), (B, K, S, H)
-        window = self.window
-        lean = cache is not None and keep is None and bias is None and not return_attention
-        stop = _prefix_stop(cache, t, window) if lean else None
-        if stop is not None:  # the first index + T slots, attended with causal and window as in a full pass
-            cache, keep = _write_prefix(cache, k, v, key_mask, stop)
-            k, v = cache.key.narrow(2, 0, stop), cache.value.narrow(2, 0, stop)  # (B, K, L, H) -> (B, K, S, H)
-            causal = causal and t > 1
-        elif cache is not None:
-            index, no_room = cache.index, _check_room(cache.index, t, cache.key.shape[2], window)  # True: compiling
-            cache = _write_cache(cache, k, v, key_mask)
-            keep = _and(keep, _cache_keep(cache.keep, index, t, causal, window))  # (B, N, T, L), dims may be 1
-            k, v, causal, window = cache.key, cache.value, False, None  # (B, K, L, H); causal, window in `keep`
-        dropout = self.dropout if self.training else 0.0
-        context, weights = dot_product_attention(
-            q, k, v, keep, bias, causal, scale=self.scale, softcap=self.softcap, window=window, sinks=self.sinks,
-            dropout=dropout, return_attention=return_attention,
-        )  # (B, N, T, H), (B, N, T, S) or None  # fmt: skip
-        merged = context.transpose(1, 2).reshape(b, t, context.shape[1] * self.head_dim)  # -> (B, T, N*H)
-        output = _linear(self.output, merged)  # (B, T, N*H) -> (B, T, E)
-        if cache is not None and torch.compiler.is_compiling():
-            output = torch.where(no_room, torch.nan, output)  # a call without room cannot raise inside a graph
-
-        if unbatched:
-            output, weights = output[0], None if weights is None else weights[0]  # drop B
-        return _results(output, weights, cache, return_attention)
+        call = self._check_call(
+            query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
+            return_attention, cache, mask,
+        )  # 1. defaults and checks  # fmt: skip
+        keep, bias = self._masks(call)  # 1. (B|1, N|1, T|1, S|1) keep and bias
+        q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H)
+        q, k = self._normalize_qk(q, k)  # 3. QK-norm
+        q, k = self._rotate(q, k, call.positions)  # 4. RoPE
+        k, v, keep, call = self._update_cache(call, k, v, keep)  # 5. KV cache (may replace causal/window/cache)
+        context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S) or None
+        output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*H) -> (B, T, E)
+        if call.cache is not None and torch.compiler.is_compiling():  # a graph cannot raise: no room gives NaN
+            t, length = q.shape[2], call.cache.key.shape[2]
+            output = torch.where(_check_room(call.cache.index - t, t, length, self.window), torch.nan, output)
+        if isinstance(query, torch.Tensor) and query.dim() == 2:  # unbatched: drop B
+            output, weights = output[0], None if weights is None else weights[0]
+        return _results(output, weights, call.cache, call.return_attention)
 
     @classmethod
     def from_torch(cls, module):
@@ -1742,7 +1875,7 @@ class MultiHeadAttention(nn.Module):
                 "`torch.nn.MultiheadAttention` needs num_heads * head_dim == d_model. "
                 f"Received: d_model={self.d_model}, num_heads={self.num_heads}, head_dim={self.head_dim}"
             )
-        variants = self._variants()
+        variants = self._non_defaults()
         if variants:
             raise ValueError(
                 f"`torch.nn.MultiheadAttention` cannot hold {', '.join(variants)}: it has plain softmax attention "

@@ -55,12 +55,12 @@ def _negate(keep):
 class TorchNoBias(TorchMultiHeadAttention):
     """The bias step dropped from the projections (but kept in the weight dict)."""
 
-    def _project(self, x, kind, heads):
-        return self._split_heads(torch_file.F.linear(x, getattr(self, kind).weight), heads)
+    def _project(self, x, kind):
+        return torch_file.F.linear(x, getattr(self, kind).weight)
 
     def _project_fused(self, x):
         return tuple(
-            self._project(x, kind, h)
+            self._split_heads(self._project(x, kind), h)
             for kind, h in (("query", self.num_heads), ("key", self.num_kv_heads), ("value", self.num_kv_heads))
         )
 
@@ -69,7 +69,11 @@ class TFNoBias(TFMultiHeadAttention):
     def _project(self, x, kind, heads):
         return self._split_heads(tf_file.tf.matmul(x, getattr(self, f"{kind}_kernel")), heads)
 
-    _project_fused = TorchNoBias._project_fused
+    def _project_fused(self, x):
+        return tuple(
+            self._project(x, kind, h)
+            for kind, h in (("query", self.num_heads), ("key", self.num_kv_heads), ("value", self.num_kv_heads))
+        )
 
 
 def _torch_wrong_split(self, y, heads):

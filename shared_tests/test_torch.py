@@ -354,10 +354,10 @@ def test_low_precision_scores_stay_in_their_dtype_with_float32_numbers(monkeypat
     layer = _with_random_biases(MultiHeadAttention(16, 4, num_kv_heads=2, dtype=dtype)).eval()
     x = (_randn(3, 6, 16, seed=21) * 3).to(dtype)
     keep = torch.rand(3, 1, 6, 6, generator=torch.Generator().manual_seed(22)) < 0.7
-    assert Multi_Head_Attention._scores_dtype(dtype, None) == dtype
+    assert Multi_Head_Attention._softmax_dtype(dtype, None) == dtype
     with torch.no_grad():
         _, weights = layer(x, attention_mask=keep, causal=True, return_attention=True)
-        monkeypatch.setattr(Multi_Head_Attention, "_scores_dtype", lambda d, *masks: torch.float32)
+        monkeypatch.setattr(Multi_Head_Attention, "_softmax_dtype", lambda d, *masks: torch.float32)
         _, float32_weights = layer(x, attention_mask=keep, causal=True, return_attention=True)
     assert weights.dtype == float32_weights.dtype == dtype
     torch.testing.assert_close(weights.float(), float32_weights.float(), atol=torch.finfo(dtype).eps, rtol=0)

@@ -1122,3 +1122,46 @@ def test_regression_export_weights_after_quantize_dynamic_failed_on_the_weight_m
         match=r"^`import_weights` writes float projections: import the weights before quantizing\. Received: quantized projections \['query', 'key', 'value', 'output'\]$",
     ):
         quantized.import_weights(weights)
+
+
+# -- the RoPE frequencies: computed once, a float32 buffer outside the state dict ----------------------
+
+LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+ROPE_BUFFER = {"rope_theta": 10000.0, "rope_scaling": {"rope_type": "llama3", **LLAMA3}}
+
+
+def test_rope_frequencies_stay_float32_in_a_half_layer_with_the_same_state_dict():
+    """`_inv_freq` is made once (not at every call) and stays float32 when the layer is cast, so the
+    angles of a float16 or bfloat16 layer are those of a float32 one; it is not in `state_dict`."""
+    layer = _layer(**ROPE_BUFFER)
+    expected = Multi_Head_Attention.rope_frequencies(layer._rotary_dim, 10000.0, layer.rope_scaling)
+    names = set(layer.state_dict())
+    for cast in (lambda m: m.half(), lambda m: m.to(torch.bfloat16), lambda m: m.to(torch.float64)):
+        cast(layer)
+        assert layer._inv_freq.dtype == torch.float32
+        torch.testing.assert_close(layer._inv_freq, expected, atol=0, rtol=0)
+        assert set(layer.state_dict()) == names and "_inv_freq" not in names
+    half = _layer(**ROPE_BUFFER).half()
+    x = _randn(2, 5, E, seed=3)
+    with torch.no_grad():
+        reference = _layer(**ROPE_BUFFER)(x)
+        torch.testing.assert_close(half(x.half()).float(), reference, atol=2e-2, rtol=0)
+    assert _layer()._inv_freq is None  # no RoPE, no buffer
+
+
+def test_rope_frequencies_are_made_after_meta_init_to_empty_and_reset_parameters():
+    """Meta initialization (no values), `to_empty` (uninitialized memory) then `reset_parameters`
+    gives the frequencies and the outputs of a layer made on the CPU."""
+    with torch.device("meta"):
+        layer = MultiHeadAttention(E, N, num_kv_heads=K, head_dim=H, **ROPE_BUFFER)
+    assert layer._inv_freq.device.type == "meta"
+    layer = layer.to_empty(device="cpu")
+    expected = Multi_Head_Attention.rope_frequencies(layer._rotary_dim, 10000.0, layer.rope_scaling)
+    torch.testing.assert_close(layer._inv_freq, expected, atol=0, rtol=0)
+    layer.reset_parameters()
+    torch.testing.assert_close(layer._inv_freq, expected, atol=0, rtol=0)
+    reference = _layer(**ROPE_BUFFER)
+    layer.load_state_dict(reference.state_dict())
+    x = _randn(2, 5, E, seed=4)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x, causal=True), reference(x, causal=True), atol=0, rtol=0)
