@@ -137,15 +137,15 @@ def _check_variants(
     window = None if window is None else _positive_int("window", window)
     rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
     _rotary_dim(rope_fraction, head_dim, rope_theta is not None)  # checks rope_fraction
-    rope_interleaved = _flag("rope_interleaved", rope_interleaved)
     rope_scaling = _check_rope_scaling(rope_scaling)
     if qk_norm not in (None, "head", "all"):
         raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
     qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
     qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
+    rope_interleaved, sinks = _flag("rope_interleaved", rope_interleaved), _flag("sinks", sinks)  # the flags last
     return _Variants(
         scale, softcap, window, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling, qk_norm,
-        qk_norm_eps, _flag("sinks", sinks),
+        qk_norm_eps, sinks,
     )  # fmt: skip
 
 
