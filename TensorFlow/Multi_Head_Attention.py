@@ -1231,21 +1231,25 @@ def _write_variables(cache, k, v, key_mask, misfit):
     """`_write_cache` on an in-place cache: its variables written where they lie, with no copy of
     the cache per step; nothing is written when the tokens do not fit (`misfit`, only ever True
     under XLA). Returns the same cache."""
-    handles, dtypes = tuple(field.handle for field in cache), tuple(field.dtype for field in cache)
-    _write_compiled(handles, dtypes, k, v, key_mask, misfit)
+    handles = tuple(field.handle for field in cache)
+    fields = tuple((field.dtype, tuple(field.shape)) for field in cache)
+    _write_compiled(handles, fields, k, v, key_mask, misfit)
     return cache
 
 
 @tf.function(jit_compile=True, reduce_retracing=True)
-def _write_compiled(handles, dtypes, k, v, key_mask, misfit):
+def _write_compiled(handles, fields, k, v, key_mask, misfit):
     """The write, compiled with XLA, which updates the variables where they lie, in eager mode
     and in any graph (TensorFlow's own scatter ops on a variable that is also read cost a copy
-    of the whole cache per step). It takes the variables' handles: variables passed from one
-    traced function into another are not the caller's."""
+    of the whole cache per step). It takes the variables' handles (variables passed from one
+    traced function into another are not the caller's), and their dtypes and shapes, which key
+    its traces: a read takes its static shape from the handle it was traced with."""
 
     def write():
-        fields = (tf.raw_ops.ReadVariableOp(resource=h, dtype=d) for h, d in zip(handles, dtypes, strict=True))
-        for handle, value in zip(handles, _write_cache(KVCache(*fields), k, v, key_mask), strict=True):
+        fields_read = (
+            tf.raw_ops.ReadVariableOp(resource=h, dtype=d) for h, (d, _) in zip(handles, fields, strict=True)
+        )
+        for handle, value in zip(handles, _write_cache(KVCache(*fields_read), k, v, key_mask), strict=True):
             tf.raw_ops.AssignVariableOp(resource=handle, value=value)
         return tf.no_op()
 
