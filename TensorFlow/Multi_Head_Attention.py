@@ -16,13 +16,17 @@ The math, for query head n (which reads key/value head n // (N // K)):
     context[n] = weights[n] @ v[n // G]                         (B, N, T, H)
     output = concat_heads(context) @ output_kernel + output_bias
 
-Variants, each off by default and each one small step of the call (docs/SPEC.md, "Order of
-the steps"): `bias` per projection, `scale` (default 1 / sqrt(H)), `softcap` (scores become
-c * tanh(scores / c)), `window` (query t keeps key s only if s > t + (S - T) - W), RoPE
-(`rope_theta`, `rope_fraction`, `rope_interleaved`, `rope_scaling`; `positions` in the call),
-`qk_norm` (RMSNorm of q and k per head or over all heads) and `sinks` (a learned logit per
-head in the softmax's denominator). Call arguments `attention_bias` (added to the scores, with
-a gradient; see `alibi_bias`), `key_mask` (B, S) and `query_mask` (B, T).
+The steps of `call` (docs/SPEC.md, "Order of the steps"): 1. defaults and checks, the masks
+combined into one keep and one bias; 2. projections; 3. QK-norm; 4. RoPE; 5. KV cache write;
+6. attention; 7. heads merged and the output projection.
+
+Variants, each off by default and each one small step of the call: `bias` per projection, `scale`
+(default 1 / sqrt(H)), `softcap` (scores become c * tanh(scores / c)), `window` (query t keeps key
+s only if s > t + (S - T) - W), RoPE (`rope_theta`, `rope_fraction`, `rope_interleaved`,
+`rope_scaling`; `positions` in the call), `qk_norm` (RMSNorm of q and k per head or over all
+heads) and `sinks` (a learned logit per head in the softmax's denominator). Call arguments
+`attention_bias` (added to the scores, with a gradient; see `alibi_bias`), `key_mask` (B, S) and
+`query_mask` (B, T).
 
 Masks: a boolean `attention_mask` is True where a query may attend a key; a floating one is
 added to the scores, read in its own dtype: a value at or below the lowest finite value of its
@@ -36,29 +40,21 @@ is `output_bias`: never NaN. Example, a key padding mask for keys [a, b, <pad>]:
     keep = tf.constant([[True, True, False]])        # (B, S)
     layer(x, key_mask=keep)                           # or attention_mask=keep[:, None, :]
 
-Decoding with a KV cache: `cache = layer.init_cache(B, L)`, then `output, cache = layer(x,
-cache=cache)` for a prompt (T > 1) and then one token at a time (T = 1). The keys (rotated by
-RoPE) and values of the T new tokens are written to slots [index, index + T), and query t
-attends slot s iff s < index + T, keep[b, s], (not causal or s <= index + t), (no window or
-s > index + t - window) and `attention_mask` (given over L) keeps it. Token-by-token equals the
-full causal pass. With a `window` W the cache rolls: position p goes to slot p mod L, so L >= W
-slots decode any number of tokens (a call that wraps, index + T > L, needs L >= W + T - 1), and
-slot s is read as the last position written there. This layer is functional: it returns a new
-cache (a nest of tensors, so it can be a `tf.while_loop` variable), and `key_mask` and the keys'
-implicit Keras mask go into the new cache's `keep` (ANDed on the first lap, in its place after).
-`init_cache(B, L, in_place=True)` makes a cache of `tf.Variable`s that each call writes in place
-instead, with no copy of the cache per step (a compiled step then returns only its output).
-
 Weights: `query_kernel` (E, N*H), `query_bias` (N*H,), `key_kernel` (kdim, K*H), ...,
 `output_kernel` (N*H, E), `output_bias` (E,), `query_norm`, `key_norm` and `sinks` (N,): the
-portable layout itself, created in `build`.
+portable layout itself, created in `build`. `layer.quantize("int8")` makes each kernel int8
+with a float32 `<kind>_kernel_scale` per output column (Keras' int8 `Dense` scheme).
 
-int8: `layer.quantize("int8")` or `model.quantize("int8")` (Keras' quantization API, policy
-"int8_from_<policy>", `.keras` save and load) makes each kernel an int8 variable with a float32
-`<kind>_kernel_scale` per output column, and quantizes each projection's input per token at every
-call, as Keras' int8 `Dense` does: y = (quantize(x) @ kernel) * x_scale * kernel_scale + bias.
+Decoding with a KV cache: `cache = layer.init_cache(B, L)`, then `output, cache = layer(x,
+cache=cache)` for a prompt and then one token at a time. The keys (rotated by RoPE) and values
+of the T new tokens are written to slots [index, index + T) (slot p mod L with a `window`: the
+cache rolls), and query t attends slot s iff s < index + T, keep[b, s], (not causal or
+s <= index + t), (no window or s > index + t - window) and `attention_mask` (given over L) keeps
+it. The cache is functional (a nest of tensors); `init_cache(B, L, in_place=True)` makes one of
+`tf.Variable`s, written in place.
 """
 
+import functools
 import math
 import warnings
 from typing import NamedTuple
@@ -124,15 +120,54 @@ class KVCache(NamedTuple):
     index: tf.Tensor
 
 
+# -------------------------------------------------------------------------------------------------
+# Variants: the constructor's arguments checked into one record
+# -------------------------------------------------------------------------------------------------
+
+
+class _Variants(NamedTuple):
+    """The variants of a layer, checked (`_check_variants`); `scale` is never None."""
+
+    scale: float
+    softcap: float | None
+    window: int | None
+    rope_theta: float | None
+    rope_fraction: float
+    rope_interleaved: bool
+    rope_scaling: dict | None
+    qk_norm: str | None
+    qk_norm_eps: float
+    sinks: bool
+
+
+def _check_variants(
+    head_dim, scale, softcap, window, rope_theta, rope_fraction, rope_interleaved, rope_scaling, qk_norm, qk_norm_eps,
+    sinks,
+):  # fmt: skip
+    """The variant arguments of the constructor checked (a ValueError names the first bad one)
+    into a `_Variants`; `scale` None becomes 1 / sqrt(H)."""
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float("scale", scale)
+    softcap = _positive_float("softcap", softcap, optional=True)
+    window = None if window is None else _positive_int("window", window)
+    rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
+    _rotary_dim(rope_fraction, head_dim, rope_theta is not None)
+    rope_scaling = _check_rope_scaling(rope_scaling)
+    if qk_norm not in (None, "head", "all"):
+        raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
+    qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
+    qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
+    rope_interleaved = _flag("rope_interleaved", rope_interleaved)
+    sinks = _flag("sinks", sinks)
+    return _Variants(
+        scale, softcap, window, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling, qk_norm, qk_norm_eps,
+        sinks,
+    )  # fmt: skip
+
+
 def _positive_int(name, value):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
     return int(value)
-
-
-def _is_positive_number(value):
-    number = not isinstance(value, (bool, np.bool_)) and isinstance(value, (int, float, np.integer, np.floating))
-    return number and math.isfinite(value) and value > 0
 
 
 def _positive_float(name, value, optional=False):
@@ -144,6 +179,11 @@ def _positive_float(name, value, optional=False):
             f"`{name}` must be {'None or ' if optional else ''}a positive float. Received: {name}={value!r}"
         )
     return float(value)
+
+
+def _is_positive_number(value):
+    number = not isinstance(value, (bool, np.bool_)) and isinstance(value, (int, float, np.integer, np.floating))
+    return number and math.isfinite(value) and value > 0
 
 
 def _flag(name, value):
@@ -222,17 +262,347 @@ def _valid_yarn(scaling):
     return truncate and (scaling.get("beta_fast") or 32) >= (scaling.get("beta_slow") or 1)
 
 
+# -------------------------------------------------------------------------------------------------
+# Step 1: defaults and checks of a call
+# -------------------------------------------------------------------------------------------------
+
+
+class _Call(NamedTuple):
+    """A call's arguments, checked and defaulted by `_check_call` (docs/SPEC.md, "Call")."""
+
+    query: tf.Tensor  # (B, T, E), checked and cast to the compute dtype
+    key: tf.Tensor  # (B, S, kdim)
+    value: tf.Tensor  # (B, S, vdim)
+    attention_mask: tf.Tensor | None  # after the `mask=` alias, checked, rank 4 (dims may be 1)
+    attention_bias: tf.Tensor | None  # checked, floating, rank 4 (dims may be 1)
+    key_mask: tf.Tensor | None  # (B, S): after the self-attention default and implicit Keras masks
+    query_mask: tf.Tensor | None  # (B, T), ANDed with the query's implicit Keras mask
+    positions: tf.Tensor | None  # (B|1, T) integers, or None without RoPE
+    causal: bool  # the cache step replaces it by False once folded into keep
+    window: int | None  # self.window; the cache step replaces it by None once folded into keep
+    return_attention: bool
+    cache: KVCache | None  # the cache step replaces it by the written cache
+    training: bool | None  # the call's training flag
+    fuse: bool  # q, k and v may come from one matmul (self-attention without a cache)
+
+
+def _inputs(query, key, value):
+    """The missing inputs (docs/SPEC.md, "Call"): neither key nor value -> self-attention on
+    `query`; only `key` -> `value = key`; only `value` -> `key = value`. Returns key, value."""
+    key = value if key is None else key
+    key = query if key is None else key
+    value = key if value is None else value
+    return key, value
+
+
+def _check_input(name, x, width_name, width):
+    """Checks one (B, L, width) input; dimensions unknown at trace time are not checked."""
+    x = tf.convert_to_tensor(x)
+    if not x.dtype.is_floating:
+        raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={x.dtype.name}")
+    letter = "T" if name == "query" else "S"
+    shape = _static_shape(x)
+    if shape is not None and (len(shape) != 3 or shape[-1] not in (None, width)):
+        raise ValueError(
+            f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
+            f"Received: {name}.shape={shape}"
+        )
+    return x
+
+
+def _check_lengths(query, key, value):
+    q, k, v = (tuple(x.shape) for x in (query, key, value))
+    if _differ(q[0], k[0], v[0]):
+        raise ValueError(
+            "`query`, `key` and `value` must have the same batch size B. Received: "
+            f"query.shape={q}, key.shape={k}, value.shape={v}"
+        )
+    if _differ(k[1], v[1]):
+        raise ValueError(f"`key` and `value` must have the same length S. Received: key.shape={k}, value.shape={v}")
+
+
+def _check_dtypes(query, key, value):
+    """`query`, `key` and `value` (as passed, before any cast) share one floating dtype; checked
+    only where all three are floating (an integer input gets its own error in `call`)."""
+    key, value = _inputs(query, key, value)
+    dtypes = [_dtype_of(x) for x in (query, key, value)]
+    if all(d.is_floating for d in dtypes) and len(set(dtypes)) > 1:
+        a, b, c = (d.name for d in dtypes)
+        raise ValueError(
+            "`query`, `key` and `value` must have the same dtype. "
+            f"Received: query.dtype={a}, key.dtype={b}, value.dtype={c}"
+        )
+
+
+def _check_token_mask(name, mask, batch, length, letter):
+    """Checks a (B, T) `query_mask` or (B, S) `key_mask` / `value_mask`; dimensions unknown at
+    trace time are not checked."""
+    if mask is None:
+        return None
+    mask = tf.convert_to_tensor(mask)
+    shape = _static_shape(mask)
+    if (
+        mask.dtype != tf.bool
+        or shape is None
+        or len(shape) != 2
+        or _differ(shape[0], batch)
+        or _differ(shape[1], length)
+    ):
+        raise ValueError(
+            f"`{name}` must be a boolean tensor of shape (B, {letter})=({batch}, {length}). "
+            f"Received: {name}.shape={shape}, {name}.dtype={mask.dtype.name}"
+        )
+    return mask
+
+
+def _check_positions(positions, b, t):
+    """Checks integer (B, T) or (T,) `positions` (dimensions unknown at trace time are not
+    checked) and returns them as (B, T) or (1, T)."""
+    positions = tf.convert_to_tensor(positions)
+    shape = _static_shape(positions)
+    dims = {1: (t,), 2: (b, t)}.get(None if shape is None else len(shape))
+    expected = dims is not None and not any(_differ(d, e) for d, e in zip(shape, dims, strict=True))
+    if not positions.dtype.is_integer or not expected:
+        raise ValueError(
+            f"`positions` must be an integer tensor of shape (B, T) or (T,) with B={b}, T={t}. "
+            f"Received: positions.shape={shape}, positions.dtype={positions.dtype.name}"
+        )
+    return positions[None] if len(shape) == 1 else positions  # (T,) -> (1, T)
+
+
+def _attention_mask(attention_mask, mask):
+    """`mask=` is another name for `attention_mask` (the seed usage `layer(q, k, v, mask=None)`)."""
+    if mask is None:
+        return attention_mask
+    if attention_mask is not None:
+        raise ValueError(
+            "Pass the attention mask as `attention_mask` or as `mask`, not both. Received: attention_mask and mask"
+        )
+    return mask
+
+
+def _values_readable(*tensors):
+    """Whether tensor values can be read here for free: eagerly (not in a graph, not under XLA),
+    and only on the CPU (reading a GPU tensor waits for the device)."""
+    return tf.executing_eagerly() and all("CPU" in x.device.upper() for x in tensors)
+
+
+def _mask_traps(attention_mask, key_mask, t, s):
+    """The built-in layers' habits that the masks' values suggest (docs/SPEC.md, Masks), as
+    {kind: message}; the call computes what the SPEC says either way."""
+    traps = {}
+    for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
+        if mask is not None and mask.dtype == tf.bool and _keeps_nothing(mask):
+            traps[name] = _EMPTY_MASK.format(name=name)
+    boolean = attention_mask is not None and attention_mask.dtype == tf.bool
+    if boolean and "attention_mask" not in traps and _keeps_only_later(attention_mask, t, s):
+        traps["causal"] = _CAUSAL_TRAP
+    empty = 0 if key_mask is None or "key_mask" in traps else _inverted_padding(key_mask)
+    if empty:
+        traps["padding"] = _PADDING_TRAP.format(empty=empty, b=key_mask.shape[0])
+    if attention_mask is not None and attention_mask.dtype.is_floating and _zeros_and_ones(attention_mask):
+        traps["zeros and ones"] = _ZEROS_AND_ONES
+    return traps
+
+
+def _keeps_nothing(mask):
+    """A boolean mask False everywhere (nn.MultiheadAttention's True = ignore, nothing padded)."""
+    return int(tf.size(mask)) > 0 and not bool(tf.reduce_any(mask))
+
+
+def _keeps_only_later(mask, t, s):
+    """A square (T == S) boolean mask that keeps keys only after each query, none where `causal`
+    keeps one (nn.MultiheadAttention's causal `attn_mask`, `triu(ones, 1)`)."""
+    return int(tf.size(mask)) > 0 and t == s > 0 and not bool(tf.reduce_any(mask & causal_mask(t, s)))
+
+
+def _inverted_padding(key_mask):
+    """The rows keeping no key of a (B, S) `key_mask` that reads as nn.MultiheadAttention's
+    `key_padding_mask` (True = padding): every row False then True, some row keeping no key and
+    none keeping all (left padding has its longest sequence all True); else 0."""
+    kept = tf.reduce_sum(tf.cast(key_mask, tf.int32), -1)  # (B,)
+    ordered = bool(tf.reduce_all(tf.cast(key_mask[:, 1:], tf.int8) >= tf.cast(key_mask[:, :-1], tf.int8)))
+    full = bool(tf.reduce_any(kept == key_mask.shape[1]))
+    return 0 if not ordered or full else int(tf.reduce_sum(tf.cast(kept == 0, tf.int32)))
+
+
+def _zeros_and_ones(mask):
+    """A floating mask of only 0s and 1s, some 1 (a Keras mask, which Keras reads as boolean)."""
+    ones = mask == 1
+    return bool(tf.reduce_all(ones | (mask == 0))) and bool(tf.reduce_any(ones))
+
+
+# -------------------------------------------------------------------------------------------------
+# Step 1: masks, combined into one keep and one bias
+# -------------------------------------------------------------------------------------------------
+
+
+def _mask_to_4d(mask, target, name, dtype):
+    """Checks `attention_mask` (boolean or floating) or `attention_bias` (floating) against
+    target (B, N, T, S) and returns it as a rank-4 tensor (None stays None); dimensions unknown at
+    trace time are not checked. A floating one wider than the softmax's `dtype` is cast to it
+    first: the cast saturates every value below that dtype's range to -inf, which removes, as the
+    floating mask rule does; and LiteRT has no float64 comparisons."""
+    if mask is None:
+        return None
+    mask = tf.convert_to_tensor(mask)
+    if name == "attention_bias" and not mask.dtype.is_floating:
+        raise ValueError(f"`attention_bias` must be floating. Received: attention_bias.dtype={mask.dtype.name}")
+    if mask.dtype != tf.bool and not mask.dtype.is_floating:
+        raise ValueError(
+            f"`{name}` must be boolean (True = attend; for a 0/1 integer mask pass `mask > 0`) or floating. "
+            f"Received: {name}.dtype={mask.dtype.name}"
+        )
+    if mask.dtype.is_floating and mask.dtype.size > tf.as_dtype(dtype).size:
+        mask = tf.cast(mask, dtype)  # float64 -> float32
+    rank = mask.shape.rank
+    expected = {2: target[2:], 3: (target[0], *target[2:]), 4: target}.get(rank)
+    if expected is None or any(
+        m not in (1, e) and None not in (m, e) for m, e in zip(mask.shape, expected, strict=True)
+    ):
+        raise ValueError(
+            f"`{name}` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
+            f"(B, N, T, S), each dimension full or 1. Expected: (B, N, T, S)={target}. "
+            f"Received: {name}.shape={_static_shape(mask)}"
+        )
+    if rank == 2:
+        return mask[None, None]  # (T, S) -> (1, 1, T, S)
+    if rank == 3:
+        return mask[:, None]  # (B, T, S) -> (B, 1, T, S)
+    return mask
+
+
+def causal_mask(t, s):
+    """(T, S) boolean mask: query t keeps key s iff s <= t + (S - T) (bottom-right aligned)."""
+    return _position_keep(tf.range(t) + (s - t), s, True, None)
+
+
+def window_mask(t, s, window):
+    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - window (bottom-right aligned)."""
+    return _position_keep(tf.range(t) + (s - t), s, False, window)
+
+
+def _position_keep(positions, s, causal, window):
+    """(R, S) boolean for queries at `positions` (R,) over keys 0 .. S - 1: key s is kept iff
+    s <= position (when causal) and s > position - window (with a window); None if neither."""
+    keys, positions = tf.range(s)[None, :], positions[:, None]  # (1, S), (R, 1)
+    keep = keys <= positions if causal else None
+    return keep if window is None else _and(keep, keys > positions - window)
+
+
+def _split_mask(mask, dtype):
+    """Splits a rank-4 mask (`_mask_to_4d`) into (keep, additive), each None or rank 4, by the
+    floating mask rule: a boolean mask is `keep`; a floating one, read in its own dtype, removes
+    a key where it is -inf or at most max(lowest of its dtype, lowest of float32), and adds every
+    other value in `dtype` (the softmax's, float32 at least). No -inf reaches arithmetic."""
+    if mask is None:
+        return None, None
+    if mask.dtype == tf.bool:
+        return mask, None
+    threshold = tf.constant(max(mask.dtype.min, tf.float32.min), mask.dtype)
+    removed = mask <= threshold  # (B, N, T, S), dims may be 1
+    additive = tf.where(removed, tf.zeros_like(mask), tf.maximum(mask, threshold))  # finite
+    return tf.logical_not(removed), tf.cast(additive, dtype)
+
+
+def _and(a, b):
+    return b if a is None else a if b is None else a & b
+
+
+def _add(a, b):
+    return b if a is None else a if b is None else a + b
+
+
+def _alibi_slopes(num_heads):
+    """Bloom's ALiBi slopes: 2 ** (-8 (n + 1) / N) for N a power of two; otherwise those of the
+    nearest lower power of two followed by every other slope of twice it."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = 2.0 ** (-8.0 * np.arange(1, closest + 1) / closest)
+    extra = 2.0 ** (-4.0 * np.arange(1, 2 * (num_heads - closest), 2) / closest)
+    return np.concatenate([slopes, extra])  # (N,)
+
+
+def alibi_bias(num_heads, positions):
+    """The ALiBi bias `slope[n] * positions[..., s]`, float32, to pass as `attention_bias` (with
+    `causal=True`; Bloom's key positions are `cumsum(key_mask) - 1`).
+
+    Args:
+        num_heads: N.
+        positions: integer (S,) or (B, S) key positions.
+
+    Returns:
+        (1, N, 1, S) for (S,) positions, (B, N, 1, S) for (B, S).
+    """
+    num_heads = _positive_int("num_heads", num_heads)
+    positions = tf.convert_to_tensor(positions)
+    if not positions.dtype.is_integer or positions.shape.rank not in (1, 2):
+        raise ValueError(
+            "`positions` must be an integer tensor of shape (S,) or (B, S). "
+            f"Received: positions.shape={_static_shape(positions)}, positions.dtype={positions.dtype.name}"
+        )
+    positions = positions[None] if positions.shape.rank == 1 else positions  # (S,) -> (1, S)
+    slopes = tf.constant(_alibi_slopes(num_heads), tf.float32)[:, None, None]  # (N, 1, 1)
+    return slopes * tf.cast(positions, tf.float32)[:, None, None, :]  # (B, 1, 1, S) -> (B, N, 1, S)
+
+
+# -------------------------------------------------------------------------------------------------
+# Steps 2 and 3: projections and QK-norm
+# -------------------------------------------------------------------------------------------------
+
+
+def _linear(x, kernel, bias, kernel_scale=None):
+    """(B, L, D) @ (D, F) + (F,) -> (B, L, F) as a 2-D matmul and a bias add, which oneDNN fuses.
+    The weights are read in x's dtype (a no-op inside Keras' `__call__`, which autocasts them).
+    With a `kernel_scale` the kernel is int8 and x is quantized per token (`_int8_matmul`)."""
+    rows = tf.reshape(x, [-1, kernel.shape[0]])  # (B, L, D) -> (B*L, D)
+    if kernel_scale is None:
+        y = tf.matmul(rows, tf.cast(kernel, x.dtype))  # (B*L, D) -> (B*L, F)
+    else:
+        y = _int8_matmul(rows, tf.convert_to_tensor(kernel), tf.cast(kernel_scale, x.dtype))  # -> (B*L, F)
+    y = y if bias is None else tf.nn.bias_add(y, tf.cast(bias, x.dtype))
+    return tf.reshape(y, tf.concat([tf.shape(x)[:2], [kernel.shape[1]]], 0))  # (B*L, F) -> (B, L, F)
+
+
+def rms_norm(x, scale, eps):
+    """RMSNorm over the last axis, `x / sqrt(mean(x ** 2) + eps) * scale`, computed in float32
+    at least and cast back to x's dtype."""
+    dtype = _softmax_dtype(x.dtype)
+    y = tf.cast(x, dtype)
+    y = y * tf.math.rsqrt(tf.reduce_mean(tf.square(y), axis=-1, keepdims=True) + eps) * tf.cast(scale, dtype)
+    return tf.cast(y, x.dtype)
+
+
+# -------------------------------------------------------------------------------------------------
+# Step 4: RoPE
+# -------------------------------------------------------------------------------------------------
+
+
+def rope_frequencies(rotary_dim, theta, scaling=None):
+    """(R/2,) float32 inverse frequencies `theta ** (-2i / R)` of RoPE, rewritten by `scaling`
+    (None, {"rope_type": "linear", "factor": f}, a "llama3" or a "yarn" dict); computed in float64."""
+    inv_freq = float(theta) ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)  # (R/2,)
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        inv_freq = _llama3_frequencies(inv_freq, scaling)
+    elif kind == "yarn":
+        inv_freq = _yarn_frequencies(inv_freq, theta, scaling)
+    return tf.constant(inv_freq, tf.float32)
+
+
 def _llama3_frequencies(inv_freq, scaling):
-    """Llama 3.1's rewrite of the frequencies (transformers' `_compute_llama3_parameters`):
-    long wavelengths divided by `factor`, short ones kept, the ones between interpolated."""
+    """Llama 3.1's rewrite (transformers' `_compute_llama3_parameters`): wavelengths shorter than
+    original_max_position_embeddings / high_freq_factor are kept, those longer than
+    original_max_position_embeddings / low_freq_factor divided by `factor`, the ones between
+    interpolated smoothly."""
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     context = scaling["original_max_position_embeddings"]
     wavelength = 2 * math.pi / inv_freq  # (R/2,)
-    scaled = np.where(wavelength > context / low, inv_freq / factor, inv_freq)
-    smooth = (context / wavelength - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelength >= context / high) & (wavelength <= context / low)
-    return np.where(medium, smoothed, scaled)
+    smooth = (context / wavelength - low) / (high - low)  # (R/2,)
+    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq  # (R/2,)
+    scaled = np.where(wavelength > context / low, inv_freq / factor, smoothed)  # (R/2,)
+    return np.where(wavelength < context / high, inv_freq, scaled)  # (R/2,)
 
 
 def _yarn_correction_dim(rotations, rotary_dim, theta, context):
@@ -285,20 +655,6 @@ def scale_rotated(x, rotary_dim, factor):
     return tf.concat([x[..., :rotary_dim] * factor, x[..., rotary_dim:]], axis=-1)  # (B, heads, T, H)
 
 
-def rope_frequencies(rotary_dim, theta, scaling=None):
-    """(R/2,) float32 inverse frequencies `theta ** (-2i / R)` of RoPE, rewritten by `scaling`
-    (None, {"rope_type": "linear", "factor": f}, a "llama3" or a "yarn" dict); computed in float64."""
-    inv_freq = float(theta) ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)  # (R/2,)
-    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
-    if kind == "linear":
-        inv_freq = inv_freq / scaling["factor"]
-    elif kind == "llama3":
-        inv_freq = _llama3_frequencies(inv_freq, scaling)
-    elif kind == "yarn":
-        inv_freq = _yarn_frequencies(inv_freq, theta, scaling)
-    return tf.constant(inv_freq, tf.float32)
-
-
 def apply_rope(x, positions, inv_freq, interleaved):
     """Rotates the first R = 2 * len(inv_freq) features of each head of x.
 
@@ -325,6 +681,21 @@ def apply_rope(x, positions, inv_freq, interleaved):
     return tf.concat([turned, x[..., rotary_dim:]], axis=-1)  # (B, heads, T, H)
 
 
+def _turn(x, cos, sin, interleaved):
+    """x * cos + swapped * sin = (x1 cos - x2 sin, x2 cos + x1 sin) for every pair, with cos on
+    both features and (-sin, sin) on the pair. A rotation: its gradient, cos * g + swap(sin * g),
+    turns back by the same angles (cheaper than differentiating the swap)."""
+
+    @tf.custom_gradient
+    def turn(x):
+        def grad(upstream):
+            return upstream * cos + _swap_pairs(upstream * sin, interleaved)
+
+        return x * cos + _swap_pairs(x, interleaved) * sin, grad
+
+    return turn(x)
+
+
 def _on_pairs(first, second, interleaved):
     """Two (..., R/2) values of each pair -> (..., R): on its first and on its second feature."""
     if interleaved:
@@ -342,203 +713,9 @@ def _swap_pairs(x, interleaved):
     return tf.concat([x[..., half:], x[..., :half]], axis=-1)  # (..., R): the halves swapped (LiteRT has no roll)
 
 
-def _turn(x, cos, sin, interleaved):
-    """x * cos + swapped * sin = (x1 cos - x2 sin, x2 cos + x1 sin) for every pair, with cos on
-    both features and (-sin, sin) on the pair. A rotation: its gradient, cos * g + swap(sin * g),
-    turns back by the same angles (cheaper than differentiating the swap)."""
-
-    @tf.custom_gradient
-    def turn(x):
-        def grad(upstream):
-            return upstream * cos + _swap_pairs(upstream * sin, interleaved)
-
-        return x * cos + _swap_pairs(x, interleaved) * sin, grad
-
-    return turn(x)
-
-
-def rms_norm(x, scale, eps):
-    """RMSNorm over the last axis, `x / sqrt(mean(x ** 2) + eps) * scale`, computed in float32
-    at least and cast back to x's dtype."""
-    dtype = _softmax_dtype(x.dtype)
-    y = tf.cast(x, dtype)
-    y = y * tf.math.rsqrt(tf.reduce_mean(tf.square(y), axis=-1, keepdims=True) + eps) * tf.cast(scale, dtype)
-    return tf.cast(y, x.dtype)
-
-
-def _alibi_slopes(num_heads):
-    """Bloom's ALiBi slopes: 2 ** (-8 (n + 1) / N) for N a power of two; otherwise those of the
-    nearest lower power of two followed by every other slope of twice it."""
-    closest = 2 ** math.floor(math.log2(num_heads))
-    slopes = 2.0 ** (-8.0 * np.arange(1, closest + 1) / closest)
-    extra = 2.0 ** (-4.0 * np.arange(1, 2 * (num_heads - closest), 2) / closest)
-    return np.concatenate([slopes, extra])  # (N,)
-
-
-def alibi_bias(num_heads, positions):
-    """The ALiBi bias `slope[n] * positions[..., s]`, float32, to pass as `attention_bias` (with
-    `causal=True`; Bloom's key positions are `cumsum(key_mask) - 1`).
-
-    Args:
-        num_heads: N.
-        positions: integer (S,) or (B, S) key positions.
-
-    Returns:
-        (1, N, 1, S) for (S,) positions, (B, N, 1, S) for (B, S).
-    """
-    num_heads = _positive_int("num_heads", num_heads)
-    positions = tf.convert_to_tensor(positions)
-    if not positions.dtype.is_integer or positions.shape.rank not in (1, 2):
-        raise ValueError(
-            "`positions` must be an integer tensor of shape (S,) or (B, S). "
-            f"Received: positions.shape={_static_shape(positions)}, positions.dtype={positions.dtype.name}"
-        )
-    positions = positions[None] if positions.shape.rank == 1 else positions  # (S,) -> (1, S)
-    slopes = tf.constant(_alibi_slopes(num_heads), tf.float32)[:, None, None]  # (N, 1, 1)
-    return slopes * tf.cast(positions, tf.float32)[:, None, None, :]  # (B, 1, 1, S) -> (B, N, 1, S)
-
-
-def _static_shape(x):
-    return tuple(x.shape) if x.shape.rank is not None else None
-
-
-def _dtype_of(x):
-    return tf.as_dtype(x.dtype) if hasattr(x, "dtype") else tf.convert_to_tensor(x).dtype
-
-
-def _check_dtypes(query, key, value):
-    """`query`, `key` and `value` (as passed, before any cast) share one floating dtype; checked
-    only where all three are floating (an integer input gets its own error in `call`)."""
-    key = value if key is None else key
-    key = query if key is None else key
-    value = key if value is None else value
-    dtypes = [_dtype_of(x) for x in (query, key, value)]
-    if all(d.is_floating for d in dtypes) and len(set(dtypes)) > 1:
-        a, b, c = (d.name for d in dtypes)
-        raise ValueError(
-            "`query`, `key` and `value` must have the same dtype. "
-            f"Received: query.dtype={a}, key.dtype={b}, value.dtype={c}"
-        )
-
-
-def _check_input(name, x, width_name, width):
-    """Checks one (B, L, width) input; dimensions unknown at trace time are not checked."""
-    x = tf.convert_to_tensor(x)
-    if not x.dtype.is_floating:
-        raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={x.dtype.name}")
-    letter = "T" if name == "query" else "S"
-    shape = _static_shape(x)
-    if shape is not None and (len(shape) != 3 or shape[-1] not in (None, width)):
-        raise ValueError(
-            f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
-            f"Received: {name}.shape={shape}"
-        )
-    return x
-
-
-def _differ(*dims):
-    known = {d for d in dims if d is not None}
-    return len(known) > 1
-
-
-def _check_lengths(query, key, value):
-    q, k, v = (tuple(x.shape) for x in (query, key, value))
-    if _differ(q[0], k[0], v[0]):
-        raise ValueError(
-            "`query`, `key` and `value` must have the same batch size B. Received: "
-            f"query.shape={q}, key.shape={k}, value.shape={v}"
-        )
-    if _differ(k[1], v[1]):
-        raise ValueError(f"`key` and `value` must have the same length S. Received: key.shape={k}, value.shape={v}")
-
-
-def _keras_mask(x):
-    """The implicit Keras mask a tensor carries (`Embedding(mask_zero=True)`), as boolean, or None."""
-    mask = getattr(x, "_keras_mask", None)
-    return None if mask is None else tf.cast(mask, tf.bool)
-
-
-def _check_token_mask(name, mask, batch, length, letter):
-    """Checks a (B, T) `query_mask` or (B, S) `key_mask` / `value_mask`; dimensions unknown at
-    trace time are not checked."""
-    if mask is None:
-        return None
-    mask = tf.convert_to_tensor(mask)
-    shape = _static_shape(mask)
-    if (
-        mask.dtype != tf.bool
-        or shape is None
-        or len(shape) != 2
-        or _differ(shape[0], batch)
-        or _differ(shape[1], length)
-    ):
-        raise ValueError(
-            f"`{name}` must be a boolean tensor of shape (B, {letter})=({batch}, {length}). "
-            f"Received: {name}.shape={shape}, {name}.dtype={mask.dtype.name}"
-        )
-    return mask
-
-
-def _values_readable(*tensors):
-    """Whether tensor values can be read here for free: eagerly (not in a graph, not under XLA),
-    and only on the CPU (reading a GPU tensor waits for the device)."""
-    return tf.executing_eagerly() and all("CPU" in x.device.upper() for x in tensors)
-
-
-def _attention_mask(attention_mask, mask):
-    """`mask=` is another name for `attention_mask` (the seed usage `layer(q, k, v, mask=None)`)."""
-    if mask is None:
-        return attention_mask
-    if attention_mask is not None:
-        raise ValueError(
-            "Pass the attention mask as `attention_mask` or as `mask`, not both. Received: attention_mask and mask"
-        )
-    return mask
-
-
-def _mask_traps(attention_mask, key_mask, t, s):
-    """The built-in layers' habits that the masks' values suggest (docs/SPEC.md, Masks), as
-    {kind: message}; the call computes what the SPEC says either way."""
-    traps = {}
-    for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
-        if mask is not None and mask.dtype == tf.bool and _keeps_nothing(mask):
-            traps[name] = _EMPTY_MASK.format(name=name)
-    boolean = attention_mask is not None and attention_mask.dtype == tf.bool
-    if boolean and "attention_mask" not in traps and _keeps_only_later(attention_mask, t, s):
-        traps["causal"] = _CAUSAL_TRAP
-    empty = 0 if key_mask is None or "key_mask" in traps else _inverted_padding(key_mask)
-    if empty:
-        traps["padding"] = _PADDING_TRAP.format(empty=empty, b=key_mask.shape[0])
-    if attention_mask is not None and attention_mask.dtype.is_floating and _zeros_and_ones(attention_mask):
-        traps["zeros and ones"] = _ZEROS_AND_ONES
-    return traps
-
-
-def _keeps_nothing(mask):
-    """A boolean mask False everywhere (nn.MultiheadAttention's True = ignore, nothing padded)."""
-    return int(tf.size(mask)) > 0 and not bool(tf.reduce_any(mask))
-
-
-def _keeps_only_later(mask, t, s):
-    """A square (T == S) boolean mask that keeps keys only after each query, none where `causal`
-    keeps one (nn.MultiheadAttention's causal `attn_mask`, `triu(ones, 1)`)."""
-    return int(tf.size(mask)) > 0 and t == s > 0 and not bool(tf.reduce_any(mask & causal_mask(t, s)))
-
-
-def _inverted_padding(key_mask):
-    """The rows keeping no key of a (B, S) `key_mask` that reads as nn.MultiheadAttention's
-    `key_padding_mask` (True = padding): every row False then True, some row keeping no key and
-    none keeping all (left padding has its longest sequence all True); else 0."""
-    kept = tf.reduce_sum(tf.cast(key_mask, tf.int32), -1)  # (B,)
-    ordered = bool(tf.reduce_all(tf.cast(key_mask[:, 1:], tf.int8) >= tf.cast(key_mask[:, :-1], tf.int8)))
-    full = bool(tf.reduce_any(kept == key_mask.shape[1]))
-    return 0 if not ordered or full else int(tf.reduce_sum(tf.cast(kept == 0, tf.int32)))
-
-
-def _zeros_and_ones(mask):
-    """A floating mask of only 0s and 1s, some 1 (a Keras mask, which Keras reads as boolean)."""
-    ones = mask == 1
-    return bool(tf.reduce_all(ones | (mask == 0))) and bool(tf.reduce_any(ones))
+# -------------------------------------------------------------------------------------------------
+# Step 5: the KV cache
+# -------------------------------------------------------------------------------------------------
 
 
 def _check_cache(cache, query, key, heads, head_dim):
@@ -578,13 +755,6 @@ def _check_cache_dtype(cache, dtype):
         )
 
 
-def _cache_full_error(index, t, length):
-    return ValueError(
-        f"`cache` is full: index + T must be <= L (call `init_cache` with a larger `max_length`). "
-        f"Received: index={index}, T={t}, L={length}"
-    )
-
-
 def _check_keep(keep, batch_size, max_length):
     """Checks the (B, L) boolean `keep` of `init_cache`."""
     keep = tf.convert_to_tensor(keep)
@@ -596,44 +766,35 @@ def _check_keep(keep, batch_size, max_length):
     return keep
 
 
+def _check_room(index, t, length, window):
+    """Whether the T new tokens do not fit, as a () boolean tensor: without a window index + T must
+    be <= L; with one the cache rolls, and a call that wraps must leave its first query's keys in
+    place (L >= window + T - 1). Eagerly a misfit is a ValueError; in a graph an
+    InvalidArgumentError (XLA ignores it, and the caller sets that call's output to NaN)."""
+    misfit = index + t > length  # ()
+    if window is not None:
+        misfit = misfit & (length < window + t - 1)  # ()
+    error, first = (_cache_full_error, index) if window is None else (_cache_too_short_error, window)
+    if tf.executing_eagerly() and bool(misfit):
+        raise error(int(first), int(t), int(length))
+    if not tf.executing_eagerly():  # the error's text, then its numbers
+        tf.debugging.Assert(~misfit, [str(error("{}", "{}", "{}")), first, t, length])
+    return misfit
+
+
+def _cache_full_error(index, t, length):
+    return ValueError(
+        f"`cache` is full: index + T must be <= L (call `init_cache` with a larger `max_length`). "
+        f"Received: index={index}, T={t}, L={length}"
+    )
+
+
 def _cache_too_short_error(window, t, length):
     return ValueError(
         "`cache` rolls with `window`: a call that wraps around it (index + T > L) needs L >= window + T - 1 "
         f"(call `init_cache` with a larger `max_length`, or decode in shorter chunks). "
         f"Received: window={window}, T={t}, L={length}"
     )
-
-
-def _check_room(cache, t, window):
-    """Whether the T new tokens do not fit, as a boolean tensor: without a window index + T must be
-    <= L; with one the cache rolls, and a call that wraps must leave its first query's keys in
-    place (L >= window + T - 1). Eagerly a misfit is a ValueError; in a graph an
-    InvalidArgumentError (XLA ignores it, and the caller sets that call's output to NaN)."""
-    index, length = cache.index, _cache_length(cache)
-    misfit = index + t > length  # ()
-    if window is not None:
-        misfit = misfit & (length < window + t - 1)  # ()
-    if tf.executing_eagerly() and bool(misfit):
-        if window is None:
-            raise _cache_full_error(int(index), int(t), int(length))
-        raise _cache_too_short_error(window, int(t), int(length))
-    if not tf.executing_eagerly():
-        tf.debugging.Assert(~misfit, _room_message(window, index, t, length))
-    return misfit
-
-
-def _cache_length(cache):
-    """L, static where it is known (`tf.shape` of an in-place cache's variable reads all of it)."""
-    length = cache.key.shape[2]
-    return tf.shape(cache.key)[2] if length is None else length
-
-
-def _room_message(window, index, t, length):
-    """The data of the graph's assertion that the T new tokens fit: the rule, then its numbers."""
-    if window is None:
-        return ["`cache` is full: index + T must be <= L (index, T, L follow)", index, t, length]
-    rule = "`cache` rolls with `window`: a call that wraps around it (index + T > L) needs L >= window + T - 1"
-    return [f"{rule} (window, T, L follow)", window, t, length]
 
 
 def _slot_positions(length, last):
@@ -643,21 +804,14 @@ def _slot_positions(length, last):
     return slots + length * tf.math.floordiv(last - slots, length)  # (L,)
 
 
-def _held_positions(length, last, window):
-    """(1, L) the position p(s) each slot holds once positions up to `last` are written: the slot
-    itself without a window (the cache does not roll, and the slots past `last` are read as
-    unwritten by the rules of `_cache_keep`), else `_slot_positions`."""
-    if window is None:
-        return tf.range(length)[None, :]  # (1, L)
-    return _slot_positions(length, last)[None, :]  # (1, L)
-
-
 def _cache_keep(keep, index, t, causal, window):
     """(B, L) cache keep -> (B, 1, T, L): slot s holds a written position p(s), is not padding,
     when causal p(s) is at most the query's own position index + t, and with a window W
-    p(s) > index + t - W."""
+    p(s) > index + t - W. Without a window p(s) is s (the cache does not roll, and the slots from
+    index + T on are unwritten)."""
     length = keep.shape[-1] or tf.shape(keep)[-1]  # L, static where known
-    held = _held_positions(length, index + t - 1, window)  # (1, L), p(s)
+    last = index + t - 1  # the last position written
+    held = (tf.range(length) if window is None else _slot_positions(length, last))[None, :]  # (1, L), p(s)
     positions = index + tf.range(t)[:, None]  # (T, 1), the position of each query
     allowed = held <= positions if causal else held < index + t  # (T, L)
     if window is not None:
@@ -665,22 +819,403 @@ def _cache_keep(keep, index, t, causal, window):
     return allowed[None, None] & keep[:, None, None, :]  # (B, 1, T, L)
 
 
-def _write_cache(cache, k, v, key_keep, window):
-    """A new cache with (B, K, T, H) keys and values of positions [index, index + T) written to
-    slots position mod L, and `keep` there: the (B, T) `key_keep` ANDed into it on the first lap
-    (left padding), in its place once a slot holds a new token."""
-    shape, length = tf.shape(k), tf.shape(cache.key)[2]
-    positions = cache.index + tf.range(shape[2])  # (T,)
+def _write_cache(cache, k, v, key_mask):
+    """gpt-fast's `KVCache.update`, rolling: a new cache with the (B, K, T, H) keys and values of
+    positions [index, index + T) in slots position mod L, and `keep` there: the (B, T)
+    `key_mask` ANDed into it on the first lap (left padding), in its place once a slot holds a
+    new token; index + T. An in-place cache takes the same rule (`_write_variables`)."""
+    b, heads, t, length = tf.shape(k)[0], tf.shape(k)[1], tf.shape(k)[2], tf.shape(cache.key)[2]
+    positions = cache.index + tf.range(t)  # (T,)
     slots = tf.math.floormod(positions, length)  # (T,)
-    grid = tf.meshgrid(tf.range(shape[0]), tf.range(shape[1]), slots, indexing="ij")
-    written = tf.stack(grid, axis=-1)  # (B, K, T, 3): (b, head, slot) of every written vector
+    written = tf.stack(tf.meshgrid(tf.range(b), tf.range(heads), slots, indexing="ij"), axis=-1)  # (B, K, T, 3)
+    rows = tf.stack(tf.meshgrid(tf.range(b), slots, indexing="ij"), axis=-1)  # (B, T, 2): (b, slot)
+    new = tf.ones((b, t), tf.bool) if key_mask is None else key_mask  # (B, T)
+    kept = tf.where(positions < length, tf.gather(cache.keep, slots, axis=1) & new, new)  # (B, T)
     key = tf.tensor_scatter_nd_update(cache.key, written, k)  # (B, K, L, H)
     value = tf.tensor_scatter_nd_update(cache.value, written, v)  # (B, K, L, H)
-    new = tf.ones((shape[0], shape[2]), tf.bool) if key_keep is None else key_keep  # (B, T)
-    kept = tf.where(positions < length, tf.gather(cache.keep, slots, axis=1) & new, new)  # (B, T)
-    rows = tf.stack(tf.meshgrid(tf.range(shape[0]), slots, indexing="ij"), axis=-1)  # (B, T, 2): (b, slot)
     keep = tf.tensor_scatter_nd_update(cache.keep, rows, kept)  # (B, L)
-    return KVCache(key, value, keep, cache.index + shape[2])
+    return KVCache(key, value, keep, cache.index + t)
+
+
+# -------------------------------------------------------------------------------------------------
+# Step 6: attention, the reference
+# -------------------------------------------------------------------------------------------------
+
+
+def dot_product_attention(
+    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, sinks=None, dropout=None
+):
+    """Pure attention on split heads; returns (context, weights).
+
+    Args:
+        q: (B, N, T, H) queries.
+        k: (B, K, S, H) keys, K dividing N.
+        v: (B, K, S, H) values.
+        keep: None or boolean, broadcasts to (B, N, T, S); True where a query may attend a key.
+        bias: None or float, broadcasts to (B, N, T, S); added to the (soft-capped) scores.
+        causal: if True, query t keeps key s only if s <= t + (S - T).
+        scale: the factor of the scores; None is 1 / sqrt(H).
+        softcap: None or c: the scaled scores become c * tanh(scores / c).
+        window: None or W: query t keeps key s only if s > t + (S - T) - W.
+        sinks: None or (N,) logits, one per query head, in the softmax's denominator.
+        dropout: None, or a callable applied to the weights before the weighted sum.
+
+    Returns:
+        context (B, N, T, H) and weights (B, N, T, S), exactly 0 where not kept.
+    """
+    t, s = tf.shape(q)[2], tf.shape(k)[2]
+    if causal:
+        keep = _and(keep, causal_mask(t, s))  # (B, N, T, S), dims may be 1
+    if window is not None:
+        keep = _and(keep, window_mask(t, s, window))  # (B, N, T, S), dims may be 1
+    groups = q.shape[1] // k.shape[1]
+    k = tf.repeat(k, groups, axis=1) if groups > 1 else k  # (B, K, S, H) -> (B, N, S, H)
+    v = tf.repeat(v, groups, axis=1) if groups > 1 else v  # (B, K, S, H) -> (B, N, S, H)
+    dtype = _softmax_dtype(q.dtype)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    q = q * tf.constant(scale, q.dtype)  # scale the (B, N, T, H) queries, not the scores (no float32 rounding)
+    scores = _softcap(tf.cast(tf.matmul(q, k, transpose_b=True), dtype), softcap)  # (B, N, T, S)
+    bias = None if bias is None else tf.cast(bias, dtype)
+    bias = bias if sinks is not None else _centre_rows(bias, keep)
+    scores = scores if bias is None else scores + bias  # (B, N, T, S)
+    weights = tf.cast(_masked_softmax(scores, keep, sinks), q.dtype)  # (B, N, T, S)
+    dropped = weights if dropout is None else dropout(weights)
+    context = tf.matmul(dropped, v)  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
+    return context, weights
+
+
+def _softcap(scores, softcap):
+    """Gemma 2's logit soft-capping: scores -> softcap * tanh(scores / softcap)."""
+    return scores if softcap is None else softcap * tf.tanh(scores / softcap)
+
+
+def _masked_softmax(scores, keep, sinks):
+    """Softmax over the last axis of (B, N, T, S) scores, in their dtype: keys not kept removed
+    (filled with the lowest finite value), one sink logit per head (N,) in the denominator (a
+    softmax over [scores, sink] whose sink column is dropped), rows with no key exactly 0."""
+    if keep is not None:
+        scores = tf.where(keep, scores, scores.dtype.min)  # (B, N, T, S)
+    if sinks is None:
+        weights = tf.nn.softmax(scores, axis=-1)  # (B, N, T, S)
+    else:
+        sink = tf.reshape(tf.cast(sinks, scores.dtype), [1, -1, 1, 1])  # (N,) -> (1, N, 1, 1)
+        sink = tf.broadcast_to(sink, tf.concat([tf.shape(scores)[:3], [1]], 0))  # -> (B, N, T, 1)
+        weights = tf.nn.softmax(tf.concat([scores, sink], axis=-1), axis=-1)[..., :-1]  # (B, N, T, S + 1) -> S
+    if keep is not None:
+        weights = tf.where(keep, weights, tf.zeros((), weights.dtype))  # rows with no key are all 0
+    return weights
+
+
+def _softmax_dtype(dtype):
+    """Softmax runs in float32 at least (float64 stays float64)."""
+    return tf.float64 if tf.as_dtype(dtype) == tf.float64 else tf.float32
+
+
+def _centre_rows(bias, keep):
+    """`bias` minus each row's largest value where `keep` holds (rows keeping nothing: unchanged).
+    A per-query constant does not change a softmax without sinks: a row of only large finite
+    penalties (-1e9) stays an ordinary softmax instead of scores rounded away in float32."""
+    if bias is None or keep is None or bias.shape[-1] == 0:
+        return bias
+    lowest = tf.constant(bias.dtype.min, bias.dtype)
+    top = tf.reduce_max(tf.where(keep, bias, lowest), axis=-1, keepdims=True)  # (B, N, T, 1), dims may be 1
+    return bias - tf.where(top == lowest, tf.zeros_like(top), top)  # (B, N, T, S), dims may be 1
+
+
+# -------------------------------------------------------------------------------------------------
+# Step 6: attention, the fast paths
+# -------------------------------------------------------------------------------------------------
+# The memory-efficient path: `dot_product_attention` without the weights, a chunk of queries at a
+# time, forward (`_chunked_forward`) and backward (`_chunked_backward`, the flash-attention
+# backward, which recomputes each chunk's weights), so that memory is linear in T and S.
+
+
+def _memory_efficient_attention(*args, **kwargs):
+    """`_chunked_attention`, run as one graph in eager mode: eager ops would run one at a time, and
+    a GradientTape would record each chunk's, keeping every chunk's scores alive until the gradient."""
+    attention = _chunked_graph if tf.executing_eagerly() else _chunked_attention
+    return attention(*args, **kwargs)
+
+
+class _Chunks(NamedTuple):
+    """What every chunk of `_chunked_attention` reads besides q, k, v and the inputs with a gradient."""
+
+    keep: tf.Tensor | None  # boolean, rank 4, its T dimension 1 or padded to T' = count * size
+    bias: tf.Tensor | None  # the floating mask's additive (no gradient), likewise
+    causal: bool
+    window: int | None
+    softcap: float | None
+    size: int | tf.Tensor  # queries per chunk (a () tensor under XLA with T unknown)
+    count: tf.Tensor  # the number of chunks
+    offset: tf.Tensor  # S - T: causal and window are bottom-right aligned
+    s: tf.Tensor  # S
+    rate: float  # dropout
+    seed: tf.Tensor | None  # (2,) int64
+    dtype: tf.DType  # the softmax's
+    heads: tuple  # (B, N, K, G, H), G = N // K; B and H static where known
+
+
+def _chunked_attention(
+    q, k, v, keep, bias, causal, chunk, dropout_rate=0.0, seed=None, *,
+    scale=None, softcap=None, window=None, sinks=None, attention_bias=None,
+):  # fmt: skip
+    """`dot_product_attention` without the weights, `chunk` queries at a time, in memory linear
+    in T and S: only one chunk's (B, N, chunk, S) scores exist at a time, forward and backward
+    (a custom gradient recomputes them). `bias` (the floating mask) gets no gradient;
+    `attention_bias` (added beside it) and `sinks` do. Dropout draws a stateless mask per chunk
+    from `seed` (shape (2,)), so the backward drops the same weights as the forward.
+
+    Args: as `dot_product_attention`; `chunk` is a Python int (under XLA, a () tensor that XLA
+        folds to a constant).
+
+    Returns:
+        context (B, N, T, H).
+    """
+    b, n, h = (q.shape[i] if q.shape[i] is not None else tf.shape(q)[i] for i in (0, 1, 3))  # static if known
+    t, s, dtype = tf.shape(q)[2], tf.shape(k)[2], _softmax_dtype(q.dtype)
+    count = (t + chunk - 1) // chunk
+    padded = count * chunk - t
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    q = q * tf.constant(scale, q.dtype)  # scale the (B, N, T, H) queries, not the scores (no float32 rounding)
+    q = tf.pad(q, [[0, 0], [0, 0], [0, padded], [0, 0]])  # (B, N, T', H), T' a multiple of chunk
+    attention_bias = None if attention_bias is None else tf.cast(attention_bias, dtype)
+    keep, bias, attention_bias = (_pad_rows(_full_rows(m, t), padded) for m in (keep, bias, attention_bias))
+    extras = {"attention_bias": attention_bias, "sinks": None if sinks is None else tf.cast(sinks, dtype)}
+    extras = {name: x for name, x in extras.items() if x is not None}  # the inputs with a gradient besides q, k, v
+    seed = None if seed is None else tf.cast(seed, tf.int64)
+    heads = (b, n, k.shape[1], q.shape[1] // k.shape[1], h)
+    chunks = _Chunks(keep, bias, causal, window, softcap, chunk, count, s - t, s, dropout_rate, seed, dtype, heads)
+
+    @tf.custom_gradient
+    def attend(q, k, v, *values):
+        extra = dict(zip(extras, values, strict=True))
+        return _chunked_forward(chunks, q, k, v, extra), functools.partial(_chunked_backward, chunks, q, k, v, extra)
+
+    return attend(q, k, v, *extras.values())[:, :, :t]  # (B, N, T, H)
+
+
+_chunked_graph = tf.function(_chunked_attention)
+
+
+def _chunked_forward(chunks, q, k, v, extra):
+    """The (B, N, T', H) context, one chunk of queries at a time (`_stacked`)."""
+    b, n, _, _, h = chunks.heads
+
+    def one(i):
+        weights, _ = _dropped(chunks, _chunk_weights(chunks, q, k, i, extra)[1], i)
+        return _by_head(chunks, tf.matmul(_grouped(chunks, tf.cast(weights, v.dtype)), v))  # (B, N, chunk, H)
+
+    contexts = _stacked(one, chunks.count, (b, n, chunks.size, h), v.dtype)  # (count, B, N, chunk, H)
+    return tf.reshape(tf.transpose(contexts, [1, 2, 0, 3, 4]), [b, n, -1, h])  # -> (B, N, T', H)
+
+
+def _chunked_backward(chunks, q, k, v, extra, d_context):
+    """The gradients of q, k, v and of `extra` (`attention_bias`, `sinks`) from the (B, N, T', H)
+    `d_context`, one chunk at a time in a `tf.while_loop` (`_chunk_gradients`): k's and v's
+    accumulated in the softmax's dtype, q's and per-row `attention_bias`'s (a bias whose T
+    dimension is full) collected per chunk."""
+    zeros = tf.zeros(tf.shape(k), chunks.dtype)  # (B, K, S, H), accumulated in float32 at least (float64 stays)
+    d_q = tf.TensorArray(q.dtype, size=chunks.count, element_shape=None, infer_shape=False)
+    d_extra = {name: tf.zeros_like(x) for name, x in extra.items()}
+    bias_rows = "attention_bias" in extra and extra["attention_bias"].shape[2] != 1
+    if bias_rows:
+        d_extra["attention_bias"] = tf.TensorArray(
+            chunks.dtype, size=chunks.count, element_shape=None, infer_shape=False
+        )
+
+    def body(i, d_k, d_v, d_q, d_extra):
+        return (i + 1, *_chunk_gradients(chunks, q, k, v, extra, d_context, i, (d_k, d_v, d_q, d_extra)))
+
+    _, d_k, d_v, d_q, d_extra = tf.while_loop(lambda i, *_: i < chunks.count, body, (0, zeros, zeros, d_q, d_extra))
+    d_q = tf.reshape(tf.transpose(d_q.stack(), [1, 2, 0, 3, 4]), tf.shape(q))  # (B, N, T', H)
+    if bias_rows:
+        rows = tf.transpose(d_extra["attention_bias"].stack(), [1, 2, 0, 3, 4])  # (b, n, count, chunk, S)
+        d_extra["attention_bias"] = tf.reshape(rows, tf.shape(extra["attention_bias"]))  # (b, n, T', S)
+    return (d_q, tf.cast(d_k, k.dtype), tf.cast(d_v, v.dtype), *(d_extra[name] for name in extra))
+
+
+def _chunk_weights(chunks, q, k, i, extra):
+    """Query rows [i*size, (i+1)*size): their (B, N, size, H) queries, float weights, the
+    soft-cap's tanh (or None) and their rows of `attention_bias` (or None)."""
+    size = chunks.size
+    start = i * size
+    q_i = _rows(q, start, size)  # (B, N, chunk, H)
+    scores = tf.cast(_by_head(chunks, tf.matmul(_grouped(chunks, q_i), k, transpose_b=True)), chunks.dtype)
+    capped = None if chunks.softcap is None else tf.tanh(scores / chunks.softcap)  # kept for the backward
+    scores = scores if capped is None else chunks.softcap * capped  # `_softcap`, (B, N, chunk, S)
+    positions = start + tf.range(size) + chunks.offset  # (chunk,)
+    keep_i = _and(
+        _chunk_rows(chunks.keep, start, size), _position_keep(positions, chunks.s, chunks.causal, chunks.window)
+    )
+    bias_i = _chunk_rows(extra.get("attention_bias"), start, size)
+    added = _add(_chunk_rows(chunks.bias, start, size), bias_i)
+    added = added if "sinks" in extra else _centre_rows(added, keep_i)
+    scores = scores if added is None else scores + added  # (B, N, chunk, S)
+    return q_i, _masked_softmax(scores, keep_i, extra.get("sinks")), capped, bias_i
+
+
+def _chunk_gradients(chunks, q, k, v, extra, d_context, i, totals):
+    """One step of `_chunked_backward`: chunk i's weights recomputed, and its gradients added to
+    `totals` (d_k, d_v, d_q, d_extra) of the chunks before it."""
+    d_k, d_v, d_q, d_extra = totals
+    q_i, weights, capped, bias_i = _chunk_weights(chunks, q, k, i, extra)
+    kept, mask = _dropped(chunks, weights, i)
+    d_out = _grouped(chunks, _rows(d_context, i * chunks.size, chunks.size))  # (B, K, G*chunk, H)
+    d_v = _accumulate(d_v, tf.matmul(_grouped(chunks, tf.cast(kept, v.dtype)), d_out, transpose_a=True))
+    d_weights = tf.cast(_by_head(chunks, tf.matmul(d_out, v, transpose_b=True)), chunks.dtype)  # (B, N, chunk, S)
+    d_weights = d_weights if mask is None else d_weights * mask
+    total = tf.reduce_sum(d_weights * weights, -1, keepdims=True)  # (B, N, chunk, 1)
+    d_scores = weights * (d_weights - total)  # the softmax's input, after the bias
+    d_extra = _extra_gradients(d_extra, i, d_scores, weights, total, bias_i)
+    d_scores = d_scores if capped is None else d_scores * (1 - tf.square(capped))  # d tanh
+    d_scores = _grouped(chunks, tf.cast(d_scores, q.dtype))  # (B, K, G*chunk, S)
+    d_k = _accumulate(d_k, tf.matmul(d_scores, _grouped(chunks, q_i), transpose_a=True))
+    return d_k, d_v, d_q.write(i, _by_head(chunks, tf.matmul(d_scores, k))), d_extra
+
+
+def _extra_gradients(d_extra, i, d_scores, weights, total, bias_i):
+    """Adds chunk i's gradients of `attention_bias` (reduced to its shape; per-chunk rows when
+    its T dimension is full) and of the sink logits."""
+    d_extra = dict(d_extra)
+    if "attention_bias" in d_extra:
+        d_bias = _reduce_to(d_scores, tf.shape(bias_i))  # (B, N, chunk, S) -> bias_i's shape
+        rows = d_extra["attention_bias"]
+        full = isinstance(rows, tf.TensorArray)
+        d_extra["attention_bias"] = rows.write(i, d_bias) if full else _accumulate(rows, d_bias)
+    if "sinks" in d_extra:
+        sink_weight = 1 - tf.reduce_sum(weights, axis=-1, keepdims=True)  # (B, N, chunk, 1)
+        d_sinks = -tf.reduce_sum(sink_weight * total, axis=[0, 2, 3])  # (N,)
+        d_extra["sinks"] = _accumulate(d_extra["sinks"], d_sinks)
+    return d_extra
+
+
+def _dropped(chunks, weights, i):
+    """Chunk i's weights after dropout, and the dropout mask (None without dropout)."""
+    mask = _dropout_keep(tf.shape(weights), chunks.rate, chunks.seed, i, weights.dtype)
+    return (weights, None) if mask is None else (weights * mask, mask)
+
+
+def _grouped(chunks, x):
+    b, _, kv, groups, _ = chunks.heads
+    return tf.reshape(x, [b, kv, groups * chunks.size, -1])  # (B, N, chunk, X) -> (B, K, G*chunk, X)
+
+
+def _by_head(chunks, x):
+    b, n, _, _, _ = chunks.heads
+    return tf.reshape(x, [b, n, chunks.size, -1])  # (B, K, G*chunk, X) -> (B, N, chunk, X)
+
+
+def _accumulate(total, update):
+    return total + tf.ensure_shape(tf.cast(update, total.dtype), total.shape)
+
+
+def _rows(x, start, size):
+    """Rows [start, start + size) of a rank-4 tensor (a dynamic slice of static size, for XLA)."""
+    return tf.slice(x, tf.stack([0, 0, start, 0]), [-1, -1, size, -1])
+
+
+def _chunk_rows(mask, start, size):
+    """Rows [start, start + size) of a rank-4 mask whose T dimension is full; a mask with T = 1
+    broadcasts and is returned as is."""
+    if mask is None or mask.shape[2] == 1:
+        return mask
+    return _rows(mask, start, size)
+
+
+def _pad_rows(mask, rows):
+    """Appends `rows` kept rows to the T dimension of a rank-4 mask (when it is full); by
+    concatenation, since ONNX Runtime cannot pad a boolean tensor."""
+    if mask is None or mask.shape[2] == 1:
+        return mask
+    shape = tf.shape(mask)
+    fill = tf.constant(True if mask.dtype == tf.bool else 0, mask.dtype)
+    kept = tf.fill(tf.stack([shape[0], shape[1], rows, shape[3]]), fill)
+    return tf.concat([mask, kept], axis=2)
+
+
+def _full_rows(mask, t):
+    """A rank-4 mask whose T dimension is unknown at trace time, broadcast to T rows."""
+    if mask is None or mask.shape[2] is not None:
+        return mask
+    shape = tf.shape(mask)
+    return tf.broadcast_to(mask, tf.stack([shape[0], shape[1], t, shape[3]]))
+
+
+def _dropout_keep(shape, rate, seed, chunk, dtype):
+    """The dropout mask of one chunk in `dtype`, the same every time it is drawn (forward and backward)."""
+    if not rate:
+        return None
+    draws = tf.random.stateless_uniform(shape, seed=seed + tf.cast(tf.stack([0, chunk]), tf.int64))
+    return tf.cast(draws >= rate, dtype) / (1.0 - rate)
+
+
+def _stacked(fn, count, shape, dtype):
+    """`tf.stack([fn(i) for i in range(count)])`, each `fn(i)` of `shape`, by a `tf.while_loop`, one
+    step at a time: into a TensorArray where `shape` is known at trace time; else into a
+    preallocated (count, *shape) tensor, since LiteRT cannot convert a TensorArray of unknown
+    shape (TensorFlow copies that tensor at every step: memory stays linear, time grows)."""
+    if all(isinstance(d, int) for d in shape):
+        array = tf.TensorArray(dtype, size=count, element_shape=shape)
+        _, array = tf.while_loop(
+            lambda i, _: i < count, lambda i, array: (i + 1, array.write(i, fn(i))), (0, array), parallel_iterations=1
+        )
+        return array.stack()  # (count, *shape)
+
+    def write(i, stack):
+        return i + 1, tf.tensor_scatter_nd_update(stack, tf.reshape(i, [1, 1]), fn(i)[None])
+
+    stack = tf.zeros(tf.stack([count, *shape]), dtype)  # (count, *shape)
+    return tf.while_loop(lambda i, _: i < count, write, (0, stack))[1]
+
+
+def _reduce_to(gradient, shape):
+    """Sums a (B, N, R, S) gradient over the dimensions it was broadcast along from `shape`."""
+    axes, _ = tf.raw_ops.BroadcastGradientArgs(s0=shape, s1=tf.shape(gradient))
+    return tf.reshape(tf.reduce_sum(gradient, axes), shape)
+
+
+# -------------------------------------------------------------------------------------------------
+# TensorFlow only: Keras conventions, XLA, in-place variables
+# -------------------------------------------------------------------------------------------------
+
+
+def _static_shape(x):
+    return tuple(x.shape) if x.shape.rank is not None else None
+
+
+def _differ(*dims):
+    known = {d for d in dims if d is not None}
+    return len(known) > 1
+
+
+def _dtype_of(x):
+    return tf.as_dtype(x.dtype) if hasattr(x, "dtype") else tf.convert_to_tensor(x).dtype
+
+
+def _keras_mask(x):
+    """The implicit Keras mask a tensor carries (`Embedding(mask_zero=True)`), as boolean, or None."""
+    mask = getattr(x, "_keras_mask", None)
+    return None if mask is None else tf.cast(mask, tf.bool)
+
+
+def _shape_tuple(shape):
+    """A shape (tuple, list, TensorShape) as a tuple, or None where it or its rank is unknown."""
+    if shape is None or tf.TensorShape(shape).rank is None:
+        return None
+    return tuple(tf.TensorShape(shape).as_list())
+
+
+def _compiled_by_xla():
+    """Whether the graph being traced is compiled by XLA (`jit_compile=True`). XLA compiles the
+    gradient of both branches of a `tf.cond`, the one not taken with placeholders for its tensors
+    (0 for unknown dimensions), where the gradients of reshapes and broadcasts fail to compile."""
+    return tf.__internal__.get_enclosing_xla_context() is not None
+
+
+def _cache_length(cache):
+    """L, static where it is known (`tf.shape` of an in-place cache's variable reads all of it)."""
+    length = cache.key.shape[2]
+    return tf.shape(cache.key)[2] if length is None else length
 
 
 def _as_variables(cache):
@@ -692,149 +1227,41 @@ def _is_in_place(cache):
     return isinstance(cache.key, tf.Variable)
 
 
-def _write_cache_in_place(cache, k, v, key_keep, misfit):
-    """What `_write_cache` returns, written into the variables of an in-place cache: the
-    (B, K, T, H) keys and values of positions [index, index + T) to slots position mod L, their
-    `keep` (the (B, T) `key_keep` ANDed on the first lap, in its place after) and index + T.
-    Nothing is written when the tokens do not fit (`misfit`, only ever True under XLA). Returns
-    the same cache."""
-    handles = tuple(variable.handle for variable in cache)
-    _write_variables(handles, k, v, key_keep, misfit, _cache_length(cache))
+def _write_variables(cache, k, v, key_mask, misfit):
+    """`_write_cache` on an in-place cache: its variables written where they lie, with no copy of
+    the cache per step; nothing is written when the tokens do not fit (`misfit`, only ever True
+    under XLA). Returns the same cache."""
+    handles = tuple(field.handle for field in cache)
+    fields = tuple((field.dtype, tuple(field.shape)) for field in cache)
+    _write_compiled(handles, fields, k, v, key_mask, misfit)
     return cache
 
 
 @tf.function(jit_compile=True, reduce_retracing=True)
-def _write_variables(handles, k, v, key_keep, misfit, length):
+def _write_compiled(handles, fields, k, v, key_mask, misfit):
     """The write, compiled with XLA, which updates the variables where they lie, in eager mode
     and in any graph (TensorFlow's own scatter ops on a variable that is also read cost a copy
-    of the whole cache per step). It takes the variables' handles: variables passed from one
-    traced function into another are not the caller's."""
-    tf.cond(misfit, tf.no_op, lambda: _write_in_place(handles, k, v, key_keep, length))
+    of the whole cache per step). It takes the variables' handles (variables passed from one
+    traced function into another are not the caller's), and their dtypes and shapes, which key
+    its traces: a read takes its static shape from the handle it was traced with."""
 
-
-def _write_in_place(handles, k, v, key_keep, length):
-    """`_write_cache`'s rule, on the handles of the key, value, keep and index variables."""
-    key, value, keep, index = handles
-    shape, start = tf.shape(k), tf.raw_ops.ReadVariableOp(resource=index, dtype=tf.int32)
-    positions = start + tf.range(shape[2])  # (T,)
-    slots = tf.math.floormod(positions, length)  # (T,)
-    written = tf.stack(tf.meshgrid(tf.range(shape[0]), tf.range(shape[1]), slots, indexing="ij"), axis=-1)
-    new = tf.ones((shape[0], shape[2]), tf.bool) if key_keep is None else key_keep  # (B, T)
-    old = tf.gather(tf.raw_ops.ReadVariableOp(resource=keep, dtype=tf.bool), slots, axis=1)  # (B, T)
-    kept = tf.where(positions < length, old & new, new)  # (B, T)
-    rows = tf.stack(tf.meshgrid(tf.range(shape[0]), slots, indexing="ij"), axis=-1)  # (B, T, 2): (b, slot)
-    tf.raw_ops.ResourceScatterNdUpdate(ref=key, indices=written, updates=k)  # (B, K, L, H) at (b, head, slot)
-    tf.raw_ops.ResourceScatterNdUpdate(ref=value, indices=written, updates=v)  # (B, K, L, H)
-    tf.raw_ops.ResourceScatterNdUpdate(ref=keep, indices=rows, updates=kept)  # (B, L)
-    tf.raw_ops.AssignAddVariableOp(resource=index, value=shape[2])
-    return tf.no_op()
-
-
-def _mask_to_4d(mask, target, name="attention_mask"):
-    """Checks a mask against target (B, N, T, S) and returns it as rank 4."""
-    if mask.dtype != tf.bool and not mask.dtype.is_floating:
-        raise ValueError(
-            f"`{name}` must be boolean (True = attend; for a 0/1 integer mask pass `mask > 0`) or floating. "
-            f"Received: {name}.dtype={mask.dtype.name}"
+    def write():
+        fields_read = (
+            tf.raw_ops.ReadVariableOp(resource=h, dtype=d) for h, (d, _) in zip(handles, fields, strict=True)
         )
-    rank = mask.shape.rank
-    expected = {2: target[2:], 3: (target[0], *target[2:]), 4: target}.get(rank)
-    if expected is None or any(
-        m not in (1, e) and None not in (m, e) for m, e in zip(mask.shape, expected, strict=True)
-    ):
-        raise ValueError(
-            f"`{name}` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
-            f"(B, N, T, S), each dimension full or 1. Expected: (B, N, T, S)={target}. "
-            f"Received: {name}.shape={_static_shape(mask)}"
-        )
-    if rank == 2:
-        return mask[None, None]  # (T, S) -> (1, 1, T, S)
-    if rank == 3:
-        return mask[:, None]  # (B, T, S) -> (B, 1, T, S)
-    return mask
+        for handle, value in zip(handles, _write_cache(KVCache(*fields_read), k, v, key_mask), strict=True):
+            tf.raw_ops.AssignVariableOp(resource=handle, value=value)
+        return tf.no_op()
+
+    tf.cond(misfit, tf.no_op, write)
 
 
-def _position_keep(positions, s, causal, window):
-    """(R, S) boolean for queries at `positions` (R,) over keys 0 .. S - 1: key s is kept iff
-    s <= position (when causal) and s > position - window (with a window); None if neither."""
-    keys, positions = tf.range(s)[None, :], positions[:, None]  # (1, S), (R, 1)
-    keep = keys <= positions if causal else None
-    return keep if window is None else _and(keep, keys > positions - window)
+# -------------------------------------------------------------------------------------------------
+# int8
+# -------------------------------------------------------------------------------------------------
+# Keras' scheme (docs/SPEC.md, "int8"): `keras.quantizers.abs_max_quantize` on the kernels (per
+# output column, when quantizing) and on the inputs of each projection (per token, at run time).
 
-
-def causal_mask(t, s):
-    """(T, S) boolean mask: query t keeps key s iff s <= t + (S - T) (bottom-right aligned)."""
-    return _position_keep(tf.range(t) + (s - t), s, True, None)
-
-
-def window_mask(t, s, window):
-    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - window (bottom-right aligned)."""
-    return _position_keep(tf.range(t) + (s - t), s, False, window)
-
-
-def _split_mask(mask, target, name, dtype):
-    """Splits a mask into (keep, additive), both rank 4 or None, by the floating mask rule: a
-    boolean mask is `keep`; a floating one, read in its own dtype, removes a key where it is -inf
-    or at most max(lowest of its dtype, lowest of float32), and adds every other value in
-    `dtype` (the softmax's, float32 at least). No -inf reaches arithmetic."""
-    if mask is None:
-        return None, None
-    mask = tf.convert_to_tensor(mask)
-    if mask.dtype.is_floating and mask.dtype.size > tf.as_dtype(dtype).size:
-        # A float64 mask of a float32 softmax: the cast saturates every value below float32's range
-        # to -inf, which removes, as the rule does; and LiteRT has no float64 comparisons.
-        mask = tf.cast(mask, dtype)
-    mask = _mask_to_4d(mask, target, name)
-    if mask.dtype == tf.bool:
-        return mask, None
-    threshold = tf.constant(max(mask.dtype.min, tf.float32.min), mask.dtype)
-    removed = mask <= threshold  # (B, N, T, S), dims may be 1
-    additive = tf.where(removed, tf.zeros_like(mask), tf.maximum(mask, threshold))  # finite
-    return tf.logical_not(removed), tf.cast(additive, dtype)
-
-
-def _split_bias(attention_bias, target, dtype):
-    """`attention_bias` (floating) -> (keep, additive) by the floating mask rule."""
-    if attention_bias is None:
-        return None, None
-    attention_bias = tf.convert_to_tensor(attention_bias)
-    if not attention_bias.dtype.is_floating:
-        raise ValueError(
-            f"`attention_bias` must be floating. Received: attention_bias.dtype={attention_bias.dtype.name}"
-        )
-    return _split_mask(attention_bias, target, "attention_bias", dtype)
-
-
-def _token_keep(query_keep, key_keep):
-    """(B, T) query keep and (B, S) key keep -> (B, 1, T, S) keep, or None."""
-    keep = None if query_keep is None else tf.expand_dims(tf.expand_dims(query_keep, 1), 3)  # (B, T) -> (B, 1, T, 1)
-    keys = None if key_keep is None else tf.expand_dims(tf.expand_dims(key_keep, 1), 1)  # (B, S) -> (B, 1, 1, S)
-    return _and(keep, keys)  # (B, 1, T, S), dims may be 1
-
-
-def _and(a, b):
-    return b if a is None else a if b is None else a & b
-
-
-def _add(a, b):
-    return b if a is None else a if b is None else a + b
-
-
-def _linear(x, kernel, bias, kernel_scale=None):
-    """(B, L, D) @ (D, F) + (F,) -> (B, L, F) as a 2-D matmul and a bias add, which oneDNN fuses.
-    The weights are read in x's dtype (a no-op inside Keras' `__call__`, which autocasts them).
-    With a `kernel_scale` the kernel is int8 and x is quantized per token (`_int8_matmul`)."""
-    rows = tf.reshape(x, [-1, kernel.shape[0]])  # (B, L, D) -> (B*L, D)
-    if kernel_scale is None:
-        y = tf.matmul(rows, tf.cast(kernel, x.dtype))  # (B*L, D) -> (B*L, F)
-    else:
-        y = _int8_matmul(rows, tf.convert_to_tensor(kernel), tf.cast(kernel_scale, x.dtype))  # -> (B*L, F)
-    y = y if bias is None else tf.nn.bias_add(y, tf.cast(bias, x.dtype))
-    return tf.reshape(y, tf.concat([tf.shape(x)[:2], [kernel.shape[1]]], 0))  # (B*L, F) -> (B, L, F)
-
-
-# int8 (docs/SPEC.md, "int8"): Keras' scheme, `keras.quantizers.abs_max_quantize` on the kernels
-# (per output column, when quantizing) and on the inputs of each projection (per token, at run time).
 _INT8_MAX = 127.0
 _INT8_EPSILON = 1e-7  # Keras' `backend.epsilon()`, added to the abs-max before dividing
 
@@ -919,292 +1346,9 @@ def _unquantized_policy(policy):
     return name.partition("_from_")[2] if isinstance(name, str) and "_from_" in name else policy
 
 
-def _softmax_dtype(dtype):
-    """Softmax runs in float32 at least (float64 stays float64)."""
-    return tf.float64 if tf.as_dtype(dtype) == tf.float64 else tf.float32
-
-
-def _soft_cap(scores, softcap):
-    """Gemma 2's logit soft-capping: scores -> c * tanh(scores / c); returns (scores, tanh or None)."""
-    if softcap is None:
-        return scores, None
-    capped = tf.tanh(scores / softcap)
-    return softcap * capped, capped
-
-
-def _added(bias, keep, sinks, dtype):
-    """The floating mask and bias, in the softmax's dtype, to add to the scores. Without sinks a
-    per-query constant does not change a softmax, so each row's largest kept value is taken off
-    first: a row of only large finite penalties (-1e9) stays an ordinary softmax instead of
-    scores rounded away in float32 (rows keeping nothing: unchanged)."""
-    if bias is None:
-        return None
-    bias = tf.cast(bias, dtype)
-    if keep is None or sinks is not None or bias.shape[-1] == 0:
-        return bias
-    lowest = tf.constant(dtype.min, dtype)
-    top = tf.reduce_max(tf.where(keep, bias, lowest), axis=-1, keepdims=True)  # (B, N, T, 1), dims may be 1
-    return bias - tf.where(top == lowest, tf.zeros_like(top), top)  # (B, N, T, S), dims may be 1
-
-
-def _softmax(scores, keep, sinks):
-    """Softmax over the last axis of (B, N, T, S) scores, in their dtype: keys not kept removed
-    (filled with the lowest finite value), one sink logit per head (N,) in the denominator (a
-    softmax over [scores, sink] whose sink column is dropped), rows with no key exactly 0."""
-    if keep is not None:
-        scores = tf.where(keep, scores, scores.dtype.min)  # (B, N, T, S)
-    if sinks is None:
-        weights = tf.nn.softmax(scores, axis=-1)  # (B, N, T, S)
-    else:
-        sink = tf.reshape(tf.cast(sinks, scores.dtype), [1, -1, 1, 1])  # (N,) -> (1, N, 1, 1)
-        sink = tf.broadcast_to(sink, tf.concat([tf.shape(scores)[:3], [1]], 0))  # -> (B, N, T, 1)
-        weights = tf.nn.softmax(tf.concat([scores, sink], axis=-1), axis=-1)[..., :-1]  # (B, N, T, S + 1) -> S
-    if keep is not None:
-        weights = tf.where(keep, weights, tf.zeros((), weights.dtype))  # rows with no key are all 0
-    return weights
-
-
-def dot_product_attention(
-    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, sinks=None, dropout=None
-):
-    """Pure attention on split heads; returns (context, weights).
-
-    Args:
-        q: (B, N, T, H) queries.
-        k: (B, K, S, H) keys, K dividing N.
-        v: (B, K, S, H) values.
-        keep: None or boolean, broadcasts to (B, N, T, S); True where a query may attend a key.
-        bias: None or float, broadcasts to (B, N, T, S); added to the (soft-capped) scores.
-        causal: if True, query t keeps key s only if s <= t + (S - T).
-        scale: the factor of the scores; None is 1 / sqrt(H).
-        softcap: None or c: the scaled scores become c * tanh(scores / c).
-        window: None or W: query t keeps key s only if s > t + (S - T) - W.
-        sinks: None or (N,) logits, one per query head, in the softmax's denominator.
-        dropout: None, or a callable applied to the weights before the weighted sum.
-
-    Returns:
-        context (B, N, T, H) and weights (B, N, T, S), exactly 0 where not kept.
-    """
-    t, s = tf.shape(q)[2], tf.shape(k)[2]
-    if causal:
-        keep = _and(keep, causal_mask(t, s))  # (B, N, T, S), dims may be 1
-    if window is not None:
-        keep = _and(keep, window_mask(t, s, window))  # (B, N, T, S), dims may be 1
-    groups = q.shape[1] // k.shape[1]
-    k = tf.repeat(k, groups, axis=1) if groups > 1 else k  # (B, K, S, H) -> (B, N, S, H)
-    v = tf.repeat(v, groups, axis=1) if groups > 1 else v  # (B, K, S, H) -> (B, N, S, H)
-    dtype = _softmax_dtype(q.dtype)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    q = q * tf.constant(scale, q.dtype)  # scale the (B, N, T, H) queries, not the scores (no float32 rounding)
-    scores = tf.cast(tf.matmul(q, k, transpose_b=True), dtype)  # (B, N, T, S)
-    scores, _ = _soft_cap(scores, softcap)
-    bias = _added(bias, keep, sinks, dtype)
-    scores = scores if bias is None else scores + bias  # (B, N, T, S)
-    weights = tf.cast(_softmax(scores, keep, sinks), q.dtype)  # (B, N, T, S)
-    dropped = weights if dropout is None else dropout(weights)
-    context = tf.matmul(dropped, v)  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
-    return context, weights
-
-
-def _rows(x, start, size):
-    """Rows [start, start + size) of a rank-4 tensor (a dynamic slice of static size, for XLA)."""
-    return tf.slice(x, tf.stack([0, 0, start, 0]), [-1, -1, size, -1])
-
-
-def _chunk_rows(mask, start, size):
-    """Rows [start, start + size) of a rank-4 mask whose T dimension is full; a mask with T = 1
-    broadcasts and is returned as is."""
-    if mask is None or mask.shape[2] == 1:
-        return mask
-    return _rows(mask, start, size)
-
-
-def _pad_rows(mask, rows):
-    """Appends `rows` kept rows to the T dimension of a rank-4 mask (when it is full); by
-    concatenation, since ONNX Runtime cannot pad a boolean tensor."""
-    if mask is None or mask.shape[2] == 1:
-        return mask
-    shape = tf.shape(mask)
-    fill = tf.constant(True if mask.dtype == tf.bool else 0, mask.dtype)
-    kept = tf.fill(tf.stack([shape[0], shape[1], rows, shape[3]]), fill)
-    return tf.concat([mask, kept], axis=2)
-
-
-def _full_rows(mask, t):
-    """A rank-4 mask whose T dimension is unknown at trace time, broadcast to T rows."""
-    if mask is None or mask.shape[2] is not None:
-        return mask
-    shape = tf.shape(mask)
-    return tf.broadcast_to(mask, tf.stack([shape[0], shape[1], t, shape[3]]))
-
-
-def _dropout_keep(shape, rate, seed, chunk, dtype):
-    """The dropout mask of one chunk in `dtype`, the same every time it is drawn (forward and backward)."""
-    if not rate:
-        return None
-    draws = tf.random.stateless_uniform(shape, seed=seed + tf.cast(tf.stack([0, chunk]), tf.int64))
-    return tf.cast(draws >= rate, dtype) / (1.0 - rate)
-
-
-def _stacked(fn, count, shape, dtype):
-    """`tf.stack([fn(i) for i in range(count)])`, each `fn(i)` of `shape`, by a `tf.while_loop`, one
-    step at a time: into a TensorArray where `shape` is known at trace time; else into a
-    preallocated (count, *shape) tensor, since LiteRT cannot convert a TensorArray of unknown
-    shape (TensorFlow copies that tensor at every step: memory stays linear, time grows)."""
-    if all(isinstance(d, int) for d in shape):
-        array = tf.TensorArray(dtype, size=count, element_shape=shape)
-        _, array = tf.while_loop(
-            lambda i, _: i < count, lambda i, array: (i + 1, array.write(i, fn(i))), (0, array), parallel_iterations=1
-        )
-        return array.stack()  # (count, *shape)
-
-    def write(i, stack):
-        return i + 1, tf.tensor_scatter_nd_update(stack, tf.reshape(i, [1, 1]), fn(i)[None])
-
-    stack = tf.zeros(tf.stack([count, *shape]), dtype)  # (count, *shape)
-    return tf.while_loop(lambda i, _: i < count, write, (0, stack))[1]
-
-
-def _reduce_to(gradient, shape):
-    """Sums a (B, N, R, S) gradient over the dimensions it was broadcast along from `shape`."""
-    axes, _ = tf.raw_ops.BroadcastGradientArgs(s0=shape, s1=tf.shape(gradient))
-    return tf.reshape(tf.reduce_sum(gradient, axes), shape)
-
-
-def _memory_efficient_attention(*args, **kwargs):
-    """`_chunked_attention`, run as one graph in eager mode: eager ops would run one at a time, and
-    a GradientTape would record each chunk's, keeping every chunk's scores alive until the gradient."""
-    attention = _chunked_graph if tf.executing_eagerly() else _chunked_attention
-    return attention(*args, **kwargs)
-
-
-def _chunked_attention(
-    q, k, v, keep, bias, causal, chunk, dropout_rate=0.0, seed=None, *,
-    scale=None, softcap=None, window=None, sinks=None, attention_bias=None,
-):  # fmt: skip
-    """`dot_product_attention` without the weights, `chunk` queries at a time, in memory linear
-    in T and S: only one chunk's (B, N, chunk, S) scores exist at a time, forward and backward
-    (a custom gradient recomputes them; the flash-attention backward). `bias` (the floating
-    mask) gets no gradient; `attention_bias` (added beside it) and `sinks` do. Dropout draws a
-    stateless mask per chunk from `seed` (shape (2,)), so the backward drops the same weights as
-    the forward.
-
-    Args: as `dot_product_attention`; `chunk` is a Python int (under XLA, a () tensor that XLA
-        folds to a constant).
-
-    Returns:
-        context (B, N, T, H).
-    """
-    b, n, h = (q.shape[i] if q.shape[i] is not None else tf.shape(q)[i] for i in (0, 1, 3))  # static if known
-    t, s, kv = tf.shape(q)[2], tf.shape(k)[2], k.shape[1]
-    groups, dtype = q.shape[1] // kv, _softmax_dtype(q.dtype)
-    chunks = (t + chunk - 1) // chunk
-    padded = chunks * chunk - t
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    q = q * tf.constant(scale, q.dtype)  # scale the (B, N, T, H) queries, not the scores (no float32 rounding)
-    q = tf.pad(q, [[0, 0], [0, 0], [0, padded], [0, 0]])  # (B, N, T', H), T' a multiple of chunk
-    attention_bias = None if attention_bias is None else tf.cast(attention_bias, dtype)
-    keep, bias, attention_bias = (_pad_rows(_full_rows(m, t), padded) for m in (keep, bias, attention_bias))
-    extras = {"attention_bias": attention_bias, "sinks": None if sinks is None else tf.cast(sinks, dtype)}
-    extras = {name: x for name, x in extras.items() if x is not None}  # the inputs with a gradient besides q, k, v
-    seed = None if seed is None else tf.cast(seed, tf.int64)
-
-    def grouped(x):
-        return tf.reshape(x, [b, kv, groups * chunk, -1])  # (B, N, chunk, X) -> (B, K, G*chunk, X)
-
-    def by_head(x):
-        return tf.reshape(x, [b, n, chunk, -1])  # (B, K, G*chunk, X) -> (B, N, chunk, X)
-
-    def chunk_weights(q, k, i, extra):
-        """Query rows [i*chunk, (i+1)*chunk): their (B, N, chunk, H) queries, float weights, the
-        soft-cap's tanh (or None) and their rows of `attention_bias` (or None)."""
-        start = i * chunk
-        q_i = _rows(q, start, chunk)  # (B, N, chunk, H)
-        scores = tf.cast(by_head(tf.matmul(grouped(q_i), k, transpose_b=True)), dtype)  # (B, N, chunk, S)
-        scores, capped = _soft_cap(scores, softcap)
-        positions = start + tf.range(chunk) + (s - t)  # (chunk,)
-        keep_i = _and(_chunk_rows(keep, start, chunk), _position_keep(positions, s, causal, window))
-        bias_i = _chunk_rows(extra.get("attention_bias"), start, chunk)
-        added = _added(_add(_chunk_rows(bias, start, chunk), bias_i), keep_i, extra.get("sinks"), dtype)
-        scores = scores if added is None else scores + added  # (B, N, chunk, S)
-        return q_i, _softmax(scores, keep_i, extra.get("sinks")), capped, bias_i
-
-    def dropped(weights, i):
-        mask = _dropout_keep(tf.shape(weights), dropout_rate, seed, i, weights.dtype)
-        return (weights, None) if mask is None else (weights * mask, mask)
-
-    @tf.custom_gradient
-    def attend(q, k, v, *values):
-        extra = dict(zip(extras, values, strict=True))
-
-        def one(i):
-            weights = chunk_weights(q, k, i, extra)[1]
-            weights, _ = dropped(weights, i)
-            return by_head(tf.matmul(grouped(tf.cast(weights, v.dtype)), v))  # (B, N, chunk, H)
-
-        contexts = _stacked(one, chunks, (b, n, chunk, h), v.dtype)  # (chunks, B, N, chunk, H)
-        context = tf.reshape(tf.transpose(contexts, [1, 2, 0, 3, 4]), [b, n, -1, h])  # -> (B, N, T', H)
-
-        def grad(d_context):
-            def accumulate(total, update):
-                return total + tf.ensure_shape(tf.cast(update, total.dtype), total.shape)
-
-            def extra_grads(d_extra, i, d_scores, weights, total, bias_i):
-                """Adds chunk i's gradients of `attention_bias` (reduced to its shape; per-chunk
-                rows when its T dimension is full) and of the sink logits."""
-                d_extra = dict(d_extra)
-                if "attention_bias" in d_extra:
-                    d_bias = _reduce_to(d_scores, tf.shape(bias_i))  # (B, N, chunk, S) -> bias_i's shape
-                    rows = d_extra["attention_bias"]
-                    full = isinstance(rows, tf.TensorArray)
-                    d_extra["attention_bias"] = rows.write(i, d_bias) if full else accumulate(rows, d_bias)
-                if "sinks" in d_extra:
-                    sink_weight = 1 - tf.reduce_sum(weights, axis=-1, keepdims=True)  # (B, N, chunk, 1)
-                    d_sinks = -tf.reduce_sum(sink_weight * total, axis=[0, 2, 3])  # (N,)
-                    d_extra["sinks"] = accumulate(d_extra["sinks"], d_sinks)
-                return d_extra
-
-            def body(i, d_k, d_v, d_q, d_extra):
-                q_i, weights, capped, bias_i = chunk_weights(q, k, i, extra)
-                kept, mask = dropped(weights, i)
-                d_out = grouped(_rows(d_context, i * chunk, chunk))  # (B, K, G*chunk, H)
-                d_v = accumulate(d_v, tf.matmul(grouped(tf.cast(kept, v.dtype)), d_out, transpose_a=True))
-                d_weights = tf.cast(by_head(tf.matmul(d_out, v, transpose_b=True)), dtype)  # (B, N, chunk, S)
-                d_weights = d_weights if mask is None else d_weights * mask
-                total = tf.reduce_sum(d_weights * weights, -1, keepdims=True)  # (B, N, chunk, 1)
-                d_scores = weights * (d_weights - total)  # the softmax's input, after the bias
-                d_extra = extra_grads(d_extra, i, d_scores, weights, total, bias_i)
-                d_scores = d_scores if capped is None else d_scores * (1 - tf.square(capped))  # d tanh
-                d_scores = grouped(tf.cast(d_scores, q.dtype))  # (B, K, G*chunk, S)
-                d_k = accumulate(d_k, tf.matmul(d_scores, grouped(q_i), transpose_a=True))
-                return i + 1, d_k, d_v, d_q.write(i, by_head(tf.matmul(d_scores, k))), d_extra
-
-            zeros = tf.zeros(tf.shape(k), dtype)  # (B, K, S, H), accumulated in float32 at least (float64 stays)
-            d_q = tf.TensorArray(q.dtype, size=chunks, element_shape=None, infer_shape=False)
-            d_extra = {name: tf.zeros_like(x) for name, x in extra.items()}
-            bias_rows = "attention_bias" in extra and extra["attention_bias"].shape[2] != 1
-            if bias_rows:  # per-chunk rows of a bias whose T dimension is full
-                d_extra["attention_bias"] = tf.TensorArray(dtype, size=chunks, element_shape=None, infer_shape=False)
-            _, d_k, d_v, d_q, d_extra = tf.while_loop(lambda i, *_: i < chunks, body, (0, zeros, zeros, d_q, d_extra))
-            d_q = tf.reshape(tf.transpose(d_q.stack(), [1, 2, 0, 3, 4]), tf.shape(q))  # (B, N, T', H)
-            if bias_rows:
-                rows = tf.transpose(d_extra["attention_bias"].stack(), [1, 2, 0, 3, 4])  # (b, n, chunks, chunk, S)
-                d_extra["attention_bias"] = tf.reshape(rows, tf.shape(extra["attention_bias"]))  # (b, n, T', S)
-            return (d_q, tf.cast(d_k, k.dtype), tf.cast(d_v, v.dtype), *(d_extra[name] for name in extras))
-
-        return context, grad
-
-    return attend(q, k, v, *extras.values())[:, :, :t]  # (B, N, T, H)
-
-
-_chunked_graph = tf.function(_chunked_attention)
-
-
-def _compiled_by_xla():
-    """Whether the graph being traced is compiled by XLA (`jit_compile=True`). XLA compiles the
-    gradient of both branches of a `tf.cond`, the one not taken with placeholders for its tensors
-    (0 for unknown dimensions), where the gradients of reshapes and broadcasts fail to compile."""
-    return tf.__internal__.get_enclosing_xla_context() is not None
+# -------------------------------------------------------------------------------------------------
+# The layer
+# -------------------------------------------------------------------------------------------------
 
 
 def _results(output, weights, cache, return_attention):
@@ -1301,30 +1445,11 @@ class MultiHeadAttention(tf.keras.layers.Layer):
     query_chunk_elements = 1 << 21
 
     def __init__(
-        self,
-        d_model,
-        num_heads,
-        *,
-        num_kv_heads=None,
-        head_dim=None,
-        kdim=None,
-        vdim=None,
-        dropout=0.0,
-        bias=True,
-        scale=None,
-        softcap=None,
-        window=None,
-        rope_theta=None,
-        rope_fraction=1.0,
-        rope_interleaved=False,
-        rope_scaling=None,
-        qk_norm=None,
-        qk_norm_eps=1e-6,
-        sinks=False,
-        kernel_initializer="glorot_uniform",
-        bias_initializer="zeros",
-        **kwargs,
-    ):
+        self, d_model, num_heads, *, num_kv_heads=None, head_dim=None, kdim=None, vdim=None, dropout=0.0, bias=True,
+        scale=None, softcap=None, window=None, rope_theta=None, rope_fraction=1.0, rope_interleaved=False,
+        rope_scaling=None, qk_norm=None, qk_norm_eps=1e-6, sinks=False, kernel_initializer="glorot_uniform",
+        bias_initializer="zeros", **kwargs,
+    ):  # fmt: skip
         if tf.keras.backend.backend() != "tensorflow":
             raise ValueError(
                 "This layer is written in TensorFlow ops and runs only on the TensorFlow Keras backend: on any "
@@ -1346,22 +1471,16 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         self.vdim = _positive_int("vdim", self.d_model if vdim is None else vdim)
         self.dropout = _dropout_rate(dropout)
         self.bias = _projection_biases(bias)
-        self.scale = 1.0 / math.sqrt(self.head_dim) if scale is None else _positive_float("scale", scale)
-        self.softcap = _positive_float("softcap", softcap, optional=True)
-        self.window = None if window is None else _positive_int("window", window)
-        self.rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
-        rotary = _rotary_dim(rope_fraction, self.head_dim, self.rope_theta is not None)  # None without RoPE
-        self.rope_fraction = float(rope_fraction)
-        self.rope_scaling = _check_rope_scaling(rope_scaling)
+        variants = _check_variants(
+            self.head_dim, scale, softcap, window, rope_theta, rope_fraction, rope_interleaved, rope_scaling, qk_norm,
+            qk_norm_eps, sinks,
+        )  # fmt: skip
+        for name, value in variants._asdict().items():
+            setattr(self, name, value)
         if self.rope_theta is not None:
+            rotary = _rotary_dim(rope_fraction, self.head_dim, True)
             frequencies = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,)
             self._inv_freq = frequencies.numpy()  # a constant of each graph, not a captured tensor (tf2onnx)
-        if qk_norm not in (None, "head", "all"):
-            raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
-        self.qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
-        self.qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
-        self.rope_interleaved = _flag("rope_interleaved", rope_interleaved)
-        self.sinks = _flag("sinks", sinks)
         self.kernel_initializer = tf.keras.initializers.get(kernel_initializer)
         self.bias_initializer = tf.keras.initializers.get(bias_initializer)
         self.supports_masking = True
@@ -1372,6 +1491,65 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         object.__setattr__(self, "_dropout_layer", dropout_layer)  # no sublayer: `model.quantize` quantizes leaves
         if getattr(dropout_layer, "seed_generator", None) is not None:  # Keras 3: its seed is this layer's state
             self._dropout_seed_generator = dropout_layer.seed_generator
+
+    def build(self, query_shape=None, value_shape=None, key_shape=None):
+        """Creates the portable weights; every shape is known from the constructor.
+
+        Args:
+            query_shape: optional (B, T, E) (the only shape legacy Keras passes, by position).
+            value_shape: optional (B, S, vdim).
+            key_shape: optional (B, S, kdim). Keras' attention-layer convention, in its order
+                (query, value, key); a missing shape defaults as in the call, and a width other
+                than the constructor's is a ValueError.
+        """
+        self._check_shapes(query_shape, value_shape, key_shape)
+        for name, shape in self.weight_shapes().items():
+            variable = self.add_weight(name=name, shape=shape, **self._weight_options(name))
+            setattr(self, _ATTRIBUTES.get(name, name), variable)
+        self._dropout_layer.build(None)
+        self.built = True
+
+    def _initializer(self, name):
+        """Kernels and biases from the layer's initializers; QK-norm scales of one, sinks of zero."""
+        if name.endswith("_norm"):
+            return tf.keras.initializers.Ones()
+        if name == "sinks":
+            return tf.keras.initializers.Zeros()
+        initializer = self.kernel_initializer if name.endswith("_kernel") else self.bias_initializer
+        return initializer.__class__.from_config(initializer.get_config())  # a fresh instance: legacy Keras repeats
+
+    def _check_shapes(self, query_shape, value_shape, key_shape):
+        """Shapes given to `build` or `compute_output_shape`, checked as the call checks its
+        inputs (the same messages); returns the query's shape. A missing key or value shape is the
+        other one's, as in the call; with neither, they are unknown (legacy Keras passes only the
+        query's shape, whatever the call's key and value are)."""
+        query_shape, value_shape, key_shape = (_shape_tuple(shape) for shape in (query_shape, value_shape, key_shape))
+        key_shape = value_shape if key_shape is None else key_shape
+        value_shape = key_shape if value_shape is None else value_shape
+        for name, shape, width_name, width in (
+            ("query", query_shape, "E", self.d_model),
+            ("key", key_shape, "kdim", self.kdim),
+            ("value", value_shape, "vdim", self.vdim),
+        ):
+            letter = "T" if name == "query" else "S"
+            if shape is not None and (len(shape) != 3 or shape[-1] not in (None, width)):
+                raise ValueError(
+                    f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
+                    f"Received: {name}.shape={shape}"
+                )
+        if None in (query_shape, key_shape, value_shape):
+            return query_shape
+        if _differ(query_shape[0], key_shape[0], value_shape[0]):
+            raise ValueError(
+                "`query`, `key` and `value` must have the same batch size B. Received: "
+                f"query.shape={query_shape}, key.shape={key_shape}, value.shape={value_shape}"
+            )
+        if _differ(key_shape[1], value_shape[1]):
+            raise ValueError(
+                f"`key` and `value` must have the same length S. Received: key.shape={key_shape}, "
+                f"value.shape={value_shape}"
+            )
+        return query_shape
 
     def get_config(self):
         bias = True if self.bias == _PROJECTIONS else bool(self.bias) and list(self.bias)
@@ -1421,64 +1599,15 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             shapes["sinks"] = (self.num_heads,)
         return _with_scales(shapes) if self._int8 else shapes
 
-    def init_cache(self, batch_size, max_length, *, keep=None, dtype=None, in_place=False):
-        """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
-
-        Args:
-            batch_size: B.
-            max_length: L, the number of slots.
-            keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
-                of different lengths). Defaults to all True.
-            dtype: dtype of the keys and values; defaults to the compute dtype of the policy.
-            in_place: if True, the cache's four fields are non-trainable `tf.Variable`s that
-                each call writes in place, with no copy of the cache (call this outside any
-                `tf.function`); a compiled step then returns only its output.
-
-        Returns:
-            A `KVCache` of zeros with index 0 (int32).
-        """
-        b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
-        keep = tf.ones((b, length), dtype=tf.bool) if keep is None else _check_keep(keep, b, length)
-        shape = (b, self.num_kv_heads, length, self.head_dim)
-        dtype = self.compute_dtype if dtype is None else dtype
-        cache = KVCache(tf.zeros(shape, dtype), tf.zeros(shape, dtype), keep, tf.constant(0, tf.int32))
-        return _as_variables(cache) if in_place else cache
-
-    def _initializer(self, name):
-        """Kernels and biases from the layer's initializers; QK-norm scales of one, sinks of zero."""
-        if name.endswith("_norm"):
-            return tf.keras.initializers.Ones()
-        if name == "sinks":
-            return tf.keras.initializers.Zeros()
-        initializer = self.kernel_initializer if name.endswith("_kernel") else self.bias_initializer
-        return initializer.__class__.from_config(initializer.get_config())  # a fresh instance: legacy Keras repeats
-
-    def build(self, query_shape=None, value_shape=None, key_shape=None):
-        """Creates the portable weights; every shape is known from the constructor.
-
-        Args:
-            query_shape: optional (B, T, E) (the only shape legacy Keras passes, by position).
-            value_shape: optional (B, S, vdim).
-            key_shape: optional (B, S, kdim). Keras' attention-layer convention, in its order
-                (query, value, key); a missing shape defaults as in the call, and a width other
-                than the constructor's is a ValueError.
-        """
-        self._check_shapes(query_shape, value_shape, key_shape)
-        for name, shape in self.weight_shapes().items():
-            variable = self.add_weight(name=name, shape=shape, **self._weight_options(name))
-            setattr(self, _ATTRIBUTES.get(name, name), variable)
-        self._dropout_layer.build(None)
-        self.built = True
-
-    def _variable(self, name):
-        """The variable of one portable weight (`sinks` is held as `sink_logits`)."""
-        return getattr(self, _ATTRIBUTES.get(name, name))
-
     def export_weights(self):
         """Returns the portable weights: a dict of NumPy arrays (see docs/SPEC.md)."""
         if not self.built:
             self.build()
         return {name: self._variable(name).numpy().copy() for name in self.weight_shapes()}
+
+    def _variable(self, name):
+        """The variable of one portable weight (`sinks` is held as `sink_logits`)."""
+        return getattr(self, _ATTRIBUTES.get(name, name))
 
     def import_weights(self, weights):
         """Loads portable weights; strict and atomic (a ValueError lists every problem). An int8
@@ -1501,28 +1630,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             variable = self._variable(name)
             variable.assign(np.asarray(weights[name]).astype(tf.as_dtype(variable.dtype).as_numpy_dtype))
 
-    def _bias_of(self, kind):
-        return getattr(self, f"{kind}_bias") if kind in self.bias else None
-
     # int8: Keras' quantization API (`layer.quantize("int8")`, `model.quantize("int8")`, the
     # "int8_from_<policy>" dtype policies), with the portable int8 layout as the variables.
-
-    @property
-    def _int8(self):
-        """Whether the projections are int8: the dtype policy is "int8_from_..." (Keras 3 only)."""
-        return getattr(self, "quantization_mode", None) == "int8"
-
-    def _scale_of(self, kind):
-        return getattr(self, f"{kind}_kernel_scale") if self._int8 else None
-
-    def _weight_options(self, name):
-        """`add_weight` arguments of one portable weight: int8 kernels and their float scales are
-        not trainable (as in Keras' int8 `Dense`)."""
-        if self._int8 and name.endswith("_kernel"):
-            return {"initializer": "zeros", "dtype": "int8", "trainable": False}
-        if name.endswith("_kernel_scale"):
-            return {"initializer": "ones", "dtype": "float32", "trainable": False}
-        return {"initializer": self._initializer(name)}
 
     def quantize(self, mode=None, type_check=True, config=None):
         """Quantizes the four projections to int8 as Keras' `Dense.quantize("int8")` does: each
@@ -1552,27 +1661,160 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         self._is_quantized = True  # Keras' flag: setting the policy below must not quantize again
         self.dtype_policy = f"int8_from_{self.dtype_policy.name}"
 
+    @property
+    def _int8(self):
+        """Whether the projections are int8: the dtype policy is "int8_from_..." (Keras 3 only)."""
+        return getattr(self, "quantization_mode", None) == "int8"
+
+    def _weight_options(self, name):
+        """`add_weight` arguments of one portable weight: int8 kernels and their float scales are
+        not trainable (as in Keras' int8 `Dense`)."""
+        if self._int8 and name.endswith("_kernel"):
+            return {"initializer": "zeros", "dtype": "int8", "trainable": False}
+        if name.endswith("_kernel_scale"):
+            return {"initializer": "ones", "dtype": "float32", "trainable": False}
+        return {"initializer": self._initializer(name)}
+
     def _int8_call(self, *args, **kwargs):
         """Keras' entry for an int8 policy: `call`, whose projections read the int8 variables."""
         return self.call(*args, **kwargs)
 
-    def _project(self, x, kind, heads):
-        """(B, L, D) -> (B, heads, L, H): one projection split into heads."""
-        y = _linear(x, getattr(self, f"{kind}_kernel"), self._bias_of(kind), self._scale_of(kind))  # -> (B, L, heads*H)
-        return self._split_heads(y, heads)
+    def init_cache(self, batch_size, max_length, *, keep=None, dtype=None, in_place=False):
+        """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
 
-    def _split_heads(self, y, heads):
-        b, length = tf.shape(y)[0], tf.shape(y)[1]
-        y = tf.reshape(y, [b, length, heads, self.head_dim])  # (B, L, heads*H) -> (B, L, heads, H)
-        return tf.transpose(y, [0, 2, 1, 3])  # -> (B, heads, L, H)
+        Args:
+            batch_size: B.
+            max_length: L, the number of slots.
+            keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
+                of different lengths). Defaults to all True.
+            dtype: dtype of the keys and values; defaults to the compute dtype of the policy.
+            in_place: if True, the cache's four fields are non-trainable `tf.Variable`s that
+                each call writes in place, with no copy of the cache (call this outside any
+                `tf.function`); a compiled step then returns only its output.
 
-    def _merge_heads(self, x):
-        merged = tf.transpose(x, [0, 2, 1, 3])  # (B, heads, L, H) -> (B, L, heads, H)
-        return tf.reshape(merged, tf.concat([tf.shape(merged)[:2], [-1]], 0))  # -> (B, L, heads*H)
+        Returns:
+            A `KVCache` of zeros with index 0 (int32).
+        """
+        b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
+        keep = tf.ones((b, length), dtype=tf.bool) if keep is None else _check_keep(keep, b, length)
+        shape = (b, self.num_kv_heads, length, self.head_dim)
+        dtype = self.compute_dtype if dtype is None else dtype
+        cache = KVCache(tf.zeros(shape, dtype), tf.zeros(shape, dtype), keep, tf.constant(0, tf.int32))
+        return _as_variables(cache) if in_place else cache
+
+    def _non_defaults(self):
+        """The variants not at their default, and a partial `bias`, as {name: value}."""
+        variants = {
+            "bias": list(self.bias) if self.bias not in ((), _PROJECTIONS) else None,
+            "scale": None if math.isclose(self.scale, 1 / math.sqrt(self.head_dim)) else self.scale,
+            "softcap": self.softcap,
+            "window": self.window,
+            "rope_theta": self.rope_theta,
+            "qk_norm": self.qk_norm,
+            "sinks": True if self.sinks else None,
+        }
+        return {name: value for name, value in variants.items() if value is not None}
+
+    def _check_call(
+        self, query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
+        return_attention, cache, training=None, value_mask=None,
+    ):  # fmt: skip
+        """Step 1 but the masks' combination: the inputs defaulted, checked and cast to the compute
+        dtype; the token masks ANDed with the inputs' implicit Keras masks (`key_mask` defaults to
+        `query_mask` in self-attention); the cache, the positions, `attention_mask` and
+        `attention_bias` checked; the habits the masks suggest warned of. Returns the `_Call`."""
+        fuse = (key is None or key is query) and (value is None or value is query) and cache is None
+        self_attention = key is None and value is None
+        explicit_key_mask = None if key_mask is getattr(key, "_keras_mask", None) else key_mask  # not Keras' fill
+        key, value = _inputs(query, key, value)
+        implicit = [_keras_mask(x) for x in (query, key, value)]  # legacy Keras passes masks on the tensors only
+        query = _check_input("query", query, "E", self.d_model)
+        key = _check_input("key", key, "kdim", self.kdim)
+        value = _check_input("value", value, "vdim", self.vdim)
+        _check_lengths(query, key, value)
+        (b, t), s = tuple(query.shape)[:2], key.shape[1]
+        query_mask = _and(_check_token_mask("query_mask", query_mask, b, t, "T"), implicit[0])  # (B, T)
+        key_mask = _check_token_mask("key_mask", key_mask, b, s, "S")
+        key_mask = _and(key_mask, _check_token_mask("value_mask", value_mask, b, s, "S"))  # (B, S)
+        key_mask = query_mask if self_attention and key_mask is None else key_mask
+        key_mask = _and(key_mask, _and(implicit[1], implicit[2]))  # (B, S)
+        if cache is not None:
+            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
+        positions = self._positions(positions, query, key, cache)  # before the masks, as in the other files
+        target = (b, self.num_heads, t, s if cache is None else cache.key.shape[2])
+        dtype = _softmax_dtype(self.compute_dtype)
+        attention_mask = _mask_to_4d(attention_mask, target, "attention_mask", dtype)
+        attention_bias = _mask_to_4d(attention_bias, target, "attention_bias", dtype)
+        if cache is None:
+            self._warn_traps(attention_mask, explicit_key_mask, t, s)
+        query, key, value = (tf.cast(x, self.compute_dtype) for x in (query, key, value))
+        return _Call(
+            query, key, value, attention_mask, attention_bias, key_mask, query_mask, positions, causal, self.window,
+            return_attention, cache, training, fuse,
+        )  # fmt: skip
+
+    def _positions(self, positions, query, key, cache):
+        """Checks `positions` and returns them as (B, T) or (1, T) integers (default
+        arange(T), plus the cache's index), or None without RoPE."""
+        if self.rope_theta is None:
+            if positions is not None:
+                raise ValueError(
+                    "`positions` needs RoPE: construct the layer with `rope_theta`. "
+                    "Received: positions with rope_theta=None"
+                )
+            return None
+        if cache is None and _differ(query.shape[1], key.shape[1]):
+            raise ValueError(
+                "RoPE needs `key` and `value` to hold the query's own tokens (S == T, or decoding with `cache`). "
+                f"Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
+            )
+        if positions is None:
+            start = 0 if cache is None else cache.index
+            return (start + tf.range(tf.shape(query)[1]))[None]  # (1, T)
+        return _check_positions(positions, query.shape[0], query.shape[1])
+
+    def _warn_traps(self, attention_mask, key_mask, t, s):
+        """Warns once per layer for each built-in habit the masks' values suggest, where reading
+        them is free (eagerly, on the CPU); a call with a cache is not read."""
+        attention_mask, key_mask = (None if m is None else tf.convert_to_tensor(m) for m in (attention_mask, key_mask))
+        masks = [mask for mask in (attention_mask, key_mask) if mask is not None]
+        if not masks or not _values_readable(*masks):
+            return
+        for kind, message in _mask_traps(attention_mask, key_mask, t, s).items():
+            if kind not in self._warned_traps:
+                self._warned_traps.add(kind)
+                warnings.warn(message, AttentionMaskWarning, stacklevel=2)
+
+    def _masks(self, call):
+        """Step 1: the masks combined into one boolean keep, (B|1, N|1, T|1, S|1) or None, and the
+        additive biases, kept apart for the memory-efficient gradient: (the floating mask's, which
+        gets none, `attention_bias`'s), each None or rank 4 in the softmax's dtype. With a cache,
+        `key_mask` goes into the cache's keep instead (step 5)."""
+        dtype = _softmax_dtype(self.compute_dtype)
+        keep, mask_bias = _split_mask(call.attention_mask, dtype)
+        bias_keep, attention_bias = _split_mask(call.attention_bias, dtype)
+        keep = _and(keep, bias_keep)
+        query_mask, key_mask = call.query_mask, call.key_mask if call.cache is None else None
+        if query_mask is not None:
+            keep = _and(keep, tf.expand_dims(tf.expand_dims(query_mask, 1), 3))  # (B, T) -> (B, 1, T, 1)
+        if key_mask is not None:
+            keep = _and(keep, tf.expand_dims(tf.expand_dims(key_mask, 1), 1))  # (B, S) -> (B, 1, 1, S)
+        return keep, (mask_bias, attention_bias)
+
+    def _project_qkv(self, call):
+        """Step 2: the (B, T, E) query, (B, S, kdim) key and (B, S, vdim) value -> q (B, N, T, H),
+        k and v (B, K, S, H); one matmul where `call.fuse` (self-attention without a cache)."""
+        if call.fuse:
+            return self._project_fused(call.query)
+        q = self._split_heads(self._project(call.query, "query"), self.num_heads)  # (B, N, T, H)
+        k = self._split_heads(self._project(call.key, "key"), self.num_kv_heads)  # (B, K, S, H)
+        v = self._split_heads(self._project(call.value, "value"), self.num_kv_heads)  # (B, K, S, H)
+        return q, k, v
 
     def _project_fused(self, x):
         """Self-attention: q, k and v from one matmul over the concatenated projections (a
-        projection without a bias adds zeros)."""
+        projection without a bias adds zeros). A cache's step of a few tokens projects them apart:
+        concatenating the kernels at every step would cost more than the one matmul saves."""
         kinds = ("query", "key", "value")
         kernel = tf.concat([getattr(self, f"{kind}_kernel") for kind in kinds], axis=1)  # (E, N*H + 2*K*H)
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -1590,6 +1832,25 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             self._split_heads(k, self.num_kv_heads),  # (B, K, T, H)
             self._split_heads(v, self.num_kv_heads),  # (B, K, T, H)
         )
+
+    def _project(self, x, kind):
+        """(B, L, D) -> (B, L, F): the `kind` projection ("query", "key", "value" or "output")."""
+        return _linear(x, getattr(self, f"{kind}_kernel"), self._bias_of(kind), self._scale_of(kind))
+
+    def _bias_of(self, kind):
+        return getattr(self, f"{kind}_bias") if kind in self.bias else None
+
+    def _scale_of(self, kind):
+        return getattr(self, f"{kind}_kernel_scale") if self._int8 else None
+
+    def _split_heads(self, y, heads):
+        b, length = tf.shape(y)[0], tf.shape(y)[1]
+        y = tf.reshape(y, [b, length, heads, self.head_dim])  # (B, L, heads*H) -> (B, L, heads, H)
+        return tf.transpose(y, [0, 2, 1, 3])  # -> (B, heads, L, H)
+
+    def _merge_heads(self, x):
+        merged = tf.transpose(x, [0, 2, 1, 3])  # (B, heads, L, H) -> (B, L, heads, H)
+        return tf.reshape(merged, tf.concat([tf.shape(merged)[:2], [-1]], 0))  # -> (B, L, heads*H)
 
     def _normalize_qk(self, q, k):
         """QK-norm: RMSNorm of each head of q and k ("head", scales (H,)) or of all their heads
@@ -1612,35 +1873,59 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         factor, rotary_dim = rope_attention_factor(self.rope_scaling), 2 * inv_freq.shape[0]
         return scale_rotated(q, rotary_dim, factor), scale_rotated(k, rotary_dim, factor)  # YaRN's factor
 
-    def _positions(self, positions, query, key, cache):
-        """Checks `positions` and returns them as (B, T) or (1, T) integers (default
-        arange(T), plus the cache's index), or None without RoPE."""
-        if self.rope_theta is None:
-            if positions is not None:
-                raise ValueError(
-                    "`positions` needs RoPE: construct the layer with `rope_theta`. "
-                    "Received: positions with rope_theta=None"
-                )
-            return None
-        if cache is None and _differ(query.shape[1], key.shape[1]):
-            raise ValueError(
-                "RoPE needs `key` and `value` to hold the query's own tokens (S == T, or decoding with `cache`). "
-                f"Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
+    def _update_cache(self, call, k, v, keep):
+        """Step 5. Without a cache, nothing. With one, the (B, K, T, H) new keys and values written
+        (`_write_cache`, which takes `key_mask` into the cache's keep), keep ANDed with the
+        (B, 1, T, L) slots each query may attend (causal and window folded in), and k, v the
+        cache's (B, K, L, H). Returns k, v, keep, the call with its cache, causal and window
+        replaced, and in a graph whether the tokens do not fit (a () boolean tensor: a graph
+        cannot raise under XLA, and that call's output becomes NaN), else None."""
+        cache = call.cache
+        if cache is None:
+            return k, v, keep, call, None
+        t, index = tf.shape(k)[2], tf.convert_to_tensor(cache.index)  # the index before this call's write
+        misfit = _check_room(index, t, _cache_length(cache), call.window)  # only ever True under XLA
+        if _is_in_place(cache):
+            cache = _write_variables(cache, k, v, call.key_mask, misfit)  # the same variables, written
+        else:
+            cache = _write_cache(cache, k, v, call.key_mask)
+        keep = _and(keep, _cache_keep(tf.convert_to_tensor(cache.keep), index, t, call.causal, call.window))
+        k, v = tf.convert_to_tensor(cache.key), tf.convert_to_tensor(cache.value)  # (B, K, L, H), read once
+        call = call._replace(causal=False, window=None, cache=cache)  # both in `keep`
+        return k, v, keep, call, None if tf.executing_eagerly() else misfit
+
+    def _attend(self, q, k, v, keep, bias, call):
+        """Step 6, the one entry to the attention paths; returns (context (B, N, T, H), weights
+        (B, N, T, S) or None). With the weights, `dot_product_attention`; without them, the
+        memory-efficient path when the scores exceed `memory_efficient_threshold` elements (where
+        shapes are unknown at trace time: decided at run time, or always under XLA, which cannot
+        differentiate that choice). `bias` is (the floating mask's, `attention_bias`'s)."""
+        mask_bias, attention_bias = bias
+        training = call.training
+        dropout = self.dropout > 0 and training is not False and training is not None
+        chunk = None if call.return_attention else self._query_chunk(q, k)
+        sinks = self.sink_logits if self.sinks else None
+        variants = dict(scale=self.scale, softcap=self.softcap, window=call.window, sinks=sinks)
+        drop = functools.partial(self._dropout_layer, training=training) if dropout else None
+
+        def at_once():
+            return dot_product_attention(
+                q, k, v, keep, _add(mask_bias, attention_bias), call.causal, **variants, dropout=drop
             )
-        if positions is None:
-            start = 0 if cache is None else cache.index
-            return (start + tf.range(tf.shape(query)[1]))[None]  # (1, T)
-        positions = tf.convert_to_tensor(positions)
-        b, t = query.shape[0], query.shape[1]
-        shape = _static_shape(positions)
-        dims = {1: (t,), 2: (b, t)}.get(None if shape is None else len(shape))
-        expected = dims is not None and not any(_differ(d, e) for d, e in zip(shape, dims, strict=True))
-        if not positions.dtype.is_integer or not expected:
-            raise ValueError(
-                f"`positions` must be an integer tensor of shape (B, T) or (T,) with B={b}, T={t}. "
-                f"Received: positions.shape={shape}, positions.dtype={positions.dtype.name}"
+
+        def in_chunks():
+            rate, seed = (self.dropout, self._dropout_seed()) if dropout else (0.0, None)
+            return _memory_efficient_attention(
+                q, k, v, keep, mask_bias, call.causal, chunk, rate, seed, attention_bias=attention_bias, **variants
             )
-        return positions[None] if len(shape) == 1 else positions  # (T,) -> (1, T)
+
+        if chunk is None:
+            return at_once()
+        if None not in (q.shape[0], q.shape[2], k.shape[2]) or _compiled_by_xla():
+            return in_chunks(), None
+        scores = tf.reduce_prod(tf.cast(tf.shape(q)[:3], tf.int64)) * tf.cast(tf.shape(k)[2], tf.int64)
+        large = scores > self.memory_efficient_threshold
+        return tf.cond(large, in_chunks, lambda: at_once()[0]), None
 
     def _query_chunk(self, q, k):
         """Queries per chunk of the memory-efficient path, or None where the (B, N, T, S) scores
@@ -1664,34 +1949,26 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             return generator.next()
         return tf.random.uniform((2,), maxval=2**31 - 1, dtype=tf.int64)
 
-    def _attend(self, q, k, v, keep, bias, attention_bias, causal, window, return_attention, training):
-        """Picks the attention path; returns (context, weights or None): without weights, the
-        memory-efficient path when the scores exceed `memory_efficient_threshold` elements
-        (where shapes are unknown at trace time: decided at run time, or always under XLA, which
-        cannot differentiate that choice), else `dot_product_attention`. `bias` is the floating
-        mask, `attention_bias` the call's bias."""
-        dropout_active = self.dropout > 0 and training is not False and training is not None
-        chunk = None if return_attention else self._query_chunk(q, k)
-        sinks = self.sink_logits if self.sinks else None
-        variants = dict(scale=self.scale, softcap=self.softcap, window=window, sinks=sinks)
-
-        def at_once():
-            dropout = (lambda w: self._dropout_layer(w, training=training)) if dropout_active else None
-            return dot_product_attention(q, k, v, keep, _add(bias, attention_bias), causal, **variants, dropout=dropout)
-
-        def in_chunks():
-            rate, seed = (self.dropout, self._dropout_seed()) if dropout_active else (0.0, None)
-            return _memory_efficient_attention(
-                q, k, v, keep, bias, causal, chunk, rate, seed, attention_bias=attention_bias, **variants
-            )
-
-        if chunk is None:
-            return at_once()
-        if None not in (q.shape[0], q.shape[2], k.shape[2]) or _compiled_by_xla():
-            return in_chunks(), None
-        scores = tf.reduce_prod(tf.cast(tf.shape(q)[:3], tf.int64)) * tf.cast(tf.shape(k)[2], tf.int64)
-        large = scores > self.memory_efficient_threshold
-        return tf.cond(large, in_chunks, lambda: at_once()[0]), None
+    def call(
+        self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
+        attention_bias=None, positions=None, causal=False, return_attention=False, training=None, value_mask=None,
+        cache=None,
+    ):  # fmt: skip
+        """The seven steps of docs/SPEC.md ("Order of the steps"); the arguments are the class's."""
+        call = self._check_call(  # 1. defaults and checks
+            query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
+            return_attention, cache, training, value_mask,
+        )  # fmt: skip
+        keep, bias = self._masks(call)  # 1. the masks: (B|1, N|1, T|1, S|1) keep, (mask's, attention_bias's) additive
+        q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H)
+        q, k = self._normalize_qk(q, k)  # 3. QK-norm
+        q, k = self._rotate(q, k, call.positions)  # 4. RoPE
+        k, v, keep, call, misfit = self._update_cache(call, k, v, keep)  # 5. KV cache: (B, K, L, H), misfit
+        context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S) or None
+        output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*H) -> (B, T, E)
+        if misfit is not None:
+            output = tf.where(misfit, tf.cast(np.nan, output.dtype), output)  # XLA cannot raise for a misfit
+        return _results(output, weights, call.cache, call.return_attention)
 
     def __call__(self, *args, mask=None, **kwargs):
         """`mask=` moved into `attention_mask` (so that `call` has no `mask` argument for Keras to
@@ -1708,151 +1985,9 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             _check_cache_dtype(kwargs["cache"], self.compute_dtype)
         return super().__call__(*args, **kwargs)
 
-    def _inputs(self, query, key, value, query_mask, key_mask, value_mask):
-        """Defaults and checks of the inputs, cast to the compute dtype, and their (B, T) query
-        keep and (B, S) key keep (None: all kept): the masks passed ANDed with the implicit Keras
-        masks of the inputs; in self-attention `key_mask` defaults to `query_mask`."""
-        self_attention = key is None and value is None
-        key = value if key is None else key
-        key = query if key is None else key
-        value = key if value is None else value
-        implicit = [_keras_mask(x) for x in (query, key, value)]  # legacy Keras passes masks on the tensors only
-        query = _check_input("query", query, "E", self.d_model)
-        key = _check_input("key", key, "kdim", self.kdim)
-        value = _check_input("value", value, "vdim", self.vdim)
-        _check_lengths(query, key, value)
-        (b, t), s = tuple(query.shape)[:2], key.shape[1]
-        query_keep = _and(_check_token_mask("query_mask", query_mask, b, t, "T"), implicit[0])  # (B, T)
-        key_mask = _check_token_mask("key_mask", key_mask, b, s, "S")
-        key_keep = _and(key_mask, _check_token_mask("value_mask", value_mask, b, s, "S"))  # (B, S)
-        if self_attention and key_keep is None:
-            key_keep = query_keep
-        key_keep = _and(key_keep, _and(implicit[1], implicit[2]))  # (B, S)
-        query, key, value = (tf.cast(x, self.compute_dtype) for x in (query, key, value))
-        return query, key, value, query_keep, key_keep
-
-    def _masks(self, attention_mask, attention_bias, target):
-        """The floating mask rule on `attention_mask` and `attention_bias`: (keep, mask's
-        additive, bias's additive), each rank 4 or None."""
-        dtype = _softmax_dtype(self.compute_dtype)
-        attention_mask = None if attention_mask is None else tf.convert_to_tensor(attention_mask)
-        keep, mask_bias = _split_mask(attention_mask, target, "attention_mask", dtype)
-        bias_keep, attention_bias = _split_bias(attention_bias, target, dtype)
-        return _and(keep, bias_keep), mask_bias, attention_bias
-
-    def _warn_traps(self, attention_mask, key_mask, t, s):
-        """Warns once per layer for each built-in habit the masks' values suggest, where reading
-        them is free (eagerly, on the CPU); a call with a cache is not read."""
-        attention_mask, key_mask = (None if m is None else tf.convert_to_tensor(m) for m in (attention_mask, key_mask))
-        masks = [mask for mask in (attention_mask, key_mask) if mask is not None]
-        if not masks or not _values_readable(*masks):
-            return
-        for kind, message in _mask_traps(attention_mask, key_mask, t, s).items():
-            if kind not in self._warned_traps:
-                self._warned_traps.add(kind)
-                warnings.warn(message, AttentionMaskWarning, stacklevel=2)
-
-    def call(
-        self,
-        query,
-        key=None,
-        value=None,
-        attention_mask=None,
-        *,
-        key_mask=None,
-        query_mask=None,
-        attention_bias=None,
-        positions=None,
-        causal=False,
-        return_attention=False,
-        training=None,
-        value_mask=None,
-        cache=None,
-    ):
-        # 1. Defaults and checks; the masks combined into one boolean keep and additive biases.
-        self_attention = (key is None or key is query) and (value is None or value is query)
-        explicit_key_mask = None if key_mask is getattr(key, "_keras_mask", None) else key_mask  # not Keras' fill
-        query, key, value, query_keep, key_keep = self._inputs(query, key, value, query_mask, key_mask, value_mask)
-        if cache is not None:
-            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
-        b, t, s = query.shape[0], query.shape[1], key.shape[1] if cache is None else cache.key.shape[2]
-        positions = self._positions(positions, query, key, cache)  # before the masks, as in the other files
-        keep, bias, attention_bias = self._masks(attention_mask, attention_bias, (b, self.num_heads, t, s))
-        if cache is None:
-            self._warn_traps(attention_mask, explicit_key_mask, t, s)
-        keep = _and(keep, _token_keep(query_keep, key_keep if cache is None else None))  # (B, N, T, S), dims may be 1
-
-        # 2. Projections.
-        if self_attention and cache is None:  # a step's few tokens: concatenating the kernels would cost more
-            q, k, v = self._project_fused(query)  # (B, T, E) -> (B, N, T, H), 2 x (B, K, T, H)
-        else:
-            q = self._project(query, "query", self.num_heads)  # (B, T, E) -> (B, N, T, H)
-            k = self._project(key, "key", self.num_kv_heads)  # (B, S, kdim) -> (B, K, S, H)
-            v = self._project(value, "value", self.num_kv_heads)  # (B, S, vdim) -> (B, K, S, H)
-        # 3. QK-norm and 4. RoPE.
-        q, k = self._normalize_qk(q, k)
-        q, k = self._rotate(q, k, positions)
-        # 5. Cache write: the new keys and values go to slots [index, index + T) (mod L with a window).
-        window = self.window
-        if cache is not None:
-            t, index = tf.shape(q)[2], tf.convert_to_tensor(cache.index)  # the index before this call's write
-            misfit = _check_room(cache, t, window)  # only ever True under XLA
-            if _is_in_place(cache):
-                cache = _write_cache_in_place(cache, k, v, key_keep, misfit)  # the same variables, written
-            else:
-                cache = _write_cache(cache, k, v, key_keep, window)  # `key_mask` goes into its keep
-            slots_keep = _cache_keep(tf.convert_to_tensor(cache.keep), index, t, causal, window)  # (B, 1, T, L)
-            keep = _and(keep, slots_keep)  # (B, N, T, L), dims may be 1
-            k, v = tf.convert_to_tensor(cache.key), tf.convert_to_tensor(cache.value)  # (B, K, L, H), read once
-            causal, window = False, None  # both in `keep`
-        # 6. Attention.
-        context, weights = self._attend(
-            q, k, v, keep, bias, attention_bias, causal, window, return_attention, training
-        )  # (B, N, T, H)
-        # 7. Heads merged and the output projection.
-        merged = self._merge_heads(context)  # (B, N, T, H) -> (B, T, N*H)
-        output = _linear(merged, self.output_kernel, self._bias_of("output"), self._scale_of("output"))  # -> (B, T, E)
-        if cache is not None and not tf.executing_eagerly():
-            output = tf.where(misfit, tf.cast(np.nan, output.dtype), output)  # XLA cannot raise for a misfit
-
-        return _results(output, weights, cache, return_attention)
-
     def compute_mask(self, query, previous_mask=None):
         """The output carries the query's mask."""
         return previous_mask
-
-    def _check_shapes(self, query_shape, value_shape, key_shape):
-        """Shapes given to `build` or `compute_output_shape`, checked as the call checks its
-        inputs (the same messages); returns the query's shape. A missing key or value shape is the
-        other one's, as in the call; with neither, they are unknown (legacy Keras passes only the
-        query's shape, whatever the call's key and value are)."""
-        query_shape, value_shape, key_shape = (_shape_tuple(shape) for shape in (query_shape, value_shape, key_shape))
-        key_shape = value_shape if key_shape is None else key_shape
-        value_shape = key_shape if value_shape is None else value_shape
-        for name, shape, width_name, width in (
-            ("query", query_shape, "E", self.d_model),
-            ("key", key_shape, "kdim", self.kdim),
-            ("value", value_shape, "vdim", self.vdim),
-        ):
-            letter = "T" if name == "query" else "S"
-            if shape is not None and (len(shape) != 3 or shape[-1] not in (None, width)):
-                raise ValueError(
-                    f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
-                    f"Received: {name}.shape={shape}"
-                )
-        if None in (query_shape, key_shape, value_shape):
-            return query_shape
-        if _differ(query_shape[0], key_shape[0], value_shape[0]):
-            raise ValueError(
-                "`query`, `key` and `value` must have the same batch size B. Received: "
-                f"query.shape={query_shape}, key.shape={key_shape}, value.shape={value_shape}"
-            )
-        if _differ(key_shape[1], value_shape[1]):
-            raise ValueError(
-                f"`key` and `value` must have the same length S. Received: key.shape={key_shape}, "
-                f"value.shape={value_shape}"
-            )
-        return query_shape
 
     def compute_output_shape(self, query_shape, value_shape=None, key_shape=None):
         """(B, T, E), whatever S is; shapes in Keras' order (query, value, key), checked as in `build`."""
@@ -1930,18 +2065,14 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         return layer
 
 
+# -------------------------------------------------------------------------------------------------
+# Interop with the built-in layers
+# -------------------------------------------------------------------------------------------------
+
+
 def _check_keras_can_hold(layer):
     """Refuses, naming them, the variants of docs/SPEC.md that the Keras built-ins cannot hold."""
-    defaults = {
-        "bias": len(layer.bias) in (0, 4),  # all four biases or none
-        "scale": math.isclose(layer.scale, 1 / math.sqrt(layer.head_dim)),
-        "softcap": layer.softcap is None,
-        "window": layer.window is None,
-        "rope_theta": layer.rope_theta is None,
-        "qk_norm": layer.qk_norm is None,
-        "sinks": not layer.sinks,
-    }
-    held = [name for name, plain in defaults.items() if not plain]
+    held = layer._non_defaults()
     if held:
         received = ", ".join(f"{name}={getattr(layer, name)!r}" for name in held)
         raise ValueError(
@@ -2031,10 +2162,3 @@ def _keras_config(layer):
         bias_initializer=config["bias_initializer"],
     )  # fmt: skip
     return arguments, dense
-
-
-def _shape_tuple(shape):
-    """A shape (tuple, list, TensorShape) as a tuple, or None where it or its rank is unknown."""
-    if shape is None or tf.TensorShape(shape).rank is None:
-        return None
-    return tuple(tf.TensorShape(shape).as_list())

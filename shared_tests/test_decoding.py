@@ -575,7 +575,7 @@ def test_tf_in_place_cache_takes_the_compute_dtype():
 def test_tf_in_place_cache_never_written_fails_the_report(monkeypatch):
     import TensorFlow.Multi_Head_Attention as tf_file
 
-    monkeypatch.setattr(tf_file, "_write_cache_in_place", lambda cache, *rest: cache)
+    monkeypatch.setattr(tf_file, "_write_variables", lambda cache, *rest: cache)
     row, _ = parity.run_decode_case(DECODE_CASES_BY_NAME["decode_prefill_then_steps"], paths=("numpy", "tf:in_place"))
     assert not row.passed
 

@@ -66,12 +66,12 @@ class TorchNoBias(TorchMultiHeadAttention):
 
 
 class TFNoBias(TFMultiHeadAttention):
-    def _project(self, x, kind, heads):
-        return self._split_heads(tf_file.tf.matmul(x, getattr(self, f"{kind}_kernel")), heads)
+    def _project(self, x, kind):
+        return tf_file.tf.matmul(x, getattr(self, f"{kind}_kernel"))
 
     def _project_fused(self, x):
         return tuple(
-            self._project(x, kind, h)
+            self._split_heads(self._project(x, kind), h)
             for kind, h in (("query", self.num_heads), ("key", self.num_kv_heads), ("value", self.num_kv_heads))
         )
 
@@ -389,11 +389,10 @@ def _not_run_lines(printed):
     return dict(line.strip().split(None, 1) for line in block)
 
 
-def _old_split_mask(attention_mask, target, name, dtype):
+def _old_split_mask(mask, dtype):
     """The TensorFlow mask split before this fix: -inf reached tf.where's operand."""
-    if attention_mask is None:
+    if mask is None:
         return None, None
-    mask = tf_file._mask_to_4d(tf_file.tf.convert_to_tensor(attention_mask), target, name)
     if mask.dtype == tf_file.tf.bool:
         return mask, None
     removed = tf_file.tf.math.is_inf(mask) & (mask < 0)
