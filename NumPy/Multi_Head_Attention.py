@@ -21,7 +21,7 @@ The math, for query head n (which reads key/value head n // (N // K)):
 
 The steps of a call (docs/SPEC.md, "Order of the steps"), one method each in `__call__`:
     1. defaults and checks; masks combined into one boolean `keep` and one additive `bias`
-    2. projections          3. QK-norm of q and k        4. RoPE of q and k at `positions`
+    2. projections (clamped to [-clip_qkv, clip_qkv])          3. QK-norm of q and k        4. RoPE of q and k at `positions`
     5. cache write          6. scores * scale, soft-capping, + bias, keys removed by keep,
                                causal and window, softmax with the sinks, weighted sum of v
     7. heads merged and the output projection
@@ -29,8 +29,9 @@ The steps of a call (docs/SPEC.md, "Order of the steps"), one method each in `__
 Variants, each off by default: `bias` per projection, `scale` (default 1 / sqrt(H)), `softcap`
 (scores become c * tanh(scores / c)), `window` (query t keeps key s only if s > t + (S - T) - W),
 RoPE (`rope_theta`, `rope_fraction`, `rope_interleaved`, `rope_scaling`; `positions` in the
-call), `qk_norm` (RMSNorm of q and k per head or over all heads) and `sinks` (a learned logit
-per head in the softmax's denominator). Call arguments `attention_bias` (added to the scores,
+call), `qk_norm` (RMSNorm of q and k per head or over all heads), `sinks` (a learned logit
+per head in the softmax's denominator) and `clip_qkv` (q, k and v clamped to [-c, c] right after
+their projections: OLMo, DBRX, MPT). Call arguments `attention_bias` (added to the scores,
 with a gradient; see `alibi_bias`), `key_mask` (B, S) and `query_mask` (B, T). The reference
 has no dropout: `dropout` must be 0.
 
@@ -135,6 +136,7 @@ class _Variants(NamedTuple):
     qk_norm: str | None
     qk_norm_eps: float
     sinks: bool
+    clip_qkv: float | None
 
 
 def _check_variants(
@@ -149,6 +151,7 @@ def _check_variants(
     qk_norm,
     qk_norm_eps,
     sinks,
+    clip_qkv,
 ):
     """Checks the constructor's variant arguments (a ValueError names the first one that is
     invalid) and returns them as a `_Variants`: `scale` defaults to 1 / sqrt(H)."""
@@ -162,6 +165,7 @@ def _check_variants(
         raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
     qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
     qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
+    clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
     rope_interleaved = _flag("rope_interleaved", rope_interleaved)
     sinks = _flag("sinks", sinks)
     return _Variants(
@@ -175,6 +179,7 @@ def _check_variants(
         qk_norm,
         qk_norm_eps,
         sinks,
+        clip_qkv,
     )
 
 
@@ -1001,6 +1006,8 @@ class MultiHeadAttention:
         qk_norm_eps: the epsilon of that RMSNorm.
         sinks: if True, one learned logit per head (weight `sinks`) joins the softmax's
             denominator (gpt-oss).
+        clip_qkv: None, or c: q, k and v are clamped to [-c, c] right after their projections
+            (bias included), before QK-norm, RoPE and the cache (OLMo, DBRX, MPT).
         seed: seed for the Glorot uniform initialisation of the kernels (biases start at 0).
 
     Call arguments:
@@ -1065,6 +1072,7 @@ class MultiHeadAttention:
         qk_norm=None,
         qk_norm_eps=1e-6,
         sinks=False,
+        clip_qkv=None,
         seed=None,
     ):
         self.d_model = _positive_int("d_model", d_model)
@@ -1085,10 +1093,10 @@ class MultiHeadAttention:
         self.bias = _projection_biases(bias)
         variants = _check_variants(
             self.head_dim, scale, softcap, window, rope_theta, rope_fraction, rope_interleaved, rope_scaling, qk_norm,
-            qk_norm_eps, sinks,
+            qk_norm_eps, sinks, clip_qkv,
         )  # fmt: skip
         for name, value in variants._asdict().items():
-            setattr(self, name, value)  # self.scale, self.softcap, ..., self.sinks
+            setattr(self, name, value)  # self.scale, self.softcap, ..., self.sinks, self.clip_qkv
         self._inv_freq = None  # (R/2,), computed once
         if self.rope_theta is not None:
             rotary_dim = _rotary_dim(rope_fraction, self.head_dim, True)
@@ -1255,11 +1263,16 @@ class MultiHeadAttention:
         return keep, bias
 
     def _project_qkv(self, call):
-        """Step 2: q (B, N, T, H), k and v (B, K, S, H), each with its bias if it has one."""
-        q = self._split_heads(self._project(call.query, "query"))  # (B, T, E) -> (B, N, T, H)
-        k = self._split_heads(self._project(call.key, "key"))  # (B, S, kdim) -> (B, K, S, H)
-        v = self._split_heads(self._project(call.value, "value"))  # (B, S, vdim) -> (B, K, S, H)
+        """Step 2: q (B, N, T, H), k and v (B, K, S, H), each with its bias if it has one, then
+        clamped to [-clip_qkv, clip_qkv]."""
+        q = self._split_heads(self._clip(self._project(call.query, "query")))  # (B, T, E) -> (B, N, T, H)
+        k = self._split_heads(self._clip(self._project(call.key, "key")))  # (B, S, kdim) -> (B, K, S, H)
+        v = self._split_heads(self._clip(self._project(call.value, "value")))  # (B, S, vdim) -> (B, K, S, H)
         return q, k, v
+
+    def _clip(self, y):
+        """`clip_qkv`: a projection clamped to [-c, c] (unchanged when None)."""
+        return y if self.clip_qkv is None else np.clip(y, -self.clip_qkv, self.clip_qkv)
 
     def _project(self, x, kind):
         """(B, L, D) -> (B, L, heads*H): one projection, with its bias if it has one."""
@@ -1393,7 +1406,7 @@ class MultiHeadAttention:
             factor, positions = rope_attention_factor(self.rope_scaling), c["call"].positions
             d_q, d_k = (_rope_backward(d, positions, self._inv_freq, self.rope_interleaved, factor) for d in (d_q, d_k))
         inputs = {}
-        for kind, d_heads in (("query", d_q), ("key", d_k), ("value", d_v)):  # 3. QK-norm, 2. projections
+        for kind, d_heads in (("query", d_q), ("key", d_k), ("value", d_v)):  # 3. QK-norm, 2. clip, projections
             inputs[kind] = self._project_backward(kind, getattr(c["call"], kind), d_heads, grads)
         grads = {name: grads[name] for name in self.weight_shapes()}
         return {**_fold_defaulted(inputs, c["defaulted"]), **extra, **grads}
@@ -1419,13 +1432,15 @@ class MultiHeadAttention:
         """Steps 3 and 2 backward for one of q, k, v: adds the kernel's, bias' and norm's gradients
         to `grads`, returns the input's (B, L, D)."""
         d_y = self._merge_heads(d_heads)  # (B, heads, L, H) -> (B, L, heads*H)
+        y = self._project(x, kind)  # (B, L, heads*H), the projection before the clamp, recomputed
         if kind != "value" and self.qk_norm is not None:
-            y = self._project(x, kind)  # (B, L, heads*H), the projection before QK-norm, recomputed
-            by_norm = self._by_norm(y)  # QK-norm's backward
+            by_norm = self._by_norm(self._clip(y))  # QK-norm's backward, at the clamped projection
             d_y, grads[f"{kind}_norm"] = _rms_norm_backward(
                 by_norm, self.params[f"{kind}_norm"], self.qk_norm_eps, d_y.reshape(by_norm.shape)
             )
             d_y = d_y.reshape(y.shape)
+        if self.clip_qkv is not None:  # the clamp's gradient: 1 within [-c, c] (bounds included), 0 outside
+            d_y = np.where(np.abs(y) <= self.clip_qkv, d_y, 0.0)
         grads[f"{kind}_kernel"] = np.einsum("bld,blm->dm", x, d_y)
         grads[f"{kind}_bias"] = d_y.sum(axis=(0, 1))
         return d_y @ self.params[f"{kind}_kernel"].T  # (B, L, heads*H) -> (B, L, D)
