@@ -21,7 +21,7 @@ The math, for query head n (which reads key/value head n // (N // K)):
 
 The steps of a call (docs/SPEC.md, "Order of the steps"), one method each in `__call__`:
     1. defaults and checks; masks combined into one boolean `keep` and one additive `bias`
-    2. projections (clamped to [-clip_qkv, clip_qkv])          3. QK-norm of q and k        4. RoPE of q and k at `positions`
+    2. projections          3. QK-norm of q and k        4. RoPE of q and k at `positions`
     5. cache write          6. scores * scale, soft-capping, + bias, keys removed by keep,
                                causal and window, softmax with the sinks, weighted sum of v
     7. heads merged and the output projection

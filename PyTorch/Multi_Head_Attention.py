@@ -28,7 +28,8 @@ Variants, each off by default and each one small step of the call (constructor a
 `bias` per projection (Qwen2), `scale` (T5, Gemma), `softcap` (Gemma 2), `window` (a sliding
 window: Mistral, gpt-oss), rotary position embeddings (`rope_theta`, `rope_fraction`,
 `rope_interleaved`, `rope_scaling`: Llama, GPT-NeoX, GPT-J, Llama 3.1), `qk_norm` (Qwen3,
-OLMo2) and `sinks` (gpt-oss).
+OLMo2), `sinks` (gpt-oss) and `clip_qkv` (q, k and v clamped after the projections: OLMo, DBRX,
+MPT).
 
 Masks: a boolean `attention_mask` is True where a query may attend a key (the opposite of
 `nn.MultiheadAttention`, where True means "ignore"); a floating one is added to the scores
@@ -124,11 +125,12 @@ class _Variants(NamedTuple):
     qk_norm: str | None  # None, "head" or "all"
     qk_norm_eps: float
     sinks: bool
+    clip_qkv: float | None  # None: no clamp
 
 
 def _check_variants(
     head_dim, scale, softcap, window, rope_theta, rope_fraction, rope_interleaved, rope_scaling, qk_norm,
-    qk_norm_eps, sinks,
+    qk_norm_eps, sinks, clip_qkv,
 ):  # fmt: skip
     """The variants' constructor arguments checked, in this order, into a `_Variants` (a
     ValueError names the first one that is not valid)."""
@@ -142,10 +144,11 @@ def _check_variants(
         raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
     qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
     qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
+    clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
     rope_interleaved, sinks = _flag("rope_interleaved", rope_interleaved), _flag("sinks", sinks)  # the flags last
     return _Variants(
         scale, softcap, window, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling, qk_norm,
-        qk_norm_eps, sinks,
+        qk_norm_eps, sinks, clip_qkv,
     )  # fmt: skip
 
 
@@ -1247,6 +1250,8 @@ class MultiHeadAttention(nn.Module):
         qk_norm_eps: the epsilon of the QK-norm.
         sinks: if True, one learned logit per query head (the parameter `sinks`, (N,)), an
             extra term in the softmax's denominator (gpt-oss); rows then sum to less than 1.
+        clip_qkv: None or c > 0: q, k and v are clamped to [-c, c] right after their projections
+            (bias included), before QK-norm, RoPE and the cache (OLMo, DBRX, MPT).
         device: device of the parameters.
         dtype: dtype of the parameters.
 
@@ -1315,6 +1320,7 @@ class MultiHeadAttention(nn.Module):
         qk_norm=None,
         qk_norm_eps=1e-6,
         sinks=False,
+        clip_qkv=None,
         device=None,
         dtype=None,
     ):
@@ -1335,12 +1341,13 @@ class MultiHeadAttention(nn.Module):
         self.bias = _projection_biases(bias)
         variants = _check_variants(
             self.head_dim, scale, softcap, window, rope_theta, rope_fraction, rope_interleaved, rope_scaling, qk_norm,
-            qk_norm_eps, sinks,
+            qk_norm_eps, sinks, clip_qkv,
         )  # fmt: skip
         self.scale, self.softcap, self.window = variants.scale, variants.softcap, variants.window
         self.rope_theta, self.rope_fraction = variants.rope_theta, variants.rope_fraction
         self.rope_interleaved, self.rope_scaling = variants.rope_interleaved, variants.rope_scaling
         self.qk_norm, self.qk_norm_eps = variants.qk_norm, variants.qk_norm_eps
+        self.clip_qkv = variants.clip_qkv
         self._rotary_dim = _rotary_dim(self.rope_fraction, self.head_dim, self.rope_theta is not None)  # None: no RoPE
         self._make_weights(variants.sinks, {"device": device, "dtype": dtype})
         self._warned_traps = set()  # the mask habits warned of, once each
@@ -1533,6 +1540,7 @@ class MultiHeadAttention(nn.Module):
             "rope_theta": self.rope_theta,
             "qk_norm": self.qk_norm,
             "sinks": True if self.sinks is not None else None,
+            "clip_qkv": self.clip_qkv,
         }
         return {name: value for name, value in variants.items() if value is not None}
 
@@ -1663,7 +1671,8 @@ class MultiHeadAttention(nn.Module):
 
     def _project_qkv(self, call):
         """Step 2: q (B, N, T, H), k and v (B, K, S, H); one matmul for the three where the call
-        may fuse them and that computes what the three projections would (`_fusable`)."""
+        may fuse them and that computes what the three projections would (`_fusable`). Every path
+        (fused, lean decode, int8, tensor-parallel) then clamps them to [-clip_qkv, clip_qkv]."""
         if call.fuse and self._fusable():
             q, k, v = self._project_fused(call.query)  # (B, T, E) -> (B, N, T, H), 2 x (B, K, T, H)
         else:
@@ -1671,6 +1680,8 @@ class MultiHeadAttention(nn.Module):
             k = self._split_heads(self._project(call.key, "key"), self.num_kv_heads)  # (B, S, kdim) -> (B, K, S, H)
             v = self._split_heads(self._project(call.value, "value"), self.num_kv_heads)  # (B, S, vdim) -> (B, K, S, H)
         self._check_local_heads(q, k, call.attention_mask, call.attention_bias)
+        if self.clip_qkv is not None:  # OLMo, DBRX, MPT: clamp's gradient, 1 within [-c, c], 0 outside
+            q, k, v = (x.clamp(-self.clip_qkv, self.clip_qkv) for x in (q, k, v))
         return q, k, v
 
     def _fusable(self):
