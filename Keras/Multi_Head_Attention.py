@@ -19,7 +19,7 @@ The math, for query head n (which reads key/value head n // (N // K)):
 
 The steps of a call (docs/SPEC.md, "Order of the steps"), one line each in `call`:
     1. defaults and checks (`_check_call`); the masks combined into one keep and one bias (`_masks`)
-    2. the projections q, k, v (`_project_qkv`)
+    2. the projections q, k, v (`_project_qkv`), clamped by `clip_qkv`
     3. QK-norm of q and k (`_normalize_qk`)
     4. RoPE of q and k (`_rotate`)
     5. the KV-cache write (`_update_cache`)
@@ -30,7 +30,8 @@ Variants, each off by default and each one small step of the call: `bias` per pr
 `scale` (default 1 / sqrt(H)), `softcap` (scores become c * tanh(scores / c)), `window` (query
 t keeps key s only if s > t + (S - T) - W), RoPE (`rope_theta`, `rope_fraction`,
 `rope_interleaved`, `rope_scaling`; `positions` in the call), `qk_norm` (RMSNorm of q and k per
-head or over all heads) and `sinks` (a learned logit per head in the softmax's denominator).
+head or over all heads), `sinks` (a learned logit per head in the softmax's denominator) and
+`clip_qkv` (q, k and v clamped to [-c, c] right after their projections: OLMo, DBRX, MPT).
 Call arguments `attention_bias` (added to the scores, with a gradient; see `alibi_bias`),
 `key_mask` (B, S) and `query_mask` (B, T).
 
@@ -125,6 +126,7 @@ class _Variants(NamedTuple):
     qk_norm: Any  # None, "head" or "all"
     qk_norm_eps: float
     sinks: bool
+    clip_qkv: Any  # None or float
 
 
 def _positive_int(name, value):
@@ -227,7 +229,7 @@ def _valid_yarn(scaling):
 
 def _check_variants(
     head_dim, scale, softcap, window, rope_theta, rope_fraction, rope_interleaved, rope_scaling, qk_norm,
-    qk_norm_eps, sinks,
+    qk_norm_eps, sinks, clip_qkv,
 ):  # fmt: skip
     """Checks the variants' arguments, each on its own whether its variant is on or off, in the
     signature's order with the two flags last (so that every file names the same first bad
@@ -242,11 +244,12 @@ def _check_variants(
         raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
     qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
     qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
+    clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
     rope_interleaved = _flag("rope_interleaved", rope_interleaved)
     sinks = _flag("sinks", sinks)
     return _Variants(
         scale, softcap, window, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling, qk_norm,
-        qk_norm_eps, sinks,
+        qk_norm_eps, sinks, clip_qkv,
     )  # fmt: skip
 
 
@@ -1032,6 +1035,8 @@ class MultiHeadAttention(keras.layers.Layer):
         qk_norm: None, "head" (RMSNorm of each head of q and k) or "all" (over all heads).
         qk_norm_eps: the epsilon of the QK-norm.
         sinks: if True, one learned logit per query head in the softmax's denominator.
+        clip_qkv: None or c > 0: q, k and v are clamped to [-c, c] right after their projections
+            (bias included), before QK-norm, RoPE and the cache (OLMo, DBRX, MPT).
         kernel_initializer: initializer of the four kernels.
         bias_initializer: initializer of the biases.
         **kwargs: base layer arguments (`name`, `dtype` policy, ...).
@@ -1101,6 +1106,7 @@ class MultiHeadAttention(keras.layers.Layer):
         qk_norm=None,
         qk_norm_eps=1e-6,
         sinks=False,
+        clip_qkv=None,
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
         **kwargs,
@@ -1122,10 +1128,10 @@ class MultiHeadAttention(keras.layers.Layer):
         self.bias = _projection_biases(bias)
         (
             self.scale, self.softcap, self.window, self.rope_theta, self.rope_fraction, self.rope_interleaved,
-            self.rope_scaling, self.qk_norm, self.qk_norm_eps, self.sinks,
+            self.rope_scaling, self.qk_norm, self.qk_norm_eps, self.sinks, self.clip_qkv,
         ) = _check_variants(
             self.head_dim, scale, softcap, window, rope_theta, rope_fraction, rope_interleaved, rope_scaling, qk_norm,
-            qk_norm_eps, sinks,
+            qk_norm_eps, sinks, clip_qkv,
         )  # fmt: skip
         if self.rope_theta is not None:
             rotary = _rotary_dim(self.rope_fraction, self.head_dim, True)
@@ -1186,6 +1192,7 @@ class MultiHeadAttention(keras.layers.Layer):
             "qk_norm": self.qk_norm,
             "qk_norm_eps": self.qk_norm_eps,
             "sinks": self.sinks,
+            "clip_qkv": self.clip_qkv,
             "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
             "bias_initializer": keras.initializers.serialize(self.bias_initializer),
         }
@@ -1268,6 +1275,7 @@ class MultiHeadAttention(keras.layers.Layer):
             "rope_theta": self.rope_theta is None,
             "qk_norm": self.qk_norm is None,
             "sinks": not self.sinks,
+            "clip_qkv": self.clip_qkv is None,
         }
         return {name: getattr(self, name) for name, default in plain.items() if not default}
 
@@ -1358,11 +1366,19 @@ class MultiHeadAttention(keras.layers.Layer):
         return keep, _add(mask_bias, bias)
 
     def _project_qkv(self, call):
-        """The three input projections split into heads: (B, N, T, H), (B, K, S, H), (B, K, S, H)."""
+        """The three input projections split into heads: (B, N, T, H), (B, K, S, H), (B, K, S, H),
+        clamped to [-clip_qkv, clip_qkv]."""
         q = self._split_heads(self._project(call.query, "query"), self.num_heads)
         k = self._split_heads(self._project(call.key, "key"), self.num_kv_heads)
         v = self._split_heads(self._project(call.value, "value"), self.num_kv_heads)
-        return q, k, v
+        return self._clip(q), self._clip(k), self._clip(v)
+
+    def _clip(self, x):
+        """`clip_qkv`: x clamped to [-c, c], with the clamp's gradient, 1 within [-c, c] (bounds
+        included) and 0 outside, on every backend (JAX's `clip` gives 0.5 at a bound)."""
+        if self.clip_qkv is None:
+            return x
+        return ops.where(ops.abs(x) <= self.clip_qkv, x, ops.sign(x) * self.clip_qkv)
 
     def _bias_of(self, kind):
         return getattr(self, f"{kind}_bias") if kind in self.bias else None
