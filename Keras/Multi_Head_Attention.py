@@ -1610,7 +1610,7 @@ def _check_keras_can_hold(layer):
         received = ", ".join(f"{name}={value!r}" for name, value in held.items())
         raise ValueError(
             "`to_keras` needs a layer the Keras built-ins can hold: all four biases or none, the default "
-            f"scale, and no softcap, window, RoPE, QK-norm or sinks. Received: {received}"
+            f"scale, and no softcap, window, RoPE, QK-norm, sinks or clip_qkv. Received: {received}"
         )
 
 

@@ -17,14 +17,15 @@ The math, for query head n (which reads key/value head n // (N // K)):
     output = concat_heads(context) @ output_kernel + output_bias
 
 The steps of `call` (docs/SPEC.md, "Order of the steps"): 1. defaults and checks, the masks
-combined into one keep and one bias; 2. projections; 3. QK-norm; 4. RoPE; 5. KV cache write;
+combined into one keep and one bias; 2. projections (clamped by `clip_qkv`); 3. QK-norm; 4. RoPE; 5. KV cache write;
 6. attention; 7. heads merged and the output projection.
 
 Variants, each off by default and each one small step of the call: `bias` per projection, `scale`
 (default 1 / sqrt(H)), `softcap` (scores become c * tanh(scores / c)), `window` (query t keeps key
 s only if s > t + (S - T) - W), RoPE (`rope_theta`, `rope_fraction`, `rope_interleaved`,
 `rope_scaling`; `positions` in the call), `qk_norm` (RMSNorm of q and k per head or over all
-heads) and `sinks` (a learned logit per head in the softmax's denominator). Call arguments
+heads), `sinks` (a learned logit per head in the softmax's denominator) and `clip_qkv` (q, k and
+v clamped to [-c, c] right after their projections: OLMo, DBRX, MPT). Call arguments
 `attention_bias` (added to the scores, with a gradient; see `alibi_bias`), `key_mask` (B, S) and
 `query_mask` (B, T).
 
@@ -138,11 +139,12 @@ class _Variants(NamedTuple):
     qk_norm: str | None
     qk_norm_eps: float
     sinks: bool
+    clip_qkv: float | None
 
 
 def _check_variants(
     head_dim, scale, softcap, window, rope_theta, rope_fraction, rope_interleaved, rope_scaling, qk_norm, qk_norm_eps,
-    sinks,
+    sinks, clip_qkv,
 ):  # fmt: skip
     """The variant arguments of the constructor checked (a ValueError names the first bad one)
     into a `_Variants`; `scale` None becomes 1 / sqrt(H)."""
@@ -156,11 +158,12 @@ def _check_variants(
         raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
     qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
     qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
+    clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
     rope_interleaved = _flag("rope_interleaved", rope_interleaved)
     sinks = _flag("sinks", sinks)
     return _Variants(
         scale, softcap, window, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling, qk_norm, qk_norm_eps,
-        sinks,
+        sinks, clip_qkv,
     )  # fmt: skip
 
 
@@ -1388,6 +1391,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         qk_norm: None, "head" (RMSNorm of each head of q and k) or "all" (over all heads).
         qk_norm_eps: the epsilon of the QK-norm.
         sinks: if True, one learned logit per query head in the softmax's denominator.
+        clip_qkv: None or c > 0: q, k and v are clamped to [-c, c] right after their projections
+            (bias included), before QK-norm, RoPE and the cache (OLMo, DBRX, MPT).
         kernel_initializer: initializer of the four kernels.
         bias_initializer: initializer of the biases.
         **kwargs: base layer arguments (`name`, `dtype` policy, ...).
@@ -1447,8 +1452,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
     def __init__(
         self, d_model, num_heads, *, num_kv_heads=None, head_dim=None, kdim=None, vdim=None, dropout=0.0, bias=True,
         scale=None, softcap=None, window=None, rope_theta=None, rope_fraction=1.0, rope_interleaved=False,
-        rope_scaling=None, qk_norm=None, qk_norm_eps=1e-6, sinks=False, kernel_initializer="glorot_uniform",
-        bias_initializer="zeros", **kwargs,
+        rope_scaling=None, qk_norm=None, qk_norm_eps=1e-6, sinks=False, clip_qkv=None,
+        kernel_initializer="glorot_uniform", bias_initializer="zeros", **kwargs,
     ):  # fmt: skip
         if tf.keras.backend.backend() != "tensorflow":
             raise ValueError(
@@ -1473,7 +1478,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         self.bias = _projection_biases(bias)
         variants = _check_variants(
             self.head_dim, scale, softcap, window, rope_theta, rope_fraction, rope_interleaved, rope_scaling, qk_norm,
-            qk_norm_eps, sinks,
+            qk_norm_eps, sinks, clip_qkv,
         )  # fmt: skip
         for name, value in variants._asdict().items():
             setattr(self, name, value)
@@ -1573,6 +1578,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             "qk_norm": self.qk_norm,
             "qk_norm_eps": self.qk_norm_eps,
             "sinks": self.sinks,
+            "clip_qkv": self.clip_qkv,
             "kernel_initializer": tf.keras.initializers.serialize(self.kernel_initializer),
             "bias_initializer": tf.keras.initializers.serialize(self.bias_initializer),
         }
@@ -1712,6 +1718,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             "rope_theta": self.rope_theta,
             "qk_norm": self.qk_norm,
             "sinks": True if self.sinks else None,
+            "clip_qkv": self.clip_qkv,
         }
         return {name: value for name, value in variants.items() if value is not None}
 
@@ -1803,12 +1810,16 @@ class MultiHeadAttention(tf.keras.layers.Layer):
 
     def _project_qkv(self, call):
         """Step 2: the (B, T, E) query, (B, S, kdim) key and (B, S, vdim) value -> q (B, N, T, H),
-        k and v (B, K, S, H); one matmul where `call.fuse` (self-attention without a cache)."""
+        k and v (B, K, S, H); one matmul where `call.fuse` (self-attention without a cache). Either
+        way (int8 too) they are then clamped to [-clip_qkv, clip_qkv]."""
         if call.fuse:
-            return self._project_fused(call.query)
-        q = self._split_heads(self._project(call.query, "query"), self.num_heads)  # (B, N, T, H)
-        k = self._split_heads(self._project(call.key, "key"), self.num_kv_heads)  # (B, K, S, H)
-        v = self._split_heads(self._project(call.value, "value"), self.num_kv_heads)  # (B, K, S, H)
+            q, k, v = self._project_fused(call.query)
+        else:
+            q = self._split_heads(self._project(call.query, "query"), self.num_heads)  # (B, N, T, H)
+            k = self._split_heads(self._project(call.key, "key"), self.num_kv_heads)  # (B, K, S, H)
+            v = self._split_heads(self._project(call.value, "value"), self.num_kv_heads)  # (B, K, S, H)
+        if self.clip_qkv is not None:  # OLMo, DBRX, MPT: the clamp's gradient, 1 within [-c, c], 0 outside
+            q, k, v = (tf.clip_by_value(x, -self.clip_qkv, self.clip_qkv) for x in (q, k, v))
         return q, k, v
 
     def _project_fused(self, x):
@@ -2077,7 +2088,7 @@ def _check_keras_can_hold(layer):
         received = ", ".join(f"{name}={getattr(layer, name)!r}" for name in held)
         raise ValueError(
             "`to_keras` needs a layer the Keras built-ins can hold: all four biases or none, the default "
-            f"scale, and no softcap, window, RoPE, QK-norm or sinks. Received: {received}"
+            f"scale, and no softcap, window, RoPE, QK-norm, sinks or clip_qkv. Received: {received}"
         )
 
 
