@@ -363,7 +363,7 @@ def test_to_keras_keeps_policy_initializers_and_trainable(kind):
 @pytest.mark.parametrize(
     ("attribute", "value"),
     [("softcap", 30.0), ("window", 4), ("rope_theta", 10000.0), ("qk_norm", "head"), ("sinks", True), ("scale", 1.0),
-     ("bias", ("query", "key", "value"))],
+     ("bias", ("query", "key", "value")), ("clip_qkv", 0.5)],
 )  # fmt: skip
 def test_to_keras_refuses_the_variants_the_builtins_cannot_hold(attribute, value):
     """The variants of docs/SPEC.md, set here on the attributes the constructor keeps them in."""
