@@ -69,8 +69,8 @@ over the L cache slots (`t5_position_bias(module, T, L, past_length=index)`, ALi
 positions of all L slots).
 
 RoPE scaling: `default`, `linear`, `llama3` and `yarn` (gpt-oss' default) port with their
-parameters; other types (dynamic, LongRoPE) are a `ValueError` for now. Refused with the reason:
-`clip_qkv` (OLMo, MPT), a LayerNorm QK-norm (Phi, StableLM, Cohere), Llama 4's chunked attention
+parameters; other types (dynamic, LongRoPE) are a `ValueError` for now. OLMo's and MPT's
+`clip_qkv` port as the layer's `clip_qkv`. Refused with the reason: a LayerNorm QK-norm (Phi, StableLM, Cohere), Llama 4's chunked attention
 and its NoPE layers' temperature tuning, ModernBERT's local layers (their window is two-sided),
 GPT-2 and GPTBigCode cross-attention. This file imports no framework at
 module level: `port_attention` reads a module's tensors through its own `state_dict`,
@@ -439,7 +439,6 @@ def _rotary(config, tensors, index, *, interleaved=False, scale=None, rope="all"
         config, "qk_layernorm", "Phi's and StableLM's QK-norm is a LayerNorm (mean removed), not the layer's RMSNorm"
     )
     _refuse(config, "use_qk_norm", "Cohere's QK-norm is a LayerNorm (mean removed), not the layer's RMSNorm")
-    _refuse(config, "clip_qkv", "the layer does not clamp its projections yet")
     if "qkv_proj.weight" in tensors:  # Phi3
         columns = _blocks(num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
         weights, bias = _split_fused(tensors, "qkv_proj", "o_proj", columns)
@@ -463,6 +462,8 @@ def _rotary(config, tensors, index, *, interleaved=False, scale=None, rope="all"
     if "sinks" in tensors:
         kwargs["sinks"] = True
         weights["sinks"] = _tensor(tensors, "sinks")
+    if config.get("clip_qkv") is not None:  # OLMo: q, k and v clamped after their projections
+        kwargs["clip_qkv"] = float(config["clip_qkv"])
     return kwargs, weights
 
 
@@ -648,9 +649,9 @@ def _falcon(config, tensors, index):
 
 
 def _mpt(config, tensors, index):
-    """MPT: a fused Wqkv [q | k | v], `softmax_scale`; its ALiBi is the call's `attention_bias`."""
+    """MPT: a fused Wqkv [q | k | v], `softmax_scale`, `clip_qkv` (the fused projection clamped); its ALiBi is
+    the call's `attention_bias`."""
     attn = config.get("attn_config") or {}
-    _refuse(attn, "clip_qkv", "the layer does not clamp its projections yet")
     if attn.get("alibi", True) and attn.get("alibi_bias_max", 8) != 8:
         raise ValueError(
             "`config.attn_config.alibi_bias_max` must be 8 (the slopes of the layer's `alibi_bias`). "
@@ -659,7 +660,10 @@ def _mpt(config, tensors, index):
     width, num_heads = config["d_model"], config["n_heads"]
     weights, bias = _split_fused(tensors, "Wqkv", "out_proj", _blocks(width, width, width))
     scale = attn.get("softmax_scale") or (width / num_heads) ** -0.5
-    return {"d_model": width, "num_heads": num_heads, "bias": bias, "scale": float(scale)}, weights
+    kwargs = {"d_model": width, "num_heads": num_heads, "bias": bias, "scale": float(scale)}
+    if attn.get("clip_qkv"):  # MPT clamps only where it is truthy
+        kwargs["clip_qkv"] = float(attn["clip_qkv"])
+    return kwargs, weights
 
 
 def _modernbert(config, tensors, index):
@@ -869,7 +873,7 @@ def port_attention(module, config):
     Raises:
         ValueError: for a module this converter does not know, a subclass that overrides `forward`
             or its projections, or a variant the layer cannot hold (RoPE scaling other than
-            linear, llama3 and yarn, a LayerNorm QK-norm, `clip_qkv`, GPT-2 cross-attention).
+            linear, llama3 and yarn, a LayerNorm QK-norm, GPT-2 cross-attention).
     """
     porter = _module_porter(module)
     tensors = {name: tensor.detach().cpu().float().numpy() for name, tensor in module.state_dict().items()}

@@ -56,6 +56,7 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 32, 4, 2, 8, 64
 PROMPT_LENGTHS = (7, 5, 2)  # left-padded to the longest: padding in the batch, one row mostly padding
 DECODE_STEPS = 3
 WINDOW = 3  # shorter than the prompts, so the window removes keys
+CLIP_QKV = 0.5  # OLMo's and MPT's clip_qkv: below most unit-scale projections, so the clamp moves the output
 
 COMMON = {"vocab_size": VOCAB, "num_hidden_layers": 2, "intermediate_size": 48, "max_position_embeddings": 64}
 GQA = {"hidden_size": HIDDEN, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM}
@@ -485,6 +486,11 @@ FAMILIES += [
            "model.layers.{i}.self_attn"),
     Family("olmo", _llama_like("OlmoForCausalLM", "OlmoConfig", **GQA, **TOKENS), "model.layers.{i}.self_attn"),
     Family(
+        "olmo_clip_qkv",
+        _llama_like("OlmoForCausalLM", "OlmoConfig", **GQA, **TOKENS, clip_qkv=CLIP_QKV),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
         "stablelm",
         _llama_like("StableLmForCausalLM", "StableLmConfig", **GQA, **TOKENS, use_qkv_bias=True),
         "model.layers.{i}.self_attn",
@@ -557,6 +563,16 @@ FAMILIES += [
         lambda: transformers.MptForCausalLM(
             transformers.MptConfig(d_model=HIDDEN, n_heads=HEADS, n_layers=2, expansion_ratio=2, max_seq_len=64,
                                    vocab_size=VOCAB, **TOKENS)
+        ),
+        "transformer.blocks.{i}.attn",
+        rope=False,
+        bias="alibi",
+    ),
+    Family(
+        "mpt_clip_qkv",
+        lambda: transformers.MptForCausalLM(
+            transformers.MptConfig(d_model=HIDDEN, n_heads=HEADS, n_layers=2, expansion_ratio=2, max_seq_len=64,
+                                   vocab_size=VOCAB, attn_config={"clip_qkv": CLIP_QKV}, **TOKENS)
         ),
         "transformer.blocks.{i}.attn",
         rope=False,
@@ -927,6 +943,7 @@ VARIANTS = {
     "qwen2_moe": {"rope", "window"},
     "phi3": {"rope", "window"},
     "olmo": {"rope"},
+    "olmo_clip_qkv": {"rope", "clip_qkv"},
     "stablelm": {"rope", "rope_fraction"},
     "smollm3": {"rope"},
     "glm4": {"rope", "rope_fraction", "rope_interleaved"},
@@ -943,6 +960,7 @@ VARIANTS = {
     "falcon_mha": {"rope"},
     "falcon_alibi": {"attention_bias"},
     "mpt": {"attention_bias"},
+    "mpt_clip_qkv": {"attention_bias", "clip_qkv"},
     "modernbert": {"rope"},
     "whisper_decoder": set(),
     "llama4": {"rope", "rope_interleaved", "qk_norm"},
@@ -973,7 +991,9 @@ def _without(variant, kwargs, weights, arguments):
 def _variants(kwargs, arguments):
     present = {
         name
-        for name in ("window", "softcap", "rope_scaling", "rope_fraction", "rope_interleaved", "qk_norm", "sinks")
+        for name in (
+            "window", "softcap", "rope_scaling", "rope_fraction", "rope_interleaved", "qk_norm", "sinks", "clip_qkv",
+        )
         if name in kwargs
     }
     present |= {"rope"} if "rope_theta" in kwargs else set()
@@ -1022,13 +1042,6 @@ class _ScaledLinear(torch.nn.Linear):
 def _with_custom_projection():
     module = _tiny_module(transformers.models.llama.modeling_llama.LlamaAttention, transformers.LlamaConfig, **GQA)
     module.q_proj = _ScaledLinear(HIDDEN, HEADS * HEAD_DIM, bias=False)
-    return module
-
-
-def _holding_config(module_class, config):
-    """A module that does not keep its config (MPT's), given it so the test can pass it to `port_attention`."""
-    module = module_class(config, layer_idx=0)
-    module.config = config
     return module
 
 
@@ -1090,27 +1103,12 @@ ERROR_CASES = [
         r"`module` must be a transformers attention module of one of the model types .* Received: MultiheadAttention",
     ),
     (
-        "olmo_clip_qkv",
-        lambda: _tiny_module(
-            transformers.models.olmo.modeling_olmo.OlmoAttention, transformers.OlmoConfig, **GQA, clip_qkv=8.0
-        ),
-        r"`config.clip_qkv` must be off: the layer does not clamp its projections yet. Received: clip_qkv=8.0",
-    ),
-    (
         "modernbert_local_layer",
         lambda: transformers.models.modernbert.modeling_modernbert.ModernBertAttention(
             transformers.ModernBertConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=3),
             layer_idx=1,
         ),
         r"`layer_index` must be a global ModernBERT layer: its local layers .* Received: layer_index=1",
-    ),
-    (
-        "mpt_clip_qkv",
-        lambda: _holding_config(
-            transformers.models.mpt.modeling_mpt.MptAttention,
-            transformers.MptConfig(d_model=HIDDEN, n_heads=HEADS, attn_config={"clip_qkv": 6.0}),
-        ),
-        r"`config.clip_qkv` must be off: the layer does not clamp its projections yet. Received: clip_qkv=6.0",
     ),
     (
         "llama4_chunked",
