@@ -186,6 +186,14 @@ CASES = [
     Case("qk_norm_all", t=4, s=6, k=2, variants=(("qk_norm", "all"), ("qk_norm_eps", 1e-5))),
     Case("sinks_rows_masked", t=4, s=6, mask="rows_masked", variants=(("sinks", True),)),
     Case("sinks_gqa_causal", k=2, self_attention=True, causal=True, variants=(("sinks", True),)),
+    Case("clip_qkv", t=4, s=6, k=2, mask="bool_bts", variants=(("clip_qkv", 0.5),)),  # ~60% of q, k, v clamped
+    Case(
+        "clip_qkv_qk_norm_rope",  # the clamp before QK-norm and RoPE (OLMo's order)
+        k=2,
+        self_attention=True,
+        causal=True,
+        variants=(("clip_qkv", 0.5), ("qk_norm", "all"), ("rope_theta", 10000.0)),
+    ),
     Case(
         "gemma2_like",
         e=32,

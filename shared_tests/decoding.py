@@ -115,8 +115,10 @@ DECODE_CASES = [
             ("window", 3),
             ("sinks", True),
             ("scale", 0.3),
+            ("clip_qkv", 0.8),
         ),
     ),
+    DecodeCase("decode_clip_qkv", k=2, padding=(0, 2), chunks=(3, 1, 1, 1), variants=(("clip_qkv", 0.5),)),
 ]
 
 DECODE_CASES_BY_NAME = {case.name: case for case in DECODE_CASES}

@@ -74,8 +74,13 @@ CASES = {
     "rope_interleaved_not_bool": ({**BASE, "rope_interleaved": "yes"}, None, r"`rope_interleaved` must be True or False\. Received: rope_interleaved='yes'"),
     "scale_bool": ({**BASE, "scale": True}, None, r"`scale` must be a positive float\. Received: scale=True"),
     "window_float": ({**BASE, "window": 2.0}, None, r"`window` must be a positive integer\. Received: window=2\.0"),
+    "clip_qkv_negative": ({**BASE, "clip_qkv": -1.0}, None, r"`clip_qkv` must be None or a positive float\. Received: clip_qkv=-1\.0"),
+    "clip_qkv_bool": ({**BASE, "clip_qkv": True}, None, r"`clip_qkv` must be None or a positive float\. Received: clip_qkv=True"),
+    "clip_qkv_string": ({**BASE, "clip_qkv": "1"}, None, r"`clip_qkv` must be None or a positive float\. Received: clip_qkv='1'"),
     # The checks' one order (the signature's, the two flags last): every file names the same first bad argument
     "order_qk_norm_eps_before_flags": ({**BASE, "sinks": 1, "rope_interleaved": 0, "qk_norm_eps": 0.0}, None, r"`qk_norm_eps` must be a positive float\. Received: qk_norm_eps=0\.0"),
+    "order_clip_qkv_before_flags": ({**BASE, "sinks": 1, "rope_interleaved": 0, "clip_qkv": 0.0}, None, r"`clip_qkv` must be None or a positive float\. Received: clip_qkv=0\.0"),
+    "order_qk_norm_eps_before_clip_qkv": ({**BASE, "clip_qkv": -1.0, "qk_norm_eps": 0.0}, None, r"`qk_norm_eps` must be a positive float\. Received: qk_norm_eps=0\.0"),
     "order_rope_interleaved_before_sinks": ({**BASE, "sinks": 1, "rope_interleaved": 0}, None, r"`rope_interleaved` must be True or False\. Received: rope_interleaved=0"),
     "order_dropout_before_bias": ({**BASE, "bias": None, "dropout": None}, None, r"`dropout` must be in \[0, 1\)\. Received: dropout=None"),
     # The new call arguments
@@ -175,9 +180,10 @@ ACCEPTED_ARGUMENTS = {
     "numpy_scalars": (
         {"d_model": np.int64(8), "num_heads": np.int32(2), "head_dim": np.int16(4), "scale": np.float32(0.5),
          "softcap": np.float64(3.0), "window": np.uint8(2), "rope_theta": np.int64(100), "rope_fraction": np.float32(0.5),
-         "qk_norm_eps": np.float32(1e-5), "rope_interleaved": np.bool_(True), "sinks": np.bool_(True), "dropout": np.float64(0.0)},
+         "qk_norm_eps": np.float32(1e-5), "rope_interleaved": np.bool_(True), "sinks": np.bool_(True), "dropout": np.float64(0.0),
+         "clip_qkv": np.float32(0.5)},
         {"d_model": 8, "num_heads": 2, "head_dim": 4, "scale": 0.5, "softcap": 3.0, "window": 2, "rope_theta": 100.0,
-         "rope_fraction": 0.5, "rope_interleaved": True, "sinks": True, "dropout": 0.0},
+         "rope_fraction": 0.5, "rope_interleaved": True, "sinks": True, "dropout": 0.0, "clip_qkv": 0.5},
     ),
     "bias_numpy_bool": ({**BASE, "bias": np.bool_(False)}, {"bias": ()}),
     "bias_frozenset": ({**BASE, "bias": frozenset({"value", "query"})}, {"bias": ("query", "value")}),

@@ -21,6 +21,7 @@ from shared_tests.keras_backends import KERAS_BACKENDS, run_batch
 JAX_CASES = (
     "kdim_vdim", "mask_float_inf_row", "mask_float64_far", "rows_fully_masked", "bfloat16_gqa_masked",
     "attention_bias_bts_causal", "gemma2_like", "gpt_oss_like", "rope_yarn_gqa", "qk_norm_all",
+    "clip_qkv_qk_norm_rope",
 )  # fmt: skip
 JAX_DECODE_CASES = ("decode_rolling_rope_left_padding", "decode_all_variants")
 CHECKS = (

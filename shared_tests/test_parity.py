@@ -38,7 +38,7 @@ def test_case_table_covers_the_issue():
     variants = {name for c in CASES for name, _ in c.variants}
     assert variants == {
         "scale", "softcap", "window", "rope_theta", "rope_fraction", "rope_interleaved", "rope_scaling", "qk_norm",
-        "qk_norm_eps", "sinks",
+        "qk_norm_eps", "sinks", "clip_qkv",
     }  # fmt: skip
     assert any(len(c.variants) >= 3 and c.dtype == "float32" for c in CASES)  # combined, as today's models combine them
     assert {c.dtype for c in CASES if c.variants} == set(TOLERANCES)

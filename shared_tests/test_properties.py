@@ -142,6 +142,7 @@ def layer_configs(draw):
         "qk_norm": draw(st.sampled_from([None, "head", "all"])),
         "qk_norm_eps": draw(st.sampled_from([1e-6, 1e-2])),
         "sinks": draw(st.sampled_from([False, True, np.bool_(True)])),
+        "clip_qkv": draw(st.sampled_from([None, 0.5, np.float32(2.0)])),
     }
     if isinstance(config["bias"], type):  # a collection of some of the projections' names
         config["bias"] = config["bias"](draw(st.lists(st.sampled_from(PROJECTIONS), max_size=4)))
@@ -408,10 +409,11 @@ ARGUMENT_VALUES = {  # valid and invalid values of each constructor argument, in
     "qk_norm": [None, "head", "all", np.str_("head"), "layer", True],
     "qk_norm_eps": [1e-6, np.float32(1e-5), 0.0, None],
     "sinks": [False, True, np.bool_(False), 0, None],
+    "clip_qkv": [None, 0.5, np.float64(0.5), 1, np.int64(2), 0.0, -1.0, True, np.inf, "1"],
 }  # fmt: skip
 ATTRIBUTES = (
     "d_model", "num_heads", "num_kv_heads", "head_dim", "kdim", "vdim", "dropout", "bias", "scale", "softcap", "window",
-    "rope_theta", "rope_fraction", "rope_interleaved", "rope_scaling", "qk_norm", "qk_norm_eps",
+    "rope_theta", "rope_fraction", "rope_interleaved", "rope_scaling", "qk_norm", "qk_norm_eps", "clip_qkv",
 )  # fmt: skip
 
 
