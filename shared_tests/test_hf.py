@@ -992,7 +992,14 @@ def _variants(kwargs, arguments):
     present = {
         name
         for name in (
-            "window", "softcap", "rope_scaling", "rope_fraction", "rope_interleaved", "qk_norm", "sinks", "clip_qkv",
+            "window",
+            "softcap",
+            "rope_scaling",
+            "rope_fraction",
+            "rope_interleaved",
+            "qk_norm",
+            "sinks",
+            "clip_qkv",
         )
         if name in kwargs
     }

@@ -103,7 +103,8 @@ FD_CASES = [c for c in FLOAT32_CASES if c.name in {
     "mask_float64_far", "key_and_query_masks", "query_mask_self", "attention_bias_1nts", "attention_bias_bts_causal",
     "partial_bias_qkv", "partial_bias_output", "scale_custom", "softcap", "window_causal", "window_not_causal",
     "rope_partial_gqa", "rope_interleaved", "rope_llama3", "rope_linear_cross", "qk_norm_head_gqa", "qk_norm_all",
-    "sinks_rows_masked", "sinks_gqa_causal", "gemma2_like", "gemma3_like", "gpt_oss_like", "t5_like",
+    "sinks_rows_masked", "sinks_gqa_causal", "gemma2_like", "gemma3_like", "gpt_oss_like", "t5_like", "clip_qkv",
+    "clip_qkv_qk_norm_rope",
 }]  # fmt: skip
 
 

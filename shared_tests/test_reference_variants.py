@@ -194,6 +194,55 @@ def test_sinks_join_the_denominator_as_gpt_oss_computes_them():
     assert (weights.sum(axis=-1) < 1).all()
 
 
+def test_clip_qkv_clamps_the_projections_before_qk_norm_and_rope():
+    """OLMo: q, k and v clamped right after their projections (bias included); QK-norm and RoPE
+    then see the clamped values, and the output is the plain layer's on the clamped q, k, v."""
+    c, x = 0.5, _x()
+    layer = MultiHeadAttention(E, N, clip_qkv=c, qk_norm="all", rope_theta=10000.0, seed=0)
+    w = layer.export_weights()
+    clamped = {kind: np.clip(x @ w[f"{kind}_kernel"] + w[f"{kind}_bias"], -c, c) for kind in ("query", "key", "value")}
+    assert all((np.abs(x @ w[f"{kind}_kernel"] + w[f"{kind}_bias"]) > c).mean() > 0.3 for kind in clamped)
+
+    def normed(y, scale):
+        return y / np.sqrt((y**2).mean(axis=-1, keepdims=True) + 1e-6) * scale
+
+    q = _heads(normed(clamped["query"], w["query_norm"]), N)
+    k = _heads(normed(clamped["key"], w["key_norm"]), N)
+    inv_freq, positions = rope_frequencies(H, 10000.0), np.broadcast_to(np.arange(T), (B, T))
+    q, k = apply_rope(q, positions, inv_freq, False), apply_rope(k, positions, inv_freq, False)
+    weights = _softmax(np.where(np.tril(np.ones((T, T), bool)), q @ k.swapaxes(-1, -2) * layer.scale, -np.inf))
+    context = (weights @ _heads(clamped["value"], N)).transpose(0, 2, 1, 3).reshape(B, T, E)
+    expected = context @ w["output_kernel"] + w["output_bias"]
+    np.testing.assert_allclose(layer(x, causal=True), expected, atol=FLOAT64_TOL)
+    unclamped = MultiHeadAttention(E, N, qk_norm="all", rope_theta=10000.0, seed=0)
+    assert np.abs(unclamped(x, causal=True) - expected).max() > 0.1
+
+
+def test_clip_qkv_gradient_is_zero_outside_and_one_within_the_bounds():
+    """The clamp's gradient in `backward`: with one token the weights are 1, so the output is
+    clamp(v) @ output_kernel + output_bias and d value_bias = (upstream @ output_kernel^T) where
+    |v| <= c (bounds included: features 0 and 1 sit exactly on c and -c), 0 outside.
+    (test_reference.py checks the whole backward against finite differences.)"""
+    c = 0.5
+    layer = MultiHeadAttention(E, N, clip_qkv=c, seed=0)
+    w = layer.export_weights()
+    kernel, bias = w["value_kernel"].copy(), w["value_bias"].copy()
+    kernel[:, :2], bias[:2] = 0.0, (c, -c)  # v[0] = c, v[1] = -c exactly
+    layer.import_weights({**w, "value_kernel": kernel, "value_bias": bias})
+    x, upstream = _x(1, (B, 1, E)) * 2, _x(2, (B, 1, E))
+    layer(x)
+    grads = layer.backward(upstream)
+    v = x @ kernel + bias  # (B, 1, E)
+    within = np.abs(v) <= c
+    assert within[..., :2].all() and (~within).mean() > 0.3  # on the bounds, and most features clamped
+    expected = ((upstream @ w["output_kernel"].T) * within).sum(axis=(0, 1))
+    np.testing.assert_allclose(grads["value_bias"], expected, atol=FLOAT64_TOL)
+    np.testing.assert_allclose(
+        grads["value_kernel"], np.einsum("bld,blm->dm", x, (upstream @ w["output_kernel"].T) * within), atol=FLOAT64_TOL
+    )
+    assert (grads["value_kernel"][:, ~within.any(axis=(0, 1))] == 0).all()
+
+
 def test_window_equals_a_band_mask():
     layer = MultiHeadAttention(E, N, window=2, seed=0)
     x = _x()
