@@ -70,10 +70,10 @@ positions of all L slots).
 
 RoPE scaling: `default`, `linear`, `llama3` and `yarn` (gpt-oss' default) port with their
 parameters; other types (dynamic, LongRoPE) are a `ValueError` for now. OLMo's and MPT's
-`clip_qkv` port as the layer's `clip_qkv`. Refused with the reason: a LayerNorm QK-norm (Phi, StableLM, Cohere), Llama 4's chunked attention
-and its NoPE layers' temperature tuning, ModernBERT's local layers (their window is two-sided),
-GPT-2 and GPTBigCode cross-attention. This file imports no framework at
-module level: `port_attention` reads a module's tensors through its own `state_dict`,
+`clip_qkv` port as the layer's `clip_qkv`. Refused with the reason: a LayerNorm QK-norm (Phi,
+StableLM, Cohere), Llama 4's chunked attention and its NoPE layers' temperature tuning,
+ModernBERT's local layers (their window is two-sided), GPT-2 and GPTBigCode cross-attention.
+This file imports no framework at module level: `port_attention` reads a module's tensors through its own `state_dict`,
 `port_checkpoint` and `load_tensors` read safetensors files with NumPy, and `replace_attention`
 imports torch and the PyTorch layer when called.
 """

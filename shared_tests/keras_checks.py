@@ -179,6 +179,39 @@ def check_mixed_precision():
         _close(output, expected, policy, tolerance)
 
 
+def check_clip_qkv():
+    """`clip_qkv` on this backend: the clamp's gradient is 1 on the bounds and 0 outside (JAX's
+    `clip` gives 0.5 on a bound), as the NumPy reference's backward; one token, so the weight is 1
+    and d value_bias = (g @ output_kernel^T) where |v| <= c. Then projections already within
+    [-c, c] pass unchanged though QK-norm makes them larger: the clamp comes before QK-norm."""
+    from shared_tests.cases import Case, make_data
+    from shared_tests.keras_backends import _case_result
+
+    c = 0.5
+    case = Case("clip_qkv_bounds", t=1, s=1, self_attention=True, variants=(("clip_qkv", c),))
+    data = make_data(case)
+    weights = data["weights"]
+    weights["value_kernel"][:, :2], weights["value_bias"][:2] = 0.0, (c, -c)  # v[..., 0] = c, v[..., 1] = -c
+    grads = _case_result(case, data).grads
+    v = data["query"].astype(np.float64) @ weights["value_kernel"] + weights["value_bias"]  # (B, 1, E)
+    within = np.abs(v) <= c
+    assert within[..., :2].all() and (~within).mean() > 0.3, "the case does not reach both sides of the clamp"
+    expected = ((data["grad_output"] @ weights["output_kernel"].T.astype(np.float64)) * within).sum((0, 1))
+    _close(grads["value_bias"], expected, "d value_bias (1 within [-c, c], bounds included; 0 outside)")
+    assert (grads["value_bias"][~within.any((0, 1))] == 0).all(), "a clamped feature has a gradient"
+
+    small = _layer(qk_norm="head", rope_theta=100.0)
+    small.import_weights(
+        {
+            name: w * (0.01 if name.startswith(("query", "key", "value")) and "norm" not in name else 1.0)
+            for name, w in small.export_weights().items()
+        }
+    )
+    clipped = _layer(qk_norm="head", rope_theta=100.0, clip_qkv=c)
+    clipped.import_weights(small.export_weights())
+    _close(clipped(_inputs(), causal=True), small(_inputs(), causal=True), "projections within [-c, c]", 0.0)
+
+
 def check_tensorflow_file_refuses():
     """The TensorFlow file under another backend refuses at construction, naming the Keras file."""
     from TensorFlow import MultiHeadAttention
@@ -225,6 +258,7 @@ CHECKS = {
     "builtins": check_builtins,
     "while_loop_decode": check_while_loop_decode,
     "mixed_precision": check_mixed_precision,
+    "clip_qkv": check_clip_qkv,
     "tensorflow_file_refuses": check_tensorflow_file_refuses,
     "save": check_save,
     "load": check_load,

@@ -29,7 +29,7 @@ SOURCES = ("numpy", "torch", "tf")
 PATHS = ("numpy", "torch:sdpa", "torch:explicit", "tf:eager", "tf:function")
 CASE_NAMES = (
     "self_basic", "kdim_vdim", "no_bias", "gqa_self_causal", "rows_fully_masked", "empty_query", "rope_self_causal",
-    "qk_norm_all", "sinks_gqa_causal", "wide",
+    "qk_norm_all", "sinks_gqa_causal", "wide", "clip_qkv",
 )  # fmt: skip
 LAYERS = {"numpy": numpy_file.MultiHeadAttention, "torch": torch_file.MultiHeadAttention}
 

@@ -1,5 +1,5 @@
 """TensorFlow layer, the modern variants and the built-ins' habits: scale, softcap, window, RoPE,
-QK-norm, sinks, per-projection bias; key_mask, query_mask, attention_bias, positions; the
+QK-norm, sinks, clip_qkv, per-projection bias; key_mask, query_mask, attention_bias, positions; the
 floating mask rule and the refused traps. Each variant against a small NumPy formula, and every
 code path (eager, tf.function, XLA, memory-efficient) against the others, gradients included."""
 
@@ -53,9 +53,11 @@ VARIANTS = {
     "sinks_gqa": {"sinks": True, "num_kv_heads": 2},
     "bias_qkv": {"bias": ("query", "key", "value")},
     "bias_output_only": {"bias": ["output"]},
+    "clip_qkv": {"clip_qkv": 0.5},
+    "clip_qkv_qk_norm_rope": {"clip_qkv": 0.5, "qk_norm": "all", "rope_theta": 100.0},
     "everything": {
         "num_kv_heads": 2, "scale": 0.3, "softcap": 3.0, "window": 3, "rope_theta": 50.0, "rope_fraction": 0.5,
-        "qk_norm": "head", "sinks": True, "bias": ("key", "output"),
+        "qk_norm": "head", "sinks": True, "bias": ("key", "output"), "clip_qkv": 1.0,
     },
 }  # fmt: skip
 
@@ -179,7 +181,8 @@ def np_layer(layer, query, causal=False, key_mask=None, attention_bias=None, pos
     kv, h, t = layer.num_kv_heads, layer.head_dim, query.shape[1]
 
     def project(kind):
-        return query @ w[f"{kind}_kernel"] + w.get(f"{kind}_bias", 0.0)  # (B, T, heads*H)
+        y = query @ w[f"{kind}_kernel"] + w.get(f"{kind}_bias", 0.0)  # (B, T, heads*H)
+        return y if layer.clip_qkv is None else np.clip(y, -layer.clip_qkv, layer.clip_qkv)
 
     def split(x, heads):
         return x.reshape(x.shape[0], t, heads, h).transpose(0, 2, 1, 3)  # (B, heads, T, H)
@@ -293,6 +296,43 @@ def test_layer_variant_matches_the_formula(name):
     expected, expected_w = np_layer(layer, X.astype(np.float64), True, KEY_MASK, BIAS_HEADS)
     _close(weights, expected_w, WEIGHTS_TOL)
     _close(output, expected, OUTPUT_TOL)
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "separate"])
+def test_clip_qkv_gradient_is_the_clamps(fuse):
+    """One token: the weight is 1, the output clamp(v) @ output_kernel + output_bias, so the
+    gradient of value_bias is (g @ output_kernel^T) where |v| <= c, bounds included (features 0
+    and 1 sit exactly on c and -c), and 0 outside; on the fused projection and the separate ones."""
+    c = 0.5
+    layer = _layer({"clip_qkv": c})
+    weights = layer.export_weights()
+    weights["value_kernel"][:, :2], weights["value_bias"][:2] = 0.0, (c, -c)
+    layer.import_weights(weights)
+    x, g = X[:, :1] * 2, rng.normal(size=(B, 1, E)).astype(np.float32)
+    with tf.GradientTape() as tape:
+        output = layer(x) if fuse else layer(x, tf.identity(x), tf.identity(x))
+        loss = tf.reduce_sum(output * g)
+    gradient = tape.gradient(loss, layer.value_bias).numpy()
+    v = x @ weights["value_kernel"] + weights["value_bias"]  # (B, 1, E)
+    within = np.abs(v) <= c
+    assert within[..., :2].all() and (~within).mean() > 0.3
+    _close(gradient, ((g @ weights["output_kernel"].T) * within).sum((0, 1)), 1e-6)
+    assert (gradient[~within.any((0, 1))] == 0).all()
+
+
+def test_clip_qkv_clamps_before_qk_norm_and_rope():
+    """Projections already within [-c, c] are unchanged by the clamp, though QK-norm makes them of
+    order one: a clamp after QK-norm or RoPE would change the output."""
+    config = {"qk_norm": "head", "rope_theta": 100.0}
+    layer = _layer(config)
+    small = {name: w * 0.01 if name.startswith(("query", "key", "value")) and "norm" not in name else w
+             for name, w in layer.export_weights().items()}  # fmt: skip
+    layer.import_weights(small)
+    clipped = _layer({**config, "clip_qkv": 0.5})
+    clipped.import_weights(small)
+    _close(clipped(X, causal=True), layer(X, causal=True), 0.0)
+    q = (X @ small["query_kernel"] + small["query_bias"]).reshape(B, T, N, E // N)
+    assert np.abs(q).max() < 0.5 < np.abs(np_rms_norm(q, small["query_norm"], layer.qk_norm_eps)).max()
 
 
 def test_rope_positions_default_to_arange_and_only_differences_count():

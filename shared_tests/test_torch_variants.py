@@ -1,5 +1,5 @@
 """PyTorch layer, modern attention: each variant (per-projection bias, scale, softcap, window,
-RoPE, QK-norm, sinks) and each new call argument (key_mask, query_mask, attention_bias,
+RoPE, QK-norm, sinks, clip_qkv) and each new call argument (key_mask, query_mask, attention_bias,
 positions) against a small hand-written float64 reference in the style of `transformers`'
 eager attention; every code path equal; compile and export; the refused traps; the fused q/k/v
 projection only where it computes what the modules would; and the regressions of the floating
@@ -53,6 +53,8 @@ VARIANTS = {
     "qk_norm_head": {"qk_norm": "head"},
     "qk_norm_all": {"qk_norm": "all", "qk_norm_eps": 1e-3},
     "sinks": {"sinks": True},
+    "clip_qkv": {"clip_qkv": 0.5},
+    "clip_qkv_qk_norm_rope": {"clip_qkv": 0.5, "qk_norm": "all", "rope_theta": 10000.0},
     "everything": {
         "bias": ("query", "key", "value"),
         "scale": 0.5,
@@ -62,6 +64,7 @@ VARIANTS = {
         "rope_fraction": 0.75,
         "qk_norm": "head",
         "sinks": True,
+        "clip_qkv": 1.0,
     },  # fmt: skip  (rope_fraction 0.75: R = 6 of H = 8 rotated)
 }
 
@@ -179,6 +182,8 @@ def reference(layer, query, key=None, value=None, *, keep=None, bias=None, causa
 
     def project(x, module, heads):
         y = x @ module.weight.double().T + (0 if module.bias is None else module.bias.double())
+        if layer.clip_qkv is not None:  # OLMo's `clamp_` right after the projection
+            y = y.clamp(-layer.clip_qkv, layer.clip_qkv)
         if layer.qk_norm == "all" and module in (layer.query, layer.key):
             y = _rms(y, (layer.query_norm if module is layer.query else layer.key_norm).double(), layer.qk_norm_eps)
         return y.view(b, x.shape[1], heads, H).transpose(1, 2)
@@ -264,7 +269,9 @@ def test_variant_matches_the_reference(variant, causal, path):
 
 
 @pytest.mark.parametrize("path", ["sdpa", "explicit"])
-@pytest.mark.parametrize("variant", ["plain", "everything", "qk_norm_all", "sinks", "rope_yarn_partial"])
+@pytest.mark.parametrize(
+    "variant", ["plain", "everything", "qk_norm_all", "sinks", "rope_yarn_partial", "clip_qkv_qk_norm_rope"]
+)
 def test_variant_gradients_match_the_reference(variant, path):
     """Gradients of the inputs, every parameter (sinks and norm scales too) and attention_bias."""
     layer = _layer(**VARIANTS[variant]).train()
@@ -393,6 +400,46 @@ def test_sinks_rows_sum_below_one_and_rows_with_no_key_are_zero():
     sums = weights.sum(-1)
     assert (sums[keep.expand(B, N, T, T).any(-1)] < 0.99).all()
     assert (weights[0, :, 2] == 0).all()
+
+
+@pytest.mark.parametrize("self_attention", [True, False], ids=["fused", "separate"])
+def test_clip_qkv_gradient_is_the_clamps(self_attention):
+    """One token: the weight is 1, the output clamp(v) @ output.weight^T + output.bias, so the
+    gradient of value.bias is (g @ output.weight) where |v| <= c, bounds included (features 0
+    and 1 sit exactly on c and -c), and 0 outside; on the fused projection and the separate ones."""
+    c = 0.5
+    layer = _layer(clip_qkv=c)
+    with torch.no_grad():
+        layer.value.weight[:2] = 0.0
+        layer.value.bias[:2] = torch.tensor([c, -c])
+    x, g = _randn(B, 1, E, seed=3) * 2, _randn(B, 1, E, seed=4)
+    output = layer(x) if self_attention else layer(x, x.clone(), x.clone())
+    (output * g).sum().backward()
+    v = x @ layer.value.weight.detach().T + layer.value.bias.detach()  # (B, 1, K*H)
+    within = v.abs() <= c
+    assert within[..., :2].all() and (~within).float().mean() > 0.3
+    expected = (torch.repeat_interleave((g @ layer.output.weight.detach()).view(B, 1, K, N // K, H), 1, 3)
+                .sum(3).reshape(B, 1, K * H) * within).sum((0, 1))  # fmt: skip
+    torch.testing.assert_close(layer.value.bias.grad, expected, atol=1e-6, rtol=0)
+    assert (layer.value.bias.grad[~within.any(1).any(0)] == 0).all()
+
+
+def test_clip_qkv_clamps_before_qk_norm_and_rope():
+    """The clamp sits between the projections and QK-norm: a layer whose projections are already
+    within [-c, c] is unchanged by it, while clamping after QK-norm would move it (its outputs are
+    of order one, beyond c)."""
+    layer = _layer(qk_norm="head", rope_theta=10000.0)
+    with torch.no_grad():
+        for projection in (layer.query, layer.key, layer.value):
+            projection.weight.mul_(0.01)
+            projection.bias.mul_(0.01)
+    x, _, positions = _inputs()
+    clipped = _layer(qk_norm="head", rope_theta=10000.0, clip_qkv=0.5)
+    clipped.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(clipped(x, positions=positions), layer(x, positions=positions), atol=0, rtol=0)
+    with torch.no_grad():
+        q = _rms(layer.query(x).view(B, T, N, H), layer.query_norm, layer.qk_norm_eps)  # what QK-norm gives
+    assert layer.query(x).abs().max() < 0.5 < q.abs().max()  # a clamp after QK-norm would change the output
 
 
 def test_softcap_bounds_the_scores():
