@@ -59,6 +59,24 @@ def check_fit():
     _close(model.predict(x[:4], verbose=0), model(x[:4], training=False), "predict against a call")
 
 
+def check_fit_compiled():
+    """`fit` with `jit_compile=True` on torch, where Keras compiles the train step with
+    `torch.compile`: the loss falls and `predict` equals an eager call."""
+    import keras
+
+    from Keras import MultiHeadAttention
+
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((8, 16))
+    attended = MultiHeadAttention(16, 4, num_kv_heads=2, rope_theta=10000.0)(tokens, causal=True)
+    model = keras.Model(tokens, keras.layers.Dense(1)(attended))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=True)
+    x, y = _inputs((16, 8, 16)), _inputs((16, 8, 1), seed=2)
+    history = model.fit(x, y, batch_size=8, epochs=3, verbose=0).history["loss"]
+    assert np.isfinite(history).all() and history[-1] < history[0], f"the loss did not fall: {history}"
+    _close(model.predict(x[:8], batch_size=8, verbose=0), model(x[:8], training=False), "predict against a call")
+
+
 def check_dropout():
     """Dropout is drawn from the layer's seed: the same after `keras.utils.set_random_seed`,
     different from the call without training."""
@@ -250,6 +268,7 @@ def check_load(folder):
 
 
 CHECKS = {
+    "fit_compiled": check_fit_compiled,
     "fit": check_fit,
     "dropout": check_dropout,
     "mask_alias": check_mask_alias,

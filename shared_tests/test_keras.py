@@ -70,6 +70,13 @@ def test_every_case_decode_case_and_check_on_the_backend(backend):
     assert not failures, "\n".join(failures)
 
 
+def test_fit_under_torch_compile():
+    """On torch, Keras compiles `fit`'s train step with `torch.compile` when asked
+    (`jit_compile=True`); a process of its own, since compiling takes a minute or two."""
+    out = run_batch("torch", checks=("fit_compiled",))
+    assert out["checks"] == {"fit_compiled": None}, out["checks"]
+
+
 def test_keras_file_moves_between_backends(tmp_path):
     """A `.keras` model saved on JAX loads on torch and TensorFlow with equal outputs, and the ones
     saved there load on JAX."""
