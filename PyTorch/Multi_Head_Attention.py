@@ -1680,9 +1680,12 @@ class MultiHeadAttention(nn.Module):
             k = self._split_heads(self._project(call.key, "key"), self.num_kv_heads)  # (B, S, kdim) -> (B, K, S, H)
             v = self._split_heads(self._project(call.value, "value"), self.num_kv_heads)  # (B, S, vdim) -> (B, K, S, H)
         self._check_local_heads(q, k, call.attention_mask, call.attention_bias)
-        if self.clip_qkv is not None:  # OLMo, DBRX, MPT: clamp's gradient, 1 within [-c, c], 0 outside
-            q, k, v = (x.clamp(-self.clip_qkv, self.clip_qkv) for x in (q, k, v))
-        return q, k, v
+        return self._clip(q), self._clip(k), self._clip(v)
+
+    def _clip(self, x):
+        """`clip_qkv` (OLMo, DBRX, MPT): x clamped to [-c, c] (unchanged when None), with the
+        clamp's gradient, 1 within [-c, c] (bounds included) and 0 outside."""
+        return x if self.clip_qkv is None else x.clamp(-self.clip_qkv, self.clip_qkv)
 
     def _fusable(self):
         """Whether self-attention may project q, k and v with one matmul: only where that computes

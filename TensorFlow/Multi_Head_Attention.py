@@ -1818,9 +1818,12 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             q = self._split_heads(self._project(call.query, "query"), self.num_heads)  # (B, N, T, H)
             k = self._split_heads(self._project(call.key, "key"), self.num_kv_heads)  # (B, K, S, H)
             v = self._split_heads(self._project(call.value, "value"), self.num_kv_heads)  # (B, K, S, H)
-        if self.clip_qkv is not None:  # OLMo, DBRX, MPT: the clamp's gradient, 1 within [-c, c], 0 outside
-            q, k, v = (tf.clip_by_value(x, -self.clip_qkv, self.clip_qkv) for x in (q, k, v))
-        return q, k, v
+        return self._clip(q), self._clip(k), self._clip(v)
+
+    def _clip(self, x):
+        """`clip_qkv` (OLMo, DBRX, MPT): x clamped to [-c, c] (unchanged when None), with the
+        clamp's gradient, 1 within [-c, c] (bounds included) and 0 outside."""
+        return x if self.clip_qkv is None else tf.clip_by_value(x, -self.clip_qkv, self.clip_qkv)
 
     def _project_fused(self, x):
         """Self-attention: q, k and v from one matmul over the concatenated projections (a
