@@ -71,7 +71,8 @@ class Case:
     key_mask: bool = False  # pass a (B, S) key_mask in which the last batch element keeps no key
     query_mask: bool = False  # pass a (B, T) query_mask
     attention_bias: str = "none"  # none, 1nts (1, N, T, S) or bts (B, T, S), with some -inf
-    positions: str = "none"  # none (the default arange) or shifted: (B, T) positions, each row its own offset
+    positions: str = "none"  # none (the default arange), shifted: (B, T) positions, each row its own offset, or
+    # sections: (k, B, T) positions of `rope_sections`, each of the k rows its own (Qwen2-VL's temporal, height, width)
 
     @property
     def config(self):
@@ -251,6 +252,102 @@ CASES = [
         positions="shifted",
         variants=(("rope_theta", 10000.0), ("rope_scaling", YARN_SCALING)),
     ),
+    # Two-sided windows, chunked attention, multimodal RoPE, LayerNorm QK-norm
+    Case("window_pair", t=4, s=6, variants=(("window", (2, 2)),)),  # a band on both sides, bottom-right aligned
+    Case("window_pair_self_gqa", k=2, t=6, s=6, self_attention=True, query_mask=True, variants=(("window", (3, 2)),)),
+    Case("attention_chunk_causal", self_attention=True, causal=True, variants=(("attention_chunk_size", 2),)),
+    Case("attention_chunk_cross", t=3, s=7, mask="bool_b1s", variants=(("attention_chunk_size", 3),)),
+    Case(
+        "rope_sections",
+        e=32,
+        self_attention=True,
+        causal=True,
+        positions="sections",
+        variants=(("rope_theta", 10000.0), ("rope_sections", (1, 2, 1))),
+    ),
+    Case(
+        "rope_sections_partial_interleaved",  # (B, T) positions for both sections: plain RoPE
+        e=32,
+        k=2,
+        self_attention=True,
+        positions="shifted",
+        variants=(("rope_theta", 100.0), ("rope_fraction", 0.5), ("rope_interleaved", True), ("rope_sections", (1, 1))),
+    ),
+    Case(
+        "qk_norm_layer_per_head",  # StableLM, Cohere
+        k=2,
+        self_attention=True,
+        causal=True,
+        variants=(("qk_norm", "per_head"), ("qk_norm_type", "layer")),
+    ),
+    Case(
+        "qk_norm_layer_head_bias",  # Phi
+        t=4,
+        s=6,
+        mask="bool_bts",
+        variants=(("qk_norm", "head"), ("qk_norm_type", "layer"), ("qk_norm_bias", True)),
+    ),
+    Case(
+        "qk_norm_rms_all_bias",
+        t=4,
+        s=6,
+        k=2,
+        variants=(("qk_norm", "all"), ("qk_norm_bias", True), ("qk_norm_eps", 1e-5), ("rope_theta", 10000.0)),
+    ),
+    Case(
+        "modernbert_like",
+        e=32,
+        t=7,
+        s=7,
+        self_attention=True,
+        key_mask=True,
+        variants=(("rope_theta", 10000.0), ("window", (3, 3))),
+    ),
+    Case(
+        "llama4_like",
+        e=32,
+        k=2,
+        t=7,
+        s=7,
+        self_attention=True,
+        causal=True,
+        query_mask=True,
+        positions="shifted",
+        variants=(
+            ("rope_theta", 500000.0),
+            ("rope_interleaved", True),
+            ("qk_norm", "head"),
+            ("attention_chunk_size", 3),
+        ),
+    ),
+    Case(
+        "qwen2_vl_like",
+        e=32,
+        k=2,
+        self_attention=True,
+        causal=True,
+        bias=("query", "key", "value"),
+        positions="sections",
+        variants=(("rope_theta", 1000000.0), ("rope_sections", (2, 1, 1))),
+    ),
+    Case(
+        "float16_new_variants",
+        dtype="float16",
+        e=32,
+        k=2,
+        self_attention=True,
+        causal=True,
+        positions="sections",
+        variants=(
+            ("rope_theta", 10000.0),
+            ("rope_sections", (2, 1, 1)),
+            ("window", (3, 1)),
+            ("attention_chunk_size", 4),
+            ("qk_norm", "per_head"),
+            ("qk_norm_type", "layer"),
+            ("qk_norm_bias", True),
+        ),
+    ),
 ]
 
 CASES_BY_NAME = {case.name: case for case in CASES}
@@ -322,7 +419,7 @@ def make_data(case, seed=0):
 
 
 def _call_inputs(case, rng):
-    """key_mask (B, S), query_mask (B, T), attention_bias and positions (B, T), or None each."""
+    """key_mask (B, S), query_mask (B, T), attention_bias and positions ((B, T) or (k, B, T)), or None each."""
     b, n, t, s = case.b, case.n, case.t, case.s
     key_mask = query_mask = attention_bias = positions = None
     if case.key_mask:
@@ -338,6 +435,10 @@ def _call_inputs(case, rng):
         attention_bias[rng.random(shape) < 0.15] = -np.inf  # the floating mask rule applies to the bias too
     if case.positions == "shifted":
         positions = np.arange(t)[None, :] + rng.integers(0, 50, size=(b, 1))  # (B, T), each row its own offset
+    if case.positions == "sections":
+        k = len(dict(case.variants)["rope_sections"])
+        positions = np.arange(t) + rng.integers(0, 50, size=(k, b, 1))  # (k, B, T), each section its own offsets
+        positions[1:, :, 1:-1] = rng.integers(0, 8, size=(k - 1, b, t - 2))  # grid rows and columns inside
     return {"key_mask": key_mask, "query_mask": query_mask, "attention_bias": attention_bias, "positions": positions}
 
 

@@ -39,7 +39,8 @@ class DecodeCase:
     causal: bool = True
     dtype: str = "float32"
     variants: tuple = ()  # more constructor arguments as (name, value) pairs, as in Case
-    positions: bool = False  # pass RoPE positions that skip the left padding (as transformers counts them)
+    positions: bool | str = False  # True: RoPE positions that skip the left padding (as transformers counts them);
+    # "sections": those positions times 1, 2, ... k, one row per section of `rope_sections` (k, B, P)
 
     @property
     def p(self):
@@ -119,6 +120,26 @@ DECODE_CASES = [
         ),
     ),
     DecodeCase("decode_clip_qkv", k=2, padding=(0, 2), chunks=(3, 1, 1, 1), variants=(("clip_qkv", 0.5),)),
+    DecodeCase("decode_window_pair_not_causal", causal=False, chunks=(3, 1, 2, 1), variants=(("window", (3, 2)),)),
+    DecodeCase("decode_rolling_window_pair", length=4, chunks=(2,) + (1,) * 6, k=2, variants=(("window", (3, 2)),)),
+    DecodeCase(
+        "decode_attention_chunk", k=2, padding=(0, 2), chunks=(3, 1, 1, 1, 1), variants=(("attention_chunk_size", 3),)
+    ),
+    DecodeCase(
+        "decode_rope_sections",
+        e=32,
+        k=2,
+        padding=(0, 2),
+        chunks=(3, 1, 1, 1),
+        positions="sections",
+        variants=(("rope_theta", 10000.0), ("rope_sections", (2, 1, 1))),
+    ),
+    DecodeCase(
+        "decode_qk_norm_layer",
+        k=2,
+        chunks=(3, 1, 1),
+        variants=(("qk_norm", "per_head"), ("qk_norm_type", "layer"), ("qk_norm_bias", True)),
+    ),
 ]
 
 DECODE_CASES_BY_NAME = {case.name: case for case in DECODE_CASES}
@@ -166,16 +187,21 @@ def make_decode_data(case, seed=0):
 
 
 def _positions(case):
-    """(B, P) RoPE positions that start at 0 after each prompt's left padding, or None."""
+    """(B, P) RoPE positions that start at 0 after each prompt's left padding, (k, B, P) with
+    "sections", or None."""
     if not case.positions:
         return None
     pads = np.array(case.padding or (0,) * case.b)[:, None]  # (B, 1)
-    return np.maximum(np.arange(case.p)[None, :] - pads, 0)  # (B, P)
+    positions = np.maximum(np.arange(case.p)[None, :] - pads, 0)  # (B, P)
+    if case.positions != "sections":
+        return positions
+    k = len(dict(case.variants)["rope_sections"])
+    return np.arange(1, k + 1)[:, None, None] * positions  # (k, B, P), each section its own positions
 
 
 def chunk_positions(data, start, stop):
-    """{"positions": the chunk's (B, T) positions} or {} when the case passes none."""
-    return {} if data["positions"] is None else {"positions": data["positions"][:, start:stop]}
+    """{"positions": the chunk's (B, T) or (k, B, T) positions} or {} when the case passes none."""
+    return {} if data["positions"] is None else {"positions": data["positions"][..., start:stop]}
 
 
 def chunk_mask(mask, start, stop):

@@ -95,10 +95,23 @@ def removed_positions(case, data):
     t, s = np.arange(case.t)[:, None], np.arange(case.s)[None, :]
     if case.causal:
         keep &= s <= t + (case.s - case.t)
-    window = dict(case.variants).get("window")
-    if window is not None:
-        keep &= s > t + (case.s - case.t) - window
+    variants = dict(case.variants)
+    before, after = window_sides(variants.get("window"))
+    if before is not None:
+        keep &= s > t + (case.s - case.t) - before
+    if after is not None:
+        keep &= s < t + (case.s - case.t) + after
+    chunk = variants.get("attention_chunk_size")
+    if chunk is not None:
+        keep &= s // chunk == (t + (case.s - case.t)) // chunk
     return ~keep
+
+
+def window_sides(window):
+    """A case's `window` as (before, after): None, W (W, None) or a pair."""
+    if window is None or isinstance(window, int):
+        return window, None
+    return tuple(window)
 
 
 @dataclasses.dataclass
@@ -321,9 +334,15 @@ def decode_removed_positions(case, data):
     held = decoding.slot_positions(case)  # (P, L): the position in each slot
     queries = np.arange(case.p)[:, None]  # (P, 1)
     allowed = (held >= 0) & (held <= queries if case.causal else held < query_ends(case)[:, None])  # (P, L)
-    window = dict(case.variants).get("window")
-    if window is not None:
-        allowed = allowed & (held > queries - window)  # (P, L)
+    variants = dict(case.variants)
+    before, after = window_sides(variants.get("window"))
+    if before is not None:
+        allowed = allowed & (held > queries - before)  # (P, L)
+    if after is not None:
+        allowed = allowed & (held < queries + after)  # (P, L)
+    chunk = variants.get("attention_chunk_size")
+    if chunk is not None:
+        allowed = allowed & (held // chunk == queries // chunk)  # (P, L)
     slot_keep = np.where(held < case.length, data["keep"][:, None, :], True)  # (B, P, L): new tokens past L
     keep = allowed[None, None] & slot_keep[:, None]  # (B, 1, P, L)
     mask = data["attention_mask"]

@@ -117,7 +117,7 @@ class Call:
     query_mask: bool = False
     attention_bias: str = "none"
     causal: bool = False
-    positions: str = "none"  # none, bt (B, T) or t (T,)
+    positions: str = "none"  # none, bt (B, T), t (T,) or kbt (k, B, T) (with rope_sections, else bt)
     tf_path: str = "eager"  # eager (weights returned) or memory_efficient (two queries per chunk)
 
 
@@ -138,9 +138,12 @@ def layer_configs(draw):
         "bias": draw(st.sampled_from([True, False, np.bool_(True), list, tuple, set, frozenset])),
         "scale": draw(st.sampled_from([None, 0.3, np.float32(0.5)])),
         "softcap": draw(st.sampled_from([None, 2.0])),
-        "window": draw(st.sampled_from([None, 1, 2, np.int64(3)])),
-        "qk_norm": draw(st.sampled_from([None, "head", "all"])),
+        "window": draw(st.sampled_from([None, 1, 2, np.int64(3), (1, 1), [2, np.int64(1)], (3, 2)])),
+        "attention_chunk_size": draw(st.sampled_from([None, None, 1, 2, np.int64(3)])),
+        "qk_norm": draw(st.sampled_from([None, "head", "per_head", "all"])),
         "qk_norm_eps": draw(st.sampled_from([1e-6, 1e-2])),
+        "qk_norm_type": draw(st.sampled_from(["rms", "layer", np.str_("layer")])),
+        "qk_norm_bias": draw(st.sampled_from([False, True])),
         "sinks": draw(st.sampled_from([False, True, np.bool_(True)])),
         "clip_qkv": draw(st.sampled_from([None, 0.5, np.float32(2.0)])),
     }
@@ -153,6 +156,9 @@ def layer_configs(draw):
             "rope_interleaved": draw(st.booleans()),
             "rope_scaling": draw(st.sampled_from(ROPE_SCALINGS)),
         }
+        pairs = int(head_dim * config["rope_fraction"]) // 2
+        if pairs and draw(st.booleans()):  # multimodal RoPE: the pairs cut into sections
+            config["rope_sections"] = (1,) * pairs if draw(st.booleans()) else [pairs]
     return config
 
 
@@ -170,7 +176,7 @@ def calls(draw):
         query_mask=draw(st.booleans()),
         attention_bias=draw(st.sampled_from(BIASES)),
         causal=draw(st.booleans()),
-        positions=draw(st.sampled_from(["none", "none", "bt", "t"])),
+        positions=draw(st.sampled_from(["none", "none", "bt", "t", "kbt"])),
         tf_path=draw(st.sampled_from(["eager", "eager", "memory_efficient"])),
     )
 
@@ -199,8 +205,12 @@ def make_call(config, call, seed):
         shape = {"1nts": (1, n, t, s), "bts": (b, t, s), "t1": (t, 1)}[call.attention_bias]
         arguments["attention_bias"] = np.where(rng.random(shape) < 0.15, -np.inf, rng.normal(size=shape))
     if call.positions != "none":
-        positions = np.arange(t) + rng.integers(0, 20, size=(b, 1))  # (B, T)
-        arguments["positions"] = positions if call.positions == "bt" else positions[0]
+        sections = len(config.get("rope_sections") or ())
+        positions = np.arange(t) + rng.integers(0, 20, size=(max(sections, 1), b, 1))  # (k, B, T)
+        if call.positions == "kbt" and sections:
+            arguments["positions"] = positions  # (k, B, T): each section its own positions
+        else:
+            arguments["positions"] = positions[0] if call.positions != "t" else positions[0, 0]  # (B, T) or (T,)
     weights = MultiHeadAttention(**config, seed=seed).export_weights()
     weights = {name: value + rng.normal(scale=0.1, size=value.shape) for name, value in weights.items()}
     return arguments, weights, rng.normal(size=(b, t, e))
@@ -397,7 +407,9 @@ ARGUMENT_VALUES = {  # valid and invalid values of each constructor argument, in
     ],
     "scale": [None, 0.5, np.float32(0.5), 1, np.int64(2), 0.0, -1.0, True, np.inf, np.nan, "0.5"],
     "softcap": [None, 2.0, np.float64(2.0), 0.0, False],
-    "window": [None, 1, np.int64(2), 0, 2.0, True],
+    "window": [None, 1, np.int64(2), 0, 2.0, True, (1, 2), [np.int64(2), 3], (0, 1), (1,), (1, 2, 3), (None, 2), "3"],
+    "attention_chunk_size": [None, 1, np.int64(4), 0, 2.0, True, "4"],
+    "rope_sections": [None, (1, 1), [2], (np.int64(1), 1), (1, 2), (0, 2), 2, "2", (1.0, 1)],
     "rope_theta": [None, 10.0, np.float32(10.0), 100, 0.0, -1.0, "10"],
     "rope_fraction": [1.0, 0.5, np.float32(0.5), 1, 0.25, 1.5, 0.0, None, True, "1"],
     "rope_interleaved": [False, True, np.bool_(True), 1, None, "yes"],
@@ -406,14 +418,17 @@ ARGUMENT_VALUES = {  # valid and invalid values of each constructor argument, in
         {"rope_type": "dynamic", "factor": 2.0}, {"type": "linear", "factor": np.float32(2.0)}, {"rope_type": "linear"},
         "linear", [("rope_type", "linear")],
     ],
-    "qk_norm": [None, "head", "all", np.str_("head"), "layer", True],
+    "qk_norm": [None, "head", "per_head", "all", np.str_("head"), "layer", True],
+    "qk_norm_type": ["rms", "layer", np.str_("layer"), "l2", None, 1],
+    "qk_norm_bias": [False, True, np.bool_(True), 1, None],
     "qk_norm_eps": [1e-6, np.float32(1e-5), 0.0, None],
     "sinks": [False, True, np.bool_(False), 0, None],
     "clip_qkv": [None, 0.5, np.float64(0.5), 1, np.int64(2), 0.0, -1.0, True, np.inf, "1"],
 }  # fmt: skip
 ATTRIBUTES = (
     "d_model", "num_heads", "num_kv_heads", "head_dim", "kdim", "vdim", "dropout", "bias", "scale", "softcap", "window",
-    "rope_theta", "rope_fraction", "rope_interleaved", "rope_scaling", "qk_norm", "qk_norm_eps", "clip_qkv",
+    "attention_chunk_size", "rope_theta", "rope_fraction", "rope_interleaved", "rope_scaling", "rope_sections", "qk_norm",
+    "qk_norm_eps", "qk_norm_type", "qk_norm_bias", "clip_qkv",
 )  # fmt: skip
 
 
