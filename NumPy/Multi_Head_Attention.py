@@ -972,19 +972,33 @@ def _attention_backward(d_context, q, k, v, keep, weights, scale, softcap, sinks
     return d_q, d_k, d_v, d_biased, d_sinks
 
 
-def _rope_backward(d, positions, inv_freq, interleaved, factor):
-    """Step 4 backward: RoPE is a rotation (times YaRN's factor): its backward scales, turns back."""
+def _rope_backward(d, positions, inv_freq, interleaved, factor, sections):
+    """Step 4 backward: RoPE is a rotation (times YaRN's factor): its backward scales, turns back
+    (each section by its own rows of positions)."""
     d = scale_rotated(d, 2 * inv_freq.shape[0], factor)
-    return apply_rope(d, -positions, inv_freq, interleaved)
+    return apply_rope(d, -positions, inv_freq, interleaved, sections)
 
 
 def _rms_norm_backward(x, scale, eps, grad):
-    """Gradients of rms_norm(x, scale, eps) for the upstream `grad`: (d_x, d_scale)."""
+    """Gradients of rms_norm(x, scale, eps) for the upstream `grad`: (d_x, d_scale), d_scale
+    summed to the shape of `scale`, which broadcasts against x's trailing axes."""
     rms = np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps)
     normed = x / rms
-    d_scale = (grad * normed).reshape(-1, x.shape[-1]).sum(axis=0)
+    d_scale = (grad * normed).reshape(-1, *scale.shape).sum(axis=0)
     g = grad * scale
     return (g - normed * np.mean(g * normed, axis=-1, keepdims=True)) / rms, d_scale
+
+
+def _layer_norm_backward(x, scale, eps, grad):
+    """Gradients of layer_norm(x, scale, eps) for the upstream `grad`: (d_x, d_scale), d_scale
+    summed to the shape of `scale`, which broadcasts against x's trailing axes."""
+    centred = x - np.mean(x, axis=-1, keepdims=True)
+    std = np.sqrt(np.mean(centred**2, axis=-1, keepdims=True) + eps)
+    normed = centred / std
+    d_scale = (grad * normed).reshape(-1, *scale.shape).sum(axis=0)
+    g = grad * scale
+    mean_g = np.mean(g, axis=-1, keepdims=True)
+    return (g - mean_g - normed * np.mean(g * normed, axis=-1, keepdims=True)) / std, d_scale
 
 
 def _sum_to_shape(grad, shape):
@@ -1560,7 +1574,8 @@ class MultiHeadAttention:
         grads.update({} if d_sinks is None else {"sinks": d_sinks})
         if self._inv_freq is not None:  # 4. RoPE
             factor, positions = rope_attention_factor(self.rope_scaling), c["call"].positions
-            d_q, d_k = (_rope_backward(d, positions, self._inv_freq, self.rope_interleaved, factor) for d in (d_q, d_k))
+            rope = (self._inv_freq, self.rope_interleaved, factor, self.rope_sections)
+            d_q, d_k = (_rope_backward(d, positions, *rope) for d in (d_q, d_k))
         inputs = {}
         for kind, d_heads in (("query", d_q), ("key", d_k), ("value", d_v)):  # 3. QK-norm, 2. clip, projections
             inputs[kind] = self._project_backward(kind, getattr(c["call"], kind), d_heads, grads)
@@ -1584,17 +1599,26 @@ class MultiHeadAttention:
             )
         return g
 
+    def _qk_norm_backward(self, kind, y, d_y, grads):
+        """Step 3 backward for q or k from its (B, L, heads*H) clamped projection y: adds the
+        gradients of `<kind>_norm` (and `<kind>_norm_bias`) to `grads`, returns y's (B, L, heads*H)."""
+        by_norm = self._by_norm(y)  # (B, L, heads, H) or (B, L, heads*H)
+        grad = d_y.reshape(by_norm.shape)  # (B, L, heads, H) or (B, L, heads*H)
+        scale = self._norm_weight(f"{kind}_norm", by_norm)  # (H,), (heads, H) or (heads*H,)
+        backward = _layer_norm_backward if self.qk_norm_type == "layer" else _rms_norm_backward
+        d_by_norm, d_scale = backward(by_norm, scale, self.qk_norm_eps, grad)
+        grads[f"{kind}_norm"] = d_scale.reshape(-1)  # (H,), (heads*H,)
+        if self.qk_norm_bias:
+            grads[f"{kind}_norm_bias"] = grad.reshape(-1, *scale.shape).sum(axis=0).reshape(-1)  # the bias: summed
+        return d_by_norm.reshape(y.shape)  # -> (B, L, heads*H)
+
     def _project_backward(self, kind, x, d_heads, grads):
         """Steps 3 and 2 backward for one of q, k, v: adds the kernel's, bias' and norm's gradients
         to `grads`, returns the input's (B, L, D)."""
         d_y = self._merge_heads(d_heads)  # (B, heads, L, H) -> (B, L, heads*H)
         y = self._project(x, kind)  # (B, L, heads*H), the projection before the clamp, recomputed
         if kind != "value" and self.qk_norm is not None:
-            by_norm = self._by_norm(self._clip(y))  # QK-norm's backward, at the clamped projection
-            d_y, grads[f"{kind}_norm"] = _rms_norm_backward(
-                by_norm, self.params[f"{kind}_norm"], self.qk_norm_eps, d_y.reshape(by_norm.shape)
-            )
-            d_y = d_y.reshape(y.shape)
+            d_y = self._qk_norm_backward(kind, self._clip(y), d_y, grads)  # at the clamped projection
         if self.clip_qkv is not None:  # the clamp's gradient: 1 within [-c, c] (bounds included), 0 outside
             d_y = np.where(np.abs(y) <= self.clip_qkv, d_y, 0.0)
         grads[f"{kind}_kernel"] = np.einsum("bld,blm->dm", x, d_y)
