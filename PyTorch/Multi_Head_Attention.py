@@ -751,16 +751,17 @@ def apply_rope(x, positions, inv_freq, interleaved, sections=None):
         angle p * inv_freq[i] (computed in float32), cast back to x's dtype; the other H - R
         features unchanged.
     """
-    angles = _rope_angles(positions, inv_freq, sections)[:, :, None, :]  # (B, T, R/2) -> (B, T, 1, R/2)
+    angles = rope_angles(positions, inv_freq, sections)[:, :, None, :]  # (B, T, R/2) -> (B, T, 1, R/2)
     cos, sin = angles.cos(), angles.sin()  # (B, T, 1, R/2)
     cos, sin = _on_pairs(cos, cos, interleaved), _on_pairs(-sin, sin, interleaved)  # (B, T, 1, R)
     x = x.transpose(1, 2)  # (B, heads, T, H) -> (B, T, heads, H), the projections' memory order
     return _Turn.apply(x, cos, sin, interleaved).transpose(1, 2)  # -> (B, heads, T, H)
 
 
-def _rope_angles(positions, inv_freq, sections):
-    """The angles p * inv_freq[i] in float32: (B, T) positions -> (B, T, R/2); with `sections`,
-    (k, B, T) positions, each row times its section's slice of inv_freq, concatenated."""
+def rope_angles(positions, inv_freq, sections=None):
+    """(B, T, R/2) float32 angles: (B, T) positions times the (R/2,) inv_freq; with `sections`
+    (multimodal RoPE) the pairs are split, in order, into sections of those sizes, and pair i of
+    section j turns by positions[j] * inv_freq[i], from (k, B, T) positions."""
     if sections is None:
         return positions[:, :, None].float() * inv_freq  # (B, T, 1) * (R/2,) -> (B, T, R/2)
     rows = zip(positions.unbind(0), inv_freq.split(sections), strict=True)  # k x ((B, T), (R_j/2,))

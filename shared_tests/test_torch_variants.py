@@ -1690,3 +1690,34 @@ def test_positions_with_rope_sections_errors(positions):
     plain = MultiHeadAttention(E, N, head_dim=H, rope_theta=10.0)
     with pytest.raises(ValueError, match=r"^`positions` must be an integer tensor of shape \(B, T\) or \(T,\) with"):
         plain(X, positions=torch.zeros(3, 2, 3, dtype=torch.long))
+
+
+def test_torch_export_with_the_new_variants():
+    layer = _layer(**NEW_VARIANTS["everything_new"])
+    x, keep, _ = _inputs()
+    positions = _new_positions(layer)["positions"]  # (2, B, T): M-RoPE's rows
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = layer
+
+        def forward(self, x, key_mask, positions):
+            return self.attention(x, key_mask=key_mask, positions=positions, causal=True)
+
+    program = torch.export.export(Wrapped(), (x, keep[:, 0, 0], positions))
+    expected = layer(x, key_mask=keep[:, 0, 0], positions=positions, causal=True)
+    torch.testing.assert_close(program.module()(x, keep[:, 0, 0], positions), expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("qk_norm", ["per_head", "head"])
+def test_tensor_parallel_refuses_per_head_scales_it_cannot_split(qk_norm):
+    """A rank holding 2 of 4 query heads (and 1 of 2 key/value heads) cannot tell which heads'
+    scales are its own: `qk_norm='per_head'` is refused as 'all' is; 'head' (shared) splits."""
+    layer = MultiHeadAttention(E, N, num_kv_heads=K, head_dim=H, qk_norm=qk_norm)
+    q, k = torch.zeros(1, N // 2, 3, H), torch.zeros(1, K // 2, 3, H)
+    if qk_norm == "head":
+        layer._check_local_heads(q, k, None, None)
+        return
+    with pytest.raises(ValueError, match=r"^`sinks` and `qk_norm='all'` hold numbers of every head .*'per_head'"):
+        layer._check_local_heads(q, k, None, None)
