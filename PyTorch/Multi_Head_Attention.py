@@ -863,8 +863,9 @@ def _check_keep(keep, batch_size, max_length):
 
 
 def _check_room(index, t, length, window):
-    """Without a window the T new tokens must fit (index + T <= L); with one the cache rolls, and a
-    call that wraps must leave its first query's keys in place (L >= window + T - 1).
+    """Without a window the T new tokens must fit (index + T <= L); with one (`window` is W_before
+    of a pair) the cache rolls, and a call that wraps must leave its first query's keys in place
+    (L >= window + T - 1).
 
     Eagerly a call without room is a ValueError. Under `torch.compile` (where raising needs a
     graph break) it returns a () boolean tensor, True for a call without room, and `forward`
@@ -908,7 +909,7 @@ def _slot_positions(length, last):
     return slots + length * torch.div(last - slots, length, rounding_mode="floor")  # (L,)
 
 
-def _cache_keep(keep, index, t, causal, window, chunk):
+def _cache_keep(keep, index, t, causal, window, attention_chunk_size):
     """(B, L) cache keep -> (B, 1, T, L): slot s holds a written position p(s), is not padding,
     when causal p(s) is at most the query's own position index + t, with a window p(s) >
     index + t - W_before (and with a pair p(s) < index + t + W_after), and with a chunk C
@@ -921,6 +922,7 @@ def _cache_keep(keep, index, t, causal, window, chunk):
         allowed = allowed & (held > positions - before)  # (T, L)
     if after is not None:
         allowed = allowed & (held < positions + after)  # (T, L)
+    chunk = attention_chunk_size
     if chunk is not None:
         allowed = allowed & (torch.div(held, chunk, rounding_mode="floor") == positions // chunk)  # (T, L)
     return allowed[None, None] & keep[:, None, None, :]  # (B, 1, T, L)
