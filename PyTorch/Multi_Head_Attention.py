@@ -184,11 +184,12 @@ def _window_sides(window):
 
 
 def _check_rope_sections(sections, rotary):
-    """`rope_sections` as a tuple of Python ints (None passes); with RoPE (`rotary` R not None)
-    they must sum to R/2, the rotated pairs."""
+    """`rope_sections` as a tuple of Python ints (None passes; at least one section); with RoPE
+    (`rotary` R not None) they must sum to R/2, the rotated pairs."""
     if sections is None:
         return None
-    if not isinstance(sections, (list, tuple)) or not all(_is_positive_integer(size) for size in sections):
+    valid = isinstance(sections, (list, tuple)) and len(sections) > 0
+    if not valid or not all(_is_positive_integer(size) for size in sections):
         raise ValueError(
             "`rope_sections` must be None or a list or tuple of positive integers. "
             f"Received: rope_sections={sections!r}"

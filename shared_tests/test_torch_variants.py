@@ -1638,6 +1638,7 @@ NEW_CONSTRUCTOR_ERRORS = {
     "chunk": ({"attention_chunk_size": 0}, r"^`attention_chunk_size` must be a positive integer\. Received: attention_chunk_size=0$"),
     "chunk_float": ({"attention_chunk_size": 4.0}, r"Received: attention_chunk_size=4\.0$"),
     "rope_sections_type": ({"rope_sections": 4}, r"^`rope_sections` must be None or a list or tuple of positive integers\. Received: rope_sections=4$"),
+    "rope_sections_empty": ({"rope_sections": ()}, r"Received: rope_sections=\(\)$"),
     "rope_sections_zero": ({"rope_sections": (2, 0)}, r"Received: rope_sections=\(2, 0\)$"),
     "rope_sections_bool": ({"rope_sections": [True, 3]}, r"Received: rope_sections=\[True, 3\]$"),
     "rope_sections_sum": ({"rope_theta": 10.0, "rope_sections": (1, 2)}, re.escape("`rope_sections` must sum to R/2 = 4, the pairs RoPE rotates (R = int(head_dim * rope_fraction) = 8). Received: rope_sections=(1, 2)")),
