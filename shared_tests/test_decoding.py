@@ -41,7 +41,7 @@ def test_decode_table_covers_the_issue():
     assert any(c.p == c.length for c in cases) and any(not c.causal for c in cases) and any(c.cross for c in cases)
 
 
-def _off_by_one_causal(keep, index, t, causal, window):
+def _off_by_one_causal(keep, index, t, causal, window, attention_chunk_size):
     slots = torch.arange(keep.shape[-1])[None, :]
     positions = index + torch.arange(t)[:, None]
     allowed = slots < positions if causal else slots < index + t  # a query no longer sees its own slot
@@ -67,7 +67,8 @@ def test_broken_decoding_fails_the_report(name, monkeypatch, capsys):
     target, attribute, replacement, case_name = MUTATIONS[name]
     monkeypatch.setattr(target, attribute, replacement)
     assert parity.main(["--case", case_name]) == 1
-    assert "FAIL" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "FAIL" in out and " raised " not in out  # wrong numbers, not a mutation that no longer fits the call
 
 
 def test_tf_cache_ignoring_padding_fails_the_report(monkeypatch):
