@@ -1134,14 +1134,17 @@ def _in_dtype(bias, dtype):
     return bias.clamp(info.min, info.max).to(dtype)
 
 
-def _sdpa_attention(q, k, v, keep, bias, dropout, scale, is_causal=False):
+def _sdpa_attention(q, k, v, keep, bias, dropout, scale, is_causal=False, sinks=None):
     """`scaled_dot_product_attention` with a finite additive mask; returns the context.
 
     `is_causal` is the kernel's own top-left triangle: pass it only with no mask and T == S.
     A row with no key left attends to every key inside the kernel (finite numbers, forward and
     backward, in any dtype) and is then set to exactly 0. SDPA gives its additive mask a
-    gradient (on the CPU too), so a learned `bias` trains on this path.
+    gradient (on the CPU too), so a learned `bias` trains on this path. `sinks`: see
+    `_sdpa_with_sinks`.
     """
+    if sinks is not None:
+        return _sdpa_with_sinks(q, k, v, keep, bias, dropout, scale, is_causal, sinks)
     k, v, gqa = _sdpa_heads(q, k, v, masked=keep is not None or bias is not None)
     options = {"dropout_p": dropout, "scale": scale, "enable_gqa": gqa}
     if keep is None and bias is None:
@@ -1153,6 +1156,29 @@ def _sdpa_attention(q, k, v, keep, bias, dropout, scale, is_causal=False):
     additive = torch.where(keep | ~has_key, additive, torch.finfo(q.dtype).min)  # (B, N, T, S), dims may be 1
     context = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, **options)
     return torch.where(has_key, context, 0.0)  # (B, N, T, H), rows with no key are all 0
+
+
+def _sdpa_with_sinks(q, k, v, keep, bias, dropout, scale, is_causal, sinks):
+    """SDPA with the sinks as one more key, the first, whose score is its head's sink logit and
+    whose value is 0: the softmax's denominator gains exp(sink) and the context nothing, as in
+    `dot_product_attention`. The score comes from one more feature of each head, sink / scale in
+    head n's queries and 1 in the sink key (0 in the other keys), so grouped heads still share
+    their keys and the sinks' gradient flows through it. The head size is padded to a multiple of
+    8 with zeros (v too: the fused kernels want one head size). With `is_causal` one more query,
+    the first, keeps the kernel's top-left triangle aligned: query t + 1 sees the sink and keys
+    0..t. A row with no key left attends only the sink: a context of exactly 0."""
+    (b, n, t, h), s = q.shape, k.shape[2]
+    width = -(-(h + 1) // 8) * 8  # H + 1 features, padded to a multiple of 8
+    logit = (sinks / scale).to(q.dtype)[:, None, None].expand(b, n, t, 1)  # (N,) -> (B, N, T, 1)
+    q = F.pad(torch.cat([q, logit], dim=-1), (0, width - h - 1))  # (B, N, T, H) -> (B, N, T, width)
+    sink_key = F.pad(torch.ones_like(k[:, :, :1, :1]), (h, width - h - 1))  # (B, K, 1, width): a 1 at feature H
+    k = torch.cat([sink_key, F.pad(k, (0, width - h))], dim=2)  # (B, K, S, H) -> (B, K, 1 + S, width)
+    v = F.pad(v, (0, width - h, 1, 0))  # (B, K, S, H) -> (B, K, 1 + S, width), the sink's value 0
+    q = F.pad(q, (0, 0, 1, 0)) if is_causal else q  # (B, N, 1 + T, width) with `is_causal`
+    keep = None if keep is None else F.pad(keep.expand(*keep.shape[:-1], s), (1, 0), value=True)  # (..., 1 + S)
+    bias = None if bias is None else F.pad(bias.expand(*bias.shape[:-1], s), (1, 0))  # (..., 1 + S)
+    context = _sdpa_attention(q, k, v, keep, bias, dropout, scale, is_causal)  # (B, N, [1 +] T, width)
+    return context[:, :, 1 if is_causal else 0 :, :h]  # (B, N, T, H)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -1959,16 +1985,17 @@ class MultiHeadAttention(nn.Module):
 
     def _attend(self, q, k, v, keep, bias, call):
         """Step 6, the one entry to the speed paths, all with `dot_product_attention`'s numbers:
-        SDPA without returned weights (its own causal triangle where nothing else masks); the
-        explicit softmax with them, or with `softcap` or `sinks` (which SDPA cannot express), in
-        blocks of batch elements under no_grad on the CPU (`_attention_in_blocks`). A window (one-
+        SDPA without returned weights (its own causal triangle where nothing else masks; the sinks
+        as one more key, `_sdpa_with_sinks`); the explicit softmax with them, or with `softcap`
+        (which SDPA cannot express), in blocks of batch elements under no_grad on the CPU
+        (`_attention_in_blocks`). A window (one-
         or two-sided) or an attention chunk is always folded into the mask: no shortcut."""
         (n, t), s, sinks = q.shape[1:3], k.shape[2], self.sinks
         dropout = self.dropout if self.training else 0.0
-        explicit = call.return_attention or self.softcap is not None or sinks is not None
+        explicit = call.return_attention or self.softcap is not None
         only_causal = keep is None and bias is None and call.window is None and call.attention_chunk_size is None
         if not explicit and call.causal and only_causal and t == s:
-            return _sdpa_attention(q, k, v, None, None, dropout, self.scale, is_causal=True), None  # (B, N, T, H)
+            return _sdpa_attention(q, k, v, None, None, dropout, self.scale, True, sinks), None  # (B, N, T, H)
         if explicit and not _in_blocks(q, _softmax_dtype(q.dtype, bias, sinks)):
             return dot_product_attention(
                 q, k, v, keep, bias, call.causal, scale=self.scale, softcap=self.softcap, window=call.window,
@@ -1981,7 +2008,7 @@ class MultiHeadAttention(nn.Module):
             k, v = _repeat_heads(k, n), _repeat_heads(v, n)  # (B, K, S, H) -> (B, N, S, H)
             context, weights = _attention_in_blocks(q, k, v, keep, bias, dropout, self.scale, self.softcap, sinks)
             return context, weights if call.return_attention else None
-        return _sdpa_attention(q, k, v, keep, bias, dropout, self.scale), None
+        return _sdpa_attention(q, k, v, keep, bias, dropout, self.scale, sinks=sinks), None
 
     def forward(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
