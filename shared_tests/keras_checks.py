@@ -11,7 +11,10 @@ import warnings
 import numpy as np
 
 TOLERANCE = 1e-5  # float32 outputs, as the SPEC's output tolerance
-SAVED_CONFIG = dict(d_model=16, num_heads=4, num_kv_heads=2, rope_theta=10000.0, qk_norm="head", sinks=True, window=3)
+SAVED_CONFIG = dict(
+    d_model=16, num_heads=4, num_kv_heads=2, rope_theta=10000.0, rope_sections=[1, 1], qk_norm="per_head",
+    qk_norm_type="layer", qk_norm_bias=True, sinks=True, window=(3, 2), attention_chunk_size=4,
+)  # fmt: skip
 
 
 def _layer(seed=0, **config):
@@ -440,6 +443,7 @@ def check_rope_sections():
         outputs.append(_numpy(output))
     _close(np.concatenate(outputs, 1), full, "M-RoPE decoding against the full pass")
     _close(_while_loop_decode(layer, x, sections), full, "M-RoPE while_loop decoding", 1e-5)
+    _close(_while_loop_decode(layer, x), plain(x, causal=True), "M-RoPE while_loop decoding, default positions", 1e-5)
     assert layer.get_config()["rope_sections"] == [1, 1] and layer.rope_sections == (1, 1)
     _saves_and_loads(layer, ops.convert_to_tensor(x), "rope sections")
 
@@ -517,8 +521,8 @@ def check_tensorflow_file_refuses():
 
 
 def check_save(folder):
-    """Saves a functional model holding the layer (GQA, RoPE, QK-norm, sinks, window) to
-    FOLDER/model.keras, with its inputs and outputs."""
+    """Saves a functional model holding the layer (GQA, M-RoPE, per-head LayerNorm QK-norm with a
+    bias, sinks, a pair window, chunks) to FOLDER/model.keras, with its inputs and outputs."""
     import keras
 
     layer = _layer(**SAVED_CONFIG)
