@@ -1814,8 +1814,7 @@ def _options_it_cannot_hold(layer, config, dense):
         found["sliding_window"] = (
             window,
             f"Keras keeps keys with |t - s| < {window}, on both sides of the query; with causal=True and T == S "
-            f"that is this layer's window: construct it with `window={window}` and call it with `causal=True` "
-            f"(without causal, `window=({window}, {window})`)",
+            f"that is this layer's window: construct it with `window={window}` and call it with `causal=True`",
         )
     for name in ("kernel_regularizer", "bias_regularizer", "activity_regularizer"):
         if config.get(name) is not None:
