@@ -1417,7 +1417,8 @@ class MultiHeadAttention(keras.layers.Layer):
 
     def _non_defaults(self):
         """The variants not at their default and a partial `bias` (all four biases or none is the
-        default), {name: value as held}: what the Keras built-ins cannot hold."""
+        default), {name: value as held}: what the Keras built-ins cannot hold (`rope_sections`
+        only with RoPE, `qk_norm_type` and `qk_norm_bias` only with `qk_norm`: what they change)."""
         plain = {
             "bias": self.bias in ((), _PROJECTIONS),
             "scale": math.isclose(self.scale, 1 / math.sqrt(self.head_dim)),
@@ -1425,10 +1426,10 @@ class MultiHeadAttention(keras.layers.Layer):
             "window": self.window is None,
             "attention_chunk_size": self.attention_chunk_size is None,
             "rope_theta": self.rope_theta is None,
-            "rope_sections": self.rope_sections is None,
+            "rope_sections": self.rope_sections is None or self.rope_theta is None,
             "qk_norm": self.qk_norm is None,
-            "qk_norm_type": self.qk_norm_type == "rms",
-            "qk_norm_bias": not self.qk_norm_bias,
+            "qk_norm_type": self.qk_norm_type == "rms" or self.qk_norm is None,
+            "qk_norm_bias": not self.qk_norm_bias or self.qk_norm is None,
             "sinks": not self.sinks,
             "clip_qkv": self.clip_qkv is None,
         }

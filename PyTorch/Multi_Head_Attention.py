@@ -1703,7 +1703,8 @@ class MultiHeadAttention(nn.Module):
         )
 
     def _non_defaults(self):
-        """The variants not at their default, and a partial `bias`, {name: value}."""
+        """The variants not at their default, and a partial `bias`, {name: value} (`rope_sections`
+        only with RoPE, `qk_norm_type` and `qk_norm_bias` only with `qk_norm`: what they change)."""
         variants = {
             "bias": list(self.bias) if self.bias not in ((), _PROJECTIONS) else None,
             "scale": None if self.scale == 1.0 / math.sqrt(self.head_dim) else self.scale,
@@ -1711,10 +1712,10 @@ class MultiHeadAttention(nn.Module):
             "window": self.window,
             "attention_chunk_size": self.attention_chunk_size,
             "rope_theta": self.rope_theta,
-            "rope_sections": self.rope_sections,
+            "rope_sections": self.rope_sections if self.rope_theta is not None else None,
             "qk_norm": self.qk_norm,
-            "qk_norm_type": None if self.qk_norm_type == "rms" else self.qk_norm_type,
-            "qk_norm_bias": True if self.qk_norm_bias else None,
+            "qk_norm_type": self.qk_norm_type if self.qk_norm is not None and self.qk_norm_type != "rms" else None,
+            "qk_norm_bias": True if self.qk_norm is not None and self.qk_norm_bias else None,
             "sinks": True if self.sinks is not None else None,
             "clip_qkv": self.clip_qkv,
         }
