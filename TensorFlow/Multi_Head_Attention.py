@@ -776,7 +776,7 @@ def apply_rope(x, positions, inv_freq, interleaved, sections=None):
     """
     inv_freq = tf.convert_to_tensor(inv_freq, tf.float32)
     rotary_dim = 2 * inv_freq.shape[0]
-    angles = _rope_angles(positions, inv_freq, sections)  # (B, 1, T, R/2)
+    angles = tf.expand_dims(rope_angles(positions, inv_freq, sections), 1)  # (B, T, R/2) -> (B, 1, T, R/2)
     dtype = _softmax_dtype(x.dtype)
     cos, sin = tf.cast(tf.cos(angles), dtype), tf.cast(tf.sin(angles), dtype)  # (B, 1, T, R/2)
     cos, sin = _on_pairs(cos, cos, interleaved), _on_pairs(-sin, sin, interleaved)  # (B, 1, T, R)
@@ -787,17 +787,17 @@ def apply_rope(x, positions, inv_freq, interleaved, sections=None):
     return tf.concat([turned, x[..., rotary_dim:]], axis=-1)  # (B, heads, T, H)
 
 
-def _rope_angles(positions, inv_freq, sections):
-    """(B, 1, T, R/2) float32 angles `position * inv_freq` of each pair; with `sections`, the pairs
-    of section j (in order) take row j of the (k, B, T) positions."""
-    positions = tf.cast(positions, tf.float32)
+def rope_angles(positions, inv_freq, sections=None):
+    """(B, T, R/2) float32 angles: (B, T) positions times the (R/2,) inv_freq; with `sections`
+    (multimodal RoPE) the pairs are split, in order, into sections of those sizes, and pair i of
+    section j turns by positions[j] * inv_freq[i], from (k, B, T) positions."""
+    positions, inv_freq = tf.cast(positions, tf.float32), tf.convert_to_tensor(inv_freq, tf.float32)
     if sections is None:
-        return tf.expand_dims(tf.expand_dims(positions, 1), -1) * inv_freq  # (B, T) -> (B, 1, T, R/2)
-    parts, start = [], 0
-    for row, count in zip(tf.unstack(positions, len(sections)), sections, strict=True):
-        parts.append(row[:, None, :, None] * inv_freq[start : start + count])  # (B, T) -> (B, 1, T, count)
-        start += count
-    return tf.concat(parts, axis=-1)  # (B, 1, T, R/2)
+        return tf.expand_dims(positions, -1) * inv_freq  # (B, T, 1) * (R/2,) -> (B, T, R/2)
+    parts = tf.split(inv_freq, list(sections))  # k pieces of inv_freq, one per section
+    rows = tf.unstack(positions, len(sections))  # k x (B, T)
+    angles = [tf.expand_dims(row, -1) * part for row, part in zip(rows, parts, strict=True)]  # k x (B, T, section)
+    return tf.concat(angles, axis=-1)  # (B, T, R/2)
 
 
 def _turn(x, cos, sin, interleaved):
