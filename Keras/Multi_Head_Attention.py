@@ -1723,9 +1723,11 @@ class MultiHeadAttention(keras.layers.Layer):
         `keras.layers.GroupQueryAttention` (3-D inputs, default attention axes).
 
         Its dtype policy, initializers and `trainable` are kept; LoRA adapters on its
-        projections are merged into the kernels. Every option this layer cannot hold (a gate,
-        a sliding window, regularizers, constraints, other attention axes or output shapes,
-        value_dim != key_dim, quantized projections) is a ValueError that lists them all.
+        projections are merged into the kernels; a `sliding_window` W becomes `window=(W, W)`
+        (Keras keeps |t - s| < W on both sides of the query; the same keys where T == S). Every
+        option this layer cannot hold (a gate, regularizers, constraints, other attention axes or
+        output shapes, value_dim != key_dim, quantized projections) is a ValueError that lists
+        them all.
         """
         config, dense = _keras_config(layer)
         new = cls(**config, name=f"{layer.name}_reference", dtype=layer.dtype_policy)
@@ -1810,13 +1812,6 @@ def _options_it_cannot_hold(layer, config, dense):
     found = {}
     if config.get("use_gate"):
         found["use_gate"] = (True, "a sigmoid gate on the attention output")
-    window = config.get("sliding_window")
-    if window is not None:
-        found["sliding_window"] = (
-            window,
-            f"Keras keeps keys with |t - s| < {window}, on both sides of the query; with causal=True and T == S "
-            f"that is this layer's window: construct it with `window={window}` and call it with `causal=True`",
-        )
     for name in ("kernel_regularizer", "bias_regularizer", "activity_regularizer"):
         if config.get(name) is not None:
             found[name] = (_described(config[name]), "a loss this layer does not add")
@@ -1864,4 +1859,6 @@ def _keras_config(layer):
         bias=config["use_bias"], kernel_initializer=config["kernel_initializer"],
         bias_initializer=config["bias_initializer"],
     )  # fmt: skip
+    if config.get("sliding_window") is not None:  # Keras keeps |t - s| < W, on both sides of the query
+        arguments["window"] = (config["sliding_window"], config["sliding_window"])
     return arguments, dense

@@ -1847,7 +1847,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         return _as_variables(cache) if in_place else cache
 
     def _non_defaults(self):
-        """The variants not at their default, and a partial `bias`, as {name: value}."""
+        """The variants not at their default, and a partial `bias`, as {name: value} (`rope_sections`
+        only with RoPE, `qk_norm_type` and `qk_norm_bias` only with `qk_norm`: what they change)."""
         variants = {
             "bias": list(self.bias) if self.bias not in ((), _PROJECTIONS) else None,
             "scale": None if math.isclose(self.scale, 1 / math.sqrt(self.head_dim)) else self.scale,
@@ -1855,10 +1856,10 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             "window": self.window,
             "attention_chunk_size": self.attention_chunk_size,
             "rope_theta": self.rope_theta,
-            "rope_sections": self.rope_sections,
+            "rope_sections": self.rope_sections if self.rope_theta is not None else None,
             "qk_norm": self.qk_norm,
-            "qk_norm_type": None if self.qk_norm_type == "rms" else self.qk_norm_type,
-            "qk_norm_bias": True if self.qk_norm_bias else None,
+            "qk_norm_type": self.qk_norm_type if self.qk_norm is not None and self.qk_norm_type != "rms" else None,
+            "qk_norm_bias": True if self.qk_norm is not None and self.qk_norm_bias else None,
             "sinks": True if self.sinks else None,
             "clip_qkv": self.clip_qkv,
         }
@@ -2180,9 +2181,11 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         `keras.layers.GroupQueryAttention` (3-D inputs, default attention axes).
 
         Its dtype policy, initializers and `trainable` are kept; LoRA adapters on its
-        projections are merged into the kernels. Every option this layer cannot hold (a gate,
-        a sliding window, regularizers, constraints, other attention axes or output shapes,
-        value_dim != key_dim, quantized projections) is a ValueError that lists them all.
+        projections are merged into the kernels; a `sliding_window` W becomes `window=(W, W)`
+        (Keras keeps |t - s| < W on both sides of the query; the same keys where T == S). Every
+        option this layer cannot hold (a gate, regularizers, constraints, other attention axes or
+        output shapes, value_dim != key_dim, quantized projections) is a ValueError that lists
+        them all.
         """
         config, dense = _keras_config(layer)
         new = cls(**config, name=f"{layer.name}_reference", dtype=layer.dtype_policy)
@@ -2277,13 +2280,6 @@ def _options_it_cannot_hold(layer, config, dense):
     found = {}
     if config.get("use_gate"):
         found["use_gate"] = (True, "a sigmoid gate on the attention output")
-    window = config.get("sliding_window")
-    if window is not None:
-        found["sliding_window"] = (
-            window,
-            f"Keras keeps keys with |t - s| < {window}, on both sides of the query; with causal=True and T == S "
-            f"that is this layer's window: construct it with `window={window}` and call it with `causal=True`",
-        )
     for name in ("kernel_regularizer", "bias_regularizer", "activity_regularizer"):
         if config.get(name) is not None:
             found[name] = (_described(config[name]), "a loss this layer does not add")
@@ -2331,4 +2327,6 @@ def _keras_config(layer):
         bias=config["use_bias"], kernel_initializer=config["kernel_initializer"],
         bias_initializer=config["bias_initializer"],
     )  # fmt: skip
+    if config.get("sliding_window") is not None:  # Keras keeps |t - s| < W, on both sides of the query
+        arguments["window"] = (config["sliding_window"], config["sliding_window"])
     return arguments, dense

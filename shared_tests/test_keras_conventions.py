@@ -208,7 +208,6 @@ def _built(layer, query, value, key=None):
 # option: (MultiHeadAttention arguments, GroupQueryAttention arguments, the value quoted)
 REFUSED = {
     "use_gate": ({"use_gate": True}, {"use_gate": True}, "use_gate=True"),
-    "sliding_window": ({"sliding_window": 3}, {"sliding_window": 3}, "sliding_window=3"),
     "kernel_regularizer": ({"kernel_regularizer": "l2"}, {"kernel_regularizer": "l2"}, "kernel_regularizer=L2"),
     "bias_regularizer": ({"bias_regularizer": "l1"}, {"bias_regularizer": "l1"}, "bias_regularizer=L1"),
     "activity_regularizer": (
@@ -256,22 +255,19 @@ def test_from_keras_lists_every_option_it_cannot_hold_in_one_message(kind):
         assert f" {option} (" in reasons and (received.startswith(f"{option}=") or f", {option}=" in received)
 
 
-def test_from_keras_refuses_the_sliding_window_and_says_how_to_hold_it():
-    """Keras' sliding_window keeps |t - s| < W on both sides of the query, with or without
-    use_causal_mask; with use_causal_mask and T == S it is SPEC's window W with causal=True. The
-    message says so; this pins the claim against Keras (with a band mask for the window)."""
+def test_from_keras_holds_the_sliding_window_as_a_window_pair():
+    """Keras' sliding_window W keeps |t - s| < W on both sides of the query, with or without
+    use_causal_mask: `from_keras` gives the layer `window=(W, W)`, which keeps the same keys where
+    T == S (and with `causal=True` those before the query). Pinned against Keras' own numbers."""
     builtin = _keras_builtin("mha", {"sliding_window": 3})
-    with pytest.raises(ValueError, match=r"construct it with `window=3` and call it with `causal=True`"):
-        MultiHeadAttention.from_keras(builtin)
-    plain = keras.layers.MultiHeadAttention(4, 4)
-    plain(X, X)
-    plain.set_weights(builtin.get_weights())
-    layer = MultiHeadAttention.from_keras(plain)
+    layer = MultiHeadAttention.from_keras(builtin)
+    assert layer.window == (3, 3)
+    for causal in (False, True):
+        expected, expected_w = builtin(X, X, use_causal_mask=causal, return_attention_scores=True)
+        output, weights = layer(X, causal=causal, return_attention=True)
+        np.testing.assert_allclose(output, expected, atol=OUTPUT_TOL, rtol=0)
+        np.testing.assert_allclose(weights, expected_w, atol=WEIGHTS_TOL, rtol=0)
     t, s = np.arange(T)[:, None], np.arange(T)[None, :]
-    expected, expected_w = builtin(X, X, use_causal_mask=True, return_attention_scores=True)
-    output, weights = layer(X, attention_mask=s > t - 3, causal=True, return_attention=True)
-    np.testing.assert_allclose(output, expected, atol=OUTPUT_TOL, rtol=0)
-    np.testing.assert_allclose(weights, expected_w, atol=WEIGHTS_TOL, rtol=0)
     _, both_sides = builtin(X, X, return_attention_scores=True)  # without the causal mask: a symmetric band
     np.testing.assert_array_equal(both_sides.numpy()[0, 0] > 0, np.abs(t - s) < 3)
 
