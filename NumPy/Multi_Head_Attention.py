@@ -23,17 +23,19 @@ The steps of a call (docs/SPEC.md, "Order of the steps"), one method each in `__
     1. defaults and checks; masks combined into one boolean `keep` and one additive `bias`
     2. projections          3. QK-norm of q and k        4. RoPE of q and k at `positions`
     5. cache write          6. scores * scale, soft-capping, + bias, keys removed by keep,
-                               causal and window, softmax with the sinks, weighted sum of v
+                               causal, window and chunk, softmax with the sinks, weighted sum of v
     7. heads merged and the output projection
 
 Variants, each off by default: `bias` per projection, `scale` (default 1 / sqrt(H)), `softcap`
-(scores become c * tanh(scores / c)), `window` (query t keeps key s only if s > t + (S - T) - W),
-RoPE (`rope_theta`, `rope_fraction`, `rope_interleaved`, `rope_scaling`; `positions` in the
-call), `qk_norm` (RMSNorm of q and k per head or over all heads), `sinks` (a learned logit
-per head in the softmax's denominator) and `clip_qkv` (q, k and v clamped to [-c, c] right after
-their projections: OLMo, DBRX, MPT). Call arguments `attention_bias` (added to the scores,
-with a gradient; see `alibi_bias`), `key_mask` (B, S) and `query_mask` (B, T). The reference
-has no dropout: `dropout` must be 0.
+(scores become c * tanh(scores / c)), `window` (query t keeps key s only if s > t + (S - T) - W;
+a pair (W_before, W_after) also limits the keys after it), `attention_chunk_size` (query and key
+in the same chunk of C positions), RoPE (`rope_theta`, `rope_fraction`, `rope_interleaved`,
+`rope_scaling`, `rope_sections` for multimodal RoPE; `positions` in the call), `qk_norm` (RMSNorm
+or LayerNorm, `qk_norm_type`, of q and k per head, with a scale per head, or over all heads; a
+bias with `qk_norm_bias`), `sinks` (a learned logit per head in the softmax's denominator) and
+`clip_qkv` (q, k and v clamped to [-c, c] right after their projections: OLMo, DBRX, MPT). Call
+arguments `attention_bias` (added to the scores, with a gradient; see `alibi_bias`), `key_mask`
+(B, S) and `query_mask` (B, T). The reference has no dropout: `dropout` must be 0.
 
 Masks: a boolean `attention_mask` is True where a query may attend a key; a floating one is
 added to the scores, read in its own dtype: a value at or below the lowest finite value of its
@@ -45,16 +47,17 @@ weights of exactly 0, so its output is `output_bias`. Example, a key padding mas
     layer(x, key_mask=keep)                           # or attention_mask=keep[:, None, :]
 
 Weights (`export_weights`, docs/SPEC.md "Weights"): `<kind>_kernel` (D, heads*H) and
-`<kind>_bias` for kind in query, key, value, output; `query_norm`, `key_norm` with `qk_norm`;
-`sinks` (N,) with sinks; float64, and int8 kernels with float32 `<kind>_kernel_scale` once
-`quantize("int8")` (Keras' scheme; such a layer has no `backward`).
+`<kind>_bias` for kind in query, key, value, output; `query_norm`, `key_norm` with `qk_norm`
+(and `query_norm_bias`, `key_norm_bias` with `qk_norm_bias`); `sinks` (N,) with sinks; float64,
+and int8 kernels with float32 `<kind>_kernel_scale` once `quantize("int8")` (Keras' scheme; such
+a layer has no `backward`).
 
 Decoding with a KV cache: `cache = layer.init_cache(B, L)`, then `output, cache = layer(x,
 cache=cache)` for a prompt (T > 1) and then one token at a time (T = 1). The keys (rotated by
 RoPE) and values of the T new tokens are written to slots [index, index + T), and query t
-attends slot s iff s < index + T, keep[b, s], (not causal or s <= index + t), (no window or
-s > index + t - window) and `attention_mask` (given over L) keeps it. Token-by-token equals the
-full causal pass.
+attends slot s iff s < index + T, keep[b, s], (not causal or s <= index + t), the window and
+the chunk keep it at position index + t (see `_cache_keep`; a window makes the cache roll) and
+`attention_mask` (given over L) keeps it. Token-by-token equals the full causal pass.
 """
 
 import math
@@ -128,13 +131,17 @@ class _Variants(NamedTuple):
 
     scale: float
     softcap: float | None
-    window: int | None
+    window: int | tuple[int, int] | None
+    attention_chunk_size: int | None
     rope_theta: float | None
     rope_fraction: float
     rope_interleaved: bool
     rope_scaling: dict | None
+    rope_sections: tuple[int, ...] | None
     qk_norm: str | None
     qk_norm_eps: float
+    qk_norm_type: str
+    qk_norm_bias: bool
     sinks: bool
     clip_qkv: float | None
 
@@ -144,12 +151,16 @@ def _check_variants(
     scale,
     softcap,
     window,
+    attention_chunk_size,
     rope_theta,
     rope_fraction,
     rope_interleaved,
     rope_scaling,
+    rope_sections,
     qk_norm,
     qk_norm_eps,
+    qk_norm_type,
+    qk_norm_bias,
     sinks,
     clip_qkv,
 ):
@@ -157,36 +168,67 @@ def _check_variants(
     invalid) and returns them as a `_Variants`: `scale` defaults to 1 / sqrt(H)."""
     scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float("scale", scale)
     softcap = _positive_float("softcap", softcap, optional=True)
-    window = None if window is None else _positive_int("window", window)
+    window = _check_window(window)
+    attention_chunk_size = (
+        None if attention_chunk_size is None else _positive_int("attention_chunk_size", attention_chunk_size)
+    )
     rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
-    _rotary_dim(rope_fraction, head_dim, rope_theta is not None)
+    rotary_dim = _rotary_dim(rope_fraction, head_dim, rope_theta is not None)
     rope_scaling = _check_rope_scaling(rope_scaling)
-    if qk_norm not in (None, "head", "all"):
-        raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
+    rope_sections = _check_rope_sections(rope_sections, rotary_dim)
+    if qk_norm not in (None, "head", "per_head", "all"):
+        raise ValueError(f"`qk_norm` must be None, 'head', 'per_head' or 'all'. Received: qk_norm={qk_norm!r}")
     qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
     qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
+    if not isinstance(qk_norm_type, str) or qk_norm_type not in ("rms", "layer"):
+        raise ValueError(f"`qk_norm_type` must be 'rms' or 'layer'. Received: qk_norm_type={qk_norm_type!r}")
     clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
     rope_interleaved = _flag("rope_interleaved", rope_interleaved)
+    qk_norm_bias = _flag("qk_norm_bias", qk_norm_bias)
     sinks = _flag("sinks", sinks)
     return _Variants(
         scale,
         softcap,
         window,
+        attention_chunk_size,
         rope_theta,
         float(rope_fraction),
         rope_interleaved,
         rope_scaling,
+        rope_sections,
         qk_norm,
         qk_norm_eps,
+        str(qk_norm_type),  # np.str_ held as str
+        qk_norm_bias,
         sinks,
         clip_qkv,
     )
 
 
 def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    if not _is_positive_int(value):
         raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
     return int(value)
+
+
+def _is_positive_int(value):
+    """A Python or NumPy integer (not a bool) >= 1."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 1
+
+
+def _check_window(window):
+    """`window`: None, a positive integer W (held as an int) or a pair (W_before, W_after) of
+    positive integers (a list or tuple, held as a tuple of two ints)."""
+    if window is None:
+        return None
+    if _is_positive_int(window):
+        return int(window)
+    if isinstance(window, (list, tuple)) and len(window) == 2 and all(_is_positive_int(side) for side in window):
+        return int(window[0]), int(window[1])
+    raise ValueError(
+        "`window` must be None, a positive integer or a pair (before, after) of positive integers. "
+        f"Received: window={window!r}"
+    )
 
 
 def _positive_float(name, value, *, optional=False):
@@ -270,6 +312,24 @@ def _check_rope_scaling(scaling):
     return {name: value.item() if isinstance(value, np.generic) else value for name, value in scaling.items()}
 
 
+def _check_rope_sections(sections, rotary_dim):
+    """`rope_sections`: None or a list or tuple of positive integers (held as a tuple of ints);
+    with RoPE (`rotary_dim` R not None) they must sum to R/2, the rotated pairs."""
+    if sections is None:
+        return None
+    if not isinstance(sections, (list, tuple)) or not sections or not all(_is_positive_int(n) for n in sections):
+        raise ValueError(
+            "`rope_sections` must be None or a list or tuple of positive integers. "
+            f"Received: rope_sections={sections!r}"
+        )
+    if rotary_dim is not None and sum(sections) != rotary_dim // 2:
+        raise ValueError(
+            f"`rope_sections` must sum to R/2 = {rotary_dim // 2}, the pairs RoPE rotates (R = int(head_dim * "
+            f"rope_fraction) = {rotary_dim}). Received: rope_sections={sections!r}"
+        )
+    return tuple(int(n) for n in sections)
+
+
 def _valid_yarn(scaling):
     """YaRN's optional parameters: each None (absent) or positive, `truncate` True or False, and
     beta_fast (default 32) at least beta_slow (default 1)."""
@@ -294,9 +354,10 @@ class _Call(NamedTuple):
     attention_bias: np.ndarray | None  # made rank 4 by `_mask_to_4d`
     key_mask: np.ndarray | None  # (B, S), after the self-attention default
     query_mask: np.ndarray | None  # (B, T)
-    positions: np.ndarray | None  # (B, T) integers, None without RoPE
+    positions: np.ndarray | None  # (B, T) integers ((k, B, T) with rope_sections), None without RoPE
     causal: bool  # the cache step replaces it by False once folded into keep
-    window: int | None  # self.window; the cache step replaces it by None once folded into keep
+    window: int | tuple[int, int] | None  # self.window; the cache step replaces it by None once folded into keep
+    attention_chunk_size: int | None  # self.attention_chunk_size; likewise replaced by None in the cache step
     return_attention: bool
     cache: "KVCache | None"  # the cache step replaces it by the written cache
     training: None  # TF/Keras only
@@ -371,19 +432,28 @@ def _attention_mask(attention_mask, mask):
     return mask
 
 
-def _check_positions(positions, batch_size, t, rope):
-    """(B, T) integer RoPE positions from `positions` (B, T) or (T,)."""
+def _check_positions(positions, batch_size, t, rope, sections):
+    """Integer RoPE positions: (B, T) from `positions` (B, T) or (T,); with `rope_sections` of k
+    sections (k, B, T) from those or from (k, B, T), one row per section."""
     if not rope:
         raise ValueError(
             "`positions` needs RoPE: construct the layer with `rope_theta`. Received: positions with rope_theta=None"
         )
     positions = np.asarray(positions)
-    if not np.issubdtype(positions.dtype, np.integer) or positions.shape not in ((batch_size, t), (t,)):
-        raise ValueError(
-            f"`positions` must be an integer tensor of shape (B, T) or (T,) with B={batch_size}, T={t}. "
-            f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={positions.dtype.name}"
-        )
-    return np.broadcast_to(positions, (batch_size, t))
+    target = (batch_size, t) if sections is None else (len(sections), batch_size, t)
+    if not np.issubdtype(positions.dtype, np.integer) or positions.shape not in ((batch_size, t), (t,), target):
+        raise ValueError(_positions_error(positions, batch_size, t, sections))
+    return np.broadcast_to(positions, target)  # (B, T) or (k, B, T)
+
+
+def _positions_error(positions, batch_size, t, sections):
+    received = f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={positions.dtype.name}"
+    if sections is None:
+        return f"`positions` must be an integer tensor of shape (B, T) or (T,) with B={batch_size}, T={t}. {received}"
+    return (
+        f"`positions` must be an integer tensor of shape (B, T), (T,) or ({len(sections)}, B, T) with B={batch_size}, "
+        f"T={t} (one row per section of `rope_sections`). {received}"
+    )
 
 
 def _check_own_tokens(query, key):
@@ -475,9 +545,27 @@ def causal_mask(t, s):
     return np.arange(s)[None, :] <= np.arange(t)[:, None] + (s - t)  # (T, S)
 
 
+def _window_sides(window):
+    """`window` -> (W_before, W_after): an integer W is (W, None), no limit after the query."""
+    if isinstance(window, (list, tuple)):
+        return window[0], window[1]
+    return window, None
+
+
 def window_mask(t, s, window):
-    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - window (bottom-right aligned)."""
-    return np.arange(s)[None, :] > np.arange(t)[:, None] + (s - t) - window  # (T, S)
+    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - W_before, and with a pair
+    (W_before, W_after) also s < t + (S - T) + W_after (bottom-right aligned)."""
+    before, after = _window_sides(window)
+    keys, queries = np.arange(s)[None, :], np.arange(t)[:, None] + (s - t)  # (1, S), (T, 1) positions
+    kept = keys > queries - before  # (T, S)
+    return kept if after is None else kept & (keys < queries + after)  # (T, S)
+
+
+def attention_chunk_mask(t, s, size):
+    """(T, S) boolean mask: query t keeps key s iff s // size == (t + (S - T)) // size, the same
+    chunk of `size` positions (bottom-right aligned)."""
+    keys, queries = np.arange(s)[None, :], np.arange(t)[:, None] + (s - t)  # (1, S), (T, 1) positions
+    return keys // size == queries // size  # (T, S)
 
 
 def _removal_threshold(dtype):
@@ -531,6 +619,12 @@ def alibi_bias(num_heads, positions):
 def rms_norm(x, scale, eps):
     """RMSNorm over the last axis: x / sqrt(mean(x ** 2) + eps) * scale."""
     return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps) * scale
+
+
+def layer_norm(x, scale, eps):
+    """LayerNorm over the last axis (biased variance): (x - mean(x)) / sqrt(mean((x - mean(x)) ** 2) + eps) * scale."""
+    centred = x - np.mean(x, axis=-1, keepdims=True)
+    return centred / np.sqrt(np.mean(centred**2, axis=-1, keepdims=True) + eps) * scale
 
 
 # -------------------------------------------------------------------------------------------------
@@ -615,10 +709,23 @@ def scale_rotated(x, rotary_dim, factor):
     return np.concatenate([x[..., :rotary_dim] * factor, x[..., rotary_dim:]], axis=-1)  # (B, heads, T, H)
 
 
-def apply_rope(x, positions, inv_freq, interleaved):
+def rope_angles(positions, inv_freq, sections=None):
+    """(B, T, R/2) angles: (B, T) positions times the (R/2,) inv_freq; with `sections` (multimodal
+    RoPE) the pairs are split, in order, into sections of those sizes, and pair i of section j
+    turns by positions[j] * inv_freq[i], from (k, B, T) positions."""
+    if sections is None:
+        return positions[..., None] * inv_freq  # (B, T, 1) * (R/2,) -> (B, T, R/2)
+    bounds = np.cumsum(sections)[:-1]  # where each section after the first starts
+    parts = np.split(inv_freq, bounds)  # k pieces of inv_freq, one per section
+    angles = [rows[..., None] * part for rows, part in zip(positions, parts, strict=True)]  # k x (B, T, section)
+    return np.concatenate(angles, axis=-1)  # (B, T, R/2)
+
+
+def apply_rope(x, positions, inv_freq, interleaved, sections=None):
     """Rotates the first R = 2 * len(inv_freq) features of each head of x (B, heads, T, H) by the
-    angles positions * inv_freq; `interleaved` pairs features (2i, 2i + 1), else (i, i + R/2)."""
-    angles = positions[:, None, :, None] * inv_freq  # (B, 1, T, R/2)
+    angles positions * inv_freq (per section with `sections`, see `rope_angles`); `interleaved`
+    pairs features (2i, 2i + 1), else (i, i + R/2)."""
+    angles = rope_angles(positions, inv_freq, sections)[:, None]  # (B, T, R/2) -> (B, 1, T, R/2)
     cos, sin = np.cos(angles), np.sin(angles)
     r = 2 * inv_freq.shape[0]
     rotated, rest = x[..., :r], x[..., r:]  # (B, heads, T, R), (B, heads, T, H - R)
@@ -683,13 +790,14 @@ def _check_keep(keep, batch_size, max_length):
 
 def _check_room(index, t, length, window):
     """Without a window the T new tokens must fit (index + T <= L); with one the cache rolls, and a
-    call that wraps must leave its first query's keys in place (L >= window + T - 1)."""
+    call that wraps must leave its first query's keys in place (L >= W_before + T - 1)."""
     if index + t <= length:
         return
     if window is None:
         raise _cache_full_error(index, t, length)
-    if length < window + t - 1:
-        raise _cache_too_short_error(window, t, length)
+    before, _ = _window_sides(window)
+    if length < before + t - 1:
+        raise _cache_too_short_error(before, t, length)
 
 
 def _cache_full_error(index, t, length):
@@ -714,15 +822,20 @@ def _slot_positions(length, last):
     return slots + length * ((last - slots) // length)  # (L,)
 
 
-def _cache_keep(keep, index, t, causal, window):
+def _cache_keep(keep, index, t, causal, window, attention_chunk_size):
     """(B, L) cache keep -> (B, 1, T, L): slot s holds a written position p(s), is not padding,
-    when causal p(s) is at most the query's own position index + t, and with a window W
-    p(s) > index + t - W."""
+    when causal p(s) is at most the query's own position index + t, with a window
+    p(s) > index + t - W_before (and with a pair p(s) < index + t + W_after), and with chunks
+    p(s) // C == (index + t) // C."""
     held = _slot_positions(keep.shape[-1], index + t - 1)[None, :]  # (1, L), p(s)
     positions = index + np.arange(t)[:, None]  # (T, 1), the position of each query
     allowed = (held >= 0) & (held <= positions if causal else held < index + t)  # (T, L)
     if window is not None:
-        allowed = allowed & (held > positions - window)  # (T, L)
+        before, after = _window_sides(window)
+        allowed = allowed & (held > positions - before)  # (T, L)
+        allowed = allowed if after is None else allowed & (held < positions + after)  # (T, L)
+    if attention_chunk_size is not None:
+        allowed = allowed & (held // attention_chunk_size == positions // attention_chunk_size)  # (T, L)
     return allowed[None, None] & keep[:, None, None, :]  # (B, 1, T, L)
 
 
@@ -748,8 +861,9 @@ def _write_cache(cache, k, v, key_mask):
 
 
 def dot_product_attention(
-    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, sinks=None
-):
+    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, attention_chunk_size=None,
+    sinks=None,
+):  # fmt: skip
     """Pure attention on split heads; returns (context, weights).
 
     Args:
@@ -761,13 +875,15 @@ def dot_product_attention(
         causal: if True, query t keeps key s only if s <= t + (S - T).
         scale: the factor of the scores; defaults to 1 / sqrt(H).
         softcap: None, or c: the scaled scores become c * tanh(scores / c).
-        window: None, or W: query t keeps key s only if s > t + (S - T) - W.
+        window: None, W or (W_before, W_after): query t keeps key s only if s > t + (S - T) - W_before,
+            and with a pair also s < t + (S - T) + W_after.
+        attention_chunk_size: None, or C: query t keeps key s only if s // C == (t + (S - T)) // C.
         sinks: None, or (N,) logits that join the softmax's denominator.
 
     Returns:
         context (B, N, T, H) and weights (B, N, T, S), with exact zeros where not kept.
     """
-    keep = _full_keep(keep, q.shape[2], k.shape[2], causal, window)  # (B, N, T, S), dims may be 1
+    keep = _full_keep(keep, q.shape[2], k.shape[2], causal, window, attention_chunk_size)  # (B, N, T, S), dims may be 1
     groups = q.shape[1] // k.shape[1]
     k = np.repeat(k, groups, axis=1)  # (B, K, S, H) -> (B, N, S, H)
     v = np.repeat(v, groups, axis=1)  # (B, K, S, H) -> (B, N, S, H)
@@ -779,11 +895,13 @@ def dot_product_attention(
     return weights @ v, weights  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
 
 
-def _full_keep(keep, t, s, causal, window):
-    """`keep` (None: all kept) with `causal` and `window` folded in; broadcasts to (B, N, T, S)."""
+def _full_keep(keep, t, s, causal, window, attention_chunk_size):
+    """`keep` (None: all kept) with `causal`, `window` and `attention_chunk_size` folded in;
+    broadcasts to (B, N, T, S)."""
     keep = np.ones((1, 1, t, s), dtype=bool) if keep is None else keep  # (B, N, T, S), dims may be 1
     keep = keep & causal_mask(t, s) if causal else keep
-    return keep & window_mask(t, s, window) if window is not None else keep
+    keep = keep & window_mask(t, s, window) if window is not None else keep
+    return keep & attention_chunk_mask(t, s, attention_chunk_size) if attention_chunk_size is not None else keep
 
 
 def _softcap(scores, softcap):
@@ -854,19 +972,33 @@ def _attention_backward(d_context, q, k, v, keep, weights, scale, softcap, sinks
     return d_q, d_k, d_v, d_biased, d_sinks
 
 
-def _rope_backward(d, positions, inv_freq, interleaved, factor):
-    """Step 4 backward: RoPE is a rotation (times YaRN's factor): its backward scales, turns back."""
+def _rope_backward(d, positions, inv_freq, interleaved, factor, sections):
+    """Step 4 backward: RoPE is a rotation (times YaRN's factor): its backward scales, turns back
+    (each section by its own rows of positions)."""
     d = scale_rotated(d, 2 * inv_freq.shape[0], factor)
-    return apply_rope(d, -positions, inv_freq, interleaved)
+    return apply_rope(d, -positions, inv_freq, interleaved, sections)
 
 
 def _rms_norm_backward(x, scale, eps, grad):
-    """Gradients of rms_norm(x, scale, eps) for the upstream `grad`: (d_x, d_scale)."""
+    """Gradients of rms_norm(x, scale, eps) for the upstream `grad`: (d_x, d_scale), d_scale
+    summed to the shape of `scale`, which broadcasts against x's trailing axes."""
     rms = np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps)
     normed = x / rms
-    d_scale = (grad * normed).reshape(-1, x.shape[-1]).sum(axis=0)
+    d_scale = (grad * normed).reshape(-1, *scale.shape).sum(axis=0)
     g = grad * scale
     return (g - normed * np.mean(g * normed, axis=-1, keepdims=True)) / rms, d_scale
+
+
+def _layer_norm_backward(x, scale, eps, grad):
+    """Gradients of layer_norm(x, scale, eps) for the upstream `grad`: (d_x, d_scale), d_scale
+    summed to the shape of `scale`, which broadcasts against x's trailing axes."""
+    centred = x - np.mean(x, axis=-1, keepdims=True)
+    std = np.sqrt(np.mean(centred**2, axis=-1, keepdims=True) + eps)
+    normed = centred / std
+    d_scale = (grad * normed).reshape(-1, *scale.shape).sum(axis=0)
+    g = grad * scale
+    mean_g = np.mean(g, axis=-1, keepdims=True)
+    return (g - mean_g - normed * np.mean(g * normed, axis=-1, keepdims=True)) / std, d_scale
 
 
 def _sum_to_shape(grad, shape):
@@ -994,16 +1126,25 @@ class MultiHeadAttention:
             ("query", "key", "value")). Kept as that tuple of names, in that order.
         scale: the factor of the scores q . k; defaults to 1 / sqrt(H).
         softcap: None, or c: scores become c * tanh(scores / c) (Gemma 2).
-        window: None, or W: each query attends only keys s > t + (S - T) - W (with `causal`,
-            the W most recent keys, itself included).
+        window: None, W, or a pair (W_before, W_after): query t keeps key s only if
+            s > t + (S - T) - W_before, and with a pair also s < t + (S - T) + W_after
+            (Mistral's sliding window: W; ModernBERT's two-sided band: (65, 65)).
+        attention_chunk_size: None, or C: query t keeps key s only if both are in the same
+            chunk of C positions, s // C == (t + (S - T)) // C (Llama 4's chunked attention).
         rope_theta: None (no RoPE), or the base of rotary position embeddings (e.g. 10000.0).
         rope_fraction: the share of each head's features that RoPE rotates (partial rotary).
         rope_interleaved: pair features (2i, 2i + 1) (GPT-J) instead of (i, i + R/2) (Llama).
         rope_scaling: None, or a dict {"rope_type": "linear", "llama3" or "yarn", ...} as in
             transformers; YaRN also multiplies the rotated features of q and k by its attention factor.
-        qk_norm: None, "head" (RMSNorm of each head of q and k, Qwen3) or "all" (of all heads,
-            OLMo2); its scales are the weights `query_norm` and `key_norm`.
-        qk_norm_eps: the epsilon of that RMSNorm.
+        rope_sections: None, or the numbers of rotated pairs (summing to R/2) that turn by each
+            row of (k, B, T) `positions` in turn (Qwen2-VL's multimodal RoPE, `mrope_section`).
+        qk_norm: None, "head" (each head of q and k normalized, one scale shared by the heads:
+            Qwen3), "per_head" (each head with its own scale: StableLM, Cohere) or "all" (over all
+            heads: OLMo2); its scales are the weights `query_norm` and `key_norm`.
+        qk_norm_eps: the epsilon of that norm.
+        qk_norm_type: "rms" (RMSNorm) or "layer" (LayerNorm: the mean is removed first).
+        qk_norm_bias: if True, the norm adds a learned bias after its scale (`query_norm_bias`,
+            `key_norm_bias`: Phi's LayerNorm).
         sinks: if True, one learned logit per head (weight `sinks`) joins the softmax's
             denominator (gpt-oss).
         clip_qkv: None, or c: q, k and v are clamped to [-c, c] right after their projections
@@ -1021,7 +1162,8 @@ class MultiHeadAttention:
         query_mask: (B, T) boolean, True for a real query; other rows output `output_bias`.
         attention_bias: floating, shaped like `attention_mask`, added to the scores (T5's
             relative position bias, ALiBi); it has a gradient.
-        positions: integer (B, T) or (T,) RoPE positions; default arange(T) (+ the cache index).
+        positions: integer (B, T) or (T,) RoPE positions, or (k, B, T) with `rope_sections`; default
+            arange(T) (+ the cache index).
         causal: if True, query t attends key s only if s <= t + (S - T).
         return_attention: if True, also return the per-head attention weights.
         cache: a `KVCache` from `init_cache`: decode T new tokens (`key` and `value`, if
@@ -1065,12 +1207,16 @@ class MultiHeadAttention:
         scale=None,
         softcap=None,
         window=None,
+        attention_chunk_size=None,
         rope_theta=None,
         rope_fraction=1.0,
         rope_interleaved=False,
         rope_scaling=None,
+        rope_sections=None,
         qk_norm=None,
         qk_norm_eps=1e-6,
+        qk_norm_type="rms",
+        qk_norm_bias=False,
         sinks=False,
         clip_qkv=None,
         seed=None,
@@ -1092,8 +1238,8 @@ class MultiHeadAttention:
         self.dropout = 0.0
         self.bias = _projection_biases(bias)
         variants = _check_variants(
-            self.head_dim, scale, softcap, window, rope_theta, rope_fraction, rope_interleaved, rope_scaling, qk_norm,
-            qk_norm_eps, sinks, clip_qkv,
+            self.head_dim, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved,
+            rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv,
         )  # fmt: skip
         for name, value in variants._asdict().items():
             setattr(self, name, value)  # self.scale, self.softcap, ..., self.sinks, self.clip_qkv
@@ -1110,7 +1256,7 @@ class MultiHeadAttention:
 
     def weight_shapes(self):
         """The portable layout: {name: shape}; biases of the projections in `bias`, the norm
-        scales with `qk_norm`, `sinks` with sinks."""
+        scales with `qk_norm` (and their biases with `qk_norm_bias`), `sinks` with sinks."""
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         shapes = {
             "query_kernel": (self.d_model, nh),
@@ -1123,6 +1269,8 @@ class MultiHeadAttention:
             "output_bias": (self.d_model,),
             "query_norm": (self.head_dim,) if self.qk_norm == "head" else (nh,),
             "key_norm": (self.head_dim,) if self.qk_norm == "head" else (kh,),
+            "query_norm_bias": (self.head_dim,) if self.qk_norm == "head" else (nh,),
+            "key_norm_bias": (self.head_dim,) if self.qk_norm == "head" else (kh,),
             "sinks": (self.num_heads,),
         }
         present = {
@@ -1130,6 +1278,8 @@ class MultiHeadAttention:
             **{f"{kind}_bias": kind in self.bias for kind in _PROJECTIONS},
             "query_norm": self.qk_norm is not None,
             "key_norm": self.qk_norm is not None,
+            "query_norm_bias": self.qk_norm is not None and self.qk_norm_bias,
+            "key_norm_bias": self.qk_norm is not None and self.qk_norm_bias,
             "sinks": self.sinks,
         }
         shapes = {name: shape for name, shape in shapes.items() if present[name]}
@@ -1228,19 +1378,21 @@ class MultiHeadAttention:
             self._warn_traps(attention_mask, explicit_key_mask, t, s)
         return _Call(
             query, key, value, attention_mask, attention_bias, key_mask, query_mask, positions, causal, self.window,
-            return_attention, cache, None, False,
+            self.attention_chunk_size, return_attention, cache, None, False,
         )  # fmt: skip
 
     def _positions(self, positions, query, key, cache):
-        """(B, T) RoPE positions: `positions`, or index + arange(T); None without RoPE. Without a
-        cache RoPE needs the keys to be the query's own tokens."""
-        (b, t), rope = query.shape[:2], self._inv_freq is not None
+        """(B, T) RoPE positions ((k, B, T) with `rope_sections`): `positions`, or index + arange(T)
+        for every section; None without RoPE. Without a cache RoPE needs the keys to be the
+        query's own tokens."""
+        (b, t), rope, sections = query.shape[:2], self._inv_freq is not None, self.rope_sections
         if cache is None and rope:
             _check_own_tokens(query, key)
         if positions is not None:
-            return _check_positions(positions, b, t, rope)
+            return _check_positions(positions, b, t, rope, sections)
         index = 0 if cache is None else int(cache.index)
-        return None if not rope else np.broadcast_to(index + np.arange(t), (b, t))
+        target = (b, t) if sections is None else (len(sections), b, t)
+        return None if not rope else np.broadcast_to(index + np.arange(t), target)  # (B, T) or (k, B, T)
 
     def _warn_traps(self, attention_mask, key_mask, t, s):
         """Warns once per layer for each built-in habit the masks' values suggest; a call with a
@@ -1294,47 +1446,64 @@ class MultiHeadAttention:
         return x.transpose(0, 2, 1, 3).reshape(b, length, heads * h)
 
     def _by_norm(self, y):
-        """(B, L, heads*H) -> the shape QK-norm normalizes over its last axis."""
+        """(B, L, heads*H) -> the shape QK-norm normalizes over its last axis: (B, L, heads, H)
+        per head ("head", "per_head"), else (B, L, heads*H)."""
         heads = y.shape[-1] // self.head_dim  # not -1: L may be 0
-        return y.reshape(*y.shape[:2], heads, self.head_dim) if self.qk_norm == "head" else y  # (B, L, heads, H)
+        per_head = self.qk_norm in ("head", "per_head")
+        return y.reshape(*y.shape[:2], heads, self.head_dim) if per_head else y  # (B, L, heads, H)
+
+    def _norm_weight(self, name, by_norm):
+        """A QK-norm weight (`<kind>_norm` or `<kind>_norm_bias`) shaped to broadcast against
+        `by_norm`: (H,) shared by the heads, (heads, H) one row per head, or (heads*H,)."""
+        weight = self.params[name]
+        return weight if self.qk_norm == "head" else weight.reshape(by_norm.shape[2:])  # (heads, H) or (heads*H,)
 
     def _normalize_qk(self, q, k):
-        """Step 3: QK-norm of the (B, N, T, H) queries and (B, K, S, H) keys, per head or over all heads."""
+        """Step 3: QK-norm of the (B, N, T, H) queries and (B, K, S, H) keys."""
         if self.qk_norm is None:
             return q, k
-        eps = self.qk_norm_eps
-        if self.qk_norm == "head":
-            return rms_norm(q, self.params["query_norm"], eps), rms_norm(k, self.params["key_norm"], eps)
-        q = rms_norm(self._merge_heads(q), self.params["query_norm"], eps)  # over (B, T, N*H)
-        k = rms_norm(self._merge_heads(k), self.params["key_norm"], eps)  # over (B, S, K*H)
-        return self._split_heads(q), self._split_heads(k)
+        return self._qk_norm(q, "query"), self._qk_norm(k, "key")
+
+    def _qk_norm(self, x, kind):
+        """QK-norm of one of q and k (B, heads, L, H): RMSNorm or LayerNorm (`qk_norm_type`) of each
+        head or of all heads, times its scale, plus its bias with `qk_norm_bias`."""
+        merged = self._merge_heads(x)  # (B, heads, L, H) -> (B, L, heads*H)
+        by_norm = self._by_norm(merged)  # (B, L, heads, H) or (B, L, heads*H)
+        norm = layer_norm if self.qk_norm_type == "layer" else rms_norm
+        y = norm(by_norm, self._norm_weight(f"{kind}_norm", by_norm), self.qk_norm_eps)
+        y = y + self._norm_weight(f"{kind}_norm_bias", by_norm) if self.qk_norm_bias else y
+        return self._split_heads(y.reshape(merged.shape))  # -> (B, L, heads*H) -> (B, heads, L, H)
 
     def _rotate(self, q, k, positions):
-        """Step 4: RoPE of the (B, N, T, H) queries and (B, K, T, H) keys at (B, T) positions."""
+        """Step 4: RoPE of the (B, N, T, H) queries and (B, K, T, H) keys at (B, T) positions
+        ((k, B, T) with `rope_sections`)."""
         if self._inv_freq is None:
             return q, k
-        inv_freq, interleaved = self._inv_freq, self.rope_interleaved
-        q, k = apply_rope(q, positions, inv_freq, interleaved), apply_rope(k, positions, inv_freq, interleaved)
+        inv_freq, interleaved, sections = self._inv_freq, self.rope_interleaved, self.rope_sections
+        q = apply_rope(q, positions, inv_freq, interleaved, sections)  # (B, N, T, H)
+        k = apply_rope(k, positions, inv_freq, interleaved, sections)  # (B, K, T, H)
         factor, rotary_dim = rope_attention_factor(self.rope_scaling), 2 * inv_freq.shape[0]
         return scale_rotated(q, rotary_dim, factor), scale_rotated(k, rotary_dim, factor)  # YaRN's factor
 
     def _update_cache(self, call, k, v, keep):
         """Step 5: writes the (B, K, T, H) keys and values into a copy of the cache; returns its
         (B, K, L, H) keys and values, keep with the cache's rule folded in (B, N|1, T, L), and the
-        call with that cache, `causal` False and `window` None (both now in keep)."""
+        call with that cache, `causal` False, `window` and `attention_chunk_size` None (all now in keep)."""
         if call.cache is None:
             return k, v, keep, call
         index, t, length = int(call.cache.index), k.shape[2], call.cache.key.shape[2]
         _check_room(index, t, length, call.window)
         cache = _write_cache(call.cache, k, v, call.key_mask)
-        keep = _and(keep, _cache_keep(cache.keep, index, t, call.causal, call.window))  # dims may be 1
-        return cache.key, cache.value, keep, call._replace(causal=False, window=None, cache=cache)
+        cache_keep = _cache_keep(cache.keep, index, t, call.causal, call.window, call.attention_chunk_size)
+        keep = _and(keep, cache_keep)  # (B, N|1, T, L), dims may be 1
+        call = call._replace(causal=False, window=None, attention_chunk_size=None, cache=cache)
+        return cache.key, cache.value, keep, call
 
     def _attend(self, q, k, v, keep, bias, call):
         """Step 6: `dot_product_attention`, the reference, with the layer's variants."""
         return dot_product_attention(
             q, k, v, keep, bias, call.causal, scale=self.scale, softcap=self.softcap, window=call.window,
-            sinks=self.params.get("sinks"),
+            attention_chunk_size=call.attention_chunk_size, sinks=self.params.get("sinks"),
         )  # fmt: skip
 
     def __call__(
@@ -1361,7 +1530,7 @@ class MultiHeadAttention:
         q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H)
         q, k = self._normalize_qk(q, k)  # 3. QK-norm
         q, k = self._rotate(q, k, call.positions)  # 4. RoPE
-        k, v, keep, call = self._update_cache(call, k, v, keep)  # 5. KV cache (replaces causal/window/cache)
+        k, v, keep, call = self._update_cache(call, k, v, keep)  # 5. KV cache (replaces causal/window/chunk/cache)
         context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S)
         merged = self._merge_heads(context)  # 7. (B, N, T, H) -> (B, T, N*H)
         output = self._project(merged, "output")  # 7. (B, T, N*H) -> (B, T, E)
@@ -1376,7 +1545,8 @@ class MultiHeadAttention:
         if call.cache is not None:
             self._saved = None
             return
-        keep = _full_keep(keep, q.shape[2], k.shape[2], call.causal, call.window)  # as in dot_product_attention
+        t, s, chunk = q.shape[2], k.shape[2], call.attention_chunk_size
+        keep = _full_keep(keep, t, s, call.causal, call.window, chunk)  # as in dot_product_attention
         bias_shape = None if attention_bias is None else np.shape(attention_bias)
         self._saved = dict(
             call=call, defaulted=_inputs(None, key, value)[2], bias_shape=bias_shape, q=q, k=k, v=v, keep=keep,
@@ -1404,7 +1574,8 @@ class MultiHeadAttention:
         grads.update({} if d_sinks is None else {"sinks": d_sinks})
         if self._inv_freq is not None:  # 4. RoPE
             factor, positions = rope_attention_factor(self.rope_scaling), c["call"].positions
-            d_q, d_k = (_rope_backward(d, positions, self._inv_freq, self.rope_interleaved, factor) for d in (d_q, d_k))
+            rope = (self._inv_freq, self.rope_interleaved, factor, self.rope_sections)
+            d_q, d_k = (_rope_backward(d, positions, *rope) for d in (d_q, d_k))
         inputs = {}
         for kind, d_heads in (("query", d_q), ("key", d_k), ("value", d_v)):  # 3. QK-norm, 2. clip, projections
             inputs[kind] = self._project_backward(kind, getattr(c["call"], kind), d_heads, grads)
@@ -1428,17 +1599,26 @@ class MultiHeadAttention:
             )
         return g
 
+    def _qk_norm_backward(self, kind, y, d_y, grads):
+        """Step 3 backward for q or k from its (B, L, heads*H) clamped projection y: adds the
+        gradients of `<kind>_norm` (and `<kind>_norm_bias`) to `grads`, returns y's (B, L, heads*H)."""
+        by_norm = self._by_norm(y)  # (B, L, heads, H) or (B, L, heads*H)
+        grad = d_y.reshape(by_norm.shape)  # (B, L, heads, H) or (B, L, heads*H)
+        scale = self._norm_weight(f"{kind}_norm", by_norm)  # (H,), (heads, H) or (heads*H,)
+        backward = _layer_norm_backward if self.qk_norm_type == "layer" else _rms_norm_backward
+        d_by_norm, d_scale = backward(by_norm, scale, self.qk_norm_eps, grad)
+        grads[f"{kind}_norm"] = d_scale.reshape(-1)  # (H,), (heads*H,)
+        if self.qk_norm_bias:
+            grads[f"{kind}_norm_bias"] = grad.reshape(-1, *scale.shape).sum(axis=0).reshape(-1)  # the bias: summed
+        return d_by_norm.reshape(y.shape)  # -> (B, L, heads*H)
+
     def _project_backward(self, kind, x, d_heads, grads):
         """Steps 3 and 2 backward for one of q, k, v: adds the kernel's, bias' and norm's gradients
         to `grads`, returns the input's (B, L, D)."""
         d_y = self._merge_heads(d_heads)  # (B, heads, L, H) -> (B, L, heads*H)
         y = self._project(x, kind)  # (B, L, heads*H), the projection before the clamp, recomputed
         if kind != "value" and self.qk_norm is not None:
-            by_norm = self._by_norm(self._clip(y))  # QK-norm's backward, at the clamped projection
-            d_y, grads[f"{kind}_norm"] = _rms_norm_backward(
-                by_norm, self.params[f"{kind}_norm"], self.qk_norm_eps, d_y.reshape(by_norm.shape)
-            )
-            d_y = d_y.reshape(y.shape)
+            d_y = self._qk_norm_backward(kind, self._clip(y), d_y, grads)  # at the clamped projection
         if self.clip_qkv is not None:  # the clamp's gradient: 1 within [-c, c] (bounds included), 0 outside
             d_y = np.where(np.abs(y) <= self.clip_qkv, d_y, 0.0)
         grads[f"{kind}_kernel"] = np.einsum("bld,blm->dm", x, d_y)

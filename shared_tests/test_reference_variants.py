@@ -1,6 +1,8 @@
-"""The NumPy reference's variants (RoPE, QK-norm, soft-capping, windows, sinks, attention_bias,
-padding masks, per-projection biases, ALiBi) against formulas written out here, independently of
-the layer's code; and the floating mask rule."""
+"""The NumPy reference's variants (RoPE and multimodal RoPE, QK-norm of every kind, type and bias,
+soft-capping, one- and two-sided windows, chunked attention, sinks, attention_bias, padding masks,
+per-projection biases, ALiBi) against formulas written out here, independently of the layer's code;
+the new variants' gradients against finite differences and their decoding against the full pass;
+and the floating mask rule."""
 
 import math
 
@@ -8,7 +10,13 @@ import numpy as np
 import pytest
 
 from NumPy import MultiHeadAttention
-from NumPy.Multi_Head_Attention import alibi_bias, apply_rope, rope_attention_factor, rope_frequencies
+from NumPy.Multi_Head_Attention import (
+    alibi_bias,
+    apply_rope,
+    dot_product_attention,
+    rope_attention_factor,
+    rope_frequencies,
+)
 
 FLOAT64_TOL = 1e-12  # two float64 formulations of the same sums
 FD_STEP = 1e-6
@@ -386,3 +394,348 @@ def test_d11_a_row_of_one_finite_penalty_is_an_ordinary_softmax(penalty, sinks):
         assert (weights[:, :, 2] < 1e-8).all()
     else:
         np.testing.assert_allclose(weights[:, :, 2], plain[:, :, 2], atol=FLOAT64_TOL)
+
+
+# -------------------------------------------------------------------------------------------------
+# Issue 28: two-sided windows, chunked attention, multimodal RoPE, LayerNorm / per-head / biased QK-norm
+# -------------------------------------------------------------------------------------------------
+
+
+def _loop_keep(t, s, rule):
+    """(T, S) boolean mask written as a loop: rule(query position t + (S - T), key position s)."""
+    keep = np.zeros((t, s), bool)
+    for i in range(t):
+        for j in range(s):
+            keep[i, j] = rule(i + s - t, j)
+    return keep
+
+
+def _finite_differences(layer, call, upstream, arrays):
+    """Checks layer.backward against central differences of sum(call() * upstream) for every
+    array in `arrays` (perturbed in place)."""
+    call()
+    grads = layer.backward(upstream)
+    for name, array in arrays.items():
+        numeric = np.zeros_like(array)
+        for index in np.ndindex(array.shape):
+            old = array[index]
+            array[index] = old + FD_STEP
+            plus = float((call() * upstream).sum())
+            array[index] = old - FD_STEP
+            numeric[index] = (plus - float((call() * upstream).sum())) / (2 * FD_STEP)
+            array[index] = old
+        np.testing.assert_allclose(grads[name], numeric, atol=FINITE_DIFFERENCE_TOL, rtol=0, err_msg=name)
+    return grads
+
+
+def _perturbed(layer, seed=3):
+    """The layer with every weight moved off its initial value (norm scales off 1, biases off 0)."""
+    rng = np.random.default_rng(seed)
+    layer.import_weights({name: w + 0.3 * rng.normal(size=w.shape) for name, w in layer.export_weights().items()})
+    return layer
+
+
+def _decode(layer, x, chunks, length, positions=None, **call):
+    """Decodes x (B, P, E) in chunks of the given sizes into a cache of `length` slots; returns
+    the (B, P, E) outputs. `positions`, if given, (..., B, P) is sliced per chunk."""
+    cache, outputs, start = layer.init_cache(x.shape[0], length), [], 0
+    for size in chunks:
+        given = {} if positions is None else {"positions": positions[..., start : start + size]}
+        output, cache = layer(x[:, start : start + size], cache=cache, **given, **call)
+        outputs.append(output)
+        start += size
+    return np.concatenate(outputs, axis=1)
+
+
+@pytest.mark.parametrize("window", [(3, 2), [1, 1], (2, 4)])
+@pytest.mark.parametrize("s", [T, 7])
+def test_pair_window_equals_a_two_sided_band_written_as_a_loop(window, s):
+    """Not causal, T == S and T < S: query t (at t' = t + S - T) keeps key s iff
+    t' - W_before < s < t' + W_after; the layer holds the pair as a tuple of ints."""
+    layer = MultiHeadAttention(E, N, window=window, seed=0)
+    assert layer.window == tuple(window) and all(type(side) is int for side in layer.window)
+    x, y = _x(), _x(1, (B, s, E))
+    band = _loop_keep(T, s, lambda t, j: t - window[0] < j < t + window[1])
+    got = layer(x, y, return_attention=True)
+    expected = MultiHeadAttention(E, N, seed=0)(x, y, attention_mask=band, return_attention=True)
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_allclose(a, b, atol=FLOAT64_TOL)
+    assert (got[1][:, :, ~band] == 0).all() and (got[1][:, :, band] > 0).all()
+
+
+def test_pair_window_reads_as_keras_and_modernbert_bands():
+    """(W, W) keeps |t - s| < W (Keras' sliding_window); an int W is (W, no limit after); with
+    causal the limit after the query changes nothing."""
+    x = _x()
+    weights = MultiHeadAttention(E, N, window=(2, 2), seed=0)(x, return_attention=True)[1]
+    distance = np.abs(np.arange(T)[:, None] - np.arange(T)[None, :])  # (T, T)
+    assert ((weights > 0) == (distance < 2)).all()
+    one_sided = MultiHeadAttention(E, N, window=2, seed=0)(x, return_attention=True)
+    wide = MultiHeadAttention(E, N, window=(2, 2 * T), seed=0)(x, return_attention=True)
+    for a, b in zip(one_sided, wide, strict=True):
+        np.testing.assert_array_equal(a, b)
+    causal = MultiHeadAttention(E, N, window=(2, 1), seed=0)(x, causal=True, return_attention=True)
+    for a, b in zip(
+        causal, MultiHeadAttention(E, N, window=2, seed=0)(x, causal=True, return_attention=True), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("size", "s"), [(2, T), (3, T), (2, 7), (T, T)])
+def test_attention_chunk_equals_same_chunk_mask_written_as_a_loop(size, s, causal):
+    """Query t (at t' = t + S - T) keeps key s iff s // C == t' // C (and s <= t' when causal)."""
+    layer = MultiHeadAttention(E, N, attention_chunk_size=size, seed=0)
+    x, y = _x(), _x(1, (B, s, E))
+    chunk = _loop_keep(T, s, lambda t, j: j // size == t // size and (not causal or j <= t))
+    got = layer(x, y, causal=causal, return_attention=True)
+    expected = MultiHeadAttention(E, N, seed=0)(x, y, attention_mask=chunk, return_attention=True)
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_allclose(a, b, atol=FLOAT64_TOL)
+
+
+def test_attention_chunk_and_pair_window_in_dot_product_attention():
+    """The pure function takes both, ANDed with keep and with each other."""
+    rng = np.random.default_rng(0)
+    q, k, v = rng.normal(size=(B, N, T, H)), rng.normal(size=(B, 2, 7, H)), rng.normal(size=(B, 2, 7, H))
+    keep = rng.random((B, 1, T, 7)) < 0.8
+    rule = _loop_keep(T, 7, lambda t, j: j // 3 == t // 3 and t - 4 < j < t + 2)
+    got = dot_product_attention(q, k, v, keep, window=(4, 2), attention_chunk_size=3)
+    expected = dot_product_attention(q, k, v, keep & rule)
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def _mrope_positions(seed=0):
+    """(3, B, T) positions for sections (1, 2, 1) of H = 8 (4 pairs), each row its own."""
+    return np.random.default_rng(seed).integers(0, 50, size=(3, B, T))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_sections_turn_each_pair_by_its_sections_row(interleaved):
+    """Pair i of section j, read as a complex number, is multiplied by exp(i * positions[j] * inv_freq[i])."""
+    positions = _mrope_positions()
+    layer = MultiHeadAttention(
+        E, N, head_dim=8, rope_theta=100.0, rope_sections=[1, 2, 1], rope_interleaved=interleaved, seed=0
+    )
+    assert layer.rope_sections == (1, 2, 1)
+    w, x = layer.export_weights(), _x()
+    inv_freq = rope_frequencies(8, 100.0)  # (4,)
+    row = np.array([0, 1, 1, 2])  # the section of each pair
+    angles = positions[row].transpose(1, 2, 0) * inv_freq  # (B, T, 4): pair i by positions[row[i]]
+
+    def turned(y):
+        y = _heads(y, N)  # (B, N, T, 8)
+        first, second = (y[..., 0::2], y[..., 1::2]) if interleaved else (y[..., :4], y[..., 4:])
+        z = (first + 1j * second) * np.exp(1j * angles[:, None])
+        out = np.empty_like(y)
+        if interleaved:
+            out[..., 0::2], out[..., 1::2] = z.real, z.imag
+        else:
+            out[..., :4], out[..., 4:] = z.real, z.imag
+        return out
+
+    q = turned(x @ w["query_kernel"] + w["query_bias"])
+    k = turned(x @ w["key_kernel"] + w["key_bias"])
+    _, weights = layer(x, positions=positions, return_attention=True)
+    np.testing.assert_allclose(weights, _softmax(q @ k.swapaxes(-1, -2) / math.sqrt(8)), atol=FLOAT64_TOL)
+
+
+def test_rope_sections_with_one_row_everywhere_are_plain_rope():
+    """(B, T), (T,) and (k, B, T) positions repeating one row give plain RoPE (YaRN's factor too)."""
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    plain = MultiHeadAttention(E, N, head_dim=8, rope_theta=100.0, rope_scaling=scaling, seed=0)
+    sectioned = MultiHeadAttention(
+        E, N, head_dim=8, rope_theta=100.0, rope_scaling=scaling, rope_sections=(1, 2, 1), seed=0
+    )
+    x, positions = _x(), np.arange(T) + np.array([[3], [11]])  # (B, T)
+    expected = plain(x, positions=positions, causal=True)
+    for given in (positions, np.broadcast_to(positions, (3, B, T)).copy()):
+        np.testing.assert_allclose(sectioned(x, positions=given, causal=True), expected, atol=FLOAT64_TOL)
+    np.testing.assert_allclose(sectioned(x, positions=np.arange(T)), plain(x), atol=FLOAT64_TOL)
+    np.testing.assert_allclose(sectioned(x), plain(x), atol=FLOAT64_TOL)  # default arange(T) in every section
+    other = np.stack([positions, positions, 2 * positions])  # (3, B, T), the last section at other distances
+    assert np.abs(sectioned(x, positions=other, causal=True) - expected).max() > 1e-3
+
+
+def test_rope_sections_positions_shape_error():
+    layer = MultiHeadAttention(E, N, head_dim=8, rope_theta=100.0, rope_sections=(1, 2, 1), seed=0)
+    with pytest.raises(
+        ValueError,
+        match=r"^`positions` must be an integer tensor of shape \(B, T\), \(T,\) or \(3, B, T\) with B=2, T=5 \(one row per section of `rope_sections`\)\. Received: positions\.shape=\(2, 2, 5\), positions\.dtype=int64$",
+    ):
+        layer(_x(), positions=np.zeros((2, B, T), np.int64))
+    assert MultiHeadAttention(E, N, rope_sections=(5, 7)).rope_sections == (5, 7)  # without RoPE only type-checked
+
+
+def _qk_normed(y, kind, norm_type, scale, bias, eps, heads):
+    """QK-norm written out: y (B, L, heads*H) normalized per head or over all, times scale, plus bias."""
+    by = y.reshape(*y.shape[:2], heads, -1) if kind in ("head", "per_head") else y  # (B, L, heads, H)
+    scale = scale.reshape(heads, -1) if kind == "per_head" else scale
+    bias = bias.reshape(heads, -1) if kind == "per_head" and bias is not None else bias
+    centred = by - by.mean(axis=-1, keepdims=True) if norm_type == "layer" else by
+    out = centred / np.sqrt((centred**2).mean(axis=-1, keepdims=True) + eps) * scale
+    out = out if bias is None else out + bias
+    return out.reshape(y.shape)
+
+
+@pytest.mark.parametrize("kind", ["head", "per_head", "all"])
+@pytest.mark.parametrize("norm_type", ["rms", "layer"])
+@pytest.mark.parametrize("norm_bias", [False, True])
+def test_qk_norm_kinds_types_and_biases_against_the_formula(kind, norm_type, norm_bias):
+    layer = MultiHeadAttention(
+        E, N, num_kv_heads=2, qk_norm=kind, qk_norm_type=np.str_(norm_type), qk_norm_bias=norm_bias,
+        qk_norm_eps=1e-5, seed=0,
+    )  # fmt: skip
+    assert type(layer.qk_norm_type) is str
+    width = {"head": (H, H), "per_head": (E, 2 * H), "all": (E, 2 * H)}[kind]
+    names = ["query_norm", "key_norm"] + (["query_norm_bias", "key_norm_bias"] if norm_bias else [])
+    assert [n for n in layer.weight_shapes() if "norm" in n] == names
+    expected = {"query_norm": (width[0],), "key_norm": (width[1],)}
+    expected |= {"query_norm_bias": (width[0],), "key_norm_bias": (width[1],)} if norm_bias else {}
+    assert {n: layer.weight_shapes()[n] for n in names} == expected
+    for name in names:  # initialisation: scales ones, biases zeros
+        np.testing.assert_array_equal(layer.params[name], 0.0 if name.endswith("_bias") else 1.0)
+    layer = _perturbed(layer)
+    w, x = layer.export_weights(), _x()
+    q = _qk_normed(
+        x @ w["query_kernel"] + w["query_bias"], kind, norm_type, w["query_norm"], w.get("query_norm_bias"), 1e-5, N
+    )
+    k = _qk_normed(x @ w["key_kernel"] + w["key_bias"], kind, norm_type, w["key_norm"], w.get("key_norm_bias"), 1e-5, 2)
+    q, k = _heads(q, N), np.repeat(_heads(k, 2), 2, axis=1)  # (B, N, T, H) each
+    _, weights = layer(x, return_attention=True)
+    np.testing.assert_allclose(weights, _softmax(q @ k.swapaxes(-1, -2) / math.sqrt(H)), atol=FLOAT64_TOL)
+
+
+def test_per_head_qk_norm_with_equal_rows_is_head_qk_norm():
+    """per_head scales (N*H,) that repeat one (H,) row equal "head" with that row."""
+    head = _perturbed(MultiHeadAttention(E, N, qk_norm="head", qk_norm_type="layer", qk_norm_bias=True, seed=0))
+    per_head = MultiHeadAttention(E, N, qk_norm="per_head", qk_norm_type="layer", qk_norm_bias=True, seed=0)
+    w = head.export_weights()
+    per_head.import_weights({name: np.tile(a, N) if "_norm" in name else a for name, a in w.items()})
+    x = _x()
+    np.testing.assert_allclose(per_head(x, causal=True), head(x, causal=True), atol=FLOAT64_TOL)
+
+
+def test_norm_biases_sit_before_sinks_in_the_layout():
+    layer = MultiHeadAttention(E, N, qk_norm="per_head", qk_norm_bias=True, sinks=True, bias=False)
+    assert list(layer.weight_shapes())[-5:] == ["query_norm", "key_norm", "query_norm_bias", "key_norm_bias", "sinks"]
+    assert "query_norm_bias" not in MultiHeadAttention(E, N, qk_norm_bias=True).weight_shapes()  # needs qk_norm
+
+
+FD_VARIANTS = {
+    "per_head_rms": ({"qk_norm": "per_head"}, {}),
+    "per_head_layer_bias": ({"qk_norm": "per_head", "qk_norm_type": "layer", "qk_norm_bias": True}, {}),
+    "head_layer_bias_phi": ({"qk_norm": "head", "qk_norm_type": "layer", "qk_norm_bias": True}, {"causal": True}),
+    "all_layer_bias_clip": (
+        {"qk_norm": "all", "qk_norm_type": "layer", "qk_norm_bias": True, "clip_qkv": 0.8},
+        {"causal": True},
+    ),
+    "all_rms_bias": ({"qk_norm": "all", "qk_norm_bias": True}, {}),
+    "mrope": ({"rope_theta": 100.0, "rope_sections": (1, 1)}, {"causal": True, "positions": "sections"}),
+    "mrope_interleaved_partial_yarn_layer_norm": (
+        {
+            "rope_theta": 100.0,
+            "rope_fraction": 0.5,
+            "rope_sections": (1,),
+            "rope_interleaved": True,
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+            "qk_norm": "per_head",
+            "qk_norm_type": "layer",
+            "qk_norm_bias": True,
+        },
+        {"positions": "sections"},
+    ),
+    "pair_window": ({"window": (2, 2)}, {}),
+    "chunk": ({"attention_chunk_size": 2}, {"causal": True}),
+    "chunk_pair_window_sinks": ({"attention_chunk_size": 3, "window": (2, 1), "sinks": True}, {}),
+}
+
+
+@pytest.mark.parametrize("name", FD_VARIANTS)
+def test_new_variant_gradients_match_finite_differences(name):
+    """Every weight's and the input's gradient, with the new weights (norm scales per head, norm
+    biases) moved off their initial values; 2 of 4 query heads per kv head."""
+    config, call = FD_VARIANTS[name]
+    layer = _perturbed(MultiHeadAttention(8, 4, num_kv_heads=2, head_dim=4, seed=0, **config))
+    x, upstream = _x(1, (B, 4, 8)), _x(2, (B, 4, 8))
+    if call.get("positions") == "sections":
+        k = len(config["rope_sections"])
+        call = {**call, "positions": np.random.default_rng(4).integers(0, 30, size=(k, B, 4))}
+    grads = _finite_differences(layer, lambda: layer(x, **call), upstream, {"query": x, **layer.params})
+    assert grads.keys() == {"query", *layer.params}
+
+
+DECODE_VARIANTS = [
+    ({"window": (3, 2)}, 8),  # with causal the limit after the query changes nothing
+    ({"attention_chunk_size": 3}, 8),  # the chunk does not make the cache roll
+    ({"attention_chunk_size": 3, "window": (2, 5)}, 8),
+]
+
+
+@pytest.mark.parametrize(
+    ("config", "length", "chunks"),
+    [(config, length, chunks) for config, length in DECODE_VARIANTS for chunks in ([1] * 8, [3, 1, 1, 1, 1, 1], [4, 4])]
+    + [
+        ({"window": (3, 2)}, 3, [1] * 8),  # a rolling cache of W_before slots
+        ({"window": (3, 2)}, 5, [3, 1, 1, 1, 1, 1]),  # rolling, a prefill then steps that wrap
+        ({"window": (3, 2), "attention_chunk_size": 2}, 6, [4, 4]),  # a wrapping call of T = L - W_before + 1
+    ],
+)
+def test_decoding_with_window_pairs_and_chunks_equals_the_full_causal_pass(config, length, chunks):
+    layer = MultiHeadAttention(E, N, num_kv_heads=2, rope_theta=100.0, seed=0, **config)
+    x = _x(5, (B, 8, E))
+    expected = layer(x, causal=True)
+    np.testing.assert_allclose(_decode(layer, x, chunks, length, causal=True), expected, atol=FLOAT64_TOL)
+
+
+@pytest.mark.parametrize(
+    "config", [{"window": (2, 3)}, {"attention_chunk_size": 3}, {"window": (4, 2), "attention_chunk_size": 4}]
+)
+def test_non_causal_cache_call_equals_a_full_pass_of_its_queries(config):
+    """Without causal, a second call's queries sit at positions index + t over the P written keys,
+    as a full pass of those T queries over the P keys (T < S, bottom-right aligned); a prefill
+    into a longer cache equals the full pass, its weights padded with zeros."""
+    layer = MultiHeadAttention(E, N, seed=0, **config)
+    x = _x(6, (B, 8, E))
+    cache = layer.init_cache(B, 10)
+    first, first_weights, cache = layer(x[:, :5], cache=cache, return_attention=True)
+    second, second_weights, cache = layer(x[:, 5:], cache=cache, return_attention=True)
+    expected, expected_weights = layer(x[:, :5], return_attention=True)
+    np.testing.assert_allclose(first, expected, atol=FLOAT64_TOL)
+    np.testing.assert_allclose(first_weights[..., :5], expected_weights, atol=FLOAT64_TOL)
+    assert (first_weights[..., 5:] == 0).all()
+    expected, expected_weights = layer(x[:, 5:], x, return_attention=True)
+    np.testing.assert_allclose(second, expected, atol=FLOAT64_TOL)
+    np.testing.assert_allclose(second_weights[..., :8], expected_weights, atol=FLOAT64_TOL)
+
+
+def test_rolling_cache_rolls_by_the_window_before():
+    layer = MultiHeadAttention(E, N, window=(4, 2))
+    cache = layer.init_cache(B, 5)
+    _, cache = layer(_x(0, (B, 3, E)), cache=cache)
+    with pytest.raises(ValueError, match=r"Received: window=4, T=3, L=5$"):
+        layer(_x(0, (B, 3, E)), cache=cache)
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_mrope_decoding_with_k_b_1_positions_equals_the_full_pass(given):
+    """Steps pass their (3, B, 1) positions (or none: index + arange(T) in every section)."""
+    layer = _perturbed(
+        MultiHeadAttention(
+            E,
+            N,
+            head_dim=8,
+            rope_theta=100.0,
+            rope_sections=(1, 2, 1),
+            qk_norm="per_head",
+            qk_norm_type="layer",
+            qk_norm_bias=True,
+            seed=0,
+        )
+    )
+    x = _x(7, (B, T, E))
+    positions = _mrope_positions() if given else np.broadcast_to(np.arange(T), (3, B, T))
+    expected = layer(x, positions=positions, causal=True)
+    got = _decode(layer, x, [2, 1, 1, 1], 6, positions=positions if given else None, causal=True)
+    np.testing.assert_allclose(got, expected, atol=FLOAT64_TOL)
