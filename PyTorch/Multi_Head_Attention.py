@@ -21,15 +21,16 @@ The steps of a call (`forward` reads as these seven lines):
        additive `bias` (`_masks`)
     2. projections          3. QK-norm of q and k        4. RoPE of q and k at `positions`
     5. cache write          6. scores * scale, soft-capping, + bias, keys removed by keep,
-                               causal and window, softmax with the sinks, weighted sum of v
+                               causal, window and chunk, softmax with the sinks, weighted sum of v
     7. heads merged and the output projection
 
 Variants, each off by default and each one small step of the call (constructor arguments):
 `bias` per projection (Qwen2), `scale` (T5, Gemma), `softcap` (Gemma 2), `window` (a sliding
-window: Mistral, gpt-oss), rotary position embeddings (`rope_theta`, `rope_fraction`,
-`rope_interleaved`, `rope_scaling`: Llama, GPT-NeoX, GPT-J, Llama 3.1), `qk_norm` (Qwen3,
-OLMo2), `sinks` (gpt-oss) and `clip_qkv` (q, k and v clamped after the projections: OLMo, DBRX,
-MPT).
+window: Mistral, gpt-oss; a two-sided band (before, after): ModernBERT), `attention_chunk_size`
+(Llama 4), rotary position embeddings (`rope_theta`, `rope_fraction`, `rope_interleaved`,
+`rope_scaling`, `rope_sections`: Llama, GPT-NeoX, GPT-J, Llama 3.1, Qwen2-VL's M-RoPE),
+`qk_norm` (`qk_norm_type` RMSNorm or LayerNorm, `qk_norm_bias`: Qwen3, OLMo2, StableLM, Phi),
+`sinks` (gpt-oss) and `clip_qkv` (q, k and v clamped after the projections: OLMo, DBRX, MPT).
 
 Masks: a boolean `attention_mask` is True where a query may attend a key (the opposite of
 `nn.MultiheadAttention`, where True means "ignore"); a floating one is added to the scores
@@ -44,18 +45,20 @@ Example, a key padding mask for keys [a, b, <pad>]:
 
 Parameters: `query`, `key`, `value` and `output` are `nn.Linear` submodules, so `state_dict`
 holds `query.weight` = query_kernel^T, `query.bias` = query_bias, and so on for the others;
-with `qk_norm` also `query_norm` and `key_norm`, with `sinks=True` also `sinks` (N,).
+with `qk_norm` also `query_norm` and `key_norm` (and `query_norm_bias`, `key_norm_bias` with
+`qk_norm_bias`), with `sinks=True` also `sinks` (N,).
 `layer.quantize("int8")` makes the four projections `Int8Linear` modules (Keras' int8 scheme).
 
 Decoding with a KV cache (L: the cache's max length): `cache = layer.init_cache(B, L)`, then
 `output, cache = layer(x, cache=cache)` for a prompt (T > 1) and then one token at a time
 (T = 1). The keys and values of the T new tokens are written to slots [index, index + T), and
 query t attends slot s iff s < index + T, keep[b, s], (not causal or s <= index + t), (no
-window or s > index + t - window) and `attention_mask` (given over L) keeps it; `key_mask`
+window or s > index + t - W_before, and s < index + t + W_after with a pair), (no chunk or
+s // C == (index + t) // C) and `attention_mask` (given over L) keeps it; `key_mask`
 (B, T) is ANDed into `keep` at the written slots, and RoPE turns the new tokens by positions
-index + t. Token-by-token equals the full causal pass. With a `window` W the cache rolls:
-position p goes to slot p mod L, so L = W slots decode any number of tokens one at a time (a
-call that wraps needs L >= W + T - 1). The cache's tensors are written in place (for
+index + t. Token-by-token equals the full causal pass. With a `window` W (W_before of a pair)
+the cache rolls: position p goes to slot p mod L, so L = W slots decode any number of tokens one
+at a time (a call that wraps needs L >= W + T - 1). The cache's tensors are written in place (for
 inference; call it under `torch.no_grad()`).
 """
 
@@ -117,43 +120,93 @@ class _Variants(NamedTuple):
 
     scale: float  # 1 / sqrt(H) by default
     softcap: float | None
-    window: int | None
+    window: int | tuple[int, int] | None  # W, or (W_before, W_after)
+    attention_chunk_size: int | None
     rope_theta: float | None  # None: no RoPE
     rope_fraction: float
     rope_interleaved: bool
     rope_scaling: dict | None
-    qk_norm: str | None  # None, "head" or "all"
+    rope_sections: tuple[int, ...] | None
+    qk_norm: str | None  # None, "head", "per_head" or "all"
     qk_norm_eps: float
+    qk_norm_type: str  # "rms" or "layer"
+    qk_norm_bias: bool
     sinks: bool
     clip_qkv: float | None  # None: no clamp
 
 
 def _check_variants(
-    head_dim, scale, softcap, window, rope_theta, rope_fraction, rope_interleaved, rope_scaling, qk_norm,
-    qk_norm_eps, sinks, clip_qkv,
+    head_dim, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved,
+    rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv,
 ):  # fmt: skip
-    """The variants' constructor arguments checked, in this order, into a `_Variants` (a
-    ValueError names the first one that is not valid)."""
+    """The variants' constructor arguments checked, in this order (the flags last), into a
+    `_Variants` (a ValueError names the first one that is not valid)."""
     scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float("scale", scale)
     softcap = _positive_float("softcap", softcap, optional=True)
-    window = None if window is None else _positive_int("window", window)
+    window = _check_window(window)
+    chunk = None if attention_chunk_size is None else _positive_int("attention_chunk_size", attention_chunk_size)
     rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
-    _rotary_dim(rope_fraction, head_dim, rope_theta is not None)  # checks rope_fraction
+    rotary = _rotary_dim(rope_fraction, head_dim, rope_theta is not None)  # checks rope_fraction
     rope_scaling = _check_rope_scaling(rope_scaling)
-    if qk_norm not in (None, "head", "all"):
-        raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
+    rope_sections = _check_rope_sections(rope_sections, rotary)
+    if qk_norm not in (None, "head", "per_head", "all"):
+        raise ValueError(f"`qk_norm` must be None, 'head', 'per_head' or 'all'. Received: qk_norm={qk_norm!r}")
     qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
     qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
+    if not isinstance(qk_norm_type, str) or qk_norm_type not in ("rms", "layer"):
+        raise ValueError(f"`qk_norm_type` must be 'rms' or 'layer'. Received: qk_norm_type={qk_norm_type!r}")
     clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
-    rope_interleaved, sinks = _flag("rope_interleaved", rope_interleaved), _flag("sinks", sinks)  # the flags last
+    rope_interleaved = _flag("rope_interleaved", rope_interleaved)  # the flags last
+    qk_norm_bias, sinks = _flag("qk_norm_bias", qk_norm_bias), _flag("sinks", sinks)
     return _Variants(
-        scale, softcap, window, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling, qk_norm,
-        qk_norm_eps, sinks, clip_qkv,
+        scale, softcap, window, chunk, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling,
+        rope_sections, qk_norm, qk_norm_eps, str(qk_norm_type), qk_norm_bias, sinks, clip_qkv,
     )  # fmt: skip
 
 
+def _check_window(window):
+    """`window` held as an int W or a tuple (W_before, W_after) of Python ints (None passes)."""
+    pair = isinstance(window, (list, tuple)) and len(window) == 2
+    sides = window if pair else (window,)
+    if window is not None and not all(_is_positive_integer(side) for side in sides):
+        raise ValueError(
+            "`window` must be None, a positive integer or a pair (before, after) of positive integers. "
+            f"Received: window={window!r}"
+        )
+    return None if window is None else tuple(int(side) for side in window) if pair else int(window)
+
+
+def _window_sides(window):
+    """`window` -> (W_before, W_after or None): an int W is (W, None), no limit after."""
+    if window is None or isinstance(window, tuple):
+        return (None, None) if window is None else window
+    return window, None
+
+
+def _check_rope_sections(sections, rotary):
+    """`rope_sections` as a tuple of Python ints (None passes); with RoPE (`rotary` R not None)
+    they must sum to R/2, the rotated pairs."""
+    if sections is None:
+        return None
+    if not isinstance(sections, (list, tuple)) or not all(_is_positive_integer(size) for size in sections):
+        raise ValueError(
+            "`rope_sections` must be None or a list or tuple of positive integers. "
+            f"Received: rope_sections={sections!r}"
+        )
+    if rotary is not None and sum(sections) != rotary // 2:
+        raise ValueError(
+            f"`rope_sections` must sum to R/2 = {rotary // 2}, the pairs RoPE rotates "
+            f"(R = int(head_dim * rope_fraction) = {rotary}). Received: rope_sections={sections!r}"
+        )
+    return tuple(int(size) for size in sections)
+
+
+def _is_positive_integer(value):
+    return not isinstance(value, (bool, np.bool_)) and isinstance(value, (int, np.integer)) and value >= 1
+
+
 def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    if not _is_positive_integer(value):
         raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
     return int(value)
 
@@ -262,9 +315,10 @@ class _Call(NamedTuple):
     attention_bias: torch.Tensor | None
     key_mask: torch.Tensor | None  # (B, S), query_mask in self-attention by default; (B, T) with a cache
     query_mask: torch.Tensor | None  # (B, T)
-    positions: torch.Tensor | None  # (B, T) integers, None without RoPE
+    positions: torch.Tensor | None  # (B, T) integers, (k, B, T) with rope_sections, None without RoPE
     causal: bool  # the cache step replaces it by False once folded into keep
-    window: int | None  # self.window; the cache step replaces it by None once folded into keep
+    window: int | tuple[int, int] | None  # self.window; the cache step replaces it by None once folded into keep
+    attention_chunk_size: int | None  # self.attention_chunk_size; likewise
     return_attention: bool
     cache: "KVCache | None"  # the cache step replaces it by the written cache
     training: None  # TensorFlow and Keras only
@@ -326,14 +380,18 @@ def _check_token_mask(name, mask, b, length, letter):
     return mask
 
 
-def _check_positions(positions, b, t):
-    """Checks integer (B, T) or (T,) `positions` and returns them as (B, T)."""
-    if not _is_integer(positions) or tuple(positions.shape) not in ((b, t), (t,)):
+def _check_positions(positions, b, t, sections=None):
+    """Checks integer (B, T) or (T,) `positions` and returns them as (B, T); with k `sections`
+    also (k, B, T), and returns them as (k, B, T)."""
+    shapes = ((b, t), (t,)) if sections is None else ((b, t), (t,), (len(sections), b, t))
+    if not _is_integer(positions) or tuple(positions.shape) not in shapes:
+        expected = "(B, T) or (T,)" if sections is None else f"(B, T), (T,) or ({len(sections)}, B, T)"
+        rows = "" if sections is None else " (one row per section of `rope_sections`)"
         raise ValueError(
-            f"`positions` must be an integer tensor of shape (B, T) or (T,) with B={b}, T={t}. "
+            f"`positions` must be an integer tensor of shape {expected} with B={b}, T={t}{rows}. "
             f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={_dtype_name(positions.dtype)}"
         )
-    return positions.expand(b, t)  # (T,) -> (B, T)
+    return positions.expand(b, t) if sections is None else positions.expand(len(sections), b, t)  # (B, T), (k, B, T)
 
 
 def _is_integer(tensor):
@@ -450,9 +508,20 @@ def causal_mask(t, s, device=None):
 
 
 def window_mask(t, s, window, device=None):
-    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - window (bottom-right aligned)."""
-    rows = torch.arange(t, device=device)[:, None]  # (T, 1)
-    return torch.arange(s, device=device)[None, :] > rows + (s - t) - window  # (T, S)
+    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - W_before, and with a pair
+    `window` (W_before, W_after) also s < t + (S - T) + W_after (bottom-right aligned)."""
+    before, after = _window_sides(window)
+    rows = torch.arange(t, device=device)[:, None] + (s - t)  # (T, 1), the position of each query
+    keys = torch.arange(s, device=device)[None, :]  # (1, S)
+    kept = keys > rows - before  # (T, S)
+    return kept if after is None else kept & (keys < rows + after)  # (T, S)
+
+
+def attention_chunk_mask(t, s, size, device=None):
+    """(T, S) boolean mask: query t keeps key s iff s // size == (t + (S - T)) // size, the same
+    chunk of `size` positions (bottom-right aligned; Llama 4's chunked attention)."""
+    rows = torch.arange(t, device=device)[:, None] + (s - t)  # (T, 1)
+    return torch.arange(s, device=device)[None, :] // size == rows // size  # (T, S)
 
 
 def _split_mask(mask, target, name="attention_mask"):
@@ -536,20 +605,44 @@ def _linear(module, x):
     return module(x)
 
 
-def rms_norm(x, scale, eps):
-    """RMSNorm over the last axis, x / sqrt(mean(x ** 2) + eps) * scale, computed in float32 at
-    least and cast back to x's dtype."""
+def rms_norm(x, scale, eps, bias=None):
+    """RMSNorm over the last axis, x / sqrt(mean(x ** 2) + eps) * scale (+ bias), computed in
+    float32 at least and cast back to x's dtype."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     y = x.to(dtype)
     y = y * torch.rsqrt(y.square().mean(dim=-1, keepdim=True) + eps)
-    return (y * scale.to(dtype)).to(x.dtype)
+    return _scale_and_shift(y, scale, bias).to(x.dtype)
 
 
-def _rms_norm_over_heads(x, scale, eps):
-    """`rms_norm` of (B, heads, L, H) x over all its heads' features, with a (heads*H,) scale."""
+def layer_norm(x, scale, eps, bias=None):
+    """LayerNorm over the last axis, (x - mean(x)) / sqrt(mean((x - mean(x)) ** 2) + eps) * scale
+    (+ bias), the variance biased, computed in float32 at least and cast back to x's dtype."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    y = x.to(dtype)
+    y = y - y.mean(dim=-1, keepdim=True)
+    y = y * torch.rsqrt(y.square().mean(dim=-1, keepdim=True) + eps)
+    return _scale_and_shift(y, scale, bias).to(x.dtype)
+
+
+def _scale_and_shift(y, scale, bias):
+    """y * scale (+ bias), the weights in y's dtype (float32 at least)."""
+    y = y * scale.to(y.dtype)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def _norm_over_heads(norm, x, scale, eps, bias):
+    """`norm` of (B, heads, L, H) x over all its heads' features, with (heads*H,) weights."""
     b, heads, length, h = x.shape
     flat = x.transpose(1, 2).reshape(b, length, heads * h)  # (B, heads, L, H) -> (B, L, heads*H)
-    return rms_norm(flat, scale, eps).view(b, length, heads, h).transpose(1, 2)  # -> (B, heads, L, H)
+    return norm(flat, scale, eps, bias).view(b, length, heads, h).transpose(1, 2)  # -> (B, heads, L, H)
+
+
+def _norm_per_head(norm, x, scale, eps, bias):
+    """`norm` of (B, heads, L, H) x over each head's H features, head n with the weights
+    [n*H:(n+1)*H] of the (heads*H,) `scale` and `bias`."""
+    heads, h = x.shape[1], x.shape[3]
+    scale = scale.view(heads, 1, h)  # (heads*H,) -> (heads, 1, H)
+    return norm(x, scale, eps, None if bias is None else bias.view(heads, 1, h))  # (B, heads, L, H)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -641,26 +734,38 @@ def scale_rotated(x, rotary_dim, factor):
     return torch.cat((x[..., :rotary_dim] * factor, x[..., rotary_dim:]), dim=-1)  # (B, heads, T, H)
 
 
-def apply_rope(x, positions, inv_freq, interleaved):
+def apply_rope(x, positions, inv_freq, interleaved, sections=None):
     """Rotary position embeddings: turns the first R = 2 * len(inv_freq) features of each head.
 
     Args:
         x: (B, heads, T, H) queries or keys.
-        positions: (B, T) integer positions.
+        positions: (B, T) integer positions, or (k, B, T) with `sections`.
         inv_freq: (R/2,) float32 frequencies from `rope_frequencies`.
         interleaved: False pairs feature i with feature i + R/2 ("rotate half": Llama, GPT-NeoX);
             True pairs features 2i and 2i + 1 (GPT-J).
+        sections: None, or k numbers of pairs summing to R/2 (multimodal RoPE, Qwen2-VL): the
+            pairs of section j turn by the positions of row j.
 
     Returns:
         x with each pair (x1, x2) at position p turned to (x1 cos - x2 sin, x2 cos + x1 sin) by the
         angle p * inv_freq[i] (computed in float32), cast back to x's dtype; the other H - R
         features unchanged.
     """
-    angles = positions[:, :, None, None].float() * inv_freq  # (B, T, 1, 1) * (R/2,) -> (B, T, 1, R/2)
+    angles = rope_angles(positions, inv_freq, sections)[:, :, None, :]  # (B, T, R/2) -> (B, T, 1, R/2)
     cos, sin = angles.cos(), angles.sin()  # (B, T, 1, R/2)
     cos, sin = _on_pairs(cos, cos, interleaved), _on_pairs(-sin, sin, interleaved)  # (B, T, 1, R)
     x = x.transpose(1, 2)  # (B, heads, T, H) -> (B, T, heads, H), the projections' memory order
     return _Turn.apply(x, cos, sin, interleaved).transpose(1, 2)  # -> (B, heads, T, H)
+
+
+def rope_angles(positions, inv_freq, sections=None):
+    """(B, T, R/2) float32 angles: (B, T) positions times the (R/2,) inv_freq; with `sections`
+    (multimodal RoPE) the pairs are split, in order, into sections of those sizes, and pair i of
+    section j turns by positions[j] * inv_freq[i], from (k, B, T) positions."""
+    if sections is None:
+        return positions[:, :, None].float() * inv_freq  # (B, T, 1) * (R/2,) -> (B, T, R/2)
+    rows = zip(positions.unbind(0), inv_freq.split(sections), strict=True)  # k x ((B, T), (R_j/2,))
+    return torch.cat([row[:, :, None].float() * part for row, part in rows], dim=-1)  # -> (B, T, R/2)
 
 
 def _turn(x, cos, sin, interleaved):
@@ -803,15 +908,21 @@ def _slot_positions(length, last):
     return slots + length * torch.div(last - slots, length, rounding_mode="floor")  # (L,)
 
 
-def _cache_keep(keep, index, t, causal, window):
+def _cache_keep(keep, index, t, causal, window, chunk):
     """(B, L) cache keep -> (B, 1, T, L): slot s holds a written position p(s), is not padding,
-    when causal p(s) is at most the query's own position index + t, and with a window W
-    p(s) > index + t - W."""
+    when causal p(s) is at most the query's own position index + t, with a window p(s) >
+    index + t - W_before (and with a pair p(s) < index + t + W_after), and with a chunk C
+    p(s) // C == (index + t) // C."""
     held = _slot_positions(keep.shape[-1], index + t - 1)[None, :]  # (1, L), p(s)
     positions = index + torch.arange(t, device=keep.device)[:, None]  # (T, 1), the position of each query
     allowed = (held >= 0) & (held <= positions if causal else held < index + t)  # (T, L)
-    if window is not None:
-        allowed = allowed & (held > positions - window)  # (T, L)
+    before, after = _window_sides(window)
+    if before is not None:
+        allowed = allowed & (held > positions - before)  # (T, L)
+    if after is not None:
+        allowed = allowed & (held < positions + after)  # (T, L)
+    if chunk is not None:
+        allowed = allowed & (torch.div(held, chunk, rounding_mode="floor") == positions // chunk)  # (T, L)
     return allowed[None, None] & keep[:, None, None, :]  # (B, 1, T, L)
 
 
@@ -847,8 +958,8 @@ def _write_cache(cache, k, v, key_mask):
 
 
 def dot_product_attention(
-    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, sinks=None,
-    dropout=0.0, return_attention=False,
+    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None,
+    attention_chunk_size=None, sinks=None, dropout=0.0, return_attention=False,
 ):  # fmt: skip
     """Attention on split heads, the formula written out; returns (context, weights). The layer
     computes the same numbers on its faster paths (`MultiHeadAttention._attend`).
@@ -862,7 +973,9 @@ def dot_product_attention(
         causal: if True, query t keeps key s only if s <= t + (S - T).
         scale: the factor of the scores; defaults to 1 / sqrt(H).
         softcap: None or c > 0: the scaled scores become c * tanh(scores / c).
-        window: None or W > 0: query t keeps key s only if s > t + (S - T) - W.
+        window: None, W, or a pair (W_before, W_after): query t keeps key s only if
+            s > t + (S - T) - W_before, and with a pair also s < t + (S - T) + W_after.
+        attention_chunk_size: None, or C: query t keeps key s only if s // C == (t + (S - T)) // C.
         sinks: None or (N,) logits, one more term per head in the softmax's denominator.
         dropout: probability of dropping attention weights (pass 0 outside training).
         return_attention: if True, return the weights; else None in their place.
@@ -872,7 +985,8 @@ def dot_product_attention(
         exactly 0 where not kept.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    keep, bias = _final_masks(keep, bias, causal, window, sinks, q.shape[2], k.shape[2], q.device)
+    masks = (causal, window, attention_chunk_size)
+    keep, bias = _final_masks(keep, bias, *masks, sinks, q.shape[2], k.shape[2], q.device)
     k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])  # (B, K, S, H) -> (B, N, S, H)
     dtype = _softmax_dtype(q.dtype, bias, sinks)
     scores = ((q * scale) @ k.transpose(-1, -2)).to(dtype)  # (B, N, T, S), a new tensor; q scaled, not the scores
@@ -883,13 +997,16 @@ def dot_product_attention(
     return context, weights if return_attention else None
 
 
-def _final_masks(keep, bias, causal, window, sinks, t, s, device):
-    """`keep` with `causal` and `window` (bottom-right aligned) ANDed in, and `bias` less each row's
-    largest kept value (`_centre_rows`; not with sinks, where a softmax is not shift-invariant)."""
+def _final_masks(keep, bias, causal, window, chunk, sinks, t, s, device):
+    """`keep` with `causal`, `window` and the attention chunk (bottom-right aligned) ANDed in, and
+    `bias` less each row's largest kept value (`_centre_rows`; not with sinks, where a softmax is
+    not shift-invariant)."""
     if causal:
         keep = _and(keep, causal_mask(t, s, device))  # (B, N, T, S), dims may be 1
     if window is not None:
         keep = _and(keep, window_mask(t, s, window, device))  # (B, N, T, S), dims may be 1
+    if chunk is not None:
+        keep = _and(keep, attention_chunk_mask(t, s, chunk, device))  # (B, N, T, S), dims may be 1
     if bias is not None and keep is not None and sinks is None:
         bias = _centre_rows(bias, keep)  # (B, N, T, S), dims may be 1
     return keep, bias
@@ -974,7 +1091,7 @@ def _attention_in_blocks(q, k, v, keep, bias, dropout, scale, softcap, sinks):
     """`dot_product_attention` without autograd on N key/value heads, a block of batch elements at a
     time: each block's scores are written into its slice of the weights, soft-capped, softmaxed
     there in place and multiplied by v while they are still in the CPU cache (one (B, N, T, S)
-    buffer in all). `keep` and `bias` already hold causal, window and the rows' centring."""
+    buffer in all). `keep` and `bias` already hold causal, window, chunk and the rows' centring."""
     (b, n, t, h), s = q.shape, k.shape[2]
     weights = q.new_empty(b, n, t, s)  # (B, N, T, S)
     context = q.new_empty(b, n, t, h)  # (B, N, T, H)
@@ -1232,8 +1349,11 @@ class MultiHeadAttention(nn.Module):
         scale: the factor of the scores, scores = (q . k) * scale. Defaults to 1 / sqrt(H).
         softcap: None or c > 0: the scaled scores become c * tanh(scores / c) (Gemma 2), before
             `attention_bias` and the floating mask are added.
-        window: None or W > 0, a sliding window: query t keeps key s only if
-            s > t + (S - T) - W (with `causal`, the W most recent keys, itself included).
+        window: None, W, or a pair (W_before, W_after): query t keeps key s only if
+            s > t + (S - T) - W_before, and with a pair also s < t + (S - T) + W_after
+            (Mistral's sliding window: W; ModernBERT's two-sided band: (65, 65)).
+        attention_chunk_size: None, or C: query t keeps key s only if both are in the same
+            chunk of C positions, s // C == (t + (S - T)) // C (Llama 4's chunked attention).
         rope_theta: None (no RoPE) or the base of rotary position embeddings (Llama: 10000.0).
         rope_fraction: in (0, 1]: the first R = int(H * rope_fraction) features of each head
             are rotated (R even, at least 2), the others pass unchanged.
@@ -1245,9 +1365,15 @@ class MultiHeadAttention(nn.Module):
             "yarn", "factor", "original_max_position_embeddings", optional "attention_factor",
             "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"} (gpt-oss; the
             rotated features of q and k are also multiplied by its attention factor).
-        qk_norm: None, "head" (RMSNorm over each head's H features of q and of k, scales (H,)
-            shared by the heads: Qwen3) or "all" (over all N*H and K*H features: OLMo2).
-        qk_norm_eps: the epsilon of the QK-norm.
+        rope_sections: None, or the numbers of rotated pairs (summing to R/2) that turn by each
+            row of (k, B, T) `positions` in turn (Qwen2-VL's multimodal RoPE, `mrope_section`).
+        qk_norm: None, "head" (each head of q and k normalized, one scale shared by the heads:
+            Qwen3), "per_head" (each head with its own scale: StableLM, Cohere) or "all" (over all
+            heads: OLMo2); its scales are the weights `query_norm` and `key_norm`.
+        qk_norm_eps: the epsilon of that norm.
+        qk_norm_type: "rms" (RMSNorm) or "layer" (LayerNorm: the mean is removed first).
+        qk_norm_bias: if True, the norm adds a learned bias after its scale (`query_norm_bias`,
+            `key_norm_bias`: Phi's LayerNorm).
         sinks: if True, one learned logit per query head (the parameter `sinks`, (N,)), an
             extra term in the softmax's denominator (gpt-oss); rows then sum to less than 1.
         clip_qkv: None or c > 0: q, k and v are clamped to [-c, c] right after their projections
@@ -1267,8 +1393,8 @@ class MultiHeadAttention(nn.Module):
         query_mask: (B, T) boolean, True for a real query (others get weights 0).
         attention_bias: floating, broadcasts like `attention_mask`; added to the scores, with
             a gradient (T5's relative position bias, ALiBi from `alibi_bias`).
-        positions: integer (B, T) or (T,), the RoPE positions of the queries and of the keys
-            at the same index. Defaults to arange(T), plus the cache's index when decoding.
+        positions: integer (B, T) or (T,) RoPE positions, or (k, B, T) with `rope_sections`;
+            default arange(T) (+ the cache index).
         causal: if True, query t attends key s only if s <= t + (S - T).
         return_attention: if True, also return the per-head attention weights.
         cache: a `KVCache` from `init_cache`: decode T new tokens (`key` and `value`, if
@@ -1313,12 +1439,16 @@ class MultiHeadAttention(nn.Module):
         scale=None,
         softcap=None,
         window=None,
+        attention_chunk_size=None,
         rope_theta=None,
         rope_fraction=1.0,
         rope_interleaved=False,
         rope_scaling=None,
+        rope_sections=None,
         qk_norm=None,
         qk_norm_eps=1e-6,
+        qk_norm_type="rms",
+        qk_norm_bias=False,
         sinks=False,
         clip_qkv=None,
         device=None,
@@ -1340,13 +1470,16 @@ class MultiHeadAttention(nn.Module):
         self.dropout = _dropout_rate(dropout)
         self.bias = _projection_biases(bias)
         variants = _check_variants(
-            self.head_dim, scale, softcap, window, rope_theta, rope_fraction, rope_interleaved, rope_scaling, qk_norm,
-            qk_norm_eps, sinks, clip_qkv,
+            self.head_dim, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved,
+            rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv,
         )  # fmt: skip
         self.scale, self.softcap, self.window = variants.scale, variants.softcap, variants.window
+        self.attention_chunk_size = variants.attention_chunk_size
         self.rope_theta, self.rope_fraction = variants.rope_theta, variants.rope_fraction
         self.rope_interleaved, self.rope_scaling = variants.rope_interleaved, variants.rope_scaling
+        self.rope_sections = variants.rope_sections
         self.qk_norm, self.qk_norm_eps = variants.qk_norm, variants.qk_norm_eps
+        self.qk_norm_type, self.qk_norm_bias = variants.qk_norm_type, variants.qk_norm_bias
         self.clip_qkv = variants.clip_qkv
         self._rotary_dim = _rotary_dim(self.rope_fraction, self.head_dim, self.rope_theta is not None)  # None: no RoPE
         self._make_weights(variants.sinks, {"device": device, "dtype": dtype})
@@ -1354,26 +1487,30 @@ class MultiHeadAttention(nn.Module):
         self.reset_parameters()
 
     def _make_weights(self, sinks, factory):
-        """The four projections, the QK-norm scales, the sink logits and the RoPE frequencies (a
-        non-persistent float32 buffer `_inv_freq` (R/2,), None without RoPE, filled by
-        `reset_parameters`), uninitialized."""
+        """The four projections, the QK-norm scales and biases, the sink logits and the RoPE
+        frequencies (a non-persistent float32 buffer `_inv_freq` (R/2,), None without RoPE, filled
+        by `reset_parameters`), uninitialized."""
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.query = nn.Linear(self.d_model, nh, bias="query" in self.bias, **factory)  # query_kernel^T: (N*H, E)
         self.key = nn.Linear(self.kdim, kh, bias="key" in self.bias, **factory)  # key_kernel^T: (K*H, kdim)
         self.value = nn.Linear(self.vdim, kh, bias="value" in self.bias, **factory)  # value_kernel^T: (K*H, vdim)
         self.output = nn.Linear(nh, self.d_model, bias="output" in self.bias, **factory)  # output_kernel^T: (E, N*H)
-        norms = {None: (None, None), "head": (self.head_dim, self.head_dim), "all": (nh, kh)}[self.qk_norm]
+        norms = {None: (None, None), "head": (self.head_dim, self.head_dim)}.get(self.qk_norm, (nh, kh))
         self.query_norm, self.key_norm = (
             None if width is None else nn.Parameter(torch.empty(width, **factory)) for width in norms
         )  # (H,) or (N*H,), (H,) or (K*H,)
+        biases = norms if self.qk_norm_bias else (None, None)
+        self.query_norm_bias, self.key_norm_bias = (
+            None if width is None else nn.Parameter(torch.empty(width, **factory)) for width in biases
+        )  # shaped as query_norm and key_norm
         self.sinks = nn.Parameter(torch.empty(self.num_heads, **factory)) if sinks else None  # (N,)
         rope = self._rotary_dim is not None
         inv_freq = torch.empty(self._rotary_dim // 2, device=factory["device"]) if rope else None  # (R/2,)
         self.register_buffer("_inv_freq", inv_freq, persistent=False)
 
     def reset_parameters(self):
-        """Glorot (Xavier) uniform kernels, zero biases, QK-norm scales of one and sink logits of
-        zero, as in the other two files; and the RoPE frequencies computed (`_reset_rope`)."""
+        """Glorot (Xavier) uniform kernels, zero biases, QK-norm scales of one, QK-norm biases and
+        sink logits of zero, as in the other files; and the RoPE frequencies computed (`_reset_rope`)."""
         for kind in _PROJECTIONS:
             projection = getattr(self, kind)
             nn.init.xavier_uniform_(projection.weight)
@@ -1382,6 +1519,9 @@ class MultiHeadAttention(nn.Module):
         for norm in (self.query_norm, self.key_norm):
             if norm is not None:
                 nn.init.ones_(norm)
+        for norm_bias in (self.query_norm_bias, self.key_norm_bias):
+            if norm_bias is not None:
+                nn.init.zeros_(norm_bias)
         if self.sinks is not None:
             nn.init.zeros_(self.sinks)
         self._reset_rope()
@@ -1401,7 +1541,8 @@ class MultiHeadAttention(nn.Module):
 
     def weight_shapes(self):
         """The portable layout: {name: shape}; a bias only where `bias` names its projection, the
-        QK-norm scales only with `qk_norm`, `sinks` only with `sinks=True`."""
+        QK-norm scales only with `qk_norm` (and their biases with `qk_norm_bias`), `sinks` only
+        with `sinks=True`."""
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         kernels = {
             "query": (self.d_model, nh),
@@ -1415,9 +1556,11 @@ class MultiHeadAttention(nn.Module):
             if kind in self.bias:
                 shapes[f"{kind}_bias"] = shape[1:]
         if self.qk_norm is not None:
-            per_head = self.qk_norm == "head"
-            shapes["query_norm"] = (self.head_dim if per_head else nh,)
-            shapes["key_norm"] = (self.head_dim if per_head else kh,)
+            shared = self.qk_norm == "head"
+            shapes["query_norm"] = (self.head_dim if shared else nh,)
+            shapes["key_norm"] = (self.head_dim if shared else kh,)
+        if self.query_norm_bias is not None:
+            shapes["query_norm_bias"], shapes["key_norm_bias"] = shapes["query_norm"], shapes["key_norm"]
         if self.sinks is not None:
             shapes["sinks"] = (self.num_heads,)
         return _with_scales(shapes) if self.quantization_mode == "int8" else shapes
@@ -1425,7 +1568,7 @@ class MultiHeadAttention(nn.Module):
     def _parameter(self, name):
         """The tensor behind a portable name and whether it is stored transposed. A dynamically
         quantized projection (`torch.ao.quantization.quantize_dynamic`) gives its dequantized weight."""
-        if name in ("query_norm", "key_norm", "sinks"):
+        if name in ("query_norm", "key_norm", "query_norm_bias", "key_norm_bias", "sinks"):
             return getattr(self, name), False
         if name.endswith("_kernel_scale"):
             return getattr(self, name.removesuffix("_kernel_scale")).weight_scale, False
@@ -1537,8 +1680,12 @@ class MultiHeadAttention(nn.Module):
             "scale": None if self.scale == 1.0 / math.sqrt(self.head_dim) else self.scale,
             "softcap": self.softcap,
             "window": self.window,
+            "attention_chunk_size": self.attention_chunk_size,
             "rope_theta": self.rope_theta,
+            "rope_sections": self.rope_sections,
             "qk_norm": self.qk_norm,
+            "qk_norm_type": None if self.qk_norm_type == "rms" else self.qk_norm_type,
+            "qk_norm_bias": True if self.qk_norm_bias else None,
             "sinks": True if self.sinks is not None else None,
             "clip_qkv": self.clip_qkv,
         }
@@ -1604,7 +1751,7 @@ class MultiHeadAttention(nn.Module):
         if cache is not None:
             _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
             _check_cache_dtype(cache, compute_dtype)
-            _check_room(cache.index, t, cache.key.shape[2], self.window)  # eagerly; NaN under torch.compile
+            _check_room(cache.index, t, cache.key.shape[2], _window_sides(self.window)[0])  # NaN under compile
         query_mask = _check_token_mask("query_mask", query_mask, b, t, "T")  # query_mask first, as in the other files
         key_mask = _check_token_mask("key_mask", key_mask, b, s, "S")
         positions = self._positions(positions, query, key, cache)
@@ -1613,11 +1760,13 @@ class MultiHeadAttention(nn.Module):
         key_mask = query_mask if key_mask is None and self_attention else key_mask  # (B, S)
         return _Call(
             query, key, value, attention_mask, attention_bias, key_mask, query_mask, positions, causal, self.window,
-            return_attention, cache, None, one_input and cache is None,  # a step's few tokens: fusing costs more
+            self.attention_chunk_size, return_attention, cache, None,
+            one_input and cache is None,  # a step's few tokens: fusing costs more
         )  # fmt: skip
 
     def _positions(self, positions, query, key, cache):
-        """Step 1 for RoPE: checked (B, T) positions, arange(T) (+ the cache's index) by default."""
+        """Step 1 for RoPE: checked (B, T) positions ((k, B, T) with `rope_sections`), arange(T)
+        (+ the cache's index) by default, the same for every section."""
         if self.rope_theta is None:
             if positions is not None:
                 raise ValueError(
@@ -1633,8 +1782,8 @@ class MultiHeadAttention(nn.Module):
             )
         if positions is None:
             start = 0 if cache is None else cache.index
-            return (start + torch.arange(t, device=query.device)).expand(b, t)  # (T,) -> (B, T)
-        return _check_positions(positions, b, t)  # (B, T)
+            positions = start + torch.arange(t, device=query.device)  # (T,)
+        return _check_positions(positions, b, t, self.rope_sections)  # (B, T) or (k, B, T)
 
     def _warn_traps(self, attention_mask, key_mask, t, s):
         """Warns once per layer for each built-in habit the masks' values suggest, where reading
@@ -1733,7 +1882,7 @@ class MultiHeadAttention(nn.Module):
     def _check_local_heads(self, q, k, attention_mask, attention_bias):
         """Tensor parallelism: this rank's query and key/value heads must keep the N : K grouping,
         and neither a per-head (B, N, T, S) mask or bias nor the variants that hold numbers of
-        every head (sinks, QK-norm over all heads) can be split with them."""
+        every head (sinks, QK-norm over all heads or with a scale per head) can be split with them."""
         local, local_kv = q.shape[1], k.shape[1]
         if (local, local_kv) == (self.num_heads, self.num_kv_heads):
             return
@@ -1750,26 +1899,34 @@ class MultiHeadAttention(nn.Module):
                     f"ranks ({local} of {self.num_heads} heads on this rank); pass (T, S), (B, T, S) or (B, 1, T, S). "
                     f"Received: {name}.shape={tuple(mask.shape)}"
                 )
-        if self.sinks is not None or self.qk_norm == "all":
+        if self.sinks is not None or self.qk_norm in ("all", "per_head"):
             raise ValueError(
                 "`sinks` and `qk_norm='all'` hold numbers of every head and cannot be split across tensor-parallel "
-                f"ranks ({local} of {self.num_heads} heads on this rank). "
+                f"ranks ({local} of {self.num_heads} heads on this rank), nor can `qk_norm='per_head'`. "
                 f"Received: sinks={self.sinks is not None}, qk_norm={self.qk_norm!r}"
             )
 
     def _normalize_qk(self, q, k):
-        """Step 3, QK-norm: RMSNorm of q and k over each head ("head") or over all heads ("all")."""
+        """Step 3, QK-norm: RMSNorm or LayerNorm (`qk_norm_type`) of q and k over each head with
+        one scale ("head") or a scale per head ("per_head"), or over all heads ("all"); plus the
+        norm's bias with `qk_norm_bias`."""
         if self.qk_norm is None:
             return q, k
-        norm = rms_norm if self.qk_norm == "head" else _rms_norm_over_heads
-        return norm(q, self.query_norm, self.qk_norm_eps), norm(k, self.key_norm, self.qk_norm_eps)
+        norm = rms_norm if self.qk_norm_type == "rms" else layer_norm
+        eps, q_bias, k_bias = self.qk_norm_eps, self.query_norm_bias, self.key_norm_bias
+        if self.qk_norm == "head":
+            return norm(q, self.query_norm, eps, q_bias), norm(k, self.key_norm, eps, k_bias)
+        over = _norm_per_head if self.qk_norm == "per_head" else _norm_over_heads
+        return over(norm, q, self.query_norm, eps, q_bias), over(norm, k, self.key_norm, eps, k_bias)
 
     def _rotate(self, q, k, positions):
-        """Step 4, RoPE: q and k turned at their (B, T) positions by the frequencies `_inv_freq`."""
+        """Step 4, RoPE: q and k turned at their (B, T) positions by the frequencies `_inv_freq`
+        (with `rope_sections`, (k, B, T) positions: each section of pairs by its row)."""
         if self.rope_theta is None:
             return q, k
         inv_freq, interleaved = self._inv_freq.to(q.device), self.rope_interleaved  # (R/2,) float32
-        q, k = apply_rope(q, positions, inv_freq, interleaved), apply_rope(k, positions, inv_freq, interleaved)
+        rope = (positions, inv_freq, interleaved, self.rope_sections)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         factor = rope_attention_factor(self.rope_scaling)
         return scale_rotated(q, self._rotary_dim, factor), scale_rotated(k, self._rotary_dim, factor)  # YaRN's factor
 
@@ -1777,9 +1934,9 @@ class MultiHeadAttention(nn.Module):
         """Step 5, the KV cache: the new keys and values written (`_write_cache`, checked by
         `_check_call`), then k and v are the cache's. A lean decode step (eager, no mask, bias,
         query_mask or returned weights, within the cache's first lap) attends the first index + T
-        slots as a full pass attends its keys (causal and window bottom-right aligned, the cache's
-        keep only where it holds a False): no (B, 1, T, L) keep. Every other call attends all L
-        slots through that keep, with causal and window folded into it."""
+        slots as a full pass attends its keys (causal, window and chunk bottom-right aligned, the
+        cache's keep only where it holds a False): no (B, 1, T, L) keep. Every other call attends
+        all L slots through that keep, with causal, window and chunk folded into it."""
         cache = call.cache
         if cache is None:
             return k, v, keep, call
@@ -1792,25 +1949,31 @@ class MultiHeadAttention(nn.Module):
             keep = None if prefix is None or prefix.all() else prefix[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
             k, v = cache.key.narrow(2, 0, stop), cache.value.narrow(2, 0, stop)  # (B, K, L, H) -> (B, K, S, H)
             return k, v, keep, call._replace(causal=call.causal and t > 1, cache=cache)
-        keep = _and(keep, _cache_keep(cache.keep, index, t, call.causal, call.window))  # (B, N, T, L), dims may be 1
-        return cache.key, cache.value, keep, call._replace(causal=False, window=None, cache=cache)
+        rule = (call.causal, call.window, call.attention_chunk_size)
+        keep = _and(keep, _cache_keep(cache.keep, index, t, *rule))  # (B, N, T, L), dims may be 1
+        folded = call._replace(causal=False, window=None, attention_chunk_size=None, cache=cache)
+        return cache.key, cache.value, keep, folded
 
     def _attend(self, q, k, v, keep, bias, call):
         """Step 6, the one entry to the speed paths, all with `dot_product_attention`'s numbers:
         SDPA without returned weights (its own causal triangle where nothing else masks); the
         explicit softmax with them, or with `softcap` or `sinks` (which SDPA cannot express), in
-        blocks of batch elements under no_grad on the CPU (`_attention_in_blocks`)."""
+        blocks of batch elements under no_grad on the CPU (`_attention_in_blocks`). A window (one-
+        or two-sided) or an attention chunk is always folded into the mask: no shortcut."""
         (n, t), s, sinks = q.shape[1:3], k.shape[2], self.sinks
         dropout = self.dropout if self.training else 0.0
         explicit = call.return_attention or self.softcap is not None or sinks is not None
-        if not explicit and call.causal and keep is None and bias is None and call.window is None and t == s:
+        only_causal = keep is None and bias is None and call.window is None and call.attention_chunk_size is None
+        if not explicit and call.causal and only_causal and t == s:
             return _sdpa_attention(q, k, v, None, None, dropout, self.scale, is_causal=True), None  # (B, N, T, H)
         if explicit and not _in_blocks(q, _softmax_dtype(q.dtype, bias, sinks)):
             return dot_product_attention(
                 q, k, v, keep, bias, call.causal, scale=self.scale, softcap=self.softcap, window=call.window,
-                sinks=sinks, dropout=dropout, return_attention=call.return_attention,
+                attention_chunk_size=call.attention_chunk_size, sinks=sinks, dropout=dropout,
+                return_attention=call.return_attention,
             )  # fmt: skip
-        keep, bias = _final_masks(keep, bias, call.causal, call.window, sinks, t, s, q.device)
+        masks = (call.causal, call.window, call.attention_chunk_size)
+        keep, bias = _final_masks(keep, bias, *masks, sinks, t, s, q.device)
         if explicit:
             k, v = _repeat_heads(k, n), _repeat_heads(v, n)  # (B, K, S, H) -> (B, N, S, H)
             context, weights = _attention_in_blocks(q, k, v, keep, bias, dropout, self.scale, self.softcap, sinks)
@@ -1829,12 +1992,13 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H)
         q, k = self._normalize_qk(q, k)  # 3. QK-norm
         q, k = self._rotate(q, k, call.positions)  # 4. RoPE
-        k, v, keep, call = self._update_cache(call, k, v, keep)  # 5. KV cache (may replace causal/window/cache)
+        k, v, keep, call = self._update_cache(call, k, v, keep)  # 5. KV cache (may fold causal, window, chunk)
         context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S) or None
         output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*H) -> (B, T, E)
         if call.cache is not None and torch.compiler.is_compiling():  # a graph cannot raise: no room gives NaN
             t, length = q.shape[2], call.cache.key.shape[2]
-            output = torch.where(_check_room(call.cache.index - t, t, length, self.window), torch.nan, output)
+            no_room = _check_room(call.cache.index - t, t, length, _window_sides(self.window)[0])
+            output = torch.where(no_room, torch.nan, output)
         if isinstance(query, torch.Tensor) and query.dim() == 2:  # unbatched: drop B
             output, weights = output[0], None if weights is None else weights[0]
         return _results(output, weights, call.cache, call.return_attention)

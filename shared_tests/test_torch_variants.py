@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
+from NumPy import MultiHeadAttention as NumpyMultiHeadAttention
 from PyTorch import (
     AttentionMaskWarning,
     KVCache,
@@ -1005,13 +1006,13 @@ CONSTRUCTOR_ERRORS = {
     "bias_unknown": ({"bias": ["gate"]}, r"Received: bias=\['gate'\]"),
     "scale": ({"scale": 0}, r"`scale` must be a positive float\. Received: scale=0"),
     "softcap": ({"softcap": -1.0}, r"`softcap` must be None or a positive float\. Received: softcap=-1\.0"),
-    "window": ({"window": 0}, r"`window` must be a positive integer\. Received: window=0"),
+    "window": ({"window": 0}, r"`window` must be None, a positive integer or a pair \(before, after\) of positive integers\. Received: window=0"),
     "rope_theta": ({"rope_theta": "big"}, r"`rope_theta` must be None or a positive float\. Received: rope_theta='big'"),
     "rope_fraction_odd": ({"rope_theta": 10.0, "rope_fraction": 0.375}, re.escape("`rope_fraction` must be in (0, 1] and rotate an even number R = int(head_dim * rope_fraction) >= 2 of features. Received: rope_fraction=0.375, head_dim=8")),
     "rope_fraction_above_one": ({"rope_theta": 10.0, "rope_fraction": 1.5}, r"Received: rope_fraction=1\.5, head_dim=8"),
     "rope_scaling_type": ({"rope_theta": 10.0, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, r"`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3' or 'yarn', with its parameters\. Received: rope_scaling=\{'rope_type': 'longrope'"),
     "rope_scaling_missing": ({"rope_theta": 10.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"Received: rope_scaling=\{'rope_type': 'llama3', 'factor': 8\.0\}"),
-    "qk_norm": ({"qk_norm": "layer"}, r"`qk_norm` must be None, 'head' or 'all'\. Received: qk_norm='layer'"),
+    "qk_norm": ({"qk_norm": "layer"}, r"`qk_norm` must be None, 'head', 'per_head' or 'all'\. Received: qk_norm='layer'"),
     "qk_norm_eps": ({"qk_norm_eps": 0.0}, r"`qk_norm_eps` must be a positive float\. Received: qk_norm_eps=0\.0"),
 }  # fmt: skip
 
@@ -1213,3 +1214,510 @@ def test_rope_frequencies_are_made_after_meta_init_to_empty_and_reset_parameters
     x = _randn(2, 5, E, seed=4)
     with torch.no_grad():
         torch.testing.assert_close(layer(x, causal=True), reference(x, causal=True), atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Two-sided windows, attention chunks, M-RoPE and LayerNorm / per-head / biased QK-norm, against
+# the float64 NumPy reference on every path (SDPA, explicit, blocked inference, the is_causal
+# shortcut's condition, fused and separate projections, lean and full decoding, int8, meta).
+
+NEW_VARIANTS = {
+    "window_pair": {"window": (3, 2)},
+    "window_pair_list": {"window": [2, 4]},
+    "chunk": {"attention_chunk_size": 4},
+    "chunk_window_pair": {"attention_chunk_size": 4, "window": (2, 3)},
+    "mrope": {"rope_theta": 100.0, "rope_sections": (1, 2, 1)},
+    "mrope_partial_interleaved_yarn": {
+        "rope_theta": 100.0,
+        "rope_fraction": 0.5,
+        "rope_interleaved": True,
+        "rope_scaling": YARN,
+        "rope_sections": [1, 1],
+    },
+    "qk_norm_per_head": {"qk_norm": "per_head"},
+    "qk_norm_per_head_layer_bias": {"qk_norm": "per_head", "qk_norm_type": "layer", "qk_norm_bias": True},
+    "qk_norm_head_layer_bias": {"qk_norm": "head", "qk_norm_type": "layer", "qk_norm_bias": True},  # Phi
+    "qk_norm_all_layer": {"qk_norm": "all", "qk_norm_type": "layer", "qk_norm_eps": 1e-3},
+    "qk_norm_all_rms_bias": {"qk_norm": "all", "qk_norm_bias": True},
+    "everything_new": {
+        "bias": ("query", "key", "value"),
+        "softcap": 3.0,
+        "window": (4, 2),
+        "attention_chunk_size": 4,
+        "rope_theta": 500.0,
+        "rope_fraction": 0.75,
+        "rope_sections": (2, 1),
+        "qk_norm": "per_head",
+        "qk_norm_type": "layer",
+        "qk_norm_bias": True,
+        "sinks": True,
+        "clip_qkv": 1.0,
+    },  # rope_fraction 0.75: R = 6, three pairs in sections of 2 and 1
+}
+
+
+def _numpy_twin(layer, config):
+    """The NumPy reference (float64) holding the layer's portable weights."""
+    twin = NumpyMultiHeadAttention(E, N, num_kv_heads=K, head_dim=H, **config, seed=0)
+    twin.import_weights(layer.export_weights())
+    return twin
+
+
+def _new_positions(layer, b=B, t=T, seed=3):
+    """Random RoPE positions: (k, B, T) with k sections, (B, T) without; {} without RoPE."""
+    if layer.rope_theta is None:
+        return {}
+    rows = () if layer.rope_sections is None else (len(layer.rope_sections),)
+    return {"positions": torch.randint(0, 50, (*rows, b, t), generator=torch.Generator().manual_seed(seed))}
+
+
+def _as_numpy(kwargs):
+    return {name: value.numpy() if isinstance(value, torch.Tensor) else value for name, value in kwargs.items()}
+
+
+def _assert_like_numpy(got, expected, tol):
+    np.testing.assert_allclose(got.detach().double().numpy(), expected, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("path", ["sdpa", "explicit", "inference"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("variant", sorted(NEW_VARIANTS))
+def test_new_variant_matches_numpy(variant, causal, path):
+    layer = _layer(**NEW_VARIANTS[variant])
+    twin = _numpy_twin(layer, NEW_VARIANTS[variant])
+    x, keep, _ = _inputs()
+    kwargs = {"attention_mask": keep, "causal": causal, **_new_positions(layer)}
+    output, weights = _call(layer, path, x, **kwargs)
+    expected, expected_weights = twin(x.double().numpy(), **_as_numpy(kwargs), return_attention=True)
+    _assert_like_numpy(output, expected, OUTPUT_TOL)
+    if weights is not None:
+        _assert_like_numpy(weights, expected_weights, WEIGHTS_TOL)
+
+
+@pytest.mark.parametrize("projections", ["fused", "separate"])
+@pytest.mark.parametrize("variant", sorted(NEW_VARIANTS))
+def test_new_variant_without_masks_matches_numpy(variant, projections):
+    """Causal with no mask and T == S is where SDPA's own `is_causal` triangle is taken: a window
+    (one- or two-sided) or a chunk must keep the layer off it. Fused (one input) and separate
+    projections."""
+    layer = _layer(**NEW_VARIANTS[variant])
+    twin = _numpy_twin(layer, NEW_VARIANTS[variant])
+    x, _, _ = _inputs()
+    inputs = (x,) if projections == "fused" else (x, x.clone(), x.clone())
+    rope = _new_positions(layer)
+    for causal in (False, True):
+        with torch.no_grad():
+            output = layer(*inputs, causal=causal, **rope)
+        expected = twin(*(i.double().numpy() for i in inputs), causal=causal, **_as_numpy(rope))
+        _assert_like_numpy(output, expected, OUTPUT_TOL)
+
+
+def _portable_grads(layer):
+    """The gradients of the layer's parameters by their portable names (kernels transposed)."""
+    grads = {}
+    for name in layer.weight_shapes():
+        tensor, transposed = layer._parameter(name)
+        grads[name] = tensor.grad.T if transposed else tensor.grad
+    return grads
+
+
+@pytest.mark.parametrize("path", ["sdpa", "explicit"])
+@pytest.mark.parametrize("variant", sorted(NEW_VARIANTS))
+def test_new_variant_gradients_match_numpy_backward(variant, path):
+    """Autograd through the new pieces (LayerNorm, per-head scales, norm biases, M-RoPE, the
+    window pair and the chunk in keep) against NumPy's `backward`: inputs, every weight and
+    attention_bias."""
+    config = NEW_VARIANTS[variant]
+    layer = _layer(**config).train()
+    twin = _numpy_twin(layer, config)
+    x, keep, _ = _inputs()
+    y = _randn(B, T, E, seed=7)
+    bias = (_randn(1, N, T, T, seed=8) * 0.5).requires_grad_()
+    rope = _new_positions(layer)
+    grad_output = _randn(B, T, E, seed=9)
+    inputs = [x.clone().requires_grad_(), y.clone().requires_grad_()]
+    output, _ = _call(layer, path, *inputs, attention_mask=keep, attention_bias=bias, causal=True, **rope)
+    (output * grad_output).sum().backward()
+    arrays = {"attention_mask": keep.numpy(), "attention_bias": bias.detach().double().numpy(), **_as_numpy(rope)}
+    twin(x.double().numpy(), y.double().numpy(), causal=True, **arrays)
+    expected = twin.backward(grad_output.double().numpy())
+    got = {**_portable_grads(layer), "query": inputs[0].grad, "key": inputs[1].grad, "attention_bias": bias.grad}
+    assert set(expected) == set(got)
+    for name, grad in got.items():
+        _assert_like_numpy(grad, expected[name], GRADS_TOL)
+
+
+def test_new_norm_weights_get_gradients():
+    """The per-head scales and the norm biases (zeros at initialization) all move."""
+    layer = _layer(**NEW_VARIANTS["everything_new"])
+    x, _, _ = _inputs()
+    layer(x, causal=True).square().sum().backward()
+    for name in ("query_norm", "key_norm", "query_norm_bias", "key_norm_bias"):
+        grad = getattr(layer, name).grad.view(-1, H)  # (heads, H): each head its own
+        assert torch.isfinite(grad).all() and (grad.abs().sum(-1) > 0).all(), name
+
+
+DECODE_VARIANTS = ["window_pair", "chunk", "chunk_window_pair", "mrope", "everything_new"]
+
+
+def _decode_steps(layer, x, chunks, length, causal, positions=None, return_attention=False, cache=None):
+    """Decodes x chunk by chunk; returns the concatenated outputs and the last cache."""
+    cache = layer.init_cache(x.shape[0], length) if cache is None else cache
+    outputs, start = [], 0
+    for size in chunks:
+        chunk = slice(start, start + size)
+        rope = {} if positions is None else {"positions": positions[..., chunk]}
+        result = layer(x[:, chunk], causal=causal, cache=cache, return_attention=return_attention, **rope)
+        outputs.append(result[0])
+        cache = result[-1]
+        start += size
+    return outputs, cache
+
+
+@pytest.mark.parametrize("return_attention", [False, True], ids=["lean", "full_keep"])
+@pytest.mark.parametrize("chunks", [(7,), (4, 1, 1, 1), (1,) * 7])
+@pytest.mark.parametrize("variant", DECODE_VARIANTS)
+def test_new_variant_decoding_equals_the_full_causal_pass(variant, chunks, return_attention):
+    """Token by token (and in chunks) equals the full causal pass: the window pair and the chunk
+    in the lean step (bottom-right aligned over index + T slots) and in the cache's keep over L,
+    M-RoPE at its (k, B, T) positions."""
+    layer = _layer(**NEW_VARIANTS[variant])
+    x = _randn(2, 7, E, seed=26)
+    rope = _new_positions(layer, b=2, t=7)
+    with torch.no_grad():
+        outputs, cache = _decode_steps(layer, x, chunks, 10, True, rope.get("positions"), return_attention)
+        expected = layer(x, causal=True, **rope)
+    torch.testing.assert_close(torch.cat(outputs, 1), expected, atol=OUTPUT_TOL, rtol=0)
+    assert int(cache.index) == 7
+
+
+@pytest.mark.parametrize("return_attention", [False, True], ids=["lean", "full_keep"])
+@pytest.mark.parametrize("variant", DECODE_VARIANTS)
+def test_new_variant_decoding_without_causal_matches_numpy(variant, return_attention):
+    """Not causal, a chunk of T tokens sees the keys after each query within the chunk: the pair's
+    after-limit and the attention chunk over the cache's slots, against NumPy's decoding."""
+    config = NEW_VARIANTS[variant]
+    layer = _layer(**config)
+    twin = _numpy_twin(layer, config)
+    x = _randn(2, 9, E, seed=27)
+    rope = _new_positions(layer, b=2, t=9)
+    chunks = (3, 1, 4, 1)
+    with torch.no_grad():
+        outputs, _ = _decode_steps(layer, x, chunks, 12, False, rope.get("positions"), return_attention)
+    expected, _ = _decode_steps(twin, x.double().numpy(), chunks, 12, False, _as_numpy(rope).get("positions"))
+    for got, want in zip(outputs, expected, strict=True):
+        _assert_like_numpy(got, want, OUTPUT_TOL)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_rolling_cache_with_a_window_pair_rolls_by_w_before_and_matches_numpy(causal):
+    """window (3, 2): the cache rolls by W_before = 3 (L = 3 + 2 - 1 = 4 slots take chunks of 2
+    that wrap), the after-limit read off each slot's position, against NumPy's rolling cache."""
+    config = {**NEW_VARIANTS["everything_new"], "window": (3, 2), "attention_chunk_size": 5}
+    layer = _layer(**config)
+    twin = _numpy_twin(layer, config)
+    x = _randn(2, sum(ROLLING_CHUNKS), E, seed=42)
+    rope = _new_positions(layer, b=2, t=x.shape[1])
+    with torch.no_grad():
+        outputs, cache = _decode_steps(layer, x, ROLLING_CHUNKS, 4, causal, rope["positions"], True)
+    expected, _ = _decode_steps(twin, x.double().numpy(), ROLLING_CHUNKS, 4, causal, rope["positions"].numpy())
+    for got, want in zip(outputs, expected, strict=True):
+        _assert_like_numpy(got, want, OUTPUT_TOL)
+    with pytest.raises(ValueError, match=r"^`cache` rolls with `window`: .*Received: window=3, T=3, L=4$"):
+        layer(x[:, :3], cache=cache, positions=rope["positions"][..., :3])
+
+
+def test_new_variants_decode_compiled_fullgraph_equals_eager():
+    """Under torch.compile the index is a tensor: every step takes the cache's keep, with the pair
+    and the chunk folded in; one graph per T."""
+    config = NEW_VARIANTS["everything_new"]
+    layer = _layer(**config)
+    x = _randn(2, sum(ROLLING_CHUNKS), E, seed=43)
+    positions = _new_positions(layer, b=2, t=x.shape[1])["positions"]
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        eager, _ = _decode_steps(layer, x, ROLLING_CHUNKS, 5, True, positions)
+        got, _ = _decode_steps(compiled, x, ROLLING_CHUNKS, 5, True, positions)
+        expected = layer(x, causal=True, positions=positions)
+    assert counter.frame_count == 2  # T = 2 and T = 1
+    torch.testing.assert_close(torch.cat(got, 1), torch.cat(eager, 1), atol=OUTPUT_TOL, rtol=0)
+    torch.testing.assert_close(torch.cat(eager, 1), expected, atol=OUTPUT_TOL, rtol=0)
+
+
+def test_new_variants_compile_fullgraph_with_gradients():
+    layer = _layer(**NEW_VARIANTS["everything_new"]).train()
+    x, keep, _ = _inputs()
+    positions = _new_positions(layer)["positions"]
+
+    def step(x, keep, positions):
+        return layer(x, key_mask=keep[:, 0, 0], positions=positions)
+
+    expected = step(x, keep, positions)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(x, keep, positions)
+    torch.testing.assert_close(got, expected, atol=OUTPUT_TOL, rtol=0)
+    got.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
+@pytest.mark.parametrize("variant", ["everything_new", "qk_norm_head_layer_bias", "mrope"])
+def test_new_variants_int8_match_numpy_int8(variant):
+    """Both layers quantized from the same float weights: the NumPy int8 output within one
+    quantization step (an input integer rounded the other way in float32)."""
+    config = NEW_VARIANTS[variant]
+    layer = _layer(**config)
+    twin = _numpy_twin(layer, config)
+    layer.quantize("int8")
+    twin.quantize("int8")
+    x, keep, _ = _inputs()
+    rope = _new_positions(layer)
+    with torch.no_grad():
+        outputs = [layer(x, attention_mask=keep, causal=True, return_attention=path, **rope) for path in (0, 1)]
+    expected = twin(x.double().numpy(), attention_mask=keep.numpy(), causal=True, **_as_numpy(rope))
+    step = float(np.abs(twin._saved["merged"]).max() * twin.params["output_kernel_scale"].max())
+    for output in (outputs[0], outputs[1][0]):
+        assert np.abs(output.double().numpy() - expected).max() <= step + OUTPUT_TOL
+
+
+@pytest.mark.parametrize("return_attention", [False, True])
+def test_new_variants_on_the_meta_device_give_the_cpu_shapes(return_attention):
+    """Forward (SDPA and explicit) and decoding (prefill, steps that roll the cache) on meta."""
+    config = NEW_VARIANTS["everything_new"]
+
+    def run(device):
+        layer = MultiHeadAttention(E, N, num_kv_heads=K, head_dim=H, **config, device=device)
+        x = _randn(2, 7, E, seed=44).to(device)
+        positions = torch.arange(7).expand(2, 2, 7).to(device)
+        results = [layer(x, causal=True, positions=positions, return_attention=return_attention)]
+        with torch.no_grad():
+            cache = layer.init_cache(2, 5)
+            for start, stop in ((0, 3), (3, 4), (4, 5), (5, 6), (6, 7)):
+                result = layer(x[:, start:stop], causal=True, cache=cache, return_attention=return_attention)
+                cache = result[-1]
+                results.append(result)
+        return results
+
+    cpu, meta = run("cpu"), run("meta")
+    cpu_leaves, meta_leaves = torch.utils._pytree.tree_leaves(cpu), torch.utils._pytree.tree_leaves(meta)
+    assert len(cpu_leaves) == len(meta_leaves) > 0
+    for got, expected in zip(meta_leaves, cpu_leaves, strict=True):
+        assert (got.device.type, got.shape, got.dtype) == ("meta", expected.shape, expected.dtype)
+
+
+def test_window_and_chunk_masks_are_their_formulas():
+    """`window_mask` with an int and a pair and `attention_chunk_mask`, bottom-right aligned (T < S),
+    against a direct loop; `dot_product_attention` takes `attention_chunk_size`."""
+    t, s = 5, 9
+    for window, (before, after) in ((3, (3, None)), ((3, 2), (3, 2)), ((1, 1), (1, 1))):
+        expected = torch.tensor(
+            [[j > i + s - t - before and (after is None or j < i + s - t + after) for j in range(s)] for i in range(t)]
+        )
+        assert torch.equal(Multi_Head_Attention.window_mask(t, s, window), expected)
+    expected = torch.tensor([[j // 3 == (i + s - t) // 3 for j in range(s)] for i in range(t)])
+    assert torch.equal(Multi_Head_Attention.attention_chunk_mask(t, s, 3), expected)
+    q, k, v = _randn(2, 4, t, H, seed=45), _randn(2, 2, s, H, seed=46), _randn(2, 2, s, H, seed=47)
+    keep = Multi_Head_Attention.window_mask(t, s, (3, 2)) & expected
+    got = dot_product_attention(q, k, v, window=(3, 2), attention_chunk_size=3, return_attention=True)
+    want = dot_product_attention(q, k, v, keep, return_attention=True)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_modernbert_band_is_window_65_65():
+    """ModernBERT's local attention keeps |t - s| <= 64: `window=(65, 65)`."""
+    t = 150
+    band = (torch.arange(t)[:, None] - torch.arange(t)[None, :]).abs() <= 64
+    assert torch.equal(Multi_Head_Attention.window_mask(t, t, (65, 65)), band)
+
+
+def test_mrope_with_one_row_for_every_section_is_plain_rope():
+    """(B, T) positions, or the same row in every section, give exactly plain RoPE's numbers;
+    rows that differ give other numbers."""
+    plain = _layer(rope_theta=100.0)
+    sectioned = _layer(rope_theta=100.0, rope_sections=(1, 2, 1))
+    x, _, positions = _inputs()
+    expected = plain(x, positions=positions)
+    torch.testing.assert_close(sectioned(x, positions=positions), expected, atol=0, rtol=0)
+    torch.testing.assert_close(sectioned(x, positions=positions.expand(3, B, T)), expected, atol=0, rtol=0)
+    torch.testing.assert_close(sectioned(x), plain(x), atol=0, rtol=0)  # arange for every section
+    rows = torch.stack([positions, positions + 5, positions * 2])  # (3, B, T)
+    assert not torch.allclose(sectioned(x, positions=rows), expected, atol=1e-3)
+
+
+def test_mrope_turns_each_section_of_pairs_by_its_row():
+    """`apply_rope` with sections: pair i of section j turns as plain RoPE at row j's positions."""
+    x = _randn(2, 3, 4, H, seed=48)  # (B, heads, T, H)
+    inv_freq = Multi_Head_Attention.rope_frequencies(H, 100.0)  # (4,)
+    rows = torch.randint(0, 30, (3, 2, 4), generator=torch.Generator().manual_seed(49))
+    got = Multi_Head_Attention.apply_rope(x, rows, inv_freq, False, (1, 2, 1))
+    owner = [0, 1, 1, 2]  # the section of each pair
+    for pair, row in enumerate(owner):
+        one = Multi_Head_Attention.apply_rope(x, rows[row], inv_freq, False)
+        for feature in (pair, pair + H // 2):
+            torch.testing.assert_close(got[..., feature], one[..., feature], atol=0, rtol=0)
+
+
+def test_layer_norm_qk_norm_is_its_formula_in_float32_for_half_inputs():
+    """LayerNorm: the mean removed, the biased variance, then scale and bias; float16 q and k are
+    normalized in float32 and cast back."""
+    x = _randn(2, 3, 5, H, seed=50)
+    scale, bias = _randn(H, seed=51), _randn(H, seed=52)
+    centred = x - x.mean(-1, keepdim=True)
+    expected = centred / torch.sqrt(centred.square().mean(-1, keepdim=True) + 1e-6) * scale + bias
+    torch.testing.assert_close(Multi_Head_Attention.layer_norm(x, scale, 1e-6, bias), expected, atol=1e-6, rtol=0)
+    half = Multi_Head_Attention.layer_norm(x.half(), scale.half(), 1e-6, bias.half())
+    assert half.dtype == torch.float16
+    wide = Multi_Head_Attention.layer_norm(x.half().float(), scale.half().float(), 1e-6, bias.half().float())
+    torch.testing.assert_close(half, wide.half(), atol=0, rtol=0)
+
+
+def test_new_weights_layout_state_dict_and_initialization():
+    layer = MultiHeadAttention(E, N, num_kv_heads=K, head_dim=H, qk_norm="per_head", qk_norm_bias=True, sinks=True)
+    assert list(layer.weight_shapes())[-5:] == ["query_norm", "key_norm", "query_norm_bias", "key_norm_bias", "sinks"]
+    shapes = layer.weight_shapes()
+    assert shapes["query_norm"] == shapes["query_norm_bias"] == (N * H,)
+    assert shapes["key_norm"] == shapes["key_norm_bias"] == (K * H,)
+    assert layer.query_norm.detach().eq(1).all() and layer.key_norm_bias.detach().eq(0).all()
+    assert {"query_norm_bias", "key_norm_bias"} <= set(layer.state_dict())
+    head = MultiHeadAttention(E, N, num_kv_heads=K, head_dim=H, qk_norm="head", qk_norm_bias=True)
+    assert head.weight_shapes()["query_norm_bias"] == head.weight_shapes()["key_norm_bias"] == (H,)
+    unused = MultiHeadAttention(E, N, qk_norm_bias=True, qk_norm_type="layer")  # checked, no weights
+    assert "query_norm_bias" not in unused.weight_shapes() and unused.query_norm_bias is None
+    source = _layer(**NEW_VARIANTS["everything_new"])
+    other = MultiHeadAttention(E, N, num_kv_heads=K, head_dim=H, **NEW_VARIANTS["everything_new"])
+    other.import_weights(source.export_weights())
+    x, _, _ = _inputs()
+    torch.testing.assert_close(other(x), source(x), atol=0, rtol=0)
+
+
+def test_new_arguments_are_held_as_python_values_and_named():
+    layer = MultiHeadAttention(
+        E, N, head_dim=H, window=[np.int64(65), 65], attention_chunk_size=np.int64(8), rope_theta=10.0,
+        rope_sections=[np.int64(1), 3], qk_norm=np.str_("per_head"), qk_norm_type=np.str_("layer"),
+        qk_norm_bias=np.bool_(True),
+    )  # fmt: skip
+    assert layer.window == (65, 65) and all(type(side) is int for side in layer.window)
+    assert type(layer.attention_chunk_size) is int and layer.rope_sections == (1, 3)
+    assert type(layer.qk_norm_type) is str and layer.qk_norm_bias is True
+    text = layer.extra_repr()
+    for part in (
+        "window=(65, 65)", "attention_chunk_size=8", "rope_sections=(1, 3)", "qk_norm='per_head'",
+        "qk_norm_type='layer'", "qk_norm_bias=True",
+    ):  # fmt: skip
+        assert part in text, part
+    assert "qk_norm_type" not in MultiHeadAttention(E, N, qk_norm="head").extra_repr()
+    assert MultiHeadAttention(E, N, window=7).window == 7
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        ({"window": (4, 4)}, r"window=\(4, 4\)"),
+        ({"attention_chunk_size": 8}, r"attention_chunk_size=8"),
+        ({"rope_theta": 10.0, "rope_sections": (1, 1)}, r"rope_sections=\(1, 1\)"),
+        ({"qk_norm": "per_head"}, r"qk_norm='per_head'"),
+        ({"qk_norm": "head", "qk_norm_type": "layer"}, r"qk_norm_type='layer'"),
+        ({"qk_norm": "head", "qk_norm_bias": True}, r"qk_norm_bias=True"),
+    ],
+)
+def test_to_torch_refuses_the_new_variants(config, named):
+    with pytest.raises(ValueError, match=r"`torch.nn.MultiheadAttention` cannot hold .*Received: .*" + named):
+        MultiHeadAttention(16, 4, **config).to_torch()
+
+
+WINDOW_TEXT = r"`window` must be None, a positive integer or a pair \(before, after\) of positive integers\. "
+NEW_CONSTRUCTOR_ERRORS = {
+    "window_zero": ({"window": 0}, WINDOW_TEXT + r"Received: window=0$"),
+    "window_bool": ({"window": True}, WINDOW_TEXT + r"Received: window=True$"),
+    "window_float": ({"window": 2.0}, WINDOW_TEXT + r"Received: window=2\.0$"),
+    "window_string": ({"window": "4"}, WINDOW_TEXT + r"Received: window='4'$"),
+    "window_dict": ({"window": {1: 2}}, WINDOW_TEXT + r"Received: window=\{1: 2\}$"),
+    "window_none_inside": ({"window": (None, 2)}, WINDOW_TEXT + r"Received: window=\(None, 2\)$"),
+    "window_three": ({"window": [1, 2, 3]}, WINDOW_TEXT + r"Received: window=\[1, 2, 3\]$"),
+    "window_one": ({"window": (4,)}, WINDOW_TEXT + r"Received: window=\(4,\)$"),
+    "window_zero_after": ({"window": (4, 0)}, WINDOW_TEXT + r"Received: window=\(4, 0\)$"),
+    "chunk": ({"attention_chunk_size": 0}, r"^`attention_chunk_size` must be a positive integer\. Received: attention_chunk_size=0$"),
+    "chunk_float": ({"attention_chunk_size": 4.0}, r"Received: attention_chunk_size=4\.0$"),
+    "rope_sections_type": ({"rope_sections": 4}, r"^`rope_sections` must be None or a list or tuple of positive integers\. Received: rope_sections=4$"),
+    "rope_sections_zero": ({"rope_sections": (2, 0)}, r"Received: rope_sections=\(2, 0\)$"),
+    "rope_sections_bool": ({"rope_sections": [True, 3]}, r"Received: rope_sections=\[True, 3\]$"),
+    "rope_sections_sum": ({"rope_theta": 10.0, "rope_sections": (1, 2)}, re.escape("`rope_sections` must sum to R/2 = 4, the pairs RoPE rotates (R = int(head_dim * rope_fraction) = 8). Received: rope_sections=(1, 2)")),
+    "rope_sections_sum_partial": ({"rope_theta": 10.0, "rope_fraction": 0.5, "rope_sections": (1, 2)}, re.escape("R/2 = 2, the pairs RoPE rotates (R = int(head_dim * rope_fraction) = 4)")),
+    "qk_norm": ({"qk_norm": "layer"}, r"^`qk_norm` must be None, 'head', 'per_head' or 'all'\. Received: qk_norm='layer'$"),
+    "qk_norm_type": ({"qk_norm_type": "rmsnorm"}, r"^`qk_norm_type` must be 'rms' or 'layer'\. Received: qk_norm_type='rmsnorm'$"),
+    "qk_norm_type_none": ({"qk_norm": "head", "qk_norm_type": None}, r"Received: qk_norm_type=None$"),
+    "qk_norm_bias": ({"qk_norm_bias": 1}, r"^`qk_norm_bias` must be True or False\. Received: qk_norm_bias=1$"),
+    "first_named_window_before_chunk": ({"window": 0, "attention_chunk_size": 0}, r"^`window`"),
+    "first_named_chunk_before_rope_theta": ({"attention_chunk_size": 0, "rope_theta": -1.0}, r"^`attention_chunk_size`"),
+    "first_named_rope_scaling_before_sections": ({"rope_scaling": {}, "rope_sections": 0}, r"^`rope_scaling`"),
+    "first_named_sections_before_qk_norm": ({"rope_sections": 0, "qk_norm": "x"}, r"^`rope_sections`"),
+    "first_named_qk_norm_type_before_clip": ({"qk_norm_type": "x", "clip_qkv": 0}, r"^`qk_norm_type`"),
+    "first_named_clip_before_flags": ({"clip_qkv": 0, "qk_norm_bias": 1}, r"^`clip_qkv`"),
+    "first_named_qk_norm_bias_before_sinks": ({"qk_norm_bias": 1, "sinks": 1}, r"^`qk_norm_bias`"),
+    "first_named_rope_interleaved_before_qk_norm_bias": ({"rope_interleaved": 1, "qk_norm_bias": 1}, r"^`rope_interleaved`"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(NEW_CONSTRUCTOR_ERRORS))
+def test_new_constructor_errors(name):
+    config, pattern = NEW_CONSTRUCTOR_ERRORS[name]
+    with pytest.raises(ValueError, match=pattern):
+        MultiHeadAttention(E, N, head_dim=H, **config)
+
+
+def test_rope_sections_without_rope_are_only_type_checked():
+    assert MultiHeadAttention(E, N, head_dim=H, rope_sections=(5, 7)).rope_sections == (5, 7)
+
+
+@pytest.mark.parametrize(
+    "positions",
+    [
+        torch.arange(4),
+        torch.zeros(2, 2, 3, dtype=torch.long),
+        torch.zeros(3, 2, 3),
+        torch.zeros(3, 1, 3, dtype=torch.long),
+    ],
+    ids=["length", "rows", "float", "batch"],
+)
+def test_positions_with_rope_sections_errors(positions):
+    layer = MultiHeadAttention(E, N, head_dim=H, rope_theta=10.0, rope_sections=(1, 2, 1))
+    pattern = re.escape(
+        "`positions` must be an integer tensor of shape (B, T), (T,) or (3, B, T) with B=2, T=3 (one row per section "
+        f"of `rope_sections`). Received: positions.shape={tuple(positions.shape)}, "
+        f"positions.dtype={str(positions.dtype).removeprefix('torch.')}"
+    )
+    with pytest.raises(ValueError, match="^" + pattern + "$"):
+        layer(X, positions=positions)
+    plain = MultiHeadAttention(E, N, head_dim=H, rope_theta=10.0)
+    with pytest.raises(ValueError, match=r"^`positions` must be an integer tensor of shape \(B, T\) or \(T,\) with"):
+        plain(X, positions=torch.zeros(3, 2, 3, dtype=torch.long))
+
+
+def test_torch_export_with_the_new_variants():
+    layer = _layer(**NEW_VARIANTS["everything_new"])
+    x, keep, _ = _inputs()
+    positions = _new_positions(layer)["positions"]  # (2, B, T): M-RoPE's rows
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = layer
+
+        def forward(self, x, key_mask, positions):
+            return self.attention(x, key_mask=key_mask, positions=positions, causal=True)
+
+    program = torch.export.export(Wrapped(), (x, keep[:, 0, 0], positions))
+    expected = layer(x, key_mask=keep[:, 0, 0], positions=positions, causal=True)
+    torch.testing.assert_close(program.module()(x, keep[:, 0, 0], positions), expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("qk_norm", ["per_head", "head"])
+def test_tensor_parallel_refuses_per_head_scales_it_cannot_split(qk_norm):
+    """A rank holding 2 of 4 query heads (and 1 of 2 key/value heads) cannot tell which heads'
+    scales are its own: `qk_norm='per_head'` is refused as 'all' is; 'head' (shared) splits."""
+    layer = MultiHeadAttention(E, N, num_kv_heads=K, head_dim=H, qk_norm=qk_norm)
+    q, k = torch.zeros(1, N // 2, 3, H), torch.zeros(1, K // 2, 3, H)
+    if qk_norm == "head":
+        layer._check_local_heads(q, k, None, None)
+        return
+    with pytest.raises(ValueError, match=r"^`sinks` and `qk_norm='all'` hold numbers of every head .*'per_head'"):
+        layer._check_local_heads(q, k, None, None)
