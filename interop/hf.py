@@ -1005,7 +1005,8 @@ def replace_attention(model, layer_class=None):
         The names of the replaced modules.
 
     Raises:
-        ValueError: for a model with no attention module of these kinds, or a module `port_attention` refuses.
+        ValueError: for a model with no attention module of these kinds, a module `port_attention` refuses,
+            or Qwen2-VL's multimodal RoPE (its modules never see their (3, B, T) positions).
     """
     import torch
 
@@ -1049,6 +1050,11 @@ def _swapped(torch, module, layer_class, bert):
     """The wrapper module that calls the ported layer as `module` was called."""
     config = getattr(module, "config", None) or getattr(module.self, "config", None)
     kwargs, weights = port_attention(module, config)
+    if "rope_sections" in kwargs:
+        raise ValueError(
+            "`model` must rotate by one row of positions: the (3, B, T) positions of Qwen2-VL's multimodal RoPE "
+            f"do not reach its attention modules (they get cos and sin). Received: {type(module).__name__}"
+        )
     parameter = next(module.parameters())
     layer = layer_class(**kwargs)
     layer.import_weights(weights)

@@ -1524,7 +1524,7 @@ def _prompts():
     return torch.from_numpy(ids), torch.from_numpy(mask)
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3", "qwen3"] if "PyTorch" in FRAMEWORKS else [])
+@pytest.mark.parametrize("name", ["llama", "gemma3", "qwen3", "phi_qk_layernorm"] if "PyTorch" in FRAMEWORKS else [])
 def test_replaced_attention_generates_the_same_tokens(name):
     """Left-padded prompts: the same logits on a full pass and at every greedy step (transformers' DynamicCache
     beside the layer's own cache; Gemma 3's sliding layers included), hence the same tokens."""
@@ -1557,3 +1557,7 @@ def test_replaced_attention_gives_the_encoders_states(name):
 def test_replace_attention_refuses_a_model_it_cannot_swap():
     with pytest.raises(ValueError, match=r"`model` must hold attention modules of the Llama kind .* Received: GPT2"):
         replace_attention(copy.deepcopy(_model("gpt2")))
+    model = copy.deepcopy(_model("qwen2_vl"))
+    with pytest.raises(ValueError, match=r"`model` must rotate by one row of positions: .* Received: Qwen2VLAttention"):
+        replace_attention(model)
+    assert type(model.layers[0].self_attn).__name__ == "Qwen2VLAttention"  # refused before any swap
