@@ -22,10 +22,13 @@ combined into one keep and one bias; 2. projections (clamped by `clip_qkv`); 3. 
 
 Variants, each off by default and each one small step of the call: `bias` per projection, `scale`
 (default 1 / sqrt(H)), `softcap` (scores become c * tanh(scores / c)), `window` (query t keeps key
-s only if s > t + (S - T) - W), RoPE (`rope_theta`, `rope_fraction`, `rope_interleaved`,
-`rope_scaling`; `positions` in the call), `qk_norm` (RMSNorm of q and k per head or over all
-heads), `sinks` (a learned logit per head in the softmax's denominator) and `clip_qkv` (q, k and
-v clamped to [-c, c] right after their projections: OLMo, DBRX, MPT). Call arguments
+s only if s > t + (S - T) - W; a pair (W_before, W_after) also needs s < t + (S - T) + W_after),
+`attention_chunk_size` (keys only in the query's chunk of C positions: Llama 4), RoPE
+(`rope_theta`, `rope_fraction`, `rope_interleaved`, `rope_scaling`, `rope_sections` for
+multimodal RoPE; `positions` in the call), `qk_norm` (RMSNorm or LayerNorm, `qk_norm_type`, of q
+and k per head, each head with its own scale, or over all heads; `qk_norm_bias` adds a bias),
+`sinks` (a learned logit per head in the softmax's denominator) and `clip_qkv` (q, k and v
+clamped to [-c, c] right after their projections: OLMo, DBRX, MPT). Call arguments
 `attention_bias` (added to the scores, with a gradient; see `alibi_bias`), `key_mask` (B, S) and
 `query_mask` (B, T).
 
@@ -42,17 +45,19 @@ is `output_bias`: never NaN. Example, a key padding mask for keys [a, b, <pad>]:
     layer(x, key_mask=keep)                           # or attention_mask=keep[:, None, :]
 
 Weights: `query_kernel` (E, N*H), `query_bias` (N*H,), `key_kernel` (kdim, K*H), ...,
-`output_kernel` (N*H, E), `output_bias` (E,), `query_norm`, `key_norm` and `sinks` (N,): the
-portable layout itself, created in `build`. `layer.quantize("int8")` makes each kernel int8
-with a float32 `<kind>_kernel_scale` per output column (Keras' int8 `Dense` scheme).
+`output_kernel` (N*H, E), `output_bias` (E,), `query_norm`, `key_norm`, `query_norm_bias`,
+`key_norm_bias` and `sinks` (N,): the portable layout itself, created in `build`.
+`layer.quantize("int8")` makes each kernel int8 with a float32 `<kind>_kernel_scale` per output
+column (Keras' int8 `Dense` scheme).
 
 Decoding with a KV cache: `cache = layer.init_cache(B, L)`, then `output, cache = layer(x,
 cache=cache)` for a prompt and then one token at a time. The keys (rotated by RoPE) and values
 of the T new tokens are written to slots [index, index + T) (slot p mod L with a `window`: the
-cache rolls), and query t attends slot s iff s < index + T, keep[b, s], (not causal or
-s <= index + t), (no window or s > index + t - window) and `attention_mask` (given over L) keeps
-it. The cache is functional (a nest of tensors); `init_cache(B, L, in_place=True)` makes one of
-`tf.Variable`s, written in place.
+cache rolls by W_before), and query t attends the slot s holding position p iff p < index + T,
+keep[b, s], (not causal or p <= index + t), (no window or index + t - W_before < p, and with a
+pair p < index + t + W_after), (no chunk size or p // C == (index + t) // C) and
+`attention_mask` (given over L) keeps it. The cache is functional (a nest of tensors);
+`init_cache(B, L, in_place=True)` makes one of `tf.Variable`s, written in place.
 """
 
 import functools
@@ -131,46 +136,97 @@ class _Variants(NamedTuple):
 
     scale: float
     softcap: float | None
-    window: int | None
+    window: int | tuple | None  # W, or (W_before, W_after)
+    attention_chunk_size: int | None
     rope_theta: float | None
     rope_fraction: float
     rope_interleaved: bool
     rope_scaling: dict | None
+    rope_sections: tuple | None
     qk_norm: str | None
     qk_norm_eps: float
+    qk_norm_type: str
+    qk_norm_bias: bool
     sinks: bool
     clip_qkv: float | None
 
 
 def _check_variants(
-    head_dim, scale, softcap, window, rope_theta, rope_fraction, rope_interleaved, rope_scaling, qk_norm, qk_norm_eps,
-    sinks, clip_qkv,
+    head_dim, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved, rope_scaling,
+    rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv,
 ):  # fmt: skip
-    """The variant arguments of the constructor checked (a ValueError names the first bad one)
-    into a `_Variants`; `scale` None becomes 1 / sqrt(H)."""
+    """The variant arguments of the constructor checked (a ValueError names the first bad one, in
+    the signature's order with the flags last) into a `_Variants`; `scale` None becomes 1 / sqrt(H)."""
     scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float("scale", scale)
     softcap = _positive_float("softcap", softcap, optional=True)
-    window = None if window is None else _positive_int("window", window)
+    window = _check_window(window)
+    chunk = None if attention_chunk_size is None else _positive_int("attention_chunk_size", attention_chunk_size)
     rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
-    _rotary_dim(rope_fraction, head_dim, rope_theta is not None)
+    rotary = _rotary_dim(rope_fraction, head_dim, rope_theta is not None)
     rope_scaling = _check_rope_scaling(rope_scaling)
-    if qk_norm not in (None, "head", "all"):
-        raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
+    rope_sections = _check_rope_sections(rope_sections, rotary)
+    if qk_norm not in (None, "head", "per_head", "all"):
+        raise ValueError(f"`qk_norm` must be None, 'head', 'per_head' or 'all'. Received: qk_norm={qk_norm!r}")
     qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
     qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
+    if not isinstance(qk_norm_type, str) or qk_norm_type not in ("rms", "layer"):
+        raise ValueError(f"`qk_norm_type` must be 'rms' or 'layer'. Received: qk_norm_type={qk_norm_type!r}")
     clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
     rope_interleaved = _flag("rope_interleaved", rope_interleaved)
+    qk_norm_bias = _flag("qk_norm_bias", qk_norm_bias)
     sinks = _flag("sinks", sinks)
     return _Variants(
-        scale, softcap, window, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling, qk_norm, qk_norm_eps,
-        sinks, clip_qkv,
+        scale, softcap, window, chunk, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling, rope_sections,
+        qk_norm, qk_norm_eps, str(qk_norm_type), qk_norm_bias, sinks, clip_qkv,
     )  # fmt: skip
 
 
+def _check_window(window):
+    """`window` as None, a Python int W, or a tuple (W_before, W_after) of two Python ints (from a
+    list or tuple); a bool, a float, a string, a dict, a pair holding anything else is refused."""
+    pair = isinstance(window, (list, tuple)) and len(window) == 2
+    sides = tuple(window) if pair else (window,)
+    if window is not None and not all(_is_positive_integer(side) for side in sides):
+        raise ValueError(
+            "`window` must be None, a positive integer or a pair (before, after) of positive integers. "
+            f"Received: window={window!r}"
+        )
+    return None if window is None else tuple(int(side) for side in sides) if pair else int(window)
+
+
+def _window_sides(window):
+    """`window` -> (W_before, W_after or None): an int W keeps W_before = W and no limit after."""
+    if window is None:
+        return None, None
+    return tuple(window) if isinstance(window, tuple) else (window, None)
+
+
+def _check_rope_sections(sections, rotary):
+    """`rope_sections` as a tuple of Python ints (None stays None): a non-empty list or tuple of
+    positive integers, summing to R/2 when RoPE is on (`rotary` R; None without RoPE)."""
+    if sections is None:
+        return None
+    if not isinstance(sections, (list, tuple)) or not sections or not all(map(_is_positive_integer, sections)):
+        raise ValueError(
+            "`rope_sections` must be None or a list or tuple of positive integers. "
+            f"Received: rope_sections={sections!r}"
+        )
+    if rotary is not None and sum(sections) != rotary // 2:
+        raise ValueError(
+            f"`rope_sections` must sum to R/2 = {rotary // 2}, the pairs RoPE rotates (R = int(head_dim * "
+            f"rope_fraction) = {rotary}). Received: rope_sections={sections!r}"
+        )
+    return tuple(int(n) for n in sections)
+
+
 def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    if not _is_positive_integer(value):
         raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
     return int(value)
+
+
+def _is_positive_integer(value):
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and value > 0
 
 
 def _positive_float(name, value, optional=False):
@@ -280,9 +336,10 @@ class _Call(NamedTuple):
     attention_bias: tf.Tensor | None  # checked, floating, rank 4 (dims may be 1)
     key_mask: tf.Tensor | None  # (B, S): after the self-attention default and implicit Keras masks
     query_mask: tf.Tensor | None  # (B, T), ANDed with the query's implicit Keras mask
-    positions: tf.Tensor | None  # (B|1, T) integers, or None without RoPE
+    positions: tf.Tensor | None  # (B|1, T) integers, (k, B|1, T) with `rope_sections`, or None without RoPE
     causal: bool  # the cache step replaces it by False once folded into keep
-    window: int | None  # self.window; the cache step replaces it by None once folded into keep
+    window: int | tuple | None  # self.window; the cache step replaces it by None once folded into keep
+    attention_chunk_size: int | None  # self.attention_chunk_size; likewise
     return_attention: bool
     cache: KVCache | None  # the cache step replaces it by the written cache
     training: bool | None  # the call's training flag
@@ -358,19 +415,34 @@ def _check_token_mask(name, mask, batch, length, letter):
     return mask
 
 
-def _check_positions(positions, b, t):
-    """Checks integer (B, T) or (T,) `positions` (dimensions unknown at trace time are not
-    checked) and returns them as (B, T) or (1, T)."""
+def _check_positions(positions, b, t, sections):
+    """Checks integer (B, T) or (T,) `positions`, or (k, B, T) with k `sections` (dimensions
+    unknown at trace time are not checked), and returns them as (B, T) or (1, T); with sections
+    as (k, B, T) or (k, 1, T), one row of positions used for every section."""
     positions = tf.convert_to_tensor(positions)
     shape = _static_shape(positions)
-    dims = {1: (t,), 2: (b, t)}.get(None if shape is None else len(shape))
+    dims = {1: (t,), 2: (b, t)}
+    if sections is not None:
+        dims[3] = (len(sections), b, t)
+    dims = dims.get(None if shape is None else len(shape))
     expected = dims is not None and not any(_differ(d, e) for d, e in zip(shape, dims, strict=True))
     if not positions.dtype.is_integer or not expected:
+        received = f"Received: positions.shape={shape}, positions.dtype={positions.dtype.name}"
+        if sections is None:
+            raise ValueError(
+                f"`positions` must be an integer tensor of shape (B, T) or (T,) with B={b}, T={t}. {received}"
+            )
         raise ValueError(
-            f"`positions` must be an integer tensor of shape (B, T) or (T,) with B={b}, T={t}. "
-            f"Received: positions.shape={shape}, positions.dtype={positions.dtype.name}"
+            f"`positions` must be an integer tensor of shape (B, T), (T,) or ({len(sections)}, B, T) with B={b}, "
+            f"T={t} (one row per section of `rope_sections`). {received}"
         )
-    return positions[None] if len(shape) == 1 else positions  # (T,) -> (1, T)
+    positions = positions[None] if len(shape) == 1 else positions  # (T,) -> (1, T)
+    return positions if sections is None or len(shape) == 3 else _per_section(positions, sections)
+
+
+def _per_section(positions, sections):
+    """(B|1, T) positions -> (k, B|1, T): the same row for each of the k `rope_sections`."""
+    return tf.repeat(positions[None], len(sections), axis=0)  # (B|1, T) -> (k, B|1, T)
 
 
 def _attention_mask(attention_mask, mask):
@@ -481,16 +553,35 @@ def causal_mask(t, s):
 
 
 def window_mask(t, s, window):
-    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - window (bottom-right aligned)."""
+    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - W_before, and with a pair
+    `window` (W_before, W_after) also s < t + (S - T) + W_after (bottom-right aligned)."""
     return _position_keep(tf.range(t) + (s - t), s, False, window)
 
 
-def _position_keep(positions, s, causal, window):
-    """(R, S) boolean for queries at `positions` (R,) over keys 0 .. S - 1: key s is kept iff
-    s <= position (when causal) and s > position - window (with a window); None if neither."""
-    keys, positions = tf.range(s)[None, :], positions[:, None]  # (1, S), (R, 1)
-    keep = keys <= positions if causal else None
-    return keep if window is None else _and(keep, keys > positions - window)
+def attention_chunk_mask(t, s, size):
+    """(T, S) boolean mask: query t keeps key s iff s // size == (t + (S - T)) // size (bottom-right
+    aligned): both in the same chunk of `size` positions."""
+    return _position_keep(tf.range(t) + (s - t), s, False, None, size)
+
+
+def _position_keep(positions, s, causal, window, attention_chunk_size=None):
+    """(R, S) boolean for queries at `positions` (R,) over keys 0 .. S - 1 (`_held_keep`)."""
+    return _held_keep(tf.range(s)[None, :], positions[:, None], causal, window, attention_chunk_size)  # (R, S)
+
+
+def _held_keep(held, positions, causal, window, attention_chunk_size):
+    """Whether a key at position `held` is kept for a query at `positions` (broadcasting, e.g.
+    (1, S) and (R, 1)): held <= position (when causal), held > position - W_before and
+    held < position + W_after (with a window), held // C == position // C (with a chunk size C);
+    None if none of them."""
+    before, after = _window_sides(window)
+    keep = held <= positions if causal else None
+    keep = keep if before is None else _and(keep, held > positions - before)
+    keep = keep if after is None else _and(keep, held < positions + after)
+    if attention_chunk_size is not None:
+        chunk = attention_chunk_size
+        keep = _and(keep, tf.math.floordiv(held, chunk) == tf.math.floordiv(positions, chunk))
+    return keep
 
 
 def _split_mask(mask, dtype):
@@ -566,13 +657,23 @@ def _linear(x, kernel, bias, kernel_scale=None):
     return tf.reshape(y, tf.concat([tf.shape(x)[:2], [kernel.shape[1]]], 0))  # (B*L, F) -> (B, L, F)
 
 
-def rms_norm(x, scale, eps):
-    """RMSNorm over the last axis, `x / sqrt(mean(x ** 2) + eps) * scale`, computed in float32
-    at least and cast back to x's dtype."""
+def rms_norm(x, scale, eps, bias=None):
+    """RMSNorm over the last axis, `x / sqrt(mean(x ** 2) + eps) * scale (+ bias)`, computed in
+    float32 at least and cast back to x's dtype."""
     dtype = _softmax_dtype(x.dtype)
     y = tf.cast(x, dtype)
     y = y * tf.math.rsqrt(tf.reduce_mean(tf.square(y), axis=-1, keepdims=True) + eps) * tf.cast(scale, dtype)
-    return tf.cast(y, x.dtype)
+    return tf.cast(y if bias is None else y + tf.cast(bias, dtype), x.dtype)
+
+
+def layer_norm(x, scale, eps, bias=None):
+    """LayerNorm over the last axis, `(x - mean(x)) / sqrt(mean((x - mean(x)) ** 2) + eps) * scale
+    (+ bias)` (the biased variance), computed in float32 at least and cast back to x's dtype."""
+    dtype = _softmax_dtype(x.dtype)
+    y = tf.cast(x, dtype)
+    y = y - tf.reduce_mean(y, axis=-1, keepdims=True)
+    y = y * tf.math.rsqrt(tf.reduce_mean(tf.square(y), axis=-1, keepdims=True) + eps) * tf.cast(scale, dtype)
+    return tf.cast(y if bias is None else y + tf.cast(bias, dtype), x.dtype)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -658,22 +759,24 @@ def scale_rotated(x, rotary_dim, factor):
     return tf.concat([x[..., :rotary_dim] * factor, x[..., rotary_dim:]], axis=-1)  # (B, heads, T, H)
 
 
-def apply_rope(x, positions, inv_freq, interleaved):
+def apply_rope(x, positions, inv_freq, interleaved, sections=None):
     """Rotates the first R = 2 * len(inv_freq) features of each head of x.
 
     Args:
         x: (B, heads, T, H) queries or keys.
-        positions: (B, T) or (1, T) integer positions.
+        positions: (B, T) or (1, T) integer positions; with `sections`, (k, B, T) or (k, 1, T).
         inv_freq: (R/2,) float32 frequencies from `rope_frequencies`.
         interleaved: False pairs feature i with i + R/2 (Llama, GPT-NeoX); True pairs 2i and
             2i + 1 (GPT-J).
+        sections: None, or k numbers of pairs summing to R/2 (multimodal RoPE): the pairs of
+            section j turn by the positions of row j.
 
     Returns:
         x rotated, in its dtype; the angles and their cos and sin are float32.
     """
     inv_freq = tf.convert_to_tensor(inv_freq, tf.float32)
     rotary_dim = 2 * inv_freq.shape[0]
-    angles = tf.expand_dims(tf.expand_dims(tf.cast(positions, tf.float32), 1), -1) * inv_freq  # -> (B, 1, T, R/2)
+    angles = tf.expand_dims(rope_angles(positions, inv_freq, sections), 1)  # (B, T, R/2) -> (B, 1, T, R/2)
     dtype = _softmax_dtype(x.dtype)
     cos, sin = tf.cast(tf.cos(angles), dtype), tf.cast(tf.sin(angles), dtype)  # (B, 1, T, R/2)
     cos, sin = _on_pairs(cos, cos, interleaved), _on_pairs(-sin, sin, interleaved)  # (B, 1, T, R)
@@ -682,6 +785,19 @@ def apply_rope(x, positions, inv_freq, interleaved):
     if rotary_dim == x.shape[-1]:
         return turned
     return tf.concat([turned, x[..., rotary_dim:]], axis=-1)  # (B, heads, T, H)
+
+
+def rope_angles(positions, inv_freq, sections=None):
+    """(B, T, R/2) float32 angles: (B, T) positions times the (R/2,) inv_freq; with `sections`
+    (multimodal RoPE) the pairs are split, in order, into sections of those sizes, and pair i of
+    section j turns by positions[j] * inv_freq[i], from (k, B, T) positions."""
+    positions, inv_freq = tf.cast(positions, tf.float32), tf.convert_to_tensor(inv_freq, tf.float32)
+    if sections is None:
+        return tf.expand_dims(positions, -1) * inv_freq  # (B, T, 1) * (R/2,) -> (B, T, R/2)
+    parts = tf.split(inv_freq, list(sections))  # k pieces of inv_freq, one per section
+    rows = tf.unstack(positions, len(sections))  # k x (B, T)
+    angles = [tf.expand_dims(row, -1) * part for row, part in zip(rows, parts, strict=True)]  # k x (B, T, section)
+    return tf.concat(angles, axis=-1)  # (B, T, R/2)
 
 
 def _turn(x, cos, sin, interleaved):
@@ -772,7 +888,7 @@ def _check_keep(keep, batch_size, max_length):
 def _check_room(index, t, length, window):
     """Whether the T new tokens do not fit, as a () boolean tensor: without a window index + T must
     be <= L; with one the cache rolls, and a call that wraps must leave its first query's keys in
-    place (L >= window + T - 1). Eagerly a misfit is a ValueError; in a graph an
+    place (L >= window + T - 1; `window` is W_before). Eagerly a misfit is a ValueError; in a graph an
     InvalidArgumentError (XLA ignores it, and the caller sets that call's output to NaN)."""
     misfit = index + t > length  # ()
     if window is not None:
@@ -807,19 +923,19 @@ def _slot_positions(length, last):
     return slots + length * tf.math.floordiv(last - slots, length)  # (L,)
 
 
-def _cache_keep(keep, index, t, causal, window):
-    """(B, L) cache keep -> (B, 1, T, L): slot s holds a written position p(s), is not padding,
-    when causal p(s) is at most the query's own position index + t, and with a window W
-    p(s) > index + t - W. Without a window p(s) is s (the cache does not roll, and the slots from
-    index + T on are unwritten)."""
+def _cache_keep(keep, index, t, causal, window, attention_chunk_size):
+    """(B, L) cache keep -> (B, 1, T|1, L): slot s holds a written position p(s), is not padding,
+    when causal p(s) is at most the query's own position index + t, and with a window
+    p(s) > index + t - W_before (and p(s) < index + t + W_after with a pair), with a chunk size C
+    p(s) // C == (index + t) // C. Without a window p(s) is s (the cache does not roll, and the
+    slots from index + T on are unwritten)."""
     length = keep.shape[-1] or tf.shape(keep)[-1]  # L, static where known
     last = index + t - 1  # the last position written
     held = (tf.range(length) if window is None else _slot_positions(length, last))[None, :]  # (1, L), p(s)
     positions = index + tf.range(t)[:, None]  # (T, 1), the position of each query
-    allowed = held <= positions if causal else held < index + t  # (T, L)
-    if window is not None:
-        allowed = allowed & (held >= 0) & (held > positions - window)  # (T, L)
-    return allowed[None, None] & keep[:, None, None, :]  # (B, 1, T, L)
+    allowed = (held >= 0) & (held < index + t)  # (1, L): written
+    allowed = _and(allowed, _held_keep(held, positions, causal, window, attention_chunk_size))  # (T|1, L)
+    return allowed[None, None] & keep[:, None, None, :]  # (B, 1, T|1, L)
 
 
 def _write_cache(cache, k, v, key_mask):
@@ -846,8 +962,9 @@ def _write_cache(cache, k, v, key_mask):
 
 
 def dot_product_attention(
-    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, sinks=None, dropout=None
-):
+    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, attention_chunk_size=None,
+    sinks=None, dropout=None,
+):  # fmt: skip
     """Pure attention on split heads; returns (context, weights).
 
     Args:
@@ -859,7 +976,9 @@ def dot_product_attention(
         causal: if True, query t keeps key s only if s <= t + (S - T).
         scale: the factor of the scores; None is 1 / sqrt(H).
         softcap: None or c: the scaled scores become c * tanh(scores / c).
-        window: None or W: query t keeps key s only if s > t + (S - T) - W.
+        window: None, W or (W_before, W_after): query t keeps key s only if
+            s > t + (S - T) - W_before, and with a pair also s < t + (S - T) + W_after.
+        attention_chunk_size: None, or C: query t keeps key s only if s // C == (t + (S - T)) // C.
         sinks: None or (N,) logits, one per query head, in the softmax's denominator.
         dropout: None, or a callable applied to the weights before the weighted sum.
 
@@ -867,10 +986,7 @@ def dot_product_attention(
         context (B, N, T, H) and weights (B, N, T, S), exactly 0 where not kept.
     """
     t, s = tf.shape(q)[2], tf.shape(k)[2]
-    if causal:
-        keep = _and(keep, causal_mask(t, s))  # (B, N, T, S), dims may be 1
-    if window is not None:
-        keep = _and(keep, window_mask(t, s, window))  # (B, N, T, S), dims may be 1
+    keep = _and(keep, _position_keep(tf.range(t) + (s - t), s, causal, window, attention_chunk_size))  # dims may be 1
     groups = q.shape[1] // k.shape[1]
     k = tf.repeat(k, groups, axis=1) if groups > 1 else k  # (B, K, S, H) -> (B, N, S, H)
     v = tf.repeat(v, groups, axis=1) if groups > 1 else v  # (B, K, S, H) -> (B, N, S, H)
@@ -946,7 +1062,8 @@ class _Chunks(NamedTuple):
     keep: tf.Tensor | None  # boolean, rank 4, its T dimension 1 or padded to T' = count * size
     bias: tf.Tensor | None  # the floating mask's additive (no gradient), likewise
     causal: bool
-    window: int | None
+    window: int | tuple | None
+    attention_chunk_size: int | None  # Llama 4's chunks of keys, not the chunks of queries here
     softcap: float | None
     size: int | tf.Tensor  # queries per chunk (a () tensor under XLA with T unknown)
     count: tf.Tensor  # the number of chunks
@@ -960,7 +1077,7 @@ class _Chunks(NamedTuple):
 
 def _chunked_attention(
     q, k, v, keep, bias, causal, chunk, dropout_rate=0.0, seed=None, *,
-    scale=None, softcap=None, window=None, sinks=None, attention_bias=None,
+    scale=None, softcap=None, window=None, attention_chunk_size=None, sinks=None, attention_bias=None,
 ):  # fmt: skip
     """`dot_product_attention` without the weights, `chunk` queries at a time, in memory linear
     in T and S: only one chunk's (B, N, chunk, S) scores exist at a time, forward and backward
@@ -987,7 +1104,10 @@ def _chunked_attention(
     extras = {name: x for name, x in extras.items() if x is not None}  # the inputs with a gradient besides q, k, v
     seed = None if seed is None else tf.cast(seed, tf.int64)
     heads = (b, n, k.shape[1], q.shape[1] // k.shape[1], h)
-    chunks = _Chunks(keep, bias, causal, window, softcap, chunk, count, s - t, s, dropout_rate, seed, dtype, heads)
+    chunks = _Chunks(
+        keep, bias, causal, window, attention_chunk_size, softcap, chunk, count, s - t, s, dropout_rate, seed, dtype,
+        heads,
+    )  # fmt: skip
 
     @tf.custom_gradient
     def attend(q, k, v, *values):
@@ -1047,9 +1167,8 @@ def _chunk_weights(chunks, q, k, i, extra):
     capped = None if chunks.softcap is None else tf.tanh(scores / chunks.softcap)  # kept for the backward
     scores = scores if capped is None else chunks.softcap * capped  # `_softcap`, (B, N, chunk, S)
     positions = start + tf.range(size) + chunks.offset  # (chunk,)
-    keep_i = _and(
-        _chunk_rows(chunks.keep, start, size), _position_keep(positions, chunks.s, chunks.causal, chunks.window)
-    )
+    position_keep = _position_keep(positions, chunks.s, chunks.causal, chunks.window, chunks.attention_chunk_size)
+    keep_i = _and(_chunk_rows(chunks.keep, start, size), position_keep)  # (B, N, chunk, S), dims may be 1
     bias_i = _chunk_rows(extra.get("attention_bias"), start, size)
     added = _add(_chunk_rows(chunks.bias, start, size), bias_i)
     added = added if "sinks" in extra else _centre_rows(added, keep_i)
@@ -1378,8 +1497,11 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             ("query", "key", "value")). Kept as that tuple of names, in that order.
         scale: the factor of the scores, `scores = (q . k) * scale`. Defaults to 1 / sqrt(H).
         softcap: None or a positive float c: the scores become c * tanh(scores / c).
-        window: None or a positive integer W, a sliding window: query t keeps key s only if
-            s > t + (S - T) - W (with a cache: s > index + t - W).
+        window: None, W, or a pair (W_before, W_after): query t keeps key s only if
+            s > t + (S - T) - W_before, and with a pair also s < t + (S - T) + W_after
+            (Mistral's sliding window: W; ModernBERT's two-sided band: (65, 65)).
+        attention_chunk_size: None, or C: query t keeps key s only if both are in the same
+            chunk of C positions, s // C == (t + (S - T)) // C (Llama 4's chunked attention).
         rope_theta: None (no RoPE) or the base of rotary position embeddings.
         rope_fraction: in (0, 1]; RoPE turns the first R = int(H * rope_fraction) features.
         rope_interleaved: False pairs feature i with i + R/2; True pairs 2i and 2i + 1.
@@ -1388,8 +1510,15 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             (factor, original_max_position_embeddings, optional attention_factor, beta_fast,
             beta_slow, mscale, mscale_all_dim, truncate; the rotated features of q and k are
             also multiplied by its attention factor).
-        qk_norm: None, "head" (RMSNorm of each head of q and k) or "all" (over all heads).
-        qk_norm_eps: the epsilon of the QK-norm.
+        rope_sections: None, or the numbers of rotated pairs (summing to R/2) that turn by each
+            row of (k, B, T) `positions` in turn (Qwen2-VL's multimodal RoPE, `mrope_section`).
+        qk_norm: None, "head" (each head of q and k normalized, one scale shared by the heads:
+            Qwen3), "per_head" (each head with its own scale: StableLM, Cohere) or "all" (over all
+            heads: OLMo2); its scales are the weights `query_norm` and `key_norm`.
+        qk_norm_eps: the epsilon of that norm.
+        qk_norm_type: "rms" (RMSNorm) or "layer" (LayerNorm: the mean is removed first).
+        qk_norm_bias: if True, the norm adds a learned bias after its scale (`query_norm_bias`,
+            `key_norm_bias`: Phi's LayerNorm).
         sinks: if True, one learned logit per query head in the softmax's denominator.
         clip_qkv: None or c > 0: q, k and v are clamped to [-c, c] right after their projections
             (bias included), before QK-norm, RoPE and the cache (OLMo, DBRX, MPT).
@@ -1407,8 +1536,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             masks. In self-attention it defaults to `query_mask`.
         query_mask: (B, T) boolean, True for a real query; ANDed with the query's Keras mask.
         attention_bias: floating, added to the scores (with a gradient); shaped like a mask.
-        positions: integer (B, T) or (T,) RoPE positions. Defaults to arange(T) (+ the
-            cache's index).
+        positions: integer (B, T) or (T,) RoPE positions, or (k, B, T) with `rope_sections`;
+            default arange(T) (+ the cache index).
         causal: if True, query t attends key s only if s <= t + (S - T).
         return_attention: if True, also return the per-head attention weights.
         training: dropout acts only when True.
@@ -1451,9 +1580,10 @@ class MultiHeadAttention(tf.keras.layers.Layer):
 
     def __init__(
         self, d_model, num_heads, *, num_kv_heads=None, head_dim=None, kdim=None, vdim=None, dropout=0.0, bias=True,
-        scale=None, softcap=None, window=None, rope_theta=None, rope_fraction=1.0, rope_interleaved=False,
-        rope_scaling=None, qk_norm=None, qk_norm_eps=1e-6, sinks=False, clip_qkv=None,
-        kernel_initializer="glorot_uniform", bias_initializer="zeros", **kwargs,
+        scale=None, softcap=None, window=None, attention_chunk_size=None, rope_theta=None, rope_fraction=1.0,
+        rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None, qk_norm_eps=1e-6,
+        qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, kernel_initializer="glorot_uniform",
+        bias_initializer="zeros", **kwargs,
     ):  # fmt: skip
         if tf.keras.backend.backend() != "tensorflow":
             raise ValueError(
@@ -1477,8 +1607,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         self.dropout = _dropout_rate(dropout)
         self.bias = _projection_biases(bias)
         variants = _check_variants(
-            self.head_dim, scale, softcap, window, rope_theta, rope_fraction, rope_interleaved, rope_scaling, qk_norm,
-            qk_norm_eps, sinks, clip_qkv,
+            self.head_dim, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved,
+            rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv,
         )  # fmt: skip
         for name, value in variants._asdict().items():
             setattr(self, name, value)
@@ -1515,10 +1645,11 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         self.built = True
 
     def _initializer(self, name):
-        """Kernels and biases from the layer's initializers; QK-norm scales of one, sinks of zero."""
+        """Kernels and biases from the layer's initializers; QK-norm scales of one, QK-norm biases
+        and sinks of zero."""
         if name.endswith("_norm"):
             return tf.keras.initializers.Ones()
-        if name == "sinks":
+        if name.endswith("_norm_bias") or name == "sinks":
             return tf.keras.initializers.Zeros()
         initializer = self.kernel_initializer if name.endswith("_kernel") else self.bias_initializer
         return initializer.__class__.from_config(initializer.get_config())  # a fresh instance: legacy Keras repeats
@@ -1570,13 +1701,17 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             "bias": bias,
             "scale": self.scale,
             "softcap": self.softcap,
-            "window": self.window,
+            "window": list(self.window) if isinstance(self.window, tuple) else self.window,
+            "attention_chunk_size": self.attention_chunk_size,
             "rope_theta": self.rope_theta,
             "rope_fraction": self.rope_fraction,
             "rope_interleaved": self.rope_interleaved,
             "rope_scaling": self.rope_scaling,
+            "rope_sections": None if self.rope_sections is None else list(self.rope_sections),
             "qk_norm": self.qk_norm,
             "qk_norm_eps": self.qk_norm_eps,
+            "qk_norm_type": self.qk_norm_type,
+            "qk_norm_bias": self.qk_norm_bias,
             "sinks": self.sinks,
             "clip_qkv": self.clip_qkv,
             "kernel_initializer": tf.keras.initializers.serialize(self.kernel_initializer),
@@ -1585,7 +1720,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
 
     def weight_shapes(self):
         """The portable layout: {name: shape}, in its order; a projection's bias only when `bias`
-        names it, the norm scales only with `qk_norm`, `sinks` only with `sinks=True`."""
+        names it, the norm scales only with `qk_norm` (and their biases with `qk_norm_bias`),
+        `sinks` only with `sinks=True`."""
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         kernels = {
             "query": (self.d_model, nh),
@@ -1599,8 +1735,10 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             if kind in self.bias:
                 shapes[f"{kind}_bias"] = shape[1:]
         if self.qk_norm is not None:
-            shapes["query_norm"] = (self.head_dim,) if self.qk_norm == "head" else (nh,)
+            shapes["query_norm"] = (self.head_dim,) if self.qk_norm == "head" else (nh,)  # "per_head", "all": (N*H,)
             shapes["key_norm"] = (self.head_dim,) if self.qk_norm == "head" else (kh,)
+        if self.qk_norm is not None and self.qk_norm_bias:
+            shapes["query_norm_bias"], shapes["key_norm_bias"] = shapes["query_norm"], shapes["key_norm"]
         if self.sinks:
             shapes["sinks"] = (self.num_heads,)
         return _with_scales(shapes) if self._int8 else shapes
@@ -1715,8 +1853,12 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             "scale": None if math.isclose(self.scale, 1 / math.sqrt(self.head_dim)) else self.scale,
             "softcap": self.softcap,
             "window": self.window,
+            "attention_chunk_size": self.attention_chunk_size,
             "rope_theta": self.rope_theta,
+            "rope_sections": self.rope_sections,
             "qk_norm": self.qk_norm,
+            "qk_norm_type": None if self.qk_norm_type == "rms" else self.qk_norm_type,
+            "qk_norm_bias": True if self.qk_norm_bias else None,
             "sinks": True if self.sinks else None,
             "clip_qkv": self.clip_qkv,
         }
@@ -1757,12 +1899,12 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         query, key, value = (tf.cast(x, self.compute_dtype) for x in (query, key, value))
         return _Call(
             query, key, value, attention_mask, attention_bias, key_mask, query_mask, positions, causal, self.window,
-            return_attention, cache, training, fuse,
+            self.attention_chunk_size, return_attention, cache, training, fuse,
         )  # fmt: skip
 
     def _positions(self, positions, query, key, cache):
-        """Checks `positions` and returns them as (B, T) or (1, T) integers (default
-        arange(T), plus the cache's index), or None without RoPE."""
+        """Checks `positions` and returns them as (B, T) or (1, T) integers, (k, B, T) or (k, 1, T)
+        with `rope_sections` (default arange(T), plus the cache's index), or None without RoPE."""
         if self.rope_theta is None:
             if positions is not None:
                 raise ValueError(
@@ -1777,8 +1919,9 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             )
         if positions is None:
             start = 0 if cache is None else cache.index
-            return (start + tf.range(tf.shape(query)[1]))[None]  # (1, T)
-        return _check_positions(positions, query.shape[0], query.shape[1])
+            positions = (start + tf.range(tf.shape(query)[1]))[None]  # (1, T)
+            return positions if self.rope_sections is None else _per_section(positions, self.rope_sections)
+        return _check_positions(positions, query.shape[0], query.shape[1], self.rope_sections)
 
     def _warn_traps(self, attention_mask, key_mask, t, s):
         """Warns once per layer for each built-in habit the masks' values suggest, where reading
@@ -1867,23 +2010,32 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         return tf.reshape(merged, tf.concat([tf.shape(merged)[:2], [-1]], 0))  # -> (B, L, heads*H)
 
     def _normalize_qk(self, q, k):
-        """QK-norm: RMSNorm of each head of q and k ("head", scales (H,)) or of all their heads
-        at once ("all", scales (N*H,) and (K*H,))."""
+        """QK-norm (`qk_norm_type`: RMSNorm or LayerNorm, plus a bias with `qk_norm_bias`) of each
+        head of q and k ("head": scales (H,) shared by the heads; "per_head": (N*H,) and (K*H,),
+        each head its own) or of all their heads at once ("all": (N*H,) and (K*H,))."""
         if self.qk_norm is None:
             return q, k
-        eps = self.qk_norm_eps
-        if self.qk_norm == "head":
-            return rms_norm(q, self.query_norm, eps), rms_norm(k, self.key_norm, eps)  # (B, heads, L, H)
-        q = self._split_heads(rms_norm(self._merge_heads(q), self.query_norm, eps), self.num_heads)  # (B, N, T, H)
-        k = self._split_heads(rms_norm(self._merge_heads(k), self.key_norm, eps), self.num_kv_heads)  # (B, K, S, H)
-        return q, k
+        return self._norm(q, "query", self.num_heads), self._norm(k, "key", self.num_kv_heads)
+
+    def _norm(self, x, kind, heads):
+        """The QK-norm of x (B, heads, L, H) with the `kind` ("query" or "key") scale and bias."""
+        norm = rms_norm if self.qk_norm_type == "rms" else layer_norm
+        scale = getattr(self, f"{kind}_norm")
+        bias = getattr(self, f"{kind}_norm_bias") if self.qk_norm_bias else None
+        if self.qk_norm == "all":
+            merged = norm(self._merge_heads(x), scale, self.qk_norm_eps, bias)  # (B, L, heads*H)
+            return self._split_heads(merged, heads)  # (B, heads, L, H)
+        if self.qk_norm == "per_head":
+            scale, bias = (None if w is None else tf.reshape(w, [heads, 1, self.head_dim]) for w in (scale, bias))
+        return norm(x, scale, self.qk_norm_eps, bias)  # (B, heads, L, H); "per_head": scales (heads, 1, H)
 
     def _rotate(self, q, k, positions):
-        """RoPE of q (B, N, T, H) and k (B, K, T, H) at (B, T) or (1, T) `positions`."""
+        """RoPE of q (B, N, T, H) and k (B, K, T, H) at (B, T) or (1, T) `positions` ((k, B|1, T)
+        with `rope_sections`)."""
         if self.rope_theta is None:
             return q, k
-        inv_freq, interleaved = self._inv_freq, self.rope_interleaved
-        q, k = apply_rope(q, positions, inv_freq, interleaved), apply_rope(k, positions, inv_freq, interleaved)
+        inv_freq, interleaved, sections = self._inv_freq, self.rope_interleaved, self.rope_sections
+        q, k = (apply_rope(x, positions, inv_freq, interleaved, sections) for x in (q, k))
         factor, rotary_dim = rope_attention_factor(self.rope_scaling), 2 * inv_freq.shape[0]
         return scale_rotated(q, rotary_dim, factor), scale_rotated(k, rotary_dim, factor)  # YaRN's factor
 
@@ -1892,20 +2044,21 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         (`_write_cache`, which takes `key_mask` into the cache's keep), keep ANDed with the
         (B, 1, T, L) slots each query may attend (causal and window folded in), and k, v the
         cache's (B, K, L, H). Returns k, v, keep, the call with its cache, causal and window
-        replaced, and in a graph whether the tokens do not fit (a () boolean tensor: a graph
+        replaced (and the chunk size), and in a graph whether the tokens do not fit (a () boolean tensor: a graph
         cannot raise under XLA, and that call's output becomes NaN), else None."""
         cache = call.cache
         if cache is None:
             return k, v, keep, call, None
         t, index = tf.shape(k)[2], tf.convert_to_tensor(cache.index)  # the index before this call's write
-        misfit = _check_room(index, t, _cache_length(cache), call.window)  # only ever True under XLA
+        misfit = _check_room(index, t, _cache_length(cache), _window_sides(call.window)[0])  # True only under XLA
         if _is_in_place(cache):
             cache = _write_variables(cache, k, v, call.key_mask, misfit)  # the same variables, written
         else:
             cache = _write_cache(cache, k, v, call.key_mask)
-        keep = _and(keep, _cache_keep(tf.convert_to_tensor(cache.keep), index, t, call.causal, call.window))
+        positional = (call.causal, call.window, call.attention_chunk_size)
+        keep = _and(keep, _cache_keep(tf.convert_to_tensor(cache.keep), index, t, *positional))  # (B, 1, T|1, L)
         k, v = tf.convert_to_tensor(cache.key), tf.convert_to_tensor(cache.value)  # (B, K, L, H), read once
-        call = call._replace(causal=False, window=None, cache=cache)  # both in `keep`
+        call = call._replace(causal=False, window=None, attention_chunk_size=None, cache=cache)  # all in `keep`
         return k, v, keep, call, None if tf.executing_eagerly() else misfit
 
     def _attend(self, q, k, v, keep, bias, call):
@@ -1919,7 +2072,10 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         dropout = self.dropout > 0 and training is not False and training is not None
         chunk = None if call.return_attention else self._query_chunk(q, k)
         sinks = self.sink_logits if self.sinks else None
-        variants = dict(scale=self.scale, softcap=self.softcap, window=call.window, sinks=sinks)
+        variants = dict(
+            scale=self.scale, softcap=self.softcap, window=call.window, attention_chunk_size=call.attention_chunk_size,
+            sinks=sinks,
+        )  # fmt: skip
         drop = functools.partial(self._dropout_layer, training=training) if dropout else None
 
         def at_once():
@@ -2091,7 +2247,7 @@ def _check_keras_can_hold(layer):
         received = ", ".join(f"{name}={getattr(layer, name)!r}" for name in held)
         raise ValueError(
             "`to_keras` needs a layer the Keras built-ins can hold: all four biases or none, the default "
-            f"scale, and no softcap, window, RoPE, QK-norm, sinks or clip_qkv. Received: {received}"
+            f"scale, and no softcap, window, attention chunks, RoPE, QK-norm, sinks or clip_qkv. Received: {received}"
         )
 
 

@@ -1,5 +1,6 @@
-"""TensorFlow layer, the modern variants and the built-ins' habits: scale, softcap, window, RoPE,
-QK-norm, sinks, clip_qkv, per-projection bias; key_mask, query_mask, attention_bias, positions; the
+"""TensorFlow layer, the modern variants and the built-ins' habits: scale, softcap, window (one- and
+two-sided), attention chunks, RoPE (multimodal sections too), QK-norm (RMS or LayerNorm, per head,
+with a bias), sinks, clip_qkv, per-projection bias; key_mask, query_mask, attention_bias, positions; the
 floating mask rule and the refused traps. Each variant against a small NumPy formula, and every
 code path (eager, tf.function, XLA, memory-efficient) against the others, gradients included."""
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from NumPy import MultiHeadAttention as NumpyMultiHeadAttention
 from shared_tests.cases import TOLERANCES
 from TensorFlow import AttentionMaskWarning, KVCache, MultiHeadAttention, alibi_bias, dot_product_attention
 from TensorFlow import Multi_Head_Attention as tf_file
@@ -59,6 +61,24 @@ VARIANTS = {
         "num_kv_heads": 2, "scale": 0.3, "softcap": 3.0, "window": 3, "rope_theta": 50.0, "rope_fraction": 0.5,
         "qk_norm": "head", "sinks": True, "bias": ("key", "output"), "clip_qkv": 1.0,
     },
+    "window_pair": {"window": (2, 2)},
+    "window_pair_wide_after": {"window": [3, 4], "num_kv_heads": 2},
+    "attention_chunk": {"attention_chunk_size": 2},
+    "attention_chunk_window_pair": {"attention_chunk_size": 3, "window": (2, 3), "sinks": True},
+    "rope_sections": {"rope_theta": 100.0, "rope_sections": (1, 1)},
+    "rope_sections_interleaved_yarn": {
+        "head_dim": 12, "rope_theta": 10.0, "rope_sections": [1, 2, 3], "rope_interleaved": True, "rope_scaling": YARN,
+    },
+    "qk_norm_per_head": {"qk_norm": "per_head", "num_kv_heads": 2},
+    "qk_norm_layer_head_bias": {"qk_norm": "head", "qk_norm_type": "layer", "qk_norm_bias": True},
+    "qk_norm_layer_per_head_bias": {"qk_norm": "per_head", "qk_norm_type": "layer", "qk_norm_bias": True},
+    "qk_norm_layer_all_gqa": {"qk_norm": "all", "qk_norm_type": "layer", "num_kv_heads": 2, "qk_norm_eps": 1e-3},
+    "qk_norm_rms_all_bias": {"qk_norm": "all", "qk_norm_bias": True},
+    "everything_new": {
+        "num_kv_heads": 2, "head_dim": 8, "softcap": 3.0, "window": (3, 2), "attention_chunk_size": 3,
+        "rope_theta": 50.0, "rope_fraction": 0.75, "rope_sections": (1, 2), "qk_norm": "per_head",
+        "qk_norm_type": "layer", "qk_norm_bias": True, "sinks": True, "clip_qkv": 1.0,
+    },
 }  # fmt: skip
 
 
@@ -81,8 +101,11 @@ def _layer(config, seed=0, **kwargs):
 # --- small NumPy formulas, written from docs/SPEC.md ------------------------------------------
 
 
-def np_attention(q, k, v, keep=None, bias=None, causal=False, scale=None, softcap=None, window=None, sinks=None):
-    """float64 attention on (B, N, T, H) / (B, K, S, H): (context, weights)."""
+def np_attention(
+    q, k, v, keep=None, bias=None, causal=False, scale=None, softcap=None, window=None, sinks=None, chunk=None
+):
+    """float64 attention on (B, N, T, H) / (B, K, S, H): (context, weights); `window` an int or a
+    pair (before, after), `chunk` Llama 4's attention chunk size."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     groups = q.shape[1] // k.shape[1]
     k, v = np.repeat(k, groups, 1), np.repeat(v, groups, 1)
@@ -96,8 +119,13 @@ def np_attention(q, k, v, keep=None, bias=None, causal=False, scale=None, softca
     kept = np.ones(scores.shape, bool) & (True if keep is None else keep)
     if causal:
         kept &= np.arange(s) <= position
-    if window is not None:
-        kept &= np.arange(s) > position - window
+    before, after = (window, None) if window is None or np.ndim(window) == 0 else window
+    if before is not None:
+        kept &= np.arange(s) > position - before
+    if after is not None:
+        kept &= np.arange(s) < position + after
+    if chunk is not None:
+        kept &= np.arange(s) // chunk == position // chunk
     z = np.where(kept, scores, -np.inf)
     top = z.max(-1, keepdims=True, initial=-np.inf)
     sink = None if sinks is None else np.asarray(sinks, np.float64)[None, :, None, None]
@@ -158,12 +186,17 @@ def np_attention_factor(scaling):
     return (0.1 * m * math.log(factor) + 1) / (0.1 * m_all * math.log(factor) + 1 if m_all else 1.0)
 
 
-def np_rope(x, positions, inv_freq, interleaved, factor=1.0):
-    """x (B, heads, T, H), positions (B, T): the pairs (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+def np_rope(x, positions, inv_freq, interleaved, factor=1.0, sections=None):
+    """x (B, heads, T, H), positions (B, T), or (k, B, T) with `sections`: the pairs (x1, x2) ->
+    (x1 cos - x2 sin, x2 cos + x1 sin); pair i of section j turns by positions[j] * inv_freq[i]."""
     half = len(inv_freq)
     first = np.arange(0, 2 * half, 2) if interleaved else np.arange(half)
     second = first + 1 if interleaved else first + half
-    angles = positions[:, None, :, None] * inv_freq
+    if sections is None:
+        angles = positions[:, None, :, None] * inv_freq
+    else:  # one pair at a time: the row of its section
+        row = np.repeat(np.arange(len(sections)), sections)  # (R/2,)
+        angles = np.stack([positions[row[i]][:, None, :] * inv_freq[i] for i in range(half)], -1)  # (B, 1, T, R/2)
     y = np.array(x, np.float64)
     cos, sin = np.cos(angles) * factor, np.sin(angles) * factor
     y[..., first] = x[..., first] * cos - x[..., second] * sin
@@ -175,7 +208,26 @@ def np_rms_norm(x, scale, eps):
     return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * scale
 
 
-def np_layer(layer, query, causal=False, key_mask=None, attention_bias=None, positions=None):
+def np_layer_norm(x, scale, eps):
+    centred = x - x.mean(-1, keepdims=True)
+    return centred / np.sqrt((centred**2).mean(-1, keepdims=True) + eps) * scale
+
+
+def np_qk_norm(layer, x, w, kind):
+    """QK-norm of (B, heads, T, H) x from the portable weights: "all" over the merged heads,
+    "per_head" with scales (heads*H,) seen as (heads, 1, H), "head" with (H,)."""
+    norm = np_rms_norm if layer.qk_norm_type == "rms" else np_layer_norm
+    scale, bias = w[f"{kind}_norm"], w.get(f"{kind}_norm_bias", 0.0)
+    b, heads, t, h = x.shape
+    if layer.qk_norm == "all":
+        merged = x.transpose(0, 2, 1, 3).reshape(b, t, heads * h)
+        return (norm(merged, scale, layer.qk_norm_eps) + bias).reshape(b, t, heads, h).transpose(0, 2, 1, 3)
+    if layer.qk_norm == "per_head":
+        scale, bias = scale.reshape(heads, 1, h), np.reshape(bias, (heads, 1, h)) if np.ndim(bias) else bias
+    return norm(x, scale, layer.qk_norm_eps) + bias
+
+
+def np_layer(layer, query, causal=False, key_mask=None, attention_bias=None, positions=None, keep=None):
     """The whole self-attention layer in float64 from its portable weights (steps 2-4, 6, 7)."""
     w = {name: value.astype(np.float64) for name, value in layer.export_weights().items()}
     kv, h, t = layer.num_kv_heads, layer.head_dim, query.shape[1]
@@ -187,22 +239,23 @@ def np_layer(layer, query, causal=False, key_mask=None, attention_bias=None, pos
     def split(x, heads):
         return x.reshape(x.shape[0], t, heads, h).transpose(0, 2, 1, 3)  # (B, heads, T, H)
 
-    q, k, v = project("query"), project("key"), project("value")
-    if layer.qk_norm == "all":
-        q, k = np_rms_norm(q, w["query_norm"], layer.qk_norm_eps), np_rms_norm(k, w["key_norm"], layer.qk_norm_eps)
-    q, k, v = split(q, layer.num_heads), split(k, kv), split(v, kv)
-    if layer.qk_norm == "head":
-        q, k = np_rms_norm(q, w["query_norm"], layer.qk_norm_eps), np_rms_norm(k, w["key_norm"], layer.qk_norm_eps)
+    q, k, v = split(project("query"), layer.num_heads), split(project("key"), kv), split(project("value"), kv)
+    if layer.qk_norm is not None:
+        q, k = np_qk_norm(layer, q, w, "query"), np_qk_norm(layer, k, w, "key")
     if layer.rope_theta is not None:
         rotary = int(h * layer.rope_fraction)
         inv = np_inv_freq(rotary, layer.rope_theta, layer.rope_scaling)
-        positions = np.broadcast_to(np.arange(t) if positions is None else positions, (query.shape[0], t))
+        positions = np.arange(t) if positions is None else np.asarray(positions)
+        sections = layer.rope_sections
+        rows = () if sections is None else (len(sections),)
+        positions = np.broadcast_to(positions, (*rows, query.shape[0], t))  # (B, T), or (k, B, T) with sections
         factor = np_attention_factor(layer.rope_scaling)
-        q, k = (np_rope(x, positions, inv, layer.rope_interleaved, factor) for x in (q, k))
-    keep = None if key_mask is None else key_mask[:, None, None, :]
+        q, k = (np_rope(x, positions, inv, layer.rope_interleaved, factor, sections) for x in (q, k))
+    keep = (True if keep is None else keep) & (True if key_mask is None else key_mask[:, None, None, :])
     context, weights = np_attention(
-        q, k, v, keep, attention_bias, causal, layer.scale, layer.softcap, layer.window, w.get("sinks")
-    )
+        q, k, v, keep, attention_bias, causal, layer.scale, layer.softcap, layer.window, w.get("sinks"),
+        layer.attention_chunk_size,
+    )  # fmt: skip
     merged = context.transpose(0, 2, 1, 3).reshape(query.shape[0], t, -1)
     return merged @ w["output_kernel"] + w.get("output_bias", 0.0), weights
 
@@ -709,19 +762,37 @@ def test_rolling_cache_too_short_raises_eagerly():
 
 # --- errors --------------------------------------------------------------------------------------
 
+WINDOW_ERROR = r"`window` must be None, a positive integer or a pair \(before, after\) of positive integers\."
 CONSTRUCTOR_ERRORS = {
     "bias_string": ({"bias": "query"}, r"^`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output'\. Received: bias='query'$"),
     "bias_unknown_name": ({"bias": ("query", "gate")}, r"Received: bias=\('query', 'gate'\)$"),
     "scale_zero": ({"scale": 0.0}, r"^`scale` must be a positive float\. Received: scale=0\.0$"),
     "softcap_negative": ({"softcap": -1.0}, r"^`softcap` must be None or a positive float\. Received: softcap=-1\.0$"),
-    "window_zero": ({"window": 0}, r"^`window` must be a positive integer\. Received: window=0$"),
-    "window_float": ({"window": 2.5}, r"^`window` must be a positive integer\. Received: window=2\.5$"),
+    "window_zero": ({"window": 0}, rf"^{WINDOW_ERROR} Received: window=0$"),
+    "window_float": ({"window": 2.5}, rf"^{WINDOW_ERROR} Received: window=2\.5$"),
+    "window_bool": ({"window": True}, rf"^{WINDOW_ERROR} Received: window=True$"),
+    "window_pair_zero": ({"window": (3, 0)}, rf"^{WINDOW_ERROR} Received: window=\(3, 0\)$"),
+    "window_pair_none": ({"window": [None, 2]}, rf"^{WINDOW_ERROR} Received: window=\[None, 2\]$"),
+    "window_triple": ({"window": (1, 2, 3)}, rf"^{WINDOW_ERROR} Received: window=\(1, 2, 3\)$"),
+    "window_string": ({"window": "64"}, rf"^{WINDOW_ERROR} Received: window='64'$"),
+    "window_dict": ({"window": {"before": 2}}, rf"^{WINDOW_ERROR} Received: window=\{{'before': 2\}}$"),
+    "attention_chunk_size_zero": ({"attention_chunk_size": 0}, r"^`attention_chunk_size` must be a positive integer\. Received: attention_chunk_size=0$"),
+    "attention_chunk_size_pair": ({"attention_chunk_size": (2, 2)}, r"Received: attention_chunk_size=\(2, 2\)$"),
+    "rope_sections_int": ({"rope_sections": 2}, r"^`rope_sections` must be None or a list or tuple of positive integers\. Received: rope_sections=2$"),
+    "rope_sections_zero": ({"rope_sections": [2, 0]}, r"Received: rope_sections=\[2, 0\]$"),
+    "rope_sections_empty": ({"rope_sections": ()}, r"Received: rope_sections=\(\)$"),
+    "rope_sections_sum": ({"rope_theta": 10.0, "rope_sections": (1, 2)}, r"^`rope_sections` must sum to R/2 = 2, the pairs RoPE rotates \(R = int\(head_dim \* rope_fraction\) = 4\)\. Received: rope_sections=\(1, 2\)$"),
+    "qk_norm_type": ({"qk_norm_type": "l2"}, r"^`qk_norm_type` must be 'rms' or 'layer'\. Received: qk_norm_type='l2'$"),
+    "qk_norm_type_none": ({"qk_norm": "head", "qk_norm_type": None}, r"Received: qk_norm_type=None$"),
+    "qk_norm_bias": ({"qk_norm_bias": 1}, r"^`qk_norm_bias` must be True or False\. Received: qk_norm_bias=1$"),
+    "first_bad_argument": ({"window": 0, "attention_chunk_size": 0, "qk_norm_type": "x"}, r"^`window` must"),
+    "flags_last": ({"qk_norm_bias": "yes", "qk_norm_type": "x"}, r"^`qk_norm_type` must"),
     "rope_theta_zero": ({"rope_theta": 0}, r"^`rope_theta` must be None or a positive float\. Received: rope_theta=0$"),
     "rope_fraction_odd": ({"rope_theta": 10.0, "rope_fraction": 0.75}, r"^`rope_fraction` must be in \(0, 1\] and rotate an even number R = int\(head_dim \* rope_fraction\) >= 2 of features\. Received: rope_fraction=0\.75, head_dim=4$"),
     "rope_fraction_above_one": ({"rope_theta": 10.0, "rope_fraction": 1.5}, r"Received: rope_fraction=1\.5, head_dim=4$"),
     "rope_scaling_type": ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, r"^`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3' or 'yarn', with its parameters\. Received: rope_scaling=\{'rope_type': 'longrope', 'factor': 2\.0\}$"),
     "rope_scaling_missing": ({"rope_scaling": {"rope_type": "llama3", "factor": 2.0}}, r"^`rope_scaling` must be None or a dict"),
-    "qk_norm": ({"qk_norm": "layer"}, r"^`qk_norm` must be None, 'head' or 'all'\. Received: qk_norm='layer'$"),
+    "qk_norm": ({"qk_norm": "layer"}, r"^`qk_norm` must be None, 'head', 'per_head' or 'all'\. Received: qk_norm='layer'$"),
     "qk_norm_eps": ({"qk_norm_eps": 0.0}, r"^`qk_norm_eps` must be a positive float\. Received: qk_norm_eps=0\.0$"),
 }  # fmt: skip
 
@@ -741,6 +812,8 @@ CALL_ERRORS = {
     "positions_without_rope": ({}, {"query": X, "positions": np.arange(T)}, r"^`positions` needs RoPE: construct the layer with `rope_theta`\. Received: positions with rope_theta=None$"),
     "positions_shape": ({"rope_theta": 10.0}, {"query": X, "positions": np.zeros((3, T), np.int32)}, r"^`positions` must be an integer tensor of shape \(B, T\) or \(T,\) with B=2, T=5\. Received: positions\.shape=\(3, 5\), positions\.dtype=int32$"),
     "positions_float": ({"rope_theta": 10.0}, {"query": X, "positions": np.arange(T, dtype=np.float32)}, r"Received: positions\.shape=\(5,\), positions\.dtype=float32$"),
+    "positions_sections_rows": ({"rope_theta": 10.0, "rope_sections": (1, 1)}, {"query": X, "positions": np.zeros((3, B, T), np.int32)}, r"^`positions` must be an integer tensor of shape \(B, T\), \(T,\) or \(2, B, T\) with B=2, T=5 \(one row per section of `rope_sections`\)\. Received: positions\.shape=\(3, 2, 5\), positions\.dtype=int32$"),
+    "positions_rank3_without_sections": ({"rope_theta": 10.0}, {"query": X, "positions": np.zeros((2, B, T), np.int32)}, r"^`positions` must be an integer tensor of shape \(B, T\) or \(T,\) with B=2, T=5\. Received: positions\.shape=\(2, 2, 5\)"),
     "rope_cross_attention": ({"rope_theta": 10.0}, {"query": X, "key": Y}, r"^RoPE needs `key` and `value` to hold the query's own tokens \(S == T, or decoding with `cache`\)\. Received: query\.shape=\(2, 5, 16\), key\.shape=\(2, 7, 16\)$"),
     "key_mask_shape": ({}, {"query": X, "key": Y, "key_mask": np.ones((B, T), bool)}, r"^`key_mask` must be a boolean tensor of shape \(B, S\)=\(2, 7\)\. Received: key_mask\.shape=\(2, 5\), key_mask\.dtype=bool$"),
     "key_mask_float": ({}, {"query": X, "key_mask": np.ones((B, T), np.float32)}, r"Received: key_mask\.shape=\(2, 5\), key_mask\.dtype=float32$"),
@@ -789,3 +862,330 @@ def test_mask_habits_are_not_read_where_values_cannot_be_read():
         layer(SQUARE, attention_mask=np.tril(np.ones((1, 2, 2), bool))),
         0,
     )
+
+
+# --- issue 28: two-sided window, attention chunks, multimodal RoPE, LayerNorm / per-head / biased QK-norm ---
+
+NEW_VARIANTS = (
+    "window_pair", "window_pair_wide_after", "attention_chunk", "attention_chunk_window_pair", "rope_sections",
+    "rope_sections_interleaved_yarn", "qk_norm_per_head", "qk_norm_layer_head_bias", "qk_norm_layer_per_head_bias",
+    "qk_norm_layer_all_gqa", "qk_norm_rms_all_bias", "everything_new",
+)  # fmt: skip
+NUMPY_PATHS = ("eager", "function", "jit_compile", "memory_efficient", "memory_efficient_jit")
+
+
+def _numpy_paths(name):
+    """Every path for everything_new; the masks' variants on the memory-efficient path (its
+    per-block masks), with and without XLA; the norms' and RoPE's under XLA."""
+    if name == "everything_new":
+        return NUMPY_PATHS
+    masks = "window" in name or "chunk" in name
+    return ("eager", "memory_efficient", "memory_efficient_jit") if masks else ("eager", "jit_compile")
+
+
+def _positions_for(layer, seed=3):
+    """(k, B, T) positions with rows that differ for a layer with `rope_sections`, else None."""
+    if layer.rope_sections is None:
+        return None
+    local = np.random.default_rng(seed)
+    return local.integers(0, 40, size=(len(layer.rope_sections), B, T)).astype(np.int32)
+
+
+def _numpy_twin(layer):
+    twin = NumpyMultiHeadAttention(E, N, **VARIANTS_BY_LAYER[id(layer)])
+    twin.import_weights(layer.export_weights())
+    return twin
+
+
+VARIANTS_BY_LAYER = {}
+
+
+def _new_layer(name, seed=0, **kwargs):
+    layer = _layer(VARIANTS[name], seed=seed, **kwargs)
+    VARIANTS_BY_LAYER[id(layer)] = VARIANTS[name]
+    return layer
+
+
+def _tf_output_and_grads(layer, path, positions, causal, g):
+    """Output and the gradients of sum(output * g) (query, attention_bias, every weight) on one path."""
+    layer.memory_efficient_threshold = 0 if path.startswith("memory_efficient") else 1 << 26
+    layer.query_chunk_elements = 2 * B * N * T  # two queries per block: 5 rows leave a padded block
+
+    def step(x, bias):
+        with tf.GradientTape() as tape:
+            tape.watch([x, bias])
+            output = layer(x, key_mask=KEY_MASK, attention_bias=bias, positions=positions, causal=causal)
+            loss = tf.reduce_sum(output * g)
+        return output, tape.gradient(loss, [x, bias, *layer.trainable_weights])
+
+    if path in ("function", "memory_efficient"):
+        step = tf.function(step)
+    if path.endswith("jit_compile") or path.endswith("_jit"):
+        step = tf.function(step, jit_compile=True)
+    return step(tf.constant(X), tf.constant(BIAS_FULL))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("name", NEW_VARIANTS)
+def test_new_variant_matches_the_numpy_file_on_every_path(name, causal):
+    """Output and attention weights against the NumPy file, and the gradients of the query, the
+    attention bias and every weight (norm biases included) against its `backward`, on the paths
+    of `_numpy_paths` (tf.function, XLA, the memory-efficient path with and without XLA)."""
+    layer = _new_layer(name)
+    twin, positions = _numpy_twin(layer), _positions_for(layer)
+    x64, g = X.astype(np.float64), rng.normal(size=(B, T, E))
+    call = dict(key_mask=KEY_MASK, attention_bias=BIAS_FULL.astype(np.float64), positions=positions, causal=causal)
+    expected, expected_w = twin(x64, return_attention=True, **call)
+    _, weights = layer(X, return_attention=True, **{**call, "attention_bias": BIAS_FULL})
+    _close(weights, expected_w, WEIGHTS_TOL)
+    grads = twin.backward(g)
+    names = ["query", "attention_bias", *(v.name for v in layer.trainable_weights)]
+    assert names[2:] == list(layer.weight_shapes())
+    for path in _numpy_paths(name):
+        output, got = _tf_output_and_grads(layer, path, positions, causal, tf.constant(g, tf.float32))
+        _close(output, expected, OUTPUT_TOL)
+        for grad_name, grad in zip(names, got, strict=True):
+            assert grad is not None, (path, grad_name)
+            _close(grad, grads[grad_name], GRADS_TOL)
+
+
+def test_new_weights_have_gradients_that_are_not_zero():
+    """The norm biases, per-head scales and LayerNorm get a gradient of their own (not just a
+    shape): a check that the backward compared above exercises them."""
+    layer = _new_layer("everything_new")
+    twin = _numpy_twin(layer)
+    twin(X.astype(np.float64), positions=_positions_for(layer), causal=True)
+    grads = twin.backward(np.ones((B, T, E)))
+    for name in ("query_norm", "key_norm", "query_norm_bias", "key_norm_bias"):
+        assert np.abs(grads[name]).max() > 1e-6, name
+
+
+def test_window_pair_and_attention_chunk_masks():
+    np.testing.assert_array_equal(
+        tf_file.window_mask(4, 6, (2, 2)).numpy(),
+        [[0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 1, 1]],
+    )
+    np.testing.assert_array_equal(tf_file.window_mask(3, 3, 2).numpy(), [[1, 0, 0], [1, 1, 0], [0, 1, 1]])
+    np.testing.assert_array_equal(
+        tf_file.attention_chunk_mask(3, 5, 2).numpy(), [[0, 0, 1, 1, 0], [0, 0, 1, 1, 0], [0, 0, 0, 0, 1]]
+    )  # queries at positions 2, 3, 4 (bottom-right aligned)
+    modern_bert = tf_file.window_mask(300, 300, (65, 65)).numpy()  # |t - s| <= 64
+    distance = np.abs(np.arange(300)[:, None] - np.arange(300)[None])
+    np.testing.assert_array_equal(modern_bert, distance <= 64)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [{"window": (2, 1)}, {"window": (1, 3), "causal": True}, {"attention_chunk_size": 2}, {"window": (3, 2),
+     "attention_chunk_size": 4, "sinks": np.array([0.5, -1.0, 2.0, 0.0])}],
+    ids=["pair", "pair_causal", "chunk", "pair_chunk_sinks"],
+)  # fmt: skip
+def test_dot_product_attention_new_masks_match_the_formula(variant):
+    local = np.random.default_rng(1)
+    q = local.normal(size=(2, 4, 3, 8)).astype(np.float32)  # T < S: bottom-right aligned
+    k, v = (local.normal(size=(2, 2, 6, 8)).astype(np.float32) for _ in range(2))
+    chunk = variant.pop("attention_chunk_size", None)
+    context, weights = dot_product_attention(q, k, v, attention_chunk_size=chunk, **variant)
+    expected, expected_w = np_attention(q, k, v, chunk=chunk, **variant)
+    _close(weights, expected_w, WEIGHTS_TOL)
+    _close(context, expected, OUTPUT_TOL)
+
+
+def test_rope_sections_with_one_row_are_plain_rope_and_rows_turn_their_pairs():
+    plain = _layer({"rope_theta": 100.0, "head_dim": 8})
+    sections = MultiHeadAttention(E, N, rope_theta=100.0, head_dim=8, rope_sections=[1, 3])
+    sections.import_weights(plain.export_weights())
+    assert sections.rope_sections == (1, 3) and sections.get_config()["rope_sections"] == [1, 3]
+    positions = np.array([[0, 1, 2, 0, 1], [5, 6, 7, 8, 9]])
+    for given in (None, positions, positions[:1], np.stack([positions, positions])):
+        rows = positions if given is not None and np.ndim(given) == 3 else given
+        _close(sections(X, positions=given), plain(X, positions=rows), 0)
+    rows = np.stack([positions, positions[::-1] * 3])  # (k, B, T): the 3 pairs of section 1 turn by other positions
+    _, weights = sections(X, positions=rows, return_attention=True)
+    _close(weights, np_layer(sections, X.astype(np.float64), positions=rows)[1], WEIGHTS_TOL)
+    assert np.abs(weights - plain(X, positions=positions, return_attention=True)[1]).numpy().max() > 1e-3
+    angles = tf_file.rope_angles(rows, tf_file.rope_frequencies(8, 100.0), (1, 3)).numpy()  # (B, T, R/2)
+    inv = np_inv_freq(8, 100.0)
+    _close(angles[..., 0], rows[0] * inv[0], 1e-4)
+    _close(angles[..., 1:], rows[1][..., None] * inv[1:], 1e-4)
+
+
+def test_layer_norm_matches_the_formula_in_float32_for_half_inputs():
+    x = rng.normal(size=(2, 3, 8)).astype(np.float32) + 5
+    scale, bias = rng.normal(size=(8,)).astype(np.float32), rng.normal(size=(8,)).astype(np.float32)
+    _close(tf_file.layer_norm(tf.constant(x), scale, 1e-6, bias), np_layer_norm(x, scale, 1e-6) + bias, OUTPUT_TOL)
+    half = tf_file.layer_norm(tf.constant(x * 300, tf.float16), scale, 1e-6, bias)  # x ** 2 overflows float16
+    assert half.dtype == tf.float16
+    _close(half, np_layer_norm(x, scale, 1e-6) + bias, TOLERANCES["float16"]["output"] * 3)
+    _close(tf_file.rms_norm(tf.constant(x), scale, 1e-6, bias), np_rms_norm(x, scale, 1e-6) + bias, OUTPUT_TOL)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_with_the_new_variants(policy):
+    reference = _layer(VARIANTS["everything_new"])
+    layer = MultiHeadAttention(E, N, **VARIANTS["everything_new"], dtype=policy)
+    layer.import_weights(reference.export_weights())
+    positions = _positions_for(reference)
+    for threshold in (1 << 26, 0):  # the explicit and the memory-efficient path
+        layer.memory_efficient_threshold = threshold
+        output = layer(X * 100, key_mask=KEY_MASK, positions=positions, causal=True)  # large q, k: norms in float32
+        assert output.dtype == policy.split("_")[1]
+        expected = reference(X * 100, key_mask=KEY_MASK, positions=positions, causal=True)
+        _close(output, expected, MIXED_TOL[policy] * 2)
+
+
+def test_new_weight_layout_order_initial_values_and_config():
+    layer = MultiHeadAttention(E, N, num_kv_heads=2, qk_norm="per_head", qk_norm_type="layer", qk_norm_bias=True,
+                               sinks=True, window=[65, 65], attention_chunk_size=8192)  # fmt: skip
+    assert list(layer.weight_shapes())[-5:] == ["query_norm", "key_norm", "query_norm_bias", "key_norm_bias", "sinks"]
+    assert layer.weight_shapes()["query_norm_bias"] == (16,) and layer.weight_shapes()["key_norm_bias"] == (8,)
+    weights = layer.export_weights()
+    assert (weights["query_norm"] == 1).all() and (weights["key_norm_bias"] == 0).all()
+    assert (weights["query_norm_bias"] == 0).all()
+    assert [v.name for v in layer.trainable_weights] == list(weights)
+    assert layer.window == (65, 65) and type(layer.window[0]) is int
+    config = layer.get_config()
+    assert config["window"] == [65, 65] and config["attention_chunk_size"] == 8192
+    assert (config["qk_norm"], config["qk_norm_type"], config["qk_norm_bias"]) == ("per_head", "layer", True)
+    clone = MultiHeadAttention.from_config(config)
+    assert clone.window == (65, 65) and clone.get_config() == config
+    assert MultiHeadAttention(E, N, qk_norm_bias=True).weight_shapes().keys().isdisjoint({"query_norm_bias"})
+    assert MultiHeadAttention(E, N, window=np.int64(3)).window == 3
+    assert MultiHeadAttention(E, N, qk_norm_type=np.str_("layer")).qk_norm_type == "layer"
+    assert MultiHeadAttention(E, N, rope_sections=(np.int32(1), 2)).rope_sections == (1, 2)  # only checked
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{"window": (2, 2)}, {"attention_chunk_size": 4}, {"qk_norm": "per_head"}, {"qk_norm_type": "layer"}],
+    ids=["window_pair", "chunk", "per_head", "layer_norm"],
+)
+def test_to_keras_refuses_the_new_variants(config):
+    with pytest.raises(ValueError, match=r"^`to_keras` needs a layer the Keras built-ins can hold.*Received: "):
+        MultiHeadAttention(E, N, **config).to_keras()
+
+
+def test_keras_file_round_trip_with_the_new_variants(tmp_path):
+    x_in = keras.Input((T, E))
+    layer = _layer(VARIANTS["everything_new"])
+    model = keras.Model(x_in, layer(x_in, causal=True))
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    _close(loaded(X), model(X), 0)
+    assert loaded.layers[1].window == (3, 2) and loaded.layers[1].get_config() == layer.get_config()
+
+
+# --- the new variants with a KV cache --------------------------------------------------------------
+
+DECODE_VARIANTS = ("window_pair", "attention_chunk_window_pair", "rope_sections_interleaved_yarn", "everything_new")
+
+
+@pytest.mark.parametrize("name", DECODE_VARIANTS)
+def test_token_by_token_with_the_in_place_cache_under_tf_function_equals_the_full_pass(name):
+    layer = _new_layer(name)
+    positions = _positions_for(layer)
+    key_mask = np.array([[False, True, True, True, True], [True, True, True, False, True]])  # left padding, a hole
+    full = layer(X, key_mask=key_mask, positions=positions, causal=True)
+    cache = layer.init_cache(B, 8, in_place=True)
+
+    @tf.function
+    def step(x, m, p):
+        return layer(x, key_mask=m, positions=p, causal=True, cache=cache)[0]
+
+    outputs = []
+    for t in range(T):
+        p = None if positions is None else positions[..., t : t + 1]
+        outputs.append(step(X[:, t : t + 1], key_mask[:, t : t + 1], p))
+    _close(tf.concat(outputs, 1), full, OUTPUT_TOL)
+    assert int(cache.index.numpy()) == T
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["function", "xla"])
+@pytest.mark.parametrize("name", ["attention_chunk_window_pair", "everything_new"])
+def test_bidirectional_calls_with_a_cache_see_their_own_tokens_in_the_window_and_chunk(name, jit_compile):
+    """Calls of several tokens, not causal, through a functional cache: each query sees the keys
+    up to the end of its own call, within the pair window and its chunk; that is the full pass
+    with a block-causal mask. Then the same calls with the in-place cache."""
+    layer = _new_layer(name)
+    positions = _positions_for(layer)
+    calls = ((0, 2), (2, 3), (3, 5))
+    ends = np.concatenate([np.full(stop - start, stop) for start, stop in calls])  # (T,): the end of each query's call
+    block = np.arange(T)[None, :] < ends[:, None]  # (T, S)
+    full = layer(X, attention_mask=block, positions=positions)
+    expected = np_layer(layer, X.astype(np.float64), positions=positions, keep=block)[0]
+    _close(full, expected, OUTPUT_TOL)
+    step = tf.function(lambda x, p, c: layer(x, positions=p, cache=c), jit_compile=jit_compile)
+    for in_place in (False, True):
+        cache, outputs = layer.init_cache(B, T, in_place=in_place), []
+        for start, stop in calls:
+            p = None if positions is None else positions[..., start:stop]
+            output = step(X[:, start:stop], p, cache)
+            output, cache = (output, cache) if in_place else output
+            outputs.append(output)
+        _close(tf.concat(outputs, 1), full, OUTPUT_TOL)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["function", "xla"])
+def test_rolling_cache_with_a_window_pair_and_chunks(jit_compile):
+    """A pair window rolls the cache by W_before (L = W_before slots for one token a step): each
+    step equals the full causal pass, with the chunks too."""
+    config = {**VARIANTS["everything_new"], "window": (3, 2)}
+    layer = _layer(config)
+    positions = np.broadcast_to(np.arange(LONG.shape[1]), (2, B, LONG.shape[1])).copy()
+    positions[1] = positions[1] * 2  # the second section turns by other positions
+    full = layer(LONG, positions=positions, causal=True)
+    step = tf.function(lambda x, p, c: layer(x, positions=p, causal=True, cache=c), jit_compile=jit_compile)
+    cache, outputs = layer.init_cache(B, 3), []
+    for t in range(LONG.shape[1]):
+        output, cache = step(LONG[:, t : t + 1], positions[..., t : t + 1], cache)
+        outputs.append(output)
+    _close(tf.concat(outputs, 1), full, OUTPUT_TOL)
+    assert step.experimental_get_tracing_count() == 1
+    with pytest.raises(ValueError, match=TOO_SHORT + r" .*Received: window=3, T=3, L=3"):
+        layer(LONG[:, :3], positions=positions[..., :3], causal=True, cache=cache)
+
+
+def test_unknown_shapes_under_tf_function_and_xla_with_the_new_variants():
+    """B, T and S unknown at trace time, (k, B, T) positions too: the explicit path picked at run
+    time (tf.function) and the memory-efficient path (XLA) give the eager output and gradients."""
+    layer = _new_layer("everything_new")
+    positions = _positions_for(layer)
+
+    def step(x, p):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            output = layer(x, positions=p, key_mask=KEY_MASK)
+        return output, tape.gradient(tf.reduce_sum(output**2), [x, *layer.trainable_weights])
+
+    expected = step(tf.constant(X), positions)
+    signature = [tf.TensorSpec((None, None, E)), tf.TensorSpec((2, None, None), tf.int32)]
+    key_mask_free = tf.function(
+        lambda x, p: layer(x, positions=p, attention_mask=KEY_MASK[:, None, :]), input_signature=signature
+    )
+    _close(key_mask_free(X, positions), expected[0], OUTPUT_TOL)
+    layer.memory_efficient_threshold, layer.query_chunk_elements = 0, 1  # one query per block
+
+    def step_any(x, p):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            output = layer(x, positions=p, attention_mask=KEY_MASK[:, None, :])
+        return output, tape.gradient(tf.reduce_sum(output**2), [x, *layer.trainable_weights])
+
+    output, grads = tf.function(step_any, input_signature=signature, jit_compile=True)(X, positions)
+    _close(output, expected[0], OUTPUT_TOL)
+    for got, want in zip(grads, expected[1], strict=True):
+        _close(got, want, GRADS_TOL)
+
+
+@pytest.mark.parametrize("name", ["attention_chunk_window_pair", "everything_new"])
+def test_int8_with_the_new_variants_runs_as_the_numpy_int8_layer(name):
+    layer = _new_layer(name)
+    layer.quantize("int8")
+    twin = NumpyMultiHeadAttention(E, N, **VARIANTS[name])
+    twin.import_weights(layer.export_weights())
+    assert twin.quantization_mode == "int8"
+    positions = _positions_for(layer)
+    expected = twin(X.astype(np.float64), positions=positions, causal=True)
+    for threshold in (1 << 26, 0):
+        layer.memory_efficient_threshold = threshold
+        _close(layer(X, positions=positions, causal=True), expected, 2e-3)
