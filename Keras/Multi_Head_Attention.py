@@ -28,10 +28,14 @@ The steps of a call (docs/SPEC.md, "Order of the steps"), one line each in `call
 
 Variants, each off by default and each one small step of the call: `bias` per projection,
 `scale` (default 1 / sqrt(H)), `softcap` (scores become c * tanh(scores / c)), `window` (query
-t keeps key s only if s > t + (S - T) - W), RoPE (`rope_theta`, `rope_fraction`,
-`rope_interleaved`, `rope_scaling`; `positions` in the call), `qk_norm` (RMSNorm of q and k per
-head or over all heads), `sinks` (a learned logit per head in the softmax's denominator) and
-`clip_qkv` (q, k and v clamped to [-c, c] right after their projections: OLMo, DBRX, MPT).
+t keeps key s only if s > t + (S - T) - W; a pair (W_before, W_after) also needs
+s < t + (S - T) + W_after), `attention_chunk_size` (only keys in the query's chunk of C
+positions), RoPE (`rope_theta`, `rope_fraction`, `rope_interleaved`, `rope_scaling`,
+`rope_sections` for multimodal RoPE; `positions` in the call), `qk_norm` (RMSNorm or LayerNorm,
+`qk_norm_type`, of q and k per head with one shared or per-head scales, or over all heads, with
+an optional bias, `qk_norm_bias`), `sinks` (a learned logit per head in the softmax's
+denominator) and `clip_qkv` (q, k and v clamped to [-c, c] right after their projections: OLMo,
+DBRX, MPT).
 Call arguments `attention_bias` (added to the scores, with a gradient; see `alibi_bias`),
 `key_mask` (B, S) and `query_mask` (B, T).
 
@@ -46,18 +50,20 @@ Example, a key padding mask for keys [a, b, <pad>]:
     layer(x, key_mask=keep)                           # or attention_mask=keep[:, None, :]
 
 Weights: `query_kernel` (E, N*H), `query_bias` (N*H,), `key_kernel` (kdim, K*H), ...,
-`output_kernel` (N*H, E), `output_bias` (E,), `query_norm`, `key_norm` and `sinks` (N,): the
-portable layout itself.
+`output_kernel` (N*H, E), `output_bias` (E,), `query_norm`, `key_norm`, `query_norm_bias`,
+`key_norm_bias` and `sinks` (N,): the portable layout itself.
 
 KV cache: `cache = layer.init_cache(B, L)`, then `output, cache = layer(x, cache=cache)` for a
 prompt and then one token at a time. The keys (rotated by RoPE) and values of the T new tokens
 go to slots position mod L, and query t attends slot s iff s holds a position before
 index + T, keep[b, s], (not causal or that position <= index + t), (no window or that position
-> index + t - window) and `attention_mask` (given over L) keeps it. Token by token equals the
-full causal pass. With a `window` W the cache rolls: L >= W slots decode any number of tokens
-(a call that wraps, index + T > L, needs L >= W + T - 1).
+> index + t - W_before, and < index + t + W_after with a pair), (no chunk or that position in
+the chunk of index + t) and `attention_mask` (given over L) keeps it. Token by token equals the
+full causal pass. With a `window` the cache rolls by W_before: L >= W_before slots decode any
+number of tokens (a call that wraps, index + T > L, needs L >= W_before + T - 1).
 """
 
+import itertools
 import math
 import warnings
 from typing import Any, NamedTuple
@@ -118,21 +124,52 @@ class _Variants(NamedTuple):
 
     scale: float  # 1 / sqrt(H) when None was passed
     softcap: Any  # None or float
-    window: Any  # None or int
+    window: Any  # None, an int or a pair (before, after) of ints
+    attention_chunk_size: Any  # None or int
     rope_theta: Any  # None or float
     rope_fraction: float
     rope_interleaved: bool
     rope_scaling: Any  # None or a dict of Python scalars
-    qk_norm: Any  # None, "head" or "all"
+    rope_sections: Any  # None or a tuple of ints
+    qk_norm: Any  # None, "head", "per_head" or "all"
     qk_norm_eps: float
+    qk_norm_type: str  # "rms" or "layer"
+    qk_norm_bias: bool
     sinks: bool
     clip_qkv: Any  # None or float
 
 
 def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    if not _is_positive_int(value):
         raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
     return int(value)
+
+
+def _is_positive_int(value):
+    """A Python or NumPy integer (not a bool) >= 1."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 1
+
+
+def _check_window(window):
+    """`window`: None, a positive integer W (held as an int) or a pair (W_before, W_after) of
+    positive integers (a list or tuple, held as a tuple of two ints)."""
+    if window is None:
+        return None
+    if _is_positive_int(window):
+        return int(window)
+    if isinstance(window, (list, tuple)) and len(window) == 2 and all(_is_positive_int(side) for side in window):
+        return int(window[0]), int(window[1])
+    raise ValueError(
+        "`window` must be None, a positive integer or a pair (before, after) of positive integers. "
+        f"Received: window={window!r}"
+    )
+
+
+def _window_sides(window):
+    """A checked `window` -> (W_before, W_after or None); (None, None) without a window."""
+    if window is None:
+        return None, None
+    return tuple(window) if isinstance(window, tuple) else (window, None)
 
 
 def _is_positive_number(value):
@@ -218,6 +255,24 @@ def _check_rope_scaling(scaling):
     return {name: value.item() if isinstance(value, np.generic) else value for name, value in scaling.items()}
 
 
+def _check_rope_sections(sections, rotary_dim):
+    """`rope_sections`: None or a list or tuple of positive integers (held as a tuple of ints);
+    with RoPE (`rotary_dim` R not None) they must sum to R/2, the rotated pairs."""
+    if sections is None:
+        return None
+    if not isinstance(sections, (list, tuple)) or not sections or not all(_is_positive_int(n) for n in sections):
+        raise ValueError(
+            "`rope_sections` must be None or a list or tuple of positive integers. "
+            f"Received: rope_sections={sections!r}"
+        )
+    if rotary_dim is not None and sum(sections) != rotary_dim // 2:
+        raise ValueError(
+            f"`rope_sections` must sum to R/2 = {rotary_dim // 2}, the pairs RoPE rotates (R = int(head_dim * "
+            f"rope_fraction) = {rotary_dim}). Received: rope_sections={sections!r}"
+        )
+    return tuple(int(n) for n in sections)
+
+
 def _valid_yarn(scaling):
     """YaRN's optional parameters: each None (absent) or positive, `truncate` True or False, and
     beta_fast (default 32) at least beta_slow (default 1)."""
@@ -228,28 +283,33 @@ def _valid_yarn(scaling):
 
 
 def _check_variants(
-    head_dim, scale, softcap, window, rope_theta, rope_fraction, rope_interleaved, rope_scaling, qk_norm,
-    qk_norm_eps, sinks, clip_qkv,
+    head_dim, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved, rope_scaling,
+    rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv,
 ):  # fmt: skip
     """Checks the variants' arguments, each on its own whether its variant is on or off, in the
-    signature's order with the two flags last (so that every file names the same first bad
+    signature's order with the flags last (so that every file names the same first bad
     argument); returns them as a `_Variants`."""
     scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float("scale", scale)
     softcap = _positive_float("softcap", softcap, optional=True)
-    window = None if window is None else _positive_int("window", window)
+    window = _check_window(window)
+    chunk = None if attention_chunk_size is None else _positive_int("attention_chunk_size", attention_chunk_size)
     rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
-    _rotary_dim(rope_fraction, head_dim, rope_theta is not None)
+    rotary_dim = _rotary_dim(rope_fraction, head_dim, rope_theta is not None)
     rope_scaling = _check_rope_scaling(rope_scaling)
-    if qk_norm not in (None, "head", "all"):
-        raise ValueError(f"`qk_norm` must be None, 'head' or 'all'. Received: qk_norm={qk_norm!r}")
+    rope_sections = _check_rope_sections(rope_sections, rotary_dim)
+    if qk_norm not in (None, "head", "per_head", "all"):
+        raise ValueError(f"`qk_norm` must be None, 'head', 'per_head' or 'all'. Received: qk_norm={qk_norm!r}")
     qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
     qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
+    if not isinstance(qk_norm_type, str) or qk_norm_type not in ("rms", "layer"):
+        raise ValueError(f"`qk_norm_type` must be 'rms' or 'layer'. Received: qk_norm_type={qk_norm_type!r}")
     clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
     rope_interleaved = _flag("rope_interleaved", rope_interleaved)
+    qk_norm_bias = _flag("qk_norm_bias", qk_norm_bias)
     sinks = _flag("sinks", sinks)
     return _Variants(
-        scale, softcap, window, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling, qk_norm,
-        qk_norm_eps, sinks, clip_qkv,
+        scale, softcap, window, chunk, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling,
+        rope_sections, qk_norm, qk_norm_eps, str(qk_norm_type), qk_norm_bias, sinks, clip_qkv,
     )  # fmt: skip
 
 
@@ -260,7 +320,7 @@ def _check_variants(
 
 class _Call(NamedTuple):
     """One call's arguments, checked and defaulted by `_check_call`; the cache step replaces
-    `causal`, `window` and `cache`."""
+    `causal`, `window`, `attention_chunk_size` and `cache`."""
 
     query: Any  # (B, T, E), cast to the compute dtype
     key: Any  # (B, S, kdim)
@@ -269,9 +329,10 @@ class _Call(NamedTuple):
     attention_bias: Any  # None, or checked floating and rank 4 (dims may be 1)
     key_mask: Any  # (B, S) boolean or None: after the self-attention default and the implicit Keras masks
     query_mask: Any  # (B, T) boolean or None: ANDed with the query's implicit Keras mask
-    positions: Any  # (B|1, T) integers, or None without RoPE
+    positions: Any  # (B|1, T) integers, (k, B|1, T) with `rope_sections`, or None without RoPE
     causal: bool
     window: Any  # the layer's window, or None
+    attention_chunk_size: Any  # the layer's attention_chunk_size, or None
     return_attention: bool
     cache: Any  # KVCache or None
     training: Any  # the call's training flag
@@ -346,18 +407,32 @@ def _check_token_mask(name, mask, b, length, letter):
     return mask
 
 
-def _check_positions(positions, b, t):
-    """Checks integer (B, T) or (T,) `positions` and returns them as (B, T) or (1, T)."""
+def _check_positions(positions, b, t, sections=None):
+    """Checks integer (B, T) or (T,) `positions` and returns them as (B, T) or (1, T); with k
+    `rope_sections` (k, B, T) is accepted too, and they are returned as (k, B|1, T)."""
     positions = ops.convert_to_tensor(positions)
     shape = _static_shape(positions)
-    dims = {1: (t,), 2: (b, t)}.get(len(shape))
+    dims = {1: (t,), 2: (b, t), 3: None if sections is None else (len(sections), b, t)}.get(len(shape))
     expected = dims is not None and not any(_differ(d, e) for d, e in zip(shape, dims, strict=True))
     if not _is_int(positions.dtype) or not expected:
+        received = f"Received: positions.shape={shape}, positions.dtype={_dtype_name(positions.dtype)}"
+        if sections is None:
+            raise ValueError(
+                f"`positions` must be an integer tensor of shape (B, T) or (T,) with B={b}, T={t}. {received}"
+            )
         raise ValueError(
-            f"`positions` must be an integer tensor of shape (B, T) or (T,) with B={b}, T={t}. "
-            f"Received: positions.shape={shape}, positions.dtype={_dtype_name(positions.dtype)}"
+            f"`positions` must be an integer tensor of shape (B, T), (T,) or ({len(sections)}, B, T) with B={b}, "
+            f"T={t} (one row per section of `rope_sections`). {received}"
         )
-    return positions[None] if len(shape) == 1 else positions  # (T,) -> (1, T)
+    positions = positions[None] if len(shape) == 1 else positions  # (T,) -> (1, T)
+    return positions if sections is None else _per_section(positions, sections)
+
+
+def _per_section(positions, sections):
+    """(B|1, T) positions -> (k, B|1, T), one row per section; (k, B, T) ones as they are."""
+    if len(positions.shape) == 3:
+        return positions
+    return ops.repeat(positions[None], len(sections), axis=0)  # (B|1, T) -> (k, B|1, T)
 
 
 def _attention_mask(attention_mask, mask):
@@ -482,9 +557,29 @@ def causal_mask(t, s):
 
 
 def window_mask(t, s, window):
-    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - window (bottom-right aligned)."""
+    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - W_before, and with a pair
+    window (W_before, W_after) also s < t + (S - T) + W_after (bottom-right aligned)."""
     keys, queries = ops.arange(s, dtype="int32")[None, :], ops.arange(t, dtype="int32")[:, None] + (s - t)
-    return keys > queries - window  # (T, S)
+    return _in_window(keys, queries, window)  # (T, S)
+
+
+def _in_window(keys, queries, window):
+    """Whether key positions are within the `window` (an int or a pair) of query positions."""
+    before, after = _window_sides(window)
+    kept = keys > queries - before
+    return kept if after is None else ops.logical_and(kept, keys < queries + after)
+
+
+def attention_chunk_mask(t, s, size):
+    """(T, S) boolean mask: query t keeps key s iff s // size == (t + (S - T)) // size, both in
+    the same chunk of `size` positions (bottom-right aligned)."""
+    keys, queries = ops.arange(s, dtype="int32")[None, :], ops.arange(t, dtype="int32")[:, None] + (s - t)
+    return _same_chunk(keys, queries, size)  # (T, S)
+
+
+def _same_chunk(keys, queries, size):
+    """Whether key and query positions (non-negative) are in the same chunk of `size` positions."""
+    return ops.floor_divide(keys, size) == ops.floor_divide(queries, size)
 
 
 def _split_mask(mask, dtype):
@@ -556,13 +651,23 @@ def alibi_bias(num_heads, positions):
 # -------------------------------------------------------------------------------------------------
 
 
-def rms_norm(x, scale, eps):
-    """RMSNorm over the last axis, `x / sqrt(mean(x ** 2) + eps) * scale`, computed in float32
-    at least and cast back to x's dtype."""
+def rms_norm(x, scale, eps, bias=None):
+    """RMSNorm over the last axis, `x / sqrt(mean(x ** 2) + eps) * scale (+ bias)`, computed in
+    float32 at least and cast back to x's dtype."""
     dtype = _softmax_dtype(x.dtype)
     y = ops.cast(x, dtype)
     y = y * ops.rsqrt(ops.mean(ops.square(y), axis=-1, keepdims=True) + eps) * ops.cast(scale, dtype)
-    return ops.cast(y, x.dtype)
+    return ops.cast(_add(y, None if bias is None else ops.cast(bias, dtype)), x.dtype)
+
+
+def layer_norm(x, scale, eps, bias=None):
+    """LayerNorm over the last axis, `(x - mean(x)) / sqrt(var(x) + eps) * scale (+ bias)` with
+    the biased variance, computed in float32 at least and cast back to x's dtype."""
+    dtype = _softmax_dtype(x.dtype)
+    y = ops.cast(x, dtype)
+    y = y - ops.mean(y, axis=-1, keepdims=True)
+    y = y * ops.rsqrt(ops.mean(ops.square(y), axis=-1, keepdims=True) + eps) * ops.cast(scale, dtype)
+    return ops.cast(_add(y, None if bias is None else ops.cast(bias, dtype)), x.dtype)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -649,22 +754,36 @@ def scale_rotated(x, rotary_dim, factor):
     return ops.concatenate([x[..., :rotary_dim] * factor, x[..., rotary_dim:]], axis=-1)  # (B, heads, T, H)
 
 
-def apply_rope(x, positions, inv_freq, interleaved):
+def rope_angles(positions, inv_freq, sections=None):
+    """(B|1, T, R/2) float32 angles of RoPE: positions times `inv_freq`; with `rope_sections`,
+    the pairs of section j turn by row j of the (k, B|1, T) positions."""
+    if sections is None:
+        return ops.cast(positions, "float32")[..., None] * ops.convert_to_tensor(inv_freq, "float32")  # (B, T, R/2)
+    starts = np.cumsum((0, *sections))  # where each section's pairs start, and the end
+    angles = [
+        ops.cast(positions[j], "float32")[..., None] * ops.convert_to_tensor(inv_freq[start:stop], "float32")
+        for j, (start, stop) in enumerate(itertools.pairwise(starts))
+    ]  # (B|1, T, pairs of section j) each
+    return ops.concatenate(angles, axis=-1)  # (B|1, T, R/2)
+
+
+def apply_rope(x, positions, inv_freq, interleaved, sections=None):
     """Rotates the first R = 2 * len(inv_freq) features of each head of x.
 
     Args:
         x: (B, heads, T, H) queries or keys.
-        positions: (B, T) or (1, T) integer positions.
+        positions: (B, T) or (1, T) integer positions; with `sections`, (k, B|1, T).
         inv_freq: (R/2,) float32 frequencies from `rope_frequencies`.
         interleaved: False pairs feature i with i + R/2 (Llama, GPT-NeoX); True pairs 2i and
             2i + 1 (GPT-J).
+        sections: None, or the numbers of pairs (summing to R/2) turned by each row of
+            `positions` in turn (multimodal RoPE).
 
     Returns:
         x rotated, in its dtype; the angles and their cos and sin are float32.
     """
     rotary_dim = 2 * inv_freq.shape[0]
-    positions = ops.cast(positions, "float32")[:, None, :, None]  # (B, T) -> (B, 1, T, 1)
-    angles = positions * ops.convert_to_tensor(inv_freq, "float32")  # (B, 1, T, R/2)
+    angles = rope_angles(positions, inv_freq, sections)[:, None]  # (B, T, R/2) -> (B, 1, T, R/2)
     dtype = _softmax_dtype(x.dtype)
     cos, sin = ops.cast(ops.cos(angles), dtype), ops.cast(ops.sin(angles), dtype)  # (B, 1, T, R/2)
     rotary = ops.cast(x[..., :rotary_dim], dtype)  # (B, heads, T, R)
@@ -766,9 +885,10 @@ def _check_keep(keep, batch_size, max_length):
 
 def _check_room(index, t, length, window):
     """Whether the T new tokens do not fit, as a () boolean tensor: without a window index + T must
-    be <= L; with one the cache rolls, and a call that wraps must leave its first query's keys in
-    place (L >= window + T - 1). Where the index can be read (eagerly) a misfit is a ValueError;
-    in a trace (`jax.jit`, a TensorFlow graph) `_attend` makes that call's output NaN."""
+    be <= L; with one (`window` is W_before here) the cache rolls, and a call that wraps must leave
+    its first query's keys in place (L >= window + T - 1). Where the index can be read (eagerly) a
+    misfit is a ValueError; in a trace (`jax.jit`, a TensorFlow graph) `_attend` makes that call's
+    output NaN."""
     index = ops.convert_to_tensor(index)
     misfit = index + t > length  # ()
     if window is not None:
@@ -802,15 +922,18 @@ def _slot_positions(length, last):
     return slots + length * ops.floor_divide(last - slots, length)  # (L,)
 
 
-def _cache_keep(keep, index, t, causal, window):
+def _cache_keep(keep, index, t, causal, window, chunk):
     """(B, L) cache keep -> (B, 1, T, L): slot s holds a written position p(s), is not padding,
-    when causal p(s) is at most the query's own position index + t, and with a window W
-    p(s) > index + t - W."""
+    when causal p(s) is at most the query's own position index + t, with a window
+    p(s) > index + t - W_before (and with a pair p(s) < index + t + W_after), and with a chunk
+    size C p(s) // C == (index + t) // C."""
     held = _slot_positions(keep.shape[-1], index + t - 1)[None, :]  # (1, L), p(s)
     positions = index + ops.arange(t, dtype="int32")[:, None]  # (T, 1), the position of each query
     allowed = (held >= 0) & (held <= positions if causal else held < index + t)  # (T, L)
     if window is not None:
-        allowed = allowed & (held > positions - window)  # (T, L)
+        allowed = allowed & _in_window(held, positions, window)  # (T, L)
+    if chunk is not None:
+        allowed = allowed & _same_chunk(held, positions, chunk)  # (T, L)
     return ops.logical_and(allowed[None, None], keep[:, None, None, :])  # (B, 1, T, L)
 
 
@@ -882,8 +1005,9 @@ def _masked_softmax(scores, keep, sinks):
 
 
 def dot_product_attention(
-    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, sinks=None, dropout=None
-):
+    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, attention_chunk_size=None,
+    sinks=None, dropout=None,
+):  # fmt: skip
     """Pure attention on split heads; returns (context, weights).
 
     Args:
@@ -895,7 +1019,9 @@ def dot_product_attention(
         causal: if True, query t keeps key s only if s <= t + (S - T).
         scale: the factor of the scores; None is 1 / sqrt(H).
         softcap: None or c: the scaled scores become c * tanh(scores / c).
-        window: None or W: query t keeps key s only if s > t + (S - T) - W.
+        window: None, W or (W_before, W_after): query t keeps key s only if
+            s > t + (S - T) - W_before, and with a pair also s < t + (S - T) + W_after.
+        attention_chunk_size: None, or C: query t keeps key s only if s // C == (t + (S - T)) // C.
         sinks: None or (N,) logits, one per query head, in the softmax's denominator.
         dropout: None, or a callable applied to the weights before the weighted sum.
 
@@ -907,6 +1033,8 @@ def dot_product_attention(
         keep = _and(keep, causal_mask(t, s))  # (B, N, T, S), dims may be 1
     if window is not None:
         keep = _and(keep, window_mask(t, s, window))  # (B, N, T, S), dims may be 1
+    if attention_chunk_size is not None:
+        keep = _and(keep, attention_chunk_mask(t, s, attention_chunk_size))  # (B, N, T, S), dims may be 1
     groups = q.shape[1] // k.shape[1]
     k = ops.repeat(k, groups, axis=1) if groups > 1 else k  # (B, K, S, H) -> (B, N, S, H)
     v = ops.repeat(v, groups, axis=1) if groups > 1 else v  # (B, K, S, H) -> (B, N, S, H)
@@ -1022,8 +1150,11 @@ class MultiHeadAttention(keras.layers.Layer):
             ("query", "key", "value")). Kept as that tuple of names, in that order.
         scale: the factor of the scores, `scores = (q . k) * scale`. Defaults to 1 / sqrt(H).
         softcap: None or a positive float c: the scores become c * tanh(scores / c).
-        window: None or a positive integer W, a sliding window: query t keeps key s only if
-            s > t + (S - T) - W (with a cache: s > index + t - W).
+        window: None, W, or a pair (W_before, W_after): query t keeps key s only if
+            s > t + (S - T) - W_before, and with a pair also s < t + (S - T) + W_after
+            (Mistral's sliding window: W; ModernBERT's two-sided band: (65, 65)).
+        attention_chunk_size: None, or C: query t keeps key s only if both are in the same
+            chunk of C positions, s // C == (t + (S - T)) // C (Llama 4's chunked attention).
         rope_theta: None (no RoPE) or the base of rotary position embeddings.
         rope_fraction: in (0, 1]; RoPE turns the first R = int(H * rope_fraction) features.
         rope_interleaved: False pairs feature i with i + R/2; True pairs 2i and 2i + 1.
@@ -1032,8 +1163,15 @@ class MultiHeadAttention(keras.layers.Layer):
             (factor, original_max_position_embeddings, optional attention_factor, beta_fast,
             beta_slow, mscale, mscale_all_dim, truncate; the rotated features of q and k are
             also multiplied by its attention factor).
-        qk_norm: None, "head" (RMSNorm of each head of q and k) or "all" (over all heads).
-        qk_norm_eps: the epsilon of the QK-norm.
+        rope_sections: None, or the numbers of rotated pairs (summing to R/2) that turn by each
+            row of (k, B, T) `positions` in turn (Qwen2-VL's multimodal RoPE, `mrope_section`).
+        qk_norm: None, "head" (each head of q and k normalized, one scale shared by the heads:
+            Qwen3), "per_head" (each head with its own scale: StableLM, Cohere) or "all" (over all
+            heads: OLMo2); its scales are the weights `query_norm` and `key_norm`.
+        qk_norm_eps: the epsilon of that norm.
+        qk_norm_type: "rms" (RMSNorm) or "layer" (LayerNorm: the mean is removed first).
+        qk_norm_bias: if True, the norm adds a learned bias after its scale (`query_norm_bias`,
+            `key_norm_bias`: Phi's LayerNorm).
         sinks: if True, one learned logit per query head in the softmax's denominator.
         clip_qkv: None or c > 0: q, k and v are clamped to [-c, c] right after their projections
             (bias included), before QK-norm, RoPE and the cache (OLMo, DBRX, MPT).
@@ -1054,8 +1192,8 @@ class MultiHeadAttention(keras.layers.Layer):
             masks. In self-attention it defaults to `query_mask`.
         query_mask: (B, T) boolean, True for a real query; ANDed with the query's Keras mask.
         attention_bias: floating, added to the scores (with a gradient); shaped like a mask.
-        positions: integer (B, T) or (T,) RoPE positions. Defaults to arange(T) (+ the
-            cache's index).
+        positions: integer (B, T) or (T,) RoPE positions, or (k, B, T) with `rope_sections`;
+            default arange(T) (+ the cache index).
         causal: if True, query t attends key s only if s <= t + (S - T).
         return_attention: if True, also return the per-head attention weights.
         training: dropout acts only when True.
@@ -1099,12 +1237,16 @@ class MultiHeadAttention(keras.layers.Layer):
         scale=None,
         softcap=None,
         window=None,
+        attention_chunk_size=None,
         rope_theta=None,
         rope_fraction=1.0,
         rope_interleaved=False,
         rope_scaling=None,
+        rope_sections=None,
         qk_norm=None,
         qk_norm_eps=1e-6,
+        qk_norm_type="rms",
+        qk_norm_bias=False,
         sinks=False,
         clip_qkv=None,
         kernel_initializer="glorot_uniform",
@@ -1127,11 +1269,12 @@ class MultiHeadAttention(keras.layers.Layer):
         self.dropout = _dropout_rate(dropout)
         self.bias = _projection_biases(bias)
         (
-            self.scale, self.softcap, self.window, self.rope_theta, self.rope_fraction, self.rope_interleaved,
-            self.rope_scaling, self.qk_norm, self.qk_norm_eps, self.sinks, self.clip_qkv,
+            self.scale, self.softcap, self.window, self.attention_chunk_size, self.rope_theta, self.rope_fraction,
+            self.rope_interleaved, self.rope_scaling, self.rope_sections, self.qk_norm, self.qk_norm_eps,
+            self.qk_norm_type, self.qk_norm_bias, self.sinks, self.clip_qkv,
         ) = _check_variants(
-            self.head_dim, scale, softcap, window, rope_theta, rope_fraction, rope_interleaved, rope_scaling, qk_norm,
-            qk_norm_eps, sinks, clip_qkv,
+            self.head_dim, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved,
+            rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv,
         )  # fmt: skip
         if self.rope_theta is not None:
             rotary = _rotary_dim(self.rope_fraction, self.head_dim, True)
@@ -1145,10 +1288,11 @@ class MultiHeadAttention(keras.layers.Layer):
         self._warned_traps = set()  # the mask habits warned of, once each
 
     def _initializer(self, name):
-        """Kernels and biases from the layer's initializers; QK-norm scales of one, sinks of zero."""
+        """Kernels and biases from the layer's initializers; QK-norm scales of one, QK-norm biases
+        and sinks of zero."""
         if name.endswith("_norm"):
             return keras.initializers.Ones()
-        if name == "sinks":
+        if name in ("sinks", "query_norm_bias", "key_norm_bias"):
             return keras.initializers.Zeros()
         initializer = self.kernel_initializer if name.endswith("_kernel") else self.bias_initializer
         return initializer.__class__.from_config(initializer.get_config())  # a fresh instance for each weight
@@ -1184,13 +1328,17 @@ class MultiHeadAttention(keras.layers.Layer):
             "bias": bias,
             "scale": self.scale,
             "softcap": self.softcap,
-            "window": self.window,
+            "window": list(self.window) if isinstance(self.window, tuple) else self.window,
+            "attention_chunk_size": self.attention_chunk_size,
             "rope_theta": self.rope_theta,
             "rope_fraction": self.rope_fraction,
             "rope_interleaved": self.rope_interleaved,
             "rope_scaling": self.rope_scaling,
+            "rope_sections": None if self.rope_sections is None else list(self.rope_sections),
             "qk_norm": self.qk_norm,
             "qk_norm_eps": self.qk_norm_eps,
+            "qk_norm_type": self.qk_norm_type,
+            "qk_norm_bias": self.qk_norm_bias,
             "sinks": self.sinks,
             "clip_qkv": self.clip_qkv,
             "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
@@ -1199,7 +1347,8 @@ class MultiHeadAttention(keras.layers.Layer):
 
     def weight_shapes(self):
         """The portable layout: {name: shape}, in its order; a projection's bias only when `bias`
-        names it, the norm scales only with `qk_norm`, `sinks` only with `sinks=True`."""
+        names it, the norm scales only with `qk_norm` (and their biases with `qk_norm_bias`),
+        `sinks` only with `sinks=True`."""
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         kernels = {
             "query": (self.d_model, nh),
@@ -1215,6 +1364,8 @@ class MultiHeadAttention(keras.layers.Layer):
         if self.qk_norm is not None:
             shapes["query_norm"] = (self.head_dim,) if self.qk_norm == "head" else (nh,)
             shapes["key_norm"] = (self.head_dim,) if self.qk_norm == "head" else (kh,)
+        if self.qk_norm is not None and self.qk_norm_bias:
+            shapes["query_norm_bias"], shapes["key_norm_bias"] = shapes["query_norm"], shapes["key_norm"]
         if self.sinks:
             shapes["sinks"] = (self.num_heads,)
         return shapes
@@ -1272,8 +1423,12 @@ class MultiHeadAttention(keras.layers.Layer):
             "scale": math.isclose(self.scale, 1 / math.sqrt(self.head_dim)),
             "softcap": self.softcap is None,
             "window": self.window is None,
+            "attention_chunk_size": self.attention_chunk_size is None,
             "rope_theta": self.rope_theta is None,
+            "rope_sections": self.rope_sections is None,
             "qk_norm": self.qk_norm is None,
+            "qk_norm_type": self.qk_norm_type == "rms",
+            "qk_norm_bias": not self.qk_norm_bias,
             "sinks": not self.sinks,
             "clip_qkv": self.clip_qkv is None,
         }
@@ -1313,16 +1468,16 @@ class MultiHeadAttention(keras.layers.Layer):
             self._warn_traps(attention_mask, passed_key_mask, t, s)
         positions = self._positions(positions, query, key, cache)
         if cache is not None:
-            _check_room(cache.index, _shape(query)[1], cache.key.shape[2], self.window)
+            _check_room(cache.index, _shape(query)[1], cache.key.shape[2], _window_sides(self.window)[0])
         query, key, value = (ops.cast(x, self.compute_dtype) for x in (query, key, value))
         return _Call(
             query, key, value, mask, attention_bias, key_keep, query_mask, positions, causal, self.window,
-            return_attention, cache, training, False,
+            self.attention_chunk_size, return_attention, cache, training, False,
         )  # fmt: skip
 
     def _positions(self, positions, query, key, cache):
-        """Checks `positions` and returns them as (B, T) or (1, T) integers (default
-        arange(T), plus the cache's index), or None without RoPE."""
+        """Checks `positions` and returns them as (B, T) or (1, T) integers, (k, B|1, T) with
+        k `rope_sections` (default arange(T), plus the cache's index), or None without RoPE."""
         if self.rope_theta is None:
             if positions is not None:
                 raise ValueError(
@@ -1337,8 +1492,9 @@ class MultiHeadAttention(keras.layers.Layer):
             )
         if positions is None:
             start = 0 if cache is None else ops.convert_to_tensor(cache.index, "int32")
-            return (start + ops.arange(_shape(query)[1], dtype="int32"))[None]  # (1, T)
-        return _check_positions(positions, query.shape[0], query.shape[1])
+            positions = (start + ops.arange(_shape(query)[1], dtype="int32"))[None]  # (1, T)
+            return positions if self.rope_sections is None else _per_section(positions, self.rope_sections)
+        return _check_positions(positions, query.shape[0], query.shape[1], self.rope_sections)
 
     def _warn_traps(self, attention_mask, key_mask, t, s):
         """Warns once per layer for each built-in habit the masks' values suggest, where reading
@@ -1401,37 +1557,51 @@ class MultiHeadAttention(keras.layers.Layer):
         return ops.reshape(merged, (b, length, heads * h))  # -> (B, L, heads*H)
 
     def _normalize_qk(self, q, k):
-        """QK-norm: RMSNorm of each head of q and k ("head", scales (H,)) or of all their heads
-        at once ("all", scales (N*H,) and (K*H,))."""
+        """QK-norm (RMSNorm, or LayerNorm with `qk_norm_type="layer"`) of each head of q and k
+        ("head": scales (H,) shared by the heads; "per_head": scales (N*H,) and (K*H,), head n's
+        [n*H:(n+1)*H]) or of all their heads at once ("all": scales (N*H,) and (K*H,)); with
+        `qk_norm_bias`, plus the biases shaped like the scales."""
         if self.qk_norm is None:
             return q, k
-        eps = self.qk_norm_eps
-        if self.qk_norm == "head":
-            return rms_norm(q, self.query_norm, eps), rms_norm(k, self.key_norm, eps)  # (B, heads, L, H)
-        q = self._split_heads(rms_norm(self._merge_heads(q), self.query_norm, eps), self.num_heads)  # (B, N, T, H)
-        k = self._split_heads(rms_norm(self._merge_heads(k), self.key_norm, eps), self.num_kv_heads)  # (B, K, S, H)
-        return q, k
+        return self._norm(q, "query", self.num_heads), self._norm(k, "key", self.num_kv_heads)
+
+    def _norm(self, x, kind, heads):
+        """The QK-norm of x (B, heads, L, H) with the `kind` ("query" or "key") weights."""
+        norm = layer_norm if self.qk_norm_type == "layer" else rms_norm
+        scale = getattr(self, f"{kind}_norm")
+        bias = getattr(self, f"{kind}_norm_bias") if self.qk_norm_bias else None
+        if self.qk_norm == "all":
+            merged = norm(self._merge_heads(x), scale, self.qk_norm_eps, bias)  # (B, L, heads*H)
+            return self._split_heads(merged, heads)  # (B, heads, L, H)
+        if self.qk_norm == "per_head":
+            scale = ops.reshape(scale, (heads, 1, self.head_dim))  # (heads*H,) -> (heads, 1, H)
+            bias = None if bias is None else ops.reshape(bias, (heads, 1, self.head_dim))  # (heads, 1, H)
+        return norm(x, scale, self.qk_norm_eps, bias)  # (B, heads, L, H)
 
     def _rotate(self, q, k, positions):
-        """RoPE of q (B, N, T, H) and k (B, K, T, H) at (B, T) or (1, T) `positions`."""
+        """RoPE of q (B, N, T, H) and k (B, K, T, H) at (B, T) or (1, T) `positions`, (k, B|1, T)
+        with `rope_sections`."""
         if self.rope_theta is None:
             return q, k
-        inv_freq, interleaved = self._inv_freq, self.rope_interleaved
-        q, k = apply_rope(q, positions, inv_freq, interleaved), apply_rope(k, positions, inv_freq, interleaved)
+        inv_freq, interleaved, sections = self._inv_freq, self.rope_interleaved, self.rope_sections
+        q = apply_rope(q, positions, inv_freq, interleaved, sections)  # (B, N, T, H)
+        k = apply_rope(k, positions, inv_freq, interleaved, sections)  # (B, K, T, H)
         factor, rotary_dim = rope_attention_factor(self.rope_scaling), 2 * inv_freq.shape[0]
         return scale_rotated(q, rotary_dim, factor), scale_rotated(k, rotary_dim, factor)  # YaRN's factor
 
     def _update_cache(self, call, k, v, keep):
         """The cache write: the new keys and values go to slots [index, index + T) (mod L with a
         window), `key_mask` into the cache's keep; returns the cache's (B, K, L, H) keys and values,
-        `keep` over the L slots with `causal` and `window` folded in, and the call with the new
-        cache."""
+        `keep` over the L slots with `causal`, `window` and `attention_chunk_size` folded in, and
+        the call with the new cache."""
         if call.cache is None:
             return k, v, keep, call
         t, index = _shape(k)[2], ops.convert_to_tensor(call.cache.index, "int32")  # the index before this write
         cache = _write_cache(call.cache, k, v, call.key_mask)  # `key_mask` goes into its keep
-        keep = _and(keep, _cache_keep(cache.keep, index, t, call.causal, call.window))  # (B, N, T, L), dims may be 1
-        return cache.key, cache.value, keep, call._replace(causal=False, window=None, cache=cache)
+        folded = _cache_keep(cache.keep, index, t, call.causal, call.window, call.attention_chunk_size)  # (B, 1, T, L)
+        keep = _and(keep, folded)  # (B, N, T, L), dims may be 1
+        call = call._replace(causal=False, window=None, attention_chunk_size=None, cache=cache)
+        return cache.key, cache.value, keep, call
 
     def _attend(self, q, k, v, keep, bias, call):
         """`dot_product_attention` with the layer's variants and its dropout (when training);
@@ -1443,11 +1613,11 @@ class MultiHeadAttention(keras.layers.Layer):
         sinks = self.sink_logits if self.sinks else None
         context, weights = dot_product_attention(
             q, k, v, keep, bias, call.causal, scale=self.scale, softcap=self.softcap, window=call.window,
-            sinks=sinks, dropout=dropout,
+            attention_chunk_size=call.attention_chunk_size, sinks=sinks, dropout=dropout,
         )  # fmt: skip
         if call.cache is not None and not _values_readable(call.cache.index):
-            t = _shape(q)[2]
-            misfit = _check_room(call.cache.index - t, t, k.shape[2], self.window)  # the index before the write
+            t, before = _shape(q)[2], _window_sides(self.window)[0]
+            misfit = _check_room(call.cache.index - t, t, k.shape[2], before)  # the index before the write
             context = ops.where(misfit, ops.cast(float("nan"), context.dtype), context)  # a trace cannot raise
         return context, weights
 
@@ -1476,7 +1646,7 @@ class MultiHeadAttention(keras.layers.Layer):
         q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H)
         q, k = self._normalize_qk(q, k)  # 3. QK-norm
         q, k = self._rotate(q, k, call.positions)  # 4. RoPE
-        k, v, keep, call = self._update_cache(call, k, v, keep)  # 5. KV cache (replaces causal/window/cache)
+        k, v, keep, call = self._update_cache(call, k, v, keep)  # 5. KV cache (replaces causal/window/chunk/cache)
         context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S)
         output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*H) -> (B, T, E)
         return _results(output, weights, call.cache, call.return_attention)
@@ -1610,7 +1780,7 @@ def _check_keras_can_hold(layer):
         received = ", ".join(f"{name}={value!r}" for name, value in held.items())
         raise ValueError(
             "`to_keras` needs a layer the Keras built-ins can hold: all four biases or none, the default "
-            f"scale, and no softcap, window, RoPE, QK-norm, sinks or clip_qkv. Received: {received}"
+            f"scale, and no softcap, window, attention chunks, RoPE, QK-norm, sinks or clip_qkv. Received: {received}"
         )
 
 
@@ -1644,7 +1814,8 @@ def _options_it_cannot_hold(layer, config, dense):
         found["sliding_window"] = (
             window,
             f"Keras keeps keys with |t - s| < {window}, on both sides of the query; with causal=True and T == S "
-            f"that is this layer's window: construct it with `window={window}` and call it with `causal=True`",
+            f"that is this layer's window: construct it with `window={window}` and call it with `causal=True` "
+            f"(without causal, `window=({window}, {window})`)",
         )
     for name in ("kernel_regularizer", "bias_regularizer", "activity_regularizer"):
         if config.get(name) is not None:

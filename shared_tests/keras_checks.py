@@ -230,6 +230,280 @@ def check_clip_qkv():
     _close(clipped(_inputs(), causal=True), small(_inputs(), causal=True), "projections within [-c, c]", 0.0)
 
 
+def _numpy_result(case, data):
+    """The NumPy reference's Result (float64) of one case."""
+    from shared_tests.frameworks import run_numpy
+
+    return run_numpy(case, data)
+
+
+def _matches_numpy(case, data, what):
+    """This backend's output, weights and gradients (float32 cases) of one case against the NumPy
+    reference, within the case's tolerances, with exact zeros wherever NumPy's weights are 0."""
+    from shared_tests.keras_backends import _case_result
+
+    got, expected = _case_result(case, data), _numpy_result(case, data)
+    _close(got.output, expected.output, f"{what}: output", case.tolerance["output"])
+    _close(got.weights, expected.weights, f"{what}: weights", case.tolerance["weights"])
+    assert (got.weights[expected.weights == 0] == 0).all(), f"{what}: a removed key has a weight"
+    if case.tolerance["grads"] is not None:
+        assert set(got.grads) == set(expected.grads), (what, sorted(got.grads), sorted(expected.grads))
+        for name, grad in expected.grads.items():
+            _close(got.grads[name], grad, f"{what}: d {name}", case.tolerance["grads"])
+    return got
+
+
+def _decodes_like_numpy(case, what):
+    """A decode case (shared_tests/decoding.py) on this backend (each step under `jax.jit` on JAX):
+    chunk by chunk equals its own full pass and NumPy's decoding, and ends with NumPy's cache."""
+    from shared_tests.decoding import make_decode_data
+    from shared_tests.decoding import run_numpy as decode_numpy
+    from shared_tests.keras_backends import _decode_result
+
+    data = make_decode_data(case)
+    got, expected = _decode_result(case, data), decode_numpy(case, data)
+    tolerance = case.tolerance
+    _close(got.output, got.full_output, f"{what}: decoding against the full pass", tolerance["output"])
+    _close(got.output, expected.output, f"{what}: decoded output against NumPy", tolerance["output"])
+    _close(got.weights, expected.weights, f"{what}: decoded weights against NumPy", tolerance["weights"])
+    assert (got.weights[expected.weights == 0] == 0).all(), f"{what}: a removed slot has a weight"
+    for name in ("key", "value"):
+        _close(got.cache[name], expected.cache[name], f"{what}: cache.{name}", tolerance["output"])
+    assert (got.cache["keep"] == expected.cache["keep"]).all(), f"{what}: cache.keep"
+
+
+def _while_loop_decode(layer, x, positions=None):
+    """Decodes (B, P, E) `x` token by token inside `ops.while_loop` (the cache a loop variable;
+    `positions` (..., B, P) sliced per token when given) and returns the (B, P, E) outputs."""
+    from keras import ops
+
+    b, p, e = x.shape
+    inputs = ops.convert_to_tensor(x)
+    given = None if positions is None else ops.convert_to_tensor(positions, "int32")
+
+    def step(i, outputs, cache):
+        token = ops.slice(inputs, (0, i, 0), (b, 1, e))  # (B, 1, E)
+        extra = {}
+        if given is not None:
+            start = (0,) * (len(given.shape) - 1) + (i,)
+            extra["positions"] = ops.slice(given, start, (*given.shape[:-1], 1))  # (..., B, 1)
+        output, cache = layer(token, causal=True, cache=cache, **extra)
+        return i + 1, ops.slice_update(outputs, (0, i, 0), output), cache
+
+    start = (0, ops.zeros((b, p, e)), layer.init_cache(b, p))
+    _, outputs, _ = ops.while_loop(lambda i, *_: i < p, step, start)
+    return _numpy(outputs)
+
+
+def _saves_and_loads(layer, x, what, **call):
+    """A functional model holding `layer` saved to `.keras` and loaded back gives the same outputs,
+    and the loaded layer has the same config."""
+    import tempfile
+
+    import keras
+
+    import Keras  # noqa: F401  (registers the layer for deserialization)
+
+    inputs = keras.Input(x.shape[1:])
+    model = keras.Model(inputs, layer(inputs, **call))
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "model.keras")
+        model.save(path)
+        loaded = keras.models.load_model(path)
+    _close(loaded(x), model(x), f"{what}: the model loaded from .keras", 0.0)
+    config = next(lay for lay in loaded.layers if type(lay) is type(layer)).get_config()
+    assert {k: v for k, v in config.items() if k != "name"} == {
+        k: v for k, v in layer.get_config().items() if k != "name"
+    }, f"{what}: the loaded config differs"
+
+
+def check_window_pair():
+    """A two-sided `window=(W_before, W_after)`: outputs, weights and gradients equal NumPy's
+    (self-attention, cross-attention with T < S, GQA and a mask); `window_mask` equals NumPy's and
+    keeps exactly the band; an int W is the pair (W, large); decoding (rolling cache, causal)
+    equals the full pass and NumPy's, in `ops.while_loop` too; `.keras` keeps the pair."""
+    from keras import ops
+
+    from Keras.Multi_Head_Attention import window_mask
+    from NumPy import Multi_Head_Attention as NumPy
+    from shared_tests.cases import Case, make_data
+    from shared_tests.decoding import DecodeCase
+
+    for t, s, window in ((6, 6, (2, 3)), (4, 7, (3, 1)), (5, 5, (1, 1)), (7, 7, (65, 65))):
+        got = _numpy(window_mask(t, s, window)).astype(bool)
+        assert (got == NumPy.window_mask(t, s, window)).all(), f"window_mask({t}, {s}, {window})"
+        offset = np.arange(s)[None, :] - np.arange(t)[:, None] - (s - t)  # key minus query position
+        assert (got == ((offset > -window[0]) & (offset < window[1]))).all(), f"the band of {window}"
+    wide = _numpy(window_mask(5, 8, (3, 100))).astype(bool)
+    assert (wide == _numpy(window_mask(5, 8, 3)).astype(bool)).all(), "an int W is (W, beyond every key)"
+    cases = (
+        Case("window_pair_self", t=7, s=7, self_attention=True, variants=(("window", (2, 3)),)),
+        Case("window_pair_cross_gqa", t=4, s=7, k=2, mask="bool_bts", variants=(("window", [3, 2]),)),
+        Case("window_pair_causal_rope", t=6, s=6, causal=True, variants=(("window", (3, 2)), ("rope_theta", 100.0))),
+    )
+    for case in cases:
+        _matches_numpy(case, make_data(case), case.name)
+    decode = DecodeCase(
+        "decode_window_pair", chunks=(3, 1, 1, 1, 1), length=4, k=2, padding=(0, 1),
+        variants=(("window", (3, 2)), ("rope_theta", 100.0)),
+    )  # fmt: skip
+    _decodes_like_numpy(decode, decode.name)
+    layer, x = _layer(num_kv_heads=2, window=(3, 2), rope_theta=100.0), _inputs((2, 7, 16))
+    _close(_while_loop_decode(layer, x), layer(x, causal=True), "window pair: while_loop decoding", 1e-5)
+    assert layer.window == (3, 2) and layer.get_config()["window"] == [3, 2], layer.get_config()["window"]
+    _saves_and_loads(layer, ops.convert_to_tensor(x), "window pair")
+
+
+def check_attention_chunk():
+    """`attention_chunk_size=C`: outputs, weights and gradients equal NumPy's (bidirectional in a
+    chunk; causal; T < S bottom-right aligned; with a window); `attention_chunk_mask` equals NumPy's;
+    decoding (with a prefill that crosses a chunk) equals the full pass and NumPy's, in
+    `ops.while_loop` too; `.keras` keeps it."""
+    from keras import ops
+
+    from Keras.Multi_Head_Attention import attention_chunk_mask, dot_product_attention
+    from NumPy import Multi_Head_Attention as NumPy
+    from shared_tests.cases import Case, make_data
+    from shared_tests.decoding import DecodeCase
+
+    for t, s, size in ((7, 7, 3), (3, 8, 4), (5, 5, 1), (4, 4, 9)):
+        got = _numpy(attention_chunk_mask(t, s, size)).astype(bool)
+        assert (got == NumPy.attention_chunk_mask(t, s, size)).all(), f"attention_chunk_mask({t}, {s}, {size})"
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.normal(size=shape).astype(np.float32) for shape in ((2, 4, 6, 4), (2, 2, 6, 4), (2, 2, 6, 4)))
+    expected = NumPy.dot_product_attention(q, k, v, attention_chunk_size=4, window=(2, 2))
+    got = dot_product_attention(*(ops.convert_to_tensor(x) for x in (q, k, v)), attention_chunk_size=4, window=(2, 2))
+    for name, a, b in zip(("context", "weights"), got, expected, strict=True):
+        _close(a, b, f"dot_product_attention with attention_chunk_size: {name}")
+    cases = (
+        Case("chunk_self", t=7, s=7, self_attention=True, variants=(("attention_chunk_size", 3),)),
+        Case("chunk_causal_gqa", t=7, s=7, k=2, causal=True, variants=(("attention_chunk_size", 3),)),
+        Case("chunk_cross", t=3, s=8, mask="bool_ts", variants=(("attention_chunk_size", 4),)),
+        Case("chunk_window", t=8, s=8, variants=(("attention_chunk_size", 4), ("window", (2, 2)))),
+    )
+    for case in cases:
+        _matches_numpy(case, make_data(case), case.name)
+    decode = DecodeCase(
+        "decode_chunk", chunks=(4, 1, 1, 1, 1), length=8, k=2, padding=(1, 0),
+        variants=(("attention_chunk_size", 3), ("rope_theta", 100.0)),
+    )  # fmt: skip
+    _decodes_like_numpy(decode, decode.name)
+    layer, x = _layer(attention_chunk_size=3, window=2, sinks=True), _inputs((2, 7, 16))
+    _close(_while_loop_decode(layer, x), layer(x, causal=True), "attention chunk: while_loop decoding", 1e-5)
+    assert layer.get_config()["attention_chunk_size"] == 3 and layer._non_defaults()["attention_chunk_size"] == 3
+    _saves_and_loads(layer, ops.convert_to_tensor(x), "attention chunk")
+
+
+def check_rope_sections():
+    """`rope_sections` (multimodal RoPE): with (k, B, T) positions the outputs, weights and
+    gradients equal NumPy's (also with rope_fraction, interleaved pairs and YaRN); one row of
+    positions for every section is plain RoPE; decoding with (k, B, 1) positions (each step under
+    `jax.jit` on JAX) and in `ops.while_loop` equals the full pass; `.keras` keeps the sections."""
+    import keras
+    from keras import ops
+
+    from shared_tests.cases import YARN_SCALING, Case, make_data
+    from shared_tests.keras_backends import _jitted_step
+
+    rng = np.random.default_rng(6)
+    cases = (
+        (Case("mrope", e=32, t=6, s=6, self_attention=True, variants=(
+            ("rope_theta", 100.0), ("rope_sections", (1, 2, 1)),
+        )), 3),
+        (Case("mrope_fraction_interleaved_gqa", e=32, t=5, s=5, k=2, causal=True, variants=(
+            ("rope_theta", 1000.0), ("rope_fraction", 0.5), ("rope_interleaved", True), ("rope_sections", [1, 1]),
+        )), 2),
+        (Case("mrope_yarn", e=32, t=5, s=5, variants=(
+            ("rope_theta", 10000.0), ("rope_scaling", YARN_SCALING), ("rope_sections", (2, 2)),
+        )), 2),
+    )  # fmt: skip
+    for case, k in cases:
+        data = make_data(case)
+        data["positions"] = rng.integers(0, 40, size=(k, case.b, case.t))  # (k, B, T), one row per section
+        _matches_numpy(case, data, case.name)
+    layer, x = _layer(num_kv_heads=2, rope_theta=100.0, rope_sections=(1, 1)), _inputs((2, 7, 16))
+    plain = _layer(num_kv_heads=2, rope_theta=100.0)
+    positions = rng.integers(0, 30, size=(2, 7))  # (B, T)
+    for given in (positions, np.stack([positions] * 2)):  # (B, T) and (k, B, T) of equal rows
+        _close(layer(x, positions=given), plain(x, positions=positions), "one row for every section is plain RoPE")
+    _close(layer(x), plain(x), "the default positions in every section")
+    sections = np.stack([np.arange(7)[None].repeat(2, 0), rng.integers(0, 9, size=(2, 7))])  # (k, B, P)
+    full = _numpy(layer(x, positions=sections, causal=True))
+    step = _jitted_step(layer, Case("step", causal=True)) if keras.backend.backend() == "jax" else None
+    cache, outputs = layer.init_cache(2, 7), []
+    for start, stop in ((0, 3), (3, 4), (4, 5), (5, 7)):
+        chunk, extra = {"query": ops.convert_to_tensor(x[:, start:stop])}, {"positions": sections[..., start:stop]}
+        if step is None:
+            output, _, cache = layer(**chunk, **extra, causal=True, return_attention=True, cache=cache)
+        else:
+            output, _, cache = step(chunk, None, cache, {"positions": ops.convert_to_tensor(extra["positions"])})
+        outputs.append(_numpy(output))
+    _close(np.concatenate(outputs, 1), full, "M-RoPE decoding against the full pass")
+    _close(_while_loop_decode(layer, x, sections), full, "M-RoPE while_loop decoding", 1e-5)
+    assert layer.get_config()["rope_sections"] == [1, 1] and layer.rope_sections == (1, 1)
+    _saves_and_loads(layer, ops.convert_to_tensor(x), "rope sections")
+
+
+def check_qk_norm_variants():
+    """QK-norm "per_head" (a scale per head), `qk_norm_type="layer"` (LayerNorm) and
+    `qk_norm_bias`: outputs, weights and gradients (the norm biases' included) equal NumPy's; a
+    fresh layer's norm scales are ones and its norm biases zeros (whatever `bias_initializer`);
+    "per_head" with every head's scale equal is "head"; mixed precision keeps the norm in float32
+    (outputs near float32's); decoding equals the full pass and NumPy's; `.keras` keeps the new
+    arguments."""
+    import keras
+    from keras import ops
+
+    from Keras import MultiHeadAttention
+    from shared_tests.cases import Case, make_data
+    from shared_tests.decoding import DecodeCase
+
+    cases = (
+        Case("qk_norm_per_head_gqa", k=2, causal=True, variants=(("qk_norm", "per_head"),)),
+        Case("qk_layer_norm_head_bias", variants=(
+            ("qk_norm", "head"), ("qk_norm_type", "layer"), ("qk_norm_bias", True),
+        )),
+        Case("qk_layer_norm_per_head_bias_rope", k=2, variants=(
+            ("qk_norm", "per_head"), ("qk_norm_type", "layer"), ("qk_norm_bias", True), ("rope_theta", 100.0),
+        )),
+        Case("qk_rms_norm_all_bias", k=1, variants=(("qk_norm", "all"), ("qk_norm_bias", True))),
+        Case("qk_layer_norm_all", variants=(("qk_norm", "all"), ("qk_norm_type", np.str_("layer")))),
+    )  # fmt: skip
+    for case in cases:
+        _matches_numpy(case, make_data(case), case.name)
+    fresh = MultiHeadAttention(16, 4, num_kv_heads=2, qk_norm="per_head", qk_norm_bias=True, bias_initializer="ones")
+    fresh.build()
+    for name, fill in (("query_norm", 1.0), ("key_norm", 1.0), ("query_norm_bias", 0.0), ("key_norm_bias", 0.0)):
+        value = _numpy(fresh._variable(name))
+        assert value.shape == fresh.weight_shapes()[name] and (value == fill).all(), f"initial {name}"
+    head = _layer(qk_norm="head", qk_norm_type="layer", num_kv_heads=2)
+    per_head = _layer(qk_norm="per_head", qk_norm_type="layer", num_kv_heads=2)
+    weights = head.export_weights()
+    per_head.import_weights(
+        {**weights, "query_norm": np.tile(weights["query_norm"], 4), "key_norm": np.tile(weights["key_norm"], 2)}
+    )
+    x = _inputs()
+    _close(per_head(x), head(x), "per_head with equal scales against head", 1e-6)
+    config = dict(num_kv_heads=2, qk_norm="per_head", qk_norm_type="layer", qk_norm_bias=True, rope_theta=100.0)
+    expected = _numpy(_layer(**config)(x))
+    for policy, tolerance in (("mixed_float16", 1e-2), ("mixed_bfloat16", 5e-2)):
+        output = _layer(**config, dtype=policy)(x)
+        assert keras.backend.standardize_dtype(output.dtype) == policy.split("_")[1], (policy, output.dtype)
+        _close(output, expected, f"LayerNorm QK-norm under {policy}", tolerance)
+    decode = DecodeCase(
+        "decode_qk_layer_norm",
+        k=2,
+        padding=(0, 2),
+        variants=tuple((n, v) for n, v in config.items() if n != "num_kv_heads"),
+    )
+    _decodes_like_numpy(decode, decode.name)
+    layer = _layer(**config)
+    assert {name: layer.get_config()[name] for name in ("qk_norm", "qk_norm_type", "qk_norm_bias")} == {
+        "qk_norm": "per_head", "qk_norm_type": "layer", "qk_norm_bias": True,
+    }  # fmt: skip
+    _saves_and_loads(layer, ops.convert_to_tensor(x), "qk_norm variants", causal=True)
+
+
 def check_tensorflow_file_refuses():
     """The TensorFlow file under another backend refuses at construction, naming the Keras file."""
     from TensorFlow import MultiHeadAttention
@@ -278,6 +552,10 @@ CHECKS = {
     "while_loop_decode": check_while_loop_decode,
     "mixed_precision": check_mixed_precision,
     "clip_qkv": check_clip_qkv,
+    "window_pair": check_window_pair,
+    "attention_chunk": check_attention_chunk,
+    "rope_sections": check_rope_sections,
+    "qk_norm_variants": check_qk_norm_variants,
     "tensorflow_file_refuses": check_tensorflow_file_refuses,
     "save": check_save,
     "load": check_load,
