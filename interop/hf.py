@@ -25,10 +25,10 @@ whose projections are not `torch` or `transformers` modules (LoRA, quantized, us
 refused unless a porter is registered for its class name with `register_porter`.
 
 Only what is attention is ported: the q/k/v projections (their biases where the module has
-them), QK-norm, RoPE, the softmax scale, soft-capping, the sliding window, chunked attention, sinks
-and the output projection. Residual connections, dropout and the layer norms around the module stay in the
-model (BERT's module adds the residual and a LayerNorm after `output.dense`; Bloom's adds the
-residual after `dense`: the layer's output is the output of that dense projection).
+them), QK-norm, RoPE, the softmax scale, soft-capping, the sliding window, chunked attention,
+sinks and the output projection. Residual connections, dropout and the layer norms around the
+module stay in the model (BERT's module adds the residual and a LayerNorm after `output.dense`;
+Bloom's adds the residual after `dense`: the layer's output is the output of that dense projection).
 
 Legend: B batch size, T query length, S key length, E hidden size, N query heads,
 K key/value heads, H head dimension.
@@ -60,10 +60,11 @@ These call arguments reproduce them (`attention_mask` is the model's (B, S) 0/1 
   alibi_positions(attention_mask)) * kwargs["scale"]`.
 
 The sliding window (Mistral, Mixtral, Starcoder2, Qwen2, Gemma 2 and 3, gpt-oss, Phi3, Cohere2,
-GPT-Neo's local layers; ModernBERT's local layers, two-sided: `window=(local_attention // 2 + 1,)
-* 2`) is part of the layer (`window`), so no band mask is needed. With left padding,
-`transformers` leaves the padded query rows attending nothing useful; this layer gives them
-`output_bias` (no key left): compare real tokens only.
+GPT-Neo's local layers; ModernBERT's local layers, two-sided: |t - s| <= h = local_attention // 2
+is `window=(h + 1, h + 1)`) is part of the layer (`window`), so no band mask is needed. With left
+padding, `transformers` leaves the padded query rows attending nothing useful; this layer gives
+them `output_bias` (no key left): compare real tokens only (and for ModernBERT's local layers, whose
+padded queries far from the real tokens have no key either).
 
 Llama 4's chunked layers port as `attention_chunk_size=C`: chunks of C slots counted from the
 first slot. `transformers` counts a left-padded row's chunks from its first real token: the same
