@@ -25,10 +25,10 @@ whose projections are not `torch` or `transformers` modules (LoRA, quantized, us
 refused unless a porter is registered for its class name with `register_porter`.
 
 Only what is attention is ported: the q/k/v projections (their biases where the module has
-them), QK-norm, RoPE, the softmax scale, soft-capping, the sliding window, sinks and the output
-projection. Residual connections, dropout and the layer norms around the module stay in the
-model (BERT's module adds the residual and a LayerNorm after `output.dense`; Bloom's adds the
-residual after `dense`: the layer's output is the output of that dense projection).
+them), QK-norm, RoPE, the softmax scale, soft-capping, the sliding window, chunked attention,
+sinks and the output projection. Residual connections, dropout and the layer norms around the
+module stay in the model (BERT's module adds the residual and a LayerNorm after `output.dense`;
+Bloom's adds the residual after `dense`: the layer's output is the output of that dense projection).
 
 Legend: B batch size, T query length, S key length, E hidden size, N query heads,
 K key/value heads, H head dimension.
@@ -39,13 +39,16 @@ These call arguments reproduce them (`attention_mask` is the model's (B, S) 0/1 
 
 - Llama, Mistral, Mixtral, Qwen2 (and MoE), Qwen3 (and MoE), Gemma, Gemma 2, Gemma 3, OLMo, OLMo2,
   gpt-oss, Phi, Phi3, GPT-NeoX, GPT-J, Starcoder2, Granite, Cohere, Cohere2, StableLM, SmolLM3,
-  GLM4, Falcon, Llama 4: `causal=True, key_mask=attention_mask.bool(), positions=position_ids`;
-  a NoPE layer (no `rope_theta` in its kwargs: SmolLM3's `no_rope_layers`, Cohere2's full
-  layers, Llama 4's NoPE layers) takes no `positions`.
+  GLM4, Falcon, Llama 4, Qwen2-VL, Qwen2.5-VL: `causal=True, key_mask=attention_mask.bool(),
+  positions=position_ids`; a NoPE layer (no `rope_theta` in its kwargs: SmolLM3's
+  `no_rope_layers`, Cohere2's full layers, Llama 4's NoPE layers) takes no `positions`.
+  Qwen2-VL's and Qwen2.5-VL's multimodal RoPE (`rope_sections`) takes the (3, B, T) positions its
+  rotary embedding reads, one row per section (`generate` passes (4, B, T): the text positions,
+  then these three; for text alone the three rows are the text positions).
 - GPT-2, GPT-Neo, GPTBigCode, OPT, the BART and Whisper decoders' self-attention:
   `causal=True, key_mask=attention_mask.bool()`.
-- BERT, RoBERTa, XLM-RoBERTa, the BART encoder: `key_mask=attention_mask.bool()`; ModernBERT's
-  global layers add `positions=position_ids`; the Whisper encoder attends every frame (no mask).
+- BERT, RoBERTa, XLM-RoBERTa, the BART encoder: `key_mask=attention_mask.bool()`; ModernBERT
+  adds `positions=position_ids`; the Whisper encoder attends every frame (no mask).
 - T5 self-attention: `key_mask=attention_mask.bool(), attention_bias=t5_position_bias(module0, T, S)`
   (`module0`: the first layer's T5Attention of that stack); the decoder adds `causal=True`.
 - Bloom and MPT: `causal=True, key_mask=attention_mask.bool(),
@@ -57,9 +60,18 @@ These call arguments reproduce them (`attention_mask` is the model's (B, S) 0/1 
   alibi_positions(attention_mask)) * kwargs["scale"]`.
 
 The sliding window (Mistral, Mixtral, Starcoder2, Qwen2, Gemma 2 and 3, gpt-oss, Phi3, Cohere2,
-GPT-Neo's local layers) is part of the layer (`window`), so no band mask is needed. With left
+GPT-Neo's local layers; ModernBERT's local layers, two-sided: |t - s| <= h = local_attention // 2
+is `window=(h + 1, h + 1)`) is part of the layer (`window`), so no band mask is needed. With left
 padding, `transformers` leaves the padded query rows attending nothing useful; this layer gives
-them `output_bias` (no key left): compare real tokens only.
+them `output_bias` (no key left): compare real tokens only (and for ModernBERT's local layers, whose
+padded queries far from the real tokens have no key either).
+
+Llama 4's chunked layers port as `attention_chunk_size=C`: chunks of C slots counted from the
+first slot. `transformers` counts a left-padded row's chunks from its first real token: the same
+chunks where every row's left padding is a multiple of C (no padding, right padding, one prompt).
+For other left-padded batches, build the layer without `attention_chunk_size` and pass
+`attention_mask=(key_positions[:, None, :] // C) == (position_ids[:, :, None] // C)` (B, T, S),
+`key_positions` the (B, S) positions of the keys (cumsum(attention_mask) - 1).
 
 Decoding: `cache = layer.init_cache(B, L)`, then `layer(x, cache=cache, causal=True,
 key_mask=<the new tokens' mask>, positions=<their position_ids>)`, one prefill and then one
@@ -70,9 +82,11 @@ positions of all L slots).
 
 RoPE scaling: `default`, `linear`, `llama3` and `yarn` (gpt-oss' default) port with their
 parameters; other types (dynamic, LongRoPE) are a `ValueError` for now. OLMo's and MPT's
-`clip_qkv` port as the layer's `clip_qkv`. Refused with the reason: a LayerNorm QK-norm (Phi,
-StableLM, Cohere), Llama 4's chunked attention and its NoPE layers' temperature tuning,
-ModernBERT's local layers (their window is two-sided), GPT-2 and GPTBigCode cross-attention.
+`clip_qkv` port as the layer's `clip_qkv`. QK-norms: RMSNorms (Qwen3, Gemma 3, OLMo2, Llama 4) and
+LayerNorms (`qk_norm_type="layer"`: Phi's one LayerNorm with a bias, StableLM's and Cohere's scale
+per head) port as the layer's. Refused with the reason: Llama 4's NoPE layers' temperature
+tuning, DeepSeek-V2's and V3's multi-head latent attention (q and kv pass through low-rank
+latents), GPT-2 and GPTBigCode cross-attention.
 This file imports no framework at module level: `port_attention` reads a module's tensors through its own `state_dict`,
 `port_checkpoint` and `load_tensors` read safetensors files with NumPy, and `replace_attention`
 imports torch and the PyTorch layer when called.
@@ -379,6 +393,7 @@ def _rope_kwargs(parameters, head_dim, rotary_dim=None):
     """`rope_theta`, `rope_fraction` and `rope_scaling` from a `transformers` rope_parameters dict; `rotary_dim`
     where the model gives it in place of a `partial_rotary_factor` (GPT-J)."""
     rope_type = parameters.get("rope_type", parameters.get("type", "default"))
+    rope_type = "default" if rope_type == "mrope" else rope_type  # Qwen2-VL's configs before transformers 5
     if rope_type != "default" and rope_type not in _ROPE_SCALING_KEYS:
         raise ValueError(
             "`config.rope_parameters` must have rope_type 'default', 'linear', 'llama3' or 'yarn' (the layer has no "
@@ -407,20 +422,39 @@ def _yarn_options(parameters):
     return options
 
 
-def _refuse(config, key, reason):
-    """A ValueError where the config turns on `key`, which the layer cannot compute yet."""
-    if config.get(key):
-        raise ValueError(f"`config.{key}` must be off: {reason}. Received: {key}={config[key]!r}")
-
-
-def _qk_norm(config, tensors, head_dim, weights):
-    """QK-norm kwargs and weights from `q_norm` / `k_norm` (Qwen3, Gemma 3: per head; OLMo2: over all heads)."""
+def _qk_norm(config, tensors, head_dim, weights, norm):
+    """QK-norm kwargs and weights from `q_norm` / `k_norm`: RMSNorms (Qwen3, Gemma 3: one scale (H,) shared by the
+    heads; OLMo2: over all heads), or Cohere's LayerNorm (`norm="layer"`) of (heads, H), each head its own scale."""
     # Gemma's RMSNorm multiplies by (1 + weight): the portable scale is 1 + weight, computed as it does (float32).
     offset = np.float32(1.0 if config.get("model_type", "").startswith("gemma") else 0.0)
-    weights["query_norm"] = _tensor(tensors, "q_norm.weight") + offset
-    weights["key_norm"] = _tensor(tensors, "k_norm.weight") + offset
-    per_head = weights["query_norm"].shape == (head_dim,)
-    return {"qk_norm": "head" if per_head else "all", "qk_norm_eps": float(config["rms_norm_eps"])}
+    query, key = _tensor(tensors, "q_norm.weight"), _tensor(tensors, "k_norm.weight")
+    weights["query_norm"] = query.reshape(-1) + offset  # Cohere's (N, H) -> (N*H,), head-major
+    weights["key_norm"] = key.reshape(-1) + offset  # (K, H) -> (K*H,)
+    kind = "per_head" if query.ndim == 2 else "head" if query.shape == (head_dim,) else "all"
+    if norm == "layer":
+        return {"qk_norm": kind, "qk_norm_eps": float(config["layer_norm_eps"]), "qk_norm_type": "layer"}
+    return {"qk_norm": kind, "qk_norm_eps": float(config["rms_norm_eps"])}
+
+
+def _qk_layernorm(config, tensors, weights, num_heads, num_kv_heads):
+    """Phi's and StableLM's `qk_layernorm`: `q_layernorm` / `k_layernorm`, LayerNorms over each head's H features,
+    one shared by the heads (Phi: with a bias) or one per head (StableLM: `norms.{n}`, no bias)."""
+    kwargs = {"qk_norm_eps": float(config["layer_norm_eps"]), "qk_norm_type": "layer"}
+    if "q_layernorm.weight" in tensors:  # Phi: one nn.LayerNorm(H)
+        kwargs["qk_norm"], names = "head", {"query": ["q_layernorm"], "key": ["k_layernorm"]}
+    else:  # StableLM: one nn.LayerNorm(H) per head, concatenated head-major
+        kwargs["qk_norm"] = "per_head"
+        names = {
+            "query": [f"q_layernorm.norms.{n}" for n in range(num_heads)],
+            "key": [f"k_layernorm.norms.{n}" for n in range(num_kv_heads)],
+        }
+    for name, sources in names.items():
+        weights[f"{name}_norm"] = np.concatenate([_tensor(tensors, f"{s}.weight") for s in sources])  # (H,) or (N*H,)
+        if f"{sources[0]}.bias" in tensors:
+            weights[f"{name}_norm_bias"] = np.concatenate([_tensor(tensors, f"{s}.bias") for s in sources])
+    if "query_norm_bias" in weights:
+        kwargs["qk_norm_bias"] = True
+    return kwargs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -428,17 +462,14 @@ def _qk_norm(config, tensors, head_dim, weights):
 # ----------------------------------------------------------------------------------------------
 
 
-def _rotary(config, tensors, index, *, interleaved=False, scale=None, rope="all"):
+def _rotary(config, tensors, index, *, interleaved=False, scale=None, rope="all", norm="rms", mrope=False):
     """Llama and its descendants: q_proj, k_proj, v_proj and o_proj (Phi: dense; Phi3: a fused qkv_proj),
     RoPE from the config (`interleaved`: Cohere and GLM pair features 2i and 2i + 1; `scale`: the config
     key of a scale other than 1 / sqrt(H); `rope`: "all", "sliding" (Cohere2) or "no_rope_layers" (SmolLM3)
-    for the layers that rotate)."""
+    for the layers that rotate; `norm`: the QK-norm of `q_norm`, "rms" or "layer" (Cohere); `mrope`: Qwen2-VL's
+    multimodal RoPE, `mrope_section`)."""
     head_dim, num_heads = _head_dim(config), config["num_attention_heads"]
     num_kv_heads = config.get("num_key_value_heads") or num_heads
-    _refuse(
-        config, "qk_layernorm", "Phi's and StableLM's QK-norm is a LayerNorm (mean removed), not the layer's RMSNorm"
-    )
-    _refuse(config, "use_qk_norm", "Cohere's QK-norm is a LayerNorm (mean removed), not the layer's RMSNorm")
     if "qkv_proj.weight" in tensors:  # Phi3
         columns = _blocks(num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
         weights, bias = _split_fused(tensors, "qkv_proj", "o_proj", columns)
@@ -449,16 +480,21 @@ def _rotary(config, tensors, index, *, interleaved=False, scale=None, rope="all"
     kwargs |= {"head_dim": head_dim, "bias": bias, "scale": _scale(config, scale, head_dim)}
     layer_type = _layer_type(config, index)
     if _rotates(config, index, layer_type, rope):
-        kwargs |= _rope_kwargs(_rope_parameters(config, layer_type), head_dim)
+        parameters = _rope_parameters(config, layer_type)
+        kwargs |= _rope_kwargs(parameters, head_dim)
         if interleaved:
             kwargs["rope_interleaved"] = True
+        if mrope:  # transformers' default sections where the config names none
+            kwargs["rope_sections"] = tuple(int(n) for n in parameters.get("mrope_section", (16, 24, 24)))
     window = _window(config, index)
     if window is not None:
         kwargs["window"] = window
     if config.get("attn_logit_softcapping") is not None:
         kwargs["softcap"] = float(config["attn_logit_softcapping"])
     if "q_norm.weight" in tensors:
-        kwargs |= _qk_norm(config, tensors, head_dim, weights)
+        kwargs |= _qk_norm(config, tensors, head_dim, weights, norm)
+    elif "q_layernorm.weight" in tensors or "q_layernorm.norms.0.weight" in tensors:
+        kwargs |= _qk_layernorm(config, tensors, weights, num_heads, num_kv_heads)
     if "sinks" in tensors:
         kwargs["sinks"] = True
         weights["sinks"] = _tensor(tensors, "sinks")
@@ -667,39 +703,35 @@ def _mpt(config, tensors, index):
 
 
 def _modernbert(config, tensors, index):
-    """ModernBERT's global layers: a fused Wqkv [q | k | v], Wo, RoPE of the layer type (its local layers are
-    refused: their window reaches both ways)."""
+    """ModernBERT: a fused Wqkv [q | k | v], Wo, RoPE of the layer type; its local layers attend the keys within
+    `local_attention // 2` of each token on both sides (|t - s| <= local_attention // 2)."""
     layer_type = _layer_type(config, index)
-    if layer_type == "sliding_attention":
-        raise ValueError(
-            "`layer_index` must be a global ModernBERT layer: its local layers attend a window on both sides of "
-            f"each token, which the layer's `window` (keys before the query) is not. Received: layer_index={index}"
-        )
     width, num_heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = width // num_heads
     weights, bias = _split_fused(tensors, "Wqkv", "Wo", _blocks(width, width, width))
     kwargs = {"d_model": width, "num_heads": num_heads, "bias": bias, "scale": float(head_dim**-0.5)}
+    if layer_type == "sliding_attention":
+        half = config["local_attention"] // 2 if "local_attention" in config else config["sliding_window"]
+        kwargs["window"] = (half + 1, half + 1)  # s > t - (half + 1) and s < t + (half + 1)
     return kwargs | _rope_kwargs(_rope_parameters(config, layer_type), head_dim), weights
 
 
 def _llama4(config, tensors, index):
     """Llama 4's text attention: interleaved RoPE and a weightless RMS QK-norm on its RoPE layers (the norm
-    commutes with the rotation, so the layer's norm-then-rotate order computes the same), NoPE layers."""
-    if _layer_type(config, index) == "chunked_attention" and config.get("attention_chunk_size") is not None:
-        raise ValueError(
-            "`config.attention_chunk_size` must be None: the layer has no chunked attention yet. "
-            f"Received: attention_chunk_size={config['attention_chunk_size']} on layer {index}"
-        )
+    commutes with the rotation, so the layer's norm-then-rotate order computes the same), chunked attention on
+    its `chunked_attention` layers, NoPE layers."""
     rotates = _rotates(config, index, None, "no_rope_layers")
     if not rotates and config.get("attn_temperature_tuning"):
         raise ValueError(
             "`config.attn_temperature_tuning` must be off for a NoPE layer: it scales the queries by their "
             f"position, which the layer cannot. Received: attn_temperature_tuning=True on layer {index}"
         )
-    kwargs, weights = _rotary({**config, "use_qk_norm": False}, tensors, index, interleaved=True, rope="no_rope_layers")
+    kwargs, weights = _rotary(config, tensors, index, interleaved=True, rope="no_rope_layers")
     if config.get("use_qk_norm") and rotates:
         weights["query_norm"] = weights["key_norm"] = np.ones(kwargs["head_dim"], np.float32)
         kwargs |= {"qk_norm": "head", "qk_norm_eps": float(config["rms_norm_eps"])}
+    if _layer_type(config, index) == "chunked_attention" and config.get("attention_chunk_size") is not None:
+        kwargs["attention_chunk_size"] = int(config["attention_chunk_size"])
     return kwargs, weights
 
 
@@ -720,7 +752,7 @@ _BUILTIN = {
     "mixtral": _family(_rotary, _LAYERS),
     "starcoder2": _family(_rotary, _LAYERS),
     "granite": _family(_rotary, _LAYERS, scale="attention_multiplier"),
-    "cohere": _family(_rotary, _LAYERS, interleaved=True),
+    "cohere": _family(_rotary, _LAYERS, interleaved=True, norm="layer"),
     "cohere2": _family(_rotary, _LAYERS, interleaved=True, rope="sliding"),
     "gemma": _family(_rotary, _LAYERS),
     "gemma2": _family(_rotary, _LAYERS, scale="query_pre_attn_scalar"),
@@ -730,6 +762,10 @@ _BUILTIN = {
     "qwen2_moe": _family(_rotary, _LAYERS),
     "qwen3": _family(_rotary, _LAYERS),
     "qwen3_moe": _family(_rotary, _LAYERS),
+    "qwen2_vl": _family(_rotary, _LAYERS, mrope=True),
+    "qwen2_vl_text": _family(_rotary, _LAYERS, mrope=True),
+    "qwen2_5_vl": _family(_rotary, _LAYERS, mrope=True),
+    "qwen2_5_vl_text": _family(_rotary, _LAYERS, mrope=True),
     "olmo": _family(_rotary, _LAYERS),
     "olmo2": _family(_rotary, _LAYERS),
     "gpt_oss": _family(_rotary, _LAYERS),
@@ -820,8 +856,23 @@ def _module_porter(module):
     _check_submodules(module)
     porter = _porter(model_type)
     if porter is None:
+        _refuse_latent(model_type, "module")
         _refuse_unknown(module, f" of model type {model_type!r}")
     return porter
+
+
+_LATENT = {"deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3"}  # multi-head latent attention (MLA)
+
+
+def _refuse_latent(model_type, argument):
+    """Refuses a multi-head latent attention with the reason (the layer's q, k and v are linear projections)."""
+    if model_type in _LATENT:
+        raise ValueError(
+            f"`{argument}` must be an attention whose queries, keys and values are linear projections of the hidden "
+            f"state: {_LATENT[model_type]}'s multi-head latent attention passes q and kv through low-rank latents "
+            "with an RMSNorm between, and the rotary part of its keys is one head shared by all heads. "
+            f"Received: model_type={model_type!r}"
+        )
 
 
 def _refuse_unknown(module, detail=""):
@@ -873,7 +924,7 @@ def port_attention(module, config):
     Raises:
         ValueError: for a module this converter does not know, a subclass that overrides `forward`
             or its projections, or a variant the layer cannot hold (RoPE scaling other than
-            linear, llama3 and yarn, a LayerNorm QK-norm, GPT-2 cross-attention).
+            linear, llama3 and yarn, multi-head latent attention, GPT-2 cross-attention).
     """
     porter = _module_porter(module)
     tensors = {name: tensor.detach().cpu().float().numpy() for name, tensor in module.state_dict().items()}
@@ -903,6 +954,7 @@ def port_checkpoint(config, tensors, layer_index, *, prefix=None):
     model_type = config.get("model_type")
     porter = _porter(model_type)
     if porter is None:
+        _refuse_latent(model_type, "config")
         raise ValueError(
             f"`config` must be of one of the model types {', '.join(supported_modules())}. "
             f"Received: model_type={model_type!r}"
@@ -954,7 +1006,8 @@ def replace_attention(model, layer_class=None):
         The names of the replaced modules.
 
     Raises:
-        ValueError: for a model with no attention module of these kinds, or a module `port_attention` refuses.
+        ValueError: for a model with no attention module of these kinds, a module `port_attention` refuses,
+            or Qwen2-VL's multimodal RoPE (its modules never see their (3, B, T) positions).
     """
     import torch
 
@@ -998,6 +1051,11 @@ def _swapped(torch, module, layer_class, bert):
     """The wrapper module that calls the ported layer as `module` was called."""
     config = getattr(module, "config", None) or getattr(module.self, "config", None)
     kwargs, weights = port_attention(module, config)
+    if "rope_sections" in kwargs:
+        raise ValueError(
+            "`model` must rotate by one row of positions: the (3, B, T) positions of Qwen2-VL's multimodal RoPE "
+            f"do not reach its attention modules (they get cos and sin). Received: {type(module).__name__}"
+        )
     parameter = next(module.parameters())
     layer = layer_class(**kwargs)
     layer.import_weights(weights)

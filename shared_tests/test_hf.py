@@ -56,6 +56,11 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 32, 4, 2, 8, 64
 PROMPT_LENGTHS = (7, 5, 2)  # left-padded to the longest: padding in the batch, one row mostly padding
 DECODE_STEPS = 3
 WINDOW = 3  # shorter than the prompts, so the window removes keys
+CHUNK = 3  # Llama 4's attention_chunk_size: the prompts and the decoding cross chunk boundaries
+CHUNK_PROMPT_LENGTHS = (7, 4, 1)  # left padding 0, 3 and 6: whole chunks (see the chunk tests)
+LOCAL_ATTENTION = 4  # ModernBERT's local band: |t - s| <= 2
+MROPE_SECTION = [2, 1, 1]  # Qwen2-VL's mrope_section for H = 8: the R/2 = 4 rotated pairs
+MROPE_THETA = 100.0  # a small base: the later sections turn fast enough to matter at these positions
 CLIP_QKV = 0.5  # OLMo's and MPT's clip_qkv: below most unit-scale projections, so the clamp moves the output
 
 COMMON = {"vocab_size": VOCAB, "num_hidden_layers": 2, "intermediate_size": 48, "max_position_embeddings": 64}
@@ -148,6 +153,9 @@ class Family:
     seq2seq: bool = False  # an encoder-decoder model: the decoder self-attends, the encoder reads the prompt
     prefix: bool = False  # port_checkpoint needs `prefix=` (a decoder stack, not the family's default path)
     implementation: str = "eager"  # transformers' attention implementation the model runs
+    prompts: tuple = PROMPT_LENGTHS  # the left-padded prompts' lengths
+    real_rows: bool = False  # compare the real tokens only, as for a causal model
+    mrope: str = ""  # M-RoPE's (3, B, T) positions: "text" (one row thrice, as Qwen2-VL builds them), "grid" (three)
 
     def module(self, model, index):
         return model.get_submodule(self.attention.format(i=index))
@@ -583,11 +591,13 @@ FAMILIES += [
         lambda: transformers.ModernBertModel(
             transformers.ModernBertConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=2,
                                           intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=64,
-                                          global_attn_every_n_layers=1, attention_bias=True, **TOKENS)
-        ),
+                                          global_attn_every_n_layers=2, local_attention=LOCAL_ATTENTION,
+                                          attention_bias=True, **TOKENS)
+        ),  # layer 0 global, layer 1 local
         "layers.{i}.attn",
         causal=False,
         decode=False,
+        real_rows=True,
     ),
     Family(
         "llama4",
@@ -604,6 +614,47 @@ FAMILIES += [
            causal=False, rope=False, decode=False),
     Family("xlm_roberta", lambda: _bert_like("XLMRoberta"), "encoder.layer.{i}.attention", output="output.dense",
            causal=False, rope=False, decode=False),
+    Family(
+        "stablelm_qk_layernorm",
+        _llama_like("StableLmForCausalLM", "StableLmConfig", **GQA, **TOKENS, qk_layernorm=True,
+                    use_parallel_residual=True),  # StableLM 2 12B's: a LayerNorm per head of q and k
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "phi_qk_layernorm",
+        _llama_like("PhiForCausalLM", "PhiConfig", hidden_size=HIDDEN, num_attention_heads=HEADS,
+                    partial_rotary_factor=0.5, qk_layernorm=True),  # one LayerNorm (H,) with a bias, shared
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "cohere_qk_norm",
+        _llama_like("CohereForCausalLM", "CohereConfig", hidden_size=HIDDEN, num_attention_heads=HEADS,
+                    num_key_value_heads=KV_HEADS, use_qk_norm=True),  # a LayerNorm of (heads, H), no bias
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "llama4_chunked",
+        _llama_like(
+            "Llama4ForCausalLM", "Llama4TextConfig", **GQA, **TOKENS, num_local_experts=2, intermediate_size_mlp=48,
+            no_rope_layers=[1, 0], attention_chunk_size=CHUNK, attn_temperature_tuning=False,
+        ),  # layer 0 chunked (RoPE), layer 1 full (NoPE)
+        "model.layers.{i}.self_attn",
+        prompts=CHUNK_PROMPT_LENGTHS,
+    ),
+    Family(
+        "qwen2_vl",
+        _llama_like("Qwen2VLTextModel", "Qwen2VLTextConfig", **GQA,
+                    rope_parameters={"rope_type": "default", "rope_theta": MROPE_THETA, "mrope_section": MROPE_SECTION}),
+        "layers.{i}.self_attn",
+        mrope="text",
+    ),
+    Family(
+        "qwen2_5_vl",
+        _llama_like("Qwen2_5_VLTextModel", "Qwen2_5_VLTextConfig", **GQA,
+                    rope_parameters={"rope_type": "default", "rope_theta": MROPE_THETA, "mrope_section": MROPE_SECTION}),
+        "layers.{i}.self_attn",
+        mrope="grid",
+    ),
 ]  # fmt: skip
 FAMILIES_BY_NAME = {family.name: family for family in FAMILIES}
 LAYERS = (0, 1)  # every family alternates or repeats its layer types within two layers
@@ -661,6 +712,18 @@ def _positions(mask):
     return np.where(mask == 1, np.cumsum(mask, axis=-1) - 1, 1)
 
 
+def _family_positions(family, mask):
+    """The family's `position_ids`: (B, L), or M-RoPE's (3, B, L): generate's rows for text (Qwen2-VL gives every
+    section the text positions), or three rows that differ by more than a constant (as an image grid's do), so
+    that each section turns by its own row."""
+    positions = _positions(mask)  # (B, L)
+    if family.mrope == "text":
+        return np.stack([positions] * 3)  # (3, B, L)
+    if family.mrope == "grid":
+        return np.stack([positions, positions // 2, 3 * positions])  # (3, B, L)
+    return positions
+
+
 def _model_arguments(family, ids, mask, positions, prompt=None):
     """The model call on `ids`; T5 encodes `prompt` (ids, mask) (default: `ids`) and self-attends `ids` in its decoder."""
     arguments = {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask)}
@@ -708,7 +771,7 @@ def _call_arguments(runner, model, family, mask, positions, start, stop, kwargs)
     layer, with no `rope_theta`, takes no positions)."""
     arguments = {"causal": family.causal, "key_mask": mask[:, start:stop].astype(bool)}
     if family.rope and "rope_theta" in kwargs:
-        arguments["positions"] = positions[:, start:stop].astype(np.int64)
+        arguments["positions"] = positions[..., start:stop].astype(np.int64)
     if family.bias == "t5":
         arguments["attention_bias"] = t5_position_bias(family.module(model, 0), stop - start, mask.shape[1], start)
     if family.bias == "alibi":
@@ -729,10 +792,10 @@ def _full_pass(family, index):
 def _full_passes(family):
     """One run of the model captures every layer in LAYERS, once per process (every framework compares with it)."""
     model = _model(family.name)
-    total = max(PROMPT_LENGTHS)
-    mask = _left_padded_mask(PROMPT_LENGTHS, total)
+    total = max(family.prompts)
+    mask = _left_padded_mask(family.prompts, total)
     ids = np.random.default_rng(SEED).integers(1, VOCAB, size=mask.shape)
-    positions = _positions(mask)
+    positions = _family_positions(family, mask)
     with _capture_layers(model, family) as calls, torch.no_grad():
         model(**_model_arguments(family, ids, mask, positions))
     return {index: captured for index, (captured,) in calls.items()}, mask, positions
@@ -746,8 +809,9 @@ def _capture_layers(model, family):
 
 
 def _compared_rows(family, mask):
-    """Causal models: real tokens only (transformers leaves padded query rows attending nothing useful)."""
-    return mask.astype(bool) if family.causal else np.ones(mask.shape, dtype=bool)
+    """Causal models: real tokens only (transformers leaves padded query rows attending nothing useful); so
+    ModernBERT, whose local band leaves padded queries far from the real tokens no key."""
+    return mask.astype(bool) if family.causal or family.real_rows else np.ones(mask.shape, dtype=bool)
 
 
 def _max_diff(ours, theirs, rows):
@@ -780,6 +844,8 @@ PACKAGE_NAMES = {
     "gemma3",
     "xlm_roberta",
     "llama4",
+    "qwen2_vl",
+    "qwen2_5_vl",
 }  # where a transformers package's name is not its config's model type
 
 
@@ -872,7 +938,9 @@ def _decode_with_transformers(model, family, ids, mask, positions, prompt):
     encoder = (ids[:, :prompt], mask[:, :prompt])
     with _capture_layers(model, family) as calls, torch.no_grad():
         for start, stop in [(0, prompt), *((p, p + 1) for p in range(prompt, mask.shape[1]))]:
-            arguments = _model_arguments(family, ids[:, start:stop], mask[:, :stop], positions[:, start:stop], encoder)
+            arguments = _model_arguments(
+                family, ids[:, start:stop], mask[:, :stop], positions[..., start:stop], encoder
+            )
             model(**arguments, past_key_values=cache, use_cache=True)
     return calls
 
@@ -880,11 +948,11 @@ def _decode_with_transformers(model, family, ids, mask, positions, prompt):
 @functools.cache
 def _transformers_decoding(family):
     """transformers decoding left-padded prompts (once per process): {layer: each call's capture}, mask, positions."""
-    prompt = max(PROMPT_LENGTHS)
-    mask = _left_padded_mask(PROMPT_LENGTHS, prompt + DECODE_STEPS)
+    prompt = max(family.prompts)
+    mask = _left_padded_mask(family.prompts, prompt + DECODE_STEPS)
     mask[:, prompt:] = 1
     ids = np.random.default_rng(SEED).integers(1, VOCAB, size=mask.shape)
-    positions = _positions(mask)
+    positions = _family_positions(family, mask)
     return _decode_with_transformers(_model(family.name), family, ids, mask, positions, prompt), mask, positions
 
 
@@ -907,6 +975,32 @@ def test_decoding_left_padded_prompts_matches_transformers_cache(case):
         assert np.max(np.abs(call["output"][rows])) > MEANINGFUL
         assert _max_diff(output, call["output"], rows) <= OUTPUT_TOL, f"tokens [{start}, {stop})"
         start = stop
+
+
+def _chunk_keep(query_positions, key_positions, size):
+    """interop/hf.py's chunk mask for left-padded rows: (B, T, S), True where query and key share a chunk of
+    positions (transformers counts a row's chunks from its first real token)."""
+    return key_positions[:, None, :] // size == query_positions[:, :, None] // size
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_chunks_of_rows_padded_otherwise_take_the_documented_mask(framework):
+    """Left padding of 2 and 5 tokens (not multiples of C = 3): `attention_chunk_size` counts chunks from the
+    first slot, transformers from each row's first real token, so the port's chunks differ there; the layer
+    without `attention_chunk_size` and with interop/hf.py's position chunk mask gives transformers' output."""
+    family = dataclasses.replace(FAMILIES_BY_NAME["llama4_chunked"], prompts=PROMPT_LENGTHS)
+    runner = _runner(framework)
+    model, call, mask, positions = _full_pass(family, 0)
+    kwargs, weights = port_attention(family.module(model, 0), _config(model))
+    arguments = _call_arguments(runner, model, family, mask, positions, 0, mask.shape[1], kwargs)
+    rows = _compared_rows(family, mask)
+    chunked, _ = runner.call(runner.layer(kwargs, weights), call["hidden"], arguments)
+    assert _max_diff(chunked, call["output"], rows) > DIFFERS  # the padded rows' chunks are not transformers'
+    kwargs = {**kwargs, "attention_chunk_size": None}
+    arguments["attention_mask"] = _chunk_keep(positions, positions, CHUNK)
+    output, _ = runner.call(runner.layer(kwargs, weights), call["hidden"], arguments)
+    assert np.max(np.abs(call["output"][rows])) > MEANINGFUL
+    assert _max_diff(output, call["output"], rows) <= OUTPUT_TOL
 
 
 # What each family's port carries beyond plain attention; `test_every_ported_variant_matters` removes
@@ -961,28 +1055,46 @@ VARIANTS = {
     "falcon_alibi": {"attention_bias"},
     "mpt": {"attention_bias"},
     "mpt_clip_qkv": {"attention_bias", "clip_qkv"},
-    "modernbert": {"rope"},
+    "modernbert": {"rope", "window"},
     "whisper_decoder": set(),
     "llama4": {"rope", "rope_interleaved", "qk_norm"},
     "xlm_roberta": set(),
+    "stablelm_qk_layernorm": {"rope", "rope_fraction", "qk_norm", "qk_norm_type"},
+    "phi_qk_layernorm": {"rope", "rope_fraction", "qk_norm", "qk_norm_type", "qk_norm_bias"},
+    "cohere_qk_norm": {"rope", "rope_interleaved", "qk_norm", "qk_norm_type"},
+    "llama4_chunked": {"rope", "rope_interleaved", "qk_norm", "attention_chunk_size"},
+    "qwen2_vl": {"rope"},  # one row of positions thrice: the sections turn alike (plain RoPE)
+    "qwen2_5_vl": {"rope", "rope_sections"},
 }
 DIFFERS = 1e-3  # a removed variant must move the output by 100 times the tolerance at least
+
+
+# The arguments and weights that go with a removed variant.
+WITH_THE_VARIANT = {
+    "qk_norm": ("qk_norm_eps", "qk_norm_type", "qk_norm_bias", "query_norm", "key_norm", "query_norm_bias",
+                "key_norm_bias"),
+    "qk_norm_bias": ("query_norm_bias", "key_norm_bias"),
+    "sinks": ("sinks",),
+}  # fmt: skip
 
 
 def _without(variant, kwargs, weights, arguments):
     """The port with one variant removed (the layer's default in its place)."""
     kwargs, weights, arguments = dict(kwargs), dict(weights), dict(arguments)
     if variant == "rope":
-        for name in ("rope_theta", "rope_fraction", "rope_interleaved", "rope_scaling"):
+        for name in ("rope_theta", "rope_fraction", "rope_interleaved", "rope_scaling", "rope_sections"):
             kwargs.pop(name, None)
         arguments.pop("positions")
+    elif variant == "rope_sections":  # plain RoPE by the first row
+        kwargs.pop(variant)
+        arguments["positions"] = arguments["positions"][0]
     elif variant == "scale":
         kwargs["scale"] = (kwargs.get("head_dim") or kwargs["d_model"] // kwargs["num_heads"]) ** -0.5
     elif variant == "attention_bias":
         arguments.pop("attention_bias")
     else:
         kwargs.pop(variant)
-        for name in {"qk_norm": ("qk_norm_eps", "query_norm", "key_norm"), "sinks": ("sinks",)}.get(variant, ()):
+        for name in WITH_THE_VARIANT.get(variant, ()):
             kwargs.pop(name, None)
             weights.pop(name, None)
     return kwargs, weights, arguments
@@ -993,11 +1105,15 @@ def _variants(kwargs, arguments):
         name
         for name in (
             "window",
+            "attention_chunk_size",
             "softcap",
             "rope_scaling",
             "rope_fraction",
             "rope_interleaved",
+            "rope_sections",
             "qk_norm",
+            "qk_norm_type",
+            "qk_norm_bias",
             "sinks",
             "clip_qkv",
         )
@@ -1005,6 +1121,8 @@ def _variants(kwargs, arguments):
     }
     present |= {"rope"} if "rope_theta" in kwargs else set()
     present |= {"attention_bias"} if "attention_bias" in arguments else set()
+    if "rope_sections" in kwargs and np.all(arguments["positions"] == arguments["positions"][:1]):
+        present.discard("rope_sections")  # rows alike: the sections turn as plain RoPE does, with or without them
     head_dim = kwargs.get("head_dim") or kwargs["d_model"] // kwargs["num_heads"]
     return present | ({"scale"} if not np.isclose(kwargs["scale"], head_dim**-0.5) else set())
 
@@ -1056,6 +1174,15 @@ def _tiny_module(module_class, config_class, **config):
     return module_class(config_class(**COMMON, **config), layer_idx=0)
 
 
+def _latent_attention(model_type):
+    """DeepSeek-V2's or V3's attention (multi-head latent attention) at a tiny size."""
+    prefix = {"deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3"}[model_type]
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    latent = {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8}
+    return _tiny_module(getattr(module, f"{prefix}Attention"), getattr(transformers, f"{prefix}Config"),
+                        hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=HEADS, **latent)  # fmt: skip
+
+
 ERROR_CASES = [
     (
         "dynamic_rope",
@@ -1067,28 +1194,6 @@ ERROR_CASES = [
         ),
         r"`config.rope_parameters` must have rope_type 'default', 'linear', 'llama3' or 'yarn' .* "
         r"Received: rope_parameters=.*'dynamic'",
-    ),
-    (
-        "phi_layernorm_qk_norm",
-        lambda: _tiny_module(
-            transformers.models.phi.modeling_phi.PhiAttention,
-            transformers.PhiConfig,
-            hidden_size=HIDDEN,
-            num_attention_heads=HEADS,
-            qk_layernorm=True,
-        ),
-        r"`config.qk_layernorm` must be off: Phi's and StableLM's QK-norm is a LayerNorm .* Received: qk_layernorm=True",
-    ),
-    (
-        "cohere_layernorm_qk_norm",
-        lambda: _tiny_module(
-            transformers.models.cohere.modeling_cohere.CohereAttention,
-            transformers.CohereConfig,
-            hidden_size=HIDDEN,
-            num_attention_heads=HEADS,
-            use_qk_norm=True,
-        ),
-        r"`config.use_qk_norm` must be off: Cohere's QK-norm is a LayerNorm .* Received: use_qk_norm=True",
     ),
     (
         "bert_self_attention",
@@ -1110,23 +1215,25 @@ ERROR_CASES = [
         r"`module` must be a transformers attention module of one of the model types .* Received: MultiheadAttention",
     ),
     (
-        "modernbert_local_layer",
-        lambda: transformers.models.modernbert.modeling_modernbert.ModernBertAttention(
-            transformers.ModernBertConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=3),
-            layer_idx=1,
-        ),
-        r"`layer_index` must be a global ModernBERT layer: its local layers .* Received: layer_index=1",
-    ),
-    (
-        "llama4_chunked",
+        "llama4_nope_temperature_tuning",
         lambda: _tiny_module(
             transformers.models.llama4.modeling_llama4.Llama4TextAttention,
             transformers.Llama4TextConfig,
             **GQA,
-            attention_chunk_size=8192,
+            no_rope_layers=[0, 1],
         ),
-        r"`config.attention_chunk_size` must be None: the layer has no chunked attention yet. "
-        r"Received: attention_chunk_size=8192 on layer 0",
+        r"`config.attn_temperature_tuning` must be off for a NoPE layer: it scales the queries by their position, "
+        r"which the layer cannot. Received: attn_temperature_tuning=True on layer 0",
+    ),
+    *(
+        (
+            f"{name}_latent_attention",
+            functools.partial(_latent_attention, name),
+            rf"`module` must be an attention whose queries, keys and values are linear projections of the hidden "
+            rf"state: DeepSeek-V{name[-1]}'s multi-head latent attention passes q and kv through low-rank latents "
+            rf"with an RMSNorm between, .* Received: model_type='{name}'",
+        )
+        for name in ("deepseek_v2", "deepseek_v3")
     ),
     (
         "subclass_overriding_forward",
@@ -1169,6 +1276,22 @@ def test_a_multimodal_config_ports_like_its_text_config():
     config = transformers.Gemma3Config(text_config=text)
     module = FAMILIES_BY_NAME["gemma3"].module(_model("gemma3"), 1)
     assert port_attention(module, config)[0] == port_attention(module, config.text_config)[0]
+
+
+def test_qwen2_vl_configs_of_both_eras_give_the_sections():
+    """Qwen2-VL's config (its text config under `text_config`) and a config.json written before transformers 5
+    (flat, `rope_scaling={"type": "mrope", "mrope_section": ...}`) port the same multimodal RoPE."""
+    model = _model("qwen2_vl")
+    module = FAMILIES_BY_NAME["qwen2_vl"].module(model, 0)
+    text = _config(model).to_dict()
+    expected = port_attention(module, text)[0]
+    assert expected["rope_sections"] == tuple(MROPE_SECTION)
+    assert port_attention(module, transformers.Qwen2VLConfig(text_config=text))[0] == expected
+    flat = {key: value for key, value in text.items() if key != "rope_parameters"}
+    flat |= {"model_type": "qwen2_vl", "rope_theta": MROPE_THETA,
+             "rope_scaling": {"type": "mrope", "mrope_section": MROPE_SECTION}}  # fmt: skip
+    tensors = {f"model.layers.0.self_attn.{name}": value.numpy() for name, value in module.state_dict().items()}
+    assert port_checkpoint(flat, tensors, 0)[0] == expected
 
 
 YARN_PARAMETERS = {
@@ -1267,6 +1390,13 @@ def test_checkpoint_from_dicts_with_a_prefix():
 
 CHECKPOINT_ERRORS = [
     ({"model_type": "mamba"}, {}, 0, r"`config` must be of one of the model types .* Received: model_type='mamba'"),
+    (
+        {"model_type": "deepseek_v3"},
+        {},
+        0,
+        r"`config` must be an attention whose queries, keys and values are linear projections .* multi-head latent "
+        r"attention .* Received: model_type='deepseek_v3'",
+    ),
     (
         {**COMMON, **GQA, "model_type": "llama"},
         {"model.layers.0.self_attn.q_proj.weight": np.zeros((32, 32))},
@@ -1394,7 +1524,7 @@ def _prompts():
     return torch.from_numpy(ids), torch.from_numpy(mask)
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3", "qwen3"] if "PyTorch" in FRAMEWORKS else [])
+@pytest.mark.parametrize("name", ["llama", "gemma3", "qwen3", "phi_qk_layernorm"] if "PyTorch" in FRAMEWORKS else [])
 def test_replaced_attention_generates_the_same_tokens(name):
     """Left-padded prompts: the same logits on a full pass and at every greedy step (transformers' DynamicCache
     beside the layer's own cache; Gemma 3's sliding layers included), hence the same tokens."""
@@ -1427,3 +1557,7 @@ def test_replaced_attention_gives_the_encoders_states(name):
 def test_replace_attention_refuses_a_model_it_cannot_swap():
     with pytest.raises(ValueError, match=r"`model` must hold attention modules of the Llama kind .* Received: GPT2"):
         replace_attention(copy.deepcopy(_model("gpt2")))
+    model = copy.deepcopy(_model("qwen2_vl"))
+    with pytest.raises(ValueError, match=r"`model` must rotate by one row of positions: .* Received: Qwen2VLAttention"):
+        replace_attention(model)
+    assert type(model.layers[0].self_attn).__name__ == "Qwen2VLAttention"  # refused before any swap
