@@ -538,7 +538,9 @@ def decodings(draw):
     chunk passes a key_mask (its first token real, so that no chunk reads as a refused habit)."""
     config = draw(layer_configs()) | {"kdim": None, "vdim": None}
     chunks = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=4)))
-    shortest = 1 if config["window"] is None else int(config["window"]) + max(chunks) - 1
+    window = config["window"]
+    before = window[0] if isinstance(window, (list, tuple)) else window  # a pair rolls by W_before
+    shortest = 1 if window is None else int(before) + max(chunks) - 1
     length = draw(st.integers(sum(chunks), sum(chunks) + 2))
     if config["window"] is not None and draw(st.booleans()):
         length = max(shortest, draw(st.integers(1, sum(chunks))))  # the cache rolls
