@@ -1010,19 +1010,36 @@ def _softcap(scores, softcap):
 
 def _masked_softmax(scores, keep, sinks):
     """Softmax over the last axis of (B, N, T, S) scores, in their dtype: keys not kept removed
-    (filled with the lowest finite value), one sink logit per head (N,) in the denominator (a
-    softmax over [scores, sink] whose sink column is dropped), rows with no key exactly 0."""
+    (filled with the lowest finite value), one sink logit per head (N,) in the denominator
+    (`_sink_softmax`), rows with no key exactly 0."""
     if keep is not None:
         scores = tf.where(keep, scores, scores.dtype.min)  # (B, N, T, S)
     if sinks is None:
         weights = tf.nn.softmax(scores, axis=-1)  # (B, N, T, S)
     else:
-        sink = tf.reshape(tf.cast(sinks, scores.dtype), [1, -1, 1, 1])  # (N,) -> (1, N, 1, 1)
-        sink = tf.broadcast_to(sink, tf.concat([tf.shape(scores)[:3], [1]], 0))  # -> (B, N, T, 1)
-        weights = tf.nn.softmax(tf.concat([scores, sink], axis=-1), axis=-1)[..., :-1]  # (B, N, T, S + 1) -> S
+        weights = _sink_softmax(scores, tf.reshape(tf.cast(sinks, scores.dtype), [1, -1, 1, 1]))  # (B, N, T, S)
     if keep is not None:
         weights = tf.where(keep, weights, tf.zeros((), weights.dtype))  # rows with no key are all 0
     return weights
+
+
+@tf.custom_gradient
+def _sink_softmax(scores, sink):
+    """Softmax of (B, N, T, S) scores with one more logit per head, `sink` (1, N, 1, 1), in its
+    denominator, and its gradient written out: the scores' is a softmax's, w * (dw - sum(w * dw)),
+    and the sink's -p_sink * sum(w * dw) with p_sink = 1 - sum(w), summed over B, T. (Autograd
+    through a softmax over [scores, sink] copied the (B, N, T, S) scores twice more each way.)"""
+    top = tf.maximum(tf.reduce_max(scores, axis=-1, keepdims=True), sink)  # (B, N, T, 1)
+    exps = tf.exp(scores - top)  # (B, N, T, S)
+    weights = exps / (tf.reduce_sum(exps, axis=-1, keepdims=True) + tf.exp(sink - top))  # (B, N, T, S)
+
+    def gradient(d_weights):
+        total = tf.reduce_sum(weights * d_weights, axis=-1, keepdims=True)  # (B, N, T, 1)
+        sink_weight = 1 - tf.reduce_sum(weights, axis=-1, keepdims=True)  # (B, N, T, 1)
+        d_sink = tf.reduce_sum(-sink_weight * total, axis=[0, 2, 3], keepdims=True)  # (1, N, 1, 1)
+        return weights * (d_weights - total), d_sink
+
+    return weights, gradient
 
 
 def _softmax_dtype(dtype):
