@@ -231,6 +231,13 @@ def _check_window(window):
     )
 
 
+def _window_sides(window):
+    """`window` -> (W_before, W_after): an integer W is (W, None), no limit after the query."""
+    if isinstance(window, (list, tuple)):
+        return window[0], window[1]
+    return window, None
+
+
 def _positive_float(name, value, *, optional=False):
     if value is None and optional:
         return None
@@ -543,13 +550,6 @@ def _mask_to_4d(mask, target, name="attention_mask"):
 def causal_mask(t, s):
     """(T, S) boolean mask: query t keeps key s iff s <= t + (S - T) (bottom-right aligned)."""
     return np.arange(s)[None, :] <= np.arange(t)[:, None] + (s - t)  # (T, S)
-
-
-def _window_sides(window):
-    """`window` -> (W_before, W_after): an integer W is (W, None), no limit after the query."""
-    if isinstance(window, (list, tuple)):
-        return window[0], window[1]
-    return window, None
 
 
 def window_mask(t, s, window):

@@ -168,7 +168,7 @@ def _check_window(window):
     """`window` held as an int W or a tuple (W_before, W_after) of Python ints (None passes)."""
     pair = isinstance(window, (list, tuple)) and len(window) == 2
     sides = window if pair else (window,)
-    if window is not None and not all(_is_positive_integer(side) for side in sides):
+    if window is not None and not all(_is_positive_int(side) for side in sides):
         raise ValueError(
             "`window` must be None, a positive integer or a pair (before, after) of positive integers. "
             f"Received: window={window!r}"
@@ -189,7 +189,7 @@ def _check_rope_sections(sections, rotary):
     if sections is None:
         return None
     valid = isinstance(sections, (list, tuple)) and len(sections) > 0
-    if not valid or not all(_is_positive_integer(size) for size in sections):
+    if not valid or not all(_is_positive_int(size) for size in sections):
         raise ValueError(
             "`rope_sections` must be None or a list or tuple of positive integers. "
             f"Received: rope_sections={sections!r}"
@@ -202,12 +202,13 @@ def _check_rope_sections(sections, rotary):
     return tuple(int(size) for size in sections)
 
 
-def _is_positive_integer(value):
-    return not isinstance(value, (bool, np.bool_)) and isinstance(value, (int, np.integer)) and value >= 1
+def _is_positive_int(value):
+    """A Python or NumPy integer (not a bool) >= 1."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 1
 
 
 def _positive_int(name, value):
-    if not _is_positive_integer(value):
+    if not _is_positive_int(value):
         raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
     return int(value)
 

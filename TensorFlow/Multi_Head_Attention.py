@@ -186,7 +186,7 @@ def _check_window(window):
     list or tuple); a bool, a float, a string, a dict, a pair holding anything else is refused."""
     pair = isinstance(window, (list, tuple)) and len(window) == 2
     sides = tuple(window) if pair else (window,)
-    if window is not None and not all(_is_positive_integer(side) for side in sides):
+    if window is not None and not all(_is_positive_int(side) for side in sides):
         raise ValueError(
             "`window` must be None, a positive integer or a pair (before, after) of positive integers. "
             f"Received: window={window!r}"
@@ -206,7 +206,7 @@ def _check_rope_sections(sections, rotary):
     positive integers, summing to R/2 when RoPE is on (`rotary` R; None without RoPE)."""
     if sections is None:
         return None
-    if not isinstance(sections, (list, tuple)) or not sections or not all(map(_is_positive_integer, sections)):
+    if not isinstance(sections, (list, tuple)) or not sections or not all(map(_is_positive_int, sections)):
         raise ValueError(
             "`rope_sections` must be None or a list or tuple of positive integers. "
             f"Received: rope_sections={sections!r}"
@@ -220,13 +220,14 @@ def _check_rope_sections(sections, rotary):
 
 
 def _positive_int(name, value):
-    if not _is_positive_integer(value):
+    if not _is_positive_int(value):
         raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
     return int(value)
 
 
-def _is_positive_integer(value):
-    return not isinstance(value, bool) and isinstance(value, (int, np.integer)) and value > 0
+def _is_positive_int(value):
+    """A Python or NumPy integer (not a bool) >= 1."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 1
 
 
 def _positive_float(name, value, optional=False):
