@@ -145,6 +145,8 @@ def test_keras_model_quantize_saves_and_loads(tmp_path):
     loaded = keras.models.load_model(tmp_path / "int8.keras")
     np.testing.assert_array_equal(loaded(data["query"]).numpy(), output)
     assert loaded.layers[-1].dtype_policy.name == "int8_from_float32"
+    with pytest.raises(ValueError, match="already quantized"):
+        loaded.layers[-1].quantize("int8")
 
 
 def test_keras_layer_equals_built_in_int8():
