@@ -51,7 +51,9 @@ Example, a key padding mask for keys [a, b, <pad>]:
 
 Weights: `query_kernel` (E, N*H), `query_bias` (N*H,), `key_kernel` (kdim, K*H), ...,
 `output_kernel` (N*H, E), `output_bias` (E,), `query_norm`, `key_norm`, `query_norm_bias`,
-`key_norm_bias` and `sinks` (N,): the portable layout itself.
+`key_norm_bias` and `sinks` (N,): the portable layout itself. `layer.quantize("int8")` (or
+`model.quantize("int8")`) makes each kernel int8 with a float32 `<kind>_kernel_scale` per output
+column (Keras' int8 `Dense` scheme).
 
 KV cache: `cache = layer.init_cache(B, L)`, then `output, cache = layer(x, cache=cache)` for a
 prompt and then one token at a time. The keys (rotated by RoPE) and values of the T new tokens
@@ -1122,6 +1124,98 @@ def _keras_mask(x):
 
 
 # -------------------------------------------------------------------------------------------------
+# int8
+# -------------------------------------------------------------------------------------------------
+# Keras' scheme (docs/SPEC.md, "int8"): `keras.quantizers.abs_max_quantize` on the kernels (per
+# output column, when quantizing) and on the inputs of each projection (per token, at run time).
+
+_INT8_MAX = 127.0
+_INT8_EPSILON = 1e-7  # Keras' `backend.epsilon()`, added to the abs-max before dividing
+
+
+def _quantize_kernel(kernel):
+    """A float (D, F) kernel -> (int8 (D, F) kernel, float32 (F,) kernel_scale), computed in float32
+    with NumPy as Keras' `abs_max_quantize(kernel, axis=0, to_numpy=True)`: r = 127 / (max |column|
+    + 1e-7), the integers round(kernel * r) (half to even) clipped to [-127, 127], and
+    kernel_scale = 1 / r (Keras keeps r and divides by it)."""
+    kernel = np.asarray(kernel, dtype=np.float32)
+    ratio = np.float32(_INT8_MAX) / (np.max(np.abs(kernel), axis=0) + np.float32(_INT8_EPSILON))  # (F,)
+    quantized = np.clip(np.round(kernel * ratio), -_INT8_MAX, _INT8_MAX).astype(np.int8)  # (D, F)
+    return quantized, (np.float32(1.0) / ratio).astype(np.float32)
+
+
+@ops.custom_gradient
+def _int8_matmul(x, kernel, kernel_scale):
+    """(B, L, D) @ an int8 (D, F) kernel: x quantized per token as Keras' `AbsMaxQuantizer` does
+    (r = 127 / (max |token| + 1e-7), round(x * r) clipped to [-127, 127]), an int8 x int8 -> int32
+    matmul, then * (1 / r) * kernel_scale. The gradient of `x` goes through the dequantized
+    kernel (Keras' straight-through gradient); the kernel and its scale get none."""
+    largest = ops.max(ops.abs(x), axis=-1, keepdims=True, initial=0.0)  # (B, L, 1); `initial`: L may be 0
+    ratio = _INT8_MAX / (largest + _INT8_EPSILON)  # (B, L, 1)
+    quantized = ops.cast(ops.clip(ops.round(x * ratio), -_INT8_MAX, _INT8_MAX), "int8")  # (B, L, D)
+    accumulated = ops.matmul(quantized, kernel)  # (B, L, D) @ (D, F) -> int32 (B, L, F)
+    y = ops.cast(accumulated, x.dtype) * ((1.0 / ratio) * kernel_scale)  # (B, L, F)
+
+    def grad(*args, upstream=None):
+        upstream = args[0] if upstream is None else upstream  # torch passes it by name, after the inputs
+        dequantized = ops.cast(kernel, x.dtype) * kernel_scale  # (D, F)
+        return ops.matmul(upstream, ops.transpose(dequantized)), None, None  # (B, L, F) -> (B, L, D)
+
+    return y, grad
+
+
+def _with_scales(shapes):
+    """The int8 layout of a float layout: `<kind>_kernel_scale` (F,) after each (D, F) `<kind>_kernel`."""
+    scaled = {}
+    for name, shape in shapes.items():
+        scaled[name] = shape
+        if name.endswith("_kernel"):
+            scaled[f"{name}_scale"] = shape[1:]
+    return scaled
+
+
+def _int8_problems(weights, shapes):
+    """The kernels of an int8 layout that are not integers in [-127, 127]."""
+    problems = []
+    for name in (name for name in shapes if name.endswith("_kernel") and name in weights):
+        value = np.asarray(weights[name])
+        integral = np.issubdtype(value.dtype, np.integer)
+        if not integral or (value.size and np.abs(value.astype(np.int64)).max() > _INT8_MAX):
+            problems.append(f"'{name}' must hold integers in [-127, 127], received dtype {value.dtype.name}")
+    return problems
+
+
+def _is_int8_layout(weights):
+    return any(str(name).endswith("_kernel_scale") for name in weights)
+
+
+def _check_int8_config(config):
+    """Keras' default int8 config only (the scheme of the portable layout): no weight quantizer of
+    its own and the default per-token `AbsMaxQuantizer` of the inputs."""
+    if config is None:
+        return
+    activation = getattr(config, "activation_quantizer", None)
+    default_activation = (
+        type(activation).__name__ == "AbsMaxQuantizer"
+        and tuple(activation.value_range) == (-127, 127)
+        and activation.axis in (None, (-1,))
+        and activation.epsilon == _INT8_EPSILON
+    )
+    if getattr(config, "weight_quantizer", None) is not None or not default_activation:
+        raise ValueError(
+            "`config` must be Keras' default int8 config (per-column abs-max kernels, per-token abs-max inputs in "
+            f"[-127, 127]): the portable int8 layout holds only that scheme. Received: config={config!r}"
+        )
+
+
+def _unquantized_policy(policy):
+    """A quantized dtype policy's source ("int8_from_float32" -> "float32"): the Dropout sublayer
+    computes in floats, and a quantized policy would send it to Keras' `quantized_call`."""
+    name = getattr(policy, "name", policy)
+    return name.partition("_from_")[2] if isinstance(name, str) and "_from_" in name else policy
+
+
+# -------------------------------------------------------------------------------------------------
 # The layer
 # -------------------------------------------------------------------------------------------------
 
@@ -1284,8 +1378,11 @@ class MultiHeadAttention(keras.layers.Layer):
         self.supports_masking = True
         self._convert_input_args = False  # Keras must not cast masks and biases: `_check_call` casts the inputs
         self._allow_non_tensor_positional_args = True  # NumPy inputs reach `call` as they are
-        self._dropout_layer = keras.layers.Dropout(self.dropout, dtype=self.dtype_policy)
         self._warned_traps = set()  # the mask habits warned of, once each
+        dropout_layer = keras.layers.Dropout(self.dropout, dtype=_unquantized_policy(self.dtype_policy))
+        object.__setattr__(self, "_dropout_layer", dropout_layer)  # no sublayer: `model.quantize` quantizes leaves
+        if self.dropout > 0:  # Keras' Dropout has a seed generator only then: its seed is this layer's state
+            self._dropout_seed_generator = dropout_layer.seed_generator
 
     def _initializer(self, name):
         """Kernels and biases from the layer's initializers; QK-norm scales of one, QK-norm biases
@@ -1309,8 +1406,9 @@ class MultiHeadAttention(keras.layers.Layer):
         """
         self._check_shapes(query_shape, value_shape, key_shape)
         for name, shape in self.weight_shapes().items():
-            variable = self.add_weight(name=name, shape=shape, initializer=self._initializer(name))
+            variable = self.add_weight(name=name, shape=shape, **self._weight_options(name))
             setattr(self, _ATTRIBUTES.get(name, name), variable)
+        self._is_quantized = self._int8  # Keras' flag: an int8 layer (a loaded `.keras` file) is not quantized again
         self._dropout_layer.build(None)
         self.built = True
 
@@ -1368,7 +1466,7 @@ class MultiHeadAttention(keras.layers.Layer):
             shapes["query_norm_bias"], shapes["key_norm_bias"] = shapes["query_norm"], shapes["key_norm"]
         if self.sinks:
             shapes["sinks"] = (self.num_heads,)
-        return shapes
+        return _with_scales(shapes) if self._int8 else shapes
 
     def _variable(self, name):
         """The variable of one portable weight (`sinks` is held as `sink_logits`)."""
@@ -1381,20 +1479,72 @@ class MultiHeadAttention(keras.layers.Layer):
         return {name: np.array(ops.convert_to_numpy(self._variable(name).value)) for name in self.weight_shapes()}
 
     def import_weights(self, weights):
-        """Loads portable weights; strict and atomic (a ValueError lists every problem)."""
-        expected = self.weight_shapes()
+        """Loads portable weights; strict and atomic (a ValueError lists every problem). An int8
+        layout (with `<kind>_kernel_scale`) quantizes a float layer first; an int8 layer takes only one."""
+        int8 = self._int8 or _is_int8_layout(weights)
+        expected = _with_scales(self.weight_shapes()) if int8 and not self._int8 else self.weight_shapes()
         problems = [f"missing '{name}'" for name in expected if name not in weights]
         problems += [f"unexpected '{name}'" for name in weights if name not in expected]
         for name, shape in expected.items():
             if name in weights and tuple(np.shape(weights[name])) != shape:
                 problems.append(f"'{name}' has shape {tuple(np.shape(weights[name]))}, expected {shape}")
+        problems += _int8_problems(weights, expected) if int8 else []
         if problems:
             raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
         if not self.built:
             self.build()
+        if int8 and not self._int8:
+            self.quantize("int8")
         for name in expected:
             variable = self._variable(name)
             variable.assign(ops.cast(np.asarray(weights[name]), variable.dtype))
+
+    # int8: Keras' quantization API (`layer.quantize("int8")`, `model.quantize("int8")`, the
+    # "int8_from_<policy>" dtype policies), with the portable int8 layout as the variables.
+
+    def quantize(self, mode=None, type_check=True, config=None):
+        """Quantizes the four projections to int8 as Keras' `Dense.quantize("int8")` does: each
+        kernel becomes an int8 variable with one float32 `<kind>_kernel_scale` per output column,
+        each call quantizes the projections' inputs per token, and the dtype policy becomes
+        "int8_from_<policy>". `model.quantize("int8")` calls it; other modes raise
+        `NotImplementedError`, which `model.quantize` turns into a warning, as for any Keras layer.
+
+        Args:
+            mode: "int8".
+            type_check: unused (Keras' signature).
+            config: None or Keras' default `Int8QuantizationConfig`.
+        """
+        del type_check
+        if mode != "int8":
+            raise NotImplementedError(f"{type(self).__name__} quantizes to 'int8' only. Received: mode={mode!r}")
+        _check_int8_config(config)
+        for kind in _PROJECTIONS:
+            kernel, scale = _quantize_kernel(ops.convert_to_numpy(getattr(self, f"{kind}_kernel").value))
+            self._untrack_variable(getattr(self, f"{kind}_kernel"))  # Keras' `del` would run gc.collect() per kernel
+            for name, value in ((f"{kind}_kernel", kernel), (f"{kind}_kernel_scale", scale)):
+                options = {"initializer": "zeros", "trainable": False, "dtype": value.dtype.name}
+                setattr(self, name, self.add_weight(name=name, shape=value.shape, **options))
+                getattr(self, name).assign(value)
+        self._is_quantized = True  # Keras' flag: setting the policy below must not quantize again
+        self.dtype_policy = f"int8_from_{self.dtype_policy.name}"
+
+    @property
+    def _int8(self):
+        """Whether the projections are int8: the dtype policy is "int8_from_..."."""
+        return self.quantization_mode == "int8"
+
+    def _weight_options(self, name):
+        """`add_weight` arguments of one portable weight: int8 kernels and their float scales are
+        not trainable (as in Keras' int8 `Dense`)."""
+        if self._int8 and name.endswith("_kernel"):
+            return {"initializer": "zeros", "dtype": "int8", "trainable": False}
+        if name.endswith("_kernel_scale"):
+            return {"initializer": "ones", "dtype": "float32", "trainable": False}
+        return {"initializer": self._initializer(name)}
+
+    def _int8_call(self, *args, **kwargs):
+        """Keras' entry for an int8 policy: `call`, whose projections read the int8 variables."""
+        return self.call(*args, **kwargs)
 
     def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
         """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
@@ -1540,10 +1690,18 @@ class MultiHeadAttention(keras.layers.Layer):
     def _bias_of(self, kind):
         return getattr(self, f"{kind}_bias") if kind in self.bias else None
 
+    def _scale_of(self, kind):
+        return getattr(self, f"{kind}_kernel_scale") if self._int8 else None
+
     def _project(self, x, kind):
         """(B, L, D) @ (D, F) + (F,) -> (B, L, F) with the `kind` projection's weights, read in x's
-        dtype (a no-op inside Keras' `__call__`, which autocasts them)."""
-        y = ops.matmul(x, ops.cast(getattr(self, f"{kind}_kernel"), x.dtype))  # (B, L, D) -> (B, L, F)
+        dtype (a no-op inside Keras' `__call__`, which autocasts them). An int8 kernel is applied
+        with x quantized per token (`_int8_matmul`)."""
+        kernel, scale = getattr(self, f"{kind}_kernel"), self._scale_of(kind)
+        if scale is None:
+            y = ops.matmul(x, ops.cast(kernel, x.dtype))  # (B, L, D) -> (B, L, F)
+        else:
+            y = _int8_matmul(x, ops.convert_to_tensor(kernel), ops.cast(scale, x.dtype))  # (B, L, D) -> (B, L, F)
         bias = self._bias_of(kind)
         return y if bias is None else y + ops.cast(bias, x.dtype)
 

@@ -1659,6 +1659,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         for name, shape in self.weight_shapes().items():
             variable = self.add_weight(name=name, shape=shape, **self._weight_options(name))
             setattr(self, _ATTRIBUTES.get(name, name), variable)
+        self._is_quantized = self._int8  # Keras' flag: an int8 layer (a loaded `.keras` file) is not quantized again
         self._dropout_layer.build(None)
         self.built = True
 

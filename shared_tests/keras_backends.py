@@ -165,10 +165,9 @@ def _grads_jax(layer, case, data, args, kwargs):
     bias = kwargs.pop("attention_bias", None)
     trainable = [v.value for v in layer.trainable_variables]
     non_trainable = [v.value for v in layer.non_trainable_variables]
-    order = [
-        next(i for i, v in enumerate(layer.trainable_variables) if v is layer._variable(name))
-        for name in layer.weight_shapes()
-    ]
+    variables = [layer._variable(name) for name in layer.weight_shapes()]
+    trainable_ids = [id(v) for v in layer.trainable_variables]
+    order = [trainable_ids.index(id(v)) if id(v) in trainable_ids else None for v in variables]  # int8: not trainable
 
     def loss(args, bias, trainable):
         given = kwargs if bias is None else {**kwargs, "attention_bias": bias}
@@ -181,7 +180,8 @@ def _grads_jax(layer, case, data, args, kwargs):
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))  # one compile, not one per op
     (_, (output, weights)), grads = step(args, bias, trainable)
     d_args, d_bias, d_trainable = grads
-    values = [*d_args, *([] if bias is None else [d_bias]), *(d_trainable[i] for i in order)]
+    d_weights = [jnp.zeros(v.shape) if i is None else d_trainable[i] for i, v in zip(order, variables, strict=True)]
+    values = [*d_args, *([] if bias is None else [d_bias]), *d_weights]  # int8 kernels and scales: zeros
     return output, weights, dict(zip(_names(args, bias, layer), values, strict=True))
 
 

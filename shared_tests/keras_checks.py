@@ -545,6 +545,193 @@ def check_load(folder):
         _close(model(saved["x"]), saved["y"], f"the model saved in {os.path.basename(folder)}")
 
 
+def _int8_reference(case, data):
+    """The NumPy reference quantized from the case's float weights, its int8 layout, and its output
+    (the step of `one_step` is that call's)."""
+    from shared_tests.cases import call_inputs
+    from shared_tests.int8 import numpy_layer
+
+    reference = numpy_layer(case, data["weights"])
+    reference.quantize("int8")
+    inputs = {name: data[name] for name in ("key", "value") if data[name] is not None}
+    expected = reference(data["query"], **inputs, **call_inputs(data), causal=case.causal)
+    return reference, reference.export_weights(), expected
+
+
+def _same_layout(got, expected, what):
+    """The same int8 integers and scales (and dtypes) as `expected`, and the same names."""
+    assert got.keys() == expected.keys(), (what, sorted(got), sorted(expected))
+    for name in (name for name in expected if name.endswith(("_kernel", "_kernel_scale"))):
+        assert got[name].dtype == expected[name].dtype, (what, name, got[name].dtype)
+        assert np.array_equal(got[name], expected[name]), f"{what}: {name} differs"
+
+
+def check_int8_parity():
+    """Each int8 case (shared_tests/int8.py): the NumPy file's int8 layout imported into a float
+    layer (which it quantizes) gives the reference's output within one quantization step, and
+    gradients (forward and gradient under one `jax.jit` on JAX), and exports that layout again;
+    quantizing the float weights here gives NumPy's layout. The inputs' gradient is the float
+    layer's with the dequantized kernels within the int8 error (Keras' straight-through
+    gradient); the biases train, the int8 kernels and scales get none."""
+    from shared_tests.cases import CASES_BY_NAME, make_data
+    from shared_tests.int8 import CASE_NAMES, INT8_ERROR, assert_within_a_step, one_step
+    from shared_tests.keras_backends import _case_result, _layer
+
+    for name in CASE_NAMES:
+        case = CASES_BY_NAME[name]
+        data = make_data(case)
+        reference, layout, expected = _int8_reference(case, data)
+        got = _case_result(case, {**data, "weights": layout})
+        assert_within_a_step(got.output, expected, one_step(reference), f"{name}: output")
+        _same_layout(_layer(case, {"weights": layout}).export_weights(), layout, f"{name}: imported")
+        quantized = _layer(case, data)
+        quantized.quantize("int8")
+        _same_layout(quantized.export_weights(), layout, f"{name}: quantized here")
+    case = CASES_BY_NAME["self_basic"]
+    data = make_data(case)
+    layout = _int8_reference(case, data)[1]
+    dequantized = {
+        name: value * layout[f"{name}_scale"] if name.endswith("_kernel") else value
+        for name, value in layout.items()
+        if not name.endswith("_scale")
+    }
+    grads = _case_result(case, {**data, "weights": layout}).grads
+    _close(grads["query"], _case_result(case, {**data, "weights": dequantized}).grads["query"], "d query", INT8_ERROR)
+    assert np.abs(grads["query"]).max() > 10 * INT8_ERROR, "the int8 layer's input gradient is zeros"
+    assert np.abs(grads["output_bias"]).max() > 0, "the biases of an int8 layer get no gradient"
+    assert not any(np.any(grads[name]) for name in layout if "_kernel" in name), "an int8 kernel or scale has a grad"
+
+
+def check_int8_model_quantize():
+    """`model.quantize("int8")` on a functional model holding the layer quantizes it as Keras
+    quantizes its built-ins (the policy int8_from_float32, int8 kernels; no warning names the
+    layer or its dropout), the output is the reference's within one step, and a `.keras` file
+    keeps it (a loaded layer is int8, and quantizing it again is refused)."""
+    import tempfile
+
+    import keras
+
+    import Keras  # the layer, registered for deserialization
+    from shared_tests.cases import CASES_BY_NAME, make_data
+    from shared_tests.int8 import assert_within_a_step, one_step
+
+    case = CASES_BY_NAME["gqa_self_causal"]
+    data = make_data(case)
+    query = keras.Input((case.t, case.e))
+    layer = Keras.MultiHeadAttention(**{**case.config, "dropout": 0.1})
+    model = keras.Model(query, layer(query, causal=True))
+    layer.import_weights(data["weights"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.quantize("int8")
+    refused = [str(w.message) for w in caught if "`quantize`" in str(w.message)]
+    assert all("InputLayer" in message for message in refused), refused  # neither this layer nor its dropout
+    assert layer.dtype_policy.name == "int8_from_float32", layer.dtype_policy.name
+    assert {v.name: v.dtype for v in layer.weights}["output_kernel"] == "int8"
+    reference, _, expected = _int8_reference(case, data)
+    output = _numpy(model(data["query"]))
+    assert_within_a_step(output, expected, one_step(reference), "model.quantize")
+    with tempfile.TemporaryDirectory() as folder:
+        model.save(os.path.join(folder, "int8.keras"))
+        loaded = keras.models.load_model(os.path.join(folder, "int8.keras"))
+    _close(loaded(data["query"]), output, "the int8 model loaded from .keras", 0.0)
+    assert loaded.layers[-1].dtype_policy.name == "int8_from_float32", loaded.layers[-1].dtype_policy.name
+    try:
+        loaded.layers[-1].quantize("int8")
+    except ValueError as error:
+        assert "already quantized" in str(error), str(error)
+    else:
+        raise AssertionError("a loaded int8 layer was quantized again")
+
+
+def check_int8_decoding():
+    """An int8 layer (GQA, RoPE, a rolling window) decodes token by token inside `ops.while_loop`
+    (traced on JAX and TensorFlow) as its full causal pass: each token is quantized on its own."""
+    layer = _layer(num_kv_heads=2, rope_theta=10000.0, window=3)
+    layer.quantize("int8")
+    x = _inputs((2, 7, 16))
+    _close(_while_loop_decode(layer, x), layer(x, causal=True), "int8 decoding against the full pass")
+
+
+def check_int8_fit():
+    """`fit` of a model whose layer is int8, under XLA on TensorFlow and JAX (eager on torch): the
+    loss falls (biases and the dense head train), the int8 kernels and scales stay as they were."""
+    import keras
+
+    from Keras import MultiHeadAttention
+
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((None, 16))
+    layer = MultiHeadAttention(16, 4, num_kv_heads=2, rope_theta=10000.0, dropout=0.1)
+    model = keras.Model(tokens, keras.layers.Dense(1)(layer(tokens, causal=True)))
+    layer.quantize("int8")
+    frozen = {name: value for name, value in layer.export_weights().items() if "_kernel" in name}
+    jit = keras.backend.backend() in ("tensorflow", "jax")
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=jit)
+    x, y = _inputs((32, 8, 16)), _inputs((32, 8, 1), seed=2)
+    history = model.fit(x, y, batch_size=8, epochs=4, verbose=0).history["loss"]
+    assert np.isfinite(history).all() and history[-1] < history[0], f"the loss did not fall: {history}"
+    after = layer.export_weights()
+    assert all(np.array_equal(after[name], value) for name, value in frozen.items()), "an int8 kernel changed"
+    _close(model.predict(x[:4], verbose=0), model(x[:4], training=False), "predict against a call")
+
+
+def check_int8_layout_checks():
+    """A float layout into an int8 layer and an int8 layout whose kernels are not integers are
+    refused, naming every problem; quantizing twice, to another mode or with another config is
+    refused (another mode with `NotImplementedError`, which `model.quantize` turns into a warning)."""
+    import keras
+
+    layer = _layer()
+    floats = layer.export_weights()
+    layer.quantize("int8")
+    layout = layer.export_weights()
+    refusals = (
+        (lambda: layer.import_weights(floats), ValueError, "missing 'query_kernel_scale'"),
+        (lambda: _layer().import_weights({**layout, "key_kernel": layout["key_kernel"].astype(np.float32)}), ValueError,
+         "'key_kernel' must hold integers in [-127, 127], received dtype float32"),
+        (lambda: layer.quantize("int8"), ValueError, "already quantized"),
+        (lambda: _layer().quantize("int4"), NotImplementedError, "quantizes to 'int8' only"),
+        (lambda: _layer().quantize(config=keras.quantizers.Int8QuantizationConfig(
+            weight_quantizer=keras.quantizers.AbsMaxQuantizer(axis=0))), ValueError,
+         "`config` must be Keras' default int8 config"),
+    )  # fmt: skip
+    for refused, error, text in refusals:
+        try:
+            refused()
+        except error as raised:
+            assert text in str(raised), str(raised)
+        else:
+            raise AssertionError(f"nothing raised where {error.__name__} says {text!r}")
+
+
+def check_save_int8(folder):
+    """Saves a functional model holding the layer (the config of `check_save`), quantized by
+    `model.quantize("int8")`, to FOLDER/int8.keras with its inputs and outputs."""
+    import keras
+
+    layer = _layer(**SAVED_CONFIG)
+    inputs = keras.Input((6, 16))
+    model = keras.Model(inputs, layer(inputs, causal=True))
+    model.quantize("int8")
+    x = _inputs()
+    os.makedirs(folder, exist_ok=True)
+    model.save(os.path.join(folder, "int8.keras"))
+    np.savez(os.path.join(folder, "int8_io.npz"), x=x, y=_numpy(model(x)))
+
+
+def check_load_int8(folder):
+    """Loads FOLDER/int8.keras (saved on another backend): an int8 layer giving the outputs saved with it."""
+    import keras
+
+    import Keras  # noqa: F401  (registers the layer for deserialization)
+
+    model = keras.models.load_model(os.path.join(folder, "int8.keras"))
+    assert model.layers[-1].dtype_policy.name == "int8_from_float32", model.layers[-1].dtype_policy.name
+    with np.load(os.path.join(folder, "int8_io.npz")) as saved:
+        _close(model(saved["x"]), saved["y"], f"the int8 model saved in {os.path.basename(folder)}")
+
+
 CHECKS = {
     "fit_compiled": check_fit_compiled,
     "fit": check_fit,
@@ -561,8 +748,15 @@ CHECKS = {
     "rope_sections": check_rope_sections,
     "qk_norm_variants": check_qk_norm_variants,
     "tensorflow_file_refuses": check_tensorflow_file_refuses,
+    "int8_parity": check_int8_parity,
+    "int8_model_quantize": check_int8_model_quantize,
+    "int8_decoding": check_int8_decoding,
+    "int8_fit": check_int8_fit,
+    "int8_layout_checks": check_int8_layout_checks,
     "save": check_save,
     "load": check_load,
+    "save_int8": check_save_int8,
+    "load_int8": check_load_int8,
 }
 
 

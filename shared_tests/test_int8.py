@@ -1,9 +1,10 @@
-"""int8 layers (docs/SPEC.md, "int8"): one scheme and one portable layout in the three files.
+"""int8 layers (docs/SPEC.md, "int8"): one scheme and one portable layout in the four files.
 
 A layer quantized in any framework, exported and imported into every other, gives the NumPy
-reference's numbers within one quantization step, and the Keras layer quantizes as the built-in
-does (`model.quantize("int8")`, `.keras` save and load). Kept apart from the parity report: the
-int8 layers have no gradient to compare (the NumPy reference has no int8 backward).
+reference's numbers within one quantization step (shared_tests/int8.py), and the Keras layers
+(the TensorFlow file, and the Keras file on each backend in a process of its own) quantize as the
+built-in does (`model.quantize("int8")`, `.keras` save and load). Kept apart from the parity
+report: the int8 layers have no gradient to compare (the NumPy reference has no int8 backward).
 """
 
 import warnings
@@ -17,20 +18,14 @@ from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8Weig
 
 from NumPy import Multi_Head_Attention as numpy_file
 from PyTorch import Multi_Head_Attention as torch_file
-from shared_tests.cases import CASES_BY_NAME, TOLERANCES, call_inputs, make_data
+from shared_tests.cases import CASES_BY_NAME, call_inputs, make_data
+from shared_tests.int8 import CASE_NAMES, FLOAT32, INT8_ERROR, assert_within_a_step, one_step
+from shared_tests.keras_backends import KERAS_BACKENDS, run_batch
 from TensorFlow import Multi_Head_Attention as tf_file
 
-FLOAT32 = TOLERANCES["float32"]["output"]  # what float32 arithmetic alone may change
-FLIP_SHARE = (
-    0.01  # outputs beyond FLOAT32 allowed: a token's rounding flipped by float noise (each costs at most a step)
-)
-INT8_ERROR = 0.05  # int8 against float32 on these cases (Glorot weights, N(0, 1) inputs): up to 0.032 measured
 SOURCES = ("numpy", "torch", "tf")
 PATHS = ("numpy", "torch:sdpa", "torch:explicit", "tf:eager", "tf:function")
-CASE_NAMES = (
-    "self_basic", "kdim_vdim", "no_bias", "gqa_self_causal", "rows_fully_masked", "empty_query", "rope_self_causal",
-    "qk_norm_all", "sinks_gqa_causal", "wide", "clip_qkv",
-)  # fmt: skip
+KERAS_CHECKS = ("int8_parity", "int8_model_quantize", "int8_decoding", "int8_fit", "int8_layout_checks")
 LAYERS = {"numpy": numpy_file.MultiHeadAttention, "torch": torch_file.MultiHeadAttention}
 
 
@@ -71,19 +66,6 @@ def _call(path, layer, case, data):
     return np.asarray(call(data["query"], *inputs.values()).numpy(), dtype=np.float64)
 
 
-def _one_step(reference):
-    """One quantization step of the output: one integer of the output projection's input
-    (x_scale = max |row| / 127) times its largest dequantized weight (127 * kernel_scale)."""
-    merged = reference._saved["merged"]  # (B, T, N*H), the output projection's input
-    return float(np.abs(merged).max(initial=0.0) * reference.params["output_kernel_scale"].max())
-
-
-def _assert_within_a_step(output, expected, step):
-    difference = np.abs(output - expected)
-    assert difference.max(initial=0.0) <= step + FLOAT32
-    assert np.mean(difference > FLOAT32) <= FLIP_SHARE if difference.size else True
-
-
 @pytest.mark.parametrize("name", CASE_NAMES)
 def test_every_file_quantizes_to_the_same_layout(name):
     """From the same float weights, the three files give the same int8 integers and scales."""
@@ -114,7 +96,7 @@ def test_quantized_anywhere_runs_the_same_everywhere(name, source):
     expected = _call("numpy", reference, case, data)
     layers = {framework: _float_layer(framework, case, layout) for framework in ("torch", "tf")}
     for path in PATHS[1:]:
-        _assert_within_a_step(_call(path, layers[path.split(":")[0]], case, data), expected, _one_step(reference))
+        assert_within_a_step(_call(path, layers[path.split(":")[0]], case, data), expected, one_step(reference))
     for layer in layers.values():
         exported = layer.export_weights()
         for layout_name in (name for name in layout if "kernel" in name):
@@ -158,11 +140,13 @@ def test_keras_model_quantize_saves_and_loads(tmp_path):
     reference = _float_layer("numpy", case, layer.export_weights())
     expected = reference(data["query"], causal=True)
     output = model(data["query"]).numpy()
-    _assert_within_a_step(output, expected, _one_step(reference))
+    assert_within_a_step(output, expected, one_step(reference))
     model.save(tmp_path / "int8.keras")
     loaded = keras.models.load_model(tmp_path / "int8.keras")
     np.testing.assert_array_equal(loaded(data["query"]).numpy(), output)
     assert loaded.layers[-1].dtype_policy.name == "int8_from_float32"
+    with pytest.raises(ValueError, match="already quantized"):
+        loaded.layers[-1].quantize("int8")
 
 
 def test_keras_layer_equals_built_in_int8():
@@ -179,6 +163,18 @@ def test_keras_layer_equals_built_in_int8():
     layer.quantize("int8")
     np.testing.assert_array_equal(layer.query_kernel.numpy(), built_in._query_dense._kernel.numpy().reshape(16, 16))
     np.testing.assert_allclose(layer(x).numpy(), built_in(x, x).numpy(), rtol=0, atol=FLOAT32)
+
+
+@pytest.mark.parametrize("backend", KERAS_BACKENDS)
+def test_keras_file_int8_on_every_backend(backend):
+    """The Keras file on one backend, in its own process (shared_tests/keras_checks.py): the NumPy
+    file's int8 layout imported gives the reference's output within one step (on JAX with its
+    gradient under `jax.jit`) and quantizing gives that layout; the straight-through gradient;
+    `model.quantize("int8")` and `.keras` save and load; decoding in `ops.while_loop` equal to the
+    full pass; `fit` (under XLA on TensorFlow and JAX); the layout and mode checks."""
+    out = run_batch(backend, checks=KERAS_CHECKS)
+    failed = {name: error for name, error in out["checks"].items() if error is not None}
+    assert set(out["checks"]) == set(KERAS_CHECKS) and not failed, "\n".join(failed.values())
 
 
 @pytest.mark.parametrize("framework", ("numpy", "torch", "tf"))

@@ -79,13 +79,17 @@ def test_fit_under_torch_compile():
 
 def test_keras_file_moves_between_backends(tmp_path):
     """A `.keras` model saved on JAX loads on torch and TensorFlow with equal outputs, and the ones
-    saved there load on JAX."""
+    saved there load on JAX; the same for a model quantized to int8 (`model.quantize("int8")`)."""
     folders = {backend: str(tmp_path / backend) for backend in KERAS_BACKENDS}
+
+    def both(kind, backend):
+        return [f"{kind}:{folders[backend]}", f"{kind}_int8:{folders[backend]}"]
+
     steps = (
-        ("jax", [f"save:{folders['jax']}"]),
-        ("torch", [f"load:{folders['jax']}", f"save:{folders['torch']}"]),
-        ("tensorflow", [f"load:{folders['jax']}", f"save:{folders['tensorflow']}"]),
-        ("jax", [f"load:{folders['torch']}", f"load:{folders['tensorflow']}"]),
+        ("jax", both("save", "jax")),
+        ("torch", [*both("load", "jax"), *both("save", "torch")]),
+        ("tensorflow", [*both("load", "jax"), *both("save", "tensorflow")]),
+        ("jax", [*both("load", "torch"), *both("load", "tensorflow")]),
     )
     for backend, checks in steps:
         out = run_batch(backend, checks=checks)
