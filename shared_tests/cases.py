@@ -289,9 +289,9 @@ CASES = [
     ),
     Case(
         "qk_norm_rms_all_bias",
-        t=4,
-        s=6,
         k=2,
+        self_attention=True,
+        causal=True,
         variants=(("qk_norm", "all"), ("qk_norm_bias", True), ("qk_norm_eps", 1e-5), ("rope_theta", 10000.0)),
     ),
     Case(

@@ -165,6 +165,22 @@ def test_keras_layer_equals_built_in_int8():
     np.testing.assert_allclose(layer(x).numpy(), built_in(x, x).numpy(), rtol=0, atol=FLOAT32)
 
 
+def test_to_keras_of_an_int8_layer_is_refused_and_quantizing_the_built_in_after_computes_the_same():
+    """Regression: `to_keras` of an int8 layer copied its integers into the built-in's float kernels
+    (wrong numbers, no error). It now refuses; `to_keras` first, then quantizing the built-in's
+    projections, gives the int8 layer's numbers (the same scheme)."""
+    x = np.random.default_rng(2).normal(size=(2, 5, 16)).astype(np.float32)
+    layer = tf_file.MultiHeadAttention(16, 4)
+    layer(x)
+    built_in = layer.to_keras()
+    layer.quantize("int8")
+    with pytest.raises(ValueError, match=r"`to_keras` needs float weights .* Received: quantization_mode='int8'"):
+        layer.to_keras()
+    for projection in (built_in._query_dense, built_in._key_dense, built_in._value_dense, built_in._output_dense):
+        projection.quantize("int8")  # what `model.quantize("int8")` does to the built-in
+    np.testing.assert_allclose(layer(x).numpy(), built_in(x, x).numpy(), rtol=0, atol=FLOAT32)
+
+
 @pytest.mark.parametrize("backend", KERAS_BACKENDS)
 def test_keras_file_int8_on_every_backend(backend):
     """The Keras file on one backend, in its own process (shared_tests/keras_checks.py): the NumPy
