@@ -1277,11 +1277,12 @@ class _Int8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, weight_scale):
-        ratio = _INT8_MAX / (x.abs().amax(dim=-1, keepdim=True) + _INT8_EPSILON)  # (..., 1)
-        integers = torch.round(x * ratio).clamp_(-_INT8_MAX, _INT8_MAX)  # (..., D)
+        top = torch.linalg.vector_norm(x, math.inf, dim=-1, keepdim=True)  # (..., 1): max |x| of each token
+        ratio = _INT8_MAX / (top + _INT8_EPSILON)  # (..., 1)
+        integers = (x * ratio).round_().clamp_(-_INT8_MAX, _INT8_MAX)  # (..., D), one new tensor
         accumulated = F.linear(integers, weight.to(x.dtype))  # (..., D) -> (..., F)
         ctx.save_for_backward(weight, weight_scale)
-        return accumulated * ((1.0 / ratio) * weight_scale.to(x.dtype))  # (..., F)
+        return accumulated.mul_((1.0 / ratio) * weight_scale.to(x.dtype))  # (..., F), in place
 
     @staticmethod
     def backward(ctx, grad):
