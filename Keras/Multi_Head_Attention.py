@@ -1056,6 +1056,346 @@ def dot_product_attention(
 
 
 # -------------------------------------------------------------------------------------------------
+# Step 6: attention, the fast paths
+# -------------------------------------------------------------------------------------------------
+# Two paths without the weights, both with `dot_product_attention`'s numbers: `ops.dot_product_attention`
+# (`_fused_attention`: SDPA on torch) with the SPEC's masks made explicit, and the memory-efficient
+# path (`_chunked_attention`), a chunk of queries at a time forward (`_chunked_forward`) and backward
+# (`_chunked_backward`, the flash-attention backward, which recomputes each chunk's weights), so that
+# memory is linear in T and S.
+
+
+def _fused_attention(q, k, v, keep, bias, causal, scale, sinks):
+    """`ops.dot_product_attention` on (B, N, T, H) q and (B, K, S, H) k, v; returns the (B, N, T, H)
+    context. `keep` holds the window and the attention chunk already; `causal` goes in as the
+    kernel's own (top-left) `is_causal` only with nothing else masking and T == S, else into the
+    mask (bottom-right). The mask is a finite additive one: a row with no key left attends every key
+    inside the kernel and is set to exactly 0 after. `sinks`: see `_fused_with_sinks`."""
+    t, s = q.shape[2], k.shape[2]
+    if sinks is not None:
+        return _fused_with_sinks(q, k, v, keep, bias, causal, scale, sinks)
+    is_causal = causal and keep is None and bias is None and t == s
+    keep = _and(keep, causal_mask(t, s)[None, None]) if causal and not is_causal else keep  # (B|1, N|1, T, S)
+    if bias is not None and keep is not None:
+        bias = _centre_rows(ops.cast(bias, _softmax_dtype(q.dtype)), keep)  # (B, N, T, S), dims may be 1
+    has_key = None if keep is None else ops.any(keep, axis=-1, keepdims=True)  # (B, N, T, 1), dims may be 1
+    if k.shape[1] == 1 < q.shape[1]:  # one key/value head: Keras groups K > 1 heads itself, TensorFlow not K = 1
+        k, v = ops.repeat(k, q.shape[1], axis=1), ops.repeat(v, q.shape[1], axis=1)  # (B, 1, S, H) -> (B, N, S, H)
+    additive = _fused_mask(keep, has_key, bias, q.dtype)
+    context = ops.dot_product_attention(
+        ops.swapaxes(q, 1, 2), ops.swapaxes(k, 1, 2), ops.swapaxes(v, 1, 2), bias=additive, scale=scale,
+        is_causal=is_causal,
+    )  # (B, T, N, H), the layout Keras takes  # fmt: skip
+    context = ops.swapaxes(context, 1, 2)  # (B, T, N, H) -> (B, N, T, H)
+    return context if has_key is None else ops.where(has_key, context, ops.zeros((), context.dtype))
+
+
+def _fused_mask(keep, has_key, bias, dtype):
+    """The additive mask of `_fused_attention` in `dtype` (q's, as Keras casts it), finite: `bias`
+    (clamped to the dtype's range) where kept or where a row keeps nothing, its lowest value
+    elsewhere; None with neither."""
+    if keep is None and bias is None:
+        return None
+    name = keras.backend.standardize_dtype(dtype)
+    lowest = _LOWEST.get(name) or _lowest(name)
+    bias = ops.zeros((), dtype) if bias is None else ops.cast(ops.maximum(bias, lowest), dtype)
+    if keep is None:
+        return bias
+    return ops.where(ops.logical_or(keep, ops.logical_not(has_key)), bias, ops.cast(lowest, dtype))
+
+
+def _fused_with_sinks(q, k, v, keep, bias, causal, scale, sinks):
+    """`_fused_attention` with the sinks as one more key, the first, whose score is its head's sink
+    logit and whose value is 0: the softmax's denominator gains exp(sink) and the context nothing.
+    The score comes from one more feature of each head, sink / scale in head n's queries and 1 in
+    the sink key (0 in the other keys), so grouped heads still share their keys and the sinks'
+    gradient flows through it; the head size is padded to a multiple of 8 with zeros (v too). With
+    the kernel's `is_causal` one more query, the first, keeps its top-left triangle aligned: query
+    t + 1 sees the sink and keys 0..t. A row with no key left attends only the sink: a context of 0."""
+    (b, n, t, h), s = q.shape, k.shape[2]
+    width = -(-(h + 1) // 8) * 8  # H + 1 features, padded to a multiple of 8
+    logit = ops.broadcast_to(
+        ops.reshape(ops.cast(ops.divide(sinks, scale), q.dtype), (1, n, 1, 1)), (b, n, t, 1)
+    )  # (B, N, T, 1)
+    q = ops.pad(ops.concatenate([q, logit], axis=-1), [[0, 0], [0, 0], [0, 0], [0, width - h - 1]])  # (B, N, T, width)
+    sink_key = ops.broadcast_to(ops.one_hot(h, width, dtype=k.dtype), (b, k.shape[1], 1, width))  # a 1 at feature H
+    k = ops.concatenate(
+        [sink_key, ops.pad(k, [[0, 0], [0, 0], [0, 0], [0, width - h]])], axis=2
+    )  # (B, K, 1 + S, width)
+    v = ops.pad(v, [[0, 0], [0, 0], [1, 0], [0, width - h]])  # (B, K, 1 + S, width), the sink's value 0
+    is_causal = causal and keep is None and bias is None and t == s
+    keep = _and(keep, causal_mask(t, s)[None, None]) if causal and not is_causal else keep  # (B|1, N|1, T, S)
+    q = ops.pad(q, [[0, 0], [0, 0], [1, 0], [0, 0]]) if is_causal else q  # (B, N, 1 + T, width) with `is_causal`
+    keep = None if keep is None else _first_column(keep, s, True)  # (..., 1 + S)
+    bias = None if bias is None else _first_column(bias, s, 0.0)  # (..., 1 + S)
+    context = _fused_attention(q, k, v, keep, bias, is_causal, scale, None)  # (B, N, [1 +] T, width)
+    return context[:, :, 1 if is_causal else 0 :, :h]  # (B, N, T, H)
+
+
+def _first_column(mask, s, value):
+    """A rank-4 mask (..., S|1) broadcast to S keys, with one more key first holding `value`."""
+    mask = ops.broadcast_to(mask, (*mask.shape[:3], s))  # (B|1, N|1, T|1, S)
+    return ops.concatenate([ops.full((*mask.shape[:3], 1), value, mask.dtype), mask], axis=-1)  # (..., 1 + S)
+
+
+def _fold_masks(keep, window, chunk, t, s):
+    """`keep` with `window` and the attention chunk (bottom-right aligned) ANDed in, rank 4."""
+    if window is not None:
+        keep = _and(keep, window_mask(t, s, window)[None, None])  # (B|1, N|1, T, S)
+    if chunk is not None:
+        keep = _and(keep, attention_chunk_mask(t, s, chunk)[None, None])  # (B|1, N|1, T, S)
+    return keep
+
+
+class _Chunks(NamedTuple):
+    """What every chunk of `_chunked_attention` reads besides q, k, v and the inputs with a gradient."""
+
+    keep: Any  # boolean, rank 4, its T dimension 1 or padded to T' = count * size; or None
+    causal: bool
+    window: Any  # None, W or (W_before, W_after)
+    attention_chunk_size: int | None
+    softcap: float | None
+    size: int  # queries per chunk
+    count: int  # the number of chunks
+    t: int  # T; causal, window and chunk are bottom-right aligned (query t at position t + S - T)
+    s: int  # S
+    rate: float  # dropout
+    seed: Any  # (2,) int32, or None
+    dtype: str  # the softmax's
+    heads: tuple  # (B, N, K, G, H), G = N // K
+
+
+def _chunked_attention(
+    q, k, v, keep, bias, causal, chunk, dropout_rate=0.0, seed=None, *,
+    scale=None, softcap=None, window=None, attention_chunk_size=None, sinks=None,
+):  # fmt: skip
+    """`dot_product_attention` without the weights, `chunk` queries at a time, in memory linear
+    in T and S: only one chunk's (B, N, chunk, S) scores exist at a time, forward and backward
+    (a custom gradient recomputes them). `bias` (the floating mask and `attention_bias`) and
+    `sinks` get gradients. Dropout draws its mask from `seed` (shape (2,)) and each weight's
+    index (`_dropout_keep`), so the backward drops the same weights as the forward. Shapes are
+    known at trace time.
+
+    Returns:
+        context (B, N, T, H).
+    """
+    (b, n, t, h), kv, s = q.shape, k.shape[1], k.shape[2]
+    dtype, count = _softmax_dtype(q.dtype), -(-t // chunk)
+    padded = count * chunk - t
+    scale = 1.0 / math.sqrt(h) if scale is None else scale
+    q = q * ops.cast(scale, q.dtype)  # scale the (B, N, T, H) queries, not the scores
+    q = ops.pad(q, [[0, 0], [0, 0], [0, padded], [0, 0]])  # (B, N, T', H), T' a multiple of chunk
+    bias = None if bias is None else ops.cast(bias, dtype)
+    extras = {"bias": _pad_rows(bias, padded), "sinks": None if sinks is None else ops.cast(sinks, dtype)}
+    extras = {name: x for name, x in extras.items() if x is not None}  # the inputs with a gradient besides q, k, v
+    heads = (b, n, kv, n // kv, h)
+    masks = (_pad_rows(keep, padded), causal, window, attention_chunk_size, softcap)
+    chunks = _Chunks(*masks, chunk, count, t, s, dropout_rate, seed, dtype, heads)
+
+    @ops.custom_gradient
+    def attend(q, k, v, *values):
+        extra = dict(zip(extras, values, strict=True))
+        constants = [ops.stop_gradient(x) for x in (q, k, v, *values)]  # an eager GradientTape records nothing
+        context = _chunked_forward(chunks, *constants[:3], dict(zip(extras, constants[3:], strict=True)))
+
+        def grad(*args, upstream=None):
+            upstream = args[0] if upstream is None else upstream  # torch passes the inputs, then `upstream=`
+            return _chunked_backward(chunks, q, k, v, extra, upstream)
+
+        return context, grad
+
+    return attend(q, k, v, *extras.values())[:, :, :t]  # (B, N, T', H) -> (B, N, T, H)
+
+
+def _chunked_forward(chunks, q, k, v, extra):
+    """The (B, N, T', H) context, one chunk of queries at a time (`_loop`)."""
+    b, n, _, _, h = chunks.heads
+
+    def one(i, totals):
+        weights, _ = _dropped(chunks, _chunk_weights(chunks, q, k, i, extra)[1], i)
+        context = ops.matmul(_grouped(chunks, ops.cast(weights, v.dtype)), v)  # (B, K, G*chunk, S) @ (B, K, S, H)
+        return totals, (_by_head(chunks, context),)  # (B, N, chunk, H)
+
+    _, (contexts,) = _loop(one, chunks.count, (), [((b, n, chunks.size, h), v.dtype)])  # (count, B, N, chunk, H)
+    return ops.reshape(ops.transpose(contexts, (1, 2, 0, 3, 4)), (b, n, -1, h))  # -> (B, N, T', H)
+
+
+def _chunked_backward(chunks, q, k, v, extra, d_context):
+    """The gradients of q, k, v and of `extra` (`bias`, `sinks`) from the (B, N, T', H)
+    `d_context`, one chunk at a time (`_chunk_gradients`): k's and v's accumulated in the softmax's
+    dtype, q's and a full-row `bias`'s (its T dimension full) collected per chunk."""
+    b, n, _, _, h = chunks.heads
+    zeros = ops.zeros(k.shape, chunks.dtype)  # (B, K, S, H), accumulated in float32 at least (float64 stays)
+    bias = extra.get("bias")
+    bias_rows = bias is not None and bias.shape[2] != 1
+    sums = {name: ops.zeros_like(x) for name, x in extra.items() if name != "bias" or not bias_rows}
+    rows = [((b, n, chunks.size, h), q.dtype)]  # d q per chunk
+    rows += [((*bias.shape[:2], chunks.size, bias.shape[3]), chunks.dtype)] if bias_rows else []
+
+    def one(i, totals):
+        return _chunk_gradients(chunks, q, k, v, extra, d_context, i, totals)
+
+    (d_k, d_v, sums), stacks = _loop(one, chunks.count, (zeros, zeros, sums), rows)
+    d_q = ops.reshape(ops.transpose(stacks[0], (1, 2, 0, 3, 4)), q.shape)  # (count, B, N, chunk, H) -> (B, N, T', H)
+    if bias_rows:
+        sums["bias"] = ops.reshape(ops.transpose(stacks[1], (1, 2, 0, 3, 4)), bias.shape)  # -> (b, n, T', S)
+    return (d_q, ops.cast(d_k, k.dtype), ops.cast(d_v, v.dtype), *(sums[name] for name in extra))
+
+
+def _chunk_weights(chunks, q, k, i, extra):
+    """Query rows [i*size, (i+1)*size): their (B, N, size, H) queries, float weights, the
+    soft-cap's tanh (or None) and their rows of `bias` (or None)."""
+    size = chunks.size
+    start = i * size
+    q_i = _rows(q, start, size)  # (B, N, chunk, H)
+    scores = ops.matmul(_grouped(chunks, q_i), ops.swapaxes(k, -1, -2))  # (B, K, G*chunk, H) @ (B, K, H, S)
+    scores = ops.cast(_by_head(chunks, scores), chunks.dtype)  # (B, N, chunk, S)
+    capped = None if chunks.softcap is None else ops.tanh(scores / chunks.softcap)  # kept for the backward
+    scores = scores if capped is None else chunks.softcap * capped  # `_softcap`
+    positions = start + ops.arange(size, dtype="int32") + (chunks.s - chunks.t)  # (chunk,)
+    keep_i = _and(_chunk_rows(chunks.keep, start, size), _position_keep(positions, chunks))  # (B, N, chunk, S)
+    bias_i = _chunk_rows(extra.get("bias"), start, size)
+    added = bias_i if bias_i is None or keep_i is None or "sinks" in extra else _centre_rows(bias_i, keep_i)
+    scores = scores if added is None else scores + added  # (B, N, chunk, S)
+    return q_i, _masked_softmax(scores, keep_i, extra.get("sinks")), capped, bias_i
+
+
+def _chunk_gradients(chunks, q, k, v, extra, d_context, i, totals):
+    """One step of `_chunked_backward`: chunk i's weights recomputed, its gradients of k, v and
+    the summed extras added to `totals`; returns them and chunk i's rows of d q (and d bias)."""
+    d_k, d_v, sums = totals
+    q_i, weights, capped, bias_i = _chunk_weights(chunks, q, k, i, extra)
+    kept, mask = _dropped(chunks, weights, i)
+    d_out = _grouped(chunks, _rows(d_context, i * chunks.size, chunks.size))  # (B, K, G*chunk, H)
+    kept = ops.swapaxes(_grouped(chunks, ops.cast(kept, v.dtype)), -1, -2)  # (B, K, S, G*chunk)
+    d_v = d_v + ops.cast(ops.matmul(kept, d_out), d_v.dtype)  # (B, K, S, H)
+    d_weights = ops.cast(_by_head(chunks, ops.matmul(d_out, ops.swapaxes(v, -1, -2))), chunks.dtype)  # (B, N, chunk, S)
+    d_weights = d_weights if mask is None else d_weights * mask
+    total = ops.sum(d_weights * weights, axis=-1, keepdims=True)  # (B, N, chunk, 1)
+    d_scores = weights * (d_weights - total)  # the softmax's input, after the bias
+    sums, bias_rows = _extra_gradients(sums, d_scores, weights, total, bias_i)
+    d_scores = d_scores if capped is None else d_scores * (1 - ops.square(capped))  # d tanh
+    d_scores = _grouped(chunks, ops.cast(d_scores, q.dtype))  # (B, K, G*chunk, S)
+    d_k = d_k + ops.cast(ops.matmul(ops.swapaxes(d_scores, -1, -2), _grouped(chunks, q_i)), d_k.dtype)  # (B, K, S, H)
+    d_q = _by_head(chunks, ops.matmul(d_scores, k))  # (B, K, G*chunk, H) -> (B, N, chunk, H)
+    return (d_k, d_v, sums), (d_q, *bias_rows)
+
+
+def _extra_gradients(sums, d_scores, weights, total, bias_i):
+    """Chunk i's gradient of `bias`, reduced to its shape (added to its sum, or returned as rows
+    when its T dimension is full), and of the sink logits (added to their sum)."""
+    sums, rows = dict(sums), ()
+    if bias_i is not None:
+        d_bias = _reduce_to(d_scores, bias_i.shape)  # (B, N, chunk, S) -> bias_i's shape
+        if "bias" in sums:
+            sums["bias"] = sums["bias"] + d_bias
+        else:
+            rows = (d_bias,)
+    if "sinks" in sums:
+        sink_weight = 1 - ops.sum(weights, axis=-1, keepdims=True)  # (B, N, chunk, 1)
+        sums["sinks"] = sums["sinks"] - ops.sum(sink_weight * total, axis=(0, 2, 3))  # (N,)
+    return sums, rows
+
+
+def _position_keep(positions, chunks):
+    """(R, S) boolean for queries at `positions` (R,) over keys 0 .. S - 1 by `causal`, `window`
+    and `attention_chunk_size`; None with none of them."""
+    keys, queries = ops.arange(chunks.s, dtype="int32")[None, :], positions[:, None]  # (1, S), (R, 1)
+    keep = keys <= queries if chunks.causal else None
+    keep = keep if chunks.window is None else _and(keep, _in_window(keys, queries, chunks.window))
+    size = chunks.attention_chunk_size
+    return keep if size is None else _and(keep, _same_chunk(keys, queries, size))  # (R, S)
+
+
+def _dropped(chunks, weights, i):
+    """Chunk i's weights after dropout, and the dropout mask (None without dropout)."""
+    if not chunks.rate:
+        return weights, None
+    mask = _dropout_keep(chunks, i * chunks.size, weights.dtype)  # (B, N, chunk, S)
+    return weights * mask, mask
+
+
+def _dropout_keep(chunks, start, dtype):
+    """The dropout mask of query rows [start, start + size) in `dtype` (0, or 1 / (1 - rate)): a
+    hash of the seed and each weight's (b, n, query, key) index in int32 arithmetic (wrapping, and
+    shifting arithmetically, alike on every backend), so the same in the forward and the backward
+    and whatever the chunk size."""
+    b, n, _, _, _ = chunks.heads
+    heads = ops.arange(b * n, dtype="int32")[:, None] * chunks.t  # (B*N, 1)
+    rows = heads + start + ops.arange(chunks.size, dtype="int32")[None, :]  # (B*N, chunk)
+    cells = rows[:, :, None] * chunks.s + ops.arange(chunks.s, dtype="int32")  # (B*N, chunk, S)
+    mixed = _mix(ops.bitwise_xor(_mix(ops.bitwise_xor(cells, chunks.seed[0])), chunks.seed[1]))
+    draws = ops.cast(ops.bitwise_and(mixed, 0x7FFFFF), "float32") / float(1 << 23)  # uniform in [0, 1)
+    keep = ops.cast(draws >= chunks.rate, dtype) / (1.0 - chunks.rate)
+    return ops.reshape(keep, (b, n, chunks.size, chunks.s))  # (B*N, chunk, S) -> (B, N, chunk, S)
+
+
+def _mix(x):
+    """MurmurHash3's 32-bit finalizer on int32 (its two constants as signed int32)."""
+    x = ops.bitwise_xor(x, ops.right_shift(x, 16)) * -2048144789  # 0x85EBCA6B
+    x = ops.bitwise_xor(x, ops.right_shift(x, 13)) * -1028477387  # 0xC2B2AE35
+    return ops.bitwise_xor(x, ops.right_shift(x, 16))
+
+
+def _grouped(chunks, x):
+    b, _, kv, groups, _ = chunks.heads
+    return ops.reshape(x, (b, kv, groups * chunks.size, -1))  # (B, N, chunk, X) -> (B, K, G*chunk, X)
+
+
+def _by_head(chunks, x):
+    b, n, _, _, _ = chunks.heads
+    return ops.reshape(x, (b, n, chunks.size, -1))  # (B, K, G*chunk, X) -> (B, N, chunk, X)
+
+
+def _rows(x, start, size):
+    """Rows [start, start + size) of a rank-4 tensor (a dynamic slice of static size)."""
+    return ops.slice(x, (0, 0, start, 0), (x.shape[0], x.shape[1], size, x.shape[3]))  # (., ., size, .)
+
+
+def _chunk_rows(mask, start, size):
+    """Rows [start, start + size) of a rank-4 mask whose T dimension is full; a mask with T = 1
+    broadcasts and is returned as is."""
+    return mask if mask is None or mask.shape[2] == 1 else _rows(mask, start, size)
+
+
+def _pad_rows(mask, rows):
+    """Appends `rows` kept rows (True, or 0 for a float) to the T dimension of a rank-4 mask when it is full."""
+    if mask is None or mask.shape[2] == 1 or not rows:
+        return mask
+    fill = ops.full((mask.shape[0], mask.shape[1], rows, mask.shape[3]), _is_bool(mask) or 0, mask.dtype)
+    return ops.concatenate([mask, fill], axis=2)  # (., ., T + rows, .)
+
+
+def _reduce_to(gradient, shape):
+    """Sums a (B, N, R, S) gradient over the dimensions it was broadcast along from `shape`."""
+    axes = tuple(i for i, (d, g) in enumerate(zip(shape, gradient.shape, strict=True)) if d == 1 and g != 1)
+    return ops.sum(gradient, axis=axes, keepdims=True) if axes else gradient
+
+
+def _loop(step, count, totals, rows):
+    """Runs `step(i, totals) -> (totals, rows_i)` for i in range(count) and returns the last totals
+    and each entry of rows_i stacked, (count, *shape) for each (shape, dtype) of `rows`: by
+    `ops.fori_loop` writing each row into a preallocated tensor with `ops.slice_update` (in place
+    under XLA); on torch, whose `fori_loop` is a Python loop and whose `slice_update` copies the
+    whole tensor, by a Python loop and one stack."""
+    if keras.backend.backend() == "torch":
+        written = []
+        for i in range(count):
+            totals, row = step(i, totals)
+            written.append(row)
+        return totals, tuple(ops.stack(parts) for parts in zip(*written, strict=True))
+
+    def body(i, carry):
+        totals, stacks = carry
+        totals, row = step(i, totals)
+        at = (i,) + (0,) * len(rows[0][0])  # (i, 0, ...)
+        return totals, tuple(ops.slice_update(x, at, r[None]) for x, r in zip(stacks, row, strict=True))
+
+    stacks = tuple(ops.zeros((count, *shape), dtype) for shape, dtype in rows)  # (count, *shape) each
+    return ops.fori_loop(0, count, body, (totals, stacks))
+
+
+# -------------------------------------------------------------------------------------------------
 # Keras only: backends and implicit masks
 # -------------------------------------------------------------------------------------------------
 
@@ -1316,6 +1656,14 @@ class MultiHeadAttention(keras.layers.Layer):
         >>> bool(ops.all(weights[0, :, :, 2] == 0))
         True
     """
+
+    # Without `return_attention`, (B, N, T, S) score elements above which attention runs a chunk
+    # of queries at a time (memory linear in T and S; 64 Mi float32 scores are 256 MiB), and the
+    # score elements of one chunk (8 MiB in float32), as in the TensorFlow file. `fused_attention`:
+    # whether `ops.dot_product_attention` is taken where it is exact (None: on torch only).
+    memory_efficient_threshold = 1 << 26
+    query_chunk_elements = 1 << 21
+    fused_attention = None
 
     def __init__(
         self,
@@ -1763,22 +2111,58 @@ class MultiHeadAttention(keras.layers.Layer):
         return cache.key, cache.value, keep, call
 
     def _attend(self, q, k, v, keep, bias, call):
-        """`dot_product_attention` with the layer's variants and its dropout (when training);
-        returns (context, weights), (B, N, T, H) and (B, N, T, S). A decoding call without room
-        raised in `_check_call` where the cache's index can be read; elsewhere (a trace) its
-        context, so its output, is NaN."""
-        dropout_active = self.dropout > 0 and call.training is not False and call.training is not None
-        dropout = (lambda w: self._dropout_layer(w, training=call.training)) if dropout_active else None
+        """Step 6, the one entry to the attention paths; returns (context (B, N, T, H), weights
+        (B, N, T, S) or None). With the weights, soft-capping or dropout where the fused path is
+        taken: `dot_product_attention`. Without the weights: `ops.dot_product_attention`
+        (`_fused_attention`) where `_fuses` says so, else the memory-efficient path when the scores
+        exceed `memory_efficient_threshold` elements. A decoding call without room raised in
+        `_check_call` where the cache's index can be read; elsewhere (a trace) its context, so its
+        output, is NaN."""
+        dropout = self.dropout > 0 and call.training is not False and call.training is not None
         sinks = self.sink_logits if self.sinks else None
-        context, weights = dot_product_attention(
-            q, k, v, keep, bias, call.causal, scale=self.scale, softcap=self.softcap, window=call.window,
-            attention_chunk_size=call.attention_chunk_size, sinks=sinks, dropout=dropout,
-        )  # fmt: skip
+        chunk = None if call.return_attention else self._query_chunk(q, k)
+        if self._fuses(q, k, call, dropout):
+            t, s = q.shape[2], k.shape[2]
+            keep = _fold_masks(keep, call.window, call.attention_chunk_size, t, s)  # (B|1, N|1, T|1, S|1)
+            context, weights = _fused_attention(q, k, v, keep, bias, call.causal, self.scale, sinks), None
+        elif chunk is not None:
+            rate, seed = (
+                (self.dropout, ops.cast(self._dropout_layer.seed_generator.next(), "int32")) if dropout else (0, None)
+            )
+            context, weights = _chunked_attention(
+                q, k, v, keep, bias, call.causal, chunk, rate, seed, scale=self.scale, softcap=self.softcap,
+                window=call.window, attention_chunk_size=call.attention_chunk_size, sinks=sinks,
+            ), None  # fmt: skip
+        else:
+            drop = (lambda w: self._dropout_layer(w, training=call.training)) if dropout else None
+            context, weights = dot_product_attention(
+                q, k, v, keep, bias, call.causal, scale=self.scale, softcap=self.softcap, window=call.window,
+                attention_chunk_size=call.attention_chunk_size, sinks=sinks, dropout=drop,
+            )  # fmt: skip
         if call.cache is not None and not _values_readable(call.cache.index):
             t, before = _shape(q)[2], _window_sides(self.window)[0]
             misfit = _check_room(call.cache.index - t, t, k.shape[2], before)  # the index before the write
             context = ops.where(misfit, ops.cast(float("nan"), context.dtype), context)  # a trace cannot raise
         return context, weights
+
+    def _fuses(self, q, k, call, dropout):
+        """Whether `_attend` takes `ops.dot_product_attention`: without the weights, soft-capping
+        (which it cannot express) and dropout (which it has not), at shapes known at trace time with
+        T, S > 0; where `fused_attention` is None, only on torch (fused SDPA; on TensorFlow and JAX's
+        CPU it is the explicit formula, no faster than `dot_product_attention`)."""
+        if call.return_attention or self.softcap is not None or dropout or self.fused_attention is False:
+            return False
+        if None in (*q.shape, *k.shape) or 0 in (q.shape[2], k.shape[2]):
+            return False
+        return self.fused_attention or keras.backend.backend() == "torch"
+
+    def _query_chunk(self, q, k):
+        """Queries per chunk of the memory-efficient path, or None where the (B, N, T, S) scores
+        are at most `memory_efficient_threshold` elements or a shape is unknown at trace time."""
+        b, n, t, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        if None in (b, t, s) or b * n * t * s <= self.memory_efficient_threshold:
+            return None
+        return max(1, min(t, self.query_chunk_elements // (b * n * s)))
 
     def call(
         self,

@@ -1,4 +1,5 @@
-"""Peak memory of the TensorFlow layer in eager mode and inside `tf.function`, and against PyTorch.
+"""Peak memory of the TensorFlow layer in eager mode and inside `tf.function`, and against PyTorch;
+of the Keras file's forward and train step on each Keras backend.
 
 Each measurement runs in a fresh process: `python -m bench.memory CASE B T E N [THRESHOLD]`
 prints one JSON line, {"growth_mib", "seconds", "raised_peak"}. The growth is the peak resident
@@ -8,8 +9,10 @@ is in the first). A process started by `subprocess` inherits its parent's `ru_ma
 benchmark's own peak, gigabytes), so this module forks before anything else is imported and
 measures in the child, whose peak starts at that of a bare interpreter. `raised_peak` is False
 when the step did not raise the peak above what the process reached before it (then the growth
-is an upper bound). THRESHOLD, when given, replaces the TensorFlow layer's
+is an upper bound). THRESHOLD, when given, replaces the TensorFlow and Keras layers'
 `memory_efficient_threshold` (smoke runs use it to reach the memory-efficient path at small T).
+A Keras case runs in a process with `KERAS_BACKEND` set to its backend (fixed when Keras is
+imported): compiled on TensorFlow (`tf.function`) and JAX (`jax.jit`), eager on torch.
 
 Legend: B batch, T = S sequence length, E d_model, N num_heads.
 """
@@ -28,6 +31,9 @@ TF_EAGER_TRAIN = "TensorFlow train step, GradientTape outside tf.function (eager
 TF_GRAPH_TRAIN = "TensorFlow train step, GradientTape inside tf.function"
 TF_FORWARD = "TensorFlow forward, tf.function"
 TORCH_FORWARD = "PyTorch forward, no_grad"
+KERAS_FORWARD = {backend: f"Keras file forward, KERAS_BACKEND={backend}" for backend in ("tensorflow", "jax", "torch")}
+KERAS_TRAIN = {backend: f"Keras file train step, KERAS_BACKEND={backend}" for backend in ("tensorflow", "jax", "torch")}
+KERAS_BACKENDS = {case: backend for cases in (KERAS_FORWARD, KERAS_TRAIN) for backend, case in cases.items()}
 # What the layers are held to (benchmark targets, not timed tests).
 EAGER_GROWTH_MIB = 1024
 EAGER_TIME_RATIO = 1.3
@@ -91,11 +97,86 @@ def _torch_forward(b, t, e, n, threshold):
     return forward
 
 
+def _keras_layer(b, t, e, n, threshold):
+    import keras
+
+    from Keras import MultiHeadAttention
+
+    layer = MultiHeadAttention(e, n)
+    layer.build()
+    if threshold is not None:
+        layer.memory_efficient_threshold = threshold
+    return layer, keras.random.normal((b, t, e), seed=0)
+
+
+def _keras_forward(b, t, e, n, threshold):
+    """The Keras file's forward: under `jax.jit` (stateless), `tf.function`, or eager torch in no_grad."""
+    import keras
+    from keras import ops
+
+    layer, x = _keras_layer(b, t, e, n, threshold)
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        forward = jax.jit(lambda weights, x: layer.stateless_call(weights, [], x)[0])
+        return lambda: ops.convert_to_numpy(forward([v.value for v in layer.trainable_variables], x))
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        forward = tf.function(lambda: layer(x))
+        return lambda: forward().numpy()
+    import torch
+
+    def forward():
+        with torch.no_grad():
+            return layer(x)
+
+    return forward
+
+
+def _keras_train(b, t, e, n, threshold):
+    """The gradients of sum(output) with respect to the Keras file's weights: `jax.jit(jax.grad)`,
+    a `GradientTape` inside `tf.function`, or torch autograd."""
+    import keras
+    from keras import ops
+
+    layer, x = _keras_layer(b, t, e, n, threshold)
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        def loss(weights):
+            return ops.sum(layer.stateless_call(weights, [], x, training=True)[0])
+
+        step = jax.jit(jax.grad(loss))
+        return lambda: [ops.convert_to_numpy(g) for g in step([v.value for v in layer.trainable_variables])]
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                loss = ops.sum(layer(x, training=True))
+            return tape.gradient(loss, layer.trainable_weights)
+
+        return lambda: [g.numpy() for g in step()]
+
+    def step():
+        layer.zero_grad()
+        ops.sum(layer(x, training=True)).backward()
+        return [v.value.grad for v in layer.trainable_variables]
+
+    return step
+
+
 STEPS = {
     TF_EAGER_TRAIN: lambda *sizes: _tf_train(*sizes, eager=True),
     TF_GRAPH_TRAIN: lambda *sizes: _tf_train(*sizes, eager=False),
     TF_FORWARD: _tf_forward,
     TORCH_FORWARD: _torch_forward,
+    **dict.fromkeys(KERAS_FORWARD.values(), _keras_forward),
+    **dict.fromkeys(KERAS_TRAIN.values(), _keras_train),
 }
 
 
@@ -115,11 +196,13 @@ def measure_here(case, b, t, e, n, threshold=None):
 def measure(case, config, threshold=None):
     """One measurement of `case` at `config` in a fresh process."""
     args = [case, config.b, config.t, config.e, config.n] + ([] if threshold is None else [threshold])
+    env = {**os.environ, **({"KERAS_BACKEND": KERAS_BACKENDS[case]} if case in KERAS_BACKENDS else {})}
     out = subprocess.run(
         [sys.executable, "-m", "bench.memory", *map(str, args)],
         capture_output=True,
         text=True,
         cwd=Path(__file__).parents[1],
+        env=env,
     )
     if out.returncode != 0:
         raise RuntimeError(f"the measurement of {case!r} at {config.name} failed:\n{out.stderr}")

@@ -25,6 +25,14 @@ from shared_tests.cases import call_inputs
 
 KERAS_BACKENDS = ("tensorflow", "jax", "torch")
 KERAS_PATHS = tuple(f"keras:{backend}" for backend in KERAS_BACKENDS)
+# JAX compiles every case's gradient (about a second each on the 2-core CI machine): shared_tests/test_keras.py
+# and the path checks of shared_tests/keras_checks.py run it this trimmed table, which still holds every
+# variant, mask kind and dtype.
+JAX_CASES = (
+    "kdim_vdim", "mask_float_inf_row", "mask_float64_far", "rows_fully_masked", "bfloat16_gqa_masked",
+    "attention_bias_bts_causal", "gemma2_like", "gpt_oss_like", "rope_yarn_gqa", "qk_norm_all",
+    "clip_qkv_qk_norm_rope",
+)  # fmt: skip
 INPUTS = ("query", "key", "value")
 SUBPROCESS_TIMEOUT = 900  # seconds for one backend's whole batch
 
@@ -116,33 +124,40 @@ def _layer(case, data):
     return layer
 
 
-def _forward(layer, case, args, kwargs):
+def _forward(layer, case, args, kwargs, weighted=True):
+    """(output, weights), weights None when not `weighted` (a call without `return_attention`)."""
     query, kv = args[:1], dict(zip(INPUTS[1:], args[1:], strict=False))
-    return layer(*query, **kv, **kwargs, causal=case.causal, return_attention=True)
+    result = layer(*query, **kv, **kwargs, causal=case.causal, return_attention=weighted)
+    return result if weighted else (result, None)
 
 
-def _case_result(case, data):
-    """Output, weights and (float32 cases) gradients of one case on this process's backend."""
+def _case_result(case, data, path=None):
+    """Output, weights and (float32 cases) gradients of one case on this process's backend. `path`,
+    a function of the layer, sets a path up: the call then returns no weights (`weights` None)."""
     import keras
 
     from shared_tests.frameworks import Result
 
     layer = _layer(case, data)
+    if path is not None:
+        path(layer)
+    weighted = path is None
     args = [_tensor(data[name], case.dtype) for name in INPUTS if data[name] is not None]
     kwargs = {name: _tensor(x) for name, x in call_inputs(data).items()}
     if case.tolerance["grads"] is None:
-        output, weights = _forward(layer, case, args, kwargs)
-        return Result(_to_numpy(output), _to_numpy(weights), None)
+        output, weights = _forward(layer, case, args, kwargs, weighted)
+        return Result(_to_numpy(output), weights if weights is None else _to_numpy(weights), None)
     gradient = {"tensorflow": _grads_tensorflow, "jax": _grads_jax, "torch": _grads_torch}[keras.backend.backend()]
-    output, weights, grads = gradient(layer, case, data, args, kwargs)
-    return Result(_to_numpy(output), _to_numpy(weights), {name: _to_numpy(g) for name, g in grads.items()})
+    output, weights, grads = gradient(layer, case, data, args, kwargs, weighted)
+    grads = {name: _to_numpy(g) for name, g in grads.items()}
+    return Result(_to_numpy(output), weights if weights is None else _to_numpy(weights), grads)
 
 
 def _names(args, bias, layer):
     return [*INPUTS[: len(args)], *([] if bias is None else ["attention_bias"]), *layer.weight_shapes()]
 
 
-def _grads_tensorflow(layer, case, data, args, kwargs):
+def _grads_tensorflow(layer, case, data, args, kwargs, weighted):
     import tensorflow as tf
 
     bias = kwargs.pop("attention_bias", None)
@@ -150,7 +165,7 @@ def _grads_tensorflow(layer, case, data, args, kwargs):
     with tf.GradientTape() as tape:
         tape.watch([*args, *([] if bias is None else [bias])])
         given = kwargs if bias is None else {**kwargs, "attention_bias": bias}
-        output, weights = _forward(layer, case, args, given)
+        output, weights = _forward(layer, case, args, given, weighted)
         loss = tf.reduce_sum(tf.cast(output, tf.float32) * data["grad_output"])
     sources = [*args, *([] if bias is None else [bias]), *variables]
     grads = tape.gradient(loss, sources)
@@ -158,7 +173,7 @@ def _grads_tensorflow(layer, case, data, args, kwargs):
     return output, weights, dict(zip(_names(args, bias, layer), grads, strict=True))
 
 
-def _grads_jax(layer, case, data, args, kwargs):
+def _grads_jax(layer, case, data, args, kwargs, weighted):
     import jax
     import jax.numpy as jnp
 
@@ -172,9 +187,10 @@ def _grads_jax(layer, case, data, args, kwargs):
     def loss(args, bias, trainable):
         given = kwargs if bias is None else {**kwargs, "attention_bias": bias}
         query, kv = args[:1], dict(zip(INPUTS[1:], args[1:], strict=False))
-        (output, weights), _ = layer.stateless_call(
-            trainable, non_trainable, *query, **kv, **given, causal=case.causal, return_attention=True
+        result, _ = layer.stateless_call(
+            trainable, non_trainable, *query, **kv, **given, causal=case.causal, return_attention=weighted
         )
+        output, weights = result if weighted else (result, None)
         return jnp.sum(output.astype(jnp.float32) * data["grad_output"]), (output, weights)
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))  # one compile, not one per op
@@ -185,14 +201,14 @@ def _grads_jax(layer, case, data, args, kwargs):
     return output, weights, dict(zip(_names(args, bias, layer), values, strict=True))
 
 
-def _grads_torch(layer, case, data, args, kwargs):
+def _grads_torch(layer, case, data, args, kwargs, weighted):
     import torch
 
     args = [x.detach().requires_grad_(True) for x in args]
     bias = kwargs.pop("attention_bias", None)
     bias = None if bias is None else bias.detach().requires_grad_(True)
     given = kwargs if bias is None else {**kwargs, "attention_bias": bias}
-    output, weights = _forward(layer, case, args, given)
+    output, weights = _forward(layer, case, args, given, weighted)
     (output.float() * torch.as_tensor(data["grad_output"], device=output.device)).sum().backward()
     sources = [*args, *([] if bias is None else [bias]), *(layer._variable(n).value for n in layer.weight_shapes())]
     grads = [torch.zeros_like(x) if x.grad is None else x.grad for x in sources]

@@ -508,6 +508,140 @@ def check_qk_norm_variants():
     _saves_and_loads(layer, ops.convert_to_tensor(x), "qk_norm variants", causal=True)
 
 
+def _case_table():
+    """This backend's case table: all of shared_tests/cases.py, JAX's trimmed (`JAX_CASES`)."""
+    import keras
+
+    from shared_tests.cases import CASES, CASES_BY_NAME
+    from shared_tests.keras_backends import JAX_CASES
+
+    return [CASES_BY_NAME[name] for name in JAX_CASES] if keras.backend.backend() == "jax" else CASES
+
+
+def _every_case_on(path, function, reaches):
+    """Every case of `_case_table()` with `path(case)` set on its layer (a call without weights):
+    output and gradients against NumPy's; `function`, a fast path of the Keras file, must be
+    reached by each case for which `reaches(case)` holds, and only by those."""
+    from Keras import Multi_Head_Attention as module
+    from shared_tests.cases import make_data
+    from shared_tests.keras_backends import _case_result
+
+    name, original, reached = function.__name__, function, []
+
+    def counted(*args, **kwargs):
+        reached.append(True)
+        return original(*args, **kwargs)
+
+    setattr(module, name, counted)
+    try:
+        for case in _case_table():
+            data = make_data(case)
+            try:
+                expected = _numpy_result(case, data)
+            except ValueError:  # a case every file refuses (the reference too): no path to compare
+                continue
+            got = _case_result(case, data, path(case))
+            _close(got.output, expected.output, f"{case.name}: output", case.tolerance["output"])
+            for grad, value in (expected.grads if case.tolerance["grads"] is not None else {}).items():
+                _close(got.grads[grad], value, f"{case.name}: d {grad}", case.tolerance["grads"])
+            assert bool(reached) == reaches(case), f"{case.name}: {name} reached: {bool(reached)}"
+            reached.clear()
+    finally:
+        setattr(module, name, original)
+
+
+def check_memory_efficient():
+    """Every case on the memory-efficient path (`memory_efficient_threshold = 0`, two queries per
+    chunk, so an odd T leaves a padded chunk), without weights: outputs and gradients (of the
+    inputs, `attention_bias`, every weight, the sinks) equal NumPy's."""
+    from Keras import Multi_Head_Attention as module
+
+    def path(case):
+        def chunked(layer):
+            layer.memory_efficient_threshold, layer.fused_attention = 0, False
+            layer.query_chunk_elements = 2 * case.b * case.n * max(case.s, 1)
+
+        return chunked
+
+    _every_case_on(path, module._chunked_attention, lambda case: case.t * case.s > 0)
+
+
+def check_fused():
+    """Every case through `ops.dot_product_attention` (`fused_attention = True`, on every backend),
+    without weights: outputs and gradients equal NumPy's; soft-capping and empty T or S stay on
+    the reference."""
+    from Keras import Multi_Head_Attention as module
+
+    def path(case):
+        def fused(layer):
+            layer.fused_attention = True
+
+        return fused
+
+    reaches = lambda case: case.t * case.s > 0 and "softcap" not in dict(case.variants)  # noqa: E731
+    _every_case_on(path, module._fused_attention, reaches)
+
+
+def _gradients(function, args):
+    """The gradients of sum(function(*args)) with respect to each of `args`, on this backend."""
+    import keras
+    from keras import ops
+
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        return jax.grad(lambda *a: ops.sum(function(*a)), argnums=tuple(range(len(args))))(*args)
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            tape.watch(args)
+            total = ops.sum(function(*args))
+        return tape.gradient(total, args)
+    args = [x.detach().requires_grad_(True) for x in args]
+    ops.sum(function(*args)).backward()
+    return [x.grad for x in args]
+
+
+def check_memory_efficient_dropout():
+    """Dropout on the memory-efficient path (GQA, causal, a mask, a bias, sinks): two queries per
+    chunk equal the reference formula with the same mask (a hash of the seed and each weight's
+    index, so whatever the chunk size), output and gradients; the seed changes it."""
+    from keras import ops
+
+    from Keras import Multi_Head_Attention as module
+
+    rng = np.random.default_rng(5)
+    q, k, v = (
+        ops.convert_to_tensor(rng.normal(size=shape).astype(np.float32))
+        for shape in [(2, 4, 5, 8)] + [(2, 2, 7, 8)] * 2
+    )
+    bias = ops.convert_to_tensor(rng.normal(size=(2, 1, 5, 7)).astype(np.float32))
+    sinks = ops.convert_to_tensor(rng.normal(size=(4,)).astype(np.float32))
+    keep = ops.convert_to_tensor(rng.random((2, 1, 5, 7)) < 0.8)
+    seed = ops.convert_to_tensor([3, -9], "int32")
+    whole = module._Chunks(None, True, None, None, None, 5, 1, 5, 7, 0.4, seed, "float32", (2, 4, 2, 2, 8))
+    mask = module._dropout_keep(whole, 0, "float32")  # (B, N, T, S)
+
+    def chunked(q, k, v, bias, sinks):
+        return module._chunked_attention(q, k, v, keep, bias, True, 2, 0.4, seed, sinks=sinks)
+
+    def reference(q, k, v, bias, sinks):
+        dropout = lambda w: w * mask  # noqa: E731
+        return module.dot_product_attention(q, k, v, keep, bias, True, sinks=sinks, dropout=dropout)[0]
+
+    args = [q, k, v, bias, sinks]
+    _close(chunked(*args), reference(*args), "dropout in chunks against the reference with its mask")
+    pairs = zip(_gradients(chunked, args), _gradients(reference, args), strict=True)
+    for name, (got, expected) in zip(("q", "k", "v", "bias", "sinks"), pairs, strict=True):
+        _close(got, expected, f"dropout in chunks: d {name}")
+    kept = float(ops.mean(ops.cast(mask > 0, "float32")))
+    assert 0.5 < kept < 0.7, f"dropout 0.4 kept {kept:.2f} of the weights"
+    other = module._dropout_keep(whole._replace(seed=seed + 1), 0, "float32")
+    assert float(ops.mean(ops.cast(other != mask, "float32"))) > 0.2, "another seed draws the same mask"
+
+
 def check_tensorflow_file_refuses():
     """The TensorFlow file under another backend refuses at construction, naming the Keras file."""
     from TensorFlow import MultiHeadAttention
@@ -747,6 +881,9 @@ CHECKS = {
     "attention_chunk": check_attention_chunk,
     "rope_sections": check_rope_sections,
     "qk_norm_variants": check_qk_norm_variants,
+    "memory_efficient": check_memory_efficient,
+    "memory_efficient_dropout": check_memory_efficient_dropout,
+    "fused": check_fused,
     "tensorflow_file_refuses": check_tensorflow_file_refuses,
     "int8_parity": check_int8_parity,
     "int8_model_quantize": check_int8_model_quantize,

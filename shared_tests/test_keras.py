@@ -16,17 +16,13 @@ import pytest
 from shared_tests import decoding, parity
 from shared_tests.cases import CASES, CASES_BY_NAME, make_data
 from shared_tests.decoding import DECODE_CASES, DECODE_CASES_BY_NAME, make_decode_data
-from shared_tests.keras_backends import KERAS_BACKENDS, run_batch
+from shared_tests.keras_backends import JAX_CASES, KERAS_BACKENDS, run_batch
 
-JAX_CASES = (
-    "kdim_vdim", "mask_float_inf_row", "mask_float64_far", "rows_fully_masked", "bfloat16_gqa_masked",
-    "attention_bias_bts_causal", "gemma2_like", "gpt_oss_like", "rope_yarn_gqa", "qk_norm_all",
-    "clip_qkv_qk_norm_rope",
-)  # fmt: skip
 JAX_DECODE_CASES = ("decode_rolling_rope_left_padding", "decode_all_variants")
 CHECKS = (
     "fit", "dropout", "mask_alias", "implicit_mask", "mask_warnings", "while_loop_decode", "mixed_precision",
-    "clip_qkv", "window_pair", "attention_chunk", "rope_sections", "qk_norm_variants",
+    "clip_qkv", "window_pair", "attention_chunk", "rope_sections", "qk_norm_variants", "memory_efficient",
+    "memory_efficient_dropout", "fused",
 )  # fmt: skip
 
 
