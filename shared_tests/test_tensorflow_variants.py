@@ -1062,12 +1062,25 @@ def test_new_weight_layout_order_initial_values_and_config():
 
 @pytest.mark.parametrize(
     "config",
-    [{"window": (2, 2)}, {"attention_chunk_size": 4}, {"qk_norm": "per_head"}, {"qk_norm_type": "layer"}],
+    [
+        {"window": (2, 2)},
+        {"attention_chunk_size": 4},
+        {"qk_norm": "per_head"},
+        {"qk_norm": "head", "qk_norm_type": "layer"},
+    ],
     ids=["window_pair", "chunk", "per_head", "layer_norm"],
 )
 def test_to_keras_refuses_the_new_variants(config):
     with pytest.raises(ValueError, match=r"^`to_keras` needs a layer the Keras built-ins can hold.*Received: "):
         MultiHeadAttention(E, N, **config).to_keras()
+
+
+def test_to_keras_takes_switched_off_sub_options():
+    """`qk_norm_type`, `qk_norm_bias` without `qk_norm` and `rope_sections` without RoPE change
+    nothing, so they are not refused (the built-in computes the same numbers)."""
+    x = np.random.default_rng(0).normal(size=(2, 3, E)).astype(np.float32)
+    layer = MultiHeadAttention(E, N, qk_norm_type="layer", qk_norm_bias=True, rope_sections=(1, 1))
+    np.testing.assert_allclose(layer.to_keras()(x, x).numpy(), layer(x).numpy(), atol=OUTPUT_TOL, rtol=0)
 
 
 def test_keras_file_round_trip_with_the_new_variants(tmp_path):
