@@ -320,6 +320,25 @@ def test_int8_input_gradient_goes_through_the_dequantized_kernel(framework):
     assert np.abs(grads[0]).max() > 10 * INT8_ERROR  # a gradient, not zeros
 
 
+def test_torch_int8_self_attention_fuses_and_equals_three_projections(monkeypatch):
+    """Self-attention over int8 projections quantizes its input once and projects q, k and v with
+    one matmul; the integer sums are exact, so it equals the three projections (key and value
+    given as other tensors, which never fuse) bit for bit."""
+    case = CASES_BY_NAME["gqa_self_causal"]
+    data = make_data(case)
+    layer = _float_layer("torch", case, data["weights"])
+    layer.quantize("int8")
+    calls = []
+    fused = torch_file.MultiHeadAttention._project_fused
+    monkeypatch.setattr(layer, "_project_fused", lambda x: calls.append(1) or fused(layer, x))
+    query = torch.as_tensor(data["query"])
+    with torch.no_grad():
+        output = layer(query, causal=True)
+        apart = layer(query, query.clone(), query.clone(), causal=True)
+    assert calls == [1]
+    torch.testing.assert_close(output, apart, rtol=0, atol=0)
+
+
 def test_torch_int8_state_dict_loads_into_a_quantized_layer():
     """`state_dict` holds the int8 weights and scales as buffers; a layer quantized first loads it."""
     case = CASES_BY_NAME["self_basic"]
