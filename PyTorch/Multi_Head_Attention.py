@@ -1213,13 +1213,13 @@ def _check_compute_dtype(query, dtype):
         )
 
 
-def _plain_linear(module):
-    """Whether `module` computes exactly F.linear(x, weight, bias): an `nn.Linear` itself (a
-    subclass, a LoRA wrapper, a quantized, parametrized or FSDP2-sharded module has another
-    class), with no hooks of its own (tensor parallelism and pruning add hooks) and no hooks
-    registered for every module."""
+def _plain_linear(module, kind=nn.Linear):
+    """Whether `module` computes exactly F.linear(x, weight, bias) (or, with kind=Int8Linear,
+    `_int8_linear(x, weight, weight_scale, bias)`): a `kind` itself (a subclass, a LoRA wrapper, a
+    quantized, parametrized or FSDP2-sharded module has another class), with no hooks of its own
+    (tensor parallelism and pruning add hooks) and no hooks registered for every module."""
     hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
-    return type(module) is nn.Linear and not any(hooks) and not _global_hooks()
+    return type(module) is kind and not any(hooks) and not _global_hooks()
 
 
 def _global_hooks():
@@ -1272,8 +1272,9 @@ def _quantize_kernel(kernel):
 class _Int8Matmul(torch.autograd.Function):
     """x (..., D) times an int8 (F, D) weight: x quantized per token (r = 127 / (max |row| + 1e-7),
     round(x * r) clipped to [-127, 127]), the integer products summed in x's dtype (exact in float32
-    while a sum stays below 2**24), then * (1 / r) * weight_scale. The gradient of x goes through
-    the dequantized weight (Keras' straight-through gradient); the weight and its scale get none."""
+    while a sum stays below 2**24), then * (1 / r) and * weight_scale in place (no (..., F)
+    temporary). The gradient of x goes through the dequantized weight (Keras' straight-through
+    gradient); the weight and its scale get none."""
 
     @staticmethod
     def forward(ctx, x, weight, weight_scale):
@@ -1282,13 +1283,19 @@ class _Int8Matmul(torch.autograd.Function):
         integers = (x * ratio).round_().clamp_(-_INT8_MAX, _INT8_MAX)  # (..., D), one new tensor
         accumulated = F.linear(integers, weight.to(x.dtype))  # (..., D) -> (..., F)
         ctx.save_for_backward(weight, weight_scale)
-        return accumulated.mul_((1.0 / ratio) * weight_scale.to(x.dtype))  # (..., F), in place
+        return accumulated.mul_(1.0 / ratio).mul_(weight_scale.to(x.dtype))  # (..., F), in place
 
     @staticmethod
     def backward(ctx, grad):
         weight, weight_scale = ctx.saved_tensors
         dequantized = weight.to(grad.dtype) * weight_scale.to(grad.dtype)[:, None]  # (F, D)
         return grad @ dequantized, None, None  # (..., F) -> (..., D)
+
+
+def _int8_linear(x, weight, weight_scale, bias):
+    """(..., D) @ an int8 (F, D) weight (+ bias, added in place) -> (..., F)."""
+    y = _Int8Matmul.apply(x, weight, weight_scale)
+    return y if bias is None else y.add_(bias)
 
 
 class Int8Linear(nn.Module):
@@ -1319,8 +1326,7 @@ class Int8Linear(nn.Module):
         return cls(weight, torch.from_numpy(scale).to(device), linear.bias)
 
     def forward(self, x):
-        y = _Int8Matmul.apply(x, self.weight, self.weight_scale)  # (..., D) -> (..., F)
-        return y if self.bias is None else y + self.bias
+        return _int8_linear(x, self.weight, self.weight_scale, self.bias)  # (..., D) -> (..., F)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -1870,20 +1876,26 @@ class MultiHeadAttention(nn.Module):
 
     def _fusable(self):
         """Whether self-attention may project q, k and v with one matmul: only where that computes
-        exactly what calling the three projections would (plain nn.Linear, no hooks, not sharded,
-        no torchao quantized weights, which cannot be concatenated)."""
+        exactly what calling the three projections would (plain nn.Linear or plain Int8Linear, no
+        hooks, not sharded, no torchao quantized weights, which cannot be concatenated)."""
         projections = (self.query, self.key, self.value)
         plain = all(_plain_linear(projection) and not _torchao_weight(projection.weight) for projection in projections)
-        return plain and not _is_dtensor(self.query.weight)
+        int8 = all(_plain_linear(projection, Int8Linear) for projection in projections)
+        return (plain or int8) and not _is_dtensor(self.query.weight)
 
     def _project_fused(self, x):
-        """Self-attention: q, k and v from one matmul over the concatenated projections."""
+        """Self-attention: q, k and v from one matmul over the concatenated projections (int8: the
+        input quantized once, as each projection would quantize it)."""
         projections = (self.query, self.key, self.value)
-        weight = torch.cat([p.weight for p in projections])  # (N*H + 2*K*H, E)
-        biases = [p.weight.new_zeros(p.out_features) if p.bias is None else p.bias for p in projections]
+        weight = torch.cat([p.weight for p in projections])  # (N*H + 2*K*H, E), int8 for Int8Linear
+        biases = [x.new_zeros(p.out_features) if p.bias is None else p.bias for p in projections]  # x: the layer dtype
         bias = None if all(p.bias is None for p in projections) else torch.cat(biases)  # (N*H + 2*K*H,)
+        if isinstance(self.query, Int8Linear):
+            y = _int8_linear(x, weight, torch.cat([p.weight_scale for p in projections]), bias)
+        else:
+            y = F.linear(x, weight, bias)  # (B, T, E) -> (B, T, N*H + 2*K*H)
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = F.linear(x, weight, bias).split([nh, kh, kh], dim=-1)  # (B, T, E) -> 3 x (B, T, heads*H)
+        q, k, v = y.split([nh, kh, kh], dim=-1)  # -> 3 x (B, T, heads*H)
         return (
             self._split_heads(q, self.num_heads),  # (B, N, T, H)
             self._split_heads(k, self.num_kv_heads),  # (B, K, T, H)

@@ -1420,12 +1420,16 @@ def _quantize_kernel(kernel):
 @tf.custom_gradient
 def _int8_matmul(rows, kernel, kernel_scale):
     """(M, D) @ an int8 (D, F) kernel: rows quantized per token as Keras' `AbsMaxQuantizer` does
-    (r = 127 / (max |row| + 1e-7), round(rows * r) clipped to [-127, 127]), an int8 x int8 -> int32
-    matmul, then * (1 / r) * kernel_scale. The gradient of `rows` goes through the dequantized
-    kernel (Keras' straight-through gradient); the kernel and its scale get none."""
+    (r = 127 / (max |row| + 1e-7), round(rows * r) clipped to [-127, 127]), the integer products
+    summed in float32 at least, then * (1 / r) * kernel_scale. The sums are exact while they stay
+    below 2**24 (always for D <= 1040), so the numbers are those of an int8 x int8 -> int32 matmul,
+    which the TFLite converter refuses (its FULLY_CONNECTED takes float32 or quantized tensors, not
+    raw int8). The gradient of `rows` goes through the dequantized kernel (Keras' straight-through
+    gradient); the kernel and its scale get none."""
+    dtype = _softmax_dtype(rows.dtype)  # float32 at least: float16 holds integers only to 2048
     ratio = _INT8_MAX / (tf.reduce_max(tf.abs(rows), axis=-1, keepdims=True) + _INT8_EPSILON)  # (M, 1)
-    quantized = tf.cast(tf.clip_by_value(tf.round(rows * ratio), -_INT8_MAX, _INT8_MAX), tf.int8)  # (M, D)
-    accumulated = tf.matmul(quantized, kernel, output_type=tf.int32)  # (M, D) @ (D, F) -> (M, F)
+    quantized = tf.clip_by_value(tf.round(rows * ratio), -_INT8_MAX, _INT8_MAX)  # (M, D), integers
+    accumulated = tf.matmul(tf.cast(quantized, dtype), tf.cast(kernel, dtype))  # (M, D) @ (D, F) -> (M, F)
     y = tf.cast(accumulated, rows.dtype) * ((1.0 / ratio) * kernel_scale)  # (M, F)
 
     def grad(upstream):

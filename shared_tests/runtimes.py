@@ -112,7 +112,9 @@ def run_torch_onnx(case, data, make_layer):
     return _onnxruntime(program.model_proto.SerializeToString(), arrays)
 
 
-def _tf_function(case, data, make_layer, return_attention=True):
+def tf_function(case, data, make_layer, return_attention=True):
+    """The layer of `make_layer` called in a `tf.function` with the case's static input signature;
+    returns (function, signature, names, arrays, layer)."""
     import tensorflow as tf
 
     layer = make_layer(case, data)
@@ -128,19 +130,26 @@ def _tf_function(case, data, make_layer, return_attention=True):
 def run_tf_onnx(case, data, make_layer, return_attention=True):
     import tf2onnx
 
-    function, signature, _, arrays, _ = _tf_function(case, data, make_layer, return_attention)
+    function, signature, _, arrays, _ = tf_function(case, data, make_layer, return_attention)
     proto, _ = _quietly(lambda: tf2onnx.convert.from_function(function, input_signature=signature))
     return _onnxruntime(proto.SerializeToString(), arrays)
 
 
-def run_tf_litert(case, data, make_layer, return_attention=True):
+def litert_model(function, layer):
+    """The TFLite flatbuffer of a `tf.function` with an input signature holding `layer` (the
+    default converter: builtin ops only)."""
     import tensorflow as tf
-    from ai_edge_litert.interpreter import Interpreter
 
-    function, _, names, arrays, layer = _tf_function(case, data, make_layer, return_attention)
     converter = tf.lite.TFLiteConverter.from_concrete_functions([function.get_concrete_function()], layer)
     converter.experimental_lower_to_saved_model = False
-    interpreter = Interpreter(model_content=_quietly(converter.convert))
+    return _quietly(converter.convert)
+
+
+def run_tf_litert(case, data, make_layer, return_attention=True):
+    from ai_edge_litert.interpreter import Interpreter
+
+    function, _, names, arrays, layer = tf_function(case, data, make_layer, return_attention)
+    interpreter = Interpreter(model_content=litert_model(function, layer))
     interpreter.allocate_tensors()
     by_name = dict(zip(names, arrays, strict=True))
     for detail in interpreter.get_input_details():

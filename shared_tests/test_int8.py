@@ -18,6 +18,7 @@ from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8Weig
 
 from NumPy import Multi_Head_Attention as numpy_file
 from PyTorch import Multi_Head_Attention as torch_file
+from shared_tests import runtimes
 from shared_tests.cases import CASES_BY_NAME, call_inputs, make_data
 from shared_tests.int8 import CASE_NAMES, FLOAT32, INT8_ERROR, assert_within_a_step, one_step
 from shared_tests.keras_backends import KERAS_BACKENDS, run_batch
@@ -80,6 +81,46 @@ def test_every_file_quantizes_to_the_same_layout(name):
                     value, layouts["numpy"][layout_name], err_msg=f"{framework} {layout_name}"
                 )
                 assert value.dtype == layouts["numpy"][layout_name].dtype
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_litert_runs_the_int8_layer(name):
+    """The TensorFlow file's int8 layer in a `tf.function`, converted by the default TFLite
+    converter (builtin ops) and run in LiteRT: the reference's output within one quantization
+    step. A case LiteRT cannot hold is skipped with the reason of shared_tests/runtimes.py."""
+    case = CASES_BY_NAME[name]
+    reason = runtimes.skip_reason(case, "tf:litert")
+    if reason is not None:
+        pytest.skip(reason)
+    data = make_data(case)
+    layout = _quantized_export("numpy", case, data)
+    reference = _float_layer("numpy", case, layout)
+    expected = _call("numpy", reference, case, data)
+    (output,) = runtimes.run_tf_litert(case, data, lambda case, data: _float_layer("tf", case, layout), False)
+    assert_within_a_step(output, expected, one_step(reference), "tf:litert")
+
+
+def test_litert_int8_file_holds_int8_kernels():
+    """The converted int8 layer keeps its kernels int8 in the flatbuffer (cast to float32 at run
+    time): at E = 256 the file is under a third of the float layer's."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    x = np.random.default_rng(3).normal(size=(2, 16, 256)).astype(np.float32)
+    models = {}
+    for mode in ("float", "int8"):
+        layer = tf_file.MultiHeadAttention(256, 8)
+        layer(x)
+        if mode == "int8":
+            layer.quantize("int8")
+        function = tf.function(lambda x, layer=layer: layer(x), input_signature=[tf.TensorSpec(x.shape)])
+        models[mode] = runtimes.litert_model(function, layer)
+    int8_elements = sum(
+        int(np.prod(detail["shape"]))
+        for detail in Interpreter(model_content=models["int8"]).get_tensor_details()
+        if detail["dtype"] == np.int8
+    )
+    assert int8_elements == 4 * 256 * 256  # the four kernels
+    assert len(models["int8"]) < len(models["float"]) / 3
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -277,6 +318,25 @@ def test_int8_input_gradient_goes_through_the_dequantized_kernel(framework):
             grads.append(tape.gradient(loss, x).numpy())
     np.testing.assert_allclose(grads[0], grads[1], rtol=0, atol=INT8_ERROR)
     assert np.abs(grads[0]).max() > 10 * INT8_ERROR  # a gradient, not zeros
+
+
+def test_torch_int8_self_attention_fuses_and_equals_three_projections(monkeypatch):
+    """Self-attention over int8 projections quantizes its input once and projects q, k and v with
+    one matmul; the integer sums are exact, so it equals the three projections (key and value
+    given as other tensors, which never fuse) bit for bit."""
+    case = CASES_BY_NAME["gqa_self_causal"]
+    data = make_data(case)
+    layer = _float_layer("torch", case, data["weights"])
+    layer.quantize("int8")
+    calls = []
+    fused = torch_file.MultiHeadAttention._project_fused
+    monkeypatch.setattr(layer, "_project_fused", lambda x: calls.append(1) or fused(layer, x))
+    query = torch.as_tensor(data["query"])
+    with torch.no_grad():
+        output = layer(query, causal=True)
+        apart = layer(query, query.clone(), query.clone(), causal=True)
+    assert calls == [1]
+    torch.testing.assert_close(output, apart, rtol=0, atol=0)
 
 
 def test_torch_int8_state_dict_loads_into_a_quantized_layer():
