@@ -2327,7 +2327,7 @@ def _check_keras_can_hold(layer):
             "`to_keras` needs a layer the Keras built-ins can hold: all four biases or none, the default "
             f"scale, and no softcap, window, attention chunks, RoPE, QK-norm, sinks or clip_qkv. Received: {received}"
         )
-    if layer.quantization_mode is not None:
+    if getattr(layer, "quantization_mode", None) is not None:  # legacy Keras has no quantization
         raise ValueError(
             "`to_keras` needs float weights (the built-ins' kernels are float): call it before `quantize`, then "
             "quantize the built-in (`model.quantize('int8')`), which computes the same. "
