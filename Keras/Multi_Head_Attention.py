@@ -1430,6 +1430,12 @@ def _static_shape(x):
     return tuple(x.shape)
 
 
+def _known(*dims):
+    """Whether every dimension is known at trace time: an int (not None, not JAX's symbolic
+    dimension of a functional model's shape inference)."""
+    return all(isinstance(d, int) for d in dims)
+
+
 def _differ(*dims):
     """Whether the known dimensions (None: unknown at trace time) differ."""
     known = {d for d in dims if d is not None}
@@ -2152,7 +2158,7 @@ class MultiHeadAttention(keras.layers.Layer):
         CPU it is the explicit formula, no faster than `dot_product_attention`)."""
         if call.return_attention or self.softcap is not None or dropout or self.fused_attention is False:
             return False
-        if None in (*q.shape, *k.shape) or 0 in (q.shape[2], k.shape[2]):
+        if not _known(*q.shape, *k.shape) or 0 in (q.shape[2], k.shape[2]):
             return False
         return self.fused_attention or keras.backend.backend() == "torch"
 
@@ -2160,7 +2166,7 @@ class MultiHeadAttention(keras.layers.Layer):
         """Queries per chunk of the memory-efficient path, or None where the (B, N, T, S) scores
         are at most `memory_efficient_threshold` elements or a shape is unknown at trace time."""
         b, n, t, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-        if None in (b, t, s) or b * n * t * s <= self.memory_efficient_threshold:
+        if not _known(b, t, s) or b * n * t * s <= self.memory_efficient_threshold:
             return None
         return max(1, min(t, self.query_chunk_elements // (b * n * s)))
 
