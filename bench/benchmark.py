@@ -702,8 +702,8 @@ def main(argv=None):
         "## Variants of today's models",
         "",
         "Each variant (docs/modern.md) against the same layer without it, taking turns run by run: what it "
-        "costs. PyTorch forward: eval + no_grad, without weights (soft-capping and sinks take the explicit "
-        "softmax, which SDPA cannot express). TensorFlow inside tf.function.",
+        "costs. PyTorch forward: eval + no_grad, without weights (soft-capping takes the explicit softmax, "
+        "which SDPA cannot express; sinks go through SDPA as one more key). TensorFlow inside tf.function.",
         "",
         variants_table(variant_times, variant_config),
         "",

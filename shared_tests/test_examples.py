@@ -129,3 +129,19 @@ def test_port_minilm_example_agrees_four_ways():
     assert "4 sentences padded to" in out
     assert "with torch or transformers imported: none" in out
     assert "all four agree within 1e-05: True" in out
+
+
+def test_benchmark_sections_measure_apart_and_never_write_the_recorded_results(monkeypatch, tmp_path, capsys):
+    """`python -m bench.sections variants int8` runs those sections of `make bench` alone (here at the
+    quick size) into out/, leaving bench/results.md (one full run) alone."""
+    from bench import benchmark, sections
+
+    recorded = (ROOT / "bench" / "results.md").read_text()
+    monkeypatch.setattr(benchmark, "VARIANT_CONFIGS", [benchmark.QUICK[0]])
+    monkeypatch.setattr(benchmark, "INT8_CONFIGS", [benchmark.QUICK[0]])
+    monkeypatch.setattr(sections, "OUTPUT", tmp_path / "sections.md")
+    assert sections.main(["variants", "int8", "--runs", "1", "--rounds", "1"]) == 0
+    text = (tmp_path / "sections.md").read_text()
+    assert "## variants" in text and "| quick B=2 T=S=32 E=32 N=4 | TensorFlow | sinks | train step |" in text
+    assert "## int8" in text and "| quick B=2 T=S=32 E=32 N=4 | PyTorch | ours int8 |" in text
+    assert (ROOT / "bench" / "results.md").read_text() == recorded

@@ -1,0 +1,54 @@
+"""Some sections of `make bench`, measured apart: `python -m bench.sections variants int8 keras`.
+
+Each section runs the same functions as the full benchmark (bench/benchmark.py), with its
+configuration, rounds and runs, and prints its Markdown table; the whole goes to
+out/bench_sections.md (never to bench/results.md, which holds one full run). For re-measuring
+what a change touched without the hour of a full run.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from bench import benchmark
+
+OUTPUT = Path(__file__).parents[1] / "out" / "bench_sections.md"
+
+
+def _variants(runs, rounds):
+    config = benchmark.VARIANT_CONFIGS[0]
+    return benchmark.variants_table(benchmark.time_variants(config, runs, rounds), config)
+
+
+def _int8(runs, rounds):
+    tables = (benchmark.int8_table(benchmark.time_int8(c, runs, rounds), c) for c in benchmark.INT8_CONFIGS)
+    return "\n\n".join(tables)
+
+
+def _keras(runs, rounds):
+    config = benchmark.CONFIGS[0]
+    return benchmark.keras_table(benchmark.time_keras(config, runs, rounds), config)
+
+
+SECTIONS = {"variants": _variants, "int8": _int8, "keras": _keras}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bench.sections", description=__doc__.splitlines()[0])
+    parser.add_argument("sections", nargs="+", choices=sorted(SECTIONS), help="the sections to measure")
+    parser.add_argument("--runs", type=int, default=5, help="timed runs per round (default 5)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per comparison (default 3)")
+    args = parser.parse_args(argv)
+    report = [f"# Benchmark sections\n\nMachine: {benchmark.machine()}. {args.rounds} rounds of {args.runs} runs."]
+    for name in args.sections:
+        print(name, file=sys.stderr, flush=True)
+        report += [f"## {name}", SECTIONS[name](args.runs, args.rounds)]
+    text = "\n\n".join(report) + "\n"
+    print(text)
+    OUTPUT.parent.mkdir(parents=True, exist_ok=True)
+    OUTPUT.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
