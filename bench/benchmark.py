@@ -96,6 +96,8 @@ MEMORY = [
     (memory.TF_GRAPH_TRAIN, MEMORY_TRAIN),
     (memory.TF_FORWARD, MEMORY_FORWARD),
     (memory.TORCH_FORWARD, MEMORY_FORWARD),
+    *((case, MEMORY_FORWARD) for case in memory.KERAS_FORWARD.values()),  # the Keras file's memory-efficient path
+    *((case, MEMORY_TRAIN) for case in memory.KERAS_TRAIN.values()),
 ]
 MEMORY_PROCESSES = 3
 # Smoke sizes, one process each, with a threshold that sends them down the memory-efficient path.

@@ -1,4 +1,4 @@
-"""Some sections of `make bench`, measured apart: `python -m bench.sections variants int8 keras`.
+"""Some sections of `make bench`, measured apart: `python -m bench.sections variants int8 keras memory`.
 
 Each section runs the same functions as the full benchmark (bench/benchmark.py), with its
 configuration, rounds and runs, and prints its Markdown table; the whole goes to
@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench import benchmark
+from bench import benchmark, memory
 
 OUTPUT = Path(__file__).parents[1] / "out" / "bench_sections.md"
 
@@ -30,7 +30,13 @@ def _keras(runs, rounds):
     return benchmark.keras_table(benchmark.time_keras(config, runs, rounds), config)
 
 
-SECTIONS = {"variants": _variants, "int8": _int8, "keras": _keras}
+def _memory(runs, rounds):
+    """The memory rows in one process each (the full run repeats each in three)."""
+    cases = benchmark.MEMORY
+    return memory.memory_table(memory.measure_all(cases, 1), dict(cases))
+
+
+SECTIONS = {"variants": _variants, "int8": _int8, "keras": _keras, "memory": _memory}
 
 
 def main(argv=None):

@@ -53,6 +53,7 @@ def test_benchmark_quick_writes_results(tmp_path):
     for backend in ("tensorflow", "jax", "torch"):  # the Keras file on every backend, and its decoding step
         assert f"| quick B=2 T=S=32 E=32 N=4 | {backend} | train step |" in text
         assert f"| B=1 L=1024 E=32 N=4, T = 1 | {backend} |" in text
+        assert f"| Keras file train step, KERAS_BACKEND={backend} | quick T=S=256 E=32 N=4 |" in text  # memory
 
 
 def test_benchmark_quick_never_writes_the_recorded_results(capsys):
