@@ -639,9 +639,8 @@ def test_compile_fullgraph_with_every_variant():
     assert all(torch.isfinite(p.grad).all() for p in layer.parameters())
 
 
-def test_torch_export_with_every_variant():
-    layer = _layer(**VARIANTS["everything"])
-    x, keep, positions = _inputs()
+def _assert_exports(layer, x, key_mask, positions):
+    """torch.export of a causal call with `key_mask` and `positions` computes what the layer does."""
 
     class Wrapped(nn.Module):
         def __init__(self):
@@ -651,9 +650,14 @@ def test_torch_export_with_every_variant():
         def forward(self, x, key_mask, positions):
             return self.attention(x, key_mask=key_mask, positions=positions, causal=True)
 
-    program = torch.export.export(Wrapped(), (x, keep[:, 0, 0], positions))
-    expected = layer(x, key_mask=keep[:, 0, 0], positions=positions, causal=True)
-    torch.testing.assert_close(program.module()(x, keep[:, 0, 0], positions), expected, atol=0, rtol=0)
+    program = torch.export.export(Wrapped(), (x, key_mask, positions))
+    expected = layer(x, key_mask=key_mask, positions=positions, causal=True)
+    torch.testing.assert_close(program.module()(x, key_mask, positions), expected, atol=0, rtol=0)
+
+
+def test_torch_export_with_every_variant():
+    x, keep, positions = _inputs()
+    _assert_exports(_layer(**VARIANTS["everything"]), x, keep[:, 0, 0], positions)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1696,19 +1700,7 @@ def test_positions_with_rope_sections_errors(positions):
 def test_torch_export_with_the_new_variants():
     layer = _layer(**NEW_VARIANTS["everything_new"])
     x, keep, _ = _inputs()
-    positions = _new_positions(layer)["positions"]  # (2, B, T): M-RoPE's rows
-
-    class Wrapped(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attention = layer
-
-        def forward(self, x, key_mask, positions):
-            return self.attention(x, key_mask=key_mask, positions=positions, causal=True)
-
-    program = torch.export.export(Wrapped(), (x, keep[:, 0, 0], positions))
-    expected = layer(x, key_mask=keep[:, 0, 0], positions=positions, causal=True)
-    torch.testing.assert_close(program.module()(x, keep[:, 0, 0], positions), expected, atol=0, rtol=0)
+    _assert_exports(layer, x, keep[:, 0, 0], _new_positions(layer)["positions"])  # (2, B, T): M-RoPE's rows
 
 
 @pytest.mark.parametrize("qk_norm", ["per_head", "head"])
