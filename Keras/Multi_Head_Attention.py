@@ -65,7 +65,6 @@ full causal pass. With a `window` the cache rolls by W_before: L >= W_before slo
 number of tokens (a call that wraps, index + T > L, needs L >= W_before + T - 1).
 """
 
-import itertools
 import math
 import warnings
 from typing import Any, NamedTuple
@@ -761,10 +760,10 @@ def rope_angles(positions, inv_freq, sections=None):
     the pairs of section j turn by row j of the (k, B|1, T) positions."""
     if sections is None:
         return ops.cast(positions, "float32")[..., None] * ops.convert_to_tensor(inv_freq, "float32")  # (B, T, R/2)
-    starts = np.cumsum((0, *sections))  # where each section's pairs start, and the end
+    parts = np.split(np.asarray(inv_freq), np.cumsum(sections)[:-1])  # k pieces of inv_freq, one per section
     angles = [
-        ops.cast(positions[j], "float32")[..., None] * ops.convert_to_tensor(inv_freq[start:stop], "float32")
-        for j, (start, stop) in enumerate(itertools.pairwise(starts))
+        ops.cast(positions[j], "float32")[..., None] * ops.convert_to_tensor(part, "float32")
+        for j, part in enumerate(parts)
     ]  # (B|1, T, pairs of section j) each
     return ops.concatenate(angles, axis=-1)  # (B|1, T, R/2)
 
