@@ -1,0 +1,223 @@
+"""The facts of README.md and docs/*.md that the code determines, generated from the code.
+
+A page holds such a fact between markers, `<!-- facts:KEY -->TEXT<!-- /facts -->`: KEY names a
+generator below (with its arguments after a space, `<!-- facts:files_with int8 -->`), and TEXT is
+what it returned when the page was last written. `shared_tests/test_docs_facts.py` fails when a
+TEXT differs from what the code gives now; one command rewrites every span:
+
+    .venv/bin/python -m shared_tests.docs_facts --write
+
+The generators read the code cheaply: the case tables are imported (NumPy only), the layer files
+and the test files are parsed with `ast`, never imported, and `interop/hf.py` is imported without
+torch or transformers.
+"""
+
+import argparse
+import ast
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+MARKER = re.compile(r"<!-- facts:(?P<key>[^>]*?) -->(?P<text>.*?)<!-- /facts -->", re.DOTALL)
+NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
+LAYER_FILE = "Multi_Head_Attention.py"
+# A feature of a layer file, told by a name its source defines (a class attribute, a method or a function).
+FEATURES = {
+    "memory_efficient": "memory_efficient_threshold",  # the chunked path with its own backward
+    "int8": "quantize",
+    "cache": "init_cache",
+    "in_place_cache": "_write_variables",  # TensorFlow's cache of variables
+    "fused_projection": "_project_fused",  # q, k and v in one matmul
+    "fused_attention": ("_sdpa_attention", "_fused_attention"),  # a fused kernel: SDPA or ops.dot_product_attention
+}
+
+
+def layer_files():
+    """The layer files, one per framework folder, in the order the docs name them."""
+    order = ("PyTorch", "TensorFlow", "Keras", "NumPy")
+    found = sorted(path.parent.name for path in ROOT.glob(f"*/{LAYER_FILE}"))
+    return [name for name in order if name in found] + [name for name in found if name not in order]
+
+
+def _layer_class(framework):
+    tree = ast.parse((ROOT / framework / LAYER_FILE).read_text())
+    return next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "MultiHeadAttention")
+
+
+def _defined_names(framework):
+    """Every name the layer class or its module defines: functions, classes, methods, class attributes."""
+    tree = ast.parse((ROOT / framework / LAYER_FILE).read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(target.id for target in node.targets if isinstance(target, ast.Name))
+    return names
+
+
+def has_feature(framework, feature):
+    wanted = FEATURES[feature]
+    wanted = (wanted,) if isinstance(wanted, str) else wanted
+    return any(name in _defined_names(framework) for name in wanted)
+
+
+def _joined(words):
+    words = list(words)
+    return "none" if not words else words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def _code_list(names):
+    return ", ".join(f"`{name}`" for name in names)
+
+
+def _assigned_tuple(name, file="*.py"):
+    """The module-level tuple assigned to `name` in one of shared_tests/`file`, parsed, not imported."""
+    for path in sorted((ROOT / "shared_tests").glob(file)):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+                return tuple(ast.literal_eval(node.value))
+    raise LookupError(f"no module-level {name} in shared_tests/")
+
+
+def _cases():
+    from shared_tests.cases import CASES
+
+    return CASES
+
+
+def _decode_cases():
+    from shared_tests.decoding import DECODE_CASES
+
+    return DECODE_CASES
+
+
+def case_features(case):
+    """The variants and options a case exercises, as the docs name them."""
+    features = set()
+    for name, value in case.variants:
+        if name == "window" and isinstance(value, tuple | list):
+            features.add("two-sided windows")
+        elif name == "qk_norm_type" and value == "layer":
+            features.add("LayerNorm QK-norm")
+        elif name == "rope_fraction" and value < 1:
+            features.add("partial RoPE")
+        elif name == "rope_interleaved" and value:
+            features.add("interleaved RoPE")
+        elif name == "rope_scaling":
+            features.add(f"`{value.get('rope_type', value.get('type'))}` RoPE scaling")
+        elif name not in ("qk_norm_type", "rope_fraction", "rope_interleaved"):
+            features.add(f"`{name}`")
+    return features
+
+
+def _jax_cases():
+    by_name = {case.name: case for case in _cases()}
+    return [by_name[name] for name in _assigned_tuple("JAX_CASES")]
+
+
+def _missing_from_jax():
+    everything = set().union(*(case_features(case) for case in _cases()))
+    in_jax = set().union(*(case_features(case) for case in _jax_cases()))
+    return sorted(everything - in_jax, key=lambda text: text.strip("`").lower())
+
+
+def _hypothesis_examples(profile):
+    """`max_examples` of a hypothesis profile registered in shared_tests/conftest.py."""
+    for node in ast.walk(ast.parse((ROOT / "shared_tests" / "conftest.py").read_text())):
+        registers = isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "register_profile"
+        if registers and ast.literal_eval(node.args[0]) == profile:
+            return str(next(ast.literal_eval(k.value) for k in node.keywords if k.arg == "max_examples"))
+    raise LookupError(f"no hypothesis profile {profile!r} in shared_tests/conftest.py")
+
+
+def _decode_paths():
+    from shared_tests.decoding import DECODE_PATHS
+
+    return DECODE_PATHS
+
+
+def _model_types():
+    import interop.hf
+
+    return [name for name in interop.hf.supported_modules() if name in interop.hf._BUILTIN]
+
+
+def arguments(dotted):
+    """The `ast.arguments` of a function (`interop.hf.port_checkpoint`, `NumPy.Multi_Head_Attention.alibi_bias`)
+    or of a layer's method (`NumPy.MultiHeadAttention.init_cache`, without `self`), read from its source."""
+    module_path, _, name = dotted.rpartition(".")
+    if module_path.endswith(".MultiHeadAttention"):
+        function = next(f for f in _layer_class(module_path.split(".")[0]).body if getattr(f, "name", None) == name)
+        args = function.args
+        args.args = args.args[1:]  # self
+        return args
+    tree = ast.parse((ROOT / (module_path.replace(".", "/") + ".py")).read_text())
+    return next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == name).args
+
+
+def _signature(dotted):
+    """`name(parameters)`, in backticks, as the source defines it."""
+    return f"`{dotted.rpartition('.')[2]}({ast.unparse(arguments(dotted))})`"
+
+
+GENERATORS = {
+    "cases": lambda: str(len(_cases())),
+    "decode_cases": lambda: str(len(_decode_cases())),
+    "jax_cases": lambda: str(len(_assigned_tuple("JAX_CASES"))),
+    "jax_decode_cases": lambda: str(len(_assigned_tuple("JAX_DECODE_CASES"))),
+    "jax_case_names": lambda: _code_list(_assigned_tuple("JAX_CASES")),
+    "jax_decode_case_names": lambda: _code_list(_assigned_tuple("JAX_DECODE_CASES")),
+    "jax_missing": lambda: _joined(_missing_from_jax()),
+    "decode_paths": lambda: NUMBER_WORDS[len(_decode_paths())],
+    "hypothesis_examples": _hypothesis_examples,
+    "model_types": lambda: _code_list(_model_types()),
+    "file_count": lambda: NUMBER_WORDS[len(layer_files())],
+    "hf_layers": lambda: NUMBER_WORDS[len(_assigned_tuple("LAYERS", "test_hf.py"))],
+    "files_with": lambda feature: _joined(name for name in layer_files() if has_feature(name, feature)),
+    "has": lambda framework, feature: "yes" if has_feature(framework, feature) else "no",
+    "signature": _signature,
+}
+
+
+def generate(key):
+    """The text of the span `<!-- facts:KEY -->`, from the code."""
+    name, *args = key.split()
+    if name not in GENERATORS:
+        raise KeyError(f"unknown fact {name!r}: one of {', '.join(GENERATORS)}")
+    return GENERATORS[name](*args)
+
+
+def spans(text):
+    """(key, text, line) of every marked span of a page."""
+    return [(m["key"], m["text"], text.count("\n", 0, m.start()) + 1) for m in MARKER.finditer(text)]
+
+
+def rewrite(text):
+    """The page with every marked span generated again."""
+    return MARKER.sub(lambda m: f"<!-- facts:{m['key']} -->{generate(m['key'])}<!-- /facts -->", text)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="rewrite the stale spans in place")
+    args = parser.parse_args(argv)
+    stale = 0
+    for page in PAGES:
+        text = page.read_text()
+        new = rewrite(text)
+        for (key, old, line), (_, fresh, _) in zip(spans(text), spans(new), strict=True):
+            if old != fresh:
+                stale += 1
+                print(f"{page.relative_to(ROOT)}:{line}: facts:{key} {old!r} -> {fresh!r}")
+        if args.write and new != text:
+            page.write_text(new)
+    if stale and not args.write:
+        print(f"{stale} stale spans: run .venv/bin/python -m shared_tests.docs_facts --write")
+    return 1 if stale and not args.write else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

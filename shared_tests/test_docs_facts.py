@@ -1,0 +1,261 @@
+"""The facts of README.md and docs/*.md that the code determines agree with the code.
+
+Generated facts sit between markers (`<!-- facts:KEY -->TEXT<!-- /facts -->`, see
+shared_tests/docs_facts.py); when one is stale, `.venv/bin/python -m shared_tests.docs_facts --write`
+rewrites it. The other checks guard what markers cannot: a count of cases typed by hand, a wrong
+number of layer files, a signature quoted wrongly, a link or a path that leads nowhere, and a
+measured number written outside docs/benchmark.md (or docs/gpu.md, the GPU's).
+"""
+
+import ast
+import re
+
+import pytest
+
+from shared_tests import docs_facts
+from shared_tests.docs_facts import PAGES, ROOT
+
+FENCED = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
+COMMENT = re.compile(r"<!--.*?-->", re.DOTALL)
+INLINE_CODE = re.compile(r"`([^`\n]+)`")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+# "87 cases", "29 decode cases", "the 24 KV-cache cases", "a 40-case table", "72/72 rows"
+CASE_COUNT = re.compile(r"\b\d+\s*(?:/\d+\s*)?(?:-case|(?:decode |KV-cache )?(?:cases?|rows?))\b")
+FILE_COUNT = re.compile(r"\b(one|two|three|four|five|six)\s+(?:layer\s+)?(?:files|implementations)\b", re.IGNORECASE)
+MEASURED = re.compile(
+    r"(?<![\w.])\d+(?:\.\d+)?x\b|\b\d+(?:\.\d+)? ?(?:ms|us|MiB|GiB|tokens/s)\b|\b\d+(?:\.\d+)? (?:s|min)\b"
+)
+MEASUREMENT_PAGES = ("docs/benchmark.md", "docs/gpu.md")  # where a measured ratio or time is written
+# Counts of cases that are not the table's today, each with where it stands and why it may.
+HISTORICAL_COUNTS = {
+    ("docs/SPEC.md", "40-case table"): "the CUDA run of an earlier table (docs/gpu.md)",
+    ("docs/gpu.md", "had 40 cases"): "the CUDA run of an earlier table",
+    ("docs/gpu.md", "40/40 cases"): "the CUDA run of an earlier table",
+    ("docs/gpu.md", "40-case table"): "the CUDA run of an earlier table",
+    ("docs/benchmark.md", "72 cases, 23 decode cases"): "the run of parity.md's excerpt, an earlier table",
+}
+# Phrases naming a number of files other than the layer files.
+OTHER_FILES = {("docs/design.md", "two files")}  # the TensorFlow and Keras files' int8 layouts
+PATH_PREFIXES = ("PyTorch/", "TensorFlow/", "Keras/", "NumPy/", "shared_tests/", "interop/", "bench/", "examples/")
+# The functions whose quoted signatures and calls are checked, by the name the docs use.
+FUNCTIONS = {
+    **{
+        name: f"interop.hf.{name}"
+        for name in (
+            "port_attention", "port_checkpoint", "replace_attention", "register_porter", "load_tensors",
+            "supported_modules", "t5_position_bias", "alibi_positions",
+        )
+    },
+    "alibi_bias": "NumPy.Multi_Head_Attention.alibi_bias",
+    **{name: f"NumPy.MultiHeadAttention.{name}" for name in ("import_weights", "export_weights", "backward")},
+}  # fmt: skip
+
+
+def _page_id(page):
+    return str(page.relative_to(ROOT))
+
+
+def _blank(match):
+    return "\n" * match.group().count("\n")  # what is left out keeps its lines, so line numbers hold
+
+
+def _code_free(text):
+    """The page without fenced blocks and HTML comments."""
+    return COMMENT.sub(_blank, FENCED.sub(_blank, text))
+
+
+def _prose(text):
+    """The page without fenced blocks, HTML comments and marked spans."""
+    return _code_free(docs_facts.MARKER.sub(_blank, text))
+
+
+def _findings(page, pattern, text=None):
+    text = _prose(page.read_text()) if text is None else text
+    return [(text.count("\n", 0, m.start()) + 1, m) for m in pattern.finditer(text)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_every_marked_fact_is_what_the_code_gives(page):
+    stale = [
+        f"{_page_id(page)}:{line}: facts:{key} says {text!r}, the code gives {docs_facts.generate(key)!r}"
+        for key, text, line in docs_facts.spans(page.read_text())
+        if text != docs_facts.generate(key)
+    ]
+    assert not stale, "\n".join([*stale, "run: .venv/bin/python -m shared_tests.docs_facts --write"])
+
+
+def test_the_pages_mark_the_counts_a_new_case_changes():
+    keys = {key for page in PAGES for key, _, _ in docs_facts.spans(page.read_text())}
+    assert {"cases", "decode_cases", "file_count", "jax_cases", "model_types"} <= keys
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_no_count_of_cases_is_typed_by_hand(page):
+    """A count of cases outside a marker would not follow the table; an earlier table's count says so."""
+    unmarked = [
+        f"{_page_id(page)}:{line}: {m.group()!r}"
+        for line, m in _findings(page, CASE_COUNT)
+        if not any(
+            where == _page_id(page) and phrase in page.read_text().splitlines()[line - 1]
+            for where, phrase in HISTORICAL_COUNTS
+        )
+    ]
+    assert not unmarked, "mark it as <!-- facts:cases -->N<!-- /facts --> (or decode_cases):\n" + "\n".join(unmarked)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_the_number_of_layer_files_is_the_code_s(page):
+    """Every "N files" and "N layer files" says how many layer files there are; SPEC History tells the past."""
+    text = page.read_text()
+    if page.name == "SPEC.md":
+        text = text[: text.index("## History")]
+    count = docs_facts.generate("file_count")
+    wrong = [
+        f"{_page_id(page)}:{line}: {m.group()!r}"
+        for line, m in _findings(page, FILE_COUNT, _prose(text))
+        if m.group(1).lower() != count and (_page_id(page), m.group().lower()) not in OTHER_FILES
+    ]
+    assert not wrong, f"there are {count} layer files ({docs_facts.layer_files()}):\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if _page_id(p) not in MEASUREMENT_PAGES], ids=_page_id)
+def test_measured_numbers_are_written_once_in_the_benchmark_pages(page):
+    found = [f"{_page_id(page)}:{line}: {m.group()!r}" for line, m in _findings(page, MEASURED)]
+    assert not found, "write it in docs/benchmark.md with its run, and link there:\n" + "\n".join(found)
+
+
+def _anchors(page):
+    """GitHub's anchors of a page's headings."""
+    headings = re.findall(r"^#+ (.*)$", FENCED.sub("", page.read_text()), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_relative_links_resolve_inside_the_repository(page):
+    broken = []
+    for line, m in _findings(page, LINK, COMMENT.sub(_blank, page.read_text())):
+        target = m.group(1)
+        if re.match(r"[a-z]+:", target):
+            continue  # https:, mailto:
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        inside = resolved == ROOT or ROOT in resolved.parents
+        if not inside or not resolved.exists():
+            broken.append(f"{_page_id(page)}:{line}: {target} (no such file in the repository)")
+        elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
+            broken.append(f"{_page_id(page)}:{line}: {target} (no heading with that anchor)")
+    assert not broken, "\n".join(broken)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_quoted_paths_and_modules_exist(page):
+    missing = []
+    for line, m in _findings(page, INLINE_CODE, _code_free(page.read_text())):
+        for word in m.group(1).split():
+            path = word.rstrip(".,:;)").split("::")[0]
+            if path.startswith(PATH_PREFIXES) and not (ROOT / path).exists():
+                missing.append(f"{_page_id(page)}:{line}: {path}")
+            module = re.fullmatch(r"(shared_tests|bench|interop)\.(\w+)", path)
+            if module and not (ROOT / module[1] / f"{module[2]}.py").exists():
+                missing.append(f"{_page_id(page)}:{line}: {path}")
+    assert not missing, "\n".join(missing)
+
+
+def _parameters(arguments):
+    """(name, kind) of each parameter: kind "positional" or "keyword" (after `*`), with its default's text."""
+    positional = arguments.posonlyargs + arguments.args
+    defaults = [None] * (len(positional) - len(arguments.defaults)) + arguments.defaults
+    return [(a.arg, "positional", d and ast.unparse(d)) for a, d in zip(positional, defaults, strict=True)] + [
+        (a.arg, "keyword", d and ast.unparse(d))
+        for a, d in zip(arguments.kwonlyargs, arguments.kw_defaults, strict=True)
+    ]
+
+
+def _quoted_calls(page):
+    """(line, name, argument text) of each inline `name(...)` of a checked function."""
+    pattern = re.compile(rf"(?:^|[.\s])({'|'.join(FUNCTIONS)})\((.*)\)$")
+    for line, m in _findings(page, INLINE_CODE, _code_free(page.read_text())):
+        call = pattern.search(m.group(1))
+        if call:
+            yield line, call[1], call[2]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_quoted_signatures_and_calls_match_the_code(page):
+    """A quote with a default or `*` is a signature: it must be the code's. Any other quote is a call:
+    it must bind (no more positional arguments than the function takes, no unknown keyword)."""
+    wrong = []
+    for line, name, text in _quoted_calls(page):
+        real = _parameters(docs_facts.arguments(FUNCTIONS[name]))
+        if "=" in text or "*" in text:
+            try:
+                quoted = _parameters(ast.parse(f"def f({text}): pass").body[0].args)
+            except SyntaxError:
+                continue  # an abridged signature (`...`)
+            if quoted != real:
+                wrong.append(
+                    f"{_page_id(page)}:{line}: {name}({text}) is {docs_facts.generate(f'signature {FUNCTIONS[name]}')}"
+                )
+            continue
+        try:
+            call = ast.parse(f"f({text})").body[0].value
+        except SyntaxError:
+            continue
+        names = {p: kind for p, kind, _ in real}
+        if len(call.args) > sum(kind == "positional" for kind in names.values()) or any(
+            k.arg not in names for k in call.keywords
+        ):
+            wrong.append(
+                f"{_page_id(page)}:{line}: {name}({text}) does not bind to {docs_facts.generate(f'signature {FUNCTIONS[name]}')}"
+            )
+    assert not wrong, "\n".join(wrong)
+
+
+def _spec_block(opening):
+    """The SPEC's unmarked code block that starts with `opening`, as one line."""
+    blocks = re.findall(r"^```\n(.*?)^```", (ROOT / "docs" / "SPEC.md").read_text(), re.DOTALL | re.MULTILINE)
+    text = next(block for block in blocks if block.startswith(opening))
+    return " ".join(line.split("#")[0].strip() for line in text.splitlines())
+
+
+def test_the_spec_constructor_is_the_layer_files_constructor():
+    """SPEC "Constructor" names every file's core arguments in order with their defaults (the NumPy file's,
+    less its extra `seed`); every file takes those first, then its extras."""
+    quoted = _spec_block("MultiHeadAttention(").replace("<framework extras>", "")
+    quoted = _parameters(ast.parse(f"def {quoted.rstrip(', )')}): pass".replace("(, ", "(")).body[0].args)
+    for framework in docs_facts.layer_files():
+        real = _parameters(docs_facts.arguments(f"{framework}.MultiHeadAttention.__init__"))
+        assert real[: len(quoted)] == quoted, f"docs/SPEC.md's constructor differs from {framework}'s: {real}"
+    numpy = _parameters(docs_facts.arguments("NumPy.MultiHeadAttention.__init__"))
+    assert [p[0] for p in numpy[len(quoted) :]] == ["seed"], "NumPy's extras are `seed` only (SPEC, Constructor)"
+
+
+def test_the_spec_call_is_the_layer_files_call():
+    quoted = _spec_block("layer(query,").replace("layer(", "def f(", 1)
+    quoted = _parameters(ast.parse(f"{quoted}: pass").body[0].args)
+    methods = {"PyTorch": "forward", "TensorFlow": "call", "Keras": "call", "NumPy": "__call__"}
+    for framework in docs_facts.layer_files():
+        real = _parameters(docs_facts.arguments(f"{framework}.MultiHeadAttention.{methods[framework]}"))
+        extras = [p for p in real if p not in quoted]  # TensorFlow's training and value_mask
+        assert [p for p in real if p in quoted] == [p for p in quoted if p in real], framework
+        assert {p[0] for p in quoted} - {p[0] for p in real} <= {"mask"}, framework  # Keras files: `mask` in __call__
+        assert {p[0] for p in extras} <= {"training", "value_mask"}, f"SPEC, Call does not name {extras} ({framework})"
+
+
+def test_the_family_table_names_only_supported_model_types():
+    text = (ROOT / "docs" / "modern.md").read_text()
+    table = text[text.index("| family (model types) |") : text.index("Cross-attention:")]
+    named = {
+        name
+        for row in table.splitlines()[2:]
+        if row.startswith("| ")
+        for name in re.findall(r"`([\w-]+)`", re.sub(r";[^)]*scaling", "", row.split(" | ")[0]))  # not `yarn`
+    }
+    unknown = named - set(docs_facts.generate("model_types").replace("`", "").split(", "))
+    assert not unknown, f"docs/modern.md's families name model types interop.hf does not port: {sorted(unknown)}"
+
+
+def test_the_feature_table_of_the_layer_files_reads_the_source():
+    """`files_with` finds each feature by a name the source defines: a feature renamed away fails here."""
+    for feature in docs_facts.FEATURES:
+        assert docs_facts.generate(f"files_with {feature}") != "none", feature
