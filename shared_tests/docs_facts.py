@@ -64,6 +64,25 @@ def has_feature(framework, feature):
     return any(name in _defined_names(framework) for name in wanted)
 
 
+FEATURE_NAMES = {
+    "memory_efficient": "memory-efficient path (`memory_efficient_threshold`)",
+    "int8": "int8 (`quantize`)",
+    "cache": "KV cache (`init_cache`)",
+    "in_place_cache": "in-place cache of variables",
+    "fused_projection": "fused q/k/v projection (`_project_fused`)",
+    "fused_attention": "fused attention kernel (SDPA, `ops.dot_product_attention`)",
+}
+
+
+def _feature_table():
+    """A Markdown table: each feature of FEATURES, yes or no in each layer file."""
+    files = layer_files()
+    rows = [f"| feature | {' | '.join(files)} |", "|---|" + "---|" * len(files)]
+    for feature, text in FEATURE_NAMES.items():
+        rows.append(f"| {text} | " + " | ".join("yes" if has_feature(f, feature) else "no" for f in files) + " |")
+    return "\n" + "\n".join(rows) + "\n"
+
+
 def _joined(words):
     words = list(words)
     return "none" if not words else words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
@@ -176,6 +195,7 @@ GENERATORS = {
     "model_types": lambda: _code_list(_model_types()),
     "file_count": lambda: NUMBER_WORDS[len(layer_files())],
     "hf_layers": lambda: NUMBER_WORDS[len(_assigned_tuple("LAYERS", "test_hf.py"))],
+    "feature_table": _feature_table,
     "files_with": lambda feature: _joined(name for name in layer_files() if has_feature(name, feature)),
     "has": lambda framework, feature: "yes" if has_feature(framework, feature) else "no",
     "signature": _signature,

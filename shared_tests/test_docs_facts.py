@@ -36,7 +36,10 @@ HISTORICAL_COUNTS = {
 }
 # Phrases naming a number of files other than the layer files.
 OTHER_FILES = {("docs/design.md", "two files")}  # the TensorFlow and Keras files' int8 layouts
-PATH_PREFIXES = ("PyTorch/", "TensorFlow/", "Keras/", "NumPy/", "shared_tests/", "interop/", "bench/", "examples/")
+REPOSITORY_PATH = re.compile(
+    r"(?<![\w/.])((?:PyTorch|TensorFlow|Keras|NumPy|shared_tests|interop|bench|examples|docs|\.ci)/[\w./-]*\w)"
+)
+MODULE = re.compile(r"(?<![\w.])(shared_tests|bench|interop)\.(\w+)\b(?!\.\w*\()")  # not `interop.hf.port_attention(`
 # The functions whose quoted signatures and calls are checked, by the name the docs use.
 FUNCTIONS = {
     **{
@@ -149,15 +152,15 @@ def test_relative_links_resolve_inside_the_repository(page):
 
 @pytest.mark.parametrize("page", PAGES, ids=_page_id)
 def test_quoted_paths_and_modules_exist(page):
+    """Every repository path (`bench/memory.py`, `examples/data/alice.txt`) and module (`shared_tests.parity`)
+    a page names, in prose, code and comments alike, exists."""
     missing = []
-    for line, m in _findings(page, INLINE_CODE, _code_free(page.read_text())):
-        for word in m.group(1).split():
-            path = word.rstrip(".,:;)").split("::")[0]
-            if path.startswith(PATH_PREFIXES) and not (ROOT / path).exists():
-                missing.append(f"{_page_id(page)}:{line}: {path}")
-            module = re.fullmatch(r"(shared_tests|bench|interop)\.(\w+)", path)
-            if module and not (ROOT / module[1] / f"{module[2]}.py").exists():
-                missing.append(f"{_page_id(page)}:{line}: {path}")
+    for line, m in _findings(page, REPOSITORY_PATH, page.read_text()):
+        if not (ROOT / m.group(1)).exists():
+            missing.append(f"{_page_id(page)}:{line}: {m.group(1)}")
+    for line, m in _findings(page, MODULE, page.read_text()):
+        if not (ROOT / m.group(1) / f"{m.group(2)}.py").exists():
+            missing.append(f"{_page_id(page)}:{line}: {m.group()}")
     assert not missing, "\n".join(missing)
 
 
@@ -259,3 +262,19 @@ def test_the_feature_table_of_the_layer_files_reads_the_source():
     """`files_with` finds each feature by a name the source defines: a feature renamed away fails here."""
     for feature in docs_facts.FEATURES:
         assert docs_facts.generate(f"files_with {feature}") != "none", feature
+
+
+def test_the_parity_options_table_names_every_option():
+    """docs/parity.md's Options table against the options shared_tests/parity.py parses."""
+    tree = ast.parse((ROOT / "shared_tests" / "parity.py").read_text())
+    options = {
+        node.args[0].value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"
+    }
+    text = (ROOT / "docs" / "parity.md").read_text()
+    table = text[text.index("| option | what it does |") :].split("\n\n")[0]
+    documented = set(re.findall(r"`(--[\w-]+)", table))
+    assert options == documented, (
+        f"parses {sorted(options - documented)} undocumented; documents {sorted(documented - options)}"
+    )
