@@ -14,6 +14,8 @@ torch or transformers.
 
 import argparse
 import ast
+import copy
+import functools
 import re
 import sys
 from pathlib import Path
@@ -41,14 +43,20 @@ def layer_files():
     return [name for name in order if name in found] + [name for name in found if name not in order]
 
 
+@functools.cache
+def _tree(path):
+    return ast.parse(path.read_text())
+
+
 def _layer_class(framework):
-    tree = ast.parse((ROOT / framework / LAYER_FILE).read_text())
+    tree = _tree(ROOT / framework / LAYER_FILE)
     return next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "MultiHeadAttention")
 
 
+@functools.cache
 def _defined_names(framework):
     """Every name the layer class or its module defines: functions, classes, methods, class attributes."""
-    tree = ast.parse((ROOT / framework / LAYER_FILE).read_text())
+    tree = _tree(ROOT / framework / LAYER_FILE)
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef | ast.ClassDef):
@@ -170,10 +178,10 @@ def arguments(dotted):
     module_path, _, name = dotted.rpartition(".")
     if module_path.endswith(".MultiHeadAttention"):
         function = next(f for f in _layer_class(module_path.split(".")[0]).body if getattr(f, "name", None) == name)
-        args = function.args
+        args = copy.copy(function.args)
         args.args = args.args[1:]  # self
         return args
-    tree = ast.parse((ROOT / (module_path.replace(".", "/") + ".py")).read_text())
+    tree = _tree(ROOT / (module_path.replace(".", "/") + ".py"))
     return next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == name).args
 
 
