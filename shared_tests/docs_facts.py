@@ -200,6 +200,7 @@ GENERATORS = {
     "jax_missing": lambda: _joined(_missing_from_jax()),
     "decode_paths": lambda: NUMBER_WORDS[len(_decode_paths())],
     "hypothesis_examples": _hypothesis_examples,
+    "combined_cases": lambda: _code_list(c.name for c in _cases() if c.name.endswith("_like") or "variants" in c.name),
     "model_types": lambda: _code_list(_model_types()),
     "file_count": lambda: NUMBER_WORDS[len(layer_files())],
     "hf_layers": lambda: NUMBER_WORDS[len(_assigned_tuple("LAYERS", "test_hf.py"))],

@@ -278,3 +278,39 @@ def test_the_parity_options_table_names_every_option():
     assert options == documented, (
         f"parses {sorted(options - documented)} undocumented; documents {sorted(documented - options)}"
     )
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_quoted_case_names_exist(page):
+    """`gemma2_like`, `decode_rolling_*`, `large_scores*`: a case (or the prefix of some) of the tables."""
+    from shared_tests.cases import CASES
+    from shared_tests.decoding import DECODE_CASES
+
+    names = [case.name for case in [*CASES, *DECODE_CASES]]
+    quoted = re.compile(r"`((?:decode_|large_scores|empty_)[a-z0-9_]*\*?|[a-z0-9_]+_like)`")
+    unknown = [
+        f"{_page_id(page)}:{line}: {m.group(1)}"
+        for line, m in _findings(page, quoted, page.read_text())
+        if not any(
+            name == m.group(1) or (m.group(1).endswith("*") and name.startswith(m.group(1)[:-1])) for name in names
+        )
+    ]
+    assert not unknown, "no such case in shared_tests/cases.py or decoding.py:\n" + "\n".join(unknown)
+
+
+NOT_OURS = {"_compute_yarn_parameters"}  # transformers' function, named where the SPEC follows it
+
+
+def test_quoted_private_names_exist():
+    """A `_name` the docs quote (a helper, a record, a buffer) is in the source of a layer file,
+    interop/hf.py, shared_tests/ or bench/: a renamed helper fails here."""
+    sources = [*ROOT.glob(f"*/{docs_facts.LAYER_FILE}"), ROOT / "interop" / "hf.py"]
+    tests = [path for path in ROOT.glob("shared_tests/*.py") if "docs_facts" not in path.name]  # not these lists
+    text = "\n".join(path.read_text() for path in [*sources, *tests, *ROOT.glob("bench/*.py")])
+    unknown = [
+        f"{_page_id(page)}:{line}: {m.group(1)}"
+        for page in PAGES
+        for line, m in _findings(page, re.compile(r"`(_[A-Za-z]\w*)(?:\(\))?`"), page.read_text())
+        if m.group(1) not in NOT_OURS and not re.search(rf"\b{m.group(1)}\b", text)
+    ]
+    assert not unknown, "no such name in the code:\n" + "\n".join(unknown)
