@@ -242,7 +242,8 @@ def test_the_spec_call_is_the_layer_files_call():
         extras = [p for p in real if p not in quoted]  # TensorFlow's training and value_mask
         assert [p for p in real if p in quoted] == [p for p in quoted if p in real], framework
         assert {p[0] for p in quoted} - {p[0] for p in real} <= {"mask"}, framework  # Keras files: `mask` in __call__
-        assert {p[0] for p in extras} <= {"training", "value_mask"}, f"SPEC, Call does not name {extras} ({framework})"
+        keras_extras = {"training", "value_mask"} if framework in ("TensorFlow", "Keras") else set()  # SPEC's comment
+        assert {p[0] for p in extras} == keras_extras, f"SPEC, Call does not name {extras} ({framework})"
 
 
 def test_the_family_table_names_only_supported_model_types():
@@ -314,3 +315,16 @@ def test_quoted_private_names_exist():
         if m.group(1) not in NOT_OURS and not re.search(rf"\b{m.group(1)}\b", text)
     ]
     assert not unknown, "no such name in the code:\n" + "\n".join(unknown)
+
+
+def test_the_spec_init_cache_is_each_file_s():
+    """SPEC "KV-cache decoding": one `init_cache` line for every file, another for TensorFlow's."""
+    block = (ROOT / "docs" / "SPEC.md").read_text().split("## KV-cache decoding")[1].split("```")[1]
+    lines = [line for line in block.splitlines() if "init_cache(" in line]
+    quoted = {
+        "TensorFlow" if "# TensorFlow" in line else "other": line.split("init_cache")[1].split("  #")[0].strip()
+        for line in lines
+    }
+    for framework in docs_facts.layer_files():
+        real = docs_facts.generate(f"signature {framework}.MultiHeadAttention.init_cache").strip("`")
+        assert "init_cache" + quoted.get(framework, quoted["other"]) == real, framework
