@@ -100,12 +100,12 @@ def _code_list(names):
     return ", ".join(f"`{name}`" for name in names)
 
 
-def _assigned_tuple(name, file="*.py"):
-    """The module-level tuple assigned to `name` in one of shared_tests/`file`, parsed, not imported."""
+def _assigned(name, file="*.py"):
+    """The module-level constant assigned to `name` in one of shared_tests/`file`, parsed, not imported."""
     for path in sorted((ROOT / "shared_tests").glob(file)):
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
-                return tuple(ast.literal_eval(node.value))
+                return ast.literal_eval(node.value)
     raise LookupError(f"no module-level {name} in shared_tests/")
 
 
@@ -142,7 +142,7 @@ def case_features(case):
 
 def _jax_cases():
     by_name = {case.name: case for case in _cases()}
-    return [by_name[name] for name in _assigned_tuple("JAX_CASES")]
+    return [by_name[name] for name in _assigned("JAX_CASES")]
 
 
 def _missing_from_jax():
@@ -193,17 +193,18 @@ def _signature(dotted):
 GENERATORS = {
     "cases": lambda: str(len(_cases())),
     "decode_cases": lambda: str(len(_decode_cases())),
-    "jax_cases": lambda: str(len(_assigned_tuple("JAX_CASES"))),
-    "jax_decode_cases": lambda: str(len(_assigned_tuple("JAX_DECODE_CASES"))),
-    "jax_case_names": lambda: _code_list(_assigned_tuple("JAX_CASES")),
-    "jax_decode_case_names": lambda: _code_list(_assigned_tuple("JAX_DECODE_CASES")),
+    "jax_cases": lambda: str(len(_assigned("JAX_CASES"))),
+    "jax_decode_cases": lambda: str(len(_assigned("JAX_DECODE_CASES"))),
+    "jax_case_names": lambda: _code_list(_assigned("JAX_CASES")),
+    "jax_decode_case_names": lambda: _code_list(_assigned("JAX_DECODE_CASES")),
     "jax_missing": lambda: _joined(_missing_from_jax()),
     "decode_paths": lambda: NUMBER_WORDS[len(_decode_paths())],
     "hypothesis_examples": _hypothesis_examples,
     "combined_cases": lambda: _code_list(c.name for c in _cases() if c.name.endswith("_like") or "variants" in c.name),
     "model_types": lambda: _code_list(_model_types()),
     "file_count": lambda: NUMBER_WORDS[len(layer_files())],
-    "hf_layers": lambda: NUMBER_WORDS[len(_assigned_tuple("LAYERS", "test_hf.py"))],
+    "memory_efficient_chunk": lambda: NUMBER_WORDS[_assigned("MEMORY_EFFICIENT_CHUNK", "frameworks.py")],
+    "hf_layers": lambda: NUMBER_WORDS[len(_assigned("LAYERS", "test_hf.py"))],
     "feature_table": _feature_table,
     "files_with": lambda feature: _joined(name for name in layer_files() if has_feature(name, feature)),
     "has": lambda framework, feature: "yes" if has_feature(framework, feature) else "no",

@@ -328,3 +328,26 @@ def test_the_spec_init_cache_is_each_file_s():
     for framework in docs_facts.layer_files():
         real = docs_facts.generate(f"signature {framework}.MultiHeadAttention.init_cache").strip("`")
         assert "init_cache" + quoted.get(framework, quoted["other"]) == real, framework
+
+
+def _row(text, opening):
+    """The numbers of the Markdown table row that starts with `opening` ("n/a" as None, "same" as is)."""
+    row = next(line for line in text.splitlines() if line.startswith(f"| {opening} |"))
+    cells = [cell.strip().split(" (")[0] for cell in row.strip("|").split("|")[1:]]
+    words = {"n/a": None, "same": "same"}
+    return [[words[p.strip()] if p.strip() in words else float(p) for p in cell.split(" / ")] for cell in cells]
+
+
+def test_the_spec_tolerances_are_the_tests():
+    """SPEC "Tolerances" against TOLERANCES and FLOAT64_TOLERANCES of shared_tests/cases.py."""
+    from shared_tests.cases import FLOAT64_TOLERANCES, TOLERANCES
+
+    text = (ROOT / "docs" / "SPEC.md").read_text()
+    quantities = ("output", "weights", "grads")
+    assert _row(text, "PyTorch or TensorFlow vs NumPy float64") == [[TOLERANCES["float32"][q]] for q in quantities]
+    low = _row(text, "float16 / bfloat16 vs NumPy")
+    assert low[0] == [TOLERANCES["float16"]["output"], TOLERANCES["bfloat16"]["output"]]
+    assert low[1] == ["same"] and [TOLERANCES[d]["weights"] for d in ("float16", "bfloat16")] == low[0]
+    assert low[2] == [None] and TOLERANCES["float16"]["grads"] is TOLERANCES["bfloat16"]["grads"] is None
+    for opening, kind in (("float64, no RoPE", "plain"), ("float64 with RoPE", "rope")):
+        assert _row(text, opening) == [[FLOAT64_TOLERANCES[kind][q]] for q in quantities], opening
