@@ -91,6 +91,17 @@ def _feature_table():
     return "\n" + "\n".join(rows) + "\n"
 
 
+def _fields(name):
+    """The fields of the NamedTuple `name` (`_Call`, `_Variants`), the same in every layer file."""
+    found = {}
+    for framework in layer_files():
+        record = next(n for n in _tree(ROOT / framework / LAYER_FILE).body if getattr(n, "name", None) == name)
+        found[framework] = tuple(s.target.id for s in record.body if isinstance(s, ast.AnnAssign))
+    if len(set(found.values())) != 1:
+        raise ValueError(f"the layer files' {name} differ: {found}")
+    return "`" + ", ".join(found[layer_files()[0]]) + "`"
+
+
 def _joined(words):
     words = list(words)
     return "none" if not words else words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
@@ -206,6 +217,7 @@ GENERATORS = {
     "memory_efficient_chunk": lambda: NUMBER_WORDS[_assigned("MEMORY_EFFICIENT_CHUNK", "frameworks.py")],
     "hf_layers": lambda: NUMBER_WORDS[len(_assigned("LAYERS", "test_hf.py"))],
     "feature_table": _feature_table,
+    "fields": _fields,
     "files_with": lambda feature: _joined(name for name in layer_files() if has_feature(name, feature)),
     "has": lambda framework, feature: "yes" if has_feature(framework, feature) else "no",
     "signature": _signature,

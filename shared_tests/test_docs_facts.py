@@ -351,3 +351,12 @@ def test_the_spec_tolerances_are_the_tests():
     assert low[2] == [None] and TOLERANCES["float16"]["grads"] is TOLERANCES["bfloat16"]["grads"] is None
     for opening, kind in (("float64, no RoPE", "plain"), ("float64 with RoPE", "rope")):
         assert _row(text, opening) == [[FLOAT64_TOLERANCES[kind][q]] for q in quantities], opening
+
+
+def test_the_variants_table_names_every_variant():
+    """docs/modern.md's table of constructor variants names every field of the files' `_Variants`."""
+    variants = docs_facts.generate("fields _Variants").strip("`").split(", ")
+    text = (ROOT / "docs" / "modern.md").read_text()
+    table = text[text.index("| constructor argument |") :].split("\n\n")[0]
+    named = set(re.findall(r"`(\w+)", table))
+    assert not set(variants) - named, f"docs/modern.md's variants table lacks {sorted(set(variants) - named)}"
