@@ -344,7 +344,9 @@ def test_the_spec_tolerances_are_the_tests():
 
     text = (ROOT / "docs" / "SPEC.md").read_text()
     quantities = ("output", "weights", "grads")
-    assert _row(text, "PyTorch or TensorFlow vs NumPy float64") == [[TOLERANCES["float32"][q]] for q in quantities]
+    assert _row(text, "PyTorch, TensorFlow or Keras vs NumPy float64") == [
+        [TOLERANCES["float32"][q]] for q in quantities
+    ]
     low = _row(text, "float16 / bfloat16 vs NumPy")
     assert low[0] == [TOLERANCES["float16"]["output"], TOLERANCES["bfloat16"]["output"]]
     assert low[1] == ["same"] and [TOLERANCES[d]["weights"] for d in ("float16", "bfloat16")] == low[0]
