@@ -113,7 +113,7 @@ def _code_list(names):
 
 def _assigned(name, file="*.py"):
     """The module-level constant assigned to `name` in one of shared_tests/`file`, parsed, not imported."""
-    for path in sorted((ROOT / "shared_tests").glob(file)):
+    for path in sorted((ROOT / "shared_tests").rglob(file)):
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
                 return ast.literal_eval(node.value)
@@ -214,7 +214,7 @@ GENERATORS = {
     "combined_cases": lambda: _code_list(c.name for c in _cases() if c.name.endswith("_like") or "variants" in c.name),
     "model_types": lambda: _code_list(_model_types()),
     "file_count": lambda: NUMBER_WORDS[len(layer_files())],
-    "memory_efficient_chunk": lambda: NUMBER_WORDS[_assigned("MEMORY_EFFICIENT_CHUNK", "frameworks.py")],
+    "memory_efficient_chunk": lambda: NUMBER_WORDS[_assigned("MEMORY_EFFICIENT_CHUNK")],
     "hf_layers": lambda: NUMBER_WORDS[len(_assigned("LAYERS", "test_hf.py"))],
     "feature_table": _feature_table,
     "fields": _fields,
