@@ -102,6 +102,21 @@ def _fields(name):
     return "`" + ", ".join(found[layer_files()[0]]) + "`"
 
 
+def _integer(node):
+    """The value of an integer literal or of a shift of two (`1 << 26`)."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.LShift):
+        return _integer(node.left) << _integer(node.right)
+    return ast.literal_eval(node)
+
+
+def _mebi(framework, name):
+    """A power-of-two size the layer file assigns to `name` (module constant or class attribute), in Mi."""
+    for node in ast.walk(_tree(ROOT / framework / LAYER_FILE)):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return f"{_integer(node.value) >> 20} Mi"
+    raise LookupError(f"no {name} in {framework}/{LAYER_FILE}")
+
+
 def _joined(words):
     words = list(words)
     return "none" if not words else words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
@@ -214,6 +229,7 @@ GENERATORS = {
     "combined_cases": lambda: _code_list(c.name for c in _cases() if c.name.endswith("_like") or "variants" in c.name),
     "model_types": lambda: _code_list(_model_types()),
     "file_count": lambda: NUMBER_WORDS[len(layer_files())],
+    "mebi": _mebi,
     "memory_efficient_chunk": lambda: NUMBER_WORDS[_assigned("MEMORY_EFFICIENT_CHUNK")],
     "hf_layers": lambda: NUMBER_WORDS[len(_assigned("LAYERS", "test_hf.py"))],
     "feature_table": _feature_table,
