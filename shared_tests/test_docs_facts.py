@@ -165,7 +165,7 @@ def test_quoted_paths_and_modules_exist(page):
 
 
 def _parameters(arguments):
-    """(name, kind) of each parameter: kind "positional" or "keyword" (after `*`), with its default's text."""
+    """(name, kind, default) of each parameter: kind "positional" or "keyword" (after `*`), the default as text."""
     positional = arguments.posonlyargs + arguments.args
     defaults = [None] * (len(positional) - len(arguments.defaults)) + arguments.defaults
     return [(a.arg, "positional", d and ast.unparse(d)) for a, d in zip(positional, defaults, strict=True)] + [
