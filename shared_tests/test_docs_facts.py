@@ -362,3 +362,33 @@ def test_the_variants_table_names_every_variant():
     table = text[text.index("| constructor argument |") :].split("\n\n")[0]
     named = set(re.findall(r"`(\w+)", table))
     assert not set(variants) - named, f"docs/modern.md's variants table lacks {sorted(set(variants) - named)}"
+
+
+# The names the docs give the pinned packages, and their names in requirements.txt.
+PINNED = {
+    "torch": "torch", "TensorFlow": "tensorflow-cpu", "Keras": "keras", "JAX": "jax", "transformers": "transformers",
+    "torchao": "torchao", "onnxruntime": "onnxruntime", "tf2onnx": "tf2onnx", "LiteRT": "ai-edge-litert",
+}  # fmt: skip
+
+
+def _pins():
+    lines = (ROOT / "requirements.txt").read_text().splitlines()
+    pins = dict(line.split("==") for line in lines if "==" in line and not line.startswith("#"))
+    makefile = re.search(r"TF_KERAS := tf_keras==(\S+)", (ROOT / "Makefile").read_text())
+    return {**pins, "tf_keras": makefile[1]}
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if _page_id(p) not in MEASUREMENT_PAGES], ids=_page_id)
+def test_quoted_versions_are_the_pinned_ones(page):
+    """`torch==2.13.0`, "TensorFlow 2.21", "JAX is pinned at 0.10.2": the versions requirements.txt pins.
+    (The benchmark pages name the versions of their runs.)"""
+    pins = _pins()
+    quoted = re.compile(
+        rf"\b({'|'.join(PINNED)}|{'|'.join(map(re.escape, pins))})(?:==| | is pinned at )(\d+\.\d+(?:\.\d+)?)\b"
+    )
+    wrong = [
+        f"{_page_id(page)}:{line}: {m.group()} (pinned: {pins[PINNED.get(m[1], m[1])]})"
+        for line, m in _findings(page, quoted, page.read_text())
+        if not pins[PINNED.get(m[1], m[1])].startswith(m[2])
+    ]
+    assert not wrong, "\n".join(wrong)
