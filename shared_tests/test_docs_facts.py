@@ -392,3 +392,15 @@ def test_quoted_versions_are_the_pinned_ones(page):
         if not pins[PINNED.get(m[1], m[1])].startswith(m[2])
     ]
     assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_make_targets_exist(page):
+    """Every `make TARGET` a page runs (in backticks or in a command block) is a target of the Makefile."""
+    targets = set(re.findall(r"^([a-z]+):", (ROOT / "Makefile").read_text(), re.MULTILINE))
+    bash = "\n".join(re.findall(r"^```bash\n(.*?)^```", page.read_text(), re.DOTALL | re.MULTILINE))
+    commands = [*re.findall(r"`(make [^`\n]+)`", page.read_text()), *bash.splitlines()]
+    unknown = sorted(
+        {m[1] for line in commands for m in [re.match(r"(?:\S+=\S+ )*make ([a-z]+)", line)] if m} - targets
+    )
+    assert not unknown, f"{_page_id(page)} runs make targets the Makefile lacks: {unknown}"
