@@ -259,6 +259,15 @@ def test_the_family_table_names_only_supported_model_types():
     assert not unknown, f"docs/modern.md's families name model types interop.hf does not port: {sorted(unknown)}"
 
 
+def test_the_refused_model_types_are_not_ported():
+    """docs/modern.md's table of refusals names no model type interop.hf ports."""
+    text = (ROOT / "docs" / "modern.md").read_text()
+    table = text[text.index("| what | families | why |") :].split("\n\n")[0]
+    named = {name for row in table.splitlines()[2:] for name in re.findall(r"`([\w-]+)`", row.split(" | ")[1])}
+    ported = named & set(docs_facts.generate("model_types").replace("`", "").split(", "))
+    assert not ported, f"docs/modern.md calls {sorted(ported)} refused; interop.hf ports them"
+
+
 def test_the_feature_table_of_the_layer_files_reads_the_source():
     """`files_with` finds each feature by a name the source defines: a feature renamed away fails here."""
     for feature in docs_facts.FEATURES:
