@@ -413,3 +413,39 @@ def test_make_targets_exist(page):
         {m[1] for line in commands for m in [re.match(r"(?:\S+=\S+ )*make ([a-z]+)", line)] if m} - targets
     )
     assert not unknown, f"{_page_id(page)} runs make targets the Makefile lacks: {unknown}"
+
+
+def _strings(path):
+    """Every string literal of a source file, an f-string's fields as NUL."""
+    found = []
+    for node in ast.walk(docs_facts._tree(path)):
+        if isinstance(node, ast.JoinedStr):
+            found.append("".join(v.value if isinstance(v, ast.Constant) else "\0" for v in node.values))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found.append(node.value)
+    return found
+
+
+def _says(text, words):
+    """Whether a message literal (its f-string fields NUL) can begin with `words`: the literal pieces, in
+    order, that cover most of `words`, with anything where a field stands (`{expected}`)."""
+    pieces = text.split("\0")
+    for k in range(1, len(pieces) + 1):
+        if sum(map(len, pieces[:k])) >= 0.6 * len(words):
+            return bool(re.match(".*".join(map(re.escape, pieces[:k])), words, re.DOTALL)) or words in text
+    return False
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_quoted_error_messages_are_every_file_s(page):
+    """An error message a page quotes ("`window` must be ... Received: ...") is raised with that text by
+    every layer file: its words up to the first "..." or "Received:" are in each file's strings."""
+    strings = {framework: _strings(ROOT / framework / docs_facts.LAYER_FILE) for framework in docs_facts.layer_files()}
+    prose = re.sub(r"\s*\n\s*", " ", page.read_text())  # a quote may wrap
+    wrong = []
+    for quote in re.findall(r'"((?:`\w+` |Pass the )[^"]*?Received:[^"]*)"', prose):
+        words = quote.split("Received:")[0].split("...")[0]
+        missing = [f for f, found in strings.items() if not any(_says(text, words) for text in found)]
+        if missing:
+            wrong.append(f"{_page_id(page)}: {words!r} is not in {missing}")
+    assert not wrong, "\n".join(wrong)
