@@ -1596,6 +1596,22 @@ def _unquantized_policy(policy):
 # -------------------------------------------------------------------------------------------------
 
 
+def _mesh_layout_map(mesh, model_axis, layout_map):
+    """`layout_map`'s arguments checked: the `LayoutMap` to fill and the size of `model_axis`."""
+    if not isinstance(mesh, keras.distribution.DeviceMesh):
+        raise ValueError(f"`mesh` must be a keras.distribution.DeviceMesh. Received: mesh={mesh!r}")
+    if model_axis not in mesh.axis_names:
+        raise ValueError(
+            f"`model_axis` must be an axis of `mesh`, one of {tuple(mesh.axis_names)}. "
+            f"Received: model_axis={model_axis!r}"
+        )
+    if layout_map is None:
+        layout_map = keras.distribution.LayoutMap(mesh)
+    elif not isinstance(layout_map, keras.distribution.LayoutMap) or layout_map.device_mesh is not mesh:
+        raise ValueError(f"`layout_map` must be a LayoutMap on `mesh`. Received: layout_map={layout_map!r}")
+    return layout_map, mesh.shape[list(mesh.axis_names).index(model_axis)]
+
+
 def _regex_literal(text):
     """`text` as a regex that matches it alone (`re.escape`, for a layer's name)."""
     return "".join(c if c.isalnum() or c == "_" else f"\\{c}" for c in text)
@@ -1919,22 +1935,9 @@ class MultiHeadAttention(keras.layers.Layer):
             >>> layout_map["attention/query_kernel"].axes, layout_map["block/attention/output_kernel"].axes
             ((None, 'model'), ('model', None))
         """
-        if not isinstance(mesh, keras.distribution.DeviceMesh):
-            raise ValueError(f"`mesh` must be a keras.distribution.DeviceMesh. Received: mesh={mesh!r}")
-        if model_axis not in mesh.axis_names:
-            raise ValueError(
-                f"`model_axis` must be an axis of `mesh`, one of {tuple(mesh.axis_names)}. "
-                f"Received: model_axis={model_axis!r}"
-            )
-        if layout_map is None:
-            layout_map = keras.distribution.LayoutMap(mesh)
-        elif not isinstance(layout_map, keras.distribution.LayoutMap) or layout_map.device_mesh is not mesh:
-            raise ValueError(f"`layout_map` must be a LayoutMap on `mesh`. Received: layout_map={layout_map!r}")
-        split = {"N": self.num_heads, "K": self.num_kv_heads}
-        devices = mesh.shape[list(mesh.axis_names).index(model_axis)]
+        layout_map, devices = _mesh_layout_map(mesh, model_axis, layout_map)
         self._check_head_split(devices, model_axis)
-        if self.num_kv_heads == 1:
-            split["K"] = None  # MQA: the one key/value head on every device
+        split = {"N": True, "K": self.num_kv_heads > 1}  # MQA: the one key/value head on every device
         for name in self.weight_shapes():
             axes = tuple(model_axis if split.get(heads) else None for heads in self._head_axes(name))
             key = f"(.*/)?{_regex_literal(self.name)}/{name}"
