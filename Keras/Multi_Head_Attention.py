@@ -1965,7 +1965,8 @@ class MultiHeadAttention(keras.layers.Layer):
         if self.num_heads % devices == 0 and not kv:
             return
         common = self.num_heads if self.num_kv_heads == 1 else math.gcd(self.num_heads, self.num_kv_heads)
-        sizes = ", ".join(str(d) for d in range(1, common + 1) if common % d == 0)
+        sizes = [str(d) for d in range(1, common + 1) if common % d == 0]
+        sizes = " or ".join([", ".join(sizes[:-1]), sizes[-1]] if len(sizes) > 1 else sizes)
         raise ValueError(
             f"The size of the mesh axis '{model_axis}' must divide `num_heads`, and `num_kv_heads` unless it is 1 "
             "(MQA: the key/value projections are replicated), so that each device holds whole heads. "
