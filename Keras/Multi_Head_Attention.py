@@ -63,6 +63,9 @@ index + T, keep[b, s], (not causal or that position <= index + t), (no window or
 the chunk of index + t) and `attention_mask` (given over L) keeps it. Token by token equals the
 full causal pass. With a `window` the cache rolls by W_before: L >= W_before slots decode any
 number of tokens (a call that wraps, index + T > L, needs L >= W_before + T - 1).
+
+Many devices: `layer.layout_map(mesh)` gives the `keras.distribution.LayoutMap` entries that
+split the layer's heads over a mesh axis, for `ModelParallel` on JAX (docs/distributed.md).
 """
 
 import math
@@ -1916,9 +1919,10 @@ class MultiHeadAttention(keras.layers.Layer):
         share. Each entry's key is the regex `(.*/)?<layer name>/<weight name>`, matched in full
         against `variable.path`: the variables are named as the portable weights (docs/SPEC.md,
         "Weights"; `sinks` included), directly under the layer's name. Layers of equal names get
-        one entry when they need the same layouts. Create the model after setting the
-        distribution; the KV cache of `init_cache` is not a variable: put its key and value on
-        the mesh split by heads (axis 1), as in docs/distributed.md.
+        one entry when they need the same layouts (a ValueError when they differ). The layouts
+        apply to the variables created under the distribution (`distribution.scope()`); the KV
+        cache of `init_cache` is not a variable: put its key and value on the mesh split by
+        heads (axis 1), as in docs/distributed.md.
 
         Args:
             mesh: a `keras.distribution.DeviceMesh`.

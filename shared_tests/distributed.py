@@ -7,7 +7,15 @@ writes, per check, the largest difference from one process doing the same work a
 `tf.distribute.MirroredStrategy` on 2 logical CPU devices and on one device.
 `--mix-batch` swaps in a layer that mixes the batch elements, which the data-parallel checks
 must catch (tensor parallelism splits heads, not the batch).
-Everything runs in float64, so the differences are rounding alone (about 1e-15).
+These run in float64, so the differences are rounding alone (about 1e-15).
+`python -m shared_tests.distributed keras_jax OUT.json` runs the Keras file under
+`keras.distribution` on 4 virtual JAX CPU devices, in float32: `DataParallel`, `ModelParallel`
+with the layouts of `layout_map` for each configuration and size of the "model" axis (forward,
+gradients, `fit`, KV-cache decoding, the variables' shardings), and a layout written by hand
+that splits heads; it saves the last ModelParallel model beside OUT.json
+(model_parallel.keras, with its inputs and outputs in model_parallel.npz). Under XLA's GSPMD a
+layer that mixes the batch elements still equals one device (the compiler moves what each
+device needs), so no `--mix-batch` check runs there: the shardings are checked instead.
 """
 
 import argparse
@@ -415,6 +423,19 @@ def _keras_model_parallel(keras, options, model_size):
     return result, model
 
 
+def _keras_head_split_by_hand(keras):
+    """A LayoutMap written by hand, not by `layout_map`, that splits each of 2 heads (H = 8) over a
+    "model" axis of 4: XLA moves what each score needs between the devices, so the numbers
+    still equal one device (the layout costs communication, not correctness)."""
+    mesh = keras.distribution.DeviceMesh((1, DEVICES), ("batch", "model"))
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*/(query|key|value)_kernel"] = (None, "model")
+    layout_map[".*/output_kernel"] = ("model", None)
+    distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    result, _ = _keras_against_one_device(keras, distribution, {"num_heads": 2})
+    return result
+
+
 def _keras_saved(keras, model, folder):
     """The model trained under ModelParallel saved to .keras, reloaded here on one device."""
     path = os.path.join(folder, "model_parallel.keras")
@@ -442,6 +463,7 @@ def run_keras_jax(out, mix_batch):
         for size in sizes:
             results[f"{name}_{size}"], model = _keras_model_parallel(keras, options, size)
     results["saved"] = _keras_saved(keras, model, os.path.dirname(out))
+    results["head_split_by_hand"] = _keras_head_split_by_hand(keras)
     with open(out, "w") as handle:
         json.dump(results, handle)
 

@@ -164,6 +164,12 @@ def test_keras_model_parallel_splits_whole_heads(keras_jax, run):
     assert cache["shard"] == [2, kv[1], 6, h] and cache["spec"][:2] == ([None, "model"] if k > 1 else []), cache
 
 
+def test_keras_layout_written_by_hand_that_splits_heads_still_equals_one_device(keras_jax):
+    result = keras_jax["head_split_by_hand"]
+    _equal_to_one_device(result)
+    assert result["shardings"]["attention/query_kernel"]["shard"] == [16, 4]  # half of a head of 8 per device
+
+
 def test_keras_model_trained_under_model_parallel_loads_on_one_device_and_tensorflow(keras_jax, tmp_path_factory):
     assert keras_jax["saved"] < FLOAT32["output"]
     folder = next(Path(tmp_path_factory.getbasetemp()).glob("keras_jax*"))
