@@ -304,6 +304,7 @@ KERAS_CONFIGS = {
     "gqa": ({"num_heads": 8, "num_kv_heads": 4, "head_dim": 4}, (2, 4)),
     "gqa_k2": ({"num_heads": 4, "num_kv_heads": 2}, (2,)),
     "mqa": ({"num_heads": 4, "num_kv_heads": 1}, (2, 4)),
+    "variants": ({"num_heads": 4, "num_kv_heads": 2, "qk_norm": "all", "sinks": True, "rope_theta": 1e4}, (2,)),
 }
 
 

@@ -157,7 +157,12 @@ def test_keras_model_parallel_splits_whole_heads(keras_jax, run):
         "output_kernel": (["model", None], [n // m * h, 16]),
         "output_bias": ([None], [16]),
     }
+    if options.get("qk_norm") == "all":  # over all heads: (N*H,) and (K*H,), split as q and k
+        expected.update(query_norm=(["model"], [n // m * h]), key_norm=(kv[0], [kv[1] * h]))
+    if options.get("sinks"):
+        expected["sinks"] = (["model"], [n // m])
     shardings = {path.removeprefix("attention/"): s for path, s in keras_jax[run]["shardings"].items()}
+    assert set(shardings) == {*expected, "head/kernel", "head/bias"}
     for weight, (spec, shard) in expected.items():
         assert (shardings[weight]["spec"], shardings[weight]["shard"]) == (spec, shard), weight
     cache = keras_jax[run]["cache"]  # (B, K, L, H): the key/value heads split as the kernels
