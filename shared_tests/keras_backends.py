@@ -2,90 +2,136 @@
 
 A Keras backend is fixed when Keras is imported, so each backend runs in a subprocess of its
 own (`KERAS_BACKEND=...`): the parent pickles the cases and their data, the child runs them all
-and pickles back one `Result` (or `DecodeResult`) per case, or the error it raised. The paths
-are `keras:tensorflow`, `keras:jax` and `keras:torch`: an eager call with
-`return_attention=True` and the gradients of sum(output * grad_output) with respect to the
-inputs, `attention_bias` and every portable weight (`tf.GradientTape`, `jax.grad` over
-`stateless_call`, torch autograd). Decode cases run chunk by chunk through the functional cache
-(under `jax.jit` on JAX) and once as a full causal pass, as shared_tests/decoding.py does.
+(shared_tests/keras_paths.py) and the checks asked for (shared_tests/keras_checks.py), and
+pickles back one `Result` (or `DecodeResult`) per case as soon as it has it, or the error it
+raised. The parity report starts the processes first (`prefetch`) and runs its own paths
+beside them. The paths are
+`keras:tensorflow`, `keras:jax` and `keras:torch`. The pickled protocol is this module's own:
+other modules call `run_batch`, `prefetch`, `result` and `decode_result`.
 
-Run a child by hand: `KERAS_BACKEND=jax python -m shared_tests.keras_backends jax IN.pkl OUT.pkl`.
+Run a child by hand: `KERAS_BACKEND=jax python -m shared_tests.keras_backends jax IN.pkl FOLDER`.
 """
 
+import atexit
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 
-import numpy as np
-
-from shared_tests.cases import call_inputs
+from shared_tests import keras_paths
 
 KERAS_BACKENDS = ("tensorflow", "jax", "torch")
 KERAS_PATHS = tuple(f"keras:{backend}" for backend in KERAS_BACKENDS)
-# JAX compiles every case's gradient (about a second each on the 2-core CI machine): shared_tests/test_keras.py
-# and the path checks of shared_tests/keras_checks.py run it this trimmed table, which still holds every
-# variant, mask kind and dtype.
-JAX_CASES = (
-    "kdim_vdim", "mask_float_inf_row", "mask_float64_far", "rows_fully_masked", "bfloat16_gqa_masked",
-    "attention_bias_bts_causal", "gemma2_like", "gpt_oss_like", "rope_yarn_gqa", "qk_norm_all",
-    "clip_qkv_qk_norm_rope",
-)  # fmt: skip
-INPUTS = ("query", "key", "value")
 SUBPROCESS_TIMEOUT = 900  # seconds for one backend's whole batch
+_POLL = 0.05  # seconds between two looks for a result not written yet
+_TABLES = ("cases", "decode")
 
-_RESULTS = {}  # (path, case name, table) -> (data, Result or error text): filled by `prefetch`
+_RUNNING = {}  # backend -> (_Process, {(table, case name): (index, data)}): started by `prefetch`
 
 
 class KerasBackendError(RuntimeError):
     """A case that raised inside a backend's process; the message is that error's."""
 
 
-def run_batch(backend, cases=(), decode_cases=(), checks=(), workdir=None):
-    """Runs (case, data) pairs, decode (case, data) pairs and named checks (`CHECKS`) on one
-    backend in a subprocess; returns {"cases": {name: Result or error text}, "decode": ...,
-    "checks": {name: error text or None}}."""
-    with tempfile.TemporaryDirectory(dir=workdir) as folder:
-        given, received = os.path.join(folder, "in.pkl"), os.path.join(folder, "out.pkl")
+class _Process:
+    """One backend's process, running beside its caller: it writes each result to its folder
+    as soon as it has it (`{table}-{index}.pkl`, then `checks.pkl`), and `get` waits for one."""
+
+    def __init__(self, backend, cases=(), decode_cases=(), checks=(), workdir=None):
+        self.backend, self.folder = backend, tempfile.mkdtemp(dir=workdir)
+        given = os.path.join(self.folder, "in.pkl")
         with open(given, "wb") as handle:
             pickle.dump({"cases": list(cases), "decode": list(decode_cases), "checks": list(checks)}, handle)
         env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "2"}
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-        command = [sys.executable, "-m", "shared_tests.keras_backends", backend, given, received]
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=root)
-        if done.returncode != 0 or not os.path.exists(received):
-            raise KerasBackendError(f"the {backend} process exited {done.returncode}: {done.stderr[-3000:]}")
-        with open(received, "rb") as handle:
+        command = [sys.executable, "-m", "shared_tests.keras_backends", backend, given, self.folder]
+        self.stderr = open(os.path.join(self.folder, "stderr.txt"), "w")  # noqa: SIM115  (closed by `close`)
+        self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=self.stderr, cwd=root)
+        self.deadline = time.monotonic() + SUBPROCESS_TIMEOUT
+
+    def get(self, name):
+        """The object the process wrote as `name`, waited for; raises KerasBackendError if the
+        process ended without writing it, subprocess.TimeoutExpired past SUBPROCESS_TIMEOUT."""
+        path = os.path.join(self.folder, f"{name}.pkl")
+        while not os.path.exists(path):
+            if self.process.poll() is not None and not os.path.exists(path):
+                with open(os.path.join(self.folder, "stderr.txt")) as handle:
+                    error = handle.read()[-3000:]
+                raise KerasBackendError(f"the {self.backend} process exited {self.process.returncode}: {error}")
+            if time.monotonic() > self.deadline:
+                self.process.kill()
+                raise subprocess.TimeoutExpired(self.process.args, SUBPROCESS_TIMEOUT)
+            time.sleep(_POLL)
+        with open(path, "rb") as handle:
             return pickle.load(handle)
+
+    def close(self):
+        """Ends the process if it still runs and removes its folder."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self.stderr.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def run_batch(backend, cases=(), decode_cases=(), checks=(), workdir=None):
+    """Runs (case, data) pairs, decode (case, data) pairs and named checks (`CHECKS`) on one
+    backend in a subprocess; returns {"cases": {name: Result or error text}, "decode": ...,
+    "checks": {name: error text or None}}."""
+    process = _Process(backend, cases, decode_cases, checks, workdir)
+    try:
+        out = {
+            table: {case.name: process.get(f"{table}-{index}") for index, (case, _) in enumerate(pairs)}
+            for table, pairs in zip(_TABLES, (cases, decode_cases), strict=True)
+        }
+        return {**out, "checks": process.get("checks")}
+    finally:
+        process.close()
 
 
 def prefetch(backends, cases=(), decode_cases=()):
-    """Runs every (case, data) and decode (case, data) pair on each backend, one process per
-    backend, and keeps the results for `result` and `decode_result`."""
+    """Starts one process per backend that runs every (case, data) and decode (case, data) pair,
+    and returns at once: the processes run beside the caller, and `result` and `decode_result`
+    wait only for a result not written yet."""
     for backend in backends:
-        path = f"keras:{backend}"
-        try:
-            out = run_batch(backend, cases, decode_cases)
-        except (KerasBackendError, subprocess.TimeoutExpired) as error:
-            out = {"cases": dict.fromkeys((c.name for c, _ in cases), str(error))}
-            out["decode"] = dict.fromkeys((c.name for c, _ in decode_cases), str(error))
-        for table, pairs in (("cases", cases), ("decode", decode_cases)):
-            for case, data in pairs:
-                _RESULTS[(path, case.name, table)] = (data, out[table][case.name])
+        process = _Process(backend, cases, decode_cases)
+        atexit.register(process.close)
+        indices = {
+            (table, case.name): (index, data)
+            for table, pairs in zip(_TABLES, (cases, decode_cases), strict=True)
+            for index, (case, data) in enumerate(pairs)
+        }
+        _RUNNING[backend] = (process, indices)
+
+
+def stop():
+    """Ends the processes `prefetch` started (each ends by itself once it has written every
+    result) and forgets their results."""
+    for process, _ in _RUNNING.values():
+        process.close()
+    _RUNNING.clear()
 
 
 def _kept(path, case, data, table):
-    """The result `prefetch` kept for this case and these very data, or one computed now."""
-    kept = _RESULTS.get((path, case.name, table))
-    if kept is None or kept[0] is not data:
-        batch = run_batch(path.split(":")[1], **{"cases" if table == "cases" else "decode_cases": [(case, data)]})
-        kept = (data, batch[table][case.name])
-    if isinstance(kept[1], str):
-        raise KerasBackendError(kept[1])
-    return kept[1]
+    """The result of a `prefetch` process for this case and these very data, or one computed now."""
+    backend = path.split(":")[1]
+    process, indices = _RUNNING.get(backend, (None, {}))
+    index, given = indices.get((table, case.name), (None, None))
+    if given is data:
+        try:
+            kept = process.get(f"{table}-{index}")
+        except (KerasBackendError, subprocess.TimeoutExpired) as error:
+            kept = str(error)
+    else:
+        kept = run_batch(backend, **{"cases" if table == "cases" else "decode_cases": [(case, data)]})[table][case.name]
+    if isinstance(kept, str):
+        raise KerasBackendError(kept)
+    return kept
 
 
 def result(case, data, path):
@@ -98,198 +144,34 @@ def decode_result(case, data, path):
     return _kept(path, case, data, "decode")
 
 
-# In the backend's process.
+# In the backend's process: the protocol's other end.
 
 
-def _to_numpy(x):
-    from keras import ops
-
-    array = ops.convert_to_numpy(x)
-    return (
-        array.astype(np.float64) if np.issubdtype(array.dtype, np.floating) or array.dtype.name == "bfloat16" else array
-    )
-
-
-def _tensor(x, dtype=None):
-    from keras import ops
-
-    return ops.convert_to_tensor(x, dtype=dtype)
+def _write(folder, name, value):
+    """Writes one result where the parent looks for it, whole or not at all."""
+    path = os.path.join(folder, f"{name}.pkl")
+    with open(path + ".part", "wb") as handle:
+        pickle.dump(value, handle)
+    os.replace(path + ".part", path)
 
 
-def _layer(case, data):
-    from Keras import MultiHeadAttention
-
-    layer = MultiHeadAttention(**case.config, dtype=case.dtype)
-    layer.import_weights(data["weights"])
-    return layer
-
-
-def _forward(layer, case, args, kwargs, weighted=True):
-    """(output, weights), weights None when not `weighted` (a call without `return_attention`)."""
-    query, kv = args[:1], dict(zip(INPUTS[1:], args[1:], strict=False))
-    result = layer(*query, **kv, **kwargs, causal=case.causal, return_attention=weighted)
-    return result if weighted else (result, None)
-
-
-def _case_result(case, data, path=None):
-    """Output, weights and (float32 cases) gradients of one case on this process's backend. `path`,
-    a function of the layer, sets a path up: the call then returns no weights (`weights` None)."""
-    import keras
-
-    from shared_tests.frameworks import Result
-
-    layer = _layer(case, data)
-    if path is not None:
-        path(layer)
-    weighted = path is None
-    args = [_tensor(data[name], case.dtype) for name in INPUTS if data[name] is not None]
-    kwargs = {name: _tensor(x) for name, x in call_inputs(data).items()}
-    if case.tolerance["grads"] is None:
-        output, weights = _forward(layer, case, args, kwargs, weighted)
-        return Result(_to_numpy(output), weights if weights is None else _to_numpy(weights), None)
-    gradient = {"tensorflow": _grads_tensorflow, "jax": _grads_jax, "torch": _grads_torch}[keras.backend.backend()]
-    output, weights, grads = gradient(layer, case, data, args, kwargs, weighted)
-    grads = {name: _to_numpy(g) for name, g in grads.items()}
-    return Result(_to_numpy(output), weights if weights is None else _to_numpy(weights), grads)
-
-
-def _names(args, bias, layer):
-    return [*INPUTS[: len(args)], *([] if bias is None else ["attention_bias"]), *layer.weight_shapes()]
-
-
-def _grads_tensorflow(layer, case, data, args, kwargs, weighted):
-    import tensorflow as tf
-
-    bias = kwargs.pop("attention_bias", None)
-    variables = [layer._variable(name).value for name in layer.weight_shapes()]
-    with tf.GradientTape() as tape:
-        tape.watch([*args, *([] if bias is None else [bias])])
-        given = kwargs if bias is None else {**kwargs, "attention_bias": bias}
-        output, weights = _forward(layer, case, args, given, weighted)
-        loss = tf.reduce_sum(tf.cast(output, tf.float32) * data["grad_output"])
-    sources = [*args, *([] if bias is None else [bias]), *variables]
-    grads = tape.gradient(loss, sources)
-    grads = [tf.zeros_like(x) if g is None else g for x, g in zip(sources, grads, strict=True)]
-    return output, weights, dict(zip(_names(args, bias, layer), grads, strict=True))
-
-
-def _grads_jax(layer, case, data, args, kwargs, weighted):
-    import jax
-    import jax.numpy as jnp
-
-    bias = kwargs.pop("attention_bias", None)
-    trainable = [v.value for v in layer.trainable_variables]
-    non_trainable = [v.value for v in layer.non_trainable_variables]
-    variables = [layer._variable(name) for name in layer.weight_shapes()]
-    trainable_ids = [id(v) for v in layer.trainable_variables]
-    order = [trainable_ids.index(id(v)) if id(v) in trainable_ids else None for v in variables]  # int8: not trainable
-
-    def loss(args, bias, trainable):
-        given = kwargs if bias is None else {**kwargs, "attention_bias": bias}
-        query, kv = args[:1], dict(zip(INPUTS[1:], args[1:], strict=False))
-        result, _ = layer.stateless_call(
-            trainable, non_trainable, *query, **kv, **given, causal=case.causal, return_attention=weighted
-        )
-        output, weights = result if weighted else (result, None)
-        return jnp.sum(output.astype(jnp.float32) * data["grad_output"]), (output, weights)
-
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))  # one compile, not one per op
-    (_, (output, weights)), grads = step(args, bias, trainable)
-    d_args, d_bias, d_trainable = grads
-    d_weights = [jnp.zeros(v.shape) if i is None else d_trainable[i] for i, v in zip(order, variables, strict=True)]
-    values = [*d_args, *([] if bias is None else [d_bias]), *d_weights]  # int8 kernels and scales: zeros
-    return output, weights, dict(zip(_names(args, bias, layer), values, strict=True))
-
-
-def _grads_torch(layer, case, data, args, kwargs, weighted):
-    import torch
-
-    args = [x.detach().requires_grad_(True) for x in args]
-    bias = kwargs.pop("attention_bias", None)
-    bias = None if bias is None else bias.detach().requires_grad_(True)
-    given = kwargs if bias is None else {**kwargs, "attention_bias": bias}
-    output, weights = _forward(layer, case, args, given, weighted)
-    (output.float() * torch.as_tensor(data["grad_output"], device=output.device)).sum().backward()
-    sources = [*args, *([] if bias is None else [bias]), *(layer._variable(n).value for n in layer.weight_shapes())]
-    grads = [torch.zeros_like(x) if x.grad is None else x.grad for x in sources]
-    return output, weights, dict(zip(_names(args, bias, layer), grads, strict=True))
-
-
-def _decode_result(case, data):
-    """Decodes one case chunk by chunk (each step under `jax.jit` on JAX), then one full pass."""
-    import keras
-    from keras import ops
-
-    from shared_tests.decoding import DecodeResult, chunk_mask, chunk_positions, full_pass_mask
-
-    layer = _layer(case, data)
-    step = _jitted_step(layer, case) if keras.backend.backend() == "jax" else None
-    cache = layer.init_cache(case.b, case.length, keep=_tensor(data["keep"]))
-    outputs, weights = [], []
-    for start, stop in case.spans():
-        chunk = {name: _tensor(x[:, start:stop], case.dtype) for name, x in data["inputs"].items()}
-        mask = chunk_mask(data["attention_mask"], start, stop)
-        extra = {name: _tensor(x) for name, x in chunk_positions(data, start, stop).items()}
-        mask = None if mask is None else _tensor(mask)
-        if step is None:
-            output, w, cache = layer(
-                **chunk, **extra, attention_mask=mask, causal=case.causal, return_attention=True, cache=cache
-            )
-        else:
-            output, w, cache = step(chunk, mask, cache, extra)
-        outputs.append(output)
-        weights.append(w)
-    inputs = {name: _tensor(x, case.dtype) for name, x in data["inputs"].items()}
-    extra = {name: _tensor(x) for name, x in chunk_positions(data, 0, case.p).items()}
-    full, full_w = layer(
-        **inputs, **extra, attention_mask=_tensor(full_pass_mask(case, data)), causal=case.causal,
-        return_attention=True,
-    )  # fmt: skip
-    caches = {name: _to_numpy(getattr(cache, name)) for name in ("key", "value", "keep", "index")}
-    return DecodeResult(
-        _to_numpy(ops.concatenate(outputs, 1)), _to_numpy(ops.concatenate(weights, 2)), caches,
-        _to_numpy(full), _to_numpy(full_w),
-    )  # fmt: skip
-
-
-def _jitted_step(layer, case):
-    """One decode step under `jax.jit`, through `stateless_call` (the weights passed in)."""
-    import jax
-
-    trainable = [v.value for v in layer.trainable_variables]
-    non_trainable = [v.value for v in layer.non_trainable_variables]
-
-    @jax.jit
-    def step(trainable, chunk, mask, cache, extra):
-        outputs, _ = layer.stateless_call(
-            trainable, non_trainable, **chunk, **extra, attention_mask=mask, causal=case.causal,
-            return_attention=True, cache=cache,
-        )  # fmt: skip
-        return outputs
-
-    return lambda chunk, mask, cache, extra: step(trainable, chunk, mask, cache, extra)
-
-
-def _run_each(pairs, run_one):
-    """{case name: result, or the text of the error it raised}."""
-    results = {}
-    for case, data in pairs:
-        try:
-            results[case.name] = run_one(case, data)
-        except Exception as error:  # the report goes on; the row says what this case raised
-            lines = str(error).strip().splitlines()
-            results[case.name] = f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
-            print(traceback.format_exc(), file=sys.stderr)
-    return results
+def _run_one(run_one, case, data):
+    """The result of one case, or the text of the error it raised."""
+    try:
+        return run_one(case, data)
+    except Exception as error:  # the report goes on; the row says what this case raised
+        lines = str(error).strip().splitlines()
+        print(traceback.format_exc(), file=sys.stderr)
+        return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 def _run_checks(names):
     """{check name: None when it held, else what failed} (shared_tests/keras_checks.py)."""
+    from shared_tests import keras_checks  # only in a backend's process: it runs Keras
+
     results = {}
     for name in names:
         try:
-            from shared_tests import keras_checks
-
             keras_checks.run(name)
             results[name] = None
         except Exception as error:  # every check is reported, each with what it raised
@@ -297,23 +179,19 @@ def _run_checks(names):
     return results
 
 
-def main(argv):
-    backend, given, received = argv
+def _main(argv):
+    backend, given, folder = argv
     import keras
 
     if keras.backend.backend() != backend:
         raise SystemExit(f"KERAS_BACKEND={backend} expected, Keras runs on {keras.backend.backend()}")
     with open(given, "rb") as handle:
         task = pickle.load(handle)
-    out = {
-        "cases": _run_each(task["cases"], _case_result),
-        "decode": _run_each(task["decode"], _decode_result),
-        "checks": _run_checks(task["checks"]),
-    }
-    with open(received + ".part", "wb") as handle:
-        pickle.dump(out, handle)
-    os.replace(received + ".part", received)
+    for table, run_one in zip(_TABLES, (keras_paths.case_result, keras_paths.decode_result), strict=True):
+        for index, (case, data) in enumerate(task[table]):
+            _write(folder, f"{table}-{index}", _run_one(run_one, case, data))
+    _write(folder, "checks", _run_checks(task["checks"]))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    _main(sys.argv[1:])
