@@ -374,7 +374,8 @@ class Progress:
         """`done` cases of the table finished."""
         if not self.live and (done % PROGRESS_GROUP == 0 or done == self.total):
             elapsed = _duration(time.perf_counter() - self.started)
-            line = f"{self.what}: {done}/{self.total} done in {elapsed}, {self._left(done)}"
+            left = "" if done == self.total else f", {self._left(done)}"
+            line = f"{self.what}: {done}/{self.total} done in {elapsed}{left}"
             print(line, file=self.stream, flush=True)
 
     def close(self):
