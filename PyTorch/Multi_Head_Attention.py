@@ -904,11 +904,11 @@ def _eager():
 
 def _carry(tensor, value):
     """`tensor` with `value`, what a check of it found (a cache's index, whether its keep holds
-    only True), attached with its version counter, eagerly and where the tensor has one (an
-    inference-mode tensor has none, so a later write in place could not be told). A cache is
-    checked once, when it is made or first read, and each step reads the result back
+    only True), attached with its version counter where it has one (an inference-mode tensor has
+    none, so a later write in place could not be told). Called eagerly only (`_eager`). A cache
+    is checked once, when it is made or first read, and each step reads the result back
     (`_carried`) instead of the tensor's values: no value read (a device sync on a GPU)."""
-    if _eager() and not tensor.is_inference():
+    if not tensor.is_inference():
         tensor._checked = (tensor._version, value)
     return tensor
 
@@ -1252,9 +1252,12 @@ def _versions(tensors, dtype):
     """The storage and version counter of each tensor (None stays None) and `dtype`: what changes
     when a tensor is replaced, moved, cast or written in place. None where that cannot be read:
     inside `torch.compile` or `torch.jit.trace`, and for inference-mode tensors (no version counter)."""
-    if not _eager() or any(w is not None and w.is_inference() for w in tensors):
+    if not _eager():
         return None
-    return [None if w is None else (w.data_ptr(), w._version) for w in tensors] + [dtype]
+    try:
+        return [None if w is None else (w.data_ptr(), w._version) for w in tensors] + [dtype]
+    except RuntimeError:  # an inference-mode tensor: no version counter
+        return None
 
 
 def _plain_linear(module, kind=nn.Linear):
@@ -1751,13 +1754,12 @@ class MultiHeadAttention(nn.Module):
         default = torch.get_default_dtype() if weight is None else weight.dtype
         dtype = default if dtype is None else dtype
         keep = keep.to(device, copy=True)  # the cache's own: decoding writes it in place
-        if _eager() and not keep.is_inference() and device.type != "meta":
-            _all_kept(keep)  # checked once here, carried: a step reads no value (`_carry`)
+        index = torch.zeros((), dtype=torch.long, device=device)
+        if _eager() and device.type != "meta":  # checked once here, carried: a step reads no value (`_carry`)
+            _all_kept(keep)
+            _carry(index, 0)
         return KVCache(
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-            keep,
-            _carry(torch.zeros((), dtype=torch.long, device=device), 0),
+            torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device), keep, index
         )
 
     def _non_defaults(self):
@@ -1931,7 +1933,9 @@ class MultiHeadAttention(nn.Module):
         kind = Int8Linear if type(self.query) is Int8Linear else nn.Linear
         if not all(_plain_linear(projection, kind) for projection in projections):
             return False
-        return kind is Int8Linear or not any(_torchao_weight(p.weight) or _is_dtensor(p.weight) for p in projections)
+        weights = [p.weight for p in projections]
+        plain = all(type(w) is nn.Parameter or type(w) is torch.Tensor for w in weights)  # else a tensor subclass
+        return kind is Int8Linear or plain or not any(_torchao_weight(w) or _is_dtensor(w) for w in weights)
 
     def _fused_weights(self, x):
         """The three projections' weights, biases (None where none has one) and int8 scales (None
