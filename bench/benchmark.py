@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import decode_anchors, keras_bench, memory
+from bench import compile_time, decode_anchors, keras_bench, memory
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -83,10 +83,10 @@ QUICK_DECODE = [Config("quick decode L=32", 1, 32, 32, 4)]
 # One decoding step (T = 1, L - 1 tokens cached) against the anchors, with the target of PyTorch
 # ours / the hand-written decode at each size.
 DECODE_ANCHORS = [
-    (Config("decode B=1 E=256 N=4 L=1024", 1, 1024, 256, 4), 1.5),
-    (Config("decode B=8 E=512 N=8 L=2048", 8, 2048, 512, 8), 1.15),
+    (Config("decode B=1 E=256 N=4 L=1024", 1, 1024, 256, 4), 1.3),
+    (Config("decode B=8 E=512 N=8 L=2048", 8, 2048, 512, 8), 1.1),
 ]
-QUICK_DECODE_ANCHORS = [(Config("quick decode B=2 E=32 N=4 L=64", 2, 64, 32, 4), 1.5)]
+QUICK_DECODE_ANCHORS = [(Config("quick decode B=2 E=32 N=4 L=64", 2, 64, 32, 4), 1.3)]
 DECODE_ANCHOR_RUNS = 30  # timed steps per round (quick: 3): a step takes 0.1 to 50 ms
 # TensorFlow in eager mode against tf.function, and against PyTorch: (measurement, configuration).
 MEMORY_TRAIN = Config("B=1 T=S=8192 E=256 N=4", 1, 8192, 256, 4)
@@ -647,6 +647,10 @@ def main(argv=None):
     for config, _ in anchors:
         print(config.name, file=sys.stderr, flush=True)
         anchor_times[config.name] = time_decode_anchors(config, anchor_runs, args.rounds)
+    compile_rows = "Not run with --quick (two compiles of minutes each): `python -m bench.sections decode --quick`."
+    if not args.quick:
+        print(f"compile time, {configs[0].name}", file=sys.stderr, flush=True)
+        compile_rows = compile_time.compile_table(compile_time.compile_times(configs[0]), configs[0])
     print(f"variants, {variant_config.name}", file=sys.stderr, flush=True)
     variant_times = time_variants(variant_config, runs, args.rounds)
     int8_results = {}
@@ -700,6 +704,14 @@ def main(argv=None):
         f"CachedMultiHeadAttention ({hub}) holds the same weights and cache, with the mask of the written slots.",
         "",
         decode_anchors.anchor_tables(anchor_times, anchors),
+        "",
+        "## Compile time",
+        "",
+        "torch.compile(fullgraph=True) of the layer's forward + backward (the first call, compile included) "
+        "next to nn.MultiheadAttention's at the same shapes, each in a fresh process with Inductor's caches "
+        "disabled (bench/compile_time.py).",
+        "",
+        compile_rows,
         "",
         "## Variants of today's models",
         "",
