@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import compile_time, decode_anchors, keras_bench, memory
+from bench import compile_time, decode_anchors, keras_bench, keras_decode, memory
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -647,6 +647,8 @@ def main(argv=None):
     for config, _ in anchors:
         print(config.name, file=sys.stderr, flush=True)
         anchor_times[config.name] = time_decode_anchors(config, anchor_runs, args.rounds)
+    print("Keras decoding step (jax.jit)", file=sys.stderr, flush=True)
+    keras_decode_times = keras_decode.keras_decode_times([config for config, _ in anchors], anchor_runs, args.rounds)
     compile_rows = "Not run with --quick (two compiles of minutes each): `python -m bench.sections decode --quick`."
     if not args.quick:
         print(f"compile time, {configs[0].name}", file=sys.stderr, flush=True)
@@ -704,6 +706,12 @@ def main(argv=None):
         f"CachedMultiHeadAttention ({hub}) holds the same weights and cache, with the mask of the written slots.",
         "",
         decode_anchors.anchor_tables(anchor_times, anchors),
+        "",
+        "The Keras file's step under jax.jit (functional cache, taking the token and the cache and returning the "
+        "output and the new cache) against a hand-written keras.ops step (bench/keras_decode.py; keras_hub is not "
+        "installed), one process per size, taking turns run by run:",
+        "",
+        keras_decode.keras_decode_table(keras_decode_times),
         "",
         "## Compile time",
         "",

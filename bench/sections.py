@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench import benchmark, compile_time, decode_anchors, memory
+from bench import benchmark, compile_time, decode_anchors, keras_decode, memory
 
 OUTPUT = Path(__file__).parents[1] / "out" / "bench_sections.md"
 
@@ -38,15 +38,21 @@ def _memory(runs, rounds):
 
 
 def _decode(runs, rounds, quick=False):
-    """The decoding step against its anchors, each ratio next to its target, and the compile time
+    """The decoding step against its anchors (PyTorch and TensorFlow; the Keras file under jax.jit
+    against a hand-written keras.ops step), each ratio next to its target, and the compile time
     of the layer's forward + backward next to nn.MultiheadAttention's (a fresh process each)."""
     anchors = benchmark.QUICK_DECODE_ANCHORS if quick else benchmark.DECODE_ANCHORS
     step_runs = 3 if quick else benchmark.DECODE_ANCHOR_RUNS
     times = {config.name: benchmark.time_decode_anchors(config, step_runs, rounds) for config, _ in anchors}
+    keras_times = keras_decode.keras_decode_times([config for config, _ in anchors], step_runs, rounds)
     compiled = benchmark.QUICK[0] if quick else benchmark.CONFIGS[0]
     compile_times = compile_time.compile_times(compiled)
     return "\n\n".join(
-        [decode_anchors.anchor_tables(times, anchors), compile_time.compile_table(compile_times, compiled)]
+        [
+            decode_anchors.anchor_tables(times, anchors),
+            keras_decode.keras_decode_table(keras_times),
+            compile_time.compile_table(compile_times, compiled),
+        ]
     )
 
 
