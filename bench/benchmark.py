@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import compile_time, decode_anchors, keras_bench, keras_decode, memory
+from bench import compile_time, decode_anchors, decode_pair, keras_bench, keras_decode, memory
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -635,6 +635,10 @@ def main(argv=None):
     variant_config = QUICK[0] if args.quick else VARIANT_CONFIGS[0]
     int8_configs = QUICK_INT8 if args.quick else INT8_CONFIGS
     runs = args.runs or (2 if args.quick else 5)
+    print("decoding step, PyTorch ours and the hand decode", file=sys.stderr, flush=True)
+    pair_times = {
+        config.name: decode_pair.time_torch_pair(config, anchor_runs, args.rounds * 3) for config, _ in anchors
+    }
     flops = {"PyTorch": torch_matmul_flops(runs), "TensorFlow": tf_matmul_flops(runs)}
     times, decode_times = {}, {}
     for index, config in enumerate(configs, 1):
@@ -706,6 +710,11 @@ def main(argv=None):
         f"CachedMultiHeadAttention ({hub}) holds the same weights and cache, with the mask of the written slots.",
         "",
         decode_anchors.anchor_tables(anchor_times, anchors),
+        "",
+        "PyTorch ours and the hand decode again, taking turns step by step in 9 rounds, timed first in the run "
+        "(before any TensorFlow step, whose spinning threads slow a PyTorch step timed after them):",
+        "",
+        decode_pair.pair_table(pair_times, anchors),
         "",
         "The Keras file's step under jax.jit (functional cache, taking the token and the cache and returning the "
         "output and the new cache) against a hand-written keras.ops step (bench/keras_decode.py; keras_hub is not "

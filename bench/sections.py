@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench import benchmark, compile_time, decode_anchors, keras_decode, memory
+from bench import benchmark, compile_time, decode_anchors, decode_pair, keras_decode, memory
 
 OUTPUT = Path(__file__).parents[1] / "out" / "bench_sections.md"
 
@@ -43,12 +43,14 @@ def _decode(runs, rounds, quick=False):
     of the layer's forward + backward next to nn.MultiheadAttention's (a fresh process each)."""
     anchors = benchmark.QUICK_DECODE_ANCHORS if quick else benchmark.DECODE_ANCHORS
     step_runs = 3 if quick else benchmark.DECODE_ANCHOR_RUNS
+    pairs = {config.name: decode_pair.time_torch_pair(config, step_runs, rounds * 3) for config, _ in anchors}
     times = {config.name: benchmark.time_decode_anchors(config, step_runs, rounds) for config, _ in anchors}
     keras_times = keras_decode.keras_decode_times([config for config, _ in anchors], step_runs, rounds)
     compiled = benchmark.QUICK[0] if quick else benchmark.CONFIGS[0]
     compile_times = compile_time.compile_times(compiled)
     return "\n\n".join(
         [
+            decode_pair.pair_table(pairs, anchors),
             decode_anchors.anchor_tables(times, anchors),
             keras_decode.keras_decode_table(keras_times),
             compile_time.compile_table(compile_times, compiled),
