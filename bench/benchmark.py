@@ -711,7 +711,8 @@ def main(argv=None):
         "",
         decode_anchors.anchor_tables(anchor_times, anchors),
         "",
-        "PyTorch ours and the hand decode again, taking turns step by step in 9 rounds, timed first in the run "
+        f"PyTorch ours and the hand decode again, taking turns step by step in {args.rounds * 3} rounds, timed "
+        "first in the run "
         "(before any TensorFlow step, whose spinning threads slow a PyTorch step timed after them):",
         "",
         decode_pair.pair_table(pair_times, anchors),
