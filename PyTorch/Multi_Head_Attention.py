@@ -324,7 +324,7 @@ class _Call(NamedTuple):
     return_attention: bool
     cache: "KVCache | None"  # the cache step replaces it by the written cache
     training: None  # TensorFlow and Keras only
-    fuse: bool  # q, k and v may come from one matmul (one input, no cache)
+    fuse: bool  # q, k and v may come from one matmul (one input; with a cache, kernels kept between steps)
 
 
 def _inputs(query, key, value):
@@ -1248,12 +1248,17 @@ def _check_compute_dtype(query, dtype):
         )
 
 
+def _keeps_kernels():
+    """Whether the layer keeps the concatenated q/k/v kernels between calls (`_fused_weights`):
+    eagerly under `no_grad`. Elsewhere a decode step projects with the three projections:
+    concatenating the kernels at every step costs more than the one matmul saves."""
+    return not torch.is_grad_enabled() and _eager()
+
+
 def _versions(tensors, dtype):
     """The storage and version counter of each tensor (None stays None) and `dtype`: what changes
-    when a tensor is replaced, moved, cast or written in place. None where that cannot be read:
-    inside `torch.compile` or `torch.jit.trace`, and for inference-mode tensors (no version counter)."""
-    if not _eager():
-        return None
+    when a tensor is replaced, moved, cast or written in place. None for an inference-mode tensor
+    (no version counter)."""
     try:
         return [None if w is None else (w.data_ptr(), w._version) for w in tensors] + [dtype]
     except RuntimeError:  # an inference-mode tensor: no version counter
@@ -1850,7 +1855,8 @@ class MultiHeadAttention(nn.Module):
         key_mask = query_mask if key_mask is None and self_attention else key_mask  # (B, S)
         return _Call(
             query, key, value, attention_mask, attention_bias, key_mask, query_mask, positions, causal, self.window,
-            self.attention_chunk_size, return_attention, cache, None, one_input,
+            self.attention_chunk_size, return_attention, cache, None,
+            one_input and (cache is None or _keeps_kernels()),  # a step: only with kernels kept between steps
         )  # fmt: skip
 
     def _positions(self, positions, query, key, cache):
@@ -1946,14 +1952,15 @@ class MultiHeadAttention(nn.Module):
         int8 = isinstance(self.query, Int8Linear)
         names = ("weight", "bias", "weight_scale") if int8 else ("weight", "bias")
         tensors = [getattr(p, name) for p in projections for name in names]
-        version = None if torch.is_grad_enabled() else _versions(tensors, x.dtype)
+        version = _versions(tensors, x.dtype) if _keeps_kernels() else None
         if version is not None and self._fused is not None and self._fused[0] == version:
             return self._fused[1]
         weight = torch.cat([p.weight for p in projections])  # (N*H + 2*K*H, E), int8 for Int8Linear
         biases = [x.new_zeros(p.out_features) if p.bias is None else p.bias for p in projections]  # x: the layer dtype
         bias = None if all(p.bias is None for p in projections) else torch.cat(biases)  # (N*H + 2*K*H,)
         scale = torch.cat([p.weight_scale for p in projections]) if int8 else None  # (N*H + 2*K*H,)
-        self._fused = None if version is None else (version, (weight, bias, scale))
+        if _eager():  # a compiled or traced graph leaves the layer's state alone
+            self._fused = None if version is None else (version, (weight, bias, scale))
         return weight, bias, scale
 
     def _project_fused(self, x):
