@@ -15,7 +15,7 @@ from bench import decode_anchors
 
 def time_torch_pair(config, runs, rounds):
     """{label: [median seconds of each round]} of PyTorch ours and the hand decode, run by run."""
-    from bench.benchmark import rounds_of_times
+    from bench.timing import rounds_of_times
 
     x = np.random.default_rng(0).standard_normal((config.b, config.t, config.e)).astype(np.float32)
     steps, _ = decode_anchors.torch_steps(config, x)

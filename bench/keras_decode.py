@@ -46,7 +46,7 @@ def measure(b, length, e, n, runs, rounds):
     import numpy as np
     from keras import ops
 
-    from bench.benchmark import rounds_of_times
+    from bench.timing import rounds_of_times
     from Keras import MultiHeadAttention
 
     x = ops.convert_to_tensor(np.random.default_rng(0).standard_normal((b, length, e)).astype("float32"))
