@@ -2116,10 +2116,13 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         if chunk is None:
             return at_once()
         if None not in (q.shape[0], q.shape[2], k.shape[2]) or _compiled_by_xla():
-            return in_chunks(), None
-        scores = tf.reduce_prod(tf.cast(tf.shape(q)[:3], tf.int64)) * tf.cast(tf.shape(k)[2], tf.int64)
-        large = scores > self.memory_efficient_threshold
-        return tf.cond(large, in_chunks, lambda: at_once()[0]), None
+            context = in_chunks()  # (B, N, T, H)
+        else:
+            scores = tf.reduce_prod(tf.cast(tf.shape(q)[:3], tf.int64)) * tf.cast(tf.shape(k)[2], tf.int64)
+            large = scores > self.memory_efficient_threshold
+            context = tf.cond(large, in_chunks, lambda: at_once()[0])  # (B, N, T, H)
+        context.set_shape(q.shape[:3].concatenate(v.shape[3:]))  # (B, N, T, H): the static dims the chunks lose
+        return context, None
 
     def _query_chunk(self, q, k):
         """Queries per chunk of the memory-efficient path, or None where the (B, N, T, S) scores

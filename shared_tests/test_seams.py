@@ -1,0 +1,100 @@
+"""Regression tests for the defects found at the layer's seams (a converter, a Keras functional
+model, Python's warnings machinery, a `transformers` subclass, a speed path); each test names
+its bug. The Keras file runs here on the TensorFlow backend (test_seam_properties.py runs the
+other backends, each in a process of its own).
+
+Legend: B batch, T query length, S key length, E model width, N query heads, H head size.
+"""
+
+import re
+
+import numpy as np
+import pytest
+
+from NumPy import MultiHeadAttention as NumpyMultiHeadAttention
+from shared_tests.cases import TOLERANCES
+
+OUTPUT_TOL = TOLERANCES["float32"]["output"]
+rng = np.random.default_rng(0)
+KERAS_FRAME = re.compile(r"Exception encountered when calling .*?\x1b\[1m(.*?)\x1b\[0m", re.DOTALL)
+
+
+def _message(error):
+    """The layer's own message, without Keras' frame around errors raised in `call()`."""
+    framed = KERAS_FRAME.match(str(error))
+    return framed.group(1) if framed else str(error)
+
+
+def _layers(framework):
+    if framework == "numpy":
+        return NumpyMultiHeadAttention, np.asarray
+    if framework == "torch":
+        import torch
+
+        from PyTorch import MultiHeadAttention
+
+        return MultiHeadAttention, torch.as_tensor
+    import tensorflow as tf
+
+    return __import__("TensorFlow" if framework == "tf" else "Keras").MultiHeadAttention, tf.constant
+
+
+FRAMEWORKS = ("numpy", "torch", "tf", "keras")
+
+
+@pytest.mark.parametrize(
+    ("argument", "pattern"),
+    [
+        ("attention_mask", r"`attention_mask` must be boolean \(True = attend; for a 0/1 integer mask pass `mask > 0`\) "
+                           r"or floating\. Received: attention_mask\.dtype=(str96|string)"),
+        ("attention_bias", r"`attention_bias` must be floating\. Received: attention_bias\.dtype=(str96|string)"),
+        ("key_mask", r"`key_mask` must be a boolean tensor of shape \(B, S\)=\(2, 5\)\. "
+                     r"Received: key_mask\.shape=\(\), key_mask\.dtype=(str96|string)"),
+    ],
+)  # fmt: skip
+def test_regression_a_mask_of_strings_raised_typeerror_in_pytorch(argument, pattern):
+    """`attention_mask="abc"` raised torch's TypeError ("new(): invalid data type 'str'") in the
+    PyTorch file and a ValueError elsewhere: now the same ValueError text in every file (the
+    dtype's name is each framework's own)."""
+    query, key = rng.normal(size=(2, 3, 8)).astype(np.float32), rng.normal(size=(2, 5, 8)).astype(np.float32)
+    messages = set()
+    for framework in FRAMEWORKS:
+        layer, tensor = _layers(framework)
+        with pytest.raises(ValueError, match=pattern) as error:
+            layer(8, 2)(tensor(query), key=tensor(key), value=tensor(key), **{argument: "abc"})
+        messages.add(re.sub(r"dtype=\w+", "dtype=?", _message(error.value)))
+    assert len(messages) == 1, messages
+
+
+def test_regression_sinks_on_the_sdpa_path_crashed_with_no_keys():
+    """PyTorch's SDPA path with `sinks=True` and S = 0 raised RuntimeError (the sink key was cut
+    from the empty keys); the sink alone takes the softmax, so the output is `output_bias`, as on
+    the explicit path."""
+    import torch
+
+    from PyTorch import MultiHeadAttention
+
+    layer = MultiHeadAttention(8, 2, sinks=True).eval()
+    with torch.no_grad():
+        layer.sinks.normal_()
+        layer.output.bias.normal_()
+        query, empty = torch.randn(2, 3, 8), torch.randn(2, 0, 8)
+        sdpa = layer(query, empty, empty)  # (B, T, E)
+        explicit, _ = layer(query, empty, empty, return_attention=True)
+    torch.testing.assert_close(sdpa, explicit, atol=OUTPUT_TOL, rtol=0)
+    torch.testing.assert_close(sdpa, layer.output.bias.expand(2, 3, 8), atol=OUTPUT_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("num_kv_heads", [None, 2])
+@pytest.mark.parametrize("module", ["TensorFlow", "Keras"])
+def test_regression_tensorflow_file_lost_the_static_query_length_in_a_functional_model(module, num_kv_heads):
+    """The TensorFlow file's symbolic output was (None, None, E): the memory-efficient branch
+    (`tf.cond`, taken where B is unknown) lost T, and Flatten + Dense failed to build."""
+    import keras
+
+    layer = __import__(module).MultiHeadAttention(32, 4, num_kv_heads=num_kv_heads)
+    query, value = keras.Input((10, 32)), keras.Input((15, 32))
+    output = layer(query, key=value, value=value)
+    assert tuple(output.shape) == (None, 10, 32) == tuple(keras.layers.MultiHeadAttention(4, 8)(query, value).shape)
+    model = keras.Model([query, value], keras.layers.Dense(3)(keras.layers.Flatten()(output)))
+    assert tuple(model.output.shape) == (None, 3)
