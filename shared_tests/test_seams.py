@@ -98,3 +98,53 @@ def test_regression_tensorflow_file_lost_the_static_query_length_in_a_functional
     assert tuple(output.shape) == (None, 10, 32) == tuple(keras.layers.MultiHeadAttention(4, 8)(query, value).shape)
     model = keras.Model([query, value], keras.layers.Dense(3)(keras.layers.Flatten()(output)))
     assert tuple(model.output.shape) == (None, 3)
+
+
+def _llama_attention(attention_class=None, projection_class=None):
+    """A tiny LlamaAttention (GQA), of `attention_class` (a subclass) and with a q_proj of `projection_class`."""
+    import torch
+    import transformers
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    config = transformers.LlamaConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, num_hidden_layers=1,
+        vocab_size=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    module = (attention_class or LlamaAttention)(config, layer_idx=0)
+    if projection_class is not None:
+        projection = projection_class(32, 32, bias=False)
+        projection.load_state_dict(module.q_proj.state_dict())
+        module.q_proj = projection
+    return module, config
+
+
+def test_regression_port_attention_refused_a_subclass_that_overrides_nothing():
+    """`class MyAttention(LlamaAttention): pass` (and a `nn.Linear` subclass with nothing overridden
+    as a projection) was refused as a custom projection named ``; it computes what LlamaAttention
+    computes, so it ports to the same layer. Overriding `forward` is still refused."""
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    from interop.hf import port_attention
+
+    class MyAttention(LlamaAttention):
+        pass
+
+    class MyLinear(torch.nn.Linear):
+        pass
+
+    class DoubledLinear(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    expected_kwargs, expected = port_attention(*_llama_attention())
+    for module, config in (_llama_attention(MyAttention), _llama_attention(MyAttention, MyLinear)):
+        kwargs, weights = port_attention(module, config)
+        assert kwargs == expected_kwargs
+        assert weights.keys() == expected.keys()
+        for name, value in weights.items():
+            np.testing.assert_array_equal(value, expected[name], err_msg=name)
+    pattern = r"Received: `q_proj` is DoubledLinear from .*, with the forward of DoubledLinear from "
+    with pytest.raises(ValueError, match=pattern):
+        port_attention(*_llama_attention(MyAttention, DoubledLinear))
