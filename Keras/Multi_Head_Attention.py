@@ -66,6 +66,7 @@ number of tokens (a call that wraps, index + T > L, needs L >= W_before + T - 1)
 """
 
 import math
+import sys
 import warnings
 from typing import Any, NamedTuple
 
@@ -112,6 +113,21 @@ class AttentionMaskWarning(UserWarning):
     """A mask whose values read like another library's convention (nn.MultiheadAttention's True =
     ignore, Keras' 0/1 floats): the layer computes what docs/SPEC.md says all the same, and warns
     once per layer. `warnings.simplefilter("error", AttentionMaskWarning)` makes it an error."""
+
+
+# The packages between the user's call and this file
+_FRAMEWORK_MODULES = ("keras", "tensorflow", "jax", "torch", "optree")
+
+
+def _warn_at_caller(message):
+    """Warns `AttentionMaskWarning` at the user's line: the first frame outside this file and the
+    framework (a module's or layer's `__call__`, Keras' traceback filter), however deep they call."""
+    frame, level = sys._getframe(1), 2  # level 2: the frame that called this function
+    while frame is not None and (
+        frame.f_globals is globals() or frame.f_globals.get("__name__", "").split(".")[0] in _FRAMEWORK_MODULES
+    ):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, AttentionMaskWarning, stacklevel=level)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -473,6 +489,21 @@ def _values_readable(*tensors):
         if not readable:
             return False
     return True
+
+
+def _read_values(x):
+    """A readable tensor's values (`_values_readable`) as a NumPy array, read the backend's own way:
+    `ops.convert_to_numpy` calls `np.array` on a torch or TensorFlow tensor, whose `__array__`
+    makes NumPy 2 warn (a DeprecationWarning: an error where warnings are)."""
+    backend = keras.backend.backend()
+    if isinstance(x, np.ndarray) or backend not in ("torch", "tensorflow"):
+        return np.asarray(x)
+    if backend == "tensorflow":
+        return x.numpy()
+    import torch  # the backend in use, already imported by Keras
+
+    x = x.detach()
+    return (x.float() if x.dtype == torch.bfloat16 else x).numpy()  # NumPy has no bfloat16
 
 
 def _mask_traps(attention_mask, key_mask, t, s):
@@ -894,9 +925,9 @@ def _check_room(index, t, length, window):
     misfit = index + t > length  # ()
     if window is not None:
         misfit = ops.logical_and(misfit, length < window + t - 1)  # ()
-    if _values_readable(misfit) and bool(ops.convert_to_numpy(misfit)):
+    if _values_readable(misfit) and bool(_read_values(misfit)):
         if window is None:
-            raise _cache_full_error(int(ops.convert_to_numpy(index)), int(t), int(length))
+            raise _cache_full_error(int(_read_values(index)), int(t), int(length))
         raise _cache_too_short_error(window, int(t), int(length))
     return misfit
 
@@ -2007,11 +2038,11 @@ class MultiHeadAttention(keras.layers.Layer):
         masks = [mask for mask in (attention_mask, key_mask) if mask is not None]
         if not masks or not _values_readable(*masks):
             return
-        values = [None if mask is None else ops.convert_to_numpy(mask) for mask in (attention_mask, key_mask)]
+        values = [None if mask is None else _read_values(mask) for mask in (attention_mask, key_mask)]
         for kind, message in _mask_traps(*values, t, s).items():
             if kind not in self._warned_traps:
                 self._warned_traps.add(kind)
-                warnings.warn(message, AttentionMaskWarning, stacklevel=2)
+                _warn_at_caller(message)
 
     def _masks(self, call):
         """The floating mask rule on `attention_mask` and `attention_bias`, and the token masks

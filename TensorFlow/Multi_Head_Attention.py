@@ -62,6 +62,7 @@ pair p < index + t + W_after), (no chunk size or p // C == (index + t) // C) and
 
 import functools
 import math
+import sys
 import warnings
 from typing import NamedTuple
 
@@ -107,6 +108,21 @@ class AttentionMaskWarning(UserWarning):
     """A mask whose values read like another library's convention (nn.MultiheadAttention's True =
     ignore, Keras' 0/1 floats): the layer computes what docs/SPEC.md says all the same, and warns
     once per layer. `warnings.simplefilter("error", AttentionMaskWarning)` makes it an error."""
+
+
+# The packages between the user's call and this file
+_FRAMEWORK_MODULES = ("tensorflow", "keras", "tf_keras")
+
+
+def _warn_at_caller(message):
+    """Warns `AttentionMaskWarning` at the user's line: the first frame outside this file and the
+    framework (a module's or layer's `__call__`, Keras' traceback filter), however deep they call."""
+    frame, level = sys._getframe(1), 2  # level 2: the frame that called this function
+    while frame is not None and (
+        frame.f_globals is globals() or frame.f_globals.get("__name__", "").split(".")[0] in _FRAMEWORK_MODULES
+    ):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, AttentionMaskWarning, stacklevel=level)
 
 
 class KVCache(NamedTuple):
@@ -1957,7 +1973,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         for kind, message in _mask_traps(attention_mask, key_mask, t, s).items():
             if kind not in self._warned_traps:
                 self._warned_traps.add(kind)
-                warnings.warn(message, AttentionMaskWarning, stacklevel=2)
+                _warn_at_caller(message)
 
     def _masks(self, call):
         """Step 1: the masks combined into one boolean keep, (B|1, N|1, T|1, S|1) or None, and the

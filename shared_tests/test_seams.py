@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from NumPy import MultiHeadAttention as NumpyMultiHeadAttention
+from shared_tests import keras_seams
 from shared_tests.cases import TOLERANCES
 
 OUTPUT_TOL = TOLERANCES["float32"]["output"]
@@ -148,3 +149,57 @@ def test_regression_port_attention_refused_a_subclass_that_overrides_nothing():
     pattern = r"Received: `q_proj` is DoubledLinear from .*, with the forward of DoubledLinear from "
     with pytest.raises(ValueError, match=pattern):
         port_attention(*_llama_attention(MyAttention, DoubledLinear))
+
+
+HABIT = np.triu(np.ones((4, 4), bool), 1)  # (T, S): nn.MultiheadAttention's causal attn_mask (True = blocked)
+
+
+def _assert_located(caught, line):
+    places = [(type(w.message).__name__, w.filename, w.lineno) for w in caught]
+    assert places == [("AttentionMaskWarning", __file__, line)]
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch", "tf", "keras"])
+def test_regression_attention_mask_warning_named_torch_or_the_layer_file(framework):
+    """AttentionMaskWarning named torch/nn/modules/module.py (PyTorch) or a line of the layer file
+    (TensorFlow, Keras): it names the caller's line, also where the call sits in a module or
+    layer of the user's (the framework's `__call__` frames between)."""
+    import sys
+    import warnings
+
+    layer_class, tensor = _layers(framework)
+    x = tensor(rng.normal(size=(2, 4, 16)).astype(np.float32))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        layer_class(16, 2)(x, attention_mask=tensor(HABIT))
+    _assert_located(caught, line)
+    if framework == "numpy":
+        return
+    base = __import__("torch").nn.Module if framework == "torch" else __import__("keras").layers.Layer
+    attention = layer_class(16, 2)
+
+    class Outer(base):
+        def __init__(self):
+            super().__init__()
+            self.attention = attention
+
+        def forward(self, x):
+            return self.attention(x, attention_mask=tensor(HABIT))
+
+        call = forward
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Outer()(x)
+    _assert_located(caught, Outer.forward.__code__.co_firstlineno + 1)
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+def test_regression_keras_file_warned_at_its_own_line_and_raised_under_warnings_as_errors(backend):
+    """On each backend (a process each): the warning names the caller's line, and under
+    `warnings.simplefilter("error")` a masked call raised NumPy's DeprecationWarning (the habit
+    check read the mask with `ops.convert_to_numpy`, on torch and TensorFlow)."""
+    results = keras_seams.results(backend)
+    assert results["warning_location"] is None, results["warning_location"]
+    assert results["warnings_as_errors"] is None, results["warnings_as_errors"]
