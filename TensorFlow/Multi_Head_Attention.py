@@ -2218,18 +2218,24 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         return super(tf.keras.layers.Layer, self).compute_output_spec(*args, **kwargs)
 
     @classmethod
-    def from_keras(cls, layer):
+    def from_keras(cls, layer, *, window=None):
         """Builds a layer with the weights of a built `keras.layers.MultiHeadAttention` or
         `keras.layers.GroupQueryAttention` (3-D inputs, default attention axes).
 
         Its dtype policy, initializers and `trainable` are kept; LoRA adapters on its
-        projections are merged into the kernels; a `sliding_window` W becomes `window=(W, W)`
-        (Keras keeps |t - s| < W on both sides of the query; the same keys where T == S). Every
-        option this layer cannot hold (a gate, regularizers, constraints, other attention axes or
-        output shapes, value_dim != key_dim, quantized projections) is a ValueError that lists
-        them all.
+        projections are merged into the kernels. Every option this layer cannot hold (a gate,
+        regularizers, constraints, other attention axes or output shapes, value_dim != key_dim,
+        quantized projections) is a ValueError that lists them all.
+
+        Args:
+            layer: the built-in.
+            window: with a built-in's `sliding_window` W, `(W, W)`: Keras counts its band
+                |t - s| < W from the first query and key, this layer from the last (so that
+                decoding equals the full pass), so the two keep the same keys only where T == S.
+                Passing `(W, W)` says the layer is for such calls; without it `sliding_window` is
+                refused.
         """
-        config, dense = _keras_config(layer)
+        config, dense = _keras_config(layer, window)
         new = cls(**config, name=f"{layer.name}_reference", dtype=layer.dtype_policy)
         new.trainable = layer.trainable
         weights = {}
@@ -2351,8 +2357,9 @@ def _options_it_cannot_hold(layer, config, dense):
     return found
 
 
-def _keras_config(layer):
-    """Constructor arguments and (query, key, value, output) sublayers of a Keras built-in."""
+def _keras_config(layer, window=None):
+    """Constructor arguments and (query, key, value, output) sublayers of a Keras built-in;
+    `window`: `from_keras`'s, (W, W) for the built-in's `sliding_window` W."""
     if not isinstance(layer, (tf.keras.layers.MultiHeadAttention, *_BUILT_IN_GQA)):
         raise ValueError(
             "`layer` must be a keras.layers.MultiHeadAttention or keras.layers.GroupQueryAttention. "
@@ -2375,6 +2382,25 @@ def _keras_config(layer):
         bias=config["use_bias"], kernel_initializer=config["kernel_initializer"],
         bias_initializer=config["bias_initializer"],
     )  # fmt: skip
-    if config.get("sliding_window") is not None:  # Keras keeps |t - s| < W, on both sides of the query
-        arguments["window"] = (config["sliding_window"], config["sliding_window"])
+    arguments["window"] = _keras_window(config.get("sliding_window"), window)
     return arguments, dense
+
+
+def _keras_window(sliding_window, window):
+    """`from_keras`'s window: (W, W) where the built-in's `sliding_window` W is acknowledged by
+    `window=(W, W)` (Keras' band |t - s| < W is counted from the first query and key, this layer's
+    from the last: the same keys only where T == S); else None."""
+    expected = None if sliding_window is None else (sliding_window, sliding_window)
+    if window is None and expected is not None:
+        raise ValueError(
+            f"`layer.sliding_window` keeps |t - s| < W counted from the first query and key; this layer counts its "
+            f"window from the last, so that decoding equals the full pass: the two keep the same keys only where "
+            f"T == S. For such calls (self-attention) pass `window={expected}` to `from_keras`. "
+            f"Received: sliding_window={sliding_window}"
+        )
+    if window is not None and (not isinstance(window, (tuple, list)) or tuple(window) != expected):
+        raise ValueError(
+            f"`window` must be (W, W) for the built-in's `sliding_window` W, or None without one. "
+            f"Expected: window={expected}. Received: window={window!r}"
+        )
+    return expected

@@ -203,3 +203,30 @@ def test_regression_keras_file_warned_at_its_own_line_and_raised_under_warnings_
     results = keras_seams.results(backend)
     assert results["warning_location"] is None, results["warning_location"]
     assert results["warnings_as_errors"] is None, results["warnings_as_errors"]
+
+
+@pytest.mark.parametrize("module", ["TensorFlow", "Keras"])
+def test_regression_from_keras_sliding_window_silently_differed_where_t_and_s_differ(module):
+    """`from_keras` of a built-in with `sliding_window` W gave `window=(W, W)` silently: Keras counts
+    its band from the first query and key, the layer from the last, so at T != S they differed (by
+    up to 4). Now refused unless `window=(W, W)` says the layer is for T == S, where they agree."""
+    import keras
+
+    layer_class = __import__(module).MultiHeadAttention
+    built_in = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8, sliding_window=2)
+    query, value = rng.normal(size=(2, 5, 16)).astype(np.float32), rng.normal(size=(2, 3, 16)).astype(np.float32)
+    built_in(query, value)
+    with pytest.raises(ValueError, match=r"For such calls \(self-attention\) pass `window=\(2, 2\)` to `from_keras`\. "
+                       r"Received: sliding_window=2$"):  # fmt: skip
+        layer_class.from_keras(built_in)
+    for window in ((2, 3), 2):
+        with pytest.raises(ValueError, match=r"Expected: window=\(2, 2\)\. Received: window="):
+            layer_class.from_keras(built_in, window=window)
+    plain = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8)
+    plain(query, value)
+    with pytest.raises(ValueError, match=r"Expected: window=None\. Received: window=\(2, 2\)"):
+        layer_class.from_keras(plain, window=(2, 2))
+    layer = layer_class.from_keras(built_in, window=(2, 2))
+    for t in (1, 5):
+        x = query[:, :t]
+        np.testing.assert_allclose(np.asarray(layer(x)), np.asarray(built_in(x, x)), atol=OUTPUT_TOL, rtol=0)
