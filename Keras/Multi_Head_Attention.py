@@ -556,6 +556,12 @@ def _zeros_and_ones(mask):
 # -------------------------------------------------------------------------------------------------
 
 
+def _padding_hint(name, shape, target):
+    """For a 2-D `attention_mask` shaped (B, S) where (T, S) was expected: padding goes in `key_mask`."""
+    padding = name == "attention_mask" and tuple(shape) == (target[0], target[3]) and target[0] != target[2]
+    return " A (B, S) padding mask goes in `key_mask` (True = a real key)." if padding else ""
+
+
 def _mask_to_4d(mask, target, name="attention_mask"):
     """Checks a mask (or `attention_bias`) against target (B, N, T, S) and returns it as rank 4."""
     if name == "attention_bias" and not _is_float(mask.dtype):
@@ -572,7 +578,8 @@ def _mask_to_4d(mask, target, name="attention_mask"):
     ):
         raise ValueError(
             f"`{name}` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
-            f"(B, N, T, S), each dimension full or 1. Expected: (B, N, T, S)={target}. "
+            f"(B, N, T, S), each dimension full or 1.{_padding_hint(name, _static_shape(mask), target)} "
+            f"Expected: (B, N, T, S)={target}. "
             f"Received: {name}.shape={_static_shape(mask)}"
         )
     if rank == 2:

@@ -230,3 +230,21 @@ def test_regression_from_keras_sliding_window_silently_differed_where_t_and_s_di
     for t in (1, 5):
         x = query[:, :t]
         np.testing.assert_allclose(np.asarray(layer(x)), np.asarray(built_in(x, x)), atol=OUTPUT_TOL, rtol=0)
+
+
+def test_a_padding_mask_passed_as_attention_mask_is_sent_to_key_mask():
+    """A 2-D `attention_mask` shaped (B, S) where (T, S) is expected (B != T): the ValueError says
+    that padding goes in `key_mask`, with the same text in every file; a (T, S) misfit does not."""
+    query, key = rng.normal(size=(2, 3, 8)).astype(np.float32), rng.normal(size=(2, 5, 8)).astype(np.float32)
+    hint = r"each dimension full or 1\. A \(B, S\) padding mask goes in `key_mask` \(True = a real key\)\. "
+    messages = set()
+    for framework in FRAMEWORKS:
+        layer_class, tensor = _layers(framework)
+        layer = layer_class(8, 2)
+        with pytest.raises(ValueError, match=hint + r"Expected: \(B, N, T, S\)=\(2, 2, 3, 5\)\. "
+                           r"Received: attention_mask\.shape=\(2, 5\)") as error:  # fmt: skip
+            layer(tensor(query), key=tensor(key), value=tensor(key), attention_mask=tensor(np.ones((2, 5), bool)))
+        messages.add(_message(error.value))
+        with pytest.raises(ValueError, match=r"full or 1\. Expected") as error:
+            layer(tensor(query), key=tensor(key), value=tensor(key), attention_mask=tensor(np.ones((3, 4), bool)))
+    assert len(messages) == 1, messages
