@@ -115,7 +115,87 @@ def warnings_as_errors():
             raise AssertionError("the habit gave no AttentionMaskWarning")
 
 
-CHECKS = {check.__name__: check for check in (warning_location, warnings_as_errors)}
+def _shape(x):
+    return tuple(None if d is None else int(d) for d in x.shape)
+
+
+def _shapes(results):
+    """The shapes of a call's results: output, weights, a cache's four fields."""
+    results = results if isinstance(results, (tuple, list)) else (results,)
+    flat = [y for x in results for y in (x if hasattr(x, "_fields") else (x,))]
+    return [_shape(x) for x in flat]
+
+
+def _fits(symbolic, eager):
+    """A symbolic shape holds an eager one: the same rank, and every static dimension equal."""
+    return len(symbolic) == len(eager) and all(d in (None, e) for d, e in zip(symbolic, eager, strict=True))
+
+
+def _agree(first, second):
+    """Two symbolic shapes of the same rank, equal where both know a dimension (Keras' built-in
+    gives its scores' S as T at times: only the outputs are compared)."""
+    return len(first) == len(second) and all(None in (a, b) or a == b for a, b in zip(first, second, strict=True))
+
+
+def functional_shapes_hold(module, draw):
+    """One drawn configuration and call of the layer in `module` ("TensorFlow" or "Keras") on
+    symbolic inputs (`keras.Input`, batch and lengths static or not) and on arrays: the symbolic
+    shapes hold the eager ones with T, E and N static, and agree with the built-in's where it takes
+    the call (no cache; it knows S static at times where it is not). `draw` is hypothesis' `data.draw`."""
+    import keras
+    from hypothesis import strategies as st
+
+    kv_heads = draw(st.sampled_from([1, 2]))
+    heads, head_dim = kv_heads * draw(st.sampled_from([1, 2])), draw(st.sampled_from([2, 3]))
+    e = heads * head_dim
+    inputs = draw(st.sampled_from(["self", "key", "cross"]))
+    kdim = None if inputs == "self" else draw(st.sampled_from([None, 5]))
+    b, t, s = draw(st.integers(1, 3)), draw(st.sampled_from([1, 2, 5])), draw(st.sampled_from([1, 3, 4]))
+    s = t if inputs == "self" else s
+    static = {name: draw(st.booleans()) for name in ("b", "t", "s")}
+    return_attention, cached = draw(st.booleans()), inputs == "self" and draw(st.booleans())
+    layer = __import__(module).MultiHeadAttention(e, heads, num_kv_heads=kv_heads, kdim=kdim, vdim=kdim)  # value: key
+    arguments = {"return_attention": return_attention}
+    if cached:
+        arguments |= {"cache": layer.init_cache(b, t + 2), "causal": True}
+        static["b"] = True  # the cache's batch is static
+        static["t"] = True  # open: on torch, Keras traces an unknown T as 83 and the cache's room check refuses it
+    batch = b if static["b"] else None
+    query = keras.Input(batch_shape=(batch, t if static["t"] else None, e))
+    rng = np.random.default_rng(0)
+    arrays = {"query": rng.standard_normal((b, t, e)).astype("float32")}
+    symbolic = {"query": query}
+    if inputs != "self":
+        symbolic["key"] = keras.Input(batch_shape=(batch, s if static["s"] else None, kdim or e))
+        arrays["key"] = rng.standard_normal((b, s, kdim or e)).astype("float32")
+    if inputs == "cross":
+        symbolic["value"], arrays["value"] = symbolic["key"], arrays["key"]
+    got, want = _shapes(layer(**symbolic, **arguments)), _shapes(layer(**arrays, **arguments))
+    assert len(got) == len(want) and all(map(_fits, got, want)), (got, want)
+    assert got[0][1:] == ((t if static["t"] else None), e), got  # T and E stay static
+    if cached:
+        return
+    built_in = keras.layers.MultiHeadAttention(heads, head_dim) if kv_heads == heads else (
+        keras.layers.GroupQueryAttention(head_dim, heads, kv_heads)
+    )  # fmt: skip
+    key = symbolic.get("key", query)
+    try:
+        expected = _shapes(built_in(query, key, key, return_attention_scores=return_attention))
+    except ValueError:  # GroupQueryAttention's compute_output_shape takes no value width but the query's
+        assert kv_heads < heads and kdim is not None
+        return
+    assert _agree(got[0], expected[0]), (got, expected)  # the output (the built-in's scores' S can be wrong)
+
+
+def functional_shapes():
+    """`functional_shapes_hold` for the Keras file, over the profile's examples."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    given(data=st.data())(lambda data: functional_shapes_hold("Keras", data.draw))()
+
+
+CHECKS = {check.__name__: check for check in (warning_location, warnings_as_errors, functional_shapes)}
 
 
 def main(backend, max_examples, derandomize, names):

@@ -21,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shared_tests import keras_seams
 from shared_tests.cases import TOLERANCES
 
 OUTPUT_TOL = TOLERANCES["float32"]["output"]
@@ -236,3 +237,24 @@ def test_from_keras_and_back_compute_what_the_built_in_computes_or_refuse(module
     back = layer.to_keras()
     again = back(query, value, attention_mask=keep, use_causal_mask=causal)
     np.testing.assert_allclose(np.asarray(again), np.asarray(expected), atol=OUTPUT_TOL, rtol=0)
+
+
+# -------------------------------------------------------------------------------------------------
+# Functional models
+# -------------------------------------------------------------------------------------------------
+
+
+@SEAM
+@given(data=st.data())
+def test_tensorflow_file_symbolic_shapes_hold_the_eager_ones_and_the_built_ins(data):
+    """The TensorFlow file on `keras.Input`s: symbolic shapes keep every static dimension, hold
+    the eager shapes and equal the built-in's (return_attention, key and value given or not, a
+    cache); shared_tests/keras_seams.py holds the check."""
+    keras_seams.functional_shapes_hold("TensorFlow", data.draw)
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+def test_keras_file_symbolic_shapes_hold_the_eager_ones_and_the_built_ins(backend):
+    """The same for the Keras file on each backend (in the backend's process)."""
+    result = keras_seams.results(backend)["functional_shapes"]
+    assert result is None, result
