@@ -18,7 +18,7 @@ H head size, L cache slots.
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from shared_tests import keras_seams
@@ -88,6 +88,11 @@ def _torch_call(module, query, key, value, keep, causal):
 
 @SEAM
 @given(arguments=torch_modules(), shape=shapes(), causal=st.booleans(), seed=st.integers(0, 2**16))
+@example(
+    arguments={"embed_dim": 4, "num_heads": 2, "bias": True, "add_bias_kv": False, "add_zero_attn": False,
+               "kdim": None, "vdim": 5, "batch_first": False},
+    shape=(2, 3, 4), causal=True, seed=0,
+).via("a module with every bias, T != S")  # fmt: skip
 def test_from_torch_and_back_compute_what_the_module_computes(arguments, shape, causal, seed):
     """`from_torch(module)` equals the module on its calls (masks translated: True = attend), and
     `to_torch()` of it equals both; a module with what the layer cannot hold is a ValueError."""
