@@ -2,7 +2,8 @@
 
 A layer quantized in any framework, exported and imported into every other, gives the NumPy
 reference's numbers within one quantization step (shared_tests/int8.py), and the Keras layers
-(the TensorFlow file, and the Keras file on each backend in a process of its own) quantize as the
+(the TensorFlow file here; the Keras file on each backend in the process of
+shared_tests/test_keras.py, which runs its int8 checks beside the float ones) quantize as the
 built-in does (`model.quantize("int8")`, `.keras` save and load). Kept apart from the parity
 report: the int8 layers have no gradient to compare (the NumPy reference has no int8 backward).
 """
@@ -21,12 +22,10 @@ from PyTorch import Multi_Head_Attention as torch_file
 from shared_tests import runtimes
 from shared_tests.cases import CASES_BY_NAME, call_inputs, make_data
 from shared_tests.int8 import CASE_NAMES, FLOAT32, INT8_ERROR, assert_within_a_step, one_step
-from shared_tests.keras_backends import KERAS_BACKENDS, run_batch
 from TensorFlow import Multi_Head_Attention as tf_file
 
 SOURCES = ("numpy", "torch", "tf")
 PATHS = ("numpy", "torch:sdpa", "torch:explicit", "tf:eager", "tf:function")
-KERAS_CHECKS = ("int8_parity", "int8_model_quantize", "int8_decoding", "int8_fit", "int8_layout_checks")
 LAYERS = {"numpy": numpy_file.MultiHeadAttention, "torch": torch_file.MultiHeadAttention}
 
 
@@ -228,18 +227,6 @@ def test_to_keras_of_an_int8_layer_is_refused_and_quantizing_the_built_in_after_
     for projection in (built_in._query_dense, built_in._key_dense, built_in._value_dense, built_in._output_dense):
         projection.quantize("int8")  # what `model.quantize("int8")` does to the built-in
     np.testing.assert_allclose(layer(x).numpy(), built_in(x, x).numpy(), rtol=0, atol=FLOAT32)
-
-
-@pytest.mark.parametrize("backend", KERAS_BACKENDS)
-def test_keras_file_int8_on_every_backend(backend):
-    """The Keras file on one backend, in its own process (shared_tests/keras_checks.py): the NumPy
-    file's int8 layout imported gives the reference's output within one step (on JAX with its
-    gradient under `jax.jit`) and quantizing gives that layout; the straight-through gradient;
-    `model.quantize("int8")` and `.keras` save and load; decoding in `ops.while_loop` equal to the
-    full pass; `fit` (under XLA on TensorFlow and JAX); the layout and mode checks."""
-    out = run_batch(backend, checks=KERAS_CHECKS)
-    failed = {name: error for name, error in out["checks"].items() if error is not None}
-    assert set(out["checks"]) == set(KERAS_CHECKS) and not failed, "\n".join(failed.values())
 
 
 @pytest.mark.parametrize("framework", ("numpy", "torch", "tf"))

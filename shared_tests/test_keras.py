@@ -25,6 +25,7 @@ CHECKS = (
     "clip_qkv", "window_pair", "attention_chunk", "rope_sections", "qk_norm_variants", "memory_efficient",
     "memory_efficient_dropout", "fused",
 )  # fmt: skip
+INT8_CHECKS = ("int8_parity", "int8_model_quantize", "int8_decoding", "int8_fit", "int8_layout_checks")
 
 
 def _tables(backend):
@@ -52,12 +53,17 @@ def test_every_case_decode_case_and_check_on_the_backend(backend):
     """Parity with NumPy (output, weights, gradients, exact zeros; decoding equal to the full pass
     and the caches equal), fit under XLA, seeded dropout, the mask alias, implicit masks, the
     mask warnings, decoding in `ops.while_loop` and mixed precision; on TensorFlow and torch, the
-    built-ins' round trips; on JAX and torch, the TensorFlow file's refusal."""
+    built-ins' round trips; on JAX and torch, the TensorFlow file's refusal. The int8 checks
+    (docs/SPEC.md, "int8") in the same process: the NumPy file's int8 layout imported gives the
+    reference's output within one step (on JAX with its gradient under `jax.jit`) and quantizing
+    gives that layout; the straight-through gradient; `model.quantize("int8")` and `.keras` save
+    and load; decoding in `ops.while_loop` equal to the full pass; `fit` (under XLA on TensorFlow
+    and JAX); the layout and mode checks."""
     cases, decode_cases = _tables(backend)
     cases = [(case, make_data(case)) for case in cases]
     decode_cases = [(case, make_decode_data(case)) for case in decode_cases]
     checks = CHECKS if backend == "jax" else (*CHECKS, "builtins")  # the same ops on every backend; JAX is slow
-    checks = (*checks, *(("tensorflow_file_refuses",) if backend != "tensorflow" else ()))
+    checks = (*checks, *(("tensorflow_file_refuses",) if backend != "tensorflow" else ()), *INT8_CHECKS)
     out = run_batch(backend, cases, decode_cases, checks)
     path = f"keras:{backend}"
     failures = _failures(path, cases, out["cases"], parity.compare, parity.run)

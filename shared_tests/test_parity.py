@@ -133,13 +133,27 @@ tf_file_chunk_rows, tf_file_memory_efficient = tf_file._chunk_rows, tf_file._mem
 
 @pytest.mark.parametrize("name", sorted(MUTATIONS))
 def test_broken_step_fails_the_report(name, monkeypatch, capsys):
-    """A mutated layer fails the report. Its dynamic exports go to a cache of their own: an export
-    kept from a mutated layer failed later tests against the repaired one (1.28 off)."""
+    """A mutated layer fails the report, through the in-process paths (`--no-runtimes`: that each
+    runtime column catches a broken layer is the test below; the dynamic exports are judged
+    against the eager layer, mutated too, so they could not catch it)."""
     target, attribute, replacement, case_name = MUTATIONS[name]
     monkeypatch.setattr(target, attribute, replacement)
-    monkeypatch.setattr(runtimes, "EXPORTS", {})
-    assert parity.main(["--case", case_name]) == 1
+    assert parity.main(["--no-runtimes", "--case", case_name]) == 1
     assert "FAIL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("path", RUNTIME_PATHS)
+def test_each_runtime_column_catches_a_broken_layer(path, monkeypatch):
+    """The layer exported with its heads split wrongly fails its runtime's column against NumPy:
+    the runtime runs the exported layer, so a broken step reaches it."""
+    framework = path.split(":")[0]
+    target, attribute, replacement, case_name = MUTATIONS[f"{framework}_head_split"]
+    monkeypatch.setattr(target, attribute, replacement)
+    case = CASES_BY_NAME[case_name]
+    row, results = parity.run_case(case, paths=("numpy", path))
+    assert set(results) == {"numpy", path}, row.failures  # the runtime ran, and what it gave is wrong
+    assert row.diffs[parity.RUNTIMES_LABEL]["output"] > case.tolerance["output"]
+    assert any(failure.startswith(f"{framework}/numpy output") for failure in row.failures), row.failures
 
 
 @pytest.mark.parametrize(
@@ -152,10 +166,11 @@ def test_dropped_bias_fails_the_row(classes):
 
 
 def test_report_passes_and_writes_json_and_plot(tmp_path, capsys):
+    """Without the runtimes: `test_case_in_parity` runs these two cases through them, and
+    `test_runtimes_run_every_float32_case_and_list_what_they_skip` the report with them."""
     out_json, out_png = tmp_path / "table.json", tmp_path / "heads.png"
-    status = parity.main(
-        ["--case", "gqa", "--case", "rows_fully_masked", "--json", str(out_json), "--plot", str(out_png)]
-    )
+    cases = ["--case", "gqa", "--case", "rows_fully_masked"]
+    status = parity.main(["--no-runtimes", *cases, "--json", str(out_json), "--plot", str(out_png)])
     printed = capsys.readouterr().out
     assert status == 0
     assert "2/2 cases PASS, 0 FAIL" in printed
