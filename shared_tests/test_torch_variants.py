@@ -1006,8 +1006,8 @@ def test_to_torch_refuses_the_variants_it_cannot_hold(config, named):
 # Errors (exact texts from the shared API) and the refused traps.
 
 CONSTRUCTOR_ERRORS = {
-    "bias_string": ({"bias": "query"}, r"`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output'\. Received: bias='query'"),
-    "bias_unknown": ({"bias": ["gate"]}, r"Received: bias=\['gate'\]"),
+    "bias_string": ({"bias": "query"}, r"`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output', 'gate'\. Received: bias='query'"),
+    "bias_unknown": ({"bias": ["qkv"]}, r"Received: bias=\['qkv'\]"),
     "scale": ({"scale": 0}, r"`scale` must be a positive float\. Received: scale=0"),
     "softcap": ({"softcap": -1.0}, r"`softcap` must be None or a positive float\. Received: softcap=-1\.0"),
     "window": ({"window": 0}, r"`window` must be None, a positive integer or a pair \(before, after\) of positive integers\. Received: window=0"),
