@@ -767,8 +767,8 @@ def test_rolling_cache_too_short_raises_eagerly():
 
 WINDOW_ERROR = r"`window` must be None, a positive integer or a pair \(before, after\) of positive integers\."
 CONSTRUCTOR_ERRORS = {
-    "bias_string": ({"bias": "query"}, r"^`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output'\. Received: bias='query'$"),
-    "bias_unknown_name": ({"bias": ("query", "gate")}, r"Received: bias=\('query', 'gate'\)$"),
+    "bias_string": ({"bias": "query"}, r"^`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output', 'gate'\. Received: bias='query'$"),
+    "bias_unknown_name": ({"bias": ("query", "qkv")}, r"Received: bias=\('query', 'qkv'\)$"),
     "scale_zero": ({"scale": 0.0}, r"^`scale` must be a positive float\. Received: scale=0\.0$"),
     "softcap_negative": ({"softcap": -1.0}, r"^`softcap` must be None or a positive float\. Received: softcap=-1\.0$"),
     "window_zero": ({"window": 0}, rf"^{WINDOW_ERROR} Received: window=0$"),
