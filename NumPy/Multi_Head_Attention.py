@@ -17,14 +17,15 @@ The math, for query head n (which reads key/value head n // (N // K)):
     scores[n] = q[n] @ k[n // G]^T * scale + float_mask         (B, N, T, S), G = N // K
     weights = softmax(scores where kept, else lowest finite)    zeroed where not kept
     context[n] = weights[n] @ v[n // G]                         (B, N, T, H)
-    output = concat_heads(context) @ output_kernel + output_bias
+    gate = sigmoid(query @ gate_kernel + gate_bias)             (B, T, N*H), with `gate` only
+    output = concat_heads(context * gate) @ output_kernel + output_bias
 
 The steps of a call (docs/SPEC.md, "Order of the steps"), one method each in `__call__`:
     1. defaults and checks; masks combined into one boolean `keep` and one additive `bias`
     2. projections          3. QK-norm of q and k        4. RoPE of q and k at `positions`
     5. cache write          6. scores * scale, soft-capping, + bias, keys removed by keep,
                                causal, window and chunk, softmax with the sinks, weighted sum of v
-    7. heads merged and the output projection
+    6b. output gate         7. heads merged and the output projection
 
 Variants, each off by default: `bias` per projection, `scale` (default 1 / sqrt(H)), `softcap`
 (scores become c * tanh(scores / c)), `window` (query t keeps key s only if s > t + (S - T) - W;
@@ -32,8 +33,10 @@ a pair (W_before, W_after) also limits the keys after it), `attention_chunk_size
 in the same chunk of C positions), RoPE (`rope_theta`, `rope_fraction`, `rope_interleaved`,
 `rope_scaling`, `rope_sections` for multimodal RoPE; `positions` in the call), `qk_norm` (RMSNorm
 or LayerNorm, `qk_norm_type`, of q and k per head, with a scale per head, or over all heads; a
-bias with `qk_norm_bias`), `sinks` (a learned logit per head in the softmax's denominator) and
-`clip_qkv` (q, k and v clamped to [-c, c] right after their projections: OLMo, DBRX, MPT). Call
+bias with `qk_norm_bias`), `sinks` (a learned logit per head in the softmax's denominator),
+`clip_qkv` (q, k and v clamped to [-c, c] right after their projections: OLMo, DBRX, MPT) and
+`gate` (each head's result times sigmoid(query @ gate_kernel + gate_bias): Keras' `use_gate`,
+Qwen3-Next). Call
 arguments `attention_bias` (added to the scores, with a gradient; see `alibi_bias`), `key_mask`
 (B, S) and `query_mask` (B, T). The reference has no dropout: `dropout` must be 0.
 
@@ -47,8 +50,9 @@ weights of exactly 0, so its output is `output_bias`. Example, a key padding mas
     layer(x, key_mask=keep)                           # or attention_mask=keep[:, None, :]
 
 Weights (`export_weights`, docs/SPEC.md "Weights"): `<kind>_kernel` (D, heads*H) and
-`<kind>_bias` for kind in query, key, value, output; `query_norm`, `key_norm` with `qk_norm`
-(and `query_norm_bias`, `key_norm_bias` with `qk_norm_bias`); `sinks` (N,) with sinks; float64,
+`<kind>_bias` for kind in query, key, value, output (and gate with `gate`); `query_norm`,
+`key_norm` with `qk_norm` (and `query_norm_bias`, `key_norm_bias` with `qk_norm_bias`); `sinks`
+(N,) with sinks; float64,
 and int8 kernels with float32 `<kind>_kernel_scale` once `quantize("int8")` (Keras' scheme; such
 a layer has no `backward`).
 
@@ -68,7 +72,7 @@ import numpy as np
 
 __all__ = ["AttentionMaskWarning", "KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
 
-_PROJECTIONS = ("query", "key", "value", "output")
+_PROJECTIONS = ("query", "key", "value", "output", "gate")  # the names `bias` takes; "gate" only with `gate`
 _ROPE_SCALING = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -144,6 +148,7 @@ class _Variants(NamedTuple):
     qk_norm_bias: bool
     sinks: bool
     clip_qkv: float | None
+    gate: bool
 
 
 def _check_variants(
@@ -163,6 +168,7 @@ def _check_variants(
     qk_norm_bias,
     sinks,
     clip_qkv,
+    gate,
 ):
     """Checks the constructor's variant arguments (a ValueError names the first one that is
     invalid) and returns them as a `_Variants`: `scale` defaults to 1 / sqrt(H)."""
@@ -186,6 +192,7 @@ def _check_variants(
     rope_interleaved = _flag("rope_interleaved", rope_interleaved)
     qk_norm_bias = _flag("qk_norm_bias", qk_norm_bias)
     sinks = _flag("sinks", sinks)
+    gate = _flag("gate", gate)
     return _Variants(
         scale,
         softcap,
@@ -202,6 +209,7 @@ def _check_variants(
         qk_norm_bias,
         sinks,
         clip_qkv,
+        gate,
     )
 
 
@@ -268,21 +276,27 @@ def _dropout_rate(dropout):
     return float(dropout)
 
 
-def _projection_biases(bias):
+def _projection_biases(bias, gate):
     """`bias` -> the names of the projections that have a bias, in the order ("query", "key",
-    "value", "output"). `bias` is a Python or NumPy bool (all or none), or a list, tuple, set or
-    frozenset of those names; anything else (a string, a dict or its keys, an array) is refused."""
+    "value", "output", "gate"). `bias` is a Python or NumPy bool (all the layer's projections, the
+    gate's only with `gate` True, or none), or a list, tuple, set or frozenset of those names;
+    anything else (a string, a dict or its keys, an array) is refused."""
     if isinstance(bias, (bool, np.bool_)):
-        return _PROJECTIONS if bias else ()
+        return _projection_kinds(gate is True or gate is np.True_) if bias else ()
     names = isinstance(bias, (list, tuple, set, frozenset)) and all(
         isinstance(name, str) and name in _PROJECTIONS for name in bias
     )
     if not names:
         raise ValueError(
-            "`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output'. "
+            "`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output', 'gate'. "
             f"Received: bias={bias!r}"
         )
     return tuple(name for name in _PROJECTIONS if name in bias)
+
+
+def _projection_kinds(gate):
+    """The layer's projections: query, key, value and output, and the gate's with `gate`."""
+    return _PROJECTIONS if gate else _PROJECTIONS[:4]
 
 
 def _rotary_dim(rope_fraction, head_dim, rope):
@@ -614,6 +628,11 @@ def alibi_bias(num_heads, positions):
 # -------------------------------------------------------------------------------------------------
 # Steps 2 and 3: projections and QK-norm
 # -------------------------------------------------------------------------------------------------
+
+
+def _sigmoid(x):
+    """1 / (1 + exp(-x)), without overflow for large |x|."""
+    return np.exp(-np.logaddexp(0.0, -x))
 
 
 def rms_norm(x, scale, eps):
@@ -1121,9 +1140,10 @@ class MultiHeadAttention:
         kdim: width of `key`. Defaults to E.
         vdim: width of `value`. Defaults to E.
         dropout: must be 0: the reference has no dropout.
-        bias: True (all four projections have a bias), False (none), or a list, tuple or set of the
-            names of those that have one, among "query", "key", "value", "output" (Qwen2:
-            ("query", "key", "value")). Kept as that tuple of names, in that order.
+        bias: True (all the projections have a bias, the gate's with `gate`), False (none), or a
+            list, tuple or set of the names of those that have one, among "query", "key", "value",
+            "output", "gate" (Qwen2: ("query", "key", "value")). Kept as that tuple of names, in
+            that order.
         scale: the factor of the scores q . k; defaults to 1 / sqrt(H).
         softcap: None, or c: scores become c * tanh(scores / c) (Gemma 2).
         window: None, W, or a pair (W_before, W_after): query t keeps key s only if
@@ -1149,6 +1169,9 @@ class MultiHeadAttention:
             denominator (gpt-oss).
         clip_qkv: None, or c: q, k and v are clamped to [-c, c] right after their projections
             (bias included), before QK-norm, RoPE and the cache (OLMo, DBRX, MPT).
+        gate: if True, each head's attention result is multiplied, feature by feature, by
+            sigmoid(query @ gate_kernel + gate_bias) before the heads are merged (Keras'
+            `use_gate`, Qwen3-Next, Qwen3.5).
         seed: seed for the Glorot uniform initialisation of the kernels (biases start at 0).
 
     Call arguments:
@@ -1219,6 +1242,7 @@ class MultiHeadAttention:
         qk_norm_bias=False,
         sinks=False,
         clip_qkv=None,
+        gate=False,
         seed=None,
     ):
         self.d_model = _positive_int("d_model", d_model)
@@ -1236,13 +1260,13 @@ class MultiHeadAttention:
         if _dropout_rate(dropout) != 0.0:
             raise ValueError(f"`dropout` must be 0: the NumPy reference has no dropout. Received: dropout={dropout!r}")
         self.dropout = 0.0
-        self.bias = _projection_biases(bias)
+        self.bias = _projection_biases(bias, gate)
         variants = _check_variants(
             self.head_dim, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved,
-            rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv,
+            rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv, gate,
         )  # fmt: skip
         for name, value in variants._asdict().items():
-            setattr(self, name, value)  # self.scale, self.softcap, ..., self.sinks, self.clip_qkv
+            setattr(self, name, value)  # self.scale, self.softcap, ..., self.sinks, self.clip_qkv, self.gate
         self._inv_freq = None  # (R/2,), computed once
         if self.rope_theta is not None:
             rotary_dim = _rotary_dim(rope_fraction, self.head_dim, True)
@@ -1256,7 +1280,8 @@ class MultiHeadAttention:
 
     def weight_shapes(self):
         """The portable layout: {name: shape}; biases of the projections in `bias`, the norm
-        scales with `qk_norm` (and their biases with `qk_norm_bias`), `sinks` with sinks."""
+        scales with `qk_norm` (and their biases with `qk_norm_bias`), `sinks` with sinks, the gate's
+        kernel with `gate`."""
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         shapes = {
             "query_kernel": (self.d_model, nh),
@@ -1272,10 +1297,13 @@ class MultiHeadAttention:
             "query_norm_bias": (self.head_dim,) if self.qk_norm == "head" else (nh,),
             "key_norm_bias": (self.head_dim,) if self.qk_norm == "head" else (kh,),
             "sinks": (self.num_heads,),
+            "gate_kernel": (self.d_model, nh),
+            "gate_bias": (nh,),
         }
+        kinds = _projection_kinds(self.gate)
         present = {
-            **{f"{kind}_kernel": True for kind in _PROJECTIONS},
-            **{f"{kind}_bias": kind in self.bias for kind in _PROJECTIONS},
+            **{f"{kind}_kernel": kind in kinds for kind in _PROJECTIONS},
+            **{f"{kind}_bias": kind in self.bias and kind in kinds for kind in _PROJECTIONS},
             "query_norm": self.qk_norm is not None,
             "key_norm": self.qk_norm is not None,
             "query_norm_bias": self.qk_norm is not None and self.qk_norm_bias,
@@ -1308,7 +1336,7 @@ class MultiHeadAttention:
         self.params = {name: np.array(weights[name], dtype=_portable_dtype(name, int8)) for name in expected}
 
     def quantize(self, mode):
-        """Quantizes the four projections' kernels to int8 with one float32 scale per output
+        """Quantizes the projections' kernels (the gate's too with `gate`) to int8 with one float32 scale per output
         column (Keras' scheme, docs/SPEC.md "int8"); each call then quantizes the projections'
         inputs per token. The quantized layer has no `backward`.
 
@@ -1320,7 +1348,7 @@ class MultiHeadAttention:
         if self.quantization_mode is not None:
             raise ValueError(f"The layer is already quantized. Received: mode={mode!r}")
         params = dict(self.params)
-        for kind in _PROJECTIONS:
+        for kind in _projection_kinds(self.gate):
             params[f"{kind}_kernel"], params[f"{kind}_kernel_scale"] = _quantize_kernel(params[f"{kind}_kernel"])
         self.params = {name: params[name] for name in _with_scales(self.weight_shapes())}
 
@@ -1506,6 +1534,14 @@ class MultiHeadAttention:
             attention_chunk_size=call.attention_chunk_size, sinks=self.params.get("sinks"),
         )  # fmt: skip
 
+    def _gate_heads(self, call, context):
+        """Step 6b: the (B, N, T, H) attention result times sigmoid(query @ gate_kernel + gate_bias)
+        split into heads (unchanged without `gate`); returns (gated result, gate or None)."""
+        if not self.gate:
+            return context, None
+        gate = self._split_heads(_sigmoid(self._project(call.query, "gate")))  # (B, T, E) -> (B, N, T, H)
+        return context * gate, gate
+
     def __call__(
         self,
         query,
@@ -1532,16 +1568,19 @@ class MultiHeadAttention:
         q, k = self._rotate(q, k, call.positions)  # 4. RoPE
         k, v, keep, call = self._update_cache(call, k, v, keep)  # 5. KV cache (replaces causal/window/chunk/cache)
         context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S)
-        merged = self._merge_heads(context)  # 7. (B, N, T, H) -> (B, T, N*H)
+        gated, gate = self._gate_heads(call, context)  # 6b. (B, N, T, H), the output gate
+        merged = self._merge_heads(gated)  # 7. (B, N, T, H) -> (B, T, N*H)
         output = self._project(merged, "output")  # 7. (B, T, N*H) -> (B, T, E)
-        self._save_for_backward(call, key, value, attention_bias, q, k, v, keep, weights, merged)  # for `backward`
+        saved = (q, k, v, keep, weights, context, gate, merged)
+        self._save_for_backward(call, key, value, attention_bias, *saved)  # for `backward`
         return _results(output, weights, call.cache, call.return_attention)
 
-    def _save_for_backward(self, call, key, value, attention_bias, q, k, v, keep, weights, merged):
+    def _save_for_backward(self, call, key, value, attention_bias, q, k, v, keep, weights, context, gate, merged):
         """Keeps what `backward` needs from a call without a cache (after one: nothing): the call,
         which of key and value were left out, the shape of `attention_bias`, the (B, N, T, H) q
-        and (B, K, S, H) k and v attended, keep with causal and window folded in, the weights and
-        the (B, T, N*H) merged heads. `backward` recomputes the rest."""
+        and (B, K, S, H) k and v attended, keep with causal and window folded in, the weights, the
+        (B, N, T, H) attention result and gate (None without `gate`) and the (B, T, N*H) merged
+        heads. `backward` recomputes the rest."""
         if call.cache is not None:
             self._saved = None
             return
@@ -1550,7 +1589,7 @@ class MultiHeadAttention:
         bias_shape = None if attention_bias is None else np.shape(attention_bias)
         self._saved = dict(
             call=call, defaulted=_inputs(None, key, value)[2], bias_shape=bias_shape, q=q, k=k, v=v, keep=keep,
-            weights=weights, merged=merged,
+            weights=weights, context=context, gate=gate, merged=merged,
         )  # fmt: skip
 
     def backward(self, grad_output):
@@ -1566,6 +1605,7 @@ class MultiHeadAttention:
         """
         g, c = self._check_backward(grad_output), self._saved  # (B, T, E)
         grads, d_context = _output_backward(g, c["merged"], self.params["output_kernel"], self.num_heads, self.head_dim)
+        d_context, d_gate_query = self._gate_backward(d_context, grads)  # 6b. output gate
         sinks = self.params.get("sinks")  # 6. attention
         d_q, d_k, d_v, d_biased, d_sinks = _attention_backward(
             d_context, c["q"], c["k"], c["v"], c["keep"], c["weights"], self.scale, self.softcap, sinks
@@ -1579,8 +1619,22 @@ class MultiHeadAttention:
         inputs = {}
         for kind, d_heads in (("query", d_q), ("key", d_k), ("value", d_v)):  # 3. QK-norm, 2. clip, projections
             inputs[kind] = self._project_backward(kind, getattr(c["call"], kind), d_heads, grads)
+        inputs["query"] = inputs["query"] if d_gate_query is None else inputs["query"] + d_gate_query
         grads = {name: grads[name] for name in self.weight_shapes()}
         return {**_fold_defaulted(inputs, c["defaulted"]), **extra, **grads}
+
+    def _gate_backward(self, d_gated, grads):
+        """Step 6b backward from the (B, N, T, H) gradient of the gated result: adds the gradients
+        of `gate_kernel` and `gate_bias` to `grads`; returns (d_context (B, N, T, H), the query's
+        (B, T, E) gradient through the gate, or None without `gate`)."""
+        c = self._saved
+        if c["gate"] is None:
+            return d_gated, None
+        gate, query = c["gate"], c["call"].query
+        d_logits = self._merge_heads(d_gated * c["context"] * gate * (1.0 - gate))  # sigmoid', (B, T, N*H)
+        grads["gate_kernel"] = np.einsum("bte,btm->em", query, d_logits)
+        grads["gate_bias"] = d_logits.sum(axis=(0, 1))
+        return d_gated * gate, d_logits @ self.params["gate_kernel"].T  # (B, N, T, H), (B, T, N*H) -> (B, T, E)
 
     def _check_backward(self, grad_output):
         """`grad_output` as a float64 (B, T, E) array, after the checks that `backward` can run."""

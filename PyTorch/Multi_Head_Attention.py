@@ -14,15 +14,16 @@ The math, for query head n (which reads key/value head n // (N // K)):
     scores[n] = q[n] @ k[n // G]^T * scale + float_mask         (B, N, T, S), G = N // K, scale = 1 / sqrt(H)
     weights = softmax(scores where kept, else lowest finite)    zeroed where not kept
     context[n] = weights[n] @ v[n // G]                         (B, N, T, H)
-    output = concat_heads(context) @ output_kernel + output_bias
+    gate = sigmoid(query @ gate_kernel + gate_bias)             (B, T, N*H), with `gate` only
+    output = concat_heads(context * gate) @ output_kernel + output_bias
 
-The steps of a call (`forward` reads as these seven lines):
+The steps of a call (`forward` reads as these lines):
     1. defaults and checks (`_check_call`); the masks combined into one boolean `keep` and one
        additive `bias` (`_masks`)
     2. projections          3. QK-norm of q and k        4. RoPE of q and k at `positions`
     5. cache write          6. scores * scale, soft-capping, + bias, keys removed by keep,
                                causal, window and chunk, softmax with the sinks, weighted sum of v
-    7. heads merged and the output projection
+    6b. output gate         7. heads merged and the output projection
 
 Variants, each off by default and each one small step of the call (constructor arguments):
 `bias` per projection (Qwen2), `scale` (T5, Gemma), `softcap` (Gemma 2), `window` (a sliding
@@ -30,7 +31,9 @@ window: Mistral, gpt-oss; a two-sided band (before, after): ModernBERT), `attent
 (Llama 4), rotary position embeddings (`rope_theta`, `rope_fraction`, `rope_interleaved`,
 `rope_scaling`, `rope_sections`: Llama, GPT-NeoX, GPT-J, Llama 3.1, Qwen2-VL's M-RoPE),
 `qk_norm` (`qk_norm_type` RMSNorm or LayerNorm, `qk_norm_bias`: Qwen3, OLMo2, StableLM, Phi),
-`sinks` (gpt-oss) and `clip_qkv` (q, k and v clamped after the projections: OLMo, DBRX, MPT).
+`sinks` (gpt-oss), `clip_qkv` (q, k and v clamped after the projections: OLMo, DBRX, MPT) and
+`gate` (each head's result times sigmoid(query @ gate_kernel + gate_bias): Keras' `use_gate`,
+Qwen3-Next).
 
 Masks: a boolean `attention_mask` is True where a query may attend a key (the opposite of
 `nn.MultiheadAttention`, where True means "ignore"); a floating one is added to the scores
@@ -46,8 +49,8 @@ Example, a key padding mask for keys [a, b, <pad>]:
 Parameters: `query`, `key`, `value` and `output` are `nn.Linear` submodules, so `state_dict`
 holds `query.weight` = query_kernel^T, `query.bias` = query_bias, and so on for the others;
 with `qk_norm` also `query_norm` and `key_norm` (and `query_norm_bias`, `key_norm_bias` with
-`qk_norm_bias`), with `sinks=True` also `sinks` (N,).
-`layer.quantize("int8")` makes the four projections `Int8Linear` modules (Keras' int8 scheme).
+`qk_norm_bias`), with `sinks=True` also `sinks` (N,), with `gate=True` the `nn.Linear` `gate`.
+`layer.quantize("int8")` makes the projections `Int8Linear` modules (Keras' int8 scheme).
 
 Decoding with a KV cache (L: the cache's max length): `cache = layer.init_cache(B, L)`, then
 `output, cache = layer(x, cache=cache)` for a prompt (T > 1) and then one token at a time
@@ -73,7 +76,7 @@ from torch import nn
 
 __all__ = ["AttentionMaskWarning", "Int8Linear", "KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
 
-_PROJECTIONS = ("query", "key", "value", "output")
+_PROJECTIONS = ("query", "key", "value", "output", "gate")  # the names `bias` takes; "gate" only with `gate`
 _ROPE_SCALING = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -133,11 +136,12 @@ class _Variants(NamedTuple):
     qk_norm_bias: bool
     sinks: bool
     clip_qkv: float | None  # None: no clamp
+    gate: bool
 
 
 def _check_variants(
     head_dim, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved,
-    rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv,
+    rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv, gate,
 ):  # fmt: skip
     """The variants' constructor arguments checked, in this order (the flags last), into a
     `_Variants` (a ValueError names the first one that is not valid)."""
@@ -158,9 +162,10 @@ def _check_variants(
     clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
     rope_interleaved = _flag("rope_interleaved", rope_interleaved)  # the flags last
     qk_norm_bias, sinks = _flag("qk_norm_bias", qk_norm_bias), _flag("sinks", sinks)
+    gate = _flag("gate", gate)
     return _Variants(
         scale, softcap, window, chunk, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling,
-        rope_sections, qk_norm, qk_norm_eps, str(qk_norm_type), qk_norm_bias, sinks, clip_qkv,
+        rope_sections, qk_norm, qk_norm_eps, str(qk_norm_type), qk_norm_bias, sinks, clip_qkv, gate,
     )  # fmt: skip
 
 
@@ -243,21 +248,27 @@ def _dropout_rate(dropout):
     return float(dropout)
 
 
-def _projection_biases(bias):
+def _projection_biases(bias, gate):
     """`bias` -> the names of the projections that have a bias, in the order ("query", "key",
-    "value", "output"). `bias` is a Python or NumPy bool (all or none), or a list, tuple, set or
-    frozenset of those names; anything else (a string, a dict or its keys, an array) is refused."""
+    "value", "output", "gate"). `bias` is a Python or NumPy bool (all the layer's projections, the
+    gate's only with `gate` True, or none), or a list, tuple, set or frozenset of those names;
+    anything else (a string, a dict or its keys, an array) is refused."""
     if isinstance(bias, (bool, np.bool_)):
-        return _PROJECTIONS if bias else ()
+        return _projection_kinds(gate is True or gate is np.True_) if bias else ()
     names = isinstance(bias, (list, tuple, set, frozenset)) and all(
         isinstance(name, str) and name in _PROJECTIONS for name in bias
     )
     if not names:
         raise ValueError(
-            "`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output'. "
+            "`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output', 'gate'. "
             f"Received: bias={bias!r}"
         )
     return tuple(name for name in _PROJECTIONS if name in bias)
+
+
+def _projection_kinds(gate):
+    """The layer's projections: query, key, value and output, and the gate's with `gate`."""
+    return _PROJECTIONS if gate else _PROJECTIONS[:4]
 
 
 def _rotary_dim(rope_fraction, head_dim, rope):
@@ -1380,9 +1391,10 @@ class MultiHeadAttention(nn.Module):
         kdim: width of `key`. Defaults to E.
         vdim: width of `value`. Defaults to E.
         dropout: probability of dropping attention weights in training mode; 0 <= p < 1.
-        bias: True (all four projections have a bias), False (none), or a list, tuple or set of the
-            names of those that have one, among "query", "key", "value", "output" (Qwen2:
-            ("query", "key", "value")). Kept as that tuple of names, in that order.
+        bias: True (all the projections have a bias, the gate's with `gate`), False (none), or a
+            list, tuple or set of the names of those that have one, among "query", "key", "value",
+            "output", "gate" (Qwen2: ("query", "key", "value")). Kept as that tuple of names, in
+            that order.
         scale: the factor of the scores, scores = (q . k) * scale. Defaults to 1 / sqrt(H).
         softcap: None or c > 0: the scaled scores become c * tanh(scores / c) (Gemma 2), before
             `attention_bias` and the floating mask are added.
@@ -1415,6 +1427,9 @@ class MultiHeadAttention(nn.Module):
             extra term in the softmax's denominator (gpt-oss); rows then sum to less than 1.
         clip_qkv: None or c > 0: q, k and v are clamped to [-c, c] right after their projections
             (bias included), before QK-norm, RoPE and the cache (OLMo, DBRX, MPT).
+        gate: if True, each head's attention result is multiplied, feature by feature, by
+            sigmoid(query @ gate_kernel + gate_bias) before the heads are merged (Keras'
+            `use_gate`, Qwen3-Next, Qwen3.5); the projection is the `nn.Linear` `gate`.
         device: device of the parameters.
         dtype: dtype of the parameters.
 
@@ -1488,6 +1503,7 @@ class MultiHeadAttention(nn.Module):
         qk_norm_bias=False,
         sinks=False,
         clip_qkv=None,
+        gate=False,
         device=None,
         dtype=None,
     ):
@@ -1505,10 +1521,10 @@ class MultiHeadAttention(nn.Module):
         self.kdim = _positive_int("kdim", self.d_model if kdim is None else kdim)
         self.vdim = _positive_int("vdim", self.d_model if vdim is None else vdim)
         self.dropout = _dropout_rate(dropout)
-        self.bias = _projection_biases(bias)
+        self.bias = _projection_biases(bias, gate)
         variants = _check_variants(
             self.head_dim, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved,
-            rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv,
+            rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv, gate,
         )  # fmt: skip
         self.scale, self.softcap, self.window = variants.scale, variants.softcap, variants.window
         self.attention_chunk_size = variants.attention_chunk_size
@@ -1519,12 +1535,12 @@ class MultiHeadAttention(nn.Module):
         self.qk_norm_type, self.qk_norm_bias = variants.qk_norm_type, variants.qk_norm_bias
         self.clip_qkv = variants.clip_qkv
         self._rotary_dim = _rotary_dim(self.rope_fraction, self.head_dim, self.rope_theta is not None)  # None: no RoPE
-        self._make_weights(variants.sinks, {"device": device, "dtype": dtype})
+        self._make_weights(variants.sinks, variants.gate, {"device": device, "dtype": dtype})
         self._warned_traps = set()  # the mask habits warned of, once each
         self.reset_parameters()
 
-    def _make_weights(self, sinks, factory):
-        """The four projections, the QK-norm scales and biases, the sink logits and the RoPE
+    def _make_weights(self, sinks, gate, factory):
+        """The four projections (five with the gate's), the QK-norm scales and biases, the sink logits and the RoPE
         frequencies (a non-persistent float32 buffer `_inv_freq` (R/2,), None without RoPE, filled
         by `reset_parameters`), uninitialized."""
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -1532,6 +1548,8 @@ class MultiHeadAttention(nn.Module):
         self.key = nn.Linear(self.kdim, kh, bias="key" in self.bias, **factory)  # key_kernel^T: (K*H, kdim)
         self.value = nn.Linear(self.vdim, kh, bias="value" in self.bias, **factory)  # value_kernel^T: (K*H, vdim)
         self.output = nn.Linear(nh, self.d_model, bias="output" in self.bias, **factory)  # output_kernel^T: (E, N*H)
+        gated = nn.Linear(self.d_model, nh, bias="gate" in self.bias, **factory) if gate else None
+        self.gate = gated  # gate_kernel^T: (N*H, E), None without `gate`
         norms = {None: (None, None), "head": (self.head_dim, self.head_dim)}.get(self.qk_norm, (nh, kh))
         self.query_norm, self.key_norm = (
             None if width is None else nn.Parameter(torch.empty(width, **factory)) for width in norms
@@ -1548,7 +1566,7 @@ class MultiHeadAttention(nn.Module):
     def reset_parameters(self):
         """Glorot (Xavier) uniform kernels, zero biases, QK-norm scales of one, QK-norm biases and
         sink logits of zero, as in the other files; and the RoPE frequencies computed (`_reset_rope`)."""
-        for kind in _PROJECTIONS:
+        for kind in self._projections():
             projection = getattr(self, kind)
             nn.init.xavier_uniform_(projection.weight)
             if projection.bias is not None:
@@ -1576,17 +1594,23 @@ class MultiHeadAttention(nn.Module):
         self._reset_rope()
         return module
 
+    def _projections(self):
+        """The names of the layer's projections: query, key, value, output, and gate with `gate`."""
+        return _projection_kinds(self.gate is not None)
+
     def weight_shapes(self):
         """The portable layout: {name: shape}; a bias only where `bias` names its projection, the
         QK-norm scales only with `qk_norm` (and their biases with `qk_norm_bias`), `sinks` only
-        with `sinks=True`."""
+        with `sinks=True`, the gate's kernel only with `gate=True`."""
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         kernels = {
             "query": (self.d_model, nh),
             "key": (self.kdim, kh),
             "value": (self.vdim, kh),
             "output": (nh, self.d_model),
+            "gate": (self.d_model, nh),
         }
+        kernels = {kind: shape for kind, shape in kernels.items() if kind in self._projections()}
         shapes = {}
         for kind, shape in kernels.items():
             shapes[f"{kind}_kernel"] = shape
@@ -1645,7 +1669,7 @@ class MultiHeadAttention(nn.Module):
         problems += _int8_problems(weights, expected) if int8 else []
         if problems:
             raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
-        weights_now = {kind: getattr(getattr(self, kind), "weight", None) for kind in _PROJECTIONS}
+        weights_now = {kind: getattr(getattr(self, kind), "weight", None) for kind in self._projections()}
         quantized = [kind for kind, weight in weights_now.items() if callable(weight) or _torchao_weight(weight)]
         if quantized:
             raise ValueError(
@@ -1661,7 +1685,7 @@ class MultiHeadAttention(nn.Module):
                 tensor.copy_(value.T if transposed else value)
 
     def quantize(self, mode):
-        """Replaces the four `nn.Linear` projections by `Int8Linear` modules: int8 weights with one
+        """Replaces the `nn.Linear` projections (four, five with `gate`) by `Int8Linear` modules: int8 weights with one
         float32 scale per output feature, the inputs quantized per token at each call (Keras'
         scheme, docs/SPEC.md "int8"). `export_weights` then gives the portable int8 layout.
 
@@ -1670,18 +1694,18 @@ class MultiHeadAttention(nn.Module):
         """
         if mode != "int8":
             raise ValueError(f"`mode` must be 'int8'. Received: mode={mode!r}")
-        others = {kind: type(getattr(self, kind)).__name__ for kind in _PROJECTIONS}
+        others = {kind: type(getattr(self, kind)).__name__ for kind in self._projections()}
         others = {kind: name for kind, name in others.items() if name != "Linear"}
         if others:
-            raise ValueError(f"`quantize` needs the four projections as nn.Linear modules. Received: {others}")
-        for kind in _PROJECTIONS:
+            raise ValueError(f"`quantize` needs the projections as nn.Linear modules. Received: {others}")
+        for kind in self._projections():
             setattr(self, kind, Int8Linear.from_linear(getattr(self, kind)))
 
     @property
     def quantization_mode(self):
-        """ "int8" once `quantize("int8")` (or an int8 `import_weights`) made the four projections
+        """ "int8" once `quantize("int8")` (or an int8 `import_weights`) made the projections
         `Int8Linear` modules, else None."""
-        return "int8" if all(isinstance(getattr(self, kind), Int8Linear) for kind in _PROJECTIONS) else None
+        return "int8" if all(isinstance(getattr(self, kind), Int8Linear) for kind in self._projections()) else None
 
     def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
         """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
@@ -1714,7 +1738,7 @@ class MultiHeadAttention(nn.Module):
         """The variants not at their default, and a partial `bias`, {name: value} (`rope_sections`
         only with RoPE, `qk_norm_type` and `qk_norm_bias` only with `qk_norm`: what they change)."""
         variants = {
-            "bias": list(self.bias) if self.bias not in ((), _PROJECTIONS) else None,
+            "bias": list(self.bias) if self.bias not in ((), self._projections()) else None,
             "scale": None if self.scale == 1.0 / math.sqrt(self.head_dim) else self.scale,
             "softcap": self.softcap,
             "window": self.window,
@@ -1726,6 +1750,7 @@ class MultiHeadAttention(nn.Module):
             "qk_norm_bias": True if self.qk_norm is not None and self.qk_norm_bias else None,
             "sinks": True if self.sinks is not None else None,
             "clip_qkv": self.clip_qkv,
+            "gate": True if self.gate is not None else None,
         }
         return {name: value for name, value in variants.items() if value is not None}
 
@@ -1903,7 +1928,7 @@ class MultiHeadAttention(nn.Module):
         )
 
     def _project(self, x, kind):
-        """(B, L, D) -> (B, L, F): the projection `kind` ("query", "key", "value" or "output")."""
+        """(B, L, D) -> (B, L, F): the projection `kind` ("query", "key", "value", "output" or "gate")."""
         return _linear(getattr(self, kind), x)
 
     def _split_heads(self, y, heads):
@@ -2025,6 +2050,14 @@ class MultiHeadAttention(nn.Module):
             return context, weights if call.return_attention else None
         return _sdpa_attention(q, k, v, keep, bias, dropout, self.scale, sinks=sinks), None
 
+    def _gate_heads(self, call, context):
+        """Step 6b: the (B, N, T, H) attention result times sigmoid(query @ gate_kernel + gate_bias)
+        split into heads (unchanged without `gate`)."""
+        if self.gate is None:
+            return context
+        gate = self._split_heads(torch.sigmoid(self._project(call.query, "gate")), self.num_heads)  # -> (B, N, T, H)
+        return context * gate
+
     def forward(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
         attention_bias=None, positions=None, causal=False, return_attention=False, cache=None, mask=None,
@@ -2039,6 +2072,7 @@ class MultiHeadAttention(nn.Module):
         q, k = self._rotate(q, k, call.positions)  # 4. RoPE
         k, v, keep, call = self._update_cache(call, k, v, keep)  # 5. KV cache (may fold causal, window, chunk)
         context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S) or None
+        context = self._gate_heads(call, context)  # 6b. output gate, (B, N, T, H)
         output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*H) -> (B, T, E)
         if call.cache is not None and torch.compiler.is_compiling():  # a graph cannot raise: no room gives NaN
             t, length = q.shape[2], call.cache.key.shape[2]

@@ -14,11 +14,12 @@ The math, for query head n (which reads key/value head n // (N // K)):
     scores[n] = q[n] @ k[n // G]^T * scale + float_mask         (B, N, T, S), G = N // K
     weights = softmax(scores where kept, else lowest finite)    zeroed where not kept
     context[n] = weights[n] @ v[n // G]                         (B, N, T, H)
-    output = concat_heads(context) @ output_kernel + output_bias
+    gate = sigmoid(query @ gate_kernel + gate_bias)             (B, T, N*H), with `gate` only
+    output = concat_heads(context * gate) @ output_kernel + output_bias
 
 The steps of `call` (docs/SPEC.md, "Order of the steps"): 1. defaults and checks, the masks
 combined into one keep and one bias; 2. projections (clamped by `clip_qkv`); 3. QK-norm; 4. RoPE; 5. KV cache write;
-6. attention; 7. heads merged and the output projection.
+6. attention; 6b. the output gate (`gate`); 7. heads merged and the output projection.
 
 Variants, each off by default and each one small step of the call: `bias` per projection, `scale`
 (default 1 / sqrt(H)), `softcap` (scores become c * tanh(scores / c)), `window` (query t keeps key
@@ -27,8 +28,9 @@ s only if s > t + (S - T) - W; a pair (W_before, W_after) also needs s < t + (S 
 (`rope_theta`, `rope_fraction`, `rope_interleaved`, `rope_scaling`, `rope_sections` for
 multimodal RoPE; `positions` in the call), `qk_norm` (RMSNorm or LayerNorm, `qk_norm_type`, of q
 and k per head, each head with its own scale, or over all heads; `qk_norm_bias` adds a bias),
-`sinks` (a learned logit per head in the softmax's denominator) and `clip_qkv` (q, k and v
-clamped to [-c, c] right after their projections: OLMo, DBRX, MPT). Call arguments
+`sinks` (a learned logit per head in the softmax's denominator), `clip_qkv` (q, k and v
+clamped to [-c, c] right after their projections: OLMo, DBRX, MPT) and `gate` (each head's
+result times sigmoid(query @ gate_kernel + gate_bias): Keras' `use_gate`, Qwen3-Next). Call arguments
 `attention_bias` (added to the scores, with a gradient; see `alibi_bias`), `key_mask` (B, S) and
 `query_mask` (B, T).
 
@@ -46,7 +48,8 @@ is `output_bias`: never NaN. Example, a key padding mask for keys [a, b, <pad>]:
 
 Weights: `query_kernel` (E, N*H), `query_bias` (N*H,), `key_kernel` (kdim, K*H), ...,
 `output_kernel` (N*H, E), `output_bias` (E,), `query_norm`, `key_norm`, `query_norm_bias`,
-`key_norm_bias` and `sinks` (N,): the portable layout itself, created in `build`.
+`key_norm_bias`, `sinks` (N,), `gate_kernel` (E, N*H) and `gate_bias`: the portable layout itself,
+created in `build`.
 `layer.quantize("int8")` makes each kernel int8 with a float32 `<kind>_kernel_scale` per output
 column (Keras' int8 `Dense` scheme).
 
@@ -72,7 +75,7 @@ __all__ = ["AttentionMaskWarning", "KVCache", "MultiHeadAttention", "alibi_bias"
 
 _GROUP_QUERY_ATTENTION = getattr(tf.keras.layers, "GroupQueryAttention", None)  # None in legacy Keras (tf_keras)
 _BUILT_IN_GQA = () if _GROUP_QUERY_ATTENTION is None else (_GROUP_QUERY_ATTENTION,)
-_PROJECTIONS = ("query", "key", "value", "output")
+_PROJECTIONS = ("query", "key", "value", "output", "gate")  # the names `bias` takes; "gate" only with `gate`
 _ROPE_SCALING = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -149,11 +152,12 @@ class _Variants(NamedTuple):
     qk_norm_bias: bool
     sinks: bool
     clip_qkv: float | None
+    gate: bool
 
 
 def _check_variants(
     head_dim, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved, rope_scaling,
-    rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv,
+    rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv, gate,
 ):  # fmt: skip
     """The variant arguments of the constructor checked (a ValueError names the first bad one, in
     the signature's order with the flags last) into a `_Variants`; `scale` None becomes 1 / sqrt(H)."""
@@ -175,9 +179,10 @@ def _check_variants(
     rope_interleaved = _flag("rope_interleaved", rope_interleaved)
     qk_norm_bias = _flag("qk_norm_bias", qk_norm_bias)
     sinks = _flag("sinks", sinks)
+    gate = _flag("gate", gate)
     return _Variants(
         scale, softcap, window, chunk, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling, rope_sections,
-        qk_norm, qk_norm_eps, str(qk_norm_type), qk_norm_bias, sinks, clip_qkv,
+        qk_norm, qk_norm_eps, str(qk_norm_type), qk_norm_bias, sinks, clip_qkv, gate,
     )  # fmt: skip
 
 
@@ -261,21 +266,27 @@ def _dropout_rate(dropout):
     return float(dropout)
 
 
-def _projection_biases(bias):
+def _projection_biases(bias, gate):
     """`bias` -> the names of the projections that have a bias, in the order ("query", "key",
-    "value", "output"). `bias` is a Python or NumPy bool (all or none), or a list, tuple, set or
-    frozenset of those names; anything else (a string, a dict or its keys, an array) is refused."""
+    "value", "output", "gate"). `bias` is a Python or NumPy bool (all the layer's projections, the
+    gate's only with `gate` True, or none), or a list, tuple, set or frozenset of those names;
+    anything else (a string, a dict or its keys, an array) is refused."""
     if isinstance(bias, (bool, np.bool_)):
-        return _PROJECTIONS if bias else ()
+        return _projection_kinds(gate is True or gate is np.True_) if bias else ()
     names = isinstance(bias, (list, tuple, set, frozenset)) and all(
         isinstance(name, str) and name in _PROJECTIONS for name in bias
     )
     if not names:
         raise ValueError(
-            "`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output'. "
+            "`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output', 'gate'. "
             f"Received: bias={bias!r}"
         )
     return tuple(name for name in _PROJECTIONS if name in bias)
+
+
+def _projection_kinds(gate):
+    """The layer's projections: query, key, value and output, and the gate's with `gate`."""
+    return _PROJECTIONS if gate else _PROJECTIONS[:4]
 
 
 def _rotary_dim(rope_fraction, head_dim, rope):
@@ -1514,9 +1525,10 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         kdim: width of `key`. Defaults to E.
         vdim: width of `value`. Defaults to E.
         dropout: probability of dropping attention weights when training; 0 <= p < 1.
-        bias: True (all four projections have a bias), False (none), or a list, tuple or set of the
-            names of those that have one, among "query", "key", "value", "output" (Qwen2:
-            ("query", "key", "value")). Kept as that tuple of names, in that order.
+        bias: True (all the projections have a bias, the gate's with `gate`), False (none), or a
+            list, tuple or set of the names of those that have one, among "query", "key", "value",
+            "output", "gate" (Qwen2: ("query", "key", "value")). Kept as that tuple of names, in
+            that order.
         scale: the factor of the scores, `scores = (q . k) * scale`. Defaults to 1 / sqrt(H).
         softcap: None or a positive float c: the scores become c * tanh(scores / c).
         window: None, W, or a pair (W_before, W_after): query t keeps key s only if
@@ -1544,7 +1556,10 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         sinks: if True, one learned logit per query head in the softmax's denominator.
         clip_qkv: None or c > 0: q, k and v are clamped to [-c, c] right after their projections
             (bias included), before QK-norm, RoPE and the cache (OLMo, DBRX, MPT).
-        kernel_initializer: initializer of the four kernels.
+        gate: if True, each head's attention result is multiplied, feature by feature, by
+            sigmoid(query @ gate_kernel + gate_bias) before the heads are merged (Keras'
+            `use_gate`, Qwen3-Next, Qwen3.5).
+        kernel_initializer: initializer of the kernels.
         bias_initializer: initializer of the biases.
         **kwargs: base layer arguments (`name`, `dtype` policy, ...).
 
@@ -1604,8 +1619,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         self, d_model, num_heads, *, num_kv_heads=None, head_dim=None, kdim=None, vdim=None, dropout=0.0, bias=True,
         scale=None, softcap=None, window=None, attention_chunk_size=None, rope_theta=None, rope_fraction=1.0,
         rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None, qk_norm_eps=1e-6,
-        qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, kernel_initializer="glorot_uniform",
-        bias_initializer="zeros", **kwargs,
+        qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False,
+        kernel_initializer="glorot_uniform", bias_initializer="zeros", **kwargs,
     ):  # fmt: skip
         if tf.keras.backend.backend() != "tensorflow":
             raise ValueError(
@@ -1627,10 +1642,10 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         self.kdim = _positive_int("kdim", self.d_model if kdim is None else kdim)
         self.vdim = _positive_int("vdim", self.d_model if vdim is None else vdim)
         self.dropout = _dropout_rate(dropout)
-        self.bias = _projection_biases(bias)
+        self.bias = _projection_biases(bias, gate)
         variants = _check_variants(
             self.head_dim, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved,
-            rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv,
+            rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv, gate,
         )  # fmt: skip
         for name, value in variants._asdict().items():
             setattr(self, name, value)
@@ -1711,7 +1726,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         return query_shape
 
     def get_config(self):
-        bias = True if self.bias == _PROJECTIONS else bool(self.bias) and list(self.bias)
+        bias = True if self.bias == _projection_kinds(self.gate) else bool(self.bias) and list(self.bias)
         return {
             **super().get_config(),
             "d_model": self.d_model,
@@ -1737,6 +1752,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             "qk_norm_bias": self.qk_norm_bias,
             "sinks": self.sinks,
             "clip_qkv": self.clip_qkv,
+            "gate": self.gate,
             "kernel_initializer": tf.keras.initializers.serialize(self.kernel_initializer),
             "bias_initializer": tf.keras.initializers.serialize(self.bias_initializer),
         }
@@ -1744,7 +1760,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
     def weight_shapes(self):
         """The portable layout: {name: shape}, in its order; a projection's bias only when `bias`
         names it, the norm scales only with `qk_norm` (and their biases with `qk_norm_bias`),
-        `sinks` only with `sinks=True`."""
+        `sinks` only with `sinks=True`, the gate's kernel (and bias) after them with `gate=True`."""
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         kernels = {
             "query": (self.d_model, nh),
@@ -1752,6 +1768,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             "value": (self.vdim, kh),
             "output": (nh, self.d_model),
         }
+        gate = {"gate": (self.d_model, nh)} if self.gate else {}
         shapes = {}
         for kind, shape in kernels.items():
             shapes[f"{kind}_kernel"] = shape
@@ -1764,6 +1781,10 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             shapes["query_norm_bias"], shapes["key_norm_bias"] = shapes["query_norm"], shapes["key_norm"]
         if self.sinks:
             shapes["sinks"] = (self.num_heads,)
+        for kind, shape in gate.items():
+            shapes[f"{kind}_kernel"] = shape
+            if kind in self.bias:
+                shapes[f"{kind}_bias"] = shape[1:]
         return _with_scales(shapes) if self._int8 else shapes
 
     def export_weights(self):
@@ -1801,10 +1822,10 @@ class MultiHeadAttention(tf.keras.layers.Layer):
     # "int8_from_<policy>" dtype policies), with the portable int8 layout as the variables.
 
     def quantize(self, mode=None, type_check=True, config=None):
-        """Quantizes the four projections to int8 as Keras' `Dense.quantize("int8")` does: each
-        kernel becomes an int8 variable with one float32 `<kind>_kernel_scale` per output column,
-        each call quantizes the projections' inputs per token, and the dtype policy becomes
-        "int8_from_<policy>". `model.quantize("int8")` calls it; other modes raise
+        """Quantizes the projections (four, five with `gate`) to int8 as Keras'
+        `Dense.quantize("int8")` does: each kernel becomes an int8 variable with one float32
+        `<kind>_kernel_scale` per output column, each call quantizes the projections' inputs per
+        token, and the dtype policy becomes "int8_from_<policy>". `model.quantize("int8")` calls it; other modes raise
         `NotImplementedError`, which `model.quantize` turns into a warning, as for any Keras layer.
 
         Args:
@@ -1818,7 +1839,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         if not hasattr(self, "quantization_mode"):
             raise ValueError(f"int8 quantization needs Keras 3 (not legacy Keras 2). Received: mode={mode!r}")
         _check_int8_config(config)
-        for kind in _PROJECTIONS:
+        for kind in _projection_kinds(self.gate):
             kernel, scale = _quantize_kernel(getattr(self, f"{kind}_kernel").numpy())
             self._untrack_variable(getattr(self, f"{kind}_kernel"))  # Keras' `del` would run gc.collect() per kernel
             for name, value in ((f"{kind}_kernel", kernel), (f"{kind}_kernel_scale", scale)):
@@ -1873,7 +1894,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         """The variants not at their default, and a partial `bias`, as {name: value} (`rope_sections`
         only with RoPE, `qk_norm_type` and `qk_norm_bias` only with `qk_norm`: what they change)."""
         variants = {
-            "bias": list(self.bias) if self.bias not in ((), _PROJECTIONS) else None,
+            "bias": list(self.bias) if self.bias not in ((), _projection_kinds(self.gate)) else None,
             "scale": None if math.isclose(self.scale, 1 / math.sqrt(self.head_dim)) else self.scale,
             "softcap": self.softcap,
             "window": self.window,
@@ -1885,6 +1906,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             "qk_norm_bias": True if self.qk_norm is not None and self.qk_norm_bias else None,
             "sinks": True if self.sinks else None,
             "clip_qkv": self.clip_qkv,
+            "gate": True if self.gate else None,
         }
         return {name: value for name, value in variants.items() if value is not None}
 
@@ -2015,7 +2037,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         )
 
     def _project(self, x, kind):
-        """(B, L, D) -> (B, L, F): the `kind` projection ("query", "key", "value" or "output")."""
+        """(B, L, D) -> (B, L, F): the `kind` projection ("query", "key", "value", "output" or "gate")."""
         return _linear(x, getattr(self, f"{kind}_kernel"), self._bias_of(kind), self._scale_of(kind))
 
     def _bias_of(self, kind):
@@ -2143,12 +2165,20 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             return generator.next()
         return tf.random.uniform((2,), maxval=2**31 - 1, dtype=tf.int64)
 
+    def _gate_heads(self, call, context):
+        """Step 6b: the (B, N, T, H) attention result times sigmoid(query @ gate_kernel + gate_bias)
+        split into heads (unchanged without `gate`)."""
+        if not self.gate:
+            return context
+        gate = self._split_heads(tf.sigmoid(self._project(call.query, "gate")), self.num_heads)  # -> (B, N, T, H)
+        return context * gate
+
     def call(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
         attention_bias=None, positions=None, causal=False, return_attention=False, training=None, value_mask=None,
         cache=None,
     ):  # fmt: skip
-        """The seven steps of docs/SPEC.md ("Order of the steps"); the arguments are the class's."""
+        """The steps of docs/SPEC.md ("Order of the steps"); the arguments are the class's."""
         call = self._check_call(  # 1. defaults and checks
             query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
             return_attention, cache, training, value_mask,
@@ -2159,6 +2189,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         q, k = self._rotate(q, k, call.positions)  # 4. RoPE
         k, v, keep, call, misfit = self._update_cache(call, k, v, keep)  # 5. KV cache: (B, K, L, H), misfit
         context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S) or None
+        context = self._gate_heads(call, context)  # 6b. output gate, (B, N, T, H)
         output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*H) -> (B, T, E)
         if misfit is not None:
             output = tf.where(misfit, tf.cast(np.nan, output.dtype), output)  # XLA cannot raise for a misfit
@@ -2205,16 +2236,16 @@ class MultiHeadAttention(tf.keras.layers.Layer):
 
         Its dtype policy, initializers and `trainable` are kept; LoRA adapters on its
         projections are merged into the kernels; a `sliding_window` W becomes `window=(W, W)`
-        (Keras keeps |t - s| < W on both sides of the query; the same keys where T == S). Every
-        option this layer cannot hold (a gate, regularizers, constraints, other attention axes or
-        output shapes, value_dim != key_dim, quantized projections) is a ValueError that lists
-        them all.
+        (Keras keeps |t - s| < W on both sides of the query; the same keys where T == S);
+        `use_gate=True` becomes `gate=True`, its (E, N, H) kernel `gate_kernel`. Every option
+        this layer cannot hold (regularizers, constraints, other attention axes or output shapes,
+        value_dim != key_dim, quantized projections) is a ValueError that lists them all.
         """
         config, dense = _keras_config(layer)
         new = cls(**config, name=f"{layer.name}_reference", dtype=layer.dtype_policy)
         new.trainable = layer.trainable
         weights = {}
-        for kind, sublayer in zip(("query", "key", "value", "output"), dense, strict=True):
+        for kind, sublayer in zip(_projection_kinds(new.gate), dense, strict=True):
             kernel = sublayer.kernel.numpy()  # with LoRA, the merged kernel
             rows = kernel.shape[0] * kernel.shape[1] if kind == "output" else kernel.shape[0]
             weights[f"{kind}_kernel"] = kernel.reshape(rows, -1)  # heads flattened as h * H + d
@@ -2236,6 +2267,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             dropout=self.dropout, use_bias=bool(self.bias), kernel_initializer=self.kernel_initializer,
             bias_initializer=self.bias_initializer, dtype=self.dtype_policy,
         )  # fmt: skip
+        common |= {"use_gate": True} if self.gate else {}  # legacy Keras has no gate
         widths = (self.d_model, self.vdim, self.kdim)  # query, value, key: the built-ins' call order
         if self.num_kv_heads == self.num_heads:
             layer = tf.keras.layers.MultiHeadAttention(self.num_heads, self.head_dim, **common)
@@ -2254,7 +2286,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         layer.trainable = self.trainable
         weights = self.export_weights()
         dense = (layer._query_dense, layer._key_dense, layer._value_dense, layer._output_dense)
-        for kind, sublayer in zip(("query", "key", "value", "output"), dense, strict=True):
+        dense += (layer._gate_dense,) if self.gate else ()
+        for kind, sublayer in zip(_projection_kinds(self.gate), dense, strict=True):
             sublayer.kernel.assign(weights[f"{kind}_kernel"].reshape(sublayer.kernel.shape))
             if self.bias:
                 sublayer.bias.assign(weights[f"{kind}_bias"].reshape(sublayer.bias.shape))
@@ -2268,11 +2301,11 @@ class MultiHeadAttention(tf.keras.layers.Layer):
 
 def _check_keras_can_hold(layer):
     """Refuses, naming them, the variants of docs/SPEC.md that the Keras built-ins cannot hold."""
-    held = layer._non_defaults()
+    held = {name: value for name, value in layer._non_defaults().items() if name != "gate"}  # use_gate holds it
     if held:
         received = ", ".join(f"{name}={getattr(layer, name)!r}" for name in held)
         raise ValueError(
-            "`to_keras` needs a layer the Keras built-ins can hold: all four biases or none, the default "
+            "`to_keras` needs a layer the Keras built-ins can hold: all the biases or none, the default "
             f"scale, and no softcap, window, attention chunks, RoPE, QK-norm, sinks or clip_qkv. Received: {received}"
         )
     if getattr(layer, "quantization_mode", None) is not None:  # legacy Keras has no quantization
@@ -2307,8 +2340,6 @@ def _options_it_cannot_hold(layer, config, dense):
     """{option: (value, why)} for every option of a built Keras built-in that changes its results
     (or its training) and that this layer cannot hold."""
     found = {}
-    if config.get("use_gate"):
-        found["use_gate"] = (True, "a sigmoid gate on the attention output")
     for name in ("kernel_regularizer", "bias_regularizer", "activity_regularizer"):
         if config.get(name) is not None:
             found[name] = (_described(config[name]), "a loss this layer does not add")
@@ -2333,7 +2364,8 @@ def _options_it_cannot_hold(layer, config, dense):
 
 
 def _keras_config(layer):
-    """Constructor arguments and (query, key, value, output) sublayers of a Keras built-in."""
+    """Constructor arguments and (query, key, value, output) sublayers of a Keras built-in, and the
+    gate's after them with `use_gate`."""
     if not isinstance(layer, (tf.keras.layers.MultiHeadAttention, *_BUILT_IN_GQA)):
         raise ValueError(
             "`layer` must be a keras.layers.MultiHeadAttention or keras.layers.GroupQueryAttention. "
@@ -2343,6 +2375,7 @@ def _keras_config(layer):
         raise ValueError(f"`layer` must be built. Received: an unbuilt {type(layer).__name__}")
     dense = (layer._query_dense, layer._key_dense, layer._value_dense, layer._output_dense)
     config = layer.get_config()
+    dense += (layer._gate_dense,) if config.get("use_gate") else ()
     found = _options_it_cannot_hold(layer, config, dense)
     if found:
         reasons = "; ".join(f"{name} ({why})" for name, (_, why) in found.items())
@@ -2354,7 +2387,7 @@ def _keras_config(layer):
         d_model=dense[0].kernel.shape[0], num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         kdim=dense[1].kernel.shape[0], vdim=dense[2].kernel.shape[0], dropout=config["dropout"],
         bias=config["use_bias"], kernel_initializer=config["kernel_initializer"],
-        bias_initializer=config["bias_initializer"],
+        bias_initializer=config["bias_initializer"], gate=bool(config.get("use_gate", False)),
     )  # fmt: skip
     if config.get("sliding_window") is not None:  # Keras keeps |t - s| < W, on both sides of the query
         arguments["window"] = (config["sliding_window"], config["sliding_window"])

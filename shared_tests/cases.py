@@ -348,6 +348,28 @@ CASES = [
             ("qk_norm_bias", True),
         ),
     ),
+    # Output-gated attention (Keras' use_gate, Qwen3-Next): sigmoid(query @ gate_kernel) times each head's result
+    Case("gate_mha", t=4, s=6, mask="rows_masked", variants=(("gate", True),)),  # a row of no key gives output_bias
+    Case(
+        "gate_gqa_causal_padding",  # Qwen3-Next's gate: no bias on it
+        k=2,
+        self_attention=True,
+        causal=True,
+        mask="bool_b1s",
+        bias=("query", "key", "value", "output"),
+        variants=(("gate", True),),
+    ),
+    Case(
+        "qwen3_next_like",
+        e=32,
+        k=2,
+        self_attention=True,
+        causal=True,
+        query_mask=True,
+        positions="shifted",
+        bias=False,
+        variants=(("gate", True), ("rope_theta", 10000.0), ("rope_fraction", 0.5), ("qk_norm", "head")),
+    ),
 ]
 
 CASES_BY_NAME = {case.name: case for case in CASES}

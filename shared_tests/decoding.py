@@ -140,6 +140,14 @@ DECODE_CASES = [
         chunks=(3, 1, 1),
         variants=(("qk_norm", "per_head"), ("qk_norm_type", "layer"), ("qk_norm_bias", True)),
     ),
+    DecodeCase("decode_gate", k=2, padding=(0, 2), chunks=(3, 1, 1, 1), variants=(("gate", True),)),
+    DecodeCase(
+        "decode_gate_rope_rolling",
+        length=4,
+        chunks=(2,) + (1,) * 6,
+        bias=False,
+        variants=(("gate", True), ("rope_theta", 10000.0), ("window", 3)),
+    ),
 ]
 
 DECODE_CASES_BY_NAME = {case.name: case for case in DECODE_CASES}

@@ -31,7 +31,7 @@ KERAS_PATHS = tuple(f"keras:{backend}" for backend in KERAS_BACKENDS)
 JAX_CASES = (
     "kdim_vdim", "mask_float_inf_row", "mask_float64_far", "rows_fully_masked", "bfloat16_gqa_masked",
     "attention_bias_bts_causal", "gemma2_like", "gpt_oss_like", "rope_yarn_gqa", "qk_norm_all",
-    "clip_qkv_qk_norm_rope",
+    "clip_qkv_qk_norm_rope", "qwen3_next_like",
 )  # fmt: skip
 INPUTS = ("query", "key", "value")
 SUBPROCESS_TIMEOUT = 900  # seconds for one backend's whole batch

@@ -150,18 +150,26 @@ def check_mask_warnings():
 
 
 def check_builtins():
-    """`from_keras` of the built-ins (MultiHeadAttention, GroupQueryAttention) gives their outputs,
-    and `to_keras` gives this layer's, called in Keras' order (query, value, key)."""
+    """`from_keras` of the built-ins (MultiHeadAttention, GroupQueryAttention, with `use_gate` with
+    and without `use_bias`) gives their outputs, and `to_keras` gives this layer's, called in Keras'
+    order (query, value, key)."""
     import keras
 
     from Keras import MultiHeadAttention
 
     x, kv = _inputs(), _inputs((2, 5, 16), seed=4)
-    for builtin in (keras.layers.MultiHeadAttention(4, 4), keras.layers.GroupQueryAttention(4, 4, 2)):
+    for builtin in (
+        keras.layers.MultiHeadAttention(4, 4),
+        keras.layers.GroupQueryAttention(4, 4, 2),
+        keras.layers.MultiHeadAttention(4, 4, use_gate=True),
+        keras.layers.GroupQueryAttention(4, 4, 2, use_gate=True, use_bias=False),
+    ):
         expected = builtin(x, kv, kv)
-        _close(MultiHeadAttention.from_keras(builtin)(x, kv, kv), expected, f"from_keras({type(builtin).__name__})")
-    for layer in (_layer(), _layer(num_kv_heads=2)):
-        _close(layer.to_keras()(x, kv, kv), layer(x, kv, kv), f"to_keras() with K={layer.num_kv_heads}")
+        what = f"from_keras({type(builtin).__name__}, use_gate={builtin.get_config()['use_gate']})"
+        _close(MultiHeadAttention.from_keras(builtin)(x, kv, kv), expected, what)
+    for layer in (_layer(), _layer(num_kv_heads=2), _layer(gate=True), _layer(num_kv_heads=2, gate=True, bias=False)):
+        what = f"to_keras() with K={layer.num_kv_heads}, gate={layer.gate}"
+        _close(layer.to_keras()(x, kv, kv), layer(x, kv, kv), what)
 
 
 def check_while_loop_decode():

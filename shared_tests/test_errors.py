@@ -41,7 +41,7 @@ CASES = {
     "integer_query": (BASE, {"query": np.ones((2, 3, 8), np.int32)}, r"`query` must be a floating tensor\. Received: query\.dtype=int32"),
     "integer_value": (BASE, {"query": X, "key": Y, "value": np.ones((2, 5, 8), np.int32)}, r"`value` must be a floating tensor\. Received: value\.dtype=int32"),
     # The variants' constructor arguments
-    "bias_unknown_projection": ({**BASE, "bias": ("query", "gate")}, None, r"`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output'\. Received: bias=\('query', 'gate'\)"),
+    "bias_unknown_projection": ({**BASE, "bias": ("query", "qkv")}, None, r"`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output', 'gate'\. Received: bias=\('query', 'qkv'\)"),
     "bias_string": ({**BASE, "bias": "query"}, None, r"`bias` must be True, False or a list, tuple or set .* Received: bias='query'"),
     "scale_zero": ({**BASE, "scale": 0.0}, None, r"`scale` must be a positive float\. Received: scale=0\.0"),
     "softcap_negative": ({**BASE, "softcap": -1.0}, None, r"`softcap` must be None or a positive float\. Received: softcap=-1\.0"),
@@ -71,7 +71,7 @@ CASES = {
     "qk_norm_bias_not_bool": ({**BASE, "qk_norm": "head", "qk_norm_bias": 1}, None, r"`qk_norm_bias` must be True or False\. Received: qk_norm_bias=1"),
     "qk_norm_eps_zero": ({**BASE, "qk_norm": "head", "qk_norm_eps": 0.0}, None, r"`qk_norm_eps` must be a positive float\. Received: qk_norm_eps=0\.0"),
     # Regressions D6, D8, D9 (and the flags): one rule for the types each argument takes, in all three files
-    "d06_bias_ndarray": ({**BASE, "bias": np.array(["query", "key"])}, None, r"`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output'\. Received: bias=array\("),
+    "d06_bias_ndarray": ({**BASE, "bias": np.array(["query", "key"])}, None, r"`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output', 'gate'\. Received: bias=array\("),
     "d06_bias_dict": ({**BASE, "bias": {"query": True}}, None, r"`bias` must be True, False or a list, tuple or set .* Received: bias=\{'query': True\}"),
     "d06_bias_dict_keys": ({**BASE, "bias": {"value": 1}.keys()}, None, r"`bias` must be True, False or a list, tuple or set .* Received: bias=dict_keys\(\['value'\]\)"),
     "d06_bias_none": ({**BASE, "bias": None}, None, r"`bias` must be True, False or a list, tuple or set .* Received: bias=None"),
@@ -103,6 +103,8 @@ CASES = {
     "order_rope_interleaved_before_qk_norm_bias": ({**BASE, "qk_norm_bias": 1, "rope_interleaved": 0}, None, r"`rope_interleaved` must be True or False"),
     "order_qk_norm_bias_before_sinks": ({**BASE, "sinks": 1, "qk_norm_bias": 0}, None, r"`qk_norm_bias` must be True or False"),
     "order_rope_interleaved_before_sinks": ({**BASE, "sinks": 1, "rope_interleaved": 0}, None, r"`rope_interleaved` must be True or False\. Received: rope_interleaved=0"),
+    "gate_not_bool": ({**BASE, "gate": 1}, None, r"`gate` must be True or False\. Received: gate=1"),
+    "order_sinks_before_gate": ({**BASE, "gate": None, "sinks": 0}, None, r"`sinks` must be True or False\. Received: sinks=0"),
     "order_dropout_before_bias": ({**BASE, "bias": None, "dropout": None}, None, r"`dropout` must be in \[0, 1\)\. Received: dropout=None"),
     # The new call arguments
     "mixed_input_dtypes": (BASE, {"query": X, "key": Y.astype(np.float16), "value": Y.astype(np.float16)}, r"`query`, `key` and `value` must have the same dtype\. Received: query\.dtype=float32, key\.dtype=float16, value\.dtype=float16"),
@@ -220,6 +222,8 @@ ACCEPTED_ARGUMENTS = {
     "bias_frozenset": ({**BASE, "bias": frozenset({"value", "query"})}, {"bias": ("query", "value")}),
     "bias_list_with_duplicates": ({**BASE, "bias": ["output", "key", "output"]}, {"bias": ("key", "output")}),
     "bias_empty_tuple": ({**BASE, "bias": ()}, {"bias": ()}),
+    "bias_names_the_gate": ({**BASE, "gate": np.bool_(True), "bias": ["gate", "query"]}, {"bias": ("query", "gate")}),
+    "bias_true_of_a_gated_layer": ({**BASE, "gate": True}, {"bias": ("query", "key", "value", "output", "gate")}),
     # a variant switched off: its arguments are checked on their own, never against the others
     "rope_fraction_odd_without_rope": ({**BASE, "rope_fraction": 0.25}, {"rope_fraction": 0.25, "rope_theta": None}),
 }  # fmt: skip

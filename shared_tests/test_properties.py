@@ -43,6 +43,7 @@ def cases(draw):
         mask=draw(st.sampled_from(MASK_KINDS)),
         causal=draw(st.booleans()),
         self_attention=self_attention,
+        variants=(("gate", True),) if draw(st.booleans()) else (),
         **widths,
     )
 
@@ -95,7 +96,7 @@ ROPE_SCALINGS = (
     {**YARN, "truncate": np.bool_(False)},
     {**YARN, "beta_fast": 8.0, "mscale": 1.0, "mscale_all_dim": 0.5},
 )  # fmt: skip
-PROJECTIONS = ("query", "key", "value", "output")
+PROJECTIONS = ("query", "key", "value", "output", "gate")
 ALIBI_RTOL = 3e-7  # TensorFlow multiplies float32 slopes by float32 positions: two float32 roundings, not one
 CALL_MASKS = ("none", "bool_ts", "bool_bts", "bool_bnts", "bool_b1s", "float_ts", "float_bts", "float_t1", "penalty")
 BIASES = ("none", "1nts", "bts", "t1")
@@ -146,9 +147,10 @@ def layer_configs(draw):
         "qk_norm_bias": draw(st.sampled_from([False, True])),
         "sinks": draw(st.sampled_from([False, True, np.bool_(True)])),
         "clip_qkv": draw(st.sampled_from([None, 0.5, np.float32(2.0)])),
+        "gate": draw(st.sampled_from([False, True, np.bool_(True)])),
     }
     if isinstance(config["bias"], type):  # a collection of some of the projections' names
-        config["bias"] = config["bias"](draw(st.lists(st.sampled_from(PROJECTIONS), max_size=4)))
+        config["bias"] = config["bias"](draw(st.lists(st.sampled_from(PROJECTIONS), max_size=5)))
     if draw(st.booleans()):
         config |= {
             "rope_theta": draw(st.sampled_from([10.0, 10000.0])),
@@ -403,7 +405,7 @@ ARGUMENT_VALUES = {  # valid and invalid values of each constructor argument, in
     "dropout": [0.0, 0, np.float32(0.0), 1.0, -0.1, None, True, np.bool_(False), "0", np.nan],
     "bias": [
         True, False, np.bool_(True), ["query"], ("key", "output"), {"value"}, frozenset(), "query", {"query": True},
-        np.array(["query"]), {"query": 1}.keys(), None, 1, ["gate"], [1], [["query"]],
+        np.array(["query"]), {"query": 1}.keys(), None, 1, ["gate"], ["qkv"], [1], [["query"]],
     ],
     "scale": [None, 0.5, np.float32(0.5), 1, np.int64(2), 0.0, -1.0, True, np.inf, np.nan, "0.5"],
     "softcap": [None, 2.0, np.float64(2.0), 0.0, False],
@@ -424,6 +426,7 @@ ARGUMENT_VALUES = {  # valid and invalid values of each constructor argument, in
     "qk_norm_eps": [1e-6, np.float32(1e-5), 0.0, None],
     "sinks": [False, True, np.bool_(False), 0, None],
     "clip_qkv": [None, 0.5, np.float64(0.5), 1, np.int64(2), 0.0, -1.0, True, np.inf, "1"],
+    "gate": [False, True, np.bool_(True), 1, None],
 }  # fmt: skip
 ATTRIBUTES = (
     "d_model", "num_heads", "num_kv_heads", "head_dim", "kdim", "vdim", "dropout", "bias", "scale", "softcap", "window",
@@ -444,9 +447,12 @@ def constructor_arguments(draw):
 
 
 def _attributes(layer):
-    """What a constructed layer holds, as the three files name it (PyTorch's `sinks` is the parameter)."""
+    """What a constructed layer holds, as the three files name it (PyTorch's `sinks` is the parameter,
+    its `gate` the projection)."""
     sinks = layer.sinks if isinstance(layer.sinks, bool) else layer.sinks is not None
-    return {**{name: getattr(layer, name) for name in ATTRIBUTES}, "sinks": sinks, "shapes": layer.weight_shapes()}
+    gate = layer.gate if isinstance(layer.gate, bool) else layer.gate is not None
+    attributes = {name: getattr(layer, name) for name in ATTRIBUTES}
+    return {**attributes, "sinks": sinks, "gate": gate, "shapes": layer.weight_shapes()}
 
 
 @settings(deadline=None)

@@ -649,6 +649,11 @@ FD_VARIANTS = {
     "pair_window": ({"window": (2, 2)}, {}),
     "chunk": ({"attention_chunk_size": 2}, {"causal": True}),
     "chunk_pair_window_sinks": ({"attention_chunk_size": 3, "window": (2, 1), "sinks": True}, {}),
+    "gate": ({"gate": True}, {"causal": True}),
+    "gate_partial_bias_sinks_rope_qk_norm": (
+        {"gate": True, "bias": ("query", "gate"), "sinks": True, "rope_theta": 100.0, "qk_norm": "head"},
+        {},
+    ),
 }
 
 
@@ -666,10 +671,58 @@ def test_new_variant_gradients_match_finite_differences(name):
     assert grads.keys() == {"query", *layer.params}
 
 
+def test_gate_gradients_in_cross_attention_match_finite_differences():
+    """The query's gradient through the gate alone (key and value are other tensors), with a row
+    of no key (its gated result 0), a gate without a bias and GQA."""
+    layer = _perturbed(MultiHeadAttention(8, 4, num_kv_heads=2, head_dim=4, gate=True, bias=("value",), seed=0))
+    x, y, upstream = _x(1, (B, 4, 8)), _x(2, (B, 6, 8)), _x(3, (B, 4, 8))
+    keep = np.ones((B, 4, 6), bool)
+    keep[0, 1] = False
+    grads = _finite_differences(
+        layer, lambda: layer(x, y, attention_mask=keep), upstream, {"query": x, "key": y, **layer.params}
+    )
+    assert grads.keys() == {"query", "key", *layer.params}
+
+
+def test_gate_multiplies_each_head_by_the_sigmoid_of_a_query_projection():
+    """Keras' use_gate written out: sigmoid(query @ gate_kernel + gate_bias) split into heads,
+    times each head's attention result, before the output projection; a row with no key gives
+    output_bias."""
+    gated = _perturbed(MultiHeadAttention(E, N, gate=True, seed=0))
+    weights = gated.export_weights()
+    plain = MultiHeadAttention(E, N, seed=0)
+    plain.import_weights({name: w for name, w in weights.items() if not name.startswith("gate_")})
+    x, keep = _x(7), np.ones((B, T, T), bool)
+    keep[1, 2] = False
+    _, probs = plain(x, attention_mask=keep, return_attention=True)
+    v = _heads(x @ weights["value_kernel"] + weights["value_bias"], N)  # (B, N, T, H)
+    gate = 1.0 / (1.0 + np.exp(-(x @ weights["gate_kernel"] + weights["gate_bias"])))  # (B, T, N*H)
+    merged = (probs @ v).transpose(0, 2, 1, 3).reshape(B, T, E) * gate  # (B, T, N*H)
+    expected = merged @ weights["output_kernel"] + weights["output_bias"]
+    np.testing.assert_allclose(gated(x, attention_mask=keep), expected, atol=FLOAT64_TOL)
+    np.testing.assert_allclose(gated(x, attention_mask=keep)[1, 2], weights["output_bias"], atol=FLOAT64_TOL)
+
+
+def test_gate_layout_bias_names_and_int8():
+    """`gate_kernel` (E, N*H) and `gate_bias` only with `gate`; True names the gate only on a gated
+    layer; int8 quantizes the gate's kernel too."""
+    assert MultiHeadAttention(E, N).bias == ("query", "key", "value", "output")
+    layer = MultiHeadAttention(E, N, head_dim=3, gate=True, seed=0)
+    assert layer.bias == ("query", "key", "value", "output", "gate")
+    assert layer.weight_shapes()["gate_kernel"] == (E, N * 3)
+    assert layer.weight_shapes()["gate_bias"] == (N * 3,)
+    assert "gate_bias" not in MultiHeadAttention(E, N, gate=True, bias=("query",)).weight_shapes()
+    assert "gate_kernel" not in MultiHeadAttention(E, N, bias=("gate",)).weight_shapes()
+    layer.quantize("int8")
+    assert layer.params["gate_kernel"].dtype == np.int8
+    assert layer.params["gate_kernel_scale"].shape == (N * 3,)
+
+
 DECODE_VARIANTS = [
     ({"window": (3, 2)}, 8),  # with causal the limit after the query changes nothing
     ({"attention_chunk_size": 3}, 8),  # the chunk does not make the cache roll
     ({"attention_chunk_size": 3, "window": (2, 5)}, 8),
+    ({"gate": True, "window": 3}, 8),  # the gate reads only the new queries
 ]
 
 

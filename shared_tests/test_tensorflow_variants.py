@@ -60,6 +60,8 @@ VARIANTS = {
     "bias_output_only": {"bias": ["output"]},
     "clip_qkv": {"clip_qkv": 0.5},
     "clip_qkv_qk_norm_rope": {"clip_qkv": 0.5, "qk_norm": "all", "rope_theta": 100.0},
+    "gate": {"gate": True},
+    "gate_gqa_no_bias_rope": {"gate": True, "bias": False, "num_kv_heads": 2, "rope_theta": 100.0},
     "everything": {
         "num_kv_heads": 2, "scale": 0.3, "softcap": 3.0, "window": 3, "rope_theta": 50.0, "rope_fraction": 0.5,
         "qk_norm": "head", "sinks": True, "bias": ("key", "output"), "clip_qkv": 1.0,
@@ -231,7 +233,7 @@ def np_qk_norm(layer, x, w, kind):
 
 
 def np_layer(layer, query, causal=False, key_mask=None, attention_bias=None, positions=None, keep=None):
-    """The whole self-attention layer in float64 from its portable weights (steps 2-4, 6, 7)."""
+    """The whole self-attention layer in float64 from its portable weights (steps 2-4, 6, 6b, 7)."""
     w = {name: value.astype(np.float64) for name, value in layer.export_weights().items()}
     kv, h, t = layer.num_kv_heads, layer.head_dim, query.shape[1]
 
@@ -260,6 +262,8 @@ def np_layer(layer, query, causal=False, key_mask=None, attention_bias=None, pos
         layer.attention_chunk_size,
     )  # fmt: skip
     merged = context.transpose(0, 2, 1, 3).reshape(query.shape[0], t, -1)
+    if layer.gate:  # Keras' use_gate, Qwen3-Next: sigmoid(query @ gate_kernel + gate_bias) times each head's result
+        merged = merged / (1.0 + np.exp(-(query @ w["gate_kernel"] + w.get("gate_bias", 0.0))))
     return merged @ w["output_kernel"] + w.get("output_bias", 0.0), weights
 
 
@@ -767,8 +771,8 @@ def test_rolling_cache_too_short_raises_eagerly():
 
 WINDOW_ERROR = r"`window` must be None, a positive integer or a pair \(before, after\) of positive integers\."
 CONSTRUCTOR_ERRORS = {
-    "bias_string": ({"bias": "query"}, r"^`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output'\. Received: bias='query'$"),
-    "bias_unknown_name": ({"bias": ("query", "gate")}, r"Received: bias=\('query', 'gate'\)$"),
+    "bias_string": ({"bias": "query"}, r"^`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output', 'gate'\. Received: bias='query'$"),
+    "bias_unknown_name": ({"bias": ("query", "qkv")}, r"Received: bias=\('query', 'qkv'\)$"),
     "scale_zero": ({"scale": 0.0}, r"^`scale` must be a positive float\. Received: scale=0\.0$"),
     "softcap_negative": ({"softcap": -1.0}, r"^`softcap` must be None or a positive float\. Received: softcap=-1\.0$"),
     "window_zero": ({"window": 0}, rf"^{WINDOW_ERROR} Received: window=0$"),
@@ -1095,7 +1099,9 @@ def test_keras_file_round_trip_with_the_new_variants(tmp_path):
 
 # --- the new variants with a KV cache --------------------------------------------------------------
 
-DECODE_VARIANTS = ("window_pair", "attention_chunk_window_pair", "rope_sections_interleaved_yarn", "everything_new")
+DECODE_VARIANTS = (
+    "window_pair", "attention_chunk_window_pair", "rope_sections_interleaved_yarn", "everything_new", "gate_gqa_no_bias_rope",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("name", DECODE_VARIANTS)

@@ -56,6 +56,8 @@ VARIANTS = {
     "sinks": {"sinks": True},
     "clip_qkv": {"clip_qkv": 0.5},
     "clip_qkv_qk_norm_rope": {"clip_qkv": 0.5, "qk_norm": "all", "rope_theta": 10000.0},
+    "gate": {"gate": True},
+    "gate_no_bias_rope": {"gate": True, "bias": ("query", "key", "value", "output"), "rope_theta": 100.0},
     "everything": {
         "bias": ("query", "key", "value"),
         "scale": 0.5,
@@ -221,6 +223,9 @@ def reference(layer, query, key=None, value=None, *, keep=None, bias=None, causa
     else:
         weights = torch.where(allowed.any(-1, keepdim=True), torch.softmax(scores, dim=-1), 0.0)
     merged = (weights @ v).transpose(1, 2).reshape(b, t, N * H)
+    if layer.gate is not None:  # Keras' use_gate, Qwen3-Next: sigmoid(query @ gate_kernel) times each head's result
+        gate_bias = 0 if layer.gate.bias is None else layer.gate.bias.double()
+        merged = merged * torch.sigmoid(query @ layer.gate.weight.double().T + gate_bias)
     output = merged @ layer.output.weight.double().T + (0 if layer.output.bias is None else layer.output.bias.double())
     return output, weights
 
@@ -271,7 +276,7 @@ def test_variant_matches_the_reference(variant, causal, path):
 
 @pytest.mark.parametrize("path", ["sdpa", "explicit"])
 @pytest.mark.parametrize(
-    "variant", ["plain", "everything", "qk_norm_all", "sinks", "rope_yarn_partial", "clip_qkv_qk_norm_rope"]
+    "variant", ["plain", "everything", "qk_norm_all", "sinks", "rope_yarn_partial", "clip_qkv_qk_norm_rope", "gate"]
 )
 def test_variant_gradients_match_the_reference(variant, path):
     """Gradients of the inputs, every parameter (sinks and norm scales too) and attention_bias."""
@@ -1006,8 +1011,8 @@ def test_to_torch_refuses_the_variants_it_cannot_hold(config, named):
 # Errors (exact texts from the shared API) and the refused traps.
 
 CONSTRUCTOR_ERRORS = {
-    "bias_string": ({"bias": "query"}, r"`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output'\. Received: bias='query'"),
-    "bias_unknown": ({"bias": ["gate"]}, r"Received: bias=\['gate'\]"),
+    "bias_string": ({"bias": "query"}, r"`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output', 'gate'\. Received: bias='query'"),
+    "bias_unknown": ({"bias": ["qkv"]}, r"Received: bias=\['qkv'\]"),
     "scale": ({"scale": 0}, r"`scale` must be a positive float\. Received: scale=0"),
     "softcap": ({"softcap": -1.0}, r"`softcap` must be None or a positive float\. Received: softcap=-1\.0"),
     "window": ({"window": 0}, r"`window` must be None, a positive integer or a pair \(before, after\) of positive integers\. Received: window=0"),
