@@ -1663,16 +1663,17 @@ class MultiHeadAttention:
         y = y + self._norm_weight(f"{kind}_norm_bias", by_norm) if self.qk_norm_bias else y
         return self._split_heads(y.reshape(merged.shape))  # -> (B, L, heads*H) -> (B, heads, L, H)
 
-    def _rotate(self, q, k, positions):
+    def _rotate(self, q, k, v, positions):
         """Step 4: RoPE of the (B, N, T, H) queries and (B, K, T, H) keys at (B, T) positions
-        ((k, B, T) with `rope_sections`)."""
+        ((k, B, T) with `rope_sections`); with MLA of the last Hr features of q and of the
+        (B, 1, T, Hr) k_rope, which stands in v's place (k is the latents). Returns q, k, v."""
         if self._inv_freq is None:
-            return q, k
-        if self._latent is not None:  # MLA: the last Hr features of q and the (B, 1, T, Hr) k_rope
+            return q, k, v
+        if self._latent is not None:
             hn = self.qk_nope_head_dim
             q_rope = self._turn(q[..., hn:], positions)  # (B, N, T, Hr)
-            return np.concatenate([q[..., :hn], q_rope], axis=-1), self._turn(k, positions)  # (B, N, T, H)
-        return self._turn(q, positions), self._turn(k, positions)
+            return np.concatenate([q[..., :hn], q_rope], axis=-1), k, self._turn(v, positions)  # (B, N, T, H)
+        return self._turn(q, positions), self._turn(k, positions), v
 
     def _turn(self, x, positions):
         """RoPE of the first R features of each head of x (B, heads, T, H), times YaRN's factor."""
@@ -1782,7 +1783,7 @@ class MultiHeadAttention:
         keep, bias = self._masks(call)  # 1. (B|1, N|1, T|1, S|1) keep and bias
         q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H)
         q, k = self._normalize_qk(q, k)  # 3. QK-norm
-        q, k = self._rotate(q, k, call.positions)  # 4. RoPE
+        q, k, v = self._rotate(q, k, v, call.positions)  # 4. RoPE (MLA: of q and k_rope, in v's place)
         k, v, keep, call = self._update_cache(call, k, v, keep)  # 5. KV cache (replaces causal/window/chunk/cache)
         context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S)
         merged = self._merge_heads(context)  # 7. (B, N, T, H) -> (B, T, N*H)
@@ -1818,22 +1819,69 @@ class MultiHeadAttention:
             (when one was passed) and every name of the portable weight layout.
         """
         g, c = self._check_backward(grad_output), self._saved  # (B, T, E)
-        grads, d_context = _output_backward(g, c["merged"], self.params["output_kernel"], self.num_heads, self.head_dim)
+        width = self.head_dim if self._latent is None else self.v_head_dim
+        grads, d_context = _output_backward(g, c["merged"], self.params["output_kernel"], self.num_heads, width)
+        k, v = (c["k"], c["v"]) if self._latent is None else self._expand_latents(c["k"], c["v"])  # MLA: expanded
         sinks = self.params.get("sinks")  # 6. attention
         d_q, d_k, d_v, d_biased, d_sinks = _attention_backward(
-            d_context, c["q"], c["k"], c["v"], c["keep"], c["weights"], self.scale, self.softcap, sinks
+            d_context, c["q"], k, v, c["keep"], c["weights"], self.scale, self.softcap, sinks
         )
         extra = {} if c["bias_shape"] is None else {"attention_bias": _sum_to_shape(d_biased, c["bias_shape"])}
         grads.update({} if d_sinks is None else {"sinks": d_sinks})
-        if self._inv_freq is not None:  # 4. RoPE
-            factor, positions = rope_attention_factor(self.rope_scaling), c["call"].positions
-            rope = (self._inv_freq, self.rope_interleaved, factor, self.rope_sections)
-            d_q, d_k = (_rope_backward(d, positions, *rope) for d in (d_q, d_k))
-        inputs = {}
-        for kind, d_heads in (("query", d_q), ("key", d_k), ("value", d_v)):  # 3. QK-norm, 2. clip, projections
-            inputs[kind] = self._project_backward(kind, getattr(c["call"], kind), d_heads, grads)
+        if self._latent is not None:
+            inputs = self._latent_backward(c["call"], c["k"], d_q, d_k, d_v, grads)
+        else:
+            d_q, d_k = (self._turn_back(d, c["call"].positions) for d in (d_q, d_k))  # 4. RoPE
+            inputs = {}
+            for kind, d_heads in (("query", d_q), ("key", d_k), ("value", d_v)):  # 3. QK-norm, 2. clip, projections
+                inputs[kind] = self._project_backward(kind, getattr(c["call"], kind), d_heads, grads)
         grads = {name: grads[name] for name in self.weight_shapes()}
         return {**_fold_defaulted(inputs, c["defaulted"]), **extra, **grads}
+
+    def _turn_back(self, d, positions):
+        """Step 4 backward for a gradient (B, heads, T, H) of turned features (unchanged without RoPE)."""
+        if self._inv_freq is None:
+            return d
+        factor = rope_attention_factor(self.rope_scaling)
+        return _rope_backward(d, positions, self._inv_freq, self.rope_interleaved, factor, self.rope_sections)
+
+    def _latent_backward(self, call, latent, d_q, d_k, d_v, grads):
+        """Steps 6 (the up-projection), 4 and 2 backward with MLA, from the (B, 1, S, C) latents and
+        the gradients of q (B, N, T, H), the expanded keys (B, K, S, H) and values (B, K, S, Hv):
+        adds every latent weight's gradient to `grads`, returns the inputs' (value: zeros)."""
+        hn, c = self.qk_nope_head_dim, self.kv_lora_rank
+        d_k_rope = d_k[..., hn:].sum(axis=1, keepdims=True)  # (B, K, S, Hr) -> (B, 1, S, Hr), shared by the heads
+        d_kv = np.concatenate([d_k[..., :hn], d_v], axis=-1)  # (B, K, S, Hn + Hv)
+        d_kv = d_kv.transpose(0, 2, 1, 3).reshape(*d_kv.shape[:1], d_kv.shape[2], -1)  # -> (B, S, K*(Hn + Hv))
+        d_latent = self._linear_backward("key_value_b", latent[:, 0], d_kv, grads)  # (B, S, C)
+        d_q = np.concatenate([d_q[..., :hn], self._turn_back(d_q[..., hn:], call.positions)], axis=-1)  # 4. RoPE
+        d_k_rope = self._turn_back(d_k_rope, call.positions)[:, 0]  # (B, 1, S, Hr) -> (B, S, Hr)
+        a = self._project(call.key, "key_value_a")  # (B, S, C + Hr), recomputed
+        d_a, grads["key_value_a_norm"] = _rms_norm_backward(
+            a[..., :c], self.params["key_value_a_norm"], self.latent_norm_eps, d_latent
+        )
+        d_a = np.concatenate([d_a, d_k_rope], axis=-1)  # (B, S, C + Hr)
+        d_key = self._linear_backward("key_value_a", call.key, d_a, grads)  # (B, S, kdim)
+        d_query = self._query_backward(call.query, self._merge_heads(d_q), grads)  # (B, T, E)
+        return {"query": d_query, "key": d_key, "value": np.zeros_like(call.key)}
+
+    def _query_backward(self, x, d_y, grads):
+        """The query projection's backward (through query_b, the RMSNorm and query_a with
+        `q_lora_rank`) for the (B, T, N*H) gradient of q: returns the (B, T, E) input's."""
+        if self.q_lora_rank is None:
+            return self._linear_backward("query", x, d_y, grads)
+        a = self._project(x, "query_a")  # (B, T, Q), recomputed
+        normed = rms_norm(a, self.params["query_a_norm"], self.latent_norm_eps)  # (B, T, Q)
+        d_normed = self._linear_backward("query_b", normed, d_y, grads)  # (B, T, Q)
+        d_a, grads["query_a_norm"] = _rms_norm_backward(a, self.params["query_a_norm"], self.latent_norm_eps, d_normed)
+        return self._linear_backward("query_a", x, d_a, grads)  # (B, T, E)
+
+    def _linear_backward(self, kind, x, d_y, grads):
+        """y = x @ kernel + bias backward: adds the kernel's and bias' gradients to `grads`,
+        returns x's (B, L, D) from y's (B, L, F)."""
+        grads[f"{kind}_kernel"] = np.einsum("bld,blm->dm", x, d_y)
+        grads[f"{kind}_bias"] = d_y.sum(axis=(0, 1))
+        return d_y @ self.params[f"{kind}_kernel"].T  # (B, L, F) -> (B, L, D)
 
     def _check_backward(self, grad_output):
         """`grad_output` as a float64 (B, T, E) array, after the checks that `backward` can run."""
@@ -1874,6 +1922,4 @@ class MultiHeadAttention:
             d_y = self._qk_norm_backward(kind, self._clip(y), d_y, grads)  # at the clamped projection
         if self.clip_qkv is not None:  # the clamp's gradient: 1 within [-c, c] (bounds included), 0 outside
             d_y = np.where(np.abs(y) <= self.clip_qkv, d_y, 0.0)
-        grads[f"{kind}_kernel"] = np.einsum("bld,blm->dm", x, d_y)
-        grads[f"{kind}_bias"] = d_y.sum(axis=(0, 1))
-        return d_y @ self.params[f"{kind}_kernel"].T  # (B, L, heads*H) -> (B, L, D)
+        return self._linear_backward(kind, x, d_y, grads)  # (B, L, heads*H) -> (B, L, D)
