@@ -15,7 +15,10 @@ only when a TensorFlow path runs; the PyTorch paths run on `torch_device()`.
 """
 
 import dataclasses
+import functools
 import os
+import pathlib
+import re
 from unittest import mock
 
 import numpy as np
@@ -33,6 +36,7 @@ PATHS = (
 INFERENCE_BLOCK_SCORES = 1  # scores per block on `torch:inference`: every batch element a block of its own
 MEMORY_EFFICIENT_CHUNK = 2  # queries per chunk on `tf:memory_efficient`: odd T leaves a padded chunk
 INPUTS = ("query", "key", "value")
+LAYER_FILES = {"torch": "PyTorch", "tf": "TensorFlow", "keras": "Keras"}  # path prefix -> the layer file's folder
 
 
 @dataclasses.dataclass
@@ -50,6 +54,28 @@ def by_name(args):
     """(query,) and {"key": ..., "value": ...} from [query] or [query, key, value]: key and value
     go by name, as the TensorFlow layer asks (Keras' built-in is called (query, value, key))."""
     return args[:1], dict(zip(INPUTS[1:], args[1:], strict=False))
+
+
+@functools.cache
+def _layer_source(folder):
+    return (pathlib.Path(__file__).parents[1] / folder / "Multi_Head_Attention.py").read_text()
+
+
+def not_implemented(case, path):
+    """Why `path` cannot run `case`: its layer file has no constructor option of that name
+    (MLA's, while a file lacks them); None where it has every option the case passes."""
+    folder = LAYER_FILES.get(path.split(":")[0])
+    if folder is None:
+        return None
+    missing = [name for name in case.config if not re.search(rf"\b{name}=", _layer_source(folder))]
+    return f"not implemented in {folder}/Multi_Head_Attention.py (no {', '.join(missing)})" if missing else None
+
+
+def set_path(layer, case):
+    """An MLA case's path on a layer of a framework file: `absorb_latents` (expanded or absorbed)."""
+    if getattr(case, "absorb", None) is not None:
+        layer.absorb_latents = case.absorb
+    return layer
 
 
 def run_numpy(case, data):
@@ -81,7 +107,7 @@ def make_torch_layer(case, data, layer_class=None):
 
     layer = (layer_class or MultiHeadAttention)(**case.config, dtype=getattr(torch, case.dtype), device=torch_device())
     layer.import_weights(data["weights"])
-    return layer.eval()
+    return set_path(layer, case).eval()
 
 
 def _torch_inputs(case, data, requires_grad=False):
@@ -143,7 +169,7 @@ def make_tf_layer(case, data, layer_class=None):
 
     layer = (layer_class or MultiHeadAttention)(**case.config, dtype=case.dtype)
     layer.import_weights(data["weights"])
-    return layer
+    return set_path(layer, case)
 
 
 def traced_up_front(function):
@@ -197,7 +223,11 @@ def run_tensorflow(case, data, path, layer_class=None):
 
 def run(case, data, path, torch_class=None, tf_class=None):
     """Runs one path; `torch_class` / `tf_class` swap in another layer class (tests use it).
-    A runtime path that cannot hold the case raises `runtimes.UnsupportedCaseError`."""
+    A runtime path that cannot hold the case, or a path whose layer file lacks one of its
+    options (`not_implemented`), raises `runtimes.UnsupportedCaseError`."""
+    reason = not_implemented(case, path)
+    if reason is not None:
+        raise runtimes.UnsupportedCaseError(reason)
     if path == "numpy":
         return run_numpy(case, data)
     if path in keras_backends.KERAS_PATHS:  # in the backend's own process (kept by `keras_backends.prefetch`)

@@ -28,8 +28,8 @@ import time
 import numpy as np
 
 from shared_tests import decoding, keras_backends, runtimes
-from shared_tests.cases import CASES, CASES_BY_NAME, make_data
-from shared_tests.decoding import DECODE_CASES, DECODE_CASES_BY_NAME, DECODE_PATHS, make_decode_data, query_ends
+from shared_tests.cases import CASES_BY_NAME, REPORT_CASES, make_data
+from shared_tests.decoding import DECODE_CASES_BY_NAME, DECODE_PATHS, REPORT_DECODE_CASES, make_decode_data, query_ends
 from shared_tests.frameworks import PATHS, make_tf_layer, make_torch_layer, run
 from shared_tests.runtimes import DYNAMIC_PATHS, RUNTIME_PATHS, UnsupportedCaseError
 
@@ -405,19 +405,22 @@ def compare_decode(case, data, results):
 
 
 def run_decode_case(case, data=None, paths=DECODE_PATHS):
-    """Decodes one case on every path (or those given); returns (row, results). A path that
-    raises fails the row, with the error among its failures."""
+    """Decodes one case on every path (or those given); returns (row, results). A path whose layer
+    file lacks the case's options is listed in `row.skipped`; a path that raises anything else fails
+    the row, with the error among its failures."""
     data = make_decode_data(case) if data is None else data
-    results, errors = {}, []
+    results, skipped, errors = {}, {}, []
     for path in paths:
         try:
             results[path] = decoding.run(case, data, path)
+        except UnsupportedCaseError as reason:
+            skipped[path] = str(reason)
         except Exception as error:  # the report goes on; the row says which path raised what
             errors.append(raised(path, error))
     if not results:
-        return Row(case.name, case.dtype, {}, False, errors), results
+        return Row(case.name, case.dtype, {}, False, errors, skipped), results
     row = compare_decode(case, data, results)
-    row.failures = errors + row.failures
+    row.failures, row.skipped = errors + row.failures, skipped
     return row, results
 
 
@@ -650,7 +653,7 @@ def _keep_or_drop(cases, layout, weights, needs_self, changes):
 def select_cases(names, layout=None, weights=None):
     """The cases named by --case (all without it), with the file's layout under --weights;
     returns (cases, [(name, reason)] of those left out)."""
-    cases = [CASES_BY_NAME[name] for name in names if name in CASES_BY_NAME] if names else CASES
+    cases = [CASES_BY_NAME[name] for name in names if name in CASES_BY_NAME] if names else REPORT_CASES
     if layout is None:
         return cases, []
     return _keep_or_drop(cases, layout, weights, lambda case: case.self_attention, lambda case: {})
@@ -660,7 +663,9 @@ def select_decode_cases(names, layout=None, weights=None):
     """The decode cases named by --case (all without it), with the file's layout under
     --weights (key and value passed apart only in the cases that do); returns (cases, [(name,
     reason)] of those left out)."""
-    cases = [DECODE_CASES_BY_NAME[name] for name in names if name in DECODE_CASES_BY_NAME] if names else DECODE_CASES
+    cases = (
+        [DECODE_CASES_BY_NAME[name] for name in names if name in DECODE_CASES_BY_NAME] if names else REPORT_DECODE_CASES
+    )
     if layout is None:
         return cases, []
 
@@ -775,7 +780,7 @@ def main(argv=None):
         print("error: --plot compares PyTorch with TensorFlow, which runs only with --device cpu", file=sys.stderr)
         return 2
     if args.list:
-        print("\n".join(f"{c.name:<28} {c}" for c in [*CASES, *DECODE_CASES]))
+        print("\n".join(f"{c.name:<28} {c}" for c in [*REPORT_CASES, *REPORT_DECODE_CASES]))
         return 0
     error = None if args.device == "cpu" else device_error(args.device)
     if error is not None:

@@ -611,3 +611,57 @@ def test_decoding_equals_the_full_causal_pass(decoding, seed):
             for explicit in (False, True) if framework == "torch" else (True,):
                 got = _decode(layer, framework, x, chunks, length, key_mask, explicit)
                 _assert_close(got, want, tolerance, f"{framework} decoding, weights returned: {explicit}")
+
+
+@st.composite
+def mla_cases(draw):
+    """Multi-head latent attention: latent ranks, q_lora_rank or none, head widths, GQA-shaped K,
+    RoPE (interleaved or not) or none, the variants MLA allows, masks, self- or cross-attention
+    (`key` alone), expanded or absorbed."""
+    kv_heads = draw(st.integers(1, 2))
+    rope = draw(st.booleans())
+    t = draw(st.integers(1, 5))
+    self_attention = rope or draw(st.booleans())  # RoPE needs the query's own tokens
+    variants = {
+        "kv_lora_rank": draw(st.integers(1, 6)),
+        "qk_nope_head_dim": draw(st.integers(1, 4)),
+        "qk_rope_head_dim": draw(st.sampled_from([2, 4])),
+        "v_head_dim": draw(st.integers(1, 5)),
+        "q_lora_rank": draw(st.sampled_from([None, 3])),
+        "rope_theta": 100.0 if rope else None,
+        "rope_interleaved": draw(st.booleans()),
+        "window": draw(st.sampled_from([None, 2, (2, 1)])),
+        "sinks": draw(st.booleans()),
+        "softcap": draw(st.sampled_from([None, 2.0])),
+    }
+    return Case(
+        name="property_mla",
+        b=draw(st.integers(1, 2)),
+        t=t,
+        s=t if self_attention else draw(st.integers(1, 5)),
+        e=draw(st.integers(2, 8)),
+        n=kv_heads * draw(st.integers(1, 2)),
+        k=kv_heads,
+        kdim=None if self_attention else draw(st.sampled_from([None, 3])),
+        bias=draw(st.booleans()),
+        mask=draw(st.sampled_from(MASK_KINDS)),
+        causal=draw(st.booleans()),
+        self_attention=self_attention,
+        variants=tuple((name, value) for name, value in variants.items() if value is not None),
+        absorb=draw(st.booleans()),
+    )
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=mla_cases(), seed=st.integers(0, 2**16))
+def test_random_mla_configurations_stay_in_parity(case, seed):
+    """Every MLA draw in parity on every in-process path of every file that has MLA (the others
+    are listed as not implemented), through the path the draw picks, expanded or absorbed."""
+    data = make_data(case, seed)
+    with warnings.catch_warnings():
+        for habit in HABITS:
+            warnings.simplefilter("ignore", habit)
+        row, results = parity.run_case(case, data, paths=IN_PROCESS_PATHS)
+    assert row.passed, (dataclasses.asdict(case), row.failures)
+    assert {"numpy", "torch:sdpa", "torch:explicit"} <= set(results)
+    assert all(reason.startswith("not implemented") for reason in row.skipped.values())

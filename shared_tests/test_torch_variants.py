@@ -1714,3 +1714,94 @@ def test_tensor_parallel_refuses_per_head_scales_it_cannot_split(qk_norm):
         return
     with pytest.raises(ValueError, match=r"^`sinks` and `qk_norm='all'` hold numbers of every head .*'per_head'"):
         layer._check_local_heads(q, k, None, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-head latent attention (MLA): compile, export, meta device, the modules, the decode paths.
+
+MLA = {"kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 6, "q_lora_rank": 6}
+MLA_VARIANTS = {**MLA, "rope_theta": 100.0, "rope_interleaved": True, "window": 4, "sinks": True}
+
+
+@pytest.mark.parametrize("absorb", [None, False, True])
+def test_mla_decoding_compiles_fullgraph_and_exports_equal_to_the_full_pass(absorb):
+    """The latent cache through torch.compile(fullgraph=True) (one graph per T) and torch.export
+    of a step, on the path `absorb_latents` picks (None: absorbed at T <= 8), equal to the full pass."""
+    layer = _layer(**MLA_VARIANTS)
+    layer.absorb_latents = absorb
+    x = _randn(2, 6, E, seed=60)
+    key_mask = torch.ones(2, 6, dtype=torch.bool)
+    key_mask[1, :2] = False  # left padding
+
+    def step(x, key_mask, cache):
+        return layer(x, key_mask=key_mask, causal=True, cache=cache)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    cache = layer.init_cache(2, 8)
+    assert (cache.key.shape, cache.value.shape) == ((2, 1, 8, 8), (2, 1, 8, 4))  # (B, 1, L, C), (B, 1, L, Hr)
+    with torch.no_grad():
+        outputs = []
+        for start, stop in ((0, 3), (3, 4), (4, 5), (5, 6)):
+            output, cache = compiled(x[:, start:stop], key_mask[:, start:stop], cache)
+            outputs.append(output)
+        expected = layer(x, key_mask=key_mask, causal=True)
+        program = torch.export.export(_Step(layer), (x[:, :3], key_mask[:, :3], *layer.init_cache(2, 8)))
+        exported, index = program.module()(x[:, :3], key_mask[:, :3], *layer.init_cache(2, 8))
+    torch.testing.assert_close(torch.cat(outputs, 1), expected, atol=OUTPUT_TOL, rtol=0)
+    torch.testing.assert_close(exported, expected[:, :3], atol=OUTPUT_TOL, rtol=0)
+    assert int(index) == 3
+
+
+class _Step(nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.attention = layer
+
+    def forward(self, x, key_mask, key, value, keep, index):
+        output, cache = self.attention(x, key_mask=key_mask, causal=True, cache=KVCache(key, value, keep, index))
+        return output, cache.index
+
+
+def test_mla_modules_meta_device_and_to_torch():
+    """The projections are `nn.Linear` modules named after the layout (weight = kernel^T), the
+    latents' norms parameters; a meta layer made real by to_empty and reset_parameters equals one
+    built on the CPU; nn.MultiheadAttention cannot hold MLA."""
+    layer = _layer(**MLA)
+    assert {name for name, _ in layer.named_children()} == {
+        "query_a",
+        "query_b",
+        "key_value_a",
+        "key_value_b",
+        "output",
+    }
+    assert tuple(layer.key_value_b.weight.shape) == (K * 10, 8) and tuple(layer.key_value_a_norm.shape) == (8,)
+    assert set(layer.export_weights()) == {
+        *(f"{kind}_{part}" for kind in ("query_a", "query_b", "key_value_a", "key_value_b", "output")
+          for part in ("kernel", "bias")),
+        "query_a_norm", "key_value_a_norm",
+    }  # fmt: skip
+    meta = MultiHeadAttention(E, N, **MLA, device="meta")
+    assert meta(torch.empty(2, 3, E, device="meta")).shape == (2, 3, E)
+    real = meta.to_empty(device="cpu")
+    real.reset_parameters()
+    assert all(torch.isfinite(p).all() for p in real.parameters())
+    with pytest.raises(ValueError, match=r"cannot hold .*Received: .*kv_lora_rank=8"):
+        MultiHeadAttention(16, 4, kv_lora_rank=8, qk_nope_head_dim=2, qk_rope_head_dim=2, v_head_dim=4).to_torch()
+
+
+def test_mla_absorbed_equals_expanded_with_gradients():
+    """Forced absorbed without a cache: outputs, weights and every parameter's gradient equal the
+    expanded path's (the up-projection folded into q and the output)."""
+    layer = _layer(**MLA_VARIANTS, bias=True, softcap=3.0)
+    x = _randn(2, 5, E, seed=61)
+    results = {}
+    for absorb in (False, True):
+        layer.absorb_latents = absorb
+        layer.zero_grad()
+        output, weights = layer(x, causal=True, return_attention=True)
+        output.square().sum().backward()
+        results[absorb] = (output, weights, {name: p.grad.clone() for name, p in layer.named_parameters()})
+    torch.testing.assert_close(results[True][0], results[False][0], atol=OUTPUT_TOL, rtol=0)
+    torch.testing.assert_close(results[True][1], results[False][1], atol=WEIGHTS_TOL, rtol=0)
+    for name, grad in results[False][2].items():
+        torch.testing.assert_close(results[True][2][name], grad, atol=GRADS_TOL, rtol=0, msg=name)
