@@ -37,8 +37,8 @@ positions), RoPE (`rope_theta`, `rope_fraction`, `rope_interleaved`, `rope_scali
 `qk_norm_type`, of q and k per head with one shared or per-head scales, or over all heads, with
 an optional bias, `qk_norm_bias`), `sinks` (a learned logit per head in the softmax's
 denominator), `clip_qkv` (q, k and v clamped to [-c, c] right after their projections: OLMo,
-DBRX, MPT) and `gate` (each head's result times sigmoid(query @ gate_kernel + gate_bias): Keras'
-`use_gate`, Qwen3-Next).
+DBRX, MPT), `gate` (each head's result times sigmoid(query @ gate_kernel + gate_bias): Keras'
+`use_gate`, Qwen3-Next) and multi-head latent attention (`kv_lora_rank`, below).
 Call arguments `attention_bias` (added to the scores, with a gradient; see `alibi_bias`),
 `key_mask` (B, S) and `query_mask` (B, T).
 
@@ -66,6 +66,16 @@ index + T, keep[b, s], (not causal or that position <= index + t), (no window or
 the chunk of index + t) and `attention_mask` (given over L) keeps it. Token by token equals the
 full causal pass. With a `window` the cache rolls by W_before: L >= W_before slots decode any
 number of tokens (a call that wraps, index + T > L, needs L >= W_before + T - 1).
+
+Multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi, GLM-5), on with `kv_lora_rank` C; Hn, Hr
+and Hv are `qk_nope_head_dim`, `qk_rope_head_dim` and `v_head_dim`, H = Hn + Hr, Q = `q_lora_rank`:
+    q = RMSNorm(query @ query_a_kernel) @ query_b_kernel   (B, T, N*H), or query @ query_kernel
+    c, k_rope = split(key @ key_value_a_kernel)            (B, S, C), (B, S, Hr); c RMS-normalized
+    [k_nope, v] = c @ key_value_b_kernel                   (B, S, K*(Hn + Hv)), per head
+    k = [k_nope, k_rope]; RoPE turns the last Hr features of q and k_rope (shared by the heads)
+The cache holds c in `key` (B, 1, L, C) and the turned k_rope in `value` (B, 1, L, Hr). The
+absorbed path (`absorb_latents`) attends the latents directly: q_nope @ W_kb^T against c, the
+weighted sum of c then @ W_vb, the up-projections folded into the query and the output.
 """
 
 import math
@@ -79,6 +89,8 @@ from keras import ops
 __all__ = ["AttentionMaskWarning", "KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
 
 _PROJECTIONS = ("query", "key", "value", "output", "gate")  # the names `bias` takes; "gate" only with `gate`
+_LATENT_SIZES = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_ABSORB_MAX_T = 8  # `absorb_latents=None`: a call with a cache and T <= 8 attends on the latents
 _ROPE_SCALING = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -142,6 +154,7 @@ class _Variants(NamedTuple):
     sinks: bool
     clip_qkv: Any  # None or float
     gate: bool
+    latent_norm_eps: float
 
 
 def _positive_int(name, value):
@@ -208,27 +221,37 @@ def _dropout_rate(dropout):
     return float(dropout)
 
 
-def _projection_biases(bias, gate):
-    """`bias` -> the names of the projections that have a bias, in the order ("query", "key",
-    "value", "output", "gate"). `bias` is a Python or NumPy bool (all the layer's projections, the
-    gate's only with `gate` True, or none), or a list, tuple, set or frozenset of those names;
-    anything else (a string, a dict or its keys, an array) is refused."""
+def _projection_biases(bias, gate, projections=_PROJECTIONS):
+    """`bias` -> the names of the projections that have a bias, in the order of `projections`
+    (("query", "key", "value", "output", "gate"), or the layer's with MLA: `_projections`). `bias`
+    is a Python or NumPy bool (all the layer's projections, the gate's only with `gate` True, or
+    none), or a list, tuple, set or frozenset of those names; anything else (a string, a dict or
+    its keys, an array) is refused."""
     if isinstance(bias, (bool, np.bool_)):
-        return _projection_kinds(gate is True or gate is np.True_) if bias else ()
+        return _projection_kinds(projections, gate is True or gate is np.True_) if bias else ()
     names = isinstance(bias, (list, tuple, set, frozenset)) and all(
-        isinstance(name, str) and name in _PROJECTIONS for name in bias
+        isinstance(name, str) and name in projections for name in bias
     )
     if not names:
         raise ValueError(
-            "`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output', 'gate'. "
+            f"`bias` must be True, False or a list, tuple or set of {', '.join(map(repr, projections))}. "
             f"Received: bias={bias!r}"
         )
-    return tuple(name for name in _PROJECTIONS if name in bias)
+    return tuple(name for name in projections if name in bias)
 
 
-def _projection_kinds(gate):
-    """The layer's projections: query, key, value and output, and the gate's with `gate`."""
-    return _PROJECTIONS if gate else _PROJECTIONS[:4]
+def _projections(latent):
+    """The names `bias` takes: the layer's projections, query, key, value, output (with MLA query,
+    or query_a and query_b, key_value_a, key_value_b, output), then the gate's."""
+    if latent is None:
+        return _PROJECTIONS
+    query = ("query",) if latent.q_lora_rank is None else ("query_a", "query_b")
+    return (*query, "key_value_a", "key_value_b", "output", "gate")
+
+
+def _projection_kinds(projections, gate):
+    """The layer's projections among `projections` (`_projections`): the gate's only with `gate`."""
+    return projections if gate else projections[:-1]
 
 
 def _rotary_dim(rope_fraction, head_dim, rope):
@@ -294,18 +317,20 @@ def _valid_yarn(scaling):
 
 
 def _check_variants(
-    head_dim, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved, rope_scaling,
-    rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv, gate,
+    head_dim, rope_width, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved,
+    rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv, gate,
+    latent_norm_eps,
 ):  # fmt: skip
     """Checks the variants' arguments, each on its own whether its variant is on or off, in the
     signature's order with the flags last (so that every file names the same first bad
-    argument); returns them as a `_Variants`."""
+    argument); returns them as a `_Variants`. RoPE turns features of heads `rope_width` wide (H,
+    or Hr with MLA)."""
     scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float("scale", scale)
     softcap = _positive_float("softcap", softcap, optional=True)
     window = _check_window(window)
     chunk = None if attention_chunk_size is None else _positive_int("attention_chunk_size", attention_chunk_size)
     rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
-    rotary_dim = _rotary_dim(rope_fraction, head_dim, rope_theta is not None)
+    rotary_dim = _rotary_dim(rope_fraction, rope_width, rope_theta is not None)
     rope_scaling = _check_rope_scaling(rope_scaling)
     rope_sections = _check_rope_sections(rope_sections, rotary_dim)
     if qk_norm not in (None, "head", "per_head", "all"):
@@ -315,14 +340,74 @@ def _check_variants(
     if not isinstance(qk_norm_type, str) or qk_norm_type not in ("rms", "layer"):
         raise ValueError(f"`qk_norm_type` must be 'rms' or 'layer'. Received: qk_norm_type={qk_norm_type!r}")
     clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
+    latent_norm_eps = _positive_float("latent_norm_eps", latent_norm_eps)
     rope_interleaved = _flag("rope_interleaved", rope_interleaved)
     qk_norm_bias = _flag("qk_norm_bias", qk_norm_bias)
     sinks = _flag("sinks", sinks)
     gate = _flag("gate", gate)
     return _Variants(
         scale, softcap, window, chunk, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling,
-        rope_sections, qk_norm, qk_norm_eps, str(qk_norm_type), qk_norm_bias, sinks, clip_qkv, gate,
+        rope_sections, qk_norm, qk_norm_eps, str(qk_norm_type), qk_norm_bias, sinks, clip_qkv, gate, latent_norm_eps,
     )  # fmt: skip
+
+
+class _Latent(NamedTuple):
+    """The sizes of multi-head latent attention (MLA), checked (`_check_latent`)."""
+
+    kv_lora_rank: int  # C
+    q_lora_rank: int | None  # Q, None: a plain query projection
+    qk_nope_head_dim: int  # Hn
+    qk_rope_head_dim: int  # Hr
+    v_head_dim: int  # Hv
+
+
+def _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim):
+    """Checks the MLA sizes (each None or a positive integer, in the signature's order) and returns
+    a `_Latent`, or None without `kv_lora_rank`, when the others must be None too."""
+    sizes = dict(
+        zip(_LATENT_SIZES, (kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim), strict=True)
+    )
+    for name, value in sizes.items():
+        sizes[name] = None if value is None else _positive_int(name, value)
+    if sizes["kv_lora_rank"] is None:
+        for name in (name for name in _LATENT_SIZES[1:] if sizes[name] is not None):
+            raise ValueError(
+                f"`{name}` needs `kv_lora_rank` (multi-head latent attention). "
+                f"Received: {name}={sizes[name]!r}, kv_lora_rank=None"
+            )
+        return None
+    missing = [name for name in _LATENT_SIZES[2:] if sizes[name] is None]
+    if missing:
+        raise ValueError(
+            "`kv_lora_rank` needs `qk_nope_head_dim`, `qk_rope_head_dim` and `v_head_dim`. "
+            f"Received: kv_lora_rank={sizes['kv_lora_rank']}, {', '.join(f'{name}=None' for name in missing)}"
+        )
+    return _Latent(**sizes)
+
+
+def _latent_head_dim(latent, head_dim):
+    """H with MLA: qk_nope_head_dim + qk_rope_head_dim, which `head_dim`, if given, must equal."""
+    width = latent.qk_nope_head_dim + latent.qk_rope_head_dim
+    if head_dim is not None and not (_is_positive_int(head_dim) and head_dim == width):
+        raise ValueError(
+            f"`head_dim` must equal qk_nope_head_dim + qk_rope_head_dim = {width} with `kv_lora_rank`. "
+            f"Received: head_dim={head_dim!r}"
+        )
+    return width
+
+
+def _check_latent_combinations(vdim, variants):
+    """What MLA refuses, each with why (after every argument's own check)."""
+    refused = (
+        ("vdim", vdim, vdim is not None, "MLA reads keys and values from `key` (its width is `kdim`)"),
+        ("qk_norm", variants.qk_norm, variants.qk_norm is not None, "MLA normalizes the latents instead"),
+        ("clip_qkv", variants.clip_qkv, variants.clip_qkv is not None, "MLA has no q, k and v to clamp"),
+        ("rope_sections", variants.rope_sections, variants.rope_sections is not None, "RoPE turns the Hr features"),
+        ("rope_fraction", variants.rope_fraction, variants.rope_fraction != 1.0, "RoPE turns all Hr features"),
+    )
+    for name, value, given, why in refused:
+        if given:
+            raise ValueError(f"`{name}` is not supported with `kv_lora_rank`: {why}. Received: {name}={value!r}")
 
 
 # -------------------------------------------------------------------------------------------------
@@ -846,8 +931,9 @@ class KVCache(NamedTuple):
     index: Any
 
 
-def _check_cache(cache, query, key, heads, head_dim):
-    """Checks a KVCache against the call's (B, T, E) query and (B, S, kdim) key; dimensions
+def _check_cache(cache, query, key, key_heads, value_heads, latent=False):
+    """Checks a KVCache against the call's (B, T, E) query and (B, S, kdim) key, and the (heads,
+    width) of its key and value: (K, H) each, or MLA's `latent` cache (1, C) and (1, Hr); dimensions
     unknown at trace time are not checked."""
     (b, t), s = tuple(query.shape)[:2], key.shape[1]
     if t == 0:
@@ -861,18 +947,32 @@ def _check_cache(cache, query, key, heads, head_dim):
             f"it). Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
         )
     k, v = tuple(cache.key.shape), tuple(cache.value.shape)
+    expected = ((b, *key_heads), (b, *value_heads))  # (B, heads, width) of each
     if (
         len(k) != 4
-        or k != v
-        or any(_differ(*pair) for pair in zip((k[0], k[1], k[3]), (b, heads, head_dim), strict=True))
-    ):
-        raise ValueError(
-            f"`cache.key` and `cache.value` must have shape (B, K, L, H) with B={b}, K={heads}, H={head_dim}. "
-            f"Received: cache.key.shape={k}, cache.value.shape={v}"
+        or len(v) != 4
+        or _differ(k[2], v[2])
+        or any(
+            _differ(*pair) for x, e in zip((k, v), expected, strict=True) for pair in zip(x[:2] + x[3:], e, strict=True)
         )
+    ):
+        raise ValueError(_cache_shape_error(b, key_heads, value_heads, k, v, latent))
     keep = tuple(cache.keep.shape)
     if len(keep) != 2 or _differ(keep[0], b) or _differ(keep[1], k[2]):
         raise ValueError(f"`cache.keep` must have shape (B, L)=({b}, {k[2]}). Received: cache.keep.shape={keep}")
+
+
+def _cache_shape_error(b, key_heads, value_heads, k, v, latent):
+    received = f"Received: cache.key.shape={k}, cache.value.shape={v}"
+    if not latent:
+        heads, width = key_heads
+        return (
+            f"`cache.key` and `cache.value` must have shape (B, K, L, H) with B={b}, K={heads}, H={width}. {received}"
+        )
+    return (
+        "`cache.key` and `cache.value` must have shape (B, 1, L, C) and (B, 1, L, Hr) with kv_lora_rank: "
+        f"B={b}, C={key_heads[1]}, Hr={value_heads[1]}. {received}"
+    )
 
 
 def _check_cache_dtype(cache, dtype):
@@ -1080,8 +1180,15 @@ def _fused_attention(q, k, v, keep, bias, causal, scale, sinks):
     context. `keep` holds the window and the attention chunk already; `causal` goes in as the
     kernel's own (top-left) `is_causal` only with nothing else masking and T == S, else into the
     mask (bottom-right). The mask is a finite additive one: a row with no key left attends every key
-    inside the kernel and is set to exactly 0 after. `sinks`: see `_fused_with_sinks`."""
-    t, s = q.shape[2], k.shape[2]
+    inside the kernel and is set to exactly 0 after. `sinks`: see `_fused_with_sinks`. Values of
+    another width than q and k (MLA's Hv) are padded to the wider one with zeros, or q and k are
+    (the scores do not change), and the context is cut back to Hv."""
+    t, s, h, hv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
+    if h != hv:
+        width = max(h, hv)
+        q, k = (ops.pad(x, [[0, 0], [0, 0], [0, 0], [0, width - h]]) for x in (q, k))  # (B, N|K, T|S, width)
+        v = ops.pad(v, [[0, 0], [0, 0], [0, 0], [0, width - hv]])  # (B, K, S, width)
+        return _fused_attention(q, k, v, keep, bias, causal, scale, sinks)[..., :hv]  # (B, N, T, Hv)
     if sinks is not None:
         return _fused_with_sinks(q, k, v, keep, bias, causal, scale, sinks)
     is_causal = causal and keep is None and bias is None and t == s
@@ -1172,7 +1279,7 @@ class _Chunks(NamedTuple):
     rate: float  # dropout
     seed: Any  # (2,) int32, or None
     dtype: str  # the softmax's
-    heads: tuple  # (B, N, K, G, H), G = N // K
+    heads: tuple  # (B, N, K, G, Hv), G = N // K, Hv the values' width
 
 
 def _chunked_attention(
@@ -1187,7 +1294,7 @@ def _chunked_attention(
     known at trace time.
 
     Returns:
-        context (B, N, T, H).
+        context (B, N, T, Hv).
     """
     (b, n, t, h), kv, s = q.shape, k.shape[1], k.shape[2]
     dtype, count = _softmax_dtype(q.dtype), -(-t // chunk)
@@ -1198,7 +1305,7 @@ def _chunked_attention(
     bias = None if bias is None else ops.cast(bias, dtype)
     extras = {"bias": _pad_rows(bias, padded), "sinks": None if sinks is None else ops.cast(sinks, dtype)}
     extras = {name: x for name, x in extras.items() if x is not None}  # the inputs with a gradient besides q, k, v
-    heads = (b, n, kv, n // kv, h)
+    heads = (b, n, kv, n // kv, v.shape[3])  # the context's width is Hv, the values'
     masks = (_pad_rows(keep, padded), causal, window, attention_chunk_size, softcap)
     chunks = _Chunks(*masks, chunk, count, t, s, dropout_rate, seed, dtype, heads)
 
@@ -1214,28 +1321,29 @@ def _chunked_attention(
 
         return context, grad
 
-    return attend(q, k, v, *extras.values())[:, :, :t]  # (B, N, T', H) -> (B, N, T, H)
+    return attend(q, k, v, *extras.values())[:, :, :t]  # (B, N, T', Hv) -> (B, N, T, Hv)
 
 
 def _chunked_forward(chunks, q, k, v, extra):
-    """The (B, N, T', H) context, one chunk of queries at a time (`_loop`)."""
+    """The (B, N, T', Hv) context, one chunk of queries at a time (`_loop`)."""
     b, n, _, _, h = chunks.heads
 
     def one(i, totals):
         weights, _ = _dropped(chunks, _chunk_weights(chunks, q, k, i, extra)[1], i)
-        context = ops.matmul(_grouped(chunks, ops.cast(weights, v.dtype)), v)  # (B, K, G*chunk, S) @ (B, K, S, H)
-        return totals, (_by_head(chunks, context),)  # (B, N, chunk, H)
+        context = ops.matmul(_grouped(chunks, ops.cast(weights, v.dtype)), v)  # (B, K, G*chunk, S) @ (B, K, S, Hv)
+        return totals, (_by_head(chunks, context),)  # (B, N, chunk, Hv)
 
-    _, (contexts,) = _loop(one, chunks.count, (), [((b, n, chunks.size, h), v.dtype)])  # (count, B, N, chunk, H)
-    return ops.reshape(ops.transpose(contexts, (1, 2, 0, 3, 4)), (b, n, -1, h))  # -> (B, N, T', H)
+    _, (contexts,) = _loop(one, chunks.count, (), [((b, n, chunks.size, h), v.dtype)])  # (count, B, N, chunk, Hv)
+    return ops.reshape(ops.transpose(contexts, (1, 2, 0, 3, 4)), (b, n, -1, h))  # -> (B, N, T', Hv)
 
 
 def _chunked_backward(chunks, q, k, v, extra, d_context):
     """The gradients of q, k, v and of `extra` (`bias`, `sinks`) from the (B, N, T', H)
     `d_context`, one chunk at a time (`_chunk_gradients`): k's and v's accumulated in the softmax's
     dtype, q's and a full-row `bias`'s (its T dimension full) collected per chunk."""
-    b, n, _, _, h = chunks.heads
-    zeros = ops.zeros(k.shape, chunks.dtype)  # (B, K, S, H), accumulated in float32 at least (float64 stays)
+    b, n, h = q.shape[0], q.shape[1], q.shape[3]
+    zeros_k = ops.zeros(k.shape, chunks.dtype)  # (B, K, S, H), accumulated in float32 at least (float64 stays)
+    zeros_v = ops.zeros(v.shape, chunks.dtype)  # (B, K, S, Hv)
     bias = extra.get("bias")
     bias_rows = bias is not None and bias.shape[2] != 1
     sums = {name: ops.zeros_like(x) for name, x in extra.items() if name != "bias" or not bias_rows}
@@ -1245,7 +1353,7 @@ def _chunked_backward(chunks, q, k, v, extra, d_context):
     def one(i, totals):
         return _chunk_gradients(chunks, q, k, v, extra, d_context, i, totals)
 
-    (d_k, d_v, sums), stacks = _loop(one, chunks.count, (zeros, zeros, sums), rows)
+    (d_k, d_v, sums), stacks = _loop(one, chunks.count, (zeros_k, zeros_v, sums), rows)
     d_q = ops.reshape(ops.transpose(stacks[0], (1, 2, 0, 3, 4)), q.shape)  # (count, B, N, chunk, H) -> (B, N, T', H)
     if bias_rows:
         sums["bias"] = ops.reshape(ops.transpose(stacks[1], (1, 2, 0, 3, 4)), bias.shape)  # -> (b, n, T', S)
@@ -1520,6 +1628,14 @@ def _int8_matmul(x, kernel, kernel_scale):
     return y, grad
 
 
+def _quantized_rows(x):
+    """x quantized per token as `_int8_matmul` quantizes its input, and dequantized: round(x * r) / r,
+    r = 127 / (max |x| + 1e-7) over the last axis, the integers clipped to [-127, 127]."""
+    largest = ops.max(ops.abs(x), axis=-1, keepdims=True, initial=0.0)  # (..., 1); `initial`: a dim may be 0
+    ratio = _INT8_MAX / (largest + _INT8_EPSILON)  # (..., 1)
+    return ops.clip(ops.round(x * ratio), -_INT8_MAX, _INT8_MAX) * (1.0 / ratio)
+
+
 def _with_scales(shapes):
     """The int8 layout of a float layout: `<kind>_kernel_scale` (F,) after each (D, F) `<kind>_kernel`."""
     scaled = {}
@@ -1598,7 +1714,8 @@ class MultiHeadAttention(keras.layers.Layer):
         bias: True (all the projections have a bias, the gate's with `gate`), False (none), or a
             list, tuple or set of the names of those that have one, among "query", "key", "value",
             "output", "gate" (Qwen2: ("query", "key", "value")). Kept as that tuple of names, in
-            that order.
+            that order. With MLA the names are "query" (or "query_a" and "query_b"), "key_value_a",
+            "key_value_b", "output", "gate".
         scale: the factor of the scores, `scores = (q . k) * scale`. Defaults to 1 / sqrt(H).
         softcap: None or a positive float c: the scores become c * tanh(scores / c).
         window: None, W, or a pair (W_before, W_after): query t keeps key s only if
@@ -1629,6 +1746,18 @@ class MultiHeadAttention(keras.layers.Layer):
         gate: if True, each head's attention result is multiplied, feature by feature, by
             sigmoid(query @ gate_kernel + gate_bias) before the heads are merged (Keras'
             `use_gate`, Qwen3-Next, Qwen3.5).
+        kv_lora_rank: None, or C: multi-head latent attention (DeepSeek-V2/V3). Keys and values
+            come from `key` through a latent of C features per token, RMS-normalized, and the
+            cache holds it (`KVCache.key` (B, 1, L, C), `value` (B, 1, L, Hr)); `value` must be
+            None or `key` itself. Not with `vdim`, `qk_norm`, `clip_qkv`, `rope_sections` or
+            `rope_fraction` < 1.
+        q_lora_rank: None (a plain query projection), or Q: the query goes through a latent of Q
+            features, RMS-normalized (`query_a_kernel`, `query_a_norm`, `query_b_kernel`).
+        qk_nope_head_dim: Hn, the features of a query/key head that RoPE does not turn (MLA).
+        qk_rope_head_dim: Hr, the features RoPE turns (MLA); the key's are shared by the heads.
+            With MLA, H = Hn + Hr (`head_dim`, if given, must equal it).
+        v_head_dim: Hv, the width of a value head (MLA); the output kernel is (N*Hv, E).
+        latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
         kernel_initializer: initializer of the kernels.
         bias_initializer: initializer of the biases.
         **kwargs: base layer arguments (`name`, `dtype` policy, ...).
@@ -1684,6 +1813,10 @@ class MultiHeadAttention(keras.layers.Layer):
     memory_efficient_threshold = 1 << 26
     query_chunk_elements = 1 << 21
     fused_attention = None
+    # With MLA, whether attention runs on the latents with the up-projections folded in (the absorbed
+    # path: True), on per-head keys and values up-projected from them (False), or (None) absorbed
+    # when decoding a few tokens with a cache (`_absorbs`).
+    absorb_latents = None
 
     def __init__(
         self,
@@ -1712,6 +1845,12 @@ class MultiHeadAttention(keras.layers.Layer):
         sinks=False,
         clip_qkv=None,
         gate=False,
+        kv_lora_rank=None,
+        q_lora_rank=None,
+        qk_nope_head_dim=None,
+        qk_rope_head_dim=None,
+        v_head_dim=None,
+        latent_norm_eps=1e-6,
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
         **kwargs,
@@ -1724,23 +1863,32 @@ class MultiHeadAttention(keras.layers.Layer):
             raise ValueError(
                 f"`num_kv_heads` must divide `num_heads`. Received: num_heads={num_heads}, num_kv_heads={num_kv_heads}"
             )
+        latent = _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
+        head_dim = head_dim if latent is None else _latent_head_dim(latent, head_dim)  # MLA: Hn + Hr
         if head_dim is None and self.d_model % self.num_heads:
             raise ValueError(f"`num_heads` must divide `d_model`. Received: d_model={d_model}, num_heads={num_heads}")
         self.head_dim = _positive_int("head_dim", self.d_model // self.num_heads if head_dim is None else head_dim)
         self.kdim = _positive_int("kdim", self.d_model if kdim is None else kdim)
         self.vdim = _positive_int("vdim", self.d_model if vdim is None else vdim)
         self.dropout = _dropout_rate(dropout)
-        self.bias = _projection_biases(bias, gate)
+        self.bias = _projection_biases(bias, gate, _projections(latent))
+        rope_width = self.head_dim if latent is None else latent.qk_rope_head_dim
         (
             self.scale, self.softcap, self.window, self.attention_chunk_size, self.rope_theta, self.rope_fraction,
             self.rope_interleaved, self.rope_scaling, self.rope_sections, self.qk_norm, self.qk_norm_eps,
-            self.qk_norm_type, self.qk_norm_bias, self.sinks, self.clip_qkv, self.gate,
-        ) = _check_variants(
-            self.head_dim, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved,
-            rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv, gate,
+            self.qk_norm_type, self.qk_norm_bias, self.sinks, self.clip_qkv, self.gate, self.latent_norm_eps,
+        ) = variants = _check_variants(
+            self.head_dim, rope_width, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction,
+            rope_interleaved, rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks,
+            clip_qkv, gate, latent_norm_eps,
         )  # fmt: skip
+        if latent is not None:
+            _check_latent_combinations(vdim, variants)
+            self.vdim = self.kdim  # MLA reads keys and values from `key`
+        for name in _LATENT_SIZES:
+            setattr(self, name, None if latent is None else getattr(latent, name))
         if self.rope_theta is not None:
-            rotary = _rotary_dim(self.rope_fraction, self.head_dim, True)
+            rotary = _rotary_dim(self.rope_fraction, rope_width, True)
             self._inv_freq = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,) NumPy
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
@@ -1782,7 +1930,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self.built = True
 
     def get_config(self):
-        bias = True if self.bias == _projection_kinds(self.gate) else bool(self.bias) and list(self.bias)
+        bias = True if self.bias == self._projection_names else bool(self.bias) and list(self.bias)
         return {
             **super().get_config(),
             "d_model": self.d_model,
@@ -1790,7 +1938,7 @@ class MultiHeadAttention(keras.layers.Layer):
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "kdim": self.kdim,
-            "vdim": self.vdim,
+            "vdim": None if self.kv_lora_rank is not None else self.vdim,  # MLA: its values come from `key`
             "dropout": self.dropout,
             "bias": bias,
             "scale": self.scale,
@@ -1809,27 +1957,44 @@ class MultiHeadAttention(keras.layers.Layer):
             "sinks": self.sinks,
             "clip_qkv": self.clip_qkv,
             "gate": self.gate,
+            "kv_lora_rank": self.kv_lora_rank,
+            "q_lora_rank": self.q_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "latent_norm_eps": self.latent_norm_eps,
             "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
             "bias_initializer": keras.initializers.serialize(self.bias_initializer),
         }
 
+    @property
+    def _latent(self):
+        """The MLA sizes as a `_Latent`, or None without `kv_lora_rank`."""
+        return None if self.kv_lora_rank is None else _Latent(*(getattr(self, name) for name in _LATENT_SIZES))
+
+    @property
+    def _projection_names(self):
+        """The names of the layer's projections, in the layout's order (MLA's with `kv_lora_rank`,
+        the gate's with `gate`)."""
+        return _projection_kinds(_projections(self._latent), self.gate)
+
     def weight_shapes(self):
         """The portable layout: {name: shape}, in its order; a projection's bias only when `bias`
         names it, the norm scales only with `qk_norm` (and their biases with `qk_norm_bias`),
-        `sinks` only with `sinks=True`, the gate's kernel (and bias) after them with `gate=True`."""
+        `sinks` only with `sinks=True`, the gate's kernel (and bias) after them with `gate=True`.
+        With MLA, the latent projections and their norm scales (`query_a_norm` with `q_lora_rank`,
+        `key_value_a_norm`) replace query, key and value."""
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        kernels = {
-            "query": (self.d_model, nh),
-            "key": (self.kdim, kh),
-            "value": (self.vdim, kh),
-            "output": (nh, self.d_model),
-        }
-        gate = {"gate": (self.d_model, nh)} if self.gate else {}
+        kernels = self._kernel_shapes()
+        hv = self.head_dim if self.kv_lora_rank is None else self.v_head_dim
+        gate = {"gate": (self.d_model, self.num_heads * hv)} if self.gate else {}
         shapes = {}
         for kind, shape in kernels.items():
             shapes[f"{kind}_kernel"] = shape
             if kind in self.bias:
                 shapes[f"{kind}_bias"] = shape[1:]
+            if kind in ("query_a", "key_value_a"):
+                shapes[f"{kind}_norm"] = (self.q_lora_rank if kind == "query_a" else self.kv_lora_rank,)
         if self.qk_norm is not None:
             shapes["query_norm"] = (self.head_dim,) if self.qk_norm == "head" else (nh,)
             shapes["key_norm"] = (self.head_dim,) if self.qk_norm == "head" else (kh,)
@@ -1842,6 +2007,27 @@ class MultiHeadAttention(keras.layers.Layer):
             if kind in self.bias:
                 shapes[f"{kind}_bias"] = shape[1:]
         return _with_scales(shapes) if self._int8 else shapes
+
+    def _kernel_shapes(self):
+        """{projection: its kernel's (D, F)}, in the layout's order."""
+        nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.kv_lora_rank is None:
+            return {
+                "query": (self.d_model, nh),
+                "key": (self.kdim, kh),
+                "value": (self.vdim, kh),
+                "output": (nh, self.d_model),
+            }
+        c, hn, hr, hv = self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        query = {"query": (self.d_model, nh)}
+        if self.q_lora_rank is not None:
+            query = {"query_a": (self.d_model, self.q_lora_rank), "query_b": (self.q_lora_rank, nh)}
+        return {
+            **query,
+            "key_value_a": (self.kdim, c + hr),
+            "key_value_b": (c, self.num_kv_heads * (hn + hv)),
+            "output": (self.num_heads * hv, self.d_model),
+        }
 
     def _variable(self, name):
         """The variable of one portable weight (`sinks` is held as `sink_logits`)."""
@@ -1893,7 +2079,7 @@ class MultiHeadAttention(keras.layers.Layer):
         if mode != "int8":
             raise NotImplementedError(f"{type(self).__name__} quantizes to 'int8' only. Received: mode={mode!r}")
         _check_int8_config(config)
-        for kind in _projection_kinds(self.gate):
+        for kind in self._projection_names:
             kernel, scale = _quantize_kernel(ops.convert_to_numpy(getattr(self, f"{kind}_kernel").value))
             self._untrack_variable(getattr(self, f"{kind}_kernel"))  # Keras' `del` would run gc.collect() per kernel
             for name, value in ((f"{kind}_kernel", kernel), (f"{kind}_kernel_scale", scale)):
@@ -1932,20 +2118,29 @@ class MultiHeadAttention(keras.layers.Layer):
             dtype: dtype of the keys and values; defaults to the compute dtype of the policy.
 
         Returns:
-            A `KVCache` of zeros with index 0 (int32).
+            A `KVCache` of zeros with index 0 (int32); with MLA, the latent cache: `key` (B, 1, L, C)
+            for the normalized latents, `value` (B, 1, L, Hr) for the rotated shared key part.
         """
         b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
         keep = ops.ones((b, length), dtype="bool") if keep is None else _check_keep(keep, b, length)
-        shape = (b, self.num_kv_heads, length, self.head_dim)
+        (heads, key_width), (_, value_width) = self._cache_heads()
         dtype = self.compute_dtype if dtype is None else dtype
-        return KVCache(ops.zeros(shape, dtype), ops.zeros(shape, dtype), keep, ops.convert_to_tensor(0, "int32"))
+        key, value = (ops.zeros((b, heads, length, width), dtype) for width in (key_width, value_width))
+        return KVCache(key, value, keep, ops.convert_to_tensor(0, "int32"))
+
+    def _cache_heads(self):
+        """((heads, width) of `cache.key`, (heads, width) of `cache.value`): (K, H) each, or with MLA
+        the latent cache's (1, C) and (1, Hr), one "head" shared by all."""
+        if self.kv_lora_rank is None:
+            return (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)
+        return (1, self.kv_lora_rank), (1, self.qk_rope_head_dim)
 
     def _non_defaults(self):
         """The variants not at their default and a partial `bias` (all the biases or none is the
         default), {name: value as held}: what the Keras built-ins cannot hold (`rope_sections`
         only with RoPE, `qk_norm_type` and `qk_norm_bias` only with `qk_norm`: what they change)."""
         plain = {
-            "bias": self.bias in ((), _projection_kinds(self.gate)),
+            "bias": self.bias in ((), self._projection_names),
             "scale": math.isclose(self.scale, 1 / math.sqrt(self.head_dim)),
             "softcap": self.softcap is None,
             "window": self.window is None,
@@ -1958,6 +2153,7 @@ class MultiHeadAttention(keras.layers.Layer):
             "sinks": not self.sinks,
             "clip_qkv": self.clip_qkv is None,
             "gate": not self.gate,
+            "kv_lora_rank": self.kv_lora_rank is None,
         }
         return {name: getattr(self, name) for name, default in plain.items() if not default}
 
@@ -1970,6 +2166,11 @@ class MultiHeadAttention(keras.layers.Layer):
         `query_mask`), the cache, the masks' dtypes and shapes, the habit warnings and the
         positions; returns the `_Call`, the inputs cast to the compute dtype."""
         self_attention = key is None and value is None
+        if self.kv_lora_rank is not None and key is not None and value is not None and value is not key:
+            raise ValueError(
+                "`value` must be None or `key` itself with `kv_lora_rank`: MLA reads keys and values from `key`. "
+                "Received: a value other than key"
+            )
         key, value = _inputs(query, key, value)
         implicit = [_keras_mask(x) for x in (query, key, value)]  # read before any conversion
         explicit = key_mask is not None and key_mask is not _implicit_mask(key)  # passed, not filled in by Keras
@@ -1985,7 +2186,7 @@ class MultiHeadAttention(keras.layers.Layer):
         key_keep = query_mask if self_attention and key_keep is None else key_keep
         key_keep = _and(key_keep, _and(implicit[1], implicit[2]))  # (B, S)
         if cache is not None:
-            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
+            _check_cache(cache, query, key, *self._cache_heads(), latent=self.kv_lora_rank is not None)
         target = (b, self.num_heads, t, s if cache is None else cache.key.shape[2])
         attention_mask = None if attention_mask is None else ops.convert_to_tensor(attention_mask)
         mask = None if attention_mask is None else _mask_to_4d(attention_mask, target)
@@ -2050,11 +2251,30 @@ class MultiHeadAttention(keras.layers.Layer):
 
     def _project_qkv(self, call):
         """The three input projections split into heads: (B, N, T, H), (B, K, S, H), (B, K, S, H),
-        clamped to [-clip_qkv, clip_qkv]."""
+        clamped to [-clip_qkv, clip_qkv]. With MLA, `_project_latent`: k and v are then the latents
+        c (B, 1, S, C) and the shared key part k_rope (B, 1, S, Hr)."""
+        if self.kv_lora_rank is not None:
+            return self._project_latent(call)
         q = self._split_heads(self._project(call.query, "query"), self.num_heads)
         k = self._split_heads(self._project(call.key, "key"), self.num_kv_heads)
         v = self._split_heads(self._project(call.value, "value"), self.num_kv_heads)
         return self._clip(q), self._clip(k), self._clip(v)
+
+    def _project_latent(self, call):
+        """Step 2 with MLA: q = RMSNorm(query @ query_a_kernel) @ query_b_kernel (or query @
+        query_kernel without `q_lora_rank`), (B, N, T, H); key @ key_value_a_kernel split into the
+        latent c, RMS-normalized by `key_value_a_norm`, and the key part k_rope shared by the heads.
+        Returns q, c (B, 1, S, C), k_rope (B, 1, S, Hr)."""
+        if self.q_lora_rank is None:
+            q = self._project(call.query, "query")  # (B, T, E) -> (B, T, N*H)
+        else:
+            q_latent = self._project(call.query, "query_a")  # (B, T, E) -> (B, T, Q)
+            q_latent = rms_norm(q_latent, self.query_a_norm, self.latent_norm_eps)
+            q = self._project(q_latent, "query_b")  # (B, T, Q) -> (B, T, N*H)
+        a = self._project(call.key, "key_value_a")  # (B, S, kdim) -> (B, S, C + Hr)
+        c, k_rope = a[..., : self.kv_lora_rank], a[..., self.kv_lora_rank :]  # (B, S, C), (B, S, Hr)
+        c = rms_norm(c, self.key_value_a_norm, self.latent_norm_eps)
+        return self._split_heads(q, self.num_heads), c[:, None], k_rope[:, None]  # (B, N, T, H), (B, 1, S, C|Hr)
 
     def _clip(self, x):
         """`clip_qkv`: x clamped to [-c, c], with the clamp's gradient, 1 within [-c, c] (bounds
@@ -2081,10 +2301,11 @@ class MultiHeadAttention(keras.layers.Layer):
         bias = self._bias_of(kind)
         return y if bias is None else y + ops.cast(bias, x.dtype)
 
-    def _split_heads(self, y, heads):
+    def _split_heads(self, y, heads, width=None):
+        """(B, L, heads*W) -> (B, heads, L, W); the width W defaults to H."""
         b, length = _shape(y)[:2]
-        y = ops.reshape(y, (b, length, heads, self.head_dim))  # (B, L, heads*H) -> (B, L, heads, H)
-        return ops.transpose(y, (0, 2, 1, 3))  # -> (B, heads, L, H)
+        y = ops.reshape(y, (b, length, heads, width or self.head_dim))  # (B, L, heads*W) -> (B, L, heads, W)
+        return ops.transpose(y, (0, 2, 1, 3))  # -> (B, heads, L, W)
 
     def _merge_heads(self, x):
         merged = ops.transpose(x, (0, 2, 1, 3))  # (B, heads, L, H) -> (B, L, heads, H)
@@ -2113,16 +2334,23 @@ class MultiHeadAttention(keras.layers.Layer):
             bias = None if bias is None else ops.reshape(bias, (heads, 1, self.head_dim))  # (heads, 1, H)
         return norm(x, scale, self.qk_norm_eps, bias)  # (B, heads, L, H)
 
-    def _rotate(self, q, k, positions):
+    def _rotate(self, q, k, v, positions):
         """RoPE of q (B, N, T, H) and k (B, K, T, H) at (B, T) or (1, T) `positions`, (k, B|1, T)
-        with `rope_sections`."""
+        with `rope_sections`; with MLA, of q's last Hr features and of the shared key part, v
+        (B, 1, T, Hr) until the cache step (k, the latents, is not turned). Returns q, k, v."""
         if self.rope_theta is None:
-            return q, k
-        inv_freq, interleaved, sections = self._inv_freq, self.rope_interleaved, self.rope_sections
-        q = apply_rope(q, positions, inv_freq, interleaved, sections)  # (B, N, T, H)
-        k = apply_rope(k, positions, inv_freq, interleaved, sections)  # (B, K, T, H)
-        factor, rotary_dim = rope_attention_factor(self.rope_scaling), 2 * inv_freq.shape[0]
-        return scale_rotated(q, rotary_dim, factor), scale_rotated(k, rotary_dim, factor)  # YaRN's factor
+            return q, k, v
+        if self.kv_lora_rank is None:
+            return self._rope(q, positions), self._rope(k, positions), v
+        hn = self.qk_nope_head_dim
+        q = ops.concatenate([q[..., :hn], self._rope(q[..., hn:], positions)], axis=-1)  # (B, N, T, H)
+        return q, k, self._rope(v, positions)
+
+    def _rope(self, x, positions):
+        """x (B, heads, T, W) with its first R features turned, times YaRN's attention factor."""
+        inv_freq = self._inv_freq
+        x = apply_rope(x, positions, inv_freq, self.rope_interleaved, self.rope_sections)
+        return scale_rotated(x, 2 * inv_freq.shape[0], rope_attention_factor(self.rope_scaling))
 
     def _update_cache(self, call, k, v, keep):
         """The cache write: the new keys and values go to slots [index, index + T) (mod L with a
@@ -2139,13 +2367,100 @@ class MultiHeadAttention(keras.layers.Layer):
         return cache.key, cache.value, keep, call
 
     def _attend(self, q, k, v, keep, bias, call):
-        """Step 6, the one entry to the attention paths; returns (context (B, N, T, H), weights
-        (B, N, T, S) or None). With the weights, soft-capping or dropout where the fused path is
-        taken: `dot_product_attention`. Without the weights: `ops.dot_product_attention`
-        (`_fused_attention`) where `_fuses` says so, else the memory-efficient path when the scores
-        exceed `memory_efficient_threshold` elements. A decoding call without room raised in
-        `_check_call` where the cache's index can be read; elsewhere (a trace) its context, so its
-        output, is NaN."""
+        """Step 6, the one entry to the attention paths; returns (context (B, N, T, Hv), weights
+        (B, N, T, S) or None), Hv = H but with MLA. With MLA, k and v are the latents c (B, 1, S,
+        C) and the shared key part k_rope (B, 1, S, Hr): the absorbed path attends them directly
+        (`absorb_latents`), the expanded one up-projects them to keys and values first."""
+        if self.kv_lora_rank is None:
+            return self._attend_heads(q, k, v, keep, bias, call)
+        if not self._absorbs(q, call):
+            k, v = self._expand_latents(k, v)  # (B, K, S, H), (B, K, S, Hv)
+            return self._attend_heads(q, k, v, keep, bias, call)
+        up = self._latent_up_projections(q.dtype)
+        context, weights = self._attend_heads(*self._absorbed_inputs(q, k, v, up), keep, bias, call)
+        return self._absorbed_output(context, up), weights
+
+    def _absorbs(self, q, call):
+        """Whether MLA attends the latents directly: `absorb_latents` if set; else (None) in a call
+        with a cache whose T (known at trace time) is at most 8, a decode step, where up-projecting
+        the L latents would cost more than folding the up-projections into the T queries."""
+        if self.absorb_latents is not None:
+            return bool(self.absorb_latents)
+        return call.cache is not None and q.shape[2] is not None and q.shape[2] <= _ABSORB_MAX_T
+
+    def _expand_latents(self, c, k_rope):
+        """The expanded path: [k_nope, v] = c @ key_value_b_kernel (+ bias) per head, and
+        k = [k_nope, k_rope], k_rope shared by the heads. Returns k (B, K, S, H), v (B, K, S, Hv)."""
+        hn = self.qk_nope_head_dim
+        kv = self._project(c[:, 0], "key_value_b")  # (B, 1, S, C) -> (B, S, K*(Hn + Hv))
+        kv = self._split_heads(kv, self.num_kv_heads, hn + self.v_head_dim)  # (B, K, S, Hn + Hv)
+        k_nope, v = kv[..., :hn], kv[..., hn:]  # (B, K, S, Hn), (B, K, S, Hv)
+        k_rope = ops.broadcast_to(k_rope, (*_shape(k_nope)[:3], self.qk_rope_head_dim))  # (B, K, S, Hr)
+        return ops.concatenate([k_nope, k_rope], axis=-1), v  # (B, K, S, H), (B, K, S, Hv)
+
+    def _latent_up_projections(self, dtype):
+        """key_value_b's kernel as (C, K, Hn) for keys and (C, K, Hv) for values (dequantized when
+        int8), and its bias as (K, Hn) and (K, Hv) (None without one), in `dtype`."""
+        hn, hv = self.qk_nope_head_dim, self.v_head_dim
+        kernel = ops.cast(self.key_value_b_kernel, dtype)  # (C, K*(Hn + Hv))
+        if self._int8:
+            kernel = kernel * ops.cast(self.key_value_b_kernel_scale, dtype)  # dequantized per column
+        kernel = ops.reshape(kernel, (self.kv_lora_rank, self.num_kv_heads, hn + hv))  # -> (C, K, Hn + Hv)
+        w_k, w_v = kernel[..., :hn], kernel[..., hn:]  # (C, K, Hn), (C, K, Hv)
+        if "key_value_b" not in self.bias:
+            return w_k, w_v, None, None
+        bias = ops.reshape(ops.cast(self.key_value_b_bias, dtype), (self.num_kv_heads, hn + hv))  # (K, Hn + Hv)
+        return w_k, w_v, bias[:, :hn], bias[:, hn:]  # ..., (K, Hn), (K, Hv)
+
+    def _absorbed_inputs(self, q, c, k_rope, up):
+        """The absorbed path's one-head attention inputs: q_lat = q_nope @ W_kb^T per head, queries
+        [q_lat, q_rope] against keys [c, k_rope] and values c, so that q . k and the weighted sum are
+        those of the expanded heads. key_value_b's bias adds q_nope . b_k to each query's scores (a
+        query feature against a key feature of ones) and sum(weights) * b_v to the output (a value
+        feature of ones). With int8, c is quantized per token as the expanded projection quantizes
+        its input (with the straight-through gradient). Returns q' (B, N, T, C + Hr [+ 1]), k'
+        (B, 1, S, C + Hr [+ 1]), v' (B, 1, S, C [+ 1])."""
+        w_k, _, b_k, _ = up
+        hn = self.qk_nope_head_dim
+        grouped = self._grouped(q[..., :hn])  # (B, N, T, Hn) -> (B, K, G, T, Hn)
+        q_latent = self._ungrouped(ops.einsum("bkgtd,ckd->bkgtc", grouped, w_k))  # (B, K, G, T, C) -> (B, N, T, C)
+        c = c + ops.stop_gradient(_quantized_rows(c) - c) if self._int8 else c  # (B, 1, S, C)
+        queries, keys, values = [q_latent, q[..., hn:]], [c, k_rope], [c]
+        if b_k is not None:
+            ones = ops.ones_like(c[..., :1])  # (B, 1, S, 1)
+            queries.append(self._ungrouped(ops.einsum("bkgtd,kd->bkgt", grouped, b_k)[..., None]))  # (B, N, T, 1)
+            keys.append(ones)
+            values.append(ones)
+        return ops.concatenate(queries, axis=-1), ops.concatenate(keys, axis=-1), ops.concatenate(values, axis=-1)
+
+    def _absorbed_output(self, context, up):
+        """The absorbed path's (B, N, T, C [+ 1]) context -> the heads' (B, N, T, Hv): o_lat @ W_vb
+        per head (+ sum(weights) * b_v)."""
+        _, w_v, _, b_v = up
+        latent = self._grouped(context[..., : self.kv_lora_rank])  # (B, K, G, T, C)
+        heads = ops.einsum("bkgtc,ckv->bkgtv", latent, w_v)  # (B, K, G, T, Hv)
+        if b_v is not None:
+            heads += self._grouped(context[..., self.kv_lora_rank :]) * b_v[None, :, None, None, :]  # (B, K, G, T, Hv)
+        return self._ungrouped(heads)  # (B, N, T, Hv)
+
+    def _grouped(self, x):
+        """(B, N, T, X) -> (B, K, G, T, X): query head n is (n // G, n % G)."""
+        b, _, t, width = _shape(x)
+        return ops.reshape(x, (b, self.num_kv_heads, self.num_heads // self.num_kv_heads, t, width))
+
+    def _ungrouped(self, x):
+        """(B, K, G, T, X) -> (B, N, T, X)."""
+        b, _, _, t, width = _shape(x)
+        return ops.reshape(x, (b, self.num_heads, t, width))
+
+    def _attend_heads(self, q, k, v, keep, bias, call):
+        """Attention of split heads q (B, N, T, H), k (B, K, S, H), v (B, K, S, Hv); returns
+        (context (B, N, T, Hv), weights (B, N, T, S) or None). With the weights, soft-capping or
+        dropout where the fused path is taken: `dot_product_attention`. Without the weights:
+        `ops.dot_product_attention` (`_fused_attention`) where `_fuses` says so, else the
+        memory-efficient path when the scores exceed `memory_efficient_threshold` elements. A
+        decoding call without room raised in `_check_call` where the cache's index can be read;
+        elsewhere (a trace) its context, so its output, is NaN."""
         dropout = self.dropout > 0 and call.training is not False and call.training is not None
         sinks = self.sink_logits if self.sinks else None
         chunk = None if call.return_attention else self._query_chunk(q, k)
@@ -2193,12 +2508,12 @@ class MultiHeadAttention(keras.layers.Layer):
         return max(1, min(t, self.query_chunk_elements // (b * n * s)))
 
     def _gate_heads(self, call, context):
-        """Step 6b: the (B, N, T, H) attention result times sigmoid(query @ gate_kernel + gate_bias)
-        split into heads (unchanged without `gate`)."""
+        """Step 6b: the (B, N, T, Hv) attention result times sigmoid(query @ gate_kernel + gate_bias)
+        split into heads (unchanged without `gate`; Hv = H without MLA)."""
         if not self.gate:
             return context
-        gate = self._split_heads(ops.sigmoid(self._project(call.query, "gate")), self.num_heads)  # -> (B, N, T, H)
-        return context * gate
+        gate = ops.sigmoid(self._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
+        return context * self._split_heads(gate, self.num_heads, self.v_head_dim)  # -> (B, N, T, Hv)
 
     def call(
         self,
@@ -2222,13 +2537,13 @@ class MultiHeadAttention(keras.layers.Layer):
             return_attention, cache, training, value_mask,
         )  # 1. defaults and checks  # fmt: skip
         keep, bias = self._masks(call)  # 1. (B|1, N|1, T|1, S|1) keep and bias
-        q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H)
+        q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H); MLA: c, k_rope
         q, k = self._normalize_qk(q, k)  # 3. QK-norm
-        q, k = self._rotate(q, k, call.positions)  # 4. RoPE
+        q, k, v = self._rotate(q, k, v, call.positions)  # 4. RoPE
         k, v, keep, call = self._update_cache(call, k, v, keep)  # 5. KV cache (replaces causal/window/chunk/cache)
-        context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S)
-        context = self._gate_heads(call, context)  # 6b. output gate, (B, N, T, H)
-        output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*H) -> (B, T, E)
+        context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, Hv), (B, N, T, S)
+        context = self._gate_heads(call, context)  # 6b. output gate, (B, N, T, Hv)
+        output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*Hv) -> (B, T, E)
         return _results(output, weights, call.cache, call.return_attention)
 
     def __call__(self, *args, mask=None, **kwargs):
@@ -2312,7 +2627,7 @@ class MultiHeadAttention(keras.layers.Layer):
         new = cls(**config, name=f"{layer.name}_reference", dtype=layer.dtype_policy)
         new.trainable = layer.trainable
         weights = {}
-        for kind, sublayer in zip(_projection_kinds(new.gate), dense, strict=True):
+        for kind, sublayer in zip(_projection_kinds(_PROJECTIONS, new.gate), dense, strict=True):
             kernel = ops.convert_to_numpy(sublayer.kernel)  # with LoRA, the merged kernel
             rows = kernel.shape[0] * kernel.shape[1] if kind == "output" else kernel.shape[0]
             weights[f"{kind}_kernel"] = kernel.reshape(rows, -1)  # heads flattened as h * H + d
@@ -2344,7 +2659,7 @@ class MultiHeadAttention(keras.layers.Layer):
         weights = self.export_weights()
         dense = (layer._query_dense, layer._key_dense, layer._value_dense, layer._output_dense)
         dense += (layer._gate_dense,) if self.gate else ()
-        for kind, sublayer in zip(_projection_kinds(self.gate), dense, strict=True):
+        for kind, sublayer in zip(_projection_kinds(_PROJECTIONS, self.gate), dense, strict=True):
             sublayer.kernel.assign(weights[f"{kind}_kernel"].reshape(sublayer.kernel.shape))
             if self.bias:
                 sublayer.bias.assign(weights[f"{kind}_bias"].reshape(sublayer.bias.shape))
