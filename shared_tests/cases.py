@@ -429,6 +429,14 @@ MLA_CASES = [
                 ("softcap", 5.0),
             ),
         ),
+        Case(
+            "mla_gate_deepseek",  # DeepSeek-shaped MLA with the output gate (N*Hv wide), K < N, every bias
+            k=2,
+            self_attention=True,
+            causal=True,
+            query_mask=True,
+            variants=(*MLA, ("q_lora_rank", 6), ("rope_theta", 10000.0), ("rope_interleaved", True), ("gate", True)),
+        ),
     )
     for variant in _both_paths(case)
 ]

@@ -172,6 +172,14 @@ MLA_DECODE_CASES = [
             variants=(*MLA, ("rope_theta", 10000.0), ("window", 3), ("sinks", True)),
         ),
         DecodeCase("decode_mla_cross", kdim=6, chunks=(2, 1, 1), mask="bool_btl", variants=MLA),  # key only
+        DecodeCase(
+            "decode_mla_gate",  # the gate (N*Hv wide) reads only the new queries; every bias, K < N
+            k=2,
+            padding=(0, 2),
+            chunks=(3, 1, 1, 1),
+            positions=True,
+            variants=(*MLA, ("q_lora_rank", 6), ("rope_theta", 10000.0), ("gate", True)),
+        ),
     )
     for variant in (case, dataclasses.replace(case, name=f"{case.name}_expanded", absorb=False))
 ]
