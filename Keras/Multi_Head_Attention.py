@@ -76,6 +76,9 @@ and Hv are `qk_nope_head_dim`, `qk_rope_head_dim` and `v_head_dim`, H = Hn + Hr,
 The cache holds c in `key` (B, 1, L, C) and the turned k_rope in `value` (B, 1, L, Hr). The
 absorbed path (`absorb_latents`) attends the latents directly: q_nope @ W_kb^T against c, the
 weighted sum of c then @ W_vb, the up-projections folded into the query and the output.
+
+Many devices: `layer.layout_map(mesh)` gives the `keras.distribution.LayoutMap` entries that
+split the layer's heads over a mesh axis, for `ModelParallel` on JAX (docs/distributed.md).
 """
 
 import math
@@ -98,6 +101,37 @@ _ROPE_SCALING = {
 }
 _YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 _ATTRIBUTES = {"sinks": "sink_logits"}  # portable weight name -> layer attribute (`layer.sinks` is the flag)
+# `layout_map`: per axis of each portable weight, the heads laid along it ("N": the query heads,
+# "K": the key/value heads), split over the model axis of a device mesh; None: not split. A
+# weight's `<name>_scale` (int8) is split as its kernel's columns; a weight missing here is a
+# KeyError in `layout_map`, so each new weight needs its line.
+_HEAD_AXES = {
+    "query_kernel": (None, "N"),
+    "query_bias": ("N",),
+    "key_kernel": (None, "K"),
+    "key_bias": ("K",),
+    "value_kernel": (None, "K"),
+    "value_bias": ("K",),
+    "output_kernel": ("N", None),
+    "output_bias": (None,),
+    "query_norm": ("N",),  # (N*H,) with qk_norm "per_head" or "all"; the (H,) of "head" is shared
+    "key_norm": ("K",),
+    "query_norm_bias": ("N",),
+    "key_norm_bias": ("K",),
+    "sinks": ("N",),
+    "gate_kernel": (None, "N"),
+    "gate_bias": ("N",),
+    "query_a_kernel": (None, None),  # MLA: the latents are shared by every head
+    "query_a_bias": (None,),
+    "query_a_norm": (None,),
+    "query_b_kernel": (None, "N"),
+    "query_b_bias": ("N",),
+    "key_value_a_kernel": (None, None),
+    "key_value_a_bias": (None,),
+    "key_value_a_norm": (None,),
+    "key_value_b_kernel": (None, "K"),
+    "key_value_b_bias": ("K",),
+}
 _FLOAT32_LOWEST = float(np.finfo(np.float32).min)
 _LOWEST = {"float16": -65504.0, "bfloat16": -3.3895313892515355e38, "float32": _FLOAT32_LOWEST}
 
@@ -1692,6 +1726,27 @@ def _unquantized_policy(policy):
 # -------------------------------------------------------------------------------------------------
 
 
+def _mesh_layout_map(mesh, model_axis, layout_map):
+    """`layout_map`'s arguments checked: the `LayoutMap` to fill and the size of `model_axis`."""
+    if not isinstance(mesh, keras.distribution.DeviceMesh):
+        raise ValueError(f"`mesh` must be a keras.distribution.DeviceMesh. Received: mesh={mesh!r}")
+    if model_axis not in mesh.axis_names:
+        raise ValueError(
+            f"`model_axis` must be an axis of `mesh`, one of {tuple(mesh.axis_names)}. "
+            f"Received: model_axis={model_axis!r}"
+        )
+    if layout_map is None:
+        layout_map = keras.distribution.LayoutMap(mesh)
+    elif not isinstance(layout_map, keras.distribution.LayoutMap) or layout_map.device_mesh is not mesh:
+        raise ValueError(f"`layout_map` must be a LayoutMap on `mesh`. Received: layout_map={layout_map!r}")
+    return layout_map, mesh.shape[list(mesh.axis_names).index(model_axis)]
+
+
+def _regex_literal(text):
+    """`text` as a regex that matches it alone (`re.escape`, for a layer's name)."""
+    return "".join(c if c.isalnum() or c == "_" else f"\\{c}" for c in text)
+
+
 def _results(output, weights, cache, return_attention):
     """output, (output, weights), (output, cache) or (output, weights, cache)."""
     results = (output, weights) if return_attention else (output,)
@@ -2059,6 +2114,77 @@ class MultiHeadAttention(keras.layers.Layer):
         for name in expected:
             variable = self._variable(name)
             variable.assign(ops.cast(np.asarray(weights[name]), variable.dtype))
+
+    def layout_map(self, mesh, model_axis="model", layout_map=None):
+        """The `keras.distribution.LayoutMap` entries of this layer's weights, for `ModelParallel`:
+        the heads split over the mesh axis `model_axis`, each device holding whole heads.
+
+        The query, key and value kernels are split by their columns (the heads), the output
+        kernel by its rows and each bias, QK-norm scale (per head or over all heads), sink and
+        int8 scale as its projection; `output_bias` and the QK-norm's (H,) scales of
+        `qk_norm="head"` are replicated. With `num_kv_heads=1` (MQA) the key and value
+        projections are replicated: each device computes the one key/value head its query heads
+        share. Each entry's key is the regex `(.*/)?<layer name>/<weight name>`, matched in full
+        against `variable.path`: the variables are named as the portable weights (docs/SPEC.md,
+        "Weights"; `sinks` included), directly under the layer's name. Layers of equal names get
+        one entry when they need the same layouts (a ValueError when they differ). The layouts
+        apply to the variables created under the distribution (`distribution.scope()`); the KV
+        cache of `init_cache` is not a variable: put its key and value on the mesh split by
+        heads (axis 1), as in docs/distributed.md.
+
+        Args:
+            mesh: a `keras.distribution.DeviceMesh`.
+            model_axis: the name of the mesh axis the heads are split over; its size must divide
+                `num_heads`, and `num_kv_heads` unless that is 1.
+            layout_map: a `LayoutMap` on `mesh` to add the entries to; a new one if None.
+
+        Returns:
+            The `LayoutMap`, for `keras.distribution.ModelParallel(layout_map=...)`.
+
+        Example, 4 heads over the 2 devices of a "model" axis:
+            >>> mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), devices=["cpu:0", "cpu:1"])
+            >>> layout_map = MultiHeadAttention(16, 4, name="attention").layout_map(mesh)
+            >>> layout_map["attention/query_kernel"].axes, layout_map["block/attention/output_kernel"].axes
+            ((None, 'model'), ('model', None))
+        """
+        layout_map, devices = _mesh_layout_map(mesh, model_axis, layout_map)
+        self._check_head_split(devices, model_axis)
+        split = {"N": True, "K": self.num_kv_heads > 1}  # MQA: the one key/value head on every device
+        for name in self.weight_shapes():
+            axes = tuple(model_axis if split.get(heads) else None for heads in self._head_axes(name))
+            key = f"(.*/)?{_regex_literal(self.name)}/{name}"
+            if key not in tuple(layout_map):  # `in` would match the key against every regex
+                layout_map[key] = axes
+            elif layout_map[key].axes != axes:
+                raise ValueError(
+                    f"`layout_map` already lays out '{key}' as {layout_map[key].axes}, this layer needs {axes}: "
+                    "give layers of different configurations different names. "
+                    f"Received: a layer named {self.name!r}"
+                )
+        return layout_map
+
+    def _head_axes(self, name):
+        """The table entry of one portable weight (`_HEAD_AXES`): per axis, "N", "K" or None."""
+        if name.endswith("_kernel_scale"):
+            return _HEAD_AXES[name.removesuffix("_scale")][1:]
+        if self.qk_norm == "head" and name in ("query_norm", "key_norm", "query_norm_bias", "key_norm_bias"):
+            return (None,)
+        return _HEAD_AXES[name]
+
+    def _check_head_split(self, devices, model_axis):
+        """Whole heads on each of `devices`: N divisible by them, and K unless it is 1."""
+        kv = self.num_kv_heads > 1 and self.num_kv_heads % devices
+        if self.num_heads % devices == 0 and not kv:
+            return
+        common = self.num_heads if self.num_kv_heads == 1 else math.gcd(self.num_heads, self.num_kv_heads)
+        sizes = [str(d) for d in range(1, common + 1) if common % d == 0]
+        sizes = " or ".join([", ".join(sizes[:-1]), sizes[-1]] if len(sizes) > 1 else sizes)
+        raise ValueError(
+            f"The size of the mesh axis '{model_axis}' must divide `num_heads`, and `num_kv_heads` unless it is 1 "
+            "(MQA: the key/value projections are replicated), so that each device holds whole heads. "
+            f"Received: num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, a '{model_axis}' axis of "
+            f"{devices} devices. Use a '{model_axis}' axis of {sizes} devices (the others on a batch axis)"
+        )
 
     # int8: Keras' quantization API (`layer.quantize("int8")`, `model.quantize("int8")`, the
     # "int8_from_<policy>" dtype policies), with the portable int8 layout as the variables.

@@ -7,7 +7,15 @@ writes, per check, the largest difference from one process doing the same work a
 `tf.distribute.MirroredStrategy` on 2 logical CPU devices and on one device.
 `--mix-batch` swaps in a layer that mixes the batch elements, which the data-parallel checks
 must catch (tensor parallelism splits heads, not the batch).
-Everything runs in float64, so the differences are rounding alone (about 1e-15).
+These run in float64, so the differences are rounding alone (about 1e-15).
+`python -m shared_tests.distributed keras_jax OUT.json` runs the Keras file under
+`keras.distribution` on 4 virtual JAX CPU devices, in float32: `DataParallel`, `ModelParallel`
+with the layouts of `layout_map` for each configuration and size of the "model" axis (forward,
+gradients, `fit`, KV-cache decoding, the variables' shardings), and a layout written by hand
+that splits heads; it saves the last ModelParallel model beside OUT.json
+(model_parallel.keras, with its inputs and outputs in model_parallel.npz). Under XLA's GSPMD a
+layer that mixes the batch elements still equals one device (the compiler moves what each
+device needs), so no `--mix-batch` check runs there: the shardings are checked instead.
 """
 
 import argparse
@@ -286,13 +294,189 @@ def run_keras(out, mix_batch):
         json.dump(results, handle)
 
 
+# -- Keras 3 on JAX: keras.distribution ----------------------------------------------------------
+
+DEVICES = 4  # virtual CPU devices (XLA_FLAGS), set before JAX starts
+FIT_STEPS, FIT_LR = 3, 0.1
+# ModelParallel configurations: (layer options, sizes of the "model" axis); E = 16, T = S = 5
+KERAS_CONFIGS = {
+    "mha": ({"num_heads": 4}, (2, 4)),
+    "gqa": ({"num_heads": 8, "num_kv_heads": 4, "head_dim": 4}, (2, 4)),
+    "gqa_k2": ({"num_heads": 4, "num_kv_heads": 2}, (2,)),
+    "mqa": ({"num_heads": 4, "num_kv_heads": 1}, (2, 4)),
+    "variants": ({"num_heads": 4, "num_kv_heads": 2, "qk_norm": "all", "sinks": True, "rope_theta": 1e4}, (2,)),
+}
+
+
+def _keras_model(keras, options):
+    """Attention (causal, a key padding mask) between an input and a Dense head: (B, T, E) -> (B, T, 3)."""
+    from Keras import MultiHeadAttention
+
+    x = keras.Input((5, 16))
+    keep = keras.Input((5,), dtype="bool")
+    attended = MultiHeadAttention(16, name="attention", **options)(x, key_mask=keep, causal=True)
+    return keras.Model([x, keep], keras.layers.Dense(3, name="head")(attended))
+
+
+def _keras_data():
+    x = rng.normal(size=(4, 5, 16)).astype("float32")  # (B, T, E)
+    keep = np.ones((4, 5), dtype=bool)  # (B, S): padding at the end of two sequences
+    keep[1, 3:] = keep[3, 4:] = False
+    return [x, keep], rng.normal(size=(4, 5, 3)).astype("float32")
+
+
+def _forward_and_gradients(model, inputs, targets, data_layout=None):
+    """The output and the gradients of the mean squared error, under one `jax.jit`."""
+    import jax
+
+    def loss(trainable, non_trainable, inputs):
+        output, _ = model.stateless_call(trainable, non_trainable, inputs)
+        return ((output - targets) ** 2).mean(), output
+
+    if data_layout is not None:  # the batch split over the devices as `fit` splits it
+        inputs = [jax.device_put(a, data_layout(a.shape).backend_layout) for a in inputs]
+    step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    (_, output), grads = step(trainable, non_trainable, inputs)
+    return np.asarray(output), [np.asarray(g) for g in grads]
+
+
+def _fit(keras, model, inputs, targets):
+    model.compile(optimizer=keras.optimizers.SGD(FIT_LR), loss="mse", jit_compile=True)
+    model.fit(inputs, targets, batch_size=4, epochs=FIT_STEPS, shuffle=False, verbose=0)
+    return [np.asarray(w) for w in model.get_weights()]
+
+
+def _largest_difference(a, b):
+    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(a, b, strict=True))
+
+
+def _keras_against_one_device(keras, distribution, options):
+    """Forward, gradients and `fit` of the model under `distribution` against the same weights
+    on one device: the largest difference of each, and the variables' shardings."""
+    inputs, targets = _keras_data()
+    with distribution.scope():
+        split = _keras_model(keras, options)
+    alone = _keras_model(keras, options)
+    alone.set_weights(split.get_weights())
+    initial = split.get_weights()
+    out_s, grads_s = _forward_and_gradients(split, inputs, targets, distribution.get_data_layout)
+    out_a, grads_a = _forward_and_gradients(alone, inputs, targets)
+    shardings = {v.path: _sharding(v.value) for v in split.weights}
+    with distribution.scope():
+        fitted_s = _fit(keras, split, inputs, targets)
+    fitted_a = _fit(keras, alone, inputs, targets)
+    return {
+        "output": _largest_difference([out_s], [out_a]),
+        "gradients": _largest_difference(grads_s, grads_a),
+        "fit": _largest_difference(fitted_s, fitted_a),
+        "moved": _largest_difference(fitted_a, initial),
+        "shardings": shardings,
+    }, split
+
+
+def _sharding(array):
+    """The spec of a JAX array's sharding and the shape each device holds."""
+    spec = getattr(array.sharding, "spec", ())
+    return {
+        "spec": [None if p is None else str(p) for p in spec],
+        "shard": list(array.addressable_shards[0].data.shape),
+    }
+
+
+def _decode(layer, x, mesh_layout):
+    """A prompt of 3 tokens, then 2 single tokens, through the layer's KV cache (its key and value
+    put on the mesh by `mesh_layout`, split by heads) under `jax.jit`: the outputs and the cache."""
+    import jax
+
+    cache = layer.init_cache(2, 6)
+    if mesh_layout is not None:
+        cache = cache._replace(
+            key=jax.device_put(cache.key, mesh_layout), value=jax.device_put(cache.value, mesh_layout)
+        )
+    step = jax.jit(lambda x, cache: layer(x, cache=cache, causal=True))
+    outputs = []
+    for start, stop in ((0, 3), (3, 4), (4, 5)):
+        output, cache = step(x[:, start:stop], cache)
+        outputs.append(np.asarray(output))
+    return np.concatenate(outputs, axis=1), cache
+
+
+def _keras_model_parallel(keras, options, model_size):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from Keras import MultiHeadAttention
+
+    mesh = keras.distribution.DeviceMesh((DEVICES // model_size, model_size), ("batch", "model"))
+    layout_map = MultiHeadAttention(16, name="attention", **options).layout_map(mesh)
+    distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    result, model = _keras_against_one_device(keras, distribution, options)
+    layer, alone = model.get_layer("attention"), MultiHeadAttention(16, **options)
+    alone.import_weights(layer.export_weights())
+    heads = PartitionSpec(None, "model") if layer.num_kv_heads > 1 else PartitionSpec()
+    x = rng.normal(size=(2, 5, 16)).astype("float32")  # (B, T, E)
+    decoded, cache = _decode(layer, x, NamedSharding(mesh.backend_mesh, heads))
+    decoded_alone, _ = _decode(alone, x, None)
+    result["decode"] = _largest_difference([decoded], [decoded_alone])
+    result["decode_vs_full"] = _largest_difference([decoded], [np.asarray(alone(x, causal=True))])
+    result["cache"] = _sharding(cache.key)
+    return result, model
+
+
+def _keras_head_split_by_hand(keras):
+    """A LayoutMap written by hand, not by `layout_map`, that splits each of 2 heads (H = 8) over a
+    "model" axis of 4: XLA moves what each score needs between the devices, so the numbers
+    still equal one device (the layout costs communication, not correctness)."""
+    mesh = keras.distribution.DeviceMesh((1, DEVICES), ("batch", "model"))
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*/(query|key|value)_kernel"] = (None, "model")
+    layout_map[".*/output_kernel"] = ("model", None)
+    distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    result, _ = _keras_against_one_device(keras, distribution, {"num_heads": 2})
+    return result
+
+
+def _keras_saved(keras, model, folder):
+    """The model trained under ModelParallel saved to .keras, reloaded here on one device."""
+    path = os.path.join(folder, "model_parallel.keras")
+    inputs, _ = _keras_data()
+    model.save(path)
+    expected = np.asarray(model.predict(inputs, verbose=0))
+    np.savez(os.path.join(folder, "model_parallel.npz"), x=inputs[0], keep=inputs[1], expected=expected)
+    reloaded = keras.saving.load_model(path)
+    return _largest_difference([reloaded.predict(inputs, verbose=0)], [expected])
+
+
+def run_keras_jax(out, mix_batch):
+    """`keras.distribution` on DEVICES virtual CPU devices: DataParallel, and ModelParallel for
+    each configuration and "model" axis; the results, and a .keras file beside `out`."""
+    del mix_batch
+    os.environ["KERAS_BACKEND"] = "jax"
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
+    import keras
+
+    keras.utils.set_random_seed(0)
+    results = {"devices": len(keras.distribution.list_devices())}
+    data_parallel = keras.distribution.DataParallel()
+    results["data_parallel"], _ = _keras_against_one_device(keras, data_parallel, {"num_heads": 4, "num_kv_heads": 2})
+    for name, (options, sizes) in KERAS_CONFIGS.items():
+        for size in sizes:
+            results[f"{name}_{size}"], model = _keras_model_parallel(keras, options, size)
+    results["saved"] = _keras_saved(keras, model, os.path.dirname(out))
+    results["head_split_by_hand"] = _keras_head_split_by_hand(keras)
+    with open(out, "w") as handle:
+        json.dump(results, handle)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("framework", choices=["torch", "keras"])
+    parser.add_argument("framework", choices=["torch", "keras", "keras_jax"])
     parser.add_argument("out")
     parser.add_argument("--mix-batch", action="store_true")
     args = parser.parse_args(argv)
-    (run_torch if args.framework == "torch" else run_keras)(args.out, args.mix_batch)
+    run = {"torch": run_torch, "keras": run_keras, "keras_jax": run_keras_jax}[args.framework]
+    run(args.out, args.mix_batch)
     return 0
 
 

@@ -117,6 +117,12 @@ def test_distributed_keras_example_runs_on_two_replicas():
     assert "2 replicas: held-out token accuracy" in out
 
 
+def test_distributed_keras_jax_example_agrees_with_one_device():
+    out = _run(["examples/distributed_keras_jax.py", "--steps", "10"])
+    assert "mesh {'batch': 2, 'model': 2}: query_kernel (64, 64) held as (64, 32)" in out
+    assert "predictions that agree with one device: 100.0%" in out
+
+
 def test_port_llama_example_gives_the_tokens_of_transformers(tmp_path):
     out = _run(["examples/port_llama.py", "--steps", SMOKE_STEPS, "--out", str(tmp_path)])
     assert out.count("'Alice was") == 4 and out.count("'The rabbit-hole went") == 4
