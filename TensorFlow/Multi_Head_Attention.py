@@ -2267,7 +2267,12 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             dropout=self.dropout, use_bias=bool(self.bias), kernel_initializer=self.kernel_initializer,
             bias_initializer=self.bias_initializer, dtype=self.dtype_policy,
         )  # fmt: skip
-        common |= {"use_gate": True} if self.gate else {}  # legacy Keras has no gate
+        if self.gate and _GROUP_QUERY_ATTENTION is None:
+            raise ValueError(
+                "Legacy Keras (tf_keras) has no gate (`use_gate`) on its MultiHeadAttention to hold gated attention. "
+                "Received: gate=True"
+            )
+        common |= {"use_gate": True} if self.gate else {}
         widths = (self.d_model, self.vdim, self.kdim)  # query, value, key: the built-ins' call order
         if self.num_kv_heads == self.num_heads:
             layer = tf.keras.layers.MultiHeadAttention(self.num_heads, self.head_dim, **common)

@@ -999,6 +999,7 @@ def test_torch_export_of_a_decoding_step_with_every_variant():
         ({"softcap": 30.0, "window": 8}, r"softcap=30\.0, window=8"),
         ({"scale": 1.0}, r"scale=1\.0"),
         ({"clip_qkv": 0.5}, r"clip_qkv=0\.5"),
+        ({"gate": True}, r"gate=True"),
     ],
 )
 def test_to_torch_refuses_the_variants_it_cannot_hold(config, named):
