@@ -1540,9 +1540,9 @@ class MultiHeadAttention(nn.Module):
         self.reset_parameters()
 
     def _make_weights(self, sinks, gate, factory):
-        """The four projections (five with the gate's), the QK-norm scales and biases, the sink logits and the RoPE
-        frequencies (a non-persistent float32 buffer `_inv_freq` (R/2,), None without RoPE, filled
-        by `reset_parameters`), uninitialized."""
+        """The four projections (five with the gate's), the QK-norm scales and biases, the sink
+        logits and the RoPE frequencies (a non-persistent float32 buffer `_inv_freq` (R/2,), None
+        without RoPE, filled by `reset_parameters`), uninitialized."""
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.query = nn.Linear(self.d_model, nh, bias="query" in self.bias, **factory)  # query_kernel^T: (N*H, E)
         self.key = nn.Linear(self.kdim, kh, bias="key" in self.bias, **factory)  # key_kernel^T: (K*H, kdim)
@@ -1685,9 +1685,10 @@ class MultiHeadAttention(nn.Module):
                 tensor.copy_(value.T if transposed else value)
 
     def quantize(self, mode):
-        """Replaces the `nn.Linear` projections (four, five with `gate`) by `Int8Linear` modules: int8 weights with one
-        float32 scale per output feature, the inputs quantized per token at each call (Keras'
-        scheme, docs/SPEC.md "int8"). `export_weights` then gives the portable int8 layout.
+        """Replaces the `nn.Linear` projections (four, five with `gate`) by `Int8Linear` modules:
+        int8 weights with one float32 scale per output feature, the inputs quantized per token at
+        each call (Keras' scheme, docs/SPEC.md "int8"). `export_weights` then gives the portable
+        int8 layout.
 
         Args:
             mode: "int8", the only mode.
