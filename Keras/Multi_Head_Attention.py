@@ -2193,8 +2193,9 @@ class MultiHeadAttention(keras.layers.Layer):
         """Quantizes the projections (four, five with `gate`) to int8 as Keras'
         `Dense.quantize("int8")` does: each kernel becomes an int8 variable with one float32
         `<kind>_kernel_scale` per output column, each call quantizes the projections' inputs per
-        token, and the dtype policy becomes "int8_from_<policy>". `model.quantize("int8")` calls it; other modes raise
-        `NotImplementedError`, which `model.quantize` turns into a warning, as for any Keras layer.
+        token, and the dtype policy becomes "int8_from_<policy>". `model.quantize("int8")` calls
+        it; other modes raise `NotImplementedError`, which `model.quantize` turns into a warning,
+        as for any Keras layer.
 
         Args:
             mode: "int8".

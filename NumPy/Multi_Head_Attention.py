@@ -1496,9 +1496,9 @@ class MultiHeadAttention:
         self.params = {name: np.array(weights[name], dtype=_portable_dtype(name, int8)) for name in expected}
 
     def quantize(self, mode):
-        """Quantizes the projections' kernels (the gate's too with `gate`) to int8 with one float32 scale per output
-        column (Keras' scheme, docs/SPEC.md "int8"); each call then quantizes the projections'
-        inputs per token. The quantized layer has no `backward`.
+        """Quantizes the projections' kernels (the gate's too with `gate`) to int8 with one float32
+        scale per output column (Keras' scheme, docs/SPEC.md "int8"); each call then quantizes the
+        projections' inputs per token. The quantized layer has no `backward`.
 
         Args:
             mode: "int8", the only mode.

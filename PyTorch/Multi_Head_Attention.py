@@ -1868,9 +1868,10 @@ class MultiHeadAttention(nn.Module):
                 tensor.copy_(value.T if transposed else value)
 
     def quantize(self, mode):
-        """Replaces the `nn.Linear` projections (four, five with `gate`) by `Int8Linear` modules: int8 weights with one
-        float32 scale per output feature, the inputs quantized per token at each call (Keras'
-        scheme, docs/SPEC.md "int8"). `export_weights` then gives the portable int8 layout.
+        """Replaces the `nn.Linear` projections (four, five with `gate`) by `Int8Linear` modules:
+        int8 weights with one float32 scale per output feature, the inputs quantized per token at
+        each call (Keras' scheme, docs/SPEC.md "int8"). `export_weights` then gives the portable
+        int8 layout.
 
         Args:
             mode: "int8", the only mode.

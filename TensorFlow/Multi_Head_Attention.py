@@ -2001,8 +2001,9 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         """Quantizes the projections (four, five with `gate`) to int8 as Keras'
         `Dense.quantize("int8")` does: each kernel becomes an int8 variable with one float32
         `<kind>_kernel_scale` per output column, each call quantizes the projections' inputs per
-        token, and the dtype policy becomes "int8_from_<policy>". `model.quantize("int8")` calls it; other modes raise
-        `NotImplementedError`, which `model.quantize` turns into a warning, as for any Keras layer.
+        token, and the dtype policy becomes "int8_from_<policy>". `model.quantize("int8")` calls
+        it; other modes raise `NotImplementedError`, which `model.quantize` turns into a warning,
+        as for any Keras layer.
 
         Args:
             mode: "int8".
@@ -2575,7 +2576,12 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             dropout=self.dropout, use_bias=bool(self.bias), kernel_initializer=self.kernel_initializer,
             bias_initializer=self.bias_initializer, dtype=self.dtype_policy,
         )  # fmt: skip
-        common |= {"use_gate": True} if self.gate else {}  # legacy Keras has no gate
+        if self.gate and _GROUP_QUERY_ATTENTION is None:
+            raise ValueError(
+                "Legacy Keras (tf_keras) has no gate (`use_gate`) on its MultiHeadAttention to hold gated attention. "
+                "Received: gate=True"
+            )
+        common |= {"use_gate": True} if self.gate else {}
         widths = (self.d_model, self.vdim, self.kdim)  # query, value, key: the built-ins' call order
         if self.num_kv_heads == self.num_heads:
             layer = tf.keras.layers.MultiHeadAttention(self.num_heads, self.head_dim, **common)

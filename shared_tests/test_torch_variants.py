@@ -627,8 +627,9 @@ def test_dot_product_attention_takes_the_variants():
     torch.testing.assert_close(no_weights, context, atol=0, rtol=0)  # softcap and sinks: always explicit
 
 
-def test_compile_fullgraph_with_every_variant():
-    layer = _layer(**VARIANTS["everything"]).train()
+@pytest.mark.parametrize("variant", ["everything", "gate_no_bias_rope"])
+def test_compile_fullgraph_with_every_variant(variant):
+    layer = _layer(**VARIANTS[variant]).train()
     x, keep, positions = _inputs()
     bias = _randn(1, N, T, T, seed=25).requires_grad_()
 
@@ -660,9 +661,10 @@ def _assert_exports(layer, x, key_mask, positions):
     torch.testing.assert_close(program.module()(x, key_mask, positions), expected, atol=0, rtol=0)
 
 
-def test_torch_export_with_every_variant():
+@pytest.mark.parametrize("variant", ["everything", "gate_no_bias_rope"])
+def test_torch_export_with_every_variant(variant):
     x, keep, positions = _inputs()
-    _assert_exports(_layer(**VARIANTS["everything"]), x, keep[:, 0, 0], positions)
+    _assert_exports(_layer(**VARIANTS[variant]), x, keep[:, 0, 0], positions)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -697,8 +699,9 @@ def test_decoding_with_every_variant_equals_the_full_pass(chunks):
     assert isinstance(cache, KVCache) and int(cache.index) == 7
 
 
-def test_decoding_compiles_fullgraph_with_every_variant():
-    layer = _layer(**VARIANTS["everything"])
+@pytest.mark.parametrize("variant", ["everything", "gate_no_bias_rope"])
+def test_decoding_compiles_fullgraph_with_every_variant(variant):
+    layer = _layer(**VARIANTS[variant])
     x = _randn(2, 5, E, seed=27)
     key_mask = torch.ones(2, 5, dtype=torch.bool)
     key_mask[1, 0] = False
@@ -999,6 +1002,7 @@ def test_torch_export_of_a_decoding_step_with_every_variant():
         ({"softcap": 30.0, "window": 8}, r"softcap=30\.0, window=8"),
         ({"scale": 1.0}, r"scale=1\.0"),
         ({"clip_qkv": 0.5}, r"clip_qkv=0\.5"),
+        ({"gate": True}, r"gate=True"),
     ],
 )
 def test_to_torch_refuses_the_variants_it_cannot_hold(config, named):
