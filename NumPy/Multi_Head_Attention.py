@@ -1671,11 +1671,11 @@ class MultiHeadAttention:
             return q, k, v
         if self._latent is not None:
             hn = self.qk_nope_head_dim
-            q_rope = self._turn(q[..., hn:], positions)  # (B, N, T, Hr)
-            return np.concatenate([q[..., :hn], q_rope], axis=-1), k, self._turn(v, positions)  # (B, N, T, H)
-        return self._turn(q, positions), self._turn(k, positions), v
+            q_rope = self._rope_heads(q[..., hn:], positions)  # (B, N, T, Hr)
+            return np.concatenate([q[..., :hn], q_rope], axis=-1), k, self._rope_heads(v, positions)  # (B, N, T, H)
+        return self._rope_heads(q, positions), self._rope_heads(k, positions), v
 
-    def _turn(self, x, positions):
+    def _rope_heads(self, x, positions):
         """RoPE of the first R features of each head of x (B, heads, T, H), times YaRN's factor."""
         x = apply_rope(x, positions, self._inv_freq, self.rope_interleaved, self.rope_sections)  # (B, heads, T, H)
         return scale_rotated(x, 2 * self._inv_freq.shape[0], rope_attention_factor(self.rope_scaling))
@@ -1701,9 +1701,10 @@ class MultiHeadAttention:
             return self._attend_absorbed(q, k, v, keep, bias, call)
         if self._latent is not None:
             k, v = self._expand_latents(k, v)  # (B, K, S, H), (B, K, S, Hv)
-        return self._dot_product_attention(q, k, v, keep, bias, call)
+        return self._attend_heads(q, k, v, keep, bias, call)
 
-    def _dot_product_attention(self, q, k, v, keep, bias, call):
+    def _attend_heads(self, q, k, v, keep, bias, call):
+        """Step 6 on split heads: `dot_product_attention` with the layer's variants."""
         return dot_product_attention(
             q, k, v, keep, bias, call.causal, scale=self.scale, softcap=self.softcap, window=call.window,
             attention_chunk_size=call.attention_chunk_size, sinks=self.params.get("sinks"),
@@ -1754,7 +1755,7 @@ class MultiHeadAttention:
             queries.append(np.einsum("bnth,nh->bnt", q_nope, b_k)[..., None])  # (B, N, T, 1)
             keys.append(np.ones((*k_rope.shape[:3], 1)))  # (B, 1, S, 1)
         q_abs, k_abs = np.concatenate(queries, axis=-1), np.concatenate(keys, axis=-1)  # (B, N, T, .), (B, 1, S, .)
-        o_lat, weights = self._dot_product_attention(q_abs, k_abs, latent, keep, bias, call)  # (B, N, T, C)
+        o_lat, weights = self._attend_heads(q_abs, k_abs, latent, keep, bias, call)  # (B, N, T, C)
         context = np.einsum("bntc,cnv->bntv", o_lat, w_vb)  # (B, N, T, C) -> (B, N, T, Hv)
         if b_v is not None:
             context = context + weights.sum(axis=-1, keepdims=True) * b_v[None, :, None, :]  # (B, N, T, Hv)
