@@ -1671,11 +1671,11 @@ class MultiHeadAttention:
             return q, k, v
         if self._latent is not None:
             hn = self.qk_nope_head_dim
-            q_rope = self._rope_heads(q[..., hn:], positions)  # (B, N, T, Hr)
-            return np.concatenate([q[..., :hn], q_rope], axis=-1), k, self._rope_heads(v, positions)  # (B, N, T, H)
-        return self._rope_heads(q, positions), self._rope_heads(k, positions), v
+            q_rope = self._turn(q[..., hn:], positions)  # (B, N, T, Hr)
+            return np.concatenate([q[..., :hn], q_rope], axis=-1), k, self._turn(v, positions)  # (B, N, T, H)
+        return self._turn(q, positions), self._turn(k, positions), v
 
-    def _rope_heads(self, x, positions):
+    def _turn(self, x, positions):
         """RoPE of the first R features of each head of x (B, heads, T, H), times YaRN's factor."""
         x = apply_rope(x, positions, self._inv_freq, self.rope_interleaved, self.rope_sections)  # (B, heads, T, H)
         return scale_rotated(x, 2 * self._inv_freq.shape[0], rope_attention_factor(self.rope_scaling))

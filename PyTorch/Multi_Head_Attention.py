@@ -2188,10 +2188,10 @@ class MultiHeadAttention(nn.Module):
             return q, k, v
         if self._latent is not None:
             q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)  # (B, N, T, Hn), (.., Hr)
-            return torch.cat([q_nope, self._rope_heads(q_rope, positions)], dim=-1), k, self._rope_heads(v, positions)
-        return self._rope_heads(q, positions), self._rope_heads(k, positions), v
+            return torch.cat([q_nope, self._turn(q_rope, positions)], dim=-1), k, self._turn(v, positions)
+        return self._turn(q, positions), self._turn(k, positions), v
 
-    def _rope_heads(self, x, positions):
+    def _turn(self, x, positions):
         """RoPE of the first R features of each head of x (B, heads, T, H), times YaRN's factor."""
         inv_freq = self._inv_freq.to(x.device)  # (R/2,) float32
         x = apply_rope(x, positions, inv_freq, self.rope_interleaved, self.rope_sections)  # (B, heads, T, H)
