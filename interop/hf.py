@@ -85,9 +85,8 @@ parameters; other types (dynamic, LongRoPE) are a `ValueError` for now. OLMo's a
 `clip_qkv` port as the layer's `clip_qkv`. QK-norms: RMSNorms (Qwen3, Gemma 3, OLMo2, Llama 4) and
 LayerNorms (`qk_norm_type="layer"`: Phi's one LayerNorm with a bias, StableLM's and Cohere's scale
 per head) port as the layer's. DeepSeek-V2's and V3's multi-head latent attention ports as the
-layer's MLA (`kv_lora_rank`, ...; YaRN's `mscale_all_dim` correction in `scale`); the layer file
-must have MLA (NumPy and PyTorch today). Refused with the reason: Llama 4's NoPE layers'
-temperature tuning, GPT-2 and GPTBigCode cross-attention.
+layer's MLA (`kv_lora_rank`, ...; YaRN's `mscale_all_dim` correction in `scale`). Refused with
+the reason: Llama 4's NoPE layers' temperature tuning, GPT-2 and GPTBigCode cross-attention.
 This file imports no framework at module level: `port_attention` reads a module's tensors through its own `state_dict`,
 `port_checkpoint` and `load_tensors` read safetensors files with NumPy, and `replace_attention`
 imports torch and the PyTorch layer when called.
