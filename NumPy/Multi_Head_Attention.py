@@ -1701,9 +1701,10 @@ class MultiHeadAttention:
             return self._attend_absorbed(q, k, v, keep, bias, call)
         if self._latent is not None:
             k, v = self._expand_latents(k, v)  # (B, K, S, H), (B, K, S, Hv)
-        return self._dot_product_attention(q, k, v, keep, bias, call)
+        return self._attend_heads(q, k, v, keep, bias, call)
 
-    def _dot_product_attention(self, q, k, v, keep, bias, call):
+    def _attend_heads(self, q, k, v, keep, bias, call):
+        """Step 6 on split heads: `dot_product_attention` with the layer's variants."""
         return dot_product_attention(
             q, k, v, keep, bias, call.causal, scale=self.scale, softcap=self.softcap, window=call.window,
             attention_chunk_size=call.attention_chunk_size, sinks=self.params.get("sinks"),
@@ -1754,7 +1755,7 @@ class MultiHeadAttention:
             queries.append(np.einsum("bnth,nh->bnt", q_nope, b_k)[..., None])  # (B, N, T, 1)
             keys.append(np.ones((*k_rope.shape[:3], 1)))  # (B, 1, S, 1)
         q_abs, k_abs = np.concatenate(queries, axis=-1), np.concatenate(keys, axis=-1)  # (B, N, T, .), (B, 1, S, .)
-        o_lat, weights = self._dot_product_attention(q_abs, k_abs, latent, keep, bias, call)  # (B, N, T, C)
+        o_lat, weights = self._attend_heads(q_abs, k_abs, latent, keep, bias, call)  # (B, N, T, C)
         context = np.einsum("bntc,cnv->bntv", o_lat, w_vb)  # (B, N, T, C) -> (B, N, T, Hv)
         if b_v is not None:
             context = context + weights.sum(axis=-1, keepdims=True) * b_v[None, :, None, :]  # (B, N, T, Hv)

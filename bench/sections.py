@@ -1,4 +1,4 @@
-"""Some sections of `make bench`, measured apart: `python -m bench.sections variants int8 keras memory`.
+"""Some sections of `make bench`, measured apart: `python -m bench.sections variants int8 keras memory mla`.
 
 Each section runs the same functions as the full benchmark (bench/benchmark.py), with its
 configuration, rounds and runs, and prints its Markdown table; the whole goes to
@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench import benchmark, memory
+from bench import benchmark, memory, mla
 
 OUTPUT = Path(__file__).parents[1] / "out" / "bench_sections.md"
 
@@ -36,7 +36,11 @@ def _memory(runs, rounds):
     return memory.memory_table(memory.measure_all(cases, 1), dict(cases))
 
 
-SECTIONS = {"variants": _variants, "int8": _int8, "keras": _keras, "memory": _memory}
+def _mla(runs, rounds):
+    return mla.mla_table(mla.time_mla(runs, rounds))
+
+
+SECTIONS = {"variants": _variants, "int8": _int8, "keras": _keras, "memory": _memory, "mla": _mla}
 
 
 def main(argv=None):

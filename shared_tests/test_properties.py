@@ -665,3 +665,34 @@ def test_random_mla_configurations_stay_in_parity(case, seed):
     assert row.passed, (dataclasses.asdict(case), row.failures)
     assert {"numpy", "torch:sdpa", "torch:explicit"} <= set(results)
     assert all(reason.startswith("not implemented") for reason in row.skipped.values())
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=mla_cases(), chunks=st.sampled_from([(1, 1, 1, 1), (3, 1), (2, 2), (4,)]), seed=st.integers(0, 2**16))
+def test_random_mla_decoding_equals_the_full_causal_pass(case, chunks, seed):
+    """The latent cache, float64, in NumPy and PyTorch on the drawn path (a window makes it roll
+    through L = 3 slots when it fits): the NumPy full causal pass's outputs, chunk by chunk."""
+    import torch
+
+    from PyTorch import MultiHeadAttention as TorchMultiHeadAttention
+
+    config = {**case.config, "kdim": None}  # decoding attends the query's own tokens
+    window = dict(case.variants).get("window")
+    length = 3 if isinstance(window, int) and max(chunks) <= 2 else sum(chunks)
+    x = np.random.default_rng(seed).normal(size=(case.b, sum(chunks), case.e))  # (B, P, E)
+    reference = MultiHeadAttention(**config, seed=seed)
+    want = reference(x, causal=True)
+    layers = {"numpy": reference, "torch": TorchMultiHeadAttention(**config, dtype=torch.float64)}
+    for framework, layer in layers.items():
+        layer.import_weights(reference.export_weights())
+        layer.absorb_latents = case.absorb
+        cache, outputs, start = layer.init_cache(case.b, length), [], 0
+        for size in chunks:
+            chunk = x[:, start : start + size]
+            with torch.no_grad():
+                output, cache = layer(
+                    chunk if framework == "numpy" else torch.from_numpy(chunk), causal=True, cache=cache
+                )
+            outputs.append(np.asarray(output))
+            start += size
+        _assert_close(np.concatenate(outputs, axis=1), want, _tolerance(config)["output"], f"{framework} decoding")
