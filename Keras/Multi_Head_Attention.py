@@ -2123,7 +2123,7 @@ class MultiHeadAttention(keras.layers.Layer):
             "qk_norm_bias": not self.qk_norm_bias or self.qk_norm is None,
             "sinks": not self.sinks,
             "clip_qkv": self.clip_qkv is None,
-            "kv_lora_rank": self.kv_lora_rank is None,
+            **{name: getattr(self, name) is None for name in _LATENT_SIZES},
         }
         return {name: getattr(self, name) for name, default in plain.items() if not default}
 
@@ -2618,7 +2618,8 @@ def _check_keras_can_hold(layer):
         received = ", ".join(f"{name}={value!r}" for name, value in held.items())
         raise ValueError(
             "`to_keras` needs a layer the Keras built-ins can hold: all four biases or none, the default "
-            f"scale, and no softcap, window, attention chunks, RoPE, QK-norm, sinks or clip_qkv. Received: {received}"
+            "scale, and no softcap, window, attention chunks, RoPE, QK-norm, sinks, clip_qkv or MLA. "
+            f"Received: {received}"
         )
     if getattr(layer, "quantization_mode", None) is not None:  # legacy Keras has no quantization
         raise ValueError(

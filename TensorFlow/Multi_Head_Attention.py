@@ -2062,7 +2062,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             "qk_norm_bias": True if self.qk_norm is not None and self.qk_norm_bias else None,
             "sinks": True if self.sinks else None,
             "clip_qkv": self.clip_qkv,
-            "kv_lora_rank": self.kv_lora_rank,
+            **{name: getattr(self, name) for name in _LATENT_SIZES},
         }
         return {name: value for name, value in variants.items() if value is not None}
 
@@ -2550,7 +2550,8 @@ def _check_keras_can_hold(layer):
         received = ", ".join(f"{name}={getattr(layer, name)!r}" for name in held)
         raise ValueError(
             "`to_keras` needs a layer the Keras built-ins can hold: all four biases or none, the default "
-            f"scale, and no softcap, window, attention chunks, RoPE, QK-norm, sinks or clip_qkv. Received: {received}"
+            "scale, and no softcap, window, attention chunks, RoPE, QK-norm, sinks, clip_qkv or MLA. "
+            f"Received: {received}"
         )
     if getattr(layer, "quantization_mode", None) is not None:  # legacy Keras has no quantization
         raise ValueError(

@@ -1376,6 +1376,8 @@ def test_mla_weight_layout_config_and_keras_file_round_trip(tmp_path):
     loaded = keras.models.load_model(tmp_path / "m.keras")
     _close(loaded(X), model(X), 0)
     assert loaded.layers[1].get_config() == config
+    with pytest.raises(ValueError, match=r"^`to_keras` needs a layer .* or MLA\. Received: .*kv_lora_rank=5"):
+        layer.to_keras()
 
 
 MLA_ERRORS = {
