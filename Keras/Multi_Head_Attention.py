@@ -965,10 +965,10 @@ class KVCache(NamedTuple):
     index: Any
 
 
-def _check_cache(cache, query, key, key_heads, value_heads, latent=False):
-    """Checks a KVCache against the call's (B, T, E) query and (B, S, kdim) key, and the (heads,
-    width) of its key and value: (K, H) each, or MLA's `latent` cache (1, C) and (1, Hr); dimensions
-    unknown at trace time are not checked."""
+def _check_cache(cache, query, key, heads, head_dim, latent=None):
+    """Checks a KVCache against the call's (B, T, E) query and (B, S, kdim) key: keys and values
+    (B, K, L, H), or with MLA the latent cache (B, 1, L, C) and (B, 1, L, Hr); dimensions unknown
+    at trace time are not checked."""
     (b, t), s = tuple(query.shape)[:2], key.shape[1]
     if t == 0:
         raise ValueError(
@@ -981,32 +981,32 @@ def _check_cache(cache, query, key, key_heads, value_heads, latent=False):
             f"it). Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
         )
     k, v = tuple(cache.key.shape), tuple(cache.value.shape)
-    expected = ((b, *key_heads), (b, *value_heads))  # (B, heads, width) of each
-    if (
+    if latent is not None:
+        _check_latent_cache(k, v, b, latent)
+    elif (
         len(k) != 4
-        or len(v) != 4
-        or _differ(k[2], v[2])
-        or any(
-            _differ(*pair) for x, e in zip((k, v), expected, strict=True) for pair in zip(x[:2] + x[3:], e, strict=True)
-        )
+        or k != v
+        or any(_differ(*pair) for pair in zip((k[0], k[1], k[3]), (b, heads, head_dim), strict=True))
     ):
-        raise ValueError(_cache_shape_error(b, key_heads, value_heads, k, v, latent))
+        raise ValueError(
+            f"`cache.key` and `cache.value` must have shape (B, K, L, H) with B={b}, K={heads}, H={head_dim}. "
+            f"Received: cache.key.shape={k}, cache.value.shape={v}"
+        )
     keep = tuple(cache.keep.shape)
     if len(keep) != 2 or _differ(keep[0], b) or _differ(keep[1], k[2]):
         raise ValueError(f"`cache.keep` must have shape (B, L)=({b}, {k[2]}). Received: cache.keep.shape={keep}")
 
 
-def _cache_shape_error(b, key_heads, value_heads, k, v, latent):
-    received = f"Received: cache.key.shape={k}, cache.value.shape={v}"
-    if not latent:
-        heads, width = key_heads
-        return (
-            f"`cache.key` and `cache.value` must have shape (B, K, L, H) with B={b}, K={heads}, H={width}. {received}"
+def _check_latent_cache(k, v, batch_size, latent):
+    """The latent cache: (B, 1, L, C) latents and (B, 1, L, Hr) turned key parts; `k` and `v` are
+    their shapes, dimensions unknown at trace time not checked."""
+    c, hr = latent.kv_lora_rank, latent.qk_rope_head_dim
+    valid = len(k) == len(v) == 4 and not any(_differ(*pair) for pair in zip(k[:3], v[:3], strict=True))
+    if not valid or any(_differ(*pair) for pair in zip((k[0], k[1], k[3], v[3]), (batch_size, 1, c, hr), strict=True)):
+        raise ValueError(
+            "`cache.key` and `cache.value` must have shape (B, 1, L, C) and (B, 1, L, Hr) with kv_lora_rank: "
+            f"B={batch_size}, C={c}, Hr={hr}. Received: cache.key.shape={k}, cache.value.shape={v}"
         )
-    return (
-        "`cache.key` and `cache.value` must have shape (B, 1, L, C) and (B, 1, L, Hr) with kv_lora_rank: "
-        f"B={b}, C={key_heads[1]}, Hr={value_heads[1]}. {received}"
-    )
 
 
 def _check_cache_dtype(cache, dtype):
@@ -2250,17 +2250,14 @@ class MultiHeadAttention(keras.layers.Layer):
         """
         b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
         keep = ops.ones((b, length), dtype="bool") if keep is None else _check_keep(keep, b, length)
-        (heads, key_width), (_, value_width) = self._cache_heads()
+        latent = self._latent
+        key_shape = (
+            (b, self.num_kv_heads, length, self.head_dim) if latent is None else (b, 1, length, latent.kv_lora_rank)
+        )
+        value_shape = key_shape if latent is None else (b, 1, length, latent.qk_rope_head_dim)
         dtype = self.compute_dtype if dtype is None else dtype
-        key, value = (ops.zeros((b, heads, length, width), dtype) for width in (key_width, value_width))
+        key, value = ops.zeros(key_shape, dtype), ops.zeros(value_shape, dtype)
         return KVCache(key, value, keep, ops.convert_to_tensor(0, "int32"))
-
-    def _cache_heads(self):
-        """((heads, width) of `cache.key`, (heads, width) of `cache.value`): (K, H) each, or with MLA
-        the latent cache's (1, C) and (1, Hr), one "head" shared by all."""
-        if self.kv_lora_rank is None:
-            return (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)
-        return (1, self.kv_lora_rank), (1, self.qk_rope_head_dim)
 
     def _non_defaults(self):
         """The variants not at their default and a partial `bias` (all the biases or none is the
@@ -2280,7 +2277,7 @@ class MultiHeadAttention(keras.layers.Layer):
             "sinks": not self.sinks,
             "clip_qkv": self.clip_qkv is None,
             "gate": not self.gate,
-            "kv_lora_rank": self.kv_lora_rank is None,
+            **{name: getattr(self, name) is None for name in _LATENT_SIZES},
         }
         return {name: getattr(self, name) for name, default in plain.items() if not default}
 
@@ -2313,7 +2310,7 @@ class MultiHeadAttention(keras.layers.Layer):
         key_keep = query_mask if self_attention and key_keep is None else key_keep
         key_keep = _and(key_keep, _and(implicit[1], implicit[2]))  # (B, S)
         if cache is not None:
-            _check_cache(cache, query, key, *self._cache_heads(), latent=self.kv_lora_rank is not None)
+            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim, self._latent)
         target = (b, self.num_heads, t, s if cache is None else cache.key.shape[2])
         attention_mask = None if attention_mask is None else ops.convert_to_tensor(attention_mask)
         mask = None if attention_mask is None else _mask_to_4d(attention_mask, target)
@@ -2468,12 +2465,12 @@ class MultiHeadAttention(keras.layers.Layer):
         if self.rope_theta is None:
             return q, k, v
         if self.kv_lora_rank is None:
-            return self._rope(q, positions), self._rope(k, positions), v
+            return self._turn(q, positions), self._turn(k, positions), v
         hn = self.qk_nope_head_dim
-        q = ops.concatenate([q[..., :hn], self._rope(q[..., hn:], positions)], axis=-1)  # (B, N, T, H)
-        return q, k, self._rope(v, positions)
+        q = ops.concatenate([q[..., :hn], self._turn(q[..., hn:], positions)], axis=-1)  # (B, N, T, H)
+        return q, k, self._turn(v, positions)
 
-    def _rope(self, x, positions):
+    def _turn(self, x, positions):
         """x (B, heads, T, W) with its first R features turned, times YaRN's attention factor."""
         inv_freq = self._inv_freq
         x = apply_rope(x, positions, inv_freq, self.rope_interleaved, self.rope_sections)
@@ -2494,91 +2491,71 @@ class MultiHeadAttention(keras.layers.Layer):
         return cache.key, cache.value, keep, call
 
     def _attend(self, q, k, v, keep, bias, call):
-        """Step 6, the one entry to the attention paths; returns (context (B, N, T, Hv), weights
-        (B, N, T, S) or None), Hv = H but with MLA. With MLA, k and v are the latents c (B, 1, S,
-        C) and the shared key part k_rope (B, 1, S, Hr): the absorbed path attends them directly
-        (`absorb_latents`), the expanded one up-projects them to keys and values first."""
-        if self.kv_lora_rank is None:
-            return self._attend_heads(q, k, v, keep, bias, call)
-        if not self._absorbs(q, call):
+        """Step 6, the one entry to the paths (`_attend_heads`); returns (context (B, N, T, Hv),
+        weights (B, N, T, S) or None), Hv = H but with MLA. With MLA, k and v are the (B, 1, S, C)
+        latents and (B, 1, S, Hr) k_rope, attended expanded or absorbed (`absorb_latents`)."""
+        if self._latent is not None and self._absorbs(call, q.shape[2]):
+            return self._attend_absorbed(q, k, v, keep, bias, call)
+        if self._latent is not None:
             k, v = self._expand_latents(k, v)  # (B, K, S, H), (B, K, S, Hv)
-            return self._attend_heads(q, k, v, keep, bias, call)
-        up = self._latent_up_projections(q.dtype)
-        context, weights = self._attend_heads(*self._absorbed_inputs(q, k, v, up), keep, bias, call)
-        return self._absorbed_output(context, up), weights
+        return self._attend_heads(q, k, v, keep, bias, call)
 
-    def _absorbs(self, q, call):
-        """Whether MLA attends the latents directly: `absorb_latents` if set; else (None) in a call
-        with a cache whose T (known at trace time) is at most 8, a decode step, where up-projecting
-        the L latents would cost more than folding the up-projections into the T queries."""
+    def _absorbs(self, call, t):
+        """MLA's path: `absorb_latents` if set, else absorbed with a cache and T <= 8 (T known at
+        trace time: a decode step, where up-projecting the L latents costs more than folding the
+        up-projections into the T queries)."""
         if self.absorb_latents is not None:
             return bool(self.absorb_latents)
-        return call.cache is not None and q.shape[2] is not None and q.shape[2] <= _ABSORB_MAX_T
+        return call.cache is not None and t is not None and t <= _ABSORB_MAX_T
 
-    def _expand_latents(self, c, k_rope):
-        """The expanded path: [k_nope, v] = c @ key_value_b_kernel (+ bias) per head, and
-        k = [k_nope, k_rope], k_rope shared by the heads. Returns k (B, K, S, H), v (B, K, S, Hv)."""
+    def _expand_latents(self, latent, k_rope):
+        """MLA's up-projection: (B, 1, S, C) latents and (B, 1, S, Hr) k_rope -> keys
+        concat(k_nope, k_rope) (B, K, S, H) and values (B, K, S, Hv)."""
         hn = self.qk_nope_head_dim
-        kv = self._project(c[:, 0], "key_value_b")  # (B, 1, S, C) -> (B, S, K*(Hn + Hv))
+        kv = self._project(latent[:, 0], "key_value_b")  # (B, 1, S, C) -> (B, S, K*(Hn + Hv))
         kv = self._split_heads(kv, self.num_kv_heads, hn + self.v_head_dim)  # (B, K, S, Hn + Hv)
         k_nope, v = kv[..., :hn], kv[..., hn:]  # (B, K, S, Hn), (B, K, S, Hv)
         k_rope = ops.broadcast_to(k_rope, (*_shape(k_nope)[:3], self.qk_rope_head_dim))  # (B, K, S, Hr)
         return ops.concatenate([k_nope, k_rope], axis=-1), v  # (B, K, S, H), (B, K, S, Hv)
 
-    def _latent_up_projections(self, dtype):
-        """key_value_b's kernel as (C, K, Hn) for keys and (C, K, Hv) for values (dequantized when
-        int8), and its bias as (K, Hn) and (K, Hv) (None without one), in `dtype`."""
-        hn, hv = self.qk_nope_head_dim, self.v_head_dim
+    def _up_projections(self, dtype):
+        """key_value_b's kernel in `dtype` as (N, Hn, C) and (N, Hv, C) and its bias (N, Hn) and
+        (N, Hv) (None without one), each key/value head's repeated for its N // K query heads; an
+        int8 kernel's dequantized."""
+        hn, hv, groups = self.qk_nope_head_dim, self.v_head_dim, self.num_heads // self.num_kv_heads
         kernel = ops.cast(self.key_value_b_kernel, dtype)  # (C, K*(Hn + Hv))
         if self._int8:
             kernel = kernel * ops.cast(self.key_value_b_kernel_scale, dtype)  # dequantized per column
-        kernel = ops.reshape(kernel, (self.kv_lora_rank, self.num_kv_heads, hn + hv))  # -> (C, K, Hn + Hv)
-        w_k, w_v = kernel[..., :hn], kernel[..., hn:]  # (C, K, Hn), (C, K, Hv)
+        kernel = ops.reshape(ops.transpose(kernel), (self.num_kv_heads, hn + hv, self.kv_lora_rank))  # (K, Hn + Hv, C)
+        kernel = ops.repeat(kernel, groups, axis=0)  # (N, Hn + Hv, C)
+        w_kb, w_vb = kernel[:, :hn], kernel[:, hn:]  # (N, Hn, C), (N, Hv, C)
         if "key_value_b" not in self.bias:
-            return w_k, w_v, None, None
+            return w_kb, w_vb, None, None
         bias = ops.reshape(ops.cast(self.key_value_b_bias, dtype), (self.num_kv_heads, hn + hv))  # (K, Hn + Hv)
-        return w_k, w_v, bias[:, :hn], bias[:, hn:]  # ..., (K, Hn), (K, Hv)
+        bias = ops.repeat(bias, groups, axis=0)  # (N, Hn + Hv)
+        return w_kb, w_vb, bias[:, :hn], bias[:, hn:]  # ..., (N, Hn), (N, Hv)
 
-    def _absorbed_inputs(self, q, c, k_rope, up):
-        """The absorbed path's one-head attention inputs: q_lat = q_nope @ W_kb^T per head, queries
-        [q_lat, q_rope] against keys [c, k_rope] and values c, so that q . k and the weighted sum are
-        those of the expanded heads. key_value_b's bias adds q_nope . b_k to each query's scores (a
-        query feature against a key feature of ones) and sum(weights) * b_v to the output (a value
-        feature of ones). With int8, c is quantized per token as the expanded projection quantizes
-        its input (with the straight-through gradient). Returns q' (B, N, T, C + Hr [+ 1]), k'
-        (B, 1, S, C + Hr [+ 1]), v' (B, 1, S, C [+ 1])."""
-        w_k, _, b_k, _ = up
-        hn = self.qk_nope_head_dim
-        grouped = self._grouped(q[..., :hn])  # (B, N, T, Hn) -> (B, K, G, T, Hn)
-        q_latent = self._ungrouped(ops.einsum("bkgtd,ckd->bkgtc", grouped, w_k))  # (B, K, G, T, C) -> (B, N, T, C)
-        c = c + ops.stop_gradient(_quantized_rows(c) - c) if self._int8 else c  # (B, 1, S, C)
-        queries, keys, values = [q_latent, q[..., hn:]], [c, k_rope], [c]
+    def _attend_absorbed(self, q, latent, k_rope, keep, bias, call):
+        """Step 6 with MLA on the latents, through `_attend_heads` (every path): q_lat = q_nope @
+        W_kb^T (B, N, T, C) meets the latents and q_rope meets k_rope (and q_nope . b_k a key of
+        ones); the values are the latents (and a one, whose output is sum(weights)); each head's
+        context is o_lat @ W_vb + sum(weights) * b_v (B, N, T, Hv). An int8 layer reads the
+        latents quantized per token, as its int8 up-projection does (straight-through gradient)."""
+        w_kb, w_vb, b_k, b_v = self._up_projections(q.dtype)  # (N, Hn, C), (N, Hv, C), (N, Hn), (N, Hv)
+        if self._int8:
+            latent = latent + ops.stop_gradient(_quantized_rows(latent) - latent)  # (B, 1, S, C)
+        q_nope, q_rope = q[..., : self.qk_nope_head_dim], q[..., self.qk_nope_head_dim :]  # (B, N, T, Hn|Hr)
+        ones = ops.ones_like(latent[..., :1])  # (B, 1, S, 1)
+        queries, keys, values = [ops.matmul(q_nope, w_kb), q_rope], [latent, k_rope], [latent]  # (B, N, T, C), ...
         if b_k is not None:
-            ones = ops.ones_like(c[..., :1])  # (B, 1, S, 1)
-            queries.append(self._ungrouped(ops.einsum("bkgtd,kd->bkgt", grouped, b_k)[..., None]))  # (B, N, T, 1)
+            queries.append(ops.sum(q_nope * b_k[:, None, :], axis=-1, keepdims=True))  # (B, N, T, 1)
             keys.append(ones)
-            values.append(ones)
-        return ops.concatenate(queries, axis=-1), ops.concatenate(keys, axis=-1), ops.concatenate(values, axis=-1)
-
-    def _absorbed_output(self, context, up):
-        """The absorbed path's (B, N, T, C [+ 1]) context -> the heads' (B, N, T, Hv): o_lat @ W_vb
-        per head (+ sum(weights) * b_v)."""
-        _, w_v, _, b_v = up
-        latent = self._grouped(context[..., : self.kv_lora_rank])  # (B, K, G, T, C)
-        heads = ops.einsum("bkgtc,ckv->bkgtv", latent, w_v)  # (B, K, G, T, Hv)
         if b_v is not None:
-            heads += self._grouped(context[..., self.kv_lora_rank :]) * b_v[None, :, None, None, :]  # (B, K, G, T, Hv)
-        return self._ungrouped(heads)  # (B, N, T, Hv)
-
-    def _grouped(self, x):
-        """(B, N, T, X) -> (B, K, G, T, X): query head n is (n // G, n % G)."""
-        b, _, t, width = _shape(x)
-        return ops.reshape(x, (b, self.num_kv_heads, self.num_heads // self.num_kv_heads, t, width))
-
-    def _ungrouped(self, x):
-        """(B, K, G, T, X) -> (B, N, T, X)."""
-        b, _, _, t, width = _shape(x)
-        return ops.reshape(x, (b, self.num_heads, t, width))
+            values.append(ones)
+        q, k, v = (ops.concatenate(parts, axis=-1) for parts in (queries, keys, values))  # (B, N, T, .), ...
+        context, weights = self._attend_heads(q, k, v, keep, bias, call)  # (B, N, T, C or C + 1)
+        output = ops.matmul(context[..., : self.kv_lora_rank], ops.swapaxes(w_vb, -1, -2))  # -> (B, N, T, Hv)
+        return output if b_v is None else output + context[..., self.kv_lora_rank :] * b_v[:, None, :], weights
 
     def _attend_heads(self, q, k, v, keep, bias, call):
         """Attention of split heads q (B, N, T, H), k (B, K, S, H), v (B, K, S, Hv); returns
@@ -2805,7 +2782,8 @@ def _check_keras_can_hold(layer):
         received = ", ".join(f"{name}={value!r}" for name, value in held.items())
         raise ValueError(
             "`to_keras` needs a layer the Keras built-ins can hold: all the biases or none, the default "
-            f"scale, and no softcap, window, attention chunks, RoPE, QK-norm, sinks or clip_qkv. Received: {received}"
+            "scale, and no softcap, window, attention chunks, RoPE, QK-norm, sinks, clip_qkv or MLA. "
+            f"Received: {received}"
         )
     if getattr(layer, "quantization_mode", None) is not None:  # legacy Keras has no quantization
         raise ValueError(

@@ -906,7 +906,8 @@ def check_mla():
     and absorbed, give the same output and query gradient; decoding with the latent cache (left
     padding, a rolling two-sided window; each step under `jax.jit` on JAX) on the expanded, the
     absorbed and the automatic path, and in `ops.while_loop`, equals the full causal pass; an int8
-    layer decodes as its full pass on both paths; `.keras` and `get_config` keep the MLA options."""
+    layer decodes as its full pass on both paths; `.keras` and `get_config` keep the MLA options,
+    and `to_keras` refuses them."""
     import keras
     from keras import ops
 
@@ -945,6 +946,12 @@ def check_mla():
         and type(layer).from_config(config).get_config() == config
     )
     _saves_and_loads(layer, ops.convert_to_tensor(x), "MLA", causal=True)
+    try:
+        layer.to_keras()
+    except ValueError as error:
+        assert "kv_lora_rank=6" in str(error), f"MLA to_keras: {error}"
+    else:
+        raise AssertionError("to_keras took an MLA layer, which the Keras built-ins cannot hold")
     layer.quantize("int8")
     full = layer(x[1:], causal=True)
     for absorb in (False, True):

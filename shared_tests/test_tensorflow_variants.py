@@ -1382,6 +1382,8 @@ def test_mla_weight_layout_config_and_keras_file_round_trip(tmp_path):
     loaded = keras.models.load_model(tmp_path / "m.keras")
     _close(loaded(X), model(X), 0)
     assert loaded.layers[1].get_config() == config
+    with pytest.raises(ValueError, match=r"^`to_keras` needs a layer .* or MLA\. Received: .*kv_lora_rank=5"):
+        layer.to_keras()
 
 
 MLA_ERRORS = {
@@ -1412,7 +1414,10 @@ def test_mla_constructor_errors(name):
 def test_mla_call_errors_value_other_than_key_and_a_plain_cache():
     layer = MultiHeadAttention(E, N, **MLA)
     _close(layer(X, Y, Y), layer(X, Y), 0)  # value is key: accepted
-    with pytest.raises(ValueError, match=r"`value` must be None or `key` itself with `kv_lora_rank`: MLA reads keys and values from `key`\. Received: a value other than key"):
+    with pytest.raises(
+        ValueError,
+        match=r"`value` must be None or `key` itself with `kv_lora_rank`: MLA reads keys and values from `key`\. Received: a value other than key",
+    ):
         layer(X, Y, tf.identity(Y))
     plain_cache = MultiHeadAttention(E, N).init_cache(B, 8)
     with pytest.raises(
@@ -1422,3 +1427,45 @@ def test_mla_call_errors_value_other_than_key_and_a_plain_cache():
         ),
     ):
         layer(X[:, :1], cache=plain_cache)
+
+
+@pytest.mark.parametrize("absorb", [False, True], ids=["expanded", "absorbed"])
+@pytest.mark.parametrize("name", ["mla_q_lora_gqa_yarn_bias", "mla_everything"])
+def test_mla_matches_the_numpy_file_on_every_path(name, absorb):
+    """Output and weights against the NumPy file, and the gradients of the query, the attention
+    bias and every latent weight (norms and biases included) against its `backward`, on the
+    eager, tf.function, XLA and memory-efficient paths (with and without XLA)."""
+    layer = _mla_layer(name, absorb)
+    twin = NumpyMultiHeadAttention(E, N, **MLA_VARIANTS[name])
+    twin.import_weights(layer.export_weights())
+    x64, g = X.astype(np.float64), rng.normal(size=(B, T, E))
+    call = dict(key_mask=KEY_MASK, attention_bias=BIAS_FULL.astype(np.float64), causal=True)
+    expected, expected_w = twin(x64, return_attention=True, **call)
+    _, weights = layer(X, return_attention=True, **{**call, "attention_bias": BIAS_FULL})
+    _close(weights, expected_w, WEIGHTS_TOL)
+    grads = twin.backward(g)
+    names = ["query", "attention_bias", *(v.name for v in layer.trainable_weights)]
+    assert names[2:] == list(layer.weight_shapes())
+    for path in NUMPY_PATHS:
+        output, got = _tf_output_and_grads(layer, path, None, True, tf.constant(g, tf.float32))
+        _close(output, expected, OUTPUT_TOL)
+        for grad_name, grad in zip(names, got, strict=True):
+            assert grad is not None, (path, grad_name)
+            _close(grad, grads[grad_name], GRADS_TOL)
+
+
+@pytest.mark.parametrize("name", ["mla_q_lora_gqa_yarn_bias", "mla_everything"])
+def test_mla_int8_runs_as_the_numpy_int8_layer(name):
+    """A TensorFlow int8 MLA layer (the latent projections quantized) imported into NumPy: the same
+    layout, and NumPy's output on both paths, explicit and memory-efficient."""
+    layer = _mla_layer(name)
+    layer.quantize("int8")
+    twin = NumpyMultiHeadAttention(E, N, **MLA_VARIANTS[name])
+    twin.import_weights(layer.export_weights())
+    assert twin.quantization_mode == "int8"
+    expected = twin(X.astype(np.float64), causal=True)
+    for absorb in (False, True):
+        layer.absorb_latents = absorb
+        for threshold in (1 << 26, 0):
+            layer.memory_efficient_threshold = threshold
+            _close(layer(X, causal=True), expected, 2e-3)
