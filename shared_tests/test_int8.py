@@ -394,15 +394,15 @@ def test_torchao_int8_schemes(config):
 @pytest.mark.parametrize("source", ("numpy", "torch"))
 @pytest.mark.parametrize("case", MLA_CASES, ids=lambda c: c.name)
 def test_mla_latent_projections_quantize_by_the_int8_rule(case, source):
-    """MLA's projections (query or query_a and query_b, key_value_a, key_value_b, output) quantized
-    in `source`: the same integers and scales in every file that has MLA, and the reference's
-    output within one step on the PyTorch paths, expanded and absorbed (which reads the latents
-    per-token quantized, as the int8 up-projection does)."""
+    """MLA's projections (query or query_a and query_b, key_value_a, key_value_b, output; the
+    gate's with `gate`) quantized in `source`: the same integers and scales in every file that has
+    MLA, and the reference's output within one step on the PyTorch paths, expanded and absorbed
+    (which reads the latents per-token quantized, as the int8 up-projection does)."""
     data = make_data(case)
     layout = _quantized_export(source, case, data)
-    assert {name for name in layout if name.endswith("_kernel_scale")} == {
-        f"{kind}_kernel_scale" for kind in numpy_file._projections(numpy_file.MultiHeadAttention(**case.config)._latent)
-    }
+    oracle = numpy_file.MultiHeadAttention(**case.config)
+    kinds = numpy_file._projection_kinds(numpy_file._projections(oracle._latent), oracle.gate)  # the gate's with gate
+    assert {name for name in layout if name.endswith("_kernel_scale")} == {f"{kind}_kernel_scale" for kind in kinds}
     reference = _float_layer("numpy", case, layout)
     expected = _call("numpy", reference, case, data)
     layer = set_path(_float_layer("torch", case, layout), case)

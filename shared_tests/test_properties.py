@@ -622,8 +622,8 @@ def test_decoding_equals_the_full_causal_pass(decoding, seed):
 @st.composite
 def mla_cases(draw):
     """Multi-head latent attention: latent ranks, q_lora_rank or none, head widths, GQA-shaped K,
-    RoPE (interleaved or not) or none, the variants MLA allows, masks, self- or cross-attention
-    (`key` alone), expanded or absorbed."""
+    RoPE (interleaved or not) or none, the variants MLA allows (the gate included), masks, self- or
+    cross-attention (`key` alone), expanded or absorbed."""
     kv_heads = draw(st.integers(1, 2))
     rope = draw(st.booleans())
     t = draw(st.integers(1, 5))
@@ -639,6 +639,7 @@ def mla_cases(draw):
         "window": draw(st.sampled_from([None, 2, (2, 1)])),
         "sinks": draw(st.booleans()),
         "softcap": draw(st.sampled_from([None, 2.0])),
+        "gate": draw(st.booleans()) or None,  # the output gate, N*Hv wide
     }
     return Case(
         name="property_mla",
