@@ -15,6 +15,10 @@ SAVED_CONFIG = dict(
     d_model=16, num_heads=4, num_kv_heads=2, rope_theta=10000.0, rope_sections=[1, 1], qk_norm="per_head",
     qk_norm_type="layer", qk_norm_bias=True, sinks=True, window=(3, 2), attention_chunk_size=4,
 )  # fmt: skip
+MLA_CONFIG = dict(
+    num_kv_heads=2, kv_lora_rank=6, q_lora_rank=5, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=3,
+    rope_theta=100.0, rope_interleaved=True, window=(3, 2), sinks=True, bias=("query_b", "key_value_b", "output"),
+)  # fmt: skip
 
 
 def _layer(seed=0, **config):
@@ -664,12 +668,13 @@ def check_tensorflow_file_refuses():
 
 def check_save(folder):
     """Saves a functional model holding the layer (GQA, M-RoPE, per-head LayerNorm QK-norm with a
-    bias, sinks, a pair window, chunks) to FOLDER/model.keras, with its inputs and outputs."""
+    bias, sinks, a pair window, chunks) beside an MLA layer (`MLA_CONFIG`) to FOLDER/model.keras,
+    with its inputs and outputs."""
     import keras
 
-    layer = _layer(**SAVED_CONFIG)
+    layer, mla = _layer(**SAVED_CONFIG), _layer(seed=1, **MLA_CONFIG)
     inputs = keras.Input((6, 16))
-    model = keras.Model(inputs, layer(inputs, causal=True))
+    model = keras.Model(inputs, keras.layers.Add()([layer(inputs, causal=True), mla(inputs, causal=True)]))
     x = _inputs()
     os.makedirs(folder, exist_ok=True)
     model.save(os.path.join(folder, "model.keras"))
@@ -872,12 +877,6 @@ def check_load_int8(folder):
     assert model.layers[-1].dtype_policy.name == "int8_from_float32", model.layers[-1].dtype_policy.name
     with np.load(os.path.join(folder, "int8_io.npz")) as saved:
         _close(model(saved["x"]), saved["y"], f"the int8 model saved in {os.path.basename(folder)}")
-
-
-MLA_CONFIG = dict(
-    num_kv_heads=2, kv_lora_rank=6, q_lora_rank=5, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=3,
-    rope_theta=100.0, rope_interleaved=True, window=(3, 2), sinks=True, bias=("query_b", "key_value_b", "output"),
-)  # fmt: skip
 
 
 def _mla_paths(layer, x, key_mask):
