@@ -411,7 +411,7 @@ class _Call(NamedTuple):
     return_attention: bool
     cache: "KVCache | None"  # the cache step replaces it by the written cache
     training: None  # TensorFlow and Keras only
-    fuse: bool  # q, k and v may come from one matmul (one input, no cache)
+    fuse: bool  # q, k and v may come from one matmul (one input; with a cache, kernels kept between steps)
 
 
 def _inputs(query, key, value):
@@ -977,7 +977,8 @@ def _check_room(index, t, length, window):
     """
     if torch.compiler.is_compiling() or index.device.type == "meta":
         return (index + t > length) & (window is None or length < window + t - 1)  # ()
-    index = int(index)
+    known = _carried(index)
+    index = int(index) if known is None else known
     if index + t > length and (window is None or length < window + t - 1):
         raise _cache_full_error(index, t, length) if window is None else _cache_too_short_error(window, t, length)
     return False
@@ -998,12 +999,46 @@ def _cache_too_short_error(window, t, length):
     )
 
 
+def _eager():
+    """Whether the call runs eagerly: not inside `torch.compile` or `torch.jit.trace`."""
+    return not (torch.compiler.is_compiling() or torch.jit.is_tracing())
+
+
+def _carry(tensor, value):
+    """`tensor` with `value`, what a check of it found (a cache's index, whether its keep holds
+    only True), attached with its version counter where it has one (an inference-mode tensor has
+    none, so a later write in place could not be told). Called eagerly only (`_eager`). A cache
+    is checked once, when it is made or first read, and each step reads the result back
+    (`_carried`) instead of the tensor's values: no value read (a device sync on a GPU)."""
+    if not tensor.is_inference():
+        tensor._checked = (tensor._version, value)
+    return tensor
+
+
+def _carried(tensor):
+    """The value `_carry` attached to `tensor`, or None where none is attached or the tensor was
+    written in place since (its version counter moved)."""
+    checked = getattr(tensor, "_checked", None)
+    return None if checked is None or checked[0] != tensor._version else checked[1]
+
+
 def _known_index(index):
     """A cache's index as a Python int where it can be read: eagerly (not inside `torch.compile` or
-    `torch.jit.trace`, whose graphs cannot depend on it) and off the meta device; else None."""
-    if torch.compiler.is_compiling() or torch.jit.is_tracing() or index.device.type == "meta":
+    `torch.jit.trace`, whose graphs cannot depend on it) and off the meta device; else None. An
+    index the last step wrote carries its value (`_carry`): not read again."""
+    if not _eager() or index.device.type == "meta":
         return None
-    return int(index)
+    known = _carried(index)
+    return int(index) if known is None else known
+
+
+def _all_kept(keep):
+    """Whether a cache's (B, L) keep holds only True, read once and carried while it is not written."""
+    known = _carried(keep)
+    if known is None:
+        known = bool(keep.all())
+        _carry(keep, known)
+    return known
 
 
 def _slot_positions(length, last):
@@ -1032,22 +1067,22 @@ def _cache_keep(keep, index, t, causal, window, attention_chunk_size):
     return allowed[None, None] & keep[:, None, None, :]  # (B, 1, T, L)
 
 
-def _write_cache(cache, k, v, key_mask):
+def _write_cache(cache, k, v, key_mask, start):
     """gpt-fast's `KVCache.update`: the (B, K, T, H) keys and values of positions [index, index + T)
     go to slots position mod L of the cache's own tensors, and the (B, T) `key_mask` (True without
     one) into `keep` there: ANDed into it on the first lap (left padding), in its place once a slot
     holds a new token. Returns the cache with index + T. The caller checks the room first
     (`_check_room`); under `torch.compile` a call without room still writes in range. A call whose
-    index can be read (`_known_index`) and that stays in the first lap writes slots [index,
-    index + T) as views, without index tensors (the same rule, cheaper for a decode step)."""
+    index is known, `start` (`_known_index`; else None), and that stays in the first lap writes
+    slots [index, index + T) as views, without index tensors (the same rule, cheaper for a decode
+    step), and its new index carries its value."""
     t, length = k.shape[2], cache.key.shape[2]
-    start = _known_index(cache.index)
     if start is not None and start + t <= length:  # the first lap: slot p holds position p
         cache.key.narrow(2, start, t).copy_(k)  # (B, K, L, H)
         cache.value.narrow(2, start, t).copy_(v)  # (B, K, L, H)
         if key_mask is not None:
             cache.keep.narrow(1, start, t).logical_and_(key_mask)  # (B, L)
-        return KVCache(cache.key, cache.value, cache.keep, cache.index + t)
+        return KVCache(cache.key, cache.value, cache.keep, _carry(cache.index + t, start + t))
     positions = cache.index + torch.arange(t, device=k.device)  # (T,)
     slots = positions % length  # (T,)
     cache.key.index_copy_(2, slots, k)  # (B, K, L, H)
@@ -1321,13 +1356,32 @@ def _check_compute_dtype(query, dtype):
         )
 
 
+def _keeps_kernels():
+    """Whether the layer keeps the concatenated q/k/v kernels between calls (`_fused_weights`):
+    eagerly under `no_grad`. Elsewhere a decode step projects with the three projections:
+    concatenating the kernels at every step costs more than the one matmul saves."""
+    return not torch.is_grad_enabled() and _eager()
+
+
+def _versions(tensors, dtype):
+    """The storage and version counter of each tensor (None stays None) and `dtype`: what changes
+    when a tensor is replaced, moved, cast or written in place. None for an inference-mode tensor
+    (no version counter)."""
+    try:
+        return [None if w is None else (w.data_ptr(), w._version) for w in tensors] + [dtype]
+    except RuntimeError:  # an inference-mode tensor: no version counter
+        return None
+
+
 def _plain_linear(module, kind=nn.Linear):
     """Whether `module` computes exactly F.linear(x, weight, bias) (or, with kind=Int8Linear,
     `_int8_linear(x, weight, weight_scale, bias)`): a `kind` itself (a subclass, a LoRA wrapper, a
     quantized, parametrized or FSDP2-sharded module has another class), with no hooks of its own
     (tensor parallelism and pruning add hooks) and no hooks registered for every module."""
+    if type(module) is not kind:
+        return False
     hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
-    return type(module) is kind and not any(hooks) and not _global_hooks()
+    return not any(hooks) and not _global_hooks()
 
 
 def _global_hooks():
@@ -1674,6 +1728,7 @@ class MultiHeadAttention(nn.Module):
         self._rotary_dim = _rotary_dim(self.rope_fraction, rope_width, self.rope_theta is not None)  # None: no RoPE
         self._make_weights(variants.sinks, variants.gate, {"device": device, "dtype": dtype})
         self._warned_traps = set()  # the mask habits warned of, once each
+        self._fused = None  # the concatenated q/k/v weights kept under no_grad (`_fused_weights`)
         self.reset_parameters()
 
     def _make_weights(self, sinks, gate, factory):
@@ -1923,11 +1978,16 @@ class MultiHeadAttention(nn.Module):
         value_shape = key_shape if latent is None else (b, 1, length, latent.qk_rope_head_dim)
         default = torch.get_default_dtype() if weight is None else weight.dtype
         dtype = default if dtype is None else dtype
+        keep = keep.to(device, copy=True)  # the cache's own: decoding writes it in place
+        index = torch.zeros((), dtype=torch.long, device=device)
+        if _eager() and device.type != "meta":  # checked once here, carried: a step reads no value (`_carry`)
+            _all_kept(keep)
+            _carry(index, 0)
         return KVCache(
             torch.zeros(key_shape, dtype=dtype, device=device),
             torch.zeros(value_shape, dtype=dtype, device=device),
-            keep.to(device, copy=True),  # the cache's own: decoding writes it in place
-            torch.zeros((), dtype=torch.long, device=device),
+            keep,
+            index,
         )
 
     def _non_defaults(self):
@@ -2026,7 +2086,7 @@ class MultiHeadAttention(nn.Module):
         return _Call(
             query, key, value, attention_mask, attention_bias, key_mask, query_mask, positions, causal, self.window,
             self.attention_chunk_size, return_attention, cache, None,
-            one_input and cache is None and self._latent is None,  # a step's few tokens: fusing costs more
+            one_input and (cache is None or _keeps_kernels()) and self._latent is None,  # a step: kept kernels only
         )  # fmt: skip
 
     def _positions(self, positions, query, key, cache):
@@ -2124,28 +2184,41 @@ class MultiHeadAttention(nn.Module):
         exactly what calling the three projections would (plain nn.Linear or plain Int8Linear, no
         hooks, not sharded, no torchao quantized weights, which cannot be concatenated)."""
         projections = (self.query, self.key, self.value)
-        plain = all(_plain_linear(projection) and not _torchao_weight(projection.weight) for projection in projections)
-        int8 = all(_plain_linear(projection, Int8Linear) for projection in projections)
-        return (plain or int8) and not _is_dtensor(self.query.weight)
+        kind = Int8Linear if type(self.query) is Int8Linear else nn.Linear
+        if not all(_plain_linear(projection, kind) for projection in projections):
+            return False
+        weights = [p.weight for p in projections]
+        plain = all(type(w) is nn.Parameter or type(w) is torch.Tensor for w in weights)  # else a tensor subclass
+        return kind is Int8Linear or plain or not any(_torchao_weight(w) or _is_dtensor(w) for w in weights)
+
+    def _fused_weights(self, x):
+        """The three projections' weights, biases (None where none has one) and int8 scales (None
+        for nn.Linear), concatenated. Under no_grad, eagerly, they are kept and made again only
+        when a weight changes (its version counter or storage): one copy of the q/k/v weights,
+        so that a decode step does not concatenate them at every step."""
+        projections = (self.query, self.key, self.value)
+        int8 = isinstance(self.query, Int8Linear)
+        names = ("weight", "bias", "weight_scale") if int8 else ("weight", "bias")
+        tensors = [getattr(p, name) for p in projections for name in names]
+        version = _versions(tensors, x.dtype) if _keeps_kernels() else None
+        if version is not None and self._fused is not None and self._fused[0] == version:
+            return self._fused[1]
+        weight = torch.cat([p.weight for p in projections])  # (N*H + 2*K*H, E), int8 for Int8Linear
+        biases = [x.new_zeros(p.out_features) if p.bias is None else p.bias for p in projections]  # x: the layer dtype
+        bias = None if all(p.bias is None for p in projections) else torch.cat(biases)  # (N*H + 2*K*H,)
+        scale = torch.cat([p.weight_scale for p in projections]) if int8 else None  # (N*H + 2*K*H,)
+        if _eager():  # a compiled or traced graph leaves the layer's state alone
+            self._fused = None if version is None else (version, (weight, bias, scale))
+        return weight, bias, scale
 
     def _project_fused(self, x):
         """Self-attention: q, k and v from one matmul over the concatenated projections (int8: the
         input quantized once, as each projection would quantize it)."""
-        projections = (self.query, self.key, self.value)
-        weight = torch.cat([p.weight for p in projections])  # (N*H + 2*K*H, E), int8 for Int8Linear
-        biases = [x.new_zeros(p.out_features) if p.bias is None else p.bias for p in projections]  # x: the layer dtype
-        bias = None if all(p.bias is None for p in projections) else torch.cat(biases)  # (N*H + 2*K*H,)
-        if isinstance(self.query, Int8Linear):
-            y = _int8_linear(x, weight, torch.cat([p.weight_scale for p in projections]), bias)
-        else:
-            y = F.linear(x, weight, bias)  # (B, T, E) -> (B, T, N*H + 2*K*H)
-        nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = y.split([nh, kh, kh], dim=-1)  # -> 3 x (B, T, heads*H)
-        return (
-            self._split_heads(q, self.num_heads),  # (B, N, T, H)
-            self._split_heads(k, self.num_kv_heads),  # (B, K, T, H)
-            self._split_heads(v, self.num_kv_heads),  # (B, K, T, H)
-        )
+        weight, bias, scale = self._fused_weights(x)
+        y = F.linear(x, weight, bias) if scale is None else _int8_linear(x, weight, scale, bias)  # (B, T, (N+2K)*H)
+        (b, t), n, kv = x.shape[:2], self.num_heads, self.num_kv_heads
+        heads = y.view(b, t, n + 2 * kv, self.head_dim).transpose(1, 2)  # (B, T, (N+2K)*H) -> (B, N+2K, T, H)
+        return heads.split_with_sizes([n, kv, kv], dim=1)  # (B, N, T, H), (B, K, T, H), (B, K, T, H)
 
     def _project(self, x, kind):
         """(B, L, D) -> (B, L, F): the projection `kind` ("query", "key", "value", "output" or "gate")."""
@@ -2237,11 +2310,12 @@ class MultiHeadAttention(nn.Module):
         if cache is None:
             return k, v, keep, call
         t, length, index = k.shape[2], cache.key.shape[2], cache.index
-        start = _known_index(index) if keep is None and not call.return_attention else None  # each mask gives a keep
-        cache = _write_cache(cache, k, v, call.key_mask)
-        if start is not None and start + t <= length:  # lean: the first S = index + T slots
+        start = _known_index(index)
+        cache = _write_cache(cache, k, v, call.key_mask, start)
+        lean = keep is None and not call.return_attention  # each mask gives a keep
+        if lean and start is not None and start + t <= length:  # lean: the first S = index + T slots
             stop = start + t
-            prefix = None if cache.keep.all() else cache.keep[:, :stop]  # (B, L) -> (B, S); all kept: not sliced
+            prefix = None if _all_kept(cache.keep) else cache.keep[:, :stop]  # (B, L) -> (B, S); all kept: not sliced
             keep = None if prefix is None or prefix.all() else prefix[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
             k, v = cache.key.narrow(2, 0, stop), cache.value.narrow(2, 0, stop)  # (B, K, L, H) -> (B, K, S, H)
             return k, v, keep, call._replace(causal=call.causal and t > 1, cache=cache)

@@ -26,10 +26,10 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from bench import decode_anchors, keras_bench, memory
+from bench import compile_time, decode_anchors, decode_pair, keras_bench, keras_decode, memory
+from bench.timing import median_time, ratio_cell, rounds_of_times
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -83,10 +83,10 @@ QUICK_DECODE = [Config("quick decode L=32", 1, 32, 32, 4)]
 # One decoding step (T = 1, L - 1 tokens cached) against the anchors, with the target of PyTorch
 # ours / the hand-written decode at each size.
 DECODE_ANCHORS = [
-    (Config("decode B=1 E=256 N=4 L=1024", 1, 1024, 256, 4), 1.5),
-    (Config("decode B=8 E=512 N=8 L=2048", 8, 2048, 512, 8), 1.15),
+    (Config("decode B=1 E=256 N=4 L=1024", 1, 1024, 256, 4), 1.3),
+    (Config("decode B=8 E=512 N=8 L=2048", 8, 2048, 512, 8), 1.1),
 ]
-QUICK_DECODE_ANCHORS = [(Config("quick decode B=2 E=32 N=4 L=64", 2, 64, 32, 4), 1.5)]
+QUICK_DECODE_ANCHORS = [(Config("quick decode B=2 E=32 N=4 L=64", 2, 64, 32, 4), 1.3)]
 DECODE_ANCHOR_RUNS = 30  # timed steps per round (quick: 3): a step takes 0.1 to 50 ms
 # TensorFlow in eager mode against tf.function, and against PyTorch: (measurement, configuration).
 MEMORY_TRAIN = Config("B=1 T=S=8192 E=256 N=4", 1, 8192, 256, 4)
@@ -120,37 +120,6 @@ LAYERS = {
     "PyTorch": ("PyTorch ours", "nn.MultiheadAttention"),
     "TensorFlow": ("TensorFlow ours", "keras MultiHeadAttention"),
 }
-
-
-def median_times(fns, runs, warmup=2):
-    """{label: median seconds}; the callables take turns run by run, so a machine that speeds up
-    or slows down during the measurement affects every one of them alike."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times = {label: [] for label in fns}
-    for _ in range(runs):
-        for label, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[label].append(time.perf_counter() - start)
-    return {label: statistics.median(values) for label, values in times.items()}
-
-
-def rounds_of_times(fns, runs, rounds):
-    """{label: [median seconds of each round]}: `median_times` repeated `rounds` times."""
-    per_round = [median_times(fns, runs) for _ in range(rounds)]
-    return {label: [r[label] for r in per_round] for label in fns}
-
-
-def median_time(fn, runs):
-    return median_times({"": fn}, runs)[""]
-
-
-def ratio_cell(ours, theirs):
-    """Median of the per-round ratios ours / theirs, and their min-max spread."""
-    ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
-    return f"**{statistics.median(ratios):.2f}x** ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def torch_matmul_flops(runs):
@@ -635,6 +604,10 @@ def main(argv=None):
     variant_config = QUICK[0] if args.quick else VARIANT_CONFIGS[0]
     int8_configs = QUICK_INT8 if args.quick else INT8_CONFIGS
     runs = args.runs or (2 if args.quick else 5)
+    print("decoding step, PyTorch ours and the hand decode", file=sys.stderr, flush=True)
+    pair_times = {
+        config.name: decode_pair.time_torch_pair(config, anchor_runs, args.rounds * 3) for config, _ in anchors
+    }
     flops = {"PyTorch": torch_matmul_flops(runs), "TensorFlow": tf_matmul_flops(runs)}
     times, decode_times = {}, {}
     for index, config in enumerate(configs, 1):
@@ -647,6 +620,12 @@ def main(argv=None):
     for config, _ in anchors:
         print(config.name, file=sys.stderr, flush=True)
         anchor_times[config.name] = time_decode_anchors(config, anchor_runs, args.rounds)
+    print("Keras decoding step (jax.jit)", file=sys.stderr, flush=True)
+    keras_decode_times = keras_decode.keras_decode_times([config for config, _ in anchors], anchor_runs, args.rounds)
+    compile_rows = "Not run with --quick (two compiles of minutes each): `python -m bench.sections decode --quick`."
+    if not args.quick:
+        print(f"compile time, {configs[0].name}", file=sys.stderr, flush=True)
+        compile_rows = compile_time.compile_table(compile_time.compile_times(configs[0]), configs[0])
     print(f"variants, {variant_config.name}", file=sys.stderr, flush=True)
     variant_times = time_variants(variant_config, runs, args.rounds)
     int8_results = {}
@@ -700,6 +679,26 @@ def main(argv=None):
         f"CachedMultiHeadAttention ({hub}) holds the same weights and cache, with the mask of the written slots.",
         "",
         decode_anchors.anchor_tables(anchor_times, anchors),
+        "",
+        f"PyTorch ours and the hand decode again, taking turns step by step in {args.rounds * 3} rounds, timed "
+        "first in the run "
+        "(before any TensorFlow step, whose spinning threads slow a PyTorch step timed after them):",
+        "",
+        decode_pair.pair_table(pair_times, anchors),
+        "",
+        "The Keras file's step under jax.jit (functional cache, taking the token and the cache and returning the "
+        "output and the new cache) against a hand-written keras.ops step (bench/keras_decode.py; keras_hub is not "
+        "installed), one process per size, taking turns run by run:",
+        "",
+        keras_decode.keras_decode_table(keras_decode_times),
+        "",
+        "## Compile time",
+        "",
+        "torch.compile(fullgraph=True) of the layer's forward + backward (the first call, compile included) "
+        "next to nn.MultiheadAttention's at the same shapes, each in a fresh process with Inductor's caches "
+        "disabled (bench/compile_time.py).",
+        "",
+        compile_rows,
         "",
         "## Variants of today's models",
         "",

@@ -16,7 +16,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench.benchmark import MODES, Config, ratio_cell, rounds_of_times, torch_layers
+from bench.benchmark import MODES, Config, torch_layers
+from bench.timing import ratio_cell, rounds_of_times
 
 RESULTS = Path(__file__).with_name("results_cuda.md")
 CONFIGS = [

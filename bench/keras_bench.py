@@ -15,6 +15,8 @@ import json
 import os
 import sys
 
+from bench.timing import rounds_of_times
+
 MODES = ("forward", "forward+weights", "train step")
 DECODE_WIDTH, DECODE_HEADS, DECODE_LENGTH = 256, 4, 1024  # the decoding step: E (at most), N, L
 
@@ -124,7 +126,6 @@ def measure(backend, b, t, e, n, runs, rounds):
     import keras
     import numpy as np
 
-    from bench.benchmark import rounds_of_times
     from Keras import MultiHeadAttention
 
     x = keras.ops.convert_to_tensor(np.random.default_rng(0).standard_normal((b, t, e)).astype("float32"))

@@ -1,16 +1,17 @@
-"""Some sections of `make bench`, measured apart: `python -m bench.sections variants int8 keras memory mla`.
+"""Some sections of `make bench`, measured apart: `python -m bench.sections variants int8 keras memory decode mla`.
 
 Each section runs the same functions as the full benchmark (bench/benchmark.py), with its
 configuration, rounds and runs, and prints its Markdown table; the whole goes to
 out/bench_sections.md (never to bench/results.md, which holds one full run). For re-measuring
-what a change touched without the hour of a full run.
+what a change touched without the hour of a full run. `--quick` runs the decode section at its
+smoke sizes.
 """
 
 import argparse
 import sys
 from pathlib import Path
 
-from bench import benchmark, memory, mla
+from bench import benchmark, compile_time, decode_anchors, decode_pair, keras_decode, memory, mla
 
 OUTPUT = Path(__file__).parents[1] / "out" / "bench_sections.md"
 
@@ -36,11 +37,34 @@ def _memory(runs, rounds):
     return memory.memory_table(memory.measure_all(cases, 1), dict(cases))
 
 
+def _decode(runs, rounds, quick=False):
+    """The decoding step against its anchors (PyTorch and TensorFlow; the Keras file under jax.jit
+    against a hand-written keras.ops step), each ratio next to its target, and the compile time
+    of the layer's forward + backward next to nn.MultiheadAttention's (a fresh process each)."""
+    anchors = benchmark.QUICK_DECODE_ANCHORS if quick else benchmark.DECODE_ANCHORS
+    step_runs = 3 if quick else benchmark.DECODE_ANCHOR_RUNS
+    pairs = {config.name: decode_pair.time_torch_pair(config, step_runs, rounds * 3) for config, _ in anchors}
+    times = {config.name: benchmark.time_decode_anchors(config, step_runs, rounds) for config, _ in anchors}
+    keras_times = keras_decode.keras_decode_times([config for config, _ in anchors], step_runs, rounds)
+    compiled = benchmark.QUICK[0] if quick else benchmark.CONFIGS[0]
+    compile_times = compile_time.compile_times(compiled)
+    return "\n\n".join(
+        [
+            decode_pair.pair_table(pairs, anchors),
+            decode_anchors.anchor_tables(times, anchors),
+            keras_decode.keras_decode_table(keras_times),
+            compile_time.compile_table(compile_times, compiled),
+        ]
+    )
+
+
 def _mla(runs, rounds):
     return mla.mla_table(mla.time_mla(runs, rounds))
 
 
-SECTIONS = {"variants": _variants, "int8": _int8, "keras": _keras, "memory": _memory, "mla": _mla}
+SECTIONS = {
+    "variants": _variants, "int8": _int8, "keras": _keras, "memory": _memory, "decode": _decode, "mla": _mla,
+}  # fmt: skip
 
 
 def main(argv=None):
@@ -48,11 +72,13 @@ def main(argv=None):
     parser.add_argument("sections", nargs="+", choices=sorted(SECTIONS), help="the sections to measure")
     parser.add_argument("--runs", type=int, default=5, help="timed runs per round (default 5)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per comparison (default 3)")
+    parser.add_argument("--quick", action="store_true", help="the decode section at its smoke sizes")
     args = parser.parse_args(argv)
     report = [f"# Benchmark sections\n\nMachine: {benchmark.machine()}. {args.rounds} rounds of {args.runs} runs."]
     for name in args.sections:
         print(name, file=sys.stderr, flush=True)
-        report += [f"## {name}", SECTIONS[name](args.runs, args.rounds)]
+        options = {"quick": True} if args.quick and name == "decode" else {}
+        report += [f"## {name}", SECTIONS[name](args.runs, args.rounds, **options)]
     text = "\n\n".join(report) + "\n"
     print(text)
     OUTPUT.parent.mkdir(parents=True, exist_ok=True)

@@ -392,7 +392,7 @@ MLA_YARN_SCALING = {  # DeepSeek-V3's YaRN: mscale == mscale_all_dim, so the fac
 }  # fmt: skip
 # Multi-head latent attention (DeepSeek-V2/V3), each through the expanded and the absorbed path. They run in the
 # parity report and test_parity; the TensorFlow and Keras columns say "not implemented" until those files have MLA
-# (`frameworks.not_implemented`), so they are not in CASES, which the TensorFlow and Keras tests iterate.
+# (`calling.not_implemented`), so they are not in CASES, which the TensorFlow and Keras tests iterate.
 MLA_CASES = [
     variant
     for case in (

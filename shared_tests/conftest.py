@@ -1,5 +1,6 @@
 """Pytest setup shared by every test: quiet TensorFlow, repository root importable, a fresh
-torch.compile cache for each test, and the hypothesis profiles.
+torch.compile cache for each test, no export kept by the parity report, and the hypothesis
+profiles.
 
 Hypothesis draws the same 25 examples in every run by default (profile "ci": `make test` is
 reproducible, a red CI is never a new random draw). `--hypothesis-profile=explore` draws 250
@@ -25,3 +26,12 @@ def _fresh_torch_compile_cache():
     starts from an empty cache, whatever the tests before it in its worker compiled."""
     if "torch" in sys.modules:
         sys.modules["torch"]._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def _no_kept_exports(monkeypatch):
+    """The parity report keeps the runtimes' exports in out/exports (`--export-cache`); a test
+    that runs the report exports afresh and writes nothing in the repository."""
+    from shared_tests import parity
+
+    monkeypatch.setattr(parity, "EXPORT_CACHE", "")

@@ -44,19 +44,19 @@ def layer_files():
 
 
 @functools.cache
-def _tree(path):
+def parsed(path):
     return ast.parse(path.read_text())
 
 
 def _layer_class(framework):
-    tree = _tree(ROOT / framework / LAYER_FILE)
+    tree = parsed(ROOT / framework / LAYER_FILE)
     return next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "MultiHeadAttention")
 
 
 @functools.cache
 def _defined_names(framework):
     """Every name the layer class or its module defines: functions, classes, methods, class attributes."""
-    tree = _tree(ROOT / framework / LAYER_FILE)
+    tree = parsed(ROOT / framework / LAYER_FILE)
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef | ast.ClassDef):
@@ -96,7 +96,7 @@ def _fields(name):
     """The fields of the NamedTuple `name` (`_Call`, `_Variants`), the same in every layer file."""
     found = {}
     for framework in layer_files():
-        record = next(n for n in _tree(ROOT / framework / LAYER_FILE).body if getattr(n, "name", None) == name)
+        record = next(n for n in parsed(ROOT / framework / LAYER_FILE).body if getattr(n, "name", None) == name)
         found[framework] = tuple(s.target.id for s in record.body if isinstance(s, ast.AnnAssign))
     if len(set(found.values())) != 1:
         raise ValueError(f"the layer files' {name} differ: {found}")
@@ -112,7 +112,7 @@ def _integer(node):
 
 def _mebi(framework, name):
     """A power-of-two size the layer file assigns to `name` (module constant or class attribute), in Mi."""
-    for node in ast.walk(_tree(ROOT / framework / LAYER_FILE)):
+    for node in ast.walk(parsed(ROOT / framework / LAYER_FILE)):
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
             return f"{_integer(node.value) >> 20} Mi"
     raise LookupError(f"no {name} in {framework}/{LAYER_FILE}")
@@ -209,7 +209,7 @@ def arguments(dotted):
         args = copy.copy(function.args)
         args.args = args.args[1:]  # self
         return args
-    tree = _tree(ROOT / (module_path.replace(".", "/") + ".py"))
+    tree = parsed(ROOT / (module_path.replace(".", "/") + ".py"))
     return next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == name).args
 
 

@@ -218,14 +218,14 @@ def check_clip_qkv():
     and d value_bias = (g @ output_kernel^T) where |v| <= c. Then projections already within
     [-c, c] pass unchanged though QK-norm makes them larger: the clamp comes before QK-norm."""
     from shared_tests.cases import Case, make_data
-    from shared_tests.keras_backends import _case_result
+    from shared_tests.keras_paths import case_result
 
     c = 0.5
     case = Case("clip_qkv_bounds", t=1, s=1, self_attention=True, variants=(("clip_qkv", c),))
     data = make_data(case)
     weights = data["weights"]
     weights["value_kernel"][:, :2], weights["value_bias"][:2] = 0.0, (c, -c)  # v[..., 0] = c, v[..., 1] = -c
-    grads = _case_result(case, data).grads
+    grads = case_result(case, data).grads
     v = data["query"].astype(np.float64) @ weights["value_kernel"] + weights["value_bias"]  # (B, 1, E)
     within = np.abs(v) <= c
     assert within[..., :2].all() and (~within).mean() > 0.3, "the case does not reach both sides of the clamp"
@@ -247,17 +247,17 @@ def check_clip_qkv():
 
 def _numpy_result(case, data):
     """The NumPy reference's Result (float64) of one case."""
-    from shared_tests.frameworks import run_numpy
+    from shared_tests import numpy_runner
 
-    return run_numpy(case, data)
+    return numpy_runner.run(case, data)
 
 
 def _matches_numpy(case, data, what):
     """This backend's output, weights and gradients (float32 cases) of one case against the NumPy
     reference, within the case's tolerances, with exact zeros wherever NumPy's weights are 0."""
-    from shared_tests.keras_backends import _case_result
+    from shared_tests.keras_paths import case_result
 
-    got, expected = _case_result(case, data), _numpy_result(case, data)
+    got, expected = case_result(case, data), _numpy_result(case, data)
     _close(got.output, expected.output, f"{what}: output", case.tolerance["output"])
     _close(got.weights, expected.weights, f"{what}: weights", case.tolerance["weights"])
     assert (got.weights[expected.weights == 0] == 0).all(), f"{what}: a removed key has a weight"
@@ -271,12 +271,12 @@ def _matches_numpy(case, data, what):
 def _decodes_like_numpy(case, what):
     """A decode case (shared_tests/decoding.py) on this backend (each step under `jax.jit` on JAX):
     chunk by chunk equals its own full pass and NumPy's decoding, and ends with NumPy's cache."""
+    from shared_tests import numpy_runner
     from shared_tests.decoding import make_decode_data
-    from shared_tests.decoding import run_numpy as decode_numpy
-    from shared_tests.keras_backends import _decode_result
+    from shared_tests.keras_paths import decode_result
 
     data = make_decode_data(case)
-    got, expected = _decode_result(case, data), decode_numpy(case, data)
+    got, expected = decode_result(case, data), numpy_runner.decode(case, data)
     tolerance = case.tolerance
     _close(got.output, got.full_output, f"{what}: decoding against the full pass", tolerance["output"])
     _close(got.output, expected.output, f"{what}: decoded output against NumPy", tolerance["output"])
@@ -418,7 +418,7 @@ def check_rope_sections():
     from keras import ops
 
     from shared_tests.cases import YARN_SCALING, Case, make_data
-    from shared_tests.keras_backends import _jitted_step
+    from shared_tests.keras_paths import jitted_step
 
     rng = np.random.default_rng(6)
     cases = (
@@ -444,7 +444,7 @@ def check_rope_sections():
     _close(layer(x), plain(x), "the default positions in every section")
     sections = np.stack([np.arange(7)[None].repeat(2, 0), rng.integers(0, 9, size=(2, 7))])  # (k, B, P)
     full = _numpy(layer(x, positions=sections, causal=True))
-    step = _jitted_step(layer, Case("step", causal=True)) if keras.backend.backend() == "jax" else None
+    step = jitted_step(layer, Case("step", causal=True)) if keras.backend.backend() == "jax" else None
     cache, outputs = layer.init_cache(2, 7), []
     for start, stop in ((0, 3), (3, 4), (4, 5), (5, 7)):
         chunk, extra = {"query": ops.convert_to_tensor(x[:, start:stop])}, {"positions": sections[..., start:stop]}
@@ -525,7 +525,7 @@ def _case_table():
     import keras
 
     from shared_tests.cases import CASES, CASES_BY_NAME
-    from shared_tests.keras_backends import JAX_CASES
+    from shared_tests.keras_paths import JAX_CASES
 
     return [CASES_BY_NAME[name] for name in JAX_CASES] if keras.backend.backend() == "jax" else CASES
 
@@ -536,7 +536,7 @@ def _every_case_on(path, function, reaches):
     reached by each case for which `reaches(case)` holds, and only by those."""
     from Keras import Multi_Head_Attention as module
     from shared_tests.cases import make_data
-    from shared_tests.keras_backends import _case_result
+    from shared_tests.keras_paths import case_result
 
     name, original, reached = function.__name__, function, []
 
@@ -552,7 +552,7 @@ def _every_case_on(path, function, reaches):
                 expected = _numpy_result(case, data)
             except ValueError:  # a case every file refuses (the reference too): no path to compare
                 continue
-            got = _case_result(case, data, path(case))
+            got = case_result(case, data, path(case))
             _close(got.output, expected.output, f"{case.name}: output", case.tolerance["output"])
             for grad, value in (expected.grads if case.tolerance["grads"] is not None else {}).items():
                 _close(got.grads[grad], value, f"{case.name}: d {grad}", case.tolerance["grads"])
@@ -722,16 +722,16 @@ def check_int8_parity():
     gradient); the biases train, the int8 kernels and scales get none."""
     from shared_tests.cases import CASES_BY_NAME, make_data
     from shared_tests.int8 import CASE_NAMES, INT8_ERROR, assert_within_a_step, one_step
-    from shared_tests.keras_backends import _case_result, _layer
+    from shared_tests.keras_paths import case_result, layer_of
 
     for name in CASE_NAMES:
         case = CASES_BY_NAME[name]
         data = make_data(case)
         reference, layout, expected = _int8_reference(case, data)
-        got = _case_result(case, {**data, "weights": layout})
+        got = case_result(case, {**data, "weights": layout})
         assert_within_a_step(got.output, expected, one_step(reference), f"{name}: output")
-        _same_layout(_layer(case, {"weights": layout}).export_weights(), layout, f"{name}: imported")
-        quantized = _layer(case, data)
+        _same_layout(layer_of(case, {"weights": layout}).export_weights(), layout, f"{name}: imported")
+        quantized = layer_of(case, data)
         quantized.quantize("int8")
         _same_layout(quantized.export_weights(), layout, f"{name}: quantized here")
     case = CASES_BY_NAME["self_basic"]
@@ -742,8 +742,8 @@ def check_int8_parity():
         for name, value in layout.items()
         if not name.endswith("_scale")
     }
-    grads = _case_result(case, {**data, "weights": layout}).grads
-    _close(grads["query"], _case_result(case, {**data, "weights": dequantized}).grads["query"], "d query", INT8_ERROR)
+    grads = case_result(case, {**data, "weights": layout}).grads
+    _close(grads["query"], case_result(case, {**data, "weights": dequantized}).grads["query"], "d query", INT8_ERROR)
     assert np.abs(grads["query"]).max() > 10 * INT8_ERROR, "the int8 layer's input gradient is zeros"
     assert np.abs(grads["output_bias"]).max() > 0, "the biases of an int8 layer get no gradient"
     assert not any(np.any(grads[name]) for name in layout if "_kernel" in name), "an int8 kernel or scale has a grad"
@@ -911,7 +911,7 @@ def check_mla():
     from keras import ops
 
     from shared_tests.cases import Case
-    from shared_tests.keras_backends import _jitted_step
+    from shared_tests.keras_paths import jitted_step
 
     layer, x = _layer(**MLA_CONFIG), _inputs((2, 7, 16))
     key_mask = np.array([[False, True, True, True, True, True, True], [True] * 7])  # left padding
@@ -924,7 +924,7 @@ def check_mla():
     jax = keras.backend.backend() == "jax"
     for absorb in (None, False, True):
         layer.absorb_latents = absorb
-        step = _jitted_step(layer, Case("step", causal=True)) if jax else None
+        step = jitted_step(layer, Case("step", causal=True)) if jax else None
         cache, outputs = layer.init_cache(2, 4), []
         assert tuple(cache.key.shape) == (2, 1, 4, 6) and tuple(cache.value.shape) == (2, 1, 4, 2)
         for start, stop in ((0, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 7)):

@@ -14,414 +14,60 @@ A FAIL row is followed by what failed: the quantity, its value and its tolerance
 raises is an error of its row, never the end of the report. After the tables, one line per path
 (and per reason a case was left out) says how many cases did not run there and why (`--verbose`
 lists them); the report ends with the two summary lines and the time it took.
+
+This module is the report (selection, tables, progress, arguments); the rows come from
+shared_tests/comparisons.py, the paths from shared_tests/frameworks.py.
 """
 
 import argparse
+import concurrent.futures
 import dataclasses
 import functools
 import json
 import math
+import multiprocessing
 import os
+import resource
+import shutil
 import sys
+import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 
-from shared_tests import decoding, keras_backends, runtimes
+from shared_tests import keras_backends, runtimes
 from shared_tests.cases import CASES_BY_NAME, REPORT_CASES, make_data
-from shared_tests.decoding import DECODE_CASES_BY_NAME, DECODE_PATHS, REPORT_DECODE_CASES, make_decode_data, query_ends
-from shared_tests.frameworks import PATHS, make_tf_layer, make_torch_layer, run
-from shared_tests.runtimes import DYNAMIC_PATHS, RUNTIME_PATHS, UnsupportedCaseError
-
-FRAMEWORK_PATHS = {fw: tuple(p for p in PATHS if p.split(":")[0] == fw) for fw in ("torch", "tf", "numpy")}
-FRAMEWORK_PATHS.update({path: (path,) for path in keras_backends.KERAS_PATHS})  # each backend a column of its own
-PAIRS = (("torch", "tf"), ("torch", "numpy"), ("tf", "numpy"), *((p, "numpy") for p in keras_backends.KERAS_PATHS))
-RUNTIMES_LABEL = "onnx+litert/numpy"
-DYNAMIC_LABEL = "dynamic/eager"  # the dynamic-shape exports against the eager layer each exported
-QUANTITIES = ("output", "weights", "grads")
-# Two low-precision layers may each sit a full SPEC tolerance away from the float64 truth, on
-# opposite sides, so between themselves they are allowed twice that tolerance.
-LOW_PRECISION_PAIR_FACTOR = 2.0
-
-
-def _max_diff(a, b):
-    """Largest absolute difference; NaN or inf anywhere counts as infinitely far."""
-    if a.shape != b.shape:
-        return math.inf
-    diff = np.abs(a - b)
-    if diff.size == 0:
-        return 0.0  # T = 0 or S = 0: nothing to differ
-    return float(diff.max()) if np.isfinite(diff).all() else math.inf
-
-
-def _grads_diff(a, b):
-    if a.keys() != b.keys():
-        return math.inf
-    return max(_max_diff(a[name], b[name]) for name in a)
-
-
-def diff(first, second, quantity):
-    """Largest difference of one quantity between two Results; None where one has none."""
-    a, b = getattr(first, quantity), getattr(second, quantity)
-    if a is None or b is None:
-        return None
-    return _grads_diff(a, b) if quantity == "grads" else _max_diff(a, b)
-
-
-def removal_threshold(dtype):
-    """A floating mask value at or below this removes a key (docs/SPEC.md, Masks)."""
-    return max(np.finfo(dtype).min, np.finfo(np.float32).min)
-
-
-def kept(mask):
-    """A boolean or floating mask as the boolean mask of the keys it keeps."""
-    return mask if mask.dtype == np.bool_ else mask > removal_threshold(mask.dtype)
-
-
-def removed_positions(case, data):
-    """Boolean (B, N, T, S): positions the masks, the causal rule or the window remove,
-    computed here independently of the layers."""
-    keep = np.ones((case.b, case.n, case.t, case.s), dtype=bool)
-    for name in ("attention_mask", "attention_bias"):
-        if data.get(name) is not None:
-            mask = kept(data[name])
-            keep &= {2: mask[None, None], 3: mask[:, None], 4: mask}[mask.ndim]
-    key_mask = data.get("key_mask")
-    key_mask = data.get("query_mask") if key_mask is None and data["key"] is None else key_mask
-    if key_mask is not None:
-        keep &= key_mask[:, None, None, :]
-    if data.get("query_mask") is not None:
-        keep &= data["query_mask"][:, None, :, None]
-    t, s = np.arange(case.t)[:, None], np.arange(case.s)[None, :]
-    if case.causal:
-        keep &= s <= t + (case.s - case.t)
-    variants = dict(case.variants)
-    before, after = window_sides(variants.get("window"))
-    if before is not None:
-        keep &= s > t + (case.s - case.t) - before
-    if after is not None:
-        keep &= s < t + (case.s - case.t) + after
-    chunk = variants.get("attention_chunk_size")
-    if chunk is not None:
-        keep &= s // chunk == (t + (case.s - case.t)) // chunk
-    return ~keep
-
-
-def window_sides(window):
-    """A case's `window` as (before, after): None, W (W, None) or a pair."""
-    if window is None or isinstance(window, int):
-        return window, None
-    return tuple(window)
-
-
-@dataclasses.dataclass
-class Row:
-    case: str
-    dtype: str
-    diffs: dict  # "torch/tf" -> {"output": float, "weights": float, "grads": float | None}
-    zeros: bool  # every removed position has a weight of exactly 0, in every path
-    failures: list
-    skipped: dict = dataclasses.field(default_factory=dict)  # path -> why it cannot run this case
-    notes: list = dataclasses.field(default_factory=list)  # printed under the row, PASS or FAIL
-
-    @property
-    def passed(self):
-        return not self.failures
-
-
-def tolerance(case, pair):
-    tol = dict(case.tolerance)
-    if case.dtype != "float32" and "numpy" not in pair:
-        tol = {q: None if v is None else v * LOW_PRECISION_PAIR_FACTOR for q, v in tol.items()}
-    return tol
-
-
-# Under --weights a file's weights can make a case ill-conditioned: large scores with two keys
-# nearly tied, where float32 rounding alone moves the results past the SPEC tolerances (torch in
-# float64 then equals NumPy within 1e-12). The float64 reference is rerun with its float32
-# inputs and weights each moved by up to one float32 rounding (relative 2**-24); what that moves
-# it by, times ROUNDING_FACTOR (float32 paths round every step, not only their inputs), is the
-# smallest difference that can tell a bug. Measured on fresh (16, 4, num_kv_heads=2) files: the
-# float32 paths differed by at most 5x what the rounding of their inputs moves the reference by.
-ROUNDING_DRAWS = 3
-ROUNDING_FACTOR = 10.0
-FLOAT32_ROUNDING = 2.0**-24
-
-
-def _rounded_inputs(data, rng):
-    """The case's float32 inputs and weights, in float64, each moved by up to one float32 rounding."""
-
-    def moved(x):
-        x = x.astype(np.float64)
-        return x * (1 + FLOAT32_ROUNDING * rng.uniform(-1, 1, x.shape))
-
-    inputs = {name: None if data[name] is None else moved(data[name]) for name in ("query", "key", "value")}
-    return {**data, **inputs, "weights": {name: moved(w) for name, w in data["weights"].items()}}
-
-
-def rounding_floor(case, data, reference):
-    """{quantity: how far float32 rounding of the inputs and weights alone moves the float64
-    NumPy `reference` Result} (largest over ROUNDING_DRAWS draws)."""
-    rng = np.random.default_rng(0)
-    moved = [run(case, _rounded_inputs(data, rng), "numpy") for _ in range(ROUNDING_DRAWS)]
-    return {q: max((diff(reference, m, q) or 0.0) for m in moved) for q in QUANTITIES}
-
-
-def widened(tol, floor):
-    """The tolerances raised to ROUNDING_FACTOR times the rounding floor where that is larger."""
-    if floor is None:
-        return tol
-    return {q: v if v is None else max(v, ROUNDING_FACTOR * floor[q]) for q, v in tol.items()}
-
-
-def conditioning_note(case, floor):
-    """The note of an ill-conditioned row (None if the floor stays within the SPEC tolerances)."""
-    tol = case.tolerance
-    over = [q for q in QUANTITIES if tol[q] is not None and ROUNDING_FACTOR * floor[q] > tol[q]]
-    if not over:
-        return None
-    moved = ", ".join(f"{q} {floor[q]:.1e}" for q in over)
-    raised = ", ".join(f"{q} {ROUNDING_FACTOR * floor[q]:.1e}" for q in over)
-    return (
-        f"ill-conditioned with these weights: float32 rounding of the inputs and weights alone moves the float64 "
-        f"reference by {moved}, so the tolerances are {raised} ({ROUNDING_FACTOR:g}x that); a FAIL above them is a bug"
-    )
-
-
-def label(pair):
-    """The column of a pair: "torch/tf", ..., and a Keras backend's own path (against NumPy)."""
-    return pair[0] if pair[0] in keras_backends.KERAS_PATHS else "/".join(pair)
-
-
-def _pairwise(results, paths, quantities, measure, tolerances, diffs, failures):
-    """For each framework pair, the largest `measure(first, second, quantity)` over their paths
-    that ran, recorded in `diffs` and checked against `tolerances(pair)[quantity]` (None: not
-    checked)."""
-    for pair in PAIRS:
-        tol, name = tolerances(pair), label(pair)
-        diffs[name] = dict.fromkeys(quantities)
-        if not all(any(p in results for p in paths[side]) for side in pair):
-            continue  # a framework none of whose paths ran (a subset of paths was asked for)
-        for quantity in quantities:
-            values = [
-                measure(results[p], results[q], quantity)
-                for p in paths[pair[0]]
-                for q in paths[pair[1]]
-                if p in results and q in results
-            ]
-            values = [v for v in values if v is not None]
-            worst = max(values) if values else None
-            diffs[name][quantity] = worst
-            if tol[quantity] is not None and (worst is None or not worst <= tol[quantity]):
-                failures.append(exceeded(name, quantity, worst, tol[quantity]))
-
-
-def _fmt_value(value):
-    return "missing" if value is None else "inf or NaN" if not math.isfinite(value) else f"{value:.2e}"
-
-
-def exceeded(label, quantity, value, tol):
-    """The failure text of one quantity: which, its value and its tolerance."""
-    return f"{label} {quantity} {_fmt_value(value)} > tolerance {tol:.0e}"
-
-
-def _largest_removed_weight(removed, results):
-    """The largest |weight| any path gives a removed position (inf for NaN); must be exactly 0."""
-    weights = [np.abs(r.weights[removed]) for r in results.values() if r.weights is not None]
-    return max((float(np.nan_to_num(w, nan=math.inf).max(initial=0.0)) for w in weights), default=0.0)
-
-
-def raised(path, error):
-    """The failure text of a path that raised: the exception's type and first line."""
-    lines = str(error).strip().splitlines()
-    return f"{path} raised {type(error).__name__}: {lines[0] if lines else ''}"[:300]
-
-
-def _runtimes_vs_numpy(results):
-    """The exported runtimes' largest differences from NumPy, shown in a column of their own
-    (they are also inside the torch/numpy and tf/numpy columns, which hold the tolerance)."""
-    ran = [results[p] for p in RUNTIME_PATHS if p in results]
-    worst = {q: max((diff(r, results["numpy"], q) for r in ran), default=None) for q in ("output", "weights")}
-    return {**worst, "grads": None}
-
-
-def compare(case, data, results, floor=None):
-    """Builds the report row of one case from the Results of every path; `floor` (from
-    `rounding_floor`) widens the tolerances of an ill-conditioned case, and the row says so."""
-    diffs, failures = {}, []
-
-    def tolerances(pair):
-        return widened(tolerance(case, pair), floor)
-
-    _pairwise(results, FRAMEWORK_PATHS, QUANTITIES, diff, tolerances, diffs, failures)
-    diffs[RUNTIMES_LABEL] = _runtimes_vs_numpy(results)
-    removed = removed_positions(case, data)
-    worst = _largest_removed_weight(removed, results)
-    zeros = worst == 0
-    if not zeros:
-        failures.append(f"zeros: a removed position has weight {_fmt_value(worst)} > tolerance 0 (exactly 0)")
-    note = None if floor is None else conditioning_note(case, floor)
-    return Row(case.name, case.dtype, diffs, zeros, failures, notes=[] if note is None else [note])
-
-
-def run_case(case, data=None, paths=PATHS, dynamic_paths=(), conditioning=False, **classes):
-    """Runs every path (or those given) on one case, and the `dynamic_paths` (runtimes.DYNAMIC_PATHS)
-    against the eager layer each exported; returns (row, results). A runtime path that cannot hold
-    the case is listed in `row.skipped` with its reason; a path that raises anything else fails
-    the row, with the error among its failures. With `conditioning` (--weights) the tolerances
-    of a case that the weights make ill-conditioned are widened (`rounding_floor`)."""
-    data = make_data(case) if data is None else data
-    results, skipped, errors = {}, {}, []
-    for path in paths:
-        try:
-            results[path] = run(case, data, path, **classes)
-        except UnsupportedCaseError as reason:
-            skipped[path] = str(reason)
-        except Exception as error:  # the report goes on; the row says which path raised what
-            errors.append(raised(path, error))
-    floor = rounding_floor(case, data, results["numpy"]) if conditioning and "numpy" in results else None
-    row = compare(case, data, results, floor)
-    dynamic = run_dynamic_paths(case, data, dynamic_paths, skipped, errors, **classes)
-    if dynamic is not None:
-        row.diffs[DYNAMIC_LABEL] = {"output": dynamic, "weights": None, "grads": None}
-        if not dynamic <= case.tolerance["output"]:
-            row.failures.append(exceeded(DYNAMIC_LABEL, "output", dynamic, case.tolerance["output"]))
-    row.skipped = skipped
-    row.failures = errors + row.failures
-    return row, results
-
-
-def run_dynamic_paths(case, data, paths, skipped, errors, torch_class=None, tf_class=None):
-    """The largest difference of the dynamic-shape exports from eager (None: none ran); what
-    cannot run goes to `skipped`, what raises to `errors`."""
-    worst = None
-    for path in paths:
-        layer_class = torch_class if path.startswith("torch") else tf_class
-
-        def make_layer(case, data, layer_class=layer_class, path=path):
-            make = make_torch_layer if path.startswith("torch") else make_tf_layer
-            return make(case, data, layer_class)
-
-        try:
-            value = runtimes.run_dynamic(case, data, path, make_layer, layer_class)
-        except UnsupportedCaseError as reason:
-            skipped[path] = str(reason)
-            continue
-        except Exception as error:  # the report goes on; the row says which path raised what
-            errors.append(raised(path, error))
-            continue
-        worst = value if worst is None else max(worst, value)
-    return worst
-
-
-DECODE_FRAMEWORK_PATHS = {
-    fw: tuple(p for p in (*DECODE_PATHS, *keras_backends.KERAS_PATHS) if p == fw or p.split(":")[0] == fw)
-    for fw in FRAMEWORK_PATHS
-}
-DECODE_QUANTITIES = ("output", "weights", "cache")
-
-
-def _cache_diff(a, b):
-    """Largest difference of the cached keys and values; keep and index must be equal."""
-    if any(not np.array_equal(a[name], b[name]) for name in ("keep", "index")):
-        return math.inf
-    return max(_max_diff(a[name], b[name]) for name in ("key", "value"))
-
-
-def decode_removed_positions(case, data):
-    """Boolean (B, N, P, L): the slots each decoded query may not attend, computed here
-    independently of the layers."""
-    held = decoding.slot_positions(case)  # (P, L): the position in each slot
-    queries = np.arange(case.p)[:, None]  # (P, 1)
-    allowed = (held >= 0) & (held <= queries if case.causal else held < query_ends(case)[:, None])  # (P, L)
-    variants = dict(case.variants)
-    before, after = window_sides(variants.get("window"))
-    if before is not None:
-        allowed = allowed & (held > queries - before)  # (P, L)
-    if after is not None:
-        allowed = allowed & (held < queries + after)  # (P, L)
-    chunk = variants.get("attention_chunk_size")
-    if chunk is not None:
-        allowed = allowed & (held // chunk == queries // chunk)  # (P, L)
-    slot_keep = np.where(held < case.length, data["keep"][:, None, :], True)  # (B, P, L): new tokens past L
-    keep = allowed[None, None] & slot_keep[:, None]  # (B, 1, P, L)
-    mask = data["attention_mask"]
-    if mask is not None:
-        mask = kept(mask)
-        keep = keep & {2: mask[None, None], 3: mask[:, None], 4: mask}[mask.ndim]
-    return ~np.broadcast_to(keep, (case.b, case.n, case.p, case.length))
-
-
-def _decode_quantity(first, second, quantity):
-    if quantity == "cache":
-        return _cache_diff(first.cache, second.cache)
-    return diff(first, second, quantity)
-
-
-def _decode_vs_full(case, result):
-    """Decoded output and weights against the same path's full causal pass (its weights moved
-    to the slots that held their positions)."""
-    weights = None if result.weights is None else _max_diff(result.weights, decoding.by_slot(case, result.full_weights))
-    return {"output": _max_diff(result.output, result.full_output), "weights": weights}
-
-
-def _padded_rows_give_output_bias(case, data, removed, results):
-    """Every query that no head lets attend any slot outputs exactly `output_bias` (0 without
-    bias), rounded to the path's dtype (the NumPy reference computes in float64)."""
-    empty = removed.all(axis=(1, 3))  # (B, P)
-    bias = data["weights"].get("output_bias", np.zeros(case.e, np.float32))
-    for path, result in results.items():
-        expected = bias.astype(np.float64 if path == "numpy" else case.dtype).astype(np.float64)
-        if not np.array_equal(result.output[empty], np.broadcast_to(expected, result.output[empty].shape)):
-            return False
-    return True
-
-
-def compare_decode(case, data, results):
-    """The report row of one decode case from the DecodeResults of every path."""
-    diffs, failures = {}, []
-
-    def tolerances(pair):
-        tol = tolerance(case, pair)
-        return {**tol, "cache": tol["output"]}  # cached keys and values are projections, like the output
-
-    _pairwise(results, DECODE_FRAMEWORK_PATHS, DECODE_QUANTITIES, _decode_quantity, tolerances, diffs, failures)
-    tols = case.tolerance  # a path against its own full pass: the SPEC tolerance, no pair factor
-    vs_full = [_decode_vs_full(case, r) for r in results.values()]
-    diffs["decode/full"] = {}
-    for quantity in ("output", "weights"):
-        worst = max((v[quantity] for v in vs_full if v[quantity] is not None), default=None)
-        diffs["decode/full"][quantity] = worst
-        if worst is None or not worst <= tols[quantity]:
-            failures.append(exceeded("decode/full", quantity, worst, tols[quantity]))
-    removed = decode_removed_positions(case, data)
-    worst = _largest_removed_weight(removed, results)
-    if worst != 0:
-        failures.append(f"zeros: a removed slot has weight {_fmt_value(worst)} > tolerance 0 (exactly 0)")
-    padded_ok = _padded_rows_give_output_bias(case, data, removed, results)
-    if not padded_ok:
-        failures.append("zeros: a query with no slot left does not output exactly output_bias")
-    return Row(case.name, case.dtype, diffs, worst == 0 and padded_ok, failures)
-
-
-def run_decode_case(case, data=None, paths=DECODE_PATHS):
-    """Decodes one case on every path (or those given); returns (row, results). A path whose layer
-    file lacks the case's options is listed in `row.skipped`; a path that raises anything else fails
-    the row, with the error among its failures."""
-    data = make_decode_data(case) if data is None else data
-    results, skipped, errors = {}, {}, []
-    for path in paths:
-        try:
-            results[path] = decoding.run(case, data, path)
-        except UnsupportedCaseError as reason:
-            skipped[path] = str(reason)
-        except Exception as error:  # the report goes on; the row says which path raised what
-            errors.append(raised(path, error))
-    if not results:
-        return Row(case.name, case.dtype, {}, False, errors, skipped), results
-    row = compare_decode(case, data, results)
-    row.failures, row.skipped = errors + row.failures, skipped
-    return row, results
+from shared_tests.comparisons import (
+    DECODE_FRAMEWORK_PATHS,
+    DECODE_QUANTITIES,
+    DYNAMIC_LABEL,
+    FRAMEWORK_PATHS,
+    PAIRS,
+    QUANTITIES,
+    RUNTIMES_LABEL,
+    Ran,
+    judge,
+    judge_decode,
+    label,
+    raised,
+    run_decode_paths,
+    run_each,
+    run_paths,
+)
+
+# The `name as name` imports re-export what the tests reach through the report (`parity.compare`, `parity.run`).
+from shared_tests.comparisons import compare as compare
+from shared_tests.comparisons import compare_decode as compare_decode
+from shared_tests.comparisons import diff as diff
+from shared_tests.comparisons import removed_positions as removed_positions
+from shared_tests.comparisons import run_case as run_case
+from shared_tests.comparisons import run_decode_case as run_decode_case
+from shared_tests.comparisons import tolerance as tolerance
+from shared_tests.decoding import DECODE_CASES_BY_NAME, DECODE_PATHS, REPORT_DECODE_CASES, make_decode_data
+from shared_tests.frameworks import PATHS
+from shared_tests.frameworks import run as run
+from shared_tests.runtimes import DYNAMIC_PATHS, RUNTIME_PATHS
 
 
 def _fmt(value):
@@ -483,6 +129,26 @@ def format_not_run(rows, dropped, skipped_paths=(), verbose=False):
         return ""
     title = "Not run (cases by reason):" if verbose else "Not run (how many cases and why; --verbose names them):"
     return "\n".join([title, *lines])
+
+
+LINE_WIDTH = 300  # no line of the report is longer: longer lines (reasons, errors) wrap
+
+
+def wrapped(text, width=LINE_WIDTH):
+    """`text` with each line longer than `width` wrapped, its continuation lines indented 4 more
+    than the line itself."""
+    lines = []
+    for line in text.splitlines():
+        indent = " " * (len(line) - len(line.lstrip()) + 4)
+        lines += [line] if len(line) <= width else textwrap.wrap(line, width, subsequent_indent=indent)
+    return "\n".join(lines)
+
+
+def cpu_line():
+    """The CPU time of this process and of the processes it started (workers, Keras backends)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    seconds = [usage.ru_utime + usage.ru_stime for usage in (own, children)]
+    return f"CPU time: {_duration(seconds[0])} in this process, {_duration(seconds[1])} in the processes it started"
 
 
 def _duration(seconds):
@@ -675,15 +341,96 @@ def select_decode_cases(names, layout=None, weights=None):
     return _keep_or_drop(cases, layout, weights, lambda case: not case.cross, widths)
 
 
-def _run_all(cases, run_one, make):
-    rows, first_results = [], None
-    for index, case in enumerate(cases, 1):
-        print(f"\r[{index}/{len(cases)}] {case.name:<40}", end="", file=sys.stderr, flush=True)
-        row, results = run_one(case, make(case))
+MAX_JOBS = 4
+JOBS = min(os.cpu_count() or 1, MAX_JOBS)  # worker processes by default
+PARALLEL_FROM = 12  # cases (attention and decode) from which the worker processes start
+EXPORT_CACHE = Path(__file__).resolve().parent.parent / "out" / "exports"  # the runtimes' kept exports
+PROGRESS_GROUP = 10  # cases per progress line when piped or under CI
+
+
+class Progress:
+    """The progress of one table on stderr. On a terminal (and $CI unset): one line rewritten in
+    place with the case running, how many are done and remain, and an estimate of the time left.
+    Piped or under CI: a plain line per finished group of PROGRESS_GROUP cases, and at the end."""
+
+    def __init__(self, what, total, stream=None, live=None):
+        self.what, self.total, self.stream = what, total, stream or sys.stderr
+        self.live = self.stream.isatty() and not os.environ.get("CI") if live is None else live
+        self.started = time.perf_counter()
+
+    def _left(self, done):
+        if not done:
+            return "time left not known yet"
+        seconds = (time.perf_counter() - self.started) / done * (self.total - done)
+        return f"about {_duration(seconds)} left"
+
+    def running(self, done, name):
+        """Case `name` starts, `done` cases of the table finished."""
+        if self.live:
+            left = f"{self.total - done} to go, {self._left(done)}"
+            line = f"{self.what}: {done}/{self.total} done, {left}; running {name}"
+            width = shutil.get_terminal_size().columns - 1  # a longer line would wrap, and \r not rewrite it
+            print(f"\r{line[:width]:<{width}}", end="", file=self.stream, flush=True)
+
+    def finished(self, done):
+        """`done` cases of the table finished."""
+        if not self.live and (done % PROGRESS_GROUP == 0 or done == self.total):
+            elapsed = _duration(time.perf_counter() - self.started)
+            left = "" if done == self.total else f", {self._left(done)}"
+            line = f"{self.what}: {done}/{self.total} done in {elapsed}{left}"
+            print(line, file=self.stream, flush=True)
+
+    def close(self):
+        if self.live:
+            print("\r" + " " * (shutil.get_terminal_size().columns - 1) + "\r", end="", file=self.stream, flush=True)
+
+
+def _started(pool, kind, cases, datas, options, together):
+    """{case name: a function giving its `Ran`}: the cases sent to the worker processes of `pool`
+    (those with the same `together(case)` to one worker, so that an export made for a group of
+    cases is made once), or, without a pool, run here when the function is called."""
+    run_here = run_paths if kind == "cases" else run_decode_paths
+    if pool is None:
+        return {case.name: functools.partial(run_here, case, datas[case.name], **options) for case in cases}
+    units = {}
+    for case in cases:
+        units.setdefault(together(case), []).append(case)
+    ran = {}
+    for unit in units.values():
+        future = pool.submit(run_each, kind, [(case, datas[case.name]) for case in unit], options)
+        ran.update({case.name: functools.partial(_ran_in, future, index) for index, case in enumerate(unit)})
+    return ran
+
+
+def _ran_in(future, index):
+    """The `Ran` of one case of a worker's unit; a worker that died is an error of each of its cases."""
+    try:
+        return future.result()[index]
+    except Exception as error:  # the report goes on; every row of the unit says what happened
+        return Ran(errors=[raised("worker process", error)])
+
+
+def _run_all(cases, datas, ran, finish, what):
+    """The rows of one table, in table order, and the first case's results: `ran[name]()` gives
+    what the paths run apart gave, `finish(case, data, ran)` adds the Keras paths and judges."""
+    rows, first_results, progress = [], None, Progress(what, len(cases))
+    for index, case in enumerate(cases):
+        progress.running(index, case.name)
+        row, results = finish(case, datas[case.name], ran[case.name]())
         rows.append(row)
         first_results = first_results or results
-    print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
+        progress.finished(index + 1)
+    progress.close()
     return rows, first_results
+
+
+def _pool(jobs, count):
+    """Worker processes for the paths run outside the Keras processes (spawned: nothing of this
+    process's TensorFlow or torch state is forked), or None to run them here: one job, or fewer
+    cases than PARALLEL_FROM (a worker starts by importing TensorFlow and torch)."""
+    if jobs <= 1 or count < PARALLEL_FROM:
+        return None
+    return concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
 
 
 def describe_device(device):
@@ -730,6 +477,21 @@ def parse_args(argv):
         "(comma separated, e.g. tensorflow,jax,torch; `make parity` runs all three)",
     )
     parser.add_argument("--json", metavar="FILE", help="also write the table as JSON")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=JOBS,
+        metavar="N",
+        help=f"worker processes for the paths outside the Keras processes; 1 runs them in this process (from "
+        f"{PARALLEL_FROM} cases on; default: the number of CPUs, at most {MAX_JOBS}: %(default)s)",
+    )
+    parser.add_argument(
+        "--export-cache",
+        default=str(EXPORT_CACHE),
+        metavar="FOLDER",
+        help="keep the runtimes' exports here and reuse them while the layer file, the case and the exporters "
+        "are the same (each is still run by its runtime); '' exports every case afresh (default: %(default)s)",
+    )
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     return parser.parse_args(argv)
 
@@ -821,19 +583,36 @@ def main(argv=None):
         keras_backends.prefetch(
             backends, [(c, datas[c.name]) for c in cases], [(c, decode_datas[c.name]) for c in decode_cases]
         )
-        paths = (*paths, *(f"keras:{backend}" for backend in backends))
-        decode_paths = (*decode_paths, *(f"keras:{backend}" for backend in backends))
-    run_one = functools.partial(run_case, paths=paths, dynamic_paths=dynamic_paths, conditioning=bool(args.weights))
-    rows, results = _run_all(cases, run_one, lambda case: datas[case.name])
-    decode_rows, _ = _run_all(
-        decode_cases, functools.partial(run_decode_case, paths=decode_paths), lambda case: decode_datas[case.name]
-    )
+    keras_paths = tuple(f"keras:{backend}" for backend in backends)
+
+    def finish(case, data, ran):
+        ran = ran.merged(run_paths(case, data, keras_paths))
+        return judge(case, data, ran, conditioning=bool(args.weights)), ran.results
+
+    def finish_decode(case, data, ran):
+        ran = ran.merged(run_decode_paths(case, data, keras_paths))
+        return judge_decode(case, data, ran), ran.results
+
+    def together(case):
+        return runtimes.dynamic_group(case) or case.name if dynamic_paths else case.name
+
+    options = {"paths": paths, "dynamic_paths": dynamic_paths, "export_cache": args.export_cache or None}
+    pool = _pool(args.jobs, len(cases) + len(decode_cases))
+    try:
+        ran = _started(pool, "cases", cases, datas, options, together)
+        decode_ran = _started(pool, "decode", decode_cases, decode_datas, {"paths": decode_paths}, lambda c: c.name)
+        rows, results = _run_all(cases, datas, ran, finish, "cases")
+        decode_rows, _ = _run_all(decode_cases, decode_datas, decode_ran, finish_decode, "decode cases")
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+        keras_backends.stop()
     tables = (
         rows and format_table(rows),
         decode_rows and format_decode_table(decode_rows),
         format_not_run(rows, [*dropped, *decode_dropped], not_run, args.verbose),
     )
-    print("\n\n".join(table for table in tables if table))
+    print(wrapped("\n\n".join(table for table in tables if table)))
     if args.plot and rows and {"torch:explicit", "tf:eager"} <= set(results):
         plot(cases[0], results, args.plot)
         print(f"plot of case {cases[0].name} written to {args.plot}")
@@ -855,6 +634,7 @@ def main(argv=None):
     summaries += [summary(decode_rows, "decode cases")] if decode_rows or not rows else []
     print("\n" + "\n".join(summaries))
     print(f"report took {_duration(time.perf_counter() - started)}")
+    print(cpu_line(), file=sys.stderr)
     return 0 if all(row.passed for row in [*rows, *decode_rows]) else 1
 
 

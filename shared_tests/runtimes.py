@@ -11,15 +11,21 @@ cannot hold raises `UnsupportedCaseError` with the reason, and the report lists 
 """
 
 import contextlib
+import functools
+import hashlib
+import importlib.metadata
 import io
 import logging
+import os
 import warnings
+from pathlib import Path
 
 import numpy as np
 
 from shared_tests.cases import CALL_INPUTS, call_inputs
 
 RUNTIME_PATHS = ("torch:onnx", "tf:onnx", "tf:litert")
+ROOT = Path(__file__).resolve().parent.parent
 BFLOAT16_REASONS = {  # what each runtime said when asked (TensorFlow 2.21, onnxruntime 1.32, LiteRT 2.3)
     "torch:onnx": "NumPy has no bfloat16 to feed onnxruntime with",
     "tf:onnx": "tf2onnx emits a MatMul of float16 and bfloat16, which onnxruntime refuses",
@@ -54,7 +60,7 @@ def skip_reason(case, path):
     return None
 
 
-def _arrays(case, data):
+def call_arrays(case, data):
     """The case's inputs (in the case's dtype) and its other call arguments as NumPy arrays, and
     their names."""
     names = [name for name in ("query", "key", "value") if data[name] is not None]
@@ -72,7 +78,7 @@ def _call(layer, names, args, case, return_attention):
     return layer(inputs.pop("query"), **inputs, **kwargs, causal=case.causal, return_attention=return_attention)
 
 
-def _quietly(fn):
+def quietly(fn):
     """Runs an exporter without its progress prints, warnings and log records below ERROR
     (tf2onnx logs to the root logger, e.g. that it fuses no float16 MatMul into a Gemm)."""
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
@@ -93,23 +99,92 @@ def _onnxruntime(model_bytes, arrays):
     return session.run(None, feeds)
 
 
-def run_torch_onnx(case, data, make_layer):
-    import torch
+# Exported artifacts kept between reports in a folder (`cache`; the parity report's is out/exports):
+# the exports of the layer files' own layers, keyed by a hash of the layer file, this module (the
+# export code), the framework's runner (which builds the layer), the exporters' versions, the case
+# and its data. A kept artifact is still loaded and
+# run by its runtime every time: only the export and conversion are skipped.
+EXPORTERS = ("torch", "onnx", "onnxscript", "tensorflow", "tf2onnx", "keras")
+LAYER_FILES = {"torch": "PyTorch/Multi_Head_Attention.py", "tf": "TensorFlow/Multi_Head_Attention.py"}
 
-    layer = make_layer(case, data)
-    names, arrays = _arrays(case, data)
 
-    class Exported(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layer = layer
+def _version(package):
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
 
-        def forward(self, *args):
-            return _call(self.layer, names, args, case, return_attention=True)
 
-    tensors = tuple(torch.from_numpy(a) for a in arrays)
-    program = _quietly(lambda: torch.onnx.export(Exported(), tensors, dynamo=True))
-    return _onnxruntime(program.model_proto.SerializeToString(), arrays)
+@functools.cache
+def fingerprint(framework):
+    """What every export of `framework` ("torch", "tf") depends on besides its case: the layer
+    file, this module, the framework's runner and the exporters' versions."""
+    digest = hashlib.sha256()
+    runner = Path(__file__).with_name(f"{framework}_runner.py")  # how the runner builds the layer it exports
+    for path in (ROOT / LAYER_FILES[framework], Path(__file__), runner):
+        digest.update(path.read_bytes())
+    digest.update(" ".join(f"{name}={_version(name)}" for name in EXPORTERS).encode())
+    return digest.hexdigest()
+
+
+def artifact_key(what, case, data):
+    """The hex key of one export: `what` (path and options), the case, and its data's arrays."""
+    digest = hashlib.sha256(f"{what}|{fingerprint(what.split(':')[0])}|{case!r}".encode())
+    for name, array in _arrays_of(data):
+        array = np.ascontiguousarray(array)
+        digest.update(f"{name}:{array.dtype}:{array.shape}".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()[:40]
+
+
+def _arrays_of(data, prefix=""):
+    """(name, array) of every array in a case's data (weights included), in a fixed order."""
+    for name in sorted(data):
+        value = data[name]
+        if isinstance(value, dict):
+            yield from _arrays_of(value, f"{prefix}{name}.")
+        elif isinstance(value, list | tuple):
+            yield from _arrays_of(dict(enumerate(value)), f"{prefix}{name}.")
+        elif isinstance(value, np.ndarray):
+            yield f"{prefix}{name}", value
+
+
+def kept_export(what, case, data, export, cache):
+    """The bytes `export()` gives, kept in the folder `cache` (read back there by a later report,
+    written there the first time); with `cache` None, `export()` itself."""
+    if cache is None:
+        return export()
+    file = Path(cache) / f"{artifact_key(what, case, data)}.bin"
+    if file.exists():
+        return file.read_bytes()
+    content = export()
+    file.parent.mkdir(parents=True, exist_ok=True)
+    partial = file.with_suffix(f".{os.getpid()}.part")
+    partial.write_bytes(content)
+    partial.replace(file)
+    return content
+
+
+def run_torch_onnx(case, data, make_layer, cache=None):
+    names, arrays = call_arrays(case, data)
+
+    def export():
+        import torch
+
+        layer = make_layer(case, data)
+
+        class Exported(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layer = layer
+
+            def forward(self, *args):
+                return _call(self.layer, names, args, case, return_attention=True)
+
+        tensors = tuple(torch.from_numpy(a) for a in arrays)
+        return quietly(lambda: torch.onnx.export(Exported(), tensors, dynamo=True)).model_proto.SerializeToString()
+
+    return _onnxruntime(kept_export("torch:onnx", case, data, export, cache), arrays)
 
 
 def tf_function(case, data, make_layer, return_attention=True):
@@ -118,7 +193,7 @@ def tf_function(case, data, make_layer, return_attention=True):
     import tensorflow as tf
 
     layer = make_layer(case, data)
-    names, arrays = _arrays(case, data)
+    names, arrays = call_arrays(case, data)
     signature = [tf.TensorSpec(a.shape, tf.as_dtype(a.dtype), name=n) for n, a in zip(names, arrays, strict=True)]
 
     def attend(*args):
@@ -127,12 +202,18 @@ def tf_function(case, data, make_layer, return_attention=True):
     return tf.function(attend, input_signature=signature), signature, names, arrays, layer
 
 
-def run_tf_onnx(case, data, make_layer, return_attention=True):
-    import tf2onnx
+def run_tf_onnx(case, data, make_layer, return_attention=True, cache=None):
+    _, arrays = call_arrays(case, data)
 
-    function, signature, _, arrays, _ = tf_function(case, data, make_layer, return_attention)
-    proto, _ = _quietly(lambda: tf2onnx.convert.from_function(function, input_signature=signature))
-    return _onnxruntime(proto.SerializeToString(), arrays)
+    def export():
+        import tf2onnx
+
+        function, signature, _, _, _ = tf_function(case, data, make_layer, return_attention)
+        proto, _ = quietly(lambda: tf2onnx.convert.from_function(function, input_signature=signature))
+        return proto.SerializeToString()
+
+    what = f"tf:onnx:{'weighted' if return_attention else 'output'}"
+    return _onnxruntime(kept_export(what, case, data, export, cache), arrays)
 
 
 def litert_model(function, layer):
@@ -142,14 +223,20 @@ def litert_model(function, layer):
 
     converter = tf.lite.TFLiteConverter.from_concrete_functions([function.get_concrete_function()], layer)
     converter.experimental_lower_to_saved_model = False
-    return _quietly(converter.convert)
+    return quietly(converter.convert)
 
 
-def run_tf_litert(case, data, make_layer, return_attention=True):
+def run_tf_litert(case, data, make_layer, return_attention=True, cache=None):
     from ai_edge_litert.interpreter import Interpreter
 
-    function, _, names, arrays, layer = tf_function(case, data, make_layer, return_attention)
-    interpreter = Interpreter(model_content=litert_model(function, layer))
+    names, arrays = call_arrays(case, data)
+
+    def export():
+        function, _, _, _, layer = tf_function(case, data, make_layer, return_attention)
+        return litert_model(function, layer)
+
+    what = f"tf:litert:{'weighted' if return_attention else 'output'}"
+    interpreter = Interpreter(model_content=kept_export(what, case, data, export, cache))
     interpreter.allocate_tensors()
     by_name = dict(zip(names, arrays, strict=True))
     for detail in interpreter.get_input_details():
@@ -162,12 +249,14 @@ def run_tf_litert(case, data, make_layer, return_attention=True):
 RUNNERS = {"torch:onnx": run_torch_onnx, "tf:onnx": run_tf_onnx, "tf:litert": run_tf_litert}
 
 
-def run(case, data, path, make_layer):
-    """(output, weights) as float64 arrays from one runtime path; raises UnsupportedCaseError."""
+def run(case, data, path, make_layer, cache=None):
+    """(output, weights) as float64 arrays from one runtime path; raises UnsupportedCaseError.
+    With `cache`, a folder (only where `make_layer` makes the layer file's own layer), the export
+    is kept there and reused (`kept_export`); the runtime runs it every time."""
     reason = skip_reason(case, path)
     if reason is not None:
         raise UnsupportedCaseError(reason)
-    output, weights = RUNNERS[path](case, data, make_layer)
+    output, weights = RUNNERS[path](case, data, make_layer, cache=cache)
     return np.asarray(output, np.float64), np.asarray(weights, np.float64)
 
 
@@ -270,17 +359,26 @@ def _torch_module(layer, names, case, return_attention):
     return Exported()
 
 
-def export_torch_onnx(layer, names, arrays, dimensions, case):
-    """The layer through `torch.onnx.export(dynamo=True)` with `dynamic_shapes`, in onnxruntime."""
+def _made(export):
+    return export()
+
+
+def export_torch_onnx(layer, names, arrays, dimensions, case, keep=_made):
+    """The layer through `torch.onnx.export(dynamo=True)` with `dynamic_shapes`, in onnxruntime.
+    `keep(export)` gives the exported bytes (`kept_export`: from the cache when kept there)."""
     import onnxruntime
     import torch
 
     module = _torch_module(layer, names, case, return_attention=False)
-    dims = {name: torch.export.Dim(name) for name in DIMENSION_NAMES.values()}
-    shapes = tuple({axis: dims[name] for axis, name in given.items()} or None for given in dimensions)
-    tensors = tuple(torch.from_numpy(a) for a in arrays)
-    program = _quietly(lambda: torch.onnx.export(module, tensors, dynamo=True, dynamic_shapes=(shapes,)))
-    session = onnxruntime.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+
+    def export():
+        dims = {name: torch.export.Dim(name) for name in DIMENSION_NAMES.values()}
+        shapes = tuple({axis: dims[name] for axis, name in given.items()} or None for given in dimensions)
+        tensors = tuple(torch.from_numpy(a) for a in arrays)
+        program = quietly(lambda: torch.onnx.export(module, tensors, dynamo=True, dynamic_shapes=(shapes,)))
+        return program.model_proto.SerializeToString()
+
+    session = onnxruntime.InferenceSession(keep(export), providers=["CPUExecutionProvider"])
 
     def run(arrays):
         return session.run(None, {given.name: a for given, a in zip(session.get_inputs(), arrays, strict=True)})[0]
@@ -321,19 +419,21 @@ def tf2onnx_dynamic(function, signature):
 
     optimizers = {name: o for name, o in tf2onnx.optimizer._optimizers.items() if name != "reshape_optimizer"}
     with mock.patch.object(tf2onnx.optimizer, "_optimizers", optimizers):
-        proto, _ = _quietly(lambda: tf2onnx.convert.from_function(function, input_signature=signature))
+        proto, _ = quietly(lambda: tf2onnx.convert.from_function(function, input_signature=signature))
     return proto
 
 
-def export_tf_onnx(layer, names, arrays, dimensions, case):
+def export_tf_onnx(layer, names, arrays, dimensions, case, keep=_made):
     """The layer in a `tf.function` with None dimensions through tf2onnx, in onnxruntime."""
     import onnxruntime
     import tensorflow as tf
 
-    signature = _tf_signature(names, arrays, dimensions)
-    function = tf.function(lambda *args: _call(layer, names, args, case, False), input_signature=signature)
-    proto = tf2onnx_dynamic(function, signature)
-    session = onnxruntime.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    def export():
+        signature = _tf_signature(names, arrays, dimensions)
+        function = tf.function(lambda *args: _call(layer, names, args, case, False), input_signature=signature)
+        return tf2onnx_dynamic(function, signature).SerializeToString()
+
+    session = onnxruntime.InferenceSession(keep(export), providers=["CPUExecutionProvider"])
 
     def run(arrays):
         return session.run(None, {given.name: a for given, a in zip(session.get_inputs(), arrays, strict=True)})[0]
@@ -350,14 +450,17 @@ def functional_model(layer, names, arrays, dimensions, case):
     return keras.Model(inputs, _call(layer, names, inputs, case, return_attention=False))
 
 
-def export_tf_litert(layer, names, arrays, dimensions, case):
+def export_tf_litert(layer, names, arrays, dimensions, case, keep=_made):
     """The functional model through `TFLiteConverter.from_keras_model`, in the LiteRT interpreter,
     its inputs resized to each call's shapes."""
     import tensorflow as tf
     from ai_edge_litert.interpreter import Interpreter
 
-    model = functional_model(layer, names, arrays, dimensions, case)
-    content = _quietly(tf.lite.TFLiteConverter.from_keras_model(model).convert)
+    def export():
+        model = functional_model(layer, names, arrays, dimensions, case)
+        return quietly(tf.lite.TFLiteConverter.from_keras_model(model).convert)
+
+    content = keep(export)
 
     def run(arrays):
         interpreter = Interpreter(model_content=content)
@@ -379,17 +482,28 @@ def _input_name(detail_name, names):
     return max((name for name in names if name in detail_name), key=len)
 
 
-def export_tf_saved_model(layer, names, arrays, dimensions, case):
-    """The functional model through `model.export` (a SavedModel), reloaded by
-    `tf.saved_model.load` and called through its `serve` endpoint."""
+def export_tf_saved_model(layer, names, arrays, dimensions, case, keep=_made):
+    """The functional model through `model.export` (a SavedModel, kept as the bytes of a tar
+    archive of its folder), reloaded by `tf.saved_model.load` and called through its `serve`
+    endpoint."""
+    import tarfile
     import tempfile
 
     import tensorflow as tf
 
-    model = functional_model(layer, names, arrays, dimensions, case)
+    def export():
+        model = functional_model(layer, names, arrays, dimensions, case)
+        with tempfile.TemporaryDirectory() as directory:
+            quietly(lambda: model.export(directory, verbose=False))
+            archive = io.BytesIO()
+            with tarfile.open(fileobj=archive, mode="w") as tar:
+                tar.add(directory, arcname="saved_model")
+        return archive.getvalue()
+
     with tempfile.TemporaryDirectory() as directory:
-        _quietly(lambda: model.export(directory, verbose=False))
-        served = tf.saved_model.load(directory)
+        with tarfile.open(fileobj=io.BytesIO(keep(export))) as tar:
+            tar.extractall(directory, filter="data")
+        served = tf.saved_model.load(os.path.join(directory, "saved_model"))
 
     def run(arrays):
         return served.serve(list(arrays)).numpy()
@@ -403,7 +517,7 @@ DYNAMIC_EXPORTERS = {
     "tf:litert:dynamic": export_tf_litert,
     "tf:saved_model:dynamic": export_tf_saved_model,
 }
-_EXPORTS = {}  # (path, group, layer class) -> (DynamicExport, its difference from eager at its own shape), or the error
+EXPORTS = {}  # (path, group, layer class) -> (DynamicExport, its difference from eager at its own shape), or the error
 
 
 def _max_abs(a, b):
@@ -413,37 +527,43 @@ def _max_abs(a, b):
     return float(np.abs(a - b).max(initial=0.0)) if np.isfinite(a).all() else np.inf
 
 
-def dynamic_export(path, group, make_layer, layer_class=None):
+def dynamic_export(path, group, make_layer, layer_class=None, cache=None):
     """The export of `path` for the group whose first case is `group`, made once (the error it
     raised, raised again for every case of the group), and its difference from eager at its own
-    shape."""
+    shape. `cache`: the folder of kept exports, or None."""
     from shared_tests.cases import CASES_BY_NAME, make_data
 
     key = (path, group, layer_class)
-    if key not in _EXPORTS:
+    if key not in EXPORTS:
         case = CASES_BY_NAME[group]
         data, grown = make_data(case), export_shape_case(case)
-        names, arrays = _arrays(case, data)
-        _, grown_arrays = _arrays(grown, {**make_data(grown), "weights": data["weights"]})
+        names, arrays = call_arrays(case, data)
+        _, grown_arrays = call_arrays(grown, {**make_data(grown), "weights": data["weights"]})
         try:
+
+            def keep(export):
+                return kept_export(path, grown, {**data, "arrays": grown_arrays}, export, cache)
+
             export = DYNAMIC_EXPORTERS[path](
-                make_layer(case, data), names, grown_arrays, dynamic_dimensions(arrays, grown_arrays), case
+                make_layer(case, data), names, grown_arrays, dynamic_dimensions(arrays, grown_arrays), case, keep
             )
-            _EXPORTS[key] = export, _max_abs(export.run(grown_arrays), export.eager(grown_arrays))
+            EXPORTS[key] = export, _max_abs(export.run(grown_arrays), export.eager(grown_arrays))
         except Exception as error:  # every case of the group reports it
-            _EXPORTS[key] = error
-    if isinstance(_EXPORTS[key], Exception):
-        raise _EXPORTS[key]
-    return _EXPORTS[key]
+            EXPORTS[key] = error
+    if isinstance(EXPORTS[key], Exception):
+        raise EXPORTS[key]
+    return EXPORTS[key]
 
 
-def run_dynamic(case, data, path, make_layer, layer_class=None):
+def run_dynamic(case, data, path, make_layer, layer_class=None, cache=None):
     """The largest difference between the dynamic-shape export of `path` and the eager layer it
     exported, at the export's own shape and at this case's shape (with this case's inputs and
-    the exported weights); raises UnsupportedCaseError for a case it cannot run."""
+    the exported weights); raises UnsupportedCaseError for a case it cannot run. `cache`: the
+    folder of kept exports (`kept_export`; used only for the layer file's own layer)."""
     reason = dynamic_skip_reason(case, path)
     if reason is not None:
         raise UnsupportedCaseError(reason)
-    export, at_own_shape = dynamic_export(path, dynamic_group(case), make_layer, layer_class)
-    _, arrays = _arrays(case, data)
+    cache = cache if layer_class is None else None
+    export, at_own_shape = dynamic_export(path, dynamic_group(case), make_layer, layer_class, cache)
+    _, arrays = call_arrays(case, data)
     return max(at_own_shape, _max_abs(export.run(arrays), export.eager(arrays)))

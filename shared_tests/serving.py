@@ -18,7 +18,7 @@ import dataclasses
 
 import numpy as np
 
-from shared_tests.runtimes import _quietly, tf2onnx_dynamic
+from shared_tests.runtimes import quietly, tf2onnx_dynamic
 
 SERVING_PATHS = ("torch:onnx", "tf:onnx", "tf:litert")
 PROMPT = 8  # T of the first call
@@ -136,7 +136,7 @@ def export_torch_step(served, weights, keep, example):
     tokens = torch.export.Dim("tokens", min=1, max=served.length)
     shapes = ({1: tokens}, None, None, None, None)
     args = (torch.from_numpy(example), *cache)
-    program = _quietly(lambda: torch.onnx.export(Step(), args, dynamo=True, dynamic_shapes=shapes))
+    program = quietly(lambda: torch.onnx.export(Step(), args, dynamo=True, dynamic_shapes=shapes))
     initial = [np.asarray(c.numpy()) for c in cache]
     return without_boolean_where(program.model_proto).SerializeToString(), initial
 
@@ -208,7 +208,7 @@ def export_tf_litert_step(served, weights, keep):
     step, _, layer = _tf_step(served, weights)
     converter = tf.lite.TFLiteConverter.from_concrete_functions([step.get_concrete_function()], layer)
     converter.experimental_lower_to_saved_model = False  # lowered, the layer's variables read as garbage
-    return _quietly(converter.convert), _tf_initial(served, layer, keep)
+    return quietly(converter.convert), _tf_initial(served, layer, keep)
 
 
 def decode_onnx(model, initial, calls):

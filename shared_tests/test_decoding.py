@@ -13,9 +13,9 @@ import PyTorch.Multi_Head_Attention as torch_file
 from NumPy import MultiHeadAttention as NumpyMultiHeadAttention
 from PyTorch import MultiHeadAttention as TorchMultiHeadAttention
 from shared_tests import parity
+from shared_tests.calling import not_implemented
 from shared_tests.cases import TOLERANCES
 from shared_tests.decoding import DECODE_CASES, DECODE_CASES_BY_NAME, MLA_DECODE_CASES
-from shared_tests.frameworks import not_implemented
 
 OUTPUT_TOL = TOLERANCES["float32"]["output"]
 rng = np.random.default_rng(0)

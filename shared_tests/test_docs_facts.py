@@ -418,7 +418,7 @@ def test_make_targets_exist(page):
 def _strings(path):
     """Every string literal of a source file, an f-string's fields as NUL."""
     found = []
-    for node in ast.walk(docs_facts._tree(path)):
+    for node in ast.walk(docs_facts.parsed(path)):
         if isinstance(node, ast.JoinedStr):
             found.append("".join(v.value if isinstance(v, ast.Constant) else "\0" for v in node.values))
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):

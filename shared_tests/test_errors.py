@@ -530,10 +530,10 @@ MLA_ERRORS = {
 
 def _mla_callers():
     """The callers of the layer files that have MLA (the others join once they do)."""
-    from shared_tests.frameworks import LAYER_FILES, _layer_source
+    from shared_tests.calling import LAYER_FILES, layer_source
 
     folders = {**LAYER_FILES, "numpy": "NumPy"}
-    return {name: caller for name, caller in CALLERS.items() if "kv_lora_rank=" in _layer_source(folders[name])}
+    return {name: caller for name, caller in CALLERS.items() if "kv_lora_rank=" in layer_source(folders[name])}
 
 
 @pytest.mark.parametrize("name", sorted(MLA_ERRORS))

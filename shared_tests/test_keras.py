@@ -13,10 +13,11 @@ import json
 import numpy as np
 import pytest
 
-from shared_tests import decoding, parity
+from shared_tests import frameworks, parity
 from shared_tests.cases import CASES, CASES_BY_NAME, make_data
 from shared_tests.decoding import DECODE_CASES, DECODE_CASES_BY_NAME, make_decode_data
-from shared_tests.keras_backends import JAX_CASES, KERAS_BACKENDS, run_batch
+from shared_tests.keras_backends import KERAS_BACKENDS, run_batch
+from shared_tests.keras_paths import JAX_CASES
 
 JAX_DECODE_CASES = ("decode_rolling_rope_left_padding", "decode_all_variants")
 CHECKS = (
@@ -60,7 +61,7 @@ def test_every_case_decode_case_and_check_on_the_backend(backend):
     out = run_batch(backend, cases, decode_cases, checks)
     path = f"keras:{backend}"
     failures = _failures(path, cases, out["cases"], parity.compare, parity.run)
-    failures += _failures(path, decode_cases, out["decode"], parity.compare_decode, decoding.run)
+    failures += _failures(path, decode_cases, out["decode"], parity.compare_decode, frameworks.run_decode)
     failures += [f"check {name}: {error}" for name, error in out["checks"].items() if error is not None]
     assert set(out["checks"]) == set(checks)
     assert not failures, "\n".join(failures)

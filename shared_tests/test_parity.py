@@ -11,8 +11,8 @@ import PyTorch.Multi_Head_Attention as torch_file
 import TensorFlow.Multi_Head_Attention as tf_file
 from PyTorch import MultiHeadAttention as TorchMultiHeadAttention
 from shared_tests import parity, runtimes
+from shared_tests.calling import not_implemented
 from shared_tests.cases import CASES, CASES_BY_NAME, MLA_CASES, TOLERANCES, make_data
-from shared_tests.frameworks import not_implemented
 from shared_tests.runtimes import DYNAMIC_PATHS, RUNTIME_PATHS, skip_reason
 from TensorFlow import MultiHeadAttention as TFMultiHeadAttention
 
@@ -165,7 +165,7 @@ def test_broken_step_fails_the_report(name, monkeypatch, capsys):
     kept from a mutated layer failed later tests against the repaired one (1.28 off)."""
     target, attribute, replacement, case_name = MUTATIONS[name]
     monkeypatch.setattr(target, attribute, replacement)
-    monkeypatch.setattr(runtimes, "_EXPORTS", {})
+    monkeypatch.setattr(runtimes, "EXPORTS", {})
     assert parity.main(["--case", case_name]) == 1
     assert "FAIL" in capsys.readouterr().out
 
@@ -469,7 +469,7 @@ def test_dynamic_export_runs_at_every_shape_of_its_group_equal_to_eager(path):
         row, _ = parity.run_case(case, paths=("numpy",), dynamic_paths=(path,))
         assert row.passed, row.failures
         assert row.diffs[parity.DYNAMIC_LABEL]["output"] <= case.tolerance["output"]
-    assert sum(key[0] == path and key[1] == "cross" for key in runtimes._EXPORTS) == 1
+    assert sum(key[0] == path and key[1] == "cross" for key in runtimes.EXPORTS) == 1
 
 
 def test_every_case_runs_a_dynamic_export_or_says_why():
@@ -499,8 +499,8 @@ def test_every_case_runs_a_dynamic_export_or_says_why():
 def test_dynamic_dimensions_are_told_by_how_much_each_grew(case_name, expected):
     case = CASES_BY_NAME[case_name]
     grown = runtimes.export_shape_case(case)
-    _, arrays = runtimes._arrays(case, make_data(case))
-    _, grown_arrays = runtimes._arrays(grown, make_data(grown))
+    _, arrays = runtimes.call_arrays(case, make_data(case))
+    _, grown_arrays = runtimes.call_arrays(grown, make_data(grown))
     assert runtimes.dynamic_dimensions(arrays, grown_arrays) == expected
 
 
@@ -511,11 +511,11 @@ def test_regression_tf2onnx_reshape_optimizer_breaks_unknown_lengths(monkeypatch
     import tf2onnx.optimizer
 
     case = CASES_BY_NAME["cross"]
-    monkeypatch.setattr(runtimes, "_EXPORTS", {})
+    monkeypatch.setattr(runtimes, "EXPORTS", {})
     monkeypatch.setattr(
         runtimes,
         "tf2onnx_dynamic",
-        lambda function, signature: runtimes._quietly(
+        lambda function, signature: runtimes.quietly(
             lambda: tf2onnx.convert.from_function(function, input_signature=signature)
         )[0],
     )

@@ -8,7 +8,7 @@ import tensorflow as tf
 
 import TensorFlow.Multi_Head_Attention as tf_file
 from shared_tests.cases import FLOAT64_TOLERANCES, TOLERANCES
-from shared_tests.runtimes import _quietly
+from shared_tests.runtimes import quietly
 from TensorFlow import MultiHeadAttention
 
 keras = tf.keras
@@ -55,7 +55,7 @@ def test_functional_model_with_unknown_batch_and_length_converts_to_litert(thres
     from ai_edge_litert.interpreter import Interpreter
 
     model = _functional_model(threshold, causal, key_mask)
-    interpreter = Interpreter(model_content=_quietly(tf.lite.TFLiteConverter.from_keras_model(model).convert))
+    interpreter = Interpreter(model_content=quietly(tf.lite.TFLiteConverter.from_keras_model(model).convert))
     details = interpreter.get_input_details()
     assert [d["shape_signature"].tolist() for d in details if len(d["shape_signature"]) == 3] == [[-1, -1, E]]
     for b, t in SHAPES:
@@ -80,7 +80,7 @@ def test_memory_efficient_path_with_unknown_dims_through_tf2onnx():
     layer = _layer(CHUNKED)
     signature = [tf.TensorSpec((None, None, E), tf.float32, name="x"), tf.TensorSpec((None, None), tf.bool, name="m")]
     function = tf.function(lambda x, keep: layer(x, key_mask=keep, causal=True), input_signature=signature)
-    proto, _ = _quietly(lambda: tf2onnx.convert.from_function(function, input_signature=signature))
+    proto, _ = quietly(lambda: tf2onnx.convert.from_function(function, input_signature=signature))
     session = onnxruntime.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     for b, t in SHAPES:
         x, keep = _inputs(b, t)

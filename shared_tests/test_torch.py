@@ -399,21 +399,74 @@ def test_lean_decode_step_equals_the_step_over_all_slots(chunks):
     torch.testing.assert_close(lean, full, atol=OUTPUT_TOL, rtol=0)
 
 
-def test_lean_decode_step_skips_the_slot_keep_and_the_kernel_concatenation(monkeypatch):
-    """A step without masks builds no (B, 1, T, L) keep and does not concatenate the q, k, v
-    kernels (work that cannot change between steps); a step with a mask still uses the keep."""
+def test_lean_decode_step_skips_the_slot_keep_and_keeps_the_concatenated_kernels(monkeypatch):
+    """A step without masks builds no (B, 1, T, L) keep and concatenates the q, k, v kernels once
+    for all steps (work that cannot change between steps); a step with a mask still uses the keep."""
     layer = MultiHeadAttention(16, 4).eval()
     x = _randn(2, 7, 16, seed=22)
     calls = []
-    real_keep = Multi_Head_Attention._cache_keep
+    real_keep, real_cat = Multi_Head_Attention._cache_keep, torch.cat
     monkeypatch.setattr(Multi_Head_Attention, "_cache_keep", lambda *a: calls.append("keep") or real_keep(*a))
-    monkeypatch.setattr(layer, "_project_fused", lambda *a: calls.append("fused"))
+    monkeypatch.setattr(torch, "cat", lambda *a, **k: calls.append("cat") or real_cat(*a, **k))
     _decode_chunks(layer, x, (4, 1, 1))
-    assert calls == []
+    assert calls == ["cat", "cat", "cat"]  # the kernels and biases at the first step only; the outputs
     cache = layer.init_cache(2, 10)
     with torch.no_grad():
         layer(x[:, :1], attention_mask=torch.ones(1, 10, dtype=torch.bool), cache=cache)
-    assert calls == ["keep"]
+    assert calls == ["cat", "cat", "cat", "keep"]
+
+
+def test_decode_step_reads_no_value_of_a_cache_it_checked(monkeypatch):
+    """`init_cache` checks its keep and index once and each step carries its new index: a step
+    reads no tensor value (a device sync on a GPU). A keep written in place is read again."""
+    layer = MultiHeadAttention(16, 4).eval()
+    x = _randn(2, 6, 16, seed=23)
+    reads = []
+    for name in ("all", "item", "__int__", "__bool__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda self, *a, real=real, name=name: reads.append(name) or real(self, *a)
+        )
+    cache = layer.init_cache(2, 6)
+    reads.clear()
+    with torch.no_grad():
+        for t in range(5):
+            _, cache = layer(x[:, t : t + 1], causal=True, cache=cache)
+        assert reads == []
+        cache.keep[0, 0] = False
+        output, cache = layer(x[:, 5:], causal=True, cache=cache)
+    assert "all" in reads
+    monkeypatch.undo()
+    with torch.no_grad():
+        full = layer(x, attention_mask=cache.keep[:, None, :], causal=True)
+    torch.testing.assert_close(output, full[:, 5:], atol=OUTPUT_TOL, rtol=0)
+
+
+def test_kept_kernels_follow_a_change_of_the_weights():
+    """The concatenated q/k/v kernels kept for decode steps are made again when a weight is
+    written in place (an optimizer step), replaced or cast."""
+    layer = MultiHeadAttention(16, 4).eval()
+    x = _randn(2, 5, 16, seed=24)
+
+    def step_and_full():
+        dtype = layer.query.weight.dtype
+        with torch.no_grad():
+            _, cache = layer(x[:, :4].to(dtype), causal=True, cache=layer.init_cache(2, 5))
+            step = layer(x[:, 4:].to(dtype), causal=True, cache=cache)[0]
+            return step, layer(x.to(dtype), causal=True)[:, 4:]
+
+    changes = (
+        (lambda: layer.query.weight.add_(0.5), True),
+        (lambda: setattr(layer.value, "weight", nn.Parameter(layer.value.weight * 2)), True),
+        (lambda: layer.double(), False),  # the same numbers in float64: a float32 copy would fail the matmul
+    )
+    for change, moves in changes:
+        before = step_and_full()[0]
+        with torch.no_grad():
+            change()
+        step, full = step_and_full()
+        assert step.dtype == full.dtype and torch.allclose(step.float(), before, atol=1e-3) != moves
+        torch.testing.assert_close(step, full, atol=OUTPUT_TOL, rtol=0)
 
 
 def test_lean_decode_step_refuses_a_full_cache_and_writes_nothing():

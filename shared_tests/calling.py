@@ -1,0 +1,78 @@
+"""What every runner shares: the inputs of a case's data, how they are passed, and what a path returns.
+
+The base of the runners (shared_tests/numpy_runner.py, torch_runner.py, tf_runner.py, runtimes.py
+and the Keras runner): a `Result` per attention case and path, a `DecodeResult` per decode case
+and path.
+
+Legend: B batch, T query length, S key/value length, E d_model, N num_heads, P tokens decoded
+in all, L cache slots, K num_kv_heads, H head_dim.
+"""
+
+import dataclasses
+import functools
+import pathlib
+import re
+
+import numpy as np
+
+INPUTS = ("query", "key", "value")
+LAYER_FILES = {"torch": "PyTorch", "tf": "TensorFlow", "keras": "Keras"}  # path prefix -> the layer file's folder
+
+
+@dataclasses.dataclass
+class Result:
+    """Output, attention weights (None where a path returns none) and gradients (None: not checked)."""
+
+    output: np.ndarray  # (B, T, E)
+    weights: np.ndarray | None  # (B, N, T, S)
+    grads: dict | None  # name -> gradient of sum(output * grad_output), the shape of what it is of
+
+
+@dataclasses.dataclass
+class DecodeResult:
+    """A decoded case: outputs, weights and final cache, and the same tokens in one full pass."""
+
+    output: np.ndarray  # (B, P, E)
+    weights: np.ndarray | None  # (B, N, P, L)
+    cache: dict  # key, value (B, K, L, H), keep (B, L), index: NumPy arrays
+    full_output: np.ndarray  # (B, P, E) of one full causal pass
+    full_weights: np.ndarray  # (B, N, P, P)
+
+
+@functools.cache
+def layer_source(folder):
+    """The text of `<folder>/Multi_Head_Attention.py`."""
+    return (pathlib.Path(__file__).parents[1] / folder / "Multi_Head_Attention.py").read_text()
+
+
+def not_implemented(case, path):
+    """Why `path` cannot run `case`: its layer file has no constructor option of that name
+    (MLA's, while a file lacks them); None where it has every option the case passes."""
+    folder = LAYER_FILES.get(path.split(":")[0])
+    if folder is None:
+        return None
+    missing = [name for name in case.config if not re.search(rf"\b{name}=", layer_source(folder))]
+    return f"not implemented in {folder}/Multi_Head_Attention.py (no {', '.join(missing)})" if missing else None
+
+
+def set_path(layer, case):
+    """An MLA case's path on a layer of a framework file: `absorb_latents` (expanded or absorbed)."""
+    if getattr(case, "absorb", None) is not None:
+        layer.absorb_latents = case.absorb
+    return layer
+
+
+def inputs(data):
+    """The inputs a case passes: [query] or [query, key, value]."""
+    return [data[name] for name in INPUTS if data[name] is not None]
+
+
+def by_name(args):
+    """(query,) and {"key": ..., "value": ...} from [query] or [query, key, value]: key and value
+    go by name, as the TensorFlow layer asks (Keras' built-in is called (query, value, key))."""
+    return args[:1], dict(zip(INPUTS[1:], args[1:], strict=False))
+
+
+def as_numpy_cache(cache, to_numpy):
+    """A cache's key, value, keep and index as NumPy arrays (`to_numpy` converts one tensor)."""
+    return {name: to_numpy(getattr(cache, name)) for name in ("key", "value", "keep", "index")}
