@@ -82,6 +82,7 @@ split the layer's heads over a mesh axis, for `ModelParallel` on JAX (docs/distr
 """
 
 import math
+import sys
 import warnings
 from typing import Any, NamedTuple
 
@@ -161,6 +162,21 @@ class AttentionMaskWarning(UserWarning):
     """A mask whose values read like another library's convention (nn.MultiheadAttention's True =
     ignore, Keras' 0/1 floats): the layer computes what docs/SPEC.md says all the same, and warns
     once per layer. `warnings.simplefilter("error", AttentionMaskWarning)` makes it an error."""
+
+
+# The packages between the user's call and this file
+_FRAMEWORK_MODULES = ("keras", "tensorflow", "jax", "torch", "optree")
+
+
+def _warn_at_caller(message):
+    """Warns `AttentionMaskWarning` at the user's line: the first frame outside this file and the
+    framework (a module's or layer's `__call__`, Keras' traceback filter), however deep they call."""
+    frame, level = sys._getframe(1), 2  # level 2: the frame that called this function
+    while frame is not None and (
+        frame.f_globals is globals() or frame.f_globals.get("__name__", "").split(".")[0] in _FRAMEWORK_MODULES
+    ):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, AttentionMaskWarning, stacklevel=level)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -605,6 +621,21 @@ def _values_readable(*tensors):
     return True
 
 
+def _read_values(x):
+    """A readable tensor's values (`_values_readable`) as a NumPy array, read the backend's own way:
+    `ops.convert_to_numpy` calls `np.array` on a torch or TensorFlow tensor, whose `__array__`
+    makes NumPy 2 warn (a DeprecationWarning: an error where warnings are)."""
+    backend = keras.backend.backend()
+    if isinstance(x, np.ndarray) or backend not in ("torch", "tensorflow"):
+        return np.asarray(x)
+    if backend == "tensorflow":
+        return x.numpy()
+    import torch  # the backend in use, already imported by Keras
+
+    x = x.detach()
+    return (x.float() if x.dtype == torch.bfloat16 else x).numpy()  # NumPy has no bfloat16
+
+
 def _mask_traps(attention_mask, key_mask, t, s):
     """The built-in layers' habits that the masks' values (NumPy arrays) suggest (docs/SPEC.md,
     Masks), as {kind: message}; the call computes what the SPEC says either way."""
@@ -655,6 +686,12 @@ def _zeros_and_ones(mask):
 # -------------------------------------------------------------------------------------------------
 
 
+def _padding_hint(name, shape, target):
+    """For a 2-D `attention_mask` shaped (B, S) where (T, S) was expected: padding goes in `key_mask`."""
+    padding = name == "attention_mask" and tuple(shape) == (target[0], target[3]) and target[0] != target[2]
+    return " A (B, S) padding mask goes in `key_mask` (True = a real key)." if padding else ""
+
+
 def _mask_to_4d(mask, target, name="attention_mask"):
     """Checks a mask (or `attention_bias`) against target (B, N, T, S) and returns it as rank 4."""
     if name == "attention_bias" and not _is_float(mask.dtype):
@@ -671,7 +708,8 @@ def _mask_to_4d(mask, target, name="attention_mask"):
     ):
         raise ValueError(
             f"`{name}` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
-            f"(B, N, T, S), each dimension full or 1. Expected: (B, N, T, S)={target}. "
+            f"(B, N, T, S), each dimension full or 1.{_padding_hint(name, _static_shape(mask), target)} "
+            f"Expected: (B, N, T, S)={target}. "
             f"Received: {name}.shape={_static_shape(mask)}"
         )
     if rank == 2:
@@ -1039,9 +1077,9 @@ def _check_room(index, t, length, window):
     misfit = index + t > length  # ()
     if window is not None:
         misfit = ops.logical_and(misfit, length < window + t - 1)  # ()
-    if _values_readable(misfit) and bool(ops.convert_to_numpy(misfit)):
+    if _values_readable(misfit) and bool(_read_values(misfit)):
         if window is None:
-            raise _cache_full_error(int(ops.convert_to_numpy(index)), int(t), int(length))
+            raise _cache_full_error(int(_read_values(index)), int(t), int(length))
         raise _cache_too_short_error(window, int(t), int(length))
     return misfit
 
@@ -2355,11 +2393,11 @@ class MultiHeadAttention(keras.layers.Layer):
         masks = [mask for mask in (attention_mask, key_mask) if mask is not None]
         if not masks or not _values_readable(*masks):
             return
-        values = [None if mask is None else ops.convert_to_numpy(mask) for mask in (attention_mask, key_mask)]
+        values = [None if mask is None else _read_values(mask) for mask in (attention_mask, key_mask)]
         for kind, message in _mask_traps(*values, t, s).items():
             if kind not in self._warned_traps:
                 self._warned_traps.add(kind)
-                warnings.warn(message, AttentionMaskWarning, stacklevel=2)
+                _warn_at_caller(message)
 
     def _masks(self, call):
         """The floating mask rule on `attention_mask` and `attention_bias`, and the token masks
@@ -2716,18 +2754,25 @@ class MultiHeadAttention(keras.layers.Layer):
         return super(keras.layers.Layer, self).compute_output_spec(*args, **kwargs)
 
     @classmethod
-    def from_keras(cls, layer):
+    def from_keras(cls, layer, *, window=None):
         """Builds a layer with the weights of a built `keras.layers.MultiHeadAttention` or
         `keras.layers.GroupQueryAttention` (3-D inputs, default attention axes).
 
         Its dtype policy, initializers and `trainable` are kept; LoRA adapters on its
-        projections are merged into the kernels; a `sliding_window` W becomes `window=(W, W)`
-        (Keras keeps |t - s| < W on both sides of the query; the same keys where T == S);
-        `use_gate=True` becomes `gate=True`, its (E, N, H) kernel `gate_kernel`. Every option
-        this layer cannot hold (regularizers, constraints, other attention axes or output shapes,
-        value_dim != key_dim, quantized projections) is a ValueError that lists them all.
+        projections are merged into the kernels; `use_gate=True` becomes `gate=True`, its
+        (E, N, H) kernel `gate_kernel`. Every option this layer cannot hold (regularizers,
+        constraints, other attention axes or output shapes, value_dim != key_dim, quantized
+        projections) is a ValueError that lists them all.
+
+        Args:
+            layer: the built-in.
+            window: with a built-in's `sliding_window` W, `(W, W)`: Keras counts its band
+                |t - s| < W from the first query and key, this layer from the last (so that
+                decoding equals the full pass), so the two keep the same keys only where T == S.
+                Passing `(W, W)` says the layer is for such calls; without it `sliding_window` is
+                refused.
         """
-        config, dense = _keras_config(layer)
+        config, dense = _keras_config(layer, window)
         new = cls(**config, name=f"{layer.name}_reference", dtype=layer.dtype_policy)
         new.trainable = layer.trainable
         weights = {}
@@ -2839,9 +2884,10 @@ def _options_it_cannot_hold(layer, config, dense):
     return found
 
 
-def _keras_config(layer):
+def _keras_config(layer, window=None):
     """Constructor arguments and (query, key, value, output) sublayers of a Keras built-in, and the
-    gate's after them with `use_gate`."""
+    gate's after them with `use_gate`; `window`: `from_keras`'s, (W, W) for the built-in's
+    `sliding_window` W."""
     if not isinstance(layer, (keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention)):
         raise ValueError(
             "`layer` must be a keras.layers.MultiHeadAttention or keras.layers.GroupQueryAttention. "
@@ -2865,6 +2911,25 @@ def _keras_config(layer):
         bias=config["use_bias"], kernel_initializer=config["kernel_initializer"],
         bias_initializer=config["bias_initializer"], gate=bool(config.get("use_gate", False)),
     )  # fmt: skip
-    if config.get("sliding_window") is not None:  # Keras keeps |t - s| < W, on both sides of the query
-        arguments["window"] = (config["sliding_window"], config["sliding_window"])
+    arguments["window"] = _keras_window(config.get("sliding_window"), window)
     return arguments, dense
+
+
+def _keras_window(sliding_window, window):
+    """`from_keras`'s window: (W, W) where the built-in's `sliding_window` W is acknowledged by
+    `window=(W, W)` (Keras' band |t - s| < W is counted from the first query and key, this layer's
+    from the last: the same keys only where T == S); else None."""
+    expected = None if sliding_window is None else (sliding_window, sliding_window)
+    if window is None and expected is not None:
+        raise ValueError(
+            f"`layer.sliding_window` keeps |t - s| < W counted from the first query and key; this layer counts its "
+            f"window from the last, so that decoding equals the full pass: the two keep the same keys only where "
+            f"T == S. For such calls (self-attention) pass `window={expected}` to `from_keras`. "
+            f"Received: sliding_window={sliding_window}"
+        )
+    if window is not None and (not isinstance(window, (tuple, list)) or tuple(window) != expected):
+        raise ValueError(
+            f"`window` must be (W, W) for the built-in's `sliding_window` W, or None without one. "
+            f"Expected: window={expected}. Received: window={window!r}"
+        )
+    return expected

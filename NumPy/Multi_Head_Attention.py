@@ -73,6 +73,7 @@ the chunk keep it at position index + t (see `_cache_keep`; a window makes the c
 """
 
 import math
+import sys
 import warnings
 from typing import NamedTuple
 
@@ -116,6 +117,21 @@ class AttentionMaskWarning(UserWarning):
     """A mask whose values read like another library's convention (nn.MultiheadAttention's True =
     ignore, Keras' 0/1 floats): the layer computes what docs/SPEC.md says all the same, and warns
     once per layer. `warnings.simplefilter("error", AttentionMaskWarning)` makes it an error."""
+
+
+# The packages between the user's call and this file
+_FRAMEWORK_MODULES = ("numpy",)
+
+
+def _warn_at_caller(message):
+    """Warns `AttentionMaskWarning` at the user's line: the first frame outside this file and the
+    framework (a module's or layer's `__call__`, Keras' traceback filter), however deep they call."""
+    frame, level = sys._getframe(1), 2  # level 2: the frame that called this function
+    while frame is not None and (
+        frame.f_globals is globals() or frame.f_globals.get("__name__", "").split(".")[0] in _FRAMEWORK_MODULES
+    ):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, AttentionMaskWarning, stacklevel=level)
 
 
 class KVCache(NamedTuple):
@@ -621,6 +637,12 @@ def _zeros_and_ones(mask):
 # -------------------------------------------------------------------------------------------------
 
 
+def _padding_hint(name, shape, target):
+    """For a 2-D `attention_mask` shaped (B, S) where (T, S) was expected: padding goes in `key_mask`."""
+    padding = name == "attention_mask" and tuple(shape) == (target[0], target[3]) and target[0] != target[2]
+    return " A (B, S) padding mask goes in `key_mask` (True = a real key)." if padding else ""
+
+
 def _mask_to_4d(mask, target, name="attention_mask"):
     """Checks `attention_mask` (or `attention_bias`, which must be floating) against target
     (B, N, T, S), returns it as rank 4."""
@@ -636,7 +658,8 @@ def _mask_to_4d(mask, target, name="attention_mask"):
     if expected is None or any(m not in (1, e) for m, e in zip(mask.shape, expected, strict=True)):
         raise ValueError(
             f"`{name}` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
-            f"(B, N, T, S), each dimension full or 1. Expected: (B, N, T, S)={target}. "
+            f"(B, N, T, S), each dimension full or 1.{_padding_hint(name, mask.shape, target)} "
+            f"Expected: (B, N, T, S)={target}. "
             f"Received: {name}.shape={tuple(mask.shape)}"
         )
     if mask.ndim == 2:
@@ -1598,7 +1621,7 @@ class MultiHeadAttention:
         for kind, message in _mask_traps(attention_mask, key_mask, t, s).items():
             if kind not in self._warned_traps:
                 self._warned_traps.add(kind)
-                warnings.warn(message, AttentionMaskWarning, stacklevel=4)
+                _warn_at_caller(message)
 
     def _masks(self, call):
         """Step 1: one boolean keep and one float64 bias, each None or (B|1, N|1, T|1, S|1); with a

@@ -66,6 +66,7 @@ inference; call it under `torch.no_grad()`).
 """
 
 import math
+import sys
 import warnings
 from typing import NamedTuple
 
@@ -113,6 +114,21 @@ class AttentionMaskWarning(UserWarning):
     """A mask whose values read like another library's convention (nn.MultiheadAttention's True =
     ignore, Keras' 0/1 floats): the layer computes what docs/SPEC.md says all the same, and warns
     once per layer. `warnings.simplefilter("error", AttentionMaskWarning)` makes it an error."""
+
+
+# The packages between the user's call and this file
+_FRAMEWORK_MODULES = ("torch",)
+
+
+def _warn_at_caller(message):
+    """Warns `AttentionMaskWarning` at the user's line: the first frame outside this file and the
+    framework (a module's or layer's `__call__`, Keras' traceback filter), however deep they call."""
+    frame, level = sys._getframe(1), 2  # level 2: the frame that called this function
+    while frame is not None and (
+        frame.f_globals is globals() or frame.f_globals.get("__name__", "").split(".")[0] in _FRAMEWORK_MODULES
+    ):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, AttentionMaskWarning, stacklevel=level)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -484,11 +500,17 @@ def _check_positions(positions, b, t, sections=None):
 
 
 def _is_integer(tensor):
-    return not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool)
+    return isinstance(tensor, torch.Tensor) and not (
+        tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool
+    )
+
+
+def _is_floating(tensor):
+    return isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
 
 
 def _dtype_name(dtype):
-    return str(dtype).removeprefix("torch.")
+    return dtype.name if isinstance(dtype, np.dtype) else str(dtype).removeprefix("torch.")
 
 
 def _attention_mask(attention_mask, mask):
@@ -507,7 +529,7 @@ def _values_readable(*tensors):
     trace, and only on the CPU (reading a CUDA tensor waits for the device; meta holds none)."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return False
-    return all(x.device.type == "cpu" for x in tensors)
+    return all(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in tensors)
 
 
 def _mask_traps(attention_mask, key_mask, t, s):
@@ -569,9 +591,15 @@ def _results(output, weights, cache, return_attention):
 # -------------------------------------------------------------------------------------------------
 
 
+def _padding_hint(name, shape, target):
+    """For a 2-D `attention_mask` shaped (B, S) where (T, S) was expected: padding goes in `key_mask`."""
+    padding = name == "attention_mask" and tuple(shape) == (target[0], target[3]) and target[0] != target[2]
+    return " A (B, S) padding mask goes in `key_mask` (True = a real key)." if padding else ""
+
+
 def _mask_to_4d(mask, target, name="attention_mask"):
     """Checks a mask (`attention_mask` or `attention_bias`) against target (B, N, T, S) and returns it as rank 4."""
-    if mask.dtype != torch.bool and not mask.is_floating_point():
+    if mask.dtype != torch.bool and not _is_floating(mask):
         raise ValueError(
             f"`{name}` must be boolean (True = attend; for a 0/1 integer mask pass `mask > 0`) or floating. "
             f"Received: {name}.dtype={_dtype_name(mask.dtype)}"
@@ -580,7 +608,8 @@ def _mask_to_4d(mask, target, name="attention_mask"):
     if expected is None or any(m not in (1, e) for m, e in zip(mask.shape, expected, strict=True)):
         raise ValueError(
             f"`{name}` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
-            f"(B, N, T, S), each dimension full or 1. Expected: (B, N, T, S)={target}. "
+            f"(B, N, T, S), each dimension full or 1.{_padding_hint(name, tuple(mask.shape), target)} "
+            f"Expected: (B, N, T, S)={target}. "
             f"Received: {name}.shape={tuple(mask.shape)}"
         )
     if mask.dim() == 2:
@@ -635,7 +664,7 @@ def _split_bias(attention_bias, target):
     """`attention_bias` -> (keep, additive) by the floating mask rule; a boolean one is refused."""
     if attention_bias is None:
         return None, None
-    if not attention_bias.is_floating_point():
+    if not _is_floating(attention_bias):
         raise ValueError(
             f"`attention_bias` must be floating. Received: attention_bias.dtype={_dtype_name(attention_bias.dtype)}"
         )
@@ -1315,7 +1344,8 @@ def _sdpa_with_sinks(q, k, v, keep, bias, dropout, scale, is_causal, sinks):
     width = -(-max(h + 1, hv) // 8) * 8  # H + 1 features (at least Hv), padded to a multiple of 8
     logit = (sinks / scale).to(q.dtype)[:, None, None].expand(b, n, t, 1)  # (N,) -> (B, N, T, 1)
     q = F.pad(torch.cat([q, logit], dim=-1), (0, width - h - 1))  # (B, N, T, H) -> (B, N, T, width)
-    sink_key = F.pad(torch.ones_like(k[:, :, :1, :1]), (h, width - h - 1))  # (B, K, 1, width): a 1 at feature H
+    one = k.new_ones((*k.shape[:2], 1, 1))  # (B, K, 1, 1), also when S = 0
+    sink_key = F.pad(one, (h, width - h - 1))  # (B, K, 1, width): a 1 at feature H
     k = torch.cat([sink_key, F.pad(k, (0, width - h))], dim=2)  # (B, K, S, H) -> (B, K, 1 + S, width)
     v = F.pad(v, (0, width - hv, 1, 0))  # (B, K, S, H) -> (B, K, 1 + S, width), the sink's value 0
     q = F.pad(q, (0, 0, 1, 0)) if is_causal else q  # (B, N, 1 + T, width) with `is_causal`
@@ -1331,7 +1361,12 @@ def _sdpa_with_sinks(q, k, v, keep, bias, dropout, scale, is_causal, sinks):
 
 
 def _as_tensor(x, device):
-    return x if x is None or isinstance(x, torch.Tensor) else torch.as_tensor(x, device=device)
+    """`x` as a tensor on `device`; a value no tensor can hold (strings, objects) stays a NumPy
+    array, which the checks refuse by its dtype with the other files' ValueError."""
+    if x is None or isinstance(x, torch.Tensor):
+        return x
+    array = np.asarray(x)
+    return torch.as_tensor(x, device=device) if array.dtype.kind in "biufc" else array
 
 
 def _is_dtensor(tensor):
@@ -2056,7 +2091,7 @@ class MultiHeadAttention(nn.Module):
         ]
         if isinstance(query, torch.Tensor) and query.dim() == 2:  # unbatched
             query, key, value = (x if x is None else x.unsqueeze(0) for x in (query, key, value))  # (L, D) -> (1, L, D)
-            key_mask, query_mask = (m if m is None or m.dim() != 1 else m[None] for m in (key_mask, query_mask))
+            key_mask, query_mask = (m if m is None or m.ndim != 1 else m[None] for m in (key_mask, query_mask))
         self_attention = key is None and value is None  # what key_mask defaults by (SPEC: key and value left out)
         one_input = (key is None or key is query) and (value is None or value is query)  # may fuse the projections
         key, value = _inputs(query, key, value)
@@ -2119,7 +2154,7 @@ class MultiHeadAttention(nn.Module):
         for kind, message in _mask_traps(attention_mask, key_mask, t, s).items():
             if kind not in self._warned_traps:
                 self._warned_traps.add(kind)
-                warnings.warn(message, AttentionMaskWarning, stacklevel=5)
+                _warn_at_caller(message)
 
     def _masks(self, call):
         """Step 1: every mask -> one boolean keep and one additive bias in the softmax's dtype, both

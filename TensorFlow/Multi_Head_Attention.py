@@ -76,6 +76,7 @@ weighted sum of c then @ W_vb, the up-projections folded into the query and the 
 
 import functools
 import math
+import sys
 import warnings
 from typing import NamedTuple
 
@@ -123,6 +124,21 @@ class AttentionMaskWarning(UserWarning):
     """A mask whose values read like another library's convention (nn.MultiheadAttention's True =
     ignore, Keras' 0/1 floats): the layer computes what docs/SPEC.md says all the same, and warns
     once per layer. `warnings.simplefilter("error", AttentionMaskWarning)` makes it an error."""
+
+
+# The packages between the user's call and this file
+_FRAMEWORK_MODULES = ("tensorflow", "keras", "tf_keras")
+
+
+def _warn_at_caller(message):
+    """Warns `AttentionMaskWarning` at the user's line: the first frame outside this file and the
+    framework (a module's or layer's `__call__`, Keras' traceback filter), however deep they call."""
+    frame, level = sys._getframe(1), 2  # level 2: the frame that called this function
+    while frame is not None and (
+        frame.f_globals is globals() or frame.f_globals.get("__name__", "").split(".")[0] in _FRAMEWORK_MODULES
+    ):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, AttentionMaskWarning, stacklevel=level)
 
 
 class KVCache(NamedTuple):
@@ -610,6 +626,12 @@ def _zeros_and_ones(mask):
 # -------------------------------------------------------------------------------------------------
 
 
+def _padding_hint(name, shape, target):
+    """For a 2-D `attention_mask` shaped (B, S) where (T, S) was expected: padding goes in `key_mask`."""
+    padding = name == "attention_mask" and tuple(shape) == (target[0], target[3]) and target[0] != target[2]
+    return " A (B, S) padding mask goes in `key_mask` (True = a real key)." if padding else ""
+
+
 def _mask_to_4d(mask, target, name, dtype):
     """Checks `attention_mask` (boolean or floating) or `attention_bias` (floating) against
     target (B, N, T, S) and returns it as a rank-4 tensor (None stays None); dimensions unknown at
@@ -635,7 +657,8 @@ def _mask_to_4d(mask, target, name, dtype):
     ):
         raise ValueError(
             f"`{name}` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
-            f"(B, N, T, S), each dimension full or 1. Expected: (B, N, T, S)={target}. "
+            f"(B, N, T, S), each dimension full or 1.{_padding_hint(name, _static_shape(mask), target)} "
+            f"Expected: (B, N, T, S)={target}. "
             f"Received: {name}.shape={_static_shape(mask)}"
         )
     if rank == 2:
@@ -2168,7 +2191,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         for kind, message in _mask_traps(attention_mask, key_mask, t, s).items():
             if kind not in self._warned_traps:
                 self._warned_traps.add(kind)
-                warnings.warn(message, AttentionMaskWarning, stacklevel=2)
+                _warn_at_caller(message)
 
     def _masks(self, call):
         """Step 1: the masks combined into one boolean keep, (B|1, N|1, T|1, S|1) or None, and the
@@ -2420,10 +2443,13 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         if chunk is None:
             return at_once()
         if None not in (q.shape[0], q.shape[2], k.shape[2]) or _compiled_by_xla():
-            return in_chunks(), None
-        scores = tf.reduce_prod(tf.cast(tf.shape(q)[:3], tf.int64)) * tf.cast(tf.shape(k)[2], tf.int64)
-        large = scores > self.memory_efficient_threshold
-        return tf.cond(large, in_chunks, lambda: at_once()[0]), None
+            context = in_chunks()  # (B, N, T, H)
+        else:
+            scores = tf.reduce_prod(tf.cast(tf.shape(q)[:3], tf.int64)) * tf.cast(tf.shape(k)[2], tf.int64)
+            large = scores > self.memory_efficient_threshold
+            context = tf.cond(large, in_chunks, lambda: at_once()[0])  # (B, N, T, H)
+        context.set_shape(q.shape[:3].concatenate(v.shape[3:]))  # (B, N, T, H): the static dims the chunks lose
+        return context, None
 
     def _query_chunk(self, q, k):
         """Queries per chunk of the memory-efficient path, or None where the (B, N, T, S) scores
@@ -2512,18 +2538,25 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         return super(tf.keras.layers.Layer, self).compute_output_spec(*args, **kwargs)
 
     @classmethod
-    def from_keras(cls, layer):
+    def from_keras(cls, layer, *, window=None):
         """Builds a layer with the weights of a built `keras.layers.MultiHeadAttention` or
         `keras.layers.GroupQueryAttention` (3-D inputs, default attention axes).
 
         Its dtype policy, initializers and `trainable` are kept; LoRA adapters on its
-        projections are merged into the kernels; a `sliding_window` W becomes `window=(W, W)`
-        (Keras keeps |t - s| < W on both sides of the query; the same keys where T == S);
-        `use_gate=True` becomes `gate=True`, its (E, N, H) kernel `gate_kernel`. Every option
-        this layer cannot hold (regularizers, constraints, other attention axes or output shapes,
-        value_dim != key_dim, quantized projections) is a ValueError that lists them all.
+        projections are merged into the kernels; `use_gate=True` becomes `gate=True`, its
+        (E, N, H) kernel `gate_kernel`. Every option this layer cannot hold (regularizers,
+        constraints, other attention axes or output shapes, value_dim != key_dim, quantized
+        projections) is a ValueError that lists them all.
+
+        Args:
+            layer: the built-in.
+            window: with a built-in's `sliding_window` W, `(W, W)`: Keras counts its band
+                |t - s| < W from the first query and key, this layer from the last (so that
+                decoding equals the full pass), so the two keep the same keys only where T == S.
+                Passing `(W, W)` says the layer is for such calls; without it `sliding_window` is
+                refused.
         """
-        config, dense = _keras_config(layer)
+        config, dense = _keras_config(layer, window)
         new = cls(**config, name=f"{layer.name}_reference", dtype=layer.dtype_policy)
         new.trainable = layer.trainable
         weights = {}
@@ -2651,9 +2684,10 @@ def _options_it_cannot_hold(layer, config, dense):
     return found
 
 
-def _keras_config(layer):
+def _keras_config(layer, window=None):
     """Constructor arguments and (query, key, value, output) sublayers of a Keras built-in, and the
-    gate's after them with `use_gate`."""
+    gate's after them with `use_gate`; `window`: `from_keras`'s, (W, W) for the built-in's
+    `sliding_window` W."""
     if not isinstance(layer, (tf.keras.layers.MultiHeadAttention, *_BUILT_IN_GQA)):
         raise ValueError(
             "`layer` must be a keras.layers.MultiHeadAttention or keras.layers.GroupQueryAttention. "
@@ -2677,6 +2711,25 @@ def _keras_config(layer):
         bias=config["use_bias"], kernel_initializer=config["kernel_initializer"],
         bias_initializer=config["bias_initializer"], gate=bool(config.get("use_gate", False)),
     )  # fmt: skip
-    if config.get("sliding_window") is not None:  # Keras keeps |t - s| < W, on both sides of the query
-        arguments["window"] = (config["sliding_window"], config["sliding_window"])
+    arguments["window"] = _keras_window(config.get("sliding_window"), window)
     return arguments, dense
+
+
+def _keras_window(sliding_window, window):
+    """`from_keras`'s window: (W, W) where the built-in's `sliding_window` W is acknowledged by
+    `window=(W, W)` (Keras' band |t - s| < W is counted from the first query and key, this layer's
+    from the last: the same keys only where T == S); else None."""
+    expected = None if sliding_window is None else (sliding_window, sliding_window)
+    if window is None and expected is not None:
+        raise ValueError(
+            f"`layer.sliding_window` keeps |t - s| < W counted from the first query and key; this layer counts its "
+            f"window from the last, so that decoding equals the full pass: the two keep the same keys only where "
+            f"T == S. For such calls (self-attention) pass `window={expected}` to `from_keras`. "
+            f"Received: sliding_window={sliding_window}"
+        )
+    if window is not None and (not isinstance(window, (tuple, list)) or tuple(window) != expected):
+        raise ValueError(
+            f"`window` must be (W, W) for the built-in's `sliding_window` W, or None without one. "
+            f"Expected: window={expected}. Received: window={window!r}"
+        )
+    return expected

@@ -994,16 +994,19 @@ def _refuse_unknown(module, detail=""):
 
 
 def _check_submodules(module):
-    """Refuses an instance whose `forward` was replaced, or a projection of a class outside torch and transformers."""
+    """Refuses an instance whose `forward` was replaced, or a projection whose `forward` comes from a class
+    outside torch and transformers (a subclass that overrides nothing computes what its base class does;
+    the module's own class is checked along its hierarchy by `_module_porter`)."""
     for name, submodule in module.named_modules():
         if "forward" in vars(submodule):
             raise ValueError(f"`module` must use its class's forward: `{name or 'module'}.forward` was replaced.")
-        root = type(submodule).__module__.split(".")[0]
-        if root not in ("torch", "transformers"):
+        owner = next(cls for cls in type(submodule).__mro__ if "forward" in vars(cls))
+        if name and owner.__module__.split(".")[0] not in ("torch", "transformers"):
             raise ValueError(
                 f"`module`'s projections must be torch or transformers modules (LoRA, quantized or custom layers "
                 f"compute otherwise): register a porter with `register_porter`. Received: `{name}` is "
-                f"{type(submodule).__name__} from {type(submodule).__module__}"
+                f"{type(submodule).__name__} from {type(submodule).__module__}, with the forward of "
+                f"{owner.__name__} from {owner.__module__}"
             )
 
 

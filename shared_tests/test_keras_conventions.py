@@ -275,10 +275,11 @@ def test_from_keras_and_to_keras_hold_use_gate(kind, use_bias):
 
 def test_from_keras_holds_the_sliding_window_as_a_window_pair():
     """Keras' sliding_window W keeps |t - s| < W on both sides of the query, with or without
-    use_causal_mask: `from_keras` gives the layer `window=(W, W)`, which keeps the same keys where
-    T == S (and with `causal=True` those before the query). Pinned against Keras' own numbers."""
+    use_causal_mask: `from_keras(layer, window=(W, W))` gives the layer that window, which keeps
+    the same keys where T == S (and with `causal=True` those before the query). Pinned against
+    Keras' own numbers."""
     builtin = _keras_builtin("mha", {"sliding_window": 3})
-    layer = MultiHeadAttention.from_keras(builtin)
+    layer = MultiHeadAttention.from_keras(builtin, window=(3, 3))
     assert layer.window == (3, 3)
     for causal in (False, True):
         expected, expected_w = builtin(X, X, use_causal_mask=causal, return_attention_scores=True)

@@ -1,11 +1,14 @@
 """Properties: random shapes, head counts, masks and causal flags stay in parity across the
-three layers and every path (bounded so the suite stays fast on 2 cores)."""
+three layers and every path (bounded so the suite stays fast on 2 cores). Every property runs
+with warnings as errors but the habits' `AttentionMaskWarning`: a layer emits no other warning."""
 
+import contextlib
 import dataclasses
 import re
 import warnings
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -14,9 +17,21 @@ from shared_tests import parity
 from shared_tests.cases import FLOAT64_TOLERANCES, MASK_KINDS, Case, make_data
 from shared_tests.runtimes import RUNTIME_PATHS
 
+# The edges' test runs once per variant: a fifth of the profile's examples each (5 in "ci", 50 in "explore")
+_EDGE_EXAMPLES = max(2, settings.default.max_examples // 5)
 HABITS = tuple(__import__(name).AttentionMaskWarning for name in ("NumPy", "PyTorch", "TensorFlow"))
 # The exported runtimes take seconds per example; the case table runs them on every case.
 IN_PROCESS_PATHS = tuple(path for path in parity.PATHS if path not in RUNTIME_PATHS)
+
+
+@contextlib.contextmanager
+def _only_habits_warn():
+    """Warnings are errors, but the habits' `AttentionMaskWarning` (a guess from mask values)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for habit in HABITS:
+            warnings.simplefilter("ignore", habit)
+        yield
 
 
 @st.composite
@@ -71,9 +86,7 @@ def test_random_configurations_stay_in_parity(case, seed):
     """Every draw computes, in parity on every path: masks that read like the built-ins' habits
     (all False, torch's causal attn_mask, a (T, S) mask with B == T) included, which only warn."""
     data = make_data(case, seed)
-    with warnings.catch_warnings():
-        for habit in HABITS:
-            warnings.simplefilter("ignore", habit)
+    with _only_habits_warn():
         row, results = parity.run_case(case, data, paths=IN_PROCESS_PATHS)
     assert row.passed, (dataclasses.asdict(case), row.failures)
     assert results["numpy"].output.shape == (case.b, case.t, case.e)
@@ -337,8 +350,7 @@ def check_float64_parity(config, call, seed):
     if refusals["numpy"] is not None:
         return
     arguments, weights, grad_output = make_call(config, call, seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # guesses about a caller's mistake warn; the numbers are what is compared
+    with _only_habits_warn():  # guesses about a caller's mistake warn; the numbers are what is compared
         outcomes = {
             "numpy": _outcome(lambda: _run_numpy(config, weights, arguments, grad_output)),
             "torch:explicit": _outcome(lambda: _run_torch(config, weights, arguments, grad_output, True)),
@@ -394,6 +406,35 @@ def test_float64_parity_across_the_option_space(config, call, seed):
     """NumPy, PyTorch (SDPA, explicit) and TensorFlow (eager or memory-efficient) in float64:
     the same outputs, weights and gradients, or the same refusal (docs/SPEC.md, Tolerances)."""
     check_float64_parity(config, call, seed)
+
+
+EDGE_VARIANTS = {  # each variant switched on over a drawn configuration
+    "plain": {}, "softcap": {"softcap": 2.0}, "window": {"window": (2, 1)}, "attention_chunk": {"attention_chunk_size": 2},
+    "qk_norm": {"qk_norm": "head"}, "sinks": {"sinks": True}, "clip_qkv": {"clip_qkv": 0.5}, "rope": {"rope_theta": 10.0},
+}  # fmt: skip
+
+
+@st.composite
+def edge_calls(draw):
+    """A call at an edge: one query (T = 1), no key (S = 0, so key and value are passed), or both."""
+    call = draw(calls())
+    edge = draw(st.sampled_from(["t1", "s0", "t1_s0"]))
+    t = 1 if edge.startswith("t1") else call.t
+    if edge.endswith("s0"):
+        return dataclasses.replace(call, t=t, s=0, inputs=draw(st.sampled_from(["key", "cross"])))
+    return dataclasses.replace(call, t=t, s=t if call.inputs in ("self", "same") else call.s)
+
+
+@pytest.mark.parametrize("variant", sorted(EDGE_VARIANTS))
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=_EDGE_EXAMPLES)
+@given(config=layer_configs(), call=edge_calls(), seed=st.integers(0, 2**16))
+@example(config={"d_model": 8, "num_heads": 2}, call=Call(t=1, s=0, inputs="cross"), seed=0).via(
+    "sinks on PyTorch's SDPA path with S = 0 (with the sinks variant)"
+)
+def test_float64_parity_with_one_query_or_no_key(variant, config, call, seed):
+    """T = 1 and S = 0 with every variant switched on, on every path: the same numbers or the same
+    refusal (regression: PyTorch's SDPA path with sinks crashed at S = 0)."""
+    check_float64_parity(config | EDGE_VARIANTS[variant], call, seed)
 
 
 LINEAR = {"rope_type": "linear", "factor": 2.0}
@@ -610,8 +651,7 @@ def test_decoding_equals_the_full_causal_pass(decoding, seed):
         "tf": TFMultiHeadAttention(**config, dtype="float64"),
     }
     tolerance = _tolerance(config)["output"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # guesses about a caller's mistake warn; the numbers are what is compared
+    with _only_habits_warn():  # guesses about a caller's mistake warn; the numbers are what is compared
         for framework, layer in layers.items():
             layer.import_weights(weights)
             for explicit in (False, True) if framework == "torch" else (True,):

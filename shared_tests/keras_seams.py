@@ -1,0 +1,222 @@
+"""The Keras file's seams on one Keras 3 backend, in a process of its own (a backend is fixed when
+Keras is imported): where its warnings point, calls under warnings-as-errors, and (with
+hypothesis) functional models' symbolic shapes against the eager ones and the built-in's.
+
+The parent (`run_checks`) starts `python -m shared_tests.keras_seams BACKEND MAX_EXAMPLES
+DERANDOMIZE CHECK...` with `KERAS_BACKEND=BACKEND` (hypothesis as the parent's profile); the child
+prints one JSON line, {check: None or the error's traceback}. Run a child by hand:
+`KERAS_BACKEND=jax python -m shared_tests.keras_seams jax 25 True warnings_as_errors`.
+
+Legend: B batch, T query length, S key length, E model width, N query heads, K key/value heads,
+H head size, L cache slots.
+"""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import traceback
+import warnings
+
+import numpy as np
+
+SUBPROCESS_TIMEOUT = 600  # seconds for one backend's checks
+HABIT = np.triu(np.ones((4, 4), bool), 1)  # (T, S): nn.MultiheadAttention's causal attn_mask (True = blocked)
+
+
+def run_checks(backend, checks, max_examples=25, derandomize=True):
+    """Runs the named checks on `backend` in a subprocess; returns {check: None or error text}."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "shared_tests.keras_seams", backend, str(max_examples), str(derandomize), *checks]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=root)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"the {backend} process exited {done.returncode}: {done.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+@functools.cache
+def results(backend):
+    """Every check's result on `backend`, from one process per backend and pytest session, with the
+    session's hypothesis profile (`--hypothesis-profile=explore`: more examples, not derandomized)."""
+    from hypothesis import settings
+
+    return run_checks(backend, tuple(CHECKS), settings().max_examples, settings().derandomize)
+
+
+def _located(caught, line):
+    """The caught warnings are AttentionMaskWarnings at this file's `line`."""
+    from Keras import AttentionMaskWarning
+
+    places = [(type(w.message).__name__, w.filename, w.lineno) for w in caught]
+    expected = [("AttentionMaskWarning", __file__, line)]
+    assert places == expected, f"expected {expected}, caught {places}"
+    assert all(issubclass(w.category, AttentionMaskWarning) for w in caught)
+
+
+def warning_location():
+    """An AttentionMaskWarning names the caller's line: a direct call, and a call inside a Keras
+    layer of the user's (Keras' `__call__` frames between it and the layer file)."""
+    import keras
+
+    from Keras import MultiHeadAttention
+
+    x = keras.ops.convert_to_tensor(np.random.default_rng(0).standard_normal((2, 4, 16)).astype("float32"))
+    habit = keras.ops.convert_to_tensor(HABIT)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        MultiHeadAttention(16, 2)(x, attention_mask=habit)
+    _located(caught, line)
+
+    class Outer(keras.layers.Layer):
+        def __init__(self):
+            super().__init__()
+            self.attention = MultiHeadAttention(16, 2)
+
+        def call(self, x):
+            return self.attention(x, attention_mask=HABIT)  # OUTER_LINE
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Outer()(x)
+    with open(__file__) as handle:
+        source = handle.read().splitlines()
+    _located(caught, next(i + 1 for i, text in enumerate(source) if text.endswith("# OUTER_LINE")))
+
+
+def warnings_as_errors():
+    """Under `warnings.simplefilter("error")` every masked call (boolean, floating, token masks, a
+    decode step) computes without another warning, and a habit is an AttentionMaskWarning error."""
+    import keras
+
+    from Keras import AttentionMaskWarning, MultiHeadAttention
+
+    rng = np.random.default_rng(0)
+    x = keras.ops.convert_to_tensor(rng.standard_normal((2, 4, 16)).astype("float32"))  # (B, T, E)
+    keep = keras.ops.convert_to_tensor(np.array([[True, True, True, False], [True] * 4]))  # (B, S)
+    layer = MultiHeadAttention(16, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(x, key_mask=keep)
+        layer(x, query_mask=keep)
+        layer(x, attention_mask=keras.ops.convert_to_tensor(np.tril(np.ones((4, 4), bool))), causal=True)
+        layer(x, attention_mask=keras.ops.convert_to_tensor(np.zeros((2, 4, 4), "float32")))
+        cache = layer.init_cache(2, 8)
+        layer(x, key_mask=keep, cache=cache)
+        try:
+            MultiHeadAttention(16, 2)(x, attention_mask=keras.ops.convert_to_tensor(HABIT))
+        except AttentionMaskWarning:
+            pass
+        else:
+            raise AssertionError("the habit gave no AttentionMaskWarning")
+
+
+def _shape(x):
+    return tuple(None if d is None else int(d) for d in x.shape)
+
+
+def _shapes(results):
+    """The shapes of a call's results: output, weights, a cache's four fields."""
+    results = results if isinstance(results, (tuple, list)) else (results,)
+    flat = [y for x in results for y in (x if hasattr(x, "_fields") else (x,))]
+    return [_shape(x) for x in flat]
+
+
+def _fits(symbolic, eager):
+    """A symbolic shape holds an eager one: the same rank, and every static dimension equal."""
+    return len(symbolic) == len(eager) and all(d in (None, e) for d, e in zip(symbolic, eager, strict=True))
+
+
+def _agree(first, second):
+    """Two symbolic shapes of the same rank, equal where both know a dimension (Keras' built-in
+    gives its scores' S as T at times: only the outputs are compared)."""
+    return len(first) == len(second) and all(None in (a, b) or a == b for a, b in zip(first, second, strict=True))
+
+
+def functional_shapes_hold(module, draw):
+    """One drawn configuration and call of the layer in `module` ("TensorFlow" or "Keras") on
+    symbolic inputs (`keras.Input`, batch and lengths static or not) and on arrays: the symbolic
+    shapes hold the eager ones with T, E and N static, and agree with the built-in's where it takes
+    the call (no cache; it knows S static at times where it is not). `draw` is hypothesis' `data.draw`."""
+    import keras
+    from hypothesis import strategies as st
+
+    kv_heads = draw(st.sampled_from([1, 2]))
+    heads, head_dim = kv_heads * draw(st.sampled_from([1, 2])), draw(st.sampled_from([2, 3]))
+    e = heads * head_dim
+    inputs = draw(st.sampled_from(["self", "key", "cross"]))
+    kdim = None if inputs == "self" else draw(st.sampled_from([None, 5]))
+    b, t, s = draw(st.integers(1, 3)), draw(st.sampled_from([1, 2, 5])), draw(st.sampled_from([1, 3, 4]))
+    s = t if inputs == "self" else s
+    static = {name: draw(st.booleans()) for name in ("b", "t", "s")}
+    return_attention, cached = draw(st.booleans()), inputs == "self" and draw(st.booleans())
+    layer = __import__(module).MultiHeadAttention(e, heads, num_kv_heads=kv_heads, kdim=kdim, vdim=kdim)  # value: key
+    arguments = {"return_attention": return_attention}
+    if cached:
+        arguments |= {"cache": layer.init_cache(b, t + 2), "causal": True}
+        static["b"] = True  # the cache's batch is static
+        static["t"] = True  # open: on torch, Keras traces an unknown T as 83 and the cache's room check refuses it
+    batch = b if static["b"] else None
+    query = keras.Input(batch_shape=(batch, t if static["t"] else None, e))
+    rng = np.random.default_rng(0)
+    arrays = {"query": rng.standard_normal((b, t, e)).astype("float32")}
+    symbolic = {"query": query}
+    if inputs != "self":
+        symbolic["key"] = keras.Input(batch_shape=(batch, s if static["s"] else None, kdim or e))
+        arrays["key"] = rng.standard_normal((b, s, kdim or e)).astype("float32")
+    if inputs == "cross":
+        symbolic["value"], arrays["value"] = symbolic["key"], arrays["key"]
+    got, want = _shapes(layer(**symbolic, **arguments)), _shapes(layer(**arrays, **arguments))
+    assert len(got) == len(want) and all(map(_fits, got, want)), (got, want)
+    assert got[0][1:] == ((t if static["t"] else None), e), got  # T and E stay static
+    if cached:
+        return
+    built_in = keras.layers.MultiHeadAttention(heads, head_dim) if kv_heads == heads else (
+        keras.layers.GroupQueryAttention(head_dim, heads, kv_heads)
+    )  # fmt: skip
+    key = symbolic.get("key", query)
+    try:
+        expected = _shapes(built_in(query, key, key, return_attention_scores=return_attention))
+    except ValueError:  # GroupQueryAttention's compute_output_shape takes no value width but the query's
+        assert kv_heads < heads and kdim is not None
+        return
+    assert _agree(got[0], expected[0]), (got, expected)  # the output (the built-in's scores' S can be wrong)
+
+
+def functional_shapes():
+    """`functional_shapes_hold` for the Keras file, over the profile's examples."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    given(data=st.data())(lambda data: functional_shapes_hold("Keras", data.draw))()
+
+
+CHECKS = {check.__name__: check for check in (warning_location, warnings_as_errors, functional_shapes)}
+
+
+def main(backend, max_examples, derandomize, names):
+    import keras
+
+    if keras.backend.backend() != backend:
+        raise SystemExit(f"KERAS_BACKEND={backend} expected, Keras runs on {keras.backend.backend()}")
+    from hypothesis import settings
+
+    options = {"max_examples": max_examples, "derandomize": derandomize, "database": None, "deadline": None}
+    settings.register_profile("parent", **options)
+    settings.load_profile("parent")
+    results = {}
+    for name in names:
+        try:
+            CHECKS[name]()
+            results[name] = None
+        except Exception:  # every failure goes back to the parent as text
+            results[name] = traceback.format_exc()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "True", sys.argv[4:])
