@@ -411,6 +411,7 @@ def test_float64_parity_across_the_option_space(config, call, seed):
 EDGE_VARIANTS = {  # each variant switched on over a drawn configuration
     "plain": {}, "softcap": {"softcap": 2.0}, "window": {"window": (2, 1)}, "attention_chunk": {"attention_chunk_size": 2},
     "qk_norm": {"qk_norm": "head"}, "sinks": {"sinks": True}, "clip_qkv": {"clip_qkv": 0.5}, "rope": {"rope_theta": 10.0},
+    "gate": {"gate": True},
 }  # fmt: skip
 
 
