@@ -15,7 +15,8 @@ The math, for query head n (which reads key/value head n // (N // K)):
     scores[n] = q[n] @ k[n // G]^T * scale + float_mask         (B, N, T, S), G = N // K
     weights = softmax(scores where kept, else lowest finite)    zeroed where not kept
     context[n] = weights[n] @ v[n // G]                         (B, N, T, H)
-    output = concat_heads(context) @ output_kernel + output_bias
+    gate = sigmoid(query @ gate_kernel + gate_bias)             (B, T, N*H), with `gate` only
+    output = concat_heads(context * gate) @ output_kernel + output_bias
 
 The steps of a call (docs/SPEC.md, "Order of the steps"), one line each in `call`:
     1. defaults and checks (`_check_call`); the masks combined into one keep and one bias (`_masks`)
@@ -24,6 +25,7 @@ The steps of a call (docs/SPEC.md, "Order of the steps"), one line each in `call
     4. RoPE of q and k (`_rotate`)
     5. the KV-cache write (`_update_cache`)
     6. attention (`_attend`, over `dot_product_attention`)
+    6b. the output gate (`_gate_heads`)
     7. heads merged and the output projection (`_merge_heads`, `_project`)
 
 Variants, each off by default and each one small step of the call: `bias` per projection,
@@ -34,8 +36,9 @@ positions), RoPE (`rope_theta`, `rope_fraction`, `rope_interleaved`, `rope_scali
 `rope_sections` for multimodal RoPE; `positions` in the call), `qk_norm` (RMSNorm or LayerNorm,
 `qk_norm_type`, of q and k per head with one shared or per-head scales, or over all heads, with
 an optional bias, `qk_norm_bias`), `sinks` (a learned logit per head in the softmax's
-denominator) and `clip_qkv` (q, k and v clamped to [-c, c] right after their projections: OLMo,
-DBRX, MPT).
+denominator), `clip_qkv` (q, k and v clamped to [-c, c] right after their projections: OLMo,
+DBRX, MPT), `gate` (each head's result times sigmoid(query @ gate_kernel + gate_bias): Keras'
+`use_gate`, Qwen3-Next) and multi-head latent attention (`kv_lora_rank`, below).
 Call arguments `attention_bias` (added to the scores, with a gradient; see `alibi_bias`),
 `key_mask` (B, S) and `query_mask` (B, T).
 
@@ -64,6 +67,16 @@ the chunk of index + t) and `attention_mask` (given over L) keeps it. Token by t
 full causal pass. With a `window` the cache rolls by W_before: L >= W_before slots decode any
 number of tokens (a call that wraps, index + T > L, needs L >= W_before + T - 1).
 
+Multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi, GLM-5), on with `kv_lora_rank` C; Hn, Hr
+and Hv are `qk_nope_head_dim`, `qk_rope_head_dim` and `v_head_dim`, H = Hn + Hr, Q = `q_lora_rank`:
+    q = RMSNorm(query @ query_a_kernel) @ query_b_kernel   (B, T, N*H), or query @ query_kernel
+    c, k_rope = split(key @ key_value_a_kernel)            (B, S, C), (B, S, Hr); c RMS-normalized
+    [k_nope, v] = c @ key_value_b_kernel                   (B, S, K*(Hn + Hv)), per head
+    k = [k_nope, k_rope]; RoPE turns the last Hr features of q and k_rope (shared by the heads)
+The cache holds c in `key` (B, 1, L, C) and the turned k_rope in `value` (B, 1, L, Hr). The
+absorbed path (`absorb_latents`) attends the latents directly: q_nope @ W_kb^T against c, the
+weighted sum of c then @ W_vb, the up-projections folded into the query and the output.
+
 Many devices: `layer.layout_map(mesh)` gives the `keras.distribution.LayoutMap` entries that
 split the layer's heads over a mesh axis, for `ModelParallel` on JAX (docs/distributed.md).
 """
@@ -79,7 +92,9 @@ from keras import ops
 
 __all__ = ["AttentionMaskWarning", "KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
 
-_PROJECTIONS = ("query", "key", "value", "output")
+_PROJECTIONS = ("query", "key", "value", "output", "gate")  # the names `bias` takes; "gate" only with `gate`
+_LATENT_SIZES = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_ABSORB_MAX_T = 8  # `absorb_latents=None`: a call with a cache and T <= 8 attends on the latents
 _ROPE_SCALING = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -188,6 +203,8 @@ class _Variants(NamedTuple):
     qk_norm_bias: bool
     sinks: bool
     clip_qkv: Any  # None or float
+    gate: bool
+    latent_norm_eps: float
 
 
 def _positive_int(name, value):
@@ -254,21 +271,37 @@ def _dropout_rate(dropout):
     return float(dropout)
 
 
-def _projection_biases(bias):
-    """`bias` -> the names of the projections that have a bias, in the order ("query", "key",
-    "value", "output"). `bias` is a Python or NumPy bool (all or none), or a list, tuple, set or
-    frozenset of those names; anything else (a string, a dict or its keys, an array) is refused."""
+def _projection_biases(bias, gate, projections=_PROJECTIONS):
+    """`bias` -> the names of the projections that have a bias, in the order of `projections`
+    (("query", "key", "value", "output", "gate"), or the layer's with MLA: `_projections`). `bias`
+    is a Python or NumPy bool (all the layer's projections, the gate's only with `gate` True, or
+    none), or a list, tuple, set or frozenset of those names; anything else (a string, a dict or
+    its keys, an array) is refused."""
     if isinstance(bias, (bool, np.bool_)):
-        return _PROJECTIONS if bias else ()
+        return _projection_kinds(projections, gate is True or gate is np.True_) if bias else ()
     names = isinstance(bias, (list, tuple, set, frozenset)) and all(
-        isinstance(name, str) and name in _PROJECTIONS for name in bias
+        isinstance(name, str) and name in projections for name in bias
     )
     if not names:
         raise ValueError(
-            "`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output'. "
+            f"`bias` must be True, False or a list, tuple or set of {', '.join(map(repr, projections))}. "
             f"Received: bias={bias!r}"
         )
-    return tuple(name for name in _PROJECTIONS if name in bias)
+    return tuple(name for name in projections if name in bias)
+
+
+def _projections(latent):
+    """The names `bias` takes: the layer's projections, query, key, value, output (with MLA query,
+    or query_a and query_b, key_value_a, key_value_b, output), then the gate's."""
+    if latent is None:
+        return _PROJECTIONS
+    query = ("query",) if latent.q_lora_rank is None else ("query_a", "query_b")
+    return (*query, "key_value_a", "key_value_b", "output", "gate")
+
+
+def _projection_kinds(projections, gate):
+    """The layer's projections among `projections` (`_projections`): the gate's only with `gate`."""
+    return projections if gate else projections[:-1]
 
 
 def _rotary_dim(rope_fraction, head_dim, rope):
@@ -334,18 +367,20 @@ def _valid_yarn(scaling):
 
 
 def _check_variants(
-    head_dim, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved, rope_scaling,
-    rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv,
+    head_dim, rope_width, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved,
+    rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv, gate,
+    latent_norm_eps,
 ):  # fmt: skip
     """Checks the variants' arguments, each on its own whether its variant is on or off, in the
     signature's order with the flags last (so that every file names the same first bad
-    argument); returns them as a `_Variants`."""
+    argument); returns them as a `_Variants`. RoPE turns features of heads `rope_width` wide (H,
+    or Hr with MLA)."""
     scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float("scale", scale)
     softcap = _positive_float("softcap", softcap, optional=True)
     window = _check_window(window)
     chunk = None if attention_chunk_size is None else _positive_int("attention_chunk_size", attention_chunk_size)
     rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
-    rotary_dim = _rotary_dim(rope_fraction, head_dim, rope_theta is not None)
+    rotary_dim = _rotary_dim(rope_fraction, rope_width, rope_theta is not None)
     rope_scaling = _check_rope_scaling(rope_scaling)
     rope_sections = _check_rope_sections(rope_sections, rotary_dim)
     if qk_norm not in (None, "head", "per_head", "all"):
@@ -355,13 +390,74 @@ def _check_variants(
     if not isinstance(qk_norm_type, str) or qk_norm_type not in ("rms", "layer"):
         raise ValueError(f"`qk_norm_type` must be 'rms' or 'layer'. Received: qk_norm_type={qk_norm_type!r}")
     clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
+    latent_norm_eps = _positive_float("latent_norm_eps", latent_norm_eps)
     rope_interleaved = _flag("rope_interleaved", rope_interleaved)
     qk_norm_bias = _flag("qk_norm_bias", qk_norm_bias)
     sinks = _flag("sinks", sinks)
+    gate = _flag("gate", gate)
     return _Variants(
         scale, softcap, window, chunk, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling,
-        rope_sections, qk_norm, qk_norm_eps, str(qk_norm_type), qk_norm_bias, sinks, clip_qkv,
+        rope_sections, qk_norm, qk_norm_eps, str(qk_norm_type), qk_norm_bias, sinks, clip_qkv, gate, latent_norm_eps,
     )  # fmt: skip
+
+
+class _Latent(NamedTuple):
+    """The sizes of multi-head latent attention (MLA), checked (`_check_latent`)."""
+
+    kv_lora_rank: int  # C
+    q_lora_rank: int | None  # Q, None: a plain query projection
+    qk_nope_head_dim: int  # Hn
+    qk_rope_head_dim: int  # Hr
+    v_head_dim: int  # Hv
+
+
+def _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim):
+    """Checks the MLA sizes (each None or a positive integer, in the signature's order) and returns
+    a `_Latent`, or None without `kv_lora_rank`, when the others must be None too."""
+    sizes = dict(
+        zip(_LATENT_SIZES, (kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim), strict=True)
+    )
+    for name, value in sizes.items():
+        sizes[name] = None if value is None else _positive_int(name, value)
+    if sizes["kv_lora_rank"] is None:
+        for name in (name for name in _LATENT_SIZES[1:] if sizes[name] is not None):
+            raise ValueError(
+                f"`{name}` needs `kv_lora_rank` (multi-head latent attention). "
+                f"Received: {name}={sizes[name]!r}, kv_lora_rank=None"
+            )
+        return None
+    missing = [name for name in _LATENT_SIZES[2:] if sizes[name] is None]
+    if missing:
+        raise ValueError(
+            "`kv_lora_rank` needs `qk_nope_head_dim`, `qk_rope_head_dim` and `v_head_dim`. "
+            f"Received: kv_lora_rank={sizes['kv_lora_rank']}, {', '.join(f'{name}=None' for name in missing)}"
+        )
+    return _Latent(**sizes)
+
+
+def _latent_head_dim(latent, head_dim):
+    """H with MLA: qk_nope_head_dim + qk_rope_head_dim, which `head_dim`, if given, must equal."""
+    width = latent.qk_nope_head_dim + latent.qk_rope_head_dim
+    if head_dim is not None and not (_is_positive_int(head_dim) and head_dim == width):
+        raise ValueError(
+            f"`head_dim` must equal qk_nope_head_dim + qk_rope_head_dim = {width} with `kv_lora_rank`. "
+            f"Received: head_dim={head_dim!r}"
+        )
+    return width
+
+
+def _check_latent_combinations(vdim, variants):
+    """What MLA refuses, each with why (after every argument's own check)."""
+    refused = (
+        ("vdim", vdim, vdim is not None, "MLA reads keys and values from `key` (its width is `kdim`)"),
+        ("qk_norm", variants.qk_norm, variants.qk_norm is not None, "MLA normalizes the latents instead"),
+        ("clip_qkv", variants.clip_qkv, variants.clip_qkv is not None, "MLA has no q, k and v to clamp"),
+        ("rope_sections", variants.rope_sections, variants.rope_sections is not None, "RoPE turns the Hr features"),
+        ("rope_fraction", variants.rope_fraction, variants.rope_fraction != 1.0, "RoPE turns all Hr features"),
+    )
+    for name, value, given, why in refused:
+        if given:
+            raise ValueError(f"`{name}` is not supported with `kv_lora_rank`: {why}. Received: {name}={value!r}")
 
 
 # -------------------------------------------------------------------------------------------------
@@ -907,9 +1003,10 @@ class KVCache(NamedTuple):
     index: Any
 
 
-def _check_cache(cache, query, key, heads, head_dim):
-    """Checks a KVCache against the call's (B, T, E) query and (B, S, kdim) key; dimensions
-    unknown at trace time are not checked."""
+def _check_cache(cache, query, key, heads, head_dim, latent=None):
+    """Checks a KVCache against the call's (B, T, E) query and (B, S, kdim) key: keys and values
+    (B, K, L, H), or with MLA the latent cache (B, 1, L, C) and (B, 1, L, Hr); dimensions unknown
+    at trace time are not checked."""
     (b, t), s = tuple(query.shape)[:2], key.shape[1]
     if t == 0:
         raise ValueError(
@@ -922,7 +1019,9 @@ def _check_cache(cache, query, key, heads, head_dim):
             f"it). Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
         )
     k, v = tuple(cache.key.shape), tuple(cache.value.shape)
-    if (
+    if latent is not None:
+        _check_latent_cache(k, v, b, latent)
+    elif (
         len(k) != 4
         or k != v
         or any(_differ(*pair) for pair in zip((k[0], k[1], k[3]), (b, heads, head_dim), strict=True))
@@ -934,6 +1033,18 @@ def _check_cache(cache, query, key, heads, head_dim):
     keep = tuple(cache.keep.shape)
     if len(keep) != 2 or _differ(keep[0], b) or _differ(keep[1], k[2]):
         raise ValueError(f"`cache.keep` must have shape (B, L)=({b}, {k[2]}). Received: cache.keep.shape={keep}")
+
+
+def _check_latent_cache(k, v, batch_size, latent):
+    """The latent cache: (B, 1, L, C) latents and (B, 1, L, Hr) turned key parts; `k` and `v` are
+    their shapes, dimensions unknown at trace time not checked."""
+    c, hr = latent.kv_lora_rank, latent.qk_rope_head_dim
+    valid = len(k) == len(v) == 4 and not any(_differ(*pair) for pair in zip(k[:3], v[:3], strict=True))
+    if not valid or any(_differ(*pair) for pair in zip((k[0], k[1], k[3], v[3]), (batch_size, 1, c, hr), strict=True)):
+        raise ValueError(
+            "`cache.key` and `cache.value` must have shape (B, 1, L, C) and (B, 1, L, Hr) with kv_lora_rank: "
+            f"B={batch_size}, C={c}, Hr={hr}. Received: cache.key.shape={k}, cache.value.shape={v}"
+        )
 
 
 def _check_cache_dtype(cache, dtype):
@@ -1141,8 +1252,15 @@ def _fused_attention(q, k, v, keep, bias, causal, scale, sinks):
     context. `keep` holds the window and the attention chunk already; `causal` goes in as the
     kernel's own (top-left) `is_causal` only with nothing else masking and T == S, else into the
     mask (bottom-right). The mask is a finite additive one: a row with no key left attends every key
-    inside the kernel and is set to exactly 0 after. `sinks`: see `_fused_with_sinks`."""
-    t, s = q.shape[2], k.shape[2]
+    inside the kernel and is set to exactly 0 after. `sinks`: see `_fused_with_sinks`. Values of
+    another width than q and k (MLA's Hv) are padded to the wider one with zeros, or q and k are
+    (the scores do not change), and the context is cut back to Hv."""
+    t, s, h, hv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
+    if h != hv:
+        width = max(h, hv)
+        q, k = (ops.pad(x, [[0, 0], [0, 0], [0, 0], [0, width - h]]) for x in (q, k))  # (B, N|K, T|S, width)
+        v = ops.pad(v, [[0, 0], [0, 0], [0, 0], [0, width - hv]])  # (B, K, S, width)
+        return _fused_attention(q, k, v, keep, bias, causal, scale, sinks)[..., :hv]  # (B, N, T, Hv)
     if sinks is not None:
         return _fused_with_sinks(q, k, v, keep, bias, causal, scale, sinks)
     is_causal = causal and keep is None and bias is None and t == s
@@ -1233,7 +1351,7 @@ class _Chunks(NamedTuple):
     rate: float  # dropout
     seed: Any  # (2,) int32, or None
     dtype: str  # the softmax's
-    heads: tuple  # (B, N, K, G, H), G = N // K
+    heads: tuple  # (B, N, K, G, Hv), G = N // K, Hv the values' width
 
 
 def _chunked_attention(
@@ -1248,7 +1366,7 @@ def _chunked_attention(
     known at trace time.
 
     Returns:
-        context (B, N, T, H).
+        context (B, N, T, Hv).
     """
     (b, n, t, h), kv, s = q.shape, k.shape[1], k.shape[2]
     dtype, count = _softmax_dtype(q.dtype), -(-t // chunk)
@@ -1259,7 +1377,7 @@ def _chunked_attention(
     bias = None if bias is None else ops.cast(bias, dtype)
     extras = {"bias": _pad_rows(bias, padded), "sinks": None if sinks is None else ops.cast(sinks, dtype)}
     extras = {name: x for name, x in extras.items() if x is not None}  # the inputs with a gradient besides q, k, v
-    heads = (b, n, kv, n // kv, h)
+    heads = (b, n, kv, n // kv, v.shape[3])  # the context's width is Hv, the values'
     masks = (_pad_rows(keep, padded), causal, window, attention_chunk_size, softcap)
     chunks = _Chunks(*masks, chunk, count, t, s, dropout_rate, seed, dtype, heads)
 
@@ -1275,28 +1393,29 @@ def _chunked_attention(
 
         return context, grad
 
-    return attend(q, k, v, *extras.values())[:, :, :t]  # (B, N, T', H) -> (B, N, T, H)
+    return attend(q, k, v, *extras.values())[:, :, :t]  # (B, N, T', Hv) -> (B, N, T, Hv)
 
 
 def _chunked_forward(chunks, q, k, v, extra):
-    """The (B, N, T', H) context, one chunk of queries at a time (`_loop`)."""
+    """The (B, N, T', Hv) context, one chunk of queries at a time (`_loop`)."""
     b, n, _, _, h = chunks.heads
 
     def one(i, totals):
         weights, _ = _dropped(chunks, _chunk_weights(chunks, q, k, i, extra)[1], i)
-        context = ops.matmul(_grouped(chunks, ops.cast(weights, v.dtype)), v)  # (B, K, G*chunk, S) @ (B, K, S, H)
-        return totals, (_by_head(chunks, context),)  # (B, N, chunk, H)
+        context = ops.matmul(_grouped(chunks, ops.cast(weights, v.dtype)), v)  # (B, K, G*chunk, S) @ (B, K, S, Hv)
+        return totals, (_by_head(chunks, context),)  # (B, N, chunk, Hv)
 
-    _, (contexts,) = _loop(one, chunks.count, (), [((b, n, chunks.size, h), v.dtype)])  # (count, B, N, chunk, H)
-    return ops.reshape(ops.transpose(contexts, (1, 2, 0, 3, 4)), (b, n, -1, h))  # -> (B, N, T', H)
+    _, (contexts,) = _loop(one, chunks.count, (), [((b, n, chunks.size, h), v.dtype)])  # (count, B, N, chunk, Hv)
+    return ops.reshape(ops.transpose(contexts, (1, 2, 0, 3, 4)), (b, n, -1, h))  # -> (B, N, T', Hv)
 
 
 def _chunked_backward(chunks, q, k, v, extra, d_context):
     """The gradients of q, k, v and of `extra` (`bias`, `sinks`) from the (B, N, T', H)
     `d_context`, one chunk at a time (`_chunk_gradients`): k's and v's accumulated in the softmax's
     dtype, q's and a full-row `bias`'s (its T dimension full) collected per chunk."""
-    b, n, _, _, h = chunks.heads
-    zeros = ops.zeros(k.shape, chunks.dtype)  # (B, K, S, H), accumulated in float32 at least (float64 stays)
+    b, n, h = q.shape[0], q.shape[1], q.shape[3]
+    zeros_k = ops.zeros(k.shape, chunks.dtype)  # (B, K, S, H), accumulated in float32 at least (float64 stays)
+    zeros_v = ops.zeros(v.shape, chunks.dtype)  # (B, K, S, Hv)
     bias = extra.get("bias")
     bias_rows = bias is not None and bias.shape[2] != 1
     sums = {name: ops.zeros_like(x) for name, x in extra.items() if name != "bias" or not bias_rows}
@@ -1306,7 +1425,7 @@ def _chunked_backward(chunks, q, k, v, extra, d_context):
     def one(i, totals):
         return _chunk_gradients(chunks, q, k, v, extra, d_context, i, totals)
 
-    (d_k, d_v, sums), stacks = _loop(one, chunks.count, (zeros, zeros, sums), rows)
+    (d_k, d_v, sums), stacks = _loop(one, chunks.count, (zeros_k, zeros_v, sums), rows)
     d_q = ops.reshape(ops.transpose(stacks[0], (1, 2, 0, 3, 4)), q.shape)  # (count, B, N, chunk, H) -> (B, N, T', H)
     if bias_rows:
         sums["bias"] = ops.reshape(ops.transpose(stacks[1], (1, 2, 0, 3, 4)), bias.shape)  # -> (b, n, T', S)
@@ -1581,6 +1700,14 @@ def _int8_matmul(x, kernel, kernel_scale):
     return y, grad
 
 
+def _quantized_rows(x):
+    """x quantized per token as `_int8_matmul` quantizes its input, and dequantized: round(x * r) / r,
+    r = 127 / (max |x| + 1e-7) over the last axis, the integers clipped to [-127, 127]."""
+    largest = ops.max(ops.abs(x), axis=-1, keepdims=True, initial=0.0)  # (..., 1); `initial`: a dim may be 0
+    ratio = _INT8_MAX / (largest + _INT8_EPSILON)  # (..., 1)
+    return ops.clip(ops.round(x * ratio), -_INT8_MAX, _INT8_MAX) * (1.0 / ratio)
+
+
 def _with_scales(shapes):
     """The int8 layout of a float layout: `<kind>_kernel_scale` (F,) after each (D, F) `<kind>_kernel`."""
     scaled = {}
@@ -1677,9 +1804,11 @@ class MultiHeadAttention(keras.layers.Layer):
         kdim: width of `key`. Defaults to E.
         vdim: width of `value`. Defaults to E.
         dropout: probability of dropping attention weights when training; 0 <= p < 1.
-        bias: True (all four projections have a bias), False (none), or a list, tuple or set of
-            the names of those that have one, among "query", "key", "value", "output" (Qwen2:
-            ("query", "key", "value")). Kept as that tuple of names, in that order.
+        bias: True (all the projections have a bias, the gate's with `gate`), False (none), or a
+            list, tuple or set of the names of those that have one, among "query", "key", "value",
+            "output", "gate" (Qwen2: ("query", "key", "value")). Kept as that tuple of names, in
+            that order. With MLA the names are "query" (or "query_a" and "query_b"), "key_value_a",
+            "key_value_b", "output", "gate".
         scale: the factor of the scores, `scores = (q . k) * scale`. Defaults to 1 / sqrt(H).
         softcap: None or a positive float c: the scores become c * tanh(scores / c).
         window: None, W, or a pair (W_before, W_after): query t keeps key s only if
@@ -1707,7 +1836,22 @@ class MultiHeadAttention(keras.layers.Layer):
         sinks: if True, one learned logit per query head in the softmax's denominator.
         clip_qkv: None or c > 0: q, k and v are clamped to [-c, c] right after their projections
             (bias included), before QK-norm, RoPE and the cache (OLMo, DBRX, MPT).
-        kernel_initializer: initializer of the four kernels.
+        gate: if True, each head's attention result is multiplied, feature by feature, by
+            sigmoid(query @ gate_kernel + gate_bias) before the heads are merged (Keras'
+            `use_gate`, Qwen3-Next, Qwen3.5).
+        kv_lora_rank: None, or C: multi-head latent attention (DeepSeek-V2/V3). Keys and values
+            come from `key` through a latent of C features per token, RMS-normalized, and the
+            cache holds it (`KVCache.key` (B, 1, L, C), `value` (B, 1, L, Hr)); `value` must be
+            None or `key` itself. Not with `vdim`, `qk_norm`, `clip_qkv`, `rope_sections` or
+            `rope_fraction` < 1.
+        q_lora_rank: None (a plain query projection), or Q: the query goes through a latent of Q
+            features, RMS-normalized (`query_a_kernel`, `query_a_norm`, `query_b_kernel`).
+        qk_nope_head_dim: Hn, the features of a query/key head that RoPE does not turn (MLA).
+        qk_rope_head_dim: Hr, the features RoPE turns (MLA); the key's are shared by the heads.
+            With MLA, H = Hn + Hr (`head_dim`, if given, must equal it).
+        v_head_dim: Hv, the width of a value head (MLA); the output kernel is (N*Hv, E).
+        latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
+        kernel_initializer: initializer of the kernels.
         bias_initializer: initializer of the biases.
         **kwargs: base layer arguments (`name`, `dtype` policy, ...).
 
@@ -1762,6 +1906,10 @@ class MultiHeadAttention(keras.layers.Layer):
     memory_efficient_threshold = 1 << 26
     query_chunk_elements = 1 << 21
     fused_attention = None
+    # With MLA, whether attention runs on the latents with the up-projections folded in (the absorbed
+    # path: True), on per-head keys and values up-projected from them (False), or (None) absorbed
+    # when decoding a few tokens with a cache (`_absorbs`).
+    absorb_latents = None
 
     def __init__(
         self,
@@ -1789,6 +1937,13 @@ class MultiHeadAttention(keras.layers.Layer):
         qk_norm_bias=False,
         sinks=False,
         clip_qkv=None,
+        gate=False,
+        kv_lora_rank=None,
+        q_lora_rank=None,
+        qk_nope_head_dim=None,
+        qk_rope_head_dim=None,
+        v_head_dim=None,
+        latent_norm_eps=1e-6,
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
         **kwargs,
@@ -1801,23 +1956,32 @@ class MultiHeadAttention(keras.layers.Layer):
             raise ValueError(
                 f"`num_kv_heads` must divide `num_heads`. Received: num_heads={num_heads}, num_kv_heads={num_kv_heads}"
             )
+        latent = _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
+        head_dim = head_dim if latent is None else _latent_head_dim(latent, head_dim)  # MLA: Hn + Hr
         if head_dim is None and self.d_model % self.num_heads:
             raise ValueError(f"`num_heads` must divide `d_model`. Received: d_model={d_model}, num_heads={num_heads}")
         self.head_dim = _positive_int("head_dim", self.d_model // self.num_heads if head_dim is None else head_dim)
         self.kdim = _positive_int("kdim", self.d_model if kdim is None else kdim)
         self.vdim = _positive_int("vdim", self.d_model if vdim is None else vdim)
         self.dropout = _dropout_rate(dropout)
-        self.bias = _projection_biases(bias)
+        self.bias = _projection_biases(bias, gate, _projections(latent))
+        rope_width = self.head_dim if latent is None else latent.qk_rope_head_dim
         (
             self.scale, self.softcap, self.window, self.attention_chunk_size, self.rope_theta, self.rope_fraction,
             self.rope_interleaved, self.rope_scaling, self.rope_sections, self.qk_norm, self.qk_norm_eps,
-            self.qk_norm_type, self.qk_norm_bias, self.sinks, self.clip_qkv,
-        ) = _check_variants(
-            self.head_dim, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved,
-            rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv,
+            self.qk_norm_type, self.qk_norm_bias, self.sinks, self.clip_qkv, self.gate, self.latent_norm_eps,
+        ) = variants = _check_variants(
+            self.head_dim, rope_width, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction,
+            rope_interleaved, rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks,
+            clip_qkv, gate, latent_norm_eps,
         )  # fmt: skip
+        if latent is not None:
+            _check_latent_combinations(vdim, variants)
+            self.vdim = self.kdim  # MLA reads keys and values from `key`
+        for name in _LATENT_SIZES:
+            setattr(self, name, None if latent is None else getattr(latent, name))
         if self.rope_theta is not None:
-            rotary = _rotary_dim(self.rope_fraction, self.head_dim, True)
+            rotary = _rotary_dim(self.rope_fraction, rope_width, True)
             self._inv_freq = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,) NumPy
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
@@ -1859,7 +2023,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self.built = True
 
     def get_config(self):
-        bias = True if self.bias == _PROJECTIONS else bool(self.bias) and list(self.bias)
+        bias = True if self.bias == self._projection_names else bool(self.bias) and list(self.bias)
         return {
             **super().get_config(),
             "d_model": self.d_model,
@@ -1867,7 +2031,7 @@ class MultiHeadAttention(keras.layers.Layer):
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "kdim": self.kdim,
-            "vdim": self.vdim,
+            "vdim": None if self.kv_lora_rank is not None else self.vdim,  # MLA: its values come from `key`
             "dropout": self.dropout,
             "bias": bias,
             "scale": self.scale,
@@ -1885,26 +2049,45 @@ class MultiHeadAttention(keras.layers.Layer):
             "qk_norm_bias": self.qk_norm_bias,
             "sinks": self.sinks,
             "clip_qkv": self.clip_qkv,
+            "gate": self.gate,
+            "kv_lora_rank": self.kv_lora_rank,
+            "q_lora_rank": self.q_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "latent_norm_eps": self.latent_norm_eps,
             "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
             "bias_initializer": keras.initializers.serialize(self.bias_initializer),
         }
 
+    @property
+    def _latent(self):
+        """The MLA sizes as a `_Latent`, or None without `kv_lora_rank`."""
+        return None if self.kv_lora_rank is None else _Latent(*(getattr(self, name) for name in _LATENT_SIZES))
+
+    @property
+    def _projection_names(self):
+        """The names of the layer's projections, in the layout's order (MLA's with `kv_lora_rank`,
+        the gate's with `gate`)."""
+        return _projection_kinds(_projections(self._latent), self.gate)
+
     def weight_shapes(self):
         """The portable layout: {name: shape}, in its order; a projection's bias only when `bias`
         names it, the norm scales only with `qk_norm` (and their biases with `qk_norm_bias`),
-        `sinks` only with `sinks=True`."""
+        `sinks` only with `sinks=True`, the gate's kernel (and bias) after them with `gate=True`.
+        With MLA, the latent projections and their norm scales (`query_a_norm` with `q_lora_rank`,
+        `key_value_a_norm`) replace query, key and value."""
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        kernels = {
-            "query": (self.d_model, nh),
-            "key": (self.kdim, kh),
-            "value": (self.vdim, kh),
-            "output": (nh, self.d_model),
-        }
+        kernels = self._kernel_shapes()
+        hv = self.head_dim if self.kv_lora_rank is None else self.v_head_dim
+        gate = {"gate": (self.d_model, self.num_heads * hv)} if self.gate else {}
         shapes = {}
         for kind, shape in kernels.items():
             shapes[f"{kind}_kernel"] = shape
             if kind in self.bias:
                 shapes[f"{kind}_bias"] = shape[1:]
+            if kind in ("query_a", "key_value_a"):
+                shapes[f"{kind}_norm"] = (self.q_lora_rank if kind == "query_a" else self.kv_lora_rank,)
         if self.qk_norm is not None:
             shapes["query_norm"] = (self.head_dim,) if self.qk_norm == "head" else (nh,)
             shapes["key_norm"] = (self.head_dim,) if self.qk_norm == "head" else (kh,)
@@ -1912,7 +2095,32 @@ class MultiHeadAttention(keras.layers.Layer):
             shapes["query_norm_bias"], shapes["key_norm_bias"] = shapes["query_norm"], shapes["key_norm"]
         if self.sinks:
             shapes["sinks"] = (self.num_heads,)
+        for kind, shape in gate.items():
+            shapes[f"{kind}_kernel"] = shape
+            if kind in self.bias:
+                shapes[f"{kind}_bias"] = shape[1:]
         return _with_scales(shapes) if self._int8 else shapes
+
+    def _kernel_shapes(self):
+        """{projection: its kernel's (D, F)}, in the layout's order."""
+        nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.kv_lora_rank is None:
+            return {
+                "query": (self.d_model, nh),
+                "key": (self.kdim, kh),
+                "value": (self.vdim, kh),
+                "output": (nh, self.d_model),
+            }
+        c, hn, hr, hv = self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        query = {"query": (self.d_model, nh)}
+        if self.q_lora_rank is not None:
+            query = {"query_a": (self.d_model, self.q_lora_rank), "query_b": (self.q_lora_rank, nh)}
+        return {
+            **query,
+            "key_value_a": (self.kdim, c + hr),
+            "key_value_b": (c, self.num_kv_heads * (hn + hv)),
+            "output": (self.num_heads * hv, self.d_model),
+        }
 
     def _variable(self, name):
         """The variable of one portable weight (`sinks` is held as `sink_logits`)."""
@@ -2020,11 +2228,12 @@ class MultiHeadAttention(keras.layers.Layer):
     # "int8_from_<policy>" dtype policies), with the portable int8 layout as the variables.
 
     def quantize(self, mode=None, type_check=True, config=None):
-        """Quantizes the four projections to int8 as Keras' `Dense.quantize("int8")` does: each
-        kernel becomes an int8 variable with one float32 `<kind>_kernel_scale` per output column,
-        each call quantizes the projections' inputs per token, and the dtype policy becomes
-        "int8_from_<policy>". `model.quantize("int8")` calls it; other modes raise
-        `NotImplementedError`, which `model.quantize` turns into a warning, as for any Keras layer.
+        """Quantizes the projections (four, five with `gate`) to int8 as Keras'
+        `Dense.quantize("int8")` does: each kernel becomes an int8 variable with one float32
+        `<kind>_kernel_scale` per output column, each call quantizes the projections' inputs per
+        token, and the dtype policy becomes "int8_from_<policy>". `model.quantize("int8")` calls
+        it; other modes raise `NotImplementedError`, which `model.quantize` turns into a warning,
+        as for any Keras layer.
 
         Args:
             mode: "int8".
@@ -2035,7 +2244,7 @@ class MultiHeadAttention(keras.layers.Layer):
         if mode != "int8":
             raise NotImplementedError(f"{type(self).__name__} quantizes to 'int8' only. Received: mode={mode!r}")
         _check_int8_config(config)
-        for kind in _PROJECTIONS:
+        for kind in self._projection_names:
             kernel, scale = _quantize_kernel(ops.convert_to_numpy(getattr(self, f"{kind}_kernel").value))
             self._untrack_variable(getattr(self, f"{kind}_kernel"))  # Keras' `del` would run gc.collect() per kernel
             for name, value in ((f"{kind}_kernel", kernel), (f"{kind}_kernel_scale", scale)):
@@ -2074,20 +2283,26 @@ class MultiHeadAttention(keras.layers.Layer):
             dtype: dtype of the keys and values; defaults to the compute dtype of the policy.
 
         Returns:
-            A `KVCache` of zeros with index 0 (int32).
+            A `KVCache` of zeros with index 0 (int32); with MLA, the latent cache: `key` (B, 1, L, C)
+            for the normalized latents, `value` (B, 1, L, Hr) for the rotated shared key part.
         """
         b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
         keep = ops.ones((b, length), dtype="bool") if keep is None else _check_keep(keep, b, length)
-        shape = (b, self.num_kv_heads, length, self.head_dim)
+        latent = self._latent
+        key_shape = (
+            (b, self.num_kv_heads, length, self.head_dim) if latent is None else (b, 1, length, latent.kv_lora_rank)
+        )
+        value_shape = key_shape if latent is None else (b, 1, length, latent.qk_rope_head_dim)
         dtype = self.compute_dtype if dtype is None else dtype
-        return KVCache(ops.zeros(shape, dtype), ops.zeros(shape, dtype), keep, ops.convert_to_tensor(0, "int32"))
+        key, value = ops.zeros(key_shape, dtype), ops.zeros(value_shape, dtype)
+        return KVCache(key, value, keep, ops.convert_to_tensor(0, "int32"))
 
     def _non_defaults(self):
-        """The variants not at their default and a partial `bias` (all four biases or none is the
+        """The variants not at their default and a partial `bias` (all the biases or none is the
         default), {name: value as held}: what the Keras built-ins cannot hold (`rope_sections`
         only with RoPE, `qk_norm_type` and `qk_norm_bias` only with `qk_norm`: what they change)."""
         plain = {
-            "bias": self.bias in ((), _PROJECTIONS),
+            "bias": self.bias in ((), self._projection_names),
             "scale": math.isclose(self.scale, 1 / math.sqrt(self.head_dim)),
             "softcap": self.softcap is None,
             "window": self.window is None,
@@ -2099,6 +2314,8 @@ class MultiHeadAttention(keras.layers.Layer):
             "qk_norm_bias": not self.qk_norm_bias or self.qk_norm is None,
             "sinks": not self.sinks,
             "clip_qkv": self.clip_qkv is None,
+            "gate": not self.gate,
+            **{name: getattr(self, name) is None for name in _LATENT_SIZES},
         }
         return {name: getattr(self, name) for name, default in plain.items() if not default}
 
@@ -2111,6 +2328,11 @@ class MultiHeadAttention(keras.layers.Layer):
         `query_mask`), the cache, the masks' dtypes and shapes, the habit warnings and the
         positions; returns the `_Call`, the inputs cast to the compute dtype."""
         self_attention = key is None and value is None
+        if self.kv_lora_rank is not None and key is not None and value is not None and value is not key:
+            raise ValueError(
+                "`value` must be None or `key` itself with `kv_lora_rank`: MLA reads keys and values from `key`. "
+                "Received: a value other than key"
+            )
         key, value = _inputs(query, key, value)
         implicit = [_keras_mask(x) for x in (query, key, value)]  # read before any conversion
         explicit = key_mask is not None and key_mask is not _implicit_mask(key)  # passed, not filled in by Keras
@@ -2126,7 +2348,7 @@ class MultiHeadAttention(keras.layers.Layer):
         key_keep = query_mask if self_attention and key_keep is None else key_keep
         key_keep = _and(key_keep, _and(implicit[1], implicit[2]))  # (B, S)
         if cache is not None:
-            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
+            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim, self._latent)
         target = (b, self.num_heads, t, s if cache is None else cache.key.shape[2])
         attention_mask = None if attention_mask is None else ops.convert_to_tensor(attention_mask)
         mask = None if attention_mask is None else _mask_to_4d(attention_mask, target)
@@ -2191,11 +2413,30 @@ class MultiHeadAttention(keras.layers.Layer):
 
     def _project_qkv(self, call):
         """The three input projections split into heads: (B, N, T, H), (B, K, S, H), (B, K, S, H),
-        clamped to [-clip_qkv, clip_qkv]."""
+        clamped to [-clip_qkv, clip_qkv]. With MLA, `_project_latent`: k and v are then the latents
+        c (B, 1, S, C) and the shared key part k_rope (B, 1, S, Hr)."""
+        if self.kv_lora_rank is not None:
+            return self._project_latent(call)
         q = self._split_heads(self._project(call.query, "query"), self.num_heads)
         k = self._split_heads(self._project(call.key, "key"), self.num_kv_heads)
         v = self._split_heads(self._project(call.value, "value"), self.num_kv_heads)
         return self._clip(q), self._clip(k), self._clip(v)
+
+    def _project_latent(self, call):
+        """Step 2 with MLA: q = RMSNorm(query @ query_a_kernel) @ query_b_kernel (or query @
+        query_kernel without `q_lora_rank`), (B, N, T, H); key @ key_value_a_kernel split into the
+        latent c, RMS-normalized by `key_value_a_norm`, and the key part k_rope shared by the heads.
+        Returns q, c (B, 1, S, C), k_rope (B, 1, S, Hr)."""
+        if self.q_lora_rank is None:
+            q = self._project(call.query, "query")  # (B, T, E) -> (B, T, N*H)
+        else:
+            q_latent = self._project(call.query, "query_a")  # (B, T, E) -> (B, T, Q)
+            q_latent = rms_norm(q_latent, self.query_a_norm, self.latent_norm_eps)
+            q = self._project(q_latent, "query_b")  # (B, T, Q) -> (B, T, N*H)
+        a = self._project(call.key, "key_value_a")  # (B, S, kdim) -> (B, S, C + Hr)
+        c, k_rope = a[..., : self.kv_lora_rank], a[..., self.kv_lora_rank :]  # (B, S, C), (B, S, Hr)
+        c = rms_norm(c, self.key_value_a_norm, self.latent_norm_eps)
+        return self._split_heads(q, self.num_heads), c[:, None], k_rope[:, None]  # (B, N, T, H), (B, 1, S, C|Hr)
 
     def _clip(self, x):
         """`clip_qkv`: x clamped to [-c, c], with the clamp's gradient, 1 within [-c, c] (bounds
@@ -2222,10 +2463,11 @@ class MultiHeadAttention(keras.layers.Layer):
         bias = self._bias_of(kind)
         return y if bias is None else y + ops.cast(bias, x.dtype)
 
-    def _split_heads(self, y, heads):
+    def _split_heads(self, y, heads, width=None):
+        """(B, L, heads*W) -> (B, heads, L, W); the width W defaults to H."""
         b, length = _shape(y)[:2]
-        y = ops.reshape(y, (b, length, heads, self.head_dim))  # (B, L, heads*H) -> (B, L, heads, H)
-        return ops.transpose(y, (0, 2, 1, 3))  # -> (B, heads, L, H)
+        y = ops.reshape(y, (b, length, heads, width or self.head_dim))  # (B, L, heads*W) -> (B, L, heads, W)
+        return ops.transpose(y, (0, 2, 1, 3))  # -> (B, heads, L, W)
 
     def _merge_heads(self, x):
         merged = ops.transpose(x, (0, 2, 1, 3))  # (B, heads, L, H) -> (B, L, heads, H)
@@ -2254,16 +2496,23 @@ class MultiHeadAttention(keras.layers.Layer):
             bias = None if bias is None else ops.reshape(bias, (heads, 1, self.head_dim))  # (heads, 1, H)
         return norm(x, scale, self.qk_norm_eps, bias)  # (B, heads, L, H)
 
-    def _rotate(self, q, k, positions):
+    def _rotate(self, q, k, v, positions):
         """RoPE of q (B, N, T, H) and k (B, K, T, H) at (B, T) or (1, T) `positions`, (k, B|1, T)
-        with `rope_sections`."""
+        with `rope_sections`; with MLA, of q's last Hr features and of the shared key part, v
+        (B, 1, T, Hr) until the cache step (k, the latents, is not turned). Returns q, k, v."""
         if self.rope_theta is None:
-            return q, k
-        inv_freq, interleaved, sections = self._inv_freq, self.rope_interleaved, self.rope_sections
-        q = apply_rope(q, positions, inv_freq, interleaved, sections)  # (B, N, T, H)
-        k = apply_rope(k, positions, inv_freq, interleaved, sections)  # (B, K, T, H)
-        factor, rotary_dim = rope_attention_factor(self.rope_scaling), 2 * inv_freq.shape[0]
-        return scale_rotated(q, rotary_dim, factor), scale_rotated(k, rotary_dim, factor)  # YaRN's factor
+            return q, k, v
+        if self.kv_lora_rank is None:
+            return self._turn(q, positions), self._turn(k, positions), v
+        hn = self.qk_nope_head_dim
+        q = ops.concatenate([q[..., :hn], self._turn(q[..., hn:], positions)], axis=-1)  # (B, N, T, H)
+        return q, k, self._turn(v, positions)
+
+    def _turn(self, x, positions):
+        """x (B, heads, T, W) with its first R features turned, times YaRN's attention factor."""
+        inv_freq = self._inv_freq
+        x = apply_rope(x, positions, inv_freq, self.rope_interleaved, self.rope_sections)
+        return scale_rotated(x, 2 * inv_freq.shape[0], rope_attention_factor(self.rope_scaling))
 
     def _update_cache(self, call, k, v, keep):
         """The cache write: the new keys and values go to slots [index, index + T) (mod L with a
@@ -2280,13 +2529,80 @@ class MultiHeadAttention(keras.layers.Layer):
         return cache.key, cache.value, keep, call
 
     def _attend(self, q, k, v, keep, bias, call):
-        """Step 6, the one entry to the attention paths; returns (context (B, N, T, H), weights
-        (B, N, T, S) or None). With the weights, soft-capping or dropout where the fused path is
-        taken: `dot_product_attention`. Without the weights: `ops.dot_product_attention`
-        (`_fused_attention`) where `_fuses` says so, else the memory-efficient path when the scores
-        exceed `memory_efficient_threshold` elements. A decoding call without room raised in
-        `_check_call` where the cache's index can be read; elsewhere (a trace) its context, so its
-        output, is NaN."""
+        """Step 6, the one entry to the paths (`_attend_heads`); returns (context (B, N, T, Hv),
+        weights (B, N, T, S) or None), Hv = H but with MLA. With MLA, k and v are the (B, 1, S, C)
+        latents and (B, 1, S, Hr) k_rope, attended expanded or absorbed (`absorb_latents`)."""
+        if self._latent is not None and self._absorbs(call, q.shape[2]):
+            return self._attend_absorbed(q, k, v, keep, bias, call)
+        if self._latent is not None:
+            k, v = self._expand_latents(k, v)  # (B, K, S, H), (B, K, S, Hv)
+        return self._attend_heads(q, k, v, keep, bias, call)
+
+    def _absorbs(self, call, t):
+        """MLA's path: `absorb_latents` if set, else absorbed with a cache and T <= 8 (T known at
+        trace time: a decode step, where up-projecting the L latents costs more than folding the
+        up-projections into the T queries)."""
+        if self.absorb_latents is not None:
+            return bool(self.absorb_latents)
+        return call.cache is not None and t is not None and t <= _ABSORB_MAX_T
+
+    def _expand_latents(self, latent, k_rope):
+        """MLA's up-projection: (B, 1, S, C) latents and (B, 1, S, Hr) k_rope -> keys
+        concat(k_nope, k_rope) (B, K, S, H) and values (B, K, S, Hv)."""
+        hn = self.qk_nope_head_dim
+        kv = self._project(latent[:, 0], "key_value_b")  # (B, 1, S, C) -> (B, S, K*(Hn + Hv))
+        kv = self._split_heads(kv, self.num_kv_heads, hn + self.v_head_dim)  # (B, K, S, Hn + Hv)
+        k_nope, v = kv[..., :hn], kv[..., hn:]  # (B, K, S, Hn), (B, K, S, Hv)
+        k_rope = ops.broadcast_to(k_rope, (*_shape(k_nope)[:3], self.qk_rope_head_dim))  # (B, K, S, Hr)
+        return ops.concatenate([k_nope, k_rope], axis=-1), v  # (B, K, S, H), (B, K, S, Hv)
+
+    def _up_projections(self, dtype):
+        """key_value_b's kernel in `dtype` as (N, Hn, C) and (N, Hv, C) and its bias (N, Hn) and
+        (N, Hv) (None without one), each key/value head's repeated for its N // K query heads; an
+        int8 kernel's dequantized."""
+        hn, hv, groups = self.qk_nope_head_dim, self.v_head_dim, self.num_heads // self.num_kv_heads
+        kernel = ops.cast(self.key_value_b_kernel, dtype)  # (C, K*(Hn + Hv))
+        if self._int8:
+            kernel = kernel * ops.cast(self.key_value_b_kernel_scale, dtype)  # dequantized per column
+        kernel = ops.reshape(ops.transpose(kernel), (self.num_kv_heads, hn + hv, self.kv_lora_rank))  # (K, Hn + Hv, C)
+        kernel = ops.repeat(kernel, groups, axis=0)  # (N, Hn + Hv, C)
+        w_kb, w_vb = kernel[:, :hn], kernel[:, hn:]  # (N, Hn, C), (N, Hv, C)
+        if "key_value_b" not in self.bias:
+            return w_kb, w_vb, None, None
+        bias = ops.reshape(ops.cast(self.key_value_b_bias, dtype), (self.num_kv_heads, hn + hv))  # (K, Hn + Hv)
+        bias = ops.repeat(bias, groups, axis=0)  # (N, Hn + Hv)
+        return w_kb, w_vb, bias[:, :hn], bias[:, hn:]  # ..., (N, Hn), (N, Hv)
+
+    def _attend_absorbed(self, q, latent, k_rope, keep, bias, call):
+        """Step 6 with MLA on the latents, through `_attend_heads` (every path): q_lat = q_nope @
+        W_kb^T (B, N, T, C) meets the latents and q_rope meets k_rope (and q_nope . b_k a key of
+        ones); the values are the latents (and a one, whose output is sum(weights)); each head's
+        context is o_lat @ W_vb + sum(weights) * b_v (B, N, T, Hv). An int8 layer reads the
+        latents quantized per token, as its int8 up-projection does (straight-through gradient)."""
+        w_kb, w_vb, b_k, b_v = self._up_projections(q.dtype)  # (N, Hn, C), (N, Hv, C), (N, Hn), (N, Hv)
+        if self._int8:
+            latent = latent + ops.stop_gradient(_quantized_rows(latent) - latent)  # (B, 1, S, C)
+        q_nope, q_rope = q[..., : self.qk_nope_head_dim], q[..., self.qk_nope_head_dim :]  # (B, N, T, Hn|Hr)
+        ones = ops.ones_like(latent[..., :1])  # (B, 1, S, 1)
+        queries, keys, values = [ops.matmul(q_nope, w_kb), q_rope], [latent, k_rope], [latent]  # (B, N, T, C), ...
+        if b_k is not None:
+            queries.append(ops.sum(q_nope * b_k[:, None, :], axis=-1, keepdims=True))  # (B, N, T, 1)
+            keys.append(ones)
+        if b_v is not None:
+            values.append(ones)
+        q, k, v = (ops.concatenate(parts, axis=-1) for parts in (queries, keys, values))  # (B, N, T, .), ...
+        context, weights = self._attend_heads(q, k, v, keep, bias, call)  # (B, N, T, C or C + 1)
+        output = ops.matmul(context[..., : self.kv_lora_rank], ops.swapaxes(w_vb, -1, -2))  # -> (B, N, T, Hv)
+        return output if b_v is None else output + context[..., self.kv_lora_rank :] * b_v[:, None, :], weights
+
+    def _attend_heads(self, q, k, v, keep, bias, call):
+        """Attention of split heads q (B, N, T, H), k (B, K, S, H), v (B, K, S, Hv); returns
+        (context (B, N, T, Hv), weights (B, N, T, S) or None). With the weights, soft-capping or
+        dropout where the fused path is taken: `dot_product_attention`. Without the weights:
+        `ops.dot_product_attention` (`_fused_attention`) where `_fuses` says so, else the
+        memory-efficient path when the scores exceed `memory_efficient_threshold` elements. A
+        decoding call without room raised in `_check_call` where the cache's index can be read;
+        elsewhere (a trace) its context, so its output, is NaN."""
         dropout = self.dropout > 0 and call.training is not False and call.training is not None
         sinks = self.sink_logits if self.sinks else None
         chunk = None if call.return_attention else self._query_chunk(q, k)
@@ -2333,6 +2649,14 @@ class MultiHeadAttention(keras.layers.Layer):
             return None
         return max(1, min(t, self.query_chunk_elements // (b * n * s)))
 
+    def _gate_heads(self, call, context):
+        """Step 6b: the (B, N, T, Hv) attention result times sigmoid(query @ gate_kernel + gate_bias)
+        split into heads (unchanged without `gate`; Hv = H without MLA)."""
+        if not self.gate:
+            return context
+        gate = ops.sigmoid(self._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
+        return context * self._split_heads(gate, self.num_heads, self.v_head_dim)  # -> (B, N, T, Hv)
+
     def call(
         self,
         query,
@@ -2355,12 +2679,13 @@ class MultiHeadAttention(keras.layers.Layer):
             return_attention, cache, training, value_mask,
         )  # 1. defaults and checks  # fmt: skip
         keep, bias = self._masks(call)  # 1. (B|1, N|1, T|1, S|1) keep and bias
-        q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H)
+        q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H); MLA: c, k_rope
         q, k = self._normalize_qk(q, k)  # 3. QK-norm
-        q, k = self._rotate(q, k, call.positions)  # 4. RoPE
+        q, k, v = self._rotate(q, k, v, call.positions)  # 4. RoPE
         k, v, keep, call = self._update_cache(call, k, v, keep)  # 5. KV cache (replaces causal/window/chunk/cache)
-        context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S)
-        output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*H) -> (B, T, E)
+        context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, Hv), (B, N, T, S)
+        context = self._gate_heads(call, context)  # 6b. output gate, (B, N, T, Hv)
+        output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*Hv) -> (B, T, E)
         return _results(output, weights, call.cache, call.return_attention)
 
     def __call__(self, *args, mask=None, **kwargs):
@@ -2434,9 +2759,10 @@ class MultiHeadAttention(keras.layers.Layer):
         `keras.layers.GroupQueryAttention` (3-D inputs, default attention axes).
 
         Its dtype policy, initializers and `trainable` are kept; LoRA adapters on its
-        projections are merged into the kernels. Every option this layer cannot hold (a gate,
-        regularizers, constraints, other attention axes or output shapes, value_dim != key_dim,
-        quantized projections) is a ValueError that lists them all.
+        projections are merged into the kernels; `use_gate=True` becomes `gate=True`, its
+        (E, N, H) kernel `gate_kernel`. Every option this layer cannot hold (regularizers,
+        constraints, other attention axes or output shapes, value_dim != key_dim, quantized
+        projections) is a ValueError that lists them all.
 
         Args:
             layer: the built-in.
@@ -2450,7 +2776,7 @@ class MultiHeadAttention(keras.layers.Layer):
         new = cls(**config, name=f"{layer.name}_reference", dtype=layer.dtype_policy)
         new.trainable = layer.trainable
         weights = {}
-        for kind, sublayer in zip(("query", "key", "value", "output"), dense, strict=True):
+        for kind, sublayer in zip(_projection_kinds(_PROJECTIONS, new.gate), dense, strict=True):
             kernel = ops.convert_to_numpy(sublayer.kernel)  # with LoRA, the merged kernel
             rows = kernel.shape[0] * kernel.shape[1] if kind == "output" else kernel.shape[0]
             weights[f"{kind}_kernel"] = kernel.reshape(rows, -1)  # heads flattened as h * H + d
@@ -2470,7 +2796,7 @@ class MultiHeadAttention(keras.layers.Layer):
         _check_keras_can_hold(self)
         common = dict(
             dropout=self.dropout, use_bias=bool(self.bias), kernel_initializer=self.kernel_initializer,
-            bias_initializer=self.bias_initializer, dtype=self.dtype_policy,
+            bias_initializer=self.bias_initializer, dtype=self.dtype_policy, use_gate=self.gate,
         )  # fmt: skip
         widths = (self.d_model, self.vdim, self.kdim)  # query, value, key: the built-ins' call order
         if self.num_kv_heads == self.num_heads:
@@ -2481,7 +2807,8 @@ class MultiHeadAttention(keras.layers.Layer):
         layer.trainable = self.trainable
         weights = self.export_weights()
         dense = (layer._query_dense, layer._key_dense, layer._value_dense, layer._output_dense)
-        for kind, sublayer in zip(("query", "key", "value", "output"), dense, strict=True):
+        dense += (layer._gate_dense,) if self.gate else ()
+        for kind, sublayer in zip(_projection_kinds(_PROJECTIONS, self.gate), dense, strict=True):
             sublayer.kernel.assign(weights[f"{kind}_kernel"].reshape(sublayer.kernel.shape))
             if self.bias:
                 sublayer.bias.assign(weights[f"{kind}_bias"].reshape(sublayer.bias.shape))
@@ -2495,12 +2822,13 @@ class MultiHeadAttention(keras.layers.Layer):
 
 def _check_keras_can_hold(layer):
     """Refuses, naming them, the variants of docs/SPEC.md that the Keras built-ins cannot hold."""
-    held = layer._non_defaults()
+    held = {name: value for name, value in layer._non_defaults().items() if name != "gate"}  # use_gate holds it
     if held:
         received = ", ".join(f"{name}={value!r}" for name, value in held.items())
         raise ValueError(
-            "`to_keras` needs a layer the Keras built-ins can hold: all four biases or none, the default "
-            f"scale, and no softcap, window, attention chunks, RoPE, QK-norm, sinks or clip_qkv. Received: {received}"
+            "`to_keras` needs a layer the Keras built-ins can hold: all the biases or none, the default "
+            "scale, and no softcap, window, attention chunks, RoPE, QK-norm, sinks, clip_qkv or MLA. "
+            f"Received: {received}"
         )
     if getattr(layer, "quantization_mode", None) is not None:  # legacy Keras has no quantization
         raise ValueError(
@@ -2533,8 +2861,6 @@ def _options_it_cannot_hold(layer, config, dense):
     """{option: (value, why)} for every option of a built Keras built-in that changes its results
     (or its training) and that this layer cannot hold."""
     found = {}
-    if config.get("use_gate"):
-        found["use_gate"] = (True, "a sigmoid gate on the attention output")
     for name in ("kernel_regularizer", "bias_regularizer", "activity_regularizer"):
         if config.get(name) is not None:
             found[name] = (_described(config[name]), "a loss this layer does not add")
@@ -2559,8 +2885,9 @@ def _options_it_cannot_hold(layer, config, dense):
 
 
 def _keras_config(layer, window=None):
-    """Constructor arguments and (query, key, value, output) sublayers of a Keras built-in;
-    `window`: `from_keras`'s, (W, W) for the built-in's `sliding_window` W."""
+    """Constructor arguments and (query, key, value, output) sublayers of a Keras built-in, and the
+    gate's after them with `use_gate`; `window`: `from_keras`'s, (W, W) for the built-in's
+    `sliding_window` W."""
     if not isinstance(layer, (keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention)):
         raise ValueError(
             "`layer` must be a keras.layers.MultiHeadAttention or keras.layers.GroupQueryAttention. "
@@ -2570,6 +2897,7 @@ def _keras_config(layer, window=None):
         raise ValueError(f"`layer` must be built. Received: an unbuilt {type(layer).__name__}")
     dense = (layer._query_dense, layer._key_dense, layer._value_dense, layer._output_dense)
     config = layer.get_config()
+    dense += (layer._gate_dense,) if config.get("use_gate") else ()
     found = _options_it_cannot_hold(layer, config, dense)
     if found:
         reasons = "; ".join(f"{name} ({why})" for name, (_, why) in found.items())
@@ -2581,7 +2909,7 @@ def _keras_config(layer, window=None):
         d_model=dense[0].kernel.shape[0], num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         kdim=dense[1].kernel.shape[0], vdim=dense[2].kernel.shape[0], dropout=config["dropout"],
         bias=config["use_bias"], kernel_initializer=config["kernel_initializer"],
-        bias_initializer=config["bias_initializer"],
+        bias_initializer=config["bias_initializer"], gate=bool(config.get("use_gate", False)),
     )  # fmt: skip
     arguments["window"] = _keras_window(config.get("sliding_window"), window)
     return arguments, dense

@@ -9,6 +9,8 @@ Legend (every shape comment in this file uses these letters):
     E: d_model             N: num_heads           K: num_kv_heads
     H: head_dim            L: slots of a KV cache (its maximum length)
     R: the features of a head that RoPE rotates
+    MLA (multi-head latent attention): C kv_lora_rank, Q q_lora_rank, Hn qk_nope_head_dim,
+    Hr qk_rope_head_dim, Hv v_head_dim (H = Hn + Hr)
 
 The math, for query head n (which reads key/value head n // (N // K)):
     q = query @ query_kernel + query_bias                       (B, T, N*H)
@@ -17,14 +19,15 @@ The math, for query head n (which reads key/value head n // (N // K)):
     scores[n] = q[n] @ k[n // G]^T * scale + float_mask         (B, N, T, S), G = N // K
     weights = softmax(scores where kept, else lowest finite)    zeroed where not kept
     context[n] = weights[n] @ v[n // G]                         (B, N, T, H)
-    output = concat_heads(context) @ output_kernel + output_bias
+    gate = sigmoid(query @ gate_kernel + gate_bias)             (B, T, N*H), with `gate` only
+    output = concat_heads(context * gate) @ output_kernel + output_bias
 
 The steps of a call (docs/SPEC.md, "Order of the steps"), one method each in `__call__`:
     1. defaults and checks; masks combined into one boolean `keep` and one additive `bias`
     2. projections          3. QK-norm of q and k        4. RoPE of q and k at `positions`
     5. cache write          6. scores * scale, soft-capping, + bias, keys removed by keep,
                                causal, window and chunk, softmax with the sinks, weighted sum of v
-    7. heads merged and the output projection
+    6b. output gate         7. heads merged and the output projection
 
 Variants, each off by default: `bias` per projection, `scale` (default 1 / sqrt(H)), `softcap`
 (scores become c * tanh(scores / c)), `window` (query t keeps key s only if s > t + (S - T) - W;
@@ -32,10 +35,18 @@ a pair (W_before, W_after) also limits the keys after it), `attention_chunk_size
 in the same chunk of C positions), RoPE (`rope_theta`, `rope_fraction`, `rope_interleaved`,
 `rope_scaling`, `rope_sections` for multimodal RoPE; `positions` in the call), `qk_norm` (RMSNorm
 or LayerNorm, `qk_norm_type`, of q and k per head, with a scale per head, or over all heads; a
-bias with `qk_norm_bias`), `sinks` (a learned logit per head in the softmax's denominator) and
-`clip_qkv` (q, k and v clamped to [-c, c] right after their projections: OLMo, DBRX, MPT). Call
+bias with `qk_norm_bias`), `sinks` (a learned logit per head in the softmax's denominator),
+`clip_qkv` (q, k and v clamped to [-c, c] right after their projections: OLMo, DBRX, MPT) and
+`gate` (each head's result times sigmoid(query @ gate_kernel + gate_bias): Keras' `use_gate`,
+Qwen3-Next). Call
 arguments `attention_bias` (added to the scores, with a gradient; see `alibi_bias`), `key_mask`
 (B, S) and `query_mask` (B, T). The reference has no dropout: `dropout` must be 0.
+
+MLA (`kv_lora_rank`, docs/SPEC.md "Multi-head latent attention"): q as above (or through
+query_a, RMSNorm and query_b with `q_lora_rank`); a = key @ key_value_a_kernel (B, S, C + Hr),
+the latent c = RMSNorm(a[..., :C]) and the shared k_rope = a[..., C:]; RoPE turns the last Hr
+features of q and k_rope; the cache holds c and k_rope; [k_nope, v] = c @ key_value_b_kernel
+per head, k = concat(k_nope, k_rope), or the absorbed path on the latents (`absorb_latents`).
 
 Masks: a boolean `attention_mask` is True where a query may attend a key; a floating one is
 added to the scores, read in its own dtype: a value at or below the lowest finite value of its
@@ -47,8 +58,9 @@ weights of exactly 0, so its output is `output_bias`. Example, a key padding mas
     layer(x, key_mask=keep)                           # or attention_mask=keep[:, None, :]
 
 Weights (`export_weights`, docs/SPEC.md "Weights"): `<kind>_kernel` (D, heads*H) and
-`<kind>_bias` for kind in query, key, value, output; `query_norm`, `key_norm` with `qk_norm`
-(and `query_norm_bias`, `key_norm_bias` with `qk_norm_bias`); `sinks` (N,) with sinks; float64,
+`<kind>_bias` for kind in query, key, value, output (and gate with `gate`); `query_norm`,
+`key_norm` with `qk_norm` (and `query_norm_bias`, `key_norm_bias` with `qk_norm_bias`); `sinks`
+(N,) with sinks; float64,
 and int8 kernels with float32 `<kind>_kernel_scale` once `quantize("int8")` (Keras' scheme; such
 a layer has no `backward`).
 
@@ -69,7 +81,9 @@ import numpy as np
 
 __all__ = ["AttentionMaskWarning", "KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
 
-_PROJECTIONS = ("query", "key", "value", "output")
+_PROJECTIONS = ("query", "key", "value", "output", "gate")  # the names `bias` takes; "gate" only with `gate`
+_LATENT_SIZES = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_ABSORB_MAX_T = 8  # `absorb_latents=None`: a call with a cache and T <= 8 attends on the latents
 _ROPE_SCALING = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -160,10 +174,13 @@ class _Variants(NamedTuple):
     qk_norm_bias: bool
     sinks: bool
     clip_qkv: float | None
+    gate: bool
+    latent_norm_eps: float
 
 
 def _check_variants(
     head_dim,
+    rope_width,
     scale,
     softcap,
     window,
@@ -179,9 +196,12 @@ def _check_variants(
     qk_norm_bias,
     sinks,
     clip_qkv,
+    gate,
+    latent_norm_eps,
 ):
     """Checks the constructor's variant arguments (a ValueError names the first one that is
-    invalid) and returns them as a `_Variants`: `scale` defaults to 1 / sqrt(H)."""
+    invalid) and returns them as a `_Variants`: `scale` defaults to 1 / sqrt(H). RoPE turns
+    features of heads `rope_width` wide (H, or Hr with MLA)."""
     scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float("scale", scale)
     softcap = _positive_float("softcap", softcap, optional=True)
     window = _check_window(window)
@@ -189,7 +209,7 @@ def _check_variants(
         None if attention_chunk_size is None else _positive_int("attention_chunk_size", attention_chunk_size)
     )
     rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
-    rotary_dim = _rotary_dim(rope_fraction, head_dim, rope_theta is not None)
+    rotary_dim = _rotary_dim(rope_fraction, rope_width, rope_theta is not None)
     rope_scaling = _check_rope_scaling(rope_scaling)
     rope_sections = _check_rope_sections(rope_sections, rotary_dim)
     if qk_norm not in (None, "head", "per_head", "all"):
@@ -199,9 +219,11 @@ def _check_variants(
     if not isinstance(qk_norm_type, str) or qk_norm_type not in ("rms", "layer"):
         raise ValueError(f"`qk_norm_type` must be 'rms' or 'layer'. Received: qk_norm_type={qk_norm_type!r}")
     clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
+    latent_norm_eps = _positive_float("latent_norm_eps", latent_norm_eps)
     rope_interleaved = _flag("rope_interleaved", rope_interleaved)
     qk_norm_bias = _flag("qk_norm_bias", qk_norm_bias)
     sinks = _flag("sinks", sinks)
+    gate = _flag("gate", gate)
     return _Variants(
         scale,
         softcap,
@@ -218,7 +240,68 @@ def _check_variants(
         qk_norm_bias,
         sinks,
         clip_qkv,
+        gate,
+        latent_norm_eps,
     )
+
+
+class _Latent(NamedTuple):
+    """The sizes of multi-head latent attention (MLA), checked (`_check_latent`)."""
+
+    kv_lora_rank: int  # C
+    q_lora_rank: int | None  # Q, None: a plain query projection
+    qk_nope_head_dim: int  # Hn
+    qk_rope_head_dim: int  # Hr
+    v_head_dim: int  # Hv
+
+
+def _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim):
+    """Checks the MLA sizes (each None or a positive integer, in the signature's order) and returns
+    a `_Latent`, or None without `kv_lora_rank`, when the others must be None too."""
+    sizes = dict(
+        zip(_LATENT_SIZES, (kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim), strict=True)
+    )
+    for name, value in sizes.items():
+        sizes[name] = None if value is None else _positive_int(name, value)
+    if sizes["kv_lora_rank"] is None:
+        for name in (name for name in _LATENT_SIZES[1:] if sizes[name] is not None):
+            raise ValueError(
+                f"`{name}` needs `kv_lora_rank` (multi-head latent attention). "
+                f"Received: {name}={sizes[name]!r}, kv_lora_rank=None"
+            )
+        return None
+    missing = [name for name in _LATENT_SIZES[2:] if sizes[name] is None]
+    if missing:
+        raise ValueError(
+            "`kv_lora_rank` needs `qk_nope_head_dim`, `qk_rope_head_dim` and `v_head_dim`. "
+            f"Received: kv_lora_rank={sizes['kv_lora_rank']}, {', '.join(f'{name}=None' for name in missing)}"
+        )
+    return _Latent(**sizes)
+
+
+def _latent_head_dim(latent, head_dim):
+    """H with MLA: qk_nope_head_dim + qk_rope_head_dim, which `head_dim`, if given, must equal."""
+    width = latent.qk_nope_head_dim + latent.qk_rope_head_dim
+    if head_dim is not None and not (_is_positive_int(head_dim) and head_dim == width):
+        raise ValueError(
+            f"`head_dim` must equal qk_nope_head_dim + qk_rope_head_dim = {width} with `kv_lora_rank`. "
+            f"Received: head_dim={head_dim!r}"
+        )
+    return width
+
+
+def _check_latent_combinations(vdim, variants):
+    """What MLA refuses, each with why (after every argument's own check)."""
+    refused = (
+        ("vdim", vdim, vdim is not None, "MLA reads keys and values from `key` (its width is `kdim`)"),
+        ("qk_norm", variants.qk_norm, variants.qk_norm is not None, "MLA normalizes the latents instead"),
+        ("clip_qkv", variants.clip_qkv, variants.clip_qkv is not None, "MLA has no q, k and v to clamp"),
+        ("rope_sections", variants.rope_sections, variants.rope_sections is not None, "RoPE turns the Hr features"),
+        ("rope_fraction", variants.rope_fraction, variants.rope_fraction != 1.0, "RoPE turns all Hr features"),
+    )
+    for name, value, given, why in refused:
+        if given:
+            raise ValueError(f"`{name}` is not supported with `kv_lora_rank`: {why}. Received: {name}={value!r}")
 
 
 def _positive_int(name, value):
@@ -284,21 +367,37 @@ def _dropout_rate(dropout):
     return float(dropout)
 
 
-def _projection_biases(bias):
-    """`bias` -> the names of the projections that have a bias, in the order ("query", "key",
-    "value", "output"). `bias` is a Python or NumPy bool (all or none), or a list, tuple, set or
-    frozenset of those names; anything else (a string, a dict or its keys, an array) is refused."""
+def _projection_biases(bias, gate, projections=_PROJECTIONS):
+    """`bias` -> the names of the projections that have a bias, in the order of `projections`
+    (("query", "key", "value", "output", "gate"), or the layer's with MLA: `_projections`). `bias`
+    is a Python or NumPy bool (all the layer's projections, the gate's only with `gate` True, or
+    none), or a list, tuple, set or frozenset of those names; anything else (a string, a dict or
+    its keys, an array) is refused."""
     if isinstance(bias, (bool, np.bool_)):
-        return _PROJECTIONS if bias else ()
+        return _projection_kinds(projections, gate is True or gate is np.True_) if bias else ()
     names = isinstance(bias, (list, tuple, set, frozenset)) and all(
-        isinstance(name, str) and name in _PROJECTIONS for name in bias
+        isinstance(name, str) and name in projections for name in bias
     )
     if not names:
         raise ValueError(
-            "`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output'. "
+            f"`bias` must be True, False or a list, tuple or set of {', '.join(map(repr, projections))}. "
             f"Received: bias={bias!r}"
         )
-    return tuple(name for name in _PROJECTIONS if name in bias)
+    return tuple(name for name in projections if name in bias)
+
+
+def _projections(latent):
+    """The names `bias` takes: the layer's projections, query, key, value, output (with MLA query,
+    or query_a and query_b, key_value_a, key_value_b, output), then the gate's."""
+    if latent is None:
+        return _PROJECTIONS
+    query = ("query",) if latent.q_lora_rank is None else ("query_a", "query_b")
+    return (*query, "key_value_a", "key_value_b", "output", "gate")
+
+
+def _projection_kinds(projections, gate):
+    """The layer's projections among `projections` (`_projections`): the gate's only with `gate`."""
+    return projections if gate else projections[:-1]
 
 
 def _rotary_dim(rope_fraction, head_dim, rope):
@@ -639,6 +738,11 @@ def alibi_bias(num_heads, positions):
 # -------------------------------------------------------------------------------------------------
 
 
+def _sigmoid(x):
+    """1 / (1 + exp(-x)), without overflow for large |x|."""
+    return np.exp(-np.logaddexp(0.0, -x))
+
+
 def rms_norm(x, scale, eps):
     """RMSNorm over the last axis: x / sqrt(mean(x ** 2) + eps) * scale."""
     return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps) * scale
@@ -766,8 +870,9 @@ def apply_rope(x, positions, inv_freq, interleaved, sections=None):
 # -------------------------------------------------------------------------------------------------
 
 
-def _check_cache(cache, query, key, heads, head_dim):
-    """Checks a KVCache against the call's (B, T, E) query and (B, S, kdim) key."""
+def _check_cache(cache, query, key, heads, head_dim, latent=None):
+    """Checks a KVCache against the call's (B, T, E) query and (B, S, kdim) key: keys and values
+    (B, K, L, H), or with MLA the latent cache (B, 1, L, C) and (B, 1, L, Hr)."""
     (b, t), s = query.shape[:2], key.shape[1]
     if t == 0:
         raise ValueError(
@@ -780,7 +885,9 @@ def _check_cache(cache, query, key, heads, head_dim):
             f"it). Received: query.shape={query.shape}, key.shape={key.shape}"
         )
     k, v = cache.key, cache.value
-    if k.ndim != 4 or k.shape != v.shape or (k.shape[0], k.shape[1], k.shape[3]) != (b, heads, head_dim):
+    if latent is not None:
+        _check_latent_cache(k, v, b, latent)
+    elif k.ndim != 4 or k.shape != v.shape or (k.shape[0], k.shape[1], k.shape[3]) != (b, heads, head_dim):
         raise ValueError(
             f"`cache.key` and `cache.value` must have shape (B, K, L, H) with B={b}, K={heads}, H={head_dim}. "
             f"Received: cache.key.shape={tuple(k.shape)}, cache.value.shape={tuple(v.shape)}"
@@ -789,6 +896,18 @@ def _check_cache(cache, query, key, heads, head_dim):
         raise ValueError(
             f"`cache.keep` must have shape (B, L)=({b}, {k.shape[2]}). "
             f"Received: cache.keep.shape={tuple(cache.keep.shape)}"
+        )
+
+
+def _check_latent_cache(k, v, batch_size, latent):
+    """The latent cache: (B, 1, L, C) latents and (B, 1, L, Hr) turned key parts."""
+    c, hr = latent.kv_lora_rank, latent.qk_rope_head_dim
+    valid = k.ndim == v.ndim == 4 and k.shape[:3] == v.shape[:3]
+    if not valid or (k.shape[0], k.shape[1], k.shape[3], v.shape[3]) != (batch_size, 1, c, hr):
+        raise ValueError(
+            "`cache.key` and `cache.value` must have shape (B, 1, L, C) and (B, 1, L, Hr) with kv_lora_rank: "
+            f"B={batch_size}, C={c}, Hr={hr}. "
+            f"Received: cache.key.shape={tuple(k.shape)}, cache.value.shape={tuple(v.shape)}"
         )
 
 
@@ -863,7 +982,8 @@ def _cache_keep(keep, index, t, causal, window, attention_chunk_size):
 
 
 def _write_cache(cache, k, v, key_mask):
-    """Copies the cache with (B, K, T, H) keys and values of positions [index, index + T) written
+    """Copies the cache with (B, K, T, H) keys and values (with MLA: (B, 1, T, C) latents and
+    (B, 1, T, Hr) turned key parts) of positions [index, index + T) written
     to slots position mod L, and `keep` there: the (B, T) `key_mask` ANDed into it on the first
     lap (left padding), in its place once a slot holds a new token. Room is checked before
     (`_check_room`)."""
@@ -871,8 +991,8 @@ def _write_cache(cache, k, v, key_mask):
     positions = index + np.arange(t)  # (T,)
     slots = positions % length  # (T,)
     key, value, keep = cache.key.copy(), cache.value.copy(), cache.keep.copy()
-    key[:, :, slots] = k  # (B, K, L, H)
-    value[:, :, slots] = v  # (B, K, L, H)
+    key[:, :, slots] = k  # (B, K, L, H) or (B, 1, L, C)
+    value[:, :, slots] = v  # (B, K, L, H) or (B, 1, L, Hr)
     new = np.ones((k.shape[0], t), dtype=bool) if key_mask is None else key_mask  # (B, T)
     keep[:, slots] = np.where(positions < length, keep[:, slots] & new, new)  # (B, L)
     return KVCache(key, value, keep, np.asarray(index + t))
@@ -989,9 +1109,9 @@ def _attention_backward(d_context, q, k, v, keep, weights, scale, softcap, sinks
     d_scores = d_scores * scale  # (B, N, T, S)
     d_q = d_scores @ k_rep  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
     d_k_rep = d_scores.swapaxes(-1, -2) @ q  # (B, N, S, T) @ (B, N, T, H) -> (B, N, S, H)
-    (b, kv, s, h) = k.shape
+    (b, kv, s, h), hv = k.shape, v.shape[-1]
     d_k = d_k_rep.reshape(b, kv, groups, s, h).sum(axis=2)  # (B, N, S, H) -> (B, K, S, H)
-    d_v = d_v_rep.reshape(b, kv, groups, s, h).sum(axis=2)  # (B, N, S, H) -> (B, K, S, H)
+    d_v = d_v_rep.reshape(b, kv, groups, s, hv).sum(axis=2)  # (B, N, S, Hv) -> (B, K, S, Hv)
     return d_q, d_k, d_v, d_biased, d_sinks
 
 
@@ -1144,9 +1264,10 @@ class MultiHeadAttention:
         kdim: width of `key`. Defaults to E.
         vdim: width of `value`. Defaults to E.
         dropout: must be 0: the reference has no dropout.
-        bias: True (all four projections have a bias), False (none), or a list, tuple or set of the
-            names of those that have one, among "query", "key", "value", "output" (Qwen2:
-            ("query", "key", "value")). Kept as that tuple of names, in that order.
+        bias: True (all the projections have a bias, the gate's with `gate`), False (none), or a
+            list, tuple or set of the names of those that have one, among "query", "key", "value",
+            "output", "gate" (Qwen2: ("query", "key", "value")). Kept as that tuple of names, in
+            that order.
         scale: the factor of the scores q . k; defaults to 1 / sqrt(H).
         softcap: None, or c: scores become c * tanh(scores / c) (Gemma 2).
         window: None, W, or a pair (W_before, W_after): query t keeps key s only if
@@ -1172,6 +1293,20 @@ class MultiHeadAttention:
             denominator (gpt-oss).
         clip_qkv: None, or c: q, k and v are clamped to [-c, c] right after their projections
             (bias included), before QK-norm, RoPE and the cache (OLMo, DBRX, MPT).
+        gate: if True, each head's attention result is multiplied, feature by feature, by
+            sigmoid(query @ gate_kernel + gate_bias) before the heads are merged (Keras'
+            `use_gate`, Qwen3-Next, Qwen3.5).
+        kv_lora_rank: None, or C: multi-head latent attention (MLA, DeepSeek-V2/V3): keys and
+            values come from one latent c = RMSNorm(first C features of key @ key_value_a_kernel)
+            per token, expanded per head by `key_value_b_kernel`; the cache holds c and the
+            shared turned key part (see `init_cache`).
+        q_lora_rank: None (a plain query projection), or Q: with MLA, q = RMSNorm(query @
+            query_a_kernel) @ query_b_kernel.
+        qk_nope_head_dim: Hn, with MLA the features of a query/key head RoPE does not turn.
+        qk_rope_head_dim: Hr, with MLA the features RoPE turns (one key part shared by the heads);
+            H = Hn + Hr.
+        v_head_dim: Hv, with MLA the width of a value head (the output kernel is (N*Hv, E)).
+        latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
         seed: seed for the Glorot uniform initialisation of the kernels (biases start at 0).
 
     Call arguments:
@@ -1242,6 +1377,13 @@ class MultiHeadAttention:
         qk_norm_bias=False,
         sinks=False,
         clip_qkv=None,
+        gate=False,
+        kv_lora_rank=None,
+        q_lora_rank=None,
+        qk_nope_head_dim=None,
+        qk_rope_head_dim=None,
+        v_head_dim=None,
+        latent_norm_eps=1e-6,
         seed=None,
     ):
         self.d_model = _positive_int("d_model", d_model)
@@ -1251,7 +1393,13 @@ class MultiHeadAttention:
             raise ValueError(
                 f"`num_kv_heads` must divide `num_heads`. Received: num_heads={num_heads}, num_kv_heads={num_kv_heads}"
             )
-        if head_dim is None and self.d_model % self.num_heads:
+        latent = _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
+        self._latent = latent
+        for name in _LATENT_SIZES:
+            setattr(self, name, None if latent is None else getattr(latent, name))  # self.kv_lora_rank, ...
+        if latent is not None:
+            head_dim = _latent_head_dim(latent, head_dim)
+        elif head_dim is None and self.d_model % self.num_heads:
             raise ValueError(f"`num_heads` must divide `d_model`. Received: d_model={d_model}, num_heads={num_heads}")
         self.head_dim = _positive_int("head_dim", self.d_model // self.num_heads if head_dim is None else head_dim)
         self.kdim = _positive_int("kdim", self.d_model if kdim is None else kdim)
@@ -1259,16 +1407,22 @@ class MultiHeadAttention:
         if _dropout_rate(dropout) != 0.0:
             raise ValueError(f"`dropout` must be 0: the NumPy reference has no dropout. Received: dropout={dropout!r}")
         self.dropout = 0.0
-        self.bias = _projection_biases(bias)
+        self.bias = _projection_biases(bias, gate, _projections(latent))
+        rope_width = self.head_dim if latent is None else latent.qk_rope_head_dim
         variants = _check_variants(
-            self.head_dim, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved,
-            rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv,
+            self.head_dim, rope_width, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction,
+            rope_interleaved, rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks,
+            clip_qkv, gate, latent_norm_eps,
         )  # fmt: skip
         for name, value in variants._asdict().items():
-            setattr(self, name, value)  # self.scale, self.softcap, ..., self.sinks, self.clip_qkv
+            setattr(self, name, value)  # self.scale, self.softcap, ..., self.sinks, self.clip_qkv, self.gate
+        if latent is not None:
+            _check_latent_combinations(vdim, variants)
+            self.vdim = self.kdim  # the values come from `key`
+        self.absorb_latents = None  # MLA: None (absorbed with a cache and T <= 8), True or False
         self._inv_freq = None  # (R/2,), computed once
         if self.rope_theta is not None:
-            rotary_dim = _rotary_dim(rope_fraction, self.head_dim, True)
+            rotary_dim = _rotary_dim(rope_fraction, rope_width, True)
             self._inv_freq = rope_frequencies(rotary_dim, self.rope_theta, self.rope_scaling)
         rng = np.random.default_rng(seed)
         self.params = {}
@@ -1279,7 +1433,16 @@ class MultiHeadAttention:
 
     def weight_shapes(self):
         """The portable layout: {name: shape}; biases of the projections in `bias`, the norm
-        scales with `qk_norm` (and their biases with `qk_norm_bias`), `sinks` with sinks."""
+        scales with `qk_norm` (and their biases with `qk_norm_bias`), `sinks` with sinks, the gate's
+        kernel with `gate`; with MLA the latent projections and norms instead of the key and value
+        projections."""
+        shapes = self._float_shapes()
+        return _with_scales(shapes) if self.quantization_mode == "int8" else shapes
+
+    def _float_shapes(self):
+        """The float portable layout (`weight_shapes` before int8)."""
+        if self._latent is not None:
+            return self._latent_shapes()
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         shapes = {
             "query_kernel": (self.d_model, nh),
@@ -1295,18 +1458,43 @@ class MultiHeadAttention:
             "query_norm_bias": (self.head_dim,) if self.qk_norm == "head" else (nh,),
             "key_norm_bias": (self.head_dim,) if self.qk_norm == "head" else (kh,),
             "sinks": (self.num_heads,),
+            "gate_kernel": (self.d_model, nh),
+            "gate_bias": (nh,),
         }
+        kinds = _projection_kinds(_PROJECTIONS, self.gate)
         present = {
-            **{f"{kind}_kernel": True for kind in _PROJECTIONS},
-            **{f"{kind}_bias": kind in self.bias for kind in _PROJECTIONS},
+            **{f"{kind}_kernel": kind in kinds for kind in _PROJECTIONS},
+            **{f"{kind}_bias": kind in self.bias and kind in kinds for kind in _PROJECTIONS},
             "query_norm": self.qk_norm is not None,
             "key_norm": self.qk_norm is not None,
             "query_norm_bias": self.qk_norm is not None and self.qk_norm_bias,
             "key_norm_bias": self.qk_norm is not None and self.qk_norm_bias,
             "sinks": self.sinks,
         }
-        shapes = {name: shape for name, shape in shapes.items() if present[name]}
-        return _with_scales(shapes) if self.quantization_mode == "int8" else shapes
+        return {name: shape for name, shape in shapes.items() if present[name]}
+
+    def _latent_shapes(self):
+        """The float portable layout with MLA (docs/SPEC.md "Weights")."""
+        latent, n, k, h = self._latent, self.num_heads, self.num_kv_heads, self.head_dim
+        c, q, hn, hr, hv = latent.kv_lora_rank, latent.q_lora_rank, *latent[2:]
+        norms = {"query_a": (q,), "key_value_a": (c,)}
+        kernels = {
+            "query": (self.d_model, n * h),
+            "query_a": (self.d_model, q),
+            "query_b": (q, n * h),
+            "key_value_a": (self.kdim, c + hr),
+            "key_value_b": (c, k * (hn + hv)),
+            "output": (n * hv, self.d_model),
+        }
+        shapes = {}
+        for kind in _projections(latent)[:-1]:
+            shapes[f"{kind}_kernel"] = kernels[kind]
+            shapes.update({f"{kind}_bias": kernels[kind][1:]} if kind in self.bias else {})
+            shapes.update({f"{kind}_norm": norms[kind]} if kind in norms else {})
+        shapes.update({"sinks": (n,)} if self.sinks else {})
+        shapes.update({"gate_kernel": (self.d_model, n * hv)} if self.gate else {})  # the gate's width is Hv
+        shapes.update({"gate_bias": (n * hv,)} if self.gate and "gate" in self.bias else {})
+        return shapes
 
     def export_weights(self):
         """Returns the portable weights: a dict of float64 arrays (see docs/SPEC.md); once
@@ -1331,9 +1519,9 @@ class MultiHeadAttention:
         self.params = {name: np.array(weights[name], dtype=_portable_dtype(name, int8)) for name in expected}
 
     def quantize(self, mode):
-        """Quantizes the four projections' kernels to int8 with one float32 scale per output
-        column (Keras' scheme, docs/SPEC.md "int8"); each call then quantizes the projections'
-        inputs per token. The quantized layer has no `backward`.
+        """Quantizes the projections' kernels (the gate's too with `gate`) to int8 with one float32
+        scale per output column (Keras' scheme, docs/SPEC.md "int8"); each call then quantizes the
+        projections' inputs per token. The quantized layer has no `backward`.
 
         Args:
             mode: "int8", the only mode.
@@ -1343,14 +1531,14 @@ class MultiHeadAttention:
         if self.quantization_mode is not None:
             raise ValueError(f"The layer is already quantized. Received: mode={mode!r}")
         params = dict(self.params)
-        for kind in _PROJECTIONS:
+        for kind in _projection_kinds(_projections(self._latent), self.gate):
             params[f"{kind}_kernel"], params[f"{kind}_kernel_scale"] = _quantize_kernel(params[f"{kind}_kernel"])
         self.params = {name: params[name] for name in _with_scales(self.weight_shapes())}
 
     @property
     def quantization_mode(self):
         """ "int8" once `quantize("int8")` (or an int8 `import_weights`) quantized the projections, else None."""
-        return "int8" if "query_kernel_scale" in self.params else None
+        return "int8" if "output_kernel_scale" in self.params else None
 
     def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
         """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
@@ -1363,13 +1551,18 @@ class MultiHeadAttention:
             dtype: dtype of the keys and values; defaults to the compute dtype, float64.
 
         Returns:
-            A `KVCache` of zeros with index 0.
+            A `KVCache` of zeros with index 0: keys and values (B, K, L, H); with MLA the latent
+            cache, latents (B, 1, L, C) in `key` and turned shared key parts (B, 1, L, Hr) in `value`.
         """
         b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
         keep = np.ones((b, length), dtype=bool) if keep is None else _check_keep(keep, b, length)
-        shape = (b, self.num_kv_heads, length, self.head_dim)
+        latent = self._latent
+        key_shape = (
+            (b, self.num_kv_heads, length, self.head_dim) if latent is None else (b, 1, length, latent.kv_lora_rank)
+        )
+        value_shape = key_shape if latent is None else (b, 1, length, latent.qk_rope_head_dim)
         dtype = np.float64 if dtype is None else dtype
-        return KVCache(np.zeros(shape, dtype), np.zeros(shape, dtype), keep.copy(), np.asarray(0))
+        return KVCache(np.zeros(key_shape, dtype), np.zeros(value_shape, dtype), keep.copy(), np.asarray(0))
 
     def _check_call(
         self, query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
@@ -1379,6 +1572,11 @@ class MultiHeadAttention:
         float64, the self-attention default of `key_mask`, positions and the habit warnings."""
         attention_mask = _attention_mask(attention_mask, mask)
         key, value, defaulted = _inputs(query, key, value)
+        if self._latent is not None and value is not key:
+            raise ValueError(
+                "`value` must be None or `key` itself with `kv_lora_rank`: MLA reads keys and values from `key`. "
+                "Received: a value other than key"
+            )
         query = _check_input("query", query, "E", self.d_model)
         key = _check_input("key", key, "kdim", self.kdim)
         value = _check_input("value", value, "vdim", self.vdim)
@@ -1390,7 +1588,7 @@ class MultiHeadAttention:
         explicit_key_mask = None if key_mask is None else _check_token_mask("key_mask", key_mask, b, s, "S")
         key_mask = query_mask if explicit_key_mask is None and defaulted == "both" else explicit_key_mask
         if cache is not None:
-            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
+            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim, self._latent)
             _check_cache_dtype(cache, np.float64)
             s = cache.key.shape[2]
         positions = self._positions(positions, query, key, cache)
@@ -1439,11 +1637,33 @@ class MultiHeadAttention:
 
     def _project_qkv(self, call):
         """Step 2: q (B, N, T, H), k and v (B, K, S, H), each with its bias if it has one, then
-        clamped to [-clip_qkv, clip_qkv]."""
+        clamped to [-clip_qkv, clip_qkv]; with MLA q, the latents c (B, 1, S, C) and the shared key
+        part k_rope (B, 1, S, Hr) in place of k and v."""
+        if self._latent is not None:
+            return self._project_latent(call)
         q = self._split_heads(self._clip(self._project(call.query, "query")))  # (B, T, E) -> (B, N, T, H)
         k = self._split_heads(self._clip(self._project(call.key, "key")))  # (B, S, kdim) -> (B, K, S, H)
         v = self._split_heads(self._clip(self._project(call.value, "value")))  # (B, S, vdim) -> (B, K, S, H)
         return q, k, v
+
+    def _project_latent(self, call):
+        """Step 2 with MLA: q (B, N, T, H), through query_a, its RMSNorm and query_b with Q; the
+        latents c = RMSNorm(a[..., :C]) (B, 1, S, C) and k_rope = a[..., C:] (B, 1, S, Hr) of
+        a = key @ key_value_a_kernel."""
+        q = self._split_heads(self._project_query(call.query))  # (B, T, E) -> (B, N, T, H)
+        c = self.kv_lora_rank
+        a = self._project(call.key, "key_value_a")  # (B, S, kdim) -> (B, S, C + Hr)
+        latent = rms_norm(a[..., :c], self.params["key_value_a_norm"], self.latent_norm_eps)  # (B, S, C)
+        return q, latent[:, None], a[:, None, :, c:]  # (B, N, T, H), (B, 1, S, C), (B, 1, S, Hr)
+
+    def _project_query(self, x):
+        """(B, T, E) -> (B, T, N*H): the query projection, with MLA's `q_lora_rank` through
+        query_a (B, T, Q), its RMSNorm and query_b."""
+        if self.q_lora_rank is None:
+            return self._project(x, "query")
+        a = self._project(x, "query_a")  # (B, T, E) -> (B, T, Q)
+        normed = rms_norm(a, self.params["query_a_norm"], self.latent_norm_eps)  # (B, T, Q)
+        return self._project(normed, "query_b")  # (B, T, Q) -> (B, T, N*H)
 
     def _clip(self, y):
         """`clip_qkv`: a projection clamped to [-c, c] (unchanged when None)."""
@@ -1497,16 +1717,22 @@ class MultiHeadAttention:
         y = y + self._norm_weight(f"{kind}_norm_bias", by_norm) if self.qk_norm_bias else y
         return self._split_heads(y.reshape(merged.shape))  # -> (B, L, heads*H) -> (B, heads, L, H)
 
-    def _rotate(self, q, k, positions):
+    def _rotate(self, q, k, v, positions):
         """Step 4: RoPE of the (B, N, T, H) queries and (B, K, T, H) keys at (B, T) positions
-        ((k, B, T) with `rope_sections`)."""
+        ((k, B, T) with `rope_sections`); with MLA of the last Hr features of q and of the
+        (B, 1, T, Hr) k_rope, which stands in v's place (k is the latents). Returns q, k, v."""
         if self._inv_freq is None:
-            return q, k
-        inv_freq, interleaved, sections = self._inv_freq, self.rope_interleaved, self.rope_sections
-        q = apply_rope(q, positions, inv_freq, interleaved, sections)  # (B, N, T, H)
-        k = apply_rope(k, positions, inv_freq, interleaved, sections)  # (B, K, T, H)
-        factor, rotary_dim = rope_attention_factor(self.rope_scaling), 2 * inv_freq.shape[0]
-        return scale_rotated(q, rotary_dim, factor), scale_rotated(k, rotary_dim, factor)  # YaRN's factor
+            return q, k, v
+        if self._latent is not None:
+            hn = self.qk_nope_head_dim
+            q_rope = self._turn(q[..., hn:], positions)  # (B, N, T, Hr)
+            return np.concatenate([q[..., :hn], q_rope], axis=-1), k, self._turn(v, positions)  # (B, N, T, H)
+        return self._turn(q, positions), self._turn(k, positions), v
+
+    def _turn(self, x, positions):
+        """RoPE of the first R features of each head of x (B, heads, T, H), times YaRN's factor."""
+        x = apply_rope(x, positions, self._inv_freq, self.rope_interleaved, self.rope_sections)  # (B, heads, T, H)
+        return scale_rotated(x, 2 * self._inv_freq.shape[0], rope_attention_factor(self.rope_scaling))
 
     def _update_cache(self, call, k, v, keep):
         """Step 5: writes the (B, K, T, H) keys and values into a copy of the cache; returns its
@@ -1523,11 +1749,81 @@ class MultiHeadAttention:
         return cache.key, cache.value, keep, call
 
     def _attend(self, q, k, v, keep, bias, call):
-        """Step 6: `dot_product_attention`, the reference, with the layer's variants."""
+        """Step 6: `dot_product_attention`, the reference, with the layer's variants; with MLA k and
+        v are the (B, 1, S, C) latents and (B, 1, S, Hr) k_rope, attended expanded or absorbed."""
+        if self._latent is not None and self._absorbs(call, q.shape[2]):
+            return self._attend_absorbed(q, k, v, keep, bias, call)
+        if self._latent is not None:
+            k, v = self._expand_latents(k, v)  # (B, K, S, H), (B, K, S, Hv)
+        return self._attend_heads(q, k, v, keep, bias, call)
+
+    def _attend_heads(self, q, k, v, keep, bias, call):
+        """Step 6 on split heads: `dot_product_attention` with the layer's variants."""
         return dot_product_attention(
             q, k, v, keep, bias, call.causal, scale=self.scale, softcap=self.softcap, window=call.window,
             attention_chunk_size=call.attention_chunk_size, sinks=self.params.get("sinks"),
         )  # fmt: skip
+
+    def _gate_heads(self, call, context):
+        """Step 6b: the (B, N, T, Hv) attention result times sigmoid(query @ gate_kernel + gate_bias)
+        split into heads (unchanged without `gate`; Hv = H without MLA); returns (gated result, gate
+        or None)."""
+        if not self.gate:
+            return context, None
+        gate = _sigmoid(self._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
+        gate = gate.reshape(*gate.shape[:2], self.num_heads, -1).transpose(0, 2, 1, 3)  # -> (B, N, T, Hv)
+        return context * gate, gate
+
+    def _absorbs(self, call, t):
+        """MLA's path: `absorb_latents` if set, else absorbed with a cache and T <= 8."""
+        if self.absorb_latents is not None:
+            return bool(self.absorb_latents)
+        return call.cache is not None and t <= _ABSORB_MAX_T
+
+    def _expand_latents(self, latent, k_rope):
+        """MLA's up-projection: (B, 1, S, C) latents and (B, 1, S, Hr) k_rope -> keys
+        concat(k_nope, k_rope) (B, K, S, H) and values (B, K, S, Hv)."""
+        kv = self._project(latent[:, 0], "key_value_b")  # (B, S, C) -> (B, S, K*(Hn + Hv))
+        b, s, _ = kv.shape
+        kv = kv.reshape(b, s, self.num_kv_heads, -1).transpose(0, 2, 1, 3)  # -> (B, K, S, Hn + Hv)
+        hn = self.qk_nope_head_dim
+        k_rope = np.broadcast_to(k_rope, (b, self.num_kv_heads, s, k_rope.shape[-1]))  # (B, K, S, Hr)
+        return np.concatenate([kv[..., :hn], k_rope], axis=-1), kv[..., hn:]  # (B, K, S, H), (B, K, S, Hv)
+
+    def _up_projections(self):
+        """key_value_b's kernel as float (C, N, Hn) and (C, N, Hv) and its bias (N, Hn) and (N, Hv)
+        (None without one), each key/value head's repeated for its N // K query heads."""
+        kernel = self.params["key_value_b_kernel"].astype(np.float64)  # (C, K*(Hn + Hv))
+        if self.quantization_mode == "int8":
+            kernel = kernel * self.params["key_value_b_kernel_scale"]  # dequantized
+        groups, hn = self.num_heads // self.num_kv_heads, self.qk_nope_head_dim
+        kernel = np.repeat(kernel.reshape(kernel.shape[0], self.num_kv_heads, -1), groups, axis=1)  # (C, N, Hn + Hv)
+        bias = self.params.get("key_value_b_bias")
+        bias = None if bias is None else np.repeat(bias.reshape(self.num_kv_heads, -1), groups, axis=0)  # (N, Hn + Hv)
+        split = (None, None) if bias is None else (bias[:, :hn], bias[:, hn:])
+        return kernel[..., :hn], kernel[..., hn:], *split
+
+    def _attend_absorbed(self, q, latent, k_rope, keep, bias, call):
+        """Step 6 with MLA on the latents: q_lat = q_nope @ W_kb^T (B, N, T, C) meets the latents,
+        q_rope meets k_rope (and q_nope . b_k a key of ones), o_lat = weights @ latents, and each
+        head's context is o_lat @ W_vb + sum(weights) * b_v (B, N, T, Hv)."""
+        w_kb, w_vb, b_k, b_v = self._up_projections()  # (C, N, Hn), (C, N, Hv), (N, Hn), (N, Hv)
+        if self.quantization_mode == "int8":  # the latents as the int8 up-projection reads them
+            integers, latent_scale = _quantize_rows(latent)
+            latent = integers * latent_scale  # (B, 1, S, C)
+        hn = self.qk_nope_head_dim
+        q_nope = q[..., :hn]  # (B, N, T, Hn)
+        queries = [np.einsum("bnth,cnh->bntc", q_nope, w_kb), q[..., hn:]]  # (B, N, T, C), (B, N, T, Hr)
+        keys = [latent, k_rope]  # (B, 1, S, C), (B, 1, S, Hr)
+        if b_k is not None:
+            queries.append(np.einsum("bnth,nh->bnt", q_nope, b_k)[..., None])  # (B, N, T, 1)
+            keys.append(np.ones((*k_rope.shape[:3], 1)))  # (B, 1, S, 1)
+        q_abs, k_abs = np.concatenate(queries, axis=-1), np.concatenate(keys, axis=-1)  # (B, N, T, .), (B, 1, S, .)
+        o_lat, weights = self._attend_heads(q_abs, k_abs, latent, keep, bias, call)  # (B, N, T, C)
+        context = np.einsum("bntc,cnv->bntv", o_lat, w_vb)  # (B, N, T, C) -> (B, N, T, Hv)
+        if b_v is not None:
+            context = context + weights.sum(axis=-1, keepdims=True) * b_v[None, :, None, :]  # (B, N, T, Hv)
+        return context, weights
 
     def __call__(
         self,
@@ -1552,19 +1848,22 @@ class MultiHeadAttention:
         keep, bias = self._masks(call)  # 1. (B|1, N|1, T|1, S|1) keep and bias
         q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H)
         q, k = self._normalize_qk(q, k)  # 3. QK-norm
-        q, k = self._rotate(q, k, call.positions)  # 4. RoPE
+        q, k, v = self._rotate(q, k, v, call.positions)  # 4. RoPE (MLA: of q and k_rope, in v's place)
         k, v, keep, call = self._update_cache(call, k, v, keep)  # 5. KV cache (replaces causal/window/chunk/cache)
         context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S)
-        merged = self._merge_heads(context)  # 7. (B, N, T, H) -> (B, T, N*H)
+        gated, gate = self._gate_heads(call, context)  # 6b. (B, N, T, H), the output gate
+        merged = self._merge_heads(gated)  # 7. (B, N, T, H) -> (B, T, N*H)
         output = self._project(merged, "output")  # 7. (B, T, N*H) -> (B, T, E)
-        self._save_for_backward(call, key, value, attention_bias, q, k, v, keep, weights, merged)  # for `backward`
+        saved = (q, k, v, keep, weights, context, gate, merged)
+        self._save_for_backward(call, key, value, attention_bias, *saved)  # for `backward`
         return _results(output, weights, call.cache, call.return_attention)
 
-    def _save_for_backward(self, call, key, value, attention_bias, q, k, v, keep, weights, merged):
+    def _save_for_backward(self, call, key, value, attention_bias, q, k, v, keep, weights, context, gate, merged):
         """Keeps what `backward` needs from a call without a cache (after one: nothing): the call,
         which of key and value were left out, the shape of `attention_bias`, the (B, N, T, H) q
-        and (B, K, S, H) k and v attended, keep with causal and window folded in, the weights and
-        the (B, T, N*H) merged heads. `backward` recomputes the rest."""
+        and (B, K, S, H) k and v attended, keep with causal and window folded in, the weights, the
+        (B, N, T, H) attention result and gate (None without `gate`) and the (B, T, N*H) merged
+        heads. `backward` recomputes the rest."""
         if call.cache is not None:
             self._saved = None
             return
@@ -1573,7 +1872,7 @@ class MultiHeadAttention:
         bias_shape = None if attention_bias is None else np.shape(attention_bias)
         self._saved = dict(
             call=call, defaulted=_inputs(None, key, value)[2], bias_shape=bias_shape, q=q, k=k, v=v, keep=keep,
-            weights=weights, merged=merged,
+            weights=weights, context=context, gate=gate, merged=merged,
         )  # fmt: skip
 
     def backward(self, grad_output):
@@ -1588,22 +1887,84 @@ class MultiHeadAttention:
             (when one was passed) and every name of the portable weight layout.
         """
         g, c = self._check_backward(grad_output), self._saved  # (B, T, E)
-        grads, d_context = _output_backward(g, c["merged"], self.params["output_kernel"], self.num_heads, self.head_dim)
+        width = self.head_dim if self._latent is None else self.v_head_dim
+        grads, d_context = _output_backward(g, c["merged"], self.params["output_kernel"], self.num_heads, width)
+        d_context, d_gate_query = self._gate_backward(d_context, grads)  # 6b. output gate
+        k, v = (c["k"], c["v"]) if self._latent is None else self._expand_latents(c["k"], c["v"])  # MLA: expanded
         sinks = self.params.get("sinks")  # 6. attention
         d_q, d_k, d_v, d_biased, d_sinks = _attention_backward(
-            d_context, c["q"], c["k"], c["v"], c["keep"], c["weights"], self.scale, self.softcap, sinks
+            d_context, c["q"], k, v, c["keep"], c["weights"], self.scale, self.softcap, sinks
         )
         extra = {} if c["bias_shape"] is None else {"attention_bias": _sum_to_shape(d_biased, c["bias_shape"])}
         grads.update({} if d_sinks is None else {"sinks": d_sinks})
-        if self._inv_freq is not None:  # 4. RoPE
-            factor, positions = rope_attention_factor(self.rope_scaling), c["call"].positions
-            rope = (self._inv_freq, self.rope_interleaved, factor, self.rope_sections)
-            d_q, d_k = (_rope_backward(d, positions, *rope) for d in (d_q, d_k))
-        inputs = {}
-        for kind, d_heads in (("query", d_q), ("key", d_k), ("value", d_v)):  # 3. QK-norm, 2. clip, projections
-            inputs[kind] = self._project_backward(kind, getattr(c["call"], kind), d_heads, grads)
+        if self._latent is not None:
+            inputs = self._latent_backward(c["call"], c["k"], d_q, d_k, d_v, grads)
+        else:
+            d_q, d_k = (self._turn_back(d, c["call"].positions) for d in (d_q, d_k))  # 4. RoPE
+            inputs = {}
+            for kind, d_heads in (("query", d_q), ("key", d_k), ("value", d_v)):  # 3. QK-norm, 2. clip, projections
+                inputs[kind] = self._project_backward(kind, getattr(c["call"], kind), d_heads, grads)
+        inputs["query"] = inputs["query"] if d_gate_query is None else inputs["query"] + d_gate_query
         grads = {name: grads[name] for name in self.weight_shapes()}
         return {**_fold_defaulted(inputs, c["defaulted"]), **extra, **grads}
+
+    def _gate_backward(self, d_gated, grads):
+        """Step 6b backward from the (B, N, T, H) gradient of the gated result: adds the gradients
+        of `gate_kernel` and `gate_bias` to `grads`; returns (d_context (B, N, T, H), the query's
+        (B, T, E) gradient through the gate, or None without `gate`)."""
+        c = self._saved
+        if c["gate"] is None:
+            return d_gated, None
+        gate, query = c["gate"], c["call"].query
+        d_logits = self._merge_heads(d_gated * c["context"] * gate * (1.0 - gate))  # sigmoid', (B, T, N*H)
+        grads["gate_kernel"] = np.einsum("bte,btm->em", query, d_logits)
+        grads["gate_bias"] = d_logits.sum(axis=(0, 1))
+        return d_gated * gate, d_logits @ self.params["gate_kernel"].T  # (B, N, T, H), (B, T, N*H) -> (B, T, E)
+
+    def _turn_back(self, d, positions):
+        """Step 4 backward for a gradient (B, heads, T, H) of turned features (unchanged without RoPE)."""
+        if self._inv_freq is None:
+            return d
+        factor = rope_attention_factor(self.rope_scaling)
+        return _rope_backward(d, positions, self._inv_freq, self.rope_interleaved, factor, self.rope_sections)
+
+    def _latent_backward(self, call, latent, d_q, d_k, d_v, grads):
+        """Steps 6 (the up-projection), 4 and 2 backward with MLA, from the (B, 1, S, C) latents and
+        the gradients of q (B, N, T, H), the expanded keys (B, K, S, H) and values (B, K, S, Hv):
+        adds every latent weight's gradient to `grads`, returns the inputs' (value: zeros)."""
+        hn, c = self.qk_nope_head_dim, self.kv_lora_rank
+        d_k_rope = d_k[..., hn:].sum(axis=1, keepdims=True)  # (B, K, S, Hr) -> (B, 1, S, Hr), shared by the heads
+        d_kv = np.concatenate([d_k[..., :hn], d_v], axis=-1)  # (B, K, S, Hn + Hv)
+        d_kv = d_kv.transpose(0, 2, 1, 3).reshape(*d_kv.shape[:1], d_kv.shape[2], -1)  # -> (B, S, K*(Hn + Hv))
+        d_latent = self._linear_backward("key_value_b", latent[:, 0], d_kv, grads)  # (B, S, C)
+        d_q = np.concatenate([d_q[..., :hn], self._turn_back(d_q[..., hn:], call.positions)], axis=-1)  # 4. RoPE
+        d_k_rope = self._turn_back(d_k_rope, call.positions)[:, 0]  # (B, 1, S, Hr) -> (B, S, Hr)
+        a = self._project(call.key, "key_value_a")  # (B, S, C + Hr), recomputed
+        d_a, grads["key_value_a_norm"] = _rms_norm_backward(
+            a[..., :c], self.params["key_value_a_norm"], self.latent_norm_eps, d_latent
+        )
+        d_a = np.concatenate([d_a, d_k_rope], axis=-1)  # (B, S, C + Hr)
+        d_key = self._linear_backward("key_value_a", call.key, d_a, grads)  # (B, S, kdim)
+        d_query = self._query_backward(call.query, self._merge_heads(d_q), grads)  # (B, T, E)
+        return {"query": d_query, "key": d_key, "value": np.zeros_like(call.key)}
+
+    def _query_backward(self, x, d_y, grads):
+        """The query projection's backward (through query_b, the RMSNorm and query_a with
+        `q_lora_rank`) for the (B, T, N*H) gradient of q: returns the (B, T, E) input's."""
+        if self.q_lora_rank is None:
+            return self._linear_backward("query", x, d_y, grads)
+        a = self._project(x, "query_a")  # (B, T, Q), recomputed
+        normed = rms_norm(a, self.params["query_a_norm"], self.latent_norm_eps)  # (B, T, Q)
+        d_normed = self._linear_backward("query_b", normed, d_y, grads)  # (B, T, Q)
+        d_a, grads["query_a_norm"] = _rms_norm_backward(a, self.params["query_a_norm"], self.latent_norm_eps, d_normed)
+        return self._linear_backward("query_a", x, d_a, grads)  # (B, T, E)
+
+    def _linear_backward(self, kind, x, d_y, grads):
+        """y = x @ kernel + bias backward: adds the kernel's and bias' gradients to `grads`,
+        returns x's (B, L, D) from y's (B, L, F)."""
+        grads[f"{kind}_kernel"] = np.einsum("bld,blm->dm", x, d_y)
+        grads[f"{kind}_bias"] = d_y.sum(axis=(0, 1))
+        return d_y @ self.params[f"{kind}_kernel"].T  # (B, L, F) -> (B, L, D)
 
     def _check_backward(self, grad_output):
         """`grad_output` as a float64 (B, T, E) array, after the checks that `backward` can run."""
@@ -1644,6 +2005,4 @@ class MultiHeadAttention:
             d_y = self._qk_norm_backward(kind, self._clip(y), d_y, grads)  # at the clamped projection
         if self.clip_qkv is not None:  # the clamp's gradient: 1 within [-c, c] (bounds included), 0 outside
             d_y = np.where(np.abs(y) <= self.clip_qkv, d_y, 0.0)
-        grads[f"{kind}_kernel"] = np.einsum("bld,blm->dm", x, d_y)
-        grads[f"{kind}_bias"] = d_y.sum(axis=(0, 1))
-        return d_y @ self.params[f"{kind}_kernel"].T  # (B, L, heads*H) -> (B, L, D)
+        return self._linear_backward(kind, x, d_y, grads)  # (B, L, heads*H) -> (B, L, D)

@@ -14,15 +14,16 @@ The math, for query head n (which reads key/value head n // (N // K)):
     scores[n] = q[n] @ k[n // G]^T * scale + float_mask         (B, N, T, S), G = N // K, scale = 1 / sqrt(H)
     weights = softmax(scores where kept, else lowest finite)    zeroed where not kept
     context[n] = weights[n] @ v[n // G]                         (B, N, T, H)
-    output = concat_heads(context) @ output_kernel + output_bias
+    gate = sigmoid(query @ gate_kernel + gate_bias)             (B, T, N*H), with `gate` only
+    output = concat_heads(context * gate) @ output_kernel + output_bias
 
-The steps of a call (`forward` reads as these seven lines):
+The steps of a call (`forward` reads as these lines):
     1. defaults and checks (`_check_call`); the masks combined into one boolean `keep` and one
        additive `bias` (`_masks`)
     2. projections          3. QK-norm of q and k        4. RoPE of q and k at `positions`
     5. cache write          6. scores * scale, soft-capping, + bias, keys removed by keep,
                                causal, window and chunk, softmax with the sinks, weighted sum of v
-    7. heads merged and the output projection
+    6b. output gate         7. heads merged and the output projection
 
 Variants, each off by default and each one small step of the call (constructor arguments):
 `bias` per projection (Qwen2), `scale` (T5, Gemma), `softcap` (Gemma 2), `window` (a sliding
@@ -30,7 +31,9 @@ window: Mistral, gpt-oss; a two-sided band (before, after): ModernBERT), `attent
 (Llama 4), rotary position embeddings (`rope_theta`, `rope_fraction`, `rope_interleaved`,
 `rope_scaling`, `rope_sections`: Llama, GPT-NeoX, GPT-J, Llama 3.1, Qwen2-VL's M-RoPE),
 `qk_norm` (`qk_norm_type` RMSNorm or LayerNorm, `qk_norm_bias`: Qwen3, OLMo2, StableLM, Phi),
-`sinks` (gpt-oss) and `clip_qkv` (q, k and v clamped after the projections: OLMo, DBRX, MPT).
+`sinks` (gpt-oss), `clip_qkv` (q, k and v clamped after the projections: OLMo, DBRX, MPT) and
+`gate` (each head's result times sigmoid(query @ gate_kernel + gate_bias): Keras' `use_gate`,
+Qwen3-Next).
 
 Masks: a boolean `attention_mask` is True where a query may attend a key (the opposite of
 `nn.MultiheadAttention`, where True means "ignore"); a floating one is added to the scores
@@ -46,8 +49,8 @@ Example, a key padding mask for keys [a, b, <pad>]:
 Parameters: `query`, `key`, `value` and `output` are `nn.Linear` submodules, so `state_dict`
 holds `query.weight` = query_kernel^T, `query.bias` = query_bias, and so on for the others;
 with `qk_norm` also `query_norm` and `key_norm` (and `query_norm_bias`, `key_norm_bias` with
-`qk_norm_bias`), with `sinks=True` also `sinks` (N,).
-`layer.quantize("int8")` makes the four projections `Int8Linear` modules (Keras' int8 scheme).
+`qk_norm_bias`), with `sinks=True` also `sinks` (N,), with `gate=True` the `nn.Linear` `gate`.
+`layer.quantize("int8")` makes the projections `Int8Linear` modules (Keras' int8 scheme).
 
 Decoding with a KV cache (L: the cache's max length): `cache = layer.init_cache(B, L)`, then
 `output, cache = layer(x, cache=cache)` for a prompt (T > 1) and then one token at a time
@@ -74,7 +77,9 @@ from torch import nn
 
 __all__ = ["AttentionMaskWarning", "Int8Linear", "KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
 
-_PROJECTIONS = ("query", "key", "value", "output")
+_PROJECTIONS = ("query", "key", "value", "output", "gate")  # the names `bias` takes; "gate" only with `gate`
+_LATENT_SIZES = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_ABSORB_MAX_T = 8  # `absorb_latents=None`: a call with a cache and T <= 8 attends on the latents
 _ROPE_SCALING = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -149,20 +154,24 @@ class _Variants(NamedTuple):
     qk_norm_bias: bool
     sinks: bool
     clip_qkv: float | None  # None: no clamp
+    gate: bool
+    latent_norm_eps: float
 
 
 def _check_variants(
-    head_dim, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved,
-    rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv,
+    head_dim, rope_width, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved,
+    rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv, gate,
+    latent_norm_eps,
 ):  # fmt: skip
     """The variants' constructor arguments checked, in this order (the flags last), into a
-    `_Variants` (a ValueError names the first one that is not valid)."""
+    `_Variants` (a ValueError names the first one that is not valid). RoPE turns features of
+    heads `rope_width` wide (H, or Hr with MLA)."""
     scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float("scale", scale)
     softcap = _positive_float("softcap", softcap, optional=True)
     window = _check_window(window)
     chunk = None if attention_chunk_size is None else _positive_int("attention_chunk_size", attention_chunk_size)
     rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
-    rotary = _rotary_dim(rope_fraction, head_dim, rope_theta is not None)  # checks rope_fraction
+    rotary = _rotary_dim(rope_fraction, rope_width, rope_theta is not None)  # checks rope_fraction
     rope_scaling = _check_rope_scaling(rope_scaling)
     rope_sections = _check_rope_sections(rope_sections, rotary)
     if qk_norm not in (None, "head", "per_head", "all"):
@@ -172,12 +181,74 @@ def _check_variants(
     if not isinstance(qk_norm_type, str) or qk_norm_type not in ("rms", "layer"):
         raise ValueError(f"`qk_norm_type` must be 'rms' or 'layer'. Received: qk_norm_type={qk_norm_type!r}")
     clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
+    latent_norm_eps = _positive_float("latent_norm_eps", latent_norm_eps)
     rope_interleaved = _flag("rope_interleaved", rope_interleaved)  # the flags last
     qk_norm_bias, sinks = _flag("qk_norm_bias", qk_norm_bias), _flag("sinks", sinks)
+    gate = _flag("gate", gate)
     return _Variants(
         scale, softcap, window, chunk, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling,
-        rope_sections, qk_norm, qk_norm_eps, str(qk_norm_type), qk_norm_bias, sinks, clip_qkv,
+        rope_sections, qk_norm, qk_norm_eps, str(qk_norm_type), qk_norm_bias, sinks, clip_qkv, gate,
+        latent_norm_eps,
     )  # fmt: skip
+
+
+class _Latent(NamedTuple):
+    """The sizes of multi-head latent attention (MLA), checked (`_check_latent`)."""
+
+    kv_lora_rank: int  # C
+    q_lora_rank: int | None  # Q, None: a plain query projection
+    qk_nope_head_dim: int  # Hn
+    qk_rope_head_dim: int  # Hr
+    v_head_dim: int  # Hv
+
+
+def _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim):
+    """Checks the MLA sizes (each None or a positive integer, in the signature's order) and returns
+    a `_Latent`, or None without `kv_lora_rank`, when the others must be None too."""
+    sizes = dict(
+        zip(_LATENT_SIZES, (kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim), strict=True)
+    )
+    for name, value in sizes.items():
+        sizes[name] = None if value is None else _positive_int(name, value)
+    if sizes["kv_lora_rank"] is None:
+        for name in (name for name in _LATENT_SIZES[1:] if sizes[name] is not None):
+            raise ValueError(
+                f"`{name}` needs `kv_lora_rank` (multi-head latent attention). "
+                f"Received: {name}={sizes[name]!r}, kv_lora_rank=None"
+            )
+        return None
+    missing = [name for name in _LATENT_SIZES[2:] if sizes[name] is None]
+    if missing:
+        raise ValueError(
+            "`kv_lora_rank` needs `qk_nope_head_dim`, `qk_rope_head_dim` and `v_head_dim`. "
+            f"Received: kv_lora_rank={sizes['kv_lora_rank']}, {', '.join(f'{name}=None' for name in missing)}"
+        )
+    return _Latent(**sizes)
+
+
+def _latent_head_dim(latent, head_dim):
+    """H with MLA: qk_nope_head_dim + qk_rope_head_dim, which `head_dim`, if given, must equal."""
+    width = latent.qk_nope_head_dim + latent.qk_rope_head_dim
+    if head_dim is not None and not (_is_positive_int(head_dim) and head_dim == width):
+        raise ValueError(
+            f"`head_dim` must equal qk_nope_head_dim + qk_rope_head_dim = {width} with `kv_lora_rank`. "
+            f"Received: head_dim={head_dim!r}"
+        )
+    return width
+
+
+def _check_latent_combinations(vdim, variants):
+    """What MLA refuses, each with why (after every argument's own check)."""
+    refused = (
+        ("vdim", vdim, vdim is not None, "MLA reads keys and values from `key` (its width is `kdim`)"),
+        ("qk_norm", variants.qk_norm, variants.qk_norm is not None, "MLA normalizes the latents instead"),
+        ("clip_qkv", variants.clip_qkv, variants.clip_qkv is not None, "MLA has no q, k and v to clamp"),
+        ("rope_sections", variants.rope_sections, variants.rope_sections is not None, "RoPE turns the Hr features"),
+        ("rope_fraction", variants.rope_fraction, variants.rope_fraction != 1.0, "RoPE turns all Hr features"),
+    )
+    for name, value, given, why in refused:
+        if given:
+            raise ValueError(f"`{name}` is not supported with `kv_lora_rank`: {why}. Received: {name}={value!r}")
 
 
 def _check_window(window):
@@ -259,21 +330,37 @@ def _dropout_rate(dropout):
     return float(dropout)
 
 
-def _projection_biases(bias):
-    """`bias` -> the names of the projections that have a bias, in the order ("query", "key",
-    "value", "output"). `bias` is a Python or NumPy bool (all or none), or a list, tuple, set or
-    frozenset of those names; anything else (a string, a dict or its keys, an array) is refused."""
+def _projection_biases(bias, gate, projections=_PROJECTIONS):
+    """`bias` -> the names of the projections that have a bias, in the order of `projections`
+    (("query", "key", "value", "output", "gate"), or the layer's with MLA: `_projections`). `bias`
+    is a Python or NumPy bool (all the layer's projections, the gate's only with `gate` True, or
+    none), or a list, tuple, set or frozenset of those names; anything else (a string, a dict or
+    its keys, an array) is refused."""
     if isinstance(bias, (bool, np.bool_)):
-        return _PROJECTIONS if bias else ()
+        return _projection_kinds(projections, gate is True or gate is np.True_) if bias else ()
     names = isinstance(bias, (list, tuple, set, frozenset)) and all(
-        isinstance(name, str) and name in _PROJECTIONS for name in bias
+        isinstance(name, str) and name in projections for name in bias
     )
     if not names:
         raise ValueError(
-            "`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output'. "
+            f"`bias` must be True, False or a list, tuple or set of {', '.join(map(repr, projections))}. "
             f"Received: bias={bias!r}"
         )
-    return tuple(name for name in _PROJECTIONS if name in bias)
+    return tuple(name for name in projections if name in bias)
+
+
+def _projections(latent):
+    """The names `bias` takes: the layer's projections, query, key, value, output (with MLA query,
+    or query_a and query_b, key_value_a, key_value_b, output), then the gate's."""
+    if latent is None:
+        return _PROJECTIONS
+    query = ("query",) if latent.q_lora_rank is None else ("query_a", "query_b")
+    return (*query, "key_value_a", "key_value_b", "output", "gate")
+
+
+def _projection_kinds(projections, gate):
+    """The layer's projections among `projections` (`_projections`): the gate's only with `gate`."""
+    return projections if gate else projections[:-1]
 
 
 def _rotary_dim(rope_fraction, head_dim, rope):
@@ -847,8 +934,9 @@ class KVCache(NamedTuple):
     index: torch.Tensor
 
 
-def _check_cache(cache, query, key, heads, head_dim):
-    """Checks a KVCache against the call's (B, T, E) query and (B, S, kdim) key."""
+def _check_cache(cache, query, key, heads, head_dim, latent=None):
+    """Checks a KVCache against the call's (B, T, E) query and (B, S, kdim) key: keys and values
+    (B, K, L, H), or with MLA the latent cache (B, 1, L, C) and (B, 1, L, Hr)."""
     (b, t), s = query.shape[:2], key.shape[1]
     if t == 0:
         raise ValueError(
@@ -861,7 +949,9 @@ def _check_cache(cache, query, key, heads, head_dim):
             f"it). Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
         )
     k, v = cache.key, cache.value
-    if k.dim() != 4 or k.shape != v.shape or (k.shape[0], k.shape[1], k.shape[3]) != (b, heads, head_dim):
+    if latent is not None:
+        _check_latent_cache(k, v, b, latent)
+    elif k.dim() != 4 or k.shape != v.shape or (k.shape[0], k.shape[1], k.shape[3]) != (b, heads, head_dim):
         raise ValueError(
             f"`cache.key` and `cache.value` must have shape (B, K, L, H) with B={b}, K={heads}, H={head_dim}. "
             f"Received: cache.key.shape={tuple(k.shape)}, cache.value.shape={tuple(v.shape)}"
@@ -870,6 +960,18 @@ def _check_cache(cache, query, key, heads, head_dim):
         raise ValueError(
             f"`cache.keep` must have shape (B, L)=({b}, {k.shape[2]}). "
             f"Received: cache.keep.shape={tuple(cache.keep.shape)}"
+        )
+
+
+def _check_latent_cache(k, v, batch_size, latent):
+    """The latent cache: (B, 1, L, C) latents and (B, 1, L, Hr) turned key parts."""
+    c, hr = latent.kv_lora_rank, latent.qk_rope_head_dim
+    valid = k.ndim == v.ndim == 4 and k.shape[:3] == v.shape[:3]
+    if not valid or (k.shape[0], k.shape[1], k.shape[3], v.shape[3]) != (batch_size, 1, c, hr):
+        raise ValueError(
+            "`cache.key` and `cache.value` must have shape (B, 1, L, C) and (B, 1, L, Hr) with kv_lora_rank: "
+            f"B={batch_size}, C={c}, Hr={hr}. "
+            f"Received: cache.key.shape={tuple(k.shape)}, cache.value.shape={tuple(v.shape)}"
         )
 
 
@@ -1162,7 +1264,7 @@ def _attention_in_blocks(q, k, v, keep, bias, dropout, scale, softcap, sinks):
     buffer in all). `keep` and `bias` already hold causal, window, chunk and the rows' centring."""
     (b, n, t, h), s = q.shape, k.shape[2]
     weights = q.new_empty(b, n, t, s)  # (B, N, T, S)
-    context = q.new_empty(b, n, t, h)  # (B, N, T, H)
+    context = q.new_empty(b, n, t, v.shape[-1])  # (B, N, T, H), v's width (Hv with MLA)
     step = max(1, _BLOCK_SCORES // max(1, n * t * s))
     for start in range(0, b, step):
         rows, r = slice(start, start + step), min(step, b - start)  # r batch elements in this block
@@ -1206,10 +1308,16 @@ def _sdpa_attention(q, k, v, keep, bias, dropout, scale, is_causal=False, sinks=
     A row with no key left attends to every key inside the kernel (finite numbers, forward and
     backward, in any dtype) and is then set to exactly 0. SDPA gives its additive mask a
     gradient (on the CPU too), so a learned `bias` trains on this path. `sinks`: see
-    `_sdpa_with_sinks`.
+    `_sdpa_with_sinks`. Values narrower than the queries (MLA's Hv, or C on the absorbed path) are
+    padded with zeros to their width and the context cut back: SDPA's fused kernels want one head
+    width (values 16 features narrower sent MLA's absorbed decode step to the math kernel: 5x slower).
     """
     if sinks is not None:
         return _sdpa_with_sinks(q, k, v, keep, bias, dropout, scale, is_causal, sinks)
+    if v.shape[-1] < q.shape[-1]:
+        width = v.shape[-1]
+        v = F.pad(v, (0, q.shape[-1] - width))  # (B, K, S, Hv) -> (B, K, S, H)
+        return _sdpa_attention(q, k, v, keep, bias, dropout, scale, is_causal)[..., :width]  # (B, N, T, Hv)
     k, v, gqa = _sdpa_heads(q, k, v, masked=keep is not None or bias is not None)
     options = {"dropout_p": dropout, "scale": scale, "enable_gqa": gqa}
     if keep is None and bias is None:
@@ -1232,19 +1340,19 @@ def _sdpa_with_sinks(q, k, v, keep, bias, dropout, scale, is_causal, sinks):
     8 with zeros (v too: the fused kernels want one head size). With `is_causal` one more query,
     the first, keeps the kernel's top-left triangle aligned: query t + 1 sees the sink and keys
     0..t. A row with no key left attends only the sink: a context of exactly 0."""
-    (b, n, t, h), s = q.shape, k.shape[2]
-    width = -(-(h + 1) // 8) * 8  # H + 1 features, padded to a multiple of 8
+    (b, n, t, h), s, hv = q.shape, k.shape[2], v.shape[-1]  # hv: H, or Hv with MLA
+    width = -(-max(h + 1, hv) // 8) * 8  # H + 1 features (at least Hv), padded to a multiple of 8
     logit = (sinks / scale).to(q.dtype)[:, None, None].expand(b, n, t, 1)  # (N,) -> (B, N, T, 1)
     q = F.pad(torch.cat([q, logit], dim=-1), (0, width - h - 1))  # (B, N, T, H) -> (B, N, T, width)
     one = k.new_ones((*k.shape[:2], 1, 1))  # (B, K, 1, 1), also when S = 0
     sink_key = F.pad(one, (h, width - h - 1))  # (B, K, 1, width): a 1 at feature H
     k = torch.cat([sink_key, F.pad(k, (0, width - h))], dim=2)  # (B, K, S, H) -> (B, K, 1 + S, width)
-    v = F.pad(v, (0, width - h, 1, 0))  # (B, K, S, H) -> (B, K, 1 + S, width), the sink's value 0
+    v = F.pad(v, (0, width - hv, 1, 0))  # (B, K, S, H) -> (B, K, 1 + S, width), the sink's value 0
     q = F.pad(q, (0, 0, 1, 0)) if is_causal else q  # (B, N, 1 + T, width) with `is_causal`
     keep = None if keep is None else F.pad(keep.expand(*keep.shape[:-1], s), (1, 0), value=True)  # (..., 1 + S)
     bias = None if bias is None else F.pad(bias.expand(*bias.shape[:-1], s), (1, 0))  # (..., 1 + S)
     context = _sdpa_attention(q, k, v, keep, bias, dropout, scale, is_causal)  # (B, N, [1 +] T, width)
-    return context[:, :, 1 if is_causal else 0 :, :h]  # (B, N, T, H)
+    return context[:, :, 1 if is_causal else 0 :, :hv]  # (B, N, T, H)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -1381,6 +1489,15 @@ class _Int8Matmul(torch.autograd.Function):
         return grad @ dequantized, None, None  # (..., F) -> (..., D)
 
 
+def _int8_rows(x):
+    """x (..., D) quantized per token and dequantized, round(x * r) / r with r = 127 / (max |row| +
+    1e-7), as `_Int8Matmul` reads it; the gradient passes straight through."""
+    top = torch.linalg.vector_norm(x, math.inf, dim=-1, keepdim=True)  # (..., 1)
+    ratio = _INT8_MAX / (top + _INT8_EPSILON)  # (..., 1)
+    rounded = (x * ratio).round().clamp(-_INT8_MAX, _INT8_MAX) / ratio  # (..., D)
+    return x + (rounded - x).detach()
+
+
 def _int8_linear(x, weight, weight_scale, bias):
     """(..., D) @ an int8 (F, D) weight (+ bias, added in place) -> (..., F)."""
     y = _Int8Matmul.apply(x, weight, weight_scale)
@@ -1469,9 +1586,10 @@ class MultiHeadAttention(nn.Module):
         kdim: width of `key`. Defaults to E.
         vdim: width of `value`. Defaults to E.
         dropout: probability of dropping attention weights in training mode; 0 <= p < 1.
-        bias: True (all four projections have a bias), False (none), or a list, tuple or set of the
-            names of those that have one, among "query", "key", "value", "output" (Qwen2:
-            ("query", "key", "value")). Kept as that tuple of names, in that order.
+        bias: True (all the projections have a bias, the gate's with `gate`), False (none), or a
+            list, tuple or set of the names of those that have one, among "query", "key", "value",
+            "output", "gate" (Qwen2: ("query", "key", "value")). Kept as that tuple of names, in
+            that order.
         scale: the factor of the scores, scores = (q . k) * scale. Defaults to 1 / sqrt(H).
         softcap: None or c > 0: the scaled scores become c * tanh(scores / c) (Gemma 2), before
             `attention_bias` and the floating mask are added.
@@ -1504,6 +1622,20 @@ class MultiHeadAttention(nn.Module):
             extra term in the softmax's denominator (gpt-oss); rows then sum to less than 1.
         clip_qkv: None or c > 0: q, k and v are clamped to [-c, c] right after their projections
             (bias included), before QK-norm, RoPE and the cache (OLMo, DBRX, MPT).
+        gate: if True, each head's attention result is multiplied, feature by feature, by
+            sigmoid(query @ gate_kernel + gate_bias) before the heads are merged (Keras'
+            `use_gate`, Qwen3-Next, Qwen3.5); the projection is the `nn.Linear` `gate`.
+        kv_lora_rank: None, or C: multi-head latent attention (MLA, DeepSeek-V2/V3): keys and
+            values come from one latent c = RMSNorm(first C features of key @ key_value_a_kernel)
+            per token, expanded per head by `key_value_b_kernel`; the cache holds c and the
+            shared turned key part (see `init_cache`).
+        q_lora_rank: None (a plain query projection), or Q: with MLA, q = RMSNorm(query @
+            query_a_kernel) @ query_b_kernel.
+        qk_nope_head_dim: Hn, with MLA the features of a query/key head RoPE does not turn.
+        qk_rope_head_dim: Hr, with MLA the features RoPE turns (one key part shared by the heads);
+            H = Hn + Hr.
+        v_head_dim: Hv, with MLA the width of a value head (the output kernel is (N*Hv, E)).
+        latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
         device: device of the parameters.
         dtype: dtype of the parameters.
 
@@ -1577,6 +1709,13 @@ class MultiHeadAttention(nn.Module):
         qk_norm_bias=False,
         sinks=False,
         clip_qkv=None,
+        gate=False,
+        kv_lora_rank=None,
+        q_lora_rank=None,
+        qk_nope_head_dim=None,
+        qk_rope_head_dim=None,
+        v_head_dim=None,
+        latent_norm_eps=1e-6,
         device=None,
         dtype=None,
     ):
@@ -1588,17 +1727,29 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(
                 f"`num_kv_heads` must divide `num_heads`. Received: num_heads={num_heads}, num_kv_heads={num_kv_heads}"
             )
-        if head_dim is None and self.d_model % self.num_heads:
+        latent = _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
+        self._latent = latent
+        for name in _LATENT_SIZES:
+            setattr(self, name, None if latent is None else getattr(latent, name))  # self.kv_lora_rank, ...
+        if latent is not None:
+            head_dim = _latent_head_dim(latent, head_dim)
+        elif head_dim is None and self.d_model % self.num_heads:
             raise ValueError(f"`num_heads` must divide `d_model`. Received: d_model={d_model}, num_heads={num_heads}")
         self.head_dim = _positive_int("head_dim", self.d_model // self.num_heads if head_dim is None else head_dim)
         self.kdim = _positive_int("kdim", self.d_model if kdim is None else kdim)
         self.vdim = _positive_int("vdim", self.d_model if vdim is None else vdim)
         self.dropout = _dropout_rate(dropout)
-        self.bias = _projection_biases(bias)
+        names = _projections(latent)  # the names `bias` takes
+        self.bias = _projection_biases(bias, gate, names)
+        rope_width = self.head_dim if latent is None else latent.qk_rope_head_dim
         variants = _check_variants(
-            self.head_dim, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved,
-            rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv,
+            self.head_dim, rope_width, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction,
+            rope_interleaved, rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks,
+            clip_qkv, gate, latent_norm_eps,
         )  # fmt: skip
+        if latent is not None:
+            _check_latent_combinations(vdim, variants)
+            self.vdim = self.kdim  # the values come from `key`
         self.scale, self.softcap, self.window = variants.scale, variants.softcap, variants.window
         self.attention_chunk_size = variants.attention_chunk_size
         self.rope_theta, self.rope_fraction = variants.rope_theta, variants.rope_fraction
@@ -1606,22 +1757,33 @@ class MultiHeadAttention(nn.Module):
         self.rope_sections = variants.rope_sections
         self.qk_norm, self.qk_norm_eps = variants.qk_norm, variants.qk_norm_eps
         self.qk_norm_type, self.qk_norm_bias = variants.qk_norm_type, variants.qk_norm_bias
-        self.clip_qkv = variants.clip_qkv
-        self._rotary_dim = _rotary_dim(self.rope_fraction, self.head_dim, self.rope_theta is not None)  # None: no RoPE
-        self._make_weights(variants.sinks, {"device": device, "dtype": dtype})
+        self.clip_qkv, self.latent_norm_eps = variants.clip_qkv, variants.latent_norm_eps
+        self.absorb_latents = None  # MLA: None (absorbed with a cache and T <= 8), True or False
+        self._projections = _projection_kinds(names, variants.gate)  # the layer's projections
+        self._rotary_dim = _rotary_dim(self.rope_fraction, rope_width, self.rope_theta is not None)  # None: no RoPE
+        self._make_weights(variants.sinks, variants.gate, {"device": device, "dtype": dtype})
         self._warned_traps = set()  # the mask habits warned of, once each
         self._fused = None  # the concatenated q/k/v weights kept under no_grad (`_fused_weights`)
         self.reset_parameters()
 
-    def _make_weights(self, sinks, factory):
-        """The four projections, the QK-norm scales and biases, the sink logits and the RoPE
-        frequencies (a non-persistent float32 buffer `_inv_freq` (R/2,), None without RoPE, filled
-        by `reset_parameters`), uninitialized."""
+    def _make_weights(self, sinks, gate, factory):
+        """The four projections (with MLA its projections and the latents' norm scales), the gate's
+        with `gate`, the QK-norm scales and biases, the sink logits and the RoPE frequencies (a
+        non-persistent float32 buffer `_inv_freq` (R/2,), None without RoPE, filled by
+        `reset_parameters`), uninitialized."""
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.query = nn.Linear(self.d_model, nh, bias="query" in self.bias, **factory)  # query_kernel^T: (N*H, E)
-        self.key = nn.Linear(self.kdim, kh, bias="key" in self.bias, **factory)  # key_kernel^T: (K*H, kdim)
-        self.value = nn.Linear(self.vdim, kh, bias="value" in self.bias, **factory)  # value_kernel^T: (K*H, vdim)
-        self.output = nn.Linear(nh, self.d_model, bias="output" in self.bias, **factory)  # output_kernel^T: (E, N*H)
+        if self._latent is not None:
+            self._make_latent_weights(factory)
+        else:
+            self.query = nn.Linear(self.d_model, nh, bias="query" in self.bias, **factory)  # query_kernel^T: (N*H, E)
+            self.key = nn.Linear(self.kdim, kh, bias="key" in self.bias, **factory)  # key_kernel^T: (K*H, kdim)
+            self.value = nn.Linear(self.vdim, kh, bias="value" in self.bias, **factory)  # value_kernel^T: (K*H, vdim)
+            self.output = nn.Linear(
+                nh, self.d_model, bias="output" in self.bias, **factory
+            )  # output_kernel^T: (E, N*H)
+        nv = self.num_heads * (self.head_dim if self._latent is None else self.v_head_dim)
+        gated = nn.Linear(self.d_model, nv, bias="gate" in self.bias, **factory) if gate else None
+        self.gate = gated  # gate_kernel^T: (N*Hv, E) (Hv = H without MLA), None without `gate`
         norms = {None: (None, None), "head": (self.head_dim, self.head_dim)}.get(self.qk_norm, (nh, kh))
         self.query_norm, self.key_norm = (
             None if width is None else nn.Parameter(torch.empty(width, **factory)) for width in norms
@@ -1635,15 +1797,45 @@ class MultiHeadAttention(nn.Module):
         inv_freq = torch.empty(self._rotary_dim // 2, device=factory["device"]) if rope else None  # (R/2,)
         self.register_buffer("_inv_freq", inv_freq, persistent=False)
 
+    def _make_latent_weights(self, factory):
+        """MLA's projections (`nn.Linear`, weight = the portable kernel transposed) and the latents'
+        RMSNorm scales `query_a_norm` (Q,) (with `q_lora_rank`) and `key_value_a_norm` (C,)."""
+        for kind, (d, f) in self._latent_kernels().items():
+            setattr(self, kind, nn.Linear(d, f, bias=kind in self.bias, **factory))  # (F, D)
+        q_norm = None if self.q_lora_rank is None else nn.Parameter(torch.empty(self.q_lora_rank, **factory))
+        self.query_a_norm = q_norm  # (Q,)
+        self.key_value_a_norm = nn.Parameter(torch.empty(self.kv_lora_rank, **factory))  # (C,)
+
+    def _latent_kernels(self):
+        """MLA's portable kernels {projection: (D, F)}, in the layout's order."""
+        n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
+        c, q, hn, hr, hv = (
+            self.kv_lora_rank,
+            self.q_lora_rank,
+            self.qk_nope_head_dim,
+            self.qk_rope_head_dim,
+            self.v_head_dim,
+        )
+        kernels = {
+            "query": (self.d_model, n * h),
+            "query_a": (self.d_model, q),
+            "query_b": (q, n * h),
+            "key_value_a": (self.kdim, c + hr),
+            "key_value_b": (c, k * (hn + hv)),
+            "output": (n * hv, self.d_model),
+            "gate": (self.d_model, n * hv),
+        }
+        return {kind: kernels[kind] for kind in self._projections}
+
     def reset_parameters(self):
         """Glorot (Xavier) uniform kernels, zero biases, QK-norm scales of one, QK-norm biases and
         sink logits of zero, as in the other files; and the RoPE frequencies computed (`_reset_rope`)."""
-        for kind in _PROJECTIONS:
+        for kind in self._projections:
             projection = getattr(self, kind)
             nn.init.xavier_uniform_(projection.weight)
             if projection.bias is not None:
                 nn.init.zeros_(projection.bias)
-        for norm in (self.query_norm, self.key_norm):
+        for norm in (self.query_norm, self.key_norm, *self._latent_norms()):
             if norm is not None:
                 nn.init.ones_(norm)
         for norm_bias in (self.query_norm_bias, self.key_norm_bias):
@@ -1666,22 +1858,35 @@ class MultiHeadAttention(nn.Module):
         self._reset_rope()
         return module
 
+    def _latent_norms(self):
+        """MLA's norm scales (`query_a_norm` with `q_lora_rank`, `key_value_a_norm`), none without MLA."""
+        if self._latent is None:
+            return ()
+        return tuple(norm for norm in (self.query_a_norm, self.key_value_a_norm) if norm is not None)
+
     def weight_shapes(self):
         """The portable layout: {name: shape}; a bias only where `bias` names its projection, the
         QK-norm scales only with `qk_norm` (and their biases with `qk_norm_bias`), `sinks` only
-        with `sinks=True`."""
+        with `sinks=True`, the gate's kernel only with `gate=True`; with MLA the latent projections
+        and norms instead of key and value."""
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         kernels = {
             "query": (self.d_model, nh),
             "key": (self.kdim, kh),
             "value": (self.vdim, kh),
             "output": (nh, self.d_model),
+            "gate": (self.d_model, nh),
         }
+        kernels = {kind: shape for kind, shape in kernels.items() if kind in self._projections}
+        kernels = kernels if self._latent is None else self._latent_kernels()
+        norms = {} if self._latent is None else {"query_a": (self.q_lora_rank,), "key_value_a": (self.kv_lora_rank,)}
         shapes = {}
         for kind, shape in kernels.items():
             shapes[f"{kind}_kernel"] = shape
             if kind in self.bias:
                 shapes[f"{kind}_bias"] = shape[1:]
+            if kind in norms:
+                shapes[f"{kind}_norm"] = norms[kind]
         if self.qk_norm is not None:
             shared = self.qk_norm == "head"
             shapes["query_norm"] = (self.head_dim if shared else nh,)
@@ -1695,7 +1900,15 @@ class MultiHeadAttention(nn.Module):
     def _parameter(self, name):
         """The tensor behind a portable name and whether it is stored transposed. A dynamically
         quantized projection (`torch.ao.quantization.quantize_dynamic`) gives its dequantized weight."""
-        if name in ("query_norm", "key_norm", "query_norm_bias", "key_norm_bias", "sinks"):
+        if name in (
+            "query_norm",
+            "key_norm",
+            "query_norm_bias",
+            "key_norm_bias",
+            "sinks",
+            "query_a_norm",
+            "key_value_a_norm",
+        ):
             return getattr(self, name), False
         if name.endswith("_kernel_scale"):
             return getattr(self, name.removesuffix("_kernel_scale")).weight_scale, False
@@ -1735,7 +1948,7 @@ class MultiHeadAttention(nn.Module):
         problems += _int8_problems(weights, expected) if int8 else []
         if problems:
             raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
-        weights_now = {kind: getattr(getattr(self, kind), "weight", None) for kind in _PROJECTIONS}
+        weights_now = {kind: getattr(getattr(self, kind), "weight", None) for kind in self._projections}
         quantized = [kind for kind, weight in weights_now.items() if callable(weight) or _torchao_weight(weight)]
         if quantized:
             raise ValueError(
@@ -1751,27 +1964,28 @@ class MultiHeadAttention(nn.Module):
                 tensor.copy_(value.T if transposed else value)
 
     def quantize(self, mode):
-        """Replaces the four `nn.Linear` projections by `Int8Linear` modules: int8 weights with one
-        float32 scale per output feature, the inputs quantized per token at each call (Keras'
-        scheme, docs/SPEC.md "int8"). `export_weights` then gives the portable int8 layout.
+        """Replaces the `nn.Linear` projections (four, five with `gate`) by `Int8Linear` modules:
+        int8 weights with one float32 scale per output feature, the inputs quantized per token at
+        each call (Keras' scheme, docs/SPEC.md "int8"). `export_weights` then gives the portable
+        int8 layout.
 
         Args:
             mode: "int8", the only mode.
         """
         if mode != "int8":
             raise ValueError(f"`mode` must be 'int8'. Received: mode={mode!r}")
-        others = {kind: type(getattr(self, kind)).__name__ for kind in _PROJECTIONS}
+        others = {kind: type(getattr(self, kind)).__name__ for kind in self._projections}
         others = {kind: name for kind, name in others.items() if name != "Linear"}
         if others:
-            raise ValueError(f"`quantize` needs the four projections as nn.Linear modules. Received: {others}")
-        for kind in _PROJECTIONS:
+            raise ValueError(f"`quantize` needs the projections as nn.Linear modules. Received: {others}")
+        for kind in self._projections:
             setattr(self, kind, Int8Linear.from_linear(getattr(self, kind)))
 
     @property
     def quantization_mode(self):
-        """ "int8" once `quantize("int8")` (or an int8 `import_weights`) made the four projections
+        """ "int8" once `quantize("int8")` (or an int8 `import_weights`) made the projections
         `Int8Linear` modules, else None."""
-        return "int8" if all(isinstance(getattr(self, kind), Int8Linear) for kind in _PROJECTIONS) else None
+        return "int8" if all(isinstance(getattr(self, kind), Int8Linear) for kind in self._projections) else None
 
     def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
         """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
@@ -1784,13 +1998,19 @@ class MultiHeadAttention(nn.Module):
             dtype: dtype of the keys and values; defaults to the compute dtype, the parameters'.
 
         Returns:
-            A `KVCache` of zeros with index 0, on the parameters' device.
+            A `KVCache` of zeros with index 0, on the parameters' device: keys and values
+            (B, K, L, H); with MLA the latent cache, latents (B, 1, L, C) in `key` and turned
+            shared key parts (B, 1, L, Hr) in `value`.
         """
         b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
         weight = self._float_weight()
         device = torch.device("cpu") if weight is None else weight.device  # a quantized module runs on the CPU
         keep = torch.ones(b, length, dtype=torch.bool) if keep is None else _check_keep(keep, b, length)
-        shape = (b, self.num_kv_heads, length, self.head_dim)
+        latent = self._latent
+        key_shape = (
+            (b, self.num_kv_heads, length, self.head_dim) if latent is None else (b, 1, length, latent.kv_lora_rank)
+        )
+        value_shape = key_shape if latent is None else (b, 1, length, latent.qk_rope_head_dim)
         default = torch.get_default_dtype() if weight is None else weight.dtype
         dtype = default if dtype is None else dtype
         keep = keep.to(device, copy=True)  # the cache's own: decoding writes it in place
@@ -1799,14 +2019,17 @@ class MultiHeadAttention(nn.Module):
             _all_kept(keep)
             _carry(index, 0)
         return KVCache(
-            torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device), keep, index
+            torch.zeros(key_shape, dtype=dtype, device=device),
+            torch.zeros(value_shape, dtype=dtype, device=device),
+            keep,
+            index,
         )
 
     def _non_defaults(self):
         """The variants not at their default, and a partial `bias`, {name: value} (`rope_sections`
         only with RoPE, `qk_norm_type` and `qk_norm_bias` only with `qk_norm`: what they change)."""
         variants = {
-            "bias": list(self.bias) if self.bias not in ((), _PROJECTIONS) else None,
+            "bias": list(self.bias) if self.bias not in ((), self._projections) else None,
             "scale": None if self.scale == 1.0 / math.sqrt(self.head_dim) else self.scale,
             "softcap": self.softcap,
             "window": self.window,
@@ -1818,6 +2041,8 @@ class MultiHeadAttention(nn.Module):
             "qk_norm_bias": True if self.qk_norm is not None and self.qk_norm_bias else None,
             "sinks": True if self.sinks is not None else None,
             "clip_qkv": self.clip_qkv,
+            "gate": True if self.gate is not None else None,
+            **{name: getattr(self, name) for name in _LATENT_SIZES},
         }
         return {name: value for name, value in variants.items() if value is not None}
 
@@ -1870,6 +2095,11 @@ class MultiHeadAttention(nn.Module):
         self_attention = key is None and value is None  # what key_mask defaults by (SPEC: key and value left out)
         one_input = (key is None or key is query) and (value is None or value is query)  # may fuse the projections
         key, value = _inputs(query, key, value)
+        if self._latent is not None and value is not key:
+            raise ValueError(
+                "`value` must be None or `key` itself with `kv_lora_rank`: MLA reads keys and values from `key`. "
+                "Received: a value other than key"
+            )
         query = _check_input("query", query, "E", self.d_model)
         if not (key is query and value is query and self.kdim == self.vdim == self.d_model):  # else checked once
             key, value = _check_input("key", key, "kdim", self.kdim), _check_input("value", value, "vdim", self.vdim)
@@ -1879,7 +2109,7 @@ class MultiHeadAttention(nn.Module):
         _check_compute_dtype(query, compute_dtype)
         (b, t), s = query.shape[:2], key.shape[1]
         if cache is not None:
-            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
+            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim, self._latent)
             _check_cache_dtype(cache, compute_dtype)
             _check_room(cache.index, t, cache.key.shape[2], _window_sides(self.window)[0])  # NaN under compile
         query_mask = _check_token_mask("query_mask", query_mask, b, t, "T")  # query_mask first, as in the other files
@@ -1891,7 +2121,7 @@ class MultiHeadAttention(nn.Module):
         return _Call(
             query, key, value, attention_mask, attention_bias, key_mask, query_mask, positions, causal, self.window,
             self.attention_chunk_size, return_attention, cache, None,
-            one_input and (cache is None or _keeps_kernels()),  # a step: only with kernels kept between steps
+            one_input and (cache is None or _keeps_kernels()) and self._latent is None,  # a step: kept kernels only
         )  # fmt: skip
 
     def _positions(self, positions, query, key, cache):
@@ -1951,7 +2181,11 @@ class MultiHeadAttention(nn.Module):
     def _project_qkv(self, call):
         """Step 2: q (B, N, T, H), k and v (B, K, S, H); one matmul for the three where the call
         may fuse them and that computes what the three projections would (`_fusable`). Every path
-        (fused, lean decode, int8, tensor-parallel) then clamps them to [-clip_qkv, clip_qkv]."""
+        (fused, lean decode, int8, tensor-parallel) then clamps them to [-clip_qkv, clip_qkv]. With
+        MLA: q, the latents c (B, 1, S, C) and the shared key part k_rope (B, 1, S, Hr) in place of
+        k and v (`_project_latent`)."""
+        if self._latent is not None:
+            return self._project_latent(call)
         if call.fuse and self._fusable():
             q, k, v = self._project_fused(call.query)  # (B, T, E) -> (B, N, T, H), 2 x (B, K, T, H)
         else:
@@ -1960,6 +2194,20 @@ class MultiHeadAttention(nn.Module):
             v = self._split_heads(self._project(call.value, "value"), self.num_kv_heads)  # (B, S, vdim) -> (B, K, S, H)
         self._check_local_heads(q, k, call.attention_mask, call.attention_bias)
         return self._clip(q), self._clip(k), self._clip(v)
+
+    def _project_latent(self, call):
+        """Step 2 with MLA: q (B, N, T, H), through query_a, its RMSNorm and query_b with Q; the
+        latents c = RMSNorm(a[..., :C]) (B, 1, S, C) and k_rope = a[..., C:] (B, 1, S, Hr) of
+        a = key @ key_value_a_kernel."""
+        if self.q_lora_rank is None:
+            q = self._project(call.query, "query")  # (B, T, E) -> (B, T, N*H)
+        else:
+            a = self._project(call.query, "query_a")  # (B, T, E) -> (B, T, Q)
+            q = self._project(rms_norm(a, self.query_a_norm, self.latent_norm_eps), "query_b")  # -> (B, T, N*H)
+        a = self._project(call.key, "key_value_a")  # (B, S, kdim) -> (B, S, C + Hr)
+        latent, k_rope = a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)  # (B, S, C), (B, S, Hr)
+        latent = rms_norm(latent, self.key_value_a_norm, self.latent_norm_eps)  # (B, S, C)
+        return self._split_heads(q, self.num_heads), latent[:, None], k_rope[:, None]  # (B, N, T, H), (B, 1, S, .)
 
     def _clip(self, x):
         """`clip_qkv` (OLMo, DBRX, MPT): x clamped to [-c, c] (unchanged when None), with the
@@ -2008,7 +2256,7 @@ class MultiHeadAttention(nn.Module):
         return heads.split_with_sizes([n, kv, kv], dim=1)  # (B, N, T, H), (B, K, T, H), (B, K, T, H)
 
     def _project(self, x, kind):
-        """(B, L, D) -> (B, L, F): the projection `kind` ("query", "key", "value" or "output")."""
+        """(B, L, D) -> (B, L, F): the projection `kind` ("query", "key", "value", "output" or "gate")."""
         return _linear(getattr(self, kind), x)
 
     def _split_heads(self, y, heads):
@@ -2068,16 +2316,23 @@ class MultiHeadAttention(nn.Module):
         over = _norm_per_head if self.qk_norm == "per_head" else _norm_over_heads
         return over(norm, q, self.query_norm, eps, q_bias), over(norm, k, self.key_norm, eps, k_bias)
 
-    def _rotate(self, q, k, positions):
+    def _rotate(self, q, k, v, positions):
         """Step 4, RoPE: q and k turned at their (B, T) positions by the frequencies `_inv_freq`
-        (with `rope_sections`, (k, B, T) positions: each section of pairs by its row)."""
+        (with `rope_sections`, (k, B, T) positions: each section of pairs by its row); with MLA
+        the last Hr features of q and the (B, 1, T, Hr) k_rope, which stands in v's place (k is
+        the latents). Returns q, k, v."""
         if self.rope_theta is None:
-            return q, k
-        inv_freq, interleaved = self._inv_freq.to(q.device), self.rope_interleaved  # (R/2,) float32
-        rope = (positions, inv_freq, interleaved, self.rope_sections)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        factor = rope_attention_factor(self.rope_scaling)
-        return scale_rotated(q, self._rotary_dim, factor), scale_rotated(k, self._rotary_dim, factor)  # YaRN's factor
+            return q, k, v
+        if self._latent is not None:
+            q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)  # (B, N, T, Hn), (.., Hr)
+            return torch.cat([q_nope, self._turn(q_rope, positions)], dim=-1), k, self._turn(v, positions)
+        return self._turn(q, positions), self._turn(k, positions), v
+
+    def _turn(self, x, positions):
+        """RoPE of the first R features of each head of x (B, heads, T, H), times YaRN's factor."""
+        inv_freq = self._inv_freq.to(x.device)  # (R/2,) float32
+        x = apply_rope(x, positions, inv_freq, self.rope_interleaved, self.rope_sections)  # (B, heads, T, H)
+        return scale_rotated(x, self._rotary_dim, rope_attention_factor(self.rope_scaling))
 
     def _update_cache(self, call, k, v, keep):
         """Step 5, the KV cache: the new keys and values written (`_write_cache`, checked by
@@ -2105,6 +2360,68 @@ class MultiHeadAttention(nn.Module):
         return cache.key, cache.value, keep, folded
 
     def _attend(self, q, k, v, keep, bias, call):
+        """Step 6, the one entry to the paths (`_attend_heads`); with MLA k and v are the
+        (B, 1, S, C) latents and (B, 1, S, Hr) k_rope, attended expanded or absorbed."""
+        if self._latent is not None and self._absorbs(call, q.shape[2]):
+            return self._attend_absorbed(q, k, v, keep, bias, call)
+        if self._latent is not None:
+            k, v = self._expand_latents(k, v)  # (B, K, S, H), (B, K, S, Hv)
+        return self._attend_heads(q, k, v, keep, bias, call)
+
+    def _absorbs(self, call, t):
+        """MLA's path: `absorb_latents` if set, else absorbed with a cache and T <= 8."""
+        if self.absorb_latents is not None:
+            return bool(self.absorb_latents)
+        return call.cache is not None and t <= _ABSORB_MAX_T
+
+    def _expand_latents(self, latent, k_rope):
+        """MLA's up-projection: (B, 1, S, C) latents and (B, 1, S, Hr) k_rope -> keys
+        concat(k_nope, k_rope) (B, K, S, H) and values (B, K, S, Hv)."""
+        kv = self._project(latent[:, 0], "key_value_b")  # (B, S, C) -> (B, S, K*(Hn + Hv))
+        (b, s, _), heads = kv.shape, self.num_kv_heads
+        kv = kv.view(b, s, heads, -1).transpose(1, 2)  # -> (B, K, S, Hn + Hv)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # (B, K, S, Hn), (B, K, S, Hv)
+        k_rope = k_rope.expand(b, heads, s, self.qk_rope_head_dim)  # (B, 1, S, Hr) -> (B, K, S, Hr)
+        return torch.cat([k_nope, k_rope], dim=-1), v  # (B, K, S, H), (B, K, S, Hv)
+
+    def _up_projections(self, dtype):
+        """key_value_b's kernel in `dtype` as (N, Hn, C) and (N, Hv, C) and its bias (N, Hn) and
+        (N, Hv) (None without one), each key/value head's repeated for its N // K query heads; an
+        int8 projection's dequantized."""
+        weight, _ = self._parameter("key_value_b_kernel")  # (K*(Hn + Hv), C)
+        projection, groups = self.key_value_b, self.num_heads // self.num_kv_heads
+        scale = projection.weight_scale[:, None] if isinstance(projection, Int8Linear) else 1.0  # (K*(Hn + Hv), 1)
+        weight = (weight.to(dtype) * scale).to(dtype).view(self.num_kv_heads, -1, weight.shape[-1])  # (K, Hn + Hv, C)
+        weight = weight.repeat_interleave(groups, dim=0)  # (N, Hn + Hv, C)
+        w_kb, w_vb = weight.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)  # (N, Hn, C), (N, Hv, C)
+        if "key_value_b" not in self.bias:
+            return w_kb, w_vb, None, None
+        bias = self._parameter("key_value_b_bias")[0].to(dtype).view(self.num_kv_heads, -1)  # (K, Hn + Hv)
+        b_k, b_v = bias.repeat_interleave(groups, dim=0).split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        return w_kb, w_vb, b_k, b_v  # ..., (N, Hn), (N, Hv)
+
+    def _attend_absorbed(self, q, latent, k_rope, keep, bias, call):
+        """Step 6 with MLA on the latents, through `_attend_heads` (every path): q_lat = q_nope @
+        W_kb^T (B, N, T, C) meets the latents and q_rope meets k_rope (and q_nope . b_k a key of
+        ones); the values are the latents (and a one, whose output is sum(weights)); each head's
+        context is o_lat @ W_vb + sum(weights) * b_v (B, N, T, Hv)."""
+        w_kb, w_vb, b_k, b_v = self._up_projections(q.dtype)  # (N, Hn, C), (N, Hv, C), (N, Hn), (N, Hv)
+        if isinstance(self.key_value_b, Int8Linear):  # the latents as the int8 up-projection reads them
+            latent = _int8_rows(latent)  # (B, 1, S, C)
+        q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)  # (B, N, T, Hn), (.., Hr)
+        ones = latent.new_ones(*latent.shape[:3], 1)  # (B, 1, S, 1)
+        queries, keys, values = [q_nope @ w_kb, q_rope], [latent, k_rope], [latent]  # (B, N, T, C), ...
+        if b_k is not None:
+            queries.append((q_nope * b_k[:, None, :]).sum(dim=-1, keepdim=True))  # (B, N, T, 1)
+            keys.append(ones)
+        if b_v is not None:
+            values.append(ones)
+        q, k, v = (torch.cat(parts, dim=-1) for parts in (queries, keys, values))  # (B, N, T, .), 2 x (B, 1, S, .)
+        context, weights = self._attend_heads(q, k, v, keep, bias, call)  # (B, N, T, C or C + 1)
+        output = context[..., : self.kv_lora_rank] @ w_vb.transpose(-1, -2)  # (B, N, T, C) -> (B, N, T, Hv)
+        return output if b_v is None else output + context[..., self.kv_lora_rank :] * b_v[:, None, :], weights
+
+    def _attend_heads(self, q, k, v, keep, bias, call):
         """Step 6, the one entry to the speed paths, all with `dot_product_attention`'s numbers:
         SDPA without returned weights (its own causal triangle where nothing else masks; the sinks
         as one more key, `_sdpa_with_sinks`); the explicit softmax with them, or with `softcap`
@@ -2131,6 +2448,14 @@ class MultiHeadAttention(nn.Module):
             return context, weights if call.return_attention else None
         return _sdpa_attention(q, k, v, keep, bias, dropout, self.scale, sinks=sinks), None
 
+    def _gate_heads(self, call, context):
+        """Step 6b: the (B, N, T, Hv) attention result times sigmoid(query @ gate_kernel + gate_bias)
+        split into heads (unchanged without `gate`; Hv = H without MLA)."""
+        if self.gate is None:
+            return context
+        gate = torch.sigmoid(self._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
+        return context * gate.unflatten(-1, (-1, context.shape[-1])).transpose(1, 2)  # -> (B, N, T, Hv)
+
     def forward(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
         attention_bias=None, positions=None, causal=False, return_attention=False, cache=None, mask=None,
@@ -2142,9 +2467,10 @@ class MultiHeadAttention(nn.Module):
         keep, bias = self._masks(call)  # 1. (B|1, N|1, T|1, S|1) keep and bias
         q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H)
         q, k = self._normalize_qk(q, k)  # 3. QK-norm
-        q, k = self._rotate(q, k, call.positions)  # 4. RoPE
+        q, k, v = self._rotate(q, k, v, call.positions)  # 4. RoPE (MLA: of q and k_rope, in v's place)
         k, v, keep, call = self._update_cache(call, k, v, keep)  # 5. KV cache (may fold causal, window, chunk)
         context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S) or None
+        context = self._gate_heads(call, context)  # 6b. output gate, (B, N, T, H)
         output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*H) -> (B, T, E)
         if call.cache is not None and torch.compiler.is_compiling():  # a graph cannot raise: no room gives NaN
             t, length = q.shape[2], call.cache.key.shape[2]

@@ -14,11 +14,12 @@ The math, for query head n (which reads key/value head n // (N // K)):
     scores[n] = q[n] @ k[n // G]^T * scale + float_mask         (B, N, T, S), G = N // K
     weights = softmax(scores where kept, else lowest finite)    zeroed where not kept
     context[n] = weights[n] @ v[n // G]                         (B, N, T, H)
-    output = concat_heads(context) @ output_kernel + output_bias
+    gate = sigmoid(query @ gate_kernel + gate_bias)             (B, T, N*H), with `gate` only
+    output = concat_heads(context * gate) @ output_kernel + output_bias
 
 The steps of `call` (docs/SPEC.md, "Order of the steps"): 1. defaults and checks, the masks
 combined into one keep and one bias; 2. projections (clamped by `clip_qkv`); 3. QK-norm; 4. RoPE; 5. KV cache write;
-6. attention; 7. heads merged and the output projection.
+6. attention; 6b. the output gate (`gate`); 7. heads merged and the output projection.
 
 Variants, each off by default and each one small step of the call: `bias` per projection, `scale`
 (default 1 / sqrt(H)), `softcap` (scores become c * tanh(scores / c)), `window` (query t keeps key
@@ -27,8 +28,10 @@ s only if s > t + (S - T) - W; a pair (W_before, W_after) also needs s < t + (S 
 (`rope_theta`, `rope_fraction`, `rope_interleaved`, `rope_scaling`, `rope_sections` for
 multimodal RoPE; `positions` in the call), `qk_norm` (RMSNorm or LayerNorm, `qk_norm_type`, of q
 and k per head, each head with its own scale, or over all heads; `qk_norm_bias` adds a bias),
-`sinks` (a learned logit per head in the softmax's denominator) and `clip_qkv` (q, k and v
-clamped to [-c, c] right after their projections: OLMo, DBRX, MPT). Call arguments
+`sinks` (a learned logit per head in the softmax's denominator), `clip_qkv` (q, k and v
+clamped to [-c, c] right after their projections: OLMo, DBRX, MPT), `gate` (each head's
+result times sigmoid(query @ gate_kernel + gate_bias): Keras' `use_gate`, Qwen3-Next) and
+multi-head latent attention (`kv_lora_rank`, below). Call arguments
 `attention_bias` (added to the scores, with a gradient; see `alibi_bias`), `key_mask` (B, S) and
 `query_mask` (B, T).
 
@@ -46,7 +49,8 @@ is `output_bias`: never NaN. Example, a key padding mask for keys [a, b, <pad>]:
 
 Weights: `query_kernel` (E, N*H), `query_bias` (N*H,), `key_kernel` (kdim, K*H), ...,
 `output_kernel` (N*H, E), `output_bias` (E,), `query_norm`, `key_norm`, `query_norm_bias`,
-`key_norm_bias` and `sinks` (N,): the portable layout itself, created in `build`.
+`key_norm_bias`, `sinks` (N,), `gate_kernel` (E, N*H) and `gate_bias`: the portable layout itself,
+created in `build`.
 `layer.quantize("int8")` makes each kernel int8 with a float32 `<kind>_kernel_scale` per output
 column (Keras' int8 `Dense` scheme).
 
@@ -58,6 +62,16 @@ keep[b, s], (not causal or p <= index + t), (no window or index + t - W_before <
 pair p < index + t + W_after), (no chunk size or p // C == (index + t) // C) and
 `attention_mask` (given over L) keeps it. The cache is functional (a nest of tensors);
 `init_cache(B, L, in_place=True)` makes one of `tf.Variable`s, written in place.
+
+Multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi, GLM-5), on with `kv_lora_rank` C; Hn, Hr
+and Hv are `qk_nope_head_dim`, `qk_rope_head_dim` and `v_head_dim`, H = Hn + Hr, Q = `q_lora_rank`:
+    q = RMSNorm(query @ query_a_kernel) @ query_b_kernel   (B, T, N*H), or query @ query_kernel
+    c, k_rope = split(key @ key_value_a_kernel)            (B, S, C), (B, S, Hr); c RMS-normalized
+    [k_nope, v] = c @ key_value_b_kernel                   (B, S, K*(Hn + Hv)), per head
+    k = [k_nope, k_rope]; RoPE turns the last Hr features of q and k_rope (shared by the heads)
+The cache holds c in `key` (B, 1, L, C) and the turned k_rope in `value` (B, 1, L, Hr). The
+absorbed path (`absorb_latents`) attends the latents directly: q_nope @ W_kb^T against c, the
+weighted sum of c then @ W_vb, the up-projections folded into the query and the output.
 """
 
 import functools
@@ -73,7 +87,9 @@ __all__ = ["AttentionMaskWarning", "KVCache", "MultiHeadAttention", "alibi_bias"
 
 _GROUP_QUERY_ATTENTION = getattr(tf.keras.layers, "GroupQueryAttention", None)  # None in legacy Keras (tf_keras)
 _BUILT_IN_GQA = () if _GROUP_QUERY_ATTENTION is None else (_GROUP_QUERY_ATTENTION,)
-_PROJECTIONS = ("query", "key", "value", "output")
+_PROJECTIONS = ("query", "key", "value", "output", "gate")  # the names `bias` takes; "gate" only with `gate`
+_LATENT_SIZES = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_ABSORB_MAX_T = 8  # `absorb_latents=None`: a call with a cache and T <= 8 attends on the latents
 _ROPE_SCALING = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -165,20 +181,24 @@ class _Variants(NamedTuple):
     qk_norm_bias: bool
     sinks: bool
     clip_qkv: float | None
+    gate: bool
+    latent_norm_eps: float
 
 
 def _check_variants(
-    head_dim, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved, rope_scaling,
-    rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv,
+    head_dim, rope_width, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved,
+    rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv, gate,
+    latent_norm_eps,
 ):  # fmt: skip
     """The variant arguments of the constructor checked (a ValueError names the first bad one, in
-    the signature's order with the flags last) into a `_Variants`; `scale` None becomes 1 / sqrt(H)."""
+    the signature's order with the flags last) into a `_Variants`; `scale` None becomes 1 / sqrt(H).
+    RoPE turns features of heads `rope_width` wide (H, or Hr with MLA)."""
     scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float("scale", scale)
     softcap = _positive_float("softcap", softcap, optional=True)
     window = _check_window(window)
     chunk = None if attention_chunk_size is None else _positive_int("attention_chunk_size", attention_chunk_size)
     rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
-    rotary = _rotary_dim(rope_fraction, head_dim, rope_theta is not None)
+    rotary = _rotary_dim(rope_fraction, rope_width, rope_theta is not None)
     rope_scaling = _check_rope_scaling(rope_scaling)
     rope_sections = _check_rope_sections(rope_sections, rotary)
     if qk_norm not in (None, "head", "per_head", "all"):
@@ -188,12 +208,14 @@ def _check_variants(
     if not isinstance(qk_norm_type, str) or qk_norm_type not in ("rms", "layer"):
         raise ValueError(f"`qk_norm_type` must be 'rms' or 'layer'. Received: qk_norm_type={qk_norm_type!r}")
     clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
+    latent_norm_eps = _positive_float("latent_norm_eps", latent_norm_eps)
     rope_interleaved = _flag("rope_interleaved", rope_interleaved)
     qk_norm_bias = _flag("qk_norm_bias", qk_norm_bias)
     sinks = _flag("sinks", sinks)
+    gate = _flag("gate", gate)
     return _Variants(
         scale, softcap, window, chunk, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling, rope_sections,
-        qk_norm, qk_norm_eps, str(qk_norm_type), qk_norm_bias, sinks, clip_qkv,
+        qk_norm, qk_norm_eps, str(qk_norm_type), qk_norm_bias, sinks, clip_qkv, gate, latent_norm_eps,
     )  # fmt: skip
 
 
@@ -277,21 +299,37 @@ def _dropout_rate(dropout):
     return float(dropout)
 
 
-def _projection_biases(bias):
-    """`bias` -> the names of the projections that have a bias, in the order ("query", "key",
-    "value", "output"). `bias` is a Python or NumPy bool (all or none), or a list, tuple, set or
-    frozenset of those names; anything else (a string, a dict or its keys, an array) is refused."""
+def _projection_biases(bias, gate, projections=_PROJECTIONS):
+    """`bias` -> the names of the projections that have a bias, in the order of `projections`
+    (("query", "key", "value", "output", "gate"), or the layer's with MLA: `_projections`). `bias`
+    is a Python or NumPy bool (all the layer's projections, the gate's only with `gate` True, or
+    none), or a list, tuple, set or frozenset of those names; anything else (a string, a dict or
+    its keys, an array) is refused."""
     if isinstance(bias, (bool, np.bool_)):
-        return _PROJECTIONS if bias else ()
+        return _projection_kinds(projections, gate is True or gate is np.True_) if bias else ()
     names = isinstance(bias, (list, tuple, set, frozenset)) and all(
-        isinstance(name, str) and name in _PROJECTIONS for name in bias
+        isinstance(name, str) and name in projections for name in bias
     )
     if not names:
         raise ValueError(
-            "`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output'. "
+            f"`bias` must be True, False or a list, tuple or set of {', '.join(map(repr, projections))}. "
             f"Received: bias={bias!r}"
         )
-    return tuple(name for name in _PROJECTIONS if name in bias)
+    return tuple(name for name in projections if name in bias)
+
+
+def _projections(latent):
+    """The names `bias` takes: the layer's projections, query, key, value, output (with MLA query,
+    or query_a and query_b, key_value_a, key_value_b, output), then the gate's."""
+    if latent is None:
+        return _PROJECTIONS
+    query = ("query",) if latent.q_lora_rank is None else ("query_a", "query_b")
+    return (*query, "key_value_a", "key_value_b", "output", "gate")
+
+
+def _projection_kinds(projections, gate):
+    """The layer's projections among `projections` (`_projections`): the gate's only with `gate`."""
+    return projections if gate else projections[:-1]
 
 
 def _rotary_dim(rope_fraction, head_dim, rope):
@@ -336,6 +374,65 @@ def _valid_yarn(scaling):
         return False
     truncate = isinstance(scaling.get("truncate", True), (bool, np.bool_))
     return truncate and (scaling.get("beta_fast") or 32) >= (scaling.get("beta_slow") or 1)
+
+
+class _Latent(NamedTuple):
+    """The sizes of multi-head latent attention (MLA), checked (`_check_latent`)."""
+
+    kv_lora_rank: int  # C
+    q_lora_rank: int | None  # Q, None: a plain query projection
+    qk_nope_head_dim: int  # Hn
+    qk_rope_head_dim: int  # Hr
+    v_head_dim: int  # Hv
+
+
+def _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim):
+    """Checks the MLA sizes (each None or a positive integer, in the signature's order) and returns
+    a `_Latent`, or None without `kv_lora_rank`, when the others must be None too."""
+    sizes = dict(
+        zip(_LATENT_SIZES, (kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim), strict=True)
+    )
+    for name, value in sizes.items():
+        sizes[name] = None if value is None else _positive_int(name, value)
+    if sizes["kv_lora_rank"] is None:
+        for name in (name for name in _LATENT_SIZES[1:] if sizes[name] is not None):
+            raise ValueError(
+                f"`{name}` needs `kv_lora_rank` (multi-head latent attention). "
+                f"Received: {name}={sizes[name]!r}, kv_lora_rank=None"
+            )
+        return None
+    missing = [name for name in _LATENT_SIZES[2:] if sizes[name] is None]
+    if missing:
+        raise ValueError(
+            "`kv_lora_rank` needs `qk_nope_head_dim`, `qk_rope_head_dim` and `v_head_dim`. "
+            f"Received: kv_lora_rank={sizes['kv_lora_rank']}, {', '.join(f'{name}=None' for name in missing)}"
+        )
+    return _Latent(**sizes)
+
+
+def _latent_head_dim(latent, head_dim):
+    """H with MLA: qk_nope_head_dim + qk_rope_head_dim, which `head_dim`, if given, must equal."""
+    width = latent.qk_nope_head_dim + latent.qk_rope_head_dim
+    if head_dim is not None and not (_is_positive_int(head_dim) and head_dim == width):
+        raise ValueError(
+            f"`head_dim` must equal qk_nope_head_dim + qk_rope_head_dim = {width} with `kv_lora_rank`. "
+            f"Received: head_dim={head_dim!r}"
+        )
+    return width
+
+
+def _check_latent_combinations(vdim, variants):
+    """What MLA refuses, each with why (after every argument's own check)."""
+    refused = (
+        ("vdim", vdim, vdim is not None, "MLA reads keys and values from `key` (its width is `kdim`)"),
+        ("qk_norm", variants.qk_norm, variants.qk_norm is not None, "MLA normalizes the latents instead"),
+        ("clip_qkv", variants.clip_qkv, variants.clip_qkv is not None, "MLA has no q, k and v to clamp"),
+        ("rope_sections", variants.rope_sections, variants.rope_sections is not None, "RoPE turns the Hr features"),
+        ("rope_fraction", variants.rope_fraction, variants.rope_fraction != 1.0, "RoPE turns all Hr features"),
+    )
+    for name, value, given, why in refused:
+        if given:
+            raise ValueError(f"`{name}` is not supported with `kv_lora_rank`: {why}. Received: {name}={value!r}")
 
 
 # -------------------------------------------------------------------------------------------------
@@ -861,9 +958,10 @@ def _swap_pairs(x, interleaved):
 # -------------------------------------------------------------------------------------------------
 
 
-def _check_cache(cache, query, key, heads, head_dim):
-    """Checks a KVCache against the call's (B, T, E) query and (B, S, kdim) key; dimensions
-    unknown at trace time are not checked."""
+def _check_cache(cache, query, key, heads, head_dim, latent=None):
+    """Checks a KVCache against the call's (B, T, E) query and (B, S, kdim) key: keys and values
+    (B, K, L, H), or with MLA the latent cache (B, 1, L, C) and (B, 1, L, Hr); dimensions unknown
+    at trace time are not checked."""
     (b, t), s = tuple(query.shape)[:2], key.shape[1]
     if t == 0:
         raise ValueError(
@@ -876,7 +974,9 @@ def _check_cache(cache, query, key, heads, head_dim):
             f"it). Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
         )
     k, v = tuple(cache.key.shape), tuple(cache.value.shape)
-    if (
+    if latent is not None:
+        _check_latent_cache(k, v, b, latent)
+    elif (
         len(k) != 4
         or k != v
         or any(_differ(*pair) for pair in zip((k[0], k[1], k[3]), (b, heads, head_dim), strict=True))
@@ -888,6 +988,18 @@ def _check_cache(cache, query, key, heads, head_dim):
     keep = tuple(cache.keep.shape)
     if len(keep) != 2 or _differ(keep[0], b) or _differ(keep[1], k[2]):
         raise ValueError(f"`cache.keep` must have shape (B, L)=({b}, {k[2]}). Received: cache.keep.shape={keep}")
+
+
+def _check_latent_cache(k, v, batch_size, latent):
+    """The latent cache: (B, 1, L, C) latents and (B, 1, L, Hr) turned key parts; `k` and `v` are
+    their shapes, dimensions unknown at trace time not checked."""
+    c, hr = latent.kv_lora_rank, latent.qk_rope_head_dim
+    valid = len(k) == len(v) == 4 and not any(_differ(*pair) for pair in zip(k[:3], v[:3], strict=True))
+    if not valid or any(_differ(*pair) for pair in zip((k[0], k[1], k[3], v[3]), (batch_size, 1, c, hr), strict=True)):
+        raise ValueError(
+            "`cache.key` and `cache.value` must have shape (B, 1, L, C) and (B, 1, L, Hr) with kv_lora_rank: "
+            f"B={batch_size}, C={c}, Hr={hr}. Received: cache.key.shape={k}, cache.value.shape={v}"
+        )
 
 
 def _check_cache_dtype(cache, dtype):
@@ -1113,7 +1225,7 @@ class _Chunks(NamedTuple):
     rate: float  # dropout
     seed: tf.Tensor | None  # (2,) int64
     dtype: tf.DType  # the softmax's
-    heads: tuple  # (B, N, K, G, H), G = N // K; B and H static where known
+    heads: tuple  # (B, N, K, G, Hv), G = N // K, Hv the values' width; B and Hv static where known
 
 
 def _chunked_attention(
@@ -1132,7 +1244,8 @@ def _chunked_attention(
     Returns:
         context (B, N, T, H).
     """
-    b, n, h = (q.shape[i] if q.shape[i] is not None else tf.shape(q)[i] for i in (0, 1, 3))  # static if known
+    b, n = (q.shape[i] if q.shape[i] is not None else tf.shape(q)[i] for i in (0, 1))  # static if known
+    h = v.shape[3] if v.shape[3] is not None else tf.shape(v)[3]  # Hv, the context's width
     t, s, dtype = tf.shape(q)[2], tf.shape(k)[2], _softmax_dtype(q.dtype)
     count = (t + chunk - 1) // chunk
     padded = count * chunk - t
@@ -1162,15 +1275,15 @@ _chunked_graph = tf.function(_chunked_attention)
 
 
 def _chunked_forward(chunks, q, k, v, extra):
-    """The (B, N, T', H) context, one chunk of queries at a time (`_stacked`)."""
+    """The (B, N, T', Hv) context, one chunk of queries at a time (`_stacked`)."""
     b, n, _, _, h = chunks.heads
 
     def one(i):
         weights, _ = _dropped(chunks, _chunk_weights(chunks, q, k, i, extra)[1], i)
-        return _by_head(chunks, tf.matmul(_grouped(chunks, tf.cast(weights, v.dtype)), v))  # (B, N, chunk, H)
+        return _by_head(chunks, tf.matmul(_grouped(chunks, tf.cast(weights, v.dtype)), v))  # (B, N, chunk, Hv)
 
-    contexts = _stacked(one, chunks.count, (b, n, chunks.size, h), v.dtype)  # (count, B, N, chunk, H)
-    return tf.reshape(tf.transpose(contexts, [1, 2, 0, 3, 4]), [b, n, -1, h])  # -> (B, N, T', H)
+    contexts = _stacked(one, chunks.count, (b, n, chunks.size, h), v.dtype)  # (count, B, N, chunk, Hv)
+    return tf.reshape(tf.transpose(contexts, [1, 2, 0, 3, 4]), [b, n, -1, h])  # -> (B, N, T', Hv)
 
 
 def _chunked_backward(chunks, q, k, v, extra, d_context):
@@ -1178,7 +1291,8 @@ def _chunked_backward(chunks, q, k, v, extra, d_context):
     `d_context`, one chunk at a time in a `tf.while_loop` (`_chunk_gradients`): k's and v's
     accumulated in the softmax's dtype, q's and per-row `attention_bias`'s (a bias whose T
     dimension is full) collected per chunk."""
-    zeros = tf.zeros(tf.shape(k), chunks.dtype)  # (B, K, S, H), accumulated in float32 at least (float64 stays)
+    zeros_k = tf.zeros(tf.shape(k), chunks.dtype)  # (B, K, S, H), accumulated in float32 at least (float64 stays)
+    zeros_v = tf.zeros(tf.shape(v), chunks.dtype)  # (B, K, S, Hv)
     d_q = tf.TensorArray(q.dtype, size=chunks.count, element_shape=None, infer_shape=False)
     d_extra = {name: tf.zeros_like(x) for name, x in extra.items()}
     bias_rows = "attention_bias" in extra and extra["attention_bias"].shape[2] != 1
@@ -1190,7 +1304,7 @@ def _chunked_backward(chunks, q, k, v, extra, d_context):
     def body(i, d_k, d_v, d_q, d_extra):
         return (i + 1, *_chunk_gradients(chunks, q, k, v, extra, d_context, i, (d_k, d_v, d_q, d_extra)))
 
-    _, d_k, d_v, d_q, d_extra = tf.while_loop(lambda i, *_: i < chunks.count, body, (0, zeros, zeros, d_q, d_extra))
+    _, d_k, d_v, d_q, d_extra = tf.while_loop(lambda i, *_: i < chunks.count, body, (0, zeros_k, zeros_v, d_q, d_extra))
     d_q = tf.reshape(tf.transpose(d_q.stack(), [1, 2, 0, 3, 4]), tf.shape(q))  # (B, N, T', H)
     if bias_rows:
         rows = tf.transpose(d_extra["attention_bias"].stack(), [1, 2, 0, 3, 4])  # (b, n, count, chunk, S)
@@ -1462,6 +1576,13 @@ def _int8_matmul(rows, kernel, kernel_scale):
     return y, grad
 
 
+def _quantized_rows(x):
+    """x quantized per token as `_int8_matmul` quantizes its rows, and dequantized: round(x * r) / r,
+    r = 127 / (max |x| + 1e-7) over the last axis, the integers clipped to [-127, 127]."""
+    ratio = _INT8_MAX / (tf.reduce_max(tf.abs(x), axis=-1, keepdims=True) + _INT8_EPSILON)  # (..., 1)
+    return tf.clip_by_value(tf.round(x * ratio), -_INT8_MAX, _INT8_MAX) * (1.0 / ratio)
+
+
 def _with_scales(shapes):
     """The int8 layout of a float layout: `<kind>_kernel_scale` (F,) after each (D, F) `<kind>_kernel`."""
     scaled = {}
@@ -1537,9 +1658,11 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         kdim: width of `key`. Defaults to E.
         vdim: width of `value`. Defaults to E.
         dropout: probability of dropping attention weights when training; 0 <= p < 1.
-        bias: True (all four projections have a bias), False (none), or a list, tuple or set of the
-            names of those that have one, among "query", "key", "value", "output" (Qwen2:
-            ("query", "key", "value")). Kept as that tuple of names, in that order.
+        bias: True (all the projections have a bias, the gate's with `gate`), False (none), or a
+            list, tuple or set of the names of those that have one, among "query", "key", "value",
+            "output", "gate" (Qwen2: ("query", "key", "value")). Kept as that tuple of names, in
+            that order. With MLA the names are "query" (or "query_a" and "query_b"), "key_value_a",
+            "key_value_b", "output", "gate".
         scale: the factor of the scores, `scores = (q . k) * scale`. Defaults to 1 / sqrt(H).
         softcap: None or a positive float c: the scores become c * tanh(scores / c).
         window: None, W, or a pair (W_before, W_after): query t keeps key s only if
@@ -1567,7 +1690,22 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         sinks: if True, one learned logit per query head in the softmax's denominator.
         clip_qkv: None or c > 0: q, k and v are clamped to [-c, c] right after their projections
             (bias included), before QK-norm, RoPE and the cache (OLMo, DBRX, MPT).
-        kernel_initializer: initializer of the four kernels.
+        gate: if True, each head's attention result is multiplied, feature by feature, by
+            sigmoid(query @ gate_kernel + gate_bias) before the heads are merged (Keras'
+            `use_gate`, Qwen3-Next, Qwen3.5).
+        kv_lora_rank: None, or C: multi-head latent attention (DeepSeek-V2/V3). Keys and values
+            come from `key` through a latent of C features per token, RMS-normalized, and the
+            cache holds it (`KVCache.key` (B, 1, L, C), `value` (B, 1, L, Hr)); `value` must be
+            None or `key` itself. Not with `vdim`, `qk_norm`, `clip_qkv`, `rope_sections` or
+            `rope_fraction` < 1.
+        q_lora_rank: None (a plain query projection), or Q: the query goes through a latent of Q
+            features, RMS-normalized (`query_a_kernel`, `query_a_norm`, `query_b_kernel`).
+        qk_nope_head_dim: Hn, the features of a query/key head that RoPE does not turn (MLA).
+        qk_rope_head_dim: Hr, the features RoPE turns (MLA); the key's are shared by the heads.
+            With MLA, H = Hn + Hr (`head_dim`, if given, must equal it).
+        v_head_dim: Hv, the width of a value head (MLA); the output kernel is (N*Hv, E).
+        latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
+        kernel_initializer: initializer of the kernels.
         bias_initializer: initializer of the biases.
         **kwargs: base layer arguments (`name`, `dtype` policy, ...).
 
@@ -1617,6 +1755,11 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         True
     """
 
+    # With MLA, whether attention runs on the latents with the up-projections folded in (the absorbed
+    # path: True), on per-head keys and values up-projected from them (False), or (None) absorbed
+    # when decoding a few tokens with a cache (`_absorbs`).
+    absorb_latents = None
+
     # Without `return_attention`, (B, N, T, S) score elements above which attention runs a chunk
     # of queries at a time (memory linear in T and S; 64 Mi float32 scores are 256 MiB), and the
     # score elements of one chunk (8 MiB in float32, the fastest on the benchmark machine).
@@ -1627,8 +1770,9 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         self, d_model, num_heads, *, num_kv_heads=None, head_dim=None, kdim=None, vdim=None, dropout=0.0, bias=True,
         scale=None, softcap=None, window=None, attention_chunk_size=None, rope_theta=None, rope_fraction=1.0,
         rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None, qk_norm_eps=1e-6,
-        qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, kernel_initializer="glorot_uniform",
-        bias_initializer="zeros", **kwargs,
+        qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
+        q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
+        kernel_initializer="glorot_uniform", bias_initializer="zeros", **kwargs,
     ):  # fmt: skip
         if tf.keras.backend.backend() != "tensorflow":
             raise ValueError(
@@ -1644,21 +1788,30 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             raise ValueError(
                 f"`num_kv_heads` must divide `num_heads`. Received: num_heads={num_heads}, num_kv_heads={num_kv_heads}"
             )
+        latent = _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
+        head_dim = head_dim if latent is None else _latent_head_dim(latent, head_dim)  # MLA: Hn + Hr
         if head_dim is None and self.d_model % self.num_heads:
             raise ValueError(f"`num_heads` must divide `d_model`. Received: d_model={d_model}, num_heads={num_heads}")
         self.head_dim = _positive_int("head_dim", self.d_model // self.num_heads if head_dim is None else head_dim)
         self.kdim = _positive_int("kdim", self.d_model if kdim is None else kdim)
         self.vdim = _positive_int("vdim", self.d_model if vdim is None else vdim)
         self.dropout = _dropout_rate(dropout)
-        self.bias = _projection_biases(bias)
+        self.bias = _projection_biases(bias, gate, _projections(latent))
+        rope_width = self.head_dim if latent is None else latent.qk_rope_head_dim
         variants = _check_variants(
-            self.head_dim, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved,
-            rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv,
+            self.head_dim, rope_width, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction,
+            rope_interleaved, rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks,
+            clip_qkv, gate, latent_norm_eps,
         )  # fmt: skip
+        if latent is not None:
+            _check_latent_combinations(vdim, variants)
+            self.vdim = self.kdim  # MLA reads keys and values from `key`
         for name, value in variants._asdict().items():
             setattr(self, name, value)
+        for name in _LATENT_SIZES:
+            setattr(self, name, None if latent is None else getattr(latent, name))
         if self.rope_theta is not None:
-            rotary = _rotary_dim(rope_fraction, self.head_dim, True)
+            rotary = _rotary_dim(rope_fraction, rope_width, True)
             frequencies = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,)
             self._inv_freq = frequencies.numpy()  # a constant of each graph, not a captured tensor (tf2onnx)
         self.kernel_initializer = tf.keras.initializers.get(kernel_initializer)
@@ -1734,7 +1887,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         return query_shape
 
     def get_config(self):
-        bias = True if self.bias == _PROJECTIONS else bool(self.bias) and list(self.bias)
+        bias = True if self.bias == self._projection_names else bool(self.bias) and list(self.bias)
         return {
             **super().get_config(),
             "d_model": self.d_model,
@@ -1742,7 +1895,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "kdim": self.kdim,
-            "vdim": self.vdim,
+            "vdim": None if self.kv_lora_rank is not None else self.vdim,  # MLA: its values come from `key`
             "dropout": self.dropout,
             "bias": bias,
             "scale": self.scale,
@@ -1760,26 +1913,45 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             "qk_norm_bias": self.qk_norm_bias,
             "sinks": self.sinks,
             "clip_qkv": self.clip_qkv,
+            "gate": self.gate,
+            "kv_lora_rank": self.kv_lora_rank,
+            "q_lora_rank": self.q_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "latent_norm_eps": self.latent_norm_eps,
             "kernel_initializer": tf.keras.initializers.serialize(self.kernel_initializer),
             "bias_initializer": tf.keras.initializers.serialize(self.bias_initializer),
         }
 
+    @property
+    def _latent(self):
+        """The MLA sizes as a `_Latent`, or None without `kv_lora_rank`."""
+        return None if self.kv_lora_rank is None else _Latent(*(getattr(self, name) for name in _LATENT_SIZES))
+
+    @property
+    def _projection_names(self):
+        """The names of the layer's projections, in the layout's order (MLA's with `kv_lora_rank`,
+        the gate's with `gate`)."""
+        return _projection_kinds(_projections(self._latent), self.gate)
+
     def weight_shapes(self):
         """The portable layout: {name: shape}, in its order; a projection's bias only when `bias`
         names it, the norm scales only with `qk_norm` (and their biases with `qk_norm_bias`),
-        `sinks` only with `sinks=True`."""
+        `sinks` only with `sinks=True`, the gate's kernel (and bias) after them with `gate=True`.
+        With MLA, the latent projections and their norm scales (`query_a_norm` with `q_lora_rank`,
+        `key_value_a_norm`) replace query, key and value."""
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        kernels = {
-            "query": (self.d_model, nh),
-            "key": (self.kdim, kh),
-            "value": (self.vdim, kh),
-            "output": (nh, self.d_model),
-        }
+        kernels = self._kernel_shapes()
+        hv = self.head_dim if self.kv_lora_rank is None else self.v_head_dim
+        gate = {"gate": (self.d_model, self.num_heads * hv)} if self.gate else {}
         shapes = {}
         for kind, shape in kernels.items():
             shapes[f"{kind}_kernel"] = shape
             if kind in self.bias:
                 shapes[f"{kind}_bias"] = shape[1:]
+            if kind in ("query_a", "key_value_a"):
+                shapes[f"{kind}_norm"] = (self.q_lora_rank if kind == "query_a" else self.kv_lora_rank,)
         if self.qk_norm is not None:
             shapes["query_norm"] = (self.head_dim,) if self.qk_norm == "head" else (nh,)  # "per_head", "all": (N*H,)
             shapes["key_norm"] = (self.head_dim,) if self.qk_norm == "head" else (kh,)
@@ -1787,7 +1959,32 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             shapes["query_norm_bias"], shapes["key_norm_bias"] = shapes["query_norm"], shapes["key_norm"]
         if self.sinks:
             shapes["sinks"] = (self.num_heads,)
+        for kind, shape in gate.items():
+            shapes[f"{kind}_kernel"] = shape
+            if kind in self.bias:
+                shapes[f"{kind}_bias"] = shape[1:]
         return _with_scales(shapes) if self._int8 else shapes
+
+    def _kernel_shapes(self):
+        """{projection: its kernel's (D, F)}, in the layout's order."""
+        nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.kv_lora_rank is None:
+            return {
+                "query": (self.d_model, nh),
+                "key": (self.kdim, kh),
+                "value": (self.vdim, kh),
+                "output": (nh, self.d_model),
+            }
+        c, hn, hr, hv = self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        query = {"query": (self.d_model, nh)}
+        if self.q_lora_rank is not None:
+            query = {"query_a": (self.d_model, self.q_lora_rank), "query_b": (self.q_lora_rank, nh)}
+        return {
+            **query,
+            "key_value_a": (self.kdim, c + hr),
+            "key_value_b": (c, self.num_kv_heads * (hn + hv)),
+            "output": (self.num_heads * hv, self.d_model),
+        }
 
     def export_weights(self):
         """Returns the portable weights: a dict of NumPy arrays (see docs/SPEC.md)."""
@@ -1824,11 +2021,12 @@ class MultiHeadAttention(tf.keras.layers.Layer):
     # "int8_from_<policy>" dtype policies), with the portable int8 layout as the variables.
 
     def quantize(self, mode=None, type_check=True, config=None):
-        """Quantizes the four projections to int8 as Keras' `Dense.quantize("int8")` does: each
-        kernel becomes an int8 variable with one float32 `<kind>_kernel_scale` per output column,
-        each call quantizes the projections' inputs per token, and the dtype policy becomes
-        "int8_from_<policy>". `model.quantize("int8")` calls it; other modes raise
-        `NotImplementedError`, which `model.quantize` turns into a warning, as for any Keras layer.
+        """Quantizes the projections (four, five with `gate`) to int8 as Keras'
+        `Dense.quantize("int8")` does: each kernel becomes an int8 variable with one float32
+        `<kind>_kernel_scale` per output column, each call quantizes the projections' inputs per
+        token, and the dtype policy becomes "int8_from_<policy>". `model.quantize("int8")` calls
+        it; other modes raise `NotImplementedError`, which `model.quantize` turns into a warning,
+        as for any Keras layer.
 
         Args:
             mode: "int8".
@@ -1841,7 +2039,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         if not hasattr(self, "quantization_mode"):
             raise ValueError(f"int8 quantization needs Keras 3 (not legacy Keras 2). Received: mode={mode!r}")
         _check_int8_config(config)
-        for kind in _PROJECTIONS:
+        for kind in self._projection_names:
             kernel, scale = _quantize_kernel(getattr(self, f"{kind}_kernel").numpy())
             self._untrack_variable(getattr(self, f"{kind}_kernel"))  # Keras' `del` would run gc.collect() per kernel
             for name, value in ((f"{kind}_kernel", kernel), (f"{kind}_kernel_scale", scale)):
@@ -1883,20 +2081,25 @@ class MultiHeadAttention(tf.keras.layers.Layer):
                 `tf.function`); a compiled step then returns only its output.
 
         Returns:
-            A `KVCache` of zeros with index 0 (int32).
+            A `KVCache` of zeros with index 0 (int32); with MLA, the latent cache: `key` (B, 1, L, C)
+            for the normalized latents, `value` (B, 1, L, Hr) for the rotated shared key part.
         """
         b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
         keep = tf.ones((b, length), dtype=tf.bool) if keep is None else _check_keep(keep, b, length)
-        shape = (b, self.num_kv_heads, length, self.head_dim)
+        latent = self._latent
+        key_shape = (
+            (b, self.num_kv_heads, length, self.head_dim) if latent is None else (b, 1, length, latent.kv_lora_rank)
+        )
+        value_shape = key_shape if latent is None else (b, 1, length, latent.qk_rope_head_dim)
         dtype = self.compute_dtype if dtype is None else dtype
-        cache = KVCache(tf.zeros(shape, dtype), tf.zeros(shape, dtype), keep, tf.constant(0, tf.int32))
+        cache = KVCache(tf.zeros(key_shape, dtype), tf.zeros(value_shape, dtype), keep, tf.constant(0, tf.int32))
         return _as_variables(cache) if in_place else cache
 
     def _non_defaults(self):
         """The variants not at their default, and a partial `bias`, as {name: value} (`rope_sections`
         only with RoPE, `qk_norm_type` and `qk_norm_bias` only with `qk_norm`: what they change)."""
         variants = {
-            "bias": list(self.bias) if self.bias not in ((), _PROJECTIONS) else None,
+            "bias": list(self.bias) if self.bias not in ((), self._projection_names) else None,
             "scale": None if math.isclose(self.scale, 1 / math.sqrt(self.head_dim)) else self.scale,
             "softcap": self.softcap,
             "window": self.window,
@@ -1908,6 +2111,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             "qk_norm_bias": True if self.qk_norm is not None and self.qk_norm_bias else None,
             "sinks": True if self.sinks else None,
             "clip_qkv": self.clip_qkv,
+            "gate": True if self.gate else None,
+            **{name: getattr(self, name) for name in _LATENT_SIZES},
         }
         return {name: value for name, value in variants.items() if value is not None}
 
@@ -1920,7 +2125,13 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         `query_mask` in self-attention); the cache, the positions, `attention_mask` and
         `attention_bias` checked; the habits the masks suggest warned of. Returns the `_Call`."""
         fuse = (key is None or key is query) and (value is None or value is query) and cache is None
+        fuse = fuse and self.kv_lora_rank is None  # MLA projects its latents apart
         self_attention = key is None and value is None
+        if self.kv_lora_rank is not None and key is not None and value is not None and value is not key:
+            raise ValueError(
+                "`value` must be None or `key` itself with `kv_lora_rank`: MLA reads keys and values from `key`. "
+                "Received: a value other than key"
+            )
         explicit_key_mask = None if key_mask is getattr(key, "_keras_mask", None) else key_mask  # not Keras' fill
         key, value = _inputs(query, key, value)
         implicit = [_keras_mask(x) for x in (query, key, value)]  # legacy Keras passes masks on the tensors only
@@ -1935,7 +2146,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         key_mask = query_mask if self_attention and key_mask is None else key_mask
         key_mask = _and(key_mask, _and(implicit[1], implicit[2]))  # (B, S)
         if cache is not None:
-            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim)
+            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim, self._latent)
         positions = self._positions(positions, query, key, cache)  # before the masks, as in the other files
         target = (b, self.num_heads, t, s if cache is None else cache.key.shape[2])
         dtype = _softmax_dtype(self.compute_dtype)
@@ -2001,7 +2212,10 @@ class MultiHeadAttention(tf.keras.layers.Layer):
     def _project_qkv(self, call):
         """Step 2: the (B, T, E) query, (B, S, kdim) key and (B, S, vdim) value -> q (B, N, T, H),
         k and v (B, K, S, H); one matmul where `call.fuse` (self-attention without a cache). Either
-        way (int8 too) they are then clamped to [-clip_qkv, clip_qkv]."""
+        way (int8 too) they are then clamped to [-clip_qkv, clip_qkv]. With MLA, `_project_latent`:
+        k and v are then the latents c (B, 1, S, C) and the shared key part k_rope (B, 1, S, Hr)."""
+        if self.kv_lora_rank is not None:
+            return self._project_latent(call)
         if call.fuse:
             q, k, v = self._project_fused(call.query)
         else:
@@ -2009,6 +2223,22 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             k = self._split_heads(self._project(call.key, "key"), self.num_kv_heads)  # (B, K, S, H)
             v = self._split_heads(self._project(call.value, "value"), self.num_kv_heads)  # (B, K, S, H)
         return self._clip(q), self._clip(k), self._clip(v)
+
+    def _project_latent(self, call):
+        """Step 2 with MLA: q = RMSNorm(query @ query_a_kernel) @ query_b_kernel (or query @
+        query_kernel without `q_lora_rank`), (B, N, T, H); key @ key_value_a_kernel split into the
+        latent c, RMS-normalized by `key_value_a_norm`, and the key part k_rope shared by the heads.
+        Returns q, c (B, 1, S, C), k_rope (B, 1, S, Hr)."""
+        if self.q_lora_rank is None:
+            q = self._project(call.query, "query")  # (B, T, E) -> (B, T, N*H)
+        else:
+            q_latent = self._project(call.query, "query_a")  # (B, T, E) -> (B, T, Q)
+            q_latent = rms_norm(q_latent, self.query_a_norm, self.latent_norm_eps)
+            q = self._project(q_latent, "query_b")  # (B, T, Q) -> (B, T, N*H)
+        a = self._project(call.key, "key_value_a")  # (B, S, kdim) -> (B, S, C + Hr)
+        c, k_rope = tf.split(a, [self.kv_lora_rank, self.qk_rope_head_dim], axis=-1)  # (B, S, C), (B, S, Hr)
+        c = rms_norm(c, self.key_value_a_norm, self.latent_norm_eps)
+        return self._split_heads(q, self.num_heads), c[:, None], k_rope[:, None]  # (B, N, T, H), (B, 1, S, C|Hr)
 
     def _clip(self, x):
         """`clip_qkv` (OLMo, DBRX, MPT): x clamped to [-c, c] (unchanged when None), with the
@@ -2038,7 +2268,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         )
 
     def _project(self, x, kind):
-        """(B, L, D) -> (B, L, F): the `kind` projection ("query", "key", "value" or "output")."""
+        """(B, L, D) -> (B, L, F): the `kind` projection ("query", "key", "value", "output" or "gate")."""
         return _linear(x, getattr(self, f"{kind}_kernel"), self._bias_of(kind), self._scale_of(kind))
 
     def _bias_of(self, kind):
@@ -2047,10 +2277,11 @@ class MultiHeadAttention(tf.keras.layers.Layer):
     def _scale_of(self, kind):
         return getattr(self, f"{kind}_kernel_scale") if self._int8 else None
 
-    def _split_heads(self, y, heads):
+    def _split_heads(self, y, heads, width=None):
+        """(B, L, heads*W) -> (B, heads, L, W); the width W defaults to H."""
         b, length = tf.shape(y)[0], tf.shape(y)[1]
-        y = tf.reshape(y, [b, length, heads, self.head_dim])  # (B, L, heads*H) -> (B, L, heads, H)
-        return tf.transpose(y, [0, 2, 1, 3])  # -> (B, heads, L, H)
+        y = tf.reshape(y, [b, length, heads, width or self.head_dim])  # (B, L, heads*W) -> (B, L, heads, W)
+        return tf.transpose(y, [0, 2, 1, 3])  # -> (B, heads, L, W)
 
     def _merge_heads(self, x):
         merged = tf.transpose(x, [0, 2, 1, 3])  # (B, heads, L, H) -> (B, L, heads, H)
@@ -2076,15 +2307,22 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             scale, bias = (None if w is None else tf.reshape(w, [heads, 1, self.head_dim]) for w in (scale, bias))
         return norm(x, scale, self.qk_norm_eps, bias)  # (B, heads, L, H); "per_head": scales (heads, 1, H)
 
-    def _rotate(self, q, k, positions):
+    def _rotate(self, q, k, v, positions):
         """RoPE of q (B, N, T, H) and k (B, K, T, H) at (B, T) or (1, T) `positions` ((k, B|1, T)
-        with `rope_sections`)."""
+        with `rope_sections`); with MLA, of q's last Hr features and of the shared key part, v
+        (B, 1, T, Hr) until the cache step (k, the latents, is not turned). Returns q, k, v."""
         if self.rope_theta is None:
-            return q, k
-        inv_freq, interleaved, sections = self._inv_freq, self.rope_interleaved, self.rope_sections
-        q, k = (apply_rope(x, positions, inv_freq, interleaved, sections) for x in (q, k))
-        factor, rotary_dim = rope_attention_factor(self.rope_scaling), 2 * inv_freq.shape[0]
-        return scale_rotated(q, rotary_dim, factor), scale_rotated(k, rotary_dim, factor)  # YaRN's factor
+            return q, k, v
+        if self.kv_lora_rank is None:
+            return self._turn(q, positions), self._turn(k, positions), v
+        q_nope, q_rope = tf.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], axis=-1)  # (B, N, T, Hn|Hr)
+        return tf.concat([q_nope, self._turn(q_rope, positions)], axis=-1), k, self._turn(v, positions)
+
+    def _turn(self, x, positions):
+        """x (B, heads, T, W) with its first R features turned, times YaRN's attention factor."""
+        inv_freq = self._inv_freq
+        x = apply_rope(x, positions, inv_freq, self.rope_interleaved, self.rope_sections)
+        return scale_rotated(x, 2 * inv_freq.shape[0], rope_attention_factor(self.rope_scaling))
 
     def _update_cache(self, call, k, v, keep):
         """Step 5. Without a cache, nothing. With one, the (B, K, T, H) new keys and values written
@@ -2109,11 +2347,77 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         return k, v, keep, call, None if tf.executing_eagerly() else misfit
 
     def _attend(self, q, k, v, keep, bias, call):
-        """Step 6, the one entry to the attention paths; returns (context (B, N, T, H), weights
-        (B, N, T, S) or None). With the weights, `dot_product_attention`; without them, the
-        memory-efficient path when the scores exceed `memory_efficient_threshold` elements (where
-        shapes are unknown at trace time: decided at run time, or always under XLA, which cannot
-        differentiate that choice). `bias` is (the floating mask's, `attention_bias`'s)."""
+        """Step 6, the one entry to the paths (`_attend_heads`); returns (context (B, N, T, Hv),
+        weights (B, N, T, S) or None), Hv = H but with MLA. With MLA, k and v are the (B, 1, S, C)
+        latents and (B, 1, S, Hr) k_rope, attended expanded or absorbed (`absorb_latents`)."""
+        if self._latent is not None and self._absorbs(call, q.shape[2]):
+            return self._attend_absorbed(q, k, v, keep, bias, call)
+        if self._latent is not None:
+            k, v = self._expand_latents(k, v)  # (B, K, S, H), (B, K, S, Hv)
+        return self._attend_heads(q, k, v, keep, bias, call)
+
+    def _absorbs(self, call, t):
+        """MLA's path: `absorb_latents` if set, else absorbed with a cache and T <= 8 (T known at
+        trace time: a decode step, where up-projecting the L latents costs more than folding the
+        up-projections into the T queries)."""
+        if self.absorb_latents is not None:
+            return bool(self.absorb_latents)
+        return call.cache is not None and t is not None and t <= _ABSORB_MAX_T
+
+    def _expand_latents(self, latent, k_rope):
+        """MLA's up-projection: (B, 1, S, C) latents and (B, 1, S, Hr) k_rope -> keys
+        concat(k_nope, k_rope) (B, K, S, H) and values (B, K, S, Hv)."""
+        hn, hv = self.qk_nope_head_dim, self.v_head_dim
+        kv = self._project(tf.squeeze(latent, 1), "key_value_b")  # (B, 1, S, C) -> (B, S, K*(Hn + Hv))
+        k_nope, v = tf.split(self._split_heads(kv, self.num_kv_heads, hn + hv), [hn, hv], axis=-1)  # (B, K, S, Hn|Hv)
+        k_rope = tf.broadcast_to(k_rope, tf.concat([tf.shape(k_nope)[:3], [self.qk_rope_head_dim]], 0))  # (B, K, S, Hr)
+        return tf.concat([k_nope, k_rope], axis=-1), v  # (B, K, S, H), (B, K, S, Hv)
+
+    def _up_projections(self, dtype):
+        """key_value_b's kernel in `dtype` as (N, Hn, C) and (N, Hv, C) and its bias (N, Hn) and
+        (N, Hv) (None without one), each key/value head's repeated for its N // K query heads; an
+        int8 kernel's dequantized."""
+        hn, hv, groups = self.qk_nope_head_dim, self.v_head_dim, self.num_heads // self.num_kv_heads
+        kernel = tf.cast(self.key_value_b_kernel, dtype)  # (C, K*(Hn + Hv))
+        if self._int8:
+            kernel = kernel * tf.cast(self.key_value_b_kernel_scale, dtype)  # dequantized per column
+        kernel = tf.reshape(tf.transpose(kernel), [self.num_kv_heads, hn + hv, -1])  # -> (K, Hn + Hv, C)
+        w_kb, w_vb = tf.split(tf.repeat(kernel, groups, axis=0), [hn, hv], axis=1)  # (N, Hn, C), (N, Hv, C)
+        if "key_value_b" not in self.bias:
+            return w_kb, w_vb, None, None
+        bias = tf.reshape(tf.cast(self.key_value_b_bias, dtype), [self.num_kv_heads, hn + hv])  # (K, Hn + Hv)
+        b_k, b_v = tf.split(tf.repeat(bias, groups, axis=0), [hn, hv], axis=-1)  # (N, Hn), (N, Hv)
+        return w_kb, w_vb, b_k, b_v
+
+    def _attend_absorbed(self, q, latent, k_rope, keep, bias, call):
+        """Step 6 with MLA on the latents, through `_attend_heads` (every path): q_lat = q_nope @
+        W_kb^T (B, N, T, C) meets the latents and q_rope meets k_rope (and q_nope . b_k a key of
+        ones); the values are the latents (and a one, whose output is sum(weights)); each head's
+        context is o_lat @ W_vb + sum(weights) * b_v (B, N, T, Hv). An int8 layer reads the
+        latents quantized per token, as its int8 up-projection does (straight-through gradient)."""
+        w_kb, w_vb, b_k, b_v = self._up_projections(q.dtype)  # (N, Hn, C), (N, Hv, C), (N, Hn), (N, Hv)
+        if self._int8:
+            latent = latent + tf.stop_gradient(_quantized_rows(latent) - latent)  # (B, 1, S, C)
+        q_nope, q_rope = tf.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], axis=-1)  # (B, N, T, Hn|Hr)
+        ones = tf.ones_like(latent[..., :1])  # (B, 1, S, 1)
+        queries, keys, values = [tf.matmul(q_nope, w_kb), q_rope], [latent, k_rope], [latent]  # (B, N, T, C), ...
+        if b_k is not None:
+            queries.append(tf.reduce_sum(q_nope * b_k[:, None, :], axis=-1, keepdims=True))  # (B, N, T, 1)
+            keys.append(ones)
+        if b_v is not None:
+            values.append(ones)
+        q, k, v = (tf.concat(parts, axis=-1) for parts in (queries, keys, values))  # (B, N, T, .), 2 x (B, 1, S, .)
+        context, weights = self._attend_heads(q, k, v, keep, bias, call)  # (B, N, T, C or C + 1)
+        output = tf.matmul(context[..., : self.kv_lora_rank], w_vb, transpose_b=True)  # (B, N, T, C) -> (.., Hv)
+        return output if b_v is None else output + context[..., self.kv_lora_rank :] * b_v[:, None, :], weights
+
+    def _attend_heads(self, q, k, v, keep, bias, call):
+        """Attention of split heads q (B, N, T, H), k (B, K, S, H), v (B, K, S, Hv); returns
+        (context (B, N, T, Hv), weights (B, N, T, S) or None). With the weights,
+        `dot_product_attention`; without them, the memory-efficient path when the scores exceed
+        `memory_efficient_threshold` elements (where shapes are unknown at trace time: decided at
+        run time, or always under XLA, which cannot differentiate that choice).
+        `bias` is (the floating mask's, `attention_bias`'s)."""
         mask_bias, attention_bias = bias
         training = call.training
         dropout = self.dropout > 0 and training is not False and training is not None
@@ -2169,23 +2473,32 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             return generator.next()
         return tf.random.uniform((2,), maxval=2**31 - 1, dtype=tf.int64)
 
+    def _gate_heads(self, call, context):
+        """Step 6b: the (B, N, T, Hv) attention result times sigmoid(query @ gate_kernel + gate_bias)
+        split into heads (unchanged without `gate`; Hv = H without MLA)."""
+        if not self.gate:
+            return context
+        gate = tf.sigmoid(self._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
+        return context * self._split_heads(gate, self.num_heads, self.v_head_dim)  # -> (B, N, T, Hv)
+
     def call(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
         attention_bias=None, positions=None, causal=False, return_attention=False, training=None, value_mask=None,
         cache=None,
     ):  # fmt: skip
-        """The seven steps of docs/SPEC.md ("Order of the steps"); the arguments are the class's."""
+        """The steps of docs/SPEC.md ("Order of the steps"); the arguments are the class's."""
         call = self._check_call(  # 1. defaults and checks
             query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
             return_attention, cache, training, value_mask,
         )  # fmt: skip
         keep, bias = self._masks(call)  # 1. the masks: (B|1, N|1, T|1, S|1) keep, (mask's, attention_bias's) additive
-        q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H)
+        q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H); MLA: c, k_rope
         q, k = self._normalize_qk(q, k)  # 3. QK-norm
-        q, k = self._rotate(q, k, call.positions)  # 4. RoPE
+        q, k, v = self._rotate(q, k, v, call.positions)  # 4. RoPE
         k, v, keep, call, misfit = self._update_cache(call, k, v, keep)  # 5. KV cache: (B, K, L, H), misfit
-        context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S) or None
-        output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*H) -> (B, T, E)
+        context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, Hv), (B, N, T, S) or None
+        context = self._gate_heads(call, context)  # 6b. output gate, (B, N, T, Hv)
+        output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*Hv) -> (B, T, E)
         if misfit is not None:
             output = tf.where(misfit, tf.cast(np.nan, output.dtype), output)  # XLA cannot raise for a misfit
         return _results(output, weights, call.cache, call.return_attention)
@@ -2230,9 +2543,10 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         `keras.layers.GroupQueryAttention` (3-D inputs, default attention axes).
 
         Its dtype policy, initializers and `trainable` are kept; LoRA adapters on its
-        projections are merged into the kernels. Every option this layer cannot hold (a gate,
-        regularizers, constraints, other attention axes or output shapes, value_dim != key_dim,
-        quantized projections) is a ValueError that lists them all.
+        projections are merged into the kernels; `use_gate=True` becomes `gate=True`, its
+        (E, N, H) kernel `gate_kernel`. Every option this layer cannot hold (regularizers,
+        constraints, other attention axes or output shapes, value_dim != key_dim, quantized
+        projections) is a ValueError that lists them all.
 
         Args:
             layer: the built-in.
@@ -2246,7 +2560,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         new = cls(**config, name=f"{layer.name}_reference", dtype=layer.dtype_policy)
         new.trainable = layer.trainable
         weights = {}
-        for kind, sublayer in zip(("query", "key", "value", "output"), dense, strict=True):
+        for kind, sublayer in zip(_projection_kinds(_PROJECTIONS, new.gate), dense, strict=True):
             kernel = sublayer.kernel.numpy()  # with LoRA, the merged kernel
             rows = kernel.shape[0] * kernel.shape[1] if kind == "output" else kernel.shape[0]
             weights[f"{kind}_kernel"] = kernel.reshape(rows, -1)  # heads flattened as h * H + d
@@ -2268,6 +2582,12 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             dropout=self.dropout, use_bias=bool(self.bias), kernel_initializer=self.kernel_initializer,
             bias_initializer=self.bias_initializer, dtype=self.dtype_policy,
         )  # fmt: skip
+        if self.gate and _GROUP_QUERY_ATTENTION is None:
+            raise ValueError(
+                "Legacy Keras (tf_keras) has no gate (`use_gate`) on its MultiHeadAttention to hold gated attention. "
+                "Received: gate=True"
+            )
+        common |= {"use_gate": True} if self.gate else {}
         widths = (self.d_model, self.vdim, self.kdim)  # query, value, key: the built-ins' call order
         if self.num_kv_heads == self.num_heads:
             layer = tf.keras.layers.MultiHeadAttention(self.num_heads, self.head_dim, **common)
@@ -2286,7 +2606,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         layer.trainable = self.trainable
         weights = self.export_weights()
         dense = (layer._query_dense, layer._key_dense, layer._value_dense, layer._output_dense)
-        for kind, sublayer in zip(("query", "key", "value", "output"), dense, strict=True):
+        dense += (layer._gate_dense,) if self.gate else ()
+        for kind, sublayer in zip(_projection_kinds(_PROJECTIONS, self.gate), dense, strict=True):
             sublayer.kernel.assign(weights[f"{kind}_kernel"].reshape(sublayer.kernel.shape))
             if self.bias:
                 sublayer.bias.assign(weights[f"{kind}_bias"].reshape(sublayer.bias.shape))
@@ -2300,12 +2621,13 @@ class MultiHeadAttention(tf.keras.layers.Layer):
 
 def _check_keras_can_hold(layer):
     """Refuses, naming them, the variants of docs/SPEC.md that the Keras built-ins cannot hold."""
-    held = layer._non_defaults()
+    held = {name: value for name, value in layer._non_defaults().items() if name != "gate"}  # use_gate holds it
     if held:
         received = ", ".join(f"{name}={getattr(layer, name)!r}" for name in held)
         raise ValueError(
-            "`to_keras` needs a layer the Keras built-ins can hold: all four biases or none, the default "
-            f"scale, and no softcap, window, attention chunks, RoPE, QK-norm, sinks or clip_qkv. Received: {received}"
+            "`to_keras` needs a layer the Keras built-ins can hold: all the biases or none, the default "
+            "scale, and no softcap, window, attention chunks, RoPE, QK-norm, sinks, clip_qkv or MLA. "
+            f"Received: {received}"
         )
     if getattr(layer, "quantization_mode", None) is not None:  # legacy Keras has no quantization
         raise ValueError(
@@ -2339,8 +2661,6 @@ def _options_it_cannot_hold(layer, config, dense):
     """{option: (value, why)} for every option of a built Keras built-in that changes its results
     (or its training) and that this layer cannot hold."""
     found = {}
-    if config.get("use_gate"):
-        found["use_gate"] = (True, "a sigmoid gate on the attention output")
     for name in ("kernel_regularizer", "bias_regularizer", "activity_regularizer"):
         if config.get(name) is not None:
             found[name] = (_described(config[name]), "a loss this layer does not add")
@@ -2365,8 +2685,9 @@ def _options_it_cannot_hold(layer, config, dense):
 
 
 def _keras_config(layer, window=None):
-    """Constructor arguments and (query, key, value, output) sublayers of a Keras built-in;
-    `window`: `from_keras`'s, (W, W) for the built-in's `sliding_window` W."""
+    """Constructor arguments and (query, key, value, output) sublayers of a Keras built-in, and the
+    gate's after them with `use_gate`; `window`: `from_keras`'s, (W, W) for the built-in's
+    `sliding_window` W."""
     if not isinstance(layer, (tf.keras.layers.MultiHeadAttention, *_BUILT_IN_GQA)):
         raise ValueError(
             "`layer` must be a keras.layers.MultiHeadAttention or keras.layers.GroupQueryAttention. "
@@ -2376,6 +2697,7 @@ def _keras_config(layer, window=None):
         raise ValueError(f"`layer` must be built. Received: an unbuilt {type(layer).__name__}")
     dense = (layer._query_dense, layer._key_dense, layer._value_dense, layer._output_dense)
     config = layer.get_config()
+    dense += (layer._gate_dense,) if config.get("use_gate") else ()
     found = _options_it_cannot_hold(layer, config, dense)
     if found:
         reasons = "; ".join(f"{name} ({why})" for name, (_, why) in found.items())
@@ -2387,7 +2709,7 @@ def _keras_config(layer, window=None):
         d_model=dense[0].kernel.shape[0], num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         kdim=dense[1].kernel.shape[0], vdim=dense[2].kernel.shape[0], dropout=config["dropout"],
         bias=config["use_bias"], kernel_initializer=config["kernel_initializer"],
-        bias_initializer=config["bias_initializer"],
+        bias_initializer=config["bias_initializer"], gate=bool(config.get("use_gate", False)),
     )  # fmt: skip
     arguments["window"] = _keras_window(config.get("sliding_window"), window)
     return arguments, dense

@@ -1,4 +1,4 @@
-"""Some sections of `make bench`, measured apart: `python -m bench.sections variants int8 keras memory decode`.
+"""Some sections of `make bench`, measured apart: `python -m bench.sections variants int8 keras memory decode mla`.
 
 Each section runs the same functions as the full benchmark (bench/benchmark.py), with its
 configuration, rounds and runs, and prints its Markdown table; the whole goes to
@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench import benchmark, compile_time, decode_anchors, decode_pair, keras_decode, memory
+from bench import benchmark, compile_time, decode_anchors, decode_pair, keras_decode, memory, mla
 
 OUTPUT = Path(__file__).parents[1] / "out" / "bench_sections.md"
 
@@ -58,7 +58,13 @@ def _decode(runs, rounds, quick=False):
     )
 
 
-SECTIONS = {"variants": _variants, "int8": _int8, "keras": _keras, "memory": _memory, "decode": _decode}
+def _mla(runs, rounds):
+    return mla.mla_table(mla.time_mla(runs, rounds))
+
+
+SECTIONS = {
+    "variants": _variants, "int8": _int8, "keras": _keras, "memory": _memory, "decode": _decode, "mla": _mla,
+}  # fmt: skip
 
 
 def main(argv=None):

@@ -26,7 +26,7 @@ refused unless a porter is registered for its class name with `register_porter`.
 
 Only what is attention is ported: the q/k/v projections (their biases where the module has
 them), QK-norm, RoPE, the softmax scale, soft-capping, the sliding window, chunked attention,
-sinks and the output projection. Residual connections, dropout and the layer norms around the
+sinks, the output gate and the output projection. Residual connections, dropout and the layer norms around the
 module stay in the model (BERT's module adds the residual and a LayerNorm after `output.dense`;
 Bloom's adds the residual after `dense`: the layer's output is the output of that dense projection).
 
@@ -39,9 +39,10 @@ These call arguments reproduce them (`attention_mask` is the model's (B, S) 0/1 
 
 - Llama, Mistral, Mixtral, Qwen2 (and MoE), Qwen3 (and MoE), Gemma, Gemma 2, Gemma 3, OLMo, OLMo2,
   gpt-oss, Phi, Phi3, GPT-NeoX, GPT-J, Starcoder2, Granite, Cohere, Cohere2, StableLM, SmolLM3,
-  GLM4, Falcon, Llama 4, Qwen2-VL, Qwen2.5-VL: `causal=True, key_mask=attention_mask.bool(),
-  positions=position_ids`; a NoPE layer (no `rope_theta` in its kwargs: SmolLM3's
-  `no_rope_layers`, Cohere2's full layers, Llama 4's NoPE layers) takes no `positions`.
+  GLM4, Falcon, Llama 4, Qwen2-VL, Qwen2.5-VL, DeepSeek-V2, DeepSeek-V3, and the gated Qwen3-Next,
+  Qwen3.5 (and MoE), AFMoE and LFM3: `causal=True, key_mask=attention_mask.bool(), positions=position_ids`;
+  a NoPE layer (no `rope_theta` in its kwargs: SmolLM3's `no_rope_layers`, Cohere2's full layers,
+  Llama 4's NoPE layers, AFMoE's full layers) takes no `positions`.
   Qwen2-VL's and Qwen2.5-VL's multimodal RoPE (`rope_sections`) takes the (3, B, T) positions its
   rotary embedding reads, one row per section (`generate` passes (4, B, T): the text positions,
   then these three; for text alone the three rows are the text positions).
@@ -73,6 +74,16 @@ For other left-padded batches, build the layer without `attention_chunk_size` an
 `attention_mask=(key_positions[:, None, :] // C) == (position_ids[:, :, None] // C)` (B, T, S),
 `key_positions` the (B, S) positions of the keys (cumsum(attention_mask) - 1).
 
+Gated attention (`gate=True`): Qwen3-Next's and Qwen3.5's `q_proj` yields, head by head, the query and
+the gate, split into `query_kernel` and `gate_kernel`; AFMoE's `gate_proj` is `gate_kernel`; LFM3's
+`g_proj`, one gate per head, is repeated over the head's H features. Their hybrid models' other
+layers (Qwen3-Next's and Qwen3.5's linear attention, LFM3's convolutions) are refused by their
+`layer_types` entry, and so are LFM3's full-attention layers (proportional RoPE: pairs (i, i + H/2),
+the last ones not turning) for their RoPE. Qwen3.5's interleaved multimodal RoPE is plain RoPE for
+text (its three rows of positions alike): the port takes the (B, T) text positions. Refused with
+the reason: Qwen4-Exp (its attention keeps the keys a learned sparse indexer selects) and
+Step-3.7 (its per-layer config).
+
 Decoding: `cache = layer.init_cache(B, L)`, then `layer(x, cache=cache, causal=True,
 key_mask=<the new tokens' mask>, positions=<their position_ids>)`, one prefill and then one
 token at a time, as `transformers` does with its `DynamicCache`; T5, Bloom, MPT and Falcon's ALiBi
@@ -84,9 +95,9 @@ RoPE scaling: `default`, `linear`, `llama3` and `yarn` (gpt-oss' default) port w
 parameters; other types (dynamic, LongRoPE) are a `ValueError` for now. OLMo's and MPT's
 `clip_qkv` port as the layer's `clip_qkv`. QK-norms: RMSNorms (Qwen3, Gemma 3, OLMo2, Llama 4) and
 LayerNorms (`qk_norm_type="layer"`: Phi's one LayerNorm with a bias, StableLM's and Cohere's scale
-per head) port as the layer's. Refused with the reason: Llama 4's NoPE layers' temperature
-tuning, DeepSeek-V2's and V3's multi-head latent attention (q and kv pass through low-rank
-latents), GPT-2 and GPTBigCode cross-attention.
+per head) port as the layer's. DeepSeek-V2's and V3's multi-head latent attention ports as the
+layer's MLA (`kv_lora_rank`, ...; YaRN's `mscale_all_dim` correction in `scale`). Refused with
+the reason: Llama 4's NoPE layers' temperature tuning, GPT-2 and GPTBigCode cross-attention.
 This file imports no framework at module level: `port_attention` reads a module's tensors through its own `state_dict`,
 `port_checkpoint` and `load_tensors` read safetensors files with NumPy, and `replace_attention`
 imports torch and the PyTorch layer when called.
@@ -425,8 +436,9 @@ def _yarn_options(parameters):
 def _qk_norm(config, tensors, head_dim, weights, norm):
     """QK-norm kwargs and weights from `q_norm` / `k_norm`: RMSNorms (Qwen3, Gemma 3: one scale (H,) shared by the
     heads; OLMo2: over all heads), or Cohere's LayerNorm (`norm="layer"`) of (heads, H), each head its own scale."""
-    # Gemma's RMSNorm multiplies by (1 + weight): the portable scale is 1 + weight, computed as it does (float32).
-    offset = np.float32(1.0 if config.get("model_type", "").startswith("gemma") else 0.0)
+    # Gemma's, Qwen3-Next's and Qwen3.5's RMSNorms multiply by (1 + weight): the portable scale is 1 + weight,
+    # computed as they do (float32).
+    offset = np.float32(1.0 if config.get("model_type", "").startswith(_UNIT_OFFSET_NORMS) else 0.0)
     query, key = _tensor(tensors, "q_norm.weight"), _tensor(tensors, "k_norm.weight")
     weights["query_norm"] = query.reshape(-1) + offset  # Cohere's (N, H) -> (N*H,), head-major
     weights["key_norm"] = key.reshape(-1) + offset  # (K, H) -> (K*H,)
@@ -434,6 +446,9 @@ def _qk_norm(config, tensors, head_dim, weights, norm):
     if norm == "layer":
         return {"qk_norm": kind, "qk_norm_eps": float(config["layer_norm_eps"]), "qk_norm_type": "layer"}
     return {"qk_norm": kind, "qk_norm_eps": float(config["rms_norm_eps"])}
+
+
+_UNIT_OFFSET_NORMS = ("gemma", "qwen3_next", "qwen3_5")  # model types whose RMSNorm scale is 1 + weight
 
 
 def _qk_layernorm(config, tensors, weights, num_heads, num_kv_heads):
@@ -501,6 +516,54 @@ def _rotary(config, tensors, index, *, interleaved=False, scale=None, rope="all"
     if config.get("clip_qkv") is not None:  # OLMo: q, k and v clamped after their projections
         kwargs["clip_qkv"] = float(config["clip_qkv"])
     return kwargs, weights
+
+
+def _gated(config, tensors, index, *, gate, rope="all"):
+    """Attention with an output gate, sigmoid(hidden @ gate_kernel) times each head's result before `o_proj`
+    (`_rotary` for the rest). `gate`: "q_proj" (Qwen3-Next, Qwen3.5: `q_proj` yields, head by head, H query
+    features and then H gate features), "gate_proj" (AFMoE: an (N*H, E) projection) or "g_proj" (LFM3: one gate
+    per head, (N, E), the same for each of its H features). Layers that are not attention (Qwen3-Next's and
+    Qwen3.5's linear attention, LFM3's convolutions) are refused by name."""
+    _refuse_layer_type(config, index)
+    if "rms_norm_eps" not in config and "norm_eps" in config:  # LFM3's name for it (`attribute_map`)
+        config = {**config, "rms_norm_eps": config["norm_eps"]}
+    head_dim, num_heads = _head_dim(config), config["num_attention_heads"]
+    if gate == "q_proj":  # rows [q_0, g_0, q_1, g_1, ...], H each: split into two projections
+        tensors = dict(tensors)
+        for part in ("weight", "bias"):
+            if f"q_proj.{part}" in tensors:
+                fused = _tensor(tensors, f"q_proj.{part}")  # (N*2H, E) or (N*2H,)
+                both = fused.reshape(num_heads, 2, head_dim, *fused.shape[1:])  # (N, 2, H, E) or (N, 2, H)
+                tensors[f"q_proj.{part}"] = both[:, 0].reshape(num_heads * head_dim, *fused.shape[1:])  # (N*H, ...)
+                tensors[f"gate.{part}"] = both[:, 1].reshape(num_heads * head_dim, *fused.shape[1:])
+        gate = "gate"
+    kwargs, weights = _rotary(config, tensors, index, rope=rope)
+    if gate == "g_proj" and "g_proj.weight" not in tensors:
+        gate = "gate_proj"  # LFM3's checkpoints name it so (transformers renames it `g_proj` when loading)
+    kernel = _tensor(tensors, f"{gate}.weight")  # (N*H, E), or LFM3's (N, E)
+    if kernel.shape[0] == num_heads and num_heads != num_heads * head_dim:  # LFM3: one gate per head
+        kernel = np.repeat(kernel, head_dim, axis=0)  # (N, E) -> (N*H, E): head n's gate on each of its features
+    weights["gate_kernel"] = kernel.T.copy()  # (E, N*H)
+    names = {True: _PROJECTION_NAMES, False: ()}.get(kwargs["bias"], kwargs["bias"])
+    if f"{gate}.bias" in tensors:
+        weights["gate_bias"] = _tensor(tensors, f"{gate}.bias")
+        names = (*names, "gate")
+    kwargs["bias"] = True if names == (*_PROJECTION_NAMES, "gate") else tuple(names) or False
+    return kwargs | {"gate": True}, weights
+
+
+_PROJECTION_NAMES = ("query", "key", "value", "output")
+_NOT_ATTENTION = {"linear_attention": "a linear attention (a gated delta rule)", "conv": "a short convolution"}
+
+
+def _refuse_layer_type(config, index):
+    """Refuses a layer of a hybrid model that is not attention, naming its `layer_types` entry."""
+    layer_type = None if index is None else _layer_type(config, index)
+    if layer_type in _NOT_ATTENTION:
+        raise ValueError(
+            f"`layer_index` must name an attention layer: layer {index} of this {config.get('model_type')} model is "
+            f"{_NOT_ATTENTION[layer_type]}, not attention. Received: layer_types[{index}]={layer_type!r}"
+        )
 
 
 def _scale(config, key, head_dim):
@@ -735,6 +798,39 @@ def _llama4(config, tensors, index):
     return kwargs, weights
 
 
+def _latent(config, tensors, index, *, interleaved=False):
+    """Multi-head latent attention (DeepSeek-V2, V3): q through `q_a_proj`, `q_a_layernorm` and `q_b_proj`
+    (`q_proj` without `q_lora_rank`), the latent and the shared rotary key from `kv_a_proj_with_mqa` and
+    `kv_a_layernorm`, the heads' keys and values from `kv_b_proj`; interleaved RoPE (`interleaved`: V2's complex
+    turn; V3 reads `rope_interleave`), and YaRN's `mscale_all_dim` correction in the scale as transformers'
+    `yarn_apply_mscale` puts it."""
+    num_heads, hn, hr = config["num_attention_heads"], config["qk_nope_head_dim"], config["qk_rope_head_dim"]
+    sources = (
+        {"query": "q_proj"} if config.get("q_lora_rank") is None else {"query_a": "q_a_proj", "query_b": "q_b_proj"}
+    )
+    sources |= {"key_value_a": "kv_a_proj_with_mqa", "key_value_b": "kv_b_proj", "output": "o_proj"}
+    weights = {}
+    biased = tuple(name for name, source in sources.items() if _linear(name, tensors, source, weights))
+    if "query_a" in sources:
+        weights["query_a_norm"] = _tensor(tensors, "q_a_layernorm.weight")  # (Q,)
+    weights["key_value_a_norm"] = _tensor(tensors, "kv_a_layernorm.weight")  # (C,)
+    kwargs = {
+        "d_model": config["hidden_size"], "num_heads": num_heads, "num_kv_heads": num_heads, "bias": biased or False,
+        "kv_lora_rank": config["kv_lora_rank"], "q_lora_rank": config.get("q_lora_rank"), "qk_nope_head_dim": hn,
+        "qk_rope_head_dim": hr, "v_head_dim": config["v_head_dim"], "latent_norm_eps": float(config["rms_norm_eps"]),
+    }  # fmt: skip
+    parameters = _rope_parameters(config, None)
+    kwargs |= _rope_kwargs(parameters, hr)
+    if interleaved or config.get("rope_interleave", False):
+        kwargs["rope_interleaved"] = True
+    scale = (hn + hr) ** -0.5
+    if parameters.get("rope_type", "default") != "default" and parameters.get("mscale_all_dim"):
+        factor = parameters["factor"]
+        scale *= (0.1 * parameters["mscale_all_dim"] * math.log(factor) + 1.0) ** 2 if factor > 1 else 1.0
+    kwargs["scale"] = float(scale)
+    return kwargs, weights
+
+
 def _family(porter, path, **options):
     """One family: its porter, given `options`, and the path of layer {i}'s attention in its checkpoints."""
 
@@ -792,7 +888,16 @@ _BUILTIN = {
     "llama4_text": _family(_llama4, _LAYERS),
     "mpt": _family(_mpt, "blocks.{i}.attn"),
     "modernbert": _family(_modernbert, "layers.{i}.attn"),
+    "qwen3_next": _family(_gated, _LAYERS, gate="q_proj"),
+    "qwen3_5": _family(_gated, _LAYERS, gate="q_proj"),
+    "qwen3_5_text": _family(_gated, _LAYERS, gate="q_proj"),
+    "qwen3_5_moe": _family(_gated, _LAYERS, gate="q_proj"),
+    "qwen3_5_moe_text": _family(_gated, _LAYERS, gate="q_proj"),
+    "afmoe": _family(_gated, _LAYERS, gate="gate_proj", rope="sliding"),
+    "lfm3": _family(_gated, _LAYERS, gate="g_proj"),
     "whisper": _family(_bart, "encoder.layers.{i}.self_attn"),
+    "deepseek_v2": _family(_latent, _LAYERS, interleaved=True),
+    "deepseek_v3": _family(_latent, _LAYERS),
 }
 _REGISTERED = {}
 
@@ -856,21 +961,26 @@ def _module_porter(module):
     _check_submodules(module)
     porter = _porter(model_type)
     if porter is None:
-        _refuse_latent(model_type, "module")
+        _refuse_gated(model_type, "module")
         _refuse_unknown(module, f" of model type {model_type!r}")
     return porter
 
 
-_LATENT = {"deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3"}  # multi-head latent attention (MLA)
+_GATED_REFUSED = {  # gated attention with something more that the layer does not compute
+    "qwen4_exp": "Qwen4-Exp's attention keeps only the keys its query-selected sparse attention indexer (`indexer`) "
+    "picks, a learned top-k selection per query",
+    "step3p7": "Step-3.7's attention reads its head counts, RoPE bases and partial rotary factors from a per-layer "
+    "config (`per_layer_config`), which no porter reads",
+}
+_GATED_REFUSED["qwen4_exp_text"] = _GATED_REFUSED["qwen4_exp"]  # its text config's model type
+_GATED_REFUSED["step3p5"] = _GATED_REFUSED["step3p7"]  # its config's model type
 
 
-def _refuse_latent(model_type, argument):
-    """Refuses a multi-head latent attention with the reason (the layer's q, k and v are linear projections)."""
-    if model_type in _LATENT:
+def _refuse_gated(model_type, argument):
+    """Refuses a gated attention that adds what the layer does not compute, with the reason."""
+    if model_type in _GATED_REFUSED:
         raise ValueError(
-            f"`{argument}` must be an attention whose queries, keys and values are linear projections of the hidden "
-            f"state: {_LATENT[model_type]}'s multi-head latent attention passes q and kv through low-rank latents "
-            "with an RMSNorm between, and the rotary part of its keys is one head shared by all heads. "
+            f"`{argument}` must be an attention this layer computes: {_GATED_REFUSED[model_type]}. "
             f"Received: model_type={model_type!r}"
         )
 
@@ -927,7 +1037,7 @@ def port_attention(module, config):
     Raises:
         ValueError: for a module this converter does not know, a subclass that overrides `forward`
             or its projections, or a variant the layer cannot hold (RoPE scaling other than
-            linear, llama3 and yarn, multi-head latent attention, GPT-2 cross-attention).
+            linear, llama3 and yarn, GPT-2 cross-attention).
     """
     porter = _module_porter(module)
     tensors = {name: tensor.detach().cpu().float().numpy() for name, tensor in module.state_dict().items()}
@@ -957,11 +1067,12 @@ def port_checkpoint(config, tensors, layer_index, *, prefix=None):
     model_type = config.get("model_type")
     porter = _porter(model_type)
     if porter is None:
-        _refuse_latent(model_type, "config")
+        _refuse_gated(model_type, "config")
         raise ValueError(
             f"`config` must be of one of the model types {', '.join(supported_modules())}. "
             f"Received: model_type={model_type!r}"
         )
+    _refuse_layer_type(config, layer_index)  # before looking for an attention module it does not have
     tensors = load_tensors(tensors)
     if prefix is None:
         prefix = _find_prefix(tensors, _BUILTIN.get(model_type, (None, _LAYERS))[1].format(i=layer_index))
@@ -1001,7 +1112,8 @@ def replace_attention(model, layer_class=None):
 
     Args:
         model: a `transformers` PyTorch model of the Llama kind (the families with `q_proj`, `k_proj`,
-            `v_proj`, `o_proj`: Llama, Mistral, Qwen, Gemma, OLMo, Phi3, ...) or of the BERT kind
+            `v_proj`, `o_proj`: Llama, Mistral, Qwen, Gemma, OLMo, Phi3, ...; the gated ones, Qwen3-Next, Qwen3.5,
+            AFMoE and LFM3, whose other layers (linear attention, convolutions) stay as they are) or of the BERT kind
             (BERT, RoBERTa, XLM-RoBERTa).
         layer_class: the `MultiHeadAttention` class to build (default: the one in `PyTorch/`).
 
@@ -1028,7 +1140,7 @@ def replace_attention(model, layer_class=None):
         ):
             continue
         family = getattr(_module_porter(module), "family", None)
-        if family not in (_rotary, _bert):
+        if family not in (_rotary, _gated, _bert):
             continue
         if getattr(module, "is_cross_attention", False):
             raise ValueError(f"`model` must have self-attention only: `{name}` is a cross-attention. Received: {name}")

@@ -9,10 +9,14 @@ in all, L cache slots, K num_kv_heads, H head_dim.
 """
 
 import dataclasses
+import functools
+import pathlib
+import re
 
 import numpy as np
 
 INPUTS = ("query", "key", "value")
+LAYER_FILES = {"torch": "PyTorch", "tf": "TensorFlow", "keras": "Keras"}  # path prefix -> the layer file's folder
 
 
 @dataclasses.dataclass
@@ -33,6 +37,29 @@ class DecodeResult:
     cache: dict  # key, value (B, K, L, H), keep (B, L), index: NumPy arrays
     full_output: np.ndarray  # (B, P, E) of one full causal pass
     full_weights: np.ndarray  # (B, N, P, P)
+
+
+@functools.cache
+def layer_source(folder):
+    """The text of `<folder>/Multi_Head_Attention.py`."""
+    return (pathlib.Path(__file__).parents[1] / folder / "Multi_Head_Attention.py").read_text()
+
+
+def not_implemented(case, path):
+    """Why `path` cannot run `case`: its layer file has no constructor option of that name
+    (MLA's, while a file lacks them); None where it has every option the case passes."""
+    folder = LAYER_FILES.get(path.split(":")[0])
+    if folder is None:
+        return None
+    missing = [name for name in case.config if not re.search(rf"\b{name}=", layer_source(folder))]
+    return f"not implemented in {folder}/Multi_Head_Attention.py (no {', '.join(missing)})" if missing else None
+
+
+def set_path(layer, case):
+    """An MLA case's path on a layer of a framework file: `absorb_latents` (expanded or absorbed)."""
+    if getattr(case, "absorb", None) is not None:
+        layer.absorb_latents = case.absorb
+    return layer
 
 
 def inputs(data):

@@ -5,6 +5,7 @@ K num_kv_heads, H head_dim.
 """
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -73,6 +74,12 @@ class Case:
     attention_bias: str = "none"  # none, 1nts (1, N, T, S) or bts (B, T, S), with some -inf
     positions: str = "none"  # none (the default arange), shifted: (B, T) positions, each row its own offset, or
     # sections: (k, B, T) positions of `rope_sections`, each of the k rows its own (Qwen2-VL's temporal, height, width)
+    absorb: bool | None = None  # MLA: the layers' `absorb_latents` (the NumPy oracle always expands)
+
+    @property
+    def mla(self):
+        """Multi-head latent attention: `key` alone carries keys and values (no `value` input)."""
+        return "kv_lora_rank" in dict(self.variants)
 
     @property
     def config(self):
@@ -348,9 +355,93 @@ CASES = [
             ("qk_norm_bias", True),
         ),
     ),
+    # Output-gated attention (Keras' use_gate, Qwen3-Next): sigmoid(query @ gate_kernel) times each head's result
+    Case("gate_mha", t=4, s=6, mask="rows_masked", variants=(("gate", True),)),  # a row of no key gives output_bias
+    Case(
+        "gate_gqa_causal_padding",  # Qwen3-Next's gate: no bias on it
+        k=2,
+        self_attention=True,
+        causal=True,
+        mask="bool_b1s",
+        bias=("query", "key", "value", "output"),
+        variants=(("gate", True),),
+    ),
+    Case(
+        "qwen3_next_like",
+        e=32,
+        k=2,
+        self_attention=True,
+        causal=True,
+        query_mask=True,
+        positions="shifted",
+        bias=False,
+        variants=(("gate", True), ("rope_theta", 10000.0), ("rope_fraction", 0.5), ("qk_norm", "head")),
+    ),
 ]
 
-CASES_BY_NAME = {case.name: case for case in CASES}
+
+def _both_paths(case):
+    """An MLA case on the expanded path and on the absorbed one (`<name>_absorbed`)."""
+    return [case, dataclasses.replace(case, name=f"{case.name}_absorbed", absorb=True)]
+
+
+MLA = (("kv_lora_rank", 8), ("qk_nope_head_dim", 4), ("qk_rope_head_dim", 4), ("v_head_dim", 6))
+MLA_YARN_SCALING = {  # DeepSeek-V3's YaRN: mscale == mscale_all_dim, so the factor is 1 and the scale carries it
+    "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
+    "mscale": 1.0, "mscale_all_dim": 1.0,
+}  # fmt: skip
+# Multi-head latent attention (DeepSeek-V2/V3), each through the expanded and the absorbed path. They run in the
+# parity report and test_parity; the TensorFlow and Keras columns say "not implemented" until those files have MLA
+# (`calling.not_implemented`), so they are not in CASES, which the TensorFlow and Keras tests iterate.
+MLA_CASES = [
+    variant
+    for case in (
+        Case("mla_self_causal", self_attention=True, causal=True, variants=(*MLA, ("rope_theta", 10000.0))),
+        Case(
+            "mla_q_lora_yarn_interleaved",  # DeepSeek-V3: q_lora_rank, interleaved RoPE, YaRN's mscale in the scale
+            self_attention=True,
+            causal=True,
+            query_mask=True,
+            positions="shifted",
+            bias=("query_a", "key_value_a", "output"),
+            variants=(
+                *MLA,
+                ("q_lora_rank", 6),
+                ("rope_theta", 10000.0),
+                ("rope_interleaved", True),
+                ("rope_scaling", MLA_YARN_SCALING),
+                ("scale", (0.1 * math.log(4.0) + 1.0) ** 2 / math.sqrt(8)),
+            ),
+        ),
+        Case("mla_cross_no_rope", t=4, s=6, kdim=10, mask="bool_bts", variants=MLA),  # key from another sequence
+        Case(
+            "mla_gqa_window_sinks_softcap",  # K < N latent heads, with every variant MLA allows
+            k=2,
+            self_attention=True,
+            causal=True,
+            attention_bias="bts",
+            variants=(
+                *MLA,
+                ("q_lora_rank", 6),
+                ("rope_theta", 100.0),
+                ("window", 3),
+                ("sinks", True),
+                ("softcap", 5.0),
+            ),
+        ),
+        Case(
+            "mla_gate_deepseek",  # DeepSeek-shaped MLA with the output gate (N*Hv wide), K < N, every bias
+            k=2,
+            self_attention=True,
+            causal=True,
+            query_mask=True,
+            variants=(*MLA, ("q_lora_rank", 6), ("rope_theta", 10000.0), ("rope_interleaved", True), ("gate", True)),
+        ),
+    )
+    for variant in _both_paths(case)
+]
+REPORT_CASES = [*CASES, *MLA_CASES]  # what the parity report runs
+CASES_BY_NAME = {case.name: case for case in REPORT_CASES}
 
 
 def _mask(case, rng):
@@ -406,7 +497,7 @@ def make_data(case, seed=0):
     kdim, vdim = case.kdim or case.e, case.vdim or case.e
     query = rng.normal(scale=case.scale, size=(case.b, case.t, case.e))
     key = None if case.self_attention else rng.normal(scale=case.scale, size=(case.b, case.s, kdim))
-    value = None if case.self_attention else rng.normal(scale=case.scale, size=(case.b, case.s, vdim))
+    value = None if case.self_attention or case.mla else rng.normal(scale=case.scale, size=(case.b, case.s, vdim))
     return {
         "query": query.astype(np.float32),
         "key": None if key is None else key.astype(np.float32),

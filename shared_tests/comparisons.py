@@ -435,11 +435,14 @@ def compare_decode(case, data, results):
 
 
 def run_decode_paths(case, data, paths=DECODE_PATHS):
-    """Decodes one case on the paths given; a `Ran` (no path skips a decode case)."""
+    """Decodes one case on the paths given; a `Ran` (a path whose layer file lacks the case's
+    options is in `skipped`)."""
     ran = Ran()
     for path in paths:
         try:
             ran.results[path] = run_decode(case, data, path)
+        except UnsupportedCaseError as reason:
+            ran.skipped[path] = str(reason)
         except Exception as error:  # the report goes on; the row says which path raised what
             ran.errors.append(raised(path, error))
     return ran
@@ -448,15 +451,16 @@ def run_decode_paths(case, data, paths=DECODE_PATHS):
 def judge_decode(case, data, ran):
     """The report row of one decode case from what its paths gave (`run_decode_paths`)."""
     if not ran.results:
-        return Row(case.name, case.dtype, {}, False, list(ran.errors))
+        return Row(case.name, case.dtype, {}, False, list(ran.errors), dict(ran.skipped))
     row = compare_decode(case, data, ran.results)
-    row.failures = ran.errors + row.failures
+    row.failures, row.skipped = ran.errors + row.failures, dict(ran.skipped)
     return row
 
 
 def run_decode_case(case, data=None, paths=DECODE_PATHS):
-    """Decodes one case on every path (or those given); returns (row, results). A path that
-    raises fails the row, with the error among its failures."""
+    """Decodes one case on every path (or those given); returns (row, results). A path whose layer
+    file lacks the case's options is listed in `row.skipped`; a path that raises anything else fails
+    the row, with the error among its failures."""
     data = make_decode_data(case) if data is None else data
     ran = run_decode_paths(case, data, paths)
     return judge_decode(case, data, ran), ran.results

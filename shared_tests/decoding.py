@@ -12,7 +12,7 @@ import dataclasses
 
 import numpy as np
 
-from shared_tests.cases import TOLERANCES, Case, random_weights
+from shared_tests.cases import MLA, TOLERANCES, Case, random_weights
 
 # tf:in_place: a tf.function step over an in-place cache (`init_cache(..., in_place=True)`): tf.Variables written by
 # each call, the step returning only its output and weights
@@ -41,6 +41,7 @@ class DecodeCase:
     variants: tuple = ()  # more constructor arguments as (name, value) pairs, as in Case
     positions: bool | str = False  # True: RoPE positions that skip the left padding (as transformers counts them);
     # "sections": those positions times 1, 2, ... k, one row per section of `rope_sections` (k, B, P)
+    absorb: bool | None = None  # MLA: the layers' `absorb_latents` (None: absorbed, T <= 8 here; NumPy expands)
 
     @property
     def p(self):
@@ -51,6 +52,7 @@ class DecodeCase:
         return self.kdim is not None or self.vdim is not None
 
     config = Case.config  # the same constructor arguments from the same fields
+    mla = Case.mla
 
     @property
     def tolerance(self):
@@ -140,9 +142,49 @@ DECODE_CASES = [
         chunks=(3, 1, 1),
         variants=(("qk_norm", "per_head"), ("qk_norm_type", "layer"), ("qk_norm_bias", True)),
     ),
+    DecodeCase("decode_gate", k=2, padding=(0, 2), chunks=(3, 1, 1, 1), variants=(("gate", True),)),
+    DecodeCase(
+        "decode_gate_rope_rolling",
+        length=4,
+        chunks=(2,) + (1,) * 6,
+        bias=False,
+        variants=(("gate", True), ("rope_theta", 10000.0), ("window", 3)),
+    ),
 ]
 
-DECODE_CASES_BY_NAME = {case.name: case for case in DECODE_CASES}
+# MLA's latent cache (B, 1, L, C) and (B, 1, L, Hr), each case absorbed (the default at T <= 8) and expanded
+# (`<name>_expanded`); like MLA_CASES, outside DECODE_CASES until the TensorFlow and Keras files have MLA.
+MLA_DECODE_CASES = [
+    variant
+    for case in (
+        DecodeCase(
+            "decode_mla_left_padding",
+            k=2,
+            padding=(0, 3),
+            chunks=(5, 1, 1),
+            positions=True,
+            variants=(*MLA, ("q_lora_rank", 6), ("rope_theta", 10000.0)),
+        ),
+        DecodeCase(
+            "decode_mla_rolling_window",
+            length=4,
+            chunks=(2,) + (1,) * 7,
+            variants=(*MLA, ("rope_theta", 10000.0), ("window", 3), ("sinks", True)),
+        ),
+        DecodeCase("decode_mla_cross", kdim=6, chunks=(2, 1, 1), mask="bool_btl", variants=MLA),  # key only
+        DecodeCase(
+            "decode_mla_gate",  # the gate (N*Hv wide) reads only the new queries; every bias, K < N
+            k=2,
+            padding=(0, 2),
+            chunks=(3, 1, 1, 1),
+            positions=True,
+            variants=(*MLA, ("q_lora_rank", 6), ("rope_theta", 10000.0), ("gate", True)),
+        ),
+    )
+    for variant in (case, dataclasses.replace(case, name=f"{case.name}_expanded", absorb=False))
+]
+REPORT_DECODE_CASES = [*DECODE_CASES, *MLA_DECODE_CASES]  # what the parity report runs
+DECODE_CASES_BY_NAME = {case.name: case for case in REPORT_DECODE_CASES}
 
 
 def _cache_keep(case):
@@ -173,7 +215,7 @@ def make_decode_data(case, seed=0):
     """Seeded inputs (B, P, E) (and key/value (B, P, kdim/vdim) for cross cases), the cache's
     keep, the attention_mask over (P, L) and portable weights."""
     rng = np.random.default_rng([seed, sum(map(ord, case.name))])
-    width = {"key": case.kdim or case.e, "value": case.vdim or case.e}
+    width = {"key": case.kdim or case.e, **({} if case.mla else {"value": case.vdim or case.e})}
     inputs = {"query": rng.normal(size=(case.b, case.p, case.e)).astype(np.float32)}
     if case.cross:
         inputs.update({name: rng.normal(size=(case.b, case.p, w)).astype(np.float32) for name, w in width.items()})

@@ -21,7 +21,7 @@ runtimes shared_tests/runtimes.py's.
 import os
 
 from shared_tests import keras_backends, numpy_runner, runtimes, tf_runner, torch_runner
-from shared_tests.calling import Result
+from shared_tests.calling import Result, not_implemented
 from shared_tests.runtimes import RUNTIME_PATHS
 from shared_tests.tf_runner import make_tf_layer
 from shared_tests.torch_runner import make_torch_layer
@@ -37,7 +37,12 @@ PATHS = (
 def run(case, data, path, torch_class=None, tf_class=None, export_cache=None):
     """Runs one path; `torch_class` / `tf_class` swap in another layer class (tests use it).
     A runtime path that cannot hold the case raises `runtimes.UnsupportedCaseError`; it keeps
-    the export of the layer file's own layer in the folder `export_cache` (`runtimes.kept_export`)."""
+    the export of the layer file's own layer in the folder `export_cache` (`runtimes.kept_export`).
+    A path whose layer file lacks one of the case's options (`calling.not_implemented`) raises
+    `runtimes.UnsupportedCaseError` too."""
+    reason = not_implemented(case, path)
+    if reason is not None:
+        raise runtimes.UnsupportedCaseError(reason)
     if path == "numpy":
         return numpy_runner.run(case, data)
     if path in keras_backends.KERAS_PATHS:  # in the backend's own process (kept by `keras_backends.prefetch`)
@@ -57,7 +62,11 @@ def run(case, data, path, torch_class=None, tf_class=None, export_cache=None):
 
 
 def run_decode(case, data, path):
-    """Decodes one decode case (shared_tests/decoding.py) on one path; a `DecodeResult`."""
+    """Decodes one decode case (shared_tests/decoding.py) on one path; a `DecodeResult`. A path
+    whose layer file lacks one of the case's options raises `runtimes.UnsupportedCaseError`."""
+    reason = not_implemented(case, path)
+    if reason is not None:
+        raise runtimes.UnsupportedCaseError(reason)
     if path == "numpy":
         return numpy_runner.decode(case, data)
     if path in keras_backends.KERAS_PATHS:  # in the backend's own process

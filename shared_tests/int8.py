@@ -17,7 +17,7 @@ FLIP_SHARE = (
 INT8_ERROR = 0.05  # int8 against float32 on these cases (Glorot weights, N(0, 1) inputs): up to 0.032 measured
 CASE_NAMES = (
     "self_basic", "kdim_vdim", "no_bias", "gqa_self_causal", "rows_fully_masked", "empty_query", "rope_self_causal",
-    "qk_norm_all", "sinks_gqa_causal", "wide", "clip_qkv",
+    "qk_norm_all", "sinks_gqa_causal", "wide", "clip_qkv", "gate_gqa_causal_padding",
 )  # fmt: skip
 
 

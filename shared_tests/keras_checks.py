@@ -15,6 +15,10 @@ SAVED_CONFIG = dict(
     d_model=16, num_heads=4, num_kv_heads=2, rope_theta=10000.0, rope_sections=[1, 1], qk_norm="per_head",
     qk_norm_type="layer", qk_norm_bias=True, sinks=True, window=(3, 2), attention_chunk_size=4,
 )  # fmt: skip
+MLA_CONFIG = dict(
+    num_kv_heads=2, kv_lora_rank=6, q_lora_rank=5, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=3,
+    rope_theta=100.0, rope_interleaved=True, window=(3, 2), sinks=True, bias=("query_b", "key_value_b", "output"),
+)  # fmt: skip
 
 
 def _layer(seed=0, **config):
@@ -150,18 +154,26 @@ def check_mask_warnings():
 
 
 def check_builtins():
-    """`from_keras` of the built-ins (MultiHeadAttention, GroupQueryAttention) gives their outputs,
-    and `to_keras` gives this layer's, called in Keras' order (query, value, key)."""
+    """`from_keras` of the built-ins (MultiHeadAttention, GroupQueryAttention, with `use_gate` with
+    and without `use_bias`) gives their outputs, and `to_keras` gives this layer's, called in Keras'
+    order (query, value, key)."""
     import keras
 
     from Keras import MultiHeadAttention
 
     x, kv = _inputs(), _inputs((2, 5, 16), seed=4)
-    for builtin in (keras.layers.MultiHeadAttention(4, 4), keras.layers.GroupQueryAttention(4, 4, 2)):
+    for builtin in (
+        keras.layers.MultiHeadAttention(4, 4),
+        keras.layers.GroupQueryAttention(4, 4, 2),
+        keras.layers.MultiHeadAttention(4, 4, use_gate=True),
+        keras.layers.GroupQueryAttention(4, 4, 2, use_gate=True, use_bias=False),
+    ):
         expected = builtin(x, kv, kv)
-        _close(MultiHeadAttention.from_keras(builtin)(x, kv, kv), expected, f"from_keras({type(builtin).__name__})")
-    for layer in (_layer(), _layer(num_kv_heads=2)):
-        _close(layer.to_keras()(x, kv, kv), layer(x, kv, kv), f"to_keras() with K={layer.num_kv_heads}")
+        what = f"from_keras({type(builtin).__name__}, use_gate={builtin.get_config()['use_gate']})"
+        _close(MultiHeadAttention.from_keras(builtin)(x, kv, kv), expected, what)
+    for layer in (_layer(), _layer(num_kv_heads=2), _layer(gate=True), _layer(num_kv_heads=2, gate=True, bias=False)):
+        what = f"to_keras() with K={layer.num_kv_heads}, gate={layer.gate}"
+        _close(layer.to_keras()(x, kv, kv), layer(x, kv, kv), what)
 
 
 def check_while_loop_decode():
@@ -656,12 +668,13 @@ def check_tensorflow_file_refuses():
 
 def check_save(folder):
     """Saves a functional model holding the layer (GQA, M-RoPE, per-head LayerNorm QK-norm with a
-    bias, sinks, a pair window, chunks) to FOLDER/model.keras, with its inputs and outputs."""
+    bias, sinks, a pair window, chunks) beside an MLA layer (`MLA_CONFIG`) to FOLDER/model.keras,
+    with its inputs and outputs."""
     import keras
 
-    layer = _layer(**SAVED_CONFIG)
+    layer, mla = _layer(**SAVED_CONFIG), _layer(seed=1, **MLA_CONFIG)
     inputs = keras.Input((6, 16))
-    model = keras.Model(inputs, layer(inputs, causal=True))
+    model = keras.Model(inputs, keras.layers.Add()([layer(inputs, causal=True), mla(inputs, causal=True)]))
     x = _inputs()
     os.makedirs(folder, exist_ok=True)
     model.save(os.path.join(folder, "model.keras"))
@@ -866,6 +879,85 @@ def check_load_int8(folder):
         _close(model(saved["x"]), saved["y"], f"the int8 model saved in {os.path.basename(folder)}")
 
 
+def _mla_paths(layer, x, key_mask):
+    """{(path, absorbed): (output, the query's gradient)} of the MLA `layer` on the reference,
+    fused and memory-efficient (two queries per chunk) paths, each expanded and absorbed."""
+    from keras import ops
+
+    def loss(query):
+        output = layer(query, key_mask=key_mask, causal=True)
+        return output * ops.cos(output)
+
+    paths = {"reference": (1 << 26, False), "fused": (1 << 26, True), "memory_efficient": (0, False)}
+    query, results = ops.convert_to_tensor(x), {}
+    layer.query_chunk_elements = 2 * x.shape[0] * layer.num_heads * x.shape[1]
+    for absorb in (False, True):
+        for path, (threshold, fused) in paths.items():
+            layer.absorb_latents, layer.memory_efficient_threshold, layer.fused_attention = absorb, threshold, fused
+            output = layer(query, key_mask=key_mask, causal=True)
+            results[(path, absorb)] = (output, _gradients(loss, [query])[0])
+    layer.absorb_latents, layer.memory_efficient_threshold, layer.fused_attention = None, 1 << 26, None
+    return results
+
+
+def check_mla():
+    """Multi-head latent attention: the reference, fused and memory-efficient paths, each expanded
+    and absorbed, give the same output and query gradient; decoding with the latent cache (left
+    padding, a rolling two-sided window; each step under `jax.jit` on JAX) on the expanded, the
+    absorbed and the automatic path, and in `ops.while_loop`, equals the full causal pass; an int8
+    layer decodes as its full pass on both paths; `.keras` and `get_config` keep the MLA options,
+    and `to_keras` refuses them."""
+    import keras
+    from keras import ops
+
+    from shared_tests.cases import Case
+    from shared_tests.keras_paths import jitted_step
+
+    layer, x = _layer(**MLA_CONFIG), _inputs((2, 7, 16))
+    key_mask = np.array([[False, True, True, True, True, True, True], [True] * 7])  # left padding
+    results = _mla_paths(layer, x, key_mask)
+    expected, expected_grad = results[("reference", False)]
+    for (path, absorb), (output, grad) in results.items():
+        _close(output, expected, f"MLA {path} (absorbed: {absorb}) output")
+        _close(grad, expected_grad, f"MLA {path} (absorbed: {absorb}) query gradient", 1e-4)
+    full = _numpy(layer(x, key_mask=key_mask, causal=True))
+    jax = keras.backend.backend() == "jax"
+    for absorb in (None, False, True):
+        layer.absorb_latents = absorb
+        step = jitted_step(layer, Case("step", causal=True)) if jax else None
+        cache, outputs = layer.init_cache(2, 4), []
+        assert tuple(cache.key.shape) == (2, 1, 4, 6) and tuple(cache.value.shape) == (2, 1, 4, 2)
+        for start, stop in ((0, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 7)):
+            chunk = {"query": ops.convert_to_tensor(x[:, start:stop])}
+            extra = {"key_mask": ops.convert_to_tensor(key_mask[:, start:stop])}
+            if step is None:
+                output, _, cache = layer(**chunk, **extra, causal=True, return_attention=True, cache=cache)
+            else:
+                output, _, cache = step(chunk, None, cache, extra)
+            outputs.append(_numpy(output))
+        _close(np.concatenate(outputs, 1), full, f"MLA decoding (absorbed: {absorb}) against the full pass")
+    layer.absorb_latents = None
+    _close(_while_loop_decode(layer, x[1:]), layer(x[1:], causal=True), "MLA while_loop decoding")
+    config = layer.get_config()
+    assert (
+        config["kv_lora_rank"] == 6
+        and config["vdim"] is None
+        and type(layer).from_config(config).get_config() == config
+    )
+    _saves_and_loads(layer, ops.convert_to_tensor(x), "MLA", causal=True)
+    try:
+        layer.to_keras()
+    except ValueError as error:
+        assert "kv_lora_rank=6" in str(error), f"MLA to_keras: {error}"
+    else:
+        raise AssertionError("to_keras took an MLA layer, which the Keras built-ins cannot hold")
+    layer.quantize("int8")
+    full = layer(x[1:], causal=True)
+    for absorb in (False, True):
+        layer.absorb_latents = absorb
+        _close(_while_loop_decode(layer, x[1:]), full, f"MLA int8 decoding (absorbed: {absorb})")
+
+
 CHECKS = {
     "fit_compiled": check_fit_compiled,
     "fit": check_fit,
@@ -884,6 +976,7 @@ CHECKS = {
     "memory_efficient": check_memory_efficient,
     "memory_efficient_dropout": check_memory_efficient_dropout,
     "fused": check_fused,
+    "mla": check_mla,
     "tensorflow_file_refuses": check_tensorflow_file_refuses,
     "int8_parity": check_int8_parity,
     "int8_model_quantize": check_int8_model_quantize,

@@ -13,7 +13,7 @@ in all, L cache slots.
 
 import numpy as np
 
-from shared_tests.calling import INPUTS, DecodeResult, Result
+from shared_tests.calling import INPUTS, DecodeResult, Result, set_path
 from shared_tests.cases import call_inputs
 from shared_tests.decoding import chunk_mask, chunk_positions, full_pass_mask
 
@@ -23,7 +23,7 @@ from shared_tests.decoding import chunk_mask, chunk_positions, full_pass_mask
 JAX_CASES = (
     "kdim_vdim", "mask_float_inf_row", "mask_float64_far", "rows_fully_masked", "bfloat16_gqa_masked",
     "attention_bias_bts_causal", "gemma2_like", "gpt_oss_like", "rope_yarn_gqa", "qk_norm_all",
-    "clip_qkv_qk_norm_rope",
+    "clip_qkv_qk_norm_rope", "qwen3_next_like",
 )  # fmt: skip
 
 
@@ -43,12 +43,13 @@ def _tensor(x, dtype=None):
 
 
 def layer_of(case, data):
-    """The Keras layer of a case, in its dtype, with the case's portable weights."""
+    """The Keras layer of a case, in its dtype, with the case's portable weights (and an MLA
+    case's `absorb_latents`)."""
     from Keras import MultiHeadAttention
 
     layer = MultiHeadAttention(**case.config, dtype=case.dtype)
     layer.import_weights(data["weights"])
-    return layer
+    return set_path(layer, case)  # an MLA case's path, expanded or absorbed
 
 
 def _forward(layer, case, args, kwargs, weighted=True):

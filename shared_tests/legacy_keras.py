@@ -77,6 +77,14 @@ def test_grouped_query_attention_cannot_go_to_legacy_keras():
         MultiHeadAttention(16, 4, num_kv_heads=2).to_keras()
 
 
+def test_gated_attention_cannot_go_to_legacy_keras():
+    """Legacy Keras' MultiHeadAttention has no `use_gate`; the gated layer itself runs as in Keras 3."""
+    layer = MultiHeadAttention(16, 4, gate=True)
+    assert layer(X, Y).shape == (X.shape[0], X.shape[1], 16)
+    with pytest.raises(ValueError, match=r"^Legacy Keras \(tf_keras\) has no gate \(`use_gate`\)"):
+        layer.to_keras()
+
+
 def test_every_kernel_has_its_own_initial_values():
     """A legacy initializer called twice returns the same values: each weight gets its own."""
     layer = MultiHeadAttention(16, 4)

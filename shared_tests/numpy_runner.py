@@ -28,6 +28,7 @@ def decode(case, data):
 
     layer = MultiHeadAttention(**case.config)
     layer.import_weights(data["weights"])
+    layer.absorb_latents = False  # the oracle: MLA expanded
     inputs = {name: x.astype(np.float64) for name, x in data["inputs"].items()}
     cache = layer.init_cache(case.b, case.length, keep=data["keep"])
     outputs, weights = [], []

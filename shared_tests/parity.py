@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from shared_tests import keras_backends, runtimes
-from shared_tests.cases import CASES, CASES_BY_NAME, make_data
+from shared_tests.cases import CASES_BY_NAME, REPORT_CASES, make_data
 from shared_tests.comparisons import (
     DECODE_FRAMEWORK_PATHS,
     DECODE_QUANTITIES,
@@ -64,7 +64,7 @@ from shared_tests.comparisons import removed_positions as removed_positions
 from shared_tests.comparisons import run_case as run_case
 from shared_tests.comparisons import run_decode_case as run_decode_case
 from shared_tests.comparisons import tolerance as tolerance
-from shared_tests.decoding import DECODE_CASES, DECODE_CASES_BY_NAME, DECODE_PATHS, make_decode_data
+from shared_tests.decoding import DECODE_CASES_BY_NAME, DECODE_PATHS, REPORT_DECODE_CASES, make_decode_data
 from shared_tests.frameworks import PATHS
 from shared_tests.frameworks import run as run
 from shared_tests.runtimes import DYNAMIC_PATHS, RUNTIME_PATHS
@@ -319,7 +319,7 @@ def _keep_or_drop(cases, layout, weights, needs_self, changes):
 def select_cases(names, layout=None, weights=None):
     """The cases named by --case (all without it), with the file's layout under --weights;
     returns (cases, [(name, reason)] of those left out)."""
-    cases = [CASES_BY_NAME[name] for name in names if name in CASES_BY_NAME] if names else CASES
+    cases = [CASES_BY_NAME[name] for name in names if name in CASES_BY_NAME] if names else REPORT_CASES
     if layout is None:
         return cases, []
     return _keep_or_drop(cases, layout, weights, lambda case: case.self_attention, lambda case: {})
@@ -329,7 +329,9 @@ def select_decode_cases(names, layout=None, weights=None):
     """The decode cases named by --case (all without it), with the file's layout under
     --weights (key and value passed apart only in the cases that do); returns (cases, [(name,
     reason)] of those left out)."""
-    cases = [DECODE_CASES_BY_NAME[name] for name in names if name in DECODE_CASES_BY_NAME] if names else DECODE_CASES
+    cases = (
+        [DECODE_CASES_BY_NAME[name] for name in names if name in DECODE_CASES_BY_NAME] if names else REPORT_DECODE_CASES
+    )
     if layout is None:
         return cases, []
 
@@ -540,7 +542,7 @@ def main(argv=None):
         print("error: --plot compares PyTorch with TensorFlow, which runs only with --device cpu", file=sys.stderr)
         return 2
     if args.list:
-        print("\n".join(f"{c.name:<28} {c}" for c in [*CASES, *DECODE_CASES]))
+        print("\n".join(f"{c.name:<28} {c}" for c in [*REPORT_CASES, *REPORT_DECODE_CASES]))
         return 0
     error = None if args.device == "cpu" else device_error(args.device)
     if error is not None:

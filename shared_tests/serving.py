@@ -45,9 +45,13 @@ class ServedLayer:
         return dict(d_model=self.e, num_heads=self.n, num_kv_heads=self.k, rope_theta=10000.0, **dict(self.variants))
 
 
+MLA_VARIANTS = (  # multi-head latent attention: its latent cache, (B, 1, L, C) and (B, 1, L, Hr), goes in and out
+    ("kv_lora_rank", 8), ("q_lora_rank", 12), ("qk_nope_head_dim", 4), ("qk_rope_head_dim", 4), ("v_head_dim", 6),
+)  # fmt: skip
 SERVED_LAYERS = [
     ServedLayer("rope_gqa", length=PROMPT + STEPS),
     ServedLayer("rolling_window", length=PROMPT, variants=(("window", PROMPT),)),  # L = W: the cache rolls
+    ServedLayer("mla_rolling_window", length=PROMPT, variants=(("window", PROMPT), *MLA_VARIANTS)),  # latent cache
 ]
 SERVED_LAYERS_BY_NAME = {layer.name: layer for layer in SERVED_LAYERS}
 

@@ -13,8 +13,9 @@ import PyTorch.Multi_Head_Attention as torch_file
 from NumPy import MultiHeadAttention as NumpyMultiHeadAttention
 from PyTorch import MultiHeadAttention as TorchMultiHeadAttention
 from shared_tests import parity
+from shared_tests.calling import not_implemented
 from shared_tests.cases import TOLERANCES
-from shared_tests.decoding import DECODE_CASES, DECODE_CASES_BY_NAME
+from shared_tests.decoding import DECODE_CASES, DECODE_CASES_BY_NAME, MLA_DECODE_CASES
 
 OUTPUT_TOL = TOLERANCES["float32"]["output"]
 rng = np.random.default_rng(0)
@@ -30,6 +31,26 @@ def test_decode_case_in_parity(case):
     assert row.zeros
     assert all(np.isfinite(r.output).all() for r in results.values())
     assert all(int(r.cache["index"]) == case.p for r in results.values())
+
+
+@pytest.mark.parametrize("case", MLA_DECODE_CASES, ids=lambda c: c.name)
+def test_mla_decode_case_in_parity(case):
+    """The latent cache on every path whose file has MLA (the others listed as not implemented),
+    absorbed and expanded, against the full pass and the NumPy oracle's cache."""
+    row, results = parity.run_decode_case(case)
+    assert row.passed, row.failures
+    assert row.zeros
+    assert set(row.skipped) == {path for path in parity.DECODE_PATHS if not_implemented(case, path)}
+    assert {"numpy", "torch:sdpa", "torch:explicit"} <= set(results)
+    assert all(r.cache["key"].shape[1:] == (1, case.length, 8) for r in results.values())  # (B, 1, L, C)
+    assert all(int(r.cache["index"]) == case.p for r in results.values())
+
+
+def test_mla_decode_table_covers_the_issue():
+    cases = MLA_DECODE_CASES
+    assert any(c.padding for c in cases) and any(c.length < c.p and "window" in dict(c.variants) for c in cases)
+    assert any(c.cross for c in cases) and {c.absorb for c in cases} == {None, False}
+    assert any("q_lora_rank" in dict(c.variants) for c in cases) and any(c.k == 2 for c in cases)
 
 
 def test_decode_table_covers_the_issue():

@@ -41,7 +41,7 @@ CASES = {
     "integer_query": (BASE, {"query": np.ones((2, 3, 8), np.int32)}, r"`query` must be a floating tensor\. Received: query\.dtype=int32"),
     "integer_value": (BASE, {"query": X, "key": Y, "value": np.ones((2, 5, 8), np.int32)}, r"`value` must be a floating tensor\. Received: value\.dtype=int32"),
     # The variants' constructor arguments
-    "bias_unknown_projection": ({**BASE, "bias": ("query", "gate")}, None, r"`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output'\. Received: bias=\('query', 'gate'\)"),
+    "bias_unknown_projection": ({**BASE, "bias": ("query", "qkv")}, None, r"`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output', 'gate'\. Received: bias=\('query', 'qkv'\)"),
     "bias_string": ({**BASE, "bias": "query"}, None, r"`bias` must be True, False or a list, tuple or set .* Received: bias='query'"),
     "scale_zero": ({**BASE, "scale": 0.0}, None, r"`scale` must be a positive float\. Received: scale=0\.0"),
     "softcap_negative": ({**BASE, "softcap": -1.0}, None, r"`softcap` must be None or a positive float\. Received: softcap=-1\.0"),
@@ -71,7 +71,7 @@ CASES = {
     "qk_norm_bias_not_bool": ({**BASE, "qk_norm": "head", "qk_norm_bias": 1}, None, r"`qk_norm_bias` must be True or False\. Received: qk_norm_bias=1"),
     "qk_norm_eps_zero": ({**BASE, "qk_norm": "head", "qk_norm_eps": 0.0}, None, r"`qk_norm_eps` must be a positive float\. Received: qk_norm_eps=0\.0"),
     # Regressions D6, D8, D9 (and the flags): one rule for the types each argument takes, in all three files
-    "d06_bias_ndarray": ({**BASE, "bias": np.array(["query", "key"])}, None, r"`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output'\. Received: bias=array\("),
+    "d06_bias_ndarray": ({**BASE, "bias": np.array(["query", "key"])}, None, r"`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output', 'gate'\. Received: bias=array\("),
     "d06_bias_dict": ({**BASE, "bias": {"query": True}}, None, r"`bias` must be True, False or a list, tuple or set .* Received: bias=\{'query': True\}"),
     "d06_bias_dict_keys": ({**BASE, "bias": {"value": 1}.keys()}, None, r"`bias` must be True, False or a list, tuple or set .* Received: bias=dict_keys\(\['value'\]\)"),
     "d06_bias_none": ({**BASE, "bias": None}, None, r"`bias` must be True, False or a list, tuple or set .* Received: bias=None"),
@@ -103,6 +103,8 @@ CASES = {
     "order_rope_interleaved_before_qk_norm_bias": ({**BASE, "qk_norm_bias": 1, "rope_interleaved": 0}, None, r"`rope_interleaved` must be True or False"),
     "order_qk_norm_bias_before_sinks": ({**BASE, "sinks": 1, "qk_norm_bias": 0}, None, r"`qk_norm_bias` must be True or False"),
     "order_rope_interleaved_before_sinks": ({**BASE, "sinks": 1, "rope_interleaved": 0}, None, r"`rope_interleaved` must be True or False\. Received: rope_interleaved=0"),
+    "gate_not_bool": ({**BASE, "gate": 1}, None, r"`gate` must be True or False\. Received: gate=1"),
+    "order_sinks_before_gate": ({**BASE, "gate": None, "sinks": 0}, None, r"`sinks` must be True or False\. Received: sinks=0"),
     "order_dropout_before_bias": ({**BASE, "bias": None, "dropout": None}, None, r"`dropout` must be in \[0, 1\)\. Received: dropout=None"),
     # The new call arguments
     "mixed_input_dtypes": (BASE, {"query": X, "key": Y.astype(np.float16), "value": Y.astype(np.float16)}, r"`query`, `key` and `value` must have the same dtype\. Received: query\.dtype=float32, key\.dtype=float16, value\.dtype=float16"),
@@ -220,6 +222,8 @@ ACCEPTED_ARGUMENTS = {
     "bias_frozenset": ({**BASE, "bias": frozenset({"value", "query"})}, {"bias": ("query", "value")}),
     "bias_list_with_duplicates": ({**BASE, "bias": ["output", "key", "output"]}, {"bias": ("key", "output")}),
     "bias_empty_tuple": ({**BASE, "bias": ()}, {"bias": ()}),
+    "bias_names_the_gate": ({**BASE, "gate": np.bool_(True), "bias": ["gate", "query"]}, {"bias": ("query", "gate")}),
+    "bias_true_of_a_gated_layer": ({**BASE, "gate": True}, {"bias": ("query", "key", "value", "output", "gate")}),
     # a variant switched off: its arguments are checked on their own, never against the others
     "rope_fraction_odd_without_rope": ({**BASE, "rope_fraction": 0.25}, {"rope_fraction": 0.25, "rope_theta": None}),
 }  # fmt: skip
@@ -502,3 +506,59 @@ def test_failed_import_is_the_same_error_and_changes_nothing(name):
         for key, value in before.items():
             np.testing.assert_array_equal(after[key], value, err_msg=f"{framework} {key}")
     assert len(set(messages.values())) == 1, messages
+
+
+# Multi-head latent attention (docs/SPEC.md "Multi-head latent attention"): every file whose layer has it
+MLA_BASE = {**BASE, "kv_lora_rank": 4, "qk_nope_head_dim": 2, "qk_rope_head_dim": 2, "v_head_dim": 3}
+MLA_CACHE = {"key": np.zeros((2, 2, 6, 4), np.float32), "value": np.zeros((2, 2, 6, 2), np.float32)}  # K heads: plain
+MLA_ERRORS = {
+    "mla_q_lora_rank_without_kv_lora_rank": ({**BASE, "q_lora_rank": 4}, None, r"`q_lora_rank` needs `kv_lora_rank` \(multi-head latent attention\)\. Received: q_lora_rank=4, kv_lora_rank=None"),
+    "mla_v_head_dim_without_kv_lora_rank": ({**BASE, "v_head_dim": 3}, None, r"`v_head_dim` needs `kv_lora_rank` \(multi-head latent attention\)\. Received: v_head_dim=3, kv_lora_rank=None"),
+    "mla_missing_sizes": ({**BASE, "kv_lora_rank": 4, "qk_nope_head_dim": 2}, None, r"`kv_lora_rank` needs `qk_nope_head_dim`, `qk_rope_head_dim` and `v_head_dim`\. Received: kv_lora_rank=4, qk_rope_head_dim=None, v_head_dim=None"),
+    "mla_kv_lora_rank_float": ({**MLA_BASE, "kv_lora_rank": 4.0}, None, r"`kv_lora_rank` must be a positive integer\. Received: kv_lora_rank=4\.0"),
+    "mla_head_dim_differs": ({**MLA_BASE, "head_dim": 5}, None, r"`head_dim` must equal qk_nope_head_dim \+ qk_rope_head_dim = 4 with `kv_lora_rank`\. Received: head_dim=5"),
+    "mla_latent_norm_eps_zero": ({**BASE, "latent_norm_eps": 0.0}, None, r"`latent_norm_eps` must be a positive float\. Received: latent_norm_eps=0\.0"),
+    "mla_bias_key": ({**MLA_BASE, "bias": ("key",)}, None, r"`bias` must be True, False or a list, tuple or set of 'query', 'key_value_a', 'key_value_b', 'output', 'gate'\. Received: bias=\('key',\)"),
+    "mla_bias_name_without_mla": ({**BASE, "bias": ("key_value_a",)}, None, r"`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output', 'gate'\. Received: bias=\('key_value_a',\)"),
+    "mla_vdim": ({**MLA_BASE, "vdim": 6}, None, r"`vdim` is not supported with `kv_lora_rank`: MLA reads keys and values from `key` \(its width is `kdim`\)\. Received: vdim=6"),
+    "mla_qk_norm": ({**MLA_BASE, "qk_norm": "head"}, None, r"`qk_norm` is not supported with `kv_lora_rank`: MLA normalizes the latents instead\. Received: qk_norm='head'"),
+    "mla_clip_qkv": ({**MLA_BASE, "clip_qkv": 1.0}, None, r"`clip_qkv` is not supported with `kv_lora_rank`: MLA has no q, k and v to clamp\. Received: clip_qkv=1\.0"),
+    "mla_rope_fraction": ({**MLA_BASE, "rope_theta": 100.0, "rope_fraction": 0.5, "qk_rope_head_dim": 4}, None, r"`rope_fraction` is not supported with `kv_lora_rank`: RoPE turns all Hr features\. Received: rope_fraction=0\.5"),
+    "mla_value_not_key": (MLA_BASE, {"query": X, "key": Y, "value": Y.copy()}, r"`value` must be None or `key` itself with `kv_lora_rank`: MLA reads keys and values from `key`\. Received: a value other than key"),
+}  # fmt: skip
+
+
+def _mla_callers():
+    """The callers of the layer files that have MLA (the others join once they do)."""
+    from shared_tests.calling import LAYER_FILES, layer_source
+
+    folders = {**LAYER_FILES, "numpy": "NumPy"}
+    return {name: caller for name, caller in CALLERS.items() if "kv_lora_rank=" in layer_source(folders[name])}
+
+
+@pytest.mark.parametrize("name", sorted(MLA_ERRORS))
+def test_mla_value_errors_alike(name):
+    kwargs, call, pattern = MLA_ERRORS[name]
+    messages = {}
+    callers = _mla_callers()
+    assert {"numpy", "torch"} <= set(callers)
+    for framework, caller in callers.items():
+        with pytest.raises(ValueError, match=pattern) as error:
+            caller(kwargs, call)
+        messages[framework] = str(error.value)
+    assert len(set(messages.values())) == 1, messages
+
+
+def test_mla_cache_of_another_shape_is_refused_alike():
+    """A plain (B, K, L, H) cache given to an MLA layer: the latent cache's shapes are quoted."""
+    pattern = (
+        r"`cache\.key` and `cache\.value` must have shape \(B, 1, L, C\) and \(B, 1, L, Hr\) with kv_lora_rank: "
+        r"B=2, C=4, Hr=2\. Received: cache\.key\.shape=\(2, 2, 6, 4\), cache\.value\.shape=\(2, 2, 6, 2\)"
+    )
+    for framework in _mla_callers():
+        layer = CALLERS[framework](MLA_BASE, None)
+        cache = layer.init_cache(2, 6)
+        converted = _converted(framework, MLA_CACHE)
+        wrong = cache._replace(key=converted["key"], value=converted["value"])
+        with pytest.raises(ValueError, match=pattern):
+            layer(_converted(framework, {"q": X})["q"], cache=wrong)

@@ -20,7 +20,8 @@ from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8Weig
 from NumPy import Multi_Head_Attention as numpy_file
 from PyTorch import Multi_Head_Attention as torch_file
 from shared_tests import runtimes
-from shared_tests.cases import CASES_BY_NAME, call_inputs, make_data
+from shared_tests.calling import set_path
+from shared_tests.cases import CASES_BY_NAME, MLA_CASES, call_inputs, make_data
 from shared_tests.int8 import CASE_NAMES, FLOAT32, INT8_ERROR, assert_within_a_step, one_step
 from TensorFlow import Multi_Head_Attention as tf_file
 
@@ -375,3 +376,24 @@ def test_torchao_int8_schemes(config):
     assert (dequantized - output).abs().max() < INT8_ERROR
     with pytest.raises(ValueError, match="import the weights before quantizing"):
         layer.import_weights(exported)
+
+
+@pytest.mark.parametrize("source", ("numpy", "torch"))
+@pytest.mark.parametrize("case", MLA_CASES, ids=lambda c: c.name)
+def test_mla_latent_projections_quantize_by_the_int8_rule(case, source):
+    """MLA's projections (query or query_a and query_b, key_value_a, key_value_b, output; the
+    gate's with `gate`) quantized in `source`: the same integers and scales in every file that has
+    MLA, and the reference's output within one step on the PyTorch paths, expanded and absorbed
+    (which reads the latents per-token quantized, as the int8 up-projection does)."""
+    data = make_data(case)
+    layout = _quantized_export(source, case, data)
+    oracle = numpy_file.MultiHeadAttention(**case.config)
+    kinds = numpy_file._projection_kinds(numpy_file._projections(oracle._latent), oracle.gate)  # the gate's with gate
+    assert {name for name in layout if name.endswith("_kernel_scale")} == {f"{kind}_kernel_scale" for kind in kinds}
+    reference = _float_layer("numpy", case, layout)
+    expected = _call("numpy", reference, case, data)
+    layer = set_path(_float_layer("torch", case, layout), case)
+    for path in ("torch:sdpa", "torch:explicit"):
+        assert_within_a_step(_call(path, layer, case, data), expected, one_step(reference), path)
+    for layout_name in (name for name in layout if "kernel" in name):
+        np.testing.assert_array_equal(layer.export_weights()[layout_name], layout[layout_name])

@@ -29,6 +29,7 @@ CONFIGS = {
     "no_bias": ({"bias": False}, 4, 0),
     "head_dim": ({"head_dim": 3, "num_kv_heads": 2}, 8, 0),
     "dropout": ({"dropout": 0.5}, 8, 1),
+    "gate": ({"gate": True, "num_kv_heads": 2}, 10, 0),
 }
 
 
@@ -207,7 +208,6 @@ def _built(layer, query, value, key=None):
 
 # option: (MultiHeadAttention arguments, GroupQueryAttention arguments, the value quoted)
 REFUSED = {
-    "use_gate": ({"use_gate": True}, {"use_gate": True}, "use_gate=True"),
     "kernel_regularizer": ({"kernel_regularizer": "l2"}, {"kernel_regularizer": "l2"}, "kernel_regularizer=L2"),
     "bias_regularizer": ({"bias_regularizer": "l1"}, {"bias_regularizer": "l1"}, "bias_regularizer=L1"),
     "activity_regularizer": (
@@ -253,6 +253,24 @@ def test_from_keras_lists_every_option_it_cannot_hold_in_one_message(kind):
     reasons, received = str(error.value).split(". Received: ")
     for option in refused:
         assert f" {option} (" in reasons and (received.startswith(f"{option}=") or f", {option}=" in received)
+
+
+@pytest.mark.parametrize("use_bias", [True, False])
+@pytest.mark.parametrize("kind", ["mha", "gqa"])
+def test_from_keras_and_to_keras_hold_use_gate(kind, use_bias):
+    """Keras' `use_gate=True` is `gate=True` (its (E, N, H) gate kernel is `gate_kernel`, its bias
+    `gate_bias` with `use_bias`): the same outputs both ways, in cross-attention and in causal
+    self-attention."""
+    key = rng.normal(size=(B, S, E)).astype(np.float32)
+    builtin = _keras_builtin(kind, {"use_gate": True, "use_bias": use_bias}, X, key)
+    layer = MultiHeadAttention.from_keras(builtin)
+    assert layer.gate and ("gate" in layer.bias) == use_bias
+    back = layer.to_keras()
+    assert back.get_config()["use_gate"] and type(back) is type(builtin)
+    for mine, theirs in ((layer, builtin), (layer, back)):
+        np.testing.assert_allclose(mine(X, key), theirs(X, key), atol=OUTPUT_TOL, rtol=0)
+        expected = theirs(X, X, use_causal_mask=True)
+        np.testing.assert_allclose(mine(X, causal=True), expected, atol=OUTPUT_TOL, rtol=0)
 
 
 def test_from_keras_holds_the_sliding_window_as_a_window_pair():

@@ -11,7 +11,8 @@ import PyTorch.Multi_Head_Attention as torch_file
 import TensorFlow.Multi_Head_Attention as tf_file
 from PyTorch import MultiHeadAttention as TorchMultiHeadAttention
 from shared_tests import parity, runtimes
-from shared_tests.cases import CASES, CASES_BY_NAME, TOLERANCES, make_data
+from shared_tests.calling import not_implemented
+from shared_tests.cases import CASES, CASES_BY_NAME, MLA_CASES, TOLERANCES, make_data
 from shared_tests.runtimes import DYNAMIC_PATHS, RUNTIME_PATHS, skip_reason
 from TensorFlow import MultiHeadAttention as TFMultiHeadAttention
 
@@ -24,6 +25,33 @@ def test_case_in_parity(case):
     assert set(results) | set(row.skipped) == set(parity.PATHS)
     assert set(row.skipped) == {path for path in RUNTIME_PATHS if skip_reason(case, path)}
     assert all(np.isfinite(r.output).all() for r in results.values())
+
+
+@pytest.mark.parametrize("case", MLA_CASES, ids=lambda c: c.name)
+def test_mla_case_in_parity(case):
+    """Multi-head latent attention on every path whose layer file has it; the others are listed as
+    not implemented, never failed or dropped."""
+    row, results = parity.run_case(case)
+    assert row.passed, row.failures
+    assert row.zeros
+    assert set(results) | set(row.skipped) == set(parity.PATHS)
+    expected = {path for path in parity.PATHS if not_implemented(case, path) or skip_reason(case, path)}
+    assert set(row.skipped) == expected
+    assert all(reason.startswith("not implemented in") for path, reason in row.skipped.items() if path.startswith("tf"))
+    assert {"numpy", "torch:sdpa", "torch:explicit", "torch:inference", "torch:onnx"} <= set(results)
+
+
+def test_mla_case_table_covers_the_issue():
+    """With and without q_lora_rank, RoPE and YaRN; GQA-shaped, cross-attention, a window and sinks;
+    each case expanded and absorbed."""
+    variants = [dict(c.variants) for c in MLA_CASES]
+    assert any("q_lora_rank" in v for v in variants) and any("q_lora_rank" not in v for v in variants)
+    assert any("rope_theta" in v for v in variants) and any("rope_theta" not in v for v in variants)
+    assert any(v.get("rope_scaling", {}).get("rope_type") == "yarn" for v in variants)
+    assert any(c.k == 2 for c in MLA_CASES) and any(not c.self_attention and c.kdim for c in MLA_CASES)
+    assert any("window" in v and v.get("sinks") for v in variants)
+    assert {c.absorb for c in MLA_CASES} == {None, True}
+    assert len({c.name.removesuffix("_absorbed") for c in MLA_CASES}) * 2 == len(MLA_CASES)
 
 
 def test_case_table_covers_the_issue():

@@ -58,6 +58,7 @@ def cases(draw):
         mask=draw(st.sampled_from(MASK_KINDS)),
         causal=draw(st.booleans()),
         self_attention=self_attention,
+        variants=(("gate", True),) if draw(st.booleans()) else (),
         **widths,
     )
 
@@ -108,7 +109,7 @@ ROPE_SCALINGS = (
     {**YARN, "truncate": np.bool_(False)},
     {**YARN, "beta_fast": 8.0, "mscale": 1.0, "mscale_all_dim": 0.5},
 )  # fmt: skip
-PROJECTIONS = ("query", "key", "value", "output")
+PROJECTIONS = ("query", "key", "value", "output", "gate")
 ALIBI_RTOL = 3e-7  # TensorFlow multiplies float32 slopes by float32 positions: two float32 roundings, not one
 CALL_MASKS = ("none", "bool_ts", "bool_bts", "bool_bnts", "bool_b1s", "float_ts", "float_bts", "float_t1", "penalty")
 BIASES = ("none", "1nts", "bts", "t1")
@@ -159,9 +160,10 @@ def layer_configs(draw):
         "qk_norm_bias": draw(st.sampled_from([False, True])),
         "sinks": draw(st.sampled_from([False, True, np.bool_(True)])),
         "clip_qkv": draw(st.sampled_from([None, 0.5, np.float32(2.0)])),
+        "gate": draw(st.sampled_from([False, True, np.bool_(True)])),
     }
     if isinstance(config["bias"], type):  # a collection of some of the projections' names
-        config["bias"] = config["bias"](draw(st.lists(st.sampled_from(PROJECTIONS), max_size=4)))
+        config["bias"] = config["bias"](draw(st.lists(st.sampled_from(PROJECTIONS), max_size=5)))
     if draw(st.booleans()):
         config |= {
             "rope_theta": draw(st.sampled_from([10.0, 10000.0])),
@@ -409,6 +411,7 @@ def test_float64_parity_across_the_option_space(config, call, seed):
 EDGE_VARIANTS = {  # each variant switched on over a drawn configuration
     "plain": {}, "softcap": {"softcap": 2.0}, "window": {"window": (2, 1)}, "attention_chunk": {"attention_chunk_size": 2},
     "qk_norm": {"qk_norm": "head"}, "sinks": {"sinks": True}, "clip_qkv": {"clip_qkv": 0.5}, "rope": {"rope_theta": 10.0},
+    "gate": {"gate": True},
 }  # fmt: skip
 
 
@@ -444,7 +447,7 @@ ARGUMENT_VALUES = {  # valid and invalid values of each constructor argument, in
     "dropout": [0.0, 0, np.float32(0.0), 1.0, -0.1, None, True, np.bool_(False), "0", np.nan],
     "bias": [
         True, False, np.bool_(True), ["query"], ("key", "output"), {"value"}, frozenset(), "query", {"query": True},
-        np.array(["query"]), {"query": 1}.keys(), None, 1, ["gate"], [1], [["query"]],
+        np.array(["query"]), {"query": 1}.keys(), None, 1, ["gate"], ["qkv"], [1], [["query"]],
     ],
     "scale": [None, 0.5, np.float32(0.5), 1, np.int64(2), 0.0, -1.0, True, np.inf, np.nan, "0.5"],
     "softcap": [None, 2.0, np.float64(2.0), 0.0, False],
@@ -465,6 +468,7 @@ ARGUMENT_VALUES = {  # valid and invalid values of each constructor argument, in
     "qk_norm_eps": [1e-6, np.float32(1e-5), 0.0, None],
     "sinks": [False, True, np.bool_(False), 0, None],
     "clip_qkv": [None, 0.5, np.float64(0.5), 1, np.int64(2), 0.0, -1.0, True, np.inf, "1"],
+    "gate": [False, True, np.bool_(True), 1, None],
 }  # fmt: skip
 ATTRIBUTES = (
     "d_model", "num_heads", "num_kv_heads", "head_dim", "kdim", "vdim", "dropout", "bias", "scale", "softcap", "window",
@@ -485,9 +489,12 @@ def constructor_arguments(draw):
 
 
 def _attributes(layer):
-    """What a constructed layer holds, as the three files name it (PyTorch's `sinks` is the parameter)."""
+    """What a constructed layer holds, as the three files name it (PyTorch's `sinks` is the parameter,
+    its `gate` the projection)."""
     sinks = layer.sinks if isinstance(layer.sinks, bool) else layer.sinks is not None
-    return {**{name: getattr(layer, name) for name in ATTRIBUTES}, "sinks": sinks, "shapes": layer.weight_shapes()}
+    gate = layer.gate if isinstance(layer.gate, bool) else layer.gate is not None
+    attributes = {name: getattr(layer, name) for name in ATTRIBUTES}
+    return {**attributes, "sinks": sinks, "gate": gate, "shapes": layer.weight_shapes()}
 
 
 @settings(deadline=None)
@@ -651,3 +658,89 @@ def test_decoding_equals_the_full_causal_pass(decoding, seed):
             for explicit in (False, True) if framework == "torch" else (True,):
                 got = _decode(layer, framework, x, chunks, length, key_mask, explicit)
                 _assert_close(got, want, tolerance, f"{framework} decoding, weights returned: {explicit}")
+
+
+@st.composite
+def mla_cases(draw):
+    """Multi-head latent attention: latent ranks, q_lora_rank or none, head widths, GQA-shaped K,
+    RoPE (interleaved or not) or none, the variants MLA allows (the gate included), masks, self- or
+    cross-attention (`key` alone), expanded or absorbed."""
+    kv_heads = draw(st.integers(1, 2))
+    rope = draw(st.booleans())
+    t = draw(st.integers(1, 5))
+    self_attention = rope or draw(st.booleans())  # RoPE needs the query's own tokens
+    variants = {
+        "kv_lora_rank": draw(st.integers(1, 6)),
+        "qk_nope_head_dim": draw(st.integers(1, 4)),
+        "qk_rope_head_dim": draw(st.sampled_from([2, 4])),
+        "v_head_dim": draw(st.integers(1, 5)),
+        "q_lora_rank": draw(st.sampled_from([None, 3])),
+        "rope_theta": 100.0 if rope else None,
+        "rope_interleaved": draw(st.booleans()),
+        "window": draw(st.sampled_from([None, 2, (2, 1)])),
+        "sinks": draw(st.booleans()),
+        "softcap": draw(st.sampled_from([None, 2.0])),
+        "gate": draw(st.booleans()) or None,  # the output gate, N*Hv wide
+    }
+    return Case(
+        name="property_mla",
+        b=draw(st.integers(1, 2)),
+        t=t,
+        s=t if self_attention else draw(st.integers(1, 5)),
+        e=draw(st.integers(2, 8)),
+        n=kv_heads * draw(st.integers(1, 2)),
+        k=kv_heads,
+        kdim=None if self_attention else draw(st.sampled_from([None, 3])),
+        bias=draw(st.booleans()),
+        mask=draw(st.sampled_from(MASK_KINDS)),
+        causal=draw(st.booleans()),
+        self_attention=self_attention,
+        variants=tuple((name, value) for name, value in variants.items() if value is not None),
+        absorb=draw(st.booleans()),
+    )
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=mla_cases(), seed=st.integers(0, 2**16))
+def test_random_mla_configurations_stay_in_parity(case, seed):
+    """Every MLA draw in parity on every in-process path of every file that has MLA (the others
+    are listed as not implemented), through the path the draw picks, expanded or absorbed."""
+    data = make_data(case, seed)
+    with warnings.catch_warnings():
+        for habit in HABITS:
+            warnings.simplefilter("ignore", habit)
+        row, results = parity.run_case(case, data, paths=IN_PROCESS_PATHS)
+    assert row.passed, (dataclasses.asdict(case), row.failures)
+    assert {"numpy", "torch:sdpa", "torch:explicit"} <= set(results)
+    assert all(reason.startswith("not implemented") for reason in row.skipped.values())
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=mla_cases(), chunks=st.sampled_from([(1, 1, 1, 1), (3, 1), (2, 2), (4,)]), seed=st.integers(0, 2**16))
+def test_random_mla_decoding_equals_the_full_causal_pass(case, chunks, seed):
+    """The latent cache, float64, in NumPy and PyTorch on the drawn path (a window makes it roll
+    through L = 3 slots when it fits): the NumPy full causal pass's outputs, chunk by chunk."""
+    import torch
+
+    from PyTorch import MultiHeadAttention as TorchMultiHeadAttention
+
+    config = {**case.config, "kdim": None}  # decoding attends the query's own tokens
+    window = dict(case.variants).get("window")
+    length = 3 if isinstance(window, int) and max(chunks) <= 2 else sum(chunks)
+    x = np.random.default_rng(seed).normal(size=(case.b, sum(chunks), case.e))  # (B, P, E)
+    reference = MultiHeadAttention(**config, seed=seed)
+    want = reference(x, causal=True)
+    layers = {"numpy": reference, "torch": TorchMultiHeadAttention(**config, dtype=torch.float64)}
+    for framework, layer in layers.items():
+        layer.import_weights(reference.export_weights())
+        layer.absorb_latents = case.absorb
+        cache, outputs, start = layer.init_cache(case.b, length), [], 0
+        for size in chunks:
+            chunk = x[:, start : start + size]
+            with torch.no_grad():
+                output, cache = layer(
+                    chunk if framework == "numpy" else torch.from_numpy(chunk), causal=True, cache=cache
+                )
+            outputs.append(np.asarray(output))
+            start += size
+        _assert_close(np.concatenate(outputs, axis=1), want, _tolerance(config)["output"], f"{framework} decoding")

@@ -649,6 +649,11 @@ FD_VARIANTS = {
     "pair_window": ({"window": (2, 2)}, {}),
     "chunk": ({"attention_chunk_size": 2}, {"causal": True}),
     "chunk_pair_window_sinks": ({"attention_chunk_size": 3, "window": (2, 1), "sinks": True}, {}),
+    "gate": ({"gate": True}, {"causal": True}),
+    "gate_partial_bias_sinks_rope_qk_norm": (
+        {"gate": True, "bias": ("query", "gate"), "sinks": True, "rope_theta": 100.0, "qk_norm": "head"},
+        {},
+    ),
 }
 
 
@@ -666,10 +671,58 @@ def test_new_variant_gradients_match_finite_differences(name):
     assert grads.keys() == {"query", *layer.params}
 
 
+def test_gate_gradients_in_cross_attention_match_finite_differences():
+    """The query's gradient through the gate alone (key and value are other tensors), with a row
+    of no key (its gated result 0), a gate without a bias and GQA."""
+    layer = _perturbed(MultiHeadAttention(8, 4, num_kv_heads=2, head_dim=4, gate=True, bias=("value",), seed=0))
+    x, y, upstream = _x(1, (B, 4, 8)), _x(2, (B, 6, 8)), _x(3, (B, 4, 8))
+    keep = np.ones((B, 4, 6), bool)
+    keep[0, 1] = False
+    grads = _finite_differences(
+        layer, lambda: layer(x, y, attention_mask=keep), upstream, {"query": x, "key": y, **layer.params}
+    )
+    assert grads.keys() == {"query", "key", *layer.params}
+
+
+def test_gate_multiplies_each_head_by_the_sigmoid_of_a_query_projection():
+    """Keras' use_gate written out: sigmoid(query @ gate_kernel + gate_bias) split into heads,
+    times each head's attention result, before the output projection; a row with no key gives
+    output_bias."""
+    gated = _perturbed(MultiHeadAttention(E, N, gate=True, seed=0))
+    weights = gated.export_weights()
+    plain = MultiHeadAttention(E, N, seed=0)
+    plain.import_weights({name: w for name, w in weights.items() if not name.startswith("gate_")})
+    x, keep = _x(7), np.ones((B, T, T), bool)
+    keep[1, 2] = False
+    _, probs = plain(x, attention_mask=keep, return_attention=True)
+    v = _heads(x @ weights["value_kernel"] + weights["value_bias"], N)  # (B, N, T, H)
+    gate = 1.0 / (1.0 + np.exp(-(x @ weights["gate_kernel"] + weights["gate_bias"])))  # (B, T, N*H)
+    merged = (probs @ v).transpose(0, 2, 1, 3).reshape(B, T, E) * gate  # (B, T, N*H)
+    expected = merged @ weights["output_kernel"] + weights["output_bias"]
+    np.testing.assert_allclose(gated(x, attention_mask=keep), expected, atol=FLOAT64_TOL)
+    np.testing.assert_allclose(gated(x, attention_mask=keep)[1, 2], weights["output_bias"], atol=FLOAT64_TOL)
+
+
+def test_gate_layout_bias_names_and_int8():
+    """`gate_kernel` (E, N*H) and `gate_bias` only with `gate`; True names the gate only on a gated
+    layer; int8 quantizes the gate's kernel too."""
+    assert MultiHeadAttention(E, N).bias == ("query", "key", "value", "output")
+    layer = MultiHeadAttention(E, N, head_dim=3, gate=True, seed=0)
+    assert layer.bias == ("query", "key", "value", "output", "gate")
+    assert layer.weight_shapes()["gate_kernel"] == (E, N * 3)
+    assert layer.weight_shapes()["gate_bias"] == (N * 3,)
+    assert "gate_bias" not in MultiHeadAttention(E, N, gate=True, bias=("query",)).weight_shapes()
+    assert "gate_kernel" not in MultiHeadAttention(E, N, bias=("gate",)).weight_shapes()
+    layer.quantize("int8")
+    assert layer.params["gate_kernel"].dtype == np.int8
+    assert layer.params["gate_kernel_scale"].shape == (N * 3,)
+
+
 DECODE_VARIANTS = [
     ({"window": (3, 2)}, 8),  # with causal the limit after the query changes nothing
     ({"attention_chunk_size": 3}, 8),  # the chunk does not make the cache roll
     ({"attention_chunk_size": 3, "window": (2, 5)}, 8),
+    ({"gate": True, "window": 3}, 8),  # the gate reads only the new queries
 ]
 
 
@@ -739,3 +792,125 @@ def test_mrope_decoding_with_k_b_1_positions_equals_the_full_pass(given):
     expected = layer(x, positions=positions, causal=True)
     got = _decode(layer, x, [2, 1, 1, 1], 6, positions=positions if given else None, causal=True)
     np.testing.assert_allclose(got, expected, atol=FLOAT64_TOL)
+
+
+# Multi-head latent attention (MLA): E = 8, N = 4, C = 4, Hn = 2, Hr = 2, Hv = 3 unless a case says
+MLA = {"kv_lora_rank": 4, "qk_nope_head_dim": 2, "qk_rope_head_dim": 2, "v_head_dim": 3}
+
+
+def _rms(x, scale, eps=1e-6):
+    return x / np.sqrt((x**2).mean(axis=-1, keepdims=True) + eps) * scale
+
+
+def _turn_half(x, positions, theta):
+    """Llama's RoPE of all features of x (..., T, R) at (T,) positions, written out."""
+    r = x.shape[-1]
+    angles = positions[:, None] * theta ** (-np.arange(0, r, 2) / r)  # (T, R/2)
+    x1, x2 = x[..., : r // 2], x[..., r // 2 :]
+    return np.concatenate([x1 * np.cos(angles) - x2 * np.sin(angles), x2 * np.cos(angles) + x1 * np.sin(angles)], -1)
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 3])
+@pytest.mark.parametrize("rope", [False, True])
+def test_mla_against_deepseeks_formula_written_per_head(q_lora_rank, rope):
+    """DeepSeek-V3's attention written out one query head at a time from the exported weights:
+    q through its LoRA, the latent and k_rope from key_value_a, k_nope and v from key_value_b, 2
+    query heads per key/value head, k_rope shared; causal, with every bias."""
+    config = {**MLA, "q_lora_rank": q_lora_rank, "rope_theta": 100.0 if rope else None}
+    layer = _perturbed(MultiHeadAttention(8, 4, num_kv_heads=2, seed=0, **config))
+    x = _x(1, (B, 5, 8))
+    w = layer.export_weights()
+    if q_lora_rank is None:
+        q = x @ w["query_kernel"] + w["query_bias"]  # (B, T, N*H)
+    else:
+        q = (
+            _rms(x @ w["query_a_kernel"] + w["query_a_bias"], w["query_a_norm"]) @ w["query_b_kernel"]
+            + w["query_b_bias"]
+        )
+    a = x @ w["key_value_a_kernel"] + w["key_value_a_bias"]  # (B, S, C + Hr)
+    latent, k_rope = _rms(a[..., :4], w["key_value_a_norm"]), a[..., 4:]
+    kv = latent @ w["key_value_b_kernel"] + w["key_value_b_bias"]  # (B, S, K*(Hn + Hv))
+    positions, heads = np.arange(5), []
+    k_rope = _turn_half(k_rope, positions, 100.0) if rope else k_rope
+    for n in range(4):
+        q_n = q[..., n * 4 : (n + 1) * 4]  # (B, T, H)
+        q_n = np.concatenate([q_n[..., :2], _turn_half(q_n[..., 2:], positions, 100.0) if rope else q_n[..., 2:]], -1)
+        kv_g = kv[..., (n // 2) * 5 : (n // 2 + 1) * 5]  # (B, S, Hn + Hv)
+        k_n = np.concatenate([kv_g[..., :2], k_rope], -1)  # (B, S, H)
+        scores = q_n @ k_n.swapaxes(-1, -2) / math.sqrt(4) + np.where(np.tril(np.ones((5, 5))) > 0, 0.0, -np.inf)
+        heads.append(_softmax(scores) @ kv_g[..., 2:])  # (B, T, Hv)
+    expected = np.concatenate(heads, -1) @ w["output_kernel"] + w["output_bias"]
+    for absorb in (False, True):
+        layer.absorb_latents = absorb
+        np.testing.assert_allclose(layer(x, causal=True), expected, atol=FLOAT64_TOL)
+
+
+MLA_FD_VARIANTS = {
+    "plain": ({}, {}, False),
+    "q_lora_rope_sinks_softcap": (
+        {"q_lora_rank": 3, "rope_theta": 100.0, "sinks": True, "softcap": 2.0, "num_kv_heads": 2},
+        {"causal": True},
+        False,
+    ),
+    "interleaved_yarn_window_mqa": (
+        {
+            "rope_theta": 100.0,
+            "rope_interleaved": True,
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2},
+            "window": 2,
+            "num_kv_heads": 1,
+        },
+        {},
+        False,
+    ),
+    "cross_attention_absorbed": ({"q_lora_rank": 3, "kdim": 6, "bias": ("query_b", "key_value_a")}, {}, True),
+}
+
+
+@pytest.mark.parametrize("name", MLA_FD_VARIANTS)
+def test_mla_gradients_match_finite_differences(name):
+    """Every latent weight's (query_a/b, key_value_a/b kernels, biases and norms) and the inputs'
+    gradients; the cross-attention case (key from another sequence, of width 6) after a call on
+    the absorbed path, whose backward is the expanded one's."""
+    config, call, cross = MLA_FD_VARIANTS[name]
+    layer = _perturbed(MultiHeadAttention(8, 4, seed=0, **MLA, **config))
+    layer.absorb_latents = cross
+    x, upstream = _x(1, (B, 4, 8)), _x(2, (B, 4, 8))
+    arrays = {"query": x, **layer.params}
+    if cross:
+        key = _x(3, (B, 3, 6))
+        grads = _finite_differences(layer, lambda: layer(x, key, **call), upstream, {**arrays, "key": key})
+        assert grads.keys() == {"query", "key", *layer.params}
+    else:
+        grads = _finite_differences(layer, lambda: layer(x, **call), upstream, arrays)
+        assert grads.keys() == {"query", *layer.params}
+
+
+@pytest.mark.parametrize("absorb", [None, False, True])
+@pytest.mark.parametrize(
+    ("config", "length", "chunks"),
+    [
+        ({"rope_theta": 100.0, "q_lora_rank": 3}, 8, [3, 1, 1, 1, 1, 1]),
+        ({"rope_theta": 100.0, "num_kv_heads": 2, "window": 3}, 3, [1] * 8),  # a rolling cache of W slots
+        ({"window": (3, 2), "attention_chunk_size": 2, "sinks": True}, 6, [4, 4]),
+    ],
+)
+def test_mla_decoding_equals_the_full_causal_pass(absorb, config, length, chunks):
+    """The latent cache (B, 1, L, C) and (B, 1, L, Hr), left padding in its keep, every path."""
+    layer = _perturbed(MultiHeadAttention(8, 4, seed=0, **MLA, **config))
+    layer.absorb_latents = absorb
+    x = _x(5, (B, 8, 8))
+    keep = np.ones((B, 8), bool)
+    keep[1, :2] = False  # the second sequence is left-padded by 2
+    expected = layer(x, causal=True, key_mask=keep)
+    cache, outputs, start = layer.init_cache(B, length, keep=keep[:, :length]), [], 0
+    assert (cache.key.shape, cache.value.shape) == ((B, 1, length, 4), (B, 1, length, 2))
+    for size in chunks:
+        output, cache = layer(
+            x[:, start : start + size], cache=cache, causal=True, key_mask=keep[:, start : start + size]
+        )
+        outputs.append(output)
+        start += size
+    got = np.concatenate(outputs, axis=1)
+    np.testing.assert_allclose(got[1, 2:], expected[1, 2:], atol=FLOAT64_TOL)
+    np.testing.assert_allclose(got[0], expected[0], atol=FLOAT64_TOL)

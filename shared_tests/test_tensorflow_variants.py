@@ -60,6 +60,8 @@ VARIANTS = {
     "bias_output_only": {"bias": ["output"]},
     "clip_qkv": {"clip_qkv": 0.5},
     "clip_qkv_qk_norm_rope": {"clip_qkv": 0.5, "qk_norm": "all", "rope_theta": 100.0},
+    "gate": {"gate": True},
+    "gate_gqa_no_bias_rope": {"gate": True, "bias": False, "num_kv_heads": 2, "rope_theta": 100.0},
     "everything": {
         "num_kv_heads": 2, "scale": 0.3, "softcap": 3.0, "window": 3, "rope_theta": 50.0, "rope_fraction": 0.5,
         "qk_norm": "head", "sinks": True, "bias": ("key", "output"), "clip_qkv": 1.0,
@@ -231,7 +233,7 @@ def np_qk_norm(layer, x, w, kind):
 
 
 def np_layer(layer, query, causal=False, key_mask=None, attention_bias=None, positions=None, keep=None):
-    """The whole self-attention layer in float64 from its portable weights (steps 2-4, 6, 7)."""
+    """The whole self-attention layer in float64 from its portable weights (steps 2-4, 6, 6b, 7)."""
     w = {name: value.astype(np.float64) for name, value in layer.export_weights().items()}
     kv, h, t = layer.num_kv_heads, layer.head_dim, query.shape[1]
 
@@ -260,6 +262,8 @@ def np_layer(layer, query, causal=False, key_mask=None, attention_bias=None, pos
         layer.attention_chunk_size,
     )  # fmt: skip
     merged = context.transpose(0, 2, 1, 3).reshape(query.shape[0], t, -1)
+    if layer.gate:  # Keras' use_gate, Qwen3-Next: sigmoid(query @ gate_kernel + gate_bias) times each head's result
+        merged = merged / (1.0 + np.exp(-(query @ w["gate_kernel"] + w.get("gate_bias", 0.0))))
     return merged @ w["output_kernel"] + w.get("output_bias", 0.0), weights
 
 
@@ -767,8 +771,8 @@ def test_rolling_cache_too_short_raises_eagerly():
 
 WINDOW_ERROR = r"`window` must be None, a positive integer or a pair \(before, after\) of positive integers\."
 CONSTRUCTOR_ERRORS = {
-    "bias_string": ({"bias": "query"}, r"^`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output'\. Received: bias='query'$"),
-    "bias_unknown_name": ({"bias": ("query", "gate")}, r"Received: bias=\('query', 'gate'\)$"),
+    "bias_string": ({"bias": "query"}, r"^`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output', 'gate'\. Received: bias='query'$"),
+    "bias_unknown_name": ({"bias": ("query", "qkv")}, r"Received: bias=\('query', 'qkv'\)$"),
     "scale_zero": ({"scale": 0.0}, r"^`scale` must be a positive float\. Received: scale=0\.0$"),
     "softcap_negative": ({"softcap": -1.0}, r"^`softcap` must be None or a positive float\. Received: softcap=-1\.0$"),
     "window_zero": ({"window": 0}, rf"^{WINDOW_ERROR} Received: window=0$"),
@@ -1095,7 +1099,9 @@ def test_keras_file_round_trip_with_the_new_variants(tmp_path):
 
 # --- the new variants with a KV cache --------------------------------------------------------------
 
-DECODE_VARIANTS = ("window_pair", "attention_chunk_window_pair", "rope_sections_interleaved_yarn", "everything_new")
+DECODE_VARIANTS = (
+    "window_pair", "attention_chunk_window_pair", "rope_sections_interleaved_yarn", "everything_new", "gate_gqa_no_bias_rope",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("name", DECODE_VARIANTS)
@@ -1250,3 +1256,216 @@ def test_the_new_variants_under_legacy_keras():
         timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+# --- multi-head latent attention (MLA) -------------------------------------------------------------
+
+MLA = {"kv_lora_rank": 6, "qk_nope_head_dim": 4, "qk_rope_head_dim": 2, "v_head_dim": 3}
+MLA_VARIANTS = {
+    "mla": {**MLA, "rope_theta": 100.0},
+    "mla_q_lora_gqa_yarn_bias": {
+        "kv_lora_rank": 5, "q_lora_rank": 7, "qk_nope_head_dim": 2, "qk_rope_head_dim": 4, "v_head_dim": 5,
+        "num_kv_heads": 2, "rope_theta": 10.0, "rope_interleaved": True, "rope_scaling": YARN, "bias": True,
+        "latent_norm_eps": 1e-3,
+    },
+    "mla_everything": {
+        **MLA, "q_lora_rank": 5, "num_kv_heads": 2, "scale": 0.3, "softcap": 3.0, "window": (3, 2),
+        "attention_chunk_size": 3, "rope_theta": 50.0, "sinks": True, "bias": ("query_b", "key_value_b", "output"),
+    },
+    "mla_cross_attention": {**MLA, "kdim": 10, "bias": ("key_value_a", "key_value_b"), "sinks": True},
+}  # fmt: skip
+MLA_DECODE = ("mla", "mla_q_lora_gqa_yarn_bias", "mla_everything")
+LEFT_PADDED = np.array([[False, True, True, True, True], [True, True, True, False, True]])  # left padding, a hole
+
+
+def _mla_layer(name, absorb_latents=None):
+    layer = _layer(MLA_VARIANTS[name])
+    layer.absorb_latents = absorb_latents
+    return layer
+
+
+@pytest.mark.parametrize("absorb", [False, True], ids=["expanded", "absorbed"])
+@pytest.mark.parametrize("name", [name for name in MLA_VARIANTS if name != "mla_cross_attention"])
+def test_mla_every_path_gives_the_same_output_and_gradients(name, absorb):
+    """Eager, tf.function, XLA and the memory-efficient path, on the expanded and the absorbed
+    attention (forced without a cache: the same numbers), gradients of every weight included."""
+    _same_on_every_path(_mla_layer(name, absorb), PATHS[1:], BIAS_FULL)
+
+
+def test_mla_absorbed_equals_expanded_in_cross_attention_with_weights():
+    layer = _mla_layer("mla_cross_attention")
+    key = rng.normal(size=(B, 7, 10)).astype(np.float32)
+    results = []
+    for absorb in (False, True):
+        layer.absorb_latents = absorb
+        with tf.GradientTape() as tape:
+            output, weights = layer(X, key, return_attention=True, key_mask=np.ones((B, 7), bool))
+            loss = tf.reduce_sum(output * tf.cos(output))
+        results.append((output, weights, tape.gradient(loss, layer.trainable_weights)))
+    (expanded, expanded_w, expanded_g), (absorbed, absorbed_w, absorbed_g) = results
+    _close(absorbed, expanded, OUTPUT_TOL)
+    _close(absorbed_w, expanded_w, WEIGHTS_TOL)
+    for got, want in zip(absorbed_g, expanded_g, strict=True):
+        _close(got, want, GRADS_TOL)
+
+
+@pytest.mark.parametrize("absorb", [None, False, True], ids=["automatic", "expanded", "absorbed"])
+@pytest.mark.parametrize("name", MLA_DECODE)
+def test_mla_decoding_with_the_latent_cache_equals_the_full_pass(name, absorb):
+    """A prompt of 2 tokens, then one token at a time, left padding and a hole in `key_mask`;
+    the cache holds (B, 1, L, C) latents and (B, 1, L, Hr) shared key parts."""
+    layer = _mla_layer(name, absorb)
+    full, full_w = layer(X, key_mask=LEFT_PADDED, causal=True, return_attention=True)
+    cache = layer.init_cache(B, 8)
+    assert tuple(cache.key.shape) == (B, 1, 8, layer.kv_lora_rank)
+    assert tuple(cache.value.shape) == (B, 1, 8, layer.qk_rope_head_dim)
+    outputs = []
+    for start, stop in ((0, 2), (2, 3), (3, 4), (4, 5)):
+        output, weights, cache = layer(
+            X[:, start:stop], key_mask=LEFT_PADDED[:, start:stop], causal=True, return_attention=True, cache=cache
+        )
+        _close(weights[..., :T], full_w[:, :, start:stop], WEIGHTS_TOL)
+        assert not np.asarray(weights[..., T:]).any()
+        outputs.append(output)
+    _close(tf.concat(outputs, 1), full, OUTPUT_TOL)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["function", "xla"])
+@pytest.mark.parametrize("absorb", [False, True], ids=["expanded", "absorbed"])
+def test_mla_in_place_latent_cache_under_tf_function_equals_the_full_pass(absorb, jit_compile):
+    """The in-place cache of `tf.Variable`s, rolling (L = 4 < T with window (3, 2), causal), one
+    token a step in a compiled function."""
+    layer = _mla_layer("mla_everything", absorb)
+    full = layer(X, key_mask=LEFT_PADDED, causal=True)
+    cache = layer.init_cache(B, 4, in_place=True)
+    step = tf.function(lambda x, m: layer(x, key_mask=m, causal=True, cache=cache)[0], jit_compile=jit_compile)
+    outputs = [step(X[:, t : t + 1], LEFT_PADDED[:, t : t + 1]) for t in range(T)]
+    _close(tf.concat(outputs, 1), full, OUTPUT_TOL)
+    assert int(cache.index.numpy()) == T
+
+
+@pytest.mark.parametrize("name", ["mla_q_lora_gqa_yarn_bias", "mla_everything"])
+def test_mla_int8_decoding_equals_the_full_int8_pass_on_both_paths(name):
+    """The latent projections quantized by the int8 rule; the absorbed path reads the latents
+    quantized per token and the dequantized key_value_b kernel: the expanded path's products."""
+    layer = _mla_layer(name)
+    layer.quantize("int8")
+    assert {f"{kind}_kernel_scale" for kind in layer._projection_names} <= set(layer.weight_shapes())
+    full = layer(X, causal=True)
+    for absorb in (False, True):
+        layer.absorb_latents = absorb
+        cache, outputs = layer.init_cache(B, 8), []
+        for t in range(T):
+            output, cache = layer(X[:, t : t + 1], causal=True, cache=cache)
+            outputs.append(output)
+        _close(tf.concat(outputs, 1), full, OUTPUT_TOL)
+
+
+def test_mla_weight_layout_config_and_keras_file_round_trip(tmp_path):
+    layer = _mla_layer("mla_q_lora_gqa_yarn_bias")
+    assert layer.weight_shapes() == {
+        "query_a_kernel": (E, 7), "query_a_bias": (7,), "query_a_norm": (7,), "query_b_kernel": (7, N * 6),
+        "query_b_bias": (N * 6,), "key_value_a_kernel": (E, 5 + 4), "key_value_a_bias": (9,),
+        "key_value_a_norm": (5,), "key_value_b_kernel": (5, 2 * (2 + 5)), "key_value_b_bias": (14,),
+        "output_kernel": (N * 5, E), "output_bias": (E,),
+    }  # fmt: skip
+    fresh = MultiHeadAttention(E, N, **MLA_VARIANTS["mla_q_lora_gqa_yarn_bias"])
+    assert (fresh.export_weights()["query_a_norm"] == 1).all() and (
+        fresh.export_weights()["key_value_a_norm"] == 1
+    ).all()
+    config = layer.get_config()
+    assert config["vdim"] is None and config["head_dim"] == 6 and config["bias"] is True
+    assert MultiHeadAttention.from_config(config).get_config() == config
+    x_in = keras.Input((T, E))
+    model = keras.Model(x_in, layer(x_in, causal=True))
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    _close(loaded(X), model(X), 0)
+    assert loaded.layers[1].get_config() == config
+    with pytest.raises(ValueError, match=r"^`to_keras` needs a layer .* or MLA\. Received: .*kv_lora_rank=5"):
+        layer.to_keras()
+
+
+MLA_ERRORS = {
+    "q_lora_rank_alone": ({"q_lora_rank": 4}, r"^`q_lora_rank` needs `kv_lora_rank` \(multi-head latent attention\)\. Received: q_lora_rank=4, kv_lora_rank=None$"),
+    "v_head_dim_alone": ({"v_head_dim": 4}, r"^`v_head_dim` needs `kv_lora_rank`"),
+    "missing_sizes": ({"kv_lora_rank": 4, "qk_nope_head_dim": 2}, r"^`kv_lora_rank` needs `qk_nope_head_dim`, `qk_rope_head_dim` and `v_head_dim`\. Received: kv_lora_rank=4, qk_rope_head_dim=None, v_head_dim=None$"),
+    "kv_lora_rank_zero": ({**MLA, "kv_lora_rank": 0}, r"^`kv_lora_rank` must be a positive integer\. Received: kv_lora_rank=0$"),
+    "head_dim": ({**MLA, "head_dim": 4}, r"^`head_dim` must equal qk_nope_head_dim \+ qk_rope_head_dim = 6 with `kv_lora_rank`\. Received: head_dim=4$"),
+    "vdim": ({**MLA, "vdim": 8}, r"^`vdim` is not supported with `kv_lora_rank`: .*Received: vdim=8$"),
+    "qk_norm": ({**MLA, "qk_norm": "head"}, r"^`qk_norm` is not supported with `kv_lora_rank`: .*Received: qk_norm='head'$"),
+    "clip_qkv": ({**MLA, "clip_qkv": 1.0}, r"^`clip_qkv` is not supported with `kv_lora_rank`"),
+    "rope_fraction": ({**MLA, "rope_fraction": 0.5}, r"^`rope_fraction` is not supported with `kv_lora_rank`"),
+    "rope_sections": ({**MLA, "rope_theta": 10.0, "rope_sections": (1,)}, r"^`rope_sections` is not supported with `kv_lora_rank`"),
+    "rope_odd": ({**MLA, "qk_rope_head_dim": 3, "rope_theta": 10.0}, r"^`rope_fraction` must be in \(0, 1\] and rotate an even number .*head_dim=3$"),
+    "latent_norm_eps": ({"latent_norm_eps": 0}, r"^`latent_norm_eps` must be a positive float\. Received: latent_norm_eps=0$"),
+    "bias_key_with_mla": ({**MLA, "bias": ("key",)}, r"^`bias` must be True, False or a list, tuple or set of 'query', 'key_value_a', 'key_value_b', 'output', 'gate'\. Received: bias=\('key',\)$"),
+    "bias_latent_without_mla": ({"bias": ("key_value_a",)}, r"^`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output', 'gate'\."),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(MLA_ERRORS))
+def test_mla_constructor_errors(name):
+    kwargs, pattern = MLA_ERRORS[name]
+    with pytest.raises(ValueError, match=pattern):
+        MultiHeadAttention(E, N, **kwargs)
+
+
+def test_mla_call_errors_value_other_than_key_and_a_plain_cache():
+    layer = MultiHeadAttention(E, N, **MLA)
+    _close(layer(X, Y, Y), layer(X, Y), 0)  # value is key: accepted
+    with pytest.raises(
+        ValueError,
+        match=r"`value` must be None or `key` itself with `kv_lora_rank`: MLA reads keys and values from `key`\. Received: a value other than key",
+    ):
+        layer(X, Y, tf.identity(Y))
+    plain_cache = MultiHeadAttention(E, N).init_cache(B, 8)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "must have shape (B, 1, L, C) and (B, 1, L, Hr) with kv_lora_rank: B=2, C=6, Hr=2. Received: cache.key.shape=(2, 4, 8, 4)"
+        ),
+    ):
+        layer(X[:, :1], cache=plain_cache)
+
+
+@pytest.mark.parametrize("absorb", [False, True], ids=["expanded", "absorbed"])
+@pytest.mark.parametrize("name", ["mla_q_lora_gqa_yarn_bias", "mla_everything"])
+def test_mla_matches_the_numpy_file_on_every_path(name, absorb):
+    """Output and weights against the NumPy file, and the gradients of the query, the attention
+    bias and every latent weight (norms and biases included) against its `backward`, on the
+    eager, tf.function, XLA and memory-efficient paths (with and without XLA)."""
+    layer = _mla_layer(name, absorb)
+    twin = NumpyMultiHeadAttention(E, N, **MLA_VARIANTS[name])
+    twin.import_weights(layer.export_weights())
+    x64, g = X.astype(np.float64), rng.normal(size=(B, T, E))
+    call = dict(key_mask=KEY_MASK, attention_bias=BIAS_FULL.astype(np.float64), causal=True)
+    expected, expected_w = twin(x64, return_attention=True, **call)
+    _, weights = layer(X, return_attention=True, **{**call, "attention_bias": BIAS_FULL})
+    _close(weights, expected_w, WEIGHTS_TOL)
+    grads = twin.backward(g)
+    names = ["query", "attention_bias", *(v.name for v in layer.trainable_weights)]
+    assert names[2:] == list(layer.weight_shapes())
+    for path in NUMPY_PATHS:
+        output, got = _tf_output_and_grads(layer, path, None, True, tf.constant(g, tf.float32))
+        _close(output, expected, OUTPUT_TOL)
+        for grad_name, grad in zip(names, got, strict=True):
+            assert grad is not None, (path, grad_name)
+            _close(grad, grads[grad_name], GRADS_TOL)
+
+
+@pytest.mark.parametrize("name", ["mla_q_lora_gqa_yarn_bias", "mla_everything"])
+def test_mla_int8_runs_as_the_numpy_int8_layer(name):
+    """A TensorFlow int8 MLA layer (the latent projections quantized) imported into NumPy: the same
+    layout, and NumPy's output on both paths, explicit and memory-efficient."""
+    layer = _mla_layer(name)
+    layer.quantize("int8")
+    twin = NumpyMultiHeadAttention(E, N, **MLA_VARIANTS[name])
+    twin.import_weights(layer.export_weights())
+    assert twin.quantization_mode == "int8"
+    expected = twin(X.astype(np.float64), causal=True)
+    for absorb in (False, True):
+        layer.absorb_latents = absorb
+        for threshold in (1 << 26, 0):
+            layer.memory_efficient_threshold = threshold
+            _close(layer(X, causal=True), expected, 2e-3)

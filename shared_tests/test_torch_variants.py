@@ -56,6 +56,8 @@ VARIANTS = {
     "sinks": {"sinks": True},
     "clip_qkv": {"clip_qkv": 0.5},
     "clip_qkv_qk_norm_rope": {"clip_qkv": 0.5, "qk_norm": "all", "rope_theta": 10000.0},
+    "gate": {"gate": True},
+    "gate_no_bias_rope": {"gate": True, "bias": ("query", "key", "value", "output"), "rope_theta": 100.0},
     "everything": {
         "bias": ("query", "key", "value"),
         "scale": 0.5,
@@ -221,6 +223,9 @@ def reference(layer, query, key=None, value=None, *, keep=None, bias=None, causa
     else:
         weights = torch.where(allowed.any(-1, keepdim=True), torch.softmax(scores, dim=-1), 0.0)
     merged = (weights @ v).transpose(1, 2).reshape(b, t, N * H)
+    if layer.gate is not None:  # Keras' use_gate, Qwen3-Next: sigmoid(query @ gate_kernel) times each head's result
+        gate_bias = 0 if layer.gate.bias is None else layer.gate.bias.double()
+        merged = merged * torch.sigmoid(query @ layer.gate.weight.double().T + gate_bias)
     output = merged @ layer.output.weight.double().T + (0 if layer.output.bias is None else layer.output.bias.double())
     return output, weights
 
@@ -271,7 +276,7 @@ def test_variant_matches_the_reference(variant, causal, path):
 
 @pytest.mark.parametrize("path", ["sdpa", "explicit"])
 @pytest.mark.parametrize(
-    "variant", ["plain", "everything", "qk_norm_all", "sinks", "rope_yarn_partial", "clip_qkv_qk_norm_rope"]
+    "variant", ["plain", "everything", "qk_norm_all", "sinks", "rope_yarn_partial", "clip_qkv_qk_norm_rope", "gate"]
 )
 def test_variant_gradients_match_the_reference(variant, path):
     """Gradients of the inputs, every parameter (sinks and norm scales too) and attention_bias."""
@@ -622,8 +627,9 @@ def test_dot_product_attention_takes_the_variants():
     torch.testing.assert_close(no_weights, context, atol=0, rtol=0)  # softcap and sinks: always explicit
 
 
-def test_compile_fullgraph_with_every_variant():
-    layer = _layer(**VARIANTS["everything"]).train()
+@pytest.mark.parametrize("variant", ["everything", "gate_no_bias_rope"])
+def test_compile_fullgraph_with_every_variant(variant):
+    layer = _layer(**VARIANTS[variant]).train()
     x, keep, positions = _inputs()
     bias = _randn(1, N, T, T, seed=25).requires_grad_()
 
@@ -655,9 +661,10 @@ def _assert_exports(layer, x, key_mask, positions):
     torch.testing.assert_close(program.module()(x, key_mask, positions), expected, atol=0, rtol=0)
 
 
-def test_torch_export_with_every_variant():
+@pytest.mark.parametrize("variant", ["everything", "gate_no_bias_rope"])
+def test_torch_export_with_every_variant(variant):
     x, keep, positions = _inputs()
-    _assert_exports(_layer(**VARIANTS["everything"]), x, keep[:, 0, 0], positions)
+    _assert_exports(_layer(**VARIANTS[variant]), x, keep[:, 0, 0], positions)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -692,8 +699,9 @@ def test_decoding_with_every_variant_equals_the_full_pass(chunks):
     assert isinstance(cache, KVCache) and int(cache.index) == 7
 
 
-def test_decoding_compiles_fullgraph_with_every_variant():
-    layer = _layer(**VARIANTS["everything"])
+@pytest.mark.parametrize("variant", ["everything", "gate_no_bias_rope"])
+def test_decoding_compiles_fullgraph_with_every_variant(variant):
+    layer = _layer(**VARIANTS[variant])
     x = _randn(2, 5, E, seed=27)
     key_mask = torch.ones(2, 5, dtype=torch.bool)
     key_mask[1, 0] = False
@@ -994,6 +1002,7 @@ def test_torch_export_of_a_decoding_step_with_every_variant():
         ({"softcap": 30.0, "window": 8}, r"softcap=30\.0, window=8"),
         ({"scale": 1.0}, r"scale=1\.0"),
         ({"clip_qkv": 0.5}, r"clip_qkv=0\.5"),
+        ({"gate": True}, r"gate=True"),
     ],
 )
 def test_to_torch_refuses_the_variants_it_cannot_hold(config, named):
@@ -1006,8 +1015,8 @@ def test_to_torch_refuses_the_variants_it_cannot_hold(config, named):
 # Errors (exact texts from the shared API) and the refused traps.
 
 CONSTRUCTOR_ERRORS = {
-    "bias_string": ({"bias": "query"}, r"`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output'\. Received: bias='query'"),
-    "bias_unknown": ({"bias": ["gate"]}, r"Received: bias=\['gate'\]"),
+    "bias_string": ({"bias": "query"}, r"`bias` must be True, False or a list, tuple or set of 'query', 'key', 'value', 'output', 'gate'\. Received: bias='query'"),
+    "bias_unknown": ({"bias": ["qkv"]}, r"Received: bias=\['qkv'\]"),
     "scale": ({"scale": 0}, r"`scale` must be a positive float\. Received: scale=0"),
     "softcap": ({"softcap": -1.0}, r"`softcap` must be None or a positive float\. Received: softcap=-1\.0"),
     "window": ({"window": 0}, r"`window` must be None, a positive integer or a pair \(before, after\) of positive integers\. Received: window=0"),
@@ -1714,3 +1723,94 @@ def test_tensor_parallel_refuses_per_head_scales_it_cannot_split(qk_norm):
         return
     with pytest.raises(ValueError, match=r"^`sinks` and `qk_norm='all'` hold numbers of every head .*'per_head'"):
         layer._check_local_heads(q, k, None, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-head latent attention (MLA): compile, export, meta device, the modules, the decode paths.
+
+MLA = {"kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 6, "q_lora_rank": 6}
+MLA_VARIANTS = {**MLA, "rope_theta": 100.0, "rope_interleaved": True, "window": 4, "sinks": True}
+
+
+@pytest.mark.parametrize("absorb", [None, False, True])
+def test_mla_decoding_compiles_fullgraph_and_exports_equal_to_the_full_pass(absorb):
+    """The latent cache through torch.compile(fullgraph=True) (one graph per T) and torch.export
+    of a step, on the path `absorb_latents` picks (None: absorbed at T <= 8), equal to the full pass."""
+    layer = _layer(**MLA_VARIANTS)
+    layer.absorb_latents = absorb
+    x = _randn(2, 6, E, seed=60)
+    key_mask = torch.ones(2, 6, dtype=torch.bool)
+    key_mask[1, :2] = False  # left padding
+
+    def step(x, key_mask, cache):
+        return layer(x, key_mask=key_mask, causal=True, cache=cache)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    cache = layer.init_cache(2, 8)
+    assert (cache.key.shape, cache.value.shape) == ((2, 1, 8, 8), (2, 1, 8, 4))  # (B, 1, L, C), (B, 1, L, Hr)
+    with torch.no_grad():
+        outputs = []
+        for start, stop in ((0, 3), (3, 4), (4, 5), (5, 6)):
+            output, cache = compiled(x[:, start:stop], key_mask[:, start:stop], cache)
+            outputs.append(output)
+        expected = layer(x, key_mask=key_mask, causal=True)
+        program = torch.export.export(_Step(layer), (x[:, :3], key_mask[:, :3], *layer.init_cache(2, 8)))
+        exported, index = program.module()(x[:, :3], key_mask[:, :3], *layer.init_cache(2, 8))
+    torch.testing.assert_close(torch.cat(outputs, 1), expected, atol=OUTPUT_TOL, rtol=0)
+    torch.testing.assert_close(exported, expected[:, :3], atol=OUTPUT_TOL, rtol=0)
+    assert int(index) == 3
+
+
+class _Step(nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.attention = layer
+
+    def forward(self, x, key_mask, key, value, keep, index):
+        output, cache = self.attention(x, key_mask=key_mask, causal=True, cache=KVCache(key, value, keep, index))
+        return output, cache.index
+
+
+def test_mla_modules_meta_device_and_to_torch():
+    """The projections are `nn.Linear` modules named after the layout (weight = kernel^T), the
+    latents' norms parameters; a meta layer made real by to_empty and reset_parameters equals one
+    built on the CPU; nn.MultiheadAttention cannot hold MLA."""
+    layer = _layer(**MLA)
+    assert {name for name, _ in layer.named_children()} == {
+        "query_a",
+        "query_b",
+        "key_value_a",
+        "key_value_b",
+        "output",
+    }
+    assert tuple(layer.key_value_b.weight.shape) == (K * 10, 8) and tuple(layer.key_value_a_norm.shape) == (8,)
+    assert set(layer.export_weights()) == {
+        *(f"{kind}_{part}" for kind in ("query_a", "query_b", "key_value_a", "key_value_b", "output")
+          for part in ("kernel", "bias")),
+        "query_a_norm", "key_value_a_norm",
+    }  # fmt: skip
+    meta = MultiHeadAttention(E, N, **MLA, device="meta")
+    assert meta(torch.empty(2, 3, E, device="meta")).shape == (2, 3, E)
+    real = meta.to_empty(device="cpu")
+    real.reset_parameters()
+    assert all(torch.isfinite(p).all() for p in real.parameters())
+    with pytest.raises(ValueError, match=r"cannot hold .*Received: .*kv_lora_rank=8"):
+        MultiHeadAttention(16, 4, kv_lora_rank=8, qk_nope_head_dim=2, qk_rope_head_dim=2, v_head_dim=4).to_torch()
+
+
+def test_mla_absorbed_equals_expanded_with_gradients():
+    """Forced absorbed without a cache: outputs, weights and every parameter's gradient equal the
+    expanded path's (the up-projection folded into q and the output)."""
+    layer = _layer(**MLA_VARIANTS, bias=True, softcap=3.0)
+    x = _randn(2, 5, E, seed=61)
+    results = {}
+    for absorb in (False, True):
+        layer.absorb_latents = absorb
+        layer.zero_grad()
+        output, weights = layer(x, causal=True, return_attention=True)
+        output.square().sum().backward()
+        results[absorb] = (output, weights, {name: p.grad.clone() for name, p in layer.named_parameters()})
+    torch.testing.assert_close(results[True][0], results[False][0], atol=OUTPUT_TOL, rtol=0)
+    torch.testing.assert_close(results[True][1], results[False][1], atol=WEIGHTS_TOL, rtol=0)
+    for name, grad in results[False][2].items():
+        torch.testing.assert_close(results[True][2][name], grad, atol=GRADS_TOL, rtol=0, msg=name)

@@ -12,7 +12,7 @@ in all, L cache slots.
 
 import numpy as np
 
-from shared_tests.calling import INPUTS, DecodeResult, Result, as_numpy_cache, by_name, inputs
+from shared_tests.calling import INPUTS, DecodeResult, Result, as_numpy_cache, by_name, inputs, set_path
 from shared_tests.cases import call_inputs
 from shared_tests.decoding import chunk_mask, chunk_positions, full_pass_mask
 
@@ -24,7 +24,7 @@ def make_tf_layer(case, data, layer_class=None):
 
     layer = (layer_class or MultiHeadAttention)(**case.config, dtype=case.dtype)
     layer.import_weights(data["weights"])
-    return layer
+    return set_path(layer, case)
 
 
 def traced_up_front(function):

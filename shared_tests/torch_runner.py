@@ -12,7 +12,7 @@ in all, L cache slots.
 import os
 from unittest import mock
 
-from shared_tests.calling import INPUTS, DecodeResult, Result, as_numpy_cache, by_name, inputs
+from shared_tests.calling import INPUTS, DecodeResult, Result, as_numpy_cache, by_name, inputs, set_path
 from shared_tests.cases import call_inputs
 from shared_tests.decoding import chunk_mask, chunk_positions, full_pass_mask
 
@@ -38,7 +38,7 @@ def make_torch_layer(case, data, layer_class=None):
 
     layer = (layer_class or MultiHeadAttention)(**case.config, dtype=getattr(torch, case.dtype), device=torch_device())
     layer.import_weights(data["weights"])
-    return layer.eval()
+    return set_path(layer, case).eval()
 
 
 def _torch_inputs(case, data, requires_grad=False):
