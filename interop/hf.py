@@ -39,7 +39,7 @@ These call arguments reproduce them (`attention_mask` is the model's (B, S) 0/1 
 
 - Llama, Mistral, Mixtral, Qwen2 (and MoE), Qwen3 (and MoE), Gemma, Gemma 2, Gemma 3, OLMo, OLMo2,
   gpt-oss, Phi, Phi3, GPT-NeoX, GPT-J, Starcoder2, Granite, Cohere, Cohere2, StableLM, SmolLM3,
-  GLM4, Falcon, Llama 4, Qwen2-VL, Qwen2.5-VL: `causal=True, key_mask=attention_mask.bool(),
+  GLM4, Falcon, Llama 4, Qwen2-VL, Qwen2.5-VL, DeepSeek-V2, DeepSeek-V3: `causal=True, key_mask=attention_mask.bool(),
   positions=position_ids`; a NoPE layer (no `rope_theta` in its kwargs: SmolLM3's
   `no_rope_layers`, Cohere2's full layers, Llama 4's NoPE layers) takes no `positions`.
   Qwen2-VL's and Qwen2.5-VL's multimodal RoPE (`rope_sections`) takes the (3, B, T) positions its
@@ -84,9 +84,9 @@ RoPE scaling: `default`, `linear`, `llama3` and `yarn` (gpt-oss' default) port w
 parameters; other types (dynamic, LongRoPE) are a `ValueError` for now. OLMo's and MPT's
 `clip_qkv` port as the layer's `clip_qkv`. QK-norms: RMSNorms (Qwen3, Gemma 3, OLMo2, Llama 4) and
 LayerNorms (`qk_norm_type="layer"`: Phi's one LayerNorm with a bias, StableLM's and Cohere's scale
-per head) port as the layer's. Refused with the reason: Llama 4's NoPE layers' temperature
-tuning, DeepSeek-V2's and V3's multi-head latent attention (q and kv pass through low-rank
-latents), GPT-2 and GPTBigCode cross-attention.
+per head) port as the layer's. DeepSeek-V2's and V3's multi-head latent attention ports as the
+layer's MLA (`kv_lora_rank`, ...; YaRN's `mscale_all_dim` correction in `scale`). Refused with
+the reason: Llama 4's NoPE layers' temperature tuning, GPT-2 and GPTBigCode cross-attention.
 This file imports no framework at module level: `port_attention` reads a module's tensors through its own `state_dict`,
 `port_checkpoint` and `load_tensors` read safetensors files with NumPy, and `replace_attention`
 imports torch and the PyTorch layer when called.
@@ -735,6 +735,39 @@ def _llama4(config, tensors, index):
     return kwargs, weights
 
 
+def _latent(config, tensors, index, *, interleaved=False):
+    """Multi-head latent attention (DeepSeek-V2, V3): q through `q_a_proj`, `q_a_layernorm` and `q_b_proj`
+    (`q_proj` without `q_lora_rank`), the latent and the shared rotary key from `kv_a_proj_with_mqa` and
+    `kv_a_layernorm`, the heads' keys and values from `kv_b_proj`; interleaved RoPE (`interleaved`: V2's complex
+    turn; V3 reads `rope_interleave`), and YaRN's `mscale_all_dim` correction in the scale as transformers'
+    `yarn_apply_mscale` puts it."""
+    num_heads, hn, hr = config["num_attention_heads"], config["qk_nope_head_dim"], config["qk_rope_head_dim"]
+    sources = (
+        {"query": "q_proj"} if config.get("q_lora_rank") is None else {"query_a": "q_a_proj", "query_b": "q_b_proj"}
+    )
+    sources |= {"key_value_a": "kv_a_proj_with_mqa", "key_value_b": "kv_b_proj", "output": "o_proj"}
+    weights = {}
+    biased = tuple(name for name, source in sources.items() if _linear(name, tensors, source, weights))
+    if "query_a" in sources:
+        weights["query_a_norm"] = _tensor(tensors, "q_a_layernorm.weight")  # (Q,)
+    weights["key_value_a_norm"] = _tensor(tensors, "kv_a_layernorm.weight")  # (C,)
+    kwargs = {
+        "d_model": config["hidden_size"], "num_heads": num_heads, "num_kv_heads": num_heads, "bias": biased or False,
+        "kv_lora_rank": config["kv_lora_rank"], "q_lora_rank": config.get("q_lora_rank"), "qk_nope_head_dim": hn,
+        "qk_rope_head_dim": hr, "v_head_dim": config["v_head_dim"], "latent_norm_eps": float(config["rms_norm_eps"]),
+    }  # fmt: skip
+    parameters = _rope_parameters(config, None)
+    kwargs |= _rope_kwargs(parameters, hr)
+    if interleaved or config.get("rope_interleave", False):
+        kwargs["rope_interleaved"] = True
+    scale = (hn + hr) ** -0.5
+    if parameters.get("rope_type", "default") != "default" and parameters.get("mscale_all_dim"):
+        factor = parameters["factor"]
+        scale *= (0.1 * parameters["mscale_all_dim"] * math.log(factor) + 1.0) ** 2 if factor > 1 else 1.0
+    kwargs["scale"] = float(scale)
+    return kwargs, weights
+
+
 def _family(porter, path, **options):
     """One family: its porter, given `options`, and the path of layer {i}'s attention in its checkpoints."""
 
@@ -793,6 +826,8 @@ _BUILTIN = {
     "mpt": _family(_mpt, "blocks.{i}.attn"),
     "modernbert": _family(_modernbert, "layers.{i}.attn"),
     "whisper": _family(_bart, "encoder.layers.{i}.self_attn"),
+    "deepseek_v2": _family(_latent, _LAYERS, interleaved=True),
+    "deepseek_v3": _family(_latent, _LAYERS),
 }
 _REGISTERED = {}
 
@@ -856,23 +891,8 @@ def _module_porter(module):
     _check_submodules(module)
     porter = _porter(model_type)
     if porter is None:
-        _refuse_latent(model_type, "module")
         _refuse_unknown(module, f" of model type {model_type!r}")
     return porter
-
-
-_LATENT = {"deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3"}  # multi-head latent attention (MLA)
-
-
-def _refuse_latent(model_type, argument):
-    """Refuses a multi-head latent attention with the reason (the layer's q, k and v are linear projections)."""
-    if model_type in _LATENT:
-        raise ValueError(
-            f"`{argument}` must be an attention whose queries, keys and values are linear projections of the hidden "
-            f"state: {_LATENT[model_type]}'s multi-head latent attention passes q and kv through low-rank latents "
-            "with an RMSNorm between, and the rotary part of its keys is one head shared by all heads. "
-            f"Received: model_type={model_type!r}"
-        )
 
 
 def _refuse_unknown(module, detail=""):
@@ -924,7 +944,7 @@ def port_attention(module, config):
     Raises:
         ValueError: for a module this converter does not know, a subclass that overrides `forward`
             or its projections, or a variant the layer cannot hold (RoPE scaling other than
-            linear, llama3 and yarn, multi-head latent attention, GPT-2 cross-attention).
+            linear, llama3 and yarn, GPT-2 cross-attention).
     """
     porter = _module_porter(module)
     tensors = {name: tensor.detach().cpu().float().numpy() for name, tensor in module.state_dict().items()}
@@ -954,7 +974,6 @@ def port_checkpoint(config, tensors, layer_index, *, prefix=None):
     model_type = config.get("model_type")
     porter = _porter(model_type)
     if porter is None:
-        _refuse_latent(model_type, "config")
         raise ValueError(
             f"`config` must be of one of the model types {', '.join(supported_modules())}. "
             f"Received: model_type={model_type!r}"

@@ -74,15 +74,15 @@ TOKENS = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}  # within the
 # ----------------------------------------------------------------------------------------------
 
 
-def _accepts_modern_kwargs(directory):
-    """True if the layer file's `MultiHeadAttention.__init__` has a `rope_theta` parameter."""
+def _accepts_modern_kwargs(directory, argument="rope_theta"):
+    """True if the layer file's `MultiHeadAttention.__init__` has an `argument` parameter (`rope_theta`)."""
     tree = ast.parse((ROOT / directory / "Multi_Head_Attention.py").read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef) and node.name == "MultiHeadAttention":
             for item in node.body:
                 if isinstance(item, ast.FunctionDef) and item.name == "__init__":
                     arguments = item.args.args + item.args.kwonlyargs
-                    return any(argument.arg == "rope_theta" for argument in arguments)
+                    return any(parameter.arg == argument for parameter in arguments)
     return False
 
 
@@ -656,6 +656,33 @@ FAMILIES += [
         mrope="grid",
     ),
 ]  # fmt: skip
+LATENT = {  # DeepSeek's multi-head latent attention at a tiny size, every layer dense (no MoE)
+    "hidden_size": HIDDEN, "num_attention_heads": HEADS, "num_key_value_heads": HEADS, "q_lora_rank": 16,
+    "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8, "first_k_dense_replace": 2,
+}  # fmt: skip
+LATENT_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+               "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}  # fmt: skip
+MLA_FAMILIES = [  # run in the files that have MLA (`kv_lora_rank`)
+    Family(
+        "deepseek_v3", _llama_like("DeepseekV3ForCausalLM", "DeepseekV3Config", **LATENT), "model.layers.{i}.self_attn"
+    ),
+    Family(
+        "deepseek_v3_yarn_no_q_lora",  # q_proj, YaRN's mscale in the scale, RoPE in halves
+        _llama_like(
+            "DeepseekV3ForCausalLM",
+            "DeepseekV3Config",
+            **{**LATENT, "q_lora_rank": None},
+            rope_interleave=False,
+            rope_parameters=LATENT_YARN,
+            attention_bias=True,
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "deepseek_v2", _llama_like("DeepseekV2ForCausalLM", "DeepseekV2Config", **LATENT), "model.layers.{i}.self_attn"
+    ),
+]
+FAMILIES += MLA_FAMILIES
 FAMILIES_BY_NAME = {family.name: family for family in FAMILIES}
 LAYERS = (0, 1)  # every family alternates or repeats its layer types within two layers
 
@@ -827,6 +854,7 @@ CASES = [
     for family in FAMILIES
     for index in LAYERS
     if framework == "NumPy" or family.name not in NUMPY_ONLY
+    if family not in MLA_FAMILIES or _accepts_modern_kwargs(framework, "kv_lora_rank")
 ]
 DECODE_CASES = [case for case in CASES if FAMILIES_BY_NAME[case[1]].decode]
 
@@ -1008,6 +1036,9 @@ def test_chunks_of_rows_padded_otherwise_take_the_documented_mask(framework):
 # (`positions` is not among them: a left-padded row's positions are its plain ones shifted by a
 # constant, which RoPE, relative by construction, does not see in the scores.)
 VARIANTS = {
+    "deepseek_v3": {"rope", "rope_interleaved"},
+    "deepseek_v3_yarn_no_q_lora": {"rope", "rope_scaling", "scale"},
+    "deepseek_v2": {"rope", "rope_interleaved"},
     "llama": {"rope"},
     "llama3_scaled": {"rope", "rope_scaling"},
     "llama_linear": {"rope", "rope_scaling"},
@@ -1174,15 +1205,6 @@ def _tiny_module(module_class, config_class, **config):
     return module_class(config_class(**COMMON, **config), layer_idx=0)
 
 
-def _latent_attention(model_type):
-    """DeepSeek-V2's or V3's attention (multi-head latent attention) at a tiny size."""
-    prefix = {"deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3"}[model_type]
-    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    latent = {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8}
-    return _tiny_module(getattr(module, f"{prefix}Attention"), getattr(transformers, f"{prefix}Config"),
-                        hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=HEADS, **latent)  # fmt: skip
-
-
 ERROR_CASES = [
     (
         "dynamic_rope",
@@ -1224,16 +1246,6 @@ ERROR_CASES = [
         ),
         r"`config.attn_temperature_tuning` must be off for a NoPE layer: it scales the queries by their position, "
         r"which the layer cannot. Received: attn_temperature_tuning=True on layer 0",
-    ),
-    *(
-        (
-            f"{name}_latent_attention",
-            functools.partial(_latent_attention, name),
-            rf"`module` must be an attention whose queries, keys and values are linear projections of the hidden "
-            rf"state: DeepSeek-V{name[-1]}'s multi-head latent attention passes q and kv through low-rank latents "
-            rf"with an RMSNorm between, .* Received: model_type='{name}'",
-        )
-        for name in ("deepseek_v2", "deepseek_v3")
     ),
     (
         "subclass_overriding_forward",
@@ -1390,13 +1402,6 @@ def test_checkpoint_from_dicts_with_a_prefix():
 
 CHECKPOINT_ERRORS = [
     ({"model_type": "mamba"}, {}, 0, r"`config` must be of one of the model types .* Received: model_type='mamba'"),
-    (
-        {"model_type": "deepseek_v3"},
-        {},
-        0,
-        r"`config` must be an attention whose queries, keys and values are linear projections .* multi-head latent "
-        r"attention .* Received: model_type='deepseek_v3'",
-    ),
     (
         {**COMMON, **GQA, "model_type": "llama"},
         {"model.layers.0.self_attn.q_proj.weight": np.zeros((32, 32))},
