@@ -1118,8 +1118,9 @@ def replace_attention(model, layer_class=None):
 
     Args:
         model: a `transformers` PyTorch model of the Llama kind (the families with `q_proj`, `k_proj`,
-            `v_proj`, `o_proj`: Llama, Mistral, Qwen, Gemma, OLMo, Phi3, ...) or of the BERT kind
-            (BERT, RoBERTa, XLM-RoBERTa).
+            `v_proj`, `o_proj`: Llama, Mistral, Qwen, Gemma, OLMo, Phi3, ...), of the BERT kind
+            (BERT, RoBERTa, XLM-RoBERTa) or with multi-head latent attention (DeepSeek-V2, V3 and
+            the MLA families `port_attention` reads; the layer's cache holds the latents).
         layer_class: the `MultiHeadAttention` class to build (default: the one in `PyTorch/`).
 
     Returns:
@@ -1138,14 +1139,14 @@ def replace_attention(model, layer_class=None):
     _set_eager(model)
     replaced = []
     for name, module in list(model.named_modules()):
-        if any(name.startswith(done + ".") for done in replaced) or not type(module).__name__.endswith("Attention"):
+        if any(name.startswith(done + ".") for done in replaced) or not type(module).__name__.endswith(_ATTENTION):
             continue
         if _transformers_model_type(type(module)) is None and not any(
             c.__name__ in _REGISTERED for c in type(module).__mro__
         ):
             continue
         family = getattr(_module_porter(module), "family", None)
-        if family not in (_rotary, _bert):
+        if family not in (_rotary, _bert, _latent):
             continue
         if getattr(module, "is_cross_attention", False):
             raise ValueError(f"`model` must have self-attention only: `{name}` is a cross-attention. Received: {name}")
@@ -1155,10 +1156,13 @@ def replace_attention(model, layer_class=None):
         replaced.append(name)
     if not replaced:
         raise ValueError(
-            "`model` must hold attention modules of the Llama kind (q_proj, k_proj, v_proj, o_proj) or of the BERT "
-            f"kind. Received: {type(model).__name__}"
+            "`model` must hold attention modules of the Llama kind (q_proj, k_proj, v_proj, o_proj), of the BERT "
+            f"kind or with multi-head latent attention. Received: {type(model).__name__}"
         )
     return replaced
+
+
+_ATTENTION = ("Attention", "MLA")  # the endings of the attention modules' class names (LongCat's LongcatFlashMLA)
 
 
 def _set_eager(model):
@@ -1242,12 +1246,12 @@ def _wrapper_class(torch):
             if length <= slots:
                 return
             extra = max(slots, length - slots)
-            zeros = cache.key.new_zeros(*cache.key.shape[:2], extra, cache.key.shape[3])
+            key, value = (
+                torch.cat([part, part.new_zeros(*part.shape[:2], extra, part.shape[3])], 2)
+                for part in (cache.key, cache.value)
+            )  # MLA's latents (C) and rotary keys (Hr) differ
             keep = cache.keep.new_ones(cache.keep.shape[0], extra)
-            self._cache = type(cache)(
-                torch.cat([cache.key, zeros], 2), torch.cat([cache.value, zeros], 2),
-                torch.cat([cache.keep, keep], 1), cache.index,
-            )  # fmt: skip
+            self._cache = type(cache)(key, value, torch.cat([cache.keep, keep], 1), cache.index)
 
         def _masks(self, attention_mask, hidden_states, past, slots):
             """The model's mask (B, 1, T, S') over the keys up to past + T, as a boolean mask over `slots` keys."""

@@ -1643,10 +1643,15 @@ def _prompts():
     return torch.from_numpy(ids), torch.from_numpy(mask)
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3", "qwen3", "phi_qk_layernorm"] if "PyTorch" in FRAMEWORKS else [])
+SWAPPED = ["llama", "gemma3", "qwen3", "phi_qk_layernorm", "deepseek_v3", "kimi_linear", "bailing_hybrid",
+           "longcat_flash"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", SWAPPED if "PyTorch" in FRAMEWORKS else [])
 def test_replaced_attention_generates_the_same_tokens(name):
     """Left-padded prompts: the same logits on a full pass and at every greedy step (transformers' DynamicCache
-    beside the layer's own cache; Gemma 3's sliding layers included), hence the same tokens."""
+    beside the layer's own cache, the latent cache with MLA; Gemma 3's sliding layers included), hence the same
+    tokens."""
     model, ours = _swapped(name)
     ids, mask = _prompts()
     with torch.no_grad():
