@@ -88,13 +88,13 @@ parameters; other types (dynamic, LongRoPE) are a `ValueError` for now. OLMo's a
 LayerNorms (`qk_norm_type="layer"`: Phi's one LayerNorm with a bias, StableLM's and Cohere's scale
 per head) port as the layer's. Multi-head latent attention ports as the layer's MLA
 (`kv_lora_rank`, ...; YaRN's `mscale_all_dim` correction in `scale`): DeepSeek-V2, V3 and the
-families built on their attention (GLM-4-MoE-Lite,
-Youtu, AXK1, Mistral 4, MiniCPM3, Kimi Linear's NoPE MLA layers, Ling's MLA layers with their per-head
-output gate as `gate`, LongCat-Flash's two sublayers per decoder layer with their LoRA scales folded
-into the weights). Refused with the reason: Llama 4's NoPE layers' temperature tuning (and Mistral 4's
-`llama_4_scaling_beta`), GPT-2 and GPTBigCode cross-attention, the linear-attention layers of Kimi
-Linear and Ling, and the MLA model types whose attention adds a sparse-attention indexer or a norm
-the layer lacks (DeepSeek-V3.2, GLM-MoE-DSA, GLM-5-Next, Mistral Large 4, HY-V4, AXK2, dots3).
+families built on their attention (GLM-4-MoE-Lite, Youtu, AXK1, Mistral 4, MiniCPM3, Kimi Linear's
+NoPE MLA layers, Ling's MLA layers with their per-head output gate as `gate`, LongCat-Flash's two
+sublayers per decoder layer with their LoRA scales folded into the weights). Refused with the
+reason: Llama 4's NoPE layers' temperature tuning (and Mistral 4's `llama_4_scaling_beta`), GPT-2
+and GPTBigCode cross-attention, the linear-attention layers of Kimi Linear and Ling, and the MLA
+model types whose attention adds a sparse-attention indexer or a norm the layer lacks
+(DeepSeek-V3.2, GLM-MoE-DSA, GLM-5-Next, Mistral Large 4, HY-V4, AXK2, dots3).
 This file imports no framework at module level: `port_attention` reads a module's tensors through its own `state_dict`,
 `port_checkpoint` and `load_tensors` read safetensors files with NumPy, and `replace_attention`
 imports torch and the PyTorch layer when called.
@@ -1150,7 +1150,7 @@ def replace_attention(model, layer_class=None):
             continue
         if getattr(module, "is_cross_attention", False):
             raise ValueError(f"`model` must have self-attention only: `{name}` is a cross-attention. Received: {name}")
-        wrapper = _swapped(torch, module, layer_class, family is _bert)
+        wrapper = _swapped(torch, module, layer_class, family is _bert, model.config)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, wrapper)
         replaced.append(name)
@@ -1171,9 +1171,10 @@ def _set_eager(model):
             config._attn_implementation = "eager"
 
 
-def _swapped(torch, module, layer_class, bert):
+def _swapped(torch, module, layer_class, bert, model_config):
     """The wrapper module that calls the ported layer as `module` was called."""
-    config = getattr(module, "config", None) or getattr(module.self, "config", None)
+    config = getattr(module, "config", None) or getattr(getattr(module, "self", None), "config", None)
+    config = config or model_config  # a hybrid's linear-attention module holds none (its refusal reads it)
     kwargs, weights = port_attention(module, config)
     if "rope_sections" in kwargs:
         raise ValueError(

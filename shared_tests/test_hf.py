@@ -1349,7 +1349,8 @@ def test_mla_with_more_than_mla_is_refused_with_what_it_adds(model_type, module_
 @pytest.mark.parametrize(("name", "config_class"), [("kimi_linear", "KimiLinearConfig"),
                                                     ("bailing_hybrid", "BailingHybridConfig")])  # fmt: skip
 def test_linear_attention_layers_of_mla_hybrids_are_refused_by_name(name, config_class):
-    """Kimi Linear's and Ling's MLA layers port; their linear-attention layers are refused by their type."""
+    """Kimi Linear's and Ling's MLA layers port; their linear-attention layers are refused by their type, and so is
+    `replace_attention` of a model that holds them."""
     config = getattr(transformers, config_class)(
         **COMMON, **LATENT, **TOKENS, layer_types=["linear_attention", "full_attention"]
     )
@@ -1361,6 +1362,8 @@ def test_linear_attention_layers_of_mla_hybrids_are_refused_by_name(name, config
     with pytest.raises(ValueError, match=message):
         port_attention(model.model.layers[0].self_attn, config)
     port_attention(model.model.layers[1].self_attn, config)  # the MLA layer ports
+    with pytest.raises(ValueError, match=message):
+        replace_attention(model)
 
 
 def test_mistral4_query_scaling_by_position_is_refused():
