@@ -39,10 +39,12 @@ These call arguments reproduce them (`attention_mask` is the model's (B, S) 0/1 
 
 - Llama, Mistral, Mixtral, Qwen2 (and MoE), Qwen3 (and MoE), Gemma, Gemma 2, Gemma 3, OLMo, OLMo2,
   gpt-oss, Phi, Phi3, GPT-NeoX, GPT-J, Starcoder2, Granite, Cohere, Cohere2, StableLM, SmolLM3,
-  GLM4, Falcon, Llama 4, Qwen2-VL, Qwen2.5-VL, DeepSeek-V2, DeepSeek-V3, and the gated Qwen3-Next,
-  Qwen3.5 (and MoE), AFMoE and LFM3: `causal=True, key_mask=attention_mask.bool(), positions=position_ids`;
-  a NoPE layer (no `rope_theta` in its kwargs: SmolLM3's `no_rope_layers`, Cohere2's full layers,
-  Llama 4's NoPE layers, AFMoE's full layers) takes no `positions`.
+  GLM4, Falcon, Llama 4, Qwen2-VL, Qwen2.5-VL, the gated Qwen3-Next, Qwen3.5 (and MoE), AFMoE and
+  LFM3, and the MLA families (DeepSeek-V2, DeepSeek-V3, GLM-4-MoE-Lite, Youtu, AXK1, Mistral 4,
+  MiniCPM3, Kimi Linear, Ling's bailing_hybrid, LongCat-Flash): `causal=True,
+  key_mask=attention_mask.bool(), positions=position_ids`; a NoPE layer (no `rope_theta` in its
+  kwargs: SmolLM3's `no_rope_layers`, Cohere2's full layers, Llama 4's NoPE layers, AFMoE's full
+  layers, Kimi Linear's MLA layers) takes no `positions`.
   Qwen2-VL's and Qwen2.5-VL's multimodal RoPE (`rope_sections`) takes the (3, B, T) positions its
   rotary embedding reads, one row per section (`generate` passes (4, B, T): the text positions,
   then these three; for text alone the three rows are the text positions).
@@ -95,9 +97,15 @@ RoPE scaling: `default`, `linear`, `llama3` and `yarn` (gpt-oss' default) port w
 parameters; other types (dynamic, LongRoPE) are a `ValueError` for now. OLMo's and MPT's
 `clip_qkv` port as the layer's `clip_qkv`. QK-norms: RMSNorms (Qwen3, Gemma 3, OLMo2, Llama 4) and
 LayerNorms (`qk_norm_type="layer"`: Phi's one LayerNorm with a bias, StableLM's and Cohere's scale
-per head) port as the layer's. DeepSeek-V2's and V3's multi-head latent attention ports as the
-layer's MLA (`kv_lora_rank`, ...; YaRN's `mscale_all_dim` correction in `scale`). Refused with
-the reason: Llama 4's NoPE layers' temperature tuning, GPT-2 and GPTBigCode cross-attention.
+per head) port as the layer's. Multi-head latent attention ports as the layer's MLA
+(`kv_lora_rank`, ...; YaRN's `mscale_all_dim` correction in `scale`): DeepSeek-V2, V3 and the
+families built on their attention (GLM-4-MoE-Lite, Youtu, AXK1, Mistral 4, MiniCPM3, Kimi Linear's
+NoPE MLA layers, Ling's MLA layers with their per-head output gate as `gate`, LongCat-Flash's two
+sublayers per decoder layer with their LoRA scales folded into the weights). Refused with the
+reason: Llama 4's NoPE layers' temperature tuning (and Mistral 4's `llama_4_scaling_beta`), GPT-2
+and GPTBigCode cross-attention, the linear-attention layers of Kimi Linear and Ling, and the MLA
+model types whose attention adds a sparse-attention indexer or a norm the layer lacks
+(DeepSeek-V3.2, GLM-MoE-DSA, GLM-5-Next, Mistral Large 4, HY-V4, AXK2, dots3).
 This file imports no framework at module level: `port_attention` reads a module's tensors through its own `state_dict`,
 `port_checkpoint` and `load_tensors` read safetensors files with NumPy, and `replace_attention`
 imports torch and the PyTorch layer when called.
@@ -798,37 +806,86 @@ def _llama4(config, tensors, index):
     return kwargs, weights
 
 
-def _latent(config, tensors, index, *, interleaved=False):
-    """Multi-head latent attention (DeepSeek-V2, V3): q through `q_a_proj`, `q_a_layernorm` and `q_b_proj`
-    (`q_proj` without `q_lora_rank`), the latent and the shared rotary key from `kv_a_proj_with_mqa` and
-    `kv_a_layernorm`, the heads' keys and values from `kv_b_proj`; interleaved RoPE (`interleaved`: V2's complex
-    turn; V3 reads `rope_interleave`), and YaRN's `mscale_all_dim` correction in the scale as transformers'
-    `yarn_apply_mscale` puts it."""
+_LATENT_NORM_EPS = 1e-6  # transformers builds the MLA norms (q_a_layernorm, kv_a_layernorm) without the config's eps
+
+
+def _latent(config, tensors, index, *, interleaved=False, rope=True, gate=False, lora_scales=False):
+    """Multi-head latent attention (DeepSeek-V2, V3 and the families built on their attention): q through
+    `q_a_proj`, `q_a_layernorm` and `q_b_proj` (`q_proj` without `q_lora_rank`), the latent and the shared rotary
+    key from `kv_a_proj_with_mqa` and `kv_a_layernorm`, the heads' keys and values from `kv_b_proj`; interleaved
+    RoPE (`interleaved`: V2's complex turn; the others read `rope_interleave`), and YaRN's `mscale_all_dim`
+    correction in the scale as transformers' `yarn_apply_mscale` puts it. `rope=False`: no RoPE (Kimi Linear's
+    NoPE latents, scaled by 1/sqrt(Hn + Hr)); `gate`: the per-head output gate `g_proj` (E -> N: Ling's), each
+    head's column repeated over its Hv values; `lora_scales`: LongCat's sqrt(E / Q) on the queries and
+    sqrt(E / C) on the latents, folded into `q_b_proj` and `kv_a_layernorm`."""
+    _refuse_linear_layer(config, index)
     num_heads, hn, hr = config["num_attention_heads"], config["qk_nope_head_dim"], config["qk_rope_head_dim"]
-    sources = (
-        {"query": "q_proj"} if config.get("q_lora_rank") is None else {"query_a": "q_a_proj", "query_b": "q_b_proj"}
-    )
-    sources |= {"key_value_a": "kv_a_proj_with_mqa", "key_value_b": "kv_b_proj", "output": "o_proj"}
+    hv = config["v_head_dim"]
+    query_lora = "q_proj.weight" not in tensors  # Ling's q_proj whatever its config's q_lora_rank says
+    sources = {"query_a": "q_a_proj", "query_b": "q_b_proj"} if query_lora else {"query": "q_proj"}
+    output = "dense" if "dense.weight" in tensors else "o_proj"  # Ling's checkpoints name o_proj `dense`
+    sources |= {"key_value_a": "kv_a_proj_with_mqa", "key_value_b": "kv_b_proj", "output": output}
     weights = {}
     biased = tuple(name for name, source in sources.items() if _linear(name, tensors, source, weights))
-    if "query_a" in sources:
+    if query_lora:
         weights["query_a_norm"] = _tensor(tensors, "q_a_layernorm.weight")  # (Q,)
     weights["key_value_a_norm"] = _tensor(tensors, "kv_a_layernorm.weight")  # (C,)
     kwargs = {
         "d_model": config["hidden_size"], "num_heads": num_heads, "num_kv_heads": num_heads, "bias": biased or False,
-        "kv_lora_rank": config["kv_lora_rank"], "q_lora_rank": config.get("q_lora_rank"), "qk_nope_head_dim": hn,
-        "qk_rope_head_dim": hr, "v_head_dim": config["v_head_dim"], "latent_norm_eps": float(config["rms_norm_eps"]),
+        "kv_lora_rank": config["kv_lora_rank"], "q_lora_rank": config["q_lora_rank"] if query_lora else None,
+        "qk_nope_head_dim": hn, "qk_rope_head_dim": hr, "v_head_dim": hv, "latent_norm_eps": _LATENT_NORM_EPS,
     }  # fmt: skip
-    parameters = _rope_parameters(config, None)
+    if gate:
+        weights["gate_kernel"] = np.repeat(_tensor(tensors, "g_proj.weight").T, hv, axis=1)  # (E, N) -> (E, N*Hv)
+        kwargs["gate"] = True
+    if lora_scales:
+        _fold_lora_scales(config, weights)
+    scale = (hn + hr) ** -0.5
+    if not rope:
+        return kwargs | {"scale": float(scale)}, weights
+    parameters = _latent_rope_parameters(config)
     kwargs |= _rope_kwargs(parameters, hr)
     if interleaved or config.get("rope_interleave", False):
         kwargs["rope_interleaved"] = True
-    scale = (hn + hr) ** -0.5
     if parameters.get("rope_type", "default") != "default" and parameters.get("mscale_all_dim"):
         factor = parameters["factor"]
         scale *= (0.1 * parameters["mscale_all_dim"] * math.log(factor) + 1.0) ** 2 if factor > 1 else 1.0
     kwargs["scale"] = float(scale)
     return kwargs, weights
+
+
+def _latent_rope_parameters(config):
+    """The RoPE parameters of an MLA layer, which turns the whole Hr part: a `partial_rotary_factor` (Mistral 4's
+    Hr / (Hn + Hr)) only says so. Refuses Llama 4's query scaling by position (Mistral 4's `llama_4_scaling_beta`)."""
+    parameters = {k: v for k, v in _rope_parameters(config, None).items() if k != "partial_rotary_factor"}
+    if parameters.get("llama_4_scaling_beta"):
+        raise ValueError(
+            "`config.rope_parameters['llama_4_scaling_beta']` must be 0 or absent: it scales the queries by their "
+            "position (Llama 4's temperature tuning), which the layer cannot. "
+            f"Received: llama_4_scaling_beta={parameters['llama_4_scaling_beta']!r}"
+        )
+    return parameters
+
+
+def _fold_lora_scales(config, weights):
+    """LongCat's LoRA scales: sqrt(E / Q) on every query feature, sqrt(E / C) on the normalized latents."""
+    query_scale = (config["hidden_size"] / config["q_lora_rank"]) ** 0.5
+    weights["query_b_kernel"] = weights["query_b_kernel"] * np.float32(query_scale)  # (Q, N*H)
+    if "query_b_bias" in weights:
+        weights["query_b_bias"] = weights["query_b_bias"] * np.float32(query_scale)  # (N*H,)
+    latent_scale = (config["hidden_size"] / config["kv_lora_rank"]) ** 0.5
+    weights["key_value_a_norm"] = weights["key_value_a_norm"] * np.float32(latent_scale)  # (C,)
+
+
+def _refuse_linear_layer(config, index):
+    """Refuses a hybrid model's linear-attention layer (Kimi Linear's, Ling's): a recurrent state, not softmax."""
+    layer_type = _layer_type(config, index)
+    if layer_type == "linear_attention":
+        raise ValueError(
+            f"`layer_index` must be a full-attention (MLA) layer of a {config.get('model_type')} model: its "
+            "linear_attention layers (gated delta rule with a recurrent state) are not softmax attention, which "
+            f"the layer cannot compute. Received: layer {index} of type {layer_type!r}"
+        )
 
 
 def _family(porter, path, **options):
@@ -898,6 +955,16 @@ _BUILTIN = {
     "whisper": _family(_bart, "encoder.layers.{i}.self_attn"),
     "deepseek_v2": _family(_latent, _LAYERS, interleaved=True),
     "deepseek_v3": _family(_latent, _LAYERS),
+    "glm4_moe_lite": _family(_latent, _LAYERS),
+    "youtu": _family(_latent, _LAYERS),
+    "axk1": _family(_latent, _LAYERS),
+    "mistral4": _family(_latent, _LAYERS),
+    "minicpm3": _family(_latent, _LAYERS),
+    "kimi_linear": _family(_latent, _LAYERS, rope=False),
+    "bailing_hybrid": _family(_latent, "layers.{i}.attention", interleaved=True, gate=True),
+    "longcat_flash": _family(
+        _latent, lambda i: f"layers.{i // 2}.self_attn.{i % 2}", interleaved=True, lora_scales=True
+    ),
 }
 _REGISTERED = {}
 
@@ -961,7 +1028,7 @@ def _module_porter(module):
     _check_submodules(module)
     porter = _porter(model_type)
     if porter is None:
-        _refuse_gated(model_type, "module")
+        _refuse_variant(model_type, "module")
         _refuse_unknown(module, f" of model type {model_type!r}")
     return porter
 
@@ -974,15 +1041,33 @@ _GATED_REFUSED = {  # gated attention with something more that the layer does no
 }
 _GATED_REFUSED["qwen4_exp_text"] = _GATED_REFUSED["qwen4_exp"]  # its text config's model type
 _GATED_REFUSED["step3p5"] = _GATED_REFUSED["step3p7"]  # its config's model type
+_INDEXER = "a learned sparse-attention indexer (`indexer`: each query attends to its top-k keys only)"
+_DOTS3 = f"an RMSNorm on the shared rotary key (`k_rope_only_layernorm`) and {_INDEXER}"
+_REFUSED = {  # MLA model types of transformers whose attention adds what the layer lacks: who, and what
+    "deepseek_v32": ("DeepSeek-V3.2", _INDEXER),
+    "glm_moe_dsa": ("GLM-MoE-DSA", _INDEXER),
+    "glm5_next": ("GLM-5-Next", f"{_INDEXER} and linear-attention layers"),
+    "glm5_next_text": ("GLM-5-Next", f"{_INDEXER} and linear-attention layers"),
+    "mistral_large4": ("Mistral Large 4", _INDEXER),
+    "mistral_large4_text": ("Mistral Large 4", _INDEXER),
+    "hy_v4": ("HY-V4", f"{_INDEXER}, shared by its layers"),
+    "axk2": ("AXK2", _INDEXER),
+    "dots3_note": ("dots3", _DOTS3),
+    "dots3_note_text": ("dots3", _DOTS3),
+}
 
 
-def _refuse_gated(model_type, argument):
-    """Refuses a gated attention that adds what the layer does not compute, with the reason."""
-    if model_type in _GATED_REFUSED:
-        raise ValueError(
-            f"`{argument}` must be an attention this layer computes: {_GATED_REFUSED[model_type]}. "
-            f"Received: model_type={model_type!r}"
-        )
+def _refuse_variant(model_type, argument):
+    """Refuses a model type whose attention holds more than the layer computes, naming what it holds."""
+    if model_type in _REFUSED:
+        reason = f"{_REFUSED[model_type][0]}'s MLA adds {_REFUSED[model_type][1]}, which the layer cannot"
+    elif model_type in _GATED_REFUSED:
+        reason = _GATED_REFUSED[model_type]
+    else:
+        return
+    raise ValueError(
+        f"`{argument}` must hold an attention the layer computes: {reason}. Received: model_type={model_type!r}"
+    )
 
 
 def _refuse_unknown(module, detail=""):
@@ -1067,7 +1152,7 @@ def port_checkpoint(config, tensors, layer_index, *, prefix=None):
     model_type = config.get("model_type")
     porter = _porter(model_type)
     if porter is None:
-        _refuse_gated(model_type, "config")
+        _refuse_variant(model_type, "config")
         raise ValueError(
             f"`config` must be of one of the model types {', '.join(supported_modules())}. "
             f"Received: model_type={model_type!r}"
@@ -1075,8 +1160,15 @@ def port_checkpoint(config, tensors, layer_index, *, prefix=None):
     _refuse_layer_type(config, layer_index)  # before looking for an attention module it does not have
     tensors = load_tensors(tensors)
     if prefix is None:
-        prefix = _find_prefix(tensors, _BUILTIN.get(model_type, (None, _LAYERS))[1].format(i=layer_index))
+        prefix = _find_prefix(tensors, _path(model_type, layer_index))
     return porter(config, _Prefixed(tensors, prefix.rstrip(".") + "."), layer_index)
+
+
+def _path(model_type, layer_index):
+    """The family's path of layer `layer_index`'s attention: a format string with {i}, or a function of it
+    (LongCat's two attention sublayers per decoder layer: layer i is `layers.{i // 2}.self_attn.{i % 2}`)."""
+    path = _BUILTIN.get(model_type, (None, _LAYERS))[1]
+    return path(layer_index) if callable(path) else path.format(i=layer_index)
 
 
 def _find_prefix(tensors, path):
@@ -1113,8 +1205,9 @@ def replace_attention(model, layer_class=None):
     Args:
         model: a `transformers` PyTorch model of the Llama kind (the families with `q_proj`, `k_proj`,
             `v_proj`, `o_proj`: Llama, Mistral, Qwen, Gemma, OLMo, Phi3, ...; the gated ones, Qwen3-Next, Qwen3.5,
-            AFMoE and LFM3, whose other layers (linear attention, convolutions) stay as they are) or of the BERT kind
-            (BERT, RoBERTa, XLM-RoBERTa).
+            AFMoE and LFM3, whose other layers (linear attention, convolutions) stay as they are), of the BERT kind
+            (BERT, RoBERTa, XLM-RoBERTa) or with multi-head latent attention (DeepSeek-V2, V3 and the MLA families
+            `port_attention` reads; the layer's cache holds the latents).
         layer_class: the `MultiHeadAttention` class to build (default: the one in `PyTorch/`).
 
     Returns:
@@ -1133,27 +1226,30 @@ def replace_attention(model, layer_class=None):
     _set_eager(model)
     replaced = []
     for name, module in list(model.named_modules()):
-        if any(name.startswith(done + ".") for done in replaced) or not type(module).__name__.endswith("Attention"):
+        if any(name.startswith(done + ".") for done in replaced) or not type(module).__name__.endswith(_ATTENTION):
             continue
         if _transformers_model_type(type(module)) is None and not any(
             c.__name__ in _REGISTERED for c in type(module).__mro__
         ):
             continue
         family = getattr(_module_porter(module), "family", None)
-        if family not in (_rotary, _gated, _bert):
+        if family not in (_rotary, _gated, _bert, _latent):
             continue
         if getattr(module, "is_cross_attention", False):
             raise ValueError(f"`model` must have self-attention only: `{name}` is a cross-attention. Received: {name}")
-        wrapper = _swapped(torch, module, layer_class, family is _bert)
+        wrapper = _swapped(torch, module, layer_class, family is _bert, model.config)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, wrapper)
         replaced.append(name)
     if not replaced:
         raise ValueError(
-            "`model` must hold attention modules of the Llama kind (q_proj, k_proj, v_proj, o_proj) or of the BERT "
-            f"kind. Received: {type(model).__name__}"
+            "`model` must hold attention modules of the Llama kind (q_proj, k_proj, v_proj, o_proj), of the BERT "
+            f"kind or with multi-head latent attention. Received: {type(model).__name__}"
         )
     return replaced
+
+
+_ATTENTION = ("Attention", "MLA")  # the endings of the attention modules' class names (LongCat's LongcatFlashMLA)
 
 
 def _set_eager(model):
@@ -1162,9 +1258,10 @@ def _set_eager(model):
             config._attn_implementation = "eager"
 
 
-def _swapped(torch, module, layer_class, bert):
+def _swapped(torch, module, layer_class, bert, model_config):
     """The wrapper module that calls the ported layer as `module` was called."""
-    config = getattr(module, "config", None) or getattr(module.self, "config", None)
+    config = getattr(module, "config", None) or getattr(getattr(module, "self", None), "config", None)
+    config = config or model_config  # a hybrid's linear-attention module holds none (its refusal reads it)
     kwargs, weights = port_attention(module, config)
     if "rope_sections" in kwargs:
         raise ValueError(
@@ -1237,12 +1334,12 @@ def _wrapper_class(torch):
             if length <= slots:
                 return
             extra = max(slots, length - slots)
-            zeros = cache.key.new_zeros(*cache.key.shape[:2], extra, cache.key.shape[3])
+            key, value = (
+                torch.cat([part, part.new_zeros(*part.shape[:2], extra, part.shape[3])], 2)
+                for part in (cache.key, cache.value)
+            )  # MLA's latents (C) and rotary keys (Hr) differ
             keep = cache.keep.new_ones(cache.keep.shape[0], extra)
-            self._cache = type(cache)(
-                torch.cat([cache.key, zeros], 2), torch.cat([cache.value, zeros], 2),
-                torch.cat([cache.keep, keep], 1), cache.index,
-            )  # fmt: skip
+            self._cache = type(cache)(key, value, torch.cat([cache.keep, keep], 1), cache.index)
 
         def _masks(self, attention_mask, hidden_states, past, slots):
             """The model's mask (B, 1, T, S') over the keys up to past + T, as a boolean mask over `slots` keys."""

@@ -713,6 +713,56 @@ MLA_FAMILIES = [  # run in the files that have MLA (`kv_lora_rank`)
     Family(
         "deepseek_v2", _llama_like("DeepseekV2ForCausalLM", "DeepseekV2Config", **LATENT), "model.layers.{i}.self_attn"
     ),
+    Family(
+        "glm4_moe_lite",
+        _llama_like(
+            "Glm4MoeLiteForCausalLM",
+            "Glm4MoeLiteConfig",
+            **{**LATENT, "q_lora_rank": None},
+            **TOKENS,
+            mlp_layer_types=["dense"] * 2,
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family("youtu", _llama_like("YoutuForCausalLM", "YoutuConfig", **LATENT, **TOKENS), "model.layers.{i}.self_attn"),
+    Family("axk1", _llama_like("AXK1ForCausalLM", "AXK1Config", **LATENT, **TOKENS), "model.layers.{i}.self_attn"),
+    Family(  # YaRN with Mistral 4's partial_rotary_factor (Hr / (Hn + Hr)), q_proj, halves
+        "mistral4",
+        _llama_like(
+            "Mistral4ForCausalLM",
+            "Mistral4Config",
+            **{**LATENT, "q_lora_rank": None},
+            rope_interleave=False,
+            rope_parameters={**LATENT_YARN, "llama_4_scaling_beta": 0.0, "partial_rotary_factor": 0.5},
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(
+        "minicpm3",
+        _llama_like("MiniCPM3ForCausalLM", "MiniCPM3Config", **LATENT, **TOKENS, scale_emb=1),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(  # NoPE latents
+        "kimi_linear",
+        _llama_like(
+            "KimiLinearForCausalLM", "KimiLinearConfig", **LATENT, **TOKENS, layer_types=["full_attention"] * 2
+        ),
+        "model.layers.{i}.self_attn",
+        rope=False,
+    ),
+    Family(  # the per-head output gate
+        "bailing_hybrid",
+        _llama_like(
+            "BailingHybridForCausalLM", "BailingHybridConfig", **LATENT, **TOKENS, layer_types=["full_attention"] * 2
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(  # two attention sublayers per decoder layer (one decoder layer here), the LoRA scales
+        "longcat_flash",
+        _llama_like("LongcatFlashForCausalLM", "LongcatFlashConfig", **LATENT, **TOKENS, head_dim=4),
+        "model.layers.0.self_attn.{i}",
+        prefix=True,
+    ),
 ]
 FAMILIES += MLA_FAMILIES
 FAMILIES_BY_NAME = {family.name: family for family in FAMILIES}
@@ -1073,6 +1123,14 @@ VARIANTS = {
     "deepseek_v3": {"rope", "rope_interleaved"},
     "deepseek_v3_yarn_no_q_lora": {"rope", "rope_scaling", "scale"},
     "deepseek_v2": {"rope", "rope_interleaved"},
+    "glm4_moe_lite": {"rope", "rope_interleaved"},
+    "youtu": {"rope", "rope_interleaved"},
+    "axk1": {"rope", "rope_interleaved"},
+    "mistral4": {"rope", "rope_scaling", "scale"},
+    "minicpm3": {"rope"},
+    "kimi_linear": set(),
+    "bailing_hybrid": {"rope", "rope_interleaved", "gate"},
+    "longcat_flash": {"rope", "rope_interleaved"},
     "llama": {"rope"},
     "llama3_scaled": {"rope", "rope_scaling"},
     "llama_linear": {"rope", "rope_scaling"},
@@ -1300,7 +1358,7 @@ ERROR_CASES = [
             indexer_budget=4,
             indexer_compress_ratio=1,
         ),
-        r"`module` must be an attention this layer computes: Qwen4-Exp's attention keeps only the keys its "
+        r"`module` must hold an attention the layer computes: Qwen4-Exp's attention keeps only the keys its "
         r"query-selected sparse attention indexer \(`indexer`\) picks, .* Received: model_type='qwen4_exp'",
     ),
     (
@@ -1326,6 +1384,63 @@ ERROR_CASES = [
         r"`module`'s projections must be torch or transformers modules .* Received: `q_proj` is _ScaledLinear",
     ),
 ]
+
+
+INDEXER = r"a learned sparse-attention indexer \(`indexer`: each query attends to its top-k keys only\)"
+INDEXED = {"index_head_dim": 8, "index_n_heads": 2, "index_topk": 16}  # GLM-5-Next's index_kpool is 16
+NOPE_INDEXED = {"glm5_next": {"qk_nope_head_dim": 8, "qk_rope_head_dim": 0}}  # GLM-5-Next's DSA layers are NoPE
+REFUSED_MLA = [  # transformers' MLA model types whose attention adds what the layer lacks: module, config, reason
+    ("deepseek_v32", "DeepseekV32Attention", "DeepseekV32Config", f"DeepSeek-V3.2's MLA adds {INDEXER}"),
+    ("glm_moe_dsa", "GlmMoeDsaAttention", "GlmMoeDsaConfig", f"GLM-MoE-DSA's MLA adds {INDEXER}"),
+    ("glm5_next", "Glm5NextTextAttention", "Glm5NextTextConfig", f"GLM-5-Next's MLA adds {INDEXER} and linear"),
+    ("mistral_large4", "MistralLarge4TextAttention", "MistralLarge4TextConfig", f"Mistral Large 4's MLA adds {INDEXER}"),
+    ("hy_v4", "HYV4Attention", "HYV4Config", f"HY-V4's MLA adds {INDEXER}, shared by its layers"),
+    ("axk2", "AXK2Attention", "AXK2Config", f"AXK2's MLA adds {INDEXER}"),
+    ("dots3_note", "Dots3NoteTextAttention", "Dots3NoteTextConfig",
+     r"dots3's MLA adds an RMSNorm on the shared rotary key \(`k_rope_only_layernorm`\) and a learned sparse"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("model_type", "module_class", "config_class", "reason"), REFUSED_MLA)
+def test_mla_with_more_than_mla_is_refused_with_what_it_adds(model_type, module_class, config_class, reason):
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    config = getattr(transformers, config_class)(**{**COMMON, **LATENT, **INDEXED, **NOPE_INDEXED.get(model_type, {})})
+    with pytest.raises(ValueError, match=rf"`module` must hold an attention the layer computes: {reason}.*"
+                       rf"Received: model_type='{model_type}'"):  # fmt: skip
+        port_attention(getattr(modeling, module_class)(config, layer_idx=0), config)
+    with pytest.raises(ValueError, match=rf"`config` must hold an attention the layer computes: {reason}"):
+        port_checkpoint({"model_type": model_type}, {}, 0)
+
+
+@pytest.mark.parametrize(("name", "config_class"), [("kimi_linear", "KimiLinearConfig"),
+                                                    ("bailing_hybrid", "BailingHybridConfig")])  # fmt: skip
+def test_linear_attention_layers_of_mla_hybrids_are_refused_by_name(name, config_class):
+    """Kimi Linear's and Ling's MLA layers port; their linear-attention layers are refused by their type, and so is
+    `replace_attention` of a model that holds them."""
+    config = getattr(transformers, config_class)(
+        **COMMON, **LATENT, **TOKENS, layer_types=["linear_attention", "full_attention"]
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    message = (
+        rf"`layer_index` must be a full-attention \(MLA\) layer of a {name} model: its linear_attention layers "
+        r".* Received: layer 0 of type 'linear_attention'"
+    )
+    with pytest.raises(ValueError, match=message):
+        port_attention(model.model.layers[0].self_attn, config)
+    port_attention(model.model.layers[1].self_attn, config)  # the MLA layer ports
+    with pytest.raises(ValueError, match=message):
+        replace_attention(model)
+
+
+def test_mistral4_query_scaling_by_position_is_refused():
+    module = _tiny_module(transformers.models.mistral4.modeling_mistral4.Mistral4Attention, transformers.Mistral4Config,
+                          **LATENT)  # fmt: skip
+    message = (
+        r"`config.rope_parameters\['llama_4_scaling_beta'\]` must be 0 or absent: it scales the queries by their "
+        r"position .* Received: llama_4_scaling_beta=0.1"
+    )
+    with pytest.raises(ValueError, match=message):
+        port_attention(module, module.config)
 
 
 @pytest.mark.parametrize(("name", "build", "message"), ERROR_CASES, ids=[case[0] for case in ERROR_CASES])
@@ -1508,7 +1623,7 @@ CHECKPOINT_ERRORS = [
             {"model_type": model_type},
             {},
             0,
-            rf"`config` must be an attention this layer computes: {reason} .* Received: model_type='{model_type}'",
+            rf"`config` must hold an attention the layer computes: {reason} .* Received: model_type='{model_type}'",
         )
         for model_type, reason in (
             ("qwen4_exp_text", "Qwen4-Exp's attention keeps only the keys its query-selected sparse attention"),
@@ -1623,17 +1738,16 @@ def _prompts():
     return torch.from_numpy(ids), torch.from_numpy(mask)
 
 
-@pytest.mark.parametrize(
-    "name",
-    ["llama", "gemma3", "qwen3", "phi_qk_layernorm", "qwen3_next", "qwen3_5", "lfm3"]
-    if "PyTorch" in FRAMEWORKS
-    else [],
-)
+SWAPPED = ["llama", "gemma3", "qwen3", "phi_qk_layernorm", "qwen3_next", "qwen3_5", "lfm3", "deepseek_v3",
+           "kimi_linear", "bailing_hybrid", "longcat_flash"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", SWAPPED if "PyTorch" in FRAMEWORKS else [])
 def test_replaced_attention_generates_the_same_tokens(name):
     """Left-padded prompts: the same logits on a full pass and at every greedy step (transformers' DynamicCache
-    beside the layer's own cache; Gemma 3's sliding layers included), hence the same tokens. The tolerance is
-    the SPEC's for outputs of standard deviation 1, grown by the logits' own (those of Qwen3-Next's and Qwen3.5's tiny
-    models about 2, their float32 noise about 1e-5)."""
+    beside the layer's own cache, the latent cache with MLA; Gemma 3's sliding layers included), hence the same
+    tokens. The tolerance is the SPEC's for outputs of standard deviation 1, grown by the logits' own (those of
+    Qwen3-Next's and Qwen3.5's tiny models about 2, their float32 noise about 1e-5)."""
     model, ours = _swapped(name)
     ids, mask = _prompts()
     with torch.no_grad():
