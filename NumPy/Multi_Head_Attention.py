@@ -1771,7 +1771,8 @@ class MultiHeadAttention:
         if not self.gate:
             return context, None
         gate = _sigmoid(self._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
-        gate = gate.reshape(*gate.shape[:2], self.num_heads, -1).transpose(0, 2, 1, 3)  # -> (B, N, T, Hv)
+        b, t, _ = gate.shape
+        gate = gate.reshape(b, t, self.num_heads, context.shape[-1]).transpose(0, 2, 1, 3)  # -> (B, N, T, Hv)
         return context * gate, gate
 
     def _absorbs(self, call, t):

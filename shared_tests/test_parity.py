@@ -67,6 +67,7 @@ def test_case_table_covers_the_issue():
     assert variants == {
         "scale", "softcap", "window", "attention_chunk_size", "rope_theta", "rope_fraction", "rope_interleaved",
         "rope_scaling", "rope_sections", "qk_norm", "qk_norm_eps", "qk_norm_type", "qk_norm_bias", "sinks", "clip_qkv",
+        "gate",
     }  # fmt: skip
     windows = [dict(c.variants).get("window") for c in CASES]
     assert any(isinstance(w, int) for w in windows) and any(isinstance(w, tuple) for w in windows)  # both forms
