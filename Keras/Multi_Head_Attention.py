@@ -596,7 +596,13 @@ def _attention_mask(attention_mask, mask):
 def _values_readable(*tensors):
     """Whether the tensors' values can be read here for free (eagerly, on the CPU): not inside a
     TensorFlow graph, `jax.jit` or another JAX trace, `torch.compile`, nor for a symbolic Keras
-    tensor or a tensor on an accelerator. NumPy arrays always can."""
+    tensor or a tensor on an accelerator. NumPy arrays always can. Nothing can while Keras infers
+    a functional model's shapes (its symbolic scope: on torch it calls the layer on placeholder
+    tensors, an unknown dimension made 83 or 89, whose values say nothing of the real call's)."""
+    from keras.src.backend import in_symbolic_scope  # Keras' own flag; no public API says it
+
+    if in_symbolic_scope():
+        return False
     backend = keras.backend.backend()
     for x in tensors:
         if isinstance(x, np.ndarray):

@@ -159,7 +159,6 @@ def functional_shapes_hold(module, draw):
     if cached:
         arguments |= {"cache": layer.init_cache(b, t + 2), "causal": True}
         static["b"] = True  # the cache's batch is static
-        static["t"] = True  # open: on torch, Keras traces an unknown T as 83 and the cache's room check refuses it
     batch = b if static["b"] else None
     query = keras.Input(batch_shape=(batch, t if static["t"] else None, e))
     rng = np.random.default_rng(0)
@@ -195,7 +194,35 @@ def functional_shapes():
     given(data=st.data())(lambda data: functional_shapes_hold("Keras", data.draw))()
 
 
-CHECKS = {check.__name__: check for check in (warning_location, warnings_as_errors, functional_shapes)}
+def symbolic_length_with_cache():
+    """A functional model with an unknown query length T and a cache builds: on torch Keras traces
+    the call with T made 83 (then 89), and the cache's room check refused it ("`cache` is full:
+    ... T=83, L=3"). The model's symbolic shapes keep T unknown; the real call still refuses a T
+    that does not fit."""
+    import keras
+
+    from Keras import MultiHeadAttention
+
+    layer = MultiHeadAttention(4, 2, num_kv_heads=1)  # GQA: torch's trace falls back from "meta" to the CPU
+    cache = layer.init_cache(1, 3)
+    query = keras.Input(batch_shape=(1, None, 4))
+    output, new_cache = layer(query, cache=cache, causal=True)
+    assert _shape(output) == (1, None, 4), _shape(output)
+    assert _shapes(new_cache) == [(1, 1, 3, 2), (1, 1, 3, 2), (1, 3), ()], _shapes(new_cache)
+    x = np.random.default_rng(0).standard_normal((1, 4, 4)).astype("float32")  # (B, T, E), T = 4 > L = 3
+    assert _shape(layer(x[:, :2], cache=cache, causal=True)[0]) == (1, 2, 4)
+    try:
+        layer(x, cache=cache, causal=True)
+    except ValueError as error:
+        assert "`cache` is full" in str(error), error
+    else:
+        raise AssertionError("a real call with T > L was not refused")
+
+
+CHECKS = {
+    check.__name__: check
+    for check in (warning_location, warnings_as_errors, functional_shapes, symbolic_length_with_cache)
+}
 
 
 def main(backend, max_examples, derandomize, names):

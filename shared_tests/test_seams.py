@@ -205,6 +205,35 @@ def test_regression_keras_file_warned_at_its_own_line_and_raised_under_warnings_
     assert results["warnings_as_errors"] is None, results["warnings_as_errors"]
 
 
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+def test_regression_keras_file_refused_an_unknown_query_length_with_a_cache_on_torch(backend):
+    """A functional model of the Keras file with an unknown T and a cache failed to build on torch:
+    Keras traces the call with T made 83, and the cache's room check read the real index and
+    refused it ("`cache` is full: ... T=83, L=3"). Now no value is read while Keras infers shapes
+    (checked on each backend, in its process; keras_seams.symbolic_length_with_cache)."""
+    result = keras_seams.results(backend)["symbolic_length_with_cache"]
+    assert result is None, result
+
+
+def test_tensorflow_file_builds_an_unknown_query_length_with_a_cache():
+    """The same seam in the TensorFlow file: the functional model builds with T unknown, and the
+    traced call refuses a T that does not fit at run time (a graph's assertion)."""
+    import keras
+    import tensorflow as tf
+
+    from TensorFlow import MultiHeadAttention
+
+    layer = MultiHeadAttention(4, 2, num_kv_heads=1)
+    cache = layer.init_cache(1, 3)
+    output, new_cache = layer(keras.Input(batch_shape=(1, None, 4)), cache=cache, causal=True)
+    assert tuple(output.shape) == (1, None, 4)
+    assert [tuple(x.shape) for x in new_cache] == [(1, 1, 3, 2), (1, 1, 3, 2), (1, 3), ()]
+    step = tf.function(lambda x: layer(x, cache=cache, causal=True)[0], input_signature=[tf.TensorSpec((1, None, 4))])
+    assert tuple(step(tf.ones((1, 2, 4))).shape) == (1, 2, 4)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"`cache` is full"):
+        step(tf.ones((1, 4, 4)))
+
+
 @pytest.mark.parametrize("module", ["TensorFlow", "Keras"])
 def test_regression_from_keras_sliding_window_silently_differed_where_t_and_s_differ(module):
     """`from_keras` of a built-in with `sliding_window` W gave `window=(W, W)` silently: Keras counts
