@@ -1231,7 +1231,7 @@ def dot_product_attention(
     dtype = _softmax_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     q = q * ops.cast(scale, q.dtype)  # scale the (B, N, T, H) queries, not the scores
-    scores = ops.cast(ops.matmul(q, ops.swapaxes(k, -1, -2)), dtype)  # (B, N, T, S)
+    scores = ops.cast(_matmul(q, ops.swapaxes(k, -1, -2)), dtype)  # (B, N, T, S)
     scores = _softcap(scores, softcap)
     if bias is not None:
         bias = ops.cast(bias, dtype)
@@ -1239,7 +1239,7 @@ def dot_product_attention(
         scores = scores + bias  # (B, N, T, S)
     weights = ops.cast(_masked_softmax(scores, keep, sinks), q.dtype)  # (B, N, T, S)
     dropped = weights if dropout is None else dropout(weights)
-    context = ops.matmul(dropped, v)  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
+    context = _matmul(dropped, v)  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
     return context, weights
 
 
@@ -1408,7 +1408,7 @@ def _chunked_forward(chunks, q, k, v, extra):
 
     def one(i, totals):
         weights, _ = _dropped(chunks, _chunk_weights(chunks, q, k, i, extra)[1], i)
-        context = ops.matmul(_grouped(chunks, ops.cast(weights, v.dtype)), v)  # (B, K, G*chunk, S) @ (B, K, S, Hv)
+        context = _matmul(_grouped(chunks, ops.cast(weights, v.dtype)), v)  # (B, K, G*chunk, S) @ (B, K, S, Hv)
         return totals, (_by_head(chunks, context),)  # (B, N, chunk, Hv)
 
     _, (contexts,) = _loop(one, chunks.count, (), [((b, n, chunks.size, h), v.dtype)])  # (count, B, N, chunk, Hv)
@@ -1444,7 +1444,7 @@ def _chunk_weights(chunks, q, k, i, extra):
     size = chunks.size
     start = i * size
     q_i = _rows(q, start, size)  # (B, N, chunk, H)
-    scores = ops.matmul(_grouped(chunks, q_i), ops.swapaxes(k, -1, -2))  # (B, K, G*chunk, H) @ (B, K, H, S)
+    scores = _matmul(_grouped(chunks, q_i), ops.swapaxes(k, -1, -2))  # (B, K, G*chunk, H) @ (B, K, H, S)
     scores = ops.cast(_by_head(chunks, scores), chunks.dtype)  # (B, N, chunk, S)
     capped = None if chunks.softcap is None else ops.tanh(scores / chunks.softcap)  # kept for the backward
     scores = scores if capped is None else chunks.softcap * capped  # `_softcap`
@@ -1464,16 +1464,16 @@ def _chunk_gradients(chunks, q, k, v, extra, d_context, i, totals):
     kept, mask = _dropped(chunks, weights, i)
     d_out = _grouped(chunks, _rows(d_context, i * chunks.size, chunks.size))  # (B, K, G*chunk, H)
     kept = ops.swapaxes(_grouped(chunks, ops.cast(kept, v.dtype)), -1, -2)  # (B, K, S, G*chunk)
-    d_v = d_v + ops.cast(ops.matmul(kept, d_out), d_v.dtype)  # (B, K, S, H)
-    d_weights = ops.cast(_by_head(chunks, ops.matmul(d_out, ops.swapaxes(v, -1, -2))), chunks.dtype)  # (B, N, chunk, S)
+    d_v = d_v + ops.cast(_matmul(kept, d_out), d_v.dtype)  # (B, K, S, H)
+    d_weights = ops.cast(_by_head(chunks, _matmul(d_out, ops.swapaxes(v, -1, -2))), chunks.dtype)  # (B, N, chunk, S)
     d_weights = d_weights if mask is None else d_weights * mask
     total = ops.sum(d_weights * weights, axis=-1, keepdims=True)  # (B, N, chunk, 1)
     d_scores = weights * (d_weights - total)  # the softmax's input, after the bias
     sums, bias_rows = _extra_gradients(sums, d_scores, weights, total, bias_i)
     d_scores = d_scores if capped is None else d_scores * (1 - ops.square(capped))  # d tanh
     d_scores = _grouped(chunks, ops.cast(d_scores, q.dtype))  # (B, K, G*chunk, S)
-    d_k = d_k + ops.cast(ops.matmul(ops.swapaxes(d_scores, -1, -2), _grouped(chunks, q_i)), d_k.dtype)  # (B, K, S, H)
-    d_q = _by_head(chunks, ops.matmul(d_scores, k))  # (B, K, G*chunk, H) -> (B, N, chunk, H)
+    d_k = d_k + ops.cast(_matmul(ops.swapaxes(d_scores, -1, -2), _grouped(chunks, q_i)), d_k.dtype)  # (B, K, S, H)
+    d_q = _by_head(chunks, _matmul(d_scores, k))  # (B, K, G*chunk, H) -> (B, N, chunk, H)
     return (d_k, d_v, sums), (d_q, *bias_rows)
 
 
@@ -1600,6 +1600,21 @@ def _is_float(dtype):
     return keras.backend.is_float_dtype(keras.backend.standardize_dtype(dtype))
 
 
+def _narrowed(dtype):
+    """Whether Keras' type promotion computes `dtype` in a narrower one: outside TensorFlow it maps
+    64-bit types to 32-bit (as JAX without x64 does), so `ops.matmul` on torch and
+    `ops.dot_product_attention` on torch and JAX compute float64 in float32."""
+    return keras.backend.result_type(dtype) != keras.backend.standardize_dtype(dtype)
+
+
+def _matmul(a, b):
+    """`a @ b` (batch dimensions broadcast) in the inputs' float dtype: a float64 product that
+    `ops.matmul` would narrow (`_narrowed`) goes through `ops.einsum`, which keeps it."""
+    if _narrowed(a.dtype):
+        return ops.einsum("...ij,...jk->...ik", a, b)
+    return ops.matmul(a, b)
+
+
 def _is_int(dtype):
     return keras.backend.is_int_dtype(keras.backend.standardize_dtype(dtype))
 
@@ -1701,7 +1716,7 @@ def _int8_matmul(x, kernel, kernel_scale):
     def grad(*args, upstream=None):
         upstream = args[0] if upstream is None else upstream  # torch passes it by name, after the inputs
         dequantized = ops.cast(kernel, x.dtype) * kernel_scale  # (D, F)
-        return ops.matmul(upstream, ops.transpose(dequantized)), None, None  # (B, L, F) -> (B, L, D)
+        return _matmul(upstream, ops.transpose(dequantized)), None, None  # (B, L, F) -> (B, L, D)
 
     return y, grad
 
@@ -2463,7 +2478,7 @@ class MultiHeadAttention(keras.layers.Layer):
         with x quantized per token (`_int8_matmul`)."""
         kernel, scale = getattr(self, f"{kind}_kernel"), self._scale_of(kind)
         if scale is None:
-            y = ops.matmul(x, ops.cast(kernel, x.dtype))  # (B, L, D) -> (B, L, F)
+            y = _matmul(x, ops.cast(kernel, x.dtype))  # (B, L, D) -> (B, L, F)
         else:
             y = _int8_matmul(x, ops.convert_to_tensor(kernel), ops.cast(scale, x.dtype))  # (B, L, D) -> (B, L, F)
         bias = self._bias_of(kind)
@@ -2590,7 +2605,7 @@ class MultiHeadAttention(keras.layers.Layer):
             latent = latent + ops.stop_gradient(_quantized_rows(latent) - latent)  # (B, 1, S, C)
         q_nope, q_rope = q[..., : self.qk_nope_head_dim], q[..., self.qk_nope_head_dim :]  # (B, N, T, Hn|Hr)
         ones = ops.ones_like(latent[..., :1])  # (B, 1, S, 1)
-        queries, keys, values = [ops.matmul(q_nope, w_kb), q_rope], [latent, k_rope], [latent]  # (B, N, T, C), ...
+        queries, keys, values = [_matmul(q_nope, w_kb), q_rope], [latent, k_rope], [latent]  # (B, N, T, C), ...
         if b_k is not None:
             queries.append(ops.sum(q_nope * b_k[:, None, :], axis=-1, keepdims=True))  # (B, N, T, 1)
             keys.append(ones)
@@ -2598,7 +2613,7 @@ class MultiHeadAttention(keras.layers.Layer):
             values.append(ones)
         q, k, v = (ops.concatenate(parts, axis=-1) for parts in (queries, keys, values))  # (B, N, T, .), ...
         context, weights = self._attend_heads(q, k, v, keep, bias, call)  # (B, N, T, C or C + 1)
-        output = ops.matmul(context[..., : self.kv_lora_rank], ops.swapaxes(w_vb, -1, -2))  # -> (B, N, T, Hv)
+        output = _matmul(context[..., : self.kv_lora_rank], ops.swapaxes(w_vb, -1, -2))  # -> (B, N, T, Hv)
         return output if b_v is None else output + context[..., self.kv_lora_rank :] * b_v[:, None, :], weights
 
     def _attend_heads(self, q, k, v, keep, bias, call):
@@ -2638,10 +2653,13 @@ class MultiHeadAttention(keras.layers.Layer):
 
     def _fuses(self, q, k, call, dropout):
         """Whether `_attend` takes `ops.dot_product_attention`: without the weights, soft-capping
-        (which it cannot express) and dropout (which it has not), at shapes known at trace time with
-        T, S > 0; where `fused_attention` is None, only on torch (fused SDPA; on TensorFlow and JAX's
-        CPU it is the explicit formula, no faster than `dot_product_attention`)."""
+        (which it cannot express), dropout (which it has not) and a dtype it would narrow (float64
+        outside TensorFlow, `_narrowed`), at shapes known at trace time with T, S > 0; where
+        `fused_attention` is None, only on torch (fused SDPA; on TensorFlow and JAX's CPU it is the
+        explicit formula, no faster than `dot_product_attention`)."""
         if call.return_attention or self.softcap is not None or dropout or self.fused_attention is False:
+            return False
+        if _narrowed(q.dtype):
             return False
         if not _known(*q.shape, *k.shape) or 0 in (q.shape[2], k.shape[2]):
             return False

@@ -219,9 +219,71 @@ def symbolic_length_with_cache():
         raise AssertionError("a real call with T > L was not refused")
 
 
+def _numpy_of(x):
+    import keras
+
+    return keras.ops.convert_to_numpy(x)
+
+
+def float64_throughout():
+    """A float64 layer computes in float64 on every path (the default, explicit, `fused_attention`
+    asked for, memory-efficient, decoding) within the float64 tolerances of the NumPy file, and
+    MLA's absorbed decode equals its expanded one: Keras' `ops.matmul` on torch and
+    `ops.dot_product_attention` on torch and JAX compute float64 in float32 (Keras' type promotion
+    outside TensorFlow), so the layer's outputs were float32 or float32-accurate, and the absorbed
+    path mixed float32 queries with the float64 cache. On JAX with x64 (turned on here, last)."""
+    import keras
+
+    from Keras import MultiHeadAttention
+    from NumPy import MultiHeadAttention as NumpyMultiHeadAttention
+    from shared_tests.cases import FLOAT64_TOLERANCES
+
+    if keras.backend.backend() == "jax":
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 5, 16))  # (B, T, E)
+    for config, tolerance in (({"num_kv_heads": 2}, "plain"), (MLA_CONFIG, "rope")):
+        layer = MultiHeadAttention(16, 4, **config, dtype="float64")
+        reference = NumpyMultiHeadAttention(16, 4, **config)
+        layer.build()
+        weights = {name: 0.3 * rng.standard_normal(np.shape(w)) for name, w in layer.export_weights().items()}
+        layer.import_weights(weights)
+        reference.import_weights(weights)
+        expected = reference(x, causal=True)  # (B, T, E)
+        paths = {"default": layer(x, causal=True), "explicit": layer(x, causal=True, return_attention=True)[0]}
+        layer.fused_attention = True  # `ops.dot_product_attention` asked for on every backend
+        paths["fused asked"] = layer(x, causal=True)
+        layer.fused_attention = None
+        layer.memory_efficient_threshold, layer.query_chunk_elements = 0, 2
+        paths["memory_efficient"] = layer(x, causal=True)
+        layer.memory_efficient_threshold = MultiHeadAttention.memory_efficient_threshold
+        for absorb in (False, True) if "kv_lora_rank" in config else (None,):
+            layer.absorb_latents = absorb
+            first, cache = layer(x[:, :3], cache=layer.init_cache(2, 6), causal=True)  # (B, 3, E)
+            second = layer(x[:, 3:], cache=cache, causal=True)[0]  # (B, 2, E)
+            paths[f"decode absorb_latents={absorb}"] = keras.ops.concatenate([first, second], 1)  # (B, T, E)
+        for path, output in paths.items():
+            assert keras.backend.standardize_dtype(output.dtype) == "float64", (config, path, output.dtype)
+            error = np.abs(_numpy_of(output) - expected).max()
+            assert error <= FLOAT64_TOLERANCES[tolerance]["output"], (config, path, error)
+        if "kv_lora_rank" in config:  # the same RoPE on both: equal to float64's own rounding
+            absorbed, expanded = (_numpy_of(paths[f"decode absorb_latents={absorb}"]) for absorb in (True, False))
+            error = np.abs(absorbed - expanded).max()
+            assert error <= FLOAT64_TOLERANCES["plain"]["output"], error
+
+
+MLA_CONFIG = {"kv_lora_rank": 8, "qk_rope_head_dim": 2, "qk_nope_head_dim": 4, "v_head_dim": 3, "bias": False}
 CHECKS = {
     check.__name__: check
-    for check in (warning_location, warnings_as_errors, functional_shapes, symbolic_length_with_cache)
+    for check in (
+        warning_location,
+        warnings_as_errors,
+        functional_shapes,
+        symbolic_length_with_cache,
+        float64_throughout,
+    )  # float64_throughout last: on JAX it turns x64 on
 }
 
 

@@ -234,6 +234,17 @@ def test_tensorflow_file_builds_an_unknown_query_length_with_a_cache():
         step(tf.ones((1, 4, 4)))
 
 
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+def test_regression_keras_file_computed_float64_in_float32_on_torch_and_mla_decode_mixed_them(backend):
+    """A float64 Keras-file layer on torch computed in float32: Keras' `ops.matmul` there (and
+    `ops.dot_product_attention` on torch and JAX) narrows float64, so outputs came back float32 or
+    float32-accurate, and MLA's absorbed decode (`absorb_latents`, a cache and T <= 8) met float32
+    queries with the float64 latent cache (reported as "expected scalar type Double but found
+    Float"). Now float64 on every path and backend (JAX with x64; keras_seams.float64_throughout)."""
+    result = keras_seams.results(backend)["float64_throughout"]
+    assert result is None, result
+
+
 @pytest.mark.parametrize("module", ["TensorFlow", "Keras"])
 def test_regression_from_keras_sliding_window_silently_differed_where_t_and_s_differ(module):
     """`from_keras` of a built-in with `sliding_window` W gave `window=(W, W)` silently: Keras counts
