@@ -45,13 +45,20 @@ def layer_source(folder):
     return (pathlib.Path(__file__).parents[1] / folder / "Multi_Head_Attention.py").read_text()
 
 
+@functools.cache
+def has_option(folder, name):
+    """Whether `<folder>/Multi_Head_Attention.py` has a constructor option `name` (asked for every
+    case and path: one search of the file per option)."""
+    return re.search(rf"\b{name}=", layer_source(folder)) is not None
+
+
 def not_implemented(case, path):
     """Why `path` cannot run `case`: its layer file has no constructor option of that name
     (MLA's, while a file lacks them); None where it has every option the case passes."""
     folder = LAYER_FILES.get(path.split(":")[0])
     if folder is None:
         return None
-    missing = [name for name in case.config if not re.search(rf"\b{name}=", layer_source(folder))]
+    missing = [name for name in case.config if not has_option(folder, name)]
     return f"not implemented in {folder}/Multi_Head_Attention.py (no {', '.join(missing)})" if missing else None
 
 

@@ -41,12 +41,14 @@ class _Process:
     """One backend's process, running beside its caller: it writes each result to its folder
     as soon as it has it (`{table}-{index}.pkl`, then `checks.pkl`), and `get` waits for one."""
 
-    def __init__(self, backend, cases=(), decode_cases=(), checks=(), workdir=None):
+    def __init__(self, backend, cases=(), decode_cases=(), checks=(), workdir=None, compile_cache=None):
         self.backend, self.folder = backend, tempfile.mkdtemp(dir=workdir)
         given = os.path.join(self.folder, "in.pkl")
         with open(given, "wb") as handle:
             pickle.dump({"cases": list(cases), "decode": list(decode_cases), "checks": list(checks)}, handle)
         env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "2"}
+        if compile_cache and backend == "jax":
+            env.update(jax_compile_cache(compile_cache))
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         command = [sys.executable, "-m", "shared_tests.keras_backends", backend, given, self.folder]
@@ -94,12 +96,26 @@ def run_batch(backend, cases=(), decode_cases=(), checks=(), workdir=None):
         process.close()
 
 
-def prefetch(backends, cases=(), decode_cases=()):
+def jax_compile_cache(folder):
+    """The environment that makes JAX keep its compiled programs in `folder` (JAX's persistent
+    compilation cache, keyed by the program, the compile options and the versions of jax and
+    jaxlib), every compile kept however short: a later process reads back the program a case
+    compiles to instead of compiling it again (compiling is most of the JAX process's time), and
+    still runs it. A changed layer file or case is another program, compiled afresh."""
+    return {
+        "JAX_COMPILATION_CACHE_DIR": os.path.abspath(folder),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+
+
+def prefetch(backends, cases=(), decode_cases=(), compile_cache=None):
     """Starts one process per backend that runs every (case, data) and decode (case, data) pair,
     and returns at once: the processes run beside the caller, and `result` and `decode_result`
-    wait only for a result not written yet."""
+    wait only for a result not written yet. `compile_cache`: a folder where the JAX process keeps
+    its compiled programs between runs (`jax_compile_cache`), or None."""
     for backend in backends:
-        process = _Process(backend, cases, decode_cases)
+        process = _Process(backend, cases, decode_cases, compile_cache=compile_cache)
         atexit.register(process.close)
         indices = {
             (table, case.name): (index, data)

@@ -345,6 +345,7 @@ MAX_JOBS = 4
 JOBS = min(os.cpu_count() or 1, MAX_JOBS)  # worker processes by default
 PARALLEL_FROM = 12  # cases (attention and decode) from which the worker processes start
 EXPORT_CACHE = Path(__file__).resolve().parent.parent / "out" / "exports"  # the runtimes' kept exports
+JAX_COMPILE_CACHE = "jax"  # the folder in the export cache where the Keras JAX process keeps its compiled programs
 PROGRESS_GROUP = 10  # cases per progress line when piped or under CI
 
 
@@ -490,7 +491,8 @@ def parse_args(argv):
         default=str(EXPORT_CACHE),
         metavar="FOLDER",
         help="keep the runtimes' exports here and reuse them while the layer file, the case and the exporters "
-        "are the same (each is still run by its runtime); '' exports every case afresh (default: %(default)s)",
+        "are the same (each is still run by its runtime), and the Keras JAX process's compiled programs in its "
+        f"{JAX_COMPILE_CACHE}/ folder; '' exports and compiles every case afresh (default: %(default)s)",
     )
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     return parser.parse_args(argv)
@@ -581,7 +583,10 @@ def main(argv=None):
     if backends:
         print(f"Keras file on {', '.join(backends)} (a process per backend)", file=sys.stderr, flush=True)
         keras_backends.prefetch(
-            backends, [(c, datas[c.name]) for c in cases], [(c, decode_datas[c.name]) for c in decode_cases]
+            backends,
+            [(c, datas[c.name]) for c in cases],
+            [(c, decode_datas[c.name]) for c in decode_cases],
+            compile_cache=args.export_cache and os.path.join(args.export_cache, JAX_COMPILE_CACHE),
         )
     keras_paths = tuple(f"keras:{backend}" for backend in backends)
 

@@ -17,6 +17,7 @@ import importlib.metadata
 import io
 import logging
 import os
+import unittest.mock
 import warnings
 from pathlib import Path
 
@@ -89,6 +90,28 @@ def quietly(fn):
             return fn()
         finally:
             logging.disable(logging.NOTSET)
+
+
+@functools.cache
+def _torchlib_registry():
+    """The exporter's registry builder, its registries kept per opset: `torch.onnx.export(dynamo=True)`
+    builds the registry of ONNX functions from torchlib anew at every export (it parses the source of
+    about 1500 functions: half of the CPU time of exporting a case of the table), and it depends on
+    the opset alone. The exporter only reads it."""
+    from torch.onnx._internal.exporter import _registration
+
+    return functools.cache(_registration.ONNXRegistry.from_torchlib)
+
+
+def torch_onnx_export(module, tensors, **options):
+    """`torch.onnx.export(module, tensors, dynamo=True, **options)`, the same exporter and graph,
+    with the torchlib registry built once per process (`_torchlib_registry`)."""
+    import torch
+    from torch.onnx._internal.exporter import _registration
+
+    build = _torchlib_registry()
+    with unittest.mock.patch.object(_registration.ONNXRegistry, "from_torchlib", staticmethod(build)):
+        return quietly(lambda: torch.onnx.export(module, tensors, dynamo=True, **options))
 
 
 def _onnxruntime(model_bytes, arrays):
@@ -182,7 +205,7 @@ def run_torch_onnx(case, data, make_layer, cache=None):
                 return _call(self.layer, names, args, case, return_attention=True)
 
         tensors = tuple(torch.from_numpy(a) for a in arrays)
-        return quietly(lambda: torch.onnx.export(Exported(), tensors, dynamo=True)).model_proto.SerializeToString()
+        return torch_onnx_export(Exported(), tensors).model_proto.SerializeToString()
 
     return _onnxruntime(kept_export("torch:onnx", case, data, export, cache), arrays)
 
@@ -375,7 +398,7 @@ def export_torch_onnx(layer, names, arrays, dimensions, case, keep=_made):
         dims = {name: torch.export.Dim(name) for name in DIMENSION_NAMES.values()}
         shapes = tuple({axis: dims[name] for axis, name in given.items()} or None for given in dimensions)
         tensors = tuple(torch.from_numpy(a) for a in arrays)
-        program = quietly(lambda: torch.onnx.export(module, tensors, dynamo=True, dynamic_shapes=(shapes,)))
+        program = torch_onnx_export(module, tensors, dynamic_shapes=(shapes,))
         return program.model_proto.SerializeToString()
 
     session = onnxruntime.InferenceSession(keep(export), providers=["CPUExecutionProvider"])

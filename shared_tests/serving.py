@@ -18,7 +18,7 @@ import dataclasses
 
 import numpy as np
 
-from shared_tests.runtimes import quietly, tf2onnx_dynamic
+from shared_tests.runtimes import quietly, tf2onnx_dynamic, torch_onnx_export
 
 SERVING_PATHS = ("torch:onnx", "tf:onnx", "tf:litert")
 PROMPT = 8  # T of the first call
@@ -136,7 +136,7 @@ def export_torch_step(served, weights, keep, example):
     tokens = torch.export.Dim("tokens", min=1, max=served.length)
     shapes = ({1: tokens}, None, None, None, None)
     args = (torch.from_numpy(example), *cache)
-    program = quietly(lambda: torch.onnx.export(Step(), args, dynamo=True, dynamic_shapes=shapes))
+    program = torch_onnx_export(Step(), args, dynamic_shapes=shapes)
     initial = [np.asarray(c.numpy()) for c in cache]
     return without_boolean_where(program.model_proto).SerializeToString(), initial
 

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from shared_tests import frameworks, runtimes
+from shared_tests import frameworks, keras_backends, runtimes
 from shared_tests.cases import CASES_BY_NAME, make_data
 from shared_tests.tf_runner import make_tf_layer
 from shared_tests.torch_runner import make_torch_layer
@@ -81,3 +81,25 @@ def test_the_key_changes_with_the_layer_file_the_case_and_the_data(tmp_path, mon
     finally:
         monkeypatch.undo()
         runtimes.fingerprint.cache_clear()
+
+
+def test_the_keras_jax_process_reads_back_its_compiled_programs(tmp_path):
+    """With a compile cache (the report's is out/exports/jax), a second JAX process compiles
+    nothing that the first compiled: every kept program is read back, none written again, and
+    the results are the same."""
+    case = CASES_BY_NAME[CASE]
+    data = make_data(case)
+
+    def run_and_list():
+        keras_backends.prefetch(["jax"], [(case, data)], compile_cache=tmp_path)
+        try:
+            result = keras_backends.result(case, data, "keras:jax")
+        finally:
+            keras_backends.stop()
+        return result, {path.name: path.stat().st_mtime_ns for path in tmp_path.iterdir()}
+
+    first, compiled = run_and_list()
+    second, kept = run_and_list()
+    assert compiled and kept == compiled
+    for made, read in zip(dataclasses.astuple(first), dataclasses.astuple(second), strict=True):
+        np.testing.assert_equal(made, read)
