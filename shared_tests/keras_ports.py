@@ -8,7 +8,8 @@ process of its own per backend (`KERAS_BACKEND=...`, started by `run`): the pare
 arguments, the cache's size when decoding), the child builds each job's layer, makes its calls
 in order and pickles back their outputs, or the error the job raised. An `AlibiBias` among the
 arguments stands for the bias the child computes with the Keras file's own `alibi_bias`. The
-pickled protocol is this module's own: other modules call `run`.
+pickled protocol is this module's own: other modules call `run`, or `run_shared`, which runs a
+backend's jobs once for all the processes that share a folder (pytest-xdist's workers).
 
 Legend: B batch, T query length, S key/value length, E d_model, N num_heads, L cache slots.
 
@@ -19,9 +20,11 @@ import os
 import pickle
 import subprocess
 import sys
+import tempfile
 import traceback
 from typing import NamedTuple
 
+import filelock
 import numpy as np
 
 from shared_tests.keras_backends import SUBPROCESS_TIMEOUT, KerasBackendError
@@ -66,6 +69,21 @@ def run(backend, jobs, folder):
     if done.returncode != 0:
         raise KerasBackendError(f"the {backend} process exited {done.returncode}: {done.stderr[-3000:]}")
     with open(taken, "rb") as handle:
+        return pickle.load(handle)
+
+
+def run_shared(backend, make_jobs, folder):
+    """`run(backend, make_jobs(), ...)` once for every process that passes this `folder`: the first
+    to ask runs it and keeps the results there, the others wait for them (a lock in `folder`) and
+    read them. Returns what `run` returns."""
+    kept = os.path.join(folder, f"keras_ports_{backend}.pkl")
+    with filelock.FileLock(kept + ".lock"):
+        if not os.path.exists(kept):
+            results = run(backend, make_jobs(), tempfile.mkdtemp(dir=folder))
+            with open(kept + ".part", "wb") as handle:
+                pickle.dump(results, handle)
+            os.replace(kept + ".part", kept)
+    with open(kept, "rb") as handle:
         return pickle.load(handle)
 
 

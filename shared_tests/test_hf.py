@@ -29,13 +29,16 @@ computed once), and each test compares its own family's outputs.
 """
 
 import ast
+import concurrent.futures
 import contextlib
 import copy
 import dataclasses
 import functools
 import importlib
+import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -1195,14 +1198,17 @@ def _keras_jobs(framework):
 
 @pytest.fixture(scope="module")
 def keras_outputs(tmp_path_factory):
-    """`keras_outputs(framework, job name)`: the job's outputs, one per call; each backend's process runs
-    every job of its cases once, when a test first asks."""
+    """`keras_outputs(framework, job name)`: the job's outputs, one per call. Each backend's process runs
+    every job of its cases once, when a test first asks, for all of pytest-xdist's workers (their common
+    temporary folder: `make test` spreads a backend's tests over two)."""
+    folder = tmp_path_factory.getbasetemp()
+    folder = folder.parent if os.environ.get("PYTEST_XDIST_WORKER") else folder
     outputs = {}
 
     def get(framework, name):
         if framework not in outputs:
-            folder = tmp_path_factory.mktemp(framework.replace(":", "_"))
-            outputs[framework] = keras_ports.run(framework.split(":")[1], _keras_jobs(framework), folder)
+            backend = framework.split(":")[1]
+            outputs[framework] = keras_ports.run_shared(backend, lambda: _keras_jobs(framework), folder)
         result = outputs[framework][name]
         if isinstance(result, str):
             raise KerasBackendError(result)
@@ -1234,6 +1240,22 @@ def test_keras_cross_attention_and_whisper_encoder_match_transformers(case, kera
     framework, name, attention, index = case
     (output,) = keras_outputs(framework, (name, attention, index))
     _assert_seq2seq_output(name, attention, index, output)
+
+
+def test_keras_ports_run_once_for_the_workers_that_share_a_folder(tmp_path, monkeypatch):
+    """`make test`'s two workers each ask for a backend's outputs: its process runs once, the other waits."""
+    runs = []
+
+    def run(backend, jobs, folder):
+        runs.append(backend)
+        time.sleep(0.1)  # long enough for the other threads to ask meanwhile
+        return {"job": jobs}
+
+    monkeypatch.setattr(keras_ports, "run", run)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        outputs = list(pool.map(lambda _: keras_ports.run_shared("torch", lambda: ["outputs"], tmp_path), range(4)))
+    assert runs == ["torch"]
+    assert outputs == [{"job": ["outputs"]}] * 4
 
 
 def _chunk_keep(query_positions, key_positions, size):
