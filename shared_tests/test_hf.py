@@ -1147,9 +1147,9 @@ def test_decoding_left_padded_prompts_matches_transformers_cache(case):
 
 
 KERAS_EVERY_FAMILY = "torch"  # the backend that runs every family: the cheapest (CPU s measured in docs/testing.md)
-KERAS_SPREAD = {  # on every backend too: plain, soft-capping and a window, a gate, MLA, sinks, ALiBi
+KERAS_SPREAD = (  # on every backend too: plain, soft-capping and a window, a gate, MLA, sinks, ALiBi
     "llama", "gemma2", "qwen3_next", "deepseek_v3", "gpt_oss", "bloom",
-}  # fmt: skip
+)  # fmt: skip
 KERAS_CASES = [
     (f"Keras:{backend}", family.name, index)
     for backend in KERAS_BACKENDS
