@@ -234,6 +234,8 @@ GENERATORS = {
     "mebi": _mebi,
     "memory_efficient_chunk": lambda: NUMBER_WORDS[_assigned("MEMORY_EFFICIENT_CHUNK")],
     "hf_layers": lambda: NUMBER_WORDS[len(_assigned("LAYERS", "test_hf.py"))],
+    "hf_keras_backend": lambda: _assigned("KERAS_EVERY_FAMILY", "test_hf.py"),
+    "hf_keras_spread": lambda: _code_list(_assigned("KERAS_SPREAD", "test_hf.py")),
     "feature_table": _feature_table,
     "fields": _fields,
     "files_with": lambda feature: _joined(name for name in layer_files() if has_feature(name, feature)),

@@ -18,16 +18,27 @@ parametrization as soon as their layer file's constructor takes the modern argum
 (`rope_theta`, ...), read from the file's source without importing it (`_modern_frameworks`):
 until they do, their cases are not generated (not skipped). TensorFlow is imported only by its
 runner.
+
+The Keras file runs in a process per backend (shared_tests/keras_ports.py: a Keras backend is fixed
+when Keras is imported, and this process has imported TensorFlow and torch): every family, the full
+pass and the decoding, on `KERAS_EVERY_FAMILY`'s backend, and `KERAS_SPREAD`'s families on all three;
+BART's cross-attention on all three, Whisper's cross-attention and encoder on the first. The
+fixture `keras_outputs` starts a backend's process when a test first asks for it, with the ports,
+captures and call arguments of every case of that backend (those the other frameworks compare with,
+computed once), and each test compares its own family's outputs.
 """
 
 import ast
+import concurrent.futures
 import contextlib
 import copy
 import dataclasses
 import functools
 import importlib
+import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,7 +57,9 @@ from interop.hf import (
     supported_modules,
     t5_position_bias,
 )
+from shared_tests import keras_ports
 from shared_tests.cases import TOLERANCES
+from shared_tests.keras_backends import KERAS_BACKENDS, KerasBackendError
 
 OUTPUT_TOL = TOLERANCES["float32"]["output"]  # SPEC, float32 outputs: transformers' float32 module vs each layer
 MEANINGFUL = 0.1  # outputs smaller than this would pass any comparison: the check that each test can fail
@@ -124,8 +137,10 @@ class _Runner:
         output, cache = result if cache is not None else (result, None)
         return np.asarray(output), cache
 
-    def alibi_bias(self, num_heads, positions):
-        return np.asarray(self.module.alibi_bias(num_heads, self.tensor(positions)), dtype=np.float32)
+    def alibi_bias(self, num_heads, positions, scale=1.0):
+        """`scale` times the file's ALiBi bias, (B, N, 1, S) float32."""
+        alibi = np.asarray(self.module.alibi_bias(num_heads, self.tensor(positions)), dtype=np.float32)  # (B, N, 1, S)
+        return alibi * np.float32(scale)
 
 
 @functools.cache
@@ -886,8 +901,7 @@ def _call_arguments(runner, model, family, mask, positions, start, stop, kwargs)
     if family.bias == "alibi":
         arguments["attention_bias"] = runner.alibi_bias(kwargs["num_heads"], alibi_positions(mask))  # (B, N, 1, L)
     if family.bias == "scaled_alibi":  # Falcon: the bias is scaled with the scores
-        alibi = runner.alibi_bias(kwargs["num_heads"], alibi_positions(mask))  # (B, N, 1, L)
-        arguments["attention_bias"] = alibi * np.float32(kwargs["scale"])
+        arguments["attention_bias"] = runner.alibi_bias(kwargs["num_heads"], alibi_positions(mask), kwargs["scale"])
     return arguments
 
 
@@ -966,17 +980,29 @@ def test_every_supported_model_type_has_a_family_here():
     assert set(supported_modules()) == tested | PACKAGE_NAMES
 
 
+def _full_pass_port(runner, family, index):
+    """Layer `index`'s port and its full-pass call: kwargs, weights, the capture and the call arguments."""
+    model, call, mask, positions = _full_pass(family, index)
+    kwargs, weights = port_attention(family.module(model, index), _config(model))
+    arguments = _call_arguments(runner, model, family, mask, positions, 0, mask.shape[1], kwargs)
+    return kwargs, weights, call, arguments
+
+
+def _assert_full_pass(family, index, output):
+    """The layer's output on the full pass equals the module's on the compared rows."""
+    _, call, mask, _ = _full_pass(family, index)
+    rows = _compared_rows(family, mask)
+    assert np.max(np.abs(call["output"][rows])) > MEANINGFUL
+    assert _max_diff(output, call["output"], rows) <= OUTPUT_TOL
+
+
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_full_pass_with_padding_matches_transformers(case):
     framework, name, index = case
     family, runner = FAMILIES_BY_NAME[name], _runner(framework)
-    model, call, mask, positions = _full_pass(family, index)
-    kwargs, weights = port_attention(family.module(model, index), _config(model))
-    arguments = _call_arguments(runner, model, family, mask, positions, 0, mask.shape[1], kwargs)
+    kwargs, weights, call, arguments = _full_pass_port(runner, family, index)
     output, _ = runner.call(runner.layer(kwargs, weights), call["hidden"], arguments)
-    rows = _compared_rows(family, mask)
-    assert np.max(np.abs(call["output"][rows])) > MEANINGFUL
-    assert _max_diff(output, call["output"], rows) <= OUTPUT_TOL
+    _assert_full_pass(family, index, output)
 
 
 CROSS_ATTENTION = ["bart", "whisper"]
@@ -1029,16 +1055,30 @@ def test_whisper_encoder_self_attention_matches_transformers(framework, index):
     _assert_seq2seq_module_ported(framework, "whisper", "encoder.layers.{i}.self_attn", index)
 
 
-def _assert_seq2seq_module_ported(framework, name, attention, index):
+def _seq2seq_port(name, attention, index):
+    """Layer `index`'s port of the seq2seq module at `attention`: kwargs, weights, the call's (query states,
+    key states) and the key states' padding mask."""
     model, calls, key_mask = _seq2seq_pass(name, attention)
-    runner = _runner(framework)
-    hidden, states, expected = calls[index]
+    hidden, states, _ = calls[index]
     kwargs, weights = port_attention(model.get_submodule(attention.format(i=index)), _config(model))
-    layer = runner.layer(kwargs, weights)
-    with torch.no_grad():
-        output = layer(*(runner.tensor(x) for x in (hidden, states, states)), key_mask=runner.tensor(key_mask > 0))
+    return kwargs, weights, (hidden, states), key_mask > 0
+
+
+def _assert_seq2seq_output(name, attention, index, output):
+    """The layer's output equals the seq2seq module's, every row."""
+    _, calls, _ = _seq2seq_pass(name, attention)
+    expected = calls[index][2]
     assert np.max(np.abs(expected)) > MEANINGFUL
     assert _max_diff(np.asarray(output), expected, np.ones(expected.shape[:2], dtype=bool)) <= OUTPUT_TOL
+
+
+def _assert_seq2seq_module_ported(framework, name, attention, index):
+    runner = _runner(framework)
+    kwargs, weights, (hidden, states), key_mask = _seq2seq_port(name, attention, index)
+    layer = runner.layer(kwargs, weights)
+    with torch.no_grad():
+        output = layer(*(runner.tensor(x) for x in (hidden, states, states)), key_mask=runner.tensor(key_mask))
+    _assert_seq2seq_output(name, attention, index, output)
 
 
 def _decode_with_transformers(model, family, ids, mask, positions, prompt):
@@ -1068,25 +1108,154 @@ def _transformers_decoding(family):
     return _decode_with_transformers(_model(family.name), family, ids, mask, positions, prompt), mask, positions
 
 
+def _decode_port(runner, family, index):
+    """Layer `index`'s port and its decode calls: kwargs, weights, the (B, L) mask over the cache's slots and,
+    per call of transformers' decoding (the prompt, then one token a step), (start, stop, capture, arguments)."""
+    model = _model(family.name)
+    calls, mask, positions = _transformers_decoding(family)
+    kwargs, weights = port_attention(family.module(model, index), _config(model))
+    steps, start = [], 0
+    for call in calls[index]:
+        stop = start + call["hidden"].shape[1]
+        steps.append((start, stop, call, _call_arguments(runner, model, family, mask, positions, start, stop, kwargs)))
+        start = stop
+    return kwargs, weights, mask, steps
+
+
+def _assert_decode_step(mask, start, stop, call, output):
+    """One decode call's output equals transformers' on the real tokens [start, stop)."""
+    rows = mask[:, start:stop].astype(bool)
+    assert np.max(np.abs(call["output"][rows])) > MEANINGFUL
+    assert _max_diff(output, call["output"], rows) <= OUTPUT_TOL, f"tokens [{start}, {stop})"
+
+
 @pytest.mark.parametrize("case", DECODE_CASES, ids=_case_id)
 def test_decoding_left_padded_prompts_matches_transformers_cache(case):
     framework, name, index = case
     family, runner = FAMILIES_BY_NAME[name], _runner(framework)
-    model = _model(name)
-    calls, mask, positions = _transformers_decoding(family)
-    calls = calls[index]
-    kwargs, weights = port_attention(family.module(model, index), _config(model))
+    kwargs, weights, mask, steps = _decode_port(runner, family, index)
     layer = runner.layer(kwargs, weights)
     cache = layer.init_cache(*mask.shape)
-    start = 0
-    for call in calls:
-        stop = start + call["hidden"].shape[1]
-        arguments = _call_arguments(runner, model, family, mask, positions, start, stop, kwargs)
+    for start, stop, call, arguments in steps:
         output, cache = runner.call(layer, call["hidden"], arguments, cache)
-        rows = mask[:, start:stop].astype(bool)
-        assert np.max(np.abs(call["output"][rows])) > MEANINGFUL
-        assert _max_diff(output, call["output"], rows) <= OUTPUT_TOL, f"tokens [{start}, {stop})"
-        start = stop
+        _assert_decode_step(mask, start, stop, call, output)
+
+
+# ----------------------------------------------------------------------------------------------
+# The Keras file, in a process per backend
+# ----------------------------------------------------------------------------------------------
+
+
+KERAS_EVERY_FAMILY = "torch"  # the backend that runs every family: the cheapest (CPU s measured in docs/testing.md)
+KERAS_SPREAD = (  # on every backend too: plain, soft-capping and a window, a gate, MLA, sinks, ALiBi
+    "llama", "gemma2", "qwen3_next", "deepseek_v3", "gpt_oss", "bloom",
+)  # fmt: skip
+KERAS_CASES = [
+    (f"Keras:{backend}", family.name, index)
+    for backend in KERAS_BACKENDS
+    for family in FAMILIES
+    for index in LAYERS
+    if backend == KERAS_EVERY_FAMILY or family.name in KERAS_SPREAD
+]
+KERAS_DECODE_CASES = [case for case in KERAS_CASES if FAMILIES_BY_NAME[case[1]].decode]
+KERAS_SEQ2SEQ_CASES = [  # (backend, name, attention, index): cross-attention, and Whisper's encoder on one backend
+    (f"Keras:{backend}", name, attention, index)
+    for backend in KERAS_BACKENDS
+    for name, attention in [
+        ("bart", "decoder.layers.{i}.encoder_attn"),
+        ("whisper", "decoder.layers.{i}.encoder_attn"),
+        ("whisper", "encoder.layers.{i}.self_attn"),
+    ]
+    for index in LAYERS
+    if backend == KERAS_EVERY_FAMILY or name == "bart"
+]
+
+
+class _InKerasProcess:
+    """Stands in for a runner where the Keras file's process computes a call argument (the ALiBi bias)."""
+
+    @staticmethod
+    def alibi_bias(num_heads, positions, scale=1.0):
+        return keras_ports.AlibiBias(num_heads, positions, scale)
+
+
+def _keras_jobs(framework):
+    """{job name: `keras_ports.Job`} of every Keras case on this framework ("Keras:<backend>")."""
+    runner, jobs, only = _InKerasProcess(), {}, (lambda cases: [case[1:] for case in cases if case[0] == framework])
+    for name, index in only(KERAS_CASES):
+        kwargs, weights, call, arguments = _full_pass_port(runner, FAMILIES_BY_NAME[name], index)
+        jobs["full", name, index] = keras_ports.Job(kwargs, weights, (keras_ports.Call((call["hidden"],), arguments),))
+    for name, index in only(KERAS_DECODE_CASES):
+        kwargs, weights, mask, steps = _decode_port(runner, FAMILIES_BY_NAME[name], index)
+        calls = tuple(keras_ports.Call((call["hidden"],), arguments) for _, _, call, arguments in steps)
+        jobs["decode", name, index] = keras_ports.Job(kwargs, weights, calls, cache=mask.shape)
+    for name, attention, index in only(KERAS_SEQ2SEQ_CASES):
+        kwargs, weights, (hidden, states), key_mask = _seq2seq_port(name, attention, index)
+        call = keras_ports.Call((hidden, states, states), {"key_mask": key_mask})
+        jobs[name, attention, index] = keras_ports.Job(kwargs, weights, (call,))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def keras_outputs(tmp_path_factory):
+    """`keras_outputs(framework, job name)`: the job's outputs, one per call. Each backend's process runs
+    every job of its cases once, when a test first asks, for all of pytest-xdist's workers (their common
+    temporary folder: `make test` spreads a backend's tests over two)."""
+    folder = tmp_path_factory.getbasetemp()
+    folder = folder.parent if os.environ.get("PYTEST_XDIST_WORKER") else folder
+    outputs = {}
+
+    def get(framework, name):
+        if framework not in outputs:
+            backend = framework.split(":")[1]
+            outputs[framework] = keras_ports.run_shared(backend, lambda: _keras_jobs(framework), folder)
+        result = outputs[framework][name]
+        if isinstance(result, str):
+            raise KerasBackendError(result)
+        return result
+
+    return get
+
+
+@pytest.mark.parametrize("case", KERAS_CASES, ids=_case_id)
+def test_keras_full_pass_with_padding_matches_transformers(case, keras_outputs):
+    framework, name, index = case
+    (output,) = keras_outputs(framework, ("full", name, index))
+    _assert_full_pass(FAMILIES_BY_NAME[name], index, output)
+
+
+@pytest.mark.parametrize("case", KERAS_DECODE_CASES, ids=_case_id)
+def test_keras_decoding_left_padded_prompts_matches_transformers_cache(case, keras_outputs):
+    framework, name, index = case
+    outputs = keras_outputs(framework, ("decode", name, index))
+    _, _, mask, steps = _decode_port(_InKerasProcess(), FAMILIES_BY_NAME[name], index)
+    assert len(outputs) == len(steps)
+    for (start, stop, call, _), output in zip(steps, outputs, strict=True):
+        _assert_decode_step(mask, start, stop, call, output)
+
+
+@pytest.mark.parametrize("case", KERAS_SEQ2SEQ_CASES, ids=_case_id)
+def test_keras_cross_attention_and_whisper_encoder_match_transformers(case, keras_outputs):
+    """BART's and Whisper's `encoder_attn` (every backend for BART's) and Whisper's encoder self-attention."""
+    framework, name, attention, index = case
+    (output,) = keras_outputs(framework, (name, attention, index))
+    _assert_seq2seq_output(name, attention, index, output)
+
+
+def test_keras_ports_run_once_for_the_workers_that_share_a_folder(tmp_path, monkeypatch):
+    """`make test`'s two workers each ask for a backend's outputs: its process runs once, the other waits."""
+    runs = []
+
+    def run(backend, jobs, folder):
+        runs.append(backend)
+        time.sleep(0.1)  # long enough for the other threads to ask meanwhile
+        return {"job": jobs}
+
+    monkeypatch.setattr(keras_ports, "run", run)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        outputs = list(pool.map(lambda _: keras_ports.run_shared("torch", lambda: ["outputs"], tmp_path), range(4)))
+    assert runs == ["torch"]
+    assert outputs == [{"job": ["outputs"]}] * 4
 
 
 def _chunk_keep(query_positions, key_positions, size):
