@@ -86,6 +86,7 @@ _ROPE_SCALING = {
     "yarn": ("factor", "original_max_position_embeddings"),
 }
 _YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+_PLAIN = (nn.Parameter, torch.Tensor)  # the weight types that concatenate as they are (`_fusable`)
 _BLOCK_SCORES = 1 << 21  # scores in one block of `_attention_in_blocks`: 8 MiB of float32
 
 
@@ -1070,6 +1071,28 @@ def _all_kept(keep):
     return known
 
 
+def _carried_start(cache, b, t, heads, head_dim, dtype):
+    """The index of a cache that passes every check of a T-token call (`_check_cache`,
+    `_check_cache_dtype`, `_check_room`) and whose tokens fit in its first lap, from the value
+    its index carries (`_carried`: no value read); else None, and the call's own checks run."""
+    key, value, keep, index = cache
+    start = _carried(index)
+    tensors = type(key) is torch.Tensor and type(value) is torch.Tensor and type(keep) is torch.Tensor
+    if start is None or not tensors or key.dim() != 4:
+        return None
+    length = key.shape[2]
+    shapes = key.shape == value.shape == (b, heads, length, head_dim) and keep.shape == (b, length)
+    return start if shapes and key.dtype == value.dtype == dtype and 0 < t <= length - start else None
+
+
+def _first_slots(cache, stop):
+    """The keys and values of a cache's first `stop` slots, written in its first lap, (B, K, S, H)
+    with S = stop, and their keep (B, 1, 1, S), None where it holds only True (all kept: not read)."""
+    prefix = None if _all_kept(cache.keep) else cache.keep[:, :stop]  # (B, L) -> (B, S)
+    keep = None if prefix is None or prefix.all() else prefix[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
+    return cache.key.narrow(2, 0, stop), cache.value.narrow(2, 0, stop), keep  # (B, K, L, H) -> (B, K, S, H)
+
+
 def _slot_positions(length, last):
     """(L,) the position held by each slot once positions up to `last` are written (position p in
     slot p mod L); negative where nothing is written yet."""
@@ -1413,10 +1436,21 @@ def _plain_linear(module, kind=nn.Linear):
     `_int8_linear(x, weight, weight_scale, bias)`): a `kind` itself (a subclass, a LoRA wrapper, a
     quantized, parametrized or FSDP2-sharded module has another class), with no hooks of its own
     (tensor parallelism and pruning add hooks) and no hooks registered for every module."""
-    if type(module) is not kind:
-        return False
-    hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
-    return not any(hooks) and not _global_hooks()
+    return type(module) is kind and not _own_hooks(module) and not _global_hooks()
+
+
+def _bare_linear(module):
+    """Whether `module` is an nn.Linear with no hooks of its own and a weight of a plain tensor type
+    (`_fusable`: not torchao's or a DTensor), read from its own dicts: `_plain_linear` less the
+    hooks registered for every module, which the caller checks once."""
+    return type(module) is nn.Linear and not _own_hooks(module) and type(module._parameters["weight"]) in _PLAIN
+
+
+def _own_hooks(module):
+    """Whether `module` has hooks of its own (tensor parallelism and pruning add hooks)."""
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+    )
 
 
 def _global_hooks():
@@ -2246,10 +2280,28 @@ class MultiHeadAttention(nn.Module):
             self._fused = None if version is None else (version, (weight, bias, scale))
         return weight, bias, scale
 
+    def _kept_kernels(self, dtype):
+        """The lean decode step's kernels: the q/k/v kernels the layer keeps (`_fused_weights`) and
+        the output projection's weight and bias, where the four projections are plain nn.Linear
+        modules with plain weights (`_plain_linear`, `_fusable`) and the kept kernels are current
+        for `dtype` (`_versions`); else None. Read from the modules' own dicts: a read through
+        nn.Module's attribute lookup costs about a microsecond, a sizeable share of a T = 1 step."""
+        modules = self._modules
+        projections = (modules["query"], modules["key"], modules["value"], modules["output"])
+        if self._fused is None or _global_hooks() or not all([_bare_linear(p) for p in projections]):
+            return None
+        (q, k, v, output) = (p._parameters for p in projections)
+        tensors = [q["weight"], q["bias"], k["weight"], k["bias"], v["weight"], v["bias"]]
+        current = self._fused[0] == _versions(tensors, dtype)
+        return (self._fused[1], (output["weight"], output["bias"])) if current else None
+
     def _project_fused(self, x):
         """Self-attention: q, k and v from one matmul over the concatenated projections (int8: the
         input quantized once, as each projection would quantize it)."""
-        weight, bias, scale = self._fused_weights(x)
+        return self._fused_heads(x, *self._fused_weights(x))
+
+    def _fused_heads(self, x, weight, bias, scale):
+        """q, k and v from one matmul over the concatenated kernels `_fused_weights` gives."""
         y = F.linear(x, weight, bias) if scale is None else _int8_linear(x, weight, scale, bias)  # (B, T, (N+2K)*H)
         (b, t), n, kv = x.shape[:2], self.num_heads, self.num_kv_heads
         heads = y.view(b, t, n + 2 * kv, self.head_dim).transpose(1, 2)  # (B, T, (N+2K)*H) -> (B, N+2K, T, H)
@@ -2349,10 +2401,7 @@ class MultiHeadAttention(nn.Module):
         cache = _write_cache(cache, k, v, call.key_mask, start)
         lean = keep is None and not call.return_attention  # each mask gives a keep
         if lean and start is not None and start + t <= length:  # lean: the first S = index + T slots
-            stop = start + t
-            prefix = None if _all_kept(cache.keep) else cache.keep[:, :stop]  # (B, L) -> (B, S); all kept: not sliced
-            keep = None if prefix is None or prefix.all() else prefix[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
-            k, v = cache.key.narrow(2, 0, stop), cache.value.narrow(2, 0, stop)  # (B, K, L, H) -> (B, K, S, H)
+            k, v, keep = _first_slots(cache, start + t)  # (B, K, S, H) x 2, (B, 1, 1, S) or None
             return k, v, keep, call._replace(causal=call.causal and t > 1, cache=cache)
         rule = (call.causal, call.window, call.attention_chunk_size)
         keep = _and(keep, _cache_keep(cache.keep, index, t, *rule))  # (B, N, T, L), dims may be 1
@@ -2456,10 +2505,48 @@ class MultiHeadAttention(nn.Module):
         gate = torch.sigmoid(self._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
         return context * gate.unflatten(-1, (-1, context.shape[-1])).transpose(1, 2)  # -> (B, N, T, Hv)
 
+    def _decode_step(self, query, positions, causal, cache):
+        """The lean decode step: an eager self-attention step under no_grad with no mask, bias or
+        returned weights, over plain projections whose q/k/v kernels the layer keeps and a cache
+        whose index carries its value and whose tokens fit in its first lap. It runs forward's
+        steps 2 to 7 with forward's own functions, less the checks those facts make impossible to
+        fail (`_carried_start`) and the general dispatch (`_check_call`, `_masks`, `_fusable`,
+        `_fused_weights`, `_update_cache`). Returns (output, cache), or None where it does not
+        apply: the call then runs through `forward`'s steps, which raise where it is invalid."""
+        tensors = type(query) is torch.Tensor and (positions is None or type(positions) is torch.Tensor)
+        if not tensors or torch.is_grad_enabled() or not _eager() or self._latent is not None:
+            return None
+        kernels = self._kept_kernels(query.dtype) if query.dim() == 3 and query.shape[2] == self.d_model else None
+        if kernels is None or _autocast_enabled(query.device):
+            return None
+        (b, t), (fused, output_kernel) = query.shape[:2], kernels
+        start = _carried_start(cache, b, t, self.num_kv_heads, self.head_dim, fused[0].dtype)
+        if start is None:
+            return None
+        positions = self._positions(positions, query, query, cache)  # 1. checked (B, T), None without RoPE
+        q, k, v = self._fused_heads(query, *fused)  # 2. (B, T, E) -> (B, N, T, H), 2 x (B, K, T, H)
+        q, k, v = self._clip(q), self._clip(k), self._clip(v)
+        q, k = self._normalize_qk(q, k)  # 3. QK-norm
+        q, k, v = self._rotate(q, k, v, positions)  # 4. RoPE
+        cache = _write_cache(cache, k, v, None, start)  # 5. KV cache: slots [index, index + T) written
+        k, v, keep = _first_slots(cache, start + t)  # (B, K, S, H) x 2 and (B, 1, 1, S) or None, S = index + T
+        call = _Call(
+            query, query, query, None, None, None, None, positions, causal and t > 1, self.window,
+            self.attention_chunk_size, False, cache, None, True,
+        )  # what _check_call and _update_cache give this call  # fmt: skip
+        context, _ = self._attend(q, k, v, keep, None, call)  # 6. (B, N, T, H)
+        context = self._gate_heads(call, context)  # 6b. output gate
+        return F.linear(self._merge_heads(context), *output_kernel), cache  # 7. (B, T, N*H) -> (B, T, E)
+
     def forward(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
         attention_bias=None, positions=None, causal=False, return_attention=False, cache=None, mask=None,
     ):  # fmt: skip
+        bare = key is None and value is None and attention_mask is None and mask is None and attention_bias is None
+        bare = bare and key_mask is None and query_mask is None and not return_attention and cache is not None
+        step = self._decode_step(query, positions, causal, cache) if bare else None  # the lean step, where it applies
+        if step is not None:
+            return step
         call = self._check_call(
             query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
             return_attention, cache, mask,

@@ -306,6 +306,94 @@ def test_regression_padded_prompt_rows_are_output_bias_not_nan():
     assert torch.isfinite(output).all()
 
 
+def _spy_fast_steps(monkeypatch):
+    """Records, for each call the decode fast path (`_decode_step`) is offered, whether it took it."""
+    taken, real = [], torch_file.MultiHeadAttention._decode_step
+
+    def spy(self, *args):
+        step = real(self, *args)
+        taken.append(step is not None)
+        return step
+
+    monkeypatch.setattr(torch_file.MultiHeadAttention, "_decode_step", spy)
+    return taken
+
+
+# The decode cases whose calls after the first the fast path takes: no mask over the slots, self-attention, no
+# MLA, and a second call within the cache's first lap.
+FAST_STEP_CASES = [
+    c
+    for c in DECODE_CASES
+    if c.mask == "none" and not c.cross and not c.mla and len(c.chunks) > 1 and sum(c.chunks[:2]) <= c.length
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: c.name)
+def test_torch_fast_decode_step_equals_the_general_call_bit_for_bit(case, monkeypatch):
+    """The decode fast path (`_decode_step`) runs the general call's operations less its checks:
+    every decode case gives the same outputs and cache with it and without it (`_decode_step`
+    stepping aside, so every call goes through `forward`'s steps), and it takes each T = 1 step
+    (and each call after the first, which keeps the kernels) of the cases it applies to."""
+    from shared_tests import torch_runner
+    from shared_tests.decoding import make_decode_data
+
+    data = make_decode_data(case)
+    taken = _spy_fast_steps(monkeypatch)
+    fast = torch_runner.decode(case, data, "torch:sdpa")
+    assert any(taken) == (case in FAST_STEP_CASES) and taken.count(True) <= len(case.chunks) - 1
+    monkeypatch.setattr(torch_file.MultiHeadAttention, "_decode_step", lambda *args: None)
+    general = torch_runner.decode(case, data, "torch:sdpa")
+    np.testing.assert_array_equal(fast.output, general.output)
+    assert fast.cache.keys() == general.cache.keys()
+    for name, written in fast.cache.items():
+        np.testing.assert_array_equal(written, general.cache[name])
+
+
+def _after_fast_steps(layer, monkeypatch):
+    """Decodes a prompt and one T = 1 step on a cache of the layer's own, checking that the step
+    took the fast path: the layer then keeps its kernels and its caches carry their index."""
+    taken = _spy_fast_steps(monkeypatch)
+    with torch.no_grad():
+        _, cache = layer(torch.from_numpy(X[:, :3]).double(), causal=True, cache=layer.init_cache(2, 10))
+        layer(torch.from_numpy(X[:, 3:4]).double(), causal=True, cache=cache)
+    assert taken == [False, True]
+
+
+@pytest.mark.parametrize("name", sorted(CALL_ERRORS))
+def test_torch_bad_call_after_a_fast_step_raises_the_same_error(name, monkeypatch):
+    """Regression guard for the decode fast path, which checks a call only as far as it takes it:
+    after a step that took it, each invalid call still raises its ValueError, the same text."""
+    config, call, cache_args, spoil, pattern = CALL_ERRORS[name]
+    layer = _torch_layer(config)
+    _after_fast_steps(layer, monkeypatch)
+    cache = spoil("torch", layer.init_cache(**cache_args))
+    inputs = {k: torch.from_numpy(v.astype(np.float64)) for k, v in call.items()}
+    with pytest.raises(ValueError, match=pattern), torch.no_grad():
+        layer(**inputs, cache=cache)
+
+
+@pytest.mark.parametrize(
+    ("config", "t", "pattern"),
+    [
+        (BASE, 8, r"^`cache` is full: .* Received: index=4, T=8, L=10$"),
+        ({**BASE, "window": 8}, 7, r"^`cache` rolls with `window`: .* Received: window=8, T=7, L=10$"),
+    ],
+    ids=["full", "wrapping_too_long"],
+)
+def test_torch_call_past_the_carried_index_raises_after_a_fast_step(config, t, pattern, monkeypatch):
+    """A cache whose index carries its value (4, from the fast step) and a call that does not fit:
+    the fast path steps aside and the room check raises."""
+    layer = _torch_layer(config)
+    taken = _spy_fast_steps(monkeypatch)
+    x = torch.from_numpy(X).double()
+    with torch.no_grad():
+        _, cache = layer(x[:, :3], causal=True, cache=layer.init_cache(2, 10))
+        _, cache = layer(x[:, 3:4], causal=True, cache=cache)
+        with pytest.raises(ValueError, match=pattern):
+            layer(torch.cat([x, x], 1)[:, :t], causal=True, cache=cache)
+    assert taken == [False, True, False]
+
+
 def test_numpy_copies_the_cache():
     layer = NumpyMultiHeadAttention(8, 4, num_kv_heads=2, seed=0)
     cache = layer.init_cache(2, 10, keep=KEEP)
