@@ -1,6 +1,9 @@
 """The Keras file's seams on one Keras 3 backend, in a process of its own (a backend is fixed when
-Keras is imported): where its warnings point, calls under warnings-as-errors, and (with
-hypothesis) functional models' symbolic shapes against the eager ones and the built-in's.
+Keras is imported): where its warnings point, calls under warnings-as-errors, a functional model
+with an unknown T and a cache, float64 on every path, and (with hypothesis) functional models'
+symbolic shapes against the eager ones and the built-in's, and drawn mask habits warning at the
+caller's line eagerly and not at all under the backend's compiler. The habits' strategy and check
+(`draw_habit`, `habit_modes_hold`) serve the other files too (test_seam_properties.py).
 
 The parent (`run_checks`) starts `python -m shared_tests.keras_seams BACKEND MAX_EXAMPLES
 DERANDOMIZE CHECK...` with `KERAS_BACKEND=BACKEND` (hypothesis as the parent's profile); the child
