@@ -1,6 +1,9 @@
 """The Keras file's seams on one Keras 3 backend, in a process of its own (a backend is fixed when
-Keras is imported): where its warnings point, calls under warnings-as-errors, and (with
-hypothesis) functional models' symbolic shapes against the eager ones and the built-in's.
+Keras is imported): where its warnings point, calls under warnings-as-errors, a functional model
+with an unknown T and a cache, float64 on every path, and (with hypothesis) functional models'
+symbolic shapes against the eager ones and the built-in's, and drawn mask habits warning at the
+caller's line eagerly and not at all under the backend's compiler. The habits' strategy and check
+(`draw_habit`, `habit_modes_hold`) serve the other files too (test_seam_properties.py).
 
 The parent (`run_checks`) starts `python -m shared_tests.keras_seams BACKEND MAX_EXAMPLES
 DERANDOMIZE CHECK...` with `KERAS_BACKEND=BACKEND` (hypothesis as the parent's profile); the child
@@ -219,6 +222,113 @@ def symbolic_length_with_cache():
         raise AssertionError("a real call with T > L was not refused")
 
 
+HABITS = ("keeps nothing", "causal", "inverted padding", "zeros and ones")  # docs/SPEC.md, Masks
+WARNINGS_TOL = 1e-5  # float32: a compiled call against the eager one (the SPEC's output tolerance)
+
+
+def draw_habit(draw):
+    """A drawn layer configuration and call (NumPy float32 arrays) whose masks hold one of the
+    built-in layers' habits (`HABITS`): (config, {query, key?, value?, mask arguments}, causal).
+    T != S, T = 1, GQA, cross-attention and `causal` among them. `draw` is hypothesis' `data.draw`."""
+    from hypothesis import strategies as st
+
+    kv_heads = draw(st.sampled_from([1, 2]))
+    heads, head_dim = kv_heads * draw(st.sampled_from([1, 2])), draw(st.sampled_from([2, 4]))
+    config = {"d_model": heads * head_dim, "num_heads": heads, "num_kv_heads": kv_heads, "bias": draw(st.booleans())}
+    habit, b, t = draw(st.sampled_from(HABITS)), draw(st.integers(1, 3)), draw(st.sampled_from([1, 2, 4]))
+    s = t if habit == "causal" else draw(st.sampled_from([t, 1, 3]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    call = {"query": rng.standard_normal((b, t, config["d_model"])).astype("float32")}  # (B, T, E)
+    if s != t or draw(st.booleans()):
+        call["key"] = call["value"] = rng.standard_normal((b, s, config["d_model"])).astype("float32")  # (B, S, E)
+    shape = draw(st.sampled_from([(t, s), (b, t, s), (b, 1, t, s)]))  # an attention_mask's
+    if habit == "keeps nothing" and draw(st.booleans()):
+        call["key_mask"] = np.zeros((b, s), bool)  # (B, S): True = padding, read as True = attend
+    elif habit == "keeps nothing":
+        call["attention_mask"] = np.zeros(shape, bool)
+    elif habit == "causal":  # nn.MultiheadAttention's causal attn_mask, True = blocked
+        call["attention_mask"] = np.broadcast_to(np.triu(np.ones((t, s), bool), 1), shape).copy()
+    elif habit == "inverted padding":  # key_padding_mask (True = padding) of right-padded rows, one unpadded
+        lengths = draw(st.lists(st.integers(1, s), min_size=b, max_size=b))
+        lengths[draw(st.integers(0, b - 1))] = s
+        call["key_mask"] = np.arange(s)[None, :] >= np.array(lengths)[:, None]  # (B, S)
+    else:  # a Keras 0/1 float mask
+        mask = (rng.random(shape) < 0.5).astype("float32")
+        mask.reshape(-1)[0] = 1.0
+        call["attention_mask"] = mask
+    return config, call, draw(st.booleans())
+
+
+def habit_modes_hold(layer_class, tensor, numpy, compile_, eager_call, where, draw):
+    """One drawn habit (`draw_habit`) on a fresh layer of `layer_class`, its arrays made tensors by
+    `tensor`: under `compile_` (`torch.compile`, `tf.function`, `jax.jit`; None: eager only) the
+    call emits no warning at all (every warning an error); then `eager_call(layer, tensors,
+    causal)` (a function in the calling test's file) warns the habit as AttentionMaskWarning only,
+    each naming `where` (that file and line), any other warning an error; and the compiled output
+    equals the eager one."""
+    warning = sys.modules[layer_class.__module__].AttentionMaskWarning
+    config, arrays, causal = draw_habit(draw)
+    layer = layer_class(**config)
+    if hasattr(layer, "build"):
+        layer.build()  # weights made eagerly, not inside the compiled call
+    tensors = {name: tensor(array) for name, array in arrays.items()}
+    if compile_ is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            compiled = compile_(lambda tensors: layer(**tensors, causal=causal))(tensors)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("error")
+        warnings.filterwarnings("always", category=warning)
+        output = eager_call(layer, tensors, causal)
+    places = {(w.category, w.filename, w.lineno) for w in caught}
+    assert caught and places == {(warning, *where)}, f"expected {(warning, *where)}, caught {places}"
+    if compile_ is not None:
+        np.testing.assert_allclose(numpy(compiled), numpy(output), atol=WARNINGS_TOL, rtol=0)
+
+
+def marked_line(path, marker):
+    """The number of the line of `path` that ends with the comment `# marker`."""
+    with open(path) as handle:
+        return next(i + 1 for i, text in enumerate(handle) if text.rstrip().endswith(f"# {marker}"))
+
+
+def _habit_call(layer, tensors, causal):
+    return layer(**tensors, causal=causal)  # HABIT_CALL
+
+
+def generated_warnings():
+    """`habit_modes_hold` for the Keras file on this backend, over a fifth of the profile's
+    examples, compiled as the backend compiles (`jax.jit`, `tf.function`; on torch eager only:
+    `torch.compile` of a Keras layer breaks its graph inside Keras and takes about 25 s)."""
+    import keras
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from Keras import MultiHeadAttention
+
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        compile_ = jax.jit
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        compile_ = tf.function
+    else:
+        compile_ = None
+    where = (__file__, marked_line(__file__, "HABIT_CALL"))
+    examples = settings(max_examples=max(2, settings().max_examples // 5), suppress_health_check=[HealthCheck.too_slow])
+
+    @examples
+    @given(data=st.data())
+    def hold(data):
+        arrays = keras.ops.convert_to_tensor, keras.ops.convert_to_numpy
+        habit_modes_hold(MultiHeadAttention, *arrays, compile_, _habit_call, where, data.draw)
+
+    hold()
+
+
 def _numpy_of(x):
     import keras
 
@@ -282,6 +392,7 @@ CHECKS = {
         warnings_as_errors,
         functional_shapes,
         symbolic_length_with_cache,
+        generated_warnings,
         float64_throughout,
     )  # float64_throughout last: on JAX it turns x64 on
 }

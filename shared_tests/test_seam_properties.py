@@ -7,8 +7,10 @@ configurations and calls (T != S, T = 1, S = 0, masks, causal) through
 - functional models (the TensorFlow file here, the Keras file on each backend in a process of its
   own, shared_tests/keras_seams.py): symbolic output shapes equal the eager ones, and the
   built-in's where it takes the call, with `return_attention`, key and value given or not, a cache;
-- warnings: every `AttentionMaskWarning` names the caller's line, in eager mode, and none is
-  emitted where the values cannot be read (`torch.compile`, `tf.function`).
+- warnings: drawn masks holding each habit make every `AttentionMaskWarning` name the calling
+  test's line in eager mode, in every file and Keras backend, with any other warning an error;
+  where the values cannot be read (`torch.compile`, `tf.function`, `jax.jit`) the call warns
+  nothing and equals the eager one.
 
 Few examples by default ("ci"); `--hypothesis-profile=explore` draws ten times more.
 
@@ -262,4 +264,62 @@ def test_tensorflow_file_symbolic_shapes_hold_the_eager_ones_and_the_built_ins(d
 def test_keras_file_symbolic_shapes_hold_the_eager_ones_and_the_built_ins(backend):
     """The same for the Keras file on each backend (in the backend's process)."""
     result = keras_seams.results(backend)["functional_shapes"]
+    assert result is None, result
+
+
+# -------------------------------------------------------------------------------------------------
+# Warnings
+# -------------------------------------------------------------------------------------------------
+
+
+def _habit_call(layer, tensors, causal):
+    return layer(**tensors, causal=causal)  # HABIT_CALL
+
+
+def _torch_compile(function):
+    """`torch.compile` with dynamo's "eager" backend: the layer's check runs (or not) while dynamo
+    traces, whatever the backend; inductor adds about 25 s a graph and torch's own
+    DeprecationWarnings while it compiles. Dynamo's cache is emptied first: each example's layer is
+    a new module, and recompiling one function more than 8 times falls back to eager."""
+    import torch
+
+    torch._dynamo.reset()
+    return torch.compile(function, backend="eager", fullgraph=True)
+
+
+def _modes(framework):
+    """(layer class, to tensor, to NumPy, compiler or None) of a file in this process."""
+    if framework == "numpy":
+        from NumPy import MultiHeadAttention
+
+        return MultiHeadAttention, np.asarray, np.asarray, None
+    if framework == "torch":
+        import torch
+
+        from PyTorch import MultiHeadAttention
+
+        return MultiHeadAttention, torch.as_tensor, lambda x: x.detach().numpy(), _torch_compile
+    import tensorflow as tf
+
+    from TensorFlow import MultiHeadAttention
+
+    return MultiHeadAttention, tf.constant, np.asarray, tf.function
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch", "tf"])
+@SEAM
+@given(data=st.data())
+def test_attention_mask_warnings_name_the_callers_line_and_compiled_calls_warn_nothing(framework, data):
+    """A drawn habit (keras_seams.draw_habit: configurations, T != S, T = 1, masks, causal): in
+    eager mode each AttentionMaskWarning names this file's calling line and no other warning is
+    raised (warnings as errors); under `torch.compile` and `tf.function` the call emits no warning
+    at all and its output equals eager's. The Keras file on each backend: the next test."""
+    where = (__file__, keras_seams.marked_line(__file__, "HABIT_CALL"))
+    keras_seams.habit_modes_hold(*_modes(framework), _habit_call, where, data.draw)
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+def test_keras_file_attention_mask_warnings_name_the_callers_line_in_every_mode(backend):
+    """The same for the Keras file, in its backend's process (`jax.jit`, `tf.function`; torch eager)."""
+    result = keras_seams.results(backend)["generated_warnings"]
     assert result is None, result
