@@ -766,7 +766,7 @@ def _split_mask(mask, dtype):
         return mask, None
     threshold = _LOWEST.get(_dtype_name(mask.dtype), _FLOAT32_LOWEST)
     removed = mask <= threshold  # (B, N, T, S), dims may be 1
-    additive = ops.where(removed, ops.zeros_like(mask), ops.maximum(mask, threshold))  # finite
+    additive = ops.where(removed, ops.zeros_like(mask), mask)  # finite, never 0 * -inf
     return ops.logical_not(removed), ops.cast(additive, dtype)
 
 
@@ -825,7 +825,7 @@ def rms_norm(x, scale, eps, bias=None):
     float32 at least and cast back to x's dtype."""
     dtype = _softmax_dtype(x.dtype)
     y = ops.cast(x, dtype)
-    y = y * ops.rsqrt(ops.mean(ops.square(y), axis=-1, keepdims=True) + eps) * ops.cast(scale, dtype)
+    y = y * ops.rsqrt(_mean(ops.square(y)) + eps) * ops.cast(scale, dtype)
     return ops.cast(_add(y, None if bias is None else ops.cast(bias, dtype)), x.dtype)
 
 
@@ -834,8 +834,8 @@ def layer_norm(x, scale, eps, bias=None):
     the biased variance, computed in float32 at least and cast back to x's dtype."""
     dtype = _softmax_dtype(x.dtype)
     y = ops.cast(x, dtype)
-    y = y - ops.mean(y, axis=-1, keepdims=True)
-    y = y * ops.rsqrt(ops.mean(ops.square(y), axis=-1, keepdims=True) + eps) * ops.cast(scale, dtype)
+    y = y - _mean(y)
+    y = y * ops.rsqrt(_mean(ops.square(y)) + eps) * ops.cast(scale, dtype)
     return ops.cast(_add(y, None if bias is None else ops.cast(bias, dtype)), x.dtype)
 
 
@@ -1224,8 +1224,8 @@ def dot_product_attention(
     v = ops.repeat(v, groups, axis=1) if groups > 1 else v  # (B, K, S, H) -> (B, N, S, H)
     dtype = _softmax_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    q = q * ops.cast(scale, q.dtype)  # scale the (B, N, T, H) queries, not the scores
-    scores = ops.cast(ops.matmul(q, ops.swapaxes(k, -1, -2)), dtype)  # (B, N, T, S)
+    q = q * ops.convert_to_tensor(scale, q.dtype)  # the (B, N, T, H) queries scaled in their dtype, not the scores
+    scores = ops.cast(_matmul(q, ops.swapaxes(k, -1, -2)), dtype)  # (B, N, T, S)
     scores = _softcap(scores, softcap)
     if bias is not None:
         bias = ops.cast(bias, dtype)
@@ -1233,7 +1233,7 @@ def dot_product_attention(
         scores = scores + bias  # (B, N, T, S)
     weights = ops.cast(_masked_softmax(scores, keep, sinks), q.dtype)  # (B, N, T, S)
     dropped = weights if dropout is None else dropout(weights)
-    context = ops.matmul(dropped, v)  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
+    context = _matmul(dropped, v)  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
     return context, weights
 
 
@@ -1372,7 +1372,7 @@ def _chunked_attention(
     dtype, count = _softmax_dtype(q.dtype), -(-t // chunk)
     padded = count * chunk - t
     scale = 1.0 / math.sqrt(h) if scale is None else scale
-    q = q * ops.cast(scale, q.dtype)  # scale the (B, N, T, H) queries, not the scores
+    q = q * ops.convert_to_tensor(scale, q.dtype)  # the (B, N, T, H) queries scaled in their dtype, not the scores
     q = ops.pad(q, [[0, 0], [0, 0], [0, padded], [0, 0]])  # (B, N, T', H), T' a multiple of chunk
     bias = None if bias is None else ops.cast(bias, dtype)
     extras = {"bias": _pad_rows(bias, padded), "sinks": None if sinks is None else ops.cast(sinks, dtype)}
@@ -1402,7 +1402,7 @@ def _chunked_forward(chunks, q, k, v, extra):
 
     def one(i, totals):
         weights, _ = _dropped(chunks, _chunk_weights(chunks, q, k, i, extra)[1], i)
-        context = ops.matmul(_grouped(chunks, ops.cast(weights, v.dtype)), v)  # (B, K, G*chunk, S) @ (B, K, S, Hv)
+        context = _matmul(_grouped(chunks, ops.cast(weights, v.dtype)), v)  # (B, K, G*chunk, S) @ (B, K, S, Hv)
         return totals, (_by_head(chunks, context),)  # (B, N, chunk, Hv)
 
     _, (contexts,) = _loop(one, chunks.count, (), [((b, n, chunks.size, h), v.dtype)])  # (count, B, N, chunk, Hv)
@@ -1438,7 +1438,7 @@ def _chunk_weights(chunks, q, k, i, extra):
     size = chunks.size
     start = i * size
     q_i = _rows(q, start, size)  # (B, N, chunk, H)
-    scores = ops.matmul(_grouped(chunks, q_i), ops.swapaxes(k, -1, -2))  # (B, K, G*chunk, H) @ (B, K, H, S)
+    scores = _matmul(_grouped(chunks, q_i), ops.swapaxes(k, -1, -2))  # (B, K, G*chunk, H) @ (B, K, H, S)
     scores = ops.cast(_by_head(chunks, scores), chunks.dtype)  # (B, N, chunk, S)
     capped = None if chunks.softcap is None else ops.tanh(scores / chunks.softcap)  # kept for the backward
     scores = scores if capped is None else chunks.softcap * capped  # `_softcap`
@@ -1458,16 +1458,16 @@ def _chunk_gradients(chunks, q, k, v, extra, d_context, i, totals):
     kept, mask = _dropped(chunks, weights, i)
     d_out = _grouped(chunks, _rows(d_context, i * chunks.size, chunks.size))  # (B, K, G*chunk, H)
     kept = ops.swapaxes(_grouped(chunks, ops.cast(kept, v.dtype)), -1, -2)  # (B, K, S, G*chunk)
-    d_v = d_v + ops.cast(ops.matmul(kept, d_out), d_v.dtype)  # (B, K, S, H)
-    d_weights = ops.cast(_by_head(chunks, ops.matmul(d_out, ops.swapaxes(v, -1, -2))), chunks.dtype)  # (B, N, chunk, S)
+    d_v = d_v + ops.cast(_matmul(kept, d_out), d_v.dtype)  # (B, K, S, H)
+    d_weights = ops.cast(_by_head(chunks, _matmul(d_out, ops.swapaxes(v, -1, -2))), chunks.dtype)  # (B, N, chunk, S)
     d_weights = d_weights if mask is None else d_weights * mask
     total = ops.sum(d_weights * weights, axis=-1, keepdims=True)  # (B, N, chunk, 1)
     d_scores = weights * (d_weights - total)  # the softmax's input, after the bias
     sums, bias_rows = _extra_gradients(sums, d_scores, weights, total, bias_i)
     d_scores = d_scores if capped is None else d_scores * (1 - ops.square(capped))  # d tanh
     d_scores = _grouped(chunks, ops.cast(d_scores, q.dtype))  # (B, K, G*chunk, S)
-    d_k = d_k + ops.cast(ops.matmul(ops.swapaxes(d_scores, -1, -2), _grouped(chunks, q_i)), d_k.dtype)  # (B, K, S, H)
-    d_q = _by_head(chunks, ops.matmul(d_scores, k))  # (B, K, G*chunk, H) -> (B, N, chunk, H)
+    d_k = d_k + ops.cast(_matmul(ops.swapaxes(d_scores, -1, -2), _grouped(chunks, q_i)), d_k.dtype)  # (B, K, S, H)
+    d_q = _by_head(chunks, _matmul(d_scores, k))  # (B, K, G*chunk, H) -> (B, N, chunk, H)
     return (d_k, d_v, sums), (d_q, *bias_rows)
 
 
@@ -1590,6 +1590,30 @@ def _loop(step, count, totals, rows):
 # -------------------------------------------------------------------------------------------------
 
 
+def _narrows(dtype):
+    """Whether Keras' type promotion computes `dtype` in a narrower one: float64 in float32 on
+    every backend but TensorFlow (it follows JAX's default, 64-bit off), in `ops.matmul`,
+    `ops.dot_product_attention`, `ops.mean` and `ops.maximum`."""
+    name = keras.backend.standardize_dtype(dtype)
+    return keras.backend.result_type(name, name) != name
+
+
+def _mean(x):
+    """The mean over the last axis, kept, in x's dtype: `ops.mean` computes float64 in float32
+    where Keras narrows it (`_narrows`)."""
+    if _narrows(x.dtype):
+        return ops.sum(x, axis=-1, keepdims=True) / x.shape[-1]  # (..., D) -> (..., 1)
+    return ops.mean(x, axis=-1, keepdims=True)  # (..., D) -> (..., 1)
+
+
+def _matmul(a, b):
+    """a @ b, broadcast as `ops.matmul`, in the inputs' dtype: float64 through `ops.einsum`,
+    which keeps it where `ops.matmul` would narrow it (`_narrows`)."""
+    if _narrows(a.dtype) and _dtype_name(a.dtype) == _dtype_name(b.dtype):
+        return ops.einsum("...ij,...jk->...ik", a, b)  # (..., I, J) @ (..., J, K) -> (..., I, K)
+    return ops.matmul(a, b)  # (..., I, J) @ (..., J, K) -> (..., I, K)
+
+
 def _is_float(dtype):
     return keras.backend.is_float_dtype(keras.backend.standardize_dtype(dtype))
 
@@ -1695,7 +1719,7 @@ def _int8_matmul(x, kernel, kernel_scale):
     def grad(*args, upstream=None):
         upstream = args[0] if upstream is None else upstream  # torch passes it by name, after the inputs
         dequantized = ops.cast(kernel, x.dtype) * kernel_scale  # (D, F)
-        return ops.matmul(upstream, ops.transpose(dequantized)), None, None  # (B, L, F) -> (B, L, D)
+        return _matmul(upstream, ops.transpose(dequantized)), None, None  # (B, L, F) -> (B, L, D)
 
     return y, grad
 
@@ -2457,7 +2481,7 @@ class MultiHeadAttention(keras.layers.Layer):
         with x quantized per token (`_int8_matmul`)."""
         kernel, scale = getattr(self, f"{kind}_kernel"), self._scale_of(kind)
         if scale is None:
-            y = ops.matmul(x, ops.cast(kernel, x.dtype))  # (B, L, D) -> (B, L, F)
+            y = _matmul(x, ops.cast(kernel, x.dtype))  # (B, L, D) -> (B, L, F)
         else:
             y = _int8_matmul(x, ops.convert_to_tensor(kernel), ops.cast(scale, x.dtype))  # (B, L, D) -> (B, L, F)
         bias = self._bias_of(kind)
@@ -2584,7 +2608,7 @@ class MultiHeadAttention(keras.layers.Layer):
             latent = latent + ops.stop_gradient(_quantized_rows(latent) - latent)  # (B, 1, S, C)
         q_nope, q_rope = q[..., : self.qk_nope_head_dim], q[..., self.qk_nope_head_dim :]  # (B, N, T, Hn|Hr)
         ones = ops.ones_like(latent[..., :1])  # (B, 1, S, 1)
-        queries, keys, values = [ops.matmul(q_nope, w_kb), q_rope], [latent, k_rope], [latent]  # (B, N, T, C), ...
+        queries, keys, values = [_matmul(q_nope, w_kb), q_rope], [latent, k_rope], [latent]  # (B, N, T, C), ...
         if b_k is not None:
             queries.append(ops.sum(q_nope * b_k[:, None, :], axis=-1, keepdims=True))  # (B, N, T, 1)
             keys.append(ones)
@@ -2592,7 +2616,7 @@ class MultiHeadAttention(keras.layers.Layer):
             values.append(ones)
         q, k, v = (ops.concatenate(parts, axis=-1) for parts in (queries, keys, values))  # (B, N, T, .), ...
         context, weights = self._attend_heads(q, k, v, keep, bias, call)  # (B, N, T, C or C + 1)
-        output = ops.matmul(context[..., : self.kv_lora_rank], ops.swapaxes(w_vb, -1, -2))  # -> (B, N, T, Hv)
+        output = _matmul(context[..., : self.kv_lora_rank], ops.swapaxes(w_vb, -1, -2))  # -> (B, N, T, Hv)
         return output if b_v is None else output + context[..., self.kv_lora_rank :] * b_v[:, None, :], weights
 
     def _attend_heads(self, q, k, v, keep, bias, call):
@@ -2633,9 +2657,12 @@ class MultiHeadAttention(keras.layers.Layer):
     def _fuses(self, q, k, call, dropout):
         """Whether `_attend` takes `ops.dot_product_attention`: without the weights, soft-capping
         (which it cannot express) and dropout (which it has not), at shapes known at trace time with
-        T, S > 0; where `fused_attention` is None, only on torch (fused SDPA; on TensorFlow and JAX's
+        T, S > 0, not in float64 where Keras computes it in float32 (`_narrows`); where
+        `fused_attention` is None, only on torch (fused SDPA; on TensorFlow and JAX's
         CPU it is the explicit formula, no faster than `dot_product_attention`)."""
         if call.return_attention or self.softcap is not None or dropout or self.fused_attention is False:
+            return False
+        if _narrows(q.dtype):  # the kernel would compute float64 in float32
             return False
         if not _known(*q.shape, *k.shape) or 0 in (q.shape[2], k.shape[2]):
             return False
