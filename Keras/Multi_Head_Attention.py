@@ -772,7 +772,7 @@ def _split_mask(mask, dtype):
         return mask, None
     threshold = _LOWEST.get(_dtype_name(mask.dtype), _FLOAT32_LOWEST)
     removed = mask <= threshold  # (B, N, T, S), dims may be 1
-    additive = ops.where(removed, ops.zeros_like(mask), ops.maximum(mask, threshold))  # finite
+    additive = ops.where(removed, ops.zeros_like(mask), mask)  # finite, never 0 * -inf
     return ops.logical_not(removed), ops.cast(additive, dtype)
 
 
@@ -831,7 +831,7 @@ def rms_norm(x, scale, eps, bias=None):
     float32 at least and cast back to x's dtype."""
     dtype = _softmax_dtype(x.dtype)
     y = ops.cast(x, dtype)
-    y = y * ops.rsqrt(ops.mean(ops.square(y), axis=-1, keepdims=True) + eps) * ops.cast(scale, dtype)
+    y = y * ops.rsqrt(_mean(ops.square(y)) + eps) * ops.cast(scale, dtype)
     return ops.cast(_add(y, None if bias is None else ops.cast(bias, dtype)), x.dtype)
 
 
@@ -840,8 +840,8 @@ def layer_norm(x, scale, eps, bias=None):
     the biased variance, computed in float32 at least and cast back to x's dtype."""
     dtype = _softmax_dtype(x.dtype)
     y = ops.cast(x, dtype)
-    y = y - ops.mean(y, axis=-1, keepdims=True)
-    y = y * ops.rsqrt(ops.mean(ops.square(y), axis=-1, keepdims=True) + eps) * ops.cast(scale, dtype)
+    y = y - _mean(y)
+    y = y * ops.rsqrt(_mean(ops.square(y)) + eps) * ops.cast(scale, dtype)
     return ops.cast(_add(y, None if bias is None else ops.cast(bias, dtype)), x.dtype)
 
 
@@ -1230,7 +1230,7 @@ def dot_product_attention(
     v = ops.repeat(v, groups, axis=1) if groups > 1 else v  # (B, K, S, H) -> (B, N, S, H)
     dtype = _softmax_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    q = q * ops.cast(scale, q.dtype)  # scale the (B, N, T, H) queries, not the scores
+    q = q * ops.convert_to_tensor(scale, q.dtype)  # the (B, N, T, H) queries scaled in their dtype, not the scores
     scores = ops.cast(_matmul(q, ops.swapaxes(k, -1, -2)), dtype)  # (B, N, T, S)
     scores = _softcap(scores, softcap)
     if bias is not None:
@@ -1378,7 +1378,7 @@ def _chunked_attention(
     dtype, count = _softmax_dtype(q.dtype), -(-t // chunk)
     padded = count * chunk - t
     scale = 1.0 / math.sqrt(h) if scale is None else scale
-    q = q * ops.cast(scale, q.dtype)  # scale the (B, N, T, H) queries, not the scores
+    q = q * ops.convert_to_tensor(scale, q.dtype)  # the (B, N, T, H) queries scaled in their dtype, not the scores
     q = ops.pad(q, [[0, 0], [0, 0], [0, padded], [0, 0]])  # (B, N, T', H), T' a multiple of chunk
     bias = None if bias is None else ops.cast(bias, dtype)
     extras = {"bias": _pad_rows(bias, padded), "sinks": None if sinks is None else ops.cast(sinks, dtype)}
@@ -1596,23 +1596,32 @@ def _loop(step, count, totals, rows):
 # -------------------------------------------------------------------------------------------------
 
 
-def _is_float(dtype):
-    return keras.backend.is_float_dtype(keras.backend.standardize_dtype(dtype))
+def _narrows(dtype):
+    """Whether Keras' type promotion computes `dtype` in a narrower one: float64 in float32 on
+    every backend but TensorFlow (it follows JAX's default, 64-bit off), in `ops.matmul`,
+    `ops.dot_product_attention`, `ops.mean` and `ops.maximum`."""
+    name = keras.backend.standardize_dtype(dtype)
+    return keras.backend.result_type(name, name) != name
 
 
-def _narrowed(dtype):
-    """Whether Keras' type promotion computes `dtype` in a narrower one: outside TensorFlow it maps
-    64-bit types to 32-bit (as JAX without x64 does), so `ops.matmul` on torch and
-    `ops.dot_product_attention` on torch and JAX compute float64 in float32."""
-    return keras.backend.result_type(dtype) != keras.backend.standardize_dtype(dtype)
+def _mean(x):
+    """The mean over the last axis, kept, in x's dtype: `ops.mean` computes float64 in float32
+    where Keras narrows it (`_narrows`)."""
+    if _narrows(x.dtype):
+        return ops.sum(x, axis=-1, keepdims=True) / x.shape[-1]  # (..., D) -> (..., 1)
+    return ops.mean(x, axis=-1, keepdims=True)  # (..., D) -> (..., 1)
 
 
 def _matmul(a, b):
-    """`a @ b` (batch dimensions broadcast) in the inputs' float dtype: a float64 product that
-    `ops.matmul` would narrow (`_narrowed`) goes through `ops.einsum`, which keeps it."""
-    if _narrowed(a.dtype):
-        return ops.einsum("...ij,...jk->...ik", a, b)
-    return ops.matmul(a, b)
+    """a @ b, broadcast as `ops.matmul`, in the inputs' dtype: float64 through `ops.einsum`,
+    which keeps it where `ops.matmul` would narrow it (`_narrows`)."""
+    if _narrows(a.dtype) and _dtype_name(a.dtype) == _dtype_name(b.dtype):
+        return ops.einsum("...ij,...jk->...ik", a, b)  # (..., I, J) @ (..., J, K) -> (..., I, K)
+    return ops.matmul(a, b)  # (..., I, J) @ (..., J, K) -> (..., I, K)
+
+
+def _is_float(dtype):
+    return keras.backend.is_float_dtype(keras.backend.standardize_dtype(dtype))
 
 
 def _is_int(dtype):
@@ -2653,13 +2662,13 @@ class MultiHeadAttention(keras.layers.Layer):
 
     def _fuses(self, q, k, call, dropout):
         """Whether `_attend` takes `ops.dot_product_attention`: without the weights, soft-capping
-        (which it cannot express), dropout (which it has not) and a dtype it would narrow (float64
-        outside TensorFlow, `_narrowed`), at shapes known at trace time with T, S > 0; where
-        `fused_attention` is None, only on torch (fused SDPA; on TensorFlow and JAX's CPU it is the
-        explicit formula, no faster than `dot_product_attention`)."""
+        (which it cannot express) and dropout (which it has not), at shapes known at trace time with
+        T, S > 0, not in float64 where Keras computes it in float32 (`_narrows`); where
+        `fused_attention` is None, only on torch (fused SDPA; on TensorFlow and JAX's
+        CPU it is the explicit formula, no faster than `dot_product_attention`)."""
         if call.return_attention or self.softcap is not None or dropout or self.fused_attention is False:
             return False
-        if _narrowed(q.dtype):
+        if _narrows(q.dtype):  # the kernel would compute float64 in float32
             return False
         if not _known(*q.shape, *k.shape) or 0 in (q.shape[2], k.shape[2]):
             return False

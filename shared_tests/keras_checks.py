@@ -212,6 +212,49 @@ def check_mixed_precision():
         _close(output, expected, policy, tolerance)
 
 
+def check_float64():
+    """Regression: a float64 layer computed in float32 in places, 1e-8 to 2.5e-7 from the NumPy
+    file. On torch its output was float32: Keras' type promotion narrows float64 to float32 on
+    every backend but TensorFlow in `ops.matmul`, `ops.dot_product_attention`, `ops.mean` (the
+    norms) and `ops.maximum` (a float mask). On TensorFlow and torch a `scale` not exact in float32
+    was rounded to float32 (`ops.cast` of a Python float). A float64 layer (GQA with a gate, sinks,
+    LayerNorm QK-norm; MLA without RoPE, its latents' RMSNorm and a two-sided window), with a
+    float64 mask, gives float64 outputs equal to the NumPy file's within the SPEC's float64 tolerance on
+    the default, explicit and memory-efficient paths and decoding token by token (JAX, without
+    x64, has no float64: not run there)."""
+    from keras import ops
+
+    from NumPy import MultiHeadAttention
+    from shared_tests.cases import FLOAT64_TOLERANCES
+
+    tolerance = FLOAT64_TOLERANCES["plain"]["output"]
+    x = _inputs((2, 5, 16)).astype(np.float64)
+    key_mask = np.array([[False, True, True, True, True], [True] * 5])  # left padding
+    mask = np.random.default_rng(2).normal(scale=0.3, size=(2, 5, 5))  # (B, T, S) float64, added to the scores
+    latent = {name: value for name, value in MLA_CONFIG.items() if not name.startswith("rope")}  # NoPE latents
+    gated = {"num_kv_heads": 2, "gate": True, "sinks": True, "qk_norm": "head", "qk_norm_type": "layer", "head_dim": 6}
+    for config in (gated, latent):  # scales 6 ** -0.5 and 6 ** -0.5, not exact in float32
+        layer = _layer(dtype="float64", **config)
+        reference = MultiHeadAttention(d_model=16, num_heads=4, **config)
+        reference.import_weights(layer.export_weights())
+        masked = reference(x, attention_mask=mask, key_mask=key_mask, causal=True)
+        for path, threshold, attention in (("default", None, False), ("explicit", None, True), ("memory", 0, False)):
+            if threshold is not None:
+                layer.memory_efficient_threshold = threshold
+            query = ops.convert_to_tensor(x)
+            output = layer(query, attention_mask=mask, key_mask=key_mask, causal=True, return_attention=attention)
+            output = output[0] if attention else output
+            assert ops.convert_to_numpy(output).dtype == np.float64, (config, path, output.dtype)
+            _close(output, masked, f"float64 {path} path of {sorted(config)}", tolerance)
+        expected = reference(x, key_mask=key_mask, causal=True)
+        cache, outputs = layer.init_cache(2, 5), []
+        for t in range(5):
+            output, cache = layer(ops.convert_to_tensor(x[:, t : t + 1]), key_mask=key_mask[:, t : t + 1], causal=True,
+                                  cache=cache)  # fmt: skip
+            outputs.append(_numpy(output))
+        _close(np.concatenate(outputs, 1), expected, f"float64 decoding of {sorted(config)}", tolerance)
+
+
 def check_clip_qkv():
     """`clip_qkv` on this backend: the clamp's gradient is 1 on the bounds and 0 outside (JAX's
     `clip` gives 0.5 on a bound), as the NumPy reference's backward; one token, so the weight is 1
@@ -977,6 +1020,7 @@ CHECKS = {
     "memory_efficient_dropout": check_memory_efficient_dropout,
     "fused": check_fused,
     "mla": check_mla,
+    "float64": check_float64,
     "tensorflow_file_refuses": check_tensorflow_file_refuses,
     "int8_parity": check_int8_parity,
     "int8_model_quantize": check_int8_model_quantize,
