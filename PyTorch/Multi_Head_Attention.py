@@ -86,7 +86,6 @@ _ROPE_SCALING = {
     "yarn": ("factor", "original_max_position_embeddings"),
 }
 _YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
-_PLAIN = (nn.Parameter, torch.Tensor)  # the weight types that concatenate as they are (`_fusable`)
 _BLOCK_SCORES = 1 << 21  # scores in one block of `_attention_in_blocks`: 8 MiB of float32
 
 
@@ -1440,10 +1439,8 @@ def _plain_linear(module, kind=nn.Linear):
 
 
 def _bare_linear(module):
-    """Whether `module` is an nn.Linear with no hooks of its own and a weight of a plain tensor type
-    (`_fusable`: not torchao's or a DTensor), read from its own dicts: `_plain_linear` less the
-    hooks registered for every module, which the caller checks once."""
-    return type(module) is nn.Linear and not _own_hooks(module) and type(module._parameters["weight"]) in _PLAIN
+    """`_plain_linear` for nn.Linear, less the hooks registered for every module (the caller checks them once)."""
+    return type(module) is nn.Linear and not _own_hooks(module)
 
 
 def _own_hooks(module):
@@ -2281,16 +2278,17 @@ class MultiHeadAttention(nn.Module):
         return weight, bias, scale
 
     def _kept_kernels(self, dtype):
-        """The lean decode step's kernels: the q/k/v kernels the layer keeps (`_fused_weights`) and
-        the output projection's weight and bias, where the four projections are plain nn.Linear
-        modules with plain weights (`_plain_linear`, `_fusable`) and the kept kernels are current
-        for `dtype` (`_versions`); else None. Read from the modules' own dicts: a read through
-        nn.Module's attribute lookup costs about a microsecond, a sizeable share of a T = 1 step."""
+        """The decode fast path's kernels: the q/k/v kernels the layer keeps (`_fused_weights`, made
+        only where `_fusable` held) while they are current for `dtype` (`_versions`: a weight
+        replaced, cast or written in place is another storage or version) and the projections are
+        still plain nn.Linear modules with no hooks (`_plain_linear`), and the output projection's
+        weight and bias; else None. Read from the modules' own dicts: a read through nn.Module's
+        attribute lookup costs about a microsecond, a sizeable share of a T = 1 step."""
         modules = self._modules
         projections = (modules["query"], modules["key"], modules["value"], modules["output"])
         if self._fused is None or _global_hooks() or not all([_bare_linear(p) for p in projections]):
             return None
-        (q, k, v, output) = (p._parameters for p in projections)
+        q, k, v, output = (p._parameters for p in projections)
         tensors = [q["weight"], q["bias"], k["weight"], k["bias"], v["weight"], v["bias"]]
         current = self._fused[0] == _versions(tensors, dtype)
         return (self._fused[1], (output["weight"], output["bias"])) if current else None
@@ -2523,6 +2521,13 @@ class MultiHeadAttention(nn.Module):
         start = _carried_start(cache, b, t, self.num_kv_heads, self.head_dim, fused[0].dtype)
         if start is None:
             return None
+        if t == 1 and positions is None and self._one_sdpa_call():  # the same operations, without the dispatch
+            q, k, v = self._fused_heads(query, *fused)  # 2. (B, 1, E) -> (B, N, 1, H), 2 x (B, K, 1, H)
+            cache = _write_cache(cache, k, v, None, start)  # 5. KV cache: slot index written
+            k, v, keep = _first_slots(cache, start + 1)  # (B, K, S, H) x 2 and (B, 1, 1, S) or None, S = index + 1
+            dropout = self.dropout if self.training else 0.0
+            context = _sdpa_attention(q, k, v, keep, None, dropout, self.scale)  # 6. (B, N, 1, H), as `_attend_heads`
+            return F.linear(self._merge_heads(context), *output_kernel), cache  # 7. (B, 1, N*H) -> (B, 1, E)
         positions = self._positions(positions, query, query, cache)  # 1. checked (B, T), None without RoPE
         q, k, v = self._fused_heads(query, *fused)  # 2. (B, T, E) -> (B, N, T, H), 2 x (B, K, T, H)
         q, k, v = self._clip(q), self._clip(k), self._clip(v)
@@ -2537,6 +2542,13 @@ class MultiHeadAttention(nn.Module):
         context, _ = self._attend(q, k, v, keep, None, call)  # 6. (B, N, T, H)
         context = self._gate_heads(call, context)  # 6b. output gate
         return F.linear(self._merge_heads(context), *output_kernel), cache  # 7. (B, T, N*H) -> (B, T, E)
+
+    def _one_sdpa_call(self):
+        """Whether a one-token step of this layer is one SDPA call over the written slots (no
+        step 3, 4 or 6b; `_attend_heads` with one query and no window, chunk, sinks or soft-capping)."""
+        steps = (self.qk_norm, self.rope_theta, self.clip_qkv, self.gate)
+        attention = (self.softcap, self.sinks, self.window, self.attention_chunk_size)
+        return (steps + attention).count(None) == 8
 
     def forward(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
