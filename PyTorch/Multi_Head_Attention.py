@@ -1072,8 +1072,9 @@ def _all_kept(keep):
 
 def _carried_start(cache, b, t, heads, head_dim, dtype):
     """The index of a cache that passes every check of a T-token call (`_check_cache`,
-    `_check_cache_dtype`, `_check_room`) and whose tokens fit in its first lap, from the value
-    its index carries (`_carried`: no value read); else None, and the call's own checks run."""
+    `_check_cache_dtype` with the compute `dtype`, `_check_room`) and whose tokens fit in its first
+    lap, from the value its index carries (`_carried`: no value read); else None, and the call's
+    own checks run."""
     key, value, keep, index = cache
     start = _carried(index)
     tensors = type(key) is torch.Tensor and type(value) is torch.Tensor and type(keep) is torch.Tensor
@@ -2504,22 +2505,25 @@ class MultiHeadAttention(nn.Module):
         return context * gate.unflatten(-1, (-1, context.shape[-1])).transpose(1, 2)  # -> (B, N, T, Hv)
 
     def _decode_step(self, query, positions, causal, cache):
-        """The lean decode step: an eager self-attention step under no_grad with no mask, bias or
-        returned weights, over plain projections whose q/k/v kernels the layer keeps and a cache
-        whose index carries its value and whose tokens fit in its first lap. It runs forward's
-        steps 2 to 7 with forward's own functions, less the checks those facts make impossible to
-        fail (`_carried_start`) and the general dispatch (`_check_call`, `_masks`, `_fusable`,
-        `_fused_weights`, `_update_cache`). Returns (output, cache), or None where it does not
-        apply: the call then runs through `forward`'s steps, which raise where it is invalid."""
+        """The decode fast path: a call that gives only the query (with `causal`, and `positions`
+        as a tensor) and a cache, eagerly under no_grad, over plain projections whose q/k/v kernels
+        the layer keeps (`_kept_kernels`) and a cache whose index carries its value and whose T
+        tokens fit in its first lap (`_carried_start`). It runs `forward`'s steps 2 to 7 with
+        `forward`'s own functions, less the check step, whose checks those facts answer, and the
+        general dispatch (`_check_call`, `_masks`, `_fusable`, `_fused_weights`, `_update_cache`);
+        a plain layer's one-token step is its operations alone (`_one_sdpa_call`). Returns
+        (output, cache), bit for bit the general call's, or None where it does not apply: the call
+        then runs through `forward`'s steps, which raise where it is invalid."""
         tensors = type(query) is torch.Tensor and (positions is None or type(positions) is torch.Tensor)
-        if not tensors or torch.is_grad_enabled() or not _eager() or self._latent is not None:
+        if not tensors or type(cache) is not KVCache or torch.is_grad_enabled() or not _eager():
             return None
-        kernels = self._kept_kernels(query.dtype) if query.dim() == 3 and query.shape[2] == self.d_model else None
+        width = query.dim() == 3 and query.shape[2] == self.d_model
+        kernels = self._kept_kernels(query.dtype) if width and self._latent is None else None
         if kernels is None or _autocast_enabled(query.device):
             return None
-        (b, t), (fused, output_kernel) = query.shape[:2], kernels
-        start = _carried_start(cache, b, t, self.num_kv_heads, self.head_dim, fused[0].dtype)
-        if start is None:
+        (b, t), (fused, output_kernel), dtype = query.shape[:2], kernels, query.dtype
+        start = _carried_start(cache, b, t, self.num_kv_heads, self.head_dim, dtype)
+        if start is None or output_kernel[0].dtype != dtype:  # the compute dtype (`_compute_dtype`) is the query's
             return None
         if t == 1 and positions is None and self._one_sdpa_call():  # the same operations, without the dispatch
             q, k, v = self._fused_heads(query, *fused)  # 2. (B, 1, E) -> (B, N, 1, H), 2 x (B, K, 1, H)
@@ -2548,7 +2552,7 @@ class MultiHeadAttention(nn.Module):
         step 3, 4 or 6b; `_attend_heads` with one query and no window, chunk, sinks or soft-capping)."""
         steps = (self.qk_norm, self.rope_theta, self.clip_qkv, self.gate)
         attention = (self.softcap, self.sinks, self.window, self.attention_chunk_size)
-        return (steps + attention).count(None) == 8
+        return all(x is None for x in steps + attention)
 
     def forward(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
@@ -2556,7 +2560,7 @@ class MultiHeadAttention(nn.Module):
     ):  # fmt: skip
         bare = key is None and value is None and attention_mask is None and mask is None and attention_bias is None
         bare = bare and key_mask is None and query_mask is None and not return_attention and cache is not None
-        step = self._decode_step(query, positions, causal, cache) if bare else None  # the lean step, where it applies
+        step = self._decode_step(query, positions, causal, cache) if bare else None  # the decode fast path
         if step is not None:
             return step
         call = self._check_call(
