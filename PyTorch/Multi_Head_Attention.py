@@ -1439,11 +1439,6 @@ def _plain_linear(module, kind=nn.Linear):
     return type(module) is kind and not _own_hooks(module) and not _global_hooks()
 
 
-def _bare_linear(module):
-    """`_plain_linear` for nn.Linear, less the hooks registered for every module (the caller checks them once)."""
-    return type(module) is nn.Linear and not _own_hooks(module)
-
-
 def _own_hooks(module):
     """Whether `module` has hooks of its own (tensor parallelism and pruning add hooks)."""
     return bool(
@@ -2287,7 +2282,8 @@ class MultiHeadAttention(nn.Module):
         attribute lookup costs about a microsecond, a sizeable share of a T = 1 step."""
         modules = self._modules
         projections = (modules["query"], modules["key"], modules["value"], modules["output"])
-        if self._fused is None or _global_hooks() or not all([_bare_linear(p) for p in projections]):
+        plain = all([type(p) is nn.Linear and not _own_hooks(p) for p in projections]) and not _global_hooks()
+        if self._fused is None or not plain:
             return None
         q, k, v, output = (p._parameters for p in projections)
         tensors = [q["weight"], q["bias"], k["weight"], k["bias"], v["weight"], v["bias"]]
