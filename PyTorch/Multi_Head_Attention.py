@@ -86,7 +86,6 @@ _ROPE_SCALING = {
     "yarn": ("factor", "original_max_position_embeddings"),
 }
 _YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
-_PLAIN = (nn.Parameter, torch.Tensor)  # the weight types that concatenate as they are (`_fusable`)
 _BLOCK_SCORES = 1 << 21  # scores in one block of `_attention_in_blocks`: 8 MiB of float32
 
 
@@ -1073,8 +1072,9 @@ def _all_kept(keep):
 
 def _carried_start(cache, b, t, heads, head_dim, dtype):
     """The index of a cache that passes every check of a T-token call (`_check_cache`,
-    `_check_cache_dtype`, `_check_room`) and whose tokens fit in its first lap, from the value
-    its index carries (`_carried`: no value read); else None, and the call's own checks run."""
+    `_check_cache_dtype` with the compute `dtype`, `_check_room`) and whose tokens fit in its first
+    lap, from the value its index carries (`_carried`: no value read); else None, and the call's
+    own checks run."""
     key, value, keep, index = cache
     start = _carried(index)
     tensors = type(key) is torch.Tensor and type(value) is torch.Tensor and type(keep) is torch.Tensor
@@ -1437,13 +1437,6 @@ def _plain_linear(module, kind=nn.Linear):
     quantized, parametrized or FSDP2-sharded module has another class), with no hooks of its own
     (tensor parallelism and pruning add hooks) and no hooks registered for every module."""
     return type(module) is kind and not _own_hooks(module) and not _global_hooks()
-
-
-def _bare_linear(module):
-    """Whether `module` is an nn.Linear with no hooks of its own and a weight of a plain tensor type
-    (`_fusable`: not torchao's or a DTensor), read from its own dicts: `_plain_linear` less the
-    hooks registered for every module, which the caller checks once."""
-    return type(module) is nn.Linear and not _own_hooks(module) and type(module._parameters["weight"]) in _PLAIN
 
 
 def _own_hooks(module):
@@ -2281,16 +2274,18 @@ class MultiHeadAttention(nn.Module):
         return weight, bias, scale
 
     def _kept_kernels(self, dtype):
-        """The lean decode step's kernels: the q/k/v kernels the layer keeps (`_fused_weights`) and
-        the output projection's weight and bias, where the four projections are plain nn.Linear
-        modules with plain weights (`_plain_linear`, `_fusable`) and the kept kernels are current
-        for `dtype` (`_versions`); else None. Read from the modules' own dicts: a read through
-        nn.Module's attribute lookup costs about a microsecond, a sizeable share of a T = 1 step."""
+        """The decode fast path's kernels: the q/k/v kernels the layer keeps (`_fused_weights`, made
+        only where `_fusable` held) while they are current for `dtype` (`_versions`: a weight
+        replaced, cast or written in place is another storage or version) and the projections are
+        still plain nn.Linear modules with no hooks (`_plain_linear`), and the output projection's
+        weight and bias; else None. Read from the modules' own dicts: a read through nn.Module's
+        attribute lookup costs about a microsecond, a sizeable share of a T = 1 step."""
         modules = self._modules
         projections = (modules["query"], modules["key"], modules["value"], modules["output"])
-        if self._fused is None or _global_hooks() or not all([_bare_linear(p) for p in projections]):
+        plain = all([type(p) is nn.Linear and not _own_hooks(p) for p in projections]) and not _global_hooks()
+        if self._fused is None or not plain:
             return None
-        (q, k, v, output) = (p._parameters for p in projections)
+        q, k, v, output = (p._parameters for p in projections)
         tensors = [q["weight"], q["bias"], k["weight"], k["bias"], v["weight"], v["bias"]]
         current = self._fused[0] == _versions(tensors, dtype)
         return (self._fused[1], (output["weight"], output["bias"])) if current else None
@@ -2506,23 +2501,33 @@ class MultiHeadAttention(nn.Module):
         return context * gate.unflatten(-1, (-1, context.shape[-1])).transpose(1, 2)  # -> (B, N, T, Hv)
 
     def _decode_step(self, query, positions, causal, cache):
-        """The lean decode step: an eager self-attention step under no_grad with no mask, bias or
-        returned weights, over plain projections whose q/k/v kernels the layer keeps and a cache
-        whose index carries its value and whose tokens fit in its first lap. It runs forward's
-        steps 2 to 7 with forward's own functions, less the checks those facts make impossible to
-        fail (`_carried_start`) and the general dispatch (`_check_call`, `_masks`, `_fusable`,
-        `_fused_weights`, `_update_cache`). Returns (output, cache), or None where it does not
-        apply: the call then runs through `forward`'s steps, which raise where it is invalid."""
+        """The decode fast path: a call that gives only the query (with `causal`, and `positions`
+        as a tensor) and a cache, eagerly under no_grad, over plain projections whose q/k/v kernels
+        the layer keeps (`_kept_kernels`) and a cache whose index carries its value and whose T
+        tokens fit in its first lap (`_carried_start`). It runs `forward`'s steps 2 to 7 with
+        `forward`'s own functions, less the check step, whose checks those facts answer, and the
+        general dispatch (`_check_call`, `_masks`, `_fusable`, `_fused_weights`, `_update_cache`);
+        a plain layer's one-token step is its operations alone (`_one_sdpa_call`). Returns
+        (output, cache), bit for bit the general call's, or None where it does not apply: the call
+        then runs through `forward`'s steps, which raise where it is invalid."""
         tensors = type(query) is torch.Tensor and (positions is None or type(positions) is torch.Tensor)
-        if not tensors or torch.is_grad_enabled() or not _eager() or self._latent is not None:
+        if not tensors or type(cache) is not KVCache or torch.is_grad_enabled() or not _eager():
             return None
-        kernels = self._kept_kernels(query.dtype) if query.dim() == 3 and query.shape[2] == self.d_model else None
+        width = query.dim() == 3 and query.shape[2] == self.d_model
+        kernels = self._kept_kernels(query.dtype) if width and self._latent is None else None
         if kernels is None or _autocast_enabled(query.device):
             return None
-        (b, t), (fused, output_kernel) = query.shape[:2], kernels
-        start = _carried_start(cache, b, t, self.num_kv_heads, self.head_dim, fused[0].dtype)
-        if start is None:
+        (b, t), (fused, output_kernel), dtype = query.shape[:2], kernels, query.dtype
+        start = _carried_start(cache, b, t, self.num_kv_heads, self.head_dim, dtype)
+        if start is None or output_kernel[0].dtype != dtype:  # the compute dtype (`_compute_dtype`) is the query's
             return None
+        if t == 1 and positions is None and self._one_sdpa_call():  # the same operations, without the dispatch
+            q, k, v = self._fused_heads(query, *fused)  # 2. (B, 1, E) -> (B, N, 1, H), 2 x (B, K, 1, H)
+            cache = _write_cache(cache, k, v, None, start)  # 5. KV cache: slot index written
+            k, v, keep = _first_slots(cache, start + 1)  # (B, K, S, H) x 2 and (B, 1, 1, S) or None, S = index + 1
+            dropout = self.dropout if self.training else 0.0
+            context = _sdpa_attention(q, k, v, keep, None, dropout, self.scale)  # 6. (B, N, 1, H), as `_attend_heads`
+            return F.linear(self._merge_heads(context), *output_kernel), cache  # 7. (B, 1, N*H) -> (B, 1, E)
         positions = self._positions(positions, query, query, cache)  # 1. checked (B, T), None without RoPE
         q, k, v = self._fused_heads(query, *fused)  # 2. (B, T, E) -> (B, N, T, H), 2 x (B, K, T, H)
         q, k, v = self._clip(q), self._clip(k), self._clip(v)
@@ -2538,13 +2543,20 @@ class MultiHeadAttention(nn.Module):
         context = self._gate_heads(call, context)  # 6b. output gate
         return F.linear(self._merge_heads(context), *output_kernel), cache  # 7. (B, T, N*H) -> (B, T, E)
 
+    def _one_sdpa_call(self):
+        """Whether a one-token step of this layer is one SDPA call over the written slots (no
+        step 3, 4 or 6b; `_attend_heads` with one query and no window, chunk, sinks or soft-capping)."""
+        steps = (self.qk_norm, self.rope_theta, self.clip_qkv, self.gate)
+        attention = (self.softcap, self.sinks, self.window, self.attention_chunk_size)
+        return all(x is None for x in steps + attention)
+
     def forward(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
         attention_bias=None, positions=None, causal=False, return_attention=False, cache=None, mask=None,
     ):  # fmt: skip
         bare = key is None and value is None and attention_mask is None and mask is None and attention_bias is None
         bare = bare and key_mask is None and query_mask is None and not return_attention and cache is not None
-        step = self._decode_step(query, positions, causal, cache) if bare else None  # the lean step, where it applies
+        step = self._decode_step(query, positions, causal, cache) if bare else None  # the decode fast path
         if step is not None:
             return step
         call = self._check_call(

@@ -319,28 +319,28 @@ def _spy_fast_steps(monkeypatch):
     return taken
 
 
-# The decode cases whose calls after the first the fast path takes: no mask over the slots, self-attention, no
-# MLA, and a second call within the cache's first lap.
-FAST_STEP_CASES = [
-    c
-    for c in DECODE_CASES
-    if c.mask == "none" and not c.cross and not c.mla and len(c.chunks) > 1 and sum(c.chunks[:2]) <= c.length
-]
+def _fast_calls(case):
+    """What the fast path is offered and takes in a decode case: none of its calls with a mask
+    over the slots or in cross-attention (not offered); else, for each call, whether it takes it:
+    every call after the first (which keeps the kernels) that ends in the cache's first lap."""
+    if case.mask != "none" or case.cross:
+        return []
+    return [i > 0 and stop <= case.length and not case.mla for i, (_, stop) in enumerate(case.spans())]
 
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: c.name)
 def test_torch_fast_decode_step_equals_the_general_call_bit_for_bit(case, monkeypatch):
     """The decode fast path (`_decode_step`) runs the general call's operations less its checks:
     every decode case gives the same outputs and cache with it and without it (`_decode_step`
-    stepping aside, so every call goes through `forward`'s steps), and it takes each T = 1 step
-    (and each call after the first, which keeps the kernels) of the cases it applies to."""
+    stepping aside, so every call goes through `forward`'s steps), and it takes the calls it
+    applies to (`_fast_calls`)."""
     from shared_tests import torch_runner
     from shared_tests.decoding import make_decode_data
 
     data = make_decode_data(case)
     taken = _spy_fast_steps(monkeypatch)
     fast = torch_runner.decode(case, data, "torch:sdpa")
-    assert any(taken) == (case in FAST_STEP_CASES) and taken.count(True) <= len(case.chunks) - 1
+    assert taken == _fast_calls(case)
     monkeypatch.setattr(torch_file.MultiHeadAttention, "_decode_step", lambda *args: None)
     general = torch_runner.decode(case, data, "torch:sdpa")
     np.testing.assert_array_equal(fast.output, general.output)

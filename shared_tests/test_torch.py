@@ -469,6 +469,49 @@ def test_kept_kernels_follow_a_change_of_the_weights():
         torch.testing.assert_close(step, full, atol=OUTPUT_TOL, rtol=0)
 
 
+class _Recorded(nn.Module):
+    """A wrapper that records its calls (as a LoRA wrapper would be called)."""
+
+    def __init__(self, inner, seen):
+        super().__init__()
+        self.inner, self.seen = inner, seen
+
+    def forward(self, x):
+        self.seen.append(self)
+        return self.inner(x)
+
+
+def _change_after_kept(layer, change, seen):
+    """Hooks or replaces a projection of a layer that keeps its kernels; returns what undoes it."""
+    record = lambda *args: seen.append(args[0])  # noqa: E731
+    if change == "own_hook":
+        return layer.key.register_forward_pre_hook(record).remove
+    if change == "global_hook":
+        return nn.modules.module.register_module_forward_hook(record).remove
+    layer.value = _Recorded(layer.value, seen)
+    return lambda: None
+
+
+@pytest.mark.parametrize("change", ["own_hook", "global_hook", "replaced"])
+def test_decode_fast_path_calls_a_projection_hooked_or_replaced_after_its_kernels_were_kept(change):
+    """Regression guard for the decode fast path (`_decode_step`), which reads the kept kernels:
+    a hook added, or a projection replaced, after a step that kept them is called by the next step."""
+    layer = MultiHeadAttention(16, 4).eval()
+    x = _randn(2, 6, 16, seed=25)
+    seen = []
+    with torch.no_grad():
+        _, cache = layer(x[:, :4], causal=True, cache=layer.init_cache(2, 6))
+        _, cache = layer(x[:, 4:5], causal=True, cache=cache)  # the fast path, the kernels kept
+        undo = _change_after_kept(layer, change, seen)
+        try:
+            layer(x[:, 5:], causal=True, cache=cache)
+        finally:
+            undo()
+    assert [
+        module for module in seen if module is not layer
+    ]  # a projection was called (a global hook sees the layer too)
+
+
 def test_lean_decode_step_refuses_a_full_cache_and_writes_nothing():
     layer = MultiHeadAttention(16, 4).eval()
     cache = layer.init_cache(2, 5)
