@@ -28,7 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench import compile_time, decode_anchors, decode_pair, keras_bench, keras_decode, memory
+from bench import compile_time, decode_anchors, decode_pair, keras_bench, keras_decode, memory, mla
 from bench.timing import median_time, ratio_cell, rounds_of_times
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -620,6 +620,9 @@ def main(argv=None):
     for config, _ in anchors:
         print(config.name, file=sys.stderr, flush=True)
         anchor_times[config.name] = time_decode_anchors(config, anchor_runs, args.rounds)
+    mla_config = mla.QUICK_CONFIG if args.quick else mla.CONFIG
+    print("multi-head latent attention, decoding step", file=sys.stderr, flush=True)
+    mla_results = mla.time_mla(anchor_runs, args.rounds, mla_config)
     print("Keras decoding step (jax.jit)", file=sys.stderr, flush=True)
     keras_decode_times = keras_decode.keras_decode_times([config for config, _ in anchors], anchor_runs, args.rounds)
     compile_rows = "Not run with --quick (two compiles of minutes each): `python -m bench.sections decode --quick`."
@@ -691,6 +694,14 @@ def main(argv=None):
         "installed), one process per size, taking turns run by run:",
         "",
         keras_decode.keras_decode_table(keras_decode_times),
+        "",
+        "## Multi-head latent attention",
+        "",
+        "The latent cache's bytes per token and one decode step of an MLA layer, expanded (keys and values "
+        "made from the latents) and absorbed (`absorb_latents`: attention on the latents), against a plain "
+        "layer with the same heads (bench/mla.py; `python -m bench.sections mla`).",
+        "",
+        mla.mla_table(mla_results, mla_config),
         "",
         "## Compile time",
         "",

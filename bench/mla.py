@@ -14,7 +14,7 @@ C kv_lora_rank, Hr qk_rope_head_dim, Hn qk_nope_head_dim, Hv v_head_dim.
 
 import dataclasses
 
-from bench.benchmark import ratio_cell, rounds_of_times
+from bench.timing import ratio_cell, rounds_of_times
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +37,7 @@ class MlaConfig:
 
 
 CONFIG = MlaConfig()
+QUICK_CONFIG = MlaConfig(e=64, n=4, c=16, q=24, hn=8, hr=8, hv=8, length=32)  # `make bench ARGS=--quick`
 BATCHES = (1, 8)
 PLAIN, EXPANDED, ABSORBED = "plain MHA (same N, H)", "MLA expanded", "MLA absorbed"
 

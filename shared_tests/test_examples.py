@@ -49,6 +49,7 @@ def test_benchmark_quick_writes_results(tmp_path):
     assert "| quick B=2 T=S=32 E=32 N=4 | PyTorch | RoPE | forward |" in text
     assert "| quick B=2 T=S=32 E=32 N=4 | TensorFlow | sinks | train step |" in text
     assert "| quick B=2 T=S=32 E=32 N=4 | PyTorch | ours int8 |" in text
+    assert "| 1 | MLA absorbed | 96 (5.3x less)" in text and "| 8 | MLA expanded | 96 (" in text  # (C + Hr) * 4 bytes
     assert "| quick B=2 T=S=32 E=32 N=4 | TensorFlow | keras MultiHeadAttention int8 |" in text
     for backend in ("tensorflow", "jax", "torch"):  # the Keras file on every backend, and its decoding step
         assert f"| quick B=2 T=S=32 E=32 N=4 | {backend} | train step |" in text
