@@ -1331,6 +1331,18 @@ def _block_weights(scores, keep, bias, sinks, block):
     return _masked_softmax(scores, _block_of(keep, block), sinks)  # in place (autograd is off here)
 
 
+def _add_block_gradients(grad_bias, grad_sinks, capped, weights, rowsum, block):
+    """A block's share of the gradients of `bias` (that of the capped scores, `capped`, summed
+    where the bias broadcasts) and of the sink logits (each row's sink weight, 1 - the sum of
+    its `weights`, times minus its `rowsum`), added in place to those not None."""
+    if grad_bias is not None:
+        part = _block_of(grad_bias, block)  # (r, N, tq, S'), dims may be 1
+        part += capped.sum_to_size(part.shape)
+    if grad_sinks is not None:
+        sink_weight = 1 - weights.sum(dim=-1, keepdim=True)  # (r, N, tq, 1)
+        grad_sinks -= (sink_weight * rowsum).sum(dim=(0, 2, 3))  # (N,)
+
+
 class _Softcapped(torch.autograd.Function):
     """Soft-capped attention a block at a time (`_score_blocks`), forward and backward: each
     block's scores are made, capped, softmaxed and multiplied by v while they are in the CPU
@@ -1382,12 +1394,7 @@ class _Softcapped(torch.autograd.Function):
             grad_v[batch, :, start:end].flatten(0, 1).baddbmm_(weights.to(wide).flatten(0, 1).transpose(1, 2), g)
             capped = (g @ v_block.flatten(0, 1).transpose(1, 2)).view_as(weights).to(dtype)  # (r, N, tq, S')
             capped = capped.sub_(rowsum_block).mul_(weights)  # the gradient of the capped scores
-            if grad_bias is not None:
-                part = _block_of(grad_bias, block)
-                part += capped.sum_to_size(part.shape)
-            if grad_sinks is not None:  # each row's sink weight is 1 - the sum of its weights
-                sink_weight = 1 - weights.sum(dim=-1, keepdim=True)  # (r, N, tq, 1)
-                grad_sinks -= (sink_weight * rowsum_block).sum(dim=(0, 2, 3))
+            _add_block_gradients(grad_bias, grad_sinks, capped, weights, rowsum_block, block)
             scores = capped.addcmul_(capped, tanh.mul_(tanh), value=-1).to(wide).flatten(0, 1)  # times 1 - tanh^2
             queries, keys = q_block.flatten(0, 1), k_block.flatten(0, 1)  # (r*N, tq, H), (r*N, S', H)
             grad_q[batch, :, rows].flatten(0, 1).baddbmm_(scores, keys, alpha=scale)  # (r*N, tq, H)
@@ -2549,10 +2556,11 @@ class MultiHeadAttention(nn.Module):
     def _attend_heads(self, q, k, v, keep, bias, call):
         """Step 6, the one entry to the speed paths, all with `dot_product_attention`'s numbers:
         SDPA without returned weights (its own causal triangle where nothing else masks; the sinks
-        as one more key, `_sdpa_with_sinks`); the explicit softmax with them, or with `softcap`
-        (which SDPA cannot express), in blocks of batch elements under no_grad on the CPU
-        (`_attention_in_blocks`). A window (one-
-        or two-sided) or an attention chunk is always folded into the mask: no shortcut."""
+        as one more key, `_sdpa_with_sinks`); with `softcap` (which SDPA cannot express) and
+        neither returned weights nor dropout, eagerly, blocks of query rows with their own
+        backward (`_softcapped_attention`); else the explicit softmax, in blocks of batch
+        elements under no_grad on the CPU (`_attention_in_blocks`). A window (one- or two-sided)
+        or an attention chunk is always folded into the mask: no shortcut."""
         (n, t), s, sinks = q.shape[1:3], k.shape[2], self.sinks
         dropout = self.dropout if self.training else 0.0
         if self.softcap is not None and not (call.return_attention or dropout or torch.compiler.is_compiling()):
