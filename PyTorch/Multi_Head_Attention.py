@@ -87,6 +87,7 @@ _ROPE_SCALING = {
 }
 _YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 _BLOCK_SCORES = 1 << 21  # scores in one block of `_attention_in_blocks`: 8 MiB of float32
+_SOFTCAP_BLOCK_SCORES = 1 << 20  # scores in one block of `_Softcapped`: 4 MiB of float32
 
 
 _EMPTY_MASK = (
@@ -1305,6 +1306,137 @@ def _attention_in_blocks(q, k, v, keep, bias, dropout, scale, softcap, sinks):
     return context, weights
 
 
+def _score_blocks(b, n, t, s, causal, window):
+    """The blocks of `_Softcapped` as (batch elements, query rows, first key, end key), about
+    `_SOFTCAP_BLOCK_SCORES` scores each: whole rows of all N heads, a few batch elements a block
+    where all T rows fit. A block reads only the keys its rows may see under `causal` and
+    `window` (bottom-right aligned); a block whose rows see no key is left out (its rows stay 0)."""
+    rows = max(1, min(t, _SOFTCAP_BLOCK_SCORES // max(1, n * s)))
+    batch = max(1, _SOFTCAP_BLOCK_SCORES // max(1, n * t * s)) if rows == t else 1
+    before, after = (None, None) if window is None else _window_sides(window)
+    blocks = []
+    for first in range(0, t, rows):
+        last = min(t, first + rows) - 1 + s - t  # the block's last query, as a key position
+        start = 0 if before is None else max(0, first + s - t - before + 1)
+        end = min(s, last + 1 if causal else s, s if after is None else last + after)
+        if end > start:
+            blocks += [(slice(i, i + batch), slice(first, first + rows), start, end) for i in range(0, b, batch)]
+    return blocks
+
+
+def _as_4d(x):
+    """A mask of rank 2 to 4 as a view of rank 4: (..., T, S) -> (B, N, T, S), dims may be 1."""
+    return x[(None,) * (4 - x.dim())]
+
+
+def _block_of(x, block):
+    """The part of a mask that broadcasts to (B, N, T, S) a block reads, as a view: (r, N, tq, S')
+    with its dims of 1 kept (r batch elements, tq query rows, S' keys)."""
+    if x is None:
+        return None
+    batch, rows, start, end = block
+    x, every = _as_4d(x), slice(None)  # (..., T, S) -> (B, N, T, S), dims may be 1
+    keys = slice(start, end) if x.shape[3] > 1 else every
+    return x[batch if x.shape[0] > 1 else every, :, rows if x.shape[2] > 1 else every, keys]
+
+
+def _capped_tanh(q_scaled, k, block, dtype):
+    """A block's tanh(scores / softcap) in `dtype`, a new (r, N, tq, S') tensor; `q_scaled` is q
+    times scale / softcap."""
+    batch, rows, start, end = block
+    scores = q_scaled[batch, :, rows] @ k[batch, :, start:end].transpose(-1, -2)  # (r, N, tq, H) @ (r, N, H, S')
+    return scores.to(dtype).tanh_()  # (r, N, tq, S')
+
+
+def _block_weights(scores, keep, bias, sinks, block):
+    """A block's weights from its soft-capped `scores`, which become them (in place)."""
+    scores = scores if bias is None else scores.add_(_block_of(bias, block))  # (r, N, tq, S')
+    return _masked_softmax(scores, _block_of(keep, block), sinks)  # in place (autograd is off here)
+
+
+def _add_block_gradients(grad_bias, grad_sinks, capped, weights, rowsum, block):
+    """A block's share of the gradients of `bias` (that of the capped scores, `capped`, summed
+    where the bias broadcasts) and of the sink logits (each row's sink weight, 1 - the sum of
+    its `weights`, times minus its `rowsum`), added in place to those not None."""
+    if grad_bias is not None:
+        part = _block_of(grad_bias, block)  # (r, N, tq, S'), dims may be 1
+        part += capped.sum_to_size(part.shape)
+    if grad_sinks is not None:
+        sink_weight = 1 - weights.sum(dim=-1, keepdim=True)  # (r, N, tq, 1)
+        grad_sinks -= (sink_weight * rowsum).sum(dim=(0, 2, 3))  # (N,)
+
+
+class _Softcapped(torch.autograd.Function):
+    """Soft-capped attention a block at a time (`_score_blocks`), forward and backward: each
+    block's scores are made, capped, softmaxed and multiplied by v while they are in the CPU
+    cache, and the backward makes them again (the flash-attention backward, with tanh's
+    derivative 1 - tanh^2), so no (B, N, T, S) tensor is kept. `keep` and `bias` already hold
+    causal, window, chunk and the rows' centring; `causal` and `window` only tell each block
+    which keys it may skip. Each block's products go straight into their rows of the results
+    (`baddbmm_` on (r*N, ., .) views)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, keep, bias, sinks, scale, softcap, causal, window):
+        (b, n, t, _), s = q.shape, k.shape[2]
+        dtype, q_scaled = _softmax_dtype(q.dtype, bias, sinks), q * (scale / softcap)  # (B, N, T, H)
+        context = q.new_zeros(b, n, t, v.shape[-1])  # (B, N, T, Hv), rows no block reaches stay 0
+        blocks = _score_blocks(b, n, t, s, causal, window)
+        for block in blocks:
+            batch, rows, start, end = block
+            scores = _capped_tanh(q_scaled, k, block, dtype).mul_(softcap)  # (r, N, tq, S')
+            weights = _block_weights(scores, keep, bias, sinks, block).to(v.dtype)  # (r, N, tq, S')
+            values = v[batch, :, start:end].flatten(0, 1)  # (r*N, S', Hv)
+            context[batch, :, rows].flatten(0, 1).baddbmm_(weights.flatten(0, 1), values)  # (r*N, tq, Hv)
+        ctx.save_for_backward(q, k, v, keep, bias, sinks, context)
+        ctx.options = (scale, softcap, blocks)
+        return context
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        q, k, v, keep, bias, sinks, context = ctx.saved_tensors
+        scale, softcap, blocks = ctx.options
+        dtype, q_scaled = _softmax_dtype(q.dtype, bias, sinks), q * (scale / softcap)  # (B, N, T, H)
+        low, wide = q.dtype, torch.promote_types(q.dtype, torch.float32)  # the products in float32 at least
+        q, k, v, grad = (x.to(wide) for x in (q, k, v, grad))  # (B, N, T, H), 2 x (B, N, S, H|Hv), (B, N, T, Hv)
+        grad_q, grad_k, grad_v = (torch.zeros_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+        bias_shape = (
+            None if bias is None or not ctx.needs_input_grad[4] else _as_4d(bias).shape
+        )  # (B, N, T, S), dims may be 1
+        grad_bias = None if bias_shape is None else q.new_zeros(bias_shape, dtype=dtype)
+        grad_sinks = (
+            None if sinks is None or not ctx.needs_input_grad[5] else q.new_zeros(sinks.shape, dtype=dtype)
+        )  # (N,)
+        rowsum = (grad * context).sum(dim=-1, keepdim=True).to(dtype)  # (B, N, T, 1): sum of weights * grad of weights
+        for block in blocks:
+            batch, rows, start, end = block
+            tanh = _capped_tanh(q_scaled, k, block, dtype)  # (r, N, tq, S')
+            weights = _block_weights(tanh * softcap, keep, bias, sinks, block)  # (r, N, tq, S')
+            g, rowsum_block = grad[batch, :, rows].flatten(0, 1), rowsum[batch, :, rows]  # (r*N, tq, Hv), (r, N, tq, 1)
+            q_block, k_block, v_block = q[batch, :, rows], k[batch, :, start:end], v[batch, :, start:end]
+            grad_v[batch, :, start:end].flatten(0, 1).baddbmm_(weights.to(wide).flatten(0, 1).transpose(1, 2), g)
+            capped = (g @ v_block.flatten(0, 1).transpose(1, 2)).view_as(weights).to(dtype)  # (r, N, tq, S')
+            capped = capped.sub_(rowsum_block).mul_(weights)  # the gradient of the capped scores
+            _add_block_gradients(grad_bias, grad_sinks, capped, weights, rowsum_block, block)
+            scores = capped.addcmul_(capped, tanh.mul_(tanh), value=-1).to(wide).flatten(0, 1)  # times 1 - tanh^2
+            queries, keys = q_block.flatten(0, 1), k_block.flatten(0, 1)  # (r*N, tq, H), (r*N, S', H)
+            grad_q[batch, :, rows].flatten(0, 1).baddbmm_(scores, keys, alpha=scale)  # (r*N, tq, H)
+            grad_k[batch, :, start:end].flatten(0, 1).baddbmm_(scores.transpose(1, 2), queries, alpha=scale)
+        grad_bias = None if grad_bias is None else grad_bias.view(bias.shape).to(bias.dtype)
+        grad_sinks = None if grad_sinks is None else grad_sinks.to(sinks.dtype)
+        grads = (grad_q.to(low), grad_k.to(low), grad_v.to(low), None, grad_bias, grad_sinks)
+        return *grads, None, None, None, None
+
+
+def _softcapped_attention(q, k, v, keep, bias, causal, window, chunk, scale, softcap, sinks):
+    """Soft-capped attention without returned weights or dropout, `dot_product_attention`'s
+    numbers in blocks (`_Softcapped`); returns the (B, N, T, Hv) context."""
+    (n, t), s = q.shape[1:3], k.shape[2]
+    keep, bias = _final_masks(keep, bias, causal, window, chunk, sinks, t, s, q.device)
+    k, v = _repeat_heads(k, n), _repeat_heads(v, n)  # (B, K, S, H) -> (B, N, S, H)
+    return _Softcapped.apply(q, k, v, keep, bias, sinks, scale, softcap, causal, window)  # (B, N, T, Hv)
+
+
 def _sdpa_heads(q, k, v, masked):
     """Keys, values and `enable_gqa` for SDPA. Grouped heads are read by the flash kernels only
     (on the CPU, and on CUDA in float16 and bfloat16 without a mask); elsewhere SDPA would fall
@@ -2468,12 +2600,16 @@ class MultiHeadAttention(nn.Module):
     def _attend_heads(self, q, k, v, keep, bias, call):
         """Step 6, the one entry to the speed paths, all with `dot_product_attention`'s numbers:
         SDPA without returned weights (its own causal triangle where nothing else masks; the sinks
-        as one more key, `_sdpa_with_sinks`); the explicit softmax with them, or with `softcap`
-        (which SDPA cannot express), in blocks of batch elements under no_grad on the CPU
-        (`_attention_in_blocks`). A window (one-
-        or two-sided) or an attention chunk is always folded into the mask: no shortcut."""
+        as one more key, `_sdpa_with_sinks`); with `softcap` (which SDPA cannot express) and
+        neither returned weights nor dropout, eagerly, blocks of query rows with their own
+        backward (`_softcapped_attention`); else the explicit softmax, in blocks of batch
+        elements under no_grad on the CPU (`_attention_in_blocks`). A window (one- or two-sided)
+        or an attention chunk is always folded into the mask: no shortcut."""
         (n, t), s, sinks = q.shape[1:3], k.shape[2], self.sinks
         dropout = self.dropout if self.training else 0.0
+        if self.softcap is not None and not (call.return_attention or dropout or torch.compiler.is_compiling()):
+            masks = (call.causal, call.window, call.attention_chunk_size)
+            return _softcapped_attention(q, k, v, keep, bias, *masks, self.scale, self.softcap, sinks), None
         explicit = call.return_attention or self.softcap is not None
         only_causal = keep is None and bias is None and call.window is None and call.attention_chunk_size is None
         if not explicit and call.causal and only_causal and t == s:

@@ -113,6 +113,9 @@ VARIANTS = {
 }
 VARIANT_CONFIGS = [CONFIGS[0]]
 VARIANT_MODES = ("forward", "train step")
+# Soft-capping in PyTorch against the plain layer, causal and not, next to its target (docs/design.md, "Soft-capping").
+SOFTCAP_CONFIGS = [CONFIGS[0], CONFIGS[2]]
+SOFTCAP_TARGET = 1.3
 # int8 (docs/SPEC.md, "int8"): weight memory and forward time against float32, ours and the built-in's.
 INT8_CONFIGS = [CONFIGS[0]]
 QUICK_INT8 = [QUICK[0]]
@@ -137,9 +140,9 @@ def tf_matmul_flops(runs):
     return 2 * 2048**3 / median_time(lambda: matmul(a, b).numpy(), runs)
 
 
-def torch_layers(config, device="cpu", dtype=None, variant=None):
-    """{label: {mode: callable}} for ours (with the constructor arguments `variant`) and, for a
-    plain layer without GQA, the built-in."""
+def torch_layers(config, device="cpu", dtype=None, variant=None, causal=False):
+    """{label: {mode: callable}} for ours (with the constructor arguments `variant`, called with
+    `causal`) and, for a plain layer without GQA or `causal`, the built-in."""
     import torch
 
     from PyTorch import MultiHeadAttention
@@ -147,7 +150,7 @@ def torch_layers(config, device="cpu", dtype=None, variant=None):
     x = torch.randn(config.b, config.t, config.e, device=device, dtype=dtype)
     ours = MultiHeadAttention(config.e, config.n, num_kv_heads=config.k, device=device, dtype=dtype, **(variant or {}))
     layers = {"PyTorch ours": ours}
-    if config.k is None and not variant:
+    if config.k is None and not variant and not causal:
         layers["nn.MultiheadAttention"] = ours.to_torch()
 
     def calls(label, layer):
@@ -156,7 +159,7 @@ def torch_layers(config, device="cpu", dtype=None, variant=None):
         def forward(weights):
             if builtin:
                 return layer(x, x, x, need_weights=weights, average_attn_weights=False)
-            return layer(x, return_attention=weights)
+            return layer(x, return_attention=weights, causal=causal)
 
         def inference(weights):
             layer.eval()
@@ -167,7 +170,7 @@ def torch_layers(config, device="cpu", dtype=None, variant=None):
 
         def train():
             layer.train()
-            result = layer(xg, xg, xg, need_weights=False)[0] if builtin else layer(xg)
+            result = layer(xg, xg, xg, need_weights=False)[0] if builtin else layer(xg, causal=causal)
             result.sum().backward()
 
         return {"forward": lambda: inference(False), "forward+weights": lambda: inference(True), "train step": train}
@@ -251,6 +254,33 @@ def variants_table(times, config):
         lines.append(
             f"| {config.name} | {framework} | {name} | {mode} | {statistics.median(plain) * 1e3:.1f} "
             f"| {statistics.median(changed) * 1e3:.1f} | {ratio_cell(changed, plain)} |"
+        )
+    return "\n".join(lines)
+
+
+def time_softcap(configs, runs, rounds):
+    """{(configuration name, causal, mode): ([plain seconds], [soft-capped seconds]) of each round}:
+    the PyTorch layer with soft-capping taking turns with the plain layer, run by run."""
+    times = {}
+    for config in configs:
+        for causal in (False, True):
+            plain = torch_layers(config, causal=causal)["PyTorch ours"]
+            capped = torch_layers(config, variant=VARIANTS["soft-capping"], causal=causal)["PyTorch ours"]
+            for mode in VARIANT_MODES:
+                measured = rounds_of_times({"plain": plain[mode], "capped": capped[mode]}, runs, rounds)
+                times[(config.name, causal, mode)] = (measured["plain"], measured["capped"])
+    return times
+
+
+def softcap_table(times):
+    lines = [
+        "| configuration | causal | mode | plain (ms) | soft-capped (ms) | soft-capped / plain (spread) | target |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (name, causal, mode), (plain, capped) in times.items():
+        lines.append(
+            f"| {name} | {'yes' if causal else 'no'} | {mode} | {statistics.median(plain) * 1e3:.1f} "
+            f"| {statistics.median(capped) * 1e3:.1f} | {ratio_cell(capped, plain)} | at most {SOFTCAP_TARGET}x |"
         )
     return "\n".join(lines)
 
@@ -602,6 +632,7 @@ def main(argv=None):
     anchors, anchor_runs = (QUICK_DECODE_ANCHORS, 3) if args.quick else (DECODE_ANCHORS, DECODE_ANCHOR_RUNS)
     memory_cases, processes = (QUICK_MEMORY, 1) if args.quick else (MEMORY, MEMORY_PROCESSES)
     variant_config = QUICK[0] if args.quick else VARIANT_CONFIGS[0]
+    softcap_configs = QUICK[:1] if args.quick else SOFTCAP_CONFIGS
     int8_configs = QUICK_INT8 if args.quick else INT8_CONFIGS
     runs = args.runs or (2 if args.quick else 5)
     print("decoding step, PyTorch ours and the hand decode", file=sys.stderr, flush=True)
@@ -631,6 +662,8 @@ def main(argv=None):
         compile_rows = compile_time.compile_table(compile_time.compile_times(configs[0]), configs[0])
     print(f"variants, {variant_config.name}", file=sys.stderr, flush=True)
     variant_times = time_variants(variant_config, runs, args.rounds)
+    print("soft-capping, PyTorch", file=sys.stderr, flush=True)
+    softcap_times = time_softcap(softcap_configs, runs, args.rounds)
     int8_results = {}
     for config in int8_configs:
         print(f"int8, {config.name}", file=sys.stderr, flush=True)
@@ -714,10 +747,15 @@ def main(argv=None):
         "## Variants of today's models",
         "",
         "Each variant (docs/modern.md) against the same layer without it, taking turns run by run: what it "
-        "costs. PyTorch forward: eval + no_grad, without weights (soft-capping takes the explicit softmax, "
-        "which SDPA cannot express; sinks go through SDPA as one more key). TensorFlow inside tf.function.",
+        "costs. PyTorch forward: eval + no_grad, without weights (soft-capping, which SDPA cannot express, "
+        "takes its blocks with their own backward; sinks go through SDPA as one more key). TensorFlow inside "
+        "tf.function.",
         "",
         variants_table(variant_times, variant_config),
+        "",
+        "PyTorch's soft-capping (softcap=50) against the plain layer at two sizes, causal and not, next to its target:",
+        "",
+        softcap_table(softcap_times),
         "",
         "## int8",
         "",

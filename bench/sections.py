@@ -17,8 +17,12 @@ OUTPUT = Path(__file__).parents[1] / "out" / "bench_sections.md"
 
 
 def _variants(runs, rounds):
+    """Each variant against the plain layer, then PyTorch's soft-capping at both sizes, causal and
+    not, next to its target."""
     config = benchmark.VARIANT_CONFIGS[0]
-    return benchmark.variants_table(benchmark.time_variants(config, runs, rounds), config)
+    variants = benchmark.variants_table(benchmark.time_variants(config, runs, rounds), config)
+    softcap = benchmark.softcap_table(benchmark.time_softcap(benchmark.SOFTCAP_CONFIGS, runs, rounds))
+    return f"{variants}\n\n{softcap}"
 
 
 def _int8(runs, rounds):

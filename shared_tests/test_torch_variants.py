@@ -25,7 +25,9 @@ from PyTorch import (
     alibi_bias,
     dot_product_attention,
 )
-from shared_tests.cases import TOLERANCES
+from shared_tests import numpy_runner
+from shared_tests.calling import INPUTS, by_name, inputs, set_path
+from shared_tests.cases import FLOAT64_TOLERANCES, REPORT_CASES, TOLERANCES, call_inputs, make_data
 
 OUTPUT_TOL = TOLERANCES["float32"]["output"]
 WEIGHTS_TOL = TOLERANCES["float32"]["weights"]
@@ -458,6 +460,82 @@ def test_softcap_bounds_the_scores():
     assert (ratio < math.exp(2.0) * (1 + 1e-5)).all()
 
 
+SOFTCAP_CASES = [case for case in REPORT_CASES if "softcap" in dict(case.variants)]
+
+
+def _float64_run(case, data):
+    """Output and gradients of sum(output * grad_output) of a float64 layer without returned
+    weights (the soft-capped blocks), as NumPy arrays named as the NumPy layer's `backward` names them."""
+    layer = set_path(MultiHeadAttention(**case.config, dtype=torch.float64), case)
+    layer.import_weights(data["weights"])
+    args = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in inputs(data)]
+    kwargs = {name: torch.tensor(x) for name, x in call_inputs(data).items()}
+    if "attention_bias" in kwargs:
+        kwargs["attention_bias"] = kwargs["attention_bias"].double().requires_grad_()
+    query, kv = by_name(args)
+    output = layer(*query, **kv, **kwargs, causal=case.causal)
+    (output * torch.tensor(data["grad_output"], dtype=torch.float64)).sum().backward()
+    grads = {name: x.grad.numpy() for name, x in zip(INPUTS, args, strict=False)}
+    if "attention_bias" in kwargs:
+        grads["attention_bias"] = kwargs["attention_bias"].grad.numpy()
+    for name in layer.weight_shapes():
+        tensor, transposed = layer._parameter(name)
+        grads[name] = (tensor.grad.T if transposed else tensor.grad).numpy()
+    return output.detach().numpy(), grads
+
+
+@pytest.mark.parametrize("case", SOFTCAP_CASES, ids=lambda case: case.name)
+def test_softcapped_blocks_match_numpy_in_float64(case, monkeypatch):
+    """Soft-capping without returned weights runs in blocks with a backward of its own
+    (`_Softcapped`): each query row a block of its own here, so the key range each block skips
+    (causal, window) and every mask's slicing are checked, forward and backward, against the
+    NumPy layer's explicit backward in float64."""
+    monkeypatch.setattr(Multi_Head_Attention, "_SOFTCAP_BLOCK_SCORES", 1)
+    ran = CountingApply(monkeypatch, Multi_Head_Attention._Softcapped)
+    data = make_data(case)
+    output, grads = _float64_run(case, data)
+    expected = numpy_runner.run(case, data)
+    tol = FLOAT64_TOLERANCES["rope" if "rope_theta" in dict(case.variants) else "plain"]
+    assert ran.calls == 1
+    np.testing.assert_allclose(output, expected.output, atol=tol["output"], rtol=0)
+    assert set(grads) == set(expected.grads)
+    for name, grad in grads.items():
+        np.testing.assert_allclose(grad, expected.grads[name], atol=tol["grads"], rtol=0, err_msg=name)
+
+
+class CountingApply:
+    """Counts the calls of an autograd.Function's `apply`, which still runs."""
+
+    def __init__(self, monkeypatch, function):
+        self.calls, apply = 0, function.apply
+
+        def counted(*args):
+            self.calls += 1
+            return apply(*args)
+
+        monkeypatch.setattr(function, "apply", counted)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_softcapped_blocks_keep_no_scores_for_the_backward(causal, monkeypatch):
+    """The soft-capped training step saves no (B, N, T, S) tensor: its backward makes each block's
+    scores again, so memory stays linear in T and S (the explicit softmax keeps several)."""
+    monkeypatch.setattr(Multi_Head_Attention, "_SOFTCAP_BLOCK_SCORES", 64)
+    layer, x = _layer(softcap=2.0, sinks=True), _randn(2, 16, E, seed=30).requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x.numel()) or x, lambda x: x):
+        output = layer(x, causal=causal)
+    assert max(saved) < 2 * N * 16 * 16
+    output.sum().backward()
+    reference = _layer(softcap=2.0, sinks=True)
+    reference.load_state_dict(layer.state_dict())
+    x_ref = x.detach().clone().requires_grad_()
+    expected, _ = reference(x_ref, causal=causal, return_attention=True)
+    expected.sum().backward()
+    torch.testing.assert_close(output, expected, atol=OUTPUT_TOL, rtol=0)
+    torch.testing.assert_close(x.grad, x_ref.grad, atol=GRADS_TOL, rtol=0)
+
+
 @pytest.mark.parametrize("window", [1, 2, 5])
 def test_window_band(window):
     """Query t keeps key s iff t + (S - T) - W < s (with causal: the W most recent keys, itself included)."""
@@ -646,7 +724,9 @@ def test_compile_fullgraph_with_every_variant(variant):
 
 
 def _assert_exports(layer, x, key_mask, positions):
-    """torch.export of a causal call with `key_mask` and `positions` computes what the layer does."""
+    """torch.export of a causal call with `key_mask` and `positions` computes what the layer does
+    (within the float32 tolerance: an eager call with `softcap` runs its blocks, the export the
+    explicit softmax; exactly otherwise)."""
 
     class Wrapped(nn.Module):
         def __init__(self):
@@ -658,7 +738,8 @@ def _assert_exports(layer, x, key_mask, positions):
 
     program = torch.export.export(Wrapped(), (x, key_mask, positions))
     expected = layer(x, key_mask=key_mask, positions=positions, causal=True)
-    torch.testing.assert_close(program.module()(x, key_mask, positions), expected, atol=0, rtol=0)
+    tol = 0 if layer.softcap is None else OUTPUT_TOL
+    torch.testing.assert_close(program.module()(x, key_mask, positions), expected, atol=tol, rtol=0)
 
 
 @pytest.mark.parametrize("variant", ["everything", "gate_no_bias_rope"])

@@ -1,7 +1,8 @@
 """The runner of the PyTorch file (PyTorch/Multi_Head_Attention.py): paths `torch:sdpa`,
 `torch:explicit`, `torch:inference`, on `torch_device()`.
 
-`torch:sdpa` calls scaled_dot_product_attention (no weights returned), `torch:explicit` passes
+`torch:sdpa` calls scaled_dot_product_attention (no weights returned; with `softcap`, the
+soft-capped blocks, one query row a block), `torch:explicit` passes
 return_attention=True, `torch:inference` returns the weights under no_grad (the in-place path,
 one batch element per block; no gradients). The runtime `torch:onnx` is shared_tests/runtimes.py's.
 
@@ -17,6 +18,7 @@ from shared_tests.cases import call_inputs
 from shared_tests.decoding import chunk_mask, chunk_positions, full_pass_mask
 
 INFERENCE_BLOCK_SCORES = 1  # scores per block on `torch:inference`: every batch element a block of its own
+SOFTCAP_BLOCK_SCORES = 1  # scores per block of the soft-capped path on `torch:sdpa`: every query row a block of its own
 
 
 def torch_device():
@@ -57,13 +59,16 @@ def run(case, data, path, layer_class=None):
     """The paths `torch:sdpa`, `torch:explicit` and `torch:inference` of the PyTorch file (or `layer_class`)."""
     import torch
 
+    from PyTorch import Multi_Head_Attention
+
     if path == "torch:inference":
         return _run_inference(case, data, layer_class)
     layer = make_torch_layer(case, data, layer_class)
     args, kwargs = _torch_inputs(case, data, requires_grad=True)
     explicit = path == "torch:explicit"
     query, kv = by_name(args)
-    result = layer(*query, **kv, **kwargs, causal=case.causal, return_attention=explicit)
+    with mock.patch.object(Multi_Head_Attention, "_SOFTCAP_BLOCK_SCORES", SOFTCAP_BLOCK_SCORES):  # kept for backward
+        result = layer(*query, **kv, **kwargs, causal=case.causal, return_attention=explicit)
     output, weights = result if explicit else (result, None)
     grads = None
     if case.tolerance["grads"] is not None:
