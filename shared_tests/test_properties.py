@@ -700,19 +700,65 @@ def mla_cases(draw):
     )
 
 
-@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=mla_cases(), seed=st.integers(0, 2**16))
-def test_random_mla_configurations_stay_in_parity(case, seed):
-    """Every MLA draw in parity on every in-process path of every file that has MLA (the others
-    are listed as not implemented), through the path the draw picks, expanded or absorbed."""
-    data = make_data(case, seed)
+# A float32 draw whose latent is ill-conditioned (the explore profile's find): with kv_lora_rank C = 1 the latent
+# RMSNorm is x / sqrt(x ** 2 + eps), and one token's x = 0.0035 is a sum of terms near 1, so each file's float32
+# rounding moves it by up to 7e-8; the norm's second derivative (about 1.7e4 there) turns that into gradients
+# 2e-3 apart, past the SPEC's 1e-4 (TensorFlow's rounding here, PyTorch's on other seeds). Against NumPy in float64
+# on the same float32 inputs both files are equally accurate; the float64 reference itself moves by 3.5e-3 when
+# its inputs and weights move by one float32 rounding.
+ILL_CONDITIONED_MLA = Case(
+    name="property_mla", b=1, t=4, s=4, e=6, n=2, k=1, bias=True, mask="bool_bnts", self_attention=True,
+    variants=(("kv_lora_rank", 1), ("qk_nope_head_dim", 3), ("qk_rope_head_dim", 2), ("v_head_dim", 1),
+              ("rope_theta", 100.0), ("rope_interleaved", False), ("sinks", False)),
+    absorb=False,
+)  # fmt: skip
+ILL_CONDITIONED_MLA_SEED = 73
+
+
+def _run_mla_case(case, data):
+    """(row, results) of an MLA case on the in-process paths, its tolerances widened where float32
+    rounding alone moves the float64 reference past them (`conditioning`)."""
     with warnings.catch_warnings():
         for habit in HABITS:
             warnings.simplefilter("ignore", habit)
-        row, results = parity.run_case(case, data, paths=IN_PROCESS_PATHS)
+        return parity.run_case(case, data, paths=IN_PROCESS_PATHS, conditioning=True)
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=mla_cases(), seed=st.integers(0, 2**16))
+@example(case=ILL_CONDITIONED_MLA, seed=ILL_CONDITIONED_MLA_SEED).via(
+    "regression: a C = 1 latent near zero made TensorFlow's float32 gradients fail the SPEC tolerance"
+)
+def test_random_mla_configurations_stay_in_parity(case, seed):
+    """Every MLA draw in parity on every in-process path of every file that has MLA (the others
+    are listed as not implemented), through the path the draw picks, expanded or absorbed.
+
+    The draws are float32, and a latent can be ill-conditioned: with a small kv_lora_rank C a
+    token's latent x may be a sum of terms near 1 that nearly cancel, and the latent RMSNorm
+    x / sqrt(mean(x ** 2) + eps) has a second derivative 3 * eps * |x| / rms ** 5 there (C = 1), so
+    float32 rounding of x alone (each file rounds its own way) moves the gradients past the SPEC
+    tolerance. The harness's `conditioning` measures that: the float64 reference rerun with its
+    inputs and weights moved by one float32 rounding; a tolerance becomes at least ten times what
+    that moves (the same rule as `parity.py --weights`), and only for the draws it measures as
+    ill-conditioned, so a well-conditioned draw keeps the SPEC tolerances."""
+    data = make_data(case, seed)
+    row, results = _run_mla_case(case, data)
     assert row.passed, (dataclasses.asdict(case), row.failures)
     assert {"numpy", "torch:sdpa", "torch:explicit"} <= set(results)
     assert all(reason.startswith("not implemented") for reason in row.skipped.values())
+
+
+def test_an_ill_conditioned_mla_latent_widens_only_its_own_tolerances():
+    """Regression: the explore profile's float32 draw with a C = 1 latent near zero failed with
+    TensorFlow's gradients 2e-3 from NumPy's (SPEC 1e-4). Rounding, not a formula: the float64
+    reference moves further than that under one float32 rounding of its inputs, so the row
+    passes with widened tolerances and says so; the next seed's draw of the same configuration is
+    well-conditioned and keeps the SPEC tolerances (no note)."""
+    row, _ = _run_mla_case(ILL_CONDITIONED_MLA, make_data(ILL_CONDITIONED_MLA, ILL_CONDITIONED_MLA_SEED))
+    assert row.passed, row.failures
+    assert any(re.match(r"ill-conditioned with these weights: .*grads", note) for note in row.notes), row.notes
+    row, _ = _run_mla_case(ILL_CONDITIONED_MLA, make_data(ILL_CONDITIONED_MLA, ILL_CONDITIONED_MLA_SEED + 1))
+    assert row.passed and not row.notes, (row.failures, row.notes)
 
 
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
