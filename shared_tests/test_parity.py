@@ -189,8 +189,11 @@ def test_each_runtime_column_catches_a_broken_layer(path, monkeypatch):
     "classes", [{"torch_class": TorchNoBias}, {"tf_class": TFNoBias}], ids=["torch_bias", "tf_bias"]
 )
 def test_dropped_bias_fails_the_row(classes):
+    """Through the in-process paths, as the mutations above (the runtimes' columns catching a broken
+    layer: `test_each_runtime_column_catches_a_broken_layer`; these cases on every path:
+    `test_case_in_parity`)."""
     for name in ("cross", "self_basic"):
-        row, _ = parity.run_case(CASES_BY_NAME[name], **classes)
+        row, _ = parity.run_case(CASES_BY_NAME[name], paths=IN_PROCESS_PATHS, **classes)
         assert not row.passed, name
 
 
