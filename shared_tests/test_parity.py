@@ -189,8 +189,11 @@ def test_each_runtime_column_catches_a_broken_layer(path, monkeypatch):
     "classes", [{"torch_class": TorchNoBias}, {"tf_class": TFNoBias}], ids=["torch_bias", "tf_bias"]
 )
 def test_dropped_bias_fails_the_row(classes):
+    """Through the in-process paths, as the mutations above (the runtimes' columns catching a broken
+    layer: `test_each_runtime_column_catches_a_broken_layer`; these cases on every path:
+    `test_case_in_parity`)."""
     for name in ("cross", "self_basic"):
-        row, _ = parity.run_case(CASES_BY_NAME[name], **classes)
+        row, _ = parity.run_case(CASES_BY_NAME[name], paths=IN_PROCESS_PATHS, **classes)
         assert not row.passed, name
 
 
@@ -405,9 +408,10 @@ def test_report_rejects_weights_that_do_not_fit(tmp_path, capsys):
 
 
 def test_nan_counts_as_a_failure():
+    """The in-process paths only: `test_case_in_parity[cross]` runs this case on every path."""
     case = CASES_BY_NAME["cross"]
     data = make_data(case)
-    results = {path: parity.run(case, data, path) for path in parity.PATHS}
+    results = {path: parity.run(case, data, path) for path in IN_PROCESS_PATHS}
     results["tf:eager"].output[0, 0, 0] = np.nan
     row = parity.compare(case, data, results)
     assert not row.passed
