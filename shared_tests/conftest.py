@@ -1,6 +1,6 @@
 """Pytest setup shared by every test: quiet TensorFlow, repository root importable, a fresh
-torch.compile cache for each test, no export kept by the parity report, and the hypothesis
-profiles.
+torch.compile cache for each test, no export kept by the parity report, the hypothesis profiles,
+and the xdist groups of the tests that share a subprocess.
 
 Hypothesis draws the same 25 examples in every run by default (profile "ci": `make test` is
 reproducible, a red CI is never a new random draw). `--hypothesis-profile=explore` draws 250
@@ -35,3 +35,23 @@ def _no_kept_exports(monkeypatch):
     from shared_tests import parity
 
     monkeypatch.setattr(parity, "EXPORT_CACHE", "")
+
+
+def _shared_process_group(item):
+    """The xdist group of a test whose subprocess is shared with other tests within one pytest
+    process (a module fixture of test_distributed.py; keras_seams' process per backend, cached),
+    or None: under `pytest -n 2 --dist loadgroup` a group runs in one worker, so its subprocess
+    starts once instead of once in each worker that draws one of its tests."""
+    if item.path.name == "test_distributed.py":
+        return "distributed"
+    backend = getattr(item, "callspec", None) and item.callspec.params.get("backend")
+    if item.path.name in ("test_seams.py", "test_seam_properties.py") and backend:
+        return f"keras_seams_{backend}"
+    return None
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        group = _shared_process_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
