@@ -88,6 +88,7 @@ _ROPE_SCALING = {
 _YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 _BLOCK_SCORES = 1 << 21  # scores in one block of `_attention_in_blocks`: 8 MiB of float32
 _SOFTCAP_BLOCK_SCORES = 1 << 20  # scores in one block of `_Softcapped`: 4 MiB of float32
+_SOFTCAP_TILE = (256, 256)  # (query rows, keys) in one tile of `_SoftcappedTiles`, all N heads
 
 
 _EMPTY_MASK = (
@@ -1252,9 +1253,15 @@ def _centre_rows(bias, keep):
     """
     if bias.shape[-1] == 0 or keep.shape[-1] == 0:  # S = 0 (a (T, 1) bias broadcasts over no key)
         return bias
+    return bias - _row_top(bias, keep)  # (B, N, T, S), dims may be 1
+
+
+def _row_top(bias, keep):
+    """Each row's largest value of `bias` where `keep` holds (None: everywhere), 0 for a row that
+    keeps nothing; (B, N, T, S) -> (B, N, T, 1), dims may be 1. S must not be 0."""
     lowest = torch.finfo(bias.dtype).min
-    top = torch.where(keep, bias, lowest).amax(dim=-1, keepdim=True)  # (B, N, T, 1), dims may be 1
-    return bias - torch.where(top == lowest, 0.0, top)  # (B, N, T, S), dims may be 1
+    top = (bias if keep is None else torch.where(keep, bias, lowest)).amax(dim=-1, keepdim=True)  # (B, N, T, 1)
+    return torch.where(top == lowest, 0.0, top)  # (B, N, T, 1), dims may be 1
 
 
 def _sink_logsumexp(scores, sinks):
@@ -1313,15 +1320,22 @@ def _score_blocks(b, n, t, s, causal, window):
     `window` (bottom-right aligned); a block whose rows see no key is left out (its rows stay 0)."""
     rows = max(1, min(t, _SOFTCAP_BLOCK_SCORES // max(1, n * s)))
     batch = max(1, _SOFTCAP_BLOCK_SCORES // max(1, n * t * s)) if rows == t else 1
-    before, after = (None, None) if window is None else _window_sides(window)
     blocks = []
     for first in range(0, t, rows):
-        last = min(t, first + rows) - 1 + s - t  # the block's last query, as a key position
-        start = 0 if before is None else max(0, first + s - t - before + 1)
-        end = min(s, last + 1 if causal else s, s if after is None else last + after)
+        start, end = _key_range(first, min(t, first + rows), t, s, causal, window)
         if end > start:
             blocks += [(slice(i, i + batch), slice(first, first + rows), start, end) for i in range(0, b, batch)]
     return blocks
+
+
+def _key_range(first, stop, t, s, causal, window):
+    """The keys [start, end) that the query rows [first, stop) may see under `causal` and `window`
+    (bottom-right aligned); empty (end <= start) where they see none."""
+    before, after = _window_sides(window)
+    last = stop - 1 + s - t  # the last row's query, as a key position
+    start = 0 if before is None else max(0, first + s - t - before + 1)
+    end = min(s, last + 1 if causal else s, s if after is None else last + after)
+    return start, end
 
 
 def _as_4d(x):
@@ -1428,13 +1442,153 @@ class _Softcapped(torch.autograd.Function):
         return *grads, None, None, None, None
 
 
+def _cap_shift(softcap, dtype):
+    """The one number `_SoftcappedTiles` subtracts from every capped score before its exp, or None
+    where none fits `dtype`. Capped scores lie in [-softcap, softcap] (a bias centred to at most 0
+    on each row's kept keys, one of them 0), so exp(score - shift) stays within [e^-(L - 8),
+    e^(L / 2)], L the log of the dtype's largest value (88.7 in float32: softcap up to 62): each
+    row's largest term is a normal number and sums of them do not overflow, with no running max."""
+    top = math.log(torch.finfo(dtype).max)
+    shift = max(0.0, softcap - top / 2)
+    return shift if softcap + shift <= top - 8 else None
+
+
+def _key_tiles(b, n, t, s, causal, window):
+    """The tiles of `_SoftcappedTiles` as (batch elements, query rows, [(first key, end key, whole)]):
+    blocks of `_SOFTCAP_TILE[0]` query rows of all N heads (several batch elements a block where T
+    is shorter), each with the keys its rows may see (`_key_range`) in tiles of `_SOFTCAP_TILE[1]`;
+    `whole` where `causal` and `window` keep every key of the tile for every row of the block."""
+    rows, keys = _SOFTCAP_TILE
+    batch = max(1, rows // max(1, t))
+    before, after = _window_sides(window)
+    blocks = []
+    for first in range(0, t, rows):
+        stop = min(t, first + rows)
+        near, far = first + s - t, stop - 1 + s - t  # the block's first and last query, as key positions
+        start, end = _key_range(first, stop, t, s, causal, window)
+        tiles = []
+        for key in range(start, end, keys):
+            last = min(end, key + keys) - 1  # the tile's last key
+            kept = (not causal or last <= near) and (before is None or key > far - before)
+            tiles.append((key, last + 1, kept and (after is None or last < near + after)))
+        blocks += [(slice(i, i + batch), slice(first, stop), tiles) for i in range(0, b, batch) if tiles]
+    return blocks
+
+
+def _tile_exp(queries, keys, keep, bias, softcap, offset, block, tile, heads):
+    """A tile's tanh(scores / softcap) and exp(softcap * tanh + bias - offset), 0 at every key not
+    kept: two (r*N, tq, S') tensors. `queries` (r*N, tq, H) are q times scale / softcap, `keys`
+    (r*N, S', H); `offset` is a number or (r*N, tq, 1); `keep` is None where the tile is whole."""
+    batch, rows, _ = block
+    start, end, _ = tile
+    part = (batch, rows, start, end)
+    tanh = torch.bmm(queries, keys.transpose(1, 2)).tanh_()  # (r*N, tq, H) @ (r*N, H, S') -> (r*N, tq, S')
+    if bias is None:
+        capped = torch.add(-offset if torch.is_tensor(offset) else tanh.new_tensor(-offset), tanh, alpha=softcap)
+    else:
+        tiled = tanh.unflatten(0, (-1, heads))  # (r*N, tq, S') -> (r, N, tq, S')
+        capped = torch.add(_block_of(bias, part), tiled, alpha=softcap).flatten(0, 1).sub_(offset)  # (r*N, tq, S')
+    mask = _block_of(keep, part)  # (r, N, tq, S'), dims may be 1
+    if mask is not None:
+        capped.unflatten(0, (-1, heads)).masked_fill_(~mask, torch.finfo(capped.dtype).min)
+    return tanh, capped.exp_()  # (r*N, tq, S') twice
+
+
+class _SoftcappedTiles(torch.autograd.Function):
+    """Soft-capped attention a tile at a time (`_key_tiles`), forward and backward: each tile's
+    scores (a block of query rows against a tile of keys) are made, capped and exponentiated while
+    they are in the CPU cache, with the one shift `_cap_shift` instead of a running max, and the
+    weighted values and the weights' sums are added up over the tiles. The backward makes each
+    tile again from the saved log-sum-exp (flash attention's: dS = P * (dP - rowsum(dO * O)),
+    times 1 - tanh^2), so no (B, N, T, S) tensor is kept. `bias` is centred (`_row_top`) and
+    `sinks` is one logit per row, (B, N, T, 1) with dims of 1; `keep` holds causal, window and
+    chunk, and `whole` says it holds nothing else (a tile they keep whole then needs no mask)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, keep, bias, sinks, scale, softcap, causal, window, whole):
+        (b, n, t, _), s, wide = q.shape, k.shape[2], torch.promote_types(q.dtype, torch.float32)
+        shift, blocks = _cap_shift(softcap, wide), _key_tiles(b, n, t, s, causal, window)
+        q_scaled, k_wide, v_wide = q.to(wide) * (scale / softcap), k.to(wide), v.to(wide)  # (B, N, T|S, H|Hv)
+        sums = q.new_zeros(b, n, t, v.shape[-1], dtype=wide)  # (B, N, T, Hv): the weighted values
+        totals = q.new_zeros(b, n, t, 1, dtype=wide)  # (B, N, T, 1): the weights' sums
+        for block in blocks:
+            batch, rows, tiles = block
+            queries = q_scaled[batch, :, rows].flatten(0, 1)  # (r*N, tq, H)
+            out, total = sums[batch, :, rows].flatten(0, 1), totals[batch, :, rows].flatten(0, 1)
+            for tile in tiles:
+                start, end, kept = tile
+                keys, values = (x[batch, :, start:end].flatten(0, 1) for x in (k_wide, v_wide))  # (r*N, S', .)
+                mask = None if kept and whole else keep
+                _, weights = _tile_exp(queries, keys, mask, bias, softcap, shift, block, tile, n)  # (r*N, tq, S')
+                out.baddbmm_(weights, values)  # (r*N, tq, S') @ (r*N, S', Hv)
+                total += weights.sum(dim=-1, keepdim=True)  # (r*N, tq, 1)
+        empty = totals == 0  # (B, N, T, 1): rows that see no key
+        lse = torch.where(empty, math.inf, totals.log() + shift)  # (B, N, T, 1)
+        context = sums.div_(torch.where(empty, 1.0, totals))  # (B, N, T, Hv)
+        if sinks is not None:
+            with_sink = torch.logaddexp(torch.where(empty, torch.finfo(wide).min, lse), sinks.to(wide))
+            context.mul_(torch.where(empty, 0.0, (lse - with_sink).exp()))  # (B, N, T, Hv)
+            lse = with_sink  # (B, N, T, 1)
+        context = context.to(q.dtype)  # (B, N, T, Hv)
+        ctx.save_for_backward(q, k, v, keep, bias, sinks, context, lse)
+        ctx.options = (scale, softcap, blocks, whole)
+        return context
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        q, k, v, keep, bias, sinks, context, lse = ctx.saved_tensors
+        scale, softcap, blocks, whole = ctx.options
+        low, wide, n = q.dtype, torch.promote_types(q.dtype, torch.float32), q.shape[1]
+        q, k, v, grad = (x.to(wide) for x in (q, k, v, grad))  # (B, N, T, H), 2 x (B, N, S, H|Hv), (B, N, T, Hv)
+        q_scaled = q * (scale / softcap)  # (B, N, T, H)
+        grad_q, grad_k, grad_v = (torch.zeros_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+        needs_bias = bias is not None and ctx.needs_input_grad[4]
+        grad_bias = q.new_zeros(_as_4d(bias).shape) if needs_bias else None  # (B, N, T, S), dims may be 1
+        rowsum = (grad * context.to(wide)).sum(dim=-1, keepdim=True)  # (B, N, T, 1): sum of weights * grad of weights
+        for block in blocks:
+            batch, rows, tiles = block
+            queries, grads = q[batch, :, rows].flatten(0, 1), grad[batch, :, rows].flatten(0, 1)  # (r*N, tq, H|Hv)
+            scaled, grad_queries = q_scaled[batch, :, rows].flatten(0, 1), grad_q[batch, :, rows].flatten(0, 1)
+            offset, minus_rowsum = lse[batch, :, rows].flatten(0, 1), -rowsum[batch, :, rows].flatten(0, 1)
+            for tile in tiles:
+                start, end, kept = tile
+                keys, values = k[batch, :, start:end].flatten(0, 1), v[batch, :, start:end].flatten(0, 1)
+                mask = None if kept and whole else keep
+                tanh, weights = _tile_exp(scaled, keys, mask, bias, softcap, offset, block, tile, n)  # (r*N, tq, S')
+                grad_v[batch, :, start:end].flatten(0, 1).baddbmm_(weights.transpose(1, 2), grads)  # (r*N, S', Hv)
+                capped = torch.baddbmm(minus_rowsum, grads, values.transpose(1, 2)).mul_(weights)  # (r*N, tq, S')
+                if grad_bias is not None:
+                    part = _block_of(grad_bias, (batch, rows, start, end))  # (r, N, tq, S'), dims may be 1
+                    part += capped.unflatten(0, (-1, n)).sum_to_size(part.shape)
+                scores = capped.addcmul_(capped, tanh.mul_(tanh), value=-1)  # times 1 - tanh^2
+                grad_queries.baddbmm_(scores, keys, alpha=scale)  # (r*N, tq, H)
+                grad_k[batch, :, start:end].flatten(0, 1).baddbmm_(scores.transpose(1, 2), queries, alpha=scale)
+        grad_sinks = None
+        if sinks is not None and ctx.needs_input_grad[5]:
+            sink_weight = (sinks.to(wide) - lse).exp()  # (B, N, T, 1)
+            grad_sinks = (-sink_weight * rowsum).sum_to_size(sinks.shape).to(sinks.dtype)  # (B, N, T, 1), dims may be 1
+        grad_bias = None if grad_bias is None else grad_bias.view(bias.shape).to(bias.dtype)
+        grads = (grad_q.to(low), grad_k.to(low), grad_v.to(low), None, grad_bias, grad_sinks)
+        return *grads, None, None, None, None, None
+
+
 def _softcapped_attention(q, k, v, keep, bias, causal, window, chunk, scale, softcap, sinks):
     """Soft-capped attention without returned weights or dropout, `dot_product_attention`'s
-    numbers in blocks (`_Softcapped`); returns the (B, N, T, Hv) context."""
+    numbers a tile at a time (`_SoftcappedTiles`), or in blocks of whole rows (`_Softcapped`)
+    where no one shift fits the cap (`_cap_shift`); returns the (B, N, T, Hv) context."""
     (n, t), s = q.shape[1:3], k.shape[2]
-    keep, bias = _final_masks(keep, bias, causal, window, chunk, sinks, t, s, q.device)
     k, v = _repeat_heads(k, n), _repeat_heads(v, n)  # (B, K, S, H) -> (B, N, S, H)
-    return _Softcapped.apply(q, k, v, keep, bias, sinks, scale, softcap, causal, window)  # (B, N, T, Hv)
+    if _cap_shift(softcap, torch.promote_types(q.dtype, torch.float32)) is None:
+        keep, bias = _final_masks(keep, bias, causal, window, chunk, sinks, t, s, q.device)
+        return _Softcapped.apply(q, k, v, keep, bias, sinks, scale, softcap, causal, window)  # (B, N, T, Hv)
+    whole = keep is None and chunk is None  # the mask then holds causal and window only
+    keep, _ = _final_masks(keep, None, causal, window, chunk, None, t, s, q.device)
+    sinks = None if sinks is None else sinks[None, :, None, None]  # (N,) -> (1, N, 1, 1)
+    if bias is not None and s > 0:
+        top = _as_4d(_row_top(bias.detach(), keep))  # (B, N, T, 1), dims may be 1
+        bias, sinks = bias - top, None if sinks is None else sinks - top  # the same softmax
+    return _SoftcappedTiles.apply(q, k, v, keep, bias, sinks, scale, softcap, causal, window, whole)  # (B, N, T, Hv)
 
 
 def _sdpa_heads(q, k, v, masked):

@@ -484,14 +484,27 @@ def _float64_run(case, data):
     return output.detach().numpy(), grads
 
 
+def _softcap_path(monkeypatch, path):
+    """Sends soft-capping without returned weights down `path` at a tiny size and counts its calls:
+    "tiles" (`_SoftcappedTiles`, tiles of 2 query rows and 3 keys: several a row, the last one
+    partial) or "blocks" (`_Softcapped`, which runs where no one shift fits the cap: each query
+    row a block of its own)."""
+    if path == "blocks":
+        monkeypatch.setattr(Multi_Head_Attention, "_cap_shift", lambda softcap, dtype: None)
+        monkeypatch.setattr(Multi_Head_Attention, "_SOFTCAP_BLOCK_SCORES", 1)
+        return CountingApply(monkeypatch, Multi_Head_Attention._Softcapped)
+    monkeypatch.setattr(Multi_Head_Attention, "_SOFTCAP_TILE", (2, 3))
+    return CountingApply(monkeypatch, Multi_Head_Attention._SoftcappedTiles)
+
+
+@pytest.mark.parametrize("path", ["tiles", "blocks"])
 @pytest.mark.parametrize("case", SOFTCAP_CASES, ids=lambda case: case.name)
-def test_softcapped_blocks_match_numpy_in_float64(case, monkeypatch):
-    """Soft-capping without returned weights runs in blocks with a backward of its own
-    (`_Softcapped`): each query row a block of its own here, so the key range each block skips
-    (causal, window) and every mask's slicing are checked, forward and backward, against the
-    NumPy layer's explicit backward in float64."""
-    monkeypatch.setattr(Multi_Head_Attention, "_SOFTCAP_BLOCK_SCORES", 1)
-    ran = CountingApply(monkeypatch, Multi_Head_Attention._Softcapped)
+def test_softcapped_paths_match_numpy_in_float64(case, path, monkeypatch):
+    """Soft-capping without returned weights runs in tiles or blocks with a backward of their own
+    (`_SoftcappedTiles`, `_Softcapped`), here at sizes where the keys each block or tile skips
+    (causal, window), the tiles' own masks and every mask's slicing are checked, forward and
+    backward, against the NumPy layer's explicit backward in float64."""
+    ran = _softcap_path(monkeypatch, path)
     data = make_data(case)
     output, grads = _float64_run(case, data)
     expected = numpy_runner.run(case, data)
@@ -516,15 +529,17 @@ class CountingApply:
         monkeypatch.setattr(function, "apply", counted)
 
 
+@pytest.mark.parametrize("path", ["tiles", "blocks"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_softcapped_blocks_keep_no_scores_for_the_backward(causal, monkeypatch):
-    """The soft-capped training step saves no (B, N, T, S) tensor: its backward makes each block's
-    scores again, so memory stays linear in T and S (the explicit softmax keeps several)."""
-    monkeypatch.setattr(Multi_Head_Attention, "_SOFTCAP_BLOCK_SCORES", 64)
+def test_softcapped_paths_keep_no_scores_for_the_backward(causal, path, monkeypatch):
+    """The soft-capped training step saves no (B, N, T, S) tensor: its backward makes each tile's
+    or block's scores again, so memory stays linear in T and S (the explicit softmax keeps several)."""
+    ran = _softcap_path(monkeypatch, path)
     layer, x = _layer(softcap=2.0, sinks=True), _randn(2, 16, E, seed=30).requires_grad_()
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x.numel()) or x, lambda x: x):
         output = layer(x, causal=causal)
+    assert ran.calls == 1
     assert max(saved) < 2 * N * 16 * 16
     output.sum().backward()
     reference = _layer(softcap=2.0, sinks=True)
@@ -534,6 +549,95 @@ def test_softcapped_blocks_keep_no_scores_for_the_backward(causal, monkeypatch):
     expected.sum().backward()
     torch.testing.assert_close(output, expected, atol=OUTPUT_TOL, rtol=0)
     torch.testing.assert_close(x.grad, x_ref.grad, atol=GRADS_TOL, rtol=0)
+
+
+def _softcapped(q, k, v, keep, bias, causal, window, chunk, scale, softcap, sinks):
+    """The layer's soft-capped path (tiles or blocks) on split heads: the (B, N, T, Hv) context."""
+    return Multi_Head_Attention._softcapped_attention(q, k, v, keep, bias, causal, window, chunk, scale, softcap, sinks)
+
+
+def _explicit(q, k, v, keep, bias, causal, window, chunk, scale, softcap, sinks):
+    """`dot_product_attention`'s explicit softmax with the same arguments: the (B, N, T, Hv) context."""
+    options = {"scale": scale, "softcap": softcap, "window": window, "attention_chunk_size": chunk, "sinks": sinks}
+    return dot_product_attention(q, k, v, keep, bias, causal, **options)[0]
+
+
+SOFTCAP_TILE_CALLS = {
+    "plain": {},
+    "causal window sinks": {"causal": True, "window": 300, "sinks": True},
+    "two-sided window, mask, bias": {"window": (200, 90), "keep": True, "bias": True},
+    "chunks, bias, sinks": {"causal": True, "chunk": 100, "bias": True, "sinks": True},
+}
+
+
+@pytest.mark.parametrize("call", SOFTCAP_TILE_CALLS.values(), ids=SOFTCAP_TILE_CALLS)
+def test_softcapped_tiles_at_their_size_match_the_explicit_softmax(call, monkeypatch):
+    """At the tiles' own size (256 query rows by 256 keys), T = 300 and S = 600 make several tiles
+    a row with partial last ones, whole tiles beside masked ones; in float64 the tiles' output and
+    gradients equal the explicit softmax's (`return_attention=True`)."""
+    ran = CountingApply(monkeypatch, Multi_Head_Attention._SoftcappedTiles)
+    g = torch.Generator().manual_seed(40)
+    q, k, v = (torch.randn(1, N, length, H, generator=g, dtype=torch.float64) for length in (300, 600, 600))
+    keep = torch.rand(1, 1, 300, 600, generator=g) > 0.2 if call.get("keep") else None
+    bias = torch.randn(1, N, 300, 600, generator=g, dtype=torch.float64) if call.get("bias") else None
+    sinks = torch.randn(N, generator=g, dtype=torch.float64) if call.get("sinks") else None
+    masks = (call.get("causal", False), call.get("window"), call.get("chunk"))
+    results = []
+    for attend in (_softcapped, _explicit):
+        inputs = [None if x is None else x.clone().requires_grad_() for x in (q, k, v, bias, sinks)]
+        output = attend(*inputs[:3], keep, inputs[3], *masks, 0.4, 3.0, inputs[4])
+        output.backward(torch.ones_like(output))
+        results.append([output] + [x.grad for x in inputs if x is not None])
+    assert ran.calls == 1
+    for tiled, explicit in zip(*results, strict=True):
+        torch.testing.assert_close(tiled, explicit, atol=FLOAT64_TOLERANCES["plain"]["grads"], rtol=0)
+
+
+@pytest.mark.parametrize("softcap, dtype, path", [
+    (50.0, torch.float32, "tiles"), (62.0, torch.float32, "tiles"), (63.0, torch.float32, "blocks"),
+    (500.0, torch.float64, "tiles"), (600.0, torch.float64, "blocks"),
+])  # fmt: skip
+def test_softcap_takes_the_tiles_where_one_shift_fits_the_cap(softcap, dtype, path, monkeypatch):
+    """The tiles exponentiate capped scores less one shift (`_cap_shift`), which must keep every
+    row's largest term a normal number and the sums finite: up to softcap 62 in float32 and 528
+    in float64; above it the blocks' exact softmax runs. At the edge, rows whose every score sits
+    at -softcap still give the explicit softmax's output and gradients."""
+    ran = {
+        name: CountingApply(monkeypatch, getattr(Multi_Head_Attention, name))
+        for name in ("_SoftcappedTiles", "_Softcapped")
+    }
+    g = torch.Generator().manual_seed(41)
+    q = torch.randn(2, N, 5, H, generator=g, dtype=dtype).requires_grad_()
+    k = torch.randn(2, N, 7, H, generator=g, dtype=dtype).abs()
+    with torch.no_grad():
+        q[0] = -1e4  # batch element 0: every score far below -softcap
+    outputs = [
+        attend(q, k, k, None, None, False, None, None, 0.5, softcap, None) for attend in (_softcapped, _explicit)
+    ]
+    grads = [torch.autograd.grad(output.sum(), q)[0] for output in outputs]
+    assert ran["_SoftcappedTiles" if path == "tiles" else "_Softcapped"].calls == 1
+    assert sum(counter.calls for counter in ran.values()) == 1
+    torch.testing.assert_close(outputs[0], outputs[1], atol=OUTPUT_TOL, rtol=0)
+    torch.testing.assert_close(grads[0], grads[1], atol=GRADS_TOL, rtol=0)
+
+
+def test_softcapped_tiles_centre_a_large_bias_beside_sinks():
+    """Regression: the tiles' one shift bounds the capped scores only with each row's bias
+    centred; sinks keep a softmax from being shift-invariant, so the centring moves the sink
+    logits with it (and its rows' largest values carry no gradient). A bias of 1e4 beside sinks
+    gives in float32, where exp(1e4) is inf, the explicit softmax's output and gradients in
+    float64 (the explicit softmax in float32 rounds 1e4 + score to 1e-3)."""
+    g = torch.Generator().manual_seed(42)
+    inputs = [torch.randn(2, N, 6, H, generator=g) for _ in range(3)]
+    inputs += [1e4 + torch.randn(2, 1, 6, 6, generator=g), torch.randn(N, generator=g)]  # bias, sinks
+    results = []
+    for attend, dtype in ((_softcapped, torch.float32), (_explicit, torch.float64)):
+        q, k, v, bias, sinks = (x.to(dtype).requires_grad_() for x in inputs)
+        output = attend(q, k, v, None, bias, True, None, None, 0.5, 5.0, sinks)
+        results.append([output, *torch.autograd.grad(output.square().sum(), (q, k, v, bias, sinks))])
+    for tiled, explicit in zip(*results, strict=True):
+        assert torch.isfinite(tiled).all()
+        torch.testing.assert_close(tiled.double(), explicit, atol=GRADS_TOL, rtol=0)
 
 
 @pytest.mark.parametrize("window", [1, 2, 5])

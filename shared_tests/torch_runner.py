@@ -18,7 +18,8 @@ from shared_tests.cases import call_inputs
 from shared_tests.decoding import chunk_mask, chunk_positions, full_pass_mask
 
 INFERENCE_BLOCK_SCORES = 1  # scores per block on `torch:inference`: every batch element a block of its own
-SOFTCAP_BLOCK_SCORES = 1  # scores per block of the soft-capped path on `torch:sdpa`: every query row a block of its own
+SOFTCAP_BLOCK_SCORES = 1  # scores per block of the soft-capped blocks on `torch:sdpa`: each query row a block
+SOFTCAP_TILE = (2, 3)  # (query rows, keys) per tile of the soft-capped tiles on `torch:sdpa`: several, the last partial
 
 
 def torch_device():
@@ -67,7 +68,10 @@ def run(case, data, path, layer_class=None):
     args, kwargs = _torch_inputs(case, data, requires_grad=True)
     explicit = path == "torch:explicit"
     query, kv = by_name(args)
-    with mock.patch.object(Multi_Head_Attention, "_SOFTCAP_BLOCK_SCORES", SOFTCAP_BLOCK_SCORES):  # kept for backward
+    with (
+        mock.patch.object(Multi_Head_Attention, "_SOFTCAP_BLOCK_SCORES", SOFTCAP_BLOCK_SCORES),  # kept for backward
+        mock.patch.object(Multi_Head_Attention, "_SOFTCAP_TILE", SOFTCAP_TILE),
+    ):
         result = layer(*query, **kv, **kwargs, causal=case.causal, return_attention=explicit)
     output, weights = result if explicit else (result, None)
     grads = None
