@@ -1412,7 +1412,7 @@ class _Softcapped(torch.autograd.Function):
         scale, softcap, blocks = ctx.options
         dtype, q_scaled = _softmax_dtype(q.dtype, bias, sinks), q * (scale / softcap)  # (B, N, T, H)
         low, wide = q.dtype, torch.promote_types(q.dtype, torch.float32)  # the products in float32 at least
-        q, k, v, grad = (x.to(wide) for x in (q, k, v, grad))  # (B, N, T, H), 2 x (B, N, S, H|Hv), (B, N, T, Hv)
+        q, k, v, grad = (x.to(wide).contiguous() for x in (q, k, v, grad))  # (B, N, T|S, H|Hv)
         grad_q, grad_k, grad_v = (torch.zeros_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
         bias_shape = (
             None if bias is None or not ctx.needs_input_grad[4] else _as_4d(bias).shape
@@ -1475,23 +1475,25 @@ def _key_tiles(b, n, t, s, causal, window):
     return blocks
 
 
-def _tile_exp(queries, keys, keep, bias, softcap, offset, block, tile, heads):
-    """A tile's tanh(scores / softcap) and exp(softcap * tanh + bias - offset), 0 at every key not
-    kept: two (r*N, tq, S') tensors. `queries` (r*N, tq, H) are q times scale / softcap, `keys`
-    (r*N, S', H); `offset` is a number or (r*N, tq, 1); `keep` is None where the tile is whole."""
-    batch, rows, _ = block
-    start, end, _ = tile
-    part = (batch, rows, start, end)
-    tanh = torch.bmm(queries, keys.transpose(1, 2)).tanh_()  # (r*N, tq, H) @ (r*N, H, S') -> (r*N, tq, S')
-    if bias is None:
-        capped = torch.add(-offset if torch.is_tensor(offset) else tanh.new_tensor(-offset), tanh, alpha=softcap)
-    else:
-        tiled = tanh.unflatten(0, (-1, heads))  # (r*N, tq, S') -> (r, N, tq, S')
-        capped = torch.add(_block_of(bias, part), tiled, alpha=softcap).flatten(0, 1).sub_(offset)  # (r*N, tq, S')
+def _tile_tanh(queries, keys):
+    """A tile's tanh(scores / softcap), a new (r*N, tq, S') tensor; `queries` (r*N, tq, H) are q
+    times scale / softcap, `keys` (r*N, S', H)."""
+    return torch.bmm(queries, keys.transpose(1, 2)).tanh_()  # (r*N, tq, H) @ (r*N, H, S') -> (r*N, tq, S')
+
+
+def _tile_weights(capped, keep, bias, offset, part, heads):
+    """exp(capped + bias - offset) of a tile's capped scores (r*N, tq, S'), in place, 0 at every
+    key not kept; `offset` is a number or (r*N, tq, 1), `part` the tile as `_block_of` reads it,
+    and `keep` None where the tile is whole."""
+    tiled = capped.unflatten(0, (-1, heads))  # (r*N, tq, S') -> (r, N, tq, S'), a view
+    if bias is not None:
+        tiled += _block_of(bias, part)
+    if torch.is_tensor(offset) or offset:
+        capped -= offset
     mask = _block_of(keep, part)  # (r, N, tq, S'), dims may be 1
     if mask is not None:
-        capped.unflatten(0, (-1, heads)).masked_fill_(~mask, torch.finfo(capped.dtype).min)
-    return tanh, capped.exp_()  # (r*N, tq, S') twice
+        tiled.masked_fill_(~mask, torch.finfo(capped.dtype).min)
+    return capped.exp_()  # (r*N, tq, S')
 
 
 class _SoftcappedTiles(torch.autograd.Function):
@@ -1518,8 +1520,9 @@ class _SoftcappedTiles(torch.autograd.Function):
             for tile in tiles:
                 start, end, kept = tile
                 keys, values = (x[batch, :, start:end].flatten(0, 1) for x in (k_wide, v_wide))  # (r*N, S', .)
-                mask = None if kept and whole else keep
-                _, weights = _tile_exp(queries, keys, mask, bias, softcap, shift, block, tile, n)  # (r*N, tq, S')
+                mask, part = None if kept and whole else keep, (batch, rows, start, end)
+                capped = _tile_tanh(queries, keys).mul_(softcap)  # (r*N, tq, S')
+                weights = _tile_weights(capped, mask, bias, shift, part, n)  # (r*N, tq, S')
                 out.baddbmm_(weights, values)  # (r*N, tq, S') @ (r*N, S', Hv)
                 total += weights.sum(dim=-1, keepdim=True)  # (r*N, tq, 1)
         empty = totals == 0  # (B, N, T, 1): rows that see no key
@@ -1540,9 +1543,9 @@ class _SoftcappedTiles(torch.autograd.Function):
         q, k, v, keep, bias, sinks, context, lse = ctx.saved_tensors
         scale, softcap, blocks, whole = ctx.options
         low, wide, n = q.dtype, torch.promote_types(q.dtype, torch.float32), q.shape[1]
-        q, k, v, grad = (x.to(wide) for x in (q, k, v, grad))  # (B, N, T, H), 2 x (B, N, S, H|Hv), (B, N, T, Hv)
+        q, k, v, grad = (x.to(wide).contiguous() for x in (q, k, v, grad))  # (B, N, T|S, H|Hv)
         q_scaled = q * (scale / softcap)  # (B, N, T, H)
-        grad_q, grad_k, grad_v = (torch.zeros_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+        grad_q, grad_k, grad_v = (torch.zeros_like(x) for x in (q, k, v))
         needs_bias = bias is not None and ctx.needs_input_grad[4]
         grad_bias = q.new_zeros(_as_4d(bias).shape) if needs_bias else None  # (B, N, T, S), dims may be 1
         rowsum = (grad * context.to(wide)).sum(dim=-1, keepdim=True)  # (B, N, T, 1): sum of weights * grad of weights
@@ -1554,13 +1557,14 @@ class _SoftcappedTiles(torch.autograd.Function):
             for tile in tiles:
                 start, end, kept = tile
                 keys, values = k[batch, :, start:end].flatten(0, 1), v[batch, :, start:end].flatten(0, 1)
-                mask = None if kept and whole else keep
-                tanh, weights = _tile_exp(scaled, keys, mask, bias, softcap, offset, block, tile, n)  # (r*N, tq, S')
+                mask, part = None if kept and whole else keep, (batch, rows, start, end)
+                tanh = _tile_tanh(scaled, keys)  # (r*N, tq, S')
+                weights = _tile_weights(tanh * softcap, mask, bias, offset, part, n)  # (r*N, tq, S')
                 grad_v[batch, :, start:end].flatten(0, 1).baddbmm_(weights.transpose(1, 2), grads)  # (r*N, S', Hv)
                 capped = torch.baddbmm(minus_rowsum, grads, values.transpose(1, 2)).mul_(weights)  # (r*N, tq, S')
                 if grad_bias is not None:
-                    part = _block_of(grad_bias, (batch, rows, start, end))  # (r, N, tq, S'), dims may be 1
-                    part += capped.unflatten(0, (-1, n)).sum_to_size(part.shape)
+                    tile_grad = _block_of(grad_bias, part)  # (r, N, tq, S'), dims may be 1
+                    tile_grad += capped.unflatten(0, (-1, n)).sum_to_size(tile_grad.shape)
                 scores = capped.addcmul_(capped, tanh.mul_(tanh), value=-1)  # times 1 - tanh^2
                 grad_queries.baddbmm_(scores, keys, alpha=scale)  # (r*N, tq, H)
                 grad_k[batch, :, start:end].flatten(0, 1).baddbmm_(scores.transpose(1, 2), queries, alpha=scale)
@@ -1579,6 +1583,7 @@ def _softcapped_attention(q, k, v, keep, bias, causal, window, chunk, scale, sof
     where no one shift fits the cap (`_cap_shift`); returns the (B, N, T, Hv) context."""
     (n, t), s = q.shape[1:3], k.shape[2]
     k, v = _repeat_heads(k, n), _repeat_heads(v, n)  # (B, K, S, H) -> (B, N, S, H)
+    q, k, v = (x.contiguous() for x in (q, k, v))  # a block's or tile's rows as views, not copies
     if _cap_shift(softcap, torch.promote_types(q.dtype, torch.float32)) is None:
         keep, bias = _final_masks(keep, bias, causal, window, chunk, sinks, t, s, q.device)
         return _Softcapped.apply(q, k, v, keep, bias, sinks, scale, softcap, causal, window)  # (B, N, T, Hv)
