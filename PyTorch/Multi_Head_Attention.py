@@ -88,7 +88,7 @@ _ROPE_SCALING = {
 _YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 _BLOCK_SCORES = 1 << 21  # scores in one block of `_attention_in_blocks`: 8 MiB of float32
 _SOFTCAP_BLOCK_SCORES = 1 << 20  # scores in one block of `_Softcapped`: 4 MiB of float32
-_SOFTCAP_TILE = (256, 256)  # (query rows, keys) in one tile of `_SoftcappedTiles`, all N heads
+_SOFTCAP_TILES = {"forward": (512, 512), "backward": (256, 256)}  # (query rows, keys) of a tile of `_SoftcappedTiles`
 
 
 _EMPTY_MASK = (
@@ -1453,12 +1453,12 @@ def _cap_shift(softcap, dtype):
     return shift if softcap + shift <= top - 8 else None
 
 
-def _key_tiles(b, n, t, s, causal, window):
+def _key_tiles(b, t, s, causal, window, size):
     """The tiles of `_SoftcappedTiles` as (batch elements, query rows, [(first key, end key, whole)]):
-    blocks of `_SOFTCAP_TILE[0]` query rows of all N heads (several batch elements a block where T
-    is shorter), each with the keys its rows may see (`_key_range`) in tiles of `_SOFTCAP_TILE[1]`;
-    `whole` where `causal` and `window` keep every key of the tile for every row of the block."""
-    rows, keys = _SOFTCAP_TILE
+    blocks of `size[0]` query rows of all N heads (several batch elements a block where T is
+    shorter), each with the keys its rows may see (`_key_range`) in tiles of `size[1]`; `whole`
+    where `causal` and `window` keep every key of the tile for every row of the block."""
+    rows, keys = size
     batch = max(1, rows // max(1, t))
     before, after = _window_sides(window)
     blocks = []
@@ -1509,7 +1509,7 @@ class _SoftcappedTiles(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, keep, bias, sinks, scale, softcap, causal, window, whole):
         (b, n, t, _), s, wide = q.shape, k.shape[2], torch.promote_types(q.dtype, torch.float32)
-        shift, blocks = _cap_shift(softcap, wide), _key_tiles(b, n, t, s, causal, window)
+        shift, blocks = _cap_shift(softcap, wide), _key_tiles(b, t, s, causal, window, _SOFTCAP_TILES["forward"])
         q_scaled, k_wide, v_wide = q.to(wide) * (scale / softcap), k.to(wide), v.to(wide)  # (B, N, T|S, H|Hv)
         sums = q.new_zeros(b, n, t, v.shape[-1], dtype=wide)  # (B, N, T, Hv): the weighted values
         totals = q.new_zeros(b, n, t, 1, dtype=wide)  # (B, N, T, 1): the weights' sums
@@ -1534,7 +1534,7 @@ class _SoftcappedTiles(torch.autograd.Function):
             lse = with_sink  # (B, N, T, 1)
         context = context.to(q.dtype)  # (B, N, T, Hv)
         ctx.save_for_backward(q, k, v, keep, bias, sinks, context, lse)
-        ctx.options = (scale, softcap, blocks, whole)
+        ctx.options = (scale, softcap, _key_tiles(b, t, s, causal, window, _SOFTCAP_TILES["backward"]), whole)
         return context
 
     @staticmethod

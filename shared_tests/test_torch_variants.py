@@ -486,14 +486,14 @@ def _float64_run(case, data):
 
 def _softcap_path(monkeypatch, path):
     """Sends soft-capping without returned weights down `path` at a tiny size and counts its calls:
-    "tiles" (`_SoftcappedTiles`, tiles of 2 query rows and 3 keys: several a row, the last one
-    partial) or "blocks" (`_Softcapped`, which runs where no one shift fits the cap: each query
+    "tiles" (`_SoftcappedTiles`, tiles of 2 query rows and 3 keys forward, 3 and 2 backward:
+    several a row, the last ones partial) or "blocks" (`_Softcapped`, which runs where no one shift fits the cap: each query
     row a block of its own)."""
     if path == "blocks":
         monkeypatch.setattr(Multi_Head_Attention, "_cap_shift", lambda softcap, dtype: None)
         monkeypatch.setattr(Multi_Head_Attention, "_SOFTCAP_BLOCK_SCORES", 1)
         return CountingApply(monkeypatch, Multi_Head_Attention._Softcapped)
-    monkeypatch.setattr(Multi_Head_Attention, "_SOFTCAP_TILE", (2, 3))
+    monkeypatch.setattr(Multi_Head_Attention, "_SOFTCAP_TILES", {"forward": (2, 3), "backward": (3, 2)})
     return CountingApply(monkeypatch, Multi_Head_Attention._SoftcappedTiles)
 
 
@@ -572,9 +572,9 @@ SOFTCAP_TILE_CALLS = {
 
 @pytest.mark.parametrize("call", SOFTCAP_TILE_CALLS.values(), ids=SOFTCAP_TILE_CALLS)
 def test_softcapped_tiles_at_their_size_match_the_explicit_softmax(call, monkeypatch):
-    """At the tiles' own size (256 query rows by 256 keys), T = 300 and S = 600 make several tiles
-    a row with partial last ones, whole tiles beside masked ones; in float64 the tiles' output and
-    gradients equal the explicit softmax's (`return_attention=True`)."""
+    """At the tiles' own sizes (512 query rows by 512 keys forward, 256 by 256 backward), T = 300
+    and S = 600 make several tiles a row with partial last ones, whole tiles beside masked ones;
+    in float64 the tiles' output and gradients equal the explicit softmax's."""
     ran = CountingApply(monkeypatch, Multi_Head_Attention._SoftcappedTiles)
     g = torch.Generator().manual_seed(40)
     q, k, v = (torch.randn(1, N, length, H, generator=g, dtype=torch.float64) for length in (300, 600, 600))

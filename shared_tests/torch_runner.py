@@ -19,7 +19,7 @@ from shared_tests.decoding import chunk_mask, chunk_positions, full_pass_mask
 
 INFERENCE_BLOCK_SCORES = 1  # scores per block on `torch:inference`: every batch element a block of its own
 SOFTCAP_BLOCK_SCORES = 1  # scores per block of the soft-capped blocks on `torch:sdpa`: each query row a block
-SOFTCAP_TILE = (2, 3)  # (query rows, keys) per tile of the soft-capped tiles on `torch:sdpa`: several, the last partial
+SOFTCAP_TILES = {"forward": (2, 3), "backward": (3, 2)}  # (rows, keys) per soft-capped tile on `torch:sdpa`
 
 
 def torch_device():
@@ -70,7 +70,7 @@ def run(case, data, path, layer_class=None):
     query, kv = by_name(args)
     with (
         mock.patch.object(Multi_Head_Attention, "_SOFTCAP_BLOCK_SCORES", SOFTCAP_BLOCK_SCORES),  # kept for backward
-        mock.patch.object(Multi_Head_Attention, "_SOFTCAP_TILE", SOFTCAP_TILE),
+        mock.patch.object(Multi_Head_Attention, "_SOFTCAP_TILES", SOFTCAP_TILES),
     ):
         result = layer(*query, **kv, **kwargs, causal=case.causal, return_attention=explicit)
     output, weights = result if explicit else (result, None)
