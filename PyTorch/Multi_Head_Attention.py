@@ -1136,7 +1136,7 @@ def _write_cache(cache, k, v, key_mask, start):
         cache.value.narrow(2, start, t).copy_(v)  # (B, K, L, H)
         if key_mask is not None:
             cache.keep.narrow(1, start, t).logical_and_(key_mask)  # (B, L)
-        return KVCache(cache.key, cache.value, cache.keep, _carry(cache.index + t, start + t))
+        return KVCache(cache.key, cache.value, cache.keep, _carry(cache.index.new_full((), start + t), start + t))
     positions = cache.index + torch.arange(t, device=k.device)  # (T,)
     slots = positions % length  # (T,)
     cache.key.index_copy_(2, slots, k)  # (B, K, L, H)
@@ -2573,15 +2573,15 @@ class MultiHeadAttention(nn.Module):
         still plain nn.Linear modules with no hooks (`_plain_linear`), and the output projection's
         weight and bias; else None. Read from the modules' own dicts: a read through nn.Module's
         attribute lookup costs about a microsecond, a sizeable share of a T = 1 step."""
-        modules = self._modules
-        projections = (modules["query"], modules["key"], modules["value"], modules["output"])
-        plain = all([type(p) is nn.Linear and not _own_hooks(p) for p in projections]) and not _global_hooks()
-        if self._fused is None or not plain:
+        modules, tensors = self._modules, []  # the weight and bias of query, key, value and output
+        for projection in (modules["query"], modules["key"], modules["value"], modules["output"]):
+            if type(projection) is not nn.Linear or _own_hooks(projection):
+                return None
+            parameters = projection._parameters
+            tensors += (parameters["weight"], parameters["bias"])
+        if self._fused is None or _global_hooks() or self._fused[0] != _versions(tensors[:6], dtype):
             return None
-        q, k, v, output = (p._parameters for p in projections)
-        tensors = [q["weight"], q["bias"], k["weight"], k["bias"], v["weight"], v["bias"]]
-        current = self._fused[0] == _versions(tensors, dtype)
-        return (self._fused[1], (output["weight"], output["bias"])) if current else None
+        return self._fused[1], tensors[6:]
 
     def _project_fused(self, x):
         """Self-attention: q, k and v from one matmul over the concatenated projections (int8: the
@@ -2810,21 +2810,18 @@ class MultiHeadAttention(nn.Module):
         tensors = type(query) is torch.Tensor and (positions is None or type(positions) is torch.Tensor)
         if not tensors or type(cache) is not KVCache or torch.is_grad_enabled() or not _eager():
             return None
+        if torch._C._is_any_autocast_enabled():  # on any device: read without `query.device`, a new object
+            return None
         width = query.dim() == 3 and query.shape[2] == self.d_model
         kernels = self._kept_kernels(query.dtype) if width and self._latent is None else None
-        if kernels is None or _autocast_enabled(query.device):
+        if kernels is None:
             return None
         (b, t), (fused, output_kernel), dtype = query.shape[:2], kernels, query.dtype
         start = _carried_start(cache, b, t, self.num_kv_heads, self.head_dim, dtype)
         if start is None or output_kernel[0].dtype != dtype:  # the compute dtype (`_compute_dtype`) is the query's
             return None
-        if t == 1 and positions is None and self._one_sdpa_call():  # the same operations, without the dispatch
-            q, k, v = self._fused_heads(query, *fused)  # 2. (B, 1, E) -> (B, N, 1, H), 2 x (B, K, 1, H)
-            cache = _write_cache(cache, k, v, None, start)  # 5. KV cache: slot index written
-            k, v, keep = _first_slots(cache, start + 1)  # (B, K, S, H) x 2 and (B, 1, 1, S) or None, S = index + 1
-            dropout = self.dropout if self.training else 0.0
-            context = _sdpa_attention(q, k, v, keep, None, dropout, self.scale)  # 6. (B, N, 1, H), as `_attend_heads`
-            return F.linear(self._merge_heads(context), *output_kernel), cache  # 7. (B, 1, N*H) -> (B, 1, E)
+        if t == 1 and positions is None and self._one_sdpa_call():
+            return self._one_token_step(query, fused, output_kernel, cache, start)
         positions = self._positions(positions, query, query, cache)  # 1. checked (B, T), None without RoPE
         q, k, v = self._fused_heads(query, *fused)  # 2. (B, T, E) -> (B, N, T, H), 2 x (B, K, T, H)
         q, k, v = self._clip(q), self._clip(k), self._clip(v)
@@ -2843,9 +2840,24 @@ class MultiHeadAttention(nn.Module):
     def _one_sdpa_call(self):
         """Whether a one-token step of this layer is one SDPA call over the written slots (no
         step 3, 4 or 6b; `_attend_heads` with one query and no window, chunk, sinks or soft-capping)."""
-        steps = (self.qk_norm, self.rope_theta, self.clip_qkv, self.gate)
-        attention = (self.softcap, self.sinks, self.window, self.attention_chunk_size)
-        return all(x is None for x in steps + attention)
+        steps = self.qk_norm is None and self.rope_theta is None and self.clip_qkv is None and self.gate is None
+        attention = self.softcap is None and self.sinks is None and self.window is None
+        return steps and attention and self.attention_chunk_size is None
+
+    def _one_token_step(self, query, fused, output_kernel, cache, start):
+        """A plain layer's one-token step (`_one_sdpa_call`), `forward`'s steps 2 to 7 as their
+        operations alone: the fused matmul, the write of slot index through views, the one
+        `_sdpa_attention` call `_attend_heads` would make over the first index + 1 slots, the output
+        matmul. With T = 1 a (B, 1, F) matmul output is (B, F // H, 1, H) as it is: no transpose
+        into heads, none out of them. Returns (output, cache)."""
+        (b, _, _), n, kv, h = query.shape, self.num_heads, self.num_kv_heads, self.head_dim
+        heads = F.linear(query, fused[0], fused[1]).view(b, n + 2 * kv, 1, h)  # 2. (B, 1, E) -> (B, N+2K, 1, H)
+        q, k, v = heads.split_with_sizes([n, kv, kv], dim=1)  # (B, N, 1, H), (B, K, 1, H), (B, K, 1, H)
+        cache = _write_cache(cache, k, v, None, start)  # 5. KV cache: slot index written
+        k, v, keep = _first_slots(cache, start + 1)  # (B, K, S, H) x 2 and (B, 1, 1, S) or None, S = index + 1
+        dropout = self.dropout if self.training else 0.0
+        context = _sdpa_attention(q, k, v, keep, None, dropout, self.scale)  # 6. (B, N, 1, H), as `_attend_heads`
+        return F.linear(context.reshape(b, 1, n * h), *output_kernel), cache  # 7. (B, N, 1, H) -> (B, 1, E)
 
     def forward(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,

@@ -512,6 +512,20 @@ def test_decode_fast_path_calls_a_projection_hooked_or_replaced_after_its_kernel
     ]  # a projection was called (a global hook sees the layer too)
 
 
+def test_decode_fast_path_steps_aside_under_autocast():
+    """Regression guard for the decode fast path, which reads autocast on any device
+    (`torch._C._is_any_autocast_enabled`): after a step that took it, a step under CPU autocast
+    goes the general way, whose check refuses the float32 cache for the bfloat16 compute dtype."""
+    layer = MultiHeadAttention(16, 4).eval()
+    x = _randn(2, 6, 16, seed=26)
+    with torch.no_grad():
+        _, cache = layer(x[:, :4], causal=True, cache=layer.init_cache(2, 6))
+        _, cache = layer(x[:, 4:5], causal=True, cache=cache)  # the fast path, the kernels kept
+        pattern = r"^`cache` must hold the layer's compute dtype bfloat16\. Received: cache\.key\.dtype=float32"
+        with pytest.raises(ValueError, match=pattern), torch.autocast("cpu", dtype=torch.bfloat16):
+            layer(x[:, 5:], causal=True, cache=cache)
+
+
 def test_lean_decode_step_refuses_a_full_cache_and_writes_nothing():
     layer = MultiHeadAttention(16, 4).eval()
     cache = layer.init_cache(2, 5)
