@@ -66,15 +66,20 @@ def _start(backend):
 
 
 def _child(job, write_end):
-    """Runs one job in the forked child and writes its JSON result; never returns."""
-    module, function, args = job
+    """Runs one job in the forked child and writes its JSON result; never returns (the child must
+    not go on to serve the parent's jobs, whatever fails)."""
     try:
-        result = getattr(importlib.import_module(module), function)(*args)
+        module, function, args = job
+        text = json.dumps(getattr(importlib.import_module(module), function)(*args))
     except BaseException:
-        result = {"error": traceback.format_exc()}
-    with os.fdopen(write_end, "w") as pipe:
-        pipe.write(json.dumps(result))
-    os._exit(0)
+        text = json.dumps({"error": traceback.format_exc()})
+    try:
+        with os.fdopen(write_end, "w") as pipe:
+            pipe.write(text)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(0)
 
 
 def _fork(job):
