@@ -6,29 +6,27 @@ layer against `keras.layers.MultiHeadAttention` (both inside `tf.function`): a f
 without weights, with weights, and a training step (forward + backward). Each comparison runs in
 `--rounds` rounds (default 3) of `--runs` timed runs (default 5), ours and the built-in taking
 turns run by run; a round gives one ratio ours / built-in (of the medians), and the report gives
-the median ratio over the rounds with its min-max spread. It also reports KV-cache decoding
-(one token with the cache against recomputing the full causal pass), one decoding step against
-two anchors (a hand-written PyTorch decode and keras-hub's `CachedMultiHeadAttention`, see
-bench/decode_anchors.py), each layer in a fresh process, time and peak memory at long sequence
-lengths, and the peak memory of TensorFlow in eager mode and inside `tf.function` (see
-bench/memory.py), and writes bench/results.md. `--quick` runs tiny configurations and writes
-out/bench_quick.md instead (out/ is not tracked), so a smoke run never replaces the recorded
-results.
+the median ratio over the rounds with its min-max spread. It also reports KV-cache decoding (one
+token with the cache against recomputing the full causal pass), one decoding step against two
+anchors (a hand-written PyTorch decode and keras-hub's `CachedMultiHeadAttention`, see
+bench/decode_anchors.py), each layer in a fresh process (forked from one that only imported its
+framework: bench/fresh.py), time and peak memory at long sequence lengths, and the peak memory
+of TensorFlow in eager mode and inside `tf.function` (see bench/memory.py), and writes
+bench/results.md. `--quick` runs tiny configurations and writes out/bench_quick.md instead (out/
+is not tracked), so a smoke run never replaces the recorded results.
 
 Legend: B batch, T query length, S key/value length, E d_model, N num_heads, K num_kv_heads.
 """
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-from bench import compile_time, decode_anchors, decode_pair, keras_bench, keras_decode, memory, mla
+from bench import compile_time, decode_anchors, decode_pair, fresh, keras_bench, keras_decode, memory, mla
 from bench.timing import median_time, ratio_cell, rounds_of_times
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -458,19 +456,16 @@ def fits_in_memory(config, which):
     return 3 * 4 * config.b * config.n * config.t * config.t < available / 2
 
 
-def measure_long(config, mode, which, rounds):
-    """Median seconds and peak memory growth (MiB) of one call, in a fresh process; None where
-    the layer cannot hold the configuration."""
+def measure_long(config, mode, which, rounds, forks):
+    """Median seconds and peak memory growth (MiB) of one call, in a fresh process (a child of
+    `forks`' server of the layer's framework); None where the layer cannot hold the configuration."""
     if not fits_in_memory(config, which):
         return None
-    code = (
-        "import sys, json; sys.path.insert(0, '.'); from bench.benchmark import _measure; "
-        f"print(json.dumps(_measure({dataclasses.astuple(config)!r}, {mode!r}, {which!r}, {rounds})))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path(__file__).parents[1]
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    backend = "torch" if which in LAYERS["PyTorch"] else "tensorflow"
+    result = forks.run(backend, "bench.benchmark", "measure_here", [dataclasses.astuple(config), mode, which, rounds])
+    if isinstance(result, dict):
+        raise RuntimeError(f"the long-sequence measurement of {which} at {config.name} failed:\n{result['error']}")
+    return result
 
 
 def _rss_mib(field):
@@ -479,11 +474,11 @@ def _rss_mib(field):
     return int(line.split()[1]) / 1024
 
 
-def _measure(fields, mode, which, rounds):
-    """(median seconds, peak RSS growth in MiB) of the first call, then the timed ones. The first
-    call is measured because TensorFlow's allocator keeps what a call freed for the next one (the
-    growth of a second call is near 0 whatever it needs); it includes tracing. The peak is reset
-    through /proc/self/clear_refs (getrusage's ru_maxrss is inherited from the parent)."""
+def measure_here(fields, mode, which, rounds):
+    """(median seconds, peak RSS growth in MiB) of the first call, then the timed ones, in this
+    process. The first call is measured because TensorFlow's allocator keeps what a call freed for
+    the next one (the growth of a second call is near 0 whatever it needs); it includes tracing.
+    The peak is reset through /proc/self/clear_refs (to the resident memory before the call)."""
     config = Config(*fields)
     framework = "PyTorch" if which in LAYERS["PyTorch"] else "TensorFlow"
     call = (torch_layers if framework == "PyTorch" else tf_layers)(config)[which][mode]
@@ -500,16 +495,15 @@ def _measure(fields, mode, which, rounds):
 KERAS_BACKENDS = ("tensorflow", "jax", "torch")
 
 
-def time_keras(config, runs, rounds):
-    """{backend: {mode: {"ours": [...], "builtin": [...]}}} from bench/keras_bench.py, one process
-    per backend (a Keras backend is fixed at import); a backend that fails gives its error text."""
+def time_keras(config, runs, rounds, forks):
+    """{backend: {mode: {"ours": [...], "builtin": [...]}}} from bench/keras_bench.py, a fresh
+    process per backend (a Keras backend is fixed at import; a child of `forks`' server of the
+    backend); a backend that fails gives its error text."""
     results = {}
     for backend in KERAS_BACKENDS:
-        numbers = [str(v) for v in (config.b, config.t, config.e, config.n, runs, rounds)]
-        command = [sys.executable, "-m", "bench.keras_bench", backend, *numbers]
-        done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).parents[1])
-        lines = done.stdout.strip().splitlines()
-        results[backend] = json.loads(lines[-1]) if done.returncode == 0 and lines else done.stderr[-300:]
+        numbers = [config.b, config.t, config.e, config.n, runs, rounds]
+        measured = forks.run(backend, "bench.keras_bench", "measure", [backend, *numbers])
+        results[backend] = measured["error"][-300:] if "error" in measured else measured
     return results
 
 
@@ -616,18 +610,8 @@ def output_path(quick, output=None):
     return None if quick and output.resolve() == RESULTS.resolve() else output
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.benchmark", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny configurations, few runs (smoke test)")
-    parser.add_argument("--runs", type=int, default=None, help="timed runs per round (default 5, quick 2)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds per comparison (default 3)")
-    parser.add_argument(
-        "--output", type=Path, help=f"where to write the Markdown results (default {RESULTS}; --quick: {QUICK_RESULTS})"
-    )
-    args = parser.parse_args(argv)
-    args.output = output_path(args.quick, args.output)
-    if args.output is None:
-        parser.error(f"--quick results are smoke numbers: write them anywhere but {RESULTS}")
+def run(args, forks):
+    """The Markdown report of one run; `forks` runs the measurements that need a fresh process."""
     configs, long, decode = (QUICK, QUICK_LONG, QUICK_DECODE) if args.quick else (CONFIGS, LONG, DECODE)
     anchors, anchor_runs = (QUICK_DECODE_ANCHORS, 3) if args.quick else (DECODE_ANCHORS, DECODE_ANCHOR_RUNS)
     memory_cases, processes = (QUICK_MEMORY, 1) if args.quick else (MEMORY, MEMORY_PROCESSES)
@@ -655,7 +639,9 @@ def main(argv=None):
     print("multi-head latent attention, decoding step", file=sys.stderr, flush=True)
     mla_results = mla.time_mla(anchor_runs, args.rounds, mla_config)
     print("Keras decoding step (jax.jit)", file=sys.stderr, flush=True)
-    keras_decode_times = keras_decode.keras_decode_times([config for config, _ in anchors], anchor_runs, args.rounds)
+    keras_decode_times = keras_decode.keras_decode_times(
+        [config for config, _ in anchors], anchor_runs, args.rounds, forks
+    )
     compile_rows = "Not run with --quick (two compiles of minutes each): `python -m bench.sections decode --quick`."
     if not args.quick:
         print(f"compile time, {configs[0].name}", file=sys.stderr, flush=True)
@@ -670,13 +656,13 @@ def main(argv=None):
         int8_results[config.name] = time_int8(config, runs, args.rounds)
     keras_config = QUICK[0] if args.quick else CONFIGS[0]
     print(f"Keras file, {keras_config.name}", file=sys.stderr, flush=True)
-    keras_results = time_keras(keras_config, runs, args.rounds)
+    keras_results = time_keras(keras_config, runs, args.rounds, forks)
     long_results = {}
     for config, mode in long:
         for which in (label for pair in LAYERS.values() for label in pair):
             print(f"{config.name} {mode} {which}", file=sys.stderr, flush=True)
-            long_results[(config, mode, which)] = measure_long(config, mode, which, args.rounds)
-    memory_results = memory.measure_all(memory_cases, processes, QUICK_MEMORY_THRESHOLD if args.quick else None)
+            long_results[(config, mode, which)] = measure_long(config, mode, which, args.rounds, forks)
+    memory_results = memory.measure_all(memory_cases, processes, forks, QUICK_MEMORY_THRESHOLD if args.quick else None)
     hub = "not installed: see docs/benchmark.md"
     if decode_anchors.has_keras_hub():
         hub = f"keras-hub {decode_anchors.keras_hub_version()}"
@@ -792,15 +778,31 @@ def main(argv=None):
         f"Each measurement in a fresh process, repeated in {processes} processes (medians over them, min-max in "
         "parentheses): the growth is the peak "
         "resident memory after one step (getrusage's ru_maxrss) minus the resident memory after the layer is "
-        "built and the input allocated; the time is that of a second step. The process forks before its "
-        "imports, so its peak does not start at the benchmark's. The eager training step runs "
-        "tf.GradientTape outside tf.function; PyTorch's forward is eval + no_grad. '<=' marks a growth that is "
-        "an upper bound (the step did not raise the process's earlier peak).",
+        "built and the input allocated; the time is that of a second step. The process is forked from one "
+        "that only imported its framework (bench/fresh.py), so its peak does not start at the benchmark's. "
+        "The eager training step runs tf.GradientTape outside tf.function; PyTorch's forward is eval + "
+        "no_grad. '<=' marks a growth that is an upper bound (the step did not raise the process's earlier peak).",
         "",
         memory.memory_table(memory_results, dict(memory_cases)),
         "",
     ]
-    text = "\n".join(report)
+    return "\n".join(report)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bench.benchmark", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny configurations, few runs (smoke test)")
+    parser.add_argument("--runs", type=int, default=None, help="timed runs per round (default 5, quick 2)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per comparison (default 3)")
+    parser.add_argument(
+        "--output", type=Path, help=f"where to write the Markdown results (default {RESULTS}; --quick: {QUICK_RESULTS})"
+    )
+    args = parser.parse_args(argv)
+    args.output = output_path(args.quick, args.output)
+    if args.output is None:
+        parser.error(f"--quick results are smoke numbers: write them anywhere but {RESULTS}")
+    with fresh.Forks() as forks:
+        text = run(args, forks)
     print(text)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(text)

@@ -15,9 +15,7 @@ Legend: B batch, T query length (1), E d_model, N num_heads, H head_dim, L cache
 import json
 import os
 import statistics
-import subprocess
 import sys
-from pathlib import Path
 
 HAND_ATOL = 1e-5  # float32 at E <= 512
 TARGET = 1.0  # ours / the hand-written step: no slower
@@ -74,15 +72,15 @@ def measure(b, length, e, n, runs, rounds):
     return rounds_of_times(steps, runs, rounds)
 
 
-def keras_decode_times(configs, runs, rounds):
-    """{config name: {"ours": [...], "hand": [...]}, or the error text}: one process per size."""
+def keras_decode_times(configs, runs, rounds, forks):
+    """{config name: {"ours": [...], "hand": [...]}, or the error text}: a fresh process per size
+    (a child of `forks`' JAX server)."""
     results = {}
     for config in configs:
-        numbers = [str(v) for v in (config.b, config.t, config.e, config.n, runs, rounds)]
-        command = [sys.executable, "-m", "bench.keras_decode", *numbers]
-        done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).parents[1])
-        lines = done.stdout.strip().splitlines()
-        results[config.name] = json.loads(lines[-1]) if done.returncode == 0 and lines else done.stderr[-300:]
+        measured = forks.run(
+            "jax", "bench.keras_decode", "measure", [config.b, config.t, config.e, config.n, runs, rounds]
+        )
+        results[config.name] = measured["error"][-300:] if "error" in measured else measured
     return results
 
 

@@ -1,28 +1,25 @@
 """Peak memory of the TensorFlow layer in eager mode and inside `tf.function`, and against PyTorch;
 of the Keras file's forward and train step on each Keras backend.
 
-Each measurement runs in a fresh process: `python -m bench.memory CASE B T E N [THRESHOLD]`
-prints one JSON line, {"growth_mib", "seconds", "raised_peak"}. The growth is the peak resident
-memory after one step (`resource.getrusage(RUSAGE_SELF).ru_maxrss`) minus the resident memory
-after the layer is built and the input allocated; the time is that of a second step (tracing
-is in the first). A process started by `subprocess` inherits its parent's `ru_maxrss` (the
-benchmark's own peak, gigabytes), so this module forks before anything else is imported and
-measures in the child, whose peak starts at that of a bare interpreter. `raised_peak` is False
-when the step did not raise the peak above what the process reached before it (then the growth
-is an upper bound). THRESHOLD, when given, replaces the TensorFlow and Keras layers'
+Each measurement runs in a fresh process, a child that bench/fresh.py forks from a server that
+imported only the case's framework: `measure_here` there gives {"growth_mib", "seconds",
+"raised_peak"}. The growth is the peak resident memory after one step
+(`resource.getrusage(RUSAGE_SELF).ru_maxrss`) minus the resident memory after the layer is built
+and the input allocated; the time is that of a second step (tracing is in the first). A forked
+child's `ru_maxrss` starts at its own resident memory at the fork (a process started by
+`subprocess` would inherit the benchmark's peak, gigabytes). `raised_peak` is False when the
+step did not raise the peak above what the process reached before it (then the growth is an
+upper bound). THRESHOLD, when given, replaces the TensorFlow and Keras layers'
 `memory_efficient_threshold` (smoke runs use it to reach the memory-efficient path at small T).
-A Keras case runs in a process with `KERAS_BACKEND` set to its backend (fixed when Keras is
+A Keras case runs in the server of its backend (`KERAS_BACKEND`, fixed when Keras is
 imported): compiled on TensorFlow (`tf.function`) and JAX (`jax.jit`), eager on torch.
 
 Legend: B batch, T = S sequence length, E d_model, N num_heads.
 """
 
 import gc
-import json
-import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -193,28 +190,24 @@ def measure_here(case, b, t, e, n, threshold=None):
     return {"growth_mib": round(peak - before, 1), "seconds": seconds, "raised_peak": peak > peak_before}
 
 
-def measure(case, config, threshold=None):
-    """One measurement of `case` at `config` in a fresh process."""
-    args = [case, config.b, config.t, config.e, config.n] + ([] if threshold is None else [threshold])
-    env = {**os.environ, **({"KERAS_BACKEND": KERAS_BACKENDS[case]} if case in KERAS_BACKENDS else {})}
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.memory", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).parents[1],
-        env=env,
+def measure(case, config, forks, threshold=None):
+    """One measurement of `case` at `config` in a fresh process: a child of `forks`' server of
+    the case's framework (KERAS_BACKEND, fixed when Keras is imported, for a Keras case)."""
+    backend = KERAS_BACKENDS.get(case, "torch" if case == TORCH_FORWARD else "tensorflow")
+    result = forks.run(
+        backend, "bench.memory", "measure_here", [case, config.b, config.t, config.e, config.n, threshold]
     )
-    if out.returncode != 0:
-        raise RuntimeError(f"the measurement of {case!r} at {config.name} failed:\n{out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    if "error" in result:
+        raise RuntimeError(f"the measurement of {case!r} at {config.name} failed:\n{result['error']}")
+    return result
 
 
-def measure_all(cases, processes, threshold=None):
+def measure_all(cases, processes, forks, threshold=None):
     """{case: [result of each process]} for [(case, config)], each in `processes` fresh processes."""
     results = {}
     for case, config in cases:
         print(f"memory: {case}, {config.name}", file=sys.stderr, flush=True)
-        results[case] = [measure(case, config, threshold) for _ in range(processes)]
+        results[case] = [measure(case, config, forks, threshold) for _ in range(processes)]
     return results
 
 
@@ -260,23 +253,3 @@ def memory_table(results, configs):
     lines += ["", "| target | goal | measured (medians) | met |", "|---|---|---|---|"]
     lines += [f"| {name} | {goal} | {value} | {'yes' if met else 'no'} |" for name, goal, value, met in targets]
     return "\n".join(lines)
-
-
-def main(argv):
-    """Forks first: the child's ru_maxrss starts from its own small peak, not the parent's."""
-    pid = os.fork()
-    if pid:
-        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    case, *sizes = argv
-    try:
-        print(json.dumps(measure_here(case, *map(int, sizes))), flush=True)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        os._exit(1)
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -11,12 +11,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench import benchmark, compile_time, decode_anchors, decode_pair, keras_decode, memory, mla
+from bench import benchmark, compile_time, decode_anchors, decode_pair, fresh, keras_decode, memory, mla
 
 OUTPUT = Path(__file__).parents[1] / "out" / "bench_sections.md"
 
 
-def _variants(runs, rounds):
+def _variants(runs, rounds, forks):
     """Each variant against the plain layer, then PyTorch's soft-capping at both sizes, causal and
     not, next to its target."""
     config = benchmark.VARIANT_CONFIGS[0]
@@ -25,23 +25,23 @@ def _variants(runs, rounds):
     return f"{variants}\n\n{softcap}"
 
 
-def _int8(runs, rounds):
+def _int8(runs, rounds, forks):
     tables = (benchmark.int8_table(benchmark.time_int8(c, runs, rounds), c) for c in benchmark.INT8_CONFIGS)
     return "\n\n".join(tables)
 
 
-def _keras(runs, rounds):
+def _keras(runs, rounds, forks):
     config = benchmark.CONFIGS[0]
-    return benchmark.keras_table(benchmark.time_keras(config, runs, rounds), config)
+    return benchmark.keras_table(benchmark.time_keras(config, runs, rounds, forks), config)
 
 
-def _memory(runs, rounds):
+def _memory(runs, rounds, forks):
     """The memory rows in one process each (the full run repeats each in three)."""
     cases = benchmark.MEMORY
-    return memory.memory_table(memory.measure_all(cases, 1), dict(cases))
+    return memory.memory_table(memory.measure_all(cases, 1, forks), dict(cases))
 
 
-def _decode(runs, rounds, quick=False):
+def _decode(runs, rounds, forks, quick=False):
     """The decoding step against its anchors (PyTorch and TensorFlow; the Keras file under jax.jit
     against a hand-written keras.ops step), each ratio next to its target, and the compile time
     of the layer's forward + backward next to nn.MultiheadAttention's (a fresh process each)."""
@@ -49,7 +49,7 @@ def _decode(runs, rounds, quick=False):
     step_runs = 3 if quick else benchmark.DECODE_ANCHOR_RUNS
     pairs = {config.name: decode_pair.time_torch_pair(config, step_runs, rounds * 3) for config, _ in anchors}
     times = {config.name: benchmark.time_decode_anchors(config, step_runs, rounds) for config, _ in anchors}
-    keras_times = keras_decode.keras_decode_times([config for config, _ in anchors], step_runs, rounds)
+    keras_times = keras_decode.keras_decode_times([config for config, _ in anchors], step_runs, rounds, forks)
     compiled = benchmark.QUICK[0] if quick else benchmark.CONFIGS[0]
     compile_times = compile_time.compile_times(compiled)
     return "\n\n".join(
@@ -62,7 +62,7 @@ def _decode(runs, rounds, quick=False):
     )
 
 
-def _mla(runs, rounds):
+def _mla(runs, rounds, forks):
     return mla.mla_table(mla.time_mla(runs, rounds))
 
 
@@ -79,10 +79,11 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="the decode section at its smoke sizes")
     args = parser.parse_args(argv)
     report = [f"# Benchmark sections\n\nMachine: {benchmark.machine()}. {args.rounds} rounds of {args.runs} runs."]
-    for name in args.sections:
-        print(name, file=sys.stderr, flush=True)
-        options = {"quick": True} if args.quick and name == "decode" else {}
-        report += [f"## {name}", SECTIONS[name](args.runs, args.rounds, **options)]
+    with fresh.Forks() as forks:
+        for name in args.sections:
+            print(name, file=sys.stderr, flush=True)
+            options = {"quick": True} if args.quick and name == "decode" else {}
+            report += [f"## {name}", SECTIONS[name](args.runs, args.rounds, forks, **options)]
     text = "\n\n".join(report) + "\n"
     print(text)
     OUTPUT.parent.mkdir(parents=True, exist_ok=True)

@@ -146,6 +146,7 @@ def test_benchmark_sections_measure_apart_and_never_write_the_recorded_results(m
 
     recorded = (ROOT / "bench" / "results.md").read_text()
     monkeypatch.setattr(benchmark, "VARIANT_CONFIGS", [benchmark.QUICK[0]])
+    monkeypatch.setattr(benchmark, "SOFTCAP_CONFIGS", [benchmark.QUICK[0]])
     monkeypatch.setattr(benchmark, "INT8_CONFIGS", [benchmark.QUICK[0]])
     monkeypatch.setattr(sections, "OUTPUT", tmp_path / "sections.md")
     assert sections.main(["variants", "int8", "--runs", "1", "--rounds", "1"]) == 0
