@@ -154,3 +154,15 @@ def test_benchmark_sections_measure_apart_and_never_write_the_recorded_results(m
     assert "## variants" in text and "| quick B=2 T=S=32 E=32 N=4 | TensorFlow | sinks | train step |" in text
     assert "## int8" in text and "| quick B=2 T=S=32 E=32 N=4 | PyTorch | ours int8 |" in text
     assert (ROOT / "bench" / "results.md").read_text() == recorded
+
+
+def test_softcap_paths_compares_the_tiles_and_blocks_with_the_plain_layer(capsys):
+    """`python -m bench.softcap_paths` (docs/benchmark.md, "Key tiles") at the smoke size."""
+    from bench import softcap_paths
+
+    assert softcap_paths.main(["--quick", "--rounds", "1", "--tiles", "16x16/8x8"]) == 0
+    table = capsys.readouterr().out
+    assert "| tiles / plain (spread) | blocks / plain (spread) | tiles 16x16/8x8 / plain (spread) |" in table
+    for causal in ("no", "yes"):
+        for mode in ("forward", "train step"):
+            assert f"| quick B=2 T=S=32 E=32 N=4 | {causal} | {mode} |" in table
