@@ -103,14 +103,38 @@ def _torchlib_registry():
     return functools.cache(_registration.ONNXRegistry.from_torchlib)
 
 
+_CIA_OPS = {}  # torch.ops' namespaces -> torch.export's set of CompositeImplicitAutograd ops
+
+
+def _cia_ops_once_per_namespaces():
+    """`torch.export`'s `_collect_all_valid_cia_ops`, kept while torch.ops has the same namespaces:
+    the exporter asks for it about 50 times an export (it queries the C++ dispatcher and walks every
+    namespace each time: a tenth of exporting a case of the table). torch does not cache it because a
+    custom op registered later adds to it; our exports use no custom op, and a new namespace
+    computes it anew."""
+    import torch
+    from torch._export import utils
+
+    key = tuple(sorted(torch.ops._dir))
+    if key not in _CIA_OPS:
+        _CIA_OPS[key] = frozenset(utils._collect_all_valid_cia_ops())
+    return _CIA_OPS[key]
+
+
 def torch_onnx_export(module, tensors, **options):
     """`torch.onnx.export(module, tensors, dynamo=True, **options)`, the same exporter and graph,
-    with the torchlib registry built once per process (`_torchlib_registry`)."""
+    with the torchlib registry built once per process (`_torchlib_registry`) and the
+    CompositeImplicitAutograd ops listed once (`_cia_ops_once_per_namespaces`)."""
     import torch
+    from torch.export import decomp_utils, exported_program
     from torch.onnx._internal.exporter import _registration
 
     build = _torchlib_registry()
-    with unittest.mock.patch.object(_registration.ONNXRegistry, "from_torchlib", staticmethod(build)):
+    with (
+        unittest.mock.patch.object(_registration.ONNXRegistry, "from_torchlib", staticmethod(build)),
+        unittest.mock.patch.object(exported_program, "_collect_all_valid_cia_ops", _cia_ops_once_per_namespaces),
+        unittest.mock.patch.object(decomp_utils, "_collect_all_valid_cia_ops", _cia_ops_once_per_namespaces),
+    ):
         return quietly(lambda: torch.onnx.export(module, tensors, dynamo=True, **options))
 
 
