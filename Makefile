@@ -25,7 +25,7 @@ lint: install  ## ruff check and ruff format --check
 	$(VENV)/bin/ruff format --check .
 
 test: install lint  ## set up, lint, then run every test
-	$(PY) -m pytest -n 2 --dist loadgroup
+	$(PY) -m pytest -n 2 --dist loadgroup --durations=20
 
 parity: install  ## set up, then the cross-framework parity report (exit 1 on any FAIL)
 	$(PY) -m shared_tests.parity --keras tensorflow,jax,torch $(ARGS)
