@@ -12,6 +12,9 @@ import sys
 
 import pytest
 from hypothesis import settings
+from xdist.scheduler import LoadScopeScheduling
+
+KERAS_BACKENDS = ("tensorflow", "jax", "torch")
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 settings.register_profile("ci", max_examples=25, derandomize=True, database=None)
@@ -37,21 +40,31 @@ def _no_kept_exports(monkeypatch):
     monkeypatch.setattr(parity, "EXPORT_CACHE", "")
 
 
-def _shared_process_group(item):
-    """The xdist group of a test whose subprocess is shared with other tests within one pytest
-    process (a module fixture of test_distributed.py; keras_seams' process per backend, cached),
-    or None: under `pytest -n 2 --dist loadgroup` a group runs in one worker, so its subprocess
-    starts once instead of once in each worker that draws one of its tests."""
-    if item.path.name == "test_distributed.py":
+def shared_process_group(nodeid):
+    """The group of a test whose subprocess is shared with other tests within one pytest process
+    (a module fixture of test_distributed.py; keras_seams' process per backend, cached), read from
+    its id, or None."""
+    path, _, name = nodeid.partition("::")
+    if path.endswith("test_distributed.py"):
         return "distributed"
-    backend = getattr(item, "callspec", None) and item.callspec.params.get("backend")
-    if item.path.name in ("test_seams.py", "test_seam_properties.py") and backend:
+    backend = name.rpartition("[")[2].removesuffix("]")
+    if path.endswith(("test_seams.py", "test_seam_properties.py")) and "keras" in name and backend in KERAS_BACKENDS:
         return f"keras_seams_{backend}"
     return None
 
 
-def pytest_collection_modifyitems(items):
-    for item in items:
-        group = _shared_process_group(item)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+class SharedProcessScheduling(LoadScopeScheduling):
+    """`--dist loadgroup` as this suite needs it: each group of `shared_process_group` is one
+    work unit, run in one worker, so its subprocess starts once instead of once in each worker
+    that draws one of its tests; every other test is a unit of its own. (pytest-xdist 3.8 groups
+    the `xdist_group` mark by renaming each test's `_nodeid`, which pytest 9 no longer reads: its
+    groups never form.)"""
+
+    def _split_scope(self, nodeid):
+        return shared_process_group(nodeid) or nodeid
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None  # another --dist mode, as asked
+    return SharedProcessScheduling(config, log)

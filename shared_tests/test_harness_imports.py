@@ -139,3 +139,32 @@ def test_regression_keras_backends_and_keras_checks_imported_each_other(tmp_path
         "shared_tests.keras_backends",
     ]
     assert private == ["shared_tests.keras_checks:1: from shared_tests.keras_backends import _case_result"]
+
+
+def test_regression_the_tests_sharing_a_subprocess_never_ran_in_one_xdist_worker():
+    """pytest-xdist 3.8 groups its `xdist_group` mark by renaming each test's `_nodeid`, which pytest
+    9 no longer reads: the groups never formed, and test_distributed's module fixtures (a minute of
+    JAX each) and keras_seams' process per backend ran in both workers. conftest's scheduler makes
+    each group one work unit from the test ids."""
+    from types import SimpleNamespace
+
+    from shared_tests import conftest
+
+    def unit(nodeid):
+        return conftest.SharedProcessScheduling._split_scope(None, nodeid)
+
+    assert unit("shared_tests/test_distributed.py::test_keras_data_parallel_equals_one_device") == "distributed"
+    assert unit("shared_tests/test_distributed.py::test_keras_model_parallel_equals_one_device[mha_4]") == "distributed"
+    for backend in ("tensorflow", "jax", "torch"):
+        for nodeid in (
+            f"shared_tests/test_seams.py::test_regression_keras_file_warned_at_its_own_line[{backend}]",
+            f"shared_tests/test_seam_properties.py::test_keras_file_symbolic_shapes_hold[{backend}]",
+        ):
+            assert unit(nodeid) == f"keras_seams_{backend}"
+    for alone in (
+        "shared_tests/test_seam_properties.py::test_attention_mask_warnings_name_the_callers_line[torch]",
+        "shared_tests/test_seams.py::test_regression_attention_mask_warning_named_torch[keras]",
+        "shared_tests/test_keras.py::test_every_case_decode_case_and_check_on_the_backend[jax]",
+    ):
+        assert unit(alone) == alone
+    assert conftest.pytest_xdist_make_scheduler(SimpleNamespace(getvalue={"dist": "load"}.get), None) is None
