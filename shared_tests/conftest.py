@@ -64,6 +64,7 @@ class SharedProcessScheduling(LoadScopeScheduling):
         return shared_process_group(nodeid) or nodeid
 
 
+@pytest.hookimpl(optionalhook=True)  # unknown where xdist is not loaded (`-p no:xdist`)
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadgroup":
         return None  # another --dist mode, as asked
