@@ -1536,15 +1536,17 @@ class _SoftcappedTiles(torch.autograd.Function):
             lse = with_sink  # (B, N, T, 1)
         context = context.to(q.dtype)  # (B, N, T, Hv)
         ctx.save_for_backward(q, k, v, keep, bias, sinks, context, lse)
-        ctx.options = (scale, softcap, _key_tiles(b, t, s, causal, window, _SOFTCAP_TILES["backward"]), whole)
+        ctx.options = (scale, softcap, causal, window, whole)  # the backward's tiles are made there, where needed
         return context
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         q, k, v, keep, bias, sinks, context, lse = ctx.saved_tensors
-        scale, softcap, blocks, whole = ctx.options
-        low, wide, n = q.dtype, torch.promote_types(q.dtype, torch.float32), q.shape[1]
+        scale, softcap, causal, window, whole = ctx.options
+        (b, n, t, _), s = q.shape, k.shape[2]
+        blocks = _key_tiles(b, t, s, causal, window, _SOFTCAP_TILES["backward"])
+        low, wide = q.dtype, torch.promote_types(q.dtype, torch.float32)
         q, k, v, grad = (x.to(wide).contiguous() for x in (q, k, v, grad))  # (B, N, T|S, H|Hv)
         q_scaled = q * (scale / softcap)  # (B, N, T, H)
         grad_q, grad_k, grad_v = (torch.zeros_like(x) for x in (q, k, v))
