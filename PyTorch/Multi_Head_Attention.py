@@ -1481,21 +1481,21 @@ def _tile_tanh(queries, keys):
     return torch.bmm(queries, keys.transpose(1, 2)).tanh_()  # (r*N, tq, H) @ (r*N, H, S') -> (r*N, tq, S')
 
 
-def _tile_weights(capped, keep, bias, offset, part, heads):
-    """exp(capped + bias - offset) of a tile's capped scores (r*N, tq, S'), in place, 0 at every
-    key not kept; `offset` is a number or (r*N, tq, 1), `part` the tile as `_block_of` reads it,
-    and `keep` None where the tile is whole. The keys not kept are zeroed after the exp (an exp
-    of the lowest float ran ten times slower than of a score)."""
-    tiled = capped.unflatten(0, (-1, heads))  # (r*N, tq, S') -> (r, N, tq, S'), a view
+def _tile_weights(tanh, softcap, keep, bias, offset, part, heads, out=None):
+    """exp(softcap * tanh + bias - offset) of a tile's tanh(scores / softcap) (r*N, tq, S'), in
+    `out` (`tanh` itself where it is not needed again) or a new tensor, 0 at every key not kept;
+    `offset` is a number or (r*N, tq, 1), `part` the tile as `_block_of` reads it, and `keep` None
+    where the tile is whole. The cap and the offset are one pass (`torch.add` with `alpha`); the
+    keys not kept are zeroed after the exp (an exp of the lowest float ran ten times slower than
+    of a score)."""
+    weights = torch.add(-offset, tanh, alpha=softcap, out=out)  # (r*N, tq, S')
     if bias is not None:
-        tiled += _block_of(bias, part)
-    if torch.is_tensor(offset) or offset:
-        capped -= offset
-    capped.exp_()  # (r*N, tq, S')
+        weights.unflatten(0, (-1, heads)).add_(_block_of(bias, part))  # (r, N, tq, S'), a view
+    weights.exp_()  # (r*N, tq, S')
     mask = _block_of(keep, part)  # (r, N, tq, S'), dims may be 1
     if mask is not None:
-        tiled.masked_fill_(~mask, 0.0)
-    return capped  # (r*N, tq, S')
+        weights.unflatten(0, (-1, heads)).masked_fill_(~mask, 0.0)
+    return weights  # (r*N, tq, S')
 
 
 class _SoftcappedTiles(torch.autograd.Function):
@@ -1523,8 +1523,8 @@ class _SoftcappedTiles(torch.autograd.Function):
                 start, end, kept = tile
                 keys, values = (x[batch, :, start:end].flatten(0, 1) for x in (k_wide, v_wide))  # (r*N, S', .)
                 mask, part = None if kept and whole else keep, (batch, rows, start, end)
-                capped = _tile_tanh(queries, keys).mul_(softcap)  # (r*N, tq, S')
-                weights = _tile_weights(capped, mask, bias, shift, part, n)  # (r*N, tq, S')
+                tanh = _tile_tanh(queries, keys)  # (r*N, tq, S')
+                weights = _tile_weights(tanh, softcap, mask, bias, shift, part, n, out=tanh)  # (r*N, tq, S')
                 out.baddbmm_(weights, values)  # (r*N, tq, S') @ (r*N, S', Hv)
                 total += weights.sum(dim=-1, keepdim=True)  # (r*N, tq, 1)
         empty = totals == 0  # (B, N, T, 1): rows that see no key
@@ -1563,7 +1563,7 @@ class _SoftcappedTiles(torch.autograd.Function):
                 keys, values = k[batch, :, start:end].flatten(0, 1), v[batch, :, start:end].flatten(0, 1)
                 mask, part = None if kept and whole else keep, (batch, rows, start, end)
                 tanh = _tile_tanh(scaled, keys)  # (r*N, tq, S')
-                weights = _tile_weights(tanh * softcap, mask, bias, offset, part, n)  # (r*N, tq, S')
+                weights = _tile_weights(tanh, softcap, mask, bias, offset, part, n)  # (r*N, tq, S')
                 grad_v[batch, :, start:end].flatten(0, 1).baddbmm_(weights.transpose(1, 2), grads)  # (r*N, S', Hv)
                 capped = torch.baddbmm(minus_rowsum, grads, values.transpose(1, 2)).mul_(weights)  # (r*N, tq, S')
                 if grad_bias is not None:
