@@ -2,15 +2,18 @@
 
 Each check raises (an AssertionError saying what differs) or returns None; `CHECKS` names them.
 A check named "save:FOLDER" or "load:FOLDER" takes that folder: `save` writes a `.keras` model
-with its inputs and outputs there, `load` loads one written by another backend and compares.
+with its inputs and outputs there, `load` loads one written by another backend and compares,
+waiting until it is written (the backends' processes may run side by side).
 """
 
 import os
+import time
 import warnings
 
 import numpy as np
 
 TOLERANCE = 1e-5  # float32 outputs, as the SPEC's output tolerance
+SAVED_WAIT = 600  # seconds a `load` check waits for another backend's process to save its model
 SAVED_CONFIG = dict(
     d_model=16, num_heads=4, num_kv_heads=2, rope_theta=10000.0, rope_sections=[1, 1], qk_norm="per_head",
     qk_norm_type="layer", qk_norm_bias=True, sinks=True, window=(3, 2), attention_chunk_size=4,
@@ -723,7 +726,23 @@ def check_save(folder):
     x = _inputs()
     os.makedirs(folder, exist_ok=True)
     model.save(os.path.join(folder, "model.keras"))
-    np.savez(os.path.join(folder, "io.npz"), x=x, y=_numpy(model(x)))
+    _save_io(os.path.join(folder, "io.npz"), x, model(x))
+
+
+def _save_io(path, x, y):
+    """Writes the inputs and outputs to `path` whole or not at all (a `load` waits for it)."""
+    with open(f"{path}.part", "wb") as handle:
+        np.savez(handle, x=x, y=_numpy(y))
+    os.replace(f"{path}.part", path)
+
+
+def _saved_io(path):
+    """The inputs and outputs at `path`, waited for up to SAVED_WAIT seconds (written last, after the model)."""
+    deadline = time.monotonic() + SAVED_WAIT
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"nothing saved to {path} in {SAVED_WAIT} s"
+        time.sleep(0.1)
+    return np.load(path)
 
 
 def check_load(folder):
@@ -732,8 +751,9 @@ def check_load(folder):
 
     import Keras  # noqa: F401  (registers the layer for deserialization)
 
+    saved_io = _saved_io(os.path.join(folder, "io.npz"))
     model = keras.models.load_model(os.path.join(folder, "model.keras"))
-    with np.load(os.path.join(folder, "io.npz")) as saved:
+    with saved_io as saved:
         _close(model(saved["x"]), saved["y"], f"the model saved in {os.path.basename(folder)}")
 
 
@@ -909,7 +929,7 @@ def check_save_int8(folder):
     x = _inputs()
     os.makedirs(folder, exist_ok=True)
     model.save(os.path.join(folder, "int8.keras"))
-    np.savez(os.path.join(folder, "int8_io.npz"), x=x, y=_numpy(model(x)))
+    _save_io(os.path.join(folder, "int8_io.npz"), x, model(x))
 
 
 def check_load_int8(folder):
@@ -918,9 +938,10 @@ def check_load_int8(folder):
 
     import Keras  # noqa: F401  (registers the layer for deserialization)
 
+    saved_io = _saved_io(os.path.join(folder, "int8_io.npz"))
     model = keras.models.load_model(os.path.join(folder, "int8.keras"))
     assert model.layers[-1].dtype_policy.name == "int8_from_float32", model.layers[-1].dtype_policy.name
-    with np.load(os.path.join(folder, "int8_io.npz")) as saved:
+    with saved_io as saved:
         _close(model(saved["x"]), saved["y"], f"the int8 model saved in {os.path.basename(folder)}")
 
 
