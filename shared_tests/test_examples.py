@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOKE_STEPS = "30"
+SMOKE_STEPS = "10"  # training steps; the greedy tokens of generate.py still win by logit margins of 2e-2 and more
 
 
 def _run(args, timeout=300):
