@@ -2,15 +2,18 @@
 
 Each check raises (an AssertionError saying what differs) or returns None; `CHECKS` names them.
 A check named "save:FOLDER" or "load:FOLDER" takes that folder: `save` writes a `.keras` model
-with its inputs and outputs there, `load` loads one written by another backend and compares.
+with its inputs and outputs there, `load` loads one written by another backend and compares,
+waiting until it is written (the backends' processes may run side by side).
 """
 
 import os
+import time
 import warnings
 
 import numpy as np
 
 TOLERANCE = 1e-5  # float32 outputs, as the SPEC's output tolerance
+SAVED_WAIT = 600  # seconds a `load` check waits for another backend's process to save its model
 SAVED_CONFIG = dict(
     d_model=16, num_heads=4, num_kv_heads=2, rope_theta=10000.0, rope_sections=[1, 1], qk_norm="per_head",
     qk_norm_type="layer", qk_norm_bias=True, sinks=True, window=(3, 2), attention_chunk_size=4,
@@ -68,7 +71,8 @@ def check_fit():
 
 def check_fit_compiled():
     """`fit` with `jit_compile=True` on torch, where Keras compiles the train step with
-    `torch.compile`: the loss falls and `predict` equals an eager call."""
+    `torch.compile`: the compiled step's first loss equals the loss of an eager call at the same
+    weights, and the loss falls. (`predict` would compile a second program, of about 17 s of CPU.)"""
     import keras
 
     from Keras import MultiHeadAttention
@@ -79,9 +83,12 @@ def check_fit_compiled():
     model = keras.Model(tokens, keras.layers.Dense(1)(attended))
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=True)
     x, y = _inputs((16, 8, 16)), _inputs((16, 8, 1), seed=2)
-    history = model.fit(x, y, batch_size=8, epochs=3, verbose=0).history["loss"]
+    eager = keras.losses.MeanSquaredError()(y[:8], model(x[:8], training=True))  # the first batch, before a step
+    first = []  # the compiled step's loss of the first batch
+    record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: first.append(logs["loss"]))
+    history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=[record]).history["loss"]
     assert np.isfinite(history).all() and history[-1] < history[0], f"the loss did not fall: {history}"
-    _close(model.predict(x[:8], batch_size=8, verbose=0), model(x[:8], training=False), "predict against a call")
+    _close(np.float32(first[0]), eager, "the compiled step's first loss against an eager call")
 
 
 def check_dropout():
@@ -723,7 +730,23 @@ def check_save(folder):
     x = _inputs()
     os.makedirs(folder, exist_ok=True)
     model.save(os.path.join(folder, "model.keras"))
-    np.savez(os.path.join(folder, "io.npz"), x=x, y=_numpy(model(x)))
+    _save_io(os.path.join(folder, "io.npz"), x, model(x))
+
+
+def _save_io(path, x, y):
+    """Writes the inputs and outputs to `path` whole or not at all (a `load` waits for it)."""
+    with open(f"{path}.part", "wb") as handle:
+        np.savez(handle, x=x, y=_numpy(y))
+    os.replace(f"{path}.part", path)
+
+
+def _saved_io(path):
+    """The inputs and outputs at `path`, waited for up to SAVED_WAIT seconds (written last, after the model)."""
+    deadline = time.monotonic() + SAVED_WAIT
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"nothing saved to {path} in {SAVED_WAIT} s"
+        time.sleep(0.1)
+    return np.load(path)
 
 
 def check_load(folder):
@@ -732,8 +755,9 @@ def check_load(folder):
 
     import Keras  # noqa: F401  (registers the layer for deserialization)
 
+    saved_io = _saved_io(os.path.join(folder, "io.npz"))
     model = keras.models.load_model(os.path.join(folder, "model.keras"))
-    with np.load(os.path.join(folder, "io.npz")) as saved:
+    with saved_io as saved:
         _close(model(saved["x"]), saved["y"], f"the model saved in {os.path.basename(folder)}")
 
 
@@ -909,7 +933,7 @@ def check_save_int8(folder):
     x = _inputs()
     os.makedirs(folder, exist_ok=True)
     model.save(os.path.join(folder, "int8.keras"))
-    np.savez(os.path.join(folder, "int8_io.npz"), x=x, y=_numpy(model(x)))
+    _save_io(os.path.join(folder, "int8_io.npz"), x, model(x))
 
 
 def check_load_int8(folder):
@@ -918,9 +942,10 @@ def check_load_int8(folder):
 
     import Keras  # noqa: F401  (registers the layer for deserialization)
 
+    saved_io = _saved_io(os.path.join(folder, "int8_io.npz"))
     model = keras.models.load_model(os.path.join(folder, "int8.keras"))
     assert model.layers[-1].dtype_policy.name == "int8_from_float32", model.layers[-1].dtype_policy.name
-    with np.load(os.path.join(folder, "int8_io.npz")) as saved:
+    with saved_io as saved:
         _close(model(saved["x"]), saved["y"], f"the int8 model saved in {os.path.basename(folder)}")
 
 

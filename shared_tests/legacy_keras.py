@@ -4,7 +4,9 @@ Not collected by the main run (TensorFlow picks its Keras once per process): tes
 runs `pytest shared_tests/legacy_keras.py` in a subprocess with `TF_USE_LEGACY_KERAS=1`. The
 checks are those of test_tensorflow.py that apply to Keras 2: parity on every TensorFlow path,
 implicit masks (cross-attention included), dtype conversion, the legacy built-in layer both
-ways, initialisation, dropout on the memory-efficient path and the KV cache.
+ways, initialisation, dropout on the memory-efficient path and the KV cache; and the variants
+of test_tensorflow_variants.py (`EVERYTHING_NEW`) on the explicit and memory-efficient paths,
+eager and under tf.function, against the NumPy file.
 """
 
 import os
@@ -16,6 +18,7 @@ assert os.environ.get("TF_USE_LEGACY_KERAS") == "1", "run through test_legacy_ke
 
 import tensorflow as tf  # noqa: E402
 
+from NumPy import MultiHeadAttention as NumpyMultiHeadAttention  # noqa: E402
 from shared_tests import parity  # noqa: E402
 from shared_tests.cases import CASES_BY_NAME, TOLERANCES  # noqa: E402
 from TensorFlow import MultiHeadAttention  # noqa: E402
@@ -23,6 +26,11 @@ from TensorFlow import MultiHeadAttention  # noqa: E402
 OUTPUT_TOL = TOLERANCES["float32"]["output"]
 TF_PATHS = ("numpy", "tf:eager", "tf:function", "tf:memory_efficient")
 rng = np.random.default_rng(0)
+EVERYTHING_NEW = {  # test_tensorflow_variants.py's VARIANTS["everything_new"]
+    "num_kv_heads": 2, "head_dim": 8, "softcap": 3.0, "window": (3, 2), "attention_chunk_size": 3,
+    "rope_theta": 50.0, "rope_fraction": 0.75, "rope_sections": (1, 2), "qk_norm": "per_head",
+    "qk_norm_type": "layer", "qk_norm_bias": True, "sinks": True, "clip_qkv": 1.0,
+}  # fmt: skip
 X = rng.normal(size=(2, 5, 16)).astype(np.float32)  # (B, T, E)
 Y = rng.normal(size=(2, 7, 16)).astype(np.float32)  # (B, S, E)
 
@@ -108,3 +116,25 @@ def test_kv_cache_decoding_equals_the_full_pass():
         output, cache = layer(X[:, start:stop], causal=True, cache=cache)
         outputs.append(output)
     _close(tf.concat(outputs, 1), full)
+
+
+def test_the_new_variants_on_the_explicit_and_memory_efficient_paths():
+    """Eager and under tf.function, against the NumPy file (M-RoPE positions, causal)."""
+    local = np.random.default_rng(0)
+    layer = MultiHeadAttention(16, 4, **EVERYTHING_NEW)
+    layer.import_weights(
+        {
+            name: (local.normal(size=shape) * 0.3 + name.endswith("_norm")).astype(np.float32)
+            for name, shape in layer.weight_shapes().items()
+        }
+    )
+    twin = NumpyMultiHeadAttention(16, 4, **EVERYTHING_NEW)
+    twin.import_weights(layer.export_weights())
+    x = local.normal(size=(2, 5, 16)).astype(np.float32)  # (B, T, E)
+    positions = local.integers(0, 30, size=(2, 2, 5)).astype(np.int32)  # (k, B, T)
+    expected = twin(x.astype(np.float64), positions=positions, causal=True)
+    for threshold in (1 << 26, 0):
+        layer.memory_efficient_threshold = threshold
+        for run in (layer, tf.function(layer)):
+            _close(run(x, positions=positions, causal=True), expected)
+    assert MultiHeadAttention.from_config(layer.get_config()).window == EVERYTHING_NEW["window"]

@@ -9,6 +9,7 @@ that still holds every variant, mask kind, dtype and cache feature; `make parity
 """
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -83,20 +84,22 @@ def test_fit_under_torch_compile():
 
 def test_keras_file_moves_between_backends(tmp_path):
     """A `.keras` model saved on JAX loads on torch and TensorFlow with equal outputs, and the ones
-    saved there load on JAX; the same for a model quantized to int8 (`model.quantize("int8")`)."""
+    saved there load on JAX; the same for a model quantized to int8 (`model.quantize("int8")`).
+    The three processes run side by side, each `load` waiting for the model it loads to be saved."""
     folders = {backend: str(tmp_path / backend) for backend in KERAS_BACKENDS}
 
     def both(kind, backend):
         return [f"{kind}:{folders[backend]}", f"{kind}_int8:{folders[backend]}"]
 
-    steps = (
-        ("jax", both("save", "jax")),
-        ("torch", [*both("load", "jax"), *both("save", "torch")]),
-        ("tensorflow", [*both("load", "jax"), *both("save", "tensorflow")]),
-        ("jax", [*both("load", "torch"), *both("load", "tensorflow")]),
-    )
-    for backend, checks in steps:
-        out = run_batch(backend, checks=checks)
+    steps = {
+        "jax": [*both("save", "jax"), *both("load", "torch"), *both("load", "tensorflow")],
+        "torch": [*both("save", "torch"), *both("load", "jax")],
+        "tensorflow": [*both("save", "tensorflow"), *both("load", "jax")],
+    }
+    with ThreadPoolExecutor(len(steps)) as pool:
+        outs = {backend: pool.submit(run_batch, backend, checks=checks) for backend, checks in steps.items()}
+    for backend, checks in steps.items():
+        out = outs[backend].result()
         failed = {name: error for name, error in out["checks"].items() if error is not None}
         assert set(out["checks"]) == set(checks) and not failed, f"{backend}: {failed}"
 

@@ -5,10 +5,7 @@ floating mask rule and the refused traps. Each variant against a small NumPy for
 code path (eager, tf.function, XLA, memory-efficient) against the others, gradients included."""
 
 import math
-import os
 import re
-import subprocess
-import sys
 import warnings
 
 import numpy as np
@@ -1236,41 +1233,6 @@ def test_int8_with_the_new_variants_runs_as_the_numpy_int8_layer(name):
     for threshold in (1 << 26, 0):
         layer.memory_efficient_threshold = threshold
         _close(layer(X, positions=positions, causal=True), expected, 2e-3)
-
-
-LEGACY_KERAS_CHECK = """
-import numpy as np, tensorflow as tf
-from NumPy import MultiHeadAttention as NumpyMultiHeadAttention
-from TensorFlow import MultiHeadAttention
-assert tf.keras.__name__.startswith("tf_keras")
-config = {config!r}
-local = np.random.default_rng(0)
-layer = MultiHeadAttention(16, 4, **config)
-layer.import_weights({{name: (local.normal(size=shape) * 0.3 + name.endswith("_norm")).astype(np.float32)
-                      for name, shape in layer.weight_shapes().items()}})
-twin = NumpyMultiHeadAttention(16, 4, **config)
-twin.import_weights(layer.export_weights())
-x, positions = local.normal(size=(2, 5, 16)).astype(np.float32), local.integers(0, 30, size=(2, 2, 5)).astype(np.int32)
-expected = twin(x.astype(np.float64), positions=positions, causal=True)
-for threshold in (1 << 26, 0):
-    layer.memory_efficient_threshold = threshold
-    for run in (layer, tf.function(layer)):
-        assert np.abs(run(x, positions=positions, causal=True).numpy() - expected).max() < {tol}
-assert MultiHeadAttention.from_config(layer.get_config()).window == tuple(config["window"])
-"""
-
-
-def test_the_new_variants_under_legacy_keras():
-    """tf_keras (Keras 2) in a subprocess (TensorFlow picks its Keras once per process): the
-    explicit and memory-efficient paths, eager and under tf.function, against the NumPy file."""
-    script = LEGACY_KERAS_CHECK.format(config=VARIANTS["everything_new"], tol=OUTPUT_TOL)
-    env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run(
-        [sys.executable, "-c", script], cwd=root, env={**env, "PYTHONPATH": root}, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
 
 
 # --- multi-head latent attention (MLA) -------------------------------------------------------------
