@@ -234,19 +234,29 @@ def run_torch_onnx(case, data, make_layer, cache=None):
     return _onnxruntime(kept_export("torch:onnx", case, data, export, cache), arrays)
 
 
+_LAST_TF_FUNCTION = []  # [((case, return_attention, layer class), data, what tf_function gave)]: the last made
+
+
 def tf_function(case, data, make_layer, return_attention=True):
     """The layer of `make_layer` called in a `tf.function` with the case's static input signature;
-    returns (function, signature, names, arrays, layer)."""
+    returns (function, signature, names, arrays, layer). The last one made is given again for the
+    same case, the same `data` object, `return_attention` and layer class: `tf:onnx` and `tf:litert`
+    convert one trace of a case."""
     import tensorflow as tf
 
     layer = make_layer(case, data)
+    key = (case, return_attention, type(layer))
+    if _LAST_TF_FUNCTION and _LAST_TF_FUNCTION[0][0] == key and _LAST_TF_FUNCTION[0][1] is data:
+        return _LAST_TF_FUNCTION[0][2]
     names, arrays = call_arrays(case, data)
     signature = [tf.TensorSpec(a.shape, tf.as_dtype(a.dtype), name=n) for n, a in zip(names, arrays, strict=True)]
 
     def attend(*args):
         return _call(layer, names, args, case, return_attention)
 
-    return tf.function(attend, input_signature=signature), signature, names, arrays, layer
+    made = tf.function(attend, input_signature=signature), signature, names, arrays, layer
+    _LAST_TF_FUNCTION[:] = [(key, data, made)]
+    return made
 
 
 class _OptimizerError(Exception):
