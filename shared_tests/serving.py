@@ -15,6 +15,7 @@ slots.
 """
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -113,14 +114,27 @@ def decode_eager_tf(served, weights, keep, calls):
     return outputs
 
 
-def export_torch_step(served, weights, keep, example):
-    """The PyTorch decode step as ONNX: inputs x (B, T, E), key and value (B, K, L, H), keep
-    (B, L), index (); outputs the (B, T, E) output and the four cache tensors after the step.
-    T is dynamic; the layer writes its cache in place, so the step returns copies."""
+def export_torch_step(served, seed=0):
+    """The PyTorch decode step as ONNX, for the weights of `make_inputs(served, seed)`, and the
+    initial cache: inputs x (B, T, E), key and value (B, K, L, H), keep (B, L), index (); outputs
+    the (B, T, E) output and the four cache tensors after the step. T is dynamic; the layer writes
+    its cache in place, so the step returns copies. Each `Where` between booleans is rewritten
+    (`without_boolean_where`) in the export that `torch.onnx.export` gave."""
+    import onnx
+
+    exported, initial = _torch_step_export(served, seed)
+    return without_boolean_where(onnx.load_from_string(exported)).SerializeToString(), initial
+
+
+@functools.cache  # once per process: test_serving's tests decode and rewrite the same export
+def _torch_step_export(served, seed):
+    """The bytes `torch.onnx.export` gives for the PyTorch decode step, and the initial cache."""
     import torch
 
     from PyTorch import KVCache
 
+    weights, keep, calls = make_inputs(served, seed)
+    example = calls[0]
     layer = torch_layer(served, weights)
 
     class Step(torch.nn.Module):
@@ -137,8 +151,7 @@ def export_torch_step(served, weights, keep, example):
     shapes = ({1: tokens}, None, None, None, None)
     args = (torch.from_numpy(example), *cache)
     program = torch_onnx_export(Step(), args, dynamic_shapes=shapes)
-    initial = [np.asarray(c.numpy()) for c in cache]
-    return without_boolean_where(program.model_proto).SerializeToString(), initial
+    return program.model_proto.SerializeToString(), tuple(np.asarray(c.numpy()) for c in cache)
 
 
 def without_boolean_where(model):
@@ -192,19 +205,26 @@ def _tf_step(served, weights):
 
 def _tf_initial(served, layer, keep):
     cache = layer.init_cache(served.b, served.length, keep=keep)
-    return [np.asarray(c.numpy()) for c in cache]
+    return tuple(np.asarray(c.numpy()) for c in cache)
 
 
-def export_tf_onnx_step(served, weights, keep):
+def export_tf_onnx_step(served, seed=0):
     """The TensorFlow decode step through tf2onnx (inputs and outputs as in `export_torch_step`)."""
+    return _tf_onnx_step_export(served, seed)
+
+
+@functools.cache  # once per process: test_serving's tests decode the same export
+def _tf_onnx_step_export(served, seed):
+    weights, keep, _ = make_inputs(served, seed)
     step, signature, layer = _tf_step(served, weights)
     return tf2onnx_dynamic(step, signature).SerializeToString(), _tf_initial(served, layer, keep)
 
 
-def export_tf_litert_step(served, weights, keep):
-    """The TensorFlow decode step through the TFLite converter, as a flatbuffer."""
+def export_tf_litert_step(served, seed=0):
+    """The TensorFlow decode step through the TFLite converter, as a flatbuffer, and the initial cache."""
     import tensorflow as tf
 
+    weights, keep, _ = make_inputs(served, seed)
     step, _, layer = _tf_step(served, weights)
     converter = tf.lite.TFLiteConverter.from_concrete_functions([step.get_concrete_function()], layer)
     converter.experimental_lower_to_saved_model = False  # lowered, the layer's variables read as garbage
@@ -244,14 +264,19 @@ def decode_litert(model, initial, calls):
     return outputs
 
 
+@functools.cache  # once per process: tf:onnx and tf:litert are judged against the same eager decoding
+def decode_eager(served, framework, seed):
+    """Each call's (B, T, E) output, decoding `served` eagerly in the layer of `framework` ("torch", "tf")."""
+    decode_eager_framework = decode_eager_torch if framework == "torch" else decode_eager_tf
+    return decode_eager_framework(served, *make_inputs(served, seed))
+
+
 def decode(served, path, seed=0):
     """(runtime outputs, eager outputs) of every call, decoding `served` on `path`."""
-    weights, keep, calls = make_inputs(served, seed)
+    _, _, calls = make_inputs(served, seed)
+    eager = decode_eager(served, path.split(":")[0], seed)
     if path == "torch:onnx":
-        model, initial = export_torch_step(served, weights, keep, calls[0])
-        return decode_onnx(model, initial, calls), decode_eager_torch(served, weights, keep, calls)
+        return decode_onnx(*export_torch_step(served, seed), calls), eager
     if path == "tf:onnx":
-        model, initial = export_tf_onnx_step(served, weights, keep)
-        return decode_onnx(model, initial, calls), decode_eager_tf(served, weights, keep, calls)
-    model, initial = export_tf_litert_step(served, weights, keep)
-    return decode_litert(model, initial, calls), decode_eager_tf(served, weights, keep, calls)
+        return decode_onnx(*export_tf_onnx_step(served, seed), calls), eager
+    return decode_litert(*export_tf_litert_step(served, seed), calls), eager

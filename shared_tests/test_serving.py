@@ -23,8 +23,8 @@ def test_decoding_reads_the_cache_it_is_fed():
     """A step fed an empty cache instead of the previous step's gives another output: the test
     above cannot pass with a runtime that ignores its cache inputs."""
     served = serving.SERVED_LAYERS_BY_NAME["rope_gqa"]
-    weights, keep, calls = serving.make_inputs(served)
-    model, initial = serving.export_tf_onnx_step(served, weights, keep)
+    _, _, calls = serving.make_inputs(served)
+    model, initial = serving.export_tf_onnx_step(served)
     decoded = serving.decode_onnx(model, initial, calls[:2])
     alone = serving.decode_onnx(model, [*initial[:3], np.array(serving.PROMPT, np.int32)], calls[1:2])
     assert np.abs(decoded[1] - alone[0]).max() > 100 * STEP_TOLERANCE
@@ -36,8 +36,7 @@ def test_regression_onnxruntime_has_no_boolean_where(monkeypatch):
     import onnxruntime
 
     served = serving.SERVED_LAYERS_BY_NAME["rope_gqa"]
-    weights, keep, calls = serving.make_inputs(served)
     monkeypatch.setattr(serving, "without_boolean_where", lambda model: model)
-    model, _ = serving.export_torch_step(served, weights, keep, calls[0])
+    model, _ = serving.export_torch_step(served)
     with pytest.raises(Exception, match=r"Could not find an implementation for Where"):
         onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"])
