@@ -41,12 +41,14 @@ def _no_kept_exports(monkeypatch):
 
 
 def shared_process_group(nodeid):
-    """The group of a test whose subprocess is shared with other tests within one pytest process
-    (a module fixture of test_distributed.py; keras_seams' process per backend, cached), read from
-    its id, or None."""
+    """The group of a test whose subprocess or export is shared with other tests within one
+    pytest process (a module fixture of test_distributed.py; keras_seams' process per backend,
+    cached; serving.py's decode-step exports, cached), read from its id, or None."""
     path, _, name = nodeid.partition("::")
     if path.endswith("test_distributed.py"):
         return "distributed"
+    if path.endswith("test_serving.py"):
+        return "serving"
     backend = name.rpartition("[")[2].removesuffix("]")
     if path.endswith(("test_seams.py", "test_seam_properties.py")) and "keras" in name and backend in KERAS_BACKENDS:
         return f"keras_seams_{backend}"

@@ -155,6 +155,7 @@ def test_regression_the_tests_sharing_a_subprocess_never_ran_in_one_xdist_worker
 
     assert unit("shared_tests/test_distributed.py::test_keras_data_parallel_equals_one_device") == "distributed"
     assert unit("shared_tests/test_distributed.py::test_keras_model_parallel_equals_one_device[mha_4]") == "distributed"
+    assert unit("shared_tests/test_serving.py::test_decoding_reads_the_cache_it_is_fed") == "serving"
     for backend in ("tensorflow", "jax", "torch"):
         for nodeid in (
             f"shared_tests/test_seams.py::test_regression_keras_file_warned_at_its_own_line[{backend}]",
