@@ -170,7 +170,9 @@ def functional_shapes_hold(module, draw):
     s = t if inputs == "self" else s
     static = {name: draw(st.booleans()) for name in ("b", "t", "s")}
     return_attention, cached = draw(st.booleans()), inputs == "self" and draw(st.booleans())
-    layer = __import__(module).MultiHeadAttention(e, heads, num_kv_heads=kv_heads, kdim=kdim, vdim=kdim)  # value: key
+    zeros = {"kernel_initializer": "zeros"}  # shapes only: no random program per drawn kernel shape on JAX
+    widths = {"kdim": kdim, "vdim": kdim}  # the value is the key
+    layer = __import__(module).MultiHeadAttention(e, heads, num_kv_heads=kv_heads, **widths, **zeros)
     arguments = {"return_attention": return_attention}
     if cached:
         arguments |= {"cache": layer.init_cache(b, t + 2), "causal": True}
@@ -190,8 +192,8 @@ def functional_shapes_hold(module, draw):
     assert got[0][1:] == ((t if static["t"] else None), e), got  # T and E stay static
     if cached:
         return
-    built_in = keras.layers.MultiHeadAttention(heads, head_dim) if kv_heads == heads else (
-        keras.layers.GroupQueryAttention(head_dim, heads, kv_heads)
+    built_in = keras.layers.MultiHeadAttention(heads, head_dim, **zeros) if kv_heads == heads else (
+        keras.layers.GroupQueryAttention(head_dim, heads, kv_heads, **zeros)
     )  # fmt: skip
     key = symbolic.get("key", query)
     try:
