@@ -156,8 +156,9 @@ def _real_call(layer, arrays, arguments):
 def functional_shapes_hold(module, draw):
     """One drawn configuration and call of the layer in `module` ("TensorFlow" or "Keras") on
     symbolic inputs (`keras.Input`, batch and lengths static or not) and on arrays (`_real_call`):
-    the symbolic shapes hold the real ones with T, E and N static, and agree with the built-in's where it takes
-    the call (no cache; it knows S static at times where it is not). `draw` is hypothesis' `data.draw`."""
+    the symbolic shapes hold the real ones with T, E and N static, and agree with the built-in's
+    where it takes the call (no cache; it knows S static at times where it is not). `draw` is
+    hypothesis' `data.draw`."""
     import keras
     from hypothesis import strategies as st
 
