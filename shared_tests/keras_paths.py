@@ -11,6 +11,8 @@ Legend: B batch, T query length, S key/value length, E d_model, N num_heads, P t
 in all, L cache slots.
 """
 
+import functools
+
 import numpy as np
 
 from shared_tests.calling import INPUTS, DecodeResult, Result, set_path
@@ -44,10 +46,11 @@ def _tensor(x, dtype=None):
 
 def layer_of(case, data):
     """The Keras layer of a case, in its dtype, with the case's portable weights (and an MLA
-    case's `absorb_latents`)."""
+    case's `absorb_latents`). Its kernels start as zeros, replaced at once: JAX compiles a random
+    program for each new kernel shape of the default initializer."""
     from Keras import MultiHeadAttention
 
-    layer = MultiHeadAttention(**case.config, dtype=case.dtype)
+    layer = MultiHeadAttention(**case.config, dtype=case.dtype, kernel_initializer="zeros")  # replaced next
     layer.import_weights(data["weights"])
     return set_path(layer, case)  # an MLA case's path, expanded or absorbed
 
@@ -142,7 +145,8 @@ def _grads_torch(layer, case, data, args, kwargs, weighted):
 
 
 def decode_result(case, data):
-    """Decodes one case chunk by chunk (each step under `jax.jit` on JAX), then one full pass."""
+    """Decodes one case chunk by chunk, then one full pass (each step and the full pass under
+    `jax.jit` on JAX)."""
     import keras
     from keras import ops
 
@@ -165,10 +169,11 @@ def decode_result(case, data):
         weights.append(w)
     inputs = {name: _tensor(x, case.dtype) for name, x in data["inputs"].items()}
     extra = {name: _tensor(x) for name, x in chunk_positions(data, 0, case.p).items()}
-    full, full_w = layer(
-        **inputs, **extra, attention_mask=_tensor(full_pass_mask(case, data)), causal=case.causal,
-        return_attention=True,
-    )  # fmt: skip
+    if keras.backend.backend() == "jax":
+        full_pass = jitted_full_pass(layer, case)
+    else:
+        full_pass = functools.partial(layer, causal=case.causal, return_attention=True)
+    full, full_w = full_pass(**inputs, **extra, attention_mask=_tensor(full_pass_mask(case, data)))
     caches = {name: _to_numpy(getattr(cache, name)) for name in ("key", "value", "keep", "index")}
     return DecodeResult(
         _to_numpy(ops.concatenate(outputs, 1)), _to_numpy(ops.concatenate(weights, 2)), caches,
@@ -192,3 +197,20 @@ def jitted_step(layer, case):
         return outputs
 
     return lambda chunk, mask, cache, extra: step(trainable, chunk, mask, cache, extra)
+
+
+def jitted_full_pass(layer, case):
+    """The case's full pass (causal as the case, with its weights) under `jax.jit`, keyword
+    tensors in, the weights passed in: eager JAX compiles each op of a new configuration on its
+    own, about three times the CPU of one program."""
+    import jax
+
+    trainable = [v.value for v in layer.trainable_variables]
+    non_trainable = [v.value for v in layer.non_trainable_variables]
+
+    @jax.jit
+    def call(trainable, inputs):
+        outputs, _ = layer.stateless_call(trainable, non_trainable, **inputs, causal=case.causal, return_attention=True)
+        return outputs
+
+    return lambda **inputs: call(trainable, inputs)

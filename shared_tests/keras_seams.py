@@ -140,11 +140,25 @@ def _agree(first, second):
     return len(first) == len(second) and all(None in (a, b) or a == b for a, b in zip(first, second, strict=True))
 
 
+def _real_call(layer, arrays, arguments):
+    """The layer called on arrays: eagerly, or on JAX under `jax.jit` (eager JAX compiles each op
+    at each drawn shape, about three times the CPU of one program; the shapes are the same, since
+    only warnings read values, and not under a trace)."""
+    import keras
+
+    if keras.backend.backend() != "jax":
+        return layer(**arrays, **arguments)
+    import jax
+
+    return jax.jit(lambda arrays: layer(**arrays, **arguments))(arrays)
+
+
 def functional_shapes_hold(module, draw):
     """One drawn configuration and call of the layer in `module` ("TensorFlow" or "Keras") on
-    symbolic inputs (`keras.Input`, batch and lengths static or not) and on arrays: the symbolic
-    shapes hold the eager ones with T, E and N static, and agree with the built-in's where it takes
-    the call (no cache; it knows S static at times where it is not). `draw` is hypothesis' `data.draw`."""
+    symbolic inputs (`keras.Input`, batch and lengths static or not) and on arrays (`_real_call`):
+    the symbolic shapes hold the real ones with T, E and N static, and agree with the built-in's
+    where it takes the call (no cache; it knows S static at times where it is not). `draw` is
+    hypothesis' `data.draw`."""
     import keras
     from hypothesis import strategies as st
 
@@ -157,7 +171,9 @@ def functional_shapes_hold(module, draw):
     s = t if inputs == "self" else s
     static = {name: draw(st.booleans()) for name in ("b", "t", "s")}
     return_attention, cached = draw(st.booleans()), inputs == "self" and draw(st.booleans())
-    layer = __import__(module).MultiHeadAttention(e, heads, num_kv_heads=kv_heads, kdim=kdim, vdim=kdim)  # value: key
+    zeros = {"kernel_initializer": "zeros"}  # shapes only: no random program per drawn kernel shape on JAX
+    widths = {"kdim": kdim, "vdim": kdim}  # the value is the key
+    layer = __import__(module).MultiHeadAttention(e, heads, num_kv_heads=kv_heads, **widths, **zeros)
     arguments = {"return_attention": return_attention}
     if cached:
         arguments |= {"cache": layer.init_cache(b, t + 2), "causal": True}
@@ -172,13 +188,13 @@ def functional_shapes_hold(module, draw):
         arrays["key"] = rng.standard_normal((b, s, kdim or e)).astype("float32")
     if inputs == "cross":
         symbolic["value"], arrays["value"] = symbolic["key"], arrays["key"]
-    got, want = _shapes(layer(**symbolic, **arguments)), _shapes(layer(**arrays, **arguments))
+    got, want = _shapes(layer(**symbolic, **arguments)), _shapes(_real_call(layer, arrays, arguments))
     assert len(got) == len(want) and all(map(_fits, got, want)), (got, want)
     assert got[0][1:] == ((t if static["t"] else None), e), got  # T and E stay static
     if cached:
         return
-    built_in = keras.layers.MultiHeadAttention(heads, head_dim) if kv_heads == heads else (
-        keras.layers.GroupQueryAttention(head_dim, heads, kv_heads)
+    built_in = keras.layers.MultiHeadAttention(heads, head_dim, **zeros) if kv_heads == heads else (
+        keras.layers.GroupQueryAttention(head_dim, heads, kv_heads, **zeros)
     )  # fmt: skip
     key = symbolic.get("key", query)
     try:
@@ -335,13 +351,35 @@ def _numpy_of(x):
     return keras.ops.convert_to_numpy(x)
 
 
+def _run(function, *args, **kwargs):
+    """`function(*args, **kwargs)`, on JAX under `jax.jit`: eager JAX compiles each op on its own, about three times
+    the CPU of one program, and Keras promotes dtypes alike in both."""
+    import keras
+
+    if keras.backend.backend() != "jax":
+        return function(*args, **kwargs)
+    import jax
+
+    return jax.jit(lambda: function(*args, **kwargs))()
+
+
+def _decode_in_two(layer, x):
+    """(B, T, E) `x` decoded through a fresh cache in two chunks, the first 3 tokens then the rest."""
+    import keras
+
+    first, cache = layer(x[:, :3], cache=layer.init_cache(x.shape[0], x.shape[1] + 1), causal=True)  # (B, 3, E)
+    second = layer(x[:, 3:], cache=cache, causal=True)[0]  # (B, T - 3, E)
+    return keras.ops.concatenate([first, second], 1)  # (B, T, E)
+
+
 def float64_throughout():
     """A float64 layer computes in float64 on every path (the default, explicit, `fused_attention`
     asked for, memory-efficient, decoding) within the float64 tolerances of the NumPy file, and
     MLA's absorbed decode equals its expanded one: Keras' `ops.matmul` on torch and
     `ops.dot_product_attention` on torch and JAX compute float64 in float32 (Keras' type promotion
     outside TensorFlow), so the layer's outputs were float32 or float32-accurate, and the absorbed
-    path mixed float32 queries with the float64 cache. On JAX with x64 (turned on here, last)."""
+    path mixed float32 queries with the float64 cache. On JAX with x64 (turned on here, last), each
+    path under `jax.jit` (`_run`)."""
     import keras
 
     from Keras import MultiHeadAttention
@@ -362,18 +400,19 @@ def float64_throughout():
         layer.import_weights(weights)
         reference.import_weights(weights)
         expected = reference(x, causal=True)  # (B, T, E)
-        paths = {"default": layer(x, causal=True), "explicit": layer(x, causal=True, return_attention=True)[0]}
+        paths = {
+            "default": _run(layer, x, causal=True),
+            "explicit": _run(layer, x, causal=True, return_attention=True)[0],
+        }
         layer.fused_attention = True  # `ops.dot_product_attention` asked for on every backend
-        paths["fused asked"] = layer(x, causal=True)
+        paths["fused asked"] = _run(layer, x, causal=True)
         layer.fused_attention = None
         layer.memory_efficient_threshold, layer.query_chunk_elements = 0, 2
-        paths["memory_efficient"] = layer(x, causal=True)
+        paths["memory_efficient"] = _run(layer, x, causal=True)
         layer.memory_efficient_threshold = MultiHeadAttention.memory_efficient_threshold
         for absorb in (False, True) if "kv_lora_rank" in config else (None,):
             layer.absorb_latents = absorb
-            first, cache = layer(x[:, :3], cache=layer.init_cache(2, 6), causal=True)  # (B, 3, E)
-            second = layer(x[:, 3:], cache=cache, causal=True)[0]  # (B, 2, E)
-            paths[f"decode absorb_latents={absorb}"] = keras.ops.concatenate([first, second], 1)  # (B, T, E)
+            paths[f"decode absorb_latents={absorb}"] = _run(_decode_in_two, layer, x)  # (B, T, E)
         for path, output in paths.items():
             assert keras.backend.standardize_dtype(output.dtype) == "float64", (config, path, output.dtype)
             error = np.abs(_numpy_of(output) - expected).max()

@@ -262,7 +262,8 @@ def test_tensorflow_file_symbolic_shapes_hold_the_eager_ones_and_the_built_ins(d
 
 @pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
 def test_keras_file_symbolic_shapes_hold_the_eager_ones_and_the_built_ins(backend):
-    """The same for the Keras file on each backend (in the backend's process)."""
+    """The same for the Keras file on each backend (in the backend's process; on JAX the real call
+    under `jax.jit`)."""
     result = keras_seams.results(backend)["functional_shapes"]
     assert result is None, result
 
