@@ -135,6 +135,10 @@ _HEAD_AXES = {
 }
 _FLOAT32_LOWEST = float(np.finfo(np.float32).min)
 _LOWEST = {"float16": -65504.0, "bfloat16": -3.3895313892515355e38, "float32": _FLOAT32_LOWEST}
+# `ops.dot_product_attention`'s flash_attention by backend: on torch False lets SDPA choose its kernel
+# itself (flash where it can), where None has Keras check flash first by building `SDPAParams`,
+# which breaks a `torch.compile` graph at every call; None elsewhere (Keras decides).
+_FLASH_ATTENTION = {"torch": False}
 
 
 _EMPTY_MASK = (
@@ -948,7 +952,8 @@ def apply_rope(x, positions, inv_freq, interleaved, sections=None):
     Args:
         x: (B, heads, T, H) queries or keys.
         positions: (B, T) or (1, T) integer positions; with `sections`, (k, B|1, T).
-        inv_freq: (R/2,) float32 frequencies from `rope_frequencies`.
+        inv_freq: (R/2,) float32 frequencies from `rope_frequencies`, an array or a sequence of
+            floats.
         interleaved: False pairs feature i with i + R/2 (Llama, GPT-NeoX); True pairs 2i and
             2i + 1 (GPT-J).
         sections: None, or the numbers of pairs (summing to R/2) turned by each row of
@@ -957,7 +962,7 @@ def apply_rope(x, positions, inv_freq, interleaved, sections=None):
     Returns:
         x rotated, in its dtype; the angles and their cos and sin are float32.
     """
-    rotary_dim = 2 * inv_freq.shape[0]
+    rotary_dim = 2 * len(inv_freq)
     angles = rope_angles(positions, inv_freq, sections)[:, None]  # (B, T, R/2) -> (B, 1, T, R/2)
     dtype = _softmax_dtype(x.dtype)
     cos, sin = ops.cast(ops.cos(angles), dtype), ops.cast(ops.sin(angles), dtype)  # (B, 1, T, R/2)
@@ -1279,7 +1284,7 @@ def _fused_attention(q, k, v, keep, bias, causal, scale, sinks):
     additive = _fused_mask(keep, has_key, bias, q.dtype)
     context = ops.dot_product_attention(
         ops.swapaxes(q, 1, 2), ops.swapaxes(k, 1, 2), ops.swapaxes(v, 1, 2), bias=additive, scale=scale,
-        is_causal=is_causal,
+        is_causal=is_causal, flash_attention=_FLASH_ATTENTION.get(keras.backend.backend()),
     )  # (B, T, N, H), the layout Keras takes  # fmt: skip
     context = ops.swapaxes(context, 1, 2)  # (B, T, N, H) -> (B, N, T, H)
     return context if has_key is None else ops.where(has_key, context, ops.zeros((), context.dtype))
@@ -2012,7 +2017,8 @@ class MultiHeadAttention(keras.layers.Layer):
             setattr(self, name, None if latent is None else getattr(latent, name))
         if self.rope_theta is not None:
             rotary = _rotary_dim(self.rope_fraction, rope_width, True)
-            self._inv_freq = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,) NumPy
+            frequencies = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,) NumPy
+            self._inv_freq = tuple(frequencies.tolist())  # (R/2,) floats: an array breaks torch.compile's graph
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
         self.supports_masking = True
@@ -2542,7 +2548,7 @@ class MultiHeadAttention(keras.layers.Layer):
         """x (B, heads, T, W) with its first R features turned, times YaRN's attention factor."""
         inv_freq = self._inv_freq
         x = apply_rope(x, positions, inv_freq, self.rope_interleaved, self.rope_sections)
-        return scale_rotated(x, 2 * inv_freq.shape[0], rope_attention_factor(self.rope_scaling))
+        return scale_rotated(x, 2 * len(inv_freq), rope_attention_factor(self.rope_scaling))
 
     def _update_cache(self, call, k, v, keep):
         """The cache write: the new keys and values go to slots [index, index + T) (mod L with a

@@ -72,14 +72,19 @@ def check_fit():
 def check_fit_compiled():
     """`fit` with `jit_compile=True` on torch, where Keras compiles the train step with
     `torch.compile`: the compiled step's first loss equals the loss of an eager call at the same
-    weights, and the loss falls. (`predict` would compile a second program, of about 17 s of CPU.)"""
+    weights, and the loss falls. (`predict` would compile a second program, of about 17 s of CPU.)
+    Regression: the layer's call broke dynamo's graph (RoPE's NumPy frequencies, Keras' flash
+    check building `SDPAParams`), each break a graph of its own to compile; it traces whole."""
     import keras
+    import torch
 
     from Keras import MultiHeadAttention
 
     keras.utils.set_random_seed(0)
-    tokens = keras.Input((8, 16))
-    attended = MultiHeadAttention(16, 4, num_kv_heads=2, rope_theta=10000.0)(tokens, causal=True)
+    tokens, layer = keras.Input((8, 16)), MultiHeadAttention(16, 4, num_kv_heads=2, rope_theta=10000.0)
+    attended = layer(tokens, causal=True)
+    explained = torch._dynamo.explain(lambda x: layer(x, causal=True))(torch.from_numpy(_inputs((2, 8, 16))))
+    assert explained.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explained.break_reasons]
     model = keras.Model(tokens, keras.layers.Dense(1)(attended))
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=True)
     x, y = _inputs((16, 8, 16)), _inputs((16, 8, 1), seed=2)
