@@ -83,7 +83,7 @@ def check_fit_compiled():
     keras.utils.set_random_seed(0)
     tokens, layer = keras.Input((8, 16)), MultiHeadAttention(16, 4, num_kv_heads=2, rope_theta=10000.0)
     attended = layer(tokens, causal=True)
-    explained = torch._dynamo.explain(lambda x: layer(x, causal=True))(torch.from_numpy(_inputs((2, 8, 16))))
+    explained = torch._dynamo.explain(lambda x: layer(x, causal=True))(keras.ops.convert_to_tensor(_inputs((2, 8, 16))))
     assert explained.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explained.break_reasons]
     model = keras.Model(tokens, keras.layers.Dense(1)(attended))
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=True)
