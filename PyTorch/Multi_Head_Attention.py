@@ -1501,17 +1501,17 @@ def _tile_weights(tanh, softcap, keep, bias, offset, part, heads, out=None):
 class _SoftcappedTiles(torch.autograd.Function):
     """Soft-capped attention a tile at a time (`_key_tiles`), forward and backward: each tile's
     scores (a block of query rows against a tile of keys) are made, capped and exponentiated while
-    they are in the CPU cache, with the one shift `_cap_shift` instead of a running max, and the
-    weighted values and the weights' sums are added up over the tiles. The backward makes each
+    they are in the CPU cache, with the one `shift` of `_cap_shift` instead of a running max, and
+    the weighted values and the weights' sums are added up over the tiles. The backward makes each
     tile again from the saved log-sum-exp (flash attention's: dS = P * (dP - rowsum(dO * O)),
     times 1 - tanh^2), so no (B, N, T, S) tensor is kept. `bias` is centred (`_row_top`) and
     `sinks` is one logit per row, (B, N, T, 1) with dims of 1; `keep` holds causal, window and
     chunk, and `whole` says it holds nothing else (a tile they keep whole then needs no mask)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, keep, bias, sinks, scale, softcap, causal, window, whole):
+    def forward(ctx, q, k, v, keep, bias, sinks, scale, softcap, shift, causal, window, whole):
         (b, n, t, _), s, wide = q.shape, k.shape[2], torch.promote_types(q.dtype, torch.float32)
-        shift, blocks = _cap_shift(softcap, wide), _key_tiles(b, t, s, causal, window, _SOFTCAP_TILES["forward"])
+        blocks = _key_tiles(b, t, s, causal, window, _SOFTCAP_TILES["forward"])
         q_scaled, k_wide, v_wide = q.to(wide) * (scale / softcap), k.to(wide), v.to(wide)  # (B, N, T|S, H|Hv)
         sums = q.new_zeros(b, n, t, v.shape[-1], dtype=wide)  # (B, N, T, Hv): the weighted values
         totals = q.new_zeros(b, n, t, 1, dtype=wide)  # (B, N, T, 1): the weights' sums
@@ -1578,7 +1578,7 @@ class _SoftcappedTiles(torch.autograd.Function):
             grad_sinks = (-sink_weight * rowsum).sum_to_size(sinks.shape).to(sinks.dtype)  # (B, N, T, 1), dims may be 1
         grad_bias = None if grad_bias is None else grad_bias.view(bias.shape).to(bias.dtype)
         grads = (grad_q.to(low), grad_k.to(low), grad_v.to(low), None, grad_bias, grad_sinks)
-        return *grads, None, None, None, None, None
+        return *grads, None, None, None, None, None, None
 
 
 def _softcapped_attention(q, k, v, keep, bias, causal, window, chunk, scale, softcap, sinks):
@@ -1588,7 +1588,8 @@ def _softcapped_attention(q, k, v, keep, bias, causal, window, chunk, scale, sof
     (n, t), s = q.shape[1:3], k.shape[2]
     k, v = _repeat_heads(k, n), _repeat_heads(v, n)  # (B, K, S, H) -> (B, N, S, H)
     q, k, v = (x.contiguous() for x in (q, k, v))  # a block's or tile's rows as views, not copies
-    if _cap_shift(softcap, torch.promote_types(q.dtype, torch.float32)) is None:
+    shift = _cap_shift(softcap, torch.promote_types(q.dtype, torch.float32))
+    if shift is None:
         keep, bias = _final_masks(keep, bias, causal, window, chunk, sinks, t, s, q.device)
         return _Softcapped.apply(q, k, v, keep, bias, sinks, scale, softcap, causal, window)  # (B, N, T, Hv)
     whole = keep is None and chunk is None  # the mask then holds causal and window only
@@ -1597,7 +1598,9 @@ def _softcapped_attention(q, k, v, keep, bias, causal, window, chunk, scale, sof
     if bias is not None and s > 0:
         top = _as_4d(_row_top(bias.detach(), keep))  # (B, N, T, 1), dims may be 1
         bias, sinks = bias - top, None if sinks is None else sinks - top  # the same softmax
-    return _SoftcappedTiles.apply(q, k, v, keep, bias, sinks, scale, softcap, causal, window, whole)  # (B, N, T, Hv)
+    return _SoftcappedTiles.apply(
+        q, k, v, keep, bias, sinks, scale, softcap, shift, causal, window, whole
+    )  # (B, N, T, Hv)
 
 
 def _sdpa_heads(q, k, v, masked):
