@@ -43,6 +43,11 @@ LLAMA3_SCALING = {  # Llama 3.1's frequency rewrite, with a short original conte
     "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }  # fmt: skip
+EVERYTHING_NEW = {  # every variant of today's models on one layer (test_tensorflow_variants.py, legacy_keras.py)
+    "num_kv_heads": 2, "head_dim": 8, "softcap": 3.0, "window": (3, 2), "attention_chunk_size": 3,
+    "rope_theta": 50.0, "rope_fraction": 0.75, "rope_sections": (1, 2), "qk_norm": "per_head",
+    "qk_norm_type": "layer", "qk_norm_bias": True, "sinks": True, "clip_qkv": 1.0,
+}  # fmt: skip
 YARN_SCALING = {  # YaRN at H = 8, theta 10000: frequency ramp (0, 0.6, 1, 1) over the pairs, attention factor 1.14
     "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "truncate": False,
 }  # fmt: skip

@@ -5,7 +5,7 @@ runs `pytest shared_tests/legacy_keras.py` in a subprocess with `TF_USE_LEGACY_K
 checks are those of test_tensorflow.py that apply to Keras 2: parity on every TensorFlow path,
 implicit masks (cross-attention included), dtype conversion, the legacy built-in layer both
 ways, initialisation, dropout on the memory-efficient path and the KV cache; and the variants
-of test_tensorflow_variants.py (`EVERYTHING_NEW`) on the explicit and memory-efficient paths,
+of cases.py's `EVERYTHING_NEW` on the explicit and memory-efficient paths,
 eager and under tf.function, against the NumPy file.
 """
 
@@ -20,17 +20,12 @@ import tensorflow as tf  # noqa: E402
 
 from NumPy import MultiHeadAttention as NumpyMultiHeadAttention  # noqa: E402
 from shared_tests import parity  # noqa: E402
-from shared_tests.cases import CASES_BY_NAME, TOLERANCES  # noqa: E402
+from shared_tests.cases import CASES_BY_NAME, EVERYTHING_NEW, TOLERANCES  # noqa: E402
 from TensorFlow import MultiHeadAttention  # noqa: E402
 
 OUTPUT_TOL = TOLERANCES["float32"]["output"]
 TF_PATHS = ("numpy", "tf:eager", "tf:function", "tf:memory_efficient")
 rng = np.random.default_rng(0)
-EVERYTHING_NEW = {  # test_tensorflow_variants.py's VARIANTS["everything_new"]
-    "num_kv_heads": 2, "head_dim": 8, "softcap": 3.0, "window": (3, 2), "attention_chunk_size": 3,
-    "rope_theta": 50.0, "rope_fraction": 0.75, "rope_sections": (1, 2), "qk_norm": "per_head",
-    "qk_norm_type": "layer", "qk_norm_bias": True, "sinks": True, "clip_qkv": 1.0,
-}  # fmt: skip
 X = rng.normal(size=(2, 5, 16)).astype(np.float32)  # (B, T, E)
 Y = rng.normal(size=(2, 7, 16)).astype(np.float32)  # (B, S, E)
 

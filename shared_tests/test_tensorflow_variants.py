@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 from NumPy import MultiHeadAttention as NumpyMultiHeadAttention
-from shared_tests.cases import TOLERANCES
+from shared_tests.cases import EVERYTHING_NEW, TOLERANCES
 from TensorFlow import AttentionMaskWarning, KVCache, MultiHeadAttention, alibi_bias, dot_product_attention
 from TensorFlow import Multi_Head_Attention as tf_file
 
@@ -76,11 +76,7 @@ VARIANTS = {
     "qk_norm_layer_per_head_bias": {"qk_norm": "per_head", "qk_norm_type": "layer", "qk_norm_bias": True},
     "qk_norm_layer_all_gqa": {"qk_norm": "all", "qk_norm_type": "layer", "num_kv_heads": 2, "qk_norm_eps": 1e-3},
     "qk_norm_rms_all_bias": {"qk_norm": "all", "qk_norm_bias": True},
-    "everything_new": {
-        "num_kv_heads": 2, "head_dim": 8, "softcap": 3.0, "window": (3, 2), "attention_chunk_size": 3,
-        "rope_theta": 50.0, "rope_fraction": 0.75, "rope_sections": (1, 2), "qk_norm": "per_head",
-        "qk_norm_type": "layer", "qk_norm_bias": True, "sinks": True, "clip_qkv": 1.0,
-    },
+    "everything_new": EVERYTHING_NEW,
 }  # fmt: skip
 
 
