@@ -6,6 +6,7 @@ Legend (every shape comment in this file uses these letters):
     B: batch size          T: query length        S: key/value length
     E: d_model             N: num_heads           K: num_kv_heads
     H: head_dim            L: slots of a KV cache (its maximum length)
+    MLA only: C kv_lora_rank, Q q_lora_rank, Hn qk_nope_head_dim, Hr qk_rope_head_dim, Hv v_head_dim
 
 The math, for query head n (which reads key/value head n // (N // K)):
     q = query @ query_kernel + query_bias                       (B, T, N*H)
@@ -14,64 +15,20 @@ The math, for query head n (which reads key/value head n // (N // K)):
     scores[n] = q[n] @ k[n // G]^T * scale + float_mask         (B, N, T, S), G = N // K
     weights = softmax(scores where kept, else lowest finite)    zeroed where not kept
     context[n] = weights[n] @ v[n // G]                         (B, N, T, H)
-    gate = sigmoid(query @ gate_kernel + gate_bias)             (B, T, N*H), with `gate` only
-    output = concat_heads(context * gate) @ output_kernel + output_bias
+    output = concat_heads(context) @ output_kernel + output_bias
 
-The steps of `call` (docs/SPEC.md, "Order of the steps"): 1. defaults and checks, the masks
-combined into one keep and one bias; 2. projections (clamped by `clip_qkv`); 3. QK-norm; 4. RoPE; 5. KV cache write;
-6. attention; 6b. the output gate (`gate`); 7. heads merged and the output projection.
-
-Variants, each off by default and each one small step of the call: `bias` per projection, `scale`
-(default 1 / sqrt(H)), `softcap` (scores become c * tanh(scores / c)), `window` (query t keeps key
-s only if s > t + (S - T) - W; a pair (W_before, W_after) also needs s < t + (S - T) + W_after),
-`attention_chunk_size` (keys only in the query's chunk of C positions: Llama 4), RoPE
-(`rope_theta`, `rope_fraction`, `rope_interleaved`, `rope_scaling`, `rope_sections` for
-multimodal RoPE; `positions` in the call), `qk_norm` (RMSNorm or LayerNorm, `qk_norm_type`, of q
-and k per head, each head with its own scale, or over all heads; `qk_norm_bias` adds a bias),
-`sinks` (a learned logit per head in the softmax's denominator), `clip_qkv` (q, k and v
-clamped to [-c, c] right after their projections: OLMo, DBRX, MPT), `gate` (each head's
-result times sigmoid(query @ gate_kernel + gate_bias): Keras' `use_gate`, Qwen3-Next) and
-multi-head latent attention (`kv_lora_rank`, below). Call arguments
-`attention_bias` (added to the scores, with a gradient; see `alibi_bias`), `key_mask` (B, S) and
-`query_mask` (B, T).
-
-Masks: a boolean `attention_mask` is True where a query may attend a key; a floating one is
-added to the scores, read in its own dtype: a value at or below the lowest finite value of its
-dtype or of float32 (whichever is higher), or -inf, removes a key; every other value is added
-in the softmax's dtype (float32 at least). `causal=True` keeps key s for query t iff
-s <= t + (S - T), and is combined with every other mask (never silently dropped). Keras
-implicit masks (`Embedding(mask_zero=True)`) are honoured: the query's mask removes query rows,
-the key's and value's masks remove keys, ANDed with `query_mask` and `key_mask`, and the output
-carries the query's mask. A query row with no key left gets weights of exactly 0, so its output
-is `output_bias`: never NaN. Example, a key padding mask for keys [a, b, <pad>]:
-    keep = tf.constant([[True, True, False]])        # (B, S)
-    layer(x, key_mask=keep)                           # or attention_mask=keep[:, None, :]
-
-Weights: `query_kernel` (E, N*H), `query_bias` (N*H,), `key_kernel` (kdim, K*H), ...,
-`output_kernel` (N*H, E), `output_bias` (E,), `query_norm`, `key_norm`, `query_norm_bias`,
-`key_norm_bias`, `sinks` (N,), `gate_kernel` (E, N*H) and `gate_bias`: the portable layout itself,
-created in `build`.
-`layer.quantize("int8")` makes each kernel int8 with a float32 `<kind>_kernel_scale` per output
-column (Keras' int8 `Dense` scheme).
-
-Decoding with a KV cache: `cache = layer.init_cache(B, L)`, then `output, cache = layer(x,
-cache=cache)` for a prompt and then one token at a time. The keys (rotated by RoPE) and values
-of the T new tokens are written to slots [index, index + T) (slot p mod L with a `window`: the
-cache rolls by W_before), and query t attends the slot s holding position p iff p < index + T,
-keep[b, s], (not causal or p <= index + t), (no window or index + t - W_before < p, and with a
-pair p < index + t + W_after), (no chunk size or p // C == (index + t) // C) and
-`attention_mask` (given over L) keeps it. The cache is functional (a nest of tensors);
-`init_cache(B, L, in_place=True)` makes one of `tf.Variable`s, written in place.
-
-Multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi, GLM-5), on with `kv_lora_rank` C; Hn, Hr
-and Hv are `qk_nope_head_dim`, `qk_rope_head_dim` and `v_head_dim`, H = Hn + Hr, Q = `q_lora_rank`:
-    q = RMSNorm(query @ query_a_kernel) @ query_b_kernel   (B, T, N*H), or query @ query_kernel
-    c, k_rope = split(key @ key_value_a_kernel)            (B, S, C), (B, S, Hr); c RMS-normalized
-    [k_nope, v] = c @ key_value_b_kernel                   (B, S, K*(Hn + Hv)), per head
-    k = [k_nope, k_rope]; RoPE turns the last Hr features of q and k_rope (shared by the heads)
-The cache holds c in `key` (B, 1, L, C) and the turned k_rope in `value` (B, 1, L, Hr). The
-absorbed path (`absorb_latents`) attends the latents directly: q_nope @ W_kb^T against c, the
-weighted sum of c then @ W_vb, the up-projections folded into the query and the output.
+Where things are (each option family in a section of its own, after the core):
+    Core: the plain layer: the class, `call`, the checks of a call, the projections, the masks,
+        `dot_product_attention` (the formula), the heads merged and the output projection.
+    Section: score modifiers: scale, softcap, window, attention chunks, sinks, ALiBi, attention_bias.
+    Section: positions: RoPE (its frequencies, scalings and multimodal sections).
+    Section: QK-norm, clip_qkv and the gate.
+    Section: KV cache and decode steps: `KVCache`, `init_cache`, the cache's checks and writes.
+    Section: multi-head latent attention (MLA), and the portable layout of the weights.
+    Section: speed paths: the memory-efficient path (chunks of queries, its own backward).
+    Section: int8: Keras' quantization API.
+    Section: framework only: Keras conventions, XLA, in-place variables.
+    Section: converters: portable weights in, Keras config compat, from_keras / to_keras.
 """
 
 import functools
@@ -85,39 +42,35 @@ import tensorflow as tf
 
 __all__ = ["AttentionMaskWarning", "KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
 
-_GROUP_QUERY_ATTENTION = getattr(tf.keras.layers, "GroupQueryAttention", None)  # None in legacy Keras (tf_keras)
-_BUILT_IN_GQA = () if _GROUP_QUERY_ATTENTION is None else (_GROUP_QUERY_ATTENTION,)
 _PROJECTIONS = ("query", "key", "value", "output", "gate")  # the names `bias` takes; "gate" only with `gate`
-_LATENT_SIZES = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-_ABSORB_MAX_T = 8  # `absorb_latents=None`: a call with a cache and T <= 8 attends on the latents
-_ROPE_SCALING = {
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "yarn": ("factor", "original_max_position_embeddings"),
-}
-_YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 _ATTRIBUTES = {"sinks": "sink_logits"}  # portable weight name -> layer attribute (`layer.sinks` is the flag)
 
+# -------------------------------------------------------------------------------------------------
+# Core: the plain layer
+# -------------------------------------------------------------------------------------------------
+# Masks (docs/SPEC.md, "Masks"): a boolean `attention_mask` is True where a query may attend a key;
+# a floating one is added to the scores, read in its own dtype: a value at or below the lowest
+# finite value of its dtype or of float32 (whichever is higher), or -inf, removes a key; every other
+# value is added in the softmax's dtype (float32 at least). `causal=True` keeps key s for query t
+# iff s <= t + (S - T), combined with every other mask. Keras implicit masks are honoured (the
+# query's removes query rows, the key's and value's remove keys, ANDed with `query_mask` and
+# `key_mask`; the output carries the query's). A query row with no key left gets weights of
+# exactly 0, so its output is `output_bias`: never NaN.
 
-_EMPTY_MASK = (
-    "`{name}` keeps no key for any query, so every output row is `output_bias`: True means attend (in "
-    "nn.MultiheadAttention True means ignore: pass `~mask`). Received: a boolean {name} that is False everywhere"
-)
-_CAUSAL_TRAP = (
-    "`attention_mask` keeps keys only after each query, none at or before it: True means attend (in "
+_TRAPS = {
+    "empty": "`{name}` keeps no key for any query, so every output row is `output_bias`: True means attend (in "
+    "nn.MultiheadAttention True means ignore: pass `~mask`). Received: a boolean {name} that is False everywhere",
+    "causal": "`attention_mask` keeps keys only after each query, none at or before it: True means attend (in "
     "nn.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`). "
-    "Received: a boolean attention_mask False wherever causal attention keeps a key"
-)
-_PADDING_TRAP = (
-    "`key_mask` reads as nn.MultiheadAttention's key_padding_mask (True = padding): True means a real key, "
-    "pass `~mask`. Received: a key_mask False then True in every row, {empty} of {b} rows keeping no key "
-    "and none keeping all"
-)
-_ZEROS_AND_ONES = (
-    "`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras reads such a "
-    "mask as boolean): pass `mask > 0` (True = attend) or an additive mask. "
-    "Received: a floating attention_mask of 0s and 1s"
-)
+    "Received: a boolean attention_mask False wherever causal attention keeps a key",
+    "padding": "`key_mask` reads as nn.MultiheadAttention's key_padding_mask (True = padding): True means a real "
+    "key, pass `~mask`. Received: a key_mask False then True in every row, {empty} of {b} rows keeping no key "
+    "and none keeping all",
+    "zeros and ones": "`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras "
+    "reads such a mask as boolean): pass `mask > 0` (True = attend) or an additive mask. "
+    "Received: a floating attention_mask of 0s and 1s",
+}
+_FRAMEWORK_MODULES = ("tensorflow", "keras", "tf_keras")  # the packages between the user's call and this file
 
 
 class AttentionMaskWarning(UserWarning):
@@ -126,8 +79,518 @@ class AttentionMaskWarning(UserWarning):
     once per layer. `warnings.simplefilter("error", AttentionMaskWarning)` makes it an error."""
 
 
-# The packages between the user's call and this file
-_FRAMEWORK_MODULES = ("tensorflow", "keras", "tf_keras")
+class _Call(NamedTuple):
+    """A call's arguments, checked and defaulted by `_check_call` (docs/SPEC.md, "Call")."""
+
+    query: tf.Tensor  # (B, T, E), checked and cast to the compute dtype
+    key: tf.Tensor  # (B, S, kdim)
+    value: tf.Tensor  # (B, S, vdim)
+    attention_mask: tf.Tensor | None  # after the `mask=` alias, checked, rank 4 (dims may be 1)
+    attention_bias: tf.Tensor | None  # checked, floating, rank 4 (dims may be 1)
+    key_mask: tf.Tensor | None  # (B, S): after the self-attention default and implicit Keras masks
+    query_mask: tf.Tensor | None  # (B, T), ANDed with the query's implicit Keras mask
+    positions: tf.Tensor | None  # (B|1, T) integers, (k, B|1, T) with `rope_sections`, or None without RoPE
+    causal: bool  # the cache step replaces it by False once folded into keep
+    window: int | tuple | None  # self.window; the cache step replaces it by None once folded into keep
+    attention_chunk_size: int | None  # self.attention_chunk_size; likewise
+    return_attention: bool
+    cache: "KVCache | None"  # the cache step replaces it by the written cache
+    training: bool | None  # the call's training flag
+    fuse: bool  # q, k and v may come from one matmul (self-attention without a cache)
+
+
+@tf.keras.utils.register_keras_serializable(package="MultiHeadAttentionReference")
+class MultiHeadAttention(tf.keras.layers.Layer):
+    """Multi-head attention (MHA, grouped-query GQA and multi-query MQA) as a Keras layer.
+
+    Args:
+        d_model: E, the width of `query` and of the output.
+        num_heads: N, the number of query heads.
+        num_kv_heads: K, the number of key/value heads; must divide N. Defaults to N.
+        head_dim: H, the width of one head. Defaults to E // N (then N must divide E).
+        kdim: width of `key`. Defaults to E.
+        vdim: width of `value`. Defaults to E.
+        dropout: probability of dropping attention weights when training; 0 <= p < 1.
+        bias: True (all the projections have a bias, the gate's with `gate`), False (none), or a
+            list, tuple or set of the names of those that have one, among "query", "key", "value",
+            "output", "gate" (Qwen2: ("query", "key", "value")); kept as that tuple, in that order.
+            With MLA: "query" (or "query_a", "query_b"), "key_value_a", "key_value_b", "output", "gate".
+        kernel_initializer: initializer of the kernels.
+        bias_initializer: initializer of the biases.
+        **kwargs: base layer arguments (`name`, `dtype` policy, ...).
+    The options, each off by default (in full in its section of this file):
+        scale: the factor of the scores, `scores = (q . k) * scale`. Defaults to 1 / sqrt(H).
+        softcap: None or c > 0: the scores become c * tanh(scores / c) (Gemma 2).
+        window: None, W, or (W_before, W_after): query t keeps key s only if s > t + (S - T) - W_before,
+            and with a pair also s < t + (S - T) + W_after (Mistral: W; ModernBERT: (65, 65)).
+        attention_chunk_size: None, or C: query t keeps key s only if s // C == (t + (S - T)) // C (Llama 4).
+        rope_theta: None (no RoPE) or the base of rotary position embeddings.
+        rope_fraction: in (0, 1]; RoPE turns the first R = int(H * rope_fraction) features.
+        rope_interleaved: False pairs feature i with i + R/2; True pairs 2i and 2i + 1.
+        rope_scaling: None, {"rope_type": "linear", "factor": f}, a "llama3" dict (factor, low_freq_factor,
+            high_freq_factor, original_max_position_embeddings) or a "yarn" dict (factor,
+            original_max_position_embeddings, optional attention_factor, beta_fast, beta_slow, mscale,
+            mscale_all_dim, truncate; q's and k's rotated features also times its attention factor).
+        rope_sections: None, or the numbers of rotated pairs (summing to R/2) that turn by each row of
+            (k, B, T) `positions` in turn (Qwen2-VL's multimodal RoPE, `mrope_section`).
+        qk_norm: None, "head" (each head of q and k normalized, one scale shared by the heads: Qwen3),
+            "per_head" (each head its own scale: StableLM, Cohere) or "all" (over all heads: OLMo2);
+            its scales are the weights `query_norm` and `key_norm`.
+        qk_norm_eps: the epsilon of that norm.
+        qk_norm_type: "rms" (RMSNorm) or "layer" (LayerNorm: the mean is removed first).
+        qk_norm_bias: if True, the norm adds a learned bias (`query_norm_bias`, `key_norm_bias`: Phi).
+        sinks: if True, one learned logit per query head in the softmax's denominator.
+        clip_qkv: None or c > 0: q, k and v clamped to [-c, c] right after their projections (bias
+            included), before QK-norm, RoPE and the cache (OLMo, DBRX, MPT).
+        gate: if True, each head's result times sigmoid(query @ gate_kernel + gate_bias) before the
+            heads are merged (Keras' `use_gate`, Qwen3-Next, Qwen3.5).
+        kv_lora_rank: None, or C: multi-head latent attention (DeepSeek-V2/V3). Keys and values come
+            from `key` through a latent of C features per token, RMS-normalized, and the cache holds it
+            (`KVCache.key` (B, 1, L, C), `value` (B, 1, L, Hr)); `value` must be None or `key` itself.
+            Not with `vdim`, `qk_norm`, `clip_qkv`, `rope_sections` or `rope_fraction` < 1.
+        q_lora_rank: None (a plain query projection), or Q: the query goes through a latent of Q
+            features, RMS-normalized (`query_a_kernel`, `query_a_norm`, `query_b_kernel`).
+        qk_nope_head_dim: Hn, the features of a query/key head that RoPE does not turn (MLA).
+        qk_rope_head_dim: Hr, the features RoPE turns (MLA); the key's are shared by the heads.
+            With MLA, H = Hn + Hr (`head_dim`, if given, must equal it).
+        v_head_dim: Hv, the width of a value head (MLA); the output kernel is (N*Hv, E).
+        latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
+
+    Call arguments:
+        query: (B, T, E).
+        key: (B, S, kdim). Defaults to `value`, or to `query` if `value` is None too.
+        value: (B, S, vdim). Defaults to `key`.
+        attention_mask: boolean (True = attend) or floating (added to the scores), of shape
+            (T, S), (B, T, S) or (B, N, T, S), any dimension of which may be 1.
+        key_mask: (B, S) boolean, True for a real key; ANDed with the key's and value's Keras
+            masks. In self-attention it defaults to `query_mask`.
+        query_mask: (B, T) boolean, True for a real query; ANDed with the query's Keras mask.
+        attention_bias: floating, added to the scores (with a gradient); shaped like a mask.
+        positions: integer (B, T) or (T,) RoPE positions, or (k, B, T) with `rope_sections`;
+            default arange(T) (+ the cache index).
+        causal: if True, query t attends key s only if s <= t + (S - T).
+        return_attention: if True, also return the per-head attention weights.
+        training: dropout acts only when True.
+        value_mask: (B, S) boolean, ANDed with `key_mask` (Keras fills it from the value's mask).
+        cache: a `KVCache` from `init_cache`: decode T new tokens (`key` and `value`, if given, hold the
+            same T tokens); masks and weights are then over the L slots, and `key_mask` is (B, T).
+        mask: another name for `attention_mask` (the call `layer(query, key, value, mask=None)`);
+            giving both is a ValueError. Never Keras' propagated implicit mask, which the layer
+            reads off the inputs. Masks whose values read like another library's convention warn
+            once per layer with `AttentionMaskWarning` and compute as given.
+
+    Returns:
+        output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before
+        dropout) when `return_attention` is True; with `cache`, the updated cache is appended
+        and weights are (B, N, T, L), exactly 0 at unwritten slots.
+
+    Coming from `keras.layers.MultiHeadAttention`: it is called `(query, value, key)`, this layer
+    `(query, key, value)`. A floating `attention_mask` is added to the scores here, where Keras reads
+    a 0/1 float mask as boolean: pass `mask > 0`. `use_causal_mask=True` is `causal=True` (bottom-right
+    aligned when T < S); `return_attention_scores=True` is `return_attention=True`.
+
+    Example, a key padding mask (the third key of the first sequence is padding):
+        >>> layer = MultiHeadAttention(16, 4)
+        >>> x = tf.random.normal((2, 3, 16))  # (B, T, E)
+        >>> keep = tf.constant([[True, True, False], [True, True, True]])  # (B, S)
+        >>> out, weights = layer(x, key_mask=keep, return_attention=True)
+        >>> tuple(out.shape), tuple(weights.shape)
+        ((2, 3, 16), (2, 4, 3, 3))
+        >>> bool(tf.reduce_all(weights[0, :, :, 2] == 0))
+        True
+    """
+
+    absorb_latents = None  # MLA: True attends the latents, False up-projects them, None (`_absorbs`): decide
+    memory_efficient_threshold = 1 << 26  # (B, N, T, S) scores above which a call takes the memory-efficient path
+    query_chunk_elements = 1 << 21  # the scores of one chunk of queries there (8 MiB in float32)
+
+    def __init__(
+        self, d_model, num_heads, *, num_kv_heads=None, head_dim=None, kdim=None, vdim=None, dropout=0.0, bias=True,
+        scale=None, softcap=None, window=None, attention_chunk_size=None, rope_theta=None, rope_fraction=1.0,
+        rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None, qk_norm_eps=1e-6,
+        qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
+        q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
+        kernel_initializer="glorot_uniform", bias_initializer="zeros", **kwargs,
+    ):  # fmt: skip
+        _check_backend()
+        super().__init__(**kwargs)
+        self.d_model = _positive_int("d_model", d_model)
+        self.num_heads = _positive_int("num_heads", num_heads)
+        self.num_kv_heads = _positive_int("num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"`num_kv_heads` must divide `num_heads`. Received: num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+            )
+        latent = _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
+        head_dim = head_dim if latent is None else _latent_head_dim(latent, head_dim)  # MLA: Hn + Hr
+        if head_dim is None and self.d_model % self.num_heads:
+            raise ValueError(f"`num_heads` must divide `d_model`. Received: d_model={d_model}, num_heads={num_heads}")
+        self.head_dim = _positive_int("head_dim", self.d_model // self.num_heads if head_dim is None else head_dim)
+        self.kdim = _positive_int("kdim", self.d_model if kdim is None else kdim)
+        self.vdim = _positive_int("vdim", self.d_model if vdim is None else vdim)
+        self.dropout = _dropout_rate(dropout)
+        self.bias = _projection_biases(bias, gate, _projections(latent))
+        rope_width = self.head_dim if latent is None else latent.qk_rope_head_dim  # RoPE turns H, or Hr with MLA
+        options = {  # each family checked by its section, in the signature's order with the flags last
+            **_check_score_modifiers(self.head_dim, scale, softcap, window, attention_chunk_size),
+            **_check_rope(rope_width, rope_theta, rope_fraction, rope_scaling, rope_sections),
+            **_check_norms_and_clip(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv),
+            "latent_norm_eps": _positive_float("latent_norm_eps", latent_norm_eps),
+        }
+        flags = {"rope_interleaved": rope_interleaved, "qk_norm_bias": qk_norm_bias, "sinks": sinks, "gate": gate}
+        options |= {name: _flag(name, value) for name, value in flags.items()}
+        _set_latent(self, latent, vdim, options)  # MLA's combinations refused, its sizes set (None without)
+        for name, value in options.items():
+            setattr(self, name, value)
+        if self.rope_theta is not None:
+            self._inv_freq = _inverse_frequencies(rope_fraction, rope_width, self.rope_theta, self.rope_scaling)
+        self.kernel_initializer = tf.keras.initializers.get(kernel_initializer)
+        self.bias_initializer = tf.keras.initializers.get(bias_initializer)
+        self.supports_masking = True
+        self._warned_traps = set()  # the mask habits warned of, once each
+        _keras_conventions(self)  # inputs as given, the Dropout sublayer (framework only)
+
+    def build(self, query_shape=None, value_shape=None, key_shape=None):
+        """Creates the portable weights (`weight_shapes`); every shape is known from the constructor.
+        The shapes, all optional, are Keras' attention-layer convention in its order (query, value, key),
+        checked as the call checks its inputs (legacy Keras passes only the query's, by position)."""
+        _check_shapes(self, query_shape, value_shape, key_shape)
+        for name, shape in self.weight_shapes().items():
+            variable = self.add_weight(name=name, shape=shape, **_weight_options(self, name))
+            setattr(self, _ATTRIBUTES.get(name, name), variable)
+        self._is_quantized = self._int8  # Keras' flag: an int8 layer (a loaded `.keras` file) is not quantized again
+        self._dropout_layer.build(None)
+        self.built = True
+
+    def get_config(self):
+        return {**super().get_config(), **_config(self)}
+
+    def weight_shapes(self):
+        """The portable layout: {name: shape}, in its order (`_weight_shapes`, docs/SPEC.md "Weights")."""
+        return _weight_shapes(self)
+
+    def export_weights(self):
+        """Returns the portable weights: a dict of NumPy arrays (see docs/SPEC.md)."""
+        if not self.built:
+            self.build()
+        return {name: self._variable(name).numpy().copy() for name in self.weight_shapes()}
+
+    def import_weights(self, weights):
+        """Loads portable weights; strict and atomic (a ValueError lists every problem). An int8
+        layout (with `<kind>_kernel_scale`) quantizes a float layer first; an int8 layer takes only one."""
+        _import_weights(self, weights)
+
+    def _variable(self, name):
+        """The variable of one portable weight (`sinks` is held as `sink_logits`)."""
+        return getattr(self, _ATTRIBUTES.get(name, name))
+
+    def quantize(self, mode=None, type_check=True, config=None):
+        """Quantizes the projections to int8 as Keras' `Dense.quantize("int8")` does (`_quantize`).
+
+        Args:
+            mode: "int8".
+            type_check: unused (Keras' signature).
+            config: None or Keras' default `Int8QuantizationConfig`.
+        """
+        _quantize(self, mode, config)
+
+    @property
+    def _latent(self):
+        """The MLA sizes as a `_Latent`, or None without `kv_lora_rank`."""
+        return _latent_of(self)
+
+    @property
+    def _projection_names(self):
+        """The names of the layer's projections, in the layout's order (MLA's, the gate's with `gate`)."""
+        return _projection_kinds(_projections(_latent_of(self)), self.gate)
+
+    @property
+    def _int8(self):
+        """Whether the projections are int8: the dtype policy is "int8_from_..." (Keras 3 only)."""
+        return getattr(self, "quantization_mode", None) == "int8"
+
+    def _int8_call(self, *args, **kwargs):
+        """Keras' entry for an int8 policy: `call`, whose projections read the int8 variables."""
+        return self.call(*args, **kwargs)
+
+    def init_cache(self, batch_size, max_length, *, keep=None, dtype=None, in_place=False):
+        """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens (`_init_cache`).
+
+        Args:
+            batch_size: B.
+            max_length: L, the number of slots.
+            keep: (B, L) boolean, False for slots no query may attend (left padding). Defaults to all True.
+            dtype: dtype of the keys and values; defaults to the compute dtype of the policy.
+            in_place: if True, the fields are non-trainable `tf.Variable`s that each call writes in place.
+        """
+        return _init_cache(self, batch_size, max_length, keep, dtype, in_place)
+
+    @classmethod
+    def from_keras(cls, layer, *, window=None):
+        """Builds a layer with the weights of a built `keras.layers.MultiHeadAttention` or
+        `keras.layers.GroupQueryAttention` (`_from_keras`; `window`: `(W, W)` for its `sliding_window` W)."""
+        return _from_keras(cls, layer, window)
+
+    def to_keras(self):
+        """Returns a built `keras.layers.MultiHeadAttention` (K == N) or `keras.layers.GroupQueryAttention`
+        (K < N) holding these weights (`_to_keras`)."""
+        return _to_keras(self)
+
+    def compute_mask(self, query, previous_mask=None):
+        """The output carries the query's mask."""
+        return previous_mask
+
+    def compute_output_shape(self, query_shape, value_shape=None, key_shape=None):
+        """(B, T, E), whatever S is; shapes in Keras' order (query, value, key), checked as in `build`."""
+        query_shape = _check_shapes(self, query_shape, value_shape, key_shape)
+        return (query_shape[0], query_shape[1], self.d_model)
+
+    def compute_output_spec(self, *args, **kwargs):
+        """Traces `call` on symbolic inputs, so a functional model gets every shape check when it is
+        built (`_output_spec`)."""
+        return _output_spec(self, *args, **kwargs)
+
+    def __call__(self, *args, mask=None, **kwargs):
+        """`mask=` moved into `attention_mask` (`call` has no `mask` for Keras to fill with an implicit
+        mask); then what a cast would hide: inputs of different dtypes (before any cast, where all
+        three are floating: an integer input gets its own error in `call`), a cache of another dtype."""
+        if mask is not None:
+            given = kwargs.pop("attention_mask", args[3] if len(args) > 3 else None)
+            args, kwargs["attention_mask"] = args[:3], _attention_mask(given, mask)
+        inputs = dict(zip(("query", "key", "value"), args, strict=False))
+        inputs.update({name: kwargs[name] for name in ("query", "key", "value") if name in kwargs})
+        if inputs.get("query") is not None:
+            query, key, value = inputs["query"], inputs.get("key"), inputs.get("value")
+            key = (query if value is None else value) if key is None else key  # as `_check_call` defaults them
+            inputs = (query, key, key if value is None else value)
+            dtypes = [tf.as_dtype(x.dtype) if hasattr(x, "dtype") else tf.convert_to_tensor(x).dtype for x in inputs]
+            if all(d.is_floating for d in dtypes) and len(set(dtypes)) > 1:
+                raise ValueError(
+                    "`query`, `key` and `value` must have the same dtype. Received: "
+                    + ", ".join(
+                        f"{name}.dtype={d.name}" for name, d in zip(("query", "key", "value"), dtypes, strict=True)
+                    )
+                )
+        if kwargs.get("cache") is not None:
+            _check_cache_dtype(kwargs["cache"], self.compute_dtype)
+        return super().__call__(*args, **kwargs)
+
+    # The steps of a call (docs/SPEC.md, "Order of the steps"): 1. defaults and checks, the masks
+    # combined into one keep and one bias; 2. projections (clamped by `clip_qkv`); 3. QK-norm;
+    # 4. RoPE; 5. KV cache write; 6. attention; 6b. the output gate; 7. heads merged, output projection.
+    # A layer without an option enters none of its functions.
+
+    def call(
+        self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
+        attention_bias=None, positions=None, causal=False, return_attention=False, training=None, value_mask=None,
+        cache=None,
+    ):  # fmt: skip
+        """The steps of docs/SPEC.md ("Order of the steps"); the arguments are the class's."""
+        call = self._check_call(  # 1. defaults and checks
+            query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
+            return_attention, cache, training, value_mask,
+        )  # fmt: skip
+        keep, bias = self._masks(call)  # 1. (B|1, N|1, T|1, S|1) keep, (mask's, attention_bias's) additive
+        q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H); MLA: c, k_rope
+        if self.qk_norm is not None:  # 3. QK-norm
+            q, k = _normalize_qk(self, q, k)
+        if self.rope_theta is not None:  # 4. RoPE
+            q, k, v = _rotate(self, q, k, v, call.positions)
+        misfit = None  # in a graph, whether a cache's tokens do not fit: XLA cannot raise, the output is NaN
+        if call.cache is not None:  # 5. KV cache: k, v (B, K, L, H)
+            k, v, keep, call, misfit = _update_cache(self, call, k, v, keep)
+        context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, Hv), (B, N, T, S) or None
+        if self.gate:  # 6b. the output gate, (B, N, T, Hv)
+            context = _gate_heads(self, call, context)
+        output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*Hv) -> (B, T, E)
+        if misfit is not None:
+            output = tf.where(misfit, tf.cast(np.nan, output.dtype), output)
+        results = ((output, weights) if call.return_attention else (output,)) + (() if cache is None else (call.cache,))
+        return results[0] if len(results) == 1 else results
+
+    def _check_call(
+        self, query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
+        return_attention, cache, training=None, value_mask=None,
+    ):  # fmt: skip
+        """Step 1 but the masks' combination: the inputs defaulted (docs/SPEC.md, "Call"), checked and
+        cast to the compute dtype; the token masks ANDed with the inputs' implicit Keras masks; then
+        the cache, `positions`, `attention_mask` and `attention_bias` checked. Returns the `_Call`."""
+        fuse = (key is None or key is query) and (value is None or value is query) and cache is None
+        fuse = fuse and self.kv_lora_rank is None  # MLA projects its latents apart
+        self_attention = key is None and value is None
+        if self.kv_lora_rank is not None and key is not None and value is not None and value is not key:
+            raise ValueError(
+                "`value` must be None or `key` itself with `kv_lora_rank`: MLA reads keys and values from `key`. "
+                "Received: a value other than key"
+            )
+        explicit_key_mask = None if key_mask is getattr(key, "_keras_mask", None) else key_mask  # not Keras' fill
+        key = (query if value is None else value) if key is None else key  # missing inputs: `key` and `value`
+        value = key if value is None else value  # default to each other, then to `query`
+        implicit = [getattr(x, "_keras_mask", None) for x in (query, key, value)]  # as legacy Keras passes them
+        implicit = [None if mask is None else tf.cast(mask, tf.bool) for mask in implicit]
+        query = _check_input("query", query, "E", self.d_model)
+        key = _check_input("key", key, "kdim", self.kdim)
+        value = _check_input("value", value, "vdim", self.vdim)
+        (b, t), s = tuple(query.shape)[:2], key.shape[1]
+        if len({query.shape[0], key.shape[0], value.shape[0]} - {None}) > 1:
+            raise ValueError(
+                "`query`, `key` and `value` must have the same batch size B. Received: "
+                f"query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
+            )
+        if len({s, value.shape[1]} - {None}) > 1:
+            raise ValueError(
+                f"`key` and `value` must have the same length S. Received: key.shape={tuple(key.shape)}, "
+                f"value.shape={tuple(value.shape)}"
+            )
+        if any(mask is not None for mask in (query_mask, key_mask, value_mask, *implicit)):  # (B, T), (B, S)
+            query_mask = _and(_check_token_mask("query_mask", query_mask, b, t, "T"), implicit[0])
+            key_mask = _and(_check_token_mask("key_mask", key_mask, b, s, "S"), _check_token_mask(
+                "value_mask", value_mask, b, s, "S"))  # fmt: skip
+            key_mask = query_mask if self_attention and key_mask is None else key_mask
+            key_mask = _and(key_mask, _and(implicit[1], implicit[2]))
+        if cache is not None:
+            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim, self._latent)
+        if positions is not None or self.rope_theta is not None:
+            positions = _positions(self, positions, query, key, cache)  # before the masks, as in the other files
+        if attention_mask is not None or attention_bias is not None:
+            target = (b, self.num_heads, t, s if cache is None else cache.key.shape[2])
+            dtype = _softmax_dtype(self.compute_dtype)
+            attention_mask = _mask_to_4d(attention_mask, target, "attention_mask", dtype)
+            attention_bias = _mask_to_4d(attention_bias, target, "attention_bias", dtype)
+        if cache is None and (attention_mask is not None or explicit_key_mask is not None):
+            self._warn_traps(attention_mask, explicit_key_mask, t, s)
+        query, key, value = (tf.cast(x, self.compute_dtype) for x in (query, key, value))
+        return _Call(
+            query, key, value, attention_mask, attention_bias, key_mask, query_mask, positions, causal, self.window,
+            self.attention_chunk_size, return_attention, cache, training, fuse,
+        )  # fmt: skip
+
+    def _warn_traps(self, attention_mask, key_mask, t, s):
+        """Warns once per layer for each built-in habit the masks' values suggest (docs/SPEC.md, Masks),
+        where reading them is free (eagerly, on the CPU; a call with a cache is not read); the call
+        computes what the SPEC says either way. The habits: a boolean mask False everywhere
+        (nn.MultiheadAttention's True = ignore, nothing padded); a square boolean mask keeping keys
+        only after each query (its causal `attn_mask`, `triu(ones, 1)`); a `key_mask` whose every row
+        is False then True, some row keeping no key and none keeping all (its `key_padding_mask`;
+        left padding keeps its longest sequence all True); a floating mask of only 0s and 1s."""
+        attention_mask, key_mask = (None if m is None else tf.convert_to_tensor(m) for m in (attention_mask, key_mask))
+        masks = [mask for mask in (attention_mask, key_mask) if mask is not None]
+        if not masks or not (tf.executing_eagerly() and all("CPU" in x.device.upper() for x in masks)):
+            return
+        traps = {}
+        for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
+            if mask is not None and mask.dtype == tf.bool and int(tf.size(mask)) > 0 and not bool(tf.reduce_any(mask)):
+                traps[name] = _TRAPS["empty"].format(name=name)
+        boolean = attention_mask is not None and attention_mask.dtype == tf.bool and "attention_mask" not in traps
+        if boolean and int(tf.size(attention_mask)) > 0 and t == s > 0:
+            traps |= {} if bool(tf.reduce_any(attention_mask & causal_mask(t, s))) else {"causal": _TRAPS["causal"]}
+        if key_mask is not None and "key_mask" not in traps:
+            kept = tf.reduce_sum(tf.cast(key_mask, tf.int32), -1)  # (B,)
+            ordered = bool(tf.reduce_all(tf.cast(key_mask[:, 1:], tf.int8) >= tf.cast(key_mask[:, :-1], tf.int8)))
+            empty = int(tf.reduce_sum(tf.cast(kept == 0, tf.int32)))
+            if ordered and not bool(tf.reduce_any(kept == key_mask.shape[1])) and empty:
+                traps["padding"] = _TRAPS["padding"].format(empty=empty, b=key_mask.shape[0])
+        if attention_mask is not None and attention_mask.dtype.is_floating:
+            ones = attention_mask == 1
+            if bool(tf.reduce_all(ones | (attention_mask == 0))) and bool(tf.reduce_any(ones)):
+                traps["zeros and ones"] = _TRAPS["zeros and ones"]
+        for kind, message in traps.items():
+            if kind not in self._warned_traps:
+                self._warned_traps.add(kind)
+                _warn_at_caller(message)
+
+    def _masks(self, call):
+        """Step 1: the masks combined into one boolean keep, (B|1, N|1, T|1, S|1) or None, and the
+        additive biases kept apart (the floating mask's, which gets no gradient on the memory-efficient
+        path, and `attention_bias`'s), each None or rank 4 in the softmax's dtype. With a cache,
+        `key_mask` goes into the cache's keep instead (step 5)."""
+        keep = mask_bias = attention_bias = None
+        if call.attention_mask is not None:
+            keep, mask_bias = _split_mask(call.attention_mask, _softmax_dtype(self.compute_dtype))
+        if call.attention_bias is not None:
+            bias_keep, attention_bias = _split_mask(call.attention_bias, _softmax_dtype(self.compute_dtype))
+            keep = _and(keep, bias_keep)
+        if call.query_mask is not None:
+            keep = _and(keep, tf.expand_dims(tf.expand_dims(call.query_mask, 1), 3))  # (B, T) -> (B, 1, T, 1)
+        if call.key_mask is not None and call.cache is None:
+            keep = _and(keep, tf.expand_dims(tf.expand_dims(call.key_mask, 1), 1))  # (B, S) -> (B, 1, 1, S)
+        return keep, (mask_bias, attention_bias)
+
+    def _project_qkv(self, call):
+        """Step 2: q (B, N, T, H), k and v (B, K, S, H) from the query, key and value; in one matmul
+        where `call.fuse` (self-attention without a cache; a cache's step of a few tokens projects
+        them apart: concatenating the kernels at every step would cost more than the matmul saves).
+        Then clamped by `clip_qkv`. MLA: q, the latents c (B, 1, S, C), k_rope (B, 1, S, Hr)."""
+        if self.kv_lora_rank is not None:
+            return _project_latent(self, call)
+        if call.fuse:  # (B, T, E) -> 3 x (B, T, heads*H)
+            q, k, v = _project_fused(self, call.query)
+        else:
+            q, k, v = (self._project(x, kind) for x, kind in zip(call[:3], ("query", "key", "value"), strict=True))
+        q = self._split_heads(q, self.num_heads)  # (B, N, T, H)
+        k, v = self._split_heads(k, self.num_kv_heads), self._split_heads(v, self.num_kv_heads)  # (B, K, S, H)
+        return (q, k, v) if self.clip_qkv is None else tuple(_clip_qkv(self, x) for x in (q, k, v))
+
+    def _project(self, x, *kinds):
+        """(B, L, D) @ (D, F) + (F,) -> (B, L, F) as a 2-D matmul and a bias add (which oneDNN fuses),
+        for the projection `kinds` names; several (self-attention's "query", "key", "value") are one
+        matmul over their concatenated kernels, a missing bias zeros. The weights are read in x's dtype
+        (a no-op inside Keras' `__call__`, which autocasts them); an int8 kernel: `_int8_matmul`."""
+        int8 = getattr(self, "quantization_mode", None) == "int8"
+        kernels = [getattr(self, f"{kind}_kernel") for kind in kinds]
+        biases = [getattr(self, f"{kind}_bias") if kind in self.bias else None for kind in kinds]
+        scales = [getattr(self, f"{kind}_kernel_scale") if int8 else None for kind in kinds]
+        kernel, bias, scale = kernels[0], biases[0], scales[0]
+        if len(kinds) > 1:
+            kernel, scale = tf.concat(kernels, axis=1), tf.concat(scales, axis=0) if int8 else None  # (D, F)
+            dtype = next((b.dtype for b in biases if b is not None), None)  # the compute dtype, mixed policies
+            if dtype is not None:
+                zeros = [tf.zeros(w.shape[1], dtype) if b is None else b for b, w in zip(biases, kernels, strict=True)]
+                bias = tf.concat(zeros, axis=0)
+        rows = tf.reshape(x, [-1, kernel.shape[0]])  # (B, L, D) -> (B*L, D)
+        if scale is None:
+            y = tf.matmul(rows, tf.cast(kernel, x.dtype))  # (B*L, D) -> (B*L, F)
+        else:
+            y = _int8_matmul(rows, tf.convert_to_tensor(kernel), tf.cast(scale, x.dtype))  # -> (B*L, F)
+        y = y if bias is None else tf.nn.bias_add(y, tf.cast(bias, x.dtype))
+        return tf.reshape(y, tf.concat([tf.shape(x)[:2], [kernel.shape[1]]], 0))  # (B*L, F) -> (B, L, F)
+
+    def _split_heads(self, y, heads, width=None):
+        """(B, L, heads*W) -> (B, heads, L, W); the width W defaults to H."""
+        b, length = tf.shape(y)[0], tf.shape(y)[1]
+        y = tf.reshape(y, [b, length, heads, width or self.head_dim])  # (B, L, heads*W) -> (B, L, heads, W)
+        return tf.transpose(y, [0, 2, 1, 3])  # -> (B, heads, L, W)
+
+    def _merge_heads(self, x):
+        merged = tf.transpose(x, [0, 2, 1, 3])  # (B, heads, L, H) -> (B, L, heads, H)
+        return tf.reshape(merged, tf.concat([tf.shape(merged)[:2], [-1]], 0))  # -> (B, L, heads*H)
+
+    def _attend(self, q, k, v, keep, bias, call):
+        """Step 6, the one entry to the paths; returns (context (B, N, T, Hv), weights (B, N, T, S) or
+        None). MLA attends its latents (`_attend_latent`); every other layer `_attend_heads`."""
+        if self.kv_lora_rank is not None:
+            return _attend_latent(self, q, k, v, keep, bias, call)
+        return self._attend_heads(q, k, v, keep, bias, call)
+
+    def _attend_heads(self, q, k, v, keep, bias, call):
+        """q (B, N, T, H), k (B, K, S, H), v (B, K, S, Hv) attended by the formula while the weights are
+        returned or the (B, N, T, S) scores are known at trace time to be at most
+        `memory_efficient_threshold` elements; else by the memory-efficient path (`_attend_in_chunks`).
+        `bias` is (the floating mask's, `attention_bias`'s)."""
+        b, n, t, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        if not call.return_attention and (None in (b, t, s) or b * n * t * s > self.memory_efficient_threshold):
+            return _attend_in_chunks(self, q, k, v, keep, bias, call)
+        dropout = self.dropout > 0 and call.training is not False and call.training is not None
+        sinks = self.sink_logits if self.sinks else None
+        mask_bias, attention_bias = bias  # added in one (`_add`)
+        added = (
+            attention_bias if mask_bias is None else mask_bias if attention_bias is None else mask_bias + attention_bias
+        )
+        return dot_product_attention(
+            q, k, v, keep, added, call.causal, scale=self.scale, softcap=self.softcap, window=call.window,
+            attention_chunk_size=call.attention_chunk_size, sinks=sinks,
+            dropout=functools.partial(self._dropout_layer, training=call.training) if dropout else None,
+        )  # fmt: skip
 
 
 def _warn_at_caller(message):
@@ -141,120 +604,196 @@ def _warn_at_caller(message):
     warnings.warn(message, AttentionMaskWarning, stacklevel=level)
 
 
-class KVCache(NamedTuple):
-    """The keys and values of the tokens decoded so far (make one with `init_cache`).
-
-    Attributes:
-        key: (B, K, L, H) projected keys, one slot per position; L is the cache's max length.
-        value: (B, K, L, H) projected values.
-        keep: (B, L) boolean; False marks a slot no query may attend (left padding).
-        index: scalar integer, the positions written so far; position p is in slot p (with a
-            `window`, slot p mod L: the cache rolls), and the next call writes from index.
-    """
-
-    key: tf.Tensor
-    value: tf.Tensor
-    keep: tf.Tensor
-    index: tf.Tensor
-
-
-# -------------------------------------------------------------------------------------------------
-# Variants: the constructor's arguments checked into one record
-# -------------------------------------------------------------------------------------------------
-
-
-class _Variants(NamedTuple):
-    """The variants of a layer, checked (`_check_variants`); `scale` is never None."""
-
-    scale: float
-    softcap: float | None
-    window: int | tuple | None  # W, or (W_before, W_after)
-    attention_chunk_size: int | None
-    rope_theta: float | None
-    rope_fraction: float
-    rope_interleaved: bool
-    rope_scaling: dict | None
-    rope_sections: tuple | None
-    qk_norm: str | None
-    qk_norm_eps: float
-    qk_norm_type: str
-    qk_norm_bias: bool
-    sinks: bool
-    clip_qkv: float | None
-    gate: bool
-    latent_norm_eps: float
-
-
-def _check_variants(
-    head_dim, rope_width, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved,
-    rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv, gate,
-    latent_norm_eps,
-):  # fmt: skip
-    """The variant arguments of the constructor checked (a ValueError names the first bad one, in
-    the signature's order with the flags last) into a `_Variants`; `scale` None becomes 1 / sqrt(H).
-    RoPE turns features of heads `rope_width` wide (H, or Hr with MLA)."""
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float("scale", scale)
-    softcap = _positive_float("softcap", softcap, optional=True)
-    window = _check_window(window)
-    chunk = None if attention_chunk_size is None else _positive_int("attention_chunk_size", attention_chunk_size)
-    rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
-    rotary = _rotary_dim(rope_fraction, rope_width, rope_theta is not None)
-    rope_scaling = _check_rope_scaling(rope_scaling)
-    rope_sections = _check_rope_sections(rope_sections, rotary)
-    if qk_norm not in (None, "head", "per_head", "all"):
-        raise ValueError(f"`qk_norm` must be None, 'head', 'per_head' or 'all'. Received: qk_norm={qk_norm!r}")
-    qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
-    qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
-    if not isinstance(qk_norm_type, str) or qk_norm_type not in ("rms", "layer"):
-        raise ValueError(f"`qk_norm_type` must be 'rms' or 'layer'. Received: qk_norm_type={qk_norm_type!r}")
-    clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
-    latent_norm_eps = _positive_float("latent_norm_eps", latent_norm_eps)
-    rope_interleaved = _flag("rope_interleaved", rope_interleaved)
-    qk_norm_bias = _flag("qk_norm_bias", qk_norm_bias)
-    sinks = _flag("sinks", sinks)
-    gate = _flag("gate", gate)
-    return _Variants(
-        scale, softcap, window, chunk, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling, rope_sections,
-        qk_norm, qk_norm_eps, str(qk_norm_type), qk_norm_bias, sinks, clip_qkv, gate, latent_norm_eps,
-    )  # fmt: skip
-
-
-def _check_window(window):
-    """`window` as None, a Python int W, or a tuple (W_before, W_after) of two Python ints (from a
-    list or tuple); a bool, a float, a string, a dict, a pair holding anything else is refused."""
-    pair = isinstance(window, (list, tuple)) and len(window) == 2
-    sides = tuple(window) if pair else (window,)
-    if window is not None and not all(_is_positive_int(side) for side in sides):
+def _check_input(name, x, width_name, width):
+    """Checks one (B, L, width) input; dimensions unknown at trace time are not checked."""
+    x = tf.convert_to_tensor(x)
+    if not x.dtype.is_floating:
+        raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={x.dtype.name}")
+    shape = tuple(x.shape) if x.shape.rank is not None else None
+    if shape is not None and (len(shape) != 3 or shape[-1] not in (None, width)):
         raise ValueError(
-            "`window` must be None, a positive integer or a pair (before, after) of positive integers. "
-            f"Received: window={window!r}"
+            f"`{name}` must have shape (B, {'T' if name == 'query' else 'S'}, {width_name}) with {width_name}={width}. "
+            f"Received: {name}.shape={shape}"
         )
-    return None if window is None else tuple(int(side) for side in sides) if pair else int(window)
+    return x
 
 
-def _window_sides(window):
-    """`window` -> (W_before, W_after or None): an int W keeps W_before = W and no limit after."""
-    if window is None:
-        return None, None
-    return tuple(window) if isinstance(window, tuple) else (window, None)
-
-
-def _check_rope_sections(sections, rotary):
-    """`rope_sections` as a tuple of Python ints (None stays None): a non-empty list or tuple of
-    positive integers, summing to R/2 when RoPE is on (`rotary` R; None without RoPE)."""
-    if sections is None:
+def _check_token_mask(name, mask, batch, length, letter):
+    """Checks a (B, T) `query_mask` or (B, S) `key_mask` / `value_mask`; dimensions unknown at
+    trace time are not checked."""
+    if mask is None:
         return None
-    if not isinstance(sections, (list, tuple)) or not sections or not all(map(_is_positive_int, sections)):
+    mask = tf.convert_to_tensor(mask)
+    shape = tuple(mask.shape) if mask.shape.rank is not None else None
+    if mask.dtype != tf.bool or shape is None or len(shape) != 2 or any(
+        len({dim, expected} - {None}) > 1 for dim, expected in zip(shape, (batch, length), strict=True)
+    ):  # fmt: skip
         raise ValueError(
-            "`rope_sections` must be None or a list or tuple of positive integers. "
-            f"Received: rope_sections={sections!r}"
+            f"`{name}` must be a boolean tensor of shape (B, {letter})=({batch}, {length}). "
+            f"Received: {name}.shape={shape}, {name}.dtype={mask.dtype.name}"
         )
-    if rotary is not None and sum(sections) != rotary // 2:
+    return mask
+
+
+def _attention_mask(attention_mask, mask):
+    """`mask=` is another name for `attention_mask` (the seed usage `layer(q, k, v, mask=None)`)."""
+    if mask is None:
+        return attention_mask
+    if attention_mask is not None:
         raise ValueError(
-            f"`rope_sections` must sum to R/2 = {rotary // 2}, the pairs RoPE rotates (R = int(head_dim * "
-            f"rope_fraction) = {rotary}). Received: rope_sections={sections!r}"
+            "Pass the attention mask as `attention_mask` or as `mask`, not both. Received: attention_mask and mask"
         )
-    return tuple(int(n) for n in sections)
+    return mask
+
+
+def _padding_hint(name, shape, target):
+    """For a 2-D `attention_mask` shaped (B, S) where (T, S) was expected: padding goes in `key_mask`."""
+    padding = name == "attention_mask" and tuple(shape) == (target[0], target[3]) and target[0] != target[2]
+    return " A (B, S) padding mask goes in `key_mask` (True = a real key)." if padding else ""
+
+
+def _mask_to_4d(mask, target, name, dtype):
+    """Checks `attention_mask` (boolean or floating) or `attention_bias` (floating) against
+    target (B, N, T, S) and returns it as a rank-4 tensor (None stays None); dimensions unknown at
+    trace time are not checked. A floating one wider than the softmax's `dtype` is cast to it
+    first: the cast saturates every value below that dtype's range to -inf, which removes, as the
+    floating mask rule does; and LiteRT has no float64 comparisons."""
+    if mask is None:
+        return None
+    mask = tf.convert_to_tensor(mask)
+    if name == "attention_bias" and not mask.dtype.is_floating:
+        raise ValueError(f"`attention_bias` must be floating. Received: attention_bias.dtype={mask.dtype.name}")
+    if mask.dtype != tf.bool and not mask.dtype.is_floating:
+        raise ValueError(
+            f"`{name}` must be boolean (True = attend; for a 0/1 integer mask pass `mask > 0`) or floating. "
+            f"Received: {name}.dtype={mask.dtype.name}"
+        )
+    if mask.dtype.is_floating and mask.dtype.size > tf.as_dtype(dtype).size:
+        mask = tf.cast(mask, dtype)  # float64 -> float32
+    rank = mask.shape.rank
+    expected = {2: target[2:], 3: (target[0], *target[2:]), 4: target}.get(rank)
+    if expected is None or any(
+        m not in (1, e) and None not in (m, e) for m, e in zip(mask.shape, expected, strict=True)
+    ):
+        raise ValueError(
+            f"`{name}` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
+            f"(B, N, T, S), each dimension full or 1.{_padding_hint(name, _static_shape(mask), target)} "
+            f"Expected: (B, N, T, S)={target}. "
+            f"Received: {name}.shape={_static_shape(mask)}"
+        )
+    if rank == 2:
+        return mask[None, None]  # (T, S) -> (1, 1, T, S)
+    if rank == 3:
+        return mask[:, None]  # (B, T, S) -> (B, 1, T, S)
+    return mask
+
+
+def _project_fused(layer, x):
+    """Self-attention: q, k and v (B, T, heads*H) from one matmul over the concatenated projections."""
+    nh, kh = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+    return tf.split(layer._project(x, "query", "key", "value"), [nh, kh, kh], axis=-1)  # (B, T, N*H + 2*K*H)
+
+
+def causal_mask(t, s):
+    """(T, S) boolean mask: query t keeps key s iff s <= t + (S - T) (bottom-right aligned)."""
+    return tf.range(s)[None, :] <= (tf.range(t) + (s - t))[:, None]  # (1, S) <= (T, 1) -> (T, S)
+
+
+def _split_mask(mask, dtype):
+    """Splits a rank-4 mask (`_mask_to_4d`) into (keep, additive), each None or rank 4, by the
+    floating mask rule: a boolean mask is `keep`; a floating one, read in its own dtype, removes
+    a key where it is -inf or at most max(lowest of its dtype, lowest of float32), and adds every
+    other value in `dtype` (the softmax's, float32 at least). No -inf reaches arithmetic."""
+    if mask is None:
+        return None, None
+    if mask.dtype == tf.bool:
+        return mask, None
+    threshold = tf.constant(max(mask.dtype.min, tf.float32.min), mask.dtype)
+    removed = mask <= threshold  # (B, N, T, S), dims may be 1
+    additive = tf.where(removed, tf.zeros_like(mask), tf.maximum(mask, threshold))  # finite
+    return tf.logical_not(removed), tf.cast(additive, dtype)
+
+
+def _and(a, b):
+    return b if a is None else a if b is None else a & b
+
+
+def _add(a, b):
+    return b if a is None else a if b is None else a + b
+
+
+def dot_product_attention(
+    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, attention_chunk_size=None,
+    sinks=None, dropout=None,
+):  # fmt: skip
+    """Pure attention on split heads, the explicit formula; returns (context, weights).
+
+    Args:
+        q, k, v: (B, N, T, H) queries; (B, K, S, H) keys and values, K dividing N.
+        keep: None or boolean, broadcasts to (B, N, T, S); True where a query may attend a key.
+        bias: None or float, broadcasts to (B, N, T, S); added to the (soft-capped) scores.
+        causal: if True, query t keeps key s only if s <= t + (S - T).
+        scale: the factor of the scores; None is 1 / sqrt(H). softcap: None or c: scores -> c * tanh(scores / c).
+        window: None, W or (W_before, W_after): query t keeps key s only if s > t + (S - T) - W_before,
+            and with a pair also s < t + (S - T) + W_after.
+        attention_chunk_size: None, or C: query t keeps key s only if s // C == (t + (S - T)) // C.
+        sinks: None or (N,) logits, one per query head, in the softmax's denominator.
+        dropout: None, or a callable applied to the weights before the weighted sum.
+
+    Returns:
+        context (B, N, T, H) and weights (B, N, T, S), exactly 0 where not kept.
+    """
+    t, s = tf.shape(q)[2], tf.shape(k)[2]
+    if causal:  # `causal_mask(t, s)`, (T, S)
+        keep = _and(keep, tf.range(s)[None, :] <= (tf.range(t) + (s - t))[:, None])  # dims may be 1
+    if window is not None or attention_chunk_size is not None:
+        keep = _and(keep, _position_keep(tf.range(t) + (s - t), s, False, window, attention_chunk_size))
+    groups = q.shape[1] // k.shape[1]
+    k = tf.repeat(k, groups, axis=1) if groups > 1 else k  # (B, K, S, H) -> (B, N, S, H)
+    v = tf.repeat(v, groups, axis=1) if groups > 1 else v  # (B, K, S, H) -> (B, N, S, H)
+    dtype = tf.float64 if q.dtype == tf.float64 else tf.float32  # the softmax's, float32 at least (`_softmax_dtype`)
+    q = q * tf.constant(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, q.dtype)  # not the scores (rounding)
+    scores = tf.cast(tf.matmul(q, k, transpose_b=True), dtype)  # (B, N, T, S)
+    scores = scores if softcap is None else _softcap(scores, softcap)
+    if bias is not None:
+        bias = tf.cast(bias, dtype)
+        scores = scores + (bias if sinks is not None else _centre_rows(bias, keep))  # (B, N, T, S)
+    plain = keep is None and sinks is None
+    weights = tf.cast(tf.nn.softmax(scores, axis=-1) if plain else _masked_softmax(scores, keep, sinks), q.dtype)
+    context = tf.matmul(weights if dropout is None else dropout(weights), v)  # (B, N, T, S) @ (B, N, S, H)
+    return context, weights
+
+
+def _masked_softmax(scores, keep, sinks):
+    """Softmax over the last axis of (B, N, T, S) scores, in their dtype: keys not kept removed
+    (filled with the lowest finite value), one sink logit per head (N,) in the denominator
+    (`_sink_softmax`), rows with no key exactly 0."""
+    if keep is not None:
+        scores = tf.where(keep, scores, scores.dtype.min)  # (B, N, T, S)
+    if sinks is None:
+        weights = tf.nn.softmax(scores, axis=-1)  # (B, N, T, S)
+    else:
+        weights = _sink_softmax(scores, tf.reshape(tf.cast(sinks, scores.dtype), [1, -1, 1, 1]))  # (B, N, T, S)
+    if keep is not None:
+        weights = tf.where(keep, weights, tf.zeros((), weights.dtype))  # rows with no key are all 0
+    return weights
+
+
+def _softmax_dtype(dtype):
+    """Softmax runs in float32 at least (float64 stays float64)."""
+    return tf.float64 if tf.as_dtype(dtype) == tf.float64 else tf.float32
+
+
+def _static_shape(x):
+    return tuple(x.shape) if x.shape.rank is not None else None
+
+
+def _differ(*dims):
+    known = {d for d in dims if d is not None}
+    return len(known) > 1
+
+
+# The constructor's checks of the plain arguments (each option family's in its section).
 
 
 def _positive_int(name, value):
@@ -266,22 +805,6 @@ def _positive_int(name, value):
 def _is_positive_int(value):
     """A Python or NumPy integer (not a bool) >= 1."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 1
-
-
-def _positive_float(name, value, optional=False):
-    """A positive float; None stays None when `optional`."""
-    if optional and value is None:
-        return None
-    if not _is_positive_number(value):
-        raise ValueError(
-            f"`{name}` must be {'None or ' if optional else ''}a positive float. Received: {name}={value!r}"
-        )
-    return float(value)
-
-
-def _is_positive_number(value):
-    number = not isinstance(value, (bool, np.bool_)) and isinstance(value, (int, float, np.integer, np.floating))
-    return number and math.isfinite(value) and value > 0
 
 
 def _flag(name, value):
@@ -318,18 +841,213 @@ def _projection_biases(bias, gate, projections=_PROJECTIONS):
     return tuple(name for name in projections if name in bias)
 
 
-def _projections(latent):
-    """The names `bias` takes: the layer's projections, query, key, value, output (with MLA query,
-    or query_a and query_b, key_value_a, key_value_b, output), then the gate's."""
-    if latent is None:
-        return _PROJECTIONS
-    query = ("query",) if latent.q_lora_rank is None else ("query_a", "query_b")
-    return (*query, "key_value_a", "key_value_b", "output", "gate")
-
-
 def _projection_kinds(projections, gate):
     """The layer's projections among `projections` (`_projections`): the gate's only with `gate`."""
     return projections if gate else projections[:-1]
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: score modifiers
+# -------------------------------------------------------------------------------------------------
+# `scale` (default 1 / sqrt(H)), `softcap` (Gemma 2: scores become c * tanh(scores / c)), `window`
+# (query t keeps key s only if s > t + (S - T) - W; a pair (W_before, W_after) also needs
+# s < t + (S - T) + W_after), `attention_chunk_size` (keys only in the query's chunk of C positions:
+# Llama 4), `sinks` (a learned logit per head in the softmax's denominator), ALiBi (`alibi_bias`,
+# passed as `attention_bias`) and the call's `attention_bias` (added to the scores, with a gradient).
+
+
+def _check_score_modifiers(head_dim, scale, softcap, window, attention_chunk_size):
+    """`scale`, `softcap`, `window` and `attention_chunk_size` checked, in that order (a ValueError
+    names the first bad one); `scale` None becomes 1 / sqrt(H). The flag `sinks` is checked with
+    the other flags, last."""
+    return {
+        "scale": 1.0 / math.sqrt(head_dim) if scale is None else _positive_float("scale", scale),
+        "softcap": _positive_float("softcap", softcap, optional=True),
+        "window": _check_window(window),
+        "attention_chunk_size": None
+        if attention_chunk_size is None
+        else _positive_int("attention_chunk_size", attention_chunk_size),
+    }
+
+
+def _score_modifiers(layer, call):
+    """The score modifiers of a call, as the keyword arguments of the attention functions."""
+    sinks = layer.sink_logits if layer.sinks else None
+    return dict(
+        scale=layer.scale, softcap=layer.softcap, window=call.window, attention_chunk_size=call.attention_chunk_size,
+        sinks=sinks,
+    )  # fmt: skip
+
+
+def _check_window(window):
+    """`window` as None, a Python int W, or a tuple (W_before, W_after) of two Python ints (from a
+    list or tuple); a bool, a float, a string, a dict, a pair holding anything else is refused."""
+    pair = isinstance(window, (list, tuple)) and len(window) == 2
+    sides = tuple(window) if pair else (window,)
+    if window is not None and not all(_is_positive_int(side) for side in sides):
+        raise ValueError(
+            "`window` must be None, a positive integer or a pair (before, after) of positive integers. "
+            f"Received: window={window!r}"
+        )
+    return None if window is None else tuple(int(side) for side in sides) if pair else int(window)
+
+
+def _window_sides(window):
+    """`window` -> (W_before, W_after or None): an int W keeps W_before = W and no limit after."""
+    if window is None:
+        return None, None
+    return tuple(window) if isinstance(window, tuple) else (window, None)
+
+
+def _positive_float(name, value, optional=False):
+    """A positive float; None stays None when `optional`."""
+    if optional and value is None:
+        return None
+    if not _is_positive_number(value):
+        raise ValueError(
+            f"`{name}` must be {'None or ' if optional else ''}a positive float. Received: {name}={value!r}"
+        )
+    return float(value)
+
+
+def _is_positive_number(value):
+    number = not isinstance(value, (bool, np.bool_)) and isinstance(value, (int, float, np.integer, np.floating))
+    return number and math.isfinite(value) and value > 0
+
+
+def window_mask(t, s, window):
+    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - W_before, and with a pair
+    `window` (W_before, W_after) also s < t + (S - T) + W_after (bottom-right aligned)."""
+    return _position_keep(tf.range(t) + (s - t), s, False, window)
+
+
+def attention_chunk_mask(t, s, size):
+    """(T, S) boolean mask: query t keeps key s iff s // size == (t + (S - T)) // size (bottom-right
+    aligned): both in the same chunk of `size` positions."""
+    return _position_keep(tf.range(t) + (s - t), s, False, None, size)
+
+
+def _position_keep(positions, s, causal, window, attention_chunk_size=None):
+    """(R, S) boolean for queries at `positions` (R,) over keys 0 .. S - 1 (`_held_keep`)."""
+    return _held_keep(tf.range(s)[None, :], positions[:, None], causal, window, attention_chunk_size)  # (R, S)
+
+
+def _held_keep(held, positions, causal, window, attention_chunk_size):
+    """Whether a key at position `held` is kept for a query at `positions` (broadcasting, e.g.
+    (1, S) and (R, 1)): held <= position (when causal), held > position - W_before and
+    held < position + W_after (with a window), held // C == position // C (with a chunk size C);
+    None if none of them."""
+    before, after = _window_sides(window)
+    keep = held <= positions if causal else None
+    keep = keep if before is None else _and(keep, held > positions - before)
+    keep = keep if after is None else _and(keep, held < positions + after)
+    if attention_chunk_size is not None:
+        chunk = attention_chunk_size
+        keep = _and(keep, tf.math.floordiv(held, chunk) == tf.math.floordiv(positions, chunk))
+    return keep
+
+
+def _softcap(scores, softcap):
+    """Gemma 2's logit soft-capping: scores -> softcap * tanh(scores / softcap)."""
+    return scores if softcap is None else softcap * tf.tanh(scores / softcap)
+
+
+@tf.custom_gradient
+def _sink_softmax(scores, sink):
+    """Softmax of (B, N, T, S) scores with one more logit per head, `sink` (1, N, 1, 1), in its
+    denominator, and its gradient written out: the scores' is a softmax's, w * (dw - sum(w * dw)),
+    and the sink's -p_sink * sum(w * dw) with p_sink = 1 - sum(w), summed over B, T. (Autograd
+    through a softmax over [scores, sink] copied the (B, N, T, S) scores twice more each way.)"""
+    top = tf.maximum(tf.reduce_max(scores, axis=-1, keepdims=True), sink)  # (B, N, T, 1)
+    exps = tf.exp(scores - top)  # (B, N, T, S)
+    weights = exps / (tf.reduce_sum(exps, axis=-1, keepdims=True) + tf.exp(sink - top))  # (B, N, T, S)
+
+    def gradient(d_weights):
+        total = tf.reduce_sum(weights * d_weights, axis=-1, keepdims=True)  # (B, N, T, 1)
+        sink_weight = 1 - tf.reduce_sum(weights, axis=-1, keepdims=True)  # (B, N, T, 1)
+        d_sink = tf.reduce_sum(-sink_weight * total, axis=[0, 2, 3], keepdims=True)  # (1, N, 1, 1)
+        return weights * (d_weights - total), d_sink
+
+    return weights, gradient
+
+
+def _centre_rows(bias, keep):
+    """`bias` minus each row's largest value where `keep` holds (rows keeping nothing: unchanged).
+    A per-query constant does not change a softmax without sinks: a row of only large finite
+    penalties (-1e9) stays an ordinary softmax instead of scores rounded away in float32."""
+    if bias is None or keep is None or bias.shape[-1] == 0:
+        return bias
+    lowest = tf.constant(bias.dtype.min, bias.dtype)
+    top = tf.reduce_max(tf.where(keep, bias, lowest), axis=-1, keepdims=True)  # (B, N, T, 1), dims may be 1
+    return bias - tf.where(top == lowest, tf.zeros_like(top), top)  # (B, N, T, S), dims may be 1
+
+
+def _alibi_slopes(num_heads):
+    """Bloom's ALiBi slopes: 2 ** (-8 (n + 1) / N) for N a power of two; otherwise those of the
+    nearest lower power of two followed by every other slope of twice it."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = 2.0 ** (-8.0 * np.arange(1, closest + 1) / closest)
+    extra = 2.0 ** (-4.0 * np.arange(1, 2 * (num_heads - closest), 2) / closest)
+    return np.concatenate([slopes, extra])  # (N,)
+
+
+def alibi_bias(num_heads, positions):
+    """The ALiBi bias `slope[n] * positions[..., s]`, float32, to pass as `attention_bias` (with
+    `causal=True`; Bloom's key positions are `cumsum(key_mask) - 1`).
+
+    Args:
+        num_heads: N.
+        positions: integer (S,) or (B, S) key positions.
+
+    Returns:
+        (1, N, 1, S) for (S,) positions, (B, N, 1, S) for (B, S).
+    """
+    num_heads = _positive_int("num_heads", num_heads)
+    positions = tf.convert_to_tensor(positions)
+    if not positions.dtype.is_integer or positions.shape.rank not in (1, 2):
+        raise ValueError(
+            "`positions` must be an integer tensor of shape (S,) or (B, S). "
+            f"Received: positions.shape={_static_shape(positions)}, positions.dtype={positions.dtype.name}"
+        )
+    positions = positions[None] if positions.shape.rank == 1 else positions  # (S,) -> (1, S)
+    slopes = tf.constant(_alibi_slopes(num_heads), tf.float32)[:, None, None]  # (N, 1, 1)
+    return slopes * tf.cast(positions, tf.float32)[:, None, None, :]  # (B, 1, 1, S) -> (B, N, 1, S)
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: positions
+# -------------------------------------------------------------------------------------------------
+# RoPE (`rope_theta`, `rope_fraction`, `rope_interleaved`, `rope_scaling`, `rope_sections` for
+# multimodal RoPE; `positions` in the call): the first R = int(H * rope_fraction) features of each
+# head of q and k turned by the angles positions * inv_freq (step 4).
+
+_ROPE_SCALING = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
+_YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+def _check_rope(rope_width, rope_theta, rope_fraction, rope_scaling, rope_sections):
+    """`rope_theta`, `rope_fraction`, `rope_scaling` and `rope_sections` checked, in that order; RoPE
+    turns features of heads `rope_width` wide (H, or Hr with MLA). The flag `rope_interleaved` is
+    checked with the other flags, last."""
+    rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
+    rotary = _rotary_dim(rope_fraction, rope_width, rope_theta is not None)
+    return {
+        "rope_theta": rope_theta,
+        "rope_fraction": float(rope_fraction),
+        "rope_scaling": _check_rope_scaling(rope_scaling),
+        "rope_sections": _check_rope_sections(rope_sections, rotary),
+    }
+
+
+def _inverse_frequencies(rope_fraction, rope_width, rope_theta, rope_scaling):
+    """The layer's (R/2,) inverse frequencies as a NumPy array: a constant of each graph, not a
+    captured tensor (tf2onnx)."""
+    rotary = _rotary_dim(rope_fraction, rope_width, True)
+    return rope_frequencies(rotary, rope_theta, rope_scaling).numpy()  # (R/2,)
 
 
 def _rotary_dim(rope_fraction, head_dim, rope):
@@ -376,157 +1094,44 @@ def _valid_yarn(scaling):
     return truncate and (scaling.get("beta_fast") or 32) >= (scaling.get("beta_slow") or 1)
 
 
-class _Latent(NamedTuple):
-    """The sizes of multi-head latent attention (MLA), checked (`_check_latent`)."""
+def _check_rope_sections(sections, rotary):
+    """`rope_sections` as a tuple of Python ints (None stays None): a non-empty list or tuple of
+    positive integers, summing to R/2 when RoPE is on (`rotary` R; None without RoPE)."""
+    if sections is None:
+        return None
+    if not isinstance(sections, (list, tuple)) or not sections or not all(map(_is_positive_int, sections)):
+        raise ValueError(
+            "`rope_sections` must be None or a list or tuple of positive integers. "
+            f"Received: rope_sections={sections!r}"
+        )
+    if rotary is not None and sum(sections) != rotary // 2:
+        raise ValueError(
+            f"`rope_sections` must sum to R/2 = {rotary // 2}, the pairs RoPE rotates (R = int(head_dim * "
+            f"rope_fraction) = {rotary}). Received: rope_sections={sections!r}"
+        )
+    return tuple(int(n) for n in sections)
 
-    kv_lora_rank: int  # C
-    q_lora_rank: int | None  # Q, None: a plain query projection
-    qk_nope_head_dim: int  # Hn
-    qk_rope_head_dim: int  # Hr
-    v_head_dim: int  # Hv
 
-
-def _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim):
-    """Checks the MLA sizes (each None or a positive integer, in the signature's order) and returns
-    a `_Latent`, or None without `kv_lora_rank`, when the others must be None too."""
-    sizes = dict(
-        zip(_LATENT_SIZES, (kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim), strict=True)
-    )
-    for name, value in sizes.items():
-        sizes[name] = None if value is None else _positive_int(name, value)
-    if sizes["kv_lora_rank"] is None:
-        for name in (name for name in _LATENT_SIZES[1:] if sizes[name] is not None):
+def _positions(layer, positions, query, key, cache):
+    """Checks `positions` and returns them as (B, T) or (1, T) integers, (k, B, T) or (k, 1, T)
+    with `rope_sections` (default arange(T), plus the cache's index), or None without RoPE."""
+    if layer.rope_theta is None:
+        if positions is not None:
             raise ValueError(
-                f"`{name}` needs `kv_lora_rank` (multi-head latent attention). "
-                f"Received: {name}={sizes[name]!r}, kv_lora_rank=None"
+                "`positions` needs RoPE: construct the layer with `rope_theta`. "
+                "Received: positions with rope_theta=None"
             )
         return None
-    missing = [name for name in _LATENT_SIZES[2:] if sizes[name] is None]
-    if missing:
+    if cache is None and _differ(query.shape[1], key.shape[1]):
         raise ValueError(
-            "`kv_lora_rank` needs `qk_nope_head_dim`, `qk_rope_head_dim` and `v_head_dim`. "
-            f"Received: kv_lora_rank={sizes['kv_lora_rank']}, {', '.join(f'{name}=None' for name in missing)}"
+            "RoPE needs `key` and `value` to hold the query's own tokens (S == T, or decoding with `cache`). "
+            f"Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
         )
-    return _Latent(**sizes)
-
-
-def _latent_head_dim(latent, head_dim):
-    """H with MLA: qk_nope_head_dim + qk_rope_head_dim, which `head_dim`, if given, must equal."""
-    width = latent.qk_nope_head_dim + latent.qk_rope_head_dim
-    if head_dim is not None and not (_is_positive_int(head_dim) and head_dim == width):
-        raise ValueError(
-            f"`head_dim` must equal qk_nope_head_dim + qk_rope_head_dim = {width} with `kv_lora_rank`. "
-            f"Received: head_dim={head_dim!r}"
-        )
-    return width
-
-
-def _check_latent_combinations(vdim, variants):
-    """What MLA refuses, each with why (after every argument's own check)."""
-    refused = (
-        ("vdim", vdim, vdim is not None, "MLA reads keys and values from `key` (its width is `kdim`)"),
-        ("qk_norm", variants.qk_norm, variants.qk_norm is not None, "MLA normalizes the latents instead"),
-        ("clip_qkv", variants.clip_qkv, variants.clip_qkv is not None, "MLA has no q, k and v to clamp"),
-        ("rope_sections", variants.rope_sections, variants.rope_sections is not None, "RoPE turns the Hr features"),
-        ("rope_fraction", variants.rope_fraction, variants.rope_fraction != 1.0, "RoPE turns all Hr features"),
-    )
-    for name, value, given, why in refused:
-        if given:
-            raise ValueError(f"`{name}` is not supported with `kv_lora_rank`: {why}. Received: {name}={value!r}")
-
-
-# -------------------------------------------------------------------------------------------------
-# Step 1: defaults and checks of a call
-# -------------------------------------------------------------------------------------------------
-
-
-class _Call(NamedTuple):
-    """A call's arguments, checked and defaulted by `_check_call` (docs/SPEC.md, "Call")."""
-
-    query: tf.Tensor  # (B, T, E), checked and cast to the compute dtype
-    key: tf.Tensor  # (B, S, kdim)
-    value: tf.Tensor  # (B, S, vdim)
-    attention_mask: tf.Tensor | None  # after the `mask=` alias, checked, rank 4 (dims may be 1)
-    attention_bias: tf.Tensor | None  # checked, floating, rank 4 (dims may be 1)
-    key_mask: tf.Tensor | None  # (B, S): after the self-attention default and implicit Keras masks
-    query_mask: tf.Tensor | None  # (B, T), ANDed with the query's implicit Keras mask
-    positions: tf.Tensor | None  # (B|1, T) integers, (k, B|1, T) with `rope_sections`, or None without RoPE
-    causal: bool  # the cache step replaces it by False once folded into keep
-    window: int | tuple | None  # self.window; the cache step replaces it by None once folded into keep
-    attention_chunk_size: int | None  # self.attention_chunk_size; likewise
-    return_attention: bool
-    cache: KVCache | None  # the cache step replaces it by the written cache
-    training: bool | None  # the call's training flag
-    fuse: bool  # q, k and v may come from one matmul (self-attention without a cache)
-
-
-def _inputs(query, key, value):
-    """The missing inputs (docs/SPEC.md, "Call"): neither key nor value -> self-attention on
-    `query`; only `key` -> `value = key`; only `value` -> `key = value`. Returns key, value."""
-    key = value if key is None else key
-    key = query if key is None else key
-    value = key if value is None else value
-    return key, value
-
-
-def _check_input(name, x, width_name, width):
-    """Checks one (B, L, width) input; dimensions unknown at trace time are not checked."""
-    x = tf.convert_to_tensor(x)
-    if not x.dtype.is_floating:
-        raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={x.dtype.name}")
-    letter = "T" if name == "query" else "S"
-    shape = _static_shape(x)
-    if shape is not None and (len(shape) != 3 or shape[-1] not in (None, width)):
-        raise ValueError(
-            f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
-            f"Received: {name}.shape={shape}"
-        )
-    return x
-
-
-def _check_lengths(query, key, value):
-    q, k, v = (tuple(x.shape) for x in (query, key, value))
-    if _differ(q[0], k[0], v[0]):
-        raise ValueError(
-            "`query`, `key` and `value` must have the same batch size B. Received: "
-            f"query.shape={q}, key.shape={k}, value.shape={v}"
-        )
-    if _differ(k[1], v[1]):
-        raise ValueError(f"`key` and `value` must have the same length S. Received: key.shape={k}, value.shape={v}")
-
-
-def _check_dtypes(query, key, value):
-    """`query`, `key` and `value` (as passed, before any cast) share one floating dtype; checked
-    only where all three are floating (an integer input gets its own error in `call`)."""
-    key, value = _inputs(query, key, value)
-    dtypes = [_dtype_of(x) for x in (query, key, value)]
-    if all(d.is_floating for d in dtypes) and len(set(dtypes)) > 1:
-        a, b, c = (d.name for d in dtypes)
-        raise ValueError(
-            "`query`, `key` and `value` must have the same dtype. "
-            f"Received: query.dtype={a}, key.dtype={b}, value.dtype={c}"
-        )
-
-
-def _check_token_mask(name, mask, batch, length, letter):
-    """Checks a (B, T) `query_mask` or (B, S) `key_mask` / `value_mask`; dimensions unknown at
-    trace time are not checked."""
-    if mask is None:
-        return None
-    mask = tf.convert_to_tensor(mask)
-    shape = _static_shape(mask)
-    if (
-        mask.dtype != tf.bool
-        or shape is None
-        or len(shape) != 2
-        or _differ(shape[0], batch)
-        or _differ(shape[1], length)
-    ):
-        raise ValueError(
-            f"`{name}` must be a boolean tensor of shape (B, {letter})=({batch}, {length}). "
-            f"Received: {name}.shape={shape}, {name}.dtype={mask.dtype.name}"
-        )
-    return mask
+    if positions is None:
+        start = 0 if cache is None else cache.index
+        positions = (start + tf.range(tf.shape(query)[1]))[None]  # (1, T)
+        return positions if layer.rope_sections is None else _per_section(positions, layer.rope_sections)
+    return _check_positions(positions, query.shape[0], query.shape[1], layer.rope_sections)
 
 
 def _check_positions(positions, b, t, sections):
@@ -559,247 +1164,23 @@ def _per_section(positions, sections):
     return tf.repeat(positions[None], len(sections), axis=0)  # (B|1, T) -> (k, B|1, T)
 
 
-def _attention_mask(attention_mask, mask):
-    """`mask=` is another name for `attention_mask` (the seed usage `layer(q, k, v, mask=None)`)."""
-    if mask is None:
-        return attention_mask
-    if attention_mask is not None:
-        raise ValueError(
-            "Pass the attention mask as `attention_mask` or as `mask`, not both. Received: attention_mask and mask"
-        )
-    return mask
+def _rotate(layer, q, k, v, positions):
+    """RoPE of q (B, N, T, H) and k (B, K, T, H) at (B, T) or (1, T) `positions` ((k, B|1, T)
+    with `rope_sections`); with MLA, of q's last Hr features and of the shared key part, v
+    (B, 1, T, Hr) until the cache step (k, the latents, is not turned). Returns q, k, v."""
+    if layer.rope_theta is None:
+        return q, k, v
+    if layer.kv_lora_rank is None:
+        return _turn_heads(layer, q, positions), _turn_heads(layer, k, positions), v
+    q_nope, q_rope = tf.split(q, [layer.qk_nope_head_dim, layer.qk_rope_head_dim], axis=-1)  # (B, N, T, Hn|Hr)
+    return tf.concat([q_nope, _turn_heads(layer, q_rope, positions)], axis=-1), k, _turn_heads(layer, v, positions)
 
 
-def _values_readable(*tensors):
-    """Whether tensor values can be read here for free: eagerly (not in a graph, not under XLA),
-    and only on the CPU (reading a GPU tensor waits for the device)."""
-    return tf.executing_eagerly() and all("CPU" in x.device.upper() for x in tensors)
-
-
-def _mask_traps(attention_mask, key_mask, t, s):
-    """The built-in layers' habits that the masks' values suggest (docs/SPEC.md, Masks), as
-    {kind: message}; the call computes what the SPEC says either way."""
-    traps = {}
-    for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
-        if mask is not None and mask.dtype == tf.bool and _keeps_nothing(mask):
-            traps[name] = _EMPTY_MASK.format(name=name)
-    boolean = attention_mask is not None and attention_mask.dtype == tf.bool
-    if boolean and "attention_mask" not in traps and _keeps_only_later(attention_mask, t, s):
-        traps["causal"] = _CAUSAL_TRAP
-    empty = 0 if key_mask is None or "key_mask" in traps else _inverted_padding(key_mask)
-    if empty:
-        traps["padding"] = _PADDING_TRAP.format(empty=empty, b=key_mask.shape[0])
-    if attention_mask is not None and attention_mask.dtype.is_floating and _zeros_and_ones(attention_mask):
-        traps["zeros and ones"] = _ZEROS_AND_ONES
-    return traps
-
-
-def _keeps_nothing(mask):
-    """A boolean mask False everywhere (nn.MultiheadAttention's True = ignore, nothing padded)."""
-    return int(tf.size(mask)) > 0 and not bool(tf.reduce_any(mask))
-
-
-def _keeps_only_later(mask, t, s):
-    """A square (T == S) boolean mask that keeps keys only after each query, none where `causal`
-    keeps one (nn.MultiheadAttention's causal `attn_mask`, `triu(ones, 1)`)."""
-    return int(tf.size(mask)) > 0 and t == s > 0 and not bool(tf.reduce_any(mask & causal_mask(t, s)))
-
-
-def _inverted_padding(key_mask):
-    """The rows keeping no key of a (B, S) `key_mask` that reads as nn.MultiheadAttention's
-    `key_padding_mask` (True = padding): every row False then True, some row keeping no key and
-    none keeping all (left padding has its longest sequence all True); else 0."""
-    kept = tf.reduce_sum(tf.cast(key_mask, tf.int32), -1)  # (B,)
-    ordered = bool(tf.reduce_all(tf.cast(key_mask[:, 1:], tf.int8) >= tf.cast(key_mask[:, :-1], tf.int8)))
-    full = bool(tf.reduce_any(kept == key_mask.shape[1]))
-    return 0 if not ordered or full else int(tf.reduce_sum(tf.cast(kept == 0, tf.int32)))
-
-
-def _zeros_and_ones(mask):
-    """A floating mask of only 0s and 1s, some 1 (a Keras mask, which Keras reads as boolean)."""
-    ones = mask == 1
-    return bool(tf.reduce_all(ones | (mask == 0))) and bool(tf.reduce_any(ones))
-
-
-# -------------------------------------------------------------------------------------------------
-# Step 1: masks, combined into one keep and one bias
-# -------------------------------------------------------------------------------------------------
-
-
-def _padding_hint(name, shape, target):
-    """For a 2-D `attention_mask` shaped (B, S) where (T, S) was expected: padding goes in `key_mask`."""
-    padding = name == "attention_mask" and tuple(shape) == (target[0], target[3]) and target[0] != target[2]
-    return " A (B, S) padding mask goes in `key_mask` (True = a real key)." if padding else ""
-
-
-def _mask_to_4d(mask, target, name, dtype):
-    """Checks `attention_mask` (boolean or floating) or `attention_bias` (floating) against
-    target (B, N, T, S) and returns it as a rank-4 tensor (None stays None); dimensions unknown at
-    trace time are not checked. A floating one wider than the softmax's `dtype` is cast to it
-    first: the cast saturates every value below that dtype's range to -inf, which removes, as the
-    floating mask rule does; and LiteRT has no float64 comparisons."""
-    if mask is None:
-        return None
-    mask = tf.convert_to_tensor(mask)
-    if name == "attention_bias" and not mask.dtype.is_floating:
-        raise ValueError(f"`attention_bias` must be floating. Received: attention_bias.dtype={mask.dtype.name}")
-    if mask.dtype != tf.bool and not mask.dtype.is_floating:
-        raise ValueError(
-            f"`{name}` must be boolean (True = attend; for a 0/1 integer mask pass `mask > 0`) or floating. "
-            f"Received: {name}.dtype={mask.dtype.name}"
-        )
-    if mask.dtype.is_floating and mask.dtype.size > tf.as_dtype(dtype).size:
-        mask = tf.cast(mask, dtype)  # float64 -> float32
-    rank = mask.shape.rank
-    expected = {2: target[2:], 3: (target[0], *target[2:]), 4: target}.get(rank)
-    if expected is None or any(
-        m not in (1, e) and None not in (m, e) for m, e in zip(mask.shape, expected, strict=True)
-    ):
-        raise ValueError(
-            f"`{name}` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
-            f"(B, N, T, S), each dimension full or 1.{_padding_hint(name, _static_shape(mask), target)} "
-            f"Expected: (B, N, T, S)={target}. "
-            f"Received: {name}.shape={_static_shape(mask)}"
-        )
-    if rank == 2:
-        return mask[None, None]  # (T, S) -> (1, 1, T, S)
-    if rank == 3:
-        return mask[:, None]  # (B, T, S) -> (B, 1, T, S)
-    return mask
-
-
-def causal_mask(t, s):
-    """(T, S) boolean mask: query t keeps key s iff s <= t + (S - T) (bottom-right aligned)."""
-    return _position_keep(tf.range(t) + (s - t), s, True, None)
-
-
-def window_mask(t, s, window):
-    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - W_before, and with a pair
-    `window` (W_before, W_after) also s < t + (S - T) + W_after (bottom-right aligned)."""
-    return _position_keep(tf.range(t) + (s - t), s, False, window)
-
-
-def attention_chunk_mask(t, s, size):
-    """(T, S) boolean mask: query t keeps key s iff s // size == (t + (S - T)) // size (bottom-right
-    aligned): both in the same chunk of `size` positions."""
-    return _position_keep(tf.range(t) + (s - t), s, False, None, size)
-
-
-def _position_keep(positions, s, causal, window, attention_chunk_size=None):
-    """(R, S) boolean for queries at `positions` (R,) over keys 0 .. S - 1 (`_held_keep`)."""
-    return _held_keep(tf.range(s)[None, :], positions[:, None], causal, window, attention_chunk_size)  # (R, S)
-
-
-def _held_keep(held, positions, causal, window, attention_chunk_size):
-    """Whether a key at position `held` is kept for a query at `positions` (broadcasting, e.g.
-    (1, S) and (R, 1)): held <= position (when causal), held > position - W_before and
-    held < position + W_after (with a window), held // C == position // C (with a chunk size C);
-    None if none of them."""
-    before, after = _window_sides(window)
-    keep = held <= positions if causal else None
-    keep = keep if before is None else _and(keep, held > positions - before)
-    keep = keep if after is None else _and(keep, held < positions + after)
-    if attention_chunk_size is not None:
-        chunk = attention_chunk_size
-        keep = _and(keep, tf.math.floordiv(held, chunk) == tf.math.floordiv(positions, chunk))
-    return keep
-
-
-def _split_mask(mask, dtype):
-    """Splits a rank-4 mask (`_mask_to_4d`) into (keep, additive), each None or rank 4, by the
-    floating mask rule: a boolean mask is `keep`; a floating one, read in its own dtype, removes
-    a key where it is -inf or at most max(lowest of its dtype, lowest of float32), and adds every
-    other value in `dtype` (the softmax's, float32 at least). No -inf reaches arithmetic."""
-    if mask is None:
-        return None, None
-    if mask.dtype == tf.bool:
-        return mask, None
-    threshold = tf.constant(max(mask.dtype.min, tf.float32.min), mask.dtype)
-    removed = mask <= threshold  # (B, N, T, S), dims may be 1
-    additive = tf.where(removed, tf.zeros_like(mask), tf.maximum(mask, threshold))  # finite
-    return tf.logical_not(removed), tf.cast(additive, dtype)
-
-
-def _and(a, b):
-    return b if a is None else a if b is None else a & b
-
-
-def _add(a, b):
-    return b if a is None else a if b is None else a + b
-
-
-def _alibi_slopes(num_heads):
-    """Bloom's ALiBi slopes: 2 ** (-8 (n + 1) / N) for N a power of two; otherwise those of the
-    nearest lower power of two followed by every other slope of twice it."""
-    closest = 2 ** math.floor(math.log2(num_heads))
-    slopes = 2.0 ** (-8.0 * np.arange(1, closest + 1) / closest)
-    extra = 2.0 ** (-4.0 * np.arange(1, 2 * (num_heads - closest), 2) / closest)
-    return np.concatenate([slopes, extra])  # (N,)
-
-
-def alibi_bias(num_heads, positions):
-    """The ALiBi bias `slope[n] * positions[..., s]`, float32, to pass as `attention_bias` (with
-    `causal=True`; Bloom's key positions are `cumsum(key_mask) - 1`).
-
-    Args:
-        num_heads: N.
-        positions: integer (S,) or (B, S) key positions.
-
-    Returns:
-        (1, N, 1, S) for (S,) positions, (B, N, 1, S) for (B, S).
-    """
-    num_heads = _positive_int("num_heads", num_heads)
-    positions = tf.convert_to_tensor(positions)
-    if not positions.dtype.is_integer or positions.shape.rank not in (1, 2):
-        raise ValueError(
-            "`positions` must be an integer tensor of shape (S,) or (B, S). "
-            f"Received: positions.shape={_static_shape(positions)}, positions.dtype={positions.dtype.name}"
-        )
-    positions = positions[None] if positions.shape.rank == 1 else positions  # (S,) -> (1, S)
-    slopes = tf.constant(_alibi_slopes(num_heads), tf.float32)[:, None, None]  # (N, 1, 1)
-    return slopes * tf.cast(positions, tf.float32)[:, None, None, :]  # (B, 1, 1, S) -> (B, N, 1, S)
-
-
-# -------------------------------------------------------------------------------------------------
-# Steps 2 and 3: projections and QK-norm
-# -------------------------------------------------------------------------------------------------
-
-
-def _linear(x, kernel, bias, kernel_scale=None):
-    """(B, L, D) @ (D, F) + (F,) -> (B, L, F) as a 2-D matmul and a bias add, which oneDNN fuses.
-    The weights are read in x's dtype (a no-op inside Keras' `__call__`, which autocasts them).
-    With a `kernel_scale` the kernel is int8 and x is quantized per token (`_int8_matmul`)."""
-    rows = tf.reshape(x, [-1, kernel.shape[0]])  # (B, L, D) -> (B*L, D)
-    if kernel_scale is None:
-        y = tf.matmul(rows, tf.cast(kernel, x.dtype))  # (B*L, D) -> (B*L, F)
-    else:
-        y = _int8_matmul(rows, tf.convert_to_tensor(kernel), tf.cast(kernel_scale, x.dtype))  # -> (B*L, F)
-    y = y if bias is None else tf.nn.bias_add(y, tf.cast(bias, x.dtype))
-    return tf.reshape(y, tf.concat([tf.shape(x)[:2], [kernel.shape[1]]], 0))  # (B*L, F) -> (B, L, F)
-
-
-def rms_norm(x, scale, eps, bias=None):
-    """RMSNorm over the last axis, `x / sqrt(mean(x ** 2) + eps) * scale (+ bias)`, computed in
-    float32 at least and cast back to x's dtype."""
-    dtype = _softmax_dtype(x.dtype)
-    y = tf.cast(x, dtype)
-    y = y * tf.math.rsqrt(tf.reduce_mean(tf.square(y), axis=-1, keepdims=True) + eps) * tf.cast(scale, dtype)
-    return tf.cast(y if bias is None else y + tf.cast(bias, dtype), x.dtype)
-
-
-def layer_norm(x, scale, eps, bias=None):
-    """LayerNorm over the last axis, `(x - mean(x)) / sqrt(mean((x - mean(x)) ** 2) + eps) * scale
-    (+ bias)` (the biased variance), computed in float32 at least and cast back to x's dtype."""
-    dtype = _softmax_dtype(x.dtype)
-    y = tf.cast(x, dtype)
-    y = y - tf.reduce_mean(y, axis=-1, keepdims=True)
-    y = y * tf.math.rsqrt(tf.reduce_mean(tf.square(y), axis=-1, keepdims=True) + eps) * tf.cast(scale, dtype)
-    return tf.cast(y if bias is None else y + tf.cast(bias, dtype), x.dtype)
-
-
-# -------------------------------------------------------------------------------------------------
-# Step 4: RoPE
-# -------------------------------------------------------------------------------------------------
+def _turn_heads(layer, x, positions):
+    """x (B, heads, T, W) with its first R features turned, times YaRN's attention factor."""
+    inv_freq = layer._inv_freq
+    x = apply_rope(x, positions, inv_freq, layer.rope_interleaved, layer.rope_sections)
+    return scale_rotated(x, 2 * inv_freq.shape[0], rope_attention_factor(layer.rope_scaling))
 
 
 def rope_frequencies(rotary_dim, theta, scaling=None):
@@ -954,8 +1335,150 @@ def _swap_pairs(x, interleaved):
 
 
 # -------------------------------------------------------------------------------------------------
-# Step 5: the KV cache
+# Section: QK-norm, clip_qkv and the gate
 # -------------------------------------------------------------------------------------------------
+# `qk_norm` (RMSNorm or LayerNorm, `qk_norm_type`, of q and k per head, each head with its own scale,
+# or over all heads; `qk_norm_bias` adds a bias), step 3; `clip_qkv` (q, k and v clamped to [-c, c]
+# right after their projections: OLMo, DBRX, MPT), step 2; `gate` (each head's result times
+# gate = sigmoid(query @ gate_kernel + gate_bias), (B, T, N*Hv): Keras' `use_gate`, Qwen3-Next), step 6b.
+
+
+def _check_norms_and_clip(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
+    """`qk_norm`, `qk_norm_eps`, `qk_norm_type` and `clip_qkv` checked, in that order. The flags
+    `qk_norm_bias` and `gate` are checked with the other flags, last."""
+    if qk_norm not in (None, "head", "per_head", "all"):
+        raise ValueError(f"`qk_norm` must be None, 'head', 'per_head' or 'all'. Received: qk_norm={qk_norm!r}")
+    qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
+    qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
+    if not isinstance(qk_norm_type, str) or qk_norm_type not in ("rms", "layer"):
+        raise ValueError(f"`qk_norm_type` must be 'rms' or 'layer'. Received: qk_norm_type={qk_norm_type!r}")
+    clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
+    return {"qk_norm": qk_norm, "qk_norm_eps": qk_norm_eps, "qk_norm_type": str(qk_norm_type), "clip_qkv": clip_qkv}
+
+
+def _clip_qkv(layer, x):
+    """`clip_qkv` (OLMo, DBRX, MPT): x clamped to [-c, c] (unchanged when None), with the
+    clamp's gradient, 1 within [-c, c] (bounds included) and 0 outside."""
+    return x if layer.clip_qkv is None else tf.clip_by_value(x, -layer.clip_qkv, layer.clip_qkv)
+
+
+def _normalize_qk(layer, q, k):
+    """QK-norm (`qk_norm_type`: RMSNorm or LayerNorm, plus a bias with `qk_norm_bias`) of each
+    head of q and k ("head": scales (H,) shared by the heads; "per_head": (N*H,) and (K*H,),
+    each head its own) or of all their heads at once ("all": (N*H,) and (K*H,))."""
+    if layer.qk_norm is None:
+        return q, k
+    return _norm(layer, q, "query", layer.num_heads), _norm(layer, k, "key", layer.num_kv_heads)
+
+
+def _norm(layer, x, kind, heads):
+    """The QK-norm of x (B, heads, L, H) with the `kind` ("query" or "key") scale and bias."""
+    norm = rms_norm if layer.qk_norm_type == "rms" else layer_norm
+    scale = getattr(layer, f"{kind}_norm")
+    bias = getattr(layer, f"{kind}_norm_bias") if layer.qk_norm_bias else None
+    if layer.qk_norm == "all":
+        merged = norm(layer._merge_heads(x), scale, layer.qk_norm_eps, bias)  # (B, L, heads*H)
+        return layer._split_heads(merged, heads)  # (B, heads, L, H)
+    if layer.qk_norm == "per_head":
+        scale, bias = (None if w is None else tf.reshape(w, [heads, 1, layer.head_dim]) for w in (scale, bias))
+    return norm(x, scale, layer.qk_norm_eps, bias)  # (B, heads, L, H); "per_head": scales (heads, 1, H)
+
+
+def rms_norm(x, scale, eps, bias=None):
+    """RMSNorm over the last axis, `x / sqrt(mean(x ** 2) + eps) * scale (+ bias)`, computed in
+    float32 at least and cast back to x's dtype."""
+    dtype = _softmax_dtype(x.dtype)
+    y = tf.cast(x, dtype)
+    y = y * tf.math.rsqrt(tf.reduce_mean(tf.square(y), axis=-1, keepdims=True) + eps) * tf.cast(scale, dtype)
+    return tf.cast(y if bias is None else y + tf.cast(bias, dtype), x.dtype)
+
+
+def layer_norm(x, scale, eps, bias=None):
+    """LayerNorm over the last axis, `(x - mean(x)) / sqrt(mean((x - mean(x)) ** 2) + eps) * scale
+    (+ bias)` (the biased variance), computed in float32 at least and cast back to x's dtype."""
+    dtype = _softmax_dtype(x.dtype)
+    y = tf.cast(x, dtype)
+    y = y - tf.reduce_mean(y, axis=-1, keepdims=True)
+    y = y * tf.math.rsqrt(tf.reduce_mean(tf.square(y), axis=-1, keepdims=True) + eps) * tf.cast(scale, dtype)
+    return tf.cast(y if bias is None else y + tf.cast(bias, dtype), x.dtype)
+
+
+def _gate_heads(layer, call, context):
+    """Step 6b: the (B, N, T, Hv) attention result times sigmoid(query @ gate_kernel + gate_bias)
+    split into heads (unchanged without `gate`; Hv = H without MLA)."""
+    if not layer.gate:
+        return context
+    gate = tf.sigmoid(layer._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
+    return context * layer._split_heads(gate, layer.num_heads, layer.v_head_dim)  # -> (B, N, T, Hv)
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: KV cache and decode steps
+# -------------------------------------------------------------------------------------------------
+# Decoding with a KV cache: `cache = layer.init_cache(B, L)`, then `output, cache = layer(x,
+# cache=cache)` for a prompt and then one token at a time. The keys (rotated by RoPE) and values
+# of the T new tokens are written to slots [index, index + T) (slot p mod L with a `window`: the
+# cache rolls by W_before), and query t attends the slot s holding position p iff p < index + T,
+# keep[b, s], (not causal or p <= index + t), (no window or index + t - W_before < p, and with a
+# pair p < index + t + W_after), (no chunk size or p // C == (index + t) // C) and
+# `attention_mask` (given over L) keeps it. The cache is functional (a nest of tensors);
+# `init_cache(B, L, in_place=True)` makes one of `tf.Variable`s, written in place (step 5).
+
+
+class KVCache(NamedTuple):
+    """The keys and values of the tokens decoded so far (make one with `init_cache`).
+
+    Attributes:
+        key: (B, K, L, H) projected keys, one slot per position; L is the cache's max length.
+        value: (B, K, L, H) projected values.
+        keep: (B, L) boolean; False marks a slot no query may attend (left padding).
+        index: scalar integer, the positions written so far; position p is in slot p (with a
+            `window`, slot p mod L: the cache rolls), and the next call writes from index.
+    """
+
+    key: tf.Tensor
+    value: tf.Tensor
+    keep: tf.Tensor
+    index: tf.Tensor
+
+
+def _init_cache(layer, batch_size, max_length, keep, dtype, in_place):
+    """`init_cache`: a `KVCache` of zeros with index 0 (int32); with MLA, the latent cache: `key`
+    (B, 1, L, C) for the normalized latents, `value` (B, 1, L, Hr) for the rotated shared key part.
+    `keep` (B, L) boolean is False for slots no query may attend (left padding of prompts of
+    different lengths), all True by default; `dtype` defaults to the compute dtype of the policy.
+    `in_place=True`: the cache's four fields are non-trainable `tf.Variable`s that each call
+    writes in place, with no copy of the cache (make it outside any `tf.function`); a compiled
+    step then returns only its output."""
+    b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
+    keep = tf.ones((b, length), dtype=tf.bool) if keep is None else _check_keep(keep, b, length)
+    key_shape, value_shape = _cache_shapes(layer, b, length)
+    dtype = layer.compute_dtype if dtype is None else dtype
+    cache = KVCache(tf.zeros(key_shape, dtype), tf.zeros(value_shape, dtype), keep, tf.constant(0, tf.int32))
+    return _as_variables(cache) if in_place else cache
+
+
+def _update_cache(layer, call, k, v, keep):
+    """Step 5. Without a cache, nothing. With one, the (B, K, T, H) new keys and values written
+    (`_write_cache`, which takes `key_mask` into the cache's keep), keep ANDed with the
+    (B, 1, T, L) slots each query may attend (causal and window folded in), and k, v the
+    cache's (B, K, L, H). Returns k, v, keep, the call with its cache, causal and window
+    replaced (and the chunk size), and in a graph whether the tokens do not fit (a () boolean tensor: a graph
+    cannot raise under XLA, and that call's output becomes NaN), else None."""
+    cache = call.cache
+    if cache is None:
+        return k, v, keep, call, None
+    t, index = tf.shape(k)[2], tf.convert_to_tensor(cache.index)  # the index before this call's write
+    misfit = _check_room(index, t, _cache_length(cache), _window_sides(call.window)[0])  # True only under XLA
+    if _is_in_place(cache):
+        cache = _write_variables(cache, k, v, call.key_mask, misfit)  # the same variables, written
+    else:
+        cache = _write_cache(cache, k, v, call.key_mask)
+    positional = (call.causal, call.window, call.attention_chunk_size)
+    keep = _and(keep, _cache_keep(tf.convert_to_tensor(cache.keep), index, t, *positional))  # (B, 1, T|1, L)
+    k, v = tf.convert_to_tensor(cache.key), tf.convert_to_tensor(cache.value)  # (B, K, L, H), read once
+    call = call._replace(causal=False, window=None, attention_chunk_size=None, cache=cache)  # all in `keep`
+    return k, v, keep, call, None if tf.executing_eagerly() else misfit
 
 
 def _check_cache(cache, query, key, heads, head_dim, latent=None):
@@ -988,18 +1511,6 @@ def _check_cache(cache, query, key, heads, head_dim, latent=None):
     keep = tuple(cache.keep.shape)
     if len(keep) != 2 or _differ(keep[0], b) or _differ(keep[1], k[2]):
         raise ValueError(f"`cache.keep` must have shape (B, L)=({b}, {k[2]}). Received: cache.keep.shape={keep}")
-
-
-def _check_latent_cache(k, v, batch_size, latent):
-    """The latent cache: (B, 1, L, C) latents and (B, 1, L, Hr) turned key parts; `k` and `v` are
-    their shapes, dimensions unknown at trace time not checked."""
-    c, hr = latent.kv_lora_rank, latent.qk_rope_head_dim
-    valid = len(k) == len(v) == 4 and not any(_differ(*pair) for pair in zip(k[:3], v[:3], strict=True))
-    if not valid or any(_differ(*pair) for pair in zip((k[0], k[1], k[3], v[3]), (batch_size, 1, c, hr), strict=True)):
-        raise ValueError(
-            "`cache.key` and `cache.value` must have shape (B, 1, L, C) and (B, 1, L, Hr) with kv_lora_rank: "
-            f"B={batch_size}, C={c}, Hr={hr}. Received: cache.key.shape={k}, cache.value.shape={v}"
-        )
 
 
 def _check_cache_dtype(cache, dtype):
@@ -1092,114 +1603,385 @@ def _write_cache(cache, k, v, key_mask):
     return KVCache(key, value, keep, cache.index + t)
 
 
+def _cache_length(cache):
+    """L, static where it is known (`tf.shape` of an in-place cache's variable reads all of it)."""
+    length = cache.key.shape[2]
+    return tf.shape(cache.key)[2] if length is None else length
+
+
+def _as_variables(cache):
+    """The same cache with non-trainable `tf.Variable`s for fields: an in-place cache."""
+    return KVCache(*(tf.Variable(x, trainable=False) for x in cache))
+
+
+def _is_in_place(cache):
+    return isinstance(cache.key, tf.Variable)
+
+
+def _write_variables(cache, k, v, key_mask, misfit):
+    """`_write_cache` on an in-place cache: its variables written where they lie, with no copy of
+    the cache per step; nothing is written when the tokens do not fit (`misfit`, only ever True
+    under XLA). Returns the same cache."""
+    handles = tuple(field.handle for field in cache)
+    fields = tuple((field.dtype, tuple(field.shape)) for field in cache)
+    _write_compiled(handles, fields, k, v, key_mask, misfit)
+    return cache
+
+
+@tf.function(jit_compile=True, reduce_retracing=True)
+def _write_compiled(handles, fields, k, v, key_mask, misfit):
+    """The write, compiled with XLA, which updates the variables where they lie, in eager mode
+    and in any graph (TensorFlow's own scatter ops on a variable that is also read cost a copy
+    of the whole cache per step). It takes the variables' handles (variables passed from one
+    traced function into another are not the caller's), and their dtypes and shapes, which key
+    its traces: a read takes its static shape from the handle it was traced with."""
+
+    def write():
+        fields_read = (
+            tf.raw_ops.ReadVariableOp(resource=h, dtype=d) for h, (d, _) in zip(handles, fields, strict=True)
+        )
+        for handle, value in zip(handles, _write_cache(KVCache(*fields_read), k, v, key_mask), strict=True):
+            tf.raw_ops.AssignVariableOp(resource=handle, value=value)
+        return tf.no_op()
+
+    tf.cond(misfit, tf.no_op, write)
+
+
 # -------------------------------------------------------------------------------------------------
-# Step 6: attention, the reference
+# Section: multi-head latent attention
 # -------------------------------------------------------------------------------------------------
+# Multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi, GLM-5), on with `kv_lora_rank` C; Hn, Hr
+# and Hv are `qk_nope_head_dim`, `qk_rope_head_dim` and `v_head_dim`, H = Hn + Hr, Q = `q_lora_rank`:
+#     q = RMSNorm(query @ query_a_kernel) @ query_b_kernel   (B, T, N*H), or query @ query_kernel
+#     c, k_rope = split(key @ key_value_a_kernel)            (B, S, C), (B, S, Hr); c RMS-normalized
+#     [k_nope, v] = c @ key_value_b_kernel                   (B, S, K*(Hn + Hv)), per head
+#     k = [k_nope, k_rope]; RoPE turns the last Hr features of q and k_rope (shared by the heads)
+# The cache holds c in `key` (B, 1, L, C) and the turned k_rope in `value` (B, 1, L, Hr). The
+# absorbed path (`absorb_latents`) attends the latents directly: q_nope @ W_kb^T against c, the
+# weighted sum of c then @ W_vb, the up-projections folded into the query and the output.
+# The portable layout of the weights (`weight_shapes`) is here too, since MLA replaces its kernels.
+
+_LATENT_SIZES = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_ABSORB_MAX_T = 8  # `absorb_latents=None`: a call with a cache and T <= 8 attends on the latents
 
 
-def dot_product_attention(
-    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, attention_chunk_size=None,
-    sinks=None, dropout=None,
-):  # fmt: skip
-    """Pure attention on split heads; returns (context, weights).
+class _Latent(NamedTuple):
+    """The sizes of multi-head latent attention (MLA), checked (`_check_latent`)."""
 
-    Args:
-        q: (B, N, T, H) queries.
-        k: (B, K, S, H) keys, K dividing N.
-        v: (B, K, S, H) values.
-        keep: None or boolean, broadcasts to (B, N, T, S); True where a query may attend a key.
-        bias: None or float, broadcasts to (B, N, T, S); added to the (soft-capped) scores.
-        causal: if True, query t keeps key s only if s <= t + (S - T).
-        scale: the factor of the scores; None is 1 / sqrt(H).
-        softcap: None or c: the scaled scores become c * tanh(scores / c).
-        window: None, W or (W_before, W_after): query t keeps key s only if
-            s > t + (S - T) - W_before, and with a pair also s < t + (S - T) + W_after.
-        attention_chunk_size: None, or C: query t keeps key s only if s // C == (t + (S - T)) // C.
-        sinks: None or (N,) logits, one per query head, in the softmax's denominator.
-        dropout: None, or a callable applied to the weights before the weighted sum.
-
-    Returns:
-        context (B, N, T, H) and weights (B, N, T, S), exactly 0 where not kept.
-    """
-    t, s = tf.shape(q)[2], tf.shape(k)[2]
-    keep = _and(keep, _position_keep(tf.range(t) + (s - t), s, causal, window, attention_chunk_size))  # dims may be 1
-    groups = q.shape[1] // k.shape[1]
-    k = tf.repeat(k, groups, axis=1) if groups > 1 else k  # (B, K, S, H) -> (B, N, S, H)
-    v = tf.repeat(v, groups, axis=1) if groups > 1 else v  # (B, K, S, H) -> (B, N, S, H)
-    dtype = _softmax_dtype(q.dtype)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    q = q * tf.constant(scale, q.dtype)  # scale the (B, N, T, H) queries, not the scores (no float32 rounding)
-    scores = _softcap(tf.cast(tf.matmul(q, k, transpose_b=True), dtype), softcap)  # (B, N, T, S)
-    bias = None if bias is None else tf.cast(bias, dtype)
-    bias = bias if sinks is not None else _centre_rows(bias, keep)
-    scores = scores if bias is None else scores + bias  # (B, N, T, S)
-    weights = tf.cast(_masked_softmax(scores, keep, sinks), q.dtype)  # (B, N, T, S)
-    dropped = weights if dropout is None else dropout(weights)
-    context = tf.matmul(dropped, v)  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
-    return context, weights
+    kv_lora_rank: int  # C
+    q_lora_rank: int | None  # Q, None: a plain query projection
+    qk_nope_head_dim: int  # Hn
+    qk_rope_head_dim: int  # Hr
+    v_head_dim: int  # Hv
 
 
-def _softcap(scores, softcap):
-    """Gemma 2's logit soft-capping: scores -> softcap * tanh(scores / softcap)."""
-    return scores if softcap is None else softcap * tf.tanh(scores / softcap)
+def _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim):
+    """Checks the MLA sizes (each None or a positive integer, in the signature's order) and returns
+    a `_Latent`, or None without `kv_lora_rank`, when the others must be None too."""
+    sizes = dict(
+        zip(_LATENT_SIZES, (kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim), strict=True)
+    )
+    for name, value in sizes.items():
+        sizes[name] = None if value is None else _positive_int(name, value)
+    if sizes["kv_lora_rank"] is None:
+        for name in (name for name in _LATENT_SIZES[1:] if sizes[name] is not None):
+            raise ValueError(
+                f"`{name}` needs `kv_lora_rank` (multi-head latent attention). "
+                f"Received: {name}={sizes[name]!r}, kv_lora_rank=None"
+            )
+        return None
+    missing = [name for name in _LATENT_SIZES[2:] if sizes[name] is None]
+    if missing:
+        raise ValueError(
+            "`kv_lora_rank` needs `qk_nope_head_dim`, `qk_rope_head_dim` and `v_head_dim`. "
+            f"Received: kv_lora_rank={sizes['kv_lora_rank']}, {', '.join(f'{name}=None' for name in missing)}"
+        )
+    return _Latent(**sizes)
 
 
-def _masked_softmax(scores, keep, sinks):
-    """Softmax over the last axis of (B, N, T, S) scores, in their dtype: keys not kept removed
-    (filled with the lowest finite value), one sink logit per head (N,) in the denominator
-    (`_sink_softmax`), rows with no key exactly 0."""
-    if keep is not None:
-        scores = tf.where(keep, scores, scores.dtype.min)  # (B, N, T, S)
-    if sinks is None:
-        weights = tf.nn.softmax(scores, axis=-1)  # (B, N, T, S)
+def _latent_head_dim(latent, head_dim):
+    """H with MLA: qk_nope_head_dim + qk_rope_head_dim, which `head_dim`, if given, must equal."""
+    width = latent.qk_nope_head_dim + latent.qk_rope_head_dim
+    if head_dim is not None and not (_is_positive_int(head_dim) and head_dim == width):
+        raise ValueError(
+            f"`head_dim` must equal qk_nope_head_dim + qk_rope_head_dim = {width} with `kv_lora_rank`. "
+            f"Received: head_dim={head_dim!r}"
+        )
+    return width
+
+
+def _set_latent(layer, latent, vdim, options):
+    """The constructor's MLA step: what MLA refuses (after every argument's own check), each with
+    why; `vdim` becomes `kdim` (MLA reads keys and values from `key`); the MLA sizes set on the
+    layer (None without `kv_lora_rank`)."""
+    if latent is not None:
+        refused = (
+            ("vdim", vdim, vdim is not None, "MLA reads keys and values from `key` (its width is `kdim`)"),
+            ("qk_norm", options["qk_norm"], options["qk_norm"] is not None, "MLA normalizes the latents instead"),
+            ("clip_qkv", options["clip_qkv"], options["clip_qkv"] is not None, "MLA has no q, k and v to clamp"),
+            (
+                "rope_sections",
+                options["rope_sections"],
+                options["rope_sections"] is not None,
+                "RoPE turns the Hr features",
+            ),
+            ("rope_fraction", options["rope_fraction"], options["rope_fraction"] != 1.0, "RoPE turns all Hr features"),
+        )
+        for name, value, given, why in refused:
+            if given:
+                raise ValueError(f"`{name}` is not supported with `kv_lora_rank`: {why}. Received: {name}={value!r}")
+        layer.vdim = layer.kdim
+    for name in _LATENT_SIZES:
+        setattr(layer, name, None if latent is None else getattr(latent, name))
+
+
+def _latent_of(layer):
+    """The MLA sizes as a `_Latent`, or None without `kv_lora_rank` (`layer._latent`)."""
+    return None if layer.kv_lora_rank is None else _Latent(*(getattr(layer, name) for name in _LATENT_SIZES))
+
+
+def _projections(latent):
+    """The names `bias` takes: the layer's projections, query, key, value, output (with MLA query,
+    or query_a and query_b, key_value_a, key_value_b, output), then the gate's."""
+    if latent is None:
+        return _PROJECTIONS
+    query = ("query",) if latent.q_lora_rank is None else ("query_a", "query_b")
+    return (*query, "key_value_a", "key_value_b", "output", "gate")
+
+
+def _weight_shapes(layer):
+    """`weight_shapes`: a projection's bias only when `bias` names it, the norm scales only with
+    `qk_norm` (and their biases with `qk_norm_bias`), `sinks` only with `sinks=True`, the gate's kernel
+    (and bias) after them with `gate=True`, each int8 kernel followed by its scale. With MLA, the
+    latent projections and their norm scales (`query_a_norm` with `q_lora_rank`, `key_value_a_norm`)
+    replace query, key and value.
+
+    The layout: `query_kernel` (E, N*H), `query_bias` (N*H,), `key_kernel` (kdim, K*H), ...,
+    `output_kernel` (N*H, E), `output_bias` (E,), `query_norm`, `key_norm`, `query_norm_bias`,
+    `key_norm_bias`, `sinks` (N,), `gate_kernel` (E, N*H) and `gate_bias`: the portable layout
+    itself, created in `build`."""
+    nh, kh = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+    kernels = _kernel_shapes(layer)
+    hv = layer.head_dim if layer.kv_lora_rank is None else layer.v_head_dim
+    gate = {"gate": (layer.d_model, layer.num_heads * hv)} if layer.gate else {}
+    shapes = {}
+    for kind, shape in kernels.items():
+        shapes[f"{kind}_kernel"] = shape
+        if kind in layer.bias:
+            shapes[f"{kind}_bias"] = shape[1:]
+        if kind in ("query_a", "key_value_a"):
+            shapes[f"{kind}_norm"] = (layer.q_lora_rank if kind == "query_a" else layer.kv_lora_rank,)
+    if layer.qk_norm is not None:
+        shapes["query_norm"] = (layer.head_dim,) if layer.qk_norm == "head" else (nh,)  # "per_head", "all": (N*H,)
+        shapes["key_norm"] = (layer.head_dim,) if layer.qk_norm == "head" else (kh,)
+    if layer.qk_norm is not None and layer.qk_norm_bias:
+        shapes["query_norm_bias"], shapes["key_norm_bias"] = shapes["query_norm"], shapes["key_norm"]
+    if layer.sinks:
+        shapes["sinks"] = (layer.num_heads,)
+    for kind, shape in gate.items():
+        shapes[f"{kind}_kernel"] = shape
+        if kind in layer.bias:
+            shapes[f"{kind}_bias"] = shape[1:]
+    return _with_scales(shapes) if layer._int8 else shapes
+
+
+def _kernel_shapes(layer):
+    """{projection: its kernel's (D, F)}, in the layout's order."""
+    nh, kh = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+    if layer.kv_lora_rank is None:
+        return {
+            "query": (layer.d_model, nh),
+            "key": (layer.kdim, kh),
+            "value": (layer.vdim, kh),
+            "output": (nh, layer.d_model),
+        }
+    c, hn, hr, hv = layer.kv_lora_rank, layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.v_head_dim
+    query = {"query": (layer.d_model, nh)}
+    if layer.q_lora_rank is not None:
+        query = {"query_a": (layer.d_model, layer.q_lora_rank), "query_b": (layer.q_lora_rank, nh)}
+    return {
+        **query,
+        "key_value_a": (layer.kdim, c + hr),
+        "key_value_b": (c, layer.num_kv_heads * (hn + hv)),
+        "output": (layer.num_heads * hv, layer.d_model),
+    }
+
+
+def _cache_shapes(layer, batch_size, length):
+    """The shapes of a cache's keys and values: (B, K, L, H) each, or MLA's (B, 1, L, C) latents and
+    (B, 1, L, Hr) shared key parts."""
+    latent = layer._latent
+    if latent is None:
+        return (batch_size, layer.num_kv_heads, length, layer.head_dim), (
+            batch_size,
+            layer.num_kv_heads,
+            length,
+            layer.head_dim,
+        )
+    return (batch_size, 1, length, latent.kv_lora_rank), (batch_size, 1, length, latent.qk_rope_head_dim)
+
+
+def _check_latent_cache(k, v, batch_size, latent):
+    """The latent cache: (B, 1, L, C) latents and (B, 1, L, Hr) turned key parts; `k` and `v` are
+    their shapes, dimensions unknown at trace time not checked."""
+    c, hr = latent.kv_lora_rank, latent.qk_rope_head_dim
+    valid = len(k) == len(v) == 4 and not any(_differ(*pair) for pair in zip(k[:3], v[:3], strict=True))
+    if not valid or any(_differ(*pair) for pair in zip((k[0], k[1], k[3], v[3]), (batch_size, 1, c, hr), strict=True)):
+        raise ValueError(
+            "`cache.key` and `cache.value` must have shape (B, 1, L, C) and (B, 1, L, Hr) with kv_lora_rank: "
+            f"B={batch_size}, C={c}, Hr={hr}. Received: cache.key.shape={k}, cache.value.shape={v}"
+        )
+
+
+def _project_latent(layer, call):
+    """Step 2 with MLA: q = RMSNorm(query @ query_a_kernel) @ query_b_kernel (or query @
+    query_kernel without `q_lora_rank`), (B, N, T, H); key @ key_value_a_kernel split into the
+    latent c, RMS-normalized by `key_value_a_norm`, and the key part k_rope shared by the heads.
+    Returns q, c (B, 1, S, C), k_rope (B, 1, S, Hr)."""
+    if layer.q_lora_rank is None:
+        q = layer._project(call.query, "query")  # (B, T, E) -> (B, T, N*H)
     else:
-        weights = _sink_softmax(scores, tf.reshape(tf.cast(sinks, scores.dtype), [1, -1, 1, 1]))  # (B, N, T, S)
-    if keep is not None:
-        weights = tf.where(keep, weights, tf.zeros((), weights.dtype))  # rows with no key are all 0
-    return weights
+        q_latent = layer._project(call.query, "query_a")  # (B, T, E) -> (B, T, Q)
+        q_latent = rms_norm(q_latent, layer.query_a_norm, layer.latent_norm_eps)
+        q = layer._project(q_latent, "query_b")  # (B, T, Q) -> (B, T, N*H)
+    a = layer._project(call.key, "key_value_a")  # (B, S, kdim) -> (B, S, C + Hr)
+    c, k_rope = tf.split(a, [layer.kv_lora_rank, layer.qk_rope_head_dim], axis=-1)  # (B, S, C), (B, S, Hr)
+    c = rms_norm(c, layer.key_value_a_norm, layer.latent_norm_eps)
+    return layer._split_heads(q, layer.num_heads), c[:, None], k_rope[:, None]  # (B, N, T, H), (B, 1, S, C|Hr)
 
 
-@tf.custom_gradient
-def _sink_softmax(scores, sink):
-    """Softmax of (B, N, T, S) scores with one more logit per head, `sink` (1, N, 1, 1), in its
-    denominator, and its gradient written out: the scores' is a softmax's, w * (dw - sum(w * dw)),
-    and the sink's -p_sink * sum(w * dw) with p_sink = 1 - sum(w), summed over B, T. (Autograd
-    through a softmax over [scores, sink] copied the (B, N, T, S) scores twice more each way.)"""
-    top = tf.maximum(tf.reduce_max(scores, axis=-1, keepdims=True), sink)  # (B, N, T, 1)
-    exps = tf.exp(scores - top)  # (B, N, T, S)
-    weights = exps / (tf.reduce_sum(exps, axis=-1, keepdims=True) + tf.exp(sink - top))  # (B, N, T, S)
-
-    def gradient(d_weights):
-        total = tf.reduce_sum(weights * d_weights, axis=-1, keepdims=True)  # (B, N, T, 1)
-        sink_weight = 1 - tf.reduce_sum(weights, axis=-1, keepdims=True)  # (B, N, T, 1)
-        d_sink = tf.reduce_sum(-sink_weight * total, axis=[0, 2, 3], keepdims=True)  # (1, N, 1, 1)
-        return weights * (d_weights - total), d_sink
-
-    return weights, gradient
+def _attend_latent(layer, q, latent, k_rope, keep, bias, call):
+    """Step 6 with MLA: k and v are the (B, 1, S, C) latents and (B, 1, S, Hr) k_rope, attended
+    absorbed (`_attend_absorbed`) or up-projected to per-head keys and values (`_expand_latents`)."""
+    if _absorbs(layer, call, q.shape[2]):
+        return _attend_absorbed(layer, q, latent, k_rope, keep, bias, call)
+    k, v = _expand_latents(layer, latent, k_rope)  # (B, K, S, H), (B, K, S, Hv)
+    return layer._attend_heads(q, k, v, keep, bias, call)
 
 
-def _softmax_dtype(dtype):
-    """Softmax runs in float32 at least (float64 stays float64)."""
-    return tf.float64 if tf.as_dtype(dtype) == tf.float64 else tf.float32
+def _absorbs(layer, call, t):
+    """MLA's path: `absorb_latents` if set, else absorbed with a cache and T <= 8 (T known at
+    trace time: a decode step, where up-projecting the L latents costs more than folding the
+    up-projections into the T queries)."""
+    if layer.absorb_latents is not None:
+        return bool(layer.absorb_latents)
+    return call.cache is not None and t is not None and t <= _ABSORB_MAX_T
 
 
-def _centre_rows(bias, keep):
-    """`bias` minus each row's largest value where `keep` holds (rows keeping nothing: unchanged).
-    A per-query constant does not change a softmax without sinks: a row of only large finite
-    penalties (-1e9) stays an ordinary softmax instead of scores rounded away in float32."""
-    if bias is None or keep is None or bias.shape[-1] == 0:
-        return bias
-    lowest = tf.constant(bias.dtype.min, bias.dtype)
-    top = tf.reduce_max(tf.where(keep, bias, lowest), axis=-1, keepdims=True)  # (B, N, T, 1), dims may be 1
-    return bias - tf.where(top == lowest, tf.zeros_like(top), top)  # (B, N, T, S), dims may be 1
+def _expand_latents(layer, latent, k_rope):
+    """MLA's up-projection: (B, 1, S, C) latents and (B, 1, S, Hr) k_rope -> keys
+    concat(k_nope, k_rope) (B, K, S, H) and values (B, K, S, Hv)."""
+    hn, hv = layer.qk_nope_head_dim, layer.v_head_dim
+    kv = layer._project(tf.squeeze(latent, 1), "key_value_b")  # (B, 1, S, C) -> (B, S, K*(Hn + Hv))
+    k_nope, v = tf.split(layer._split_heads(kv, layer.num_kv_heads, hn + hv), [hn, hv], axis=-1)  # (B, K, S, Hn|Hv)
+    k_rope = tf.broadcast_to(k_rope, tf.concat([tf.shape(k_nope)[:3], [layer.qk_rope_head_dim]], 0))  # (B, K, S, Hr)
+    return tf.concat([k_nope, k_rope], axis=-1), v  # (B, K, S, H), (B, K, S, Hv)
+
+
+def _up_projections(layer, dtype):
+    """key_value_b's kernel in `dtype` as (N, Hn, C) and (N, Hv, C) and its bias (N, Hn) and
+    (N, Hv) (None without one), each key/value head's repeated for its N // K query heads; an
+    int8 kernel's dequantized."""
+    hn, hv, groups = layer.qk_nope_head_dim, layer.v_head_dim, layer.num_heads // layer.num_kv_heads
+    kernel = tf.cast(layer.key_value_b_kernel, dtype)  # (C, K*(Hn + Hv))
+    if layer._int8:
+        kernel = kernel * tf.cast(layer.key_value_b_kernel_scale, dtype)  # dequantized per column
+    kernel = tf.reshape(tf.transpose(kernel), [layer.num_kv_heads, hn + hv, -1])  # -> (K, Hn + Hv, C)
+    w_kb, w_vb = tf.split(tf.repeat(kernel, groups, axis=0), [hn, hv], axis=1)  # (N, Hn, C), (N, Hv, C)
+    if "key_value_b" not in layer.bias:
+        return w_kb, w_vb, None, None
+    bias = tf.reshape(tf.cast(layer.key_value_b_bias, dtype), [layer.num_kv_heads, hn + hv])  # (K, Hn + Hv)
+    b_k, b_v = tf.split(tf.repeat(bias, groups, axis=0), [hn, hv], axis=-1)  # (N, Hn), (N, Hv)
+    return w_kb, w_vb, b_k, b_v
+
+
+def _attend_absorbed(layer, q, latent, k_rope, keep, bias, call):
+    """Step 6 with MLA on the latents, through `_attend_heads` (every path): q_lat = q_nope @
+    W_kb^T (B, N, T, C) meets the latents and q_rope meets k_rope (and q_nope . b_k a key of
+    ones); the values are the latents (and a one, whose output is sum(weights)); each head's
+    context is o_lat @ W_vb + sum(weights) * b_v (B, N, T, Hv). An int8 layer reads the
+    latents quantized per token, as its int8 up-projection does (straight-through gradient)."""
+    w_kb, w_vb, b_k, b_v = _up_projections(layer, q.dtype)  # (N, Hn, C), (N, Hv, C), (N, Hn), (N, Hv)
+    if layer._int8:
+        latent = latent + tf.stop_gradient(_quantized_rows(latent) - latent)  # (B, 1, S, C)
+    q_nope, q_rope = tf.split(q, [layer.qk_nope_head_dim, layer.qk_rope_head_dim], axis=-1)  # (B, N, T, Hn|Hr)
+    ones = tf.ones_like(latent[..., :1])  # (B, 1, S, 1)
+    queries, keys, values = [tf.matmul(q_nope, w_kb), q_rope], [latent, k_rope], [latent]  # (B, N, T, C), ...
+    if b_k is not None:
+        queries.append(tf.reduce_sum(q_nope * b_k[:, None, :], axis=-1, keepdims=True))  # (B, N, T, 1)
+        keys.append(ones)
+    if b_v is not None:
+        values.append(ones)
+    q, k, v = (tf.concat(parts, axis=-1) for parts in (queries, keys, values))  # (B, N, T, .), 2 x (B, 1, S, .)
+    context, weights = layer._attend_heads(q, k, v, keep, bias, call)  # (B, N, T, C or C + 1)
+    output = tf.matmul(context[..., : layer.kv_lora_rank], w_vb, transpose_b=True)  # (B, N, T, C) -> (.., Hv)
+    return output if b_v is None else output + context[..., layer.kv_lora_rank :] * b_v[:, None, :], weights
 
 
 # -------------------------------------------------------------------------------------------------
-# Step 6: attention, the fast paths
+# Section: speed paths
 # -------------------------------------------------------------------------------------------------
 # The memory-efficient path: `dot_product_attention` without the weights, a chunk of queries at a
 # time, forward (`_chunked_forward`) and backward (`_chunked_backward`, the flash-attention
-# backward, which recomputes each chunk's weights), so that memory is linear in T and S.
+# backward, which recomputes each chunk's weights), so that memory is linear in T and S. The fused
+# q/k/v projection (self-attention: one matmul) is the plain call's, in the core (`_project`).
+
+
+def _attend_in_chunks(layer, q, k, v, keep, bias, call):
+    """`_attend_heads` without the weights where the (B, N, T, S) scores may exceed
+    `memory_efficient_threshold` elements: the memory-efficient path (where shapes are unknown at
+    trace time: decided at run time, or always under XLA, which cannot differentiate that choice).
+    Returns (context (B, N, T, Hv), None)."""
+    mask_bias, attention_bias = bias
+    training = call.training
+    dropout = layer.dropout > 0 and training is not False and training is not None
+    chunk = _query_chunk(layer, q, k)
+    modifiers = _score_modifiers(layer, call)
+    drop = functools.partial(layer._dropout_layer, training=training) if dropout else None
+
+    def at_once():
+        return dot_product_attention(
+            q, k, v, keep, _add(mask_bias, attention_bias), call.causal, **modifiers, dropout=drop
+        )
+
+    def in_chunks():
+        rate, seed = (layer.dropout, _dropout_seed(layer)) if dropout else (0.0, None)
+        return _memory_efficient_attention(
+            q, k, v, keep, mask_bias, call.causal, chunk, rate, seed, attention_bias=attention_bias, **modifiers
+        )
+
+    if None not in (q.shape[0], q.shape[2], k.shape[2]) or _compiled_by_xla():
+        context = in_chunks()  # (B, N, T, H)
+    else:
+        scores = tf.reduce_prod(tf.cast(tf.shape(q)[:3], tf.int64)) * tf.cast(tf.shape(k)[2], tf.int64)
+        large = scores > layer.memory_efficient_threshold
+        context = tf.cond(large, in_chunks, lambda: at_once()[0])  # (B, N, T, H)
+    context.set_shape(q.shape[:3].concatenate(v.shape[3:]))  # (B, N, T, H): the static dims the chunks lose
+    return context, None
+
+
+def _query_chunk(layer, q, k):
+    """Queries per chunk of the memory-efficient path, or None where the (B, N, T, S) scores
+    are known at trace time to be at most `memory_efficient_threshold` elements. With T
+    unknown under XLA, a () tensor of at most T that XLA folds to a constant for each T it
+    compiles: a short call (a decode step) is not padded to a whole chunk of queries."""
+    b, n, t, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    if None not in (b, t, s) and b * n * t * s <= layer.memory_efficient_threshold:
+        return None
+    chunk = max(1, layer.query_chunk_elements // (n * (b or 1) * (s or 4096)))  # S unknown: sized for 4096
+    if t is None and _compiled_by_xla():
+        return tf.maximum(tf.minimum(chunk, tf.shape(q)[2]), 1)  # () int32, 1 <= chunk <= max(T, 1)
+    return chunk if t is None else min(chunk, t)
+
+
+def _dropout_seed(layer):
+    """A (2,) seed for the memory-efficient path's stateless dropout: from the Keras dropout
+    layer's seed generator (so `keras.utils.set_random_seed` applies), or drawn from the
+    global TensorFlow seed under legacy Keras, which has no seed generator."""
+    generator = getattr(layer._dropout_layer, "seed_generator", None)
+    if generator is not None:
+        return generator.next()
+    return tf.random.uniform((2,), maxval=2**31 - 1, dtype=tf.int64)
 
 
 def _memory_efficient_attention(*args, **kwargs):
@@ -1452,95 +2234,50 @@ def _reduce_to(gradient, shape):
 
 
 # -------------------------------------------------------------------------------------------------
-# TensorFlow only: Keras conventions, XLA, in-place variables
-# -------------------------------------------------------------------------------------------------
-
-
-def _static_shape(x):
-    return tuple(x.shape) if x.shape.rank is not None else None
-
-
-def _differ(*dims):
-    known = {d for d in dims if d is not None}
-    return len(known) > 1
-
-
-def _dtype_of(x):
-    return tf.as_dtype(x.dtype) if hasattr(x, "dtype") else tf.convert_to_tensor(x).dtype
-
-
-def _keras_mask(x):
-    """The implicit Keras mask a tensor carries (`Embedding(mask_zero=True)`), as boolean, or None."""
-    mask = getattr(x, "_keras_mask", None)
-    return None if mask is None else tf.cast(mask, tf.bool)
-
-
-def _shape_tuple(shape):
-    """A shape (tuple, list, TensorShape) as a tuple, or None where it or its rank is unknown."""
-    if shape is None or tf.TensorShape(shape).rank is None:
-        return None
-    return tuple(tf.TensorShape(shape).as_list())
-
-
-def _compiled_by_xla():
-    """Whether the graph being traced is compiled by XLA (`jit_compile=True`). XLA compiles the
-    gradient of both branches of a `tf.cond`, the one not taken with placeholders for its tensors
-    (0 for unknown dimensions), where the gradients of reshapes and broadcasts fail to compile."""
-    return tf.__internal__.get_enclosing_xla_context() is not None
-
-
-def _cache_length(cache):
-    """L, static where it is known (`tf.shape` of an in-place cache's variable reads all of it)."""
-    length = cache.key.shape[2]
-    return tf.shape(cache.key)[2] if length is None else length
-
-
-def _as_variables(cache):
-    """The same cache with non-trainable `tf.Variable`s for fields: an in-place cache."""
-    return KVCache(*(tf.Variable(x, trainable=False) for x in cache))
-
-
-def _is_in_place(cache):
-    return isinstance(cache.key, tf.Variable)
-
-
-def _write_variables(cache, k, v, key_mask, misfit):
-    """`_write_cache` on an in-place cache: its variables written where they lie, with no copy of
-    the cache per step; nothing is written when the tokens do not fit (`misfit`, only ever True
-    under XLA). Returns the same cache."""
-    handles = tuple(field.handle for field in cache)
-    fields = tuple((field.dtype, tuple(field.shape)) for field in cache)
-    _write_compiled(handles, fields, k, v, key_mask, misfit)
-    return cache
-
-
-@tf.function(jit_compile=True, reduce_retracing=True)
-def _write_compiled(handles, fields, k, v, key_mask, misfit):
-    """The write, compiled with XLA, which updates the variables where they lie, in eager mode
-    and in any graph (TensorFlow's own scatter ops on a variable that is also read cost a copy
-    of the whole cache per step). It takes the variables' handles (variables passed from one
-    traced function into another are not the caller's), and their dtypes and shapes, which key
-    its traces: a read takes its static shape from the handle it was traced with."""
-
-    def write():
-        fields_read = (
-            tf.raw_ops.ReadVariableOp(resource=h, dtype=d) for h, (d, _) in zip(handles, fields, strict=True)
-        )
-        for handle, value in zip(handles, _write_cache(KVCache(*fields_read), k, v, key_mask), strict=True):
-            tf.raw_ops.AssignVariableOp(resource=handle, value=value)
-        return tf.no_op()
-
-    tf.cond(misfit, tf.no_op, write)
-
-
-# -------------------------------------------------------------------------------------------------
-# int8
+# Section: int8
 # -------------------------------------------------------------------------------------------------
 # Keras' scheme (docs/SPEC.md, "int8"): `keras.quantizers.abs_max_quantize` on the kernels (per
 # output column, when quantizing) and on the inputs of each projection (per token, at run time).
+# `layer.quantize("int8")` makes each kernel int8 with a float32 `<kind>_kernel_scale` per output
+# column (Keras' int8 `Dense` scheme). Keras' quantization API: `layer.quantize("int8")`,
+# `model.quantize("int8")`, the "int8_from_<policy>" dtype policies, with the portable int8 layout
+# as the variables.
 
 _INT8_MAX = 127.0
 _INT8_EPSILON = 1e-7  # Keras' `backend.epsilon()`, added to the abs-max before dividing
+
+
+def _quantize(layer, mode, config):
+    """`quantize`: the projections (four, five with `gate`) to int8 as Keras'
+    `Dense.quantize("int8")` does: each kernel becomes an int8 variable with one float32
+    `<kind>_kernel_scale` per output column, each call quantizes the projections' inputs per
+    token, and the dtype policy becomes "int8_from_<policy>". `model.quantize("int8")` calls
+    it; other modes raise `NotImplementedError`, which `model.quantize` turns into a warning,
+    as for any Keras layer. `config`: None or Keras' default `Int8QuantizationConfig`."""
+    if mode != "int8":
+        raise NotImplementedError(f"{type(layer).__name__} quantizes to 'int8' only. Received: mode={mode!r}")
+    if not hasattr(layer, "quantization_mode"):
+        raise ValueError(f"int8 quantization needs Keras 3 (not legacy Keras 2). Received: mode={mode!r}")
+    _check_int8_config(config)
+    for kind in layer._projection_names:
+        kernel, scale = _quantize_kernel(getattr(layer, f"{kind}_kernel").numpy())
+        layer._untrack_variable(getattr(layer, f"{kind}_kernel"))  # Keras' `del` would run gc.collect() per kernel
+        for name, value in ((f"{kind}_kernel", kernel), (f"{kind}_kernel_scale", scale)):
+            options = {"initializer": "zeros", "trainable": False, "dtype": value.dtype.name}
+            setattr(layer, name, layer.add_weight(name=name, shape=value.shape, **options))
+            getattr(layer, name).assign(value)
+    layer._is_quantized = True  # Keras' flag: setting the policy below must not quantize again
+    layer.dtype_policy = f"int8_from_{layer.dtype_policy.name}"
+
+
+def _weight_options(layer, name):
+    """`add_weight` arguments of one portable weight: int8 kernels and their float scales are
+    not trainable (as in Keras' int8 `Dense`)."""
+    if layer._int8 and name.endswith("_kernel"):
+        return {"initializer": "zeros", "dtype": "int8", "trainable": False}
+    if name.endswith("_kernel_scale"):
+        return {"initializer": "ones", "dtype": "float32", "trainable": False}
+    return {"initializer": _initializer(layer, name)}
 
 
 def _quantize_kernel(kernel):
@@ -1635,993 +2372,280 @@ def _unquantized_policy(policy):
 
 
 # -------------------------------------------------------------------------------------------------
-# The layer
+# Section: framework only
 # -------------------------------------------------------------------------------------------------
+# Keras conventions (the backend check, inputs as given, the Dropout sublayer, shapes given to
+# `build`, initializers, output specs), XLA, and the implicit Keras masks.
 
 
-def _results(output, weights, cache, return_attention):
-    """output, (output, weights), (output, cache) or (output, weights, cache)."""
-    results = (output, weights) if return_attention else (output,)
-    results = results if cache is None else (*results, cache)
-    return results[0] if len(results) == 1 else results
+def _check_backend():
+    """This file's TensorFlow ops run only on the TensorFlow Keras backend."""
+    if tf.keras.backend.backend() != "tensorflow":
+        raise ValueError(
+            "This layer is written in TensorFlow ops and runs only on the TensorFlow Keras backend: on any "
+            "backend, use Keras/Multi_Head_Attention.py. Received: "
+            f"KERAS_BACKEND={tf.keras.backend.backend()}"
+        )
 
 
-@tf.keras.utils.register_keras_serializable(package="MultiHeadAttentionReference")
-class MultiHeadAttention(tf.keras.layers.Layer):
-    """Multi-head attention (MHA, grouped-query GQA and multi-query MQA) as a Keras layer.
+def _keras_conventions(layer):
+    """The constructor's Keras settings: Keras must not cast masks and biases (`call` casts query, key
+    and value), NumPy inputs reach `call` as they are, and the Dropout is held untracked (no sublayer:
+    `model.quantize` quantizes leaves), its Keras 3 seed generator this layer's state."""
+    layer._convert_input_args = False
+    layer._allow_non_tensor_positional_args = True
+    dropout_layer = tf.keras.layers.Dropout(layer.dropout, dtype=_unquantized_policy(layer.dtype_policy))
+    object.__setattr__(layer, "_dropout_layer", dropout_layer)
+    if getattr(dropout_layer, "seed_generator", None) is not None:
+        layer._dropout_seed_generator = dropout_layer.seed_generator
+
+
+def _check_shapes(layer, query_shape, value_shape, key_shape):
+    """Shapes given to `build` or `compute_output_shape`, checked as the call checks its
+    inputs (the same messages); returns the query's shape. A missing key or value shape is the
+    other one's, as in the call; with neither, they are unknown (legacy Keras passes only the
+    query's shape, whatever the call's key and value are)."""
+    query_shape, value_shape, key_shape = (_shape_tuple(shape) for shape in (query_shape, value_shape, key_shape))
+    key_shape = value_shape if key_shape is None else key_shape
+    value_shape = key_shape if value_shape is None else value_shape
+    for name, shape, width_name, width in (
+        ("query", query_shape, "E", layer.d_model),
+        ("key", key_shape, "kdim", layer.kdim),
+        ("value", value_shape, "vdim", layer.vdim),
+    ):
+        letter = "T" if name == "query" else "S"
+        if shape is not None and (len(shape) != 3 or shape[-1] not in (None, width)):
+            raise ValueError(
+                f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
+                f"Received: {name}.shape={shape}"
+            )
+    if None in (query_shape, key_shape, value_shape):
+        return query_shape
+    if _differ(query_shape[0], key_shape[0], value_shape[0]):
+        raise ValueError(
+            "`query`, `key` and `value` must have the same batch size B. Received: "
+            f"query.shape={query_shape}, key.shape={key_shape}, value.shape={value_shape}"
+        )
+    if _differ(key_shape[1], value_shape[1]):
+        raise ValueError(
+            f"`key` and `value` must have the same length S. Received: key.shape={key_shape}, value.shape={value_shape}"
+        )
+    return query_shape
+
+
+def _initializer(layer, name):
+    """Kernels and biases from the layer's initializers; QK-norm scales of one, QK-norm biases
+    and sinks of zero."""
+    if name.endswith("_norm"):
+        return tf.keras.initializers.Ones()
+    if name.endswith("_norm_bias") or name == "sinks":
+        return tf.keras.initializers.Zeros()
+    initializer = layer.kernel_initializer if name.endswith("_kernel") else layer.bias_initializer
+    return initializer.__class__.from_config(initializer.get_config())  # a fresh instance: legacy Keras repeats
+
+
+def _output_spec(layer, *args, **kwargs):
+    """`compute_output_spec`: traces `call` on symbolic inputs (what Keras does for a layer without
+    `compute_output_shape`), so a functional model gets every shape check when it is built, and
+    both outputs with `return_attention=True`. It also works outside `__call__` (Keras' layer tests
+    call it there): it builds the layer if needed, and every weight is read in the dtype of the
+    input it meets, so under a mixed policy the specs have the compute dtype."""
+    if not layer.built:
+        layer.build()
+    return super(tf.keras.layers.Layer, layer).compute_output_spec(*args, **kwargs)
+
+
+def _shape_tuple(shape):
+    """A shape (tuple, list, TensorShape) as a tuple, or None where it or its rank is unknown."""
+    if shape is None or tf.TensorShape(shape).rank is None:
+        return None
+    return tuple(tf.TensorShape(shape).as_list())
+
+
+def _dtype_of(x):
+    return tf.as_dtype(x.dtype) if hasattr(x, "dtype") else tf.convert_to_tensor(x).dtype
+
+
+def _compiled_by_xla():
+    """Whether the graph being traced is compiled by XLA (`jit_compile=True`). XLA compiles the
+    gradient of both branches of a `tf.cond`, the one not taken with placeholders for its tensors
+    (0 for unknown dimensions), where the gradients of reshapes and broadcasts fail to compile."""
+    return tf.__internal__.get_enclosing_xla_context() is not None
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: converters
+# -------------------------------------------------------------------------------------------------
+# The portable weights in (`import_weights`), the Keras config (`get_config`), and the Keras
+# built-ins (`from_keras`, `to_keras`).
+
+_GROUP_QUERY_ATTENTION = getattr(tf.keras.layers, "GroupQueryAttention", None)  # None in legacy Keras (tf_keras)
+_BUILT_IN_GQA = () if _GROUP_QUERY_ATTENTION is None else (_GROUP_QUERY_ATTENTION,)
+
+
+def _import_weights(layer, weights):
+    """`import_weights`: strict and atomic (a ValueError lists every problem); an int8 layout (with
+    `<kind>_kernel_scale`) quantizes a float layer first; an int8 layer takes only one."""
+    int8 = layer._int8 or _is_int8_layout(weights)
+    expected = _with_scales(layer.weight_shapes()) if int8 and not layer._int8 else layer.weight_shapes()
+    problems = [f"missing '{name}'" for name in expected if name not in weights]
+    problems += [f"unexpected '{name}'" for name in weights if name not in expected]
+    for name, shape in expected.items():
+        if name in weights and tuple(np.shape(weights[name])) != shape:
+            problems.append(f"'{name}' has shape {tuple(np.shape(weights[name]))}, expected {shape}")
+    problems += _int8_problems(weights, expected) if int8 else []
+    if problems:
+        raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
+    if not layer.built:
+        layer.build()
+    if int8 and not layer._int8:
+        layer.quantize("int8")
+    for name in expected:
+        variable = layer._variable(name)
+        variable.assign(np.asarray(weights[name]).astype(tf.as_dtype(variable.dtype).as_numpy_dtype))
+
+
+def _config(layer):
+    """`get_config`'s own keys (after the base layer's), in the signature's order."""
+    bias = True if layer.bias == layer._projection_names else bool(layer.bias) and list(layer.bias)
+    return {
+        "d_model": layer.d_model,
+        "num_heads": layer.num_heads,
+        "num_kv_heads": layer.num_kv_heads,
+        "head_dim": layer.head_dim,
+        "kdim": layer.kdim,
+        "vdim": None if layer.kv_lora_rank is not None else layer.vdim,  # MLA: its values come from `key`
+        "dropout": layer.dropout,
+        "bias": bias,
+        "scale": layer.scale,
+        "softcap": layer.softcap,
+        "window": list(layer.window) if isinstance(layer.window, tuple) else layer.window,
+        "attention_chunk_size": layer.attention_chunk_size,
+        "rope_theta": layer.rope_theta,
+        "rope_fraction": layer.rope_fraction,
+        "rope_interleaved": layer.rope_interleaved,
+        "rope_scaling": layer.rope_scaling,
+        "rope_sections": None if layer.rope_sections is None else list(layer.rope_sections),
+        "qk_norm": layer.qk_norm,
+        "qk_norm_eps": layer.qk_norm_eps,
+        "qk_norm_type": layer.qk_norm_type,
+        "qk_norm_bias": layer.qk_norm_bias,
+        "sinks": layer.sinks,
+        "clip_qkv": layer.clip_qkv,
+        "gate": layer.gate,
+        "kv_lora_rank": layer.kv_lora_rank,
+        "q_lora_rank": layer.q_lora_rank,
+        "qk_nope_head_dim": layer.qk_nope_head_dim,
+        "qk_rope_head_dim": layer.qk_rope_head_dim,
+        "v_head_dim": layer.v_head_dim,
+        "latent_norm_eps": layer.latent_norm_eps,
+        "kernel_initializer": tf.keras.initializers.serialize(layer.kernel_initializer),
+        "bias_initializer": tf.keras.initializers.serialize(layer.bias_initializer),
+    }
+
+
+def _non_defaults(layer):
+    """The variants not at their default, and a partial `bias`, as {name: value} (`rope_sections`
+    only with RoPE, `qk_norm_type` and `qk_norm_bias` only with `qk_norm`: what they change)."""
+    variants = {
+        "bias": list(layer.bias) if layer.bias not in ((), layer._projection_names) else None,
+        "scale": None if math.isclose(layer.scale, 1 / math.sqrt(layer.head_dim)) else layer.scale,
+        "softcap": layer.softcap,
+        "window": layer.window,
+        "attention_chunk_size": layer.attention_chunk_size,
+        "rope_theta": layer.rope_theta,
+        "rope_sections": layer.rope_sections if layer.rope_theta is not None else None,
+        "qk_norm": layer.qk_norm,
+        "qk_norm_type": layer.qk_norm_type if layer.qk_norm is not None and layer.qk_norm_type != "rms" else None,
+        "qk_norm_bias": True if layer.qk_norm is not None and layer.qk_norm_bias else None,
+        "sinks": True if layer.sinks else None,
+        "clip_qkv": layer.clip_qkv,
+        "gate": True if layer.gate else None,
+        **{name: getattr(layer, name) for name in _LATENT_SIZES},
+    }
+    return {name: value for name, value in variants.items() if value is not None}
+
+
+def _from_keras(cls, layer, window):
+    """`from_keras`: builds a layer with the weights of a built `keras.layers.MultiHeadAttention` or
+    `keras.layers.GroupQueryAttention` (3-D inputs, default attention axes).
+
+    Its dtype policy, initializers and `trainable` are kept; LoRA adapters on its
+    projections are merged into the kernels; `use_gate=True` becomes `gate=True`, its
+    (E, N, H) kernel `gate_kernel`. Every option this layer cannot hold (regularizers,
+    constraints, other attention axes or output shapes, value_dim != key_dim, quantized
+    projections) is a ValueError that lists them all.
 
     Args:
-        d_model: E, the width of `query` and of the output.
-        num_heads: N, the number of query heads.
-        num_kv_heads: K, the number of key/value heads; must divide N. Defaults to N.
-        head_dim: H, the width of one head. Defaults to E // N (then N must divide E).
-        kdim: width of `key`. Defaults to E.
-        vdim: width of `value`. Defaults to E.
-        dropout: probability of dropping attention weights when training; 0 <= p < 1.
-        bias: True (all the projections have a bias, the gate's with `gate`), False (none), or a
-            list, tuple or set of the names of those that have one, among "query", "key", "value",
-            "output", "gate" (Qwen2: ("query", "key", "value")). Kept as that tuple of names, in
-            that order. With MLA the names are "query" (or "query_a" and "query_b"), "key_value_a",
-            "key_value_b", "output", "gate".
-        scale: the factor of the scores, `scores = (q . k) * scale`. Defaults to 1 / sqrt(H).
-        softcap: None or a positive float c: the scores become c * tanh(scores / c).
-        window: None, W, or a pair (W_before, W_after): query t keeps key s only if
-            s > t + (S - T) - W_before, and with a pair also s < t + (S - T) + W_after
-            (Mistral's sliding window: W; ModernBERT's two-sided band: (65, 65)).
-        attention_chunk_size: None, or C: query t keeps key s only if both are in the same
-            chunk of C positions, s // C == (t + (S - T)) // C (Llama 4's chunked attention).
-        rope_theta: None (no RoPE) or the base of rotary position embeddings.
-        rope_fraction: in (0, 1]; RoPE turns the first R = int(H * rope_fraction) features.
-        rope_interleaved: False pairs feature i with i + R/2; True pairs 2i and 2i + 1.
-        rope_scaling: None, {"rope_type": "linear", "factor": f}, a "llama3" dict (factor,
-            low_freq_factor, high_freq_factor, original_max_position_embeddings) or a "yarn" dict
-            (factor, original_max_position_embeddings, optional attention_factor, beta_fast,
-            beta_slow, mscale, mscale_all_dim, truncate; the rotated features of q and k are
-            also multiplied by its attention factor).
-        rope_sections: None, or the numbers of rotated pairs (summing to R/2) that turn by each
-            row of (k, B, T) `positions` in turn (Qwen2-VL's multimodal RoPE, `mrope_section`).
-        qk_norm: None, "head" (each head of q and k normalized, one scale shared by the heads:
-            Qwen3), "per_head" (each head with its own scale: StableLM, Cohere) or "all" (over all
-            heads: OLMo2); its scales are the weights `query_norm` and `key_norm`.
-        qk_norm_eps: the epsilon of that norm.
-        qk_norm_type: "rms" (RMSNorm) or "layer" (LayerNorm: the mean is removed first).
-        qk_norm_bias: if True, the norm adds a learned bias after its scale (`query_norm_bias`,
-            `key_norm_bias`: Phi's LayerNorm).
-        sinks: if True, one learned logit per query head in the softmax's denominator.
-        clip_qkv: None or c > 0: q, k and v are clamped to [-c, c] right after their projections
-            (bias included), before QK-norm, RoPE and the cache (OLMo, DBRX, MPT).
-        gate: if True, each head's attention result is multiplied, feature by feature, by
-            sigmoid(query @ gate_kernel + gate_bias) before the heads are merged (Keras'
-            `use_gate`, Qwen3-Next, Qwen3.5).
-        kv_lora_rank: None, or C: multi-head latent attention (DeepSeek-V2/V3). Keys and values
-            come from `key` through a latent of C features per token, RMS-normalized, and the
-            cache holds it (`KVCache.key` (B, 1, L, C), `value` (B, 1, L, Hr)); `value` must be
-            None or `key` itself. Not with `vdim`, `qk_norm`, `clip_qkv`, `rope_sections` or
-            `rope_fraction` < 1.
-        q_lora_rank: None (a plain query projection), or Q: the query goes through a latent of Q
-            features, RMS-normalized (`query_a_kernel`, `query_a_norm`, `query_b_kernel`).
-        qk_nope_head_dim: Hn, the features of a query/key head that RoPE does not turn (MLA).
-        qk_rope_head_dim: Hr, the features RoPE turns (MLA); the key's are shared by the heads.
-            With MLA, H = Hn + Hr (`head_dim`, if given, must equal it).
-        v_head_dim: Hv, the width of a value head (MLA); the output kernel is (N*Hv, E).
-        latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
-        kernel_initializer: initializer of the kernels.
-        bias_initializer: initializer of the biases.
-        **kwargs: base layer arguments (`name`, `dtype` policy, ...).
-
-    Call arguments:
-        query: (B, T, E).
-        key: (B, S, kdim). Defaults to `value`, or to `query` if `value` is None too.
-        value: (B, S, vdim). Defaults to `key`.
-        attention_mask: boolean (True = attend) or floating (added to the scores), of shape
-            (T, S), (B, T, S) or (B, N, T, S), any dimension of which may be 1.
-        key_mask: (B, S) boolean, True for a real key; ANDed with the key's and value's Keras
-            masks. In self-attention it defaults to `query_mask`.
-        query_mask: (B, T) boolean, True for a real query; ANDed with the query's Keras mask.
-        attention_bias: floating, added to the scores (with a gradient); shaped like a mask.
-        positions: integer (B, T) or (T,) RoPE positions, or (k, B, T) with `rope_sections`;
-            default arange(T) (+ the cache index).
-        causal: if True, query t attends key s only if s <= t + (S - T).
-        return_attention: if True, also return the per-head attention weights.
-        training: dropout acts only when True.
-        value_mask: (B, S) boolean, ANDed with `key_mask` (Keras fills it from the value's mask).
-        cache: a `KVCache` from `init_cache`: decode T new tokens (`key` and `value`, if
-            given, hold the same T tokens); masks and weights are then over the L slots, and
-            `key_mask` is (B, T).
-        mask: another name for `attention_mask` (the call `layer(query, key, value, mask=None)`);
-            giving both is a ValueError. Never Keras' propagated implicit mask, which the layer
-            reads off the inputs. Masks whose values read like another library's convention warn
-            once per layer with `AttentionMaskWarning` and compute as given.
-
-    Returns:
-        output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before
-        dropout) when `return_attention` is True; with `cache`, the updated cache is appended
-        and weights are (B, N, T, L), exactly 0 at unwritten slots.
-
-    Coming from `keras.layers.MultiHeadAttention`: it is called `(query, value, key)`, this layer
-    `(query, key, value)`: by position, key comes before value (or name them). A
-    floating `attention_mask` is added to the scores here, where Keras reads a 0/1 float mask as
-    boolean: pass `mask > 0`. `use_causal_mask=True` is `causal=True` (bottom-right aligned when
-    T < S); `return_attention_scores=True` is `return_attention=True`.
-
-    Example, a key padding mask (the third key of the first sequence is padding):
-        >>> layer = MultiHeadAttention(16, 4)
-        >>> x = tf.random.normal((2, 3, 16))  # (B, T, E)
-        >>> keep = tf.constant([[True, True, False], [True, True, True]])  # (B, S)
-        >>> out, weights = layer(x, key_mask=keep, return_attention=True)
-        >>> tuple(out.shape), tuple(weights.shape)
-        ((2, 3, 16), (2, 4, 3, 3))
-        >>> bool(tf.reduce_all(weights[0, :, :, 2] == 0))
-        True
+        layer: the built-in.
+        window: with a built-in's `sliding_window` W, `(W, W)`: Keras counts its band
+            |t - s| < W from the first query and key, this layer from the last (so that
+            decoding equals the full pass), so the two keep the same keys only where T == S.
+            Passing `(W, W)` says the layer is for such calls; without it `sliding_window` is
+            refused.
     """
+    config, dense = _keras_config(layer, window)
+    new = cls(**config, name=f"{layer.name}_reference", dtype=layer.dtype_policy)
+    new.trainable = layer.trainable
+    weights = {}
+    for kind, sublayer in zip(_projection_kinds(_PROJECTIONS, new.gate), dense, strict=True):
+        kernel = sublayer.kernel.numpy()  # with LoRA, the merged kernel
+        rows = kernel.shape[0] * kernel.shape[1] if kind == "output" else kernel.shape[0]
+        weights[f"{kind}_kernel"] = kernel.reshape(rows, -1)  # heads flattened as h * H + d
+        if new.bias:
+            weights[f"{kind}_bias"] = sublayer.bias.numpy().reshape(-1)
+    new.import_weights(weights)
+    return new
 
-    # With MLA, whether attention runs on the latents with the up-projections folded in (the absorbed
-    # path: True), on per-head keys and values up-projected from them (False), or (None) absorbed
-    # when decoding a few tokens with a cache (`_absorbs`).
-    absorb_latents = None
 
-    # Without `return_attention`, (B, N, T, S) score elements above which attention runs a chunk
-    # of queries at a time (memory linear in T and S; 64 Mi float32 scores are 256 MiB), and the
-    # score elements of one chunk (8 MiB in float32, the fastest on the benchmark machine).
-    memory_efficient_threshold = 1 << 26
-    query_chunk_elements = 1 << 21
+def _to_keras(layer):
+    """`to_keras`: a built `keras.layers.MultiHeadAttention` (K == N) or
+    `keras.layers.GroupQueryAttention` (K < N) holding these weights.
 
-    def __init__(
-        self, d_model, num_heads, *, num_kv_heads=None, head_dim=None, kdim=None, vdim=None, dropout=0.0, bias=True,
-        scale=None, softcap=None, window=None, attention_chunk_size=None, rope_theta=None, rope_fraction=1.0,
-        rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None, qk_norm_eps=1e-6,
-        qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
-        q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
-        kernel_initializer="glorot_uniform", bias_initializer="zeros", **kwargs,
-    ):  # fmt: skip
-        if tf.keras.backend.backend() != "tensorflow":
-            raise ValueError(
-                "This layer is written in TensorFlow ops and runs only on the TensorFlow Keras backend: on any "
-                "backend, use Keras/Multi_Head_Attention.py. Received: "
-                f"KERAS_BACKEND={tf.keras.backend.backend()}"
-            )
-        super().__init__(**kwargs)
-        self.d_model = _positive_int("d_model", d_model)
-        self.num_heads = _positive_int("num_heads", num_heads)
-        self.num_kv_heads = _positive_int("num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads)
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"`num_kv_heads` must divide `num_heads`. Received: num_heads={num_heads}, num_kv_heads={num_kv_heads}"
-            )
-        latent = _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
-        head_dim = head_dim if latent is None else _latent_head_dim(latent, head_dim)  # MLA: Hn + Hr
-        if head_dim is None and self.d_model % self.num_heads:
-            raise ValueError(f"`num_heads` must divide `d_model`. Received: d_model={d_model}, num_heads={num_heads}")
-        self.head_dim = _positive_int("head_dim", self.d_model // self.num_heads if head_dim is None else head_dim)
-        self.kdim = _positive_int("kdim", self.d_model if kdim is None else kdim)
-        self.vdim = _positive_int("vdim", self.d_model if vdim is None else vdim)
-        self.dropout = _dropout_rate(dropout)
-        self.bias = _projection_biases(bias, gate, _projections(latent))
-        rope_width = self.head_dim if latent is None else latent.qk_rope_head_dim
-        variants = _check_variants(
-            self.head_dim, rope_width, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction,
-            rope_interleaved, rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks,
-            clip_qkv, gate, latent_norm_eps,
-        )  # fmt: skip
-        if latent is not None:
-            _check_latent_combinations(vdim, variants)
-            self.vdim = self.kdim  # MLA reads keys and values from `key`
-        for name, value in variants._asdict().items():
-            setattr(self, name, value)
-        for name in _LATENT_SIZES:
-            setattr(self, name, None if latent is None else getattr(latent, name))
-        if self.rope_theta is not None:
-            rotary = _rotary_dim(rope_fraction, rope_width, True)
-            frequencies = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,)
-            self._inv_freq = frequencies.numpy()  # a constant of each graph, not a captured tensor (tf2onnx)
-        self.kernel_initializer = tf.keras.initializers.get(kernel_initializer)
-        self.bias_initializer = tf.keras.initializers.get(bias_initializer)
-        self.supports_masking = True
-        self._warned_traps = set()  # the mask habits warned of, once each
-        self._convert_input_args = False  # Keras must not cast masks and biases: `call` casts query, key, value
-        self._allow_non_tensor_positional_args = True  # NumPy inputs reach `call` as they are
-        dropout_layer = tf.keras.layers.Dropout(self.dropout, dtype=_unquantized_policy(self.dtype_policy))
-        object.__setattr__(self, "_dropout_layer", dropout_layer)  # no sublayer: `model.quantize` quantizes leaves
-        if getattr(dropout_layer, "seed_generator", None) is not None:  # Keras 3: its seed is this layer's state
-            self._dropout_seed_generator = dropout_layer.seed_generator
-
-    def build(self, query_shape=None, value_shape=None, key_shape=None):
-        """Creates the portable weights; every shape is known from the constructor.
-
-        Args:
-            query_shape: optional (B, T, E) (the only shape legacy Keras passes, by position).
-            value_shape: optional (B, S, vdim).
-            key_shape: optional (B, S, kdim). Keras' attention-layer convention, in its order
-                (query, value, key); a missing shape defaults as in the call, and a width other
-                than the constructor's is a ValueError.
-        """
-        self._check_shapes(query_shape, value_shape, key_shape)
-        for name, shape in self.weight_shapes().items():
-            variable = self.add_weight(name=name, shape=shape, **self._weight_options(name))
-            setattr(self, _ATTRIBUTES.get(name, name), variable)
-        self._is_quantized = self._int8  # Keras' flag: an int8 layer (a loaded `.keras` file) is not quantized again
-        self._dropout_layer.build(None)
-        self.built = True
-
-    def _initializer(self, name):
-        """Kernels and biases from the layer's initializers; QK-norm scales of one, QK-norm biases
-        and sinks of zero."""
-        if name.endswith("_norm"):
-            return tf.keras.initializers.Ones()
-        if name.endswith("_norm_bias") or name == "sinks":
-            return tf.keras.initializers.Zeros()
-        initializer = self.kernel_initializer if name.endswith("_kernel") else self.bias_initializer
-        return initializer.__class__.from_config(initializer.get_config())  # a fresh instance: legacy Keras repeats
-
-    def _check_shapes(self, query_shape, value_shape, key_shape):
-        """Shapes given to `build` or `compute_output_shape`, checked as the call checks its
-        inputs (the same messages); returns the query's shape. A missing key or value shape is the
-        other one's, as in the call; with neither, they are unknown (legacy Keras passes only the
-        query's shape, whatever the call's key and value are)."""
-        query_shape, value_shape, key_shape = (_shape_tuple(shape) for shape in (query_shape, value_shape, key_shape))
-        key_shape = value_shape if key_shape is None else key_shape
-        value_shape = key_shape if value_shape is None else value_shape
-        for name, shape, width_name, width in (
-            ("query", query_shape, "E", self.d_model),
-            ("key", key_shape, "kdim", self.kdim),
-            ("value", value_shape, "vdim", self.vdim),
-        ):
-            letter = "T" if name == "query" else "S"
-            if shape is not None and (len(shape) != 3 or shape[-1] not in (None, width)):
-                raise ValueError(
-                    f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
-                    f"Received: {name}.shape={shape}"
-                )
-        if None in (query_shape, key_shape, value_shape):
-            return query_shape
-        if _differ(query_shape[0], key_shape[0], value_shape[0]):
-            raise ValueError(
-                "`query`, `key` and `value` must have the same batch size B. Received: "
-                f"query.shape={query_shape}, key.shape={key_shape}, value.shape={value_shape}"
-            )
-        if _differ(key_shape[1], value_shape[1]):
-            raise ValueError(
-                f"`key` and `value` must have the same length S. Received: key.shape={key_shape}, "
-                f"value.shape={value_shape}"
-            )
-        return query_shape
-
-    def get_config(self):
-        bias = True if self.bias == self._projection_names else bool(self.bias) and list(self.bias)
-        return {
-            **super().get_config(),
-            "d_model": self.d_model,
-            "num_heads": self.num_heads,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "kdim": self.kdim,
-            "vdim": None if self.kv_lora_rank is not None else self.vdim,  # MLA: its values come from `key`
-            "dropout": self.dropout,
-            "bias": bias,
-            "scale": self.scale,
-            "softcap": self.softcap,
-            "window": list(self.window) if isinstance(self.window, tuple) else self.window,
-            "attention_chunk_size": self.attention_chunk_size,
-            "rope_theta": self.rope_theta,
-            "rope_fraction": self.rope_fraction,
-            "rope_interleaved": self.rope_interleaved,
-            "rope_scaling": self.rope_scaling,
-            "rope_sections": None if self.rope_sections is None else list(self.rope_sections),
-            "qk_norm": self.qk_norm,
-            "qk_norm_eps": self.qk_norm_eps,
-            "qk_norm_type": self.qk_norm_type,
-            "qk_norm_bias": self.qk_norm_bias,
-            "sinks": self.sinks,
-            "clip_qkv": self.clip_qkv,
-            "gate": self.gate,
-            "kv_lora_rank": self.kv_lora_rank,
-            "q_lora_rank": self.q_lora_rank,
-            "qk_nope_head_dim": self.qk_nope_head_dim,
-            "qk_rope_head_dim": self.qk_rope_head_dim,
-            "v_head_dim": self.v_head_dim,
-            "latent_norm_eps": self.latent_norm_eps,
-            "kernel_initializer": tf.keras.initializers.serialize(self.kernel_initializer),
-            "bias_initializer": tf.keras.initializers.serialize(self.bias_initializer),
-        }
-
-    @property
-    def _latent(self):
-        """The MLA sizes as a `_Latent`, or None without `kv_lora_rank`."""
-        return None if self.kv_lora_rank is None else _Latent(*(getattr(self, name) for name in _LATENT_SIZES))
-
-    @property
-    def _projection_names(self):
-        """The names of the layer's projections, in the layout's order (MLA's with `kv_lora_rank`,
-        the gate's with `gate`)."""
-        return _projection_kinds(_projections(self._latent), self.gate)
-
-    def weight_shapes(self):
-        """The portable layout: {name: shape}, in its order; a projection's bias only when `bias`
-        names it, the norm scales only with `qk_norm` (and their biases with `qk_norm_bias`),
-        `sinks` only with `sinks=True`, the gate's kernel (and bias) after them with `gate=True`.
-        With MLA, the latent projections and their norm scales (`query_a_norm` with `q_lora_rank`,
-        `key_value_a_norm`) replace query, key and value."""
-        nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        kernels = self._kernel_shapes()
-        hv = self.head_dim if self.kv_lora_rank is None else self.v_head_dim
-        gate = {"gate": (self.d_model, self.num_heads * hv)} if self.gate else {}
-        shapes = {}
-        for kind, shape in kernels.items():
-            shapes[f"{kind}_kernel"] = shape
-            if kind in self.bias:
-                shapes[f"{kind}_bias"] = shape[1:]
-            if kind in ("query_a", "key_value_a"):
-                shapes[f"{kind}_norm"] = (self.q_lora_rank if kind == "query_a" else self.kv_lora_rank,)
-        if self.qk_norm is not None:
-            shapes["query_norm"] = (self.head_dim,) if self.qk_norm == "head" else (nh,)  # "per_head", "all": (N*H,)
-            shapes["key_norm"] = (self.head_dim,) if self.qk_norm == "head" else (kh,)
-        if self.qk_norm is not None and self.qk_norm_bias:
-            shapes["query_norm_bias"], shapes["key_norm_bias"] = shapes["query_norm"], shapes["key_norm"]
-        if self.sinks:
-            shapes["sinks"] = (self.num_heads,)
-        for kind, shape in gate.items():
-            shapes[f"{kind}_kernel"] = shape
-            if kind in self.bias:
-                shapes[f"{kind}_bias"] = shape[1:]
-        return _with_scales(shapes) if self._int8 else shapes
-
-    def _kernel_shapes(self):
-        """{projection: its kernel's (D, F)}, in the layout's order."""
-        nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if self.kv_lora_rank is None:
-            return {
-                "query": (self.d_model, nh),
-                "key": (self.kdim, kh),
-                "value": (self.vdim, kh),
-                "output": (nh, self.d_model),
-            }
-        c, hn, hr, hv = self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
-        query = {"query": (self.d_model, nh)}
-        if self.q_lora_rank is not None:
-            query = {"query_a": (self.d_model, self.q_lora_rank), "query_b": (self.q_lora_rank, nh)}
-        return {
-            **query,
-            "key_value_a": (self.kdim, c + hr),
-            "key_value_b": (c, self.num_kv_heads * (hn + hv)),
-            "output": (self.num_heads * hv, self.d_model),
-        }
-
-    def export_weights(self):
-        """Returns the portable weights: a dict of NumPy arrays (see docs/SPEC.md)."""
-        if not self.built:
-            self.build()
-        return {name: self._variable(name).numpy().copy() for name in self.weight_shapes()}
-
-    def _variable(self, name):
-        """The variable of one portable weight (`sinks` is held as `sink_logits`)."""
-        return getattr(self, _ATTRIBUTES.get(name, name))
-
-    def import_weights(self, weights):
-        """Loads portable weights; strict and atomic (a ValueError lists every problem). An int8
-        layout (with `<kind>_kernel_scale`) quantizes a float layer first; an int8 layer takes only one."""
-        int8 = self._int8 or _is_int8_layout(weights)
-        expected = _with_scales(self.weight_shapes()) if int8 and not self._int8 else self.weight_shapes()
-        problems = [f"missing '{name}'" for name in expected if name not in weights]
-        problems += [f"unexpected '{name}'" for name in weights if name not in expected]
-        for name, shape in expected.items():
-            if name in weights and tuple(np.shape(weights[name])) != shape:
-                problems.append(f"'{name}' has shape {tuple(np.shape(weights[name]))}, expected {shape}")
-        problems += _int8_problems(weights, expected) if int8 else []
-        if problems:
-            raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
-        if not self.built:
-            self.build()
-        if int8 and not self._int8:
-            self.quantize("int8")
-        for name in expected:
-            variable = self._variable(name)
-            variable.assign(np.asarray(weights[name]).astype(tf.as_dtype(variable.dtype).as_numpy_dtype))
-
-    # int8: Keras' quantization API (`layer.quantize("int8")`, `model.quantize("int8")`, the
-    # "int8_from_<policy>" dtype policies), with the portable int8 layout as the variables.
-
-    def quantize(self, mode=None, type_check=True, config=None):
-        """Quantizes the projections (four, five with `gate`) to int8 as Keras'
-        `Dense.quantize("int8")` does: each kernel becomes an int8 variable with one float32
-        `<kind>_kernel_scale` per output column, each call quantizes the projections' inputs per
-        token, and the dtype policy becomes "int8_from_<policy>". `model.quantize("int8")` calls
-        it; other modes raise `NotImplementedError`, which `model.quantize` turns into a warning,
-        as for any Keras layer.
-
-        Args:
-            mode: "int8".
-            type_check: unused (Keras' signature).
-            config: None or Keras' default `Int8QuantizationConfig`.
-        """
-        del type_check
-        if mode != "int8":
-            raise NotImplementedError(f"{type(self).__name__} quantizes to 'int8' only. Received: mode={mode!r}")
-        if not hasattr(self, "quantization_mode"):
-            raise ValueError(f"int8 quantization needs Keras 3 (not legacy Keras 2). Received: mode={mode!r}")
-        _check_int8_config(config)
-        for kind in self._projection_names:
-            kernel, scale = _quantize_kernel(getattr(self, f"{kind}_kernel").numpy())
-            self._untrack_variable(getattr(self, f"{kind}_kernel"))  # Keras' `del` would run gc.collect() per kernel
-            for name, value in ((f"{kind}_kernel", kernel), (f"{kind}_kernel_scale", scale)):
-                options = {"initializer": "zeros", "trainable": False, "dtype": value.dtype.name}
-                setattr(self, name, self.add_weight(name=name, shape=value.shape, **options))
-                getattr(self, name).assign(value)
-        self._is_quantized = True  # Keras' flag: setting the policy below must not quantize again
-        self.dtype_policy = f"int8_from_{self.dtype_policy.name}"
-
-    @property
-    def _int8(self):
-        """Whether the projections are int8: the dtype policy is "int8_from_..." (Keras 3 only)."""
-        return getattr(self, "quantization_mode", None) == "int8"
-
-    def _weight_options(self, name):
-        """`add_weight` arguments of one portable weight: int8 kernels and their float scales are
-        not trainable (as in Keras' int8 `Dense`)."""
-        if self._int8 and name.endswith("_kernel"):
-            return {"initializer": "zeros", "dtype": "int8", "trainable": False}
-        if name.endswith("_kernel_scale"):
-            return {"initializer": "ones", "dtype": "float32", "trainable": False}
-        return {"initializer": self._initializer(name)}
-
-    def _int8_call(self, *args, **kwargs):
-        """Keras' entry for an int8 policy: `call`, whose projections read the int8 variables."""
-        return self.call(*args, **kwargs)
-
-    def init_cache(self, batch_size, max_length, *, keep=None, dtype=None, in_place=False):
-        """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
-
-        Args:
-            batch_size: B.
-            max_length: L, the number of slots.
-            keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
-                of different lengths). Defaults to all True.
-            dtype: dtype of the keys and values; defaults to the compute dtype of the policy.
-            in_place: if True, the cache's four fields are non-trainable `tf.Variable`s that
-                each call writes in place, with no copy of the cache (call this outside any
-                `tf.function`); a compiled step then returns only its output.
-
-        Returns:
-            A `KVCache` of zeros with index 0 (int32); with MLA, the latent cache: `key` (B, 1, L, C)
-            for the normalized latents, `value` (B, 1, L, Hr) for the rotated shared key part.
-        """
-        b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
-        keep = tf.ones((b, length), dtype=tf.bool) if keep is None else _check_keep(keep, b, length)
-        latent = self._latent
-        key_shape = (
-            (b, self.num_kv_heads, length, self.head_dim) if latent is None else (b, 1, length, latent.kv_lora_rank)
+    Keras' GroupQueryAttention takes any key and value widths, but its
+    `compute_output_shape` refuses a value width other than the query's, so with
+    vdim != d_model it runs eagerly but not on symbolic inputs (a functional model).
+    """
+    _check_keras_can_hold(layer)
+    common = dict(
+        dropout=layer.dropout, use_bias=bool(layer.bias), kernel_initializer=layer.kernel_initializer,
+        bias_initializer=layer.bias_initializer, dtype=layer.dtype_policy,
+    )  # fmt: skip
+    if layer.gate and _GROUP_QUERY_ATTENTION is None:
+        raise ValueError(
+            "Legacy Keras (tf_keras) has no gate (`use_gate`) on its MultiHeadAttention to hold gated attention. "
+            "Received: gate=True"
         )
-        value_shape = key_shape if latent is None else (b, 1, length, latent.qk_rope_head_dim)
-        dtype = self.compute_dtype if dtype is None else dtype
-        cache = KVCache(tf.zeros(key_shape, dtype), tf.zeros(value_shape, dtype), keep, tf.constant(0, tf.int32))
-        return _as_variables(cache) if in_place else cache
-
-    def _non_defaults(self):
-        """The variants not at their default, and a partial `bias`, as {name: value} (`rope_sections`
-        only with RoPE, `qk_norm_type` and `qk_norm_bias` only with `qk_norm`: what they change)."""
-        variants = {
-            "bias": list(self.bias) if self.bias not in ((), self._projection_names) else None,
-            "scale": None if math.isclose(self.scale, 1 / math.sqrt(self.head_dim)) else self.scale,
-            "softcap": self.softcap,
-            "window": self.window,
-            "attention_chunk_size": self.attention_chunk_size,
-            "rope_theta": self.rope_theta,
-            "rope_sections": self.rope_sections if self.rope_theta is not None else None,
-            "qk_norm": self.qk_norm,
-            "qk_norm_type": self.qk_norm_type if self.qk_norm is not None and self.qk_norm_type != "rms" else None,
-            "qk_norm_bias": True if self.qk_norm is not None and self.qk_norm_bias else None,
-            "sinks": True if self.sinks else None,
-            "clip_qkv": self.clip_qkv,
-            "gate": True if self.gate else None,
-            **{name: getattr(self, name) for name in _LATENT_SIZES},
-        }
-        return {name: value for name, value in variants.items() if value is not None}
-
-    def _check_call(
-        self, query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
-        return_attention, cache, training=None, value_mask=None,
-    ):  # fmt: skip
-        """Step 1 but the masks' combination: the inputs defaulted, checked and cast to the compute
-        dtype; the token masks ANDed with the inputs' implicit Keras masks (`key_mask` defaults to
-        `query_mask` in self-attention); the cache, the positions, `attention_mask` and
-        `attention_bias` checked; the habits the masks suggest warned of. Returns the `_Call`."""
-        fuse = (key is None or key is query) and (value is None or value is query) and cache is None
-        fuse = fuse and self.kv_lora_rank is None  # MLA projects its latents apart
-        self_attention = key is None and value is None
-        if self.kv_lora_rank is not None and key is not None and value is not None and value is not key:
-            raise ValueError(
-                "`value` must be None or `key` itself with `kv_lora_rank`: MLA reads keys and values from `key`. "
-                "Received: a value other than key"
-            )
-        explicit_key_mask = None if key_mask is getattr(key, "_keras_mask", None) else key_mask  # not Keras' fill
-        key, value = _inputs(query, key, value)
-        implicit = [_keras_mask(x) for x in (query, key, value)]  # legacy Keras passes masks on the tensors only
-        query = _check_input("query", query, "E", self.d_model)
-        key = _check_input("key", key, "kdim", self.kdim)
-        value = _check_input("value", value, "vdim", self.vdim)
-        _check_lengths(query, key, value)
-        (b, t), s = tuple(query.shape)[:2], key.shape[1]
-        query_mask = _and(_check_token_mask("query_mask", query_mask, b, t, "T"), implicit[0])  # (B, T)
-        key_mask = _check_token_mask("key_mask", key_mask, b, s, "S")
-        key_mask = _and(key_mask, _check_token_mask("value_mask", value_mask, b, s, "S"))  # (B, S)
-        key_mask = query_mask if self_attention and key_mask is None else key_mask
-        key_mask = _and(key_mask, _and(implicit[1], implicit[2]))  # (B, S)
-        if cache is not None:
-            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim, self._latent)
-        positions = self._positions(positions, query, key, cache)  # before the masks, as in the other files
-        target = (b, self.num_heads, t, s if cache is None else cache.key.shape[2])
-        dtype = _softmax_dtype(self.compute_dtype)
-        attention_mask = _mask_to_4d(attention_mask, target, "attention_mask", dtype)
-        attention_bias = _mask_to_4d(attention_bias, target, "attention_bias", dtype)
-        if cache is None:
-            self._warn_traps(attention_mask, explicit_key_mask, t, s)
-        query, key, value = (tf.cast(x, self.compute_dtype) for x in (query, key, value))
-        return _Call(
-            query, key, value, attention_mask, attention_bias, key_mask, query_mask, positions, causal, self.window,
-            self.attention_chunk_size, return_attention, cache, training, fuse,
-        )  # fmt: skip
-
-    def _positions(self, positions, query, key, cache):
-        """Checks `positions` and returns them as (B, T) or (1, T) integers, (k, B, T) or (k, 1, T)
-        with `rope_sections` (default arange(T), plus the cache's index), or None without RoPE."""
-        if self.rope_theta is None:
-            if positions is not None:
-                raise ValueError(
-                    "`positions` needs RoPE: construct the layer with `rope_theta`. "
-                    "Received: positions with rope_theta=None"
-                )
-            return None
-        if cache is None and _differ(query.shape[1], key.shape[1]):
-            raise ValueError(
-                "RoPE needs `key` and `value` to hold the query's own tokens (S == T, or decoding with `cache`). "
-                f"Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
-            )
-        if positions is None:
-            start = 0 if cache is None else cache.index
-            positions = (start + tf.range(tf.shape(query)[1]))[None]  # (1, T)
-            return positions if self.rope_sections is None else _per_section(positions, self.rope_sections)
-        return _check_positions(positions, query.shape[0], query.shape[1], self.rope_sections)
-
-    def _warn_traps(self, attention_mask, key_mask, t, s):
-        """Warns once per layer for each built-in habit the masks' values suggest, where reading
-        them is free (eagerly, on the CPU); a call with a cache is not read."""
-        attention_mask, key_mask = (None if m is None else tf.convert_to_tensor(m) for m in (attention_mask, key_mask))
-        masks = [mask for mask in (attention_mask, key_mask) if mask is not None]
-        if not masks or not _values_readable(*masks):
-            return
-        for kind, message in _mask_traps(attention_mask, key_mask, t, s).items():
-            if kind not in self._warned_traps:
-                self._warned_traps.add(kind)
-                _warn_at_caller(message)
-
-    def _masks(self, call):
-        """Step 1: the masks combined into one boolean keep, (B|1, N|1, T|1, S|1) or None, and the
-        additive biases, kept apart for the memory-efficient gradient: (the floating mask's, which
-        gets none, `attention_bias`'s), each None or rank 4 in the softmax's dtype. With a cache,
-        `key_mask` goes into the cache's keep instead (step 5)."""
-        dtype = _softmax_dtype(self.compute_dtype)
-        keep, mask_bias = _split_mask(call.attention_mask, dtype)
-        bias_keep, attention_bias = _split_mask(call.attention_bias, dtype)
-        keep = _and(keep, bias_keep)
-        query_mask, key_mask = call.query_mask, call.key_mask if call.cache is None else None
-        if query_mask is not None:
-            keep = _and(keep, tf.expand_dims(tf.expand_dims(query_mask, 1), 3))  # (B, T) -> (B, 1, T, 1)
-        if key_mask is not None:
-            keep = _and(keep, tf.expand_dims(tf.expand_dims(key_mask, 1), 1))  # (B, S) -> (B, 1, 1, S)
-        return keep, (mask_bias, attention_bias)
-
-    def _project_qkv(self, call):
-        """Step 2: the (B, T, E) query, (B, S, kdim) key and (B, S, vdim) value -> q (B, N, T, H),
-        k and v (B, K, S, H); one matmul where `call.fuse` (self-attention without a cache). Either
-        way (int8 too) they are then clamped to [-clip_qkv, clip_qkv]. With MLA, `_project_latent`:
-        k and v are then the latents c (B, 1, S, C) and the shared key part k_rope (B, 1, S, Hr)."""
-        if self.kv_lora_rank is not None:
-            return self._project_latent(call)
-        if call.fuse:
-            q, k, v = self._project_fused(call.query)
+    common |= {"use_gate": True} if layer.gate else {}
+    widths = (layer.d_model, layer.vdim, layer.kdim)  # query, value, key: the built-ins' call order
+    if layer.num_kv_heads == layer.num_heads:
+        layer = tf.keras.layers.MultiHeadAttention(layer.num_heads, layer.head_dim, **common)
+        if hasattr(layer, "_build_from_signature"):  # legacy Keras builds its projections on a first call
+            layer(*(tf.zeros((1, 1, width)) for width in widths))
         else:
-            q = self._split_heads(self._project(call.query, "query"), self.num_heads)  # (B, N, T, H)
-            k = self._split_heads(self._project(call.key, "key"), self.num_kv_heads)  # (B, K, S, H)
-            v = self._split_heads(self._project(call.value, "value"), self.num_kv_heads)  # (B, K, S, H)
-        return self._clip(q), self._clip(k), self._clip(v)
-
-    def _project_latent(self, call):
-        """Step 2 with MLA: q = RMSNorm(query @ query_a_kernel) @ query_b_kernel (or query @
-        query_kernel without `q_lora_rank`), (B, N, T, H); key @ key_value_a_kernel split into the
-        latent c, RMS-normalized by `key_value_a_norm`, and the key part k_rope shared by the heads.
-        Returns q, c (B, 1, S, C), k_rope (B, 1, S, Hr)."""
-        if self.q_lora_rank is None:
-            q = self._project(call.query, "query")  # (B, T, E) -> (B, T, N*H)
-        else:
-            q_latent = self._project(call.query, "query_a")  # (B, T, E) -> (B, T, Q)
-            q_latent = rms_norm(q_latent, self.query_a_norm, self.latent_norm_eps)
-            q = self._project(q_latent, "query_b")  # (B, T, Q) -> (B, T, N*H)
-        a = self._project(call.key, "key_value_a")  # (B, S, kdim) -> (B, S, C + Hr)
-        c, k_rope = tf.split(a, [self.kv_lora_rank, self.qk_rope_head_dim], axis=-1)  # (B, S, C), (B, S, Hr)
-        c = rms_norm(c, self.key_value_a_norm, self.latent_norm_eps)
-        return self._split_heads(q, self.num_heads), c[:, None], k_rope[:, None]  # (B, N, T, H), (B, 1, S, C|Hr)
-
-    def _clip(self, x):
-        """`clip_qkv` (OLMo, DBRX, MPT): x clamped to [-c, c] (unchanged when None), with the
-        clamp's gradient, 1 within [-c, c] (bounds included) and 0 outside."""
-        return x if self.clip_qkv is None else tf.clip_by_value(x, -self.clip_qkv, self.clip_qkv)
-
-    def _project_fused(self, x):
-        """Self-attention: q, k and v from one matmul over the concatenated projections (a
-        projection without a bias adds zeros). A cache's step of a few tokens projects them apart:
-        concatenating the kernels at every step would cost more than the one matmul saves."""
-        kinds = ("query", "key", "value")
-        kernel = tf.concat([getattr(self, f"{kind}_kernel") for kind in kinds], axis=1)  # (E, N*H + 2*K*H)
-        nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        bias = None
-        if any(kind in self.bias for kind in kinds):
-            biases = [self._bias_of(kind) for kind in kinds]
-            dtype = next(b.dtype for b in biases if b is not None)  # the compute dtype under a mixed policy
-            biases = [tf.zeros(w, dtype) if b is None else b for b, w in zip(biases, (nh, kh, kh), strict=True)]
-            bias = tf.concat(biases, axis=0)  # (N*H + 2*K*H,)
-        scale = tf.concat([self._scale_of(kind) for kind in kinds], axis=0) if self._int8 else None  # (N*H + 2*K*H,)
-        y = _linear(x, kernel, bias, scale)  # (B, T, E) -> (B, T, N*H + 2*K*H)
-        q, k, v = tf.split(y, [nh, kh, kh], axis=-1)  # -> 3 x (B, T, heads*H)
-        return (
-            self._split_heads(q, self.num_heads),  # (B, N, T, H)
-            self._split_heads(k, self.num_kv_heads),  # (B, K, T, H)
-            self._split_heads(v, self.num_kv_heads),  # (B, K, T, H)
-        )
-
-    def _project(self, x, kind):
-        """(B, L, D) -> (B, L, F): the `kind` projection ("query", "key", "value", "output" or "gate")."""
-        return _linear(x, getattr(self, f"{kind}_kernel"), self._bias_of(kind), self._scale_of(kind))
-
-    def _bias_of(self, kind):
-        return getattr(self, f"{kind}_bias") if kind in self.bias else None
-
-    def _scale_of(self, kind):
-        return getattr(self, f"{kind}_kernel_scale") if self._int8 else None
-
-    def _split_heads(self, y, heads, width=None):
-        """(B, L, heads*W) -> (B, heads, L, W); the width W defaults to H."""
-        b, length = tf.shape(y)[0], tf.shape(y)[1]
-        y = tf.reshape(y, [b, length, heads, width or self.head_dim])  # (B, L, heads*W) -> (B, L, heads, W)
-        return tf.transpose(y, [0, 2, 1, 3])  # -> (B, heads, L, W)
-
-    def _merge_heads(self, x):
-        merged = tf.transpose(x, [0, 2, 1, 3])  # (B, heads, L, H) -> (B, L, heads, H)
-        return tf.reshape(merged, tf.concat([tf.shape(merged)[:2], [-1]], 0))  # -> (B, L, heads*H)
-
-    def _normalize_qk(self, q, k):
-        """QK-norm (`qk_norm_type`: RMSNorm or LayerNorm, plus a bias with `qk_norm_bias`) of each
-        head of q and k ("head": scales (H,) shared by the heads; "per_head": (N*H,) and (K*H,),
-        each head its own) or of all their heads at once ("all": (N*H,) and (K*H,))."""
-        if self.qk_norm is None:
-            return q, k
-        return self._norm(q, "query", self.num_heads), self._norm(k, "key", self.num_kv_heads)
-
-    def _norm(self, x, kind, heads):
-        """The QK-norm of x (B, heads, L, H) with the `kind` ("query" or "key") scale and bias."""
-        norm = rms_norm if self.qk_norm_type == "rms" else layer_norm
-        scale = getattr(self, f"{kind}_norm")
-        bias = getattr(self, f"{kind}_norm_bias") if self.qk_norm_bias else None
-        if self.qk_norm == "all":
-            merged = norm(self._merge_heads(x), scale, self.qk_norm_eps, bias)  # (B, L, heads*H)
-            return self._split_heads(merged, heads)  # (B, heads, L, H)
-        if self.qk_norm == "per_head":
-            scale, bias = (None if w is None else tf.reshape(w, [heads, 1, self.head_dim]) for w in (scale, bias))
-        return norm(x, scale, self.qk_norm_eps, bias)  # (B, heads, L, H); "per_head": scales (heads, 1, H)
-
-    def _rotate(self, q, k, v, positions):
-        """RoPE of q (B, N, T, H) and k (B, K, T, H) at (B, T) or (1, T) `positions` ((k, B|1, T)
-        with `rope_sections`); with MLA, of q's last Hr features and of the shared key part, v
-        (B, 1, T, Hr) until the cache step (k, the latents, is not turned). Returns q, k, v."""
-        if self.rope_theta is None:
-            return q, k, v
-        if self.kv_lora_rank is None:
-            return self._turn(q, positions), self._turn(k, positions), v
-        q_nope, q_rope = tf.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], axis=-1)  # (B, N, T, Hn|Hr)
-        return tf.concat([q_nope, self._turn(q_rope, positions)], axis=-1), k, self._turn(v, positions)
-
-    def _turn(self, x, positions):
-        """x (B, heads, T, W) with its first R features turned, times YaRN's attention factor."""
-        inv_freq = self._inv_freq
-        x = apply_rope(x, positions, inv_freq, self.rope_interleaved, self.rope_sections)
-        return scale_rotated(x, 2 * inv_freq.shape[0], rope_attention_factor(self.rope_scaling))
-
-    def _update_cache(self, call, k, v, keep):
-        """Step 5. Without a cache, nothing. With one, the (B, K, T, H) new keys and values written
-        (`_write_cache`, which takes `key_mask` into the cache's keep), keep ANDed with the
-        (B, 1, T, L) slots each query may attend (causal and window folded in), and k, v the
-        cache's (B, K, L, H). Returns k, v, keep, the call with its cache, causal and window
-        replaced (and the chunk size), and in a graph whether the tokens do not fit (a () boolean tensor: a graph
-        cannot raise under XLA, and that call's output becomes NaN), else None."""
-        cache = call.cache
-        if cache is None:
-            return k, v, keep, call, None
-        t, index = tf.shape(k)[2], tf.convert_to_tensor(cache.index)  # the index before this call's write
-        misfit = _check_room(index, t, _cache_length(cache), _window_sides(call.window)[0])  # True only under XLA
-        if _is_in_place(cache):
-            cache = _write_variables(cache, k, v, call.key_mask, misfit)  # the same variables, written
-        else:
-            cache = _write_cache(cache, k, v, call.key_mask)
-        positional = (call.causal, call.window, call.attention_chunk_size)
-        keep = _and(keep, _cache_keep(tf.convert_to_tensor(cache.keep), index, t, *positional))  # (B, 1, T|1, L)
-        k, v = tf.convert_to_tensor(cache.key), tf.convert_to_tensor(cache.value)  # (B, K, L, H), read once
-        call = call._replace(causal=False, window=None, attention_chunk_size=None, cache=cache)  # all in `keep`
-        return k, v, keep, call, None if tf.executing_eagerly() else misfit
-
-    def _attend(self, q, k, v, keep, bias, call):
-        """Step 6, the one entry to the paths (`_attend_heads`); returns (context (B, N, T, Hv),
-        weights (B, N, T, S) or None), Hv = H but with MLA. With MLA, k and v are the (B, 1, S, C)
-        latents and (B, 1, S, Hr) k_rope, attended expanded or absorbed (`absorb_latents`)."""
-        if self._latent is not None and self._absorbs(call, q.shape[2]):
-            return self._attend_absorbed(q, k, v, keep, bias, call)
-        if self._latent is not None:
-            k, v = self._expand_latents(k, v)  # (B, K, S, H), (B, K, S, Hv)
-        return self._attend_heads(q, k, v, keep, bias, call)
-
-    def _absorbs(self, call, t):
-        """MLA's path: `absorb_latents` if set, else absorbed with a cache and T <= 8 (T known at
-        trace time: a decode step, where up-projecting the L latents costs more than folding the
-        up-projections into the T queries)."""
-        if self.absorb_latents is not None:
-            return bool(self.absorb_latents)
-        return call.cache is not None and t is not None and t <= _ABSORB_MAX_T
-
-    def _expand_latents(self, latent, k_rope):
-        """MLA's up-projection: (B, 1, S, C) latents and (B, 1, S, Hr) k_rope -> keys
-        concat(k_nope, k_rope) (B, K, S, H) and values (B, K, S, Hv)."""
-        hn, hv = self.qk_nope_head_dim, self.v_head_dim
-        kv = self._project(tf.squeeze(latent, 1), "key_value_b")  # (B, 1, S, C) -> (B, S, K*(Hn + Hv))
-        k_nope, v = tf.split(self._split_heads(kv, self.num_kv_heads, hn + hv), [hn, hv], axis=-1)  # (B, K, S, Hn|Hv)
-        k_rope = tf.broadcast_to(k_rope, tf.concat([tf.shape(k_nope)[:3], [self.qk_rope_head_dim]], 0))  # (B, K, S, Hr)
-        return tf.concat([k_nope, k_rope], axis=-1), v  # (B, K, S, H), (B, K, S, Hv)
-
-    def _up_projections(self, dtype):
-        """key_value_b's kernel in `dtype` as (N, Hn, C) and (N, Hv, C) and its bias (N, Hn) and
-        (N, Hv) (None without one), each key/value head's repeated for its N // K query heads; an
-        int8 kernel's dequantized."""
-        hn, hv, groups = self.qk_nope_head_dim, self.v_head_dim, self.num_heads // self.num_kv_heads
-        kernel = tf.cast(self.key_value_b_kernel, dtype)  # (C, K*(Hn + Hv))
-        if self._int8:
-            kernel = kernel * tf.cast(self.key_value_b_kernel_scale, dtype)  # dequantized per column
-        kernel = tf.reshape(tf.transpose(kernel), [self.num_kv_heads, hn + hv, -1])  # -> (K, Hn + Hv, C)
-        w_kb, w_vb = tf.split(tf.repeat(kernel, groups, axis=0), [hn, hv], axis=1)  # (N, Hn, C), (N, Hv, C)
-        if "key_value_b" not in self.bias:
-            return w_kb, w_vb, None, None
-        bias = tf.reshape(tf.cast(self.key_value_b_bias, dtype), [self.num_kv_heads, hn + hv])  # (K, Hn + Hv)
-        b_k, b_v = tf.split(tf.repeat(bias, groups, axis=0), [hn, hv], axis=-1)  # (N, Hn), (N, Hv)
-        return w_kb, w_vb, b_k, b_v
-
-    def _attend_absorbed(self, q, latent, k_rope, keep, bias, call):
-        """Step 6 with MLA on the latents, through `_attend_heads` (every path): q_lat = q_nope @
-        W_kb^T (B, N, T, C) meets the latents and q_rope meets k_rope (and q_nope . b_k a key of
-        ones); the values are the latents (and a one, whose output is sum(weights)); each head's
-        context is o_lat @ W_vb + sum(weights) * b_v (B, N, T, Hv). An int8 layer reads the
-        latents quantized per token, as its int8 up-projection does (straight-through gradient)."""
-        w_kb, w_vb, b_k, b_v = self._up_projections(q.dtype)  # (N, Hn, C), (N, Hv, C), (N, Hn), (N, Hv)
-        if self._int8:
-            latent = latent + tf.stop_gradient(_quantized_rows(latent) - latent)  # (B, 1, S, C)
-        q_nope, q_rope = tf.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], axis=-1)  # (B, N, T, Hn|Hr)
-        ones = tf.ones_like(latent[..., :1])  # (B, 1, S, 1)
-        queries, keys, values = [tf.matmul(q_nope, w_kb), q_rope], [latent, k_rope], [latent]  # (B, N, T, C), ...
-        if b_k is not None:
-            queries.append(tf.reduce_sum(q_nope * b_k[:, None, :], axis=-1, keepdims=True))  # (B, N, T, 1)
-            keys.append(ones)
-        if b_v is not None:
-            values.append(ones)
-        q, k, v = (tf.concat(parts, axis=-1) for parts in (queries, keys, values))  # (B, N, T, .), 2 x (B, 1, S, .)
-        context, weights = self._attend_heads(q, k, v, keep, bias, call)  # (B, N, T, C or C + 1)
-        output = tf.matmul(context[..., : self.kv_lora_rank], w_vb, transpose_b=True)  # (B, N, T, C) -> (.., Hv)
-        return output if b_v is None else output + context[..., self.kv_lora_rank :] * b_v[:, None, :], weights
-
-    def _attend_heads(self, q, k, v, keep, bias, call):
-        """Attention of split heads q (B, N, T, H), k (B, K, S, H), v (B, K, S, Hv); returns
-        (context (B, N, T, Hv), weights (B, N, T, S) or None). With the weights,
-        `dot_product_attention`; without them, the memory-efficient path when the scores exceed
-        `memory_efficient_threshold` elements (where shapes are unknown at trace time: decided at
-        run time, or always under XLA, which cannot differentiate that choice).
-        `bias` is (the floating mask's, `attention_bias`'s)."""
-        mask_bias, attention_bias = bias
-        training = call.training
-        dropout = self.dropout > 0 and training is not False and training is not None
-        chunk = None if call.return_attention else self._query_chunk(q, k)
-        sinks = self.sink_logits if self.sinks else None
-        variants = dict(
-            scale=self.scale, softcap=self.softcap, window=call.window, attention_chunk_size=call.attention_chunk_size,
-            sinks=sinks,
-        )  # fmt: skip
-        drop = functools.partial(self._dropout_layer, training=training) if dropout else None
-
-        def at_once():
-            return dot_product_attention(
-                q, k, v, keep, _add(mask_bias, attention_bias), call.causal, **variants, dropout=drop
-            )
-
-        def in_chunks():
-            rate, seed = (self.dropout, self._dropout_seed()) if dropout else (0.0, None)
-            return _memory_efficient_attention(
-                q, k, v, keep, mask_bias, call.causal, chunk, rate, seed, attention_bias=attention_bias, **variants
-            )
-
-        if chunk is None:
-            return at_once()
-        if None not in (q.shape[0], q.shape[2], k.shape[2]) or _compiled_by_xla():
-            context = in_chunks()  # (B, N, T, H)
-        else:
-            scores = tf.reduce_prod(tf.cast(tf.shape(q)[:3], tf.int64)) * tf.cast(tf.shape(k)[2], tf.int64)
-            large = scores > self.memory_efficient_threshold
-            context = tf.cond(large, in_chunks, lambda: at_once()[0])  # (B, N, T, H)
-        context.set_shape(q.shape[:3].concatenate(v.shape[3:]))  # (B, N, T, H): the static dims the chunks lose
-        return context, None
-
-    def _query_chunk(self, q, k):
-        """Queries per chunk of the memory-efficient path, or None where the (B, N, T, S) scores
-        are known at trace time to be at most `memory_efficient_threshold` elements. With T
-        unknown under XLA, a () tensor of at most T that XLA folds to a constant for each T it
-        compiles: a short call (a decode step) is not padded to a whole chunk of queries."""
-        b, n, t, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-        if None not in (b, t, s) and b * n * t * s <= self.memory_efficient_threshold:
-            return None
-        chunk = max(1, self.query_chunk_elements // (n * (b or 1) * (s or 4096)))  # S unknown: sized for 4096
-        if t is None and _compiled_by_xla():
-            return tf.maximum(tf.minimum(chunk, tf.shape(q)[2]), 1)  # () int32, 1 <= chunk <= max(T, 1)
-        return chunk if t is None else min(chunk, t)
-
-    def _dropout_seed(self):
-        """A (2,) seed for the memory-efficient path's stateless dropout: from the Keras dropout
-        layer's seed generator (so `keras.utils.set_random_seed` applies), or drawn from the
-        global TensorFlow seed under legacy Keras, which has no seed generator."""
-        generator = getattr(self._dropout_layer, "seed_generator", None)
-        if generator is not None:
-            return generator.next()
-        return tf.random.uniform((2,), maxval=2**31 - 1, dtype=tf.int64)
-
-    def _gate_heads(self, call, context):
-        """Step 6b: the (B, N, T, Hv) attention result times sigmoid(query @ gate_kernel + gate_bias)
-        split into heads (unchanged without `gate`; Hv = H without MLA)."""
-        if not self.gate:
-            return context
-        gate = tf.sigmoid(self._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
-        return context * self._split_heads(gate, self.num_heads, self.v_head_dim)  # -> (B, N, T, Hv)
-
-    def call(
-        self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
-        attention_bias=None, positions=None, causal=False, return_attention=False, training=None, value_mask=None,
-        cache=None,
-    ):  # fmt: skip
-        """The steps of docs/SPEC.md ("Order of the steps"); the arguments are the class's."""
-        call = self._check_call(  # 1. defaults and checks
-            query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
-            return_attention, cache, training, value_mask,
-        )  # fmt: skip
-        keep, bias = self._masks(call)  # 1. the masks: (B|1, N|1, T|1, S|1) keep, (mask's, attention_bias's) additive
-        q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H); MLA: c, k_rope
-        q, k = self._normalize_qk(q, k)  # 3. QK-norm
-        q, k, v = self._rotate(q, k, v, call.positions)  # 4. RoPE
-        k, v, keep, call, misfit = self._update_cache(call, k, v, keep)  # 5. KV cache: (B, K, L, H), misfit
-        context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, Hv), (B, N, T, S) or None
-        context = self._gate_heads(call, context)  # 6b. output gate, (B, N, T, Hv)
-        output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*Hv) -> (B, T, E)
-        if misfit is not None:
-            output = tf.where(misfit, tf.cast(np.nan, output.dtype), output)  # XLA cannot raise for a misfit
-        return _results(output, weights, call.cache, call.return_attention)
-
-    def __call__(self, *args, mask=None, **kwargs):
-        """`mask=` moved into `attention_mask` (so that `call` has no `mask` argument for Keras to
-        fill with a propagated implicit mask), then what must be seen before any cast: inputs of
-        different dtypes and the cache's dtype (which a cast would silently convert on every call)."""
-        if mask is not None:
-            given = kwargs.pop("attention_mask", args[3] if len(args) > 3 else None)
-            args, kwargs["attention_mask"] = args[:3], _attention_mask(given, mask)
-        inputs = dict(zip(("query", "key", "value"), args, strict=False))
-        inputs.update({name: kwargs[name] for name in ("query", "key", "value") if name in kwargs})
-        if inputs.get("query") is not None:
-            _check_dtypes(inputs["query"], inputs.get("key"), inputs.get("value"))
-        if kwargs.get("cache") is not None:
-            _check_cache_dtype(kwargs["cache"], self.compute_dtype)
-        return super().__call__(*args, **kwargs)
-
-    def compute_mask(self, query, previous_mask=None):
-        """The output carries the query's mask."""
-        return previous_mask
-
-    def compute_output_shape(self, query_shape, value_shape=None, key_shape=None):
-        """(B, T, E), whatever S is; shapes in Keras' order (query, value, key), checked as in `build`."""
-        query_shape = self._check_shapes(query_shape, value_shape, key_shape)
-        return (query_shape[0], query_shape[1], self.d_model)
-
-    def compute_output_spec(self, *args, **kwargs):
-        """Traces `call` on symbolic inputs (what Keras does for a layer without
-        `compute_output_shape`), so a functional model gets every shape check when it is built,
-        and both outputs with `return_attention=True`. It also works outside `__call__` (Keras'
-        layer tests call it there): it builds the layer if needed, and every weight is read in
-        the dtype of the input it meets, so under a mixed policy the specs have the compute dtype."""
-        if not self.built:
-            self.build()
-        return super(tf.keras.layers.Layer, self).compute_output_spec(*args, **kwargs)
-
-    @classmethod
-    def from_keras(cls, layer, *, window=None):
-        """Builds a layer with the weights of a built `keras.layers.MultiHeadAttention` or
-        `keras.layers.GroupQueryAttention` (3-D inputs, default attention axes).
-
-        Its dtype policy, initializers and `trainable` are kept; LoRA adapters on its
-        projections are merged into the kernels; `use_gate=True` becomes `gate=True`, its
-        (E, N, H) kernel `gate_kernel`. Every option this layer cannot hold (regularizers,
-        constraints, other attention axes or output shapes, value_dim != key_dim, quantized
-        projections) is a ValueError that lists them all.
-
-        Args:
-            layer: the built-in.
-            window: with a built-in's `sliding_window` W, `(W, W)`: Keras counts its band
-                |t - s| < W from the first query and key, this layer from the last (so that
-                decoding equals the full pass), so the two keep the same keys only where T == S.
-                Passing `(W, W)` says the layer is for such calls; without it `sliding_window` is
-                refused.
-        """
-        config, dense = _keras_config(layer, window)
-        new = cls(**config, name=f"{layer.name}_reference", dtype=layer.dtype_policy)
-        new.trainable = layer.trainable
-        weights = {}
-        for kind, sublayer in zip(_projection_kinds(_PROJECTIONS, new.gate), dense, strict=True):
-            kernel = sublayer.kernel.numpy()  # with LoRA, the merged kernel
-            rows = kernel.shape[0] * kernel.shape[1] if kind == "output" else kernel.shape[0]
-            weights[f"{kind}_kernel"] = kernel.reshape(rows, -1)  # heads flattened as h * H + d
-            if new.bias:
-                weights[f"{kind}_bias"] = sublayer.bias.numpy().reshape(-1)
-        new.import_weights(weights)
-        return new
-
-    def to_keras(self):
-        """Returns a built `keras.layers.MultiHeadAttention` (K == N) or
-        `keras.layers.GroupQueryAttention` (K < N) holding these weights.
-
-        Keras' GroupQueryAttention takes any key and value widths, but its
-        `compute_output_shape` refuses a value width other than the query's, so with
-        vdim != d_model it runs eagerly but not on symbolic inputs (a functional model).
-        """
-        _check_keras_can_hold(self)
-        common = dict(
-            dropout=self.dropout, use_bias=bool(self.bias), kernel_initializer=self.kernel_initializer,
-            bias_initializer=self.bias_initializer, dtype=self.dtype_policy,
-        )  # fmt: skip
-        if self.gate and _GROUP_QUERY_ATTENTION is None:
-            raise ValueError(
-                "Legacy Keras (tf_keras) has no gate (`use_gate`) on its MultiHeadAttention to hold gated attention. "
-                "Received: gate=True"
-            )
-        common |= {"use_gate": True} if self.gate else {}
-        widths = (self.d_model, self.vdim, self.kdim)  # query, value, key: the built-ins' call order
-        if self.num_kv_heads == self.num_heads:
-            layer = tf.keras.layers.MultiHeadAttention(self.num_heads, self.head_dim, **common)
-            if hasattr(layer, "_build_from_signature"):  # legacy Keras builds its projections on a first call
-                layer(*(tf.zeros((1, 1, width)) for width in widths))
-            else:
-                layer.build(*((None, None, width) for width in widths))
-        else:
-            if _GROUP_QUERY_ATTENTION is None:
-                raise ValueError(
-                    "Legacy Keras (tf_keras) has no GroupQueryAttention to hold grouped-query attention. "
-                    f"Received: num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}"
-                )
-            layer = _GROUP_QUERY_ATTENTION(self.head_dim, self.num_heads, self.num_kv_heads, **common)
             layer.build(*((None, None, width) for width in widths))
-        layer.trainable = self.trainable
-        weights = self.export_weights()
-        dense = (layer._query_dense, layer._key_dense, layer._value_dense, layer._output_dense)
-        dense += (layer._gate_dense,) if self.gate else ()
-        for kind, sublayer in zip(_projection_kinds(_PROJECTIONS, self.gate), dense, strict=True):
-            sublayer.kernel.assign(weights[f"{kind}_kernel"].reshape(sublayer.kernel.shape))
-            if self.bias:
-                sublayer.bias.assign(weights[f"{kind}_bias"].reshape(sublayer.bias.shape))
-        return layer
-
-
-# -------------------------------------------------------------------------------------------------
-# Interop with the built-in layers
-# -------------------------------------------------------------------------------------------------
+    else:
+        if _GROUP_QUERY_ATTENTION is None:
+            raise ValueError(
+                "Legacy Keras (tf_keras) has no GroupQueryAttention to hold grouped-query attention. "
+                f"Received: num_heads={layer.num_heads}, num_kv_heads={layer.num_kv_heads}"
+            )
+        layer = _GROUP_QUERY_ATTENTION(layer.head_dim, layer.num_heads, layer.num_kv_heads, **common)
+        layer.build(*((None, None, width) for width in widths))
+    layer.trainable = layer.trainable
+    weights = layer.export_weights()
+    dense = (layer._query_dense, layer._key_dense, layer._value_dense, layer._output_dense)
+    dense += (layer._gate_dense,) if layer.gate else ()
+    for kind, sublayer in zip(_projection_kinds(_PROJECTIONS, layer.gate), dense, strict=True):
+        sublayer.kernel.assign(weights[f"{kind}_kernel"].reshape(sublayer.kernel.shape))
+        if layer.bias:
+            sublayer.bias.assign(weights[f"{kind}_bias"].reshape(sublayer.bias.shape))
+    return layer
 
 
 def _check_keras_can_hold(layer):
     """Refuses, naming them, the variants of docs/SPEC.md that the Keras built-ins cannot hold."""
-    held = {name: value for name, value in layer._non_defaults().items() if name != "gate"}  # use_gate holds it
+    held = {name: value for name, value in _non_defaults(layer).items() if name != "gate"}  # use_gate holds it
     if held:
         received = ", ".join(f"{name}={getattr(layer, name)!r}" for name in held)
         raise ValueError(
