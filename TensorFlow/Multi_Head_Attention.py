@@ -17,18 +17,13 @@ The math, for query head n (which reads key/value head n // (N // K)):
     context[n] = weights[n] @ v[n // G]                         (B, N, T, H)
     output = concat_heads(context) @ output_kernel + output_bias
 
-Where things are (each option family in a section of its own, after the core):
-    Core: the plain layer: the class, `call`, the checks of a call, the projections, the masks,
-        `dot_product_attention` (the formula), the heads merged and the output projection.
-    Section: score modifiers: scale, softcap, window, attention chunks, sinks, ALiBi, attention_bias.
-    Section: positions: RoPE (its frequencies, scalings and multimodal sections).
-    Section: QK-norm, clip_qkv and the gate.
-    Section: KV cache and decode steps: `KVCache`, `init_cache`, the cache's checks and writes.
-    Section: multi-head latent attention (MLA), and the portable layout of the weights.
-    Section: speed paths: the memory-efficient path (chunks of queries, its own backward).
-    Section: int8: Keras' quantization API.
-    Section: framework only: Keras conventions, XLA, in-place variables.
-    Section: converters: portable weights in, Keras config compat, from_keras / to_keras.
+Where things are: the core first (the plain layer: the class, `call`, the checks of a call, the
+projections, `dot_product_attention`, the heads merged and the output projection), then one section
+per option family, in this order: score modifiers (scale, softcap, window, attention chunks, sinks,
+ALiBi, attention_bias, the masks), positions (RoPE), QK-norm, clip_qkv and the gate, KV cache and
+decode steps, multi-head latent attention (MLA, and the weights' layout), speed paths (the
+memory-efficient path), int8, framework only (Keras conventions, XLA, the masks' habits), converters
+(portable weights in, Keras config, from_keras / to_keras).
 """
 
 import functools
@@ -45,58 +40,14 @@ __all__ = ["AttentionMaskWarning", "KVCache", "MultiHeadAttention", "alibi_bias"
 _PROJECTIONS = ("query", "key", "value", "output", "gate")  # the names `bias` takes; "gate" only with `gate`
 _ATTRIBUTES = {"sinks": "sink_logits"}  # portable weight name -> layer attribute (`layer.sinks` is the flag)
 
+
 # -------------------------------------------------------------------------------------------------
 # Core: the plain layer
 # -------------------------------------------------------------------------------------------------
-# Masks (docs/SPEC.md, "Masks"): a boolean `attention_mask` is True where a query may attend a key;
-# a floating one is added to the scores, read in its own dtype: a value at or below the lowest
-# finite value of its dtype or of float32 (whichever is higher), or -inf, removes a key; every other
-# value is added in the softmax's dtype (float32 at least). `causal=True` keeps key s for query t
-# iff s <= t + (S - T), combined with every other mask. Keras implicit masks are honoured (the
-# query's removes query rows, the key's and value's remove keys, ANDed with `query_mask` and
-# `key_mask`; the output carries the query's). A query row with no key left gets weights of
-# exactly 0, so its output is `output_bias`: never NaN.
-
-_TRAPS = {
-    "empty": "`{name}` keeps no key for any query, so every output row is `output_bias`: True means attend (in "
-    "nn.MultiheadAttention True means ignore: pass `~mask`). Received: a boolean {name} that is False everywhere",
-    "causal": "`attention_mask` keeps keys only after each query, none at or before it: True means attend (in "
-    "nn.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`). "
-    "Received: a boolean attention_mask False wherever causal attention keeps a key",
-    "padding": "`key_mask` reads as nn.MultiheadAttention's key_padding_mask (True = padding): True means a real "
-    "key, pass `~mask`. Received: a key_mask False then True in every row, {empty} of {b} rows keeping no key "
-    "and none keeping all",
-    "zeros and ones": "`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras "
-    "reads such a mask as boolean): pass `mask > 0` (True = attend) or an additive mask. "
-    "Received: a floating attention_mask of 0s and 1s",
-}
-_FRAMEWORK_MODULES = ("tensorflow", "keras", "tf_keras")  # the packages between the user's call and this file
-
-
 class AttentionMaskWarning(UserWarning):
     """A mask whose values read like another library's convention (nn.MultiheadAttention's True =
     ignore, Keras' 0/1 floats): the layer computes what docs/SPEC.md says all the same, and warns
     once per layer. `warnings.simplefilter("error", AttentionMaskWarning)` makes it an error."""
-
-
-class _Call(NamedTuple):
-    """A call's arguments, checked and defaulted by `_check_call` (docs/SPEC.md, "Call")."""
-
-    query: tf.Tensor  # (B, T, E), checked and cast to the compute dtype
-    key: tf.Tensor  # (B, S, kdim)
-    value: tf.Tensor  # (B, S, vdim)
-    attention_mask: tf.Tensor | None  # after the `mask=` alias, checked, rank 4 (dims may be 1)
-    attention_bias: tf.Tensor | None  # checked, floating, rank 4 (dims may be 1)
-    key_mask: tf.Tensor | None  # (B, S): after the self-attention default and implicit Keras masks
-    query_mask: tf.Tensor | None  # (B, T), ANDed with the query's implicit Keras mask
-    positions: tf.Tensor | None  # (B|1, T) integers, (k, B|1, T) with `rope_sections`, or None without RoPE
-    causal: bool  # the cache step replaces it by False once folded into keep
-    window: int | tuple | None  # self.window; the cache step replaces it by None once folded into keep
-    attention_chunk_size: int | None  # self.attention_chunk_size; likewise
-    return_attention: bool
-    cache: "KVCache | None"  # the cache step replaces it by the written cache
-    training: bool | None  # the call's training flag
-    fuse: bool  # q, k and v may come from one matmul (self-attention without a cache)
 
 
 @tf.keras.utils.register_keras_serializable(package="MultiHeadAttentionReference")
@@ -111,14 +62,15 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         kdim: width of `key`. Defaults to E.
         vdim: width of `value`. Defaults to E.
         dropout: probability of dropping attention weights when training; 0 <= p < 1.
-        bias: True (all the projections have a bias, the gate's with `gate`), False (none), or a
-            list, tuple or set of the names of those that have one, among "query", "key", "value",
-            "output", "gate" (Qwen2: ("query", "key", "value")); kept as that tuple, in that order.
-            With MLA: "query" (or "query_a", "query_b"), "key_value_a", "key_value_b", "output", "gate".
+        bias: True (all the projections have a bias, the gate's with `gate`), False (none), or a list,
+            tuple or set of the names of those that have one, among "query", "key", "value", "output",
+            "gate" (Qwen2: ("query", "key", "value")), kept as that tuple in that order; with MLA, "query"
+            (or "query_a" and "query_b"), "key_value_a", "key_value_b", "output", "gate".
         kernel_initializer: initializer of the kernels.
         bias_initializer: initializer of the biases.
         **kwargs: base layer arguments (`name`, `dtype` policy, ...).
-    The options, each off by default (in full in its section of this file):
+        The options, each off by default, each in full in its section of this file (score modifiers,
+        positions, QK-norm, clip_qkv and the gate, multi-head latent attention):
         scale: the factor of the scores, `scores = (q . k) * scale`. Defaults to 1 / sqrt(H).
         softcap: None or c > 0: the scores become c * tanh(scores / c) (Gemma 2).
         window: None, W, or (W_before, W_after): query t keeps key s only if s > t + (S - T) - W_before,
@@ -127,33 +79,17 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         rope_theta: None (no RoPE) or the base of rotary position embeddings.
         rope_fraction: in (0, 1]; RoPE turns the first R = int(H * rope_fraction) features.
         rope_interleaved: False pairs feature i with i + R/2; True pairs 2i and 2i + 1.
-        rope_scaling: None, {"rope_type": "linear", "factor": f}, a "llama3" dict (factor, low_freq_factor,
-            high_freq_factor, original_max_position_embeddings) or a "yarn" dict (factor,
-            original_max_position_embeddings, optional attention_factor, beta_fast, beta_slow, mscale,
-            mscale_all_dim, truncate; q's and k's rotated features also times its attention factor).
-        rope_sections: None, or the numbers of rotated pairs (summing to R/2) that turn by each row of
-            (k, B, T) `positions` in turn (Qwen2-VL's multimodal RoPE, `mrope_section`).
-        qk_norm: None, "head" (each head of q and k normalized, one scale shared by the heads: Qwen3),
-            "per_head" (each head its own scale: StableLM, Cohere) or "all" (over all heads: OLMo2);
-            its scales are the weights `query_norm` and `key_norm`.
-        qk_norm_eps: the epsilon of that norm.
-        qk_norm_type: "rms" (RMSNorm) or "layer" (LayerNorm: the mean is removed first).
-        qk_norm_bias: if True, the norm adds a learned bias (`query_norm_bias`, `key_norm_bias`: Phi).
+        rope_scaling: None, {"rope_type": "linear", "factor": f}, a "llama3" or a "yarn" dict (`_check_rope_scaling`).
+        rope_sections: None, or the rotated pairs (summing to R/2) turned by each row of (k, B, T) `positions`.
+        qk_norm: None, "head" (Qwen3), "per_head" (StableLM, Cohere) or "all" (OLMo2): q's and k's norm.
+        qk_norm_eps, qk_norm_type ("rms" or "layer"), qk_norm_bias (a learned bias: Phi): that norm's.
         sinks: if True, one learned logit per query head in the softmax's denominator.
-        clip_qkv: None or c > 0: q, k and v clamped to [-c, c] right after their projections (bias
-            included), before QK-norm, RoPE and the cache (OLMo, DBRX, MPT).
-        gate: if True, each head's result times sigmoid(query @ gate_kernel + gate_bias) before the
-            heads are merged (Keras' `use_gate`, Qwen3-Next, Qwen3.5).
-        kv_lora_rank: None, or C: multi-head latent attention (DeepSeek-V2/V3). Keys and values come
-            from `key` through a latent of C features per token, RMS-normalized, and the cache holds it
-            (`KVCache.key` (B, 1, L, C), `value` (B, 1, L, Hr)); `value` must be None or `key` itself.
-            Not with `vdim`, `qk_norm`, `clip_qkv`, `rope_sections` or `rope_fraction` < 1.
-        q_lora_rank: None (a plain query projection), or Q: the query goes through a latent of Q
-            features, RMS-normalized (`query_a_kernel`, `query_a_norm`, `query_b_kernel`).
-        qk_nope_head_dim: Hn, the features of a query/key head that RoPE does not turn (MLA).
-        qk_rope_head_dim: Hr, the features RoPE turns (MLA); the key's are shared by the heads.
-            With MLA, H = Hn + Hr (`head_dim`, if given, must equal it).
-        v_head_dim: Hv, the width of a value head (MLA); the output kernel is (N*Hv, E).
+        clip_qkv: None or c > 0: q, k and v clamped to [-c, c] after their projections (OLMo, DBRX, MPT).
+        gate: if True, each head's result times sigmoid(query @ gate_kernel + gate_bias) (Qwen3-Next).
+        kv_lora_rank: None, or C: multi-head latent attention (DeepSeek-V2/V3), keys and values from
+            `key` through a latent of C features; `value` must be None or `key` itself.
+        q_lora_rank: None (a plain query projection), or Q: the query through a latent of Q features.
+        qk_nope_head_dim, qk_rope_head_dim, v_head_dim: MLA's Hn, Hr (H = Hn + Hr) and Hv.
         latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
 
     Call arguments:
@@ -174,20 +110,15 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         value_mask: (B, S) boolean, ANDed with `key_mask` (Keras fills it from the value's mask).
         cache: a `KVCache` from `init_cache`: decode T new tokens (`key` and `value`, if given, hold the
             same T tokens); masks and weights are then over the L slots, and `key_mask` is (B, T).
-        mask: another name for `attention_mask` (the call `layer(query, key, value, mask=None)`);
-            giving both is a ValueError. Never Keras' propagated implicit mask, which the layer
-            reads off the inputs. Masks whose values read like another library's convention warn
-            once per layer with `AttentionMaskWarning` and compute as given.
+        mask: another name for `attention_mask` (`layer(query, key, value, mask=None)`); giving both
+            is a ValueError. Never Keras' propagated implicit mask, which the layer reads off the
+            inputs. Masks whose values read like another library's convention warn once per layer
+            with `AttentionMaskWarning` and compute as given.
 
     Returns:
-        output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before
-        dropout) when `return_attention` is True; with `cache`, the updated cache is appended
-        and weights are (B, N, T, L), exactly 0 at unwritten slots.
-
-    Coming from `keras.layers.MultiHeadAttention`: it is called `(query, value, key)`, this layer
-    `(query, key, value)`. A floating `attention_mask` is added to the scores here, where Keras reads
-    a 0/1 float mask as boolean: pass `mask > 0`. `use_causal_mask=True` is `causal=True` (bottom-right
-    aligned when T < S); `return_attention_scores=True` is `return_attention=True`.
+        output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before dropout)
+        when `return_attention` is True; with `cache`, the updated cache is appended and weights are
+        (B, N, T, L), exactly 0 at unwritten slots. From `keras.layers.MultiHeadAttention`: converters.
 
     Example, a key padding mask (the third key of the first sequence is padding):
         >>> layer = MultiHeadAttention(16, 4)
@@ -246,14 +177,11 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             self._inv_freq = _inverse_frequencies(rope_fraction, rope_width, self.rope_theta, self.rope_scaling)
         self.kernel_initializer = tf.keras.initializers.get(kernel_initializer)
         self.bias_initializer = tf.keras.initializers.get(bias_initializer)
-        self.supports_masking = True
-        self._warned_traps = set()  # the mask habits warned of, once each
-        _keras_conventions(self)  # inputs as given, the Dropout sublayer (framework only)
+        _keras_conventions(self)  # masking, inputs as given, the Dropout sublayer (framework only)
 
     def build(self, query_shape=None, value_shape=None, key_shape=None):
-        """Creates the portable weights (`weight_shapes`); every shape is known from the constructor.
-        The shapes, all optional, are Keras' attention-layer convention in its order (query, value, key),
-        checked as the call checks its inputs (legacy Keras passes only the query's, by position)."""
+        """Creates the portable weights; every shape is known from the constructor. The optional shapes
+        are Keras' convention, in its order, checked as the call checks its inputs (`_check_shapes`)."""
         _check_shapes(self, query_shape, value_shape, key_shape)
         for name, shape in self.weight_shapes().items():
             variable = self.add_weight(name=name, shape=shape, **_weight_options(self, name))
@@ -285,13 +213,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         return getattr(self, _ATTRIBUTES.get(name, name))
 
     def quantize(self, mode=None, type_check=True, config=None):
-        """Quantizes the projections to int8 as Keras' `Dense.quantize("int8")` does (`_quantize`).
-
-        Args:
-            mode: "int8".
-            type_check: unused (Keras' signature).
-            config: None or Keras' default `Int8QuantizationConfig`.
-        """
+        """Quantizes the projections to int8 as Keras' `Dense.quantize("int8")` does (`_quantize`): `mode`
+        "int8", `type_check` unused (Keras' signature), `config` None or Keras' default int8 config."""
         _quantize(self, mode, config)
 
     @property
@@ -314,15 +237,9 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         return self.call(*args, **kwargs)
 
     def init_cache(self, batch_size, max_length, *, keep=None, dtype=None, in_place=False):
-        """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens (`_init_cache`).
-
-        Args:
-            batch_size: B.
-            max_length: L, the number of slots.
-            keep: (B, L) boolean, False for slots no query may attend (left padding). Defaults to all True.
-            dtype: dtype of the keys and values; defaults to the compute dtype of the policy.
-            in_place: if True, the fields are non-trainable `tf.Variable`s that each call writes in place.
-        """
+        """An empty `KVCache` for decoding `batch_size` (B) sequences of up to `max_length` (L) tokens;
+        `keep` (B, L) False for slots no query may attend, `dtype` the cache's, `in_place` a cache of
+        variables written in place (`_init_cache`)."""
         return _init_cache(self, batch_size, max_length, keep, dtype, in_place)
 
     @classmethod
@@ -346,14 +263,12 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         return (query_shape[0], query_shape[1], self.d_model)
 
     def compute_output_spec(self, *args, **kwargs):
-        """Traces `call` on symbolic inputs, so a functional model gets every shape check when it is
-        built (`_output_spec`)."""
+        """Traces `call` on symbolic inputs: a functional model gets every check (`_output_spec`)."""
         return _output_spec(self, *args, **kwargs)
 
     def __call__(self, *args, mask=None, **kwargs):
-        """`mask=` moved into `attention_mask` (`call` has no `mask` for Keras to fill with an implicit
-        mask); then what a cast would hide: inputs of different dtypes (before any cast, where all
-        three are floating: an integer input gets its own error in `call`), a cache of another dtype."""
+        """`mask=` moved into `attention_mask`; then what a cast would hide: inputs of different dtypes,
+        a cache of another dtype."""
         if mask is not None:
             given = kwargs.pop("attention_mask", args[3] if len(args) > 3 else None)
             args, kwargs["attention_mask"] = args[:3], _attention_mask(given, mask)
@@ -365,20 +280,16 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             inputs = (query, key, key if value is None else value)
             dtypes = [tf.as_dtype(x.dtype) if hasattr(x, "dtype") else tf.convert_to_tensor(x).dtype for x in inputs]
             if all(d.is_floating for d in dtypes) and len(set(dtypes)) > 1:
+                a, b, c = (d.name for d in dtypes)
                 raise ValueError(
-                    "`query`, `key` and `value` must have the same dtype. Received: "
-                    + ", ".join(
-                        f"{name}.dtype={d.name}" for name, d in zip(("query", "key", "value"), dtypes, strict=True)
-                    )
+                    "`query`, `key` and `value` must have the same dtype. "
+                    f"Received: query.dtype={a}, key.dtype={b}, value.dtype={c}"
                 )
         if kwargs.get("cache") is not None:
             _check_cache_dtype(kwargs["cache"], self.compute_dtype)
         return super().__call__(*args, **kwargs)
 
-    # The steps of a call (docs/SPEC.md, "Order of the steps"): 1. defaults and checks, the masks
-    # combined into one keep and one bias; 2. projections (clamped by `clip_qkv`); 3. QK-norm;
-    # 4. RoPE; 5. KV cache write; 6. attention; 6b. the output gate; 7. heads merged, output projection.
-    # A layer without an option enters none of its functions.
+    # The steps of a call, each option behind a one-line guard: a layer without it enters none of its functions.
 
     def call(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
@@ -390,137 +301,63 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
             return_attention, cache, training, value_mask,
         )  # fmt: skip
-        keep, bias = self._masks(call)  # 1. (B|1, N|1, T|1, S|1) keep, (mask's, attention_bias's) additive
+        keep, bias = None, (None, None)  # 1. the masks: one keep, (the floating mask's, attention_bias's) biases
+        if any(mask is not None for mask in (attention_mask, attention_bias, call.key_mask, call.query_mask)):
+            keep, bias = _masks(self, call)  # keep (B|1, N|1, T|1, S|1), rank-4 biases
         q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H); MLA: c, k_rope
         if self.qk_norm is not None:  # 3. QK-norm
             q, k = _normalize_qk(self, q, k)
         if self.rope_theta is not None:  # 4. RoPE
             q, k, v = _rotate(self, q, k, v, call.positions)
-        misfit = None  # in a graph, whether a cache's tokens do not fit: XLA cannot raise, the output is NaN
-        if call.cache is not None:  # 5. KV cache: k, v (B, K, L, H)
+        if cache is not None:  # 5. KV cache: k, v (B, K, L, H); in a graph, `misfit`: whether the tokens do not fit
             k, v, keep, call, misfit = _update_cache(self, call, k, v, keep)
-        context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, Hv), (B, N, T, S) or None
+        if self.kv_lora_rank is None:  # 6. (B, N, T, Hv), (B, N, T, S) or None
+            context, weights = self._attend(q, k, v, keep, bias, call)
+        else:  # 6. MLA: the latents attended, absorbed or expanded
+            context, weights = _attend_latent(self, q, k, v, keep, bias, call)
         if self.gate:  # 6b. the output gate, (B, N, T, Hv)
             context = _gate_heads(self, call, context)
         output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*Hv) -> (B, T, E)
-        if misfit is not None:
+        if cache is not None and misfit is not None:  # XLA cannot raise for a misfit: that call's output is NaN
             output = tf.where(misfit, tf.cast(np.nan, output.dtype), output)
-        results = ((output, weights) if call.return_attention else (output,)) + (() if cache is None else (call.cache,))
+        results = ((output, weights) if return_attention else (output,)) + (() if cache is None else (call.cache,))
         return results[0] if len(results) == 1 else results
 
     def _check_call(
         self, query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
         return_attention, cache, training=None, value_mask=None,
     ):  # fmt: skip
-        """Step 1 but the masks' combination: the inputs defaulted (docs/SPEC.md, "Call"), checked and
-        cast to the compute dtype; the token masks ANDed with the inputs' implicit Keras masks; then
-        the cache, `positions`, `attention_mask` and `attention_bias` checked. Returns the `_Call`."""
+        """Step 1 but the masks' combination: the inputs defaulted (docs/SPEC.md, "Call"), checked and cast
+        to the compute dtype; the token masks ANDed with the inputs' implicit Keras masks; the options'."""
         fuse = (key is None or key is query) and (value is None or value is query) and cache is None
         fuse = fuse and self.kv_lora_rank is None  # MLA projects its latents apart
+        if self.kv_lora_rank is not None:
+            _check_latent_inputs(key, value)
         self_attention = key is None and value is None
-        if self.kv_lora_rank is not None and key is not None and value is not None and value is not key:
-            raise ValueError(
-                "`value` must be None or `key` itself with `kv_lora_rank`: MLA reads keys and values from `key`. "
-                "Received: a value other than key"
-            )
         explicit_key_mask = None if key_mask is getattr(key, "_keras_mask", None) else key_mask  # not Keras' fill
-        key = (query if value is None else value) if key is None else key  # missing inputs: `key` and `value`
-        value = key if value is None else value  # default to each other, then to `query`
+        key = (query if value is None else value) if key is None else key  # `key` and `value` default to each
+        value = key if value is None else value  # other, then to `query`
+        one_input = key is query and value is query
         implicit = [getattr(x, "_keras_mask", None) for x in (query, key, value)]  # as legacy Keras passes them
         implicit = [None if mask is None else tf.cast(mask, tf.bool) for mask in implicit]
         query = _check_input("query", query, "E", self.d_model)
         key = _check_input("key", key, "kdim", self.kdim)
         value = _check_input("value", value, "vdim", self.vdim)
-        (b, t), s = tuple(query.shape)[:2], key.shape[1]
-        if len({query.shape[0], key.shape[0], value.shape[0]} - {None}) > 1:
-            raise ValueError(
-                "`query`, `key` and `value` must have the same batch size B. Received: "
-                f"query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
-            )
-        if len({s, value.shape[1]} - {None}) > 1:
-            raise ValueError(
-                f"`key` and `value` must have the same length S. Received: key.shape={tuple(key.shape)}, "
-                f"value.shape={tuple(value.shape)}"
-            )
-        if any(mask is not None for mask in (query_mask, key_mask, value_mask, *implicit)):  # (B, T), (B, S)
-            query_mask = _and(_check_token_mask("query_mask", query_mask, b, t, "T"), implicit[0])
-            key_mask = _and(_check_token_mask("key_mask", key_mask, b, s, "S"), _check_token_mask(
-                "value_mask", value_mask, b, s, "S"))  # fmt: skip
-            key_mask = query_mask if self_attention and key_mask is None else key_mask
-            key_mask = _and(key_mask, _and(implicit[1], implicit[2]))
-        if cache is not None:
-            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim, self._latent)
-        if positions is not None or self.rope_theta is not None:
-            positions = _positions(self, positions, query, key, cache)  # before the masks, as in the other files
-        if attention_mask is not None or attention_bias is not None:
-            target = (b, self.num_heads, t, s if cache is None else cache.key.shape[2])
-            dtype = _softmax_dtype(self.compute_dtype)
-            attention_mask = _mask_to_4d(attention_mask, target, "attention_mask", dtype)
-            attention_bias = _mask_to_4d(attention_bias, target, "attention_bias", dtype)
-        if cache is None and (attention_mask is not None or explicit_key_mask is not None):
-            self._warn_traps(attention_mask, explicit_key_mask, t, s)
+        if not one_input:
+            _check_lengths(query, key, value)
+        options = (query_mask, key_mask, value_mask, cache, positions, attention_mask, attention_bias)
+        if self.rope_theta is not None or any(x is not None for x in (*options, *implicit)):  # `_check_options`
+            query_mask, key_mask, positions, attention_mask, attention_bias = _check_options(
+                self, query, key, self_attention, explicit_key_mask, implicit, *options
+            )  # fmt: skip
         query, key, value = (tf.cast(x, self.compute_dtype) for x in (query, key, value))
         return _Call(
             query, key, value, attention_mask, attention_bias, key_mask, query_mask, positions, causal, self.window,
             self.attention_chunk_size, return_attention, cache, training, fuse,
         )  # fmt: skip
 
-    def _warn_traps(self, attention_mask, key_mask, t, s):
-        """Warns once per layer for each built-in habit the masks' values suggest (docs/SPEC.md, Masks),
-        where reading them is free (eagerly, on the CPU; a call with a cache is not read); the call
-        computes what the SPEC says either way. The habits: a boolean mask False everywhere
-        (nn.MultiheadAttention's True = ignore, nothing padded); a square boolean mask keeping keys
-        only after each query (its causal `attn_mask`, `triu(ones, 1)`); a `key_mask` whose every row
-        is False then True, some row keeping no key and none keeping all (its `key_padding_mask`;
-        left padding keeps its longest sequence all True); a floating mask of only 0s and 1s."""
-        attention_mask, key_mask = (None if m is None else tf.convert_to_tensor(m) for m in (attention_mask, key_mask))
-        masks = [mask for mask in (attention_mask, key_mask) if mask is not None]
-        if not masks or not (tf.executing_eagerly() and all("CPU" in x.device.upper() for x in masks)):
-            return
-        traps = {}
-        for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
-            if mask is not None and mask.dtype == tf.bool and int(tf.size(mask)) > 0 and not bool(tf.reduce_any(mask)):
-                traps[name] = _TRAPS["empty"].format(name=name)
-        boolean = attention_mask is not None and attention_mask.dtype == tf.bool and "attention_mask" not in traps
-        if boolean and int(tf.size(attention_mask)) > 0 and t == s > 0:
-            traps |= {} if bool(tf.reduce_any(attention_mask & causal_mask(t, s))) else {"causal": _TRAPS["causal"]}
-        if key_mask is not None and "key_mask" not in traps:
-            kept = tf.reduce_sum(tf.cast(key_mask, tf.int32), -1)  # (B,)
-            ordered = bool(tf.reduce_all(tf.cast(key_mask[:, 1:], tf.int8) >= tf.cast(key_mask[:, :-1], tf.int8)))
-            empty = int(tf.reduce_sum(tf.cast(kept == 0, tf.int32)))
-            if ordered and not bool(tf.reduce_any(kept == key_mask.shape[1])) and empty:
-                traps["padding"] = _TRAPS["padding"].format(empty=empty, b=key_mask.shape[0])
-        if attention_mask is not None and attention_mask.dtype.is_floating:
-            ones = attention_mask == 1
-            if bool(tf.reduce_all(ones | (attention_mask == 0))) and bool(tf.reduce_any(ones)):
-                traps["zeros and ones"] = _TRAPS["zeros and ones"]
-        for kind, message in traps.items():
-            if kind not in self._warned_traps:
-                self._warned_traps.add(kind)
-                _warn_at_caller(message)
-
-    def _masks(self, call):
-        """Step 1: the masks combined into one boolean keep, (B|1, N|1, T|1, S|1) or None, and the
-        additive biases kept apart (the floating mask's, which gets no gradient on the memory-efficient
-        path, and `attention_bias`'s), each None or rank 4 in the softmax's dtype. With a cache,
-        `key_mask` goes into the cache's keep instead (step 5)."""
-        keep = mask_bias = attention_bias = None
-        if call.attention_mask is not None:
-            keep, mask_bias = _split_mask(call.attention_mask, _softmax_dtype(self.compute_dtype))
-        if call.attention_bias is not None:
-            bias_keep, attention_bias = _split_mask(call.attention_bias, _softmax_dtype(self.compute_dtype))
-            keep = _and(keep, bias_keep)
-        if call.query_mask is not None:
-            keep = _and(keep, tf.expand_dims(tf.expand_dims(call.query_mask, 1), 3))  # (B, T) -> (B, 1, T, 1)
-        if call.key_mask is not None and call.cache is None:
-            keep = _and(keep, tf.expand_dims(tf.expand_dims(call.key_mask, 1), 1))  # (B, S) -> (B, 1, 1, S)
-        return keep, (mask_bias, attention_bias)
-
     def _project_qkv(self, call):
-        """Step 2: q (B, N, T, H), k and v (B, K, S, H) from the query, key and value; in one matmul
-        where `call.fuse` (self-attention without a cache; a cache's step of a few tokens projects
-        them apart: concatenating the kernels at every step would cost more than the matmul saves).
-        Then clamped by `clip_qkv`. MLA: q, the latents c (B, 1, S, C), k_rope (B, 1, S, Hr)."""
+        """Step 2: q (B, N, T, H), k and v (B, K, S, H), in one matmul where `call.fuse` (`_project_fused`)."""
         if self.kv_lora_rank is not None:
             return _project_latent(self, call)
         if call.fuse:  # (B, T, E) -> 3 x (B, T, heads*H)
@@ -532,10 +369,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         return (q, k, v) if self.clip_qkv is None else tuple(_clip_qkv(self, x) for x in (q, k, v))
 
     def _project(self, x, *kinds):
-        """(B, L, D) @ (D, F) + (F,) -> (B, L, F) as a 2-D matmul and a bias add (which oneDNN fuses),
-        for the projection `kinds` names; several (self-attention's "query", "key", "value") are one
-        matmul over their concatenated kernels, a missing bias zeros. The weights are read in x's dtype
-        (a no-op inside Keras' `__call__`, which autocasts them); an int8 kernel: `_int8_matmul`."""
+        """(B, L, D) -> (B, L, F): the projection `kinds` names, as a 2-D matmul and a bias add (fused by
+        oneDNN); several `kinds` are one matmul over their concatenated kernels (`_project_fused`)."""
         int8 = getattr(self, "quantization_mode", None) == "int8"
         kernels = [getattr(self, f"{kind}_kernel") for kind in kinds]
         biases = [getattr(self, f"{kind}_bias") if kind in self.bias else None for kind in kinds]
@@ -566,17 +401,9 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         return tf.reshape(merged, tf.concat([tf.shape(merged)[:2], [-1]], 0))  # -> (B, L, heads*H)
 
     def _attend(self, q, k, v, keep, bias, call):
-        """Step 6, the one entry to the paths; returns (context (B, N, T, Hv), weights (B, N, T, S) or
-        None). MLA attends its latents (`_attend_latent`); every other layer `_attend_heads`."""
-        if self.kv_lora_rank is not None:
-            return _attend_latent(self, q, k, v, keep, bias, call)
-        return self._attend_heads(q, k, v, keep, bias, call)
-
-    def _attend_heads(self, q, k, v, keep, bias, call):
-        """q (B, N, T, H), k (B, K, S, H), v (B, K, S, Hv) attended by the formula while the weights are
-        returned or the (B, N, T, S) scores are known at trace time to be at most
-        `memory_efficient_threshold` elements; else by the memory-efficient path (`_attend_in_chunks`).
-        `bias` is (the floating mask's, `attention_bias`'s)."""
+        """Step 6, the one entry to the paths: q (B, N, T, H), k (B, K, S, H), v (B, K, S, Hv) attended by
+        the formula; by `_attend_in_chunks` where the scores may exceed `memory_efficient_threshold`
+        elements and no weights are returned. Returns (context (B, N, T, Hv), weights or None)."""
         b, n, t, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
         if not call.return_attention and (None in (b, t, s) or b * n * t * s > self.memory_efficient_threshold):
             return _attend_in_chunks(self, q, k, v, keep, bias, call)
@@ -593,15 +420,24 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         )  # fmt: skip
 
 
-def _warn_at_caller(message):
-    """Warns `AttentionMaskWarning` at the user's line: the first frame outside this file and the
-    framework (a module's or layer's `__call__`, Keras' traceback filter), however deep they call."""
-    frame, level = sys._getframe(1), 2  # level 2: the frame that called this function
-    while frame is not None and (
-        frame.f_globals is globals() or frame.f_globals.get("__name__", "").split(".")[0] in _FRAMEWORK_MODULES
-    ):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, AttentionMaskWarning, stacklevel=level)
+class _Call(NamedTuple):
+    """A call's arguments, checked and defaulted by `_check_call` (docs/SPEC.md, "Call")."""
+
+    query: tf.Tensor  # (B, T, E), checked and cast to the compute dtype
+    key: tf.Tensor  # (B, S, kdim)
+    value: tf.Tensor  # (B, S, vdim)
+    attention_mask: tf.Tensor | None  # after the `mask=` alias, checked, rank 4 (dims may be 1)
+    attention_bias: tf.Tensor | None  # checked, floating, rank 4 (dims may be 1)
+    key_mask: tf.Tensor | None  # (B, S): after the self-attention default and implicit Keras masks
+    query_mask: tf.Tensor | None  # (B, T), ANDed with the query's implicit Keras mask
+    positions: tf.Tensor | None  # (B|1, T) integers, (k, B|1, T) with `rope_sections`, or None without RoPE
+    causal: bool  # the cache step replaces it by False once folded into keep
+    window: int | tuple | None  # self.window; the cache step replaces it by None once folded into keep
+    attention_chunk_size: int | None  # self.attention_chunk_size; likewise
+    return_attention: bool
+    cache: "KVCache | None"  # the cache step replaces it by the written cache
+    training: bool | None  # the call's training flag
+    fuse: bool  # q, k and v may come from one matmul (self-attention without a cache)
 
 
 def _check_input(name, x, width_name, width):
@@ -616,6 +452,118 @@ def _check_input(name, x, width_name, width):
             f"Received: {name}.shape={shape}"
         )
     return x
+
+
+def _project_fused(layer, x):
+    """Self-attention: q, k and v (B, T, heads*H) from one matmul over the concatenated projections."""
+    nh, kh = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+    return tf.split(layer._project(x, "query", "key", "value"), [nh, kh, kh], axis=-1)  # (B, T, N*H + 2*K*H)
+
+
+def dot_product_attention(
+    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, attention_chunk_size=None,
+    sinks=None, dropout=None,
+):  # fmt: skip
+    """Pure attention on split heads, the explicit formula: context (B, N, T, H) and weights (B, N, T, S),
+    exactly 0 where not kept.
+
+    Args:
+        q, k, v: (B, N, T, H) queries; (B, K, S, H) keys and values, K dividing N.
+        keep, bias: None, or a boolean (True where a query may attend a key) / a float added to the
+            (soft-capped) scores, broadcasting to (B, N, T, S).
+        causal: if True, query t keeps key s only if s <= t + (S - T).
+        scale: the factor of the scores; None is 1 / sqrt(H). softcap: None or c: scores -> c * tanh(scores / c).
+        window: None, W or (W_before, W_after): query t keeps key s only if s > t + (S - T) - W_before (and
+            s < t + (S - T) + W_after); attention_chunk_size: None or C: only if s // C == (t + (S - T)) // C.
+        sinks: None or (N,) logits in the softmax's denominator; dropout: None or a callable on the weights.
+    """
+    t, s = tf.shape(q)[2], tf.shape(k)[2]
+    if causal:  # `causal_mask(t, s)`, (T, S)
+        keep = _and(keep, tf.range(s)[None, :] <= (tf.range(t) + (s - t))[:, None])  # dims may be 1
+    if window is not None or attention_chunk_size is not None:
+        keep = _and(keep, _position_keep(tf.range(t) + (s - t), s, False, window, attention_chunk_size))
+    groups = q.shape[1] // k.shape[1]
+    k = tf.repeat(k, groups, axis=1) if groups > 1 else k  # (B, K, S, H) -> (B, N, S, H)
+    v = tf.repeat(v, groups, axis=1) if groups > 1 else v  # (B, K, S, H) -> (B, N, S, H)
+    dtype = tf.float64 if q.dtype == tf.float64 else tf.float32  # the softmax's, float32 at least (`_softmax_dtype`)
+    q = q * tf.constant(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, q.dtype)  # not the scores (rounding)
+    scores = tf.cast(tf.matmul(q, k, transpose_b=True), dtype)  # (B, N, T, S)
+    scores = scores if softcap is None else _softcap(scores, softcap)
+    if bias is not None:
+        bias = tf.cast(bias, dtype)
+        scores = scores + (bias if sinks is not None else _centre_rows(bias, keep))  # (B, N, T, S)
+    plain = keep is None and sinks is None
+    weights = tf.cast(tf.nn.softmax(scores, axis=-1) if plain else _masked_softmax(scores, keep, sinks), q.dtype)
+    context = tf.matmul(weights if dropout is None else dropout(weights), v)  # (B, N, T, S) @ (B, N, S, H)
+    return context, weights
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: score modifiers
+# -------------------------------------------------------------------------------------------------
+# `scale` (default 1 / sqrt(H)), `softcap` (Gemma 2: scores become c * tanh(scores / c)), `window`
+# (query t keeps key s only if s > t + (S - T) - W; a pair (W_before, W_after) also needs
+# s < t + (S - T) + W_after), `attention_chunk_size` (keys only in the query's chunk of C positions:
+# Llama 4), `sinks` (a learned logit per head in the softmax's denominator), ALiBi (`alibi_bias`,
+# passed as `attention_bias`) and the call's `attention_bias` (added to the scores, with a gradient);
+# and the masks beyond the plain call's: `attention_mask` (`mask`), `key_mask`, `query_mask`, `causal`.
+#
+# Masks (docs/SPEC.md, "Masks"): a boolean `attention_mask` is True where a query may attend a key;
+# a floating one is added to the scores, read in its own dtype: a value at or below the lowest
+# finite value of its dtype or of float32 (whichever is higher), or -inf, removes a key; every other
+# value is added in the softmax's dtype (float32 at least). `causal=True` keeps key s for query t
+# iff s <= t + (S - T), combined with every other mask. Keras implicit masks are honoured (the
+# query's removes query rows, the key's and value's remove keys, ANDed with `query_mask` and
+# `key_mask`; the output carries the query's). A query row with no key left gets weights of
+# exactly 0, so its output is `output_bias`: never NaN.
+
+
+def _masks(layer, call):
+    """Step 1: the masks combined into one boolean keep, (B|1, N|1, T|1, S|1) or None, and the
+    additive biases kept apart (the floating mask's, which gets no gradient on the memory-efficient
+    path, and `attention_bias`'s), each None or rank 4 in the softmax's dtype. With a cache,
+    `key_mask` goes into the cache's keep instead (step 5)."""
+    keep = mask_bias = attention_bias = None
+    if call.attention_mask is not None:
+        keep, mask_bias = _split_mask(call.attention_mask, _softmax_dtype(layer.compute_dtype))
+    if call.attention_bias is not None:
+        bias_keep, attention_bias = _split_mask(call.attention_bias, _softmax_dtype(layer.compute_dtype))
+        keep = _and(keep, bias_keep)
+    if call.query_mask is not None:
+        keep = _and(keep, tf.expand_dims(tf.expand_dims(call.query_mask, 1), 3))  # (B, T) -> (B, 1, T, 1)
+    if call.key_mask is not None and call.cache is None:
+        keep = _and(keep, tf.expand_dims(tf.expand_dims(call.key_mask, 1), 1))  # (B, S) -> (B, 1, 1, S)
+    return keep, (mask_bias, attention_bias)
+
+
+def _check_options(
+    layer, query, key, self_attention, explicit_key_mask, implicit, query_mask, key_mask, value_mask, cache,
+    positions, attention_mask, attention_bias,
+):  # fmt: skip
+    """The checks of a call's optional arguments, after its inputs' (`_check_call`), in this order: the
+    token masks (checked, ANDed with the inputs' `implicit` Keras masks; `key_mask` defaults to
+    `query_mask` in self-attention), the cache, `positions` (`_positions`), `attention_mask` and
+    `attention_bias` (rank 4), then the habits the masks suggest warned of (`_warn_traps`). Returns
+    query_mask (B, T), key_mask (B, S), positions, attention_mask and attention_bias."""
+    (b, t), s = tuple(query.shape)[:2], key.shape[1]
+    if any(mask is not None for mask in (query_mask, key_mask, value_mask, *implicit)):  # (B, T), (B, S)
+        query_mask = _and(_check_token_mask("query_mask", query_mask, b, t, "T"), implicit[0])
+        key_mask = _check_token_mask("key_mask", key_mask, b, s, "S")
+        key_mask = _and(key_mask, _check_token_mask("value_mask", value_mask, b, s, "S"))
+        key_mask = query_mask if self_attention and key_mask is None else key_mask
+        key_mask = _and(key_mask, _and(implicit[1], implicit[2]))
+    if cache is not None:
+        _check_cache(cache, query, key, layer.num_kv_heads, layer.head_dim, layer._latent)
+    if positions is not None or layer.rope_theta is not None:
+        positions = _positions(layer, positions, query, key, cache)  # before the masks, as in the other files
+    if attention_mask is not None or attention_bias is not None:
+        target = (b, layer.num_heads, t, s if cache is None else cache.key.shape[2])
+        dtype = _softmax_dtype(layer.compute_dtype)
+        attention_mask = _mask_to_4d(attention_mask, target, "attention_mask", dtype)
+        attention_bias = _mask_to_4d(attention_bias, target, "attention_bias", dtype)
+    if cache is None and (attention_mask is not None or explicit_key_mask is not None):
+        _warn_traps(layer, attention_mask, explicit_key_mask, t, s)
+    return query_mask, key_mask, positions, attention_mask, attention_bias
 
 
 def _check_token_mask(name, mask, batch, length, letter):
@@ -688,12 +636,6 @@ def _mask_to_4d(mask, target, name, dtype):
     return mask
 
 
-def _project_fused(layer, x):
-    """Self-attention: q, k and v (B, T, heads*H) from one matmul over the concatenated projections."""
-    nh, kh = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
-    return tf.split(layer._project(x, "query", "key", "value"), [nh, kh, kh], axis=-1)  # (B, T, N*H + 2*K*H)
-
-
 def causal_mask(t, s):
     """(T, S) boolean mask: query t keeps key s iff s <= t + (S - T) (bottom-right aligned)."""
     return tf.range(s)[None, :] <= (tf.range(t) + (s - t))[:, None]  # (1, S) <= (T, 1) -> (T, S)
@@ -722,48 +664,6 @@ def _add(a, b):
     return b if a is None else a if b is None else a + b
 
 
-def dot_product_attention(
-    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, attention_chunk_size=None,
-    sinks=None, dropout=None,
-):  # fmt: skip
-    """Pure attention on split heads, the explicit formula; returns (context, weights).
-
-    Args:
-        q, k, v: (B, N, T, H) queries; (B, K, S, H) keys and values, K dividing N.
-        keep: None or boolean, broadcasts to (B, N, T, S); True where a query may attend a key.
-        bias: None or float, broadcasts to (B, N, T, S); added to the (soft-capped) scores.
-        causal: if True, query t keeps key s only if s <= t + (S - T).
-        scale: the factor of the scores; None is 1 / sqrt(H). softcap: None or c: scores -> c * tanh(scores / c).
-        window: None, W or (W_before, W_after): query t keeps key s only if s > t + (S - T) - W_before,
-            and with a pair also s < t + (S - T) + W_after.
-        attention_chunk_size: None, or C: query t keeps key s only if s // C == (t + (S - T)) // C.
-        sinks: None or (N,) logits, one per query head, in the softmax's denominator.
-        dropout: None, or a callable applied to the weights before the weighted sum.
-
-    Returns:
-        context (B, N, T, H) and weights (B, N, T, S), exactly 0 where not kept.
-    """
-    t, s = tf.shape(q)[2], tf.shape(k)[2]
-    if causal:  # `causal_mask(t, s)`, (T, S)
-        keep = _and(keep, tf.range(s)[None, :] <= (tf.range(t) + (s - t))[:, None])  # dims may be 1
-    if window is not None or attention_chunk_size is not None:
-        keep = _and(keep, _position_keep(tf.range(t) + (s - t), s, False, window, attention_chunk_size))
-    groups = q.shape[1] // k.shape[1]
-    k = tf.repeat(k, groups, axis=1) if groups > 1 else k  # (B, K, S, H) -> (B, N, S, H)
-    v = tf.repeat(v, groups, axis=1) if groups > 1 else v  # (B, K, S, H) -> (B, N, S, H)
-    dtype = tf.float64 if q.dtype == tf.float64 else tf.float32  # the softmax's, float32 at least (`_softmax_dtype`)
-    q = q * tf.constant(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, q.dtype)  # not the scores (rounding)
-    scores = tf.cast(tf.matmul(q, k, transpose_b=True), dtype)  # (B, N, T, S)
-    scores = scores if softcap is None else _softcap(scores, softcap)
-    if bias is not None:
-        bias = tf.cast(bias, dtype)
-        scores = scores + (bias if sinks is not None else _centre_rows(bias, keep))  # (B, N, T, S)
-    plain = keep is None and sinks is None
-    weights = tf.cast(tf.nn.softmax(scores, axis=-1) if plain else _masked_softmax(scores, keep, sinks), q.dtype)
-    context = tf.matmul(weights if dropout is None else dropout(weights), v)  # (B, N, T, S) @ (B, N, S, H)
-    return context, weights
-
-
 def _masked_softmax(scores, keep, sinks):
     """Softmax over the last axis of (B, N, T, S) scores, in their dtype: keys not kept removed
     (filled with the lowest finite value), one sink logit per head (N,) in the denominator
@@ -782,78 +682,6 @@ def _masked_softmax(scores, keep, sinks):
 def _softmax_dtype(dtype):
     """Softmax runs in float32 at least (float64 stays float64)."""
     return tf.float64 if tf.as_dtype(dtype) == tf.float64 else tf.float32
-
-
-def _static_shape(x):
-    return tuple(x.shape) if x.shape.rank is not None else None
-
-
-def _differ(*dims):
-    known = {d for d in dims if d is not None}
-    return len(known) > 1
-
-
-# The constructor's checks of the plain arguments (each option family's in its section).
-
-
-def _positive_int(name, value):
-    if not _is_positive_int(value):
-        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
-    return int(value)
-
-
-def _is_positive_int(value):
-    """A Python or NumPy integer (not a bool) >= 1."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 1
-
-
-def _flag(name, value):
-    """A constructor flag: a Python or NumPy bool (not 0 or 1, not a string)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
-    return bool(value)
-
-
-def _dropout_rate(dropout):
-    """`dropout` as a float: a Python or NumPy number (not a bool, not None) in [0, 1)."""
-    number = isinstance(dropout, (int, float, np.integer, np.floating)) and not isinstance(dropout, (bool, np.bool_))
-    if not (number and 0.0 <= dropout < 1.0):
-        raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
-    return float(dropout)
-
-
-def _projection_biases(bias, gate, projections=_PROJECTIONS):
-    """`bias` -> the names of the projections that have a bias, in the order of `projections`
-    (("query", "key", "value", "output", "gate"), or the layer's with MLA: `_projections`). `bias`
-    is a Python or NumPy bool (all the layer's projections, the gate's only with `gate` True, or
-    none), or a list, tuple, set or frozenset of those names; anything else (a string, a dict or
-    its keys, an array) is refused."""
-    if isinstance(bias, (bool, np.bool_)):
-        return _projection_kinds(projections, gate is True or gate is np.True_) if bias else ()
-    names = isinstance(bias, (list, tuple, set, frozenset)) and all(
-        isinstance(name, str) and name in projections for name in bias
-    )
-    if not names:
-        raise ValueError(
-            f"`bias` must be True, False or a list, tuple or set of {', '.join(map(repr, projections))}. "
-            f"Received: bias={bias!r}"
-        )
-    return tuple(name for name in projections if name in bias)
-
-
-def _projection_kinds(projections, gate):
-    """The layer's projections among `projections` (`_projections`): the gate's only with `gate`."""
-    return projections if gate else projections[:-1]
-
-
-# -------------------------------------------------------------------------------------------------
-# Section: score modifiers
-# -------------------------------------------------------------------------------------------------
-# `scale` (default 1 / sqrt(H)), `softcap` (Gemma 2: scores become c * tanh(scores / c)), `window`
-# (query t keeps key s only if s > t + (S - T) - W; a pair (W_before, W_after) also needs
-# s < t + (S - T) + W_after), `attention_chunk_size` (keys only in the query's chunk of C positions:
-# Llama 4), `sinks` (a learned logit per head in the softmax's denominator), ALiBi (`alibi_bias`,
-# passed as `attention_bias`) and the call's `attention_bias` (added to the scores, with a gradient).
 
 
 def _check_score_modifiers(head_dim, scale, softcap, window, attention_chunk_size):
@@ -1710,6 +1538,15 @@ def _latent_head_dim(latent, head_dim):
     return width
 
 
+def _check_latent_inputs(key, value):
+    """MLA reads keys and values from `key`: `value` must be None or `key` itself."""
+    if key is not None and value is not None and value is not key:
+        raise ValueError(
+            "`value` must be None or `key` itself with `kv_lora_rank`: MLA reads keys and values from `key`. "
+            "Received: a value other than key"
+        )
+
+
 def _set_latent(layer, latent, vdim, options):
     """The constructor's MLA step: what MLA refuses (after every argument's own check), each with
     why; `vdim` becomes `kdim` (MLA reads keys and values from `key`); the MLA sizes set on the
@@ -1856,7 +1693,7 @@ def _attend_latent(layer, q, latent, k_rope, keep, bias, call):
     if _absorbs(layer, call, q.shape[2]):
         return _attend_absorbed(layer, q, latent, k_rope, keep, bias, call)
     k, v = _expand_latents(layer, latent, k_rope)  # (B, K, S, H), (B, K, S, Hv)
-    return layer._attend_heads(q, k, v, keep, bias, call)
+    return layer._attend(q, k, v, keep, bias, call)
 
 
 def _absorbs(layer, call, t):
@@ -1913,7 +1750,7 @@ def _attend_absorbed(layer, q, latent, k_rope, keep, bias, call):
     if b_v is not None:
         values.append(ones)
     q, k, v = (tf.concat(parts, axis=-1) for parts in (queries, keys, values))  # (B, N, T, .), 2 x (B, 1, S, .)
-    context, weights = layer._attend_heads(q, k, v, keep, bias, call)  # (B, N, T, C or C + 1)
+    context, weights = layer._attend(q, k, v, keep, bias, call)  # (B, N, T, C or C + 1)
     output = tf.matmul(context[..., : layer.kv_lora_rank], w_vb, transpose_b=True)  # (B, N, T, C) -> (.., Hv)
     return output if b_v is None else output + context[..., layer.kv_lora_rank :] * b_v[:, None, :], weights
 
@@ -1928,7 +1765,7 @@ def _attend_absorbed(layer, q, latent, k_rope, keep, bias, call):
 
 
 def _attend_in_chunks(layer, q, k, v, keep, bias, call):
-    """`_attend_heads` without the weights where the (B, N, T, S) scores may exceed
+    """`_attend` without the weights where the (B, N, T, S) scores may exceed
     `memory_efficient_threshold` elements: the memory-efficient path (where shapes are unknown at
     trace time: decided at run time, or always under XLA, which cannot differentiate that choice).
     Returns (context (B, N, T, Hv), None)."""
@@ -2376,6 +2213,143 @@ def _unquantized_policy(policy):
 # -------------------------------------------------------------------------------------------------
 # Keras conventions (the backend check, inputs as given, the Dropout sublayer, shapes given to
 # `build`, initializers, output specs), XLA, and the implicit Keras masks.
+# `bias` and the constructor's plain arguments checked; the habits of other libraries that a
+# mask's values suggest (nn.MultiheadAttention's True = ignore, Keras' 0/1 floats), warned of once
+# per layer (`AttentionMaskWarning`).
+
+
+def _positive_int(name, value):
+    if not _is_positive_int(value):
+        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+    return int(value)
+
+
+def _is_positive_int(value):
+    """A Python or NumPy integer (not a bool) >= 1."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 1
+
+
+def _flag(name, value):
+    """A constructor flag: a Python or NumPy bool (not 0 or 1, not a string)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
+    return bool(value)
+
+
+def _dropout_rate(dropout):
+    """`dropout` as a float: a Python or NumPy number (not a bool, not None) in [0, 1)."""
+    number = isinstance(dropout, (int, float, np.integer, np.floating)) and not isinstance(dropout, (bool, np.bool_))
+    if not (number and 0.0 <= dropout < 1.0):
+        raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
+    return float(dropout)
+
+
+def _projection_biases(bias, gate, projections=_PROJECTIONS):
+    """`bias` -> the names of the projections that have a bias, in the order of `projections`
+    (("query", "key", "value", "output", "gate"), or the layer's with MLA: `_projections`). `bias`
+    is a Python or NumPy bool (all the layer's projections, the gate's only with `gate` True, or
+    none), or a list, tuple, set or frozenset of those names; anything else (a string, a dict or
+    its keys, an array) is refused."""
+    if isinstance(bias, (bool, np.bool_)):
+        return _projection_kinds(projections, gate is True or gate is np.True_) if bias else ()
+    names = isinstance(bias, (list, tuple, set, frozenset)) and all(
+        isinstance(name, str) and name in projections for name in bias
+    )
+    if not names:
+        raise ValueError(
+            f"`bias` must be True, False or a list, tuple or set of {', '.join(map(repr, projections))}. "
+            f"Received: bias={bias!r}"
+        )
+    return tuple(name for name in projections if name in bias)
+
+
+def _projection_kinds(projections, gate):
+    """The layer's projections among `projections` (`_projections`): the gate's only with `gate`."""
+    return projections if gate else projections[:-1]
+
+
+def _check_lengths(query, key, value):
+    """`query`, `key` and `value` of one batch size B, `key` and `value` of one length S (dimensions
+    unknown at trace time are not checked); not called when all three are the query."""
+    q, k, v = (tuple(x.shape) for x in (query, key, value))
+    if _differ(q[0], k[0], v[0]):
+        raise ValueError(
+            "`query`, `key` and `value` must have the same batch size B. Received: "
+            f"query.shape={q}, key.shape={k}, value.shape={v}"
+        )
+    if _differ(k[1], v[1]):
+        raise ValueError(f"`key` and `value` must have the same length S. Received: key.shape={k}, value.shape={v}")
+
+
+def _static_shape(x):
+    return tuple(x.shape) if x.shape.rank is not None else None
+
+
+def _differ(*dims):
+    known = {d for d in dims if d is not None}
+    return len(known) > 1
+
+
+_TRAPS = {
+    "empty": "`{name}` keeps no key for any query, so every output row is `output_bias`: True means attend (in "
+    "nn.MultiheadAttention True means ignore: pass `~mask`). Received: a boolean {name} that is False everywhere",
+    "causal": "`attention_mask` keeps keys only after each query, none at or before it: True means attend (in "
+    "nn.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`). "
+    "Received: a boolean attention_mask False wherever causal attention keeps a key",
+    "padding": "`key_mask` reads as nn.MultiheadAttention's key_padding_mask (True = padding): True means a real "
+    "key, pass `~mask`. Received: a key_mask False then True in every row, {empty} of {b} rows keeping no key "
+    "and none keeping all",
+    "zeros and ones": "`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras "
+    "reads such a mask as boolean): pass `mask > 0` (True = attend) or an additive mask. "
+    "Received: a floating attention_mask of 0s and 1s",
+}
+_FRAMEWORK_MODULES = ("tensorflow", "keras", "tf_keras")  # the packages between the user's call and this file
+
+
+def _warn_traps(layer, attention_mask, key_mask, t, s):
+    """Warns once per layer for each built-in habit the masks' values suggest (docs/SPEC.md, Masks),
+    where reading them is free (eagerly, on the CPU; a call with a cache is not read); the call
+    computes what the SPEC says either way. The habits: a boolean mask False everywhere
+    (nn.MultiheadAttention's True = ignore, nothing padded); a square boolean mask keeping keys
+    only after each query (its causal `attn_mask`, `triu(ones, 1)`); a `key_mask` whose every row
+    is False then True, some row keeping no key and none keeping all (its `key_padding_mask`;
+    left padding keeps its longest sequence all True); a floating mask of only 0s and 1s."""
+    attention_mask, key_mask = (None if m is None else tf.convert_to_tensor(m) for m in (attention_mask, key_mask))
+    masks = [mask for mask in (attention_mask, key_mask) if mask is not None]
+    if not masks or not (tf.executing_eagerly() and all("CPU" in x.device.upper() for x in masks)):
+        return
+    traps = {}
+    for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
+        if mask is not None and mask.dtype == tf.bool and int(tf.size(mask)) > 0 and not bool(tf.reduce_any(mask)):
+            traps[name] = _TRAPS["empty"].format(name=name)
+    boolean = attention_mask is not None and attention_mask.dtype == tf.bool and "attention_mask" not in traps
+    if boolean and int(tf.size(attention_mask)) > 0 and t == s > 0:
+        traps |= {} if bool(tf.reduce_any(attention_mask & causal_mask(t, s))) else {"causal": _TRAPS["causal"]}
+    if key_mask is not None and "key_mask" not in traps:
+        kept = tf.reduce_sum(tf.cast(key_mask, tf.int32), -1)  # (B,)
+        ordered = bool(tf.reduce_all(tf.cast(key_mask[:, 1:], tf.int8) >= tf.cast(key_mask[:, :-1], tf.int8)))
+        empty = int(tf.reduce_sum(tf.cast(kept == 0, tf.int32)))
+        if ordered and not bool(tf.reduce_any(kept == key_mask.shape[1])) and empty:
+            traps["padding"] = _TRAPS["padding"].format(empty=empty, b=key_mask.shape[0])
+    if attention_mask is not None and attention_mask.dtype.is_floating:
+        ones = attention_mask == 1
+        if bool(tf.reduce_all(ones | (attention_mask == 0))) and bool(tf.reduce_any(ones)):
+            traps["zeros and ones"] = _TRAPS["zeros and ones"]
+    for kind, message in traps.items():
+        if kind not in layer._warned_traps:
+            layer._warned_traps.add(kind)
+            _warn_at_caller(message)
+
+
+def _warn_at_caller(message):
+    """Warns `AttentionMaskWarning` at the user's line: the first frame outside this file and the
+    framework (a module's or layer's `__call__`, Keras' traceback filter), however deep they call."""
+    frame, level = sys._getframe(1), 2  # level 2: the frame that called this function
+    while frame is not None and (
+        frame.f_globals is globals() or frame.f_globals.get("__name__", "").split(".")[0] in _FRAMEWORK_MODULES
+    ):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, AttentionMaskWarning, stacklevel=level)
 
 
 def _check_backend():
@@ -2389,9 +2363,12 @@ def _check_backend():
 
 
 def _keras_conventions(layer):
-    """The constructor's Keras settings: Keras must not cast masks and biases (`call` casts query, key
-    and value), NumPy inputs reach `call` as they are, and the Dropout is held untracked (no sublayer:
-    `model.quantize` quantizes leaves), its Keras 3 seed generator this layer's state."""
+    """The constructor's Keras settings: masking supported (the habits a mask suggests warned of once
+    each), Keras must not cast masks and biases (`call` casts query, key and value), NumPy inputs
+    reach `call` as they are, and the Dropout is held untracked (no sublayer: `model.quantize`
+    quantizes leaves), its Keras 3 seed generator this layer's state."""
+    layer.supports_masking = True
+    layer._warned_traps = set()  # the mask habits warned of, once each
     layer._convert_input_args = False
     layer._allow_non_tensor_positional_args = True
     dropout_layer = tf.keras.layers.Dropout(layer.dropout, dtype=_unquantized_policy(layer.dtype_policy))
@@ -2478,6 +2455,12 @@ def _compiled_by_xla():
 # -------------------------------------------------------------------------------------------------
 # The portable weights in (`import_weights`), the Keras config (`get_config`), and the Keras
 # built-ins (`from_keras`, `to_keras`).
+#
+# Coming from `keras.layers.MultiHeadAttention`: it is called `(query, value, key)`, this layer
+# `(query, key, value)`: by position, key comes before value (or name them). A floating
+# `attention_mask` is added to the scores here, where Keras reads a 0/1 float mask as boolean: pass
+# `mask > 0`. `use_causal_mask=True` is `causal=True` (bottom-right aligned when T < S);
+# `return_attention_scores=True` is `return_attention=True`.
 
 _GROUP_QUERY_ATTENTION = getattr(tf.keras.layers, "GroupQueryAttention", None)  # None in legacy Keras (tf_keras)
 _BUILT_IN_GQA = () if _GROUP_QUERY_ATTENTION is None else (_GROUP_QUERY_ATTENTION,)
