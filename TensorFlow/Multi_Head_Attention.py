@@ -304,7 +304,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         keep, bias = None, (None, None)  # 1. the masks: one keep, (the floating mask's, attention_bias's) biases
         if any(mask is not None for mask in (attention_mask, attention_bias, call.key_mask, call.query_mask)):
             keep, bias = _masks(self, call)  # keep (B|1, N|1, T|1, S|1), rank-4 biases
-        q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H); MLA: c, k_rope
+        # 2. q (B, N, T, H), k and v (B, K, S, H); MLA: q, the latents c (B, 1, S, C) and k_rope (B, 1, S, Hr)
+        q, k, v = self._project_qkv(call) if self.kv_lora_rank is None else _project_latent(self, call)
         if self.qk_norm is not None:  # 3. QK-norm
             q, k = _normalize_qk(self, q, k)
         if self.rope_theta is not None:  # 4. RoPE
@@ -358,8 +359,6 @@ class MultiHeadAttention(tf.keras.layers.Layer):
 
     def _project_qkv(self, call):
         """Step 2: q (B, N, T, H), k and v (B, K, S, H), in one matmul where `call.fuse` (`_project_fused`)."""
-        if self.kv_lora_rank is not None:
-            return _project_latent(self, call)
         if call.fuse:  # (B, T, E) -> 3 x (B, T, heads*H)
             q, k, v = _project_fused(self, call.query)
         else:
@@ -705,6 +704,32 @@ def _score_modifiers(layer, call):
         scale=layer.scale, softcap=layer.softcap, window=call.window, attention_chunk_size=call.attention_chunk_size,
         sinks=sinks,
     )  # fmt: skip
+
+
+def _score_config(layer):
+    """The score modifiers' keys of `get_config`, in the signature's order (`window` a list)."""
+    window = list(layer.window) if isinstance(layer.window, tuple) else layer.window
+    return {
+        "scale": layer.scale, "softcap": layer.softcap, "window": window,
+        "attention_chunk_size": layer.attention_chunk_size,
+    }  # fmt: skip
+
+
+def _score_settings(layer):
+    """The score modifiers not at their default's values, {name: value or None} (`_non_defaults`)."""
+    return {
+        "scale": None if math.isclose(layer.scale, 1 / math.sqrt(layer.head_dim)) else layer.scale,
+        "softcap": layer.softcap,
+        "window": layer.window,
+        "attention_chunk_size": layer.attention_chunk_size,
+    }
+
+
+def _capped_chunk(chunks, scores):
+    """A chunk's scores soft-capped (`_softcap`, (B, N, chunk, S)) and the cap's tanh, which the
+    memory-efficient backward reads (None without `softcap`)."""
+    capped = None if chunks.softcap is None else tf.tanh(scores / chunks.softcap)
+    return (scores if capped is None else chunks.softcap * capped), capped
 
 
 def _check_window(window):
@@ -1237,7 +1262,7 @@ def _gate_heads(layer, call, context):
     if not layer.gate:
         return context
     gate = tf.sigmoid(layer._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
-    return context * layer._split_heads(gate, layer.num_heads, layer.v_head_dim)  # -> (B, N, T, Hv)
+    return context * layer._split_heads(gate, layer.num_heads, context.shape[-1])  # -> (B, N, T, Hv)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -1570,6 +1595,14 @@ def _set_latent(layer, latent, vdim, options):
         layer.vdim = layer.kdim
     for name in _LATENT_SIZES:
         setattr(layer, name, None if latent is None else getattr(latent, name))
+
+
+def _latent_config(layer, vdim_only=False):
+    """MLA's keys of `get_config`: its sizes and `latent_norm_eps`; or (`vdim_only`) `vdim`, None with
+    MLA (its values come from `key`), else nothing."""
+    if vdim_only:
+        return {} if layer.kv_lora_rank is None else {"vdim": None}
+    return {name: getattr(layer, name) for name in (*_LATENT_SIZES, "latent_norm_eps")}
 
 
 def _latent_of(layer):
@@ -1938,8 +1971,7 @@ def _chunk_weights(chunks, q, k, i, extra):
     start = i * size
     q_i = _rows(q, start, size)  # (B, N, chunk, H)
     scores = tf.cast(_by_head(chunks, tf.matmul(_grouped(chunks, q_i), k, transpose_b=True)), chunks.dtype)
-    capped = None if chunks.softcap is None else tf.tanh(scores / chunks.softcap)  # kept for the backward
-    scores = scores if capped is None else chunks.softcap * capped  # `_softcap`, (B, N, chunk, S)
+    scores, capped = _capped_chunk(chunks, scores)  # capped: the soft-cap's tanh, kept for the backward
     positions = start + tf.range(size) + chunks.offset  # (chunk,)
     position_keep = _position_keep(positions, chunks.s, chunks.causal, chunks.window, chunks.attention_chunk_size)
     keep_i = _and(_chunk_rows(chunks.keep, start, size), position_keep)  # (B, N, chunk, S), dims may be 1
@@ -2491,19 +2523,16 @@ def _import_weights(layer, weights):
 def _config(layer):
     """`get_config`'s own keys (after the base layer's), in the signature's order."""
     bias = True if layer.bias == layer._projection_names else bool(layer.bias) and list(layer.bias)
-    return {
+    config = {
         "d_model": layer.d_model,
         "num_heads": layer.num_heads,
         "num_kv_heads": layer.num_kv_heads,
         "head_dim": layer.head_dim,
         "kdim": layer.kdim,
-        "vdim": None if layer.kv_lora_rank is not None else layer.vdim,  # MLA: its values come from `key`
+        "vdim": layer.vdim,
         "dropout": layer.dropout,
         "bias": bias,
-        "scale": layer.scale,
-        "softcap": layer.softcap,
-        "window": list(layer.window) if isinstance(layer.window, tuple) else layer.window,
-        "attention_chunk_size": layer.attention_chunk_size,
+        **_score_config(layer),
         "rope_theta": layer.rope_theta,
         "rope_fraction": layer.rope_fraction,
         "rope_interleaved": layer.rope_interleaved,
@@ -2516,15 +2545,11 @@ def _config(layer):
         "sinks": layer.sinks,
         "clip_qkv": layer.clip_qkv,
         "gate": layer.gate,
-        "kv_lora_rank": layer.kv_lora_rank,
-        "q_lora_rank": layer.q_lora_rank,
-        "qk_nope_head_dim": layer.qk_nope_head_dim,
-        "qk_rope_head_dim": layer.qk_rope_head_dim,
-        "v_head_dim": layer.v_head_dim,
-        "latent_norm_eps": layer.latent_norm_eps,
+        **_latent_config(layer),  # MLA's sizes, after its vdim (None: its values come from `key`)
         "kernel_initializer": tf.keras.initializers.serialize(layer.kernel_initializer),
         "bias_initializer": tf.keras.initializers.serialize(layer.bias_initializer),
     }
+    return config | _latent_config(layer, vdim_only=True)  # the key keeps its place
 
 
 def _non_defaults(layer):
@@ -2532,10 +2557,7 @@ def _non_defaults(layer):
     only with RoPE, `qk_norm_type` and `qk_norm_bias` only with `qk_norm`: what they change)."""
     variants = {
         "bias": list(layer.bias) if layer.bias not in ((), layer._projection_names) else None,
-        "scale": None if math.isclose(layer.scale, 1 / math.sqrt(layer.head_dim)) else layer.scale,
-        "softcap": layer.softcap,
-        "window": layer.window,
-        "attention_chunk_size": layer.attention_chunk_size,
+        **_score_settings(layer),
         "rope_theta": layer.rope_theta,
         "rope_sections": layer.rope_sections if layer.rope_theta is not None else None,
         "qk_norm": layer.qk_norm,
