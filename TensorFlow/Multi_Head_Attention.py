@@ -165,13 +165,13 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         options = {  # each family checked by its section, in the signature's order with the flags last
             **_check_score_modifiers(self.head_dim, scale, softcap, window, attention_chunk_size),
             **_check_rope(rope_width, rope_theta, rope_fraction, rope_scaling, rope_sections),
-            **_check_norms_and_clip(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv),
+            **_check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv),
             "latent_norm_eps": _positive_float("latent_norm_eps", latent_norm_eps),
         }
         flags = {"rope_interleaved": rope_interleaved, "qk_norm_bias": qk_norm_bias, "sinks": sinks, "gate": gate}
-        options |= {name: _flag(name, value) for name, value in flags.items()}
-        _set_latent(self, latent, vdim, options)  # MLA's combinations refused, its sizes set (None without)
-        for name, value in options.items():
+        variants = _Variants(**options, **{name: _flag(name, value) for name, value in flags.items()})
+        _set_latent(self, latent, vdim, variants)  # MLA's combinations refused, its sizes set (None without)
+        for name, value in variants._asdict().items():
             setattr(self, name, value)
         if self.rope_theta is not None:
             self._inv_freq = _inverse_frequencies(rope_fraction, rope_width, self.rope_theta, self.rope_scaling)
@@ -365,7 +365,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             q, k, v = (self._project(x, kind) for x, kind in zip(call[:3], ("query", "key", "value"), strict=True))
         q = self._split_heads(q, self.num_heads)  # (B, N, T, H)
         k, v = self._split_heads(k, self.num_kv_heads), self._split_heads(v, self.num_kv_heads)  # (B, K, S, H)
-        return (q, k, v) if self.clip_qkv is None else tuple(_clip_qkv(self, x) for x in (q, k, v))
+        return (q, k, v) if self.clip_qkv is None else tuple(_clip(self, x) for x in (q, k, v))
 
     def _project(self, x, *kinds):
         """(B, L, D) -> (B, L, F): the projection `kinds` names, as a 2-D matmul and a bias add (fused by
@@ -1196,7 +1196,7 @@ def _swap_pairs(x, interleaved):
 # gate = sigmoid(query @ gate_kernel + gate_bias), (B, T, N*Hv): Keras' `use_gate`, Qwen3-Next), step 6b.
 
 
-def _check_norms_and_clip(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
+def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
     """`qk_norm`, `qk_norm_eps`, `qk_norm_type` and `clip_qkv` checked, in that order. The flags
     `qk_norm_bias` and `gate` are checked with the other flags, last."""
     if qk_norm not in (None, "head", "per_head", "all"):
@@ -1209,7 +1209,7 @@ def _check_norms_and_clip(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
     return {"qk_norm": qk_norm, "qk_norm_eps": qk_norm_eps, "qk_norm_type": str(qk_norm_type), "clip_qkv": clip_qkv}
 
 
-def _clip_qkv(layer, x):
+def _clip(layer, x):
     """`clip_qkv` (OLMo, DBRX, MPT): x clamped to [-c, c] (unchanged when None), with the
     clamp's gradient, 1 within [-c, c] (bounds included) and 0 outside."""
     return x if layer.clip_qkv is None else tf.clip_by_value(x, -layer.clip_qkv, layer.clip_qkv)
@@ -1572,29 +1572,28 @@ def _check_latent_inputs(key, value):
         )
 
 
-def _set_latent(layer, latent, vdim, options):
-    """The constructor's MLA step: what MLA refuses (after every argument's own check), each with
-    why; `vdim` becomes `kdim` (MLA reads keys and values from `key`); the MLA sizes set on the
-    layer (None without `kv_lora_rank`)."""
+def _set_latent(layer, latent, vdim, variants):
+    """The constructor's MLA step: what MLA refuses (`_check_latent_combinations`); `vdim` becomes `kdim`
+    (MLA reads keys and values from `key`); the MLA sizes set on the layer (None without MLA)."""
     if latent is not None:
-        refused = (
-            ("vdim", vdim, vdim is not None, "MLA reads keys and values from `key` (its width is `kdim`)"),
-            ("qk_norm", options["qk_norm"], options["qk_norm"] is not None, "MLA normalizes the latents instead"),
-            ("clip_qkv", options["clip_qkv"], options["clip_qkv"] is not None, "MLA has no q, k and v to clamp"),
-            (
-                "rope_sections",
-                options["rope_sections"],
-                options["rope_sections"] is not None,
-                "RoPE turns the Hr features",
-            ),
-            ("rope_fraction", options["rope_fraction"], options["rope_fraction"] != 1.0, "RoPE turns all Hr features"),
-        )
-        for name, value, given, why in refused:
-            if given:
-                raise ValueError(f"`{name}` is not supported with `kv_lora_rank`: {why}. Received: {name}={value!r}")
+        _check_latent_combinations(vdim, variants)
         layer.vdim = layer.kdim
     for name in _LATENT_SIZES:
         setattr(layer, name, None if latent is None else getattr(latent, name))
+
+
+def _check_latent_combinations(vdim, variants):
+    """What MLA refuses, each with why (after every argument's own check)."""
+    refused = (
+        ("vdim", vdim, vdim is not None, "MLA reads keys and values from `key` (its width is `kdim`)"),
+        ("qk_norm", variants.qk_norm, variants.qk_norm is not None, "MLA normalizes the latents instead"),
+        ("clip_qkv", variants.clip_qkv, variants.clip_qkv is not None, "MLA has no q, k and v to clamp"),
+        ("rope_sections", variants.rope_sections, variants.rope_sections is not None, "RoPE turns the Hr features"),
+        ("rope_fraction", variants.rope_fraction, variants.rope_fraction != 1.0, "RoPE turns all Hr features"),
+    )
+    for name, value, given, why in refused:
+        if given:
+            raise ValueError(f"`{name}` is not supported with `kv_lora_rank`: {why}. Received: {name}={value!r}")
 
 
 def _latent_config(layer, vdim_only=False):
@@ -2248,6 +2247,28 @@ def _unquantized_policy(policy):
 # `bias` and the constructor's plain arguments checked; the habits of other libraries that a
 # mask's values suggest (nn.MultiheadAttention's True = ignore, Keras' 0/1 floats), warned of once
 # per layer (`AttentionMaskWarning`).
+
+
+class _Variants(NamedTuple):
+    """The variants of a layer, checked by their sections' helpers in `__init__`; `scale` is never None."""
+
+    scale: float
+    softcap: float | None
+    window: int | tuple | None  # W, or (W_before, W_after)
+    attention_chunk_size: int | None
+    rope_theta: float | None
+    rope_fraction: float
+    rope_interleaved: bool
+    rope_scaling: dict | None
+    rope_sections: tuple | None
+    qk_norm: str | None
+    qk_norm_eps: float
+    qk_norm_type: str
+    qk_norm_bias: bool
+    sinks: bool
+    clip_qkv: float | None
+    gate: bool
+    latent_norm_eps: float
 
 
 def _positive_int(name, value):
