@@ -2645,28 +2645,28 @@ def _to_keras(layer):
     common |= {"use_gate": True} if layer.gate else {}
     widths = (layer.d_model, layer.vdim, layer.kdim)  # query, value, key: the built-ins' call order
     if layer.num_kv_heads == layer.num_heads:
-        layer = tf.keras.layers.MultiHeadAttention(layer.num_heads, layer.head_dim, **common)
-        if hasattr(layer, "_build_from_signature"):  # legacy Keras builds its projections on a first call
-            layer(*(tf.zeros((1, 1, width)) for width in widths))
+        built_in = tf.keras.layers.MultiHeadAttention(layer.num_heads, layer.head_dim, **common)
+        if hasattr(built_in, "_build_from_signature"):  # legacy Keras builds its projections on a first call
+            built_in(*(tf.zeros((1, 1, width)) for width in widths))
         else:
-            layer.build(*((None, None, width) for width in widths))
+            built_in.build(*((None, None, width) for width in widths))
     else:
         if _GROUP_QUERY_ATTENTION is None:
             raise ValueError(
                 "Legacy Keras (tf_keras) has no GroupQueryAttention to hold grouped-query attention. "
                 f"Received: num_heads={layer.num_heads}, num_kv_heads={layer.num_kv_heads}"
             )
-        layer = _GROUP_QUERY_ATTENTION(layer.head_dim, layer.num_heads, layer.num_kv_heads, **common)
-        layer.build(*((None, None, width) for width in widths))
-    layer.trainable = layer.trainable
+        built_in = _GROUP_QUERY_ATTENTION(layer.head_dim, layer.num_heads, layer.num_kv_heads, **common)
+        built_in.build(*((None, None, width) for width in widths))
+    built_in.trainable = layer.trainable
     weights = layer.export_weights()
-    dense = (layer._query_dense, layer._key_dense, layer._value_dense, layer._output_dense)
-    dense += (layer._gate_dense,) if layer.gate else ()
+    dense = (built_in._query_dense, built_in._key_dense, built_in._value_dense, built_in._output_dense)
+    dense += (built_in._gate_dense,) if layer.gate else ()
     for kind, sublayer in zip(_projection_kinds(_PROJECTIONS, layer.gate), dense, strict=True):
         sublayer.kernel.assign(weights[f"{kind}_kernel"].reshape(sublayer.kernel.shape))
         if layer.bias:
             sublayer.bias.assign(weights[f"{kind}_bias"].reshape(sublayer.bias.shape))
-    return layer
+    return built_in
 
 
 def _check_keras_can_hold(layer):

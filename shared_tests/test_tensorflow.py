@@ -423,10 +423,12 @@ def test_memory_efficient_path_is_taken_for_large_scores_without_weights(monkeyp
 
 
 def test_default_thresholds_chunk_long_sequences_only():
+    import TensorFlow.Multi_Head_Attention as tf_file
+
     layer = MultiHeadAttention(256, 4)
     long, short = tf.zeros((1, 4, 8192, 64)), tf.zeros((8, 4, 512, 64))
-    assert layer._query_chunk(long, long) == 64  # (1, 4, 64, 8192) scores per chunk: 2 Mi elements
-    assert layer._query_chunk(short, short) is None  # (8, 4, 512, 512): 8 Mi elements, attended at once
+    assert tf_file._query_chunk(layer, long, long) == 64  # (1, 4, 64, 8192) scores per chunk: 2 Mi elements
+    assert tf_file._query_chunk(layer, short, short) is None  # (8, 4, 512, 512): 8 Mi elements, attended at once
 
 
 def test_memory_efficient_path_under_xla_with_shapes_unknown_at_trace_time():
