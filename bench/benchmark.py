@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from bench import compile_time, decode_anchors, decode_pair, fresh, keras_bench, keras_decode, memory, mla
-from bench.timing import median_time, ratio_cell, rounds_of_times
+from bench.timing import median_time, ratio_cell, rounds_of_times, tf_function_calls
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -199,20 +199,7 @@ def tf_layers(config, variant=None):
                 return layer(x, x, return_attention_scores=weights, training=training)
             return layer(x, return_attention=weights, training=training)
 
-        plain = tf.function(lambda: forward(False))
-        with_weights = tf.function(lambda: forward(True))
-
-        @tf.function
-        def train():
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(forward(False, training=True))
-            return tape.gradient(loss, layer.trainable_weights)
-
-        return {
-            "forward": lambda: plain().numpy(),
-            "forward+weights": lambda: [r.numpy() for r in with_weights()],
-            "train step": lambda: [g.numpy() for g in train()],
-        }
+        return tf_function_calls(forward, layer)
 
     return {label: calls(label, layer) for label, layer in layers.items()}
 

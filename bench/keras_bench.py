@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from bench.timing import rounds_of_times
+from bench.timing import rounds_of_times, tf_function_calls
 
 MODES = ("forward", "forward+weights", "train step")
 DECODE_WIDTH, DECODE_HEADS, DECODE_LENGTH = 256, 4, 1024  # the decoding step: E (at most), N, L
@@ -45,27 +45,12 @@ def _calls_jax(layer, x, ours):
 
 
 def _calls_tensorflow(layer, x, ours):
-    import tensorflow as tf
-
     def forward(weights, training=False):
         if ours:
             return layer(x, return_attention=weights, training=training)
         return layer(x, x, return_attention_scores=weights, training=training)
 
-    plain = tf.function(lambda: forward(False))
-    with_weights = tf.function(lambda: forward(True))
-
-    @tf.function
-    def train():
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(forward(False, training=True))
-        return tape.gradient(loss, layer.trainable_weights)
-
-    return {
-        "forward": lambda: plain().numpy(),
-        "forward+weights": lambda: [r.numpy() for r in with_weights()],
-        "train step": lambda: [g.numpy() for g in train()],
-    }
+    return tf_function_calls(forward, layer)
 
 
 def _calls_torch(layer, x, ours):

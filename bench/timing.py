@@ -37,3 +37,27 @@ def ratio_cell(ours, theirs):
     """Median of the per-round ratios ours / theirs, and their min-max spread."""
     ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
     return f"**{statistics.median(ratios):.2f}x** ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
+def tf_function_calls(forward, layer):
+    """{mode: callable} of a TensorFlow layer run as its users run it, inside `tf.function`: the forward
+    pass without weights, with weights, and a training step (forward and the gradients of the
+    layer's trainable weights). `forward(weights, training=False)` calls the layer (ours or a
+    built-in, each with its own argument names). bench/benchmark.py and bench/keras_bench.py both
+    time TensorFlow with it."""
+    import tensorflow as tf
+
+    plain = tf.function(lambda: forward(False))
+    with_weights = tf.function(lambda: forward(True))
+
+    @tf.function
+    def train():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(forward(False, training=True))
+        return tape.gradient(loss, layer.trainable_weights)
+
+    return {
+        "forward": lambda: plain().numpy(),
+        "forward+weights": lambda: [r.numpy() for r in with_weights()],
+        "train step": lambda: [g.numpy() for g in train()],
+    }
