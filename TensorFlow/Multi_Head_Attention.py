@@ -477,10 +477,10 @@ def dot_product_attention(
         sinks: None or (N,) logits in the softmax's denominator; dropout: None or a callable on the weights.
     """
     t, s = tf.shape(q)[2], tf.shape(k)[2]
-    if causal:  # `causal_mask(t, s)`, (T, S)
-        keep = _and(keep, tf.range(s)[None, :] <= (tf.range(t) + (s - t))[:, None])  # dims may be 1
-    if window is not None or attention_chunk_size is not None:
-        keep = _and(keep, _position_keep(tf.range(t) + (s - t), s, False, window, attention_chunk_size))
+    if window is not None or attention_chunk_size is not None:  # causal too, in one (T, S) keep
+        keep = _and(keep, _position_keep(tf.range(t) + (s - t), s, causal, window, attention_chunk_size))
+    elif causal:  # `causal_mask(t, s)`, (T, S); keep's dims may be 1
+        keep = _and(keep, tf.range(s)[None, :] <= (tf.range(t) + (s - t))[:, None])
     groups = q.shape[1] // k.shape[1]
     k = tf.repeat(k, groups, axis=1) if groups > 1 else k  # (B, K, S, H) -> (B, N, S, H)
     v = tf.repeat(v, groups, axis=1) if groups > 1 else v  # (B, K, S, H) -> (B, N, S, H)
