@@ -514,7 +514,10 @@ def dot_product_attention(
 # iff s <= t + (S - T), combined with every other mask. Keras implicit masks are honoured (the
 # query's removes query rows, the key's and value's remove keys, ANDed with `query_mask` and
 # `key_mask`; the output carries the query's). A query row with no key left gets weights of
-# exactly 0, so its output is `output_bias`: never NaN.
+# exactly 0, so its output is `output_bias`: never NaN. Example, a key padding mask for keys
+# [a, b, <pad>]:
+#     keep = tf.constant([[True, True, False]])        # (B, S)
+#     layer(x, key_mask=keep)                           # or attention_mask=keep[:, None, :]
 
 
 def _masks(layer, call):
@@ -872,7 +875,14 @@ def alibi_bias(num_heads, positions):
 # -------------------------------------------------------------------------------------------------
 # RoPE (`rope_theta`, `rope_fraction`, `rope_interleaved`, `rope_scaling`, `rope_sections` for
 # multimodal RoPE; `positions` in the call): the first R = int(H * rope_fraction) features of each
-# head of q and k turned by the angles positions * inv_freq (step 4).
+# head of q and k turned by the angles positions * inv_freq (step 4). `rope_scaling`: None,
+# {"rope_type": "linear", "factor": f}, a "llama3" dict (factor, low_freq_factor, high_freq_factor,
+# original_max_position_embeddings) or a "yarn" dict (factor, original_max_position_embeddings,
+# optional attention_factor, beta_fast, beta_slow, mscale, mscale_all_dim, truncate; the rotated
+# features of q and k are also multiplied by its attention factor). `rope_sections`: the numbers of
+# rotated pairs (summing to R/2) that turn by each row of (k, B, T) `positions` in turn (Qwen2-VL's
+# multimodal RoPE, `mrope_section`). With MLA, RoPE turns the last Hr features of q and the shared
+# k_rope.
 
 _ROPE_SCALING = {
     "linear": ("factor",),
@@ -1190,10 +1200,15 @@ def _swap_pairs(x, interleaved):
 # -------------------------------------------------------------------------------------------------
 # Section: QK-norm, clip_qkv and the gate
 # -------------------------------------------------------------------------------------------------
-# `qk_norm` (RMSNorm or LayerNorm, `qk_norm_type`, of q and k per head, each head with its own scale,
-# or over all heads; `qk_norm_bias` adds a bias), step 3; `clip_qkv` (q, k and v clamped to [-c, c]
-# right after their projections: OLMo, DBRX, MPT), step 2; `gate` (each head's result times
-# gate = sigmoid(query @ gate_kernel + gate_bias), (B, T, N*Hv): Keras' `use_gate`, Qwen3-Next), step 6b.
+# `qk_norm` (RMSNorm or LayerNorm, `qk_norm_type`, of q and k: "head", each head normalized with
+# one scale shared by the heads, Qwen3; "per_head", each head with its own scale, StableLM, Cohere;
+# "all", over all heads at once, OLMo2; its scales are the weights `query_norm` and `key_norm`, and
+# `qk_norm_bias` adds `query_norm_bias` and `key_norm_bias`, Phi's LayerNorm), step 3; `clip_qkv`
+# (q, k and v clamped to [-c, c] right after their projections, bias included, before QK-norm, RoPE
+# and the cache: OLMo, DBRX, MPT), step 2; `gate` (each head's result times
+# gate = sigmoid(query @ gate_kernel + gate_bias), (B, T, N*Hv), feature by feature, before the heads
+# are merged: output = concat_heads(context * gate) @ output_kernel + output_bias; Keras' `use_gate`,
+# Qwen3-Next, Qwen3.5), step 6b.
 
 
 def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
@@ -1512,6 +1527,10 @@ def _write_compiled(handles, fields, k, v, key_mask, misfit):
 # The cache holds c in `key` (B, 1, L, C) and the turned k_rope in `value` (B, 1, L, Hr). The
 # absorbed path (`absorb_latents`) attends the latents directly: q_nope @ W_kb^T against c, the
 # weighted sum of c then @ W_vb, the up-projections folded into the query and the output.
+# `q_lora_rank` Q adds `query_a_kernel`, its norm `query_a_norm` and `query_b_kernel`; `head_dim`, if
+# given, must equal Hn + Hr; the output kernel is (N*Hv, E). MLA reads keys and values from `key`
+# (`value` must be None or `key` itself) and is not taken with `vdim`, `qk_norm`, `clip_qkv`,
+# `rope_sections` or `rope_fraction` < 1.
 # The portable layout of the weights (`weight_shapes`) is here too, since MLA replaces its kernels.
 
 _LATENT_SIZES = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
