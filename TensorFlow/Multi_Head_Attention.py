@@ -329,7 +329,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         return_attention, cache, training=None, value_mask=None,
     ):  # fmt: skip
         """Step 1 but the masks' combination: the inputs defaulted (docs/SPEC.md, "Call"), checked and cast
-        to the compute dtype; the token masks ANDed with the inputs' implicit Keras masks; the options'."""
+        to the compute dtype; the optional arguments checked in `_check_options`. Returns the `_Call`."""
         fuse = (key is None or key is query) and (value is None or value is query) and cache is None
         fuse = fuse and self.kv_lora_rank is None  # MLA projects its latents apart
         if self.kv_lora_rank is not None:
