@@ -102,21 +102,23 @@ per head) port as the layer's. Multi-head latent attention ports as the layer's 
 families built on their attention (GLM-4-MoE-Lite, Youtu, AXK1, Mistral 4, MiniCPM3, Kimi Linear's
 NoPE MLA layers, Ling's MLA layers with their per-head output gate as `gate`, LongCat-Flash's two
 sublayers per decoder layer with their LoRA scales folded into the weights). Refused with the
-reason: Llama 4's NoPE layers' temperature tuning (and Mistral 4's `llama_4_scaling_beta`), GPT-2
-and GPTBigCode cross-attention, the linear-attention layers of Kimi Linear and Ling, and the MLA
-model types whose attention adds a sparse-attention indexer or a norm the layer lacks
-(DeepSeek-V3.2, GLM-MoE-DSA, GLM-5-Next, Mistral Large 4, HY-V4, AXK2, dots3).
+reason: Llama 4's NoPE layers' temperature tuning (and Mistral 4's `llama_4_scaling_beta`), Llama
+4's vision encoder attention (its 2-D RoPE over the image patches), GPT-2 and GPTBigCode
+cross-attention, the linear-attention layers of Kimi Linear and Ling, and the MLA model types whose
+attention adds a sparse-attention indexer or a norm the layer lacks (DeepSeek-V3.2, GLM-MoE-DSA,
+GLM-5-Next, Mistral Large 4, HY-V4, AXK2, dots3).
 
 The package: one module per family of porters, each with its refusals (`llama`: the Llama kind and
-Llama 4's text attention; `gated`: the gated families; `latent`: multi-head latent attention;
-`gpt`: GPT-2, GPTBigCode, GPT-Neo, GPT-J and GPT-NeoX; `alibi`: Bloom, Falcon and MPT, and
-`alibi_positions`; `bert`: BERT and ModernBERT; `seq2seq`: T5, BART, Whisper and OPT, and
-`t5_position_bias`), and the shared pieces: `tensors` (reading tensors, `load_tensors`), `config`
-(what a config says), `registry` (the porters by model type, `register_porter`,
-`supported_modules`), `routes` (`port_attention`, `port_checkpoint`) and `replace`
-(`replace_attention`). It imports no framework at module level: `port_attention` reads a module's
-tensors through its own `state_dict`, `port_checkpoint` and `load_tensors` read safetensors files
-with NumPy, and `replace_attention` imports torch and the PyTorch layer when called.
+Llama 4's text attention, its vision encoder refused; `gated`: the gated families; `latent`:
+multi-head latent attention; `gpt`: GPT-2, GPTBigCode, GPT-Neo, GPT-J and GPT-NeoX; `alibi`:
+Bloom, Falcon and MPT, and `alibi_positions`; `bert`: BERT and ModernBERT; `seq2seq`: T5, BART,
+Whisper and OPT, and `t5_position_bias`), and the shared pieces: `tensors` (reading tensors,
+`load_tensors`), `config` (what a config says), `registry` (the porters by model type,
+`register_porter`, `supported_modules`), `routes` (`port_attention`, `port_checkpoint`) and
+`replace` (`replace_attention`). It imports no framework at module level: `port_attention` reads a
+module's tensors through its own `state_dict`, `port_checkpoint` and `load_tensors` read
+safetensors files with NumPy, and `replace_attention` imports torch and the PyTorch layer when
+called.
 """
 
 from .alibi import alibi_positions

@@ -113,7 +113,7 @@ def port_attention(module, config):
     Returns:
         `(layer_kwargs, weights)`: `MultiHeadAttention(**layer_kwargs)` followed by
         `import_weights(weights)` computes what the module computes, given the call arguments in
-        the module docstring. `weights` holds float32 NumPy arrays in the portable layout.
+        the `interop.hf` docstring. `weights` holds float32 NumPy arrays in the portable layout.
 
     Raises:
         ValueError: for a module this converter does not know, a subclass that overrides `forward`

@@ -8,8 +8,6 @@ from collections.abc import Mapping
 
 import numpy as np
 
-__all__ = ["load_tensors"]
-
 
 def _float32(array):
     """An array as float32 NumPy (a copy)."""
