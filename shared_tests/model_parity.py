@@ -626,7 +626,7 @@ def compare_models(
             report.notes.append("no paired layer was recorded: the models are compared at their outputs only")
         report.verdict = _verdict(rows, compared, base)
     if grad:
-        report.grads = compare_grads(torch_model, keras_model, inputs, pairs, dtype, _rope(pairs))
+        report.grads = compare_grads(torch_model, keras_model, inputs, pairs, dtype, _rope(pairs), keep)
     return report
 
 
@@ -655,14 +655,16 @@ def _verdict(rows, compared, base):
     )
 
 
-def compare_grads(torch_model, keras_model, inputs, pairs, dtype, rope=False):
+def compare_grads(torch_model, keras_model, inputs, pairs, dtype, rope=False, keep=None):
     """Rows comparing d loss / d weight for every moved weight; loss = sum(output * R), R a fixed
-    random array. Runs on Keras' TensorFlow and torch backends."""
+    random array, zero outside `keep` (the compared positions). Runs on Keras' TensorFlow and torch backends."""
     import keras
     import torch
 
     torch_out = torch_model(*_to_torch(inputs))
     weighting = np.random.default_rng(GRAD_SEED).standard_normal(tuple(_first(torch_out).shape))
+    if keep is not None and keep.shape == weighting.shape[: keep.ndim]:
+        weighting *= keep.reshape(keep.shape + (1,) * (weighting.ndim - keep.ndim))
     torch_model.zero_grad()
     (_first(torch_out) * torch.from_numpy(weighting).to(_first(torch_out).dtype)).sum().backward()
     variables = [(t, k, v) for t, k in pairs if t.kind != "activation" for v in k.layer.weights]
@@ -707,7 +709,7 @@ def _torch_grads(unit):
     for _, p in unit.layer.named_parameters():
         p.data.copy_(p.grad if p.grad is not None else 0 * p)
     try:
-        return {name: np.asarray(value, np.float64) for name, value in _torch_weights(unit).items()}
+        return {name: np.array(value, np.float64) for name, value in _torch_weights(unit).items()}  # copies
     finally:
         for name, p in unit.layer.named_parameters():
             p.data.copy_(saved[name])
@@ -750,8 +752,10 @@ def format_report(report, title=""):
     lines += [f"note: {note}" for note in report.notes]
     if report.verdict:
         lines.append(report.verdict)
-    elif report.output.kind and not report.passed:
+    elif report.output.kind and not report.output.passed:
         lines.append("every paired layer agrees, the outputs do not: the difference is made after the last one")
+    elif report.output.kind and not report.passed:
+        lines.append("the outputs agree, some gradients do not: see the FAIL rows above")
     elif report.output.kind:
         lines.append(f"PASS: {len(report.rows)} paired layers and the output agree")
     return "\n".join(lines)
