@@ -28,7 +28,7 @@ def build_torch():
     import torch
     from torch import nn
 
-    MultiHeadAttention = load_layer("PyTorch")
+    MultiHeadAttention = load_layer("PyTorch")  # noqa: N806  (the class, as the copied file names it)
 
     class Block(nn.Module):
         def __init__(self):
@@ -74,7 +74,7 @@ def build_keras(block_options=None):
 
     import keras
 
-    MultiHeadAttention = load_layer("Keras")
+    MultiHeadAttention = load_layer("Keras")  # noqa: N806  (the class, as the copied file names it)
     tokens = keras.Input((LENGTH,), dtype="int32", name="tokens")
     x = keras.layers.Embedding(VOCAB, D_MODEL, mask_zero=True, name="embed")(tokens)
     position_ids = keras.ops.zeros_like(tokens) + keras.ops.arange(LENGTH, dtype="int32")  # (B, T)

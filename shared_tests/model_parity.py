@@ -26,6 +26,7 @@ and what was received.
 """
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import importlib.util
@@ -470,7 +471,6 @@ def keras_keep(output, keep=None):
     """The (B, T) positions to compare: `keep` (the pair file's `compare_mask`) if given, else
     the Keras mask the output carries (Keras layers may give anything at padding), else None."""
     import keras
-
     from keras.src.backend.common.masking import get_keras_mask
 
     mask = get_keras_mask(_first(output)) if keep is None else keep
@@ -481,10 +481,8 @@ def _row(t_name, k_name, kind, reference, value, base, keep=None):
     """The Row of one comparison; `reference` broadcasts to `value`'s shape (a PyTorch layer
     given (T,) positions gives (T, E) where its Keras one gives (B, T, E))."""
     if reference.shape != value.shape and reference.ndim < value.ndim:
-        try:
+        with contextlib.suppress(ValueError):  # not broadcastable: a FAIL row that says so
             reference = np.broadcast_to(reference, value.shape)
-        except ValueError:
-            pass
     if reference.shape != value.shape:
         return Row(t_name, k_name, f"{kind}, shapes {reference.shape} != {value.shape}", np.inf, np.inf, 0.0)
     if keep is not None and keep.shape == reference.shape[: keep.ndim]:
@@ -500,7 +498,6 @@ def run_alone(t, k, index):
     """The Keras unit's `index`-th call run again alone, with the PyTorch unit's positional
     tensor inputs in place of its own (its masks and options kept); returns its output."""
     import keras
-
     from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
     torch_args = [a for a in t.calls[index][0] if hasattr(a, "detach")]
@@ -769,8 +766,9 @@ def format_report(report, title=""):
     elif report.output.kind and not report.passed:
         lines.append("the outputs agree, some gradients do not: see the FAIL rows above")
     elif report.output.kind:
-        grads = f" and the gradients of {len(report.grads)} weights" if report.grads else ""
-        lines.append(f"PASS: {len(report.rows)} paired layers, the output{grads} agree")
+        parts = [f"{len(report.rows)} paired layers", "the output"]
+        parts += [f"the gradients of {len(report.grads)} weights"] if report.grads else []
+        lines.append(f"PASS: {', '.join(parts[:-1])} and {parts[-1]} agree")
     return "\n".join(lines)
 
 

@@ -1,0 +1,191 @@
+"""The model comparison (`make parity ARGS="--model FILE.py"`, shared_tests/model_parity.py).
+
+The example pairs pass; each divergence a user may plant between a PyTorch model and its Keras
+rebuild, planted in block 1 of examples/blocks_pair.py's three-block decoder, is named at its
+own layer, with every layer before it passing; pair files and models that cannot be compared
+are ValueErrors naming what was expected and received. Keras runs on TensorFlow in this process
+(one test starts a torch-backend process)."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shared_tests import model_parity, parity
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCKS = ROOT / "examples" / "blocks_pair.py"
+LOOKUP = ROOT / "examples" / "lookup_pair.py"
+
+
+@pytest.fixture(scope="module")
+def blocks():
+    return model_parity.load_pair(BLOCKS)
+
+
+def _transposed_kernel(torch_model, keras_model, inputs):
+    """The weights moved, then one square Dense kernel transposed (a port that forgot torch's
+    (out, in) layout), compared without moving the weights again."""
+    model_parity.compare_models(torch_model, keras_model, inputs)
+    kernel = keras_model.get_layer("up_1").kernel
+    kernel.assign(np.asarray(kernel).T)
+    return model_parity.compare_models(torch_model, keras_model, inputs, move=False)
+
+
+# (name, block_options of build_keras, a function planting after the build or None, the first failing row)
+PLANTED = [
+    ("layer_norm_epsilon", {1: {"epsilon": 1e-3}}, None, ("blocks.1.norm1", "norm1_1")),
+    ("transposed_dense_kernel", None, _transposed_kernel, ("blocks.1.up", "up_1")),
+    ("causal_forgotten", {1: {"causal": False}}, None, ("blocks.1.attention", "attention_1")),
+    ("gelu_approximation", {1: {"approximate": True}}, None, ("blocks.1.act", "gelu_1")),
+    ("padding_mask_lost", {1: {"key_mask": False}}, None, ("blocks.1.attention", "attention_1")),
+]
+
+
+def test_the_blocks_example_passes_layer_by_layer(blocks):
+    torch_model = blocks.build_torch().eval()
+    report = model_parity.compare_models(torch_model, blocks.build_keras(), (blocks.example_inputs(),))
+    assert report.passed, model_parity.format_report(report)
+    assert len(report.rows) == 4 + 6 * blocks.BLOCKS  # 2 embeddings, 6 layers a block, norm and head
+    assert report.verdict == "" and report.notes == []
+
+
+@pytest.mark.parametrize(("name", "options", "plant", "expected"), PLANTED, ids=[p[0] for p in PLANTED])
+def test_a_planted_divergence_is_named_at_its_layer(blocks, name, options, plant, expected):
+    torch_model, keras_model = blocks.build_torch().eval(), blocks.build_keras(options)
+    inputs = (blocks.example_inputs(),)
+    run = plant or model_parity.compare_models
+    report = run(torch_model, keras_model, inputs)
+    table = model_parity.format_report(report)
+    failing = [index for index, row in enumerate(report.rows) if not row.passed]
+    assert failing, table
+    first = report.rows[failing[0]]
+    assert (first.torch_name, first.keras_name) == expected, table
+    assert failing[0] == 2 + 6 + [row.torch_name for row in report.rows[8:14]].index(expected[0]), table  # block 1
+    assert "the layer itself differs" in report.verdict, table
+    assert f"PyTorch '{expected[0]}' / Keras '{expected[1]}'" in report.verdict
+    assert not report.passed and not report.output.passed
+
+
+def test_a_layer_that_only_receives_a_difference_is_not_named(blocks, monkeypatch):
+    """With the GELUs not paired (a Keras model without activation layers would do the same),
+    the approximate GELU shows first at the Linear after it, which agrees when run alone: the
+    verdict names the gap between the two paired layers, not the Linear."""
+    torch_model, keras_model = blocks.build_torch().eval(), blocks.build_keras({1: {"approximate": True}})
+    original = model_parity.pair_units
+
+    def without_activations(torch_order, keras_order, weight_map=None):
+        keras_order = [(unit, index) for unit, index in keras_order if unit.kind != "activation"]
+        return original(torch_order, keras_order, weight_map)
+
+    monkeypatch.setattr(model_parity, "pair_units", without_activations)
+    report = model_parity.compare_models(torch_model, keras_model, (blocks.example_inputs(),))
+    assert "activations not compared on their own" in report.notes[0]
+    assert "PyTorch 'blocks.1.down' / Keras 'down_1'" in report.verdict
+    assert "it agrees" in report.verdict and "after layer 11 ('blocks.1.up')" in report.verdict
+
+
+def test_the_command_prints_the_table_and_its_status(capsys):
+    """`make parity ARGS="--model examples/lookup_pair.py"`: float32 and float64, the gradients."""
+    assert parity.main(["--model", str(LOOKUP), "--keras", "tensorflow,jax,torch", "--grad"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("PASS: 4 paired layers, the output and the gradients of 13 weights agree") == 2
+    assert "inputs 'inputs', float32" in out and "inputs 'inputs', float64" in out
+    assert "2   attention                   attention                   attention" in out
+
+
+def test_the_command_runs_the_keras_file_on_another_backend_in_a_process(capfd):
+    assert model_parity.main([str(BLOCKS), "--keras", "torch", "--dtype", "float32"]) == 0
+    out = capfd.readouterr().out
+    assert "Keras on torch" in out and "PASS: 22 paired layers and the output agree" in out
+
+
+def test_a_failure_exits_1(tmp_path, capsys):
+    planted = tmp_path / "planted_pair.py"
+    planted.write_text(
+        f"import sys\nsys.path.insert(0, {str(BLOCKS.parent)!r})\n"
+        "from blocks_pair import build_keras as build, build_torch, example_inputs\n\n\n"
+        "def build_keras():\n    return build({0: {'causal': False}})\n"
+    )
+    assert model_parity.main([str(planted), "--dtype", "float32"]) == 1
+    assert "first failing layer: layer 4, PyTorch 'blocks.0.attention'" in capsys.readouterr().out
+
+
+def _lookup_models():
+    pair = model_parity.load_pair(LOOKUP)
+    return pair.build_torch().eval(), pair.build_keras(), (pair.example_inputs(),)
+
+
+def test_layers_that_cannot_be_paired_are_named():
+    import keras
+
+    torch_model, _, inputs = _lookup_models()
+    tokens = keras.Input((None,), dtype="int32")
+    x = keras.layers.Embedding(torch_model.embed.num_embeddings, 64, name="embed")(tokens)
+    keras_model = keras.Model(tokens, keras.layers.Dense(16, name="logits")(x))  # no attention, no hidden
+    with pytest.raises(
+        ValueError,
+        match=r"the PyTorch model runs 4 \(embed \(Embedding\), attention \(MultiHeadAttention\), hidden \(Linear\), logits \(Linear\)\), the Keras model 2 \(embed \(Embedding\), logits \(Dense\)\)",
+    ):
+        model_parity.compare_models(torch_model, keras_model, inputs)
+
+
+def test_layers_of_other_kinds_or_shapes_are_named():
+    import keras
+
+    torch_model, _, inputs = _lookup_models()
+    tokens = keras.Input((None,), dtype="int32")
+    x = keras.layers.Embedding(torch_model.embed.num_embeddings, 64)(tokens)
+    x = keras.layers.Dense(64, name="not_attention")(x)
+    x = keras.layers.Dense(64, name="hidden")(x)
+    keras_model = keras.Model(tokens, keras.layers.Dense(16, name="logits")(x))
+    with pytest.raises(
+        ValueError,
+        match=r"at layer 2 in execution order: PyTorch attention \(MultiHeadAttention\) has query_kernel \(64, 64\), .*; Keras not_attention \(Dense\) has kernel \(64, 64\), bias \(64,\)",
+    ):
+        model_parity.compare_models(torch_model, keras_model, inputs)
+
+
+def test_weights_it_cannot_move_are_named():
+    import torch
+
+    torch_model, keras_model, inputs = _lookup_models()
+    torch_model.scale = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(
+        ValueError, match=r"the PyTorch model holds weights the comparison cannot move: 'scale' of LookupModel \(3,\)"
+    ):
+        model_parity.compare_models(torch_model, keras_model, inputs)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "def build_torch(): pass\n",
+            r"must define build_torch\(\), build_keras\(\), example_inputs\(\). Received: pair.py without build_keras, example_inputs",
+        ),
+        (
+            "def build_torch(): pass\ndef build_keras(): pass\ndef example_inputs(): return [1, 2]\n",
+            r"example_inputs\(\) must give NumPy arrays. Received: int, int in set 'inputs'",
+        ),
+    ],
+    ids=["missing_functions", "inputs_not_arrays"],
+)
+def test_a_pair_file_that_does_not_fit_is_named(tmp_path, text, message):
+    path = tmp_path / "pair.py"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        model_parity.input_sets(model_parity.load_pair(path))
+
+
+def test_weight_map_must_name_layers_that_run():
+    torch_model, keras_model, inputs = _lookup_models()
+    with pytest.raises(
+        ValueError,
+        match=r"weight_map\(\) must name PyTorch modules and Keras layers that run. Received: hidden -> nowhere",
+    ):
+        model_parity.compare_models(torch_model, keras_model, inputs, weight_map={"hidden": "nowhere"})
