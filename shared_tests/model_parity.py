@@ -56,6 +56,10 @@ ROPE_FLOAT64_TOLERANCES = {"output": FLOAT64_TOLERANCES["rope"]["output"], "grad
 DEFAULT_BACKENDS = ("tensorflow",)  # a pair file without KERAS_BACKENDS runs on TensorFlow's Keras
 GRAD_SEED = 0  # seed of the fixed random weighting of the outputs whose sum is the loss of `grad=True`
 REQUIRED = ("build_torch", "build_keras", "example_inputs")
+OUTPUTS_ONLY = (
+    "the Keras model is not a Keras Model or Layer ({}): compared at its outputs only, with the weights its "
+    "builder gave it (none moved)"
+)
 
 TORCH_KINDS = {
     "Linear": "dense",
@@ -530,8 +534,8 @@ def _to_torch(inputs, device="cpu"):
     return tuple(torch.from_numpy(np.ascontiguousarray(x)).to(device) for x in inputs)
 
 
-def _call_keras(model, inputs, **kwargs):
-    return model(inputs[0] if len(inputs) == 1 else list(inputs), training=False, **kwargs)
+def _call_keras(model, inputs):
+    return model(inputs[0] if len(inputs) == 1 else list(inputs), training=False)
 
 
 def _build(pair, base_torch, dtype):
@@ -559,6 +563,7 @@ def compare(pair, dtypes=DTYPES, grad=False):
     sets = input_sets(pair)
     weight_map = pair.weight_map() if callable(getattr(pair, "weight_map", None)) else None
     compare_mask = getattr(pair, "compare_mask", None)
+    dtypes = [dtype for dtype in dtypes if dtype in getattr(pair, "DTYPES", DTYPES)]
     base_torch = pair.build_torch()
     for dtype in dtypes:
         torch_model, keras_model = _build(pair, base_torch, dtype)
@@ -600,14 +605,21 @@ def compare_models(
     Raises:
         ValueError: a weight the comparison cannot move, or layers that cannot be paired.
     """
+    import keras
     import torch
 
-    dtype = "float64" if any(p.dtype == torch.float64 for p in torch_model.parameters()) else "float32"
-    t_units, k_units = torch_units(torch_model), keras_units(keras_model)
+    floating = [x.dtype for x in inputs if np.issubdtype(x.dtype, np.floating)]
+    parameters = [p.dtype for p in torch_model.parameters()]
+    dtype = "float64" if torch.float64 in parameters or np.float64 in floating else "float32"
+    layered = isinstance(keras_model, keras.layers.Layer)
+    t_units, k_units = (torch_units(torch_model), keras_units(keras_model)) if layered else ([], [])
     with _Recording(t_units, k_units) as recording, torch.no_grad():
         torch_model(*_to_torch(inputs))
         _call_keras(keras_model, inputs)  # builds a model not built yet; the order of its layers
-        pairs, notes = pair_units(recording.order["torch"], recording.order["keras"], weight_map)
+        if layered:
+            pairs, notes = pair_units(recording.order["torch"], recording.order["keras"], weight_map)
+        else:
+            pairs, notes = [], [OUTPUTS_ONLY.format(type(keras_model).__name__)]
         if move:
             transfer(pairs)
         recording.clear()
@@ -631,10 +643,10 @@ def compare_models(
         keep = keras_keep(keras_out, compare_mask)
         output = _row("(model output)", "(model output)", "output", torch_out, _numpy(keras_out), base, keep)
         report = Report(name, dtype, rows, output, notes=notes)
-        if not rows:
+        if layered and not rows:
             report.notes.append("no paired layer was recorded: the models are compared at their outputs only")
         report.verdict = _verdict(rows, compared, base)
-    if grad:
+    if grad and layered:
         report.grads = compare_grads(torch_model, keras_model, inputs, pairs, dtype, _rope(pairs), keep)
     return report
 
@@ -766,9 +778,10 @@ def format_report(report, title=""):
     elif report.output.kind and not report.passed:
         lines.append("the outputs agree, some gradients do not: see the FAIL rows above")
     elif report.output.kind:
-        parts = [f"{len(report.rows)} paired layers", "the output"]
+        parts = [f"{len(report.rows)} paired layers"] * bool(report.rows) + ["the output"]
         parts += [f"the gradients of {len(report.grads)} weights"] if report.grads else []
-        lines.append(f"PASS: {', '.join(parts[:-1])} and {parts[-1]} agree")
+        said = f"{', '.join(parts[:-1])} and {parts[-1]} agree" if len(parts) > 1 else f"{parts[0]} agrees"
+        lines.append(f"PASS: {said}")
     return "\n".join(lines)
 
 

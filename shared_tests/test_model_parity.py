@@ -20,6 +20,7 @@ from shared_tests import model_parity, parity
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKS = ROOT / "examples" / "blocks_pair.py"
 LOOKUP = ROOT / "examples" / "lookup_pair.py"
+LLAMA = ROOT / "examples" / "llama_pair.py"
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +190,30 @@ def test_weight_map_must_name_layers_that_run():
         match=r"weight_map\(\) must name PyTorch modules and Keras layers that run. Received: hidden -> nowhere",
     ):
         model_parity.compare_models(torch_model, keras_model, inputs, weight_map={"hidden": "nowhere"})
+
+
+def test_port_llamas_rebuilds_agree_at_their_outputs(capsys):
+    """KerasLlama is a plain class of Keras layers: the outputs only, with a note that says so."""
+    assert model_parity.main([str(LLAMA)]) == 0
+    out = capsys.readouterr().out
+    assert "note: the Keras model is not a Keras Model or Layer (KerasPrefill): compared at its outputs only" in out
+    assert "PASS: the output agrees" in out and "float64" not in out  # the file runs float32 only
+
+
+def test_a_subclassed_keras_model_is_compared_layer_by_layer():
+    import keras
+
+    torch_model, functional, inputs = _lookup_models()
+
+    class Lookup(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.attention = functional.get_layer("embed"), functional.get_layer("attention")
+            self.hidden, self.logits = functional.get_layer("hidden"), functional.get_layer("logits")
+
+        def call(self, tokens, training=False):
+            x = self.embed(tokens)
+            return self.logits(self.hidden(keras.layers.Add()([x, self.attention(x)])))
+
+    report = model_parity.compare_models(torch_model, Lookup(), inputs)
+    assert report.passed and [row.keras_name for row in report.rows] == ["embed", "attention", "hidden", "logits"]
