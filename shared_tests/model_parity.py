@@ -221,8 +221,7 @@ def torch_units(model):
     def visit(prefix, module):
         unmoved.extend(
             f"'{prefix + name}' of {type(module).__name__} {tuple(p.shape)}"
-            for name, p in module._parameters.items()
-            if p is not None
+            for name, p in module.named_parameters(recurse=False)
         )
         for name, child in module.named_children():
             kind = torch_kind(child)
@@ -243,8 +242,15 @@ def torch_units(model):
     return units
 
 
+def _children(layer):
+    """A Keras layer's direct sublayers (Keras' own walk: it has no public one)."""
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
 def _own_variables(layer):
-    return [*getattr(layer, "_trainable_variables", []), *getattr(layer, "_non_trainable_variables", [])]
+    """A Keras layer's variables that none of its sublayers holds."""
+    held = {id(v) for child in _children(layer) for v in child.weights}
+    return [v for v in layer.weights if id(v) not in held]
 
 
 def keras_units(model):
@@ -253,7 +259,7 @@ def keras_units(model):
     units, unmoved = [], []
 
     def visit(prefix, layer):
-        for child in layer._flatten_layers(include_self=False, recursive=False):
+        for child in _children(layer):
             kind = keras_kind(child)
             if kind is not None:
                 units.append(Unit(prefix + child.name, child, kind))
