@@ -2,7 +2,7 @@
 
 `python -m shared_tests.parity --model FILE.py` (`make parity ARGS="--model FILE.py"`) reads a
 pair file that defines `build_torch()`, `build_keras()` and `example_inputs()` (and optionally
-`weight_map()` and `KERAS_BACKENDS`), then:
+`weight_map()`, `compare_mask()`, `KERAS_BACKENDS` and `DTYPES`; docs/parity.md), then:
 
 1. runs the PyTorch model once with forward hooks on its layers and the Keras model once with
    each layer's `call` recorded, which gives both models' layers in execution order;
@@ -19,6 +19,9 @@ pair file that defines `build_torch()`, `build_keras()` and `example_inputs()` (
    Keras layer's own masks and options), to tell a layer that differs itself from a layer that
    only receives a difference made before it;
 5. with `grad=True`, compares the gradients of a loss with respect to every moved weight.
+
+A Keras model that is not a Keras Model or Layer (a plain class of Keras layers) is compared at
+its outputs only, with the weights its builder gave it.
 
 The result is a table per input set and dtype (`format_report`); `main` prints it and exits 1
 on any FAIL. Errors in the pair file or in the pairing are ValueErrors naming what was expected
@@ -67,18 +70,18 @@ TORCH_KINDS = {
     "RMSNorm": "rms_norm",
     "Embedding": "embedding",
     "Conv1d": "conv1d",
-}
+}  # torch.nn classes (and their subclasses) -> kind
 KERAS_KINDS = {
     "Dense": "dense",
     "LayerNormalization": "layer_norm",
     "RMSNormalization": "rms_norm",
     "Embedding": "embedding",
     "Conv1D": "conv1d",
-}
-TORCH_ACTIVATIONS = {
+}  # keras.layers classes (and their subclasses) -> kind
+TORCH_ACTIVATIONS = (
     "ReLU", "GELU", "SiLU", "Tanh", "Sigmoid", "Softmax", "LeakyReLU", "ELU", "Mish", "Softplus", "Hardswish", "SELU",
-}  # fmt: skip
-KERAS_ACTIVATIONS = {"Activation", "ReLU", "Softmax", "LeakyReLU", "ELU"}
+)  # fmt: skip
+KERAS_ACTIVATIONS = ("Activation", "ReLU", "Softmax", "LeakyReLU", "ELU")
 MOVED = (
     "MultiHeadAttention (export_weights/import_weights), nn.Linear -> Dense, nn.LayerNorm -> LayerNormalization, "
     "nn.RMSNorm -> RMSNormalization, nn.Embedding -> Embedding, nn.Conv1d -> Conv1D"
@@ -193,24 +196,26 @@ def _is_attention(layer):
 
 def torch_kind(module):
     """The kind of a PyTorch module the comparison pairs, or None."""
+    from torch import nn
+
     if _is_attention(module):
         return "attention"
-    name = type(module).__name__
-    if name in TORCH_ACTIVATIONS and type(module).__module__.startswith("torch.nn"):
+    if isinstance(module, tuple(getattr(nn, name) for name in TORCH_ACTIVATIONS)):
         return "activation"
-    return TORCH_KINDS.get(name) if type(module).__module__.startswith("torch.nn") else None
+    return next((kind for name, kind in TORCH_KINDS.items() if isinstance(module, getattr(nn, name))), None)
 
 
 def keras_kind(layer):
     """The kind of a Keras layer the comparison pairs, or None."""
+    import keras
+
     if _is_attention(layer):
         return "attention"
-    name = type(layer).__name__
-    if not type(layer).__module__.startswith("keras"):
-        return None
-    if name == "LayerNormalization" and getattr(layer, "rms_scaling", False):
+    if isinstance(layer, keras.layers.LayerNormalization) and getattr(layer, "rms_scaling", False):
         return "rms_norm"
-    return "activation" if name in KERAS_ACTIVATIONS else KERAS_KINDS.get(name)
+    if isinstance(layer, tuple(getattr(keras.layers, name) for name in KERAS_ACTIVATIONS)):
+        return "activation"
+    return next((kind for name, kind in KERAS_KINDS.items() if isinstance(layer, getattr(keras.layers, name))), None)
 
 
 def torch_units(model):
