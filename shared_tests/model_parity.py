@@ -149,8 +149,17 @@ class Report:
 
 
 def load_pair(path):
-    """Imports the pair file at `path` (its folder importable, as a script's would be); raises
-    ValueError if it lacks one of `build_torch`, `build_keras`, `example_inputs`."""
+    """Imports a pair file, its folder importable (as a script's would be).
+
+    Args:
+        path: the pair file.
+
+    Returns:
+        The module.
+
+    Raises:
+        ValueError: no such file, or it lacks `build_torch`, `build_keras` or `example_inputs`.
+    """
     path = Path(path).resolve()
     if not path.is_file():
         raise ValueError(f"--model takes a Python file defining {', '.join(REQUIRED)}. Received: {path} (no such file)")
@@ -169,8 +178,18 @@ def load_pair(path):
 
 
 def input_sets(pair):
-    """{name: tuple of NumPy arrays}: `example_inputs()` gives one set (an array or a tuple) or
-    several ({name: set}, e.g. padded and unpadded batches)."""
+    """The pair file's input sets.
+
+    Args:
+        pair: the pair file's module; its `example_inputs()` gives one set (an array or a tuple
+            of them) or several ({name: set}, e.g. padded and unpadded batches).
+
+    Returns:
+        {name: tuple of NumPy arrays}.
+
+    Raises:
+        ValueError: an input that is not a NumPy array.
+    """
     given = pair.example_inputs()
     sets = given if isinstance(given, dict) else {"inputs": given}
     result = {}
@@ -219,8 +238,17 @@ def keras_kind(layer):
 
 
 def torch_units(model):
-    """The PyTorch model's layers the comparison pairs (not descending into them); raises
-    ValueError where a weight sits in a module it cannot move."""
+    """The PyTorch model's layers the comparison pairs (not descending into them).
+
+    Args:
+        model: an nn.Module.
+
+    Returns:
+        [Unit], named by their module paths.
+
+    Raises:
+        ValueError: a parameter held outside those layers, which the comparison cannot move.
+    """
     units, unmoved = [], []
 
     def visit(prefix, module):
@@ -259,8 +287,17 @@ def _own_variables(layer):
 
 
 def keras_units(model):
-    """The Keras model's layers the comparison pairs (not descending into them); raises
-    ValueError where a weight sits in a layer it cannot move."""
+    """The Keras model's layers the comparison pairs (not descending into them).
+
+    Args:
+        model: a Keras Model (functional, Sequential or subclassed) or Layer.
+
+    Returns:
+        [Unit], named by their layer names (joined by `/` inside nested layers).
+
+    Raises:
+        ValueError: a variable held outside those layers, which the comparison cannot move.
+    """
     units, unmoved = [], []
 
     def visit(prefix, layer):
@@ -395,10 +432,22 @@ def _describe_shapes(shapes):
 
 
 def pair_units(torch_order, keras_order, weight_map=None):
-    """[(torch unit, keras unit)]: the weight-carrying units in the order of their first call,
-    `weight_map` ({torch name: keras name}) pairing some by name first; then the activations, in
-    order, where both models have as many. Returns (pairs, notes); raises ValueError naming the
-    layers that cannot be paired."""
+    """Pairs the two models' layers.
+
+    Args:
+        torch_order: [(Unit, call index)] of the PyTorch model, in execution order.
+        keras_order: the same for the Keras model.
+        weight_map: {PyTorch module name: Keras layer name} of pairs fixed by name, or None.
+
+    Returns:
+        (pairs, notes): [(PyTorch Unit, Keras Unit)], the weight-carrying layers in the order of
+        their first call, then the activations where both models run as many; and the notes
+        of the report (activations left out).
+
+    Raises:
+        ValueError: names that do not run, a different count of weight-carrying layers, or a
+            pair of different kinds or shapes (the first such pair).
+    """
     weight_map = dict(weight_map or {})
     torch_list = [u for u in _called(torch_order) if u.kind != "activation"]
     keras_list = [u for u in _called(keras_order) if u.kind != "activation"]
@@ -444,7 +493,11 @@ def pair_units(torch_order, keras_order, weight_map=None):
 
 
 def transfer(pairs):
-    """Moves each PyTorch unit's weights into its Keras unit."""
+    """Moves each PyTorch unit's weights into its Keras unit.
+
+    Args:
+        pairs: [(PyTorch Unit, Keras Unit)] from `pair_units`.
+    """
     for t, k in pairs:
         if t.kind == "activation":
             continue
@@ -510,8 +563,18 @@ def _row(t_name, k_name, kind, reference, value, base, keep=None):
 
 
 def run_alone(t, k, index):
-    """The Keras unit's `index`-th call run again alone, with the PyTorch unit's positional
-    tensor inputs in place of its own (its masks and options kept); returns its output."""
+    """Runs a Keras layer alone on the PyTorch layer's inputs.
+
+    Args:
+        t: the PyTorch Unit, its calls recorded.
+        k: the Keras Unit, its calls recorded (its `call` still wrapped).
+        index: which call.
+
+    Returns:
+        The Keras layer's output (float64 NumPy) for its `index`-th call made again with the
+        PyTorch layer's positional tensor inputs in place of its own (of the same shape, in the
+        Keras layout), its keyword arguments, options and Keras masks kept.
+    """
     import keras
     from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
@@ -572,8 +635,17 @@ def _build(pair, base_torch, dtype):
 
 
 def compare(pair, dtypes=DTYPES, grad=False):
-    """[Report] for each input set of the pair file and each dtype; float64 where both frameworks
-    run it (a model that cannot gets a note instead of its table)."""
+    """Compares the pair file's models on each of its input sets, in each dtype.
+
+    Args:
+        pair: the pair file's module (`load_pair`).
+        dtypes: the dtypes to run, among the file's `DTYPES`.
+        grad: also compare the gradients of a loss.
+
+    Returns:
+        [Report], one for each dtype and input set. Where float64 raises a TypeError or
+        RuntimeError, its Report has no table and a note that says why.
+    """
     reports = []
     sets = input_sets(pair)
     weight_map = pair.weight_map() if callable(getattr(pair, "weight_map", None)) else None
@@ -692,8 +764,23 @@ def _verdict(rows, compared, base):
 
 
 def compare_grads(torch_model, keras_model, inputs, pairs, dtype, rope=False, keep=None):
-    """Rows comparing d loss / d weight for every moved weight; loss = sum(output * R), R a fixed
-    random array, zero outside `keep` (the compared positions)."""
+    """Compares the gradients of sum(output * R) with respect to every moved weight.
+
+    Args:
+        torch_model: the PyTorch model.
+        keras_model: the Keras model, holding the PyTorch model's weights.
+        inputs: the inputs (NumPy arrays).
+        pairs: [(PyTorch Unit, Keras Unit)].
+        dtype: "float32" or "float64", for the tolerance.
+        rope: whether an attention layer uses RoPE (float64 is then held to float32's tolerance).
+        keep: the (B, T) positions compared, or None; R (fixed, random) is 0 elsewhere.
+
+    Returns:
+        [Row], one for each weight, named `layer:weight`.
+
+    Raises:
+        ValueError: a Keras backend other than tensorflow, jax and torch.
+    """
     import keras
     import torch
 
@@ -784,7 +871,16 @@ def _fmt(value):
 
 
 def format_report(report, title=""):
-    """The table of one Report: each paired layer, its largest and mean difference, tolerance, status."""
+    """The table of one Report.
+
+    Args:
+        report: a Report.
+        title: printed before its input set and dtype.
+
+    Returns:
+        The text: each paired layer, its largest and mean difference, its tolerance and PASS or
+        FAIL; the outputs; the gradients; the notes; and what the first failure is.
+    """
     head = f"{'#':<4}{'PyTorch':<28}{'Keras':<28}{'kind':<14}{'max':<10}{'mean':<10}{'tolerance':<11}status"
     lines = [f"{title}inputs {report.inputs!r}, {report.dtype}", head, "-" * len(head)]
 
@@ -817,8 +913,16 @@ def format_report(report, title=""):
 
 
 def run_file(path, dtypes=DTYPES, grad=False):
-    """Compares the models of the pair file at `path` on this process's Keras backend; prints the
-    tables and returns 0 if everything passes, 1 otherwise."""
+    """Compares the models of a pair file on this process's Keras backend and prints the tables.
+
+    Args:
+        path: the pair file.
+        dtypes: the dtypes to run.
+        grad: also compare the gradients of a loss.
+
+    Returns:
+        0 if every row passes, 1 otherwise.
+    """
     import keras
 
     pair = load_pair(path)
@@ -829,8 +933,15 @@ def run_file(path, dtypes=DTYPES, grad=False):
 
 
 def backends_of(path, asked):
-    """The Keras backends to run the pair file on: those asked (`--keras`) that the file declares
-    it runs on (`KERAS_BACKENDS`, default tensorflow), or the file's first one if none is asked."""
+    """The Keras backends to run a pair file on.
+
+    Args:
+        path: the pair file; its `KERAS_BACKENDS` line (default tensorflow) says where it runs.
+        asked: the backends of `--keras`, possibly none.
+
+    Returns:
+        Those asked that the file runs on, or the file's first one if none is asked.
+    """
     declared = _declared_backends(path)
     if not asked:
         return [declared[0]]
