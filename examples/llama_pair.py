@@ -28,7 +28,8 @@ DTYPES = ("float32",)  # the rebuilds hold their weights as float32 arrays
 
 @functools.cache
 def _ported():
-    """(untrained LlamaForCausalLM, the folder of its ported attention layers), made once."""
+    """(untrained LlamaForCausalLM, the folder of its ported attention layers), made once; the
+    folder is removed when the process ends."""
     import transformers
 
     torch.manual_seed(0)
@@ -45,9 +46,9 @@ def _ported():
         eos_token_id=None,
     )
     model = transformers.LlamaForCausalLM(config).eval()
-    out = Path(tempfile.mkdtemp(prefix="llama_pair_"))
-    port_llama.save_ports(model, out)
-    return model, out
+    folder = tempfile.TemporaryDirectory(prefix="llama_pair_")  # kept, with the cache, until the process ends
+    port_llama.save_ports(model, Path(folder.name))
+    return model, Path(folder.name), folder
 
 
 class TorchPrefill(torch.nn.Module):
@@ -55,7 +56,7 @@ class TorchPrefill(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.rebuilt = port_llama.TorchLlama(*_ported())
+        self.rebuilt = port_llama.TorchLlama(*_ported()[:2])
 
     def forward(self, tokens, positions, key_mask):
         b, t = tokens.shape
@@ -68,7 +69,7 @@ class KerasPrefill:
     """`KerasLlama` called as a Keras model is: on the list of inputs, with `training`."""
 
     def __init__(self):
-        self.rebuilt = port_llama.KerasLlama(*_ported())
+        self.rebuilt = port_llama.KerasLlama(*_ported()[:2])
 
     def __call__(self, inputs, training=False):
         tokens, positions, key_mask = inputs

@@ -746,8 +746,15 @@ def _verdict(rows, compared, base):
         return ""
     row, (t, k, index, keep) = rows[failing], compared[failing]
     reference = _reference(t, k, t.calls[index])
-    alone = _row(row.torch_name, row.keras_name, row.kind, reference, run_alone(t, k, index), base, keep)
     where = f"layer {failing + 1}, PyTorch '{row.torch_name}' / Keras '{row.keras_name}' ({row.kind})"
+    try:
+        alone = _row(row.torch_name, row.keras_name, row.kind, reference, run_alone(t, k, index), base, keep)
+    except Exception as error:  # the report still names the layer, and says why it could not tell more
+        return (
+            f"first failing layer: {where}: max difference {row.max_diff:.1e} > tolerance {row.tolerance:.0e}; "
+            f"run alone on the PyTorch model's inputs to it, it raised {type(error).__name__}: "
+            f"{str(error).splitlines()[0][:200] if str(error) else ''}"
+        )
     if not alone.passed:
         return (
             f"first failing layer: {where}: max difference {row.max_diff:.1e} > tolerance {row.tolerance:.0e}; "

@@ -183,6 +183,12 @@ def test_a_pair_file_that_does_not_fit_is_named(tmp_path, text, message):
         model_parity.input_sets(model_parity.load_pair(path))
 
 
+def test_weight_map_pairs_by_name_and_the_rest_by_order():
+    torch_model, keras_model, inputs = _lookup_models()
+    report = model_parity.compare_models(torch_model, keras_model, inputs, weight_map={"logits": "logits"})
+    assert report.passed and [row.keras_name for row in report.rows] == ["embed", "attention", "hidden", "logits"]
+
+
 def test_weight_map_must_name_layers_that_run():
     torch_model, keras_model, inputs = _lookup_models()
     with pytest.raises(
