@@ -43,6 +43,7 @@ PLANTED = [
     ("transposed_dense_kernel", None, _transposed_kernel, ("blocks.1.up", "up_1")),
     ("causal_forgotten", {1: {"causal": False}}, None, ("blocks.1.attention", "attention_1")),
     ("gelu_approximation", {1: {"approximate": True}}, None, ("blocks.1.act", "gelu_1")),
+    # block 1's attention relies on the implicit mask, which the Keras `Add` of the embeddings dropped (the README's pitfall)
     ("padding_mask_lost", {1: {"key_mask": False}}, None, ("blocks.1.attention", "attention_1")),
 ]
 
@@ -181,6 +182,35 @@ def test_a_pair_file_that_does_not_fit_is_named(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
         model_parity.input_sets(model_parity.load_pair(path))
+
+
+def test_conv1d_rms_norm_and_activation_layers_move_and_pair():
+    """Conv1d's (out, in, k) weight and (B, C, T) layout, RMSNorm's scale, ReLU module and layer."""
+    import keras
+    import torch
+    from torch import nn
+
+    class Conv(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.norm = nn.Conv1d(4, 8, 3, padding=1), nn.RMSNorm(8, eps=1e-6)
+            self.act, self.out = nn.ReLU(), nn.Linear(8, 2)
+
+        def forward(self, x):  # (B, T, C)
+            return self.out(self.act(self.norm(self.conv(x.transpose(1, 2)).transpose(1, 2))))
+
+    x = keras.Input((5, 4))
+    h = keras.layers.RMSNormalization(epsilon=1e-6, name="norm")(
+        keras.layers.Conv1D(8, 3, padding="same", name="conv")(x)
+    )
+    keras_model = keras.Model(x, keras.layers.Dense(2, name="out")(keras.layers.ReLU(name="act")(h)))
+    torch.manual_seed(0)
+    inputs = (np.random.default_rng(0).standard_normal((2, 5, 4)).astype(np.float32),)
+    report = model_parity.compare_models(Conv().eval(), keras_model, inputs)
+    assert report.passed, model_parity.format_report(report)
+    assert [(row.keras_name, row.kind) for row in report.rows] == [
+        ("conv", "Conv1d"), ("norm", "RMSNorm"), ("act", "activation"), ("out", "Linear/Dense")
+    ]  # fmt: skip
 
 
 def test_weight_map_pairs_by_name_and_the_rest_by_order():
