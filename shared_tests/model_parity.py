@@ -956,6 +956,10 @@ def backends_of(path, asked):
 
 
 def _declared_backends(path):
+    """The pair file's `KERAS_BACKENDS`, read from its text (importing it could import Keras on
+    the wrong backend); raises ValueError if there is no such file."""
+    if not Path(path).is_file():
+        raise ValueError(f"--model takes a Python file defining {', '.join(REQUIRED)}. Received: {path} (no such file)")
     text = Path(path).read_text()
     for line in text.splitlines():
         if line.startswith("KERAS_BACKENDS"):
@@ -975,7 +979,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         backends = backends_of(args.model, [b for b in args.keras.split(",") if b])
-    except OSError as error:
+    except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if not backends:

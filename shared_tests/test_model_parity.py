@@ -117,6 +117,14 @@ def test_a_failure_exits_1(tmp_path, capsys):
     assert "first failing layer: layer 4, PyTorch 'blocks.0.attention'" in capsys.readouterr().out
 
 
+def test_a_missing_pair_file_is_an_error_with_status_2(capsys):
+    assert parity.main(["--model", "no_such_pair.py"]) == 2
+    assert (
+        "error: --model takes a Python file defining build_torch, build_keras, example_inputs. Received: no_such_pair.py (no such file)"
+        in capsys.readouterr().err
+    )
+
+
 def _lookup_models():
     pair = model_parity.load_pair(LOOKUP)
     return pair.build_torch().eval(), pair.build_keras(), (pair.example_inputs(),)
