@@ -33,6 +33,7 @@ import contextlib
 import copy
 import dataclasses
 import importlib.util
+import inspect
 import os
 import subprocess
 import sys
@@ -562,8 +563,25 @@ def _row(t_name, k_name, kind, reference, value, base, keep=None):
     )  # fmt: skip
 
 
+def _bound(function, args, kwargs):
+    """{argument name: value} of a call, by `function`'s signature ({} where it does not bind)."""
+    try:
+        return dict(inspect.signature(function).bind(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        return {}
+
+
+def _is_tensor(value):
+    return hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(value, (bool, int, float))
+
+
 def run_alone(t, k, index):
     """Runs a Keras layer alone on the PyTorch layer's inputs.
+
+    Each tensor argument of the Keras layer's call is replaced by the PyTorch layer's argument of
+    the same name (`query`, `key`, `value`), or else, if floating, by its next floating positional
+    tensor, where the two have one shape (in the Keras layout); the Keras call's other arguments,
+    its options and its Keras masks are kept.
 
     Args:
         t: the PyTorch Unit, its calls recorded.
@@ -571,31 +589,45 @@ def run_alone(t, k, index):
         index: which call.
 
     Returns:
-        The Keras layer's output (float64 NumPy) for its `index`-th call made again with the
-        PyTorch layer's positional tensor inputs in place of its own (of the same shape, in the
-        Keras layout), its keyword arguments, options and Keras masks kept.
+        The Keras layer's output (float64 NumPy) for its `index`-th call made again so.
     """
     import keras
     from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
-    torch_args = [a for a in t.calls[index][0] if hasattr(a, "detach")]
+    torch_args, torch_kwargs, _ = t.calls[index]
     args, kwargs, _ = k.calls[index]
-    args, given = list(args), iter(torch_args)
-    for position, arg in enumerate(args):
-        if not keras.ops.is_tensor(arg) and not hasattr(arg, "shape"):
+    call = k.layer.call.original
+    torch_named = _bound(t.layer.forward, torch_args, torch_kwargs)
+    keras_named = _bound(call, args, kwargs)
+    by_name = {
+        name for name, arg in keras_named.items() if _is_tensor(arg) and hasattr(torch_named.get(name), "detach")
+    }
+    named_ids = {id(torch_named[name]) for name in by_name}
+    positional = iter(
+        [a for a in torch_args if hasattr(a, "detach") and a.is_floating_point() and id(a) not in named_ids]
+    )
+    replaced = {}
+    for name, arg in keras_named.items():
+        if not _is_tensor(arg):
             continue
-        source = next(given, None)
+        floating = keras.backend.standardize_dtype(arg.dtype).startswith(("float", "bfloat"))
+        source = torch_named[name] if name in by_name else next(positional, None) if floating else None
         if source is None:
-            break
+            continue
         value = _layout(t.kind, source.detach().cpu().numpy())
         if tuple(value.shape) != tuple(arg.shape):
             continue
-        replaced = keras.ops.convert_to_tensor(value.astype(keras.backend.standardize_dtype(arg.dtype)))
+        tensor = keras.ops.convert_to_tensor(value.astype(keras.backend.standardize_dtype(arg.dtype)))
         mask = get_keras_mask(arg)
         if mask is not None:
-            set_keras_mask(replaced, mask)
-        args[position] = replaced
-    return _numpy(k.layer.call.original(*args, **kwargs) if hasattr(k.layer.call, "original") else k.layer(*args))
+            set_keras_mask(tensor, mask)
+        replaced[name] = tensor
+    if not keras_named:  # a signature that does not bind: by position
+        return _numpy(call(*args, **kwargs))
+    names = list(inspect.signature(call).parameters)
+    args = [replaced.get(names[i], arg) if i < len(names) else arg for i, arg in enumerate(args)]
+    kwargs = {name: replaced.get(name, value) for name, value in kwargs.items()}
+    return _numpy(call(*args, **kwargs))
 
 
 def _rope(pairs):
