@@ -99,14 +99,9 @@ class TorchNoBias(TorchMultiHeadAttention):
 
 
 class TFNoBias(TFMultiHeadAttention):
-    def _project(self, x, kind):
-        return tf_file.tf.matmul(x, getattr(self, f"{kind}_kernel"))
-
-    def _project_fused(self, x):
-        return tuple(
-            self._split_heads(self._project(x, kind), h)
-            for kind, h in (("query", self.num_heads), ("key", self.num_kv_heads), ("value", self.num_kv_heads))
-        )
+    def _project(self, x, *kinds):  # several kinds: the fused q/k/v projection (`_project_fused`)
+        kernels = [getattr(self, f"{kind}_kernel") for kind in kinds]
+        return tf_file.tf.matmul(x, kernels[0] if len(kernels) == 1 else tf_file.tf.concat(kernels, axis=1))
 
 
 def _torch_wrong_split(self, y, heads):
