@@ -2511,10 +2511,6 @@ def _shape_tuple(shape):
     return tuple(tf.TensorShape(shape).as_list())
 
 
-def _dtype_of(x):
-    return tf.as_dtype(x.dtype) if hasattr(x, "dtype") else tf.convert_to_tensor(x).dtype
-
-
 def _compiled_by_xla():
     """Whether the graph being traced is compiled by XLA (`jit_compile=True`). XLA compiles the
     gradient of both branches of a `tf.cond`, the one not taken with placeholders for its tensors
