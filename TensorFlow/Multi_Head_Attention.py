@@ -21,9 +21,9 @@ Where things are: the core first (the plain layer: the class, `call`, the checks
 projections, `dot_product_attention`, the heads merged and the output projection), then one section
 per option family, in this order: score modifiers (scale, softcap, window, attention chunks, sinks,
 ALiBi, attention_bias, the masks), positions (RoPE), QK-norm, clip_qkv and the gate, KV cache and
-decode steps, multi-head latent attention (MLA, and the weights' layout), speed paths (the
-memory-efficient path), int8, framework only (Keras conventions, XLA, the masks' habits), converters
-(portable weights in, Keras config, from_keras / to_keras).
+decode steps, multi-head latent attention (MLA), speed paths (the memory-efficient path), int8,
+framework only (Keras conventions, XLA, the masks' habits), converters (the portable weights' layout
+and import, Keras config, from_keras / to_keras).
 """
 
 import functools
@@ -1531,7 +1531,8 @@ def _write_compiled(handles, fields, k, v, key_mask, misfit):
 # given, must equal Hn + Hr; the output kernel is (N*Hv, E). MLA reads keys and values from `key`
 # (`value` must be None or `key` itself) and is not taken with `vdim`, `qk_norm`, `clip_qkv`,
 # `rope_sections` or `rope_fraction` < 1.
-# The portable layout of the weights (`weight_shapes`) is here too, since MLA replaces its kernels.
+# The portable layout of the weights (`_weight_shapes`, converters) asks this section for the kernels'
+# and the latent norms' shapes (`_kernel_shapes`, `_latent_norms`).
 
 _LATENT_SIZES = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 _ABSORB_MAX_T = 8  # `absorb_latents=None`: a call with a cache and T <= 8 attends on the latents
@@ -1637,40 +1638,13 @@ def _projections(latent):
     return (*query, "key_value_a", "key_value_b", "output", "gate")
 
 
-def _weight_shapes(layer):
-    """`weight_shapes`: a projection's bias only when `bias` names it, the norm scales only with
-    `qk_norm` (and their biases with `qk_norm_bias`), `sinks` only with `sinks=True`, the gate's kernel
-    (and bias) after them with `gate=True`, each int8 kernel followed by its scale. With MLA, the
-    latent projections and their norm scales (`query_a_norm` with `q_lora_rank`, `key_value_a_norm`)
-    replace query, key and value.
-
-    The layout: `query_kernel` (E, N*H), `query_bias` (N*H,), `key_kernel` (kdim, K*H), ...,
-    `output_kernel` (N*H, E), `output_bias` (E,), `query_norm`, `key_norm`, `query_norm_bias`,
-    `key_norm_bias`, `sinks` (N,), `gate_kernel` (E, N*H) and `gate_bias`: the portable layout
-    itself, created in `build`."""
-    nh, kh = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
-    kernels = _kernel_shapes(layer)
-    hv = layer.head_dim if layer.kv_lora_rank is None else layer.v_head_dim
-    gate = {"gate": (layer.d_model, layer.num_heads * hv)} if layer.gate else {}
-    shapes = {}
-    for kind, shape in kernels.items():
-        shapes[f"{kind}_kernel"] = shape
-        if kind in layer.bias:
-            shapes[f"{kind}_bias"] = shape[1:]
-        if kind in ("query_a", "key_value_a"):
-            shapes[f"{kind}_norm"] = (layer.q_lora_rank if kind == "query_a" else layer.kv_lora_rank,)
-    if layer.qk_norm is not None:
-        shapes["query_norm"] = (layer.head_dim,) if layer.qk_norm == "head" else (nh,)  # "per_head", "all": (N*H,)
-        shapes["key_norm"] = (layer.head_dim,) if layer.qk_norm == "head" else (kh,)
-    if layer.qk_norm is not None and layer.qk_norm_bias:
-        shapes["query_norm_bias"], shapes["key_norm_bias"] = shapes["query_norm"], shapes["key_norm"]
-    if layer.sinks:
-        shapes["sinks"] = (layer.num_heads,)
-    for kind, shape in gate.items():
-        shapes[f"{kind}_kernel"] = shape
-        if kind in layer.bias:
-            shapes[f"{kind}_bias"] = shape[1:]
-    return _with_scales(shapes) if layer._int8 else shapes
+def _latent_norms(layer):
+    """MLA's norm scales in the layout, {projection: shape}: `query_a_norm` (Q,) with `q_lora_rank`,
+    `key_value_a_norm` (C,); none without MLA."""
+    if layer.kv_lora_rank is None:
+        return {}
+    query = {} if layer.q_lora_rank is None else {"query_a": (layer.q_lora_rank,)}
+    return {**query, "key_value_a": (layer.kv_lora_rank,)}
 
 
 def _kernel_shapes(layer):
@@ -2521,8 +2495,8 @@ def _compiled_by_xla():
 # -------------------------------------------------------------------------------------------------
 # Section: converters
 # -------------------------------------------------------------------------------------------------
-# The portable weights in (`import_weights`), the Keras config (`get_config`), and the Keras
-# built-ins (`from_keras`, `to_keras`).
+# The portable weights (their layout, `weight_shapes`, and `import_weights`), the Keras config
+# (`get_config`), and the Keras built-ins (`from_keras`, `to_keras`).
 #
 # Coming from `keras.layers.MultiHeadAttention`: it is called `(query, value, key)`, this layer
 # `(query, key, value)`: by position, key comes before value (or name them). A floating
@@ -2532,6 +2506,41 @@ def _compiled_by_xla():
 
 _GROUP_QUERY_ATTENTION = getattr(tf.keras.layers, "GroupQueryAttention", None)  # None in legacy Keras (tf_keras)
 _BUILT_IN_GQA = () if _GROUP_QUERY_ATTENTION is None else (_GROUP_QUERY_ATTENTION,)
+
+
+def _weight_shapes(layer):
+    """`weight_shapes`: a projection's bias only when `bias` names it, the norm scales only with
+    `qk_norm` (and their biases with `qk_norm_bias`), `sinks` only with `sinks=True`, the gate's kernel
+    (and bias) after them with `gate=True`, each int8 kernel followed by its scale. With MLA, the
+    latent projections and their norm scales (`query_a_norm` with `q_lora_rank`, `key_value_a_norm`)
+    replace query, key and value.
+
+    The layout: `query_kernel` (E, N*H), `query_bias` (N*H,), `key_kernel` (kdim, K*H), ...,
+    `output_kernel` (N*H, E), `output_bias` (E,), `query_norm`, `key_norm`, `query_norm_bias`,
+    `key_norm_bias`, `sinks` (N,), `gate_kernel` (E, N*H) and `gate_bias`: the portable layout
+    itself, created in `build`."""
+    nh, kh = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+    kernels, norms = _kernel_shapes(layer), _latent_norms(layer)  # MLA's, or query, key, value, output
+    gate = {"gate": (layer.d_model, kernels["output"][0])} if layer.gate else {}  # (E, N*Hv)
+    shapes = {}
+    for kind, shape in kernels.items():
+        shapes[f"{kind}_kernel"] = shape
+        if kind in layer.bias:
+            shapes[f"{kind}_bias"] = shape[1:]
+        if kind in norms:
+            shapes[f"{kind}_norm"] = norms[kind]
+    if layer.qk_norm is not None:
+        shapes["query_norm"] = (layer.head_dim,) if layer.qk_norm == "head" else (nh,)  # "per_head", "all": (N*H,)
+        shapes["key_norm"] = (layer.head_dim,) if layer.qk_norm == "head" else (kh,)
+    if layer.qk_norm is not None and layer.qk_norm_bias:
+        shapes["query_norm_bias"], shapes["key_norm_bias"] = shapes["query_norm"], shapes["key_norm"]
+    if layer.sinks:
+        shapes["sinks"] = (layer.num_heads,)
+    for kind, shape in gate.items():
+        shapes[f"{kind}_kernel"] = shape
+        if kind in layer.bias:
+            shapes[f"{kind}_bias"] = shape[1:]
+    return _with_scales(shapes) if layer._int8 else shapes
 
 
 def _import_weights(layer, weights):
