@@ -218,6 +218,26 @@ def _signature(dotted):
     return f"`{dotted.rpartition('.')[2]}({ast.unparse(arguments(dotted))})`"
 
 
+def _section_table():
+    """A Markdown table: the core and each section of `core_layout.SECTIONS` (rows, in file
+    order), with its line range in each layer file (columns), `-` where a file has no such part."""
+    from shared_tests import core_layout
+
+    files = layer_files()
+    ranges = {}
+    for framework in files:
+        found = core_layout.headers(framework)
+        ends = [line - 2 for _, line in found[1:]] + [len((ROOT / framework / LAYER_FILE).read_text().splitlines())]
+        ranges[framework] = {
+            title: f"{1 if i == 0 else line - 1}-{end}"
+            for i, ((title, line), end) in enumerate(zip(found, ends, strict=True))
+        }
+    rows = [f"| part | {' | '.join(files)} |", "|---" * (len(files) + 1) + "|"]
+    for title in (core_layout.CORE_HEADER, *core_layout.SECTIONS):
+        rows.append(f"| {title} | " + " | ".join(ranges[f].get(title, "-") for f in files) + " |")
+    return "\n" + "\n".join(rows) + "\n"
+
+
 GENERATORS = {
     "cases": lambda: str(len(_cases())),
     "decode_cases": lambda: str(len(_decode_cases())),
@@ -241,6 +261,7 @@ GENERATORS = {
     "files_with": lambda feature: _joined(name for name in layer_files() if has_feature(name, feature)),
     "has": lambda framework, feature: "yes" if has_feature(framework, feature) else "no",
     "signature": _signature,
+    "sections": _section_table,
 }
 
 
