@@ -46,26 +46,6 @@ __all__ = ["AttentionMaskWarning", "KVCache", "MultiHeadAttention", "alibi_bias"
 
 _PROJECTIONS = ("query", "key", "value", "output", "gate")  # the names `bias` takes; "gate" only with `gate`
 
-_EMPTY_MASK = (
-    "`{name}` keeps no key for any query, so every output row is `output_bias`: True means attend (in "
-    "nn.MultiheadAttention True means ignore: pass `~mask`). Received: a boolean {name} that is False everywhere"
-)
-_CAUSAL_TRAP = (
-    "`attention_mask` keeps keys only after each query, none at or before it: True means attend (in "
-    "nn.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`). "
-    "Received: a boolean attention_mask False wherever causal attention keeps a key"
-)
-_PADDING_TRAP = (
-    "`key_mask` reads as nn.MultiheadAttention's key_padding_mask (True = padding): True means a real key, "
-    "pass `~mask`. Received: a key_mask False then True in every row, {empty} of {b} rows keeping no key "
-    "and none keeping all"
-)
-_ZEROS_AND_ONES = (
-    "`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras reads such a "
-    "mask as boolean): pass `mask > 0` (True = attend) or an additive mask. "
-    "Received: a floating attention_mask of 0s and 1s"
-)
-
 
 # -------------------------------------------------------------------------------------------------
 # Core: the plain layer
@@ -234,40 +214,13 @@ class MultiHeadAttention:
     """
 
     def __init__(
-        self,
-        d_model,
-        num_heads,
-        *,
-        num_kv_heads=None,
-        head_dim=None,
-        kdim=None,
-        vdim=None,
-        dropout=0.0,
-        bias=True,
-        scale=None,
-        softcap=None,
-        window=None,
-        attention_chunk_size=None,
-        rope_theta=None,
-        rope_fraction=1.0,
-        rope_interleaved=False,
-        rope_scaling=None,
-        rope_sections=None,
-        qk_norm=None,
-        qk_norm_eps=1e-6,
-        qk_norm_type="rms",
-        qk_norm_bias=False,
-        sinks=False,
-        clip_qkv=None,
-        gate=False,
-        kv_lora_rank=None,
-        q_lora_rank=None,
-        qk_nope_head_dim=None,
-        qk_rope_head_dim=None,
-        v_head_dim=None,
-        latent_norm_eps=1e-6,
+        self, d_model, num_heads, *, num_kv_heads=None, head_dim=None, kdim=None, vdim=None, dropout=0.0, bias=True,
+        scale=None, softcap=None, window=None, attention_chunk_size=None, rope_theta=None, rope_fraction=1.0,
+        rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None, qk_norm_eps=1e-6,
+        qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
+        q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
         seed=None,
-    ):
+    ):  # fmt: skip
         self.d_model = _positive_int("d_model", d_model)
         self.num_heads = _positive_int("num_heads", num_heads)
         self.num_kv_heads = _positive_int("num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads)
@@ -304,6 +257,8 @@ class MultiHeadAttention:
             _check_latent_combinations(vdim, variants)
             self.vdim = self.kdim  # the values come from `key`
         self.absorb_latents = None  # MLA: None (absorbed with a cache and T <= 8), True or False
+        self._float_layout = _float_shapes(self) if latent is None else _latent_shapes(self)  # {name: shape}
+        self._cache_layout = _cache_layout(self, latent)  # a KVCache's (heads, key width, value width)
         self._inv_freq = None  # (R/2,), computed once
         if self.rope_theta is not None:
             rotary_dim = _rotary_dim(rope_fraction, rope_width, True)
@@ -342,12 +297,10 @@ class MultiHeadAttention:
         gated, gate = (context, None) if not self.gate else _gate_heads(self, call, context)  # 6b. output gate
         merged = self._merge_heads(gated)  # 7. (B, N, T, H) -> (B, T, N*H)
         output = self._project(merged, "output")  # 7. (B, T, N*H) -> (B, T, E)
-        saved = dict(
-            call=call, no_key=key is None, no_value=value is None, q=q, k=k, v=v, keep=keep, weights=weights,
-            bias_shape=None if attention_bias is None else np.shape(attention_bias), context=context, gate=gate,
-            merged=merged,
-        )  # fmt: skip
-        self._saved = None if call.cache is not None else saved  # for `backward` (its section)
+        bias_shape = None if attention_bias is None else np.shape(attention_bias)
+        saved = dict(call=call, no_key=key is None, no_value=value is None, bias_shape=bias_shape, q=q, k=k, v=v)
+        saved.update(keep=keep, weights=weights, context=context, gate=gate, merged=merged)
+        self._saved = None if call.cache is not None else saved  # what `backward` reads (its section)
         results = (output, weights) if call.return_attention else (output,)
         results = results if call.cache is None else (*results, call.cache)
         return results[0] if len(results) == 1 else results
@@ -464,42 +417,8 @@ class MultiHeadAttention:
         scales with `qk_norm` (and their biases with `qk_norm_bias`), `sinks` with sinks, the gate's
         kernel with `gate`; with MLA the latent projections and norms instead of the key and value
         projections."""
-        shapes = self._float_shapes()
+        shapes = dict(self._float_layout)
         return _with_scales(shapes) if self.quantization_mode == "int8" else shapes
-
-    def _float_shapes(self):
-        """The float portable layout (`weight_shapes` before int8)."""
-        if self._latent is not None:
-            return _latent_shapes(self)
-        nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        shapes = {
-            "query_kernel": (self.d_model, nh),
-            "query_bias": (nh,),
-            "key_kernel": (self.kdim, kh),
-            "key_bias": (kh,),
-            "value_kernel": (self.vdim, kh),
-            "value_bias": (kh,),
-            "output_kernel": (nh, self.d_model),
-            "output_bias": (self.d_model,),
-            "query_norm": (self.head_dim,) if self.qk_norm == "head" else (nh,),
-            "key_norm": (self.head_dim,) if self.qk_norm == "head" else (kh,),
-            "query_norm_bias": (self.head_dim,) if self.qk_norm == "head" else (nh,),
-            "key_norm_bias": (self.head_dim,) if self.qk_norm == "head" else (kh,),
-            "sinks": (self.num_heads,),
-            "gate_kernel": (self.d_model, nh),
-            "gate_bias": (nh,),
-        }
-        kinds = _projection_kinds(_PROJECTIONS, self.gate)
-        present = {
-            **{f"{kind}_kernel": kind in kinds for kind in _PROJECTIONS},
-            **{f"{kind}_bias": kind in self.bias and kind in kinds for kind in _PROJECTIONS},
-            "query_norm": self.qk_norm is not None,
-            "key_norm": self.qk_norm is not None,
-            "query_norm_bias": self.qk_norm is not None and self.qk_norm_bias,
-            "key_norm_bias": self.qk_norm is not None and self.qk_norm_bias,
-            "sinks": self.sinks,
-        }
-        return {name: shape for name, shape in shapes.items() if present[name]}
 
     def export_weights(self):
         """Returns the portable weights: a dict of float64 arrays (see docs/SPEC.md); once
@@ -509,19 +428,7 @@ class MultiHeadAttention:
     def import_weights(self, weights):
         """Loads portable weights; strict and atomic (a ValueError lists every problem). An int8
         layout (with `<kind>_kernel_scale`) quantizes a float layer; an int8 layer takes only one."""
-        int8 = self.quantization_mode == "int8" or _is_int8_layout(weights)
-        expected = (
-            _with_scales(self.weight_shapes()) if int8 and self.quantization_mode is None else self.weight_shapes()
-        )
-        problems = [f"missing '{name}'" for name in expected if name not in weights]
-        problems += [f"unexpected '{name}'" for name in weights if name not in expected]
-        for name, shape in expected.items():
-            if name in weights and tuple(np.shape(weights[name])) != shape:
-                problems.append(f"'{name}' has shape {tuple(np.shape(weights[name]))}, expected {shape}")
-        problems += _int8_problems(weights, expected) if int8 else []
-        if problems:
-            raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
-        self.params = {name: np.array(weights[name], dtype=_portable_dtype(name, int8)) for name in expected}
+        _import_weights(self, weights)
 
     def quantize(self, mode):
         """Quantizes the projections' kernels (the gate's too with `gate`) to int8 with one float32
@@ -704,65 +611,15 @@ def _full_keep(keep, t, s, causal, window, attention_chunk_size):
     return keep & attention_chunk_mask(t, s, attention_chunk_size) if attention_chunk_size is not None else keep
 
 
-def _mask_traps(attention_mask, key_mask, t, s):
-    """The built-in layers' habits that the masks' values suggest (docs/SPEC.md, Masks), as
-    {kind: message}; the call computes what the SPEC says either way."""
-    traps = {}
-    for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
-        if mask is not None and mask.dtype == np.bool_ and _keeps_nothing(mask):
-            traps[name] = _EMPTY_MASK.format(name=name)
-    boolean = attention_mask is not None and attention_mask.dtype == np.bool_
-    if boolean and "attention_mask" not in traps and _keeps_only_later(attention_mask, t, s):
-        traps["causal"] = _CAUSAL_TRAP
-    empty = 0 if key_mask is None or "key_mask" in traps else _inverted_padding(key_mask)
-    if empty:
-        traps["padding"] = _PADDING_TRAP.format(empty=empty, b=key_mask.shape[0])
-    if attention_mask is not None and attention_mask.dtype != np.bool_ and _zeros_and_ones(attention_mask):
-        traps["zeros and ones"] = _ZEROS_AND_ONES
-    return traps
-
-
-def _keeps_nothing(mask):
-    """A boolean mask False everywhere (nn.MultiheadAttention's True = ignore, nothing padded)."""
-    return mask.size > 0 and not mask.any()
-
-
-def _keeps_only_later(mask, t, s):
-    """A square (T == S) boolean mask that keeps keys only after each query, none where `causal`
-    keeps one (nn.MultiheadAttention's causal `attn_mask`, `triu(ones, 1)`)."""
-    return mask.size > 0 and t == s > 0 and not (mask & causal_mask(t, s)).any()
-
-
-def _inverted_padding(key_mask):
-    """The rows keeping no key of a (B, S) `key_mask` that reads as nn.MultiheadAttention's
-    `key_padding_mask` (True = padding): every row False then True, some row keeping no key and
-    none keeping all (left padding has its longest sequence all True); else 0."""
-    kept = key_mask.sum(-1)  # (B,)
-    ordered = (key_mask[:, 1:] >= key_mask[:, :-1]).all()  # False then True in every row
-    full = (kept == key_mask.shape[1]).any()
-    return 0 if not ordered or full else int((kept == 0).sum())
-
-
-def _zeros_and_ones(mask):
-    """A floating mask of only 0s and 1s, some 1 (a Keras mask, which Keras reads as boolean)."""
-    ones = mask == 1
-    return bool(((mask == 0) | ones).all() and ones.any())
-
-
 def dot_product_attention(
     q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, attention_chunk_size=None,
     sinks=None,
 ):  # fmt: skip
-    """Pure attention on split heads: q (B, N, T, H), k and v (B, K, S, H) with K dividing N;
-    returns context (B, N, T, H) and weights (B, N, T, S), with exact zeros where not kept.
-
-    `keep` (boolean, True where a query may attend a key) and `bias` (float, added to the
-    soft-capped scores) broadcast to (B, N, T, S); `causal`: query t keeps key s only if
-    s <= t + (S - T); `scale` defaults to 1 / sqrt(H). The score modifiers (their section):
-    `softcap` c makes the scaled scores c * tanh(scores / c); `window` W or (W_before, W_after)
-    keeps s > t + (S - T) - W_before (and s < t + (S - T) + W_after); `attention_chunk_size` C
-    keeps s // C == (t + (S - T)) // C; `sinks`, (N,) logits, join the softmax's denominator.
-    """
+    """Pure attention on split heads, q (B, N, T, H), k and v (B, K, S, H) with K dividing N:
+    returns context (B, N, T, H) and weights (B, N, T, S), exactly 0 where not kept. `keep` (True
+    = attend) and `bias` (float, added to the soft-capped scores) broadcast to (B, N, T, S);
+    `scale` defaults to 1 / sqrt(H); `causal` and the score modifiers (`softcap`, `window`,
+    `attention_chunk_size`, (N,) `sinks`) act as the layer's arguments of those names."""
     t, s = q.shape[2], k.shape[2]
     keep = np.ones((1, 1, t, s), dtype=bool) if keep is None else keep  # (B, N, T, S), dims may be 1
     if causal or window is not None or attention_chunk_size is not None:
@@ -791,14 +648,6 @@ def _masked_softmax(scores, keep, sinks=None):
     total = exp.sum(axis=-1, keepdims=True)  # (B, N, T, 1)
     total = total if sink is None else total + np.exp(sink - top)  # the sink joins the denominator
     return np.where(keep, exp / total, 0.0)  # (B, N, T, S), rows with no key are all 0
-
-
-def _centre_rows(bias, keep):
-    """`bias` minus each query row's largest kept value (rows keeping nothing: unchanged), as
-    docs/SPEC.md "Numerics" asks: a softmax does not change, and a row whose kept keys all carry
-    the same large finite penalty (-1e20) stays an ordinary softmax instead of one rounded away."""
-    top = np.where(keep, bias, -np.inf).max(axis=-1, keepdims=True, initial=-np.inf)  # (B, N, T, 1), dims may be 1
-    return bias - np.where(np.isfinite(top), top, 0.0)  # (B, N, T, S), dims may be 1
 
 
 # The constructor's checks of the plain layer's arguments (each option's: in its section)
@@ -1076,6 +925,14 @@ def attention_chunk_mask(t, s, size):
 def _softcap(scores, softcap):
     """Gemma 2's soft-capping: softcap * tanh(scores / softcap)."""
     return scores if softcap is None else softcap * np.tanh(scores / softcap)
+
+
+def _centre_rows(bias, keep):
+    """`bias` minus each query row's largest kept value (rows keeping nothing: unchanged), as
+    docs/SPEC.md "Numerics" asks: a softmax does not change, and a row whose kept keys all carry
+    the same large finite penalty (-1e20) stays an ordinary softmax instead of one rounded away."""
+    top = np.where(keep, bias, -np.inf).max(axis=-1, keepdims=True, initial=-np.inf)  # (B, N, T, 1), dims may be 1
+    return bias - np.where(np.isfinite(top), top, 0.0)  # (B, N, T, S), dims may be 1
 
 
 def _softcap_backward(d_capped, q, k, scale, softcap):
@@ -1544,17 +1401,21 @@ class KVCache(NamedTuple):
     index: np.ndarray
 
 
+def _cache_layout(layer, latent):
+    """A KVCache's (heads, key width, value width): (K, H, H), with MLA (1, C, Hr)."""
+    if latent is None:
+        return layer.num_kv_heads, layer.head_dim, layer.head_dim
+    return 1, latent.kv_lora_rank, latent.qk_rope_head_dim
+
+
 def _init_cache(layer, batch_size, max_length, keep, dtype):
     """`init_cache`: an empty `KVCache`, keys and values (B, K, L, H), or MLA's latent cache."""
     b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
     keep = np.ones((b, length), dtype=bool) if keep is None else _check_keep(keep, b, length)
-    latent = layer._latent
-    key_shape = (
-        (b, layer.num_kv_heads, length, layer.head_dim) if latent is None else (b, 1, length, latent.kv_lora_rank)
-    )
-    value_shape = key_shape if latent is None else (b, 1, length, latent.qk_rope_head_dim)
+    heads, key_width, value_width = layer._cache_layout
     dtype = np.float64 if dtype is None else dtype
-    return KVCache(np.zeros(key_shape, dtype), np.zeros(value_shape, dtype), keep.copy(), np.asarray(0))
+    key, value = np.zeros((b, heads, length, key_width), dtype), np.zeros((b, heads, length, value_width), dtype)
+    return KVCache(key, value, keep.copy(), np.asarray(0))
 
 
 def _check_cache(layer, cache, query, key):
@@ -2029,4 +1890,123 @@ def _is_int8_layout(weights):
 # -------------------------------------------------------------------------------------------------
 # Section: converters
 # -------------------------------------------------------------------------------------------------
-# NumPy has no built-in attention layer to convert from or to.
+# NumPy has no built-in attention layer to convert from or to. It holds the portable weight layout that
+# carries weights between the four files (`weight_shapes`, `import_weights`), and what the built-in layers'
+# conventions look like in a mask (the habits `_warn_traps` warns of: the call computes what docs/SPEC.md
+# says either way).
+
+
+def _float_shapes(layer):
+    """The float portable layout (`weight_shapes` before int8) without MLA (`_latent_shapes`)."""
+    nh, kh = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+    shapes = {
+        "query_kernel": (layer.d_model, nh),
+        "query_bias": (nh,),
+        "key_kernel": (layer.kdim, kh),
+        "key_bias": (kh,),
+        "value_kernel": (layer.vdim, kh),
+        "value_bias": (kh,),
+        "output_kernel": (nh, layer.d_model),
+        "output_bias": (layer.d_model,),
+        "query_norm": (layer.head_dim,) if layer.qk_norm == "head" else (nh,),
+        "key_norm": (layer.head_dim,) if layer.qk_norm == "head" else (kh,),
+        "query_norm_bias": (layer.head_dim,) if layer.qk_norm == "head" else (nh,),
+        "key_norm_bias": (layer.head_dim,) if layer.qk_norm == "head" else (kh,),
+        "sinks": (layer.num_heads,),
+        "gate_kernel": (layer.d_model, nh),
+        "gate_bias": (nh,),
+    }
+    kinds = _projection_kinds(_PROJECTIONS, layer.gate)
+    present = {
+        **{f"{kind}_kernel": kind in kinds for kind in _PROJECTIONS},
+        **{f"{kind}_bias": kind in layer.bias and kind in kinds for kind in _PROJECTIONS},
+        "query_norm": layer.qk_norm is not None,
+        "key_norm": layer.qk_norm is not None,
+        "query_norm_bias": layer.qk_norm is not None and layer.qk_norm_bias,
+        "key_norm_bias": layer.qk_norm is not None and layer.qk_norm_bias,
+        "sinks": layer.sinks,
+    }
+    return {name: shape for name, shape in shapes.items() if present[name]}
+
+
+def _import_weights(layer, weights):
+    """`import_weights`: strict and atomic, every problem listed in one ValueError."""
+    int8 = layer.quantization_mode == "int8" or _is_int8_layout(weights)
+    expected = (
+        _with_scales(layer.weight_shapes()) if int8 and layer.quantization_mode is None else layer.weight_shapes()
+    )
+    problems = [f"missing '{name}'" for name in expected if name not in weights]
+    problems += [f"unexpected '{name}'" for name in weights if name not in expected]
+    for name, shape in expected.items():
+        if name in weights and tuple(np.shape(weights[name])) != shape:
+            problems.append(f"'{name}' has shape {tuple(np.shape(weights[name]))}, expected {shape}")
+    problems += _int8_problems(weights, expected) if int8 else []
+    if problems:
+        raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
+    layer.params = {name: np.array(weights[name], dtype=_portable_dtype(name, int8)) for name in expected}
+
+
+_EMPTY_MASK = (
+    "`{name}` keeps no key for any query, so every output row is `output_bias`: True means attend (in "
+    "nn.MultiheadAttention True means ignore: pass `~mask`). Received: a boolean {name} that is False everywhere"
+)
+_CAUSAL_TRAP = (
+    "`attention_mask` keeps keys only after each query, none at or before it: True means attend (in "
+    "nn.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`). "
+    "Received: a boolean attention_mask False wherever causal attention keeps a key"
+)
+_PADDING_TRAP = (
+    "`key_mask` reads as nn.MultiheadAttention's key_padding_mask (True = padding): True means a real key, "
+    "pass `~mask`. Received: a key_mask False then True in every row, {empty} of {b} rows keeping no key "
+    "and none keeping all"
+)
+_ZEROS_AND_ONES = (
+    "`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras reads such a "
+    "mask as boolean): pass `mask > 0` (True = attend) or an additive mask. "
+    "Received: a floating attention_mask of 0s and 1s"
+)
+
+
+def _mask_traps(attention_mask, key_mask, t, s):
+    """The built-in layers' habits that the masks' values suggest (docs/SPEC.md, Masks), as
+    {kind: message}; the call computes what the SPEC says either way."""
+    traps = {}
+    for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
+        if mask is not None and mask.dtype == np.bool_ and _keeps_nothing(mask):
+            traps[name] = _EMPTY_MASK.format(name=name)
+    boolean = attention_mask is not None and attention_mask.dtype == np.bool_
+    if boolean and "attention_mask" not in traps and _keeps_only_later(attention_mask, t, s):
+        traps["causal"] = _CAUSAL_TRAP
+    empty = 0 if key_mask is None or "key_mask" in traps else _inverted_padding(key_mask)
+    if empty:
+        traps["padding"] = _PADDING_TRAP.format(empty=empty, b=key_mask.shape[0])
+    if attention_mask is not None and attention_mask.dtype != np.bool_ and _zeros_and_ones(attention_mask):
+        traps["zeros and ones"] = _ZEROS_AND_ONES
+    return traps
+
+
+def _keeps_nothing(mask):
+    """A boolean mask False everywhere (nn.MultiheadAttention's True = ignore, nothing padded)."""
+    return mask.size > 0 and not mask.any()
+
+
+def _keeps_only_later(mask, t, s):
+    """A square (T == S) boolean mask that keeps keys only after each query, none where `causal`
+    keeps one (nn.MultiheadAttention's causal `attn_mask`, `triu(ones, 1)`)."""
+    return mask.size > 0 and t == s > 0 and not (mask & causal_mask(t, s)).any()
+
+
+def _inverted_padding(key_mask):
+    """The rows keeping no key of a (B, S) `key_mask` that reads as nn.MultiheadAttention's
+    `key_padding_mask` (True = padding): every row False then True, some row keeping no key and
+    none keeping all (left padding has its longest sequence all True); else 0."""
+    kept = key_mask.sum(-1)  # (B,)
+    ordered = (key_mask[:, 1:] >= key_mask[:, :-1]).all()  # False then True in every row
+    full = (kept == key_mask.shape[1]).any()
+    return 0 if not ordered or full else int((kept == 0).sum())
+
+
+def _zeros_and_ones(mask):
+    """A floating mask of only 0s and 1s, some 1 (a Keras mask, which Keras reads as boolean)."""
+    ones = mask == 1
+    return bool(((mask == 0) | ones).all() and ones.any())
