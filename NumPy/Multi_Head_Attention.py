@@ -58,21 +58,6 @@ class AttentionMaskWarning(UserWarning):
     once per layer. `warnings.simplefilter("error", AttentionMaskWarning)` makes it an error."""
 
 
-# The packages between the user's call and this file
-_FRAMEWORK_MODULES = ("numpy",)
-
-
-def _warn_at_caller(message):
-    """Warns `AttentionMaskWarning` at the user's line: the first frame outside this file and the
-    framework (a module's or layer's `__call__`, Keras' traceback filter), however deep they call."""
-    frame, level = sys._getframe(1), 2  # level 2: the frame that called this function
-    while frame is not None and (
-        frame.f_globals is globals() or frame.f_globals.get("__name__", "").split(".")[0] in _FRAMEWORK_MODULES
-    ):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, AttentionMaskWarning, stacklevel=level)
-
-
 class _Call(NamedTuple):
     """A call's arguments after `_check_call`: checked, defaulted, cast to float64."""
 
@@ -91,28 +76,6 @@ class _Call(NamedTuple):
     cache: "KVCache | None"  # the cache step replaces it by the written cache
     training: None  # TF/Keras only
     fuse: bool  # False: the reference projects q, k and v one at a time
-
-
-class _Variants(NamedTuple):
-    """The variants of the layer, checked by their sections' helpers; each is also the layer's attribute."""
-
-    scale: float
-    softcap: float | None
-    window: int | tuple[int, int] | None
-    attention_chunk_size: int | None
-    rope_theta: float | None
-    rope_fraction: float
-    rope_interleaved: bool
-    rope_scaling: dict | None
-    rope_sections: tuple[int, ...] | None
-    qk_norm: str | None
-    qk_norm_eps: float
-    qk_norm_type: str
-    qk_norm_bias: bool
-    sinks: bool
-    clip_qkv: float | None
-    gate: bool
-    latent_norm_eps: float
 
 
 class MultiHeadAttention:
@@ -519,98 +482,6 @@ def _check_token_mask(name, mask, batch_size, length, letter):
     return mask
 
 
-def _attention_mask(attention_mask, mask):
-    """`mask=` is another name for `attention_mask` (the seed usage `layer(q, k, v, mask=None)`)."""
-    if mask is None:
-        return attention_mask
-    if attention_mask is not None:
-        raise ValueError(
-            "Pass the attention mask as `attention_mask` or as `mask`, not both. Received: attention_mask and mask"
-        )
-    return mask
-
-
-# Masks: a boolean `attention_mask` is True where a query may attend a key; a floating one is
-# added to the scores, read in its own dtype: a value at or below the lowest finite value of its
-# dtype or of float32 (whichever is higher), or -inf, removes a key; every other value is added.
-# `causal=True` keeps key s for query t iff s <= t + (S - T). A query row with no key left gets
-# weights of exactly 0, so its output is `output_bias`. Example, a key padding mask for keys
-# [a, b, <pad>]:
-#     keep = np.array([[True, True, False]])           # (B, S)
-#     layer(x, key_mask=keep)                           # or attention_mask=keep[:, None, :]
-
-
-def _padding_hint(name, shape, target):
-    """For a 2-D `attention_mask` shaped (B, S) where (T, S) was expected: padding goes in `key_mask`."""
-    padding = name == "attention_mask" and tuple(shape) == (target[0], target[3]) and target[0] != target[2]
-    return " A (B, S) padding mask goes in `key_mask` (True = a real key)." if padding else ""
-
-
-def _mask_to_4d(mask, target, name="attention_mask"):
-    """Checks `attention_mask` (or `attention_bias`, which must be floating) against target
-    (B, N, T, S), returns it as rank 4."""
-    mask = np.asarray(mask)
-    if name == "attention_bias" and not np.issubdtype(mask.dtype, np.floating):
-        raise ValueError(f"`attention_bias` must be floating. Received: attention_bias.dtype={mask.dtype.name}")
-    if mask.dtype != np.bool_ and not np.issubdtype(mask.dtype, np.floating):
-        raise ValueError(
-            f"`{name}` must be boolean (True = attend; for a 0/1 integer mask pass `mask > 0`) or floating. "
-            f"Received: {name}.dtype={mask.dtype.name}"
-        )
-    expected = {2: target[2:], 3: (target[0], *target[2:]), 4: target}.get(mask.ndim)
-    if expected is None or any(m not in (1, e) for m, e in zip(mask.shape, expected, strict=True)):
-        raise ValueError(
-            f"`{name}` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
-            f"(B, N, T, S), each dimension full or 1.{_padding_hint(name, mask.shape, target)} "
-            f"Expected: (B, N, T, S)={target}. "
-            f"Received: {name}.shape={tuple(mask.shape)}"
-        )
-    if mask.ndim == 2:
-        return mask[None, None]  # (T, S) -> (1, 1, T, S)
-    if mask.ndim == 3:
-        return mask[:, None]  # (B, T, S) -> (B, 1, T, S)
-    return mask
-
-
-def causal_mask(t, s):
-    """(T, S) boolean mask: query t keeps key s iff s <= t + (S - T) (bottom-right aligned)."""
-    return np.arange(s)[None, :] <= np.arange(t)[:, None] + (s - t)  # (T, S)
-
-
-def _removal_threshold(dtype):
-    """A floating mask value at or below this removes a key: the lowest finite value of the
-    mask's dtype or of float32, whichever is higher (so -inf, and what converters put for it)."""
-    return max(np.finfo(dtype).min, np.finfo(np.float32).min)
-
-
-def _split_mask(mask):
-    """Splits a rank-4 mask (or `attention_bias`) into (keep, bias): boolean and additive
-    (float64, finite), each None or rank 4."""
-    if mask is None:
-        return None, None
-    if mask.dtype == np.bool_:
-        return mask, None
-    removed = mask <= _removal_threshold(mask.dtype)  # read in the mask's own dtype, before any cast
-    return ~removed, np.where(removed, 0.0, mask.astype(np.float64))  # finite, never 0 * -inf
-
-
-def _and(a, b):
-    return b if a is None else a if b is None else a & b
-
-
-def _add(a, b):
-    return b if a is None else a if b is None else a + b
-
-
-def _full_keep(keep, t, s, causal, window, attention_chunk_size):
-    """`keep` (None: all kept) with `causal`, and the score modifiers `window` and
-    `attention_chunk_size`, folded in; broadcasts to (B, N, T, S)."""
-    keep = np.ones((1, 1, t, s), dtype=bool) if keep is None else keep  # (B, N, T, S), dims may be 1
-    keep = keep & causal_mask(t, s) if causal else keep
-    keep = keep & window_mask(t, s, window) if window is not None else keep
-    return keep & attention_chunk_mask(t, s, attention_chunk_size) if attention_chunk_size is not None else keep
-
-
 def dot_product_attention(
     q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, attention_chunk_size=None,
     sinks=None,
@@ -648,86 +519,6 @@ def _masked_softmax(scores, keep, sinks=None):
     total = exp.sum(axis=-1, keepdims=True)  # (B, N, T, 1)
     total = total if sink is None else total + np.exp(sink - top)  # the sink joins the denominator
     return np.where(keep, exp / total, 0.0)  # (B, N, T, S), rows with no key are all 0
-
-
-# The constructor's checks of the plain layer's arguments (each option's: in its section)
-
-
-def _positive_int(name, value):
-    if not _is_positive_int(value):
-        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
-    return int(value)
-
-
-def _is_positive_int(value):
-    """A Python or NumPy integer (not a bool) >= 1."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 1
-
-
-def _positive_float(name, value, *, optional=False):
-    if value is None and optional:
-        return None
-    if not _is_positive_number(value):
-        raise ValueError(
-            f"`{name}` must be {'None or ' if optional else ''}a positive float. Received: {name}={value!r}"
-        )
-    return float(value)
-
-
-def _is_positive_number(value):
-    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
-    return number and 0 < value < math.inf
-
-
-def _flag(name, value):
-    """A constructor flag: a Python or NumPy bool (not 0 or 1, not a string)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
-    return bool(value)
-
-
-def _dropout_rate(dropout):
-    """`dropout` as a float: a Python or NumPy number (not a bool, not None) in [0, 1)."""
-    number = isinstance(dropout, (int, float, np.integer, np.floating)) and not isinstance(dropout, (bool, np.bool_))
-    if not (number and 0.0 <= dropout < 1.0):
-        raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
-    return float(dropout)
-
-
-def _projection_biases(bias, gate, projections=_PROJECTIONS):
-    """`bias` -> the names of the projections that have a bias, in the order of `projections`
-    (("query", "key", "value", "output", "gate"), or the layer's with MLA: `_projections`). `bias`
-    is a Python or NumPy bool (all the layer's projections, the gate's only with `gate` True, or
-    none), or a list, tuple, set or frozenset of those names; anything else (a string, a dict or
-    its keys, an array) is refused."""
-    if isinstance(bias, (bool, np.bool_)):
-        return _projection_kinds(projections, gate is True or gate is np.True_) if bias else ()
-    names = isinstance(bias, (list, tuple, set, frozenset)) and all(
-        isinstance(name, str) and name in projections for name in bias
-    )
-    if not names:
-        raise ValueError(
-            f"`bias` must be True, False or a list, tuple or set of {', '.join(map(repr, projections))}. "
-            f"Received: bias={bias!r}"
-        )
-    return tuple(name for name in projections if name in bias)
-
-
-def _projection_kinds(projections, gate):
-    """The layer's projections among `projections` (`_projections`): the gate's only with `gate`."""
-    return projections if gate else projections[:-1]
-
-
-def _glorot_uniform(rng, fan_in, fan_out):
-    limit = math.sqrt(6.0 / (fan_in + fan_out))
-    return rng.uniform(-limit, limit, size=(fan_in, fan_out))
-
-
-def _initial_value(rng, name, shape):
-    """Glorot uniform kernels, zero biases and sink logits, QK-norm scales of one."""
-    if name.endswith("_kernel"):
-        return _glorot_uniform(rng, *shape)
-    return np.ones(shape) if name.endswith("_norm") else np.zeros(shape)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -869,7 +660,14 @@ def _fold_defaulted(inputs, no_key, no_value):
 # only if s > t + (S - T) - W; a pair (W_before, W_after) also limits the keys after it),
 # `attention_chunk_size` (query and key in the same chunk of C positions), `sinks` (a learned logit per head
 # in the softmax's denominator, `_masked_softmax`), ALiBi (`alibi_bias`) and the call's `attention_bias`
-# (added to the scores, with a gradient; `_centre_rows` in the core).
+# (added to the scores, with a gradient). Here too the masks, combined into one boolean keep and one additive
+# bias (`_masks`): a boolean `attention_mask` is True where a query may attend a key; a floating one is added
+# to the scores, read in its own dtype: a value at or below the lowest finite value of its dtype or of float32
+# (whichever is higher), or -inf, removes a key; every other value is added. `causal=True` keeps key s for
+# query t iff s <= t + (S - T). A query row with no key left gets weights of exactly 0, so its output is
+# `output_bias`. Example, a key padding mask for keys [a, b, <pad>]:
+#     keep = np.array([[True, True, False]])           # (B, S)
+#     layer(x, key_mask=keep)                           # or attention_mask=keep[:, None, :]
 
 
 def _check_score_modifiers(head_dim, scale, softcap, window, attention_chunk_size):
@@ -906,6 +704,79 @@ def _window_sides(window):
     return window, None
 
 
+def _attention_mask(attention_mask, mask):
+    """`mask=` is another name for `attention_mask` (the seed usage `layer(q, k, v, mask=None)`)."""
+    if mask is None:
+        return attention_mask
+    if attention_mask is not None:
+        raise ValueError(
+            "Pass the attention mask as `attention_mask` or as `mask`, not both. Received: attention_mask and mask"
+        )
+    return mask
+
+
+def _padding_hint(name, shape, target):
+    """For a 2-D `attention_mask` shaped (B, S) where (T, S) was expected: padding goes in `key_mask`."""
+    padding = name == "attention_mask" and tuple(shape) == (target[0], target[3]) and target[0] != target[2]
+    return " A (B, S) padding mask goes in `key_mask` (True = a real key)." if padding else ""
+
+
+def _mask_to_4d(mask, target, name="attention_mask"):
+    """Checks `attention_mask` (or `attention_bias`, which must be floating) against target
+    (B, N, T, S), returns it as rank 4."""
+    mask = np.asarray(mask)
+    if name == "attention_bias" and not np.issubdtype(mask.dtype, np.floating):
+        raise ValueError(f"`attention_bias` must be floating. Received: attention_bias.dtype={mask.dtype.name}")
+    if mask.dtype != np.bool_ and not np.issubdtype(mask.dtype, np.floating):
+        raise ValueError(
+            f"`{name}` must be boolean (True = attend; for a 0/1 integer mask pass `mask > 0`) or floating. "
+            f"Received: {name}.dtype={mask.dtype.name}"
+        )
+    expected = {2: target[2:], 3: (target[0], *target[2:]), 4: target}.get(mask.ndim)
+    if expected is None or any(m not in (1, e) for m, e in zip(mask.shape, expected, strict=True)):
+        raise ValueError(
+            f"`{name}` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
+            f"(B, N, T, S), each dimension full or 1.{_padding_hint(name, mask.shape, target)} "
+            f"Expected: (B, N, T, S)={target}. "
+            f"Received: {name}.shape={tuple(mask.shape)}"
+        )
+    if mask.ndim == 2:
+        return mask[None, None]  # (T, S) -> (1, 1, T, S)
+    if mask.ndim == 3:
+        return mask[:, None]  # (B, T, S) -> (B, 1, T, S)
+    return mask
+
+
+def _removal_threshold(dtype):
+    """A floating mask value at or below this removes a key: the lowest finite value of the
+    mask's dtype or of float32, whichever is higher (so -inf, and what converters put for it)."""
+    return max(np.finfo(dtype).min, np.finfo(np.float32).min)
+
+
+def _split_mask(mask):
+    """Splits a rank-4 mask (or `attention_bias`) into (keep, bias): boolean and additive
+    (float64, finite), each None or rank 4."""
+    if mask is None:
+        return None, None
+    if mask.dtype == np.bool_:
+        return mask, None
+    removed = mask <= _removal_threshold(mask.dtype)  # read in the mask's own dtype, before any cast
+    return ~removed, np.where(removed, 0.0, mask.astype(np.float64))  # finite, never 0 * -inf
+
+
+def _and(a, b):
+    return b if a is None else a if b is None else a & b
+
+
+def _add(a, b):
+    return b if a is None else a if b is None else a + b
+
+
+def causal_mask(t, s):
+    """(T, S) boolean mask: query t keeps key s iff s <= t + (S - T) (bottom-right aligned)."""
+    return np.arange(s)[None, :] <= np.arange(t)[:, None] + (s - t)  # (T, S)
+
+
 def window_mask(t, s, window):
     """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - W_before, and with a pair
     (W_before, W_after) also s < t + (S - T) + W_after (bottom-right aligned)."""
@@ -922,17 +793,18 @@ def attention_chunk_mask(t, s, size):
     return keys // size == queries // size  # (T, S)
 
 
+def _full_keep(keep, t, s, causal, window, attention_chunk_size):
+    """`keep` (None: all kept) with `causal`, and the score modifiers `window` and
+    `attention_chunk_size`, folded in; broadcasts to (B, N, T, S)."""
+    keep = np.ones((1, 1, t, s), dtype=bool) if keep is None else keep  # (B, N, T, S), dims may be 1
+    keep = keep & causal_mask(t, s) if causal else keep
+    keep = keep & window_mask(t, s, window) if window is not None else keep
+    return keep & attention_chunk_mask(t, s, attention_chunk_size) if attention_chunk_size is not None else keep
+
+
 def _softcap(scores, softcap):
     """Gemma 2's soft-capping: softcap * tanh(scores / softcap)."""
     return scores if softcap is None else softcap * np.tanh(scores / softcap)
-
-
-def _centre_rows(bias, keep):
-    """`bias` minus each query row's largest kept value (rows keeping nothing: unchanged), as
-    docs/SPEC.md "Numerics" asks: a softmax does not change, and a row whose kept keys all carry
-    the same large finite penalty (-1e20) stays an ordinary softmax instead of one rounded away."""
-    top = np.where(keep, bias, -np.inf).max(axis=-1, keepdims=True, initial=-np.inf)  # (B, N, T, 1), dims may be 1
-    return bias - np.where(np.isfinite(top), top, 0.0)  # (B, N, T, S), dims may be 1
 
 
 def _softcap_backward(d_capped, q, k, scale, softcap):
@@ -941,6 +813,14 @@ def _softcap_backward(d_capped, q, k, scale, softcap):
     queries and the (B, N, S, H) keys repeated per query head."""
     capped = np.tanh(q @ k.swapaxes(-1, -2) * scale / softcap)  # (B, N, T, S)
     return d_capped * (1.0 - capped**2)
+
+
+def _centre_rows(bias, keep):
+    """`bias` minus each query row's largest kept value (rows keeping nothing: unchanged), as
+    docs/SPEC.md "Numerics" asks: a softmax does not change, and a row whose kept keys all carry
+    the same large finite penalty (-1e20) stays an ordinary softmax instead of one rounded away."""
+    top = np.where(keep, bias, -np.inf).max(axis=-1, keepdims=True, initial=-np.inf)  # (B, N, T, 1), dims may be 1
+    return bias - np.where(np.isfinite(top), top, 0.0)  # (B, N, T, S), dims may be 1
 
 
 def alibi_bias(num_heads, positions):
@@ -1884,7 +1764,195 @@ def _is_int8_layout(weights):
 # -------------------------------------------------------------------------------------------------
 # Section: framework only
 # -------------------------------------------------------------------------------------------------
-# NumPy has nothing framework only: no devices, no autocast, no hooks, no distribution.
+# NumPy has no devices, autocast, hooks or distribution. Here: the variants' record and the checks that
+# the core and the sections share (Python and NumPy scalars alike), the initial weights, and the masks' values
+# that read like another library's habit (nn.MultiheadAttention's True = ignore, Keras' 0/1 floats), warned of
+# once per layer at the caller's line.
+
+
+class _Variants(NamedTuple):
+    """The variants of the layer, checked by their sections' helpers; each is also the layer's attribute."""
+
+    scale: float
+    softcap: float | None
+    window: int | tuple[int, int] | None
+    attention_chunk_size: int | None
+    rope_theta: float | None
+    rope_fraction: float
+    rope_interleaved: bool
+    rope_scaling: dict | None
+    rope_sections: tuple[int, ...] | None
+    qk_norm: str | None
+    qk_norm_eps: float
+    qk_norm_type: str
+    qk_norm_bias: bool
+    sinks: bool
+    clip_qkv: float | None
+    gate: bool
+    latent_norm_eps: float
+
+
+def _positive_int(name, value):
+    if not _is_positive_int(value):
+        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+    return int(value)
+
+
+def _is_positive_int(value):
+    """A Python or NumPy integer (not a bool) >= 1."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 1
+
+
+def _positive_float(name, value, *, optional=False):
+    if value is None and optional:
+        return None
+    if not _is_positive_number(value):
+        raise ValueError(
+            f"`{name}` must be {'None or ' if optional else ''}a positive float. Received: {name}={value!r}"
+        )
+    return float(value)
+
+
+def _is_positive_number(value):
+    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+    return number and 0 < value < math.inf
+
+
+def _flag(name, value):
+    """A constructor flag: a Python or NumPy bool (not 0 or 1, not a string)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
+    return bool(value)
+
+
+def _dropout_rate(dropout):
+    """`dropout` as a float: a Python or NumPy number (not a bool, not None) in [0, 1)."""
+    number = isinstance(dropout, (int, float, np.integer, np.floating)) and not isinstance(dropout, (bool, np.bool_))
+    if not (number and 0.0 <= dropout < 1.0):
+        raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
+    return float(dropout)
+
+
+def _projection_biases(bias, gate, projections=_PROJECTIONS):
+    """`bias` -> the names of the projections that have a bias, in the order of `projections`
+    (("query", "key", "value", "output", "gate"), or the layer's with MLA: `_projections`). `bias`
+    is a Python or NumPy bool (all the layer's projections, the gate's only with `gate` True, or
+    none), or a list, tuple, set or frozenset of those names; anything else (a string, a dict or
+    its keys, an array) is refused."""
+    if isinstance(bias, (bool, np.bool_)):
+        return _projection_kinds(projections, gate is True or gate is np.True_) if bias else ()
+    names = isinstance(bias, (list, tuple, set, frozenset)) and all(
+        isinstance(name, str) and name in projections for name in bias
+    )
+    if not names:
+        raise ValueError(
+            f"`bias` must be True, False or a list, tuple or set of {', '.join(map(repr, projections))}. "
+            f"Received: bias={bias!r}"
+        )
+    return tuple(name for name in projections if name in bias)
+
+
+def _projection_kinds(projections, gate):
+    """The layer's projections among `projections` (`_projections`): the gate's only with `gate`."""
+    return projections if gate else projections[:-1]
+
+
+def _glorot_uniform(rng, fan_in, fan_out):
+    limit = math.sqrt(6.0 / (fan_in + fan_out))
+    return rng.uniform(-limit, limit, size=(fan_in, fan_out))
+
+
+def _initial_value(rng, name, shape):
+    """Glorot uniform kernels, zero biases and sink logits, QK-norm scales of one."""
+    if name.endswith("_kernel"):
+        return _glorot_uniform(rng, *shape)
+    return np.ones(shape) if name.endswith("_norm") else np.zeros(shape)
+
+
+_EMPTY_MASK = (
+    "`{name}` keeps no key for any query, so every output row is `output_bias`: True means attend (in "
+    "nn.MultiheadAttention True means ignore: pass `~mask`). Received: a boolean {name} that is False everywhere"
+)
+
+
+_CAUSAL_TRAP = (
+    "`attention_mask` keeps keys only after each query, none at or before it: True means attend (in "
+    "nn.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`). "
+    "Received: a boolean attention_mask False wherever causal attention keeps a key"
+)
+
+
+_PADDING_TRAP = (
+    "`key_mask` reads as nn.MultiheadAttention's key_padding_mask (True = padding): True means a real key, "
+    "pass `~mask`. Received: a key_mask False then True in every row, {empty} of {b} rows keeping no key "
+    "and none keeping all"
+)
+
+
+_ZEROS_AND_ONES = (
+    "`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras reads such a "
+    "mask as boolean): pass `mask > 0` (True = attend) or an additive mask. "
+    "Received: a floating attention_mask of 0s and 1s"
+)
+
+
+def _mask_traps(attention_mask, key_mask, t, s):
+    """The built-in layers' habits that the masks' values suggest (docs/SPEC.md, Masks), as
+    {kind: message}; the call computes what the SPEC says either way."""
+    traps = {}
+    for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
+        if mask is not None and mask.dtype == np.bool_ and _keeps_nothing(mask):
+            traps[name] = _EMPTY_MASK.format(name=name)
+    boolean = attention_mask is not None and attention_mask.dtype == np.bool_
+    if boolean and "attention_mask" not in traps and _keeps_only_later(attention_mask, t, s):
+        traps["causal"] = _CAUSAL_TRAP
+    empty = 0 if key_mask is None or "key_mask" in traps else _inverted_padding(key_mask)
+    if empty:
+        traps["padding"] = _PADDING_TRAP.format(empty=empty, b=key_mask.shape[0])
+    if attention_mask is not None and attention_mask.dtype != np.bool_ and _zeros_and_ones(attention_mask):
+        traps["zeros and ones"] = _ZEROS_AND_ONES
+    return traps
+
+
+def _keeps_nothing(mask):
+    """A boolean mask False everywhere (nn.MultiheadAttention's True = ignore, nothing padded)."""
+    return mask.size > 0 and not mask.any()
+
+
+def _keeps_only_later(mask, t, s):
+    """A square (T == S) boolean mask that keeps keys only after each query, none where `causal`
+    keeps one (nn.MultiheadAttention's causal `attn_mask`, `triu(ones, 1)`)."""
+    return mask.size > 0 and t == s > 0 and not (mask & causal_mask(t, s)).any()
+
+
+def _inverted_padding(key_mask):
+    """The rows keeping no key of a (B, S) `key_mask` that reads as nn.MultiheadAttention's
+    `key_padding_mask` (True = padding): every row False then True, some row keeping no key and
+    none keeping all (left padding has its longest sequence all True); else 0."""
+    kept = key_mask.sum(-1)  # (B,)
+    ordered = (key_mask[:, 1:] >= key_mask[:, :-1]).all()  # False then True in every row
+    full = (kept == key_mask.shape[1]).any()
+    return 0 if not ordered or full else int((kept == 0).sum())
+
+
+def _zeros_and_ones(mask):
+    """A floating mask of only 0s and 1s, some 1 (a Keras mask, which Keras reads as boolean)."""
+    ones = mask == 1
+    return bool(((mask == 0) | ones).all() and ones.any())
+
+
+_FRAMEWORK_MODULES = ("numpy",)  # the packages between the user's call and this file
+
+
+def _warn_at_caller(message):
+    """Warns `AttentionMaskWarning` at the user's line: the first frame outside this file and the
+    framework (a module's or layer's `__call__`, Keras' traceback filter), however deep they call."""
+    frame, level = sys._getframe(1), 2  # level 2: the frame that called this function
+    while frame is not None and (
+        frame.f_globals is globals() or frame.f_globals.get("__name__", "").split(".")[0] in _FRAMEWORK_MODULES
+    ):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, AttentionMaskWarning, stacklevel=level)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -1944,69 +2012,3 @@ def _import_weights(layer, weights):
     if problems:
         raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
     layer.params = {name: np.array(weights[name], dtype=_portable_dtype(name, int8)) for name in expected}
-
-
-_EMPTY_MASK = (
-    "`{name}` keeps no key for any query, so every output row is `output_bias`: True means attend (in "
-    "nn.MultiheadAttention True means ignore: pass `~mask`). Received: a boolean {name} that is False everywhere"
-)
-_CAUSAL_TRAP = (
-    "`attention_mask` keeps keys only after each query, none at or before it: True means attend (in "
-    "nn.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`). "
-    "Received: a boolean attention_mask False wherever causal attention keeps a key"
-)
-_PADDING_TRAP = (
-    "`key_mask` reads as nn.MultiheadAttention's key_padding_mask (True = padding): True means a real key, "
-    "pass `~mask`. Received: a key_mask False then True in every row, {empty} of {b} rows keeping no key "
-    "and none keeping all"
-)
-_ZEROS_AND_ONES = (
-    "`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras reads such a "
-    "mask as boolean): pass `mask > 0` (True = attend) or an additive mask. "
-    "Received: a floating attention_mask of 0s and 1s"
-)
-
-
-def _mask_traps(attention_mask, key_mask, t, s):
-    """The built-in layers' habits that the masks' values suggest (docs/SPEC.md, Masks), as
-    {kind: message}; the call computes what the SPEC says either way."""
-    traps = {}
-    for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
-        if mask is not None and mask.dtype == np.bool_ and _keeps_nothing(mask):
-            traps[name] = _EMPTY_MASK.format(name=name)
-    boolean = attention_mask is not None and attention_mask.dtype == np.bool_
-    if boolean and "attention_mask" not in traps and _keeps_only_later(attention_mask, t, s):
-        traps["causal"] = _CAUSAL_TRAP
-    empty = 0 if key_mask is None or "key_mask" in traps else _inverted_padding(key_mask)
-    if empty:
-        traps["padding"] = _PADDING_TRAP.format(empty=empty, b=key_mask.shape[0])
-    if attention_mask is not None and attention_mask.dtype != np.bool_ and _zeros_and_ones(attention_mask):
-        traps["zeros and ones"] = _ZEROS_AND_ONES
-    return traps
-
-
-def _keeps_nothing(mask):
-    """A boolean mask False everywhere (nn.MultiheadAttention's True = ignore, nothing padded)."""
-    return mask.size > 0 and not mask.any()
-
-
-def _keeps_only_later(mask, t, s):
-    """A square (T == S) boolean mask that keeps keys only after each query, none where `causal`
-    keeps one (nn.MultiheadAttention's causal `attn_mask`, `triu(ones, 1)`)."""
-    return mask.size > 0 and t == s > 0 and not (mask & causal_mask(t, s)).any()
-
-
-def _inverted_padding(key_mask):
-    """The rows keeping no key of a (B, S) `key_mask` that reads as nn.MultiheadAttention's
-    `key_padding_mask` (True = padding): every row False then True, some row keeping no key and
-    none keeping all (left padding has its longest sequence all True); else 0."""
-    kept = key_mask.sum(-1)  # (B,)
-    ordered = (key_mask[:, 1:] >= key_mask[:, :-1]).all()  # False then True in every row
-    full = (kept == key_mask.shape[1]).any()
-    return 0 if not ordered or full else int((kept == 0).sum())
-
-
-def _zeros_and_ones(mask):
-    """A floating mask of only 0s and 1s, some 1 (a Keras mask, which Keras reads as boolean)."""
-    ones = mask == 1
-    return bool(((mask == 0) | ones).all() and ones.any())
