@@ -299,19 +299,11 @@ class MultiHeadAttention:
         attention_mask = None if attention_mask is None else _mask_to_4d(attention_mask, target)
         attention_bias = None if attention_bias is None else _mask_to_4d(attention_bias, target, "attention_bias")
         if cache is None and (attention_mask is not None or explicit_key_mask is not None):
-            self._warn_traps(attention_mask, explicit_key_mask, t, s)
+            _warn_traps(self, attention_mask, explicit_key_mask, t, s)
         return _Call(
             query, key, value, attention_mask, attention_bias, key_mask, query_mask, positions, causal, self.window,
             self.attention_chunk_size, return_attention, cache, None, False,
         )  # fmt: skip
-
-    def _warn_traps(self, attention_mask, key_mask, t, s):
-        """Warns once per layer for each built-in habit the masks' values suggest; a call with a
-        cache is not read."""
-        for kind, message in _mask_traps(attention_mask, key_mask, t, s).items():
-            if kind not in self._warned_traps:
-                self._warned_traps.add(kind)
-                _warn_at_caller(message)
 
     def _masks(self, call):
         """Step 1: one boolean keep and one float64 bias, each None or (B|1, N|1, T|1, S|1); with a
@@ -370,11 +362,6 @@ class MultiHeadAttention:
             attention_chunk_size=call.attention_chunk_size, sinks=self.params.get("sinks"),
         )  # fmt: skip
 
-    # Weights (`export_weights`, docs/SPEC.md "Weights"): `<kind>_kernel` (D, heads*H) and
-    # `<kind>_bias` for kind in query, key, value, output (and gate with `gate`); `query_norm`,
-    # `key_norm` with `qk_norm` (and `query_norm_bias`, `key_norm_bias` with `qk_norm_bias`); `sinks`
-    # (N,) with sinks; float64, and int8 kernels with float32 `<kind>_kernel_scale` once
-    # `quantize("int8")` (Keras' scheme; such a layer has no `backward`).
     def weight_shapes(self):
         """The portable layout: {name: shape}; biases of the projections in `bias`, the norm
         scales with `qk_norm` (and their biases with `qk_norm_bias`), `sinks` with sinks, the gate's
@@ -450,25 +437,6 @@ def _check_input(name, x, width_name, width):
             f"Received: {name}.shape={tuple(x.shape)}"
         )
     return x
-
-
-def _lengths_error(query, key, value):
-    """The error of inputs of different batch sizes, or of a key and value of different lengths."""
-    if not query.shape[0] == key.shape[0] == value.shape[0]:
-        return ValueError(
-            "`query`, `key` and `value` must have the same batch size B. Received: "
-            f"query.shape={query.shape}, key.shape={key.shape}, value.shape={value.shape}"
-        )
-    return ValueError(
-        f"`key` and `value` must have the same length S. Received: key.shape={key.shape}, value.shape={value.shape}"
-    )
-
-
-def _dtypes_error(query, key, value):
-    return ValueError(
-        "`query`, `key` and `value` must have the same dtype. Received: "
-        f"query.dtype={query.dtype.name}, key.dtype={key.dtype.name}, value.dtype={value.dtype.name}"
-    )
 
 
 def _check_token_mask(name, mask, batch_size, length, letter):
@@ -1896,6 +1864,15 @@ _ZEROS_AND_ONES = (
 )
 
 
+def _warn_traps(layer, attention_mask, key_mask, t, s):
+    """Warns once per layer for each built-in habit the masks' values suggest; a call with a
+    cache is not read."""
+    for kind, message in _mask_traps(attention_mask, key_mask, t, s).items():
+        if kind not in layer._warned_traps:
+            layer._warned_traps.add(kind)
+            _warn_at_caller(message)
+
+
 def _mask_traps(attention_mask, key_mask, t, s):
     """The built-in layers' habits that the masks' values suggest (docs/SPEC.md, Masks), as
     {kind: message}; the call computes what the SPEC says either way."""
@@ -1955,13 +1932,35 @@ def _warn_at_caller(message):
     warnings.warn(message, AttentionMaskWarning, stacklevel=level)
 
 
+def _lengths_error(query, key, value):
+    """The error of inputs of different batch sizes, or of a key and value of different lengths."""
+    if not query.shape[0] == key.shape[0] == value.shape[0]:
+        return ValueError(
+            "`query`, `key` and `value` must have the same batch size B. Received: "
+            f"query.shape={query.shape}, key.shape={key.shape}, value.shape={value.shape}"
+        )
+    return ValueError(
+        f"`key` and `value` must have the same length S. Received: key.shape={key.shape}, value.shape={value.shape}"
+    )
+
+
+def _dtypes_error(query, key, value):
+    return ValueError(
+        "`query`, `key` and `value` must have the same dtype. Received: "
+        f"query.dtype={query.dtype.name}, key.dtype={key.dtype.name}, value.dtype={value.dtype.name}"
+    )
+
+
 # -------------------------------------------------------------------------------------------------
 # Section: converters
 # -------------------------------------------------------------------------------------------------
-# NumPy has no built-in attention layer to convert from or to. It holds the portable weight layout that
-# carries weights between the four files (`weight_shapes`, `import_weights`), and what the built-in layers'
-# conventions look like in a mask (the habits `_warn_traps` warns of: the call computes what docs/SPEC.md
-# says either way).
+# NumPy has no built-in attention layer to convert from or to. Here: the portable weight layout that
+# carries weights between the four files (`weight_shapes`, `export_weights`, `import_weights`).
+# Weights (`export_weights`, docs/SPEC.md "Weights"): `<kind>_kernel` (D, heads*H) and
+# `<kind>_bias` for kind in query, key, value, output (and gate with `gate`); `query_norm`,
+# `key_norm` with `qk_norm` (and `query_norm_bias`, `key_norm_bias` with `qk_norm_bias`); `sinks`
+# (N,) with sinks; float64, and int8 kernels with float32 `<kind>_kernel_scale` once
+# `quantize("int8")` (Keras' scheme; such a layer has no `backward`).
 
 
 def _float_shapes(layer):
