@@ -248,7 +248,8 @@ class MultiHeadAttention:
             query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
             return_attention, cache, mask,
         )  # 1. defaults and checks  # fmt: skip
-        keep, bias = self._masks(call)  # 1. (B|1, N|1, T|1, S|1) keep and bias
+        masks = (call.attention_mask, call.attention_bias, call.key_mask, call.query_mask)
+        keep, bias = self._masks(call) if any(m is not None for m in masks) else (None, None)  # 1. keep and bias
         q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H)
         if self.qk_norm is not None:
             q, k = _normalize_qk(self, q, k)  # 3. QK-norm
