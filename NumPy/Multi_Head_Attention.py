@@ -216,12 +216,13 @@ class MultiHeadAttention:
         variants = _Variants(**modifiers, **rope, **norms, **flags, latent_norm_eps=latent_norm_eps)
         for name, value in variants._asdict().items():
             setattr(self, name, value)  # self.scale, self.softcap, ..., self.sinks, self.clip_qkv, self.gate
+        self._cache_layout = (self.num_kv_heads, self.head_dim, self.head_dim)  # a KVCache's heads and widths
         if latent is not None:
             _check_latent_combinations(vdim, variants)
             self.vdim = self.kdim  # the values come from `key`
+            self._cache_layout = _latent_cache_layout(latent)  # (1, C, Hr)
         self.absorb_latents = None  # MLA: None (absorbed with a cache and T <= 8), True or False
         self._float_layout = _float_shapes(self) if latent is None else _latent_shapes(self)  # {name: shape}
-        self._cache_layout = _cache_layout(self, latent)  # a KVCache's (heads, key width, value width)
         self._inv_freq = None  # (R/2,), computed once
         if self.rope_theta is not None:
             rotary_dim = _rotary_dim(rope_fraction, rope_width, True)
@@ -293,7 +294,7 @@ class MultiHeadAttention:
         query_mask = None if query_mask is None else _check_token_mask("query_mask", query_mask, b, t, "T")
         explicit_key_mask = None if key_mask is None else _check_token_mask("key_mask", key_mask, b, s, "S")
         key_mask = query_mask if explicit_key_mask is None and self_attention else explicit_key_mask
-        s = s if cache is None else _check_cache(self, cache, query, key)  # L
+        s = s if cache is None else _check_cache(cache, query, key, self.num_kv_heads, self.head_dim, self._latent)
         if positions is not None or self.rope_theta is not None:
             positions = _positions(self, positions, query, key, cache)
         target = (b, self.num_heads, t, s)
@@ -1250,13 +1251,6 @@ class KVCache(NamedTuple):
     index: np.ndarray
 
 
-def _cache_layout(layer, latent):
-    """A KVCache's (heads, key width, value width): (K, H, H), with MLA (1, C, Hr)."""
-    if latent is None:
-        return layer.num_kv_heads, layer.head_dim, layer.head_dim
-    return 1, latent.kv_lora_rank, latent.qk_rope_head_dim
-
-
 def _init_cache(layer, batch_size, max_length, keep, dtype):
     """`init_cache`: an empty `KVCache`, keys and values (B, K, L, H), or MLA's latent cache."""
     b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
@@ -1267,11 +1261,10 @@ def _init_cache(layer, batch_size, max_length, keep, dtype):
     return KVCache(key, value, keep.copy(), np.asarray(0))
 
 
-def _check_cache(layer, cache, query, key):
+def _check_cache(cache, query, key, heads, head_dim, latent):
     """Checks a KVCache against the call's (B, T, E) query and (B, S, kdim) key: keys and values
     (B, K, L, H), or with MLA the latent cache (B, 1, L, C) and (B, 1, L, Hr), in the compute
     dtype float64; returns L."""
-    heads, head_dim = layer.num_kv_heads, layer.head_dim
     (b, t), s = query.shape[:2], key.shape[1]
     if t == 0:
         raise ValueError(
@@ -1284,8 +1277,8 @@ def _check_cache(layer, cache, query, key):
             f"it). Received: query.shape={query.shape}, key.shape={key.shape}"
         )
     k, v = cache.key, cache.value
-    if layer._latent is not None:
-        _check_latent_cache(k, v, b, layer._latent)
+    if latent is not None:
+        _check_latent_cache(k, v, b, latent)
     elif k.ndim != 4 or k.shape != v.shape or (k.shape[0], k.shape[1], k.shape[3]) != (b, heads, head_dim):
         raise ValueError(
             f"`cache.key` and `cache.value` must have shape (B, K, L, H) with B={b}, K={heads}, H={head_dim}. "
@@ -1513,6 +1506,11 @@ def _latent_shapes(layer):
     shapes.update({"gate_kernel": (layer.d_model, n * hv)} if layer.gate else {})  # the gate's width is Hv
     shapes.update({"gate_bias": (n * hv,)} if layer.gate and "gate" in layer.bias else {})
     return shapes
+
+
+def _latent_cache_layout(latent):
+    """MLA's KVCache: (heads, key width, value width) = (1, C, Hr), the latents and k_rope."""
+    return 1, latent.kv_lora_rank, latent.qk_rope_head_dim
 
 
 def _check_latent_cache(k, v, batch_size, latent):
