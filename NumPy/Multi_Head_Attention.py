@@ -209,7 +209,7 @@ class MultiHeadAttention:
         rope_width = self.head_dim if latent is None else latent.qk_rope_head_dim
         modifiers = _check_score_modifiers(self.head_dim, scale, softcap, window, attention_chunk_size)
         rope = _check_rope(rope_width, rope_theta, rope_fraction, rope_scaling, rope_sections)
-        norms = _check_norms_and_gate(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv)
+        norms = _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv)
         latent_norm_eps = _positive_float("latent_norm_eps", latent_norm_eps)
         flags = {"rope_interleaved": rope_interleaved, "qk_norm_bias": qk_norm_bias, "sinks": sinks, "gate": gate}
         flags = {name: _flag(name, value) for name, value in flags.items()}  # checked last, in this order
@@ -280,8 +280,8 @@ class MultiHeadAttention:
         self_attention = key is None and value is None
         key = (query if value is None else value) if key is None else key  # a missing key: value, else query
         value = key if value is None else value  # a missing value: key
-        if self._latent is not None:
-            _check_latent_inputs(key, value)
+        if self._latent is not None and value is not key:
+            _refuse_latent_value()  # MLA reads keys and values from `key`
         query = _check_input("query", query, "E", self.d_model)
         key = _check_input("key", key, "kdim", self.kdim)
         value = _check_input("value", value, "vdim", self.vdim)
@@ -1098,7 +1098,7 @@ def _turn_back(layer, d, positions):
 # gate_bias): Keras' `use_gate`, Qwen3-Next).
 
 
-def _check_norms_and_gate(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
+def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
     """Checks QK-norm's arguments but `qk_norm_bias`, then `clip_qkv` (a ValueError names the first
     that is invalid), as fields of `_Variants` (the flags `qk_norm_bias` and `gate` are checked
     with the others, last)."""
@@ -1475,13 +1475,12 @@ def _projections(latent):
     return (*query, "key_value_a", "key_value_b", "output", "gate")
 
 
-def _check_latent_inputs(key, value):
-    """MLA reads keys and values from `key`: `value` must be None or `key` itself."""
-    if value is not key:
-        raise ValueError(
-            "`value` must be None or `key` itself with `kv_lora_rank`: MLA reads keys and values from `key`. "
-            "Received: a value other than key"
-        )
+def _refuse_latent_value():
+    """MLA reads keys and values from `key`: a call's `value` other than `key` is refused."""
+    raise ValueError(
+        "`value` must be None or `key` itself with `kv_lora_rank`: MLA reads keys and values from `key`. "
+        "Received: a value other than key"
+    )
 
 
 def _latent_shapes(layer):
