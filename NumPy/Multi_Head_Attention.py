@@ -1167,8 +1167,8 @@ def _clip(layer, y):
 
 def _gate_heads(layer, call, context):
     """Step 6b: the (B, N, T, Hv) attention result times sigmoid(query @ gate_kernel + gate_bias)
-    split into heads (unchanged without `gate`; Hv = H without MLA); returns (gated result, gate
-    or None)."""
+    split into heads (Hv = H without MLA); returns (gated result, gate). `__call__` runs it with
+    `gate` only."""
     gate = _sigmoid(layer._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
     b, t, _ = gate.shape
     gate = gate.reshape(b, t, layer.num_heads, context.shape[-1]).transpose(0, 2, 1, 3)  # -> (B, N, T, Hv)
@@ -1214,7 +1214,7 @@ def _layer_norm_backward(x, scale, eps, grad):
 def _gate_backward(layer, d_gated, grads):
     """Step 6b backward from the (B, N, T, H) gradient of the gated result: adds the gradients
     of `gate_kernel` and `gate_bias` to `grads`; returns (d_context (B, N, T, H), the query's
-    (B, T, E) gradient through the gate, or None without `gate`)."""
+    (B, T, E) gradient through the gate); `backward` runs it with `gate` only."""
     c = layer._saved
     gate, query = c["gate"], c["call"].query
     d_logits = layer._merge_heads(d_gated * c["context"] * gate * (1.0 - gate))  # sigmoid', (B, T, N*H)
