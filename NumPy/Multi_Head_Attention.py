@@ -22,17 +22,20 @@ The math, for query head n (which reads key/value head n // (N // K)):
     gate = sigmoid(query @ gate_kernel + gate_bias)             (B, T, N*H), with `gate` only
     output = concat_heads(context * gate) @ output_kernel + output_bias
 
-Where things are: the core, the plain layer (`MultiHeadAttention`, the checks of a call, the
-masks, `dot_product_attention`), ends by line 500. Then one section per option family, in order:
+Where things are: the core, the plain layer (`MultiHeadAttention`, whose `__call__` reads as the
+steps of a call, and `dot_product_attention`), ends by line 500. Then one section per option
+family, in this order:
     backward                            `backward`, the gradients of the last call
-    score modifiers                     scale, softcap, window, chunk, sinks, ALiBi, attention bias
+    score modifiers                     scale, softcap, window, chunk, sinks, ALiBi, attention bias;
+                                        the masks (`causal_mask`, ...) combined into keep and bias
     positions                           RoPE (frequencies, scaling, multimodal sections)
     QK-norm, clip_qkv and the gate
     KV cache and decode steps           `KVCache`, `init_cache`, the cache's checks and writes
     multi-head latent attention         MLA: checks, weights, latent projection, expand or absorb
     speed paths                         (none: the reference computes every case explicitly)
     int8                                `quantize`, Keras' int8 scheme by hand
-    framework only, converters          (none in NumPy)
+    framework only                      the shared checks, the variants' record, the mask habits
+    converters                          the portable weight layout (`import_weights`)
 """
 
 import math
