@@ -8,8 +8,8 @@ TEXT differs from what the code gives now; one command rewrites every span:
     .venv/bin/python -m shared_tests.docs_facts --write
 
 The generators read the code cheaply: the case tables are imported (NumPy only), the layer files
-and the test files are parsed with `ast`, never imported, and `interop/hf.py` is imported without
-torch or transformers.
+and the test files are parsed with `ast`, never imported, and the package `interop/hf/` is imported
+without torch or transformers.
 """
 
 import argparse
@@ -196,7 +196,7 @@ def _decode_paths():
 def _model_types():
     import interop.hf
 
-    builtin = interop.hf._BUILTIN  # the porters interop/hf.py ships, not those a test registers for a while
+    builtin = interop.hf._BUILTIN  # the porters interop/hf/ ships, not those a test registers for a while
     return [name for name in interop.hf.supported_modules() if name in builtin]
 
 
@@ -209,8 +209,17 @@ def arguments(dotted):
         args = copy.copy(function.args)
         args.args = args.args[1:]  # self
         return args
-    tree = parsed(ROOT / (module_path.replace(".", "/") + ".py"))
-    return next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == name).args
+    return next(
+        f for path in module_sources(module_path) for f in parsed(path).body
+        if isinstance(f, ast.FunctionDef) and f.name == name
+    ).args  # fmt: skip
+
+
+def module_sources(module_path):
+    """The source files of a module (`NumPy.Multi_Head_Attention`: its file) or of a package (`interop.hf`: the
+    files of its folder, where its functions are defined and imported into `__init__.py`)."""
+    path = ROOT / module_path.replace(".", "/")
+    return [path.with_suffix(".py")] if path.with_suffix(".py").exists() else sorted(path.glob("*.py"))
 
 
 def _signature(dotted):
