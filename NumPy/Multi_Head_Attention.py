@@ -237,8 +237,8 @@ class MultiHeadAttention:
         self._saved = None  # what `backward` needs from the last call without a cache
         self._warned_traps = set()  # the mask habits warned of, once each
 
-    # The steps of a call (docs/SPEC.md, "Order of the steps"), one line each in `__call__`, each
-    # option behind a one-line guard (its functions are in its section):
+    # The steps of a call (docs/SPEC.md, "Order of the steps"), one line each in `__call__` (2 to 4 in
+    # `_project_qkv`), each option behind a one-line guard (its functions are in its section):
     #     1. defaults and checks; masks combined into one boolean `keep` and one additive `bias`
     #     2. projections          3. QK-norm of q and k        4. RoPE of q and k at `positions`
     #     5. cache write          6. scores * scale, soft-capping, + bias, keys removed by keep,
@@ -254,11 +254,7 @@ class MultiHeadAttention:
         )  # 1. defaults and checks  # fmt: skip
         masks = (call.attention_mask, call.attention_bias, call.key_mask, call.query_mask)
         keep, bias = self._masks(call) if any(m is not None for m in masks) else (None, None)  # 1. keep and bias
-        q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H)
-        if self.qk_norm is not None:
-            q, k = _normalize_qk(self, q, k)  # 3. QK-norm
-        if self.rope_theta is not None:
-            q, k, v = _rotate(self, q, k, v, call.positions)  # 4. RoPE (MLA: of q and k_rope, in v's place)
+        q, k, v = self._project_qkv(call)  # 2-4. (B, N, T, H), (B, K, S, H) x 2, QK-norm and RoPE of q and k
         if call.cache is not None:
             k, v, keep, call = _update_cache(self, call, k, v, keep)  # 5. KV cache, keep over its L slots
         context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S)
@@ -326,16 +322,21 @@ class MultiHeadAttention:
         return keep, bias
 
     def _project_qkv(self, call):
-        """Step 2: q (B, N, T, H), k and v (B, K, S, H), each with its bias if it has one (and
-        clamped by `clip_qkv`); with MLA q, the latents and k_rope in k's and v's places."""
+        """Steps 2 to 4: q (B, N, T, H), k and v (B, K, S, H), each with its bias if it has one
+        (clamped by `clip_qkv`), QK-norm and RoPE of q and k; MLA's in its section."""
         if self._latent is not None:
-            return _project_latent(self, call)
-        q = self._project(call.query, "query")  # (B, T, E) -> (B, T, N*H)
-        k = self._project(call.key, "key")  # (B, S, kdim) -> (B, S, K*H)
-        v = self._project(call.value, "value")  # (B, S, vdim) -> (B, S, K*H)
+            return _project_latent(self, call)  # q, the latents and k_rope in k's and v's places
+        q = self._project(call.query, "query")  # 2. (B, T, E) -> (B, T, N*H)
+        k = self._project(call.key, "key")  # 2. (B, S, kdim) -> (B, S, K*H)
+        v = self._project(call.value, "value")  # 2. (B, S, vdim) -> (B, S, K*H)
         if self.clip_qkv is not None:
             q, k, v = (_clip(self, y) for y in (q, k, v))
-        return self._split_heads(q), self._split_heads(k), self._split_heads(v)
+        q, k, v = self._split_heads(q), self._split_heads(k), self._split_heads(v)
+        if self.qk_norm is not None:
+            q, k = _normalize_qk(self, q, k)  # 3. QK-norm
+        if self.rope_theta is not None:
+            q, k = _rotate(self, q, k, call.positions)  # 4. RoPE
+        return q, k, v
 
     def _project(self, x, kind):
         """(B, L, D) -> (B, L, heads*H): one projection (int8: its section), with its bias if it has one."""
@@ -1060,15 +1061,10 @@ def apply_rope(x, positions, inv_freq, interleaved, sections=None):
     return np.concatenate([turned, rest], axis=-1)  # (B, heads, T, H)
 
 
-def _rotate(layer, q, k, v, positions):
+def _rotate(layer, q, k, positions):
     """Step 4: RoPE of the (B, N, T, H) queries and (B, K, T, H) keys at (B, T) positions
-    ((k, B, T) with `rope_sections`); with MLA of the last Hr features of q and of the
-    (B, 1, T, Hr) k_rope, which stands in v's place (k is the latents). Returns q, k, v."""
-    if layer._latent is not None:
-        hn = layer.qk_nope_head_dim
-        q_rope = _turn(layer, q[..., hn:], positions)  # (B, N, T, Hr)
-        return np.concatenate([q[..., :hn], q_rope], axis=-1), k, _turn(layer, v, positions)  # (B, N, T, H)
-    return _turn(layer, q, positions), _turn(layer, k, positions), v
+    ((k, B, T) with `rope_sections`); MLA turns its own parts (`_rotate_latent`)."""
+    return _turn(layer, q, positions), _turn(layer, k, positions)
 
 
 def _turn(layer, x, positions):
@@ -1528,14 +1524,25 @@ def _check_latent_cache(k, v, batch_size, latent):
 
 
 def _project_latent(layer, call):
-    """Step 2 with MLA: q (B, N, T, H), through query_a, its RMSNorm and query_b with Q; the
-    latents c = RMSNorm(a[..., :C]) (B, 1, S, C) and k_rope = a[..., C:] (B, 1, S, Hr) of
-    a = key @ key_value_a_kernel."""
+    """Steps 2 to 4 with MLA (no QK-norm): q (B, N, T, H), through query_a, its RMSNorm and
+    query_b with Q; the latents c = RMSNorm(a[..., :C]) (B, 1, S, C) and k_rope = a[..., C:]
+    (B, 1, S, Hr) of a = key @ key_value_a_kernel; RoPE of q's and k_rope's last Hr features."""
     q = layer._split_heads(_project_query(layer, call.query))  # (B, T, E) -> (B, N, T, H)
     c = layer.kv_lora_rank
     a = layer._project(call.key, "key_value_a")  # (B, S, kdim) -> (B, S, C + Hr)
     latent = rms_norm(a[..., :c], layer.params["key_value_a_norm"], layer.latent_norm_eps)  # (B, S, C)
-    return q, latent[:, None], a[:, None, :, c:]  # (B, N, T, H), (B, 1, S, C), (B, 1, S, Hr)
+    k_rope = a[:, None, :, c:]  # (B, 1, S, Hr)
+    if layer.rope_theta is not None:
+        q, k_rope = _rotate_latent(layer, q, k_rope, call.positions)  # step 4
+    return q, latent[:, None], k_rope  # (B, N, T, H), (B, 1, S, C), (B, 1, S, Hr)
+
+
+def _rotate_latent(layer, q, k_rope, positions):
+    """Step 4 with MLA: RoPE of the last Hr features of the (B, N, T, H) queries and of the
+    (B, 1, T, Hr) k_rope shared by the heads, at (B, T) positions."""
+    hn = layer.qk_nope_head_dim
+    q_rope = _turn(layer, q[..., hn:], positions)  # (B, N, T, Hr)
+    return np.concatenate([q[..., :hn], q_rope], axis=-1), _turn(layer, k_rope, positions)  # (B, N, T, H)
 
 
 def _project_query(layer, x):
