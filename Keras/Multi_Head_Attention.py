@@ -1721,20 +1721,8 @@ class KVCache(NamedTuple):
     index: Any
 
 
-def _init_cache(layer, batch_size, max_length, *, keep=None, dtype=None):
-    """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
-
-    Args:
-        batch_size: B.
-        max_length: L, the number of slots.
-        keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
-            of different lengths). Defaults to all True.
-        dtype: dtype of the keys and values; defaults to the compute dtype of the policy.
-
-    Returns:
-        A `KVCache` of zeros with index 0 (int32); with MLA, the latent cache: `key` (B, 1, L, C)
-        for the normalized latents, `value` (B, 1, L, Hr) for the rotated shared key part.
-    """
+def _init_cache(layer, batch_size, max_length, keep, dtype):
+    """`MultiHeadAttention.init_cache`: an empty `KVCache`."""
     b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
     keep = ops.ones((b, length), dtype="bool") if keep is None else _check_keep(keep, b, length)
     latent = layer._latent
@@ -2500,20 +2488,8 @@ _INT8_MAX = 127.0
 _INT8_EPSILON = 1e-7  # Keras' `backend.epsilon()`, added to the abs-max before dividing
 
 
-def _quantize(layer, mode=None, type_check=True, config=None):
-    """Quantizes the projections (four, five with `gate`) to int8 as Keras'
-    `Dense.quantize("int8")` does: each kernel becomes an int8 variable with one float32
-    `<kind>_kernel_scale` per output column, each call quantizes the projections' inputs per
-    token, and the dtype policy becomes "int8_from_<policy>". `model.quantize("int8")` calls
-    it; other modes raise `NotImplementedError`, which `model.quantize` turns into a warning,
-    as for any Keras layer.
-
-    Args:
-        mode: "int8".
-        type_check: unused (Keras' signature).
-        config: None or Keras' default `Int8QuantizationConfig`.
-    """
-    del type_check
+def _quantize(layer, mode, config):
+    """`MultiHeadAttention.quantize`: the projections made int8, the dtype policy "int8_from_<policy>"."""
     if mode != "int8":
         raise NotImplementedError(f"{type(layer).__name__} quantizes to 'int8' only. Received: mode={mode!r}")
     _check_int8_config(config)
@@ -2782,38 +2758,8 @@ _HEAD_AXES = {
 }
 
 
-def _layout_map(layer, mesh, model_axis="model", layout_map=None):
-    """The `keras.distribution.LayoutMap` entries of this layer's weights, for `ModelParallel`:
-    the heads split over the mesh axis `model_axis`, each device holding whole heads.
-
-    The query, key and value kernels are split by their columns (the heads), the output
-    kernel by its rows and each bias, QK-norm scale (per head or over all heads), sink and
-    int8 scale as its projection; `output_bias` and the QK-norm's (H,) scales of
-    `qk_norm="head"` are replicated. With `num_kv_heads=1` (MQA) the key and value
-    projections are replicated: each device computes the one key/value head its query heads
-    share. Each entry's key is the regex `(.*/)?<layer name>/<weight name>`, matched in full
-    against `variable.path`: the variables are named as the portable weights (docs/SPEC.md,
-    "Weights"; `sinks` included), directly under the layer's name. Layers of equal names get
-    one entry when they need the same layouts (a ValueError when they differ). The layouts
-    apply to the variables created under the distribution (`distribution.scope()`); the KV
-    cache of `init_cache` is not a variable: put its key and value on the mesh split by
-    heads (axis 1), as in docs/distributed.md.
-
-    Args:
-        mesh: a `keras.distribution.DeviceMesh`.
-        model_axis: the name of the mesh axis the heads are split over; its size must divide
-            `num_heads`, and `num_kv_heads` unless that is 1.
-        layout_map: a `LayoutMap` on `mesh` to add the entries to; a new one if None.
-
-    Returns:
-        The `LayoutMap`, for `keras.distribution.ModelParallel(layout_map=...)`.
-
-    Example, 4 heads over the 2 devices of a "model" axis:
-        >>> mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), devices=["cpu:0", "cpu:1"])
-        >>> layout_map = MultiHeadAttention(16, 4, name="attention").layout_map(mesh)
-        >>> layout_map["attention/query_kernel"].axes, layout_map["block/attention/output_kernel"].axes
-        ((None, 'model'), ('model', None))
-    """
+def _layout_map(layer, mesh, model_axis, layout_map):
+    """`MultiHeadAttention.layout_map`: the `LayoutMap` entries of the layer's weights."""
     layout_map, devices = _mesh_layout_map(mesh, model_axis, layout_map)
     _check_head_split(layer, devices, model_axis)
     split = {"N": True, "K": layer.num_kv_heads > 1}  # MQA: the one key/value head on every device
@@ -2885,23 +2831,7 @@ def _regex_literal(text):
 
 
 def _from_keras(cls, layer, window):
-    """Builds a layer with the weights of a built `keras.layers.MultiHeadAttention` or
-    `keras.layers.GroupQueryAttention` (3-D inputs, default attention axes).
-
-    Its dtype policy, initializers and `trainable` are kept; LoRA adapters on its
-    projections are merged into the kernels; `use_gate=True` becomes `gate=True`, its
-    (E, N, H) kernel `gate_kernel`. Every option this layer cannot hold (regularizers,
-    constraints, other attention axes or output shapes, value_dim != key_dim, quantized
-    projections) is a ValueError that lists them all.
-
-    Args:
-        layer: the built-in.
-        window: with a built-in's `sliding_window` W, `(W, W)`: Keras counts its band
-            |t - s| < W from the first query and key, this layer from the last (so that
-            decoding equals the full pass), so the two keep the same keys only where T == S.
-            Passing `(W, W)` says the layer is for such calls; without it `sliding_window` is
-            refused.
-    """
+    """`MultiHeadAttention.from_keras`: a layer of `cls` with a built-in's weights."""
     config, dense = _keras_config(layer, window)
     new = cls(**config, name=f"{layer.name}_reference", dtype=layer.dtype_policy)
     new.trainable = layer.trainable
@@ -2917,13 +2847,7 @@ def _from_keras(cls, layer, window):
 
 
 def _to_keras(layer):
-    """Returns a built `keras.layers.MultiHeadAttention` (K == N) or
-    `keras.layers.GroupQueryAttention` (K < N) holding these weights.
-
-    Keras' GroupQueryAttention takes any key and value widths, but its
-    `compute_output_shape` refuses a value width other than the query's, so with
-    vdim != d_model it runs eagerly but not on symbolic inputs (a functional model).
-    """
+    """`MultiHeadAttention.to_keras`: the built-in holding these weights."""
     _check_keras_can_hold(layer)
     common = dict(
         dropout=layer.dropout, use_bias=bool(layer.bias), kernel_initializer=layer.kernel_initializer,
@@ -2947,9 +2871,7 @@ def _to_keras(layer):
 
 
 def _non_defaults(layer):
-    """The variants not at their default and a partial `bias` (all the biases or none is the
-    default), {name: value as held}: what the Keras built-ins cannot hold (`rope_sections`
-    only with RoPE, `qk_norm_type` and `qk_norm_bias` only with `qk_norm`: what they change)."""
+    """`MultiHeadAttention._non_defaults`: what the Keras built-ins cannot hold."""
     plain = {
         "bias": layer.bias in ((), layer._projection_names),
         "scale": math.isclose(layer.scale, 1 / math.sqrt(layer.head_dim)),
