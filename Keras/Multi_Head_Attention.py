@@ -114,18 +114,14 @@ def dot_product_attention(
     q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, attention_chunk_size=None,
     sinks=None, dropout=None,
 ):  # fmt: skip
-    """Pure attention on split heads q (B, N, T, H), k and v (B, K, S, H), K dividing N; returns
-    (context (B, N, T, H), weights (B, N, T, S), exactly 0 where not kept). `keep` (boolean, True
-    where a query may attend a key) and `bias` (floating, added to the soft-capped scores) are None
-    or broadcast to (B, N, T, S); `causal`: query t keeps key s only if s <= t + (S - T); `scale`
-    (None: 1 / sqrt(H)), `softcap` (c: the scaled scores become c * tanh(scores / c)), `window`
-    (W or (W_before, W_after)), `attention_chunk_size` (C) and `sinks` ((N,) logits, one per query
-    head, in the softmax's denominator) as the layer's arguments of those names; `dropout`: None,
-    or a callable applied to the weights before the weighted sum."""
+    """Pure attention on split heads q (B, N, T, H), k and v (B, K, S, H), K dividing N: (context
+    (B, N, T, H), weights (B, N, T, S), exactly 0 where not kept). `keep` (boolean, True = attend)
+    and `bias` (floating, added to the soft-capped scores) are None or broadcast to (B, N, T, S);
+    `causal`, `scale` (None: 1 / sqrt(H)), `softcap`, `window`, `attention_chunk_size` and `sinks`
+    ((N,) logits) as the layer's; `dropout`: None or a callable on the weights before their sum."""
     dtype = "float64" if keras.backend.standardize_dtype(q.dtype) == "float64" else "float32"  # the softmax's
     matmul = _matmul if dtype == "float64" else ops.matmul  # float64 kept where Keras would narrow it
-    if causal or window is not None or attention_chunk_size is not None:
-        t, s = (x.shape[2] if x.shape[2] is not None else ops.shape(x)[2] for x in (q, k))  # static where known
+    t, s = (x.shape[2] if x.shape[2] is not None else ops.shape(x)[2] for x in (q, k))  # static where known
     if causal:
         causal_keep = causal_mask(t, s)  # (T, S)
         keep = causal_keep if keep is None else ops.logical_and(keep, causal_keep)  # (B, N, T, S), dims may be 1
@@ -160,9 +156,7 @@ def _masked_softmax(scores, keep, sinks):
     elif sinks is None:
         weights = ops.softmax(scores, axis=-1)  # (B, N, T, S)
     else:
-        sink = ops.reshape(ops.cast(sinks, scores.dtype), (1, -1, 1, 1))  # (N,) -> (1, N, 1, 1)
-        sink = ops.broadcast_to(sink, (*_shape(scores)[:3], 1))  # -> (B, N, T, 1)
-        weights = ops.softmax(ops.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]  # (B, N, T, S + 1) -> S
+        weights = _softmax_with_sinks(scores, sinks)  # (B, N, T, S)
     if keep is not None:
         weights = ops.where(keep, weights, ops.zeros((), weights.dtype))  # rows with no key are all 0
     return weights
@@ -369,15 +363,13 @@ class MultiHeadAttention(keras.layers.Layer):
         return output
 
     def __call__(self, *args, mask=None, **kwargs):
-        """`mask=` moved into `attention_mask` (so that `call` has no `mask` argument for Keras to fill
-        with a propagated implicit mask), then what a cast would hide: inputs of different floating
-        dtypes (as passed: `key` defaults to `value`, then to `query`) and a cache of another dtype."""
+        """`mask=` moved into `attention_mask` (`call` has no `mask` for Keras to fill with an implicit
+        mask); then what a cast would hide: inputs of different floating dtypes, a cache of another."""
         if mask is not None:
             given = kwargs.pop("attention_mask", args[3] if len(args) > 3 else None)
             args, kwargs["attention_mask"] = args[:3], _attention_mask(given, mask)
-        inputs = dict(zip(("query", "key", "value"), args, strict=False))
-        inputs.update({name: kwargs[name] for name in ("query", "key", "value") if name in kwargs})
-        query, key, value = inputs.get("query"), inputs.get("key"), inputs.get("value")
+        names = ("query", "key", "value")  # as passed; `key` defaults to `value`, then to `query`
+        query, key, value = (kwargs.get(name, args[i] if len(args) > i else None) for i, name in enumerate(names))
         if query is not None:
             key = query if key is None and value is None else value if key is None else key
             dtypes = [keras.backend.standardize_dtype(np.asarray(x).dtype if isinstance(x, list) else x.dtype)
@@ -404,8 +396,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self_attention = key is None and value is None
         if self.kv_lora_rank is not None:
             _check_latent_value(key, value)  # MLA reads keys and values from `key`
-        key = value if key is None else key  # `key` defaults to `value`, then to `query`; `value` to `key`
-        key = query if key is None else key
+        key = query if self_attention else value if key is None else key  # `key` defaults to `value`, then `query`
         value = key if value is None else value
         implicit = [None if x is None or isinstance(x, np.ndarray) else get_keras_mask(x) for x in (query, key, value)]
         explicit = key_mask is not None and key_mask is not implicit[1]  # passed, not filled in by Keras
@@ -427,9 +418,8 @@ class MultiHeadAttention(keras.layers.Layer):
         )  # fmt: skip
 
     def _masks(self, call):
-        """The floating mask rule on `attention_mask` and `attention_bias` (`_split_masks`), and the
-        token masks (the keys' only without a cache: the cache step writes them into its keep): one
-        boolean keep and one additive bias in the softmax's dtype, (B|1, N|1, T|1, S|1) each, or None."""
+        """One boolean keep and one additive bias (softmax dtype), (B|1, N|1, T|1, S|1) each, or None:
+        `_split_masks`, and the token masks (the keys' only without a cache, which keeps them)."""
         split = call.attention_mask is not None or call.attention_bias is not None
         keep, bias = _split_masks(self, call) if split else (None, None)
         queries = None if call.query_mask is None else call.query_mask[:, None, :, None]  # (B, T) -> (B, 1, T, 1)
@@ -449,13 +439,11 @@ class MultiHeadAttention(keras.layers.Layer):
         return (q, k, v) if self.clip_qkv is None else (_clip(self, q), _clip(self, k), _clip(self, v))
 
     def _project(self, x, kind):
-        """(B, L, D) @ (D, F) + (F,) -> (B, L, F) with the `kind` projection's weights, read in x's
-        dtype (a no-op inside Keras' `__call__`, which autocasts them); an int8 kernel is applied
-        with x quantized per token (`_int8_matmul`)."""
+        """(B, L, D) @ (D, F) + (F,) -> (B, L, F), the weights read in x's dtype (a no-op inside Keras'
+        `__call__`, which autocasts them); an int8 kernel with x quantized per token (`_int8_matmul`)."""
         kernel = getattr(self, f"{kind}_kernel")
-        if self.quantization_mode == "int8":  # `_int8`
-            scale = ops.cast(getattr(self, f"{kind}_kernel_scale"), x.dtype)
-            y = _int8_matmul(x, ops.convert_to_tensor(kernel), scale)  # (B, L, D) -> (B, L, F)
+        if self.quantization_mode == "int8":  # `_int8`: (B, L, D) -> (B, L, F)
+            y = _int8_matmul(x, ops.convert_to_tensor(kernel), ops.cast(getattr(self, f"{kind}_kernel_scale"), x.dtype))
         else:  # float64 through `_matmul`, which keeps it
             matmul = _matmul if keras.backend.standardize_dtype(x.dtype) == "float64" else ops.matmul
             y = matmul(x, ops.cast(kernel, x.dtype))  # (B, L, D) -> (B, L, F)
@@ -474,10 +462,9 @@ class MultiHeadAttention(keras.layers.Layer):
         return ops.reshape(merged, (b, length, heads * h))  # -> (B, L, heads*H)
 
     def _attend(self, q, k, v, keep, bias, call):
-        """Step 6 on split heads q (B, N, T, H), k (B, K, S, H), v (B, K, S, Hv): context (B, N, T, Hv)
-        and weights (B, N, T, S) or None. `dot_product_attention`, or without the weights a speed path:
-        `ops.dot_product_attention` where `_fuses` says so, the memory-efficient path for more than
-        `memory_efficient_threshold` score elements. A full cache's call in a trace: NaN (its section)."""
+        """Step 6 on split heads q (B, N, T, H), k and v (B, K, S, H|Hv): (context (B, N, T, Hv), weights
+        (B, N, T, S) or None). `dot_product_attention`, or without the weights a speed path: `_fuses`'
+        `ops.dot_product_attention`, or beyond `memory_efficient_threshold` score elements, the chunked."""
         dropout = self.dropout > 0 and call.training is not False and call.training is not None
         sinks = self.sink_logits if self.sinks else None
         fusable = self.fused_attention or (self.fused_attention is None and keras.backend.backend() == "torch")
@@ -1289,6 +1276,14 @@ def _split_bias(attention_bias, dtype):
 def _softcap(scores, softcap):
     """Gemma 2's logit soft-capping: scores -> c * tanh(scores / c)."""
     return scores if softcap is None else softcap * ops.tanh(scores / softcap)
+
+
+def _softmax_with_sinks(scores, sinks):
+    """`_masked_softmax` with one sink logit per head (N,) in the denominator: a softmax over
+    [scores, sink] whose sink column is dropped."""
+    sink = ops.reshape(ops.cast(sinks, scores.dtype), (1, -1, 1, 1))  # (N,) -> (1, N, 1, 1)
+    sink = ops.broadcast_to(sink, (*_shape(scores)[:3], 1))  # -> (B, N, T, 1)
+    return ops.softmax(ops.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]  # (B, N, T, S + 1) -> S
 
 
 def _centre_rows(bias, keep):
@@ -2688,41 +2683,34 @@ def _read_values(*tensors):
 
     if in_symbolic_scope():
         return None
-    backend = keras.backend.backend()
+    backend, values = keras.backend.backend(), []
     for x in tensors:
         if x is None or isinstance(x, np.ndarray):
-            continue
-        if isinstance(x, keras.KerasTensor):
+            values.append(None if x is None else np.asarray(x))
+        elif isinstance(x, keras.KerasTensor):
             return None
-        if backend == "tensorflow":
+        elif backend == "tensorflow":
             import tensorflow as tf  # the backend in use, already imported by Keras
 
-            readable = tf.executing_eagerly() and "CPU" in x.device.upper()
+            if not (tf.executing_eagerly() and "CPU" in x.device.upper()):
+                return None
+            values.append(x.numpy())
         elif backend == "jax":  # a tracer (jax.jit, grad) holds no values; its class says so, no jax import needed
-            traced = any(kind.__name__.endswith("Tracer") for kind in type(x).__mro__)
-            readable = not traced and all(d.platform == "cpu" for d in x.devices())
+            if any(kind.__name__.endswith("Tracer") for kind in type(x).__mro__):
+                return None
+            if not all(d.platform == "cpu" for d in x.devices()):
+                return None
+            values.append(np.asarray(x))
         elif backend == "torch":
-            import torch
+            import torch  # the backend in use, already imported by Keras
 
-            readable = not torch.compiler.is_compiling() and x.device.type == "cpu"
+            if torch.compiler.is_compiling() or x.device.type != "cpu":
+                return None
+            x = x.detach()
+            values.append((x.float() if x.dtype == torch.bfloat16 else x).numpy())  # NumPy has no bfloat16
         else:
-            readable = False
-        if not readable:
             return None
-    return [None if x is None else _read_value(x) for x in tensors]
-
-
-def _read_value(x):
-    """One readable tensor's values (`_read_values`) as a NumPy array."""
-    backend = keras.backend.backend()
-    if isinstance(x, np.ndarray) or backend not in ("torch", "tensorflow"):
-        return np.asarray(x)
-    if backend == "tensorflow":
-        return x.numpy()
-    import torch  # the backend in use, already imported by Keras
-
-    x = x.detach()
-    return (x.float() if x.dtype == torch.bfloat16 else x).numpy()  # NumPy has no bfloat16
+    return values
 
 
 # `layout_map`: per axis of each portable weight, the heads laid along it ("N": the query heads,
