@@ -71,23 +71,6 @@ class AttentionMaskWarning(UserWarning):
     once per layer. `warnings.simplefilter("error", AttentionMaskWarning)` makes it an error."""
 
 
-def _check_dtypes(query, key, value):
-    """`query`, `key` and `value` (as passed, before any cast; `key` defaults to `value`, then to
-    `query`, and `value` to `key`) share one floating dtype; checked only where all three are
-    floating (an integer input gets its own error in `call`)."""
-    key = value if key is None else key
-    key = query if key is None else key
-    value = key if value is None else value
-    dtypes = [keras.backend.standardize_dtype(np.asarray(x).dtype if isinstance(x, list) else x.dtype)
-              for x in (query, key, value)]  # fmt: skip
-    if all(keras.backend.is_float_dtype(d) for d in dtypes) and len(set(dtypes)) > 1:
-        a, b, c = dtypes
-        raise ValueError(
-            "`query`, `key` and `value` must have the same dtype. "
-            f"Received: query.dtype={a}, key.dtype={b}, value.dtype={c}"
-        )
-
-
 def _check_input(name, x, width_name, width):
     """Checks one (B, L, width) floating input; dimensions unknown at trace time are not checked."""
     x = ops.convert_to_tensor(x)
@@ -307,10 +290,10 @@ class MultiHeadAttention(keras.layers.Layer):
         self.dropout = _dropout_rate(dropout)
         self.bias = _projection_biases(bias, gate, _projections(latent))
         rope_width = self.head_dim if latent is None else latent.qk_rope_head_dim
+        modifiers = _check_score_modifiers(self.head_dim, scale, softcap, window, attention_chunk_size)
         variants = _check_variants(
-            self.head_dim, rope_width, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction,
-            rope_interleaved, rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks,
-            clip_qkv, gate, latent_norm_eps,
+            modifiers, rope_width, rope_theta, rope_fraction, rope_interleaved, rope_scaling, rope_sections, qk_norm,
+            qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv, gate, latent_norm_eps,
         )  # each option checked by its section's helpers, in the signature's order (flags last)  # fmt: skip
         for name, value in variants._asdict().items():
             setattr(self, name, value)  # self.scale, self.softcap, ..., self.latent_norm_eps
@@ -344,7 +327,10 @@ class MultiHeadAttention(keras.layers.Layer):
             return_attention, cache, training, value_mask,
         )  # 1. defaults and checks  # fmt: skip
         keep, bias = self._masks(call)  # 1. one keep and one bias, (B|1, N|1, T|1, S|1) each
-        q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H) x 2; MLA: c (B, 1, S, C), k_rope
+        if self.kv_lora_rank is None:
+            q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H) x 2
+        else:
+            q, k, v = _project_latent(self, call)  # 2. MLA: q, c (B, 1, S, C), k_rope (B, 1, S, Hr)
         if self.qk_norm is not None:
             q, k = _normalize_qk(self, q, k)  # 3. QK-norm
         if self.rope_theta is not None:
@@ -429,10 +415,7 @@ class MultiHeadAttention(keras.layers.Layer):
         return keep, bias
 
     def _project_qkv(self, call):
-        """The input projections split into heads: (B, N, T, H), (B, K, S, H), (B, K, S, H), clamped
-        by `clip_qkv`; with MLA q, the latents c (B, 1, S, C) and k_rope (B, 1, S, Hr)."""
-        if self.kv_lora_rank is not None:
-            return _project_latent(self, call)
+        """The input projections in heads, (B, N, T, H), (B, K, S, H) x 2, clamped by `clip_qkv`."""
         q = self._split_heads(self._project(call.query, "query"), self.num_heads)
         k = self._split_heads(self._project(call.key, "key"), self.num_kv_heads)
         v = self._split_heads(self._project(call.value, "value"), self.num_kv_heads)
@@ -470,7 +453,7 @@ class MultiHeadAttention(keras.layers.Layer):
         fusable = self.fused_attention or (self.fused_attention is None and keras.backend.backend() == "torch")
         b, n, t, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
         large = all(isinstance(d, int) for d in (b, t, s)) and b * n * t * s > self.memory_efficient_threshold
-        if fusable and _fuses(self, q, k, call, dropout):
+        if fusable and self.softcap is None and _fuses(self, q, k, call, dropout):
             context, weights = _fused_heads(self, q, k, v, keep, bias, call, sinks), None
         elif large and not call.return_attention:
             context, weights = _chunked_heads(self, q, k, v, keep, bias, call, dropout, sinks), None
@@ -1059,18 +1042,14 @@ class _Variants(NamedTuple):
 
 
 def _check_variants(
-    head_dim, rope_width, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved,
-    rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv, gate,
-    latent_norm_eps,
+    modifiers, rope_width, rope_theta, rope_fraction, rope_interleaved, rope_scaling, rope_sections, qk_norm,
+    qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv, gate, latent_norm_eps,
 ):  # fmt: skip
-    """Checks the variants' arguments, each on its own whether its variant is on or off, in the
+    """Checks the variants' arguments after the score modifiers (`modifiers`, checked first by
+    `_check_score_modifiers`), each on its own whether its variant is on or off, in the
     signature's order with the flags last (so that every file names the same first bad
-    argument); returns them as a `_Variants`. RoPE turns features of heads `rope_width` wide (H,
-    or Hr with MLA)."""
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float("scale", scale)
-    softcap = _positive_float("softcap", softcap, optional=True)
-    window = _check_window(window)
-    chunk = None if attention_chunk_size is None else _positive_int("attention_chunk_size", attention_chunk_size)
+    argument); returns them all as a `_Variants`. RoPE turns features of heads `rope_width` wide
+    (H, or Hr with MLA)."""
     rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
     rotary_dim = _rotary_dim(rope_fraction, rope_width, rope_theta is not None)
     rope_scaling = _check_rope_scaling(rope_scaling)
@@ -1088,8 +1067,8 @@ def _check_variants(
     sinks = _flag("sinks", sinks)
     gate = _flag("gate", gate)
     return _Variants(
-        scale, softcap, window, chunk, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling,
-        rope_sections, qk_norm, qk_norm_eps, str(qk_norm_type), qk_norm_bias, sinks, clip_qkv, gate, latent_norm_eps,
+        *modifiers, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling, rope_sections, qk_norm,
+        qk_norm_eps, str(qk_norm_type), qk_norm_bias, sinks, clip_qkv, gate, latent_norm_eps,
     )  # fmt: skip
 
 
@@ -1209,6 +1188,26 @@ def _warn_at_caller(message):
 # s < t + (S - T) + W_after), `attention_chunk_size` (only keys in the query's chunk of C
 # positions), `sinks` (a learned logit per head in the softmax's denominator), ALiBi (`alibi_bias`)
 # and the call's `attention_bias` (added to the scores, with a gradient), each off by default.
+
+
+def _check_score_modifiers(head_dim, scale, softcap, window, attention_chunk_size):
+    """The score modifiers' arguments checked, in the signature's order: (scale, 1 / sqrt(H) for
+    None; softcap; window; attention_chunk_size), the first fields of `_Variants`."""
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float("scale", scale)
+    softcap = _positive_float("softcap", softcap, optional=True)
+    window = _check_window(window)
+    chunk = None if attention_chunk_size is None else _positive_int("attention_chunk_size", attention_chunk_size)
+    return scale, softcap, window, chunk
+
+
+def _score_modifiers_at_default(layer):
+    """`_non_defaults`' entries of the score modifiers but `sinks` (a flag): {name: at its default}."""
+    return {
+        "scale": math.isclose(layer.scale, 1 / math.sqrt(layer.head_dim)),
+        "softcap": layer.softcap is None,
+        "window": layer.window is None,
+        "attention_chunk_size": layer.attention_chunk_size is None,
+    }
 
 
 def _check_window(window):
@@ -1463,8 +1462,6 @@ def _rotate(layer, q, k, v, positions):
     """RoPE of q (B, N, T, H) and k (B, K, T, H) at (B, T) or (1, T) `positions`, (k, B|1, T)
     with `rope_sections`; with MLA, of q's last Hr features and of the shared key part, v
     (B, 1, T, Hr) until the cache step (k, the latents, is not turned). Returns q, k, v."""
-    if layer.rope_theta is None:
-        return q, k, v
     if layer.kv_lora_rank is None:
         return _rotate_heads(layer, q, positions), _rotate_heads(layer, k, positions), v
     hn = layer.qk_nope_head_dim
@@ -1648,8 +1645,6 @@ def layer_norm(x, scale, eps, bias=None):
 def _clip(layer, x):
     """`clip_qkv`: x clamped to [-c, c], with the clamp's gradient, 1 within [-c, c] (bounds
     included) and 0 outside, on every backend (JAX's `clip` gives 0.5 at a bound)."""
-    if layer.clip_qkv is None:
-        return x
     return ops.where(ops.abs(x) <= layer.clip_qkv, x, ops.sign(x) * layer.clip_qkv)
 
 
@@ -1658,8 +1653,6 @@ def _normalize_qk(layer, q, k):
     ("head": scales (H,) shared by the heads; "per_head": scales (N*H,) and (K*H,), head n's
     [n*H:(n+1)*H]) or of all their heads at once ("all": scales (N*H,) and (K*H,)); with
     `qk_norm_bias`, plus the biases shaped like the scales."""
-    if layer.qk_norm is None:
-        return q, k
     return _norm(layer, q, "query", layer.num_heads), _norm(layer, k, "key", layer.num_kv_heads)
 
 
@@ -1679,11 +1672,9 @@ def _norm(layer, x, kind, heads):
 
 def _gate_heads(layer, call, context):
     """Step 6b: the (B, N, T, Hv) attention result times sigmoid(query @ gate_kernel + gate_bias)
-    split into heads (unchanged without `gate`; Hv = H without MLA)."""
-    if not layer.gate:
-        return context
+    split into heads (Hv = H without MLA)."""
     gate = ops.sigmoid(layer._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
-    return context * layer._split_heads(gate, layer.num_heads, layer.v_head_dim)  # -> (B, N, T, Hv)
+    return context * layer._split_heads(gate, layer.num_heads, context.shape[-1])  # -> (B, N, T, Hv)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -1820,8 +1811,6 @@ def _update_cache(layer, call, k, v, keep):
     window), `key_mask` into the cache's keep; returns the cache's (B, K, L, H) keys and values,
     `keep` over the L slots with `causal`, `window` and `attention_chunk_size` folded in, and
     the call with the new cache."""
-    if call.cache is None:
-        return k, v, keep, call
     t, index = _shape(k)[2], ops.convert_to_tensor(call.cache.index, "int32")  # the index before this write
     cache = _write_cache(call.cache, k, v, call.key_mask)  # `key_mask` goes into its keep
     folded = _cache_keep(cache.keep, index, t, call.causal, call.window, call.attention_chunk_size)  # (B, 1, T, L)
@@ -2058,7 +2047,7 @@ def _up_projections(layer, dtype):
 
 
 def _attend_absorbed(layer, q, latent, k_rope, keep, bias, call):
-    """Step 6 with MLA on the latents, through `_attend_heads` (every path): q_lat = q_nope @
+    """Step 6 with MLA on the latents, through `_attend` (every path): q_lat = q_nope @
     W_kb^T (B, N, T, C) meets the latents and q_rope meets k_rope (and q_nope . b_k a key of
     ones); the values are the latents (and a one, whose output is sum(weights)); each head's
     context is o_lat @ W_vb + sum(weights) * b_v (B, N, T, Hv). An int8 layer reads the
@@ -2075,7 +2064,7 @@ def _attend_absorbed(layer, q, latent, k_rope, keep, bias, call):
     if b_v is not None:
         values.append(ones)
     q, k, v = (ops.concatenate(parts, axis=-1) for parts in (queries, keys, values))  # (B, N, T, .), ...
-    context, weights = layer._attend_heads(q, k, v, keep, bias, call)  # (B, N, T, C or C + 1)
+    context, weights = layer._attend(q, k, v, keep, bias, call)  # (B, N, T, C or C + 1)
     output = _matmul(context[..., : layer.kv_lora_rank], ops.swapaxes(w_vb, -1, -2))  # -> (B, N, T, Hv)
     return output if b_v is None else output + context[..., layer.kv_lora_rank :] * b_v[:, None, :], weights
 
@@ -2096,12 +2085,12 @@ _FLASH_ATTENTION = {"torch": False}
 
 
 def _fuses(layer, q, k, call, dropout):
-    """Whether `_attend` takes `ops.dot_product_attention`: without the weights, soft-capping
-    (which it cannot express) and dropout (which it has not), at shapes known at trace time with
+    """Whether `_attend` takes `ops.dot_product_attention` (which cannot express soft-capping: `_attend`
+    asks only without it): without the weights and dropout (which it has not), at shapes known at trace time with
     T, S > 0, not in float64 where Keras computes it in float32 (`_narrows`); where
     `fused_attention` is None, only on torch (fused SDPA; on TensorFlow and JAX's
     CPU it is the explicit formula, no faster than `dot_product_attention`)."""
-    if call.return_attention or layer.softcap is not None or dropout or layer.fused_attention is False:
+    if call.return_attention or dropout or layer.fused_attention is False:
         return False
     if _narrows(q.dtype):  # the kernel would compute float64 in float32
         return False
@@ -2862,10 +2851,7 @@ def _non_defaults(layer):
     """`MultiHeadAttention._non_defaults`: what the Keras built-ins cannot hold."""
     plain = {
         "bias": layer.bias in ((), layer._projection_names),
-        "scale": math.isclose(layer.scale, 1 / math.sqrt(layer.head_dim)),
-        "softcap": layer.softcap is None,
-        "window": layer.window is None,
-        "attention_chunk_size": layer.attention_chunk_size is None,
+        **_score_modifiers_at_default(layer),  # scale, softcap, window, attention_chunk_size
         "rope_theta": layer.rope_theta is None,
         "rope_sections": layer.rope_sections is None or layer.rope_theta is None,
         "qk_norm": layer.qk_norm is None,
