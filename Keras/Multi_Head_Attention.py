@@ -2832,19 +2832,19 @@ def _to_keras(layer):
     )  # fmt: skip
     widths = (layer.d_model, layer.vdim, layer.kdim)  # query, value, key: the built-ins' call order
     if layer.num_kv_heads == layer.num_heads:
-        layer = keras.layers.MultiHeadAttention(layer.num_heads, layer.head_dim, **common)
+        builtin = keras.layers.MultiHeadAttention(layer.num_heads, layer.head_dim, **common)
     else:
-        layer = keras.layers.GroupQueryAttention(layer.head_dim, layer.num_heads, layer.num_kv_heads, **common)
-    layer.build(*((None, None, width) for width in widths))
-    layer.trainable = layer.trainable
+        builtin = keras.layers.GroupQueryAttention(layer.head_dim, layer.num_heads, layer.num_kv_heads, **common)
+    builtin.build(*((None, None, width) for width in widths))
+    builtin.trainable = layer.trainable
     weights = layer.export_weights()
-    dense = (layer._query_dense, layer._key_dense, layer._value_dense, layer._output_dense)
-    dense += (layer._gate_dense,) if layer.gate else ()
+    dense = (builtin._query_dense, builtin._key_dense, builtin._value_dense, builtin._output_dense)
+    dense += (builtin._gate_dense,) if layer.gate else ()
     for kind, sublayer in zip(_projection_kinds(_PROJECTIONS, layer.gate), dense, strict=True):
         sublayer.kernel.assign(weights[f"{kind}_kernel"].reshape(sublayer.kernel.shape))
         if layer.bias:
             sublayer.bias.assign(weights[f"{kind}_bias"].reshape(sublayer.bias.shape))
-    return layer
+    return builtin
 
 
 def _non_defaults(layer):
