@@ -53,16 +53,7 @@ _LOWEST = {"float16": -65504.0, "bfloat16": -3.3895313892515355e38, "float32": _
 # -------------------------------------------------------------------------------------------------
 # Core: the plain layer
 # -------------------------------------------------------------------------------------------------
-# Masks (docs/SPEC.md, "Masks"): a boolean `attention_mask` (or `mask`, its alias) is True where a
-# query may attend a key; a floating one is added to the scores, and -inf or a value at or below
-# the lowest finite value of its dtype (or of float32) removes a key. `causal=True` keeps key s for
-# query t iff s <= t + (S - T). `key_mask`, `query_mask` and the inputs' implicit Keras masks remove
-# keys and queries. A query row with no key left gets weights of exactly 0, so its output is
-# `output_bias`. Masks that read as another library's habit warn with `AttentionMaskWarning`.
-# Weights: `query_kernel` (E, N*H), `query_bias` (N*H,), `key_kernel` (kdim, K*H), ...,
-# `output_kernel` (N*H, E), `output_bias` (E,), then each option's: the portable layout itself
-# (`weight_shapes`). The functions a plain call enters come first, then the class, then the
-# core's other functions.
+# The functions a plain call enters, then the class; each option's code is in its section below.
 
 
 class AttentionMaskWarning(UserWarning):
@@ -160,59 +151,23 @@ class MultiHeadAttention(keras.layers.Layer):
         bias: True (all the projections have a bias, the gate's with `gate`), False (none), or a
             list, tuple or set of the names of those that have one, among "query", "key", "value",
             "output", "gate" (Qwen2: ("query", "key", "value")). Kept as that tuple of names, in
-            that order. With MLA the names are "query" (or "query_a" and "query_b"), "key_value_a",
-            "key_value_b", "output", "gate".
-        scale: the factor of the scores, `scores = (q . k) * scale`. Defaults to 1 / sqrt(H).
-        softcap: None or a positive float c: the scores become c * tanh(scores / c).
-        window: None, W, or a pair (W_before, W_after): query t keeps key s only if
-            s > t + (S - T) - W_before, and with a pair also s < t + (S - T) + W_after
-            (Mistral's sliding window: W; ModernBERT's two-sided band: (65, 65)).
-        attention_chunk_size: None, or C: query t keeps key s only if both are in the same
-            chunk of C positions, s // C == (t + (S - T)) // C (Llama 4's chunked attention).
-        rope_theta: None (no RoPE) or the base of rotary position embeddings.
-        rope_fraction: in (0, 1]; RoPE turns the first R = int(H * rope_fraction) features.
-        rope_interleaved: False pairs feature i with i + R/2; True pairs 2i and 2i + 1.
-        rope_scaling: None, {"rope_type": "linear", "factor": f}, a "llama3" dict (factor,
-            low_freq_factor, high_freq_factor, original_max_position_embeddings) or a "yarn" dict
-            (factor, original_max_position_embeddings, optional attention_factor, beta_fast,
-            beta_slow, mscale, mscale_all_dim, truncate; the rotated features of q and k are
-            also multiplied by its attention factor).
-        rope_sections: None, or the numbers of rotated pairs (summing to R/2) that turn by each
-            row of (k, B, T) `positions` in turn (Qwen2-VL's multimodal RoPE, `mrope_section`).
-        qk_norm: None, "head" (each head of q and k normalized, one scale shared by the heads:
-            Qwen3), "per_head" (each head with its own scale: StableLM, Cohere) or "all" (over all
-            heads: OLMo2); its scales are the weights `query_norm` and `key_norm`.
-        qk_norm_eps: the epsilon of that norm.
-        qk_norm_type: "rms" (RMSNorm) or "layer" (LayerNorm: the mean is removed first).
-        qk_norm_bias: if True, the norm adds a learned bias after its scale (`query_norm_bias`,
-            `key_norm_bias`: Phi's LayerNorm).
-        sinks: if True, one learned logit per query head in the softmax's denominator.
-        clip_qkv: None or c > 0: q, k and v are clamped to [-c, c] right after their projections
-            (bias included), before QK-norm, RoPE and the cache (OLMo, DBRX, MPT).
-        gate: if True, each head's attention result is multiplied, feature by feature, by
-            sigmoid(query @ gate_kernel + gate_bias) before the heads are merged (Keras'
-            `use_gate`, Qwen3-Next, Qwen3.5).
-        kv_lora_rank: None, or C: multi-head latent attention (DeepSeek-V2/V3). Keys and values
-            come from `key` through a latent of C features per token, RMS-normalized, and the
-            cache holds it (`KVCache.key` (B, 1, L, C), `value` (B, 1, L, Hr)); `value` must be
-            None or `key` itself. Not with `vdim`, `qk_norm`, `clip_qkv`, `rope_sections` or
-            `rope_fraction` < 1.
-        q_lora_rank: None (a plain query projection), or Q: the query goes through a latent of Q
-            features, RMS-normalized (`query_a_kernel`, `query_a_norm`, `query_b_kernel`).
-        qk_nope_head_dim: Hn, the features of a query/key head that RoPE does not turn (MLA).
-        qk_rope_head_dim: Hr, the features RoPE turns (MLA); the key's are shared by the heads.
-            With MLA, H = Hn + Hr (`head_dim`, if given, must equal it).
-        v_head_dim: Hv, the width of a value head (MLA); the output kernel is (N*Hv, E).
-        latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
+            that order (MLA's names: its section).
+        scale, softcap, window, attention_chunk_size, sinks: the score modifiers, each off at its
+            default (`scale`: 1 / sqrt(H)); the section "score modifiers" says what each does.
+        rope_theta, rope_fraction, rope_interleaved, rope_scaling, rope_sections: RoPE, off while
+            `rope_theta` is None (the section "positions").
+        qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, clip_qkv, gate: the section "QK-norm,
+            clip_qkv and the gate".
+        kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, latent_norm_eps:
+            multi-head latent attention, off while `kv_lora_rank` is None (its section).
         kernel_initializer: initializer of the kernels.
         bias_initializer: initializer of the biases.
         **kwargs: base layer arguments (`name`, `dtype` policy, ...).
 
     Call arguments:
         query: (B, T, E).
-        key: (B, S, kdim). Defaults to `value`, or to `query` if `value` is None too. Note
-            that `keras.layers.MultiHeadAttention` takes them in the other order (query, value,
-            key): this layer is called (query, key, value).
+        key: (B, S, kdim). Defaults to `value`, or to `query` if `value` is None too (the order is
+            (query, key, value); `keras.layers.MultiHeadAttention`'s is (query, value, key)).
         value: (B, S, vdim). Defaults to `key`.
         attention_mask: boolean (True = attend) or floating (added to the scores), of shape
             (T, S), (B, T, S) or (B, N, T, S), any dimension of which may be 1. `mask=` is
@@ -227,19 +182,12 @@ class MultiHeadAttention(keras.layers.Layer):
         return_attention: if True, also return the per-head attention weights.
         training: dropout acts only when True.
         value_mask: (B, S) boolean, ANDed with `key_mask` (Keras fills it from the value's mask).
-        cache: a `KVCache` from `init_cache`: decode T new tokens (`key` and `value`, if
-            given, hold the same T tokens); masks and weights are then over the L slots, and
-            `key_mask` is (B, T).
+        cache: a `KVCache` from `init_cache`: decode T new tokens (its section).
 
     Returns:
         output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before
         dropout) when `return_attention` is True; with `cache`, the updated cache is appended
         and weights are (B, N, T, L), exactly 0 at unwritten slots.
-
-    Coming from `keras.layers.MultiHeadAttention`: it is called `(query, value, key)`, this layer
-    `(query, key, value)`. A floating `attention_mask` is added to the scores here, where Keras
-    reads a 0/1 float mask as boolean: pass `mask > 0`. `use_causal_mask=True` is `causal=True`
-    (bottom-right aligned when T < S); `return_attention_scores=True` is `return_attention=True`.
 
     Example, a key padding mask (the third key of the first sequence is padding):
         >>> layer = MultiHeadAttention(16, 4)
@@ -252,17 +200,10 @@ class MultiHeadAttention(keras.layers.Layer):
         True
     """
 
-    # Without `return_attention`, (B, N, T, S) score elements above which attention runs a chunk
-    # of queries at a time (memory linear in T and S; 64 Mi float32 scores are 256 MiB), and the
-    # score elements of one chunk (8 MiB in float32), as in the TensorFlow file. `fused_attention`:
-    # whether `ops.dot_product_attention` is taken where it is exact (None: on torch only).
-    memory_efficient_threshold = 1 << 26
+    memory_efficient_threshold = 1 << 26  # the speed paths' (their section)
     query_chunk_elements = 1 << 21
     fused_attention = None
-    # With MLA, whether attention runs on the latents with the up-projections folded in (the absorbed
-    # path: True), on per-head keys and values up-projected from them (False), or (None) absorbed
-    # when decoding a few tokens with a cache (`_absorbs`).
-    absorb_latents = None
+    absorb_latents = None  # MLA's (its section)
 
     def __init__(
         self, d_model, num_heads, *, num_kv_heads=None, head_dim=None, kdim=None, vdim=None, dropout=0.0, bias=True,
@@ -334,7 +275,7 @@ class MultiHeadAttention(keras.layers.Layer):
         if self.qk_norm is not None:
             q, k = _normalize_qk(self, q, k)  # 3. QK-norm
         if self.rope_theta is not None:
-            q, k, v = _rotate(self, q, k, v, call.positions)  # 4. RoPE
+            q, k, v = (_rotate if self.kv_lora_rank is None else _rotate_latent)(self, q, k, v, call.positions)  # 4.
         if call.cache is not None:
             k, v, keep, call = _update_cache(self, call, k, v, keep)  # 5. the cache (then over its L slots)
         if self.kv_lora_rank is None:
@@ -467,174 +408,23 @@ class MultiHeadAttention(keras.layers.Layer):
             context = _nan_if_misfit(self, q, k, call, context)
         return context, weights
 
-    def _warn_traps(self, attention_mask, key_mask, t, s):
-        """Warns once per layer for each habit of the built-in layers that the masks' values suggest
-        (docs/SPEC.md, Masks), where reading them is free (`_read_values`: eagerly, on the CPU); a
-        call with a cache is not read. The call computes what the SPEC says either way. The habits:
-        a boolean mask keeping nothing (nn.MultiheadAttention's True = ignore, nothing padded); a
-        square (T == S) boolean `attention_mask` keeping keys only after each query, none where
-        `causal` keeps one (nn.MultiheadAttention's causal `attn_mask`, `triu(ones, 1)`); a (B, S)
-        `key_mask` that reads as its `key_padding_mask` (True = padding): every row False then True,
-        some row keeping no key and none keeping all (left padding has its longest sequence all
-        True); a floating `attention_mask` of only 0s and 1s, some 1 (a Keras mask, which Keras
-        reads as boolean)."""
-        values = _read_values(attention_mask, key_mask)  # NumPy arrays, or None where not free
-        if values is None:
-            return
-        attention_mask, key_mask = values
-        traps = {}
-        for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
-            if mask is not None and mask.dtype == np.bool_ and mask.size > 0 and not mask.any():
-                traps[name] = _EMPTY_MASK.format(name=name)
-        boolean = attention_mask is not None and attention_mask.dtype == np.bool_
-        later = boolean and attention_mask.size > 0 and t == s > 0  # square: may keep only later keys
-        if later and "attention_mask" not in traps and not (attention_mask & np.tril(np.ones((t, s), bool))).any():
-            traps["causal"] = _CAUSAL_TRAP  # (T, S) causal kept nowhere
-        if key_mask is not None and "key_mask" not in traps:
-            kept = key_mask.sum(-1)  # (B,)
-            ordered = (key_mask[:, 1:] >= key_mask[:, :-1]).all()  # False then True in every row
-            empty = 0 if not ordered or (kept == key_mask.shape[1]).any() else int((kept == 0).sum())
-            if empty:
-                traps["padding"] = _PADDING_TRAP.format(empty=empty, b=key_mask.shape[0])
-        floating = attention_mask is not None and attention_mask.dtype != np.bool_
-        if floating and ((attention_mask == 0) | (attention_mask == 1)).all() and (attention_mask == 1).any():
-            traps["zeros and ones"] = _ZEROS_AND_ONES
-        for kind, message in traps.items():
-            if kind not in self._warned_traps:
-                self._warned_traps.add(kind)
-                _warn_at_caller(message)
-
     def build(self, query_shape=None, value_shape=None, key_shape=None):
-        """Creates the portable weights; every shape is known from the constructor.
-
-        Args:
-            query_shape: optional (B, T, E).
-            value_shape: optional (B, S, vdim).
-            key_shape: optional (B, S, kdim). Keras' attention-layer convention, in its order
-                (query, value, key); a missing shape defaults as in the call, and a width other
-                than the constructor's is a ValueError.
-        """
-        self._check_shapes(query_shape, value_shape, key_shape)
+        """Creates the portable weights (`weight_shapes`), every shape known from the constructor; the
+        shapes, optional, in Keras' order (query, value, key), are checked as the call's (`_check_shapes`)."""
+        _check_shapes(self, query_shape, value_shape, key_shape)
         for name, shape in self.weight_shapes().items():
-            variable = self.add_weight(name=name, shape=shape, **self._weight_options(name))
+            variable = self.add_weight(name=name, shape=shape, **_weight_options(self, name))
             setattr(self, _ATTRIBUTES.get(name, name), variable)
         self._is_quantized = self._int8  # Keras' flag: an int8 layer (a loaded `.keras` file) is not quantized again
         self._dropout_layer.build(None)
         self.built = True
 
-    def _initializer(self, name):
-        """Kernels and biases from the layer's initializers; QK-norm scales of one, QK-norm biases
-        and sinks of zero."""
-        if name.endswith("_norm"):
-            return keras.initializers.Ones()
-        if name in ("sinks", "query_norm_bias", "key_norm_bias"):
-            return keras.initializers.Zeros()
-        initializer = self.kernel_initializer if name.endswith("_kernel") else self.bias_initializer
-        return initializer.__class__.from_config(initializer.get_config())  # a fresh instance for each weight
-
     def get_config(self):
-        bias = True if self.bias == self._projection_names else bool(self.bias) and list(self.bias)
-        return {
-            **super().get_config(),
-            "d_model": self.d_model,
-            "num_heads": self.num_heads,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "kdim": self.kdim,
-            "vdim": None if self.kv_lora_rank is not None else self.vdim,  # MLA: its values come from `key`
-            "dropout": self.dropout,
-            "bias": bias,
-            "scale": self.scale,
-            "softcap": self.softcap,
-            "window": list(self.window) if isinstance(self.window, tuple) else self.window,
-            "attention_chunk_size": self.attention_chunk_size,
-            "rope_theta": self.rope_theta,
-            "rope_fraction": self.rope_fraction,
-            "rope_interleaved": self.rope_interleaved,
-            "rope_scaling": self.rope_scaling,
-            "rope_sections": None if self.rope_sections is None else list(self.rope_sections),
-            "qk_norm": self.qk_norm,
-            "qk_norm_eps": self.qk_norm_eps,
-            "qk_norm_type": self.qk_norm_type,
-            "qk_norm_bias": self.qk_norm_bias,
-            "sinks": self.sinks,
-            "clip_qkv": self.clip_qkv,
-            "gate": self.gate,
-            "kv_lora_rank": self.kv_lora_rank,
-            "q_lora_rank": self.q_lora_rank,
-            "qk_nope_head_dim": self.qk_nope_head_dim,
-            "qk_rope_head_dim": self.qk_rope_head_dim,
-            "v_head_dim": self.v_head_dim,
-            "latent_norm_eps": self.latent_norm_eps,
-            "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
-            "bias_initializer": keras.initializers.serialize(self.bias_initializer),
-        }
-
-    @property
-    def _latent(self):
-        """The MLA sizes as a `_Latent`, or None without `kv_lora_rank`."""
-        return None if self.kv_lora_rank is None else _Latent(*(getattr(self, name) for name in _LATENT_SIZES))
-
-    @property
-    def _projection_names(self):
-        """The names of the layer's projections, in the layout's order (MLA's with `kv_lora_rank`,
-        the gate's with `gate`)."""
-        return _projection_kinds(_projections(self._latent), self.gate)
+        return {**super().get_config(), **_config(self)}
 
     def weight_shapes(self):
-        """The portable layout: {name: shape}, in its order; a projection's bias only when `bias`
-        names it, the norm scales only with `qk_norm` (and their biases with `qk_norm_bias`),
-        `sinks` only with `sinks=True`, the gate's kernel (and bias) after them with `gate=True`.
-        With MLA, the latent projections and their norm scales (`query_a_norm` with `q_lora_rank`,
-        `key_value_a_norm`) replace query, key and value."""
-        nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        kernels = self._kernel_shapes()
-        hv = self.head_dim if self.kv_lora_rank is None else self.v_head_dim
-        gate = {"gate": (self.d_model, self.num_heads * hv)} if self.gate else {}
-        shapes = {}
-        for kind, shape in kernels.items():
-            shapes[f"{kind}_kernel"] = shape
-            if kind in self.bias:
-                shapes[f"{kind}_bias"] = shape[1:]
-            if kind in ("query_a", "key_value_a"):
-                shapes[f"{kind}_norm"] = (self.q_lora_rank if kind == "query_a" else self.kv_lora_rank,)
-        if self.qk_norm is not None:
-            shapes["query_norm"] = (self.head_dim,) if self.qk_norm == "head" else (nh,)
-            shapes["key_norm"] = (self.head_dim,) if self.qk_norm == "head" else (kh,)
-        if self.qk_norm is not None and self.qk_norm_bias:
-            shapes["query_norm_bias"], shapes["key_norm_bias"] = shapes["query_norm"], shapes["key_norm"]
-        if self.sinks:
-            shapes["sinks"] = (self.num_heads,)
-        for kind, shape in gate.items():
-            shapes[f"{kind}_kernel"] = shape
-            if kind in self.bias:
-                shapes[f"{kind}_bias"] = shape[1:]
-        return _with_scales(shapes) if self._int8 else shapes
-
-    def _kernel_shapes(self):
-        """{projection: its kernel's (D, F)}, in the layout's order."""
-        nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if self.kv_lora_rank is None:
-            return {
-                "query": (self.d_model, nh),
-                "key": (self.kdim, kh),
-                "value": (self.vdim, kh),
-                "output": (nh, self.d_model),
-            }
-        c, hn, hr, hv = self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
-        query = {"query": (self.d_model, nh)}
-        if self.q_lora_rank is not None:
-            query = {"query_a": (self.d_model, self.q_lora_rank), "query_b": (self.q_lora_rank, nh)}
-        return {
-            **query,
-            "key_value_a": (self.kdim, c + hr),
-            "key_value_b": (c, self.num_kv_heads * (hn + hv)),
-            "output": (self.num_heads * hv, self.d_model),
-        }
-
-    def _variable(self, name):
-        """The variable of one portable weight (`sinks` is held as `sink_logits`)."""
-        return getattr(self, _ATTRIBUTES.get(name, name))
+        """The portable layout: {name: shape}, in its order (`_weight_shapes`)."""
+        return _weight_shapes(self)
 
     def export_weights(self):
         """Returns the portable weights: a dict of NumPy arrays (see docs/SPEC.md)."""
@@ -643,219 +433,255 @@ class MultiHeadAttention(keras.layers.Layer):
         return {name: np.array(ops.convert_to_numpy(self._variable(name).value)) for name in self.weight_shapes()}
 
     def import_weights(self, weights):
-        """Loads portable weights; strict and atomic (a ValueError lists every problem). An int8
-        layout (with `<kind>_kernel_scale`) quantizes a float layer first; an int8 layer takes only one."""
-        int8 = self._int8 or _is_int8_layout(weights)
-        expected = _with_scales(self.weight_shapes()) if int8 and not self._int8 else self.weight_shapes()
-        problems = [f"missing '{name}'" for name in expected if name not in weights]
-        problems += [f"unexpected '{name}'" for name in weights if name not in expected]
-        for name, shape in expected.items():
-            if name in weights and tuple(np.shape(weights[name])) != shape:
-                problems.append(f"'{name}' has shape {tuple(np.shape(weights[name]))}, expected {shape}")
-        problems += _int8_problems(weights, expected) if int8 else []
-        if problems:
-            raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
-        if not self.built:
-            self.build()
-        if int8 and not self._int8:
-            self.quantize("int8")
-        for name in expected:
-            variable = self._variable(name)
-            variable.assign(ops.cast(np.asarray(weights[name]), variable.dtype))
+        """Loads portable weights; strict and atomic (a ValueError lists every problem); an int8
+        layout (with `<kind>_kernel_scale`) quantizes a float layer first (`_import_weights`)."""
+        _import_weights(self, weights)
 
     def compute_output_shape(self, query_shape, value_shape=None, key_shape=None):
         """(B, T, E), whatever S is; shapes in Keras' order (query, value, key), checked as in `build`."""
-        query_shape = self._check_shapes(query_shape, value_shape, key_shape)
+        query_shape = _check_shapes(self, query_shape, value_shape, key_shape)
         return (query_shape[0], query_shape[1], self.d_model)
 
     def compute_output_spec(self, *args, **kwargs):
-        """Traces `call` on symbolic inputs (what Keras does for a layer without
-        `compute_output_shape`), so a functional model gets every shape check when it is built,
-        and every output with `return_attention=True` or a cache. It also works outside
-        `__call__`: it builds the layer if needed."""
+        """Traces `call` on symbolic inputs, as Keras does without `compute_output_shape`: a functional
+        model gets every shape check and every output; it builds the layer if needed."""
         if not self.built:
             self.build()
         return super(keras.layers.Layer, self).compute_output_spec(*args, **kwargs)
 
-    def _check_shapes(self, query_shape, value_shape, key_shape):
-        """Shapes given to `build` or `compute_output_shape`, checked as the call checks its
-        inputs (the same messages); returns the query's shape. A missing key or value shape is the
-        other one's, as in the call; with neither, they are unknown."""
-        query_shape, value_shape, key_shape = (_shape_tuple(shape) for shape in (query_shape, value_shape, key_shape))
-        key_shape = value_shape if key_shape is None else key_shape
-        value_shape = key_shape if value_shape is None else value_shape
-        for name, shape, width_name, width in (
-            ("query", query_shape, "E", self.d_model),
-            ("key", key_shape, "kdim", self.kdim),
-            ("value", value_shape, "vdim", self.vdim),
-        ):
-            letter = "T" if name == "query" else "S"
-            if shape is not None and (len(shape) != 3 or shape[-1] not in (None, width)):
-                raise ValueError(
-                    f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
-                    f"Received: {name}.shape={shape}"
-                )
-        if None in (query_shape, key_shape, value_shape):
-            return query_shape
-        if _differ(query_shape[0], key_shape[0], value_shape[0]):
-            raise ValueError(
-                "`query`, `key` and `value` must have the same batch size B. Received: "
-                f"query.shape={query_shape}, key.shape={key_shape}, value.shape={value_shape}"
-            )
-        if _differ(key_shape[1], value_shape[1]):
-            raise ValueError(
-                f"`key` and `value` must have the same length S. Received: key.shape={key_shape}, "
-                f"value.shape={value_shape}"
-            )
-        return query_shape
-
     def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
-        """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
-
-        Args:
-            batch_size: B.
-            max_length: L, the number of slots.
-            keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
-                of different lengths). Defaults to all True.
-            dtype: dtype of the keys and values; defaults to the compute dtype of the policy.
-
-        Returns:
-            A `KVCache` of zeros with index 0 (int32); with MLA, the latent cache: `key` (B, 1, L, C)
-            for the normalized latents, `value` (B, 1, L, Hr) for the rotated shared key part.
-        """
+        """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens
+        (`_init_cache` says its arguments and result)."""
         return _init_cache(self, batch_size, max_length, keep, dtype)
 
     def layout_map(self, mesh, model_axis="model", layout_map=None):
-        """The `keras.distribution.LayoutMap` entries of this layer's weights, for `ModelParallel`:
-        the heads split over the mesh axis `model_axis`, each device holding whole heads.
-
-        The query, key and value kernels are split by their columns (the heads), the output
-        kernel by its rows and each bias, QK-norm scale (per head or over all heads), sink and
-        int8 scale as its projection; `output_bias` and the QK-norm's (H,) scales of
-        `qk_norm="head"` are replicated. With `num_kv_heads=1` (MQA) the key and value
-        projections are replicated: each device computes the one key/value head its query heads
-        share. Each entry's key is the regex `(.*/)?<layer name>/<weight name>`, matched in full
-        against `variable.path`: the variables are named as the portable weights (docs/SPEC.md,
-        "Weights"; `sinks` included), directly under the layer's name. Layers of equal names get
-        one entry when they need the same layouts (a ValueError when they differ). The layouts
-        apply to the variables created under the distribution (`distribution.scope()`); the KV
-        cache of `init_cache` is not a variable: put its key and value on the mesh split by
-        heads (axis 1), as in docs/distributed.md.
-
-        Args:
-            mesh: a `keras.distribution.DeviceMesh`.
-            model_axis: the name of the mesh axis the heads are split over; its size must divide
-                `num_heads`, and `num_kv_heads` unless that is 1.
-            layout_map: a `LayoutMap` on `mesh` to add the entries to; a new one if None.
-
-        Returns:
-            The `LayoutMap`, for `keras.distribution.ModelParallel(layout_map=...)`.
-
-        Example, 4 heads over the 2 devices of a "model" axis:
-            >>> mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), devices=["cpu:0", "cpu:1"])
-            >>> layout_map = MultiHeadAttention(16, 4, name="attention").layout_map(mesh)
-            >>> layout_map["attention/query_kernel"].axes, layout_map["block/attention/output_kernel"].axes
-            ((None, 'model'), ('model', None))
-        """
+        """The `keras.distribution.LayoutMap` entries of this layer's weights, for `ModelParallel`: the
+        heads split over the mesh axis `model_axis` (`_layout_map` says how, with an example)."""
         return _layout_map(self, mesh, model_axis, layout_map)
 
-    # int8: Keras' quantization API (`layer.quantize("int8")`, `model.quantize("int8")`, the
-    # "int8_from_<policy>" dtype policies), with the portable int8 layout as the variables.
-
     def quantize(self, mode=None, type_check=True, config=None):
-        """Quantizes the projections (four, five with `gate`) to int8 as Keras'
-        `Dense.quantize("int8")` does: each kernel becomes an int8 variable with one float32
-        `<kind>_kernel_scale` per output column, each call quantizes the projections' inputs per
-        token, and the dtype policy becomes "int8_from_<policy>". `model.quantize("int8")` calls
-        it; other modes raise `NotImplementedError`, which `model.quantize` turns into a warning,
-        as for any Keras layer.
-
-        Args:
-            mode: "int8".
-            type_check: unused (Keras' signature).
-            config: None or Keras' default `Int8QuantizationConfig`.
-        """
+        """Quantizes the projections to int8 as Keras' `Dense.quantize("int8")` does (`_quantize`
+        says how); `type_check` is unused (Keras' signature)."""
         del type_check
         _quantize(self, mode, config)
-
-    @property
-    def _int8(self):
-        """Whether the projections are int8: the dtype policy is "int8_from_..."."""
-        return self.quantization_mode == "int8"
-
-    def _weight_options(self, name):
-        """`add_weight` arguments of one portable weight: int8 kernels and their float scales are
-        not trainable (as in Keras' int8 `Dense`)."""
-        if self._int8 and name.endswith("_kernel"):
-            return {"initializer": "zeros", "dtype": "int8", "trainable": False}
-        if name.endswith("_kernel_scale"):
-            return {"initializer": "ones", "dtype": "float32", "trainable": False}
-        return {"initializer": self._initializer(name)}
-
-    def _int8_call(self, *args, **kwargs):
-        """Keras' entry for an int8 policy: `call`, whose projections read the int8 variables."""
-        return self.call(*args, **kwargs)
-
-    def _non_defaults(self):
-        """The variants not at their default and a partial `bias` (all the biases or none is the
-        default), {name: value as held}: what the Keras built-ins cannot hold (`rope_sections`
-        only with RoPE, `qk_norm_type` and `qk_norm_bias` only with `qk_norm`: what they change)."""
-        return _non_defaults(self)
 
     @classmethod
     def from_keras(cls, layer, *, window=None):
         """Builds a layer with the weights of a built `keras.layers.MultiHeadAttention` or
-        `keras.layers.GroupQueryAttention` (3-D inputs, default attention axes).
-
-        Its dtype policy, initializers and `trainable` are kept; LoRA adapters on its
-        projections are merged into the kernels; `use_gate=True` becomes `gate=True`, its
-        (E, N, H) kernel `gate_kernel`. Every option this layer cannot hold (regularizers,
-        constraints, other attention axes or output shapes, value_dim != key_dim, quantized
-        projections) is a ValueError that lists them all.
-
-        Args:
-            layer: the built-in.
-            window: with a built-in's `sliding_window` W, `(W, W)`: Keras counts its band
-                |t - s| < W from the first query and key, this layer from the last (so that
-                decoding equals the full pass), so the two keep the same keys only where T == S.
-                Passing `(W, W)` says the layer is for such calls; without it `sliding_window` is
-                refused.
-        """
+        `GroupQueryAttention` (`_from_keras` says what is kept and refused, and `window`)."""
         return _from_keras(cls, layer, window)
 
     def to_keras(self):
-        """Returns a built `keras.layers.MultiHeadAttention` (K == N) or
-        `keras.layers.GroupQueryAttention` (K < N) holding these weights.
-
-        Keras' GroupQueryAttention takes any key and value widths, but its
-        `compute_output_shape` refuses a value width other than the query's, so with
-        vdim != d_model it runs eagerly but not on symbolic inputs (a functional model).
-        """
+        """Returns a built `keras.layers.MultiHeadAttention` (K == N) or `GroupQueryAttention`
+        (K < N) holding these weights (`_to_keras`)."""
         return _to_keras(self)
 
+    @property
+    def _latent(self):
+        return _latent_of(self)  # MLA's sizes as a `_Latent`, None without MLA
 
-# The core's other functions: the checks of a call past its inputs, the masks, the arguments.
+    @property
+    def _projection_names(self):
+        return _layer_projections(self)  # the layer's projections, in the layout's order
+
+    @property
+    def _int8(self):
+        return self.quantization_mode == "int8"  # the dtype policy is "int8_from_..."
+
+    def _variable(self, name):
+        return getattr(self, _ATTRIBUTES.get(name, name))  # one portable weight's (`sinks` is `sink_logits`)
+
+    def _int8_call(self, *args, **kwargs):
+        return self.call(*args, **kwargs)  # Keras' entry for an int8 policy
+
+    def _non_defaults(self):
+        return _non_defaults(self)  # the variants the Keras built-ins cannot hold
 
 
-class _Call(NamedTuple):
-    """One call's arguments, checked and defaulted by `_check_call`; the cache step replaces
-    `causal`, `window`, `attention_chunk_size` and `cache`."""
+# -------------------------------------------------------------------------------------------------
+# Section: score modifiers
+# -------------------------------------------------------------------------------------------------
+# Constructor arguments, each off at its default:
+#     scale: the factor of the scores, `scores = (q . k) * scale`. Defaults to 1 / sqrt(H).
+#     softcap: None or a positive float c: the scores become c * tanh(scores / c) (Gemma 2).
+#     window: None, W, or a pair (W_before, W_after): query t keeps key s only if
+#         s > t + (S - T) - W_before, and with a pair also s < t + (S - T) + W_after
+#         (Mistral's sliding window: W; ModernBERT's two-sided band: (65, 65)).
+#     attention_chunk_size: None, or C: query t keeps key s only if both are in the same chunk of C
+#         positions, s // C == (t + (S - T)) // C (Llama 4's chunked attention).
+#     sinks: if True, one learned logit per query head in the softmax's denominator (`sinks`, (N,)).
+# ALiBi (`alibi_bias`) and the call's `attention_bias` (added to the scores, with a gradient); and
+# the masks, which keep keys or add to their scores (after the score modifiers).
 
-    query: Any  # (B, T, E), cast to the compute dtype
-    key: Any  # (B, S, kdim)
-    value: Any  # (B, S, vdim)
-    attention_mask: Any  # None, or checked and rank 4 (dims may be 1), after the `mask=` alias
-    attention_bias: Any  # None, or checked floating and rank 4 (dims may be 1)
-    key_mask: Any  # (B, S) boolean or None: after the self-attention default and the implicit Keras masks
-    query_mask: Any  # (B, T) boolean or None: ANDed with the query's implicit Keras mask
-    positions: Any  # (B|1, T) integers, (k, B|1, T) with `rope_sections`, or None without RoPE
-    causal: bool
-    window: Any  # the layer's window, or None
-    attention_chunk_size: Any  # the layer's attention_chunk_size, or None
-    return_attention: bool
-    cache: Any  # KVCache or None
-    training: Any  # the call's training flag
-    fuse: bool  # q, k, v from one matmul: never in this file
+
+def _check_score_modifiers(head_dim, scale, softcap, window, attention_chunk_size):
+    """The score modifiers' arguments checked, in the signature's order: (scale, 1 / sqrt(H) for
+    None; softcap; window; attention_chunk_size), the first fields of `_Variants`."""
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float("scale", scale)
+    softcap = _positive_float("softcap", softcap, optional=True)
+    window = _check_window(window)
+    chunk = None if attention_chunk_size is None else _positive_int("attention_chunk_size", attention_chunk_size)
+    return scale, softcap, window, chunk
+
+
+def _score_modifiers_at_default(layer):
+    """`_non_defaults`' entries of the score modifiers but `sinks` (a flag): {name: at its default}."""
+    return {
+        "scale": math.isclose(layer.scale, 1 / math.sqrt(layer.head_dim)),
+        "softcap": layer.softcap is None,
+        "window": layer.window is None,
+        "attention_chunk_size": layer.attention_chunk_size is None,
+    }
+
+
+def _check_window(window):
+    """`window`: None, a positive integer W (held as an int) or a pair (W_before, W_after) of
+    positive integers (a list or tuple, held as a tuple of two ints)."""
+    if window is None:
+        return None
+    if _is_positive_int(window):
+        return int(window)
+    if isinstance(window, (list, tuple)) and len(window) == 2 and all(_is_positive_int(side) for side in window):
+        return int(window[0]), int(window[1])
+    raise ValueError(
+        "`window` must be None, a positive integer or a pair (before, after) of positive integers. "
+        f"Received: window={window!r}"
+    )
+
+
+def _window_sides(window):
+    """A checked `window` -> (W_before, W_after or None); (None, None) without a window."""
+    if window is None:
+        return None, None
+    return tuple(window) if isinstance(window, tuple) else (window, None)
+
+
+def window_mask(t, s, window):
+    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - W_before, and with a pair
+    window (W_before, W_after) also s < t + (S - T) + W_after (bottom-right aligned)."""
+    keys, queries = ops.arange(s, dtype="int32")[None, :], ops.arange(t, dtype="int32")[:, None] + (s - t)
+    return _in_window(keys, queries, window)  # (T, S)
+
+
+def _in_window(keys, queries, window):
+    """Whether key positions are within the `window` (an int or a pair) of query positions."""
+    before, after = _window_sides(window)
+    kept = keys > queries - before
+    return kept if after is None else ops.logical_and(kept, keys < queries + after)
+
+
+def attention_chunk_mask(t, s, size):
+    """(T, S) boolean mask: query t keeps key s iff s // size == (t + (S - T)) // size, both in
+    the same chunk of `size` positions (bottom-right aligned)."""
+    keys, queries = ops.arange(s, dtype="int32")[None, :], ops.arange(t, dtype="int32")[:, None] + (s - t)
+    return _same_chunk(keys, queries, size)  # (T, S)
+
+
+def _same_chunk(keys, queries, size):
+    """Whether key and query positions (non-negative) are in the same chunk of `size` positions."""
+    return ops.floor_divide(keys, size) == ops.floor_divide(queries, size)
+
+
+def _fold_masks(keep, window, chunk, t, s):
+    """`keep` with `window` and the attention chunk (bottom-right aligned) ANDed in, rank 4."""
+    if window is not None:
+        keep = _and(keep, window_mask(t, s, window)[None, None])  # (B|1, N|1, T, S)
+    if chunk is not None:
+        keep = _and(keep, attention_chunk_mask(t, s, chunk)[None, None])  # (B|1, N|1, T, S)
+    return keep
+
+
+def _split_bias(attention_bias, dtype):
+    """A checked rank-4 floating `attention_bias` -> (keep, additive) by the floating mask rule."""
+    return _split_mask(attention_bias, dtype)
+
+
+def _softcap(scores, softcap):
+    """Gemma 2's logit soft-capping: scores -> c * tanh(scores / c)."""
+    return scores if softcap is None else softcap * ops.tanh(scores / softcap)
+
+
+def _score_modifiers(layer, call, sinks):
+    """The call's score modifiers as the keyword arguments of the attention functions (`scale`,
+    `softcap`, the call's `window` and `attention_chunk_size`, which the cache step may have
+    folded into the keep, and `sinks`, the (N,) logits or None)."""
+    return dict(
+        scale=layer.scale, softcap=layer.softcap, window=call.window,
+        attention_chunk_size=call.attention_chunk_size, sinks=sinks,
+    )  # fmt: skip
+
+
+def _capped_chunk(chunks, scores):
+    """`_softcap` of one chunk's scores in the memory-efficient path: (scores, tanh(scores / c),
+    kept for the backward), or (scores, None) without a softcap."""
+    if chunks.softcap is None:
+        return scores, None
+    capped = ops.tanh(scores / chunks.softcap)
+    return chunks.softcap * capped, capped
+
+
+def _softmax_with_sinks(scores, sinks):
+    """`_masked_softmax` with one sink logit per head (N,) in the denominator: a softmax over
+    [scores, sink] whose sink column is dropped."""
+    sink = ops.reshape(ops.cast(sinks, scores.dtype), (1, -1, 1, 1))  # (N,) -> (1, N, 1, 1)
+    sink = ops.broadcast_to(sink, (*_shape(scores)[:3], 1))  # -> (B, N, T, 1)
+    return ops.softmax(ops.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]  # (B, N, T, S + 1) -> S
+
+
+def _centre_rows(bias, keep):
+    """`bias` minus each row's largest value where `keep` holds (rows keeping nothing: unchanged).
+
+    A per-query constant does not change a softmax (without sinks); this keeps a row of only
+    large finite penalties (-1e9) an ordinary softmax instead of scores rounded away in float32.
+    """
+    if bias.shape[-1] == 0:
+        return bias
+    lowest = _lowest(bias.dtype)
+    top = ops.stop_gradient(ops.max(ops.where(keep, bias, lowest), axis=-1, keepdims=True))  # (B, N, T, 1), dims 1
+    return bias - ops.where(top == lowest, ops.zeros_like(top), top)  # (B, N, T, S), dims may be 1
+
+
+def _alibi_slopes(num_heads):
+    """Bloom's ALiBi slopes: 2 ** (-8 (n + 1) / N) for N a power of two; otherwise those of the
+    nearest lower power of two followed by every other slope of twice it."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = 2.0 ** (-8.0 * np.arange(1, closest + 1) / closest)
+    extra = 2.0 ** (-4.0 * np.arange(1, 2 * (num_heads - closest), 2) / closest)
+    return np.concatenate([slopes, extra])  # (N,)
+
+
+def alibi_bias(num_heads, positions):
+    """The ALiBi bias `slope[n] * positions[..., s]`, float32, to pass as `attention_bias` (with
+    `causal=True`; Bloom's key positions are `cumsum(key_mask) - 1`).
+
+    Args:
+        num_heads: N.
+        positions: integer (S,) or (B, S) key positions.
+
+    Returns:
+        (1, N, 1, S) for (S,) positions, (B, N, 1, S) for (B, S).
+    """
+    num_heads = _positive_int("num_heads", num_heads)
+    positions = ops.convert_to_tensor(positions)
+    if not _is_int(positions.dtype) or len(positions.shape) not in (1, 2):
+        raise ValueError(
+            "`positions` must be an integer tensor of shape (S,) or (B, S). "
+            f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={_dtype_name(positions.dtype)}"
+        )
+    positions = positions[None] if len(positions.shape) == 1 else positions  # (S,) -> (1, S)
+    slopes = ops.convert_to_tensor(_alibi_slopes(num_heads).astype(np.float32))[:, None, None]  # (N, 1, 1)
+    return slopes * ops.cast(positions, "float32")[:, None, None, :]  # (B, 1, 1, S) -> (B, N, 1, S)
+
+
+# The masks (docs/SPEC.md, "Masks"), which keep keys or add to their scores: checked past the
+# inputs (`_check_options`), combined into one keep and one bias (`_split_masks`), and the
+# habits of other libraries they suggest warned of (`_warn_traps`).
+# A boolean `attention_mask` (or `mask`, its alias) is True where a
+# query may attend a key; a floating one is added to the scores, and -inf or a value at or below
+# the lowest finite value of its dtype (or of float32) removes a key. `causal=True` keeps key s for
+# query t iff s <= t + (S - T). `key_mask`, `query_mask` and the inputs' implicit Keras masks remove
+# keys and queries. A query row with no key left gets weights of exactly 0, so its output is
+# `output_bias`. Masks that read as another library's habit warn with `AttentionMaskWarning`.
 
 
 def _check_options(
@@ -880,30 +706,19 @@ def _check_options(
     if implicit[1] is not None or implicit[2] is not None:
         key_keep = _and(key_keep, _and(implicit[1], implicit[2]))  # (B, S)
     if cache is not None:
-        _check_cache(cache, query, key, layer.num_kv_heads, layer.head_dim, layer._latent)
+        _check_cache(cache, query, key, layer.num_kv_heads, layer.head_dim, _latent_of(layer))
     target = (b, layer.num_heads, t, s if cache is None else cache.key.shape[2])
     attention_mask = None if attention_mask is None else ops.convert_to_tensor(attention_mask)
     mask = None if attention_mask is None else _mask_to_4d(attention_mask, target)
     if attention_bias is not None:
         attention_bias = _mask_to_4d(ops.convert_to_tensor(attention_bias), target, "attention_bias")
     if cache is None and (attention_mask is not None or passed_key_mask is not None):
-        layer._warn_traps(attention_mask, passed_key_mask, t, s)
+        _warn_traps(layer, attention_mask, passed_key_mask, t, s)
     if layer.rope_theta is not None or positions is not None:
         positions = _positions(layer, positions, query, key, cache)
     if cache is not None:
         _check_room(cache.index, _shape(query)[1], cache.key.shape[2], _window_sides(layer.window)[0])
     return mask, attention_bias, key_keep, query_mask, positions
-
-
-def _check_lengths(query, key, value):
-    q, k, v = (tuple(x.shape) for x in (query, key, value))
-    if _differ(q[0], k[0], v[0]):
-        raise ValueError(
-            "`query`, `key` and `value` must have the same batch size B. Received: "
-            f"query.shape={q}, key.shape={k}, value.shape={v}"
-        )
-    if _differ(k[1], v[1]):
-        raise ValueError(f"`key` and `value` must have the same length S. Received: key.shape={k}, value.shape={v}")
 
 
 def _check_token_mask(name, mask, b, length, letter):
@@ -1006,136 +821,42 @@ def _add(a, b):
     return b if a is None else a if b is None else a + b
 
 
-def _softmax_dtype(dtype):
-    """Softmax runs in float32 at least (float64 stays float64)."""
-    return "float64" if keras.backend.standardize_dtype(dtype) == "float64" else "float32"
-
-
-def _results(output, weights, cache, return_attention):
-    """output, (output, weights), (output, cache) or (output, weights, cache)."""
-    results = (output, weights) if return_attention else (output,)
-    results = results if cache is None else (*results, cache)
-    return results[0] if len(results) == 1 else results
-
-
-class _Variants(NamedTuple):
-    """The variants' constructor arguments, checked and held as Python types (docs/SPEC.md,
-    "Argument types"); each is off at its default."""
-
-    scale: float  # 1 / sqrt(H) when None was passed
-    softcap: Any  # None or float
-    window: Any  # None, an int or a pair (before, after) of ints
-    attention_chunk_size: Any  # None or int
-    rope_theta: Any  # None or float
-    rope_fraction: float
-    rope_interleaved: bool
-    rope_scaling: Any  # None or a dict of Python scalars
-    rope_sections: Any  # None or a tuple of ints
-    qk_norm: Any  # None, "head", "per_head" or "all"
-    qk_norm_eps: float
-    qk_norm_type: str  # "rms" or "layer"
-    qk_norm_bias: bool
-    sinks: bool
-    clip_qkv: Any  # None or float
-    gate: bool
-    latent_norm_eps: float
-
-
-def _check_variants(
-    modifiers, rope_width, rope_theta, rope_fraction, rope_interleaved, rope_scaling, rope_sections, qk_norm,
-    qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv, gate, latent_norm_eps,
-):  # fmt: skip
-    """Checks the variants' arguments after the score modifiers (`modifiers`, checked first by
-    `_check_score_modifiers`), each on its own whether its variant is on or off, in the
-    signature's order with the flags last (so that every file names the same first bad
-    argument); returns them all as a `_Variants`. RoPE turns features of heads `rope_width` wide
-    (H, or Hr with MLA)."""
-    rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
-    rotary_dim = _rotary_dim(rope_fraction, rope_width, rope_theta is not None)
-    rope_scaling = _check_rope_scaling(rope_scaling)
-    rope_sections = _check_rope_sections(rope_sections, rotary_dim)
-    if qk_norm not in (None, "head", "per_head", "all"):
-        raise ValueError(f"`qk_norm` must be None, 'head', 'per_head' or 'all'. Received: qk_norm={qk_norm!r}")
-    qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
-    qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
-    if not isinstance(qk_norm_type, str) or qk_norm_type not in ("rms", "layer"):
-        raise ValueError(f"`qk_norm_type` must be 'rms' or 'layer'. Received: qk_norm_type={qk_norm_type!r}")
-    clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
-    latent_norm_eps = _positive_float("latent_norm_eps", latent_norm_eps)
-    rope_interleaved = _flag("rope_interleaved", rope_interleaved)
-    qk_norm_bias = _flag("qk_norm_bias", qk_norm_bias)
-    sinks = _flag("sinks", sinks)
-    gate = _flag("gate", gate)
-    return _Variants(
-        *modifiers, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling, rope_sections, qk_norm,
-        qk_norm_eps, str(qk_norm_type), qk_norm_bias, sinks, clip_qkv, gate, latent_norm_eps,
-    )  # fmt: skip
-
-
-def _positive_int(name, value):
-    if not _is_positive_int(value):
-        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
-    return int(value)
-
-
-def _is_positive_int(value):
-    """A Python or NumPy integer (not a bool) >= 1."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 1
-
-
-def _is_positive_number(value):
-    number = not isinstance(value, (bool, np.bool_)) and isinstance(value, (int, float, np.integer, np.floating))
-    return number and math.isfinite(value) and value > 0
-
-
-def _positive_float(name, value, optional=False):
-    """A positive float; None stays None when `optional`."""
-    if optional and value is None:
-        return None
-    if not _is_positive_number(value):
-        raise ValueError(
-            f"`{name}` must be {'None or ' if optional else ''}a positive float. Received: {name}={value!r}"
-        )
-    return float(value)
-
-
-def _flag(name, value):
-    """A constructor flag: a Python or NumPy bool (not 0 or 1, not a string)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
-    return bool(value)
-
-
-def _dropout_rate(dropout):
-    """`dropout` as a float: a Python or NumPy number (not a bool, not None) in [0, 1)."""
-    number = isinstance(dropout, (int, float, np.integer, np.floating)) and not isinstance(dropout, (bool, np.bool_))
-    if not (number and 0.0 <= dropout < 1.0):
-        raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
-    return float(dropout)
-
-
-def _projection_biases(bias, gate, projections=_PROJECTIONS):
-    """`bias` -> the names of the projections that have a bias, in the order of `projections`
-    (("query", "key", "value", "output", "gate"), or the layer's with MLA: `_projections`). `bias`
-    is a Python or NumPy bool (all the layer's projections, the gate's only with `gate` True, or
-    none), or a list, tuple, set or frozenset of those names; anything else (a string, a dict or
-    its keys, an array) is refused."""
-    if isinstance(bias, (bool, np.bool_)):
-        return _projection_kinds(projections, gate is True or gate is np.True_) if bias else ()
-    names = isinstance(bias, (list, tuple, set, frozenset)) and all(
-        isinstance(name, str) and name in projections for name in bias
-    )
-    if not names:
-        raise ValueError(
-            f"`bias` must be True, False or a list, tuple or set of {', '.join(map(repr, projections))}. "
-            f"Received: bias={bias!r}"
-        )
-    return tuple(name for name in projections if name in bias)
-
-
-def _projection_kinds(projections, gate):
-    """The layer's projections among `projections` (`_projections`): the gate's only with `gate`."""
-    return projections if gate else projections[:-1]
+def _warn_traps(layer, attention_mask, key_mask, t, s):
+    """Warns once per layer for each habit of the built-in layers that the masks' values suggest
+    (docs/SPEC.md, Masks), where reading them is free (`_read_values`: eagerly, on the CPU); a
+    call with a cache is not read. The call computes what the SPEC says either way. The habits:
+    a boolean mask keeping nothing (nn.MultiheadAttention's True = ignore, nothing padded); a
+    square (T == S) boolean `attention_mask` keeping keys only after each query, none where
+    `causal` keeps one (nn.MultiheadAttention's causal `attn_mask`, `triu(ones, 1)`); a (B, S)
+    `key_mask` that reads as its `key_padding_mask` (True = padding): every row False then True,
+    some row keeping no key and none keeping all (left padding has its longest sequence all
+    True); a floating `attention_mask` of only 0s and 1s, some 1 (a Keras mask, which Keras
+    reads as boolean)."""
+    values = _read_values(attention_mask, key_mask)  # NumPy arrays, or None where not free
+    if values is None:
+        return
+    attention_mask, key_mask = values
+    traps = {}
+    for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
+        if mask is not None and mask.dtype == np.bool_ and mask.size > 0 and not mask.any():
+            traps[name] = _EMPTY_MASK.format(name=name)
+    boolean = attention_mask is not None and attention_mask.dtype == np.bool_
+    later = boolean and attention_mask.size > 0 and t == s > 0  # square: may keep only later keys
+    if later and "attention_mask" not in traps and not (attention_mask & np.tril(np.ones((t, s), bool))).any():
+        traps["causal"] = _CAUSAL_TRAP  # (T, S) causal kept nowhere
+    if key_mask is not None and "key_mask" not in traps:
+        kept = key_mask.sum(-1)  # (B,)
+        ordered = (key_mask[:, 1:] >= key_mask[:, :-1]).all()  # False then True in every row
+        empty = 0 if not ordered or (kept == key_mask.shape[1]).any() else int((kept == 0).sum())
+        if empty:
+            traps["padding"] = _PADDING_TRAP.format(empty=empty, b=key_mask.shape[0])
+    floating = attention_mask is not None and attention_mask.dtype != np.bool_
+    if floating and ((attention_mask == 0) | (attention_mask == 1)).all() and (attention_mask == 1).any():
+        traps["zeros and ones"] = _ZEROS_AND_ONES
+    for kind, message in traps.items():
+        if kind not in layer._warned_traps:
+            layer._warned_traps.add(kind)
+            _warn_at_caller(message)
 
 
 _EMPTY_MASK = (
@@ -1181,160 +902,20 @@ def _warn_at_caller(message):
 
 
 # -------------------------------------------------------------------------------------------------
-# Section: score modifiers
-# -------------------------------------------------------------------------------------------------
-# `scale` (default 1 / sqrt(H)), `softcap` (scores become c * tanh(scores / c)), `window` (query t
-# keeps key s only if s > t + (S - T) - W; a pair (W_before, W_after) also needs
-# s < t + (S - T) + W_after), `attention_chunk_size` (only keys in the query's chunk of C
-# positions), `sinks` (a learned logit per head in the softmax's denominator), ALiBi (`alibi_bias`)
-# and the call's `attention_bias` (added to the scores, with a gradient), each off by default.
-
-
-def _check_score_modifiers(head_dim, scale, softcap, window, attention_chunk_size):
-    """The score modifiers' arguments checked, in the signature's order: (scale, 1 / sqrt(H) for
-    None; softcap; window; attention_chunk_size), the first fields of `_Variants`."""
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float("scale", scale)
-    softcap = _positive_float("softcap", softcap, optional=True)
-    window = _check_window(window)
-    chunk = None if attention_chunk_size is None else _positive_int("attention_chunk_size", attention_chunk_size)
-    return scale, softcap, window, chunk
-
-
-def _score_modifiers_at_default(layer):
-    """`_non_defaults`' entries of the score modifiers but `sinks` (a flag): {name: at its default}."""
-    return {
-        "scale": math.isclose(layer.scale, 1 / math.sqrt(layer.head_dim)),
-        "softcap": layer.softcap is None,
-        "window": layer.window is None,
-        "attention_chunk_size": layer.attention_chunk_size is None,
-    }
-
-
-def _check_window(window):
-    """`window`: None, a positive integer W (held as an int) or a pair (W_before, W_after) of
-    positive integers (a list or tuple, held as a tuple of two ints)."""
-    if window is None:
-        return None
-    if _is_positive_int(window):
-        return int(window)
-    if isinstance(window, (list, tuple)) and len(window) == 2 and all(_is_positive_int(side) for side in window):
-        return int(window[0]), int(window[1])
-    raise ValueError(
-        "`window` must be None, a positive integer or a pair (before, after) of positive integers. "
-        f"Received: window={window!r}"
-    )
-
-
-def _window_sides(window):
-    """A checked `window` -> (W_before, W_after or None); (None, None) without a window."""
-    if window is None:
-        return None, None
-    return tuple(window) if isinstance(window, tuple) else (window, None)
-
-
-def window_mask(t, s, window):
-    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - W_before, and with a pair
-    window (W_before, W_after) also s < t + (S - T) + W_after (bottom-right aligned)."""
-    keys, queries = ops.arange(s, dtype="int32")[None, :], ops.arange(t, dtype="int32")[:, None] + (s - t)
-    return _in_window(keys, queries, window)  # (T, S)
-
-
-def _in_window(keys, queries, window):
-    """Whether key positions are within the `window` (an int or a pair) of query positions."""
-    before, after = _window_sides(window)
-    kept = keys > queries - before
-    return kept if after is None else ops.logical_and(kept, keys < queries + after)
-
-
-def attention_chunk_mask(t, s, size):
-    """(T, S) boolean mask: query t keeps key s iff s // size == (t + (S - T)) // size, both in
-    the same chunk of `size` positions (bottom-right aligned)."""
-    keys, queries = ops.arange(s, dtype="int32")[None, :], ops.arange(t, dtype="int32")[:, None] + (s - t)
-    return _same_chunk(keys, queries, size)  # (T, S)
-
-
-def _same_chunk(keys, queries, size):
-    """Whether key and query positions (non-negative) are in the same chunk of `size` positions."""
-    return ops.floor_divide(keys, size) == ops.floor_divide(queries, size)
-
-
-def _fold_masks(keep, window, chunk, t, s):
-    """`keep` with `window` and the attention chunk (bottom-right aligned) ANDed in, rank 4."""
-    if window is not None:
-        keep = _and(keep, window_mask(t, s, window)[None, None])  # (B|1, N|1, T, S)
-    if chunk is not None:
-        keep = _and(keep, attention_chunk_mask(t, s, chunk)[None, None])  # (B|1, N|1, T, S)
-    return keep
-
-
-def _split_bias(attention_bias, dtype):
-    """A checked rank-4 floating `attention_bias` -> (keep, additive) by the floating mask rule."""
-    return _split_mask(attention_bias, dtype)
-
-
-def _softcap(scores, softcap):
-    """Gemma 2's logit soft-capping: scores -> c * tanh(scores / c)."""
-    return scores if softcap is None else softcap * ops.tanh(scores / softcap)
-
-
-def _softmax_with_sinks(scores, sinks):
-    """`_masked_softmax` with one sink logit per head (N,) in the denominator: a softmax over
-    [scores, sink] whose sink column is dropped."""
-    sink = ops.reshape(ops.cast(sinks, scores.dtype), (1, -1, 1, 1))  # (N,) -> (1, N, 1, 1)
-    sink = ops.broadcast_to(sink, (*_shape(scores)[:3], 1))  # -> (B, N, T, 1)
-    return ops.softmax(ops.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]  # (B, N, T, S + 1) -> S
-
-
-def _centre_rows(bias, keep):
-    """`bias` minus each row's largest value where `keep` holds (rows keeping nothing: unchanged).
-
-    A per-query constant does not change a softmax (without sinks); this keeps a row of only
-    large finite penalties (-1e9) an ordinary softmax instead of scores rounded away in float32.
-    """
-    if bias.shape[-1] == 0:
-        return bias
-    lowest = _lowest(bias.dtype)
-    top = ops.stop_gradient(ops.max(ops.where(keep, bias, lowest), axis=-1, keepdims=True))  # (B, N, T, 1), dims 1
-    return bias - ops.where(top == lowest, ops.zeros_like(top), top)  # (B, N, T, S), dims may be 1
-
-
-def _alibi_slopes(num_heads):
-    """Bloom's ALiBi slopes: 2 ** (-8 (n + 1) / N) for N a power of two; otherwise those of the
-    nearest lower power of two followed by every other slope of twice it."""
-    closest = 2 ** math.floor(math.log2(num_heads))
-    slopes = 2.0 ** (-8.0 * np.arange(1, closest + 1) / closest)
-    extra = 2.0 ** (-4.0 * np.arange(1, 2 * (num_heads - closest), 2) / closest)
-    return np.concatenate([slopes, extra])  # (N,)
-
-
-def alibi_bias(num_heads, positions):
-    """The ALiBi bias `slope[n] * positions[..., s]`, float32, to pass as `attention_bias` (with
-    `causal=True`; Bloom's key positions are `cumsum(key_mask) - 1`).
-
-    Args:
-        num_heads: N.
-        positions: integer (S,) or (B, S) key positions.
-
-    Returns:
-        (1, N, 1, S) for (S,) positions, (B, N, 1, S) for (B, S).
-    """
-    num_heads = _positive_int("num_heads", num_heads)
-    positions = ops.convert_to_tensor(positions)
-    if not _is_int(positions.dtype) or len(positions.shape) not in (1, 2):
-        raise ValueError(
-            "`positions` must be an integer tensor of shape (S,) or (B, S). "
-            f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={_dtype_name(positions.dtype)}"
-        )
-    positions = positions[None] if len(positions.shape) == 1 else positions  # (S,) -> (1, S)
-    slopes = ops.convert_to_tensor(_alibi_slopes(num_heads).astype(np.float32))[:, None, None]  # (N, 1, 1)
-    return slopes * ops.cast(positions, "float32")[:, None, None, :]  # (B, 1, 1, S) -> (B, N, 1, S)
-
-
-# -------------------------------------------------------------------------------------------------
 # Section: positions
 # -------------------------------------------------------------------------------------------------
-# RoPE (`rope_theta`, `rope_fraction`, `rope_interleaved`, `rope_scaling`, `rope_sections` for
-# multimodal RoPE; `positions` in the call): q and k turned after QK-norm, before the cache.
+# Constructor arguments (RoPE is off while `rope_theta` is None; `positions` in the call):
+#     rope_theta: None (no RoPE) or the base of rotary position embeddings.
+#     rope_fraction: in (0, 1]; RoPE turns the first R = int(H * rope_fraction) features.
+#     rope_interleaved: False pairs feature i with i + R/2; True pairs 2i and 2i + 1.
+#     rope_scaling: None, {"rope_type": "linear", "factor": f}, a "llama3" dict (factor,
+#         low_freq_factor, high_freq_factor, original_max_position_embeddings) or a "yarn" dict
+#         (factor, original_max_position_embeddings, optional attention_factor, beta_fast,
+#         beta_slow, mscale, mscale_all_dim, truncate; the rotated features of q and k are
+#         also multiplied by its attention factor).
+#     rope_sections: None, or the numbers of rotated pairs (summing to R/2) that turn by each
+#         row of (k, B, T) `positions` in turn (Qwen2-VL's multimodal RoPE, `mrope_section`).
+# q and k are turned after QK-norm, before the cache.
 
 _ROPE_SCALING = {
     "linear": ("factor",),
@@ -1459,14 +1040,9 @@ def _positions(layer, positions, query, key, cache):
 
 
 def _rotate(layer, q, k, v, positions):
-    """RoPE of q (B, N, T, H) and k (B, K, T, H) at (B, T) or (1, T) `positions`, (k, B|1, T)
-    with `rope_sections`; with MLA, of q's last Hr features and of the shared key part, v
-    (B, 1, T, Hr) until the cache step (k, the latents, is not turned). Returns q, k, v."""
-    if layer.kv_lora_rank is None:
-        return _rotate_heads(layer, q, positions), _rotate_heads(layer, k, positions), v
-    hn = layer.qk_nope_head_dim
-    q = ops.concatenate([q[..., :hn], _rotate_heads(layer, q[..., hn:], positions)], axis=-1)  # (B, N, T, H)
-    return q, k, _rotate_heads(layer, v, positions)
+    """Step 4: RoPE of q (B, N, T, H) and k (B, K, T, H) at (B, T) or (1, T) `positions`,
+    (k, B|1, T) with `rope_sections` (MLA: `_rotate_latent`). Returns q, k, v."""
+    return _rotate_heads(layer, q, positions), _rotate_heads(layer, k, positions), v
 
 
 def _rotate_heads(layer, x, positions):
@@ -1617,10 +1193,19 @@ def _on_pairs(first, second, interleaved):
 # -------------------------------------------------------------------------------------------------
 # Section: QK-norm, clip_qkv and the gate
 # -------------------------------------------------------------------------------------------------
-# `qk_norm` (RMSNorm or LayerNorm, `qk_norm_type`, of q and k per head with one shared or
-# per-head scales, or over all heads, with an optional bias, `qk_norm_bias`), `clip_qkv` (q, k and v
-# clamped to [-c, c] right after their projections: OLMo, DBRX, MPT) and `gate` (each head's result
-# times sigmoid(query @ gate_kernel + gate_bias), (B, T, N*H): Keras' `use_gate`, Qwen3-Next).
+# Constructor arguments, each off at its default:
+#     qk_norm: None, "head" (each head of q and k normalized, one scale shared by the heads:
+#         Qwen3), "per_head" (each head with its own scale: StableLM, Cohere) or "all" (over all
+#         heads: OLMo2); its scales are the weights `query_norm` and `key_norm`.
+#     qk_norm_eps: the epsilon of that norm.
+#     qk_norm_type: "rms" (RMSNorm) or "layer" (LayerNorm: the mean is removed first).
+#     qk_norm_bias: if True, the norm adds a learned bias after its scale (`query_norm_bias`,
+#         `key_norm_bias`: Phi's LayerNorm).
+#     clip_qkv: None or c > 0: q, k and v are clamped to [-c, c] right after their projections
+#         (bias included), before QK-norm, RoPE and the cache (OLMo, DBRX, MPT).
+#     gate: if True, each head's attention result is multiplied, feature by feature, by
+#         sigmoid(query @ gate_kernel + gate_bias), (B, T, N*H), before the heads are merged
+#         (Keras' `use_gate`, Qwen3-Next, Qwen3.5).
 
 
 def rms_norm(x, scale, eps, bias=None):
@@ -1688,6 +1273,9 @@ def _gate_heads(layer, call, context):
 # `attention_mask` (given over L) keeps it. Token by token equals the full causal pass. With a
 # `window` the cache rolls by W_before: L >= W_before slots decode any number of tokens (a call
 # that wraps, index + T > L, needs L >= W_before + T - 1).
+# The call's `cache`: a `KVCache` from `init_cache`: decode T new tokens (`key` and `value`, if
+# given, hold the same T tokens); masks and weights are then over the L slots, and `key_mask` is
+# (B, T).
 
 
 class KVCache(NamedTuple):
@@ -1708,16 +1296,24 @@ class KVCache(NamedTuple):
 
 
 def _init_cache(layer, batch_size, max_length, keep, dtype):
-    """`MultiHeadAttention.init_cache`: an empty `KVCache`."""
+    """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
+
+    Args:
+        batch_size: B.
+        max_length: L, the number of slots.
+        keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
+            of different lengths). Defaults to all True.
+        dtype: dtype of the keys and values; defaults to the compute dtype of the policy.
+
+    Returns:
+        A `KVCache` of zeros with index 0 (int32); with MLA, the latent cache: `key` (B, 1, L, C)
+        for the normalized latents, `value` (B, 1, L, Hr) for the rotated shared key part.
+    """
     b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
     keep = ops.ones((b, length), dtype="bool") if keep is None else _check_keep(keep, b, length)
-    latent = layer._latent
-    key_shape = (
-        (b, layer.num_kv_heads, length, layer.head_dim) if latent is None else (b, 1, length, latent.kv_lora_rank)
-    )
-    value_shape = key_shape if latent is None else (b, 1, length, latent.qk_rope_head_dim)
+    shapes = _latent_cache_shapes(layer, b, length) or ((b, layer.num_kv_heads, length, layer.head_dim),) * 2
     dtype = layer.compute_dtype if dtype is None else dtype
-    key, value = ops.zeros(key_shape, dtype), ops.zeros(value_shape, dtype)
+    key, value = (ops.zeros(shape, dtype) for shape in shapes)
     return KVCache(key, value, keep, ops.convert_to_tensor(0, "int32"))
 
 
@@ -1884,6 +1480,23 @@ def _write_cache(cache, k, v, key_mask):
 # The cache holds c in `key` (B, 1, L, C) and the turned k_rope in `value` (B, 1, L, Hr). The
 # absorbed path (`absorb_latents`) attends the latents directly: q_nope @ W_kb^T against c, the
 # weighted sum of c then @ W_vb, the up-projections folded into the query and the output.
+# Constructor arguments (MLA is off while `kv_lora_rank` is None):
+#     kv_lora_rank: None, or C: keys and values come from `key` through a latent of C features per
+#         token, RMS-normalized, and the cache holds it (`KVCache.key` (B, 1, L, C), `value`
+#         (B, 1, L, Hr)); `value` must be None or `key` itself. Not with `vdim`, `qk_norm`,
+#         `clip_qkv`, `rope_sections` or `rope_fraction` < 1.
+#     q_lora_rank: None (a plain query projection), or Q: the query goes through a latent of Q
+#         features, RMS-normalized (`query_a_kernel`, `query_a_norm`, `query_b_kernel`).
+#     qk_nope_head_dim: Hn, the features of a query/key head that RoPE does not turn.
+#     qk_rope_head_dim: Hr, the features RoPE turns; the key's are shared by the heads. With MLA,
+#         H = Hn + Hr (`head_dim`, if given, must equal it).
+#     v_head_dim: Hv, the width of a value head; the output kernel is (N*Hv, E).
+#     latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
+# `bias` names MLA's projections "query" (or "query_a" and "query_b"), "key_value_a",
+# "key_value_b", "output", "gate".
+# `absorb_latents` (a class attribute): whether attention runs on the latents with the
+# up-projections folded in (the absorbed path: True), on per-head keys and values up-projected
+# from them (False), or (None) absorbed when decoding a few tokens with a cache (`_absorbs`).
 
 _LATENT_SIZES = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
@@ -1957,6 +1570,58 @@ def _projections(latent):
         return _PROJECTIONS
     query = ("query",) if latent.q_lora_rank is None else ("query_a", "query_b")
     return (*query, "key_value_a", "key_value_b", "output", "gate")
+
+
+def _latent_of(layer):
+    """MLA's sizes as a `_Latent`, or None without `kv_lora_rank` (the layer's `_latent`)."""
+    return None if layer.kv_lora_rank is None else _Latent(*(getattr(layer, name) for name in _LATENT_SIZES))
+
+
+def _layer_projections(layer):
+    """The names of the layer's projections, in the layout's order (MLA's with `kv_lora_rank`,
+    the gate's with `gate`): the layer's `_projection_names`."""
+    return _projection_kinds(_projections(_latent_of(layer)), layer.gate)
+
+
+def _latent_kernel_shapes(layer):
+    """{projection: its kernel's (D, F)} of MLA, in the layout's order; None without MLA."""
+    if layer.kv_lora_rank is None:
+        return None
+    c, hn, hr, hv = layer.kv_lora_rank, layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.v_head_dim
+    query = {"query": (layer.d_model, layer.num_heads * layer.head_dim)}
+    if layer.q_lora_rank is not None:
+        query = {"query_a": (layer.d_model, layer.q_lora_rank), "query_b": (layer.q_lora_rank, query["query"][1])}
+    return {
+        **query,
+        "key_value_a": (layer.kdim, c + hr),
+        "key_value_b": (c, layer.num_kv_heads * (hn + hv)),
+        "output": (layer.num_heads * hv, layer.d_model),
+    }
+
+
+def _latent_norm_shapes(layer):
+    """The shapes of MLA's RMSNorm scales of the latents by projection, `query_a` (Q,) with
+    `q_lora_rank` and `key_value_a` (C,); {} without MLA."""
+    if layer.kv_lora_rank is None:
+        return {}
+    norms = {"key_value_a": (layer.kv_lora_rank,)}
+    return norms if layer.q_lora_rank is None else {"query_a": (layer.q_lora_rank,), **norms}
+
+
+def _latent_cache_shapes(layer, batch_size, max_length):
+    """The latent cache's shapes, `key` (B, 1, L, C) for the normalized latents and `value`
+    (B, 1, L, Hr) for the rotated shared key part; None without MLA."""
+    if layer.kv_lora_rank is None:
+        return None
+    return (batch_size, 1, max_length, layer.kv_lora_rank), (batch_size, 1, max_length, layer.qk_rope_head_dim)
+
+
+def _rotate_latent(layer, q, latent, k_rope, positions):
+    """Step 4 with MLA: RoPE of q's last Hr features and of the shared key part k_rope
+    (B, 1, T, Hr), until the cache step (the latents are not turned). Returns q, latent, k_rope."""
+    hn = layer.qk_nope_head_dim
+    q = ops.concatenate([q[..., :hn], _rotate_heads(layer, q[..., hn:], positions)], axis=-1)  # (B, N, T, H)
+    return q, latent, _rotate_heads(layer, k_rope, positions)
 
 
 def _check_latent_cache(k, v, batch_size, latent):
@@ -2077,6 +1742,11 @@ def _attend_absorbed(layer, q, latent, k_rope, keep, bias, call):
 # path (`_chunked_attention`), a chunk of queries at a time forward (`_chunked_forward`) and backward
 # (`_chunked_backward`, the flash-attention backward, which recomputes each chunk's weights), so that
 # memory is linear in T and S. This file has no fused q/k/v projection.
+# The layer's class attributes of this section: without `return_attention`, (B, N, T, S) score
+# elements above which attention runs a chunk of queries at a time (`memory_efficient_threshold`;
+# memory linear in T and S; 64 Mi float32 scores are 256 MiB), and the score elements of one chunk
+# (`query_chunk_elements`, 8 MiB in float32), as in the TensorFlow file. `fused_attention`:
+# whether `ops.dot_product_attention` is taken where it is exact (None: on torch only).
 
 # `ops.dot_product_attention`'s flash_attention by backend: on torch False lets SDPA choose its kernel
 # itself (flash where it can), where None has Keras check flash first by building `SDPAParams`,
@@ -2124,9 +1794,8 @@ def _chunked_heads(layer, q, k, v, keep, bias, call, dropout, sinks):
     if dropout:
         rate, seed = layer.dropout, ops.cast(layer._dropout_layer.seed_generator.next(), "int32")
     return _chunked_attention(
-        q, k, v, keep, bias, call.causal, chunk, rate, seed, scale=layer.scale, softcap=layer.softcap,
-        window=call.window, attention_chunk_size=call.attention_chunk_size, sinks=sinks,
-    )  # fmt: skip
+        q, k, v, keep, bias, call.causal, chunk, rate, seed, **_score_modifiers(layer, call, sinks)
+    )
 
 
 def _fused_attention(q, k, v, keep, bias, causal, scale, sinks):
@@ -2313,8 +1982,7 @@ def _chunk_weights(chunks, q, k, i, extra):
     q_i = _rows(q, start, size)  # (B, N, chunk, H)
     scores = _matmul(_grouped(chunks, q_i), ops.swapaxes(k, -1, -2))  # (B, K, G*chunk, H) @ (B, K, H, S)
     scores = ops.cast(_by_head(chunks, scores), chunks.dtype)  # (B, N, chunk, S)
-    capped = None if chunks.softcap is None else ops.tanh(scores / chunks.softcap)  # kept for the backward
-    scores = scores if capped is None else chunks.softcap * capped  # `_softcap`
+    scores, capped = _capped_chunk(chunks, scores)  # capped: the soft-cap's tanh, kept for the backward
     positions = start + ops.arange(size, dtype="int32") + (chunks.s - chunks.t)  # (chunk,)
     keep_i = _and(_chunk_rows(chunks.keep, start, size), _position_keep(positions, chunks))  # (B, N, chunk, S)
     bias_i = _chunk_rows(extra.get("bias"), start, size)
@@ -2473,7 +2141,18 @@ _INT8_EPSILON = 1e-7  # Keras' `backend.epsilon()`, added to the abs-max before 
 
 
 def _quantize(layer, mode, config):
-    """`MultiHeadAttention.quantize`: the projections made int8, the dtype policy "int8_from_<policy>"."""
+    """Quantizes the projections (four, five with `gate`) to int8 as Keras'
+    `Dense.quantize("int8")` does: each kernel becomes an int8 variable with one float32
+    `<kind>_kernel_scale` per output column, each call quantizes the projections' inputs per
+    token, and the dtype policy becomes "int8_from_<policy>". `model.quantize("int8")` calls
+    it; other modes raise `NotImplementedError`, which `model.quantize` turns into a warning,
+    as for any Keras layer.
+
+    Args:
+        mode: "int8".
+        type_check: unused (Keras' signature).
+        config: None or Keras' default `Int8QuantizationConfig`.
+    """
     if mode != "int8":
         raise NotImplementedError(f"{type(layer).__name__} quantizes to 'int8' only. Received: mode={mode!r}")
     _check_int8_config(config)
@@ -2736,7 +2415,37 @@ _HEAD_AXES = {
 
 
 def _layout_map(layer, mesh, model_axis, layout_map):
-    """`MultiHeadAttention.layout_map`: the `LayoutMap` entries of the layer's weights."""
+    """The `keras.distribution.LayoutMap` entries of this layer's weights, for `ModelParallel`:
+    the heads split over the mesh axis `model_axis`, each device holding whole heads.
+
+    The query, key and value kernels are split by their columns (the heads), the output
+    kernel by its rows and each bias, QK-norm scale (per head or over all heads), sink and
+    int8 scale as its projection; `output_bias` and the QK-norm's (H,) scales of
+    `qk_norm="head"` are replicated. With `num_kv_heads=1` (MQA) the key and value
+    projections are replicated: each device computes the one key/value head its query heads
+    share. Each entry's key is the regex `(.*/)?<layer name>/<weight name>`, matched in full
+    against `variable.path`: the variables are named as the portable weights (docs/SPEC.md,
+    "Weights"; `sinks` included), directly under the layer's name. Layers of equal names get
+    one entry when they need the same layouts (a ValueError when they differ). The layouts
+    apply to the variables created under the distribution (`distribution.scope()`); the KV
+    cache of `init_cache` is not a variable: put its key and value on the mesh split by
+    heads (axis 1), as in docs/distributed.md.
+
+    Args:
+        mesh: a `keras.distribution.DeviceMesh`.
+        model_axis: the name of the mesh axis the heads are split over; its size must divide
+            `num_heads`, and `num_kv_heads` unless that is 1.
+        layout_map: a `LayoutMap` on `mesh` to add the entries to; a new one if None.
+
+    Returns:
+        The `LayoutMap`, for `keras.distribution.ModelParallel(layout_map=...)`.
+
+    Example, 4 heads over the 2 devices of a "model" axis:
+        >>> mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), devices=["cpu:0", "cpu:1"])
+        >>> layout_map = MultiHeadAttention(16, 4, name="attention").layout_map(mesh)
+        >>> layout_map["attention/query_kernel"].axes, layout_map["block/attention/output_kernel"].axes
+        ((None, 'model'), ('model', None))
+    """
     layout_map, devices = _mesh_layout_map(mesh, model_axis, layout_map)
     _check_head_split(layer, devices, model_axis)
     split = {"N": True, "K": layer.num_kv_heads > 1}  # MQA: the one key/value head on every device
@@ -2800,15 +2509,260 @@ def _regex_literal(text):
     return "".join(c if c.isalnum() or c == "_" else f"\\{c}" for c in text)
 
 
+# The layer's plumbing: the call's record, its results, the constructor's argument types
+# (docs/SPEC.md, "Argument types": Python types, as Keras' configs hold them), the weights'
+# initializers and options, the shapes Keras passes to `build`.
+
+
+class _Call(NamedTuple):
+    """One call's arguments, checked and defaulted by `_check_call`; the cache step replaces
+    `causal`, `window`, `attention_chunk_size` and `cache`."""
+
+    query: Any  # (B, T, E), cast to the compute dtype
+    key: Any  # (B, S, kdim)
+    value: Any  # (B, S, vdim)
+    attention_mask: Any  # None, or checked and rank 4 (dims may be 1), after the `mask=` alias
+    attention_bias: Any  # None, or checked floating and rank 4 (dims may be 1)
+    key_mask: Any  # (B, S) boolean or None: after the self-attention default and the implicit Keras masks
+    query_mask: Any  # (B, T) boolean or None: ANDed with the query's implicit Keras mask
+    positions: Any  # (B|1, T) integers, (k, B|1, T) with `rope_sections`, or None without RoPE
+    causal: bool
+    window: Any  # the layer's window, or None
+    attention_chunk_size: Any  # the layer's attention_chunk_size, or None
+    return_attention: bool
+    cache: Any  # KVCache or None
+    training: Any  # the call's training flag
+    fuse: bool  # q, k, v from one matmul: never in this file
+
+
+def _results(output, weights, cache, return_attention):
+    """output, (output, weights), (output, cache) or (output, weights, cache)."""
+    results = (output, weights) if return_attention else (output,)
+    results = results if cache is None else (*results, cache)
+    return results[0] if len(results) == 1 else results
+
+
+def _check_lengths(query, key, value):
+    q, k, v = (tuple(x.shape) for x in (query, key, value))
+    if _differ(q[0], k[0], v[0]):
+        raise ValueError(
+            "`query`, `key` and `value` must have the same batch size B. Received: "
+            f"query.shape={q}, key.shape={k}, value.shape={v}"
+        )
+    if _differ(k[1], v[1]):
+        raise ValueError(f"`key` and `value` must have the same length S. Received: key.shape={k}, value.shape={v}")
+
+
+def _softmax_dtype(dtype):
+    """Softmax runs in float32 at least (float64 stays float64)."""
+    return "float64" if keras.backend.standardize_dtype(dtype) == "float64" else "float32"
+
+
+class _Variants(NamedTuple):
+    """The variants' constructor arguments, checked and held as Python types (docs/SPEC.md,
+    "Argument types"); each is off at its default."""
+
+    scale: float  # 1 / sqrt(H) when None was passed
+    softcap: Any  # None or float
+    window: Any  # None, an int or a pair (before, after) of ints
+    attention_chunk_size: Any  # None or int
+    rope_theta: Any  # None or float
+    rope_fraction: float
+    rope_interleaved: bool
+    rope_scaling: Any  # None or a dict of Python scalars
+    rope_sections: Any  # None or a tuple of ints
+    qk_norm: Any  # None, "head", "per_head" or "all"
+    qk_norm_eps: float
+    qk_norm_type: str  # "rms" or "layer"
+    qk_norm_bias: bool
+    sinks: bool
+    clip_qkv: Any  # None or float
+    gate: bool
+    latent_norm_eps: float
+
+
+def _check_variants(
+    modifiers, rope_width, rope_theta, rope_fraction, rope_interleaved, rope_scaling, rope_sections, qk_norm,
+    qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv, gate, latent_norm_eps,
+):  # fmt: skip
+    """Checks the variants' arguments after the score modifiers (`modifiers`, checked first by
+    `_check_score_modifiers`), each on its own whether its variant is on or off, in the
+    signature's order with the flags last (so that every file names the same first bad
+    argument); returns them all as a `_Variants`. RoPE turns features of heads `rope_width` wide
+    (H, or Hr with MLA)."""
+    rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
+    rotary_dim = _rotary_dim(rope_fraction, rope_width, rope_theta is not None)
+    rope_scaling = _check_rope_scaling(rope_scaling)
+    rope_sections = _check_rope_sections(rope_sections, rotary_dim)
+    if qk_norm not in (None, "head", "per_head", "all"):
+        raise ValueError(f"`qk_norm` must be None, 'head', 'per_head' or 'all'. Received: qk_norm={qk_norm!r}")
+    qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
+    qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
+    if not isinstance(qk_norm_type, str) or qk_norm_type not in ("rms", "layer"):
+        raise ValueError(f"`qk_norm_type` must be 'rms' or 'layer'. Received: qk_norm_type={qk_norm_type!r}")
+    clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
+    latent_norm_eps = _positive_float("latent_norm_eps", latent_norm_eps)
+    rope_interleaved = _flag("rope_interleaved", rope_interleaved)
+    qk_norm_bias = _flag("qk_norm_bias", qk_norm_bias)
+    sinks = _flag("sinks", sinks)
+    gate = _flag("gate", gate)
+    return _Variants(
+        *modifiers, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling, rope_sections, qk_norm,
+        qk_norm_eps, str(qk_norm_type), qk_norm_bias, sinks, clip_qkv, gate, latent_norm_eps,
+    )  # fmt: skip
+
+
+def _positive_int(name, value):
+    if not _is_positive_int(value):
+        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+    return int(value)
+
+
+def _is_positive_int(value):
+    """A Python or NumPy integer (not a bool) >= 1."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 1
+
+
+def _is_positive_number(value):
+    number = not isinstance(value, (bool, np.bool_)) and isinstance(value, (int, float, np.integer, np.floating))
+    return number and math.isfinite(value) and value > 0
+
+
+def _positive_float(name, value, optional=False):
+    """A positive float; None stays None when `optional`."""
+    if optional and value is None:
+        return None
+    if not _is_positive_number(value):
+        raise ValueError(
+            f"`{name}` must be {'None or ' if optional else ''}a positive float. Received: {name}={value!r}"
+        )
+    return float(value)
+
+
+def _flag(name, value):
+    """A constructor flag: a Python or NumPy bool (not 0 or 1, not a string)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
+    return bool(value)
+
+
+def _dropout_rate(dropout):
+    """`dropout` as a float: a Python or NumPy number (not a bool, not None) in [0, 1)."""
+    number = isinstance(dropout, (int, float, np.integer, np.floating)) and not isinstance(dropout, (bool, np.bool_))
+    if not (number and 0.0 <= dropout < 1.0):
+        raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
+    return float(dropout)
+
+
+def _projection_biases(bias, gate, projections=_PROJECTIONS):
+    """`bias` -> the names of the projections that have a bias, in the order of `projections`
+    (("query", "key", "value", "output", "gate"), or the layer's with MLA: `_projections`). `bias`
+    is a Python or NumPy bool (all the layer's projections, the gate's only with `gate` True, or
+    none), or a list, tuple, set or frozenset of those names; anything else (a string, a dict or
+    its keys, an array) is refused."""
+    if isinstance(bias, (bool, np.bool_)):
+        return _projection_kinds(projections, gate is True or gate is np.True_) if bias else ()
+    names = isinstance(bias, (list, tuple, set, frozenset)) and all(
+        isinstance(name, str) and name in projections for name in bias
+    )
+    if not names:
+        raise ValueError(
+            f"`bias` must be True, False or a list, tuple or set of {', '.join(map(repr, projections))}. "
+            f"Received: bias={bias!r}"
+        )
+    return tuple(name for name in projections if name in bias)
+
+
+def _projection_kinds(projections, gate):
+    """The layer's projections among `projections` (`_projections`): the gate's only with `gate`."""
+    return projections if gate else projections[:-1]
+
+
+def _initializer(layer, name):
+    """Kernels and biases from the layer's initializers; QK-norm scales of one, QK-norm biases
+    and sinks of zero."""
+    if name.endswith("_norm"):
+        return keras.initializers.Ones()
+    if name in ("sinks", "query_norm_bias", "key_norm_bias"):
+        return keras.initializers.Zeros()
+    initializer = layer.kernel_initializer if name.endswith("_kernel") else layer.bias_initializer
+    return initializer.__class__.from_config(initializer.get_config())  # a fresh instance for each weight
+
+
+def _weight_options(layer, name):
+    """`add_weight` arguments of one portable weight: int8 kernels and their float scales are
+    not trainable (as in Keras' int8 `Dense`)."""
+    if layer._int8 and name.endswith("_kernel"):
+        return {"initializer": "zeros", "dtype": "int8", "trainable": False}
+    if name.endswith("_kernel_scale"):
+        return {"initializer": "ones", "dtype": "float32", "trainable": False}
+    return {"initializer": _initializer(layer, name)}
+
+
+def _check_shapes(layer, query_shape, value_shape, key_shape):
+    """Shapes given to `build` or `compute_output_shape`, checked as the call checks its
+    inputs (the same messages); returns the query's shape. A missing key or value shape is the
+    other one's, as in the call; with neither, they are unknown."""
+    query_shape, value_shape, key_shape = (_shape_tuple(shape) for shape in (query_shape, value_shape, key_shape))
+    key_shape = value_shape if key_shape is None else key_shape
+    value_shape = key_shape if value_shape is None else value_shape
+    for name, shape, width_name, width in (
+        ("query", query_shape, "E", layer.d_model),
+        ("key", key_shape, "kdim", layer.kdim),
+        ("value", value_shape, "vdim", layer.vdim),
+    ):
+        letter = "T" if name == "query" else "S"
+        if shape is not None and (len(shape) != 3 or shape[-1] not in (None, width)):
+            raise ValueError(
+                f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
+                f"Received: {name}.shape={shape}"
+            )
+    if None in (query_shape, key_shape, value_shape):
+        return query_shape
+    if _differ(query_shape[0], key_shape[0], value_shape[0]):
+        raise ValueError(
+            "`query`, `key` and `value` must have the same batch size B. Received: "
+            f"query.shape={query_shape}, key.shape={key_shape}, value.shape={value_shape}"
+        )
+    if _differ(key_shape[1], value_shape[1]):
+        raise ValueError(
+            f"`key` and `value` must have the same length S. Received: key.shape={key_shape}, value.shape={value_shape}"
+        )
+    return query_shape
+
+
 # -------------------------------------------------------------------------------------------------
 # Section: converters
 # -------------------------------------------------------------------------------------------------
 # `from_keras` and `to_keras`: the weights of `keras.layers.MultiHeadAttention` and
 # `keras.layers.GroupQueryAttention`, and what they cannot hold.
+# Coming from `keras.layers.MultiHeadAttention`: it is called `(query, value, key)`, this layer
+# `(query, key, value)`. A floating `attention_mask` is added to the scores here, where Keras
+# reads a 0/1 float mask as boolean: pass `mask > 0`. `use_causal_mask=True` is `causal=True`
+# (bottom-right aligned when T < S); `return_attention_scores=True` is `return_attention=True`.
+# Then the portable layout of the weights (`weight_shapes`: `query_kernel` (E, N*H), `query_bias`
+# (N*H,), `key_kernel` (kdim, K*H), ..., `output_kernel` (N*H, E), `output_bias` (E,), then each
+# option's) and Keras' config.
 
 
 def _from_keras(cls, layer, window):
-    """`MultiHeadAttention.from_keras`: a layer of `cls` with a built-in's weights."""
+    """Builds a layer with the weights of a built `keras.layers.MultiHeadAttention` or
+    `keras.layers.GroupQueryAttention` (3-D inputs, default attention axes).
+
+    Its dtype policy, initializers and `trainable` are kept; LoRA adapters on its
+    projections are merged into the kernels; `use_gate=True` becomes `gate=True`, its
+    (E, N, H) kernel `gate_kernel`. Every option this layer cannot hold (regularizers,
+    constraints, other attention axes or output shapes, value_dim != key_dim, quantized
+    projections) is a ValueError that lists them all.
+
+    Args:
+        layer: the built-in.
+        window: with a built-in's `sliding_window` W, `(W, W)`: Keras counts its band
+            |t - s| < W from the first query and key, this layer from the last (so that
+            decoding equals the full pass), so the two keep the same keys only where T == S.
+            Passing `(W, W)` says the layer is for such calls; without it `sliding_window` is
+            refused.
+    """
     config, dense = _keras_config(layer, window)
     new = cls(**config, name=f"{layer.name}_reference", dtype=layer.dtype_policy)
     new.trainable = layer.trainable
@@ -2824,7 +2778,13 @@ def _from_keras(cls, layer, window):
 
 
 def _to_keras(layer):
-    """`MultiHeadAttention.to_keras`: the built-in holding these weights."""
+    """Returns a built `keras.layers.MultiHeadAttention` (K == N) or
+    `keras.layers.GroupQueryAttention` (K < N) holding these weights.
+
+    Keras' GroupQueryAttention takes any key and value widths, but its
+    `compute_output_shape` refuses a value width other than the query's, so with
+    vdim != d_model it runs eagerly but not on symbolic inputs (a functional model).
+    """
     _check_keras_can_hold(layer)
     common = dict(
         dropout=layer.dropout, use_bias=bool(layer.bias), kernel_initializer=layer.kernel_initializer,
@@ -2978,3 +2938,82 @@ def _keras_window(sliding_window, window):
             f"Expected: window={expected}. Received: window={window!r}"
         )
     return expected
+
+
+def _weight_shapes(layer):
+    """The portable layout: {name: shape}, in its order; a projection's bias only when `bias`
+    names it, the norm scales only with `qk_norm` (and their biases with `qk_norm_bias`),
+    `sinks` only with `sinks=True`, the gate's kernel (and bias) after them with `gate=True`.
+    With MLA, the latent projections and their norm scales (`query_a_norm` with `q_lora_rank`,
+    `key_value_a_norm`) replace query, key and value (`_latent_kernel_shapes`)."""
+    nh, kh = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+    kernels = _latent_kernel_shapes(layer) or {
+        "query": (layer.d_model, nh),
+        "key": (layer.kdim, kh),
+        "value": (layer.vdim, kh),
+        "output": (nh, layer.d_model),
+    }
+    norms = _latent_norm_shapes(layer)  # {} without MLA
+    gate = {"gate": (layer.d_model, kernels["output"][0])} if layer.gate else {}  # (E, N*Hv)
+    shapes = {}
+    for kind, shape in kernels.items():
+        shapes[f"{kind}_kernel"] = shape
+        if kind in layer.bias:
+            shapes[f"{kind}_bias"] = shape[1:]
+        if kind in norms:
+            shapes[f"{kind}_norm"] = norms[kind]
+    if layer.qk_norm is not None:
+        shapes["query_norm"] = (layer.head_dim,) if layer.qk_norm == "head" else (nh,)
+        shapes["key_norm"] = (layer.head_dim,) if layer.qk_norm == "head" else (kh,)
+    if layer.qk_norm is not None and layer.qk_norm_bias:
+        shapes["query_norm_bias"], shapes["key_norm_bias"] = shapes["query_norm"], shapes["key_norm"]
+    if layer.sinks:
+        shapes["sinks"] = (layer.num_heads,)
+    for kind, shape in gate.items():
+        shapes[f"{kind}_kernel"] = shape
+        if kind in layer.bias:
+            shapes[f"{kind}_bias"] = shape[1:]
+    return _with_scales(shapes) if layer._int8 else shapes
+
+
+def _import_weights(layer, weights):
+    """Loads portable weights; strict and atomic (a ValueError lists every problem). An int8
+    layout (with `<kind>_kernel_scale`) quantizes a float layer first; an int8 layer takes only one."""
+    int8 = layer._int8 or _is_int8_layout(weights)
+    expected = _with_scales(layer.weight_shapes()) if int8 and not layer._int8 else layer.weight_shapes()
+    problems = [f"missing '{name}'" for name in expected if name not in weights]
+    problems += [f"unexpected '{name}'" for name in weights if name not in expected]
+    for name, shape in expected.items():
+        if name in weights and tuple(np.shape(weights[name])) != shape:
+            problems.append(f"'{name}' has shape {tuple(np.shape(weights[name]))}, expected {shape}")
+    problems += _int8_problems(weights, expected) if int8 else []
+    if problems:
+        raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
+    if not layer.built:
+        layer.build()
+    if int8 and not layer._int8:
+        layer.quantize("int8")
+    for name in expected:
+        variable = layer._variable(name)
+        variable.assign(ops.cast(np.asarray(weights[name]), variable.dtype))
+
+
+_CONFIG_NAMES = (
+    "d_model", "num_heads", "num_kv_heads", "head_dim", "kdim", "vdim", "dropout", "bias", *_Variants._fields[:-1],
+    *_LATENT_SIZES, "latent_norm_eps", "kernel_initializer", "bias_initializer",
+)  # get_config's entries past the base layer's, in the constructor's order  # fmt: skip
+
+
+def _config(layer):
+    """`get_config`'s entries past the base layer's (`_CONFIG_NAMES`), as JSON holds them: `bias`
+    True where it names every projection, else its list (or False); a pair `window` and
+    `rope_sections` as lists; `vdim` None with MLA (its values come from `key`); the initializers
+    serialized."""
+    config = {name: getattr(layer, name) for name in _CONFIG_NAMES}
+    config["bias"] = True if layer.bias == layer._projection_names else bool(layer.bias) and list(layer.bias)
+    config["vdim"] = None if _latent_of(layer) is not None else layer.vdim
+    config["window"] = list(layer.window) if isinstance(layer.window, tuple) else layer.window
+    config["rope_sections"] = None if layer.rope_sections is None else list(layer.rope_sections)
+    config["kernel_initializer"] = keras.initializers.serialize(layer.kernel_initializer)
+    config["bias_initializer"] = keras.initializers.serialize(layer.bias_initializer)
+    return config
