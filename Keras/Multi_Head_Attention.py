@@ -675,13 +675,13 @@ def alibi_bias(num_heads, positions):
 
 # The masks (docs/SPEC.md, "Masks"), which keep keys or add to their scores: checked past the
 # inputs (`_check_options`), combined into one keep and one bias (`_split_masks`), and the
-# habits of other libraries they suggest warned of (`_warn_traps`).
-# A boolean `attention_mask` (or `mask`, its alias) is True where a
-# query may attend a key; a floating one is added to the scores, and -inf or a value at or below
-# the lowest finite value of its dtype (or of float32) removes a key. `causal=True` keeps key s for
-# query t iff s <= t + (S - T). `key_mask`, `query_mask` and the inputs' implicit Keras masks remove
-# keys and queries. A query row with no key left gets weights of exactly 0, so its output is
-# `output_bias`. Masks that read as another library's habit warn with `AttentionMaskWarning`.
+# habits of other libraries they suggest warned of (`_warn_traps`). A boolean `attention_mask`
+# (or `mask`, its alias) is True where a query may attend a key; a floating one is added to the
+# scores, and -inf or a value at or below the lowest finite value of its dtype (or of float32)
+# removes a key. `causal=True` keeps key s for query t iff s <= t + (S - T). `key_mask`,
+# `query_mask` and the inputs' implicit Keras masks remove keys and queries. A query row with no
+# key left gets weights of exactly 0, so its output is `output_bias`. Masks that read as another
+# library's habit warn with `AttentionMaskWarning`.
 
 
 def _check_options(
