@@ -7,6 +7,7 @@ Legend (every shape comment in this file uses these letters):
     B: batch size          T: query length        S: key/value length
     E: d_model             N: num_heads           K: num_kv_heads
     H: head_dim            L: slots of a KV cache (its maximum length)
+    C, Q, Hn, Hr, Hv: the sizes of multi-head latent attention (its section)
 
 The math, for query head n (which reads key/value head n // (N // K)):
     q = query @ query_kernel + query_bias                       (B, T, N*H)
@@ -15,70 +16,20 @@ The math, for query head n (which reads key/value head n // (N // K)):
     scores[n] = q[n] @ k[n // G]^T * scale + float_mask         (B, N, T, S), G = N // K
     weights = softmax(scores where kept, else lowest finite)    zeroed where not kept
     context[n] = weights[n] @ v[n // G]                         (B, N, T, H)
-    gate = sigmoid(query @ gate_kernel + gate_bias)             (B, T, N*H), with `gate` only
-    output = concat_heads(context * gate) @ output_kernel + output_bias
+    output = concat_heads(context) @ output_kernel + output_bias
 
-The steps of a call (docs/SPEC.md, "Order of the steps"), one line each in `call`:
-    1. defaults and checks (`_check_call`); the masks combined into one keep and one bias (`_masks`)
-    2. the projections q, k, v (`_project_qkv`), clamped by `clip_qkv`
-    3. QK-norm of q and k (`_normalize_qk`)
-    4. RoPE of q and k (`_rotate`)
-    5. the KV-cache write (`_update_cache`)
-    6. attention (`_attend`, over `dot_product_attention`)
-    6b. the output gate (`_gate_heads`)
-    7. heads merged and the output projection (`_merge_heads`, `_project`)
-
-Variants, each off by default and each one small step of the call: `bias` per projection,
-`scale` (default 1 / sqrt(H)), `softcap` (scores become c * tanh(scores / c)), `window` (query
-t keeps key s only if s > t + (S - T) - W; a pair (W_before, W_after) also needs
-s < t + (S - T) + W_after), `attention_chunk_size` (only keys in the query's chunk of C
-positions), RoPE (`rope_theta`, `rope_fraction`, `rope_interleaved`, `rope_scaling`,
-`rope_sections` for multimodal RoPE; `positions` in the call), `qk_norm` (RMSNorm or LayerNorm,
-`qk_norm_type`, of q and k per head with one shared or per-head scales, or over all heads, with
-an optional bias, `qk_norm_bias`), `sinks` (a learned logit per head in the softmax's
-denominator), `clip_qkv` (q, k and v clamped to [-c, c] right after their projections: OLMo,
-DBRX, MPT), `gate` (each head's result times sigmoid(query @ gate_kernel + gate_bias): Keras'
-`use_gate`, Qwen3-Next) and multi-head latent attention (`kv_lora_rank`, below).
-Call arguments `attention_bias` (added to the scores, with a gradient; see `alibi_bias`),
-`key_mask` (B, S) and `query_mask` (B, T).
-
-Masks: a boolean `attention_mask` (or `mask`, its alias) is True where a query may attend a
-key; a floating one is added to the scores, and -inf or a value at or below the lowest finite
-value of its dtype (or of float32) removes a key. `causal=True` keeps key s for query t iff
-s <= t + (S - T). `key_mask`, `query_mask` and the inputs' implicit Keras masks remove keys and
-queries. A query row with no key left gets weights of exactly 0, so its output is
-`output_bias`. Masks that read as another library's habit warn with `AttentionMaskWarning`.
-Example, a key padding mask for keys [a, b, <pad>]:
-    keep = keras.ops.convert_to_tensor([[True, True, False]])  # (B, S)
-    layer(x, key_mask=keep)                           # or attention_mask=keep[:, None, :]
-
-Weights: `query_kernel` (E, N*H), `query_bias` (N*H,), `key_kernel` (kdim, K*H), ...,
-`output_kernel` (N*H, E), `output_bias` (E,), `query_norm`, `key_norm`, `query_norm_bias`,
-`key_norm_bias` and `sinks` (N,): the portable layout itself. `layer.quantize("int8")` (or
-`model.quantize("int8")`) makes each kernel int8 with a float32 `<kind>_kernel_scale` per output
-column (Keras' int8 `Dense` scheme).
-
-KV cache: `cache = layer.init_cache(B, L)`, then `output, cache = layer(x, cache=cache)` for a
-prompt and then one token at a time. The keys (rotated by RoPE) and values of the T new tokens
-go to slots position mod L, and query t attends slot s iff s holds a position before
-index + T, keep[b, s], (not causal or that position <= index + t), (no window or that position
-> index + t - W_before, and < index + t + W_after with a pair), (no chunk or that position in
-the chunk of index + t) and `attention_mask` (given over L) keeps it. Token by token equals the
-full causal pass. With a `window` the cache rolls by W_before: L >= W_before slots decode any
-number of tokens (a call that wraps, index + T > L, needs L >= W_before + T - 1).
-
-Multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi, GLM-5), on with `kv_lora_rank` C; Hn, Hr
-and Hv are `qk_nope_head_dim`, `qk_rope_head_dim` and `v_head_dim`, H = Hn + Hr, Q = `q_lora_rank`:
-    q = RMSNorm(query @ query_a_kernel) @ query_b_kernel   (B, T, N*H), or query @ query_kernel
-    c, k_rope = split(key @ key_value_a_kernel)            (B, S, C), (B, S, Hr); c RMS-normalized
-    [k_nope, v] = c @ key_value_b_kernel                   (B, S, K*(Hn + Hv)), per head
-    k = [k_nope, k_rope]; RoPE turns the last Hr features of q and k_rope (shared by the heads)
-The cache holds c in `key` (B, 1, L, C) and the turned k_rope in `value` (B, 1, L, Hr). The
-absorbed path (`absorb_latents`) attends the latents directly: q_nope @ W_kb^T against c, the
-weighted sum of c then @ W_vb, the up-projections folded into the query and the output.
-
-Many devices: `layer.layout_map(mesh)` gives the `keras.distribution.LayoutMap` entries that
-split the layer's heads over a mesh axis, for `ModelParallel` on JAX (docs/distributed.md).
+Where things are: first the core, the plain layer (`MultiHeadAttention.call` reads as the steps of
+docs/SPEC.md, "Order of the steps", each option's step behind a one-line guard), then one section
+per option family, each with its checks, weights, steps and fast paths:
+    score modifiers            scale, softcap, window, attention chunks, sinks, ALiBi, attention_bias
+    positions                  RoPE: frequencies, scalings, multimodal sections
+    QK-norm, clip_qkv and the gate
+    KV cache and decode steps  `KVCache`, `init_cache`, the cache's checks and writes
+    multi-head latent attention (MLA)
+    speed paths                `ops.dot_product_attention`, the memory-efficient chunked path
+    int8                       Keras' int8 scheme
+    framework only             Keras backends: dtypes, shapes, implicit masks; the device mesh
+    converters                 `from_keras`, `to_keras`
 """
 
 import math
@@ -89,77 +40,20 @@ from typing import Any, NamedTuple
 import keras
 import numpy as np
 from keras import ops
+from keras.src.backend import get_keras_mask  # Keras' reader of implicit masks (JAX arrays take no attribute)
 
 __all__ = ["AttentionMaskWarning", "KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
 
 _PROJECTIONS = ("query", "key", "value", "output", "gate")  # the names `bias` takes; "gate" only with `gate`
-_LATENT_SIZES = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-_ABSORB_MAX_T = 8  # `absorb_latents=None`: a call with a cache and T <= 8 attends on the latents
-_ROPE_SCALING = {
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "yarn": ("factor", "original_max_position_embeddings"),
-}
-_YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 _ATTRIBUTES = {"sinks": "sink_logits"}  # portable weight name -> layer attribute (`layer.sinks` is the flag)
-# `layout_map`: per axis of each portable weight, the heads laid along it ("N": the query heads,
-# "K": the key/value heads), split over the model axis of a device mesh; None: not split. A
-# weight's `<name>_scale` (int8) is split as its kernel's columns; a weight missing here is a
-# KeyError in `layout_map`, so each new weight needs its line.
-_HEAD_AXES = {
-    "query_kernel": (None, "N"),
-    "query_bias": ("N",),
-    "key_kernel": (None, "K"),
-    "key_bias": ("K",),
-    "value_kernel": (None, "K"),
-    "value_bias": ("K",),
-    "output_kernel": ("N", None),
-    "output_bias": (None,),
-    "query_norm": ("N",),  # (N*H,) with qk_norm "per_head" or "all"; the (H,) of "head" is shared
-    "key_norm": ("K",),
-    "query_norm_bias": ("N",),
-    "key_norm_bias": ("K",),
-    "sinks": ("N",),
-    "gate_kernel": (None, "N"),
-    "gate_bias": ("N",),
-    "query_a_kernel": (None, None),  # MLA: the latents are shared by every head
-    "query_a_bias": (None,),
-    "query_a_norm": (None,),
-    "query_b_kernel": (None, "N"),
-    "query_b_bias": ("N",),
-    "key_value_a_kernel": (None, None),
-    "key_value_a_bias": (None,),
-    "key_value_a_norm": (None,),
-    "key_value_b_kernel": (None, "K"),
-    "key_value_b_bias": ("K",),
-}
 _FLOAT32_LOWEST = float(np.finfo(np.float32).min)
 _LOWEST = {"float16": -65504.0, "bfloat16": -3.3895313892515355e38, "float32": _FLOAT32_LOWEST}
-# `ops.dot_product_attention`'s flash_attention by backend: on torch False lets SDPA choose its kernel
-# itself (flash where it can), where None has Keras check flash first by building `SDPAParams`,
-# which breaks a `torch.compile` graph at every call; None elsewhere (Keras decides).
-_FLASH_ATTENTION = {"torch": False}
 
 
-_EMPTY_MASK = (
-    "`{name}` keeps no key for any query, so every output row is `output_bias`: True means attend (in "
-    "nn.MultiheadAttention True means ignore: pass `~mask`). Received: a boolean {name} that is False everywhere"
-)
-_CAUSAL_TRAP = (
-    "`attention_mask` keeps keys only after each query, none at or before it: True means attend (in "
-    "nn.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`). "
-    "Received: a boolean attention_mask False wherever causal attention keeps a key"
-)
-_PADDING_TRAP = (
-    "`key_mask` reads as nn.MultiheadAttention's key_padding_mask (True = padding): True means a real key, "
-    "pass `~mask`. Received: a key_mask False then True in every row, {empty} of {b} rows keeping no key "
-    "and none keeping all"
-)
-_ZEROS_AND_ONES = (
-    "`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras reads such a "
-    "mask as boolean): pass `mask > 0` (True = attend) or an additive mask. "
-    "Received: a floating attention_mask of 0s and 1s"
-)
+# -------------------------------------------------------------------------------------------------
+# Core: the plain layer
+# -------------------------------------------------------------------------------------------------
+# The functions a plain call enters, then the class; each option's code is in its section below.
 
 
 class AttentionMaskWarning(UserWarning):
@@ -168,58 +62,476 @@ class AttentionMaskWarning(UserWarning):
     once per layer. `warnings.simplefilter("error", AttentionMaskWarning)` makes it an error."""
 
 
-# The packages between the user's call and this file
-_FRAMEWORK_MODULES = ("keras", "tensorflow", "jax", "torch", "optree")
+def _check_input(name, x, width_name, width):
+    """Checks one (B, L, width) floating input; dimensions unknown at trace time are not checked."""
+    x = ops.convert_to_tensor(x)
+    if not keras.backend.is_float_dtype(keras.backend.standardize_dtype(x.dtype)):
+        raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={_dtype_name(x.dtype)}")
+    letter, shape = "T" if name == "query" else "S", tuple(x.shape)
+    if len(shape) != 3 or shape[-1] not in (None, width):
+        raise ValueError(
+            f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
+            f"Received: {name}.shape={shape}"
+        )
+    return x
 
 
-def _warn_at_caller(message):
-    """Warns `AttentionMaskWarning` at the user's line: the first frame outside this file and the
-    framework (a module's or layer's `__call__`, Keras' traceback filter), however deep they call."""
-    frame, level = sys._getframe(1), 2  # level 2: the frame that called this function
-    while frame is not None and (
-        frame.f_globals is globals() or frame.f_globals.get("__name__", "").split(".")[0] in _FRAMEWORK_MODULES
-    ):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, AttentionMaskWarning, stacklevel=level)
+def _matmul(a, b):
+    """a @ b, broadcast as `ops.matmul`, in the inputs' dtype: float64 through `ops.einsum`, which
+    keeps it where `ops.matmul` would narrow it (`_narrows`)."""
+    if _narrows(a.dtype) and _dtype_name(a.dtype) == _dtype_name(b.dtype):
+        return ops.einsum("...ij,...jk->...ik", a, b)  # (..., I, J) @ (..., J, K) -> (..., I, K)
+    return ops.matmul(a, b)  # (..., I, J) @ (..., J, K) -> (..., I, K)
+
+
+def dot_product_attention(
+    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, attention_chunk_size=None,
+    sinks=None, dropout=None,
+):  # fmt: skip
+    """Pure attention on split heads q (B, N, T, H), k and v (B, K, S, H), K dividing N: (context
+    (B, N, T, H), weights (B, N, T, S), exactly 0 where not kept). `keep` (boolean, True = attend)
+    and `bias` (floating, added to the soft-capped scores) are None or broadcast to (B, N, T, S);
+    `causal`, `scale` (None: 1 / sqrt(H)), `softcap`, `window`, `attention_chunk_size` and `sinks`
+    ((N,) logits) as the layer's; `dropout`: None or a callable on the weights before their sum."""
+    dtype = "float64" if keras.backend.standardize_dtype(q.dtype) == "float64" else "float32"  # the softmax's
+    matmul = _matmul if dtype == "float64" else ops.matmul  # float64 kept where Keras would narrow it
+    t, s = (x.shape[2] if x.shape[2] is not None else ops.shape(x)[2] for x in (q, k))  # static where known
+    if causal:
+        causal_keep = causal_mask(t, s)  # (T, S)
+        keep = causal_keep if keep is None else ops.logical_and(keep, causal_keep)  # (B, N, T, S), dims may be 1
+    if window is not None or attention_chunk_size is not None:
+        keep = _fold_masks(keep, window, attention_chunk_size, t, s)  # (B, N, T, S), dims may be 1
+    groups = q.shape[1] // k.shape[1]
+    k = ops.repeat(k, groups, axis=1) if groups > 1 else k  # (B, K, S, H) -> (B, N, S, H)
+    v = ops.repeat(v, groups, axis=1) if groups > 1 else v  # (B, K, S, H) -> (B, N, S, H)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    q = q * ops.convert_to_tensor(scale, q.dtype)  # the (B, N, T, H) queries scaled in their dtype, not the scores
+    scores = ops.cast(matmul(q, ops.swapaxes(k, -1, -2)), dtype)  # (B, N, T, S)
+    if softcap is not None:
+        scores = _softcap(scores, softcap)
+    if bias is not None:
+        bias = ops.cast(bias, dtype)
+        bias = bias if keep is None or sinks is not None else _centre_rows(bias, keep)
+        scores = scores + bias  # (B, N, T, S)
+    weights = ops.cast(_masked_softmax(scores, keep, sinks), q.dtype)  # (B, N, T, S)
+    dropped = weights if dropout is None else dropout(weights)
+    context = matmul(dropped, v)  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
+    return context, weights
+
+
+def _masked_softmax(scores, keep, sinks):
+    """Softmax over the last axis of (B, N, T, S) scores, in their dtype: keys not kept removed
+    (filled with the lowest finite value), one sink logit per head (N,) in the denominator (a
+    softmax over [scores, sink] whose sink column is dropped), rows with no key exactly 0."""
+    if keep is not None:
+        scores = ops.where(keep, scores, float(np.finfo(keras.backend.standardize_dtype(scores.dtype)).min))
+    if sinks is None and scores.shape[-1] == 1:
+        weights = ops.ones_like(scores)  # a softmax over one key (which Keras warns about)
+    elif sinks is None:
+        weights = ops.softmax(scores, axis=-1)  # (B, N, T, S)
+    else:
+        weights = _softmax_with_sinks(scores, sinks)  # (B, N, T, S)
+    if keep is not None:
+        weights = ops.where(keep, weights, ops.zeros((), weights.dtype))  # rows with no key are all 0
+    return weights
+
+
+@keras.saving.register_keras_serializable(package="MultiHeadAttentionKeras")
+class MultiHeadAttention(keras.layers.Layer):
+    """Multi-head attention (MHA, grouped-query GQA and multi-query MQA) as a Keras 3 layer on any backend.
+
+    Args:
+        d_model: E, the width of `query` and of the output.
+        num_heads: N, the number of query heads.
+        num_kv_heads: K, the number of key/value heads; must divide N. Defaults to N.
+        head_dim: H, the width of one head. Defaults to E // N (then N must divide E).
+        kdim: width of `key`. Defaults to E.
+        vdim: width of `value`. Defaults to E.
+        dropout: probability of dropping attention weights when training; 0 <= p < 1.
+        bias: True (all the projections have a bias, the gate's with `gate`), False (none), or a
+            list, tuple or set of the names of those that have one, among "query", "key", "value",
+            "output", "gate" (Qwen2: ("query", "key", "value")). Kept as that tuple of names, in
+            that order (MLA's names: its section).
+        scale, softcap, window, attention_chunk_size, sinks: the score modifiers, each off at its
+            default (`scale`: 1 / sqrt(H)); the section "score modifiers" says what each does.
+        rope_theta, rope_fraction, rope_interleaved, rope_scaling, rope_sections: RoPE, off while
+            `rope_theta` is None (the section "positions").
+        qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, clip_qkv, gate: the section "QK-norm,
+            clip_qkv and the gate".
+        kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, latent_norm_eps:
+            multi-head latent attention, off while `kv_lora_rank` is None (its section).
+        kernel_initializer: initializer of the kernels.
+        bias_initializer: initializer of the biases.
+        **kwargs: base layer arguments (`name`, `dtype` policy, ...).
+
+    Call arguments:
+        query: (B, T, E).
+        key: (B, S, kdim). Defaults to `value`, or to `query` if `value` is None too (the order is
+            (query, key, value); `keras.layers.MultiHeadAttention`'s is (query, value, key)).
+        value: (B, S, vdim). Defaults to `key`.
+        attention_mask: boolean (True = attend) or floating (added to the scores), of shape
+            (T, S), (B, T, S) or (B, N, T, S), any dimension of which may be 1. `mask=` is
+            accepted as its alias (not both).
+        key_mask: (B, S) boolean, True for a real key; ANDed with the key's and value's Keras
+            masks. In self-attention it defaults to `query_mask`.
+        query_mask: (B, T) boolean, True for a real query; ANDed with the query's Keras mask.
+        attention_bias: floating, added to the scores (with a gradient); shaped like a mask.
+        positions: integer (B, T) or (T,) RoPE positions, or (k, B, T) with `rope_sections`;
+            default arange(T) (+ the cache index).
+        causal: if True, query t attends key s only if s <= t + (S - T).
+        return_attention: if True, also return the per-head attention weights.
+        training: dropout acts only when True.
+        value_mask: (B, S) boolean, ANDed with `key_mask` (Keras fills it from the value's mask).
+        cache: a `KVCache` from `init_cache`: decode T new tokens (its section).
+
+    Returns:
+        output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before
+        dropout) when `return_attention` is True; with `cache`, the updated cache is appended
+        and weights are (B, N, T, L), exactly 0 at unwritten slots.
+
+    Example, a key padding mask (the third key of the first sequence is padding):
+        >>> layer = MultiHeadAttention(16, 4)
+        >>> x = keras.random.normal((2, 3, 16), seed=0)  # (B, T, E)
+        >>> keep = ops.convert_to_tensor([[True, True, False], [True, True, True]])  # (B, S)
+        >>> out, weights = layer(x, key_mask=keep, return_attention=True)
+        >>> tuple(out.shape), tuple(weights.shape)
+        ((2, 3, 16), (2, 4, 3, 3))
+        >>> bool(ops.all(weights[0, :, :, 2] == 0))
+        True
+    """
+
+    memory_efficient_threshold = 1 << 26  # the speed paths' (their section)
+    query_chunk_elements = 1 << 21
+    fused_attention = None
+    absorb_latents = None  # MLA's (its section)
+
+    def __init__(
+        self, d_model, num_heads, *, num_kv_heads=None, head_dim=None, kdim=None, vdim=None, dropout=0.0, bias=True,
+        scale=None, softcap=None, window=None, attention_chunk_size=None, rope_theta=None, rope_fraction=1.0,
+        rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None, qk_norm_eps=1e-6,
+        qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
+        q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
+        kernel_initializer="glorot_uniform", bias_initializer="zeros", **kwargs,
+    ):  # fmt: skip
+        super().__init__(**kwargs)
+        self.d_model = _positive_int("d_model", d_model)
+        self.num_heads = _positive_int("num_heads", num_heads)
+        self.num_kv_heads = _positive_int("num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"`num_kv_heads` must divide `num_heads`. Received: num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+            )
+        latent = _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)  # MLA
+        head_dim = head_dim if latent is None else _latent_head_dim(latent, head_dim)  # MLA: Hn + Hr
+        if head_dim is None and self.d_model % self.num_heads:
+            raise ValueError(f"`num_heads` must divide `d_model`. Received: d_model={d_model}, num_heads={num_heads}")
+        self.head_dim = _positive_int("head_dim", self.d_model // self.num_heads if head_dim is None else head_dim)
+        self.kdim = _positive_int("kdim", self.d_model if kdim is None else kdim)
+        self.vdim = _positive_int("vdim", self.d_model if vdim is None else vdim)
+        self.dropout = _dropout_rate(dropout)
+        self.bias = _projection_biases(bias, gate, _projections(latent))
+        rope_width = self.head_dim if latent is None else latent.qk_rope_head_dim
+        modifiers = _check_score_modifiers(self.head_dim, scale, softcap, window, attention_chunk_size)
+        variants = _check_variants(
+            modifiers, rope_width, rope_theta, rope_fraction, rope_interleaved, rope_scaling, rope_sections, qk_norm,
+            qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv, gate, latent_norm_eps,
+        )  # each option checked by its section's helpers, in the signature's order (flags last)  # fmt: skip
+        for name, value in variants._asdict().items():
+            setattr(self, name, value)  # self.scale, self.softcap, ..., self.latent_norm_eps
+        if latent is not None:
+            _check_latent_combinations(vdim, variants)
+            self.vdim = self.kdim  # MLA reads keys and values from `key`
+        for name in _LATENT_SIZES:
+            setattr(self, name, None if latent is None else getattr(latent, name))
+        if self.rope_theta is not None:
+            rotary = _rotary_dim(self.rope_fraction, rope_width, True)
+            frequencies = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,) NumPy
+            self._inv_freq = tuple(frequencies.tolist())  # (R/2,) floats: an array breaks torch.compile's graph
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(bias_initializer)
+        self.supports_masking = True
+        self._convert_input_args = False  # Keras must not cast masks and biases: `_check_call` casts the inputs
+        self._allow_non_tensor_positional_args = True  # NumPy inputs reach `call` as they are
+        self._warned_traps = set()  # the mask habits warned of, once each
+        dropout_layer = keras.layers.Dropout(self.dropout, dtype=_unquantized_policy(self.dtype_policy))
+        object.__setattr__(self, "_dropout_layer", dropout_layer)  # no sublayer: `model.quantize` quantizes leaves
+        if self.dropout > 0:  # Keras' Dropout has a seed generator only then: its seed is this layer's state
+            self._dropout_seed_generator = dropout_layer.seed_generator
+
+    def call(
+        self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None, attention_bias=None,
+        positions=None, causal=False, return_attention=False, training=None, value_mask=None, cache=None,
+    ):  # fmt: skip
+        """The steps of docs/SPEC.md, "Order of the steps"; each option's step behind its guard."""
+        call = self._check_call(
+            query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
+            return_attention, cache, training, value_mask,
+        )  # 1. defaults and checks  # fmt: skip
+        keep, bias = self._masks(call)  # 1. one keep and one bias, (B|1, N|1, T|1, S|1) each
+        if self.kv_lora_rank is None:
+            q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H) x 2
+        else:
+            q, k, v = _project_latent(self, call)  # 2. MLA: q, c (B, 1, S, C), k_rope (B, 1, S, Hr)
+        if self.qk_norm is not None:
+            q, k = _normalize_qk(self, q, k)  # 3. QK-norm
+        if self.rope_theta is not None:
+            q, k, v = (_rotate if self.kv_lora_rank is None else _rotate_latent)(self, q, k, v, call.positions)  # 4.
+        if call.cache is not None:
+            k, v, keep, call = _update_cache(self, call, k, v, keep)  # 5. the cache (then over its L slots)
+        if self.kv_lora_rank is None:
+            context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S) or None
+        else:
+            context, weights = _attend_latents(self, q, k, v, keep, bias, call)  # 6. MLA: (B, N, T, Hv), ...
+        if self.gate:
+            context = _gate_heads(self, call, context)  # 6b. the output gate
+        output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*Hv) -> (B, T, E)
+        if call.return_attention or call.cache is not None:
+            return _results(output, weights, call.cache, call.return_attention)
+        return output
+
+    def __call__(self, *args, mask=None, **kwargs):
+        """`mask=` moved into `attention_mask` (`call` has no `mask` for Keras to fill with an implicit
+        mask); then what a cast would hide: inputs of different floating dtypes, a cache of another."""
+        if mask is not None:
+            given = kwargs.pop("attention_mask", args[3] if len(args) > 3 else None)
+            args, kwargs["attention_mask"] = args[:3], _attention_mask(given, mask)
+        names = ("query", "key", "value")  # as passed; `key` defaults to `value`, then to `query`
+        query, key, value = (kwargs.get(name, args[i] if len(args) > i else None) for i, name in enumerate(names))
+        if query is not None:
+            key = query if key is None and value is None else value if key is None else key
+            dtypes = [keras.backend.standardize_dtype(np.asarray(x).dtype if isinstance(x, list) else x.dtype)
+                      for x in (query, key, key if value is None else value)]  # fmt: skip
+            if all(keras.backend.is_float_dtype(d) for d in dtypes) and len(set(dtypes)) > 1:
+                raise ValueError(
+                    "`query`, `key` and `value` must have the same dtype. "
+                    f"Received: query.dtype={dtypes[0]}, key.dtype={dtypes[1]}, value.dtype={dtypes[2]}"
+                )
+        if kwargs.get("cache") is not None:
+            _check_cache_dtype(kwargs["cache"], self.compute_dtype)
+        return super().__call__(*args, **kwargs)
+
+    def compute_mask(self, query, previous_mask=None):
+        """The output carries the query's mask."""
+        return previous_mask
+
+    def _check_call(
+        self, query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
+        return_attention, cache, training, value_mask,
+    ):  # fmt: skip
+        """Step 1 but the masks' combination: the inputs' defaults and checks, then the masks', the
+        cache's and the positions' (`_check_options`); the `_Call`, its inputs in the compute dtype."""
+        self_attention = key is None and value is None
+        if self.kv_lora_rank is not None:
+            _check_latent_value(key, value)  # MLA reads keys and values from `key`
+        key = query if self_attention else value if key is None else key  # `key` defaults to `value`, then `query`
+        value = key if value is None else value
+        implicit = [None if x is None or isinstance(x, np.ndarray) else get_keras_mask(x) for x in (query, key, value)]
+        explicit = key_mask is not None and key_mask is not implicit[1]  # passed, not filled in by Keras
+        query = _check_input("query", query, "E", self.d_model)
+        key = _check_input("key", key, "kdim", self.kdim)
+        value = _check_input("value", value, "vdim", self.vdim)
+        if not self_attention:
+            _check_lengths(query, key, value)
+        masks = (attention_mask, key_mask, query_mask, value_mask, attention_bias, positions, cache, *implicit)
+        if self.rope_theta is not None or any(x is not None for x in masks):
+            attention_mask, attention_bias, key_mask, query_mask, positions = _check_options(
+                self, query, key, attention_mask, key_mask, query_mask, value_mask, attention_bias, positions,
+                cache, implicit, explicit, self_attention,
+            )  # fmt: skip
+        query, key, value = (ops.cast(x, self.compute_dtype) for x in (query, key, value))
+        return _Call(
+            query, key, value, attention_mask, attention_bias, key_mask, query_mask, positions, causal, self.window,
+            self.attention_chunk_size, return_attention, cache, training, False,
+        )  # fmt: skip
+
+    def _masks(self, call):
+        """One boolean keep and one additive bias (softmax dtype), (B|1, N|1, T|1, S|1) each, or None:
+        `_split_masks`, and the token masks (the keys' only without a cache, which keeps them)."""
+        split = call.attention_mask is not None or call.attention_bias is not None
+        keep, bias = _split_masks(self, call) if split else (None, None)
+        queries = None if call.query_mask is None else call.query_mask[:, None, :, None]  # (B, T) -> (B, 1, T, 1)
+        keys = None if call.key_mask is None or call.cache is not None else call.key_mask[:, None, None, :]
+        for token_keep in (mask for mask in (queries, keys) if mask is not None):
+            keep = token_keep if keep is None else ops.logical_and(keep, token_keep)  # (B, N, T, S), dims may be 1
+        return keep, bias
+
+    def _project_qkv(self, call):
+        """The input projections in heads, (B, N, T, H), (B, K, S, H) x 2, clamped by `clip_qkv`."""
+        q = self._split_heads(self._project(call.query, "query"), self.num_heads)
+        k = self._split_heads(self._project(call.key, "key"), self.num_kv_heads)
+        v = self._split_heads(self._project(call.value, "value"), self.num_kv_heads)
+        return (q, k, v) if self.clip_qkv is None else (_clip(self, q), _clip(self, k), _clip(self, v))
+
+    def _project(self, x, kind):
+        """(B, L, D) @ (D, F) + (F,) -> (B, L, F), the weights read in x's dtype (a no-op inside Keras'
+        `__call__`, which autocasts them); an int8 kernel with x quantized per token (`_int8_matmul`)."""
+        kernel = getattr(self, f"{kind}_kernel")
+        if self.quantization_mode == "int8":  # `_int8`: (B, L, D) -> (B, L, F)
+            y = _int8_matmul(x, ops.convert_to_tensor(kernel), ops.cast(getattr(self, f"{kind}_kernel_scale"), x.dtype))
+        else:  # float64 through `_matmul`, which keeps it
+            matmul = _matmul if keras.backend.standardize_dtype(x.dtype) == "float64" else ops.matmul
+            y = matmul(x, ops.cast(kernel, x.dtype))  # (B, L, D) -> (B, L, F)
+        bias = getattr(self, f"{kind}_bias") if kind in self.bias else None
+        return y if bias is None else y + ops.cast(bias, x.dtype)
+
+    def _split_heads(self, y, heads, width=None):
+        """(B, L, heads*W) -> (B, heads, L, W); the width W defaults to H."""
+        b, length = tuple(y.shape)[:2] if None not in tuple(y.shape) else ops.shape(y)[:2]  # `_shape`
+        y = ops.reshape(y, (b, length, heads, width or self.head_dim))  # (B, L, heads*W) -> (B, L, heads, W)
+        return ops.transpose(y, (0, 2, 1, 3))  # -> (B, heads, L, W)
+
+    def _merge_heads(self, x):
+        merged = ops.transpose(x, (0, 2, 1, 3))  # (B, heads, L, H) -> (B, L, heads, H)
+        b, length, heads, h = tuple(merged.shape) if None not in tuple(merged.shape) else ops.shape(merged)
+        return ops.reshape(merged, (b, length, heads * h))  # -> (B, L, heads*H)
+
+    def _attend(self, q, k, v, keep, bias, call):
+        """Step 6 on split heads q (B, N, T, H), k and v (B, K, S, H|Hv): (context (B, N, T, Hv), weights
+        (B, N, T, S) or None). `dot_product_attention`, or without the weights a speed path: `_fuses`'
+        `ops.dot_product_attention`, or beyond `memory_efficient_threshold` score elements, the chunked."""
+        dropout = self.dropout > 0 and call.training is not False and call.training is not None
+        sinks = self.sink_logits if self.sinks else None
+        fusable = self.fused_attention or (self.fused_attention is None and keras.backend.backend() == "torch")
+        b, n, t, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        large = all(isinstance(d, int) for d in (b, t, s)) and b * n * t * s > self.memory_efficient_threshold
+        if fusable and self.softcap is None and _fuses(self, q, k, call, dropout):
+            context, weights = _fused_heads(self, q, k, v, keep, bias, call, sinks), None
+        elif large and not call.return_attention:
+            context, weights = _chunked_heads(self, q, k, v, keep, bias, call, dropout, sinks), None
+        else:
+            drop = (lambda w: self._dropout_layer(w, training=call.training)) if dropout else None
+            context, weights = dot_product_attention(
+                q, k, v, keep, bias, call.causal, scale=self.scale, softcap=self.softcap, window=call.window,
+                attention_chunk_size=call.attention_chunk_size, sinks=sinks, dropout=drop,
+            )  # fmt: skip
+        if call.cache is not None:
+            context = _nan_if_misfit(self, q, k, call, context)
+        return context, weights
+
+    def build(self, query_shape=None, value_shape=None, key_shape=None):
+        """Creates the portable weights (`weight_shapes`), every shape known from the constructor; the
+        shapes, optional, in Keras' order (query, value, key), are checked as the call's (`_check_shapes`)."""
+        _check_shapes(self, query_shape, value_shape, key_shape)
+        for name, shape in self.weight_shapes().items():
+            variable = self.add_weight(name=name, shape=shape, **_weight_options(self, name))
+            setattr(self, _ATTRIBUTES.get(name, name), variable)
+        self._is_quantized = self._int8  # Keras' flag: an int8 layer (a loaded `.keras` file) is not quantized again
+        self._dropout_layer.build(None)
+        self.built = True
+
+    def get_config(self):
+        return {**super().get_config(), **_config(self)}
+
+    def weight_shapes(self):
+        """The portable layout: {name: shape}, in its order (`_weight_shapes`)."""
+        return _weight_shapes(self)
+
+    def export_weights(self):
+        """Returns the portable weights: a dict of NumPy arrays (see docs/SPEC.md)."""
+        if not self.built:
+            self.build()
+        return {name: np.array(ops.convert_to_numpy(self._variable(name).value)) for name in self.weight_shapes()}
+
+    def import_weights(self, weights):
+        """Loads portable weights; strict and atomic (a ValueError lists every problem); an int8
+        layout (with `<kind>_kernel_scale`) quantizes a float layer first (`_import_weights`)."""
+        _import_weights(self, weights)
+
+    def compute_output_shape(self, query_shape, value_shape=None, key_shape=None):
+        """(B, T, E), whatever S is; shapes in Keras' order (query, value, key), checked as in `build`."""
+        query_shape = _check_shapes(self, query_shape, value_shape, key_shape)
+        return (query_shape[0], query_shape[1], self.d_model)
+
+    def compute_output_spec(self, *args, **kwargs):
+        """Traces `call` on symbolic inputs, as Keras does without `compute_output_shape`: a functional
+        model gets every shape check and every output; it builds the layer if needed."""
+        if not self.built:
+            self.build()
+        return super(keras.layers.Layer, self).compute_output_spec(*args, **kwargs)
+
+    def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
+        """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens
+        (`_init_cache` says its arguments and result)."""
+        return _init_cache(self, batch_size, max_length, keep, dtype)
+
+    def layout_map(self, mesh, model_axis="model", layout_map=None):
+        """The `keras.distribution.LayoutMap` entries of this layer's weights, for `ModelParallel`: the
+        heads split over the mesh axis `model_axis` (`_layout_map` says how, with an example)."""
+        return _layout_map(self, mesh, model_axis, layout_map)
+
+    def quantize(self, mode=None, type_check=True, config=None):
+        """Quantizes the projections to int8 as Keras' `Dense.quantize("int8")` does (`_quantize`
+        says how); `type_check` is unused (Keras' signature)."""
+        del type_check
+        _quantize(self, mode, config)
+
+    @classmethod
+    def from_keras(cls, layer, *, window=None):
+        """Builds a layer with the weights of a built `keras.layers.MultiHeadAttention` or
+        `GroupQueryAttention` (`_from_keras` says what is kept and refused, and `window`)."""
+        return _from_keras(cls, layer, window)
+
+    def to_keras(self):
+        """Returns a built `keras.layers.MultiHeadAttention` (K == N) or `GroupQueryAttention`
+        (K < N) holding these weights (`_to_keras`)."""
+        return _to_keras(self)
+
+    @property
+    def _latent(self):
+        return _latent_of(self)  # MLA's sizes as a `_Latent`, None without MLA
+
+    @property
+    def _projection_names(self):
+        return _layer_projections(self)  # the layer's projections, in the layout's order
+
+    @property
+    def _int8(self):
+        return self.quantization_mode == "int8"  # the dtype policy is "int8_from_..."
+
+    def _variable(self, name):
+        return getattr(self, _ATTRIBUTES.get(name, name))  # one portable weight's (`sinks` is `sink_logits`)
+
+    def _int8_call(self, *args, **kwargs):
+        return self.call(*args, **kwargs)  # Keras' entry for an int8 policy
+
+    def _non_defaults(self):
+        return _non_defaults(self)  # the variants the Keras built-ins cannot hold
 
 
 # -------------------------------------------------------------------------------------------------
-# Variants: the constructor's arguments checked into one record
+# Section: score modifiers
 # -------------------------------------------------------------------------------------------------
+# Constructor arguments, each off at its default:
+#     scale: the factor of the scores, `scores = (q . k) * scale`. Defaults to 1 / sqrt(H).
+#     softcap: None or a positive float c: the scores become c * tanh(scores / c) (Gemma 2).
+#     window: None, W, or a pair (W_before, W_after): query t keeps key s only if
+#         s > t + (S - T) - W_before, and with a pair also s < t + (S - T) + W_after
+#         (Mistral's sliding window: W; ModernBERT's two-sided band: (65, 65)).
+#     attention_chunk_size: None, or C: query t keeps key s only if both are in the same chunk of C
+#         positions, s // C == (t + (S - T)) // C (Llama 4's chunked attention).
+#     sinks: if True, one learned logit per query head in the softmax's denominator (`sinks`, (N,)).
+# ALiBi (`alibi_bias`) and the call's `attention_bias` (added to the scores, with a gradient); and
+# the masks, which keep keys or add to their scores (after the score modifiers).
 
 
-class _Variants(NamedTuple):
-    """The variants' constructor arguments, checked and held as Python types (docs/SPEC.md,
-    "Argument types"); each is off at its default."""
-
-    scale: float  # 1 / sqrt(H) when None was passed
-    softcap: Any  # None or float
-    window: Any  # None, an int or a pair (before, after) of ints
-    attention_chunk_size: Any  # None or int
-    rope_theta: Any  # None or float
-    rope_fraction: float
-    rope_interleaved: bool
-    rope_scaling: Any  # None or a dict of Python scalars
-    rope_sections: Any  # None or a tuple of ints
-    qk_norm: Any  # None, "head", "per_head" or "all"
-    qk_norm_eps: float
-    qk_norm_type: str  # "rms" or "layer"
-    qk_norm_bias: bool
-    sinks: bool
-    clip_qkv: Any  # None or float
-    gate: bool
-    latent_norm_eps: float
+def _check_score_modifiers(head_dim, scale, softcap, window, attention_chunk_size):
+    """The score modifiers' arguments checked, in the signature's order: (scale, 1 / sqrt(H) for
+    None; softcap; window; attention_chunk_size), the first fields of `_Variants`."""
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float("scale", scale)
+    softcap = _positive_float("softcap", softcap, optional=True)
+    window = _check_window(window)
+    chunk = None if attention_chunk_size is None else _positive_int("attention_chunk_size", attention_chunk_size)
+    return scale, softcap, window, chunk
 
 
-def _positive_int(name, value):
-    if not _is_positive_int(value):
-        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
-    return int(value)
-
-
-def _is_positive_int(value):
-    """A Python or NumPy integer (not a bool) >= 1."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 1
+def _score_modifiers_at_default(layer):
+    """`_non_defaults`' entries of the score modifiers but `sinks` (a flag): {name: at its default}."""
+    return {
+        "scale": math.isclose(layer.scale, 1 / math.sqrt(layer.head_dim)),
+        "softcap": layer.softcap is None,
+        "window": layer.window is None,
+        "attention_chunk_size": layer.attention_chunk_size is None,
+    }
 
 
 def _check_window(window):
@@ -244,68 +556,375 @@ def _window_sides(window):
     return tuple(window) if isinstance(window, tuple) else (window, None)
 
 
-def _is_positive_number(value):
-    number = not isinstance(value, (bool, np.bool_)) and isinstance(value, (int, float, np.integer, np.floating))
-    return number and math.isfinite(value) and value > 0
+def window_mask(t, s, window):
+    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - W_before, and with a pair
+    window (W_before, W_after) also s < t + (S - T) + W_after (bottom-right aligned)."""
+    keys, queries = ops.arange(s, dtype="int32")[None, :], ops.arange(t, dtype="int32")[:, None] + (s - t)
+    return _in_window(keys, queries, window)  # (T, S)
 
 
-def _positive_float(name, value, optional=False):
-    """A positive float; None stays None when `optional`."""
-    if optional and value is None:
-        return None
-    if not _is_positive_number(value):
+def _in_window(keys, queries, window):
+    """Whether key positions are within the `window` (an int or a pair) of query positions."""
+    before, after = _window_sides(window)
+    kept = keys > queries - before
+    return kept if after is None else ops.logical_and(kept, keys < queries + after)
+
+
+def attention_chunk_mask(t, s, size):
+    """(T, S) boolean mask: query t keeps key s iff s // size == (t + (S - T)) // size, both in
+    the same chunk of `size` positions (bottom-right aligned)."""
+    keys, queries = ops.arange(s, dtype="int32")[None, :], ops.arange(t, dtype="int32")[:, None] + (s - t)
+    return _same_chunk(keys, queries, size)  # (T, S)
+
+
+def _same_chunk(keys, queries, size):
+    """Whether key and query positions (non-negative) are in the same chunk of `size` positions."""
+    return ops.floor_divide(keys, size) == ops.floor_divide(queries, size)
+
+
+def _fold_masks(keep, window, chunk, t, s):
+    """`keep` with `window` and the attention chunk (bottom-right aligned) ANDed in, rank 4."""
+    if window is not None:
+        keep = _and(keep, window_mask(t, s, window)[None, None])  # (B|1, N|1, T, S)
+    if chunk is not None:
+        keep = _and(keep, attention_chunk_mask(t, s, chunk)[None, None])  # (B|1, N|1, T, S)
+    return keep
+
+
+def _split_bias(attention_bias, dtype):
+    """A checked rank-4 floating `attention_bias` -> (keep, additive) by the floating mask rule."""
+    return _split_mask(attention_bias, dtype)
+
+
+def _softcap(scores, softcap):
+    """Gemma 2's logit soft-capping: scores -> c * tanh(scores / c)."""
+    return scores if softcap is None else softcap * ops.tanh(scores / softcap)
+
+
+def _score_modifiers(layer, call, sinks):
+    """The call's score modifiers as the keyword arguments of the attention functions (`scale`,
+    `softcap`, the call's `window` and `attention_chunk_size`, which the cache step may have
+    folded into the keep, and `sinks`, the (N,) logits or None)."""
+    return dict(
+        scale=layer.scale, softcap=layer.softcap, window=call.window,
+        attention_chunk_size=call.attention_chunk_size, sinks=sinks,
+    )  # fmt: skip
+
+
+def _capped_chunk(chunks, scores):
+    """`_softcap` of one chunk's scores in the memory-efficient path: (scores, tanh(scores / c),
+    kept for the backward), or (scores, None) without a softcap."""
+    if chunks.softcap is None:
+        return scores, None
+    capped = ops.tanh(scores / chunks.softcap)
+    return chunks.softcap * capped, capped
+
+
+def _softmax_with_sinks(scores, sinks):
+    """`_masked_softmax` with one sink logit per head (N,) in the denominator: a softmax over
+    [scores, sink] whose sink column is dropped."""
+    sink = ops.reshape(ops.cast(sinks, scores.dtype), (1, -1, 1, 1))  # (N,) -> (1, N, 1, 1)
+    sink = ops.broadcast_to(sink, (*_shape(scores)[:3], 1))  # -> (B, N, T, 1)
+    return ops.softmax(ops.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]  # (B, N, T, S + 1) -> S
+
+
+def _centre_rows(bias, keep):
+    """`bias` minus each row's largest value where `keep` holds (rows keeping nothing: unchanged).
+
+    A per-query constant does not change a softmax (without sinks); this keeps a row of only
+    large finite penalties (-1e9) an ordinary softmax instead of scores rounded away in float32.
+    """
+    if bias.shape[-1] == 0:
+        return bias
+    lowest = _lowest(bias.dtype)
+    top = ops.stop_gradient(ops.max(ops.where(keep, bias, lowest), axis=-1, keepdims=True))  # (B, N, T, 1), dims 1
+    return bias - ops.where(top == lowest, ops.zeros_like(top), top)  # (B, N, T, S), dims may be 1
+
+
+def _alibi_slopes(num_heads):
+    """Bloom's ALiBi slopes: 2 ** (-8 (n + 1) / N) for N a power of two; otherwise those of the
+    nearest lower power of two followed by every other slope of twice it."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = 2.0 ** (-8.0 * np.arange(1, closest + 1) / closest)
+    extra = 2.0 ** (-4.0 * np.arange(1, 2 * (num_heads - closest), 2) / closest)
+    return np.concatenate([slopes, extra])  # (N,)
+
+
+def alibi_bias(num_heads, positions):
+    """The ALiBi bias `slope[n] * positions[..., s]`, float32, to pass as `attention_bias` (with
+    `causal=True`; Bloom's key positions are `cumsum(key_mask) - 1`).
+
+    Args:
+        num_heads: N.
+        positions: integer (S,) or (B, S) key positions.
+
+    Returns:
+        (1, N, 1, S) for (S,) positions, (B, N, 1, S) for (B, S).
+    """
+    num_heads = _positive_int("num_heads", num_heads)
+    positions = ops.convert_to_tensor(positions)
+    if not _is_int(positions.dtype) or len(positions.shape) not in (1, 2):
         raise ValueError(
-            f"`{name}` must be {'None or ' if optional else ''}a positive float. Received: {name}={value!r}"
+            "`positions` must be an integer tensor of shape (S,) or (B, S). "
+            f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={_dtype_name(positions.dtype)}"
         )
-    return float(value)
+    positions = positions[None] if len(positions.shape) == 1 else positions  # (S,) -> (1, S)
+    slopes = ops.convert_to_tensor(_alibi_slopes(num_heads).astype(np.float32))[:, None, None]  # (N, 1, 1)
+    return slopes * ops.cast(positions, "float32")[:, None, None, :]  # (B, 1, 1, S) -> (B, N, 1, S)
 
 
-def _flag(name, value):
-    """A constructor flag: a Python or NumPy bool (not 0 or 1, not a string)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
-    return bool(value)
+# The masks (docs/SPEC.md, "Masks"), which keep keys or add to their scores: checked past the
+# inputs (`_check_options`), combined into one keep and one bias (`_split_masks`), and the
+# habits of other libraries they suggest warned of (`_warn_traps`). A boolean `attention_mask`
+# (or `mask`, its alias) is True where a query may attend a key; a floating one is added to the
+# scores, and -inf or a value at or below the lowest finite value of its dtype (or of float32)
+# removes a key. `causal=True` keeps key s for query t iff s <= t + (S - T). `key_mask`,
+# `query_mask` and the inputs' implicit Keras masks remove keys and queries. A query row with no
+# key left gets weights of exactly 0, so its output is `output_bias`. Masks that read as another
+# library's habit warn with `AttentionMaskWarning`.
 
 
-def _dropout_rate(dropout):
-    """`dropout` as a float: a Python or NumPy number (not a bool, not None) in [0, 1)."""
-    number = isinstance(dropout, (int, float, np.integer, np.floating)) and not isinstance(dropout, (bool, np.bool_))
-    if not (number and 0.0 <= dropout < 1.0):
-        raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
-    return float(dropout)
+def _check_options(
+    layer, query, key, attention_mask, key_mask, query_mask, value_mask, attention_bias, positions, cache, implicit,
+    explicit, self_attention,
+):  # fmt: skip
+    """`_check_call`'s checks past the inputs, in its order: the token masks ANDed with the inputs'
+    implicit Keras masks (`implicit`, as read; in self-attention `key_mask` defaults to
+    `query_mask`), the cache, the masks' dtypes and shapes, the habit warnings (of a `key_mask`
+    passed, `explicit`, not filled in by Keras), the positions and the cache's room. Returns the
+    rank-4 `attention_mask` and `attention_bias`, the (B, S) key keep, the (B, T) query mask and
+    the positions (None without RoPE)."""
+    (b, t), s = tuple(query.shape)[:2], key.shape[1]
+    implicit = [None if mask is None else ops.cast(mask, "bool") for mask in implicit]
+    query_mask = None if query_mask is None else _check_token_mask("query_mask", query_mask, b, t, "T")
+    query_mask = query_mask if implicit[0] is None else _and(query_mask, implicit[0])  # (B, T)
+    key_mask = None if key_mask is None else _check_token_mask("key_mask", key_mask, b, s, "S")
+    passed_key_mask = key_mask if explicit else None
+    value_mask = None if value_mask is None else _check_token_mask("value_mask", value_mask, b, s, "S")
+    key_keep = key_mask if value_mask is None else _and(key_mask, value_mask)  # (B, S)
+    key_keep = query_mask if self_attention and key_keep is None else key_keep
+    if implicit[1] is not None or implicit[2] is not None:
+        key_keep = _and(key_keep, _and(implicit[1], implicit[2]))  # (B, S)
+    if cache is not None:
+        _check_cache(cache, query, key, layer.num_kv_heads, layer.head_dim, _latent_of(layer))
+    target = (b, layer.num_heads, t, s if cache is None else cache.key.shape[2])
+    attention_mask = None if attention_mask is None else ops.convert_to_tensor(attention_mask)
+    mask = None if attention_mask is None else _mask_to_4d(attention_mask, target)
+    if attention_bias is not None:
+        attention_bias = _mask_to_4d(ops.convert_to_tensor(attention_bias), target, "attention_bias")
+    if cache is None and (attention_mask is not None or passed_key_mask is not None):
+        _warn_traps(layer, attention_mask, passed_key_mask, t, s)
+    if layer.rope_theta is not None or positions is not None:
+        positions = _positions(layer, positions, query, key, cache)
+    if cache is not None:
+        _check_room(cache.index, _shape(query)[1], cache.key.shape[2], _window_sides(layer.window)[0])
+    return mask, attention_bias, key_keep, query_mask, positions
 
 
-def _projection_biases(bias, gate, projections=_PROJECTIONS):
-    """`bias` -> the names of the projections that have a bias, in the order of `projections`
-    (("query", "key", "value", "output", "gate"), or the layer's with MLA: `_projections`). `bias`
-    is a Python or NumPy bool (all the layer's projections, the gate's only with `gate` True, or
-    none), or a list, tuple, set or frozenset of those names; anything else (a string, a dict or
-    its keys, an array) is refused."""
-    if isinstance(bias, (bool, np.bool_)):
-        return _projection_kinds(projections, gate is True or gate is np.True_) if bias else ()
-    names = isinstance(bias, (list, tuple, set, frozenset)) and all(
-        isinstance(name, str) and name in projections for name in bias
-    )
-    if not names:
+def _check_token_mask(name, mask, b, length, letter):
+    """Checks a (B, T) `query_mask` or (B, S) `key_mask` / `value_mask`; dimensions unknown at
+    trace time are not checked."""
+    mask = ops.convert_to_tensor(mask)
+    shape, dtype = tuple(mask.shape), keras.backend.standardize_dtype(mask.dtype)
+    differ = len(shape) == 2 and (len({shape[0], b} - {None}) > 1 or len({shape[1], length} - {None}) > 1)
+    if dtype != "bool" or len(shape) != 2 or differ:
         raise ValueError(
-            f"`bias` must be True, False or a list, tuple or set of {', '.join(map(repr, projections))}. "
-            f"Received: bias={bias!r}"
+            f"`{name}` must be a boolean tensor of shape (B, {letter})=({b}, {length}). "
+            f"Received: {name}.shape={shape}, {name}.dtype={dtype}"
         )
-    return tuple(name for name in projections if name in bias)
+    return mask
 
 
-def _projections(latent):
-    """The names `bias` takes: the layer's projections, query, key, value, output (with MLA query,
-    or query_a and query_b, key_value_a, key_value_b, output), then the gate's."""
-    if latent is None:
-        return _PROJECTIONS
-    query = ("query",) if latent.q_lora_rank is None else ("query_a", "query_b")
-    return (*query, "key_value_a", "key_value_b", "output", "gate")
+def _attention_mask(attention_mask, mask):
+    """`mask=` is another name for `attention_mask` (the seed usage `layer(q, k, v, mask=None)`)."""
+    if mask is None:
+        return attention_mask
+    if attention_mask is not None:
+        raise ValueError(
+            "Pass the attention mask as `attention_mask` or as `mask`, not both. Received: attention_mask and mask"
+        )
+    return mask
 
 
-def _projection_kinds(projections, gate):
-    """The layer's projections among `projections` (`_projections`): the gate's only with `gate`."""
-    return projections if gate else projections[:-1]
+def _padding_hint(name, shape, target):
+    """For a 2-D `attention_mask` shaped (B, S) where (T, S) was expected: padding goes in `key_mask`."""
+    padding = name == "attention_mask" and tuple(shape) == (target[0], target[3]) and target[0] != target[2]
+    return " A (B, S) padding mask goes in `key_mask` (True = a real key)." if padding else ""
+
+
+def _mask_to_4d(mask, target, name="attention_mask"):
+    """Checks a mask (or `attention_bias`) against target (B, N, T, S) and returns it as rank 4."""
+    if name == "attention_bias" and not _is_float(mask.dtype):
+        raise ValueError(f"`attention_bias` must be floating. Received: attention_bias.dtype={_dtype_name(mask.dtype)}")
+    if not _is_bool(mask) and not _is_float(mask.dtype):
+        raise ValueError(
+            f"`{name}` must be boolean (True = attend; for a 0/1 integer mask pass `mask > 0`) or floating. "
+            f"Received: {name}.dtype={_dtype_name(mask.dtype)}"
+        )
+    rank = len(mask.shape)
+    expected = {2: target[2:], 3: (target[0], *target[2:]), 4: target}.get(rank)
+    if expected is None or any(
+        m not in (1, e) and None not in (m, e) for m, e in zip(mask.shape, expected, strict=True)
+    ):
+        raise ValueError(
+            f"`{name}` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
+            f"(B, N, T, S), each dimension full or 1.{_padding_hint(name, _static_shape(mask), target)} "
+            f"Expected: (B, N, T, S)={target}. "
+            f"Received: {name}.shape={_static_shape(mask)}"
+        )
+    if rank == 2:
+        return mask[None, None]  # (T, S) -> (1, 1, T, S)
+    if rank == 3:
+        return mask[:, None]  # (B, T, S) -> (B, 1, T, S)
+    return mask
+
+
+def causal_mask(t, s):
+    """(T, S) boolean mask: query t keeps key s iff s <= t + (S - T) (bottom-right aligned)."""
+    keys, queries = ops.arange(s, dtype="int32")[None, :], ops.arange(t, dtype="int32")[:, None] + (s - t)
+    return keys <= queries  # (T, S)
+
+
+def _split_masks(layer, call):
+    """`_masks`' floating mask rule on `attention_mask` and `attention_bias`: (keep, additive bias
+    in the softmax's dtype), rank 4 each, or None."""
+    dtype = _softmax_dtype(layer.compute_dtype)
+    keep, mask_bias = _split_mask(call.attention_mask, dtype)
+    bias_keep, bias = _split_bias(call.attention_bias, dtype)
+    return _and(keep, bias_keep), _add(mask_bias, bias)
+
+
+def _split_mask(mask, dtype):
+    """Splits a checked rank-4 mask into (keep, additive), both rank 4 or None, by the floating
+    mask rule: a boolean mask is `keep`; a floating one, read in its own dtype, removes a key where
+    it is -inf or at most max(lowest of its dtype, lowest of float32), and adds every other value
+    in `dtype` (the softmax's, float32 at least). No -inf reaches arithmetic."""
+    if mask is None:
+        return None, None
+    if _dtype_name(mask.dtype) == "float64" and dtype == "float32":
+        # A float64 mask of a float32 softmax: the cast saturates every value below float32's range
+        # to -inf, which removes, as the rule does (JAX without x64 reads float64 as float32 anyway).
+        mask = ops.cast(mask, dtype)
+    if _is_bool(mask):
+        return mask, None
+    threshold = _LOWEST.get(_dtype_name(mask.dtype), _FLOAT32_LOWEST)
+    removed = mask <= threshold  # (B, N, T, S), dims may be 1
+    additive = ops.where(removed, ops.zeros_like(mask), mask)  # finite, never 0 * -inf
+    return ops.logical_not(removed), ops.cast(additive, dtype)
+
+
+def _and(a, b):
+    return b if a is None else a if b is None else ops.logical_and(a, b)
+
+
+def _add(a, b):
+    return b if a is None else a if b is None else a + b
+
+
+def _warn_traps(layer, attention_mask, key_mask, t, s):
+    """Warns once per layer for each habit of the built-in layers that the masks' values suggest
+    (docs/SPEC.md, Masks), where reading them is free (`_read_values`: eagerly, on the CPU); a
+    call with a cache is not read. The call computes what the SPEC says either way. The habits:
+    a boolean mask keeping nothing (nn.MultiheadAttention's True = ignore, nothing padded); a
+    square (T == S) boolean `attention_mask` keeping keys only after each query, none where
+    `causal` keeps one (nn.MultiheadAttention's causal `attn_mask`, `triu(ones, 1)`); a (B, S)
+    `key_mask` that reads as its `key_padding_mask` (True = padding): every row False then True,
+    some row keeping no key and none keeping all (left padding has its longest sequence all
+    True); a floating `attention_mask` of only 0s and 1s, some 1 (a Keras mask, which Keras
+    reads as boolean)."""
+    values = _read_values(attention_mask, key_mask)  # NumPy arrays, or None where not free
+    if values is None:
+        return
+    attention_mask, key_mask = values
+    traps = {}
+    for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
+        if mask is not None and mask.dtype == np.bool_ and mask.size > 0 and not mask.any():
+            traps[name] = _EMPTY_MASK.format(name=name)
+    boolean = attention_mask is not None and attention_mask.dtype == np.bool_
+    later = boolean and attention_mask.size > 0 and t == s > 0  # square: may keep only later keys
+    if later and "attention_mask" not in traps and not (attention_mask & np.tril(np.ones((t, s), bool))).any():
+        traps["causal"] = _CAUSAL_TRAP  # (T, S) causal kept nowhere
+    if key_mask is not None and "key_mask" not in traps:
+        kept = key_mask.sum(-1)  # (B,)
+        ordered = (key_mask[:, 1:] >= key_mask[:, :-1]).all()  # False then True in every row
+        empty = 0 if not ordered or (kept == key_mask.shape[1]).any() else int((kept == 0).sum())
+        if empty:
+            traps["padding"] = _PADDING_TRAP.format(empty=empty, b=key_mask.shape[0])
+    floating = attention_mask is not None and attention_mask.dtype != np.bool_
+    if floating and ((attention_mask == 0) | (attention_mask == 1)).all() and (attention_mask == 1).any():
+        traps["zeros and ones"] = _ZEROS_AND_ONES
+    for kind, message in traps.items():
+        if kind not in layer._warned_traps:
+            layer._warned_traps.add(kind)
+            _warn_at_caller(message)
+
+
+_EMPTY_MASK = (
+    "`{name}` keeps no key for any query, so every output row is `output_bias`: True means attend (in "
+    "nn.MultiheadAttention True means ignore: pass `~mask`). Received: a boolean {name} that is False everywhere"
+)
+
+
+_CAUSAL_TRAP = (
+    "`attention_mask` keeps keys only after each query, none at or before it: True means attend (in "
+    "nn.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`). "
+    "Received: a boolean attention_mask False wherever causal attention keeps a key"
+)
+
+
+_PADDING_TRAP = (
+    "`key_mask` reads as nn.MultiheadAttention's key_padding_mask (True = padding): True means a real key, "
+    "pass `~mask`. Received: a key_mask False then True in every row, {empty} of {b} rows keeping no key "
+    "and none keeping all"
+)
+
+
+_ZEROS_AND_ONES = (
+    "`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras reads such a "
+    "mask as boolean): pass `mask > 0` (True = attend) or an additive mask. "
+    "Received: a floating attention_mask of 0s and 1s"
+)
+
+
+# The packages between the user's call and this file
+_FRAMEWORK_MODULES = ("keras", "tensorflow", "jax", "torch", "optree")
+
+
+def _warn_at_caller(message):
+    """Warns `AttentionMaskWarning` at the user's line: the first frame outside this file and the
+    framework (a module's or layer's `__call__`, Keras' traceback filter), however deep they call."""
+    frame, level = sys._getframe(1), 2  # level 2: the frame that called this function
+    while frame is not None and (
+        frame.f_globals is globals() or frame.f_globals.get("__name__", "").split(".")[0] in _FRAMEWORK_MODULES
+    ):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, AttentionMaskWarning, stacklevel=level)
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: positions
+# -------------------------------------------------------------------------------------------------
+# Constructor arguments (RoPE is off while `rope_theta` is None; `positions` in the call):
+#     rope_theta: None (no RoPE) or the base of rotary position embeddings.
+#     rope_fraction: in (0, 1]; RoPE turns the first R = int(H * rope_fraction) features.
+#     rope_interleaved: False pairs feature i with i + R/2; True pairs 2i and 2i + 1.
+#     rope_scaling: None, {"rope_type": "linear", "factor": f}, a "llama3" dict (factor,
+#         low_freq_factor, high_freq_factor, original_max_position_embeddings) or a "yarn" dict
+#         (factor, original_max_position_embeddings, optional attention_factor, beta_fast,
+#         beta_slow, mscale, mscale_all_dim, truncate; the rotated features of q and k are
+#         also multiplied by its attention factor).
+#     rope_sections: None, or the numbers of rotated pairs (summing to R/2) that turn by each
+#         row of (k, B, T) `positions` in turn (Qwen2-VL's multimodal RoPE, `mrope_section`).
+# q and k are turned after QK-norm, before the cache.
+
+_ROPE_SCALING = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
+
+
+_YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
 def _rotary_dim(rope_fraction, head_dim, rope):
@@ -370,194 +989,6 @@ def _valid_yarn(scaling):
     return truncate and (scaling.get("beta_fast") or 32) >= (scaling.get("beta_slow") or 1)
 
 
-def _check_variants(
-    head_dim, rope_width, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved,
-    rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv, gate,
-    latent_norm_eps,
-):  # fmt: skip
-    """Checks the variants' arguments, each on its own whether its variant is on or off, in the
-    signature's order with the flags last (so that every file names the same first bad
-    argument); returns them as a `_Variants`. RoPE turns features of heads `rope_width` wide (H,
-    or Hr with MLA)."""
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float("scale", scale)
-    softcap = _positive_float("softcap", softcap, optional=True)
-    window = _check_window(window)
-    chunk = None if attention_chunk_size is None else _positive_int("attention_chunk_size", attention_chunk_size)
-    rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
-    rotary_dim = _rotary_dim(rope_fraction, rope_width, rope_theta is not None)
-    rope_scaling = _check_rope_scaling(rope_scaling)
-    rope_sections = _check_rope_sections(rope_sections, rotary_dim)
-    if qk_norm not in (None, "head", "per_head", "all"):
-        raise ValueError(f"`qk_norm` must be None, 'head', 'per_head' or 'all'. Received: qk_norm={qk_norm!r}")
-    qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
-    qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
-    if not isinstance(qk_norm_type, str) or qk_norm_type not in ("rms", "layer"):
-        raise ValueError(f"`qk_norm_type` must be 'rms' or 'layer'. Received: qk_norm_type={qk_norm_type!r}")
-    clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
-    latent_norm_eps = _positive_float("latent_norm_eps", latent_norm_eps)
-    rope_interleaved = _flag("rope_interleaved", rope_interleaved)
-    qk_norm_bias = _flag("qk_norm_bias", qk_norm_bias)
-    sinks = _flag("sinks", sinks)
-    gate = _flag("gate", gate)
-    return _Variants(
-        scale, softcap, window, chunk, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling,
-        rope_sections, qk_norm, qk_norm_eps, str(qk_norm_type), qk_norm_bias, sinks, clip_qkv, gate, latent_norm_eps,
-    )  # fmt: skip
-
-
-class _Latent(NamedTuple):
-    """The sizes of multi-head latent attention (MLA), checked (`_check_latent`)."""
-
-    kv_lora_rank: int  # C
-    q_lora_rank: int | None  # Q, None: a plain query projection
-    qk_nope_head_dim: int  # Hn
-    qk_rope_head_dim: int  # Hr
-    v_head_dim: int  # Hv
-
-
-def _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim):
-    """Checks the MLA sizes (each None or a positive integer, in the signature's order) and returns
-    a `_Latent`, or None without `kv_lora_rank`, when the others must be None too."""
-    sizes = dict(
-        zip(_LATENT_SIZES, (kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim), strict=True)
-    )
-    for name, value in sizes.items():
-        sizes[name] = None if value is None else _positive_int(name, value)
-    if sizes["kv_lora_rank"] is None:
-        for name in (name for name in _LATENT_SIZES[1:] if sizes[name] is not None):
-            raise ValueError(
-                f"`{name}` needs `kv_lora_rank` (multi-head latent attention). "
-                f"Received: {name}={sizes[name]!r}, kv_lora_rank=None"
-            )
-        return None
-    missing = [name for name in _LATENT_SIZES[2:] if sizes[name] is None]
-    if missing:
-        raise ValueError(
-            "`kv_lora_rank` needs `qk_nope_head_dim`, `qk_rope_head_dim` and `v_head_dim`. "
-            f"Received: kv_lora_rank={sizes['kv_lora_rank']}, {', '.join(f'{name}=None' for name in missing)}"
-        )
-    return _Latent(**sizes)
-
-
-def _latent_head_dim(latent, head_dim):
-    """H with MLA: qk_nope_head_dim + qk_rope_head_dim, which `head_dim`, if given, must equal."""
-    width = latent.qk_nope_head_dim + latent.qk_rope_head_dim
-    if head_dim is not None and not (_is_positive_int(head_dim) and head_dim == width):
-        raise ValueError(
-            f"`head_dim` must equal qk_nope_head_dim + qk_rope_head_dim = {width} with `kv_lora_rank`. "
-            f"Received: head_dim={head_dim!r}"
-        )
-    return width
-
-
-def _check_latent_combinations(vdim, variants):
-    """What MLA refuses, each with why (after every argument's own check)."""
-    refused = (
-        ("vdim", vdim, vdim is not None, "MLA reads keys and values from `key` (its width is `kdim`)"),
-        ("qk_norm", variants.qk_norm, variants.qk_norm is not None, "MLA normalizes the latents instead"),
-        ("clip_qkv", variants.clip_qkv, variants.clip_qkv is not None, "MLA has no q, k and v to clamp"),
-        ("rope_sections", variants.rope_sections, variants.rope_sections is not None, "RoPE turns the Hr features"),
-        ("rope_fraction", variants.rope_fraction, variants.rope_fraction != 1.0, "RoPE turns all Hr features"),
-    )
-    for name, value, given, why in refused:
-        if given:
-            raise ValueError(f"`{name}` is not supported with `kv_lora_rank`: {why}. Received: {name}={value!r}")
-
-
-# -------------------------------------------------------------------------------------------------
-# Step 1: defaults and checks of a call
-# -------------------------------------------------------------------------------------------------
-
-
-class _Call(NamedTuple):
-    """One call's arguments, checked and defaulted by `_check_call`; the cache step replaces
-    `causal`, `window`, `attention_chunk_size` and `cache`."""
-
-    query: Any  # (B, T, E), cast to the compute dtype
-    key: Any  # (B, S, kdim)
-    value: Any  # (B, S, vdim)
-    attention_mask: Any  # None, or checked and rank 4 (dims may be 1), after the `mask=` alias
-    attention_bias: Any  # None, or checked floating and rank 4 (dims may be 1)
-    key_mask: Any  # (B, S) boolean or None: after the self-attention default and the implicit Keras masks
-    query_mask: Any  # (B, T) boolean or None: ANDed with the query's implicit Keras mask
-    positions: Any  # (B|1, T) integers, (k, B|1, T) with `rope_sections`, or None without RoPE
-    causal: bool
-    window: Any  # the layer's window, or None
-    attention_chunk_size: Any  # the layer's attention_chunk_size, or None
-    return_attention: bool
-    cache: Any  # KVCache or None
-    training: Any  # the call's training flag
-    fuse: bool  # q, k, v from one matmul: never in this file
-
-
-def _dtype_name(dtype):
-    return keras.backend.standardize_dtype(dtype)
-
-
-def _inputs(query, key, value):
-    """The defaults of `key` and `value`: neither -> self-attention on `query`; only `key` ->
-    `value = key`; only `value` -> `key = value`."""
-    key = value if key is None else key
-    key = query if key is None else key
-    value = key if value is None else value
-    return key, value
-
-
-def _check_dtypes(query, key, value):
-    """`query`, `key` and `value` (as passed, before any cast) share one floating dtype; checked
-    only where all three are floating (an integer input gets its own error in `call`)."""
-    key, value = _inputs(query, key, value)
-    dtypes = [keras.backend.standardize_dtype(np.asarray(x).dtype if isinstance(x, list) else x.dtype)
-              for x in (query, key, value)]  # fmt: skip
-    if all(keras.backend.is_float_dtype(d) for d in dtypes) and len(set(dtypes)) > 1:
-        a, b, c = dtypes
-        raise ValueError(
-            "`query`, `key` and `value` must have the same dtype. "
-            f"Received: query.dtype={a}, key.dtype={b}, value.dtype={c}"
-        )
-
-
-def _check_input(name, x, width_name, width):
-    """Checks one (B, L, width) input; dimensions unknown at trace time are not checked."""
-    x = ops.convert_to_tensor(x)
-    if not _is_float(x.dtype):
-        raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={_dtype_name(x.dtype)}")
-    letter = "T" if name == "query" else "S"
-    shape = _static_shape(x)
-    if len(shape) != 3 or shape[-1] not in (None, width):
-        raise ValueError(
-            f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
-            f"Received: {name}.shape={shape}"
-        )
-    return x
-
-
-def _check_lengths(query, key, value):
-    q, k, v = (tuple(x.shape) for x in (query, key, value))
-    if _differ(q[0], k[0], v[0]):
-        raise ValueError(
-            "`query`, `key` and `value` must have the same batch size B. Received: "
-            f"query.shape={q}, key.shape={k}, value.shape={v}"
-        )
-    if _differ(k[1], v[1]):
-        raise ValueError(f"`key` and `value` must have the same length S. Received: key.shape={k}, value.shape={v}")
-
-
-def _check_token_mask(name, mask, b, length, letter):
-    """Checks a (B, T) `query_mask` or (B, S) `key_mask` / `value_mask`; dimensions unknown at
-    trace time are not checked."""
-    if mask is None:
-        return None
-    mask = ops.convert_to_tensor(mask)
-    shape = _static_shape(mask)
-    if not _is_bool(mask) or len(shape) != 2 or _differ(shape[0], b) or _differ(shape[1], length):
-        raise ValueError(
-            f"`{name}` must be a boolean tensor of shape (B, {letter})=({b}, {length}). "
-            f"Received: {name}.shape={shape}, {name}.dtype={_dtype_name(mask.dtype)}"
-        )
-    return mask
-
-
 def _check_positions(positions, b, t, sections=None):
     """Checks integer (B, T) or (T,) `positions` and returns them as (B, T) or (1, T); with k
     `rope_sections` (k, B, T) is accepted too, and they are returned as (k, B|1, T)."""
@@ -586,272 +1017,39 @@ def _per_section(positions, sections):
     return ops.repeat(positions[None], len(sections), axis=0)  # (B|1, T) -> (k, B|1, T)
 
 
-def _attention_mask(attention_mask, mask):
-    """`mask=` is another name for `attention_mask` (the seed usage `layer(q, k, v, mask=None)`)."""
-    if mask is None:
-        return attention_mask
-    if attention_mask is not None:
+def _positions(layer, positions, query, key, cache):
+    """Checks `positions` and returns them as (B, T) or (1, T) integers, (k, B|1, T) with
+    k `rope_sections` (default arange(T), plus the cache's index), or None without RoPE."""
+    if layer.rope_theta is None:
+        if positions is not None:
+            raise ValueError(
+                "`positions` needs RoPE: construct the layer with `rope_theta`. "
+                "Received: positions with rope_theta=None"
+            )
+        return None
+    if cache is None and _differ(query.shape[1], key.shape[1]):
         raise ValueError(
-            "Pass the attention mask as `attention_mask` or as `mask`, not both. Received: attention_mask and mask"
+            "RoPE needs `key` and `value` to hold the query's own tokens (S == T, or decoding with `cache`). "
+            f"Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
         )
-    return mask
+    if positions is None:
+        start = 0 if cache is None else ops.convert_to_tensor(cache.index, "int32")
+        positions = (start + ops.arange(_shape(query)[1], dtype="int32"))[None]  # (1, T)
+        return positions if layer.rope_sections is None else _per_section(positions, layer.rope_sections)
+    return _check_positions(positions, query.shape[0], query.shape[1], layer.rope_sections)
 
 
-def _values_readable(*tensors):
-    """Whether the tensors' values can be read here for free (eagerly, on the CPU): not inside a
-    TensorFlow graph, `jax.jit` or another JAX trace, `torch.compile`, nor for a symbolic Keras
-    tensor or a tensor on an accelerator. NumPy arrays always can. Nothing can while Keras infers
-    a functional model's shapes (its symbolic scope: on torch it calls the layer on placeholder
-    tensors, an unknown dimension made 83 or 89, whose values say nothing of the real call's)."""
-    from keras.src.backend import in_symbolic_scope  # Keras' own flag; no public API says it
-
-    if in_symbolic_scope():
-        return False
-    backend = keras.backend.backend()
-    for x in tensors:
-        if isinstance(x, np.ndarray):
-            continue
-        if isinstance(x, keras.KerasTensor):
-            return False
-        if backend == "tensorflow":
-            import tensorflow as tf  # the backend in use, already imported by Keras
-
-            readable = tf.executing_eagerly() and "CPU" in x.device.upper()
-        elif backend == "jax":  # a tracer (jax.jit, grad) holds no values; its class says so, no jax import needed
-            traced = any(kind.__name__.endswith("Tracer") for kind in type(x).__mro__)
-            readable = not traced and all(d.platform == "cpu" for d in x.devices())
-        elif backend == "torch":
-            import torch
-
-            readable = not torch.compiler.is_compiling() and x.device.type == "cpu"
-        else:
-            readable = False
-        if not readable:
-            return False
-    return True
+def _rotate(layer, q, k, v, positions):
+    """Step 4: RoPE of q (B, N, T, H) and k (B, K, T, H) at (B, T) or (1, T) `positions`,
+    (k, B|1, T) with `rope_sections` (MLA: `_rotate_latent`). Returns q, k, v."""
+    return _rotate_heads(layer, q, positions), _rotate_heads(layer, k, positions), v
 
 
-def _read_values(x):
-    """A readable tensor's values (`_values_readable`) as a NumPy array, read the backend's own way:
-    `ops.convert_to_numpy` calls `np.array` on a torch or TensorFlow tensor, whose `__array__`
-    makes NumPy 2 warn (a DeprecationWarning: an error where warnings are)."""
-    backend = keras.backend.backend()
-    if isinstance(x, np.ndarray) or backend not in ("torch", "tensorflow"):
-        return np.asarray(x)
-    if backend == "tensorflow":
-        return x.numpy()
-    import torch  # the backend in use, already imported by Keras
-
-    x = x.detach()
-    return (x.float() if x.dtype == torch.bfloat16 else x).numpy()  # NumPy has no bfloat16
-
-
-def _mask_traps(attention_mask, key_mask, t, s):
-    """The built-in layers' habits that the masks' values (NumPy arrays) suggest (docs/SPEC.md,
-    Masks), as {kind: message}; the call computes what the SPEC says either way."""
-    traps = {}
-    for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
-        if mask is not None and mask.dtype == np.bool_ and _keeps_nothing(mask):
-            traps[name] = _EMPTY_MASK.format(name=name)
-    boolean = attention_mask is not None and attention_mask.dtype == np.bool_
-    if boolean and "attention_mask" not in traps and _keeps_only_later(attention_mask, t, s):
-        traps["causal"] = _CAUSAL_TRAP
-    empty = 0 if key_mask is None or "key_mask" in traps else _inverted_padding(key_mask)
-    if empty:
-        traps["padding"] = _PADDING_TRAP.format(empty=empty, b=key_mask.shape[0])
-    if attention_mask is not None and attention_mask.dtype != np.bool_ and _zeros_and_ones(attention_mask):
-        traps["zeros and ones"] = _ZEROS_AND_ONES
-    return traps
-
-
-def _keeps_nothing(mask):
-    """A boolean mask False everywhere (nn.MultiheadAttention's True = ignore, nothing padded)."""
-    return mask.size > 0 and not mask.any()
-
-
-def _keeps_only_later(mask, t, s):
-    """A square (T == S) boolean mask that keeps keys only after each query, none where `causal`
-    keeps one (nn.MultiheadAttention's causal `attn_mask`, `triu(ones, 1)`)."""
-    return mask.size > 0 and t == s > 0 and not (mask & np.tril(np.ones((t, s), bool))).any()  # (T, S) causal
-
-
-def _inverted_padding(key_mask):
-    """The rows keeping no key of a (B, S) `key_mask` that reads as nn.MultiheadAttention's
-    `key_padding_mask` (True = padding): every row False then True, some row keeping no key and
-    none keeping all (left padding has its longest sequence all True); else 0."""
-    kept = key_mask.sum(-1)  # (B,)
-    ordered = (key_mask[:, 1:] >= key_mask[:, :-1]).all()  # False then True in every row
-    full = (kept == key_mask.shape[1]).any()
-    return 0 if not ordered or full else int((kept == 0).sum())
-
-
-def _zeros_and_ones(mask):
-    """A floating mask of only 0s and 1s, some 1 (a Keras mask, which Keras reads as boolean)."""
-    ones = mask == 1
-    return bool(((mask == 0) | ones).all() and ones.any())
-
-
-# -------------------------------------------------------------------------------------------------
-# Step 1: masks, combined into one keep and one bias
-# -------------------------------------------------------------------------------------------------
-
-
-def _padding_hint(name, shape, target):
-    """For a 2-D `attention_mask` shaped (B, S) where (T, S) was expected: padding goes in `key_mask`."""
-    padding = name == "attention_mask" and tuple(shape) == (target[0], target[3]) and target[0] != target[2]
-    return " A (B, S) padding mask goes in `key_mask` (True = a real key)." if padding else ""
-
-
-def _mask_to_4d(mask, target, name="attention_mask"):
-    """Checks a mask (or `attention_bias`) against target (B, N, T, S) and returns it as rank 4."""
-    if name == "attention_bias" and not _is_float(mask.dtype):
-        raise ValueError(f"`attention_bias` must be floating. Received: attention_bias.dtype={_dtype_name(mask.dtype)}")
-    if not _is_bool(mask) and not _is_float(mask.dtype):
-        raise ValueError(
-            f"`{name}` must be boolean (True = attend; for a 0/1 integer mask pass `mask > 0`) or floating. "
-            f"Received: {name}.dtype={_dtype_name(mask.dtype)}"
-        )
-    rank = len(mask.shape)
-    expected = {2: target[2:], 3: (target[0], *target[2:]), 4: target}.get(rank)
-    if expected is None or any(
-        m not in (1, e) and None not in (m, e) for m, e in zip(mask.shape, expected, strict=True)
-    ):
-        raise ValueError(
-            f"`{name}` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
-            f"(B, N, T, S), each dimension full or 1.{_padding_hint(name, _static_shape(mask), target)} "
-            f"Expected: (B, N, T, S)={target}. "
-            f"Received: {name}.shape={_static_shape(mask)}"
-        )
-    if rank == 2:
-        return mask[None, None]  # (T, S) -> (1, 1, T, S)
-    if rank == 3:
-        return mask[:, None]  # (B, T, S) -> (B, 1, T, S)
-    return mask
-
-
-def causal_mask(t, s):
-    """(T, S) boolean mask: query t keeps key s iff s <= t + (S - T) (bottom-right aligned)."""
-    keys, queries = ops.arange(s, dtype="int32")[None, :], ops.arange(t, dtype="int32")[:, None] + (s - t)
-    return keys <= queries  # (T, S)
-
-
-def window_mask(t, s, window):
-    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - W_before, and with a pair
-    window (W_before, W_after) also s < t + (S - T) + W_after (bottom-right aligned)."""
-    keys, queries = ops.arange(s, dtype="int32")[None, :], ops.arange(t, dtype="int32")[:, None] + (s - t)
-    return _in_window(keys, queries, window)  # (T, S)
-
-
-def _in_window(keys, queries, window):
-    """Whether key positions are within the `window` (an int or a pair) of query positions."""
-    before, after = _window_sides(window)
-    kept = keys > queries - before
-    return kept if after is None else ops.logical_and(kept, keys < queries + after)
-
-
-def attention_chunk_mask(t, s, size):
-    """(T, S) boolean mask: query t keeps key s iff s // size == (t + (S - T)) // size, both in
-    the same chunk of `size` positions (bottom-right aligned)."""
-    keys, queries = ops.arange(s, dtype="int32")[None, :], ops.arange(t, dtype="int32")[:, None] + (s - t)
-    return _same_chunk(keys, queries, size)  # (T, S)
-
-
-def _same_chunk(keys, queries, size):
-    """Whether key and query positions (non-negative) are in the same chunk of `size` positions."""
-    return ops.floor_divide(keys, size) == ops.floor_divide(queries, size)
-
-
-def _split_mask(mask, dtype):
-    """Splits a checked rank-4 mask into (keep, additive), both rank 4 or None, by the floating
-    mask rule: a boolean mask is `keep`; a floating one, read in its own dtype, removes a key where
-    it is -inf or at most max(lowest of its dtype, lowest of float32), and adds every other value
-    in `dtype` (the softmax's, float32 at least). No -inf reaches arithmetic."""
-    if mask is None:
-        return None, None
-    if _dtype_name(mask.dtype) == "float64" and dtype == "float32":
-        # A float64 mask of a float32 softmax: the cast saturates every value below float32's range
-        # to -inf, which removes, as the rule does (JAX without x64 reads float64 as float32 anyway).
-        mask = ops.cast(mask, dtype)
-    if _is_bool(mask):
-        return mask, None
-    threshold = _LOWEST.get(_dtype_name(mask.dtype), _FLOAT32_LOWEST)
-    removed = mask <= threshold  # (B, N, T, S), dims may be 1
-    additive = ops.where(removed, ops.zeros_like(mask), mask)  # finite, never 0 * -inf
-    return ops.logical_not(removed), ops.cast(additive, dtype)
-
-
-def _split_bias(attention_bias, dtype):
-    """A checked rank-4 floating `attention_bias` -> (keep, additive) by the floating mask rule."""
-    return _split_mask(attention_bias, dtype)
-
-
-def _and(a, b):
-    return b if a is None else a if b is None else ops.logical_and(a, b)
-
-
-def _add(a, b):
-    return b if a is None else a if b is None else a + b
-
-
-def _alibi_slopes(num_heads):
-    """Bloom's ALiBi slopes: 2 ** (-8 (n + 1) / N) for N a power of two; otherwise those of the
-    nearest lower power of two followed by every other slope of twice it."""
-    closest = 2 ** math.floor(math.log2(num_heads))
-    slopes = 2.0 ** (-8.0 * np.arange(1, closest + 1) / closest)
-    extra = 2.0 ** (-4.0 * np.arange(1, 2 * (num_heads - closest), 2) / closest)
-    return np.concatenate([slopes, extra])  # (N,)
-
-
-def alibi_bias(num_heads, positions):
-    """The ALiBi bias `slope[n] * positions[..., s]`, float32, to pass as `attention_bias` (with
-    `causal=True`; Bloom's key positions are `cumsum(key_mask) - 1`).
-
-    Args:
-        num_heads: N.
-        positions: integer (S,) or (B, S) key positions.
-
-    Returns:
-        (1, N, 1, S) for (S,) positions, (B, N, 1, S) for (B, S).
-    """
-    num_heads = _positive_int("num_heads", num_heads)
-    positions = ops.convert_to_tensor(positions)
-    if not _is_int(positions.dtype) or len(positions.shape) not in (1, 2):
-        raise ValueError(
-            "`positions` must be an integer tensor of shape (S,) or (B, S). "
-            f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={_dtype_name(positions.dtype)}"
-        )
-    positions = positions[None] if len(positions.shape) == 1 else positions  # (S,) -> (1, S)
-    slopes = ops.convert_to_tensor(_alibi_slopes(num_heads).astype(np.float32))[:, None, None]  # (N, 1, 1)
-    return slopes * ops.cast(positions, "float32")[:, None, None, :]  # (B, 1, 1, S) -> (B, N, 1, S)
-
-
-# -------------------------------------------------------------------------------------------------
-# Steps 2 and 3: projections and QK-norm
-# -------------------------------------------------------------------------------------------------
-
-
-def rms_norm(x, scale, eps, bias=None):
-    """RMSNorm over the last axis, `x / sqrt(mean(x ** 2) + eps) * scale (+ bias)`, computed in
-    float32 at least and cast back to x's dtype."""
-    dtype = _softmax_dtype(x.dtype)
-    y = ops.cast(x, dtype)
-    y = y * ops.rsqrt(_mean(ops.square(y)) + eps) * ops.cast(scale, dtype)
-    return ops.cast(_add(y, None if bias is None else ops.cast(bias, dtype)), x.dtype)
-
-
-def layer_norm(x, scale, eps, bias=None):
-    """LayerNorm over the last axis, `(x - mean(x)) / sqrt(var(x) + eps) * scale (+ bias)` with
-    the biased variance, computed in float32 at least and cast back to x's dtype."""
-    dtype = _softmax_dtype(x.dtype)
-    y = ops.cast(x, dtype)
-    y = y - _mean(y)
-    y = y * ops.rsqrt(_mean(ops.square(y)) + eps) * ops.cast(scale, dtype)
-    return ops.cast(_add(y, None if bias is None else ops.cast(bias, dtype)), x.dtype)
-
-
-# -------------------------------------------------------------------------------------------------
-# Step 4: RoPE
-# -------------------------------------------------------------------------------------------------
+def _rotate_heads(layer, x, positions):
+    """x (B, heads, T, W) with its first R features turned, times YaRN's attention factor."""
+    inv_freq = layer._inv_freq
+    x = apply_rope(x, positions, inv_freq, layer.rope_interleaved, layer.rope_sections)
+    return scale_rotated(x, 2 * len(inv_freq), rope_attention_factor(layer.rope_scaling))
 
 
 def rope_frequencies(rotary_dim, theta, scaling=None):
@@ -993,8 +1191,91 @@ def _on_pairs(first, second, interleaved):
 
 
 # -------------------------------------------------------------------------------------------------
-# Step 5: the KV cache
+# Section: QK-norm, clip_qkv and the gate
 # -------------------------------------------------------------------------------------------------
+# Constructor arguments, each off at its default:
+#     qk_norm: None, "head" (each head of q and k normalized, one scale shared by the heads:
+#         Qwen3), "per_head" (each head with its own scale: StableLM, Cohere) or "all" (over all
+#         heads: OLMo2); its scales are the weights `query_norm` and `key_norm`.
+#     qk_norm_eps: the epsilon of that norm.
+#     qk_norm_type: "rms" (RMSNorm) or "layer" (LayerNorm: the mean is removed first).
+#     qk_norm_bias: if True, the norm adds a learned bias after its scale (`query_norm_bias`,
+#         `key_norm_bias`: Phi's LayerNorm).
+#     clip_qkv: None or c > 0: q, k and v are clamped to [-c, c] right after their projections
+#         (bias included), before QK-norm, RoPE and the cache (OLMo, DBRX, MPT).
+#     gate: if True, each head's attention result is multiplied, feature by feature, by
+#         sigmoid(query @ gate_kernel + gate_bias), (B, T, N*H), before the heads are merged
+#         (Keras' `use_gate`, Qwen3-Next, Qwen3.5).
+
+
+def rms_norm(x, scale, eps, bias=None):
+    """RMSNorm over the last axis, `x / sqrt(mean(x ** 2) + eps) * scale (+ bias)`, computed in
+    float32 at least and cast back to x's dtype."""
+    dtype = _softmax_dtype(x.dtype)
+    y = ops.cast(x, dtype)
+    y = y * ops.rsqrt(_mean(ops.square(y)) + eps) * ops.cast(scale, dtype)
+    return ops.cast(_add(y, None if bias is None else ops.cast(bias, dtype)), x.dtype)
+
+
+def layer_norm(x, scale, eps, bias=None):
+    """LayerNorm over the last axis, `(x - mean(x)) / sqrt(var(x) + eps) * scale (+ bias)` with
+    the biased variance, computed in float32 at least and cast back to x's dtype."""
+    dtype = _softmax_dtype(x.dtype)
+    y = ops.cast(x, dtype)
+    y = y - _mean(y)
+    y = y * ops.rsqrt(_mean(ops.square(y)) + eps) * ops.cast(scale, dtype)
+    return ops.cast(_add(y, None if bias is None else ops.cast(bias, dtype)), x.dtype)
+
+
+def _clip(layer, x):
+    """`clip_qkv`: x clamped to [-c, c], with the clamp's gradient, 1 within [-c, c] (bounds
+    included) and 0 outside, on every backend (JAX's `clip` gives 0.5 at a bound)."""
+    return ops.where(ops.abs(x) <= layer.clip_qkv, x, ops.sign(x) * layer.clip_qkv)
+
+
+def _normalize_qk(layer, q, k):
+    """QK-norm (RMSNorm, or LayerNorm with `qk_norm_type="layer"`) of each head of q and k
+    ("head": scales (H,) shared by the heads; "per_head": scales (N*H,) and (K*H,), head n's
+    [n*H:(n+1)*H]) or of all their heads at once ("all": scales (N*H,) and (K*H,)); with
+    `qk_norm_bias`, plus the biases shaped like the scales."""
+    return _norm(layer, q, "query", layer.num_heads), _norm(layer, k, "key", layer.num_kv_heads)
+
+
+def _norm(layer, x, kind, heads):
+    """The QK-norm of x (B, heads, L, H) with the `kind` ("query" or "key") weights."""
+    norm = layer_norm if layer.qk_norm_type == "layer" else rms_norm
+    scale = getattr(layer, f"{kind}_norm")
+    bias = getattr(layer, f"{kind}_norm_bias") if layer.qk_norm_bias else None
+    if layer.qk_norm == "all":
+        merged = norm(layer._merge_heads(x), scale, layer.qk_norm_eps, bias)  # (B, L, heads*H)
+        return layer._split_heads(merged, heads)  # (B, heads, L, H)
+    if layer.qk_norm == "per_head":
+        scale = ops.reshape(scale, (heads, 1, layer.head_dim))  # (heads*H,) -> (heads, 1, H)
+        bias = None if bias is None else ops.reshape(bias, (heads, 1, layer.head_dim))  # (heads, 1, H)
+    return norm(x, scale, layer.qk_norm_eps, bias)  # (B, heads, L, H)
+
+
+def _gate_heads(layer, call, context):
+    """Step 6b: the (B, N, T, Hv) attention result times sigmoid(query @ gate_kernel + gate_bias)
+    split into heads (Hv = H without MLA)."""
+    gate = ops.sigmoid(layer._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
+    return context * layer._split_heads(gate, layer.num_heads, context.shape[-1])  # -> (B, N, T, Hv)
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: KV cache and decode steps
+# -------------------------------------------------------------------------------------------------
+# `cache = layer.init_cache(B, L)`, then `output, cache = layer(x, cache=cache)` for a prompt and
+# then one token at a time. The keys (rotated by RoPE) and values of the T new tokens go to slots
+# position mod L, and query t attends slot s iff s holds a position before index + T, keep[b, s],
+# (not causal or that position <= index + t), (no window or that position > index + t - W_before,
+# and < index + t + W_after with a pair), (no chunk or that position in the chunk of index + t) and
+# `attention_mask` (given over L) keeps it. Token by token equals the full causal pass. With a
+# `window` the cache rolls by W_before: L >= W_before slots decode any number of tokens (a call
+# that wraps, index + T > L, needs L >= W_before + T - 1).
+# The call's `cache`: a `KVCache` from `init_cache`: decode T new tokens (`key` and `value`, if
+# given, hold the same T tokens); masks and weights are then over the L slots, and `key_mask` is
+# (B, T).
 
 
 class KVCache(NamedTuple):
@@ -1012,6 +1293,28 @@ class KVCache(NamedTuple):
     value: Any
     keep: Any
     index: Any
+
+
+def _init_cache(layer, batch_size, max_length, keep, dtype):
+    """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
+
+    Args:
+        batch_size: B.
+        max_length: L, the number of slots.
+        keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
+            of different lengths). Defaults to all True.
+        dtype: dtype of the keys and values; defaults to the compute dtype of the policy.
+
+    Returns:
+        A `KVCache` of zeros with index 0 (int32); with MLA, the latent cache: `key` (B, 1, L, C)
+        for the normalized latents, `value` (B, 1, L, Hr) for the rotated shared key part.
+    """
+    b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
+    keep = ops.ones((b, length), dtype="bool") if keep is None else _check_keep(keep, b, length)
+    shapes = _latent_cache_shapes(layer, b, length) or ((b, layer.num_kv_heads, length, layer.head_dim),) * 2
+    dtype = layer.compute_dtype if dtype is None else dtype
+    key, value = (ops.zeros(shape, dtype) for shape in shapes)
+    return KVCache(key, value, keep, ops.convert_to_tensor(0, "int32"))
 
 
 def _check_cache(cache, query, key, heads, head_dim, latent=None):
@@ -1046,18 +1349,6 @@ def _check_cache(cache, query, key, heads, head_dim, latent=None):
         raise ValueError(f"`cache.keep` must have shape (B, L)=({b}, {k[2]}). Received: cache.keep.shape={keep}")
 
 
-def _check_latent_cache(k, v, batch_size, latent):
-    """The latent cache: (B, 1, L, C) latents and (B, 1, L, Hr) turned key parts; `k` and `v` are
-    their shapes, dimensions unknown at trace time not checked."""
-    c, hr = latent.kv_lora_rank, latent.qk_rope_head_dim
-    valid = len(k) == len(v) == 4 and not any(_differ(*pair) for pair in zip(k[:3], v[:3], strict=True))
-    if not valid or any(_differ(*pair) for pair in zip((k[0], k[1], k[3], v[3]), (batch_size, 1, c, hr), strict=True)):
-        raise ValueError(
-            "`cache.key` and `cache.value` must have shape (B, 1, L, C) and (B, 1, L, Hr) with kv_lora_rank: "
-            f"B={batch_size}, C={c}, Hr={hr}. Received: cache.key.shape={k}, cache.value.shape={v}"
-        )
-
-
 def _check_cache_dtype(cache, dtype):
     key, value = _dtype_name(cache.key.dtype), _dtype_name(cache.value.dtype)
     if key != dtype or value != dtype:
@@ -1088,9 +1379,10 @@ def _check_room(index, t, length, window):
     misfit = index + t > length  # ()
     if window is not None:
         misfit = ops.logical_and(misfit, length < window + t - 1)  # ()
-    if _values_readable(misfit) and bool(_read_values(misfit)):
+    values = _read_values(misfit, index)  # None where not free to read
+    if values is not None and bool(values[0]):
         if window is None:
-            raise _cache_full_error(int(_read_values(index)), int(t), int(length))
+            raise _cache_full_error(int(values[1]), int(t), int(length))
         raise _cache_too_short_error(window, int(t), int(length))
     return misfit
 
@@ -1108,6 +1400,30 @@ def _cache_too_short_error(window, t, length):
         f"(call `init_cache` with a larger `max_length`, or decode in shorter chunks). "
         f"Received: window={window}, T={t}, L={length}"
     )
+
+
+def _update_cache(layer, call, k, v, keep):
+    """The cache write: the new keys and values go to slots [index, index + T) (mod L with a
+    window), `key_mask` into the cache's keep; returns the cache's (B, K, L, H) keys and values,
+    `keep` over the L slots with `causal`, `window` and `attention_chunk_size` folded in, and
+    the call with the new cache."""
+    t, index = _shape(k)[2], ops.convert_to_tensor(call.cache.index, "int32")  # the index before this write
+    cache = _write_cache(call.cache, k, v, call.key_mask)  # `key_mask` goes into its keep
+    folded = _cache_keep(cache.keep, index, t, call.causal, call.window, call.attention_chunk_size)  # (B, 1, T, L)
+    keep = _and(keep, folded)  # (B, N, T, L), dims may be 1
+    call = call._replace(causal=False, window=None, attention_chunk_size=None, cache=cache)
+    return cache.key, cache.value, keep, call
+
+
+def _nan_if_misfit(layer, q, k, call, context):
+    """`_attend`'s context, NaN where the T new tokens did not fit the cache: a decoding call without
+    room raised in `_check_call` where the cache's index can be read; elsewhere (a trace) its output
+    is NaN."""
+    if _read_values(call.cache.index) is not None:
+        return context
+    t, before = _shape(q)[2], _window_sides(layer.window)[0]
+    misfit = _check_room(call.cache.index - t, t, k.shape[2], before)  # the index before the write
+    return ops.where(misfit, ops.cast(float("nan"), context.dtype), context)  # a trace cannot raise
 
 
 def _slot_positions(length, last):
@@ -1153,109 +1469,333 @@ def _write_cache(cache, k, v, key_mask):
 
 
 # -------------------------------------------------------------------------------------------------
-# Step 6: attention, the reference
+# Section: multi-head latent attention
 # -------------------------------------------------------------------------------------------------
+# MLA (DeepSeek-V2/V3, Kimi, GLM-5), on with `kv_lora_rank` C; Hn, Hr and Hv are `qk_nope_head_dim`,
+# `qk_rope_head_dim` and `v_head_dim`, H = Hn + Hr, Q = `q_lora_rank`:
+#     q = RMSNorm(query @ query_a_kernel) @ query_b_kernel   (B, T, N*H), or query @ query_kernel
+#     c, k_rope = split(key @ key_value_a_kernel)            (B, S, C), (B, S, Hr); c RMS-normalized
+#     [k_nope, v] = c @ key_value_b_kernel                   (B, S, K*(Hn + Hv)), per head
+#     k = [k_nope, k_rope]; RoPE turns the last Hr features of q and k_rope (shared by the heads)
+# The cache holds c in `key` (B, 1, L, C) and the turned k_rope in `value` (B, 1, L, Hr). The
+# absorbed path (`absorb_latents`) attends the latents directly: q_nope @ W_kb^T against c, the
+# weighted sum of c then @ W_vb, the up-projections folded into the query and the output.
+# Constructor arguments (MLA is off while `kv_lora_rank` is None):
+#     kv_lora_rank: None, or C: keys and values come from `key` through a latent of C features per
+#         token, RMS-normalized, and the cache holds it (`KVCache.key` (B, 1, L, C), `value`
+#         (B, 1, L, Hr)); `value` must be None or `key` itself. Not with `vdim`, `qk_norm`,
+#         `clip_qkv`, `rope_sections` or `rope_fraction` < 1.
+#     q_lora_rank: None (a plain query projection), or Q: the query goes through a latent of Q
+#         features, RMS-normalized (`query_a_kernel`, `query_a_norm`, `query_b_kernel`).
+#     qk_nope_head_dim: Hn, the features of a query/key head that RoPE does not turn.
+#     qk_rope_head_dim: Hr, the features RoPE turns; the key's are shared by the heads. With MLA,
+#         H = Hn + Hr (`head_dim`, if given, must equal it).
+#     v_head_dim: Hv, the width of a value head; the output kernel is (N*Hv, E).
+#     latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
+# `bias` names MLA's projections "query" (or "query_a" and "query_b"), "key_value_a",
+# "key_value_b", "output", "gate".
+# `absorb_latents` (a class attribute): whether attention runs on the latents with the
+# up-projections folded in (the absorbed path: True), on per-head keys and values up-projected
+# from them (False), or (None) absorbed when decoding a few tokens with a cache (`_absorbs`).
+
+_LATENT_SIZES = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
-def _softmax_dtype(dtype):
-    """Softmax runs in float32 at least (float64 stays float64)."""
-    return "float64" if keras.backend.standardize_dtype(dtype) == "float64" else "float32"
+_ABSORB_MAX_T = 8  # `absorb_latents=None`: a call with a cache and T <= 8 attends on the latents
 
 
-def _softcap(scores, softcap):
-    """Gemma 2's logit soft-capping: scores -> c * tanh(scores / c)."""
-    return scores if softcap is None else softcap * ops.tanh(scores / softcap)
+class _Latent(NamedTuple):
+    """The sizes of multi-head latent attention (MLA), checked (`_check_latent`)."""
+
+    kv_lora_rank: int  # C
+    q_lora_rank: int | None  # Q, None: a plain query projection
+    qk_nope_head_dim: int  # Hn
+    qk_rope_head_dim: int  # Hr
+    v_head_dim: int  # Hv
 
 
-def _centre_rows(bias, keep):
-    """`bias` minus each row's largest value where `keep` holds (rows keeping nothing: unchanged).
+def _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim):
+    """Checks the MLA sizes (each None or a positive integer, in the signature's order) and returns
+    a `_Latent`, or None without `kv_lora_rank`, when the others must be None too."""
+    sizes = dict(
+        zip(_LATENT_SIZES, (kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim), strict=True)
+    )
+    for name, value in sizes.items():
+        sizes[name] = None if value is None else _positive_int(name, value)
+    if sizes["kv_lora_rank"] is None:
+        for name in (name for name in _LATENT_SIZES[1:] if sizes[name] is not None):
+            raise ValueError(
+                f"`{name}` needs `kv_lora_rank` (multi-head latent attention). "
+                f"Received: {name}={sizes[name]!r}, kv_lora_rank=None"
+            )
+        return None
+    missing = [name for name in _LATENT_SIZES[2:] if sizes[name] is None]
+    if missing:
+        raise ValueError(
+            "`kv_lora_rank` needs `qk_nope_head_dim`, `qk_rope_head_dim` and `v_head_dim`. "
+            f"Received: kv_lora_rank={sizes['kv_lora_rank']}, {', '.join(f'{name}=None' for name in missing)}"
+        )
+    return _Latent(**sizes)
 
-    A per-query constant does not change a softmax (without sinks); this keeps a row of only
-    large finite penalties (-1e9) an ordinary softmax instead of scores rounded away in float32.
-    """
-    if bias.shape[-1] == 0:
-        return bias
-    lowest = _lowest(bias.dtype)
-    top = ops.stop_gradient(ops.max(ops.where(keep, bias, lowest), axis=-1, keepdims=True))  # (B, N, T, 1), dims 1
-    return bias - ops.where(top == lowest, ops.zeros_like(top), top)  # (B, N, T, S), dims may be 1
+
+def _latent_head_dim(latent, head_dim):
+    """H with MLA: qk_nope_head_dim + qk_rope_head_dim, which `head_dim`, if given, must equal."""
+    width = latent.qk_nope_head_dim + latent.qk_rope_head_dim
+    if head_dim is not None and not (_is_positive_int(head_dim) and head_dim == width):
+        raise ValueError(
+            f"`head_dim` must equal qk_nope_head_dim + qk_rope_head_dim = {width} with `kv_lora_rank`. "
+            f"Received: head_dim={head_dim!r}"
+        )
+    return width
 
 
-def _masked_softmax(scores, keep, sinks):
-    """Softmax over the last axis of (B, N, T, S) scores, in their dtype: keys not kept removed
-    (filled with the lowest finite value), one sink logit per head (N,) in the denominator (a
-    softmax over [scores, sink] whose sink column is dropped), rows with no key exactly 0."""
-    if keep is not None:
-        scores = ops.where(keep, scores, _lowest(scores.dtype))  # (B, N, T, S)
-    if sinks is None and scores.shape[-1] == 1:
-        weights = ops.ones_like(scores)  # a softmax over one key (which Keras warns about)
-    elif sinks is None:
-        weights = ops.softmax(scores, axis=-1)  # (B, N, T, S)
+def _check_latent_combinations(vdim, variants):
+    """What MLA refuses, each with why (after every argument's own check)."""
+    refused = (
+        ("vdim", vdim, vdim is not None, "MLA reads keys and values from `key` (its width is `kdim`)"),
+        ("qk_norm", variants.qk_norm, variants.qk_norm is not None, "MLA normalizes the latents instead"),
+        ("clip_qkv", variants.clip_qkv, variants.clip_qkv is not None, "MLA has no q, k and v to clamp"),
+        ("rope_sections", variants.rope_sections, variants.rope_sections is not None, "RoPE turns the Hr features"),
+        ("rope_fraction", variants.rope_fraction, variants.rope_fraction != 1.0, "RoPE turns all Hr features"),
+    )
+    for name, value, given, why in refused:
+        if given:
+            raise ValueError(f"`{name}` is not supported with `kv_lora_rank`: {why}. Received: {name}={value!r}")
+
+
+def _projections(latent):
+    """The names `bias` takes: the layer's projections, query, key, value, output (with MLA query,
+    or query_a and query_b, key_value_a, key_value_b, output), then the gate's."""
+    if latent is None:
+        return _PROJECTIONS
+    query = ("query",) if latent.q_lora_rank is None else ("query_a", "query_b")
+    return (*query, "key_value_a", "key_value_b", "output", "gate")
+
+
+def _latent_of(layer):
+    """MLA's sizes as a `_Latent`, or None without `kv_lora_rank` (the layer's `_latent`)."""
+    return None if layer.kv_lora_rank is None else _Latent(*(getattr(layer, name) for name in _LATENT_SIZES))
+
+
+def _layer_projections(layer):
+    """The names of the layer's projections, in the layout's order (MLA's with `kv_lora_rank`,
+    the gate's with `gate`): the layer's `_projection_names`."""
+    return _projection_kinds(_projections(_latent_of(layer)), layer.gate)
+
+
+def _latent_kernel_shapes(layer):
+    """{projection: its kernel's (D, F)} of MLA, in the layout's order; None without MLA."""
+    if layer.kv_lora_rank is None:
+        return None
+    c, hn, hr, hv = layer.kv_lora_rank, layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.v_head_dim
+    query = {"query": (layer.d_model, layer.num_heads * layer.head_dim)}
+    if layer.q_lora_rank is not None:
+        query = {"query_a": (layer.d_model, layer.q_lora_rank), "query_b": (layer.q_lora_rank, query["query"][1])}
+    return {
+        **query,
+        "key_value_a": (layer.kdim, c + hr),
+        "key_value_b": (c, layer.num_kv_heads * (hn + hv)),
+        "output": (layer.num_heads * hv, layer.d_model),
+    }
+
+
+def _latent_norm_shapes(layer):
+    """The shapes of MLA's RMSNorm scales of the latents by projection, `query_a` (Q,) with
+    `q_lora_rank` and `key_value_a` (C,); {} without MLA."""
+    if layer.kv_lora_rank is None:
+        return {}
+    norms = {"key_value_a": (layer.kv_lora_rank,)}
+    return norms if layer.q_lora_rank is None else {"query_a": (layer.q_lora_rank,), **norms}
+
+
+def _latent_cache_shapes(layer, batch_size, max_length):
+    """The latent cache's shapes, `key` (B, 1, L, C) for the normalized latents and `value`
+    (B, 1, L, Hr) for the rotated shared key part; None without MLA."""
+    if layer.kv_lora_rank is None:
+        return None
+    return (batch_size, 1, max_length, layer.kv_lora_rank), (batch_size, 1, max_length, layer.qk_rope_head_dim)
+
+
+def _rotate_latent(layer, q, latent, k_rope, positions):
+    """Step 4 with MLA: RoPE of q's last Hr features and of the shared key part k_rope
+    (B, 1, T, Hr), until the cache step (the latents are not turned). Returns q, latent, k_rope."""
+    hn = layer.qk_nope_head_dim
+    q = ops.concatenate([q[..., :hn], _rotate_heads(layer, q[..., hn:], positions)], axis=-1)  # (B, N, T, H)
+    return q, latent, _rotate_heads(layer, k_rope, positions)
+
+
+def _check_latent_cache(k, v, batch_size, latent):
+    """The latent cache: (B, 1, L, C) latents and (B, 1, L, Hr) turned key parts; `k` and `v` are
+    their shapes, dimensions unknown at trace time not checked."""
+    c, hr = latent.kv_lora_rank, latent.qk_rope_head_dim
+    valid = len(k) == len(v) == 4 and not any(_differ(*pair) for pair in zip(k[:3], v[:3], strict=True))
+    if not valid or any(_differ(*pair) for pair in zip((k[0], k[1], k[3], v[3]), (batch_size, 1, c, hr), strict=True)):
+        raise ValueError(
+            "`cache.key` and `cache.value` must have shape (B, 1, L, C) and (B, 1, L, Hr) with kv_lora_rank: "
+            f"B={batch_size}, C={c}, Hr={hr}. Received: cache.key.shape={k}, cache.value.shape={v}"
+        )
+
+
+def _check_latent_value(key, value):
+    """With MLA `value` must be None or `key` itself: MLA reads keys and values from `key`."""
+    if key is not None and value is not None and value is not key:
+        raise ValueError(
+            "`value` must be None or `key` itself with `kv_lora_rank`: MLA reads keys and values from `key`. "
+            "Received: a value other than key"
+        )
+
+
+def _project_latent(layer, call):
+    """Step 2 with MLA: q = RMSNorm(query @ query_a_kernel) @ query_b_kernel (or query @
+    query_kernel without `q_lora_rank`), (B, N, T, H); key @ key_value_a_kernel split into the
+    latent c, RMS-normalized by `key_value_a_norm`, and the key part k_rope shared by the heads.
+    Returns q, c (B, 1, S, C), k_rope (B, 1, S, Hr)."""
+    if layer.q_lora_rank is None:
+        q = layer._project(call.query, "query")  # (B, T, E) -> (B, T, N*H)
     else:
-        sink = ops.reshape(ops.cast(sinks, scores.dtype), (1, -1, 1, 1))  # (N,) -> (1, N, 1, 1)
-        sink = ops.broadcast_to(sink, (*_shape(scores)[:3], 1))  # -> (B, N, T, 1)
-        weights = ops.softmax(ops.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]  # (B, N, T, S + 1) -> S
-    if keep is not None:
-        weights = ops.where(keep, weights, ops.zeros((), weights.dtype))  # rows with no key are all 0
-    return weights
+        q_latent = layer._project(call.query, "query_a")  # (B, T, E) -> (B, T, Q)
+        q_latent = rms_norm(q_latent, layer.query_a_norm, layer.latent_norm_eps)
+        q = layer._project(q_latent, "query_b")  # (B, T, Q) -> (B, T, N*H)
+    a = layer._project(call.key, "key_value_a")  # (B, S, kdim) -> (B, S, C + Hr)
+    c, k_rope = a[..., : layer.kv_lora_rank], a[..., layer.kv_lora_rank :]  # (B, S, C), (B, S, Hr)
+    c = rms_norm(c, layer.key_value_a_norm, layer.latent_norm_eps)
+    return layer._split_heads(q, layer.num_heads), c[:, None], k_rope[:, None]  # (B, N, T, H), (B, 1, S, C|Hr)
 
 
-def dot_product_attention(
-    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, attention_chunk_size=None,
-    sinks=None, dropout=None,
-):  # fmt: skip
-    """Pure attention on split heads; returns (context, weights).
+def _attend_latents(layer, q, latent, k_rope, keep, bias, call):
+    """Step 6 with MLA: the (B, 1, S, C) latents and (B, 1, S, Hr) k_rope attended absorbed
+    (`_attend_absorbed`, where `_absorbs` says so) or expanded into per-head keys (B, K, S, H) and
+    values (B, K, S, Hv) (`_expand_latents`), through `_attend`; returns (context (B, N, T, Hv),
+    weights or None)."""
+    if _absorbs(layer, call, q.shape[2]):
+        return _attend_absorbed(layer, q, latent, k_rope, keep, bias, call)
+    k, v = _expand_latents(layer, latent, k_rope)  # (B, K, S, H), (B, K, S, Hv)
+    return layer._attend(q, k, v, keep, bias, call)
 
-    Args:
-        q: (B, N, T, H) queries.
-        k: (B, K, S, H) keys, K dividing N.
-        v: (B, K, S, H) values.
-        keep: None or boolean, broadcasts to (B, N, T, S); True where a query may attend a key.
-        bias: None or float, broadcasts to (B, N, T, S); added to the (soft-capped) scores.
-        causal: if True, query t keeps key s only if s <= t + (S - T).
-        scale: the factor of the scores; None is 1 / sqrt(H).
-        softcap: None or c: the scaled scores become c * tanh(scores / c).
-        window: None, W or (W_before, W_after): query t keeps key s only if
-            s > t + (S - T) - W_before, and with a pair also s < t + (S - T) + W_after.
-        attention_chunk_size: None, or C: query t keeps key s only if s // C == (t + (S - T)) // C.
-        sinks: None or (N,) logits, one per query head, in the softmax's denominator.
-        dropout: None, or a callable applied to the weights before the weighted sum.
 
-    Returns:
-        context (B, N, T, H) and weights (B, N, T, S), exactly 0 where not kept.
-    """
-    t, s = _shape(q)[2], _shape(k)[2]  # static where known
-    if causal:
-        keep = _and(keep, causal_mask(t, s))  # (B, N, T, S), dims may be 1
-    if window is not None:
-        keep = _and(keep, window_mask(t, s, window))  # (B, N, T, S), dims may be 1
-    if attention_chunk_size is not None:
-        keep = _and(keep, attention_chunk_mask(t, s, attention_chunk_size))  # (B, N, T, S), dims may be 1
-    groups = q.shape[1] // k.shape[1]
-    k = ops.repeat(k, groups, axis=1) if groups > 1 else k  # (B, K, S, H) -> (B, N, S, H)
-    v = ops.repeat(v, groups, axis=1) if groups > 1 else v  # (B, K, S, H) -> (B, N, S, H)
-    dtype = _softmax_dtype(q.dtype)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    q = q * ops.convert_to_tensor(scale, q.dtype)  # the (B, N, T, H) queries scaled in their dtype, not the scores
-    scores = ops.cast(_matmul(q, ops.swapaxes(k, -1, -2)), dtype)  # (B, N, T, S)
-    scores = _softcap(scores, softcap)
-    if bias is not None:
-        bias = ops.cast(bias, dtype)
-        bias = bias if keep is None or sinks is not None else _centre_rows(bias, keep)
-        scores = scores + bias  # (B, N, T, S)
-    weights = ops.cast(_masked_softmax(scores, keep, sinks), q.dtype)  # (B, N, T, S)
-    dropped = weights if dropout is None else dropout(weights)
-    context = _matmul(dropped, v)  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
-    return context, weights
+def _absorbs(layer, call, t):
+    """MLA's path: `absorb_latents` if set, else absorbed with a cache and T <= 8 (T known at
+    trace time: a decode step, where up-projecting the L latents costs more than folding the
+    up-projections into the T queries)."""
+    if layer.absorb_latents is not None:
+        return bool(layer.absorb_latents)
+    return call.cache is not None and t is not None and t <= _ABSORB_MAX_T
+
+
+def _expand_latents(layer, latent, k_rope):
+    """MLA's up-projection: (B, 1, S, C) latents and (B, 1, S, Hr) k_rope -> keys
+    concat(k_nope, k_rope) (B, K, S, H) and values (B, K, S, Hv)."""
+    hn = layer.qk_nope_head_dim
+    kv = layer._project(latent[:, 0], "key_value_b")  # (B, 1, S, C) -> (B, S, K*(Hn + Hv))
+    kv = layer._split_heads(kv, layer.num_kv_heads, hn + layer.v_head_dim)  # (B, K, S, Hn + Hv)
+    k_nope, v = kv[..., :hn], kv[..., hn:]  # (B, K, S, Hn), (B, K, S, Hv)
+    k_rope = ops.broadcast_to(k_rope, (*_shape(k_nope)[:3], layer.qk_rope_head_dim))  # (B, K, S, Hr)
+    return ops.concatenate([k_nope, k_rope], axis=-1), v  # (B, K, S, H), (B, K, S, Hv)
+
+
+def _up_projections(layer, dtype):
+    """key_value_b's kernel in `dtype` as (N, Hn, C) and (N, Hv, C) and its bias (N, Hn) and
+    (N, Hv) (None without one), each key/value head's repeated for its N // K query heads; an
+    int8 kernel's dequantized."""
+    hn, hv, groups = layer.qk_nope_head_dim, layer.v_head_dim, layer.num_heads // layer.num_kv_heads
+    kernel = ops.cast(layer.key_value_b_kernel, dtype)  # (C, K*(Hn + Hv))
+    if layer._int8:
+        kernel = kernel * ops.cast(layer.key_value_b_kernel_scale, dtype)  # dequantized per column
+    kernel = ops.reshape(ops.transpose(kernel), (layer.num_kv_heads, hn + hv, layer.kv_lora_rank))  # (K, Hn + Hv, C)
+    kernel = ops.repeat(kernel, groups, axis=0)  # (N, Hn + Hv, C)
+    w_kb, w_vb = kernel[:, :hn], kernel[:, hn:]  # (N, Hn, C), (N, Hv, C)
+    if "key_value_b" not in layer.bias:
+        return w_kb, w_vb, None, None
+    bias = ops.reshape(ops.cast(layer.key_value_b_bias, dtype), (layer.num_kv_heads, hn + hv))  # (K, Hn + Hv)
+    bias = ops.repeat(bias, groups, axis=0)  # (N, Hn + Hv)
+    return w_kb, w_vb, bias[:, :hn], bias[:, hn:]  # ..., (N, Hn), (N, Hv)
+
+
+def _attend_absorbed(layer, q, latent, k_rope, keep, bias, call):
+    """Step 6 with MLA on the latents, through `_attend` (every path): q_lat = q_nope @
+    W_kb^T (B, N, T, C) meets the latents and q_rope meets k_rope (and q_nope . b_k a key of
+    ones); the values are the latents (and a one, whose output is sum(weights)); each head's
+    context is o_lat @ W_vb + sum(weights) * b_v (B, N, T, Hv). An int8 layer reads the
+    latents quantized per token, as its int8 up-projection does (straight-through gradient)."""
+    w_kb, w_vb, b_k, b_v = _up_projections(layer, q.dtype)  # (N, Hn, C), (N, Hv, C), (N, Hn), (N, Hv)
+    if layer._int8:
+        latent = latent + ops.stop_gradient(_quantized_rows(latent) - latent)  # (B, 1, S, C)
+    q_nope, q_rope = q[..., : layer.qk_nope_head_dim], q[..., layer.qk_nope_head_dim :]  # (B, N, T, Hn|Hr)
+    ones = ops.ones_like(latent[..., :1])  # (B, 1, S, 1)
+    queries, keys, values = [_matmul(q_nope, w_kb), q_rope], [latent, k_rope], [latent]  # (B, N, T, C), ...
+    if b_k is not None:
+        queries.append(ops.sum(q_nope * b_k[:, None, :], axis=-1, keepdims=True))  # (B, N, T, 1)
+        keys.append(ones)
+    if b_v is not None:
+        values.append(ones)
+    q, k, v = (ops.concatenate(parts, axis=-1) for parts in (queries, keys, values))  # (B, N, T, .), ...
+    context, weights = layer._attend(q, k, v, keep, bias, call)  # (B, N, T, C or C + 1)
+    output = _matmul(context[..., : layer.kv_lora_rank], ops.swapaxes(w_vb, -1, -2))  # -> (B, N, T, Hv)
+    return output if b_v is None else output + context[..., layer.kv_lora_rank :] * b_v[:, None, :], weights
 
 
 # -------------------------------------------------------------------------------------------------
-# Step 6: attention, the fast paths
+# Section: speed paths
 # -------------------------------------------------------------------------------------------------
 # Two paths without the weights, both with `dot_product_attention`'s numbers: `ops.dot_product_attention`
 # (`_fused_attention`: SDPA on torch) with the SPEC's masks made explicit, and the memory-efficient
 # path (`_chunked_attention`), a chunk of queries at a time forward (`_chunked_forward`) and backward
 # (`_chunked_backward`, the flash-attention backward, which recomputes each chunk's weights), so that
-# memory is linear in T and S.
+# memory is linear in T and S. This file has no fused q/k/v projection.
+# The layer's class attributes of this section: without `return_attention`, (B, N, T, S) score
+# elements above which attention runs a chunk of queries at a time (`memory_efficient_threshold`;
+# memory linear in T and S; 64 Mi float32 scores are 256 MiB), and the score elements of one chunk
+# (`query_chunk_elements`, 8 MiB in float32), as in the TensorFlow file. `fused_attention`:
+# whether `ops.dot_product_attention` is taken where it is exact (None: on torch only).
+
+# `ops.dot_product_attention`'s flash_attention by backend: on torch False lets SDPA choose its kernel
+# itself (flash where it can), where None has Keras check flash first by building `SDPAParams`,
+# which breaks a `torch.compile` graph at every call; None elsewhere (Keras decides).
+_FLASH_ATTENTION = {"torch": False}
+
+
+def _fuses(layer, q, k, call, dropout):
+    """Whether `_attend` takes `ops.dot_product_attention` (which cannot express soft-capping: `_attend`
+    asks only without it): without the weights and dropout (which it has not), at shapes known at trace time with
+    T, S > 0, not in float64 where Keras computes it in float32 (`_narrows`); where
+    `fused_attention` is None, only on torch (fused SDPA; on TensorFlow and JAX's
+    CPU it is the explicit formula, no faster than `dot_product_attention`)."""
+    if call.return_attention or dropout or layer.fused_attention is False:
+        return False
+    if _narrows(q.dtype):  # the kernel would compute float64 in float32
+        return False
+    if not _known(*q.shape, *k.shape) or 0 in (q.shape[2], k.shape[2]):
+        return False
+    return layer.fused_attention or keras.backend.backend() == "torch"
+
+
+def _query_chunk(layer, q, k):
+    """Queries per chunk of the memory-efficient path, or None where the (B, N, T, S) scores
+    are at most `memory_efficient_threshold` elements or a shape is unknown at trace time."""
+    b, n, t, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    if not _known(b, t, s) or b * n * t * s <= layer.memory_efficient_threshold:
+        return None
+    return max(1, min(t, layer.query_chunk_elements // (b * n * s)))
+
+
+def _fused_heads(layer, q, k, v, keep, bias, call, sinks):
+    """`_attend`'s fused path: the window and the attention chunk folded into `keep`, then
+    `_fused_attention`; the (B, N, T, Hv) context."""
+    t, s = q.shape[2], k.shape[2]
+    keep = _fold_masks(keep, call.window, call.attention_chunk_size, t, s)  # (B|1, N|1, T|1, S|1)
+    return _fused_attention(q, k, v, keep, bias, call.causal, layer.scale, sinks)
+
+
+def _chunked_heads(layer, q, k, v, keep, bias, call, dropout, sinks):
+    """`_attend`'s memory-efficient path, `_query_chunk` queries at a time, its dropout drawn from
+    the Dropout's seed generator; the (B, N, T, Hv) context."""
+    chunk = _query_chunk(layer, q, k)
+    rate, seed = 0, None
+    if dropout:
+        rate, seed = layer.dropout, ops.cast(layer._dropout_layer.seed_generator.next(), "int32")
+    return _chunked_attention(
+        q, k, v, keep, bias, call.causal, chunk, rate, seed, **_score_modifiers(layer, call, sinks)
+    )
 
 
 def _fused_attention(q, k, v, keep, bias, causal, scale, sinks):
@@ -1336,15 +1876,6 @@ def _first_column(mask, s, value):
     """A rank-4 mask (..., S|1) broadcast to S keys, with one more key first holding `value`."""
     mask = ops.broadcast_to(mask, (*mask.shape[:3], s))  # (B|1, N|1, T|1, S)
     return ops.concatenate([ops.full((*mask.shape[:3], 1), value, mask.dtype), mask], axis=-1)  # (..., 1 + S)
-
-
-def _fold_masks(keep, window, chunk, t, s):
-    """`keep` with `window` and the attention chunk (bottom-right aligned) ANDed in, rank 4."""
-    if window is not None:
-        keep = _and(keep, window_mask(t, s, window)[None, None])  # (B|1, N|1, T, S)
-    if chunk is not None:
-        keep = _and(keep, attention_chunk_mask(t, s, chunk)[None, None])  # (B|1, N|1, T, S)
-    return keep
 
 
 class _Chunks(NamedTuple):
@@ -1451,8 +1982,7 @@ def _chunk_weights(chunks, q, k, i, extra):
     q_i = _rows(q, start, size)  # (B, N, chunk, H)
     scores = _matmul(_grouped(chunks, q_i), ops.swapaxes(k, -1, -2))  # (B, K, G*chunk, H) @ (B, K, H, S)
     scores = ops.cast(_by_head(chunks, scores), chunks.dtype)  # (B, N, chunk, S)
-    capped = None if chunks.softcap is None else ops.tanh(scores / chunks.softcap)  # kept for the backward
-    scores = scores if capped is None else chunks.softcap * capped  # `_softcap`
+    scores, capped = _capped_chunk(chunks, scores)  # capped: the soft-cap's tanh, kept for the backward
     positions = start + ops.arange(size, dtype="int32") + (chunks.s - chunks.t)  # (chunk,)
     keep_i = _and(_chunk_rows(chunks.keep, start, size), _position_keep(positions, chunks))  # (B, N, chunk, S)
     bias_i = _chunk_rows(extra.get("bias"), start, size)
@@ -1597,111 +2127,44 @@ def _loop(step, count, totals, rows):
 
 
 # -------------------------------------------------------------------------------------------------
-# Keras only: backends and implicit masks
-# -------------------------------------------------------------------------------------------------
-
-
-def _narrows(dtype):
-    """Whether Keras' type promotion computes `dtype` in a narrower one: float64 in float32 on
-    every backend but TensorFlow (it follows JAX's default, 64-bit off), in `ops.matmul`,
-    `ops.dot_product_attention`, `ops.mean` and `ops.maximum`."""
-    name = keras.backend.standardize_dtype(dtype)
-    return keras.backend.result_type(name, name) != name
-
-
-def _mean(x):
-    """The mean over the last axis, kept, in x's dtype: `ops.mean` computes float64 in float32
-    where Keras narrows it (`_narrows`)."""
-    if _narrows(x.dtype):
-        return ops.sum(x, axis=-1, keepdims=True) / x.shape[-1]  # (..., D) -> (..., 1)
-    return ops.mean(x, axis=-1, keepdims=True)  # (..., D) -> (..., 1)
-
-
-def _matmul(a, b):
-    """a @ b, broadcast as `ops.matmul`, in the inputs' dtype: float64 through `ops.einsum`,
-    which keeps it where `ops.matmul` would narrow it (`_narrows`)."""
-    if _narrows(a.dtype) and _dtype_name(a.dtype) == _dtype_name(b.dtype):
-        return ops.einsum("...ij,...jk->...ik", a, b)  # (..., I, J) @ (..., J, K) -> (..., I, K)
-    return ops.matmul(a, b)  # (..., I, J) @ (..., J, K) -> (..., I, K)
-
-
-def _is_float(dtype):
-    return keras.backend.is_float_dtype(keras.backend.standardize_dtype(dtype))
-
-
-def _is_int(dtype):
-    return keras.backend.is_int_dtype(keras.backend.standardize_dtype(dtype))
-
-
-def _is_bool(x):
-    return _dtype_name(x.dtype) == "bool"
-
-
-def _lowest(dtype):
-    """The lowest finite value of a float32 or float64 dtype (the softmax's)."""
-    return float(np.finfo(keras.backend.standardize_dtype(dtype)).min)
-
-
-def _shape(x):
-    """The shape of x, static where known; a dimension unknown at trace time (TensorFlow) as a tensor."""
-    static = tuple(x.shape)
-    if None not in static:
-        return static
-    dynamic = ops.shape(x)
-    return tuple(dynamic[i] if d is None else d for i, d in enumerate(static))
-
-
-def _static_shape(x):
-    return tuple(x.shape)
-
-
-def _known(*dims):
-    """Whether every dimension is known at trace time: an int (not None, not JAX's symbolic
-    dimension of a functional model's shape inference)."""
-    return all(isinstance(d, int) for d in dims)
-
-
-def _differ(*dims):
-    """Whether the known dimensions (None: unknown at trace time) differ."""
-    known = {d for d in dims if d is not None}
-    return len(known) > 1
-
-
-def _shape_tuple(shape):
-    """A shape (tuple, list) as a tuple, or None where it or its rank is unknown."""
-    if shape is None:
-        return None
-    try:
-        return tuple(None if d is None else int(d) for d in shape)
-    except TypeError:  # a shape of unknown rank
-        return None
-
-
-def _implicit_mask(x):
-    """The implicit Keras mask a tensor carries (`Embedding(mask_zero=True)`), as Keras set it, or
-    None. TensorFlow and torch tensors carry it as an attribute; Keras keeps a JAX array's aside."""
-    mask = getattr(x, "_keras_mask", None)
-    if mask is None and x is not None and not isinstance(x, np.ndarray):
-        from keras.src.backend import get_keras_mask  # Keras' own reader (arrays that take no attribute)
-
-        mask = get_keras_mask(x)
-    return mask
-
-
-def _keras_mask(x):
-    """`_implicit_mask` as boolean, or None."""
-    mask = _implicit_mask(x)
-    return None if mask is None else ops.cast(mask, "bool")
-
-
-# -------------------------------------------------------------------------------------------------
-# int8
+# Section: int8
 # -------------------------------------------------------------------------------------------------
 # Keras' scheme (docs/SPEC.md, "int8"): `keras.quantizers.abs_max_quantize` on the kernels (per
 # output column, when quantizing) and on the inputs of each projection (per token, at run time).
+# `layer.quantize("int8")` (or `model.quantize("int8")`) makes each kernel int8 with a float32
+# `<kind>_kernel_scale` per output column (Keras' int8 `Dense` scheme).
 
 _INT8_MAX = 127.0
+
+
 _INT8_EPSILON = 1e-7  # Keras' `backend.epsilon()`, added to the abs-max before dividing
+
+
+def _quantize(layer, mode, config):
+    """Quantizes the projections (four, five with `gate`) to int8 as Keras'
+    `Dense.quantize("int8")` does: each kernel becomes an int8 variable with one float32
+    `<kind>_kernel_scale` per output column, each call quantizes the projections' inputs per
+    token, and the dtype policy becomes "int8_from_<policy>". `model.quantize("int8")` calls
+    it; other modes raise `NotImplementedError`, which `model.quantize` turns into a warning,
+    as for any Keras layer.
+
+    Args:
+        mode: "int8".
+        type_check: unused (Keras' signature).
+        config: None or Keras' default `Int8QuantizationConfig`.
+    """
+    if mode != "int8":
+        raise NotImplementedError(f"{type(layer).__name__} quantizes to 'int8' only. Received: mode={mode!r}")
+    _check_int8_config(config)
+    for kind in layer._projection_names:
+        kernel, scale = _quantize_kernel(ops.convert_to_numpy(getattr(layer, f"{kind}_kernel").value))
+        layer._untrack_variable(getattr(layer, f"{kind}_kernel"))  # Keras' `del` would run gc.collect() per kernel
+        for name, value in ((f"{kind}_kernel", kernel), (f"{kind}_kernel_scale", scale)):
+            options = {"initializer": "zeros", "trainable": False, "dtype": value.dtype.name}
+            setattr(layer, name, layer.add_weight(name=name, shape=value.shape, **options))
+            getattr(layer, name).assign(value)
+    layer._is_quantized = True  # Keras' flag: setting the policy below must not quantize again
+    layer.dtype_policy = f"int8_from_{layer.dtype_policy.name}"
 
 
 def _quantize_kernel(kernel):
@@ -1795,8 +2258,234 @@ def _unquantized_policy(policy):
 
 
 # -------------------------------------------------------------------------------------------------
-# The layer
+# Section: framework only
 # -------------------------------------------------------------------------------------------------
+# Keras backends: dtypes and shapes (float64 kept where Keras' type promotion would narrow it,
+# dimensions unknown at trace time), the values of masks read where it is free; and many devices:
+# `layer.layout_map(mesh)` gives the `keras.distribution.LayoutMap` entries that split the layer's
+# heads over a mesh axis, for `ModelParallel` on JAX (docs/distributed.md).
+
+
+def _narrows(dtype):
+    """Whether Keras' type promotion computes `dtype` in a narrower one: float64 in float32 on
+    every backend but TensorFlow (it follows JAX's default, 64-bit off), in `ops.matmul`,
+    `ops.dot_product_attention`, `ops.mean` and `ops.maximum`."""
+    name = keras.backend.standardize_dtype(dtype)
+    return keras.backend.result_type(name, name) != name
+
+
+def _mean(x):
+    """The mean over the last axis, kept, in x's dtype: `ops.mean` computes float64 in float32
+    where Keras narrows it (`_narrows`)."""
+    if _narrows(x.dtype):
+        return ops.sum(x, axis=-1, keepdims=True) / x.shape[-1]  # (..., D) -> (..., 1)
+    return ops.mean(x, axis=-1, keepdims=True)  # (..., D) -> (..., 1)
+
+
+def _dtype_name(dtype):
+    return keras.backend.standardize_dtype(dtype)
+
+
+def _is_float(dtype):
+    return keras.backend.is_float_dtype(keras.backend.standardize_dtype(dtype))
+
+
+def _is_int(dtype):
+    return keras.backend.is_int_dtype(keras.backend.standardize_dtype(dtype))
+
+
+def _is_bool(x):
+    return _dtype_name(x.dtype) == "bool"
+
+
+def _lowest(dtype):
+    """The lowest finite value of a float32 or float64 dtype (the softmax's)."""
+    return float(np.finfo(keras.backend.standardize_dtype(dtype)).min)
+
+
+def _shape(x):
+    """The shape of x, static where known; a dimension unknown at trace time (TensorFlow) as a tensor."""
+    static = tuple(x.shape)
+    if None not in static:
+        return static
+    dynamic = ops.shape(x)
+    return tuple(dynamic[i] if d is None else d for i, d in enumerate(static))
+
+
+def _static_shape(x):
+    return tuple(x.shape)
+
+
+def _known(*dims):
+    """Whether every dimension is known at trace time: an int (not None, not JAX's symbolic
+    dimension of a functional model's shape inference)."""
+    return all(isinstance(d, int) for d in dims)
+
+
+def _differ(*dims):
+    """Whether the known dimensions (None: unknown at trace time) differ."""
+    known = {d for d in dims if d is not None}
+    return len(known) > 1
+
+
+def _shape_tuple(shape):
+    """A shape (tuple, list) as a tuple, or None where it or its rank is unknown."""
+    if shape is None:
+        return None
+    try:
+        return tuple(None if d is None else int(d) for d in shape)
+    except TypeError:  # a shape of unknown rank
+        return None
+
+
+def _read_values(*tensors):
+    """The tensors' values as NumPy arrays (None stays None) where reading them is free, else None:
+    eagerly, on the CPU, not inside a TensorFlow graph, `jax.jit` or another JAX trace,
+    `torch.compile`, nor for a symbolic Keras tensor or a tensor on an accelerator. NumPy arrays
+    always can. Nothing can while Keras infers a functional model's shapes (its symbolic scope: on
+    torch it calls the layer on placeholder tensors, an unknown dimension made 83 or 89, whose
+    values say nothing of the real call's). Read the backend's own way: `ops.convert_to_numpy`
+    calls `np.array` on a torch or TensorFlow tensor, whose `__array__` makes NumPy 2 warn (a
+    DeprecationWarning: an error where warnings are)."""
+    from keras.src.backend import in_symbolic_scope  # Keras' own flag; no public API says it
+
+    if in_symbolic_scope():
+        return None
+    backend, values = keras.backend.backend(), []
+    for x in tensors:
+        if x is None or isinstance(x, np.ndarray):
+            values.append(None if x is None else np.asarray(x))
+        elif isinstance(x, keras.KerasTensor):
+            return None
+        elif backend == "tensorflow":
+            import tensorflow as tf  # the backend in use, already imported by Keras
+
+            if not (tf.executing_eagerly() and "CPU" in x.device.upper()):
+                return None
+            values.append(x.numpy())
+        elif backend == "jax":  # a tracer (jax.jit, grad) holds no values; its class says so, no jax import needed
+            if any(kind.__name__.endswith("Tracer") for kind in type(x).__mro__):
+                return None
+            if not all(d.platform == "cpu" for d in x.devices()):
+                return None
+            values.append(np.asarray(x))
+        elif backend == "torch":
+            import torch  # the backend in use, already imported by Keras
+
+            if torch.compiler.is_compiling() or x.device.type != "cpu":
+                return None
+            x = x.detach()
+            values.append((x.float() if x.dtype == torch.bfloat16 else x).numpy())  # NumPy has no bfloat16
+        else:
+            return None
+    return values
+
+
+# `layout_map`: per axis of each portable weight, the heads laid along it ("N": the query heads,
+# "K": the key/value heads), split over the model axis of a device mesh; None: not split. A
+# weight's `<name>_scale` (int8) is split as its kernel's columns; a weight missing here is a
+# KeyError in `layout_map`, so each new weight needs its line.
+_HEAD_AXES = {
+    "query_kernel": (None, "N"),
+    "query_bias": ("N",),
+    "key_kernel": (None, "K"),
+    "key_bias": ("K",),
+    "value_kernel": (None, "K"),
+    "value_bias": ("K",),
+    "output_kernel": ("N", None),
+    "output_bias": (None,),
+    "query_norm": ("N",),  # (N*H,) with qk_norm "per_head" or "all"; the (H,) of "head" is shared
+    "key_norm": ("K",),
+    "query_norm_bias": ("N",),
+    "key_norm_bias": ("K",),
+    "sinks": ("N",),
+    "gate_kernel": (None, "N"),
+    "gate_bias": ("N",),
+    "query_a_kernel": (None, None),  # MLA: the latents are shared by every head
+    "query_a_bias": (None,),
+    "query_a_norm": (None,),
+    "query_b_kernel": (None, "N"),
+    "query_b_bias": ("N",),
+    "key_value_a_kernel": (None, None),
+    "key_value_a_bias": (None,),
+    "key_value_a_norm": (None,),
+    "key_value_b_kernel": (None, "K"),
+    "key_value_b_bias": ("K",),
+}
+
+
+def _layout_map(layer, mesh, model_axis, layout_map):
+    """The `keras.distribution.LayoutMap` entries of this layer's weights, for `ModelParallel`:
+    the heads split over the mesh axis `model_axis`, each device holding whole heads.
+
+    The query, key and value kernels are split by their columns (the heads), the output
+    kernel by its rows and each bias, QK-norm scale (per head or over all heads), sink and
+    int8 scale as its projection; `output_bias` and the QK-norm's (H,) scales of
+    `qk_norm="head"` are replicated. With `num_kv_heads=1` (MQA) the key and value
+    projections are replicated: each device computes the one key/value head its query heads
+    share. Each entry's key is the regex `(.*/)?<layer name>/<weight name>`, matched in full
+    against `variable.path`: the variables are named as the portable weights (docs/SPEC.md,
+    "Weights"; `sinks` included), directly under the layer's name. Layers of equal names get
+    one entry when they need the same layouts (a ValueError when they differ). The layouts
+    apply to the variables created under the distribution (`distribution.scope()`); the KV
+    cache of `init_cache` is not a variable: put its key and value on the mesh split by
+    heads (axis 1), as in docs/distributed.md.
+
+    Args:
+        mesh: a `keras.distribution.DeviceMesh`.
+        model_axis: the name of the mesh axis the heads are split over; its size must divide
+            `num_heads`, and `num_kv_heads` unless that is 1.
+        layout_map: a `LayoutMap` on `mesh` to add the entries to; a new one if None.
+
+    Returns:
+        The `LayoutMap`, for `keras.distribution.ModelParallel(layout_map=...)`.
+
+    Example, 4 heads over the 2 devices of a "model" axis:
+        >>> mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), devices=["cpu:0", "cpu:1"])
+        >>> layout_map = MultiHeadAttention(16, 4, name="attention").layout_map(mesh)
+        >>> layout_map["attention/query_kernel"].axes, layout_map["block/attention/output_kernel"].axes
+        ((None, 'model'), ('model', None))
+    """
+    layout_map, devices = _mesh_layout_map(mesh, model_axis, layout_map)
+    _check_head_split(layer, devices, model_axis)
+    split = {"N": True, "K": layer.num_kv_heads > 1}  # MQA: the one key/value head on every device
+    for name in layer.weight_shapes():
+        axes = tuple(model_axis if split.get(heads) else None for heads in _head_axes(layer, name))
+        key = f"(.*/)?{_regex_literal(layer.name)}/{name}"
+        if key not in tuple(layout_map):  # `in` would match the key against every regex
+            layout_map[key] = axes
+        elif layout_map[key].axes != axes:
+            raise ValueError(
+                f"`layout_map` already lays out '{key}' as {layout_map[key].axes}, this layer needs {axes}: "
+                "give layers of different configurations different names. "
+                f"Received: a layer named {layer.name!r}"
+            )
+    return layout_map
+
+
+def _head_axes(layer, name):
+    """The table entry of one portable weight (`_HEAD_AXES`): per axis, "N", "K" or None."""
+    if name.endswith("_kernel_scale"):
+        return _HEAD_AXES[name.removesuffix("_scale")][1:]
+    if layer.qk_norm == "head" and name in ("query_norm", "key_norm", "query_norm_bias", "key_norm_bias"):
+        return (None,)
+    return _HEAD_AXES[name]
+
+
+def _check_head_split(layer, devices, model_axis):
+    """Whole heads on each of `devices`: N divisible by them, and K unless it is 1."""
+    kv = layer.num_kv_heads > 1 and layer.num_kv_heads % devices
+    if layer.num_heads % devices == 0 and not kv:
+        return
+    common = layer.num_heads if layer.num_kv_heads == 1 else math.gcd(layer.num_heads, layer.num_kv_heads)
+    sizes = [str(d) for d in range(1, common + 1) if common % d == 0]
+    sizes = " or ".join([", ".join(sizes[:-1]), sizes[-1]] if len(sizes) > 1 else sizes)
+    raise ValueError(
+        f"The size of the mesh axis '{model_axis}' must divide `num_heads`, and `num_kv_heads` unless it is 1 "
+        "(MQA: the key/value projections are replicated), so that each device holds whole heads. "
+        f"Received: num_heads={layer.num_heads}, num_kv_heads={layer.num_kv_heads}, a '{model_axis}' axis of "
+        f"{devices} devices. Use a '{model_axis}' axis of {sizes} devices (the others on a batch axis)"
+    )
 
 
 def _mesh_layout_map(mesh, model_axis, layout_map):
@@ -1820,6 +2509,32 @@ def _regex_literal(text):
     return "".join(c if c.isalnum() or c == "_" else f"\\{c}" for c in text)
 
 
+# The layer's plumbing: the call's record, its results, the constructor's argument types
+# (docs/SPEC.md, "Argument types": Python types, as Keras' configs hold them), the weights'
+# initializers and options, the shapes Keras passes to `build`.
+
+
+class _Call(NamedTuple):
+    """One call's arguments, checked and defaulted by `_check_call`; the cache step replaces
+    `causal`, `window`, `attention_chunk_size` and `cache`."""
+
+    query: Any  # (B, T, E), cast to the compute dtype
+    key: Any  # (B, S, kdim)
+    value: Any  # (B, S, vdim)
+    attention_mask: Any  # None, or checked and rank 4 (dims may be 1), after the `mask=` alias
+    attention_bias: Any  # None, or checked floating and rank 4 (dims may be 1)
+    key_mask: Any  # (B, S) boolean or None: after the self-attention default and the implicit Keras masks
+    query_mask: Any  # (B, T) boolean or None: ANDed with the query's implicit Keras mask
+    positions: Any  # (B|1, T) integers, (k, B|1, T) with `rope_sections`, or None without RoPE
+    causal: bool
+    window: Any  # the layer's window, or None
+    attention_chunk_size: Any  # the layer's attention_chunk_size, or None
+    return_attention: bool
+    cache: Any  # KVCache or None
+    training: Any  # the call's training flag
+    fuse: bool  # q, k, v from one matmul: never in this file
+
+
 def _results(output, weights, cache, return_attention):
     """output, (output, weights), (output, cache) or (output, weights, cache)."""
     results = (output, weights) if return_attention else (output,)
@@ -1827,1036 +2542,287 @@ def _results(output, weights, cache, return_attention):
     return results[0] if len(results) == 1 else results
 
 
-@keras.saving.register_keras_serializable(package="MultiHeadAttentionKeras")
-class MultiHeadAttention(keras.layers.Layer):
-    """Multi-head attention (MHA, grouped-query GQA and multi-query MQA) as a Keras 3 layer on any backend.
+def _check_lengths(query, key, value):
+    q, k, v = (tuple(x.shape) for x in (query, key, value))
+    if _differ(q[0], k[0], v[0]):
+        raise ValueError(
+            "`query`, `key` and `value` must have the same batch size B. Received: "
+            f"query.shape={q}, key.shape={k}, value.shape={v}"
+        )
+    if _differ(k[1], v[1]):
+        raise ValueError(f"`key` and `value` must have the same length S. Received: key.shape={k}, value.shape={v}")
+
+
+def _softmax_dtype(dtype):
+    """Softmax runs in float32 at least (float64 stays float64)."""
+    return "float64" if keras.backend.standardize_dtype(dtype) == "float64" else "float32"
+
+
+class _Variants(NamedTuple):
+    """The variants' constructor arguments, checked and held as Python types (docs/SPEC.md,
+    "Argument types"); each is off at its default."""
+
+    scale: float  # 1 / sqrt(H) when None was passed
+    softcap: Any  # None or float
+    window: Any  # None, an int or a pair (before, after) of ints
+    attention_chunk_size: Any  # None or int
+    rope_theta: Any  # None or float
+    rope_fraction: float
+    rope_interleaved: bool
+    rope_scaling: Any  # None or a dict of Python scalars
+    rope_sections: Any  # None or a tuple of ints
+    qk_norm: Any  # None, "head", "per_head" or "all"
+    qk_norm_eps: float
+    qk_norm_type: str  # "rms" or "layer"
+    qk_norm_bias: bool
+    sinks: bool
+    clip_qkv: Any  # None or float
+    gate: bool
+    latent_norm_eps: float
+
+
+def _check_variants(
+    modifiers, rope_width, rope_theta, rope_fraction, rope_interleaved, rope_scaling, rope_sections, qk_norm,
+    qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv, gate, latent_norm_eps,
+):  # fmt: skip
+    """Checks the variants' arguments after the score modifiers (`modifiers`, checked first by
+    `_check_score_modifiers`), each on its own whether its variant is on or off, in the
+    signature's order with the flags last (so that every file names the same first bad
+    argument); returns them all as a `_Variants`. RoPE turns features of heads `rope_width` wide
+    (H, or Hr with MLA)."""
+    rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
+    rotary_dim = _rotary_dim(rope_fraction, rope_width, rope_theta is not None)
+    rope_scaling = _check_rope_scaling(rope_scaling)
+    rope_sections = _check_rope_sections(rope_sections, rotary_dim)
+    if qk_norm not in (None, "head", "per_head", "all"):
+        raise ValueError(f"`qk_norm` must be None, 'head', 'per_head' or 'all'. Received: qk_norm={qk_norm!r}")
+    qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
+    qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
+    if not isinstance(qk_norm_type, str) or qk_norm_type not in ("rms", "layer"):
+        raise ValueError(f"`qk_norm_type` must be 'rms' or 'layer'. Received: qk_norm_type={qk_norm_type!r}")
+    clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
+    latent_norm_eps = _positive_float("latent_norm_eps", latent_norm_eps)
+    rope_interleaved = _flag("rope_interleaved", rope_interleaved)
+    qk_norm_bias = _flag("qk_norm_bias", qk_norm_bias)
+    sinks = _flag("sinks", sinks)
+    gate = _flag("gate", gate)
+    return _Variants(
+        *modifiers, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling, rope_sections, qk_norm,
+        qk_norm_eps, str(qk_norm_type), qk_norm_bias, sinks, clip_qkv, gate, latent_norm_eps,
+    )  # fmt: skip
+
+
+def _positive_int(name, value):
+    if not _is_positive_int(value):
+        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+    return int(value)
+
+
+def _is_positive_int(value):
+    """A Python or NumPy integer (not a bool) >= 1."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 1
+
+
+def _is_positive_number(value):
+    number = not isinstance(value, (bool, np.bool_)) and isinstance(value, (int, float, np.integer, np.floating))
+    return number and math.isfinite(value) and value > 0
+
+
+def _positive_float(name, value, optional=False):
+    """A positive float; None stays None when `optional`."""
+    if optional and value is None:
+        return None
+    if not _is_positive_number(value):
+        raise ValueError(
+            f"`{name}` must be {'None or ' if optional else ''}a positive float. Received: {name}={value!r}"
+        )
+    return float(value)
+
+
+def _flag(name, value):
+    """A constructor flag: a Python or NumPy bool (not 0 or 1, not a string)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
+    return bool(value)
+
+
+def _dropout_rate(dropout):
+    """`dropout` as a float: a Python or NumPy number (not a bool, not None) in [0, 1)."""
+    number = isinstance(dropout, (int, float, np.integer, np.floating)) and not isinstance(dropout, (bool, np.bool_))
+    if not (number and 0.0 <= dropout < 1.0):
+        raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
+    return float(dropout)
+
+
+def _projection_biases(bias, gate, projections=_PROJECTIONS):
+    """`bias` -> the names of the projections that have a bias, in the order of `projections`
+    (("query", "key", "value", "output", "gate"), or the layer's with MLA: `_projections`). `bias`
+    is a Python or NumPy bool (all the layer's projections, the gate's only with `gate` True, or
+    none), or a list, tuple, set or frozenset of those names; anything else (a string, a dict or
+    its keys, an array) is refused."""
+    if isinstance(bias, (bool, np.bool_)):
+        return _projection_kinds(projections, gate is True or gate is np.True_) if bias else ()
+    names = isinstance(bias, (list, tuple, set, frozenset)) and all(
+        isinstance(name, str) and name in projections for name in bias
+    )
+    if not names:
+        raise ValueError(
+            f"`bias` must be True, False or a list, tuple or set of {', '.join(map(repr, projections))}. "
+            f"Received: bias={bias!r}"
+        )
+    return tuple(name for name in projections if name in bias)
+
+
+def _projection_kinds(projections, gate):
+    """The layer's projections among `projections` (`_projections`): the gate's only with `gate`."""
+    return projections if gate else projections[:-1]
+
+
+def _initializer(layer, name):
+    """Kernels and biases from the layer's initializers; QK-norm scales of one, QK-norm biases
+    and sinks of zero."""
+    if name.endswith("_norm"):
+        return keras.initializers.Ones()
+    if name in ("sinks", "query_norm_bias", "key_norm_bias"):
+        return keras.initializers.Zeros()
+    initializer = layer.kernel_initializer if name.endswith("_kernel") else layer.bias_initializer
+    return initializer.__class__.from_config(initializer.get_config())  # a fresh instance for each weight
+
+
+def _weight_options(layer, name):
+    """`add_weight` arguments of one portable weight: int8 kernels and their float scales are
+    not trainable (as in Keras' int8 `Dense`)."""
+    if layer._int8 and name.endswith("_kernel"):
+        return {"initializer": "zeros", "dtype": "int8", "trainable": False}
+    if name.endswith("_kernel_scale"):
+        return {"initializer": "ones", "dtype": "float32", "trainable": False}
+    return {"initializer": _initializer(layer, name)}
+
+
+def _check_shapes(layer, query_shape, value_shape, key_shape):
+    """Shapes given to `build` or `compute_output_shape`, checked as the call checks its
+    inputs (the same messages); returns the query's shape. A missing key or value shape is the
+    other one's, as in the call; with neither, they are unknown."""
+    query_shape, value_shape, key_shape = (_shape_tuple(shape) for shape in (query_shape, value_shape, key_shape))
+    key_shape = value_shape if key_shape is None else key_shape
+    value_shape = key_shape if value_shape is None else value_shape
+    for name, shape, width_name, width in (
+        ("query", query_shape, "E", layer.d_model),
+        ("key", key_shape, "kdim", layer.kdim),
+        ("value", value_shape, "vdim", layer.vdim),
+    ):
+        letter = "T" if name == "query" else "S"
+        if shape is not None and (len(shape) != 3 or shape[-1] not in (None, width)):
+            raise ValueError(
+                f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
+                f"Received: {name}.shape={shape}"
+            )
+    if None in (query_shape, key_shape, value_shape):
+        return query_shape
+    if _differ(query_shape[0], key_shape[0], value_shape[0]):
+        raise ValueError(
+            "`query`, `key` and `value` must have the same batch size B. Received: "
+            f"query.shape={query_shape}, key.shape={key_shape}, value.shape={value_shape}"
+        )
+    if _differ(key_shape[1], value_shape[1]):
+        raise ValueError(
+            f"`key` and `value` must have the same length S. Received: key.shape={key_shape}, value.shape={value_shape}"
+        )
+    return query_shape
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: converters
+# -------------------------------------------------------------------------------------------------
+# `from_keras` and `to_keras`: the weights of `keras.layers.MultiHeadAttention` and
+# `keras.layers.GroupQueryAttention`, and what they cannot hold.
+# Coming from `keras.layers.MultiHeadAttention`: it is called `(query, value, key)`, this layer
+# `(query, key, value)`. A floating `attention_mask` is added to the scores here, where Keras
+# reads a 0/1 float mask as boolean: pass `mask > 0`. `use_causal_mask=True` is `causal=True`
+# (bottom-right aligned when T < S); `return_attention_scores=True` is `return_attention=True`.
+# Then the portable layout of the weights (`weight_shapes`: `query_kernel` (E, N*H), `query_bias`
+# (N*H,), `key_kernel` (kdim, K*H), ..., `output_kernel` (N*H, E), `output_bias` (E,), then each
+# option's) and Keras' config.
+
+
+def _from_keras(cls, layer, window):
+    """Builds a layer with the weights of a built `keras.layers.MultiHeadAttention` or
+    `keras.layers.GroupQueryAttention` (3-D inputs, default attention axes).
+
+    Its dtype policy, initializers and `trainable` are kept; LoRA adapters on its
+    projections are merged into the kernels; `use_gate=True` becomes `gate=True`, its
+    (E, N, H) kernel `gate_kernel`. Every option this layer cannot hold (regularizers,
+    constraints, other attention axes or output shapes, value_dim != key_dim, quantized
+    projections) is a ValueError that lists them all.
 
     Args:
-        d_model: E, the width of `query` and of the output.
-        num_heads: N, the number of query heads.
-        num_kv_heads: K, the number of key/value heads; must divide N. Defaults to N.
-        head_dim: H, the width of one head. Defaults to E // N (then N must divide E).
-        kdim: width of `key`. Defaults to E.
-        vdim: width of `value`. Defaults to E.
-        dropout: probability of dropping attention weights when training; 0 <= p < 1.
-        bias: True (all the projections have a bias, the gate's with `gate`), False (none), or a
-            list, tuple or set of the names of those that have one, among "query", "key", "value",
-            "output", "gate" (Qwen2: ("query", "key", "value")). Kept as that tuple of names, in
-            that order. With MLA the names are "query" (or "query_a" and "query_b"), "key_value_a",
-            "key_value_b", "output", "gate".
-        scale: the factor of the scores, `scores = (q . k) * scale`. Defaults to 1 / sqrt(H).
-        softcap: None or a positive float c: the scores become c * tanh(scores / c).
-        window: None, W, or a pair (W_before, W_after): query t keeps key s only if
-            s > t + (S - T) - W_before, and with a pair also s < t + (S - T) + W_after
-            (Mistral's sliding window: W; ModernBERT's two-sided band: (65, 65)).
-        attention_chunk_size: None, or C: query t keeps key s only if both are in the same
-            chunk of C positions, s // C == (t + (S - T)) // C (Llama 4's chunked attention).
-        rope_theta: None (no RoPE) or the base of rotary position embeddings.
-        rope_fraction: in (0, 1]; RoPE turns the first R = int(H * rope_fraction) features.
-        rope_interleaved: False pairs feature i with i + R/2; True pairs 2i and 2i + 1.
-        rope_scaling: None, {"rope_type": "linear", "factor": f}, a "llama3" dict (factor,
-            low_freq_factor, high_freq_factor, original_max_position_embeddings) or a "yarn" dict
-            (factor, original_max_position_embeddings, optional attention_factor, beta_fast,
-            beta_slow, mscale, mscale_all_dim, truncate; the rotated features of q and k are
-            also multiplied by its attention factor).
-        rope_sections: None, or the numbers of rotated pairs (summing to R/2) that turn by each
-            row of (k, B, T) `positions` in turn (Qwen2-VL's multimodal RoPE, `mrope_section`).
-        qk_norm: None, "head" (each head of q and k normalized, one scale shared by the heads:
-            Qwen3), "per_head" (each head with its own scale: StableLM, Cohere) or "all" (over all
-            heads: OLMo2); its scales are the weights `query_norm` and `key_norm`.
-        qk_norm_eps: the epsilon of that norm.
-        qk_norm_type: "rms" (RMSNorm) or "layer" (LayerNorm: the mean is removed first).
-        qk_norm_bias: if True, the norm adds a learned bias after its scale (`query_norm_bias`,
-            `key_norm_bias`: Phi's LayerNorm).
-        sinks: if True, one learned logit per query head in the softmax's denominator.
-        clip_qkv: None or c > 0: q, k and v are clamped to [-c, c] right after their projections
-            (bias included), before QK-norm, RoPE and the cache (OLMo, DBRX, MPT).
-        gate: if True, each head's attention result is multiplied, feature by feature, by
-            sigmoid(query @ gate_kernel + gate_bias) before the heads are merged (Keras'
-            `use_gate`, Qwen3-Next, Qwen3.5).
-        kv_lora_rank: None, or C: multi-head latent attention (DeepSeek-V2/V3). Keys and values
-            come from `key` through a latent of C features per token, RMS-normalized, and the
-            cache holds it (`KVCache.key` (B, 1, L, C), `value` (B, 1, L, Hr)); `value` must be
-            None or `key` itself. Not with `vdim`, `qk_norm`, `clip_qkv`, `rope_sections` or
-            `rope_fraction` < 1.
-        q_lora_rank: None (a plain query projection), or Q: the query goes through a latent of Q
-            features, RMS-normalized (`query_a_kernel`, `query_a_norm`, `query_b_kernel`).
-        qk_nope_head_dim: Hn, the features of a query/key head that RoPE does not turn (MLA).
-        qk_rope_head_dim: Hr, the features RoPE turns (MLA); the key's are shared by the heads.
-            With MLA, H = Hn + Hr (`head_dim`, if given, must equal it).
-        v_head_dim: Hv, the width of a value head (MLA); the output kernel is (N*Hv, E).
-        latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
-        kernel_initializer: initializer of the kernels.
-        bias_initializer: initializer of the biases.
-        **kwargs: base layer arguments (`name`, `dtype` policy, ...).
-
-    Call arguments:
-        query: (B, T, E).
-        key: (B, S, kdim). Defaults to `value`, or to `query` if `value` is None too. Note
-            that `keras.layers.MultiHeadAttention` takes them in the other order (query, value,
-            key): this layer is called (query, key, value).
-        value: (B, S, vdim). Defaults to `key`.
-        attention_mask: boolean (True = attend) or floating (added to the scores), of shape
-            (T, S), (B, T, S) or (B, N, T, S), any dimension of which may be 1. `mask=` is
-            accepted as its alias (not both).
-        key_mask: (B, S) boolean, True for a real key; ANDed with the key's and value's Keras
-            masks. In self-attention it defaults to `query_mask`.
-        query_mask: (B, T) boolean, True for a real query; ANDed with the query's Keras mask.
-        attention_bias: floating, added to the scores (with a gradient); shaped like a mask.
-        positions: integer (B, T) or (T,) RoPE positions, or (k, B, T) with `rope_sections`;
-            default arange(T) (+ the cache index).
-        causal: if True, query t attends key s only if s <= t + (S - T).
-        return_attention: if True, also return the per-head attention weights.
-        training: dropout acts only when True.
-        value_mask: (B, S) boolean, ANDed with `key_mask` (Keras fills it from the value's mask).
-        cache: a `KVCache` from `init_cache`: decode T new tokens (`key` and `value`, if
-            given, hold the same T tokens); masks and weights are then over the L slots, and
-            `key_mask` is (B, T).
-
-    Returns:
-        output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before
-        dropout) when `return_attention` is True; with `cache`, the updated cache is appended
-        and weights are (B, N, T, L), exactly 0 at unwritten slots.
-
-    Coming from `keras.layers.MultiHeadAttention`: it is called `(query, value, key)`, this layer
-    `(query, key, value)`. A floating `attention_mask` is added to the scores here, where Keras
-    reads a 0/1 float mask as boolean: pass `mask > 0`. `use_causal_mask=True` is `causal=True`
-    (bottom-right aligned when T < S); `return_attention_scores=True` is `return_attention=True`.
-
-    Example, a key padding mask (the third key of the first sequence is padding):
-        >>> layer = MultiHeadAttention(16, 4)
-        >>> x = keras.random.normal((2, 3, 16), seed=0)  # (B, T, E)
-        >>> keep = ops.convert_to_tensor([[True, True, False], [True, True, True]])  # (B, S)
-        >>> out, weights = layer(x, key_mask=keep, return_attention=True)
-        >>> tuple(out.shape), tuple(weights.shape)
-        ((2, 3, 16), (2, 4, 3, 3))
-        >>> bool(ops.all(weights[0, :, :, 2] == 0))
-        True
+        layer: the built-in.
+        window: with a built-in's `sliding_window` W, `(W, W)`: Keras counts its band
+            |t - s| < W from the first query and key, this layer from the last (so that
+            decoding equals the full pass), so the two keep the same keys only where T == S.
+            Passing `(W, W)` says the layer is for such calls; without it `sliding_window` is
+            refused.
     """
-
-    # Without `return_attention`, (B, N, T, S) score elements above which attention runs a chunk
-    # of queries at a time (memory linear in T and S; 64 Mi float32 scores are 256 MiB), and the
-    # score elements of one chunk (8 MiB in float32), as in the TensorFlow file. `fused_attention`:
-    # whether `ops.dot_product_attention` is taken where it is exact (None: on torch only).
-    memory_efficient_threshold = 1 << 26
-    query_chunk_elements = 1 << 21
-    fused_attention = None
-    # With MLA, whether attention runs on the latents with the up-projections folded in (the absorbed
-    # path: True), on per-head keys and values up-projected from them (False), or (None) absorbed
-    # when decoding a few tokens with a cache (`_absorbs`).
-    absorb_latents = None
-
-    def __init__(
-        self,
-        d_model,
-        num_heads,
-        *,
-        num_kv_heads=None,
-        head_dim=None,
-        kdim=None,
-        vdim=None,
-        dropout=0.0,
-        bias=True,
-        scale=None,
-        softcap=None,
-        window=None,
-        attention_chunk_size=None,
-        rope_theta=None,
-        rope_fraction=1.0,
-        rope_interleaved=False,
-        rope_scaling=None,
-        rope_sections=None,
-        qk_norm=None,
-        qk_norm_eps=1e-6,
-        qk_norm_type="rms",
-        qk_norm_bias=False,
-        sinks=False,
-        clip_qkv=None,
-        gate=False,
-        kv_lora_rank=None,
-        q_lora_rank=None,
-        qk_nope_head_dim=None,
-        qk_rope_head_dim=None,
-        v_head_dim=None,
-        latent_norm_eps=1e-6,
-        kernel_initializer="glorot_uniform",
-        bias_initializer="zeros",
-        **kwargs,
-    ):
-        super().__init__(**kwargs)
-        self.d_model = _positive_int("d_model", d_model)
-        self.num_heads = _positive_int("num_heads", num_heads)
-        self.num_kv_heads = _positive_int("num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads)
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"`num_kv_heads` must divide `num_heads`. Received: num_heads={num_heads}, num_kv_heads={num_kv_heads}"
-            )
-        latent = _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
-        head_dim = head_dim if latent is None else _latent_head_dim(latent, head_dim)  # MLA: Hn + Hr
-        if head_dim is None and self.d_model % self.num_heads:
-            raise ValueError(f"`num_heads` must divide `d_model`. Received: d_model={d_model}, num_heads={num_heads}")
-        self.head_dim = _positive_int("head_dim", self.d_model // self.num_heads if head_dim is None else head_dim)
-        self.kdim = _positive_int("kdim", self.d_model if kdim is None else kdim)
-        self.vdim = _positive_int("vdim", self.d_model if vdim is None else vdim)
-        self.dropout = _dropout_rate(dropout)
-        self.bias = _projection_biases(bias, gate, _projections(latent))
-        rope_width = self.head_dim if latent is None else latent.qk_rope_head_dim
-        (
-            self.scale, self.softcap, self.window, self.attention_chunk_size, self.rope_theta, self.rope_fraction,
-            self.rope_interleaved, self.rope_scaling, self.rope_sections, self.qk_norm, self.qk_norm_eps,
-            self.qk_norm_type, self.qk_norm_bias, self.sinks, self.clip_qkv, self.gate, self.latent_norm_eps,
-        ) = variants = _check_variants(
-            self.head_dim, rope_width, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction,
-            rope_interleaved, rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks,
-            clip_qkv, gate, latent_norm_eps,
-        )  # fmt: skip
-        if latent is not None:
-            _check_latent_combinations(vdim, variants)
-            self.vdim = self.kdim  # MLA reads keys and values from `key`
-        for name in _LATENT_SIZES:
-            setattr(self, name, None if latent is None else getattr(latent, name))
-        if self.rope_theta is not None:
-            rotary = _rotary_dim(self.rope_fraction, rope_width, True)
-            frequencies = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,) NumPy
-            self._inv_freq = tuple(frequencies.tolist())  # (R/2,) floats: an array breaks torch.compile's graph
-        self.kernel_initializer = keras.initializers.get(kernel_initializer)
-        self.bias_initializer = keras.initializers.get(bias_initializer)
-        self.supports_masking = True
-        self._convert_input_args = False  # Keras must not cast masks and biases: `_check_call` casts the inputs
-        self._allow_non_tensor_positional_args = True  # NumPy inputs reach `call` as they are
-        self._warned_traps = set()  # the mask habits warned of, once each
-        dropout_layer = keras.layers.Dropout(self.dropout, dtype=_unquantized_policy(self.dtype_policy))
-        object.__setattr__(self, "_dropout_layer", dropout_layer)  # no sublayer: `model.quantize` quantizes leaves
-        if self.dropout > 0:  # Keras' Dropout has a seed generator only then: its seed is this layer's state
-            self._dropout_seed_generator = dropout_layer.seed_generator
-
-    def _initializer(self, name):
-        """Kernels and biases from the layer's initializers; QK-norm scales of one, QK-norm biases
-        and sinks of zero."""
-        if name.endswith("_norm"):
-            return keras.initializers.Ones()
-        if name in ("sinks", "query_norm_bias", "key_norm_bias"):
-            return keras.initializers.Zeros()
-        initializer = self.kernel_initializer if name.endswith("_kernel") else self.bias_initializer
-        return initializer.__class__.from_config(initializer.get_config())  # a fresh instance for each weight
-
-    def build(self, query_shape=None, value_shape=None, key_shape=None):
-        """Creates the portable weights; every shape is known from the constructor.
-
-        Args:
-            query_shape: optional (B, T, E).
-            value_shape: optional (B, S, vdim).
-            key_shape: optional (B, S, kdim). Keras' attention-layer convention, in its order
-                (query, value, key); a missing shape defaults as in the call, and a width other
-                than the constructor's is a ValueError.
-        """
-        self._check_shapes(query_shape, value_shape, key_shape)
-        for name, shape in self.weight_shapes().items():
-            variable = self.add_weight(name=name, shape=shape, **self._weight_options(name))
-            setattr(self, _ATTRIBUTES.get(name, name), variable)
-        self._is_quantized = self._int8  # Keras' flag: an int8 layer (a loaded `.keras` file) is not quantized again
-        self._dropout_layer.build(None)
-        self.built = True
-
-    def get_config(self):
-        bias = True if self.bias == self._projection_names else bool(self.bias) and list(self.bias)
-        return {
-            **super().get_config(),
-            "d_model": self.d_model,
-            "num_heads": self.num_heads,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "kdim": self.kdim,
-            "vdim": None if self.kv_lora_rank is not None else self.vdim,  # MLA: its values come from `key`
-            "dropout": self.dropout,
-            "bias": bias,
-            "scale": self.scale,
-            "softcap": self.softcap,
-            "window": list(self.window) if isinstance(self.window, tuple) else self.window,
-            "attention_chunk_size": self.attention_chunk_size,
-            "rope_theta": self.rope_theta,
-            "rope_fraction": self.rope_fraction,
-            "rope_interleaved": self.rope_interleaved,
-            "rope_scaling": self.rope_scaling,
-            "rope_sections": None if self.rope_sections is None else list(self.rope_sections),
-            "qk_norm": self.qk_norm,
-            "qk_norm_eps": self.qk_norm_eps,
-            "qk_norm_type": self.qk_norm_type,
-            "qk_norm_bias": self.qk_norm_bias,
-            "sinks": self.sinks,
-            "clip_qkv": self.clip_qkv,
-            "gate": self.gate,
-            "kv_lora_rank": self.kv_lora_rank,
-            "q_lora_rank": self.q_lora_rank,
-            "qk_nope_head_dim": self.qk_nope_head_dim,
-            "qk_rope_head_dim": self.qk_rope_head_dim,
-            "v_head_dim": self.v_head_dim,
-            "latent_norm_eps": self.latent_norm_eps,
-            "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
-            "bias_initializer": keras.initializers.serialize(self.bias_initializer),
-        }
-
-    @property
-    def _latent(self):
-        """The MLA sizes as a `_Latent`, or None without `kv_lora_rank`."""
-        return None if self.kv_lora_rank is None else _Latent(*(getattr(self, name) for name in _LATENT_SIZES))
-
-    @property
-    def _projection_names(self):
-        """The names of the layer's projections, in the layout's order (MLA's with `kv_lora_rank`,
-        the gate's with `gate`)."""
-        return _projection_kinds(_projections(self._latent), self.gate)
-
-    def weight_shapes(self):
-        """The portable layout: {name: shape}, in its order; a projection's bias only when `bias`
-        names it, the norm scales only with `qk_norm` (and their biases with `qk_norm_bias`),
-        `sinks` only with `sinks=True`, the gate's kernel (and bias) after them with `gate=True`.
-        With MLA, the latent projections and their norm scales (`query_a_norm` with `q_lora_rank`,
-        `key_value_a_norm`) replace query, key and value."""
-        nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        kernels = self._kernel_shapes()
-        hv = self.head_dim if self.kv_lora_rank is None else self.v_head_dim
-        gate = {"gate": (self.d_model, self.num_heads * hv)} if self.gate else {}
-        shapes = {}
-        for kind, shape in kernels.items():
-            shapes[f"{kind}_kernel"] = shape
-            if kind in self.bias:
-                shapes[f"{kind}_bias"] = shape[1:]
-            if kind in ("query_a", "key_value_a"):
-                shapes[f"{kind}_norm"] = (self.q_lora_rank if kind == "query_a" else self.kv_lora_rank,)
-        if self.qk_norm is not None:
-            shapes["query_norm"] = (self.head_dim,) if self.qk_norm == "head" else (nh,)
-            shapes["key_norm"] = (self.head_dim,) if self.qk_norm == "head" else (kh,)
-        if self.qk_norm is not None and self.qk_norm_bias:
-            shapes["query_norm_bias"], shapes["key_norm_bias"] = shapes["query_norm"], shapes["key_norm"]
-        if self.sinks:
-            shapes["sinks"] = (self.num_heads,)
-        for kind, shape in gate.items():
-            shapes[f"{kind}_kernel"] = shape
-            if kind in self.bias:
-                shapes[f"{kind}_bias"] = shape[1:]
-        return _with_scales(shapes) if self._int8 else shapes
-
-    def _kernel_shapes(self):
-        """{projection: its kernel's (D, F)}, in the layout's order."""
-        nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if self.kv_lora_rank is None:
-            return {
-                "query": (self.d_model, nh),
-                "key": (self.kdim, kh),
-                "value": (self.vdim, kh),
-                "output": (nh, self.d_model),
-            }
-        c, hn, hr, hv = self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
-        query = {"query": (self.d_model, nh)}
-        if self.q_lora_rank is not None:
-            query = {"query_a": (self.d_model, self.q_lora_rank), "query_b": (self.q_lora_rank, nh)}
-        return {
-            **query,
-            "key_value_a": (self.kdim, c + hr),
-            "key_value_b": (c, self.num_kv_heads * (hn + hv)),
-            "output": (self.num_heads * hv, self.d_model),
-        }
-
-    def _variable(self, name):
-        """The variable of one portable weight (`sinks` is held as `sink_logits`)."""
-        return getattr(self, _ATTRIBUTES.get(name, name))
-
-    def export_weights(self):
-        """Returns the portable weights: a dict of NumPy arrays (see docs/SPEC.md)."""
-        if not self.built:
-            self.build()
-        return {name: np.array(ops.convert_to_numpy(self._variable(name).value)) for name in self.weight_shapes()}
-
-    def import_weights(self, weights):
-        """Loads portable weights; strict and atomic (a ValueError lists every problem). An int8
-        layout (with `<kind>_kernel_scale`) quantizes a float layer first; an int8 layer takes only one."""
-        int8 = self._int8 or _is_int8_layout(weights)
-        expected = _with_scales(self.weight_shapes()) if int8 and not self._int8 else self.weight_shapes()
-        problems = [f"missing '{name}'" for name in expected if name not in weights]
-        problems += [f"unexpected '{name}'" for name in weights if name not in expected]
-        for name, shape in expected.items():
-            if name in weights and tuple(np.shape(weights[name])) != shape:
-                problems.append(f"'{name}' has shape {tuple(np.shape(weights[name]))}, expected {shape}")
-        problems += _int8_problems(weights, expected) if int8 else []
-        if problems:
-            raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
-        if not self.built:
-            self.build()
-        if int8 and not self._int8:
-            self.quantize("int8")
-        for name in expected:
-            variable = self._variable(name)
-            variable.assign(ops.cast(np.asarray(weights[name]), variable.dtype))
-
-    def layout_map(self, mesh, model_axis="model", layout_map=None):
-        """The `keras.distribution.LayoutMap` entries of this layer's weights, for `ModelParallel`:
-        the heads split over the mesh axis `model_axis`, each device holding whole heads.
-
-        The query, key and value kernels are split by their columns (the heads), the output
-        kernel by its rows and each bias, QK-norm scale (per head or over all heads), sink and
-        int8 scale as its projection; `output_bias` and the QK-norm's (H,) scales of
-        `qk_norm="head"` are replicated. With `num_kv_heads=1` (MQA) the key and value
-        projections are replicated: each device computes the one key/value head its query heads
-        share. Each entry's key is the regex `(.*/)?<layer name>/<weight name>`, matched in full
-        against `variable.path`: the variables are named as the portable weights (docs/SPEC.md,
-        "Weights"; `sinks` included), directly under the layer's name. Layers of equal names get
-        one entry when they need the same layouts (a ValueError when they differ). The layouts
-        apply to the variables created under the distribution (`distribution.scope()`); the KV
-        cache of `init_cache` is not a variable: put its key and value on the mesh split by
-        heads (axis 1), as in docs/distributed.md.
-
-        Args:
-            mesh: a `keras.distribution.DeviceMesh`.
-            model_axis: the name of the mesh axis the heads are split over; its size must divide
-                `num_heads`, and `num_kv_heads` unless that is 1.
-            layout_map: a `LayoutMap` on `mesh` to add the entries to; a new one if None.
-
-        Returns:
-            The `LayoutMap`, for `keras.distribution.ModelParallel(layout_map=...)`.
-
-        Example, 4 heads over the 2 devices of a "model" axis:
-            >>> mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), devices=["cpu:0", "cpu:1"])
-            >>> layout_map = MultiHeadAttention(16, 4, name="attention").layout_map(mesh)
-            >>> layout_map["attention/query_kernel"].axes, layout_map["block/attention/output_kernel"].axes
-            ((None, 'model'), ('model', None))
-        """
-        layout_map, devices = _mesh_layout_map(mesh, model_axis, layout_map)
-        self._check_head_split(devices, model_axis)
-        split = {"N": True, "K": self.num_kv_heads > 1}  # MQA: the one key/value head on every device
-        for name in self.weight_shapes():
-            axes = tuple(model_axis if split.get(heads) else None for heads in self._head_axes(name))
-            key = f"(.*/)?{_regex_literal(self.name)}/{name}"
-            if key not in tuple(layout_map):  # `in` would match the key against every regex
-                layout_map[key] = axes
-            elif layout_map[key].axes != axes:
-                raise ValueError(
-                    f"`layout_map` already lays out '{key}' as {layout_map[key].axes}, this layer needs {axes}: "
-                    "give layers of different configurations different names. "
-                    f"Received: a layer named {self.name!r}"
-                )
-        return layout_map
-
-    def _head_axes(self, name):
-        """The table entry of one portable weight (`_HEAD_AXES`): per axis, "N", "K" or None."""
-        if name.endswith("_kernel_scale"):
-            return _HEAD_AXES[name.removesuffix("_scale")][1:]
-        if self.qk_norm == "head" and name in ("query_norm", "key_norm", "query_norm_bias", "key_norm_bias"):
-            return (None,)
-        return _HEAD_AXES[name]
-
-    def _check_head_split(self, devices, model_axis):
-        """Whole heads on each of `devices`: N divisible by them, and K unless it is 1."""
-        kv = self.num_kv_heads > 1 and self.num_kv_heads % devices
-        if self.num_heads % devices == 0 and not kv:
-            return
-        common = self.num_heads if self.num_kv_heads == 1 else math.gcd(self.num_heads, self.num_kv_heads)
-        sizes = [str(d) for d in range(1, common + 1) if common % d == 0]
-        sizes = " or ".join([", ".join(sizes[:-1]), sizes[-1]] if len(sizes) > 1 else sizes)
-        raise ValueError(
-            f"The size of the mesh axis '{model_axis}' must divide `num_heads`, and `num_kv_heads` unless it is 1 "
-            "(MQA: the key/value projections are replicated), so that each device holds whole heads. "
-            f"Received: num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, a '{model_axis}' axis of "
-            f"{devices} devices. Use a '{model_axis}' axis of {sizes} devices (the others on a batch axis)"
-        )
-
-    # int8: Keras' quantization API (`layer.quantize("int8")`, `model.quantize("int8")`, the
-    # "int8_from_<policy>" dtype policies), with the portable int8 layout as the variables.
-
-    def quantize(self, mode=None, type_check=True, config=None):
-        """Quantizes the projections (four, five with `gate`) to int8 as Keras'
-        `Dense.quantize("int8")` does: each kernel becomes an int8 variable with one float32
-        `<kind>_kernel_scale` per output column, each call quantizes the projections' inputs per
-        token, and the dtype policy becomes "int8_from_<policy>". `model.quantize("int8")` calls
-        it; other modes raise `NotImplementedError`, which `model.quantize` turns into a warning,
-        as for any Keras layer.
-
-        Args:
-            mode: "int8".
-            type_check: unused (Keras' signature).
-            config: None or Keras' default `Int8QuantizationConfig`.
-        """
-        del type_check
-        if mode != "int8":
-            raise NotImplementedError(f"{type(self).__name__} quantizes to 'int8' only. Received: mode={mode!r}")
-        _check_int8_config(config)
-        for kind in self._projection_names:
-            kernel, scale = _quantize_kernel(ops.convert_to_numpy(getattr(self, f"{kind}_kernel").value))
-            self._untrack_variable(getattr(self, f"{kind}_kernel"))  # Keras' `del` would run gc.collect() per kernel
-            for name, value in ((f"{kind}_kernel", kernel), (f"{kind}_kernel_scale", scale)):
-                options = {"initializer": "zeros", "trainable": False, "dtype": value.dtype.name}
-                setattr(self, name, self.add_weight(name=name, shape=value.shape, **options))
-                getattr(self, name).assign(value)
-        self._is_quantized = True  # Keras' flag: setting the policy below must not quantize again
-        self.dtype_policy = f"int8_from_{self.dtype_policy.name}"
-
-    @property
-    def _int8(self):
-        """Whether the projections are int8: the dtype policy is "int8_from_..."."""
-        return self.quantization_mode == "int8"
-
-    def _weight_options(self, name):
-        """`add_weight` arguments of one portable weight: int8 kernels and their float scales are
-        not trainable (as in Keras' int8 `Dense`)."""
-        if self._int8 and name.endswith("_kernel"):
-            return {"initializer": "zeros", "dtype": "int8", "trainable": False}
-        if name.endswith("_kernel_scale"):
-            return {"initializer": "ones", "dtype": "float32", "trainable": False}
-        return {"initializer": self._initializer(name)}
-
-    def _int8_call(self, *args, **kwargs):
-        """Keras' entry for an int8 policy: `call`, whose projections read the int8 variables."""
-        return self.call(*args, **kwargs)
-
-    def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
-        """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
-
-        Args:
-            batch_size: B.
-            max_length: L, the number of slots.
-            keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
-                of different lengths). Defaults to all True.
-            dtype: dtype of the keys and values; defaults to the compute dtype of the policy.
-
-        Returns:
-            A `KVCache` of zeros with index 0 (int32); with MLA, the latent cache: `key` (B, 1, L, C)
-            for the normalized latents, `value` (B, 1, L, Hr) for the rotated shared key part.
-        """
-        b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
-        keep = ops.ones((b, length), dtype="bool") if keep is None else _check_keep(keep, b, length)
-        latent = self._latent
-        key_shape = (
-            (b, self.num_kv_heads, length, self.head_dim) if latent is None else (b, 1, length, latent.kv_lora_rank)
-        )
-        value_shape = key_shape if latent is None else (b, 1, length, latent.qk_rope_head_dim)
-        dtype = self.compute_dtype if dtype is None else dtype
-        key, value = ops.zeros(key_shape, dtype), ops.zeros(value_shape, dtype)
-        return KVCache(key, value, keep, ops.convert_to_tensor(0, "int32"))
-
-    def _non_defaults(self):
-        """The variants not at their default and a partial `bias` (all the biases or none is the
-        default), {name: value as held}: what the Keras built-ins cannot hold (`rope_sections`
-        only with RoPE, `qk_norm_type` and `qk_norm_bias` only with `qk_norm`: what they change)."""
-        plain = {
-            "bias": self.bias in ((), self._projection_names),
-            "scale": math.isclose(self.scale, 1 / math.sqrt(self.head_dim)),
-            "softcap": self.softcap is None,
-            "window": self.window is None,
-            "attention_chunk_size": self.attention_chunk_size is None,
-            "rope_theta": self.rope_theta is None,
-            "rope_sections": self.rope_sections is None or self.rope_theta is None,
-            "qk_norm": self.qk_norm is None,
-            "qk_norm_type": self.qk_norm_type == "rms" or self.qk_norm is None,
-            "qk_norm_bias": not self.qk_norm_bias or self.qk_norm is None,
-            "sinks": not self.sinks,
-            "clip_qkv": self.clip_qkv is None,
-            "gate": not self.gate,
-            **{name: getattr(self, name) is None for name in _LATENT_SIZES},
-        }
-        return {name: getattr(self, name) for name, default in plain.items() if not default}
-
-    def _check_call(
-        self, query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
-        return_attention, cache, training, value_mask,
-    ):  # fmt: skip
-        """Step 1 but the masks' combination: the inputs' defaults and checks, the token masks
-        ANDed with the inputs' implicit Keras masks (in self-attention `key_mask` defaults to
-        `query_mask`), the cache, the masks' dtypes and shapes, the habit warnings and the
-        positions; returns the `_Call`, the inputs cast to the compute dtype."""
-        self_attention = key is None and value is None
-        if self.kv_lora_rank is not None and key is not None and value is not None and value is not key:
-            raise ValueError(
-                "`value` must be None or `key` itself with `kv_lora_rank`: MLA reads keys and values from `key`. "
-                "Received: a value other than key"
-            )
-        key, value = _inputs(query, key, value)
-        implicit = [_keras_mask(x) for x in (query, key, value)]  # read before any conversion
-        explicit = key_mask is not None and key_mask is not _implicit_mask(key)  # passed, not filled in by Keras
-        query = _check_input("query", query, "E", self.d_model)
-        key = _check_input("key", key, "kdim", self.kdim)
-        value = _check_input("value", value, "vdim", self.vdim)
-        _check_lengths(query, key, value)
-        (b, t), s = tuple(query.shape)[:2], key.shape[1]
-        query_mask = _and(_check_token_mask("query_mask", query_mask, b, t, "T"), implicit[0])  # (B, T)
-        key_mask = _check_token_mask("key_mask", key_mask, b, s, "S")
-        passed_key_mask = key_mask if explicit else None
-        key_keep = _and(key_mask, _check_token_mask("value_mask", value_mask, b, s, "S"))  # (B, S)
-        key_keep = query_mask if self_attention and key_keep is None else key_keep
-        key_keep = _and(key_keep, _and(implicit[1], implicit[2]))  # (B, S)
-        if cache is not None:
-            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim, self._latent)
-        target = (b, self.num_heads, t, s if cache is None else cache.key.shape[2])
-        attention_mask = None if attention_mask is None else ops.convert_to_tensor(attention_mask)
-        mask = None if attention_mask is None else _mask_to_4d(attention_mask, target)
-        if attention_bias is not None:
-            attention_bias = _mask_to_4d(ops.convert_to_tensor(attention_bias), target, "attention_bias")
-        if cache is None:
-            self._warn_traps(attention_mask, passed_key_mask, t, s)
-        positions = self._positions(positions, query, key, cache)
-        if cache is not None:
-            _check_room(cache.index, _shape(query)[1], cache.key.shape[2], _window_sides(self.window)[0])
-        query, key, value = (ops.cast(x, self.compute_dtype) for x in (query, key, value))
-        return _Call(
-            query, key, value, mask, attention_bias, key_keep, query_mask, positions, causal, self.window,
-            self.attention_chunk_size, return_attention, cache, training, False,
-        )  # fmt: skip
-
-    def _positions(self, positions, query, key, cache):
-        """Checks `positions` and returns them as (B, T) or (1, T) integers, (k, B|1, T) with
-        k `rope_sections` (default arange(T), plus the cache's index), or None without RoPE."""
-        if self.rope_theta is None:
-            if positions is not None:
-                raise ValueError(
-                    "`positions` needs RoPE: construct the layer with `rope_theta`. "
-                    "Received: positions with rope_theta=None"
-                )
-            return None
-        if cache is None and _differ(query.shape[1], key.shape[1]):
-            raise ValueError(
-                "RoPE needs `key` and `value` to hold the query's own tokens (S == T, or decoding with `cache`). "
-                f"Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
-            )
-        if positions is None:
-            start = 0 if cache is None else ops.convert_to_tensor(cache.index, "int32")
-            positions = (start + ops.arange(_shape(query)[1], dtype="int32"))[None]  # (1, T)
-            return positions if self.rope_sections is None else _per_section(positions, self.rope_sections)
-        return _check_positions(positions, query.shape[0], query.shape[1], self.rope_sections)
-
-    def _warn_traps(self, attention_mask, key_mask, t, s):
-        """Warns once per layer for each built-in habit the masks' values suggest, where reading
-        them is free (eagerly, on the CPU: not in a graph, `jax.jit` or `torch.compile`); a call
-        with a cache is not read."""
-        masks = [mask for mask in (attention_mask, key_mask) if mask is not None]
-        if not masks or not _values_readable(*masks):
-            return
-        values = [None if mask is None else _read_values(mask) for mask in (attention_mask, key_mask)]
-        for kind, message in _mask_traps(*values, t, s).items():
-            if kind not in self._warned_traps:
-                self._warned_traps.add(kind)
-                _warn_at_caller(message)
-
-    def _masks(self, call):
-        """The floating mask rule on `attention_mask` and `attention_bias`, and the token masks
-        (the keys' only without a cache: the cache step writes them into its keep): one boolean
-        keep and one additive bias in the softmax's dtype, (B|1, N|1, T|1, S|1) each, or None."""
-        dtype = _softmax_dtype(self.compute_dtype)
-        keep, mask_bias = _split_mask(call.attention_mask, dtype)
-        bias_keep, bias = _split_bias(call.attention_bias, dtype)
-        queries = None if call.query_mask is None else call.query_mask[:, None, :, None]  # (B, T) -> (B, 1, T, 1)
-        keys = None if call.key_mask is None or call.cache is not None else call.key_mask[:, None, None, :]
-        keep = _and(_and(keep, bias_keep), _and(queries, keys))  # (B, N, T, S), dims may be 1
-        return keep, _add(mask_bias, bias)
-
-    def _project_qkv(self, call):
-        """The three input projections split into heads: (B, N, T, H), (B, K, S, H), (B, K, S, H),
-        clamped to [-clip_qkv, clip_qkv]. With MLA, `_project_latent`: k and v are then the latents
-        c (B, 1, S, C) and the shared key part k_rope (B, 1, S, Hr)."""
-        if self.kv_lora_rank is not None:
-            return self._project_latent(call)
-        q = self._split_heads(self._project(call.query, "query"), self.num_heads)
-        k = self._split_heads(self._project(call.key, "key"), self.num_kv_heads)
-        v = self._split_heads(self._project(call.value, "value"), self.num_kv_heads)
-        return self._clip(q), self._clip(k), self._clip(v)
-
-    def _project_latent(self, call):
-        """Step 2 with MLA: q = RMSNorm(query @ query_a_kernel) @ query_b_kernel (or query @
-        query_kernel without `q_lora_rank`), (B, N, T, H); key @ key_value_a_kernel split into the
-        latent c, RMS-normalized by `key_value_a_norm`, and the key part k_rope shared by the heads.
-        Returns q, c (B, 1, S, C), k_rope (B, 1, S, Hr)."""
-        if self.q_lora_rank is None:
-            q = self._project(call.query, "query")  # (B, T, E) -> (B, T, N*H)
-        else:
-            q_latent = self._project(call.query, "query_a")  # (B, T, E) -> (B, T, Q)
-            q_latent = rms_norm(q_latent, self.query_a_norm, self.latent_norm_eps)
-            q = self._project(q_latent, "query_b")  # (B, T, Q) -> (B, T, N*H)
-        a = self._project(call.key, "key_value_a")  # (B, S, kdim) -> (B, S, C + Hr)
-        c, k_rope = a[..., : self.kv_lora_rank], a[..., self.kv_lora_rank :]  # (B, S, C), (B, S, Hr)
-        c = rms_norm(c, self.key_value_a_norm, self.latent_norm_eps)
-        return self._split_heads(q, self.num_heads), c[:, None], k_rope[:, None]  # (B, N, T, H), (B, 1, S, C|Hr)
-
-    def _clip(self, x):
-        """`clip_qkv`: x clamped to [-c, c], with the clamp's gradient, 1 within [-c, c] (bounds
-        included) and 0 outside, on every backend (JAX's `clip` gives 0.5 at a bound)."""
-        if self.clip_qkv is None:
-            return x
-        return ops.where(ops.abs(x) <= self.clip_qkv, x, ops.sign(x) * self.clip_qkv)
-
-    def _bias_of(self, kind):
-        return getattr(self, f"{kind}_bias") if kind in self.bias else None
-
-    def _scale_of(self, kind):
-        return getattr(self, f"{kind}_kernel_scale") if self._int8 else None
-
-    def _project(self, x, kind):
-        """(B, L, D) @ (D, F) + (F,) -> (B, L, F) with the `kind` projection's weights, read in x's
-        dtype (a no-op inside Keras' `__call__`, which autocasts them). An int8 kernel is applied
-        with x quantized per token (`_int8_matmul`)."""
-        kernel, scale = getattr(self, f"{kind}_kernel"), self._scale_of(kind)
-        if scale is None:
-            y = _matmul(x, ops.cast(kernel, x.dtype))  # (B, L, D) -> (B, L, F)
-        else:
-            y = _int8_matmul(x, ops.convert_to_tensor(kernel), ops.cast(scale, x.dtype))  # (B, L, D) -> (B, L, F)
-        bias = self._bias_of(kind)
-        return y if bias is None else y + ops.cast(bias, x.dtype)
-
-    def _split_heads(self, y, heads, width=None):
-        """(B, L, heads*W) -> (B, heads, L, W); the width W defaults to H."""
-        b, length = _shape(y)[:2]
-        y = ops.reshape(y, (b, length, heads, width or self.head_dim))  # (B, L, heads*W) -> (B, L, heads, W)
-        return ops.transpose(y, (0, 2, 1, 3))  # -> (B, heads, L, W)
-
-    def _merge_heads(self, x):
-        merged = ops.transpose(x, (0, 2, 1, 3))  # (B, heads, L, H) -> (B, L, heads, H)
-        b, length, heads, h = _shape(merged)
-        return ops.reshape(merged, (b, length, heads * h))  # -> (B, L, heads*H)
-
-    def _normalize_qk(self, q, k):
-        """QK-norm (RMSNorm, or LayerNorm with `qk_norm_type="layer"`) of each head of q and k
-        ("head": scales (H,) shared by the heads; "per_head": scales (N*H,) and (K*H,), head n's
-        [n*H:(n+1)*H]) or of all their heads at once ("all": scales (N*H,) and (K*H,)); with
-        `qk_norm_bias`, plus the biases shaped like the scales."""
-        if self.qk_norm is None:
-            return q, k
-        return self._norm(q, "query", self.num_heads), self._norm(k, "key", self.num_kv_heads)
-
-    def _norm(self, x, kind, heads):
-        """The QK-norm of x (B, heads, L, H) with the `kind` ("query" or "key") weights."""
-        norm = layer_norm if self.qk_norm_type == "layer" else rms_norm
-        scale = getattr(self, f"{kind}_norm")
-        bias = getattr(self, f"{kind}_norm_bias") if self.qk_norm_bias else None
-        if self.qk_norm == "all":
-            merged = norm(self._merge_heads(x), scale, self.qk_norm_eps, bias)  # (B, L, heads*H)
-            return self._split_heads(merged, heads)  # (B, heads, L, H)
-        if self.qk_norm == "per_head":
-            scale = ops.reshape(scale, (heads, 1, self.head_dim))  # (heads*H,) -> (heads, 1, H)
-            bias = None if bias is None else ops.reshape(bias, (heads, 1, self.head_dim))  # (heads, 1, H)
-        return norm(x, scale, self.qk_norm_eps, bias)  # (B, heads, L, H)
-
-    def _rotate(self, q, k, v, positions):
-        """RoPE of q (B, N, T, H) and k (B, K, T, H) at (B, T) or (1, T) `positions`, (k, B|1, T)
-        with `rope_sections`; with MLA, of q's last Hr features and of the shared key part, v
-        (B, 1, T, Hr) until the cache step (k, the latents, is not turned). Returns q, k, v."""
-        if self.rope_theta is None:
-            return q, k, v
-        if self.kv_lora_rank is None:
-            return self._turn(q, positions), self._turn(k, positions), v
-        hn = self.qk_nope_head_dim
-        q = ops.concatenate([q[..., :hn], self._turn(q[..., hn:], positions)], axis=-1)  # (B, N, T, H)
-        return q, k, self._turn(v, positions)
-
-    def _turn(self, x, positions):
-        """x (B, heads, T, W) with its first R features turned, times YaRN's attention factor."""
-        inv_freq = self._inv_freq
-        x = apply_rope(x, positions, inv_freq, self.rope_interleaved, self.rope_sections)
-        return scale_rotated(x, 2 * len(inv_freq), rope_attention_factor(self.rope_scaling))
-
-    def _update_cache(self, call, k, v, keep):
-        """The cache write: the new keys and values go to slots [index, index + T) (mod L with a
-        window), `key_mask` into the cache's keep; returns the cache's (B, K, L, H) keys and values,
-        `keep` over the L slots with `causal`, `window` and `attention_chunk_size` folded in, and
-        the call with the new cache."""
-        if call.cache is None:
-            return k, v, keep, call
-        t, index = _shape(k)[2], ops.convert_to_tensor(call.cache.index, "int32")  # the index before this write
-        cache = _write_cache(call.cache, k, v, call.key_mask)  # `key_mask` goes into its keep
-        folded = _cache_keep(cache.keep, index, t, call.causal, call.window, call.attention_chunk_size)  # (B, 1, T, L)
-        keep = _and(keep, folded)  # (B, N, T, L), dims may be 1
-        call = call._replace(causal=False, window=None, attention_chunk_size=None, cache=cache)
-        return cache.key, cache.value, keep, call
-
-    def _attend(self, q, k, v, keep, bias, call):
-        """Step 6, the one entry to the paths (`_attend_heads`); returns (context (B, N, T, Hv),
-        weights (B, N, T, S) or None), Hv = H but with MLA. With MLA, k and v are the (B, 1, S, C)
-        latents and (B, 1, S, Hr) k_rope, attended expanded or absorbed (`absorb_latents`)."""
-        if self._latent is not None and self._absorbs(call, q.shape[2]):
-            return self._attend_absorbed(q, k, v, keep, bias, call)
-        if self._latent is not None:
-            k, v = self._expand_latents(k, v)  # (B, K, S, H), (B, K, S, Hv)
-        return self._attend_heads(q, k, v, keep, bias, call)
-
-    def _absorbs(self, call, t):
-        """MLA's path: `absorb_latents` if set, else absorbed with a cache and T <= 8 (T known at
-        trace time: a decode step, where up-projecting the L latents costs more than folding the
-        up-projections into the T queries)."""
-        if self.absorb_latents is not None:
-            return bool(self.absorb_latents)
-        return call.cache is not None and t is not None and t <= _ABSORB_MAX_T
-
-    def _expand_latents(self, latent, k_rope):
-        """MLA's up-projection: (B, 1, S, C) latents and (B, 1, S, Hr) k_rope -> keys
-        concat(k_nope, k_rope) (B, K, S, H) and values (B, K, S, Hv)."""
-        hn = self.qk_nope_head_dim
-        kv = self._project(latent[:, 0], "key_value_b")  # (B, 1, S, C) -> (B, S, K*(Hn + Hv))
-        kv = self._split_heads(kv, self.num_kv_heads, hn + self.v_head_dim)  # (B, K, S, Hn + Hv)
-        k_nope, v = kv[..., :hn], kv[..., hn:]  # (B, K, S, Hn), (B, K, S, Hv)
-        k_rope = ops.broadcast_to(k_rope, (*_shape(k_nope)[:3], self.qk_rope_head_dim))  # (B, K, S, Hr)
-        return ops.concatenate([k_nope, k_rope], axis=-1), v  # (B, K, S, H), (B, K, S, Hv)
-
-    def _up_projections(self, dtype):
-        """key_value_b's kernel in `dtype` as (N, Hn, C) and (N, Hv, C) and its bias (N, Hn) and
-        (N, Hv) (None without one), each key/value head's repeated for its N // K query heads; an
-        int8 kernel's dequantized."""
-        hn, hv, groups = self.qk_nope_head_dim, self.v_head_dim, self.num_heads // self.num_kv_heads
-        kernel = ops.cast(self.key_value_b_kernel, dtype)  # (C, K*(Hn + Hv))
-        if self._int8:
-            kernel = kernel * ops.cast(self.key_value_b_kernel_scale, dtype)  # dequantized per column
-        kernel = ops.reshape(ops.transpose(kernel), (self.num_kv_heads, hn + hv, self.kv_lora_rank))  # (K, Hn + Hv, C)
-        kernel = ops.repeat(kernel, groups, axis=0)  # (N, Hn + Hv, C)
-        w_kb, w_vb = kernel[:, :hn], kernel[:, hn:]  # (N, Hn, C), (N, Hv, C)
-        if "key_value_b" not in self.bias:
-            return w_kb, w_vb, None, None
-        bias = ops.reshape(ops.cast(self.key_value_b_bias, dtype), (self.num_kv_heads, hn + hv))  # (K, Hn + Hv)
-        bias = ops.repeat(bias, groups, axis=0)  # (N, Hn + Hv)
-        return w_kb, w_vb, bias[:, :hn], bias[:, hn:]  # ..., (N, Hn), (N, Hv)
-
-    def _attend_absorbed(self, q, latent, k_rope, keep, bias, call):
-        """Step 6 with MLA on the latents, through `_attend_heads` (every path): q_lat = q_nope @
-        W_kb^T (B, N, T, C) meets the latents and q_rope meets k_rope (and q_nope . b_k a key of
-        ones); the values are the latents (and a one, whose output is sum(weights)); each head's
-        context is o_lat @ W_vb + sum(weights) * b_v (B, N, T, Hv). An int8 layer reads the
-        latents quantized per token, as its int8 up-projection does (straight-through gradient)."""
-        w_kb, w_vb, b_k, b_v = self._up_projections(q.dtype)  # (N, Hn, C), (N, Hv, C), (N, Hn), (N, Hv)
-        if self._int8:
-            latent = latent + ops.stop_gradient(_quantized_rows(latent) - latent)  # (B, 1, S, C)
-        q_nope, q_rope = q[..., : self.qk_nope_head_dim], q[..., self.qk_nope_head_dim :]  # (B, N, T, Hn|Hr)
-        ones = ops.ones_like(latent[..., :1])  # (B, 1, S, 1)
-        queries, keys, values = [_matmul(q_nope, w_kb), q_rope], [latent, k_rope], [latent]  # (B, N, T, C), ...
-        if b_k is not None:
-            queries.append(ops.sum(q_nope * b_k[:, None, :], axis=-1, keepdims=True))  # (B, N, T, 1)
-            keys.append(ones)
-        if b_v is not None:
-            values.append(ones)
-        q, k, v = (ops.concatenate(parts, axis=-1) for parts in (queries, keys, values))  # (B, N, T, .), ...
-        context, weights = self._attend_heads(q, k, v, keep, bias, call)  # (B, N, T, C or C + 1)
-        output = _matmul(context[..., : self.kv_lora_rank], ops.swapaxes(w_vb, -1, -2))  # -> (B, N, T, Hv)
-        return output if b_v is None else output + context[..., self.kv_lora_rank :] * b_v[:, None, :], weights
-
-    def _attend_heads(self, q, k, v, keep, bias, call):
-        """Attention of split heads q (B, N, T, H), k (B, K, S, H), v (B, K, S, Hv); returns
-        (context (B, N, T, Hv), weights (B, N, T, S) or None). With the weights, soft-capping or
-        dropout where the fused path is taken: `dot_product_attention`. Without the weights:
-        `ops.dot_product_attention` (`_fused_attention`) where `_fuses` says so, else the
-        memory-efficient path when the scores exceed `memory_efficient_threshold` elements. A
-        decoding call without room raised in `_check_call` where the cache's index can be read;
-        elsewhere (a trace) its context, so its output, is NaN."""
-        dropout = self.dropout > 0 and call.training is not False and call.training is not None
-        sinks = self.sink_logits if self.sinks else None
-        chunk = None if call.return_attention else self._query_chunk(q, k)
-        if self._fuses(q, k, call, dropout):
-            t, s = q.shape[2], k.shape[2]
-            keep = _fold_masks(keep, call.window, call.attention_chunk_size, t, s)  # (B|1, N|1, T|1, S|1)
-            context, weights = _fused_attention(q, k, v, keep, bias, call.causal, self.scale, sinks), None
-        elif chunk is not None:
-            rate, seed = (
-                (self.dropout, ops.cast(self._dropout_layer.seed_generator.next(), "int32")) if dropout else (0, None)
-            )
-            context, weights = _chunked_attention(
-                q, k, v, keep, bias, call.causal, chunk, rate, seed, scale=self.scale, softcap=self.softcap,
-                window=call.window, attention_chunk_size=call.attention_chunk_size, sinks=sinks,
-            ), None  # fmt: skip
-        else:
-            drop = (lambda w: self._dropout_layer(w, training=call.training)) if dropout else None
-            context, weights = dot_product_attention(
-                q, k, v, keep, bias, call.causal, scale=self.scale, softcap=self.softcap, window=call.window,
-                attention_chunk_size=call.attention_chunk_size, sinks=sinks, dropout=drop,
-            )  # fmt: skip
-        if call.cache is not None and not _values_readable(call.cache.index):
-            t, before = _shape(q)[2], _window_sides(self.window)[0]
-            misfit = _check_room(call.cache.index - t, t, k.shape[2], before)  # the index before the write
-            context = ops.where(misfit, ops.cast(float("nan"), context.dtype), context)  # a trace cannot raise
-        return context, weights
-
-    def _fuses(self, q, k, call, dropout):
-        """Whether `_attend` takes `ops.dot_product_attention`: without the weights, soft-capping
-        (which it cannot express) and dropout (which it has not), at shapes known at trace time with
-        T, S > 0, not in float64 where Keras computes it in float32 (`_narrows`); where
-        `fused_attention` is None, only on torch (fused SDPA; on TensorFlow and JAX's
-        CPU it is the explicit formula, no faster than `dot_product_attention`)."""
-        if call.return_attention or self.softcap is not None or dropout or self.fused_attention is False:
-            return False
-        if _narrows(q.dtype):  # the kernel would compute float64 in float32
-            return False
-        if not _known(*q.shape, *k.shape) or 0 in (q.shape[2], k.shape[2]):
-            return False
-        return self.fused_attention or keras.backend.backend() == "torch"
-
-    def _query_chunk(self, q, k):
-        """Queries per chunk of the memory-efficient path, or None where the (B, N, T, S) scores
-        are at most `memory_efficient_threshold` elements or a shape is unknown at trace time."""
-        b, n, t, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-        if not _known(b, t, s) or b * n * t * s <= self.memory_efficient_threshold:
-            return None
-        return max(1, min(t, self.query_chunk_elements // (b * n * s)))
-
-    def _gate_heads(self, call, context):
-        """Step 6b: the (B, N, T, Hv) attention result times sigmoid(query @ gate_kernel + gate_bias)
-        split into heads (unchanged without `gate`; Hv = H without MLA)."""
-        if not self.gate:
-            return context
-        gate = ops.sigmoid(self._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
-        return context * self._split_heads(gate, self.num_heads, self.v_head_dim)  # -> (B, N, T, Hv)
-
-    def call(
-        self,
-        query,
-        key=None,
-        value=None,
-        attention_mask=None,
-        *,
-        key_mask=None,
-        query_mask=None,
-        attention_bias=None,
-        positions=None,
-        causal=False,
-        return_attention=False,
-        training=None,
-        value_mask=None,
-        cache=None,
-    ):
-        call = self._check_call(
-            query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
-            return_attention, cache, training, value_mask,
-        )  # 1. defaults and checks  # fmt: skip
-        keep, bias = self._masks(call)  # 1. (B|1, N|1, T|1, S|1) keep and bias
-        q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H); MLA: c, k_rope
-        q, k = self._normalize_qk(q, k)  # 3. QK-norm
-        q, k, v = self._rotate(q, k, v, call.positions)  # 4. RoPE
-        k, v, keep, call = self._update_cache(call, k, v, keep)  # 5. KV cache (replaces causal/window/chunk/cache)
-        context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, Hv), (B, N, T, S)
-        context = self._gate_heads(call, context)  # 6b. output gate, (B, N, T, Hv)
-        output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*Hv) -> (B, T, E)
-        return _results(output, weights, call.cache, call.return_attention)
-
-    def __call__(self, *args, mask=None, **kwargs):
-        """`mask=` moved into `attention_mask` (so that `call` has no `mask` argument for Keras to
-        fill with a propagated implicit mask), then what must be seen before any cast: inputs of
-        different dtypes and the cache's dtype (which a cast would silently convert on every call)."""
-        if mask is not None:
-            given = kwargs.pop("attention_mask", args[3] if len(args) > 3 else None)
-            args, kwargs["attention_mask"] = args[:3], _attention_mask(given, mask)
-        inputs = dict(zip(("query", "key", "value"), args, strict=False))
-        inputs.update({name: kwargs[name] for name in ("query", "key", "value") if name in kwargs})
-        if inputs.get("query") is not None:
-            _check_dtypes(inputs["query"], inputs.get("key"), inputs.get("value"))
-        if kwargs.get("cache") is not None:
-            _check_cache_dtype(kwargs["cache"], self.compute_dtype)
-        return super().__call__(*args, **kwargs)
-
-    def compute_mask(self, query, previous_mask=None):
-        """The output carries the query's mask."""
-        return previous_mask
-
-    def _check_shapes(self, query_shape, value_shape, key_shape):
-        """Shapes given to `build` or `compute_output_shape`, checked as the call checks its
-        inputs (the same messages); returns the query's shape. A missing key or value shape is the
-        other one's, as in the call; with neither, they are unknown."""
-        query_shape, value_shape, key_shape = (_shape_tuple(shape) for shape in (query_shape, value_shape, key_shape))
-        key_shape = value_shape if key_shape is None else key_shape
-        value_shape = key_shape if value_shape is None else value_shape
-        for name, shape, width_name, width in (
-            ("query", query_shape, "E", self.d_model),
-            ("key", key_shape, "kdim", self.kdim),
-            ("value", value_shape, "vdim", self.vdim),
-        ):
-            letter = "T" if name == "query" else "S"
-            if shape is not None and (len(shape) != 3 or shape[-1] not in (None, width)):
-                raise ValueError(
-                    f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
-                    f"Received: {name}.shape={shape}"
-                )
-        if None in (query_shape, key_shape, value_shape):
-            return query_shape
-        if _differ(query_shape[0], key_shape[0], value_shape[0]):
-            raise ValueError(
-                "`query`, `key` and `value` must have the same batch size B. Received: "
-                f"query.shape={query_shape}, key.shape={key_shape}, value.shape={value_shape}"
-            )
-        if _differ(key_shape[1], value_shape[1]):
-            raise ValueError(
-                f"`key` and `value` must have the same length S. Received: key.shape={key_shape}, "
-                f"value.shape={value_shape}"
-            )
-        return query_shape
-
-    def compute_output_shape(self, query_shape, value_shape=None, key_shape=None):
-        """(B, T, E), whatever S is; shapes in Keras' order (query, value, key), checked as in `build`."""
-        query_shape = self._check_shapes(query_shape, value_shape, key_shape)
-        return (query_shape[0], query_shape[1], self.d_model)
-
-    def compute_output_spec(self, *args, **kwargs):
-        """Traces `call` on symbolic inputs (what Keras does for a layer without
-        `compute_output_shape`), so a functional model gets every shape check when it is built,
-        and every output with `return_attention=True` or a cache. It also works outside
-        `__call__`: it builds the layer if needed."""
-        if not self.built:
-            self.build()
-        return super(keras.layers.Layer, self).compute_output_spec(*args, **kwargs)
-
-    @classmethod
-    def from_keras(cls, layer, *, window=None):
-        """Builds a layer with the weights of a built `keras.layers.MultiHeadAttention` or
-        `keras.layers.GroupQueryAttention` (3-D inputs, default attention axes).
-
-        Its dtype policy, initializers and `trainable` are kept; LoRA adapters on its
-        projections are merged into the kernels; `use_gate=True` becomes `gate=True`, its
-        (E, N, H) kernel `gate_kernel`. Every option this layer cannot hold (regularizers,
-        constraints, other attention axes or output shapes, value_dim != key_dim, quantized
-        projections) is a ValueError that lists them all.
-
-        Args:
-            layer: the built-in.
-            window: with a built-in's `sliding_window` W, `(W, W)`: Keras counts its band
-                |t - s| < W from the first query and key, this layer from the last (so that
-                decoding equals the full pass), so the two keep the same keys only where T == S.
-                Passing `(W, W)` says the layer is for such calls; without it `sliding_window` is
-                refused.
-        """
-        config, dense = _keras_config(layer, window)
-        new = cls(**config, name=f"{layer.name}_reference", dtype=layer.dtype_policy)
-        new.trainable = layer.trainable
-        weights = {}
-        for kind, sublayer in zip(_projection_kinds(_PROJECTIONS, new.gate), dense, strict=True):
-            kernel = ops.convert_to_numpy(sublayer.kernel)  # with LoRA, the merged kernel
-            rows = kernel.shape[0] * kernel.shape[1] if kind == "output" else kernel.shape[0]
-            weights[f"{kind}_kernel"] = kernel.reshape(rows, -1)  # heads flattened as h * H + d
-            if new.bias:
-                weights[f"{kind}_bias"] = ops.convert_to_numpy(sublayer.bias).reshape(-1)
-        new.import_weights(weights)
-        return new
-
-    def to_keras(self):
-        """Returns a built `keras.layers.MultiHeadAttention` (K == N) or
-        `keras.layers.GroupQueryAttention` (K < N) holding these weights.
-
-        Keras' GroupQueryAttention takes any key and value widths, but its
-        `compute_output_shape` refuses a value width other than the query's, so with
-        vdim != d_model it runs eagerly but not on symbolic inputs (a functional model).
-        """
-        _check_keras_can_hold(self)
-        common = dict(
-            dropout=self.dropout, use_bias=bool(self.bias), kernel_initializer=self.kernel_initializer,
-            bias_initializer=self.bias_initializer, dtype=self.dtype_policy, use_gate=self.gate,
-        )  # fmt: skip
-        widths = (self.d_model, self.vdim, self.kdim)  # query, value, key: the built-ins' call order
-        if self.num_kv_heads == self.num_heads:
-            layer = keras.layers.MultiHeadAttention(self.num_heads, self.head_dim, **common)
-        else:
-            layer = keras.layers.GroupQueryAttention(self.head_dim, self.num_heads, self.num_kv_heads, **common)
-        layer.build(*((None, None, width) for width in widths))
-        layer.trainable = self.trainable
-        weights = self.export_weights()
-        dense = (layer._query_dense, layer._key_dense, layer._value_dense, layer._output_dense)
-        dense += (layer._gate_dense,) if self.gate else ()
-        for kind, sublayer in zip(_projection_kinds(_PROJECTIONS, self.gate), dense, strict=True):
-            sublayer.kernel.assign(weights[f"{kind}_kernel"].reshape(sublayer.kernel.shape))
-            if self.bias:
-                sublayer.bias.assign(weights[f"{kind}_bias"].reshape(sublayer.bias.shape))
-        return layer
-
-
-# -------------------------------------------------------------------------------------------------
-# Interop with the built-in layers
-# -------------------------------------------------------------------------------------------------
+    config, dense = _keras_config(layer, window)
+    new = cls(**config, name=f"{layer.name}_reference", dtype=layer.dtype_policy)
+    new.trainable = layer.trainable
+    weights = {}
+    for kind, sublayer in zip(_projection_kinds(_PROJECTIONS, new.gate), dense, strict=True):
+        kernel = ops.convert_to_numpy(sublayer.kernel)  # with LoRA, the merged kernel
+        rows = kernel.shape[0] * kernel.shape[1] if kind == "output" else kernel.shape[0]
+        weights[f"{kind}_kernel"] = kernel.reshape(rows, -1)  # heads flattened as h * H + d
+        if new.bias:
+            weights[f"{kind}_bias"] = ops.convert_to_numpy(sublayer.bias).reshape(-1)
+    new.import_weights(weights)
+    return new
+
+
+def _to_keras(layer):
+    """Returns a built `keras.layers.MultiHeadAttention` (K == N) or
+    `keras.layers.GroupQueryAttention` (K < N) holding these weights.
+
+    Keras' GroupQueryAttention takes any key and value widths, but its
+    `compute_output_shape` refuses a value width other than the query's, so with
+    vdim != d_model it runs eagerly but not on symbolic inputs (a functional model).
+    """
+    _check_keras_can_hold(layer)
+    common = dict(
+        dropout=layer.dropout, use_bias=bool(layer.bias), kernel_initializer=layer.kernel_initializer,
+        bias_initializer=layer.bias_initializer, dtype=layer.dtype_policy, use_gate=layer.gate,
+    )  # fmt: skip
+    widths = (layer.d_model, layer.vdim, layer.kdim)  # query, value, key: the built-ins' call order
+    if layer.num_kv_heads == layer.num_heads:
+        builtin = keras.layers.MultiHeadAttention(layer.num_heads, layer.head_dim, **common)
+    else:
+        builtin = keras.layers.GroupQueryAttention(layer.head_dim, layer.num_heads, layer.num_kv_heads, **common)
+    builtin.build(*((None, None, width) for width in widths))
+    builtin.trainable = layer.trainable
+    weights = layer.export_weights()
+    dense = (builtin._query_dense, builtin._key_dense, builtin._value_dense, builtin._output_dense)
+    dense += (builtin._gate_dense,) if layer.gate else ()
+    for kind, sublayer in zip(_projection_kinds(_PROJECTIONS, layer.gate), dense, strict=True):
+        sublayer.kernel.assign(weights[f"{kind}_kernel"].reshape(sublayer.kernel.shape))
+        if layer.bias:
+            sublayer.bias.assign(weights[f"{kind}_bias"].reshape(sublayer.bias.shape))
+    return builtin
+
+
+def _non_defaults(layer):
+    """`MultiHeadAttention._non_defaults`: what the Keras built-ins cannot hold."""
+    plain = {
+        "bias": layer.bias in ((), layer._projection_names),
+        **_score_modifiers_at_default(layer),  # scale, softcap, window, attention_chunk_size
+        "rope_theta": layer.rope_theta is None,
+        "rope_sections": layer.rope_sections is None or layer.rope_theta is None,
+        "qk_norm": layer.qk_norm is None,
+        "qk_norm_type": layer.qk_norm_type == "rms" or layer.qk_norm is None,
+        "qk_norm_bias": not layer.qk_norm_bias or layer.qk_norm is None,
+        "sinks": not layer.sinks,
+        "clip_qkv": layer.clip_qkv is None,
+        "gate": not layer.gate,
+        **{name: getattr(layer, name) is None for name in _LATENT_SIZES},
+    }
+    return {name: getattr(layer, name) for name, default in plain.items() if not default}
 
 
 def _check_keras_can_hold(layer):
@@ -2972,3 +2938,82 @@ def _keras_window(sliding_window, window):
             f"Expected: window={expected}. Received: window={window!r}"
         )
     return expected
+
+
+def _weight_shapes(layer):
+    """The portable layout: {name: shape}, in its order; a projection's bias only when `bias`
+    names it, the norm scales only with `qk_norm` (and their biases with `qk_norm_bias`),
+    `sinks` only with `sinks=True`, the gate's kernel (and bias) after them with `gate=True`.
+    With MLA, the latent projections and their norm scales (`query_a_norm` with `q_lora_rank`,
+    `key_value_a_norm`) replace query, key and value (`_latent_kernel_shapes`)."""
+    nh, kh = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+    kernels = _latent_kernel_shapes(layer) or {
+        "query": (layer.d_model, nh),
+        "key": (layer.kdim, kh),
+        "value": (layer.vdim, kh),
+        "output": (nh, layer.d_model),
+    }
+    norms = _latent_norm_shapes(layer)  # {} without MLA
+    gate = {"gate": (layer.d_model, kernels["output"][0])} if layer.gate else {}  # (E, N*Hv)
+    shapes = {}
+    for kind, shape in kernels.items():
+        shapes[f"{kind}_kernel"] = shape
+        if kind in layer.bias:
+            shapes[f"{kind}_bias"] = shape[1:]
+        if kind in norms:
+            shapes[f"{kind}_norm"] = norms[kind]
+    if layer.qk_norm is not None:
+        shapes["query_norm"] = (layer.head_dim,) if layer.qk_norm == "head" else (nh,)
+        shapes["key_norm"] = (layer.head_dim,) if layer.qk_norm == "head" else (kh,)
+    if layer.qk_norm is not None and layer.qk_norm_bias:
+        shapes["query_norm_bias"], shapes["key_norm_bias"] = shapes["query_norm"], shapes["key_norm"]
+    if layer.sinks:
+        shapes["sinks"] = (layer.num_heads,)
+    for kind, shape in gate.items():
+        shapes[f"{kind}_kernel"] = shape
+        if kind in layer.bias:
+            shapes[f"{kind}_bias"] = shape[1:]
+    return _with_scales(shapes) if layer._int8 else shapes
+
+
+def _import_weights(layer, weights):
+    """Loads portable weights; strict and atomic (a ValueError lists every problem). An int8
+    layout (with `<kind>_kernel_scale`) quantizes a float layer first; an int8 layer takes only one."""
+    int8 = layer._int8 or _is_int8_layout(weights)
+    expected = _with_scales(layer.weight_shapes()) if int8 and not layer._int8 else layer.weight_shapes()
+    problems = [f"missing '{name}'" for name in expected if name not in weights]
+    problems += [f"unexpected '{name}'" for name in weights if name not in expected]
+    for name, shape in expected.items():
+        if name in weights and tuple(np.shape(weights[name])) != shape:
+            problems.append(f"'{name}' has shape {tuple(np.shape(weights[name]))}, expected {shape}")
+    problems += _int8_problems(weights, expected) if int8 else []
+    if problems:
+        raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
+    if not layer.built:
+        layer.build()
+    if int8 and not layer._int8:
+        layer.quantize("int8")
+    for name in expected:
+        variable = layer._variable(name)
+        variable.assign(ops.cast(np.asarray(weights[name]), variable.dtype))
+
+
+_CONFIG_NAMES = (
+    "d_model", "num_heads", "num_kv_heads", "head_dim", "kdim", "vdim", "dropout", "bias", *_Variants._fields[:-1],
+    *_LATENT_SIZES, "latent_norm_eps", "kernel_initializer", "bias_initializer",
+)  # get_config's entries past the base layer's, in the constructor's order  # fmt: skip
+
+
+def _config(layer):
+    """`get_config`'s entries past the base layer's (`_CONFIG_NAMES`), as JSON holds them: `bias`
+    True where it names every projection, else its list (or False); a pair `window` and
+    `rope_sections` as lists; `vdim` None with MLA (its values come from `key`); the initializers
+    serialized."""
+    config = {name: getattr(layer, name) for name in _CONFIG_NAMES}
+    config["bias"] = True if layer.bias == layer._projection_names else bool(layer.bias) and list(layer.bias)
+    config["vdim"] = None if _latent_of(layer) is not None else layer.vdim
+    config["window"] = list(layer.window) if isinstance(layer.window, tuple) else layer.window
+    config["rope_sections"] = None if layer.rope_sections is None else list(layer.rope_sections)
+    config["kernel_initializer"] = keras.initializers.serialize(layer.kernel_initializer)
+    config["bias_initializer"] = keras.initializers.serialize(layer.bias_initializer)
+    return config
