@@ -212,8 +212,9 @@ class MultiHeadAttention(nn.Module):
                 query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
                 return_attention, cache, mask,
             )  # 1. defaults and checks  # fmt: skip
-        masks = (call.attention_mask, call.attention_bias, call.key_mask, call.query_mask)
-        keep, bias = self._masks(call) if any(m is not None for m in masks) else (None, None)  # 1. keep and bias
+        masked = call.attention_mask is not None or call.attention_bias is not None
+        masked = masked or call.key_mask is not None or call.query_mask is not None
+        keep, bias = self._masks(call) if masked else (None, None)  # 1. (B|1, N|1, T|1, S|1) keep and bias
         q, k, v = self._project_qkv(call, kernels)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H)
         if self.clip_qkv is not None:
             q, k, v = _clip(self, q), _clip(self, k), _clip(self, v)  # 2. clamped
@@ -361,7 +362,10 @@ class MultiHeadAttention(nn.Module):
         weight, bias, scale = kernels
         y = F.linear(x, weight, bias) if scale is None else _int8_linear(x, weight, scale, bias)  # (B, T, (N+2K)*H)
         (b, t), n, kv = x.shape[:2], self.num_heads, self.num_kv_heads
-        heads = y.view(b, t, n + 2 * kv, self.head_dim).transpose(1, 2)  # -> (B, N+2K, T, H)
+        if t == 1:  # the same tensor as the transpose, with no transpose to run (a decode step)
+            heads = y.view(b, n + 2 * kv, 1, self.head_dim)  # (B, 1, (N+2K)*H) -> (B, N+2K, 1, H)
+        else:
+            heads = y.view(b, t, n + 2 * kv, self.head_dim).transpose(1, 2)  # -> (B, N+2K, T, H)
         return heads.split_with_sizes([n, kv, kv], dim=1)  # (B, N, T, H), (B, K, T, H), (B, K, T, H)
 
     def _project(self, x, kind):
@@ -385,7 +389,7 @@ class MultiHeadAttention(nn.Module):
     def _merge_heads(self, context):
         """(B, heads, T, H) -> (B, T, heads*H)."""
         b, heads, t, h = context.shape
-        return context.transpose(1, 2).reshape(b, t, heads * h)
+        return context.reshape(b, 1, heads * h) if t == 1 else context.transpose(1, 2).reshape(b, t, heads * h)
 
     def _attend(self, q, k, v, keep, bias, call):
         """Step 6: `_attend_heads`; with MLA k and v are the latents and k_rope (`_attend_latent`)."""
@@ -706,12 +710,11 @@ def _final_masks(keep, bias, causal, window, chunk, sinks, t, s, device):
     """`keep` with `causal`, `window` and the attention chunk (bottom-right aligned) ANDed in, and
     `bias` less each row's largest kept value (`_centre_rows`; not with sinks, where a softmax is
     not shift-invariant)."""
-    if causal:
-        keep = _and(keep, causal_mask(t, s, device))  # (B, N, T, S), dims may be 1
-    if window is not None:
-        keep = _and(keep, window_mask(t, s, window, device))  # (B, N, T, S), dims may be 1
-    if chunk is not None:
-        keep = _and(keep, attention_chunk_mask(t, s, chunk, device))  # (B, N, T, S), dims may be 1
+    rules = [causal_mask(t, s, device)] if causal else []  # (T, S) each
+    rules += [] if window is None else [window_mask(t, s, window, device)]
+    rules += [] if chunk is None else [attention_chunk_mask(t, s, chunk, device)]
+    for rule in rules:
+        keep = rule if keep is None else keep & rule  # (B, N, T, S), dims may be 1
     if bias is not None and keep is not None and sinks is None:
         bias = _centre_rows(bias, keep)  # (B, N, T, S), dims may be 1
     return keep, bias
@@ -1840,7 +1843,8 @@ def _update_cache(layer, call, k, v, keep):
     lean = keep is None and not call.return_attention  # each mask gives a keep
     if lean and start is not None and start + t <= length:  # lean: the first S = index + T slots
         k, v, keep = _first_slots(cache, start + t)  # (B, K, S, H) x 2, (B, 1, 1, S) or None
-        return k, v, keep, call._replace(causal=call.causal and t > 1, cache=cache)
+        lean_call = _Call(*call[:8], call.causal and t > 1, *call[9:12], cache, *call[13:])  # `_replace`, cheaper
+        return k, v, keep, lean_call
     rule = (call.causal, call.window, call.attention_chunk_size)
     keep = _and(keep, _cache_keep(cache.keep, index, t, *rule))  # (B, N, T, L), dims may be 1
     folded = call._replace(causal=False, window=None, attention_chunk_size=None, cache=cache)
@@ -1978,11 +1982,12 @@ def _carried(tensor):
 def _known_index(index):
     """A cache's index as a Python int where it can be read: eagerly (not inside `torch.compile` or
     `torch.jit.trace`, whose graphs cannot depend on it) and off the meta device; else None. An
-    index the last step wrote carries its value (`_carry`): not read again."""
-    if not _eager() or index.device.type == "meta":
+    index the last step wrote carries its value (`_carry`, eagerly and never on the meta device):
+    not read again."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():  # not `_eager()`
         return None
     known = _carried(index)
-    return int(index) if known is None else known
+    return known if known is not None else None if index.device.type == "meta" else int(index)
 
 
 def _all_kept(keep):
@@ -2734,7 +2739,11 @@ def _warn_traps(layer, attention_mask, key_mask, t, s):
     boolean = attention_mask is not None and attention_mask.dtype == torch.bool
     if boolean and "attention_mask" not in traps and _keeps_only_later(attention_mask, t, s):
         traps["causal"] = _CAUSAL_TRAP
-    empty = 0 if key_mask is None or "key_mask" in traps else _inverted_padding(key_mask)
+    empty = 0  # the rows keeping no key of a key_mask that reads as nn.MultiheadAttention's key_padding_mask
+    if key_mask is not None and "key_mask" not in traps:  # (True = padding): every row False then True,
+        kept = key_mask.sum(-1)  # (B,)                   # some row keeping no key and none keeping all
+        ordered = bool((key_mask[:, 1:] >= key_mask[:, :-1]).all())
+        empty = 0 if not ordered or bool((kept == key_mask.shape[1]).any()) else int((kept == 0).sum())
     if empty:
         traps["padding"] = _PADDING_TRAP.format(empty=empty, b=key_mask.shape[0])
     if attention_mask is not None and attention_mask.is_floating_point() and _zeros_and_ones(attention_mask):
@@ -2759,16 +2768,6 @@ def _keeps_only_later(mask, t, s):
     dimensions do not broadcast to (T, S) is not read: `_mask_to_4d` refuses it."""
     fits = mask.dim() >= 2 and mask.shape[-2] in (1, t) and mask.shape[-1] in (1, s)
     return fits and mask.numel() > 0 and t == s > 0 and not bool((mask & causal_mask(t, s, mask.device)).any())
-
-
-def _inverted_padding(key_mask):
-    """The rows keeping no key of a (B, S) `key_mask` that reads as nn.MultiheadAttention's
-    `key_padding_mask` (True = padding): every row False then True, some row keeping no key and
-    none keeping all (left padding has its longest sequence all True); else 0."""
-    kept = key_mask.sum(-1)  # (B,)
-    ordered = bool((key_mask[:, 1:] >= key_mask[:, :-1]).all())  # False then True in every row
-    full = bool((kept == key_mask.shape[1]).any())
-    return 0 if not ordered or full else int((kept == 0).sum())
 
 
 def _zeros_and_ones(mask):
