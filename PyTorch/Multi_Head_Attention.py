@@ -61,78 +61,64 @@ class MultiHeadAttention(nn.Module):
         num_heads: N, the number of query heads.
         num_kv_heads: K, the number of key/value heads; must divide N. Defaults to N.
         head_dim: H, the width of one head. Defaults to E // N (then N must divide E).
-        kdim: width of `key`. Defaults to E.
-        vdim: width of `value`. Defaults to E.
+        kdim, vdim: the widths of `key` and `value`. Default to E.
         dropout: probability of dropping attention weights in training mode; 0 <= p < 1.
         bias: True (all the projections have a bias, the gate's with `gate`), False (none), or a
             list, tuple or set of the names of those that have one, among "query", "key", "value",
-            "output", "gate" (Qwen2: ("query", "key", "value")). Kept as that tuple of names, in
-            that order.
-        scale, softcap, window, attention_chunk_size, sinks: the score modifiers (Section: score
-            modifiers): the factor of the scores (default 1 / sqrt(H)); None or c > 0, the scaled
-            scores become c * tanh(scores / c) (Gemma 2), before `attention_bias` and the floating
-            mask are added; None, W or (W_before, W_after): query t keeps key s only if
-            s > t + (S - T) - W_before (and s < t + (S - T) + W_after); None or C: query t keeps
-            key s only if s // C == (t + (S - T)) // C (Llama 4); if True, one learned logit per
-            query head (the parameter `sinks`, (N,)) in the softmax's denominator (gpt-oss).
-        rope_theta, rope_fraction, rope_interleaved, rope_scaling, rope_sections: rotary position
-            embeddings (Section: positions): None (no RoPE) or the base (Llama: 10000.0); the
-            first R = int(H * rope_fraction) features of each head turn (R even, at least 2);
-            False pairs feature i with i + R/2 (Llama, GPT-NeoX), True 2i with 2i + 1 (GPT-J);
-            None or a `transformers` rope_scaling dict ("linear", "llama3", "yarn"); None or the
-            numbers of pairs (summing to R/2) that turn by each row of (k, B, T) `positions`
-            (Qwen2-VL's multimodal RoPE).
-        qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias: QK-norm (Section: QK-norm, clip_qkv and
-            the gate): None, "head" (each head of q and k, one scale shared by the heads: Qwen3),
-            "per_head" (a scale per head: StableLM, Cohere) or "all" (over all heads: OLMo2), its
-            scales the weights `query_norm` and `key_norm`; its epsilon; "rms" (RMSNorm) or
-            "layer" (LayerNorm); if True a learned bias after the scale (`query_norm_bias`,
-            `key_norm_bias`: Phi).
-        clip_qkv: None or c > 0: q, k and v clamped to [-c, c] right after their projections
-            (bias included), before QK-norm, RoPE and the cache (OLMo, DBRX, MPT).
-        gate: if True, each head's attention result is multiplied, feature by feature, by
-            sigmoid(query @ gate_kernel + gate_bias) before the heads are merged (Keras'
-            `use_gate`, Qwen3-Next, Qwen3.5); the projection is the `nn.Linear` `gate`.
-        kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
-            latent_norm_eps: multi-head latent attention (MLA, DeepSeek-V2/V3; Section:
-            multi-head latent attention): None or C, keys and values from one latent
-            c = RMSNorm(first C features of key @ key_value_a_kernel) per token, expanded per
-            head by `key_value_b_kernel`; None (a plain query projection) or Q, q =
-            RMSNorm(query @ query_a_kernel) @ query_b_kernel; Hn features RoPE does not turn, Hr
-            features it turns (one key part shared by the heads), H = Hn + Hr; Hv, the width of a
-            value head (output kernel (N*Hv, E)); the epsilon of the latents' RMSNorms.
-        device: device of the parameters.
-        dtype: dtype of the parameters.
+            "output", "gate" (Qwen2: ("query", "key", "value")), kept as that tuple in that order.
+        scale: the factor of the scores, scores = (q . k) * scale. Defaults to 1 / sqrt(H).
+        softcap: None or c > 0: the scaled scores become c * tanh(scores / c) (Gemma 2).
+        window: None, W or (W_before, W_after): query t keeps key s only if s > t + (S - T) -
+            W_before (and s < t + (S - T) + W_after): Mistral's sliding window, ModernBERT's band.
+        attention_chunk_size: None or C: query t keeps key s only if s // C == (t + (S - T)) // C.
+        rope_theta: None (no RoPE) or the base of rotary position embeddings (Llama: 10000.0).
+        rope_fraction: in (0, 1]: the first R = int(H * rope_fraction) features of each head turn.
+        rope_interleaved: False pairs feature i with i + R/2 (Llama), True 2i with 2i + 1 (GPT-J).
+        rope_scaling: None or a `transformers` rope_scaling dict: "linear", "llama3" or "yarn".
+        rope_sections: None or the numbers of pairs (summing to R/2) that turn by each row of
+            (k, B, T) `positions` (Qwen2-VL's multimodal RoPE).
+        qk_norm: None, "head" (one scale for every head: Qwen3), "per_head" (StableLM) or "all"
+            (over all heads: OLMo2): q and k normalized by the weights `query_norm`, `key_norm`.
+        qk_norm_eps, qk_norm_type, qk_norm_bias: that norm's epsilon, "rms" or "layer" (LayerNorm),
+            and if True a learned bias after its scale (`query_norm_bias`, `key_norm_bias`: Phi).
+        sinks: if True, one learned logit per query head (the parameter `sinks`, (N,)), an extra
+            term in the softmax's denominator (gpt-oss); rows then sum to less than 1.
+        clip_qkv: None or c > 0: q, k and v clamped to [-c, c] after their projections (OLMo).
+        gate: if True, each head's result times sigmoid(query @ gate_kernel + gate_bias) before
+            the heads are merged (Keras' `use_gate`, Qwen3-Next); the `nn.Linear` `gate`.
+        kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim: multi-head
+            latent attention (MLA, DeepSeek-V2/V3): None or C, the latent's width; None (a plain
+            query projection) or Q; Hn and Hr, the features RoPE does not and does turn (H =
+            Hn + Hr); Hv, a value head's width (Section: multi-head latent attention).
+        latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
+        device, dtype: device and dtype of the parameters.
 
     Call arguments:
         query: (B, T, E), or unbatched (T, E).
         key: (B, S, kdim). Defaults to `value`, or to `query` if `value` is None too.
         value: (B, S, vdim). Defaults to `key`. `query`, `key` and `value` share one dtype.
-        attention_mask: boolean (True = attend; the opposite of nn.MultiheadAttention) or
-            floating (added to the scores), of shape (T, S), (B, T, S) or (B, N, T, S), any
-            dimension of which may be 1. A floating value at most the lowest of float32 or of the
-            mask's dtype (or -inf) removes a key.
-        key_mask: (B, S) boolean, True for a real key (Keras' padding mask). In self-attention
-            it defaults to `query_mask`. With `cache`, (B, T): ANDed into the cache's `keep`.
+        attention_mask: boolean (True = attend, unlike nn.MultiheadAttention) or floating (added
+            to the scores; at most the lowest of float32 or of its dtype, or -inf, removes a key),
+            of shape (T, S), (B, T, S) or (B, N, T, S), any dimension of which may be 1.
+        key_mask: (B, S) boolean, True for a real key; in self-attention defaults to `query_mask`.
+            With `cache`, (B, T): ANDed into the cache's `keep` where written.
         query_mask: (B, T) boolean, True for a real query (others get weights 0).
-        attention_bias: floating, broadcasts like `attention_mask`; added to the scores, with
-            a gradient (T5's relative position bias, ALiBi from `alibi_bias`).
+        attention_bias: floating, broadcasts like `attention_mask`; added to the scores, with a
+            gradient (T5's relative position bias, ALiBi from `alibi_bias`).
         positions: integer (B, T) or (T,) RoPE positions, or (k, B, T) with `rope_sections`;
             default arange(T) (+ the cache index).
         causal: if True, query t attends key s only if s <= t + (S - T).
         return_attention: if True, also return the per-head attention weights.
-        cache: a `KVCache` from `init_cache`: decode T new tokens (`key` and `value`, if
-            given, hold the same T tokens); masks and weights are then over the L slots.
-        mask: another name for `attention_mask` (the call `layer(query, key, value, mask=None)`);
-            giving both is a ValueError. Masks whose values read like another library's
-            convention warn once per layer with `AttentionMaskWarning` and compute as given.
+        cache: a `KVCache` from `init_cache`: decode T new tokens (`key` and `value`, if given,
+            hold the same T tokens); masks and weights are then over the L slots.
+        mask: another name for `attention_mask`; giving both is a ValueError. Masks whose values
+            read like another library's convention warn once per layer (`AttentionMaskWarning`).
 
     Returns:
         output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before
         dropout) when `return_attention` is True; with `cache`, the updated cache is appended
         and weights are (B, N, T, L), exactly 0 at unwritten slots. A query row with no key left
-        gets weights of exactly 0, so its output is `output_bias`: never NaN. Unbatched inputs
-        give unbatched results.
+        has weights of exactly 0 (its output is `output_bias`). Unbatched inputs, unbatched results.
 
     Example, a key padding mask (the third key of the first sequence is padding):
         >>> layer = MultiHeadAttention(16, 4)
@@ -315,10 +301,8 @@ class MultiHeadAttention(nn.Module):
         return keep, bias
 
     def _project_qkv(self, call, kernels=None):
-        """Step 2: q (B, N, T, H), k and v (B, K, S, H); one matmul for the three (`_project_fused`)
-        where the call may fuse them and that computes what the three projections would (plain
-        nn.Linear or Int8Linear modules: `_plain_linear`; no torchao or DTensor weights), or over
-        the decode fast path's kept `kernels`. MLA: q, latents and k_rope (`_project_latent`)."""
+        """Step 2: q (B, N, T, H), k and v (B, K, S, H), with one matmul (`_project_fused`) where it
+        computes what the three projections would. MLA: q, latents and k_rope (`_project_latent`)."""
         if self._latent is not None:
             return _project_latent(self, call)
         if kernels is not None:
@@ -326,10 +310,9 @@ class MultiHeadAttention(nn.Module):
         projections = (self.query, self.key, self.value)
         kind = Int8Linear if type(self.query) is Int8Linear else nn.Linear
         fuse = call.fuse and all(_plain_linear(projection, kind) for projection in projections)
-        if fuse and kind is nn.Linear:  # weights that cannot be concatenated: torchao's, DTensor shards
+        if fuse and kind is nn.Linear:  # weights of a tensor subclass may not concatenate (torchao, DTensor)
             weights = [projection.weight for projection in projections]
-            plain = all(type(w) is nn.Parameter or type(w) is torch.Tensor for w in weights)  # else a subclass
-            fuse = plain or not any(_torchao_weight(w) or _is_dtensor(w) for w in weights)
+            fuse = all(type(w) in (nn.Parameter, torch.Tensor) for w in weights) or _concatenable(weights)
         if fuse:
             q, k, v = self._project_fused(call.query)  # (B, T, E) -> (B, N, T, H), 2 x (B, K, T, H)
         else:
@@ -341,23 +324,19 @@ class MultiHeadAttention(nn.Module):
         return q, k, v
 
     def _project_fused(self, x, kernels=None):
-        """Self-attention: q, k and v from one matmul over the three projections' weights, biases
-        (None where none has one) and int8 scales (None for nn.Linear) concatenated, the input
-        quantized once with int8. Under no_grad, eagerly, the concatenation is kept and made again
-        only when a weight changes (`_versions`), so a decode step does not concatenate them."""
-        if kernels is None:
-            projections, int8 = (self.query, self.key, self.value), isinstance(self.query, Int8Linear)
-            names = ("weight", "bias", "weight_scale") if int8 else ("weight", "bias")
-            tensors = [getattr(p, name) for p in projections for name in names]
-            eager = not (torch.compiler.is_compiling() or torch.jit.is_tracing())  # `_eager`
-            version = _versions(tensors, x.dtype) if not torch.is_grad_enabled() and eager else None
-            kernels = self._fused[1] if version is not None and self._fused and self._fused[0] == version else None
+        """Self-attention: q, k and v from one matmul over the three projections' weights, biases (0
+        where none) and int8 scales concatenated (the input quantized once); under no_grad the
+        concatenation is kept while the weights are unchanged (`_kept_fused`), for a decode step."""
+        projections, version = (self.query, self.key, self.value), None
+        if kernels is None and not torch.is_grad_enabled():
+            version, kernels = _kept_fused(self, projections, x)  # (weights' version, kept kernels or None)
         if kernels is None:
             weight = torch.cat([p.weight for p in projections])  # (N*H + 2*K*H, E), int8 for Int8Linear
             biases = [x.new_zeros(p.out_features) if p.bias is None else p.bias for p in projections]  # layer dtype
             bias = None if all(p.bias is None for p in projections) else torch.cat(biases)  # (N*H + 2*K*H,)
+            int8 = isinstance(self.query, Int8Linear)
             kernels = (weight, bias, torch.cat([p.weight_scale for p in projections]) if int8 else None)
-            if eager:  # a compiled or traced graph leaves the layer's state alone
+            if not (torch.compiler.is_compiling() or torch.jit.is_tracing()):  # a graph leaves the layer alone
                 self._fused = None if version is None else (version, kernels)
         weight, bias, scale = kernels
         y = F.linear(x, weight, bias) if scale is None else _int8_linear(x, weight, scale, bias)  # (B, T, (N+2K)*H)
@@ -379,11 +358,7 @@ class MultiHeadAttention(nn.Module):
         the heads, so the local count is read from the width."""
         b, length, width = y.shape
         if width % self.head_dim:
-            raise ValueError(
-                "Each tensor-parallel rank must hold whole heads: `num_heads` and `num_kv_heads` must be divisible "
-                f"by the number of ranks. Received: num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, a projection {width} wide on this rank"
-            )
+            _refuse_partial_heads(self, width)
         return y.view(b, length, width // self.head_dim, self.head_dim).transpose(1, 2)  # -> (B, heads, L, H)
 
     def _merge_heads(self, context):
@@ -398,10 +373,8 @@ class MultiHeadAttention(nn.Module):
         return self._attend_heads(q, k, v, keep, bias, call)
 
     def _attend_heads(self, q, k, v, keep, bias, call):
-        """Step 6 on heads, `dot_product_attention`'s numbers on the fastest path that gives them:
-        with `softcap` or returned weights the explicit softmax (`_attend_explicit`); else SDPA
-        (`_sdpa_attention`), with its own causal triangle where nothing else masks, else with
-        causal, window and chunk folded into the mask (`_final_masks`)."""
+        """Step 6 on heads, `dot_product_attention`'s numbers: with `softcap` or returned weights the
+        explicit softmax (`_attend_explicit`), else SDPA, causal, window and chunk in its mask."""
         if self.softcap is not None or call.return_attention:
             return _attend_explicit(self, q, k, v, keep, bias, call)
         dropout = self.dropout if self.training else 0.0
@@ -503,21 +476,10 @@ def _check_input(name, x, dim_name, dim):
     return x
 
 
-def _check_token_mask(name, mask, b, length, letter):
-    """Checks a (B, length) boolean `key_mask` or `query_mask`."""
-    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (b, length)):
-        raise ValueError(
-            f"`{name}` must be a boolean tensor of shape (B, {letter})=({b}, {length}). "
-            f"Received: {name}.shape={tuple(mask.shape)}, {name}.dtype={_dtype_name(mask.dtype)}"
-        )
-    return mask
-
-
 def _plain_linear(module, kind=nn.Linear):
-    """Whether `module` computes exactly F.linear(x, weight, bias) (or, with kind=Int8Linear,
-    `_int8_linear`): a `kind` itself (a subclass, a LoRA wrapper, a quantized, parametrized or
-    FSDP2-sharded module has another class), with no hooks of its own (tensor parallelism and
-    pruning add hooks: `_own_hooks`) and none registered for every module (`_global_hooks`)."""
+    """Whether `module` computes exactly F.linear(x, weight, bias) (`_int8_linear` for Int8Linear):
+    a `kind` itself (not a subclass, LoRA wrapper, quantized or FSDP2-sharded module) with no hooks
+    of its own (`_own_hooks`: tensor parallelism, pruning) nor for every module (`_global_hooks`)."""
     if type(module) is not kind:
         return False
     own = module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
@@ -527,14 +489,9 @@ def _plain_linear(module, kind=nn.Linear):
 
 
 def _sdpa_attention(q, k, v, keep, bias, dropout, scale, is_causal=False, sinks=None):
-    """`scaled_dot_product_attention` with a finite additive mask; returns the context.
-
-    `is_causal` is the kernel's own top-left triangle: pass it only with no mask and T == S. A row
-    with no key left attends every key inside the kernel (finite numbers, forward and backward)
-    and is then set to exactly 0. SDPA gives its additive mask a gradient (on the CPU too).
-    `sinks`: `_sdpa_with_sinks`. Values narrower than the queries (MLA's Hv, or C absorbed) are
-    padded with zeros and the context cut back: the fused kernels want one head width.
-    """
+    """`scaled_dot_product_attention` with a finite additive mask (`is_causal`, its own top-left
+    triangle: no mask and T == S); returns the context. A row with no key left is set to exactly 0
+    after the kernel; MLA's narrower values are padded (the fused kernels want one head width)."""
     if sinks is not None:
         return _sdpa_with_sinks(q, k, v, keep, bias, dropout, scale, is_causal, sinks)
     if v.shape[-1] < q.shape[-1]:
@@ -2247,6 +2204,17 @@ def _versions(tensors, dtype):
         return None
 
 
+def _kept_fused(layer, projections, x):
+    """Under no_grad: the version of the q/k/v weights, biases and int8 scales (`_versions`, None
+    where they are not kept: traced, compiled, inference-mode) and the concatenation
+    `_project_fused` keeps (`layer._fused`) while it is of that version, else None."""
+    names = ("weight", "bias", "weight_scale") if isinstance(layer.query, Int8Linear) else ("weight", "bias")
+    tensors = [getattr(p, name) for p in projections for name in names]
+    version = _versions(tensors, x.dtype) if _keeps_kernels() else None
+    kept = layer._fused
+    return version, kept[1] if version is not None and kept is not None and kept[0] == version else None
+
+
 def _kept_kernels(layer, dtype):
     """The decode fast path's kernels: the q/k/v kernels the layer keeps (`_project_fused`, made
     only where the projections could fuse; never with MLA) while they are current for `dtype`
@@ -2587,6 +2555,16 @@ def _float_weight(layer):
     return next((p for p in tensors if p.is_floating_point()), None)
 
 
+def _check_token_mask(name, mask, b, length, letter):
+    """Checks a (B, length) boolean `key_mask` or `query_mask`."""
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (b, length)):
+        raise ValueError(
+            f"`{name}` must be a boolean tensor of shape (B, {letter})=({b}, {length}). "
+            f"Received: {name}.shape={tuple(mask.shape)}, {name}.dtype={_dtype_name(mask.dtype)}"
+        )
+    return mask
+
+
 def _check_lengths(query, key, value):
     if not query.shape[0] == key.shape[0] == value.shape[0]:
         raise ValueError(
@@ -2632,6 +2610,11 @@ def _as_tensor(x, device):
     return torch.as_tensor(x, device=device) if array.dtype.kind in "biufc" else array
 
 
+def _concatenable(weights):
+    """Whether weights of a tensor subclass concatenate into one: not torchao's, not DTensor shards."""
+    return not any(_torchao_weight(w) or _is_dtensor(w) for w in weights)
+
+
 def _is_dtensor(tensor):
     """Whether `tensor` is a DTensor (sharded by tensor parallelism), read from its type so that
     importing this file does not import torch.distributed.tensor (0.7 s)."""
@@ -2669,6 +2652,15 @@ def _global_hooks():
         state._global_backward_hooks, state._global_backward_pre_hooks,
     )  # fmt: skip
     return any(hooks)
+
+
+def _refuse_partial_heads(layer, width):
+    """Tensor parallelism: a rank's projection `width` wide must hold whole heads."""
+    raise ValueError(
+        "Each tensor-parallel rank must hold whole heads: `num_heads` and `num_kv_heads` must be divisible "
+        f"by the number of ranks. Received: num_heads={layer.num_heads}, num_kv_heads={layer.num_kv_heads}, "
+        f"head_dim={layer.head_dim}, a projection {width} wide on this rank"
+    )
 
 
 def _check_local_heads(layer, q, k, attention_mask, attention_bias):
