@@ -147,8 +147,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(
                 f"`num_kv_heads` must divide `num_heads`. Received: num_heads={num_heads}, num_kv_heads={num_kv_heads}"
             )
-        latent = _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
-        self._latent = latent  # None without MLA
+        self._latent = latent = _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
         for name in _LATENT_SIZES:
             setattr(self, name, None if latent is None else getattr(latent, name))  # self.kv_lora_rank, ...
         if latent is not None:
@@ -171,10 +170,9 @@ class MultiHeadAttention(nn.Module):
             _check_latent_combinations(vdim, variants)
             self.vdim = self.kdim  # the values come from `key`
         self.scale, self.softcap, self.window = variants.scale, variants.softcap, variants.window
-        self.attention_chunk_size = variants.attention_chunk_size
+        self.attention_chunk_size, self.rope_sections = variants.attention_chunk_size, variants.rope_sections
         self.rope_theta, self.rope_fraction = variants.rope_theta, variants.rope_fraction
         self.rope_interleaved, self.rope_scaling = variants.rope_interleaved, variants.rope_scaling
-        self.rope_sections = variants.rope_sections
         self.qk_norm, self.qk_norm_eps = variants.qk_norm, variants.qk_norm_eps
         self.qk_norm_type, self.qk_norm_bias = variants.qk_norm_type, variants.qk_norm_bias
         self.clip_qkv, self.latent_norm_eps = variants.clip_qkv, variants.latent_norm_eps
@@ -182,8 +180,7 @@ class MultiHeadAttention(nn.Module):
         self._projections = _projection_kinds(names, variants.gate)  # the layer's projections
         self._rotary_dim = _rotary_dim(self.rope_fraction, rope_width, self.rope_theta is not None)  # None: no RoPE
         _make_weights(self, variants.sinks, variants.gate, {"device": device, "dtype": dtype})
-        self._warned_traps = set()  # the mask habits warned of, once each
-        self._fused = None  # the concatenated q/k/v weights kept under no_grad (`_project_fused`)
+        self._warned_traps, self._fused = set(), None  # mask habits warned of; q/k/v kernels kept (no_grad)
         self.reset_parameters()
 
     def forward(
@@ -227,16 +224,13 @@ class MultiHeadAttention(nn.Module):
         self, query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
         return_attention, cache, mask,
     ):  # fmt: skip
-        """Step 1: the call's defaults and checks (all but the masks' combination), as a `_Call`.
-        Unbatched (T, E) inputs are given a batch of one here; `forward` takes it off the results."""
+        """Step 1: the call's defaults and checks as a `_Call` (unbatched inputs: a batch of one)."""
         attention_mask = attention_mask if mask is None else _attention_mask(attention_mask, mask)
         given = (attention_mask, attention_bias, key_mask, query_mask, positions)
         if any(x is not None and not isinstance(x, torch.Tensor) for x in given):  # lists, NumPy arrays
-            device = query.device if isinstance(query, torch.Tensor) else None
-            attention_mask, attention_bias, key_mask, query_mask, positions = [_as_tensor(x, device) for x in given]
-        if isinstance(query, torch.Tensor) and query.dim() == 2:  # unbatched
-            query, key, value = (x if x is None else x.unsqueeze(0) for x in (query, key, value))  # (L, D) -> (1, L, D)
-            key_mask, query_mask = (m if m is None or m.ndim != 1 else m[None] for m in (key_mask, query_mask))
+            attention_mask, attention_bias, key_mask, query_mask, positions = _as_tensors(query, given)
+        if isinstance(query, torch.Tensor) and query.dim() == 2:  # unbatched: (L, D) -> (1, L, D)
+            query, key, value, key_mask, query_mask = _batch_of_one(query, key, value, key_mask, query_mask)
         self_attention = key is None and value is None  # what key_mask defaults by (SPEC: key and value left out)
         one_input = (key is None or key is query) and (value is None or value is query)  # may fuse the projections
         key = value if key is None else key  # the missing inputs: only `key` or only `value` gives both,
@@ -246,9 +240,7 @@ class MultiHeadAttention(nn.Module):
             _refuse_latent_value()  # MLA reads keys and values from `key`
         query = _check_input("query", query, "E", self.d_model)
         if not (key is query and value is query and self.kdim == self.vdim == self.d_model):  # else checked once
-            key, value = _check_input("key", key, "kdim", self.kdim), _check_input("value", value, "vdim", self.vdim)
-            _check_dtypes(query, key, value)
-            _check_lengths(query, key, value)
+            key, value = _check_key_value(self, query, key, value)
         compute_dtype = self._compute_dtype(query)
         if query.dtype != compute_dtype:
             _check_compute_dtype(query, compute_dtype)  # outside autocast a ValueError
@@ -271,8 +263,7 @@ class MultiHeadAttention(nn.Module):
         )  # fmt: skip
 
     def _compute_dtype(self, query):
-        """The dtype q, k and v are computed in: autocast's, else the output projection's float
-        weight's (`_float_weight`), else the query's (a quantized module)."""
+        """The dtype q, k and v are computed in: autocast's, else the output projection's weight's."""
         if query.device.type != "meta" and torch.is_autocast_enabled(query.device.type):  # `_autocast_enabled`
             return torch.get_autocast_dtype(query.device.type)
         weight = self.output.weight if type(self.output) is nn.Linear else None  # the plain case, read directly
@@ -301,8 +292,7 @@ class MultiHeadAttention(nn.Module):
         return keep, bias
 
     def _project_qkv(self, call, kernels=None):
-        """Step 2: q (B, N, T, H), k and v (B, K, S, H), with one matmul (`_project_fused`) where it
-        computes what the three projections would. MLA: q, latents and k_rope (`_project_latent`)."""
+        """Step 2: q (B, N, T, H), k and v (B, K, S, H), in one matmul where exact (`_project_fused`)."""
         if self._latent is not None:
             return _project_latent(self, call)
         if kernels is not None:
@@ -324,9 +314,8 @@ class MultiHeadAttention(nn.Module):
         return q, k, v
 
     def _project_fused(self, x, kernels=None):
-        """Self-attention: q, k and v from one matmul over the three projections' weights, biases (0
-        where none) and int8 scales concatenated (the input quantized once); under no_grad the
-        concatenation is kept while the weights are unchanged (`_kept_fused`), for a decode step."""
+        """Self-attention: q, k and v from one matmul over the projections' weights, biases and int8
+        scales concatenated, kept under no_grad while the weights are unchanged (`_kept_fused`)."""
         projections, version = (self.query, self.key, self.value), None
         if kernels is None and not torch.is_grad_enabled():
             version, kernels = _kept_fused(self, projections, x)  # (weights' version, kept kernels or None)
@@ -340,16 +329,12 @@ class MultiHeadAttention(nn.Module):
                 self._fused = None if version is None else (version, kernels)
         weight, bias, scale = kernels
         y = F.linear(x, weight, bias) if scale is None else _int8_linear(x, weight, scale, bias)  # (B, T, (N+2K)*H)
-        (b, t), n, kv = x.shape[:2], self.num_heads, self.num_kv_heads
-        if t == 1:  # the same tensor as the transpose, with no transpose to run (a decode step)
-            heads = y.view(b, n + 2 * kv, 1, self.head_dim)  # (B, 1, (N+2K)*H) -> (B, N+2K, 1, H)
-        else:
-            heads = y.view(b, t, n + 2 * kv, self.head_dim).transpose(1, 2)  # -> (B, N+2K, T, H)
+        (b, t), n, kv, h = x.shape[:2], self.num_heads, self.num_kv_heads, self.head_dim
+        heads = y.view(b, t, n + 2 * kv, h).transpose(1, 2) if t > 1 else y.view(b, n + 2 * kv, 1, h)  # T = 1: as is
         return heads.split_with_sizes([n, kv, kv], dim=1)  # (B, N, T, H), (B, K, T, H), (B, K, T, H)
 
     def _project(self, x, kind):
-        """(B, L, D) -> (B, L, F): the projection `kind` ("query", "key", "value", "output" or "gate"),
-        as F.linear where that is exactly what it computes (`_plain_linear`: cheaper than the call)."""
+        """(B, L, D) -> (B, L, F): the projection `kind`, as F.linear where exact (`_plain_linear`)."""
         module = getattr(self, kind)
         return F.linear(x, module.weight, module.bias) if _plain_linear(module) else module(x)
 
@@ -373,8 +358,7 @@ class MultiHeadAttention(nn.Module):
         return self._attend_heads(q, k, v, keep, bias, call)
 
     def _attend_heads(self, q, k, v, keep, bias, call):
-        """Step 6 on heads, `dot_product_attention`'s numbers: with `softcap` or returned weights the
-        explicit softmax (`_attend_explicit`), else SDPA, causal, window and chunk in its mask."""
+        """Step 6 on heads: SDPA, else the explicit softmax (`softcap`, weights: `_attend_explicit`)."""
         if self.softcap is not None or call.return_attention:
             return _attend_explicit(self, q, k, v, keep, bias, call)
         dropout = self.dropout if self.training else 0.0
@@ -395,8 +379,7 @@ class MultiHeadAttention(nn.Module):
         _reset_parameters(self)
 
     def _apply(self, fn, recurse=True):
-        """`nn.Module`'s moves and casts (`.to`, `.half()`, `to_empty`), then `_inv_freq` computed
-        again in float32 where it went: a cast would round it and `to_empty` leaves it unset."""
+        """`nn.Module`'s moves and casts, then `_inv_freq` made again in float32 (`_reset_rope`)."""
         module = super()._apply(fn, recurse)
         _reset_rope(self)
         return module
@@ -424,8 +407,7 @@ class MultiHeadAttention(nn.Module):
 
     @property
     def quantization_mode(self):
-        """ "int8" once `quantize("int8")` (or an int8 `import_weights`) made the projections
-        `Int8Linear` modules, else None."""
+        """ "int8" once the projections are `Int8Linear` modules (`quantize`, `import_weights`), else None."""
         return "int8" if all(isinstance(getattr(self, kind), Int8Linear) for kind in self._projections) else None
 
     def extra_repr(self):
@@ -489,9 +471,8 @@ def _plain_linear(module, kind=nn.Linear):
 
 
 def _sdpa_attention(q, k, v, keep, bias, dropout, scale, is_causal=False, sinks=None):
-    """`scaled_dot_product_attention` with a finite additive mask (`is_causal`, its own top-left
-    triangle: no mask and T == S); returns the context. A row with no key left is set to exactly 0
-    after the kernel; MLA's narrower values are padded (the fused kernels want one head width)."""
+    """SDPA with a finite additive mask (`is_causal`: no mask and T == S), rows with no key left 0;
+    MLA's narrower values padded to q's width (the fused kernels want one head width)."""
     if sinks is not None:
         return _sdpa_with_sinks(q, k, v, keep, bias, dropout, scale, is_causal, sinks)
     if v.shape[-1] < q.shape[-1]:
@@ -2599,6 +2580,27 @@ def _is_floating(tensor):
 
 def _dtype_name(dtype):
     return dtype.name if isinstance(dtype, np.dtype) else str(dtype).removeprefix("torch.")
+
+
+def _as_tensors(query, tensors):
+    """A call's masks and positions given as lists or NumPy arrays, as tensors on the query's device."""
+    device = query.device if isinstance(query, torch.Tensor) else None
+    return [_as_tensor(x, device) for x in tensors]
+
+
+def _batch_of_one(query, key, value, key_mask, query_mask):
+    """Unbatched inputs, (L, D) -> (1, L, D), and 1-D token masks, (L,) -> (1, L)."""
+    query, key, value = (x if x is None else x.unsqueeze(0) for x in (query, key, value))  # (L, D) -> (1, L, D)
+    key_mask, query_mask = (m if m is None or m.ndim != 1 else m[None] for m in (key_mask, query_mask))
+    return query, key, value, key_mask, query_mask
+
+
+def _check_key_value(layer, query, key, value):
+    """Cross-attention's `key` and `value`: (B, S, kdim) and (B, S, vdim), the query's batch and dtype."""
+    key, value = _check_input("key", key, "kdim", layer.kdim), _check_input("value", value, "vdim", layer.vdim)
+    _check_dtypes(query, key, value)
+    _check_lengths(query, key, value)
+    return key, value
 
 
 def _as_tensor(x, device):
