@@ -189,7 +189,7 @@ class MultiHeadAttention(nn.Module):
     ):  # fmt: skip
         bare = key is None and value is None and attention_mask is None and mask is None and attention_bias is None
         bare = bare and key_mask is None and query_mask is None and not return_attention and cache is not None
-        call, kernels = _decode_step(self, query, positions, causal, cache) if bare else (None, None)  # fast path
+        call, fast = _decode_step(self, query, positions, causal, cache) if bare else (None, None)  # fast path
         if call is None:
             call = self._check_call(
                 query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
@@ -198,7 +198,7 @@ class MultiHeadAttention(nn.Module):
         masked = call.attention_mask is not None or call.attention_bias is not None
         masked = masked or call.key_mask is not None or call.query_mask is not None
         keep, bias = self._masks(call) if masked else (None, None)  # 1. (B|1, N|1, T|1, S|1) keep and bias
-        q, k, v = self._project_qkv(call, kernels)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H)
+        q, k, v = self._project_qkv(call, fast)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H)
         if self.clip_qkv is not None:
             q, k, v = _clip(self, q), _clip(self, k), _clip(self, v)  # 2. clamped
         if self.qk_norm is not None:
@@ -206,13 +206,13 @@ class MultiHeadAttention(nn.Module):
         if self.rope_theta is not None:
             q, k, v = _rotate(self, q, k, v, call.positions)  # 4. RoPE (MLA: of q and k_rope, in v's place)
         if call.cache is not None:
-            k, v, keep, call = _update_cache(self, call, k, v, keep)  # 5. KV cache (may fold causal, window, chunk)
+            k, v, keep, call = _update_cache(self, call, k, v, keep, fast)  # 5. KV cache (may fold causal, window...)
         context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S) or None
         if self.gate is not None:
             context = _gate_heads(self, call, context)  # 6b. output gate
         merged = self._merge_heads(context)  # (B, N, T, H) -> (B, T, N*H)
-        output = self._project(merged, "output") if kernels is None else F.linear(merged, *kernels[1])  # 7. (B, T, E)
-        if call.cache is not None and torch.compiler.is_compiling():  # a graph cannot raise: no room gives NaN
+        output = self._project(merged, "output") if fast is None else F.linear(merged, *fast[1])  # 7. (B, T, E)
+        if call.cache is not None and fast is None and torch.compiler.is_compiling():  # no room: NaN (cannot raise)
             output = _no_room_as_nan(self, call, output)
         if isinstance(query, torch.Tensor) and query.dim() == 2:  # unbatched: drop B
             output, weights = output[0], None if weights is None else weights[0]
@@ -291,12 +291,12 @@ class MultiHeadAttention(nn.Module):
             bias = bias.clamp(min=torch.finfo(dtype).min)  # two penalties may add up past the lowest value
         return keep, bias
 
-    def _project_qkv(self, call, kernels=None):
+    def _project_qkv(self, call, fast=None):
         """Step 2: q (B, N, T, H), k and v (B, K, S, H), in one matmul where exact (`_project_fused`)."""
         if self._latent is not None:
             return _project_latent(self, call)
-        if kernels is not None:
-            return self._project_fused(call.query, kernels[0])  # (B, T, E) -> (B, N, T, H), 2 x (B, K, T, H)
+        if fast is not None:  # the decode fast path: the kept q/k/v kernels (`_decode_step`)
+            return self._project_fused(call.query, fast[0])  # (B, T, E) -> (B, N, T, H), 2 x (B, K, T, H)
         projections = (self.query, self.key, self.value)
         kind = Int8Linear if type(self.query) is Int8Linear else nn.Linear
         fuse = call.fuse and all(_plain_linear(projection, kind) for projection in projections)
@@ -316,10 +316,11 @@ class MultiHeadAttention(nn.Module):
     def _project_fused(self, x, kernels=None):
         """Self-attention: q, k and v from one matmul over the projections' weights, biases and int8
         scales concatenated, kept under no_grad while the weights are unchanged (`_kept_fused`)."""
-        projections, version = (self.query, self.key, self.value), None
+        version = None
         if kernels is None and not torch.is_grad_enabled():
-            version, kernels = _kept_fused(self, projections, x)  # (weights' version, kept kernels or None)
+            version, kernels = _kept_fused(self, x)  # (weights' version, kept kernels or None)
         if kernels is None:
+            projections = (self.query, self.key, self.value)
             weight = torch.cat([p.weight for p in projections])  # (N*H + 2*K*H, E), int8 for Int8Linear
             biases = [x.new_zeros(p.out_features) if p.bias is None else p.bias for p in projections]  # layer dtype
             bias = None if all(p.bias is None for p in projections) else torch.cat(biases)  # (N*H + 2*K*H,)
@@ -1765,18 +1766,19 @@ def _no_room_as_nan(layer, call, output):
     return torch.where(no_room, torch.nan, output)
 
 
-def _update_cache(layer, call, k, v, keep):
+def _update_cache(layer, call, k, v, keep, fast=None):
     """Step 5, the KV cache: the new keys and values written (`_write_cache`, checked by
     `_check_call`), then k and v are the cache's. A lean decode step (eager, no mask, bias,
     query_mask or returned weights, within the cache's first lap) attends the first index + T
     slots as a full pass attends its keys (causal, window and chunk bottom-right aligned, the
     cache's keep only where it holds a False): no (B, 1, T, L) keep. Every other call attends
-    all L slots through that keep, with causal, window and chunk folded into it."""
+    all L slots through that keep, with causal, window and chunk folded into it. The decode fast
+    path gives the index it read (`fast`, `_decode_step`)."""
     cache = call.cache
     if cache is None:
         return k, v, keep, call
     t, length, index = k.shape[2], cache.key.shape[2], cache.index
-    start = _known_index(index)
+    start = _known_index(index) if fast is None else fast[2]
     cache = _write_cache(cache, k, v, call.key_mask, start)
     lean = keep is None and not call.return_attention  # each mask gives a keep
     if lean and start is not None and start + t <= length:  # lean: the first S = index + T slots
@@ -1854,7 +1856,8 @@ def _decode_step(layer, query, positions, causal, cache):
     a tensor) and a cache, eagerly under no_grad, over plain projections whose q/k/v kernels the
     layer keeps (`_kept_kernels`; never with MLA) and a cache whose index carries its value and
     whose T tokens fit in its first lap (`_carried_start`). Those facts answer the check step's
-    checks, so this returns the `_Call` that `_check_call` would give and the kept kernels, for
+    checks, so this returns the `_Call` that `_check_call` would give and `fast`: the kept kernels
+    (q/k/v, output) and the cache's carried index, for
     `forward`'s own steps 2 to 7 (bit for bit the general call); or (None, None) where it does not
     apply: the call then runs through the check step, which raises where it is invalid."""
     tensors = type(query) is torch.Tensor and (positions is None or type(positions) is torch.Tensor)
@@ -1876,7 +1879,7 @@ def _decode_step(layer, query, positions, causal, cache):
         query, query, query, None, None, None, None, positions, causal, layer.window, layer.attention_chunk_size,
         False, cache, None, True,
     )  # fmt: skip
-    return call, kernels
+    return call, (*kernels, start)
 
 
 def _carried_start(cache, b, t, heads, head_dim, dtype):
@@ -2169,7 +2172,7 @@ def _attend_absorbed(layer, q, latent, k_rope, keep, bias, call):
 
 
 def _keeps_kernels():
-    """Whether the layer keeps the concatenated q/k/v kernels between calls (`_fused_weights`):
+    """Whether the layer keeps the concatenated q/k/v kernels between calls (`_kept_fused`):
     eagerly under `no_grad`. Elsewhere a decode step projects with the three projections:
     concatenating the kernels at every step costs more than the one matmul saves."""
     return not torch.is_grad_enabled() and _eager()
@@ -2185,10 +2188,11 @@ def _versions(tensors, dtype):
         return None
 
 
-def _kept_fused(layer, projections, x):
+def _kept_fused(layer, x):
     """Under no_grad: the version of the q/k/v weights, biases and int8 scales (`_versions`, None
     where they are not kept: traced, compiled, inference-mode) and the concatenation
     `_project_fused` keeps (`layer._fused`) while it is of that version, else None."""
+    projections = (layer.query, layer.key, layer.value)
     names = ("weight", "bias", "weight_scale") if isinstance(layer.query, Int8Linear) else ("weight", "bias")
     tensors = [getattr(p, name) for p in projections for name in names]
     version = _versions(tensors, x.dtype) if _keeps_kernels() else None
