@@ -8,8 +8,8 @@ TEXT differs from what the code gives now; one command rewrites every span:
     .venv/bin/python -m shared_tests.docs_facts --write
 
 The generators read the code cheaply: the case tables are imported (NumPy only), the layer files
-and the test files are parsed with `ast`, never imported, and `interop/hf.py` is imported without
-torch or transformers.
+and the test files are parsed with `ast`, never imported, and the package `interop/hf/` is imported
+without torch or transformers.
 """
 
 import argparse
@@ -196,7 +196,7 @@ def _decode_paths():
 def _model_types():
     import interop.hf
 
-    builtin = interop.hf._BUILTIN  # the porters interop/hf.py ships, not those a test registers for a while
+    builtin = interop.hf._BUILTIN  # the porters interop/hf/ ships, not those a test registers for a while
     return [name for name in interop.hf.supported_modules() if name in builtin]
 
 
@@ -209,13 +209,42 @@ def arguments(dotted):
         args = copy.copy(function.args)
         args.args = args.args[1:]  # self
         return args
-    tree = parsed(ROOT / (module_path.replace(".", "/") + ".py"))
-    return next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == name).args
+    return next(
+        f for path in module_sources(module_path) for f in parsed(path).body
+        if isinstance(f, ast.FunctionDef) and f.name == name
+    ).args  # fmt: skip
+
+
+def module_sources(module_path):
+    """The source files of a module (`NumPy.Multi_Head_Attention`: its file) or of a package (`interop.hf`: the
+    files of its folder, where its functions are defined and imported into `__init__.py`)."""
+    path = ROOT / module_path.replace(".", "/")
+    return [path.with_suffix(".py")] if path.with_suffix(".py").exists() else sorted(path.glob("*.py"))
 
 
 def _signature(dotted):
     """`name(parameters)`, in backticks, as the source defines it."""
     return f"`{dotted.rpartition('.')[2]}({ast.unparse(arguments(dotted))})`"
+
+
+def _section_table():
+    """A Markdown table: the core and each section of `core_layout.SECTIONS` (rows, in file
+    order), with its line range in each layer file (columns), `-` where a file has no such part."""
+    from shared_tests import core_layout
+
+    files = layer_files()
+    ranges = {}
+    for framework in files:
+        found = core_layout.headers(framework)
+        ends = [line - 2 for _, line in found[1:]] + [len((ROOT / framework / LAYER_FILE).read_text().splitlines())]
+        ranges[framework] = {
+            title: f"{1 if i == 0 else line - 1}-{end}"
+            for i, ((title, line), end) in enumerate(zip(found, ends, strict=True))
+        }
+    rows = [f"| part | {' | '.join(files)} |", "|---" * (len(files) + 1) + "|"]
+    for title in (core_layout.CORE_HEADER, *core_layout.SECTIONS):
+        rows.append(f"| {title} | " + " | ".join(ranges[f].get(title, "-") for f in files) + " |")
+    return "\n" + "\n".join(rows) + "\n"
 
 
 GENERATORS = {
@@ -241,6 +270,7 @@ GENERATORS = {
     "files_with": lambda feature: _joined(name for name in layer_files() if has_feature(name, feature)),
     "has": lambda framework, feature: "yes" if has_feature(framework, feature) else "no",
     "signature": _signature,
+    "sections": _section_table,
 }
 
 

@@ -148,18 +148,23 @@ def _onnxruntime(model_bytes, arrays):
 
 # Exported artifacts kept between reports in a folder (`cache`; the parity report's is out/exports):
 # the exports of the layer files' own layers, keyed by a hash of the layer file, this module (the
-# export code), the framework's runner (which builds the layer), the exporters' versions, the case
-# and its data. A kept artifact is still loaded and
-# run by its runtime every time: only the export and conversion are skipped.
-EXPORTERS = ("torch", "onnx", "onnxscript", "tensorflow", "tf2onnx", "keras")
+# export code), the framework's runner (which builds the layer), the installed distributions that
+# export and convert (`EXPORTERS`, by name and version), the case and its data. A kept artifact is
+# still loaded and run by its runtime every time: only the export and conversion are skipped.
+EXPORTERS = ("torch", "onnx", "onnxscript", "tensorflow", "tensorflow-cpu", "tf2onnx", "keras", "ai-edge-litert")
 LAYER_FILES = {"torch": "PyTorch/Multi_Head_Attention.py", "tf": "TensorFlow/Multi_Head_Attention.py"}
 
 
-def _version(package):
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "none"
+def exporter_versions():
+    """'name=version' of each installed distribution of `EXPORTERS` (TensorFlow is installed as
+    `tensorflow` or as `tensorflow-cpu`: whichever is there is named)."""
+    found = []
+    for name in EXPORTERS:
+        try:
+            found.append(f"{name}={importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return " ".join(found)
 
 
 @functools.cache
@@ -170,7 +175,7 @@ def fingerprint(framework):
     runner = Path(__file__).with_name(f"{framework}_runner.py")  # how the runner builds the layer it exports
     for path in (ROOT / LAYER_FILES[framework], Path(__file__), runner):
         digest.update(path.read_bytes())
-    digest.update(" ".join(f"{name}={_version(name)}" for name in EXPORTERS).encode())
+    digest.update(exporter_versions().encode())
     return digest.hexdigest()
 
 

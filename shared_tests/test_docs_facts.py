@@ -159,7 +159,7 @@ def test_quoted_paths_and_modules_exist(page):
         if not (ROOT / m.group(1)).exists():
             missing.append(f"{_page_id(page)}:{line}: {m.group(1)}")
     for line, m in _findings(page, MODULE, page.read_text()):
-        if not (ROOT / m.group(1) / f"{m.group(2)}.py").exists():
+        if not docs_facts.module_sources(f"{m.group(1)}.{m.group(2)}"):  # a module's file or a package's folder
             missing.append(f"{_page_id(page)}:{line}: {m.group()}")
     assert not missing, "\n".join(missing)
 
@@ -313,8 +313,8 @@ NOT_OURS = {"_compute_yarn_parameters"}  # transformers' function, named where t
 
 def test_quoted_private_names_exist():
     """A `_name` the docs quote (a helper, a record, a buffer) is in the source of a layer file,
-    interop/hf.py, shared_tests/ or bench/: a renamed helper fails here."""
-    sources = [*ROOT.glob(f"*/{docs_facts.LAYER_FILE}"), ROOT / "interop" / "hf.py"]
+    interop/hf/, shared_tests/ or bench/: a renamed helper fails here."""
+    sources = [*ROOT.glob(f"*/{docs_facts.LAYER_FILE}"), *docs_facts.module_sources("interop.hf")]
     tests = [path for path in ROOT.glob("shared_tests/*.py") if "docs_facts" not in path.name]  # not these lists
     text = "\n".join(path.read_text() for path in [*sources, *tests, *ROOT.glob("bench/*.py")])
     unknown = [

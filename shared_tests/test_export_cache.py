@@ -3,6 +3,8 @@ read back instead of exported again, still run by its runtime, and a change of t
 the case or its data gives another key."""
 
 import dataclasses
+import importlib.metadata
+import re
 
 import numpy as np
 import pytest
@@ -78,6 +80,35 @@ def test_the_key_changes_with_the_layer_file_the_case_and_the_data(tmp_path, mon
     runtimes.fingerprint.cache_clear()
     try:
         assert runtimes.artifact_key("tf:onnx", case, data) != key
+    finally:
+        monkeypatch.undo()
+        runtimes.fingerprint.cache_clear()
+
+
+def test_the_key_names_the_installed_tensorflow_distribution():
+    """Regression: TensorFlow installed as `tensorflow-cpu` was keyed as 'tensorflow=none', so
+    an upgrade of TensorFlow (and its TFLite converter) reused the old tf:onnx and tf:litert exports."""
+    import tensorflow as tf
+
+    assert re.search(rf"\btensorflow(-cpu)?={re.escape(tf.__version__)}\b", runtimes.exporter_versions())
+
+
+@pytest.mark.parametrize("distribution", ["tensorflow-cpu", "tf2onnx", "onnx", "onnxscript", "torch", "keras"])
+def test_the_key_changes_with_an_exporters_version(monkeypatch, distribution):
+    case = CASES_BY_NAME[CASE]
+    data = make_data(case)
+    path = "torch:onnx" if distribution in ("torch", "onnx", "onnxscript") else "tf:onnx"
+    runtimes.fingerprint.cache_clear()
+    key = runtimes.artifact_key(path, case, data)
+    installed = importlib.metadata.version
+
+    def upgraded(name):
+        return "99.0" if name == distribution else installed(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", upgraded)
+    runtimes.fingerprint.cache_clear()
+    try:
+        assert runtimes.artifact_key(path, case, data) != key
     finally:
         monkeypatch.undo()
         runtimes.fingerprint.cache_clear()

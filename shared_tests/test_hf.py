@@ -1,4 +1,4 @@
-"""`interop/hf.py` against `transformers` itself: each family's attention module, ported into this
+"""`interop/hf/` against `transformers` itself: each family's attention module, ported into this
 project's layer, gives the module's output (float32, within the SPEC's 1e-5), on a full pass with
 padding and when decoding left-padded prompts step by step against transformers' own cache.
 
@@ -6,7 +6,7 @@ Every model is a tiny random one built from a config (no download), seeded, in e
 `attn_implementation="eager"`; its parameters are redrawn at sizes where every variant matters
 (scores of order 1, soft-capping active, norms away from 1). Forward hooks capture one attention
 module's input hidden states and output while the model runs; our layer, built from
-`port_attention`, runs on those hidden states with the call arguments of interop/hf.py's docstring.
+`port_attention`, runs on those hidden states with the call arguments of interop.hf's docstring.
 RoPE models are called with explicit `position_ids` (cumsum(mask) - 1, as `generate` computes them
 for left padding) and the layer gets the same `positions`. Every family is checked at two layers
 (sliding and full where it alternates). `test_every_ported_variant_matters` removes each ported
@@ -48,7 +48,7 @@ import pytest
 import torch
 import transformers
 
-import interop.hf
+import interop.hf.registry
 from interop.hf import (
     alibi_positions,
     port_attention,
@@ -820,7 +820,7 @@ def _config(model):
 
 
 # ----------------------------------------------------------------------------------------------
-# Inputs, capture and the call arguments of interop/hf.py's docstring
+# Inputs, capture and the call arguments of interop.hf's docstring
 # ----------------------------------------------------------------------------------------------
 
 
@@ -891,7 +891,7 @@ def _capture(model, family, index):
 
 
 def _call_arguments(runner, model, family, mask, positions, start, stop, kwargs):
-    """The call arguments of interop/hf.py's docstring for the tokens [start, stop) of a (B, L) padding mask
+    """The call arguments of interop.hf's docstring for the tokens [start, stop) of a (B, L) padding mask
     over the L keys (the cache's slots when decoding; L = T on a full pass); `kwargs` the port's (a NoPE
     layer, with no `rope_theta`, takes no positions)."""
     arguments = {"causal": family.causal, "key_mask": mask[:, start:stop].astype(bool)}
@@ -1260,7 +1260,7 @@ def test_keras_ports_run_once_for_the_workers_that_share_a_folder(tmp_path, monk
 
 
 def _chunk_keep(query_positions, key_positions, size):
-    """interop/hf.py's chunk mask for left-padded rows: (B, T, S), True where query and key share a chunk of
+    """interop.hf's chunk mask for left-padded rows: (B, T, S), True where query and key share a chunk of
     positions (transformers counts a row's chunks from its first real token)."""
     return key_positions[:, None, :] // size == query_positions[:, :, None] // size
 
@@ -1269,7 +1269,7 @@ def _chunk_keep(query_positions, key_positions, size):
 def test_chunks_of_rows_padded_otherwise_take_the_documented_mask(framework):
     """Left padding of 2 and 5 tokens (not multiples of C = 3): `attention_chunk_size` counts chunks from the
     first slot, transformers from each row's first real token, so the port's chunks differ there; the layer
-    without `attention_chunk_size` and with interop/hf.py's position chunk mask gives transformers' output."""
+    without `attention_chunk_size` and with interop.hf's position chunk mask gives transformers' output."""
     family = dataclasses.replace(FAMILIES_BY_NAME["llama4_chunked"], prompts=PROMPT_LENGTHS)
     runner = _runner(framework)
     model, call, mask, positions = _full_pass(family, 0)
@@ -1613,6 +1613,28 @@ def test_mistral4_query_scaling_by_position_is_refused():
         port_attention(module, module.config)
 
 
+def test_llama4_vision_attention_is_refused_as_vision_attention_not_as_smollm3():
+    """Bug: Llama 4's vision encoder attention was refused with SmolLM3's message ("`layer_index` must be given for
+    SmolLM3 (`no_rope_layers`)"), its porter's for the text layers. It is refused as what it is, with the model's
+    config or its vision config; a text layer read without its index names Llama 4."""
+    vision = transformers.Llama4VisionConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, image_size=28,
+                                             patch_size=14)  # fmt: skip
+    module = transformers.models.llama4.modeling_llama4.Llama4VisionAttention(vision)
+    message = (
+        r"`module` must hold an attention the layer computes: Llama4VisionAttention is Llama 4's vision encoder "
+        r"attention, whose 2-D RoPE \(`freqs_ci`, Pixtral's\) turns the first half of each head's feature pairs by "
+        r"the image patch's column and the second half by its row, .* Received: Llama4VisionAttention$"
+    )
+    for config in (vision, transformers.Llama4Config(vision_config=vision.to_dict(), text_config={**COMMON, **GQA})):
+        with pytest.raises(ValueError, match=message):
+            port_attention(module, config)
+    text = _tiny_module(transformers.models.llama4.modeling_llama4.Llama4TextAttention, transformers.Llama4TextConfig,
+                        **GQA)  # fmt: skip
+    tensors = {f"model.layers.0.self_attn.{name}": value.numpy() for name, value in text.state_dict().items()}
+    with pytest.raises(ValueError, match=r"^`layer_index` must be given for Llama 4 .* Received: layer_index=None$"):
+        port_checkpoint(text.config.to_dict(), tensors, None, prefix="model.layers.0.self_attn")
+
+
 @pytest.mark.parametrize(("name", "build", "message"), ERROR_CASES, ids=[case[0] for case in ERROR_CASES])
 def test_port_refuses_what_the_layer_cannot_hold(name, build, message):
     module = build()
@@ -1863,7 +1885,7 @@ def test_checkpoint_route_runs_without_torch_or_transformers(name, index, saved,
 def test_a_registered_porter_ports_a_subclass_and_a_model_type(monkeypatch):
     """`register_porter` by class name takes a subclass that overrides `forward` (refused otherwise); by model
     type it serves `port_checkpoint`; the porter gets the config dict, the module's tensor names and its layer."""
-    monkeypatch.setattr(interop.hf, "_REGISTERED", {})
+    monkeypatch.setattr(interop.hf.registry, "_REGISTERED", {})
     received = []
 
     def porter(config, tensors, index):

@@ -1,0 +1,180 @@
+"""`replace_attention`: this project's PyTorch layer swapped into a `transformers` model, in place, behind a
+wrapper that takes the attention module's call (masks and KV cache included)."""
+
+import functools
+
+from .bert import _bert
+from .gated import _gated
+from .latent import _latent
+from .llama import _rotary
+from .registry import _registered
+from .routes import _layer_index, _module_porter, _transformers_model_type, port_attention
+
+
+def replace_attention(model, layer_class=None):
+    """Replaces every attention module of a `transformers` PyTorch model by this project's layer, in place.
+
+    Each module becomes a wrapper that holds the ported `MultiHeadAttention` (its `layer`) and takes
+    the module's call: the model's own `forward` and `generate` keep working, with their masks
+    (the mask the model builds is the layer's `attention_mask`) and their KV cache (the layer keeps
+    the keys and values in its own `KVCache`, grown as decoding goes; the model's cache only counts
+    the tokens). Greedy and sampled decoding are supported; beam search, which reorders the model's
+    cache, is not. The model is switched to the "eager" attention implementation, whose masks are
+    always materialized.
+
+    Args:
+        model: a `transformers` PyTorch model of the Llama kind (the families with `q_proj`, `k_proj`,
+            `v_proj`, `o_proj`: Llama, Mistral, Qwen, Gemma, OLMo, Phi3, ...; the gated ones, Qwen3-Next, Qwen3.5,
+            AFMoE and LFM3, whose other layers (linear attention, convolutions) stay as they are), of the BERT kind
+            (BERT, RoBERTa, XLM-RoBERTa) or with multi-head latent attention (DeepSeek-V2, V3 and the MLA families
+            `port_attention` reads; the layer's cache holds the latents).
+        layer_class: the `MultiHeadAttention` class to build (default: the one in `PyTorch/`).
+
+    Returns:
+        The names of the replaced modules.
+
+    Raises:
+        ValueError: for a model with no attention module of these kinds, a module `port_attention` refuses,
+            or Qwen2-VL's multimodal RoPE (its modules never see their (3, B, T) positions).
+    """
+    import torch
+
+    if layer_class is None:
+        from PyTorch import Multi_Head_Attention as layer_file
+
+        layer_class = layer_file.MultiHeadAttention
+    _set_eager(model)
+    replaced = []
+    for name, module in list(model.named_modules()):
+        if any(name.startswith(done + ".") for done in replaced) or not type(module).__name__.endswith(_ATTENTION):
+            continue
+        if _transformers_model_type(type(module)) is None and not any(
+            _registered(c.__name__) is not None for c in type(module).__mro__
+        ):
+            continue
+        family = getattr(_module_porter(module), "family", None)
+        if family not in (_rotary, _gated, _bert, _latent):
+            continue
+        if getattr(module, "is_cross_attention", False):
+            raise ValueError(f"`model` must have self-attention only: `{name}` is a cross-attention. Received: {name}")
+        wrapper = _swapped(torch, module, layer_class, family is _bert, model.config)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, wrapper)
+        replaced.append(name)
+    if not replaced:
+        raise ValueError(
+            "`model` must hold attention modules of the Llama kind (q_proj, k_proj, v_proj, o_proj), of the BERT "
+            f"kind or with multi-head latent attention. Received: {type(model).__name__}"
+        )
+    return replaced
+
+
+_ATTENTION = ("Attention", "MLA")  # the endings of the attention modules' class names (LongCat's LongcatFlashMLA)
+
+
+def _set_eager(model):
+    for config in (getattr(model, "config", None), *(m.config for m in model.modules() if hasattr(m, "config"))):
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = "eager"
+
+
+def _swapped(torch, module, layer_class, bert, model_config):
+    """The wrapper module that calls the ported layer as `module` was called."""
+    config = getattr(module, "config", None) or getattr(getattr(module, "self", None), "config", None)
+    config = config or model_config  # a hybrid's linear-attention module holds none (its refusal reads it)
+    kwargs, weights = port_attention(module, config)
+    if "rope_sections" in kwargs:
+        raise ValueError(
+            "`model` must rotate by one row of positions: the (3, B, T) positions of Qwen2-VL's multimodal RoPE "
+            f"do not reach its attention modules (they get cos and sin). Received: {type(module).__name__}"
+        )
+    parameter = next(module.parameters())
+    layer = layer_class(**kwargs)
+    layer.import_weights(weights)
+    layer.to(device=parameter.device, dtype=parameter.dtype)
+    wrapper = _wrapper_class(torch)(layer, _layer_index(module), getattr(module, "is_causal", not bert))
+    if bert:
+        wrapper.norm, wrapper.dropout = module.output.LayerNorm, module.output.dropout
+    return wrapper
+
+
+@functools.cache
+def _wrapper_class(torch):
+    class SwappedAttention(torch.nn.Module):
+        """A `transformers` attention module's call, computed by `layer` (`MultiHeadAttention`).
+
+        BERT's residual, dropout and LayerNorm after the output projection are kept as `norm` and `dropout`.
+        """
+
+        def __init__(self, layer, layer_idx, is_causal):
+            super().__init__()
+            self.layer, self.layer_idx, self.is_causal = layer, layer_idx, is_causal
+            self.norm = self.dropout = None
+            self._cache = None
+
+        def forward(self, hidden_states, attention_mask=None, *args, past_key_values=None, **kwargs):
+            positions = kwargs.get("position_ids")
+            if self.layer.rope_theta is None:
+                positions = None
+            elif positions is None:
+                positions = kwargs.get("cache_position")  # (T,)
+            elif positions.shape[0] != hidden_states.shape[0]:
+                positions = positions.expand(hidden_states.shape[0], -1)  # (1, T) -> (B, T)
+            if past_key_values is None:
+                output = self.layer(
+                    hidden_states, **self._masks(attention_mask, hidden_states, 0, None), positions=positions
+                )
+            else:
+                output = self._step(hidden_states, attention_mask, past_key_values, positions)
+            if self.norm is not None:
+                output = self.norm(self.dropout(output) + hidden_states)
+            return output, None
+
+        def _step(self, hidden_states, attention_mask, past_key_values, positions):
+            """One call with the model's cache: the layer's own cache holds the keys and values."""
+            (b, t, _), past = hidden_states.shape, past_key_values.get_seq_length(self.layer_idx)
+            empty = hidden_states.new_zeros(b, 1, t, 1)  # the model's cache counts the tokens only (one number each)
+            past_key_values.update(empty, empty, self.layer_idx)
+            if past == 0 or self._cache is None:
+                self._cache = self.layer.init_cache(b, max(2 * t, 16))
+            if int(self._cache.index) != past:
+                raise ValueError(
+                    "`past_key_values` must grow one call after another (beam search and cache cropping are not "
+                    f"supported). Received: {past} past tokens, the layer's cache holds {int(self._cache.index)}"
+                )
+            self._grow(past + t)
+            masks = self._masks(attention_mask, hidden_states, past, self._cache.key.shape[2])
+            output, self._cache = self.layer(hidden_states, **masks, positions=positions, cache=self._cache)
+            return output
+
+        def _grow(self, length):
+            """Doubles the layer's cache until it has `length` slots."""
+            cache = self._cache
+            slots = cache.key.shape[2]
+            if length <= slots:
+                return
+            extra = max(slots, length - slots)
+            key, value = (
+                torch.cat([part, part.new_zeros(*part.shape[:2], extra, part.shape[3])], 2)
+                for part in (cache.key, cache.value)
+            )  # MLA's latents (C) and rotary keys (Hr) differ
+            keep = cache.keep.new_ones(cache.keep.shape[0], extra)
+            self._cache = type(cache)(key, value, torch.cat([cache.keep, keep], 1), cache.index)
+
+        def _masks(self, attention_mask, hidden_states, past, slots):
+            """The model's mask (B, 1, T, S') over the keys up to past + T, as a boolean mask over `slots` keys."""
+            if attention_mask is None:
+                return {"causal": self.is_causal}
+            keep = (
+                attention_mask
+                if attention_mask.dtype == torch.bool
+                else attention_mask > torch.finfo(attention_mask.dtype).min / 2
+            )
+            if slots is None:
+                return {"attention_mask": keep}
+            end = past + hidden_states.shape[1]
+            full = keep.new_zeros(*keep.shape[:-1], slots)
+            full[..., end - keep.shape[-1] : end] = keep  # a sliding layer's mask covers its last keys only
+            return {"attention_mask": full}
+
+    return SwappedAttention
