@@ -179,7 +179,7 @@ class MultiHeadAttention(nn.Module):
         self.absorb_latents = None  # MLA: None (absorbed with a cache and T <= 8), True or False
         self._projections = _projection_kinds(names, variants.gate)  # the layer's projections
         self._rotary_dim = _rotary_dim(self.rope_fraction, rope_width, self.rope_theta is not None)  # None: no RoPE
-        _make_weights(self, variants.sinks, variants.gate, {"device": device, "dtype": dtype})
+        _make_weights(self, latent, variants.sinks, variants.gate, {"device": device, "dtype": dtype})
         self._warned_traps, self._fused = set(), None  # mask habits warned of; q/k/v kernels kept (no_grad)
         self.reset_parameters()
 
@@ -246,7 +246,7 @@ class MultiHeadAttention(nn.Module):
             _check_compute_dtype(query, compute_dtype)  # outside autocast a ValueError
         (b, t), s = query.shape[:2], key.shape[1]
         if cache is not None:
-            _check_cache_call(self, cache, query, key, compute_dtype)
+            _check_cache_call(self, cache, query, key, compute_dtype, self._latent)
         if query_mask is not None:  # query_mask first, as in the other files
             _check_token_mask("query_mask", query_mask, b, t, "T")
         if key_mask is not None:
@@ -1679,10 +1679,11 @@ def _check_keep(keep, batch_size, max_length):
     return keep
 
 
-def _check_cache_call(layer, cache, query, key, dtype):
-    """Step 1 with a cache: its shapes (`_check_cache`), its dtype (the compute `dtype`) and the
-    room for the T new tokens (`_check_room`: under `torch.compile` `forward` gives NaN instead)."""
-    _check_cache(cache, query, key, layer.num_kv_heads, layer.head_dim, layer._latent)
+def _check_cache_call(layer, cache, query, key, dtype, latent):
+    """Step 1 with a cache: its shapes (`_check_cache`; MLA's with the `_Latent` sizes `latent`), its
+    dtype (the compute `dtype`) and the room for the T new tokens (`_check_room`: under
+    `torch.compile` `forward` gives NaN instead)."""
+    _check_cache(cache, query, key, layer.num_kv_heads, layer.head_dim, latent)
     _check_cache_dtype(cache, dtype)
     _check_room(cache.index, query.shape[1], cache.key.shape[2], _window_sides(layer.window)[0])
 
@@ -2481,20 +2482,20 @@ def _projection_kinds(projections, gate):
     return projections if gate else projections[:-1]
 
 
-def _make_weights(layer, sinks, gate, factory):
-    """The four projections (with MLA its projections and the latents' norm scales), the gate's
-    with `gate`, the QK-norm scales and biases, the sink logits and the RoPE frequencies (a
-    non-persistent float32 buffer `_inv_freq` (R/2,), None without RoPE, filled by
-    `reset_parameters`), uninitialized."""
+def _make_weights(layer, latent, sinks, gate, factory):
+    """The four projections (with MLA, `latent` not None: its projections and the latents' norm
+    scales), the gate's with `gate` (as wide as the output projection's input), the QK-norm
+    scales and biases, the sink logits and the RoPE frequencies (a non-persistent float32 buffer
+    `_inv_freq` (R/2,), None without RoPE, filled by `reset_parameters`), uninitialized."""
     nh, kh = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
-    if layer._latent is not None:
+    if latent is not None:
         _make_latent_weights(layer, factory)
     else:
         layer.query = nn.Linear(layer.d_model, nh, bias="query" in layer.bias, **factory)  # query_kernel^T: (N*H, E)
         layer.key = nn.Linear(layer.kdim, kh, bias="key" in layer.bias, **factory)  # key_kernel^T: (K*H, kdim)
         layer.value = nn.Linear(layer.vdim, kh, bias="value" in layer.bias, **factory)  # value_kernel^T: (K*H, vdim)
         layer.output = nn.Linear(nh, layer.d_model, bias="output" in layer.bias, **factory)  # output_kernel^T: (E, N*H)
-    nv = layer.num_heads * (layer.head_dim if layer._latent is None else layer.v_head_dim)
+    nv = layer.output.in_features  # N*H, or N*Hv with MLA
     gated = nn.Linear(layer.d_model, nv, bias="gate" in layer.bias, **factory) if gate else None
     layer.gate = gated  # gate_kernel^T: (N*Hv, E) (Hv = H without MLA), None without `gate`
     norms = {None: (None, None), "head": (layer.head_dim, layer.head_dim)}.get(layer.qk_norm, (nh, kh))
