@@ -1784,7 +1784,8 @@ def _update_cache(layer, call, k, v, keep, fast=None):
     lean = keep is None and not call.return_attention  # each mask gives a keep
     if lean and start is not None and start + t <= length:  # lean: the first S = index + T slots
         k, v, keep = _first_slots(cache, start + t)  # (B, K, S, H) x 2, (B, 1, 1, S) or None
-        lean_call = _Call(*call[:8], call.causal and t > 1, *call[9:12], cache, *call[13:])  # `_replace`, cheaper
+        causal = call.causal and t > 1  # `call._replace(causal=causal, cache=cache)`, 2 us cheaper a step:
+        lean_call = _Call(*call[:8], causal, *call[9:12], cache, *call[13:])  # fields 8 and 12 replaced
         return k, v, keep, lean_call
     rule = (call.causal, call.window, call.attention_chunk_size)
     keep = _and(keep, _cache_keep(cache.keep, index, t, *rule))  # (B, N, T, L), dims may be 1
