@@ -504,7 +504,8 @@ def _sdpa_attention(q, k, v, keep, bias, dropout, scale, is_causal=False, sinks=
 # (`alibi_bias`) and the attention bias (T5). Here too the masks, combined into one boolean keep and
 # one additive bias (`_split_mask`: a floating mask at most the lowest of float32 or of its dtype,
 # or -inf, removes a key; the rest is added), `causal_mask`, and the formula with every modifier,
-# `dot_product_attention`, with the explicit softmax's paths (`_attend_explicit`).
+# `dot_product_attention`, with the explicit softmax's paths (`_attend_explicit`). Soft-capping
+# makes the scaled scores c * tanh(scores / c) before `attention_bias` and the floating mask are added.
 
 
 def _check_score_modifiers(head_dim, scale, softcap, window, attention_chunk_size):
@@ -1198,6 +1199,12 @@ def _sdpa_with_sinks(q, k, v, keep, bias, dropout, scale, is_causal, sinks):
 # Rotary position embeddings (`rope_theta`, `rope_fraction`, `rope_interleaved`, `rope_scaling`,
 # `rope_sections`: Llama, GPT-NeoX, GPT-J, Llama 3.1, gpt-oss's YaRN, Qwen2-VL's M-RoPE): the checks,
 # the frequencies and their scalings, the call's positions and the turn, with its own backward.
+# `rope_scaling` is a dict as `transformers` writes it: {"rope_type": "linear", "factor"},
+# {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+# "original_max_position_embeddings"} (Llama 3.1) or {"rope_type": "yarn", "factor",
+# "original_max_position_embeddings", optional "attention_factor", "beta_fast", "beta_slow", "mscale",
+# "mscale_all_dim", "truncate"} (gpt-oss; the rotated features of q and k are also multiplied by its
+# attention factor). With MLA RoPE turns the last Hr features of q and the key part shared by the heads.
 
 
 _ROPE_SCALING = {
@@ -1947,7 +1954,10 @@ def _all_kept(keep):
 # -------------------------------------------------------------------------------------------------
 # Multi-head latent attention (DeepSeek-V2/V3, `kv_lora_rank` and the sizes after it): its checks,
 # its projections (the latents, `query_a`/`query_b`), its cache (the latents and the turned shared
-# key part) and its attention, on the latents expanded per head or absorbed into q.
+# key part) and its attention, on the latents expanded per head or absorbed into q. Keys and values
+# come from one latent c = RMSNorm(first C features of key @ key_value_a_kernel) per token, expanded
+# per head by `key_value_b_kernel`; with `q_lora_rank` Q, q = RMSNorm(query @ query_a_kernel) @
+# query_b_kernel; the output kernel is (N*Hv, E); the cache holds c and the turned shared key part.
 
 
 _LATENT_SIZES = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
