@@ -198,16 +198,23 @@ class MultiHeadAttention(nn.Module):
         masked = call.attention_mask is not None or call.attention_bias is not None
         masked = masked or call.key_mask is not None or call.query_mask is not None
         keep, bias = self._masks(call) if masked else (None, None)  # 1. (B|1, N|1, T|1, S|1) keep and bias
-        q, k, v = self._project_qkv(call, fast)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H)
+        latent = self._latent  # MLA (its section) takes steps 2, 4 and 6 its own way
+        if latent is None:
+            q, k, v = self._project_qkv(call, fast)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H)
+        else:
+            q, k, v = _project_latent(self, call)  # 2. and 4. MLA: q, the latents and the turned k_rope
         if self.clip_qkv is not None:
             q, k, v = _clip(self, q), _clip(self, k), _clip(self, v)  # 2. clamped
         if self.qk_norm is not None:
             q, k = _normalize_qk(self, q, k)  # 3. QK-norm
-        if self.rope_theta is not None:
-            q, k, v = _rotate(self, q, k, v, call.positions)  # 4. RoPE (MLA: of q and k_rope, in v's place)
+        if self.rope_theta is not None and latent is None:
+            q, k = _rotate(self, q, k, call.positions)  # 4. RoPE
         if call.cache is not None:
             k, v, keep, call = _update_cache(self, call, k, v, keep, fast)  # 5. KV cache (may fold causal, window...)
-        context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S) or None
+        if latent is None:
+            context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S) or None
+        else:
+            context, weights = _attend_latent(self, q, k, v, keep, bias, call)  # 6. MLA: expanded or absorbed
         if self.gate is not None:
             context = _gate_heads(self, call, context)  # 6b. output gate
         merged = self._merge_heads(context)  # (B, N, T, H) -> (B, T, N*H)
@@ -293,8 +300,6 @@ class MultiHeadAttention(nn.Module):
 
     def _project_qkv(self, call, fast=None):
         """Step 2: q (B, N, T, H), k and v (B, K, S, H), in one matmul where exact (`_project_fused`)."""
-        if self._latent is not None:
-            return _project_latent(self, call)
         if fast is not None:  # the decode fast path: the kept q/k/v kernels (`_decode_step`)
             return self._project_fused(call.query, fast[0])  # (B, T, E) -> (B, N, T, H), 2 x (B, K, T, H)
         projections = (self.query, self.key, self.value)
@@ -353,13 +358,7 @@ class MultiHeadAttention(nn.Module):
         return context.reshape(b, 1, heads * h) if t == 1 else context.transpose(1, 2).reshape(b, t, heads * h)
 
     def _attend(self, q, k, v, keep, bias, call):
-        """Step 6: `_attend_heads`; with MLA k and v are the latents and k_rope (`_attend_latent`)."""
-        if self._latent is not None:
-            return _attend_latent(self, q, k, v, keep, bias, call)
-        return self._attend_heads(q, k, v, keep, bias, call)
-
-    def _attend_heads(self, q, k, v, keep, bias, call):
-        """Step 6 on heads: SDPA, else the explicit softmax (`softcap`, weights: `_attend_explicit`)."""
+        """Step 6, the one entry to the paths: SDPA, else the explicit softmax (`_attend_explicit`)."""
         if self.softcap is not None or call.return_attention:
             return _attend_explicit(self, q, k, v, keep, bias, call)
         dropout = self.dropout if self.training else 0.0
@@ -1407,17 +1406,11 @@ def _reset_rope(layer):
         layer._inv_freq = rope_frequencies(layer._rotary_dim, layer.rope_theta, layer.rope_scaling, device=device)
 
 
-def _rotate(layer, q, k, v, positions):
+def _rotate(layer, q, k, positions):
     """Step 4, RoPE: q and k turned at their (B, T) positions by the frequencies `_inv_freq`
-    (with `rope_sections`, (k, B, T) positions: each section of pairs by its row); with MLA
-    the last Hr features of q and the (B, 1, T, Hr) k_rope, which stands in v's place (k is
-    the latents). Returns q, k, v."""
-    if layer.rope_theta is None:
-        return q, k, v
-    if layer._latent is not None:
-        q_nope, q_rope = q.split([layer.qk_nope_head_dim, layer.qk_rope_head_dim], dim=-1)  # (B, N, T, Hn), (.., Hr)
-        return torch.cat([q_nope, _turn_heads(layer, q_rope, positions)], dim=-1), k, _turn_heads(layer, v, positions)
-    return _turn_heads(layer, q, positions), _turn_heads(layer, k, positions), v
+    (with `rope_sections`, (k, B, T) positions: each section of pairs by its row). MLA turns its
+    own (`_project_latent`)."""
+    return _turn_heads(layer, q, positions), _turn_heads(layer, k, positions)
 
 
 def _turn_heads(layer, x, positions):
@@ -1655,11 +1648,7 @@ def _init_cache(layer, batch_size, max_length, *, keep=None, dtype=None):
     weight = _float_weight(layer)
     device = torch.device("cpu") if weight is None else weight.device  # a quantized module runs on the CPU
     keep = torch.ones(b, length, dtype=torch.bool) if keep is None else _check_keep(keep, b, length)
-    latent = layer._latent
-    key_shape = (
-        (b, layer.num_kv_heads, length, layer.head_dim) if latent is None else (b, 1, length, latent.kv_lora_rank)
-    )
-    value_shape = key_shape if latent is None else (b, 1, length, latent.qk_rope_head_dim)
+    key_shape, value_shape = _cache_shapes(layer, b, length)  # (B, K, L, H) each; MLA's its own
     default = torch.get_default_dtype() if weight is None else weight.dtype
     dtype = default if dtype is None else dtype
     keep = keep.to(device, copy=True)  # the cache's own: decoding writes it in place
@@ -2064,6 +2053,23 @@ def _make_latent_weights(layer, factory):
     layer.key_value_a_norm = nn.Parameter(torch.empty(layer.kv_lora_rank, **factory))  # (C,)
 
 
+def _cache_shapes(layer, b, length):
+    """The shapes of a cache's `key` and `value` (`init_cache`): (B, K, L, H) each, or with MLA the
+    latent cache, latents (B, 1, L, C) and turned shared key parts (B, 1, L, Hr)."""
+    latent = layer._latent
+    if latent is None:
+        return ((b, layer.num_kv_heads, length, layer.head_dim),) * 2
+    return (b, 1, length, latent.kv_lora_rank), (b, 1, length, latent.qk_rope_head_dim)
+
+
+def _kernels_and_norms(layer, kernels):
+    """The projections' kernels {kind: (D, F)} and the latents' norms {kind: (width,)} of the
+    portable layout (`weight_shapes`): `kernels` and none without MLA; with it MLA's."""
+    if layer._latent is None:
+        return kernels, {}
+    return _latent_kernels(layer), {"query_a": (layer.q_lora_rank,), "key_value_a": (layer.kv_lora_rank,)}
+
+
 def _latent_kernels(layer):
     """MLA's portable kernels {projection: (D, F)}, in the layout's order."""
     n, k, h = layer.num_heads, layer.num_kv_heads, layer.head_dim
@@ -2096,7 +2102,8 @@ def _latent_norms(layer):
 def _project_latent(layer, call):
     """Step 2 with MLA: q (B, N, T, H), through query_a, its RMSNorm and query_b with Q; the
     latents c = RMSNorm(a[..., :C]) (B, 1, S, C) and k_rope = a[..., C:] (B, 1, S, Hr) of
-    a = key @ key_value_a_kernel."""
+    a = key @ key_value_a_kernel; with RoPE, step 4 too: the last Hr features of q and k_rope turned
+    (`_turn_heads`) at the call's positions."""
     if layer.q_lora_rank is None:
         q = layer._project(call.query, "query")  # (B, T, E) -> (B, T, N*H)
     else:
@@ -2105,17 +2112,21 @@ def _project_latent(layer, call):
     a = layer._project(call.key, "key_value_a")  # (B, S, kdim) -> (B, S, C + Hr)
     latent, k_rope = a.split([layer.kv_lora_rank, layer.qk_rope_head_dim], dim=-1)  # (B, S, C), (B, S, Hr)
     latent = rms_norm(latent, layer.key_value_a_norm, layer.latent_norm_eps)  # (B, S, C)
-    return layer._split_heads(q, layer.num_heads), latent[:, None], k_rope[:, None]  # (B, N, T, H), (B, 1, S, .)
+    q, k_rope = layer._split_heads(q, layer.num_heads), k_rope[:, None]  # (B, N, T, H), (B, 1, S, Hr)
+    if layer.rope_theta is not None:  # step 4
+        q_nope, q_rope = q.split([layer.qk_nope_head_dim, layer.qk_rope_head_dim], dim=-1)  # (B, N, T, Hn), (.., Hr)
+        q = torch.cat([q_nope, _turn_heads(layer, q_rope, call.positions)], dim=-1)  # (B, N, T, H)
+        k_rope = _turn_heads(layer, k_rope, call.positions)  # (B, 1, S, Hr)
+    return q, latent[:, None], k_rope  # (B, N, T, H), (B, 1, S, C), (B, 1, S, Hr)
 
 
 def _attend_latent(layer, q, k, v, keep, bias, call):
-    """Step 6, the one entry to the paths (`_attend_heads`); with MLA k and v are the
-    (B, 1, S, C) latents and (B, 1, S, Hr) k_rope, attended expanded or absorbed."""
-    if layer._latent is not None and _absorbs(layer, call, q.shape[2]):
+    """Step 6 with MLA: k and v are the (B, 1, S, C) latents and (B, 1, S, Hr) k_rope, attended
+    absorbed (`_attend_absorbed`) or expanded per head (`_expand_latents`), through `_attend`."""
+    if _absorbs(layer, call, q.shape[2]):
         return _attend_absorbed(layer, q, k, v, keep, bias, call)
-    if layer._latent is not None:
-        k, v = _expand_latents(layer, k, v)  # (B, K, S, H), (B, K, S, Hv)
-    return layer._attend_heads(q, k, v, keep, bias, call)
+    k, v = _expand_latents(layer, k, v)  # (B, K, S, H), (B, K, S, Hv)
+    return layer._attend(q, k, v, keep, bias, call)
 
 
 def _absorbs(layer, call, t):
@@ -2154,7 +2165,7 @@ def _up_projections(layer, dtype):
 
 
 def _attend_absorbed(layer, q, latent, k_rope, keep, bias, call):
-    """Step 6 with MLA on the latents, through `_attend_heads` (every path): q_lat = q_nope @
+    """Step 6 with MLA on the latents, through `_attend` (every path): q_lat = q_nope @
     W_kb^T (B, N, T, C) meets the latents and q_rope meets k_rope (and q_nope . b_k a key of
     ones); the values are the latents (and a one, whose output is sum(weights)); each head's
     context is o_lat @ W_vb + sum(weights) * b_v (B, N, T, Hv)."""
@@ -2170,7 +2181,7 @@ def _attend_absorbed(layer, q, latent, k_rope, keep, bias, call):
     if b_v is not None:
         values.append(ones)
     q, k, v = (torch.cat(parts, dim=-1) for parts in (queries, keys, values))  # (B, N, T, .), 2 x (B, 1, S, .)
-    context, weights = layer._attend_heads(q, k, v, keep, bias, call)  # (B, N, T, C or C + 1)
+    context, weights = layer._attend(q, k, v, keep, bias, call)  # (B, N, T, C or C + 1)
     output = context[..., : layer.kv_lora_rank] @ w_vb.transpose(-1, -2)  # (B, N, T, C) -> (B, N, T, Hv)
     return output if b_v is None else output + context[..., layer.kv_lora_rank :] * b_v[:, None, :], weights
 
@@ -2829,8 +2840,7 @@ def _weight_shapes(layer):
         "gate": (layer.d_model, nh),
     }
     kernels = {kind: shape for kind, shape in kernels.items() if kind in layer._projections}
-    kernels = kernels if layer._latent is None else _latent_kernels(layer)
-    norms = {} if layer._latent is None else {"query_a": (layer.q_lora_rank,), "key_value_a": (layer.kv_lora_rank,)}
+    kernels, norms = _kernels_and_norms(layer, kernels)  # MLA's projections instead, and its norms
     shapes = {}
     for kind, shape in kernels.items():
         shapes[f"{kind}_kernel"] = shape
