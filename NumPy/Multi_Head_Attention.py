@@ -22,54 +22,20 @@ The math, for query head n (which reads key/value head n // (N // K)):
     gate = sigmoid(query @ gate_kernel + gate_bias)             (B, T, N*H), with `gate` only
     output = concat_heads(context * gate) @ output_kernel + output_bias
 
-The steps of a call (docs/SPEC.md, "Order of the steps"), one method each in `__call__`:
-    1. defaults and checks; masks combined into one boolean `keep` and one additive `bias`
-    2. projections          3. QK-norm of q and k        4. RoPE of q and k at `positions`
-    5. cache write          6. scores * scale, soft-capping, + bias, keys removed by keep,
-                               causal, window and chunk, softmax with the sinks, weighted sum of v
-    6b. output gate         7. heads merged and the output projection
-
-Variants, each off by default: `bias` per projection, `scale` (default 1 / sqrt(H)), `softcap`
-(scores become c * tanh(scores / c)), `window` (query t keeps key s only if s > t + (S - T) - W;
-a pair (W_before, W_after) also limits the keys after it), `attention_chunk_size` (query and key
-in the same chunk of C positions), RoPE (`rope_theta`, `rope_fraction`, `rope_interleaved`,
-`rope_scaling`, `rope_sections` for multimodal RoPE; `positions` in the call), `qk_norm` (RMSNorm
-or LayerNorm, `qk_norm_type`, of q and k per head, with a scale per head, or over all heads; a
-bias with `qk_norm_bias`), `sinks` (a learned logit per head in the softmax's denominator),
-`clip_qkv` (q, k and v clamped to [-c, c] right after their projections: OLMo, DBRX, MPT) and
-`gate` (each head's result times sigmoid(query @ gate_kernel + gate_bias): Keras' `use_gate`,
-Qwen3-Next). Call
-arguments `attention_bias` (added to the scores, with a gradient; see `alibi_bias`), `key_mask`
-(B, S) and `query_mask` (B, T). The reference has no dropout: `dropout` must be 0.
-
-MLA (`kv_lora_rank`, docs/SPEC.md "Multi-head latent attention"): q as above (or through
-query_a, RMSNorm and query_b with `q_lora_rank`); a = key @ key_value_a_kernel (B, S, C + Hr),
-the latent c = RMSNorm(a[..., :C]) and the shared k_rope = a[..., C:]; RoPE turns the last Hr
-features of q and k_rope; the cache holds c and k_rope; [k_nope, v] = c @ key_value_b_kernel
-per head, k = concat(k_nope, k_rope), or the absorbed path on the latents (`absorb_latents`).
-
-Masks: a boolean `attention_mask` is True where a query may attend a key; a floating one is
-added to the scores, read in its own dtype: a value at or below the lowest finite value of its
-dtype or of float32 (whichever is higher), or -inf, removes a key; every other value is added.
-`causal=True` keeps key s for query t iff s <= t + (S - T). A query row with no key left gets
-weights of exactly 0, so its output is `output_bias`. Example, a key padding mask for keys
-[a, b, <pad>]:
-    keep = np.array([[True, True, False]])           # (B, S)
-    layer(x, key_mask=keep)                           # or attention_mask=keep[:, None, :]
-
-Weights (`export_weights`, docs/SPEC.md "Weights"): `<kind>_kernel` (D, heads*H) and
-`<kind>_bias` for kind in query, key, value, output (and gate with `gate`); `query_norm`,
-`key_norm` with `qk_norm` (and `query_norm_bias`, `key_norm_bias` with `qk_norm_bias`); `sinks`
-(N,) with sinks; float64,
-and int8 kernels with float32 `<kind>_kernel_scale` once `quantize("int8")` (Keras' scheme; such
-a layer has no `backward`).
-
-Decoding with a KV cache: `cache = layer.init_cache(B, L)`, then `output, cache = layer(x,
-cache=cache)` for a prompt (T > 1) and then one token at a time (T = 1). The keys (rotated by
-RoPE) and values of the T new tokens are written to slots [index, index + T), and query t
-attends slot s iff s < index + T, keep[b, s], (not causal or s <= index + t), the window and
-the chunk keep it at position index + t (see `_cache_keep`; a window makes the cache roll) and
-`attention_mask` (given over L) keeps it. Token-by-token equals the full causal pass.
+Where things are: the core, the plain layer (`MultiHeadAttention`, whose `__call__` reads as the
+steps of a call, and `dot_product_attention`), ends by line 500. Then one section per option
+family, in this order:
+    backward                            `backward`, the gradients of the last call
+    score modifiers                     scale, softcap, window, chunk, sinks, ALiBi, attention bias;
+                                        the masks (`causal_mask`, ...) combined into keep and bias
+    positions                           RoPE (frequencies, scaling, multimodal sections)
+    QK-norm, clip_qkv and the gate
+    KV cache and decode steps           `KVCache`, `init_cache`, the cache's checks and writes
+    multi-head latent attention         MLA: checks, weights, latent projection, expand or absorb
+    speed paths                         (none: the reference computes every case explicitly)
+    int8                                `quantize`, Keras' int8 scheme by hand
+    framework only                      the shared checks, the variants' record, the mask habits
+    converters                          the portable weight layout (`import_weights`)
 """
 
 import math
@@ -82,35 +48,11 @@ import numpy as np
 __all__ = ["AttentionMaskWarning", "KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
 
 _PROJECTIONS = ("query", "key", "value", "output", "gate")  # the names `bias` takes; "gate" only with `gate`
-_LATENT_SIZES = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-_ABSORB_MAX_T = 8  # `absorb_latents=None`: a call with a cache and T <= 8 attends on the latents
-_ROPE_SCALING = {
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "yarn": ("factor", "original_max_position_embeddings"),
-}
-_YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
-_EMPTY_MASK = (
-    "`{name}` keeps no key for any query, so every output row is `output_bias`: True means attend (in "
-    "nn.MultiheadAttention True means ignore: pass `~mask`). Received: a boolean {name} that is False everywhere"
-)
-_CAUSAL_TRAP = (
-    "`attention_mask` keeps keys only after each query, none at or before it: True means attend (in "
-    "nn.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`). "
-    "Received: a boolean attention_mask False wherever causal attention keeps a key"
-)
-_PADDING_TRAP = (
-    "`key_mask` reads as nn.MultiheadAttention's key_padding_mask (True = padding): True means a real key, "
-    "pass `~mask`. Received: a key_mask False then True in every row, {empty} of {b} rows keeping no key "
-    "and none keeping all"
-)
-_ZEROS_AND_ONES = (
-    "`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras reads such a "
-    "mask as boolean): pass `mask > 0` (True = attend) or an additive mask. "
-    "Received: a floating attention_mask of 0s and 1s"
-)
+# -------------------------------------------------------------------------------------------------
+# Core: the plain layer
+# -------------------------------------------------------------------------------------------------
 
 
 class AttentionMaskWarning(UserWarning):
@@ -119,200 +61,599 @@ class AttentionMaskWarning(UserWarning):
     once per layer. `warnings.simplefilter("error", AttentionMaskWarning)` makes it an error."""
 
 
-# The packages between the user's call and this file
-_FRAMEWORK_MODULES = ("numpy",)
+class _Call(NamedTuple):
+    """A call's arguments after `_check_call`: checked, defaulted, cast to float64."""
+
+    query: np.ndarray  # (B, T, E)
+    key: np.ndarray  # (B, S, kdim)
+    value: np.ndarray  # (B, S, vdim)
+    attention_mask: np.ndarray | None  # after the `mask=` alias, made rank 4 by `_mask_to_4d`
+    attention_bias: np.ndarray | None  # made rank 4 by `_mask_to_4d`
+    key_mask: np.ndarray | None  # (B, S), after the self-attention default
+    query_mask: np.ndarray | None  # (B, T)
+    positions: np.ndarray | None  # (B, T) integers ((k, B, T) with rope_sections), None without RoPE
+    causal: bool  # the cache step replaces it by False once folded into keep
+    window: int | tuple[int, int] | None  # self.window; the cache step replaces it by None once folded into keep
+    attention_chunk_size: int | None  # self.attention_chunk_size; likewise replaced by None in the cache step
+    return_attention: bool
+    cache: "KVCache | None"  # the cache step replaces it by the written cache
+    training: None  # TF/Keras only
+    fuse: bool  # False: the reference projects q, k and v one at a time
 
 
-def _warn_at_caller(message):
-    """Warns `AttentionMaskWarning` at the user's line: the first frame outside this file and the
-    framework (a module's or layer's `__call__`, Keras' traceback filter), however deep they call."""
-    frame, level = sys._getframe(1), 2  # level 2: the frame that called this function
-    while frame is not None and (
-        frame.f_globals is globals() or frame.f_globals.get("__name__", "").split(".")[0] in _FRAMEWORK_MODULES
-    ):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, AttentionMaskWarning, stacklevel=level)
+class MultiHeadAttention:
+    """Multi-head attention (MHA, grouped-query GQA and multi-query MQA), NumPy float64.
 
+    Args:
+        d_model: E, the width of `query` and of the output.
+        num_heads: N, the number of query heads.
+        num_kv_heads: K, the number of key/value heads; must divide N. Defaults to N.
+        head_dim: H, the width of one head. Defaults to E // N (then N must divide E).
+        kdim: width of `key`. Defaults to E.
+        vdim: width of `value`. Defaults to E.
+        dropout: must be 0: the reference has no dropout.
+        bias: True (all the projections have a bias, the gate's with `gate`), False (none), or a
+            list, tuple or set of the names of those that have one, among "query", "key", "value",
+            "output", "gate" (Qwen2: ("query", "key", "value")). Kept as that tuple of names, in
+            that order.
+        scale: the factor of the scores q . k; defaults to 1 / sqrt(H).
+        softcap: None, or c: scores become c * tanh(scores / c) (Gemma 2).
+        window: None, W, or a pair (W_before, W_after): query t keeps key s only if
+            s > t + (S - T) - W_before, and with a pair also s < t + (S - T) + W_after
+            (Mistral's sliding window: W; ModernBERT's two-sided band: (65, 65)).
+        attention_chunk_size: None, or C: query t keeps key s only if both are in the same
+            chunk of C positions, s // C == (t + (S - T)) // C (Llama 4's chunked attention).
+        rope_theta: None (no RoPE), or the base of rotary position embeddings (e.g. 10000.0).
+        rope_fraction: the share of each head's features that RoPE rotates (partial rotary).
+        rope_interleaved: pair features (2i, 2i + 1) (GPT-J) instead of (i, i + R/2) (Llama).
+        rope_scaling: None, or a dict {"rope_type": "linear", "llama3" or "yarn", ...} as in
+            transformers; YaRN also multiplies the rotated features of q and k by its attention factor.
+        rope_sections: None, or the numbers of rotated pairs (summing to R/2) that turn by each
+            row of (k, B, T) `positions` in turn (Qwen2-VL's multimodal RoPE, `mrope_section`).
+        qk_norm: None, "head" (each head of q and k normalized, one scale shared by the heads:
+            Qwen3), "per_head" (each head with its own scale: StableLM, Cohere) or "all" (over all
+            heads: OLMo2); its scales are the weights `query_norm` and `key_norm`.
+        qk_norm_eps: the epsilon of that norm.
+        qk_norm_type: "rms" (RMSNorm) or "layer" (LayerNorm: the mean is removed first).
+        qk_norm_bias: if True, the norm adds a learned bias after its scale (`query_norm_bias`,
+            `key_norm_bias`: Phi's LayerNorm).
+        sinks: if True, one learned logit per head (weight `sinks`) joins the softmax's
+            denominator (gpt-oss).
+        clip_qkv: None, or c: q, k and v are clamped to [-c, c] right after their projections
+            (bias included), before QK-norm, RoPE and the cache (OLMo, DBRX, MPT).
+        gate: if True, each head's attention result is multiplied, feature by feature, by
+            sigmoid(query @ gate_kernel + gate_bias) before the heads are merged (Keras'
+            `use_gate`, Qwen3-Next, Qwen3.5).
+        kv_lora_rank: None, or C: multi-head latent attention (MLA, DeepSeek-V2/V3): keys and
+            values come from one latent c = RMSNorm(first C features of key @ key_value_a_kernel)
+            per token, expanded per head by `key_value_b_kernel`; the cache holds c and the
+            shared turned key part (see `init_cache`).
+        q_lora_rank: None (a plain query projection), or Q: with MLA, q = RMSNorm(query @
+            query_a_kernel) @ query_b_kernel.
+        qk_nope_head_dim: Hn, with MLA the features of a query/key head RoPE does not turn.
+        qk_rope_head_dim: Hr, with MLA the features RoPE turns (one key part shared by the heads);
+            H = Hn + Hr.
+        v_head_dim: Hv, with MLA the width of a value head (the output kernel is (N*Hv, E)).
+        latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
+        seed: seed for the Glorot uniform initialisation of the kernels (biases start at 0).
 
-class KVCache(NamedTuple):
-    """The keys and values of the tokens decoded so far (make one with `init_cache`).
+    Call arguments:
+        query: (B, T, E).
+        key: (B, S, kdim). Defaults to `value`, or to `query` if `value` is None too.
+        value: (B, S, vdim). Defaults to `key`.
+        attention_mask: boolean (True = attend) or floating (added to the scores), of shape
+            (T, S), (B, T, S) or (B, N, T, S), any dimension of which may be 1.
+        key_mask: (B, S) boolean, True for a real key (with `cache`: (B, T), the new tokens).
+            In self-attention it defaults to `query_mask`.
+        query_mask: (B, T) boolean, True for a real query; other rows output `output_bias`.
+        attention_bias: floating, shaped like `attention_mask`, added to the scores (T5's
+            relative position bias, ALiBi); it has a gradient.
+        positions: integer (B, T) or (T,) RoPE positions, or (k, B, T) with `rope_sections`; default
+            arange(T) (+ the cache index).
+        causal: if True, query t attends key s only if s <= t + (S - T).
+        return_attention: if True, also return the per-head attention weights.
+        cache: a `KVCache` from `init_cache`: decode T new tokens (`key` and `value`, if
+            given, hold the same T tokens); masks and weights are then over the L slots.
+        mask: another name for `attention_mask` (the call `layer(query, key, value, mask=None)`);
+            giving both is a ValueError. Masks whose values read like another library's
+            convention warn once per layer with `AttentionMaskWarning` and compute as given.
 
-    Attributes:
-        key: (B, K, L, H) projected keys, one slot per position; L is the cache's max length.
-        value: (B, K, L, H) projected values.
-        keep: (B, L) boolean; False marks a slot no query may attend (left padding).
-        index: scalar integer, the positions written so far; position p is in slot p (with a
-            `window`, slot p mod L: the cache rolls), and the next call writes from index.
+    Returns:
+        output (B, T, E), or (output, weights) with weights (B, N, T, S) when
+        `return_attention` is True; with `cache`, the updated cache is appended and weights
+        are (B, N, T, L), exactly 0 at unwritten slots.
+
+    Coming from `nn.MultiheadAttention`: a boolean mask here is True where a query may attend
+    (there True means "ignore": pass `~attn_mask`, and `key_mask=~key_padding_mask`);
+    `need_weights=True, average_attn_weights=False` is `return_attention=True`; `is_causal=True`
+    is `causal=True` (bottom-right aligned when T < S); inputs are batch first.
+
+    Example, a key padding mask (the third key of the first sequence is padding):
+        >>> layer = MultiHeadAttention(16, 4, seed=0)
+        >>> x = np.random.default_rng(0).normal(size=(2, 3, 16))  # (B, T, E)
+        >>> keep = np.array([[True, True, False], [True, True, True]])  # (B, S)
+        >>> out, weights = layer(x, key_mask=keep, return_attention=True)
+        >>> out.shape, weights.shape
+        ((2, 3, 16), (2, 4, 3, 3))
+        >>> bool((weights[0, :, :, 2] == 0).all())
+        True
     """
 
-    key: np.ndarray
-    value: np.ndarray
-    keep: np.ndarray
-    index: np.ndarray
+    def __init__(
+        self, d_model, num_heads, *, num_kv_heads=None, head_dim=None, kdim=None, vdim=None, dropout=0.0, bias=True,
+        scale=None, softcap=None, window=None, attention_chunk_size=None, rope_theta=None, rope_fraction=1.0,
+        rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None, qk_norm_eps=1e-6,
+        qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
+        q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
+        seed=None,
+    ):  # fmt: skip
+        self.d_model = _positive_int("d_model", d_model)
+        self.num_heads = _positive_int("num_heads", num_heads)
+        self.num_kv_heads = _positive_int("num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"`num_kv_heads` must divide `num_heads`. Received: num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+            )
+        latent = _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
+        self._latent = latent
+        for name in _LATENT_SIZES:
+            setattr(self, name, None if latent is None else getattr(latent, name))  # self.kv_lora_rank, ...
+        if latent is not None:
+            head_dim = _latent_head_dim(latent, head_dim)
+        elif head_dim is None and self.d_model % self.num_heads:
+            raise ValueError(f"`num_heads` must divide `d_model`. Received: d_model={d_model}, num_heads={num_heads}")
+        self.head_dim = _positive_int("head_dim", self.d_model // self.num_heads if head_dim is None else head_dim)
+        self.kdim = _positive_int("kdim", self.d_model if kdim is None else kdim)
+        self.vdim = _positive_int("vdim", self.d_model if vdim is None else vdim)
+        if _dropout_rate(dropout) != 0.0:
+            raise ValueError(f"`dropout` must be 0: the NumPy reference has no dropout. Received: dropout={dropout!r}")
+        self.dropout = 0.0
+        self.bias = _projection_biases(bias, gate, _projections(latent))
+        rope_width = self.head_dim if latent is None else latent.qk_rope_head_dim
+        modifiers = _check_score_modifiers(self.head_dim, scale, softcap, window, attention_chunk_size)
+        rope = _check_rope(rope_width, rope_theta, rope_fraction, rope_scaling, rope_sections)
+        norms = _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv)
+        latent_norm_eps = _positive_float("latent_norm_eps", latent_norm_eps)
+        flags = {"rope_interleaved": rope_interleaved, "qk_norm_bias": qk_norm_bias, "sinks": sinks, "gate": gate}
+        flags = {name: _flag(name, value) for name, value in flags.items()}  # checked last, in this order
+        variants = _Variants(**modifiers, **rope, **norms, **flags, latent_norm_eps=latent_norm_eps)
+        for name, value in variants._asdict().items():
+            setattr(self, name, value)  # self.scale, self.softcap, ..., self.sinks, self.clip_qkv, self.gate
+        self._cache_layout = (self.num_kv_heads, self.head_dim, self.head_dim)  # a KVCache's heads and widths
+        if latent is not None:
+            _check_latent_combinations(vdim, variants)
+            self.vdim = self.kdim  # the values come from `key`
+            self._cache_layout = _latent_cache_layout(latent)  # (1, C, Hr)
+        self.absorb_latents = None  # MLA: None (absorbed with a cache and T <= 8), True or False
+        self._float_layout = _float_shapes(self) if latent is None else _latent_shapes(self)  # {name: shape}
+        self._inv_freq = None  # (R/2,), computed once
+        if self.rope_theta is not None:
+            rotary_dim = _rotary_dim(rope_fraction, rope_width, True)
+            self._inv_freq = rope_frequencies(rotary_dim, self.rope_theta, self.rope_scaling)
+        rng = np.random.default_rng(seed)
+        self.params = {}
+        for name, shape in self.weight_shapes().items():
+            self.params[name] = _initial_value(rng, name, shape)
+        self._saved = None  # what `backward` needs from the last call without a cache
+        self._warned_traps = set()  # the mask habits warned of, once each
+
+    # The steps of a call (docs/SPEC.md, "Order of the steps"), one line each in `__call__` (2 to 4 in
+    # `_project_qkv`), each option behind a one-line guard (its functions are in its section):
+    #     1. defaults and checks; masks combined into one boolean `keep` and one additive `bias`
+    #     2. projections          3. QK-norm of q and k        4. RoPE of q and k at `positions`
+    #     5. cache write          6. scores * scale, soft-capping, + bias, keys removed by keep,
+    #                                causal, window and chunk, softmax with the sinks, weighted sum of v
+    #     6b. output gate         7. heads merged and the output projection
+    def __call__(
+        self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
+        attention_bias=None, positions=None, causal=False, return_attention=False, cache=None, mask=None,
+    ):  # fmt: skip
+        call = self._check_call(
+            query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
+            return_attention, cache, mask,
+        )  # 1. defaults and checks  # fmt: skip
+        masks = (call.attention_mask, call.attention_bias, call.key_mask, call.query_mask)
+        keep, bias = self._masks(call) if any(m is not None for m in masks) else (None, None)  # 1. keep and bias
+        q, k, v = self._project_qkv(call)  # 2-4. (B, N, T, H), (B, K, S, H) x 2, QK-norm and RoPE of q and k
+        if call.cache is not None:
+            k, v, keep, call = _update_cache(self, call, k, v, keep)  # 5. KV cache, keep over its L slots
+        context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S)
+        gated, gate = (context, None) if not self.gate else _gate_heads(self, call, context)  # 6b. output gate
+        merged = self._merge_heads(gated)  # 7. (B, N, T, H) -> (B, T, N*H)
+        output = self._project(merged, "output")  # 7. (B, T, N*H) -> (B, T, E)
+        bias_shape = None if attention_bias is None else np.shape(attention_bias)
+        saved = dict(call=call, no_key=key is None, no_value=value is None, bias_shape=bias_shape, q=q, k=k, v=v)
+        saved.update(keep=keep, weights=weights, context=context, gate=gate, merged=merged)
+        self._saved = None if call.cache is not None else saved  # what `backward` reads (its section)
+        results = (output, weights) if call.return_attention else (output,)
+        results = results if call.cache is None else (*results, call.cache)
+        return results[0] if len(results) == 1 else results
+
+    def _check_call(
+        self, query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
+        return_attention, cache, mask,
+    ):  # fmt: skip
+        """Step 1 but the masks' combination: every check and default, the cast to float64, the
+        positions (RoPE's section), the cache's checks (its section) and the habit warnings."""
+        attention_mask = attention_mask if mask is None else _attention_mask(attention_mask, mask)
+        self_attention = key is None and value is None
+        key = (query if value is None else value) if key is None else key  # a missing key: value, else query
+        value = key if value is None else value  # a missing value: key
+        if self._latent is not None and value is not key:
+            _refuse_latent_value()  # MLA reads keys and values from `key`
+        query = _check_input("query", query, "E", self.d_model)
+        key = _check_input("key", key, "kdim", self.kdim)
+        value = _check_input("value", value, "vdim", self.vdim)
+        if not query.shape[0] == key.shape[0] == value.shape[0] or key.shape[1] != value.shape[1]:
+            raise _lengths_error(query, key, value)
+        if len({query.dtype, key.dtype, value.dtype}) > 1:
+            raise _dtypes_error(query, key, value)
+        query, key, value = (x.astype(np.float64) for x in (query, key, value))
+        (b, t, _), s = query.shape, key.shape[1]
+        query_mask = None if query_mask is None else _check_token_mask("query_mask", query_mask, b, t, "T")
+        explicit_key_mask = None if key_mask is None else _check_token_mask("key_mask", key_mask, b, s, "S")
+        key_mask = query_mask if explicit_key_mask is None and self_attention else explicit_key_mask
+        s = s if cache is None else _check_cache(cache, query, key, self.num_kv_heads, self.head_dim, self._latent)
+        if positions is not None or self.rope_theta is not None:
+            positions = _positions(self, positions, query, key, cache)
+        target = (b, self.num_heads, t, s)
+        attention_mask = None if attention_mask is None else _mask_to_4d(attention_mask, target)
+        attention_bias = None if attention_bias is None else _mask_to_4d(attention_bias, target, "attention_bias")
+        if cache is None and (attention_mask is not None or explicit_key_mask is not None):
+            _warn_traps(self, attention_mask, explicit_key_mask, t, s)
+        return _Call(
+            query, key, value, attention_mask, attention_bias, key_mask, query_mask, positions, causal, self.window,
+            self.attention_chunk_size, return_attention, cache, None, False,
+        )  # fmt: skip
+
+    def _masks(self, call):
+        """Step 1: one boolean keep and one float64 bias, each None or (B|1, N|1, T|1, S|1); with a
+        cache `key_mask` goes into the cache's keep instead (step 5)."""
+        keep = bias = None
+        if call.attention_mask is not None:
+            keep, bias = _split_mask(call.attention_mask)
+        if call.attention_bias is not None:
+            bias_keep, attention_bias = _split_mask(call.attention_bias)
+            keep, bias = _and(keep, bias_keep), _add(bias, attention_bias)
+        if call.query_mask is not None:
+            keep = _and(keep, call.query_mask[:, None, :, None])  # (B, T) -> (B, 1, T, 1)
+        if call.key_mask is not None and call.cache is None:
+            keep = _and(keep, call.key_mask[:, None, None, :])  # (B, S) -> (B, 1, 1, S)
+        return keep, bias
+
+    def _project_qkv(self, call):
+        """Steps 2 to 4: q (B, N, T, H), k and v (B, K, S, H), each with its bias if it has one
+        (clamped by `clip_qkv`), QK-norm and RoPE of q and k; MLA's in its section."""
+        if self._latent is not None:
+            return _project_latent(self, call)  # q, the latents and k_rope in k's and v's places
+        q = self._project(call.query, "query")  # 2. (B, T, E) -> (B, T, N*H)
+        k = self._project(call.key, "key")  # 2. (B, S, kdim) -> (B, S, K*H)
+        v = self._project(call.value, "value")  # 2. (B, S, vdim) -> (B, S, K*H)
+        if self.clip_qkv is not None:
+            q, k, v = (_clip(self, y) for y in (q, k, v))
+        q, k, v = self._split_heads(q), self._split_heads(k), self._split_heads(v)
+        if self.qk_norm is not None:
+            q, k = _normalize_qk(self, q, k)  # 3. QK-norm
+        if self.rope_theta is not None:
+            q, k = _rotate(self, q, k, call.positions)  # 4. RoPE
+        return q, k, v
+
+    def _project(self, x, kind):
+        """(B, L, D) -> (B, L, heads*H): one projection (int8: its section), with its bias if it has one."""
+        kernel, kernel_scale = self.params[f"{kind}_kernel"], self.params.get(f"{kind}_kernel_scale")
+        y = x @ kernel if kernel_scale is None else _int8_matmul(x, kernel, kernel_scale)  # (B, L, heads*H)
+        return y + self.params[f"{kind}_bias"] if kind in self.bias else y
+
+    def _split_heads(self, y):
+        """(B, L, heads*H) -> (B, heads, L, H)."""
+        b, length, width = y.shape
+        return y.reshape(b, length, width // self.head_dim, self.head_dim).transpose(0, 2, 1, 3)
+
+    def _merge_heads(self, x):
+        """(B, heads, L, H) -> (B, L, heads*H)."""
+        b, heads, length, h = x.shape
+        return x.transpose(0, 2, 1, 3).reshape(b, length, heads * h)
+
+    def _attend(self, q, k, v, keep, bias, call):
+        """Step 6: `dot_product_attention` with the layer's variants; with MLA (its section) k and v
+        are the (B, 1, S, C) latents and (B, 1, S, Hr) k_rope, attended expanded or absorbed."""
+        if self._latent is not None:
+            return _attend_latent(self, q, k, v, keep, bias, call)
+        return self._attend_heads(q, k, v, keep, bias, call)
+
+    def _attend_heads(self, q, k, v, keep, bias, call):
+        """Step 6 on split heads: `dot_product_attention` with the layer's variants."""
+        return dot_product_attention(
+            q, k, v, keep, bias, call.causal, scale=self.scale, softcap=self.softcap, window=call.window,
+            attention_chunk_size=call.attention_chunk_size, sinks=self.params.get("sinks"),
+        )  # fmt: skip
+
+    def weight_shapes(self):
+        """The portable layout: {name: shape}; biases of the projections in `bias`, the norm
+        scales with `qk_norm` (and their biases with `qk_norm_bias`), `sinks` with sinks, the gate's
+        kernel with `gate`; with MLA the latent projections and norms instead of the key and value
+        projections."""
+        shapes = dict(self._float_layout)
+        return _with_scales(shapes) if self.quantization_mode == "int8" else shapes
+
+    def export_weights(self):
+        """Returns the portable weights: a dict of float64 arrays (see docs/SPEC.md); once
+        quantized, the kernels are int8 and each has its float32 `<kind>_kernel_scale`."""
+        return {name: value.copy() for name, value in self.params.items()}
+
+    def import_weights(self, weights):
+        """Loads portable weights; strict and atomic (a ValueError lists every problem). An int8
+        layout (with `<kind>_kernel_scale`) quantizes a float layer; an int8 layer takes only one."""
+        _import_weights(self, weights)
+
+    def quantize(self, mode):
+        """Quantizes the projections' kernels (the gate's too with `gate`) to int8 with one float32
+        scale per output column (Keras' scheme, docs/SPEC.md "int8"); each call then quantizes the
+        projections' inputs per token. The quantized layer has no `backward`.
+
+        Args:
+            mode: "int8", the only mode.
+        """
+        _quantize(self, mode)
+
+    @property
+    def quantization_mode(self):
+        """ "int8" once `quantize("int8")` (or an int8 `import_weights`) quantized the projections, else None."""
+        return "int8" if "output_kernel_scale" in self.params else None
+
+    def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
+        """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
+
+        Args:
+            batch_size: B.
+            max_length: L, the number of slots.
+            keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
+                of different lengths). Defaults to all True.
+            dtype: dtype of the keys and values; defaults to the compute dtype, float64.
+
+        Returns:
+            A `KVCache` of zeros with index 0: keys and values (B, K, L, H); with MLA the latent
+            cache, latents (B, 1, L, C) in `key` and turned shared key parts (B, 1, L, Hr) in `value`.
+        """
+        return _init_cache(self, batch_size, max_length, keep, dtype)
+
+    def backward(self, grad_output):
+        """Gradients of sum(output * grad_output) after the last call.
+
+        Args:
+            grad_output: (B, T, E), the upstream gradient of the output.
+
+        Returns:
+            A dict with `query`, `key`, `value` (only for the inputs that were passed; the
+            gradient of a defaulted input is added to the one it defaulted to), `attention_bias`
+            (when one was passed) and every name of the portable weight layout.
+        """
+        return _backward(self, grad_output)
+
+
+def _check_input(name, x, width_name, width):
+    """Checks one (B, L, width) input and returns it as an array."""
+    x = np.asarray(x)
+    if not np.issubdtype(x.dtype, np.floating):
+        raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={x.dtype.name}")
+    letter = "T" if name == "query" else "S"
+    if x.ndim != 3 or x.shape[-1] != width:
+        raise ValueError(
+            f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
+            f"Received: {name}.shape={tuple(x.shape)}"
+        )
+    return x
+
+
+def _check_token_mask(name, mask, batch_size, length, letter):
+    """Checks a (B, L) boolean `key_mask` or `query_mask`."""
+    mask = np.asarray(mask)
+    if mask.dtype != np.bool_ or mask.shape != (batch_size, length):
+        raise ValueError(
+            f"`{name}` must be a boolean tensor of shape (B, {letter})=({batch_size}, {length}). "
+            f"Received: {name}.shape={tuple(mask.shape)}, {name}.dtype={mask.dtype.name}"
+        )
+    return mask
+
+
+def dot_product_attention(
+    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, attention_chunk_size=None,
+    sinks=None,
+):  # fmt: skip
+    """Pure attention on split heads, q (B, N, T, H), k and v (B, K, S, H) with K dividing N:
+    returns context (B, N, T, H) and weights (B, N, T, S), exactly 0 where not kept. `keep` (True
+    = attend) and `bias` (float, added to the soft-capped scores) broadcast to (B, N, T, S);
+    `scale` defaults to 1 / sqrt(H); `causal` and the score modifiers (`softcap`, `window`,
+    `attention_chunk_size`, (N,) `sinks`) act as the layer's arguments of those names."""
+    t, s = q.shape[2], k.shape[2]
+    keep = np.ones((1, 1, t, s), dtype=bool) if keep is None else keep  # (B, N, T, S), dims may be 1
+    if causal or window is not None or attention_chunk_size is not None:
+        keep = _full_keep(keep, t, s, causal, window, attention_chunk_size)
+    groups = q.shape[1] // k.shape[1]
+    k = np.repeat(k, groups, axis=1)  # (B, K, S, H) -> (B, N, S, H)
+    v = np.repeat(v, groups, axis=1)  # (B, K, S, H) -> (B, N, S, H)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = q @ k.swapaxes(-1, -2) * scale  # (B, N, T, S)
+    scores = scores if softcap is None else _softcap(scores, softcap)
+    bias = bias if bias is None or sinks is not None else _centre_rows(bias, keep)  # with sinks the level matters
+    scores = scores if bias is None else scores + bias  # (B, N, T, S)
+    weights = _masked_softmax(scores, keep, sinks)  # (B, N, T, S)
+    return weights @ v, weights  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
+
+
+def _masked_softmax(scores, keep, sinks=None):
+    """Softmax over S (with one `sinks` logit per head in its denominator) with every position not
+    kept at weight exactly 0 (rows with no key are all 0)."""
+    lowest = np.finfo(scores.dtype).min
+    scores = np.where(keep, scores, lowest)  # (B, N, T, S)
+    top = scores.max(axis=-1, keepdims=True, initial=lowest)  # (B, N, T, 1); `initial`: S may be 0
+    sink = None if sinks is None else sinks[None, :, None, None]  # (1, N, 1, 1)
+    top = top if sink is None else np.maximum(top, sink)
+    exp = np.exp(scores - top)  # (B, N, T, S)
+    total = exp.sum(axis=-1, keepdims=True)  # (B, N, T, 1)
+    total = total if sink is None else total + np.exp(sink - top)  # the sink joins the denominator
+    return np.where(keep, exp / total, 0.0)  # (B, N, T, S), rows with no key are all 0
 
 
 # -------------------------------------------------------------------------------------------------
-# Variants: the constructor's arguments checked into one record
+# Section: backward
 # -------------------------------------------------------------------------------------------------
+# NumPy only: `backward(grad_output)` after a call without a cache returns the gradients of its inputs and
+# weights, running the steps of that call in reverse from what `__call__` kept in `_saved`: the checked call,
+# which of key and value were left out, the shape of `attention_bias`, the attended q, k and v, the keep
+# (causal, window and chunk are folded in again by `_full_keep`, as `dot_product_attention` folds them), the
+# weights, the attention result, the gate and the merged heads. It recomputes the rest (the scores before
+# soft-capping, the projections before QK-norm) with the forward's operations. An option's backward is in
+# its section.
 
 
-class _Variants(NamedTuple):
-    """The variants of the layer, checked (`_check_variants`); each is also the layer's attribute."""
+def _backward(layer, grad_output):
+    """`backward`: steps 7 to 2 of the last call in reverse (each option's in its section)."""
+    g, c = _check_backward(layer, grad_output), layer._saved  # (B, T, E)
+    call, q, k, v = c["call"], c["q"], c["k"], c["v"]
+    width = c["merged"].shape[-1] // layer.num_heads  # H (Hv with MLA)
+    grads, d_context = _output_backward(g, c["merged"], layer.params["output_kernel"], layer.num_heads, width)
+    d_gate_query = None
+    if c["gate"] is not None:
+        d_context, d_gate_query = _gate_backward(layer, d_context, grads)  # 6b. output gate
+    if layer._latent is not None:
+        k, v = _expand_latents(layer, k, v)  # MLA: the expanded keys and values
+    keep = _full_keep(c["keep"], q.shape[2], k.shape[2], call.causal, call.window, call.attention_chunk_size)
+    d_q, d_k, d_v, d_biased, d_sinks = _attention_backward(layer, d_context, q, k, v, keep, c["weights"])  # 6.
+    extra = {} if c["bias_shape"] is None else {"attention_bias": _sum_to_shape(d_biased, c["bias_shape"])}
+    grads.update({} if d_sinks is None else {"sinks": d_sinks})
+    if layer._latent is not None:
+        inputs = _latent_backward(layer, call, c["k"], d_q, d_k, d_v, grads)
+    else:
+        if layer._inv_freq is not None:
+            d_q, d_k = (_turn_back(layer, d, call.positions) for d in (d_q, d_k))  # 4. RoPE
+        inputs = {}
+        for kind, d_heads in (("query", d_q), ("key", d_k), ("value", d_v)):  # 3. QK-norm, 2. clip, projections
+            inputs[kind] = _project_backward(layer, kind, getattr(call, kind), d_heads, grads)
+    inputs["query"] = inputs["query"] if d_gate_query is None else inputs["query"] + d_gate_query
+    grads = {name: grads[name] for name in layer.params}  # in the order of the weight layout
+    return {**_fold_defaulted(inputs, c["no_key"], c["no_value"]), **extra, **grads}
 
-    scale: float
-    softcap: float | None
-    window: int | tuple[int, int] | None
-    attention_chunk_size: int | None
-    rope_theta: float | None
-    rope_fraction: float
-    rope_interleaved: bool
-    rope_scaling: dict | None
-    rope_sections: tuple[int, ...] | None
-    qk_norm: str | None
-    qk_norm_eps: float
-    qk_norm_type: str
-    qk_norm_bias: bool
-    sinks: bool
-    clip_qkv: float | None
-    gate: bool
-    latent_norm_eps: float
+
+def _check_backward(layer, grad_output):
+    """`grad_output` as a float64 (B, T, E) array, after the checks that `backward` can run."""
+    if layer._saved is None:
+        raise ValueError("`backward` needs a forward call without `cache` first. Received: no such call")
+    if layer.quantization_mode is not None:
+        raise ValueError(
+            "`backward` is defined for float weights only: an int8 layer rounds its inputs, which has no "
+            f"gradient. Received: quantization_mode={layer.quantization_mode!r}"
+        )
+    g = np.asarray(grad_output, dtype=np.float64)  # (B, T, E)
+    expected = (*layer._saved["merged"].shape[:2], layer.d_model)
+    if g.shape != expected:
+        raise ValueError(
+            f"`grad_output` must have the output's shape {expected}. Received: grad_output.shape={g.shape}"
+        )
+    return g
 
 
-def _check_variants(
-    head_dim,
-    rope_width,
-    scale,
-    softcap,
-    window,
-    attention_chunk_size,
-    rope_theta,
-    rope_fraction,
-    rope_interleaved,
-    rope_scaling,
-    rope_sections,
-    qk_norm,
-    qk_norm_eps,
-    qk_norm_type,
-    qk_norm_bias,
-    sinks,
-    clip_qkv,
-    gate,
-    latent_norm_eps,
-):
-    """Checks the constructor's variant arguments (a ValueError names the first one that is
-    invalid) and returns them as a `_Variants`: `scale` defaults to 1 / sqrt(H). RoPE turns
-    features of heads `rope_width` wide (H, or Hr with MLA)."""
+def _output_backward(g, merged, output_kernel, heads, head_dim):
+    """Step 7 backward: ({output_kernel, output_bias} gradients, d_context (B, N, T, H))."""
+    b, t, _ = g.shape
+    grads = {"output_kernel": np.einsum("btm,bte->me", merged, g), "output_bias": g.sum(axis=(0, 1))}
+    d_context = (g @ output_kernel.T).reshape(b, t, heads, head_dim).transpose(0, 2, 1, 3)  # -> (B, N, T, H)
+    return grads, d_context
+
+
+def _attention_backward(layer, d_context, q, k, v, keep, weights):
+    """Step 6 backward, from `dot_product_attention`'s (B, N, T, H) q, (B, K, S, H) k and v, its
+    `keep` with causal, window and chunk folded in, and its weights: (d_q, d_k, d_v, d_scores,
+    d_sinks) with d_scores (B, N, T, S) the gradient of the biased scores (d_sinks None: no sinks)."""
+    scale, sinks = layer.scale, layer.params.get("sinks")
+    groups = q.shape[1] // k.shape[1]
+    k_rep, v_rep = np.repeat(k, groups, axis=1), np.repeat(v, groups, axis=1)  # (B, N, S, H)
+    d_weights = d_context @ v_rep.swapaxes(-1, -2)  # (B, N, T, H) @ (B, N, H, S) -> (B, N, T, S)
+    d_v_rep = weights.swapaxes(-1, -2) @ d_context  # (B, N, S, T) @ (B, N, T, H) -> (B, N, S, H)
+    d_probs = np.where(keep, d_weights, 0.0)  # (B, N, T, S)
+    inner = (d_probs * weights).sum(axis=-1, keepdims=True)  # (B, N, T, 1)
+    d_scores = np.where(keep, weights * (d_probs - inner), 0.0)  # softmax backward, (B, N, T, S)
+    d_sinks = None
+    if sinks is not None:
+        sink_probs = 1.0 - weights.sum(axis=-1, keepdims=True)  # (B, N, T, 1): the sink's share
+        d_sinks = -(sink_probs * inner).sum(axis=(0, 2, 3))  # (N,)
+    d_biased = d_scores
+    if layer.softcap is not None:
+        d_scores = _softcap_backward(d_scores, q, k_rep, scale, layer.softcap)
+    d_scores = d_scores * scale  # (B, N, T, S)
+    d_q = d_scores @ k_rep  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
+    d_k_rep = d_scores.swapaxes(-1, -2) @ q  # (B, N, S, T) @ (B, N, T, H) -> (B, N, S, H)
+    (b, kv, s, h), hv = k.shape, v.shape[-1]
+    d_k = d_k_rep.reshape(b, kv, groups, s, h).sum(axis=2)  # (B, N, S, H) -> (B, K, S, H)
+    d_v = d_v_rep.reshape(b, kv, groups, s, hv).sum(axis=2)  # (B, N, S, Hv) -> (B, K, S, Hv)
+    return d_q, d_k, d_v, d_biased, d_sinks
+
+
+def _project_backward(layer, kind, x, d_heads, grads):
+    """Steps 3 and 2 backward for one of q, k, v: adds the kernel's, bias' and norm's gradients
+    to `grads`, returns the input's (B, L, D)."""
+    d_y = layer._merge_heads(d_heads)  # (B, heads, L, H) -> (B, L, heads*H)
+    y = layer._project(x, kind)  # (B, L, heads*H), the projection before the clamp, recomputed
+    if kind != "value" and layer.qk_norm is not None:
+        d_y = _qk_norm_backward(layer, kind, _clip(layer, y), d_y, grads)  # at the clamped projection
+    if layer.clip_qkv is not None:  # the clamp's gradient: 1 within [-c, c] (bounds included), 0 outside
+        d_y = np.where(np.abs(y) <= layer.clip_qkv, d_y, 0.0)
+    return _linear_backward(layer, kind, x, d_y, grads)  # (B, L, heads*H) -> (B, L, D)
+
+
+def _linear_backward(layer, kind, x, d_y, grads):
+    """y = x @ kernel + bias backward: adds the kernel's and bias' gradients to `grads`,
+    returns x's (B, L, D) from y's (B, L, F)."""
+    grads[f"{kind}_kernel"] = np.einsum("bld,blm->dm", x, d_y)
+    grads[f"{kind}_bias"] = d_y.sum(axis=(0, 1))
+    return d_y @ layer.params[f"{kind}_kernel"].T  # (B, L, F) -> (B, L, D)
+
+
+def _sum_to_shape(grad, shape):
+    """The gradient of a tensor of `shape` broadcast to grad's rank-4 shape: summed back."""
+    rank4 = {2: (1, 1, *shape), 3: (shape[0], 1, *shape[1:]), 4: tuple(shape)}[len(shape)]
+    axes = tuple(i for i, (g, m) in enumerate(zip(grad.shape, rank4, strict=True)) if m == 1 and g != 1)
+    return grad.sum(axis=axes, keepdims=True).reshape(shape)
+
+
+def _fold_defaulted(inputs, no_key, no_value):
+    """Adds the gradient of each input left out of the call to the input it defaulted to."""
+    if no_key and no_value:
+        return {"query": inputs["query"] + inputs["key"] + inputs["value"]}
+    if no_key:
+        return {"query": inputs["query"], "value": inputs["value"] + inputs["key"]}
+    if no_value:
+        return {"query": inputs["query"], "key": inputs["key"] + inputs["value"]}
+    return inputs
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: score modifiers
+# -------------------------------------------------------------------------------------------------
+# `scale` (default 1 / sqrt(H)), `softcap` (scores become c * tanh(scores / c)), `window` (query t keeps key s
+# only if s > t + (S - T) - W; a pair (W_before, W_after) also limits the keys after it),
+# `attention_chunk_size` (query and key in the same chunk of C positions), `sinks` (a learned logit per head
+# in the softmax's denominator, `_masked_softmax`), ALiBi (`alibi_bias`) and the call's `attention_bias`
+# (added to the scores, with a gradient). Here too the masks, combined into one boolean keep and one additive
+# bias (`_masks`): a boolean `attention_mask` is True where a query may attend a key; a floating one is added
+# to the scores, read in its own dtype: a value at or below the lowest finite value of its dtype or of float32
+# (whichever is higher), or -inf, removes a key; every other value is added. `causal=True` keeps key s for
+# query t iff s <= t + (S - T). A query row with no key left gets weights of exactly 0, so its output is
+# `output_bias`. Example, a key padding mask for keys [a, b, <pad>]:
+#     keep = np.array([[True, True, False]])           # (B, S)
+#     layer(x, key_mask=keep)                           # or attention_mask=keep[:, None, :]
+
+
+def _check_score_modifiers(head_dim, scale, softcap, window, attention_chunk_size):
+    """Checks the score modifiers (a ValueError names the first that is invalid), as fields of
+    `_Variants`: `scale` defaults to 1 / sqrt(H)."""
     scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float("scale", scale)
     softcap = _positive_float("softcap", softcap, optional=True)
     window = _check_window(window)
     attention_chunk_size = (
         None if attention_chunk_size is None else _positive_int("attention_chunk_size", attention_chunk_size)
     )
-    rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
-    rotary_dim = _rotary_dim(rope_fraction, rope_width, rope_theta is not None)
-    rope_scaling = _check_rope_scaling(rope_scaling)
-    rope_sections = _check_rope_sections(rope_sections, rotary_dim)
-    if qk_norm not in (None, "head", "per_head", "all"):
-        raise ValueError(f"`qk_norm` must be None, 'head', 'per_head' or 'all'. Received: qk_norm={qk_norm!r}")
-    qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
-    qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
-    if not isinstance(qk_norm_type, str) or qk_norm_type not in ("rms", "layer"):
-        raise ValueError(f"`qk_norm_type` must be 'rms' or 'layer'. Received: qk_norm_type={qk_norm_type!r}")
-    clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
-    latent_norm_eps = _positive_float("latent_norm_eps", latent_norm_eps)
-    rope_interleaved = _flag("rope_interleaved", rope_interleaved)
-    qk_norm_bias = _flag("qk_norm_bias", qk_norm_bias)
-    sinks = _flag("sinks", sinks)
-    gate = _flag("gate", gate)
-    return _Variants(
-        scale,
-        softcap,
-        window,
-        attention_chunk_size,
-        rope_theta,
-        float(rope_fraction),
-        rope_interleaved,
-        rope_scaling,
-        rope_sections,
-        qk_norm,
-        qk_norm_eps,
-        str(qk_norm_type),  # np.str_ held as str
-        qk_norm_bias,
-        sinks,
-        clip_qkv,
-        gate,
-        latent_norm_eps,
-    )
-
-
-class _Latent(NamedTuple):
-    """The sizes of multi-head latent attention (MLA), checked (`_check_latent`)."""
-
-    kv_lora_rank: int  # C
-    q_lora_rank: int | None  # Q, None: a plain query projection
-    qk_nope_head_dim: int  # Hn
-    qk_rope_head_dim: int  # Hr
-    v_head_dim: int  # Hv
-
-
-def _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim):
-    """Checks the MLA sizes (each None or a positive integer, in the signature's order) and returns
-    a `_Latent`, or None without `kv_lora_rank`, when the others must be None too."""
-    sizes = dict(
-        zip(_LATENT_SIZES, (kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim), strict=True)
-    )
-    for name, value in sizes.items():
-        sizes[name] = None if value is None else _positive_int(name, value)
-    if sizes["kv_lora_rank"] is None:
-        for name in (name for name in _LATENT_SIZES[1:] if sizes[name] is not None):
-            raise ValueError(
-                f"`{name}` needs `kv_lora_rank` (multi-head latent attention). "
-                f"Received: {name}={sizes[name]!r}, kv_lora_rank=None"
-            )
-        return None
-    missing = [name for name in _LATENT_SIZES[2:] if sizes[name] is None]
-    if missing:
-        raise ValueError(
-            "`kv_lora_rank` needs `qk_nope_head_dim`, `qk_rope_head_dim` and `v_head_dim`. "
-            f"Received: kv_lora_rank={sizes['kv_lora_rank']}, {', '.join(f'{name}=None' for name in missing)}"
-        )
-    return _Latent(**sizes)
-
-
-def _latent_head_dim(latent, head_dim):
-    """H with MLA: qk_nope_head_dim + qk_rope_head_dim, which `head_dim`, if given, must equal."""
-    width = latent.qk_nope_head_dim + latent.qk_rope_head_dim
-    if head_dim is not None and not (_is_positive_int(head_dim) and head_dim == width):
-        raise ValueError(
-            f"`head_dim` must equal qk_nope_head_dim + qk_rope_head_dim = {width} with `kv_lora_rank`. "
-            f"Received: head_dim={head_dim!r}"
-        )
-    return width
-
-
-def _check_latent_combinations(vdim, variants):
-    """What MLA refuses, each with why (after every argument's own check)."""
-    refused = (
-        ("vdim", vdim, vdim is not None, "MLA reads keys and values from `key` (its width is `kdim`)"),
-        ("qk_norm", variants.qk_norm, variants.qk_norm is not None, "MLA normalizes the latents instead"),
-        ("clip_qkv", variants.clip_qkv, variants.clip_qkv is not None, "MLA has no q, k and v to clamp"),
-        ("rope_sections", variants.rope_sections, variants.rope_sections is not None, "RoPE turns the Hr features"),
-        ("rope_fraction", variants.rope_fraction, variants.rope_fraction != 1.0, "RoPE turns all Hr features"),
-    )
-    for name, value, given, why in refused:
-        if given:
-            raise ValueError(f"`{name}` is not supported with `kv_lora_rank`: {why}. Received: {name}={value!r}")
-
-
-def _positive_int(name, value):
-    if not _is_positive_int(value):
-        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
-    return int(value)
-
-
-def _is_positive_int(value):
-    """A Python or NumPy integer (not a bool) >= 1."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 1
+    return {"scale": scale, "softcap": softcap, "window": window, "attention_chunk_size": attention_chunk_size}
 
 
 def _check_window(window):
@@ -337,67 +678,173 @@ def _window_sides(window):
     return window, None
 
 
-def _positive_float(name, value, *, optional=False):
-    if value is None and optional:
-        return None
-    if not _is_positive_number(value):
+def _attention_mask(attention_mask, mask):
+    """`mask=` is another name for `attention_mask` (the seed usage `layer(q, k, v, mask=None)`)."""
+    if mask is None:
+        return attention_mask
+    if attention_mask is not None:
         raise ValueError(
-            f"`{name}` must be {'None or ' if optional else ''}a positive float. Received: {name}={value!r}"
+            "Pass the attention mask as `attention_mask` or as `mask`, not both. Received: attention_mask and mask"
         )
-    return float(value)
+    return mask
 
 
-def _is_positive_number(value):
-    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
-    return number and 0 < value < math.inf
+def _padding_hint(name, shape, target):
+    """For a 2-D `attention_mask` shaped (B, S) where (T, S) was expected: padding goes in `key_mask`."""
+    padding = name == "attention_mask" and tuple(shape) == (target[0], target[3]) and target[0] != target[2]
+    return " A (B, S) padding mask goes in `key_mask` (True = a real key)." if padding else ""
 
 
-def _flag(name, value):
-    """A constructor flag: a Python or NumPy bool (not 0 or 1, not a string)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
-    return bool(value)
-
-
-def _dropout_rate(dropout):
-    """`dropout` as a float: a Python or NumPy number (not a bool, not None) in [0, 1)."""
-    number = isinstance(dropout, (int, float, np.integer, np.floating)) and not isinstance(dropout, (bool, np.bool_))
-    if not (number and 0.0 <= dropout < 1.0):
-        raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
-    return float(dropout)
-
-
-def _projection_biases(bias, gate, projections=_PROJECTIONS):
-    """`bias` -> the names of the projections that have a bias, in the order of `projections`
-    (("query", "key", "value", "output", "gate"), or the layer's with MLA: `_projections`). `bias`
-    is a Python or NumPy bool (all the layer's projections, the gate's only with `gate` True, or
-    none), or a list, tuple, set or frozenset of those names; anything else (a string, a dict or
-    its keys, an array) is refused."""
-    if isinstance(bias, (bool, np.bool_)):
-        return _projection_kinds(projections, gate is True or gate is np.True_) if bias else ()
-    names = isinstance(bias, (list, tuple, set, frozenset)) and all(
-        isinstance(name, str) and name in projections for name in bias
-    )
-    if not names:
+def _mask_to_4d(mask, target, name="attention_mask"):
+    """Checks `attention_mask` (or `attention_bias`, which must be floating) against target
+    (B, N, T, S), returns it as rank 4."""
+    mask = np.asarray(mask)
+    if name == "attention_bias" and not np.issubdtype(mask.dtype, np.floating):
+        raise ValueError(f"`attention_bias` must be floating. Received: attention_bias.dtype={mask.dtype.name}")
+    if mask.dtype != np.bool_ and not np.issubdtype(mask.dtype, np.floating):
         raise ValueError(
-            f"`bias` must be True, False or a list, tuple or set of {', '.join(map(repr, projections))}. "
-            f"Received: bias={bias!r}"
+            f"`{name}` must be boolean (True = attend; for a 0/1 integer mask pass `mask > 0`) or floating. "
+            f"Received: {name}.dtype={mask.dtype.name}"
         )
-    return tuple(name for name in projections if name in bias)
+    expected = {2: target[2:], 3: (target[0], *target[2:]), 4: target}.get(mask.ndim)
+    if expected is None or any(m not in (1, e) for m, e in zip(mask.shape, expected, strict=True)):
+        raise ValueError(
+            f"`{name}` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
+            f"(B, N, T, S), each dimension full or 1.{_padding_hint(name, mask.shape, target)} "
+            f"Expected: (B, N, T, S)={target}. "
+            f"Received: {name}.shape={tuple(mask.shape)}"
+        )
+    if mask.ndim == 2:
+        return mask[None, None]  # (T, S) -> (1, 1, T, S)
+    if mask.ndim == 3:
+        return mask[:, None]  # (B, T, S) -> (B, 1, T, S)
+    return mask
 
 
-def _projections(latent):
-    """The names `bias` takes: the layer's projections, query, key, value, output (with MLA query,
-    or query_a and query_b, key_value_a, key_value_b, output), then the gate's."""
-    if latent is None:
-        return _PROJECTIONS
-    query = ("query",) if latent.q_lora_rank is None else ("query_a", "query_b")
-    return (*query, "key_value_a", "key_value_b", "output", "gate")
+def _removal_threshold(dtype):
+    """A floating mask value at or below this removes a key: the lowest finite value of the
+    mask's dtype or of float32, whichever is higher (so -inf, and what converters put for it)."""
+    return max(np.finfo(dtype).min, np.finfo(np.float32).min)
 
 
-def _projection_kinds(projections, gate):
-    """The layer's projections among `projections` (`_projections`): the gate's only with `gate`."""
-    return projections if gate else projections[:-1]
+def _split_mask(mask):
+    """Splits a rank-4 mask (or `attention_bias`) into (keep, bias): boolean and additive
+    (float64, finite), each None or rank 4."""
+    if mask is None:
+        return None, None
+    if mask.dtype == np.bool_:
+        return mask, None
+    removed = mask <= _removal_threshold(mask.dtype)  # read in the mask's own dtype, before any cast
+    return ~removed, np.where(removed, 0.0, mask.astype(np.float64))  # finite, never 0 * -inf
+
+
+def _and(a, b):
+    return b if a is None else a if b is None else a & b
+
+
+def _add(a, b):
+    return b if a is None else a if b is None else a + b
+
+
+def causal_mask(t, s):
+    """(T, S) boolean mask: query t keeps key s iff s <= t + (S - T) (bottom-right aligned)."""
+    return np.arange(s)[None, :] <= np.arange(t)[:, None] + (s - t)  # (T, S)
+
+
+def window_mask(t, s, window):
+    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - W_before, and with a pair
+    (W_before, W_after) also s < t + (S - T) + W_after (bottom-right aligned)."""
+    before, after = _window_sides(window)
+    keys, queries = np.arange(s)[None, :], np.arange(t)[:, None] + (s - t)  # (1, S), (T, 1) positions
+    kept = keys > queries - before  # (T, S)
+    return kept if after is None else kept & (keys < queries + after)  # (T, S)
+
+
+def attention_chunk_mask(t, s, size):
+    """(T, S) boolean mask: query t keeps key s iff s // size == (t + (S - T)) // size, the same
+    chunk of `size` positions (bottom-right aligned)."""
+    keys, queries = np.arange(s)[None, :], np.arange(t)[:, None] + (s - t)  # (1, S), (T, 1) positions
+    return keys // size == queries // size  # (T, S)
+
+
+def _full_keep(keep, t, s, causal, window, attention_chunk_size):
+    """`keep` (None: all kept) with `causal`, and the score modifiers `window` and
+    `attention_chunk_size`, folded in; broadcasts to (B, N, T, S)."""
+    keep = np.ones((1, 1, t, s), dtype=bool) if keep is None else keep  # (B, N, T, S), dims may be 1
+    keep = keep & causal_mask(t, s) if causal else keep
+    keep = keep & window_mask(t, s, window) if window is not None else keep
+    return keep & attention_chunk_mask(t, s, attention_chunk_size) if attention_chunk_size is not None else keep
+
+
+def _softcap(scores, softcap):
+    """Gemma 2's soft-capping: softcap * tanh(scores / softcap)."""
+    return scores if softcap is None else softcap * np.tanh(scores / softcap)
+
+
+def _softcap_backward(d_capped, q, k, scale, softcap):
+    """Soft-capping's backward, through softcap * tanh(scores / softcap): the gradient of the scaled
+    scores (B, N, T, S) from that of the capped ones, the scores recomputed from the (B, N, T, H)
+    queries and the (B, N, S, H) keys repeated per query head."""
+    capped = np.tanh(q @ k.swapaxes(-1, -2) * scale / softcap)  # (B, N, T, S)
+    return d_capped * (1.0 - capped**2)
+
+
+def _centre_rows(bias, keep):
+    """`bias` minus each query row's largest kept value (rows keeping nothing: unchanged), as
+    docs/SPEC.md "Numerics" asks: a softmax does not change, and a row whose kept keys all carry
+    the same large finite penalty (-1e20) stays an ordinary softmax instead of one rounded away."""
+    top = np.where(keep, bias, -np.inf).max(axis=-1, keepdims=True, initial=-np.inf)  # (B, N, T, 1), dims may be 1
+    return bias - np.where(np.isfinite(top), top, 0.0)  # (B, N, T, S), dims may be 1
+
+
+def alibi_bias(num_heads, positions):
+    """ALiBi's attention_bias: slope[n] * positions[..., s], (1, N, 1, S) for (S,) positions or
+    (B, N, 1, S) for (B, S), float32, with Bloom's slopes."""
+    num_heads = _positive_int("num_heads", num_heads)
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = 2.0 ** (-8.0 * np.arange(1, closest + 1) / closest)  # (closest,)
+    extra = 2.0 ** (-4.0 * np.arange(1, 2 * (num_heads - closest), 2) / closest)  # every other slope of 2 * closest
+    slopes = np.concatenate([slopes, extra])  # (N,)
+    positions = np.asarray(positions)
+    if positions.ndim not in (1, 2) or not np.issubdtype(positions.dtype, np.integer):
+        raise ValueError(
+            "`positions` must be an integer tensor of shape (S,) or (B, S). "
+            f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={positions.dtype.name}"
+        )
+    positions = positions[None] if positions.ndim == 1 else positions  # (B, S)
+    return (slopes[None, :, None, None] * positions[:, None, None, :]).astype(np.float32)  # (B, N, 1, S)
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: positions
+# -------------------------------------------------------------------------------------------------
+# RoPE (`rope_theta`, `rope_fraction`, `rope_interleaved`, `rope_scaling`, `rope_sections` for multimodal
+# RoPE; `positions` in the call): the first R features of each head of q and k turn by position.
+
+
+_ROPE_SCALING = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
+_YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+def _check_rope(rope_width, rope_theta, rope_fraction, rope_scaling, rope_sections):
+    """Checks RoPE's arguments (a ValueError names the first that is invalid) but
+    `rope_interleaved`, as fields of `_Variants`; RoPE turns features of heads `rope_width` wide
+    (H, or Hr with MLA)."""
+    rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
+    rotary_dim = _rotary_dim(rope_fraction, rope_width, rope_theta is not None)
+    rope_scaling = _check_rope_scaling(rope_scaling)
+    rope_sections = _check_rope_sections(rope_sections, rotary_dim)
+    fraction = float(rope_fraction)
+    return {
+        "rope_theta": rope_theta,
+        "rope_fraction": fraction,
+        "rope_scaling": rope_scaling,
+        "rope_sections": rope_sections,
+    }
 
 
 def _rotary_dim(rope_fraction, head_dim, rope):
@@ -461,97 +908,18 @@ def _valid_yarn(scaling):
     return truncate and (scaling.get("beta_fast") or 32) >= (scaling.get("beta_slow") or 1)
 
 
-# -------------------------------------------------------------------------------------------------
-# Step 1: defaults and checks of a call
-# -------------------------------------------------------------------------------------------------
-
-
-class _Call(NamedTuple):
-    """A call's arguments after `_check_call`: checked, defaulted, cast to float64."""
-
-    query: np.ndarray  # (B, T, E)
-    key: np.ndarray  # (B, S, kdim)
-    value: np.ndarray  # (B, S, vdim)
-    attention_mask: np.ndarray | None  # after the `mask=` alias, made rank 4 by `_mask_to_4d`
-    attention_bias: np.ndarray | None  # made rank 4 by `_mask_to_4d`
-    key_mask: np.ndarray | None  # (B, S), after the self-attention default
-    query_mask: np.ndarray | None  # (B, T)
-    positions: np.ndarray | None  # (B, T) integers ((k, B, T) with rope_sections), None without RoPE
-    causal: bool  # the cache step replaces it by False once folded into keep
-    window: int | tuple[int, int] | None  # self.window; the cache step replaces it by None once folded into keep
-    attention_chunk_size: int | None  # self.attention_chunk_size; likewise replaced by None in the cache step
-    return_attention: bool
-    cache: "KVCache | None"  # the cache step replaces it by the written cache
-    training: None  # TF/Keras only
-    fuse: bool  # False: the reference projects q, k and v one at a time
-
-
-def _inputs(query, key, value):
-    """Fills in a missing key or value; returns (key, value, which input was left out)."""
-    if key is None and value is None:
-        return query, query, "both"  # self-attention
-    if key is None:
-        return value, value, "key"
-    if value is None:
-        return key, key, "value"
-    return key, value, None
-
-
-def _check_input(name, x, width_name, width):
-    """Checks one (B, L, width) input and returns it as an array."""
-    x = np.asarray(x)
-    if not np.issubdtype(x.dtype, np.floating):
-        raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={x.dtype.name}")
-    letter = "T" if name == "query" else "S"
-    if x.ndim != 3 or x.shape[-1] != width:
-        raise ValueError(
-            f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
-            f"Received: {name}.shape={tuple(x.shape)}"
-        )
-    return x
-
-
-def _check_lengths(query, key, value):
-    if not query.shape[0] == key.shape[0] == value.shape[0]:
-        raise ValueError(
-            "`query`, `key` and `value` must have the same batch size B. Received: "
-            f"query.shape={query.shape}, key.shape={key.shape}, value.shape={value.shape}"
-        )
-    if key.shape[1] != value.shape[1]:
-        raise ValueError(
-            f"`key` and `value` must have the same length S. Received: key.shape={key.shape}, value.shape={value.shape}"
-        )
-
-
-def _check_dtypes(query, key, value):
-    dtypes = (np.asarray(query).dtype, np.asarray(key).dtype, np.asarray(value).dtype)
-    if len(set(dtypes)) > 1:
-        raise ValueError(
-            "`query`, `key` and `value` must have the same dtype. Received: "
-            f"query.dtype={dtypes[0].name}, key.dtype={dtypes[1].name}, value.dtype={dtypes[2].name}"
-        )
-
-
-def _check_token_mask(name, mask, batch_size, length, letter):
-    """Checks a (B, L) boolean `key_mask` or `query_mask`."""
-    mask = np.asarray(mask)
-    if mask.dtype != np.bool_ or mask.shape != (batch_size, length):
-        raise ValueError(
-            f"`{name}` must be a boolean tensor of shape (B, {letter})=({batch_size}, {length}). "
-            f"Received: {name}.shape={tuple(mask.shape)}, {name}.dtype={mask.dtype.name}"
-        )
-    return mask
-
-
-def _attention_mask(attention_mask, mask):
-    """`mask=` is another name for `attention_mask` (the seed usage `layer(q, k, v, mask=None)`)."""
-    if mask is None:
-        return attention_mask
-    if attention_mask is not None:
-        raise ValueError(
-            "Pass the attention mask as `attention_mask` or as `mask`, not both. Received: attention_mask and mask"
-        )
-    return mask
+def _positions(layer, positions, query, key, cache):
+    """(B, T) RoPE positions ((k, B, T) with `rope_sections`): `positions`, or index + arange(T)
+    for every section; None without RoPE. Without a cache RoPE needs the keys to be the
+    query's own tokens."""
+    (b, t), rope, sections = query.shape[:2], layer._inv_freq is not None, layer.rope_sections
+    if cache is None and rope:
+        _check_own_tokens(query, key)
+    if positions is not None:
+        return _check_positions(positions, b, t, rope, sections)
+    index = 0 if cache is None else int(cache.index)
+    target = (b, t) if sections is None else (len(sections), b, t)
+    return None if not rope else np.broadcast_to(index + np.arange(t), target)  # (B, T) or (k, B, T)
 
 
 def _check_positions(positions, batch_size, t, rope, sections):
@@ -585,178 +953,6 @@ def _check_own_tokens(query, key):
             "RoPE needs `key` and `value` to hold the query's own tokens (S == T, or decoding with `cache`). "
             f"Received: query.shape={query.shape}, key.shape={key.shape}"
         )
-
-
-def _mask_traps(attention_mask, key_mask, t, s):
-    """The built-in layers' habits that the masks' values suggest (docs/SPEC.md, Masks), as
-    {kind: message}; the call computes what the SPEC says either way."""
-    traps = {}
-    for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
-        if mask is not None and mask.dtype == np.bool_ and _keeps_nothing(mask):
-            traps[name] = _EMPTY_MASK.format(name=name)
-    boolean = attention_mask is not None and attention_mask.dtype == np.bool_
-    if boolean and "attention_mask" not in traps and _keeps_only_later(attention_mask, t, s):
-        traps["causal"] = _CAUSAL_TRAP
-    empty = 0 if key_mask is None or "key_mask" in traps else _inverted_padding(key_mask)
-    if empty:
-        traps["padding"] = _PADDING_TRAP.format(empty=empty, b=key_mask.shape[0])
-    if attention_mask is not None and attention_mask.dtype != np.bool_ and _zeros_and_ones(attention_mask):
-        traps["zeros and ones"] = _ZEROS_AND_ONES
-    return traps
-
-
-def _keeps_nothing(mask):
-    """A boolean mask False everywhere (nn.MultiheadAttention's True = ignore, nothing padded)."""
-    return mask.size > 0 and not mask.any()
-
-
-def _keeps_only_later(mask, t, s):
-    """A square (T == S) boolean mask that keeps keys only after each query, none where `causal`
-    keeps one (nn.MultiheadAttention's causal `attn_mask`, `triu(ones, 1)`)."""
-    return mask.size > 0 and t == s > 0 and not (mask & causal_mask(t, s)).any()
-
-
-def _inverted_padding(key_mask):
-    """The rows keeping no key of a (B, S) `key_mask` that reads as nn.MultiheadAttention's
-    `key_padding_mask` (True = padding): every row False then True, some row keeping no key and
-    none keeping all (left padding has its longest sequence all True); else 0."""
-    kept = key_mask.sum(-1)  # (B,)
-    ordered = (key_mask[:, 1:] >= key_mask[:, :-1]).all()  # False then True in every row
-    full = (kept == key_mask.shape[1]).any()
-    return 0 if not ordered or full else int((kept == 0).sum())
-
-
-def _zeros_and_ones(mask):
-    """A floating mask of only 0s and 1s, some 1 (a Keras mask, which Keras reads as boolean)."""
-    ones = mask == 1
-    return bool(((mask == 0) | ones).all() and ones.any())
-
-
-# -------------------------------------------------------------------------------------------------
-# Step 1: masks, combined into one keep and one bias
-# -------------------------------------------------------------------------------------------------
-
-
-def _padding_hint(name, shape, target):
-    """For a 2-D `attention_mask` shaped (B, S) where (T, S) was expected: padding goes in `key_mask`."""
-    padding = name == "attention_mask" and tuple(shape) == (target[0], target[3]) and target[0] != target[2]
-    return " A (B, S) padding mask goes in `key_mask` (True = a real key)." if padding else ""
-
-
-def _mask_to_4d(mask, target, name="attention_mask"):
-    """Checks `attention_mask` (or `attention_bias`, which must be floating) against target
-    (B, N, T, S), returns it as rank 4."""
-    mask = np.asarray(mask)
-    if name == "attention_bias" and not np.issubdtype(mask.dtype, np.floating):
-        raise ValueError(f"`attention_bias` must be floating. Received: attention_bias.dtype={mask.dtype.name}")
-    if mask.dtype != np.bool_ and not np.issubdtype(mask.dtype, np.floating):
-        raise ValueError(
-            f"`{name}` must be boolean (True = attend; for a 0/1 integer mask pass `mask > 0`) or floating. "
-            f"Received: {name}.dtype={mask.dtype.name}"
-        )
-    expected = {2: target[2:], 3: (target[0], *target[2:]), 4: target}.get(mask.ndim)
-    if expected is None or any(m not in (1, e) for m, e in zip(mask.shape, expected, strict=True)):
-        raise ValueError(
-            f"`{name}` must broadcast to (B, N, T, S) as (T, S), (B, T, S) or "
-            f"(B, N, T, S), each dimension full or 1.{_padding_hint(name, mask.shape, target)} "
-            f"Expected: (B, N, T, S)={target}. "
-            f"Received: {name}.shape={tuple(mask.shape)}"
-        )
-    if mask.ndim == 2:
-        return mask[None, None]  # (T, S) -> (1, 1, T, S)
-    if mask.ndim == 3:
-        return mask[:, None]  # (B, T, S) -> (B, 1, T, S)
-    return mask
-
-
-def causal_mask(t, s):
-    """(T, S) boolean mask: query t keeps key s iff s <= t + (S - T) (bottom-right aligned)."""
-    return np.arange(s)[None, :] <= np.arange(t)[:, None] + (s - t)  # (T, S)
-
-
-def window_mask(t, s, window):
-    """(T, S) boolean mask: query t keeps key s iff s > t + (S - T) - W_before, and with a pair
-    (W_before, W_after) also s < t + (S - T) + W_after (bottom-right aligned)."""
-    before, after = _window_sides(window)
-    keys, queries = np.arange(s)[None, :], np.arange(t)[:, None] + (s - t)  # (1, S), (T, 1) positions
-    kept = keys > queries - before  # (T, S)
-    return kept if after is None else kept & (keys < queries + after)  # (T, S)
-
-
-def attention_chunk_mask(t, s, size):
-    """(T, S) boolean mask: query t keeps key s iff s // size == (t + (S - T)) // size, the same
-    chunk of `size` positions (bottom-right aligned)."""
-    keys, queries = np.arange(s)[None, :], np.arange(t)[:, None] + (s - t)  # (1, S), (T, 1) positions
-    return keys // size == queries // size  # (T, S)
-
-
-def _removal_threshold(dtype):
-    """A floating mask value at or below this removes a key: the lowest finite value of the
-    mask's dtype or of float32, whichever is higher (so -inf, and what converters put for it)."""
-    return max(np.finfo(dtype).min, np.finfo(np.float32).min)
-
-
-def _split_mask(mask):
-    """Splits a rank-4 mask (or `attention_bias`) into (keep, bias): boolean and additive
-    (float64, finite), each None or rank 4."""
-    if mask is None:
-        return None, None
-    if mask.dtype == np.bool_:
-        return mask, None
-    removed = mask <= _removal_threshold(mask.dtype)  # read in the mask's own dtype, before any cast
-    return ~removed, np.where(removed, 0.0, mask.astype(np.float64))  # finite, never 0 * -inf
-
-
-def _and(a, b):
-    return b if a is None else a if b is None else a & b
-
-
-def _add(a, b):
-    return b if a is None else a if b is None else a + b
-
-
-def alibi_bias(num_heads, positions):
-    """ALiBi's attention_bias: slope[n] * positions[..., s], (1, N, 1, S) for (S,) positions or
-    (B, N, 1, S) for (B, S), float32, with Bloom's slopes."""
-    num_heads = _positive_int("num_heads", num_heads)
-    closest = 2 ** math.floor(math.log2(num_heads))
-    slopes = 2.0 ** (-8.0 * np.arange(1, closest + 1) / closest)  # (closest,)
-    extra = 2.0 ** (-4.0 * np.arange(1, 2 * (num_heads - closest), 2) / closest)  # every other slope of 2 * closest
-    slopes = np.concatenate([slopes, extra])  # (N,)
-    positions = np.asarray(positions)
-    if positions.ndim not in (1, 2) or not np.issubdtype(positions.dtype, np.integer):
-        raise ValueError(
-            "`positions` must be an integer tensor of shape (S,) or (B, S). "
-            f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={positions.dtype.name}"
-        )
-    positions = positions[None] if positions.ndim == 1 else positions  # (B, S)
-    return (slopes[None, :, None, None] * positions[:, None, None, :]).astype(np.float32)  # (B, N, 1, S)
-
-
-# -------------------------------------------------------------------------------------------------
-# Steps 2 and 3: projections and QK-norm
-# -------------------------------------------------------------------------------------------------
-
-
-def _sigmoid(x):
-    """1 / (1 + exp(-x)), without overflow for large |x|."""
-    return np.exp(-np.logaddexp(0.0, -x))
-
-
-def rms_norm(x, scale, eps):
-    """RMSNorm over the last axis: x / sqrt(mean(x ** 2) + eps) * scale."""
-    return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps) * scale
-
-
-def layer_norm(x, scale, eps):
-    """LayerNorm over the last axis (biased variance): (x - mean(x)) / sqrt(mean((x - mean(x)) ** 2) + eps) * scale."""
-    centred = x - np.mean(x, axis=-1, keepdims=True)
-    return centred / np.sqrt(np.mean(centred**2, axis=-1, keepdims=True) + eps) * scale
-
-
-# -------------------------------------------------------------------------------------------------
-# Step 4: RoPE
-# -------------------------------------------------------------------------------------------------
 
 
 def rope_frequencies(rotary_dim, theta, scaling=None):
@@ -865,14 +1061,209 @@ def apply_rope(x, positions, inv_freq, interleaved, sections=None):
     return np.concatenate([turned, rest], axis=-1)  # (B, heads, T, H)
 
 
-# -------------------------------------------------------------------------------------------------
-# Step 5: the KV cache
-# -------------------------------------------------------------------------------------------------
+def _rotate(layer, q, k, positions):
+    """Step 4: RoPE of the (B, N, T, H) queries and (B, K, T, H) keys at (B, T) positions
+    ((k, B, T) with `rope_sections`); MLA turns its own parts (`_rotate_latent`)."""
+    return _turn(layer, q, positions), _turn(layer, k, positions)
 
 
-def _check_cache(cache, query, key, heads, head_dim, latent=None):
+def _turn(layer, x, positions):
+    """RoPE of the first R features of each head of x (B, heads, T, H), times YaRN's factor."""
+    x = apply_rope(x, positions, layer._inv_freq, layer.rope_interleaved, layer.rope_sections)  # (B, heads, T, H)
+    return scale_rotated(x, 2 * layer._inv_freq.shape[0], rope_attention_factor(layer.rope_scaling))
+
+
+def _rope_backward(d, positions, inv_freq, interleaved, factor, sections):
+    """Step 4 backward: RoPE is a rotation (times YaRN's factor): its backward scales, turns back
+    (each section by its own rows of positions)."""
+    d = scale_rotated(d, 2 * inv_freq.shape[0], factor)
+    return apply_rope(d, -positions, inv_freq, interleaved, sections)
+
+
+def _turn_back(layer, d, positions):
+    """Step 4 backward for a gradient (B, heads, T, H) of turned features (unchanged without RoPE)."""
+    if layer._inv_freq is None:
+        return d
+    factor = rope_attention_factor(layer.rope_scaling)
+    return _rope_backward(d, positions, layer._inv_freq, layer.rope_interleaved, factor, layer.rope_sections)
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: QK-norm, clip_qkv and the gate
+# -------------------------------------------------------------------------------------------------
+# `qk_norm` (RMSNorm or LayerNorm, `qk_norm_type`, of q and k per head, with a scale per head, or over all
+# heads; a bias with `qk_norm_bias`), `clip_qkv` (q, k and v clamped to [-c, c] right after their
+# projections: OLMo, DBRX, MPT) and `gate` (each head's result times sigmoid(query @ gate_kernel +
+# gate_bias): Keras' `use_gate`, Qwen3-Next).
+
+
+def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
+    """Checks QK-norm's arguments but `qk_norm_bias`, then `clip_qkv` (a ValueError names the first
+    that is invalid), as fields of `_Variants` (the flags `qk_norm_bias` and `gate` are checked
+    with the others, last)."""
+    if qk_norm not in (None, "head", "per_head", "all"):
+        raise ValueError(f"`qk_norm` must be None, 'head', 'per_head' or 'all'. Received: qk_norm={qk_norm!r}")
+    qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
+    qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
+    if not isinstance(qk_norm_type, str) or qk_norm_type not in ("rms", "layer"):
+        raise ValueError(f"`qk_norm_type` must be 'rms' or 'layer'. Received: qk_norm_type={qk_norm_type!r}")
+    clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
+    qk_norm_type = str(qk_norm_type)  # np.str_ held as str
+    return {"qk_norm": qk_norm, "qk_norm_eps": qk_norm_eps, "qk_norm_type": qk_norm_type, "clip_qkv": clip_qkv}
+
+
+def _sigmoid(x):
+    """1 / (1 + exp(-x)), without overflow for large |x|."""
+    return np.exp(-np.logaddexp(0.0, -x))
+
+
+def rms_norm(x, scale, eps):
+    """RMSNorm over the last axis: x / sqrt(mean(x ** 2) + eps) * scale."""
+    return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps) * scale
+
+
+def layer_norm(x, scale, eps):
+    """LayerNorm over the last axis (biased variance): (x - mean(x)) / sqrt(mean((x - mean(x)) ** 2) + eps) * scale."""
+    centred = x - np.mean(x, axis=-1, keepdims=True)
+    return centred / np.sqrt(np.mean(centred**2, axis=-1, keepdims=True) + eps) * scale
+
+
+def _normalize_qk(layer, q, k):
+    """Step 3: QK-norm of the (B, N, T, H) queries and (B, K, S, H) keys."""
+    return _qk_norm(layer, q, "query"), _qk_norm(layer, k, "key")
+
+
+def _qk_norm(layer, x, kind):
+    """QK-norm of one of q and k (B, heads, L, H): RMSNorm or LayerNorm (`qk_norm_type`) of each
+    head or of all heads, times its scale, plus its bias with `qk_norm_bias`."""
+    merged = layer._merge_heads(x)  # (B, heads, L, H) -> (B, L, heads*H)
+    by_norm = _by_norm(layer, merged)  # (B, L, heads, H) or (B, L, heads*H)
+    norm = layer_norm if layer.qk_norm_type == "layer" else rms_norm
+    y = norm(by_norm, _norm_weight(layer, f"{kind}_norm", by_norm), layer.qk_norm_eps)
+    y = y + _norm_weight(layer, f"{kind}_norm_bias", by_norm) if layer.qk_norm_bias else y
+    return layer._split_heads(y.reshape(merged.shape))  # -> (B, L, heads*H) -> (B, heads, L, H)
+
+
+def _by_norm(layer, y):
+    """(B, L, heads*H) -> the shape QK-norm normalizes over its last axis: (B, L, heads, H)
+    per head ("head", "per_head"), else (B, L, heads*H)."""
+    heads = y.shape[-1] // layer.head_dim  # not -1: L may be 0
+    per_head = layer.qk_norm in ("head", "per_head")
+    return y.reshape(*y.shape[:2], heads, layer.head_dim) if per_head else y  # (B, L, heads, H)
+
+
+def _norm_weight(layer, name, by_norm):
+    """A QK-norm weight (`<kind>_norm` or `<kind>_norm_bias`) shaped to broadcast against
+    `by_norm`: (H,) shared by the heads, (heads, H) one row per head, or (heads*H,)."""
+    weight = layer.params[name]
+    return weight if layer.qk_norm == "head" else weight.reshape(by_norm.shape[2:])  # (heads, H) or (heads*H,)
+
+
+def _clip(layer, y):
+    """`clip_qkv`: a projection clamped to [-c, c] (unchanged when None)."""
+    return y if layer.clip_qkv is None else np.clip(y, -layer.clip_qkv, layer.clip_qkv)
+
+
+def _gate_heads(layer, call, context):
+    """Step 6b: the (B, N, T, Hv) attention result times sigmoid(query @ gate_kernel + gate_bias)
+    split into heads (Hv = H without MLA); returns (gated result, gate). `__call__` runs it with
+    `gate` only."""
+    gate = _sigmoid(layer._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
+    b, t, _ = gate.shape
+    gate = gate.reshape(b, t, layer.num_heads, context.shape[-1]).transpose(0, 2, 1, 3)  # -> (B, N, T, Hv)
+    return context * gate, gate
+
+
+def _qk_norm_backward(layer, kind, y, d_y, grads):
+    """Step 3 backward for q or k from its (B, L, heads*H) clamped projection y: adds the
+    gradients of `<kind>_norm` (and `<kind>_norm_bias`) to `grads`, returns y's (B, L, heads*H)."""
+    by_norm = _by_norm(layer, y)  # (B, L, heads, H) or (B, L, heads*H)
+    grad = d_y.reshape(by_norm.shape)  # (B, L, heads, H) or (B, L, heads*H)
+    scale = _norm_weight(layer, f"{kind}_norm", by_norm)  # (H,), (heads, H) or (heads*H,)
+    backward = _layer_norm_backward if layer.qk_norm_type == "layer" else _rms_norm_backward
+    d_by_norm, d_scale = backward(by_norm, scale, layer.qk_norm_eps, grad)
+    grads[f"{kind}_norm"] = d_scale.reshape(-1)  # (H,), (heads*H,)
+    if layer.qk_norm_bias:
+        grads[f"{kind}_norm_bias"] = grad.reshape(-1, *scale.shape).sum(axis=0).reshape(-1)  # the bias: summed
+    return d_by_norm.reshape(y.shape)  # -> (B, L, heads*H)
+
+
+def _rms_norm_backward(x, scale, eps, grad):
+    """Gradients of rms_norm(x, scale, eps) for the upstream `grad`: (d_x, d_scale), d_scale
+    summed to the shape of `scale`, which broadcasts against x's trailing axes."""
+    rms = np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps)
+    normed = x / rms
+    d_scale = (grad * normed).reshape(-1, *scale.shape).sum(axis=0)
+    g = grad * scale
+    return (g - normed * np.mean(g * normed, axis=-1, keepdims=True)) / rms, d_scale
+
+
+def _layer_norm_backward(x, scale, eps, grad):
+    """Gradients of layer_norm(x, scale, eps) for the upstream `grad`: (d_x, d_scale), d_scale
+    summed to the shape of `scale`, which broadcasts against x's trailing axes."""
+    centred = x - np.mean(x, axis=-1, keepdims=True)
+    std = np.sqrt(np.mean(centred**2, axis=-1, keepdims=True) + eps)
+    normed = centred / std
+    d_scale = (grad * normed).reshape(-1, *scale.shape).sum(axis=0)
+    g = grad * scale
+    mean_g = np.mean(g, axis=-1, keepdims=True)
+    return (g - mean_g - normed * np.mean(g * normed, axis=-1, keepdims=True)) / std, d_scale
+
+
+def _gate_backward(layer, d_gated, grads):
+    """Step 6b backward from the (B, N, T, H) gradient of the gated result: adds the gradients
+    of `gate_kernel` and `gate_bias` to `grads`; returns (d_context (B, N, T, H), the query's
+    (B, T, E) gradient through the gate); `backward` runs it with `gate` only."""
+    c = layer._saved
+    gate, query = c["gate"], c["call"].query
+    d_logits = layer._merge_heads(d_gated * c["context"] * gate * (1.0 - gate))  # sigmoid', (B, T, N*H)
+    grads["gate_kernel"] = np.einsum("bte,btm->em", query, d_logits)
+    grads["gate_bias"] = d_logits.sum(axis=(0, 1))
+    return d_gated * gate, d_logits @ layer.params["gate_kernel"].T  # (B, N, T, H), (B, T, N*H) -> (B, T, E)
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: KV cache and decode steps
+# -------------------------------------------------------------------------------------------------
+# Decoding with a KV cache: `cache = layer.init_cache(B, L)`, then `output, cache = layer(x, cache=cache)`
+# for a prompt (T > 1) and then one token at a time (T = 1). The keys (rotated by RoPE) and values of the T
+# new tokens are written to slots [index, index + T), and query t attends slot s iff s < index + T,
+# keep[b, s], (not causal or s <= index + t), the window and the chunk keep it at position index + t (see
+# `_cache_keep`; a window makes the cache roll) and `attention_mask` (given over L) keeps it. Token by token
+# equals the full causal pass. The cache passed in is left unchanged: a call writes into copies.
+
+
+class KVCache(NamedTuple):
+    """The keys and values of the tokens decoded so far (make one with `init_cache`).
+
+    Attributes:
+        key: (B, K, L, H) projected keys, one slot per position; L is the cache's max length.
+        value: (B, K, L, H) projected values.
+        keep: (B, L) boolean; False marks a slot no query may attend (left padding).
+        index: scalar integer, the positions written so far; position p is in slot p (with a
+            `window`, slot p mod L: the cache rolls), and the next call writes from index.
+    """
+
+    key: np.ndarray
+    value: np.ndarray
+    keep: np.ndarray
+    index: np.ndarray
+
+
+def _init_cache(layer, batch_size, max_length, keep, dtype):
+    """`init_cache`: an empty `KVCache`, keys and values (B, K, L, H), or MLA's latent cache."""
+    b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
+    keep = np.ones((b, length), dtype=bool) if keep is None else _check_keep(keep, b, length)
+    heads, key_width, value_width = layer._cache_layout
+    dtype = np.float64 if dtype is None else dtype
+    key, value = np.zeros((b, heads, length, key_width), dtype), np.zeros((b, heads, length, value_width), dtype)
+    return KVCache(key, value, keep.copy(), np.asarray(0))
+
+
+def _check_cache(cache, query, key, heads, head_dim, latent):
     """Checks a KVCache against the call's (B, T, E) query and (B, S, kdim) key: keys and values
-    (B, K, L, H), or with MLA the latent cache (B, 1, L, C) and (B, 1, L, Hr)."""
+    (B, K, L, H), or with MLA the latent cache (B, 1, L, C) and (B, 1, L, Hr), in the compute
+    dtype float64; returns L."""
     (b, t), s = query.shape[:2], key.shape[1]
     if t == 0:
         raise ValueError(
@@ -897,18 +1288,8 @@ def _check_cache(cache, query, key, heads, head_dim, latent=None):
             f"`cache.keep` must have shape (B, L)=({b}, {k.shape[2]}). "
             f"Received: cache.keep.shape={tuple(cache.keep.shape)}"
         )
-
-
-def _check_latent_cache(k, v, batch_size, latent):
-    """The latent cache: (B, 1, L, C) latents and (B, 1, L, Hr) turned key parts."""
-    c, hr = latent.kv_lora_rank, latent.qk_rope_head_dim
-    valid = k.ndim == v.ndim == 4 and k.shape[:3] == v.shape[:3]
-    if not valid or (k.shape[0], k.shape[1], k.shape[3], v.shape[3]) != (batch_size, 1, c, hr):
-        raise ValueError(
-            "`cache.key` and `cache.value` must have shape (B, 1, L, C) and (B, 1, L, Hr) with kv_lora_rank: "
-            f"B={batch_size}, C={c}, Hr={hr}. "
-            f"Received: cache.key.shape={tuple(k.shape)}, cache.value.shape={tuple(v.shape)}"
-        )
+    _check_cache_dtype(cache, np.float64)
+    return k.shape[2]
 
 
 def _check_cache_dtype(cache, dtype):
@@ -998,178 +1379,305 @@ def _write_cache(cache, k, v, key_mask):
     return KVCache(key, value, keep, np.asarray(index + t))
 
 
-# -------------------------------------------------------------------------------------------------
-# Step 6: attention, the reference
-# -------------------------------------------------------------------------------------------------
-
-
-def dot_product_attention(
-    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, attention_chunk_size=None,
-    sinks=None,
-):  # fmt: skip
-    """Pure attention on split heads; returns (context, weights).
-
-    Args:
-        q: (B, N, T, H) queries.
-        k: (B, K, S, H) keys, K dividing N.
-        v: (B, K, S, H) values.
-        keep: None or boolean, broadcasts to (B, N, T, S); True where a query may attend a key.
-        bias: None or float, broadcasts to (B, N, T, S); added to the (soft-capped) scores.
-        causal: if True, query t keeps key s only if s <= t + (S - T).
-        scale: the factor of the scores; defaults to 1 / sqrt(H).
-        softcap: None, or c: the scaled scores become c * tanh(scores / c).
-        window: None, W or (W_before, W_after): query t keeps key s only if s > t + (S - T) - W_before,
-            and with a pair also s < t + (S - T) + W_after.
-        attention_chunk_size: None, or C: query t keeps key s only if s // C == (t + (S - T)) // C.
-        sinks: None, or (N,) logits that join the softmax's denominator.
-
-    Returns:
-        context (B, N, T, H) and weights (B, N, T, S), with exact zeros where not kept.
-    """
-    keep = _full_keep(keep, q.shape[2], k.shape[2], causal, window, attention_chunk_size)  # (B, N, T, S), dims may be 1
-    groups = q.shape[1] // k.shape[1]
-    k = np.repeat(k, groups, axis=1)  # (B, K, S, H) -> (B, N, S, H)
-    v = np.repeat(v, groups, axis=1)  # (B, K, S, H) -> (B, N, S, H)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = _softcap(q @ k.swapaxes(-1, -2) * scale, softcap)  # (B, N, T, S)
-    bias = bias if bias is None or sinks is not None else _centre_rows(bias, keep)  # with sinks the level matters
-    scores = scores if bias is None else scores + bias  # (B, N, T, S)
-    weights = _masked_softmax(scores, keep, sinks)  # (B, N, T, S)
-    return weights @ v, weights  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
-
-
-def _full_keep(keep, t, s, causal, window, attention_chunk_size):
-    """`keep` (None: all kept) with `causal`, `window` and `attention_chunk_size` folded in;
-    broadcasts to (B, N, T, S)."""
-    keep = np.ones((1, 1, t, s), dtype=bool) if keep is None else keep  # (B, N, T, S), dims may be 1
-    keep = keep & causal_mask(t, s) if causal else keep
-    keep = keep & window_mask(t, s, window) if window is not None else keep
-    return keep & attention_chunk_mask(t, s, attention_chunk_size) if attention_chunk_size is not None else keep
-
-
-def _softcap(scores, softcap):
-    """Gemma 2's soft-capping: softcap * tanh(scores / softcap)."""
-    return scores if softcap is None else softcap * np.tanh(scores / softcap)
-
-
-def _masked_softmax(scores, keep, sinks=None):
-    """Softmax over S (with one `sinks` logit per head in its denominator) with every position not
-    kept at weight exactly 0 (rows with no key are all 0)."""
-    lowest = np.finfo(scores.dtype).min
-    scores = np.where(keep, scores, lowest)  # (B, N, T, S)
-    top = scores.max(axis=-1, keepdims=True, initial=lowest)  # (B, N, T, 1); `initial`: S may be 0
-    sink = None if sinks is None else sinks[None, :, None, None]  # (1, N, 1, 1)
-    top = top if sink is None else np.maximum(top, sink)
-    exp = np.exp(scores - top)  # (B, N, T, S)
-    total = exp.sum(axis=-1, keepdims=True)  # (B, N, T, 1)
-    total = total if sink is None else total + np.exp(sink - top)  # the sink joins the denominator
-    return np.where(keep, exp / total, 0.0)  # (B, N, T, S), rows with no key are all 0
-
-
-def _centre_rows(bias, keep):
-    """`bias` minus each query row's largest kept value (rows keeping nothing: unchanged), as
-    docs/SPEC.md "Numerics" asks: a softmax does not change, and a row whose kept keys all carry
-    the same large finite penalty (-1e20) stays an ordinary softmax instead of one rounded away."""
-    top = np.where(keep, bias, -np.inf).max(axis=-1, keepdims=True, initial=-np.inf)  # (B, N, T, 1), dims may be 1
-    return bias - np.where(np.isfinite(top), top, 0.0)  # (B, N, T, S), dims may be 1
+def _update_cache(layer, call, k, v, keep):
+    """Step 5: writes the (B, K, T, H) keys and values into a copy of the cache; returns its
+    (B, K, L, H) keys and values, keep with the cache's rule folded in (B, N|1, T, L), and the
+    call with that cache, `causal` False, `window` and `attention_chunk_size` None (all now in keep)."""
+    index, t, length = int(call.cache.index), k.shape[2], call.cache.key.shape[2]
+    _check_room(index, t, length, call.window)
+    cache = _write_cache(call.cache, k, v, call.key_mask)
+    cache_keep = _cache_keep(cache.keep, index, t, call.causal, call.window, call.attention_chunk_size)
+    keep = _and(keep, cache_keep)  # (B, N|1, T, L), dims may be 1
+    call = call._replace(causal=False, window=None, attention_chunk_size=None, cache=cache)
+    return cache.key, cache.value, keep, call
 
 
 # -------------------------------------------------------------------------------------------------
-# NumPy only: the backward pass
+# Section: multi-head latent attention
+# -------------------------------------------------------------------------------------------------
+# MLA (`kv_lora_rank`, docs/SPEC.md "Multi-head latent attention"): q as above (or through query_a, RMSNorm
+# and query_b with `q_lora_rank`); a = key @ key_value_a_kernel (B, S, C + Hr), the latent
+# c = RMSNorm(a[..., :C]) and the shared k_rope = a[..., C:]; RoPE turns the last Hr features of q and
+# k_rope; the cache holds c and k_rope; [k_nope, v] = c @ key_value_b_kernel per head,
+# k = concat(k_nope, k_rope), or the absorbed path on the latents (`absorb_latents`).
+
+
+_LATENT_SIZES = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_ABSORB_MAX_T = 8  # `absorb_latents=None`: a call with a cache and T <= 8 attends on the latents
+
+
+class _Latent(NamedTuple):
+    """The sizes of multi-head latent attention (MLA), checked (`_check_latent`)."""
+
+    kv_lora_rank: int  # C
+    q_lora_rank: int | None  # Q, None: a plain query projection
+    qk_nope_head_dim: int  # Hn
+    qk_rope_head_dim: int  # Hr
+    v_head_dim: int  # Hv
+
+
+def _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim):
+    """Checks the MLA sizes (each None or a positive integer, in the signature's order) and returns
+    a `_Latent`, or None without `kv_lora_rank`, when the others must be None too."""
+    sizes = dict(
+        zip(_LATENT_SIZES, (kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim), strict=True)
+    )
+    for name, value in sizes.items():
+        sizes[name] = None if value is None else _positive_int(name, value)
+    if sizes["kv_lora_rank"] is None:
+        for name in (name for name in _LATENT_SIZES[1:] if sizes[name] is not None):
+            raise ValueError(
+                f"`{name}` needs `kv_lora_rank` (multi-head latent attention). "
+                f"Received: {name}={sizes[name]!r}, kv_lora_rank=None"
+            )
+        return None
+    missing = [name for name in _LATENT_SIZES[2:] if sizes[name] is None]
+    if missing:
+        raise ValueError(
+            "`kv_lora_rank` needs `qk_nope_head_dim`, `qk_rope_head_dim` and `v_head_dim`. "
+            f"Received: kv_lora_rank={sizes['kv_lora_rank']}, {', '.join(f'{name}=None' for name in missing)}"
+        )
+    return _Latent(**sizes)
+
+
+def _latent_head_dim(latent, head_dim):
+    """H with MLA: qk_nope_head_dim + qk_rope_head_dim, which `head_dim`, if given, must equal."""
+    width = latent.qk_nope_head_dim + latent.qk_rope_head_dim
+    if head_dim is not None and not (_is_positive_int(head_dim) and head_dim == width):
+        raise ValueError(
+            f"`head_dim` must equal qk_nope_head_dim + qk_rope_head_dim = {width} with `kv_lora_rank`. "
+            f"Received: head_dim={head_dim!r}"
+        )
+    return width
+
+
+def _check_latent_combinations(vdim, variants):
+    """What MLA refuses, each with why (after every argument's own check)."""
+    refused = (
+        ("vdim", vdim, vdim is not None, "MLA reads keys and values from `key` (its width is `kdim`)"),
+        ("qk_norm", variants.qk_norm, variants.qk_norm is not None, "MLA normalizes the latents instead"),
+        ("clip_qkv", variants.clip_qkv, variants.clip_qkv is not None, "MLA has no q, k and v to clamp"),
+        ("rope_sections", variants.rope_sections, variants.rope_sections is not None, "RoPE turns the Hr features"),
+        ("rope_fraction", variants.rope_fraction, variants.rope_fraction != 1.0, "RoPE turns all Hr features"),
+    )
+    for name, value, given, why in refused:
+        if given:
+            raise ValueError(f"`{name}` is not supported with `kv_lora_rank`: {why}. Received: {name}={value!r}")
+
+
+def _projections(latent):
+    """The names `bias` takes: the layer's projections, query, key, value, output (with MLA query,
+    or query_a and query_b, key_value_a, key_value_b, output), then the gate's."""
+    if latent is None:
+        return _PROJECTIONS
+    query = ("query",) if latent.q_lora_rank is None else ("query_a", "query_b")
+    return (*query, "key_value_a", "key_value_b", "output", "gate")
+
+
+def _refuse_latent_value():
+    """MLA reads keys and values from `key`: a call's `value` other than `key` is refused."""
+    raise ValueError(
+        "`value` must be None or `key` itself with `kv_lora_rank`: MLA reads keys and values from `key`. "
+        "Received: a value other than key"
+    )
+
+
+def _latent_shapes(layer):
+    """The float portable layout with MLA (docs/SPEC.md "Weights")."""
+    latent, n, k, h = layer._latent, layer.num_heads, layer.num_kv_heads, layer.head_dim
+    c, q, hn, hr, hv = latent.kv_lora_rank, latent.q_lora_rank, *latent[2:]
+    norms = {"query_a": (q,), "key_value_a": (c,)}
+    kernels = {
+        "query": (layer.d_model, n * h),
+        "query_a": (layer.d_model, q),
+        "query_b": (q, n * h),
+        "key_value_a": (layer.kdim, c + hr),
+        "key_value_b": (c, k * (hn + hv)),
+        "output": (n * hv, layer.d_model),
+    }
+    shapes = {}
+    for kind in _projections(latent)[:-1]:
+        shapes[f"{kind}_kernel"] = kernels[kind]
+        shapes.update({f"{kind}_bias": kernels[kind][1:]} if kind in layer.bias else {})
+        shapes.update({f"{kind}_norm": norms[kind]} if kind in norms else {})
+    shapes.update({"sinks": (n,)} if layer.sinks else {})
+    shapes.update({"gate_kernel": (layer.d_model, n * hv)} if layer.gate else {})  # the gate's width is Hv
+    shapes.update({"gate_bias": (n * hv,)} if layer.gate and "gate" in layer.bias else {})
+    return shapes
+
+
+def _latent_cache_layout(latent):
+    """MLA's KVCache: (heads, key width, value width) = (1, C, Hr), the latents and k_rope."""
+    return 1, latent.kv_lora_rank, latent.qk_rope_head_dim
+
+
+def _check_latent_cache(k, v, batch_size, latent):
+    """The latent cache: (B, 1, L, C) latents and (B, 1, L, Hr) turned key parts."""
+    c, hr = latent.kv_lora_rank, latent.qk_rope_head_dim
+    valid = k.ndim == v.ndim == 4 and k.shape[:3] == v.shape[:3]
+    if not valid or (k.shape[0], k.shape[1], k.shape[3], v.shape[3]) != (batch_size, 1, c, hr):
+        raise ValueError(
+            "`cache.key` and `cache.value` must have shape (B, 1, L, C) and (B, 1, L, Hr) with kv_lora_rank: "
+            f"B={batch_size}, C={c}, Hr={hr}. "
+            f"Received: cache.key.shape={tuple(k.shape)}, cache.value.shape={tuple(v.shape)}"
+        )
+
+
+def _project_latent(layer, call):
+    """Steps 2 to 4 with MLA (no QK-norm): q (B, N, T, H), through query_a, its RMSNorm and
+    query_b with Q; the latents c = RMSNorm(a[..., :C]) (B, 1, S, C) and k_rope = a[..., C:]
+    (B, 1, S, Hr) of a = key @ key_value_a_kernel; RoPE of q's and k_rope's last Hr features."""
+    q = layer._split_heads(_project_query(layer, call.query))  # (B, T, E) -> (B, N, T, H)
+    c = layer.kv_lora_rank
+    a = layer._project(call.key, "key_value_a")  # (B, S, kdim) -> (B, S, C + Hr)
+    latent = rms_norm(a[..., :c], layer.params["key_value_a_norm"], layer.latent_norm_eps)  # (B, S, C)
+    k_rope = a[:, None, :, c:]  # (B, 1, S, Hr)
+    if layer.rope_theta is not None:
+        q, k_rope = _rotate_latent(layer, q, k_rope, call.positions)  # step 4
+    return q, latent[:, None], k_rope  # (B, N, T, H), (B, 1, S, C), (B, 1, S, Hr)
+
+
+def _rotate_latent(layer, q, k_rope, positions):
+    """Step 4 with MLA: RoPE of the last Hr features of the (B, N, T, H) queries and of the
+    (B, 1, T, Hr) k_rope shared by the heads, at (B, T) positions."""
+    hn = layer.qk_nope_head_dim
+    q_rope = _turn(layer, q[..., hn:], positions)  # (B, N, T, Hr)
+    return np.concatenate([q[..., :hn], q_rope], axis=-1), _turn(layer, k_rope, positions)  # (B, N, T, H)
+
+
+def _project_query(layer, x):
+    """(B, T, E) -> (B, T, N*H): the query projection, with MLA's `q_lora_rank` through
+    query_a (B, T, Q), its RMSNorm and query_b."""
+    if layer.q_lora_rank is None:
+        return layer._project(x, "query")
+    a = layer._project(x, "query_a")  # (B, T, E) -> (B, T, Q)
+    normed = rms_norm(a, layer.params["query_a_norm"], layer.latent_norm_eps)  # (B, T, Q)
+    return layer._project(normed, "query_b")  # (B, T, Q) -> (B, T, N*H)
+
+
+def _attend_latent(layer, q, latent, k_rope, keep, bias, call):
+    """Step 6 with MLA: on the latents (`_attend_absorbed`), or with the keys and values expanded."""
+    if _absorbs(layer, call, q.shape[2]):
+        return _attend_absorbed(layer, q, latent, k_rope, keep, bias, call)
+    k, v = _expand_latents(layer, latent, k_rope)  # (B, K, S, H), (B, K, S, Hv)
+    return layer._attend_heads(q, k, v, keep, bias, call)
+
+
+def _absorbs(layer, call, t):
+    """MLA's path: `absorb_latents` if set, else absorbed with a cache and T <= 8."""
+    if layer.absorb_latents is not None:
+        return bool(layer.absorb_latents)
+    return call.cache is not None and t <= _ABSORB_MAX_T
+
+
+def _expand_latents(layer, latent, k_rope):
+    """MLA's up-projection: (B, 1, S, C) latents and (B, 1, S, Hr) k_rope -> keys
+    concat(k_nope, k_rope) (B, K, S, H) and values (B, K, S, Hv)."""
+    kv = layer._project(latent[:, 0], "key_value_b")  # (B, S, C) -> (B, S, K*(Hn + Hv))
+    b, s, _ = kv.shape
+    kv = kv.reshape(b, s, layer.num_kv_heads, -1).transpose(0, 2, 1, 3)  # -> (B, K, S, Hn + Hv)
+    hn = layer.qk_nope_head_dim
+    k_rope = np.broadcast_to(k_rope, (b, layer.num_kv_heads, s, k_rope.shape[-1]))  # (B, K, S, Hr)
+    return np.concatenate([kv[..., :hn], k_rope], axis=-1), kv[..., hn:]  # (B, K, S, H), (B, K, S, Hv)
+
+
+def _up_projections(layer):
+    """key_value_b's kernel as float (C, N, Hn) and (C, N, Hv) and its bias (N, Hn) and (N, Hv)
+    (None without one), each key/value head's repeated for its N // K query heads."""
+    kernel = layer.params["key_value_b_kernel"].astype(np.float64)  # (C, K*(Hn + Hv))
+    if layer.quantization_mode == "int8":
+        kernel = kernel * layer.params["key_value_b_kernel_scale"]  # dequantized
+    groups, hn = layer.num_heads // layer.num_kv_heads, layer.qk_nope_head_dim
+    kernel = np.repeat(kernel.reshape(kernel.shape[0], layer.num_kv_heads, -1), groups, axis=1)  # (C, N, Hn + Hv)
+    bias = layer.params.get("key_value_b_bias")
+    bias = None if bias is None else np.repeat(bias.reshape(layer.num_kv_heads, -1), groups, axis=0)  # (N, Hn + Hv)
+    split = (None, None) if bias is None else (bias[:, :hn], bias[:, hn:])
+    return kernel[..., :hn], kernel[..., hn:], *split
+
+
+def _attend_absorbed(layer, q, latent, k_rope, keep, bias, call):
+    """Step 6 with MLA on the latents: q_lat = q_nope @ W_kb^T (B, N, T, C) meets the latents,
+    q_rope meets k_rope (and q_nope . b_k a key of ones), o_lat = weights @ latents, and each
+    head's context is o_lat @ W_vb + sum(weights) * b_v (B, N, T, Hv)."""
+    w_kb, w_vb, b_k, b_v = _up_projections(layer)  # (C, N, Hn), (C, N, Hv), (N, Hn), (N, Hv)
+    if layer.quantization_mode == "int8":  # the latents as the int8 up-projection reads them
+        integers, latent_scale = _quantize_rows(latent)
+        latent = integers * latent_scale  # (B, 1, S, C)
+    hn = layer.qk_nope_head_dim
+    q_nope = q[..., :hn]  # (B, N, T, Hn)
+    queries = [np.einsum("bnth,cnh->bntc", q_nope, w_kb), q[..., hn:]]  # (B, N, T, C), (B, N, T, Hr)
+    keys = [latent, k_rope]  # (B, 1, S, C), (B, 1, S, Hr)
+    if b_k is not None:
+        queries.append(np.einsum("bnth,nh->bnt", q_nope, b_k)[..., None])  # (B, N, T, 1)
+        keys.append(np.ones((*k_rope.shape[:3], 1)))  # (B, 1, S, 1)
+    q_abs, k_abs = np.concatenate(queries, axis=-1), np.concatenate(keys, axis=-1)  # (B, N, T, .), (B, 1, S, .)
+    o_lat, weights = layer._attend_heads(q_abs, k_abs, latent, keep, bias, call)  # (B, N, T, C)
+    context = np.einsum("bntc,cnv->bntv", o_lat, w_vb)  # (B, N, T, C) -> (B, N, T, Hv)
+    if b_v is not None:
+        context = context + weights.sum(axis=-1, keepdims=True) * b_v[None, :, None, :]  # (B, N, T, Hv)
+    return context, weights
+
+
+def _latent_backward(layer, call, latent, d_q, d_k, d_v, grads):
+    """Steps 6 (the up-projection), 4 and 2 backward with MLA, from the (B, 1, S, C) latents and
+    the gradients of q (B, N, T, H), the expanded keys (B, K, S, H) and values (B, K, S, Hv):
+    adds every latent weight's gradient to `grads`, returns the inputs' (value: zeros)."""
+    hn, c = layer.qk_nope_head_dim, layer.kv_lora_rank
+    d_k_rope = d_k[..., hn:].sum(axis=1, keepdims=True)  # (B, K, S, Hr) -> (B, 1, S, Hr), shared by the heads
+    d_kv = np.concatenate([d_k[..., :hn], d_v], axis=-1)  # (B, K, S, Hn + Hv)
+    d_kv = d_kv.transpose(0, 2, 1, 3).reshape(*d_kv.shape[:1], d_kv.shape[2], -1)  # -> (B, S, K*(Hn + Hv))
+    d_latent = _linear_backward(layer, "key_value_b", latent[:, 0], d_kv, grads)  # (B, S, C)
+    d_q = np.concatenate([d_q[..., :hn], _turn_back(layer, d_q[..., hn:], call.positions)], axis=-1)  # 4. RoPE
+    d_k_rope = _turn_back(layer, d_k_rope, call.positions)[:, 0]  # (B, 1, S, Hr) -> (B, S, Hr)
+    a = layer._project(call.key, "key_value_a")  # (B, S, C + Hr), recomputed
+    d_a, grads["key_value_a_norm"] = _rms_norm_backward(
+        a[..., :c], layer.params["key_value_a_norm"], layer.latent_norm_eps, d_latent
+    )
+    d_a = np.concatenate([d_a, d_k_rope], axis=-1)  # (B, S, C + Hr)
+    d_key = _linear_backward(layer, "key_value_a", call.key, d_a, grads)  # (B, S, kdim)
+    d_query = _query_backward(layer, call.query, layer._merge_heads(d_q), grads)  # (B, T, E)
+    return {"query": d_query, "key": d_key, "value": np.zeros_like(call.key)}
+
+
+def _query_backward(layer, x, d_y, grads):
+    """The query projection's backward (through query_b, the RMSNorm and query_a with
+    `q_lora_rank`) for the (B, T, N*H) gradient of q: returns the (B, T, E) input's."""
+    if layer.q_lora_rank is None:
+        return _linear_backward(layer, "query", x, d_y, grads)
+    a = layer._project(x, "query_a")  # (B, T, Q), recomputed
+    normed = rms_norm(a, layer.params["query_a_norm"], layer.latent_norm_eps)  # (B, T, Q)
+    d_normed = _linear_backward(layer, "query_b", normed, d_y, grads)  # (B, T, Q)
+    d_a, grads["query_a_norm"] = _rms_norm_backward(a, layer.params["query_a_norm"], layer.latent_norm_eps, d_normed)
+    return _linear_backward(layer, "query_a", x, d_a, grads)  # (B, T, E)
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: speed paths
+# -------------------------------------------------------------------------------------------------
+# NumPy has no speed paths: the reference computes every case explicitly, on one code path.
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: int8
 # -------------------------------------------------------------------------------------------------
 
-
-def _output_backward(g, merged, output_kernel, heads, head_dim):
-    """Step 7 backward: ({output_kernel, output_bias} gradients, d_context (B, N, T, H))."""
-    b, t, _ = g.shape
-    grads = {"output_kernel": np.einsum("btm,bte->me", merged, g), "output_bias": g.sum(axis=(0, 1))}
-    d_context = (g @ output_kernel.T).reshape(b, t, heads, head_dim).transpose(0, 2, 1, 3)  # -> (B, N, T, H)
-    return grads, d_context
-
-
-def _attention_backward(d_context, q, k, v, keep, weights, scale, softcap, sinks):
-    """Step 6 backward, from `dot_product_attention`'s (B, N, T, H) q, (B, K, S, H) k and v, its
-    `keep` with causal and window folded in, and its weights: (d_q, d_k, d_v, d_scores, d_sinks)
-    with d_scores (B, N, T, S) the gradient of the biased scores (None: no sinks)."""
-    groups = q.shape[1] // k.shape[1]
-    k_rep, v_rep = np.repeat(k, groups, axis=1), np.repeat(v, groups, axis=1)  # (B, N, S, H)
-    d_weights = d_context @ v_rep.swapaxes(-1, -2)  # (B, N, T, H) @ (B, N, H, S) -> (B, N, T, S)
-    d_v_rep = weights.swapaxes(-1, -2) @ d_context  # (B, N, S, T) @ (B, N, T, H) -> (B, N, S, H)
-    d_probs = np.where(keep, d_weights, 0.0)  # (B, N, T, S)
-    inner = (d_probs * weights).sum(axis=-1, keepdims=True)  # (B, N, T, 1)
-    d_scores = np.where(keep, weights * (d_probs - inner), 0.0)  # softmax backward, (B, N, T, S)
-    d_sinks = None
-    if sinks is not None:
-        sink_probs = 1.0 - weights.sum(axis=-1, keepdims=True)  # (B, N, T, 1): the sink's share
-        d_sinks = -(sink_probs * inner).sum(axis=(0, 2, 3))  # (N,)
-    d_biased = d_scores
-    if softcap is not None:  # through softcap * tanh(scores / softcap), the scores recomputed
-        capped = np.tanh(q @ k_rep.swapaxes(-1, -2) * scale / softcap)  # (B, N, T, S)
-        d_scores = d_scores * (1.0 - capped**2)
-    d_scores = d_scores * scale  # (B, N, T, S)
-    d_q = d_scores @ k_rep  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
-    d_k_rep = d_scores.swapaxes(-1, -2) @ q  # (B, N, S, T) @ (B, N, T, H) -> (B, N, S, H)
-    (b, kv, s, h), hv = k.shape, v.shape[-1]
-    d_k = d_k_rep.reshape(b, kv, groups, s, h).sum(axis=2)  # (B, N, S, H) -> (B, K, S, H)
-    d_v = d_v_rep.reshape(b, kv, groups, s, hv).sum(axis=2)  # (B, N, S, Hv) -> (B, K, S, Hv)
-    return d_q, d_k, d_v, d_biased, d_sinks
-
-
-def _rope_backward(d, positions, inv_freq, interleaved, factor, sections):
-    """Step 4 backward: RoPE is a rotation (times YaRN's factor): its backward scales, turns back
-    (each section by its own rows of positions)."""
-    d = scale_rotated(d, 2 * inv_freq.shape[0], factor)
-    return apply_rope(d, -positions, inv_freq, interleaved, sections)
-
-
-def _rms_norm_backward(x, scale, eps, grad):
-    """Gradients of rms_norm(x, scale, eps) for the upstream `grad`: (d_x, d_scale), d_scale
-    summed to the shape of `scale`, which broadcasts against x's trailing axes."""
-    rms = np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps)
-    normed = x / rms
-    d_scale = (grad * normed).reshape(-1, *scale.shape).sum(axis=0)
-    g = grad * scale
-    return (g - normed * np.mean(g * normed, axis=-1, keepdims=True)) / rms, d_scale
-
-
-def _layer_norm_backward(x, scale, eps, grad):
-    """Gradients of layer_norm(x, scale, eps) for the upstream `grad`: (d_x, d_scale), d_scale
-    summed to the shape of `scale`, which broadcasts against x's trailing axes."""
-    centred = x - np.mean(x, axis=-1, keepdims=True)
-    std = np.sqrt(np.mean(centred**2, axis=-1, keepdims=True) + eps)
-    normed = centred / std
-    d_scale = (grad * normed).reshape(-1, *scale.shape).sum(axis=0)
-    g = grad * scale
-    mean_g = np.mean(g, axis=-1, keepdims=True)
-    return (g - mean_g - normed * np.mean(g * normed, axis=-1, keepdims=True)) / std, d_scale
-
-
-def _sum_to_shape(grad, shape):
-    """The gradient of a tensor of `shape` broadcast to grad's rank-4 shape: summed back."""
-    rank4 = {2: (1, 1, *shape), 3: (shape[0], 1, *shape[1:]), 4: tuple(shape)}[len(shape)]
-    axes = tuple(i for i, (g, m) in enumerate(zip(grad.shape, rank4, strict=True)) if m == 1 and g != 1)
-    return grad.sum(axis=axes, keepdims=True).reshape(shape)
-
-
-def _fold_defaulted(inputs, defaulted):
-    """Adds the gradient of each defaulted input to the input it defaulted to."""
-    if defaulted == "both":
-        return {"query": inputs["query"] + inputs["key"] + inputs["value"]}
-    if defaulted == "key":
-        return {"query": inputs["query"], "value": inputs["value"] + inputs["key"]}
-    if defaulted == "value":
-        return {"query": inputs["query"], "key": inputs["key"] + inputs["value"]}
-    return inputs
-
-
-# -------------------------------------------------------------------------------------------------
-# int8
-# -------------------------------------------------------------------------------------------------
 
 # Keras' scheme (docs/SPEC.md, "int8"): `keras.quantizers.abs_max_quantize` on the kernels (per
 # output column) and on the inputs of each projection (per token, at run time).
 _INT8_MAX = 127.0
 _INT8_EPSILON = 1e-7  # Keras' `backend.epsilon()`, added to the abs-max before dividing
+
+
+def _quantize(layer, mode):
+    """`quantize`: the kernels to int8, each with its float32 scale per output column."""
+    if mode != "int8":
+        raise ValueError(f"`mode` must be 'int8'. Received: mode={mode!r}")
+    if layer.quantization_mode is not None:
+        raise ValueError(f"The layer is already quantized. Received: mode={mode!r}")
+    params = dict(layer.params)
+    for name in (name for name in layer.weight_shapes() if name.endswith("_kernel")):  # the gate's too with gate
+        params[name], params[f"{name}_scale"] = _quantize_kernel(params[name])
+    layer.params = {name: params[name] for name in _with_scales(layer.weight_shapes())}
 
 
 def _quantize_kernel(kernel):
@@ -1230,8 +1738,99 @@ def _is_int8_layout(weights):
 
 
 # -------------------------------------------------------------------------------------------------
-# The layer
+# Section: framework only
 # -------------------------------------------------------------------------------------------------
+# NumPy has no devices, autocast, hooks or distribution. Here: the variants' record and the checks that
+# the core and the sections share (Python and NumPy scalars alike), the initial weights, and the masks' values
+# that read like another library's habit (nn.MultiheadAttention's True = ignore, Keras' 0/1 floats), warned of
+# once per layer at the caller's line.
+
+
+class _Variants(NamedTuple):
+    """The variants of the layer, checked by their sections' helpers; each is also the layer's attribute."""
+
+    scale: float
+    softcap: float | None
+    window: int | tuple[int, int] | None
+    attention_chunk_size: int | None
+    rope_theta: float | None
+    rope_fraction: float
+    rope_interleaved: bool
+    rope_scaling: dict | None
+    rope_sections: tuple[int, ...] | None
+    qk_norm: str | None
+    qk_norm_eps: float
+    qk_norm_type: str
+    qk_norm_bias: bool
+    sinks: bool
+    clip_qkv: float | None
+    gate: bool
+    latent_norm_eps: float
+
+
+def _positive_int(name, value):
+    if not _is_positive_int(value):
+        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+    return int(value)
+
+
+def _is_positive_int(value):
+    """A Python or NumPy integer (not a bool) >= 1."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 1
+
+
+def _positive_float(name, value, *, optional=False):
+    if value is None and optional:
+        return None
+    if not _is_positive_number(value):
+        raise ValueError(
+            f"`{name}` must be {'None or ' if optional else ''}a positive float. Received: {name}={value!r}"
+        )
+    return float(value)
+
+
+def _is_positive_number(value):
+    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+    return number and 0 < value < math.inf
+
+
+def _flag(name, value):
+    """A constructor flag: a Python or NumPy bool (not 0 or 1, not a string)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
+    return bool(value)
+
+
+def _dropout_rate(dropout):
+    """`dropout` as a float: a Python or NumPy number (not a bool, not None) in [0, 1)."""
+    number = isinstance(dropout, (int, float, np.integer, np.floating)) and not isinstance(dropout, (bool, np.bool_))
+    if not (number and 0.0 <= dropout < 1.0):
+        raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
+    return float(dropout)
+
+
+def _projection_biases(bias, gate, projections=_PROJECTIONS):
+    """`bias` -> the names of the projections that have a bias, in the order of `projections`
+    (("query", "key", "value", "output", "gate"), or the layer's with MLA: `_projections`). `bias`
+    is a Python or NumPy bool (all the layer's projections, the gate's only with `gate` True, or
+    none), or a list, tuple, set or frozenset of those names; anything else (a string, a dict or
+    its keys, an array) is refused."""
+    if isinstance(bias, (bool, np.bool_)):
+        return _projection_kinds(projections, gate is True or gate is np.True_) if bias else ()
+    names = isinstance(bias, (list, tuple, set, frozenset)) and all(
+        isinstance(name, str) and name in projections for name in bias
+    )
+    if not names:
+        raise ValueError(
+            f"`bias` must be True, False or a list, tuple or set of {', '.join(map(repr, projections))}. "
+            f"Received: bias={bias!r}"
+        )
+    return tuple(name for name in projections if name in bias)
+
+
+def _projection_kinds(projections, gate):
+    """The layer's projections among `projections` (`_projections`): the gate's only with `gate`."""
+    return projections if gate else projections[:-1]
 
 
 def _glorot_uniform(rng, fan_in, fan_out):
@@ -1246,764 +1845,177 @@ def _initial_value(rng, name, shape):
     return np.ones(shape) if name.endswith("_norm") else np.zeros(shape)
 
 
-def _results(output, weights, cache, return_attention):
-    """output, (output, weights), (output, cache) or (output, weights, cache)."""
-    results = (output, weights) if return_attention else (output,)
-    results = results if cache is None else (*results, cache)
-    return results[0] if len(results) == 1 else results
+_EMPTY_MASK = (
+    "`{name}` keeps no key for any query, so every output row is `output_bias`: True means attend (in "
+    "nn.MultiheadAttention True means ignore: pass `~mask`). Received: a boolean {name} that is False everywhere"
+)
 
 
-class MultiHeadAttention:
-    """Multi-head attention (MHA, grouped-query GQA and multi-query MQA), NumPy float64.
+_CAUSAL_TRAP = (
+    "`attention_mask` keeps keys only after each query, none at or before it: True means attend (in "
+    "nn.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`). "
+    "Received: a boolean attention_mask False wherever causal attention keeps a key"
+)
 
-    Args:
-        d_model: E, the width of `query` and of the output.
-        num_heads: N, the number of query heads.
-        num_kv_heads: K, the number of key/value heads; must divide N. Defaults to N.
-        head_dim: H, the width of one head. Defaults to E // N (then N must divide E).
-        kdim: width of `key`. Defaults to E.
-        vdim: width of `value`. Defaults to E.
-        dropout: must be 0: the reference has no dropout.
-        bias: True (all the projections have a bias, the gate's with `gate`), False (none), or a
-            list, tuple or set of the names of those that have one, among "query", "key", "value",
-            "output", "gate" (Qwen2: ("query", "key", "value")). Kept as that tuple of names, in
-            that order.
-        scale: the factor of the scores q . k; defaults to 1 / sqrt(H).
-        softcap: None, or c: scores become c * tanh(scores / c) (Gemma 2).
-        window: None, W, or a pair (W_before, W_after): query t keeps key s only if
-            s > t + (S - T) - W_before, and with a pair also s < t + (S - T) + W_after
-            (Mistral's sliding window: W; ModernBERT's two-sided band: (65, 65)).
-        attention_chunk_size: None, or C: query t keeps key s only if both are in the same
-            chunk of C positions, s // C == (t + (S - T)) // C (Llama 4's chunked attention).
-        rope_theta: None (no RoPE), or the base of rotary position embeddings (e.g. 10000.0).
-        rope_fraction: the share of each head's features that RoPE rotates (partial rotary).
-        rope_interleaved: pair features (2i, 2i + 1) (GPT-J) instead of (i, i + R/2) (Llama).
-        rope_scaling: None, or a dict {"rope_type": "linear", "llama3" or "yarn", ...} as in
-            transformers; YaRN also multiplies the rotated features of q and k by its attention factor.
-        rope_sections: None, or the numbers of rotated pairs (summing to R/2) that turn by each
-            row of (k, B, T) `positions` in turn (Qwen2-VL's multimodal RoPE, `mrope_section`).
-        qk_norm: None, "head" (each head of q and k normalized, one scale shared by the heads:
-            Qwen3), "per_head" (each head with its own scale: StableLM, Cohere) or "all" (over all
-            heads: OLMo2); its scales are the weights `query_norm` and `key_norm`.
-        qk_norm_eps: the epsilon of that norm.
-        qk_norm_type: "rms" (RMSNorm) or "layer" (LayerNorm: the mean is removed first).
-        qk_norm_bias: if True, the norm adds a learned bias after its scale (`query_norm_bias`,
-            `key_norm_bias`: Phi's LayerNorm).
-        sinks: if True, one learned logit per head (weight `sinks`) joins the softmax's
-            denominator (gpt-oss).
-        clip_qkv: None, or c: q, k and v are clamped to [-c, c] right after their projections
-            (bias included), before QK-norm, RoPE and the cache (OLMo, DBRX, MPT).
-        gate: if True, each head's attention result is multiplied, feature by feature, by
-            sigmoid(query @ gate_kernel + gate_bias) before the heads are merged (Keras'
-            `use_gate`, Qwen3-Next, Qwen3.5).
-        kv_lora_rank: None, or C: multi-head latent attention (MLA, DeepSeek-V2/V3): keys and
-            values come from one latent c = RMSNorm(first C features of key @ key_value_a_kernel)
-            per token, expanded per head by `key_value_b_kernel`; the cache holds c and the
-            shared turned key part (see `init_cache`).
-        q_lora_rank: None (a plain query projection), or Q: with MLA, q = RMSNorm(query @
-            query_a_kernel) @ query_b_kernel.
-        qk_nope_head_dim: Hn, with MLA the features of a query/key head RoPE does not turn.
-        qk_rope_head_dim: Hr, with MLA the features RoPE turns (one key part shared by the heads);
-            H = Hn + Hr.
-        v_head_dim: Hv, with MLA the width of a value head (the output kernel is (N*Hv, E)).
-        latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
-        seed: seed for the Glorot uniform initialisation of the kernels (biases start at 0).
 
-    Call arguments:
-        query: (B, T, E).
-        key: (B, S, kdim). Defaults to `value`, or to `query` if `value` is None too.
-        value: (B, S, vdim). Defaults to `key`.
-        attention_mask: boolean (True = attend) or floating (added to the scores), of shape
-            (T, S), (B, T, S) or (B, N, T, S), any dimension of which may be 1.
-        key_mask: (B, S) boolean, True for a real key (with `cache`: (B, T), the new tokens).
-            In self-attention it defaults to `query_mask`.
-        query_mask: (B, T) boolean, True for a real query; other rows output `output_bias`.
-        attention_bias: floating, shaped like `attention_mask`, added to the scores (T5's
-            relative position bias, ALiBi); it has a gradient.
-        positions: integer (B, T) or (T,) RoPE positions, or (k, B, T) with `rope_sections`; default
-            arange(T) (+ the cache index).
-        causal: if True, query t attends key s only if s <= t + (S - T).
-        return_attention: if True, also return the per-head attention weights.
-        cache: a `KVCache` from `init_cache`: decode T new tokens (`key` and `value`, if
-            given, hold the same T tokens); masks and weights are then over the L slots.
-        mask: another name for `attention_mask` (the call `layer(query, key, value, mask=None)`);
-            giving both is a ValueError. Masks whose values read like another library's
-            convention warn once per layer with `AttentionMaskWarning` and compute as given.
+_PADDING_TRAP = (
+    "`key_mask` reads as nn.MultiheadAttention's key_padding_mask (True = padding): True means a real key, "
+    "pass `~mask`. Received: a key_mask False then True in every row, {empty} of {b} rows keeping no key "
+    "and none keeping all"
+)
 
-    Returns:
-        output (B, T, E), or (output, weights) with weights (B, N, T, S) when
-        `return_attention` is True; with `cache`, the updated cache is appended and weights
-        are (B, N, T, L), exactly 0 at unwritten slots.
 
-    Coming from `nn.MultiheadAttention`: a boolean mask here is True where a query may attend
-    (there True means "ignore": pass `~attn_mask`, and `key_mask=~key_padding_mask`);
-    `need_weights=True, average_attn_weights=False` is `return_attention=True`; `is_causal=True`
-    is `causal=True` (bottom-right aligned when T < S); inputs are batch first.
+_ZEROS_AND_ONES = (
+    "`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras reads such a "
+    "mask as boolean): pass `mask > 0` (True = attend) or an additive mask. "
+    "Received: a floating attention_mask of 0s and 1s"
+)
 
-    Example, a key padding mask (the third key of the first sequence is padding):
-        >>> layer = MultiHeadAttention(16, 4, seed=0)
-        >>> x = np.random.default_rng(0).normal(size=(2, 3, 16))  # (B, T, E)
-        >>> keep = np.array([[True, True, False], [True, True, True]])  # (B, S)
-        >>> out, weights = layer(x, key_mask=keep, return_attention=True)
-        >>> out.shape, weights.shape
-        ((2, 3, 16), (2, 4, 3, 3))
-        >>> bool((weights[0, :, :, 2] == 0).all())
-        True
-    """
 
-    def __init__(
-        self,
-        d_model,
-        num_heads,
-        *,
-        num_kv_heads=None,
-        head_dim=None,
-        kdim=None,
-        vdim=None,
-        dropout=0.0,
-        bias=True,
-        scale=None,
-        softcap=None,
-        window=None,
-        attention_chunk_size=None,
-        rope_theta=None,
-        rope_fraction=1.0,
-        rope_interleaved=False,
-        rope_scaling=None,
-        rope_sections=None,
-        qk_norm=None,
-        qk_norm_eps=1e-6,
-        qk_norm_type="rms",
-        qk_norm_bias=False,
-        sinks=False,
-        clip_qkv=None,
-        gate=False,
-        kv_lora_rank=None,
-        q_lora_rank=None,
-        qk_nope_head_dim=None,
-        qk_rope_head_dim=None,
-        v_head_dim=None,
-        latent_norm_eps=1e-6,
-        seed=None,
+def _warn_traps(layer, attention_mask, key_mask, t, s):
+    """Warns once per layer for each built-in habit the masks' values suggest; a call with a
+    cache is not read."""
+    for kind, message in _mask_traps(attention_mask, key_mask, t, s).items():
+        if kind not in layer._warned_traps:
+            layer._warned_traps.add(kind)
+            _warn_at_caller(message)
+
+
+def _mask_traps(attention_mask, key_mask, t, s):
+    """The built-in layers' habits that the masks' values suggest (docs/SPEC.md, Masks), as
+    {kind: message}; the call computes what the SPEC says either way."""
+    traps = {}
+    for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
+        if mask is not None and mask.dtype == np.bool_ and _keeps_nothing(mask):
+            traps[name] = _EMPTY_MASK.format(name=name)
+    boolean = attention_mask is not None and attention_mask.dtype == np.bool_
+    if boolean and "attention_mask" not in traps and _keeps_only_later(attention_mask, t, s):
+        traps["causal"] = _CAUSAL_TRAP
+    empty = 0 if key_mask is None or "key_mask" in traps else _inverted_padding(key_mask)
+    if empty:
+        traps["padding"] = _PADDING_TRAP.format(empty=empty, b=key_mask.shape[0])
+    if attention_mask is not None and attention_mask.dtype != np.bool_ and _zeros_and_ones(attention_mask):
+        traps["zeros and ones"] = _ZEROS_AND_ONES
+    return traps
+
+
+def _keeps_nothing(mask):
+    """A boolean mask False everywhere (nn.MultiheadAttention's True = ignore, nothing padded)."""
+    return mask.size > 0 and not mask.any()
+
+
+def _keeps_only_later(mask, t, s):
+    """A square (T == S) boolean mask that keeps keys only after each query, none where `causal`
+    keeps one (nn.MultiheadAttention's causal `attn_mask`, `triu(ones, 1)`)."""
+    return mask.size > 0 and t == s > 0 and not (mask & causal_mask(t, s)).any()
+
+
+def _inverted_padding(key_mask):
+    """The rows keeping no key of a (B, S) `key_mask` that reads as nn.MultiheadAttention's
+    `key_padding_mask` (True = padding): every row False then True, some row keeping no key and
+    none keeping all (left padding has its longest sequence all True); else 0."""
+    kept = key_mask.sum(-1)  # (B,)
+    ordered = (key_mask[:, 1:] >= key_mask[:, :-1]).all()  # False then True in every row
+    full = (kept == key_mask.shape[1]).any()
+    return 0 if not ordered or full else int((kept == 0).sum())
+
+
+def _zeros_and_ones(mask):
+    """A floating mask of only 0s and 1s, some 1 (a Keras mask, which Keras reads as boolean)."""
+    ones = mask == 1
+    return bool(((mask == 0) | ones).all() and ones.any())
+
+
+_FRAMEWORK_MODULES = ("numpy",)  # the packages between the user's call and this file
+
+
+def _warn_at_caller(message):
+    """Warns `AttentionMaskWarning` at the user's line: the first frame outside this file and the
+    framework (a module's or layer's `__call__`, Keras' traceback filter), however deep they call."""
+    frame, level = sys._getframe(1), 2  # level 2: the frame that called this function
+    while frame is not None and (
+        frame.f_globals is globals() or frame.f_globals.get("__name__", "").split(".")[0] in _FRAMEWORK_MODULES
     ):
-        self.d_model = _positive_int("d_model", d_model)
-        self.num_heads = _positive_int("num_heads", num_heads)
-        self.num_kv_heads = _positive_int("num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads)
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"`num_kv_heads` must divide `num_heads`. Received: num_heads={num_heads}, num_kv_heads={num_kv_heads}"
-            )
-        latent = _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
-        self._latent = latent
-        for name in _LATENT_SIZES:
-            setattr(self, name, None if latent is None else getattr(latent, name))  # self.kv_lora_rank, ...
-        if latent is not None:
-            head_dim = _latent_head_dim(latent, head_dim)
-        elif head_dim is None and self.d_model % self.num_heads:
-            raise ValueError(f"`num_heads` must divide `d_model`. Received: d_model={d_model}, num_heads={num_heads}")
-        self.head_dim = _positive_int("head_dim", self.d_model // self.num_heads if head_dim is None else head_dim)
-        self.kdim = _positive_int("kdim", self.d_model if kdim is None else kdim)
-        self.vdim = _positive_int("vdim", self.d_model if vdim is None else vdim)
-        if _dropout_rate(dropout) != 0.0:
-            raise ValueError(f"`dropout` must be 0: the NumPy reference has no dropout. Received: dropout={dropout!r}")
-        self.dropout = 0.0
-        self.bias = _projection_biases(bias, gate, _projections(latent))
-        rope_width = self.head_dim if latent is None else latent.qk_rope_head_dim
-        variants = _check_variants(
-            self.head_dim, rope_width, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction,
-            rope_interleaved, rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks,
-            clip_qkv, gate, latent_norm_eps,
-        )  # fmt: skip
-        for name, value in variants._asdict().items():
-            setattr(self, name, value)  # self.scale, self.softcap, ..., self.sinks, self.clip_qkv, self.gate
-        if latent is not None:
-            _check_latent_combinations(vdim, variants)
-            self.vdim = self.kdim  # the values come from `key`
-        self.absorb_latents = None  # MLA: None (absorbed with a cache and T <= 8), True or False
-        self._inv_freq = None  # (R/2,), computed once
-        if self.rope_theta is not None:
-            rotary_dim = _rotary_dim(rope_fraction, rope_width, True)
-            self._inv_freq = rope_frequencies(rotary_dim, self.rope_theta, self.rope_scaling)
-        rng = np.random.default_rng(seed)
-        self.params = {}
-        for name, shape in self.weight_shapes().items():
-            self.params[name] = _initial_value(rng, name, shape)
-        self._saved = None  # what `backward` needs from the last call without a cache
-        self._warned_traps = set()  # the mask habits warned of, once each
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, AttentionMaskWarning, stacklevel=level)
 
-    def weight_shapes(self):
-        """The portable layout: {name: shape}; biases of the projections in `bias`, the norm
-        scales with `qk_norm` (and their biases with `qk_norm_bias`), `sinks` with sinks, the gate's
-        kernel with `gate`; with MLA the latent projections and norms instead of the key and value
-        projections."""
-        shapes = self._float_shapes()
-        return _with_scales(shapes) if self.quantization_mode == "int8" else shapes
 
-    def _float_shapes(self):
-        """The float portable layout (`weight_shapes` before int8)."""
-        if self._latent is not None:
-            return self._latent_shapes()
-        nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        shapes = {
-            "query_kernel": (self.d_model, nh),
-            "query_bias": (nh,),
-            "key_kernel": (self.kdim, kh),
-            "key_bias": (kh,),
-            "value_kernel": (self.vdim, kh),
-            "value_bias": (kh,),
-            "output_kernel": (nh, self.d_model),
-            "output_bias": (self.d_model,),
-            "query_norm": (self.head_dim,) if self.qk_norm == "head" else (nh,),
-            "key_norm": (self.head_dim,) if self.qk_norm == "head" else (kh,),
-            "query_norm_bias": (self.head_dim,) if self.qk_norm == "head" else (nh,),
-            "key_norm_bias": (self.head_dim,) if self.qk_norm == "head" else (kh,),
-            "sinks": (self.num_heads,),
-            "gate_kernel": (self.d_model, nh),
-            "gate_bias": (nh,),
-        }
-        kinds = _projection_kinds(_PROJECTIONS, self.gate)
-        present = {
-            **{f"{kind}_kernel": kind in kinds for kind in _PROJECTIONS},
-            **{f"{kind}_bias": kind in self.bias and kind in kinds for kind in _PROJECTIONS},
-            "query_norm": self.qk_norm is not None,
-            "key_norm": self.qk_norm is not None,
-            "query_norm_bias": self.qk_norm is not None and self.qk_norm_bias,
-            "key_norm_bias": self.qk_norm is not None and self.qk_norm_bias,
-            "sinks": self.sinks,
-        }
-        return {name: shape for name, shape in shapes.items() if present[name]}
-
-    def _latent_shapes(self):
-        """The float portable layout with MLA (docs/SPEC.md "Weights")."""
-        latent, n, k, h = self._latent, self.num_heads, self.num_kv_heads, self.head_dim
-        c, q, hn, hr, hv = latent.kv_lora_rank, latent.q_lora_rank, *latent[2:]
-        norms = {"query_a": (q,), "key_value_a": (c,)}
-        kernels = {
-            "query": (self.d_model, n * h),
-            "query_a": (self.d_model, q),
-            "query_b": (q, n * h),
-            "key_value_a": (self.kdim, c + hr),
-            "key_value_b": (c, k * (hn + hv)),
-            "output": (n * hv, self.d_model),
-        }
-        shapes = {}
-        for kind in _projections(latent)[:-1]:
-            shapes[f"{kind}_kernel"] = kernels[kind]
-            shapes.update({f"{kind}_bias": kernels[kind][1:]} if kind in self.bias else {})
-            shapes.update({f"{kind}_norm": norms[kind]} if kind in norms else {})
-        shapes.update({"sinks": (n,)} if self.sinks else {})
-        shapes.update({"gate_kernel": (self.d_model, n * hv)} if self.gate else {})  # the gate's width is Hv
-        shapes.update({"gate_bias": (n * hv,)} if self.gate and "gate" in self.bias else {})
-        return shapes
-
-    def export_weights(self):
-        """Returns the portable weights: a dict of float64 arrays (see docs/SPEC.md); once
-        quantized, the kernels are int8 and each has its float32 `<kind>_kernel_scale`."""
-        return {name: value.copy() for name, value in self.params.items()}
-
-    def import_weights(self, weights):
-        """Loads portable weights; strict and atomic (a ValueError lists every problem). An int8
-        layout (with `<kind>_kernel_scale`) quantizes a float layer; an int8 layer takes only one."""
-        int8 = self.quantization_mode == "int8" or _is_int8_layout(weights)
-        expected = (
-            _with_scales(self.weight_shapes()) if int8 and self.quantization_mode is None else self.weight_shapes()
+def _lengths_error(query, key, value):
+    """The error of inputs of different batch sizes, or of a key and value of different lengths."""
+    if not query.shape[0] == key.shape[0] == value.shape[0]:
+        return ValueError(
+            "`query`, `key` and `value` must have the same batch size B. Received: "
+            f"query.shape={query.shape}, key.shape={key.shape}, value.shape={value.shape}"
         )
-        problems = [f"missing '{name}'" for name in expected if name not in weights]
-        problems += [f"unexpected '{name}'" for name in weights if name not in expected]
-        for name, shape in expected.items():
-            if name in weights and tuple(np.shape(weights[name])) != shape:
-                problems.append(f"'{name}' has shape {tuple(np.shape(weights[name]))}, expected {shape}")
-        problems += _int8_problems(weights, expected) if int8 else []
-        if problems:
-            raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
-        self.params = {name: np.array(weights[name], dtype=_portable_dtype(name, int8)) for name in expected}
+    return ValueError(
+        f"`key` and `value` must have the same length S. Received: key.shape={key.shape}, value.shape={value.shape}"
+    )
 
-    def quantize(self, mode):
-        """Quantizes the projections' kernels (the gate's too with `gate`) to int8 with one float32
-        scale per output column (Keras' scheme, docs/SPEC.md "int8"); each call then quantizes the
-        projections' inputs per token. The quantized layer has no `backward`.
 
-        Args:
-            mode: "int8", the only mode.
-        """
-        if mode != "int8":
-            raise ValueError(f"`mode` must be 'int8'. Received: mode={mode!r}")
-        if self.quantization_mode is not None:
-            raise ValueError(f"The layer is already quantized. Received: mode={mode!r}")
-        params = dict(self.params)
-        for kind in _projection_kinds(_projections(self._latent), self.gate):
-            params[f"{kind}_kernel"], params[f"{kind}_kernel_scale"] = _quantize_kernel(params[f"{kind}_kernel"])
-        self.params = {name: params[name] for name in _with_scales(self.weight_shapes())}
+def _dtypes_error(query, key, value):
+    return ValueError(
+        "`query`, `key` and `value` must have the same dtype. Received: "
+        f"query.dtype={query.dtype.name}, key.dtype={key.dtype.name}, value.dtype={value.dtype.name}"
+    )
 
-    @property
-    def quantization_mode(self):
-        """ "int8" once `quantize("int8")` (or an int8 `import_weights`) quantized the projections, else None."""
-        return "int8" if "output_kernel_scale" in self.params else None
 
-    def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
-        """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
+# -------------------------------------------------------------------------------------------------
+# Section: converters
+# -------------------------------------------------------------------------------------------------
+# NumPy has no built-in attention layer to convert from or to. Here: the portable weight layout that
+# carries weights between the four files (`weight_shapes`, `export_weights`, `import_weights`).
+# Weights (`export_weights`, docs/SPEC.md "Weights"): `<kind>_kernel` (D, heads*H) and
+# `<kind>_bias` for kind in query, key, value, output (and gate with `gate`); `query_norm`,
+# `key_norm` with `qk_norm` (and `query_norm_bias`, `key_norm_bias` with `qk_norm_bias`); `sinks`
+# (N,) with sinks; float64, and int8 kernels with float32 `<kind>_kernel_scale` once
+# `quantize("int8")` (Keras' scheme; such a layer has no `backward`).
 
-        Args:
-            batch_size: B.
-            max_length: L, the number of slots.
-            keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
-                of different lengths). Defaults to all True.
-            dtype: dtype of the keys and values; defaults to the compute dtype, float64.
 
-        Returns:
-            A `KVCache` of zeros with index 0: keys and values (B, K, L, H); with MLA the latent
-            cache, latents (B, 1, L, C) in `key` and turned shared key parts (B, 1, L, Hr) in `value`.
-        """
-        b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
-        keep = np.ones((b, length), dtype=bool) if keep is None else _check_keep(keep, b, length)
-        latent = self._latent
-        key_shape = (
-            (b, self.num_kv_heads, length, self.head_dim) if latent is None else (b, 1, length, latent.kv_lora_rank)
-        )
-        value_shape = key_shape if latent is None else (b, 1, length, latent.qk_rope_head_dim)
-        dtype = np.float64 if dtype is None else dtype
-        return KVCache(np.zeros(key_shape, dtype), np.zeros(value_shape, dtype), keep.copy(), np.asarray(0))
+def _float_shapes(layer):
+    """The float portable layout (`weight_shapes` before int8) without MLA (`_latent_shapes`)."""
+    nh, kh = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+    shapes = {
+        "query_kernel": (layer.d_model, nh),
+        "query_bias": (nh,),
+        "key_kernel": (layer.kdim, kh),
+        "key_bias": (kh,),
+        "value_kernel": (layer.vdim, kh),
+        "value_bias": (kh,),
+        "output_kernel": (nh, layer.d_model),
+        "output_bias": (layer.d_model,),
+        "query_norm": (layer.head_dim,) if layer.qk_norm == "head" else (nh,),
+        "key_norm": (layer.head_dim,) if layer.qk_norm == "head" else (kh,),
+        "query_norm_bias": (layer.head_dim,) if layer.qk_norm == "head" else (nh,),
+        "key_norm_bias": (layer.head_dim,) if layer.qk_norm == "head" else (kh,),
+        "sinks": (layer.num_heads,),
+        "gate_kernel": (layer.d_model, nh),
+        "gate_bias": (nh,),
+    }
+    kinds = _projection_kinds(_PROJECTIONS, layer.gate)
+    present = {
+        **{f"{kind}_kernel": kind in kinds for kind in _PROJECTIONS},
+        **{f"{kind}_bias": kind in layer.bias and kind in kinds for kind in _PROJECTIONS},
+        "query_norm": layer.qk_norm is not None,
+        "key_norm": layer.qk_norm is not None,
+        "query_norm_bias": layer.qk_norm is not None and layer.qk_norm_bias,
+        "key_norm_bias": layer.qk_norm is not None and layer.qk_norm_bias,
+        "sinks": layer.sinks,
+    }
+    return {name: shape for name, shape in shapes.items() if present[name]}
 
-    def _check_call(
-        self, query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
-        return_attention, cache, mask,
-    ):  # fmt: skip
-        """Step 1 but the masks' combination: the `mask` alias, defaults, every check, the cast to
-        float64, the self-attention default of `key_mask`, positions and the habit warnings."""
-        attention_mask = _attention_mask(attention_mask, mask)
-        key, value, defaulted = _inputs(query, key, value)
-        if self._latent is not None and value is not key:
-            raise ValueError(
-                "`value` must be None or `key` itself with `kv_lora_rank`: MLA reads keys and values from `key`. "
-                "Received: a value other than key"
-            )
-        query = _check_input("query", query, "E", self.d_model)
-        key = _check_input("key", key, "kdim", self.kdim)
-        value = _check_input("value", value, "vdim", self.vdim)
-        _check_lengths(query, key, value)
-        _check_dtypes(query, key, value)
-        query, key, value = (x.astype(np.float64) for x in (query, key, value))
-        (b, t, _), s = query.shape, key.shape[1]
-        query_mask = None if query_mask is None else _check_token_mask("query_mask", query_mask, b, t, "T")
-        explicit_key_mask = None if key_mask is None else _check_token_mask("key_mask", key_mask, b, s, "S")
-        key_mask = query_mask if explicit_key_mask is None and defaulted == "both" else explicit_key_mask
-        if cache is not None:
-            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim, self._latent)
-            _check_cache_dtype(cache, np.float64)
-            s = cache.key.shape[2]
-        positions = self._positions(positions, query, key, cache)
-        target = (b, self.num_heads, t, s)
-        attention_mask = None if attention_mask is None else _mask_to_4d(attention_mask, target)
-        attention_bias = None if attention_bias is None else _mask_to_4d(attention_bias, target, "attention_bias")
-        if cache is None:
-            self._warn_traps(attention_mask, explicit_key_mask, t, s)
-        return _Call(
-            query, key, value, attention_mask, attention_bias, key_mask, query_mask, positions, causal, self.window,
-            self.attention_chunk_size, return_attention, cache, None, False,
-        )  # fmt: skip
 
-    def _positions(self, positions, query, key, cache):
-        """(B, T) RoPE positions ((k, B, T) with `rope_sections`): `positions`, or index + arange(T)
-        for every section; None without RoPE. Without a cache RoPE needs the keys to be the
-        query's own tokens."""
-        (b, t), rope, sections = query.shape[:2], self._inv_freq is not None, self.rope_sections
-        if cache is None and rope:
-            _check_own_tokens(query, key)
-        if positions is not None:
-            return _check_positions(positions, b, t, rope, sections)
-        index = 0 if cache is None else int(cache.index)
-        target = (b, t) if sections is None else (len(sections), b, t)
-        return None if not rope else np.broadcast_to(index + np.arange(t), target)  # (B, T) or (k, B, T)
-
-    def _warn_traps(self, attention_mask, key_mask, t, s):
-        """Warns once per layer for each built-in habit the masks' values suggest; a call with a
-        cache is not read."""
-        for kind, message in _mask_traps(attention_mask, key_mask, t, s).items():
-            if kind not in self._warned_traps:
-                self._warned_traps.add(kind)
-                _warn_at_caller(message)
-
-    def _masks(self, call):
-        """Step 1: one boolean keep and one float64 bias, each None or (B|1, N|1, T|1, S|1); with a
-        cache `key_mask` goes into the cache's keep instead (step 5)."""
-        keep, mask_bias = _split_mask(call.attention_mask)
-        bias_keep, bias = _split_mask(call.attention_bias)
-        keep, bias = _and(keep, bias_keep), _add(mask_bias, bias)
-        if call.query_mask is not None:
-            keep = _and(keep, call.query_mask[:, None, :, None])  # (B, T) -> (B, 1, T, 1)
-        if call.key_mask is not None and call.cache is None:
-            keep = _and(keep, call.key_mask[:, None, None, :])  # (B, S) -> (B, 1, 1, S)
-        return keep, bias
-
-    def _project_qkv(self, call):
-        """Step 2: q (B, N, T, H), k and v (B, K, S, H), each with its bias if it has one, then
-        clamped to [-clip_qkv, clip_qkv]; with MLA q, the latents c (B, 1, S, C) and the shared key
-        part k_rope (B, 1, S, Hr) in place of k and v."""
-        if self._latent is not None:
-            return self._project_latent(call)
-        q = self._split_heads(self._clip(self._project(call.query, "query")))  # (B, T, E) -> (B, N, T, H)
-        k = self._split_heads(self._clip(self._project(call.key, "key")))  # (B, S, kdim) -> (B, K, S, H)
-        v = self._split_heads(self._clip(self._project(call.value, "value")))  # (B, S, vdim) -> (B, K, S, H)
-        return q, k, v
-
-    def _project_latent(self, call):
-        """Step 2 with MLA: q (B, N, T, H), through query_a, its RMSNorm and query_b with Q; the
-        latents c = RMSNorm(a[..., :C]) (B, 1, S, C) and k_rope = a[..., C:] (B, 1, S, Hr) of
-        a = key @ key_value_a_kernel."""
-        q = self._split_heads(self._project_query(call.query))  # (B, T, E) -> (B, N, T, H)
-        c = self.kv_lora_rank
-        a = self._project(call.key, "key_value_a")  # (B, S, kdim) -> (B, S, C + Hr)
-        latent = rms_norm(a[..., :c], self.params["key_value_a_norm"], self.latent_norm_eps)  # (B, S, C)
-        return q, latent[:, None], a[:, None, :, c:]  # (B, N, T, H), (B, 1, S, C), (B, 1, S, Hr)
-
-    def _project_query(self, x):
-        """(B, T, E) -> (B, T, N*H): the query projection, with MLA's `q_lora_rank` through
-        query_a (B, T, Q), its RMSNorm and query_b."""
-        if self.q_lora_rank is None:
-            return self._project(x, "query")
-        a = self._project(x, "query_a")  # (B, T, E) -> (B, T, Q)
-        normed = rms_norm(a, self.params["query_a_norm"], self.latent_norm_eps)  # (B, T, Q)
-        return self._project(normed, "query_b")  # (B, T, Q) -> (B, T, N*H)
-
-    def _clip(self, y):
-        """`clip_qkv`: a projection clamped to [-c, c] (unchanged when None)."""
-        return y if self.clip_qkv is None else np.clip(y, -self.clip_qkv, self.clip_qkv)
-
-    def _project(self, x, kind):
-        """(B, L, D) -> (B, L, heads*H): one projection, with its bias if it has one."""
-        kernel = self.params[f"{kind}_kernel"]
-        if self.quantization_mode == "int8":
-            y = _int8_matmul(x, kernel, self.params[f"{kind}_kernel_scale"])  # (B, L, D) -> (B, L, heads*H)
-        else:
-            y = x @ kernel  # (B, L, D) -> (B, L, heads*H)
-        return y + self.params[f"{kind}_bias"] if kind in self.bias else y
-
-    def _split_heads(self, y):
-        """(B, L, heads*H) -> (B, heads, L, H)."""
-        b, length, width = y.shape
-        return y.reshape(b, length, width // self.head_dim, self.head_dim).transpose(0, 2, 1, 3)
-
-    def _merge_heads(self, x):
-        """(B, heads, L, H) -> (B, L, heads*H)."""
-        b, heads, length, h = x.shape
-        return x.transpose(0, 2, 1, 3).reshape(b, length, heads * h)
-
-    def _by_norm(self, y):
-        """(B, L, heads*H) -> the shape QK-norm normalizes over its last axis: (B, L, heads, H)
-        per head ("head", "per_head"), else (B, L, heads*H)."""
-        heads = y.shape[-1] // self.head_dim  # not -1: L may be 0
-        per_head = self.qk_norm in ("head", "per_head")
-        return y.reshape(*y.shape[:2], heads, self.head_dim) if per_head else y  # (B, L, heads, H)
-
-    def _norm_weight(self, name, by_norm):
-        """A QK-norm weight (`<kind>_norm` or `<kind>_norm_bias`) shaped to broadcast against
-        `by_norm`: (H,) shared by the heads, (heads, H) one row per head, or (heads*H,)."""
-        weight = self.params[name]
-        return weight if self.qk_norm == "head" else weight.reshape(by_norm.shape[2:])  # (heads, H) or (heads*H,)
-
-    def _normalize_qk(self, q, k):
-        """Step 3: QK-norm of the (B, N, T, H) queries and (B, K, S, H) keys."""
-        if self.qk_norm is None:
-            return q, k
-        return self._qk_norm(q, "query"), self._qk_norm(k, "key")
-
-    def _qk_norm(self, x, kind):
-        """QK-norm of one of q and k (B, heads, L, H): RMSNorm or LayerNorm (`qk_norm_type`) of each
-        head or of all heads, times its scale, plus its bias with `qk_norm_bias`."""
-        merged = self._merge_heads(x)  # (B, heads, L, H) -> (B, L, heads*H)
-        by_norm = self._by_norm(merged)  # (B, L, heads, H) or (B, L, heads*H)
-        norm = layer_norm if self.qk_norm_type == "layer" else rms_norm
-        y = norm(by_norm, self._norm_weight(f"{kind}_norm", by_norm), self.qk_norm_eps)
-        y = y + self._norm_weight(f"{kind}_norm_bias", by_norm) if self.qk_norm_bias else y
-        return self._split_heads(y.reshape(merged.shape))  # -> (B, L, heads*H) -> (B, heads, L, H)
-
-    def _rotate(self, q, k, v, positions):
-        """Step 4: RoPE of the (B, N, T, H) queries and (B, K, T, H) keys at (B, T) positions
-        ((k, B, T) with `rope_sections`); with MLA of the last Hr features of q and of the
-        (B, 1, T, Hr) k_rope, which stands in v's place (k is the latents). Returns q, k, v."""
-        if self._inv_freq is None:
-            return q, k, v
-        if self._latent is not None:
-            hn = self.qk_nope_head_dim
-            q_rope = self._turn(q[..., hn:], positions)  # (B, N, T, Hr)
-            return np.concatenate([q[..., :hn], q_rope], axis=-1), k, self._turn(v, positions)  # (B, N, T, H)
-        return self._turn(q, positions), self._turn(k, positions), v
-
-    def _turn(self, x, positions):
-        """RoPE of the first R features of each head of x (B, heads, T, H), times YaRN's factor."""
-        x = apply_rope(x, positions, self._inv_freq, self.rope_interleaved, self.rope_sections)  # (B, heads, T, H)
-        return scale_rotated(x, 2 * self._inv_freq.shape[0], rope_attention_factor(self.rope_scaling))
-
-    def _update_cache(self, call, k, v, keep):
-        """Step 5: writes the (B, K, T, H) keys and values into a copy of the cache; returns its
-        (B, K, L, H) keys and values, keep with the cache's rule folded in (B, N|1, T, L), and the
-        call with that cache, `causal` False, `window` and `attention_chunk_size` None (all now in keep)."""
-        if call.cache is None:
-            return k, v, keep, call
-        index, t, length = int(call.cache.index), k.shape[2], call.cache.key.shape[2]
-        _check_room(index, t, length, call.window)
-        cache = _write_cache(call.cache, k, v, call.key_mask)
-        cache_keep = _cache_keep(cache.keep, index, t, call.causal, call.window, call.attention_chunk_size)
-        keep = _and(keep, cache_keep)  # (B, N|1, T, L), dims may be 1
-        call = call._replace(causal=False, window=None, attention_chunk_size=None, cache=cache)
-        return cache.key, cache.value, keep, call
-
-    def _attend(self, q, k, v, keep, bias, call):
-        """Step 6: `dot_product_attention`, the reference, with the layer's variants; with MLA k and
-        v are the (B, 1, S, C) latents and (B, 1, S, Hr) k_rope, attended expanded or absorbed."""
-        if self._latent is not None and self._absorbs(call, q.shape[2]):
-            return self._attend_absorbed(q, k, v, keep, bias, call)
-        if self._latent is not None:
-            k, v = self._expand_latents(k, v)  # (B, K, S, H), (B, K, S, Hv)
-        return self._attend_heads(q, k, v, keep, bias, call)
-
-    def _attend_heads(self, q, k, v, keep, bias, call):
-        """Step 6 on split heads: `dot_product_attention` with the layer's variants."""
-        return dot_product_attention(
-            q, k, v, keep, bias, call.causal, scale=self.scale, softcap=self.softcap, window=call.window,
-            attention_chunk_size=call.attention_chunk_size, sinks=self.params.get("sinks"),
-        )  # fmt: skip
-
-    def _gate_heads(self, call, context):
-        """Step 6b: the (B, N, T, Hv) attention result times sigmoid(query @ gate_kernel + gate_bias)
-        split into heads (unchanged without `gate`; Hv = H without MLA); returns (gated result, gate
-        or None)."""
-        if not self.gate:
-            return context, None
-        gate = _sigmoid(self._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
-        b, t, _ = gate.shape
-        gate = gate.reshape(b, t, self.num_heads, context.shape[-1]).transpose(0, 2, 1, 3)  # -> (B, N, T, Hv)
-        return context * gate, gate
-
-    def _absorbs(self, call, t):
-        """MLA's path: `absorb_latents` if set, else absorbed with a cache and T <= 8."""
-        if self.absorb_latents is not None:
-            return bool(self.absorb_latents)
-        return call.cache is not None and t <= _ABSORB_MAX_T
-
-    def _expand_latents(self, latent, k_rope):
-        """MLA's up-projection: (B, 1, S, C) latents and (B, 1, S, Hr) k_rope -> keys
-        concat(k_nope, k_rope) (B, K, S, H) and values (B, K, S, Hv)."""
-        kv = self._project(latent[:, 0], "key_value_b")  # (B, S, C) -> (B, S, K*(Hn + Hv))
-        b, s, _ = kv.shape
-        kv = kv.reshape(b, s, self.num_kv_heads, -1).transpose(0, 2, 1, 3)  # -> (B, K, S, Hn + Hv)
-        hn = self.qk_nope_head_dim
-        k_rope = np.broadcast_to(k_rope, (b, self.num_kv_heads, s, k_rope.shape[-1]))  # (B, K, S, Hr)
-        return np.concatenate([kv[..., :hn], k_rope], axis=-1), kv[..., hn:]  # (B, K, S, H), (B, K, S, Hv)
-
-    def _up_projections(self):
-        """key_value_b's kernel as float (C, N, Hn) and (C, N, Hv) and its bias (N, Hn) and (N, Hv)
-        (None without one), each key/value head's repeated for its N // K query heads."""
-        kernel = self.params["key_value_b_kernel"].astype(np.float64)  # (C, K*(Hn + Hv))
-        if self.quantization_mode == "int8":
-            kernel = kernel * self.params["key_value_b_kernel_scale"]  # dequantized
-        groups, hn = self.num_heads // self.num_kv_heads, self.qk_nope_head_dim
-        kernel = np.repeat(kernel.reshape(kernel.shape[0], self.num_kv_heads, -1), groups, axis=1)  # (C, N, Hn + Hv)
-        bias = self.params.get("key_value_b_bias")
-        bias = None if bias is None else np.repeat(bias.reshape(self.num_kv_heads, -1), groups, axis=0)  # (N, Hn + Hv)
-        split = (None, None) if bias is None else (bias[:, :hn], bias[:, hn:])
-        return kernel[..., :hn], kernel[..., hn:], *split
-
-    def _attend_absorbed(self, q, latent, k_rope, keep, bias, call):
-        """Step 6 with MLA on the latents: q_lat = q_nope @ W_kb^T (B, N, T, C) meets the latents,
-        q_rope meets k_rope (and q_nope . b_k a key of ones), o_lat = weights @ latents, and each
-        head's context is o_lat @ W_vb + sum(weights) * b_v (B, N, T, Hv)."""
-        w_kb, w_vb, b_k, b_v = self._up_projections()  # (C, N, Hn), (C, N, Hv), (N, Hn), (N, Hv)
-        if self.quantization_mode == "int8":  # the latents as the int8 up-projection reads them
-            integers, latent_scale = _quantize_rows(latent)
-            latent = integers * latent_scale  # (B, 1, S, C)
-        hn = self.qk_nope_head_dim
-        q_nope = q[..., :hn]  # (B, N, T, Hn)
-        queries = [np.einsum("bnth,cnh->bntc", q_nope, w_kb), q[..., hn:]]  # (B, N, T, C), (B, N, T, Hr)
-        keys = [latent, k_rope]  # (B, 1, S, C), (B, 1, S, Hr)
-        if b_k is not None:
-            queries.append(np.einsum("bnth,nh->bnt", q_nope, b_k)[..., None])  # (B, N, T, 1)
-            keys.append(np.ones((*k_rope.shape[:3], 1)))  # (B, 1, S, 1)
-        q_abs, k_abs = np.concatenate(queries, axis=-1), np.concatenate(keys, axis=-1)  # (B, N, T, .), (B, 1, S, .)
-        o_lat, weights = self._attend_heads(q_abs, k_abs, latent, keep, bias, call)  # (B, N, T, C)
-        context = np.einsum("bntc,cnv->bntv", o_lat, w_vb)  # (B, N, T, C) -> (B, N, T, Hv)
-        if b_v is not None:
-            context = context + weights.sum(axis=-1, keepdims=True) * b_v[None, :, None, :]  # (B, N, T, Hv)
-        return context, weights
-
-    def __call__(
-        self,
-        query,
-        key=None,
-        value=None,
-        attention_mask=None,
-        *,
-        key_mask=None,
-        query_mask=None,
-        attention_bias=None,
-        positions=None,
-        causal=False,
-        return_attention=False,
-        cache=None,
-        mask=None,
-    ):
-        call = self._check_call(
-            query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
-            return_attention, cache, mask,
-        )  # 1. defaults and checks  # fmt: skip
-        keep, bias = self._masks(call)  # 1. (B|1, N|1, T|1, S|1) keep and bias
-        q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H)
-        q, k = self._normalize_qk(q, k)  # 3. QK-norm
-        q, k, v = self._rotate(q, k, v, call.positions)  # 4. RoPE (MLA: of q and k_rope, in v's place)
-        k, v, keep, call = self._update_cache(call, k, v, keep)  # 5. KV cache (replaces causal/window/chunk/cache)
-        context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S)
-        gated, gate = self._gate_heads(call, context)  # 6b. (B, N, T, H), the output gate
-        merged = self._merge_heads(gated)  # 7. (B, N, T, H) -> (B, T, N*H)
-        output = self._project(merged, "output")  # 7. (B, T, N*H) -> (B, T, E)
-        saved = (q, k, v, keep, weights, context, gate, merged)
-        self._save_for_backward(call, key, value, attention_bias, *saved)  # for `backward`
-        return _results(output, weights, call.cache, call.return_attention)
-
-    def _save_for_backward(self, call, key, value, attention_bias, q, k, v, keep, weights, context, gate, merged):
-        """Keeps what `backward` needs from a call without a cache (after one: nothing): the call,
-        which of key and value were left out, the shape of `attention_bias`, the (B, N, T, H) q
-        and (B, K, S, H) k and v attended, keep with causal and window folded in, the weights, the
-        (B, N, T, H) attention result and gate (None without `gate`) and the (B, T, N*H) merged
-        heads. `backward` recomputes the rest."""
-        if call.cache is not None:
-            self._saved = None
-            return
-        t, s, chunk = q.shape[2], k.shape[2], call.attention_chunk_size
-        keep = _full_keep(keep, t, s, call.causal, call.window, chunk)  # as in dot_product_attention
-        bias_shape = None if attention_bias is None else np.shape(attention_bias)
-        self._saved = dict(
-            call=call, defaulted=_inputs(None, key, value)[2], bias_shape=bias_shape, q=q, k=k, v=v, keep=keep,
-            weights=weights, context=context, gate=gate, merged=merged,
-        )  # fmt: skip
-
-    def backward(self, grad_output):
-        """Gradients of sum(output * grad_output) after the last call.
-
-        Args:
-            grad_output: (B, T, E), the upstream gradient of the output.
-
-        Returns:
-            A dict with `query`, `key`, `value` (only for the inputs that were passed; the
-            gradient of a defaulted input is added to the one it defaulted to), `attention_bias`
-            (when one was passed) and every name of the portable weight layout.
-        """
-        g, c = self._check_backward(grad_output), self._saved  # (B, T, E)
-        width = self.head_dim if self._latent is None else self.v_head_dim
-        grads, d_context = _output_backward(g, c["merged"], self.params["output_kernel"], self.num_heads, width)
-        d_context, d_gate_query = self._gate_backward(d_context, grads)  # 6b. output gate
-        k, v = (c["k"], c["v"]) if self._latent is None else self._expand_latents(c["k"], c["v"])  # MLA: expanded
-        sinks = self.params.get("sinks")  # 6. attention
-        d_q, d_k, d_v, d_biased, d_sinks = _attention_backward(
-            d_context, c["q"], k, v, c["keep"], c["weights"], self.scale, self.softcap, sinks
-        )
-        extra = {} if c["bias_shape"] is None else {"attention_bias": _sum_to_shape(d_biased, c["bias_shape"])}
-        grads.update({} if d_sinks is None else {"sinks": d_sinks})
-        if self._latent is not None:
-            inputs = self._latent_backward(c["call"], c["k"], d_q, d_k, d_v, grads)
-        else:
-            d_q, d_k = (self._turn_back(d, c["call"].positions) for d in (d_q, d_k))  # 4. RoPE
-            inputs = {}
-            for kind, d_heads in (("query", d_q), ("key", d_k), ("value", d_v)):  # 3. QK-norm, 2. clip, projections
-                inputs[kind] = self._project_backward(kind, getattr(c["call"], kind), d_heads, grads)
-        inputs["query"] = inputs["query"] if d_gate_query is None else inputs["query"] + d_gate_query
-        grads = {name: grads[name] for name in self.weight_shapes()}
-        return {**_fold_defaulted(inputs, c["defaulted"]), **extra, **grads}
-
-    def _gate_backward(self, d_gated, grads):
-        """Step 6b backward from the (B, N, T, H) gradient of the gated result: adds the gradients
-        of `gate_kernel` and `gate_bias` to `grads`; returns (d_context (B, N, T, H), the query's
-        (B, T, E) gradient through the gate, or None without `gate`)."""
-        c = self._saved
-        if c["gate"] is None:
-            return d_gated, None
-        gate, query = c["gate"], c["call"].query
-        d_logits = self._merge_heads(d_gated * c["context"] * gate * (1.0 - gate))  # sigmoid', (B, T, N*H)
-        grads["gate_kernel"] = np.einsum("bte,btm->em", query, d_logits)
-        grads["gate_bias"] = d_logits.sum(axis=(0, 1))
-        return d_gated * gate, d_logits @ self.params["gate_kernel"].T  # (B, N, T, H), (B, T, N*H) -> (B, T, E)
-
-    def _turn_back(self, d, positions):
-        """Step 4 backward for a gradient (B, heads, T, H) of turned features (unchanged without RoPE)."""
-        if self._inv_freq is None:
-            return d
-        factor = rope_attention_factor(self.rope_scaling)
-        return _rope_backward(d, positions, self._inv_freq, self.rope_interleaved, factor, self.rope_sections)
-
-    def _latent_backward(self, call, latent, d_q, d_k, d_v, grads):
-        """Steps 6 (the up-projection), 4 and 2 backward with MLA, from the (B, 1, S, C) latents and
-        the gradients of q (B, N, T, H), the expanded keys (B, K, S, H) and values (B, K, S, Hv):
-        adds every latent weight's gradient to `grads`, returns the inputs' (value: zeros)."""
-        hn, c = self.qk_nope_head_dim, self.kv_lora_rank
-        d_k_rope = d_k[..., hn:].sum(axis=1, keepdims=True)  # (B, K, S, Hr) -> (B, 1, S, Hr), shared by the heads
-        d_kv = np.concatenate([d_k[..., :hn], d_v], axis=-1)  # (B, K, S, Hn + Hv)
-        d_kv = d_kv.transpose(0, 2, 1, 3).reshape(*d_kv.shape[:1], d_kv.shape[2], -1)  # -> (B, S, K*(Hn + Hv))
-        d_latent = self._linear_backward("key_value_b", latent[:, 0], d_kv, grads)  # (B, S, C)
-        d_q = np.concatenate([d_q[..., :hn], self._turn_back(d_q[..., hn:], call.positions)], axis=-1)  # 4. RoPE
-        d_k_rope = self._turn_back(d_k_rope, call.positions)[:, 0]  # (B, 1, S, Hr) -> (B, S, Hr)
-        a = self._project(call.key, "key_value_a")  # (B, S, C + Hr), recomputed
-        d_a, grads["key_value_a_norm"] = _rms_norm_backward(
-            a[..., :c], self.params["key_value_a_norm"], self.latent_norm_eps, d_latent
-        )
-        d_a = np.concatenate([d_a, d_k_rope], axis=-1)  # (B, S, C + Hr)
-        d_key = self._linear_backward("key_value_a", call.key, d_a, grads)  # (B, S, kdim)
-        d_query = self._query_backward(call.query, self._merge_heads(d_q), grads)  # (B, T, E)
-        return {"query": d_query, "key": d_key, "value": np.zeros_like(call.key)}
-
-    def _query_backward(self, x, d_y, grads):
-        """The query projection's backward (through query_b, the RMSNorm and query_a with
-        `q_lora_rank`) for the (B, T, N*H) gradient of q: returns the (B, T, E) input's."""
-        if self.q_lora_rank is None:
-            return self._linear_backward("query", x, d_y, grads)
-        a = self._project(x, "query_a")  # (B, T, Q), recomputed
-        normed = rms_norm(a, self.params["query_a_norm"], self.latent_norm_eps)  # (B, T, Q)
-        d_normed = self._linear_backward("query_b", normed, d_y, grads)  # (B, T, Q)
-        d_a, grads["query_a_norm"] = _rms_norm_backward(a, self.params["query_a_norm"], self.latent_norm_eps, d_normed)
-        return self._linear_backward("query_a", x, d_a, grads)  # (B, T, E)
-
-    def _linear_backward(self, kind, x, d_y, grads):
-        """y = x @ kernel + bias backward: adds the kernel's and bias' gradients to `grads`,
-        returns x's (B, L, D) from y's (B, L, F)."""
-        grads[f"{kind}_kernel"] = np.einsum("bld,blm->dm", x, d_y)
-        grads[f"{kind}_bias"] = d_y.sum(axis=(0, 1))
-        return d_y @ self.params[f"{kind}_kernel"].T  # (B, L, F) -> (B, L, D)
-
-    def _check_backward(self, grad_output):
-        """`grad_output` as a float64 (B, T, E) array, after the checks that `backward` can run."""
-        if self._saved is None:
-            raise ValueError("`backward` needs a forward call without `cache` first. Received: no such call")
-        if self.quantization_mode is not None:
-            raise ValueError(
-                "`backward` is defined for float weights only: an int8 layer rounds its inputs, which has no "
-                f"gradient. Received: quantization_mode={self.quantization_mode!r}"
-            )
-        g = np.asarray(grad_output, dtype=np.float64)  # (B, T, E)
-        expected = (*self._saved["merged"].shape[:2], self.d_model)
-        if g.shape != expected:
-            raise ValueError(
-                f"`grad_output` must have the output's shape {expected}. Received: grad_output.shape={g.shape}"
-            )
-        return g
-
-    def _qk_norm_backward(self, kind, y, d_y, grads):
-        """Step 3 backward for q or k from its (B, L, heads*H) clamped projection y: adds the
-        gradients of `<kind>_norm` (and `<kind>_norm_bias`) to `grads`, returns y's (B, L, heads*H)."""
-        by_norm = self._by_norm(y)  # (B, L, heads, H) or (B, L, heads*H)
-        grad = d_y.reshape(by_norm.shape)  # (B, L, heads, H) or (B, L, heads*H)
-        scale = self._norm_weight(f"{kind}_norm", by_norm)  # (H,), (heads, H) or (heads*H,)
-        backward = _layer_norm_backward if self.qk_norm_type == "layer" else _rms_norm_backward
-        d_by_norm, d_scale = backward(by_norm, scale, self.qk_norm_eps, grad)
-        grads[f"{kind}_norm"] = d_scale.reshape(-1)  # (H,), (heads*H,)
-        if self.qk_norm_bias:
-            grads[f"{kind}_norm_bias"] = grad.reshape(-1, *scale.shape).sum(axis=0).reshape(-1)  # the bias: summed
-        return d_by_norm.reshape(y.shape)  # -> (B, L, heads*H)
-
-    def _project_backward(self, kind, x, d_heads, grads):
-        """Steps 3 and 2 backward for one of q, k, v: adds the kernel's, bias' and norm's gradients
-        to `grads`, returns the input's (B, L, D)."""
-        d_y = self._merge_heads(d_heads)  # (B, heads, L, H) -> (B, L, heads*H)
-        y = self._project(x, kind)  # (B, L, heads*H), the projection before the clamp, recomputed
-        if kind != "value" and self.qk_norm is not None:
-            d_y = self._qk_norm_backward(kind, self._clip(y), d_y, grads)  # at the clamped projection
-        if self.clip_qkv is not None:  # the clamp's gradient: 1 within [-c, c] (bounds included), 0 outside
-            d_y = np.where(np.abs(y) <= self.clip_qkv, d_y, 0.0)
-        return self._linear_backward(kind, x, d_y, grads)  # (B, L, heads*H) -> (B, L, D)
+def _import_weights(layer, weights):
+    """`import_weights`: strict and atomic, every problem listed in one ValueError."""
+    int8 = layer.quantization_mode == "int8" or _is_int8_layout(weights)
+    expected = (
+        _with_scales(layer.weight_shapes()) if int8 and layer.quantization_mode is None else layer.weight_shapes()
+    )
+    problems = [f"missing '{name}'" for name in expected if name not in weights]
+    problems += [f"unexpected '{name}'" for name in weights if name not in expected]
+    for name, shape in expected.items():
+        if name in weights and tuple(np.shape(weights[name])) != shape:
+            problems.append(f"'{name}' has shape {tuple(np.shape(weights[name]))}, expected {shape}")
+    problems += _int8_problems(weights, expected) if int8 else []
+    if problems:
+        raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
+    layer.params = {name: np.array(weights[name], dtype=_portable_dtype(name, int8)) for name in expected}

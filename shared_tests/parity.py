@@ -8,7 +8,8 @@ path: outputs and weights are compared between frameworks and against one full c
 and the final caches must be equal. With `--keras tensorflow,jax,torch` (as `make parity` runs
 it) the Keras file runs every case on each Keras backend, in a process per backend, in the
 columns `keras:tensorflow`, `keras:jax` and `keras:torch`, each against NumPy. Exit status 1 on
-any FAIL.
+any FAIL. `--model FILE.py` runs only the comparison of a user's PyTorch and Keras models, layer
+by layer (shared_tests/model_parity.py).
 
 A FAIL row is followed by what failed: the quantity, its value and its tolerance. A path that
 raises is an error of its row, never the end of the report. After the tables, one line per path
@@ -494,6 +495,13 @@ def parse_args(argv):
         "are the same (each is still run by its runtime), and the Keras JAX process's compiled programs in its "
         f"{JAX_COMPILE_CACHE}/ folder; '' exports and compiles every case afresh (default: %(default)s)",
     )
+    parser.add_argument(
+        "--model",
+        metavar="FILE.py",
+        help="compare your PyTorch and Keras models layer by layer instead (build_torch(), build_keras(), "
+        "example_inputs() in FILE.py; docs/parity.md); only this comparison runs",
+    )
+    parser.add_argument("--grad", action="store_true", help="with --model: also compare the gradients of a loss")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     return parser.parse_args(argv)
 
@@ -540,6 +548,10 @@ def _paths(args):
 def main(argv=None):
     started = time.perf_counter()
     args = parse_args(argv)
+    if args.model:
+        from shared_tests import model_parity
+
+        return model_parity.main([args.model, "--keras", args.keras, *["--grad"] * args.grad])
     if args.plot and args.device != "cpu":
         print("error: --plot compares PyTorch with TensorFlow, which runs only with --device cpu", file=sys.stderr)
         return 2
