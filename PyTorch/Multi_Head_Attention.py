@@ -6,6 +6,7 @@ Legend (every shape comment in this file uses these letters):
     B: batch size          T: query length        S: key/value length
     E: d_model             N: num_heads           K: num_kv_heads
     H: head_dim            L: slots of a KV cache (its maximum length)
+    MLA only: C kv_lora_rank, Q q_lora_rank, Hn qk_nope_head_dim, Hr qk_rope_head_dim, Hv v_head_dim
 
 The math, for query head n (which reads key/value head n // (N // K)):
     q = query @ query_kernel + query_bias                       (B, T, N*H)
@@ -17,52 +18,13 @@ The math, for query head n (which reads key/value head n // (N // K)):
     gate = sigmoid(query @ gate_kernel + gate_bias)             (B, T, N*H), with `gate` only
     output = concat_heads(context * gate) @ output_kernel + output_bias
 
-The steps of a call (`forward` reads as these lines):
-    1. defaults and checks (`_check_call`); the masks combined into one boolean `keep` and one
-       additive `bias` (`_masks`)
-    2. projections          3. QK-norm of q and k        4. RoPE of q and k at `positions`
-    5. cache write          6. scores * scale, soft-capping, + bias, keys removed by keep,
-                               causal, window and chunk, softmax with the sinks, weighted sum of v
-    6b. output gate         7. heads merged and the output projection
-
-Variants, each off by default and each one small step of the call (constructor arguments):
-`bias` per projection (Qwen2), `scale` (T5, Gemma), `softcap` (Gemma 2), `window` (a sliding
-window: Mistral, gpt-oss; a two-sided band (before, after): ModernBERT), `attention_chunk_size`
-(Llama 4), rotary position embeddings (`rope_theta`, `rope_fraction`, `rope_interleaved`,
-`rope_scaling`, `rope_sections`: Llama, GPT-NeoX, GPT-J, Llama 3.1, Qwen2-VL's M-RoPE),
-`qk_norm` (`qk_norm_type` RMSNorm or LayerNorm, `qk_norm_bias`: Qwen3, OLMo2, StableLM, Phi),
-`sinks` (gpt-oss), `clip_qkv` (q, k and v clamped after the projections: OLMo, DBRX, MPT) and
-`gate` (each head's result times sigmoid(query @ gate_kernel + gate_bias): Keras' `use_gate`,
-Qwen3-Next).
-
-Masks: a boolean `attention_mask` is True where a query may attend a key (the opposite of
-`nn.MultiheadAttention`, where True means "ignore"); a floating one is added to the scores
-(-inf, or any value at most the lowest of float32 or of its own dtype, removes a key).
-`key_mask` (B, S) and `query_mask` (B, T) are Keras' padding masks (True = real token);
-`attention_bias` is a learned or fixed float bias (T5, ALiBi: see `alibi_bias`) with a gradient.
-`causal=True` keeps key s for query t iff s <= t + (S - T). A query row with no key left gets
-weights of exactly 0, so its output is `output_bias`: never NaN.
-Example, a key padding mask for keys [a, b, <pad>]:
-    keep = torch.tensor([[True, True, False]])       # (B, S)
-    layer(x, key_mask=keep)                           # same as attention_mask=keep[:, None, :]
-
-Parameters: `query`, `key`, `value` and `output` are `nn.Linear` submodules, so `state_dict`
-holds `query.weight` = query_kernel^T, `query.bias` = query_bias, and so on for the others;
-with `qk_norm` also `query_norm` and `key_norm` (and `query_norm_bias`, `key_norm_bias` with
-`qk_norm_bias`), with `sinks=True` also `sinks` (N,), with `gate=True` the `nn.Linear` `gate`.
-`layer.quantize("int8")` makes the projections `Int8Linear` modules (Keras' int8 scheme).
-
-Decoding with a KV cache (L: the cache's max length): `cache = layer.init_cache(B, L)`, then
-`output, cache = layer(x, cache=cache)` for a prompt (T > 1) and then one token at a time
-(T = 1). The keys and values of the T new tokens are written to slots [index, index + T), and
-query t attends slot s iff s < index + T, keep[b, s], (not causal or s <= index + t), (no
-window or s > index + t - W_before, and s < index + t + W_after with a pair), (no chunk or
-s // C == (index + t) // C) and `attention_mask` (given over L) keeps it; `key_mask`
-(B, T) is ANDed into `keep` at the written slots, and RoPE turns the new tokens by positions
-index + t. Token-by-token equals the full causal pass. With a `window` W (W_before of a pair)
-the cache rolls: position p goes to slot p mod L, so L = W slots decode any number of tokens one
-at a time (a call that wraps needs L >= W + T - 1). The cache's tensors are written in place (for
-inference; call it under `torch.no_grad()`).
+Where things are: first the core, the plain layer (`MultiHeadAttention`, whose `forward` reads
+as the steps of a call, each option behind a one-line guard, and the functions a plain call runs);
+then one section per option family, each with its checks, weights, steps and fast paths, in this
+order: score modifiers (scale, soft-capping, window, chunk, sinks, ALiBi, the masks and the
+attention bias, `dot_product_attention`), positions (RoPE), QK-norm, clip_qkv and the gate, KV
+cache and decode steps, multi-head latent attention (MLA), speed paths, int8, framework only
+(tensor parallelism, autocast, hooks, mask habits), converters (portable weights, nn.MultiheadAttention).
 """
 
 import math
@@ -78,38 +40,11 @@ from torch import nn
 __all__ = ["AttentionMaskWarning", "Int8Linear", "KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
 
 _PROJECTIONS = ("query", "key", "value", "output", "gate")  # the names `bias` takes; "gate" only with `gate`
-_LATENT_SIZES = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-_ABSORB_MAX_T = 8  # `absorb_latents=None`: a call with a cache and T <= 8 attends on the latents
-_ROPE_SCALING = {
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "yarn": ("factor", "original_max_position_embeddings"),
-}
-_YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
-_BLOCK_SCORES = 1 << 21  # scores in one block of `_attention_in_blocks`: 8 MiB of float32
-_SOFTCAP_BLOCK_SCORES = 1 << 20  # scores in one block of `_Softcapped`: 4 MiB of float32
-_SOFTCAP_TILES = {"forward": (512, 512), "backward": (256, 256)}  # (query rows, keys) of a tile of `_SoftcappedTiles`
 
 
-_EMPTY_MASK = (
-    "`{name}` keeps no key for any query, so every output row is `output_bias`: True means attend (in "
-    "nn.MultiheadAttention True means ignore: pass `~mask`). Received: a boolean {name} that is False everywhere"
-)
-_CAUSAL_TRAP = (
-    "`attention_mask` keeps keys only after each query, none at or before it: True means attend (in "
-    "nn.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`). "
-    "Received: a boolean attention_mask False wherever causal attention keeps a key"
-)
-_PADDING_TRAP = (
-    "`key_mask` reads as nn.MultiheadAttention's key_padding_mask (True = padding): True means a real key, "
-    "pass `~mask`. Received: a key_mask False then True in every row, {empty} of {b} rows keeping no key "
-    "and none keeping all"
-)
-_ZEROS_AND_ONES = (
-    "`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras reads such a "
-    "mask as boolean): pass `mask > 0` (True = attend) or an additive mask. "
-    "Received: a floating attention_mask of 0s and 1s"
-)
+# -------------------------------------------------------------------------------------------------
+# Core: the plain layer
+# -------------------------------------------------------------------------------------------------
 
 
 class AttentionMaskWarning(UserWarning):
@@ -118,298 +53,374 @@ class AttentionMaskWarning(UserWarning):
     once per layer. `warnings.simplefilter("error", AttentionMaskWarning)` makes it an error."""
 
 
-# The packages between the user's call and this file
-_FRAMEWORK_MODULES = ("torch",)
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention (MHA, grouped-query GQA and multi-query MQA) as an `nn.Module`.
 
+    Args:
+        d_model: E, the width of `query` and of the output.
+        num_heads: N, the number of query heads.
+        num_kv_heads: K, the number of key/value heads; must divide N. Defaults to N.
+        head_dim: H, the width of one head. Defaults to E // N (then N must divide E).
+        kdim, vdim: the widths of `key` and `value`. Default to E.
+        dropout: probability of dropping attention weights in training mode; 0 <= p < 1.
+        bias: True (all the projections have a bias, the gate's with `gate`), False (none), or a
+            list, tuple or set of the names of those that have one, among "query", "key", "value",
+            "output", "gate" (Qwen2: ("query", "key", "value")), kept as that tuple in that order.
+        scale: the factor of the scores, scores = (q . k) * scale. Defaults to 1 / sqrt(H).
+        softcap: None or c > 0: the scaled scores become c * tanh(scores / c) (Gemma 2).
+        window: None, W or (W_before, W_after): query t keeps key s only if s > t + (S - T) -
+            W_before (and s < t + (S - T) + W_after): Mistral's sliding window, ModernBERT's band.
+        attention_chunk_size: None or C: query t keeps key s only if s // C == (t + (S - T)) // C.
+        rope_theta: None (no RoPE) or the base of rotary position embeddings (Llama: 10000.0).
+        rope_fraction: in (0, 1]: the first R = int(H * rope_fraction) features of each head turn.
+        rope_interleaved: False pairs feature i with i + R/2 (Llama), True 2i with 2i + 1 (GPT-J).
+        rope_scaling: None or a `transformers` rope_scaling dict: "linear", "llama3" or "yarn".
+        rope_sections: None or the numbers of pairs (summing to R/2) that turn by each row of
+            (k, B, T) `positions` (Qwen2-VL's multimodal RoPE).
+        qk_norm: None, "head" (one scale for every head: Qwen3), "per_head" (StableLM) or "all"
+            (over all heads: OLMo2): q and k normalized by the weights `query_norm`, `key_norm`.
+        qk_norm_eps, qk_norm_type, qk_norm_bias: that norm's epsilon, "rms" or "layer" (LayerNorm),
+            and if True a learned bias after its scale (`query_norm_bias`, `key_norm_bias`: Phi).
+        sinks: if True, one learned logit per query head (the parameter `sinks`, (N,)), an extra
+            term in the softmax's denominator (gpt-oss); rows then sum to less than 1.
+        clip_qkv: None or c > 0: q, k and v clamped to [-c, c] after their projections (OLMo).
+        gate: if True, each head's result times sigmoid(query @ gate_kernel + gate_bias) before
+            the heads are merged (Keras' `use_gate`, Qwen3-Next); the `nn.Linear` `gate`.
+        kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim: multi-head
+            latent attention (MLA, DeepSeek-V2/V3): None or C, the latent's width; None (a plain
+            query projection) or Q; Hn and Hr, the features RoPE does not and does turn (H =
+            Hn + Hr); Hv, a value head's width (Section: multi-head latent attention).
+        latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
+        device, dtype: device and dtype of the parameters.
 
-def _warn_at_caller(message):
-    """Warns `AttentionMaskWarning` at the user's line: the first frame outside this file and the
-    framework (a module's or layer's `__call__`, Keras' traceback filter), however deep they call."""
-    frame, level = sys._getframe(1), 2  # level 2: the frame that called this function
-    while frame is not None and (
-        frame.f_globals is globals() or frame.f_globals.get("__name__", "").split(".")[0] in _FRAMEWORK_MODULES
-    ):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, AttentionMaskWarning, stacklevel=level)
+    Call arguments:
+        query: (B, T, E), or unbatched (T, E).
+        key: (B, S, kdim). Defaults to `value`, or to `query` if `value` is None too.
+        value: (B, S, vdim). Defaults to `key`. `query`, `key` and `value` share one dtype.
+        attention_mask: boolean (True = attend, unlike nn.MultiheadAttention) or floating (added
+            to the scores; at most the lowest of float32 or of its dtype, or -inf, removes a key),
+            of shape (T, S), (B, T, S) or (B, N, T, S), any dimension of which may be 1.
+        key_mask: (B, S) boolean, True for a real key; in self-attention defaults to `query_mask`.
+            With `cache`, (B, T): ANDed into the cache's `keep` where written.
+        query_mask: (B, T) boolean, True for a real query (others get weights 0).
+        attention_bias: floating, broadcasts like `attention_mask`; added to the scores, with a
+            gradient (T5's relative position bias, ALiBi from `alibi_bias`).
+        positions: integer (B, T) or (T,) RoPE positions, or (k, B, T) with `rope_sections`;
+            default arange(T) (+ the cache index).
+        causal: if True, query t attends key s only if s <= t + (S - T).
+        return_attention: if True, also return the per-head attention weights.
+        cache: a `KVCache` from `init_cache`: decode T new tokens (`key` and `value`, if given,
+            hold the same T tokens); masks and weights are then over the L slots.
+        mask: another name for `attention_mask`; giving both is a ValueError. Masks whose values
+            read like another library's convention warn once per layer (`AttentionMaskWarning`).
 
+    Returns:
+        output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before
+        dropout) when `return_attention` is True; with `cache`, the updated cache is appended
+        and weights are (B, N, T, L), exactly 0 at unwritten slots. A query row with no key left
+        has weights of exactly 0 (its output is `output_bias`). Unbatched inputs, unbatched results.
 
-# -------------------------------------------------------------------------------------------------
-# Variants: the constructor's arguments checked into one record
-# -------------------------------------------------------------------------------------------------
+    Example, a key padding mask (the third key of the first sequence is padding):
+        >>> layer = MultiHeadAttention(16, 4)
+        >>> x = torch.randn(2, 3, 16)  # (B, T, E)
+        >>> keep = torch.tensor([[True, True, False], [True, True, True]])  # (B, S)
+        >>> out, weights = layer(x, key_mask=keep, return_attention=True)
+        >>> tuple(out.shape), tuple(weights.shape)
+        ((2, 3, 16), (2, 4, 3, 3))
+        >>> bool((weights[0, :, :, 2] == 0).all())
+        True
+    """
 
-
-class _Variants(NamedTuple):
-    """The variants' constructor arguments, checked (`_check_variants`); `scale` is resolved."""
-
-    scale: float  # 1 / sqrt(H) by default
-    softcap: float | None
-    window: int | tuple[int, int] | None  # W, or (W_before, W_after)
-    attention_chunk_size: int | None
-    rope_theta: float | None  # None: no RoPE
-    rope_fraction: float
-    rope_interleaved: bool
-    rope_scaling: dict | None
-    rope_sections: tuple[int, ...] | None
-    qk_norm: str | None  # None, "head", "per_head" or "all"
-    qk_norm_eps: float
-    qk_norm_type: str  # "rms" or "layer"
-    qk_norm_bias: bool
-    sinks: bool
-    clip_qkv: float | None  # None: no clamp
-    gate: bool
-    latent_norm_eps: float
-
-
-def _check_variants(
-    head_dim, rope_width, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved,
-    rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv, gate,
-    latent_norm_eps,
-):  # fmt: skip
-    """The variants' constructor arguments checked, in this order (the flags last), into a
-    `_Variants` (a ValueError names the first one that is not valid). RoPE turns features of
-    heads `rope_width` wide (H, or Hr with MLA)."""
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float("scale", scale)
-    softcap = _positive_float("softcap", softcap, optional=True)
-    window = _check_window(window)
-    chunk = None if attention_chunk_size is None else _positive_int("attention_chunk_size", attention_chunk_size)
-    rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
-    rotary = _rotary_dim(rope_fraction, rope_width, rope_theta is not None)  # checks rope_fraction
-    rope_scaling = _check_rope_scaling(rope_scaling)
-    rope_sections = _check_rope_sections(rope_sections, rotary)
-    if qk_norm not in (None, "head", "per_head", "all"):
-        raise ValueError(f"`qk_norm` must be None, 'head', 'per_head' or 'all'. Received: qk_norm={qk_norm!r}")
-    qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
-    qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
-    if not isinstance(qk_norm_type, str) or qk_norm_type not in ("rms", "layer"):
-        raise ValueError(f"`qk_norm_type` must be 'rms' or 'layer'. Received: qk_norm_type={qk_norm_type!r}")
-    clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
-    latent_norm_eps = _positive_float("latent_norm_eps", latent_norm_eps)
-    rope_interleaved = _flag("rope_interleaved", rope_interleaved)  # the flags last
-    qk_norm_bias, sinks = _flag("qk_norm_bias", qk_norm_bias), _flag("sinks", sinks)
-    gate = _flag("gate", gate)
-    return _Variants(
-        scale, softcap, window, chunk, rope_theta, float(rope_fraction), rope_interleaved, rope_scaling,
-        rope_sections, qk_norm, qk_norm_eps, str(qk_norm_type), qk_norm_bias, sinks, clip_qkv, gate,
-        latent_norm_eps,
-    )  # fmt: skip
-
-
-class _Latent(NamedTuple):
-    """The sizes of multi-head latent attention (MLA), checked (`_check_latent`)."""
-
-    kv_lora_rank: int  # C
-    q_lora_rank: int | None  # Q, None: a plain query projection
-    qk_nope_head_dim: int  # Hn
-    qk_rope_head_dim: int  # Hr
-    v_head_dim: int  # Hv
-
-
-def _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim):
-    """Checks the MLA sizes (each None or a positive integer, in the signature's order) and returns
-    a `_Latent`, or None without `kv_lora_rank`, when the others must be None too."""
-    sizes = dict(
-        zip(_LATENT_SIZES, (kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim), strict=True)
-    )
-    for name, value in sizes.items():
-        sizes[name] = None if value is None else _positive_int(name, value)
-    if sizes["kv_lora_rank"] is None:
-        for name in (name for name in _LATENT_SIZES[1:] if sizes[name] is not None):
+    def __init__(
+        self, d_model, num_heads, *, num_kv_heads=None, head_dim=None, kdim=None, vdim=None, dropout=0.0,
+        bias=True, scale=None, softcap=None, window=None, attention_chunk_size=None, rope_theta=None,
+        rope_fraction=1.0, rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None,
+        qk_norm_eps=1e-6, qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False,
+        kv_lora_rank=None, q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None,
+        latent_norm_eps=1e-6, device=None, dtype=None,
+    ):  # fmt: skip
+        super().__init__()
+        self.d_model = _positive_int("d_model", d_model)
+        self.num_heads = _positive_int("num_heads", num_heads)
+        self.num_kv_heads = _positive_int("num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads)
+        if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"`{name}` needs `kv_lora_rank` (multi-head latent attention). "
-                f"Received: {name}={sizes[name]!r}, kv_lora_rank=None"
+                f"`num_kv_heads` must divide `num_heads`. Received: num_heads={num_heads}, num_kv_heads={num_kv_heads}"
             )
-        return None
-    missing = [name for name in _LATENT_SIZES[2:] if sizes[name] is None]
-    if missing:
-        raise ValueError(
-            "`kv_lora_rank` needs `qk_nope_head_dim`, `qk_rope_head_dim` and `v_head_dim`. "
-            f"Received: kv_lora_rank={sizes['kv_lora_rank']}, {', '.join(f'{name}=None' for name in missing)}"
+        self._latent = latent = _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
+        for name in _LATENT_SIZES:
+            setattr(self, name, None if latent is None else getattr(latent, name))  # self.kv_lora_rank, ...
+        if latent is not None:
+            head_dim = _latent_head_dim(latent, head_dim)
+        elif head_dim is None and self.d_model % self.num_heads:
+            raise ValueError(f"`num_heads` must divide `d_model`. Received: d_model={d_model}, num_heads={num_heads}")
+        self.head_dim = _positive_int("head_dim", self.d_model // self.num_heads if head_dim is None else head_dim)
+        self.kdim = _positive_int("kdim", self.d_model if kdim is None else kdim)
+        self.vdim = _positive_int("vdim", self.d_model if vdim is None else vdim)
+        self.dropout = _dropout_rate(dropout)
+        names = _projections(latent)  # the names `bias` takes
+        self.bias = _projection_biases(bias, gate, names)
+        rope_width = self.head_dim if latent is None else latent.qk_rope_head_dim
+        variants = _check_variants(
+            self.head_dim, rope_width, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction,
+            rope_interleaved, rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks,
+            clip_qkv, gate, latent_norm_eps,
+        )  # fmt: skip
+        if latent is not None:
+            _check_latent_combinations(vdim, variants)
+            self.vdim = self.kdim  # the values come from `key`
+        self.scale, self.softcap, self.window = variants.scale, variants.softcap, variants.window
+        self.attention_chunk_size, self.rope_sections = variants.attention_chunk_size, variants.rope_sections
+        self.rope_theta, self.rope_fraction = variants.rope_theta, variants.rope_fraction
+        self.rope_interleaved, self.rope_scaling = variants.rope_interleaved, variants.rope_scaling
+        self.qk_norm, self.qk_norm_eps = variants.qk_norm, variants.qk_norm_eps
+        self.qk_norm_type, self.qk_norm_bias = variants.qk_norm_type, variants.qk_norm_bias
+        self.clip_qkv, self.latent_norm_eps = variants.clip_qkv, variants.latent_norm_eps
+        self.absorb_latents = None  # MLA: None (absorbed with a cache and T <= 8), True or False
+        self._projections = _projection_kinds(names, variants.gate)  # the layer's projections
+        self._rotary_dim = _rotary_dim(self.rope_fraction, rope_width, self.rope_theta is not None)  # None: no RoPE
+        _make_weights(self, latent, variants.sinks, variants.gate, {"device": device, "dtype": dtype})
+        self._warned_traps, self._fused = set(), None  # mask habits warned of; q/k/v kernels kept (no_grad)
+        self.reset_parameters()
+
+    def forward(
+        self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
+        attention_bias=None, positions=None, causal=False, return_attention=False, cache=None, mask=None,
+    ):  # fmt: skip
+        bare = key is None and value is None and attention_mask is None and mask is None and attention_bias is None
+        bare = bare and key_mask is None and query_mask is None and not return_attention and cache is not None
+        call, fast = _decode_step(self, query, positions, causal, cache) if bare else (None, None)  # fast path
+        if call is None:
+            call = self._check_call(
+                query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
+                return_attention, cache, mask,
+            )  # 1. defaults and checks  # fmt: skip
+        masked = call.attention_mask is not None or call.attention_bias is not None
+        masked = masked or call.key_mask is not None or call.query_mask is not None
+        keep, bias = self._masks(call) if masked else (None, None)  # 1. (B|1, N|1, T|1, S|1) keep and bias
+        latent = self._latent  # MLA (its section) takes steps 2, 4 and 6 its own way
+        if latent is None:
+            q, k, v = self._project_qkv(call, fast)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H)
+        else:
+            q, k, v = _project_latent(self, call)  # 2. and 4. MLA: q, the latents and the turned k_rope
+        if self.clip_qkv is not None:
+            q, k, v = _clip(self, q), _clip(self, k), _clip(self, v)  # 2. clamped
+        if self.qk_norm is not None:
+            q, k = _normalize_qk(self, q, k)  # 3. QK-norm
+        if self.rope_theta is not None and latent is None:
+            q, k = _rotate(self, q, k, call.positions)  # 4. RoPE
+        if call.cache is not None:
+            k, v, keep, call = _update_cache(self, call, k, v, keep, fast)  # 5. KV cache (may fold causal, window...)
+        if latent is None:
+            context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S) or None
+        else:
+            context, weights = _attend_latent(self, q, k, v, keep, bias, call)  # 6. MLA: expanded or absorbed
+        if self.gate is not None:
+            context = _gate_heads(self, call, context)  # 6b. output gate
+        merged = self._merge_heads(context)  # (B, N, T, H) -> (B, T, N*H)
+        output = self._project(merged, "output") if fast is None else F.linear(merged, *fast[1])  # 7. (B, T, E)
+        if call.cache is not None and fast is None and torch.compiler.is_compiling():  # no room: NaN (cannot raise)
+            output = _no_room_as_nan(self, call, output)
+        if isinstance(query, torch.Tensor) and query.dim() == 2:  # unbatched: drop B
+            output, weights = output[0], None if weights is None else weights[0]
+        results = (output, weights) if call.return_attention else (output,)
+        results = results if call.cache is None else (*results, call.cache)
+        return results[0] if len(results) == 1 else results
+
+    def _check_call(
+        self, query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
+        return_attention, cache, mask,
+    ):  # fmt: skip
+        """Step 1: the call's defaults and checks as a `_Call` (unbatched inputs: a batch of one)."""
+        attention_mask = attention_mask if mask is None else _attention_mask(attention_mask, mask)
+        given = (attention_mask, attention_bias, key_mask, query_mask, positions)
+        if any(x is not None and not isinstance(x, torch.Tensor) for x in given):  # lists, NumPy arrays
+            attention_mask, attention_bias, key_mask, query_mask, positions = _as_tensors(query, given)
+        if isinstance(query, torch.Tensor) and query.dim() == 2:  # unbatched: (L, D) -> (1, L, D)
+            query, key, value, key_mask, query_mask = _batch_of_one(query, key, value, key_mask, query_mask)
+        self_attention = key is None and value is None  # what key_mask defaults by (SPEC: key and value left out)
+        one_input = (key is None or key is query) and (value is None or value is query)  # may fuse the projections
+        key = value if key is None else key  # the missing inputs: only `key` or only `value` gives both,
+        key = query if key is None else key  # neither gives self-attention on `query`
+        value = key if value is None else value
+        if self._latent is not None and value is not key:
+            _refuse_latent_value()  # MLA reads keys and values from `key`
+        query = _check_input("query", query, "E", self.d_model)
+        if not (key is query and value is query and self.kdim == self.vdim == self.d_model):  # else checked once
+            key, value = _check_key_value(self, query, key, value)
+        compute_dtype = self._compute_dtype(query)
+        if query.dtype != compute_dtype:
+            _check_compute_dtype(query, compute_dtype)  # outside autocast a ValueError
+        (b, t), s = query.shape[:2], key.shape[1]
+        if cache is not None:
+            _check_cache_call(self, cache, query, key, compute_dtype, self._latent)
+        if query_mask is not None:  # query_mask first, as in the other files
+            _check_token_mask("query_mask", query_mask, b, t, "T")
+        if key_mask is not None:
+            _check_token_mask("key_mask", key_mask, b, s, "S")
+        if positions is not None or self.rope_theta is not None:
+            positions = _positions(self, positions, query, key, cache)
+        if cache is None and (attention_mask is not None or key_mask is not None):
+            _warn_traps(self, attention_mask, key_mask, t, s)
+        key_mask = query_mask if key_mask is None and self_attention else key_mask  # (B, S)
+        return _Call(
+            query, key, value, attention_mask, attention_bias, key_mask, query_mask, positions, causal, self.window,
+            self.attention_chunk_size, return_attention, cache, None,
+            one_input and (cache is None or _keeps_kernels()) and self._latent is None,  # a step: kept kernels only
+        )  # fmt: skip
+
+    def _compute_dtype(self, query):
+        """The dtype q, k and v are computed in: autocast's, else the output projection's weight's."""
+        if query.device.type != "meta" and torch.is_autocast_enabled(query.device.type):  # `_autocast_enabled`
+            return torch.get_autocast_dtype(query.device.type)
+        weight = self.output.weight if type(self.output) is nn.Linear else None  # the plain case, read directly
+        weight = weight if weight is not None and weight.is_floating_point() else _float_weight(self)
+        return query.dtype if weight is None else weight.dtype
+
+    def _masks(self, call):
+        """Step 1: every mask -> one boolean keep and one additive bias in the softmax's dtype, both
+        broadcasting to (B, N, T, S) (S: the cache's L when decoding), or None. With a cache the
+        `key_mask` goes into the cache's keep instead (step 5)."""
+        key_mask = call.key_mask if call.cache is None else None
+        keep = None if key_mask is None else key_mask[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
+        if call.query_mask is not None:
+            keep = _and(keep, call.query_mask[:, None, :, None])  # (B, T) -> (B, 1, T, 1)
+        if call.attention_mask is None and call.attention_bias is None:
+            return keep, None
+        (b, t), s = call.query.shape[:2], call.key.shape[1] if call.cache is None else call.cache.key.shape[2]
+        target = (b, self.num_heads, t, s)
+        mask_keep, mask_add = _split_mask(call.attention_mask, target)
+        bias_keep, bias_add = _split_bias(call.attention_bias, target)
+        keep = _and(_and(mask_keep, bias_keep), keep)
+        dtype = torch.promote_types(self._compute_dtype(call.query), torch.float32)
+        bias = _add(*(None if x is None else x.to(dtype) for x in (mask_add, bias_add)))
+        if mask_add is not None and bias_add is not None:
+            bias = bias.clamp(min=torch.finfo(dtype).min)  # two penalties may add up past the lowest value
+        return keep, bias
+
+    def _project_qkv(self, call, fast=None):
+        """Step 2: q (B, N, T, H), k and v (B, K, S, H), in one matmul where exact (`_project_fused`)."""
+        if fast is not None:  # the decode fast path: the kept q/k/v kernels (`_decode_step`)
+            return self._project_fused(call.query, fast[0])  # (B, T, E) -> (B, N, T, H), 2 x (B, K, T, H)
+        projections = (self.query, self.key, self.value)
+        kind = Int8Linear if type(self.query) is Int8Linear else nn.Linear
+        fuse = call.fuse and all(_plain_linear(projection, kind) for projection in projections)
+        if fuse and kind is nn.Linear:  # weights of a tensor subclass may not concatenate (torchao, DTensor)
+            weights = [projection.weight for projection in projections]
+            fuse = all(type(w) in (nn.Parameter, torch.Tensor) for w in weights) or _concatenable(weights)
+        if fuse:
+            q, k, v = self._project_fused(call.query)  # (B, T, E) -> (B, N, T, H), 2 x (B, K, T, H)
+        else:
+            q = self._split_heads(self._project(call.query, "query"), self.num_heads)  # (B, T, E) -> (B, N, T, H)
+            k = self._split_heads(self._project(call.key, "key"), self.num_kv_heads)  # (B, S, kdim) -> (B, K, S, H)
+            v = self._split_heads(self._project(call.value, "value"), self.num_kv_heads)  # (B, S, vdim) -> (B, K, S, H)
+        if (q.shape[1], k.shape[1]) != (self.num_heads, self.num_kv_heads):  # tensor parallelism: a share of heads
+            _check_local_heads(self, q, k, call.attention_mask, call.attention_bias)
+        return q, k, v
+
+    def _project_fused(self, x, kernels=None):
+        """Self-attention: q, k and v from one matmul over the projections' weights, biases and int8
+        scales concatenated, kept under no_grad while the weights are unchanged (`_kept_fused`)."""
+        version = None
+        if kernels is None and not torch.is_grad_enabled():
+            version, kernels = _kept_fused(self, x)  # (weights' version, kept kernels or None)
+        if kernels is None:
+            projections = (self.query, self.key, self.value)
+            weight = torch.cat([p.weight for p in projections])  # (N*H + 2*K*H, E), int8 for Int8Linear
+            biases = [x.new_zeros(p.out_features) if p.bias is None else p.bias for p in projections]  # layer dtype
+            bias = None if all(p.bias is None for p in projections) else torch.cat(biases)  # (N*H + 2*K*H,)
+            int8 = isinstance(self.query, Int8Linear)
+            kernels = (weight, bias, torch.cat([p.weight_scale for p in projections]) if int8 else None)
+            if not (torch.compiler.is_compiling() or torch.jit.is_tracing()):  # a graph leaves the layer alone
+                self._fused = None if version is None else (version, kernels)
+        weight, bias, scale = kernels
+        y = F.linear(x, weight, bias) if scale is None else _int8_linear(x, weight, scale, bias)  # (B, T, (N+2K)*H)
+        (b, t), n, kv, h = x.shape[:2], self.num_heads, self.num_kv_heads, self.head_dim
+        heads = y.view(b, t, n + 2 * kv, h).transpose(1, 2) if t > 1 else y.view(b, n + 2 * kv, 1, h)  # T = 1: as is
+        return heads.split_with_sizes([n, kv, kv], dim=1)  # (B, N, T, H), (B, K, T, H), (B, K, T, H)
+
+    def _project(self, x, kind):
+        """(B, L, D) -> (B, L, F): the projection `kind`, as F.linear where exact (`_plain_linear`)."""
+        module = getattr(self, kind)
+        return F.linear(x, module.weight, module.bias) if _plain_linear(module) else module(x)
+
+    def _split_heads(self, y, heads):
+        """(B, L, heads*H) -> (B, heads, L, H). Under tensor parallelism a rank holds a share of
+        the heads, so the local count is read from the width."""
+        b, length, width = y.shape
+        if width % self.head_dim:
+            _refuse_partial_heads(self, width)
+        return y.view(b, length, width // self.head_dim, self.head_dim).transpose(1, 2)  # -> (B, heads, L, H)
+
+    def _merge_heads(self, context):
+        """(B, heads, T, H) -> (B, T, heads*H)."""
+        b, heads, t, h = context.shape
+        return context.reshape(b, 1, heads * h) if t == 1 else context.transpose(1, 2).reshape(b, t, heads * h)
+
+    def _attend(self, q, k, v, keep, bias, call):
+        """Step 6, the one entry to the paths: SDPA, else the explicit softmax (`_attend_explicit`)."""
+        if self.softcap is not None or call.return_attention:
+            return _attend_explicit(self, q, k, v, keep, bias, call)
+        dropout = self.dropout if self.training else 0.0
+        (t, s), sinks = (q.shape[2], k.shape[2]), self.sinks
+        masked = (
+            keep is not None or bias is not None or call.window is not None or call.attention_chunk_size is not None
         )
-    return _Latent(**sizes)
+        if call.causal and not masked and t == s:
+            return _sdpa_attention(q, k, v, None, None, dropout, self.scale, True, sinks), None  # (B, N, T, H)
+        if masked or call.causal:
+            keep, bias = _final_masks(
+                keep, bias, call.causal, call.window, call.attention_chunk_size, sinks, t, s, q.device
+            )
+        return _sdpa_attention(q, k, v, keep, bias, dropout, self.scale, sinks=sinks), None
 
+    def reset_parameters(self):
+        """Glorot (Xavier) uniform kernels, zero biases, norm scales of one (`_reset_parameters`)."""
+        _reset_parameters(self)
 
-def _latent_head_dim(latent, head_dim):
-    """H with MLA: qk_nope_head_dim + qk_rope_head_dim, which `head_dim`, if given, must equal."""
-    width = latent.qk_nope_head_dim + latent.qk_rope_head_dim
-    if head_dim is not None and not (_is_positive_int(head_dim) and head_dim == width):
-        raise ValueError(
-            f"`head_dim` must equal qk_nope_head_dim + qk_rope_head_dim = {width} with `kv_lora_rank`. "
-            f"Received: head_dim={head_dim!r}"
-        )
-    return width
+    def _apply(self, fn, recurse=True):
+        """`nn.Module`'s moves and casts, then `_inv_freq` made again in float32 (`_reset_rope`)."""
+        module = super()._apply(fn, recurse)
+        _reset_rope(self)
+        return module
 
+    def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
+        """An empty `KVCache` for decoding B = `batch_size` sequences of up to L = `max_length`
+        tokens (`keep`: (B, L) boolean, False for left padding; see `_init_cache`)."""
+        return _init_cache(self, batch_size, max_length, keep=keep, dtype=dtype)
 
-def _check_latent_combinations(vdim, variants):
-    """What MLA refuses, each with why (after every argument's own check)."""
-    refused = (
-        ("vdim", vdim, vdim is not None, "MLA reads keys and values from `key` (its width is `kdim`)"),
-        ("qk_norm", variants.qk_norm, variants.qk_norm is not None, "MLA normalizes the latents instead"),
-        ("clip_qkv", variants.clip_qkv, variants.clip_qkv is not None, "MLA has no q, k and v to clamp"),
-        ("rope_sections", variants.rope_sections, variants.rope_sections is not None, "RoPE turns the Hr features"),
-        ("rope_fraction", variants.rope_fraction, variants.rope_fraction != 1.0, "RoPE turns all Hr features"),
-    )
-    for name, value, given, why in refused:
-        if given:
-            raise ValueError(f"`{name}` is not supported with `kv_lora_rank`: {why}. Received: {name}={value!r}")
+    def weight_shapes(self):
+        """The portable layout {name: shape} (see `_weight_shapes`, converters section)."""
+        return _weight_shapes(self)
 
+    def export_weights(self):
+        """Returns the portable weights: a dict of NumPy arrays (`_export_weights`)."""
+        return _export_weights(self)
 
-def _check_window(window):
-    """`window` held as an int W or a tuple (W_before, W_after) of Python ints (None passes)."""
-    pair = isinstance(window, (list, tuple)) and len(window) == 2
-    sides = window if pair else (window,)
-    if window is not None and not all(_is_positive_int(side) for side in sides):
-        raise ValueError(
-            "`window` must be None, a positive integer or a pair (before, after) of positive integers. "
-            f"Received: window={window!r}"
-        )
-    return None if window is None else tuple(int(side) for side in window) if pair else int(window)
+    def import_weights(self, weights):
+        """Loads portable weights; strict and atomic (`_import_weights`)."""
+        _import_weights(self, weights)
 
+    def quantize(self, mode):
+        """Replaces the projections by `Int8Linear` modules; `mode`: "int8" (`_quantize`)."""
+        _quantize(self, mode)
 
-def _window_sides(window):
-    """`window` -> (W_before, W_after or None): an int W is (W, None), no limit after."""
-    if window is None or isinstance(window, tuple):
-        return (None, None) if window is None else window
-    return window, None
+    @property
+    def quantization_mode(self):
+        """ "int8" once the projections are `Int8Linear` modules (`quantize`, `import_weights`), else None."""
+        return "int8" if all(isinstance(getattr(self, kind), Int8Linear) for kind in self._projections) else None
 
+    def extra_repr(self):
+        return _extra_repr(self)
 
-def _check_rope_sections(sections, rotary):
-    """`rope_sections` as a tuple of Python ints (None passes; at least one section); with RoPE
-    (`rotary` R not None) they must sum to R/2, the rotated pairs."""
-    if sections is None:
-        return None
-    valid = isinstance(sections, (list, tuple)) and len(sections) > 0
-    if not valid or not all(_is_positive_int(size) for size in sections):
-        raise ValueError(
-            "`rope_sections` must be None or a list or tuple of positive integers. "
-            f"Received: rope_sections={sections!r}"
-        )
-    if rotary is not None and sum(sections) != rotary // 2:
-        raise ValueError(
-            f"`rope_sections` must sum to R/2 = {rotary // 2}, the pairs RoPE rotates "
-            f"(R = int(head_dim * rope_fraction) = {rotary}). Received: rope_sections={sections!r}"
-        )
-    return tuple(int(size) for size in sections)
+    @classmethod
+    def from_torch(cls, module):
+        """Builds a layer with the weights of a `torch.nn.MultiheadAttention` (`_from_torch`)."""
+        return _from_torch(cls, module)
 
-
-def _is_positive_int(value):
-    """A Python or NumPy integer (not a bool) >= 1."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 1
-
-
-def _positive_int(name, value):
-    if not _is_positive_int(value):
-        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
-    return int(value)
-
-
-def _is_positive_number(value):
-    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
-    return number and 0 < value < float("inf")
-
-
-def _positive_float(name, value, optional=False):
-    """`value` as a float, checked positive (None passes through when `optional`)."""
-    if optional and value is None:
-        return None
-    if not _is_positive_number(value):
-        expected = "None or a positive float" if optional else "a positive float"
-        raise ValueError(f"`{name}` must be {expected}. Received: {name}={value!r}")
-    return float(value)
-
-
-def _flag(name, value):
-    """A constructor flag: a Python or NumPy bool (not 0 or 1, not a string)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
-    return bool(value)
-
-
-def _dropout_rate(dropout):
-    """`dropout` as a float: a Python or NumPy number (not a bool, not None) in [0, 1)."""
-    number = isinstance(dropout, (int, float, np.integer, np.floating)) and not isinstance(dropout, (bool, np.bool_))
-    if not (number and 0.0 <= dropout < 1.0):
-        raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
-    return float(dropout)
-
-
-def _projection_biases(bias, gate, projections=_PROJECTIONS):
-    """`bias` -> the names of the projections that have a bias, in the order of `projections`
-    (("query", "key", "value", "output", "gate"), or the layer's with MLA: `_projections`). `bias`
-    is a Python or NumPy bool (all the layer's projections, the gate's only with `gate` True, or
-    none), or a list, tuple, set or frozenset of those names; anything else (a string, a dict or
-    its keys, an array) is refused."""
-    if isinstance(bias, (bool, np.bool_)):
-        return _projection_kinds(projections, gate is True or gate is np.True_) if bias else ()
-    names = isinstance(bias, (list, tuple, set, frozenset)) and all(
-        isinstance(name, str) and name in projections for name in bias
-    )
-    if not names:
-        raise ValueError(
-            f"`bias` must be True, False or a list, tuple or set of {', '.join(map(repr, projections))}. "
-            f"Received: bias={bias!r}"
-        )
-    return tuple(name for name in projections if name in bias)
-
-
-def _projections(latent):
-    """The names `bias` takes: the layer's projections, query, key, value, output (with MLA query,
-    or query_a and query_b, key_value_a, key_value_b, output), then the gate's."""
-    if latent is None:
-        return _PROJECTIONS
-    query = ("query",) if latent.q_lora_rank is None else ("query_a", "query_b")
-    return (*query, "key_value_a", "key_value_b", "output", "gate")
-
-
-def _projection_kinds(projections, gate):
-    """The layer's projections among `projections` (`_projections`): the gate's only with `gate`."""
-    return projections if gate else projections[:-1]
-
-
-def _rotary_dim(rope_fraction, head_dim, rope):
-    """R = int(H * rope_fraction), the rotated features of each head (None without RoPE).
-    `rope_fraction` is checked whether or not RoPE is on: a Python or NumPy number in (0, 1];
-    with RoPE, R must also be even and at least 2."""
-    valid = _is_positive_number(rope_fraction) and rope_fraction <= 1
-    rotary = int(head_dim * rope_fraction) if valid else 0
-    if not valid or (rope and (rotary < 2 or rotary % 2)):
-        raise ValueError(
-            "`rope_fraction` must be in (0, 1] and rotate an even number R = int(head_dim * rope_fraction) >= 2 of "
-            f"features. Received: rope_fraction={rope_fraction!r}, head_dim={head_dim}"
-        )
-    return rotary if rope else None
-
-
-def _check_rope_scaling(scaling):
-    """A copy of `rope_scaling` (None, or a dict as `transformers` writes it), checked."""
-    if scaling is None:
-        return None
-    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-    parameters = _ROPE_SCALING.get(kind, ())
-    valid = bool(parameters) and all(_is_positive_number(scaling.get(name)) for name in parameters)
-    if valid and kind == "llama3":
-        valid = scaling["high_freq_factor"] > scaling["low_freq_factor"]
-    if valid and kind == "yarn":
-        valid = _valid_yarn(scaling)
-    if not valid:
-        raise ValueError(
-            "`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3' or 'yarn', with its "
-            f"parameters. Received: rope_scaling={scaling!r}"
-        )
-    return {name: value.item() if isinstance(value, np.generic) else value for name, value in scaling.items()}
-
-
-def _valid_yarn(scaling):
-    """YaRN's optional parameters: each None (absent) or positive, `truncate` True or False, and
-    beta_fast (default 32) at least beta_slow (default 1)."""
-    if not all(scaling.get(name) is None or _is_positive_number(scaling[name]) for name in _YARN_OPTIONAL):
-        return False
-    truncate = isinstance(scaling.get("truncate", True), (bool, np.bool_))
-    return truncate and (scaling.get("beta_fast") or 32) >= (scaling.get("beta_slow") or 1)
-
-
-# -------------------------------------------------------------------------------------------------
-# Step 1: defaults and checks of a call
-# -------------------------------------------------------------------------------------------------
+    def to_torch(self):
+        """Returns a `torch.nn.MultiheadAttention` (batch_first=True) with these weights."""
+        return _to_torch(self)
 
 
 class _Call(NamedTuple):
@@ -432,22 +443,14 @@ class _Call(NamedTuple):
     fuse: bool  # q, k and v may come from one matmul (one input; with a cache, kernels kept between steps)
 
 
-def _inputs(query, key, value):
-    """The missing inputs filled in: neither -> self-attention on `query`; only `key` -> value =
-    key; only `value` -> key = value. Returns (key, value)."""
-    key = value if key is None else key
-    key = query if key is None else key
-    return key, key if value is None else value
-
-
 def _check_input(name, x, dim_name, dim):
-    """Checks one (B, L, dim) input."""
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"`{name}` must be a floating tensor. Received: {name} of type {type(x).__name__}")
+    """Checks one (B, L, dim) floating input."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"`{name}` must be a floating tensor. Received: {name} of type {type(x).__name__}")
+    if not x.is_floating_point():
         raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={_dtype_name(x.dtype)}")
-    letter = "T" if name == "query" else "S"
     if x.dim() != 3 or x.shape[-1] != dim:
+        letter = "T" if name == "query" else "S"
         raise ValueError(
             f"`{name}` must have shape (B, {letter}, {dim_name}) with {dim_name}={dim}. "
             f"Received: {name}.shape={tuple(x.shape)}"
@@ -455,64 +458,92 @@ def _check_input(name, x, dim_name, dim):
     return x
 
 
-def _check_lengths(query, key, value):
-    if not query.shape[0] == key.shape[0] == value.shape[0]:
+def _plain_linear(module, kind=nn.Linear):
+    """Whether `module` computes exactly F.linear(x, weight, bias) (`_int8_linear` for Int8Linear):
+    a `kind` itself (not a subclass, LoRA wrapper, quantized or FSDP2-sharded module) with no hooks
+    of its own (`_own_hooks`: tensor parallelism, pruning) nor for every module (`_global_hooks`)."""
+    if type(module) is not kind:
+        return False
+    own = module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+    state = torch.nn.modules.module
+    every = state._global_forward_hooks or state._global_forward_pre_hooks or state._global_backward_hooks
+    return not (own or every or state._global_backward_pre_hooks)
+
+
+def _sdpa_attention(q, k, v, keep, bias, dropout, scale, is_causal=False, sinks=None):
+    """SDPA with a finite additive mask (`is_causal`: no mask and T == S), rows with no key left 0;
+    MLA's narrower values padded to q's width (the fused kernels want one head width)."""
+    if sinks is not None:
+        return _sdpa_with_sinks(q, k, v, keep, bias, dropout, scale, is_causal, sinks)
+    if v.shape[-1] < q.shape[-1]:
+        width = v.shape[-1]
+        v = F.pad(v, (0, q.shape[-1] - width))  # (B, K, S, Hv) -> (B, K, S, H)
+        return _sdpa_attention(q, k, v, keep, bias, dropout, scale, is_causal)[..., :width]  # (B, N, T, Hv)
+    masked, gqa = keep is not None or bias is not None, False
+    if q.shape[1] != k.shape[1]:  # grouped heads
+        k, v, gqa = _sdpa_heads(q, k, v, masked)
+    options = {"dropout_p": dropout, "scale": scale, "enable_gqa": gqa}
+    if not masked:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, **options)
+    additive = torch.zeros((), dtype=q.dtype, device=q.device) if bias is None else _in_dtype(bias, q.dtype)
+    if keep is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=additive, **options)
+    has_key = keep.any(dim=-1, keepdim=True)  # (B, N, T, 1), dims may be 1
+    additive = torch.where(keep | ~has_key, additive, torch.finfo(q.dtype).min)  # (B, N, T, S), dims may be 1
+    context = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, **options)
+    return torch.where(has_key, context, 0.0)  # (B, N, T, H), rows with no key are all 0
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: score modifiers
+# -------------------------------------------------------------------------------------------------
+# The score modifiers, each off by default: `scale` (T5, Gemma), `softcap` (Gemma 2: with its blocks
+# and tiles, which SDPA cannot express), `window` (a sliding window: Mistral, gpt-oss; a two-sided
+# band (before, after): ModernBERT), `attention_chunk_size` (Llama 4), `sinks` (gpt-oss), ALiBi
+# (`alibi_bias`) and the attention bias (T5). Here too the masks, combined into one boolean keep and
+# one additive bias (`_split_mask`: a floating mask at most the lowest of float32 or of its dtype,
+# or -inf, removes a key; the rest is added), `causal_mask`, and the formula with every modifier,
+# `dot_product_attention`, with the explicit softmax's paths (`_attend_explicit`). Soft-capping
+# makes the scaled scores c * tanh(scores / c) before `attention_bias` and the floating mask are added.
+
+
+def _check_score_modifiers(head_dim, scale, softcap, window, attention_chunk_size):
+    """The score modifiers' constructor arguments checked, in this order: (scale, softcap, window,
+    attention_chunk_size); `scale` None becomes 1 / sqrt(H). `sinks` is a flag (`_check_variants`)."""
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else _positive_float("scale", scale)
+    softcap = _positive_float("softcap", softcap, optional=True)
+    window = _check_window(window)
+    chunk = None if attention_chunk_size is None else _positive_int("attention_chunk_size", attention_chunk_size)
+    return scale, softcap, window, chunk
+
+
+def _check_window(window):
+    """`window` held as an int W or a tuple (W_before, W_after) of Python ints (None passes)."""
+    pair = isinstance(window, (list, tuple)) and len(window) == 2
+    sides = window if pair else (window,)
+    if window is not None and not all(_is_positive_int(side) for side in sides):
         raise ValueError(
-            "`query`, `key` and `value` must have the same batch size B. Received: "
-            f"query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
+            "`window` must be None, a positive integer or a pair (before, after) of positive integers. "
+            f"Received: window={window!r}"
         )
-    if key.shape[1] != value.shape[1]:
-        raise ValueError(
-            "`key` and `value` must have the same length S. Received: "
-            f"key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
-        )
+    return None if window is None else tuple(int(side) for side in window) if pair else int(window)
 
 
-def _check_dtypes(query, key, value):
-    if not query.dtype == key.dtype == value.dtype:
-        raise ValueError(
-            "`query`, `key` and `value` must have the same dtype. Received: "
-            f"query.dtype={_dtype_name(query.dtype)}, key.dtype={_dtype_name(key.dtype)}, "
-            f"value.dtype={_dtype_name(value.dtype)}"
-        )
+def _window_sides(window):
+    """`window` -> (W_before, W_after or None): an int W is (W, None), no limit after."""
+    if window is None or isinstance(window, tuple):
+        return (None, None) if window is None else window
+    return window, None
 
 
-def _check_token_mask(name, mask, b, length, letter):
-    """Checks a (B, length) boolean `key_mask` or `query_mask`."""
-    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (b, length)):
-        raise ValueError(
-            f"`{name}` must be a boolean tensor of shape (B, {letter})=({b}, {length}). "
-            f"Received: {name}.shape={tuple(mask.shape)}, {name}.dtype={_dtype_name(mask.dtype)}"
-        )
-    return mask
-
-
-def _check_positions(positions, b, t, sections=None):
-    """Checks integer (B, T) or (T,) `positions` and returns them as (B, T); with k `sections`
-    also (k, B, T), and returns them as (k, B, T)."""
-    shapes = ((b, t), (t,)) if sections is None else ((b, t), (t,), (len(sections), b, t))
-    if not _is_integer(positions) or tuple(positions.shape) not in shapes:
-        expected = "(B, T) or (T,)" if sections is None else f"(B, T), (T,) or ({len(sections)}, B, T)"
-        rows = "" if sections is None else " (one row per section of `rope_sections`)"
-        raise ValueError(
-            f"`positions` must be an integer tensor of shape {expected} with B={b}, T={t}{rows}. "
-            f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={_dtype_name(positions.dtype)}"
-        )
-    return positions.expand(b, t) if sections is None else positions.expand(len(sections), b, t)  # (B, T), (k, B, T)
-
-
-def _is_integer(tensor):
-    return isinstance(tensor, torch.Tensor) and not (
-        tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool
-    )
-
-
-def _is_floating(tensor):
-    return isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
-
-
-def _dtype_name(dtype):
-    return dtype.name if isinstance(dtype, np.dtype) else str(dtype).removeprefix("torch.")
+def _score_settings(layer):
+    """The score modifiers not at their default's values, {name: value or None} (`_non_defaults`)."""
+    return {
+        "scale": None if layer.scale == 1.0 / math.sqrt(layer.head_dim) else layer.scale,
+        "softcap": layer.softcap,
+        "window": layer.window,
+        "attention_chunk_size": layer.attention_chunk_size,
+    }
 
 
 def _attention_mask(attention_mask, mask):
@@ -524,73 +555,6 @@ def _attention_mask(attention_mask, mask):
             "Pass the attention mask as `attention_mask` or as `mask`, not both. Received: attention_mask and mask"
         )
     return mask
-
-
-def _values_readable(*tensors):
-    """Whether tensor values can be read here for free: not while torch.compile or torch.jit.trace
-    trace, and only on the CPU (reading a CUDA tensor waits for the device; meta holds none)."""
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():
-        return False
-    return all(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in tensors)
-
-
-def _mask_traps(attention_mask, key_mask, t, s):
-    """The built-in layers' habits that the masks' values suggest (docs/SPEC.md, Masks), as
-    {kind: message}; the call computes what the SPEC says either way."""
-    traps = {}
-    for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
-        if mask is not None and mask.dtype == torch.bool and _keeps_nothing(mask):
-            traps[name] = _EMPTY_MASK.format(name=name)
-    boolean = attention_mask is not None and attention_mask.dtype == torch.bool
-    if boolean and "attention_mask" not in traps and _keeps_only_later(attention_mask, t, s):
-        traps["causal"] = _CAUSAL_TRAP
-    empty = 0 if key_mask is None or "key_mask" in traps else _inverted_padding(key_mask)
-    if empty:
-        traps["padding"] = _PADDING_TRAP.format(empty=empty, b=key_mask.shape[0])
-    if attention_mask is not None and attention_mask.is_floating_point() and _zeros_and_ones(attention_mask):
-        traps["zeros and ones"] = _ZEROS_AND_ONES
-    return traps
-
-
-def _keeps_nothing(mask):
-    """A boolean mask False everywhere (nn.MultiheadAttention's True = ignore, nothing padded)."""
-    return mask.numel() > 0 and not bool(mask.any())
-
-
-def _keeps_only_later(mask, t, s):
-    """A square (T == S) boolean mask that keeps keys only after each query, none where `causal`
-    keeps one (nn.MultiheadAttention's causal `attn_mask`, `triu(ones, 1)`). A mask whose last two
-    dimensions do not broadcast to (T, S) is not read: `_mask_to_4d` refuses it."""
-    fits = mask.dim() >= 2 and mask.shape[-2] in (1, t) and mask.shape[-1] in (1, s)
-    return fits and mask.numel() > 0 and t == s > 0 and not bool((mask & causal_mask(t, s, mask.device)).any())
-
-
-def _inverted_padding(key_mask):
-    """The rows keeping no key of a (B, S) `key_mask` that reads as nn.MultiheadAttention's
-    `key_padding_mask` (True = padding): every row False then True, some row keeping no key and
-    none keeping all (left padding has its longest sequence all True); else 0."""
-    kept = key_mask.sum(-1)  # (B,)
-    ordered = bool((key_mask[:, 1:] >= key_mask[:, :-1]).all())  # False then True in every row
-    full = bool((kept == key_mask.shape[1]).any())
-    return 0 if not ordered or full else int((kept == 0).sum())
-
-
-def _zeros_and_ones(mask):
-    """A floating mask of only 0s and 1s, some 1 (a Keras mask, which Keras reads as boolean)."""
-    ones = mask == 1
-    return bool(((mask == 0) | ones).all() and ones.any())
-
-
-def _results(output, weights, cache, return_attention):
-    """output, (output, weights), (output, cache) or (output, weights, cache)."""
-    results = (output, weights) if return_attention else (output,)
-    results = results if cache is None else (*results, cache)
-    return results[0] if len(results) == 1 else results
-
-
-# -------------------------------------------------------------------------------------------------
-# Step 1: masks, combined into one keep and one bias
-# -------------------------------------------------------------------------------------------------
 
 
 def _padding_hint(name, shape, target):
@@ -681,475 +645,18 @@ def _add(a, b):
     return b if a is None else a if b is None else a + b
 
 
-def _alibi_slopes(num_heads):
-    """Bloom's slopes: 2 ** (-8 (n + 1) / N) for N a power of two; otherwise those of the nearest
-    lower power of two P followed by every other slope of 2P."""
-    power = 2 ** math.floor(math.log2(num_heads))
-    slopes = [2 ** (-8 * (n + 1) / power) for n in range(power)]
-    return slopes + [2 ** (-8 * (n + 1) / (2 * power)) for n in range(0, 2 * (num_heads - power), 2)]
-
-
-def alibi_bias(num_heads, positions):
-    """The ALiBi bias slope[n] * positions[..., s], to pass as `attention_bias` with `causal=True`.
-
-    Args:
-        num_heads: N.
-        positions: integer key positions, (S,) or (B, S) (Bloom: `cumsum(key_mask) - 1`).
-
-    Returns:
-        float32 (1, N, 1, S) for (S,) positions, (B, N, 1, S) for (B, S). A per-query constant
-        does not change a softmax, so this equals Press et al.'s -slope * (t - s).
-    """
-    num_heads = _positive_int("num_heads", num_heads)
-    positions = torch.as_tensor(positions)
-    if positions.dim() not in (1, 2) or not _is_integer(positions):
-        raise ValueError(
-            "`positions` must be an integer tensor of shape (S,) or (B, S). "
-            f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={_dtype_name(positions.dtype)}"
-        )
-    slopes = torch.tensor(_alibi_slopes(num_heads), dtype=torch.float64, device=positions.device)  # (N,)
-    batched = positions if positions.dim() == 2 else positions[None]  # (S,) -> (1, S)
-    return (slopes[None, :, None, None] * batched[:, None, None, :]).float()  # (N,) * (B, S) -> (B, N, 1, S)
-
-
-# -------------------------------------------------------------------------------------------------
-# Steps 2 and 3: projections and QK-norm
-# -------------------------------------------------------------------------------------------------
-
-
-def _linear(module, x):
-    """module(x), as F.linear where that is exactly what it computes: the module call's own work
-    (hooks, tracing state) costs about a third of the small matmul of a T = 1 step."""
-    if _plain_linear(module):
-        return F.linear(x, module.weight, module.bias)
-    return module(x)
-
-
-def rms_norm(x, scale, eps, bias=None):
-    """RMSNorm over the last axis, x / sqrt(mean(x ** 2) + eps) * scale (+ bias), computed in
-    float32 at least and cast back to x's dtype."""
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    y = x.to(dtype)
-    y = y * torch.rsqrt(y.square().mean(dim=-1, keepdim=True) + eps)
-    return _scale_and_shift(y, scale, bias).to(x.dtype)
-
-
-def layer_norm(x, scale, eps, bias=None):
-    """LayerNorm over the last axis, (x - mean(x)) / sqrt(mean((x - mean(x)) ** 2) + eps) * scale
-    (+ bias), the variance biased, computed in float32 at least and cast back to x's dtype."""
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    y = x.to(dtype)
-    y = y - y.mean(dim=-1, keepdim=True)
-    y = y * torch.rsqrt(y.square().mean(dim=-1, keepdim=True) + eps)
-    return _scale_and_shift(y, scale, bias).to(x.dtype)
-
-
-def _scale_and_shift(y, scale, bias):
-    """y * scale (+ bias), the weights in y's dtype (float32 at least)."""
-    y = y * scale.to(y.dtype)
-    return y if bias is None else y + bias.to(y.dtype)
-
-
-def _norm_over_heads(norm, x, scale, eps, bias):
-    """`norm` of (B, heads, L, H) x over all its heads' features, with (heads*H,) weights."""
-    b, heads, length, h = x.shape
-    flat = x.transpose(1, 2).reshape(b, length, heads * h)  # (B, heads, L, H) -> (B, L, heads*H)
-    return norm(flat, scale, eps, bias).view(b, length, heads, h).transpose(1, 2)  # -> (B, heads, L, H)
-
-
-def _norm_per_head(norm, x, scale, eps, bias):
-    """`norm` of (B, heads, L, H) x over each head's H features, head n with the weights
-    [n*H:(n+1)*H] of the (heads*H,) `scale` and `bias`."""
-    heads, h = x.shape[1], x.shape[3]
-    scale = scale.view(heads, 1, h)  # (heads*H,) -> (heads, 1, H)
-    return norm(x, scale, eps, None if bias is None else bias.view(heads, 1, h))  # (B, heads, L, H)
-
-
-# -------------------------------------------------------------------------------------------------
-# Step 4: RoPE
-# -------------------------------------------------------------------------------------------------
-
-
-def rope_frequencies(rotary_dim, theta, scaling=None, *, device=None):
-    """The RoPE frequencies inv_freq[i] = theta ** (-2i / R) for i in [0, R/2), rewritten by
-    `scaling` (None, or a `transformers` rope_scaling dict: "linear", "llama3" or "yarn").
-
-    Returns:
-        inv_freq (R/2,) float32, computed in float64 and rounded once.
-    """
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device) / rotary_dim  # (R/2,)
-    inv_freq = torch.pow(theta, -exponents)  # (R/2,)
-    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
-    if kind == "linear":
-        inv_freq = inv_freq / scaling["factor"]
-    if kind == "llama3":
-        inv_freq = _llama3_frequencies(inv_freq, scaling)
-    if kind == "yarn":
-        inv_freq = _yarn_frequencies(inv_freq, theta, scaling)
-    return inv_freq.float()
-
-
-def _llama3_frequencies(inv_freq, scaling):
-    """Llama 3.1's rewrite (transformers' `_compute_llama3_parameters`): wavelengths shorter than
-    original_max_position_embeddings / high_freq_factor are kept, those longer than
-    original_max_position_embeddings / low_freq_factor divided by `factor`, the ones between
-    interpolated smoothly."""
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    context = scaling["original_max_position_embeddings"]
-    wavelength = 2 * math.pi / inv_freq  # (R/2,)
-    smooth = (context / wavelength - low) / (high - low)  # (R/2,)
-    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq  # (R/2,)
-    scaled = torch.where(wavelength > context / low, inv_freq / factor, smoothed)  # (R/2,)
-    return torch.where(wavelength < context / high, inv_freq, scaled)  # (R/2,)
-
-
-def _yarn_correction_dim(rotations, rotary_dim, theta, context):
-    """The (fractional) pair index whose wavelength turns `rotations` times over `context` positions."""
-    return rotary_dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-
-def _yarn_frequencies(inv_freq, theta, scaling):
-    """YaRN's rewrite (transformers' `_compute_yarn_parameters`): pairs below the correction dim of
-    beta_fast rotations keep inv_freq (extrapolation), pairs above that of beta_slow take
-    inv_freq / factor (interpolation), a linear ramp between (bounds floored and ceiled when
-    `truncate`, the default)."""
-    rotary_dim, context = 2 * inv_freq.shape[0], scaling["original_max_position_embeddings"]
-    low = _yarn_correction_dim(scaling.get("beta_fast") or 32, rotary_dim, theta, context)
-    high = _yarn_correction_dim(scaling.get("beta_slow") or 1, rotary_dim, theta, context)
-    if scaling.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, rotary_dim - 1)
-    high = high + 0.001 if high == low else high  # as transformers: no ramp of zero width
-    pairs = torch.arange(rotary_dim // 2, dtype=inv_freq.dtype, device=inv_freq.device)  # (R/2,)
-    ramp = ((pairs - low) / (high - low)).clamp(0.0, 1.0)  # (R/2,), 1 = interpolated
-    return inv_freq / scaling["factor"] * ramp + inv_freq * (1.0 - ramp)  # (R/2,)
-
-
-def rope_attention_factor(scaling):
-    """The factor of the rotated features of q and k (transformers multiplies cos and sin by it):
-    YaRN's `attention_factor`, else mscale(factor, mscale) / mscale(factor, mscale_all_dim) when
-    both are given, else mscale(factor, 1), with mscale(s, m) = 0.1 * m * ln(s) + 1 (1 for s <= 1);
-    1.0 for the other scalings."""
-    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
-    if kind != "yarn":
-        return 1.0
-    if scaling.get("attention_factor") is not None:
-        return float(scaling["attention_factor"])
-    factor, mscale, mscale_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
-    if mscale and mscale_all_dim:
-        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-    return _yarn_mscale(factor, 1.0)
-
-
-def _yarn_mscale(factor, mscale):
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def scale_rotated(x, rotary_dim, factor):
-    """The first R (rotated) features of each head of x (B, heads, T, H) times `factor` (YaRN)."""
-    if factor == 1.0:
-        return x
-    if rotary_dim == x.shape[-1]:
-        return x * factor
-    return torch.cat((x[..., :rotary_dim] * factor, x[..., rotary_dim:]), dim=-1)  # (B, heads, T, H)
-
-
-def apply_rope(x, positions, inv_freq, interleaved, sections=None):
-    """Rotary position embeddings: turns the first R = 2 * len(inv_freq) features of each head.
-
-    Args:
-        x: (B, heads, T, H) queries or keys.
-        positions: (B, T) integer positions, or (k, B, T) with `sections`.
-        inv_freq: (R/2,) float32 frequencies from `rope_frequencies`.
-        interleaved: False pairs feature i with feature i + R/2 ("rotate half": Llama, GPT-NeoX);
-            True pairs features 2i and 2i + 1 (GPT-J).
-        sections: None, or k numbers of pairs summing to R/2 (multimodal RoPE, Qwen2-VL): the
-            pairs of section j turn by the positions of row j.
-
-    Returns:
-        x with each pair (x1, x2) at position p turned to (x1 cos - x2 sin, x2 cos + x1 sin) by the
-        angle p * inv_freq[i] (computed in float32), cast back to x's dtype; the other H - R
-        features unchanged.
-    """
-    angles = rope_angles(positions, inv_freq, sections)[:, :, None, :]  # (B, T, R/2) -> (B, T, 1, R/2)
-    cos, sin = angles.cos(), angles.sin()  # (B, T, 1, R/2)
-    cos, sin = _on_pairs(cos, cos, interleaved), _on_pairs(-sin, sin, interleaved)  # (B, T, 1, R)
-    x = x.transpose(1, 2)  # (B, heads, T, H) -> (B, T, heads, H), the projections' memory order
-    return _Turn.apply(x, cos, sin, interleaved).transpose(1, 2)  # -> (B, heads, T, H)
-
-
-def rope_angles(positions, inv_freq, sections=None):
-    """(B, T, R/2) float32 angles: (B, T) positions times the (R/2,) inv_freq; with `sections`
-    (multimodal RoPE) the pairs are split, in order, into sections of those sizes, and pair i of
-    section j turns by positions[j] * inv_freq[i], from (k, B, T) positions."""
-    if sections is None:
-        return positions[:, :, None].float() * inv_freq  # (B, T, 1) * (R/2,) -> (B, T, R/2)
-    rows = zip(positions.unbind(0), inv_freq.split(sections), strict=True)  # k x ((B, T), (R_j/2,))
-    return torch.cat([row[:, :, None].float() * part for row, part in rows], dim=-1)  # -> (B, T, R/2)
-
-
-def _turn(x, cos, sin, interleaved):
-    """(B, T, heads, H) -> (B, T, heads, H): swapped * sin + x * cos on the first R features (cos
-    and sin (B, T, 1, R) on pairs, as `apply_rope` makes them), in float32 at least, in place in
-    the swapped copy (one new tensor, not three); the other H - R features unchanged."""
-    rotary_dim = cos.shape[-1]
-    rotary = x[..., :rotary_dim].to(torch.promote_types(x.dtype, torch.float32))  # (B, T, heads, R)
-    turned = _swap_pairs(rotary, interleaved).mul_(sin).addcmul_(rotary, cos).to(x.dtype)  # (B, T, heads, R)
-    return turned if rotary_dim == x.shape[-1] else torch.cat((turned, x[..., rotary_dim:]), dim=-1)
-
-
-def _on_pairs(first, second, interleaved):
-    """Two (..., R/2) values of each pair -> (..., R): on its first and on its second feature."""
-    if interleaved:
-        return torch.stack((first, second), dim=-1).flatten(-2)  # (..., R/2, 2) -> (..., R)
-    return torch.cat((first, second), dim=-1)  # (..., R)
-
-
-def _swap_pairs(x, interleaved):
-    """(..., R) -> a new (..., R): each pair (x1, x2) as (x2, x1). With cos on both features and
-    (-sin, sin) on the pair, x * cos + swapped * sin = (x1 cos - x2 sin, x2 cos + x1 sin)."""
-    if interleaved:
-        return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (..., R/2, 2) flipped -> (..., R)
-    x1, x2 = x.chunk(2, dim=-1)  # (..., R/2) each
-    return torch.cat((x2, x1), dim=-1)  # (..., R)
-
-
-# -------------------------------------------------------------------------------------------------
-# Step 5: the KV cache
-# -------------------------------------------------------------------------------------------------
-
-
-class KVCache(NamedTuple):
-    """The keys and values of the tokens decoded so far (make one with `init_cache`).
-
-    Attributes:
-        key: (B, K, L, H) projected keys, one slot per position; L is the cache's max length.
-        value: (B, K, L, H) projected values.
-        keep: (B, L) boolean; False marks a slot no query may attend (left padding).
-        index: scalar integer, the positions written so far; position p is in slot p (with a
-            `window`, slot p mod L: the cache rolls), and the next call writes from index.
-    """
-
-    key: torch.Tensor
-    value: torch.Tensor
-    keep: torch.Tensor
-    index: torch.Tensor
-
-
-def _check_cache(cache, query, key, heads, head_dim, latent=None):
-    """Checks a KVCache against the call's (B, T, E) query and (B, S, kdim) key: keys and values
-    (B, K, L, H), or with MLA the latent cache (B, 1, L, C) and (B, 1, L, Hr)."""
-    (b, t), s = query.shape[:2], key.shape[1]
-    if t == 0:
-        raise ValueError(
-            "`query` must hold at least one token (T >= 1) when decoding with `cache`. "
-            f"Received: query.shape={tuple(query.shape)}"
-        )
-    if s != t:
-        raise ValueError(
-            "`key` and `value` must hold the T tokens of `query` when decoding with `cache` (they are written to "
-            f"it). Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
-        )
-    k, v = cache.key, cache.value
-    if latent is not None:
-        _check_latent_cache(k, v, b, latent)
-    elif k.dim() != 4 or k.shape != v.shape or (k.shape[0], k.shape[1], k.shape[3]) != (b, heads, head_dim):
-        raise ValueError(
-            f"`cache.key` and `cache.value` must have shape (B, K, L, H) with B={b}, K={heads}, H={head_dim}. "
-            f"Received: cache.key.shape={tuple(k.shape)}, cache.value.shape={tuple(v.shape)}"
-        )
-    if tuple(cache.keep.shape) != (b, k.shape[2]):
-        raise ValueError(
-            f"`cache.keep` must have shape (B, L)=({b}, {k.shape[2]}). "
-            f"Received: cache.keep.shape={tuple(cache.keep.shape)}"
-        )
-
-
-def _check_latent_cache(k, v, batch_size, latent):
-    """The latent cache: (B, 1, L, C) latents and (B, 1, L, Hr) turned key parts."""
-    c, hr = latent.kv_lora_rank, latent.qk_rope_head_dim
-    valid = k.ndim == v.ndim == 4 and k.shape[:3] == v.shape[:3]
-    if not valid or (k.shape[0], k.shape[1], k.shape[3], v.shape[3]) != (batch_size, 1, c, hr):
-        raise ValueError(
-            "`cache.key` and `cache.value` must have shape (B, 1, L, C) and (B, 1, L, Hr) with kv_lora_rank: "
-            f"B={batch_size}, C={c}, Hr={hr}. "
-            f"Received: cache.key.shape={tuple(k.shape)}, cache.value.shape={tuple(v.shape)}"
-        )
-
-
-def _check_cache_dtype(cache, dtype):
-    if cache.key.dtype != dtype or cache.value.dtype != dtype:
-        raise ValueError(
-            f"`cache` must hold the layer's compute dtype {_dtype_name(dtype)}. "
-            f"Received: cache.key.dtype={_dtype_name(cache.key.dtype)}, "
-            f"cache.value.dtype={_dtype_name(cache.value.dtype)}"
-        )
-
-
-def _check_keep(keep, batch_size, max_length):
-    """Checks the (B, L) boolean `keep` of `init_cache`."""
-    keep = torch.as_tensor(keep)
-    if keep.dtype != torch.bool or tuple(keep.shape) != (batch_size, max_length):
-        raise ValueError(
-            f"`keep` must be a boolean array of shape (B, L)=({batch_size}, {max_length}). "
-            f"Received: keep.shape={tuple(keep.shape)}, keep.dtype={_dtype_name(keep.dtype)}"
-        )
-    return keep
-
-
-def _check_room(index, t, length, window):
-    """Without a window the T new tokens must fit (index + T <= L); with one (`window` is W_before
-    of a pair) the cache rolls, and a call that wraps must leave its first query's keys in place
-    (L >= window + T - 1).
-
-    Eagerly a call without room is a ValueError. Under `torch.compile` (where raising needs a
-    graph break) it returns a () boolean tensor, True for a call without room, and `forward`
-    sets that call's output to NaN. On the meta device (no values) nothing is checked.
-    """
-    if torch.compiler.is_compiling() or index.device.type == "meta":
-        return (index + t > length) & (window is None or length < window + t - 1)  # ()
-    known = _carried(index)
-    index = int(index) if known is None else known
-    if index + t > length and (window is None or length < window + t - 1):
-        raise _cache_full_error(index, t, length) if window is None else _cache_too_short_error(window, t, length)
-    return False
-
-
-def _cache_full_error(index, t, length):
-    return ValueError(
-        f"`cache` is full: index + T must be <= L (call `init_cache` with a larger `max_length`). "
-        f"Received: index={index}, T={t}, L={length}"
-    )
-
-
-def _cache_too_short_error(window, t, length):
-    return ValueError(
-        "`cache` rolls with `window`: a call that wraps around it (index + T > L) needs L >= window + T - 1 "
-        f"(call `init_cache` with a larger `max_length`, or decode in shorter chunks). "
-        f"Received: window={window}, T={t}, L={length}"
-    )
-
-
-def _eager():
-    """Whether the call runs eagerly: not inside `torch.compile` or `torch.jit.trace`."""
-    return not (torch.compiler.is_compiling() or torch.jit.is_tracing())
-
-
-def _carry(tensor, value):
-    """`tensor` with `value`, what a check of it found (a cache's index, whether its keep holds
-    only True), attached with its version counter where it has one (an inference-mode tensor has
-    none, so a later write in place could not be told). Called eagerly only (`_eager`). A cache
-    is checked once, when it is made or first read, and each step reads the result back
-    (`_carried`) instead of the tensor's values: no value read (a device sync on a GPU)."""
-    if not tensor.is_inference():
-        tensor._checked = (tensor._version, value)
-    return tensor
-
-
-def _carried(tensor):
-    """The value `_carry` attached to `tensor`, or None where none is attached or the tensor was
-    written in place since (its version counter moved)."""
-    checked = getattr(tensor, "_checked", None)
-    return None if checked is None or checked[0] != tensor._version else checked[1]
-
-
-def _known_index(index):
-    """A cache's index as a Python int where it can be read: eagerly (not inside `torch.compile` or
-    `torch.jit.trace`, whose graphs cannot depend on it) and off the meta device; else None. An
-    index the last step wrote carries its value (`_carry`): not read again."""
-    if not _eager() or index.device.type == "meta":
-        return None
-    known = _carried(index)
-    return int(index) if known is None else known
-
-
-def _all_kept(keep):
-    """Whether a cache's (B, L) keep holds only True, read once and carried while it is not written."""
-    known = _carried(keep)
-    if known is None:
-        known = bool(keep.all())
-        _carry(keep, known)
-    return known
-
-
-def _carried_start(cache, b, t, heads, head_dim, dtype):
-    """The index of a cache that passes every check of a T-token call (`_check_cache`,
-    `_check_cache_dtype` with the compute `dtype`, `_check_room`) and whose tokens fit in its first
-    lap, from the value its index carries (`_carried`: no value read); else None, and the call's
-    own checks run."""
-    key, value, keep, index = cache
-    start = _carried(index)
-    tensors = type(key) is torch.Tensor and type(value) is torch.Tensor and type(keep) is torch.Tensor
-    if start is None or not tensors or key.dim() != 4:
-        return None
-    length = key.shape[2]
-    shapes = key.shape == value.shape == (b, heads, length, head_dim) and keep.shape == (b, length)
-    return start if shapes and key.dtype == value.dtype == dtype and 0 < t <= length - start else None
-
-
-def _first_slots(cache, stop):
-    """The keys and values of a cache's first `stop` slots, written in its first lap, (B, K, S, H)
-    with S = stop, and their keep (B, 1, 1, S), None where it holds only True (all kept: not read)."""
-    prefix = None if _all_kept(cache.keep) else cache.keep[:, :stop]  # (B, L) -> (B, S)
-    keep = None if prefix is None or prefix.all() else prefix[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
-    return cache.key.narrow(2, 0, stop), cache.value.narrow(2, 0, stop), keep  # (B, K, L, H) -> (B, K, S, H)
-
-
-def _slot_positions(length, last):
-    """(L,) the position held by each slot once positions up to `last` are written (position p in
-    slot p mod L); negative where nothing is written yet."""
-    slots = torch.arange(length, device=last.device)  # (L,)
-    return slots + length * torch.div(last - slots, length, rounding_mode="floor")  # (L,)
-
-
-def _cache_keep(keep, index, t, causal, window, attention_chunk_size):
-    """(B, L) cache keep -> (B, 1, T, L): slot s holds a written position p(s), is not padding,
-    when causal p(s) is at most the query's own position index + t, with a window p(s) >
-    index + t - W_before (and with a pair p(s) < index + t + W_after), and with a chunk C
-    p(s) // C == (index + t) // C."""
-    held = _slot_positions(keep.shape[-1], index + t - 1)[None, :]  # (1, L), p(s)
-    positions = index + torch.arange(t, device=keep.device)[:, None]  # (T, 1), the position of each query
-    allowed = (held >= 0) & (held <= positions if causal else held < index + t)  # (T, L)
-    before, after = _window_sides(window)
-    if before is not None:
-        allowed = allowed & (held > positions - before)  # (T, L)
-    if after is not None:
-        allowed = allowed & (held < positions + after)  # (T, L)
-    chunk = attention_chunk_size
-    if chunk is not None:
-        allowed = allowed & (torch.div(held, chunk, rounding_mode="floor") == positions // chunk)  # (T, L)
-    return allowed[None, None] & keep[:, None, None, :]  # (B, 1, T, L)
-
-
-def _write_cache(cache, k, v, key_mask, start):
-    """gpt-fast's `KVCache.update`: the (B, K, T, H) keys and values of positions [index, index + T)
-    go to slots position mod L of the cache's own tensors, and the (B, T) `key_mask` (True without
-    one) into `keep` there: ANDed into it on the first lap (left padding), in its place once a slot
-    holds a new token. Returns the cache with index + T. The caller checks the room first
-    (`_check_room`); under `torch.compile` a call without room still writes in range. A call whose
-    index is known, `start` (`_known_index`; else None), and that stays in the first lap writes
-    slots [index, index + T) as views, without index tensors (the same rule, cheaper for a decode
-    step), and its new index carries its value."""
-    t, length = k.shape[2], cache.key.shape[2]
-    if start is not None and start + t <= length:  # the first lap: slot p holds position p
-        cache.key.narrow(2, start, t).copy_(k)  # (B, K, L, H)
-        cache.value.narrow(2, start, t).copy_(v)  # (B, K, L, H)
-        if key_mask is not None:
-            cache.keep.narrow(1, start, t).logical_and_(key_mask)  # (B, L)
-        return KVCache(cache.key, cache.value, cache.keep, _carry(cache.index.new_full((), start + t), start + t))
-    positions = cache.index + torch.arange(t, device=k.device)  # (T,)
-    slots = positions % length  # (T,)
-    cache.key.index_copy_(2, slots, k)  # (B, K, L, H)
-    cache.value.index_copy_(2, slots, v)  # (B, K, L, H)
-    new = torch.ones(k.shape[0], t, dtype=torch.bool, device=k.device) if key_mask is None else key_mask  # (B, T)
-    old = cache.keep.index_select(1, slots)  # (B, T)
-    cache.keep.index_copy_(1, slots, torch.where(positions < length, old & new, new))  # (B, L)
-    return KVCache(cache.key, cache.value, cache.keep, cache.index + t)
-
-
-# -------------------------------------------------------------------------------------------------
-# Step 6: attention, the reference
-# -------------------------------------------------------------------------------------------------
+def _final_masks(keep, bias, causal, window, chunk, sinks, t, s, device):
+    """`keep` with `causal`, `window` and the attention chunk (bottom-right aligned) ANDed in, and
+    `bias` less each row's largest kept value (`_centre_rows`; not with sinks, where a softmax is
+    not shift-invariant)."""
+    rules = [causal_mask(t, s, device)] if causal else []  # (T, S) each
+    rules += [] if window is None else [window_mask(t, s, window, device)]
+    rules += [] if chunk is None else [attention_chunk_mask(t, s, chunk, device)]
+    for rule in rules:
+        keep = rule if keep is None else keep & rule  # (B, N, T, S), dims may be 1
+    if bias is not None and keep is not None and sinks is None:
+        bias = _centre_rows(bias, keep)  # (B, N, T, S), dims may be 1
+    return keep, bias
 
 
 def dot_product_attention(
@@ -1190,21 +697,6 @@ def dot_product_attention(
     weights = _masked_softmax(scores, keep, sinks).to(q.dtype)  # (B, N, T, S)
     context = F.dropout(weights, dropout, training=dropout > 0) @ v  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
     return context, weights if return_attention else None
-
-
-def _final_masks(keep, bias, causal, window, chunk, sinks, t, s, device):
-    """`keep` with `causal`, `window` and the attention chunk (bottom-right aligned) ANDed in, and
-    `bias` less each row's largest kept value (`_centre_rows`; not with sinks, where a softmax is
-    not shift-invariant)."""
-    if causal:
-        keep = _and(keep, causal_mask(t, s, device))  # (B, N, T, S), dims may be 1
-    if window is not None:
-        keep = _and(keep, window_mask(t, s, window, device))  # (B, N, T, S), dims may be 1
-    if chunk is not None:
-        keep = _and(keep, attention_chunk_mask(t, s, chunk, device))  # (B, N, T, S), dims may be 1
-    if bias is not None and keep is not None and sinks is None:
-        bias = _centre_rows(bias, keep)  # (B, N, T, S), dims may be 1
-    return keep, bias
 
 
 def _repeat_heads(x, heads):
@@ -1271,9 +763,58 @@ def _sink_logsumexp(scores, sinks):
     return torch.logaddexp(torch.logsumexp(scores, dim=-1, keepdim=True), sink)  # (B, N, T, 1)
 
 
-# -------------------------------------------------------------------------------------------------
-# Step 6: attention, the fast paths
-# -------------------------------------------------------------------------------------------------
+def _alibi_slopes(num_heads):
+    """Bloom's slopes: 2 ** (-8 (n + 1) / N) for N a power of two; otherwise those of the nearest
+    lower power of two P followed by every other slope of 2P."""
+    power = 2 ** math.floor(math.log2(num_heads))
+    slopes = [2 ** (-8 * (n + 1) / power) for n in range(power)]
+    return slopes + [2 ** (-8 * (n + 1) / (2 * power)) for n in range(0, 2 * (num_heads - power), 2)]
+
+
+def alibi_bias(num_heads, positions):
+    """The ALiBi bias slope[n] * positions[..., s], to pass as `attention_bias` with `causal=True`.
+
+    Args:
+        num_heads: N.
+        positions: integer key positions, (S,) or (B, S) (Bloom: `cumsum(key_mask) - 1`).
+
+    Returns:
+        float32 (1, N, 1, S) for (S,) positions, (B, N, 1, S) for (B, S). A per-query constant
+        does not change a softmax, so this equals Press et al.'s -slope * (t - s).
+    """
+    num_heads = _positive_int("num_heads", num_heads)
+    positions = torch.as_tensor(positions)
+    if positions.dim() not in (1, 2) or not _is_integer(positions):
+        raise ValueError(
+            "`positions` must be an integer tensor of shape (S,) or (B, S). "
+            f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={_dtype_name(positions.dtype)}"
+        )
+    slopes = torch.tensor(_alibi_slopes(num_heads), dtype=torch.float64, device=positions.device)  # (N,)
+    batched = positions if positions.dim() == 2 else positions[None]  # (S,) -> (1, S)
+    return (slopes[None, :, None, None] * batched[:, None, None, :]).float()  # (N,) * (B, S) -> (B, N, 1, S)
+
+
+def _attend_explicit(layer, q, k, v, keep, bias, call):
+    """Step 6 with `softcap` or returned weights, which SDPA cannot give, `dot_product_attention`'s
+    numbers: soft-capped attention without returned weights or dropout, eagerly, a tile or a block
+    of query rows at a time with its own backward (`_softcapped_attention`); else the explicit
+    softmax, in blocks of batch elements under no_grad on the CPU (`_attention_in_blocks`). A
+    window or an attention chunk is always folded into the mask: no shortcut."""
+    (n, t), s, sinks = q.shape[1:3], k.shape[2], layer.sinks
+    dropout = layer.dropout if layer.training else 0.0
+    masks = (call.causal, call.window, call.attention_chunk_size)
+    if layer.softcap is not None and not (call.return_attention or dropout or torch.compiler.is_compiling()):
+        return _softcapped_attention(q, k, v, keep, bias, *masks, layer.scale, layer.softcap, sinks), None
+    if not _in_blocks(q, _softmax_dtype(q.dtype, bias, sinks)):
+        return dot_product_attention(
+            q, k, v, keep, bias, call.causal, scale=layer.scale, softcap=layer.softcap, window=call.window,
+            attention_chunk_size=call.attention_chunk_size, sinks=sinks, dropout=dropout,
+            return_attention=call.return_attention,
+        )  # fmt: skip
+    keep, bias = _final_masks(keep, bias, *masks, sinks, t, s, q.device)
+    k, v = _repeat_heads(k, n), _repeat_heads(v, n)  # (B, K, S, H) -> (B, N, S, H)
+    context, weights = _attention_in_blocks(q, k, v, keep, bias, dropout, layer.scale, layer.softcap, sinks)
+    return context, weights if call.return_attention else None
 
 
 def _in_blocks(q, dtype):
@@ -1311,6 +852,11 @@ def _attention_in_blocks(q, k, v, keep, bias, dropout, scale, softcap, sinks):
         dropped = F.dropout(scores, dropout, training=dropout > 0)
         torch.matmul(dropped, v[rows], out=context[rows])  # (r, N, T, S) @ (r, N, S, H) -> (r, N, T, H)
     return context, weights
+
+
+_BLOCK_SCORES = 1 << 21  # scores in one block of `_attention_in_blocks`: 8 MiB of float32
+_SOFTCAP_BLOCK_SCORES = 1 << 20  # scores in one block of `_Softcapped`: 4 MiB of float32
+_SOFTCAP_TILES = {"forward": (512, 512), "backward": (256, 256)}  # (query rows, keys) of a tile of `_SoftcappedTiles`
 
 
 def _score_blocks(b, n, t, s, causal, window):
@@ -1622,36 +1168,6 @@ def _in_dtype(bias, dtype):
     return bias.clamp(info.min, info.max).to(dtype)
 
 
-def _sdpa_attention(q, k, v, keep, bias, dropout, scale, is_causal=False, sinks=None):
-    """`scaled_dot_product_attention` with a finite additive mask; returns the context.
-
-    `is_causal` is the kernel's own top-left triangle: pass it only with no mask and T == S.
-    A row with no key left attends to every key inside the kernel (finite numbers, forward and
-    backward, in any dtype) and is then set to exactly 0. SDPA gives its additive mask a
-    gradient (on the CPU too), so a learned `bias` trains on this path. `sinks`: see
-    `_sdpa_with_sinks`. Values narrower than the queries (MLA's Hv, or C on the absorbed path) are
-    padded with zeros to their width and the context cut back: SDPA's fused kernels want one head
-    width (values 16 features narrower sent MLA's absorbed decode step to the math kernel: 5x slower).
-    """
-    if sinks is not None:
-        return _sdpa_with_sinks(q, k, v, keep, bias, dropout, scale, is_causal, sinks)
-    if v.shape[-1] < q.shape[-1]:
-        width = v.shape[-1]
-        v = F.pad(v, (0, q.shape[-1] - width))  # (B, K, S, Hv) -> (B, K, S, H)
-        return _sdpa_attention(q, k, v, keep, bias, dropout, scale, is_causal)[..., :width]  # (B, N, T, Hv)
-    k, v, gqa = _sdpa_heads(q, k, v, masked=keep is not None or bias is not None)
-    options = {"dropout_p": dropout, "scale": scale, "enable_gqa": gqa}
-    if keep is None and bias is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, **options)
-    additive = torch.zeros((), dtype=q.dtype, device=q.device) if bias is None else _in_dtype(bias, q.dtype)
-    if keep is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=additive, **options)
-    has_key = keep.any(dim=-1, keepdim=True)  # (B, N, T, 1), dims may be 1
-    additive = torch.where(keep | ~has_key, additive, torch.finfo(q.dtype).min)  # (B, N, T, S), dims may be 1
-    context = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, **options)
-    return torch.where(has_key, context, 0.0)  # (B, N, T, H), rows with no key are all 0
-
-
 def _sdpa_with_sinks(q, k, v, keep, bias, dropout, scale, is_causal, sinks):
     """SDPA with the sinks as one more key, the first, whose score is its head's sink logit and
     whose value is 0: the softmax's denominator gains exp(sink) and the context nothing, as in
@@ -1677,81 +1193,300 @@ def _sdpa_with_sinks(q, k, v, keep, bias, dropout, scale, is_causal, sinks):
 
 
 # -------------------------------------------------------------------------------------------------
-# PyTorch only: tensor parallelism, autocast, meta device, module hooks, RoPE's backward
+# Section: positions
 # -------------------------------------------------------------------------------------------------
+# Rotary position embeddings (`rope_theta`, `rope_fraction`, `rope_interleaved`, `rope_scaling`,
+# `rope_sections`: Llama, GPT-NeoX, GPT-J, Llama 3.1, gpt-oss's YaRN, Qwen2-VL's M-RoPE): the checks,
+# the frequencies and their scalings, the call's positions and the turn, with its own backward.
+# `rope_scaling` is a dict as `transformers` writes it: {"rope_type": "linear", "factor"},
+# {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+# "original_max_position_embeddings"} (Llama 3.1) or {"rope_type": "yarn", "factor",
+# "original_max_position_embeddings", optional "attention_factor", "beta_fast", "beta_slow", "mscale",
+# "mscale_all_dim", "truncate"} (gpt-oss; the rotated features of q and k are also multiplied by its
+# attention factor). With MLA RoPE turns the last Hr features of q and the key part shared by the heads.
 
 
-def _as_tensor(x, device):
-    """`x` as a tensor on `device`; a value no tensor can hold (strings, objects) stays a NumPy
-    array, which the checks refuse by its dtype with the other files' ValueError."""
-    if x is None or isinstance(x, torch.Tensor):
-        return x
-    array = np.asarray(x)
-    return torch.as_tensor(x, device=device) if array.dtype.kind in "biufc" else array
+_ROPE_SCALING = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
 
 
-def _is_dtensor(tensor):
-    """Whether `tensor` is a DTensor (sharded by tensor parallelism), read from its type so that
-    importing this file does not import torch.distributed.tensor (0.7 s)."""
-    kind = type(tensor)
-    return kind.__name__ == "DTensor" and kind.__module__.startswith("torch.distributed.tensor")
+_YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
-def _autocast_enabled(device):
-    """Whether autocast is on for the device's type; never on the meta device, which autocast does not know."""
-    return device.type != "meta" and torch.is_autocast_enabled(device.type)
+def _check_rope(rope_width, rope_theta, rope_fraction, rope_scaling, rope_sections):
+    """RoPE's constructor arguments checked, in this order: (rope_theta, rope_fraction,
+    rope_scaling, rope_sections); RoPE turns features of heads `rope_width` wide (H, or Hr with
+    MLA). `rope_interleaved` is a flag (`_check_variants`)."""
+    rope_theta = _positive_float("rope_theta", rope_theta, optional=True)
+    rotary = _rotary_dim(rope_fraction, rope_width, rope_theta is not None)  # checks rope_fraction
+    rope_scaling = _check_rope_scaling(rope_scaling)
+    rope_sections = _check_rope_sections(rope_sections, rotary)
+    return rope_theta, float(rope_fraction), rope_scaling, rope_sections
 
 
-def _check_compute_dtype(query, dtype):
-    """Outside autocast the inputs must have the dtype the layer computes in (its parameters'):
-    the projections' matmuls would fail with a RuntimeError, or a cast would hide the mismatch."""
-    if query.dtype != dtype and not _autocast_enabled(query.device):
+def _rotary_dim(rope_fraction, head_dim, rope):
+    """R = int(H * rope_fraction), the rotated features of each head (None without RoPE).
+    `rope_fraction` is checked whether or not RoPE is on: a Python or NumPy number in (0, 1];
+    with RoPE, R must also be even and at least 2."""
+    valid = _is_positive_number(rope_fraction) and rope_fraction <= 1
+    rotary = int(head_dim * rope_fraction) if valid else 0
+    if not valid or (rope and (rotary < 2 or rotary % 2)):
         raise ValueError(
-            f"`query`, `key` and `value` must have the layer's dtype {_dtype_name(dtype)}: cast them, or the layer "
-            f"(`layer.to(dtype)`), or call it under torch.autocast. Received: query.dtype={_dtype_name(query.dtype)}"
+            "`rope_fraction` must be in (0, 1] and rotate an even number R = int(head_dim * rope_fraction) >= 2 of "
+            f"features. Received: rope_fraction={rope_fraction!r}, head_dim={head_dim}"
         )
+    return rotary if rope else None
 
 
-def _keeps_kernels():
-    """Whether the layer keeps the concatenated q/k/v kernels between calls (`_fused_weights`):
-    eagerly under `no_grad`. Elsewhere a decode step projects with the three projections:
-    concatenating the kernels at every step costs more than the one matmul saves."""
-    return not torch.is_grad_enabled() and _eager()
-
-
-def _versions(tensors, dtype):
-    """The storage and version counter of each tensor (None stays None) and `dtype`: what changes
-    when a tensor is replaced, moved, cast or written in place. None for an inference-mode tensor
-    (no version counter)."""
-    try:
-        return [None if w is None else (w.data_ptr(), w._version) for w in tensors] + [dtype]
-    except RuntimeError:  # an inference-mode tensor: no version counter
+def _check_rope_scaling(scaling):
+    """A copy of `rope_scaling` (None, or a dict as `transformers` writes it), checked."""
+    if scaling is None:
         return None
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    parameters = _ROPE_SCALING.get(kind, ())
+    valid = bool(parameters) and all(_is_positive_number(scaling.get(name)) for name in parameters)
+    if valid and kind == "llama3":
+        valid = scaling["high_freq_factor"] > scaling["low_freq_factor"]
+    if valid and kind == "yarn":
+        valid = _valid_yarn(scaling)
+    if not valid:
+        raise ValueError(
+            "`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3' or 'yarn', with its "
+            f"parameters. Received: rope_scaling={scaling!r}"
+        )
+    return {name: value.item() if isinstance(value, np.generic) else value for name, value in scaling.items()}
 
 
-def _plain_linear(module, kind=nn.Linear):
-    """Whether `module` computes exactly F.linear(x, weight, bias) (or, with kind=Int8Linear,
-    `_int8_linear(x, weight, weight_scale, bias)`): a `kind` itself (a subclass, a LoRA wrapper, a
-    quantized, parametrized or FSDP2-sharded module has another class), with no hooks of its own
-    (tensor parallelism and pruning add hooks) and no hooks registered for every module."""
-    return type(module) is kind and not _own_hooks(module) and not _global_hooks()
+def _valid_yarn(scaling):
+    """YaRN's optional parameters: each None (absent) or positive, `truncate` True or False, and
+    beta_fast (default 32) at least beta_slow (default 1)."""
+    if not all(scaling.get(name) is None or _is_positive_number(scaling[name]) for name in _YARN_OPTIONAL):
+        return False
+    truncate = isinstance(scaling.get("truncate", True), (bool, np.bool_))
+    return truncate and (scaling.get("beta_fast") or 32) >= (scaling.get("beta_slow") or 1)
 
 
-def _own_hooks(module):
-    """Whether `module` has hooks of its own (tensor parallelism and pruning add hooks)."""
-    return bool(
-        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
-    )
+def _check_rope_sections(sections, rotary):
+    """`rope_sections` as a tuple of Python ints (None passes; at least one section); with RoPE
+    (`rotary` R not None) they must sum to R/2, the rotated pairs."""
+    if sections is None:
+        return None
+    valid = isinstance(sections, (list, tuple)) and len(sections) > 0
+    if not valid or not all(_is_positive_int(size) for size in sections):
+        raise ValueError(
+            "`rope_sections` must be None or a list or tuple of positive integers. "
+            f"Received: rope_sections={sections!r}"
+        )
+    if rotary is not None and sum(sections) != rotary // 2:
+        raise ValueError(
+            f"`rope_sections` must sum to R/2 = {rotary // 2}, the pairs RoPE rotates "
+            f"(R = int(head_dim * rope_fraction) = {rotary}). Received: rope_sections={sections!r}"
+        )
+    return tuple(int(size) for size in sections)
 
 
-def _global_hooks():
-    """Whether module hooks registered for every module (`register_module_forward_hook` and friends) are set."""
-    state = torch.nn.modules.module
-    hooks = (
-        state._global_forward_hooks, state._global_forward_pre_hooks,
-        state._global_backward_hooks, state._global_backward_pre_hooks,
-    )  # fmt: skip
-    return any(hooks)
+def _positions(layer, positions, query, key, cache):
+    """Step 1 for RoPE: checked (B, T) positions ((k, B, T) with `rope_sections`), arange(T)
+    (+ the cache's index) by default, the same for every section."""
+    if layer.rope_theta is None:
+        if positions is not None:
+            raise ValueError(
+                "`positions` needs RoPE: construct the layer with `rope_theta`. "
+                "Received: positions with rope_theta=None"
+            )
+        return None
+    (b, t), s = query.shape[:2], key.shape[1]
+    if cache is None and s != t:
+        raise ValueError(
+            "RoPE needs `key` and `value` to hold the query's own tokens (S == T, or decoding with `cache`). "
+            f"Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
+        )
+    if positions is None:
+        start = 0 if cache is None else cache.index
+        positions = start + torch.arange(t, device=query.device)  # (T,)
+    return _check_positions(positions, b, t, layer.rope_sections)  # (B, T) or (k, B, T)
+
+
+def _check_positions(positions, b, t, sections=None):
+    """Checks integer (B, T) or (T,) `positions` and returns them as (B, T); with k `sections`
+    also (k, B, T), and returns them as (k, B, T)."""
+    shapes = ((b, t), (t,)) if sections is None else ((b, t), (t,), (len(sections), b, t))
+    if not _is_integer(positions) or tuple(positions.shape) not in shapes:
+        expected = "(B, T) or (T,)" if sections is None else f"(B, T), (T,) or ({len(sections)}, B, T)"
+        rows = "" if sections is None else " (one row per section of `rope_sections`)"
+        raise ValueError(
+            f"`positions` must be an integer tensor of shape {expected} with B={b}, T={t}{rows}. "
+            f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={_dtype_name(positions.dtype)}"
+        )
+    return positions.expand(b, t) if sections is None else positions.expand(len(sections), b, t)  # (B, T), (k, B, T)
+
+
+def rope_frequencies(rotary_dim, theta, scaling=None, *, device=None):
+    """The RoPE frequencies inv_freq[i] = theta ** (-2i / R) for i in [0, R/2), rewritten by
+    `scaling` (None, or a `transformers` rope_scaling dict: "linear", "llama3" or "yarn").
+
+    Returns:
+        inv_freq (R/2,) float32, computed in float64 and rounded once.
+    """
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device) / rotary_dim  # (R/2,)
+    inv_freq = torch.pow(theta, -exponents)  # (R/2,)
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    if kind == "llama3":
+        inv_freq = _llama3_frequencies(inv_freq, scaling)
+    if kind == "yarn":
+        inv_freq = _yarn_frequencies(inv_freq, theta, scaling)
+    return inv_freq.float()
+
+
+def _llama3_frequencies(inv_freq, scaling):
+    """Llama 3.1's rewrite (transformers' `_compute_llama3_parameters`): wavelengths shorter than
+    original_max_position_embeddings / high_freq_factor are kept, those longer than
+    original_max_position_embeddings / low_freq_factor divided by `factor`, the ones between
+    interpolated smoothly."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq  # (R/2,)
+    smooth = (context / wavelength - low) / (high - low)  # (R/2,)
+    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq  # (R/2,)
+    scaled = torch.where(wavelength > context / low, inv_freq / factor, smoothed)  # (R/2,)
+    return torch.where(wavelength < context / high, inv_freq, scaled)  # (R/2,)
+
+
+def _yarn_correction_dim(rotations, rotary_dim, theta, context):
+    """The (fractional) pair index whose wavelength turns `rotations` times over `context` positions."""
+    return rotary_dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+
+def _yarn_frequencies(inv_freq, theta, scaling):
+    """YaRN's rewrite (transformers' `_compute_yarn_parameters`): pairs below the correction dim of
+    beta_fast rotations keep inv_freq (extrapolation), pairs above that of beta_slow take
+    inv_freq / factor (interpolation), a linear ramp between (bounds floored and ceiled when
+    `truncate`, the default)."""
+    rotary_dim, context = 2 * inv_freq.shape[0], scaling["original_max_position_embeddings"]
+    low = _yarn_correction_dim(scaling.get("beta_fast") or 32, rotary_dim, theta, context)
+    high = _yarn_correction_dim(scaling.get("beta_slow") or 1, rotary_dim, theta, context)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    high = high + 0.001 if high == low else high  # as transformers: no ramp of zero width
+    pairs = torch.arange(rotary_dim // 2, dtype=inv_freq.dtype, device=inv_freq.device)  # (R/2,)
+    ramp = ((pairs - low) / (high - low)).clamp(0.0, 1.0)  # (R/2,), 1 = interpolated
+    return inv_freq / scaling["factor"] * ramp + inv_freq * (1.0 - ramp)  # (R/2,)
+
+
+def rope_attention_factor(scaling):
+    """The factor of the rotated features of q and k (transformers multiplies cos and sin by it):
+    YaRN's `attention_factor`, else mscale(factor, mscale) / mscale(factor, mscale_all_dim) when
+    both are given, else mscale(factor, 1), with mscale(s, m) = 0.1 * m * ln(s) + 1 (1 for s <= 1);
+    1.0 for the other scalings."""
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return _yarn_mscale(factor, 1.0)
+
+
+def _yarn_mscale(factor, mscale):
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _reset_rope(layer):
+    """`_inv_freq` computed (`rope_frequencies`, float32) on the device it is on."""
+    if layer._inv_freq is not None:
+        device = layer._inv_freq.device
+        layer._inv_freq = rope_frequencies(layer._rotary_dim, layer.rope_theta, layer.rope_scaling, device=device)
+
+
+def _rotate(layer, q, k, positions):
+    """Step 4, RoPE: q and k turned at their (B, T) positions by the frequencies `_inv_freq`
+    (with `rope_sections`, (k, B, T) positions: each section of pairs by its row). MLA turns its
+    own (`_project_latent`)."""
+    return _turn_heads(layer, q, positions), _turn_heads(layer, k, positions)
+
+
+def _turn_heads(layer, x, positions):
+    """RoPE of the first R features of each head of x (B, heads, T, H), times YaRN's factor."""
+    inv_freq = layer._inv_freq.to(x.device)  # (R/2,) float32
+    x = apply_rope(x, positions, inv_freq, layer.rope_interleaved, layer.rope_sections)  # (B, heads, T, H)
+    return scale_rotated(x, layer._rotary_dim, rope_attention_factor(layer.rope_scaling))
+
+
+def scale_rotated(x, rotary_dim, factor):
+    """The first R (rotated) features of each head of x (B, heads, T, H) times `factor` (YaRN)."""
+    if factor == 1.0:
+        return x
+    if rotary_dim == x.shape[-1]:
+        return x * factor
+    return torch.cat((x[..., :rotary_dim] * factor, x[..., rotary_dim:]), dim=-1)  # (B, heads, T, H)
+
+
+def apply_rope(x, positions, inv_freq, interleaved, sections=None):
+    """Rotary position embeddings: turns the first R = 2 * len(inv_freq) features of each head.
+
+    Args:
+        x: (B, heads, T, H) queries or keys.
+        positions: (B, T) integer positions, or (k, B, T) with `sections`.
+        inv_freq: (R/2,) float32 frequencies from `rope_frequencies`.
+        interleaved: False pairs feature i with feature i + R/2 ("rotate half": Llama, GPT-NeoX);
+            True pairs features 2i and 2i + 1 (GPT-J).
+        sections: None, or k numbers of pairs summing to R/2 (multimodal RoPE, Qwen2-VL): the
+            pairs of section j turn by the positions of row j.
+
+    Returns:
+        x with each pair (x1, x2) at position p turned to (x1 cos - x2 sin, x2 cos + x1 sin) by the
+        angle p * inv_freq[i] (computed in float32), cast back to x's dtype; the other H - R
+        features unchanged.
+    """
+    angles = rope_angles(positions, inv_freq, sections)[:, :, None, :]  # (B, T, R/2) -> (B, T, 1, R/2)
+    cos, sin = angles.cos(), angles.sin()  # (B, T, 1, R/2)
+    cos, sin = _on_pairs(cos, cos, interleaved), _on_pairs(-sin, sin, interleaved)  # (B, T, 1, R)
+    x = x.transpose(1, 2)  # (B, heads, T, H) -> (B, T, heads, H), the projections' memory order
+    return _Turn.apply(x, cos, sin, interleaved).transpose(1, 2)  # -> (B, heads, T, H)
+
+
+def rope_angles(positions, inv_freq, sections=None):
+    """(B, T, R/2) float32 angles: (B, T) positions times the (R/2,) inv_freq; with `sections`
+    (multimodal RoPE) the pairs are split, in order, into sections of those sizes, and pair i of
+    section j turns by positions[j] * inv_freq[i], from (k, B, T) positions."""
+    if sections is None:
+        return positions[:, :, None].float() * inv_freq  # (B, T, 1) * (R/2,) -> (B, T, R/2)
+    rows = zip(positions.unbind(0), inv_freq.split(sections), strict=True)  # k x ((B, T), (R_j/2,))
+    return torch.cat([row[:, :, None].float() * part for row, part in rows], dim=-1)  # -> (B, T, R/2)
+
+
+def _turn(x, cos, sin, interleaved):
+    """(B, T, heads, H) -> (B, T, heads, H): swapped * sin + x * cos on the first R features (cos
+    and sin (B, T, 1, R) on pairs, as `apply_rope` makes them), in float32 at least, in place in
+    the swapped copy (one new tensor, not three); the other H - R features unchanged."""
+    rotary_dim = cos.shape[-1]
+    rotary = x[..., :rotary_dim].to(torch.promote_types(x.dtype, torch.float32))  # (B, T, heads, R)
+    turned = _swap_pairs(rotary, interleaved).mul_(sin).addcmul_(rotary, cos).to(x.dtype)  # (B, T, heads, R)
+    return turned if rotary_dim == x.shape[-1] else torch.cat((turned, x[..., rotary_dim:]), dim=-1)
+
+
+def _on_pairs(first, second, interleaved):
+    """Two (..., R/2) values of each pair -> (..., R): on its first and on its second feature."""
+    if interleaved:
+        return torch.stack((first, second), dim=-1).flatten(-2)  # (..., R/2, 2) -> (..., R)
+    return torch.cat((first, second), dim=-1)  # (..., R)
+
+
+def _swap_pairs(x, interleaved):
+    """(..., R) -> a new (..., R): each pair (x1, x2) as (x2, x1). With cos on both features and
+    (-sin, sin) on the pair, x * cos + swapped * sin = (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    if interleaved:
+        return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (..., R/2, 2) flipped -> (..., R)
+    x1, x2 = x.chunk(2, dim=-1)  # (..., R/2) each
+    return torch.cat((x2, x1), dim=-1)  # (..., R)
 
 
 class _Turn(torch.autograd.Function):
@@ -1771,13 +1506,771 @@ class _Turn(torch.autograd.Function):
 
 
 # -------------------------------------------------------------------------------------------------
-# int8
+# Section: QK-norm, clip_qkv and the gate
 # -------------------------------------------------------------------------------------------------
+# `qk_norm` (RMSNorm or LayerNorm, `qk_norm_bias`: Qwen3, OLMo2, StableLM, Phi), `clip_qkv` (q, k
+# and v clamped after the projections: OLMo, DBRX, MPT) and `gate` (each head's result times
+# sigmoid(query @ gate_kernel + gate_bias): Keras' `use_gate`, Qwen3-Next).
 
+
+def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
+    """QK-norm's and clip_qkv's constructor arguments checked, in this order: (qk_norm,
+    qk_norm_eps, qk_norm_type, clip_qkv). `qk_norm_bias` and `gate` are flags (`_check_variants`)."""
+    if qk_norm not in (None, "head", "per_head", "all"):
+        raise ValueError(f"`qk_norm` must be None, 'head', 'per_head' or 'all'. Received: qk_norm={qk_norm!r}")
+    qk_norm = None if qk_norm is None else str(qk_norm)  # np.str_ held as str
+    qk_norm_eps = _positive_float("qk_norm_eps", qk_norm_eps)
+    if not isinstance(qk_norm_type, str) or qk_norm_type not in ("rms", "layer"):
+        raise ValueError(f"`qk_norm_type` must be 'rms' or 'layer'. Received: qk_norm_type={qk_norm_type!r}")
+    clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
+    return qk_norm, qk_norm_eps, str(qk_norm_type), clip_qkv
+
+
+def _clip(layer, x):
+    """`clip_qkv` (OLMo, DBRX, MPT): x clamped to [-c, c] (unchanged when None), with the
+    clamp's gradient, 1 within [-c, c] (bounds included) and 0 outside."""
+    return x if layer.clip_qkv is None else x.clamp(-layer.clip_qkv, layer.clip_qkv)
+
+
+def _normalize_qk(layer, q, k):
+    """Step 3, QK-norm: RMSNorm or LayerNorm (`qk_norm_type`) of q and k over each head with
+    one scale ("head") or a scale per head ("per_head"), or over all heads ("all"); plus the
+    norm's bias with `qk_norm_bias`."""
+    if layer.qk_norm is None:
+        return q, k
+    norm = rms_norm if layer.qk_norm_type == "rms" else layer_norm
+    eps, q_bias, k_bias = layer.qk_norm_eps, layer.query_norm_bias, layer.key_norm_bias
+    if layer.qk_norm == "head":
+        return norm(q, layer.query_norm, eps, q_bias), norm(k, layer.key_norm, eps, k_bias)
+    over = _norm_per_head if layer.qk_norm == "per_head" else _norm_over_heads
+    return over(norm, q, layer.query_norm, eps, q_bias), over(norm, k, layer.key_norm, eps, k_bias)
+
+
+def rms_norm(x, scale, eps, bias=None):
+    """RMSNorm over the last axis, x / sqrt(mean(x ** 2) + eps) * scale (+ bias), computed in
+    float32 at least and cast back to x's dtype."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    y = x.to(dtype)
+    y = y * torch.rsqrt(y.square().mean(dim=-1, keepdim=True) + eps)
+    return _scale_and_shift(y, scale, bias).to(x.dtype)
+
+
+def layer_norm(x, scale, eps, bias=None):
+    """LayerNorm over the last axis, (x - mean(x)) / sqrt(mean((x - mean(x)) ** 2) + eps) * scale
+    (+ bias), the variance biased, computed in float32 at least and cast back to x's dtype."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    y = x.to(dtype)
+    y = y - y.mean(dim=-1, keepdim=True)
+    y = y * torch.rsqrt(y.square().mean(dim=-1, keepdim=True) + eps)
+    return _scale_and_shift(y, scale, bias).to(x.dtype)
+
+
+def _scale_and_shift(y, scale, bias):
+    """y * scale (+ bias), the weights in y's dtype (float32 at least)."""
+    y = y * scale.to(y.dtype)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def _norm_over_heads(norm, x, scale, eps, bias):
+    """`norm` of (B, heads, L, H) x over all its heads' features, with (heads*H,) weights."""
+    b, heads, length, h = x.shape
+    flat = x.transpose(1, 2).reshape(b, length, heads * h)  # (B, heads, L, H) -> (B, L, heads*H)
+    return norm(flat, scale, eps, bias).view(b, length, heads, h).transpose(1, 2)  # -> (B, heads, L, H)
+
+
+def _norm_per_head(norm, x, scale, eps, bias):
+    """`norm` of (B, heads, L, H) x over each head's H features, head n with the weights
+    [n*H:(n+1)*H] of the (heads*H,) `scale` and `bias`."""
+    heads, h = x.shape[1], x.shape[3]
+    scale = scale.view(heads, 1, h)  # (heads*H,) -> (heads, 1, H)
+    return norm(x, scale, eps, None if bias is None else bias.view(heads, 1, h))  # (B, heads, L, H)
+
+
+def _gate_heads(layer, call, context):
+    """Step 6b: the (B, N, T, Hv) attention result times sigmoid(query @ gate_kernel + gate_bias)
+    split into heads (unchanged without `gate`; Hv = H without MLA)."""
+    if layer.gate is None:
+        return context
+    gate = torch.sigmoid(layer._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
+    return context * gate.unflatten(-1, (-1, context.shape[-1])).transpose(1, 2)  # -> (B, N, T, Hv)
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: KV cache and decode steps
+# -------------------------------------------------------------------------------------------------
+# Decoding with a KV cache (L: the cache's max length): `cache = layer.init_cache(B, L)`, then
+# `output, cache = layer(x, cache=cache)` for a prompt (T > 1) and then one token at a time (T = 1).
+# The keys and values of the T new tokens are written to slots [index, index + T), and query t
+# attends slot s iff s < index + T, keep[b, s], (not causal or s <= index + t), (no window or
+# s > index + t - W_before, and s < index + t + W_after with a pair), (no chunk or s // C ==
+# (index + t) // C) and `attention_mask` (given over L) keeps it; `key_mask` (B, T) is ANDed into
+# `keep` at the written slots, and RoPE turns the new tokens by positions index + t. Token-by-token
+# equals the full causal pass. With a `window` W (W_before of a pair) the cache rolls: position p
+# goes to slot p mod L, so L = W slots decode any number of tokens one at a time (a call that
+# wraps needs L >= W + T - 1). The cache's tensors are written in place (for inference; call it
+# under `torch.no_grad()`). The decode fast path (`_decode_step`) gives `forward` a checked call
+# without the check step; `forward` then runs its own steps.
+
+
+class KVCache(NamedTuple):
+    """The keys and values of the tokens decoded so far (make one with `init_cache`).
+
+    Attributes:
+        key: (B, K, L, H) projected keys, one slot per position; L is the cache's max length.
+        value: (B, K, L, H) projected values.
+        keep: (B, L) boolean; False marks a slot no query may attend (left padding).
+        index: scalar integer, the positions written so far; position p is in slot p (with a
+            `window`, slot p mod L: the cache rolls), and the next call writes from index.
+    """
+
+    key: torch.Tensor
+    value: torch.Tensor
+    keep: torch.Tensor
+    index: torch.Tensor
+
+
+def _init_cache(layer, batch_size, max_length, *, keep=None, dtype=None):
+    """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
+
+    Args:
+        batch_size: B.
+        max_length: L, the number of slots.
+        keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
+            of different lengths). Defaults to all True.
+        dtype: dtype of the keys and values; defaults to the compute dtype, the parameters'.
+
+    Returns:
+        A `KVCache` of zeros with index 0, on the parameters' device: keys and values
+        (B, K, L, H); with MLA the latent cache, latents (B, 1, L, C) in `key` and turned
+        shared key parts (B, 1, L, Hr) in `value`.
+    """
+    b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
+    weight = _float_weight(layer)
+    device = torch.device("cpu") if weight is None else weight.device  # a quantized module runs on the CPU
+    keep = torch.ones(b, length, dtype=torch.bool) if keep is None else _check_keep(keep, b, length)
+    key_shape, value_shape = _cache_shapes(layer, b, length)  # (B, K, L, H) each; MLA's its own
+    default = torch.get_default_dtype() if weight is None else weight.dtype
+    dtype = default if dtype is None else dtype
+    keep = keep.to(device, copy=True)  # the cache's own: decoding writes it in place
+    index = torch.zeros((), dtype=torch.long, device=device)
+    if _eager() and device.type != "meta":  # checked once here, carried: a step reads no value (`_carry`)
+        _all_kept(keep)
+        _carry(index, 0)
+    return KVCache(
+        torch.zeros(key_shape, dtype=dtype, device=device),
+        torch.zeros(value_shape, dtype=dtype, device=device),
+        keep,
+        index,
+    )
+
+
+def _check_keep(keep, batch_size, max_length):
+    """Checks the (B, L) boolean `keep` of `init_cache`."""
+    keep = torch.as_tensor(keep)
+    if keep.dtype != torch.bool or tuple(keep.shape) != (batch_size, max_length):
+        raise ValueError(
+            f"`keep` must be a boolean array of shape (B, L)=({batch_size}, {max_length}). "
+            f"Received: keep.shape={tuple(keep.shape)}, keep.dtype={_dtype_name(keep.dtype)}"
+        )
+    return keep
+
+
+def _check_cache_call(layer, cache, query, key, dtype, latent):
+    """Step 1 with a cache: its shapes (`_check_cache`; MLA's with the `_Latent` sizes `latent`), its
+    dtype (the compute `dtype`) and the room for the T new tokens (`_check_room`: under
+    `torch.compile` `forward` gives NaN instead)."""
+    _check_cache(cache, query, key, layer.num_kv_heads, layer.head_dim, latent)
+    _check_cache_dtype(cache, dtype)
+    _check_room(cache.index, query.shape[1], cache.key.shape[2], _window_sides(layer.window)[0])
+
+
+def _check_cache(cache, query, key, heads, head_dim, latent=None):
+    """Checks a KVCache against the call's (B, T, E) query and (B, S, kdim) key: keys and values
+    (B, K, L, H), or with MLA the latent cache (B, 1, L, C) and (B, 1, L, Hr)."""
+    (b, t), s = query.shape[:2], key.shape[1]
+    if t == 0:
+        raise ValueError(
+            "`query` must hold at least one token (T >= 1) when decoding with `cache`. "
+            f"Received: query.shape={tuple(query.shape)}"
+        )
+    if s != t:
+        raise ValueError(
+            "`key` and `value` must hold the T tokens of `query` when decoding with `cache` (they are written to "
+            f"it). Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
+        )
+    k, v = cache.key, cache.value
+    if latent is not None:
+        _check_latent_cache(k, v, b, latent)
+    elif k.dim() != 4 or k.shape != v.shape or (k.shape[0], k.shape[1], k.shape[3]) != (b, heads, head_dim):
+        raise ValueError(
+            f"`cache.key` and `cache.value` must have shape (B, K, L, H) with B={b}, K={heads}, H={head_dim}. "
+            f"Received: cache.key.shape={tuple(k.shape)}, cache.value.shape={tuple(v.shape)}"
+        )
+    if tuple(cache.keep.shape) != (b, k.shape[2]):
+        raise ValueError(
+            f"`cache.keep` must have shape (B, L)=({b}, {k.shape[2]}). "
+            f"Received: cache.keep.shape={tuple(cache.keep.shape)}"
+        )
+
+
+def _check_cache_dtype(cache, dtype):
+    if cache.key.dtype != dtype or cache.value.dtype != dtype:
+        raise ValueError(
+            f"`cache` must hold the layer's compute dtype {_dtype_name(dtype)}. "
+            f"Received: cache.key.dtype={_dtype_name(cache.key.dtype)}, "
+            f"cache.value.dtype={_dtype_name(cache.value.dtype)}"
+        )
+
+
+def _check_room(index, t, length, window):
+    """Without a window the T new tokens must fit (index + T <= L); with one (`window` is W_before
+    of a pair) the cache rolls, and a call that wraps must leave its first query's keys in place
+    (L >= window + T - 1).
+
+    Eagerly a call without room is a ValueError. Under `torch.compile` (where raising needs a
+    graph break) it returns a () boolean tensor, True for a call without room, and `forward`
+    sets that call's output to NaN. On the meta device (no values) nothing is checked.
+    """
+    if torch.compiler.is_compiling() or index.device.type == "meta":
+        return (index + t > length) & (window is None or length < window + t - 1)  # ()
+    known = _carried(index)
+    index = int(index) if known is None else known
+    if index + t > length and (window is None or length < window + t - 1):
+        raise _cache_full_error(index, t, length) if window is None else _cache_too_short_error(window, t, length)
+    return False
+
+
+def _cache_full_error(index, t, length):
+    return ValueError(
+        f"`cache` is full: index + T must be <= L (call `init_cache` with a larger `max_length`). "
+        f"Received: index={index}, T={t}, L={length}"
+    )
+
+
+def _cache_too_short_error(window, t, length):
+    return ValueError(
+        "`cache` rolls with `window`: a call that wraps around it (index + T > L) needs L >= window + T - 1 "
+        f"(call `init_cache` with a larger `max_length`, or decode in shorter chunks). "
+        f"Received: window={window}, T={t}, L={length}"
+    )
+
+
+def _no_room_as_nan(layer, call, output):
+    """Under `torch.compile` (a graph cannot raise) the output of a call that had no room in its
+    cache (`_check_room`, read again from the written cache's index) set to NaN."""
+    t, length = call.query.shape[1], call.cache.key.shape[2]
+    no_room = _check_room(call.cache.index - t, t, length, _window_sides(layer.window)[0])
+    return torch.where(no_room, torch.nan, output)
+
+
+def _update_cache(layer, call, k, v, keep, fast=None):
+    """Step 5, the KV cache: the new keys and values written (`_write_cache`, checked by
+    `_check_call`), then k and v are the cache's. A lean decode step (eager, no mask, bias,
+    query_mask or returned weights, within the cache's first lap) attends the first index + T
+    slots as a full pass attends its keys (causal, window and chunk bottom-right aligned, the
+    cache's keep only where it holds a False): no (B, 1, T, L) keep. Every other call attends
+    all L slots through that keep, with causal, window and chunk folded into it. The decode fast
+    path gives the index it read (`fast`, `_decode_step`)."""
+    cache = call.cache
+    if cache is None:
+        return k, v, keep, call
+    t, length, index = k.shape[2], cache.key.shape[2], cache.index
+    start = _known_index(index) if fast is None else fast[2]
+    cache = _write_cache(cache, k, v, call.key_mask, start)
+    lean = keep is None and not call.return_attention  # each mask gives a keep
+    if lean and start is not None and start + t <= length:  # lean: the first S = index + T slots
+        k, v, keep = _first_slots(cache, start + t)  # (B, K, S, H) x 2, (B, 1, 1, S) or None
+        causal = call.causal and t > 1  # `call._replace(causal=causal, cache=cache)`, 2 us cheaper a step:
+        lean_call = _Call(*call[:8], causal, *call[9:12], cache, *call[13:])  # fields 8 and 12 replaced
+        return k, v, keep, lean_call
+    rule = (call.causal, call.window, call.attention_chunk_size)
+    keep = _and(keep, _cache_keep(cache.keep, index, t, *rule))  # (B, N, T, L), dims may be 1
+    folded = call._replace(causal=False, window=None, attention_chunk_size=None, cache=cache)
+    return cache.key, cache.value, keep, folded
+
+
+def _write_cache(cache, k, v, key_mask, start):
+    """gpt-fast's `KVCache.update`: the (B, K, T, H) keys and values of positions [index, index + T)
+    go to slots position mod L of the cache's own tensors, and the (B, T) `key_mask` (True without
+    one) into `keep` there: ANDed into it on the first lap (left padding), in its place once a slot
+    holds a new token. Returns the cache with index + T. The caller checks the room first
+    (`_check_room`); under `torch.compile` a call without room still writes in range. A call whose
+    index is known, `start` (`_known_index`; else None), and that stays in the first lap writes
+    slots [index, index + T) as views, without index tensors (the same rule, cheaper for a decode
+    step), and its new index carries its value."""
+    t, length = k.shape[2], cache.key.shape[2]
+    if start is not None and start + t <= length:  # the first lap: slot p holds position p
+        cache.key.narrow(2, start, t).copy_(k)  # (B, K, L, H)
+        cache.value.narrow(2, start, t).copy_(v)  # (B, K, L, H)
+        if key_mask is not None:
+            cache.keep.narrow(1, start, t).logical_and_(key_mask)  # (B, L)
+        return KVCache(cache.key, cache.value, cache.keep, _carry(cache.index.new_full((), start + t), start + t))
+    positions = cache.index + torch.arange(t, device=k.device)  # (T,)
+    slots = positions % length  # (T,)
+    cache.key.index_copy_(2, slots, k)  # (B, K, L, H)
+    cache.value.index_copy_(2, slots, v)  # (B, K, L, H)
+    new = torch.ones(k.shape[0], t, dtype=torch.bool, device=k.device) if key_mask is None else key_mask  # (B, T)
+    old = cache.keep.index_select(1, slots)  # (B, T)
+    cache.keep.index_copy_(1, slots, torch.where(positions < length, old & new, new))  # (B, L)
+    return KVCache(cache.key, cache.value, cache.keep, cache.index + t)
+
+
+def _cache_keep(keep, index, t, causal, window, attention_chunk_size):
+    """(B, L) cache keep -> (B, 1, T, L): slot s holds a written position p(s), is not padding,
+    when causal p(s) is at most the query's own position index + t, with a window p(s) >
+    index + t - W_before (and with a pair p(s) < index + t + W_after), and with a chunk C
+    p(s) // C == (index + t) // C."""
+    held = _slot_positions(keep.shape[-1], index + t - 1)[None, :]  # (1, L), p(s)
+    positions = index + torch.arange(t, device=keep.device)[:, None]  # (T, 1), the position of each query
+    allowed = (held >= 0) & (held <= positions if causal else held < index + t)  # (T, L)
+    before, after = _window_sides(window)
+    if before is not None:
+        allowed = allowed & (held > positions - before)  # (T, L)
+    if after is not None:
+        allowed = allowed & (held < positions + after)  # (T, L)
+    chunk = attention_chunk_size
+    if chunk is not None:
+        allowed = allowed & (torch.div(held, chunk, rounding_mode="floor") == positions // chunk)  # (T, L)
+    return allowed[None, None] & keep[:, None, None, :]  # (B, 1, T, L)
+
+
+def _slot_positions(length, last):
+    """(L,) the position held by each slot once positions up to `last` are written (position p in
+    slot p mod L); negative where nothing is written yet."""
+    slots = torch.arange(length, device=last.device)  # (L,)
+    return slots + length * torch.div(last - slots, length, rounding_mode="floor")  # (L,)
+
+
+def _first_slots(cache, stop):
+    """The keys and values of a cache's first `stop` slots, written in its first lap, (B, K, S, H)
+    with S = stop, and their keep (B, 1, 1, S), None where it holds only True (all kept: not read)."""
+    prefix = None if _all_kept(cache.keep) else cache.keep[:, :stop]  # (B, L) -> (B, S)
+    keep = None if prefix is None or prefix.all() else prefix[:, None, None, :]  # (B, S) -> (B, 1, 1, S)
+    return cache.key.narrow(2, 0, stop), cache.value.narrow(2, 0, stop), keep  # (B, K, L, H) -> (B, K, S, H)
+
+
+def _decode_step(layer, query, positions, causal, cache):
+    """The decode fast path: a call that gives only the query (with `causal`, and `positions` as
+    a tensor) and a cache, eagerly under no_grad, over plain projections whose q/k/v kernels the
+    layer keeps (`_kept_kernels`; never with MLA) and a cache whose index carries its value and
+    whose T tokens fit in its first lap (`_carried_start`). Those facts answer the check step's
+    checks, so this returns the `_Call` that `_check_call` would give and `fast`: the kept kernels
+    (q/k/v, output) and the cache's carried index, for
+    `forward`'s own steps 2 to 7 (bit for bit the general call); or (None, None) where it does not
+    apply: the call then runs through the check step, which raises where it is invalid."""
+    tensors = type(query) is torch.Tensor and (positions is None or type(positions) is torch.Tensor)
+    if not tensors or type(cache) is not KVCache or torch.is_grad_enabled() or not _eager():
+        return None, None
+    if torch._C._is_any_autocast_enabled():  # on any device: read without `query.device`, a new object
+        return None, None
+    width = query.dim() == 3 and query.shape[2] == layer.d_model
+    kernels = _kept_kernels(layer, query.dtype) if width else None  # ((q/k/v kernels), (output kernel))
+    if kernels is None:
+        return None, None
+    (b, t), dtype = query.shape[:2], query.dtype
+    start = _carried_start(cache, b, t, layer.num_kv_heads, layer.head_dim, dtype)
+    if start is None or kernels[1][0].dtype != dtype:  # the compute dtype (`_compute_dtype`) is the query's
+        return None, None
+    if positions is not None or layer.rope_theta is not None:
+        positions = _positions(layer, positions, query, query, cache)  # checked (B, T)
+    call = _Call(
+        query, query, query, None, None, None, None, positions, causal, layer.window, layer.attention_chunk_size,
+        False, cache, None, True,
+    )  # fmt: skip
+    return call, (*kernels, start)
+
+
+def _carried_start(cache, b, t, heads, head_dim, dtype):
+    """The index of a cache that passes every check of a T-token call (`_check_cache`,
+    `_check_cache_dtype` with the compute `dtype`, `_check_room`) and whose tokens fit in its first
+    lap, from the value its index carries (`_carried`: no value read); else None, and the call's
+    own checks run."""
+    key, value, keep = cache.key, cache.value, cache.keep
+    start = _carried(cache.index)
+    tensors = type(key) is torch.Tensor and type(value) is torch.Tensor and type(keep) is torch.Tensor
+    if start is None or not tensors or key.dim() != 4:
+        return None
+    length = key.shape[2]
+    shapes = key.shape == value.shape == (b, heads, length, head_dim) and keep.shape == (b, length)
+    return start if shapes and key.dtype == value.dtype == dtype and 0 < t <= length - start else None
+
+
+def _eager():
+    """Whether the call runs eagerly: not inside `torch.compile` or `torch.jit.trace`."""
+    return not (torch.compiler.is_compiling() or torch.jit.is_tracing())
+
+
+def _carry(tensor, value):
+    """`tensor` with `value`, what a check of it found (a cache's index, whether its keep holds
+    only True), attached with its version counter where it has one (an inference-mode tensor has
+    none, so a later write in place could not be told). Called eagerly only (`_eager`). A cache
+    is checked once, when it is made or first read, and each step reads the result back
+    (`_carried`) instead of the tensor's values: no value read (a device sync on a GPU)."""
+    if not tensor.is_inference():
+        tensor._checked = (tensor._version, value)
+    return tensor
+
+
+def _carried(tensor):
+    """The value `_carry` attached to `tensor`, or None where none is attached or the tensor was
+    written in place since (its version counter moved)."""
+    checked = getattr(tensor, "_checked", None)
+    return None if checked is None or checked[0] != tensor._version else checked[1]
+
+
+def _known_index(index):
+    """A cache's index as a Python int where it can be read: eagerly (not inside `torch.compile` or
+    `torch.jit.trace`, whose graphs cannot depend on it) and off the meta device; else None. An
+    index the last step wrote carries its value (`_carry`, eagerly and never on the meta device):
+    not read again."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():  # not `_eager()`
+        return None
+    known = _carried(index)
+    return known if known is not None else None if index.device.type == "meta" else int(index)
+
+
+def _all_kept(keep):
+    """Whether a cache's (B, L) keep holds only True, read once and carried while it is not written."""
+    known = _carried(keep)
+    if known is None:
+        known = bool(keep.all())
+        _carry(keep, known)
+    return known
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: multi-head latent attention
+# -------------------------------------------------------------------------------------------------
+# Multi-head latent attention (DeepSeek-V2/V3, `kv_lora_rank` and the sizes after it): its checks,
+# its projections (the latents, `query_a`/`query_b`), its cache (the latents and the turned shared
+# key part) and its attention, on the latents expanded per head or absorbed into q. Keys and values
+# come from one latent c = RMSNorm(first C features of key @ key_value_a_kernel) per token, expanded
+# per head by `key_value_b_kernel`; with `q_lora_rank` Q, q = RMSNorm(query @ query_a_kernel) @
+# query_b_kernel; the output kernel is (N*Hv, E); the cache holds c and the turned shared key part.
+
+
+_LATENT_SIZES = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+_ABSORB_MAX_T = 8  # `absorb_latents=None`: a call with a cache and T <= 8 attends on the latents
+
+
+class _Latent(NamedTuple):
+    """The sizes of multi-head latent attention (MLA), checked (`_check_latent`)."""
+
+    kv_lora_rank: int  # C
+    q_lora_rank: int | None  # Q, None: a plain query projection
+    qk_nope_head_dim: int  # Hn
+    qk_rope_head_dim: int  # Hr
+    v_head_dim: int  # Hv
+
+
+def _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim):
+    """Checks the MLA sizes (each None or a positive integer, in the signature's order) and returns
+    a `_Latent`, or None without `kv_lora_rank`, when the others must be None too."""
+    sizes = dict(
+        zip(_LATENT_SIZES, (kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim), strict=True)
+    )
+    for name, value in sizes.items():
+        sizes[name] = None if value is None else _positive_int(name, value)
+    if sizes["kv_lora_rank"] is None:
+        for name in (name for name in _LATENT_SIZES[1:] if sizes[name] is not None):
+            raise ValueError(
+                f"`{name}` needs `kv_lora_rank` (multi-head latent attention). "
+                f"Received: {name}={sizes[name]!r}, kv_lora_rank=None"
+            )
+        return None
+    missing = [name for name in _LATENT_SIZES[2:] if sizes[name] is None]
+    if missing:
+        raise ValueError(
+            "`kv_lora_rank` needs `qk_nope_head_dim`, `qk_rope_head_dim` and `v_head_dim`. "
+            f"Received: kv_lora_rank={sizes['kv_lora_rank']}, {', '.join(f'{name}=None' for name in missing)}"
+        )
+    return _Latent(**sizes)
+
+
+def _latent_head_dim(latent, head_dim):
+    """H with MLA: qk_nope_head_dim + qk_rope_head_dim, which `head_dim`, if given, must equal."""
+    width = latent.qk_nope_head_dim + latent.qk_rope_head_dim
+    if head_dim is not None and not (_is_positive_int(head_dim) and head_dim == width):
+        raise ValueError(
+            f"`head_dim` must equal qk_nope_head_dim + qk_rope_head_dim = {width} with `kv_lora_rank`. "
+            f"Received: head_dim={head_dim!r}"
+        )
+    return width
+
+
+def _check_latent_combinations(vdim, variants):
+    """What MLA refuses, each with why (after every argument's own check)."""
+    refused = (
+        ("vdim", vdim, vdim is not None, "MLA reads keys and values from `key` (its width is `kdim`)"),
+        ("qk_norm", variants.qk_norm, variants.qk_norm is not None, "MLA normalizes the latents instead"),
+        ("clip_qkv", variants.clip_qkv, variants.clip_qkv is not None, "MLA has no q, k and v to clamp"),
+        ("rope_sections", variants.rope_sections, variants.rope_sections is not None, "RoPE turns the Hr features"),
+        ("rope_fraction", variants.rope_fraction, variants.rope_fraction != 1.0, "RoPE turns all Hr features"),
+    )
+    for name, value, given, why in refused:
+        if given:
+            raise ValueError(f"`{name}` is not supported with `kv_lora_rank`: {why}. Received: {name}={value!r}")
+
+
+def _projections(latent):
+    """The names `bias` takes: the layer's projections, query, key, value, output (with MLA query,
+    or query_a and query_b, key_value_a, key_value_b, output), then the gate's."""
+    if latent is None:
+        return _PROJECTIONS
+    query = ("query",) if latent.q_lora_rank is None else ("query_a", "query_b")
+    return (*query, "key_value_a", "key_value_b", "output", "gate")
+
+
+def _refuse_latent_value():
+    """MLA reads keys and values from `key`: a call's `value` other than `key` is refused."""
+    raise ValueError(
+        "`value` must be None or `key` itself with `kv_lora_rank`: MLA reads keys and values from `key`. "
+        "Received: a value other than key"
+    )
+
+
+def _check_latent_cache(k, v, batch_size, latent):
+    """The latent cache: (B, 1, L, C) latents and (B, 1, L, Hr) turned key parts."""
+    c, hr = latent.kv_lora_rank, latent.qk_rope_head_dim
+    valid = k.ndim == v.ndim == 4 and k.shape[:3] == v.shape[:3]
+    if not valid or (k.shape[0], k.shape[1], k.shape[3], v.shape[3]) != (batch_size, 1, c, hr):
+        raise ValueError(
+            "`cache.key` and `cache.value` must have shape (B, 1, L, C) and (B, 1, L, Hr) with kv_lora_rank: "
+            f"B={batch_size}, C={c}, Hr={hr}. "
+            f"Received: cache.key.shape={tuple(k.shape)}, cache.value.shape={tuple(v.shape)}"
+        )
+
+
+def _make_latent_weights(layer, factory):
+    """MLA's projections (`nn.Linear`, weight = the portable kernel transposed) and the latents'
+    RMSNorm scales `query_a_norm` (Q,) (with `q_lora_rank`) and `key_value_a_norm` (C,)."""
+    for kind, (d, f) in _latent_kernels(layer).items():
+        setattr(layer, kind, nn.Linear(d, f, bias=kind in layer.bias, **factory))  # (F, D)
+    q_norm = None if layer.q_lora_rank is None else nn.Parameter(torch.empty(layer.q_lora_rank, **factory))
+    layer.query_a_norm = q_norm  # (Q,)
+    layer.key_value_a_norm = nn.Parameter(torch.empty(layer.kv_lora_rank, **factory))  # (C,)
+
+
+def _cache_shapes(layer, b, length):
+    """The shapes of a cache's `key` and `value` (`init_cache`): (B, K, L, H) each, or with MLA the
+    latent cache, latents (B, 1, L, C) and turned shared key parts (B, 1, L, Hr)."""
+    latent = layer._latent
+    if latent is None:
+        return ((b, layer.num_kv_heads, length, layer.head_dim),) * 2
+    return (b, 1, length, latent.kv_lora_rank), (b, 1, length, latent.qk_rope_head_dim)
+
+
+def _kernels_and_norms(layer, kernels):
+    """The projections' kernels {kind: (D, F)} and the latents' norms {kind: (width,)} of the
+    portable layout (`weight_shapes`): `kernels` and none without MLA; with it MLA's."""
+    if layer._latent is None:
+        return kernels, {}
+    return _latent_kernels(layer), {"query_a": (layer.q_lora_rank,), "key_value_a": (layer.kv_lora_rank,)}
+
+
+def _latent_kernels(layer):
+    """MLA's portable kernels {projection: (D, F)}, in the layout's order."""
+    n, k, h = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    c, q, hn, hr, hv = (
+        layer.kv_lora_rank,
+        layer.q_lora_rank,
+        layer.qk_nope_head_dim,
+        layer.qk_rope_head_dim,
+        layer.v_head_dim,
+    )
+    kernels = {
+        "query": (layer.d_model, n * h),
+        "query_a": (layer.d_model, q),
+        "query_b": (q, n * h),
+        "key_value_a": (layer.kdim, c + hr),
+        "key_value_b": (c, k * (hn + hv)),
+        "output": (n * hv, layer.d_model),
+        "gate": (layer.d_model, n * hv),
+    }
+    return {kind: kernels[kind] for kind in layer._projections}
+
+
+def _latent_norms(layer):
+    """MLA's norm scales (`query_a_norm` with `q_lora_rank`, `key_value_a_norm`), none without MLA."""
+    if layer._latent is None:
+        return ()
+    return tuple(norm for norm in (layer.query_a_norm, layer.key_value_a_norm) if norm is not None)
+
+
+def _project_latent(layer, call):
+    """Step 2 with MLA: q (B, N, T, H), through query_a, its RMSNorm and query_b with Q; the
+    latents c = RMSNorm(a[..., :C]) (B, 1, S, C) and k_rope = a[..., C:] (B, 1, S, Hr) of
+    a = key @ key_value_a_kernel; with RoPE, step 4 too: the last Hr features of q and k_rope turned
+    (`_turn_heads`) at the call's positions."""
+    if layer.q_lora_rank is None:
+        q = layer._project(call.query, "query")  # (B, T, E) -> (B, T, N*H)
+    else:
+        a = layer._project(call.query, "query_a")  # (B, T, E) -> (B, T, Q)
+        q = layer._project(rms_norm(a, layer.query_a_norm, layer.latent_norm_eps), "query_b")  # -> (B, T, N*H)
+    a = layer._project(call.key, "key_value_a")  # (B, S, kdim) -> (B, S, C + Hr)
+    latent, k_rope = a.split([layer.kv_lora_rank, layer.qk_rope_head_dim], dim=-1)  # (B, S, C), (B, S, Hr)
+    latent = rms_norm(latent, layer.key_value_a_norm, layer.latent_norm_eps)  # (B, S, C)
+    q, k_rope = layer._split_heads(q, layer.num_heads), k_rope[:, None]  # (B, N, T, H), (B, 1, S, Hr)
+    if layer.rope_theta is not None:  # step 4
+        q_nope, q_rope = q.split([layer.qk_nope_head_dim, layer.qk_rope_head_dim], dim=-1)  # (B, N, T, Hn), (.., Hr)
+        q = torch.cat([q_nope, _turn_heads(layer, q_rope, call.positions)], dim=-1)  # (B, N, T, H)
+        k_rope = _turn_heads(layer, k_rope, call.positions)  # (B, 1, S, Hr)
+    return q, latent[:, None], k_rope  # (B, N, T, H), (B, 1, S, C), (B, 1, S, Hr)
+
+
+def _attend_latent(layer, q, k, v, keep, bias, call):
+    """Step 6 with MLA: k and v are the (B, 1, S, C) latents and (B, 1, S, Hr) k_rope, attended
+    absorbed (`_attend_absorbed`) or expanded per head (`_expand_latents`), through `_attend`."""
+    if _absorbs(layer, call, q.shape[2]):
+        return _attend_absorbed(layer, q, k, v, keep, bias, call)
+    k, v = _expand_latents(layer, k, v)  # (B, K, S, H), (B, K, S, Hv)
+    return layer._attend(q, k, v, keep, bias, call)
+
+
+def _absorbs(layer, call, t):
+    """MLA's path: `absorb_latents` if set, else absorbed with a cache and T <= 8."""
+    if layer.absorb_latents is not None:
+        return bool(layer.absorb_latents)
+    return call.cache is not None and t <= _ABSORB_MAX_T
+
+
+def _expand_latents(layer, latent, k_rope):
+    """MLA's up-projection: (B, 1, S, C) latents and (B, 1, S, Hr) k_rope -> keys
+    concat(k_nope, k_rope) (B, K, S, H) and values (B, K, S, Hv)."""
+    kv = layer._project(latent[:, 0], "key_value_b")  # (B, S, C) -> (B, S, K*(Hn + Hv))
+    (b, s, _), heads = kv.shape, layer.num_kv_heads
+    kv = kv.view(b, s, heads, -1).transpose(1, 2)  # -> (B, K, S, Hn + Hv)
+    k_nope, v = kv.split([layer.qk_nope_head_dim, layer.v_head_dim], dim=-1)  # (B, K, S, Hn), (B, K, S, Hv)
+    k_rope = k_rope.expand(b, heads, s, layer.qk_rope_head_dim)  # (B, 1, S, Hr) -> (B, K, S, Hr)
+    return torch.cat([k_nope, k_rope], dim=-1), v  # (B, K, S, H), (B, K, S, Hv)
+
+
+def _up_projections(layer, dtype):
+    """key_value_b's kernel in `dtype` as (N, Hn, C) and (N, Hv, C) and its bias (N, Hn) and
+    (N, Hv) (None without one), each key/value head's repeated for its N // K query heads; an
+    int8 projection's dequantized."""
+    weight, _ = _parameter(layer, "key_value_b_kernel")  # (K*(Hn + Hv), C)
+    projection, groups = layer.key_value_b, layer.num_heads // layer.num_kv_heads
+    scale = projection.weight_scale[:, None] if isinstance(projection, Int8Linear) else 1.0  # (K*(Hn + Hv), 1)
+    weight = (weight.to(dtype) * scale).to(dtype).view(layer.num_kv_heads, -1, weight.shape[-1])  # (K, Hn + Hv, C)
+    weight = weight.repeat_interleave(groups, dim=0)  # (N, Hn + Hv, C)
+    w_kb, w_vb = weight.split([layer.qk_nope_head_dim, layer.v_head_dim], dim=1)  # (N, Hn, C), (N, Hv, C)
+    if "key_value_b" not in layer.bias:
+        return w_kb, w_vb, None, None
+    bias = _parameter(layer, "key_value_b_bias")[0].to(dtype).view(layer.num_kv_heads, -1)  # (K, Hn + Hv)
+    b_k, b_v = bias.repeat_interleave(groups, dim=0).split([layer.qk_nope_head_dim, layer.v_head_dim], dim=-1)
+    return w_kb, w_vb, b_k, b_v  # ..., (N, Hn), (N, Hv)
+
+
+def _attend_absorbed(layer, q, latent, k_rope, keep, bias, call):
+    """Step 6 with MLA on the latents, through `_attend` (every path): q_lat = q_nope @
+    W_kb^T (B, N, T, C) meets the latents and q_rope meets k_rope (and q_nope . b_k a key of
+    ones); the values are the latents (and a one, whose output is sum(weights)); each head's
+    context is o_lat @ W_vb + sum(weights) * b_v (B, N, T, Hv)."""
+    w_kb, w_vb, b_k, b_v = _up_projections(layer, q.dtype)  # (N, Hn, C), (N, Hv, C), (N, Hn), (N, Hv)
+    if isinstance(layer.key_value_b, Int8Linear):  # the latents as the int8 up-projection reads them
+        latent = _int8_rows(latent)  # (B, 1, S, C)
+    q_nope, q_rope = q.split([layer.qk_nope_head_dim, layer.qk_rope_head_dim], dim=-1)  # (B, N, T, Hn), (.., Hr)
+    ones = latent.new_ones(*latent.shape[:3], 1)  # (B, 1, S, 1)
+    queries, keys, values = [q_nope @ w_kb, q_rope], [latent, k_rope], [latent]  # (B, N, T, C), ...
+    if b_k is not None:
+        queries.append((q_nope * b_k[:, None, :]).sum(dim=-1, keepdim=True))  # (B, N, T, 1)
+        keys.append(ones)
+    if b_v is not None:
+        values.append(ones)
+    q, k, v = (torch.cat(parts, dim=-1) for parts in (queries, keys, values))  # (B, N, T, .), 2 x (B, 1, S, .)
+    context, weights = layer._attend(q, k, v, keep, bias, call)  # (B, N, T, C or C + 1)
+    output = context[..., : layer.kv_lora_rank] @ w_vb.transpose(-1, -2)  # (B, N, T, C) -> (B, N, T, Hv)
+    return output if b_v is None else output + context[..., layer.kv_lora_rank :] * b_v[:, None, :], weights
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: speed paths
+# -------------------------------------------------------------------------------------------------
+# The q/k/v kernels kept between decode steps (the fused projection itself, `_project_fused`, is in
+# the core: the plain call takes it). The explicit softmax's blocks and soft-capping's tiles are in
+# the score modifiers' section.
+
+
+def _keeps_kernels():
+    """Whether the layer keeps the concatenated q/k/v kernels between calls (`_kept_fused`):
+    eagerly under `no_grad`. Elsewhere a decode step projects with the three projections:
+    concatenating the kernels at every step costs more than the one matmul saves."""
+    return not torch.is_grad_enabled() and _eager()
+
+
+def _versions(tensors, dtype):
+    """The storage and version counter of each tensor (None stays None) and `dtype`: what changes
+    when a tensor is replaced, moved, cast or written in place. None for an inference-mode tensor
+    (no version counter)."""
+    try:
+        return [None if w is None else (w.data_ptr(), w._version) for w in tensors] + [dtype]
+    except RuntimeError:  # an inference-mode tensor: no version counter
+        return None
+
+
+def _kept_fused(layer, x):
+    """Under no_grad: the version of the q/k/v weights, biases and int8 scales (`_versions`, None
+    where they are not kept: traced, compiled, inference-mode) and the concatenation
+    `_project_fused` keeps (`layer._fused`) while it is of that version, else None."""
+    projections = (layer.query, layer.key, layer.value)
+    names = ("weight", "bias", "weight_scale") if isinstance(layer.query, Int8Linear) else ("weight", "bias")
+    tensors = [getattr(p, name) for p in projections for name in names]
+    version = _versions(tensors, x.dtype) if _keeps_kernels() else None
+    kept = layer._fused
+    return version, kept[1] if version is not None and kept is not None and kept[0] == version else None
+
+
+def _kept_kernels(layer, dtype):
+    """The decode fast path's kernels: the q/k/v kernels the layer keeps (`_project_fused`, made
+    only where the projections could fuse; never with MLA) while they are current for `dtype`
+    (`_versions`: a weight replaced, cast or written in place is another storage or version) and
+    the projections are still plain nn.Linear modules with no hooks, and the output projection's
+    weight and bias; else None. Read from the modules' own dicts: a read through nn.Module's
+    attribute lookup costs about a microsecond, a sizeable share of a T = 1 step."""
+    if layer._fused is None:
+        return None
+    modules, tensors = layer._modules, []  # the weight and bias of query, key, value and output
+    for projection in (modules["query"], modules["key"], modules["value"], modules["output"]):
+        if type(projection) is not nn.Linear or _own_hooks(projection):
+            return None
+        parameters = projection._parameters
+        tensors += (parameters["weight"], parameters["bias"])
+    if _global_hooks() or layer._fused[0] != _versions(tensors[:6], dtype):
+        return None
+    return layer._fused[1], tensors[6:]
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: int8
+# -------------------------------------------------------------------------------------------------
 # Keras' scheme (docs/SPEC.md, "int8"): `keras.quantizers.abs_max_quantize` on the kernels (per
 # output column, when quantizing) and on the inputs of each projection (per token, at run time).
+
+
 _INT8_MAX = 127.0
 _INT8_EPSILON = 1e-7  # Keras' `backend.epsilon()`, added to the abs-max before dividing
+
+
+def _quantize(layer, mode):
+    """Replaces the `nn.Linear` projections (four, five with `gate`) by `Int8Linear` modules:
+    int8 weights with one float32 scale per output feature, the inputs quantized per token at
+    each call (Keras' scheme, docs/SPEC.md "int8"). `export_weights` then gives the portable
+    int8 layout.
+
+    Args:
+        mode: "int8", the only mode.
+    """
+    if mode != "int8":
+        raise ValueError(f"`mode` must be 'int8'. Received: mode={mode!r}")
+    others = {kind: type(getattr(layer, kind)).__name__ for kind in layer._projections}
+    others = {kind: name for kind, name in others.items() if name != "Linear"}
+    if others:
+        raise ValueError(f"`quantize` needs the projections as nn.Linear modules. Received: {others}")
+    for kind in layer._projections:
+        setattr(layer, kind, Int8Linear.from_linear(getattr(layer, kind)))
 
 
 def _quantize_kernel(kernel):
@@ -1896,1077 +2389,654 @@ def _torchao_weight(tensor):
 
 
 # -------------------------------------------------------------------------------------------------
-# The layer
+# Section: framework only
 # -------------------------------------------------------------------------------------------------
+# PyTorch only: tensor parallelism, autocast, the meta device, module hooks, the parameters made
+# and initialized; the checks shared by the sections; and the masks' values that read like another
+# library's habit (nn.MultiheadAttention's True = ignore, Keras' 0/1 floats), warned of once per layer.
 
 
-class MultiHeadAttention(nn.Module):
-    """Multi-head attention (MHA, grouped-query GQA and multi-query MQA) as an `nn.Module`.
+class _Variants(NamedTuple):
+    """The variants' constructor arguments, checked (`_check_variants`); `scale` is resolved."""
 
-    Args:
-        d_model: E, the width of `query` and of the output.
-        num_heads: N, the number of query heads.
-        num_kv_heads: K, the number of key/value heads; must divide N. Defaults to N.
-        head_dim: H, the width of one head. Defaults to E // N (then N must divide E).
-        kdim: width of `key`. Defaults to E.
-        vdim: width of `value`. Defaults to E.
-        dropout: probability of dropping attention weights in training mode; 0 <= p < 1.
-        bias: True (all the projections have a bias, the gate's with `gate`), False (none), or a
-            list, tuple or set of the names of those that have one, among "query", "key", "value",
-            "output", "gate" (Qwen2: ("query", "key", "value")). Kept as that tuple of names, in
-            that order.
-        scale: the factor of the scores, scores = (q . k) * scale. Defaults to 1 / sqrt(H).
-        softcap: None or c > 0: the scaled scores become c * tanh(scores / c) (Gemma 2), before
-            `attention_bias` and the floating mask are added.
-        window: None, W, or a pair (W_before, W_after): query t keeps key s only if
-            s > t + (S - T) - W_before, and with a pair also s < t + (S - T) + W_after
-            (Mistral's sliding window: W; ModernBERT's two-sided band: (65, 65)).
-        attention_chunk_size: None, or C: query t keeps key s only if both are in the same
-            chunk of C positions, s // C == (t + (S - T)) // C (Llama 4's chunked attention).
-        rope_theta: None (no RoPE) or the base of rotary position embeddings (Llama: 10000.0).
-        rope_fraction: in (0, 1]: the first R = int(H * rope_fraction) features of each head
-            are rotated (R even, at least 2), the others pass unchanged.
-        rope_interleaved: False pairs feature i with i + R/2 (Llama, GPT-NeoX); True pairs
-            features 2i and 2i + 1 (GPT-J).
-        rope_scaling: None or a dict as `transformers` writes it: {"rope_type": "linear",
-            "factor": f}, {"rope_type": "llama3", "factor", "low_freq_factor",
-            "high_freq_factor", "original_max_position_embeddings"} (Llama 3.1) or {"rope_type":
-            "yarn", "factor", "original_max_position_embeddings", optional "attention_factor",
-            "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"} (gpt-oss; the
-            rotated features of q and k are also multiplied by its attention factor).
-        rope_sections: None, or the numbers of rotated pairs (summing to R/2) that turn by each
-            row of (k, B, T) `positions` in turn (Qwen2-VL's multimodal RoPE, `mrope_section`).
-        qk_norm: None, "head" (each head of q and k normalized, one scale shared by the heads:
-            Qwen3), "per_head" (each head with its own scale: StableLM, Cohere) or "all" (over all
-            heads: OLMo2); its scales are the weights `query_norm` and `key_norm`.
-        qk_norm_eps: the epsilon of that norm.
-        qk_norm_type: "rms" (RMSNorm) or "layer" (LayerNorm: the mean is removed first).
-        qk_norm_bias: if True, the norm adds a learned bias after its scale (`query_norm_bias`,
-            `key_norm_bias`: Phi's LayerNorm).
-        sinks: if True, one learned logit per query head (the parameter `sinks`, (N,)), an
-            extra term in the softmax's denominator (gpt-oss); rows then sum to less than 1.
-        clip_qkv: None or c > 0: q, k and v are clamped to [-c, c] right after their projections
-            (bias included), before QK-norm, RoPE and the cache (OLMo, DBRX, MPT).
-        gate: if True, each head's attention result is multiplied, feature by feature, by
-            sigmoid(query @ gate_kernel + gate_bias) before the heads are merged (Keras'
-            `use_gate`, Qwen3-Next, Qwen3.5); the projection is the `nn.Linear` `gate`.
-        kv_lora_rank: None, or C: multi-head latent attention (MLA, DeepSeek-V2/V3): keys and
-            values come from one latent c = RMSNorm(first C features of key @ key_value_a_kernel)
-            per token, expanded per head by `key_value_b_kernel`; the cache holds c and the
-            shared turned key part (see `init_cache`).
-        q_lora_rank: None (a plain query projection), or Q: with MLA, q = RMSNorm(query @
-            query_a_kernel) @ query_b_kernel.
-        qk_nope_head_dim: Hn, with MLA the features of a query/key head RoPE does not turn.
-        qk_rope_head_dim: Hr, with MLA the features RoPE turns (one key part shared by the heads);
-            H = Hn + Hr.
-        v_head_dim: Hv, with MLA the width of a value head (the output kernel is (N*Hv, E)).
-        latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
-        device: device of the parameters.
-        dtype: dtype of the parameters.
+    scale: float  # 1 / sqrt(H) by default
+    softcap: float | None
+    window: int | tuple[int, int] | None  # W, or (W_before, W_after)
+    attention_chunk_size: int | None
+    rope_theta: float | None  # None: no RoPE
+    rope_fraction: float
+    rope_interleaved: bool
+    rope_scaling: dict | None
+    rope_sections: tuple[int, ...] | None
+    qk_norm: str | None  # None, "head", "per_head" or "all"
+    qk_norm_eps: float
+    qk_norm_type: str  # "rms" or "layer"
+    qk_norm_bias: bool
+    sinks: bool
+    clip_qkv: float | None  # None: no clamp
+    gate: bool
+    latent_norm_eps: float
 
-    Call arguments:
-        query: (B, T, E), or unbatched (T, E).
-        key: (B, S, kdim). Defaults to `value`, or to `query` if `value` is None too.
-        value: (B, S, vdim). Defaults to `key`. `query`, `key` and `value` share one dtype.
-        attention_mask: boolean (True = attend) or floating (added to the scores), of shape
-            (T, S), (B, T, S) or (B, N, T, S), any dimension of which may be 1. A floating value
-            at most the lowest of float32 or of the mask's dtype (or -inf) removes a key.
-        key_mask: (B, S) boolean, True for a real key. In self-attention it defaults to
-            `query_mask`. With `cache`, (B, T): ANDed into the cache's `keep` where written.
-        query_mask: (B, T) boolean, True for a real query (others get weights 0).
-        attention_bias: floating, broadcasts like `attention_mask`; added to the scores, with
-            a gradient (T5's relative position bias, ALiBi from `alibi_bias`).
-        positions: integer (B, T) or (T,) RoPE positions, or (k, B, T) with `rope_sections`;
-            default arange(T) (+ the cache index).
-        causal: if True, query t attends key s only if s <= t + (S - T).
-        return_attention: if True, also return the per-head attention weights.
-        cache: a `KVCache` from `init_cache`: decode T new tokens (`key` and `value`, if
-            given, hold the same T tokens); masks and weights are then over the L slots.
-        mask: another name for `attention_mask` (the call `layer(query, key, value, mask=None)`);
-            giving both is a ValueError. Masks whose values read like another library's
-            convention warn once per layer with `AttentionMaskWarning` and compute as given.
 
-    Returns:
-        output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before
-        dropout) when `return_attention` is True; with `cache`, the updated cache is appended
-        and weights are (B, N, T, L), exactly 0 at unwritten slots. Unbatched inputs give
-        unbatched results.
+def _check_variants(
+    head_dim, rope_width, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction, rope_interleaved,
+    rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv, gate,
+    latent_norm_eps,
+):  # fmt: skip
+    """The variants' constructor arguments checked by their sections' helpers, in this order (the
+    flags last), into a `_Variants` (a ValueError names the first one that is not valid)."""
+    scale, softcap, window, chunk = _check_score_modifiers(head_dim, scale, softcap, window, attention_chunk_size)
+    rope = _check_rope(rope_width, rope_theta, rope_fraction, rope_scaling, rope_sections)
+    qk_norm, qk_norm_eps, qk_norm_type, clip_qkv = _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv)
+    latent_norm_eps = _positive_float("latent_norm_eps", latent_norm_eps)
+    rope_interleaved = _flag("rope_interleaved", rope_interleaved)  # the flags last
+    qk_norm_bias, sinks = _flag("qk_norm_bias", qk_norm_bias), _flag("sinks", sinks)
+    gate = _flag("gate", gate)
+    (rope_theta, rope_fraction, rope_scaling, rope_sections) = rope
+    return _Variants(
+        scale, softcap, window, chunk, rope_theta, rope_fraction, rope_interleaved, rope_scaling, rope_sections,
+        qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks, clip_qkv, gate, latent_norm_eps,
+    )  # fmt: skip
 
-    Coming from `nn.MultiheadAttention`: a boolean mask here is True where a query may attend
-    (there True means "ignore": pass `~attn_mask`, and `key_mask=~key_padding_mask`);
-    `need_weights=True, average_attn_weights=False` is `return_attention=True`; `is_causal=True`
-    is `causal=True` (bottom-right aligned when T < S); inputs are batch first.
 
-    Example, a key padding mask (the third key of the first sequence is padding):
-        >>> layer = MultiHeadAttention(16, 4)
-        >>> x = torch.randn(2, 3, 16)  # (B, T, E)
-        >>> keep = torch.tensor([[True, True, False], [True, True, True]])  # (B, S)
-        >>> out, weights = layer(x, key_mask=keep, return_attention=True)
-        >>> tuple(out.shape), tuple(weights.shape)
-        ((2, 3, 16), (2, 4, 3, 3))
-        >>> bool((weights[0, :, :, 2] == 0).all())
-        True
-    """
+def _positive_int(name, value):
+    if not _is_positive_int(value):
+        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+    return int(value)
 
-    def __init__(
-        self,
-        d_model,
-        num_heads,
-        *,
-        num_kv_heads=None,
-        head_dim=None,
-        kdim=None,
-        vdim=None,
-        dropout=0.0,
-        bias=True,
-        scale=None,
-        softcap=None,
-        window=None,
-        attention_chunk_size=None,
-        rope_theta=None,
-        rope_fraction=1.0,
-        rope_interleaved=False,
-        rope_scaling=None,
-        rope_sections=None,
-        qk_norm=None,
-        qk_norm_eps=1e-6,
-        qk_norm_type="rms",
-        qk_norm_bias=False,
-        sinks=False,
-        clip_qkv=None,
-        gate=False,
-        kv_lora_rank=None,
-        q_lora_rank=None,
-        qk_nope_head_dim=None,
-        qk_rope_head_dim=None,
-        v_head_dim=None,
-        latent_norm_eps=1e-6,
-        device=None,
-        dtype=None,
+
+def _is_positive_int(value):
+    """A Python or NumPy integer (not a bool) >= 1."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 1
+
+
+def _positive_float(name, value, optional=False):
+    """`value` as a float, checked positive (None passes through when `optional`)."""
+    if optional and value is None:
+        return None
+    if not _is_positive_number(value):
+        expected = "None or a positive float" if optional else "a positive float"
+        raise ValueError(f"`{name}` must be {expected}. Received: {name}={value!r}")
+    return float(value)
+
+
+def _is_positive_number(value):
+    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+    return number and 0 < value < float("inf")
+
+
+def _flag(name, value):
+    """A constructor flag: a Python or NumPy bool (not 0 or 1, not a string)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
+    return bool(value)
+
+
+def _dropout_rate(dropout):
+    """`dropout` as a float: a Python or NumPy number (not a bool, not None) in [0, 1)."""
+    number = isinstance(dropout, (int, float, np.integer, np.floating)) and not isinstance(dropout, (bool, np.bool_))
+    if not (number and 0.0 <= dropout < 1.0):
+        raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
+    return float(dropout)
+
+
+def _projection_biases(bias, gate, projections=_PROJECTIONS):
+    """`bias` -> the names of the projections that have a bias, in the order of `projections`
+    (("query", "key", "value", "output", "gate"), or the layer's with MLA: `_projections`). `bias`
+    is a Python or NumPy bool (all the layer's projections, the gate's only with `gate` True, or
+    none), or a list, tuple, set or frozenset of those names; anything else (a string, a dict or
+    its keys, an array) is refused."""
+    if isinstance(bias, (bool, np.bool_)):
+        return _projection_kinds(projections, gate is True or gate is np.True_) if bias else ()
+    names = isinstance(bias, (list, tuple, set, frozenset)) and all(
+        isinstance(name, str) and name in projections for name in bias
+    )
+    if not names:
+        raise ValueError(
+            f"`bias` must be True, False or a list, tuple or set of {', '.join(map(repr, projections))}. "
+            f"Received: bias={bias!r}"
+        )
+    return tuple(name for name in projections if name in bias)
+
+
+def _projection_kinds(projections, gate):
+    """The layer's projections among `projections` (`_projections`): the gate's only with `gate`."""
+    return projections if gate else projections[:-1]
+
+
+def _make_weights(layer, latent, sinks, gate, factory):
+    """The four projections (with MLA, `latent` not None: its projections and the latents' norm
+    scales), the gate's with `gate` (as wide as the output projection's input), the QK-norm
+    scales and biases, the sink logits and the RoPE frequencies (a non-persistent float32 buffer
+    `_inv_freq` (R/2,), None without RoPE, filled by `reset_parameters`), uninitialized."""
+    nh, kh = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+    if latent is not None:
+        _make_latent_weights(layer, factory)
+    else:
+        layer.query = nn.Linear(layer.d_model, nh, bias="query" in layer.bias, **factory)  # query_kernel^T: (N*H, E)
+        layer.key = nn.Linear(layer.kdim, kh, bias="key" in layer.bias, **factory)  # key_kernel^T: (K*H, kdim)
+        layer.value = nn.Linear(layer.vdim, kh, bias="value" in layer.bias, **factory)  # value_kernel^T: (K*H, vdim)
+        layer.output = nn.Linear(nh, layer.d_model, bias="output" in layer.bias, **factory)  # output_kernel^T: (E, N*H)
+    nv = layer.output.in_features  # N*H, or N*Hv with MLA
+    gated = nn.Linear(layer.d_model, nv, bias="gate" in layer.bias, **factory) if gate else None
+    layer.gate = gated  # gate_kernel^T: (N*Hv, E) (Hv = H without MLA), None without `gate`
+    norms = {None: (None, None), "head": (layer.head_dim, layer.head_dim)}.get(layer.qk_norm, (nh, kh))
+    layer.query_norm, layer.key_norm = (
+        None if width is None else nn.Parameter(torch.empty(width, **factory)) for width in norms
+    )  # (H,) or (N*H,), (H,) or (K*H,)
+    biases = norms if layer.qk_norm_bias else (None, None)
+    layer.query_norm_bias, layer.key_norm_bias = (
+        None if width is None else nn.Parameter(torch.empty(width, **factory)) for width in biases
+    )  # shaped as query_norm and key_norm
+    layer.sinks = nn.Parameter(torch.empty(layer.num_heads, **factory)) if sinks else None  # (N,)
+    rope = layer._rotary_dim is not None
+    inv_freq = torch.empty(layer._rotary_dim // 2, device=factory["device"]) if rope else None  # (R/2,)
+    layer.register_buffer("_inv_freq", inv_freq, persistent=False)
+
+
+def _reset_parameters(layer):
+    """Glorot (Xavier) uniform kernels, zero biases, QK-norm scales of one, QK-norm biases and
+    sink logits of zero, as in the other files; and the RoPE frequencies computed (`_reset_rope`)."""
+    for kind in layer._projections:
+        projection = getattr(layer, kind)
+        nn.init.xavier_uniform_(projection.weight)
+        if projection.bias is not None:
+            nn.init.zeros_(projection.bias)
+    for norm in (layer.query_norm, layer.key_norm, *_latent_norms(layer)):
+        if norm is not None:
+            nn.init.ones_(norm)
+    for norm_bias in (layer.query_norm_bias, layer.key_norm_bias):
+        if norm_bias is not None:
+            nn.init.zeros_(norm_bias)
+    if layer.sinks is not None:
+        nn.init.zeros_(layer.sinks)
+    _reset_rope(layer)
+
+
+def _float_weight(layer):
+    """The output projection's float weight (a wrapper's first float parameter, as LoRA's), or
+    None where it holds none (a quantized module)."""
+    weight = getattr(layer.output, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+        return weight
+    tensors = (*layer.output.parameters(), *layer.output.buffers())  # an Int8Linear: its bias, else its scale
+    return next((p for p in tensors if p.is_floating_point()), None)
+
+
+def _check_token_mask(name, mask, b, length, letter):
+    """Checks a (B, length) boolean `key_mask` or `query_mask`."""
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (b, length)):
+        raise ValueError(
+            f"`{name}` must be a boolean tensor of shape (B, {letter})=({b}, {length}). "
+            f"Received: {name}.shape={tuple(mask.shape)}, {name}.dtype={_dtype_name(mask.dtype)}"
+        )
+    return mask
+
+
+def _check_lengths(query, key, value):
+    if not query.shape[0] == key.shape[0] == value.shape[0]:
+        raise ValueError(
+            "`query`, `key` and `value` must have the same batch size B. Received: "
+            f"query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
+        )
+    if key.shape[1] != value.shape[1]:
+        raise ValueError(
+            "`key` and `value` must have the same length S. Received: "
+            f"key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
+        )
+
+
+def _check_dtypes(query, key, value):
+    if not query.dtype == key.dtype == value.dtype:
+        raise ValueError(
+            "`query`, `key` and `value` must have the same dtype. Received: "
+            f"query.dtype={_dtype_name(query.dtype)}, key.dtype={_dtype_name(key.dtype)}, "
+            f"value.dtype={_dtype_name(value.dtype)}"
+        )
+
+
+def _is_integer(tensor):
+    return isinstance(tensor, torch.Tensor) and not (
+        tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool
+    )
+
+
+def _is_floating(tensor):
+    return isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
+
+
+def _dtype_name(dtype):
+    return dtype.name if isinstance(dtype, np.dtype) else str(dtype).removeprefix("torch.")
+
+
+def _as_tensors(query, tensors):
+    """A call's masks and positions given as lists or NumPy arrays, as tensors on the query's device."""
+    device = query.device if isinstance(query, torch.Tensor) else None
+    return [_as_tensor(x, device) for x in tensors]
+
+
+def _batch_of_one(query, key, value, key_mask, query_mask):
+    """Unbatched inputs, (L, D) -> (1, L, D), and 1-D token masks, (L,) -> (1, L)."""
+    query, key, value = (x if x is None else x.unsqueeze(0) for x in (query, key, value))  # (L, D) -> (1, L, D)
+    key_mask, query_mask = (m if m is None or m.ndim != 1 else m[None] for m in (key_mask, query_mask))
+    return query, key, value, key_mask, query_mask
+
+
+def _check_key_value(layer, query, key, value):
+    """Cross-attention's `key` and `value`: (B, S, kdim) and (B, S, vdim), the query's batch and dtype."""
+    key, value = _check_input("key", key, "kdim", layer.kdim), _check_input("value", value, "vdim", layer.vdim)
+    _check_dtypes(query, key, value)
+    _check_lengths(query, key, value)
+    return key, value
+
+
+def _as_tensor(x, device):
+    """`x` as a tensor on `device`; a value no tensor can hold (strings, objects) stays a NumPy
+    array, which the checks refuse by its dtype with the other files' ValueError."""
+    if x is None or isinstance(x, torch.Tensor):
+        return x
+    array = np.asarray(x)
+    return torch.as_tensor(x, device=device) if array.dtype.kind in "biufc" else array
+
+
+def _concatenable(weights):
+    """Whether weights of a tensor subclass concatenate into one: not torchao's, not DTensor shards."""
+    return not any(_torchao_weight(w) or _is_dtensor(w) for w in weights)
+
+
+def _is_dtensor(tensor):
+    """Whether `tensor` is a DTensor (sharded by tensor parallelism), read from its type so that
+    importing this file does not import torch.distributed.tensor (0.7 s)."""
+    kind = type(tensor)
+    return kind.__name__ == "DTensor" and kind.__module__.startswith("torch.distributed.tensor")
+
+
+def _autocast_enabled(device):
+    """Whether autocast is on for the device's type; never on the meta device, which autocast does not know."""
+    return device.type != "meta" and torch.is_autocast_enabled(device.type)
+
+
+def _check_compute_dtype(query, dtype):
+    """Outside autocast the inputs must have the dtype the layer computes in (its parameters'):
+    the projections' matmuls would fail with a RuntimeError, or a cast would hide the mismatch."""
+    if query.dtype != dtype and not _autocast_enabled(query.device):
+        raise ValueError(
+            f"`query`, `key` and `value` must have the layer's dtype {_dtype_name(dtype)}: cast them, or the layer "
+            f"(`layer.to(dtype)`), or call it under torch.autocast. Received: query.dtype={_dtype_name(query.dtype)}"
+        )
+
+
+def _own_hooks(module):
+    """Whether `module` has hooks of its own (tensor parallelism and pruning add hooks)."""
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+    )
+
+
+def _global_hooks():
+    """Whether module hooks registered for every module (`register_module_forward_hook` and friends) are set."""
+    state = torch.nn.modules.module
+    hooks = (
+        state._global_forward_hooks, state._global_forward_pre_hooks,
+        state._global_backward_hooks, state._global_backward_pre_hooks,
+    )  # fmt: skip
+    return any(hooks)
+
+
+def _refuse_partial_heads(layer, width):
+    """Tensor parallelism: a rank's projection `width` wide must hold whole heads."""
+    raise ValueError(
+        "Each tensor-parallel rank must hold whole heads: `num_heads` and `num_kv_heads` must be divisible "
+        f"by the number of ranks. Received: num_heads={layer.num_heads}, num_kv_heads={layer.num_kv_heads}, "
+        f"head_dim={layer.head_dim}, a projection {width} wide on this rank"
+    )
+
+
+def _check_local_heads(layer, q, k, attention_mask, attention_bias):
+    """Tensor parallelism: this rank's query and key/value heads must keep the N : K grouping,
+    and neither a per-head (B, N, T, S) mask or bias nor the variants that hold numbers of
+    every head (sinks, QK-norm over all heads or with a scale per head) can be split with them."""
+    local, local_kv = q.shape[1], k.shape[1]
+    if (local, local_kv) == (layer.num_heads, layer.num_kv_heads):
+        return
+    if local * layer.num_kv_heads != local_kv * layer.num_heads:
+        raise ValueError(
+            "Each tensor-parallel rank must hold whole groups of heads: `num_kv_heads` must be divisible by the "
+            f"number of ranks. Received: num_heads={layer.num_heads}, num_kv_heads={layer.num_kv_heads}, "
+            f"{local} query and {local_kv} key/value heads on this rank"
+        )
+    for name, mask in (("attention_mask", attention_mask), ("attention_bias", attention_bias)):
+        if mask is not None and mask.dim() == 4 and mask.shape[1] != 1:
+            raise ValueError(
+                f"A per-head `{name}` (B, N, T, S) cannot be used with heads split across tensor-parallel "
+                f"ranks ({local} of {layer.num_heads} heads on this rank); pass (T, S), (B, T, S) or (B, 1, T, S). "
+                f"Received: {name}.shape={tuple(mask.shape)}"
+            )
+    if layer.sinks is not None or layer.qk_norm in ("all", "per_head"):
+        raise ValueError(
+            "`sinks` and `qk_norm='all'` hold numbers of every head and cannot be split across tensor-parallel "
+            f"ranks ({local} of {layer.num_heads} heads on this rank), nor can `qk_norm='per_head'`. "
+            f"Received: sinks={layer.sinks is not None}, qk_norm={layer.qk_norm!r}"
+        )
+
+
+_EMPTY_MASK = (
+    "`{name}` keeps no key for any query, so every output row is `output_bias`: True means attend (in "
+    "nn.MultiheadAttention True means ignore: pass `~mask`). Received: a boolean {name} that is False everywhere"
+)
+
+
+_CAUSAL_TRAP = (
+    "`attention_mask` keeps keys only after each query, none at or before it: True means attend (in "
+    "nn.MultiheadAttention True means ignore: pass `~mask`, or `causal=True`). "
+    "Received: a boolean attention_mask False wherever causal attention keeps a key"
+)
+
+
+_PADDING_TRAP = (
+    "`key_mask` reads as nn.MultiheadAttention's key_padding_mask (True = padding): True means a real key, "
+    "pass `~mask`. Received: a key_mask False then True in every row, {empty} of {b} rows keeping no key "
+    "and none keeping all"
+)
+
+
+_ZEROS_AND_ONES = (
+    "`attention_mask` holds only 0s and 1s, but a floating mask is added to the scores (Keras reads such a "
+    "mask as boolean): pass `mask > 0` (True = attend) or an additive mask. "
+    "Received: a floating attention_mask of 0s and 1s"
+)
+
+
+def _warn_traps(layer, attention_mask, key_mask, t, s):
+    """Warns once per layer for each built-in habit the masks' values suggest (docs/SPEC.md,
+    Masks), where reading them is free (eager, on the CPU); a call with a cache is not read."""
+    masks = [mask for mask in (attention_mask, key_mask) if mask is not None]
+    if not masks or not _values_readable(*masks):
+        return
+    traps = {}
+    for name, mask in (("attention_mask", attention_mask), ("key_mask", key_mask)):
+        if mask is not None and mask.dtype == torch.bool and mask.numel() > 0 and not bool(mask.any()):
+            traps[name] = _EMPTY_MASK.format(name=name)  # False everywhere: nn.MultiheadAttention's True = ignore
+    boolean = attention_mask is not None and attention_mask.dtype == torch.bool
+    if boolean and "attention_mask" not in traps and _keeps_only_later(attention_mask, t, s):
+        traps["causal"] = _CAUSAL_TRAP
+    empty = 0  # the rows keeping no key of a key_mask that reads as nn.MultiheadAttention's key_padding_mask
+    if key_mask is not None and "key_mask" not in traps:  # (True = padding): every row False then True,
+        kept = key_mask.sum(-1)  # (B,)                   # some row keeping no key and none keeping all
+        ordered = bool((key_mask[:, 1:] >= key_mask[:, :-1]).all())
+        empty = 0 if not ordered or bool((kept == key_mask.shape[1]).any()) else int((kept == 0).sum())
+    if empty:
+        traps["padding"] = _PADDING_TRAP.format(empty=empty, b=key_mask.shape[0])
+    if attention_mask is not None and attention_mask.is_floating_point() and _zeros_and_ones(attention_mask):
+        traps["zeros and ones"] = _ZEROS_AND_ONES
+    for kind, message in traps.items():
+        if kind not in layer._warned_traps:
+            layer._warned_traps.add(kind)
+            _warn_at_caller(message)
+
+
+def _values_readable(*tensors):
+    """Whether tensor values can be read here for free: not while torch.compile or torch.jit.trace
+    trace, and only on the CPU (reading a CUDA tensor waits for the device; meta holds none)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    return all(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in tensors)
+
+
+def _keeps_only_later(mask, t, s):
+    """A square (T == S) boolean mask that keeps keys only after each query, none where `causal`
+    keeps one (nn.MultiheadAttention's causal `attn_mask`, `triu(ones, 1)`). A mask whose last two
+    dimensions do not broadcast to (T, S) is not read: `_mask_to_4d` refuses it."""
+    fits = mask.dim() >= 2 and mask.shape[-2] in (1, t) and mask.shape[-1] in (1, s)
+    return fits and mask.numel() > 0 and t == s > 0 and not bool((mask & causal_mask(t, s, mask.device)).any())
+
+
+def _zeros_and_ones(mask):
+    """A floating mask of only 0s and 1s, some 1 (a Keras mask, which Keras reads as boolean)."""
+    ones = mask == 1
+    return bool(((mask == 0) | ones).all() and ones.any())
+
+
+# The packages between the user's call and this file
+_FRAMEWORK_MODULES = ("torch",)
+
+
+def _warn_at_caller(message):
+    """Warns `AttentionMaskWarning` at the user's line: the first frame outside this file and the
+    framework (a module's or layer's `__call__`, Keras' traceback filter), however deep they call."""
+    frame, level = sys._getframe(1), 2  # level 2: the frame that called this function
+    while frame is not None and (
+        frame.f_globals is globals() or frame.f_globals.get("__name__", "").split(".")[0] in _FRAMEWORK_MODULES
     ):
-        super().__init__()
-        self.d_model = _positive_int("d_model", d_model)
-        self.num_heads = _positive_int("num_heads", num_heads)
-        self.num_kv_heads = _positive_int("num_kv_heads", num_heads if num_kv_heads is None else num_kv_heads)
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"`num_kv_heads` must divide `num_heads`. Received: num_heads={num_heads}, num_kv_heads={num_kv_heads}"
-            )
-        latent = _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
-        self._latent = latent
-        for name in _LATENT_SIZES:
-            setattr(self, name, None if latent is None else getattr(latent, name))  # self.kv_lora_rank, ...
-        if latent is not None:
-            head_dim = _latent_head_dim(latent, head_dim)
-        elif head_dim is None and self.d_model % self.num_heads:
-            raise ValueError(f"`num_heads` must divide `d_model`. Received: d_model={d_model}, num_heads={num_heads}")
-        self.head_dim = _positive_int("head_dim", self.d_model // self.num_heads if head_dim is None else head_dim)
-        self.kdim = _positive_int("kdim", self.d_model if kdim is None else kdim)
-        self.vdim = _positive_int("vdim", self.d_model if vdim is None else vdim)
-        self.dropout = _dropout_rate(dropout)
-        names = _projections(latent)  # the names `bias` takes
-        self.bias = _projection_biases(bias, gate, names)
-        rope_width = self.head_dim if latent is None else latent.qk_rope_head_dim
-        variants = _check_variants(
-            self.head_dim, rope_width, scale, softcap, window, attention_chunk_size, rope_theta, rope_fraction,
-            rope_interleaved, rope_scaling, rope_sections, qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, sinks,
-            clip_qkv, gate, latent_norm_eps,
-        )  # fmt: skip
-        if latent is not None:
-            _check_latent_combinations(vdim, variants)
-            self.vdim = self.kdim  # the values come from `key`
-        self.scale, self.softcap, self.window = variants.scale, variants.softcap, variants.window
-        self.attention_chunk_size = variants.attention_chunk_size
-        self.rope_theta, self.rope_fraction = variants.rope_theta, variants.rope_fraction
-        self.rope_interleaved, self.rope_scaling = variants.rope_interleaved, variants.rope_scaling
-        self.rope_sections = variants.rope_sections
-        self.qk_norm, self.qk_norm_eps = variants.qk_norm, variants.qk_norm_eps
-        self.qk_norm_type, self.qk_norm_bias = variants.qk_norm_type, variants.qk_norm_bias
-        self.clip_qkv, self.latent_norm_eps = variants.clip_qkv, variants.latent_norm_eps
-        self.absorb_latents = None  # MLA: None (absorbed with a cache and T <= 8), True or False
-        self._projections = _projection_kinds(names, variants.gate)  # the layer's projections
-        self._rotary_dim = _rotary_dim(self.rope_fraction, rope_width, self.rope_theta is not None)  # None: no RoPE
-        self._make_weights(variants.sinks, variants.gate, {"device": device, "dtype": dtype})
-        self._warned_traps = set()  # the mask habits warned of, once each
-        self._fused = None  # the concatenated q/k/v weights kept under no_grad (`_fused_weights`)
-        self.reset_parameters()
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, AttentionMaskWarning, stacklevel=level)
 
-    def _make_weights(self, sinks, gate, factory):
-        """The four projections (with MLA its projections and the latents' norm scales), the gate's
-        with `gate`, the QK-norm scales and biases, the sink logits and the RoPE frequencies (a
-        non-persistent float32 buffer `_inv_freq` (R/2,), None without RoPE, filled by
-        `reset_parameters`), uninitialized."""
-        nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if self._latent is not None:
-            self._make_latent_weights(factory)
-        else:
-            self.query = nn.Linear(self.d_model, nh, bias="query" in self.bias, **factory)  # query_kernel^T: (N*H, E)
-            self.key = nn.Linear(self.kdim, kh, bias="key" in self.bias, **factory)  # key_kernel^T: (K*H, kdim)
-            self.value = nn.Linear(self.vdim, kh, bias="value" in self.bias, **factory)  # value_kernel^T: (K*H, vdim)
-            self.output = nn.Linear(
-                nh, self.d_model, bias="output" in self.bias, **factory
-            )  # output_kernel^T: (E, N*H)
-        nv = self.num_heads * (self.head_dim if self._latent is None else self.v_head_dim)
-        gated = nn.Linear(self.d_model, nv, bias="gate" in self.bias, **factory) if gate else None
-        self.gate = gated  # gate_kernel^T: (N*Hv, E) (Hv = H without MLA), None without `gate`
-        norms = {None: (None, None), "head": (self.head_dim, self.head_dim)}.get(self.qk_norm, (nh, kh))
-        self.query_norm, self.key_norm = (
-            None if width is None else nn.Parameter(torch.empty(width, **factory)) for width in norms
-        )  # (H,) or (N*H,), (H,) or (K*H,)
-        biases = norms if self.qk_norm_bias else (None, None)
-        self.query_norm_bias, self.key_norm_bias = (
-            None if width is None else nn.Parameter(torch.empty(width, **factory)) for width in biases
-        )  # shaped as query_norm and key_norm
-        self.sinks = nn.Parameter(torch.empty(self.num_heads, **factory)) if sinks else None  # (N,)
-        rope = self._rotary_dim is not None
-        inv_freq = torch.empty(self._rotary_dim // 2, device=factory["device"]) if rope else None  # (R/2,)
-        self.register_buffer("_inv_freq", inv_freq, persistent=False)
 
-    def _make_latent_weights(self, factory):
-        """MLA's projections (`nn.Linear`, weight = the portable kernel transposed) and the latents'
-        RMSNorm scales `query_a_norm` (Q,) (with `q_lora_rank`) and `key_value_a_norm` (C,)."""
-        for kind, (d, f) in self._latent_kernels().items():
-            setattr(self, kind, nn.Linear(d, f, bias=kind in self.bias, **factory))  # (F, D)
-        q_norm = None if self.q_lora_rank is None else nn.Parameter(torch.empty(self.q_lora_rank, **factory))
-        self.query_a_norm = q_norm  # (Q,)
-        self.key_value_a_norm = nn.Parameter(torch.empty(self.kv_lora_rank, **factory))  # (C,)
+# -------------------------------------------------------------------------------------------------
+# Section: converters
+# -------------------------------------------------------------------------------------------------
+# Parameters: `query`, `key`, `value` and `output` are `nn.Linear` submodules, so `state_dict` holds
+# `query.weight` = query_kernel^T, `query.bias` = query_bias, and so on for the others; with `qk_norm`
+# also `query_norm` and `key_norm` (and `query_norm_bias`, `key_norm_bias` with `qk_norm_bias`), with
+# `sinks=True` also `sinks` (N,), with `gate=True` the `nn.Linear` `gate`. The portable weights
+# (`export_weights`, `import_weights`) name the kernels as the other files do.
+# Coming from `nn.MultiheadAttention` (`from_torch`, `to_torch`): a boolean mask here is True where a
+# query may attend (there True means "ignore": pass `~attn_mask`, and `key_mask=~key_padding_mask`);
+# `need_weights=True, average_attn_weights=False` is `return_attention=True`; `is_causal=True` is
+# `causal=True` (bottom-right aligned when T < S); inputs are batch first.
 
-    def _latent_kernels(self):
-        """MLA's portable kernels {projection: (D, F)}, in the layout's order."""
-        n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
-        c, q, hn, hr, hv = (
-            self.kv_lora_rank,
-            self.q_lora_rank,
-            self.qk_nope_head_dim,
-            self.qk_rope_head_dim,
-            self.v_head_dim,
+
+def _weight_shapes(layer):
+    """The portable layout: {name: shape}; a bias only where `bias` names its projection, the
+    QK-norm scales only with `qk_norm` (and their biases with `qk_norm_bias`), `sinks` only
+    with `sinks=True`, the gate's kernel only with `gate=True`; with MLA the latent projections
+    and norms instead of key and value."""
+    nh, kh = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+    kernels = {
+        "query": (layer.d_model, nh),
+        "key": (layer.kdim, kh),
+        "value": (layer.vdim, kh),
+        "output": (nh, layer.d_model),
+        "gate": (layer.d_model, nh),
+    }
+    kernels = {kind: shape for kind, shape in kernels.items() if kind in layer._projections}
+    kernels, norms = _kernels_and_norms(layer, kernels)  # MLA's projections instead, and its norms
+    shapes = {}
+    for kind, shape in kernels.items():
+        shapes[f"{kind}_kernel"] = shape
+        if kind in layer.bias:
+            shapes[f"{kind}_bias"] = shape[1:]
+        if kind in norms:
+            shapes[f"{kind}_norm"] = norms[kind]
+    if layer.qk_norm is not None:
+        shared = layer.qk_norm == "head"
+        shapes["query_norm"] = (layer.head_dim if shared else nh,)
+        shapes["key_norm"] = (layer.head_dim if shared else kh,)
+    if layer.query_norm_bias is not None:
+        shapes["query_norm_bias"], shapes["key_norm_bias"] = shapes["query_norm"], shapes["key_norm"]
+    if layer.sinks is not None:
+        shapes["sinks"] = (layer.num_heads,)
+    return _with_scales(shapes) if layer.quantization_mode == "int8" else shapes
+
+
+def _parameter(layer, name):
+    """The tensor behind a portable name and whether it is stored transposed. A dynamically
+    quantized projection (`torch.ao.quantization.quantize_dynamic`) gives its dequantized weight."""
+    if name in (
+        "query_norm",
+        "key_norm",
+        "query_norm_bias",
+        "key_norm_bias",
+        "sinks",
+        "query_a_norm",
+        "key_value_a_norm",
+    ):
+        return getattr(layer, name), False
+    if name.endswith("_kernel_scale"):
+        return getattr(layer, name.removesuffix("_kernel_scale")).weight_scale, False
+    kind, part = name.rsplit("_", 1)
+    projection = getattr(layer, kind)
+    tensor = projection.weight if part == "kernel" else projection.bias
+    if callable(tensor):  # a quantized module's weight() and bias() are methods
+        tensor = tensor()
+        tensor = tensor.dequantize() if tensor.is_quantized else tensor
+    if _torchao_weight(tensor):
+        tensor = tensor.dequantize()  # (F, D) float: torchao's int8 is not the portable scheme
+    return tensor, part == "kernel"
+
+
+def _export_weights(layer):
+    """Returns the portable weights: a dict of NumPy arrays (bfloat16 is widened to float32; a
+    dynamically quantized projection gives its dequantized weight)."""
+    weights = {}
+    for name in layer.weight_shapes():
+        tensor, transposed = _parameter(layer, name)
+        tensor = tensor.detach().cpu()
+        tensor = tensor.float() if tensor.dtype == torch.bfloat16 else tensor
+        weights[name] = (tensor.T if transposed else tensor).numpy().copy()
+    return weights
+
+
+def _import_weights(layer, weights):
+    """Loads portable weights; strict and atomic (a ValueError lists every problem). An int8
+    layout (with `<kind>_kernel_scale`) quantizes a float layer first; an int8 layer takes only one."""
+    int8 = layer.quantization_mode == "int8" or _is_int8_layout(weights)
+    expected = (
+        _with_scales(layer.weight_shapes()) if int8 and layer.quantization_mode is None else layer.weight_shapes()
+    )
+    problems = [f"missing '{name}'" for name in expected if name not in weights]
+    problems += [f"unexpected '{name}'" for name in weights if name not in expected]
+    for name, shape in expected.items():
+        if name in weights and tuple(np.shape(weights[name])) != shape:
+            problems.append(f"'{name}' has shape {tuple(np.shape(weights[name]))}, expected {shape}")
+    problems += _int8_problems(weights, expected) if int8 else []
+    if problems:
+        raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
+    weights_now = {kind: getattr(getattr(layer, kind), "weight", None) for kind in layer._projections}
+    quantized = [kind for kind, weight in weights_now.items() if callable(weight) or _torchao_weight(weight)]
+    if quantized:
+        raise ValueError(
+            "`import_weights` writes float projections: import the weights before quantizing. "
+            f"Received: quantized projections {quantized}"
         )
-        kernels = {
-            "query": (self.d_model, n * h),
-            "query_a": (self.d_model, q),
-            "query_b": (q, n * h),
-            "key_value_a": (self.kdim, c + hr),
-            "key_value_b": (c, k * (hn + hv)),
-            "output": (n * hv, self.d_model),
-            "gate": (self.d_model, n * hv),
-        }
-        return {kind: kernels[kind] for kind in self._projections}
+    if int8 and layer.quantization_mode is None:
+        layer.quantize("int8")
+    with torch.no_grad():
+        for name in expected:
+            tensor, transposed = _parameter(layer, name)
+            value = torch.as_tensor(np.asarray(weights[name]), dtype=tensor.dtype, device=tensor.device)
+            tensor.copy_(value.T if transposed else value)
 
-    def reset_parameters(self):
-        """Glorot (Xavier) uniform kernels, zero biases, QK-norm scales of one, QK-norm biases and
-        sink logits of zero, as in the other files; and the RoPE frequencies computed (`_reset_rope`)."""
-        for kind in self._projections:
-            projection = getattr(self, kind)
-            nn.init.xavier_uniform_(projection.weight)
-            if projection.bias is not None:
-                nn.init.zeros_(projection.bias)
-        for norm in (self.query_norm, self.key_norm, *self._latent_norms()):
-            if norm is not None:
-                nn.init.ones_(norm)
-        for norm_bias in (self.query_norm_bias, self.key_norm_bias):
-            if norm_bias is not None:
-                nn.init.zeros_(norm_bias)
-        if self.sinks is not None:
-            nn.init.zeros_(self.sinks)
-        self._reset_rope()
 
-    def _reset_rope(self):
-        """`_inv_freq` computed (`rope_frequencies`, float32) on the device it is on."""
-        if self._inv_freq is not None:
-            device = self._inv_freq.device
-            self._inv_freq = rope_frequencies(self._rotary_dim, self.rope_theta, self.rope_scaling, device=device)
+def _non_defaults(layer):
+    """The variants not at their default, and a partial `bias`, {name: value} (`rope_sections`
+    only with RoPE, `qk_norm_type` and `qk_norm_bias` only with `qk_norm`: what they change)."""
+    variants = {
+        "bias": list(layer.bias) if layer.bias not in ((), layer._projections) else None,
+        **_score_settings(layer),
+        "rope_theta": layer.rope_theta,
+        "rope_sections": layer.rope_sections if layer.rope_theta is not None else None,
+        "qk_norm": layer.qk_norm,
+        "qk_norm_type": layer.qk_norm_type if layer.qk_norm is not None and layer.qk_norm_type != "rms" else None,
+        "qk_norm_bias": True if layer.qk_norm is not None and layer.qk_norm_bias else None,
+        "sinks": True if layer.sinks is not None else None,
+        "clip_qkv": layer.clip_qkv,
+        "gate": True if layer.gate is not None else None,
+        **{name: getattr(layer, name) for name in _LATENT_SIZES},
+    }
+    return {name: value for name, value in variants.items() if value is not None}
 
-    def _apply(self, fn, recurse=True):
-        """`nn.Module`'s moves and casts (`.to`, `.half()`, `to_empty`), then `_inv_freq` computed
-        again in float32 where it went: a cast would round it and `to_empty` leaves it unset."""
-        module = super()._apply(fn, recurse)
-        self._reset_rope()
-        return module
 
-    def _latent_norms(self):
-        """MLA's norm scales (`query_a_norm` with `q_lora_rank`, `key_value_a_norm`), none without MLA."""
-        if self._latent is None:
-            return ()
-        return tuple(norm for norm in (self.query_a_norm, self.key_value_a_norm) if norm is not None)
-
-    def weight_shapes(self):
-        """The portable layout: {name: shape}; a bias only where `bias` names its projection, the
-        QK-norm scales only with `qk_norm` (and their biases with `qk_norm_bias`), `sinks` only
-        with `sinks=True`, the gate's kernel only with `gate=True`; with MLA the latent projections
-        and norms instead of key and value."""
-        nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        kernels = {
-            "query": (self.d_model, nh),
-            "key": (self.kdim, kh),
-            "value": (self.vdim, kh),
-            "output": (nh, self.d_model),
-            "gate": (self.d_model, nh),
-        }
-        kernels = {kind: shape for kind, shape in kernels.items() if kind in self._projections}
-        kernels = kernels if self._latent is None else self._latent_kernels()
-        norms = {} if self._latent is None else {"query_a": (self.q_lora_rank,), "key_value_a": (self.kv_lora_rank,)}
-        shapes = {}
-        for kind, shape in kernels.items():
-            shapes[f"{kind}_kernel"] = shape
-            if kind in self.bias:
-                shapes[f"{kind}_bias"] = shape[1:]
-            if kind in norms:
-                shapes[f"{kind}_norm"] = norms[kind]
-        if self.qk_norm is not None:
-            shared = self.qk_norm == "head"
-            shapes["query_norm"] = (self.head_dim if shared else nh,)
-            shapes["key_norm"] = (self.head_dim if shared else kh,)
-        if self.query_norm_bias is not None:
-            shapes["query_norm_bias"], shapes["key_norm_bias"] = shapes["query_norm"], shapes["key_norm"]
-        if self.sinks is not None:
-            shapes["sinks"] = (self.num_heads,)
-        return _with_scales(shapes) if self.quantization_mode == "int8" else shapes
-
-    def _parameter(self, name):
-        """The tensor behind a portable name and whether it is stored transposed. A dynamically
-        quantized projection (`torch.ao.quantization.quantize_dynamic`) gives its dequantized weight."""
-        if name in (
-            "query_norm",
-            "key_norm",
-            "query_norm_bias",
-            "key_norm_bias",
-            "sinks",
-            "query_a_norm",
-            "key_value_a_norm",
-        ):
-            return getattr(self, name), False
-        if name.endswith("_kernel_scale"):
-            return getattr(self, name.removesuffix("_kernel_scale")).weight_scale, False
-        kind, part = name.rsplit("_", 1)
-        projection = getattr(self, kind)
-        tensor = projection.weight if part == "kernel" else projection.bias
-        if callable(tensor):  # a quantized module's weight() and bias() are methods
-            tensor = tensor()
-            tensor = tensor.dequantize() if tensor.is_quantized else tensor
-        if _torchao_weight(tensor):
-            tensor = tensor.dequantize()  # (F, D) float: torchao's int8 is not the portable scheme
-        return tensor, part == "kernel"
-
-    def export_weights(self):
-        """Returns the portable weights: a dict of NumPy arrays (bfloat16 is widened to float32; a
-        dynamically quantized projection gives its dequantized weight)."""
-        weights = {}
-        for name in self.weight_shapes():
-            tensor, transposed = self._parameter(name)
-            tensor = tensor.detach().cpu()
-            tensor = tensor.float() if tensor.dtype == torch.bfloat16 else tensor
-            weights[name] = (tensor.T if transposed else tensor).numpy().copy()
-        return weights
-
-    def import_weights(self, weights):
-        """Loads portable weights; strict and atomic (a ValueError lists every problem). An int8
-        layout (with `<kind>_kernel_scale`) quantizes a float layer first; an int8 layer takes only one."""
-        int8 = self.quantization_mode == "int8" or _is_int8_layout(weights)
-        expected = (
-            _with_scales(self.weight_shapes()) if int8 and self.quantization_mode is None else self.weight_shapes()
-        )
-        problems = [f"missing '{name}'" for name in expected if name not in weights]
-        problems += [f"unexpected '{name}'" for name in weights if name not in expected]
-        for name, shape in expected.items():
-            if name in weights and tuple(np.shape(weights[name])) != shape:
-                problems.append(f"'{name}' has shape {tuple(np.shape(weights[name]))}, expected {shape}")
-        problems += _int8_problems(weights, expected) if int8 else []
-        if problems:
-            raise ValueError(f"`weights` do not match this layer's portable layout: {'; '.join(problems)}")
-        weights_now = {kind: getattr(getattr(self, kind), "weight", None) for kind in self._projections}
-        quantized = [kind for kind, weight in weights_now.items() if callable(weight) or _torchao_weight(weight)]
-        if quantized:
-            raise ValueError(
-                "`import_weights` writes float projections: import the weights before quantizing. "
-                f"Received: quantized projections {quantized}"
-            )
-        if int8 and self.quantization_mode is None:
-            self.quantize("int8")
-        with torch.no_grad():
-            for name in expected:
-                tensor, transposed = self._parameter(name)
-                value = torch.as_tensor(np.asarray(weights[name]), dtype=tensor.dtype, device=tensor.device)
-                tensor.copy_(value.T if transposed else value)
-
-    def quantize(self, mode):
-        """Replaces the `nn.Linear` projections (four, five with `gate`) by `Int8Linear` modules:
-        int8 weights with one float32 scale per output feature, the inputs quantized per token at
-        each call (Keras' scheme, docs/SPEC.md "int8"). `export_weights` then gives the portable
-        int8 layout.
-
-        Args:
-            mode: "int8", the only mode.
-        """
-        if mode != "int8":
-            raise ValueError(f"`mode` must be 'int8'. Received: mode={mode!r}")
-        others = {kind: type(getattr(self, kind)).__name__ for kind in self._projections}
-        others = {kind: name for kind, name in others.items() if name != "Linear"}
-        if others:
-            raise ValueError(f"`quantize` needs the projections as nn.Linear modules. Received: {others}")
-        for kind in self._projections:
-            setattr(self, kind, Int8Linear.from_linear(getattr(self, kind)))
-
-    @property
-    def quantization_mode(self):
-        """ "int8" once `quantize("int8")` (or an int8 `import_weights`) made the projections
-        `Int8Linear` modules, else None."""
-        return "int8" if all(isinstance(getattr(self, kind), Int8Linear) for kind in self._projections) else None
-
-    def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
-        """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
-
-        Args:
-            batch_size: B.
-            max_length: L, the number of slots.
-            keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
-                of different lengths). Defaults to all True.
-            dtype: dtype of the keys and values; defaults to the compute dtype, the parameters'.
-
-        Returns:
-            A `KVCache` of zeros with index 0, on the parameters' device: keys and values
-            (B, K, L, H); with MLA the latent cache, latents (B, 1, L, C) in `key` and turned
-            shared key parts (B, 1, L, Hr) in `value`.
-        """
-        b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
-        weight = self._float_weight()
-        device = torch.device("cpu") if weight is None else weight.device  # a quantized module runs on the CPU
-        keep = torch.ones(b, length, dtype=torch.bool) if keep is None else _check_keep(keep, b, length)
-        latent = self._latent
-        key_shape = (
-            (b, self.num_kv_heads, length, self.head_dim) if latent is None else (b, 1, length, latent.kv_lora_rank)
-        )
-        value_shape = key_shape if latent is None else (b, 1, length, latent.qk_rope_head_dim)
-        default = torch.get_default_dtype() if weight is None else weight.dtype
-        dtype = default if dtype is None else dtype
-        keep = keep.to(device, copy=True)  # the cache's own: decoding writes it in place
-        index = torch.zeros((), dtype=torch.long, device=device)
-        if _eager() and device.type != "meta":  # checked once here, carried: a step reads no value (`_carry`)
-            _all_kept(keep)
-            _carry(index, 0)
-        return KVCache(
-            torch.zeros(key_shape, dtype=dtype, device=device),
-            torch.zeros(value_shape, dtype=dtype, device=device),
-            keep,
-            index,
-        )
-
-    def _non_defaults(self):
-        """The variants not at their default, and a partial `bias`, {name: value} (`rope_sections`
-        only with RoPE, `qk_norm_type` and `qk_norm_bias` only with `qk_norm`: what they change)."""
-        variants = {
-            "bias": list(self.bias) if self.bias not in ((), self._projections) else None,
-            "scale": None if self.scale == 1.0 / math.sqrt(self.head_dim) else self.scale,
-            "softcap": self.softcap,
-            "window": self.window,
-            "attention_chunk_size": self.attention_chunk_size,
-            "rope_theta": self.rope_theta,
-            "rope_sections": self.rope_sections if self.rope_theta is not None else None,
-            "qk_norm": self.qk_norm,
-            "qk_norm_type": self.qk_norm_type if self.qk_norm is not None and self.qk_norm_type != "rms" else None,
-            "qk_norm_bias": True if self.qk_norm is not None and self.qk_norm_bias else None,
-            "sinks": True if self.sinks is not None else None,
-            "clip_qkv": self.clip_qkv,
-            "gate": True if self.gate is not None else None,
-            **{name: getattr(self, name) for name in _LATENT_SIZES},
-        }
-        return {name: value for name, value in variants.items() if value is not None}
-
-    def extra_repr(self):
-        settings = {"bias": bool(self.bias), **self._non_defaults()}  # a partial `bias` replaces True
-        if self.rope_theta is not None:
-            settings |= {"rope_fraction": self.rope_fraction, "rope_interleaved": self.rope_interleaved}
-            settings |= {"rope_scaling": self.rope_scaling}
-        if self.qk_norm is not None:
-            settings["qk_norm_eps"] = self.qk_norm_eps
-        return ", ".join(
-            [
-                f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}",
-                f"head_dim={self.head_dim}, dropout={self.dropout}",
-                *(f"{name}={value!r}" for name, value in settings.items()),
-            ]
-        )
-
-    def _float_weight(self):
-        """The output projection's float weight (a wrapper's first float parameter, as LoRA's), or
-        None where it holds none (a quantized module)."""
-        weight = getattr(self.output, "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.is_floating_point():
-            return weight
-        tensors = (*self.output.parameters(), *self.output.buffers())  # an Int8Linear: its bias, else its scale
-        return next((p for p in tensors if p.is_floating_point()), None)
-
-    def _compute_dtype(self, query):
-        """The dtype q, k and v are computed in: autocast's, else the output projection's float
-        weight's, else the query's (a quantized module)."""
-        if _autocast_enabled(query.device):
-            return torch.get_autocast_dtype(query.device.type)
-        weight = self._float_weight()
-        return query.dtype if weight is None else weight.dtype
-
-    def _check_call(
-        self, query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
-        return_attention, cache, mask,
-    ):  # fmt: skip
-        """Step 1: the call's defaults and checks (all but the masks' combination), as a `_Call`.
-        Unbatched (T, E) inputs are given a batch of one here; `forward` takes it off the results."""
-        attention_mask = _attention_mask(attention_mask, mask)
-        device = query.device if isinstance(query, torch.Tensor) else None
-        attention_mask, attention_bias, key_mask, query_mask, positions = [
-            _as_tensor(x, device) for x in (attention_mask, attention_bias, key_mask, query_mask, positions)
+def _extra_repr(layer):
+    settings = {"bias": bool(layer.bias), **_non_defaults(layer)}  # a partial `bias` replaces True
+    if layer.rope_theta is not None:
+        settings |= {"rope_fraction": layer.rope_fraction, "rope_interleaved": layer.rope_interleaved}
+        settings |= {"rope_scaling": layer.rope_scaling}
+    if layer.qk_norm is not None:
+        settings["qk_norm_eps"] = layer.qk_norm_eps
+    return ", ".join(
+        [
+            f"d_model={layer.d_model}, num_heads={layer.num_heads}, num_kv_heads={layer.num_kv_heads}",
+            f"head_dim={layer.head_dim}, dropout={layer.dropout}",
+            *(f"{name}={value!r}" for name, value in settings.items()),
         ]
-        if isinstance(query, torch.Tensor) and query.dim() == 2:  # unbatched
-            query, key, value = (x if x is None else x.unsqueeze(0) for x in (query, key, value))  # (L, D) -> (1, L, D)
-            key_mask, query_mask = (m if m is None or m.ndim != 1 else m[None] for m in (key_mask, query_mask))
-        self_attention = key is None and value is None  # what key_mask defaults by (SPEC: key and value left out)
-        one_input = (key is None or key is query) and (value is None or value is query)  # may fuse the projections
-        key, value = _inputs(query, key, value)
-        if self._latent is not None and value is not key:
-            raise ValueError(
-                "`value` must be None or `key` itself with `kv_lora_rank`: MLA reads keys and values from `key`. "
-                "Received: a value other than key"
-            )
-        query = _check_input("query", query, "E", self.d_model)
-        if not (key is query and value is query and self.kdim == self.vdim == self.d_model):  # else checked once
-            key, value = _check_input("key", key, "kdim", self.kdim), _check_input("value", value, "vdim", self.vdim)
-            _check_dtypes(query, key, value)
-            _check_lengths(query, key, value)
-        compute_dtype = self._compute_dtype(query)
-        _check_compute_dtype(query, compute_dtype)
-        (b, t), s = query.shape[:2], key.shape[1]
-        if cache is not None:
-            _check_cache(cache, query, key, self.num_kv_heads, self.head_dim, self._latent)
-            _check_cache_dtype(cache, compute_dtype)
-            _check_room(cache.index, t, cache.key.shape[2], _window_sides(self.window)[0])  # NaN under compile
-        query_mask = _check_token_mask("query_mask", query_mask, b, t, "T")  # query_mask first, as in the other files
-        key_mask = _check_token_mask("key_mask", key_mask, b, s, "S")
-        positions = self._positions(positions, query, key, cache)
-        if cache is None:
-            self._warn_traps(attention_mask, key_mask, t, s)
-        key_mask = query_mask if key_mask is None and self_attention else key_mask  # (B, S)
-        return _Call(
-            query, key, value, attention_mask, attention_bias, key_mask, query_mask, positions, causal, self.window,
-            self.attention_chunk_size, return_attention, cache, None,
-            one_input and (cache is None or _keeps_kernels()) and self._latent is None,  # a step: kept kernels only
-        )  # fmt: skip
+    )
 
-    def _positions(self, positions, query, key, cache):
-        """Step 1 for RoPE: checked (B, T) positions ((k, B, T) with `rope_sections`), arange(T)
-        (+ the cache's index) by default, the same for every section."""
-        if self.rope_theta is None:
-            if positions is not None:
-                raise ValueError(
-                    "`positions` needs RoPE: construct the layer with `rope_theta`. "
-                    "Received: positions with rope_theta=None"
-                )
-            return None
-        (b, t), s = query.shape[:2], key.shape[1]
-        if cache is None and s != t:
-            raise ValueError(
-                "RoPE needs `key` and `value` to hold the query's own tokens (S == T, or decoding with `cache`). "
-                f"Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
-            )
-        if positions is None:
-            start = 0 if cache is None else cache.index
-            positions = start + torch.arange(t, device=query.device)  # (T,)
-        return _check_positions(positions, b, t, self.rope_sections)  # (B, T) or (k, B, T)
 
-    def _warn_traps(self, attention_mask, key_mask, t, s):
-        """Warns once per layer for each built-in habit the masks' values suggest, where reading
-        them is free (eager, on the CPU); a call with a cache is not read."""
-        masks = [mask for mask in (attention_mask, key_mask) if mask is not None]
-        if not masks or not _values_readable(*masks):
-            return
-        for kind, message in _mask_traps(attention_mask, key_mask, t, s).items():
-            if kind not in self._warned_traps:
-                self._warned_traps.add(kind)
-                _warn_at_caller(message)
+def _from_torch(cls, module):
+    """Builds a layer with the weights of a `torch.nn.MultiheadAttention`.
 
-    def _masks(self, call):
-        """Step 1: every mask -> one boolean keep and one additive bias in the softmax's dtype, both
-        broadcasting to (B, N, T, S) (S: the cache's L when decoding), or None. With a cache the
-        `key_mask` goes into the cache's keep instead (step 5)."""
-        key_mask = call.key_mask if call.cache is None else None
-        if call.attention_mask is None and call.attention_bias is None and key_mask is None and call.query_mask is None:
-            return None, None
-        (b, t), s = call.query.shape[:2], call.key.shape[1] if call.cache is None else call.cache.key.shape[2]
-        target = (b, self.num_heads, t, s)
-        dtype = torch.promote_types(self._compute_dtype(call.query), torch.float32)
-        mask_keep, mask_add = _split_mask(call.attention_mask, target)
-        bias_keep, bias_add = _split_bias(call.attention_bias, target)
-        keep = _and(mask_keep, bias_keep)
-        keep = _and(keep, None if key_mask is None else key_mask[:, None, None, :])  # (B, S) -> (B, 1, 1, S)
-        keep = _and(
-            keep, None if call.query_mask is None else call.query_mask[:, None, :, None]
-        )  # (B, T) -> (B, 1, T, 1)
-        bias = _add(*(None if x is None else x.to(dtype) for x in (mask_add, bias_add)))
-        if mask_add is not None and bias_add is not None:
-            bias = bias.clamp(min=torch.finfo(dtype).min)  # two penalties may add up past the lowest value
-        return keep, bias
+    Packed (`in_proj_weight`) and separate (`q/k/v_proj_weight`) projections are read,
+    `batch_first` either way (this layer is always batch first), with or without bias.
+    """
+    if not isinstance(module, nn.MultiheadAttention):
+        raise ValueError(f"`module` must be a torch.nn.MultiheadAttention. Received: {type(module).__name__}")
+    if module.bias_k is not None or module.add_zero_attn:
+        raise ValueError(
+            "`module` uses add_bias_kv or add_zero_attn, which append learned or zero keys "
+            "that this layer does not have. Received: "
+            f"add_bias_kv={module.bias_k is not None}, add_zero_attn={module.add_zero_attn}"
+        )
+    e = module.embed_dim
+    has_bias = module.in_proj_bias is not None
+    reference = module.out_proj.weight
+    layer = cls(
+        e, module.num_heads, kdim=module.kdim, vdim=module.vdim, dropout=module.dropout,
+        bias=has_bias, device=reference.device, dtype=reference.dtype,
+    )  # fmt: skip
+    if module._qkv_same_embed_dim:
+        weights = module.in_proj_weight.detach().split(e)
+    else:
+        weights = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
+    with torch.no_grad():
+        for projection, weight in zip((layer.query, layer.key, layer.value), weights, strict=True):
+            projection.weight.copy_(weight)
+        layer.output.weight.copy_(module.out_proj.weight)
+        if has_bias:
+            for projection, bias in zip(
+                (layer.query, layer.key, layer.value), module.in_proj_bias.split(e), strict=True
+            ):
+                projection.bias.copy_(bias)
+            layer.output.bias.copy_(module.out_proj.bias)
+    return layer
 
-    def _project_qkv(self, call):
-        """Step 2: q (B, N, T, H), k and v (B, K, S, H); one matmul for the three where the call
-        may fuse them and that computes what the three projections would (`_fusable`). Every path
-        (fused, lean decode, int8, tensor-parallel) then clamps them to [-clip_qkv, clip_qkv]. With
-        MLA: q, the latents c (B, 1, S, C) and the shared key part k_rope (B, 1, S, Hr) in place of
-        k and v (`_project_latent`)."""
-        if self._latent is not None:
-            return self._project_latent(call)
-        if call.fuse and self._fusable():
-            q, k, v = self._project_fused(call.query)  # (B, T, E) -> (B, N, T, H), 2 x (B, K, T, H)
-        else:
-            q = self._split_heads(self._project(call.query, "query"), self.num_heads)  # (B, T, E) -> (B, N, T, H)
-            k = self._split_heads(self._project(call.key, "key"), self.num_kv_heads)  # (B, S, kdim) -> (B, K, S, H)
-            v = self._split_heads(self._project(call.value, "value"), self.num_kv_heads)  # (B, S, vdim) -> (B, K, S, H)
-        self._check_local_heads(q, k, call.attention_mask, call.attention_bias)
-        return self._clip(q), self._clip(k), self._clip(v)
 
-    def _project_latent(self, call):
-        """Step 2 with MLA: q (B, N, T, H), through query_a, its RMSNorm and query_b with Q; the
-        latents c = RMSNorm(a[..., :C]) (B, 1, S, C) and k_rope = a[..., C:] (B, 1, S, Hr) of
-        a = key @ key_value_a_kernel."""
-        if self.q_lora_rank is None:
-            q = self._project(call.query, "query")  # (B, T, E) -> (B, T, N*H)
-        else:
-            a = self._project(call.query, "query_a")  # (B, T, E) -> (B, T, Q)
-            q = self._project(rms_norm(a, self.query_a_norm, self.latent_norm_eps), "query_b")  # -> (B, T, N*H)
-        a = self._project(call.key, "key_value_a")  # (B, S, kdim) -> (B, S, C + Hr)
-        latent, k_rope = a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)  # (B, S, C), (B, S, Hr)
-        latent = rms_norm(latent, self.key_value_a_norm, self.latent_norm_eps)  # (B, S, C)
-        return self._split_heads(q, self.num_heads), latent[:, None], k_rope[:, None]  # (B, N, T, H), (B, 1, S, .)
-
-    def _clip(self, x):
-        """`clip_qkv` (OLMo, DBRX, MPT): x clamped to [-c, c] (unchanged when None), with the
-        clamp's gradient, 1 within [-c, c] (bounds included) and 0 outside."""
-        return x if self.clip_qkv is None else x.clamp(-self.clip_qkv, self.clip_qkv)
-
-    def _fusable(self):
-        """Whether self-attention may project q, k and v with one matmul: only where that computes
-        exactly what calling the three projections would (plain nn.Linear or plain Int8Linear, no
-        hooks, not sharded, no torchao quantized weights, which cannot be concatenated)."""
-        projections = (self.query, self.key, self.value)
-        kind = Int8Linear if type(self.query) is Int8Linear else nn.Linear
-        if not all(_plain_linear(projection, kind) for projection in projections):
-            return False
-        weights = [p.weight for p in projections]
-        plain = all(type(w) is nn.Parameter or type(w) is torch.Tensor for w in weights)  # else a tensor subclass
-        return kind is Int8Linear or plain or not any(_torchao_weight(w) or _is_dtensor(w) for w in weights)
-
-    def _fused_weights(self, x):
-        """The three projections' weights, biases (None where none has one) and int8 scales (None
-        for nn.Linear), concatenated. Under no_grad, eagerly, they are kept and made again only
-        when a weight changes (its version counter or storage): one copy of the q/k/v weights,
-        so that a decode step does not concatenate them at every step."""
-        projections = (self.query, self.key, self.value)
-        int8 = isinstance(self.query, Int8Linear)
-        names = ("weight", "bias", "weight_scale") if int8 else ("weight", "bias")
-        tensors = [getattr(p, name) for p in projections for name in names]
-        version = _versions(tensors, x.dtype) if _keeps_kernels() else None
-        if version is not None and self._fused is not None and self._fused[0] == version:
-            return self._fused[1]
-        weight = torch.cat([p.weight for p in projections])  # (N*H + 2*K*H, E), int8 for Int8Linear
-        biases = [x.new_zeros(p.out_features) if p.bias is None else p.bias for p in projections]  # x: the layer dtype
-        bias = None if all(p.bias is None for p in projections) else torch.cat(biases)  # (N*H + 2*K*H,)
-        scale = torch.cat([p.weight_scale for p in projections]) if int8 else None  # (N*H + 2*K*H,)
-        if _eager():  # a compiled or traced graph leaves the layer's state alone
-            self._fused = None if version is None else (version, (weight, bias, scale))
-        return weight, bias, scale
-
-    def _kept_kernels(self, dtype):
-        """The decode fast path's kernels: the q/k/v kernels the layer keeps (`_fused_weights`, made
-        only where `_fusable` held) while they are current for `dtype` (`_versions`: a weight
-        replaced, cast or written in place is another storage or version) and the projections are
-        still plain nn.Linear modules with no hooks (`_plain_linear`), and the output projection's
-        weight and bias; else None. Read from the modules' own dicts: a read through nn.Module's
-        attribute lookup costs about a microsecond, a sizeable share of a T = 1 step."""
-        modules, tensors = self._modules, []  # the weight and bias of query, key, value and output
-        for projection in (modules["query"], modules["key"], modules["value"], modules["output"]):
-            if type(projection) is not nn.Linear or _own_hooks(projection):
-                return None
-            parameters = projection._parameters
-            tensors += (parameters["weight"], parameters["bias"])
-        if self._fused is None or _global_hooks() or self._fused[0] != _versions(tensors[:6], dtype):
-            return None
-        return self._fused[1], tensors[6:]
-
-    def _project_fused(self, x):
-        """Self-attention: q, k and v from one matmul over the concatenated projections (int8: the
-        input quantized once, as each projection would quantize it)."""
-        return self._fused_heads(x, *self._fused_weights(x))
-
-    def _fused_heads(self, x, weight, bias, scale):
-        """q, k and v from one matmul over the concatenated kernels `_fused_weights` gives."""
-        y = F.linear(x, weight, bias) if scale is None else _int8_linear(x, weight, scale, bias)  # (B, T, (N+2K)*H)
-        (b, t), n, kv = x.shape[:2], self.num_heads, self.num_kv_heads
-        heads = y.view(b, t, n + 2 * kv, self.head_dim).transpose(1, 2)  # (B, T, (N+2K)*H) -> (B, N+2K, T, H)
-        return heads.split_with_sizes([n, kv, kv], dim=1)  # (B, N, T, H), (B, K, T, H), (B, K, T, H)
-
-    def _project(self, x, kind):
-        """(B, L, D) -> (B, L, F): the projection `kind` ("query", "key", "value", "output" or "gate")."""
-        return _linear(getattr(self, kind), x)
-
-    def _split_heads(self, y, heads):
-        """(B, L, heads*H) -> (B, heads, L, H). Under tensor parallelism a rank holds a share of
-        the heads, so the local count is read from the width."""
-        b, length, width = y.shape
-        if width % self.head_dim:
-            raise ValueError(
-                "Each tensor-parallel rank must hold whole heads: `num_heads` and `num_kv_heads` must be divisible "
-                f"by the number of ranks. Received: num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, a projection {width} wide on this rank"
-            )
-        return y.view(b, length, width // self.head_dim, self.head_dim).transpose(1, 2)  # -> (B, heads, L, H)
-
-    def _merge_heads(self, context):
-        """(B, heads, T, H) -> (B, T, heads*H)."""
-        b, heads, t, h = context.shape
-        return context.transpose(1, 2).reshape(b, t, heads * h)
-
-    def _check_local_heads(self, q, k, attention_mask, attention_bias):
-        """Tensor parallelism: this rank's query and key/value heads must keep the N : K grouping,
-        and neither a per-head (B, N, T, S) mask or bias nor the variants that hold numbers of
-        every head (sinks, QK-norm over all heads or with a scale per head) can be split with them."""
-        local, local_kv = q.shape[1], k.shape[1]
-        if (local, local_kv) == (self.num_heads, self.num_kv_heads):
-            return
-        if local * self.num_kv_heads != local_kv * self.num_heads:
-            raise ValueError(
-                "Each tensor-parallel rank must hold whole groups of heads: `num_kv_heads` must be divisible by the "
-                f"number of ranks. Received: num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-                f"{local} query and {local_kv} key/value heads on this rank"
-            )
-        for name, mask in (("attention_mask", attention_mask), ("attention_bias", attention_bias)):
-            if mask is not None and mask.dim() == 4 and mask.shape[1] != 1:
-                raise ValueError(
-                    f"A per-head `{name}` (B, N, T, S) cannot be used with heads split across tensor-parallel "
-                    f"ranks ({local} of {self.num_heads} heads on this rank); pass (T, S), (B, T, S) or (B, 1, T, S). "
-                    f"Received: {name}.shape={tuple(mask.shape)}"
-                )
-        if self.sinks is not None or self.qk_norm in ("all", "per_head"):
-            raise ValueError(
-                "`sinks` and `qk_norm='all'` hold numbers of every head and cannot be split across tensor-parallel "
-                f"ranks ({local} of {self.num_heads} heads on this rank), nor can `qk_norm='per_head'`. "
-                f"Received: sinks={self.sinks is not None}, qk_norm={self.qk_norm!r}"
-            )
-
-    def _normalize_qk(self, q, k):
-        """Step 3, QK-norm: RMSNorm or LayerNorm (`qk_norm_type`) of q and k over each head with
-        one scale ("head") or a scale per head ("per_head"), or over all heads ("all"); plus the
-        norm's bias with `qk_norm_bias`."""
-        if self.qk_norm is None:
-            return q, k
-        norm = rms_norm if self.qk_norm_type == "rms" else layer_norm
-        eps, q_bias, k_bias = self.qk_norm_eps, self.query_norm_bias, self.key_norm_bias
-        if self.qk_norm == "head":
-            return norm(q, self.query_norm, eps, q_bias), norm(k, self.key_norm, eps, k_bias)
-        over = _norm_per_head if self.qk_norm == "per_head" else _norm_over_heads
-        return over(norm, q, self.query_norm, eps, q_bias), over(norm, k, self.key_norm, eps, k_bias)
-
-    def _rotate(self, q, k, v, positions):
-        """Step 4, RoPE: q and k turned at their (B, T) positions by the frequencies `_inv_freq`
-        (with `rope_sections`, (k, B, T) positions: each section of pairs by its row); with MLA
-        the last Hr features of q and the (B, 1, T, Hr) k_rope, which stands in v's place (k is
-        the latents). Returns q, k, v."""
-        if self.rope_theta is None:
-            return q, k, v
-        if self._latent is not None:
-            q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)  # (B, N, T, Hn), (.., Hr)
-            return torch.cat([q_nope, self._turn(q_rope, positions)], dim=-1), k, self._turn(v, positions)
-        return self._turn(q, positions), self._turn(k, positions), v
-
-    def _turn(self, x, positions):
-        """RoPE of the first R features of each head of x (B, heads, T, H), times YaRN's factor."""
-        inv_freq = self._inv_freq.to(x.device)  # (R/2,) float32
-        x = apply_rope(x, positions, inv_freq, self.rope_interleaved, self.rope_sections)  # (B, heads, T, H)
-        return scale_rotated(x, self._rotary_dim, rope_attention_factor(self.rope_scaling))
-
-    def _update_cache(self, call, k, v, keep):
-        """Step 5, the KV cache: the new keys and values written (`_write_cache`, checked by
-        `_check_call`), then k and v are the cache's. A lean decode step (eager, no mask, bias,
-        query_mask or returned weights, within the cache's first lap) attends the first index + T
-        slots as a full pass attends its keys (causal, window and chunk bottom-right aligned, the
-        cache's keep only where it holds a False): no (B, 1, T, L) keep. Every other call attends
-        all L slots through that keep, with causal, window and chunk folded into it."""
-        cache = call.cache
-        if cache is None:
-            return k, v, keep, call
-        t, length, index = k.shape[2], cache.key.shape[2], cache.index
-        start = _known_index(index)
-        cache = _write_cache(cache, k, v, call.key_mask, start)
-        lean = keep is None and not call.return_attention  # each mask gives a keep
-        if lean and start is not None and start + t <= length:  # lean: the first S = index + T slots
-            k, v, keep = _first_slots(cache, start + t)  # (B, K, S, H) x 2, (B, 1, 1, S) or None
-            return k, v, keep, call._replace(causal=call.causal and t > 1, cache=cache)
-        rule = (call.causal, call.window, call.attention_chunk_size)
-        keep = _and(keep, _cache_keep(cache.keep, index, t, *rule))  # (B, N, T, L), dims may be 1
-        folded = call._replace(causal=False, window=None, attention_chunk_size=None, cache=cache)
-        return cache.key, cache.value, keep, folded
-
-    def _attend(self, q, k, v, keep, bias, call):
-        """Step 6, the one entry to the paths (`_attend_heads`); with MLA k and v are the
-        (B, 1, S, C) latents and (B, 1, S, Hr) k_rope, attended expanded or absorbed."""
-        if self._latent is not None and self._absorbs(call, q.shape[2]):
-            return self._attend_absorbed(q, k, v, keep, bias, call)
-        if self._latent is not None:
-            k, v = self._expand_latents(k, v)  # (B, K, S, H), (B, K, S, Hv)
-        return self._attend_heads(q, k, v, keep, bias, call)
-
-    def _absorbs(self, call, t):
-        """MLA's path: `absorb_latents` if set, else absorbed with a cache and T <= 8."""
-        if self.absorb_latents is not None:
-            return bool(self.absorb_latents)
-        return call.cache is not None and t <= _ABSORB_MAX_T
-
-    def _expand_latents(self, latent, k_rope):
-        """MLA's up-projection: (B, 1, S, C) latents and (B, 1, S, Hr) k_rope -> keys
-        concat(k_nope, k_rope) (B, K, S, H) and values (B, K, S, Hv)."""
-        kv = self._project(latent[:, 0], "key_value_b")  # (B, S, C) -> (B, S, K*(Hn + Hv))
-        (b, s, _), heads = kv.shape, self.num_kv_heads
-        kv = kv.view(b, s, heads, -1).transpose(1, 2)  # -> (B, K, S, Hn + Hv)
-        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)  # (B, K, S, Hn), (B, K, S, Hv)
-        k_rope = k_rope.expand(b, heads, s, self.qk_rope_head_dim)  # (B, 1, S, Hr) -> (B, K, S, Hr)
-        return torch.cat([k_nope, k_rope], dim=-1), v  # (B, K, S, H), (B, K, S, Hv)
-
-    def _up_projections(self, dtype):
-        """key_value_b's kernel in `dtype` as (N, Hn, C) and (N, Hv, C) and its bias (N, Hn) and
-        (N, Hv) (None without one), each key/value head's repeated for its N // K query heads; an
-        int8 projection's dequantized."""
-        weight, _ = self._parameter("key_value_b_kernel")  # (K*(Hn + Hv), C)
-        projection, groups = self.key_value_b, self.num_heads // self.num_kv_heads
-        scale = projection.weight_scale[:, None] if isinstance(projection, Int8Linear) else 1.0  # (K*(Hn + Hv), 1)
-        weight = (weight.to(dtype) * scale).to(dtype).view(self.num_kv_heads, -1, weight.shape[-1])  # (K, Hn + Hv, C)
-        weight = weight.repeat_interleave(groups, dim=0)  # (N, Hn + Hv, C)
-        w_kb, w_vb = weight.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)  # (N, Hn, C), (N, Hv, C)
-        if "key_value_b" not in self.bias:
-            return w_kb, w_vb, None, None
-        bias = self._parameter("key_value_b_bias")[0].to(dtype).view(self.num_kv_heads, -1)  # (K, Hn + Hv)
-        b_k, b_v = bias.repeat_interleave(groups, dim=0).split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        return w_kb, w_vb, b_k, b_v  # ..., (N, Hn), (N, Hv)
-
-    def _attend_absorbed(self, q, latent, k_rope, keep, bias, call):
-        """Step 6 with MLA on the latents, through `_attend_heads` (every path): q_lat = q_nope @
-        W_kb^T (B, N, T, C) meets the latents and q_rope meets k_rope (and q_nope . b_k a key of
-        ones); the values are the latents (and a one, whose output is sum(weights)); each head's
-        context is o_lat @ W_vb + sum(weights) * b_v (B, N, T, Hv)."""
-        w_kb, w_vb, b_k, b_v = self._up_projections(q.dtype)  # (N, Hn, C), (N, Hv, C), (N, Hn), (N, Hv)
-        if isinstance(self.key_value_b, Int8Linear):  # the latents as the int8 up-projection reads them
-            latent = _int8_rows(latent)  # (B, 1, S, C)
-        q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)  # (B, N, T, Hn), (.., Hr)
-        ones = latent.new_ones(*latent.shape[:3], 1)  # (B, 1, S, 1)
-        queries, keys, values = [q_nope @ w_kb, q_rope], [latent, k_rope], [latent]  # (B, N, T, C), ...
-        if b_k is not None:
-            queries.append((q_nope * b_k[:, None, :]).sum(dim=-1, keepdim=True))  # (B, N, T, 1)
-            keys.append(ones)
-        if b_v is not None:
-            values.append(ones)
-        q, k, v = (torch.cat(parts, dim=-1) for parts in (queries, keys, values))  # (B, N, T, .), 2 x (B, 1, S, .)
-        context, weights = self._attend_heads(q, k, v, keep, bias, call)  # (B, N, T, C or C + 1)
-        output = context[..., : self.kv_lora_rank] @ w_vb.transpose(-1, -2)  # (B, N, T, C) -> (B, N, T, Hv)
-        return output if b_v is None else output + context[..., self.kv_lora_rank :] * b_v[:, None, :], weights
-
-    def _attend_heads(self, q, k, v, keep, bias, call):
-        """Step 6, the one entry to the speed paths, all with `dot_product_attention`'s numbers:
-        SDPA without returned weights (its own causal triangle where nothing else masks; the sinks
-        as one more key, `_sdpa_with_sinks`); with `softcap` (which SDPA cannot express) and
-        neither returned weights nor dropout, eagerly, blocks of query rows with their own
-        backward (`_softcapped_attention`); else the explicit softmax, in blocks of batch
-        elements under no_grad on the CPU (`_attention_in_blocks`). A window (one- or two-sided)
-        or an attention chunk is always folded into the mask: no shortcut."""
-        (n, t), s, sinks = q.shape[1:3], k.shape[2], self.sinks
-        dropout = self.dropout if self.training else 0.0
-        if self.softcap is not None and not (call.return_attention or dropout or torch.compiler.is_compiling()):
-            masks = (call.causal, call.window, call.attention_chunk_size)
-            return _softcapped_attention(q, k, v, keep, bias, *masks, self.scale, self.softcap, sinks), None
-        explicit = call.return_attention or self.softcap is not None
-        only_causal = keep is None and bias is None and call.window is None and call.attention_chunk_size is None
-        if not explicit and call.causal and only_causal and t == s:
-            return _sdpa_attention(q, k, v, None, None, dropout, self.scale, True, sinks), None  # (B, N, T, H)
-        if explicit and not _in_blocks(q, _softmax_dtype(q.dtype, bias, sinks)):
-            return dot_product_attention(
-                q, k, v, keep, bias, call.causal, scale=self.scale, softcap=self.softcap, window=call.window,
-                attention_chunk_size=call.attention_chunk_size, sinks=sinks, dropout=dropout,
-                return_attention=call.return_attention,
-            )  # fmt: skip
-        masks = (call.causal, call.window, call.attention_chunk_size)
-        keep, bias = _final_masks(keep, bias, *masks, sinks, t, s, q.device)
-        if explicit:
-            k, v = _repeat_heads(k, n), _repeat_heads(v, n)  # (B, K, S, H) -> (B, N, S, H)
-            context, weights = _attention_in_blocks(q, k, v, keep, bias, dropout, self.scale, self.softcap, sinks)
-            return context, weights if call.return_attention else None
-        return _sdpa_attention(q, k, v, keep, bias, dropout, self.scale, sinks=sinks), None
-
-    def _gate_heads(self, call, context):
-        """Step 6b: the (B, N, T, Hv) attention result times sigmoid(query @ gate_kernel + gate_bias)
-        split into heads (unchanged without `gate`; Hv = H without MLA)."""
-        if self.gate is None:
-            return context
-        gate = torch.sigmoid(self._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
-        return context * gate.unflatten(-1, (-1, context.shape[-1])).transpose(1, 2)  # -> (B, N, T, Hv)
-
-    def _decode_step(self, query, positions, causal, cache):
-        """The decode fast path: a call that gives only the query (with `causal`, and `positions`
-        as a tensor) and a cache, eagerly under no_grad, over plain projections whose q/k/v kernels
-        the layer keeps (`_kept_kernels`) and a cache whose index carries its value and whose T
-        tokens fit in its first lap (`_carried_start`). It runs `forward`'s steps 2 to 7 with
-        `forward`'s own functions, less the check step, whose checks those facts answer, and the
-        general dispatch (`_check_call`, `_masks`, `_fusable`, `_fused_weights`, `_update_cache`);
-        a plain layer's one-token step is its operations alone (`_one_sdpa_call`). Returns
-        (output, cache), bit for bit the general call's, or None where it does not apply: the call
-        then runs through `forward`'s steps, which raise where it is invalid."""
-        tensors = type(query) is torch.Tensor and (positions is None or type(positions) is torch.Tensor)
-        if not tensors or type(cache) is not KVCache or torch.is_grad_enabled() or not _eager():
-            return None
-        if torch._C._is_any_autocast_enabled():  # on any device: read without `query.device`, a new object
-            return None
-        width = query.dim() == 3 and query.shape[2] == self.d_model
-        kernels = self._kept_kernels(query.dtype) if width and self._latent is None else None
-        if kernels is None:
-            return None
-        (b, t), (fused, output_kernel), dtype = query.shape[:2], kernels, query.dtype
-        start = _carried_start(cache, b, t, self.num_kv_heads, self.head_dim, dtype)
-        if start is None or output_kernel[0].dtype != dtype:  # the compute dtype (`_compute_dtype`) is the query's
-            return None
-        if t == 1 and positions is None and self._one_sdpa_call():
-            return self._one_token_step(query, fused, output_kernel, cache, start)
-        positions = self._positions(positions, query, query, cache)  # 1. checked (B, T), None without RoPE
-        q, k, v = self._fused_heads(query, *fused)  # 2. (B, T, E) -> (B, N, T, H), 2 x (B, K, T, H)
-        q, k, v = self._clip(q), self._clip(k), self._clip(v)
-        q, k = self._normalize_qk(q, k)  # 3. QK-norm
-        q, k, v = self._rotate(q, k, v, positions)  # 4. RoPE
-        cache = _write_cache(cache, k, v, None, start)  # 5. KV cache: slots [index, index + T) written
-        k, v, keep = _first_slots(cache, start + t)  # (B, K, S, H) x 2 and (B, 1, 1, S) or None, S = index + T
-        call = _Call(
-            query, query, query, None, None, None, None, positions, causal and t > 1, self.window,
-            self.attention_chunk_size, False, cache, None, True,
-        )  # what _check_call and _update_cache give this call  # fmt: skip
-        context, _ = self._attend(q, k, v, keep, None, call)  # 6. (B, N, T, H)
-        context = self._gate_heads(call, context)  # 6b. output gate
-        return F.linear(self._merge_heads(context), *output_kernel), cache  # 7. (B, T, N*H) -> (B, T, E)
-
-    def _one_sdpa_call(self):
-        """Whether a one-token step of this layer is one SDPA call over the written slots (no
-        step 3, 4 or 6b; `_attend_heads` with one query and no window, chunk, sinks or soft-capping)."""
-        steps = self.qk_norm is None and self.rope_theta is None and self.clip_qkv is None and self.gate is None
-        attention = self.softcap is None and self.sinks is None and self.window is None
-        return steps and attention and self.attention_chunk_size is None
-
-    def _one_token_step(self, query, fused, output_kernel, cache, start):
-        """A plain layer's one-token step (`_one_sdpa_call`), `forward`'s steps 2 to 7 as their
-        operations alone: the fused matmul, the write of slot index through views, the one
-        `_sdpa_attention` call `_attend_heads` would make over the first index + 1 slots, the output
-        matmul. With T = 1 a (B, 1, F) matmul output is (B, F // H, 1, H) as it is: no transpose
-        into heads, none out of them. Returns (output, cache)."""
-        (b, _, _), n, kv, h = query.shape, self.num_heads, self.num_kv_heads, self.head_dim
-        heads = F.linear(query, fused[0], fused[1]).view(b, n + 2 * kv, 1, h)  # 2. (B, 1, E) -> (B, N+2K, 1, H)
-        q, k, v = heads.split_with_sizes([n, kv, kv], dim=1)  # (B, N, 1, H), (B, K, 1, H), (B, K, 1, H)
-        cache = _write_cache(cache, k, v, None, start)  # 5. KV cache: slot index written
-        k, v, keep = _first_slots(cache, start + 1)  # (B, K, S, H) x 2 and (B, 1, 1, S) or None, S = index + 1
-        dropout = self.dropout if self.training else 0.0
-        context = _sdpa_attention(q, k, v, keep, None, dropout, self.scale)  # 6. (B, N, 1, H), as `_attend_heads`
-        return F.linear(context.reshape(b, 1, n * h), *output_kernel), cache  # 7. (B, N, 1, H) -> (B, 1, E)
-
-    def forward(
-        self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
-        attention_bias=None, positions=None, causal=False, return_attention=False, cache=None, mask=None,
-    ):  # fmt: skip
-        bare = key is None and value is None and attention_mask is None and mask is None and attention_bias is None
-        bare = bare and key_mask is None and query_mask is None and not return_attention and cache is not None
-        step = self._decode_step(query, positions, causal, cache) if bare else None  # the decode fast path
-        if step is not None:
-            return step
-        call = self._check_call(
-            query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
-            return_attention, cache, mask,
-        )  # 1. defaults and checks  # fmt: skip
-        keep, bias = self._masks(call)  # 1. (B|1, N|1, T|1, S|1) keep and bias
-        q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H)
-        q, k = self._normalize_qk(q, k)  # 3. QK-norm
-        q, k, v = self._rotate(q, k, v, call.positions)  # 4. RoPE (MLA: of q and k_rope, in v's place)
-        k, v, keep, call = self._update_cache(call, k, v, keep)  # 5. KV cache (may fold causal, window, chunk)
-        context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S) or None
-        context = self._gate_heads(call, context)  # 6b. output gate, (B, N, T, H)
-        output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*H) -> (B, T, E)
-        if call.cache is not None and torch.compiler.is_compiling():  # a graph cannot raise: no room gives NaN
-            t, length = q.shape[2], call.cache.key.shape[2]
-            no_room = _check_room(call.cache.index - t, t, length, _window_sides(self.window)[0])
-            output = torch.where(no_room, torch.nan, output)
-        if isinstance(query, torch.Tensor) and query.dim() == 2:  # unbatched: drop B
-            output, weights = output[0], None if weights is None else weights[0]
-        return _results(output, weights, call.cache, call.return_attention)
-
-    @classmethod
-    def from_torch(cls, module):
-        """Builds a layer with the weights of a `torch.nn.MultiheadAttention`.
-
-        Packed (`in_proj_weight`) and separate (`q/k/v_proj_weight`) projections are read,
-        `batch_first` either way (this layer is always batch first), with or without bias.
-        """
-        if not isinstance(module, nn.MultiheadAttention):
-            raise ValueError(f"`module` must be a torch.nn.MultiheadAttention. Received: {type(module).__name__}")
-        if module.bias_k is not None or module.add_zero_attn:
-            raise ValueError(
-                "`module` uses add_bias_kv or add_zero_attn, which append learned or zero keys "
-                "that this layer does not have. Received: "
-                f"add_bias_kv={module.bias_k is not None}, add_zero_attn={module.add_zero_attn}"
-            )
-        e = module.embed_dim
-        has_bias = module.in_proj_bias is not None
-        reference = module.out_proj.weight
-        layer = cls(
-            e, module.num_heads, kdim=module.kdim, vdim=module.vdim, dropout=module.dropout,
-            bias=has_bias, device=reference.device, dtype=reference.dtype,
-        )  # fmt: skip
+def _to_torch(layer):
+    """Returns a `torch.nn.MultiheadAttention` (batch_first=True) with these weights."""
+    if layer.num_kv_heads != layer.num_heads:
+        raise ValueError(
+            "`torch.nn.MultiheadAttention` cannot hold grouped-query attention: it has one key/value "
+            f"head per query head. Received: num_heads={layer.num_heads}, num_kv_heads={layer.num_kv_heads}"
+        )
+    if layer.num_heads * layer.head_dim != layer.d_model:
+        raise ValueError(
+            "`torch.nn.MultiheadAttention` needs num_heads * head_dim == d_model. "
+            f"Received: d_model={layer.d_model}, num_heads={layer.num_heads}, head_dim={layer.head_dim}"
+        )
+    variants = _non_defaults(layer)
+    if variants:
+        raise ValueError(
+            f"`torch.nn.MultiheadAttention` cannot hold {', '.join(variants)}: it has plain softmax attention "
+            "scaled by 1 / sqrt(head_dim), with biases on all four projections or on none. Received: "
+            + ", ".join(f"{name}={value!r}" for name, value in variants.items())
+        )
+    reference = layer.output.weight
+    module = nn.MultiheadAttention(
+        layer.d_model, layer.num_heads, dropout=layer.dropout, bias=bool(layer.bias), kdim=layer.kdim,
+        vdim=layer.vdim, batch_first=True, device=reference.device, dtype=reference.dtype,
+    )  # fmt: skip
+    projections = (layer.query, layer.key, layer.value)
+    with torch.no_grad():
         if module._qkv_same_embed_dim:
-            weights = module.in_proj_weight.detach().split(e)
+            module.in_proj_weight.copy_(torch.cat([p.weight for p in projections]))
         else:
-            weights = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
-        with torch.no_grad():
-            for projection, weight in zip((layer.query, layer.key, layer.value), weights, strict=True):
-                projection.weight.copy_(weight)
-            layer.output.weight.copy_(module.out_proj.weight)
-            if has_bias:
-                for projection, bias in zip(
-                    (layer.query, layer.key, layer.value), module.in_proj_bias.split(e), strict=True
-                ):
-                    projection.bias.copy_(bias)
-                layer.output.bias.copy_(module.out_proj.bias)
-        return layer
-
-    def to_torch(self):
-        """Returns a `torch.nn.MultiheadAttention` (batch_first=True) with these weights."""
-        if self.num_kv_heads != self.num_heads:
-            raise ValueError(
-                "`torch.nn.MultiheadAttention` cannot hold grouped-query attention: it has one key/value "
-                f"head per query head. Received: num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}"
-            )
-        if self.num_heads * self.head_dim != self.d_model:
-            raise ValueError(
-                "`torch.nn.MultiheadAttention` needs num_heads * head_dim == d_model. "
-                f"Received: d_model={self.d_model}, num_heads={self.num_heads}, head_dim={self.head_dim}"
-            )
-        variants = self._non_defaults()
-        if variants:
-            raise ValueError(
-                f"`torch.nn.MultiheadAttention` cannot hold {', '.join(variants)}: it has plain softmax attention "
-                "scaled by 1 / sqrt(head_dim), with biases on all four projections or on none. Received: "
-                + ", ".join(f"{name}={value!r}" for name, value in variants.items())
-            )
-        reference = self.output.weight
-        module = nn.MultiheadAttention(
-            self.d_model, self.num_heads, dropout=self.dropout, bias=bool(self.bias), kdim=self.kdim,
-            vdim=self.vdim, batch_first=True, device=reference.device, dtype=reference.dtype,
-        )  # fmt: skip
-        projections = (self.query, self.key, self.value)
-        with torch.no_grad():
-            if module._qkv_same_embed_dim:
-                module.in_proj_weight.copy_(torch.cat([p.weight for p in projections]))
-            else:
-                for target, projection in zip(
-                    (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight), projections, strict=True
-                ):
-                    target.copy_(projection.weight)
-            module.out_proj.weight.copy_(self.output.weight)
-            if self.bias:
-                module.in_proj_bias.copy_(torch.cat([p.bias for p in projections]))
-                module.out_proj.bias.copy_(self.output.bias)
-        module.train(self.training)
-        return module
+            for target, projection in zip(
+                (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight), projections, strict=True
+            ):
+                target.copy_(projection.weight)
+        module.out_proj.weight.copy_(layer.output.weight)
+        if layer.bias:
+            module.in_proj_bias.copy_(torch.cat([p.bias for p in projections]))
+            module.out_proj.bias.copy_(layer.output.bias)
+    module.train(layer.training)
+    return module

@@ -286,8 +286,10 @@ def _run_torch(config, weights, arguments, grad_output, explicit):
     }  # None: autograd never reached it (no key at all)
     if arguments.get("key") is arguments["query"]:
         grads = {name: grad for name, grad in grads.items() if name not in ("key", "value")}
+    from PyTorch.Multi_Head_Attention import _parameter
+
     for name in layer.weight_shapes():
-        tensor, transposed = layer._parameter(name)
+        tensor, transposed = _parameter(layer, name)
         grads[name] = torch.zeros_like(tensor) if tensor.grad is None else tensor.grad.T if transposed else tensor.grad
     as_numpy = {name: grad.detach().numpy() for name, grad in grads.items()}
     return output.detach().numpy(), None if attention is None else attention.detach().numpy(), as_numpy

@@ -479,7 +479,7 @@ def _float64_run(case, data):
     if "attention_bias" in kwargs:
         grads["attention_bias"] = kwargs["attention_bias"].grad.numpy()
     for name in layer.weight_shapes():
-        tensor, transposed = layer._parameter(name)
+        tensor, transposed = Multi_Head_Attention._parameter(layer, name)
         grads[name] = (tensor.grad.T if transposed else tensor.grad).numpy()
     return output.detach().numpy(), grads
 
@@ -1514,7 +1514,7 @@ def _portable_grads(layer):
     """The gradients of the layer's parameters by their portable names (kernels transposed)."""
     grads = {}
     for name in layer.weight_shapes():
-        tensor, transposed = layer._parameter(name)
+        tensor, transposed = Multi_Head_Attention._parameter(layer, name)
         grads[name] = tensor.grad.T if transposed else tensor.grad
     return grads
 
@@ -1904,10 +1904,10 @@ def test_tensor_parallel_refuses_per_head_scales_it_cannot_split(qk_norm):
     layer = MultiHeadAttention(E, N, num_kv_heads=K, head_dim=H, qk_norm=qk_norm)
     q, k = torch.zeros(1, N // 2, 3, H), torch.zeros(1, K // 2, 3, H)
     if qk_norm == "head":
-        layer._check_local_heads(q, k, None, None)
+        Multi_Head_Attention._check_local_heads(layer, q, k, None, None)
         return
     with pytest.raises(ValueError, match=r"^`sinks` and `qk_norm='all'` hold numbers of every head .*'per_head'"):
-        layer._check_local_heads(q, k, None, None)
+        Multi_Head_Attention._check_local_heads(layer, q, k, None, None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -82,7 +82,7 @@ def run(case, data, path, layer_class=None):
             bias = kwargs["attention_bias"]
             grads["attention_bias"] = _numpy(torch.zeros_like(bias) if bias.grad is None else bias.grad)
         for name in layer.weight_shapes():
-            tensor, transposed = layer._parameter(name)
+            tensor, transposed = Multi_Head_Attention._parameter(layer, name)
             grad = torch.zeros_like(tensor) if tensor.grad is None else tensor.grad  # None: autograd never reached it
             grads[name] = _numpy(grad.T if transposed else grad)
     return Result(_numpy(output), None if weights is None else _numpy(weights), grads)
