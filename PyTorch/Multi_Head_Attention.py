@@ -1793,19 +1793,21 @@ def _quantize_kernel(kernel):
 
 class _Int8Matmul(torch.autograd.Function):
     """x (..., D) times an int8 (F, D) weight: x quantized per token (r = 127 / (max |row| + 1e-7),
-    round(x * r) clipped to [-127, 127]), the integer products summed in x's dtype (exact in float32
+    round(x * r) clipped to [-127, 127]), the integer products summed in float32 at least (exact
     while a sum stays below 2**24), then * (1 / r) and * weight_scale in place (no (..., F)
-    temporary). The gradient of x goes through the dequantized weight (Keras' straight-through
-    gradient); the weight and its scale get none."""
+    temporary), cast back to x's dtype. The gradient of x goes through the dequantized weight (Keras'
+    straight-through gradient); the weight and its scale get none."""
 
     @staticmethod
     def forward(ctx, x, weight, weight_scale):
+        dtype, x = x.dtype, x.to(torch.promote_types(x.dtype, torch.float32))  # float16 overflows at 65504
         top = torch.linalg.vector_norm(x, math.inf, dim=-1, keepdim=True)  # (..., 1): max |x| of each token
         ratio = _INT8_MAX / (top + _INT8_EPSILON)  # (..., 1)
         integers = (x * ratio).round_().clamp_(-_INT8_MAX, _INT8_MAX)  # (..., D), one new tensor
-        accumulated = F.linear(integers, weight.to(x.dtype))  # (..., D) -> (..., F)
+        with torch.autocast(x.device.type, enabled=False):  # autocast would sum in its (half) dtype
+            accumulated = F.linear(integers, weight.to(x.dtype))  # (..., D) -> (..., F)
         ctx.save_for_backward(weight, weight_scale)
-        return accumulated.mul_(1.0 / ratio).mul_(weight_scale.to(x.dtype))  # (..., F), in place
+        return accumulated.mul_(1.0 / ratio).mul_(weight_scale.to(x.dtype)).to(dtype)  # (..., F), in place
 
     @staticmethod
     def backward(ctx, grad):
