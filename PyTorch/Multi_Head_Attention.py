@@ -980,7 +980,8 @@ def _check_latent_cache(k, v, batch_size, latent):
 def _check_cache_dtype(cache, dtype):
     if cache.key.dtype != dtype or cache.value.dtype != dtype:
         raise ValueError(
-            f"`cache` must hold the layer's compute dtype {_dtype_name(dtype)}. "
+            f"`cache` must hold the layer's compute dtype {_dtype_name(dtype)}; "
+            "make it with `init_cache(..., dtype=...)`. "
             f"Received: cache.key.dtype={_dtype_name(cache.key.dtype)}, "
             f"cache.value.dtype={_dtype_name(cache.value.dtype)}"
         )
@@ -2322,7 +2323,8 @@ class MultiHeadAttention(nn.Module):
             max_length: L, the number of slots.
             keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
                 of different lengths). Defaults to all True.
-            dtype: dtype of the keys and values; defaults to the compute dtype, the parameters'.
+            dtype: dtype of the keys and values; defaults to the compute dtype: autocast's where
+                autocast is on for the parameters' device, else the parameters'.
 
         Returns:
             A `KVCache` of zeros with index 0, on the parameters' device: keys and values
@@ -2339,6 +2341,7 @@ class MultiHeadAttention(nn.Module):
         )
         value_shape = key_shape if latent is None else (b, 1, length, latent.qk_rope_head_dim)
         default = torch.get_default_dtype() if weight is None else weight.dtype
+        default = torch.get_autocast_dtype(device.type) if _autocast_enabled(device) else default
         dtype = default if dtype is None else dtype
         keep = keep.to(device, copy=True)  # the cache's own: decoding writes it in place
         index = torch.zeros((), dtype=torch.long, device=device)
