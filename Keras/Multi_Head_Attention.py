@@ -1062,7 +1062,8 @@ def _check_cache_dtype(cache, dtype):
     key, value = _dtype_name(cache.key.dtype), _dtype_name(cache.value.dtype)
     if key != dtype or value != dtype:
         raise ValueError(
-            f"`cache` must hold the layer's compute dtype {dtype}. "
+            f"`cache` must hold the layer's compute dtype {dtype}; "
+            "make it with `init_cache(..., dtype=...)`. "
             f"Received: cache.key.dtype={key}, cache.value.dtype={value}"
         )
 
