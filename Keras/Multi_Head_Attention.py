@@ -1165,7 +1165,12 @@ def _softmax_dtype(dtype):
 
 def _softcap(scores, softcap):
     """Gemma 2's logit soft-capping: scores -> c * tanh(scores / c)."""
-    return scores if softcap is None else softcap * ops.tanh(scores / softcap)
+    return scores if softcap is None else softcap * _tanh(scores / softcap)
+
+
+def _tanh(x):
+    """tanh in x's dtype: `ops.tanh` computes float64 in float32 where Keras narrows it (`_narrows`)."""
+    return 2.0 * ops.sigmoid(2.0 * x) - 1.0 if _narrows(x.dtype) else ops.tanh(x)
 
 
 def _centre_rows(bias, keep):
@@ -1452,7 +1457,7 @@ def _chunk_weights(chunks, q, k, i, extra):
     q_i = _rows(q, start, size)  # (B, N, chunk, H)
     scores = _matmul(_grouped(chunks, q_i), ops.swapaxes(k, -1, -2))  # (B, K, G*chunk, H) @ (B, K, H, S)
     scores = ops.cast(_by_head(chunks, scores), chunks.dtype)  # (B, N, chunk, S)
-    capped = None if chunks.softcap is None else ops.tanh(scores / chunks.softcap)  # kept for the backward
+    capped = None if chunks.softcap is None else _tanh(scores / chunks.softcap)  # kept for the backward
     scores = scores if capped is None else chunks.softcap * capped  # `_softcap`
     positions = start + ops.arange(size, dtype="int32") + (chunks.s - chunks.t)  # (chunk,)
     keep_i = _and(_chunk_rows(chunks.keep, start, size), _position_keep(positions, chunks))  # (B, N, chunk, S)
