@@ -103,14 +103,15 @@ def drawn(frameworks, paths, count, seed):
     """`count` runs on `paths`, drawn with `seed` so that they spread over the dimensions: the
     i-th run takes the i-th framework of `frameworks` (in turn) and the i-th dtype, variant and
     path of an order shuffled for each dimension (every dtype, variant and path once `count`
-    reaches their number), float or int8 weights at random."""
+    reaches their number), float or int8 weights at random (float where the file refuses int8)."""
     rng = np.random.default_rng(seed)
     dimensions = (DTYPES, list(VARIANTS), paths)
     orders = [rng.permutation(len(values)) for values in dimensions]
     picked = []
     for i in range(count):
         dtype, variant, path = (values[order[i % len(order)]] for values, order in zip(dimensions, orders, strict=True))
-        picked.append(Run(frameworks[i % len(frameworks)], dtype, bool(rng.integers(2)), variant, path))
+        run = Run(frameworks[i % len(frameworks)], dtype, bool(rng.integers(2)), variant, path)
+        picked.append(dataclasses.replace(run, int8=False) if run.refused else run)  # `paired` checks refusals
     return picked
 
 
