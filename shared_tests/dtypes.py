@@ -40,8 +40,9 @@ VARIANTS = {
 # Paths of each file. `explicit`: return_attention=True; `fused`: the default call (PyTorch: SDPA, or the
 # soft-capped tiles); `blocks` (PyTorch): return_attention=True under no_grad, the in-place blocks in float32
 # and float64; `memory_efficient` (TensorFlow, Keras): memory_efficient_threshold = 0, two queries a chunk;
-# `decode`: T - 1 tokens into an `init_cache` cache, then one (PyTorch: the query alone under no_grad, the
-# decode fast path); `compiled`: the default call in torch.compile (aot_eager), tf.function or jax.jit.
+# `decode`: T - 2 tokens into an `init_cache` cache of T + 3 slots, then one (PyTorch: the query alone under
+# no_grad, the decode fast path), then the last with return_attention=True (over every slot); `compiled`: the
+# default call in torch.compile (aot_eager), tf.function or jax.jit.
 PATHS = {
     "torch": ("explicit", "fused", "blocks", "decode"),
     "tf": ("explicit", "fused", "memory_efficient", "decode"),
@@ -55,6 +56,7 @@ KERAS_FLOAT16_INT8 = (
     "doesn't work well with compute_dtype='float16'\"), in the TensorFlow and Keras files as in its own layers"
 )
 REFUSED = {("tf", "float16", True): KERAS_FLOAT16_INT8, ("keras", "float16", True): KERAS_FLOAT16_INT8}
+UNWRITTEN = 3  # cache slots `decode` leaves unwritten (zeros, which every step reads but must not attend)
 FLOAT16_HEADROOM = float(np.finfo(np.float16).max) / 2  # float32's intermediates of the drawn inputs stay below it
 
 
@@ -217,10 +219,11 @@ def _run_torch(run, given):
     kwargs = {name: torch.as_tensor(x) for name, x in call_inputs(given).items()}
     if run.path == "decode":
         with torch.no_grad():  # the query alone, under no_grad: the decode fast path where it applies
-            cache = layer.init_cache(case.b, case.t)
-            first, cache = layer(query[:, :-1], causal=True, cache=cache)
-            last, cache = layer(query[:, -1:], causal=True, cache=cache)
-        return torch.cat([first, last], 1).double().numpy()
+            cache = layer.init_cache(case.b, case.t + UNWRITTEN)
+            first, cache = layer(query[:, :-2], causal=True, cache=cache)
+            step, cache = layer(query[:, -2:-1], causal=True, cache=cache)
+            last, _, cache = layer(query[:, -1:], causal=True, cache=cache, return_attention=True)  # all L slots
+        return torch.cat([first, step, last], 1).double().numpy()
     if run.path == COMPILED:
         call = torch.compile(lambda q: layer(q, **kwargs, causal=True), backend="aot_eager", fullgraph=True)
         return call(query).detach().double().numpy()
@@ -246,10 +249,11 @@ def _run_keras_like(run, given):
     query = ops.convert_to_tensor(given["query"], dtype=run.dtype)
     kwargs = {name: ops.convert_to_tensor(x) for name, x in call_inputs(given).items()}
     if run.path == "decode":
-        cache = layer.init_cache(case.b, case.t)
-        first, cache = layer(query[:, :-1], causal=True, cache=cache)
-        last, cache = layer(query[:, -1:], causal=True, cache=cache)
-        return _numpy(ops.concatenate([first, last], axis=1))
+        cache = layer.init_cache(case.b, case.t + UNWRITTEN)
+        first, cache = layer(query[:, :-2], causal=True, cache=cache)
+        step, cache = layer(query[:, -2:-1], causal=True, cache=cache)
+        last, _, cache = layer(query[:, -1:], causal=True, cache=cache, return_attention=True)
+        return _numpy(ops.concatenate([first, step, last], axis=1))
     if run.path == "memory_efficient":
         layer.memory_efficient_threshold = 0  # every call takes the memory-efficient path
         layer.query_chunk_elements = 2 * case.b * case.n * case.s  # two queries a chunk: T = 5 leaves a padded one
