@@ -1819,10 +1819,11 @@ class _Int8Matmul(torch.autograd.Function):
 
 def _int8_rows(x):
     """x (..., D) quantized per token and dequantized, round(x * r) / r with r = 127 / (max |row| +
-    1e-7), as `_Int8Matmul` reads it; the gradient passes straight through."""
-    top = torch.linalg.vector_norm(x, math.inf, dim=-1, keepdim=True)  # (..., 1)
+    1e-7), as `_Int8Matmul` reads it (in float32 at least); the gradient passes straight through."""
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))  # float16: r of a zero row overflows
+    top = torch.linalg.vector_norm(wide, math.inf, dim=-1, keepdim=True)  # (..., 1)
     ratio = _INT8_MAX / (top + _INT8_EPSILON)  # (..., 1)
-    rounded = (x * ratio).round().clamp(-_INT8_MAX, _INT8_MAX) / ratio  # (..., D)
+    rounded = ((wide * ratio).round().clamp(-_INT8_MAX, _INT8_MAX) / ratio).to(x.dtype)  # (..., D)
     return x + (rounded - x).detach()
 
 
