@@ -130,7 +130,7 @@ def data(variant, int8):
     return result
 
 
-def _call_kwargs(run, data, decode=False):
+def _call_kwargs(data, decode=False):
     """The call's arguments beside the query: the case's masks and positions (none when decoding)."""
     return {"causal": True} if decode else {**call_inputs(data), "causal": True}
 
@@ -142,7 +142,7 @@ def reference(variant, int8, decode):
     what decoding the T tokens one chunk after another equals)."""
     case, given = VARIANTS[variant], data(variant, int8)
     layer = numpy_layer(case, given["weights"])
-    kwargs = {name: np.asarray(x) for name, x in _call_kwargs(None, given, decode).items()}
+    kwargs = {name: np.asarray(x) for name, x in _call_kwargs(given, decode).items()}
     output = layer(given["query"].astype(np.float64), **kwargs)
     return output, one_step(layer) if int8 else 0.0, _largest_intermediate(case, given)
 
