@@ -598,7 +598,12 @@ def _split_bias(attention_bias, dtype):
 
 def _softcap(scores, softcap):
     """Gemma 2's logit soft-capping: scores -> c * tanh(scores / c)."""
-    return scores if softcap is None else softcap * ops.tanh(scores / softcap)
+    return scores if softcap is None else softcap * _tanh(scores / softcap)
+
+
+def _tanh(x):
+    """tanh in x's dtype: `ops.tanh` computes float64 in float32 where Keras narrows it (`_narrows`)."""
+    return 2.0 * ops.sigmoid(2.0 * x) - 1.0 if _narrows(x.dtype) else ops.tanh(x)
 
 
 def _score_modifiers(layer, call, sinks):
@@ -616,7 +621,7 @@ def _capped_chunk(chunks, scores):
     kept for the backward), or (scores, None) without a softcap."""
     if chunks.softcap is None:
         return scores, None
-    capped = ops.tanh(scores / chunks.softcap)
+    capped = _tanh(scores / chunks.softcap)
     return chunks.softcap * capped, capped
 
 
@@ -1353,7 +1358,8 @@ def _check_cache_dtype(cache, dtype):
     key, value = _dtype_name(cache.key.dtype), _dtype_name(cache.value.dtype)
     if key != dtype or value != dtype:
         raise ValueError(
-            f"`cache` must hold the layer's compute dtype {dtype}. "
+            f"`cache` must hold the layer's compute dtype {dtype}; "
+            "make it with `init_cache(..., dtype=...)`. "
             f"Received: cache.key.dtype={key}, cache.value.dtype={value}"
         )
 

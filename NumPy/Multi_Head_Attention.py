@@ -1295,7 +1295,8 @@ def _check_cache(cache, query, key, heads, head_dim, latent):
 def _check_cache_dtype(cache, dtype):
     if cache.key.dtype != dtype or cache.value.dtype != dtype:
         raise ValueError(
-            f"`cache` must hold the layer's compute dtype {np.dtype(dtype).name}. "
+            f"`cache` must hold the layer's compute dtype {np.dtype(dtype).name}; "
+            "make it with `init_cache(..., dtype=...)`. "
             f"Received: cache.key.dtype={cache.key.dtype.name}, cache.value.dtype={cache.value.dtype.name}"
         )
 

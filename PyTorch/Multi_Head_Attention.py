@@ -1637,7 +1637,8 @@ def _init_cache(layer, batch_size, max_length, *, keep=None, dtype=None):
         max_length: L, the number of slots.
         keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
             of different lengths). Defaults to all True.
-        dtype: dtype of the keys and values; defaults to the compute dtype, the parameters'.
+        dtype: dtype of the keys and values; defaults to the compute dtype: autocast's where
+            autocast is on for the parameters' device, else the parameters'.
 
     Returns:
         A `KVCache` of zeros with index 0, on the parameters' device: keys and values
@@ -1650,6 +1651,7 @@ def _init_cache(layer, batch_size, max_length, *, keep=None, dtype=None):
     keep = torch.ones(b, length, dtype=torch.bool) if keep is None else _check_keep(keep, b, length)
     key_shape, value_shape = _cache_shapes(layer, b, length)  # (B, K, L, H) each; MLA's its own
     default = torch.get_default_dtype() if weight is None else weight.dtype
+    default = torch.get_autocast_dtype(device.type) if _autocast_enabled(device) else default
     dtype = default if dtype is None else dtype
     keep = keep.to(device, copy=True)  # the cache's own: decoding writes it in place
     index = torch.zeros((), dtype=torch.long, device=device)
@@ -1716,7 +1718,8 @@ def _check_cache(cache, query, key, heads, head_dim, latent=None):
 def _check_cache_dtype(cache, dtype):
     if cache.key.dtype != dtype or cache.value.dtype != dtype:
         raise ValueError(
-            f"`cache` must hold the layer's compute dtype {_dtype_name(dtype)}. "
+            f"`cache` must hold the layer's compute dtype {_dtype_name(dtype)}; "
+            "make it with `init_cache(..., dtype=...)`. "
             f"Received: cache.key.dtype={_dtype_name(cache.key.dtype)}, "
             f"cache.value.dtype={_dtype_name(cache.value.dtype)}"
         )
@@ -2286,19 +2289,21 @@ def _quantize_kernel(kernel):
 
 class _Int8Matmul(torch.autograd.Function):
     """x (..., D) times an int8 (F, D) weight: x quantized per token (r = 127 / (max |row| + 1e-7),
-    round(x * r) clipped to [-127, 127]), the integer products summed in x's dtype (exact in float32
+    round(x * r) clipped to [-127, 127]), the integer products summed in float32 at least (exact
     while a sum stays below 2**24), then * (1 / r) and * weight_scale in place (no (..., F)
-    temporary). The gradient of x goes through the dequantized weight (Keras' straight-through
-    gradient); the weight and its scale get none."""
+    temporary), cast back to x's dtype. The gradient of x goes through the dequantized weight (Keras'
+    straight-through gradient); the weight and its scale get none."""
 
     @staticmethod
     def forward(ctx, x, weight, weight_scale):
+        dtype, x = x.dtype, x.to(torch.promote_types(x.dtype, torch.float32))  # float16 overflows at 65504
         top = torch.linalg.vector_norm(x, math.inf, dim=-1, keepdim=True)  # (..., 1): max |x| of each token
         ratio = _INT8_MAX / (top + _INT8_EPSILON)  # (..., 1)
         integers = (x * ratio).round_().clamp_(-_INT8_MAX, _INT8_MAX)  # (..., D), one new tensor
-        accumulated = F.linear(integers, weight.to(x.dtype))  # (..., D) -> (..., F)
+        with torch.autocast(x.device.type, enabled=False):  # autocast would sum in its (half) dtype
+            accumulated = F.linear(integers, weight.to(x.dtype))  # (..., D) -> (..., F)
         ctx.save_for_backward(weight, weight_scale)
-        return accumulated.mul_(1.0 / ratio).mul_(weight_scale.to(x.dtype))  # (..., F), in place
+        return accumulated.mul_(1.0 / ratio).mul_(weight_scale.to(x.dtype)).to(dtype)  # (..., F), in place
 
     @staticmethod
     def backward(ctx, grad):
@@ -2309,10 +2314,11 @@ class _Int8Matmul(torch.autograd.Function):
 
 def _int8_rows(x):
     """x (..., D) quantized per token and dequantized, round(x * r) / r with r = 127 / (max |row| +
-    1e-7), as `_Int8Matmul` reads it; the gradient passes straight through."""
-    top = torch.linalg.vector_norm(x, math.inf, dim=-1, keepdim=True)  # (..., 1)
+    1e-7), as `_Int8Matmul` reads it (in float32 at least); the gradient passes straight through."""
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))  # float16: r of a zero row overflows
+    top = torch.linalg.vector_norm(wide, math.inf, dim=-1, keepdim=True)  # (..., 1)
     ratio = _INT8_MAX / (top + _INT8_EPSILON)  # (..., 1)
-    rounded = (x * ratio).round().clamp(-_INT8_MAX, _INT8_MAX) / ratio  # (..., D)
+    rounded = ((wide * ratio).round().clamp(-_INT8_MAX, _INT8_MAX) / ratio).to(x.dtype)  # (..., D)
     return x + (rounded - x).detach()
 
 

@@ -8,13 +8,20 @@ model) is set up by hidden blocks: a ```python block inside an HTML comment, whi
 not render. They run where they stand, before (or after, to check a result) the block beside
 them, with `ROOT`, the repository's root, in the namespace. A visible block can be left out
 only with `<!-- not run: REASON -->` on the line before it, REASON one of NOT_RUN_REASONS.
+A section (from its heading to the next) that needs another Keras backend says so with
+`<!-- backend: NAME -->` (jax or torch): its blocks after the marker, hidden ones included, run
+in order in a process of their own with `KERAS_BACKEND=NAME` (this process has Keras on
+TensorFlow), with the same rules, and the page's other blocks run here.
 Code blocks marked `bash` are commands (`make`, the examples), run by their own tests
 (test_examples.py); unmarked blocks are signatures and output excerpts.
 """
 
 import dataclasses
+import json
 import linecache
+import os
 import re
+import subprocess
 import sys
 import types
 import warnings
@@ -26,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NOT_RUN_REASONS = {}  # reason -> why CI cannot run it (CUDA, torchrun): none today, keep it short
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(.*?)\s*-->")
+BACKEND = re.compile(r"<!--\s*backend:\s*(\w+)\s*-->")  # the rest of the section runs on that Keras backend
 FENCE = "```"
 
 
@@ -35,6 +43,8 @@ class Snippet:
     source: str
     hidden: bool  # inside an HTML comment: setup or a check, not shown
     not_run: str | None = None  # the reason of a `<!-- not run: REASON -->` on the line before
+    backend: str | None = None  # the Keras backend of a `<!-- backend: NAME -->` section, None: this process's
+    section: str = ""  # the text of the heading above it
 
 
 def _block_end(lines, start):
@@ -44,17 +54,22 @@ def _block_end(lines, start):
 
 def snippets(text):
     """The ```python blocks of a Markdown text, hidden (inside `<!-- -->`) or shown, in order."""
-    lines, found, in_comment, not_run, i = text.splitlines(), [], False, None, 0
+    lines, found, in_comment, not_run, backend, section, i = text.splitlines(), [], False, None, None, "", 0
     while i < len(lines):
         stripped = lines[i].strip()
         if stripped.startswith(FENCE):
             end = _block_end(lines, i)
             if stripped == FENCE + "python":
-                found.append(Snippet(i + 2, "\n".join(lines[i + 1 : end]), in_comment, None if in_comment else not_run))
+                source, reason = "\n".join(lines[i + 1 : end]), None if in_comment else not_run
+                found.append(Snippet(i + 2, source, in_comment, reason, backend, section))
             not_run = not_run if in_comment else None  # a marker holds for the next shown block only
             i = end + 1
             continue
         marker = NOT_RUN.search(stripped)
+        if stripped.startswith("#") and not in_comment:
+            backend, section = None, stripped.lstrip("#").strip()  # a heading starts a section
+        elif BACKEND.search(stripped):
+            backend = BACKEND.search(stripped).group(1)
         if marker:
             not_run = marker.group(1)
         elif stripped and not in_comment:
@@ -68,17 +83,43 @@ def snippets(text):
 
 
 def run_page(text, name):
-    """Runs a page's blocks in order in one namespace; a failing block raises, its traceback
-    naming `name:line` (its source registered in linecache, as a file's is, for tracebacks and
-    for tf.function's autograph). Returns the namespace. sys.path and the copied layer module
-    (`Multi_Head_Attention`) are restored after."""
+    """Runs a page's blocks of this process in order in one namespace, then each `<!-- backend:
+    NAME -->` section in a process of that backend (`run_elsewhere`). Returns the namespace."""
+    found = snippets(text)
+    namespace = run_snippets([s for s in found if s.backend is None], name)
+    sections = {}
+    for snippet in found:
+        if snippet.backend is not None:
+            sections.setdefault(snippet.backend, []).append(snippet)
+    for backend, section in sections.items():
+        run_elsewhere(section, name, backend)
+    return namespace
+
+
+def run_elsewhere(found, name, backend):
+    """Runs blocks in order in a `KERAS_BACKEND=backend` process (`_main`), as `run_snippets` runs
+    them here, any warning but the libraries' notices an error; a failure raises AssertionError
+    with the process's traceback, which names `name:line`."""
+    paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "KERAS_BACKEND": backend, "PYTHONPATH": os.pathsep.join(paths)}
+    given = json.dumps([dataclasses.asdict(snippet) for snippet in found])
+    command = [sys.executable, "-m", "shared_tests.test_snippets", name]
+    done = subprocess.run(command, input=given, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{name}: the blocks on {backend} failed:\n{done.stderr[-4000:]}"
+
+
+def run_snippets(found, name, restore=True):
+    """Runs blocks in order in one namespace; a failing block raises, its traceback naming
+    `name:line` (its source registered in linecache, as a file's is, for tracebacks and for
+    tf.function's autograph). Returns the namespace. sys.path and the copied layer module
+    (`Multi_Head_Attention`) are restored after, and with `restore` Keras' registry too."""
     module, path = types.ModuleType("__snippets__"), sys.path[:]
     module.ROOT, namespace = ROOT, module.__dict__
     sys.modules[module.__name__] = module  # a module of its own, as a user's file is (autograph looks it up)
-    registry = _keras_registry()
+    registry = _keras_registry() if restore else ()  # a `run_elsewhere` process ends with the page
     saved = [dict(names) for names in registry]
     try:
-        for snippet in snippets(text):
+        for snippet in found:
             if snippet.not_run is not None:
                 assert snippet.not_run in NOT_RUN_REASONS, f"{name}:{snippet.line}: unknown reason {snippet.not_run!r}"
                 continue
@@ -174,3 +215,67 @@ def test_a_broken_snippet_fails_naming_its_line():
     finally:
         del NOT_RUN_REASONS["cuda"]
     assert any(str(entry.path) == "page.md:23" for entry in failure.traceback)
+
+
+BACKEND_PAGE = """# A page
+
+```python
+import os
+
+here = os.environ.get("KERAS_BACKEND")
+```
+
+## On JAX
+
+<!-- backend: jax -->
+<!-- setup, not shown:
+```python
+import os
+
+backend = os.environ["KERAS_BACKEND"]
+```
+-->
+
+```python
+assert backend == "jax" and "here" not in globals(), "{message}"
+```
+
+## Back here
+
+```python
+assert here != "jax"
+```
+"""
+
+
+def test_a_backend_section_runs_in_its_own_process():
+    """The blocks after `<!-- backend: jax -->` up to the next heading run in a process with
+    KERAS_BACKEND=jax, in one namespace of their own; a failure there names its page and line."""
+    found = snippets(BACKEND_PAGE)
+    assert [s.section for s in found] == ["A page", "On JAX", "On JAX", "Back here"]
+    assert [(s.line, s.hidden, s.backend) for s in found] == [
+        (4, False, None),
+        (14, True, "jax"),
+        (21, False, "jax"),
+        (27, False, None),
+    ]
+    assert "here" in run_page(BACKEND_PAGE.format(message="unused"), "page.md")
+    broken = BACKEND_PAGE.replace('backend == "jax"', 'backend == "torch"')
+    with pytest.raises(
+        AssertionError, match=r"(?s)page\.md: the blocks on jax failed.*page\.md:21.*the snippet on jax"
+    ):
+        run_page(broken.format(message="the snippet on jax"), "page.md")
+
+
+def _main(name):
+    """A `run_elsewhere` process: the blocks read from stdin, run as the test runs a page here."""
+    found = [Snippet(**fields) for fields in json.load(sys.stdin)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_snippets(found, name, restore=False)
+    unexpected = [f"{w.category.__name__}: {w.message}" for w in caught if not issubclass(w.category, LIBRARY_NOTICES)]
+    assert unexpected == [], unexpected
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])

@@ -521,9 +521,26 @@ def test_decode_fast_path_steps_aside_under_autocast():
     with torch.no_grad():
         _, cache = layer(x[:, :4], causal=True, cache=layer.init_cache(2, 6))
         _, cache = layer(x[:, 4:5], causal=True, cache=cache)  # the fast path, the kernels kept
-        pattern = r"^`cache` must hold the layer's compute dtype bfloat16\. Received: cache\.key\.dtype=float32"
+        pattern = r"^`cache` must hold the layer's compute dtype bfloat16; make it with `init_cache\(\.\.\., dtype=\.\.\.\)`\. Received: cache\.key\.dtype=float32"
         with pytest.raises(ValueError, match=pattern), torch.autocast("cpu", dtype=torch.bfloat16):
             layer(x[:, 5:], causal=True, cache=cache)
+
+
+def test_init_cache_under_autocast_holds_the_autocast_dtype():
+    """Regression: under autocast `init_cache` made float32 keys and values, which the same layer
+    then refused (its compute dtype is autocast's). It now defaults to autocast's dtype, and the
+    refusal of another dtype says how to make the right one."""
+    layer = MultiHeadAttention(16, 4).eval()
+    x = _randn(2, 5, 16, seed=27)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        cache = layer.init_cache(2, 8)
+        assert cache.key.dtype == cache.value.dtype == torch.bfloat16
+        output, cache = layer(x, causal=True, cache=cache)
+        assert output.dtype == torch.bfloat16
+        pattern = r"compute dtype bfloat16; make it with `init_cache\(\.\.\., dtype=\.\.\.\)`"
+        with pytest.raises(ValueError, match=pattern):
+            layer(x[:, :1], causal=True, cache=layer.init_cache(2, 8, dtype=torch.float32))
+    assert layer.init_cache(2, 8).key.dtype == torch.float32  # outside autocast: the parameters' dtype
 
 
 def test_lean_decode_step_refuses_a_full_cache_and_writes_nothing():
