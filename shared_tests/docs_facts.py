@@ -227,6 +227,32 @@ def _signature(dotted):
     return f"`{dotted.rpartition('.')[2]}({ast.unparse(arguments(dotted))})`"
 
 
+@functools.cache
+def _definitions(framework):
+    """The functions, classes and methods a layer file defines (methods by their own name)."""
+    names = set()
+    for node in parsed(ROOT / framework / LAYER_FILE).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            names |= {item.name for item in node.body if isinstance(item, ast.FunctionDef)}
+    return frozenset(name for name in names if not name.startswith("__"))
+
+
+def _names_in_some_files():
+    """A Markdown list: for each layer file, the functions, classes and methods it defines that
+    not every layer file defines (those in more than one file marked with the others' count)."""
+    files = layer_files()
+    everywhere = frozenset.intersection(*(_definitions(name) for name in files))
+    lines = [""]
+    for framework in files:
+        own = sorted(_definitions(framework) - everywhere, key=str.lower)
+        shared = [name for name in own if sum(name in _definitions(other) for other in files) > 1]
+        marked = [f"`{name}`" + ("+" if name in shared else "") for name in own]
+        lines.append(f"- **{framework}** ({len(own)}): {', '.join(marked)}")
+    return "\n".join(lines) + "\n"
+
+
 def _section_table():
     """A Markdown table: the core and each section of `core_layout.SECTIONS` (rows, in file
     order), with its line range in each layer file (columns), `-` where a file has no such part."""
@@ -271,6 +297,7 @@ GENERATORS = {
     "has": lambda framework, feature: "yes" if has_feature(framework, feature) else "no",
     "signature": _signature,
     "sections": _section_table,
+    "names_in_some_files": _names_in_some_files,
 }
 
 
