@@ -336,7 +336,7 @@ class MultiHeadAttention(nn.Module):
         weight, bias, scale = kernels
         y = F.linear(x, weight, bias) if scale is None else _int8_linear(x, weight, scale, bias)  # (B, T, (N+2K)*H)
         (b, t), n, kv, h = x.shape[:2], self.num_heads, self.num_kv_heads, self.head_dim
-        heads = y.view(b, t, n + 2 * kv, h).transpose(1, 2) if t > 1 else y.view(b, n + 2 * kv, 1, h)  # T = 1: as is
+        heads = y.view(b, t, n + 2 * kv, h).transpose(1, 2) if t != 1 else y.view(b, n + 2 * kv, 1, h)  # T = 1: as is
         return heads.split_with_sizes([n, kv, kv], dim=1)  # (B, N, T, H), (B, K, T, H), (B, K, T, H)
 
     def _project(self, x, kind):
