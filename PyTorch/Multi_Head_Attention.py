@@ -1899,7 +1899,7 @@ def _carried_start(cache, b, t, heads, head_dim, dtype):
         return None
     start = _carried(cache.index)
     start = _read_index(cache.index) if start is None else start
-    return start if start is not None and 0 <= start and 0 < t <= length - start else None
+    return start if start is not None and start >= 0 and 0 < t <= length - start else None
 
 
 def _read_index(index):

@@ -8,6 +8,7 @@ kernels run faster than float ones on this CPU. Medians of interleaved rounds (b
 
 import argparse
 import copy
+import statistics
 
 from bench.timing import ratio_cell, rounds_of_times
 
@@ -71,21 +72,30 @@ def keras_calls():
     }
 
 
+def int8_speed_table(runs, rounds, only=None):
+    """Each group (torch, tf, keras) timed in turns, run by run: every int8 row against its
+    float32 row, as Markdown table rows."""
+    groups = {"torch": torch_calls, "tf": tf_calls, "keras": keras_calls}
+    lines = ["| int8 call | int8 (ms) | int8 / float32 (spread) |", "|---|---|---|"]
+    for name, build in groups.items():
+        if only not in (None, name):
+            continue
+        times = rounds_of_times(build(), runs, rounds)
+        labels = list(times)
+        for base, int8 in zip(labels[::2], labels[1::2], strict=True):
+            lines.append(
+                f"| {int8} | {statistics.median(times[int8]) * 1e3:.1f} | {ratio_cell(times[int8], times[base])} |"
+            )
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--only", choices=("torch", "tf", "keras"), default=None)
     args = parser.parse_args(argv)
-    groups = {"torch": torch_calls, "tf": tf_calls, "keras": keras_calls}
-    for name, build in groups.items():
-        if args.only not in (None, name):
-            continue
-        times = rounds_of_times(build(), args.runs, args.rounds)
-        labels = list(times)
-        for base, int8 in zip(labels[::2], labels[1::2], strict=True):
-            median = sorted(times[int8])[len(times[int8]) // 2] * 1e3
-            print(f"| {int8} | {median:.1f} ms | {ratio_cell(times[int8], times[base])} of {base} |")
+    print(int8_speed_table(args.runs, args.rounds, args.only))
 
 
 if __name__ == "__main__":
