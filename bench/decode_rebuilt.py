@@ -6,7 +6,8 @@ beam search runs it: the cache's batch reordered (`index_select` on B with a fix
 keys, values and keep), then the step, ours on a `KVCache` rebuilt from the reordered tensors with
 a fresh index tensor (`torch.tensor(L - 1)`), the hand-written step on its reordered keys and
 values with the index as an int. Also timed: the step alone on a cache rebuilt with a fresh
-index (a server resetting the index), against the hand step alone. Both sides reorder the
+index (a server resetting the index), and on the cache the last step returned (its index
+carried, the reference), against the hand step alone. Both sides reorder the
 same tensors, so "beam" differs from "step" by the same copy on both sides.
 
 Legend: B batch, T query length (1), E d_model, N num_heads, L cache length.
@@ -20,6 +21,7 @@ from bench import decode_anchors
 
 BEAM_OURS, BEAM_HAND = "beam: reorder + ours", "beam: reorder + hand"
 FRESH_OURS, FRESH_HAND = "fresh index: ours", "fresh index: hand"
+CARRIED_OURS = "carried index: ours"  # the cache of the last step, as bench/decode_pair.py times it
 
 
 def rebuilt_steps(config):
@@ -39,6 +41,10 @@ def rebuilt_steps(config):
         hand_k, hand_v = cache.key.clone(), cache.value.clone()  # (B, N, L, H) each
     hand, output_kernel = decode_anchors.hand_module(), (layer.output.weight, layer.output.bias)
     order = torch.arange(config.b - 1, -1, -1)  # a fixed beam permutation (B,)
+
+    def carried_ours():
+        with torch.no_grad():
+            return layer(last, causal=True, cache=cache)[0]
 
     def fresh_ours():
         with torch.no_grad():
@@ -61,7 +67,8 @@ def rebuilt_steps(config):
 
     np.testing.assert_allclose(fresh_hand().numpy(), fresh_ours().numpy(), rtol=0, atol=decode_anchors.HAND_ATOL)
     np.testing.assert_allclose(beam_hand().numpy(), beam_ours().numpy(), rtol=0, atol=decode_anchors.HAND_ATOL)
-    return {FRESH_OURS: fresh_ours, FRESH_HAND: fresh_hand, BEAM_OURS: beam_ours, BEAM_HAND: beam_hand}
+    steps = {CARRIED_OURS: carried_ours, FRESH_OURS: fresh_ours, FRESH_HAND: fresh_hand}
+    return {**steps, BEAM_OURS: beam_ours, BEAM_HAND: beam_hand}
 
 
 def time_rebuilt(config, runs, rounds):
@@ -78,7 +85,8 @@ def rebuilt_table(times, configs):
         "|---|---|---|---|---|---|---|",
     ]
     for config, target in configs:
-        for name, ours_label, hand_label in (("fresh index", FRESH_OURS, FRESH_HAND), ("beam", BEAM_OURS, BEAM_HAND)):
+        rows = (("carried index", CARRIED_OURS, FRESH_HAND), ("fresh index", FRESH_OURS, FRESH_HAND))
+        for name, ours_label, hand_label in (*rows, ("beam", BEAM_OURS, BEAM_HAND)):
             ours, hand = times[config.name][ours_label], times[config.name][hand_label]
             ratios = [a / b for a, b in zip(ours, hand, strict=True)]
             median = statistics.median(ratios)
