@@ -1856,7 +1856,8 @@ def _decode_step(layer, query, positions, causal, cache):
     """The decode fast path: a call that gives only the query (with `causal`, and `positions` as
     a tensor) and a cache, eagerly under no_grad, over plain projections whose q/k/v kernels the
     layer keeps (`_kept_kernels`; never with MLA) and a cache whose index carries its value and
-    whose T tokens fit in its first lap (`_carried_start`). Those facts answer the check step's
+    whose T tokens fit in its first lap (`_carried_start`; an index the caller built is read
+    once, `_read_index`). Those facts answer the check step's
     checks, so this returns the `_Call` that `_check_call` would give and `fast`: the kept kernels
     (q/k/v, output) and the cache's carried index, for
     `forward`'s own steps 2 to 7 (bit for bit the general call); or (None, None) where it does not
@@ -1889,13 +1890,30 @@ def _carried_start(cache, b, t, heads, head_dim, dtype):
     lap, from the value its index carries (`_carried`: no value read); else None, and the call's
     own checks run."""
     key, value, keep = cache.key, cache.value, cache.keep
-    start = _carried(cache.index)
     tensors = type(key) is torch.Tensor and type(value) is torch.Tensor and type(keep) is torch.Tensor
-    if start is None or not tensors or key.dim() != 4:
+    if not tensors or key.dim() != 4:
         return None
     length = key.shape[2]
     shapes = key.shape == value.shape == (b, heads, length, head_dim) and keep.shape == (b, length)
-    return start if shapes and key.dtype == value.dtype == dtype and 0 < t <= length - start else None
+    if not shapes or not key.dtype == value.dtype == dtype or keep.dtype != torch.bool:
+        return None
+    start = _carried(cache.index)
+    start = _read_index(cache.index) if start is None else start
+    return start if start is not None and start >= 0 and 0 < t <= length - start else None
+
+
+def _read_index(index):
+    """The value of an index that carries none (`_carried`): one the caller built (a fresh
+    tensor: a server resetting its cache, a beam search rebuilding it) or wrote in place, read as
+    one scalar where it is a plain 0-d integer tensor off the meta device (a device sync on a
+    GPU), and carried from then on; else None (the check step reads it)."""
+    if type(index) is not torch.Tensor or index.dim() != 0 or index.device.type == "meta":
+        return None
+    if index.dtype == torch.bool or index.is_floating_point() or index.is_complex():
+        return None
+    value = int(index)
+    _carry(index, value)
+    return value
 
 
 def _eager():
@@ -2287,22 +2305,42 @@ def _quantize_kernel(kernel):
     return quantized, (np.float32(1.0) / ratio).astype(np.float32)
 
 
+def _int_mm_runs(x, weight):
+    """Whether `torch._int_mm` (int8 x int8 -> int32) takes x (..., D) times the (F, D) weight (the
+    SPEC's rule, "int8"): on CPU any shape; on CUDA more than 16 rows and D, F multiples of 8 (its
+    kernel's limits); elsewhere (MPS, ...) never. The float sum runs where it cannot."""
+    if not hasattr(torch, "_int_mm") or x.device != weight.device:
+        return False
+    if x.device.type == "cpu":
+        return True
+    rows = x.numel() // max(x.shape[-1], 1)
+    return x.device.type == "cuda" and rows > 16 and x.shape[-1] % 8 == 0 and weight.shape[0] % 8 == 0
+
+
 class _Int8Matmul(torch.autograd.Function):
     """x (..., D) times an int8 (F, D) weight: x quantized per token (r = 127 / (max |row| + 1e-7),
-    round(x * r) clipped to [-127, 127]), the integer products summed in float32 at least (exact
-    while a sum stays below 2**24), then * (1 / r) and * weight_scale in place (no (..., F)
-    temporary), cast back to x's dtype. The gradient of x goes through the dequantized weight (Keras'
-    straight-through gradient); the weight and its scale get none."""
+    round(x * r) clipped to [-127, 127]), the integer products summed exactly: in int32 by
+    `torch._int_mm` where it runs (`_int_mm_runs`), else in float32 at least (exact while a sum
+    stays below 2**24); then * (1 / r) and * weight_scale in place (no (..., F) temporary), in
+    float32 at least, cast back to x's dtype. The gradient of x goes through the dequantized weight
+    (Keras' straight-through gradient); the weight and its scale get none."""
 
     @staticmethod
     def forward(ctx, x, weight, weight_scale):
         dtype, x = x.dtype, x.to(torch.promote_types(x.dtype, torch.float32))  # float16 overflows at 65504
         top = torch.linalg.vector_norm(x, math.inf, dim=-1, keepdim=True)  # (..., 1): max |x| of each token
         ratio = _INT8_MAX / (top + _INT8_EPSILON)  # (..., 1)
+        ctx.save_for_backward(weight, weight_scale)
+        if _int_mm_runs(x, weight):  # int32 sums on the 2-D view, (M, D) @ (D, F)
+            # |x * r| <= 127 * top / (top + 1e-7), so round() stays in [-127, 127] without a clamp
+            integers = torch.mul(x, ratio).round_().to(torch.int8).reshape(-1, x.shape[-1])  # (M, D)
+            accumulated = torch._int_mm(integers, weight.t()).reshape(*x.shape[:-1], weight.shape[0])  # (..., F)
+            if x.dtype == torch.float32:  # the sums cast to float32 where they lie (no new (..., F) tensor)
+                accumulated = accumulated.view(torch.float32).copy_(accumulated)
+            return accumulated.to(x.dtype).mul_(1.0 / ratio).mul_(weight_scale.to(x.dtype)).to(dtype)  # (..., F)
         integers = (x * ratio).round_().clamp_(-_INT8_MAX, _INT8_MAX)  # (..., D), one new tensor
         with torch.autocast(x.device.type, enabled=False):  # autocast would sum in its (half) dtype
             accumulated = F.linear(integers, weight.to(x.dtype))  # (..., D) -> (..., F)
-        ctx.save_for_backward(weight, weight_scale)
         return accumulated.mul_(1.0 / ratio).mul_(weight_scale.to(x.dtype)).to(dtype)  # (..., F), in place
 
     @staticmethod

@@ -11,7 +11,18 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench import benchmark, compile_time, decode_anchors, decode_pair, fresh, keras_decode, memory, mla
+from bench import (
+    benchmark,
+    compile_time,
+    decode_anchors,
+    decode_pair,
+    decode_rebuilt,
+    fresh,
+    int8_matmul,
+    keras_decode,
+    memory,
+    mla,
+)
 
 OUTPUT = Path(__file__).parents[1] / "out" / "bench_sections.md"
 
@@ -26,8 +37,8 @@ def _variants(runs, rounds, forks):
 
 
 def _int8(runs, rounds, forks):
-    tables = (benchmark.int8_table(benchmark.time_int8(c, runs, rounds), c) for c in benchmark.INT8_CONFIGS)
-    return "\n\n".join(tables)
+    tables = [benchmark.int8_table(benchmark.time_int8(c, runs, rounds), c) for c in benchmark.INT8_CONFIGS]
+    return "\n\n".join([*tables, int8_matmul.int8_speed_table(runs, rounds)])
 
 
 def _keras(runs, rounds, forks):
@@ -48,6 +59,7 @@ def _decode(runs, rounds, forks, quick=False):
     anchors = benchmark.QUICK_DECODE_ANCHORS if quick else benchmark.DECODE_ANCHORS
     step_runs = 3 if quick else benchmark.DECODE_ANCHOR_RUNS
     pairs = {config.name: decode_pair.time_torch_pair(config, step_runs, rounds * 3) for config, _ in anchors}
+    rebuilt = {config.name: decode_rebuilt.time_rebuilt(config, step_runs, rounds * 3) for config, _ in anchors}
     times = {config.name: benchmark.time_decode_anchors(config, step_runs, rounds) for config, _ in anchors}
     keras_times = keras_decode.keras_decode_times([config for config, _ in anchors], step_runs, rounds, forks)
     compiled = benchmark.QUICK[0] if quick else benchmark.CONFIGS[0]
@@ -55,6 +67,7 @@ def _decode(runs, rounds, forks, quick=False):
     return "\n\n".join(
         [
             decode_pair.pair_table(pairs, anchors),
+            decode_rebuilt.rebuilt_table(rebuilt, anchors),
             decode_anchors.anchor_tables(times, anchors),
             keras_decode.keras_decode_table(keras_times),
             compile_time.compile_table(compile_times, compiled),

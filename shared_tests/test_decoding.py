@@ -359,6 +359,86 @@ def _after_fast_steps(layer, monkeypatch):
     assert taken == [False, True]
 
 
+def _reordered(cache):
+    """Beam search: the cache's batch reordered (new key, value and keep tensors), the index kept."""
+    order = torch.tensor([1, 0])
+    return torch_file.KVCache(*(t.index_select(0, order) for t in cache[:3]), cache.index)
+
+
+def _fresh_index(cache):
+    """A server resetting the index: the same tensors, the index a fresh tensor of its value."""
+    return cache._replace(index=torch.tensor(int(cache.index)))
+
+
+def _index_written(cache):
+    """The index written in place by the caller (its version moves: the value it carried is dropped)."""
+    cache.index.fill_(int(cache.index))
+    return cache
+
+
+def _rebuilt_beam(cache):
+    """Both: the batch reordered and the index a fresh int32 tensor."""
+    return _reordered(cache)._replace(index=torch.tensor(int(cache.index), dtype=torch.int32))
+
+
+@pytest.mark.parametrize(
+    "rebuild", [_reordered, _fresh_index, _index_written, _rebuilt_beam], ids=lambda f: f.__name__[1:]
+)
+@pytest.mark.parametrize("config", [BASE, {**BASE, "rope_theta": 10000.0}], ids=["plain", "rope"])
+def test_torch_fast_step_on_a_cache_the_caller_rebuilt(config, rebuild, monkeypatch):
+    """Before each T = 1 step the caller rebuilds the cache (beam search reorders its batch, a
+    server replaces or writes its index): every step takes the decode fast path, reading the
+    index once (`_read_index`), and gives the general call's outputs and cache bit for bit."""
+    layer = _torch_layer(config).eval()
+    x, keep = torch.from_numpy(X).double(), torch.from_numpy(KEEP)
+
+    def decode():
+        outputs = []
+        with torch.no_grad():
+            output, cache = layer(x[:, :4], causal=True, cache=layer.init_cache(2, 10, keep=keep))
+            outputs.append(output)
+            for t in range(4, 7):
+                output, cache = layer(x[:, t : t + 1], causal=True, cache=rebuild(cache))
+                outputs.append(output)
+        return torch.cat(outputs, 1), cache
+
+    taken = _spy_fast_steps(monkeypatch)
+    fast, fast_cache = decode()
+    assert taken == [False, True, True, True]
+    monkeypatch.setattr(torch_file, "_decode_step", lambda *args: (None, None))
+    general, general_cache = decode()
+    assert torch.equal(fast, general)
+    for name in ("key", "value", "keep", "index"):
+        assert torch.equal(getattr(fast_cache, name), getattr(general_cache, name)), name
+
+
+@pytest.mark.parametrize(
+    "index",
+    [torch.tensor(4.0), torch.tensor([4]), torch.tensor(-1), torch.tensor(10)],
+    ids=["float", "one_element_1d", "negative", "full"],
+)
+def test_torch_caller_index_the_fast_path_does_not_read_goes_to_the_check_step(index, monkeypatch):
+    """An index that is not a 0-d integer tensor, or whose value is negative or leaves no room:
+    the fast path steps aside, and the call does what the check step makes of it."""
+    layer = _torch_layer(BASE).eval()
+    x = torch.from_numpy(X).double()
+    taken = _spy_fast_steps(monkeypatch)
+    with torch.no_grad():
+        _, cache = layer(x[:, :4], causal=True, cache=layer.init_cache(2, 10))
+        rebuilt = cache._replace(index=index)
+        try:
+            fast = layer(x[:, 4:5], causal=True, cache=rebuilt)[0]
+        except (ValueError, RuntimeError, IndexError) as error:
+            fast = type(error)
+        monkeypatch.setattr(torch_file, "_decode_step", lambda *args: (None, None))
+        try:
+            general = layer(x[:, 4:5], causal=True, cache=rebuilt)[0]
+        except (ValueError, RuntimeError, IndexError) as error:
+            general = type(error)
+    assert taken == [False, False]
+    assert fast is general if isinstance(fast, type) else torch.equal(fast, general)
+
+
 @pytest.mark.parametrize("name", sorted(CALL_ERRORS))
 def test_torch_bad_call_after_a_fast_step_raises_the_same_error(name, monkeypatch):
     """Regression guard for the decode fast path, which checks a call only as far as it takes it:

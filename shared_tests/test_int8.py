@@ -335,6 +335,75 @@ def test_torch_int8_self_attention_fuses_and_equals_three_projections(monkeypatc
     torch.testing.assert_close(output, apart, rtol=0, atol=0)
 
 
+def _int8_inputs(shape, d, f, dtype, seed=0):
+    """x (*shape, D) of `dtype`, an int8 (F, D) weight and a float32 (F,) scale."""
+    generator = torch.Generator().manual_seed(seed)
+    x = (torch.randn(*shape, d, generator=generator, dtype=torch.float64) * 3).to(dtype)
+    weight = torch.randint(-127, 128, (f, d), generator=generator, dtype=torch.int8)
+    return x, weight, torch.rand(f, generator=generator) * 0.01
+
+
+INT8_SHAPES = {  # name: (leading shape of x, D, F): odd sizes, one row, no rows, a 2-D x
+    "batched": ((2, 5), 24, 40),
+    "odd": ((3,), 5, 7),
+    "one_row": ((1, 1), 13, 9),
+    "no_rows": ((0, 4), 8, 16),
+    "fused_qkv": ((2, 3), 16, 48),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("shape", sorted(INT8_SHAPES))
+def test_torch_int8_integer_matmul_equals_the_float_sum(shape, dtype, monkeypatch):
+    """`_Int8Matmul` sums the integer products in int32 (`torch._int_mm`) where `_int_mm_runs`
+    says it runs (every shape on the CPU), else as floats: both sums are exact, so the two paths
+    give the same output bit for bit, of x's dtype and shape."""
+    leading, d, f = INT8_SHAPES[shape]
+    x, weight, scale = _int8_inputs(leading, d, f, dtype)
+    calls = []
+    real = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.shape) or real(a, b))
+    assert torch_file._int_mm_runs(x, weight)
+    integer = torch_file._Int8Matmul.apply(x, weight, scale)
+    assert calls == [(int(np.prod(leading)), d)]
+    monkeypatch.setattr(torch_file, "_int_mm_runs", lambda x, weight: False)
+    floats = torch_file._Int8Matmul.apply(x, weight, scale)
+    assert len(calls) == 1 and integer.dtype == dtype and integer.shape == (*leading, f)
+    assert torch.equal(integer, floats)
+
+
+def test_torch_int8_integer_sums_stay_exact_past_float32():
+    """Rows of integers with |x| <= 127 and a 127 in each (so r = 1 and round(x * r) = x) against
+    an int8 weight of 127s and scale 1, D = 2048: sums up to 2048 * 127**2 > 2**24, where a float32
+    sum rounds; the int32 sum is exact, so the output is the exact sum rounded once to float32.
+    On the meta device (no integer kernel) the float sum runs."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randint(-127, 128, (6, 2048), generator=generator).float()
+    x[:, 0], x[0], x[1] = 127.0, 127.0, -127.0  # rows 0 and 1: the largest sums, +-2048 * 127**2
+    weight = torch.full((8, 2048), 127, dtype=torch.int8)
+    weight[1::2] = torch.randint(-127, 128, (4, 2048), generator=generator, dtype=torch.int8)
+    exact = (x.double() @ weight.double().T).float()  # each sum exact in float64, rounded once
+    output = torch_file._Int8Matmul.apply(x, weight, torch.ones(8))
+    assert torch.equal(output, exact)
+    assert not torch_file._int_mm_runs(x.to("meta"), weight.to("meta"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_torch_int8_half_input_stays_finite_on_the_integer_path(dtype, monkeypatch):
+    """A float16 or bfloat16 input, a zero row included: quantized and scaled in float32 (r of a
+    zero row, 1.27e9, overflows float16), the output finite and of x's dtype, equal to the
+    float32 input's output cast down."""
+    x, weight, scale = _int8_inputs((2, 4), 32, 16, torch.float32, seed=2)
+    x[0, 0], x[1, 1] = 300.0, 0.0
+    x = x.to(dtype)
+    calls = []
+    real = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(1) or real(a, b))
+    output = torch_file._int8_linear(x, weight, scale, None)
+    assert calls == [1] and output.dtype == dtype and torch.isfinite(output).all()
+    assert torch.equal(output, torch_file._int8_linear(x.float(), weight, scale, None).to(dtype))
+
+
 def test_torch_int8_state_dict_loads_into_a_quantized_layer():
     """`state_dict` holds the int8 weights and scales as buffers; a layer quantized first loads it."""
     case = CASES_BY_NAME["self_basic"]
