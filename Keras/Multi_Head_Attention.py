@@ -42,7 +42,8 @@ import numpy as np
 from keras import ops
 from keras.src.backend import get_keras_mask  # Keras' reader of implicit masks (JAX arrays take no attribute)
 
-__all__ = ["AttentionMaskWarning", "KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
+__all__ = ["AttentionMaskWarning", "KVCache", "MultiHeadAttention", "alibi_bias", "document_positions"]
+__all__ += ["dot_product_attention", "segment_ids_from_cu_seqlens", "segment_ids_from_position_ids"]
 
 _PROJECTIONS = ("query", "key", "value", "output", "gate")  # the names `bias` takes; "gate" only with `gate`
 _ATTRIBUTES = {"sinks": "sink_logits"}  # portable weight name -> layer attribute (`layer.sinks` is the flag)
@@ -261,12 +262,15 @@ class MultiHeadAttention(keras.layers.Layer):
     def call(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None, attention_bias=None,
         positions=None, causal=False, return_attention=False, training=None, value_mask=None, cache=None,
+        segment_ids=None, key_segment_ids=None,
     ):  # fmt: skip
         """The steps of docs/SPEC.md, "Order of the steps"; each option's step behind its guard."""
         call = self._check_call(
             query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
             return_attention, cache, training, value_mask,
         )  # 1. defaults and checks  # fmt: skip
+        if segment_ids is not None or key_segment_ids is not None or getattr(cache, "segment_ids", None) is not None:
+            call = _with_segments(self, call, segment_ids, key_segment_ids)  # 1. packed documents into the mask
         keep, bias = self._masks(call)  # 1. one keep and one bias, (B|1, N|1, T|1, S|1) each
         if self.kv_lora_rank is None:
             q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H) x 2
@@ -443,11 +447,8 @@ class MultiHeadAttention(keras.layers.Layer):
         return (query_shape[0], query_shape[1], self.d_model)
 
     def compute_output_spec(self, *args, **kwargs):
-        """Traces `call` on symbolic inputs, as Keras does without `compute_output_shape`: a functional
-        model gets every shape check and every output; it builds the layer if needed."""
-        if not self.built:
-            self.build()
-        return super(keras.layers.Layer, self).compute_output_spec(*args, **kwargs)
+        """Traces `call` on symbolic inputs (`_output_spec`): a functional model gets every check and output."""
+        return _output_spec(self, *args, **kwargs)
 
     def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
         """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens
@@ -462,8 +463,7 @@ class MultiHeadAttention(keras.layers.Layer):
     def quantize(self, mode=None, type_check=True, config=None):
         """Quantizes the projections to int8 as Keras' `Dense.quantize("int8")` does (`_quantize`
         says how); `type_check` is unused (Keras' signature)."""
-        del type_check
-        _quantize(self, mode, config)
+        _quantize(self, mode, config)  # type_check: unused
 
     @classmethod
     def from_keras(cls, layer, *, window=None):
@@ -906,6 +906,86 @@ def _warn_at_caller(message):
     warnings.warn(message, AttentionMaskWarning, stacklevel=level)
 
 
+def segment_ids_from_position_ids(position_ids):
+    """Segment ids from positions that restart at each document (transformers' padding-free
+    `position_ids`, `DataCollatorWithFlattening`): (B, T) or (T,) integers -> the same shape,
+    0 for a row's first document, then 1, 2, ...; a document starts at t = 0 and wherever a
+    position is not one more than the one before it."""
+    positions = ops.convert_to_tensor(position_ids)
+    changed = ops.cast(ops.not_equal(positions[..., 1:], positions[..., :-1] + 1), "int32")  # (B, T - 1)
+    return ops.cumsum(ops.concatenate([ops.zeros_like(changed[..., :1]), changed], axis=-1), axis=-1)  # (B, T)
+
+
+def segment_ids_from_cu_seqlens(cu_seqlens, total_length=None):
+    """Segment ids from the cumulative lengths of `varlen_attn` / flash-attention (0, len_0,
+    len_0 + len_1, ..., T): (D + 1,) integers -> (1, T), document d at [cu[d], cu[d + 1]).
+    `total_length` (default cu[-1]) may exceed cu[-1]: the tail is one more document."""
+    cu = np.asarray(ops.convert_to_numpy(cu_seqlens))
+    if cu.ndim != 1 or cu.size < 1 or not np.issubdtype(cu.dtype, np.integer) or cu[0] != 0 or (np.diff(cu) < 0).any():
+        raise ValueError(
+            "`cu_seqlens` must be a 1-D integer tensor starting at 0 and non-decreasing. "
+            f"Received: cu_seqlens={cu.tolist()}"
+        )
+    length = int(cu[-1]) if total_length is None else int(total_length)
+    return ops.convert_to_tensor(np.searchsorted(cu[1:], np.arange(length), side="right")[None, :], "int32")
+
+
+def _check_segment_ids(name, ids, batch_size, length, letter):
+    """Checks (B, L) integer segment ids (static dimensions where known)."""
+    ids = ops.convert_to_tensor(ids)
+    shape, dtype = tuple(ids.shape), keras.backend.standardize_dtype(ids.dtype)
+    expected = (batch_size, length)
+    fits = len(shape) == 2 and all(d is None or e is None or d == e for d, e in zip(shape, expected, strict=True))
+    if not dtype.startswith(("int", "uint")) or not fits:
+        raise ValueError(
+            f"`{name}` must be an integer tensor of shape (B, {letter})=({batch_size}, {length}). "
+            f"Received: {name}.shape={shape}, {name}.dtype={dtype}"
+        )
+    return ops.cast(ids, "int32")
+
+
+def _segment_ids_error(message):
+    return ValueError(f"{message} (packed sequences, docs/SPEC.md, 'Packed sequences')")
+
+
+def _with_segments(layer, call, segment_ids, key_segment_ids):
+    """Packed sequences: query t keeps key s only if segment_ids[b, t] == key_segment_ids[b, s],
+    ANDed into `attention_mask` (a float mask gets -inf there), so every path computes it through
+    its keep. Key ids default to `segment_ids` when S == T (self-attention). With a cache the key
+    ids of the T new tokens are written to a copy of the cache's `segment_ids` (made at the first
+    packed call of a cache) and the mask is over its L slots; a call without ids continues the
+    document of the last written slot."""
+    (b, t), s = tuple(call.query.shape)[:2], call.key.shape[1]
+    cache = call.cache
+    if segment_ids is None and (cache is None or cache.segment_ids is None):
+        raise _segment_ids_error("`key_segment_ids` needs `segment_ids`")
+    if cache is not None:
+        length, index = cache.key.shape[2], ops.convert_to_tensor(cache.index, "int32")
+        if segment_ids is None:  # the new tokens continue the last written slot's document
+            last = ops.take(cache.segment_ids, ops.mod(index - 1, length), axis=1)  # (B,)
+            segment_ids = ops.repeat(ops.expand_dims(last, 1), _shape(call.query)[1], axis=1)  # (B, T)
+    segment_ids = _check_segment_ids("segment_ids", segment_ids, b, t, "T")
+    if key_segment_ids is None and None not in (s, t) and s != t:
+        raise _segment_ids_error("cross-attention (S != T) needs `key_segment_ids` (B, S)")
+    key_ids = segment_ids
+    if key_segment_ids is not None:
+        key_ids = _check_segment_ids("key_segment_ids", key_segment_ids, b, s, "S")
+    if cache is not None:
+        rows_b, rows_t = _shape(key_ids)
+        ids = ops.zeros((rows_b, length), "int32") if cache.segment_ids is None else cache.segment_ids
+        slots = ops.mod(index + ops.arange(rows_t, dtype="int32"), length)  # (T,)
+        grid = ops.meshgrid(ops.arange(rows_b, dtype="int32"), slots, indexing="ij")
+        rows = ops.reshape(ops.stack(grid, axis=-1), (-1, 2))  # (B*T, 2): (b, slot)
+        ids = ops.scatter_update(ops.cast(ids, "int32"), rows, ops.reshape(key_ids, (-1,)))  # (B, L)
+        key_ids, cache = ids, cache._replace(segment_ids=ids)
+    same = ops.equal(segment_ids[:, None, :, None], key_ids[:, None, None, :])  # (B, 1, T, S)
+    mask = call.attention_mask
+    if mask is not None:
+        removed = ops.full_like(mask, -np.inf) if not _is_bool(mask) else None
+        same = ops.logical_and(mask, same) if removed is None else ops.where(same, mask, removed)
+    return call._replace(attention_mask=same, cache=cache)
+
+
 # -------------------------------------------------------------------------------------------------
 # Section: positions
 # -------------------------------------------------------------------------------------------------
@@ -1055,6 +1135,17 @@ def _rotate_heads(layer, x, positions):
     inv_freq = layer._inv_freq
     x = apply_rope(x, positions, inv_freq, layer.rope_interleaved, layer.rope_sections)
     return scale_rotated(x, 2 * len(inv_freq), rope_attention_factor(layer.rope_scaling))
+
+
+def document_positions(segment_ids):
+    """RoPE positions of packed sequences: (B, T) or (T,) segment ids -> positions of the same
+    shape that restart at 0 wherever the id changes (each document numbered from 0)."""
+    ids = np.asarray(ops.convert_to_numpy(segment_ids))
+    steps = np.arange(ids.shape[-1])  # (T,)
+    starts = np.ones(ids.shape, dtype=bool)  # (B, T)
+    starts[..., 1:] = ids[..., 1:] != ids[..., :-1]
+    first = np.maximum.accumulate(np.where(starts, steps, 0), axis=-1)  # (B, T), where each document starts
+    return ops.convert_to_tensor(steps - first, "int32")  # (B, T)
 
 
 def rope_frequencies(rotary_dim, theta, scaling=None):
@@ -1292,12 +1383,15 @@ class KVCache(NamedTuple):
         keep: (B, L) boolean; False marks a slot no query may attend (left padding).
         index: scalar integer, the positions written so far; position p is in slot p (with a
             `window`, slot p mod L: the cache rolls), and the next call writes from index.
+        segment_ids: None, or (B, L) int32, the document of each slot (packed sequences: written
+            by the first call with `segment_ids`; a query attends only the slots of its document).
     """
 
     key: Any
     value: Any
     keep: Any
     index: Any
+    segment_ids: Any = None
 
 
 def _init_cache(layer, batch_size, max_length, keep, dtype):
@@ -1471,7 +1565,7 @@ def _write_cache(cache, k, v, key_mask):
     kept = ops.where((positions < length)[None, :], ops.logical_and(old, new), new)  # (B, T)
     rows = ops.reshape(ops.stack(ops.meshgrid(ops.arange(b, dtype="int32"), slots, indexing="ij"), -1), (-1, 2))
     keep = ops.scatter_update(cache.keep, rows, ops.reshape(kept, (-1,)))  # (B, L) at (b, slot)
-    return KVCache(key, value, keep, index + t)
+    return KVCache(key, value, keep, index + t, cache.segment_ids)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -2286,6 +2380,13 @@ def _mean(x):
     if _narrows(x.dtype):
         return ops.sum(x, axis=-1, keepdims=True) / x.shape[-1]  # (..., D) -> (..., 1)
     return ops.mean(x, axis=-1, keepdims=True)  # (..., D) -> (..., 1)
+
+
+def _output_spec(layer, *args, **kwargs):
+    """`compute_output_spec`: builds the layer if needed, then traces `call` as Keras does."""
+    if not layer.built:
+        layer.build()
+    return super(keras.layers.Layer, layer).compute_output_spec(*args, **kwargs)
 
 
 def _dtype_name(dtype):
