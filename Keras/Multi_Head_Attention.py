@@ -269,8 +269,7 @@ class MultiHeadAttention(keras.layers.Layer):
             query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
             return_attention, cache, training, value_mask,
         )  # 1. defaults and checks  # fmt: skip
-        if segment_ids is not None or key_segment_ids is not None or getattr(cache, "segment_ids", None) is not None:
-            call = _with_segments(self, call, segment_ids, key_segment_ids)  # 1. packed documents into the mask
+        call = call if segment_ids is None is key_segment_ids else _packed(self, call, segment_ids, key_segment_ids)
         keep, bias = self._masks(call)  # 1. one keep and one bias, (B|1, N|1, T|1, S|1) each
         if self.kv_lora_rank is None:
             q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H) x 2
@@ -296,9 +295,7 @@ class MultiHeadAttention(keras.layers.Layer):
     def __call__(self, *args, mask=None, **kwargs):
         """`mask=` moved into `attention_mask` (`call` has no `mask` for Keras to fill with an implicit
         mask); then what a cast would hide: inputs of different floating dtypes, a cache of another."""
-        if mask is not None:
-            given = kwargs.pop("attention_mask", args[3] if len(args) > 3 else None)
-            args, kwargs["attention_mask"] = args[:3], _attention_mask(given, mask)
+        args = args if mask is None else _mask_alias(args, kwargs, mask)  # `mask=` into kwargs["attention_mask"]
         names = ("query", "key", "value")  # as passed; `key` defaults to `value`, then to `query`
         query, key, value = (kwargs.get(name, args[i] if len(args) > i else None) for i, name in enumerate(names))
         if query is not None:
@@ -948,8 +945,9 @@ def _segment_ids_error(message):
     return ValueError(f"{message} (packed sequences, docs/SPEC.md, 'Packed sequences')")
 
 
-def _with_segments(layer, call, segment_ids, key_segment_ids):
-    """Packed sequences: query t keeps key s only if segment_ids[b, t] == key_segment_ids[b, s],
+def _segment_keep(layer, call, segment_ids, key_segment_ids):
+    """Packed sequences: (B, 1, T, S) `same` and the call's cache. Query t keeps key s only if
+    segment_ids[b, t] == key_segment_ids[b, s],
     ANDed into `attention_mask` (a float mask gets -inf there), so every path computes it through
     its keep. Key ids default to `segment_ids` when S == T (self-attention). With a cache the key
     ids of the T new tokens are written to a copy of the cache's `segment_ids` (made at the first
@@ -979,11 +977,17 @@ def _with_segments(layer, call, segment_ids, key_segment_ids):
         ids = ops.scatter_update(ops.cast(ids, "int32"), rows, ops.reshape(key_ids, (-1,)))  # (B, L)
         key_ids, cache = ids, cache._replace(segment_ids=ids)
     same = ops.equal(segment_ids[:, None, :, None], key_ids[:, None, None, :])  # (B, 1, T, S)
+    return same, cache
+
+
+def _packed(layer, call, segment_ids, key_segment_ids):
+    """Packed sequences (`_segment_keep`) ANDed into `attention_mask`; the call marked `segmented`."""
+    same, cache = _segment_keep(layer, call, segment_ids, key_segment_ids)
     mask = call.attention_mask
     if mask is not None:
         removed = ops.full_like(mask, -np.inf) if not _is_bool(mask) else None
         same = ops.logical_and(mask, same) if removed is None else ops.where(same, mask, removed)
-    return call._replace(attention_mask=same, cache=cache)
+    return call._replace(attention_mask=same, cache=cache, segmented=True)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -1507,6 +1511,9 @@ def _update_cache(layer, call, k, v, keep):
     window), `key_mask` into the cache's keep; returns the cache's (B, K, L, H) keys and values,
     `keep` over the L slots with `causal`, `window` and `attention_chunk_size` folded in, and
     the call with the new cache."""
+    if call.cache.segment_ids is not None and not call.segmented:  # packed: the new tokens continue a document
+        same, segmented = _segment_keep(layer, call, None, None)  # (B, 1, T, L)
+        keep, call = _and(keep, same), call._replace(cache=segmented)
     t, index = _shape(k)[2], ops.convert_to_tensor(call.cache.index, "int32")  # the index before this write
     cache = _write_cache(call.cache, k, v, call.key_mask)  # `key_mask` goes into its keep
     folded = _cache_keep(cache.keep, index, t, call.causal, call.window, call.attention_chunk_size)  # (B, 1, T, L)
@@ -2382,6 +2389,14 @@ def _mean(x):
     return ops.mean(x, axis=-1, keepdims=True)  # (..., D) -> (..., 1)
 
 
+def _mask_alias(args, kwargs, mask):
+    """`__call__`'s `mask=`: moved into `kwargs["attention_mask"]` (with a positional fourth input
+    or `attention_mask`, `_attention_mask` refuses both); returns the positional inputs left."""
+    given = kwargs.pop("attention_mask", args[3] if len(args) > 3 else None)
+    kwargs["attention_mask"] = _attention_mask(given, mask)
+    return args[:3]
+
+
 def _output_spec(layer, *args, **kwargs):
     """`compute_output_spec`: builds the layer if needed, then traces `call` as Keras does."""
     if not layer.built:
@@ -2640,6 +2655,7 @@ class _Call(NamedTuple):
     cache: Any  # KVCache or None
     training: Any  # the call's training flag
     fuse: bool  # q, k, v from one matmul: never in this file
+    segmented: bool = False  # packed sequences: the ids folded into attention_mask (`_packed`)
 
 
 def _results(output, weights, cache, return_attention):

@@ -80,6 +80,7 @@ class _Call(NamedTuple):
     cache: "KVCache | None"  # the cache step replaces it by the written cache
     training: None  # TF/Keras only
     fuse: bool  # False: the reference projects q, k and v one at a time
+    segmented: bool = False  # packed sequences: the ids folded into attention_mask (`_packed`)
 
 
 class MultiHeadAttention:
@@ -254,8 +255,7 @@ class MultiHeadAttention:
             query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
             return_attention, cache, mask,
         )  # 1. defaults and checks  # fmt: skip
-        if segment_ids is not None or key_segment_ids is not None or getattr(cache, "segment_ids", None) is not None:
-            call = _with_segments(self, call, segment_ids, key_segment_ids)  # 1. packed documents into the mask
+        call = call if segment_ids is None is key_segment_ids else _packed(self, call, segment_ids, key_segment_ids)
         masks = (call.attention_mask, call.attention_bias, call.key_mask, call.query_mask)
         keep, bias = self._masks(call) if any(m is not None for m in masks) else (None, None)  # 1. keep and bias
         q, k, v = self._project_qkv(call)  # 2-4. (B, N, T, H), (B, K, S, H) x 2, QK-norm and RoPE of q and k
@@ -863,8 +863,9 @@ def _segment_ids_error(message):
     return ValueError(f"{message} (packed sequences, docs/SPEC.md, 'Packed sequences')")
 
 
-def _with_segments(layer, call, segment_ids, key_segment_ids):
-    """Packed sequences: query t keeps key s only if segment_ids[b, t] == key_segment_ids[b, s],
+def _segment_keep(layer, call, segment_ids, key_segment_ids):
+    """Packed sequences: (B, 1, T, S) `same` and the call's cache. Query t keeps key s only if
+    segment_ids[b, t] == key_segment_ids[b, s],
     ANDed into `attention_mask` (a float mask gets -inf there). Key ids default to `segment_ids`
     when S == T (self-attention). With a cache the key ids of the T new tokens are written to the
     cache's `segment_ids` (made at the first packed call of an empty cache) and the mask is over its
@@ -894,9 +895,15 @@ def _with_segments(layer, call, segment_ids, key_segment_ids):
         ids[:, (index + np.arange(t)) % length] = key_ids  # (B, L)
         key_ids, cache = ids, cache._replace(segment_ids=ids)
     same = segment_ids[:, None, :, None] == key_ids[:, None, None, :]  # (B, 1, T, S)
+    return same, cache
+
+
+def _packed(layer, call, segment_ids, key_segment_ids):
+    """Packed sequences (`_segment_keep`) ANDed into `attention_mask`; the call marked `segmented`."""
+    same, cache = _segment_keep(layer, call, segment_ids, key_segment_ids)
     mask = call.attention_mask
-    mask = same if mask is None else mask & same if mask.dtype == np.bool_ else np.where(same, mask, -np.inf)
-    return call._replace(attention_mask=mask, cache=cache)
+    same = same if mask is None else mask & same if mask.dtype == np.bool_ else np.where(same, mask, -np.inf)
+    return call._replace(attention_mask=same, cache=cache, segmented=True)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -1482,6 +1489,9 @@ def _update_cache(layer, call, k, v, keep):
     """Step 5: writes the (B, K, T, H) keys and values into a copy of the cache; returns its
     (B, K, L, H) keys and values, keep with the cache's rule folded in (B, N|1, T, L), and the
     call with that cache, `causal` False, `window` and `attention_chunk_size` None (all now in keep)."""
+    if call.cache.segment_ids is not None and not call.segmented:  # packed: the new tokens continue a document
+        same, segmented = _segment_keep(layer, call, None, None)  # (B, 1, T, L)
+        keep, call = _and(keep, same), call._replace(cache=segmented)
     index, t, length = int(call.cache.index), k.shape[2], call.cache.key.shape[2]
     _check_room(index, t, length, call.window)
     cache = _write_cache(call.cache, k, v, call.key_mask)

@@ -197,8 +197,7 @@ class MultiHeadAttention(nn.Module):
                 query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
                 return_attention, cache, mask,
             )  # 1. defaults and checks  # fmt: skip
-        if segment_ids is not None or key_segment_ids is not None or getattr(cache, "segment_ids", None) is not None:
-            call = _with_segments(self, call, segment_ids, key_segment_ids)  # 1. packed documents into the mask
+        call = call if segment_ids is None is key_segment_ids else _packed(self, call, segment_ids, key_segment_ids)
         masked = call.attention_mask is not None or call.attention_bias is not None
         masked = masked or call.key_mask is not None or call.query_mask is not None
         keep, bias = self._masks(call) if masked else (None, None)  # 1. (B|1, N|1, T|1, S|1) keep and bias
@@ -367,9 +366,8 @@ class MultiHeadAttention(nn.Module):
             return _attend_explicit(self, q, k, v, keep, bias, call)
         dropout = self.dropout if self.training else 0.0
         (t, s), sinks = (q.shape[2], k.shape[2]), self.sinks
-        masked = (
-            keep is not None or bias is not None or call.window is not None or call.attention_chunk_size is not None
-        )
+        masked = keep is not None or bias is not None or call.window is not None
+        masked = masked or call.attention_chunk_size is not None
         if call.causal and not masked and t == s:
             return _sdpa_attention(q, k, v, None, None, dropout, self.scale, True, sinks), None  # (B, N, T, H)
         if masked or call.causal:
@@ -445,6 +443,7 @@ class _Call(NamedTuple):
     cache: "KVCache | None"  # the cache step replaces it by the written cache
     training: None  # TensorFlow and Keras only
     fuse: bool  # q, k and v may come from one matmul (one input; with a cache, kernels kept between steps)
+    segmented: bool = False  # packed sequences: the ids folded into attention_mask (`_packed`)
 
 
 def _check_input(name, x, dim_name, dim):
@@ -1244,8 +1243,9 @@ def _segment_ids_error(message):
     return ValueError(f"{message} (packed sequences, docs/SPEC.md, 'Packed sequences')")
 
 
-def _with_segments(layer, call, segment_ids, key_segment_ids):
-    """Packed sequences: query t keeps key s only if segment_ids[b, t] == key_segment_ids[b, s],
+def _segment_keep(layer, call, segment_ids, key_segment_ids):
+    """Packed sequences: (B, 1, T, S) `same` and the call's cache. Query t keeps key s only if
+    segment_ids[b, t] == key_segment_ids[b, s],
     ANDed into `attention_mask` (a float mask gets -inf there), so every path computes it through
     its keep. Key ids default to `segment_ids` when S == T (self-attention). With a cache the key
     ids of the T new tokens are written to the cache's `segment_ids` (in place; made at the first
@@ -1275,11 +1275,17 @@ def _with_segments(layer, call, segment_ids, key_segment_ids):
         ids[:, (index + torch.arange(t, device=device)) % length] = key_ids.to(ids.dtype)  # (B, L), in place
         key_ids, cache = ids, cache._replace(segment_ids=ids)
     same = segment_ids[:, None, :, None] == key_ids[:, None, None, :]  # (B, 1, T, S)
+    return same, cache
+
+
+def _packed(layer, call, segment_ids, key_segment_ids):
+    """Packed sequences (`_segment_keep`) ANDed into `attention_mask`; the call marked `segmented`."""
+    same, cache = _segment_keep(layer, call, segment_ids, key_segment_ids)
     mask = call.attention_mask
     if mask is not None:
         mask = mask if mask.dim() == 4 else mask[None, None] if mask.dim() == 2 else mask[:, None]  # rank 4
         same = mask & same if mask.dtype == torch.bool else torch.where(same, mask, float("-inf"))
-    return call._replace(attention_mask=same, cache=cache)
+    return call._replace(attention_mask=same, cache=cache, segmented=True)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -1881,6 +1887,10 @@ def _update_cache(layer, call, k, v, keep, fast=None):
     cache = call.cache
     if cache is None:
         return k, v, keep, call
+    if call.cache.segment_ids is not None and not call.segmented:  # packed: the new tokens continue a document
+        same, segmented = _segment_keep(layer, call, None, None)  # (B, 1, T, L)
+        keep, call = _and(keep, same), call._replace(cache=segmented)
+        cache = segmented
     t, length, index = k.shape[2], cache.key.shape[2], cache.index
     start = _known_index(index) if fast is None else fast[2]
     cache = _write_cache(cache, k, v, call.key_mask, start)

@@ -302,8 +302,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
             return_attention, cache, training, value_mask,
         )  # fmt: skip
-        if segment_ids is not None or key_segment_ids is not None or getattr(cache, "segment_ids", None) is not None:
-            call = _with_segments(self, call, segment_ids, key_segment_ids)  # 1. packed documents into the mask
+        call = call if segment_ids is None is key_segment_ids else _packed(self, call, segment_ids, key_segment_ids)
         keep, bias = None, (None, None)  # 1. the masks: one keep, (the floating mask's, attention_bias's) biases
         if any(mask is not None for mask in (call.attention_mask, attention_bias, call.key_mask, call.query_mask)):
             keep, bias = _masks(self, call)  # keep (B|1, N|1, T|1, S|1), rank-4 biases
@@ -437,6 +436,7 @@ class _Call(NamedTuple):
     cache: "KVCache | None"  # the cache step replaces it by the written cache
     training: bool | None  # the call's training flag
     fuse: bool  # q, k and v may come from one matmul (self-attention without a cache)
+    segmented: bool = False  # packed sequences: the ids folded into attention_mask (`_packed`)
 
 
 def _check_input(name, x, width_name, width):
@@ -919,8 +919,9 @@ def _segment_ids_error(message):
     return ValueError(f"{message} (packed sequences, docs/SPEC.md, 'Packed sequences')")
 
 
-def _with_segments(layer, call, segment_ids, key_segment_ids):
-    """Packed sequences: query t keeps key s only if segment_ids[b, t] == key_segment_ids[b, s],
+def _segment_keep(layer, call, segment_ids, key_segment_ids):
+    """Packed sequences: (B, 1, T, S) `same` and the call's cache. Query t keeps key s only if
+    segment_ids[b, t] == key_segment_ids[b, s],
     ANDed into `attention_mask` (a float mask gets -inf there), so every path computes it through
     its keep. Key ids default to `segment_ids` when S == T (self-attention). With a cache the key
     ids of the T new tokens are written to a copy of the cache's `segment_ids` (made at the first
@@ -955,10 +956,16 @@ def _with_segments(layer, call, segment_ids, key_segment_ids):
         ids = tf.tensor_scatter_nd_update(ids, rows, key_ids)  # (B, L)
         key_ids, cache = ids, cache._replace(segment_ids=ids)
     same = segment_ids[:, None, :, None] == key_ids[:, None, None, :]  # (B, 1, T, S)
+    return same, cache
+
+
+def _packed(layer, call, segment_ids, key_segment_ids):
+    """Packed sequences (`_segment_keep`) ANDed into `attention_mask`; the call marked `segmented`."""
+    same, cache = _segment_keep(layer, call, segment_ids, key_segment_ids)
     mask = call.attention_mask
     if mask is not None:
         same = mask & same if mask.dtype == tf.bool else tf.where(same, mask, tf.cast(-np.inf, mask.dtype))
-    return call._replace(attention_mask=same, cache=cache)
+    return call._replace(attention_mask=same, cache=cache, segmented=True)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -1449,6 +1456,10 @@ def _update_cache(layer, call, k, v, keep):
     cache = call.cache
     if cache is None:
         return k, v, keep, call, None
+    if call.cache.segment_ids is not None and not call.segmented:  # packed: the new tokens continue a document
+        same, segmented = _segment_keep(layer, call, None, None)  # (B, 1, T, L)
+        keep, call = _and(keep, same), call._replace(cache=segmented)
+        cache = segmented
     t, index = tf.shape(k)[2], tf.convert_to_tensor(cache.index)  # the index before this call's write
     misfit = _check_room(index, t, _cache_length(cache), _window_sides(call.window)[0])  # True only under XLA
     if _is_in_place(cache):
