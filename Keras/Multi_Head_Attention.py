@@ -941,6 +941,11 @@ def _check_segment_ids(name, ids, batch_size, length, letter):
     return ops.cast(ids, "int32")
 
 
+def _has_segments(cache):
+    """Whether the cache holds segment ids: `init_cache` gives (B, 0) ones, none yet."""
+    return cache.segment_ids is not None and cache.segment_ids.shape[-1] != 0
+
+
 def _segment_ids_error(message):
     return ValueError(f"{message} (packed sequences, docs/SPEC.md, 'Packed sequences')")
 
@@ -955,7 +960,7 @@ def _segment_keep(layer, call, segment_ids, key_segment_ids):
     document of the last written slot."""
     (b, t), s = tuple(call.query.shape)[:2], call.key.shape[1]
     cache = call.cache
-    if segment_ids is None and (cache is None or cache.segment_ids is None):
+    if segment_ids is None and (cache is None or not _has_segments(cache)):
         raise _segment_ids_error("`key_segment_ids` needs `segment_ids`")
     if cache is not None:
         length, index = cache.key.shape[2], ops.convert_to_tensor(cache.index, "int32")
@@ -970,7 +975,7 @@ def _segment_keep(layer, call, segment_ids, key_segment_ids):
         key_ids = _check_segment_ids("key_segment_ids", key_segment_ids, b, s, "S")
     if cache is not None:
         rows_b, rows_t = _shape(key_ids)
-        ids = ops.zeros((rows_b, length), "int32") if cache.segment_ids is None else cache.segment_ids
+        ids = ops.zeros((rows_b, length), "int32") if not _has_segments(cache) else cache.segment_ids
         slots = ops.mod(index + ops.arange(rows_t, dtype="int32"), length)  # (T,)
         grid = ops.meshgrid(ops.arange(rows_b, dtype="int32"), slots, indexing="ij")
         rows = ops.reshape(ops.stack(grid, axis=-1), (-1, 2))  # (B*T, 2): (b, slot)
@@ -1387,8 +1392,9 @@ class KVCache(NamedTuple):
         keep: (B, L) boolean; False marks a slot no query may attend (left padding).
         index: scalar integer, the positions written so far; position p is in slot p (with a
             `window`, slot p mod L: the cache rolls), and the next call writes from index.
-        segment_ids: None, or (B, L) int32, the document of each slot (packed sequences: written
-            by the first call with `segment_ids`; a query attends only the slots of its document).
+        segment_ids: (B, L) int32, the document of each slot (packed sequences: written by the
+            first call with `segment_ids`; a query attends only the slots of its document); (B, 0)
+            from `init_cache` until then (None in a cache built by hand).
     """
 
     key: Any
@@ -1417,7 +1423,8 @@ def _init_cache(layer, batch_size, max_length, keep, dtype):
     shapes = _latent_cache_shapes(layer, b, length) or ((b, layer.num_kv_heads, length, layer.head_dim),) * 2
     dtype = layer.compute_dtype if dtype is None else dtype
     key, value = (ops.zeros(shape, dtype) for shape in shapes)
-    return KVCache(key, value, keep, ops.convert_to_tensor(0, "int32"))
+    no_ids = ops.zeros((b, 0), "int32")  # segment ids: none yet (a tensor, so the cache is a nest of tensors)
+    return KVCache(key, value, keep, ops.convert_to_tensor(0, "int32"), no_ids)
 
 
 def _check_cache(cache, query, key, heads, head_dim, latent=None):
@@ -1511,7 +1518,7 @@ def _update_cache(layer, call, k, v, keep):
     window), `key_mask` into the cache's keep; returns the cache's (B, K, L, H) keys and values,
     `keep` over the L slots with `causal`, `window` and `attention_chunk_size` folded in, and
     the call with the new cache."""
-    if call.cache.segment_ids is not None and not call.segmented:  # packed: the new tokens continue a document
+    if _has_segments(call.cache) and not call.segmented:  # packed: the new tokens continue a document
         same, segmented = _segment_keep(layer, call, None, None)  # (B, 1, T, L)
         keep, call = _and(keep, same), call._replace(cache=segmented)
     t, index = _shape(k)[2], ops.convert_to_tensor(call.cache.index, "int32")  # the index before this write

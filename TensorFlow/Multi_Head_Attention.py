@@ -915,6 +915,11 @@ def _check_segment_ids(name, ids, batch_size, length, letter):
     return tf.cast(ids, tf.int32)
 
 
+def _has_segments(cache):
+    """Whether the cache holds segment ids: `init_cache` gives (B, 0) ones, none yet."""
+    return cache.segment_ids is not None and cache.segment_ids.shape[-1] != 0
+
+
 def _segment_ids_error(message):
     return ValueError(f"{message} (packed sequences, docs/SPEC.md, 'Packed sequences')")
 
@@ -930,7 +935,7 @@ def _segment_keep(layer, call, segment_ids, key_segment_ids):
     (b, t), s = tuple(call.query.shape)[:2], call.key.shape[1]
     dynamic_b, dynamic_t = tf.shape(call.query)[0], tf.shape(call.query)[1]
     cache = call.cache
-    if segment_ids is None and (cache is None or cache.segment_ids is None):
+    if segment_ids is None and (cache is None or not _has_segments(cache)):
         raise _segment_ids_error("`key_segment_ids` needs `segment_ids`")
     if cache is not None:
         if _is_in_place(cache):
@@ -939,7 +944,7 @@ def _segment_keep(layer, call, segment_ids, key_segment_ids):
         if segment_ids is None:  # the new tokens continue the last written slot's document
             last = tf.gather(cache.segment_ids, tf.math.floormod(cache.index - 1, length), axis=1)  # (B,)
             segment_ids = tf.tile(last[:, None], [1, dynamic_t])  # (B, T)
-        if cache.segment_ids is None and tf.executing_eagerly() and int(cache.index) > 0:
+        if not _has_segments(cache) and tf.executing_eagerly() and int(cache.index) > 0:
             raise _segment_ids_error(
                 "`cache` holds tokens written without `segment_ids`; pass them from the first call"
             )
@@ -950,7 +955,7 @@ def _segment_keep(layer, call, segment_ids, key_segment_ids):
     if key_segment_ids is not None:
         key_ids = _check_segment_ids("key_segment_ids", key_segment_ids, b, s, "S")
     if cache is not None:
-        ids = tf.zeros((dynamic_b, length), tf.int32) if cache.segment_ids is None else cache.segment_ids
+        ids = tf.zeros((dynamic_b, length), tf.int32) if not _has_segments(cache) else cache.segment_ids
         slots = tf.math.floormod(cache.index + tf.range(dynamic_t), length)  # (T,)
         rows = tf.stack(tf.meshgrid(tf.range(dynamic_b), slots, indexing="ij"), axis=-1)  # (B, T, 2): (b, slot)
         ids = tf.tensor_scatter_nd_update(ids, rows, key_ids)  # (B, L)
@@ -1419,8 +1424,9 @@ class KVCache(NamedTuple):
         keep: (B, L) boolean; False marks a slot no query may attend (left padding).
         index: scalar integer, the positions written so far; position p is in slot p (with a
             `window`, slot p mod L: the cache rolls), and the next call writes from index.
-        segment_ids: None, or (B, L) int32, the document of each slot (packed sequences: written
-            by the first call with `segment_ids`; a query attends only the slots of its document).
+        segment_ids: (B, L) int32, the document of each slot (packed sequences: written by the
+            first call with `segment_ids`; a query attends only the slots of its document); (B, 0)
+            from `init_cache` until then (None in a cache built by hand).
     """
 
     key: tf.Tensor
@@ -1442,7 +1448,8 @@ def _init_cache(layer, batch_size, max_length, keep, dtype, in_place):
     keep = tf.ones((b, length), dtype=tf.bool) if keep is None else _check_keep(keep, b, length)
     key_shape, value_shape = _cache_shapes(layer, b, length)
     dtype = layer.compute_dtype if dtype is None else dtype
-    cache = KVCache(tf.zeros(key_shape, dtype), tf.zeros(value_shape, dtype), keep, tf.constant(0, tf.int32))
+    no_ids = tf.zeros((b, 0), tf.int32)  # segment ids: none yet (a tensor, so the cache is a nest of tensors)
+    cache = KVCache(tf.zeros(key_shape, dtype), tf.zeros(value_shape, dtype), keep, tf.constant(0, tf.int32), no_ids)
     return _as_variables(cache) if in_place else cache
 
 
@@ -1456,7 +1463,7 @@ def _update_cache(layer, call, k, v, keep):
     cache = call.cache
     if cache is None:
         return k, v, keep, call, None
-    if call.cache.segment_ids is not None and not call.segmented:  # packed: the new tokens continue a document
+    if _has_segments(call.cache) and not call.segmented:  # packed: the new tokens continue a document
         same, segmented = _segment_keep(layer, call, None, None)  # (B, 1, T, L)
         keep, call = _and(keep, same), call._replace(cache=segmented)
         cache = segmented
@@ -1604,7 +1611,7 @@ def _cache_length(cache):
 
 def _as_variables(cache):
     """The same cache with non-trainable `tf.Variable`s for fields: an in-place cache."""
-    return KVCache(*(tf.Variable(x, trainable=False) for x in cache[:4]))
+    return KVCache(*(None if x is None else tf.Variable(x, trainable=False) for x in cache))
 
 
 def _is_in_place(cache):
