@@ -21,7 +21,7 @@ The math, for query head n (which reads key/value head n // (N // K)):
 Where things are: first the core, the plain layer (`MultiHeadAttention.call` reads as the steps of
 docs/SPEC.md, "Order of the steps", each option's step behind a one-line guard), then one section
 per option family, each with its checks, weights, steps and fast paths:
-    score modifiers            scale, softcap, window, attention chunks, sinks, ALiBi, attention_bias
+    score modifiers            scale, softcap, window, attention chunks, sinks, ALiBi, attention_bias, segment ids
     positions                  RoPE: frequencies, scalings, multimodal sections
     QK-norm, clip_qkv and the gate
     KV cache and decode steps  `KVCache`, `init_cache`, the cache's checks and writes

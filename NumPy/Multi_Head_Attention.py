@@ -27,7 +27,7 @@ steps of a call, and `dot_product_attention`), ends by line 500. Then one sectio
 family, in this order:
     backward                            `backward`, the gradients of the last call
     score modifiers                     scale, softcap, window, chunk, sinks, ALiBi, attention bias;
-                                        the masks (`causal_mask`, ...) combined into keep and bias
+                                        the masks (`causal_mask`, ...) and segment ids combined into keep and bias
     positions                           RoPE (frequencies, scaling, multimodal sections)
     QK-norm, clip_qkv and the gate
     KV cache and decode steps           `KVCache`, `init_cache`, the cache's checks and writes

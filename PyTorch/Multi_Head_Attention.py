@@ -21,7 +21,7 @@ The math, for query head n (which reads key/value head n // (N // K)):
 Where things are: first the core, the plain layer (`MultiHeadAttention`, whose `forward` reads
 as the steps of a call, each option behind a one-line guard, and the functions a plain call runs);
 then one section per option family, each with its checks, weights, steps and fast paths, in this
-order: score modifiers (scale, soft-capping, window, chunk, sinks, ALiBi, the masks and the
+order: score modifiers (scale, soft-capping, window, chunk, sinks, ALiBi, the masks, segment ids and the
 attention bias, `dot_product_attention`), positions (RoPE), QK-norm, clip_qkv and the gate, KV
 cache and decode steps, multi-head latent attention (MLA), speed paths, int8, framework only
 (tensor parallelism, autocast, hooks, mask habits), converters (portable weights, nn.MultiheadAttention).

@@ -20,7 +20,7 @@ The math, for query head n (which reads key/value head n // (N // K)):
 Where things are: the core first (the plain layer: the class, `call`, the checks of a call, the
 projections, `dot_product_attention`, the heads merged and the output projection), then one section
 per option family, in this order: score modifiers (scale, softcap, window, attention chunks, sinks,
-ALiBi, attention_bias, the masks), positions (RoPE), QK-norm, clip_qkv and the gate, KV cache and
+ALiBi, attention_bias, the masks, segment ids), positions (RoPE), QK-norm, clip_qkv and the gate, KV cache and
 decode steps, multi-head latent attention (MLA), speed paths (the memory-efficient path), int8,
 framework only (Keras conventions, XLA, the masks' habits), converters (the portable weights' layout
 and import, Keras config, from_keras / to_keras).
