@@ -172,3 +172,26 @@ def test_helpers(framework):
     np.testing.assert_array_equal(to_numpy(module.document_positions(_converter(framework)(expected))), positions)
     with pytest.raises(ValueError, match="cu_seqlens"):
         module.segment_ids_from_cu_seqlens(np.array([1, 3]))
+
+
+@pytest.mark.parametrize("framework", list(PATHS))
+def test_same_errors(framework):
+    """Floating ids, ids of another length and cross-attention without key ids: the same ValueError."""
+    layer = _layer(framework, "plain")
+    x = np.zeros((1, 4, E), np.float32 if framework == "Keras" else np.float64)
+    x = _converter(framework)(x)
+    messages = []
+    for kwargs in (
+        {"segment_ids": np.zeros((1, 4), np.float32)},
+        {"segment_ids": np.zeros((1, 3), np.int64)},
+        {"key": x[:, :3], "segment_ids": np.zeros((1, 4), np.int64)},
+    ):
+        with pytest.raises(ValueError) as raised:
+            layer(x, **kwargs)
+        messages.append(str(raised.value))
+    expected = [
+        "`segment_ids` must be an integer tensor of shape (B, T)=(1, 4).",
+        "`segment_ids` must be an integer tensor of shape (B, T)=(1, 4).",
+        "cross-attention (S != T) needs `key_segment_ids` (B, S) (packed sequences, docs/SPEC.md, 'Packed sequences')",
+    ]  # Keras wraps them in its own message
+    assert all(text in message for text, message in zip(expected, messages, strict=True)), messages
