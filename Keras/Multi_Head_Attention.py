@@ -21,7 +21,7 @@ The math, for query head n (which reads key/value head n // (N // K)):
 Where things are: first the core, the plain layer (`MultiHeadAttention.call` reads as the steps of
 docs/SPEC.md, "Order of the steps", each option's step behind a one-line guard), then one section
 per option family, each with its checks, weights, steps and fast paths:
-    score modifiers            scale, softcap, window, attention chunks, sinks, ALiBi, attention_bias
+    score modifiers            scale, softcap, window, attention chunks, sinks, ALiBi, attention_bias, segment ids
     positions                  RoPE: frequencies, scalings, multimodal sections
     QK-norm, clip_qkv and the gate
     KV cache and decode steps  `KVCache`, `init_cache`, the cache's checks and writes
@@ -42,7 +42,8 @@ import numpy as np
 from keras import ops
 from keras.src.backend import get_keras_mask  # Keras' reader of implicit masks (JAX arrays take no attribute)
 
-__all__ = ["AttentionMaskWarning", "KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
+__all__ = ["AttentionMaskWarning", "KVCache", "MultiHeadAttention", "alibi_bias", "document_positions"]
+__all__ += ["dot_product_attention", "segment_ids_from_cu_seqlens", "segment_ids_from_position_ids"]
 
 _PROJECTIONS = ("query", "key", "value", "output", "gate")  # the names `bias` takes; "gate" only with `gate`
 _ATTRIBUTES = {"sinks": "sink_logits"}  # portable weight name -> layer attribute (`layer.sinks` is the flag)
@@ -261,12 +262,14 @@ class MultiHeadAttention(keras.layers.Layer):
     def call(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None, attention_bias=None,
         positions=None, causal=False, return_attention=False, training=None, value_mask=None, cache=None,
+        segment_ids=None, key_segment_ids=None,
     ):  # fmt: skip
         """The steps of docs/SPEC.md, "Order of the steps"; each option's step behind its guard."""
         call = self._check_call(
             query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
             return_attention, cache, training, value_mask,
         )  # 1. defaults and checks  # fmt: skip
+        call = call if segment_ids is None is key_segment_ids else _packed(self, call, segment_ids, key_segment_ids)
         keep, bias = self._masks(call)  # 1. one keep and one bias, (B|1, N|1, T|1, S|1) each
         if self.kv_lora_rank is None:
             q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H) x 2
@@ -292,9 +295,7 @@ class MultiHeadAttention(keras.layers.Layer):
     def __call__(self, *args, mask=None, **kwargs):
         """`mask=` moved into `attention_mask` (`call` has no `mask` for Keras to fill with an implicit
         mask); then what a cast would hide: inputs of different floating dtypes, a cache of another."""
-        if mask is not None:
-            given = kwargs.pop("attention_mask", args[3] if len(args) > 3 else None)
-            args, kwargs["attention_mask"] = args[:3], _attention_mask(given, mask)
+        args = args if mask is None else _mask_alias(args, kwargs, mask)  # `mask=` into kwargs["attention_mask"]
         names = ("query", "key", "value")  # as passed; `key` defaults to `value`, then to `query`
         query, key, value = (kwargs.get(name, args[i] if len(args) > i else None) for i, name in enumerate(names))
         if query is not None:
@@ -443,11 +444,8 @@ class MultiHeadAttention(keras.layers.Layer):
         return (query_shape[0], query_shape[1], self.d_model)
 
     def compute_output_spec(self, *args, **kwargs):
-        """Traces `call` on symbolic inputs, as Keras does without `compute_output_shape`: a functional
-        model gets every shape check and every output; it builds the layer if needed."""
-        if not self.built:
-            self.build()
-        return super(keras.layers.Layer, self).compute_output_spec(*args, **kwargs)
+        """Traces `call` on symbolic inputs (`_output_spec`): a functional model gets every check and output."""
+        return _output_spec(self, *args, **kwargs)
 
     def init_cache(self, batch_size, max_length, *, keep=None, dtype=None):
         """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens
@@ -462,8 +460,7 @@ class MultiHeadAttention(keras.layers.Layer):
     def quantize(self, mode=None, type_check=True, config=None):
         """Quantizes the projections to int8 as Keras' `Dense.quantize("int8")` does (`_quantize`
         says how); `type_check` is unused (Keras' signature)."""
-        del type_check
-        _quantize(self, mode, config)
+        _quantize(self, mode, config)  # type_check: unused
 
     @classmethod
     def from_keras(cls, layer, *, window=None):
@@ -906,6 +903,98 @@ def _warn_at_caller(message):
     warnings.warn(message, AttentionMaskWarning, stacklevel=level)
 
 
+def segment_ids_from_position_ids(position_ids):
+    """Segment ids from positions that restart at each document (transformers' padding-free
+    `position_ids`, `DataCollatorWithFlattening`): (B, T) or (T,) integers -> the same shape,
+    0 for a row's first document, then 1, 2, ...; a document starts at t = 0 and wherever a
+    position is not one more than the one before it."""
+    positions = ops.convert_to_tensor(position_ids)
+    changed = ops.cast(ops.not_equal(positions[..., 1:], positions[..., :-1] + 1), "int32")  # (B, T - 1)
+    return ops.cumsum(ops.concatenate([ops.zeros_like(changed[..., :1]), changed], axis=-1), axis=-1)  # (B, T)
+
+
+def segment_ids_from_cu_seqlens(cu_seqlens, total_length=None):
+    """Segment ids from the cumulative lengths of `varlen_attn` / flash-attention (0, len_0,
+    len_0 + len_1, ..., T): (D + 1,) integers -> (1, T), document d at [cu[d], cu[d + 1]).
+    `total_length` (default cu[-1]) may exceed cu[-1]: the tail is one more document."""
+    cu = np.asarray(ops.convert_to_numpy(cu_seqlens))
+    if cu.ndim != 1 or cu.size < 1 or not np.issubdtype(cu.dtype, np.integer) or cu[0] != 0 or (np.diff(cu) < 0).any():
+        raise ValueError(
+            "`cu_seqlens` must be a 1-D integer tensor starting at 0 and non-decreasing. "
+            f"Received: cu_seqlens={cu.tolist()}"
+        )
+    length = int(cu[-1]) if total_length is None else int(total_length)
+    return ops.convert_to_tensor(np.searchsorted(cu[1:], np.arange(length), side="right")[None, :], "int32")
+
+
+def _check_segment_ids(name, ids, batch_size, length, letter):
+    """Checks (B, L) integer segment ids (static dimensions where known)."""
+    ids = ops.convert_to_tensor(ids)
+    shape, dtype = tuple(ids.shape), keras.backend.standardize_dtype(ids.dtype)
+    expected = (batch_size, length)
+    fits = len(shape) == 2 and all(d is None or e is None or d == e for d, e in zip(shape, expected, strict=True))
+    if not dtype.startswith(("int", "uint")) or not fits:
+        raise ValueError(
+            f"`{name}` must be an integer tensor of shape (B, {letter})=({batch_size}, {length}). "
+            f"Received: {name}.shape={shape}, {name}.dtype={dtype}"
+        )
+    return ops.cast(ids, "int32")
+
+
+def _has_segments(cache):
+    """Whether the cache holds segment ids: `init_cache` gives (B, 0) ones, none yet."""
+    return cache.segment_ids is not None and cache.segment_ids.shape[-1] != 0
+
+
+def _segment_ids_error(message):
+    return ValueError(f"{message} (packed sequences, docs/SPEC.md, 'Packed sequences')")
+
+
+def _segment_keep(layer, call, segment_ids, key_segment_ids):
+    """Packed sequences: (B, 1, T, S) `same` and the call's cache. Query t keeps key s only if
+    segment_ids[b, t] == key_segment_ids[b, s],
+    ANDed into `attention_mask` (a float mask gets -inf there), so every path computes it through
+    its keep. Key ids default to `segment_ids` when S == T (self-attention). With a cache the key
+    ids of the T new tokens are written to a copy of the cache's `segment_ids` (made at the first
+    packed call of a cache) and the mask is over its L slots; a call without ids continues the
+    document of the last written slot."""
+    (b, t), s = tuple(call.query.shape)[:2], call.key.shape[1]
+    cache = call.cache
+    if segment_ids is None and (cache is None or not _has_segments(cache)):
+        raise _segment_ids_error("`key_segment_ids` needs `segment_ids`")
+    if cache is not None:
+        length, index = cache.key.shape[2], ops.convert_to_tensor(cache.index, "int32")
+        if segment_ids is None:  # the new tokens continue the last written slot's document
+            last = ops.take(cache.segment_ids, ops.mod(index - 1, length), axis=1)  # (B,)
+            segment_ids = ops.repeat(ops.expand_dims(last, 1), _shape(call.query)[1], axis=1)  # (B, T)
+    segment_ids = _check_segment_ids("segment_ids", segment_ids, b, t, "T")
+    if key_segment_ids is None and None not in (s, t) and s != t:
+        raise _segment_ids_error("cross-attention (S != T) needs `key_segment_ids` (B, S)")
+    key_ids = segment_ids
+    if key_segment_ids is not None:
+        key_ids = _check_segment_ids("key_segment_ids", key_segment_ids, b, s, "S")
+    if cache is not None:
+        rows_b, rows_t = _shape(key_ids)
+        ids = ops.zeros((rows_b, length), "int32") if not _has_segments(cache) else cache.segment_ids
+        slots = ops.mod(index + ops.arange(rows_t, dtype="int32"), length)  # (T,)
+        grid = ops.meshgrid(ops.arange(rows_b, dtype="int32"), slots, indexing="ij")
+        rows = ops.reshape(ops.stack(grid, axis=-1), (-1, 2))  # (B*T, 2): (b, slot)
+        ids = ops.scatter_update(ops.cast(ids, "int32"), rows, ops.reshape(key_ids, (-1,)))  # (B, L)
+        key_ids, cache = ids, cache._replace(segment_ids=ids)
+    same = ops.equal(segment_ids[:, None, :, None], key_ids[:, None, None, :])  # (B, 1, T, S)
+    return same, cache
+
+
+def _packed(layer, call, segment_ids, key_segment_ids):
+    """Packed sequences (`_segment_keep`) ANDed into `attention_mask`; the call marked `segmented`."""
+    same, cache = _segment_keep(layer, call, segment_ids, key_segment_ids)
+    mask = call.attention_mask
+    if mask is not None:
+        removed = ops.full_like(mask, -np.inf) if not _is_bool(mask) else None
+        same = ops.logical_and(mask, same) if removed is None else ops.where(same, mask, removed)
+    return call._replace(attention_mask=same, cache=cache, segmented=True)
+
+
 # -------------------------------------------------------------------------------------------------
 # Section: positions
 # -------------------------------------------------------------------------------------------------
@@ -1055,6 +1144,17 @@ def _rotate_heads(layer, x, positions):
     inv_freq = layer._inv_freq
     x = apply_rope(x, positions, inv_freq, layer.rope_interleaved, layer.rope_sections)
     return scale_rotated(x, 2 * len(inv_freq), rope_attention_factor(layer.rope_scaling))
+
+
+def document_positions(segment_ids):
+    """RoPE positions of packed sequences: (B, T) or (T,) segment ids -> positions of the same
+    shape that restart at 0 wherever the id changes (each document numbered from 0)."""
+    ids = np.asarray(ops.convert_to_numpy(segment_ids))
+    steps = np.arange(ids.shape[-1])  # (T,)
+    starts = np.ones(ids.shape, dtype=bool)  # (B, T)
+    starts[..., 1:] = ids[..., 1:] != ids[..., :-1]
+    first = np.maximum.accumulate(np.where(starts, steps, 0), axis=-1)  # (B, T), where each document starts
+    return ops.convert_to_tensor(steps - first, "int32")  # (B, T)
 
 
 def rope_frequencies(rotary_dim, theta, scaling=None):
@@ -1292,12 +1392,16 @@ class KVCache(NamedTuple):
         keep: (B, L) boolean; False marks a slot no query may attend (left padding).
         index: scalar integer, the positions written so far; position p is in slot p (with a
             `window`, slot p mod L: the cache rolls), and the next call writes from index.
+        segment_ids: (B, L) int32, the document of each slot (packed sequences: written by the
+            first call with `segment_ids`; a query attends only the slots of its document); (B, 0)
+            from `init_cache` until then (None in a cache built by hand).
     """
 
     key: Any
     value: Any
     keep: Any
     index: Any
+    segment_ids: Any = None
 
 
 def _init_cache(layer, batch_size, max_length, keep, dtype):
@@ -1319,7 +1423,8 @@ def _init_cache(layer, batch_size, max_length, keep, dtype):
     shapes = _latent_cache_shapes(layer, b, length) or ((b, layer.num_kv_heads, length, layer.head_dim),) * 2
     dtype = layer.compute_dtype if dtype is None else dtype
     key, value = (ops.zeros(shape, dtype) for shape in shapes)
-    return KVCache(key, value, keep, ops.convert_to_tensor(0, "int32"))
+    no_ids = ops.zeros((b, 0), "int32")  # segment ids: none yet (a tensor, so the cache is a nest of tensors)
+    return KVCache(key, value, keep, ops.convert_to_tensor(0, "int32"), no_ids)
 
 
 def _check_cache(cache, query, key, heads, head_dim, latent=None):
@@ -1413,6 +1518,9 @@ def _update_cache(layer, call, k, v, keep):
     window), `key_mask` into the cache's keep; returns the cache's (B, K, L, H) keys and values,
     `keep` over the L slots with `causal`, `window` and `attention_chunk_size` folded in, and
     the call with the new cache."""
+    if _has_segments(call.cache) and not call.segmented:  # packed: the new tokens continue a document
+        same, segmented = _segment_keep(layer, call, None, None)  # (B, 1, T, L)
+        keep, call = _and(keep, same), call._replace(cache=segmented)
     t, index = _shape(k)[2], ops.convert_to_tensor(call.cache.index, "int32")  # the index before this write
     cache = _write_cache(call.cache, k, v, call.key_mask)  # `key_mask` goes into its keep
     folded = _cache_keep(cache.keep, index, t, call.causal, call.window, call.attention_chunk_size)  # (B, 1, T, L)
@@ -1471,7 +1579,7 @@ def _write_cache(cache, k, v, key_mask):
     kept = ops.where((positions < length)[None, :], ops.logical_and(old, new), new)  # (B, T)
     rows = ops.reshape(ops.stack(ops.meshgrid(ops.arange(b, dtype="int32"), slots, indexing="ij"), -1), (-1, 2))
     keep = ops.scatter_update(cache.keep, rows, ops.reshape(kept, (-1,)))  # (B, L) at (b, slot)
-    return KVCache(key, value, keep, index + t)
+    return KVCache(key, value, keep, index + t, cache.segment_ids)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -2288,6 +2396,21 @@ def _mean(x):
     return ops.mean(x, axis=-1, keepdims=True)  # (..., D) -> (..., 1)
 
 
+def _mask_alias(args, kwargs, mask):
+    """`__call__`'s `mask=`: moved into `kwargs["attention_mask"]` (with a positional fourth input
+    or `attention_mask`, `_attention_mask` refuses both); returns the positional inputs left."""
+    given = kwargs.pop("attention_mask", args[3] if len(args) > 3 else None)
+    kwargs["attention_mask"] = _attention_mask(given, mask)
+    return args[:3]
+
+
+def _output_spec(layer, *args, **kwargs):
+    """`compute_output_spec`: builds the layer if needed, then traces `call` as Keras does."""
+    if not layer.built:
+        layer.build()
+    return super(keras.layers.Layer, layer).compute_output_spec(*args, **kwargs)
+
+
 def _dtype_name(dtype):
     return keras.backend.standardize_dtype(dtype)
 
@@ -2539,6 +2662,7 @@ class _Call(NamedTuple):
     cache: Any  # KVCache or None
     training: Any  # the call's training flag
     fuse: bool  # q, k, v from one matmul: never in this file
+    segmented: bool = False  # packed sequences: the ids folded into attention_mask (`_packed`)
 
 
 def _results(output, weights, cache, return_attention):

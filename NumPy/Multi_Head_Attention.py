@@ -27,7 +27,7 @@ steps of a call, and `dot_product_attention`), ends by line 500. Then one sectio
 family, in this order:
     backward                            `backward`, the gradients of the last call
     score modifiers                     scale, softcap, window, chunk, sinks, ALiBi, attention bias;
-                                        the masks (`causal_mask`, ...) combined into keep and bias
+                                        the masks (`causal_mask`, ...) and segment ids combined into keep and bias
     positions                           RoPE (frequencies, scaling, multimodal sections)
     QK-norm, clip_qkv and the gate
     KV cache and decode steps           `KVCache`, `init_cache`, the cache's checks and writes
@@ -45,7 +45,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["AttentionMaskWarning", "KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
+__all__ = ["AttentionMaskWarning", "KVCache", "MultiHeadAttention", "alibi_bias", "document_positions"]
+__all__ += ["dot_product_attention", "segment_ids_from_cu_seqlens", "segment_ids_from_position_ids"]
 
 _PROJECTIONS = ("query", "key", "value", "output", "gate")  # the names `bias` takes; "gate" only with `gate`
 
@@ -79,6 +80,7 @@ class _Call(NamedTuple):
     cache: "KVCache | None"  # the cache step replaces it by the written cache
     training: None  # TF/Keras only
     fuse: bool  # False: the reference projects q, k and v one at a time
+    segmented: bool = False  # packed sequences: the ids folded into attention_mask (`_packed`)
 
 
 class MultiHeadAttention:
@@ -247,11 +249,13 @@ class MultiHeadAttention:
     def __call__(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
         attention_bias=None, positions=None, causal=False, return_attention=False, cache=None, mask=None,
+        segment_ids=None, key_segment_ids=None,
     ):  # fmt: skip
         call = self._check_call(
             query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
             return_attention, cache, mask,
         )  # 1. defaults and checks  # fmt: skip
+        call = call if segment_ids is None is key_segment_ids else _packed(self, call, segment_ids, key_segment_ids)
         masks = (call.attention_mask, call.attention_bias, call.key_mask, call.query_mask)
         keep, bias = self._masks(call) if any(m is not None for m in masks) else (None, None)  # 1. keep and bias
         q, k, v = self._project_qkv(call)  # 2-4. (B, N, T, H), (B, K, S, H) x 2, QK-norm and RoPE of q and k
@@ -443,17 +447,6 @@ def _check_input(name, x, width_name, width):
             f"Received: {name}.shape={tuple(x.shape)}"
         )
     return x
-
-
-def _check_token_mask(name, mask, batch_size, length, letter):
-    """Checks a (B, L) boolean `key_mask` or `query_mask`."""
-    mask = np.asarray(mask)
-    if mask.dtype != np.bool_ or mask.shape != (batch_size, length):
-        raise ValueError(
-            f"`{name}` must be a boolean tensor of shape (B, {letter})=({batch_size}, {length}). "
-            f"Received: {name}.shape={tuple(mask.shape)}, {name}.dtype={mask.dtype.name}"
-        )
-    return mask
 
 
 def dot_product_attention(
@@ -815,6 +808,104 @@ def alibi_bias(num_heads, positions):
     return (slopes[None, :, None, None] * positions[:, None, None, :]).astype(np.float32)  # (B, N, 1, S)
 
 
+def segment_ids_from_position_ids(position_ids):
+    """Segment ids from positions that restart at each document (transformers' padding-free
+    `position_ids`, `DataCollatorWithFlattening`): (B, T) or (T,) integers -> the same shape,
+    0 for a row's first document, then 1, 2, ...; a document starts at t = 0 and wherever a
+    position is not one more than the one before it."""
+    positions = np.asarray(position_ids)
+    starts = np.ones(positions.shape, dtype=np.int64)  # (B, T)
+    starts[..., 1:] = positions[..., 1:] != positions[..., :-1] + 1
+    return np.cumsum(starts, axis=-1) - 1  # (B, T)
+
+
+def segment_ids_from_cu_seqlens(cu_seqlens, total_length=None):
+    """Segment ids from the cumulative lengths of `varlen_attn` / flash-attention (0, len_0,
+    len_0 + len_1, ..., T): (D + 1,) integers -> (1, T), document d at [cu[d], cu[d + 1]).
+    `total_length` (default cu[-1]) may exceed cu[-1]: the tail is one more document."""
+    cu = _check_cu_seqlens(np.asarray(cu_seqlens))
+    length = int(cu[-1]) if total_length is None else int(total_length)
+    return np.searchsorted(cu[1:], np.arange(length), side="right")[None, :]  # (1, T)
+
+
+def _check_token_mask(name, mask, batch_size, length, letter):
+    """Checks a (B, L) boolean `key_mask` or `query_mask`."""
+    mask = np.asarray(mask)
+    if mask.dtype != np.bool_ or mask.shape != (batch_size, length):
+        raise ValueError(
+            f"`{name}` must be a boolean tensor of shape (B, {letter})=({batch_size}, {length}). "
+            f"Received: {name}.shape={tuple(mask.shape)}, {name}.dtype={mask.dtype.name}"
+        )
+    return mask
+
+
+def _check_cu_seqlens(cu):
+    if cu.ndim != 1 or cu.size < 1 or not np.issubdtype(cu.dtype, np.integer) or cu[0] != 0 or (np.diff(cu) < 0).any():
+        raise ValueError(
+            "`cu_seqlens` must be a 1-D integer tensor starting at 0 and non-decreasing. "
+            f"Received: cu_seqlens={cu.tolist()}"
+        )
+    return cu
+
+
+def _check_segment_ids(name, ids, batch_size, length, letter):
+    """Checks (B, L) integer segment ids."""
+    ids = np.asarray(ids)
+    if not np.issubdtype(ids.dtype, np.integer) or ids.shape != (batch_size, length):
+        raise ValueError(
+            f"`{name}` must be an integer tensor of shape (B, {letter})=({batch_size}, {length}). "
+            f"Received: {name}.shape={tuple(ids.shape)}, {name}.dtype={ids.dtype.name}"
+        )
+    return ids
+
+
+def _segment_ids_error(message):
+    return ValueError(f"{message} (packed sequences, docs/SPEC.md, 'Packed sequences')")
+
+
+def _segment_keep(layer, call, segment_ids, key_segment_ids):
+    """Packed sequences: (B, 1, T, S) `same` and the call's cache. Query t keeps key s only if
+    segment_ids[b, t] == key_segment_ids[b, s],
+    ANDed into `attention_mask` (a float mask gets -inf there). Key ids default to `segment_ids`
+    when S == T (self-attention). With a cache the key ids of the T new tokens are written to the
+    cache's `segment_ids` (made at the first packed call of an empty cache) and the mask is over its
+    L slots; a call without ids continues the document of the last written slot."""
+    (b, t), s = call.query.shape[:2], call.key.shape[1]
+    cache = call.cache
+    if cache is None and segment_ids is None:
+        raise _segment_ids_error("`key_segment_ids` needs `segment_ids`")
+    if cache is not None:
+        index, length = int(cache.index), cache.key.shape[2]
+        if segment_ids is None and cache.segment_ids is None:
+            raise _segment_ids_error("`key_segment_ids` needs `segment_ids`")
+        if segment_ids is None:  # the new tokens continue the last written slot's document
+            segment_ids = np.repeat(np.asarray(cache.segment_ids)[:, (index - 1) % length, None], t, axis=1)
+        if cache.segment_ids is None and index > 0:
+            raise _segment_ids_error(
+                "`cache` holds tokens written without `segment_ids`; pass them from the first call"
+            )
+    segment_ids = _check_segment_ids("segment_ids", segment_ids, b, t, "T")
+    if key_segment_ids is None and s != t:
+        raise _segment_ids_error("cross-attention (S != T) needs `key_segment_ids` (B, S)")
+    key_ids = (
+        segment_ids if key_segment_ids is None else _check_segment_ids("key_segment_ids", key_segment_ids, b, s, "S")
+    )
+    if cache is not None:
+        ids = np.zeros((b, length), np.int64) if cache.segment_ids is None else np.array(cache.segment_ids)
+        ids[:, (index + np.arange(t)) % length] = key_ids  # (B, L)
+        key_ids, cache = ids, cache._replace(segment_ids=ids)
+    same = segment_ids[:, None, :, None] == key_ids[:, None, None, :]  # (B, 1, T, S)
+    return same, cache
+
+
+def _packed(layer, call, segment_ids, key_segment_ids):
+    """Packed sequences (`_segment_keep`) ANDed into `attention_mask`; the call marked `segmented`."""
+    same, cache = _segment_keep(layer, call, segment_ids, key_segment_ids)
+    mask = call.attention_mask
+    same = same if mask is None else mask & same if mask.dtype == np.bool_ else np.where(same, mask, -np.inf)
+    return call._replace(attention_mask=same, cache=cache, segmented=True)
+
+
 # -------------------------------------------------------------------------------------------------
 # Section: positions
 # -------------------------------------------------------------------------------------------------
@@ -953,6 +1044,17 @@ def _check_own_tokens(query, key):
             "RoPE needs `key` and `value` to hold the query's own tokens (S == T, or decoding with `cache`). "
             f"Received: query.shape={query.shape}, key.shape={key.shape}"
         )
+
+
+def document_positions(segment_ids):
+    """RoPE positions of packed sequences: (B, T) or (T,) segment ids -> positions of the same
+    shape that restart at 0 wherever the id changes (each document numbered from 0)."""
+    ids = np.asarray(segment_ids)
+    steps = np.arange(ids.shape[-1])  # (T,)
+    starts = np.ones(ids.shape, dtype=bool)  # (B, T)
+    starts[..., 1:] = ids[..., 1:] != ids[..., :-1]
+    first = np.maximum.accumulate(np.where(starts, steps, 0), axis=-1)  # (B, T), where each document starts
+    return steps - first  # (B, T)
 
 
 def rope_frequencies(rotary_dim, theta, scaling=None):
@@ -1242,12 +1344,15 @@ class KVCache(NamedTuple):
         keep: (B, L) boolean; False marks a slot no query may attend (left padding).
         index: scalar integer, the positions written so far; position p is in slot p (with a
             `window`, slot p mod L: the cache rolls), and the next call writes from index.
+        segment_ids: None, or (B, L) integers, the document of each slot (packed sequences: written
+            by the first call with `segment_ids`; a query attends only the slots of its document).
     """
 
     key: np.ndarray
     value: np.ndarray
     keep: np.ndarray
     index: np.ndarray
+    segment_ids: np.ndarray | None = None
 
 
 def _init_cache(layer, batch_size, max_length, keep, dtype):
@@ -1377,13 +1482,16 @@ def _write_cache(cache, k, v, key_mask):
     value[:, :, slots] = v  # (B, K, L, H) or (B, 1, L, Hr)
     new = np.ones((k.shape[0], t), dtype=bool) if key_mask is None else key_mask  # (B, T)
     keep[:, slots] = np.where(positions < length, keep[:, slots] & new, new)  # (B, L)
-    return KVCache(key, value, keep, np.asarray(index + t))
+    return KVCache(key, value, keep, np.asarray(index + t), cache.segment_ids)
 
 
 def _update_cache(layer, call, k, v, keep):
     """Step 5: writes the (B, K, T, H) keys and values into a copy of the cache; returns its
     (B, K, L, H) keys and values, keep with the cache's rule folded in (B, N|1, T, L), and the
     call with that cache, `causal` False, `window` and `attention_chunk_size` None (all now in keep)."""
+    if call.cache.segment_ids is not None and not call.segmented:  # packed: the new tokens continue a document
+        same, segmented = _segment_keep(layer, call, None, None)  # (B, 1, T, L)
+        keep, call = _and(keep, same), call._replace(cache=segmented)
     index, t, length = int(call.cache.index), k.shape[2], call.cache.key.shape[2]
     _check_room(index, t, length, call.window)
     cache = _write_cache(call.cache, k, v, call.key_mask)

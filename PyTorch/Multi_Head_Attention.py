@@ -21,7 +21,7 @@ The math, for query head n (which reads key/value head n // (N // K)):
 Where things are: first the core, the plain layer (`MultiHeadAttention`, whose `forward` reads
 as the steps of a call, each option behind a one-line guard, and the functions a plain call runs);
 then one section per option family, each with its checks, weights, steps and fast paths, in this
-order: score modifiers (scale, soft-capping, window, chunk, sinks, ALiBi, the masks and the
+order: score modifiers (scale, soft-capping, window, chunk, sinks, ALiBi, the masks, segment ids and the
 attention bias, `dot_product_attention`), positions (RoPE), QK-norm, clip_qkv and the gate, KV
 cache and decode steps, multi-head latent attention (MLA), speed paths, int8, framework only
 (tensor parallelism, autocast, hooks, mask habits), converters (portable weights, nn.MultiheadAttention).
@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["AttentionMaskWarning", "Int8Linear", "KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
+__all__ = ["AttentionMaskWarning", "Int8Linear", "KVCache", "MultiHeadAttention", "alibi_bias", "document_positions"]
+__all__ += ["dot_product_attention", "segment_ids_from_cu_seqlens", "segment_ids_from_position_ids"]
 
 _PROJECTIONS = ("query", "key", "value", "output", "gate")  # the names `bias` takes; "gate" only with `gate`
 
@@ -186,6 +187,7 @@ class MultiHeadAttention(nn.Module):
     def forward(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
         attention_bias=None, positions=None, causal=False, return_attention=False, cache=None, mask=None,
+        segment_ids=None, key_segment_ids=None,
     ):  # fmt: skip
         bare = key is None and value is None and attention_mask is None and mask is None and attention_bias is None
         bare = bare and key_mask is None and query_mask is None and not return_attention and cache is not None
@@ -195,6 +197,7 @@ class MultiHeadAttention(nn.Module):
                 query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
                 return_attention, cache, mask,
             )  # 1. defaults and checks  # fmt: skip
+        call = call if segment_ids is None is key_segment_ids else _packed(self, call, segment_ids, key_segment_ids)
         masked = call.attention_mask is not None or call.attention_bias is not None
         masked = masked or call.key_mask is not None or call.query_mask is not None
         keep, bias = self._masks(call) if masked else (None, None)  # 1. (B|1, N|1, T|1, S|1) keep and bias
@@ -363,9 +366,8 @@ class MultiHeadAttention(nn.Module):
             return _attend_explicit(self, q, k, v, keep, bias, call)
         dropout = self.dropout if self.training else 0.0
         (t, s), sinks = (q.shape[2], k.shape[2]), self.sinks
-        masked = (
-            keep is not None or bias is not None or call.window is not None or call.attention_chunk_size is not None
-        )
+        masked = keep is not None or bias is not None or call.window is not None
+        masked = masked or call.attention_chunk_size is not None
         if call.causal and not masked and t == s:
             return _sdpa_attention(q, k, v, None, None, dropout, self.scale, True, sinks), None  # (B, N, T, H)
         if masked or call.causal:
@@ -441,6 +443,7 @@ class _Call(NamedTuple):
     cache: "KVCache | None"  # the cache step replaces it by the written cache
     training: None  # TensorFlow and Keras only
     fuse: bool  # q, k and v may come from one matmul (one input; with a cache, kernels kept between steps)
+    segmented: bool = False  # packed sequences: the ids folded into attention_mask (`_packed`)
 
 
 def _check_input(name, x, dim_name, dim):
@@ -1192,6 +1195,99 @@ def _sdpa_with_sinks(q, k, v, keep, bias, dropout, scale, is_causal, sinks):
     return context[:, :, 1 if is_causal else 0 :, :hv]  # (B, N, T, H)
 
 
+def segment_ids_from_position_ids(position_ids):
+    """Segment ids from positions that restart at each document (transformers' padding-free
+    `position_ids`, `DataCollatorWithFlattening`): (B, T) or (T,) integers -> the same shape,
+    0 for a row's first document, then 1, 2, ...; a document starts at t = 0 and wherever a
+    position is not one more than the one before it."""
+    positions = torch.as_tensor(position_ids)
+    starts = torch.ones_like(positions, dtype=torch.long)  # (B, T)
+    starts[..., 1:] = positions[..., 1:] != positions[..., :-1] + 1
+    return starts.cumsum(-1) - 1  # (B, T)
+
+
+def segment_ids_from_cu_seqlens(cu_seqlens, total_length=None):
+    """Segment ids from the cumulative lengths of `varlen_attn` / flash-attention (0, len_0,
+    len_0 + len_1, ..., T): (D + 1,) integers -> (1, T), document d at [cu[d], cu[d + 1]).
+    `total_length` (default cu[-1]) may exceed cu[-1]: the tail is one more document."""
+    cu = _check_cu_seqlens(torch.as_tensor(cu_seqlens))
+    length = int(cu[-1]) if total_length is None else int(total_length)
+    steps = torch.arange(length, device=cu.device)
+    return torch.searchsorted(cu[1:].contiguous(), steps, right=True)[None, :]  # (1, T)
+
+
+def _check_cu_seqlens(cu):
+    integer = not cu.is_floating_point() and not cu.is_complex() and cu.dtype != torch.bool
+    if cu.dim() != 1 or cu.numel() < 1 or not integer or cu[0] != 0 or bool((cu.diff() < 0).any()):
+        raise ValueError(
+            "`cu_seqlens` must be a 1-D integer tensor starting at 0 and non-decreasing. "
+            f"Received: cu_seqlens={cu.tolist()}"
+        )
+    return cu
+
+
+def _check_segment_ids(name, ids, batch_size, length, letter, device):
+    """Checks (B, L) integer segment ids ((L,) for an unbatched call: a batch of one)."""
+    ids = torch.as_tensor(ids, device=device)
+    ids = ids[None] if ids.dim() == 1 and batch_size == 1 else ids
+    integer = not ids.is_floating_point() and not ids.is_complex() and ids.dtype != torch.bool
+    if not integer or tuple(ids.shape) != (batch_size, length):
+        raise ValueError(
+            f"`{name}` must be an integer tensor of shape (B, {letter})=({batch_size}, {length}). "
+            f"Received: {name}.shape={tuple(ids.shape)}, {name}.dtype={_dtype_name(ids.dtype)}"
+        )
+    return ids
+
+
+def _segment_ids_error(message):
+    return ValueError(f"{message} (packed sequences, docs/SPEC.md, 'Packed sequences')")
+
+
+def _segment_keep(layer, call, segment_ids, key_segment_ids):
+    """Packed sequences: (B, 1, T, S) `same` and the call's cache. Query t keeps key s only if
+    segment_ids[b, t] == key_segment_ids[b, s],
+    ANDed into `attention_mask` (a float mask gets -inf there), so every path computes it through
+    its keep. Key ids default to `segment_ids` when S == T (self-attention). With a cache the key
+    ids of the T new tokens are written to the cache's `segment_ids` (in place; made at the first
+    packed call of an empty cache) and the mask is over its L slots; a call without ids continues
+    the document of the last written slot."""
+    (b, t), s, device = call.query.shape[:2], call.key.shape[1], call.query.device
+    cache = call.cache
+    if segment_ids is None and (cache is None or cache.segment_ids is None):
+        raise _segment_ids_error("`key_segment_ids` needs `segment_ids`")
+    if cache is not None:
+        index, length = int(cache.index), cache.key.shape[2]
+        if segment_ids is None:  # the new tokens continue the last written slot's document
+            segment_ids = cache.segment_ids[:, (index - 1) % length, None].expand(b, t).clone()
+        if cache.segment_ids is None and index > 0:
+            raise _segment_ids_error(
+                "`cache` holds tokens written without `segment_ids`; pass them from the first call"
+            )
+    segment_ids = _check_segment_ids("segment_ids", segment_ids, b, t, "T", device)
+    if key_segment_ids is None and s != t:
+        raise _segment_ids_error("cross-attention (S != T) needs `key_segment_ids` (B, S)")
+    key_ids = segment_ids
+    if key_segment_ids is not None:
+        key_ids = _check_segment_ids("key_segment_ids", key_segment_ids, b, s, "S", device)
+    if cache is not None:
+        ids = cache.segment_ids
+        ids = torch.zeros(b, length, dtype=torch.long, device=device) if ids is None else ids
+        ids[:, (index + torch.arange(t, device=device)) % length] = key_ids.to(ids.dtype)  # (B, L), in place
+        key_ids, cache = ids, cache._replace(segment_ids=ids)
+    same = segment_ids[:, None, :, None] == key_ids[:, None, None, :]  # (B, 1, T, S)
+    return same, cache
+
+
+def _packed(layer, call, segment_ids, key_segment_ids):
+    """Packed sequences (`_segment_keep`) ANDed into `attention_mask`; the call marked `segmented`."""
+    same, cache = _segment_keep(layer, call, segment_ids, key_segment_ids)
+    mask = call.attention_mask
+    if mask is not None:
+        mask = mask if mask.dim() == 4 else mask[None, None] if mask.dim() == 2 else mask[:, None]  # rank 4
+        same = mask & same if mask.dtype == torch.bool else torch.where(same, mask, float("-inf"))
+    return call._replace(attention_mask=same, cache=cache, segmented=True)
+
+
 # -------------------------------------------------------------------------------------------------
 # Section: positions
 # -------------------------------------------------------------------------------------------------
@@ -1322,6 +1418,17 @@ def _check_positions(positions, b, t, sections=None):
             f"Received: positions.shape={tuple(positions.shape)}, positions.dtype={_dtype_name(positions.dtype)}"
         )
     return positions.expand(b, t) if sections is None else positions.expand(len(sections), b, t)  # (B, T), (k, B, T)
+
+
+def document_positions(segment_ids):
+    """RoPE positions of packed sequences: (B, T) or (T,) segment ids -> positions of the same
+    shape that restart at 0 wherever the id changes (each document numbered from 0)."""
+    ids = torch.as_tensor(segment_ids)
+    steps = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)  # (B, T)
+    starts = torch.ones_like(ids, dtype=torch.bool)  # (B, T)
+    starts[..., 1:] = ids[..., 1:] != ids[..., :-1]
+    first = torch.where(starts, steps, 0).cummax(-1).values  # (B, T), where each document starts
+    return steps - first  # (B, T)
 
 
 def rope_frequencies(rotary_dim, theta, scaling=None, *, device=None):
@@ -1621,12 +1728,15 @@ class KVCache(NamedTuple):
         keep: (B, L) boolean; False marks a slot no query may attend (left padding).
         index: scalar integer, the positions written so far; position p is in slot p (with a
             `window`, slot p mod L: the cache rolls), and the next call writes from index.
+        segment_ids: None, or (B, L) integers, the document of each slot (packed sequences: written
+            by the first call with `segment_ids`; a query attends only the slots of its document).
     """
 
     key: torch.Tensor
     value: torch.Tensor
     keep: torch.Tensor
     index: torch.Tensor
+    segment_ids: torch.Tensor | None = None
 
 
 def _init_cache(layer, batch_size, max_length, *, keep=None, dtype=None):
@@ -1777,6 +1887,10 @@ def _update_cache(layer, call, k, v, keep, fast=None):
     cache = call.cache
     if cache is None:
         return k, v, keep, call
+    if call.cache.segment_ids is not None and not call.segmented:  # packed: the new tokens continue a document
+        same, segmented = _segment_keep(layer, call, None, None)  # (B, 1, T, L)
+        keep, call = _and(keep, same), call._replace(cache=segmented)
+        cache = segmented
     t, length, index = k.shape[2], cache.key.shape[2], cache.index
     start = _known_index(index) if fast is None else fast[2]
     cache = _write_cache(cache, k, v, call.key_mask, start)
@@ -1807,7 +1921,8 @@ def _write_cache(cache, k, v, key_mask, start):
         cache.value.narrow(2, start, t).copy_(v)  # (B, K, L, H)
         if key_mask is not None:
             cache.keep.narrow(1, start, t).logical_and_(key_mask)  # (B, L)
-        return KVCache(cache.key, cache.value, cache.keep, _carry(cache.index.new_full((), start + t), start + t))
+        index = _carry(cache.index.new_full((), start + t), start + t)
+        return KVCache(cache.key, cache.value, cache.keep, index, cache.segment_ids)
     positions = cache.index + torch.arange(t, device=k.device)  # (T,)
     slots = positions % length  # (T,)
     cache.key.index_copy_(2, slots, k)  # (B, K, L, H)
@@ -1815,7 +1930,7 @@ def _write_cache(cache, k, v, key_mask, start):
     new = torch.ones(k.shape[0], t, dtype=torch.bool, device=k.device) if key_mask is None else key_mask  # (B, T)
     old = cache.keep.index_select(1, slots)  # (B, T)
     cache.keep.index_copy_(1, slots, torch.where(positions < length, old & new, new))  # (B, L)
-    return KVCache(cache.key, cache.value, cache.keep, cache.index + t)
+    return KVCache(cache.key, cache.value, cache.keep, cache.index + t, cache.segment_ids)
 
 
 def _cache_keep(keep, index, t, causal, window, attention_chunk_size):

@@ -20,7 +20,7 @@ The math, for query head n (which reads key/value head n // (N // K)):
 Where things are: the core first (the plain layer: the class, `call`, the checks of a call, the
 projections, `dot_product_attention`, the heads merged and the output projection), then one section
 per option family, in this order: score modifiers (scale, softcap, window, attention chunks, sinks,
-ALiBi, attention_bias, the masks), positions (RoPE), QK-norm, clip_qkv and the gate, KV cache and
+ALiBi, attention_bias, the masks, segment ids), positions (RoPE), QK-norm, clip_qkv and the gate, KV cache and
 decode steps, multi-head latent attention (MLA), speed paths (the memory-efficient path), int8,
 framework only (Keras conventions, XLA, the masks' habits), converters (the portable weights' layout
 and import, Keras config, from_keras / to_keras).
@@ -35,7 +35,8 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["AttentionMaskWarning", "KVCache", "MultiHeadAttention", "alibi_bias", "dot_product_attention"]
+__all__ = ["AttentionMaskWarning", "KVCache", "MultiHeadAttention", "alibi_bias", "document_positions"]
+__all__ += ["dot_product_attention", "segment_ids_from_cu_seqlens", "segment_ids_from_position_ids"]
 
 _PROJECTIONS = ("query", "key", "value", "output", "gate")  # the names `bias` takes; "gate" only with `gate`
 _ATTRIBUTES = {"sinks": "sink_logits"}  # portable weight name -> layer attribute (`layer.sinks` is the flag)
@@ -294,15 +295,16 @@ class MultiHeadAttention(tf.keras.layers.Layer):
     def call(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
         attention_bias=None, positions=None, causal=False, return_attention=False, training=None, value_mask=None,
-        cache=None,
+        cache=None, segment_ids=None, key_segment_ids=None,
     ):  # fmt: skip
         """The steps of docs/SPEC.md ("Order of the steps"); the arguments are the class's."""
         call = self._check_call(  # 1. defaults and checks
             query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
             return_attention, cache, training, value_mask,
         )  # fmt: skip
+        call = call if segment_ids is None is key_segment_ids else _packed(self, call, segment_ids, key_segment_ids)
         keep, bias = None, (None, None)  # 1. the masks: one keep, (the floating mask's, attention_bias's) biases
-        if any(mask is not None for mask in (attention_mask, attention_bias, call.key_mask, call.query_mask)):
+        if any(mask is not None for mask in (call.attention_mask, attention_bias, call.key_mask, call.query_mask)):
             keep, bias = _masks(self, call)  # keep (B|1, N|1, T|1, S|1), rank-4 biases
         # 2. q (B, N, T, H), k and v (B, K, S, H); MLA: q, the latents c (B, 1, S, C) and k_rope (B, 1, S, Hr)
         q, k, v = self._project_qkv(call) if self.kv_lora_rank is None else _project_latent(self, call)
@@ -408,10 +410,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             return _attend_in_chunks(self, q, k, v, keep, bias, call)
         dropout = self.dropout > 0 and call.training is not False and call.training is not None
         sinks = self.sink_logits if self.sinks else None
-        mask_bias, attention_bias = bias  # added in one (`_add`)
-        added = (
-            attention_bias if mask_bias is None else mask_bias if attention_bias is None else mask_bias + attention_bias
-        )
+        added = bias[1] if bias[0] is None else bias[0] if bias[1] is None else bias[0] + bias[1]  # the mask's + bias
         return dot_product_attention(
             q, k, v, keep, added, call.causal, scale=self.scale, softcap=self.softcap, window=call.window,
             attention_chunk_size=call.attention_chunk_size, sinks=sinks,
@@ -437,6 +436,7 @@ class _Call(NamedTuple):
     cache: "KVCache | None"  # the cache step replaces it by the written cache
     training: bool | None  # the call's training flag
     fuse: bool  # q, k and v may come from one matmul (self-attention without a cache)
+    segmented: bool = False  # packed sequences: the ids folded into attention_mask (`_packed`)
 
 
 def _check_input(name, x, width_name, width):
@@ -870,6 +870,109 @@ def alibi_bias(num_heads, positions):
     return slopes * tf.cast(positions, tf.float32)[:, None, None, :]  # (B, 1, 1, S) -> (B, N, 1, S)
 
 
+def segment_ids_from_position_ids(position_ids):
+    """Segment ids from positions that restart at each document (transformers' padding-free
+    `position_ids`, `DataCollatorWithFlattening`): (B, T) or (T,) integers -> the same shape,
+    0 for a row's first document, then 1, 2, ...; a document starts at t = 0 and wherever a
+    position is not one more than the one before it."""
+    positions = tf.convert_to_tensor(position_ids)
+    changed = tf.cast(positions[..., 1:] != positions[..., :-1] + 1, tf.int32)  # (B, T - 1)
+    return tf.cumsum(tf.concat([tf.zeros_like(changed[..., :1]), changed], axis=-1), axis=-1)  # (B, T)
+
+
+def segment_ids_from_cu_seqlens(cu_seqlens, total_length=None):
+    """Segment ids from the cumulative lengths of `varlen_attn` / flash-attention (0, len_0,
+    len_0 + len_1, ..., T): (D + 1,) integers -> (1, T), document d at [cu[d], cu[d + 1]).
+    `total_length` (default cu[-1]) may exceed cu[-1]: the tail is one more document."""
+    cu = tf.convert_to_tensor(cu_seqlens)
+    values = cu.numpy() if tf.executing_eagerly() else None
+    if not cu.dtype.is_integer or cu.shape.rank != 1 or (values is not None and _bad_cu_seqlens(values)):
+        raise ValueError(
+            f"`cu_seqlens` must be a 1-D integer tensor starting at 0 and non-decreasing. Received: cu_seqlens={cu}"
+        )
+    length = cu[-1] if total_length is None else total_length
+    steps = tf.range(length, dtype=cu.dtype)[None, :]  # (1, T)
+    return tf.searchsorted(cu[None, 1:], steps, side="right")  # (1, T)
+
+
+def _bad_cu_seqlens(values):
+    return values.size < 1 or values[0] != 0 or bool((np.diff(values) < 0).any())
+
+
+def _check_segment_ids(name, ids, batch_size, length, letter):
+    """Checks (B, L) integer segment ids (static dimensions where known)."""
+    ids = tf.convert_to_tensor(ids)
+    shape = tuple(ids.shape)
+    fits = len(shape) == 2 and all(
+        d is None or e is None or not isinstance(e, int) or d == e
+        for d, e in zip(shape, (batch_size, length), strict=False)
+    )
+    if not ids.dtype.is_integer or not fits:
+        raise ValueError(
+            f"`{name}` must be an integer tensor of shape (B, {letter})=({batch_size}, {length}). "
+            f"Received: {name}.shape={shape}, {name}.dtype={ids.dtype.name}"
+        )
+    return tf.cast(ids, tf.int32)
+
+
+def _has_segments(cache):
+    """Whether the cache holds segment ids: `init_cache` gives (B, 0) ones, none yet."""
+    return cache.segment_ids is not None and cache.segment_ids.shape[-1] != 0
+
+
+def _segment_ids_error(message):
+    return ValueError(f"{message} (packed sequences, docs/SPEC.md, 'Packed sequences')")
+
+
+def _segment_keep(layer, call, segment_ids, key_segment_ids):
+    """Packed sequences: (B, 1, T, S) `same` and the call's cache. Query t keeps key s only if
+    segment_ids[b, t] == key_segment_ids[b, s],
+    ANDed into `attention_mask` (a float mask gets -inf there), so every path computes it through
+    its keep. Key ids default to `segment_ids` when S == T (self-attention). With a cache the key
+    ids of the T new tokens are written to a copy of the cache's `segment_ids` (made at the first
+    packed call of an empty cache) and the mask is over its L slots; a call without ids continues
+    the document of the last written slot. An in-place cache does not keep segment ids."""
+    (b, t), s = tuple(call.query.shape)[:2], call.key.shape[1]
+    dynamic_b, dynamic_t = tf.shape(call.query)[0], tf.shape(call.query)[1]
+    cache = call.cache
+    if segment_ids is None and (cache is None or not _has_segments(cache)):
+        raise _segment_ids_error("`key_segment_ids` needs `segment_ids`")
+    if cache is not None:
+        if _is_in_place(cache):
+            raise _segment_ids_error("an in-place cache (`init_cache(..., in_place=True)`) keeps no segment ids")
+        length = _cache_length(cache)
+        if segment_ids is None:  # the new tokens continue the last written slot's document
+            last = tf.gather(cache.segment_ids, tf.math.floormod(cache.index - 1, length), axis=1)  # (B,)
+            segment_ids = tf.tile(last[:, None], [1, dynamic_t])  # (B, T)
+        if not _has_segments(cache) and tf.executing_eagerly() and int(cache.index) > 0:
+            raise _segment_ids_error(
+                "`cache` holds tokens written without `segment_ids`; pass them from the first call"
+            )
+    segment_ids = _check_segment_ids("segment_ids", segment_ids, b, t, "T")
+    if key_segment_ids is None and None not in (s, t) and s != t:
+        raise _segment_ids_error("cross-attention (S != T) needs `key_segment_ids` (B, S)")
+    key_ids = segment_ids
+    if key_segment_ids is not None:
+        key_ids = _check_segment_ids("key_segment_ids", key_segment_ids, b, s, "S")
+    if cache is not None:
+        ids = tf.zeros((dynamic_b, length), tf.int32) if not _has_segments(cache) else cache.segment_ids
+        slots = tf.math.floormod(cache.index + tf.range(dynamic_t), length)  # (T,)
+        rows = tf.stack(tf.meshgrid(tf.range(dynamic_b), slots, indexing="ij"), axis=-1)  # (B, T, 2): (b, slot)
+        ids = tf.tensor_scatter_nd_update(ids, rows, key_ids)  # (B, L)
+        key_ids, cache = ids, cache._replace(segment_ids=ids)
+    same = segment_ids[:, None, :, None] == key_ids[:, None, None, :]  # (B, 1, T, S)
+    return same, cache
+
+
+def _packed(layer, call, segment_ids, key_segment_ids):
+    """Packed sequences (`_segment_keep`) ANDed into `attention_mask`; the call marked `segmented`."""
+    same, cache = _segment_keep(layer, call, segment_ids, key_segment_ids)
+    mask = call.attention_mask
+    if mask is not None:
+        same = mask & same if mask.dtype == tf.bool else tf.where(same, mask, tf.cast(-np.inf, mask.dtype))
+    return call._replace(attention_mask=same, cache=cache, segmented=True)
+
+
 # -------------------------------------------------------------------------------------------------
 # Section: positions
 # -------------------------------------------------------------------------------------------------
@@ -1044,6 +1147,25 @@ def _turn_heads(layer, x, positions):
     inv_freq = layer._inv_freq
     x = apply_rope(x, positions, inv_freq, layer.rope_interleaved, layer.rope_sections)
     return scale_rotated(x, 2 * inv_freq.shape[0], rope_attention_factor(layer.rope_scaling))
+
+
+def document_positions(segment_ids):
+    """RoPE positions of packed sequences: (B, T) or (T,) segment ids -> positions of the same
+    shape that restart at 0 wherever the id changes (each document numbered from 0)."""
+    ids = tf.convert_to_tensor(segment_ids)
+    ones = tf.ones_like(ids, tf.int32)
+    steps = tf.cumsum(ones, axis=-1) - 1  # (B, T)
+    changed = tf.concat([ones[..., :1], tf.cast(ids[..., 1:] != ids[..., :-1], tf.int32)], axis=-1)  # (B, T)
+    document = tf.cumsum(changed, axis=-1) - 1  # (B, T), the document's number in its row
+    first = tf.where(changed > 0, steps, tf.zeros_like(steps))  # (B, T), the first step of each document
+    starts = tf.math.unsorted_segment_max(tf.reshape(first, [-1]), _row_documents(document), tf.size(ids))
+    return steps - tf.reshape(tf.gather(starts, _row_documents(document)), tf.shape(ids))  # (B, T)
+
+
+def _row_documents(document):
+    """(B, T) documents numbered in their row -> (B*T,) numbered over the batch."""
+    rows = tf.cumsum(tf.ones_like(document), axis=0) - 1 if document.shape.rank == 2 else tf.zeros_like(document)
+    return tf.reshape(document + rows * tf.shape(document)[-1], [-1])
 
 
 def rope_frequencies(rotary_dim, theta, scaling=None):
@@ -1302,12 +1424,16 @@ class KVCache(NamedTuple):
         keep: (B, L) boolean; False marks a slot no query may attend (left padding).
         index: scalar integer, the positions written so far; position p is in slot p (with a
             `window`, slot p mod L: the cache rolls), and the next call writes from index.
+        segment_ids: (B, L) int32, the document of each slot (packed sequences: written by the
+            first call with `segment_ids`; a query attends only the slots of its document); (B, 0)
+            from `init_cache` until then (None in a cache built by hand).
     """
 
     key: tf.Tensor
     value: tf.Tensor
     keep: tf.Tensor
     index: tf.Tensor
+    segment_ids: tf.Tensor | None = None
 
 
 def _init_cache(layer, batch_size, max_length, keep, dtype, in_place):
@@ -1322,7 +1448,8 @@ def _init_cache(layer, batch_size, max_length, keep, dtype, in_place):
     keep = tf.ones((b, length), dtype=tf.bool) if keep is None else _check_keep(keep, b, length)
     key_shape, value_shape = _cache_shapes(layer, b, length)
     dtype = layer.compute_dtype if dtype is None else dtype
-    cache = KVCache(tf.zeros(key_shape, dtype), tf.zeros(value_shape, dtype), keep, tf.constant(0, tf.int32))
+    no_ids = tf.zeros((b, 0), tf.int32)  # segment ids: none yet (a tensor, so the cache is a nest of tensors)
+    cache = KVCache(tf.zeros(key_shape, dtype), tf.zeros(value_shape, dtype), keep, tf.constant(0, tf.int32), no_ids)
     return _as_variables(cache) if in_place else cache
 
 
@@ -1336,6 +1463,10 @@ def _update_cache(layer, call, k, v, keep):
     cache = call.cache
     if cache is None:
         return k, v, keep, call, None
+    if _has_segments(call.cache) and not call.segmented:  # packed: the new tokens continue a document
+        same, segmented = _segment_keep(layer, call, None, None)  # (B, 1, T, L)
+        keep, call = _and(keep, same), call._replace(cache=segmented)
+        cache = segmented
     t, index = tf.shape(k)[2], tf.convert_to_tensor(cache.index)  # the index before this call's write
     misfit = _check_room(index, t, _cache_length(cache), _window_sides(call.window)[0])  # True only under XLA
     if _is_in_place(cache):
@@ -1469,7 +1600,7 @@ def _write_cache(cache, k, v, key_mask):
     key = tf.tensor_scatter_nd_update(cache.key, written, k)  # (B, K, L, H)
     value = tf.tensor_scatter_nd_update(cache.value, written, v)  # (B, K, L, H)
     keep = tf.tensor_scatter_nd_update(cache.keep, rows, kept)  # (B, L)
-    return KVCache(key, value, keep, cache.index + t)
+    return KVCache(key, value, keep, cache.index + t, cache.segment_ids)
 
 
 def _cache_length(cache):
@@ -1480,7 +1611,7 @@ def _cache_length(cache):
 
 def _as_variables(cache):
     """The same cache with non-trainable `tf.Variable`s for fields: an in-place cache."""
-    return KVCache(*(tf.Variable(x, trainable=False) for x in cache))
+    return KVCache(*(None if x is None else tf.Variable(x, trainable=False) for x in cache))
 
 
 def _is_in_place(cache):
@@ -1491,8 +1622,8 @@ def _write_variables(cache, k, v, key_mask, misfit):
     """`_write_cache` on an in-place cache: its variables written where they lie, with no copy of
     the cache per step; nothing is written when the tokens do not fit (`misfit`, only ever True
     under XLA). Returns the same cache."""
-    handles = tuple(field.handle for field in cache)
-    fields = tuple((field.dtype, tuple(field.shape)) for field in cache)
+    handles = tuple(field.handle for field in cache[:4])
+    fields = tuple((field.dtype, tuple(field.shape)) for field in cache[:4])
     _write_compiled(handles, fields, k, v, key_mask, misfit)
     return cache
 
@@ -1509,7 +1640,7 @@ def _write_compiled(handles, fields, k, v, key_mask, misfit):
         fields_read = (
             tf.raw_ops.ReadVariableOp(resource=h, dtype=d) for h, (d, _) in zip(handles, fields, strict=True)
         )
-        for handle, value in zip(handles, _write_cache(KVCache(*fields_read), k, v, key_mask), strict=True):
+        for handle, value in zip(handles, _write_cache(KVCache(*fields_read), k, v, key_mask)[:4], strict=True):
             tf.raw_ops.AssignVariableOp(resource=handle, value=value)
         return tf.no_op()
 

@@ -38,7 +38,9 @@ MASK_KINDS = (
     "float64_far",  # floating float64 (B, T, S): -1e300, float32's lowest, and a row of -1e39 (below float32's range)
     "float_penalty",  # floating float32 (B, T, S) of -1e9 penalties, one row entirely -1e9 (beyond float16's range)
 )
-CALL_INPUTS = ("attention_mask", "key_mask", "query_mask", "attention_bias", "positions")  # beside the inputs
+CALL_INPUTS = (
+    "attention_mask", "key_mask", "query_mask", "attention_bias", "positions", "segment_ids", "key_segment_ids",
+)  # beside the inputs  # fmt: skip
 LLAMA3_SCALING = {  # Llama 3.1's frequency rewrite, with a short original context so every band is taken at H = 8
     "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
@@ -80,6 +82,8 @@ class Case:
     positions: str = "none"  # none (the default arange), shifted: (B, T) positions, each row its own offset, or
     # sections: (k, B, T) positions of `rope_sections`, each of the k rows its own (Qwen2-VL's temporal, height, width)
     absorb: bool | None = None  # MLA: the layers' `absorb_latents` (the NumPy oracle always expands)
+    segments: str = "none"  # packed sequences: none, packed ((B, T) segment_ids, documents back to back in each
+    # row, self-attention) or cross (segment_ids (B, T) and key_segment_ids (B, S))
 
     @property
     def mla(self):
@@ -128,6 +132,18 @@ CASES = [
     Case("mask_float_inf_row", t=4, s=6, mask="float_row_inf"),
     Case("mask_float_inf_row_causal", k=2, causal=True, self_attention=True, mask="float_row_inf"),
     Case("causal_self", causal=True, self_attention=True),
+    Case("packed_causal", t=7, s=7, k=2, causal=True, self_attention=True, segments="packed"),
+    Case("packed_cross", t=4, s=6, segments="cross", mask="bool_bts"),
+    Case(
+        "packed_gemma2_like",
+        t=7,
+        s=7,
+        causal=True,
+        self_attention=True,
+        segments="packed",
+        key_mask=True,
+        variants=(("softcap", 3.0), ("window", 3), ("sinks", True), ("rope_theta", 100.0)),
+    ),
     Case("causal_t_eq_s_cross", t=6, s=6, causal=True),
     Case("causal_t_lt_s", t=3, s=7, causal=True),
     Case("causal_t_gt_s", t=6, s=3, causal=True),
@@ -529,13 +545,27 @@ def _call_inputs(case, rng):
         shape = (1, n, t, s) if case.attention_bias == "1nts" else (b, t, s)
         attention_bias = rng.normal(size=shape).astype(np.float32)
         attention_bias[rng.random(shape) < 0.15] = -np.inf  # the floating mask rule applies to the bias too
+    segments = _segments(case, rng)
     if case.positions == "shifted":
         positions = np.arange(t)[None, :] + rng.integers(0, 50, size=(b, 1))  # (B, T), each row its own offset
     if case.positions == "sections":
         k = len(dict(case.variants)["rope_sections"])
         positions = np.arange(t) + rng.integers(0, 50, size=(k, b, 1))  # (k, B, T), each section its own offsets
         positions[1:, :, 1:-1] = rng.integers(0, 8, size=(k - 1, b, t - 2))  # grid rows and columns inside
-    return {"key_mask": key_mask, "query_mask": query_mask, "attention_bias": attention_bias, "positions": positions}
+    called = {"key_mask": key_mask, "query_mask": query_mask, "attention_bias": attention_bias, "positions": positions}
+    return {**called, **segments}
+
+
+def _segments(case, rng):
+    """Packed sequences: segment_ids (B, T) (and key_segment_ids (B, S) for `cross`), documents of
+    random lengths back to back, their ids increasing in each row; {} without them."""
+    if case.segments == "none":
+        return {}
+    b, t, s = case.b, case.t, case.s
+    ids = np.sort(rng.integers(0, 3, size=(b, t)), axis=1)  # (B, T): up to 3 documents a row
+    if case.segments == "packed":
+        return {"segment_ids": ids, "key_segment_ids": None}
+    return {"segment_ids": ids, "key_segment_ids": np.sort(rng.integers(0, 3, size=(b, s)), axis=1)}
 
 
 def call_inputs(data):

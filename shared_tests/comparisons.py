@@ -85,6 +85,9 @@ def removed_positions(case, data):
         keep &= key_mask[:, None, None, :]
     if data.get("query_mask") is not None:
         keep &= data["query_mask"][:, None, :, None]
+    if data.get("segment_ids") is not None:  # packed sequences: a query keeps the keys of its document
+        key_ids = data["segment_ids"] if data.get("key_segment_ids") is None else data["key_segment_ids"]
+        keep &= data["segment_ids"][:, None, :, None] == key_ids[:, None, None, :]
     t, s = np.arange(case.t)[:, None], np.arange(case.s)[None, :]
     if case.causal:
         keep &= s <= t + (case.s - case.t)

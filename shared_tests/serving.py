@@ -144,14 +144,14 @@ def _torch_step_export(served, seed):
 
         def forward(self, x, key, value, keep, index):
             output, cache = self.layer(x, causal=True, cache=KVCache(key.clone(), value.clone(), keep.clone(), index))
-            return output, *cache
+            return output, *cache[:4]  # key, value, keep, index (not segment_ids)
 
     cache = layer.init_cache(served.b, served.length, keep=torch.from_numpy(keep))
     tokens = torch.export.Dim("tokens", min=1, max=served.length)
     shapes = ({1: tokens}, None, None, None, None)
-    args = (torch.from_numpy(example), *cache)
+    args = (torch.from_numpy(example), *cache[:4])
     program = torch_onnx_export(Step(), args, dynamic_shapes=shapes)
-    return program.model_proto.SerializeToString(), tuple(np.asarray(c.numpy()) for c in cache)
+    return program.model_proto.SerializeToString(), tuple(np.asarray(c.numpy()) for c in cache[:4])
 
 
 def without_boolean_where(model):
@@ -198,14 +198,14 @@ def _tf_step(served, weights):
     @tf.function(input_signature=signature)
     def step(x, key, value, keep, index):
         output, cache = layer(x, causal=True, cache=KVCache(key, value, keep, index))
-        return output, *cache
+        return output, *cache[:4]  # key, value, keep, index (not segment_ids)
 
     return step, signature, layer
 
 
 def _tf_initial(served, layer, keep):
     cache = layer.init_cache(served.b, served.length, keep=keep)
-    return tuple(np.asarray(c.numpy()) for c in cache)
+    return tuple(np.asarray(c.numpy()) for c in cache[:4])
 
 
 def export_tf_onnx_step(served, seed=0):

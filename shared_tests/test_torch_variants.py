@@ -1169,9 +1169,9 @@ def test_torch_export_of_a_decoding_step_with_every_variant():
             return output, cache.index
 
     with torch.no_grad():
-        program = torch.export.export(Step(), (x, key_mask, *layer.init_cache(2, 8)))
+        program = torch.export.export(Step(), (x, key_mask, *layer.init_cache(2, 8)[:4]))
         cache = layer.init_cache(2, 8)
-        output, index = program.module()(x, key_mask, *cache)
+        output, index = program.module()(x, key_mask, *cache[:4])
         expected = layer(x, key_mask=key_mask, causal=True)
     torch.testing.assert_close(output, expected, atol=OUTPUT_TOL, rtol=0)
     assert int(index) == 3 and torch.equal(cache.keep[:, :3], key_mask)  # written in place
@@ -1939,8 +1939,8 @@ def test_mla_decoding_compiles_fullgraph_and_exports_equal_to_the_full_pass(abso
             output, cache = compiled(x[:, start:stop], key_mask[:, start:stop], cache)
             outputs.append(output)
         expected = layer(x, key_mask=key_mask, causal=True)
-        program = torch.export.export(_Step(layer), (x[:, :3], key_mask[:, :3], *layer.init_cache(2, 8)))
-        exported, index = program.module()(x[:, :3], key_mask[:, :3], *layer.init_cache(2, 8))
+        program = torch.export.export(_Step(layer), (x[:, :3], key_mask[:, :3], *layer.init_cache(2, 8)[:4]))
+        exported, index = program.module()(x[:, :3], key_mask[:, :3], *layer.init_cache(2, 8)[:4])
     torch.testing.assert_close(torch.cat(outputs, 1), expected, atol=OUTPUT_TOL, rtol=0)
     torch.testing.assert_close(exported, expected[:, :3], atol=OUTPUT_TOL, rtol=0)
     assert int(index) == 3

@@ -1,0 +1,197 @@
+"""Packed sequences (docs/SPEC.md, "Packed sequences"): a packed call with `segment_ids` equals
+running each document alone, in every layer file and on every path (float64; the Keras file on
+this process's backend), with causal, GQA, the window, sinks, soft-capping and RoPE at the
+positions `document_positions` gives; with a key padding tail; in cross-attention with
+`key_segment_ids`; and through a cache, a packed prefill then a decode step. The helpers agree
+with each other in the four files."""
+
+import importlib
+
+import numpy as np
+import pytest
+
+E, N, K = 16, 4, 2
+LENGTHS = ((3, 5, 4), (6, 2, 2))  # two rows of 12 tokens: the second ends in a padding tail of 2
+PADDING = 2
+VARIANTS = {
+    "plain": {},
+    "modifiers": {"softcap": 5.0, "window": 3, "sinks": True, "rope_theta": 10000.0},
+}
+PATHS = {
+    "NumPy": ("eager",),
+    "PyTorch": ("sdpa", "explicit", "inference", "softcap_tiles"),
+    "TensorFlow": ("eager", "function", "memory_efficient"),
+    "Keras": ("eager", "chunked"),
+}
+ATOL = {"NumPy": 1e-12, "PyTorch": 1e-12, "TensorFlow": 1e-12, "Keras": 1e-6}
+ROPE_ATOL = {"TensorFlow": 1e-7}  # its RoPE angles are float32, whose vectorised sin and cos round by buffer place
+
+
+def _module(framework):
+    return importlib.import_module(framework)
+
+
+def _layer(framework, variant, path="eager"):
+    options = dict(VARIANTS[variant], num_kv_heads=K)
+    if path == "softcap_tiles":
+        options["softcap"] = 5.0
+    module = _module(framework)
+    if framework == "NumPy":
+        return module.MultiHeadAttention(E, N, seed=0, **options)
+    if framework == "PyTorch":
+        import torch
+
+        torch.manual_seed(0)
+        return module.MultiHeadAttention(E, N, **options).double().eval()
+    dtype = "float32" if framework == "Keras" else "float64"  # the Keras file in float32 (any backend)
+    layer = module.MultiHeadAttention(E, N, dtype=dtype, **options)
+    if path in ("memory_efficient", "chunked"):
+        layer.memory_efficient_threshold = 0
+    return layer
+
+
+def _call(framework, layer, path, x, **kwargs):
+    """The layer's output(s) as NumPy arrays, on `path`."""
+    if framework == "PyTorch":
+        import torch
+
+        args = {k: torch.as_tensor(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
+        grad = path in ("explicit", "softcap_tiles")
+        with torch.set_grad_enabled(grad):
+            results = layer(torch.as_tensor(x), return_attention=path in ("explicit", "inference"), **args)
+        return results[0].detach().numpy() if isinstance(results, tuple) else results.detach().numpy()
+    if framework in ("TensorFlow", "Keras"):
+        if framework == "Keras":
+            x = x.astype(np.float32)
+            kwargs = {k: v.astype(np.float32) if k == "key" else v for k, v in kwargs.items()}
+        if path == "function":
+            import tensorflow as tf
+
+            return np.asarray(tf.function(lambda x: layer(x, **kwargs))(x))
+        return np.asarray(layer(x, **kwargs))
+    return layer(x, **kwargs)
+
+
+def _ids():
+    rows = [np.repeat(np.arange(len(lengths)), lengths) for lengths in LENGTHS]
+    rows[1] = np.concatenate([rows[1], np.full(PADDING, len(LENGTHS[1]))])  # padding: its own id, and key_mask
+    return np.stack(rows)  # (B, T)
+
+
+def _cases():
+    for framework, paths in PATHS.items():
+        for path in paths:
+            for variant in VARIANTS:
+                yield pytest.param(framework, path, variant, id=f"{framework}-{path}-{variant}")
+
+
+@pytest.mark.parametrize(("framework", "path", "variant"), list(_cases()))
+def test_packed_equals_each_document_alone(framework, path, variant):
+    module = _module(framework)
+    layer = _layer(framework, variant, path)
+    ids = _ids()
+    b, t = ids.shape
+    x = np.random.default_rng(1).normal(size=(b, t, E))
+    key_mask = np.ones((b, t), bool)
+    key_mask[1, -PADDING:] = False
+    rope = layer.rope_theta is not None
+    positions = np.asarray(module.document_positions(ids))
+    extra = {"positions": positions} if rope else {}
+    packed = _call(framework, layer, path, x, segment_ids=ids, causal=True, key_mask=key_mask, **extra)
+    for row, lengths in enumerate(LENGTHS):
+        start = 0
+        for n in lengths:
+            alone_extra = {"positions": np.arange(n)[None]} if rope else {}
+            alone = _call(framework, layer, path, x[row : row + 1, start : start + n], causal=True, **alone_extra)
+            atol = ROPE_ATOL.get(framework, ATOL[framework]) if rope else ATOL[framework]
+            np.testing.assert_allclose(packed[row, start : start + n], alone[0], atol=atol, rtol=0)
+            start += n
+
+
+@pytest.mark.parametrize("framework", list(PATHS))
+def test_packed_cross_attention(framework):
+    """Cross-attention: query documents of lengths (2, 3) attend key documents of lengths (4, 1)."""
+    layer = _layer(framework, "plain")
+    rng = np.random.default_rng(2)
+    q, kv = rng.normal(size=(1, 5, E)), rng.normal(size=(1, 5, E))
+    q_ids, kv_ids = np.array([[0, 0, 1, 1, 1]]), np.array([[0, 0, 0, 0, 1]])
+    packed = _call(framework, layer, "eager", q, key=kv, segment_ids=q_ids, key_segment_ids=kv_ids)
+    first = _call(framework, layer, "eager", q[:, :2], key=kv[:, :4])
+    second = _call(framework, layer, "eager", q[:, 2:], key=kv[:, 4:])
+    np.testing.assert_allclose(packed, np.concatenate([first, second], 1), atol=ATOL[framework], rtol=0)
+
+
+@pytest.mark.parametrize("framework", list(PATHS))
+def test_packed_prefill_then_decode(framework):
+    """A packed prompt prefills the cache (its `segment_ids` kept per slot), then a token decoded
+    without ids continues the last document: it equals that document alone, then the token."""
+    module = _module(framework)
+    layer = _layer(framework, "modifiers")
+    lengths = LENGTHS[0]
+    ids = np.repeat(np.arange(3), lengths)[None]
+    rng = np.random.default_rng(3)
+    dtype = np.float32 if framework == "Keras" else np.float64
+    x, y = rng.normal(size=(1, 12, E)).astype(dtype), rng.normal(size=(1, 1, E)).astype(dtype)
+    convert = _converter(framework)
+    cache = layer.init_cache(1, 14)
+    positions = module.document_positions(convert(ids))
+    _, cache = layer(convert(x), segment_ids=convert(ids), positions=positions, causal=True, cache=cache)
+    np.testing.assert_array_equal(np.asarray(cache.segment_ids)[:, :12], ids)
+    step = convert(np.array([[lengths[-1]]]))
+    output, cache = layer(convert(y), positions=step, causal=True, cache=cache)
+    last = np.concatenate([x[:, -lengths[-1] :], y], axis=1)
+    alone = layer(convert(last), positions=convert(np.arange(lengths[-1] + 1)[None]), causal=True)
+    to_numpy = _to_numpy(framework)
+    atol = ROPE_ATOL.get(framework, ATOL[framework])
+    np.testing.assert_allclose(to_numpy(output)[:, 0], to_numpy(alone)[:, -1], atol=atol, rtol=0)
+
+
+def _converter(framework):
+    if framework == "PyTorch":
+        import torch
+
+        return torch.as_tensor
+    return lambda a: a
+
+
+def _to_numpy(framework):
+    if framework == "PyTorch":
+        return lambda a: a.detach().numpy()
+    return np.asarray
+
+
+@pytest.mark.parametrize("framework", list(PATHS))
+def test_helpers(framework):
+    module = _module(framework)
+    to_numpy = _to_numpy(framework) if framework != "PyTorch" else (lambda a: a.numpy())
+    positions = np.array([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    expected = np.array([[0, 0, 0, 1, 1, 2, 2, 2, 2]])
+    given = _converter(framework)(positions)
+    np.testing.assert_array_equal(to_numpy(module.segment_ids_from_position_ids(given)), expected)
+    np.testing.assert_array_equal(to_numpy(module.segment_ids_from_cu_seqlens(np.array([0, 3, 5, 9]))), expected)
+    np.testing.assert_array_equal(to_numpy(module.document_positions(_converter(framework)(expected))), positions)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        module.segment_ids_from_cu_seqlens(np.array([1, 3]))
+
+
+@pytest.mark.parametrize("framework", list(PATHS))
+def test_same_errors(framework):
+    """Floating ids, ids of another length and cross-attention without key ids: the same ValueError."""
+    layer = _layer(framework, "plain")
+    x = np.zeros((1, 4, E), np.float32 if framework == "Keras" else np.float64)
+    x = _converter(framework)(x)
+    messages = []
+    for kwargs in (
+        {"segment_ids": np.zeros((1, 4), np.float32)},
+        {"segment_ids": np.zeros((1, 3), np.int64)},
+        {"key": x[:, :3], "segment_ids": np.zeros((1, 4), np.int64)},
+    ):
+        with pytest.raises(ValueError) as raised:
+            layer(x, **kwargs)
+        messages.append(str(raised.value))
+    expected = [
+        "`segment_ids` must be an integer tensor of shape (B, T)=(1, 4).",
+        "`segment_ids` must be an integer tensor of shape (B, T)=(1, 4).",
+        "cross-attention (S != T) needs `key_segment_ids` (B, S) (packed sequences, docs/SPEC.md, 'Packed sequences')",
+    ]  # Keras wraps them in its own message
+    assert all(text in message for text, message in zip(expected, messages, strict=True)), messages
