@@ -189,15 +189,19 @@ def _proof(model_type):
 
 
 def census(model_types=None):
-    """[(model type, class name, status, detail)] for every attention class (of `model_types`, if given)."""
+    """([(model type, class name, status, detail)] for every attention class, [(model type, its *ForCausalLM
+    class, the generated test's verdict, detail)] for every family with one), of `model_types` if given."""
     from shared_tests import hf_tiny
 
-    rows, classes = [], attention_classes()
+    rows, families, classes = [], [], attention_classes()
     by_type = {}
     for model_type, name, _ in classes:
         if model_type_wanted(model_type, model_types):
             by_type.setdefault(model_type, []).append(name)
-    for model_type, names in by_type.items():
+    for model_type in hf_tiny.causal_lm_families():  # a causal family with no attention class (Mamba): its verdict
+        if model_type_wanted(model_type, model_types):
+            by_type.setdefault(model_type, [])
+    for model_type, names in sorted(by_type.items()):
         cls = _model_class(model_type)
         if cls is None:
             for name in names:
@@ -211,10 +215,12 @@ def census(model_types=None):
         else:
             failed = None
         causal = model_type in hf_tiny.causal_lm_families()
-        proof = _proof(model_type) if causal and any(p[0] == "ported" for p in ports.values()) else None
+        proof = _proof(model_type) if causal else None
+        if causal:
+            families.append((model_type, cls.__name__, *proof))
         for name in names:
             rows.append((model_type, name, *_status(model_type, name, ports, failed, proof, causal, cls)))
-    return rows
+    return rows, families
 
 
 def model_type_wanted(model_type, model_types):
@@ -248,8 +254,8 @@ def counts(rows):
     return {status: sum(row[2] == status for row in rows) for status in _STATUSES}
 
 
-def markdown(rows):
-    """The census as a Markdown page: the counts, then one row per class."""
+def markdown(rows, families):
+    """The census as a Markdown page: the counts, one row per class, then one row per `*ForCausalLM` family."""
     total = counts(rows)
     lines = [
         "# Census of the attention classes of `transformers`",
@@ -266,17 +272,27 @@ def markdown(rows):
         "|---|---|---|---|",
     ]
     lines += [f"| `{t}` | `{c}` | {s} | {d.replace('|', '/')} |" for t, c, s, d in rows]
+    lines += [
+        "",
+        "## The families with a `*ForCausalLM` class: the generated test's verdict",
+        "",
+        "| model type | causal LM | verdict | reason or why |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| `{t}` | `{c}` | {v} | {(d or '').replace('|', '/')} |" for t, c, v, d in families]
     return "\n".join(lines) + "\n"
 
 
 def read_table(path=TABLE):
-    """The committed census's rows, read back from its Markdown."""
-    rows = []
+    """The committed census, read back from its Markdown: (its class rows, its family rows)."""
+    tables, current = ([], []), 0
     for line in Path(path).read_text().splitlines():
+        if line.startswith("## The families"):
+            current = 1
         match = re.fullmatch(r"\| `([^`]+)` \| `([^`]+)` \| ([a-z ]+) \| (.*) \|", line)
         if match:
-            rows.append(match.groups())
-    return rows
+            tables[current].append(tuple(match.groups()))
+    return tables
 
 
 def main(argv=None):
@@ -289,8 +305,8 @@ def main(argv=None):
         import transformers
 
         transformers.logging.set_verbosity_error()
-        rows = census(args.model_types or None)
-    text = markdown(rows)
+        rows, families = census(args.model_types or None)
+    text = markdown(rows, families)
     if args.write:
         TABLE.write_text(text)
     sys.stdout.write(text)

@@ -74,7 +74,7 @@ def _rope_kinds():
     return kinds
 
 
-_HALVES = (  # the statements of transformers' RoPE in halves (Llama's), in float32 or not, ignoring names
+_UNSQUEEZE = (  # the first statements of transformers' `apply_rotary_pos_emb`
     "cos = cos.unsqueeze(unsqueeze_dim)",
     "sin = sin.unsqueeze(unsqueeze_dim)",
 )
@@ -111,10 +111,7 @@ def _rope_pattern(module_name):
         return None
     interleaved = _PAIRS.get(" | ".join(_statements(rotate)))
     statements = [re.sub(r"\.float\(\)|\.to\(\w+\)", "", s) for s in _statements(apply) if "dtype" not in s]
-    if interleaved is None or statements[:2] != [
-        "cos = cos.unsqueeze(unsqueeze_dim)",
-        "sin = sin.unsqueeze(unsqueeze_dim)",
-    ]:
+    if interleaved is None or tuple(statements[:2]) != _UNSQUEEZE:
         return None
     rest = statements[2:]
     if interleaved:
