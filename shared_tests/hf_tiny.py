@@ -45,20 +45,29 @@ def causal_lm_families():
 
     found = {}
     for package in pkgutil.iter_modules(transformers.models.__path__):
-        for module in _modeling_modules(package.name):
-            try:
-                imported = importlib.import_module(module)
-            except Exception:
-                continue
-            for name, value in vars(imported).items():
-                if (
-                    name.endswith("ForCausalLM")
-                    and inspect.isclass(value)
-                    and value.__module__ == imported.__name__
-                    and package.name not in found
-                ):
-                    found[package.name] = (module, name)
+        cls = _causal_lm_class(package.name)
+        if cls is not None:
+            found[package.name] = (cls.__module__, cls.__name__)
     return found
+
+
+@functools.cache
+def _causal_lm_class(model_type):
+    """The first `*ForCausalLM` class its modeling modules define, else None (reads that package only)."""
+    for module in _modeling_modules(model_type):
+        try:
+            imported = importlib.import_module(module)
+        except Exception:  # a modeling module that needs a package not installed
+            continue
+        for name, value in vars(imported).items():
+            if (
+                name.endswith("ForCausalLM")
+                and not name.startswith("Auto")  # transformers.models.auto: the factory, not a family
+                and inspect.isclass(value)
+                and value.__module__ == imported.__name__
+            ):
+                return value
+    return None
 
 
 def _modeling_modules(package):
@@ -73,8 +82,10 @@ def _modeling_modules(package):
 
 
 def causal_lm_class(model_type):
-    module, name = causal_lm_families()[model_type]
-    return getattr(importlib.import_module(module), name)
+    cls = _causal_lm_class(model_type)
+    if cls is None:
+        raise KeyError(f"no *ForCausalLM class in transformers.models.{model_type}")
+    return cls
 
 
 _SIZES = {
@@ -84,6 +95,10 @@ _SIZES = {
     "num_attention_heads": HEADS,
     "n_head": HEADS,
     "num_heads": HEADS,
+    "encoder_attention_heads": HEADS,
+    "decoder_attention_heads": HEADS,
+    "encoder_ffn_dim": 96,
+    "decoder_ffn_dim": 96,
     "head_dim": HEAD_DIM,
     "intermediate_size": 96,
     "ffn_hidden_size": 96,
@@ -107,7 +122,16 @@ _SIZES = {
 }
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
 _TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
-LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+LAYER_COUNTS = (
+    "num_hidden_layers",
+    "n_layer",
+    "num_layers",
+    "n_layers",
+    "encoder_layers",
+    "decoder_layers",
+    "num_encoder_layers",
+    "num_decoder_layers",
+)
 
 
 def shrink(config):
@@ -123,6 +147,8 @@ def shrink(config):
     for name, value in list(vars(config).items()):  # per-layer lists cut to the layers kept
         if old_layers and isinstance(value, list | tuple) and len(value) == old_layers and layers < old_layers:
             setattr(config, name, type(value)(value[:layers]))
+    if hasattr(config, "head_dim") and getattr(config, "head_dim", 0) is None:  # derived from the others
+        set_field(config, "head_dim", HEAD_DIM)
     for name, size in _SIZES.items():
         if isinstance(getattr(config, name, None), int) and not isinstance(getattr(config, name), bool):
             set_field(config, name, min(size, getattr(config, name)) if name.startswith("num_experts") else size)
@@ -147,7 +173,7 @@ def shrink(config):
 
 
 def set_field(config, name, value):
-    with contextlib.suppress(AttributeError):  # a property without a setter (Falcon's head_dim)
+    with contextlib.suppress(AttributeError, NotImplementedError):  # a property without a setter (Falcon's head_dim)
         setattr(config, name, value)
 
 
