@@ -155,6 +155,13 @@ def _structural_porter(module, model_type):
         return None
     if any(type(children[name]).__name__ != "Linear" for name in _PROJECTIONS):
         _refuse(module, model_type, "has projections other than nn.Linear")
+    if children["v_proj"].out_features != children["k_proj"].out_features:
+        _refuse(
+            module,
+            model_type,
+            "has value heads of another width than its key heads (`v_proj` "
+            f"{children['v_proj'].out_features}, `k_proj` {children['k_proj'].out_features} features)",
+        )
     if getattr(module, "is_causal", None) is not True:
         _refuse(module, model_type, "is not causal (`is_causal`): not a decoder's self-attention")
     gate = next((name for name in _GATES if name in children), None)
@@ -169,16 +176,27 @@ def _structural_porter(module, model_type):
     if gate is not None:
         _check_gate(module, model_type, gate)
     options = {"interleaved": interleaved, **_norm_options(module, model_type, children)}
-    if not _rotates(module, model_type):
+    rotates = _rotates(module, model_type)
+    if not rotates:
         options["rope"] = "never"
     attributes = _attributes(module)
 
     def port(config, tensors, index):
         config = {**config, **attributes["config"]}
+        if config.get("hidden_size") != children["q_proj"].in_features:
+            _refuse(
+                module,
+                model_type,
+                f"reads {children['q_proj'].in_features} input features, not the model's "
+                f"hidden size {config.get('hidden_size')} (another stream concatenated to the hidden states)",
+            )
+        layer_options = dict(options)
+        if rotates == "layer_rope_theta":
+            config, layer_options["rope"] = _layer_theta(module, model_type, config, index)
         if gate is None:
-            kwargs, weights = _rotary(config, tensors, index, **options)
+            kwargs, weights = _rotary(config, tensors, index, **layer_options)
         else:
-            kwargs, weights = _gated(config, tensors, index, gate=gate, **options)
+            kwargs, weights = _gated(config, tensors, index, gate=gate, **layer_options)
         kwargs["scale"] = attributes["scale"]
         return kwargs, weights
 
@@ -203,6 +221,8 @@ def _rotates(module, model_type):
         calls = [n for b in node.body for n in ast.walk(b) if isinstance(n, ast.Call)]
         if not any(getattr(c.func, "id", None) == "apply_rotary_pos_emb" for c in calls):
             continue
+        if ast.unparse(node.test) == "position_embeddings is not None":  # the model passes None to NoPE layers
+            return "layer_rope_theta"  # Granite-SWA's per-layer base, 0 for NoPE: read by the porter, or refused
         names = {n.id for n in ast.walk(node.test) if isinstance(n, ast.Name)}
         if names != {"self"} or any(isinstance(n, ast.Call) for n in ast.walk(node.test)):
             _refuse(module, model_type, f"applies RoPE only where `{ast.unparse(node.test)}`, which no porter reads")
@@ -220,6 +240,24 @@ def _check_gate(module, model_type, gate):
             model_type,
             f"gates its heads with {', '.join(applied)} of `{gate}`, where the layer's gate is a sigmoid",
         )
+
+
+def _layer_theta(module, model_type, config, index):
+    """Granite-SWA's `layer_rope_theta`: layer `index`'s RoPE base, 0 for a NoPE layer (its model passes no
+    `position_embeddings` there); a config without it is refused."""
+    thetas = config.get("layer_rope_theta")
+    if not isinstance(thetas, list | tuple) or index is None:
+        _refuse(
+            module,
+            model_type,
+            "applies RoPE only where its model passes `position_embeddings`, which its "
+            "config does not say per layer (`layer_rope_theta`)",
+        )
+    theta = thetas[index]
+    if not theta:
+        return config, "never"
+    parameters = dict(config.get("rope_parameters") or {"rope_theta": config.get("rope_theta")})
+    return {**config, "rope_parameters": {**parameters, "rope_theta": float(theta)}}, "all"
 
 
 def _is_dropout(child):
