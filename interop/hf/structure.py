@@ -164,6 +164,7 @@ def _structural_porter(module, model_type):
         )
     if getattr(module, "is_causal", None) is not True:
         _refuse(module, model_type, "is not causal (`is_causal`): not a decoder's self-attention")
+    _check_queries(module, model_type)
     gate = next((name for name in _GATES if name in children), None)
     extra = [n for n in children if n not in (*_PROJECTIONS, *_ALLOWED, gate) and not _is_dropout(children[n])]
     extra += [n for n, _ in module.named_parameters(recurse=False) if n != "sinks"]
@@ -228,6 +229,22 @@ def _rotates(module, model_type):
             _refuse(module, model_type, f"applies RoPE only where `{ast.unparse(node.test)}`, which no porter reads")
         return bool(eval(compile(ast.Expression(node.test), "<forward>", "eval"), {}, {"self": module}))
     return True
+
+
+def _check_queries(module, model_type):
+    """Refuses a forward that multiplies its queries by something after projecting them (Ministral 3's
+    `get_llama_4_attn_scale`: a scale by position, exactly 1 below its floor, so a tiny model cannot tell)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(type(module).forward)))
+    for node in ast.walk(tree):
+        targets = [getattr(t, "id", None) for t in getattr(node, "targets", [])]
+        if (
+            isinstance(node, ast.Assign)
+            and targets == ["query_states"]
+            and isinstance(node.value, ast.BinOp)
+            and isinstance(node.value.op, ast.Mult)
+        ):
+            other = node.value.right if getattr(node.value.left, "id", None) == "query_states" else node.value.left
+            _refuse(module, model_type, f"scales its queries by `{ast.unparse(other)}`, which no porter reads")
 
 
 def _check_gate(module, model_type, gate):
