@@ -9,7 +9,7 @@ TEXT differs from what the code gives now; one command rewrites every span:
 
 The generators read the code cheaply: the case tables are imported (NumPy only), the layer files
 and the test files are parsed with `ast`, never imported, and the package `interop/hf/` is imported
-without torch or transformers.
+without torch or transformers; the census's counts are read from the page it writes (docs/census.md).
 """
 
 import argparse
@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+GENERATED_PAGES = ("census.md",)  # written whole by a command (`python -m interop.hf.census --write`), no spans
+PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name not in GENERATED_PAGES)]
 MARKER = re.compile(r"<!-- facts:(?P<key>[^>]*?) -->(?P<text>.*?)<!-- /facts -->", re.DOTALL)
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
 LAYER_FILE = "Multi_Head_Attention.py"
@@ -200,6 +201,30 @@ def _model_types():
     return [name for name in interop.hf.supported_modules() if name in builtin]
 
 
+@functools.cache
+def _census():
+    """The committed census (docs/census.md, written by `python -m interop.hf.census --write`): its class rows and
+    its family rows, read from the page (transformers is not imported)."""
+    from interop.hf import census
+
+    return census.read_table()
+
+
+def _census_count(status):
+    """The number of attention classes of a status (`out_of_scope` for "out of scope")."""
+    return str(sum(row[2] == status.replace("_", " ") for row in _census()[0]))
+
+
+def _census_families(verdict):
+    """The number of `*ForCausalLM` families of a verdict of the generated test (`all`: every one)."""
+    return str(sum(verdict in ("all", row[2].replace(" ", "_")) for row in _census()[1]))
+
+
+def _census_types(status):
+    """The model types with a class of that status, in the census's order."""
+    return _code_list(dict.fromkeys(row[0] for row in _census()[0] if row[2] == status.replace("_", " ")))
+
+
 def arguments(dotted):
     """The `ast.arguments` of a function (`interop.hf.port_checkpoint`, `NumPy.Multi_Head_Attention.alibi_bias`)
     or of a layer's method (`NumPy.MultiHeadAttention.init_cache`, without `self`), read from its source."""
@@ -298,6 +323,9 @@ GENERATORS = {
     "signature": _signature,
     "sections": _section_table,
     "names_in_some_files": _names_in_some_files,
+    "census": _census_count,
+    "census_families": _census_families,
+    "census_types": _census_types,
 }
 
 

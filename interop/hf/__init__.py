@@ -114,8 +114,11 @@ multi-head latent attention; `gpt`: GPT-2, GPTBigCode, GPT-Neo, GPT-J and GPT-Ne
 Bloom, Falcon and MPT, and `alibi_positions`; `bert`: BERT and ModernBERT; `seq2seq`: T5, BART,
 Whisper and OPT, and `t5_position_bias`), and the shared pieces: `tensors` (reading tensors,
 `load_tensors`), `config` (what a config says), `registry` (the porters by model type,
-`register_porter`, `supported_modules`), `routes` (`port_attention`, `port_checkpoint`) and
-`replace` (`replace_attention`). It imports no framework at module level: `port_attention` reads a
+`register_porter`, `supported_modules`), `routes` (`port_attention`, `port_checkpoint`),
+`replace` (`replace_attention`), `structure` (the Llama-kind and gated modules of model types not listed,
+recognised by their projections, norms and RoPE functions, and those refused by name) and `census` (`python -m
+interop.hf.census`: every attention class of the installed transformers with its status, docs/census.md).
+It imports no framework at module level: `port_attention` reads a
 module's tensors through its own `state_dict`, `port_checkpoint` and `load_tensors` read
 safetensors files with NumPy, and `replace_attention` imports torch and the PyTorch layer when
 called.

@@ -8,7 +8,7 @@ from .llama import _rotary
 from .tensors import _tensor
 
 
-def _gated(config, tensors, index, *, gate, rope="all"):
+def _gated(config, tensors, index, *, gate, rope="all", **rotary_options):
     """Attention with an output gate, sigmoid(hidden @ gate_kernel) times each head's result before `o_proj`
     (`_rotary` for the rest). `gate`: "q_proj" (Qwen3-Next, Qwen3.5: `q_proj` yields, head by head, H query
     features and then H gate features), "gate_proj" (AFMoE: an (N*H, E) projection) or "g_proj" (LFM3: one gate
@@ -27,7 +27,7 @@ def _gated(config, tensors, index, *, gate, rope="all"):
                 tensors[f"q_proj.{part}"] = both[:, 0].reshape(num_heads * head_dim, *fused.shape[1:])  # (N*H, ...)
                 tensors[f"gate.{part}"] = both[:, 1].reshape(num_heads * head_dim, *fused.shape[1:])
         gate = "gate"
-    kwargs, weights = _rotary(config, tensors, index, rope=rope)
+    kwargs, weights = _rotary(config, tensors, index, rope=rope, **rotary_options)
     if gate == "g_proj" and "g_proj.weight" not in tensors:
         gate = "gate_proj"  # LFM3's checkpoints name it so (transformers renames it `g_proj` when loading)
     kernel = _tensor(tensors, f"{gate}.weight")  # (N*H, E), or LFM3's (N, E)

@@ -8,12 +8,15 @@ from .config import _head_dim, _layer_type, _rope_kwargs, _rope_parameters, _win
 from .tensors import _blocks, _separate_projections, _split_fused, _tensor
 
 
-def _rotary(config, tensors, index, *, interleaved=False, scale=None, rope="all", norm="rms", mrope=False):
+def _rotary(
+    config, tensors, index, *, interleaved=False, scale=None, rope="all", norm="rms", mrope=False, **norm_options
+):
     """Llama and its descendants: q_proj, k_proj, v_proj and o_proj (Phi: dense; Phi3: a fused qkv_proj),
     RoPE from the config (`interleaved`: Cohere and GLM pair features 2i and 2i + 1; `scale`: the config
     key of a scale other than 1 / sqrt(H); `rope`: "all", "sliding" (Cohere2) or "no_rope_layers" (SmolLM3)
     for the layers that rotate; `norm`: the QK-norm of `q_norm`, "rms" or "layer" (Cohere); `mrope`: Qwen2-VL's
-    multimodal RoPE, `mrope_section`)."""
+    multimodal RoPE, `mrope_section`; `norm_options`: the QK-norm's `norm_eps` and `norm_offset` where the module
+    says them, `interop.hf.structure`)."""
     head_dim, num_heads = _head_dim(config), config["num_attention_heads"]
     num_kv_heads = config.get("num_key_value_heads") or num_heads
     if "qkv_proj.weight" in tensors:  # Phi3
@@ -38,7 +41,7 @@ def _rotary(config, tensors, index, *, interleaved=False, scale=None, rope="all"
     if config.get("attn_logit_softcapping") is not None:
         kwargs["softcap"] = float(config["attn_logit_softcapping"])
     if "q_norm.weight" in tensors:
-        kwargs |= _qk_norm(config, tensors, head_dim, weights, norm)
+        kwargs |= _qk_norm(config, tensors, head_dim, weights, norm, **norm_options)
     elif "q_layernorm.weight" in tensors or "q_layernorm.norms.0.weight" in tensors:
         kwargs |= _qk_layernorm(config, tensors, weights, num_heads, num_kv_heads)
     if "sinks" in tensors:
@@ -60,6 +63,8 @@ def _scale(config, key, head_dim):
 
 def _rotates(config, index, layer_type, rope):
     """Whether layer `index` applies RoPE: every layer, the sliding ones (Cohere2) or SmolLM3's `no_rope_layers`."""
+    if rope == "never":  # a NoPE layer (`interop.hf.structure`)
+        return False
     if rope == "sliding":
         return layer_type == "sliding_attention"
     if rope == "no_rope_layers":
@@ -69,19 +74,22 @@ def _rotates(config, index, layer_type, rope):
     return True
 
 
-def _qk_norm(config, tensors, head_dim, weights, norm):
+def _qk_norm(config, tensors, head_dim, weights, norm, norm_eps=None, norm_offset=None):
     """QK-norm kwargs and weights from `q_norm` / `k_norm`: RMSNorms (Qwen3, Gemma 3: one scale (H,) shared by the
     heads; OLMo2: over all heads), or Cohere's LayerNorm (`norm="layer"`) of (heads, H), each head its own scale."""
     # Gemma's, Qwen3-Next's and Qwen3.5's RMSNorms multiply by (1 + weight): the portable scale is 1 + weight,
     # computed as they do (float32).
-    offset = np.float32(1.0 if config.get("model_type", "").startswith(_UNIT_OFFSET_NORMS) else 0.0)
+    if norm_offset is None:
+        norm_offset = config.get("model_type", "").startswith(_UNIT_OFFSET_NORMS)
+    offset = np.float32(1.0 if norm_offset else 0.0)
     query, key = _tensor(tensors, "q_norm.weight"), _tensor(tensors, "k_norm.weight")
     weights["query_norm"] = query.reshape(-1) + offset  # Cohere's (N, H) -> (N*H,), head-major
     weights["key_norm"] = key.reshape(-1) + offset  # (K, H) -> (K*H,)
     kind = "per_head" if query.ndim == 2 else "head" if query.shape == (head_dim,) else "all"
     if norm == "layer":
-        return {"qk_norm": kind, "qk_norm_eps": float(config["layer_norm_eps"]), "qk_norm_type": "layer"}
-    return {"qk_norm": kind, "qk_norm_eps": float(config["rms_norm_eps"])}
+        eps = config["layer_norm_eps"] if norm_eps is None else norm_eps
+        return {"qk_norm": kind, "qk_norm_eps": float(eps), "qk_norm_type": "layer"}
+    return {"qk_norm": kind, "qk_norm_eps": float(config["rms_norm_eps"] if norm_eps is None else norm_eps)}
 
 
 _UNIT_OFFSET_NORMS = ("gemma", "qwen3_next", "qwen3_5")  # model types whose RMSNorm scale is 1 + weight

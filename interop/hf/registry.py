@@ -16,7 +16,7 @@ def _family(porter, path, **options):
     def port(config, tensors, index):
         return porter(config, tensors, index, **options)
 
-    port.__doc__, port.family = porter.__doc__, porter
+    port.__doc__, port.family, port.options = porter.__doc__, porter, options
     return port, path
 
 

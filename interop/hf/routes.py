@@ -7,6 +7,7 @@ from .gated import _GATED_REFUSED, _refuse_layer_type
 from .latent import _REFUSED
 from .llama import _REFUSED_CLASSES
 from .registry import _builtin, _path, _porter, _registered, supported_modules
+from .structure import _structural_porter
 from .tensors import _Prefixed, load_tensors
 
 
@@ -38,6 +39,8 @@ def _module_porter(module):
     porter = _porter(model_type)
     if porter is None:
         _refuse_variant(model_type, "module")
+        porter = _structural_porter(module, model_type)
+    if porter is None:
         _refuse_unknown(module, f" of model type {model_type!r}")
     return porter
 

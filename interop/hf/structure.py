@@ -1,0 +1,316 @@
+"""Families recognised by their structure: an attention module of a model type no porter is listed for ports as
+the Llama kind (`_rotary`), or gated (`_gated`), when it holds what they read and nothing else.
+
+What is read, never computed (no numeric probe): the module's children and parameters (`q_proj`, `k_proj`,
+`v_proj`, `o_proj` as `nn.Linear`; optional `q_norm` and `k_norm`, `sinks`, a gate `g_proj` or `gate_proj`;
+dropout and a rotary embedding held by the module), its attributes (`is_causal`, `head_dim`, `scaling`,
+`sliding_window`), the class of its norms (an RMSNorm of weight, of 1 + weight, or a LayerNorm, and their
+eps), and the source of the RoPE its modeling module applies (`apply_rotary_pos_emb` and `rotate_half`, the
+same text as a listed family's, which says whether the features pair in halves or interleaved). Anything else
+the module holds is refused by name. A family that has this structure but computes something else is refused
+by name in `_REFUSED` with what it adds; `shared_tests/test_hf_families.py` is the proof of each.
+"""
+
+import ast
+import functools
+import hashlib
+import importlib
+import inspect
+import re
+import sys
+import textwrap
+
+from .gated import _gated
+from .llama import _rotary
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_ALLOWED = {"q_norm", "k_norm", "rotary_emb", "attention_dropout", "dropout", "attn_dropout", "resid_dropout"}
+_GATES = ("g_proj", "gate_proj")
+_ROPE_EXTRA = {"ernie4_5": True}  # GLM's pairing over the whole head, in float32 (the generated test proves it)
+
+_REFUSED = {  # the Llama kind by structure, computing something else: what it adds
+    "qwen3_vl": "Qwen3-VL's text attention turns its features by interleaved multimodal RoPE (`mrope_section`)",
+    "qwen3_vl_moe": "Qwen3-VL-MoE's text attention turns its features by interleaved multimodal RoPE (`mrope_section`)",
+}
+
+
+def _normalized(function):
+    """A function's source without comments, blank lines and its docstring: what it computes, as text."""
+    if function is None:
+        return None
+    try:
+        source = textwrap.dedent(inspect.getsource(function))
+    except (OSError, TypeError):
+        return None
+    source = re.sub(r'"""(.|\n)*?"""', "", source)
+    lines = [re.sub(r"#.*", "", line).rstrip() for line in source.splitlines()]
+    return hashlib.sha256("\n".join(line for line in lines if line.strip()).encode()).hexdigest()
+
+
+def _rope_key(module_name):
+    module = sys.modules.get(module_name) or importlib.import_module(module_name)
+    return tuple(_normalized(getattr(module, name, None)) for name in ("apply_rotary_pos_emb", "rotate_half"))
+
+
+@functools.cache
+def _rope_kinds():
+    """{the RoPE functions' key: interleaved} of the listed Llama-kind families (their modeling modules'
+    `apply_rotary_pos_emb` and `rotate_half`, and their porter's `interleaved`), and `_ROPE_EXTRA`'s."""
+    from .registry import _BUILTIN
+
+    references = dict(_ROPE_EXTRA)
+    for model_type, (porter, _) in _BUILTIN.items():
+        options = porter.options
+        if porter.family in (_rotary, _gated) and "mrope" not in options and model_type not in references:
+            references[model_type] = options.get("interleaved", False)
+    kinds = {}
+    for model_type, interleaved in references.items():
+        try:
+            key = _rope_key(f"transformers.models.{model_type}.modeling_{model_type}")
+        except ImportError:  # a model type whose package is named otherwise (xlm-roberta)
+            continue
+        if key[0] is not None:
+            kinds.setdefault(key, interleaved)
+    return kinds
+
+
+_UNSQUEEZE = (  # the first statements of transformers' `apply_rotary_pos_emb`
+    "cos = cos.unsqueeze(unsqueeze_dim)",
+    "sin = sin.unsqueeze(unsqueeze_dim)",
+)
+_PAIRS = {  # rotate_half's statements: whether it pairs features interleaved (2i, 2i + 1) or in halves (i, i + H/2)
+    "x1 = x[..., 0::2] | x2 = x[..., 1::2] | return torch.stack((-x2, x1), dim=-1).flatten(-2)": True,
+    "x1 = x[..., :x.shape[-1] // 2] | x2 = x[..., x.shape[-1] // 2:] | return torch.cat((-x2, x1), dim=-1)": False,
+}
+_REPEAT = (  # the interleaved RoPE's cos and sin, each frequency repeated for its pair
+    "cos = cos[..., :cos.shape[-1] // 2].repeat_interleave(2, dim=-1)",
+    "sin = sin[..., :sin.shape[-1] // 2].repeat_interleave(2, dim=-1)",
+)
+_ROTATIONS = (  # the rotation over the whole head, or over its first `rotary_dim` features (partial RoPE)
+    ("q_embed = q * cos + rotate_half(q) * sin", "k_embed = k * cos + rotate_half(k) * sin"),
+    (
+        "rotary_dim = cos.shape[-1]",
+        "q_rot, q_pass = (q[..., :rotary_dim], q[..., rotary_dim:])",
+        "k_rot, k_pass = (k[..., :rotary_dim], k[..., rotary_dim:])",
+        "q_embed = q_rot * cos + rotate_half(q_rot) * sin",
+        "k_embed = k_rot * cos + rotate_half(k_rot) * sin",
+        "q_embed = torch.cat([q_embed, q_pass], dim=-1)",
+        "k_embed = torch.cat([k_embed, k_pass], dim=-1)",
+    ),
+)
+
+
+def _rope_pattern(module_name):
+    """Where the RoPE functions' text differs from every listed family's: interleaved or in halves, read from
+    `rotate_half` and `apply_rotary_pos_emb` when they hold nothing but the rotation (over the whole head, or its
+    first features with partial RoPE; cos and sin repeated pairwise for the interleaved one; casts to float32 and
+    back aside); None otherwise."""
+    module = sys.modules[module_name]
+    rotate, apply = getattr(module, "rotate_half", None), getattr(module, "apply_rotary_pos_emb", None)
+    if rotate is None or apply is None:
+        return None
+    interleaved = _PAIRS.get(" | ".join(_statements(rotate)))
+    statements = [re.sub(r"\.float\(\)|\.to\(\w+\)", "", s) for s in _statements(apply) if "dtype" not in s]
+    if interleaved is None or tuple(statements[:2]) != _UNSQUEEZE:
+        return None
+    rest = statements[2:]
+    if interleaved:
+        if tuple(rest[:2]) != _REPEAT:
+            return None
+        rest = rest[2:]
+    if tuple(rest[:-1]) not in _ROTATIONS or rest[-1] != "return (q_embed, k_embed)":
+        return None
+    return interleaved
+
+
+def _statements(function):
+    """A function's body, one normalized line per statement (its docstring left out)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
+    body = (
+        tree.body[1:]
+        if isinstance(tree.body[0], ast.Expr) and isinstance(tree.body[0].value, ast.Constant)
+        else tree.body
+    )
+    return [ast.unparse(node).replace("\n", " ") for node in body]
+
+
+def _refuse(module, model_type, what):
+    raise ValueError(
+        f"`module` must hold an attention a porter reads: {type(module).__name__} (model type {model_type!r}) "
+        f"{what}. Register a porter for it with `register_porter`. Received: {type(module).__name__}"
+    )
+
+
+def _structural_porter(module, model_type):
+    """The porter of an attention module of an unlisted model type, recognised by its structure, or a
+    `ValueError` naming what it holds that no porter reads."""
+    if model_type in _REFUSED:
+        raise ValueError(
+            f"`module` must hold an attention the layer computes: {_REFUSED[model_type]}, which the layer cannot. "
+            f"Received: model_type={model_type!r}"
+        )
+    children = dict(module.named_children())
+    missing = [name for name in _PROJECTIONS if name not in children]
+    if missing:
+        return None
+    if any(type(children[name]).__name__ != "Linear" for name in _PROJECTIONS):
+        _refuse(module, model_type, "has projections other than nn.Linear")
+    if children["v_proj"].out_features != children["k_proj"].out_features:
+        _refuse(
+            module,
+            model_type,
+            "has value heads of another width than its key heads (`v_proj` "
+            f"{children['v_proj'].out_features}, `k_proj` {children['k_proj'].out_features} features)",
+        )
+    if getattr(module, "is_causal", None) is not True:
+        _refuse(module, model_type, "is not causal (`is_causal`): not a decoder's self-attention")
+    _check_queries(module, model_type)
+    gate = next((name for name in _GATES if name in children), None)
+    extra = [n for n in children if n not in (*_PROJECTIONS, *_ALLOWED, gate) and not _is_dropout(children[n])]
+    extra += [n for n, _ in module.named_parameters(recurse=False) if n != "sinks"]
+    extra += [n for n, _ in module.named_buffers(recurse=False)]
+    if extra:
+        _refuse(module, model_type, "adds " + ", ".join(f"`{n}`" for n in extra) + ", which no porter reads")
+    interleaved = _rope_kinds().get(_rope_key(type(module).__module__), _rope_pattern(type(module).__module__))
+    if interleaved is None:
+        _refuse(module, model_type, "applies a RoPE (`apply_rotary_pos_emb`) that is not one a listed family has")
+    if gate is not None:
+        _check_gate(module, model_type, gate)
+    options = {"interleaved": interleaved, **_norm_options(module, model_type, children)}
+    rotates = _rotates(module, model_type)
+    if not rotates:
+        options["rope"] = "never"
+    attributes = _attributes(module)
+
+    def port(config, tensors, index):
+        config = {**config, **attributes["config"]}
+        if config.get("hidden_size") != children["q_proj"].in_features:
+            _refuse(
+                module,
+                model_type,
+                f"reads {children['q_proj'].in_features} input features, not the model's "
+                f"hidden size {config.get('hidden_size')} (another stream concatenated to the hidden states)",
+            )
+        layer_options = dict(options)
+        if rotates == "layer_rope_theta":
+            config, layer_options["rope"] = _layer_theta(module, model_type, config, index)
+        if gate is None:
+            kwargs, weights = _rotary(config, tensors, index, **layer_options)
+        else:
+            kwargs, weights = _gated(config, tensors, index, gate=gate, **layer_options)
+        kwargs["scale"] = attributes["scale"]
+        return kwargs, weights
+
+    port.family = _rotary if gate is None else _gated
+    port.__doc__ = f"{type(module).__name__}, recognised as the Llama kind by its structure"
+    return port
+
+
+def _rotates(module, model_type):
+    """Whether the module's forward applies RoPE: unconditionally, or under a condition on its own attributes
+    (`if self.sliding_window is None or self.is_sliding:`, EXAONE 4's NoPE full layers), read from its source
+    and evaluated on the module; a call under another condition is refused."""
+    source = textwrap.dedent(inspect.getsource(type(module).forward))
+    tree = ast.parse(source)
+    if not any(
+        getattr(n.func, "id", None) == "apply_rotary_pos_emb" for n in ast.walk(tree) if isinstance(n, ast.Call)
+    ):
+        return False  # no RoPE at all (Jamba)
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.If):
+            continue
+        calls = [n for b in node.body for n in ast.walk(b) if isinstance(n, ast.Call)]
+        if not any(getattr(c.func, "id", None) == "apply_rotary_pos_emb" for c in calls):
+            continue
+        if ast.unparse(node.test) == "position_embeddings is not None":  # the model passes None to NoPE layers
+            return "layer_rope_theta"  # Granite-SWA's per-layer base, 0 for NoPE: read by the porter, or refused
+        names = {n.id for n in ast.walk(node.test) if isinstance(n, ast.Name)}
+        if names != {"self"} or any(isinstance(n, ast.Call) for n in ast.walk(node.test)):
+            _refuse(module, model_type, f"applies RoPE only where `{ast.unparse(node.test)}`, which no porter reads")
+        return bool(eval(compile(ast.Expression(node.test), "<forward>", "eval"), {}, {"self": module}))
+    return True
+
+
+def _check_queries(module, model_type):
+    """Refuses a forward that multiplies its queries by something after projecting them (Ministral 3's
+    `get_llama_4_attn_scale`: a scale by position, exactly 1 below its floor, so a tiny model cannot tell)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(type(module).forward)))
+    for node in ast.walk(tree):
+        targets = [getattr(t, "id", None) for t in getattr(node, "targets", [])]
+        if (
+            isinstance(node, ast.Assign)
+            and targets == ["query_states"]
+            and isinstance(node.value, ast.BinOp)
+            and isinstance(node.value.op, ast.Mult)
+        ):
+            other = node.value.right if getattr(node.value.left, "id", None) == "query_states" else node.value.left
+            _refuse(module, model_type, f"scales its queries by `{ast.unparse(other)}`, which no porter reads")
+
+
+def _check_gate(module, model_type, gate):
+    """The gate must be a sigmoid of its projection, as the layer's is: read from the forward's source."""
+    source = inspect.getsource(type(module).forward)
+    applied = re.findall(r"([\w.]+)\(\s*self\." + gate + r"\(", source)
+    if applied and not all(name.endswith("sigmoid") for name in applied):
+        _refuse(
+            module,
+            model_type,
+            f"gates its heads with {', '.join(applied)} of `{gate}`, where the layer's gate is a sigmoid",
+        )
+
+
+def _layer_theta(module, model_type, config, index):
+    """Granite-SWA's `layer_rope_theta`: layer `index`'s RoPE base, 0 for a NoPE layer (its model passes no
+    `position_embeddings` there); a config without it is refused."""
+    thetas = config.get("layer_rope_theta")
+    if not isinstance(thetas, list | tuple) or index is None:
+        _refuse(
+            module,
+            model_type,
+            "applies RoPE only where its model passes `position_embeddings`, which its "
+            "config does not say per layer (`layer_rope_theta`)",
+        )
+    theta = thetas[index]
+    if not theta:
+        return config, "never"
+    parameters = dict(config.get("rope_parameters") or {"rope_theta": config.get("rope_theta")})
+    return {**config, "rope_parameters": {**parameters, "rope_theta": float(theta)}}, "all"
+
+
+def _is_dropout(child):
+    return type(child).__name__ == "Dropout" or type(child).__name__ == "Identity"
+
+
+_EPS = ("variance_epsilon", "eps")
+
+
+def _norm_options(module, model_type, children):
+    """The QK-norm's kind: an RMSNorm of `weight` or of `1 + weight`, or a LayerNorm; its eps."""
+    norm = children.get("q_norm")
+    if norm is None:
+        return {}
+    if type(norm).__name__ == "Identity":
+        return {}
+    source = inspect.getsource(type(norm))
+    names = {n for n, _ in norm.named_parameters()}
+    eps = next((getattr(norm, a) for a in _EPS if isinstance(getattr(norm, a, None), float)), None)
+    if eps is None or not names <= {"weight", "bias"} or list(norm.children()):
+        _refuse(module, model_type, f"normalizes its queries with {type(norm).__name__}, which no porter reads")
+    if "LayerNorm" in type(norm).__name__ or "layer_norm" in source:
+        return {"norm": "layer", "norm_eps": eps}
+    if "bias" in names or ("rsqrt" not in source and "pow(2)" not in source):
+        _refuse(module, model_type, f"normalizes its queries with {type(norm).__name__}, which no porter reads")
+    offset = bool(re.search(r"\(\s*1(\.0)?\s*\+\s*self\.weight", source))
+    return {"norm_eps": eps, "norm_offset": offset}
+
+
+def _attributes(module):
+    """What the module's attributes say: its head dimension and heads (from its projections), its softmax scale
+    and sliding window."""
+    head_dim = int(getattr(module, "head_dim", 0)) or None
+    q_out, k_out = module.q_proj.out_features, module.k_proj.out_features
+    config = {}
+    if head_dim:
+        config = {"head_dim": head_dim, "num_attention_heads": q_out // head_dim}
+        config["num_key_value_heads"] = k_out // head_dim
+    return {"config": config, "scale": float(getattr(module, "scaling", (head_dim or 1) ** -0.5))}

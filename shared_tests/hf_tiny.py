@@ -1,0 +1,279 @@
+"""Tiny random models of every `transformers` family with a `*ForCausalLM` class, shrunk from the family's
+default configuration, and the check that `replace_attention` keeps what they compute.
+
+`causal_lm_families()` lists the model types of the installed `transformers` with a `*ForCausalLM` class (one
+class per model type: the first in its modeling module). `tiny_model(model_type)` builds one: the default
+config of the class's `config_class`, shrunk (`shrink`: 2 to 4 layers, hidden size 64, 4 query heads of 16,
+2 key/value heads, a vocabulary of 128, small experts and latents; every per-layer list cut to the layers
+kept; a sliding window of 3), seeded, float32, in eval mode, its parameters moved off their initial values
+(norm scales away from 1, biases away from 0) so that each ported variant matters. A family whose tiny model
+cannot be built raises `NotBuiltError` with why.
+
+`check_replaced(model)` copies the model, runs `replace_attention` on the copy and requires, on a left-padded
+batch, the logits of the real tokens within `LOGITS_TOL` (scaled by the logits' spread where it is above 1),
+and greedy `generate`'s tokens, compared step by step while the reference's top logit leads the next by
+`MARGIN` (a near-tie can flip in any two implementations: the comparison stops at the first such step).
+`replace_attention`'s `ValueError` passes through: its message is the refusal's reason.
+"""
+
+import contextlib
+import copy
+import functools
+import importlib
+import inspect
+import pkgutil
+
+import numpy as np
+
+SEED = 0
+LOGITS_TOL = 1e-4
+MARGIN = 1e-3  # greedy tokens compared while the top logit leads the second by this much
+NEW_TOKENS = 6
+PROMPT_LENGTHS = (8, 5, 2)  # left-padded to the longest
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 64, 4, 2, 16, 128
+WINDOW = 3
+
+
+class NotBuiltError(Exception):
+    """A family's tiny model could not be built from its default configuration: why."""
+
+
+@functools.cache
+def causal_lm_families():
+    """{model_type: (modeling module name, *ForCausalLM class name)} of the installed transformers."""
+    import transformers.models
+
+    found = {}
+    for package in pkgutil.iter_modules(transformers.models.__path__):
+        cls = _causal_lm_class(package.name)
+        if cls is not None:
+            found[package.name] = (cls.__module__, cls.__name__)
+    return found
+
+
+@functools.cache
+def _causal_lm_class(model_type):
+    """The first `*ForCausalLM` class its modeling modules define, else None (reads that package only)."""
+    for module in _modeling_modules(model_type):
+        try:
+            imported = importlib.import_module(module)
+        except Exception:  # a modeling module that needs a package not installed
+            continue
+        for name, value in vars(imported).items():
+            if (
+                name.endswith("ForCausalLM")
+                and not name.startswith("Auto")  # transformers.models.auto: the factory, not a family
+                and inspect.isclass(value)
+                and value.__module__ == imported.__name__
+            ):
+                return value
+    return None
+
+
+def _modeling_modules(package):
+    import transformers.models
+
+    path = [f"{transformers.models.__path__[0]}/{package}"]
+    return [
+        f"transformers.models.{package}.{m.name}"
+        for m in pkgutil.iter_modules(path)
+        if m.name.startswith("modeling_") and not m.name.startswith(("modeling_tf_", "modeling_flax_"))
+    ]
+
+
+def causal_lm_class(model_type):
+    cls = _causal_lm_class(model_type)
+    if cls is None:
+        raise KeyError(f"no *ForCausalLM class in transformers.models.{model_type}")
+    return cls
+
+
+_SIZES = {
+    "hidden_size": HIDDEN,
+    "d_model": HIDDEN,
+    "n_embd": HIDDEN,
+    "num_attention_heads": HEADS,
+    "n_head": HEADS,
+    "num_heads": HEADS,
+    "encoder_attention_heads": HEADS,
+    "decoder_attention_heads": HEADS,
+    "encoder_ffn_dim": 96,
+    "decoder_ffn_dim": 96,
+    "head_dim": HEAD_DIM,
+    "intermediate_size": 96,
+    "ffn_hidden_size": 96,
+    "moe_intermediate_size": 32,
+    "expert_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "vocab_size": VOCAB,
+    "num_experts": 4,
+    "n_routed_experts": 4,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "max_position_embeddings": 256,
+}
+_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
+_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+LAYER_COUNTS = (
+    "num_hidden_layers",
+    "n_layer",
+    "num_layers",
+    "n_layers",
+    "encoder_layers",
+    "decoder_layers",
+    "num_encoder_layers",
+    "num_decoder_layers",
+)
+
+
+def shrink(config):
+    """The config, shrunk in place (a composite config's text config and sub-configs too)."""
+    for value in list(vars(config).values()):
+        if hasattr(value, "to_dict") and hasattr(value, "model_type"):
+            shrink(value)
+    old_layers = next((getattr(config, n) for n in LAYER_COUNTS if isinstance(getattr(config, n, None), int)), None)
+    layers = layers_kept(config, old_layers)
+    for name in LAYER_COUNTS:
+        if isinstance(getattr(config, name, None), int):
+            setattr(config, name, layers)
+    for name, value in list(vars(config).items()):  # per-layer lists cut to the layers kept
+        if old_layers and isinstance(value, list | tuple) and len(value) == old_layers and layers < old_layers:
+            setattr(config, name, type(value)(value[:layers]))
+    if hasattr(config, "head_dim") and getattr(config, "head_dim", 0) is None:  # derived from the others
+        set_field(config, "head_dim", HEAD_DIM)
+    for name, size in _SIZES.items():
+        if isinstance(getattr(config, name, None), int) and not isinstance(getattr(config, name), bool):
+            set_field(config, name, min(size, getattr(config, name)) if name.startswith("num_experts") else size)
+    for name in _KV_HEADS:
+        if isinstance(getattr(config, name, None), int):
+            set_field(config, name, KV_HEADS)
+    _even_rotary(config)
+    if isinstance(getattr(config, "kv_lora_rank", None), int) and hasattr(config, "head_dim"):
+        set_field(config, "head_dim", config.qk_rope_head_dim)  # MLA: the rotary part's width
+        for name in _KV_HEADS:
+            if isinstance(getattr(config, name, None), int):
+                set_field(config, name, HEADS)
+    for name in _TOKENS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value >= VOCAB:
+            setattr(config, name, 0)
+        elif isinstance(value, list):
+            setattr(config, name, [t for t in value if t < VOCAB] or [0])
+    if isinstance(getattr(config, "sliding_window", None), int):
+        config.sliding_window = WINDOW
+    _shrink_rope(config)
+    return config
+
+
+def _even_rotary(config):
+    """A head wide enough that its partial RoPE turns an even number of features (MiMo-V2-Flash's 0.334)."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    entries = [parameters, *parameters.values()] if isinstance(parameters, dict) else []
+    fractions = [e.get("partial_rotary_factor") for e in entries if isinstance(e, dict)]
+    fraction = next((f for f in fractions if f), None) or getattr(config, "partial_rotary_factor", None)
+    if isinstance(fraction, float) and isinstance(getattr(config, "head_dim", None), int):
+        width = next((w for w in (HEAD_DIM, 24, 32, 48, 64) if int(w * fraction) % 2 == 0 and int(w * fraction)), 0)
+        if width and width != config.head_dim:
+            set_field(config, "head_dim", width)
+
+
+def set_field(config, name, value):
+    with contextlib.suppress(AttributeError, NotImplementedError):  # a property without a setter (Falcon's head_dim)
+        setattr(config, name, value)
+
+
+def layers_kept(config, old_layers):
+    """Enough layers to hold each kind of layer of `layer_types` (at least 2), at most 4, else 2."""
+    if not old_layers:
+        return 2
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, list | tuple) and types:
+        wanted = set(types)
+        for n in range(2, min(old_layers, 8) + 1):
+            if set(types[:n]) == wanted:
+                return n
+    return min(old_layers, 2)
+
+
+def _shrink_rope(config):
+    """Multimodal RoPE sections cut to the tiny head's rotated pairs."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    for entry in (parameters, *(v for v in parameters.values() if isinstance(v, dict))):
+        if isinstance(entry, dict) and entry.get("mrope_section"):
+            pairs = int(HEAD_DIM * entry.get("partial_rotary_factor", 1.0)) // 2
+            section = list(entry["mrope_section"])
+            scaled = [max(1, s * pairs // sum(section)) for s in section]
+            scaled[0] += pairs - sum(scaled)
+            entry["mrope_section"] = scaled
+
+
+def tiny_model(model_type):
+    """The family's tiny random model (float32, eval mode), or `NotBuiltError` with why."""
+    import torch
+
+    cls = causal_lm_class(model_type)
+    try:
+        config = shrink(cls.config_class())
+        torch.manual_seed(SEED)
+        model = cls(config).float().eval()
+    except Exception as error:
+        raise NotBuiltError(f"{type(error).__name__}: {_first_line(error)}") from error
+    generator = torch.Generator().manual_seed(SEED + 1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.is_floating_point():
+                noise = torch.randn(parameter.shape, generator=generator) * (0.2 if parameter.ndim == 1 else 0.02)
+                parameter.add_(noise)
+    return model
+
+
+def _first_line(error):
+    return (str(error).strip().splitlines() or [""])[0][:200]
+
+
+def prompts(vocab=VOCAB):
+    import torch
+
+    length = max(PROMPT_LENGTHS)
+    mask = torch.tensor([[0] * (length - n) + [1] * n for n in PROMPT_LENGTHS])
+    ids = torch.from_numpy(np.random.default_rng(SEED).integers(1, vocab, size=mask.shape))
+    return ids * mask, mask
+
+
+def check_replaced(model):
+    """Raises `AssertionError` where the replaced model differs, `ValueError` where `replace_attention` refuses;
+    returns what was compared ({"logits": max difference, "tokens": steps compared, "replaced": names})."""
+    import torch
+
+    from interop.hf import replace_attention
+
+    ours = copy.deepcopy(model)
+    replaced = replace_attention(ours)
+    ids, mask = prompts(min(VOCAB, model.config.get_text_config().vocab_size))
+    rows = mask.bool().numpy()
+    with torch.no_grad():
+        theirs, mine = (m(input_ids=ids, attention_mask=mask).logits.float().numpy() for m in (model, ours))
+    tolerance = LOGITS_TOL * max(1.0, float(theirs[rows].std()))
+    difference = float(np.abs(mine[rows] - theirs[rows]).max())
+    assert difference <= tolerance, f"logits differ by {difference:.3g} (tolerance {tolerance:.3g})"
+    settings = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": 0, "eos_token_id": None}
+    settings |= {"output_logits": True, "return_dict_in_generate": True}
+    with torch.no_grad():
+        reference, result = (m.generate(input_ids=ids, attention_mask=mask, **settings) for m in (model, ours))
+    compared = 0
+    for step, logits in enumerate(reference.logits):
+        top = torch.topk(logits.float(), 2, dim=-1).values
+        if bool(((top[:, 0] - top[:, 1]) < MARGIN).any()):
+            break
+        column = ids.shape[1] + step
+        assert torch.equal(result.sequences[:, column], reference.sequences[:, column]), f"tokens differ at {step}"
+        compared += 1
+    return {"logits": difference, "tokens": compared, "replaced": replaced}

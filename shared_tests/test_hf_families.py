@@ -1,0 +1,82 @@
+"""The generated proof of the census (docs/census.md, `python -m interop.hf.census`): every model type with a
+`*ForCausalLM` class is built as a tiny random model shrunk from its default configuration
+(`shared_tests/hf_tiny.py`) and gets the verdict the census prints: `ported` keeps its logits within 1e-4 on
+a left-padded batch and its greedy tokens (where the reference's top logit leads by a margin) after
+`replace_attention`; `refused` raises the `ValueError` whose message the census prints; `not built` fails to
+build or run, and is not counted.
+
+`make test` runs a spread of the families (`SAMPLE`: listed porters and structurally recognised ones, gated,
+sinks, NoPE layers, interleaved RoPE, refusals); `HF_FAMILIES=all` runs every family of the census, and checks
+that the committed census is what `interop.hf.census` computes now (the long mode: docs/testing.md).
+"""
+
+import os
+import warnings
+
+import pytest
+
+from interop.hf import census
+from shared_tests import hf_tiny
+
+LONG = os.environ.get("HF_FAMILIES") == "all"
+SAMPLE = {  # a spread over the porters: listed families, and each kind of structural recognition
+    "llama",  # the listed Llama kind
+    "qwen3",  # listed, QK-norm
+    "helium",  # by structure: interleaved RoPE read from its functions' text
+    "exaone4",  # by structure: QK-norm, NoPE full layers (RoPE under a condition on the module's attributes)
+    "flint",  # by structure: sinks
+    "jamba",  # by structure: no RoPE, a hybrid with Mamba layers
+    "afmoe",  # listed gated
+    "diffllama",  # refused with what it adds (its lambdas and group norm)
+    "laguna",  # refused: a softplus gate
+}
+CLASSES, FAMILIES = census.read_table()
+VERDICTS = {model_type: (verdict, detail) for model_type, _, verdict, detail in FAMILIES}
+
+
+def _selected(verdict):
+    names = sorted(t for t, (v, _) in VERDICTS.items() if v == verdict)
+    return [
+        pytest.param(n, marks=() if LONG or n in SAMPLE else pytest.mark.skip(reason="HF_FAMILIES=all")) for n in names
+    ]
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+@pytest.mark.parametrize("model_type", _selected("ported"))
+def test_tiny_model_keeps_logits_and_tokens(model_type):
+    """The replaced model's logits within 1e-4 on a left-padded batch, its greedy tokens while the reference's
+    top logit leads by a margin (`hf_tiny.check_replaced`)."""
+    result = hf_tiny.check_replaced(hf_tiny.tiny_model(model_type))
+    assert result["replaced"]
+
+
+@pytest.mark.parametrize("model_type", _selected("refused"))
+def test_refused_family_raises_the_census_reason(model_type):
+    model = hf_tiny.tiny_model(model_type)
+    with pytest.raises(ValueError) as error:
+        hf_tiny.check_replaced(model)
+    assert census._reason(error.value).replace("|", "/") == VERDICTS[model_type][1]
+
+
+def test_every_ported_class_names_its_proof():
+    """A class counts as ported only with its family's passing test named: the generated one (its model type
+    ported here) or test_hf.py's for a listed family with no causal language model."""
+    for model_type, name, status, detail in CLASSES:
+        if status == "ported" and "test_hf_families" in detail:
+            assert detail.endswith(census.TEST.format(model_type)), (model_type, name)
+            assert VERDICTS[model_type][0] == "ported", (model_type, name)
+        elif status == "ported":
+            assert detail.endswith(census.LISTED_TEST), (model_type, name)
+
+
+@pytest.mark.skipif(not LONG, reason="HF_FAMILIES=all")
+def test_census_is_current():
+    """docs/census.md is what `python -m interop.hf.census --write` writes with the installed transformers."""
+    rows, families = census.census()
+    assert census.markdown(rows, families) == census.TABLE.read_text()
