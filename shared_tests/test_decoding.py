@@ -665,17 +665,20 @@ def test_regression_xla_step_traced_with_t_unknown_is_not_padded_to_a_whole_chun
     times as long). The chunk is now at most T, and decoding equals eager decoding."""
     import tensorflow as tf
 
-    from TensorFlow import MultiHeadAttention
+    from TensorFlow import Multi_Head_Attention, MultiHeadAttention
 
     config, length, chunks, keep = IN_PLACE_SETUPS["gqa_left_padding"]
     layer = MultiHeadAttention(8, 4, **config)
     x, keep = tf.constant(X[:, : chunks[-1][1]]), tf.constant(keep)
     eager = _tf_decode_with(layer, x, length, chunks, keep, _tf_step(tf, layer, "eager", False), False)
     sizes = []  # the chunk size of each trace: a Python int, or a tensor of the traced graph
-    real = MultiHeadAttention._query_chunk
-    monkeypatch.setattr(
-        MultiHeadAttention, "_query_chunk", lambda self, q, k: sizes.append(real(self, q, k)) or sizes[-1]
-    )
+    real = Multi_Head_Attention._query_chunk  # the memory-efficient path's (speed paths section)
+
+    def recorded(layer, q, k):
+        sizes.append(real(layer, q, k))
+        return sizes[-1]
+
+    monkeypatch.setattr(Multi_Head_Attention, "_query_chunk", recorded)
     cache = layer.init_cache(x.shape[0], length, keep=keep, in_place=True)
 
     @tf.function(jit_compile=True, input_signature=[tf.TensorSpec((None, None, 8), tf.float32)])
