@@ -1697,6 +1697,8 @@ def test_new_variants_on_the_meta_device_give_the_cpu_shapes(return_attention):
 
     cpu, meta = run("cpu"), run("meta")
     cpu_leaves, meta_leaves = torch.utils._pytree.tree_leaves(cpu), torch.utils._pytree.tree_leaves(meta)
+    assert [leaf is None for leaf in meta_leaves] == [leaf is None for leaf in cpu_leaves]  # a cache's unset fields
+    meta_leaves, cpu_leaves = [x for x in meta_leaves if x is not None], [x for x in cpu_leaves if x is not None]
     assert len(cpu_leaves) == len(meta_leaves) > 0
     for got, expected in zip(meta_leaves, cpu_leaves, strict=True):
         assert (got.device.type, got.shape, got.dtype) == ("meta", expected.shape, expected.dtype)
