@@ -1653,7 +1653,8 @@ def _write_compiled(handles, fields, k, v, key_mask, misfit):
     its traces: a read takes its static shape from the handle it was traced with."""
 
     def write():
-        read = {name: tf.raw_ops.ReadVariableOp(resource=h, dtype=d) for h, (name, d, _) in zip(handles, fields)}
+        pairs = zip(handles, fields, strict=True)
+        read = {name: tf.raw_ops.ReadVariableOp(resource=h, dtype=d) for h, (name, d, _) in pairs}
         written = (_write_cache if len(read) == 4 else _write_int8_cache)(KVCache(**read), k, v, key_mask)
         for handle, (name, _, _) in zip(handles, fields, strict=True):
             tf.raw_ops.AssignVariableOp(resource=handle, value=getattr(written, name))
