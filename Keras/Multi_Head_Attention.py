@@ -281,8 +281,8 @@ class MultiHeadAttention(keras.layers.Layer):
             q, k, v = (_rotate if self.kv_lora_rank is None else _rotate_latent)(self, q, k, v, call.positions)  # 4.
         if call.cache is not None:
             k, v, keep, call = _update_cache(self, call, k, v, keep)  # 5. the cache (then over its L slots)
-        if self.kv_lora_rank is None:
-            context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S) or None
+        if self.kv_lora_rank is None:  # 6. (B, N, T, H), (B, N, T, S) or None; an int8 cache: `_cache_attend`
+            context, weights = (_cache_attend(self, k) if call.cache else self._attend)(q, k, v, keep, bias, call)
         else:
             context, weights = _attend_latents(self, q, k, v, keep, bias, call)  # 6. MLA: (B, N, T, Hv), ...
         if self.gate:
@@ -395,9 +395,7 @@ class MultiHeadAttention(keras.layers.Layer):
         fusable = self.fused_attention or (self.fused_attention is None and keras.backend.backend() == "torch")
         b, n, t, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
         large = all(isinstance(d, int) for d in (b, t, s)) and b * n * t * s > self.memory_efficient_threshold
-        if _dtype_name(k.dtype) == "int8":
-            context, weights = _attend_int8(self, q, k, v, keep, bias, call)  # an int8 cache (int8 section)
-        elif fusable and self.softcap is None and _fuses(self, q, k, call, dropout):
+        if fusable and self.softcap is None and _fuses(self, q, k, call, dropout):
             context, weights = _fused_heads(self, q, k, v, keep, bias, call, sinks), None
         elif large and not call.return_attention:
             context, weights = _chunked_heads(self, q, k, v, keep, bias, call, dropout, sinks), None
@@ -598,6 +596,11 @@ def _split_bias(attention_bias, dtype):
 def _softcap(scores, softcap):
     """Gemma 2's logit soft-capping: scores -> c * tanh(scores / c)."""
     return scores if softcap is None else softcap * _tanh(scores / softcap)
+
+
+def _capped_scores(layer, scores):
+    """The scores soft-capped by the layer's `softcap` (as they are without one)."""
+    return _softcap(scores, layer.softcap)
 
 
 def _tanh(x):
@@ -1577,6 +1580,11 @@ def _cache_keep(keep, index, t, causal, window, chunk):
     return ops.logical_and(allowed[None, None], keep[:, None, None, :])  # (B, 1, T, L)
 
 
+def _cache_attend(layer, k):
+    """Step 6 of a call with a cache: `_attend`, or over an int8 cache `_attend_int8` (int8 section)."""
+    return layer._attend if _dtype_name(k.dtype) != "int8" else lambda *args: _attend_int8(layer, *args)
+
+
 def _write_cache(cache, k, v, key_mask):
     """A new cache with (B, K, T, H) keys and values of positions [index, index + T) written to
     slots position mod L, and `keep` there: the (B, T) `key_mask` ANDed into it on the first lap
@@ -2418,7 +2426,7 @@ def _attend_int8(layer, q, k, v, keep, bias, call):
     grouped = ops.reshape(ops.cast(q, dtype) * layer.scale, (b, heads, -1, h))  # (B, N, T, H) -> (B, K, G*T, H)
     blocks = [matmul(grouped, ops.swapaxes(ops.cast(k[:, :, i:j], dtype), -1, -2)) for i, j in spans]
     scores = ops.reshape(ops.concatenate(blocks, axis=-1) * k_scale, (b, n, t, length))  # (B, N, T, L)
-    scores = scores if layer.softcap is None else _softcap(scores, layer.softcap)
+    scores = _capped_scores(layer, scores)
     if bias is not None:
         bias = ops.cast(bias, dtype)
         scores = scores + (bias if keep is None or sinks is not None else _centre_rows(bias, keep))  # (B, N, T, L)
@@ -2428,7 +2436,8 @@ def _attend_int8(layer, q, k, v, keep, bias, call):
     used = ops.reshape(used, (b, heads, -1, length)) * v_scale  # (B, N, T, L) -> (B, K, G*T, L)
     context = sum(matmul(used[..., i:j], ops.cast(v[:, :, i:j], dtype)) for i, j in spans)  # (B, K, G*T, H)
     context = ops.reshape(context, (b, n, t, hv))  # (B, K, G*T, H) -> (B, N, T, H)
-    return ops.cast(context, q.dtype), ops.cast(weights, q.dtype)
+    context = _nan_if_misfit(layer, q, k, call, ops.cast(context, q.dtype))  # a trace cannot raise
+    return context, ops.cast(weights, q.dtype)
 
 
 def _with_scales(shapes):

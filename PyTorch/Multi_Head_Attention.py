@@ -214,8 +214,8 @@ class MultiHeadAttention(nn.Module):
             q, k = _rotate(self, q, k, call.positions)  # 4. RoPE
         if call.cache is not None:
             k, v, keep, call = _update_cache(self, call, k, v, keep, fast)  # 5. KV cache (may fold causal, window...)
-        if latent is None:
-            context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S) or None
+        if latent is None:  # 6. (B, N, T, H), (B, N, T, S) or None; an int8 cache: `_cache_attend`
+            context, weights = (_cache_attend(self, k) if call.cache else self._attend)(q, k, v, keep, bias, call)
         else:
             context, weights = _attend_latent(self, q, k, v, keep, bias, call)  # 6. MLA: expanded or absorbed
         if self.gate is not None:
@@ -362,8 +362,6 @@ class MultiHeadAttention(nn.Module):
 
     def _attend(self, q, k, v, keep, bias, call):
         """Step 6, the one entry to the paths: SDPA, else the explicit softmax (`_attend_explicit`)."""
-        if k.dtype == torch.int8:
-            return _attend_int8(self, q, k, v, keep, bias, call)  # an int8 cache (int8 section)
         if self.softcap is not None or call.return_attention:
             return _attend_explicit(self, q, k, v, keep, bias, call)
         dropout = self.dropout if self.training else 0.0
@@ -720,6 +718,11 @@ def _softmax_dtype(dtype, bias=None, sinks=None):
 def _softcap(scores, softcap):
     """Gemma 2's soft-capping: softcap * tanh(scores / softcap)."""
     return scores if softcap is None else softcap * torch.tanh(scores / softcap)
+
+
+def _capped_scores(layer, scores):
+    """The scores soft-capped by the layer's `softcap` (as they are without one)."""
+    return _softcap(scores, layer.softcap)
 
 
 def _masked_softmax(scores, keep, sinks=None):
@@ -1920,6 +1923,11 @@ def _update_cache(layer, call, k, v, keep, fast=None):
     return cache.key, cache.value, keep, folded
 
 
+def _cache_attend(layer, k):
+    """Step 6 of a call with a cache: `_attend`, or over an int8 cache `_attend_int8` (int8 section)."""
+    return layer._attend if k.dtype != torch.int8 else lambda *args: _attend_int8(layer, *args)
+
+
 def _write_cache(cache, k, v, key_mask, start):
     """gpt-fast's `KVCache.update`: the (B, K, T, H) keys and values of positions [index, index + T)
     go to slots position mod L of the cache's own tensors, and the (B, T) `key_mask` (True without
@@ -2605,7 +2613,7 @@ def _attend_int8(layer, q, k, v, keep, bias, call):
     grouped = (q.to(dtype) * layer.scale).reshape(b, heads, n // heads * t, h)  # (B, N, T, H) -> (B, K, G*T, H)
     blocks = [grouped @ k[:, :, i : i + step].to(dtype).transpose(-1, -2) for i in range(0, s, step)]
     scores = (torch.cat(blocks, dim=-1) * k_scale).reshape(b, n, t, s)  # (B, K, G*T, S) -> (B, N, T, S)
-    scores = _softcap(scores, layer.softcap)
+    scores = _capped_scores(layer, scores)
     scores = scores if bias is None else scores + bias.to(dtype)  # (B, N, T, S)
     weights = _masked_softmax(scores, keep, sinks)  # (B, N, T, S)
     used = F.dropout(weights, layer.dropout, training=layer.training and layer.dropout > 0)

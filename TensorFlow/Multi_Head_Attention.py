@@ -314,8 +314,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             q, k, v = _rotate(self, q, k, v, call.positions)
         if cache is not None:  # 5. KV cache: k, v (B, K, L, H); in a graph, `misfit`: whether the tokens do not fit
             k, v, keep, call, misfit = _update_cache(self, call, k, v, keep)
-        if self.kv_lora_rank is None:  # 6. (B, N, T, Hv), (B, N, T, S) or None
-            context, weights = self._attend(q, k, v, keep, bias, call)
+        if self.kv_lora_rank is None:  # 6. (B, N, T, Hv), (B, N, T, S) or None; an int8 cache: `_cache_attend`
+            context, weights = (_cache_attend(self, k) if call.cache else self._attend)(q, k, v, keep, bias, call)
         else:  # 6. MLA: the latents attended, absorbed or expanded
             context, weights = _attend_latent(self, q, k, v, keep, bias, call)
         if self.gate:  # 6b. the output gate, (B, N, T, Hv)
@@ -405,8 +405,6 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         """Step 6, the one entry to the paths: q (B, N, T, H), k (B, K, S, H), v (B, K, S, Hv) attended by
         the formula; by `_attend_in_chunks` where the scores may exceed `memory_efficient_threshold`
         elements and no weights are returned. Returns (context (B, N, T, Hv), weights or None)."""
-        if k.dtype == tf.int8:
-            return _attend_int8(self, q, k, v, keep, bias, call)  # an int8 cache (int8 section)
         b, n, t, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
         if not call.return_attention and (None in (b, t, s) or b * n * t * s > self.memory_efficient_threshold):
             return _attend_in_chunks(self, q, k, v, keep, bias, call)
@@ -808,6 +806,11 @@ def _held_keep(held, positions, causal, window, attention_chunk_size):
 def _softcap(scores, softcap):
     """Gemma 2's logit soft-capping: scores -> softcap * tanh(scores / softcap)."""
     return scores if softcap is None else softcap * tf.tanh(scores / softcap)
+
+
+def _capped_scores(layer, scores):
+    """The scores soft-capped by the layer's `softcap` (as they are without one)."""
+    return _softcap(scores, layer.softcap)
 
 
 @tf.custom_gradient
@@ -1598,6 +1601,11 @@ def _cache_keep(keep, index, t, causal, window, attention_chunk_size):
     allowed = (held >= 0) & (held < index + t)  # (1, L): written
     allowed = _and(allowed, _held_keep(held, positions, causal, window, attention_chunk_size))  # (T|1, L)
     return allowed[None, None] & keep[:, None, None, :]  # (B, 1, T|1, L)
+
+
+def _cache_attend(layer, k):
+    """Step 6 of a call with a cache: `_attend`, or over an int8 cache `_attend_int8` (int8 section)."""
+    return layer._attend if k.dtype != tf.int8 else lambda *args: _attend_int8(layer, *args)
 
 
 def _write_cache(cache, k, v, key_mask):
@@ -2411,7 +2419,7 @@ def _attend_int8(layer, q, k, v, keep, bias, call):
     grouped = tf.reshape(tf.cast(q, dtype) * layer.scale, (b, heads, -1, h))  # (B, N, T, H) -> (B, K, G*T, H)
     blocks = [tf.matmul(grouped, tf.cast(k[:, :, i:j], dtype), transpose_b=True) for i, j in spans]
     scores = tf.reshape(tf.concat(blocks, axis=-1) * k_scale, (b, n, t, s))  # (B, K, G*T, L) -> (B, N, T, L)
-    scores = scores if layer.softcap is None else _softcap(scores, layer.softcap)
+    scores = _capped_scores(layer, scores)
     added = bias[1] if bias[0] is None else bias[0] if bias[1] is None else bias[0] + bias[1]  # the mask's + bias
     if added is not None:
         added = tf.cast(added, dtype)
