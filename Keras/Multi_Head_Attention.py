@@ -281,8 +281,8 @@ class MultiHeadAttention(keras.layers.Layer):
             q, k, v = (_rotate if self.kv_lora_rank is None else _rotate_latent)(self, q, k, v, call.positions)  # 4.
         if call.cache is not None:
             k, v, keep, call = _update_cache(self, call, k, v, keep)  # 5. the cache (then over its L slots)
-        if self.kv_lora_rank is None:
-            context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S) or None
+        if self.kv_lora_rank is None:  # 6. (B, N, T, H), (B, N, T, S) or None; an int8 cache: `_cache_attend`
+            context, weights = (_cache_attend(self, k) if call.cache else self._attend)(q, k, v, keep, bias, call)
         else:
             context, weights = _attend_latents(self, q, k, v, keep, bias, call)  # 6. MLA: (B, N, T, Hv), ...
         if self.gate:
@@ -596,6 +596,11 @@ def _split_bias(attention_bias, dtype):
 def _softcap(scores, softcap):
     """Gemma 2's logit soft-capping: scores -> c * tanh(scores / c)."""
     return scores if softcap is None else softcap * _tanh(scores / softcap)
+
+
+def _capped_scores(layer, scores):
+    """The scores soft-capped by the layer's `softcap` (as they are without one)."""
+    return _softcap(scores, layer.softcap)
 
 
 def _tanh(x):
@@ -1395,6 +1400,11 @@ class KVCache(NamedTuple):
         segment_ids: (B, L) int32, the document of each slot (packed sequences: written by the
             first call with `segment_ids`; a query attends only the slots of its document); (B, 0)
             from `init_cache` until then (None in a cache built by hand).
+        key_scale: with an int8 cache (`init_cache(..., dtype="int8")`: `key` and `value` hold
+            int8 integers) (B, K, L, 1) float32, the scale of each slot's key per head (with MLA
+            (B, 1, L, 1), the latent's); (B, 0) from `init_cache` of a float cache (None in a
+            cache built by hand).
+        value_scale: likewise for the values ((B, 1, L, 1) with MLA: the turned key part's).
     """
 
     key: Any
@@ -1402,6 +1412,8 @@ class KVCache(NamedTuple):
     keep: Any
     index: Any
     segment_ids: Any = None
+    key_scale: Any = None
+    value_scale: Any = None
 
 
 def _init_cache(layer, batch_size, max_length, keep, dtype):
@@ -1413,6 +1425,7 @@ def _init_cache(layer, batch_size, max_length, keep, dtype):
         keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
             of different lengths). Defaults to all True.
         dtype: dtype of the keys and values; defaults to the compute dtype of the policy.
+            "int8": an int8 cache, integers with a float32 scale per slot and head.
 
     Returns:
         A `KVCache` of zeros with index 0 (int32); with MLA, the latent cache: `key` (B, 1, L, C)
@@ -1424,7 +1437,9 @@ def _init_cache(layer, batch_size, max_length, keep, dtype):
     dtype = layer.compute_dtype if dtype is None else dtype
     key, value = (ops.zeros(shape, dtype) for shape in shapes)
     no_ids = ops.zeros((b, 0), "int32")  # segment ids: none yet (a tensor, so the cache is a nest of tensors)
-    return KVCache(key, value, keep, ops.convert_to_tensor(0, "int32"), no_ids)
+    no_scales = ops.zeros((b, 0), "float32")  # a float cache: none
+    cache = KVCache(key, value, keep, ops.convert_to_tensor(0, "int32"), no_ids, no_scales, no_scales)
+    return cache if _dtype_name(key.dtype) != "int8" else _with_cache_scales(cache)  # int8 section
 
 
 def _check_cache(cache, query, key, heads, head_dim, latent=None):
@@ -1460,6 +1475,8 @@ def _check_cache(cache, query, key, heads, head_dim, latent=None):
 
 
 def _check_cache_dtype(cache, dtype):
+    if _dtype_name(cache.key.dtype) == "int8":
+        return _check_int8_cache(cache)  # int8 section
     key, value = _dtype_name(cache.key.dtype), _dtype_name(cache.value.dtype)
     if key != dtype or value != dtype:
         raise ValueError(
@@ -1522,7 +1539,8 @@ def _update_cache(layer, call, k, v, keep):
         same, segmented = _segment_keep(layer, call, None, None)  # (B, 1, T, L)
         keep, call = _and(keep, same), call._replace(cache=segmented)
     t, index = _shape(k)[2], ops.convert_to_tensor(call.cache.index, "int32")  # the index before this write
-    cache = _write_cache(call.cache, k, v, call.key_mask)  # `key_mask` goes into its keep
+    write = _write_cache if _dtype_name(call.cache.key.dtype) != "int8" else _write_int8_cache  # int8: its section
+    cache = write(call.cache, k, v, call.key_mask)  # `key_mask` goes into its keep
     folded = _cache_keep(cache.keep, index, t, call.causal, call.window, call.attention_chunk_size)  # (B, 1, T, L)
     keep = _and(keep, folded)  # (B, N, T, L), dims may be 1
     call = call._replace(causal=False, window=None, attention_chunk_size=None, cache=cache)
@@ -1562,6 +1580,11 @@ def _cache_keep(keep, index, t, causal, window, chunk):
     return ops.logical_and(allowed[None, None], keep[:, None, None, :])  # (B, 1, T, L)
 
 
+def _cache_attend(layer, k):
+    """Step 6 of a call with a cache: `_attend`, or over an int8 cache `_attend_int8` (int8 section)."""
+    return layer._attend if _dtype_name(k.dtype) != "int8" else lambda *args: _attend_int8(layer, *args)
+
+
 def _write_cache(cache, k, v, key_mask):
     """A new cache with (B, K, T, H) keys and values of positions [index, index + T) written to
     slots position mod L, and `keep` there: the (B, T) `key_mask` ANDed into it on the first lap
@@ -1579,7 +1602,7 @@ def _write_cache(cache, k, v, key_mask):
     kept = ops.where((positions < length)[None, :], ops.logical_and(old, new), new)  # (B, T)
     rows = ops.reshape(ops.stack(ops.meshgrid(ops.arange(b, dtype="int32"), slots, indexing="ij"), -1), (-1, 2))
     keep = ops.scatter_update(cache.keep, rows, ops.reshape(kept, (-1,)))  # (B, L) at (b, slot)
-    return KVCache(key, value, keep, index + t, cache.segment_ids)
+    return KVCache(key, value, keep, index + t, *cache[4:])
 
 
 # -------------------------------------------------------------------------------------------------
@@ -1781,6 +1804,8 @@ def _attend_latents(layer, q, latent, k_rope, keep, bias, call):
     (`_attend_absorbed`, where `_absorbs` says so) or expanded into per-head keys (B, K, S, H) and
     values (B, K, S, Hv) (`_expand_latents`), through `_attend`; returns (context (B, N, T, Hv),
     weights or None)."""
+    if _dtype_name(latent.dtype) == "int8":
+        latent, k_rope = _dequantize_cache(call.cache, latent, k_rope, q.dtype)  # an int8 cache (int8 section)
     if _absorbs(layer, call, q.shape[2]):
         return _attend_absorbed(layer, q, latent, k_rope, keep, bias, call)
     k, v = _expand_latents(layer, latent, k_rope)  # (B, K, S, H), (B, K, S, Hv)
@@ -2318,6 +2343,101 @@ def _quantized_rows(x):
     largest = ops.max(ops.abs(x), axis=-1, keepdims=True, initial=0.0)  # (..., 1); `initial`: a dim may be 0
     ratio = _INT8_MAX / (largest + _INT8_EPSILON)  # (..., 1)
     return ops.clip(ops.round(x * ratio), -_INT8_MAX, _INT8_MAX) * (1.0 / ratio)
+
+
+# The int8 KV cache (docs/SPEC.md, "KV-cache decoding"): each slot's key and value of each head (with
+# MLA its latent and its turned key part) stored as int8 with one float32 scale, absmax / 127,
+# computed in float32. The attention reads the integers a block of slots at a time, each slot's
+# key scale multiplied into its scores and its value scale into its weights: no float copy of
+# the cache.
+_INT8_CACHE_BLOCK = 1 << 20  # cache elements cast to float at once by `_attend_int8`
+
+
+def _quantize_cache_rows(x):
+    """(..., D) keys or values -> (int8 integers (..., D), float32 scale (..., 1)), in float32:
+    scale = max |x| / 127 over D, integers = round(x / scale) (half to even) clipped to
+    [-127, 127]; a row whose scale is 0 stores scale 0 and integers 0."""
+    x = ops.cast(x, "float32")
+    scale = ops.max(ops.abs(x), axis=-1, keepdims=True) / _INT8_MAX  # (..., 1)
+    divisor = ops.where(scale == 0, ops.ones_like(scale), scale)  # (..., 1); x is 0 (or below 127 subnormals) there
+    integers = ops.clip(ops.round(x / divisor), -_INT8_MAX, _INT8_MAX)  # (..., D), half to even
+    return ops.cast(integers, "int8"), scale
+
+
+def _with_cache_scales(cache):
+    """An int8 cache's zero scales (B, K, L, 1), one per slot and head, for its keys and values."""
+    key_scale = ops.zeros((*cache.key.shape[:3], 1), "float32")  # (B, K, L, 1)
+    return cache._replace(key_scale=key_scale, value_scale=ops.zeros((*cache.value.shape[:3], 1), "float32"))
+
+
+def _check_int8_cache(cache):
+    """An int8 cache: int8 keys and values, float32 scales (B, K, L, 1) beside them."""
+    for name in ("key", "value"):
+        field, scale = getattr(cache, name), getattr(cache, f"{name}_scale")
+        shape, dtype = (*tuple(field.shape)[:3], 1), _dtype_name(field.dtype)
+        if dtype != "int8" or scale is None or _dtype_name(scale.dtype) != "float32" or tuple(scale.shape) != shape:
+            received = None if scale is None else (_dtype_name(scale.dtype), tuple(scale.shape))
+            raise ValueError(
+                f"An int8 `cache` must hold int8 `{name}` and a float32 `{name}_scale` of shape {shape}; "
+                "make it with `init_cache(..., dtype='int8')`. "
+                f"Received: cache.{name}.dtype={dtype}, cache.{name}_scale={received}"
+            )
+
+
+def _write_int8_cache(cache, k, v, key_mask):
+    """`_write_cache` for an int8 cache: the new (B, K, T, H) keys and values quantized
+    (`_quantize_cache_rows`), their integers written to `key` and `value` and their scales to
+    `key_scale` and `value_scale` by `_write_cache` itself (keep and index written twice, the
+    same both times)."""
+    (k_int, k_scale), (v_int, v_scale) = _quantize_cache_rows(k), _quantize_cache_rows(v)
+    ints = _write_cache(KVCache(cache.key, cache.value, cache.keep, cache.index), k_int, v_int, key_mask)
+    scales = KVCache(cache.key_scale, cache.value_scale, cache.keep, cache.index)
+    written = _write_cache(scales, k_scale, v_scale, key_mask)
+    return cache._replace(key=ints.key, value=ints.value, keep=written.keep, index=written.index)._replace(
+        key_scale=written.key, value_scale=written.value
+    )
+
+
+def _dequantize_cache(cache, k, v, dtype):
+    """MLA over an int8 cache: its (B, 1, L, C) and (B, 1, L, Hr) integers times their scales, in
+    float32, cast to the compute `dtype` (MLA's attention makes per-step keys of the whole cache
+    anyway: the absorbed keys, or the expanded heads)."""
+    k = ops.cast(k, "float32") * cache.key_scale  # (B, 1, L, C)
+    v = ops.cast(v, "float32") * cache.value_scale  # (B, 1, L, Hr)
+    return ops.cast(k, dtype), ops.cast(v, dtype)
+
+
+def _attend_int8(layer, q, k, v, keep, bias, call):
+    """Step 6 over an int8 cache: q (B, N, T, H), its (B, K, L, H) integers k and v, without a float
+    copy of the cache: a block of slots at a time, the integers cast to float, each slot's key
+    scale multiplied into its scores after q . k and its value scale into its weights before
+    weights . v (exact algebra), the explicit softmax between, in float32 at least (the cache
+    step folded causal, window and chunk into `keep`). Returns (context (B, N, T, H), weights
+    (B, N, T, L))."""
+    (b, n, t, h), (heads, length, hv) = _shape(q), (k.shape[1], _shape(k)[2], v.shape[3])
+    dtype = "float64" if _dtype_name(q.dtype) == "float64" else "float32"
+    matmul = _matmul if dtype == "float64" else ops.matmul  # float64 kept where Keras would narrow it
+    sinks = layer.sink_logits if layer.sinks else None
+    k_scale, v_scale = (
+        ops.cast(ops.swapaxes(x, -1, -2), dtype) for x in (call.cache.key_scale, call.cache.value_scale)
+    )
+    step = max(1, _INT8_CACHE_BLOCK // ((q.shape[0] or 1) * heads * h))  # slots per block
+    spans = [(i, i + step) for i in range(0, length, step)] if isinstance(length, int) else [(0, None)]
+    grouped = ops.reshape(ops.cast(q, dtype) * layer.scale, (b, heads, -1, h))  # (B, N, T, H) -> (B, K, G*T, H)
+    blocks = [matmul(grouped, ops.swapaxes(ops.cast(k[:, :, i:j], dtype), -1, -2)) for i, j in spans]
+    scores = ops.reshape(ops.concatenate(blocks, axis=-1) * k_scale, (b, n, t, length))  # (B, N, T, L)
+    scores = _capped_scores(layer, scores)
+    if bias is not None:
+        bias = ops.cast(bias, dtype)
+        scores = scores + (bias if keep is None or sinks is not None else _centre_rows(bias, keep))  # (B, N, T, L)
+    weights = _masked_softmax(scores, keep, sinks)  # (B, N, T, L)
+    dropout = layer.dropout > 0 and call.training is not False and call.training is not None
+    used = layer._dropout_layer(weights, training=call.training) if dropout else weights
+    used = ops.reshape(used, (b, heads, -1, length)) * v_scale  # (B, N, T, L) -> (B, K, G*T, L)
+    context = sum(matmul(used[..., i:j], ops.cast(v[:, :, i:j], dtype)) for i, j in spans)  # (B, K, G*T, H)
+    context = ops.reshape(context, (b, n, t, hv))  # (B, K, G*T, H) -> (B, N, T, H)
+    context = _nan_if_misfit(layer, q, k, call, ops.cast(context, q.dtype))  # a trace cannot raise
+    return context, ops.cast(weights, q.dtype)
 
 
 def _with_scales(shapes):

@@ -1346,6 +1346,11 @@ class KVCache(NamedTuple):
             `window`, slot p mod L: the cache rolls), and the next call writes from index.
         segment_ids: None, or (B, L) integers, the document of each slot (packed sequences: written
             by the first call with `segment_ids`; a query attends only the slots of its document).
+        key_scale: None, or with an int8 cache (`init_cache(..., dtype="int8")`: `key` and `value`
+            hold int8 integers) (B, K, L, 1) float32, the scale of each slot's key per head
+            (with MLA (B, 1, L, 1), the latent's).
+        value_scale: None, or (B, K, L, 1) float32, the scale of each slot's value per head (with
+            MLA (B, 1, L, 1), the turned key part's).
     """
 
     key: np.ndarray
@@ -1353,6 +1358,8 @@ class KVCache(NamedTuple):
     keep: np.ndarray
     index: np.ndarray
     segment_ids: np.ndarray | None = None
+    key_scale: np.ndarray | None = None
+    value_scale: np.ndarray | None = None
 
 
 def _init_cache(layer, batch_size, max_length, keep, dtype):
@@ -1362,7 +1369,8 @@ def _init_cache(layer, batch_size, max_length, keep, dtype):
     heads, key_width, value_width = layer._cache_layout
     dtype = np.float64 if dtype is None else dtype
     key, value = np.zeros((b, heads, length, key_width), dtype), np.zeros((b, heads, length, value_width), dtype)
-    return KVCache(key, value, keep.copy(), np.asarray(0))
+    cache = KVCache(key, value, keep.copy(), np.asarray(0))
+    return cache if key.dtype != np.int8 else _with_cache_scales(cache)  # int8: its scales (int8 section)
 
 
 def _check_cache(cache, query, key, heads, head_dim, latent):
@@ -1398,6 +1406,8 @@ def _check_cache(cache, query, key, heads, head_dim, latent):
 
 
 def _check_cache_dtype(cache, dtype):
+    if cache.key.dtype == np.int8:
+        return _check_int8_cache(cache)  # int8 section
     if cache.key.dtype != dtype or cache.value.dtype != dtype:
         raise ValueError(
             f"`cache` must hold the layer's compute dtype {np.dtype(dtype).name}; "
@@ -1477,12 +1487,14 @@ def _write_cache(cache, k, v, key_mask):
     index, t, length = int(cache.index), k.shape[2], cache.key.shape[2]
     positions = index + np.arange(t)  # (T,)
     slots = positions % length  # (T,)
-    key, value, keep = cache.key.copy(), cache.value.copy(), cache.keep.copy()
-    key[:, :, slots] = k  # (B, K, L, H) or (B, 1, L, C)
-    value[:, :, slots] = v  # (B, K, L, H) or (B, 1, L, Hr)
+    written = {"key": k, "value": v} if cache.key.dtype != np.int8 else _quantize_cache_entries(k, v)  # int8
+    fields = {name: getattr(cache, name).copy() for name in written}
+    for name, new in written.items():
+        fields[name][:, :, slots] = new  # (B, K, L, H) or (B, 1, L, C) and (B, 1, L, Hr); int8: scales (., 1)
+    keep = cache.keep.copy()
     new = np.ones((k.shape[0], t), dtype=bool) if key_mask is None else key_mask  # (B, T)
     keep[:, slots] = np.where(positions < length, keep[:, slots] & new, new)  # (B, L)
-    return KVCache(key, value, keep, np.asarray(index + t), cache.segment_ids)
+    return cache._replace(**fields, keep=keep, index=np.asarray(index + t))
 
 
 def _update_cache(layer, call, k, v, keep):
@@ -1498,7 +1510,8 @@ def _update_cache(layer, call, k, v, keep):
     cache_keep = _cache_keep(cache.keep, index, t, call.causal, call.window, call.attention_chunk_size)
     keep = _and(keep, cache_keep)  # (B, N|1, T, L), dims may be 1
     call = call._replace(causal=False, window=None, attention_chunk_size=None, cache=cache)
-    return cache.key, cache.value, keep, call
+    k, v = (cache.key, cache.value) if cache.key.dtype != np.int8 else _dequantize_cache(cache)  # int8 section
+    return k, v, keep, call
 
 
 # -------------------------------------------------------------------------------------------------
@@ -1812,6 +1825,52 @@ def _int8_matmul(x, kernel, kernel_scale):
     x_int, x_scale = _quantize_rows(x)  # (B, L, D), (B, L, 1)
     accumulated = x_int @ kernel.astype(np.float64)  # (B, L, D) @ (D, F) -> (B, L, F), exact integers
     return accumulated * (x_scale * kernel_scale.astype(np.float64))  # (B, L, F)
+
+
+# The int8 KV cache (docs/SPEC.md, "KV-cache decoding"): each slot's key and value of each head (with MLA
+# its latent and its turned key part) stored as int8 with one float32 scale, absmax / 127, computed in
+# float32. The reference attends the dequantised cache, integers * scale in float64.
+def _quantize_cache_rows(x):
+    """(..., D) keys or values -> (int8 integers (..., D), float32 scale (..., 1)), in float32:
+    scale = max |x| / 127 over D, integers = round(x / scale) (half to even) clipped to
+    [-127, 127]; a row whose scale is 0 stores scale 0 and integers 0."""
+    x = np.asarray(x, dtype=np.float32)
+    scale = np.max(np.abs(x), axis=-1, keepdims=True) / np.float32(_INT8_MAX)  # (..., 1)
+    divisor = np.where(scale == 0, np.float32(1), scale)  # (..., 1); x is 0 (or below 127 subnormals) there
+    integers = np.clip(np.round(x / divisor), -_INT8_MAX, _INT8_MAX).astype(np.int8)  # (..., D)
+    return integers, scale.astype(np.float32)
+
+
+def _quantize_cache_entries(k, v):
+    """The (B, K, T, H) new keys and values (with MLA the latents and turned key parts) as the
+    fields of an int8 cache they are written to: integers in `key` and `value`, scales (., 1)."""
+    (key, key_scale), (value, value_scale) = _quantize_cache_rows(k), _quantize_cache_rows(v)
+    return {"key": key, "value": value, "key_scale": key_scale, "value_scale": value_scale}
+
+
+def _with_cache_scales(cache):
+    """An int8 cache's zero scales (B, K, L, 1), one per slot and head, for its keys and values."""
+    key_scale = np.zeros((*cache.key.shape[:3], 1), np.float32)  # (B, K, L, 1)
+    return cache._replace(key_scale=key_scale, value_scale=np.zeros((*cache.value.shape[:3], 1), np.float32))
+
+
+def _check_int8_cache(cache):
+    """An int8 cache: int8 keys and values, float32 scales (B, K, L, 1) beside them."""
+    for name in ("key", "value"):
+        field, scale = getattr(cache, name), getattr(cache, f"{name}_scale")
+        shape = (*field.shape[:3], 1)
+        if field.dtype != np.int8 or scale is None or scale.dtype != np.float32 or scale.shape != shape:
+            raise ValueError(
+                f"An int8 `cache` must hold int8 `{name}` and a float32 `{name}_scale` of shape {shape}; "
+                "make it with `init_cache(..., dtype='int8')`. "
+                f"Received: cache.{name}.dtype={field.dtype.name}, cache.{name}_scale="
+                f"{None if scale is None else (scale.dtype.name, tuple(scale.shape))}"
+            )
+
+
+def _dequantize_cache(cache):
+    """An int8 cache's keys and values as float64, integers * scale (exact)."""
+    return cache.key * cache.key_scale.astype(np.float64), cache.value * cache.value_scale.astype(np.float64)
 
 
 def _with_scales(shapes):

@@ -214,8 +214,8 @@ class MultiHeadAttention(nn.Module):
             q, k = _rotate(self, q, k, call.positions)  # 4. RoPE
         if call.cache is not None:
             k, v, keep, call = _update_cache(self, call, k, v, keep, fast)  # 5. KV cache (may fold causal, window...)
-        if latent is None:
-            context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S) or None
+        if latent is None:  # 6. (B, N, T, H), (B, N, T, S) or None; an int8 cache: `_cache_attend`
+            context, weights = (_cache_attend(self, k) if call.cache else self._attend)(q, k, v, keep, bias, call)
         else:
             context, weights = _attend_latent(self, q, k, v, keep, bias, call)  # 6. MLA: expanded or absorbed
         if self.gate is not None:
@@ -718,6 +718,11 @@ def _softmax_dtype(dtype, bias=None, sinks=None):
 def _softcap(scores, softcap):
     """Gemma 2's soft-capping: softcap * tanh(scores / softcap)."""
     return scores if softcap is None else softcap * torch.tanh(scores / softcap)
+
+
+def _capped_scores(layer, scores):
+    """The scores soft-capped by the layer's `softcap` (as they are without one)."""
+    return _softcap(scores, layer.softcap)
 
 
 def _masked_softmax(scores, keep, sinks=None):
@@ -1730,6 +1735,11 @@ class KVCache(NamedTuple):
             `window`, slot p mod L: the cache rolls), and the next call writes from index.
         segment_ids: None, or (B, L) integers, the document of each slot (packed sequences: written
             by the first call with `segment_ids`; a query attends only the slots of its document).
+        key_scale: None, or with an int8 cache (`init_cache(..., dtype="int8")`: `key` and `value`
+            hold int8 integers) (B, K, L, 1) float32, the scale of each slot's key per head
+            (with MLA (B, 1, L, 1), the latent's).
+        value_scale: None, or (B, K, L, 1) float32, the scale of each slot's value per head (with
+            MLA (B, 1, L, 1), the turned key part's).
     """
 
     key: torch.Tensor
@@ -1737,6 +1747,8 @@ class KVCache(NamedTuple):
     keep: torch.Tensor
     index: torch.Tensor
     segment_ids: torch.Tensor | None = None
+    key_scale: torch.Tensor | None = None
+    value_scale: torch.Tensor | None = None
 
 
 def _init_cache(layer, batch_size, max_length, *, keep=None, dtype=None):
@@ -1748,7 +1760,8 @@ def _init_cache(layer, batch_size, max_length, *, keep=None, dtype=None):
         keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
             of different lengths). Defaults to all True.
         dtype: dtype of the keys and values; defaults to the compute dtype: autocast's where
-            autocast is on for the parameters' device, else the parameters'.
+            autocast is on for the parameters' device, else the parameters'. "int8" (or
+            `torch.int8`): an int8 cache, integers with a float32 scale per slot and head.
 
     Returns:
         A `KVCache` of zeros with index 0, on the parameters' device: keys and values
@@ -1768,12 +1781,13 @@ def _init_cache(layer, batch_size, max_length, *, keep=None, dtype=None):
     if _eager() and device.type != "meta":  # checked once here, carried: a step reads no value (`_carry`)
         _all_kept(keep)
         _carry(index, 0)
-    return KVCache(
+    dtype = torch.int8 if dtype == "int8" else dtype  # int8: the scales too (`_with_cache_scales`)
+    key, value = (
         torch.zeros(key_shape, dtype=dtype, device=device),
         torch.zeros(value_shape, dtype=dtype, device=device),
-        keep,
-        index,
     )
+    cache = KVCache(key, value, keep, index)
+    return cache if dtype != torch.int8 else _with_cache_scales(cache)
 
 
 def _check_keep(keep, batch_size, max_length):
@@ -1826,6 +1840,8 @@ def _check_cache(cache, query, key, heads, head_dim, latent=None):
 
 
 def _check_cache_dtype(cache, dtype):
+    if cache.key.dtype == torch.int8:
+        return _check_int8_cache(cache)  # int8 section
     if cache.key.dtype != dtype or cache.value.dtype != dtype:
         raise ValueError(
             f"`cache` must hold the layer's compute dtype {_dtype_name(dtype)}; "
@@ -1893,7 +1909,8 @@ def _update_cache(layer, call, k, v, keep, fast=None):
         cache = segmented
     t, length, index = k.shape[2], cache.key.shape[2], cache.index
     start = _known_index(index) if fast is None else fast[2]
-    cache = _write_cache(cache, k, v, call.key_mask, start)
+    write = _write_cache if cache.key_scale is None else _write_int8_cache  # int8: integers and scales
+    cache = write(cache, k, v, call.key_mask, start)
     lean = keep is None and not call.return_attention  # each mask gives a keep
     if lean and start is not None and start + t <= length:  # lean: the first S = index + T slots
         k, v, keep = _first_slots(cache, start + t)  # (B, K, S, H) x 2, (B, 1, 1, S) or None
@@ -1904,6 +1921,11 @@ def _update_cache(layer, call, k, v, keep, fast=None):
     keep = _and(keep, _cache_keep(cache.keep, index, t, *rule))  # (B, N, T, L), dims may be 1
     folded = call._replace(causal=False, window=None, attention_chunk_size=None, cache=cache)
     return cache.key, cache.value, keep, folded
+
+
+def _cache_attend(layer, k):
+    """Step 6 of a call with a cache: `_attend`, or over an int8 cache `_attend_int8` (int8 section)."""
+    return layer._attend if k.dtype != torch.int8 else lambda *args: _attend_int8(layer, *args)
 
 
 def _write_cache(cache, k, v, key_mask, start):
@@ -1922,7 +1944,7 @@ def _write_cache(cache, k, v, key_mask, start):
         if key_mask is not None:
             cache.keep.narrow(1, start, t).logical_and_(key_mask)  # (B, L)
         index = _carry(cache.index.new_full((), start + t), start + t)
-        return KVCache(cache.key, cache.value, cache.keep, index, cache.segment_ids)
+        return KVCache(cache.key, cache.value, cache.keep, index, *cache[4:])
     positions = cache.index + torch.arange(t, device=k.device)  # (T,)
     slots = positions % length  # (T,)
     cache.key.index_copy_(2, slots, k)  # (B, K, L, H)
@@ -1930,7 +1952,7 @@ def _write_cache(cache, k, v, key_mask, start):
     new = torch.ones(k.shape[0], t, dtype=torch.bool, device=k.device) if key_mask is None else key_mask  # (B, T)
     old = cache.keep.index_select(1, slots)  # (B, T)
     cache.keep.index_copy_(1, slots, torch.where(positions < length, old & new, new))  # (B, L)
-    return KVCache(cache.key, cache.value, cache.keep, cache.index + t, cache.segment_ids)
+    return KVCache(cache.key, cache.value, cache.keep, cache.index + t, *cache[4:])
 
 
 def _cache_keep(keep, index, t, causal, window, attention_chunk_size):
@@ -2259,6 +2281,8 @@ def _project_latent(layer, call):
 def _attend_latent(layer, q, k, v, keep, bias, call):
     """Step 6 with MLA: k and v are the (B, 1, S, C) latents and (B, 1, S, Hr) k_rope, attended
     absorbed (`_attend_absorbed`) or expanded per head (`_expand_latents`), through `_attend`."""
+    if k.dtype == torch.int8:
+        k, v = _dequantize_cache(call.cache, k, v, q.dtype)  # an int8 cache (int8 section)
     if _absorbs(layer, call, q.shape[2]):
         return _attend_absorbed(layer, q, k, v, keep, bias, call)
     k, v = _expand_latents(layer, k, v)  # (B, K, S, H), (B, K, S, Hv)
@@ -2513,6 +2537,90 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+# The int8 KV cache (docs/SPEC.md, "KV-cache decoding"): each slot's key and value of each head (with
+# MLA its latent and its turned key part) stored as int8 with one float32 scale, absmax / 127,
+# computed in float32. The attention reads the integers a block of slots at a time, each slot's
+# key scale multiplied into its scores and its value scale into its weights: no float copy of
+# the cache.
+_INT8_CACHE_BLOCK = 1 << 20  # cache elements cast to float at once by `_attend_int8`
+
+
+def _quantize_cache_rows(x):
+    """(..., D) keys or values -> (int8 integers (..., D), float32 scale (..., 1)), in float32:
+    scale = max |x| / 127 over D, integers = round(x / scale) (half to even) clipped to
+    [-127, 127]; a row whose scale is 0 stores scale 0 and integers 0."""
+    x = x.to(torch.float32)
+    scale = x.abs().amax(dim=-1, keepdim=True) / _INT8_MAX  # (..., 1)
+    divisor = torch.where(scale == 0, 1.0, scale)  # (..., 1); x is 0 (or below 127 subnormals) there
+    return torch.round(x / divisor).clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8), scale  # (..., D), (..., 1)
+
+
+def _with_cache_scales(cache):
+    """An int8 cache's zero scales (B, K, L, 1), one per slot and head, for its keys and values."""
+    key_scale = cache.key.new_zeros((*cache.key.shape[:3], 1), dtype=torch.float32)  # (B, K, L, 1)
+    value_scale = cache.value.new_zeros((*cache.value.shape[:3], 1), dtype=torch.float32)  # (B, K, L, 1)
+    return cache._replace(key_scale=key_scale, value_scale=value_scale)
+
+
+def _check_int8_cache(cache):
+    """An int8 cache: int8 keys and values, float32 scales (B, K, L, 1) beside them."""
+    for name in ("key", "value"):
+        field, scale = getattr(cache, name), getattr(cache, f"{name}_scale")
+        shape = (*field.shape[:3], 1)
+        if field.dtype != torch.int8 or scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != shape:
+            received = None if scale is None else (_dtype_name(scale.dtype), tuple(scale.shape))
+            raise ValueError(
+                f"An int8 `cache` must hold int8 `{name}` and a float32 `{name}_scale` of shape {shape}; "
+                "make it with `init_cache(..., dtype='int8')`. "
+                f"Received: cache.{name}.dtype={_dtype_name(field.dtype)}, cache.{name}_scale={received}"
+            )
+
+
+def _write_int8_cache(cache, k, v, key_mask, start):
+    """`_write_cache` for an int8 cache: the new (B, K, T, H) keys and values quantized
+    (`_quantize_cache_rows`), their integers written to `key` and `value` and their scales to
+    `key_scale` and `value_scale` by `_write_cache` itself (keep and index written twice, the
+    same both times)."""
+    (k_int, k_scale), (v_int, v_scale) = _quantize_cache_rows(k), _quantize_cache_rows(v)
+    _write_cache(KVCache(cache.key, cache.value, cache.keep, cache.index), k_int, v_int, key_mask, start)
+    scales = KVCache(cache.key_scale, cache.value_scale, cache.keep, cache.index)
+    written = _write_cache(scales, k_scale, v_scale, key_mask, start)
+    return KVCache(cache.key, cache.value, written.keep, written.index, *cache[4:])
+
+
+def _dequantize_cache(cache, k, v, dtype):
+    """MLA over an int8 cache: its (B, 1, S, C) and (B, 1, S, Hr) integers (the first S slots)
+    times their scales, in float32, cast to the compute `dtype` (MLA's attention makes per-step keys of the whole cache
+    anyway: the absorbed keys, or the expanded heads)."""
+    s = k.shape[2]
+    k, v = k * cache.key_scale[:, :, :s], v * cache.value_scale[:, :, :s]  # (B, 1, S, C), (B, 1, S, Hr)
+    return k.to(dtype), v.to(dtype)
+
+
+def _attend_int8(layer, q, k, v, keep, bias, call):
+    """Step 6 over an int8 cache: q (B, N, T, H), its (B, K, S, H) integers k and v (the first S
+    slots), without a float copy of the cache: a block of slots at a time, the integers cast to
+    float, each slot's key scale multiplied into its scores after q . k and its value scale into
+    its weights before weights . v (exact algebra), the explicit softmax between, in float32 at
+    least. Returns (context (B, N, T, H), weights (B, N, T, S) or None)."""
+    (b, n, t, h), (heads, s), sinks = q.shape, k.shape[1:3], layer.sinks
+    keep, bias = _final_masks(keep, bias, call.causal, call.window, call.attention_chunk_size, sinks, t, s, q.device)
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    k_scale, v_scale = (x[:, :, :s].transpose(-1, -2) for x in (call.cache.key_scale, call.cache.value_scale))
+    step = max(1, _INT8_CACHE_BLOCK // (b * heads * h))  # slots per block
+    grouped = (q.to(dtype) * layer.scale).reshape(b, heads, n // heads * t, h)  # (B, N, T, H) -> (B, K, G*T, H)
+    blocks = [grouped @ k[:, :, i : i + step].to(dtype).transpose(-1, -2) for i in range(0, s, step)]
+    scores = (torch.cat(blocks, dim=-1) * k_scale).reshape(b, n, t, s)  # (B, K, G*T, S) -> (B, N, T, S)
+    scores = _capped_scores(layer, scores)
+    scores = scores if bias is None else scores + bias.to(dtype)  # (B, N, T, S)
+    weights = _masked_softmax(scores, keep, sinks)  # (B, N, T, S)
+    used = F.dropout(weights, layer.dropout, training=layer.training and layer.dropout > 0)
+    used = used.reshape(b, heads, n // heads * t, s) * v_scale  # (B, N, T, S) -> (B, K, G*T, S)
+    context = sum(used[..., i : i + step] @ v[:, :, i : i + step].to(dtype) for i in range(0, s, step))
+    context = context.reshape(b, n, t, v.shape[-1]).to(q.dtype)  # (B, K, G*T, H) -> (B, N, T, H)
+    return context, weights.to(q.dtype) if call.return_attention else None
 
 
 def _with_scales(shapes):

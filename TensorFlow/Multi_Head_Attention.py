@@ -314,8 +314,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             q, k, v = _rotate(self, q, k, v, call.positions)
         if cache is not None:  # 5. KV cache: k, v (B, K, L, H); in a graph, `misfit`: whether the tokens do not fit
             k, v, keep, call, misfit = _update_cache(self, call, k, v, keep)
-        if self.kv_lora_rank is None:  # 6. (B, N, T, Hv), (B, N, T, S) or None
-            context, weights = self._attend(q, k, v, keep, bias, call)
+        if self.kv_lora_rank is None:  # 6. (B, N, T, Hv), (B, N, T, S) or None; an int8 cache: `_cache_attend`
+            context, weights = (_cache_attend(self, k) if call.cache else self._attend)(q, k, v, keep, bias, call)
         else:  # 6. MLA: the latents attended, absorbed or expanded
             context, weights = _attend_latent(self, q, k, v, keep, bias, call)
         if self.gate:  # 6b. the output gate, (B, N, T, Hv)
@@ -806,6 +806,11 @@ def _held_keep(held, positions, causal, window, attention_chunk_size):
 def _softcap(scores, softcap):
     """Gemma 2's logit soft-capping: scores -> softcap * tanh(scores / softcap)."""
     return scores if softcap is None else softcap * tf.tanh(scores / softcap)
+
+
+def _capped_scores(layer, scores):
+    """The scores soft-capped by the layer's `softcap` (as they are without one)."""
+    return _softcap(scores, layer.softcap)
 
 
 @tf.custom_gradient
@@ -1427,6 +1432,11 @@ class KVCache(NamedTuple):
         segment_ids: (B, L) int32, the document of each slot (packed sequences: written by the
             first call with `segment_ids`; a query attends only the slots of its document); (B, 0)
             from `init_cache` until then (None in a cache built by hand).
+        key_scale: with an int8 cache (`init_cache(..., dtype="int8")`: `key` and `value` hold
+            int8 integers) (B, K, L, 1) float32, the scale of each slot's key per head (with MLA
+            (B, 1, L, 1), the latent's); (B, 0) from `init_cache` of a float cache (None in a
+            cache built by hand).
+        value_scale: likewise for the values ((B, 1, L, 1) with MLA: the turned key part's).
     """
 
     key: tf.Tensor
@@ -1434,13 +1444,16 @@ class KVCache(NamedTuple):
     keep: tf.Tensor
     index: tf.Tensor
     segment_ids: tf.Tensor | None = None
+    key_scale: tf.Tensor | None = None
+    value_scale: tf.Tensor | None = None
 
 
 def _init_cache(layer, batch_size, max_length, keep, dtype, in_place):
     """`init_cache`: a `KVCache` of zeros with index 0 (int32); with MLA, the latent cache: `key`
     (B, 1, L, C) for the normalized latents, `value` (B, 1, L, Hr) for the rotated shared key part.
     `keep` (B, L) boolean is False for slots no query may attend (left padding of prompts of
-    different lengths), all True by default; `dtype` defaults to the compute dtype of the policy.
+    different lengths), all True by default; `dtype` defaults to the compute dtype of the policy
+    ("int8": integers with a float32 scale per slot and head, `_with_cache_scales`).
     `in_place=True`: the cache's four fields are non-trainable `tf.Variable`s that each call
     writes in place, with no copy of the cache (make it outside any `tf.function`); a compiled
     step then returns only its output."""
@@ -1449,7 +1462,10 @@ def _init_cache(layer, batch_size, max_length, keep, dtype, in_place):
     key_shape, value_shape = _cache_shapes(layer, b, length)
     dtype = layer.compute_dtype if dtype is None else dtype
     no_ids = tf.zeros((b, 0), tf.int32)  # segment ids: none yet (a tensor, so the cache is a nest of tensors)
+    no_scales = tf.zeros((b, 0), tf.float32)  # a float cache: none
     cache = KVCache(tf.zeros(key_shape, dtype), tf.zeros(value_shape, dtype), keep, tf.constant(0, tf.int32), no_ids)
+    cache = cache._replace(key_scale=no_scales, value_scale=no_scales)
+    cache = cache if cache.key.dtype != tf.int8 else _with_cache_scales(cache)  # int8 section
     return _as_variables(cache) if in_place else cache
 
 
@@ -1472,7 +1488,7 @@ def _update_cache(layer, call, k, v, keep):
     if _is_in_place(cache):
         cache = _write_variables(cache, k, v, call.key_mask, misfit)  # the same variables, written
     else:
-        cache = _write_cache(cache, k, v, call.key_mask)
+        cache = (_write_cache if cache.key.dtype != tf.int8 else _write_int8_cache)(cache, k, v, call.key_mask)
     positional = (call.causal, call.window, call.attention_chunk_size)
     keep = _and(keep, _cache_keep(tf.convert_to_tensor(cache.keep), index, t, *positional))  # (B, 1, T|1, L)
     k, v = tf.convert_to_tensor(cache.key), tf.convert_to_tensor(cache.value)  # (B, K, L, H), read once
@@ -1513,6 +1529,8 @@ def _check_cache(cache, query, key, heads, head_dim, latent=None):
 
 
 def _check_cache_dtype(cache, dtype):
+    if cache.key.dtype == tf.int8:
+        return _check_int8_cache(cache)  # int8 section
     if cache.key.dtype != dtype or cache.value.dtype != dtype:
         raise ValueError(
             f"`cache` must hold the layer's compute dtype {tf.as_dtype(dtype).name}; "
@@ -1585,6 +1603,11 @@ def _cache_keep(keep, index, t, causal, window, attention_chunk_size):
     return allowed[None, None] & keep[:, None, None, :]  # (B, 1, T|1, L)
 
 
+def _cache_attend(layer, k):
+    """Step 6 of a call with a cache: `_attend`, or over an int8 cache `_attend_int8` (int8 section)."""
+    return layer._attend if k.dtype != tf.int8 else lambda *args: _attend_int8(layer, *args)
+
+
 def _write_cache(cache, k, v, key_mask):
     """gpt-fast's `KVCache.update`, rolling: a new cache with the (B, K, T, H) keys and values of
     positions [index, index + T) in slots position mod L, and `keep` there: the (B, T)
@@ -1600,7 +1623,7 @@ def _write_cache(cache, k, v, key_mask):
     key = tf.tensor_scatter_nd_update(cache.key, written, k)  # (B, K, L, H)
     value = tf.tensor_scatter_nd_update(cache.value, written, v)  # (B, K, L, H)
     keep = tf.tensor_scatter_nd_update(cache.keep, rows, kept)  # (B, L)
-    return KVCache(key, value, keep, cache.index + t, cache.segment_ids)
+    return KVCache(key, value, keep, cache.index + t, *cache[4:])
 
 
 def _cache_length(cache):
@@ -1622,8 +1645,9 @@ def _write_variables(cache, k, v, key_mask, misfit):
     """`_write_cache` on an in-place cache: its variables written where they lie, with no copy of
     the cache per step; nothing is written when the tokens do not fit (`misfit`, only ever True
     under XLA). Returns the same cache."""
-    handles = tuple(field.handle for field in cache[:4])
-    fields = tuple((field.dtype, tuple(field.shape)) for field in cache[:4])
+    names = ("key", "value", "keep", "index") + (("key_scale", "value_scale") if cache.key.dtype == tf.int8 else ())
+    handles = tuple(getattr(cache, name).handle for name in names)
+    fields = tuple((name, getattr(cache, name).dtype, tuple(getattr(cache, name).shape)) for name in names)
     _write_compiled(handles, fields, k, v, key_mask, misfit)
     return cache
 
@@ -1637,11 +1661,11 @@ def _write_compiled(handles, fields, k, v, key_mask, misfit):
     its traces: a read takes its static shape from the handle it was traced with."""
 
     def write():
-        fields_read = (
-            tf.raw_ops.ReadVariableOp(resource=h, dtype=d) for h, (d, _) in zip(handles, fields, strict=True)
-        )
-        for handle, value in zip(handles, _write_cache(KVCache(*fields_read), k, v, key_mask)[:4], strict=True):
-            tf.raw_ops.AssignVariableOp(resource=handle, value=value)
+        pairs = zip(handles, fields, strict=True)
+        read = {name: tf.raw_ops.ReadVariableOp(resource=h, dtype=d) for h, (name, d, _) in pairs}
+        written = (_write_cache if len(read) == 4 else _write_int8_cache)(KVCache(**read), k, v, key_mask)
+        for handle, (name, _, _) in zip(handles, fields, strict=True):
+            tf.raw_ops.AssignVariableOp(resource=handle, value=getattr(written, name))
         return tf.no_op()
 
     tf.cond(misfit, tf.no_op, write)
@@ -1847,6 +1871,8 @@ def _project_latent(layer, call):
 def _attend_latent(layer, q, latent, k_rope, keep, bias, call):
     """Step 6 with MLA: k and v are the (B, 1, S, C) latents and (B, 1, S, Hr) k_rope, attended
     absorbed (`_attend_absorbed`) or up-projected to per-head keys and values (`_expand_latents`)."""
+    if latent.dtype == tf.int8:
+        latent, k_rope = _dequantize_cache(call.cache, latent, k_rope, q.dtype)  # an int8 cache (int8 section)
     if _absorbs(layer, call, q.shape[2]):
         return _attend_absorbed(layer, q, latent, k_rope, keep, bias, call)
     k, v = _expand_latents(layer, latent, k_rope)  # (B, K, S, H), (B, K, S, Hv)
@@ -2311,6 +2337,100 @@ def _quantized_rows(x):
     r = 127 / (max |x| + 1e-7) over the last axis, the integers clipped to [-127, 127]."""
     ratio = _INT8_MAX / (tf.reduce_max(tf.abs(x), axis=-1, keepdims=True) + _INT8_EPSILON)  # (..., 1)
     return tf.clip_by_value(tf.round(x * ratio), -_INT8_MAX, _INT8_MAX) * (1.0 / ratio)
+
+
+# The int8 KV cache (docs/SPEC.md, "KV-cache decoding"): each slot's key and value of each head (with
+# MLA its latent and its turned key part) stored as int8 with one float32 scale, absmax / 127,
+# computed in float32. The attention reads the integers a block of slots at a time, each slot's
+# key scale multiplied into its scores and its value scale into its weights: no float copy of
+# the cache.
+_INT8_CACHE_BLOCK = 1 << 20  # cache elements cast to float at once by `_attend_int8`
+
+
+def _quantize_cache_rows(x):
+    """(..., D) keys or values -> (int8 integers (..., D), float32 scale (..., 1)), in float32:
+    scale = max |x| / 127 over D, integers = round(x / scale) (half to even) clipped to
+    [-127, 127]; a row whose scale is 0 stores scale 0 and integers 0."""
+    x = tf.cast(x, tf.float32)
+    scale = tf.reduce_max(tf.abs(x), axis=-1, keepdims=True) / _INT8_MAX  # (..., 1)
+    divisor = tf.where(scale == 0, tf.ones_like(scale), scale)  # (..., 1); x is 0 (or below 127 subnormals) there
+    integers = tf.clip_by_value(tf.round(x / divisor), -_INT8_MAX, _INT8_MAX)  # (..., D), half to even
+    return tf.cast(integers, tf.int8), scale
+
+
+def _with_cache_scales(cache):
+    """An int8 cache's zero scales (B, K, L, 1), one per slot and head, for its keys and values."""
+    key_scale = tf.zeros((*cache.key.shape[:3], 1), tf.float32)  # (B, K, L, 1)
+    return cache._replace(key_scale=key_scale, value_scale=tf.zeros((*cache.value.shape[:3], 1), tf.float32))
+
+
+def _check_int8_cache(cache):
+    """An int8 cache: int8 keys and values, float32 scales (B, K, L, 1) beside them."""
+    for name in ("key", "value"):
+        field, scale = getattr(cache, name), getattr(cache, f"{name}_scale")
+        shape = (*tuple(field.shape)[:3], 1)
+        if field.dtype != tf.int8 or scale is None or scale.dtype != tf.float32 or tuple(scale.shape) != shape:
+            received = None if scale is None else (scale.dtype.name, tuple(scale.shape))
+            raise ValueError(
+                f"An int8 `cache` must hold int8 `{name}` and a float32 `{name}_scale` of shape {shape}; "
+                "make it with `init_cache(..., dtype='int8')`. "
+                f"Received: cache.{name}.dtype={field.dtype.name}, cache.{name}_scale={received}"
+            )
+
+
+def _write_int8_cache(cache, k, v, key_mask):
+    """`_write_cache` for an int8 cache: the new (B, K, T, H) keys and values quantized
+    (`_quantize_cache_rows`), their integers written to `key` and `value` and their scales to
+    `key_scale` and `value_scale` by `_write_cache` itself (keep and index written twice, the
+    same both times)."""
+    (k_int, k_scale), (v_int, v_scale) = _quantize_cache_rows(k), _quantize_cache_rows(v)
+    ints = _write_cache(KVCache(cache.key, cache.value, cache.keep, cache.index), k_int, v_int, key_mask)
+    scales = KVCache(cache.key_scale, cache.value_scale, cache.keep, cache.index)
+    written = _write_cache(scales, k_scale, v_scale, key_mask)
+    return cache._replace(key=ints.key, value=ints.value, keep=written.keep, index=written.index)._replace(
+        key_scale=written.key, value_scale=written.value
+    )
+
+
+def _dequantize_cache(cache, k, v, dtype):
+    """MLA over an int8 cache: its (B, 1, L, C) and (B, 1, L, Hr) integers times their scales, in
+    float32, cast to the compute `dtype` (MLA's attention makes per-step keys of the whole cache
+    anyway: the absorbed keys, or the expanded heads)."""
+    k = tf.cast(k, tf.float32) * tf.convert_to_tensor(cache.key_scale)  # (B, 1, L, C)
+    v = tf.cast(v, tf.float32) * tf.convert_to_tensor(cache.value_scale)  # (B, 1, L, Hr)
+    return tf.cast(k, dtype), tf.cast(v, dtype)
+
+
+def _attend_int8(layer, q, k, v, keep, bias, call):
+    """Step 6 over an int8 cache: q (B, N, T, H), its (B, K, L, H) integers k and v, without a float
+    copy of the cache: a block of slots at a time, the integers cast to float, each slot's key
+    scale multiplied into its scores after q . k and its value scale into its weights before
+    weights . v (exact algebra), the explicit softmax between, in float32 at least (the cache
+    step folded causal, window and chunk into `keep`). Returns (context (B, N, T, H), weights
+    (B, N, T, L))."""
+    n, h, heads, hv = q.shape[1], q.shape[3], k.shape[1], v.shape[3]
+    b, t, s = tf.shape(q)[0], tf.shape(q)[2], tf.shape(k)[2]
+    dtype = tf.float64 if q.dtype == tf.float64 else tf.float32
+    sinks = layer.sink_logits if layer.sinks else None
+    scales = (tf.convert_to_tensor(x) for x in (call.cache.key_scale, call.cache.value_scale))
+    k_scale, v_scale = (tf.cast(tf.transpose(x, (0, 1, 3, 2)), dtype) for x in scales)  # (B, K, 1, L) each
+    length, step = k.shape[2], max(1, _INT8_CACHE_BLOCK // ((q.shape[0] or 1) * heads * h))  # slots per block
+    spans = [(0, None)] if length is None else [(i, i + step) for i in range(0, length, step)]  # L unknown: one
+    grouped = tf.reshape(tf.cast(q, dtype) * layer.scale, (b, heads, -1, h))  # (B, N, T, H) -> (B, K, G*T, H)
+    blocks = [tf.matmul(grouped, tf.cast(k[:, :, i:j], dtype), transpose_b=True) for i, j in spans]
+    scores = tf.reshape(tf.concat(blocks, axis=-1) * k_scale, (b, n, t, s))  # (B, K, G*T, L) -> (B, N, T, L)
+    scores = _capped_scores(layer, scores)
+    added = bias[1] if bias[0] is None else bias[0] if bias[1] is None else bias[0] + bias[1]  # the mask's + bias
+    if added is not None:
+        added = tf.cast(added, dtype)
+        scores = scores + (added if sinks is not None else _centre_rows(added, keep))  # (B, N, T, L)
+    weights = _masked_softmax(scores, keep, sinks)  # (B, N, T, L)
+    dropout = layer.dropout > 0 and call.training is not False and call.training is not None
+    used = layer._dropout_layer(weights, training=call.training) if dropout else weights
+    used = tf.reshape(used, (b, heads, -1, s)) * v_scale  # (B, N, T, L) -> (B, K, G*T, L)
+    context = tf.add_n([tf.matmul(used[..., i:j], tf.cast(v[:, :, i:j], dtype)) for i, j in spans])
+    context = tf.reshape(context, (b, n, t, hv))  # (B, K, G*T, H) -> (B, N, T, H)
+    return tf.cast(context, q.dtype), tf.cast(weights, q.dtype)
 
 
 def _with_scales(shapes):

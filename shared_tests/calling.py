@@ -81,5 +81,10 @@ def by_name(args):
 
 
 def as_numpy_cache(cache, to_numpy):
-    """A cache's key, value, keep and index as NumPy arrays (`to_numpy` converts one tensor)."""
-    return {name: to_numpy(getattr(cache, name)) for name in ("key", "value", "keep", "index")}
+    """A cache's key, value, keep and index as NumPy arrays (`to_numpy` converts one tensor); an
+    int8 cache's keys and values dequantised (integers * scales, float64)."""
+    arrays = {name: to_numpy(getattr(cache, name)) for name in ("key", "value", "keep", "index")}
+    if arrays["key"].dtype == np.int8:
+        for name in ("key", "value"):
+            arrays[name] = arrays[name] * np.asarray(to_numpy(getattr(cache, f"{name}_scale")), np.float64)
+    return arrays

@@ -416,7 +416,7 @@ def compare_decode(case, data, results):
 
     def tolerances(pair):
         tol = tolerance(case, pair)
-        return {**tol, "cache": tol["output"]}  # cached keys and values are projections, like the output
+        return {"cache": tol["output"], **tol}  # cached keys and values are projections, like the output
 
     _pairwise(results, DECODE_FRAMEWORK_PATHS, DECODE_QUANTITIES, _decode_quantity, tolerances, diffs, failures)
     tols = case.tolerance  # a path against its own full pass: the SPEC tolerance, no pair factor

@@ -12,7 +12,7 @@ import dataclasses
 
 import numpy as np
 
-from shared_tests.cases import MLA, TOLERANCES, Case, random_weights
+from shared_tests.cases import INT8_CACHE_TOLERANCES, MLA, TOLERANCES, Case, random_weights
 
 # tf:in_place: a tf.function step over an in-place cache (`init_cache(..., in_place=True)`): tf.Variables written by
 # each call, the step returning only its output and weights
@@ -42,6 +42,7 @@ class DecodeCase:
     positions: bool | str = False  # True: RoPE positions that skip the left padding (as transformers counts them);
     # "sections": those positions times 1, 2, ... k, one row per section of `rope_sections` (k, B, P)
     absorb: bool | None = None  # MLA: the layers' `absorb_latents` (None: absorbed, T <= 8 here; NumPy expands)
+    cache_dtype: str | None = None  # `init_cache(..., dtype=...)`: "int8" for the int8 cache
 
     @property
     def p(self):
@@ -56,7 +57,7 @@ class DecodeCase:
 
     @property
     def tolerance(self):
-        return TOLERANCES[self.dtype]
+        return INT8_CACHE_TOLERANCES if self.cache_dtype == "int8" else TOLERANCES[self.dtype]
 
     def spans(self):
         """(start, stop) of each chunk."""
@@ -143,6 +144,17 @@ DECODE_CASES = [
         variants=(("qk_norm", "per_head"), ("qk_norm_type", "layer"), ("qk_norm_bias", True)),
     ),
     DecodeCase("decode_gate", k=2, padding=(0, 2), chunks=(3, 1, 1, 1), variants=(("gate", True),)),
+    # The int8 cache (rolling, left padding, GQA, RoPE), held to the SPEC's int8 cache bound
+    DecodeCase(
+        "decode_int8_cache",
+        length=5,
+        k=2,
+        padding=(0, 2),
+        chunks=(3, 1, 2, 1, 1, 1),
+        positions=True,
+        variants=(("rope_theta", 10000.0), ("window", 3)),
+        cache_dtype="int8",
+    ),
     DecodeCase(
         "decode_gate_rope_rolling",
         length=4,

@@ -44,3 +44,23 @@ def assert_within_a_step(output, expected, step, what=""):
     assert worst <= step + FLOAT32, f"{what}: differs by {worst:.2e}, more than a step {step:.2e}"
     flipped = np.mean(difference > FLOAT32) if difference.size else 0.0
     assert flipped <= FLIP_SHARE, f"{what}: {flipped:.1%} of the outputs beyond float32's tolerance"
+
+
+def cache_keys():
+    """(2, 2, 4, 8) float32 keys for the int8 KV cache's rule (docs/SPEC.md, "KV-cache decoding"),
+    the same in every file: random rows, a row whose scale is exactly 1 holding ties (x.5, rounded
+    half to even), and a row of zeros (scale 0, integers 0)."""
+    keys = np.random.default_rng(8).normal(scale=3.0, size=(2, 2, 4, 8)).astype(np.float32)
+    keys[0, 0, 0] = [127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, -127.0]
+    keys[1, 1, 3] = 0.0
+    return keys
+
+
+TIED_ROW = [127, 0, 2, 2, 0, -2, 126, -127]  # the integers of keys[0, 0, 0]: its scale is 1
+
+
+def reference_cache_integers(keys):
+    """The NumPy file's int8 cache integers and scales of `keys`."""
+    from NumPy import Multi_Head_Attention as numpy_file
+
+    return numpy_file._quantize_cache_rows(keys)

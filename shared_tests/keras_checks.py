@@ -1042,6 +1042,22 @@ def check_mla():
         _close(_while_loop_decode(layer, x[1:]), full, f"MLA int8 decoding (absorbed: {absorb})")
 
 
+def check_int8_cache_integers():
+    """The int8 KV cache's rule (docs/SPEC.md, "KV-cache decoding"): the same keys give exactly the
+    NumPy file's integers and scales (shared_tests/test_int8_cache.py holds the other files to it)."""
+    from keras import ops
+
+    from Keras import Multi_Head_Attention as keras_file
+    from shared_tests.int8 import cache_keys, reference_cache_integers
+
+    integers, scale = (ops.convert_to_numpy(x) for x in keras_file._quantize_cache_rows(cache_keys()))
+    expected_integers, expected_scale = reference_cache_integers(cache_keys())
+    if integers.dtype != np.int8 or not np.array_equal(integers, expected_integers):
+        raise AssertionError(f"int8 cache integers differ from NumPy's: {integers.dtype}, {integers[0, 0, 0]}")
+    if scale.dtype != np.float32 or not np.array_equal(scale, expected_scale):
+        raise AssertionError("int8 cache scales differ from NumPy's")
+
+
 CHECKS = {
     "fit_compiled": check_fit_compiled,
     "fit": check_fit,
@@ -1068,6 +1084,7 @@ CHECKS = {
     "int8_decoding": check_int8_decoding,
     "int8_fit": check_int8_fit,
     "int8_layout_checks": check_int8_layout_checks,
+    "int8_cache_integers": check_int8_cache_integers,
     "save": check_save,
     "load": check_load,
     "save_int8": check_save_int8,

@@ -15,7 +15,7 @@ import functools
 
 import numpy as np
 
-from shared_tests.calling import INPUTS, DecodeResult, Result, set_path
+from shared_tests.calling import INPUTS, DecodeResult, Result, as_numpy_cache, set_path
 from shared_tests.cases import call_inputs
 from shared_tests.decoding import chunk_mask, chunk_positions, full_pass_mask
 
@@ -152,7 +152,7 @@ def decode_result(case, data):
 
     layer = layer_of(case, data)
     step = jitted_step(layer, case) if keras.backend.backend() == "jax" else None
-    cache = layer.init_cache(case.b, case.length, keep=_tensor(data["keep"]))
+    cache = layer.init_cache(case.b, case.length, keep=_tensor(data["keep"]), dtype=case.cache_dtype)
     outputs, weights = [], []
     for start, stop in case.spans():
         chunk = {name: _tensor(x[:, start:stop], case.dtype) for name, x in data["inputs"].items()}
@@ -174,7 +174,7 @@ def decode_result(case, data):
     else:
         full_pass = functools.partial(layer, causal=case.causal, return_attention=True)
     full, full_w = full_pass(**inputs, **extra, attention_mask=_tensor(full_pass_mask(case, data)))
-    caches = {name: _to_numpy(getattr(cache, name)) for name in ("key", "value", "keep", "index")}
+    caches = as_numpy_cache(cache, _to_numpy)
     return DecodeResult(
         _to_numpy(ops.concatenate(outputs, 1)), _to_numpy(ops.concatenate(weights, 2)), caches,
         _to_numpy(full), _to_numpy(full_w),

@@ -30,7 +30,7 @@ def decode(case, data):
     layer.import_weights(data["weights"])
     layer.absorb_latents = False  # the oracle: MLA expanded
     inputs = {name: x.astype(np.float64) for name, x in data["inputs"].items()}
-    cache = layer.init_cache(case.b, case.length, keep=data["keep"])
+    cache = layer.init_cache(case.b, case.length, keep=data["keep"], dtype=case.cache_dtype)
     outputs, weights = [], []
     for start, stop in case.spans():
         chunk = {name: x[:, start:stop] for name, x in inputs.items()}

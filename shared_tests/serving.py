@@ -2,7 +2,8 @@
 
 One graph per layer holds the step (x, cache in) -> (output, cache out) with T unknown: called
 once on the prompt (T = PROMPT) and then once per token (T = 1). The cache is four tensors that
-go in as inputs and come back as outputs (key, value, keep, index), so the runtime holds no
+go in as inputs and come back as outputs (key, value, keep, index; an int8 cache's scales too:
+six), so the runtime holds no
 state of its own and the caller feeds each step's cache to the next. B and L are fixed at export.
 
 - `torch:onnx`: `torch.onnx.export(dynamo=True)` with T dynamic, run in onnxruntime.
@@ -27,6 +28,8 @@ STEPS = 32  # T = 1 calls after the prompt
 PADDING = (0, 3)  # left padding of each prompt: the second one is 3 tokens shorter
 STEP_TOLERANCE = 1e-5  # float32: each call's output, runtime against eager (SPEC's output tolerance)
 CACHE_INPUTS = ("key", "value", "keep", "index")
+INT8_CACHE_INPUTS = (*CACHE_INPUTS, "key_scale", "value_scale")  # an int8 cache's: its integers' scales too
+INT8_STEP_TOLERANCE = 1e-4  # int8 cache: a runtime may round a key a few ulps apart to the neighbouring integer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +43,16 @@ class ServedLayer:
     e: int = 32
     n: int = 4
     k: int = 2
+    cache_dtype: str | None = None  # `init_cache(..., dtype=...)`: "int8" for the int8 cache
+
+    @property
+    def cache_inputs(self):
+        """The names of the cache's tensors that go in and come back out."""
+        return INT8_CACHE_INPUTS if self.cache_dtype == "int8" else CACHE_INPUTS
+
+    @property
+    def tolerance(self):
+        return INT8_STEP_TOLERANCE if self.cache_dtype == "int8" else STEP_TOLERANCE
 
     @property
     def config(self):
@@ -53,6 +66,7 @@ SERVED_LAYERS = [
     ServedLayer("rope_gqa", length=PROMPT + STEPS),
     ServedLayer("rolling_window", length=PROMPT, variants=(("window", PROMPT),)),  # L = W: the cache rolls
     ServedLayer("mla_rolling_window", length=PROMPT, variants=(("window", PROMPT), *MLA_VARIANTS)),  # latent cache
+    ServedLayer("int8_rolling_window", length=PROMPT, variants=(("window", PROMPT),), cache_dtype="int8"),
 ]
 SERVED_LAYERS_BY_NAME = {layer.name: layer for layer in SERVED_LAYERS}
 
@@ -94,7 +108,7 @@ def decode_eager_torch(served, weights, keep, calls):
     import torch
 
     layer = torch_layer(served, weights)
-    cache = layer.init_cache(served.b, served.length, keep=torch.from_numpy(keep))
+    cache = layer.init_cache(served.b, served.length, keep=torch.from_numpy(keep), dtype=served.cache_dtype)
     outputs = []
     with torch.no_grad():
         for x in calls:
@@ -106,7 +120,7 @@ def decode_eager_torch(served, weights, keep, calls):
 def decode_eager_tf(served, weights, keep, calls):
     """Each call's (B, T, E) output, decoding in the TensorFlow layer (eagerly)."""
     layer = tf_layer(served, weights)
-    cache = layer.init_cache(served.b, served.length, keep=keep)
+    cache = layer.init_cache(served.b, served.length, keep=keep, dtype=served.cache_dtype)
     outputs = []
     for x in calls:
         output, cache = layer(x, causal=True, cache=cache)
@@ -142,16 +156,18 @@ def _torch_step_export(served, seed):
             super().__init__()
             self.layer = layer
 
-        def forward(self, x, key, value, keep, index):
-            output, cache = self.layer(x, causal=True, cache=KVCache(key.clone(), value.clone(), keep.clone(), index))
-            return output, *cache[:4]  # key, value, keep, index (not segment_ids)
+        def forward(self, x, key, value, keep, index, key_scale=None, value_scale=None):  # scales: int8 only
+            scales = [None if s is None else s.clone() for s in (key_scale, value_scale)]
+            cache = KVCache(key.clone(), value.clone(), keep.clone(), index, None, *scales)
+            output, cache = self.layer(x, causal=True, cache=cache)
+            return output, *(getattr(cache, name) for name in served.cache_inputs)  # not segment_ids
 
-    cache = layer.init_cache(served.b, served.length, keep=torch.from_numpy(keep))
+    cache = layer.init_cache(served.b, served.length, keep=torch.from_numpy(keep), dtype=served.cache_dtype)
+    fields = tuple(getattr(cache, name) for name in served.cache_inputs)
     tokens = torch.export.Dim("tokens", min=1, max=served.length)
-    shapes = ({1: tokens}, None, None, None, None)
-    args = (torch.from_numpy(example), *cache[:4])
-    program = torch_onnx_export(Step(), args, dynamic_shapes=shapes)
-    return program.model_proto.SerializeToString(), tuple(np.asarray(c.numpy()) for c in cache[:4])
+    shapes = ({1: tokens}, *(None,) * len(fields))
+    program = torch_onnx_export(Step(), (torch.from_numpy(example), *fields), dynamic_shapes=shapes)
+    return program.model_proto.SerializeToString(), tuple(np.asarray(c.numpy()) for c in fields)
 
 
 def without_boolean_where(model):
@@ -166,7 +182,7 @@ def without_boolean_where(model):
         if node.op_type != "Where" or types.get(node.input[1]) != onnx.TensorProto.BOOL:
             nodes.append(node)
             continue
-        as_uint8 = [f"{name}_as_uint8" for name in node.input[1:]]
+        as_uint8 = [f"{node.output[0]}_{name}_as_uint8" for name in node.input[1:]]  # a name per Where
         nodes += [
             onnx.helper.make_node("Cast", [given], [cast], to=onnx.TensorProto.UINT8)
             for given, cast in zip(node.input[1:], as_uint8, strict=True)
@@ -180,32 +196,28 @@ def without_boolean_where(model):
 
 
 def _tf_step(served, weights):
-    """The TensorFlow decode step as a `tf.function` of (x, key, value, keep, index) with T None."""
+    """The TensorFlow decode step as a `tf.function` of (x, key, value, keep, index) (an int8 cache:
+    key_scale and value_scale too) with T None."""
     import tensorflow as tf
 
     from TensorFlow import KVCache
 
     layer = tf_layer(served, weights)
-    cache = layer.init_cache(served.b, served.length)
-    signature = [
-        tf.TensorSpec((served.b, None, served.e), tf.float32, name="x"),
-        tf.TensorSpec(cache.key.shape, tf.float32, name="key"),
-        tf.TensorSpec(cache.value.shape, tf.float32, name="value"),
-        tf.TensorSpec(cache.keep.shape, tf.bool, name="keep"),
-        tf.TensorSpec((), tf.int32, name="index"),
-    ]
+    cache = layer.init_cache(served.b, served.length, dtype=served.cache_dtype)
+    signature = [tf.TensorSpec((served.b, None, served.e), tf.float32, name="x")]
+    signature += [tf.TensorSpec(getattr(cache, n).shape, getattr(cache, n).dtype, name=n) for n in served.cache_inputs]
 
     @tf.function(input_signature=signature)
-    def step(x, key, value, keep, index):
-        output, cache = layer(x, causal=True, cache=KVCache(key, value, keep, index))
-        return output, *cache[:4]  # key, value, keep, index (not segment_ids)
+    def step(x, *fields):
+        output, cache = layer(x, causal=True, cache=KVCache(**dict(zip(served.cache_inputs, fields, strict=True))))
+        return output, *(getattr(cache, name) for name in served.cache_inputs)  # not segment_ids
 
     return step, signature, layer
 
 
 def _tf_initial(served, layer, keep):
-    cache = layer.init_cache(served.b, served.length, keep=keep)
-    return tuple(np.asarray(c.numpy()) for c in cache[:4])
+    cache = layer.init_cache(served.b, served.length, keep=keep, dtype=served.cache_dtype)
+    return tuple(np.asarray(getattr(cache, name).numpy()) for name in served.cache_inputs)
 
 
 def export_tf_onnx_step(served, seed=0):
@@ -256,7 +268,7 @@ def decode_litert(model, initial, calls):
     for x in calls:
         interpreter.resize_tensor_input(inputs["x"], x.shape)
         interpreter.allocate_tensors()
-        for name, array in zip(("x", *CACHE_INPUTS), (x, *cache), strict=True):
+        for name, array in zip(("x", *(n for n in INT8_CACHE_INPUTS if n in inputs)), (x, *cache), strict=True):
             interpreter.set_tensor(inputs[name], array)
         interpreter.invoke()
         output, *cache = [interpreter.get_tensor(detail["index"]) for detail in results]

@@ -27,6 +27,7 @@ CHECKS = (
     "memory_efficient_dropout", "fused", "mla",
 )  # fmt: skip
 INT8_CHECKS = ("int8_parity", "int8_model_quantize", "int8_decoding", "int8_fit", "int8_layout_checks")
+INT8_CHECKS += ("int8_cache_integers",)  # the int8 KV cache's integers: exactly NumPy's
 
 
 def _tables(backend):

@@ -89,7 +89,8 @@ def decode(case, data, path):
         return result[:2] if in_place else result  # an in-place cache is the one passed in, written
 
     step = step if path == "tf:eager" else traced_up_front(tf.function(step))  # one trace per distinct T
-    cache = layer.init_cache(case.b, case.length, keep=tf.constant(data["keep"]), in_place=in_place)
+    keep = tf.constant(data["keep"])
+    cache = layer.init_cache(case.b, case.length, keep=keep, dtype=case.cache_dtype, in_place=in_place)
     outputs, weights = [], []
     for start, stop in case.spans():
         chunk = {name: tf.constant(x[:, start:stop], dtype=case.dtype) for name, x in data["inputs"].items()}

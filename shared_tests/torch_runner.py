@@ -112,7 +112,7 @@ def decode(case, data, path):
     layer = make_torch_layer(case, data)
     dtype = getattr(torch, case.dtype)
     explicit = path == "torch:explicit"
-    cache = layer.init_cache(case.b, case.length, keep=torch.from_numpy(data["keep"]))
+    cache = layer.init_cache(case.b, case.length, keep=torch.from_numpy(data["keep"]), dtype=case.cache_dtype)
     outputs, weights = [], []
     with torch.no_grad():
         for start, stop in case.spans():
