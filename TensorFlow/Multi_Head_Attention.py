@@ -2372,7 +2372,7 @@ def _check_int8_config(config):
         )
 
 
-_QUANTIZED_POLICY = getattr(getattr(tf.keras, "dtype_policies", None), "QuantizedDTypePolicy", None)
+_QUANTIZED_POLICY = getattr(getattr(tf.keras, "dtype_policies", None), "QuantizedDTypePolicy", None)  # Keras 3
 
 
 def _int8_policy(policy):
@@ -2384,16 +2384,17 @@ def _int8_policy(policy):
     return f"int8_from_{policy.name}"
 
 
-if _QUANTIZED_POLICY is not None:  # Keras 3 (legacy Keras 2 has no quantization)
+class _Int8FromFloat16Policy(_QUANTIZED_POLICY or object):  # legacy Keras 2 has no quantization: never made there
+    """Keras' `QuantizedDTypePolicy` "int8_from_float16" (or "int8_from_mixed_float16") without
+    its refusal of float16: `_int8_matmul` sums and scales in float32, so the int8 layer
+    computes in float16 as in any other dtype. Registered, so a `.keras` file that holds it loads."""
 
-    @tf.keras.utils.register_keras_serializable(package="MultiHeadAttentionReference")
-    class _Int8FromFloat16Policy(_QUANTIZED_POLICY):
-        """Keras' `QuantizedDTypePolicy` "int8_from_float16" (or "int8_from_mixed_float16") without
-        its refusal of float16: `_int8_matmul` sums and scales in float32, so the int8 layer
-        computes in float16 as in any other dtype. Registered, so a `.keras` file that holds it loads."""
+    def _check_quantization_mode(self, mode, compute_dtype):
+        super()._check_quantization_mode(mode, "float32" if compute_dtype == "float16" else compute_dtype)
 
-        def _check_quantization_mode(self, mode, compute_dtype):
-            super()._check_quantization_mode(mode, "float32" if compute_dtype == "float16" else compute_dtype)
+
+if _QUANTIZED_POLICY is not None:
+    tf.keras.utils.register_keras_serializable(package="MultiHeadAttentionReference")(_Int8FromFloat16Policy)
 
 
 def _unquantized_policy(policy):
