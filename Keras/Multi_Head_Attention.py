@@ -368,7 +368,7 @@ class MultiHeadAttention(keras.layers.Layer):
         `__call__`, which autocasts them); an int8 kernel with x quantized per token (`_int8_matmul`)."""
         kernel = getattr(self, f"{kind}_kernel")
         if self.quantization_mode == "int8":  # `_int8`: (B, L, D) -> (B, L, F)
-            y = _int8_matmul(x, ops.convert_to_tensor(kernel), ops.cast(getattr(self, f"{kind}_kernel_scale"), x.dtype))
+            y = _int8_matmul(x, ops.convert_to_tensor(kernel), getattr(self, f"{kind}_kernel_scale").value)
         else:  # float64 through `_matmul`, which keeps it
             matmul = _matmul if keras.backend.standardize_dtype(x.dtype) == "float64" else ops.matmul
             y = matmul(x, ops.cast(kernel, x.dtype))  # (B, L, D) -> (B, L, F)
@@ -461,6 +461,9 @@ class MultiHeadAttention(keras.layers.Layer):
         """Quantizes the projections to int8 as Keras' `Dense.quantize("int8")` does (`_quantize`
         says how); `type_check` is unused (Keras' signature)."""
         _quantize(self, mode, config)  # type_check: unused
+
+    def _check_quantize_args(self, mode, compute_dtype):
+        _check_quantize_args(self, mode, compute_dtype)  # Keras' checks; float16 computes int8 too
 
     @classmethod
     def from_keras(cls, layer, *, window=None):
@@ -2299,11 +2302,11 @@ def _quantize(layer, mode, config):
         kernel, scale = _quantize_kernel(ops.convert_to_numpy(getattr(layer, f"{kind}_kernel").value))
         layer._untrack_variable(getattr(layer, f"{kind}_kernel"))  # Keras' `del` would run gc.collect() per kernel
         for name, value in ((f"{kind}_kernel", kernel), (f"{kind}_kernel_scale", scale)):
-            options = {"initializer": "zeros", "trainable": False, "dtype": value.dtype.name}
+            options = {"initializer": "zeros", "trainable": False, "dtype": value.dtype.name, "autocast": False}
             setattr(layer, name, layer.add_weight(name=name, shape=value.shape, **options))
             getattr(layer, name).assign(value)
     layer._is_quantized = True  # Keras' flag: setting the policy below must not quantize again
-    layer.dtype_policy = f"int8_from_{layer.dtype_policy.name}"
+    layer.dtype_policy = _int8_policy(layer.dtype_policy)
 
 
 def _quantize_kernel(kernel):
@@ -2321,28 +2324,42 @@ def _quantize_kernel(kernel):
 def _int8_matmul(x, kernel, kernel_scale):
     """(B, L, D) @ an int8 (D, F) kernel: x quantized per token as Keras' `AbsMaxQuantizer` does
     (r = 127 / (max |token| + 1e-7), round(x * r) clipped to [-127, 127]), an int8 x int8 -> int32
-    matmul, then * (1 / r) * kernel_scale. The gradient of `x` goes through the dequantized
-    kernel (Keras' straight-through gradient); the kernel and its scale get none."""
-    largest = ops.max(ops.abs(x), axis=-1, keepdims=True, initial=0.0)  # (B, L, 1); `initial`: L may be 0
+    matmul, then * (1 / r) * kernel_scale, the quantizing and the scales in float32 at least
+    whatever x's dtype (in float16 r of a zero token and a sum of 64 products overflow), the result
+    cast to x's dtype. The gradient of `x` goes through the dequantized kernel (Keras'
+    straight-through gradient); the kernel and its (float32) scale get none."""
+    dtype = _softmax_dtype(x.dtype)  # float32 at least
+    wide = ops.cast(x, dtype)  # (B, L, D)
+    largest = ops.max(ops.abs(wide), axis=-1, keepdims=True, initial=0.0)  # (B, L, 1); `initial`: L may be 0
     ratio = _INT8_MAX / (largest + _INT8_EPSILON)  # (B, L, 1)
-    quantized = ops.cast(ops.clip(ops.round(x * ratio), -_INT8_MAX, _INT8_MAX), "int8")  # (B, L, D)
+    quantized = ops.cast(ops.clip(ops.round(wide * ratio), -_INT8_MAX, _INT8_MAX), "int8")  # (B, L, D)
     accumulated = ops.matmul(quantized, kernel)  # (B, L, D) @ (D, F) -> int32 (B, L, F)
-    y = ops.cast(accumulated, x.dtype) * ((1.0 / ratio) * kernel_scale)  # (B, L, F)
+    y = ops.cast(ops.cast(accumulated, dtype) * ((1.0 / ratio) * ops.cast(kernel_scale, dtype)), x.dtype)  # (B, L, F)
 
     def grad(*args, upstream=None):
         upstream = args[0] if upstream is None else upstream  # torch passes it by name, after the inputs
-        dequantized = ops.cast(kernel, x.dtype) * kernel_scale  # (D, F)
+        dequantized = ops.cast(kernel, x.dtype) * ops.cast(kernel_scale, x.dtype)  # (D, F)
         return _matmul(upstream, ops.transpose(dequantized)), None, None  # (B, L, F) -> (B, L, D)
 
     return y, grad
 
 
 def _quantized_rows(x):
-    """x quantized per token as `_int8_matmul` quantizes its input, and dequantized: round(x * r) / r,
-    r = 127 / (max |x| + 1e-7) over the last axis, the integers clipped to [-127, 127]."""
-    largest = ops.max(ops.abs(x), axis=-1, keepdims=True, initial=0.0)  # (..., 1); `initial`: a dim may be 0
+    """x quantized per token as `_int8_matmul` quantizes its input (in float32 at least), and
+    dequantized: round(x * r) / r, r = 127 / (max |x| + 1e-7) over the last axis, the integers
+    clipped to [-127, 127]; in x's dtype."""
+    wide = ops.cast(x, _softmax_dtype(x.dtype))  # float16: r of a zero row overflows
+    largest = ops.max(ops.abs(wide), axis=-1, keepdims=True, initial=0.0)  # (..., 1); `initial`: a dim may be 0
     ratio = _INT8_MAX / (largest + _INT8_EPSILON)  # (..., 1)
-    return ops.clip(ops.round(x * ratio), -_INT8_MAX, _INT8_MAX) * (1.0 / ratio)
+    return ops.cast(ops.clip(ops.round(wide * ratio), -_INT8_MAX, _INT8_MAX) * (1.0 / ratio), x.dtype)
+
+
+def _check_quantize_args(layer, mode, compute_dtype):
+    """Keras' checks before `quantize` (a built layer, not quantized yet, a known mode) without its
+    refusal of a float16 compute dtype (float16, `mixed_float16`): Keras' int8 `Dense` casts the
+    int32 sums to float16, which overflows, while `_int8_matmul` scales them in float32."""
+    wide = "float32" if compute_dtype == "float16" else compute_dtype
+    super(MultiHeadAttention, layer)._check_quantize_args(mode, wide)
 
 
 # The int8 KV cache (docs/SPEC.md, "KV-cache decoding"): each slot's key and value of each head (with
@@ -2482,6 +2499,25 @@ def _check_int8_config(config):
             "`config` must be Keras' default int8 config (per-column abs-max kernels, per-token abs-max inputs in "
             f"[-127, 127]): the portable int8 layout holds only that scheme. Received: config={config!r}"
         )
+
+
+def _int8_policy(policy):
+    """The dtype policy of `policy` quantized to int8: Keras' "int8_from_<policy>", or where the
+    compute dtype is float16 (float16, `mixed_float16`) the same policy as an
+    `_Int8FromFloat16Policy`, since Keras' own refuses float16."""
+    if policy.compute_dtype == "float16":
+        return _Int8FromFloat16Policy("int8", policy.name)
+    return f"int8_from_{policy.name}"
+
+
+@keras.saving.register_keras_serializable(package="MultiHeadAttentionKeras")
+class _Int8FromFloat16Policy(keras.dtype_policies.QuantizedDTypePolicy):
+    """Keras' `QuantizedDTypePolicy` "int8_from_float16" (or "int8_from_mixed_float16") without
+    its refusal of float16: `_int8_matmul` sums and scales in float32, so the int8 layer
+    computes in float16 as in any other dtype. Registered, so a `.keras` file that holds it loads."""
+
+    def _check_quantization_mode(self, mode, compute_dtype):
+        super()._check_quantization_mode(mode, "float32" if compute_dtype == "float16" else compute_dtype)
 
 
 def _unquantized_policy(policy):
@@ -2944,8 +2980,8 @@ def _weight_options(layer, name):
     not trainable (as in Keras' int8 `Dense`)."""
     if layer._int8 and name.endswith("_kernel"):
         return {"initializer": "zeros", "dtype": "int8", "trainable": False}
-    if name.endswith("_kernel_scale"):
-        return {"initializer": "ones", "dtype": "float32", "trainable": False}
+    if name.endswith("_kernel_scale"):  # read in float32 under a mixed policy too (`_int8_matmul`)
+        return {"initializer": "ones", "dtype": "float32", "trainable": False, "autocast": False}
     return {"initializer": _initializer(layer, name)}
 
 

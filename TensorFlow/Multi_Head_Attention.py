@@ -218,6 +218,9 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         "int8", `type_check` unused (Keras' signature), `config` None or Keras' default int8 config."""
         _quantize(self, mode, config)
 
+    def _check_quantize_args(self, mode, compute_dtype):
+        _check_quantize_args(self, mode, compute_dtype)  # Keras' checks; float16 computes int8 too
+
     @property
     def _latent(self):
         """The MLA sizes as a `_Latent`, or None without `kv_lora_rank`."""
@@ -387,7 +390,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         if scale is None:
             y = tf.matmul(rows, tf.cast(kernel, x.dtype))  # (B*L, D) -> (B*L, F)
         else:
-            y = _int8_matmul(rows, tf.convert_to_tensor(kernel), tf.cast(scale, x.dtype))  # -> (B*L, F)
+            y = _int8_matmul(rows, tf.convert_to_tensor(kernel), tf.convert_to_tensor(scale))  # -> (B*L, F)
         y = y if bias is None else tf.nn.bias_add(y, tf.cast(bias, x.dtype))
         return tf.reshape(y, tf.concat([tf.shape(x)[:2], [kernel.shape[1]]], 0))  # (B*L, F) -> (B, L, F)
 
@@ -2282,11 +2285,11 @@ def _quantize(layer, mode, config):
         kernel, scale = _quantize_kernel(getattr(layer, f"{kind}_kernel").numpy())
         layer._untrack_variable(getattr(layer, f"{kind}_kernel"))  # Keras' `del` would run gc.collect() per kernel
         for name, value in ((f"{kind}_kernel", kernel), (f"{kind}_kernel_scale", scale)):
-            options = {"initializer": "zeros", "trainable": False, "dtype": value.dtype.name}
+            options = {"initializer": "zeros", "trainable": False, "dtype": value.dtype.name, "autocast": False}
             setattr(layer, name, layer.add_weight(name=name, shape=value.shape, **options))
             getattr(layer, name).assign(value)
     layer._is_quantized = True  # Keras' flag: setting the policy below must not quantize again
-    layer.dtype_policy = f"int8_from_{layer.dtype_policy.name}"
+    layer.dtype_policy = _int8_policy(layer.dtype_policy)
 
 
 def _weight_options(layer, name):
@@ -2294,8 +2297,8 @@ def _weight_options(layer, name):
     not trainable (as in Keras' int8 `Dense`)."""
     if layer._int8 and name.endswith("_kernel"):
         return {"initializer": "zeros", "dtype": "int8", "trainable": False}
-    if name.endswith("_kernel_scale"):
-        return {"initializer": "ones", "dtype": "float32", "trainable": False}
+    if name.endswith("_kernel_scale"):  # read in float32 under a mixed policy too (`_int8_matmul`)
+        return {"initializer": "ones", "dtype": "float32", "trainable": False, "autocast": False}
     return {"initializer": _initializer(layer, name)}
 
 
@@ -2314,29 +2317,41 @@ def _quantize_kernel(kernel):
 def _int8_matmul(rows, kernel, kernel_scale):
     """(M, D) @ an int8 (D, F) kernel: rows quantized per token as Keras' `AbsMaxQuantizer` does
     (r = 127 / (max |row| + 1e-7), round(rows * r) clipped to [-127, 127]), the integer products
-    summed in float32 at least, then * (1 / r) * kernel_scale. The sums are exact while they stay
-    below 2**24 (always for D <= 1040), so the numbers are those of an int8 x int8 -> int32 matmul,
-    which the TFLite converter refuses (its FULLY_CONNECTED takes float32 or quantized tensors, not
-    raw int8). The gradient of `rows` goes through the dequantized kernel (Keras' straight-through
-    gradient); the kernel and its scale get none."""
+    summed, then * (1 / r) * kernel_scale, all in float32 at least whatever the rows' dtype (in
+    float16 r of a zero row and a sum of 64 products overflow), the result cast to the rows' dtype.
+    The sums are exact while they stay below 2**24 (always for D <= 1040), so the numbers are those
+    of an int8 x int8 -> int32 matmul, which the TFLite converter refuses (its FULLY_CONNECTED takes
+    float32 or quantized tensors, not raw int8). The gradient of `rows` goes through the dequantized
+    kernel (Keras' straight-through gradient); the kernel and its (float32) scale get none."""
     dtype = _softmax_dtype(rows.dtype)  # float32 at least: float16 holds integers only to 2048
-    ratio = _INT8_MAX / (tf.reduce_max(tf.abs(rows), axis=-1, keepdims=True) + _INT8_EPSILON)  # (M, 1)
-    quantized = tf.clip_by_value(tf.round(rows * ratio), -_INT8_MAX, _INT8_MAX)  # (M, D), integers
-    accumulated = tf.matmul(tf.cast(quantized, dtype), tf.cast(kernel, dtype))  # (M, D) @ (D, F) -> (M, F)
-    y = tf.cast(accumulated, rows.dtype) * ((1.0 / ratio) * kernel_scale)  # (M, F)
+    wide = tf.cast(rows, dtype)  # (M, D)
+    ratio = _INT8_MAX / (tf.reduce_max(tf.abs(wide), axis=-1, keepdims=True) + _INT8_EPSILON)  # (M, 1)
+    quantized = tf.clip_by_value(tf.round(wide * ratio), -_INT8_MAX, _INT8_MAX)  # (M, D), integers
+    accumulated = tf.matmul(quantized, tf.cast(kernel, dtype))  # (M, D) @ (D, F) -> (M, F)
+    y = tf.cast(accumulated * ((1.0 / ratio) * tf.cast(kernel_scale, dtype)), rows.dtype)  # (M, F)
 
     def grad(upstream):
-        dequantized = tf.cast(kernel, rows.dtype) * kernel_scale  # (D, F)
+        dequantized = tf.cast(kernel, rows.dtype) * tf.cast(kernel_scale, rows.dtype)  # (D, F)
         return tf.matmul(upstream, dequantized, transpose_b=True), None, None  # (M, F) -> (M, D)
 
     return y, grad
 
 
 def _quantized_rows(x):
-    """x quantized per token as `_int8_matmul` quantizes its rows, and dequantized: round(x * r) / r,
-    r = 127 / (max |x| + 1e-7) over the last axis, the integers clipped to [-127, 127]."""
-    ratio = _INT8_MAX / (tf.reduce_max(tf.abs(x), axis=-1, keepdims=True) + _INT8_EPSILON)  # (..., 1)
-    return tf.clip_by_value(tf.round(x * ratio), -_INT8_MAX, _INT8_MAX) * (1.0 / ratio)
+    """x quantized per token as `_int8_matmul` quantizes its rows (in float32 at least), and
+    dequantized: round(x * r) / r, r = 127 / (max |x| + 1e-7) over the last axis, the integers
+    clipped to [-127, 127]; in x's dtype."""
+    wide = tf.cast(x, _softmax_dtype(x.dtype))  # float16: r of a zero row overflows
+    ratio = _INT8_MAX / (tf.reduce_max(tf.abs(wide), axis=-1, keepdims=True) + _INT8_EPSILON)  # (..., 1)
+    return tf.cast(tf.clip_by_value(tf.round(wide * ratio), -_INT8_MAX, _INT8_MAX) * (1.0 / ratio), x.dtype)
+
+
+def _check_quantize_args(layer, mode, compute_dtype):
+    """Keras' checks before `quantize` (a built layer, not quantized yet, a known mode) without its
+    refusal of a float16 compute dtype (float16, `mixed_float16`): Keras' int8 `Dense` casts the
+    int32 sums to float16, which overflows, while `_int8_matmul` sums and scales in float32."""
+    wide = "float32" if compute_dtype == "float16" else compute_dtype
+    super(MultiHeadAttention, layer)._check_quantize_args(mode, wide)
 
 
 # The int8 KV cache (docs/SPEC.md, "KV-cache decoding"): each slot's key and value of each head (with
@@ -2475,6 +2490,31 @@ def _check_int8_config(config):
             "`config` must be Keras' default int8 config (per-column abs-max kernels, per-token abs-max inputs in "
             f"[-127, 127]): the portable int8 layout holds only that scheme. Received: config={config!r}"
         )
+
+
+_QUANTIZED_POLICY = getattr(getattr(tf.keras, "dtype_policies", None), "QuantizedDTypePolicy", None)  # Keras 3
+
+
+def _int8_policy(policy):
+    """The dtype policy of `policy` quantized to int8: Keras' "int8_from_<policy>", or where the
+    compute dtype is float16 (float16, `mixed_float16`) the same policy as an
+    `_Int8FromFloat16Policy`, since Keras' own refuses float16."""
+    if policy.compute_dtype == "float16":
+        return _Int8FromFloat16Policy("int8", policy.name)
+    return f"int8_from_{policy.name}"
+
+
+class _Int8FromFloat16Policy(_QUANTIZED_POLICY or object):  # legacy Keras 2 has no quantization: never made there
+    """Keras' `QuantizedDTypePolicy` "int8_from_float16" (or "int8_from_mixed_float16") without
+    its refusal of float16: `_int8_matmul` sums and scales in float32, so the int8 layer
+    computes in float16 as in any other dtype. Registered, so a `.keras` file that holds it loads."""
+
+    def _check_quantization_mode(self, mode, compute_dtype):
+        super()._check_quantization_mode(mode, "float32" if compute_dtype == "float16" else compute_dtype)
+
+
+if _QUANTIZED_POLICY is not None:
+    tf.keras.utils.register_keras_serializable(package="MultiHeadAttentionReference")(_Int8FromFloat16Policy)
 
 
 def _unquantized_policy(policy):

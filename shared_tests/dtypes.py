@@ -50,12 +50,6 @@ PATHS = {
 }
 COMPILED = "compiled"
 FRAMEWORKS = ("torch", "tf", "keras:tensorflow", "keras:jax", "keras:torch")
-# What a file refuses, by (framework prefix, dtype, int8), with the reason; the test asserts the refusal itself.
-KERAS_FLOAT16_INT8 = (
-    "Keras refuses int8 for a float16 compute dtype (`Layer._check_quantize_args`: \"Quantization mode='int8' "
-    "doesn't work well with compute_dtype='float16'\"), in the TensorFlow and Keras files as in its own layers"
-)
-REFUSED = {("tf", "float16", True): KERAS_FLOAT16_INT8, ("keras", "float16", True): KERAS_FLOAT16_INT8}
 UNWRITTEN = 3  # cache slots `decode` leaves unwritten (zeros, which every step reads but must not attend)
 FLOAT16_HEADROOM = float(np.finfo(np.float16).max) / 2  # float32's intermediates of the drawn inputs stay below it
 
@@ -75,11 +69,6 @@ class Run:
     @property
     def case(self):
         return dataclasses.replace(VARIANTS[self.variant], dtype=self.dtype)
-
-    @property
-    def refused(self):
-        """Why the file refuses this run (the reason the test checks), or None."""
-        return REFUSED.get((self.framework.split(":")[0], self.dtype, self.int8))
 
 
 def runs(framework, dtypes=DTYPES, paths=None, int8=(False, True), variants=tuple(VARIANTS)):
@@ -105,15 +94,14 @@ def drawn(frameworks, paths, count, seed):
     """`count` runs on `paths`, drawn with `seed` so that they spread over the dimensions: the
     i-th run takes the i-th framework of `frameworks` (in turn) and the i-th dtype, variant and
     path of an order shuffled for each dimension (every dtype, variant and path once `count`
-    reaches their number), float or int8 weights at random (float where the file refuses int8)."""
+    reaches their number), float or int8 weights at random."""
     rng = np.random.default_rng(seed)
     dimensions = (DTYPES, list(VARIANTS), paths)
     orders = [rng.permutation(len(values)) for values in dimensions]
     picked = []
     for i in range(count):
         dtype, variant, path = (values[order[i % len(order)]] for values, order in zip(dimensions, orders, strict=True))
-        run = Run(frameworks[i % len(frameworks)], dtype, bool(rng.integers(2)), variant, path)
-        picked.append(dataclasses.replace(run, int8=False) if run.refused else run)  # `paired` checks refusals
+        picked.append(Run(frameworks[i % len(frameworks)], dtype, bool(rng.integers(2)), variant, path))
     return picked
 
 

@@ -827,7 +827,14 @@ def check_int8_model_quantize():
     """`model.quantize("int8")` on a functional model holding the layer quantizes it as Keras
     quantizes its built-ins (the policy int8_from_float32, int8 kernels; no warning names the
     layer or its dropout), the output is the reference's within one step, and a `.keras` file
-    keeps it (a loaded layer is int8, and quantizing it again is refused)."""
+    keeps it (a loaded layer is int8, and quantizing it again is refused). Under mixed_float16
+    too, which Keras' own layers refuse: the output float16 and finite, within one step and
+    float16's tolerance, the policy int8_from_mixed_float16 saved and loaded."""
+    for policy in ("float32", "mixed_float16"):
+        _model_quantize(policy)
+
+
+def _model_quantize(policy):
     import tempfile
 
     import keras
@@ -839,7 +846,7 @@ def check_int8_model_quantize():
     case = CASES_BY_NAME["gqa_self_causal"]
     data = make_data(case)
     query = keras.Input((case.t, case.e))
-    layer = Keras.MultiHeadAttention(**{**case.config, "dropout": 0.1})
+    layer = Keras.MultiHeadAttention(**{**case.config, "dropout": 0.1}, dtype=policy)
     model = keras.Model(query, layer(query, causal=True))
     layer.import_weights(data["weights"])
     with warnings.catch_warnings(record=True) as caught:
@@ -847,16 +854,18 @@ def check_int8_model_quantize():
         model.quantize("int8")
     refused = [str(w.message) for w in caught if "`quantize`" in str(w.message)]
     assert all("InputLayer" in message for message in refused), refused  # neither this layer nor its dropout
-    assert layer.dtype_policy.name == "int8_from_float32", layer.dtype_policy.name
+    assert layer.dtype_policy.name == f"int8_from_{policy}", layer.dtype_policy.name
     assert {v.name: v.dtype for v in layer.weights}["output_kernel"] == "int8"
     reference, _, expected = _int8_reference(case, data)
-    output = _numpy(model(data["query"]))
-    assert_within_a_step(output, expected, one_step(reference), "model.quantize")
+    output = model(data["query"])
+    assert keras.backend.standardize_dtype(output.dtype) == layer.compute_dtype, (policy, output.dtype)
+    output = _numpy(output)
+    assert_within_a_step(output, expected, one_step(reference), f"model.quantize, {policy}", layer.compute_dtype)
     with tempfile.TemporaryDirectory() as folder:
         model.save(os.path.join(folder, "int8.keras"))
         loaded = keras.models.load_model(os.path.join(folder, "int8.keras"))
-    _close(loaded(data["query"]), output, "the int8 model loaded from .keras", 0.0)
-    assert loaded.layers[-1].dtype_policy.name == "int8_from_float32", loaded.layers[-1].dtype_policy.name
+    _close(loaded(data["query"]), output, f"the int8 model loaded from .keras, {policy}", 0.0)
+    assert loaded.layers[-1].dtype_policy == layer.dtype_policy, loaded.layers[-1].dtype_policy.name
     try:
         loaded.layers[-1].quantize("int8")
     except ValueError as error:

@@ -166,34 +166,40 @@ def test_kernel_quantization_is_keras_abs_max(framework):
     assert quantized.dtype == np.int8 and scale.dtype == np.float32
 
 
-def _keras_model(case):
+def _keras_model(case, dtype=None):
     query = keras.Input((case.t, case.e))
-    layer = tf_file.MultiHeadAttention(**case.config)
+    layer = tf_file.MultiHeadAttention(**case.config, dtype=dtype)
     return keras.Model(query, layer(query, causal=True)), layer
 
 
-def test_keras_model_quantize_saves_and_loads(tmp_path):
+@pytest.mark.parametrize("policy", ("float32", "mixed_float16", "mixed_bfloat16"))
+def test_keras_model_quantize_saves_and_loads(tmp_path, policy):
     """`model.quantize("int8")` quantizes the layer as Keras quantizes its own (int8 kernels, the
-    policy int8_from_float32), the output is the reference's, and a `.keras` file keeps it."""
+    policy int8_from_<policy>), the output is the reference's within a step (and the compute
+    dtype's tolerance), and a `.keras` file keeps it. Under mixed_float16 too, which Keras' own
+    layers refuse: the integer sums run in float32 (the policy is the file's
+    `_Int8FromFloat16Policy`, which the `.keras` file names)."""
     case = CASES_BY_NAME["self_basic"]
     data = make_data(case)
-    model, layer = _keras_model(case)
+    model, layer = _keras_model(case, policy)
     layer.import_weights(data["weights"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model.quantize("int8")
     refused = [str(w.message) for w in caught if "does not have a `quantize`" in str(w.message)]
     assert refused and all("InputLayer" in message for message in refused)  # neither this layer nor its dropout
-    assert layer.dtype_policy.name == "int8_from_float32"
+    assert layer.dtype_policy.name == f"int8_from_{policy}"
     assert {v.name: v.dtype for v in layer.weights}["output_kernel"] == "int8"
     reference = _float_layer("numpy", case, layer.export_weights())
     expected = reference(data["query"], causal=True)
-    output = model(data["query"]).numpy()
-    assert_within_a_step(output, expected, one_step(reference))
+    output = model(data["query"])
+    assert output.dtype == layer.compute_dtype
+    output = output.numpy().astype(np.float64)
+    assert_within_a_step(output, expected, one_step(reference), policy, layer.compute_dtype)
     model.save(tmp_path / "int8.keras")
     loaded = keras.models.load_model(tmp_path / "int8.keras")
-    np.testing.assert_array_equal(loaded(data["query"]).numpy(), output)
-    assert loaded.layers[-1].dtype_policy.name == "int8_from_float32"
+    np.testing.assert_array_equal(loaded(data["query"]).numpy().astype(np.float64), output)
+    assert loaded.layers[-1].dtype_policy == layer.dtype_policy
     with pytest.raises(ValueError, match="already quantized"):
         loaded.layers[-1].quantize("int8")
 
