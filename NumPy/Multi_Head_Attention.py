@@ -138,6 +138,9 @@ class MultiHeadAttention:
         v_head_dim: Hv, with MLA the width of a value head (the output kernel is (N*Hv, E)).
         latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
         seed: seed for the Glorot uniform initialisation of the kernels (biases start at 0).
+        query_scaling: None, or {"type": "temperature" or "positions", "beta": b, "floor": f}: each
+            query row times 1 + b * ln(1 + floor(p / f)) (Llama 4's temperature tuning, Mistral 4's
+            `llama_4_scaling_beta`; see `query_scales` for p).
 
     Call arguments:
         query: (B, T, E).
@@ -187,7 +190,7 @@ class MultiHeadAttention:
         rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None, qk_norm_eps=1e-6,
         qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
-        seed=None,
+        seed=None, query_scaling=None,
     ):  # fmt: skip
         self.d_model = _positive_int("d_model", d_model)
         self.num_heads = _positive_int("num_heads", num_heads)
@@ -222,6 +225,7 @@ class MultiHeadAttention:
         for name, value in variants._asdict().items():
             setattr(self, name, value)  # self.scale, self.softcap, ..., self.sinks, self.clip_qkv, self.gate
         self._cache_layout = (self.num_kv_heads, self.head_dim, self.head_dim)  # a KVCache's heads and widths
+        self.query_scaling = _check_query_scaling(query_scaling, self.rope_sections)  # its section: positions
         if latent is not None:
             _check_latent_combinations(vdim, variants)
             self.vdim = self.kdim  # the values come from `key`
@@ -259,6 +263,7 @@ class MultiHeadAttention:
         masks = (call.attention_mask, call.attention_bias, call.key_mask, call.query_mask)
         keep, bias = self._masks(call) if any(m is not None for m in masks) else (None, None)  # 1. keep and bias
         q, k, v = self._project_qkv(call)  # 2-4. (B, N, T, H), (B, K, S, H) x 2, QK-norm and RoPE of q and k
+        q = q if self.query_scaling is None else q * _query_scales(self, call)  # 4b. (B|1, 1, T, 1) query scales
         if call.cache is not None:
             k, v, keep, call = _update_cache(self, call, k, v, keep)  # 5. KV cache, keep over its L slots
         context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S)
@@ -513,6 +518,7 @@ def _backward(layer, grad_output):
         k, v = _expand_latents(layer, k, v)  # MLA: the expanded keys and values
     keep = _full_keep(c["keep"], q.shape[2], k.shape[2], call.causal, call.window, call.attention_chunk_size)
     d_q, d_k, d_v, d_biased, d_sinks = _attention_backward(layer, d_context, q, k, v, keep, c["weights"])  # 6.
+    d_q = d_q if layer.query_scaling is None else d_q * _query_scales(layer, call)  # 4b. query scales
     extra = {} if c["bias_shape"] is None else {"attention_bias": _sum_to_shape(d_biased, c["bias_shape"])}
     grads.update({} if d_sinks is None else {"sinks": d_sinks})
     if layer._latent is not None:
@@ -1188,6 +1194,53 @@ def _turn_back(layer, d, positions):
         return d
     factor = rope_attention_factor(layer.rope_scaling)
     return _rope_backward(d, positions, layer._inv_freq, layer.rope_interleaved, factor, layer.rope_sections)
+
+
+# Queries scaled by position (`query_scaling`, docs/SPEC.md "Queries scaled by position"): each query row times
+# 1 + beta * ln(1 + floor(p / floor)). "temperature" (Llama 4's attention temperature tuning) counts p = i + t + 1
+# from the cache's index i (0 without a cache), the same for every row, left padding included; "positions"
+# (Mistral 4's and Ministral 3's `llama_4_scaling_beta`) reads the (B, T) RoPE positions (`positions`, by default
+# i + t). A constant per query row, so q's gradient is scaled by it too.
+
+
+_QUERY_SCALING_TYPES = ("temperature", "positions")
+
+
+def _check_query_scaling(scaling, rope_sections):
+    """`query_scaling`: None or {"type": "temperature" or "positions", "beta": a finite number, "floor": a
+    positive number}, held with float numbers; "positions" reads one row of positions (not `rope_sections`)."""
+    if scaling is None:
+        return None
+    valid = isinstance(scaling, dict) and set(scaling) == {"type", "beta", "floor"}
+    valid = valid and scaling["type"] in _QUERY_SCALING_TYPES and _is_positive_number(scaling["floor"])
+    if not valid or not _is_finite_number(scaling["beta"]):
+        raise ValueError(
+            "`query_scaling` must be None or a dict {'type': 'temperature' or 'positions', 'beta': a finite "
+            f"number, 'floor': a positive number}}. Received: query_scaling={scaling!r}"
+        )
+    if scaling["type"] == "positions" and rope_sections is not None:
+        raise ValueError(
+            "`query_scaling` of type 'positions' reads one row of positions, not the (k, B, T) of `rope_sections`. "
+            f"Received: query_scaling={scaling!r}, rope_sections={rope_sections!r}"
+        )
+    return {"type": scaling["type"], "beta": float(scaling["beta"]), "floor": float(scaling["floor"])}
+
+
+def _is_finite_number(value):
+    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+    return number and math.isfinite(value)
+
+
+def _query_scales(layer, call):
+    """Step 4b: the (B|1, 1, T, 1) factor of each query row, 1 + beta * ln(1 + floor(p / floor))."""
+    scaling, t = layer.query_scaling, call.query.shape[1]
+    index = 0 if call.cache is None else int(call.cache.index)
+    if scaling["type"] == "positions" and call.positions is not None:
+        positions = call.positions  # (B, T)
+    else:
+        positions = (index + np.arange(t) + (scaling["type"] == "temperature"))[None]  # (1, T)
+    scales = 1.0 + scaling["beta"] * np.log1p(np.floor(positions / scaling["floor"]))  # (B|1, T)
+    return scales[:, None, :, None]  # (B|1, T) -> (B|1, 1, T, 1)
 
 
 # -------------------------------------------------------------------------------------------------
