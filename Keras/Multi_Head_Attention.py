@@ -1346,7 +1346,7 @@ def _query_scales(layer, q, call):
         start = 0 if call.cache is None else ops.convert_to_tensor(call.cache.index, "int32")
         steps = ops.cast(start + ops.arange(_shape(q)[2], dtype="int32"), dtype)  # (T,)
         positions = (steps + float(scaling["type"] == "temperature"))[None]  # (1, T)
-    scales = 1.0 + scaling["beta"] * ops.log1p(ops.floor(positions / scaling["floor"]))  # (B|1, T)
+    scales = 1.0 + scaling["beta"] * ops.log(1.0 + ops.floor(positions / scaling["floor"]))  # (B|1, T)
     return ops.cast(scales, q.dtype)[:, None, :, None]  # (B|1, T) -> (B|1, 1, T, 1)
 
 

@@ -1239,7 +1239,7 @@ def _query_scales(layer, call):
         positions = call.positions  # (B, T)
     else:
         positions = (index + np.arange(t) + (scaling["type"] == "temperature"))[None]  # (1, T)
-    scales = 1.0 + scaling["beta"] * np.log1p(np.floor(positions / scaling["floor"]))  # (B|1, T)
+    scales = 1.0 + scaling["beta"] * np.log(1.0 + np.floor(positions / scaling["floor"]))  # (B|1, T)
     return scales[:, None, :, None]  # (B|1, T) -> (B|1, 1, T, 1)
 
 

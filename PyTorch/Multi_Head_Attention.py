@@ -1663,7 +1663,7 @@ def _query_scales(layer, q, call):
         start = 0 if call.cache is None else call.cache.index
         steps = start + torch.arange(t, device=q.device) + int(scaling["type"] == "temperature")  # (T,)
         positions = steps.to(dtype)[None]  # (1, T)
-    scales = 1.0 + scaling["beta"] * torch.log1p(torch.floor(positions / scaling["floor"]))  # (B|1, T)
+    scales = 1.0 + scaling["beta"] * torch.log(1.0 + torch.floor(positions / scaling["floor"]))  # (B|1, T)
     return scales.to(q.dtype)[:, None, :, None]  # (B|1, T) -> (B|1, 1, T, 1)
 
 

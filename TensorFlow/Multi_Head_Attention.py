@@ -1371,7 +1371,7 @@ def _query_scales(layer, q, call):
         start = 0 if call.cache is None else tf.convert_to_tensor(call.cache.index)
         steps = tf.cast(start + tf.range(tf.shape(q)[2]), dtype)  # (T,)
         positions = (steps + float(scaling["type"] == "temperature"))[None]  # (1, T)
-    scales = 1.0 + scaling["beta"] * tf.math.log1p(tf.floor(positions / scaling["floor"]))  # (B|1, T)
+    scales = 1.0 + scaling["beta"] * tf.math.log(1.0 + tf.floor(positions / scaling["floor"]))  # (B|1, T)
     return tf.cast(scales, q.dtype)[:, None, :, None]  # (B|1, T) -> (B|1, 1, T, 1)
 
 
