@@ -161,11 +161,11 @@ class MultiHeadAttention(keras.layers.Layer):
             clip_qkv and the gate".
         kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, latent_norm_eps:
             multi-head latent attention, off while `kv_lora_rank` is None (its section).
-        kernel_initializer: initializer of the kernels.
-        bias_initializer: initializer of the biases.
         query_scaling: None, or {"type": "temperature" or "positions", "beta": b, "floor": f}: each
             query row times 1 + b * ln(1 + floor(p / f)) (Llama 4's temperature tuning, Mistral 4's
             `llama_4_scaling_beta`; the section "positions").
+        kernel_initializer: initializer of the kernels.
+        bias_initializer: initializer of the biases.
         **kwargs: base layer arguments (`name`, `dtype` policy, ...).
 
     Call arguments:
@@ -215,7 +215,7 @@ class MultiHeadAttention(keras.layers.Layer):
         rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None, qk_norm_eps=1e-6,
         qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
-        kernel_initializer="glorot_uniform", bias_initializer="zeros", query_scaling=None, **kwargs,
+        query_scaling=None, kernel_initializer="glorot_uniform", bias_initializer="zeros", **kwargs,
     ):  # fmt: skip
         super().__init__(**kwargs)
         self.d_model = _positive_int("d_model", d_model)
@@ -281,9 +281,9 @@ class MultiHeadAttention(keras.layers.Layer):
             q, k, v = _project_latent(self, call)  # 2. MLA: q, c (B, 1, S, C), k_rope (B, 1, S, Hr)
         if self.qk_norm is not None:
             q, k = _normalize_qk(self, q, k)  # 3. QK-norm
-        if self.rope_theta is not None:
-            q, k, v = (_rotate if self.kv_lora_rank is None else _rotate_latent)(self, q, k, v, call.positions)  # 4.
-        q = q if self.query_scaling is None else q * _query_scales(self, q, call)  # 4b. (B|1, 1, T, 1) query scales
+        if self.rope_theta is not None or self.query_scaling is not None:
+            rotate = _rotate if self.kv_lora_rank is None else _rotate_latent  # MLA turns its Hr features
+            q, k, v = _position_step(self, q, k, v, call, rotate)  # 4. RoPE, 4b. query scales
         if call.cache is not None:
             k, v, keep, call = _update_cache(self, call, k, v, keep)  # 5. the cache (then over its L slots)
         if self.kv_lora_rank is None:
@@ -1333,6 +1333,14 @@ def _check_query_scaling(scaling, rope_sections):
 def _is_finite_number(value):
     number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
     return number and math.isfinite(value)
+
+
+def _position_step(layer, q, k, v, call, rotate):
+    """Steps 4 and 4b: RoPE of q and k by `rotate` (`_rotate`, MLA's `_rotate_latent`), then each query row
+    times its scale."""
+    if layer.rope_theta is not None:
+        q, k, v = rotate(layer, q, k, v, call.positions)  # 4. RoPE
+    return (q, k, v) if layer.query_scaling is None else (q * _query_scales(layer, q, call), k, v)
 
 
 def _query_scales(layer, q, call):
@@ -3186,7 +3194,7 @@ def _import_weights(layer, weights):
 
 _CONFIG_NAMES = (
     "d_model", "num_heads", "num_kv_heads", "head_dim", "kdim", "vdim", "dropout", "bias", *_Variants._fields[:-1],
-    *_LATENT_SIZES, "latent_norm_eps", "kernel_initializer", "bias_initializer", "query_scaling",
+    *_LATENT_SIZES, "latent_norm_eps", "query_scaling", "kernel_initializer", "bias_initializer",
 )  # get_config's entries past the base layer's, in the constructor's order  # fmt: skip
 
 

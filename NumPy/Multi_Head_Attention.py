@@ -137,10 +137,10 @@ class MultiHeadAttention:
             H = Hn + Hr.
         v_head_dim: Hv, with MLA the width of a value head (the output kernel is (N*Hv, E)).
         latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
-        seed: seed for the Glorot uniform initialisation of the kernels (biases start at 0).
         query_scaling: None, or {"type": "temperature" or "positions", "beta": b, "floor": f}: each
             query row times 1 + b * ln(1 + floor(p / f)) (Llama 4's temperature tuning, Mistral 4's
-            `llama_4_scaling_beta`; see `query_scales` for p).
+            `llama_4_scaling_beta`; the section "positions").
+        seed: seed for the Glorot uniform initialisation of the kernels (biases start at 0).
 
     Call arguments:
         query: (B, T, E).
@@ -190,7 +190,7 @@ class MultiHeadAttention:
         rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None, qk_norm_eps=1e-6,
         qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
-        seed=None, query_scaling=None,
+        query_scaling=None, seed=None,
     ):  # fmt: skip
         self.d_model = _positive_int("d_model", d_model)
         self.num_heads = _positive_int("num_heads", num_heads)
@@ -263,7 +263,6 @@ class MultiHeadAttention:
         masks = (call.attention_mask, call.attention_bias, call.key_mask, call.query_mask)
         keep, bias = self._masks(call) if any(m is not None for m in masks) else (None, None)  # 1. keep and bias
         q, k, v = self._project_qkv(call)  # 2-4. (B, N, T, H), (B, K, S, H) x 2, QK-norm and RoPE of q and k
-        q = q if self.query_scaling is None else q * _query_scales(self, call)  # 4b. (B|1, 1, T, 1) query scales
         if call.cache is not None:
             k, v, keep, call = _update_cache(self, call, k, v, keep)  # 5. KV cache, keep over its L slots
         context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S)
@@ -343,8 +342,8 @@ class MultiHeadAttention:
         q, k, v = self._split_heads(q), self._split_heads(k), self._split_heads(v)
         if self.qk_norm is not None:
             q, k = _normalize_qk(self, q, k)  # 3. QK-norm
-        if self.rope_theta is not None:
-            q, k = _rotate(self, q, k, call.positions)  # 4. RoPE
+        if self.rope_theta is not None or self.query_scaling is not None:
+            q, k = _position_step(self, q, k, call)  # 4. RoPE, 4b. each query row times its scale
         return q, k, v
 
     def _project(self, x, kind):
@@ -1231,6 +1230,13 @@ def _is_finite_number(value):
     return number and math.isfinite(value)
 
 
+def _position_step(layer, q, k, call):
+    """Steps 4 and 4b: RoPE of q (B, N, T, H) and k (B, K, T, H), then each query row times its scale."""
+    if layer.rope_theta is not None:
+        q, k = _rotate(layer, q, k, call.positions)  # 4. RoPE
+    return (q, k) if layer.query_scaling is None else (q * _query_scales(layer, call), k)
+
+
 def _query_scales(layer, call):
     """Step 4b: the (B|1, 1, T, 1) factor of each query row, 1 + beta * ln(1 + floor(p / floor))."""
     scaling, t = layer.query_scaling, call.query.shape[1]
@@ -1696,6 +1702,7 @@ def _project_latent(layer, call):
     k_rope = a[:, None, :, c:]  # (B, 1, S, Hr)
     if layer.rope_theta is not None:
         q, k_rope = _rotate_latent(layer, q, k_rope, call.positions)  # step 4
+    q = q if layer.query_scaling is None else q * _query_scales(layer, call)  # step 4b
     return q, latent[:, None], k_rope  # (B, N, T, H), (B, 1, S, C), (B, 1, S, Hr)
 
 

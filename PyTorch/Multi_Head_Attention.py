@@ -92,10 +92,10 @@ class MultiHeadAttention(nn.Module):
             query projection) or Q; Hn and Hr, the features RoPE does not and does turn (H =
             Hn + Hr); Hv, a value head's width (Section: multi-head latent attention).
         latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
-        device, dtype: device and dtype of the parameters.
         query_scaling: None, or {"type": "temperature" or "positions", "beta": b, "floor": f}: each
             query row times 1 + b * ln(1 + floor(p / f)) (Llama 4's temperature tuning, Mistral 4's
             `llama_4_scaling_beta`; Section: positions).
+        device, dtype: device and dtype of the parameters.
 
     Call arguments:
         query: (B, T, E), or unbatched (T, E).
@@ -141,7 +141,7 @@ class MultiHeadAttention(nn.Module):
         rope_fraction=1.0, rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None,
         qk_norm_eps=1e-6, qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False,
         kv_lora_rank=None, q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None,
-        latent_norm_eps=1e-6, device=None, dtype=None, query_scaling=None,
+        latent_norm_eps=1e-6, query_scaling=None, device=None, dtype=None,
     ):  # fmt: skip
         super().__init__()
         self.d_model = _positive_int("d_model", d_model)
@@ -214,9 +214,8 @@ class MultiHeadAttention(nn.Module):
             q, k, v = _clip(self, q), _clip(self, k), _clip(self, v)  # 2. clamped
         if self.qk_norm is not None:
             q, k = _normalize_qk(self, q, k)  # 3. QK-norm
-        if self.rope_theta is not None and latent is None:
-            q, k = _rotate(self, q, k, call.positions)  # 4. RoPE
-        q = q if self.query_scaling is None else q * _query_scales(self, q, call)  # 4b. (B|1, 1, T, 1) query scales
+        if self.query_scaling is not None or (self.rope_theta is not None and latent is None):
+            q, k = _position_step(self, q, k, call, latent is None)  # 4. RoPE (MLA's: step 2), 4b. query scales
         if call.cache is not None:
             k, v, keep, call = _update_cache(self, call, k, v, keep, fast)  # 5. KV cache (may fold causal, window...)
         if latent is None:
@@ -1650,6 +1649,14 @@ def _check_query_scaling(scaling, rope_sections):
 def _is_finite_number(value):
     number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
     return number and math.isfinite(value)
+
+
+def _position_step(layer, q, k, call, rotate):
+    """Steps 4 and 4b: RoPE of q (B, N, T, H) and k (B, K, T, H) where `rotate` (MLA turns its own in step 2),
+    then each query row times its scale."""
+    if rotate and layer.rope_theta is not None:
+        q, k = _rotate(layer, q, k, call.positions)  # 4. RoPE
+    return (q, k) if layer.query_scaling is None else (q * _query_scales(layer, q, call), k)
 
 
 def _query_scales(layer, q, call):

@@ -145,7 +145,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None, qk_norm_eps=1e-6,
         qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
-        kernel_initializer="glorot_uniform", bias_initializer="zeros", query_scaling=None, **kwargs,
+        query_scaling=None, kernel_initializer="glorot_uniform", bias_initializer="zeros", **kwargs,
     ):  # fmt: skip
         _check_backend()
         super().__init__(**kwargs)
@@ -314,10 +314,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         q, k, v = self._project_qkv(call) if self.kv_lora_rank is None else _project_latent(self, call)
         if self.qk_norm is not None:  # 3. QK-norm
             q, k = _normalize_qk(self, q, k)
-        if self.rope_theta is not None:  # 4. RoPE
-            q, k, v = _rotate(self, q, k, v, call.positions)
-        if self.query_scaling is not None:  # 4b. each query row times its scale, (B|1, 1, T, 1)
-            q = q * _query_scales(self, q, call)
+        if self.rope_theta is not None or self.query_scaling is not None:  # 4. RoPE, 4b. query scales
+            q, k, v = _position_step(self, q, k, v, call)
         if cache is not None:  # 5. KV cache: k, v (B, K, L, H); in a graph, `misfit`: whether the tokens do not fit
             k, v, keep, call, misfit = _update_cache(self, call, k, v, keep)
         if self.kv_lora_rank is None:  # 6. (B, N, T, Hv), (B, N, T, S) or None
@@ -1358,6 +1356,13 @@ def _check_query_scaling(scaling, rope_sections):
 def _is_finite_number(value):
     number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
     return number and math.isfinite(value)
+
+
+def _position_step(layer, q, k, v, call):
+    """Steps 4 and 4b: RoPE of q and k (MLA's in `_rotate`), then each query row times its scale."""
+    if layer.rope_theta is not None:
+        q, k, v = _rotate(layer, q, k, v, call.positions)  # 4. RoPE
+    return (q, k, v) if layer.query_scaling is None else (q * _query_scales(layer, q, call), k, v)
 
 
 def _query_scales(layer, q, call):
@@ -2779,9 +2784,9 @@ def _config(layer):
         "clip_qkv": layer.clip_qkv,
         "gate": layer.gate,
         **_latent_config(layer),  # MLA's sizes, after its vdim (None: its values come from `key`)
+        "query_scaling": None if layer.query_scaling is None else dict(layer.query_scaling),
         "kernel_initializer": tf.keras.initializers.serialize(layer.kernel_initializer),
         "bias_initializer": tf.keras.initializers.serialize(layer.bias_initializer),
-        "query_scaling": None if layer.query_scaling is None else dict(layer.query_scaling),
     }
     return config | _latent_config(layer, vdim_only=True)  # the key keeps its place
 
