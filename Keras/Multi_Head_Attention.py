@@ -281,9 +281,8 @@ class MultiHeadAttention(keras.layers.Layer):
             q, k, v = _project_latent(self, call)  # 2. MLA: q, c (B, 1, S, C), k_rope (B, 1, S, Hr)
         if self.qk_norm is not None:
             q, k = _normalize_qk(self, q, k)  # 3. QK-norm
-        if self.rope_theta is not None or self.query_scaling is not None:
-            rotate = _rotate if self.kv_lora_rank is None else _rotate_latent  # MLA turns its Hr features
-            q, k, v = _position_step(self, q, k, v, call, rotate)  # 4. RoPE, 4b. query scales
+        if self.rope_theta is not None or self.query_scaling is not None:  # 4. RoPE, 4b. query scales
+            q, k, v = _position_step(self, q, k, v, call, _rotate if self.kv_lora_rank is None else _rotate_latent)
         if call.cache is not None:
             k, v, keep, call = _update_cache(self, call, k, v, keep)  # 5. the cache (then over its L slots)
         if self.kv_lora_rank is None:
