@@ -161,11 +161,11 @@ class MultiHeadAttention(keras.layers.Layer):
             clip_qkv and the gate".
         kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, latent_norm_eps:
             multi-head latent attention, off while `kv_lora_rank` is None (its section).
+        kernel_initializer: initializer of the kernels.
+        bias_initializer: initializer of the biases.
         query_scaling: None, or {"type": "temperature" or "positions", "beta": b, "floor": f}: each
             query row times 1 + b * ln(1 + floor(p / f)) (Llama 4's temperature tuning, Mistral 4's
             `llama_4_scaling_beta`; the section "positions").
-        kernel_initializer: initializer of the kernels.
-        bias_initializer: initializer of the biases.
         **kwargs: base layer arguments (`name`, `dtype` policy, ...).
 
     Call arguments:
@@ -215,7 +215,7 @@ class MultiHeadAttention(keras.layers.Layer):
         rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None, qk_norm_eps=1e-6,
         qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
-        query_scaling=None, kernel_initializer="glorot_uniform", bias_initializer="zeros", **kwargs,
+        kernel_initializer="glorot_uniform", bias_initializer="zeros", query_scaling=None, **kwargs,
     ):  # fmt: skip
         super().__init__(**kwargs)
         self.d_model = _positive_int("d_model", d_model)
@@ -3193,7 +3193,7 @@ def _import_weights(layer, weights):
 
 _CONFIG_NAMES = (
     "d_model", "num_heads", "num_kv_heads", "head_dim", "kdim", "vdim", "dropout", "bias", *_Variants._fields[:-1],
-    *_LATENT_SIZES, "latent_norm_eps", "query_scaling", "kernel_initializer", "bias_initializer",
+    *_LATENT_SIZES, "latent_norm_eps", "kernel_initializer", "bias_initializer", "query_scaling",
 )  # get_config's entries past the base layer's, in the constructor's order  # fmt: skip
 
 

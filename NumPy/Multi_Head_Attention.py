@@ -137,10 +137,10 @@ class MultiHeadAttention:
             H = Hn + Hr.
         v_head_dim: Hv, with MLA the width of a value head (the output kernel is (N*Hv, E)).
         latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
+        seed: seed for the Glorot uniform initialisation of the kernels (biases start at 0).
         query_scaling: None, or {"type": "temperature" or "positions", "beta": b, "floor": f}: each
             query row times 1 + b * ln(1 + floor(p / f)) (Llama 4's temperature tuning, Mistral 4's
             `llama_4_scaling_beta`; the section "positions").
-        seed: seed for the Glorot uniform initialisation of the kernels (biases start at 0).
 
     Call arguments:
         query: (B, T, E).
@@ -190,7 +190,7 @@ class MultiHeadAttention:
         rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None, qk_norm_eps=1e-6,
         qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
-        query_scaling=None, seed=None,
+        seed=None, query_scaling=None,
     ):  # fmt: skip
         self.d_model = _positive_int("d_model", d_model)
         self.num_heads = _positive_int("num_heads", num_heads)

@@ -92,10 +92,10 @@ class MultiHeadAttention(nn.Module):
             query projection) or Q; Hn and Hr, the features RoPE does not and does turn (H =
             Hn + Hr); Hv, a value head's width (Section: multi-head latent attention).
         latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
+        device, dtype: device and dtype of the parameters.
         query_scaling: None, or {"type": "temperature" or "positions", "beta": b, "floor": f}: each
             query row times 1 + b * ln(1 + floor(p / f)) (Llama 4's temperature tuning, Mistral 4's
             `llama_4_scaling_beta`; Section: positions).
-        device, dtype: device and dtype of the parameters.
 
     Call arguments:
         query: (B, T, E), or unbatched (T, E).
@@ -141,7 +141,7 @@ class MultiHeadAttention(nn.Module):
         rope_fraction=1.0, rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None,
         qk_norm_eps=1e-6, qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False,
         kv_lora_rank=None, q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None,
-        latent_norm_eps=1e-6, query_scaling=None, device=None, dtype=None,
+        latent_norm_eps=1e-6, device=None, dtype=None, query_scaling=None,
     ):  # fmt: skip
         super().__init__()
         self.d_model = _positive_int("d_model", d_model)

@@ -145,7 +145,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None, qk_norm_eps=1e-6,
         qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
-        query_scaling=None, kernel_initializer="glorot_uniform", bias_initializer="zeros", **kwargs,
+        kernel_initializer="glorot_uniform", bias_initializer="zeros", query_scaling=None, **kwargs,
     ):  # fmt: skip
         _check_backend()
         super().__init__(**kwargs)
@@ -2784,9 +2784,9 @@ def _config(layer):
         "clip_qkv": layer.clip_qkv,
         "gate": layer.gate,
         **_latent_config(layer),  # MLA's sizes, after its vdim (None: its values come from `key`)
-        "query_scaling": None if layer.query_scaling is None else dict(layer.query_scaling),
         "kernel_initializer": tf.keras.initializers.serialize(layer.kernel_initializer),
         "bias_initializer": tf.keras.initializers.serialize(layer.bias_initializer),
+        "query_scaling": None if layer.query_scaling is None else dict(layer.query_scaling),
     }
     return config | _latent_config(layer, vdim_only=True)  # the key keeps its place
 
