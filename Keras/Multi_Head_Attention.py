@@ -163,6 +163,9 @@ class MultiHeadAttention(keras.layers.Layer):
             multi-head latent attention, off while `kv_lora_rank` is None (its section).
         kernel_initializer: initializer of the kernels.
         bias_initializer: initializer of the biases.
+        query_scaling: None, or {"type": "temperature" or "positions", "beta": b, "floor": f}: each
+            query row times 1 + b * ln(1 + floor(p / f)) (Llama 4's temperature tuning, Mistral 4's
+            `llama_4_scaling_beta`; the section "positions").
         **kwargs: base layer arguments (`name`, `dtype` policy, ...).
 
     Call arguments:
@@ -212,7 +215,7 @@ class MultiHeadAttention(keras.layers.Layer):
         rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None, qk_norm_eps=1e-6,
         qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
-        kernel_initializer="glorot_uniform", bias_initializer="zeros", **kwargs,
+        kernel_initializer="glorot_uniform", bias_initializer="zeros", query_scaling=None, **kwargs,
     ):  # fmt: skip
         super().__init__(**kwargs)
         self.d_model = _positive_int("d_model", d_model)
@@ -244,6 +247,7 @@ class MultiHeadAttention(keras.layers.Layer):
             self.vdim = self.kdim  # MLA reads keys and values from `key`
         for name in _LATENT_SIZES:
             setattr(self, name, None if latent is None else getattr(latent, name))
+        self.query_scaling = _check_query_scaling(query_scaling, self.rope_sections)  # its section: positions
         if self.rope_theta is not None:
             rotary = _rotary_dim(self.rope_fraction, rope_width, True)
             frequencies = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,) NumPy
@@ -277,8 +281,8 @@ class MultiHeadAttention(keras.layers.Layer):
             q, k, v = _project_latent(self, call)  # 2. MLA: q, c (B, 1, S, C), k_rope (B, 1, S, Hr)
         if self.qk_norm is not None:
             q, k = _normalize_qk(self, q, k)  # 3. QK-norm
-        if self.rope_theta is not None:
-            q, k, v = (_rotate if self.kv_lora_rank is None else _rotate_latent)(self, q, k, v, call.positions)  # 4.
+        if self.rope_theta is not None or self.query_scaling is not None:  # 4. RoPE, 4b. query scales
+            q, k, v = _position_step(self, q, k, v, call, _rotate if self.kv_lora_rank is None else _rotate_latent)
         if call.cache is not None:
             k, v, keep, call = _update_cache(self, call, k, v, keep)  # 5. the cache (then over its L slots)
         if self.kv_lora_rank is None:  # 6. (B, N, T, H), (B, N, T, S) or None; an int8 cache: `_cache_attend`
@@ -1301,6 +1305,64 @@ def _on_pairs(first, second, interleaved):
         pairs = ops.stack([first, second], axis=-1)  # (..., R/2, 2)
         return ops.reshape(pairs, (*_shape(first)[:-1], 2 * first.shape[-1]))  # (..., R)
     return ops.concatenate([first, second], axis=-1)  # (..., R)
+
+
+# Queries scaled by position (`query_scaling`, docs/SPEC.md "Queries scaled by position"): each query row times
+# 1 + beta * ln(1 + floor(p / floor)). "temperature" (Llama 4's attention temperature tuning) counts p = i + t + 1
+# from the cache's index i (0 without a cache), the same for every row, left padding included; "positions"
+# (Mistral 4's and Ministral 3's `llama_4_scaling_beta`) reads the (B, T) RoPE positions (`positions`, by default
+# i + t). A constant per query row, so q's gradient is scaled by it too.
+
+
+_QUERY_SCALING_TYPES = ("temperature", "positions")
+
+
+def _check_query_scaling(scaling, rope_sections):
+    """`query_scaling`: None or {"type": "temperature" or "positions", "beta": a finite number, "floor": a
+    positive number}, held with float numbers; "positions" reads one row of positions (not `rope_sections`)."""
+    if scaling is None:
+        return None
+    valid = isinstance(scaling, dict) and set(scaling) == {"type", "beta", "floor"}
+    valid = valid and scaling["type"] in _QUERY_SCALING_TYPES and _is_positive_number(scaling["floor"])
+    if not valid or not _is_finite_number(scaling["beta"]):
+        raise ValueError(
+            "`query_scaling` must be None or a dict {'type': 'temperature' or 'positions', 'beta': a finite "
+            f"number, 'floor': a positive number}}. Received: query_scaling={scaling!r}"
+        )
+    if scaling["type"] == "positions" and rope_sections is not None:
+        raise ValueError(
+            "`query_scaling` of type 'positions' reads one row of positions, not the (k, B, T) of `rope_sections`. "
+            f"Received: query_scaling={scaling!r}, rope_sections={rope_sections!r}"
+        )
+    return {"type": scaling["type"], "beta": float(scaling["beta"]), "floor": float(scaling["floor"])}
+
+
+def _is_finite_number(value):
+    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+    return number and math.isfinite(value)
+
+
+def _position_step(layer, q, k, v, call, rotate):
+    """Steps 4 and 4b: RoPE of q and k by `rotate` (`_rotate`, MLA's `_rotate_latent`), then each query row
+    times its scale."""
+    if layer.rope_theta is not None:
+        q, k, v = rotate(layer, q, k, v, call.positions)  # 4. RoPE
+    return (q, k, v) if layer.query_scaling is None else (q * _query_scales(layer, q, call), k, v)
+
+
+def _query_scales(layer, q, call):
+    """Step 4b: the (B|1, 1, T, 1) factor of each query row of q (B, N, T, H), 1 + beta * ln(1 + floor(p /
+    floor)), computed in float32 (float64 for a float64 q) as transformers does, in q's dtype."""
+    scaling = layer.query_scaling
+    dtype = "float64" if keras.backend.standardize_dtype(q.dtype) == "float64" else "float32"
+    if scaling["type"] == "positions" and call.positions is not None:
+        positions = ops.cast(call.positions, dtype)  # (B|1, T)
+    else:
+        start = 0 if call.cache is None else ops.convert_to_tensor(call.cache.index, "int32")
+        steps = ops.cast(start + ops.arange(_shape(q)[2], dtype="int32"), dtype)  # (T,)
+        positions = (steps + float(scaling["type"] == "temperature"))[None]  # (1, T)
+    scales = 1.0 + scaling["beta"] * ops.log(1.0 + ops.floor(positions / scaling["floor"]))  # (B|1, T)
+    return ops.cast(scales, q.dtype)[:, None, :, None]  # (B|1, T) -> (B|1, 1, T, 1)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -3107,6 +3169,7 @@ def _non_defaults(layer):
         "clip_qkv": layer.clip_qkv is None,
         "gate": not layer.gate,
         **{name: getattr(layer, name) is None for name in _LATENT_SIZES},
+        "query_scaling": layer.query_scaling is None,
     }
     return {name: getattr(layer, name) for name, default in plain.items() if not default}
 
@@ -3286,7 +3349,7 @@ def _import_weights(layer, weights):
 
 _CONFIG_NAMES = (
     "d_model", "num_heads", "num_kv_heads", "head_dim", "kdim", "vdim", "dropout", "bias", *_Variants._fields[:-1],
-    *_LATENT_SIZES, "latent_norm_eps", "kernel_initializer", "bias_initializer",
+    *_LATENT_SIZES, "latent_norm_eps", "kernel_initializer", "bias_initializer", "query_scaling",
 )  # get_config's entries past the base layer's, in the constructor's order  # fmt: skip
 
 
@@ -3302,4 +3365,5 @@ def _config(layer):
     config["rope_sections"] = None if layer.rope_sections is None else list(layer.rope_sections)
     config["kernel_initializer"] = keras.initializers.serialize(layer.kernel_initializer)
     config["bias_initializer"] = keras.initializers.serialize(layer.bias_initializer)
+    config["query_scaling"] = None if layer.query_scaling is None else dict(layer.query_scaling)
     return config

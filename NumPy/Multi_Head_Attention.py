@@ -138,6 +138,9 @@ class MultiHeadAttention:
         v_head_dim: Hv, with MLA the width of a value head (the output kernel is (N*Hv, E)).
         latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
         seed: seed for the Glorot uniform initialisation of the kernels (biases start at 0).
+        query_scaling: None, or {"type": "temperature" or "positions", "beta": b, "floor": f}: each
+            query row times 1 + b * ln(1 + floor(p / f)) (Llama 4's temperature tuning, Mistral 4's
+            `llama_4_scaling_beta`; the section "positions").
 
     Call arguments:
         query: (B, T, E).
@@ -187,7 +190,7 @@ class MultiHeadAttention:
         rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None, qk_norm_eps=1e-6,
         qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
-        seed=None,
+        seed=None, query_scaling=None,
     ):  # fmt: skip
         self.d_model = _positive_int("d_model", d_model)
         self.num_heads = _positive_int("num_heads", num_heads)
@@ -222,6 +225,7 @@ class MultiHeadAttention:
         for name, value in variants._asdict().items():
             setattr(self, name, value)  # self.scale, self.softcap, ..., self.sinks, self.clip_qkv, self.gate
         self._cache_layout = (self.num_kv_heads, self.head_dim, self.head_dim)  # a KVCache's heads and widths
+        self.query_scaling = _check_query_scaling(query_scaling, self.rope_sections)  # its section: positions
         if latent is not None:
             _check_latent_combinations(vdim, variants)
             self.vdim = self.kdim  # the values come from `key`
@@ -338,8 +342,8 @@ class MultiHeadAttention:
         q, k, v = self._split_heads(q), self._split_heads(k), self._split_heads(v)
         if self.qk_norm is not None:
             q, k = _normalize_qk(self, q, k)  # 3. QK-norm
-        if self.rope_theta is not None:
-            q, k = _rotate(self, q, k, call.positions)  # 4. RoPE
+        if self.rope_theta is not None or self.query_scaling is not None:
+            q, k = _position_step(self, q, k, call)  # 4. RoPE, 4b. each query row times its scale
         return q, k, v
 
     def _project(self, x, kind):
@@ -513,6 +517,7 @@ def _backward(layer, grad_output):
         k, v = _expand_latents(layer, k, v)  # MLA: the expanded keys and values
     keep = _full_keep(c["keep"], q.shape[2], k.shape[2], call.causal, call.window, call.attention_chunk_size)
     d_q, d_k, d_v, d_biased, d_sinks = _attention_backward(layer, d_context, q, k, v, keep, c["weights"])  # 6.
+    d_q = d_q if layer.query_scaling is None else d_q * _query_scales(layer, call)  # 4b. query scales
     extra = {} if c["bias_shape"] is None else {"attention_bias": _sum_to_shape(d_biased, c["bias_shape"])}
     grads.update({} if d_sinks is None else {"sinks": d_sinks})
     if layer._latent is not None:
@@ -1190,6 +1195,60 @@ def _turn_back(layer, d, positions):
     return _rope_backward(d, positions, layer._inv_freq, layer.rope_interleaved, factor, layer.rope_sections)
 
 
+# Queries scaled by position (`query_scaling`, docs/SPEC.md "Queries scaled by position"): each query row times
+# 1 + beta * ln(1 + floor(p / floor)). "temperature" (Llama 4's attention temperature tuning) counts p = i + t + 1
+# from the cache's index i (0 without a cache), the same for every row, left padding included; "positions"
+# (Mistral 4's and Ministral 3's `llama_4_scaling_beta`) reads the (B, T) RoPE positions (`positions`, by default
+# i + t). A constant per query row, so q's gradient is scaled by it too.
+
+
+_QUERY_SCALING_TYPES = ("temperature", "positions")
+
+
+def _check_query_scaling(scaling, rope_sections):
+    """`query_scaling`: None or {"type": "temperature" or "positions", "beta": a finite number, "floor": a
+    positive number}, held with float numbers; "positions" reads one row of positions (not `rope_sections`)."""
+    if scaling is None:
+        return None
+    valid = isinstance(scaling, dict) and set(scaling) == {"type", "beta", "floor"}
+    valid = valid and scaling["type"] in _QUERY_SCALING_TYPES and _is_positive_number(scaling["floor"])
+    if not valid or not _is_finite_number(scaling["beta"]):
+        raise ValueError(
+            "`query_scaling` must be None or a dict {'type': 'temperature' or 'positions', 'beta': a finite "
+            f"number, 'floor': a positive number}}. Received: query_scaling={scaling!r}"
+        )
+    if scaling["type"] == "positions" and rope_sections is not None:
+        raise ValueError(
+            "`query_scaling` of type 'positions' reads one row of positions, not the (k, B, T) of `rope_sections`. "
+            f"Received: query_scaling={scaling!r}, rope_sections={rope_sections!r}"
+        )
+    return {"type": scaling["type"], "beta": float(scaling["beta"]), "floor": float(scaling["floor"])}
+
+
+def _is_finite_number(value):
+    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+    return number and math.isfinite(value)
+
+
+def _position_step(layer, q, k, call):
+    """Steps 4 and 4b: RoPE of q (B, N, T, H) and k (B, K, T, H), then each query row times its scale."""
+    if layer.rope_theta is not None:
+        q, k = _rotate(layer, q, k, call.positions)  # 4. RoPE
+    return (q, k) if layer.query_scaling is None else (q * _query_scales(layer, call), k)
+
+
+def _query_scales(layer, call):
+    """Step 4b: the (B|1, 1, T, 1) factor of each query row, 1 + beta * ln(1 + floor(p / floor))."""
+    scaling, t = layer.query_scaling, call.query.shape[1]
+    index = 0 if call.cache is None else int(call.cache.index)
+    if scaling["type"] == "positions" and call.positions is not None:
+        positions = call.positions  # (B, T)
+    else:
+        positions = (index + np.arange(t) + (scaling["type"] == "temperature"))[None]  # (1, T)
+    scales = 1.0 + scaling["beta"] * np.log(1.0 + np.floor(positions / scaling["floor"]))  # (B|1, T)
+    return scales[:, None, :, None]  # (B|1, T) -> (B|1, 1, T, 1)
+
+
 # -------------------------------------------------------------------------------------------------
 # Section: QK-norm, clip_qkv and the gate
 # -------------------------------------------------------------------------------------------------
@@ -1656,6 +1715,7 @@ def _project_latent(layer, call):
     k_rope = a[:, None, :, c:]  # (B, 1, S, Hr)
     if layer.rope_theta is not None:
         q, k_rope = _rotate_latent(layer, q, k_rope, call.positions)  # step 4
+    q = q if layer.query_scaling is None else q * _query_scales(layer, call)  # step 4b
     return q, latent[:, None], k_rope  # (B, N, T, H), (B, 1, S, C), (B, 1, S, Hr)
 
 

@@ -93,6 +93,9 @@ class MultiHeadAttention(nn.Module):
             Hn + Hr); Hv, a value head's width (Section: multi-head latent attention).
         latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
         device, dtype: device and dtype of the parameters.
+        query_scaling: None, or {"type": "temperature" or "positions", "beta": b, "floor": f}: each
+            query row times 1 + b * ln(1 + floor(p / f)) (Llama 4's temperature tuning, Mistral 4's
+            `llama_4_scaling_beta`; Section: positions).
 
     Call arguments:
         query: (B, T, E), or unbatched (T, E).
@@ -138,7 +141,7 @@ class MultiHeadAttention(nn.Module):
         rope_fraction=1.0, rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None,
         qk_norm_eps=1e-6, qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False,
         kv_lora_rank=None, q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None,
-        latent_norm_eps=1e-6, device=None, dtype=None,
+        latent_norm_eps=1e-6, device=None, dtype=None, query_scaling=None,
     ):  # fmt: skip
         super().__init__()
         self.d_model = _positive_int("d_model", d_model)
@@ -180,6 +183,7 @@ class MultiHeadAttention(nn.Module):
         self.absorb_latents = None  # MLA: None (absorbed with a cache and T <= 8), True or False
         self._projections = _projection_kinds(names, variants.gate)  # the layer's projections
         self._rotary_dim = _rotary_dim(self.rope_fraction, rope_width, self.rope_theta is not None)  # None: no RoPE
+        self.query_scaling = _check_query_scaling(query_scaling, self.rope_sections)  # its section: positions
         _make_weights(self, latent, variants.sinks, variants.gate, {"device": device, "dtype": dtype})
         self._warned_traps, self._fused = set(), None  # mask habits warned of; q/k/v kernels kept (no_grad)
         self.reset_parameters()
@@ -210,8 +214,8 @@ class MultiHeadAttention(nn.Module):
             q, k, v = _clip(self, q), _clip(self, k), _clip(self, v)  # 2. clamped
         if self.qk_norm is not None:
             q, k = _normalize_qk(self, q, k)  # 3. QK-norm
-        if self.rope_theta is not None and latent is None:
-            q, k = _rotate(self, q, k, call.positions)  # 4. RoPE
+        if self.query_scaling is not None or (self.rope_theta is not None and latent is None):
+            q, k = _position_step(self, q, k, call, latent is None)  # 4. RoPE (MLA's: step 2), 4b. query scales
         if call.cache is not None:
             k, v, keep, call = _update_cache(self, call, k, v, keep, fast)  # 5. KV cache (may fold causal, window...)
         if latent is None:  # 6. (B, N, T, H), (B, N, T, S) or None; an int8 cache: `_cache_attend`
@@ -1615,6 +1619,64 @@ class _Turn(torch.autograd.Function):
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
         return _Turn.apply(grad, cos, -sin, ctx.interleaved), None, None, None
+
+
+# Queries scaled by position (`query_scaling`, docs/SPEC.md "Queries scaled by position"): each query row times
+# 1 + beta * ln(1 + floor(p / floor)). "temperature" (Llama 4's attention temperature tuning) counts p = i + t + 1
+# from the cache's index i (0 without a cache), the same for every row, left padding included; "positions"
+# (Mistral 4's and Ministral 3's `llama_4_scaling_beta`) reads the (B, T) RoPE positions (`positions`, by default
+# i + t). A constant per query row, so q's gradient is scaled by it too.
+
+
+_QUERY_SCALING_TYPES = ("temperature", "positions")
+
+
+def _check_query_scaling(scaling, rope_sections):
+    """`query_scaling`: None or {"type": "temperature" or "positions", "beta": a finite number, "floor": a
+    positive number}, held with float numbers; "positions" reads one row of positions (not `rope_sections`)."""
+    if scaling is None:
+        return None
+    valid = isinstance(scaling, dict) and set(scaling) == {"type", "beta", "floor"}
+    valid = valid and scaling["type"] in _QUERY_SCALING_TYPES and _is_positive_number(scaling["floor"])
+    if not valid or not _is_finite_number(scaling["beta"]):
+        raise ValueError(
+            "`query_scaling` must be None or a dict {'type': 'temperature' or 'positions', 'beta': a finite "
+            f"number, 'floor': a positive number}}. Received: query_scaling={scaling!r}"
+        )
+    if scaling["type"] == "positions" and rope_sections is not None:
+        raise ValueError(
+            "`query_scaling` of type 'positions' reads one row of positions, not the (k, B, T) of `rope_sections`. "
+            f"Received: query_scaling={scaling!r}, rope_sections={rope_sections!r}"
+        )
+    return {"type": scaling["type"], "beta": float(scaling["beta"]), "floor": float(scaling["floor"])}
+
+
+def _is_finite_number(value):
+    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+    return number and math.isfinite(value)
+
+
+def _position_step(layer, q, k, call, rotate):
+    """Steps 4 and 4b: RoPE of q (B, N, T, H) and k (B, K, T, H) where `rotate` (MLA turns its own in step 2),
+    then each query row times its scale."""
+    if rotate and layer.rope_theta is not None:
+        q, k = _rotate(layer, q, k, call.positions)  # 4. RoPE
+    return (q, k) if layer.query_scaling is None else (q * _query_scales(layer, q, call), k)
+
+
+def _query_scales(layer, q, call):
+    """Step 4b: the (B|1, 1, T, 1) factor of each query row of q (B, N, T, H), 1 + beta * ln(1 + floor(p /
+    floor)), computed in float32 (float64 for a float64 q) as transformers does, in q's dtype."""
+    scaling, t = layer.query_scaling, q.shape[2]
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    if scaling["type"] == "positions" and call.positions is not None:
+        positions = call.positions.to(dtype)  # (B, T)
+    else:
+        start = 0 if call.cache is None else call.cache.index
+        steps = start + torch.arange(t, device=q.device) + int(scaling["type"] == "temperature")  # (T,)
+        positions = steps.to(dtype)[None]  # (1, T)
+    scales = 1.0 + scaling["beta"] * torch.log(1.0 + torch.floor(positions / scaling["floor"]))  # (B|1, T)
+    return scales.to(q.dtype)[:, None, :, None]  # (B|1, T) -> (B|1, 1, T, 1)
 
 
 # -------------------------------------------------------------------------------------------------

@@ -92,6 +92,9 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         q_lora_rank: None (a plain query projection), or Q: the query through a latent of Q features.
         qk_nope_head_dim, qk_rope_head_dim, v_head_dim: MLA's Hn, Hr (H = Hn + Hr) and Hv.
         latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
+        query_scaling: None, or {"type": "temperature" or "positions", "beta": b, "floor": f}: each
+            query row times 1 + b * ln(1 + floor(p / f)) (Llama 4's temperature tuning, Mistral 4's
+            `llama_4_scaling_beta`; Section: positions).
 
     Call arguments:
         query: (B, T, E).
@@ -142,7 +145,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None, qk_norm_eps=1e-6,
         qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
-        kernel_initializer="glorot_uniform", bias_initializer="zeros", **kwargs,
+        kernel_initializer="glorot_uniform", bias_initializer="zeros", query_scaling=None, **kwargs,
     ):  # fmt: skip
         _check_backend()
         super().__init__(**kwargs)
@@ -172,6 +175,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         flags = {"rope_interleaved": rope_interleaved, "qk_norm_bias": qk_norm_bias, "sinks": sinks, "gate": gate}
         variants = _Variants(**options, **{name: _flag(name, value) for name, value in flags.items()})
         _set_latent(self, latent, vdim, variants)  # MLA's combinations refused, its sizes set (None without)
+        self.query_scaling = _check_query_scaling(query_scaling, variants.rope_sections)  # its section: positions
         for name, value in variants._asdict().items():
             setattr(self, name, value)
         if self.rope_theta is not None:
@@ -313,8 +317,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         q, k, v = self._project_qkv(call) if self.kv_lora_rank is None else _project_latent(self, call)
         if self.qk_norm is not None:  # 3. QK-norm
             q, k = _normalize_qk(self, q, k)
-        if self.rope_theta is not None:  # 4. RoPE
-            q, k, v = _rotate(self, q, k, v, call.positions)
+        if self.rope_theta is not None or self.query_scaling is not None:  # 4. RoPE, 4b. query scales
+            q, k, v = _position_step(self, q, k, v, call)
         if cache is not None:  # 5. KV cache: k, v (B, K, L, H); in a graph, `misfit`: whether the tokens do not fit
             k, v, keep, call, misfit = _update_cache(self, call, k, v, keep)
         if self.kv_lora_rank is None:  # 6. (B, N, T, Hv), (B, N, T, S) or None; an int8 cache: `_cache_attend`
@@ -1325,6 +1329,63 @@ def _swap_pairs(x, interleaved):
         return tf.reshape(tf.reverse(pairs, axis=[-1]), tf.shape(x))  # (..., R)
     half = x.shape[-1] // 2
     return tf.concat([x[..., half:], x[..., :half]], axis=-1)  # (..., R): the halves swapped (LiteRT has no roll)
+
+
+# Queries scaled by position (`query_scaling`, docs/SPEC.md "Queries scaled by position"): each query row times
+# 1 + beta * ln(1 + floor(p / floor)). "temperature" (Llama 4's attention temperature tuning) counts p = i + t + 1
+# from the cache's index i (0 without a cache), the same for every row, left padding included; "positions"
+# (Mistral 4's and Ministral 3's `llama_4_scaling_beta`) reads the (B, T) RoPE positions (`positions`, by default
+# i + t). A constant per query row, so q's gradient is scaled by it too.
+
+
+_QUERY_SCALING_TYPES = ("temperature", "positions")
+
+
+def _check_query_scaling(scaling, rope_sections):
+    """`query_scaling`: None or {"type": "temperature" or "positions", "beta": a finite number, "floor": a
+    positive number}, held with float numbers; "positions" reads one row of positions (not `rope_sections`)."""
+    if scaling is None:
+        return None
+    valid = isinstance(scaling, dict) and set(scaling) == {"type", "beta", "floor"}
+    valid = valid and scaling["type"] in _QUERY_SCALING_TYPES and _is_positive_number(scaling["floor"])
+    if not valid or not _is_finite_number(scaling["beta"]):
+        raise ValueError(
+            "`query_scaling` must be None or a dict {'type': 'temperature' or 'positions', 'beta': a finite "
+            f"number, 'floor': a positive number}}. Received: query_scaling={scaling!r}"
+        )
+    if scaling["type"] == "positions" and rope_sections is not None:
+        raise ValueError(
+            "`query_scaling` of type 'positions' reads one row of positions, not the (k, B, T) of `rope_sections`. "
+            f"Received: query_scaling={scaling!r}, rope_sections={rope_sections!r}"
+        )
+    return {"type": scaling["type"], "beta": float(scaling["beta"]), "floor": float(scaling["floor"])}
+
+
+def _is_finite_number(value):
+    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+    return number and math.isfinite(value)
+
+
+def _position_step(layer, q, k, v, call):
+    """Steps 4 and 4b: RoPE of q and k (MLA's in `_rotate`), then each query row times its scale."""
+    if layer.rope_theta is not None:
+        q, k, v = _rotate(layer, q, k, v, call.positions)  # 4. RoPE
+    return (q, k, v) if layer.query_scaling is None else (q * _query_scales(layer, q, call), k, v)
+
+
+def _query_scales(layer, q, call):
+    """Step 4b: the (B|1, 1, T, 1) factor of each query row of q (B, N, T, H), 1 + beta * ln(1 + floor(p /
+    floor)), computed in float32 (float64 for a float64 q) as transformers does, in q's dtype."""
+    scaling = layer.query_scaling
+    dtype = tf.float64 if q.dtype == tf.float64 else tf.float32
+    if scaling["type"] == "positions" and call.positions is not None:
+        positions = tf.cast(call.positions, dtype)  # (B|1, T)
+    else:
+        start = 0 if call.cache is None else tf.convert_to_tensor(call.cache.index)
+        steps = tf.cast(start + tf.range(tf.shape(q)[2]), dtype)  # (T,)
+        positions = (steps + float(scaling["type"] == "temperature"))[None]  # (1, T)
+    scales = 1.0 + scaling["beta"] * tf.math.log(1.0 + tf.floor(positions / scaling["floor"]))  # (B|1, T)
+    return tf.cast(scales, q.dtype)[:, None, :, None]  # (B|1, T) -> (B|1, 1, T, 1)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -2885,6 +2946,7 @@ def _config(layer):
         **_latent_config(layer),  # MLA's sizes, after its vdim (None: its values come from `key`)
         "kernel_initializer": tf.keras.initializers.serialize(layer.kernel_initializer),
         "bias_initializer": tf.keras.initializers.serialize(layer.bias_initializer),
+        "query_scaling": None if layer.query_scaling is None else dict(layer.query_scaling),
     }
     return config | _latent_config(layer, vdim_only=True)  # the key keeps its place
 
@@ -2904,6 +2966,7 @@ def _non_defaults(layer):
         "clip_qkv": layer.clip_qkv,
         "gate": True if layer.gate else None,
         **{name: getattr(layer, name) for name in _LATENT_SIZES},
+        "query_scaling": layer.query_scaling,
     }
     return {name: value for name, value in variants.items() if value is not None}
 

@@ -299,6 +299,14 @@ CASES = [
         variants=(("rope_theta", 10000.0), ("rope_sections", (1, 2, 1))),
     ),
     Case(
+        "query_scaling_positions",  # Mistral 4's `llama_4_scaling_beta`: q times 1 + 0.5 ln(1 + floor(p / 2))
+        k=2,
+        self_attention=True,
+        causal=True,
+        positions="shifted",
+        variants=(("rope_theta", 10000.0), ("query_scaling", {"type": "positions", "beta": 0.5, "floor": 2})),
+    ),
+    Case(
         "rope_sections_partial_interleaved",  # (B, T) positions for both sections: plain RoPE
         e=32,
         k=2,

@@ -156,6 +156,13 @@ DECODE_CASES = [
         cache_dtype="int8",
     ),
     DecodeCase(
+        "decode_query_scaling_temperature",  # Llama 4's NoPE layers: q times 1 + 0.5 ln(1 + floor((i + t + 1) / 2))
+        k=2,
+        padding=(0, 2),
+        chunks=(3, 1, 1, 1),
+        variants=(("query_scaling", {"type": "temperature", "beta": 0.5, "floor": 2}),),
+    ),
+    DecodeCase(
         "decode_gate_rope_rolling",
         length=4,
         chunks=(2,) + (1,) * 6,

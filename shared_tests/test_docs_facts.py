@@ -223,14 +223,22 @@ def _spec_block(opening):
 
 def test_the_spec_constructor_is_the_layer_files_constructor():
     """SPEC "Constructor" names every file's core arguments in order with their defaults (the NumPy file's,
-    less its extra `seed`); every file takes those first, then its extras."""
-    quoted = _spec_block("MultiHeadAttention(").replace("<framework extras>", "")
-    quoted = _parameters(ast.parse(f"def {quoted.rstrip(', )')}): pass".replace("(, ", "(")).body[0].args)
+    less its extra `seed`); every file takes those first, then its extras, then the arguments the SPEC names
+    after `<framework extras>` (added later: last, so that earlier calls and saved states keep their meaning)."""
+    head, tail = _spec_block("MultiHeadAttention(").split("<framework extras>")
+    quoted = _parameters(ast.parse(f"def {head.rstrip(', ')}): pass").body[0].args)
+    later = _parameters(ast.parse(f"def f(*, {tail.strip(', )')}): pass").body[0].args) if tail.strip(", )") else []
     for framework in docs_facts.layer_files():
-        real = _parameters(docs_facts.arguments(f"{framework}.MultiHeadAttention.__init__"))
+        real = [
+            p for p in _parameters(docs_facts.arguments(f"{framework}.MultiHeadAttention.__init__")) if p[0] != "kwargs"
+        ]
         assert real[: len(quoted)] == quoted, f"docs/SPEC.md's constructor differs from {framework}'s: {real}"
+        assert real[len(real) - len(later) :] == later, (
+            f"docs/SPEC.md's last arguments differ from {framework}'s: {real}"
+        )
     numpy = _parameters(docs_facts.arguments("NumPy.MultiHeadAttention.__init__"))
-    assert [p[0] for p in numpy[len(quoted) :]] == ["seed"], "NumPy's extras are `seed` only (SPEC, Constructor)"
+    extras = [p[0] for p in numpy[len(quoted) : len(numpy) - len(later)]]
+    assert extras == ["seed"], "NumPy's extras are `seed` only (SPEC, Constructor)"
 
 
 def test_the_spec_call_is_the_layer_files_call():

@@ -71,6 +71,7 @@ PROMPT_LENGTHS = (7, 5, 2)  # left-padded to the longest: padding in the batch, 
 DECODE_STEPS = 3
 WINDOW = 3  # shorter than the prompts, so the window removes keys
 CHUNK = 3  # Llama 4's attention_chunk_size: the prompts and the decoding cross chunk boundaries
+FLOOR = 2  # the queries' scale by position (Llama 4's `floor_scale`, Mistral 4's) is 1 below it: the prompts pass it
 CHUNK_PROMPT_LENGTHS = (7, 4, 1)  # left padding 0, 3 and 6: whole chunks (see the chunk tests)
 LOCAL_ATTENTION = 4  # ModernBERT's local band: |t - s| <= 2
 MROPE_SECTION = [2, 1, 1]  # Qwen2-VL's mrope_section for H = 8: the R/2 = 4 rotated pairs
@@ -619,7 +620,7 @@ FAMILIES += [
         "llama4",
         _llama_like(
             "Llama4ForCausalLM", "Llama4TextConfig", **GQA, **TOKENS, num_local_experts=2, intermediate_size_mlp=48,
-            no_rope_layers=[1, 0], attention_chunk_size=64, attn_temperature_tuning=False,  # no layer chunks
+            no_rope_layers=[1, 0], attention_chunk_size=64, floor_scale=FLOOR,  # no layer chunks
             layer_types=["full_attention", "full_attention"],
         ),
         "model.layers.{i}.self_attn",
@@ -652,8 +653,8 @@ FAMILIES += [
         "llama4_chunked",
         _llama_like(
             "Llama4ForCausalLM", "Llama4TextConfig", **GQA, **TOKENS, num_local_experts=2, intermediate_size_mlp=48,
-            no_rope_layers=[1, 0], attention_chunk_size=CHUNK, attn_temperature_tuning=False,
-        ),  # layer 0 chunked (RoPE), layer 1 full (NoPE)
+            no_rope_layers=[1, 0], attention_chunk_size=CHUNK, floor_scale=FLOOR,
+        ),  # layer 0 chunked (RoPE), layer 1 full (NoPE, its queries scaled by position)
         "model.layers.{i}.self_attn",
         prompts=CHUNK_PROMPT_LENGTHS,
     ),
@@ -710,6 +711,8 @@ LATENT = {  # DeepSeek's multi-head latent attention at a tiny size, every layer
 }  # fmt: skip
 LATENT_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
                "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}  # fmt: skip
+# Mistral 4's default `llama_4_scaling_beta` with a floor the prompts pass (its default, 8192, leaves the scale 1)
+MISTRAL4_SCALING = {"llama_4_scaling_beta": 0.1, "original_max_position_embeddings": FLOOR}
 MLA_FAMILIES = [  # run in the files that have MLA (`kv_lora_rank`)
     Family(
         "deepseek_v3", _llama_like("DeepseekV3ForCausalLM", "DeepseekV3Config", **LATENT), "model.layers.{i}.self_attn"
@@ -749,7 +752,7 @@ MLA_FAMILIES = [  # run in the files that have MLA (`kv_lora_rank`)
             "Mistral4Config",
             **{**LATENT, "q_lora_rank": None},
             rope_interleave=False,
-            rope_parameters={**LATENT_YARN, "llama_4_scaling_beta": 0.0, "partial_rotary_factor": 0.5},
+            rope_parameters={**LATENT_YARN, **MISTRAL4_SCALING, "partial_rotary_factor": 0.5},
         ),
         "model.layers.{i}.self_attn",
     ),
@@ -1296,7 +1299,7 @@ VARIANTS = {
     "glm4_moe_lite": {"rope", "rope_interleaved"},
     "youtu": {"rope", "rope_interleaved"},
     "axk1": {"rope", "rope_interleaved"},
-    "mistral4": {"rope", "rope_scaling", "scale"},
+    "mistral4": {"rope", "rope_scaling", "scale", "query_scaling"},
     "minicpm3": {"rope"},
     "kimi_linear": set(),
     "bailing_hybrid": {"rope", "rope_interleaved", "gate"},
@@ -1350,12 +1353,12 @@ VARIANTS = {
     "mpt_clip_qkv": {"attention_bias", "clip_qkv"},
     "modernbert": {"rope", "window"},
     "whisper_decoder": set(),
-    "llama4": {"rope", "rope_interleaved", "qk_norm"},
+    "llama4": {"rope", "rope_interleaved", "qk_norm", "query_scaling"},
     "xlm_roberta": set(),
     "stablelm_qk_layernorm": {"rope", "rope_fraction", "qk_norm", "qk_norm_type"},
     "phi_qk_layernorm": {"rope", "rope_fraction", "qk_norm", "qk_norm_type", "qk_norm_bias"},
     "cohere_qk_norm": {"rope", "rope_interleaved", "qk_norm", "qk_norm_type"},
-    "llama4_chunked": {"rope", "rope_interleaved", "qk_norm", "attention_chunk_size"},
+    "llama4_chunked": {"rope", "rope_interleaved", "qk_norm", "attention_chunk_size", "query_scaling"},
     "qwen2_vl": {"rope"},  # one row of positions thrice: the sections turn alike (plain RoPE)
     "qwen2_5_vl": {"rope", "rope_sections"},
     "qwen3_next": {"rope", "rope_fraction", "qk_norm", "gate"},
@@ -1416,6 +1419,7 @@ def _variants(kwargs, arguments):
             "sinks",
             "clip_qkv",
             "gate",
+            "query_scaling",
         )
         if name in kwargs
     }
@@ -1506,17 +1510,6 @@ ERROR_CASES = [
         r"`module` must be a transformers attention module of one of the model types .* Received: MultiheadAttention",
     ),
     (
-        "llama4_nope_temperature_tuning",
-        lambda: _tiny_module(
-            transformers.models.llama4.modeling_llama4.Llama4TextAttention,
-            transformers.Llama4TextConfig,
-            **GQA,
-            no_rope_layers=[0, 1],
-        ),
-        r"`config.attn_temperature_tuning` must be off for a NoPE layer: it scales the queries by their position, "
-        r"which the layer cannot. Received: attn_temperature_tuning=True on layer 0",
-    ),
-    (
         "qwen4_exp_sparse_indexer",
         lambda: _tiny_module(
             transformers.models.qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextAttention,
@@ -1602,15 +1595,20 @@ def test_linear_attention_layers_of_mla_hybrids_are_refused_by_name(name, config
         replace_attention(model)
 
 
-def test_mistral4_query_scaling_by_position_is_refused():
-    module = _tiny_module(transformers.models.mistral4.modeling_mistral4.Mistral4Attention, transformers.Mistral4Config,
-                          **LATENT)  # fmt: skip
-    message = (
-        r"`config.rope_parameters\['llama_4_scaling_beta'\]` must be 0 or absent: it scales the queries by their "
-        r"position .* Received: llama_4_scaling_beta=0.1"
-    )
-    with pytest.raises(ValueError, match=message):
-        port_attention(module, module.config)
+def test_default_configurations_scale_the_queries_by_position():
+    """Mistral 4's and Llama 4's default configurations port: Mistral 4's queries scaled by `position_ids` past
+    `original_max_position_embeddings` (`llama_4_scaling_beta`), Llama 4's NoPE layers' by the cache's length past
+    `floor_scale` (`attn_temperature_tuning`); its RoPE layers' not at all."""
+    mistral = _tiny_module(transformers.models.mistral4.modeling_mistral4.Mistral4Attention,
+                           transformers.Mistral4Config, **LATENT)  # fmt: skip
+    kwargs, _ = port_attention(mistral, mistral.config)
+    assert kwargs["query_scaling"] == {"type": "positions", "beta": 0.1, "floor": 8192}
+    config = transformers.Llama4TextConfig(**COMMON, **GQA, no_rope_layers=[0, 1])
+    attention = transformers.models.llama4.modeling_llama4.Llama4TextAttention
+    kwargs, _ = port_attention(attention(config, layer_idx=0), config)
+    assert kwargs["query_scaling"] == {"type": "temperature", "beta": 0.1, "floor": 8192}
+    kwargs, _ = port_attention(attention(config, layer_idx=1), config)
+    assert "query_scaling" not in kwargs
 
 
 def test_llama4_vision_attention_is_refused_as_vision_attention_not_as_smollm3():
@@ -1931,7 +1929,7 @@ def _prompts():
 
 
 SWAPPED = ["llama", "gemma3", "qwen3", "phi_qk_layernorm", "qwen3_next", "qwen3_5", "lfm3", "deepseek_v3",
-           "kimi_linear", "bailing_hybrid", "longcat_flash"]  # fmt: skip
+           "kimi_linear", "bailing_hybrid", "longcat_flash", "llama4", "mistral4"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", SWAPPED if "PyTorch" in FRAMEWORKS else [])

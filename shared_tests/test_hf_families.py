@@ -79,3 +79,16 @@ if LONG:  # the long mode only (HF_FAMILIES=all): the census takes minutes
         """docs/census.md is what `python -m interop.hf.census --write` writes with the installed transformers."""
         rows, families = census.census()
         assert census.markdown(rows, families) == census.TABLE.read_text()
+
+
+def test_ministral3_scales_its_queries_by_position_past_the_floor():
+    """Ministral 3's default configuration (`llama_4_scaling_beta` 0.1) with `original_max_position_embeddings` 2,
+    so the prompts pass the floor below which the scale is 1: the replaced model keeps its logits and tokens."""
+    import torch
+
+    cls = hf_tiny.causal_lm_class("ministral3")
+    config = hf_tiny.shrink(cls.config_class())
+    config.rope_parameters["original_max_position_embeddings"] = 2
+    torch.manual_seed(hf_tiny.SEED)
+    result = hf_tiny.check_replaced(cls(config).float().eval())
+    assert result["replaced"] and result["tokens"] > 0

@@ -121,3 +121,19 @@ def _yarn_options(parameters):
     if "truncate" in parameters:
         options["truncate"] = bool(parameters["truncate"])
     return options
+
+
+def _position_scaling(parameters):
+    """The layer's `query_scaling` for `llama_4_scaling_beta` in `rope_parameters` (Mistral 4, Ministral 3:
+    `get_llama_4_attn_scale`, queries times 1 + beta * ln(1 + floor(position_ids / original_max_position_embeddings))),
+    or None where it is 0 or absent."""
+    beta = parameters.get("llama_4_scaling_beta")
+    if not beta:
+        return None
+    floor = parameters.get("original_max_position_embeddings")
+    if not floor:
+        raise ValueError(
+            "`config.rope_parameters['original_max_position_embeddings']` must be given with `llama_4_scaling_beta`: "
+            f"it is the floor of the queries' scale by position. Received: rope_parameters={parameters!r}"
+        )
+    return {"type": "positions", "beta": float(beta), "floor": floor}

@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 
-from .config import _layer_type, _rope_kwargs, _rope_parameters
+from .config import _layer_type, _position_scaling, _rope_kwargs, _rope_parameters
 from .tensors import _linear, _tensor
 
 _LATENT_NORM_EPS = 1e-6  # transformers builds the MLA norms (q_a_layernorm, kv_a_layernorm) without the config's eps
@@ -47,6 +47,8 @@ def _latent(config, tensors, index, *, interleaved=False, rope=True, gate=False,
         return kwargs | {"scale": float(scale)}, weights
     parameters = _latent_rope_parameters(config)
     kwargs |= _rope_kwargs(parameters, hr)
+    if _position_scaling(parameters) is not None:  # Mistral 4's `llama_4_scaling_beta`
+        kwargs["query_scaling"] = _position_scaling(parameters)
     if interleaved or config.get("rope_interleave", False):
         kwargs["rope_interleaved"] = True
     if parameters.get("rope_type", "default") != "default" and parameters.get("mscale_all_dim"):
@@ -58,15 +60,8 @@ def _latent(config, tensors, index, *, interleaved=False, rope=True, gate=False,
 
 def _latent_rope_parameters(config):
     """The RoPE parameters of an MLA layer, which turns the whole Hr part: a `partial_rotary_factor` (Mistral 4's
-    Hr / (Hn + Hr)) only says so. Refuses Llama 4's query scaling by position (Mistral 4's `llama_4_scaling_beta`)."""
-    parameters = {k: v for k, v in _rope_parameters(config, None).items() if k != "partial_rotary_factor"}
-    if parameters.get("llama_4_scaling_beta"):
-        raise ValueError(
-            "`config.rope_parameters['llama_4_scaling_beta']` must be 0 or absent: it scales the queries by their "
-            "position (Llama 4's temperature tuning), which the layer cannot. "
-            f"Received: llama_4_scaling_beta={parameters['llama_4_scaling_beta']!r}"
-        )
-    return parameters
+    Hr / (Hn + Hr)) only says so."""
+    return {k: v for k, v in _rope_parameters(config, None).items() if k != "partial_rotary_factor"}
 
 
 def _fold_lora_scales(config, weights):

@@ -119,18 +119,19 @@ def _qk_layernorm(config, tensors, weights, num_heads, num_kv_heads):
 def _llama4(config, tensors, index):
     """Llama 4's text attention: interleaved RoPE and a weightless RMS QK-norm on its RoPE layers (the norm
     commutes with the rotation, so the layer's norm-then-rotate order computes the same), chunked attention on
-    its `chunked_attention` layers, NoPE layers. Its vision encoder's attention is refused (`_REFUSED_CLASSES`)."""
+    its `chunked_attention` layers, NoPE layers with their attention temperature tuning (`query_scaling`
+    "temperature": by the cache's length, the same for every row). Its vision encoder's attention is refused
+    (`_REFUSED_CLASSES`)."""
     if index is None:
         raise ValueError(
             "`layer_index` must be given for Llama 4 (`no_rope_layers`, `layer_types`). Received: layer_index=None"
         )
     rotates = _rotates(config, index, None, "no_rope_layers")
-    if not rotates and config.get("attn_temperature_tuning"):
-        raise ValueError(
-            "`config.attn_temperature_tuning` must be off for a NoPE layer: it scales the queries by their "
-            f"position, which the layer cannot. Received: attn_temperature_tuning=True on layer {index}"
-        )
     kwargs, weights = _rotary(config, tensors, index, interleaved=True, rope="no_rope_layers")
+    if not rotates and config.get("attn_temperature_tuning"):  # queries times 1 + b ln(1 + floor((i + t + 1) / f))
+        kwargs["query_scaling"] = {
+            "type": "temperature", "beta": float(config["attn_scale"]), "floor": config["floor_scale"],
+        }  # fmt: skip
     if config.get("use_qk_norm") and rotates:
         weights["query_norm"] = weights["key_norm"] = np.ones(kwargs["head_dim"], np.float32)
         kwargs |= {"qk_norm": "head", "qk_norm_eps": float(config["rms_norm_eps"])}

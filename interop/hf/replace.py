@@ -6,7 +6,7 @@ import functools
 from .bert import _bert
 from .gated import _gated
 from .latent import _latent
-from .llama import _rotary
+from .llama import _llama4, _rotary
 from .registry import _registered
 from .routes import _layer_index, _module_porter, _transformers_model_type, port_attention
 
@@ -53,7 +53,7 @@ def replace_attention(model, layer_class=None):
         ):
             continue
         family = getattr(_module_porter(module), "family", None)
-        if family not in (_rotary, _gated, _bert, _latent):
+        if family not in (_rotary, _gated, _bert, _latent, _llama4):
             continue
         if getattr(module, "is_cross_attention", False):
             raise ValueError(f"`model` must have self-attention only: `{name}` is a cross-attention. Received: {name}")

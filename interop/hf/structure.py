@@ -20,6 +20,7 @@ import re
 import sys
 import textwrap
 
+from .config import _position_scaling, _rope_parameters
 from .gated import _gated
 from .llama import _rotary
 
@@ -164,7 +165,7 @@ def _structural_porter(module, model_type):
         )
     if getattr(module, "is_causal", None) is not True:
         _refuse(module, model_type, "is not causal (`is_causal`): not a decoder's self-attention")
-    _check_queries(module, model_type)
+    scaled = _check_queries(module, model_type)
     gate = next((name for name in _GATES if name in children), None)
     extra = [n for n in children if n not in (*_PROJECTIONS, *_ALLOWED, gate) and not _is_dropout(children[n])]
     extra += [n for n, _ in module.named_parameters(recurse=False) if n != "sinks"]
@@ -199,6 +200,8 @@ def _structural_porter(module, model_type):
         else:
             kwargs, weights = _gated(config, tensors, index, gate=gate, **layer_options)
         kwargs["scale"] = attributes["scale"]
+        if scaled and _position_scaling(_rope_parameters(config, None)) is not None:
+            kwargs["query_scaling"] = _position_scaling(_rope_parameters(config, None))
         return kwargs, weights
 
     port.family = _rotary if gate is None else _gated
@@ -232,9 +235,11 @@ def _rotates(module, model_type):
 
 
 def _check_queries(module, model_type):
-    """Refuses a forward that multiplies its queries by something after projecting them (Ministral 3's
-    `get_llama_4_attn_scale`: a scale by position, exactly 1 below its floor, so a tiny model cannot tell)."""
+    """Whether the forward scales its queries by position with `get_llama_4_attn_scale(position_ids, ...)`
+    (Ministral 3: read from `rope_parameters` as `query_scaling`, exactly 1 below its floor, so only the source
+    tells); a forward that multiplies its queries by anything else after projecting them is refused."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(type(module).forward)))
+    scaled = False
     for node in ast.walk(tree):
         targets = [getattr(t, "id", None) for t in getattr(node, "targets", [])]
         if (
@@ -244,7 +249,26 @@ def _check_queries(module, model_type):
             and isinstance(node.value.op, ast.Mult)
         ):
             other = node.value.right if getattr(node.value.left, "id", None) == "query_states" else node.value.left
-            _refuse(module, model_type, f"scales its queries by `{ast.unparse(other)}`, which no porter reads")
+            if not _scales_by_position(other):
+                _refuse(module, model_type, f"scales its queries by `{ast.unparse(other)}`, which no porter reads")
+            scaled = True
+    return scaled
+
+
+def _scales_by_position(node):
+    """`get_llama_4_attn_scale(position_ids, <llama_4_scaling_beta>, <original_max_position_embeddings>)`, maybe
+    cast with `.to(...)`, reading those two keys of the config's `rope_parameters`."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "to":
+        node = node.func.value
+    if not isinstance(node, ast.Call) or getattr(node.func, "id", None) != "get_llama_4_attn_scale":
+        return False
+    arguments = [ast.unparse(a) for a in node.args]
+    return (
+        len(arguments) == 3
+        and arguments[0] == "position_ids"
+        and "llama_4_scaling_beta" in arguments[1]
+        and ("original_max_position_embeddings" in arguments[2])
+    )
 
 
 def _check_gate(module, model_type, gate):
