@@ -246,3 +246,39 @@ def test_torch_document_blocks_equal_the_dense_keep(monkeypatch, rows):
         for blocked, dense in zip(*results, strict=True):
             np.testing.assert_allclose(blocked.numpy(), dense.numpy(), atol=ATOL["PyTorch"], rtol=0)
     assert len(entered) == 4
+
+
+def test_tensorflow_chunks_over_documents_equal_the_dense_mask(monkeypatch):
+    """The TensorFlow file's memory-efficient path with `segment_ids`, each chunk of queries over
+    the keys of its documents only (outside XLA) or over all keys with its own keep of the ids
+    (under XLA), against the same path with the equivalent dense boolean mask: ids that come back
+    later in a row, rows of other ids, chunks of 3 queries, the attention chunk, a two-sided
+    window, a float bias with its gradient, sinks and soft-capping; the output and the gradients
+    of the input and of every weight."""
+    import tensorflow as tf
+
+    module = _module("TensorFlow")
+    tf_module = importlib.import_module("TensorFlow.Multi_Head_Attention")
+    spans, key_spans = [], tf_module._key_spans
+    monkeypatch.setattr(tf_module, "_key_spans", lambda *a: spans.append(1) or key_spans(*a))
+    ids = np.array([[0, 0, 1, 1, 1, 0, 2, 2, 2, 1, 1, 3], [5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7]])
+    rng = np.random.default_rng(5)
+    x, bias = tf.constant(rng.normal(size=(2, 12, E))), tf.constant(rng.normal(size=(2, 1, 12, 12)))
+    dense = ids[:, :, None] == ids[:, None, :]  # (B, T, S)
+    options = {"attention_chunk_size": 4, "window": (3, 2), "sinks": True, "softcap": 5.0}
+    layer = module.MultiHeadAttention(E, N, num_kv_heads=K, dtype="float64", **options)
+    layer.memory_efficient_threshold, layer.query_chunk_elements = 0, 2 * N * 12 * 3  # chunks of 3 queries
+
+    def run(packed, bias):
+        with tf.GradientTape() as tape:
+            tape.watch([x, bias])
+            masks = {"segment_ids": ids} if packed else {"attention_mask": dense}
+            output = layer(x, causal=True, attention_bias=bias, **masks)
+            loss = tf.reduce_sum(tf.square(output))
+        return [output, *tape.gradient(loss, [x, bias, *layer.trainable_weights])]
+
+    expected = run(False, bias)
+    for compiled, traced in ((tf.function(run), 1), (tf.function(run, jit_compile=True), 1)):
+        for got, want in zip(compiled(True, bias), expected, strict=True):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=ATOL["TensorFlow"], rtol=0)
+        assert len(spans) == traced  # the documents' key ranges traced outside XLA only
