@@ -153,11 +153,11 @@ def peaks_in_child(args, batch):
     command += ["--framework", args.framework] + (["--forward-only"] if args.forward_only else [])
     command += ["--threads", str(args.threads)] if args.threads else []
     if args.framework == "PyTorch":
-        return _child(command + ["--rounds", str(args.rounds)])
+        return _child([*command, "--rounds", str(args.rounds)])
     peaks = {("forward", label): [] for label in LABELS}
     for _ in range(args.rounds):
         for label in LABELS:
-            peaks[("forward", label)] += _child(command + ["--rounds", "1", "--label", label])[("forward", label)]
+            peaks[("forward", label)] += _child([*command, "--rounds", "1", "--label", label])[("forward", label)]
     return peaks
 
 
