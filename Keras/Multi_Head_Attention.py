@@ -387,9 +387,8 @@ class MultiHeadAttention(keras.layers.Layer):
         return ops.reshape(merged, (b, length, heads * h))  # -> (B, L, heads*H)
 
     def _attend(self, q, k, v, keep, bias, call):
-        """Step 6 on split heads q (B, N, T, H), k and v (B, K, S, H|Hv): (context (B, N, T, Hv), weights
-        (B, N, T, S) or None). `dot_product_attention`, or without the weights a speed path: `_fuses`'
-        `ops.dot_product_attention`, or beyond `memory_efficient_threshold` score elements, the chunked."""
+        """Step 6, q (B, N, T, H), k and v (B, K, S, H|Hv) -> (context (B, N, T, Hv), weights (B, N, T, S) or None):
+        `dot_product_attention`; without weights `_fuses`' fused path, or chunked past `memory_efficient_threshold`."""
         dropout = self.dropout > 0 and call.training is not False and call.training is not None
         sinks = self.sink_logits if self.sinks else None
         fusable = self.fused_attention or (self.fused_attention is None and keras.backend.backend() == "torch")
