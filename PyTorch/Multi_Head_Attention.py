@@ -1274,8 +1274,7 @@ def _segment_keep(layer, call, segment_ids, key_segment_ids):
         ids = torch.zeros(b, length, dtype=torch.long, device=device) if ids is None else ids
         ids[:, (index + torch.arange(t, device=device)) % length] = key_ids.to(ids.dtype)  # (B, L), in place
         key_ids, cache = ids, cache._replace(segment_ids=ids)
-    same = segment_ids[:, None, :, None] == key_ids[:, None, None, :]  # (B, 1, T, S)
-    return same, cache
+    return _same_documents(segment_ids, key_ids), cache
 
 
 def _checked_segment_ids(call, segment_ids, key_segment_ids):
@@ -1291,6 +1290,11 @@ def _checked_segment_ids(call, segment_ids, key_segment_ids):
     if key_segment_ids is not None:
         key_ids = _check_segment_ids("key_segment_ids", key_segment_ids, b, s, "S", device)
     return segment_ids, key_ids
+
+
+def _same_documents(segment_ids, key_ids):
+    """(B, T) and (B, S) ids -> the (B, 1, T, S) keep of packed sequences."""
+    return segment_ids[:, None, :, None] == key_ids[:, None, None, :]  # (B, 1, T, S)
 
 
 def _packed(layer, call, segment_ids, key_segment_ids):
@@ -1375,8 +1379,8 @@ def _attend_documents(layer, q, k, v, keep, bias, call):
             part = (batch, slice(top, end), start, stop)
             block_keep, block_bias = _block_of(keep, part), _block_of(bias, part)  # (r|1, N|1, tq|1, S'|1)
             if mixed:
-                same = ids[batch, top:end, None] == key_ids[batch, None, start:stop]  # (r, tq, S')
-                block_keep = _and(block_keep, same[:, None])  # (r, 1, tq, S')
+                same = _same_documents(ids[batch, top:end], key_ids[batch, start:stop])  # (r, 1, tq, S')
+                block_keep = _and(block_keep, same)  # (r, 1, tq, S')
             sub = call._replace(segments=None, attention_chunk_size=None)
             if stop - end != s - t or call.attention_chunk_size is not None:
                 rules = _block_rules(call.causal, call.window, call.attention_chunk_size, part, t, s, q.device)
