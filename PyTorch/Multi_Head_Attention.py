@@ -1329,7 +1329,7 @@ def _document_blocks(ids, key_ids, causal, window):
     `_DOCUMENT_ROWS` joined with the next) with the keys from the first to the last that hold one
     of its ids, within those `causal` and `window` let its rows see (`_key_range`); `mixed`
     where those keys hold another id too. A block whose ids no key holds is left out."""
-    (b, _t), _s = ids.shape, key_ids.shape[1]
+    b = ids.shape[0]
     same_rows = (ids == ids[:1]).all() and (key_ids == key_ids[:1]).all()
     batches = [slice(None)] if same_rows else [slice(i, i + 1) for i in range(b)]
     return [(batch, _row_blocks(ids[batch][0], key_ids[batch][0], causal, window)) for batch in batches]
@@ -1366,10 +1366,10 @@ def _attend_documents(layer, q, k, v, keep, bias, call):
     that no block reaches (no key of their document) are 0, as rows with no key. q, k and v are
     cut with one `split` each where the parts do not overlap (`_parts`), and the context joined
     with one `cat`: the backward adds no (B, N, T, H) tensor a block."""
-    (_b, _n, t, _), s = q.shape, k.shape[2]
+    t, s = q.shape[2], k.shape[2]
     ids, key_ids, groups = call.segments  # (B, T), (B, S), the blocks
     single = len(groups) == 1  # all rows' ids alike: the blocks cut every row at once
-    rows = zip(*(x.split(1) for x in (q, k, v)), strict=False) if not single else [(q, k, v)]  # (1|B, N|K, T|S, H) each
+    rows = zip(*(x.split(1) for x in (q, k, v)), strict=True) if not single else [(q, k, v)]  # (1|B, N|K, T|S, H) each
     contexts = []
     for (batch, blocks), (q_row, k_row, v_row) in zip(groups, rows, strict=True):
         queries = _parts(q_row, [block[:2] for block in blocks])  # (1|B, N, tq, H) each
@@ -1403,7 +1403,7 @@ def _parts(x, spans):
         return [x[:, :, first:end] for first, end in spans]
     bounds = sorted({0, x.shape[2], *(bound for span in spans for bound in span)})
     split = x.transpose(1, 2).split(np.diff(bounds).tolist(), dim=1)  # (B, l, heads, H) each
-    pieces = dict(zip(bounds, (piece.transpose(1, 2) for piece in split), strict=False))  # first -> its part
+    pieces = dict(zip(bounds[:-1], (piece.transpose(1, 2) for piece in split), strict=True))  # first -> its part
     return [pieces[first] for first, _ in spans]
 
 
