@@ -391,9 +391,8 @@ class MultiHeadAttention(keras.layers.Layer):
         return ops.reshape(merged, (b, length, heads * h))  # -> (B, L, heads*H)
 
     def _attend(self, q, k, v, keep, bias, call):
-        """Step 6 on split heads q (B, N, T, H), k and v (B, K, S, H|Hv): (context (B, N, T, Hv), weights
-        (B, N, T, S) or None). `dot_product_attention`, or without the weights a speed path: `_fuses`'
-        `ops.dot_product_attention`, or beyond `memory_efficient_threshold` score elements, the chunked."""
+        """Step 6, q (B, N, T, H), k and v (B, K, S, H|Hv) -> (context (B, N, T, Hv), weights (B, N, T, S) or None):
+        `dot_product_attention`; without weights `_fuses`' fused path, or chunked past `memory_efficient_threshold`."""
         dropout = self.dropout > 0 and call.training is not False and call.training is not None
         sinks = self.sink_logits if self.sinks else None
         fusable = self.fused_attention or (self.fused_attention is None and keras.backend.backend() == "torch")
@@ -405,6 +404,7 @@ class MultiHeadAttention(keras.layers.Layer):
             context, weights = _chunked_heads(self, q, k, v, keep, bias, call, dropout, sinks), None
         else:
             drop = (lambda w: self._dropout_layer(w, training=call.training)) if dropout else None
+            keep = keep if call.segments is None else _and(keep, _same_documents(*call.segments))  # (B, 1, T, S)
             context, weights = dot_product_attention(
                 q, k, v, keep, bias, call.causal, scale=self.scale, softcap=self.softcap, window=call.window,
                 attention_chunk_size=call.attention_chunk_size, sinks=sinks, dropout=drop,
@@ -970,7 +970,6 @@ def _segment_keep(layer, call, segment_ids, key_segment_ids):
     ids of the T new tokens are written to a copy of the cache's `segment_ids` (made at the first
     packed call of a cache) and the mask is over its L slots; a call without ids continues the
     document of the last written slot."""
-    (b, t), s = tuple(call.query.shape)[:2], call.key.shape[1]
     cache = call.cache
     if segment_ids is None and (cache is None or not _has_segments(cache)):
         raise _segment_ids_error("`key_segment_ids` needs `segment_ids`")
@@ -979,12 +978,7 @@ def _segment_keep(layer, call, segment_ids, key_segment_ids):
         if segment_ids is None:  # the new tokens continue the last written slot's document
             last = ops.take(cache.segment_ids, ops.mod(index - 1, length), axis=1)  # (B,)
             segment_ids = ops.repeat(ops.expand_dims(last, 1), _shape(call.query)[1], axis=1)  # (B, T)
-    segment_ids = _check_segment_ids("segment_ids", segment_ids, b, t, "T")
-    if key_segment_ids is None and None not in (s, t) and s != t:
-        raise _segment_ids_error("cross-attention (S != T) needs `key_segment_ids` (B, S)")
-    key_ids = segment_ids
-    if key_segment_ids is not None:
-        key_ids = _check_segment_ids("key_segment_ids", key_segment_ids, b, s, "S")
+    segment_ids, key_ids = _checked_segment_ids(call, segment_ids, key_segment_ids)
     if cache is not None:
         rows_b, rows_t = _shape(key_ids)
         ids = ops.zeros((rows_b, length), "int32") if not _has_segments(cache) else cache.segment_ids
@@ -993,12 +987,35 @@ def _segment_keep(layer, call, segment_ids, key_segment_ids):
         rows = ops.reshape(ops.stack(grid, axis=-1), (-1, 2))  # (B*T, 2): (b, slot)
         ids = ops.scatter_update(ops.cast(ids, "int32"), rows, ops.reshape(key_ids, (-1,)))  # (B, L)
         key_ids, cache = ids, cache._replace(segment_ids=ids)
-    same = ops.equal(segment_ids[:, None, :, None], key_ids[:, None, None, :])  # (B, 1, T, S)
-    return same, cache
+    return _same_documents(segment_ids, key_ids), cache
+
+
+def _checked_segment_ids(call, segment_ids, key_segment_ids):
+    """The (B, T) query ids and (B, S) key ids of a packed call, checked (int32); the key ids
+    default to `segment_ids` when S == T (self-attention)."""
+    (b, t), s = tuple(call.query.shape)[:2], call.key.shape[1]
+    segment_ids = _check_segment_ids("segment_ids", segment_ids, b, t, "T")
+    if key_segment_ids is None and None not in (s, t) and s != t:
+        raise _segment_ids_error("cross-attention (S != T) needs `key_segment_ids` (B, S)")
+    key_ids = segment_ids
+    if key_segment_ids is not None:
+        key_ids = _check_segment_ids("key_segment_ids", key_segment_ids, b, s, "S")
+    return segment_ids, key_ids
+
+
+def _same_documents(segment_ids, key_ids):
+    """(B, T) and (B, S) ids -> the (B, 1, T, S) keep of packed sequences."""
+    return ops.equal(segment_ids[:, None, :, None], key_ids[:, None, None, :])  # (B, 1, T, S)
 
 
 def _packed(layer, call, segment_ids, key_segment_ids):
-    """Packed sequences (`_segment_keep`) ANDed into `attention_mask`; the call marked `segmented`."""
+    """Packed sequences: without a cache the checked ids as the call's `segments`, which `_attend`
+    ANDs into its keep (the chunked path a chunk of queries at a time: `_chunk_weights`); with
+    one, the ids ANDed into `attention_mask` (`_segment_keep`). The call is marked `segmented`."""
+    if call.cache is None:
+        if segment_ids is None:
+            raise _segment_ids_error("`key_segment_ids` needs `segment_ids`")
+        return call._replace(segments=_checked_segment_ids(call, segment_ids, key_segment_ids), segmented=True)
     same, cache = _segment_keep(layer, call, segment_ids, key_segment_ids)
     mask = call.attention_mask
     if mask is not None:
@@ -1986,6 +2003,7 @@ def _fused_heads(layer, q, k, v, keep, bias, call, sinks):
     """`_attend`'s fused path: the window and the attention chunk folded into `keep`, then
     `_fused_attention`; the (B, N, T, Hv) context."""
     t, s = q.shape[2], k.shape[2]
+    keep = keep if call.segments is None else _and(keep, _same_documents(*call.segments))  # packed: (B, 1, T, S)
     keep = _fold_masks(keep, call.window, call.attention_chunk_size, t, s)  # (B|1, N|1, T|1, S|1)
     return _fused_attention(q, k, v, keep, bias, call.causal, layer.scale, sinks)
 
@@ -1998,8 +2016,9 @@ def _chunked_heads(layer, q, k, v, keep, bias, call, dropout, sinks):
     if dropout:
         rate, seed = layer.dropout, ops.cast(layer._dropout_layer.seed_generator.next(), "int32")
     return _chunked_attention(
-        q, k, v, keep, bias, call.causal, chunk, rate, seed, **_score_modifiers(layer, call, sinks)
-    )
+        q, k, v, keep, bias, call.causal, chunk, rate, seed, **_score_modifiers(layer, call, sinks),
+        segments=call.segments,
+    )  # fmt: skip
 
 
 def _fused_attention(q, k, v, keep, bias, causal, scale, sinks):
@@ -2090,6 +2109,7 @@ class _Chunks(NamedTuple):
     window: Any  # None, W or (W_before, W_after)
     attention_chunk_size: int | None
     softcap: float | None
+    segments: tuple | None  # packed sequences: (B, T') ids (padded) and (B, S) key ids, or None
     size: int  # queries per chunk
     count: int  # the number of chunks
     t: int  # T; causal, window and chunk are bottom-right aligned (query t at position t + S - T)
@@ -2102,14 +2122,15 @@ class _Chunks(NamedTuple):
 
 def _chunked_attention(
     q, k, v, keep, bias, causal, chunk, dropout_rate=0.0, seed=None, *,
-    scale=None, softcap=None, window=None, attention_chunk_size=None, sinks=None,
+    scale=None, softcap=None, window=None, attention_chunk_size=None, sinks=None, segments=None,
 ):  # fmt: skip
     """`dot_product_attention` without the weights, `chunk` queries at a time, in memory linear
     in T and S: only one chunk's (B, N, chunk, S) scores exist at a time, forward and backward
     (a custom gradient recomputes them). `bias` (the floating mask and `attention_bias`) and
     `sinks` get gradients. Dropout draws its mask from `seed` (shape (2,)) and each weight's
     index (`_dropout_keep`), so the backward drops the same weights as the forward. Shapes are
-    known at trace time.
+    known at trace time. `segments` (packed sequences: the (B, T) and (B, S) ids) make each
+    chunk's own keep of the ids, so no (B, 1, T, S) keep is made.
 
     Returns:
         context (B, N, T, Hv).
@@ -2124,7 +2145,8 @@ def _chunked_attention(
     extras = {"bias": _pad_rows(bias, padded), "sinks": None if sinks is None else ops.cast(sinks, dtype)}
     extras = {name: x for name, x in extras.items() if x is not None}  # the inputs with a gradient besides q, k, v
     heads = (b, n, kv, n // kv, v.shape[3])  # the context's width is Hv, the values'
-    masks = (_pad_rows(keep, padded), causal, window, attention_chunk_size, softcap)
+    segments = None if segments is None else (ops.pad(segments[0], [[0, 0], [0, padded]]), segments[1])  # (B, T')
+    masks = (_pad_rows(keep, padded), causal, window, attention_chunk_size, softcap, segments)
     chunks = _Chunks(*masks, chunk, count, t, s, dropout_rate, seed, dtype, heads)
 
     @ops.custom_gradient
@@ -2189,6 +2211,9 @@ def _chunk_weights(chunks, q, k, i, extra):
     scores, capped = _capped_chunk(chunks, scores)  # capped: the soft-cap's tanh, kept for the backward
     positions = start + ops.arange(size, dtype="int32") + (chunks.s - chunks.t)  # (chunk,)
     keep_i = _and(_chunk_rows(chunks.keep, start, size), _position_keep(positions, chunks))  # (B, N, chunk, S)
+    if chunks.segments is not None:
+        ids = _rows(chunks.segments[0][:, None, :, None], start, size)  # (B, 1, chunk, 1)
+        keep_i = _and(keep_i, ops.equal(ids, chunks.segments[1][:, None, None, :]))  # (B, 1, chunk, S)
     bias_i = _chunk_rows(extra.get("bias"), start, size)
     added = bias_i if bias_i is None or keep_i is None or "sinks" in extra else _centre_rows(bias_i, keep_i)
     scores = scores if added is None else scores + added  # (B, N, chunk, S)
@@ -2881,6 +2906,7 @@ class _Call(NamedTuple):
     training: Any  # the call's training flag
     fuse: bool  # q, k, v from one matmul: never in this file
     segmented: bool = False  # packed sequences: the ids folded into attention_mask (`_packed`)
+    segments: tuple | None = None  # packed sequences without a cache: (B, T) and (B, S) ids, ANDed in by `_attend`
 
 
 def _results(output, weights, cache, return_attention):

@@ -81,6 +81,7 @@ class _Call(NamedTuple):
     training: None  # TF/Keras only
     fuse: bool  # False: the reference projects q, k and v one at a time
     segmented: bool = False  # packed sequences: the ids folded into attention_mask (`_packed`)
+    segments: None = None  # PyTorch, TensorFlow and Keras only: packed ids their paths read (here always folded)
 
 
 class MultiHeadAttention:
@@ -875,7 +876,7 @@ def _segment_keep(layer, call, segment_ids, key_segment_ids):
     when S == T (self-attention). With a cache the key ids of the T new tokens are written to the
     cache's `segment_ids` (made at the first packed call of an empty cache) and the mask is over its
     L slots; a call without ids continues the document of the last written slot."""
-    (b, t), s = call.query.shape[:2], call.key.shape[1]
+    b, t = call.query.shape[:2]
     cache = call.cache
     if cache is None and segment_ids is None:
         raise _segment_ids_error("`key_segment_ids` needs `segment_ids`")
@@ -889,18 +890,30 @@ def _segment_keep(layer, call, segment_ids, key_segment_ids):
             raise _segment_ids_error(
                 "`cache` holds tokens written without `segment_ids`; pass them from the first call"
             )
-    segment_ids = _check_segment_ids("segment_ids", segment_ids, b, t, "T")
-    if key_segment_ids is None and s != t:
-        raise _segment_ids_error("cross-attention (S != T) needs `key_segment_ids` (B, S)")
-    key_ids = (
-        segment_ids if key_segment_ids is None else _check_segment_ids("key_segment_ids", key_segment_ids, b, s, "S")
-    )
+    segment_ids, key_ids = _checked_segment_ids(call, segment_ids, key_segment_ids)
     if cache is not None:
         ids = np.zeros((b, length), np.int64) if cache.segment_ids is None else np.array(cache.segment_ids)
         ids[:, (index + np.arange(t)) % length] = key_ids  # (B, L)
         key_ids, cache = ids, cache._replace(segment_ids=ids)
-    same = segment_ids[:, None, :, None] == key_ids[:, None, None, :]  # (B, 1, T, S)
-    return same, cache
+    return _same_documents(segment_ids, key_ids), cache
+
+
+def _checked_segment_ids(call, segment_ids, key_segment_ids):
+    """The (B, T) query ids and (B, S) key ids of a packed call, checked; the key ids default to
+    `segment_ids` when S == T (self-attention)."""
+    (b, t), s = call.query.shape[:2], call.key.shape[1]
+    segment_ids = _check_segment_ids("segment_ids", segment_ids, b, t, "T")
+    if key_segment_ids is None and s != t:
+        raise _segment_ids_error("cross-attention (S != T) needs `key_segment_ids` (B, S)")
+    key_ids = segment_ids
+    if key_segment_ids is not None:
+        key_ids = _check_segment_ids("key_segment_ids", key_segment_ids, b, s, "S")
+    return segment_ids, key_ids
+
+
+def _same_documents(segment_ids, key_ids):
+    """(B, T) and (B, S) ids -> the (B, 1, T, S) keep of packed sequences."""
+    return segment_ids[:, None, :, None] == key_ids[:, None, None, :]  # (B, 1, T, S)
 
 
 def _packed(layer, call, segment_ids, key_segment_ids):

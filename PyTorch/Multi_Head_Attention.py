@@ -27,6 +27,7 @@ cache and decode steps, multi-head latent attention (MLA), speed paths, int8, fr
 (tensor parallelism, autocast, hooks, mask habits), converters (portable weights, nn.MultiheadAttention).
 """
 
+import itertools
 import math
 import sys
 import warnings
@@ -366,7 +367,7 @@ class MultiHeadAttention(nn.Module):
 
     def _attend(self, q, k, v, keep, bias, call):
         """Step 6, the one entry to the paths: SDPA, else the explicit softmax (`_attend_explicit`)."""
-        if self.softcap is not None or call.return_attention:
+        if self.softcap is not None or call.return_attention or call.segments is not None:
             return _attend_explicit(self, q, k, v, keep, bias, call)
         dropout = self.dropout if self.training else 0.0
         (t, s), sinks = (q.shape[2], k.shape[2]), self.sinks
@@ -448,6 +449,7 @@ class _Call(NamedTuple):
     training: None  # TensorFlow and Keras only
     fuse: bool  # q, k and v may come from one matmul (one input; with a cache, kernels kept between steps)
     segmented: bool = False  # packed sequences: the ids folded into attention_mask (`_packed`)
+    segments: tuple | None = None  # packed sequences by blocks of documents: (B, T) and (B, S) ids, the blocks
 
 
 def _check_input(name, x, dim_name, dim):
@@ -811,7 +813,10 @@ def _attend_explicit(layer, q, k, v, keep, bias, call):
     numbers: soft-capped attention without returned weights or dropout, eagerly, a tile or a block
     of query rows at a time with its own backward (`_softcapped_attention`); else the explicit
     softmax, in blocks of batch elements under no_grad on the CPU (`_attention_in_blocks`). A
-    window or an attention chunk is always folded into the mask: no shortcut."""
+    window or an attention chunk is always folded into the mask: no shortcut. A packed call in
+    blocks of documents (`call.segments`) goes to `_attend_documents` first."""
+    if call.segments is not None:
+        return _attend_documents(layer, q, k, v, keep, bias, call)
     (n, t), s, sinks = q.shape[1:3], k.shape[2], layer.sinks
     dropout = layer.dropout if layer.training else 0.0
     masks = (call.causal, call.window, call.attention_chunk_size)
@@ -1260,7 +1265,7 @@ def _segment_keep(layer, call, segment_ids, key_segment_ids):
     ids of the T new tokens are written to the cache's `segment_ids` (in place; made at the first
     packed call of an empty cache) and the mask is over its L slots; a call without ids continues
     the document of the last written slot."""
-    (b, t), s, device = call.query.shape[:2], call.key.shape[1], call.query.device
+    (b, t), device = call.query.shape[:2], call.query.device
     cache = call.cache
     if segment_ids is None and (cache is None or cache.segment_ids is None):
         raise _segment_ids_error("`key_segment_ids` needs `segment_ids`")
@@ -1272,29 +1277,164 @@ def _segment_keep(layer, call, segment_ids, key_segment_ids):
             raise _segment_ids_error(
                 "`cache` holds tokens written without `segment_ids`; pass them from the first call"
             )
+    segment_ids, key_ids = _checked_segment_ids(call, segment_ids, key_segment_ids)
+    if cache is not None:
+        ids = cache.segment_ids
+        ids = torch.zeros(b, length, dtype=torch.long, device=device) if ids is None else ids
+        ids[:, (index + torch.arange(t, device=device)) % length] = key_ids.to(ids.dtype)  # (B, L), in place
+        key_ids, cache = ids, cache._replace(segment_ids=ids)
+    return _same_documents(segment_ids, key_ids), cache
+
+
+def _checked_segment_ids(call, segment_ids, key_segment_ids):
+    """The (B, T) query ids and (B, S) key ids of a packed call, checked; the key ids default to
+    `segment_ids` when S == T (self-attention)."""
+    (b, t), s, device = call.query.shape[:2], call.key.shape[1], call.query.device
+    if segment_ids is None:
+        raise _segment_ids_error("`key_segment_ids` needs `segment_ids`")
     segment_ids = _check_segment_ids("segment_ids", segment_ids, b, t, "T", device)
     if key_segment_ids is None and s != t:
         raise _segment_ids_error("cross-attention (S != T) needs `key_segment_ids` (B, S)")
     key_ids = segment_ids
     if key_segment_ids is not None:
         key_ids = _check_segment_ids("key_segment_ids", key_segment_ids, b, s, "S", device)
-    if cache is not None:
-        ids = cache.segment_ids
-        ids = torch.zeros(b, length, dtype=torch.long, device=device) if ids is None else ids
-        ids[:, (index + torch.arange(t, device=device)) % length] = key_ids.to(ids.dtype)  # (B, L), in place
-        key_ids, cache = ids, cache._replace(segment_ids=ids)
-    same = segment_ids[:, None, :, None] == key_ids[:, None, None, :]  # (B, 1, T, S)
-    return same, cache
+    return segment_ids, key_ids
+
+
+def _same_documents(segment_ids, key_ids):
+    """(B, T) and (B, S) ids -> the (B, 1, T, S) keep of packed sequences."""
+    return segment_ids[:, None, :, None] == key_ids[:, None, None, :]  # (B, 1, T, S)
 
 
 def _packed(layer, call, segment_ids, key_segment_ids):
-    """Packed sequences (`_segment_keep`) ANDed into `attention_mask`; the call marked `segmented`."""
+    """Packed sequences ANDed into `attention_mask` (`_segment_keep`), the call marked `segmented`;
+    or, where the blocks of documents apply (`_by_documents`), the call's `segments`, its blocks."""
+    if _by_documents(layer, call):
+        ids, key_ids = _checked_segment_ids(call, segment_ids, key_segment_ids)  # (B, T), (B, S)
+        blocks = _document_blocks(ids.numpy(), key_ids.numpy(), call.causal, call.window)
+        return call._replace(segments=(ids, key_ids, blocks), segmented=True)
     same, cache = _segment_keep(layer, call, segment_ids, key_segment_ids)
     mask = call.attention_mask
     if mask is not None:
         mask = mask if mask.dim() == 4 else mask[None, None] if mask.dim() == 2 else mask[:, None]  # rank 4
         same = mask & same if mask.dtype == torch.bool else torch.where(same, mask, float("-inf"))
     return call._replace(attention_mask=same, cache=cache, segmented=True)
+
+
+def _by_documents(layer, call):
+    """Whether a packed call is attended a block of documents at a time (`_attend_documents`): an
+    eager call on the CPU (its ids read there, no device sync) without a cache, returned weights
+    or dropout. Elsewhere (`torch.compile`, `torch.export`, `torch.jit.trace`, another device, a
+    cache) the ids become a dense (B, 1, T, S) keep."""
+    dropout = layer.dropout and layer.training
+    plain = call.cache is None and not call.return_attention and not dropout
+    return plain and call.query.device.type == "cpu" and _eager() and not torch.compiler.is_exporting()
+
+
+def _document_blocks(ids, key_ids, causal, window):
+    """The blocks of `_attend_documents` from (B, T) and (B, S) NumPy ids: [(batch elements,
+    [(first query, end query, first key, end key, mixed), ...])], one list for all rows where
+    their ids are equal, else one a row. A block is a run of queries of one id (runs shorter than
+    `_DOCUMENT_ROWS` joined with the next) with the keys from the first to the last that hold one
+    of its ids, within those `causal` and `window` let its rows see (`_key_range`); `mixed`
+    where those keys hold another id too. A block whose ids no key holds is left out."""
+    b = ids.shape[0]
+    same_rows = (ids == ids[:1]).all() and (key_ids == key_ids[:1]).all()
+    batches = [slice(None)] if same_rows else [slice(i, i + 1) for i in range(b)]
+    return [(batch, _row_blocks(ids[batch][0], key_ids[batch][0], causal, window)) for batch in batches]
+
+
+def _row_blocks(row, keys, causal, window):
+    """`_document_blocks` of one row: (T,) query ids and (S,) key ids."""
+    t, s = len(row), len(keys)
+    known, first = np.unique(keys, return_index=True)  # each key id and its first key
+    last = s - 1 - np.unique(keys[::-1], return_index=True)[1]  # and its last key
+    starts = np.flatnonzero(np.concatenate([[True], row[1:] != row[:-1]]))  # where a run of one id starts
+    blocks, top = [], 0
+    for end in [int(x) for x in starts[1:]] + [t]:
+        if end - top < _DOCUMENT_ROWS and end < t:
+            continue  # a short run: joined with the next
+        own = np.unique(row[top:end])
+        found = np.searchsorted(known, own).clip(max=len(known) - 1)
+        found = found[known[found] == own]  # the block's ids that some key holds
+        near, far = _key_range(top, end, t, s, causal, window)
+        if len(found):
+            start, stop = max(near, int(first[found].min())), min(far, int(last[found].max()) + 1)
+            mixed = len(own) > 1 or bool((keys[start:stop] != own[0]).any())
+            blocks += [(top, end, start, stop, mixed)] if stop > start else []
+        top = end
+    return blocks
+
+
+def _attend_documents(layer, q, k, v, keep, bias, call):
+    """Step 6 of a packed call a block of documents at a time (`_document_blocks`): each block's
+    queries attend only its keys, through `_attend` (SDPA or soft-capping's tiles), with the
+    block's part of the keep and bias and, where the block is `mixed`, of the ids' keep. `causal`
+    and `window` go on to the block where its last query and last key keep the call's alignment
+    (S - T); else they, as the attention chunk always, are folded into the block's keep. Rows
+    that no block reaches (no key of their document) are 0, as rows with no key. q, k and v are
+    cut with one `split` each where the parts do not overlap (`_parts`), and the context joined
+    with one `cat`: the backward adds no (B, N, T, H) tensor a block."""
+    t, s = q.shape[2], k.shape[2]
+    ids, key_ids, groups = call.segments  # (B, T), (B, S), the blocks
+    single = len(groups) == 1  # all rows' ids alike: the blocks cut every row at once
+    rows = zip(*(x.split(1) for x in (q, k, v)), strict=True) if not single else [(q, k, v)]  # (1|B, N|K, T|S, H) each
+    contexts = []
+    for (batch, blocks), (q_row, k_row, v_row) in zip(groups, rows, strict=True):
+        queries = _parts(q_row, [block[:2] for block in blocks])  # (1|B, N, tq, H) each
+        keys, values = (_parts(x, [block[2:4] for block in blocks]) for x in (k_row, v_row))  # (1|B, K, S', H) each
+        pieces, done = [], 0
+        for (top, end, start, stop, mixed), *block in zip(blocks, queries, keys, values, strict=True):
+            part = (batch, slice(top, end), start, stop)
+            block_keep, block_bias = _block_of(keep, part), _block_of(bias, part)  # (r|1, N|1, tq|1, S'|1)
+            if mixed:
+                same = _same_documents(ids[batch, top:end], key_ids[batch, start:stop])  # (r, 1, tq, S')
+                block_keep = _and(block_keep, same)  # (r, 1, tq, S')
+            sub = call._replace(segments=None, attention_chunk_size=None)
+            if stop - end != s - t or call.attention_chunk_size is not None:
+                rules = _block_rules(call.causal, call.window, call.attention_chunk_size, part, t, s, q.device)
+                block_keep, sub = _and(block_keep, rules), sub._replace(causal=False, window=None)  # (tq, S') rules
+            out, _ = layer._attend(*block, block_keep, block_bias, sub)  # (r, N, tq, Hv)
+            pieces += [out.new_zeros(*out.shape[:2], top - done, out.shape[-1])] if top > done else []
+            pieces, done = [*pieces, out], end
+        rest = q_row.new_zeros(*q_row.shape[:2], t - done, v.shape[-1])  # (r, N, T - done, Hv): no key
+        pieces = [piece.transpose(1, 2) for piece in [*pieces, rest]]  # (r, tq, N, Hv) each, SDPA's layout
+        contexts.append(torch.cat(pieces, dim=1).transpose(1, 2) if len(pieces) > 1 else rest)  # (r, N, T, Hv)
+    return torch.cat(contexts) if len(contexts) > 1 else contexts[0], None  # (B, N, T, Hv)
+
+
+def _parts(x, spans):
+    """The parts [first, end) of x (B, heads, L, H) along L: views of one `split` where the spans
+    do not overlap (the backward then joins the gradients once, in the (B, L, heads, H) layout of
+    the projections and of SDPA's gradients, where a part is one block of memory), else slices."""
+    apart = all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    if not apart:
+        return [x[:, :, first:end] for first, end in spans]
+    bounds = sorted({0, x.shape[2], *(bound for span in spans for bound in span)})
+    split = x.transpose(1, 2).split(np.diff(bounds).tolist(), dim=1)  # (B, l, heads, H) each
+    pieces = dict(zip(bounds[:-1], (piece.transpose(1, 2) for piece in split), strict=True))  # first -> its part
+    return [pieces[first] for first, _ in spans]
+
+
+def _block_rules(causal, window, chunk, part, t, s, device):
+    """The (tq, S') keep of `causal`, `window` and the attention chunk over one block's rows and
+    keys (bottom-right aligned over the whole call, as `causal_mask`, `window_mask` and
+    `attention_chunk_mask`), or None."""
+    _, rows, start, stop = part
+    queries = torch.arange(rows.start, rows.stop, device=device)[:, None] + (s - t)  # (tq, 1), as key positions
+    keys = torch.arange(start, stop, device=device)[None, :]  # (1, S')
+    before, after = _window_sides(window)
+    rules = [keys <= queries] if causal else []  # (tq, S') each
+    rules += [] if before is None else [keys > queries - before]
+    rules += [] if after is None else [keys < queries + after]
+    rules += [] if chunk is None else [keys // chunk == queries // chunk]
+    keep = None
+    for rule in rules:
+        keep = _and(keep, rule)
+    return keep
+
+
+_DOCUMENT_ROWS = 128  # queries of a block of `_document_blocks` at least, documents joined up to it
 
 
 # -------------------------------------------------------------------------------------------------

@@ -415,6 +415,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         b, n, t, s = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
         if not call.return_attention and (None in (b, t, s) or b * n * t * s > self.memory_efficient_threshold):
             return _attend_in_chunks(self, q, k, v, keep, bias, call)
+        keep = keep if call.segments is None else _and(keep, _same_documents(*call.segments))  # packed: (B, 1, T, S)
         dropout = self.dropout > 0 and call.training is not False and call.training is not None
         sinks = self.sink_logits if self.sinks else None
         added = bias[1] if bias[0] is None else bias[0] if bias[1] is None else bias[0] + bias[1]  # the mask's + bias
@@ -444,6 +445,7 @@ class _Call(NamedTuple):
     training: bool | None  # the call's training flag
     fuse: bool  # q, k and v may come from one matmul (self-attention without a cache)
     segmented: bool = False  # packed sequences: the ids folded into attention_mask (`_packed`)
+    segments: tuple | None = None  # packed sequences without a cache: (B, T) and (B, S) ids, ANDed in by `_attend`
 
 
 def _check_input(name, x, width_name, width):
@@ -944,7 +946,6 @@ def _segment_keep(layer, call, segment_ids, key_segment_ids):
     ids of the T new tokens are written to a copy of the cache's `segment_ids` (made at the first
     packed call of an empty cache) and the mask is over its L slots; a call without ids continues
     the document of the last written slot. An in-place cache does not keep segment ids."""
-    (b, t), s = tuple(call.query.shape)[:2], call.key.shape[1]
     dynamic_b, dynamic_t = tf.shape(call.query)[0], tf.shape(call.query)[1]
     cache = call.cache
     if segment_ids is None and (cache is None or not _has_segments(cache)):
@@ -960,24 +961,43 @@ def _segment_keep(layer, call, segment_ids, key_segment_ids):
             raise _segment_ids_error(
                 "`cache` holds tokens written without `segment_ids`; pass them from the first call"
             )
-    segment_ids = _check_segment_ids("segment_ids", segment_ids, b, t, "T")
-    if key_segment_ids is None and None not in (s, t) and s != t:
-        raise _segment_ids_error("cross-attention (S != T) needs `key_segment_ids` (B, S)")
-    key_ids = segment_ids
-    if key_segment_ids is not None:
-        key_ids = _check_segment_ids("key_segment_ids", key_segment_ids, b, s, "S")
+    segment_ids, key_ids = _checked_segment_ids(call, segment_ids, key_segment_ids)
     if cache is not None:
         ids = tf.zeros((dynamic_b, length), tf.int32) if not _has_segments(cache) else cache.segment_ids
         slots = tf.math.floormod(cache.index + tf.range(dynamic_t), length)  # (T,)
         rows = tf.stack(tf.meshgrid(tf.range(dynamic_b), slots, indexing="ij"), axis=-1)  # (B, T, 2): (b, slot)
         ids = tf.tensor_scatter_nd_update(ids, rows, key_ids)  # (B, L)
         key_ids, cache = ids, cache._replace(segment_ids=ids)
-    same = segment_ids[:, None, :, None] == key_ids[:, None, None, :]  # (B, 1, T, S)
-    return same, cache
+    return _same_documents(segment_ids, key_ids), cache
+
+
+def _checked_segment_ids(call, segment_ids, key_segment_ids):
+    """The (B, T) query ids and (B, S) key ids of a packed call, checked (int32); the key ids
+    default to `segment_ids` when S == T (self-attention)."""
+    (b, t), s = tuple(call.query.shape)[:2], call.key.shape[1]
+    segment_ids = _check_segment_ids("segment_ids", segment_ids, b, t, "T")
+    if key_segment_ids is None and None not in (s, t) and s != t:
+        raise _segment_ids_error("cross-attention (S != T) needs `key_segment_ids` (B, S)")
+    key_ids = segment_ids
+    if key_segment_ids is not None:
+        key_ids = _check_segment_ids("key_segment_ids", key_segment_ids, b, s, "S")
+    return segment_ids, key_ids
+
+
+def _same_documents(segment_ids, key_ids):
+    """(B, T) and (B, S) ids -> the (B, 1, T, S) keep of packed sequences."""
+    return segment_ids[:, None, :, None] == key_ids[:, None, None, :]  # (B, 1, T, S)
 
 
 def _packed(layer, call, segment_ids, key_segment_ids):
-    """Packed sequences (`_segment_keep`) ANDed into `attention_mask`; the call marked `segmented`."""
+    """Packed sequences: without a cache the checked ids as the call's `segments`, which `_attend`
+    ANDs into its keep (the memory-efficient path a chunk of queries at a time, over the keys of
+    its documents only: `_chunk_keys`); with one, the ids ANDed into `attention_mask`
+    (`_segment_keep`). The call is marked `segmented`."""
+    if call.cache is None:
+        if segment_ids is None:
+            raise _segment_ids_error("`key_segment_ids` needs `segment_ids`")
+        return call._replace(segments=_checked_segment_ids(call, segment_ids, key_segment_ids), segmented=True)
     same, cache = _segment_keep(layer, call, segment_ids, key_segment_ids)
     mask = call.attention_mask
     if mask is not None:
@@ -2024,15 +2044,17 @@ def _attend_in_chunks(layer, q, k, v, keep, bias, call):
     drop = functools.partial(layer._dropout_layer, training=training) if dropout else None
 
     def at_once():
+        kept = keep if call.segments is None else _and(keep, _same_documents(*call.segments))  # (B, 1, T, S)
         return dot_product_attention(
-            q, k, v, keep, _add(mask_bias, attention_bias), call.causal, **modifiers, dropout=drop
+            q, k, v, kept, _add(mask_bias, attention_bias), call.causal, **modifiers, dropout=drop
         )
 
     def in_chunks():
         rate, seed = (layer.dropout, _dropout_seed(layer)) if dropout else (0.0, None)
         return _memory_efficient_attention(
-            q, k, v, keep, mask_bias, call.causal, chunk, rate, seed, attention_bias=attention_bias, **modifiers
-        )
+            q, k, v, keep, mask_bias, call.causal, chunk, rate, seed, attention_bias=attention_bias, **modifiers,
+            segments=call.segments,
+        )  # fmt: skip
 
     if None not in (q.shape[0], q.shape[2], k.shape[2]) or _compiled_by_xla():
         context = in_chunks()  # (B, N, T, H)
@@ -2084,6 +2106,8 @@ class _Chunks(NamedTuple):
     window: int | tuple | None
     attention_chunk_size: int | None  # Llama 4's chunks of keys, not the chunks of queries here
     softcap: float | None
+    segments: tuple | None  # packed sequences: (B, T') ids (padded) and (B, S) key ids, or None
+    spans: tuple | None  # (B, T') first and last key of each query's document (`_key_spans`; not under XLA)
     size: int | tf.Tensor  # queries per chunk (a () tensor under XLA with T unknown)
     count: tf.Tensor  # the number of chunks
     offset: tf.Tensor  # S - T: causal and window are bottom-right aligned
@@ -2097,15 +2121,18 @@ class _Chunks(NamedTuple):
 def _chunked_attention(
     q, k, v, keep, bias, causal, chunk, dropout_rate=0.0, seed=None, *,
     scale=None, softcap=None, window=None, attention_chunk_size=None, sinks=None, attention_bias=None,
+    segments=None,
 ):  # fmt: skip
     """`dot_product_attention` without the weights, `chunk` queries at a time, in memory linear
     in T and S: only one chunk's (B, N, chunk, S) scores exist at a time, forward and backward
     (a custom gradient recomputes them). `bias` (the floating mask) gets no gradient;
     `attention_bias` (added beside it) and `sinks` do. Dropout draws a stateless mask per chunk
-    from `seed` (shape (2,)), so the backward drops the same weights as the forward.
+    from `seed` (shape (2,)), so the backward drops the same weights as the forward. With
+    `segments` (packed sequences) a chunk makes its own keep of the ids and, outside XLA, attends
+    only the keys of its documents (`_chunk_keys`).
 
     Args: as `dot_product_attention`; `chunk` is a Python int (under XLA, a () tensor that XLA
-        folds to a constant).
+        folds to a constant); `segments` None or the (B, T) and (B, S) ids.
 
     Returns:
         context (B, N, T, H).
@@ -2124,9 +2151,16 @@ def _chunked_attention(
     extras = {name: x for name, x in extras.items() if x is not None}  # the inputs with a gradient besides q, k, v
     seed = None if seed is None else tf.cast(seed, tf.int64)
     heads = (b, n, k.shape[1], q.shape[1] // k.shape[1], h)
+    spans = None if segments is None or _compiled_by_xla() else _key_spans(*segments, s)  # (B, T) twice
+    spans = (
+        None
+        if spans is None
+        else tuple(tf.pad(x, [[0, 0], [0, padded]], constant_values=c) for x, c in zip(spans, (s, -1), strict=True))
+    )
+    segments = None if segments is None else (tf.pad(segments[0], [[0, 0], [0, padded]]), segments[1])  # (B, T')
     chunks = _Chunks(
-        keep, bias, causal, window, attention_chunk_size, softcap, chunk, count, s - t, s, dropout_rate, seed, dtype,
-        heads,
+        keep, bias, causal, window, attention_chunk_size, softcap, segments, spans, chunk, count, s - t, s,
+        dropout_rate, seed, dtype, heads,
     )  # fmt: skip
 
     @tf.custom_gradient
@@ -2145,8 +2179,10 @@ def _chunked_forward(chunks, q, k, v, extra):
     b, n, _, _, h = chunks.heads
 
     def one(i):
-        weights, _ = _dropped(chunks, _chunk_weights(chunks, q, k, i, extra)[1], i)
-        return _by_head(chunks, tf.matmul(_grouped(chunks, tf.cast(weights, v.dtype)), v))  # (B, N, chunk, Hv)
+        keys = _chunk_keys(chunks, i)  # (first, end) of the keys chunk i reads, or None: all
+        weights, _ = _dropped(chunks, _chunk_weights(chunks, q, _key_cols(k, keys), i, extra, keys)[1], i)
+        values = _key_cols(v, keys)  # (B, K, S', Hv)
+        return _by_head(chunks, tf.matmul(_grouped(chunks, tf.cast(weights, v.dtype)), values))  # (B, N, chunk, Hv)
 
     contexts = _stacked(one, chunks.count, (b, n, chunks.size, h), v.dtype)  # (count, B, N, chunk, Hv)
     return tf.reshape(tf.transpose(contexts, [1, 2, 0, 3, 4]), [b, n, -1, h])  # -> (B, N, T', Hv)
@@ -2178,19 +2214,24 @@ def _chunked_backward(chunks, q, k, v, extra, d_context):
     return (d_q, tf.cast(d_k, k.dtype), tf.cast(d_v, v.dtype), *(d_extra[name] for name in extra))
 
 
-def _chunk_weights(chunks, q, k, i, extra):
-    """Query rows [i*size, (i+1)*size): their (B, N, size, H) queries, float weights, the
-    soft-cap's tanh (or None) and their rows of `attention_bias` (or None)."""
+def _chunk_weights(chunks, q, k, i, extra, keys=None):
+    """Query rows [i*size, (i+1)*size) against the keys `k` (B, K, S', H), those of `keys`
+    (first, end) or all: their (B, N, size, H) queries, float weights, the soft-cap's tanh (or
+    None) and their part of `attention_bias` (or None)."""
     size = chunks.size
     start = i * size
     q_i = _rows(q, start, size)  # (B, N, chunk, H)
     scores = tf.cast(_by_head(chunks, tf.matmul(_grouped(chunks, q_i), k, transpose_b=True)), chunks.dtype)
     scores, capped = _capped_chunk(chunks, scores)  # capped: the soft-cap's tanh, kept for the backward
     positions = start + tf.range(size) + chunks.offset  # (chunk,)
-    position_keep = _position_keep(positions, chunks.s, chunks.causal, chunks.window, chunks.attention_chunk_size)
-    keep_i = _and(_chunk_rows(chunks.keep, start, size), position_keep)  # (B, N, chunk, S), dims may be 1
-    bias_i = _chunk_rows(extra.get("attention_bias"), start, size)
-    added = _add(_chunk_rows(chunks.bias, start, size), bias_i)
+    held = tf.range(chunks.s)[None, :] if keys is None else tf.range(keys[0], keys[1])[None, :]  # (1, S')
+    position_keep = _held_keep(held, positions[:, None], chunks.causal, chunks.window, chunks.attention_chunk_size)
+    keep_i = _and(_key_cols(_chunk_rows(chunks.keep, start, size), keys, 3), position_keep)  # (B, N, chunk, S')
+    if chunks.segments is not None:
+        ids, key_ids = _rows(chunks.segments[0][:, None, :, None], start, size), _key_cols(chunks.segments[1], keys, 1)
+        keep_i = _and(keep_i, ids == key_ids[:, None, None, :])  # (B, 1, chunk, S')
+    bias_i = _key_cols(_chunk_rows(extra.get("attention_bias"), start, size), keys, 3)
+    added = _add(_key_cols(_chunk_rows(chunks.bias, start, size), keys, 3), bias_i)
     added = added if "sinks" in extra else _centre_rows(added, keep_i)
     scores = scores if added is None else scores + added  # (B, N, chunk, S)
     return q_i, _masked_softmax(scores, keep_i, extra.get("sinks")), capped, bias_i
@@ -2200,27 +2241,32 @@ def _chunk_gradients(chunks, q, k, v, extra, d_context, i, totals):
     """One step of `_chunked_backward`: chunk i's weights recomputed, and its gradients added to
     `totals` (d_k, d_v, d_q, d_extra) of the chunks before it."""
     d_k, d_v, d_q, d_extra = totals
-    q_i, weights, capped, bias_i = _chunk_weights(chunks, q, k, i, extra)
+    keys = _chunk_keys(chunks, i)  # (first, end) of the keys chunk i reads, or None: all
+    k, v = _key_cols(k, keys), _key_cols(v, keys)  # (B, K, S', H), (B, K, S', Hv)
+    q_i, weights, capped, bias_i = _chunk_weights(chunks, q, k, i, extra, keys)
     kept, mask = _dropped(chunks, weights, i)
     d_out = _grouped(chunks, _rows(d_context, i * chunks.size, chunks.size))  # (B, K, G*chunk, H)
-    d_v = _accumulate(d_v, tf.matmul(_grouped(chunks, tf.cast(kept, v.dtype)), d_out, transpose_a=True))
-    d_weights = tf.cast(_by_head(chunks, tf.matmul(d_out, v, transpose_b=True)), chunks.dtype)  # (B, N, chunk, S)
+    d_v_i = tf.matmul(_grouped(chunks, tf.cast(kept, v.dtype)), d_out, transpose_a=True)  # (B, K, S', Hv)
+    d_v = _accumulate(d_v, _all_keys(d_v_i, keys, chunks.s, 2))
+    d_weights = tf.cast(_by_head(chunks, tf.matmul(d_out, v, transpose_b=True)), chunks.dtype)  # (B, N, chunk, S')
     d_weights = d_weights if mask is None else d_weights * mask
     total = tf.reduce_sum(d_weights * weights, -1, keepdims=True)  # (B, N, chunk, 1)
     d_scores = weights * (d_weights - total)  # the softmax's input, after the bias
-    d_extra = _extra_gradients(d_extra, i, d_scores, weights, total, bias_i)
+    wide = "attention_bias" in extra and extra["attention_bias"].shape[3] != 1  # a bias over all S keys
+    d_extra = _extra_gradients(d_extra, i, d_scores, weights, total, bias_i, keys if wide else None, chunks.s)
     d_scores = d_scores if capped is None else d_scores * (1 - tf.square(capped))  # d tanh
-    d_scores = _grouped(chunks, tf.cast(d_scores, q.dtype))  # (B, K, G*chunk, S)
-    d_k = _accumulate(d_k, tf.matmul(d_scores, _grouped(chunks, q_i), transpose_a=True))
+    d_scores = _grouped(chunks, tf.cast(d_scores, q.dtype))  # (B, K, G*chunk, S')
+    d_k = _accumulate(d_k, _all_keys(tf.matmul(d_scores, _grouped(chunks, q_i), transpose_a=True), keys, chunks.s, 2))
     return d_k, d_v, d_q.write(i, _by_head(chunks, tf.matmul(d_scores, k))), d_extra
 
 
-def _extra_gradients(d_extra, i, d_scores, weights, total, bias_i):
+def _extra_gradients(d_extra, i, d_scores, weights, total, bias_i, keys=None, s=None):
     """Adds chunk i's gradients of `attention_bias` (reduced to its shape; per-chunk rows when
-    its T dimension is full) and of the sink logits."""
+    its T dimension is full; padded to all S keys where the chunk read those of `keys` and the
+    bias has them) and of the sink logits."""
     d_extra = dict(d_extra)
     if "attention_bias" in d_extra:
-        d_bias = _reduce_to(d_scores, tf.shape(bias_i))  # (B, N, chunk, S) -> bias_i's shape
+        d_bias = _all_keys(_reduce_to(d_scores, tf.shape(bias_i)), keys, s, 3)  # (B, N, chunk, S') -> bias's shape
         rows = d_extra["attention_bias"]
         full = isinstance(rows, tf.TensorArray)
         d_extra["attention_bias"] = rows.write(i, d_bias) if full else _accumulate(rows, d_bias)
@@ -2235,6 +2281,58 @@ def _dropped(chunks, weights, i):
     """Chunk i's weights after dropout, and the dropout mask (None without dropout)."""
     mask = _dropout_keep(tf.shape(weights), chunks.rate, chunks.seed, i, weights.dtype)
     return (weights, None) if mask is None else (weights * mask, mask)
+
+
+def _key_spans(segment_ids, key_ids, s):
+    """(B, T) and (B, S) ids -> (B, T) first and last key that hold each query's id (S and -1
+    where none does), in O((T + S) log S): the keys sorted by id, each query's id searched."""
+    order = tf.argsort(key_ids, axis=-1, stable=True)  # (B, S)
+    ordered = tf.gather(key_ids, order, batch_dims=1)  # (B, S) ids, ascending
+    low = tf.searchsorted(ordered, segment_ids, side="left")  # (B, T)
+    high = tf.searchsorted(ordered, segment_ids, side="right")  # (B, T)
+    order = tf.pad(order, [[0, 0], [0, 1]])  # (B, S + 1): low may be S
+    first = tf.where(high > low, tf.gather(order, low, batch_dims=1), s)  # (B, T)
+    last = tf.where(high > low, tf.gather(order, tf.maximum(high - 1, 0), batch_dims=1), -1)  # (B, T)
+    return first, last
+
+
+def _chunk_keys(chunks, i):
+    """The keys [first, end) that chunk i's queries may see, a () pair from the documents of its
+    rows (`chunks.spans`, every batch element) within `causal` and `window`; None (all keys)
+    without spans."""
+    if chunks.spans is None:
+        return None
+    start, size = i * chunks.size, chunks.size
+    first = tf.reduce_min(tf.slice(chunks.spans[0], tf.stack([0, start]), [-1, size]))
+    end = tf.reduce_max(tf.slice(chunks.spans[1], tf.stack([0, start]), [-1, size])) + 1
+    before, after = _window_sides(chunks.window)
+    near, far = start + chunks.offset, start + size - 1 + chunks.offset  # the chunk's first and last query
+    end = tf.minimum(end, far + 1) if chunks.causal else end
+    first = first if before is None else tf.maximum(first, near - before + 1)
+    end = end if after is None else tf.minimum(end, far + after)
+    first = tf.minimum(first, chunks.s)
+    return first, tf.maximum(end, first)
+
+
+def _key_cols(x, keys, axis=2):
+    """The keys [first, end) of `x` along `axis` (a rank-4 mask's S dimension, axis 3, of 1 as
+    is); x as is where `keys` or x is None."""
+    if keys is None or x is None or (axis == 3 and x.shape[3] == 1):
+        return x
+    begin = [0] * x.shape.rank
+    size = [-1] * x.shape.rank
+    begin[axis], size[axis] = keys[0], keys[1] - keys[0]
+    return tf.slice(x, tf.stack(begin), tf.stack(size))
+
+
+def _all_keys(x, keys, s, axis):
+    """A gradient over the keys [first, end) padded with zeros to all S keys along `axis` (as
+    is where `keys` is None)."""
+    if keys is None:
+        return x
+    padding = [[0, 0]] * x.shape.rank
+    padding[axis] = [keys[0], s - keys[1]]
+    return tf.pad(x, padding)
 
 
 def _grouped(chunks, x):

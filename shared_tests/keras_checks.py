@@ -690,7 +690,7 @@ def check_memory_efficient_dropout():
     sinks = ops.convert_to_tensor(rng.normal(size=(4,)).astype(np.float32))
     keep = ops.convert_to_tensor(rng.random((2, 1, 5, 7)) < 0.8)
     seed = ops.convert_to_tensor([3, -9], "int32")
-    whole = module._Chunks(None, True, None, None, None, 5, 1, 5, 7, 0.4, seed, "float32", (2, 4, 2, 2, 8))
+    whole = module._Chunks(None, True, None, None, None, None, 5, 1, 5, 7, 0.4, seed, "float32", (2, 4, 2, 2, 8))
     mask = module._dropout_keep(whole, 0, "float32")  # (B, N, T, S)
 
     def chunked(q, k, v, bias, sinks):

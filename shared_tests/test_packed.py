@@ -19,9 +19,14 @@ VARIANTS = {
 }
 PATHS = {
     "NumPy": ("eager",),
-    "PyTorch": ("sdpa", "explicit", "inference", "softcap_tiles"),
+    "PyTorch": ("sdpa", "documents", "dense", "explicit", "inference", "softcap_tiles", "softcap_documents"),
     "TensorFlow": ("eager", "function", "memory_efficient"),
     "Keras": ("eager", "chunked"),
+}
+TORCH_PATCHES = {  # PyTorch paths: the blocks of documents one document a block, or the dense keep (docs/SPEC.md)
+    "documents": {"_DOCUMENT_ROWS": 1},
+    "softcap_documents": {"_DOCUMENT_ROWS": 1},
+    "dense": {"_by_documents": lambda layer, call: False},
 }
 ATOL = {"NumPy": 1e-12, "PyTorch": 1e-12, "TensorFlow": 1e-12, "Keras": 1e-6}
 ROPE_ATOL = {"TensorFlow": 1e-7}  # its RoPE angles are float32, whose vectorised sin and cos round by buffer place
@@ -33,7 +38,7 @@ def _module(framework):
 
 def _layer(framework, variant, path="eager"):
     options = dict(VARIANTS[variant], num_kv_heads=K)
-    if path == "softcap_tiles":
+    if path in ("softcap_tiles", "softcap_documents"):
         options["softcap"] = 5.0
     module = _module(framework)
     if framework == "NumPy":
@@ -56,7 +61,7 @@ def _call(framework, layer, path, x, **kwargs):
         import torch
 
         args = {k: torch.as_tensor(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
-        grad = path in ("explicit", "softcap_tiles")
+        grad = path in ("explicit", "softcap_tiles", "softcap_documents")
         with torch.set_grad_enabled(grad):
             results = layer(torch.as_tensor(x), return_attention=path in ("explicit", "inference"), **args)
         return results[0].detach().numpy() if isinstance(results, tuple) else results.detach().numpy()
@@ -85,8 +90,16 @@ def _cases():
                 yield pytest.param(framework, path, variant, id=f"{framework}-{path}-{variant}")
 
 
+def _patch_path(monkeypatch, framework, path):
+    """The PyTorch file's constants and functions that `path` sets (`TORCH_PATCHES`)."""
+    if framework == "PyTorch":
+        for name, value in TORCH_PATCHES.get(path, {}).items():
+            monkeypatch.setattr(importlib.import_module("PyTorch.Multi_Head_Attention"), name, value)
+
+
 @pytest.mark.parametrize(("framework", "path", "variant"), list(_cases()))
-def test_packed_equals_each_document_alone(framework, path, variant):
+def test_packed_equals_each_document_alone(monkeypatch, framework, path, variant):
+    _patch_path(monkeypatch, framework, path)
     module = _module(framework)
     layer = _layer(framework, variant, path)
     ids = _ids()
@@ -195,3 +208,77 @@ def test_same_errors(framework):
         "cross-attention (S != T) needs `key_segment_ids` (B, S) (packed sequences, docs/SPEC.md, 'Packed sequences')",
     ]  # Keras wraps them in its own message
     assert all(text in message for text, message in zip(expected, messages, strict=True)), messages
+
+
+@pytest.mark.parametrize("rows", [1, 128])
+def test_torch_document_blocks_equal_the_dense_keep(monkeypatch, rows):
+    """The PyTorch file's blocks of documents (one document a block, or documents joined) against
+    the dense keep: ids that come back later in a row, rows of other ids, the attention chunk, a
+    two-sided window (without causal too), a float bias, sinks, soft-capping, GQA and MLA; the output and every gradient."""
+    import torch
+
+    torch_module = importlib.import_module("PyTorch.Multi_Head_Attention")
+    monkeypatch.setattr(torch_module, "_DOCUMENT_ROWS", rows)
+    ids = torch.tensor([[0, 0, 1, 1, 1, 0, 2, 2, 2, 1, 1, 3], [5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7]])
+    rng = np.random.default_rng(4)
+    x = torch.as_tensor(rng.normal(size=(2, 12, E)))
+    bias = torch.as_tensor(rng.normal(size=(2, 1, 12, 12)))
+    entered = []
+    attend = torch_module._attend_documents
+    monkeypatch.setattr(torch_module, "_attend_documents", lambda *a: entered.append(1) or attend(*a))
+    cases = (
+        ({"attention_chunk_size": 4, "window": (3, 2)}, True),
+        ({"softcap": 5.0, "sinks": True, "window": 5}, True),
+    )
+    latent = {"kv_lora_rank": 6, "qk_nope_head_dim": 4, "qk_rope_head_dim": 2, "v_head_dim": 3, "rope_theta": 1e2}
+    for options, causal in (*cases, ({"window": (3, 2)}, False), (latent, True)):  # not causal: other alignments
+        torch.manual_seed(0)
+        layer = torch_module.MultiHeadAttention(E, N, num_kv_heads=K, **options).double()
+        results = []
+        for by_documents in (True, False):
+            monkeypatch.setattr(torch_module, "_by_documents", lambda layer, call, on=by_documents: on)
+            layer.zero_grad()
+            query = x.clone().requires_grad_()
+            output = layer(query, causal=causal, segment_ids=ids, attention_bias=bias)
+            output.square().sum().backward()
+            grads = [query.grad] + [p.grad for p in layer.parameters()]
+            results.append([output.detach(), *grads])
+        for blocked, dense in zip(*results, strict=True):
+            np.testing.assert_allclose(blocked.numpy(), dense.numpy(), atol=ATOL["PyTorch"], rtol=0)
+    assert len(entered) == 4
+
+
+def test_tensorflow_chunks_over_documents_equal_the_dense_mask(monkeypatch):
+    """The TensorFlow file's memory-efficient path with `segment_ids`, each chunk of queries over
+    the keys of its documents only (outside XLA) or over all keys with its own keep of the ids
+    (under XLA), against the same path with the equivalent dense boolean mask: ids that come back
+    later in a row, rows of other ids, chunks of 3 queries, the attention chunk, a two-sided
+    window, a float bias with its gradient, sinks and soft-capping; the output and the gradients
+    of the input and of every weight."""
+    import tensorflow as tf
+
+    module = _module("TensorFlow")
+    tf_module = importlib.import_module("TensorFlow.Multi_Head_Attention")
+    spans, key_spans = [], tf_module._key_spans
+    monkeypatch.setattr(tf_module, "_key_spans", lambda *a: spans.append(1) or key_spans(*a))
+    ids = np.array([[0, 0, 1, 1, 1, 0, 2, 2, 2, 1, 1, 3], [5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7]])
+    rng = np.random.default_rng(5)
+    x, bias = tf.constant(rng.normal(size=(2, 12, E))), tf.constant(rng.normal(size=(2, 1, 12, 12)))
+    dense = ids[:, :, None] == ids[:, None, :]  # (B, T, S)
+    options = {"attention_chunk_size": 4, "window": (3, 2), "sinks": True, "softcap": 5.0}
+    layer = module.MultiHeadAttention(E, N, num_kv_heads=K, dtype="float64", **options)
+    layer.memory_efficient_threshold, layer.query_chunk_elements = 0, 2 * N * 12 * 3  # chunks of 3 queries
+
+    def run(packed, bias):
+        with tf.GradientTape() as tape:
+            tape.watch([x, bias])
+            masks = {"segment_ids": ids} if packed else {"attention_mask": dense}
+            output = layer(x, causal=True, attention_bias=bias, **masks)
+            loss = tf.reduce_sum(tf.square(output))
+        return [output, *tape.gradient(loss, [x, bias, *layer.trainable_weights])]
+
+    expected = run(False, bias)
+    for compiled, traced in ((tf.function(run), 1), (tf.function(run, jit_compile=True), 1)):
+        for got, want in zip(compiled(True, bias), expected, strict=True):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=ATOL["TensorFlow"], rtol=0)
+        assert len(spans) == traced  # the documents' key ranges traced outside XLA only

@@ -509,7 +509,7 @@ def test_softcapped_paths_match_numpy_in_float64(case, path, monkeypatch):
     output, grads = _float64_run(case, data)
     expected = numpy_runner.run(case, data)
     tol = FLOAT64_TOLERANCES["rope" if "rope_theta" in dict(case.variants) else "plain"]
-    assert ran.calls == 1
+    assert ran.calls == 1 or (case.segments != "none" and ran.calls > 1)  # packed: a call per row's blocks
     np.testing.assert_allclose(output, expected.output, atol=tol["output"], rtol=0)
     assert set(grads) == set(expected.grads)
     for name, grad in grads.items():
