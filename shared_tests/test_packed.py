@@ -73,7 +73,7 @@ def _call(framework, layer, path, x, **kwargs):
             import tensorflow as tf
 
             return np.asarray(tf.function(lambda x: layer(x, **kwargs))(x))
-        return np.asarray(layer(x, **kwargs))
+        return _to_numpy(framework)(layer(x, **kwargs))
     return layer(x, **kwargs)
 
 
@@ -170,6 +170,10 @@ def _converter(framework):
 def _to_numpy(framework):
     if framework == "PyTorch":
         return lambda a: a.detach().numpy()
+    if framework == "Keras":  # on torch a tensor that requires grad has no __array__
+        import keras
+
+        return keras.ops.convert_to_numpy
     return np.asarray
 
 
