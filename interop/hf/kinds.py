@@ -1,0 +1,151 @@
+"""The BART and BERT kinds recognised by their structure: an attention module of a model type no porter is listed
+for ports as BART's (`_bart`) or BERT's (`_bert`) when it holds what they read and nothing else.
+
+What is read, never computed (no numeric probe):
+
+- the BART kind (Blenderbot, Marian, mBART, Pegasus, PLBart, BioGPT, XGLM, TrOCR, MusicGen, ...): the children
+  `q_proj`, `k_proj`, `v_proj`, `out_proj` (`nn.Linear`, all of one width, reading the hidden states) and
+  dropout only, no parameter of its own; the attributes its forward reads (`self.<name>`) and the arguments it
+  takes, which must be those of BART's (`_BART_READS`, `_BART_ARGUMENTS`: no RoPE, no prompt, no norm inside);
+  its softmax scale is its `scaling` attribute (folded into the queries or given to the attention function);
+- the BERT kind (CamemBERT, Data2Vec-Text, ELECTRA, ERNIE, RoCBert, ...): the module holds `self` (`query`,
+  `key`, `value`) and `output` (`dense`, `LayerNorm`, dropout) and nothing else, and the forwards of the module,
+  `self` and `output` are, as text, BERT's own (`interop.hf.structure._normalized`): the copies transformers
+  keeps of BERT's attention.
+
+Anything else is refused by name; `shared_tests/test_hf_families.py` is the proof of each family.
+"""
+
+import ast
+import functools
+import importlib
+import inspect
+import textwrap
+
+from .bert import _bert
+from .seq2seq import _bart
+from .structure import _is_dropout, _normalized, _refuse
+
+_BART = ("q_proj", "k_proj", "v_proj", "out_proj")
+_BART_READS = {  # the attributes a BART-kind forward may read: its projections, sizes, scale, cache slot, dropout
+    *_BART,
+    "config",
+    "dropout",
+    "embed_dim",
+    "head_dim",
+    "is_causal",
+    "is_decoder",
+    "layer_idx",
+    "num_heads",
+    "scaling",
+    "training",
+}
+_BART_ARGUMENTS = {  # the arguments a BART-kind forward may take (MVP's `attn_prompt`: see `_bart_kind`)
+    "hidden_states",
+    "key_value_states",
+    "encoder_hidden_states",
+    "past_key_values",
+    "attention_mask",
+    "output_attentions",
+    "cache_position",
+    "position_ids",
+    "kwargs",
+    "attn_prompt",
+}
+_LINEAR = "Linear"
+_BERT = {  # the children of BERT's attention, of its `self` and its `output`, and their classes
+    "": {"self": None, "output": None},
+    "self": {"query": _LINEAR, "key": _LINEAR, "value": _LINEAR},
+    "output": {"dense": _LINEAR, "LayerNorm": "LayerNorm"},
+}
+
+
+def _kind_porter(module, model_type):
+    """The porter of an unlisted model type's attention module of the BART or BERT kind, None if it holds neither's
+    projections, or a `ValueError` naming what it holds that no porter reads."""
+    children = dict(module.named_children())
+    if all(name in children for name in _BART):
+        return _bart_kind(module, model_type, children)
+    if set(_BERT[""]) <= set(children) and all(hasattr(children["self"], name) for name in _BERT["self"]):
+        return _bert_kind(module, model_type, children)
+    return None
+
+
+def _bart_kind(module, model_type, children):
+    """BART's `q_proj`, `k_proj`, `v_proj`, `out_proj`: read with `_bart`, its heads and scale from the module."""
+    _check_children(module, model_type, children, dict.fromkeys(_BART, _LINEAR))
+    query, key, value, output = (children[name] for name in _BART)
+    widths = {query.in_features, key.in_features, value.in_features, output.out_features}
+    if len(widths) > 1 or len({query.out_features, key.out_features, value.out_features}) > 1:
+        _refuse(
+            module,
+            model_type,
+            f"has projections of other widths than one hidden size (`q_proj` {query.in_features} -> "
+            f"{query.out_features}, `k_proj` {key.in_features} -> {key.out_features}, `v_proj` "
+            f"{value.in_features} -> {value.out_features})",
+        )
+    reads, arguments = _forward_reads(type(module))
+    unknown = sorted(reads - _BART_READS) + sorted(arguments - _BART_ARGUMENTS)
+    if unknown:
+        _refuse(module, model_type, "reads " + ", ".join(f"`{n}`" for n in unknown) + " in its forward")
+    num_heads = int(getattr(module, "num_heads", 0) or query.out_features // module.head_dim)
+    sizes = {"d_model": query.in_features, "num_attention_heads": num_heads}
+    scale = float(module.scaling)
+
+    def port(config, tensors, index):
+        if "attn_prompt" in arguments and config.get("use_prompt"):
+            _refuse(module, model_type, "prepends learned prompt keys and values (`use_prompt`)")
+        kwargs, weights = _bart(sizes, tensors, index)
+        return kwargs | {"scale": scale}, weights
+
+    port.family, port.__doc__ = _bart, f"{type(module).__name__}, recognised as the BART kind by its structure"
+    return port
+
+
+def _bert_kind(module, model_type, children):
+    """BERT's `BertAttention`: `self.query/key/value`, `output.dense` and its LayerNorm, with BERT's forwards."""
+    _check_children(module, model_type, children, _BERT[""])
+    for name in ("self", "output"):
+        child = children[name]
+        _check_children(child, model_type, dict(child.named_children()), _BERT[name], f"`{name}` ")
+    references = _bert_forwards()
+    for part, reference in zip((module, children["self"], children["output"]), references, strict=True):
+        if _normalized(type(part).forward) != _normalized(reference.forward):
+            _refuse(
+                module,
+                model_type,
+                f"computes {type(part).__name__} with a forward of its own, not {reference.__name__}'s",
+            )
+
+    def port(config, tensors, index):
+        return _bert(config, tensors, index)
+
+    port.family, port.__doc__ = _bert, f"{type(module).__name__}, recognised as the BERT kind by its structure"
+    return port
+
+
+def _check_children(module, model_type, children, classes, where=""):
+    """The children named in `classes` of the classes it gives (None: any), dropout besides, and no parameter or
+    buffer of the module's own."""
+    wrong = [n for n, name in classes.items() if name is not None and type(children.get(n)).__name__ != name]
+    if wrong:
+        _refuse(module, model_type, f"has {where}" + ", ".join(f"`{n}`" for n in wrong) + " of another class")
+    extra = [n for n, child in children.items() if n not in classes and not _is_dropout(child)]
+    extra += [n for n, _ in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))]
+    if extra:
+        _refuse(module, model_type, f"adds {where}" + ", ".join(f"`{n}`" for n in extra) + ", which no porter reads")
+
+
+def _forward_reads(cls):
+    """The attributes (`self.<name>`) a class's forward reads, and the arguments it takes."""
+    forward = cls.forward
+    tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    reads = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and getattr(n.value, "id", None) == "self"}
+    return reads, set(list(inspect.signature(forward).parameters)[1:])
+
+
+@functools.cache
+def _bert_forwards():
+    """BERT's `BertAttention`, `BertSelfAttention` and `BertSelfOutput`: the forwards a BERT-kind module copies."""
+    bert = importlib.import_module("transformers.models.bert.modeling_bert")
+    return bert.BertAttention, bert.BertSelfAttention, bert.BertSelfOutput
