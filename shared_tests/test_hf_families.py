@@ -29,6 +29,12 @@ SAMPLE = {  # a spread over the porters: listed families, and each kind of struc
     "afmoe",  # listed gated
     "diffllama",  # refused with what it adds (its lambdas and group norm)
     "laguna",  # refused: a softplus gate
+    "biogpt",  # by structure: the BART kind, BART's forward
+    "xglm",  # by structure: the BART kind, a forward of its own (scale folded into the queries)
+    "camembert",  # by structure: the BERT kind, BERT's forwards
+    "gpt_neox",  # the listed GPT kind, swapped by replace_attention
+    "kosmos2",  # refused: a LayerNorm inside the attention (`inner_attn_ln`)
+    "rembert",  # refused: the BERT kind's structure with a forward of its own
 }
 CLASSES, FAMILIES = census.read_table()
 VERDICTS = {model_type: (verdict, detail) for model_type, _, verdict, detail in FAMILIES}
