@@ -1,5 +1,6 @@
-"""The BART and BERT kinds recognised by their structure: an attention module of a model type no porter is listed
-for ports as BART's (`_bart`) or BERT's (`_bert`) when it holds what they read and nothing else.
+"""The BART, GPT-NeoX and BERT kinds recognised by their structure: an attention module of a model type no porter is
+listed for ports as BART's (`_bart`), GPT-NeoX's (`_gpt_neox`) or BERT's (`_bert`) when it holds what they read and
+nothing else.
 
 What is read, never computed (no numeric probe):
 
@@ -8,6 +9,9 @@ What is read, never computed (no numeric probe):
   dropout only, no parameter of its own; the attributes its forward reads (`self.<name>`) and the arguments it
   takes, which must be those of BART's (`_BART_READS`, `_BART_ARGUMENTS`: no RoPE, no prompt, no norm inside);
   its softmax scale is its `scaling` attribute (folded into the queries or given to the attention function);
+- the GPT-NeoX kind (Persimmon): a fused `query_key_value` (per head [q | k | v]) and `dense`, optional
+  LayerNorms over each head's features (`q_layernorm`, `k_layernorm`), dropout, `is_causal`, and the RoPE in
+  halves its modeling module applies (`interop.hf.structure._rope_pattern`);
 - the BERT kind (CamemBERT, Data2Vec-Text, ELECTRA, ERNIE, RoCBert, ...): the module holds `self` (`query`,
   `key`, `value`) and `output` (`dense`, `LayerNorm`, dropout) and nothing else, and the forwards of the module,
   `self` and `output` are, as text, BERT's own (`interop.hf.structure._normalized`): the copies transformers
@@ -23,8 +27,10 @@ import inspect
 import textwrap
 
 from .bert import _bert
+from .gpt import _gpt_neox
+from .llama import _qk_layernorm
 from .seq2seq import _bart
-from .structure import _is_dropout, _normalized, _refuse
+from .structure import _is_dropout, _normalized, _refuse, _rope_pattern
 
 _BART = ("q_proj", "k_proj", "v_proj", "out_proj")
 _BART_READS = {  # the attributes a BART-kind forward may read: its projections, sizes, scale, cache slot, dropout
@@ -68,6 +74,8 @@ def _kind_porter(module, model_type):
         return _bart_kind(module, model_type, children)
     if set(_BERT[""]) <= set(children) and all(hasattr(children["self"], name) for name in _BERT["self"]):
         return _bert_kind(module, model_type, children)
+    if {"query_key_value", "dense"} <= set(children):
+        return _neox_kind(module, model_type, children)
     return None
 
 
@@ -121,6 +129,30 @@ def _bert_kind(module, model_type, children):
         return _bert(config, tensors, index)
 
     port.family, port.__doc__ = _bert, f"{type(module).__name__}, recognised as the BERT kind by its structure"
+    return port
+
+
+def _neox_kind(module, model_type, children):
+    """GPT-NeoX's fused `query_key_value` (per head [q | k | v]) and `dense`, read with `_gpt_neox`, with Persimmon's
+    LayerNorms over each head's features (`q_layernorm`, `k_layernorm`); the RoPE in halves its modeling module
+    applies (`interop.hf.structure._rope_pattern`)."""
+    classes = {"query_key_value": _LINEAR, "dense": _LINEAR}
+    if "q_layernorm" in children:
+        classes |= {"q_layernorm": "LayerNorm", "k_layernorm": "LayerNorm"}
+    _check_children(module, model_type, children, classes)
+    if getattr(module, "is_causal", None) is not True:
+        _refuse(module, model_type, "does not set `is_causal = True`: not known as a decoder's self-attention")
+    if _rope_pattern(type(module).__module__) is not False:
+        _refuse(module, model_type, "applies a RoPE (`apply_rotary_pos_emb`) other than the rotation in halves")
+
+    def port(config, tensors, index):
+        kwargs, weights = _gpt_neox(config, tensors, index)
+        if "q_layernorm" in classes:
+            heads = kwargs["num_heads"]
+            kwargs |= _qk_layernorm(config, tensors, weights, heads, heads)
+        return kwargs, weights
+
+    port.family, port.__doc__ = _gpt_neox, f"{type(module).__name__}, recognised as the GPT-NeoX kind by its structure"
     return port
 
 
