@@ -9,6 +9,8 @@ What is read, never computed (no numeric probe):
   dropout only, no parameter of its own; the attributes its forward reads (`self.<name>`) and the arguments it
   takes, which must be those of BART's (`_BART_READS`, `_BART_ARGUMENTS`: no RoPE, no prompt, no norm inside);
   its softmax scale is its `scaling` attribute (folded into the queries or given to the attention function);
+- the Llama kind under LFM2's names (`out_proj`, `q_layernorm`, `k_layernorm`): read as
+  `interop.hf.structure` reads the Llama kind (its RMSNorms, the RoPE its modeling module applies), renamed;
 - the GPT-NeoX kind (Persimmon): a fused `query_key_value` (per head [q | k | v]) and `dense`, optional
   LayerNorms over each head's features (`q_layernorm`, `k_layernorm`), dropout, `is_causal`, and the RoPE in
   halves its modeling module applies (`interop.hf.structure._rope_pattern`);
@@ -28,9 +30,20 @@ import textwrap
 
 from .bert import _bert
 from .gpt import _gpt_neox
-from .llama import _qk_layernorm
+from .llama import _qk_layernorm, _rotary
 from .seq2seq import _bart
-from .structure import _is_dropout, _normalized, _refuse, _rope_pattern
+from .structure import (
+    _attributes,
+    _check_queries,
+    _is_dropout,
+    _norm_options,
+    _normalized,
+    _refuse,
+    _rope_key,
+    _rope_kinds,
+    _rope_pattern,
+    _rotates,
+)
 
 _BART = ("q_proj", "k_proj", "v_proj", "out_proj")
 _BART_READS = {  # the attributes a BART-kind forward may read: its projections, sizes, scale, cache slot, dropout
@@ -70,6 +83,8 @@ def _kind_porter(module, model_type):
     """The porter of an unlisted model type's attention module of the BART or BERT kind, None if it holds neither's
     projections, or a `ValueError` naming what it holds that no porter reads."""
     children = dict(module.named_children())
+    if all(name in children for name in _BART) and "q_layernorm" in children:
+        return _renamed_llama(module, model_type, children)
     if all(name in children for name in _BART):
         return _bart_kind(module, model_type, children)
     if set(_BERT[""]) <= set(children) and all(hasattr(children["self"], name) for name in _BERT["self"]):
@@ -129,6 +144,36 @@ def _bert_kind(module, model_type, children):
         return _bert(config, tensors, index)
 
     port.family, port.__doc__ = _bert, f"{type(module).__name__}, recognised as the BERT kind by its structure"
+    return port
+
+
+_RENAMED = {"out_proj": "o_proj", "q_layernorm": "q_norm", "k_layernorm": "k_norm"}  # LFM2's names: the Llama kind's
+
+
+def _renamed_llama(module, model_type, children):
+    """The Llama kind under LFM2's names (`out_proj`, `q_layernorm`, `k_layernorm`): its RMSNorms, RoPE, scale and
+    sizes read as `interop.hf.structure` reads the Llama kind's, its tensors renamed for `_rotary`."""
+    classes = {name: _LINEAR for name in _BART} | {"q_layernorm": None, "k_layernorm": None}
+    _check_children(module, model_type, children, classes)
+    if getattr(module, "is_causal", None) is not True:
+        _refuse(module, model_type, "does not set `is_causal = True`: not known as a decoder's self-attention")
+    _check_queries(module, model_type)
+    interleaved = _rope_kinds().get(_rope_key(type(module).__module__), _rope_pattern(type(module).__module__))
+    if interleaved is None or _rotates(module, model_type) is not True:
+        _refuse(module, model_type, "applies a RoPE (`apply_rotary_pos_emb`) that is not one a listed family has")
+    norms = {_RENAMED[name]: children[name] for name in ("q_layernorm", "k_layernorm")}
+    options = {"interleaved": interleaved, **_norm_options(module, model_type, norms)}
+    attributes = _attributes(module)
+
+    def port(config, tensors, index):
+        renamed = {}
+        for name in tensors:
+            head, _, tail = name.partition(".")
+            renamed[f"{_RENAMED.get(head, head)}.{tail}"] = tensors[name]
+        kwargs, weights = _rotary({**config, **attributes["config"]}, renamed, index, **options)
+        return kwargs | {"scale": attributes["scale"]}, weights
+
+    port.family, port.__doc__ = _rotary, f"{type(module).__name__}, recognised as the Llama kind by its structure"
     return port
 
 
