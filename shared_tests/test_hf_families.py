@@ -68,6 +68,25 @@ def test_refused_family_raises_the_census_reason(model_type):
     assert census._reason(error.value).replace("|", "/") == VERDICTS[model_type][1]
 
 
+def test_bart_kind_cross_attention_stays_and_refuses_a_cross_call():
+    """`replace_attention` swaps a BART-kind decoder's self-attention and leaves its cross-attention (`encoder_attn`,
+    the same class) as it is; a swapped module called with encoder states is a `ValueError`, never self-attention."""
+    import torch
+
+    from interop.hf import replace_attention
+
+    model = hf_tiny.tiny_model("biogpt")
+    replaced = replace_attention(model)
+    assert replaced == [f"biogpt.layers.{i}.self_attn" for i in range(len(model.biogpt.layers))]
+    decoder = hf_tiny.tiny_model("marian")
+    replace_attention(decoder)
+    layer = decoder.model.decoder.layers[0]
+    assert type(layer.encoder_attn).__name__ == "MarianAttention"
+    states = torch.zeros(1, 2, hf_tiny.HIDDEN)
+    with pytest.raises(ValueError, match=r"`key_value_states` must be None: the replaced module computes self-"):
+        layer.self_attn(states, key_value_states=states)
+
+
 def test_every_ported_class_names_its_proof():
     """A class counts as ported only with its family's passing test named: the generated one (its model type
     ported here) or test_hf.py's for a listed family with no causal language model."""

@@ -30,7 +30,8 @@ def replace_attention(model, layer_class=None):
             AFMoE and LFM3, whose other layers (linear attention, convolutions) stay as they are), of the BERT kind
             (BERT, RoBERTa, XLM-RoBERTa and the copies of BERT's attention), of the BART kind (`q_proj`, `k_proj`,
             `v_proj`, `out_proj`: BART, OPT, Whisper, Blenderbot, Marian, ...; their cross-attention modules,
-            `encoder_attn`, stay as they are) or with multi-head latent attention (DeepSeek-V2, V3 and the MLA
+            `encoder_attn`, stay as they are), of the GPT kind (GPT-2, GPTBigCode, GPT-Neo, GPT-J, GPT-NeoX and
+            Persimmon) or with multi-head latent attention (DeepSeek-V2, V3 and the MLA
             families `port_attention` reads; the layer's cache holds the latents).
         layer_class: the `MultiHeadAttention` class to build (default: the one in `PyTorch/`).
 
