@@ -9,7 +9,7 @@ What is read, never computed (no numeric probe):
   dropout only, no parameter of its own; the attributes its forward reads (`self.<name>`) and the arguments it
   takes, which must be those of BART's (`_BART_READS`, `_BART_ARGUMENTS`: no RoPE, no prompt, no norm inside);
   its softmax scale is its `scaling` attribute (folded into the queries or given to the attention function);
-- the Llama kind under LFM2's names (`out_proj`, `q_layernorm`, `k_layernorm`): read as
+- the Llama kind under LFM2's names (`out_proj`, `q_layernorm`, `k_layernorm`) or ModernBERT-Decoder's (`Wo`): read as
   `interop.hf.structure` reads the Llama kind (its RMSNorms, the RoPE its modeling module applies), renamed;
 - the GPT-NeoX kind (Persimmon): a fused `query_key_value` (per head [q | k | v]) and `dense`, optional
   LayerNorms over each head's features (`q_layernorm`, `k_layernorm`), dropout, `is_causal`, and the RoPE in
@@ -83,7 +83,7 @@ def _kind_porter(module, model_type):
     """The porter of an unlisted model type's attention module of the BART or BERT kind, None if it holds neither's
     projections, or a `ValueError` naming what it holds that no porter reads."""
     children = dict(module.named_children())
-    if all(name in children for name in _BART) and "q_layernorm" in children:
+    if all(name in children for name in _BART[:3]) and ("q_layernorm" in children or "Wo" in children):
         return _renamed_llama(module, model_type, children)
     if all(name in children for name in _BART):
         return _bart_kind(module, model_type, children)
@@ -147,13 +147,22 @@ def _bert_kind(module, model_type, children):
     return port
 
 
-_RENAMED = {"out_proj": "o_proj", "q_layernorm": "q_norm", "k_layernorm": "k_norm"}  # LFM2's names: the Llama kind's
+_RENAMED = {  # LFM2's and ModernBERT-Decoder's names: the Llama kind's
+    "out_proj": "o_proj",
+    "Wo": "o_proj",
+    "q_layernorm": "q_norm",
+    "k_layernorm": "k_norm",
+}
 
 
 def _renamed_llama(module, model_type, children):
-    """The Llama kind under LFM2's names (`out_proj`, `q_layernorm`, `k_layernorm`): its RMSNorms, RoPE, scale and
-    sizes read as `interop.hf.structure` reads the Llama kind's, its tensors renamed for `_rotary`."""
-    classes = {name: _LINEAR for name in _BART} | {"q_layernorm": None, "k_layernorm": None}
+    """The Llama kind under LFM2's names (`out_proj`, `q_layernorm`, `k_layernorm`) or ModernBERT-Decoder's (`Wo`):
+    its RMSNorms, RoPE, scale and sizes read as `interop.hf.structure` reads the Llama kind's, its tensors renamed
+    for `_rotary`."""
+    output = "Wo" if "Wo" in children else "out_proj"
+    classes = dict.fromkeys((*_BART[:3], output), _LINEAR)
+    if "q_layernorm" in children:
+        classes |= {"q_layernorm": None, "k_layernorm": None}
     _check_children(module, model_type, children, classes)
     if getattr(module, "is_causal", None) is not True:
         _refuse(module, model_type, "does not set `is_causal = True`: not known as a decoder's self-attention")
@@ -161,7 +170,7 @@ def _renamed_llama(module, model_type, children):
     interleaved = _rope_kinds().get(_rope_key(type(module).__module__), _rope_pattern(type(module).__module__))
     if interleaved is None or _rotates(module, model_type) is not True:
         _refuse(module, model_type, "applies a RoPE (`apply_rotary_pos_emb`) that is not one a listed family has")
-    norms = {_RENAMED[name]: children[name] for name in ("q_layernorm", "k_layernorm")}
+    norms = {_RENAMED[name]: children[name] for name in ("q_layernorm", "k_layernorm") if name in children}
     options = {"interleaved": interleaved, **_norm_options(module, model_type, norms)}
     attributes = _attributes(module)
 
