@@ -33,6 +33,7 @@ SAMPLE = {  # a spread over the porters: listed families, and each kind of struc
     "xglm",  # by structure: the BART kind, a forward of its own (scale folded into the queries)
     "camembert",  # by structure: the BERT kind, BERT's forwards
     "gpt_neox",  # the listed GPT kind, swapped by replace_attention
+    "persimmon",  # by structure: the GPT-NeoX kind with per-head LayerNorms
     "kosmos2",  # refused: a LayerNorm inside the attention (`inner_attn_ln`)
     "rembert",  # refused: the BERT kind's structure with a forward of its own
 }
