@@ -88,6 +88,16 @@ def test_bart_kind_cross_attention_stays_and_refuses_a_cross_call():
         layer.self_attn(states, key_value_states=states)
 
 
+def test_bart_kind_with_prompts_is_refused():
+    """MVP ports as the BART kind, but not with `use_prompt`: its decoder prepends learned keys and values."""
+    from interop.hf import replace_attention
+
+    cls = hf_tiny.causal_lm_class("mvp")
+    model = cls(hf_tiny.shrink(cls.config_class(use_prompt=True, prompt_length=2, prompt_mid_dim=8)))
+    with pytest.raises(ValueError, match=r"MvpAttention .* prepends learned prompt keys and values \(`use_prompt`\)"):
+        replace_attention(model)
+
+
 def test_every_ported_class_names_its_proof():
     """A class counts as ported only with its family's passing test named: the generated one (its model type
     ported here) or test_hf.py's for a listed family with no causal language model."""
