@@ -119,6 +119,13 @@ _SIZES = {
     "qk_rope_head_dim": 8,
     "v_head_dim": 16,
     "max_position_embeddings": 256,
+    "rotary_dim": HEAD_DIM // 2,  # GPT-J's and CodeGen's partial RoPE: within the tiny head
+}
+_UNSET = {  # fields a default configuration leaves None where its model needs a number (Nemotron, DeepSeek-V2, dots1)
+    "num_key_value_heads": KV_HEADS,
+    "num_experts_per_tok": 2,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
 }
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
 _TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
@@ -152,8 +159,11 @@ def shrink(config):
     for name, size in _SIZES.items():
         if isinstance(getattr(config, name, None), int) and not isinstance(getattr(config, name), bool):
             set_field(config, name, min(size, getattr(config, name)) if name.startswith("num_experts") else size)
+    for name, value in _UNSET.items():
+        if name in vars(config) and vars(config)[name] is None:
+            set_field(config, name, value)
     for name in _KV_HEADS:
-        if isinstance(getattr(config, name, None), int):
+        if isinstance(getattr(config, name, None), int) and not _aliases_query_heads(config, name):
             set_field(config, name, KV_HEADS)
     _even_rotary(config)
     if isinstance(getattr(config, "kv_lora_rank", None), int) and hasattr(config, "head_dim"):
@@ -171,6 +181,12 @@ def shrink(config):
         config.sliding_window = WINDOW
     _shrink_rope(config)
     return config
+
+
+def _aliases_query_heads(config, name):
+    """Whether a key/value head count is another name of a query head count (Whisper's `num_key_value_heads`
+    for `encoder_attention_heads`): the query heads stay as `_SIZES` sets them."""
+    return _SIZES.get(getattr(config, "attribute_map", {}).get(name)) == HEADS
 
 
 def _even_rotary(config):

@@ -29,6 +29,13 @@ SAMPLE = {  # a spread over the porters: listed families, and each kind of struc
     "afmoe",  # listed gated
     "diffllama",  # refused with what it adds (its lambdas and group norm)
     "laguna",  # refused: a softplus gate
+    "biogpt",  # by structure: the BART kind, BART's forward
+    "xglm",  # by structure: the BART kind, a forward of its own (scale folded into the queries)
+    "camembert",  # by structure: the BERT kind, BERT's forwards
+    "gpt_neox",  # the listed GPT kind, swapped by replace_attention
+    "persimmon",  # by structure: the GPT-NeoX kind with per-head LayerNorms
+    "kosmos2",  # refused: a LayerNorm inside the attention (`inner_attn_ln`)
+    "rembert",  # refused: the BERT kind's structure with a forward of its own
 }
 CLASSES, FAMILIES = census.read_table()
 VERDICTS = {model_type: (verdict, detail) for model_type, _, verdict, detail in FAMILIES}
@@ -60,6 +67,35 @@ def test_refused_family_raises_the_census_reason(model_type):
     with pytest.raises(ValueError) as error:
         hf_tiny.check_replaced(model)
     assert census._reason(error.value).replace("|", "/") == VERDICTS[model_type][1]
+
+
+def test_bart_kind_cross_attention_stays_and_refuses_a_cross_call():
+    """`replace_attention` swaps a BART-kind decoder's self-attention and leaves its cross-attention (`encoder_attn`,
+    the same class) as it is; a swapped module called with encoder states is a `ValueError`, never self-attention."""
+    import torch
+
+    from interop.hf import replace_attention
+
+    model = hf_tiny.tiny_model("biogpt")
+    replaced = replace_attention(model)
+    assert replaced == [f"biogpt.layers.{i}.self_attn" for i in range(len(model.biogpt.layers))]
+    decoder = hf_tiny.tiny_model("marian")
+    replace_attention(decoder)
+    layer = decoder.model.decoder.layers[0]
+    assert type(layer.encoder_attn).__name__ == "MarianAttention"
+    states = torch.zeros(1, 2, hf_tiny.HIDDEN)
+    with pytest.raises(ValueError, match=r"`key_value_states` must be None: the replaced module computes self-"):
+        layer.self_attn(states, key_value_states=states)
+
+
+def test_bart_kind_with_prompts_is_refused():
+    """MVP ports as the BART kind, but not with `use_prompt`: its decoder prepends learned keys and values."""
+    from interop.hf import replace_attention
+
+    cls = hf_tiny.causal_lm_class("mvp")
+    model = cls(hf_tiny.shrink(cls.config_class(use_prompt=True, prompt_length=2, prompt_mid_dim=8)))
+    with pytest.raises(ValueError, match=r"MvpAttention .* prepends learned prompt keys and values \(`use_prompt`\)"):
+        replace_attention(model)
 
 
 def test_every_ported_class_names_its_proof():

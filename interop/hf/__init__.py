@@ -48,7 +48,7 @@ These call arguments reproduce them (`attention_mask` is the model's (B, S) 0/1 
   Qwen2-VL's and Qwen2.5-VL's multimodal RoPE (`rope_sections`) takes the (3, B, T) positions its
   rotary embedding reads, one row per section (`generate` passes (4, B, T): the text positions,
   then these three; for text alone the three rows are the text positions).
-- GPT-2, GPT-Neo, GPTBigCode, OPT, the BART and Whisper decoders' self-attention:
+- GPT-2, GPT-Neo, GPTBigCode, OPT, the BART and Whisper decoders' self-attention (and the BART kind's):
   `causal=True, key_mask=attention_mask.bool()`.
 - BERT, RoBERTa, XLM-RoBERTa, the BART encoder: `key_mask=attention_mask.bool()`; ModernBERT
   adds `positions=position_ids`; the Whisper encoder attends every frame (no mask).
@@ -116,7 +116,9 @@ Whisper and OPT, and `t5_position_bias`), and the shared pieces: `tensors` (read
 `load_tensors`), `config` (what a config says), `registry` (the porters by model type,
 `register_porter`, `supported_modules`), `routes` (`port_attention`, `port_checkpoint`),
 `replace` (`replace_attention`), `structure` (the Llama-kind and gated modules of model types not listed,
-recognised by their projections, norms and RoPE functions, and those refused by name) and `census` (`python -m
+recognised by their projections, norms and RoPE functions, and those refused by name), `kinds` (the BART,
+GPT-NeoX and BERT kinds and LFM2's renamed Llama kind of model types not listed, recognised by their structure) and
+`census` (`python -m
 interop.hf.census`: every attention class of the installed transformers with its status, docs/census.md).
 It imports no framework at module level: `port_attention` reads a
 module's tensors through its own `state_dict`, `port_checkpoint` and `load_tensors` read

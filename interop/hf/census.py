@@ -2,6 +2,7 @@
 
     .venv/bin/python -m interop.hf.census            # prints the table (minutes: it builds every family)
     .venv/bin/python -m interop.hf.census --write    # and writes it to docs/census.md
+    .venv/bin/python -m interop.hf.census --write llama4 mistral4   # replaces those model types' rows only
 
 An attention class is a `torch.nn.Module` defined in a `transformers.models.<type>.modeling_*` module whose name
 ends in `Attention` or `MLA`. Each gets one status:
@@ -310,9 +311,19 @@ def read_table(path=TABLE):
     return tables
 
 
+def _spliced(old, new, model_types):
+    """The committed rows `old` with those of `model_types` replaced by `new`, by model type."""
+    kept = [row for row in old if row[0] not in model_types]
+    return sorted(kept + list(new), key=lambda row: row[0])  # stable: a model type's rows keep their order
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m interop.hf.census", description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help=f"write the table to {TABLE.relative_to(ROOT)}")
+    parser.add_argument(
+        "--write",
+        action="store_true",
+        help=f"write the table to {TABLE.relative_to(ROOT)} (with model types: only their rows replaced)",
+    )
     parser.add_argument("model_types", nargs="*", help="only these model types (default: all)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -321,6 +332,10 @@ def main(argv=None):
 
         transformers.logging.set_verbosity_error()
         rows, families = census(args.model_types or None)
+    if args.write and args.model_types:  # the committed table's other model types kept
+        rows, families = (
+            _spliced(old, new, args.model_types) for old, new in zip(read_table(), (rows, families), strict=True)
+        )
     text = markdown(rows, families)
     if args.write:
         TABLE.write_text(text)

@@ -5,10 +5,12 @@ import functools
 
 from .bert import _bert
 from .gated import _gated
+from .gpt import _gpt2, _gpt_bigcode, _gpt_neo, _gpt_neox, _gptj
 from .latent import _latent
 from .llama import _llama4, _rotary
 from .registry import _registered
 from .routes import _layer_index, _module_porter, _transformers_model_type, port_attention
+from .seq2seq import _bart
 
 
 def replace_attention(model, layer_class=None):
@@ -26,8 +28,11 @@ def replace_attention(model, layer_class=None):
         model: a `transformers` PyTorch model of the Llama kind (the families with `q_proj`, `k_proj`,
             `v_proj`, `o_proj`: Llama, Mistral, Qwen, Gemma, OLMo, Phi3, ...; the gated ones, Qwen3-Next, Qwen3.5,
             AFMoE and LFM3, whose other layers (linear attention, convolutions) stay as they are), of the BERT kind
-            (BERT, RoBERTa, XLM-RoBERTa) or with multi-head latent attention (DeepSeek-V2, V3 and the MLA families
-            `port_attention` reads; the layer's cache holds the latents).
+            (BERT, RoBERTa, XLM-RoBERTa and the copies of BERT's attention), of the BART kind (`q_proj`, `k_proj`,
+            `v_proj`, `out_proj`: BART, OPT, Whisper, Blenderbot, Marian, ...; their cross-attention modules,
+            `encoder_attn`, stay as they are), of the GPT kind (GPT-2, GPTBigCode, GPT-Neo, GPT-J, GPT-NeoX and
+            Persimmon) or with multi-head latent attention (DeepSeek-V2, V3 and the MLA
+            families `port_attention` reads; the layer's cache holds the latents).
         layer_class: the `MultiHeadAttention` class to build (default: the one in `PyTorch/`).
 
     Returns:
@@ -48,12 +53,26 @@ def replace_attention(model, layer_class=None):
     for name, module in list(model.named_modules()):
         if any(name.startswith(done + ".") for done in replaced) or not type(module).__name__.endswith(_ATTENTION):
             continue
+        if name.rpartition(".")[2] in _CROSS:
+            continue
         if _transformers_model_type(type(module)) is None and not any(
             _registered(c.__name__) is not None for c in type(module).__mro__
         ):
             continue
         family = getattr(_module_porter(module), "family", None)
-        if family not in (_rotary, _gated, _bert, _latent, _llama4):
+        if family not in (
+            _rotary,
+            _gated,
+            _bert,
+            _latent,
+            _llama4,
+            _bart,
+            _gpt2,
+            _gpt_bigcode,
+            _gpt_neo,
+            _gpt_neox,
+            _gptj,
+        ):
             continue
         if getattr(module, "is_cross_attention", False):
             raise ValueError(f"`model` must have self-attention only: `{name}` is a cross-attention. Received: {name}")
@@ -64,12 +83,14 @@ def replace_attention(model, layer_class=None):
     if not replaced:
         raise ValueError(
             "`model` must hold attention modules of the Llama kind (q_proj, k_proj, v_proj, o_proj), of the BERT "
-            f"kind or with multi-head latent attention. Received: {type(model).__name__}"
+            f"or BART kind or with multi-head latent attention. Received: {type(model).__name__}"
         )
     return replaced
 
 
 _ATTENTION = ("Attention", "MLA")  # the endings of the attention modules' class names (LongCat's LongcatFlashMLA)
+_CROSS = ("encoder_attn",)  # the BART kind's cross-attention modules: their class is the self-attention's
+_CROSS_ARGUMENTS = ("key_value_states", "encoder_hidden_states")  # a cross-attention call's keys and values
 
 
 def _set_eager(model):
@@ -113,6 +134,12 @@ def _wrapper_class(torch):
             self._cache = None
 
         def forward(self, hidden_states, attention_mask=None, *args, past_key_values=None, **kwargs):
+            crossed = [name for name in _CROSS_ARGUMENTS if kwargs.get(name) is not None]
+            if crossed:
+                raise ValueError(
+                    f"`{crossed[0]}` must be None: the replaced module computes self-attention. Received: a tensor"
+                )
+            past_key_values = getattr(past_key_values, "self_attention_cache", past_key_values)  # EncoderDecoderCache
             positions = kwargs.get("position_ids")
             if self.layer.rope_theta is None:
                 positions = None

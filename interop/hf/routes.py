@@ -4,6 +4,7 @@ type), with the refusals of what no porter computes."""
 
 from .config import _load_config
 from .gated import _GATED_REFUSED, _refuse_layer_type
+from .kinds import _kind_porter
 from .latent import _REFUSED
 from .llama import _REFUSED_CLASSES
 from .registry import _builtin, _path, _porter, _registered, supported_modules
@@ -39,7 +40,7 @@ def _module_porter(module):
     porter = _porter(model_type)
     if porter is None:
         _refuse_variant(model_type, "module")
-        porter = _structural_porter(module, model_type)
+        porter = _structural_porter(module, model_type) or _kind_porter(module, model_type)
     if porter is None:
         _refuse_unknown(module, f" of model type {model_type!r}")
     return porter

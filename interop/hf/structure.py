@@ -111,7 +111,11 @@ def _rope_pattern(module_name):
     if rotate is None or apply is None:
         return None
     interleaved = _PAIRS.get(" | ".join(_statements(rotate)))
-    statements = [re.sub(r"\.float\(\)|\.to\(\w+\)", "", s) for s in _statements(apply) if "dtype" not in s]
+    statements = [
+        re.sub(r"\.float\(\)|\.to\(\w+\)", "", s)
+        for s in _statements(apply)
+        if "dtype" not in s or s.startswith("return")
+    ]
     if interleaved is None or tuple(statements[:2]) != _UNSQUEEZE:
         return None
     rest = statements[2:]

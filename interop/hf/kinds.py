@@ -1,0 +1,237 @@
+"""The BART, GPT-NeoX and BERT kinds recognised by their structure: an attention module of a model type no porter is
+listed for ports as BART's (`_bart`), GPT-NeoX's (`_gpt_neox`) or BERT's (`_bert`) when it holds what they read and
+nothing else.
+
+What is read, never computed (no numeric probe):
+
+- the BART kind (Blenderbot, Marian, mBART, Pegasus, PLBart, BioGPT, XGLM, TrOCR, MusicGen, ...): the children
+  `q_proj`, `k_proj`, `v_proj`, `out_proj` (`nn.Linear`, all of one width, reading the hidden states) and
+  dropout only, no parameter of its own; the attributes its forward reads (`self.<name>`) and the arguments it
+  takes, which must be those of BART's (`_BART_READS`, `_BART_ARGUMENTS`: no RoPE, no prompt, no norm inside);
+  its softmax scale is its `scaling` attribute (folded into the queries or given to the attention function);
+- the Llama kind under LFM2's names (`out_proj`, `q_layernorm`, `k_layernorm`) or ModernBERT-Decoder's (`Wo`): read as
+  `interop.hf.structure` reads the Llama kind (its RMSNorms, the RoPE its modeling module applies), renamed;
+- the GPT-NeoX kind (Persimmon): a fused `query_key_value` (per head [q | k | v]) and `dense`, optional
+  LayerNorms over each head's features (`q_layernorm`, `k_layernorm`), dropout, `is_causal`, and the RoPE in
+  halves its modeling module applies (`interop.hf.structure._rope_pattern`);
+- the BERT kind (CamemBERT, Data2Vec-Text, ELECTRA, ERNIE, RoCBert, ...): the module holds `self` (`query`,
+  `key`, `value`) and `output` (`dense`, `LayerNorm`, dropout) and nothing else, and the forwards of the module,
+  `self` and `output` are, as text, BERT's own (`interop.hf.structure._normalized`): the copies transformers
+  keeps of BERT's attention.
+
+Anything else is refused by name; `shared_tests/test_hf_families.py` is the proof of each family.
+"""
+
+import ast
+import functools
+import importlib
+import inspect
+import textwrap
+
+from .bert import _bert
+from .gpt import _gpt_neox
+from .llama import _qk_layernorm, _rotary
+from .seq2seq import _bart
+from .structure import (
+    _attributes,
+    _check_queries,
+    _is_dropout,
+    _norm_options,
+    _normalized,
+    _refuse,
+    _rope_key,
+    _rope_kinds,
+    _rope_pattern,
+    _rotates,
+)
+
+_BART = ("q_proj", "k_proj", "v_proj", "out_proj")
+_BART_READS = {  # the attributes a BART-kind forward may read: its projections, sizes, scale, cache slot, dropout
+    *_BART,
+    "config",
+    "dropout",
+    "embed_dim",
+    "head_dim",
+    "is_causal",
+    "is_decoder",
+    "layer_idx",
+    "num_heads",
+    "scaling",
+    "training",
+}
+_BART_ARGUMENTS = {  # the arguments a BART-kind forward may take (MVP's `attn_prompt`: see `_bart_kind`)
+    "hidden_states",
+    "key_value_states",
+    "encoder_hidden_states",
+    "past_key_values",
+    "attention_mask",
+    "output_attentions",
+    "cache_position",
+    "position_ids",
+    "kwargs",
+    "attn_prompt",
+}
+_LINEAR = "Linear"
+_BERT = {  # the children of BERT's attention, of its `self` and its `output`, and their classes
+    "": {"self": None, "output": None},
+    "self": {"query": _LINEAR, "key": _LINEAR, "value": _LINEAR},
+    "output": {"dense": _LINEAR, "LayerNorm": "LayerNorm"},
+}
+
+
+def _kind_porter(module, model_type):
+    """The porter of an unlisted model type's attention module of the BART or BERT kind, None if it holds neither's
+    projections, or a `ValueError` naming what it holds that no porter reads."""
+    children = dict(module.named_children())
+    if all(name in children for name in _BART[:3]) and ("q_layernorm" in children or "Wo" in children):
+        return _renamed_llama(module, model_type, children)
+    if all(name in children for name in _BART):
+        return _bart_kind(module, model_type, children)
+    if set(_BERT[""]) <= set(children) and all(hasattr(children["self"], name) for name in _BERT["self"]):
+        return _bert_kind(module, model_type, children)
+    if {"query_key_value", "dense"} <= set(children):
+        return _neox_kind(module, model_type, children)
+    return None
+
+
+def _bart_kind(module, model_type, children):
+    """BART's `q_proj`, `k_proj`, `v_proj`, `out_proj`: read with `_bart`, its heads and scale from the module."""
+    _check_children(module, model_type, children, dict.fromkeys(_BART, _LINEAR))
+    query, key, value, output = (children[name] for name in _BART)
+    widths = {query.in_features, key.in_features, value.in_features, output.out_features}
+    if len(widths) > 1 or len({query.out_features, key.out_features, value.out_features}) > 1:
+        _refuse(
+            module,
+            model_type,
+            f"has projections of other widths than one hidden size (`q_proj` {query.in_features} -> "
+            f"{query.out_features}, `k_proj` {key.in_features} -> {key.out_features}, `v_proj` "
+            f"{value.in_features} -> {value.out_features})",
+        )
+    reads, arguments = _forward_reads(type(module))
+    unknown = sorted(reads - _BART_READS) + sorted(arguments - _BART_ARGUMENTS)
+    if unknown:
+        _refuse(module, model_type, "reads " + ", ".join(f"`{n}`" for n in unknown) + " in its forward")
+    num_heads = int(getattr(module, "num_heads", 0) or query.out_features // module.head_dim)
+    sizes = {"d_model": query.in_features, "num_attention_heads": num_heads}
+    scale = float(module.scaling)
+
+    def port(config, tensors, index):
+        if "attn_prompt" in arguments and config.get("use_prompt"):
+            _refuse(module, model_type, "prepends learned prompt keys and values (`use_prompt`)")
+        kwargs, weights = _bart(sizes, tensors, index)
+        return kwargs | {"scale": scale}, weights
+
+    port.family, port.__doc__ = _bart, f"{type(module).__name__}, recognised as the BART kind by its structure"
+    return port
+
+
+def _bert_kind(module, model_type, children):
+    """BERT's `BertAttention`: `self.query/key/value`, `output.dense` and its LayerNorm, with BERT's forwards."""
+    _check_children(module, model_type, children, _BERT[""])
+    for name in ("self", "output"):
+        child = children[name]
+        _check_children(child, model_type, dict(child.named_children()), _BERT[name], f"`{name}` ")
+    references = _bert_forwards()
+    for part, reference in zip((module, children["self"], children["output"]), references, strict=True):
+        if _normalized(type(part).forward) != _normalized(reference.forward):
+            _refuse(
+                module,
+                model_type,
+                f"computes {type(part).__name__} with a forward of its own, not {reference.__name__}'s",
+            )
+
+    def port(config, tensors, index):
+        return _bert(config, tensors, index)
+
+    port.family, port.__doc__ = _bert, f"{type(module).__name__}, recognised as the BERT kind by its structure"
+    return port
+
+
+_RENAMED = {  # LFM2's and ModernBERT-Decoder's names: the Llama kind's
+    "out_proj": "o_proj",
+    "Wo": "o_proj",
+    "q_layernorm": "q_norm",
+    "k_layernorm": "k_norm",
+}
+
+
+def _renamed_llama(module, model_type, children):
+    """The Llama kind under LFM2's names (`out_proj`, `q_layernorm`, `k_layernorm`) or ModernBERT-Decoder's (`Wo`):
+    its RMSNorms, RoPE, scale and sizes read as `interop.hf.structure` reads the Llama kind's, its tensors renamed
+    for `_rotary`."""
+    output = "Wo" if "Wo" in children else "out_proj"
+    classes = dict.fromkeys((*_BART[:3], output), _LINEAR)
+    if "q_layernorm" in children:
+        classes |= {"q_layernorm": None, "k_layernorm": None}
+    _check_children(module, model_type, children, classes)
+    if getattr(module, "is_causal", None) is not True:
+        _refuse(module, model_type, "does not set `is_causal = True`: not known as a decoder's self-attention")
+    _check_queries(module, model_type)
+    interleaved = _rope_kinds().get(_rope_key(type(module).__module__), _rope_pattern(type(module).__module__))
+    if interleaved is None or _rotates(module, model_type) is not True:
+        _refuse(module, model_type, "applies a RoPE (`apply_rotary_pos_emb`) that is not one a listed family has")
+    norms = {_RENAMED[name]: children[name] for name in ("q_layernorm", "k_layernorm") if name in children}
+    options = {"interleaved": interleaved, **_norm_options(module, model_type, norms)}
+    attributes = _attributes(module)
+
+    def port(config, tensors, index):
+        renamed = {}
+        for name in tensors:
+            head, _, tail = name.partition(".")
+            renamed[f"{_RENAMED.get(head, head)}.{tail}"] = tensors[name]
+        kwargs, weights = _rotary({**config, **attributes["config"]}, renamed, index, **options)
+        return kwargs | {"scale": attributes["scale"]}, weights
+
+    port.family, port.__doc__ = _rotary, f"{type(module).__name__}, recognised as the Llama kind by its structure"
+    return port
+
+
+def _neox_kind(module, model_type, children):
+    """GPT-NeoX's fused `query_key_value` (per head [q | k | v]) and `dense`, read with `_gpt_neox`, with Persimmon's
+    LayerNorms over each head's features (`q_layernorm`, `k_layernorm`); the RoPE in halves its modeling module
+    applies (`interop.hf.structure._rope_pattern`)."""
+    classes = {"query_key_value": _LINEAR, "dense": _LINEAR}
+    if "q_layernorm" in children:
+        classes |= {"q_layernorm": "LayerNorm", "k_layernorm": "LayerNorm"}
+    _check_children(module, model_type, children, classes)
+    if getattr(module, "is_causal", None) is not True:
+        _refuse(module, model_type, "does not set `is_causal = True`: not known as a decoder's self-attention")
+    if _rope_pattern(type(module).__module__) is not False:
+        _refuse(module, model_type, "applies a RoPE (`apply_rotary_pos_emb`) other than the rotation in halves")
+
+    def port(config, tensors, index):
+        kwargs, weights = _gpt_neox(config, tensors, index)
+        if "q_layernorm" in classes:
+            heads = kwargs["num_heads"]
+            kwargs |= _qk_layernorm(config, tensors, weights, heads, heads)
+        return kwargs, weights
+
+    port.family, port.__doc__ = _gpt_neox, f"{type(module).__name__}, recognised as the GPT-NeoX kind by its structure"
+    return port
+
+
+def _check_children(module, model_type, children, classes, where=""):
+    """The children named in `classes` of the classes it gives (None: any), dropout besides, and no parameter or
+    buffer of the module's own."""
+    wrong = [n for n, name in classes.items() if name is not None and type(children.get(n)).__name__ != name]
+    if wrong:
+        _refuse(module, model_type, f"has {where}" + ", ".join(f"`{n}`" for n in wrong) + " of another class")
+    extra = [n for n, child in children.items() if n not in classes and not _is_dropout(child)]
+    extra += [n for n, _ in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))]
+    if extra:
+        _refuse(module, model_type, f"adds {where}" + ", ".join(f"`{n}`" for n in extra) + ", which no porter reads")
+
+
+def _forward_reads(cls):
+    """The attributes (`self.<name>`) a class's forward reads, and the arguments it takes."""
+    forward = cls.forward
+    tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    reads = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and getattr(n.value, "id", None) == "self"}
+    return reads, set(list(inspect.signature(forward).parameters)[1:])
+
+
+@functools.cache
+def _bert_forwards():
+    """BERT's `BertAttention`, `BertSelfAttention` and `BertSelfOutput`: the forwards a BERT-kind module copies."""
+    bert = importlib.import_module("transformers.models.bert.modeling_bert")
+    return bert.BertAttention, bert.BertSelfAttention, bert.BertSelfOutput
