@@ -167,7 +167,8 @@ def shrink(config):
             set_field(config, name, KV_HEADS)
     _even_rotary(config)
     if isinstance(getattr(config, "kv_lora_rank", None), int) and hasattr(config, "head_dim"):
-        set_field(config, "head_dim", config.qk_rope_head_dim)  # MLA: the rotary part's width
+        fraction = _rotary_fraction(config) or 1.0  # Mistral 4: RoPE turns head_dim * 0.5 = qk_rope_head_dim
+        set_field(config, "head_dim", int(config.qk_rope_head_dim / fraction))  # MLA: the rotary part's width
         for name in _KV_HEADS:
             if isinstance(getattr(config, name, None), int):
                 set_field(config, name, HEADS)
@@ -189,12 +190,17 @@ def _aliases_query_heads(config, name):
     return _SIZES.get(getattr(config, "attribute_map", {}).get(name)) == HEADS
 
 
-def _even_rotary(config):
-    """A head wide enough that its partial RoPE turns an even number of features (MiMo-V2-Flash's 0.334)."""
+def _rotary_fraction(config):
+    """The fraction of a head RoPE turns (`partial_rotary_factor`, in the RoPE parameters or the config), or None."""
     parameters = getattr(config, "rope_parameters", None) or {}
     entries = [parameters, *parameters.values()] if isinstance(parameters, dict) else []
     fractions = [e.get("partial_rotary_factor") for e in entries if isinstance(e, dict)]
-    fraction = next((f for f in fractions if f), None) or getattr(config, "partial_rotary_factor", None)
+    return next((f for f in fractions if f), None) or getattr(config, "partial_rotary_factor", None)
+
+
+def _even_rotary(config):
+    """A head wide enough that its partial RoPE turns an even number of features (MiMo-V2-Flash's 0.334)."""
+    fraction = _rotary_fraction(config)
     if isinstance(fraction, float) and isinstance(getattr(config, "head_dim", None), int):
         width = next((w for w in (HEAD_DIM, 24, 32, 48, 64) if int(w * fraction) % 2 == 0 and int(w * fraction)), 0)
         if width and width != config.head_dim:
