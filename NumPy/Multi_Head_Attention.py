@@ -81,6 +81,7 @@ class _Call(NamedTuple):
     training: None  # TF/Keras only
     fuse: bool  # False: the reference projects q, k and v one at a time
     segmented: bool = False  # packed sequences: the ids folded into attention_mask (`_packed`)
+    shared: "tuple | KVCache | None" = None  # `shared_kv`, checked (its section)
 
 
 class MultiHeadAttention:
@@ -138,6 +139,10 @@ class MultiHeadAttention:
         v_head_dim: Hv, with MLA the width of a value head (the output kernel is (N*Hv, E)).
         latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
         seed: seed for the Glorot uniform initialisation of the kernels (biases start at 0).
+        kv_shared: if True, the layer has no key or value projections: every call takes another
+            layer's keys and values through `shared_kv` (Gemma 3n's and Gemma 4's shared layers).
+        keys_as_values: if True, no value projection: v is the key projection before QK-norm and RoPE (Gemma 4).
+        value_norm: if True, each value head is RMS-normalized without a scale (eps `qk_norm_eps`; Gemma 3n, 4).
 
     Call arguments:
         query: (B, T, E).
@@ -159,6 +164,9 @@ class MultiHeadAttention:
         mask: another name for `attention_mask` (the call `layer(query, key, value, mask=None)`);
             giving both is a ValueError. Masks whose values read like another library's
             convention warn once per layer with `AttentionMaskWarning` and compute as given.
+        shared_kv: with `kv_shared`, a (k, v) pair of (B, K, S, H) keys and values another layer
+            attended (its `return_kv`), or that layer's `KVCache` once it wrote this call's T tokens.
+        return_kv: if True, also return the (k, v) the call attended (over the L slots with a cache).
 
     Returns:
         output (B, T, E), or (output, weights) with weights (B, N, T, S) when
@@ -187,7 +195,7 @@ class MultiHeadAttention:
         rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None, qk_norm_eps=1e-6,
         qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
-        seed=None,
+        seed=None, kv_shared=False, keys_as_values=False, value_norm=False,
     ):  # fmt: skip
         self.d_model = _positive_int("d_model", d_model)
         self.num_heads = _positive_int("num_heads", num_heads)
@@ -227,6 +235,7 @@ class MultiHeadAttention:
             self.vdim = self.kdim  # the values come from `key`
             self._cache_layout = _latent_cache_layout(latent)  # (1, C, Hr)
         self.absorb_latents = None  # MLA: None (absorbed with a cache and T <= 8), True or False
+        _check_sharing(self, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         self._float_layout = _float_shapes(self) if latent is None else _latent_shapes(self)  # {name: shape}
         self._inv_freq = None  # (R/2,), computed once
         if self.rope_theta is not None:
@@ -249,12 +258,14 @@ class MultiHeadAttention:
     def __call__(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
         attention_bias=None, positions=None, causal=False, return_attention=False, cache=None, mask=None,
-        segment_ids=None, key_segment_ids=None,
+        segment_ids=None, key_segment_ids=None, shared_kv=None, return_kv=False,
     ):  # fmt: skip
+        cache = cache if shared_kv is None else _shared_cache(self, query, cache, shared_kv)  # rewound to check
         call = self._check_call(
             query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
             return_attention, cache, mask,
         )  # 1. defaults and checks  # fmt: skip
+        call = call if shared_kv is None and not self.kv_shared else _shared_call(self, call, shared_kv)
         call = call if segment_ids is None is key_segment_ids else _packed(self, call, segment_ids, key_segment_ids)
         masks = (call.attention_mask, call.attention_bias, call.key_mask, call.query_mask)
         keep, bias = self._masks(call) if any(m is not None for m in masks) else (None, None)  # 1. keep and bias
@@ -270,7 +281,8 @@ class MultiHeadAttention:
         saved.update(keep=keep, weights=weights, context=context, gate=gate, merged=merged)
         self._saved = None if call.cache is not None else saved  # what `backward` reads (its section)
         results = (output, weights) if call.return_attention else (output,)
-        results = results if call.cache is None else (*results, call.cache)
+        results = results if call.cache is None or call.shared is not None else (*results, call.cache)
+        results = results if not return_kv else (*results, (k, v))
         return results[0] if len(results) == 1 else results
 
     def _check_call(
@@ -330,6 +342,8 @@ class MultiHeadAttention:
         (clamped by `clip_qkv`), QK-norm and RoPE of q and k; MLA's in its section."""
         if self._latent is not None:
             return _project_latent(self, call)  # q, the latents and k_rope in k's and v's places
+        if self._sharing:
+            return _project_sharing(self, call)  # shared keys and values, keys as values, the value norm
         q = self._project(call.query, "query")  # 2. (B, T, E) -> (B, T, N*H)
         k = self._project(call.key, "key")  # 2. (B, S, kdim) -> (B, S, K*H)
         v = self._project(call.value, "value")  # 2. (B, S, vdim) -> (B, S, K*H)
@@ -517,6 +531,8 @@ def _backward(layer, grad_output):
     grads.update({} if d_sinks is None else {"sinks": d_sinks})
     if layer._latent is not None:
         inputs = _latent_backward(layer, call, c["k"], d_q, d_k, d_v, grads)
+    elif layer._sharing:
+        inputs = _sharing_backward(layer, call, d_q, d_k, d_v, grads, extra)  # their section
     else:
         if layer._inv_freq is not None:
             d_q, d_k = (_turn_back(layer, d, call.positions) for d in (d_q, d_k))  # 4. RoPE
@@ -582,13 +598,15 @@ def _attention_backward(layer, d_context, q, k, v, keep, weights):
     return d_q, d_k, d_v, d_biased, d_sinks
 
 
-def _project_backward(layer, kind, x, d_heads, grads):
+def _project_backward(layer, kind, x, d_heads, grads, d_clamped=None):
     """Steps 3 and 2 backward for one of q, k, v: adds the kernel's, bias' and norm's gradients
-    to `grads`, returns the input's (B, L, D)."""
+    to `grads`, returns the input's (B, L, D); `d_clamped` (B, L, heads*H), a gradient of the
+    clamped projection from another use of it (keys as values), is added after the norm's."""
     d_y = layer._merge_heads(d_heads)  # (B, heads, L, H) -> (B, L, heads*H)
     y = layer._project(x, kind)  # (B, L, heads*H), the projection before the clamp, recomputed
     if kind != "value" and layer.qk_norm is not None:
         d_y = _qk_norm_backward(layer, kind, _clip(layer, y), d_y, grads)  # at the clamped projection
+    d_y = d_y if d_clamped is None else d_y + d_clamped
     if layer.clip_qkv is not None:  # the clamp's gradient: 1 within [-c, c] (bounds included), 0 outside
         d_y = np.where(np.abs(y) <= layer.clip_qkv, d_y, 0.0)
     return _linear_backward(layer, kind, x, d_y, grads)  # (B, L, heads*H) -> (B, L, D)
@@ -1492,13 +1510,144 @@ def _update_cache(layer, call, k, v, keep):
     if call.cache.segment_ids is not None and not call.segmented:  # packed: the new tokens continue a document
         same, segmented = _segment_keep(layer, call, None, None)  # (B, 1, T, L)
         keep, call = _and(keep, same), call._replace(cache=segmented)
-    index, t, length = int(call.cache.index), k.shape[2], call.cache.key.shape[2]
+    index, t, length = int(call.cache.index), call.query.shape[1], call.cache.key.shape[2]
     _check_room(index, t, length, call.window)
-    cache = _write_cache(call.cache, k, v, call.key_mask)
+    cache = _write_cache(call.cache, k, v, call.key_mask) if call.shared is None else call.shared  # shared: written
     cache_keep = _cache_keep(cache.keep, index, t, call.causal, call.window, call.attention_chunk_size)
     keep = _and(keep, cache_keep)  # (B, N|1, T, L), dims may be 1
     call = call._replace(causal=False, window=None, attention_chunk_size=None, cache=cache)
     return cache.key, cache.value, keep, call
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: shared keys and values
+# -------------------------------------------------------------------------------------------------
+# Cross-layer KV sharing (Gemma 3n, Gemma 4): a layer built with `kv_shared=True` has no key or value
+# projections (nor `key_norm`); each call takes the keys and values of the layer that computed them through
+# `shared_kv`: the (k, v) pair that layer's call returned with `return_kv=True` (after its QK-norm, RoPE and
+# value norm), or, decoding, that layer's `KVCache` once it wrote this call's T tokens. The shared layer reads
+# that cache (its index counts the T tokens: the queries sit at positions index - T to index - 1) and writes
+# nothing: the cache is written once, by its producer, whose `key_mask` is in its keep. Steps 2 to 4 of a
+# layer with any of these options are `_project_sharing`; `keys_as_values` (no value projection: v is the key
+# projection, clamped, before QK-norm and RoPE) and `value_norm` (each value head RMS-normalized, no scale)
+# are the options of Gemma 4's full-attention layers (`attention_k_eq_v`) and of Gemma's `v_norm`.
+
+_SHARING_FLAGS = ("kv_shared", "keys_as_values", "value_norm")
+
+
+def _check_sharing(layer, kv_shared, keys_as_values, value_norm):
+    """Checks and stores `kv_shared`, `keys_as_values` and `value_norm`; drops the biases of the
+    projections they remove from `bias` (and with `keys_as_values`, vdim is kdim: v comes from `key`)."""
+    values = dict(zip(_SHARING_FLAGS, (kv_shared, keys_as_values, value_norm), strict=True))
+    flags = {name: _flag(name, value) for name, value in values.items()}
+    if any(flags.values()) and layer._latent is not None:
+        raise ValueError(
+            "`kv_shared`, `keys_as_values` and `value_norm` must be False with `kv_lora_rank` (MLA projects its "
+            f"keys and values from one latent). Received: {flags}"
+        )
+    if flags["kv_shared"] and (flags["keys_as_values"] or flags["value_norm"]):
+        raise ValueError(
+            "`keys_as_values` and `value_norm` must be False with `kv_shared`: the layer projects no keys or "
+            f"values (their producer applies them). Received: {flags}"
+        )
+    for name, value in flags.items():
+        setattr(layer, name, value)  # layer.kv_shared, layer.keys_as_values, layer.value_norm
+    layer._sharing = any(flags.values())
+    absent = _absent_projections(layer)
+    layer.bias = tuple(kind for kind in layer.bias if kind not in absent)
+    layer.vdim = layer.kdim if layer.keys_as_values else layer.vdim
+
+
+def _absent_projections(layer):
+    """The projections the sharing options remove: key and value (`kv_shared`), value (`keys_as_values`)."""
+    return ("key", "value") if layer.kv_shared else ("value",) if layer.keys_as_values else ()
+
+
+def _shared_cache(layer, query, cache, shared_kv):
+    """`shared_kv` given: `cache` must be None; a shared `KVCache` is returned with its index moved
+    back by T, so that the call's checks see the cache its producer wrote to (else None)."""
+    if cache is not None:
+        raise ValueError(
+            "`cache` must be None with `shared_kv`: a layer that shares keys and values writes no cache (pass "
+            "the producer's cache as `shared_kv`). Received: a cache and shared_kv"
+        )
+    if not isinstance(shared_kv, KVCache):
+        return None
+    return shared_kv._replace(index=np.asarray(shared_kv.index) - np.shape(query)[-2])
+
+
+def _shared_call(layer, call, shared_kv):
+    """Checks `shared_kv` against the layer (given iff `kv_shared`) and the call's (B, S) key; the
+    call with it as `shared` (a pair as float64)."""
+    if not layer.kv_shared or shared_kv is None:
+        raise ValueError(
+            "`shared_kv` must be given exactly when the layer is built with `kv_shared=True` (it has no key or "
+            f"value projections). Received: kv_shared={layer.kv_shared}, shared_kv={type(shared_kv).__name__}"
+        )
+    if isinstance(shared_kv, KVCache):
+        return call._replace(shared=shared_kv)  # checked as the call's cache
+    b, s = call.key.shape[:2]
+    expected = (b, layer.num_kv_heads, s, layer.head_dim)
+    pair = tuple(shared_kv) if isinstance(shared_kv, (tuple, list)) else ()
+    shapes = tuple(tuple(np.shape(x)) for x in pair)
+    if (
+        len(pair) != 2
+        or shapes != (expected, expected)
+        or not all(np.issubdtype(np.asarray(x).dtype, np.floating) for x in pair)
+    ):
+        raise ValueError(
+            f"`shared_kv` must be a KVCache or a (k, v) pair of floating (B, K, S, H)={expected} arrays. "
+            f"Received: {type(shared_kv).__name__} with shapes {shapes}"
+        )
+    return call._replace(shared=tuple(np.asarray(x, dtype=np.float64) for x in pair))
+
+
+def _project_sharing(layer, call):
+    """Steps 2 to 4 with the sharing options: q (B, N, T, H); k and v (B, K, S, H) projected (v the
+    clamped key projection with `keys_as_values`, RMS-normalized with `value_norm`) or shared (a
+    shared cache gives None: step 5 reads it)."""
+    q = layer._split_heads(_clip(layer, layer._project(call.query, "query")))  # (B, T, E) -> (B, N, T, H)
+    q = q if layer.qk_norm is None else _qk_norm(layer, q, "query")
+    q = q if layer._inv_freq is None else _turn(layer, q, call.positions)
+    if layer.kv_shared:
+        return (q, None, None) if isinstance(call.shared, KVCache) else (q, *call.shared)
+    k, v = _own_keys_values(layer, call)  # 2. (B, K, S, H) x 2
+    k = k if layer.qk_norm is None else _qk_norm(layer, k, "key")  # 3.
+    k = k if layer._inv_freq is None else _turn(layer, k, call.positions)  # 4.
+    return q, k, v
+
+
+def _own_keys_values(layer, call):
+    """The clamped key projection and the values (B, K, S, H): with `keys_as_values` the key
+    projection again, with `value_norm` RMS-normalized per head without a scale."""
+    k = layer._split_heads(_clip(layer, layer._project(call.key, "key")))  # (B, S, kdim) -> (B, K, S, H)
+    v = k if layer.keys_as_values else _raw_values(layer, call)  # (B, K, S, H)
+    return k, v if not layer.value_norm else rms_norm(v, 1.0, layer.qk_norm_eps)  # (B, K, S, H)
+
+
+def _raw_values(layer, call):
+    """The values before `value_norm` (B, K, S, H): the clamped value projection, or with `keys_as_values` the key's."""
+    kind = "key" if layer.keys_as_values else "value"
+    return layer._split_heads(_clip(layer, layer._project(getattr(call, kind), kind)))  # (B, S, D) -> (B, K, S, H)
+
+
+def _sharing_backward(layer, call, d_q, d_k, d_v, grads, extra):
+    """Steps 4 to 2 backward with the sharing options: the inputs' gradients; with `kv_shared` the
+    shared keys' and values' gradients go to `extra` as `shared_key` and `shared_value` (B, K, S, H)."""
+    d_q = _turn_back(layer, d_q, call.positions)  # 4.
+    inputs = {"query": _project_backward(layer, "query", call.query, d_q, grads)}
+    if layer.kv_shared:
+        extra.update(shared_key=d_k, shared_value=d_v)
+        return {**inputs, "key": np.zeros_like(call.key), "value": np.zeros_like(call.value)}
+    if layer.value_norm:  # at the values before the norm, recomputed
+        d_v, _ = _rms_norm_backward(_raw_values(layer, call), np.float64(1.0), layer.qk_norm_eps, d_v)
+    d_k = _turn_back(layer, d_k, call.positions)  # 4.
+    if layer.keys_as_values:
+        inputs["key"] = _project_backward(layer, "key", call.key, d_k, grads, layer._merge_heads(d_v))
+        return {**inputs, "value": np.zeros_like(call.value)}
+    inputs["key"] = _project_backward(layer, "key", call.key, d_k, grads)
+    inputs["value"] = _project_backward(layer, "value", call.value, d_v, grads)
+    return inputs
 
 
 # -------------------------------------------------------------------------------------------------
@@ -2100,14 +2249,15 @@ def _float_shapes(layer):
         "gate_kernel": (layer.d_model, nh),
         "gate_bias": (nh,),
     }
-    kinds = _projection_kinds(_PROJECTIONS, layer.gate)
+    absent = _absent_projections(layer)  # shared keys and values, keys as values (their section)
+    kinds = [kind for kind in _projection_kinds(_PROJECTIONS, layer.gate) if kind not in absent]
     present = {
         **{f"{kind}_kernel": kind in kinds for kind in _PROJECTIONS},
         **{f"{kind}_bias": kind in layer.bias and kind in kinds for kind in _PROJECTIONS},
         "query_norm": layer.qk_norm is not None,
-        "key_norm": layer.qk_norm is not None,
+        "key_norm": layer.qk_norm is not None and "key" in kinds,
         "query_norm_bias": layer.qk_norm is not None and layer.qk_norm_bias,
-        "key_norm_bias": layer.qk_norm is not None and layer.qk_norm_bias,
+        "key_norm_bias": layer.qk_norm is not None and layer.qk_norm_bias and "key" in kinds,
         "sinks": layer.sinks,
     }
     return {name: shape for name, shape in shapes.items() if present[name]}
