@@ -2104,8 +2104,8 @@ def _all_kept(keep):
 # nothing: the cache is written once, by its producer, whose `key_mask` is in its keep. Steps 2 to 4 of a
 # layer with any of these options are `_project_sharing`; `keys_as_values` (no value projection: v is the key
 # projection, clamped, before QK-norm and RoPE) and `value_norm` (each value head RMS-normalized, no scale)
-# are the options of Gemma 4's full-attention layers (`attention_k_eq_v`) and of Gemma's `v_norm`. Autograd
-# carries the gradient to the shared keys and values passed in.
+# are the options of Gemma 4's full-attention layers (`attention_k_eq_v`) and of Gemma's `v_norm`. The
+# gradient reaches the shared keys and values passed in.
 
 _SHARING_FLAGS = ("kv_shared", "keys_as_values", "value_norm")
 
