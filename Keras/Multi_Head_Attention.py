@@ -252,7 +252,7 @@ class MultiHeadAttention(keras.layers.Layer):
             self.vdim = self.kdim  # MLA reads keys and values from `key`
         for name in _LATENT_SIZES:
             setattr(self, name, None if latent is None else getattr(latent, name))
-        _check_sharing(self, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
+        _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         if self.rope_theta is not None:
             rotary = _rotary_dim(self.rope_fraction, rope_width, True)
             frequencies = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,) NumPy
@@ -279,11 +279,10 @@ class MultiHeadAttention(keras.layers.Layer):
             query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
             return_attention, cache, training, value_mask,
         )  # 1. defaults and checks  # fmt: skip
-        call = call if shared_kv is None and not self.kv_shared else _shared_call(self, call, shared_kv)
         call = call if segment_ids is None is key_segment_ids else _packed(self, call, segment_ids, key_segment_ids)
         keep, bias = self._masks(call)  # 1. one keep and one bias, (B|1, N|1, T|1, S|1) each
         if self.kv_lora_rank is None:
-            q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H) x 2
+            q, k, v = self._project_qkv(call) if not self._sharing else _project_sharing(self, call, shared_kv)  # 2-4.
         else:
             q, k, v = _project_latent(self, call)  # 2. MLA: q, c (B, 1, S, C), k_rope (B, 1, S, Hr)
         if self.qk_norm is not None and not self._sharing:
@@ -299,7 +298,7 @@ class MultiHeadAttention(keras.layers.Layer):
         if self.gate:
             context = _gate_heads(self, call, context)  # 6b. the output gate
         output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*Hv) -> (B, T, E)
-        cache = call.cache if call.shared is None else None  # a shared cache is not returned
+        cache = call.cache if not self.kv_shared else None  # a shared cache is not returned
         if call.return_attention or cache is not None or return_kv:
             return _results(output, weights, cache, call.return_attention, (k, v) if return_kv else None)
         return output
@@ -370,8 +369,6 @@ class MultiHeadAttention(keras.layers.Layer):
 
     def _project_qkv(self, call):
         """The input projections in heads, (B, N, T, H), (B, K, S, H) x 2, clamped by `clip_qkv`."""
-        if self._sharing:  # steps 2 to 4: shared keys and values, keys as values, the value norm
-            return _project_sharing(self, call)
         q = self._split_heads(self._project(call.query, "query"), self.num_heads)
         k = self._split_heads(self._project(call.key, "key"), self.num_kv_heads)
         v = self._split_heads(self._project(call.value, "value"), self.num_kv_heads)
@@ -1536,7 +1533,7 @@ def _update_cache(layer, call, k, v, keep):
         same, segmented = _segment_keep(layer, call, None, None)  # (B, 1, T, L)
         keep, call = _and(keep, same), call._replace(cache=segmented)
     t, index = _shape(call.query)[1], ops.convert_to_tensor(call.cache.index, "int32")  # the index before this write
-    cache = _write_cache(call.cache, k, v, call.key_mask) if call.shared is None else call.shared  # shared: written
+    cache = _write_cache(call.cache, k, v, call.key_mask) if not layer.kv_shared else _written(call.cache, t)
     folded = _cache_keep(cache.keep, index, t, call.causal, call.window, call.attention_chunk_size)  # (B, 1, T, L)
     keep = _and(keep, folded)  # (B, N, T, L), dims may be 1
     call = call._replace(causal=False, window=None, attention_chunk_size=None, cache=cache)
@@ -1613,12 +1610,13 @@ def _write_cache(cache, k, v, key_mask):
 _SHARING_FLAGS = ("kv_shared", "keys_as_values", "value_norm")
 
 
-def _check_sharing(layer, kv_shared, keys_as_values, value_norm):
-    """Checks and stores `kv_shared`, `keys_as_values` and `value_norm`; drops the projections they
-    remove from `bias` (and with `keys_as_values`, vdim is kdim: v comes from `key`)."""
+def _check_sharing(layer, latent, kv_shared, keys_as_values, value_norm):
+    """Checks and stores `kv_shared`, `keys_as_values` and `value_norm` (refused with MLA, `latent`);
+    drops the projections they remove from `bias`
+    (and with `keys_as_values`, vdim is kdim: v comes from `key`)."""
     values = dict(zip(_SHARING_FLAGS, (kv_shared, keys_as_values, value_norm), strict=True))
     flags = {name: _flag(name, value) for name, value in values.items()}
-    if any(flags.values()) and layer.kv_lora_rank is not None:
+    if any(flags.values()) and latent is not None:
         raise ValueError(
             "`kv_shared`, `keys_as_values` and `value_norm` must be False with `kv_lora_rank` (MLA projects its "
             f"keys and values from one latent). Received: {flags}"
@@ -1642,8 +1640,13 @@ def _absent_projections(layer):
 
 
 def _shared_cache(layer, query, cache, shared_kv):
-    """`shared_kv` given: `cache` must be None; a shared `KVCache` is returned with its index moved
-    back by T, so that the call's checks see the cache its producer wrote to (else None)."""
+    """`shared_kv` given: the layer must be `kv_shared` and `cache` None; a shared `KVCache` is returned
+    with its index moved back by T, so that the call's checks see the cache its producer wrote to (else None)."""
+    if not layer.kv_shared:
+        raise ValueError(
+            "`shared_kv` must be None unless the layer is built with `kv_shared=True` (then it takes its keys and "
+            f"values from it). Received: shared_kv={type(shared_kv).__name__} with kv_shared=False"
+        )
     if cache is not None:
         raise ValueError(
             "`cache` must be None with `shared_kv`: a layer that shares keys and values writes no cache (pass "
@@ -1654,16 +1657,13 @@ def _shared_cache(layer, query, cache, shared_kv):
     return shared_kv._replace(index=ops.convert_to_tensor(shared_kv.index, "int32") - _shape(query)[-2])
 
 
-def _shared_call(layer, call, shared_kv):
-    """Checks `shared_kv` against the layer (given iff `kv_shared`) and the call's (B, S) key; the
-    call with it as `shared`."""
-    if not layer.kv_shared or shared_kv is None:
-        raise ValueError(
-            "`shared_kv` must be given exactly when the layer is built with `kv_shared=True` (it has no key or "
-            f"value projections). Received: kv_shared={layer.kv_shared}, shared_kv={type(shared_kv).__name__}"
-        )
-    if isinstance(shared_kv, KVCache):
-        return call._replace(shared=shared_kv)  # checked as the call's cache
+def _written(cache, t):
+    """The shared cache as its producer returned it: the checked cache's index moved on by T."""
+    return cache._replace(index=ops.convert_to_tensor(cache.index, "int32") + t)
+
+
+def _shared_pair(layer, call, shared_kv):
+    """A `kv_shared` layer's (k, v): `shared_kv` checked as a (B, K, S, H) pair for the call's (B, S) key."""
     b, s = call.key.shape[:2]
     expected = (b, layer.num_kv_heads, s, layer.head_dim)
     pair = tuple(shared_kv) if isinstance(shared_kv, (tuple, list)) else ()
@@ -1673,7 +1673,7 @@ def _shared_call(layer, call, shared_kv):
             f"`shared_kv` must be a KVCache or a (k, v) pair of floating (B, K, S, H)={expected} tensors. "
             f"Received: {type(shared_kv).__name__} with shapes {shapes}"
         )
-    return call._replace(shared=tuple(ops.cast(x, layer.compute_dtype) for x in pair))
+    return tuple(ops.cast(x, layer.compute_dtype) for x in pair)
 
 
 def _same_shape(shape, expected):
@@ -1683,15 +1683,20 @@ def _same_shape(shape, expected):
     )
 
 
-def _project_sharing(layer, call):
+def _project_sharing(layer, call, shared_kv):
     """Steps 2 to 4 with the sharing options: q (B, N, T, H); k and v (B, K, S, H) projected (v the
-    clamped key projection with `keys_as_values`, RMS-normalized with `value_norm`) or shared (a
-    shared cache gives None: step 5 reads it)."""
+    clamped key projection with `keys_as_values`, RMS-normalized with `value_norm`) or `shared_kv`
+    (a shared cache, then the call's, gives None: step 5 reads it)."""
     q = _clip(layer, layer._split_heads(layer._project(call.query, "query"), layer.num_heads))  # (B, N, T, H)
     q = q if layer.qk_norm is None else _norm(layer, q, "query", layer.num_heads)
     q = q if layer.rope_theta is None else _rotate_heads(layer, q, call.positions)
+    if layer.kv_shared and shared_kv is None:
+        raise ValueError(
+            "`shared_kv` must be given to a layer built with `kv_shared=True`: it has no key or value projections. "
+            "Received: shared_kv=None"
+        )
     if layer.kv_shared:
-        return (q, None, None) if isinstance(call.shared, KVCache) else (q, *call.shared)
+        return (q, None, None) if call.cache is not None else (q, *_shared_pair(layer, call, shared_kv))
     k, v = _own_keys_values(layer, call)  # 2. (B, K, S, H) x 2
     k = k if layer.qk_norm is None else _norm(layer, k, "key", layer.num_kv_heads)  # 3.
     k = k if layer.rope_theta is None else _rotate_heads(layer, k, call.positions)  # 4.
@@ -2795,7 +2800,6 @@ class _Call(NamedTuple):
     training: Any  # the call's training flag
     fuse: bool  # q, k, v from one matmul: never in this file
     segmented: bool = False  # packed sequences: the ids folded into attention_mask (`_packed`)
-    shared: Any = None  # `shared_kv`, checked (its section)
 
 
 def _results(output, weights, cache, return_attention, kv=None):

@@ -81,7 +81,6 @@ class _Call(NamedTuple):
     training: None  # TF/Keras only
     fuse: bool  # False: the reference projects q, k and v one at a time
     segmented: bool = False  # packed sequences: the ids folded into attention_mask (`_packed`)
-    shared: "tuple | KVCache | None" = None  # `shared_kv`, checked (its section)
 
 
 class MultiHeadAttention:
@@ -235,7 +234,7 @@ class MultiHeadAttention:
             self.vdim = self.kdim  # the values come from `key`
             self._cache_layout = _latent_cache_layout(latent)  # (1, C, Hr)
         self.absorb_latents = None  # MLA: None (absorbed with a cache and T <= 8), True or False
-        _check_sharing(self, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
+        _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         self._float_layout = _float_shapes(self) if latent is None else _latent_shapes(self)  # {name: shape}
         self._inv_freq = None  # (R/2,), computed once
         if self.rope_theta is not None:
@@ -265,11 +264,10 @@ class MultiHeadAttention:
             query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
             return_attention, cache, mask,
         )  # 1. defaults and checks  # fmt: skip
-        call = call if shared_kv is None and not self.kv_shared else _shared_call(self, call, shared_kv)
         call = call if segment_ids is None is key_segment_ids else _packed(self, call, segment_ids, key_segment_ids)
         masks = (call.attention_mask, call.attention_bias, call.key_mask, call.query_mask)
         keep, bias = self._masks(call) if any(m is not None for m in masks) else (None, None)  # 1. keep and bias
-        q, k, v = self._project_qkv(call)  # 2-4. (B, N, T, H), (B, K, S, H) x 2, QK-norm and RoPE of q and k
+        q, k, v = self._project_qkv(call) if not self._sharing else _project_sharing(self, call, shared_kv)  # 2-4.
         if call.cache is not None:
             k, v, keep, call = _update_cache(self, call, k, v, keep)  # 5. KV cache, keep over its L slots
         context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S)
@@ -281,7 +279,7 @@ class MultiHeadAttention:
         saved.update(keep=keep, weights=weights, context=context, gate=gate, merged=merged)
         self._saved = None if call.cache is not None else saved  # what `backward` reads (its section)
         results = (output, weights) if call.return_attention else (output,)
-        results = results if call.cache is None or call.shared is not None else (*results, call.cache)
+        results = results if call.cache is None or self.kv_shared else (*results, call.cache)  # not a shared one
         results = results if not return_kv else (*results, (k, v))
         return results[0] if len(results) == 1 else results
 
@@ -342,8 +340,6 @@ class MultiHeadAttention:
         (clamped by `clip_qkv`), QK-norm and RoPE of q and k; MLA's in its section."""
         if self._latent is not None:
             return _project_latent(self, call)  # q, the latents and k_rope in k's and v's places
-        if self._sharing:
-            return _project_sharing(self, call)  # shared keys and values, keys as values, the value norm
         q = self._project(call.query, "query")  # 2. (B, T, E) -> (B, T, N*H)
         k = self._project(call.key, "key")  # 2. (B, S, kdim) -> (B, S, K*H)
         v = self._project(call.value, "value")  # 2. (B, S, vdim) -> (B, S, K*H)
@@ -1512,7 +1508,7 @@ def _update_cache(layer, call, k, v, keep):
         keep, call = _and(keep, same), call._replace(cache=segmented)
     index, t, length = int(call.cache.index), call.query.shape[1], call.cache.key.shape[2]
     _check_room(index, t, length, call.window)
-    cache = _write_cache(call.cache, k, v, call.key_mask) if call.shared is None else call.shared  # shared: written
+    cache = _write_cache(call.cache, k, v, call.key_mask) if not layer.kv_shared else _written(call.cache, t)
     cache_keep = _cache_keep(cache.keep, index, t, call.causal, call.window, call.attention_chunk_size)
     keep = _and(keep, cache_keep)  # (B, N|1, T, L), dims may be 1
     call = call._replace(causal=False, window=None, attention_chunk_size=None, cache=cache)
@@ -1535,12 +1531,13 @@ def _update_cache(layer, call, k, v, keep):
 _SHARING_FLAGS = ("kv_shared", "keys_as_values", "value_norm")
 
 
-def _check_sharing(layer, kv_shared, keys_as_values, value_norm):
-    """Checks and stores `kv_shared`, `keys_as_values` and `value_norm`; drops the biases of the
-    projections they remove from `bias` (and with `keys_as_values`, vdim is kdim: v comes from `key`)."""
+def _check_sharing(layer, latent, kv_shared, keys_as_values, value_norm):
+    """Checks and stores `kv_shared`, `keys_as_values` and `value_norm` (refused with MLA, `latent`);
+    drops the projections they remove from `bias`
+    (and with `keys_as_values`, vdim is kdim: v comes from `key`)."""
     values = dict(zip(_SHARING_FLAGS, (kv_shared, keys_as_values, value_norm), strict=True))
     flags = {name: _flag(name, value) for name, value in values.items()}
-    if any(flags.values()) and layer._latent is not None:
+    if any(flags.values()) and latent is not None:
         raise ValueError(
             "`kv_shared`, `keys_as_values` and `value_norm` must be False with `kv_lora_rank` (MLA projects its "
             f"keys and values from one latent). Received: {flags}"
@@ -1564,8 +1561,13 @@ def _absent_projections(layer):
 
 
 def _shared_cache(layer, query, cache, shared_kv):
-    """`shared_kv` given: `cache` must be None; a shared `KVCache` is returned with its index moved
-    back by T, so that the call's checks see the cache its producer wrote to (else None)."""
+    """`shared_kv` given: the layer must be `kv_shared` and `cache` None; a shared `KVCache` is returned
+    with its index moved back by T, so that the call's checks see the cache its producer wrote to (else None)."""
+    if not layer.kv_shared:
+        raise ValueError(
+            "`shared_kv` must be None unless the layer is built with `kv_shared=True` (then it takes its keys and "
+            f"values from it). Received: shared_kv={type(shared_kv).__name__} with kv_shared=False"
+        )
     if cache is not None:
         raise ValueError(
             "`cache` must be None with `shared_kv`: a layer that shares keys and values writes no cache (pass "
@@ -1576,16 +1578,13 @@ def _shared_cache(layer, query, cache, shared_kv):
     return shared_kv._replace(index=np.asarray(shared_kv.index) - np.shape(query)[-2])
 
 
-def _shared_call(layer, call, shared_kv):
-    """Checks `shared_kv` against the layer (given iff `kv_shared`) and the call's (B, S) key; the
-    call with it as `shared` (a pair as float64)."""
-    if not layer.kv_shared or shared_kv is None:
-        raise ValueError(
-            "`shared_kv` must be given exactly when the layer is built with `kv_shared=True` (it has no key or "
-            f"value projections). Received: kv_shared={layer.kv_shared}, shared_kv={type(shared_kv).__name__}"
-        )
-    if isinstance(shared_kv, KVCache):
-        return call._replace(shared=shared_kv)  # checked as the call's cache
+def _written(cache, t):
+    """The shared cache as its producer returned it: the checked cache's index moved on by T."""
+    return cache._replace(index=np.asarray(int(cache.index) + t))
+
+
+def _shared_pair(layer, call, shared_kv):
+    """A `kv_shared` layer's (k, v): `shared_kv` checked as a (B, K, S, H) pair for the call's (B, S) key."""
     b, s = call.key.shape[:2]
     expected = (b, layer.num_kv_heads, s, layer.head_dim)
     pair = tuple(shared_kv) if isinstance(shared_kv, (tuple, list)) else ()
@@ -1599,18 +1598,23 @@ def _shared_call(layer, call, shared_kv):
             f"`shared_kv` must be a KVCache or a (k, v) pair of floating (B, K, S, H)={expected} arrays. "
             f"Received: {type(shared_kv).__name__} with shapes {shapes}"
         )
-    return call._replace(shared=tuple(np.asarray(x, dtype=np.float64) for x in pair))
+    return tuple(np.asarray(x, dtype=np.float64) for x in pair)
 
 
-def _project_sharing(layer, call):
+def _project_sharing(layer, call, shared_kv):
     """Steps 2 to 4 with the sharing options: q (B, N, T, H); k and v (B, K, S, H) projected (v the
-    clamped key projection with `keys_as_values`, RMS-normalized with `value_norm`) or shared (a
-    shared cache gives None: step 5 reads it)."""
+    clamped key projection with `keys_as_values`, RMS-normalized with `value_norm`) or `shared_kv`
+    (a shared cache, then the call's, gives None: step 5 reads it)."""
     q = layer._split_heads(_clip(layer, layer._project(call.query, "query")))  # (B, T, E) -> (B, N, T, H)
     q = q if layer.qk_norm is None else _qk_norm(layer, q, "query")
     q = q if layer._inv_freq is None else _turn(layer, q, call.positions)
+    if layer.kv_shared and shared_kv is None:
+        raise ValueError(
+            "`shared_kv` must be given to a layer built with `kv_shared=True`: it has no key or value projections. "
+            "Received: shared_kv=None"
+        )
     if layer.kv_shared:
-        return (q, None, None) if isinstance(call.shared, KVCache) else (q, *call.shared)
+        return (q, None, None) if call.cache is not None else (q, *_shared_pair(layer, call, shared_kv))
     k, v = _own_keys_values(layer, call)  # 2. (B, K, S, H) x 2
     k = k if layer.qk_norm is None else _qk_norm(layer, k, "key")  # 3.
     k = k if layer._inv_freq is None else _turn(layer, k, call.positions)  # 4.

@@ -186,7 +186,7 @@ class MultiHeadAttention(nn.Module):
         self.clip_qkv, self.latent_norm_eps = variants.clip_qkv, variants.latent_norm_eps
         self.absorb_latents = None  # MLA: None (absorbed with a cache and T <= 8), True or False
         self._projections = _projection_kinds(names, variants.gate)  # the layer's projections
-        _check_sharing(self, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
+        _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         self._rotary_dim = _rotary_dim(self.rope_fraction, rope_width, self.rope_theta is not None)  # None: no RoPE
         _make_weights(self, latent, variants.sinks, variants.gate, {"device": device, "dtype": dtype})
         self._warned_traps, self._fused = set(), None  # mask habits warned of; q/k/v kernels kept (no_grad)
@@ -206,16 +206,13 @@ class MultiHeadAttention(nn.Module):
                 query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
                 return_attention, cache, mask,
             )  # 1. defaults and checks  # fmt: skip
-        call = call if shared_kv is None and not self.kv_shared else _shared_call(self, call, shared_kv)
         call = call if segment_ids is None is key_segment_ids else _packed(self, call, segment_ids, key_segment_ids)
         masked = call.attention_mask is not None or call.attention_bias is not None
         masked = masked or call.key_mask is not None or call.query_mask is not None
         keep, bias = self._masks(call) if masked else (None, None)  # 1. (B|1, N|1, T|1, S|1) keep and bias
         latent, own = self._latent, not self._sharing  # MLA (its section) takes steps 2, 4 and 6 its own way
-        if not own:
-            q, k, v = _project_sharing(self, call)  # 2-4. shared keys and values, keys as values, the value norm
-        elif latent is None:
-            q, k, v = self._project_qkv(call, fast)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H)
+        if latent is None:  # 2. (B, N, T, H), (B, K, S, H) x 2; with the sharing options 2 to 4 (their section)
+            q, k, v = self._project_qkv(call, fast) if own else _project_sharing(self, call, shared_kv)
         else:
             q, k, v = _project_latent(self, call)  # 2. and 4. MLA: q, the latents and the turned k_rope
         if self.clip_qkv is not None and own:
@@ -239,7 +236,7 @@ class MultiHeadAttention(nn.Module):
         if isinstance(query, torch.Tensor) and query.dim() == 2:  # unbatched: drop B
             output, weights = output[0], None if weights is None else weights[0]
         results = (output, weights) if call.return_attention else (output,)
-        results = results if call.cache is None or call.shared is not None else (*results, call.cache)
+        results = results if call.cache is None or self.kv_shared else (*results, call.cache)  # not a shared one
         results = results if not return_kv else (*results, (k, v))
         return results[0] if len(results) == 1 else results
 
@@ -457,7 +454,6 @@ class _Call(NamedTuple):
     training: None  # TensorFlow and Keras only
     fuse: bool  # q, k and v may come from one matmul (one input; with a cache, kernels kept between steps)
     segmented: bool = False  # packed sequences: the ids folded into attention_mask (`_packed`)
-    shared: "tuple | KVCache | None" = None  # `shared_kv`, checked (its section)
 
 
 def _check_input(name, x, dim_name, dim):
@@ -1912,7 +1908,7 @@ def _update_cache(layer, call, k, v, keep, fast=None):
         cache = segmented
     t, length, index = call.query.shape[1], cache.key.shape[2], cache.index
     start = _known_index(index) if fast is None else fast[2]
-    cache = _write_cache(cache, k, v, call.key_mask, start) if call.shared is None else call.shared  # shared: written
+    cache = _write_cache(cache, k, v, call.key_mask, start) if not layer.kv_shared else _written(cache, t)
     lean = keep is None and not call.return_attention  # each mask gives a keep
     if lean and start is not None and start + t <= length:  # lean: the first S = index + T slots
         k, v, keep = _first_slots(cache, start + t)  # (B, K, S, H) x 2, (B, 1, 1, S) or None
@@ -2110,12 +2106,13 @@ def _all_kept(keep):
 _SHARING_FLAGS = ("kv_shared", "keys_as_values", "value_norm")
 
 
-def _check_sharing(layer, kv_shared, keys_as_values, value_norm):
-    """Checks and stores `kv_shared`, `keys_as_values` and `value_norm`; drops the projections they
-    remove from `_projections` and `bias` (and with `keys_as_values`, vdim is kdim: v comes from `key`)."""
+def _check_sharing(layer, latent, kv_shared, keys_as_values, value_norm):
+    """Checks and stores `kv_shared`, `keys_as_values` and `value_norm` (refused with MLA, `latent`);
+    drops the projections they remove from `_projections` and `bias`
+    (and with `keys_as_values`, vdim is kdim: v comes from `key`)."""
     values = dict(zip(_SHARING_FLAGS, (kv_shared, keys_as_values, value_norm), strict=True))
     flags = {name: _flag(name, value) for name, value in values.items()}
-    if any(flags.values()) and layer._latent is not None:
+    if any(flags.values()) and latent is not None:
         raise ValueError(
             "`kv_shared`, `keys_as_values` and `value_norm` must be False with `kv_lora_rank` (MLA projects its "
             f"keys and values from one latent). Received: {flags}"
@@ -2140,8 +2137,13 @@ def _absent_projections(layer):
 
 
 def _shared_cache(layer, query, cache, shared_kv):
-    """`shared_kv` given: `cache` must be None; a shared `KVCache` is returned with its index moved
-    back by T, so that the call's checks see the cache its producer wrote to (else None)."""
+    """`shared_kv` given: the layer must be `kv_shared` and `cache` None; a shared `KVCache` is returned
+    with its index moved back by T, so that the call's checks see the cache its producer wrote to (else None)."""
+    if not layer.kv_shared:
+        raise ValueError(
+            "`shared_kv` must be None unless the layer is built with `kv_shared=True` (then it takes its keys and "
+            f"values from it). Received: shared_kv={type(shared_kv).__name__} with kv_shared=False"
+        )
     if cache is not None:
         raise ValueError(
             "`cache` must be None with `shared_kv`: a layer that shares keys and values writes no cache (pass "
@@ -2152,16 +2154,13 @@ def _shared_cache(layer, query, cache, shared_kv):
     return shared_kv._replace(index=shared_kv.index - query.shape[-2])
 
 
-def _shared_call(layer, call, shared_kv):
-    """Checks `shared_kv` against the layer (given iff `kv_shared`) and the call's (B, S) key; the
-    call with it as `shared`."""
-    if not layer.kv_shared or shared_kv is None:
-        raise ValueError(
-            "`shared_kv` must be given exactly when the layer is built with `kv_shared=True` (it has no key or "
-            f"value projections). Received: kv_shared={layer.kv_shared}, shared_kv={type(shared_kv).__name__}"
-        )
-    if isinstance(shared_kv, KVCache):
-        return call._replace(shared=shared_kv)  # checked as the call's cache
+def _written(cache, t):
+    """The shared cache as its producer returned it: the checked cache's index moved on by T."""
+    return cache._replace(index=cache.index + t)
+
+
+def _shared_pair(layer, call, shared_kv):
+    """A `kv_shared` layer's (k, v): `shared_kv` checked as a (B, K, S, H) pair for the call's (B, S) key."""
     b, s = call.key.shape[:2]
     expected = (b, layer.num_kv_heads, s, layer.head_dim)
     pair = tuple(shared_kv) if isinstance(shared_kv, (tuple, list)) else ()
@@ -2171,18 +2170,23 @@ def _shared_call(layer, call, shared_kv):
             f"`shared_kv` must be a KVCache or a (k, v) pair of floating (B, K, S, H)={expected} tensors. "
             f"Received: {type(shared_kv).__name__} with shapes {shapes}"
         )
-    return call._replace(shared=pair)
+    return pair
 
 
-def _project_sharing(layer, call):
+def _project_sharing(layer, call, shared_kv):
     """Steps 2 to 4 with the sharing options: q (B, N, T, H); k and v (B, K, S, H) projected (v the
-    clamped key projection with `keys_as_values`, RMS-normalized with `value_norm`) or shared (a
-    shared cache gives None: step 5 reads it)."""
+    clamped key projection with `keys_as_values`, RMS-normalized with `value_norm`) or `shared_kv`
+    (a shared cache, then the call's, gives None: step 5 reads it)."""
     q = _clip(layer, layer._split_heads(layer._project(call.query, "query"), layer.num_heads))  # (B, N, T, H)
     q = q if layer.qk_norm is None else _qk_norm(layer, q, "query")
     q = q if layer.rope_theta is None else _turn_heads(layer, q, call.positions)
+    if layer.kv_shared and shared_kv is None:
+        raise ValueError(
+            "`shared_kv` must be given to a layer built with `kv_shared=True`: it has no key or value projections. "
+            "Received: shared_kv=None"
+        )
     if layer.kv_shared:
-        return (q, None, None) if isinstance(call.shared, KVCache) else (q, *call.shared)
+        return (q, None, None) if call.cache is not None else (q, *_shared_pair(layer, call, shared_kv))
     k, v = _own_keys_values(layer, call)  # 2. (B, K, S, H) x 2
     k = k if layer.qk_norm is None else _qk_norm(layer, k, "key")  # 3.
     k = k if layer.rope_theta is None else _turn_heads(layer, k, call.positions)  # 4.

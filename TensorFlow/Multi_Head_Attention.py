@@ -182,7 +182,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         _set_latent(self, latent, vdim, variants)  # MLA's combinations refused, its sizes set (None without)
         for name, value in variants._asdict().items():
             setattr(self, name, value)
-        _check_sharing(self, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
+        _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         if self.rope_theta is not None:
             self._inv_freq = _inverse_frequencies(rope_fraction, rope_width, self.rope_theta, self.rope_scaling)
         self.kernel_initializer = tf.keras.initializers.get(kernel_initializer)
@@ -313,13 +313,12 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
             return_attention, cache, training, value_mask,
         )  # fmt: skip
-        call = call if shared_kv is None and not self.kv_shared else _shared_call(self, call, shared_kv)
         call = call if segment_ids is None is key_segment_ids else _packed(self, call, segment_ids, key_segment_ids)
         keep, bias = None, (None, None)  # 1. the masks: one keep, (the floating mask's, attention_bias's) biases
         if any(mask is not None for mask in (call.attention_mask, attention_bias, call.key_mask, call.query_mask)):
             keep, bias = _masks(self, call)  # keep (B|1, N|1, T|1, S|1), rank-4 biases
         # 2. q (B, N, T, H), k and v (B, K, S, H); MLA: q, the latents c (B, 1, S, C) and k_rope (B, 1, S, Hr)
-        q, k, v = self._project_qkv(call) if self.kv_lora_rank is None else _project_latent(self, call)
+        q, k, v = self._project_qkv(call, shared_kv) if self.kv_lora_rank is None else _project_latent(self, call)
         if self.qk_norm is not None and not self._sharing:  # 3. QK-norm
             q, k = _normalize_qk(self, q, k)
         if self.rope_theta is not None and not self._sharing:  # 4. RoPE
@@ -335,8 +334,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*Hv) -> (B, T, E)
         if cache is not None and misfit is not None:  # XLA cannot raise for a misfit: that call's output is NaN
             output = tf.where(misfit, tf.cast(np.nan, output.dtype), output)
-        results = ((output, weights) if return_attention else (output,)) + (() if cache is None else (call.cache,))
-        results = results if shared_kv is None else results[: 2 if return_attention else 1]  # no cache written
+        written = () if cache is None or self.kv_shared else (call.cache,)  # a shared cache is not returned
+        results = ((output, weights) if return_attention else (output,)) + written
         results = results if not return_kv else (*results, (k, v))
         return results[0] if len(results) == 1 else results
 
@@ -373,10 +372,10 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             self.attention_chunk_size, return_attention, cache, training, fuse,
         )  # fmt: skip
 
-    def _project_qkv(self, call):
+    def _project_qkv(self, call, shared_kv=None):
         """Step 2: q (B, N, T, H), k and v (B, K, S, H), in one matmul where `call.fuse` (`_project_fused`)."""
-        if self._sharing:  # steps 2 to 4: shared keys and values, keys as values, the value norm
-            return _project_sharing(self, call)
+        if self._sharing:  # steps 2 to 4 with the sharing options (their section)
+            return _project_sharing(self, call, shared_kv)
         if call.fuse:  # (B, T, E) -> 3 x (B, T, heads*H)
             q, k, v = _project_fused(self, call.query)
         else:
@@ -453,7 +452,6 @@ class _Call(NamedTuple):
     training: bool | None  # the call's training flag
     fuse: bool  # q, k and v may come from one matmul (self-attention without a cache)
     segmented: bool = False  # packed sequences: the ids folded into attention_mask (`_packed`)
-    shared: "tuple | KVCache | None" = None  # `shared_kv`, checked (its section)
 
 
 def _check_input(name, x, width_name, width):
@@ -1486,8 +1484,8 @@ def _update_cache(layer, call, k, v, keep):
         cache = segmented
     t, index = tf.shape(call.query)[1], tf.convert_to_tensor(cache.index)  # the index before this call's write
     misfit = _check_room(index, t, _cache_length(cache), _window_sides(call.window)[0])  # True only under XLA
-    if call.shared is not None:  # a shared cache: written by its producer
-        cache = call.shared
+    if layer.kv_shared:  # a shared cache: written by its producer
+        cache = _written(cache, t)
     elif _is_in_place(cache):
         cache = _write_variables(cache, k, v, call.key_mask, misfit)  # the same variables, written
     else:
@@ -1683,12 +1681,13 @@ def _write_compiled(handles, fields, k, v, key_mask, misfit):
 _SHARING_FLAGS = ("kv_shared", "keys_as_values", "value_norm")
 
 
-def _check_sharing(layer, kv_shared, keys_as_values, value_norm):
-    """Checks and stores `kv_shared`, `keys_as_values` and `value_norm`; drops the projections they
-    remove from `bias` (and with `keys_as_values`, vdim is kdim: v comes from `key`)."""
+def _check_sharing(layer, latent, kv_shared, keys_as_values, value_norm):
+    """Checks and stores `kv_shared`, `keys_as_values` and `value_norm` (refused with MLA, `latent`);
+    drops the projections they remove from `bias`
+    (and with `keys_as_values`, vdim is kdim: v comes from `key`)."""
     values = dict(zip(_SHARING_FLAGS, (kv_shared, keys_as_values, value_norm), strict=True))
     flags = {name: _flag(name, value) for name, value in values.items()}
-    if any(flags.values()) and layer.kv_lora_rank is not None:
+    if any(flags.values()) and latent is not None:
         raise ValueError(
             "`kv_shared`, `keys_as_values` and `value_norm` must be False with `kv_lora_rank` (MLA projects its "
             f"keys and values from one latent). Received: {flags}"
@@ -1712,8 +1711,13 @@ def _absent_projections(layer):
 
 
 def _shared_cache(layer, query, cache, shared_kv):
-    """`shared_kv` given: `cache` must be None; a shared `KVCache` is returned with its index moved
-    back by T, so that the call's checks see the cache its producer wrote to (else None)."""
+    """`shared_kv` given: the layer must be `kv_shared` and `cache` None; a shared `KVCache` is returned
+    with its index moved back by T, so that the call's checks see the cache its producer wrote to (else None)."""
+    if not layer.kv_shared:
+        raise ValueError(
+            "`shared_kv` must be None unless the layer is built with `kv_shared=True` (then it takes its keys and "
+            f"values from it). Received: shared_kv={type(shared_kv).__name__} with kv_shared=False"
+        )
     if cache is not None:
         raise ValueError(
             "`cache` must be None with `shared_kv`: a layer that shares keys and values writes no cache (pass "
@@ -1724,16 +1728,13 @@ def _shared_cache(layer, query, cache, shared_kv):
     return shared_kv._replace(index=tf.convert_to_tensor(shared_kv.index) - tf.shape(query)[-2])
 
 
-def _shared_call(layer, call, shared_kv):
-    """Checks `shared_kv` against the layer (given iff `kv_shared`) and the call's (B, S) key; the
-    call with it as `shared`."""
-    if not layer.kv_shared or shared_kv is None:
-        raise ValueError(
-            "`shared_kv` must be given exactly when the layer is built with `kv_shared=True` (it has no key or "
-            f"value projections). Received: kv_shared={layer.kv_shared}, shared_kv={type(shared_kv).__name__}"
-        )
-    if isinstance(shared_kv, KVCache):
-        return call._replace(shared=shared_kv)  # checked as the call's cache
+def _written(cache, t):
+    """The shared cache as its producer returned it: the checked cache's index moved on by T."""
+    return cache._replace(index=tf.convert_to_tensor(cache.index) + t)
+
+
+def _shared_pair(layer, call, shared_kv):
+    """A `kv_shared` layer's (k, v): `shared_kv` checked as a (B, K, S, H) pair for the call's (B, S) key."""
     b, s = call.key.shape[:2]
     expected = (b, layer.num_kv_heads, s, layer.head_dim)
     pair = tuple(shared_kv) if isinstance(shared_kv, (tuple, list)) else ()
@@ -1743,7 +1744,7 @@ def _shared_call(layer, call, shared_kv):
             f"`shared_kv` must be a KVCache or a (k, v) pair of floating (B, K, S, H)={expected} tensors. "
             f"Received: {type(shared_kv).__name__} with shapes {shapes}"
         )
-    return call._replace(shared=tuple(tf.cast(x, layer.compute_dtype) for x in pair))
+    return tuple(tf.cast(x, layer.compute_dtype) for x in pair)
 
 
 def _same_shape(shape, expected):
@@ -1753,15 +1754,20 @@ def _same_shape(shape, expected):
     )
 
 
-def _project_sharing(layer, call):
+def _project_sharing(layer, call, shared_kv):
     """Steps 2 to 4 with the sharing options: q (B, N, T, H); k and v (B, K, S, H) projected (v the
-    clamped key projection with `keys_as_values`, RMS-normalized with `value_norm`) or shared (a
-    shared cache gives None: step 5 reads it)."""
+    clamped key projection with `keys_as_values`, RMS-normalized with `value_norm`) or `shared_kv`
+    (a shared cache, then the call's, gives None: step 5 reads it)."""
     q = _clip(layer, layer._split_heads(layer._project(call.query, "query"), layer.num_heads))  # (B, N, T, H)
     q = q if layer.qk_norm is None else _norm(layer, q, "query", layer.num_heads)
     q = q if layer.rope_theta is None else _turn_heads(layer, q, call.positions)
+    if layer.kv_shared and shared_kv is None:
+        raise ValueError(
+            "`shared_kv` must be given to a layer built with `kv_shared=True`: it has no key or value projections. "
+            "Received: shared_kv=None"
+        )
     if layer.kv_shared:
-        return (q, None, None) if isinstance(call.shared, KVCache) else (q, *call.shared)
+        return (q, None, None) if call.cache is not None else (q, *_shared_pair(layer, call, shared_kv))
     k, v = _own_keys_values(layer, call)  # 2. (B, K, S, H) x 2
     k = k if layer.qk_norm is None else _norm(layer, k, "key", layer.num_kv_heads)  # 3.
     k = k if layer.rope_theta is None else _turn_heads(layer, k, call.positions)  # 4.
