@@ -226,6 +226,14 @@ def tiny_model(model_type):
         model = cls(config).float().eval()
     except Exception as error:
         raise NotBuiltError(f"{type(error).__name__}: {_first_line(error)}") from error
+    return perturbed(model)
+
+
+def perturbed(model):
+    """The model with its parameters moved off their initial values, seeded (norm scales away from 1, biases
+    away from 0), in place."""
+    import torch
+
     generator = torch.Generator().manual_seed(SEED + 1)
     with torch.no_grad():
         for parameter in model.parameters():
