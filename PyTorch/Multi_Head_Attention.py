@@ -2495,7 +2495,7 @@ def _kept_fused(layer, x):
 
 def _kept_kernels(layer, dtype):
     """The decode fast path's kernels: the q/k/v kernels the layer keeps (`_project_fused`, made
-    only where the projections could fuse; never with MLA) while they are current for `dtype`
+    only where the projections could fuse; never with MLA or the sharing options) while they are current for `dtype`
     (`_versions`: a weight replaced, cast or written in place is another storage or version) and
     the projections are still plain nn.Linear modules with no hooks, and the output projection's
     weight and bias; else None. Read from the modules' own dicts: a read through nn.Module's

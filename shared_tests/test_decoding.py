@@ -322,10 +322,12 @@ def _spy_fast_steps(monkeypatch):
 def _fast_calls(case):
     """What the fast path is offered and takes in a decode case: none of its calls with a mask
     over the slots or in cross-attention (not offered); else, for each call, whether it takes it:
-    every call after the first (which keeps the kernels) that ends in the cache's first lap."""
+    every call after the first (which keeps the kernels) that ends in the cache's first lap, never
+    with MLA or the sharing options (their steps 2 to 4 are their sections')."""
     if case.mask != "none" or case.cross:
         return []
-    return [i > 0 and stop <= case.length and not case.mla for i, (_, stop) in enumerate(case.spans())]
+    sharing = any(dict(case.variants).get(name) for name in ("kv_shared", "keys_as_values", "value_norm"))
+    return [i > 0 and stop <= case.length and not case.mla and not sharing for i, (_, stop) in enumerate(case.spans())]
 
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: c.name)

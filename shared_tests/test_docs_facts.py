@@ -223,14 +223,20 @@ def _spec_block(opening):
 
 def test_the_spec_constructor_is_the_layer_files_constructor():
     """SPEC "Constructor" names every file's core arguments in order with their defaults (the NumPy file's,
-    less its extra `seed`); every file takes those first, then its extras."""
-    quoted = _spec_block("MultiHeadAttention(").replace("<framework extras>", "")
-    quoted = _parameters(ast.parse(f"def {quoted.rstrip(', )')}): pass".replace("(, ", "(")).body[0].args)
+    less its extra `seed`); every file takes those first, then its extras, then the arguments the SPEC names
+    after `<framework extras>` (options added since, last as new arguments are)."""
+    block = _spec_block("MultiHeadAttention(")
+    quoted = _parameters(ast.parse(f"def {block.split('<framework extras>')[0].rstrip(', ')}): pass").body[0].args)
+    after = _parameters(
+        ast.parse(f"def f(*, {block.split('<framework extras>, ')[1].rstrip(') ')}): pass").body[0].args
+    )
     for framework in docs_facts.layer_files():
         real = _parameters(docs_facts.arguments(f"{framework}.MultiHeadAttention.__init__"))
         assert real[: len(quoted)] == quoted, f"docs/SPEC.md's constructor differs from {framework}'s: {real}"
+        assert real[-len(after) :] == after, f"docs/SPEC.md's last constructor arguments differ from {framework}'s"
     numpy = _parameters(docs_facts.arguments("NumPy.MultiHeadAttention.__init__"))
-    assert [p[0] for p in numpy[len(quoted) :]] == ["seed"], "NumPy's extras are `seed` only (SPEC, Constructor)"
+    extras = numpy[len(quoted) : -len(after)]
+    assert [p[0] for p in extras] == ["seed"], "NumPy's extras are `seed` only (SPEC, Constructor)"
 
 
 def test_the_spec_call_is_the_layer_files_call():

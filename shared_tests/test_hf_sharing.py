@@ -61,7 +61,11 @@ def _captured_full_pass(model):
 
         def hook(module, args, kwargs, output, index=index):
             hidden = kwargs["hidden_states"]
-            captured[index] = (hidden, kwargs["position_ids"].expand(hidden.shape[0], -1), output[0])  # (1, T) -> (B, T)
+            captured[index] = (
+                hidden,
+                kwargs["position_ids"].expand(hidden.shape[0], -1),
+                output[0],
+            )  # (1, T) -> (B, T)
 
         handles.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
     ids, mask = hf_tiny.prompts()
