@@ -141,6 +141,9 @@ def shrink(config):
             shrink(value)
     old_layers = next((getattr(config, n) for n in LAYER_COUNTS if isinstance(getattr(config, n, None), int)), None)
     layers = layers_kept(config, old_layers)
+    if isinstance(getattr(config, "num_kv_shared_layers", None), int) and config.num_kv_shared_layers and old_layers:
+        layers = min(old_layers, layers + 2)  # Gemma 3n, 4: two layers sharing the keys and values of earlier ones
+        config.num_kv_shared_layers = 2
     for name in LAYER_COUNTS:
         if isinstance(getattr(config, name, None), int):
             setattr(config, name, layers)
