@@ -19,7 +19,7 @@ from interop.hf.shared import shared_source, sharing_mode  # noqa: E402
 from shared_tests import hf_tiny  # noqa: E402
 
 MODULE_TOL = 1e-5  # float32 module outputs against transformers'
-MIN_TOKENS = 3  # greedy steps compared before the reference's first near tie (gemma3n: 3, gemma4: 6)
+MIN_TOKENS = 3  # greedy steps compared before the reference's first near tie (gemma3n: 3, the Gemma 4 pair: 6)
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 COMMON = dict(
     vocab_size=128, vocab_size_per_layer_input=128, hidden_size=64, hidden_size_per_layer_input=8,
@@ -37,7 +37,13 @@ FAMILIES = {
         "Gemma4ForCausalLM",
         dict(global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, rope_parameters=ROPE),
     ),
+    "gemma4_unified": (  # the same attention as Gemma 4's
+        "Gemma4UnifiedTextConfig",
+        "Gemma4UnifiedForCausalLM",
+        dict(global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, rope_parameters=ROPE),
+    ),
 }
+MODEL_TYPES = {name for family in FAMILIES for name in (family, f"{family}_text")}  # the ports tested here
 FRAMEWORKS = ("NumPy", "PyTorch", "TensorFlow")
 
 
@@ -125,10 +131,11 @@ def test_ports_say_which_layers_share(family):
     config = model.config.to_dict()
     kwargs = [port_attention(layer.self_attn, model.config)[0] for layer in model.model.layers]
     assert [k.get("kv_shared", False) for k in kwargs] == [False, False, True, True]
-    assert [k.get("keys_as_values", False) for k in kwargs] == [False, family == "gemma4", False, False]
+    gemma4 = family.startswith("gemma4")
+    assert [k.get("keys_as_values", False) for k in kwargs] == [False, gemma4, False, False]
     assert [k.get("value_norm", False) for k in kwargs] == [True, True, False, False]
     assert [shared_source(config, i) for i in (2, 3)] == [0, 1]
-    assert kwargs[1]["head_dim"] == (32 if family == "gemma4" else 16)
+    assert kwargs[1]["head_dim"] == (32 if gemma4 else 16)
     tensors = {name: t.numpy() for name, t in model.state_dict().items()}
     for index, layer in enumerate(model.model.layers):
         layer_kwargs, weights = port_attention(layer.self_attn, model.config)
