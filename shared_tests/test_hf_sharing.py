@@ -1,11 +1,13 @@
 """Gemma 3n and Gemma 4 (`interop/hf/shared.py`): tiny random models whose last layers share the keys and
-values of earlier ones. Each attention module ported equals transformers' in a padded full pass (NumPy, PyTorch,
-TensorFlow), the shared layers given the keys and values their store layer returned; `replace_attention` keeps
-the logits of a left-padded batch and greedy `generate`'s tokens (its decoding passes the store layer's cache).
+values of earlier ones. Each attention module ported equals transformers' (NumPy, PyTorch, TensorFlow) in a
+padded full pass, the shared layers given the keys and values their store layer returned, and decoding
+left-padded prompts, the shared layers given their store layer's cache; `replace_attention` keeps the logits of
+a left-padded batch and greedy `generate`'s tokens.
 
 Legend: B batch, T tokens, E hidden size.
 """
 
+import functools
 import importlib
 
 import numpy as np
@@ -47,7 +49,9 @@ MODEL_TYPES = {name for family in FAMILIES for name in (family, f"{family}_text"
 FRAMEWORKS = ("NumPy", "PyTorch", "TensorFlow")
 
 
+@functools.cache
 def _model(family):
+    """The family's tiny model, built once (Gemma 3n's takes seconds); `check_replaced` swaps a copy."""
     config_name, model_name, options = FAMILIES[family]
     config = getattr(transformers, config_name)(**COMMON, **options)
     torch.manual_seed(hf_tiny.SEED)
@@ -102,14 +106,15 @@ class _Framework:
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def full_pass(request):
+    """(family, model, its padded full pass' captures and mask, its decoding's captures and masks)."""
     model = _model(request.param)
     captured, mask = _captured_full_pass(model)
-    return request.param, model, captured, mask
+    return request.param, model, captured, mask, _captured_decoding(model)
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_each_module_matches_transformers_in_a_padded_full_pass(framework, full_pass):
-    family, model, captured, mask = full_pass
+    family, model, captured, mask, _ = full_pass
     config, runner, shared = model.config.to_dict(), _Framework(framework), {}
     rows = mask.bool().numpy()
     for index, module in enumerate(model.model.layers):
@@ -123,6 +128,59 @@ def test_each_module_matches_transformers_in_a_padded_full_pass(framework, full_
             output, shared[index] = layer(hidden, **call, return_kv=True)
         difference = np.abs(runner.numpy(output)[rows] - expected.numpy()[rows]).max()
         assert difference <= MODULE_TOL, f"{family} layer {index}: {difference:.3g}"
+
+
+STEPS = 2  # decoding: the prompt, then this many tokens one at a time
+
+
+def _captured_decoding(model):
+    """Per layer, [(hidden_states, position_ids, output)] of each call: the left-padded prompts, then `STEPS`
+    greedy tokens one at a time, with transformers' cache; and the (B, T) masks of each call's tokens."""
+    captured, handles = {i: [] for i in range(len(model.model.layers))}, []
+    for index, layer in enumerate(model.model.layers):
+
+        def hook(module, args, kwargs, output, index=index):
+            captured[index].append((kwargs["hidden_states"], kwargs["position_ids"], output[0]))
+
+        handles.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
+    ids, mask = hf_tiny.prompts()
+    cache, masks, total = transformers.DynamicCache(config=model.config), [mask], mask
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache).logits
+        for _ in range(STEPS):
+            positions, total = positions[:, -1:] + 1, torch.cat([total, torch.ones_like(mask[:, :1])], 1)
+            step = logits[:, -1:].argmax(-1)
+            logits = model(input_ids=step, attention_mask=total, position_ids=positions, past_key_values=cache).logits
+            masks.append(torch.ones_like(step))
+    for handle in handles:
+        handle.remove()
+    return captured, masks
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_each_module_matches_transformers_decoding_left_padded_prompts(framework, full_pass):
+    """The store layers decode with their cache, the shared layers read it (`shared_kv=cache`)."""
+    family, model, _, _, (captured, masks) = full_pass
+    config, runner = model.config.to_dict(), _Framework(framework)
+    layers = [runner.layer(*port_attention(layer.self_attn, model.config)) for layer in model.model.layers]
+    caches = {i: layer.init_cache(masks[0].shape[0], 16) for i, layer in enumerate(layers) if not layer.kv_shared}
+    for call, mask in enumerate(masks):
+        rows = mask.bool().numpy()
+        for index, layer in enumerate(layers):
+            hidden, positions, expected = captured[index][call]
+            arguments = {"causal": True, "positions": runner.tensor(positions.expand(hidden.shape[0], -1).numpy())}
+            if layer.kv_shared:
+                output = layer(
+                    runner.tensor(hidden.numpy()), **arguments, shared_kv=caches[shared_source(config, index)]
+                )
+            else:
+                step_mask = runner.tensor(rows)
+                output, caches[index] = layer(
+                    runner.tensor(hidden.numpy()), **arguments, key_mask=step_mask, cache=caches[index]
+                )
+            difference = np.abs(runner.numpy(output)[rows] - expected.numpy()[rows]).max()
+            assert difference <= MODULE_TOL, f"{family} layer {index}, call {call}: {difference:.3g}"
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
