@@ -171,6 +171,7 @@ class MultiHeadAttention:
         output (B, T, E), or (output, weights) with weights (B, N, T, S) when
         `return_attention` is True; with `cache`, the updated cache is appended and weights
         are (B, N, T, L), exactly 0 at unwritten slots.
+        With `return_kv`, the (k, v) pair is appended last; a shared cache is read, not returned.
 
     Coming from `nn.MultiheadAttention`: a boolean mask here is True where a query may attend
     (there True means "ignore": pass `~attn_mask`, and `key_mask=~key_padding_mask`);

@@ -127,6 +127,7 @@ class MultiHeadAttention(nn.Module):
         dropout) when `return_attention` is True; with `cache`, the updated cache is appended
         and weights are (B, N, T, L), exactly 0 at unwritten slots. A query row with no key left
         has weights of exactly 0 (its output is `output_bias`). Unbatched inputs, unbatched results.
+        With `return_kv`, the (k, v) pair is appended last; a shared cache is read, not returned.
 
     Example, a key padding mask (the third key of the first sequence is padding):
         >>> layer = MultiHeadAttention(16, 4)

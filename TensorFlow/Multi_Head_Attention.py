@@ -127,6 +127,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before dropout)
         when `return_attention` is True; with `cache`, the updated cache is appended and weights are
         (B, N, T, L), exactly 0 at unwritten slots. From `keras.layers.MultiHeadAttention`: converters.
+        With `return_kv`, the (k, v) pair is appended last; a shared cache is read, not returned.
 
     Example, a key padding mask (the third key of the first sequence is padding):
         >>> layer = MultiHeadAttention(16, 4)
