@@ -166,6 +166,10 @@ class MultiHeadAttention(keras.layers.Layer):
         query_scaling: None, or {"type": "temperature" or "positions", "beta": b, "floor": f}: each
             query row times 1 + b * ln(1 + floor(p / f)) (Llama 4's temperature tuning, Mistral 4's
             `llama_4_scaling_beta`; the section "positions").
+        kv_shared: if True, the layer has no key or value projections: every call takes another
+            layer's keys and values through `shared_kv` (Gemma 3n's and Gemma 4's shared layers).
+        keys_as_values: if True, no value projection: v is the key projection before QK-norm and RoPE (Gemma 4).
+        value_norm: if True, each value head is RMS-normalized without a scale (eps `qk_norm_eps`; Gemma 3n, 4).
         **kwargs: base layer arguments (`name`, `dtype` policy, ...).
 
     Call arguments:
@@ -187,11 +191,15 @@ class MultiHeadAttention(keras.layers.Layer):
         training: dropout acts only when True.
         value_mask: (B, S) boolean, ANDed with `key_mask` (Keras fills it from the value's mask).
         cache: a `KVCache` from `init_cache`: decode T new tokens (its section).
+        shared_kv: with `kv_shared`, a (k, v) pair of (B, K, S, H) keys and values another layer
+            attended (its `return_kv`), or that layer's `KVCache` once it wrote this call's T tokens.
+        return_kv: if True, also return the (k, v) the call attended (over the L slots with a cache).
 
     Returns:
         output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before
         dropout) when `return_attention` is True; with `cache`, the updated cache is appended
         and weights are (B, N, T, L), exactly 0 at unwritten slots.
+        With `return_kv`, the (k, v) pair is appended last; a shared cache is read, not returned.
 
     Example, a key padding mask (the third key of the first sequence is padding):
         >>> layer = MultiHeadAttention(16, 4)
@@ -215,7 +223,8 @@ class MultiHeadAttention(keras.layers.Layer):
         rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None, qk_norm_eps=1e-6,
         qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
-        kernel_initializer="glorot_uniform", bias_initializer="zeros", query_scaling=None, **kwargs,
+        kernel_initializer="glorot_uniform", bias_initializer="zeros", query_scaling=None, kv_shared=False,
+        keys_as_values=False, value_norm=False, **kwargs,
     ):  # fmt: skip
         super().__init__(**kwargs)
         self.d_model = _positive_int("d_model", d_model)
@@ -248,6 +257,7 @@ class MultiHeadAttention(keras.layers.Layer):
         for name in _LATENT_SIZES:
             setattr(self, name, None if latent is None else getattr(latent, name))
         self.query_scaling = _check_query_scaling(query_scaling, self.rope_sections)  # its section: positions
+        _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         if self.rope_theta is not None:
             rotary = _rotary_dim(self.rope_fraction, rope_width, True)
             frequencies = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,) NumPy
@@ -266,9 +276,10 @@ class MultiHeadAttention(keras.layers.Layer):
     def call(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None, attention_bias=None,
         positions=None, causal=False, return_attention=False, training=None, value_mask=None, cache=None,
-        segment_ids=None, key_segment_ids=None,
+        segment_ids=None, key_segment_ids=None, shared_kv=None, return_kv=False,
     ):  # fmt: skip
         """The steps of docs/SPEC.md, "Order of the steps"; each option's step behind its guard."""
+        cache = cache if shared_kv is None else _shared_cache(self, query, cache, shared_kv)  # rewound to check
         call = self._check_call(
             query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
             return_attention, cache, training, value_mask,
@@ -276,12 +287,12 @@ class MultiHeadAttention(keras.layers.Layer):
         call = call if segment_ids is None is key_segment_ids else _packed(self, call, segment_ids, key_segment_ids)
         keep, bias = self._masks(call)  # 1. one keep and one bias, (B|1, N|1, T|1, S|1) each
         if self.kv_lora_rank is None:
-            q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H) x 2
+            q, k, v = self._project_qkv(call) if not self._sharing else _project_sharing(self, call, shared_kv)  # 2-4.
         else:
             q, k, v = _project_latent(self, call)  # 2. MLA: q, c (B, 1, S, C), k_rope (B, 1, S, Hr)
-        if self.qk_norm is not None:
+        if self.qk_norm is not None and not self._sharing:
             q, k = _normalize_qk(self, q, k)  # 3. QK-norm
-        if self.rope_theta is not None or self.query_scaling is not None:  # 4. RoPE, 4b. query scales
+        if self.query_scaling is not None or (self.rope_theta is not None and not self._sharing):  # 4. RoPE, 4b.
             q, k, v = _position_step(self, q, k, v, call, _rotate if self.kv_lora_rank is None else _rotate_latent)
         if call.cache is not None:
             k, v, keep, call = _update_cache(self, call, k, v, keep)  # 5. the cache (then over its L slots)
@@ -292,8 +303,9 @@ class MultiHeadAttention(keras.layers.Layer):
         if self.gate:
             context = _gate_heads(self, call, context)  # 6b. the output gate
         output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*Hv) -> (B, T, E)
-        if call.return_attention or call.cache is not None:
-            return _results(output, weights, call.cache, call.return_attention)
+        cache = call.cache if not self.kv_shared else None  # a shared cache is not returned
+        if call.return_attention or cache is not None or return_kv:
+            return _results(output, weights, cache, call.return_attention, (k, v) if return_kv else None)
         return output
 
     def __call__(self, *args, mask=None, **kwargs):
@@ -1420,9 +1432,9 @@ def layer_norm(x, scale, eps, bias=None):
 
 
 def _clip(layer, x):
-    """`clip_qkv`: x clamped to [-c, c], with the clamp's gradient, 1 within [-c, c] (bounds
-    included) and 0 outside, on every backend (JAX's `clip` gives 0.5 at a bound)."""
-    return ops.where(ops.abs(x) <= layer.clip_qkv, x, ops.sign(x) * layer.clip_qkv)
+    """`clip_qkv`: x clamped to [-c, c] (unchanged when None), with the clamp's gradient, 1 within
+    [-c, c] (bounds included) and 0 outside, on every backend (JAX's `clip` gives 0.5 at a bound)."""
+    return x if layer.clip_qkv is None else ops.where(ops.abs(x) <= layer.clip_qkv, x, ops.sign(x) * layer.clip_qkv)
 
 
 def _normalize_qk(layer, q, k):
@@ -1620,9 +1632,9 @@ def _update_cache(layer, call, k, v, keep):
     if _has_segments(call.cache) and not call.segmented:  # packed: the new tokens continue a document
         same, segmented = _segment_keep(layer, call, None, None)  # (B, 1, T, L)
         keep, call = _and(keep, same), call._replace(cache=segmented)
-    t, index = _shape(k)[2], ops.convert_to_tensor(call.cache.index, "int32")  # the index before this write
+    t, index = _shape(call.query)[1], ops.convert_to_tensor(call.cache.index, "int32")  # the index before this write
     write = _write_cache if _dtype_name(call.cache.key.dtype) != "int8" else _write_int8_cache  # int8: its section
-    cache = write(call.cache, k, v, call.key_mask)  # `key_mask` goes into its keep
+    cache = write(call.cache, k, v, call.key_mask) if not layer.kv_shared else _written(call.cache, t)
     folded = _cache_keep(cache.keep, index, t, call.causal, call.window, call.attention_chunk_size)  # (B, 1, T, L)
     keep = _and(keep, folded)  # (B, N, T, L), dims may be 1
     call = call._replace(causal=False, window=None, attention_chunk_size=None, cache=cache)
@@ -1685,6 +1697,137 @@ def _write_cache(cache, k, v, key_mask):
     rows = ops.reshape(ops.stack(ops.meshgrid(ops.arange(b, dtype="int32"), slots, indexing="ij"), -1), (-1, 2))
     keep = ops.scatter_update(cache.keep, rows, ops.reshape(kept, (-1,)))  # (B, L) at (b, slot)
     return KVCache(key, value, keep, index + t, *cache[4:])
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: shared keys and values
+# -------------------------------------------------------------------------------------------------
+# Cross-layer KV sharing (Gemma 3n, Gemma 4): a layer built with `kv_shared=True` has no key or value
+# projections (nor `key_norm`); each call takes the keys and values of the layer that computed them through
+# `shared_kv`: the (k, v) pair that layer's call returned with `return_kv=True` (after its QK-norm, RoPE and
+# value norm), or, decoding, that layer's `KVCache` once it wrote this call's T tokens. The shared layer reads
+# that cache (its index counts the T tokens: the queries sit at positions index - T to index - 1) and writes
+# nothing: the cache is written once, by its producer, whose `key_mask` is in its keep. Steps 2 to 4 of a
+# layer with any of these options are `_project_sharing`; `keys_as_values` (no value projection: v is the key
+# projection, clamped, before QK-norm and RoPE) and `value_norm` (each value head RMS-normalized, no scale)
+# are the options of Gemma 4's full-attention layers (`attention_k_eq_v`) and of Gemma's `v_norm`. Autograd
+# carries the gradient to the shared keys and values passed in.
+
+_SHARING_FLAGS = ("kv_shared", "keys_as_values", "value_norm")
+
+
+def _check_sharing(layer, latent, kv_shared, keys_as_values, value_norm):
+    """Checks and stores `kv_shared`, `keys_as_values` and `value_norm` (refused with MLA, `latent`);
+    drops the projections they remove from `bias`
+    (and with `keys_as_values`, vdim is kdim: v comes from `key`)."""
+    values = dict(zip(_SHARING_FLAGS, (kv_shared, keys_as_values, value_norm), strict=True))
+    flags = {name: _flag(name, value) for name, value in values.items()}
+    if any(flags.values()) and latent is not None:
+        raise ValueError(
+            "`kv_shared`, `keys_as_values` and `value_norm` must be False with `kv_lora_rank` (MLA projects its "
+            f"keys and values from one latent). Received: {flags}"
+        )
+    if any(flags.values()) and layer.query_scaling is not None:
+        raise ValueError(
+            "`kv_shared`, `keys_as_values` and `value_norm` must be False with `query_scaling` (no model has "
+            "both: the sharing options' steps 2 to 4 scale no queries). "
+            f"Received: {flags}, query_scaling={layer.query_scaling!r}"
+        )
+    if flags["kv_shared"] and (flags["keys_as_values"] or flags["value_norm"]):
+        raise ValueError(
+            "`keys_as_values` and `value_norm` must be False with `kv_shared`: the layer projects no keys or "
+            f"values (their producer applies them). Received: {flags}"
+        )
+    for name, value in flags.items():
+        setattr(layer, name, value)  # layer.kv_shared, layer.keys_as_values, layer.value_norm
+    layer._sharing = any(flags.values())
+    absent = _absent_projections(layer)  # `_projection_names` leaves them out
+    layer.bias = tuple(kind for kind in layer.bias if kind not in absent)
+    layer.vdim = layer.kdim if layer.keys_as_values else layer.vdim
+
+
+def _absent_projections(layer):
+    """The projections the sharing options remove: key and value (`kv_shared`), value (`keys_as_values`)."""
+    return ("key", "value") if layer.kv_shared else ("value",) if layer.keys_as_values else ()
+
+
+def _shared_cache(layer, query, cache, shared_kv):
+    """`shared_kv` given: the layer must be `kv_shared` and `cache` None; a shared `KVCache` is returned
+    with its index moved back by T, so that the call's checks see the cache its producer wrote to (else None)."""
+    if not layer.kv_shared:
+        raise ValueError(
+            "`shared_kv` must be None unless the layer is built with `kv_shared=True` (then it takes its keys and "
+            f"values from it). Received: shared_kv={type(shared_kv).__name__} with kv_shared=False"
+        )
+    if cache is not None:
+        raise ValueError(
+            "`cache` must be None with `shared_kv`: a layer that shares keys and values writes no cache (pass "
+            "the producer's cache as `shared_kv`). Received: a cache and shared_kv"
+        )
+    if not isinstance(shared_kv, KVCache):
+        return None
+    return shared_kv._replace(index=ops.convert_to_tensor(shared_kv.index, "int32") - _shape(query)[-2])
+
+
+def _written(cache, t):
+    """The shared cache as its producer returned it: the checked cache's index moved on by T."""
+    return cache._replace(index=ops.convert_to_tensor(cache.index, "int32") + t)
+
+
+def _shared_pair(layer, call, shared_kv):
+    """A `kv_shared` layer's (k, v): `shared_kv` checked as a (B, K, S, H) pair for the call's (B, S) key."""
+    b, s = call.key.shape[:2]
+    expected = (b, layer.num_kv_heads, s, layer.head_dim)
+    pair = tuple(shared_kv) if isinstance(shared_kv, (tuple, list)) else ()
+    shapes = tuple(tuple(x.shape) if hasattr(x, "shape") else None for x in pair)
+    if len(pair) != 2 or not all(_same_shape(shape, expected) for shape in shapes):
+        raise ValueError(
+            f"`shared_kv` must be a KVCache or a (k, v) pair of floating (B, K, S, H)={expected} tensors. "
+            f"Received: {type(shared_kv).__name__} with shapes {shapes}"
+        )
+    return tuple(ops.cast(x, layer.compute_dtype) for x in pair)
+
+
+def _same_shape(shape, expected):
+    """Whether a (B, K, S, H) shape matches, dimensions unknown at trace time passing."""
+    return (
+        shape is not None and len(shape) == 4 and not any(_differ(a, b) for a, b in zip(shape, expected, strict=True))
+    )
+
+
+def _project_sharing(layer, call, shared_kv):
+    """Steps 2 to 4 with the sharing options: q (B, N, T, H); k and v (B, K, S, H) projected (v the
+    clamped key projection with `keys_as_values`, RMS-normalized with `value_norm`) or `shared_kv`
+    (a shared cache, then the call's, gives None: step 5 reads it)."""
+    q = _clip(layer, layer._split_heads(layer._project(call.query, "query"), layer.num_heads))  # (B, N, T, H)
+    q = q if layer.qk_norm is None else _norm(layer, q, "query", layer.num_heads)
+    q = q if layer.rope_theta is None else _rotate_heads(layer, q, call.positions)
+    if layer.kv_shared and shared_kv is None:
+        raise ValueError(
+            "`shared_kv` must be given to a layer built with `kv_shared=True`: it has no key or value projections. "
+            "Received: shared_kv=None"
+        )
+    if layer.kv_shared:
+        return (q, None, None) if call.cache is not None else (q, *_shared_pair(layer, call, shared_kv))
+    k, v = _own_keys_values(layer, call)  # 2. (B, K, S, H) x 2
+    k = k if layer.qk_norm is None else _norm(layer, k, "key", layer.num_kv_heads)  # 3.
+    k = k if layer.rope_theta is None else _rotate_heads(layer, k, call.positions)  # 4.
+    return q, k, v
+
+
+def _own_keys_values(layer, call):
+    """The clamped key projection and the values (B, K, S, H): with `keys_as_values` the key
+    projection again, with `value_norm` RMS-normalized per head without a scale."""
+    k = _clip(layer, layer._split_heads(layer._project(call.key, "key"), layer.num_kv_heads))  # (B, K, S, H)
+    v = k if layer.keys_as_values else _raw_values(layer, call)  # (B, K, S, H)
+    return k, v if not layer.value_norm else rms_norm(v, 1.0, layer.qk_norm_eps)  # (B, K, S, H)
+
+
+def _raw_values(layer, call):
+    """The values before `value_norm` (B, K, S, H): the clamped value projection, or with `keys_as_values` the key's."""
+    kind = "key" if layer.keys_as_values else "value"
+    projected = layer._project(getattr(call, kind), kind)  # (B, S, D) -> (B, S, K*H)
+    return _clip(layer, layer._split_heads(projected, layer.num_kv_heads))  # -> (B, K, S, H)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -1799,7 +1942,8 @@ def _latent_of(layer):
 def _layer_projections(layer):
     """The names of the layer's projections, in the layout's order (MLA's with `kv_lora_rank`,
     the gate's with `gate`): the layer's `_projection_names`."""
-    return _projection_kinds(_projections(_latent_of(layer)), layer.gate)
+    kinds = _projection_kinds(_projections(_latent_of(layer)), layer.gate)
+    return tuple(kind for kind in kinds if kind not in _absent_projections(layer))  # shared keys and values
 
 
 def _latent_kernel_shapes(layer):
@@ -2909,10 +3053,11 @@ class _Call(NamedTuple):
     segments: tuple | None = None  # packed sequences without a cache: (B, T) and (B, S) ids, ANDed in by `_attend`
 
 
-def _results(output, weights, cache, return_attention):
-    """output, (output, weights), (output, cache) or (output, weights, cache)."""
+def _results(output, weights, cache, return_attention, kv=None):
+    """output, (output, weights), (output, cache) or (output, weights, cache); then `kv` if given."""
     results = (output, weights) if return_attention else (output,)
     results = results if cache is None else (*results, cache)
+    results = results if kv is None else (*results, kv)
     return results[0] if len(results) == 1 else results
 
 
@@ -3196,6 +3341,7 @@ def _non_defaults(layer):
         "gate": not layer.gate,
         **{name: getattr(layer, name) is None for name in _LATENT_SIZES},
         "query_scaling": layer.query_scaling is None,
+        **{name: not getattr(layer, name) for name in _SHARING_FLAGS},
     }
     return {name: getattr(layer, name) for name, default in plain.items() if not default}
 
@@ -3328,6 +3474,7 @@ def _weight_shapes(layer):
         "value": (layer.vdim, kh),
         "output": (nh, layer.d_model),
     }
+    kernels = {kind: shape for kind, shape in kernels.items() if kind not in _absent_projections(layer)}
     norms = _latent_norm_shapes(layer)  # {} without MLA
     gate = {"gate": (layer.d_model, kernels["output"][0])} if layer.gate else {}  # (E, N*Hv)
     shapes = {}
@@ -3342,6 +3489,8 @@ def _weight_shapes(layer):
         shapes["key_norm"] = (layer.head_dim,) if layer.qk_norm == "head" else (kh,)
     if layer.qk_norm is not None and layer.qk_norm_bias:
         shapes["query_norm_bias"], shapes["key_norm_bias"] = shapes["query_norm"], shapes["key_norm"]
+    if layer.kv_shared:  # no key projection, no key norm
+        shapes = {name: shape for name, shape in shapes.items() if not name.startswith("key_norm")}
     if layer.sinks:
         shapes["sinks"] = (layer.num_heads,)
     for kind, shape in gate.items():
@@ -3375,7 +3524,8 @@ def _import_weights(layer, weights):
 
 _CONFIG_NAMES = (
     "d_model", "num_heads", "num_kv_heads", "head_dim", "kdim", "vdim", "dropout", "bias", *_Variants._fields[:-1],
-    *_LATENT_SIZES, "latent_norm_eps", "kernel_initializer", "bias_initializer", "query_scaling",
+    *_LATENT_SIZES, "latent_norm_eps", "kernel_initializer", "bias_initializer", "query_scaling", "kv_shared",
+    "keys_as_values", "value_norm",
 )  # get_config's entries past the base layer's, in the constructor's order  # fmt: skip
 
 

@@ -142,6 +142,10 @@ class MultiHeadAttention:
         query_scaling: None, or {"type": "temperature" or "positions", "beta": b, "floor": f}: each
             query row times 1 + b * ln(1 + floor(p / f)) (Llama 4's temperature tuning, Mistral 4's
             `llama_4_scaling_beta`; the section "positions").
+        kv_shared: if True, the layer has no key or value projections: every call takes another
+            layer's keys and values through `shared_kv` (Gemma 3n's and Gemma 4's shared layers).
+        keys_as_values: if True, no value projection: v is the key projection before QK-norm and RoPE (Gemma 4).
+        value_norm: if True, each value head is RMS-normalized without a scale (eps `qk_norm_eps`; Gemma 3n, 4).
 
     Call arguments:
         query: (B, T, E).
@@ -163,11 +167,15 @@ class MultiHeadAttention:
         mask: another name for `attention_mask` (the call `layer(query, key, value, mask=None)`);
             giving both is a ValueError. Masks whose values read like another library's
             convention warn once per layer with `AttentionMaskWarning` and compute as given.
+        shared_kv: with `kv_shared`, a (k, v) pair of (B, K, S, H) keys and values another layer
+            attended (its `return_kv`), or that layer's `KVCache` once it wrote this call's T tokens.
+        return_kv: if True, also return the (k, v) the call attended (over the L slots with a cache).
 
     Returns:
         output (B, T, E), or (output, weights) with weights (B, N, T, S) when
         `return_attention` is True; with `cache`, the updated cache is appended and weights
         are (B, N, T, L), exactly 0 at unwritten slots.
+        With `return_kv`, the (k, v) pair is appended last; a shared cache is read, not returned.
 
     Coming from `nn.MultiheadAttention`: a boolean mask here is True where a query may attend
     (there True means "ignore": pass `~attn_mask`, and `key_mask=~key_padding_mask`);
@@ -191,7 +199,7 @@ class MultiHeadAttention:
         rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None, qk_norm_eps=1e-6,
         qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
-        seed=None, query_scaling=None,
+        seed=None, query_scaling=None, kv_shared=False, keys_as_values=False, value_norm=False,
     ):  # fmt: skip
         self.d_model = _positive_int("d_model", d_model)
         self.num_heads = _positive_int("num_heads", num_heads)
@@ -232,6 +240,7 @@ class MultiHeadAttention:
             self.vdim = self.kdim  # the values come from `key`
             self._cache_layout = _latent_cache_layout(latent)  # (1, C, Hr)
         self.absorb_latents = None  # MLA: None (absorbed with a cache and T <= 8), True or False
+        _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         self._float_layout = _float_shapes(self) if latent is None else _latent_shapes(self)  # {name: shape}
         self._inv_freq = None  # (R/2,), computed once
         if self.rope_theta is not None:
@@ -254,8 +263,9 @@ class MultiHeadAttention:
     def __call__(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
         attention_bias=None, positions=None, causal=False, return_attention=False, cache=None, mask=None,
-        segment_ids=None, key_segment_ids=None,
+        segment_ids=None, key_segment_ids=None, shared_kv=None, return_kv=False,
     ):  # fmt: skip
+        cache = cache if shared_kv is None else _shared_cache(self, query, cache, shared_kv)  # rewound to check
         call = self._check_call(
             query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
             return_attention, cache, mask,
@@ -263,7 +273,7 @@ class MultiHeadAttention:
         call = call if segment_ids is None is key_segment_ids else _packed(self, call, segment_ids, key_segment_ids)
         masks = (call.attention_mask, call.attention_bias, call.key_mask, call.query_mask)
         keep, bias = self._masks(call) if any(m is not None for m in masks) else (None, None)  # 1. keep and bias
-        q, k, v = self._project_qkv(call)  # 2-4. (B, N, T, H), (B, K, S, H) x 2, QK-norm and RoPE of q and k
+        q, k, v = self._project_qkv(call) if not self._sharing else _project_sharing(self, call, shared_kv)  # 2-4.
         if call.cache is not None:
             k, v, keep, call = _update_cache(self, call, k, v, keep)  # 5. KV cache, keep over its L slots
         context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S)
@@ -275,7 +285,8 @@ class MultiHeadAttention:
         saved.update(keep=keep, weights=weights, context=context, gate=gate, merged=merged)
         self._saved = None if call.cache is not None else saved  # what `backward` reads (its section)
         results = (output, weights) if call.return_attention else (output,)
-        results = results if call.cache is None else (*results, call.cache)
+        results = results if call.cache is None or self.kv_shared else (*results, call.cache)  # not a shared one
+        results = results if not return_kv else (*results, (k, v))
         return results[0] if len(results) == 1 else results
 
     def _check_call(
@@ -523,6 +534,8 @@ def _backward(layer, grad_output):
     grads.update({} if d_sinks is None else {"sinks": d_sinks})
     if layer._latent is not None:
         inputs = _latent_backward(layer, call, c["k"], d_q, d_k, d_v, grads)
+    elif layer._sharing:
+        inputs = _sharing_backward(layer, call, d_q, d_k, d_v, grads, extra)  # their section
     else:
         if layer._inv_freq is not None:
             d_q, d_k = (_turn_back(layer, d, call.positions) for d in (d_q, d_k))  # 4. RoPE
@@ -588,13 +601,15 @@ def _attention_backward(layer, d_context, q, k, v, keep, weights):
     return d_q, d_k, d_v, d_biased, d_sinks
 
 
-def _project_backward(layer, kind, x, d_heads, grads):
+def _project_backward(layer, kind, x, d_heads, grads, d_clamped=None):
     """Steps 3 and 2 backward for one of q, k, v: adds the kernel's, bias' and norm's gradients
-    to `grads`, returns the input's (B, L, D)."""
+    to `grads`, returns the input's (B, L, D); `d_clamped` (B, L, heads*H), a gradient of the
+    clamped projection from another use of it (keys as values), is added after the norm's."""
     d_y = layer._merge_heads(d_heads)  # (B, heads, L, H) -> (B, L, heads*H)
     y = layer._project(x, kind)  # (B, L, heads*H), the projection before the clamp, recomputed
     if kind != "value" and layer.qk_norm is not None:
         d_y = _qk_norm_backward(layer, kind, _clip(layer, y), d_y, grads)  # at the clamped projection
+    d_y = d_y if d_clamped is None else d_y + d_clamped
     if layer.clip_qkv is not None:  # the clamp's gradient: 1 within [-c, c] (bounds included), 0 outside
         d_y = np.where(np.abs(y) <= layer.clip_qkv, d_y, 0.0)
     return _linear_backward(layer, kind, x, d_y, grads)  # (B, L, heads*H) -> (B, L, D)
@@ -1576,14 +1591,159 @@ def _update_cache(layer, call, k, v, keep):
     if call.cache.segment_ids is not None and not call.segmented:  # packed: the new tokens continue a document
         same, segmented = _segment_keep(layer, call, None, None)  # (B, 1, T, L)
         keep, call = _and(keep, same), call._replace(cache=segmented)
-    index, t, length = int(call.cache.index), k.shape[2], call.cache.key.shape[2]
+    index, t, length = int(call.cache.index), call.query.shape[1], call.cache.key.shape[2]
     _check_room(index, t, length, call.window)
-    cache = _write_cache(call.cache, k, v, call.key_mask)
+    cache = _write_cache(call.cache, k, v, call.key_mask) if not layer.kv_shared else _written(call.cache, t)
     cache_keep = _cache_keep(cache.keep, index, t, call.causal, call.window, call.attention_chunk_size)
     keep = _and(keep, cache_keep)  # (B, N|1, T, L), dims may be 1
     call = call._replace(causal=False, window=None, attention_chunk_size=None, cache=cache)
     k, v = (cache.key, cache.value) if cache.key.dtype != np.int8 else _dequantize_cache(cache)  # int8 section
     return k, v, keep, call
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: shared keys and values
+# -------------------------------------------------------------------------------------------------
+# Cross-layer KV sharing (Gemma 3n, Gemma 4): a layer built with `kv_shared=True` has no key or value
+# projections (nor `key_norm`); each call takes the keys and values of the layer that computed them through
+# `shared_kv`: the (k, v) pair that layer's call returned with `return_kv=True` (after its QK-norm, RoPE and
+# value norm), or, decoding, that layer's `KVCache` once it wrote this call's T tokens. The shared layer reads
+# that cache (its index counts the T tokens: the queries sit at positions index - T to index - 1) and writes
+# nothing: the cache is written once, by its producer, whose `key_mask` is in its keep. Steps 2 to 4 of a
+# layer with any of these options are `_project_sharing`; `keys_as_values` (no value projection: v is the key
+# projection, clamped, before QK-norm and RoPE) and `value_norm` (each value head RMS-normalized, no scale)
+# are the options of Gemma 4's full-attention layers (`attention_k_eq_v`) and of Gemma's `v_norm`.
+
+_SHARING_FLAGS = ("kv_shared", "keys_as_values", "value_norm")
+
+
+def _check_sharing(layer, latent, kv_shared, keys_as_values, value_norm):
+    """Checks and stores `kv_shared`, `keys_as_values` and `value_norm` (refused with MLA, `latent`);
+    drops the projections they remove from `bias`
+    (and with `keys_as_values`, vdim is kdim: v comes from `key`)."""
+    values = dict(zip(_SHARING_FLAGS, (kv_shared, keys_as_values, value_norm), strict=True))
+    flags = {name: _flag(name, value) for name, value in values.items()}
+    if any(flags.values()) and latent is not None:
+        raise ValueError(
+            "`kv_shared`, `keys_as_values` and `value_norm` must be False with `kv_lora_rank` (MLA projects its "
+            f"keys and values from one latent). Received: {flags}"
+        )
+    if any(flags.values()) and layer.query_scaling is not None:
+        raise ValueError(
+            "`kv_shared`, `keys_as_values` and `value_norm` must be False with `query_scaling` (no model has "
+            "both: the sharing options' steps 2 to 4 scale no queries). "
+            f"Received: {flags}, query_scaling={layer.query_scaling!r}"
+        )
+    if flags["kv_shared"] and (flags["keys_as_values"] or flags["value_norm"]):
+        raise ValueError(
+            "`keys_as_values` and `value_norm` must be False with `kv_shared`: the layer projects no keys or "
+            f"values (their producer applies them). Received: {flags}"
+        )
+    for name, value in flags.items():
+        setattr(layer, name, value)  # layer.kv_shared, layer.keys_as_values, layer.value_norm
+    layer._sharing = any(flags.values())
+    absent = _absent_projections(layer)
+    layer.bias = tuple(kind for kind in layer.bias if kind not in absent)
+    layer.vdim = layer.kdim if layer.keys_as_values else layer.vdim
+
+
+def _absent_projections(layer):
+    """The projections the sharing options remove: key and value (`kv_shared`), value (`keys_as_values`)."""
+    return ("key", "value") if layer.kv_shared else ("value",) if layer.keys_as_values else ()
+
+
+def _shared_cache(layer, query, cache, shared_kv):
+    """`shared_kv` given: the layer must be `kv_shared` and `cache` None; a shared `KVCache` is returned
+    with its index moved back by T, so that the call's checks see the cache its producer wrote to (else None)."""
+    if not layer.kv_shared:
+        raise ValueError(
+            "`shared_kv` must be None unless the layer is built with `kv_shared=True` (then it takes its keys and "
+            f"values from it). Received: shared_kv={type(shared_kv).__name__} with kv_shared=False"
+        )
+    if cache is not None:
+        raise ValueError(
+            "`cache` must be None with `shared_kv`: a layer that shares keys and values writes no cache (pass "
+            "the producer's cache as `shared_kv`). Received: a cache and shared_kv"
+        )
+    if not isinstance(shared_kv, KVCache):
+        return None
+    return shared_kv._replace(index=np.asarray(shared_kv.index) - np.shape(query)[-2])
+
+
+def _written(cache, t):
+    """The shared cache as its producer returned it: the checked cache's index moved on by T."""
+    return cache._replace(index=np.asarray(int(cache.index) + t))
+
+
+def _shared_pair(layer, call, shared_kv):
+    """A `kv_shared` layer's (k, v): `shared_kv` checked as a (B, K, S, H) pair for the call's (B, S) key."""
+    b, s = call.key.shape[:2]
+    expected = (b, layer.num_kv_heads, s, layer.head_dim)
+    pair = tuple(shared_kv) if isinstance(shared_kv, (tuple, list)) else ()
+    shapes = tuple(tuple(np.shape(x)) for x in pair)
+    if (
+        len(pair) != 2
+        or shapes != (expected, expected)
+        or not all(np.issubdtype(np.asarray(x).dtype, np.floating) for x in pair)
+    ):
+        raise ValueError(
+            f"`shared_kv` must be a KVCache or a (k, v) pair of floating (B, K, S, H)={expected} arrays. "
+            f"Received: {type(shared_kv).__name__} with shapes {shapes}"
+        )
+    return tuple(np.asarray(x, dtype=np.float64) for x in pair)
+
+
+def _project_sharing(layer, call, shared_kv):
+    """Steps 2 to 4 with the sharing options: q (B, N, T, H); k and v (B, K, S, H) projected (v the
+    clamped key projection with `keys_as_values`, RMS-normalized with `value_norm`) or `shared_kv`
+    (a shared cache, then the call's, gives None: step 5 reads it)."""
+    q = layer._split_heads(_clip(layer, layer._project(call.query, "query")))  # (B, T, E) -> (B, N, T, H)
+    q = q if layer.qk_norm is None else _qk_norm(layer, q, "query")
+    q = q if layer._inv_freq is None else _turn(layer, q, call.positions)
+    if layer.kv_shared and shared_kv is None:
+        raise ValueError(
+            "`shared_kv` must be given to a layer built with `kv_shared=True`: it has no key or value projections. "
+            "Received: shared_kv=None"
+        )
+    if layer.kv_shared:
+        return (q, None, None) if call.cache is not None else (q, *_shared_pair(layer, call, shared_kv))
+    k, v = _own_keys_values(layer, call)  # 2. (B, K, S, H) x 2
+    k = k if layer.qk_norm is None else _qk_norm(layer, k, "key")  # 3.
+    k = k if layer._inv_freq is None else _turn(layer, k, call.positions)  # 4.
+    return q, k, v
+
+
+def _own_keys_values(layer, call):
+    """The clamped key projection and the values (B, K, S, H): with `keys_as_values` the key
+    projection again, with `value_norm` RMS-normalized per head without a scale."""
+    k = layer._split_heads(_clip(layer, layer._project(call.key, "key")))  # (B, S, kdim) -> (B, K, S, H)
+    v = k if layer.keys_as_values else _raw_values(layer, call)  # (B, K, S, H)
+    return k, v if not layer.value_norm else rms_norm(v, 1.0, layer.qk_norm_eps)  # (B, K, S, H)
+
+
+def _raw_values(layer, call):
+    """The values before `value_norm` (B, K, S, H): the clamped value projection, or with `keys_as_values` the key's."""
+    kind = "key" if layer.keys_as_values else "value"
+    return layer._split_heads(_clip(layer, layer._project(getattr(call, kind), kind)))  # (B, S, D) -> (B, K, S, H)
+
+
+def _sharing_backward(layer, call, d_q, d_k, d_v, grads, extra):
+    """Steps 4 to 2 backward with the sharing options: the inputs' gradients; with `kv_shared` the
+    shared keys' and values' gradients go to `extra` as `shared_key` and `shared_value` (B, K, S, H)."""
+    d_q = _turn_back(layer, d_q, call.positions)  # 4.
+    inputs = {"query": _project_backward(layer, "query", call.query, d_q, grads)}
+    if layer.kv_shared:
+        extra.update(shared_key=d_k, shared_value=d_v)
+        return {**inputs, "key": np.zeros_like(call.key), "value": np.zeros_like(call.value)}
+    if layer.value_norm:  # at the values before the norm, recomputed
+        d_v, _ = _rms_norm_backward(_raw_values(layer, call), np.float64(1.0), layer.qk_norm_eps, d_v)
+    d_k = _turn_back(layer, d_k, call.positions)  # 4.
+    if layer.keys_as_values:
+        inputs["key"] = _project_backward(layer, "key", call.key, d_k, grads, layer._merge_heads(d_v))
+        return {**inputs, "value": np.zeros_like(call.value)}
+    inputs["key"] = _project_backward(layer, "key", call.key, d_k, grads)
+    inputs["value"] = _project_backward(layer, "value", call.value, d_v, grads)
+    return inputs
 
 
 # -------------------------------------------------------------------------------------------------
@@ -2232,14 +2392,15 @@ def _float_shapes(layer):
         "gate_kernel": (layer.d_model, nh),
         "gate_bias": (nh,),
     }
-    kinds = _projection_kinds(_PROJECTIONS, layer.gate)
+    absent = _absent_projections(layer)  # shared keys and values, keys as values (their section)
+    kinds = [kind for kind in _projection_kinds(_PROJECTIONS, layer.gate) if kind not in absent]
     present = {
         **{f"{kind}_kernel": kind in kinds for kind in _PROJECTIONS},
         **{f"{kind}_bias": kind in layer.bias and kind in kinds for kind in _PROJECTIONS},
         "query_norm": layer.qk_norm is not None,
-        "key_norm": layer.qk_norm is not None,
+        "key_norm": layer.qk_norm is not None and "key" in kinds,
         "query_norm_bias": layer.qk_norm is not None and layer.qk_norm_bias,
-        "key_norm_bias": layer.qk_norm is not None and layer.qk_norm_bias,
+        "key_norm_bias": layer.qk_norm is not None and layer.qk_norm_bias and "key" in kinds,
         "sinks": layer.sinks,
     }
     return {name: shape for name, shape in shapes.items() if present[name]}

@@ -97,6 +97,10 @@ class MultiHeadAttention(nn.Module):
         query_scaling: None, or {"type": "temperature" or "positions", "beta": b, "floor": f}: each
             query row times 1 + b * ln(1 + floor(p / f)) (Llama 4's temperature tuning, Mistral 4's
             `llama_4_scaling_beta`; Section: positions).
+        kv_shared: if True, the layer has no key or value projections: every call takes another
+            layer's keys and values through `shared_kv` (Gemma 3n's and Gemma 4's shared layers).
+        keys_as_values: if True, no value projection: v is the key projection before QK-norm and RoPE (Gemma 4).
+        value_norm: if True, each value head is RMS-normalized without a scale (eps `qk_norm_eps`; Gemma 3n, 4).
 
     Call arguments:
         query: (B, T, E), or unbatched (T, E).
@@ -118,12 +122,16 @@ class MultiHeadAttention(nn.Module):
             hold the same T tokens); masks and weights are then over the L slots.
         mask: another name for `attention_mask`; giving both is a ValueError. Masks whose values
             read like another library's convention warn once per layer (`AttentionMaskWarning`).
+        shared_kv: with `kv_shared`, a (k, v) pair of (B, K, S, H) keys and values another layer
+            attended (its `return_kv`), or that layer's `KVCache` once it wrote this call's T tokens.
+        return_kv: if True, also return the (k, v) the call attended (over the L slots with a cache).
 
     Returns:
         output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before
         dropout) when `return_attention` is True; with `cache`, the updated cache is appended
         and weights are (B, N, T, L), exactly 0 at unwritten slots. A query row with no key left
         has weights of exactly 0 (its output is `output_bias`). Unbatched inputs, unbatched results.
+        With `return_kv`, the (k, v) pair is appended last; a shared cache is read, not returned.
 
     Example, a key padding mask (the third key of the first sequence is padding):
         >>> layer = MultiHeadAttention(16, 4)
@@ -142,7 +150,8 @@ class MultiHeadAttention(nn.Module):
         rope_fraction=1.0, rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None,
         qk_norm_eps=1e-6, qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False,
         kv_lora_rank=None, q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None,
-        latent_norm_eps=1e-6, device=None, dtype=None, query_scaling=None,
+        latent_norm_eps=1e-6, device=None, dtype=None, query_scaling=None, kv_shared=False, keys_as_values=False,
+        value_norm=False,
     ):  # fmt: skip
         super().__init__()
         self.d_model = _positive_int("d_model", d_model)
@@ -183,8 +192,9 @@ class MultiHeadAttention(nn.Module):
         self.clip_qkv, self.latent_norm_eps = variants.clip_qkv, variants.latent_norm_eps
         self.absorb_latents = None  # MLA: None (absorbed with a cache and T <= 8), True or False
         self._projections = _projection_kinds(names, variants.gate)  # the layer's projections
-        self._rotary_dim = _rotary_dim(self.rope_fraction, rope_width, self.rope_theta is not None)  # None: no RoPE
         self.query_scaling = _check_query_scaling(query_scaling, self.rope_sections)  # its section: positions
+        _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
+        self._rotary_dim = _rotary_dim(self.rope_fraction, rope_width, self.rope_theta is not None)  # None: no RoPE
         _make_weights(self, latent, variants.sinks, variants.gate, {"device": device, "dtype": dtype})
         self._warned_traps, self._fused = set(), None  # mask habits warned of; q/k/v kernels kept (no_grad)
         self.reset_parameters()
@@ -192,8 +202,9 @@ class MultiHeadAttention(nn.Module):
     def forward(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
         attention_bias=None, positions=None, causal=False, return_attention=False, cache=None, mask=None,
-        segment_ids=None, key_segment_ids=None,
+        segment_ids=None, key_segment_ids=None, shared_kv=None, return_kv=False,
     ):  # fmt: skip
+        cache = cache if shared_kv is None else _shared_cache(self, query, cache, shared_kv)  # rewound to check
         bare = key is None and value is None and attention_mask is None and mask is None and attention_bias is None
         bare = bare and key_mask is None and query_mask is None and not return_attention and cache is not None
         call, fast = _decode_step(self, query, positions, causal, cache) if bare else (None, None)  # fast path
@@ -206,17 +217,17 @@ class MultiHeadAttention(nn.Module):
         masked = call.attention_mask is not None or call.attention_bias is not None
         masked = masked or call.key_mask is not None or call.query_mask is not None
         keep, bias = self._masks(call) if masked else (None, None)  # 1. (B|1, N|1, T|1, S|1) keep and bias
-        latent = self._latent  # MLA (its section) takes steps 2, 4 and 6 its own way
-        if latent is None:
-            q, k, v = self._project_qkv(call, fast)  # 2. (B, N, T, H), (B, K, S, H), (B, K, S, H)
+        latent, own = self._latent, not self._sharing  # MLA (its section) takes steps 2, 4 and 6 its own way
+        if latent is None:  # 2. (B, N, T, H), (B, K, S, H) x 2; with the sharing options 2 to 4 (their section)
+            q, k, v = self._project_qkv(call, fast) if own else _project_sharing(self, call, shared_kv)
         else:
             q, k, v = _project_latent(self, call)  # 2. and 4. MLA: q, the latents and the turned k_rope
-        if self.clip_qkv is not None:
+        if self.clip_qkv is not None and own:
             q, k, v = _clip(self, q), _clip(self, k), _clip(self, v)  # 2. clamped
-        if self.qk_norm is not None:
+        if self.qk_norm is not None and own:
             q, k = _normalize_qk(self, q, k)  # 3. QK-norm
-        if self.query_scaling is not None or (self.rope_theta is not None and latent is None):
-            q, k = _position_step(self, q, k, call, latent is None)  # 4. RoPE (MLA's: step 2), 4b. query scales
+        if self.query_scaling is not None or (self.rope_theta is not None and latent is None and own):
+            q, k = _position_step(self, q, k, call, latent is None and own)  # 4. RoPE (MLA's: step 2), 4b. query scales
         if call.cache is not None:
             k, v, keep, call = _update_cache(self, call, k, v, keep, fast)  # 5. KV cache (may fold causal, window...)
         if latent is None:  # 6. (B, N, T, H), (B, N, T, S) or None; an int8 cache: `_cache_attend`
@@ -232,7 +243,8 @@ class MultiHeadAttention(nn.Module):
         if isinstance(query, torch.Tensor) and query.dim() == 2:  # unbatched: drop B
             output, weights = output[0], None if weights is None else weights[0]
         results = (output, weights) if call.return_attention else (output,)
-        results = results if call.cache is None else (*results, call.cache)
+        results = results if call.cache is None or self.kv_shared else (*results, call.cache)  # not a shared one
+        results = results if not return_kv else (*results, (k, v))
         return results[0] if len(results) == 1 else results
 
     def _check_call(
@@ -1852,12 +1864,17 @@ def _normalize_qk(layer, q, k):
     norm's bias with `qk_norm_bias`."""
     if layer.qk_norm is None:
         return q, k
+    return _qk_norm(layer, q, "query"), _qk_norm(layer, k, "key")
+
+
+def _qk_norm(layer, x, kind):
+    """QK-norm of one of q and k (B, heads, L, H), with the scale `<kind>_norm` (and bias `<kind>_norm_bias`)."""
     norm = rms_norm if layer.qk_norm_type == "rms" else layer_norm
-    eps, q_bias, k_bias = layer.qk_norm_eps, layer.query_norm_bias, layer.key_norm_bias
+    scale, bias = getattr(layer, f"{kind}_norm"), getattr(layer, f"{kind}_norm_bias")
     if layer.qk_norm == "head":
-        return norm(q, layer.query_norm, eps, q_bias), norm(k, layer.key_norm, eps, k_bias)
+        return norm(x, scale, layer.qk_norm_eps, bias)
     over = _norm_per_head if layer.qk_norm == "per_head" else _norm_over_heads
-    return over(norm, q, layer.query_norm, eps, q_bias), over(norm, k, layer.key_norm, eps, k_bias)
+    return over(norm, x, scale, layer.qk_norm_eps, bias)
 
 
 def rms_norm(x, scale, eps, bias=None):
@@ -2109,10 +2126,10 @@ def _update_cache(layer, call, k, v, keep, fast=None):
         same, segmented = _segment_keep(layer, call, None, None)  # (B, 1, T, L)
         keep, call = _and(keep, same), call._replace(cache=segmented)
         cache = segmented
-    t, length, index = k.shape[2], cache.key.shape[2], cache.index
+    t, length, index = call.query.shape[1], cache.key.shape[2], cache.index
     start = _known_index(index) if fast is None else fast[2]
     write = _write_cache if cache.key_scale is None else _write_int8_cache  # int8: integers and scales
-    cache = write(cache, k, v, call.key_mask, start)
+    cache = write(cache, k, v, call.key_mask, start) if not layer.kv_shared else _written(cache, t)
     lean = keep is None and not call.return_attention  # each mask gives a keep
     if lean and start is not None and start + t <= length:  # lean: the first S = index + T slots
         k, v, keep = _first_slots(cache, start + t)  # (B, K, S, H) x 2, (B, 1, 1, S) or None
@@ -2296,6 +2313,131 @@ def _all_kept(keep):
         known = bool(keep.all())
         _carry(keep, known)
     return known
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: shared keys and values
+# -------------------------------------------------------------------------------------------------
+# Cross-layer KV sharing (Gemma 3n, Gemma 4): a layer built with `kv_shared=True` has no key or value
+# projections (nor `key_norm`); each call takes the keys and values of the layer that computed them through
+# `shared_kv`: the (k, v) pair that layer's call returned with `return_kv=True` (after its QK-norm, RoPE and
+# value norm), or, decoding, that layer's `KVCache` once it wrote this call's T tokens. The shared layer reads
+# that cache (its index counts the T tokens: the queries sit at positions index - T to index - 1) and writes
+# nothing: the cache is written once, by its producer, whose `key_mask` is in its keep. Steps 2 to 4 of a
+# layer with any of these options are `_project_sharing`; `keys_as_values` (no value projection: v is the key
+# projection, clamped, before QK-norm and RoPE) and `value_norm` (each value head RMS-normalized, no scale)
+# are the options of Gemma 4's full-attention layers (`attention_k_eq_v`) and of Gemma's `v_norm`. The
+# gradient reaches the shared keys and values passed in.
+
+_SHARING_FLAGS = ("kv_shared", "keys_as_values", "value_norm")
+
+
+def _check_sharing(layer, latent, kv_shared, keys_as_values, value_norm):
+    """Checks and stores `kv_shared`, `keys_as_values` and `value_norm` (refused with MLA, `latent`);
+    drops the projections they remove from `_projections` and `bias`
+    (and with `keys_as_values`, vdim is kdim: v comes from `key`)."""
+    values = dict(zip(_SHARING_FLAGS, (kv_shared, keys_as_values, value_norm), strict=True))
+    flags = {name: _flag(name, value) for name, value in values.items()}
+    if any(flags.values()) and latent is not None:
+        raise ValueError(
+            "`kv_shared`, `keys_as_values` and `value_norm` must be False with `kv_lora_rank` (MLA projects its "
+            f"keys and values from one latent). Received: {flags}"
+        )
+    if any(flags.values()) and layer.query_scaling is not None:
+        raise ValueError(
+            "`kv_shared`, `keys_as_values` and `value_norm` must be False with `query_scaling` (no model has "
+            "both: the sharing options' steps 2 to 4 scale no queries). "
+            f"Received: {flags}, query_scaling={layer.query_scaling!r}"
+        )
+    if flags["kv_shared"] and (flags["keys_as_values"] or flags["value_norm"]):
+        raise ValueError(
+            "`keys_as_values` and `value_norm` must be False with `kv_shared`: the layer projects no keys or "
+            f"values (their producer applies them). Received: {flags}"
+        )
+    for name, value in flags.items():
+        setattr(layer, name, value)  # layer.kv_shared, layer.keys_as_values, layer.value_norm
+    layer._sharing = any(flags.values())
+    absent = _absent_projections(layer)
+    layer._projections = tuple(kind for kind in layer._projections if kind not in absent)
+    layer.bias = tuple(kind for kind in layer.bias if kind not in absent)
+    layer.vdim = layer.kdim if layer.keys_as_values else layer.vdim
+
+
+def _absent_projections(layer):
+    """The projections the sharing options remove: key and value (`kv_shared`), value (`keys_as_values`)."""
+    return ("key", "value") if layer.kv_shared else ("value",) if layer.keys_as_values else ()
+
+
+def _shared_cache(layer, query, cache, shared_kv):
+    """`shared_kv` given: the layer must be `kv_shared` and `cache` None; a shared `KVCache` is returned
+    with its index moved back by T, so that the call's checks see the cache its producer wrote to (else None)."""
+    if not layer.kv_shared:
+        raise ValueError(
+            "`shared_kv` must be None unless the layer is built with `kv_shared=True` (then it takes its keys and "
+            f"values from it). Received: shared_kv={type(shared_kv).__name__} with kv_shared=False"
+        )
+    if cache is not None:
+        raise ValueError(
+            "`cache` must be None with `shared_kv`: a layer that shares keys and values writes no cache (pass "
+            "the producer's cache as `shared_kv`). Received: a cache and shared_kv"
+        )
+    if not isinstance(shared_kv, KVCache):
+        return None
+    return shared_kv._replace(index=shared_kv.index - query.shape[-2])
+
+
+def _written(cache, t):
+    """The shared cache as its producer returned it: the checked cache's index moved on by T."""
+    return cache._replace(index=cache.index + t)
+
+
+def _shared_pair(layer, call, shared_kv):
+    """A `kv_shared` layer's (k, v): `shared_kv` checked as a (B, K, S, H) pair for the call's (B, S) key."""
+    b, s = call.key.shape[:2]
+    expected = (b, layer.num_kv_heads, s, layer.head_dim)
+    pair = tuple(shared_kv) if isinstance(shared_kv, (tuple, list)) else ()
+    shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in pair)
+    if len(pair) != 2 or shapes != (expected, expected) or not all(x.is_floating_point() for x in pair):
+        raise ValueError(
+            f"`shared_kv` must be a KVCache or a (k, v) pair of floating (B, K, S, H)={expected} tensors. "
+            f"Received: {type(shared_kv).__name__} with shapes {shapes}"
+        )
+    return pair
+
+
+def _project_sharing(layer, call, shared_kv):
+    """Steps 2 to 4 with the sharing options: q (B, N, T, H); k and v (B, K, S, H) projected (v the
+    clamped key projection with `keys_as_values`, RMS-normalized with `value_norm`) or `shared_kv`
+    (a shared cache, then the call's, gives None: step 5 reads it)."""
+    q = _clip(layer, layer._split_heads(layer._project(call.query, "query"), layer.num_heads))  # (B, N, T, H)
+    q = q if layer.qk_norm is None else _qk_norm(layer, q, "query")
+    q = q if layer.rope_theta is None else _turn_heads(layer, q, call.positions)
+    if layer.kv_shared and shared_kv is None:
+        raise ValueError(
+            "`shared_kv` must be given to a layer built with `kv_shared=True`: it has no key or value projections. "
+            "Received: shared_kv=None"
+        )
+    if layer.kv_shared:
+        return (q, None, None) if call.cache is not None else (q, *_shared_pair(layer, call, shared_kv))
+    k, v = _own_keys_values(layer, call)  # 2. (B, K, S, H) x 2
+    k = k if layer.qk_norm is None else _qk_norm(layer, k, "key")  # 3.
+    k = k if layer.rope_theta is None else _turn_heads(layer, k, call.positions)  # 4.
+    return q, k, v
+
+
+def _own_keys_values(layer, call):
+    """The clamped key projection and the values (B, K, S, H): with `keys_as_values` the key
+    projection again, with `value_norm` RMS-normalized per head without a scale."""
+    k = _clip(layer, layer._split_heads(layer._project(call.key, "key"), layer.num_kv_heads))  # (B, K, S, H)
+    v = k if layer.keys_as_values else _raw_values(layer, call)  # (B, K, S, H)
+    return k, v if not layer.value_norm else rms_norm(v, v.new_ones(()), layer.qk_norm_eps)  # (B, K, S, H)
+
+
+def _raw_values(layer, call):
+    """The values before `value_norm` (B, K, S, H): the clamped value projection, or with `keys_as_values` the key's."""
+    kind = "key" if layer.keys_as_values else "value"
+    projected = layer._project(getattr(call, kind), kind)  # (B, S, D) -> (B, S, K*H)
+    return _clip(layer, layer._split_heads(projected, layer.num_kv_heads))  # -> (B, K, S, H)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -2587,7 +2729,7 @@ def _kept_fused(layer, x):
 
 def _kept_kernels(layer, dtype):
     """The decode fast path's kernels: the q/k/v kernels the layer keeps (`_project_fused`, made
-    only where the projections could fuse; never with MLA) while they are current for `dtype`
+    only where the projections could fuse; never with MLA or the sharing options) while they are current for `dtype`
     (`_versions`: a weight replaced, cast or written in place is another storage or version) and
     the projections are still plain nn.Linear modules with no hooks, and the output projection's
     weight and bias; else None. Read from the modules' own dicts: a read through nn.Module's
@@ -2983,13 +3125,17 @@ def _make_weights(layer, latent, sinks, gate, factory):
         _make_latent_weights(layer, factory)
     else:
         layer.query = nn.Linear(layer.d_model, nh, bias="query" in layer.bias, **factory)  # query_kernel^T: (N*H, E)
-        layer.key = nn.Linear(layer.kdim, kh, bias="key" in layer.bias, **factory)  # key_kernel^T: (K*H, kdim)
-        layer.value = nn.Linear(layer.vdim, kh, bias="value" in layer.bias, **factory)  # value_kernel^T: (K*H, vdim)
+        own = {kind: kind in layer._projections for kind in ("key", "value")}  # not with `kv_shared`, ...
+        layer.key = (
+            nn.Linear(layer.kdim, kh, bias="key" in layer.bias, **factory) if own["key"] else None
+        )  # (K*H, kdim)
+        layer.value = nn.Linear(layer.vdim, kh, bias="value" in layer.bias, **factory) if own["value"] else None
         layer.output = nn.Linear(nh, layer.d_model, bias="output" in layer.bias, **factory)  # output_kernel^T: (E, N*H)
     nv = layer.output.in_features  # N*H, or N*Hv with MLA
     gated = nn.Linear(layer.d_model, nv, bias="gate" in layer.bias, **factory) if gate else None
     layer.gate = gated  # gate_kernel^T: (N*Hv, E) (Hv = H without MLA), None without `gate`
     norms = {None: (None, None), "head": (layer.head_dim, layer.head_dim)}.get(layer.qk_norm, (nh, kh))
+    norms = norms if "key" in layer._projections or latent is not None else (norms[0], None)  # `kv_shared`: no key_norm
     layer.query_norm, layer.key_norm = (
         None if width is None else nn.Parameter(torch.empty(width, **factory)) for width in norms
     )  # (H,) or (N*H,), (H,) or (K*H,)
@@ -3323,6 +3469,8 @@ def _weight_shapes(layer):
         shapes["key_norm"] = (layer.head_dim if shared else kh,)
     if layer.query_norm_bias is not None:
         shapes["query_norm_bias"], shapes["key_norm_bias"] = shapes["query_norm"], shapes["key_norm"]
+    if layer.key_norm is None:  # `kv_shared`: no key projection, no key norm
+        shapes = {name: shape for name, shape in shapes.items() if not name.startswith("key_norm")}
     if layer.sinks is not None:
         shapes["sinks"] = (layer.num_heads,)
     return _with_scales(shapes) if layer.quantization_mode == "int8" else shapes
@@ -3412,6 +3560,7 @@ def _non_defaults(layer):
         "clip_qkv": layer.clip_qkv,
         "gate": True if layer.gate is not None else None,
         **{name: getattr(layer, name) for name in _LATENT_SIZES},
+        **{name: True for name in _SHARING_FLAGS if getattr(layer, name)},
     }
     return {name: value for name, value in variants.items() if value is not None}
 

@@ -69,6 +69,10 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             (or "query_a" and "query_b"), "key_value_a", "key_value_b", "output", "gate".
         kernel_initializer: initializer of the kernels.
         bias_initializer: initializer of the biases.
+        kv_shared: if True, the layer has no key or value projections: every call takes another
+            layer's keys and values through `shared_kv` (Gemma 3n's and Gemma 4's shared layers).
+        keys_as_values: if True, no value projection: v is the key projection before QK-norm and RoPE (Gemma 4).
+        value_norm: if True, each value head is RMS-normalized without a scale (eps `qk_norm_eps`; Gemma 3n, 4).
         **kwargs: base layer arguments (`name`, `dtype` policy, ...).
         The options, each off by default, each in full in its section of this file (score modifiers,
         positions, QK-norm, clip_qkv and the gate, multi-head latent attention):
@@ -118,11 +122,15 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             is a ValueError. Never Keras' propagated implicit mask, which the layer reads off the
             inputs. Masks whose values read like another library's convention warn once per layer
             with `AttentionMaskWarning` and compute as given.
+        shared_kv: with `kv_shared`, a (k, v) pair of (B, K, S, H) keys and values another layer
+            attended (its `return_kv`), or that layer's `KVCache` once it wrote this call's T tokens.
+        return_kv: if True, also return the (k, v) the call attended (over the L slots with a cache).
 
     Returns:
         output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before dropout)
         when `return_attention` is True; with `cache`, the updated cache is appended and weights are
         (B, N, T, L), exactly 0 at unwritten slots. From `keras.layers.MultiHeadAttention`: converters.
+        With `return_kv`, the (k, v) pair is appended last; a shared cache is read, not returned.
 
     Example, a key padding mask (the third key of the first sequence is padding):
         >>> layer = MultiHeadAttention(16, 4)
@@ -145,7 +153,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None, qk_norm_eps=1e-6,
         qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
-        kernel_initializer="glorot_uniform", bias_initializer="zeros", query_scaling=None, **kwargs,
+        kernel_initializer="glorot_uniform", bias_initializer="zeros", query_scaling=None, kv_shared=False,
+        keys_as_values=False, value_norm=False, **kwargs,
     ):  # fmt: skip
         _check_backend()
         super().__init__(**kwargs)
@@ -178,6 +187,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         self.query_scaling = _check_query_scaling(query_scaling, variants.rope_sections)  # its section: positions
         for name, value in variants._asdict().items():
             setattr(self, name, value)
+        _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         if self.rope_theta is not None:
             self._inv_freq = _inverse_frequencies(rope_fraction, rope_width, self.rope_theta, self.rope_scaling)
         self.kernel_initializer = tf.keras.initializers.get(kernel_initializer)
@@ -233,7 +243,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
     @property
     def _projection_names(self):
         """The names of the layer's projections, in the layout's order (MLA's, the gate's with `gate`)."""
-        return _projection_kinds(_projections(_latent_of(self)), self.gate)
+        kinds = _projection_kinds(_projections(_latent_of(self)), self.gate)
+        return tuple(kind for kind in kinds if kind not in _absent_projections(self))  # shared keys and values
 
     @property
     def _int8(self):
@@ -302,9 +313,10 @@ class MultiHeadAttention(tf.keras.layers.Layer):
     def call(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
         attention_bias=None, positions=None, causal=False, return_attention=False, training=None, value_mask=None,
-        cache=None, segment_ids=None, key_segment_ids=None,
+        cache=None, segment_ids=None, key_segment_ids=None, shared_kv=None, return_kv=False,
     ):  # fmt: skip
         """The steps of docs/SPEC.md ("Order of the steps"); the arguments are the class's."""
+        cache = cache if shared_kv is None else _shared_cache(self, query, cache, shared_kv)  # rewound to check
         call = self._check_call(  # 1. defaults and checks
             query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
             return_attention, cache, training, value_mask,
@@ -314,11 +326,11 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         if any(mask is not None for mask in (call.attention_mask, attention_bias, call.key_mask, call.query_mask)):
             keep, bias = _masks(self, call)  # keep (B|1, N|1, T|1, S|1), rank-4 biases
         # 2. q (B, N, T, H), k and v (B, K, S, H); MLA: q, the latents c (B, 1, S, C) and k_rope (B, 1, S, Hr)
-        q, k, v = self._project_qkv(call) if self.kv_lora_rank is None else _project_latent(self, call)
-        if self.qk_norm is not None:  # 3. QK-norm
+        q, k, v = self._project_qkv(call, shared_kv) if self.kv_lora_rank is None else _project_latent(self, call)
+        if self.qk_norm is not None and not self._sharing:  # 3. QK-norm
             q, k = _normalize_qk(self, q, k)
-        if self.rope_theta is not None or self.query_scaling is not None:  # 4. RoPE, 4b. query scales
-            q, k, v = _position_step(self, q, k, v, call)
+        if self.query_scaling is not None or (self.rope_theta is not None and not self._sharing):
+            q, k, v = _position_step(self, q, k, v, call)  # 4. RoPE (not with the sharing options: their step 2), 4b.
         if cache is not None:  # 5. KV cache: k, v (B, K, L, H); in a graph, `misfit`: whether the tokens do not fit
             k, v, keep, call, misfit = _update_cache(self, call, k, v, keep)
         if self.kv_lora_rank is None:  # 6. (B, N, T, Hv), (B, N, T, S) or None; an int8 cache: `_cache_attend`
@@ -330,7 +342,9 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*Hv) -> (B, T, E)
         if cache is not None and misfit is not None:  # XLA cannot raise for a misfit: that call's output is NaN
             output = tf.where(misfit, tf.cast(np.nan, output.dtype), output)
-        results = ((output, weights) if return_attention else (output,)) + (() if cache is None else (call.cache,))
+        written = () if cache is None or self.kv_shared else (call.cache,)  # a shared cache is not returned
+        results = ((output, weights) if return_attention else (output,)) + written
+        results = results if not return_kv else (*results, (k, v))
         return results[0] if len(results) == 1 else results
 
     def _check_call(
@@ -366,8 +380,10 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             self.attention_chunk_size, return_attention, cache, training, fuse,
         )  # fmt: skip
 
-    def _project_qkv(self, call):
+    def _project_qkv(self, call, shared_kv=None):
         """Step 2: q (B, N, T, H), k and v (B, K, S, H), in one matmul where `call.fuse` (`_project_fused`)."""
+        if self._sharing:  # steps 2 to 4 with the sharing options (their section)
+            return _project_sharing(self, call, shared_kv)
         if call.fuse:  # (B, T, E) -> 3 x (B, T, heads*H)
             q, k, v = _project_fused(self, call.query)
         else:
@@ -1567,9 +1583,11 @@ def _update_cache(layer, call, k, v, keep):
         same, segmented = _segment_keep(layer, call, None, None)  # (B, 1, T, L)
         keep, call = _and(keep, same), call._replace(cache=segmented)
         cache = segmented
-    t, index = tf.shape(k)[2], tf.convert_to_tensor(cache.index)  # the index before this call's write
+    t, index = tf.shape(call.query)[1], tf.convert_to_tensor(cache.index)  # the index before this call's write
     misfit = _check_room(index, t, _cache_length(cache), _window_sides(call.window)[0])  # True only under XLA
-    if _is_in_place(cache):
+    if layer.kv_shared:  # a shared cache: written by its producer
+        cache = _written(cache, t)
+    elif _is_in_place(cache):
         cache = _write_variables(cache, k, v, call.key_mask, misfit)  # the same variables, written
     else:
         cache = (_write_cache if cache.key.dtype != tf.int8 else _write_int8_cache)(cache, k, v, call.key_mask)
@@ -1756,6 +1774,137 @@ def _write_compiled(handles, fields, k, v, key_mask, misfit):
 
 
 # -------------------------------------------------------------------------------------------------
+# Section: shared keys and values
+# -------------------------------------------------------------------------------------------------
+# Cross-layer KV sharing (Gemma 3n, Gemma 4): a layer built with `kv_shared=True` has no key or value
+# projections (nor `key_norm`); each call takes the keys and values of the layer that computed them through
+# `shared_kv`: the (k, v) pair that layer's call returned with `return_kv=True` (after its QK-norm, RoPE and
+# value norm), or, decoding, that layer's `KVCache` once it wrote this call's T tokens. The shared layer reads
+# that cache (its index counts the T tokens: the queries sit at positions index - T to index - 1) and writes
+# nothing: the cache is written once, by its producer, whose `key_mask` is in its keep. Steps 2 to 4 of a
+# layer with any of these options are `_project_sharing`; `keys_as_values` (no value projection: v is the key
+# projection, clamped, before QK-norm and RoPE) and `value_norm` (each value head RMS-normalized, no scale)
+# are the options of Gemma 4's full-attention layers (`attention_k_eq_v`) and of Gemma's `v_norm`. The
+# gradient reaches the shared keys and values passed in.
+
+_SHARING_FLAGS = ("kv_shared", "keys_as_values", "value_norm")
+
+
+def _check_sharing(layer, latent, kv_shared, keys_as_values, value_norm):
+    """Checks and stores `kv_shared`, `keys_as_values` and `value_norm` (refused with MLA, `latent`);
+    drops the projections they remove from `bias`
+    (and with `keys_as_values`, vdim is kdim: v comes from `key`)."""
+    values = dict(zip(_SHARING_FLAGS, (kv_shared, keys_as_values, value_norm), strict=True))
+    flags = {name: _flag(name, value) for name, value in values.items()}
+    if any(flags.values()) and latent is not None:
+        raise ValueError(
+            "`kv_shared`, `keys_as_values` and `value_norm` must be False with `kv_lora_rank` (MLA projects its "
+            f"keys and values from one latent). Received: {flags}"
+        )
+    if any(flags.values()) and layer.query_scaling is not None:
+        raise ValueError(
+            "`kv_shared`, `keys_as_values` and `value_norm` must be False with `query_scaling` (no model has "
+            "both: the sharing options' steps 2 to 4 scale no queries). "
+            f"Received: {flags}, query_scaling={layer.query_scaling!r}"
+        )
+    if flags["kv_shared"] and (flags["keys_as_values"] or flags["value_norm"]):
+        raise ValueError(
+            "`keys_as_values` and `value_norm` must be False with `kv_shared`: the layer projects no keys or "
+            f"values (their producer applies them). Received: {flags}"
+        )
+    for name, value in flags.items():
+        setattr(layer, name, value)  # layer.kv_shared, layer.keys_as_values, layer.value_norm
+    layer._sharing = any(flags.values())
+    absent = _absent_projections(layer)  # `_projection_names` leaves them out
+    layer.bias = tuple(kind for kind in layer.bias if kind not in absent)
+    layer.vdim = layer.kdim if layer.keys_as_values else layer.vdim
+
+
+def _absent_projections(layer):
+    """The projections the sharing options remove: key and value (`kv_shared`), value (`keys_as_values`)."""
+    return ("key", "value") if layer.kv_shared else ("value",) if layer.keys_as_values else ()
+
+
+def _shared_cache(layer, query, cache, shared_kv):
+    """`shared_kv` given: the layer must be `kv_shared` and `cache` None; a shared `KVCache` is returned
+    with its index moved back by T, so that the call's checks see the cache its producer wrote to (else None)."""
+    if not layer.kv_shared:
+        raise ValueError(
+            "`shared_kv` must be None unless the layer is built with `kv_shared=True` (then it takes its keys and "
+            f"values from it). Received: shared_kv={type(shared_kv).__name__} with kv_shared=False"
+        )
+    if cache is not None:
+        raise ValueError(
+            "`cache` must be None with `shared_kv`: a layer that shares keys and values writes no cache (pass "
+            "the producer's cache as `shared_kv`). Received: a cache and shared_kv"
+        )
+    if not isinstance(shared_kv, KVCache):
+        return None
+    return shared_kv._replace(index=tf.convert_to_tensor(shared_kv.index) - tf.shape(query)[-2])
+
+
+def _written(cache, t):
+    """The shared cache as its producer returned it: the checked cache's index moved on by T."""
+    return cache._replace(index=tf.convert_to_tensor(cache.index) + t)
+
+
+def _shared_pair(layer, call, shared_kv):
+    """A `kv_shared` layer's (k, v): `shared_kv` checked as a (B, K, S, H) pair for the call's (B, S) key."""
+    b, s = call.key.shape[:2]
+    expected = (b, layer.num_kv_heads, s, layer.head_dim)
+    pair = tuple(shared_kv) if isinstance(shared_kv, (tuple, list)) else ()
+    shapes = tuple(tuple(x.shape) if hasattr(x, "shape") else None for x in pair)
+    if len(pair) != 2 or not all(_same_shape(shape, expected) for shape in shapes):
+        raise ValueError(
+            f"`shared_kv` must be a KVCache or a (k, v) pair of floating (B, K, S, H)={expected} tensors. "
+            f"Received: {type(shared_kv).__name__} with shapes {shapes}"
+        )
+    return tuple(tf.cast(x, layer.compute_dtype) for x in pair)
+
+
+def _same_shape(shape, expected):
+    """Whether a (B, K, S, H) shape matches, dimensions unknown at trace time passing."""
+    return (
+        shape is not None and len(shape) == 4 and not any(_differ(a, b) for a, b in zip(shape, expected, strict=True))
+    )
+
+
+def _project_sharing(layer, call, shared_kv):
+    """Steps 2 to 4 with the sharing options: q (B, N, T, H); k and v (B, K, S, H) projected (v the
+    clamped key projection with `keys_as_values`, RMS-normalized with `value_norm`) or `shared_kv`
+    (a shared cache, then the call's, gives None: step 5 reads it)."""
+    q = _clip(layer, layer._split_heads(layer._project(call.query, "query"), layer.num_heads))  # (B, N, T, H)
+    q = q if layer.qk_norm is None else _norm(layer, q, "query", layer.num_heads)
+    q = q if layer.rope_theta is None else _turn_heads(layer, q, call.positions)
+    if layer.kv_shared and shared_kv is None:
+        raise ValueError(
+            "`shared_kv` must be given to a layer built with `kv_shared=True`: it has no key or value projections. "
+            "Received: shared_kv=None"
+        )
+    if layer.kv_shared:
+        return (q, None, None) if call.cache is not None else (q, *_shared_pair(layer, call, shared_kv))
+    k, v = _own_keys_values(layer, call)  # 2. (B, K, S, H) x 2
+    k = k if layer.qk_norm is None else _norm(layer, k, "key", layer.num_kv_heads)  # 3.
+    k = k if layer.rope_theta is None else _turn_heads(layer, k, call.positions)  # 4.
+    return q, k, v
+
+
+def _own_keys_values(layer, call):
+    """The clamped key projection and the values (B, K, S, H): with `keys_as_values` the key
+    projection again, with `value_norm` RMS-normalized per head without a scale."""
+    k = _clip(layer, layer._split_heads(layer._project(call.key, "key"), layer.num_kv_heads))  # (B, K, S, H)
+    v = k if layer.keys_as_values else _raw_values(layer, call)  # (B, K, S, H)
+    return k, v if not layer.value_norm else rms_norm(v, 1.0, layer.qk_norm_eps)  # (B, K, S, H)
+
+
+def _raw_values(layer, call):
+    """The values before `value_norm` (B, K, S, H): the clamped value projection, or with `keys_as_values` the key's."""
+    kind = "key" if layer.keys_as_values else "value"
+    projected = layer._project(getattr(call, kind), kind)  # (B, S, D) -> (B, S, K*H)
+    return _clip(layer, layer._split_heads(projected, layer.num_kv_heads))  # -> (B, K, S, H)
+
+
+# -------------------------------------------------------------------------------------------------
 # Section: multi-head latent attention
 # -------------------------------------------------------------------------------------------------
 # Multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi, GLM-5), on with `kv_lora_rank` C; Hn, Hr
@@ -1891,12 +2040,13 @@ def _kernel_shapes(layer):
     """{projection: its kernel's (D, F)}, in the layout's order."""
     nh, kh = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
     if layer.kv_lora_rank is None:
-        return {
+        kernels = {
             "query": (layer.d_model, nh),
             "key": (layer.kdim, kh),
             "value": (layer.vdim, kh),
             "output": (nh, layer.d_model),
         }
+        return {kind: shape for kind, shape in kernels.items() if kind not in _absent_projections(layer)}
     c, hn, hr, hv = layer.kv_lora_rank, layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.v_head_dim
     query = {"query": (layer.d_model, nh)}
     if layer.q_lora_rank is not None:
@@ -2985,6 +3135,8 @@ def _weight_shapes(layer):
         shapes["key_norm"] = (layer.head_dim,) if layer.qk_norm == "head" else (kh,)
     if layer.qk_norm is not None and layer.qk_norm_bias:
         shapes["query_norm_bias"], shapes["key_norm_bias"] = shapes["query_norm"], shapes["key_norm"]
+    if layer.kv_shared:  # no key projection, no key norm
+        shapes = {name: shape for name, shape in shapes.items() if not name.startswith("key_norm")}
     if layer.sinks:
         shapes["sinks"] = (layer.num_heads,)
     for kind, shape in gate.items():
@@ -3045,6 +3197,7 @@ def _config(layer):
         "kernel_initializer": tf.keras.initializers.serialize(layer.kernel_initializer),
         "bias_initializer": tf.keras.initializers.serialize(layer.bias_initializer),
         "query_scaling": None if layer.query_scaling is None else dict(layer.query_scaling),
+        **{name: getattr(layer, name) for name in _SHARING_FLAGS},
     }
     return config | _latent_config(layer, vdim_only=True)  # the key keeps its place
 
@@ -3065,6 +3218,7 @@ def _non_defaults(layer):
         "gate": True if layer.gate else None,
         **{name: getattr(layer, name) for name in _LATENT_SIZES},
         "query_scaling": layer.query_scaling,
+        **{name: True for name in _SHARING_FLAGS if getattr(layer, name)},
     }
     return {name: value for name, value in variants.items() if value is not None}
 

@@ -26,7 +26,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench import compile_time, decode_anchors, decode_pair, fresh, keras_bench, keras_decode, memory, mla
+from bench import compile_time, decode_anchors, decode_pair, fresh, keras_bench, keras_decode, memory, mla, shared_cache
 from bench.timing import median_time, ratio_cell, rounds_of_times, tf_function_calls
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -625,6 +625,9 @@ def run(args, forks):
     mla_config = mla.QUICK_CONFIG if args.quick else mla.CONFIG
     print("multi-head latent attention, decoding step", file=sys.stderr, flush=True)
     mla_results = mla.time_mla(anchor_runs, args.rounds, mla_config)
+    shared_config = shared_cache.QUICK_CONFIG if args.quick else shared_cache.CONFIG
+    print("shared keys and values, decoding step", file=sys.stderr, flush=True)
+    shared_results = shared_cache.time_shared(anchor_runs, args.rounds, shared_config)
     print("Keras decoding step (jax.jit)", file=sys.stderr, flush=True)
     keras_decode_times = keras_decode.keras_decode_times(
         [config for config, _ in anchors], anchor_runs, args.rounds, forks
@@ -708,6 +711,14 @@ def run(args, forks):
         "layer with the same heads (bench/mla.py; `python -m bench.sections mla`).",
         "",
         mla.mla_table(mla_results, mla_config),
+        "",
+        "## Shared keys and values",
+        "",
+        "The KV cache of a stack whose last layers read the cache of an earlier one (`kv_shared`, Gemma 3n and "
+        "Gemma 4), against the same stack with a cache per layer, and one decode step through each "
+        "(bench/shared_cache.py; `python -m bench.sections shared_cache`).",
+        "",
+        shared_cache.shared_table(shared_results, shared_config),
         "",
         "## Compile time",
         "",

@@ -1,4 +1,5 @@
-"""Some sections of `make bench`, measured apart: `python -m bench.sections variants int8 keras memory decode mla`.
+"""Some sections of `make bench`, measured apart: `python -m bench.sections variants int8 keras memory decode mla
+shared_cache`.
 
 Each section runs the same functions as the full benchmark (bench/benchmark.py), with its
 configuration, rounds and runs, and prints its Markdown table; the whole goes to
@@ -22,6 +23,7 @@ from bench import (
     keras_decode,
     memory,
     mla,
+    shared_cache,
 )
 
 OUTPUT = Path(__file__).parents[1] / "out" / "bench_sections.md"
@@ -79,8 +81,13 @@ def _mla(runs, rounds, forks):
     return mla.mla_table(mla.time_mla(runs, rounds))
 
 
+def _shared_cache(runs, rounds, forks):
+    return shared_cache.shared_table(shared_cache.time_shared(runs, rounds))
+
+
 SECTIONS = {
     "variants": _variants, "int8": _int8, "keras": _keras, "memory": _memory, "decode": _decode, "mla": _mla,
+    "shared_cache": _shared_cache,
 }  # fmt: skip
 
 

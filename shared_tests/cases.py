@@ -257,6 +257,23 @@ CASES = [
         query_mask=True,
         variants=(("rope_theta", 150000.0), ("window", 3), ("sinks", True)),
     ),
+    Case(
+        "gemma4_full_like",  # keys as values (attention_k_eq_v) and the unweighted value norm (v_norm), clamped once
+        e=32,
+        k=2,
+        self_attention=True,
+        causal=True,
+        mask="bool_b1s",
+        positions="shifted",
+        variants=(
+            ("rope_theta", 10000.0),
+            ("qk_norm", "head"),
+            ("scale", 1.0),
+            ("keys_as_values", True),
+            ("value_norm", True),
+            ("clip_qkv", 1.0),
+        ),
+    ),
     Case("t5_like", t=4, s=6, bias=False, key_mask=True, attention_bias="1nts", variants=(("scale", 1.0),)),
     Case(
         "float16_variants",

@@ -20,6 +20,7 @@ SECTIONS = (
     "positions",
     "QK-norm, clip_qkv and the gate",
     "KV cache and decode steps",
+    "shared keys and values",
     "multi-head latent attention",
     "speed paths",
     "int8",

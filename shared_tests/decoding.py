@@ -163,6 +163,14 @@ DECODE_CASES = [
         variants=(("query_scaling", {"type": "temperature", "beta": 0.5, "floor": 2}),),
     ),
     DecodeCase(
+        "decode_value_norm",  # Gemma 3n's values (v_norm); keys as values in the parity table's gemma4_full_like
+        k=2,
+        padding=(0, 2),
+        chunks=(3, 1, 1, 1),
+        positions=True,
+        variants=(("rope_theta", 10000.0), ("qk_norm", "head"), ("value_norm", True)),
+    ),
+    DecodeCase(
         "decode_gate_rope_rolling",
         length=4,
         chunks=(2,) + (1,) * 6,

@@ -148,6 +148,9 @@ def shrink(config):
             shrink(value)
     old_layers = next((getattr(config, n) for n in LAYER_COUNTS if isinstance(getattr(config, n, None), int)), None)
     layers = layers_kept(config, old_layers)
+    if isinstance(getattr(config, "num_kv_shared_layers", None), int) and config.num_kv_shared_layers and old_layers:
+        layers = min(old_layers, layers + 2)  # Gemma 3n, 4: two layers sharing the keys and values of earlier ones
+        config.num_kv_shared_layers = 2
     for name in LAYER_COUNTS:
         if isinstance(getattr(config, name, None), int):
             setattr(config, name, layers)
@@ -248,6 +251,14 @@ def tiny_model(model_type):
         model = cls(config).float().eval()
     except Exception as error:
         raise NotBuiltError(f"{type(error).__name__}: {_first_line(error)}") from error
+    return perturbed(model)
+
+
+def perturbed(model):
+    """The model with its parameters moved off their initial values, seeded (norm scales away from 1, biases
+    away from 0), in place."""
+    import torch
+
     generator = torch.Generator().manual_seed(SEED + 1)
     with torch.no_grad():
         for parameter in model.parameters():

@@ -1067,6 +1067,14 @@ def check_int8_cache_integers():
         raise AssertionError("int8 cache scales differ from NumPy's")
 
 
+def check_sharing():
+    """Shared keys and values (shared_tests/sharing.py): Gemma 3n's and Gemma 4's producers hand their keys
+    and values to a `kv_shared` layer, as a pair in a full pass and as their cache when decoding, as NumPy's."""
+    from shared_tests import sharing
+
+    sharing.compare(sharing.run("Keras"), sharing.run("NumPy"), ("producer", "consumer", "decoded"), TOLERANCE)
+
+
 CHECKS = {
     "fit_compiled": check_fit_compiled,
     "fit": check_fit,
@@ -1086,6 +1094,7 @@ CHECKS = {
     "memory_efficient_dropout": check_memory_efficient_dropout,
     "fused": check_fused,
     "mla": check_mla,
+    "sharing": check_sharing,
     "float64": check_float64,
     "tensorflow_file_refuses": check_tensorflow_file_refuses,
     "int8_parity": check_int8_parity,

@@ -980,8 +980,12 @@ PACKAGE_NAMES = {
 
 
 def test_every_supported_model_type_has_a_family_here():
+    """Every model type `interop.hf` reads is tested here, or (layers that share keys and values: a shared layer's
+    call takes another layer's) in test_hf_sharing.py."""
+    from shared_tests.test_hf_sharing import MODEL_TYPES
+
     tested = {_config(_model(family.name)).model_type for family in FAMILIES}
-    assert set(supported_modules()) == tested | PACKAGE_NAMES
+    assert set(supported_modules()) == tested | PACKAGE_NAMES | MODEL_TYPES
 
 
 def _full_pass_port(runner, family, index):

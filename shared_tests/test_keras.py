@@ -24,7 +24,7 @@ JAX_DECODE_CASES = ("decode_rolling_rope_left_padding", "decode_all_variants")
 CHECKS = (
     "fit", "dropout", "mask_alias", "implicit_mask", "mask_warnings", "while_loop_decode", "mixed_precision",
     "clip_qkv", "window_pair", "attention_chunk", "rope_sections", "qk_norm_variants", "memory_efficient",
-    "memory_efficient_dropout", "fused", "mla",
+    "memory_efficient_dropout", "fused", "mla", "sharing",
 )  # fmt: skip
 INT8_CHECKS = ("int8_parity", "int8_model_quantize", "int8_decoding", "int8_fit", "int8_layout_checks")
 INT8_CHECKS += ("int8_cache_integers",)  # the int8 KV cache's integers: exactly NumPy's

@@ -65,10 +65,25 @@ def test_case_table_covers_the_issue():
     assert any(c.t == 0 for c in CASES) and any(c.s == 0 for c in CASES)
     variants = {name for c in CASES for name, _ in c.variants}
     assert variants == {
-        "scale", "softcap", "window", "attention_chunk_size", "rope_theta", "rope_fraction", "rope_interleaved",
-        "rope_scaling", "rope_sections", "qk_norm", "qk_norm_eps", "qk_norm_type", "qk_norm_bias", "sinks", "clip_qkv",
+        "scale",
+        "softcap",
+        "window",
+        "attention_chunk_size",
+        "rope_theta",
+        "rope_fraction",
+        "rope_interleaved",
+        "rope_scaling",
+        "rope_sections",
+        "qk_norm",
+        "qk_norm_eps",
+        "qk_norm_type",
+        "qk_norm_bias",
+        "sinks",
+        "clip_qkv",
         "gate",
-    }  # fmt: skip
+        "keys_as_values",
+        "value_norm",
+    }  # fmt: skip (`kv_shared` needs two layers: shared_tests/test_sharing.py)
     windows = [dict(c.variants).get("window") for c in CASES]
     assert any(isinstance(w, int) for w in windows) and any(isinstance(w, tuple) for w in windows)  # both forms
     assert {dict(c.variants).get("qk_norm") for c in CASES} >= {"head", "per_head", "all"}

@@ -70,13 +70,18 @@ def test_keras_file_and_config_load(name, kind):
 def _compatible(now, then):
     """Whether signature `now` takes every call `then` took the same way: then's parameters first,
     in order, with the same kinds and defaults; any new one keyword-only, with a default (before a
-    `**kwargs` both end with, where Python puts it)."""
+    `**kwargs`, which Python keeps last: TensorFlow's and Keras' constructors)."""
     now, then = inspect.signature(_stub(now)).parameters, inspect.signature(_stub(then)).parameters
-    old, new = list(then.values()), list(now.values())
-    if old and old[-1].kind is old[-1].VAR_KEYWORD and new[-1:] == old[-1:]:
-        old, new = old[:-1], new[:-1]
+    (old, old_var), (new, new_var) = (_without_var_keyword(list(p.values())) for p in (then, now))
     added = new[len(old) :]
-    return new[: len(old)] == old and all(p.kind is p.KEYWORD_ONLY and p.default is not p.empty for p in added)
+    same = new[: len(old)] == old and old_var == new_var
+    return same and all(p.kind is p.KEYWORD_ONLY and p.default is not p.empty for p in added)
+
+
+def _without_var_keyword(parameters):
+    """(the parameters but a `**kwargs`, [that `**kwargs`] or [])."""
+    var = [p for p in parameters if p.kind is p.VAR_KEYWORD]
+    return [p for p in parameters if p.kind is not p.VAR_KEYWORD], var
 
 
 def _stub(signature):

@@ -48,6 +48,8 @@ These call arguments reproduce them (`attention_mask` is the model's (B, S) 0/1 
   Qwen2-VL's and Qwen2.5-VL's multimodal RoPE (`rope_sections`) takes the (3, B, T) positions its
   rotary embedding reads, one row per section (`generate` passes (4, B, T): the text positions,
   then these three; for text alone the three rows are the text positions).
+- Gemma 3n and Gemma 4 (`interop.hf.shared`): as Llama, and a shared layer (`kv_shared`) also
+  `shared_kv=` its store layer's `(k, v)` (that layer's call with `return_kv=True`) or, decoding, its cache.
 - GPT-2, GPT-Neo, GPTBigCode, OPT, the BART and Whisper decoders' self-attention (and the BART kind's):
   `causal=True, key_mask=attention_mask.bool()`.
 - BERT, RoBERTa, XLM-RoBERTa, the BART encoder: `key_mask=attention_mask.bool()`; ModernBERT
@@ -108,22 +110,22 @@ cross-attention, the linear-attention layers of Kimi Linear and Ling, and the ML
 attention adds a sparse-attention indexer or a norm the layer lacks (DeepSeek-V3.2, GLM-MoE-DSA,
 GLM-5-Next, Mistral Large 4, HY-V4, AXK2, dots3).
 
-The package: one module per family of porters, each with its refusals (`llama`: the Llama kind and
-Llama 4's text attention, its vision encoder refused; `gated`: the gated families; `latent`:
-multi-head latent attention; `gpt`: GPT-2, GPTBigCode, GPT-Neo, GPT-J and GPT-NeoX; `alibi`:
-Bloom, Falcon and MPT, and `alibi_positions`; `bert`: BERT and ModernBERT; `seq2seq`: T5, BART,
-Whisper and OPT, and `t5_position_bias`), and the shared pieces: `tensors` (reading tensors,
-`load_tensors`), `config` (what a config says), `registry` (the porters by model type,
-`register_porter`, `supported_modules`), `routes` (`port_attention`, `port_checkpoint`),
-`replace` (`replace_attention`), `structure` (the Llama-kind and gated modules of model types not listed,
-recognised by their projections, norms and RoPE functions, and those refused by name), `kinds` (the BART,
-GPT-NeoX and BERT kinds and LFM2's renamed Llama kind of model types not listed, recognised by their structure) and
-`census` (`python -m
-interop.hf.census`: every attention class of the installed transformers with its status, docs/census.md).
-It imports no framework at module level: `port_attention` reads a
-module's tensors through its own `state_dict`, `port_checkpoint` and `load_tensors` read
-safetensors files with NumPy, and `replace_attention` imports torch and the PyTorch layer when
-called.
+The package: one module per family of porters, each with its refusals (`llama`: the Llama kind and Llama 4's
+text attention, its vision encoder refused; `gated`: the gated families; `latent`: multi-head latent
+attention; `shared`: Gemma 3n and Gemma 4, whose last layers share the keys and values of earlier ones
+(`kv_shared`: a shared layer's call takes them as `shared_kv`, the store layer's `return_kv` pair or its
+cache when decoding; `replace_attention` passes them); `gpt`: GPT-2, GPTBigCode, GPT-Neo, GPT-J and
+GPT-NeoX; `alibi`: Bloom, Falcon and MPT, and `alibi_positions`; `bert`: BERT and ModernBERT; `seq2seq`: T5,
+BART, Whisper and OPT, and `t5_position_bias`), and the shared pieces: `tensors` (reading tensors,
+`load_tensors`), `config` (what a config says), `registry` (the porters by model type, `register_porter`,
+`supported_modules`), `routes` (`port_attention`, `port_checkpoint`), `replace` (`replace_attention`),
+`structure` (the Llama-kind and gated modules of model types not listed, recognised by their projections,
+norms and RoPE functions, and those refused by name), `kinds` (the BART, GPT-NeoX and BERT kinds and LFM2's
+renamed Llama kind of model types not listed, recognised by their structure) and `census` (`python -m
+interop.hf.census`: every attention class of the installed transformers with its status, docs/census.md). It
+imports no framework at module level: `port_attention` reads a module's tensors through its own
+`state_dict`, `port_checkpoint` and `load_tensors` read safetensors files with NumPy, and `replace_attention`
+imports torch and the PyTorch layer when called.
 """
 
 from .alibi import alibi_positions

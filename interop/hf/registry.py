@@ -8,6 +8,7 @@ from .gpt import _gpt2, _gpt_bigcode, _gpt_neo, _gpt_neox, _gptj
 from .latent import _latent
 from .llama import _llama4, _rotary
 from .seq2seq import _bart, _t5
+from .shared import _gemma_shared
 
 
 def _family(porter, path, **options):
@@ -84,6 +85,12 @@ _BUILTIN = {
     "minicpm3": _family(_latent, _LAYERS),
     "kimi_linear": _family(_latent, _LAYERS, rope=False),
     "bailing_hybrid": _family(_latent, "layers.{i}.attention", interleaved=True, gate=True),
+    "gemma3n": _family(_gemma_shared, _LAYERS),
+    "gemma3n_text": _family(_gemma_shared, _LAYERS),
+    "gemma4": _family(_gemma_shared, _LAYERS),
+    "gemma4_text": _family(_gemma_shared, _LAYERS),
+    "gemma4_unified": _family(_gemma_shared, _LAYERS),
+    "gemma4_unified_text": _family(_gemma_shared, _LAYERS),
     "longcat_flash": _family(
         _latent, lambda i: f"layers.{i // 2}.self_attn.{i % 2}", interleaved=True, lora_scales=True
     ),

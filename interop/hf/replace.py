@@ -11,6 +11,7 @@ from .llama import _llama4, _rotary
 from .registry import _registered
 from .routes import _layer_index, _module_porter, _transformers_model_type, port_attention
 from .seq2seq import _bart
+from .shared import _gemma_shared
 
 
 def replace_attention(model, layer_class=None):
@@ -22,7 +23,9 @@ def replace_attention(model, layer_class=None):
     the keys and values in its own `KVCache`, grown as decoding goes; the model's cache only counts
     the tokens). Greedy and sampled decoding are supported; beam search, which reorders the model's
     cache, is not. The model is switched to the "eager" attention implementation, whose masks are
-    always materialized.
+    always materialized. Gemma 3n's and Gemma 4's layers share keys and values through the model's
+    `shared_kv_states`: a "store" layer's wrapper puts its (k, v) there (`return_kv`), or its cache when
+    decoding, and a "reuse" layer's (`kv_shared`) passes them to its layer as `shared_kv`.
 
     Args:
         model: a `transformers` PyTorch model of the Llama kind (the families with `q_proj`, `k_proj`,
@@ -31,8 +34,8 @@ def replace_attention(model, layer_class=None):
             (BERT, RoBERTa, XLM-RoBERTa and the copies of BERT's attention), of the BART kind (`q_proj`, `k_proj`,
             `v_proj`, `out_proj`: BART, OPT, Whisper, Blenderbot, Marian, ...; their cross-attention modules,
             `encoder_attn`, stay as they are), of the GPT kind (GPT-2, GPTBigCode, GPT-Neo, GPT-J, GPT-NeoX and
-            Persimmon) or with multi-head latent attention (DeepSeek-V2, V3 and the MLA
-            families `port_attention` reads; the layer's cache holds the latents).
+            Persimmon), with multi-head latent attention (DeepSeek-V2, V3 and the MLA
+            families `port_attention` reads; the layer's cache holds the latents), or Gemma 3n and Gemma 4.
         layer_class: the `MultiHeadAttention` class to build (default: the one in `PyTorch/`).
 
     Returns:
@@ -72,6 +75,7 @@ def replace_attention(model, layer_class=None):
             _gpt_neo,
             _gpt_neox,
             _gptj,
+            _gemma_shared,
         ):
             continue
         if getattr(module, "is_cross_attention", False):
@@ -114,6 +118,8 @@ def _swapped(torch, module, layer_class, bert, model_config):
     layer.import_weights(weights)
     layer.to(device=parameter.device, dtype=parameter.dtype)
     wrapper = _wrapper_class(torch)(layer, _layer_index(module), getattr(module, "is_causal", not bert))
+    if getattr(module, "is_kv_shared_layer", False) or getattr(module, "store_full_length_kv", False):
+        wrapper.sharing = ("reuse" if module.is_kv_shared_layer else "store", module.layer_type)
     if bert:
         wrapper.norm, wrapper.dropout = module.output.LayerNorm, module.output.dropout
     return wrapper
@@ -130,7 +136,7 @@ def _wrapper_class(torch):
         def __init__(self, layer, layer_idx, is_causal):
             super().__init__()
             self.layer, self.layer_idx, self.is_causal = layer, layer_idx, is_causal
-            self.norm = self.dropout = None
+            self.norm = self.dropout = self.sharing = None  # sharing: ("store" or "reuse", the layer type)
             self._cache = None
 
         def forward(self, hidden_states, attention_mask=None, *args, past_key_values=None, **kwargs):
@@ -147,7 +153,9 @@ def _wrapper_class(torch):
                 positions = kwargs.get("cache_position")  # (T,)
             elif positions.shape[0] != hidden_states.shape[0]:
                 positions = positions.expand(hidden_states.shape[0], -1)  # (1, T) -> (B, T)
-            if past_key_values is None:
+            if self.sharing is not None:
+                output = self._shared(hidden_states, attention_mask, past_key_values, positions, kwargs)
+            elif past_key_values is None:
                 output = self.layer(
                     hidden_states, **self._masks(attention_mask, hidden_states, 0, None), positions=positions
                 )
@@ -156,6 +164,25 @@ def _wrapper_class(torch):
             if self.norm is not None:
                 output = self.norm(self.dropout(output) + hidden_states)
             return output, None
+
+        def _shared(self, hidden_states, attention_mask, past_key_values, positions, kwargs):
+            """Gemma 3n and 4: a "store" layer puts its keys and values (its cache when decoding) in the
+            model's `shared_kv_states`; a "reuse" layer attends them, its queries the last T tokens."""
+            (mode, layer_type), states = self.sharing, kwargs["shared_kv_states"]
+            if mode == "store" and past_key_values is None:
+                masks = self._masks(attention_mask, hidden_states, 0, None)
+                output, states[layer_type] = self.layer(hidden_states, **masks, positions=positions, return_kv=True)
+                return output
+            if mode == "store":
+                output = self._step(hidden_states, attention_mask, past_key_values, positions)
+                states[layer_type] = self._cache
+                return output
+            shared, t = states[layer_type], hidden_states.shape[1]
+            positions = None if positions is None else positions[..., -t:]  # Gemma 4 keeps the last tokens' queries
+            cached = hasattr(shared, "keep")  # a KVCache, else a (k, v) pair
+            past, slots = (int(shared.index) - t, shared.key.shape[2]) if cached else (0, None)
+            masks = self._masks(attention_mask, hidden_states, past, slots)
+            return self.layer(hidden_states, **masks, positions=positions, shared_kv=shared)
 
         def _step(self, hidden_states, attention_mask, past_key_values, positions):
             """One call with the model's cache: the layer's own cache holds the keys and values."""
