@@ -208,8 +208,7 @@ class MultiHeadAttention:
             raise ValueError(
                 f"`num_kv_heads` must divide `num_heads`. Received: num_heads={num_heads}, num_kv_heads={num_kv_heads}"
             )
-        latent = _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
-        self._latent = latent
+        self._latent = latent = _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
         for name in _LATENT_SIZES:
             setattr(self, name, None if latent is None else getattr(latent, name))  # self.kv_lora_rank, ...
         if latent is not None:
@@ -247,9 +246,8 @@ class MultiHeadAttention:
             rotary_dim = _rotary_dim(rope_fraction, rope_width, True)
             self._inv_freq = rope_frequencies(rotary_dim, self.rope_theta, self.rope_scaling)
         rng = np.random.default_rng(seed)
-        self.params = {}
-        for name, shape in self.weight_shapes().items():
-            self.params[name] = _initial_value(rng, name, shape)
+        self.params = {}  # `weight_shapes` reads it (int8)
+        self.params.update({name: _initial_value(rng, name, shape) for name, shape in self.weight_shapes().items()})
         self._saved = None  # what `backward` needs from the last call without a cache
         self._warned_traps = set()  # the mask habits warned of, once each
 
