@@ -21,12 +21,16 @@ SECTIONS = (
     "QK-norm, clip_qkv and the gate",
     "KV cache and decode steps",
     "multi-head latent attention",
+    "sparse indexer",
     "speed paths",
     "int8",
     "framework only",
     "converters",
 )
-ONLY_IN = {"backward": ("NumPy",)}  # a section that exists in some files only
+ONLY_IN = {  # a section that exists in some files only
+    "backward": ("NumPy",),
+    "sparse indexer": ("NumPy", "PyTorch"),  # until the TensorFlow and Keras files have theirs
+}
 FRAMEWORKS = ("NumPy", "PyTorch", "TensorFlow", "Keras")
 HEADER = re.compile(r"^# (Core: the plain layer|Section: (.+))$")
 SOFTCAP_NAMES = frozenset({"softcap", "cap"})  # the names the soft-capping option's value is carried by
