@@ -81,6 +81,7 @@ class _Call(NamedTuple):
     training: None  # TF/Keras only
     fuse: bool  # False: the reference projects q, k and v one at a time
     segmented: bool = False  # packed sequences: the ids folded into attention_mask (`_packed`)
+    selection: np.ndarray | None = None  # the sparse indexer's gathered route (PyTorch); the reference masks
 
 
 class MultiHeadAttention:
@@ -190,7 +191,7 @@ class MultiHeadAttention:
         rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None, qk_norm_eps=1e-6,
         qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
-        index_topk=None, index_num_heads=None, index_head_dim=None, index_rope_interleaved=False, seed=None,
+        seed=None, index_topk=None, index_num_heads=None, index_head_dim=None, index_rope_interleaved=False,
     ):  # fmt: skip
         self.d_model = _positive_int("d_model", d_model)
         self.num_heads = _positive_int("num_heads", num_heads)
@@ -265,10 +266,8 @@ class MultiHeadAttention:
         q, k, v = self._project_qkv(call)  # 2-4. (B, N, T, H), (B, K, S, H) x 2, QK-norm and RoPE of q and k
         if call.cache is not None:
             k, v, keep, call = _update_cache(self, call, k, v, keep)  # 5. KV cache, keep over its L slots
-        sparse = self.index_topk is not None or topk_indices is not None or return_topk  # 5b. sparse indexer
-        keep, call, selection = (
-            _sparse_keep(self, call, keep, topk_indices, return_topk) if sparse else (keep, call, None)
-        )
+        sparse = (topk_indices, return_topk) if self.index_topk or topk_indices is not None or return_topk else ()
+        keep, call, selection = _sparse_keep(self, q, k, keep, call, *sparse) if sparse else (keep, call, None)  # 5b.
         context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S)
         gated, gate = (context, None) if not self.gate else _gate_heads(self, call, context)  # 6b. output gate
         merged = self._merge_heads(gated)  # 7. (B, N, T, H) -> (B, T, N*H)
@@ -533,7 +532,8 @@ def _backward(layer, grad_output):
         for kind, d_heads in (("query", d_q), ("key", d_k), ("value", d_v)):  # 3. QK-norm, 2. clip, projections
             inputs[kind] = _project_backward(layer, kind, getattr(call, kind), d_heads, grads)
     inputs["query"] = inputs["query"] if d_gate_query is None else inputs["query"] + d_gate_query
-    grads.update(_indexer_grads(layer))  # the sparse indexer's: zeros
+    if layer.index_topk is not None:
+        grads.update(_indexer_grads(layer))  # the sparse indexer's: zeros
     grads = {name: grads[name] for name in layer.params}  # in the order of the weight layout
     return {**_fold_defaulted(inputs, c["no_key"], c["no_value"]), **extra, **grads}
 
@@ -1773,6 +1773,22 @@ def _query_backward(layer, x, d_y, grads):
     return _linear_backward(layer, "query_a", x, d_a, grads)  # (B, T, E)
 
 
+def _query_latent(layer, query):
+    """(B, T, E) -> the sparse indexer's query input: MLA's normalized q latent (B, T, Q) with
+    `q_lora_rank`, else `query` itself."""
+    if layer.q_lora_rank is None:
+        return query
+    a = layer._project(query, "query_a")  # (B, T, E) -> (B, T, Q)
+    return rms_norm(a, layer.params["query_a_norm"], layer.latent_norm_eps)  # (B, T, Q)
+
+
+def _index_inputs(layer):
+    """What the sparse indexer reads of MLA: whether it is on, Hr where RoPE turns (else None), and
+    the width of the indexer's query input (Q with `q_lora_rank`, else E)."""
+    rope_width = None if layer.rope_theta is None or layer._latent is None else layer.qk_rope_head_dim
+    return layer._latent is not None, rope_width, layer.d_model if layer.q_lora_rank is None else layer.q_lora_rank
+
+
 # -------------------------------------------------------------------------------------------------
 # Section: sparse indexer
 # -------------------------------------------------------------------------------------------------
@@ -1792,13 +1808,14 @@ def _init_indexer(layer, index_topk, index_num_heads, index_head_dim, index_rope
     sizes = dict(zip(_INDEX_SIZES, (index_topk, index_num_heads, index_head_dim), strict=True))
     sizes = {name: None if value is None else _positive_int(name, value) for name, value in sizes.items()}
     layer.index_rope_interleaved = _flag("index_rope_interleaved", index_rope_interleaved)
-    _check_indexer(sizes, layer.kv_lora_rank, None if layer.rope_theta is None else layer.qk_rope_head_dim)
+    latent, rope_width, layer._index_source = _index_inputs(layer)  # MLA's: on, Hr with RoPE, the query input's width
+    _check_indexer(sizes, latent, rope_width)
     for name, value in sizes.items():
         setattr(layer, name, value)  # layer.index_topk, layer.index_num_heads, layer.index_head_dim
     layer._float_layout.update(_index_shapes(layer))
 
 
-def _check_indexer(sizes, kv_lora_rank, rope_width):
+def _check_indexer(sizes, latent, rope_width):
     """The indexer's combinations: `index_topk` needs MLA and both sizes, the sizes need `index_topk`,
     and with RoPE (of width Hr = `rope_width`) Hi >= Hr."""
     topk = sizes["index_topk"]
@@ -1808,7 +1825,7 @@ def _check_indexer(sizes, kv_lora_rank, rope_width):
                 f"`{name}` needs `index_topk` (the sparse indexer). Received: {name}={sizes[name]!r}, index_topk=None"
             )
         return
-    if kv_lora_rank is None:
+    if not latent:
         raise ValueError(
             "`index_topk` needs `kv_lora_rank` (multi-head latent attention). "
             f"Received: index_topk={topk}, kv_lora_rank=None"
@@ -1831,9 +1848,8 @@ def _index_shapes(layer):
     if layer.index_topk is None:
         return {}
     ni, hi = layer.index_num_heads, layer.index_head_dim
-    source = layer.d_model if layer.q_lora_rank is None else layer.q_lora_rank
     return {
-        "index_query_kernel": (source, ni * hi),
+        "index_query_kernel": (layer._index_source, ni * hi),
         "index_key_kernel": (layer.kdim, hi),
         "index_key_norm": (hi,),
         "index_key_norm_bias": (hi,),
@@ -1852,11 +1868,11 @@ def _check_topk_indices(indices, batch_size, t):
     return indices
 
 
-def _sparse_keep(layer, call, keep, topk_indices, return_topk):
+def _sparse_keep(layer, q, k, keep, call, topk_indices, return_topk):
     """Step 5b: the selection (the layer's indexer's, or `topk_indices`) ANDed into keep, which then
     broadcasts to (B, N, T, S); with a cache the new tokens' indexer keys written to `index_key`.
     Returns (keep, call, selection (B, T, k) int32 with `return_topk`, else None)."""
-    (b, t), s = call.query.shape[:2], (call.key.shape[1] if call.cache is None else call.cache.key.shape[2])
+    (b, t), s = q.shape[0::2], k.shape[2]  # S: the keys attended (the cache's L slots)
     if topk_indices is None and layer.index_topk is None:
         raise ValueError("`return_topk` needs `index_topk` or `topk_indices`. Received: return_topk=True")
     if topk_indices is not None:
@@ -1886,19 +1902,13 @@ def _index_scores(layer, query, positions, ki):
     """The indexer's scores (B, T, S) of (B, T, E) queries against (B, S, Hi) keys:
     sum_n w[n] * Ni**-0.5 * relu(qi[n] . ki * Hi**-0.5), in float64."""
     p, ni, hi = layer.params, layer.index_num_heads, layer.index_head_dim
-    source = query if layer.q_lora_rank is None else _query_latent(layer, query)  # (B, T, E or Q)
+    source = _query_latent(layer, query)  # (B, T, Q), or (B, T, E) without `q_lora_rank`
     b, t, _ = query.shape
     qi = (source @ p["index_query_kernel"]).reshape(b, t, ni, hi).transpose(0, 2, 1, 3)  # -> (B, Ni, T, Hi)
     qi = _turn_index(layer, qi, positions)  # (B, Ni, T, Hi)
     w = (query @ p["index_weights_kernel"]) * ni**-0.5  # (B, T, E) -> (B, T, Ni)
     dots = np.maximum(np.einsum("bnth,bsh->bnts", qi, ki) * hi**-0.5, 0.0)  # (B, Ni, T, S)
     return np.einsum("bnts,btn->bts", dots, w)  # (B, T, S)
-
-
-def _query_latent(layer, query):
-    """(B, T, E) -> (B, T, Q): MLA's normalized q latent, which the indexer's queries read."""
-    a = layer._project(query, "query_a")  # (B, T, E) -> (B, T, Q)
-    return rms_norm(a, layer.params["query_a_norm"], layer.latent_norm_eps)  # (B, T, Q)
 
 
 def _turn_index(layer, x, positions):
@@ -1973,7 +1983,9 @@ def _quantize(layer, mode):
     if layer.quantization_mode is not None:
         raise ValueError(f"The layer is already quantized. Received: mode={mode!r}")
     params = dict(layer.params)
-    for name in (name for name in layer.weight_shapes() if name.endswith("_kernel")):  # the gate's too with gate
+    for name in (
+        name for name in _with_scales(layer.weight_shapes()) if f"{name}_scale" in _with_scales(layer.weight_shapes())
+    ):  # the gate's too, not the indexer's
         params[name], params[f"{name}_scale"] = _quantize_kernel(params[name])
     layer.params = {name: params[name] for name in _with_scales(layer.weight_shapes())}
 
@@ -2008,7 +2020,7 @@ def _with_scales(shapes):
     scaled = {}
     for name, shape in shapes.items():
         scaled[name] = shape
-        if name.endswith("_kernel"):
+        if name.endswith("_kernel") and not name.startswith("index_"):  # the sparse indexer stays float
             scaled[f"{name}_scale"] = shape[1:]
     return scaled
 

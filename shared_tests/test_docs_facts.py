@@ -230,7 +230,10 @@ def test_the_spec_constructor_is_the_layer_files_constructor():
         real = _parameters(docs_facts.arguments(f"{framework}.MultiHeadAttention.__init__"))
         assert real[: len(quoted)] == quoted, f"docs/SPEC.md's constructor differs from {framework}'s: {real}"
     numpy = _parameters(docs_facts.arguments("NumPy.MultiHeadAttention.__init__"))
-    assert [p[0] for p in numpy[len(quoted) :]] == ["seed"], "NumPy's extras are `seed` only (SPEC, Constructor)"
+    later = ["index_topk", "index_num_heads", "index_head_dim", "index_rope_interleaved"]  # SPEC: after the extras
+    assert [p[0] for p in numpy[len(quoted) :]] == ["seed", *later], (
+        "NumPy's extras are `seed` only (SPEC, Constructor)"
+    )
 
 
 def test_the_spec_call_is_the_layer_files_call():
