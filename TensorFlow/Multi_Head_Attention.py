@@ -92,6 +92,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         q_lora_rank: None (a plain query projection), or Q: the query through a latent of Q features.
         qk_nope_head_dim, qk_rope_head_dim, v_head_dim: MLA's Hn, Hr (H = Hn + Hr) and Hv.
         latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
+        index_topk, index_num_heads, index_head_dim, index_rope_interleaved: the sparse indexer (DSA), off
+            while `index_topk` is None: each query attends its `index_topk` best-scored keys (its section).
 
     Call arguments:
         query: (B, T, E).
@@ -115,6 +117,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             is a ValueError. Never Keras' propagated implicit mask, which the layer reads off the
             inputs. Masks whose values read like another library's convention warn once per layer
             with `AttentionMaskWarning` and compute as given.
+        topk_indices, return_topk: the keys each query attends (B, T, k), given; return the selection used.
 
     Returns:
         output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before dropout)
@@ -142,6 +145,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None, qk_norm_eps=1e-6,
         qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
+        index_topk=None, index_num_heads=None, index_head_dim=None, index_rope_interleaved=False,
         kernel_initializer="glorot_uniform", bias_initializer="zeros", **kwargs,
     ):  # fmt: skip
         _check_backend()
@@ -174,6 +178,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         _set_latent(self, latent, vdim, variants)  # MLA's combinations refused, its sizes set (None without)
         for name, value in variants._asdict().items():
             setattr(self, name, value)
+        _check_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved)  # DSA, or None
         if self.rope_theta is not None:
             self._inv_freq = _inverse_frequencies(rope_fraction, rope_width, self.rope_theta, self.rope_scaling)
         self.kernel_initializer = tf.keras.initializers.get(kernel_initializer)
@@ -295,7 +300,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
     def call(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
         attention_bias=None, positions=None, causal=False, return_attention=False, training=None, value_mask=None,
-        cache=None, segment_ids=None, key_segment_ids=None,
+        cache=None, segment_ids=None, key_segment_ids=None, topk_indices=None, return_topk=False,
     ):  # fmt: skip
         """The steps of docs/SPEC.md ("Order of the steps"); the arguments are the class's."""
         call = self._check_call(  # 1. defaults and checks
@@ -314,6 +319,9 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             q, k, v = _rotate(self, q, k, v, call.positions)
         if cache is not None:  # 5. KV cache: k, v (B, K, L, H); in a graph, `misfit`: whether the tokens do not fit
             k, v, keep, call, misfit = _update_cache(self, call, k, v, keep)
+        selection = None  # 5b. the sparse indexer: keep ANDed with each query's top-k keys (B, T, k)
+        if self.index_topk is not None or topk_indices is not None or return_topk:
+            keep, call, selection = _select_keys(self, call, keep, topk_indices, return_topk)
         if self.kv_lora_rank is None:  # 6. (B, N, T, Hv), (B, N, T, S) or None
             context, weights = self._attend(q, k, v, keep, bias, call)
         else:  # 6. MLA: the latents attended, absorbed or expanded
@@ -323,7 +331,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*Hv) -> (B, T, E)
         if cache is not None and misfit is not None:  # XLA cannot raise for a misfit: that call's output is NaN
             output = tf.where(misfit, tf.cast(np.nan, output.dtype), output)
-        results = ((output, weights) if return_attention else (output,)) + (() if cache is None else (call.cache,))
+        results = ((output, weights) if return_attention else (output,)) + ((selection,) if return_topk else ())
+        results += () if cache is None else (call.cache,)
         return results[0] if len(results) == 1 else results
 
     def _check_call(
@@ -1427,6 +1436,8 @@ class KVCache(NamedTuple):
         segment_ids: (B, L) int32, the document of each slot (packed sequences: written by the
             first call with `segment_ids`; a query attends only the slots of its document); (B, 0)
             from `init_cache` until then (None in a cache built by hand).
+        index_key: (B, L, Hi), the sparse indexer's keys of each slot (`index_topk`); (B, 0, 0) from
+            `init_cache` without an indexer (None in a cache built by hand).
     """
 
     key: tf.Tensor
@@ -1434,6 +1445,7 @@ class KVCache(NamedTuple):
     keep: tf.Tensor
     index: tf.Tensor
     segment_ids: tf.Tensor | None = None
+    index_key: tf.Tensor | None = None
 
 
 def _init_cache(layer, batch_size, max_length, keep, dtype, in_place):
@@ -1449,7 +1461,9 @@ def _init_cache(layer, batch_size, max_length, keep, dtype, in_place):
     key_shape, value_shape = _cache_shapes(layer, b, length)
     dtype = layer.compute_dtype if dtype is None else dtype
     no_ids = tf.zeros((b, 0), tf.int32)  # segment ids: none yet (a tensor, so the cache is a nest of tensors)
+    index_key = tf.zeros(_index_cache_shape(layer, b, length), dtype)  # the indexer's keys (B, L, Hi) or (B, 0, 0)
     cache = KVCache(tf.zeros(key_shape, dtype), tf.zeros(value_shape, dtype), keep, tf.constant(0, tf.int32), no_ids)
+    cache = cache._replace(index_key=index_key)
     return _as_variables(cache) if in_place else cache
 
 
@@ -1600,7 +1614,7 @@ def _write_cache(cache, k, v, key_mask):
     key = tf.tensor_scatter_nd_update(cache.key, written, k)  # (B, K, L, H)
     value = tf.tensor_scatter_nd_update(cache.value, written, v)  # (B, K, L, H)
     keep = tf.tensor_scatter_nd_update(cache.keep, rows, kept)  # (B, L)
-    return KVCache(key, value, keep, cache.index + t, cache.segment_ids)
+    return KVCache(key, value, keep, cache.index + t, cache.segment_ids, cache.index_key)
 
 
 def _cache_length(cache):
@@ -1910,6 +1924,240 @@ def _attend_absorbed(layer, q, latent, k_rope, keep, bias, call):
     context, weights = layer._attend(q, k, v, keep, bias, call)  # (B, N, T, C or C + 1)
     output = tf.matmul(context[..., : layer.kv_lora_rank], w_vb, transpose_b=True)  # (B, N, T, C) -> (.., Hv)
     return output if b_v is None else output + context[..., layer.kv_lora_rank :] * b_v[:, None, :], weights
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: sparse indexer
+# -------------------------------------------------------------------------------------------------
+# DeepSeek Sparse Attention (DSA: DeepSeek-V3.2, GLM-MoE-DSA), on with `index_topk` k (it needs MLA):
+# a "lightning indexer" of Ni = `index_num_heads` heads of width Hi = `index_head_dim` scores every
+# key for each query, and each query attends only the k keys it scores highest among those it may
+# attend (its allowed keys):
+#     qi = x_q @ index_query_kernel                (B, T, Ni, Hi); x_q the q latent with q_lora_rank, else query
+#     ki = LayerNorm(key @ index_key_kernel)       (B, S, Hi); RoPE turns the first Hr features of qi and ki
+#     w = query @ index_weights_kernel             (B, T, Ni)
+#     score[b, t, s] = sum_n w[b, t, n] * Ni**-0.5 * relu(qi[b, t, n] . ki[b, s] * Hi**-0.5)
+# in float32 at least, outside the gradient. The tie rule: equal scores rank the lower key index
+# first (`tf.math.top_k` keeps the lower index first among equal values); disallowed keys rank last.
+# The selection is ANDed into the call's keep, so every path of step 6 attends it. The call's
+# `topk_indices` (B, T, k') passes another layer's selection instead, and `return_topk=True` returns
+# the selection used. The cache holds the indexer keys in `KVCache.index_key` (B, L, Hi).
+# `index_rope_interleaved`: False pairs feature i with i + Hr/2 (DeepSeek-V3.2), True 2i with 2i + 1
+# (GLM-MoE-DSA). The int8 mode leaves the indexer float.
+
+_INDEX_SIZES = ("index_topk", "index_num_heads", "index_head_dim")
+_INDEX_NORM_EPS = 1e-6  # the indexer keys' LayerNorm, as DeepSeek-V3.2's `k_norm`
+_INDEX_BLOCK_SCORES = 1 << 22  # the indexer's (B, Tb, Ni, S) raw scores of one block of query rows
+
+
+def _check_indexer(layer, index_topk, index_num_heads, index_head_dim, index_rope_interleaved):
+    """The constructor's indexer step (after every other argument and MLA's combinations): each
+    size None or a positive integer and the flag a bool, in that order, then their combinations;
+    sets them on the layer (None without an indexer)."""
+    sizes = dict(zip(_INDEX_SIZES, (index_topk, index_num_heads, index_head_dim), strict=True))
+    sizes = {name: None if value is None else _positive_int(name, value) for name, value in sizes.items()}
+    interleaved = _flag("index_rope_interleaved", index_rope_interleaved)
+    if sizes["index_topk"] is not None and layer.kv_lora_rank is None:
+        raise ValueError(
+            "`index_topk` needs `kv_lora_rank` (multi-head latent attention). "
+            f"Received: index_topk={sizes['index_topk']}, kv_lora_rank=None"
+        )
+    if sizes["index_topk"] is None:
+        for name in (name for name in _INDEX_SIZES[1:] if sizes[name] is not None):
+            raise ValueError(
+                f"`{name}` needs `index_topk` (the sparse indexer). Received: {name}={sizes[name]!r}, index_topk=None"
+            )
+    missing = [name for name in _INDEX_SIZES[1:] if sizes["index_topk"] is not None and sizes[name] is None]
+    if missing:
+        raise ValueError(
+            "`index_topk` needs `index_num_heads` and `index_head_dim`. "
+            f"Received: index_topk={sizes['index_topk']}, {', '.join(f'{name}=None' for name in missing)}"
+        )
+    hr, width = layer.qk_rope_head_dim, sizes["index_head_dim"]
+    if width is not None and layer.rope_theta is not None and width < hr:
+        raise ValueError(
+            f"`index_head_dim` must be at least qk_rope_head_dim = {hr} with RoPE: the indexer turns its first Hr "
+            f"features. Received: index_head_dim={width}"
+        )
+    for name, value in {**sizes, "index_rope_interleaved": interleaved}.items():
+        setattr(layer, name, value)
+
+
+def _indexer_config(layer):
+    """The indexer's keys of `get_config`, in the signature's order."""
+    return {name: getattr(layer, name) for name in (*_INDEX_SIZES, "index_rope_interleaved")}
+
+
+def _indexer_shapes(layer):
+    """The indexer's weights in the layout, {name: shape} (after MLA's); {} without `index_topk`."""
+    if layer.index_topk is None:
+        return {}
+    width, heads = layer.index_head_dim, layer.index_num_heads
+    reads = layer.d_model if layer.q_lora_rank is None else layer.q_lora_rank  # x_q: query, or the q latent
+    return {
+        "index_query_kernel": (reads, heads * width),
+        "index_key_kernel": (layer.kdim, width),
+        "index_key_norm": (width,),
+        "index_key_norm_bias": (width,),
+        "index_weights_kernel": (layer.d_model, heads),
+    }
+
+
+def _is_indexer_weight(name):
+    """Whether a portable weight is the indexer's (float in an int8 layer too)."""
+    return name.startswith("index_")
+
+
+def _index_cache_shape(layer, batch_size, length):
+    """`KVCache.index_key`'s shape: (B, L, Hi), or (B, 0, 0) without an indexer."""
+    return (batch_size, 0, 0) if layer.index_topk is None else (batch_size, length, layer.index_head_dim)
+
+
+def _select_keys(layer, call, keep, topk_indices, return_topk):
+    """Step 5b: the keys each query attends, its allowed keys (`keep` for some head, `causal`,
+    `window`, the chunk) AND its selection: the layer's own top-k (`_index_topk`) or the given
+    `topk_indices` (B, T, k'). With a cache the indexer keys are written to `index_key` first.
+    Returns keep (B|1, N|1, T, S) ANDed with the selection (B, 1, T, S), the call (its cache
+    written) and the selection (B, T, k_eff) int32 ranked by score, or as given."""
+    if topk_indices is None and layer.index_topk is None:
+        raise ValueError("`return_topk` needs `index_topk` or `topk_indices`. Received: return_topk=True")
+    b, t = tf.shape(call.query)[0], tf.shape(call.query)[1]
+    if topk_indices is not None:
+        topk_indices = _check_topk_indices(topk_indices, call.query)
+    ki = None if layer.index_topk is None else _index_keys(layer, call)  # (B, S, Hi) of the new tokens
+    if ki is not None and call.cache is not None:
+        call = call._replace(cache=_write_index_keys(call.cache, ki))
+        ki = tf.cast(tf.convert_to_tensor(call.cache.index_key), ki.dtype)  # (B, L, Hi)
+    s = (
+        tf.shape(ki)[1]
+        if ki is not None
+        else tf.shape(call.key)[1]
+        if call.cache is None
+        else _cache_length(call.cache)
+    )
+    allowed = _allowed_keys(call, keep, b, t, s)  # (B, T, S)
+    if topk_indices is None:
+        topk_indices = _index_topk(layer, call, ki, allowed)  # (B, T, k_eff)
+    selected = _selection_keep(topk_indices, b, t, s)  # (B, T, S)
+    keep = _and(keep, tf.expand_dims(selected, 1))  # (B|1, N|1, T, S): allowed AND selected
+    return keep, call, tf.cast(topk_indices, tf.int32) if return_topk else None
+
+
+def _check_topk_indices(topk_indices, query):
+    """`topk_indices`: an integer (B, T, k) tensor (dimensions unknown at trace time not checked)."""
+    topk_indices = tf.convert_to_tensor(topk_indices)
+    shape = _static_shape(topk_indices)
+    b, t = tuple(query.shape)[:2]
+    if (
+        not topk_indices.dtype.is_integer
+        or shape is None
+        or len(shape) != 3
+        or _differ(shape[0], b)
+        or _differ(shape[1], t)
+    ):
+        raise ValueError(
+            f"`topk_indices` must be an integer tensor of shape (B, T, k) with B={b}, T={t}. "
+            f"Received: topk_indices.shape={shape}, topk_indices.dtype={topk_indices.dtype.name}"
+        )
+    return topk_indices
+
+
+def _index_dtype(layer):
+    return _softmax_dtype(layer.compute_dtype)  # float32 at least, float64 in a float64 layer
+
+
+def _index_keys(layer, call):
+    """ki = LayerNorm(key @ index_key_kernel), its first Hr features turned by RoPE: (B, S, Hi)."""
+    dtype = _index_dtype(layer)
+    ki = tf.matmul(tf.cast(call.key, dtype), tf.cast(layer.index_key_kernel, dtype))  # (B, S, kdim) -> (B, S, Hi)
+    ki = layer_norm(ki, layer.index_key_norm, _INDEX_NORM_EPS, layer.index_key_norm_bias)
+    return tf.stop_gradient(_turn_indexer(layer, ki[:, None], call.positions)[:, 0])  # (B, 1, S, Hi) -> (B, S, Hi)
+
+
+def _index_queries(layer, call):
+    """qi (B, Ni, T, Hi), its first Hr features turned, and the head weights w * Ni**-0.5 (B, T, Ni)."""
+    dtype, x = _index_dtype(layer), call.query
+    if layer.q_lora_rank is not None:  # the q latent of MLA's query, in the compute dtype
+        x = rms_norm(layer._project(x, "query_a"), layer.query_a_norm, layer.latent_norm_eps)  # (B, T, Q)
+    qi = tf.matmul(tf.cast(x, dtype), tf.cast(layer.index_query_kernel, dtype))  # (B, T, Q|E) -> (B, T, Ni*Hi)
+    qi = _turn_indexer(layer, layer._split_heads(qi, layer.index_num_heads, layer.index_head_dim), call.positions)
+    w = tf.matmul(tf.cast(call.query, dtype), tf.cast(layer.index_weights_kernel, dtype))  # (B, T, E) -> (B, T, Ni)
+    return tf.stop_gradient(qi), tf.stop_gradient(w * layer.index_num_heads**-0.5)  # (B, Ni, T, Hi), (B, T, Ni)
+
+
+def _turn_indexer(layer, x, positions):
+    """RoPE of the first Hr features of x (B, heads, T, Hi), paired by `index_rope_interleaved`."""
+    if layer.rope_theta is None:
+        return x
+    x = apply_rope(x, positions, layer._inv_freq, layer.index_rope_interleaved)
+    return scale_rotated(x, layer.qk_rope_head_dim, rope_attention_factor(layer.rope_scaling))
+
+
+def _write_index_keys(cache, ki):
+    """The cache with the (B, T, Hi) indexer keys written at the slots of this call's latents (its
+    index is already advanced by T): position p in slot p mod L."""
+    t, length = tf.shape(ki)[1], _cache_length(cache)
+    slots = tf.math.floormod(tf.convert_to_tensor(cache.index) - t + tf.range(t), length)  # (T,)
+    rows = tf.stack(tf.meshgrid(tf.range(tf.shape(ki)[0]), slots, indexing="ij"), axis=-1)  # (B, T, 2): (b, slot)
+    if _is_in_place(cache):
+        cache.index_key.scatter_nd_update(rows, tf.cast(ki, cache.index_key.dtype))
+        return cache
+    index_key = tf.tensor_scatter_nd_update(cache.index_key, rows, tf.cast(ki, cache.index_key.dtype))  # (B, L, Hi)
+    return cache._replace(index_key=index_key)
+
+
+def _allowed_keys(call, keep, b, t, s):
+    """(B, T, S): the keys each query may attend, for some head (`keep`, with a cache the cache's
+    rule already folded in), `causal`, `window` and the chunk (folded in here without a cache)."""
+    allowed = tf.ones([b, t, s], tf.bool)
+    if keep is not None:
+        allowed = allowed & tf.reduce_any(keep, axis=1)  # (B|1, N|1, T|1, S|1) -> (B, T, S)
+    positional = _position_keep(tf.range(t) + (s - t), s, call.causal, call.window, call.attention_chunk_size)
+    return allowed if positional is None else allowed & positional  # (B, T, S)
+
+
+def _index_topk(layer, call, ki, allowed):
+    """The layer's own selection, (B, T, k_eff) key indices, k_eff = min(index_topk, S): the
+    indexer's scores ranked highest first, disallowed keys given the lowest value, equal scores
+    the lower index first (`tf.math.top_k`). In blocks of query rows of about `_INDEX_BLOCK_SCORES`
+    raw scores (B, Tb, Ni, S), each scored, ranked and dropped (`_ranked`)."""
+    qi, w = _index_queries(layer, call)  # (B, Ni, T, Hi), (B, T, Ni)
+    b, t, s = (qi.shape[0] or 1), qi.shape[2], ki.shape[1]
+    k_eff = tf.minimum(layer.index_topk, tf.shape(allowed)[2])
+    rows = max(1, _INDEX_BLOCK_SCORES // (b * layer.index_num_heads * (s or 1)))  # query rows of a block
+    if t is not None and t <= rows:
+        return _ranked(qi, w, ki, allowed, k_eff, layer.index_head_dim)
+    t = tf.shape(qi)[2]
+
+    def body(i, blocks):
+        start, stop = i * rows, tf.minimum((i + 1) * rows, t)
+        part = (qi[:, :, start:stop], w[:, start:stop], ki, allowed[:, start:stop])  # a block of Tb query rows
+        return i + 1, blocks.write(i, tf.transpose(_ranked(*part, k_eff, layer.index_head_dim), [1, 0, 2]))
+
+    blocks = tf.TensorArray(tf.int32, size=(t + rows - 1) // rows, infer_shape=False)  # each (Tb, B, k_eff)
+    _, blocks = tf.while_loop(lambda i, _: i < (t + rows - 1) // rows, body, (0, blocks))
+    return tf.transpose(blocks.concat(), [1, 0, 2])  # (T, B, k_eff) -> (B, T, k_eff)
+
+
+def _ranked(qi, w, ki, allowed, k_eff, width):
+    """One block: scores (B, Tb, S) = sum_n w * relu(qi . ki * Hi**-0.5), disallowed keys at the
+    lowest value, and the k_eff best of each row, (B, Tb, k_eff) int32 (ties: lower index first)."""
+    raw = tf.nn.relu(tf.einsum("bnth,bsh->btns", qi, ki) * width**-0.5)  # (B, Tb, Ni, S)
+    scores = tf.einsum("btn,btns->bts", w, raw)  # (B, Tb, S)
+    scores = tf.where(allowed, scores, scores.dtype.min)  # (B, Tb, S)
+    return tf.math.top_k(scores, k_eff, sorted=True).indices  # (B, Tb, k_eff), int32
+
+
+def _selection_keep(topk_indices, b, t, s):
+    """(B, T, S) boolean: key s is selected iff some entry of its row equals s (entries outside
+    [0, S) select nothing, duplicates count once), by one scatter of B*T*k' ones."""
+    indices = tf.cast(topk_indices, tf.int32)  # (B, T, k')
+    indices = tf.where((indices >= 0) & (indices < s), indices, s)  # out of range: the spare column S
+    k = tf.shape(indices)[2]
+    grid = tf.meshgrid(tf.range(b), tf.range(t), tf.range(k), indexing="ij")  # 3 x (B, T, k')
+    at = tf.stack([grid[0], grid[1], indices], axis=-1)  # (B, T, k', 3): (b, t, key)
+    counts = tf.scatter_nd(at, tf.ones([b, t, k], tf.int32), [b, t, s + 1])  # (B, T, S + 1)
+    return counts[..., :s] > 0  # (B, T, S)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -2266,7 +2514,7 @@ def _quantize(layer, mode, config):
 def _weight_options(layer, name):
     """`add_weight` arguments of one portable weight: int8 kernels and their float scales are
     not trainable (as in Keras' int8 `Dense`)."""
-    if layer._int8 and name.endswith("_kernel"):
+    if layer._int8 and name.endswith("_kernel") and not _is_indexer_weight(name):
         return {"initializer": "zeros", "dtype": "int8", "trainable": False}
     if name.endswith("_kernel_scale"):
         return {"initializer": "ones", "dtype": "float32", "trainable": False}
@@ -2318,7 +2566,7 @@ def _with_scales(shapes):
     scaled = {}
     for name, shape in shapes.items():
         scaled[name] = shape
-        if name.endswith("_kernel"):
+        if name.endswith("_kernel") and not _is_indexer_weight(name):
             scaled[f"{name}_scale"] = shape[1:]
     return scaled
 
@@ -2326,7 +2574,9 @@ def _with_scales(shapes):
 def _int8_problems(weights, shapes):
     """The kernels of an int8 layout that are not integers in [-127, 127]."""
     problems = []
-    for name in (name for name in shapes if name.endswith("_kernel") and name in weights):
+    for name in (
+        name for name in shapes if name.endswith("_kernel") and name in weights and not _is_indexer_weight(name)
+    ):
         value = np.asarray(weights[name])
         integral = np.issubdtype(value.dtype, np.integer)
         if not integral or (value.size and np.abs(value.astype(np.int64)).max() > _INT8_MAX):
@@ -2672,6 +2922,7 @@ def _weight_shapes(layer):
         shapes[f"{kind}_kernel"] = shape
         if kind in layer.bias:
             shapes[f"{kind}_bias"] = shape[1:]
+    shapes.update(_indexer_shapes(layer))  # the sparse indexer's, float in an int8 layer too
     return _with_scales(shapes) if layer._int8 else shapes
 
 
@@ -2723,6 +2974,7 @@ def _config(layer):
         "clip_qkv": layer.clip_qkv,
         "gate": layer.gate,
         **_latent_config(layer),  # MLA's sizes, after its vdim (None: its values come from `key`)
+        **_indexer_config(layer),
         "kernel_initializer": tf.keras.initializers.serialize(layer.kernel_initializer),
         "bias_initializer": tf.keras.initializers.serialize(layer.bias_initializer),
     }
@@ -2744,6 +2996,7 @@ def _non_defaults(layer):
         "clip_qkv": layer.clip_qkv,
         "gate": True if layer.gate else None,
         **{name: getattr(layer, name) for name in _LATENT_SIZES},
+        "index_topk": layer.index_topk,
     }
     return {name: value for name, value in variants.items() if value is not None}
 
