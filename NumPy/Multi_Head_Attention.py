@@ -137,6 +137,8 @@ class MultiHeadAttention:
             H = Hn + Hr.
         v_head_dim: Hv, with MLA the width of a value head (the output kernel is (N*Hv, E)).
         latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
+        index_topk, index_num_heads, index_head_dim, index_rope_interleaved: the sparse indexer (DSA,
+            with MLA): each query attends its top-k keys by the indexer's Ni heads of width Hi.
         seed: seed for the Glorot uniform initialisation of the kernels (biases start at 0).
 
     Call arguments:
@@ -159,11 +161,12 @@ class MultiHeadAttention:
         mask: another name for `attention_mask` (the call `layer(query, key, value, mask=None)`);
             giving both is a ValueError. Masks whose values read like another library's
             convention warn once per layer with `AttentionMaskWarning` and compute as given.
+        topk_indices, return_topk: another layer's (B, T, k) selection to attend; return the one used.
 
     Returns:
         output (B, T, E), or (output, weights) with weights (B, N, T, S) when
         `return_attention` is True; with `cache`, the updated cache is appended and weights
-        are (B, N, T, L), exactly 0 at unwritten slots.
+        are (B, N, T, L), exactly 0 at unwritten slots; `return_topk` puts the selection before it.
 
     Coming from `nn.MultiheadAttention`: a boolean mask here is True where a query may attend
     (there True means "ignore": pass `~attn_mask`, and `key_mask=~key_padding_mask`);
@@ -187,7 +190,7 @@ class MultiHeadAttention:
         rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None, qk_norm_eps=1e-6,
         qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
-        seed=None,
+        index_topk=None, index_num_heads=None, index_head_dim=None, index_rope_interleaved=False, seed=None,
     ):  # fmt: skip
         self.d_model = _positive_int("d_model", d_model)
         self.num_heads = _positive_int("num_heads", num_heads)
@@ -228,6 +231,7 @@ class MultiHeadAttention:
             self._cache_layout = _latent_cache_layout(latent)  # (1, C, Hr)
         self.absorb_latents = None  # MLA: None (absorbed with a cache and T <= 8), True or False
         self._float_layout = _float_shapes(self) if latent is None else _latent_shapes(self)  # {name: shape}
+        _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved)  # sparse indexer
         self._inv_freq = None  # (R/2,), computed once
         if self.rope_theta is not None:
             rotary_dim = _rotary_dim(rope_fraction, rope_width, True)
@@ -249,7 +253,7 @@ class MultiHeadAttention:
     def __call__(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
         attention_bias=None, positions=None, causal=False, return_attention=False, cache=None, mask=None,
-        segment_ids=None, key_segment_ids=None,
+        segment_ids=None, key_segment_ids=None, topk_indices=None, return_topk=False,
     ):  # fmt: skip
         call = self._check_call(
             query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
@@ -261,6 +265,10 @@ class MultiHeadAttention:
         q, k, v = self._project_qkv(call)  # 2-4. (B, N, T, H), (B, K, S, H) x 2, QK-norm and RoPE of q and k
         if call.cache is not None:
             k, v, keep, call = _update_cache(self, call, k, v, keep)  # 5. KV cache, keep over its L slots
+        sparse = self.index_topk is not None or topk_indices is not None or return_topk  # 5b. sparse indexer
+        keep, call, selection = (
+            _sparse_keep(self, call, keep, topk_indices, return_topk) if sparse else (keep, call, None)
+        )
         context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S)
         gated, gate = (context, None) if not self.gate else _gate_heads(self, call, context)  # 6b. output gate
         merged = self._merge_heads(gated)  # 7. (B, N, T, H) -> (B, T, N*H)
@@ -270,6 +278,7 @@ class MultiHeadAttention:
         saved.update(keep=keep, weights=weights, context=context, gate=gate, merged=merged)
         self._saved = None if call.cache is not None else saved  # what `backward` reads (its section)
         results = (output, weights) if call.return_attention else (output,)
+        results = results if selection is None else (*results, selection)
         results = results if call.cache is None else (*results, call.cache)
         return results[0] if len(results) == 1 else results
 
@@ -524,6 +533,7 @@ def _backward(layer, grad_output):
         for kind, d_heads in (("query", d_q), ("key", d_k), ("value", d_v)):  # 3. QK-norm, 2. clip, projections
             inputs[kind] = _project_backward(layer, kind, getattr(call, kind), d_heads, grads)
     inputs["query"] = inputs["query"] if d_gate_query is None else inputs["query"] + d_gate_query
+    grads.update(_indexer_grads(layer))  # the sparse indexer's: zeros
     grads = {name: grads[name] for name in layer.params}  # in the order of the weight layout
     return {**_fold_defaulted(inputs, c["no_key"], c["no_value"]), **extra, **grads}
 
@@ -1346,6 +1356,7 @@ class KVCache(NamedTuple):
             `window`, slot p mod L: the cache rolls), and the next call writes from index.
         segment_ids: None, or (B, L) integers, the document of each slot (packed sequences: written
             by the first call with `segment_ids`; a query attends only the slots of its document).
+        index_key: None, or (B, L, Hi) the sparse indexer's keys (a layer with `index_topk`).
     """
 
     key: np.ndarray
@@ -1353,6 +1364,7 @@ class KVCache(NamedTuple):
     keep: np.ndarray
     index: np.ndarray
     segment_ids: np.ndarray | None = None
+    index_key: np.ndarray | None = None
 
 
 def _init_cache(layer, batch_size, max_length, keep, dtype):
@@ -1362,7 +1374,8 @@ def _init_cache(layer, batch_size, max_length, keep, dtype):
     heads, key_width, value_width = layer._cache_layout
     dtype = np.float64 if dtype is None else dtype
     key, value = np.zeros((b, heads, length, key_width), dtype), np.zeros((b, heads, length, value_width), dtype)
-    return KVCache(key, value, keep.copy(), np.asarray(0))
+    index_key = None if layer.index_topk is None else np.zeros((b, length, layer.index_head_dim), dtype)
+    return KVCache(key, value, keep.copy(), np.asarray(0), None, index_key)
 
 
 def _check_cache(cache, query, key, heads, head_dim, latent):
@@ -1482,7 +1495,7 @@ def _write_cache(cache, k, v, key_mask):
     value[:, :, slots] = v  # (B, K, L, H) or (B, 1, L, Hr)
     new = np.ones((k.shape[0], t), dtype=bool) if key_mask is None else key_mask  # (B, T)
     keep[:, slots] = np.where(positions < length, keep[:, slots] & new, new)  # (B, L)
-    return KVCache(key, value, keep, np.asarray(index + t), cache.segment_ids)
+    return KVCache(key, value, keep, np.asarray(index + t), *cache[4:])
 
 
 def _update_cache(layer, call, k, v, keep):
@@ -1758,6 +1771,182 @@ def _query_backward(layer, x, d_y, grads):
     d_normed = _linear_backward(layer, "query_b", normed, d_y, grads)  # (B, T, Q)
     d_a, grads["query_a_norm"] = _rms_norm_backward(a, layer.params["query_a_norm"], layer.latent_norm_eps, d_normed)
     return _linear_backward(layer, "query_a", x, d_a, grads)  # (B, T, E)
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: sparse indexer
+# -------------------------------------------------------------------------------------------------
+# DeepSeek Sparse Attention (DSA: DeepSeek-V3.2, GLM-MoE-DSA) on MLA, `index_topk` and the sizes after it:
+# a small indexer scores every key for each query (Ni heads of width Hi, relu, weights per head), and
+# each query attends only to its top-k allowed keys, ties ranked by the lower key index (a stable
+# sort). `topk_indices` passes another layer's selection in, `return_topk` returns the one used. The
+# indexer's keys are cached in `KVCache.index_key`; no gradient reaches the indexer through the top-k.
+
+_INDEX_NORM_EPS = 1e-6  # the indexer's key LayerNorm (transformers' `k_norm`)
+_INDEX_SIZES = ("index_topk", "index_num_heads", "index_head_dim")
+
+
+def _init_indexer(layer, index_topk, index_num_heads, index_head_dim, index_rope_interleaved):
+    """Checks the indexer's options (after every other argument), holds them as attributes and adds
+    its weights to the float layout (none without `index_topk`)."""
+    sizes = dict(zip(_INDEX_SIZES, (index_topk, index_num_heads, index_head_dim), strict=True))
+    sizes = {name: None if value is None else _positive_int(name, value) for name, value in sizes.items()}
+    layer.index_rope_interleaved = _flag("index_rope_interleaved", index_rope_interleaved)
+    _check_indexer(sizes, layer.kv_lora_rank, None if layer.rope_theta is None else layer.qk_rope_head_dim)
+    for name, value in sizes.items():
+        setattr(layer, name, value)  # layer.index_topk, layer.index_num_heads, layer.index_head_dim
+    layer._float_layout.update(_index_shapes(layer))
+
+
+def _check_indexer(sizes, kv_lora_rank, rope_width):
+    """The indexer's combinations: `index_topk` needs MLA and both sizes, the sizes need `index_topk`,
+    and with RoPE (of width Hr = `rope_width`) Hi >= Hr."""
+    topk = sizes["index_topk"]
+    if topk is None:
+        for name in (name for name in _INDEX_SIZES[1:] if sizes[name] is not None):
+            raise ValueError(
+                f"`{name}` needs `index_topk` (the sparse indexer). Received: {name}={sizes[name]!r}, index_topk=None"
+            )
+        return
+    if kv_lora_rank is None:
+        raise ValueError(
+            "`index_topk` needs `kv_lora_rank` (multi-head latent attention). "
+            f"Received: index_topk={topk}, kv_lora_rank=None"
+        )
+    missing = [name for name in _INDEX_SIZES[1:] if sizes[name] is None]
+    if missing:
+        raise ValueError(
+            "`index_topk` needs `index_num_heads` and `index_head_dim`. "
+            f"Received: index_topk={topk}, {', '.join(f'{name}=None' for name in missing)}"
+        )
+    if rope_width is not None and sizes["index_head_dim"] < rope_width:
+        raise ValueError(
+            f"`index_head_dim` must be at least qk_rope_head_dim = {rope_width} with RoPE: the indexer turns its "
+            f"first Hr features. Received: index_head_dim={sizes['index_head_dim']}"
+        )
+
+
+def _index_shapes(layer):
+    """The indexer's portable weights {name: shape} (docs/SPEC.md "Sparse indexer (DSA)"), none without it."""
+    if layer.index_topk is None:
+        return {}
+    ni, hi = layer.index_num_heads, layer.index_head_dim
+    source = layer.d_model if layer.q_lora_rank is None else layer.q_lora_rank
+    return {
+        "index_query_kernel": (source, ni * hi),
+        "index_key_kernel": (layer.kdim, hi),
+        "index_key_norm": (hi,),
+        "index_key_norm_bias": (hi,),
+        "index_weights_kernel": (layer.d_model, ni),
+    }
+
+
+def _check_topk_indices(indices, batch_size, t):
+    """`topk_indices` as an integer (B, T, k) array."""
+    indices = np.asarray(indices)
+    if indices.ndim != 3 or indices.shape[:2] != (batch_size, t) or not np.issubdtype(indices.dtype, np.integer):
+        raise ValueError(
+            f"`topk_indices` must be an integer tensor of shape (B, T, k) with B={batch_size}, T={t}. "
+            f"Received: topk_indices.shape={indices.shape}, topk_indices.dtype={indices.dtype}"
+        )
+    return indices
+
+
+def _sparse_keep(layer, call, keep, topk_indices, return_topk):
+    """Step 5b: the selection (the layer's indexer's, or `topk_indices`) ANDed into keep, which then
+    broadcasts to (B, N, T, S); with a cache the new tokens' indexer keys written to `index_key`.
+    Returns (keep, call, selection (B, T, k) int32 with `return_topk`, else None)."""
+    (b, t), s = call.query.shape[:2], (call.key.shape[1] if call.cache is None else call.cache.key.shape[2])
+    if topk_indices is None and layer.index_topk is None:
+        raise ValueError("`return_topk` needs `index_topk` or `topk_indices`. Received: return_topk=True")
+    if topk_indices is not None:
+        selection = _check_topk_indices(topk_indices, b, t)
+    else:
+        ki = _index_keys(layer, call.key, call.positions)  # (B, T or S, Hi)
+        if call.cache is not None:
+            call = call._replace(cache=_write_index_cache(call.cache, ki))
+            ki = call.cache.index_key  # (B, L, Hi)
+        allowed = _full_keep(keep, t, s, call.causal, call.window, call.attention_chunk_size)  # (B|1, N|1, T, S)
+        allowed = np.broadcast_to(allowed.any(axis=1), (b, t, s))  # (B, T, S): kept for some head
+        scores = _index_scores(layer, call.query, call.positions, ki)  # (B, T, S)
+        selection = _select_topk(scores, allowed, min(layer.index_topk, s))  # (B, T, k)
+    keep = _and(keep, _selection_keep(selection, s))  # (B, N|1, T, S)
+    return keep, call, selection.astype(np.int32) if return_topk else None
+
+
+def _index_keys(layer, key, positions):
+    """(B, S, kdim) -> (B, S, Hi): the indexer's keys, LayerNorm (scale and bias) and RoPE of their
+    first Hr features."""
+    p = layer.params
+    ki = layer_norm(key @ p["index_key_kernel"], p["index_key_norm"], _INDEX_NORM_EPS) + p["index_key_norm_bias"]
+    return _turn_index(layer, ki[:, None], positions)[:, 0]  # (B, 1, S, Hi) -> (B, S, Hi)
+
+
+def _index_scores(layer, query, positions, ki):
+    """The indexer's scores (B, T, S) of (B, T, E) queries against (B, S, Hi) keys:
+    sum_n w[n] * Ni**-0.5 * relu(qi[n] . ki * Hi**-0.5), in float64."""
+    p, ni, hi = layer.params, layer.index_num_heads, layer.index_head_dim
+    source = query if layer.q_lora_rank is None else _query_latent(layer, query)  # (B, T, E or Q)
+    b, t, _ = query.shape
+    qi = (source @ p["index_query_kernel"]).reshape(b, t, ni, hi).transpose(0, 2, 1, 3)  # -> (B, Ni, T, Hi)
+    qi = _turn_index(layer, qi, positions)  # (B, Ni, T, Hi)
+    w = (query @ p["index_weights_kernel"]) * ni**-0.5  # (B, T, E) -> (B, T, Ni)
+    dots = np.maximum(np.einsum("bnth,bsh->bnts", qi, ki) * hi**-0.5, 0.0)  # (B, Ni, T, S)
+    return np.einsum("bnts,btn->bts", dots, w)  # (B, T, S)
+
+
+def _query_latent(layer, query):
+    """(B, T, E) -> (B, T, Q): MLA's normalized q latent, which the indexer's queries read."""
+    a = layer._project(query, "query_a")  # (B, T, E) -> (B, T, Q)
+    return rms_norm(a, layer.params["query_a_norm"], layer.latent_norm_eps)  # (B, T, Q)
+
+
+def _turn_index(layer, x, positions):
+    """RoPE of the first Hr features of each indexer head of x (B, heads, T, Hi), paired by
+    `index_rope_interleaved`, times YaRN's factor; unchanged without RoPE."""
+    if layer._inv_freq is None:
+        return x
+    x = apply_rope(x, positions, layer._inv_freq, layer.index_rope_interleaved)  # (B, heads, T, Hi)
+    return scale_rotated(x, 2 * layer._inv_freq.shape[0], rope_attention_factor(layer.rope_scaling))
+
+
+def _select_topk(scores, allowed, k):
+    """The first k keys of each row ranked by score, highest first, equal scores by the lower key index,
+    disallowed keys after every allowed one: a stable sort. (B, T, S) -> (B, T, k)."""
+    ranked = np.where(allowed, scores, np.finfo(scores.dtype).min)  # (B, T, S)
+    return np.argsort(-ranked, axis=-1, kind="stable")[..., :k]  # (B, T, k)
+
+
+def _selection_keep(selection, s):
+    """(B, T, k) key indices -> (B, 1, T, S) boolean, True at the selected keys (an index outside
+    [0, S) selects nothing)."""
+    b, t, _ = selection.shape
+    keep = np.zeros((b, t, s + 1), dtype=bool)  # (B, T, S + 1): column S takes the indices out of range
+    valid = (selection >= 0) & (selection < s)
+    np.put_along_axis(keep, np.where(valid, selection, s), True, axis=-1)
+    return keep[:, None, :, :s]  # (B, 1, T, S)
+
+
+def _write_index_cache(cache, ki):
+    """A copy of the cache with the (B, T, Hi) indexer keys of the T tokens just written (positions
+    [index - T, index)) at slots position mod L of `index_key`."""
+    index, t, length = int(cache.index), ki.shape[1], cache.key.shape[2]
+    expected = (ki.shape[0], length, ki.shape[2])
+    if cache.index_key is None or tuple(np.shape(cache.index_key)) != expected:
+        shape = None if cache.index_key is None else tuple(np.shape(cache.index_key))
+        raise ValueError(
+            f"`cache.index_key` must have shape (B, L, Hi)={expected} with index_topk (make the cache with "
+            f"`init_cache`). Received: cache.index_key.shape={shape}"
+        )
+    slots = (index - t + np.arange(t)) % length  # (T,)
+    index_key = cache.index_key.copy()  # (B, L, Hi)
+    index_key[:, slots] = ki
+    return cache._replace(index_key=index_key)
+
+
+def _indexer_grads(layer):
+    """The indexer's weights' gradients: zeros (no gradient flows through the top-k)."""
+    return {name: np.zeros(shape) for name, shape in _index_shapes(layer).items()}
 
 
 # -------------------------------------------------------------------------------------------------
