@@ -178,7 +178,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         _set_latent(self, latent, vdim, variants)  # MLA's combinations refused, its sizes set (None without)
         for name, value in variants._asdict().items():
             setattr(self, name, value)
-        _check_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved)  # DSA, or None
+        _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved)  # sparse indexer
         if self.rope_theta is not None:
             self._inv_freq = _inverse_frequencies(rope_fraction, rope_width, self.rope_theta, self.rope_scaling)
         self.kernel_initializer = tf.keras.initializers.get(kernel_initializer)
@@ -321,7 +321,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             k, v, keep, call, misfit = _update_cache(self, call, k, v, keep)
         selection = None  # 5b. the sparse indexer: keep ANDed with each query's top-k keys (B, T, k)
         if self.index_topk is not None or topk_indices is not None or return_topk:
-            keep, call, selection = _select_keys(self, call, keep, topk_indices, return_topk)
+            keep, call, selection = _sparse_keep(self, call, keep, topk_indices, return_topk)
         if self.kv_lora_rank is None:  # 6. (B, N, T, Hv), (B, N, T, S) or None
             context, weights = self._attend(q, k, v, keep, bias, call)
         else:  # 6. MLA: the latents attended, absorbed or expanded
@@ -1950,37 +1950,44 @@ _INDEX_NORM_EPS = 1e-6  # the indexer keys' LayerNorm, as DeepSeek-V3.2's `k_nor
 _INDEX_BLOCK_SCORES = 1 << 22  # the indexer's (B, Tb, Ni, S) raw scores of one block of query rows
 
 
-def _check_indexer(layer, index_topk, index_num_heads, index_head_dim, index_rope_interleaved):
-    """The constructor's indexer step (after every other argument and MLA's combinations): each
-    size None or a positive integer and the flag a bool, in that order, then their combinations;
-    sets them on the layer (None without an indexer)."""
+def _init_indexer(layer, index_topk, index_num_heads, index_head_dim, index_rope_interleaved):
+    """The constructor's indexer step (after every other argument and MLA's combinations): each size
+    None or a positive integer and the flag a bool, in that order, then their combinations
+    (`_check_indexer`); holds them as attributes (None without an indexer)."""
     sizes = dict(zip(_INDEX_SIZES, (index_topk, index_num_heads, index_head_dim), strict=True))
     sizes = {name: None if value is None else _positive_int(name, value) for name, value in sizes.items()}
-    interleaved = _flag("index_rope_interleaved", index_rope_interleaved)
-    if sizes["index_topk"] is not None and layer.kv_lora_rank is None:
-        raise ValueError(
-            "`index_topk` needs `kv_lora_rank` (multi-head latent attention). "
-            f"Received: index_topk={sizes['index_topk']}, kv_lora_rank=None"
-        )
-    if sizes["index_topk"] is None:
+    layer.index_rope_interleaved = _flag("index_rope_interleaved", index_rope_interleaved)
+    _check_indexer(sizes, layer.kv_lora_rank, None if layer.rope_theta is None else layer.qk_rope_head_dim)
+    for name, value in sizes.items():
+        setattr(layer, name, value)  # layer.index_topk, layer.index_num_heads, layer.index_head_dim
+
+
+def _check_indexer(sizes, kv_lora_rank, rope_width):
+    """The indexer's combinations: `index_topk` needs MLA and both sizes, the sizes need `index_topk`,
+    and with RoPE (of width Hr = `rope_width`) Hi >= Hr."""
+    topk = sizes["index_topk"]
+    if topk is None:
         for name in (name for name in _INDEX_SIZES[1:] if sizes[name] is not None):
             raise ValueError(
                 f"`{name}` needs `index_topk` (the sparse indexer). Received: {name}={sizes[name]!r}, index_topk=None"
             )
-    missing = [name for name in _INDEX_SIZES[1:] if sizes["index_topk"] is not None and sizes[name] is None]
+        return
+    if kv_lora_rank is None:
+        raise ValueError(
+            "`index_topk` needs `kv_lora_rank` (multi-head latent attention). "
+            f"Received: index_topk={topk}, kv_lora_rank=None"
+        )
+    missing = [name for name in _INDEX_SIZES[1:] if sizes[name] is None]
     if missing:
         raise ValueError(
             "`index_topk` needs `index_num_heads` and `index_head_dim`. "
-            f"Received: index_topk={sizes['index_topk']}, {', '.join(f'{name}=None' for name in missing)}"
+            f"Received: index_topk={topk}, {', '.join(f'{name}=None' for name in missing)}"
         )
-    hr, width = layer.qk_rope_head_dim, sizes["index_head_dim"]
-    if width is not None and layer.rope_theta is not None and width < hr:
+    if rope_width is not None and sizes["index_head_dim"] < rope_width:
         raise ValueError(
-            f"`index_head_dim` must be at least qk_rope_head_dim = {hr} with RoPE: the indexer turns its first Hr "
-            f"features. Received: index_head_dim={width}"
+            f"`index_head_dim` must be at least qk_rope_head_dim = {rope_width} with RoPE: the indexer turns its "
+            f"first Hr features. Received: index_head_dim={sizes['index_head_dim']}"
         )
-    for name, value in {**sizes, "index_rope_interleaved": interleaved}.items():
-        setattr(layer, name, value)
 
 
 def _indexer_config(layer):
@@ -1988,7 +1995,7 @@ def _indexer_config(layer):
     return {name: getattr(layer, name) for name in (*_INDEX_SIZES, "index_rope_interleaved")}
 
 
-def _indexer_shapes(layer):
+def _index_shapes(layer):
     """The indexer's weights in the layout, {name: shape} (after MLA's); {} without `index_topk`."""
     if layer.index_topk is None:
         return {}
@@ -2013,151 +2020,161 @@ def _index_cache_shape(layer, batch_size, length):
     return (batch_size, 0, 0) if layer.index_topk is None else (batch_size, length, layer.index_head_dim)
 
 
-def _select_keys(layer, call, keep, topk_indices, return_topk):
-    """Step 5b: the keys each query attends, its allowed keys (`keep` for some head, `causal`,
-    `window`, the chunk) AND its selection: the layer's own top-k (`_index_topk`) or the given
-    `topk_indices` (B, T, k'). With a cache the indexer keys are written to `index_key` first.
-    Returns keep (B|1, N|1, T, S) ANDed with the selection (B, 1, T, S), the call (its cache
-    written) and the selection (B, T, k_eff) int32 ranked by score, or as given."""
+def _sparse_keep(layer, call, keep, topk_indices, return_topk):
+    """Step 5b: the selection (the layer's indexer's, or `topk_indices`) ANDed into keep, which then
+    broadcasts to (B, N, T, S); with a cache the new tokens' indexer keys written to `index_key`.
+    Returns (keep, call, selection (B, T, k) int32 with `return_topk`, else None)."""
     if topk_indices is None and layer.index_topk is None:
         raise ValueError("`return_topk` needs `index_topk` or `topk_indices`. Received: return_topk=True")
     b, t = tf.shape(call.query)[0], tf.shape(call.query)[1]
+    s = tf.shape(call.key)[1] if call.cache is None else _cache_length(call.cache)
     if topk_indices is not None:
-        topk_indices = _check_topk_indices(topk_indices, call.query)
-    ki = None if layer.index_topk is None else _index_keys(layer, call)  # (B, S, Hi) of the new tokens
-    if ki is not None and call.cache is not None:
-        call = call._replace(cache=_write_index_keys(call.cache, ki))
-        ki = tf.cast(tf.convert_to_tensor(call.cache.index_key), ki.dtype)  # (B, L, Hi)
-    s = (
-        tf.shape(ki)[1]
-        if ki is not None
-        else tf.shape(call.key)[1]
-        if call.cache is None
-        else _cache_length(call.cache)
-    )
-    allowed = _allowed_keys(call, keep, b, t, s)  # (B, T, S)
-    if topk_indices is None:
-        topk_indices = _index_topk(layer, call, ki, allowed)  # (B, T, k_eff)
-    selected = _selection_keep(topk_indices, b, t, s)  # (B, T, S)
-    keep = _and(keep, tf.expand_dims(selected, 1))  # (B|1, N|1, T, S): allowed AND selected
-    return keep, call, tf.cast(topk_indices, tf.int32) if return_topk else None
+        selection = _check_topk_indices(topk_indices, call.query)
+    else:
+        ki = _index_keys(layer, call.key, call.positions)  # (B, T or S, Hi)
+        if call.cache is not None:
+            call = call._replace(cache=_write_index_cache(call.cache, ki))
+            ki = tf.cast(tf.convert_to_tensor(call.cache.index_key), ki.dtype)  # (B, L, Hi)
+        allowed = _full_keep(keep, b, t, s, call.causal, call.window, call.attention_chunk_size)  # (B, T, S)
+        selection = _index_topk(layer, call, ki, allowed)  # (B, T, k)
+    keep = _and(keep, _selection_keep(selection, b, t, s))  # (B|1, N|1, T, S)
+    return keep, call, tf.cast(selection, tf.int32) if return_topk else None
 
 
-def _check_topk_indices(topk_indices, query):
-    """`topk_indices`: an integer (B, T, k) tensor (dimensions unknown at trace time not checked)."""
-    topk_indices = tf.convert_to_tensor(topk_indices)
-    shape = _static_shape(topk_indices)
-    b, t = tuple(query.shape)[:2]
-    if (
-        not topk_indices.dtype.is_integer
-        or shape is None
-        or len(shape) != 3
-        or _differ(shape[0], b)
-        or _differ(shape[1], t)
-    ):
+def _check_topk_indices(indices, query):
+    """`topk_indices` as an integer (B, T, k) tensor (dimensions unknown at trace time not checked)."""
+    indices = tf.convert_to_tensor(indices)
+    (b, t), shape = tuple(query.shape)[:2], _static_shape(indices)
+    if not indices.dtype.is_integer or shape is None or len(shape) != 3 or _differ(shape[0], b) or _differ(shape[1], t):
         raise ValueError(
             f"`topk_indices` must be an integer tensor of shape (B, T, k) with B={b}, T={t}. "
-            f"Received: topk_indices.shape={shape}, topk_indices.dtype={topk_indices.dtype.name}"
+            f"Received: topk_indices.shape={shape}, topk_indices.dtype={indices.dtype.name}"
         )
-    return topk_indices
+    return indices
 
 
 def _index_dtype(layer):
-    return _softmax_dtype(layer.compute_dtype)  # float32 at least, float64 in a float64 layer
+    """The indexer's dtype: float32 at least, float64 in a float64 layer."""
+    return _softmax_dtype(layer.compute_dtype)
 
 
-def _index_keys(layer, call):
-    """ki = LayerNorm(key @ index_key_kernel), its first Hr features turned by RoPE: (B, S, Hi)."""
+def _index_keys(layer, key, positions):
+    """(B, S, kdim) -> (B, S, Hi): the indexer's keys, LayerNorm (scale and bias) and RoPE of their
+    first Hr features, outside the gradient."""
     dtype = _index_dtype(layer)
-    ki = tf.matmul(tf.cast(call.key, dtype), tf.cast(layer.index_key_kernel, dtype))  # (B, S, kdim) -> (B, S, Hi)
-    ki = layer_norm(ki, layer.index_key_norm, _INDEX_NORM_EPS, layer.index_key_norm_bias)
-    return tf.stop_gradient(_turn_indexer(layer, ki[:, None], call.positions)[:, 0])  # (B, 1, S, Hi) -> (B, S, Hi)
+    ki = tf.matmul(tf.cast(key, dtype), tf.cast(layer.index_key_kernel, dtype))  # (B, S, kdim) -> (B, S, Hi)
+    ki = layer_norm(ki, layer.index_key_norm, _INDEX_NORM_EPS, layer.index_key_norm_bias)  # (B, S, Hi)
+    return tf.stop_gradient(_turn_index(layer, ki[:, None], positions)[:, 0])  # (B, 1, S, Hi) -> (B, S, Hi)
 
 
-def _index_queries(layer, call):
-    """qi (B, Ni, T, Hi), its first Hr features turned, and the head weights w * Ni**-0.5 (B, T, Ni)."""
-    dtype, x = _index_dtype(layer), call.query
-    if layer.q_lora_rank is not None:  # the q latent of MLA's query, in the compute dtype
-        x = rms_norm(layer._project(x, "query_a"), layer.query_a_norm, layer.latent_norm_eps)  # (B, T, Q)
-    qi = tf.matmul(tf.cast(x, dtype), tf.cast(layer.index_query_kernel, dtype))  # (B, T, Q|E) -> (B, T, Ni*Hi)
-    qi = _turn_indexer(layer, layer._split_heads(qi, layer.index_num_heads, layer.index_head_dim), call.positions)
-    w = tf.matmul(tf.cast(call.query, dtype), tf.cast(layer.index_weights_kernel, dtype))  # (B, T, E) -> (B, T, Ni)
-    return tf.stop_gradient(qi), tf.stop_gradient(w * layer.index_num_heads**-0.5)  # (B, Ni, T, Hi), (B, T, Ni)
+def _index_queries(layer, query, positions):
+    """(B, T, E) -> the indexer's queries qi (B, Ni, T, Hi), their first Hr features turned, and the
+    heads' weights w * Ni**-0.5 (B, T, Ni), outside the gradient."""
+    dtype = _index_dtype(layer)
+    source = query if layer.q_lora_rank is None else _query_latent(layer, query)  # (B, T, E or Q)
+    qi = tf.matmul(tf.cast(source, dtype), tf.cast(layer.index_query_kernel, dtype))  # -> (B, T, Ni*Hi)
+    qi = layer._split_heads(qi, layer.index_num_heads, layer.index_head_dim)  # -> (B, Ni, T, Hi)
+    w = tf.matmul(tf.cast(query, dtype), tf.cast(layer.index_weights_kernel, dtype))  # (B, T, E) -> (B, T, Ni)
+    return tf.stop_gradient(_turn_index(layer, qi, positions)), tf.stop_gradient(w * layer.index_num_heads**-0.5)
 
 
-def _turn_indexer(layer, x, positions):
-    """RoPE of the first Hr features of x (B, heads, T, Hi), paired by `index_rope_interleaved`."""
+def _query_latent(layer, query):
+    """(B, T, E) -> (B, T, Q): MLA's normalized q latent, which the indexer's queries read."""
+    a = layer._project(query, "query_a")  # (B, T, E) -> (B, T, Q)
+    return rms_norm(a, layer.query_a_norm, layer.latent_norm_eps)  # (B, T, Q)
+
+
+def _turn_index(layer, x, positions):
+    """RoPE of the first Hr features of each indexer head of x (B, heads, T, Hi), paired by
+    `index_rope_interleaved`, times YaRN's factor; unchanged without RoPE."""
     if layer.rope_theta is None:
         return x
-    x = apply_rope(x, positions, layer._inv_freq, layer.index_rope_interleaved)
-    return scale_rotated(x, layer.qk_rope_head_dim, rope_attention_factor(layer.rope_scaling))
+    x = apply_rope(x, positions, layer._inv_freq, layer.index_rope_interleaved)  # (B, heads, T, Hi)
+    return scale_rotated(x, 2 * layer._inv_freq.shape[0], rope_attention_factor(layer.rope_scaling))
 
 
-def _write_index_keys(cache, ki):
-    """The cache with the (B, T, Hi) indexer keys written at the slots of this call's latents (its
-    index is already advanced by T): position p in slot p mod L."""
-    t, length = tf.shape(ki)[1], _cache_length(cache)
+def _write_index_cache(cache, ki):
+    """The cache with the (B, T, Hi) indexer keys of the T tokens just written (positions
+    [index - T, index)) at slots position mod L of `index_key` (an in-place cache's variable
+    written where it lies)."""
+    b, t, length = tf.shape(ki)[0], tf.shape(ki)[1], _cache_length(cache)
+    shape = None if cache.index_key is None else tuple(cache.index_key.shape)
+    if shape is None or len(shape) != 3 or _differ(shape[1], cache.key.shape[2]) or _differ(shape[2], ki.shape[2]):
+        raise ValueError(
+            f"`cache.index_key` must have shape (B, L, Hi)=({ki.shape[0]}, {cache.key.shape[2]}, {ki.shape[2]}) with "
+            f"index_topk (make the cache with `init_cache`). Received: cache.index_key.shape={shape}"
+        )
     slots = tf.math.floormod(tf.convert_to_tensor(cache.index) - t + tf.range(t), length)  # (T,)
-    rows = tf.stack(tf.meshgrid(tf.range(tf.shape(ki)[0]), slots, indexing="ij"), axis=-1)  # (B, T, 2): (b, slot)
+    rows = tf.stack(tf.meshgrid(tf.range(b), slots, indexing="ij"), axis=-1)  # (B, T, 2): (b, slot)
+    ki = tf.cast(ki, cache.index_key.dtype)
     if _is_in_place(cache):
-        cache.index_key.scatter_nd_update(rows, tf.cast(ki, cache.index_key.dtype))
+        cache.index_key.scatter_nd_update(rows, ki)
         return cache
-    index_key = tf.tensor_scatter_nd_update(cache.index_key, rows, tf.cast(ki, cache.index_key.dtype))  # (B, L, Hi)
-    return cache._replace(index_key=index_key)
+    return cache._replace(index_key=tf.tensor_scatter_nd_update(cache.index_key, rows, ki))  # (B, L, Hi)
 
 
-def _allowed_keys(call, keep, b, t, s):
-    """(B, T, S): the keys each query may attend, for some head (`keep`, with a cache the cache's
-    rule already folded in), `causal`, `window` and the chunk (folded in here without a cache)."""
+def _full_keep(keep, b, t, s, causal, window, attention_chunk_size):
+    """(B, T, S): the keys each query may attend for some head: `keep` (with a cache, the cache's
+    rule already in it), `causal`, `window` and the chunk."""
     allowed = tf.ones([b, t, s], tf.bool)
     if keep is not None:
         allowed = allowed & tf.reduce_any(keep, axis=1)  # (B|1, N|1, T|1, S|1) -> (B, T, S)
-    positional = _position_keep(tf.range(t) + (s - t), s, call.causal, call.window, call.attention_chunk_size)
+    positional = _position_keep(tf.range(t) + (s - t), s, causal, window, attention_chunk_size)  # (T, S) or None
     return allowed if positional is None else allowed & positional  # (B, T, S)
 
 
 def _index_topk(layer, call, ki, allowed):
-    """The layer's own selection, (B, T, k_eff) key indices, k_eff = min(index_topk, S): the
-    indexer's scores ranked highest first, disallowed keys given the lowest value, equal scores
-    the lower index first (`tf.math.top_k`). In blocks of query rows of about `_INDEX_BLOCK_SCORES`
-    raw scores (B, Tb, Ni, S), each scored, ranked and dropped (`_ranked`)."""
-    qi, w = _index_queries(layer, call)  # (B, Ni, T, Hi), (B, T, Ni)
-    b, t, s = (qi.shape[0] or 1), qi.shape[2], ki.shape[1]
-    k_eff = tf.minimum(layer.index_topk, tf.shape(allowed)[2])
-    rows = max(1, _INDEX_BLOCK_SCORES // (b * layer.index_num_heads * (s or 1)))  # query rows of a block
-    if t is not None and t <= rows:
-        return _ranked(qi, w, ki, allowed, k_eff, layer.index_head_dim)
+    """The layer's own selection (B, T, k) of k = min(index_topk, S) keys (`_select_topk`), scored in
+    blocks of query rows of about `_INDEX_BLOCK_SCORES` raw scores (B, Tb, Ni, S), each block's
+    scores ranked and dropped."""
+    qi, w = _index_queries(layer, call.query, call.positions)  # (B, Ni, T, Hi), (B, T, Ni)
+    k = tf.minimum(layer.index_topk, tf.shape(allowed)[2])
+    rows = max(1, _INDEX_BLOCK_SCORES // ((qi.shape[0] or 1) * layer.index_num_heads * (ki.shape[1] or 1)))
+    if qi.shape[2] is not None and qi.shape[2] <= rows:
+        return _select_topk(_index_scores(layer, qi, w, ki), allowed, k)
     t = tf.shape(qi)[2]
+    count = (t + rows - 1) // rows
+    pad = count * rows - t  # the last block padded to `rows` rows (XLA's TensorArray holds equal blocks)
+    qi, w = tf.pad(qi, [[0, 0], [0, 0], [0, pad], [0, 0]]), tf.pad(w, [[0, 0], [0, pad], [0, 0]])  # T -> count*rows
+    allowed = tf.pad(allowed, [[0, 0], [0, pad], [0, 0]])  # (B, count*rows, S)
 
-    def body(i, blocks):
-        start, stop = i * rows, tf.minimum((i + 1) * rows, t)
-        part = (qi[:, :, start:stop], w[:, start:stop], ki, allowed[:, start:stop])  # a block of Tb query rows
-        return i + 1, blocks.write(i, tf.transpose(_ranked(*part, k_eff, layer.index_head_dim), [1, 0, 2]))
+    def block(i, blocks):
+        start = i * rows
+        scores = _index_scores(layer, qi[:, :, start : start + rows], w[:, start : start + rows], ki)  # (B, Tb, S)
+        return i + 1, blocks.write(
+            i, tf.transpose(_select_topk(scores, allowed[:, start : start + rows], k), [1, 0, 2])
+        )
 
-    blocks = tf.TensorArray(tf.int32, size=(t + rows - 1) // rows, infer_shape=False)  # each (Tb, B, k_eff)
-    _, blocks = tf.while_loop(lambda i, _: i < (t + rows - 1) // rows, body, (0, blocks))
-    return tf.transpose(blocks.concat(), [1, 0, 2])  # (T, B, k_eff) -> (B, T, k_eff)
-
-
-def _ranked(qi, w, ki, allowed, k_eff, width):
-    """One block: scores (B, Tb, S) = sum_n w * relu(qi . ki * Hi**-0.5), disallowed keys at the
-    lowest value, and the k_eff best of each row, (B, Tb, k_eff) int32 (ties: lower index first)."""
-    raw = tf.nn.relu(tf.einsum("bnth,bsh->btns", qi, ki) * width**-0.5)  # (B, Tb, Ni, S)
-    scores = tf.einsum("btn,btns->bts", w, raw)  # (B, Tb, S)
-    scores = tf.where(allowed, scores, scores.dtype.min)  # (B, Tb, S)
-    return tf.math.top_k(scores, k_eff, sorted=True).indices  # (B, Tb, k_eff), int32
+    blocks = tf.TensorArray(tf.int32, size=count)  # each (Tb, B, k)
+    _, blocks = tf.while_loop(lambda i, _: i < count, block, (0, blocks))
+    return tf.transpose(blocks.concat()[:t], [1, 0, 2])  # (count*rows, B, k) -> (B, T, k)
 
 
-def _selection_keep(topk_indices, b, t, s):
-    """(B, T, S) boolean: key s is selected iff some entry of its row equals s (entries outside
-    [0, S) select nothing, duplicates count once), by one scatter of B*T*k' ones."""
-    indices = tf.cast(topk_indices, tf.int32)  # (B, T, k')
-    indices = tf.where((indices >= 0) & (indices < s), indices, s)  # out of range: the spare column S
-    k = tf.shape(indices)[2]
-    grid = tf.meshgrid(tf.range(b), tf.range(t), tf.range(k), indexing="ij")  # 3 x (B, T, k')
-    at = tf.stack([grid[0], grid[1], indices], axis=-1)  # (B, T, k', 3): (b, t, key)
+def _index_scores(layer, qi, w, ki):
+    """The indexer's scores (B, T, S) of queries qi (B, Ni, T, Hi) with weights w (B, T, Ni) against
+    (B, S, Hi) keys: sum_n w[n] * relu(qi[n] . ki * Hi**-0.5)."""
+    dots = tf.nn.relu(tf.einsum("bnth,bsh->bnts", qi, ki) * layer.index_head_dim**-0.5)  # (B, Ni, T, S)
+    return tf.einsum("bnts,btn->bts", dots, w)  # (B, T, S)
+
+
+def _select_topk(scores, allowed, k):
+    """The first k keys of each row ranked by score, highest first, equal scores by the lower key
+    index, disallowed keys after every allowed one (`tf.math.top_k` keeps the lower index first
+    among equal values). (B, T, S) -> (B, T, k) int32."""
+    ranked = tf.where(allowed, scores, scores.dtype.min)  # (B, T, S)
+    return tf.math.top_k(ranked, k, sorted=True).indices  # (B, T, k)
+
+
+def _selection_keep(selection, b, t, s):
+    """(B, T, k) key indices -> (B, 1, T, S) boolean, True at the selected keys (an index outside
+    [0, S) selects nothing, duplicates count once), by one scatter of B*T*k ones."""
+    selection = tf.cast(selection, tf.int32)  # (B, T, k)
+    selection = tf.where((selection >= 0) & (selection < s), selection, s)  # out of range: column S
+    k = tf.shape(selection)[2]
+    grid = tf.meshgrid(tf.range(b), tf.range(t), tf.range(k), indexing="ij")  # 3 x (B, T, k)
+    at = tf.stack([grid[0], grid[1], selection], axis=-1)  # (B, T, k, 3): (b, t, key)
     counts = tf.scatter_nd(at, tf.ones([b, t, k], tf.int32), [b, t, s + 1])  # (B, T, S + 1)
-    return counts[..., :s] > 0  # (B, T, S)
+    return (counts[..., :s] > 0)[:, None]  # (B, 1, T, S)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -2922,7 +2939,7 @@ def _weight_shapes(layer):
         shapes[f"{kind}_kernel"] = shape
         if kind in layer.bias:
             shapes[f"{kind}_bias"] = shape[1:]
-    shapes.update(_indexer_shapes(layer))  # the sparse indexer's, float in an int8 layer too
+    shapes.update(_index_shapes(layer))  # the sparse indexer's, float in an int8 layer too
     return _with_scales(shapes) if layer._int8 else shapes
 
 
