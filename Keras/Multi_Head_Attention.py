@@ -276,10 +276,7 @@ class MultiHeadAttention(keras.layers.Layer):
         )  # 1. defaults and checks  # fmt: skip
         call = call if segment_ids is None is key_segment_ids else _packed(self, call, segment_ids, key_segment_ids)
         keep, bias = self._masks(call)  # 1. one keep and one bias, (B|1, N|1, T|1, S|1) each
-        if self.kv_lora_rank is None:
-            q, k, v = self._project_qkv(call)  # 2. (B, N, T, H), (B, K, S, H) x 2
-        else:
-            q, k, v = _project_latent(self, call)  # 2. MLA: q, c (B, 1, S, C), k_rope (B, 1, S, Hr)
+        q, k, v = self._project_qkv(call) if self.kv_lora_rank is None else _project_latent(self, call)  # 2.
         if self.qk_norm is not None:
             q, k = _normalize_qk(self, q, k)  # 3. QK-norm
         if self.rope_theta is not None:
