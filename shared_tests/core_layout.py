@@ -27,10 +27,7 @@ SECTIONS = (
     "framework only",
     "converters",
 )
-ONLY_IN = {  # a section that exists in some files only
-    "backward": ("NumPy",),
-    "sparse indexer": ("NumPy", "PyTorch"),  # until the TensorFlow and Keras files have theirs
-}
+ONLY_IN = {"backward": ("NumPy",)}  # a section that exists in some files only
 FRAMEWORKS = ("NumPy", "PyTorch", "TensorFlow", "Keras")
 HEADER = re.compile(r"^# (Core: the plain layer|Section: (.+))$")
 SOFTCAP_NAMES = frozenset({"softcap", "cap"})  # the names the soft-capping option's value is carried by
