@@ -2372,7 +2372,8 @@ def _attend_gathered(layer, q, latent, k_rope, keep, bias, call):
         gathered = torch.gather(keys, 1, index.flatten(1)[..., None].expand(-1, -1, keys.shape[-1]))
         gathered = gathered.view(*index.shape, -1)  # (B, Tb, k, C + Hr)
         queries = torch.cat([q_nope[:, :, part] @ w_kb, q_rope[:, :, part]], dim=-1)  # (B, N, Tb, C + Hr)
-        scores = torch.einsum("bntd,btjd->bntj", queries, gathered)  # (B, N, Tb, k)
+        scores = torch.einsum("bntd,btjd->bntj", queries, gathered).contiguous()  # (B, N, Tb, k): dense, as the
+        # softmax without autograd overwrites it (`_masked_softmax`; einsum may return a permuted view)
         if b_k is not None:
             scores = scores + (q_nope[:, :, part] * b_k[:, None, :]).sum(dim=-1, keepdim=True)  # a key of ones
         weights = _gathered_weights(layer, scores * layer.scale, keep, bias, call, part, index, valid, s)
@@ -2590,8 +2591,11 @@ def _block_allowed(keep, call, first, stop, t, s):
 
 def _select_topk(scores, allowed, k):
     """The first k keys of each row ranked by score, highest first, equal scores by the lower key index,
-    disallowed keys after every allowed one: a stable sort (`torch.topk` promises no order for ties)."""
+    disallowed keys after every allowed one: a stable sort (`torch.topk` promises no order for ties). In an
+    ONNX export, ONNX's TopK, which ranks equal values by the lower index (the ONNX spec; ONNX has no stable sort)."""
     ranked = torch.where(allowed, scores, torch.finfo(scores.dtype).min)  # (B, Tb, S)
+    if torch.onnx.is_in_onnx_export():
+        return torch.topk(ranked, k, dim=-1).indices  # (B, Tb, S) -> (B, Tb, k)
     return torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :k]  # (B, Tb, k)
 
 
