@@ -8,6 +8,7 @@ from .gpt import _gpt2, _gpt_bigcode, _gpt_neo, _gpt_neox, _gptj
 from .latent import _latent
 from .llama import _llama4, _rotary
 from .seq2seq import _bart, _t5
+from .sparse import _sparse
 
 
 def _family(porter, path, **options):
@@ -84,6 +85,8 @@ _BUILTIN = {
     "minicpm3": _family(_latent, _LAYERS),
     "kimi_linear": _family(_latent, _LAYERS, rope=False),
     "bailing_hybrid": _family(_latent, "layers.{i}.attention", interleaved=True, gate=True),
+    "deepseek_v32": _family(_sparse, _LAYERS),
+    "glm_moe_dsa": _family(_sparse, _LAYERS, interleaved_indexer=True),
     "longcat_flash": _family(
         _latent, lambda i: f"layers.{i // 2}.self_attn.{i % 2}", interleaved=True, lora_scales=True
     ),
