@@ -29,7 +29,8 @@ def replace_attention(model, layer_class=None):
             `v_proj`, `o_proj`: Llama, Mistral, Qwen, Gemma, OLMo, Phi3, ...; the gated ones, Qwen3-Next, Qwen3.5,
             AFMoE and LFM3, whose other layers (linear attention, convolutions) stay as they are), of the BERT kind
             (BERT, RoBERTa, XLM-RoBERTa) or with multi-head latent attention (DeepSeek-V2, V3 and the MLA families
-            `port_attention` reads; the layer's cache holds the latents).
+            `port_attention` reads; the layer's cache holds the latents), the sparse indexer's included
+            (DeepSeek-V3.2, GLM-MoE-DSA: each layer's top-k passed to the next where the model's decoder does).
         layer_class: the `MultiHeadAttention` class to build (default: the one in `PyTorch/`).
 
     Returns:
