@@ -2364,7 +2364,8 @@ def _attend_gathered(layer, q, latent, k_rope, keep, bias, call):
     q_nope, q_rope = q.split([layer.qk_nope_head_dim, layer.qk_rope_head_dim], dim=-1)  # (B, N, T, Hn), (.., Hr)
     keys = torch.cat([latent[:, 0], k_rope[:, 0]], dim=-1)  # (B, S, C + Hr)
     (b, n, t, _), s, selection = q.shape, keys.shape[1], call.selection
-    rows = max(1, _GATHER_BLOCK_SCORES // max(1, b * n * selection.shape[-1]))
+    width = max(n, keys.shape[-1])  # a block's scores (B, N, Tb, k) and gathered keys (B, Tb, k, C + Hr)
+    rows = max(1, _GATHER_BLOCK_SCORES // max(1, b * width * selection.shape[-1]))
     contexts = []
     for first in range(0, t, rows):
         part = slice(first, min(t, first + rows))
@@ -2396,8 +2397,8 @@ def _attend_gathered(layer, q, latent, k_rope, keep, bias, call):
 
 _INDEX_NORM_EPS = 1e-6  # the indexer's key LayerNorm (transformers' `k_norm`)
 _INDEX_SIZES = ("index_topk", "index_num_heads", "index_head_dim")
-_INDEX_BLOCK_SCORES = 1 << 22  # the indexer's (B, Tb, S) scores of one block of query rows
-_GATHER_BLOCK_SCORES = 1 << 22  # the gathered route's (B, N, Tb, k) scores of one block
+_INDEX_BLOCK_SCORES = 1 << 22  # the indexer's (B, Ni, Tb, S) per-head scores of one block of query rows
+_GATHER_BLOCK_SCORES = 1 << 22  # the gathered route's (B, N, Tb, k) scores or (B, Tb, k, C + Hr) keys of a block
 
 
 def _init_indexer(layer, index_topk, index_num_heads, index_head_dim, index_rope_interleaved):
@@ -2525,7 +2526,7 @@ def _index_selection(layer, keep, call, s):
         ki = call.cache.index_key[:, :s].to(ki.dtype)  # (B, S, Hi): S = L, or a lean step's first slots
     qi, w = _index_queries(layer, call.query, call.positions)  # (B, Ni, T, Hi), (B, T, Ni)
     b, t = call.query.shape[:2]
-    k, rows = min(layer.index_topk, s), max(1, _INDEX_BLOCK_SCORES // max(1, b * s))
+    k, rows = min(layer.index_topk, s), max(1, _INDEX_BLOCK_SCORES // max(1, b * layer.index_num_heads * s))
     blocks = []
     for first in range(0, t, rows):
         stop = min(t, first + rows)
