@@ -111,11 +111,11 @@ Qwen4-Exp, DeepSeek-V4, MiniMax-M3: each with what it adds).
 
 The package: one module per family of porters, each with its refusals (`llama`: the Llama kind and
 Llama 4's text attention, its vision encoder refused; `gated`: the gated families; `latent`:
-multi-head latent attention; `sparse`: the sparse indexer's families and refusals; `gpt`: GPT-2, GPTBigCode, GPT-Neo, GPT-J and GPT-NeoX; `alibi`:
-Bloom, Falcon and MPT, and `alibi_positions`; `bert`: BERT and ModernBERT; `seq2seq`: T5, BART,
-Whisper and OPT, and `t5_position_bias`), and the shared pieces: `tensors` (reading tensors,
-`load_tensors`), `config` (what a config says), `registry` (the porters by model type,
-`register_porter`, `supported_modules`), `routes` (`port_attention`, `port_checkpoint`),
+multi-head latent attention; `sparse`: the sparse indexer's families and refusals; `gpt`: GPT-2,
+GPTBigCode, GPT-Neo, GPT-J and GPT-NeoX; `alibi`: Bloom, Falcon and MPT, and `alibi_positions`;
+`bert`: BERT and ModernBERT; `seq2seq`: T5, BART, Whisper and OPT, and `t5_position_bias`), and the
+shared pieces: `tensors` (reading tensors, `load_tensors`), `config` (what a config says), `registry`
+(the porters by model type, `register_porter`, `supported_modules`), `routes` (`port_attention`, `port_checkpoint`),
 `replace` (`replace_attention`), `structure` (the Llama-kind and gated modules of model types not listed,
 recognised by their projections, norms and RoPE functions, and those refused by name) and `census` (`python -m
 interop.hf.census`: every attention class of the installed transformers with its status, docs/census.md).
