@@ -161,6 +161,8 @@ class MultiHeadAttention(keras.layers.Layer):
             clip_qkv and the gate".
         kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, latent_norm_eps:
             multi-head latent attention, off while `kv_lora_rank` is None (its section).
+        index_topk, index_num_heads, index_head_dim, index_rope_interleaved: the sparse indexer (DSA),
+            off while `index_topk` is None: each query attends its top-k keys (its section).
         kernel_initializer: initializer of the kernels.
         bias_initializer: initializer of the biases.
         query_scaling: None, or {"type": "temperature" or "positions", "beta": b, "floor": f}: each
@@ -194,6 +196,7 @@ class MultiHeadAttention(keras.layers.Layer):
         shared_kv: with `kv_shared`, a (k, v) pair of (B, K, S, H) keys and values another layer
             attended (its `return_kv`), or that layer's `KVCache` once it wrote this call's T tokens.
         return_kv: if True, also return the (k, v) the call attended (over the L slots with a cache).
+        topk_indices, return_topk: the keys each query attends (B, T, k), given; return the selection used.
 
     Returns:
         output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before
@@ -224,7 +227,8 @@ class MultiHeadAttention(keras.layers.Layer):
         qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
         kernel_initializer="glorot_uniform", bias_initializer="zeros", query_scaling=None, kv_shared=False,
-        keys_as_values=False, value_norm=False, **kwargs,
+        keys_as_values=False, value_norm=False, index_topk=None, index_num_heads=None, index_head_dim=None,
+        index_rope_interleaved=False, **kwargs,
     ):  # fmt: skip
         super().__init__(**kwargs)
         self.d_model = _positive_int("d_model", d_model)
@@ -258,6 +262,7 @@ class MultiHeadAttention(keras.layers.Layer):
             setattr(self, name, None if latent is None else getattr(latent, name))
         self.query_scaling = _check_query_scaling(query_scaling, self.rope_sections)  # its section: positions
         _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
+        _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved)  # sparse indexer
         if self.rope_theta is not None:
             rotary = _rotary_dim(self.rope_fraction, rope_width, True)
             frequencies = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,) NumPy
@@ -276,7 +281,7 @@ class MultiHeadAttention(keras.layers.Layer):
     def call(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None, attention_bias=None,
         positions=None, causal=False, return_attention=False, training=None, value_mask=None, cache=None,
-        segment_ids=None, key_segment_ids=None, shared_kv=None, return_kv=False,
+        segment_ids=None, key_segment_ids=None, shared_kv=None, return_kv=False, topk_indices=None, return_topk=False,
     ):  # fmt: skip
         """The steps of docs/SPEC.md, "Order of the steps"; each option's step behind its guard."""
         cache = cache if shared_kv is None else _shared_cache(self, query, cache, shared_kv)  # rewound to check
@@ -296,6 +301,9 @@ class MultiHeadAttention(keras.layers.Layer):
             q, k, v = _position_step(self, q, k, v, call, _rotate if self.kv_lora_rank is None else _rotate_latent)
         if call.cache is not None:
             k, v, keep, call = _update_cache(self, call, k, v, keep)  # 5. the cache (then over its L slots)
+        selection = None  # 5b. the sparse indexer: keep ANDed with each query's top-k keys (B, T, k)
+        if self.index_topk is not None or topk_indices is not None or return_topk:
+            keep, call, selection = _sparse_keep(self, call, keep, topk_indices, return_topk)
         if self.kv_lora_rank is None:  # 6. (B, N, T, H), (B, N, T, S) or None; an int8 cache: `_cache_attend`
             context, weights = (_cache_attend(self, k) if call.cache else self._attend)(q, k, v, keep, bias, call)
         else:
@@ -303,9 +311,9 @@ class MultiHeadAttention(keras.layers.Layer):
         if self.gate:
             context = _gate_heads(self, call, context)  # 6b. the output gate
         output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*Hv) -> (B, T, E)
-        cache = call.cache if not self.kv_shared else None  # a shared cache is not returned
-        if call.return_attention or cache is not None or return_kv:
-            return _results(output, weights, cache, call.return_attention, (k, v) if return_kv else None)
+        cache, selection = call.cache if not self.kv_shared else None, selection if return_topk else None
+        if call.return_attention or cache is not None or return_kv or return_topk:  # a shared cache is not returned
+            return _results(output, weights, cache, call.return_attention, (k, v) if return_kv else None, selection)
         return output
 
     def __call__(self, *args, mask=None, **kwargs):
@@ -1499,6 +1507,8 @@ class KVCache(NamedTuple):
             (B, 1, L, 1), the latent's); (B, 0) from `init_cache` of a float cache (None in a
             cache built by hand).
         value_scale: likewise for the values ((B, 1, L, 1) with MLA: the turned key part's).
+        index_key: (B, L, Hi), the sparse indexer's keys of each slot (`index_topk`); (B, 0, 0) from
+            `init_cache` without an indexer (None in a cache built by hand).
     """
 
     key: Any
@@ -1508,6 +1518,7 @@ class KVCache(NamedTuple):
     segment_ids: Any = None
     key_scale: Any = None
     value_scale: Any = None
+    index_key: Any = None
 
 
 def _init_cache(layer, batch_size, max_length, keep, dtype):
@@ -1532,7 +1543,9 @@ def _init_cache(layer, batch_size, max_length, keep, dtype):
     key, value = (ops.zeros(shape, dtype) for shape in shapes)
     no_ids = ops.zeros((b, 0), "int32")  # segment ids: none yet (a tensor, so the cache is a nest of tensors)
     no_scales = ops.zeros((b, 0), "float32")  # a float cache: none
-    cache = KVCache(key, value, keep, ops.convert_to_tensor(0, "int32"), no_ids, no_scales, no_scales)
+    index_dtype = layer.compute_dtype if _dtype_name(key.dtype) == "int8" else dtype  # int8: the indexer's float
+    index_key = ops.zeros(_index_cache_shape(layer, b, length), index_dtype)  # the indexer's keys, or (B, 0, 0)
+    cache = KVCache(key, value, keep, ops.convert_to_tensor(0, "int32"), no_ids, no_scales, no_scales, index_key)
     return cache if _dtype_name(key.dtype) != "int8" else _with_cache_scales(cache)  # int8 section
 
 
@@ -2097,6 +2110,257 @@ def _attend_absorbed(layer, q, latent, k_rope, keep, bias, call):
     context, weights = layer._attend(q, k, v, keep, bias, call)  # (B, N, T, C or C + 1)
     output = _matmul(context[..., : layer.kv_lora_rank], ops.swapaxes(w_vb, -1, -2))  # -> (B, N, T, Hv)
     return output if b_v is None else output + context[..., layer.kv_lora_rank :] * b_v[:, None, :], weights
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: sparse indexer
+# -------------------------------------------------------------------------------------------------
+# DeepSeek Sparse Attention (DSA: DeepSeek-V3.2, GLM-MoE-DSA), on with `index_topk` k (it needs MLA):
+# a "lightning indexer" of Ni = `index_num_heads` heads of width Hi = `index_head_dim` scores every
+# key for each query, and each query attends only the k keys it scores highest among those it may
+# attend (its allowed keys):
+#     qi = x_q @ index_query_kernel                (B, T, Ni, Hi); x_q the q latent with q_lora_rank, else query
+#     ki = LayerNorm(key @ index_key_kernel)       (B, S, Hi); RoPE turns the first Hr features of qi and ki
+#     w = query @ index_weights_kernel             (B, T, Ni)
+#     score[b, t, s] = sum_n w[b, t, n] * Ni**-0.5 * relu(qi[b, t, n] . ki[b, s] * Hi**-0.5)
+# in float32 at least, outside the gradient. The tie rule: equal scores rank the lower key index
+# first, disallowed keys last: `ops.top_k` on TensorFlow and JAX (each keeps the lower index first
+# among equal values), a stable `ops.argsort` on torch (`torch.topk` promises no order for ties).
+# The selection is ANDed into the call's keep, so every path of step 6 attends it. The call's
+# `topk_indices` (B, T, k') passes another layer's selection instead, and `return_topk=True` returns
+# the selection used. The cache holds the indexer keys in `KVCache.index_key` (B, L, Hi).
+# Constructor arguments (the indexer is off while `index_topk` is None):
+#     index_topk: None, or k: each query attends its k best-scored allowed keys (needs `kv_lora_rank`).
+#     index_num_heads, index_head_dim: Ni and Hi (Hi >= Hr with RoPE).
+#     index_rope_interleaved: False pairs feature i with i + Hr/2 (DeepSeek-V3.2), True 2i with
+#         2i + 1 (GLM-MoE-DSA).
+# The int8 mode leaves the indexer float.
+
+_INDEX_SIZES = ("index_topk", "index_num_heads", "index_head_dim")
+_INDEX_NORM_EPS = 1e-6  # the indexer's key LayerNorm (transformers' `k_norm`)
+_INDEX_BLOCK_SCORES = 1 << 22  # the indexer's (B, Ni, Tb, S) raw scores of one block of query rows
+
+
+def _init_indexer(layer, index_topk, index_num_heads, index_head_dim, index_rope_interleaved):
+    """The constructor's indexer step (after every other argument and MLA's combinations): each size
+    None or a positive integer and the flag a bool, in that order, then their combinations
+    (`_check_indexer`); holds them as attributes (None without an indexer)."""
+    sizes = dict(zip(_INDEX_SIZES, (index_topk, index_num_heads, index_head_dim), strict=True))
+    sizes = {name: None if value is None else _positive_int(name, value) for name, value in sizes.items()}
+    layer.index_rope_interleaved = _flag("index_rope_interleaved", index_rope_interleaved)
+    _check_indexer(sizes, layer.kv_lora_rank, None if layer.rope_theta is None else layer.qk_rope_head_dim)
+    for name, value in sizes.items():
+        setattr(layer, name, value)  # layer.index_topk, layer.index_num_heads, layer.index_head_dim
+
+
+def _check_indexer(sizes, kv_lora_rank, rope_width):
+    """The indexer's combinations: `index_topk` needs MLA and both sizes, the sizes need `index_topk`,
+    and with RoPE (of width Hr = `rope_width`) Hi >= Hr."""
+    topk = sizes["index_topk"]
+    if topk is None:
+        for name in (name for name in _INDEX_SIZES[1:] if sizes[name] is not None):
+            raise ValueError(
+                f"`{name}` needs `index_topk` (the sparse indexer). Received: {name}={sizes[name]!r}, index_topk=None"
+            )
+        return
+    if kv_lora_rank is None:
+        raise ValueError(
+            "`index_topk` needs `kv_lora_rank` (multi-head latent attention). "
+            f"Received: index_topk={topk}, kv_lora_rank=None"
+        )
+    missing = [name for name in _INDEX_SIZES[1:] if sizes[name] is None]
+    if missing:
+        raise ValueError(
+            "`index_topk` needs `index_num_heads` and `index_head_dim`. "
+            f"Received: index_topk={topk}, {', '.join(f'{name}=None' for name in missing)}"
+        )
+    if rope_width is not None and sizes["index_head_dim"] < rope_width:
+        raise ValueError(
+            f"`index_head_dim` must be at least qk_rope_head_dim = {rope_width} with RoPE: the indexer turns its "
+            f"first Hr features. Received: index_head_dim={sizes['index_head_dim']}"
+        )
+
+
+def _index_shapes(layer):
+    """The indexer's portable weights {name: shape} (after every other), none without `index_topk`."""
+    if layer.index_topk is None:
+        return {}
+    ni, hi = layer.index_num_heads, layer.index_head_dim
+    source = layer.d_model if layer.q_lora_rank is None else layer.q_lora_rank  # x_q: query, or the q latent
+    return {
+        "index_query_kernel": (source, ni * hi),
+        "index_key_kernel": (layer.kdim, hi),
+        "index_key_norm": (hi,),
+        "index_key_norm_bias": (hi,),
+        "index_weights_kernel": (layer.d_model, ni),
+    }
+
+
+def _is_indexer_weight(name):
+    """Whether a portable weight is the indexer's (float in an int8 layer too)."""
+    return name.startswith("index_")
+
+
+def _index_cache_shape(layer, batch_size, length):
+    """`KVCache.index_key`'s shape: (B, L, Hi), or (B, 0, 0) without an indexer."""
+    return (batch_size, 0, 0) if layer.index_topk is None else (batch_size, length, layer.index_head_dim)
+
+
+def _sparse_keep(layer, call, keep, topk_indices, return_topk):
+    """Step 5b: the selection (the layer's indexer's, or `topk_indices`) ANDed into keep, which then
+    broadcasts to (B, N, T, S); with a cache the new tokens' indexer keys written to `index_key`.
+    Returns (keep, call, selection (B, T, k) int32 with `return_topk`, else None)."""
+    if topk_indices is None and layer.index_topk is None:
+        raise ValueError("`return_topk` needs `index_topk` or `topk_indices`. Received: return_topk=True")
+    b, t = _shape(call.query)[:2]
+    s = _shape(call.key)[1] if call.cache is None else call.cache.key.shape[2]
+    if topk_indices is not None:
+        selection = _check_topk_indices(topk_indices, call.query)
+    else:
+        ki = _index_keys(layer, call.key, call.positions)  # (B, T or S, Hi)
+        if call.cache is not None:
+            call = call._replace(cache=_write_index_cache(call.cache, ki))
+            ki = ops.cast(call.cache.index_key, ki.dtype)  # (B, L, Hi)
+        allowed = _full_keep(keep, b, t, s, call.causal, call.window, call.attention_chunk_size)  # (B, T, S)
+        selection = _index_topk(layer, call, ki, allowed)  # (B, T, k)
+    keep = _and(keep, _selection_keep(selection, b, t, s))  # (B|1, N|1, T, S)
+    return keep, call, ops.cast(selection, "int32") if return_topk else None
+
+
+def _check_topk_indices(indices, query):
+    """`topk_indices` as an integer (B, T, k) tensor (dimensions unknown at trace time not checked)."""
+    indices = ops.convert_to_tensor(indices)
+    (b, t), shape = tuple(query.shape)[:2], tuple(indices.shape)
+    if not _is_int(indices.dtype) or len(shape) != 3 or _differ(shape[0], b) or _differ(shape[1], t):
+        raise ValueError(
+            f"`topk_indices` must be an integer tensor of shape (B, T, k) with B={b}, T={t}. "
+            f"Received: topk_indices.shape={shape}, topk_indices.dtype={_dtype_name(indices.dtype)}"
+        )
+    return indices
+
+
+def _index_keys(layer, key, positions):
+    """(B, S, kdim) -> (B, S, Hi): the indexer's keys, LayerNorm (scale and bias) and RoPE of their
+    first Hr features, outside the gradient."""
+    dtype = _softmax_dtype(layer.compute_dtype)  # float32 at least, float64 in a float64 layer
+    ki = _matmul(ops.cast(key, dtype), ops.cast(layer.index_key_kernel, dtype))  # (B, S, kdim) -> (B, S, Hi)
+    ki = layer_norm(ki, layer.index_key_norm, _INDEX_NORM_EPS, layer.index_key_norm_bias)  # (B, S, Hi)
+    return ops.stop_gradient(_turn_index(layer, ki[:, None], positions)[:, 0])  # (B, 1, S, Hi) -> (B, S, Hi)
+
+
+def _index_queries(layer, query, positions):
+    """(B, T, E) -> the indexer's queries qi (B, Ni, T, Hi), their first Hr features turned, and the
+    heads' weights w * Ni**-0.5 (B, T, Ni), outside the gradient."""
+    dtype = _softmax_dtype(layer.compute_dtype)
+    source = query if layer.q_lora_rank is None else _query_latent(layer, query)  # (B, T, E or Q)
+    qi = _matmul(ops.cast(source, dtype), ops.cast(layer.index_query_kernel, dtype))  # -> (B, T, Ni*Hi)
+    qi = layer._split_heads(qi, layer.index_num_heads, layer.index_head_dim)  # -> (B, Ni, T, Hi)
+    w = _matmul(ops.cast(query, dtype), ops.cast(layer.index_weights_kernel, dtype))  # (B, T, E) -> (B, T, Ni)
+    w = w * ops.convert_to_tensor(layer.index_num_heads**-0.5, dtype)
+    return ops.stop_gradient(_turn_index(layer, qi, positions)), ops.stop_gradient(w)
+
+
+def _query_latent(layer, query):
+    """(B, T, E) -> (B, T, Q): MLA's normalized q latent, which the indexer's queries read."""
+    a = layer._project(query, "query_a")  # (B, T, E) -> (B, T, Q)
+    return rms_norm(a, layer.query_a_norm, layer.latent_norm_eps)  # (B, T, Q)
+
+
+def _turn_index(layer, x, positions):
+    """RoPE of the first Hr features of each indexer head of x (B, heads, T, Hi), paired by
+    `index_rope_interleaved`, times YaRN's factor; unchanged without RoPE."""
+    if layer.rope_theta is None:
+        return x
+    x = apply_rope(x, positions, layer._inv_freq, layer.index_rope_interleaved)  # (B, heads, T, Hi)
+    return scale_rotated(x, 2 * len(layer._inv_freq), rope_attention_factor(layer.rope_scaling))
+
+
+def _write_index_cache(cache, ki):
+    """The cache with the (B, T, Hi) indexer keys of the T tokens just written (positions
+    [index - T, index)) at slots position mod L of `index_key`."""
+    (b, t), length = _shape(ki)[:2], cache.key.shape[2]
+    shape = None if cache.index_key is None else tuple(cache.index_key.shape)
+    if shape is None or len(shape) != 3 or _differ(shape[1], length) or _differ(shape[2], ki.shape[2]):
+        raise ValueError(
+            f"`cache.index_key` must have shape (B, L, Hi)=({ki.shape[0]}, {length}, {ki.shape[2]}) with "
+            f"index_topk (make the cache with `init_cache`). Received: cache.index_key.shape={shape}"
+        )
+    slots = ops.mod(ops.convert_to_tensor(cache.index, "int32") - t + ops.arange(t, dtype="int32"), length)  # (T,)
+    rows = ops.reshape(ops.stack(ops.meshgrid(ops.arange(b, dtype="int32"), slots, indexing="ij"), -1), (-1, 2))
+    index_key = ops.scatter_update(
+        cache.index_key, rows, ops.reshape(ops.cast(ki, cache.index_key.dtype), (-1, shape[2]))
+    )
+    return cache._replace(index_key=index_key)  # (B, L, Hi) at (b, slot)
+
+
+def _full_keep(keep, b, t, s, causal, window, attention_chunk_size):
+    """(B, T, S): the keys each query may attend for some head: `keep` (with a cache, the cache's
+    rule already in it), `causal`, `window` and the chunk."""
+    allowed = ops.ones((b, t, s), "bool")
+    if keep is not None:
+        allowed = ops.logical_and(allowed, ops.any(keep, axis=1))  # (B|1, N|1, T|1, S|1) -> (B, T, S)
+    if causal:
+        allowed = ops.logical_and(allowed, causal_mask(t, s)[None])  # (B, T, S)
+    return _fold_masks(allowed[:, None], window, attention_chunk_size, t, s)[:, 0]  # (B, T, S)
+
+
+def _index_topk(layer, call, ki, allowed):
+    """The layer's own selection (B, T, k) of k = min(index_topk, S) keys (`_select_topk`), scored in
+    blocks of query rows of about `_INDEX_BLOCK_SCORES` raw scores (B, Ni, Tb, S) where the shapes
+    are known at trace time, each block's scores ranked and dropped (`_loop`)."""
+    qi, w = _index_queries(layer, call.query, call.positions)  # (B, Ni, T, Hi), (B, T, Ni)
+    (b, _, t, _), s = tuple(qi.shape), allowed.shape[2]
+    if not _known(b, t, s) or b * layer.index_num_heads * t * s <= _INDEX_BLOCK_SCORES:
+        k = min(layer.index_topk, s) if _known(s) else ops.minimum(layer.index_topk, _shape(allowed)[2])
+        return _select_topk(_index_scores(layer, qi, w, ki), allowed, k)
+    rows = max(1, _INDEX_BLOCK_SCORES // (b * layer.index_num_heads * s))
+    count, k, pad = -(-t // rows), min(layer.index_topk, s), -(-t // rows) * rows - t
+    qi, w = ops.pad(qi, ((0, 0), (0, 0), (0, pad), (0, 0))), ops.pad(w, ((0, 0), (0, pad), (0, 0)))  # T padded
+    allowed = ops.pad(allowed, ((0, 0), (0, pad), (0, 0)))  # (B, count*rows, S)
+
+    def block(i, totals):
+        start = i * rows
+        part = (
+            ops.slice(qi, (0, 0, start, 0), (b, layer.index_num_heads, rows, qi.shape[3])),
+            ops.slice(w, (0, start, 0), (b, rows, w.shape[2])),
+        )
+        scores = _index_scores(layer, *part, ki)  # (B, Tb, S)
+        return totals, (_select_topk(scores, ops.slice(allowed, (0, start, 0), (b, rows, s)), k),)
+
+    _, (blocks,) = _loop(block, count, (), (((b, rows, k), "int32"),))  # (count, B, Tb, k)
+    return ops.reshape(ops.transpose(blocks, (1, 0, 2, 3)), (b, count * rows, k))[:, :t]  # (B, T, k)
+
+
+def _index_scores(layer, qi, w, ki):
+    """The indexer's scores (B, T, S) of queries qi (B, Ni, T, Hi) with weights w (B, T, Ni) against
+    (B, S, Hi) keys: sum_n w[n] * relu(qi[n] . ki * Hi**-0.5)."""
+    dots = ops.einsum("bnth,bsh->bnts", qi, ki) * ops.convert_to_tensor(layer.index_head_dim**-0.5, qi.dtype)
+    return ops.einsum("bnts,btn->bts", ops.relu(dots), w)  # (B, Ni, T, S) -> (B, T, S)
+
+
+def _select_topk(scores, allowed, k):
+    """The first k keys of each row ranked by score, highest first, equal scores by the lower key
+    index, disallowed keys after every allowed one. (B, T, S) -> (B, T, k) int32: `ops.top_k`
+    (TensorFlow's and JAX's keep the lower index first among equal values), on torch a stable
+    `ops.argsort` of the negated scores."""
+    ranked = ops.where(allowed, scores, float(np.finfo(keras.backend.standardize_dtype(scores.dtype)).min))
+    if keras.backend.backend() == "torch":
+        return ops.cast(ops.argsort(-ranked, axis=-1)[..., :k], "int32")  # (B, T, k)
+    return ops.cast(ops.top_k(ranked, k, sorted=True)[1], "int32")  # (B, T, k)
+
+
+def _selection_keep(selection, b, t, s):
+    """(B, T, k) key indices -> (B, 1, T, S) boolean, True at the selected keys (an index outside
+    [0, S) selects nothing, duplicates count once), by one scatter of B*T*k ones."""
+    selection = ops.cast(selection, "int32")  # (B, T, k)
+    selection = ops.where(ops.logical_and(selection >= 0, selection < s), selection, s)  # out of range: column S
+    k = _shape(selection)[2]
+    grid = ops.meshgrid(
+        ops.arange(b, dtype="int32"), ops.arange(t, dtype="int32"), ops.arange(k, dtype="int32"), indexing="ij"
+    )
+    at = ops.reshape(ops.stack([grid[0], grid[1], selection], axis=-1), (-1, 3))  # (B*T*k, 3): (b, t, key)
+    counts = ops.scatter_update(ops.zeros((b, t, s + 1), "int32"), at, ops.ones((b * t * k,), "int32"))  # (B, T, S + 1)
+    return (counts[..., :s] > 0)[:, None]  # (B, 1, T, S)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -2693,7 +2957,7 @@ def _with_scales(shapes):
     scaled = {}
     for name, shape in shapes.items():
         scaled[name] = shape
-        if name.endswith("_kernel"):
+        if name.endswith("_kernel") and not _is_indexer_weight(name):
             scaled[f"{name}_scale"] = shape[1:]
     return scaled
 
@@ -2701,7 +2965,9 @@ def _with_scales(shapes):
 def _int8_problems(weights, shapes):
     """The kernels of an int8 layout that are not integers in [-127, 127]."""
     problems = []
-    for name in (name for name in shapes if name.endswith("_kernel") and name in weights):
+    for name in (
+        name for name in shapes if name.endswith("_kernel") and name in weights and not _is_indexer_weight(name)
+    ):
         value = np.asarray(weights[name])
         integral = np.issubdtype(value.dtype, np.integer)
         if not integral or (value.size and np.abs(value.astype(np.int64)).max() > _INT8_MAX):
@@ -3051,11 +3317,14 @@ class _Call(NamedTuple):
     fuse: bool  # q, k, v from one matmul: never in this file
     segmented: bool = False  # packed sequences: the ids folded into attention_mask (`_packed`)
     segments: tuple | None = None  # packed sequences without a cache: (B, T) and (B, S) ids, ANDed in by `_attend`
+    selection: None = None  # PyTorch only: the sparse indexer's gathered route (here always a keep)
 
 
-def _results(output, weights, cache, return_attention, kv=None):
-    """output, (output, weights), (output, cache) or (output, weights, cache); then `kv` if given."""
+def _results(output, weights, cache, return_attention, kv=None, selection=None):
+    """output, (output, weights), (output, cache) or (output, weights, cache); the sparse indexer's
+    selection before the cache where `return_topk` gives one; then `kv` if given."""
     results = (output, weights) if return_attention else (output,)
+    results = results if selection is None else (*results, selection)
     results = results if cache is None else (*results, cache)
     results = results if kv is None else (*results, kv)
     return results[0] if len(results) == 1 else results
@@ -3202,7 +3471,7 @@ def _initializer(layer, name):
     and sinks of zero."""
     if name.endswith("_norm"):
         return keras.initializers.Ones()
-    if name in ("sinks", "query_norm_bias", "key_norm_bias"):
+    if name == "sinks" or name.endswith("_norm_bias"):
         return keras.initializers.Zeros()
     initializer = layer.kernel_initializer if name.endswith("_kernel") else layer.bias_initializer
     return initializer.__class__.from_config(initializer.get_config())  # a fresh instance for each weight
@@ -3211,7 +3480,7 @@ def _initializer(layer, name):
 def _weight_options(layer, name):
     """`add_weight` arguments of one portable weight: int8 kernels and their float scales are
     not trainable (as in Keras' int8 `Dense`)."""
-    if layer._int8 and name.endswith("_kernel"):
+    if layer._int8 and name.endswith("_kernel") and not _is_indexer_weight(name):
         return {"initializer": "zeros", "dtype": "int8", "trainable": False}
     if name.endswith("_kernel_scale"):  # read in float32 under a mixed policy too (`_int8_matmul`)
         return {"initializer": "ones", "dtype": "float32", "trainable": False, "autocast": False}
@@ -3342,6 +3611,7 @@ def _non_defaults(layer):
         **{name: getattr(layer, name) is None for name in _LATENT_SIZES},
         "query_scaling": layer.query_scaling is None,
         **{name: not getattr(layer, name) for name in _SHARING_FLAGS},
+        "index_topk": layer.index_topk is None,
     }
     return {name: getattr(layer, name) for name, default in plain.items() if not default}
 
@@ -3497,6 +3767,7 @@ def _weight_shapes(layer):
         shapes[f"{kind}_kernel"] = shape
         if kind in layer.bias:
             shapes[f"{kind}_bias"] = shape[1:]
+    shapes.update(_index_shapes(layer))  # the sparse indexer's, float in an int8 layer too
     return _with_scales(shapes) if layer._int8 else shapes
 
 
@@ -3525,7 +3796,7 @@ def _import_weights(layer, weights):
 _CONFIG_NAMES = (
     "d_model", "num_heads", "num_kv_heads", "head_dim", "kdim", "vdim", "dropout", "bias", *_Variants._fields[:-1],
     *_LATENT_SIZES, "latent_norm_eps", "kernel_initializer", "bias_initializer", "query_scaling", "kv_shared",
-    "keys_as_values", "value_norm",
+    "keys_as_values", "value_norm", *_INDEX_SIZES, "index_rope_interleaved",
 )  # get_config's entries past the base layer's, in the constructor's order  # fmt: skip
 
 

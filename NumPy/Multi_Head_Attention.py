@@ -82,6 +82,7 @@ class _Call(NamedTuple):
     fuse: bool  # False: the reference projects q, k and v one at a time
     segmented: bool = False  # packed sequences: the ids folded into attention_mask (`_packed`)
     segments: None = None  # PyTorch, TensorFlow and Keras only: packed ids their paths read (here always folded)
+    selection: np.ndarray | None = None  # the sparse indexer's gathered route (PyTorch); the reference masks
 
 
 class MultiHeadAttention:
@@ -138,6 +139,8 @@ class MultiHeadAttention:
             H = Hn + Hr.
         v_head_dim: Hv, with MLA the width of a value head (the output kernel is (N*Hv, E)).
         latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
+        index_topk, index_num_heads, index_head_dim, index_rope_interleaved: the sparse indexer (DSA,
+            with MLA): each query attends its top-k keys by the indexer's Ni heads of width Hi.
         seed: seed for the Glorot uniform initialisation of the kernels (biases start at 0).
         query_scaling: None, or {"type": "temperature" or "positions", "beta": b, "floor": f}: each
             query row times 1 + b * ln(1 + floor(p / f)) (Llama 4's temperature tuning, Mistral 4's
@@ -170,11 +173,12 @@ class MultiHeadAttention:
         shared_kv: with `kv_shared`, a (k, v) pair of (B, K, S, H) keys and values another layer
             attended (its `return_kv`), or that layer's `KVCache` once it wrote this call's T tokens.
         return_kv: if True, also return the (k, v) the call attended (over the L slots with a cache).
+        topk_indices, return_topk: another layer's (B, T, k) selection to attend; return the one used.
 
     Returns:
         output (B, T, E), or (output, weights) with weights (B, N, T, S) when
         `return_attention` is True; with `cache`, the updated cache is appended and weights
-        are (B, N, T, L), exactly 0 at unwritten slots.
+        are (B, N, T, L), exactly 0 at unwritten slots; `return_topk` puts the selection before it.
         With `return_kv`, the (k, v) pair is appended last; a shared cache is read, not returned.
 
     Coming from `nn.MultiheadAttention`: a boolean mask here is True where a query may attend
@@ -199,7 +203,8 @@ class MultiHeadAttention:
         rope_interleaved=False, rope_scaling=None, rope_sections=None, qk_norm=None, qk_norm_eps=1e-6,
         qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
-        seed=None, query_scaling=None, kv_shared=False, keys_as_values=False, value_norm=False,
+        seed=None, query_scaling=None, kv_shared=False, keys_as_values=False, value_norm=False, index_topk=None,
+        index_num_heads=None, index_head_dim=None, index_rope_interleaved=False,
     ):  # fmt: skip
         self.d_model = _positive_int("d_model", d_model)
         self.num_heads = _positive_int("num_heads", num_heads)
@@ -241,6 +246,7 @@ class MultiHeadAttention:
         self.absorb_latents = None  # MLA: None (absorbed with a cache and T <= 8), True or False
         _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         self._float_layout = _float_shapes(self) if latent is None else _latent_shapes(self)  # {name: shape}
+        _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved)  # sparse indexer
         self._inv_freq = None  # (R/2,), computed once
         if self.rope_theta is not None:
             rotary_dim = _rotary_dim(rope_fraction, rope_width, True)
@@ -261,7 +267,7 @@ class MultiHeadAttention:
     def __call__(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
         attention_bias=None, positions=None, causal=False, return_attention=False, cache=None, mask=None,
-        segment_ids=None, key_segment_ids=None, shared_kv=None, return_kv=False,
+        segment_ids=None, key_segment_ids=None, shared_kv=None, return_kv=False, topk_indices=None, return_topk=False,
     ):  # fmt: skip
         cache = cache if shared_kv is None else _shared_cache(self, query, cache, shared_kv)  # rewound to check
         call = self._check_call(
@@ -274,6 +280,8 @@ class MultiHeadAttention:
         q, k, v = self._project_qkv(call) if not self._sharing else _project_sharing(self, call, shared_kv)  # 2-4.
         if call.cache is not None:
             k, v, keep, call = _update_cache(self, call, k, v, keep)  # 5. KV cache, keep over its L slots
+        sparse = (topk_indices, return_topk) if self.index_topk or topk_indices is not None or return_topk else ()
+        keep, call, selection = _sparse_keep(self, q, k, keep, call, *sparse) if sparse else (keep, call, None)  # 5b.
         context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S)
         gated, gate = (context, None) if not self.gate else _gate_heads(self, call, context)  # 6b. output gate
         merged = self._merge_heads(gated)  # 7. (B, N, T, H) -> (B, T, N*H)
@@ -283,6 +291,7 @@ class MultiHeadAttention:
         saved.update(keep=keep, weights=weights, context=context, gate=gate, merged=merged)
         self._saved = None if call.cache is not None else saved  # what `backward` reads (its section)
         results = (output, weights) if call.return_attention else (output,)
+        results = results if selection is None else (*results, selection)
         results = results if call.cache is None or self.kv_shared else (*results, call.cache)  # not a shared one
         results = results if not return_kv else (*results, (k, v))
         return results[0] if len(results) == 1 else results
@@ -541,6 +550,8 @@ def _backward(layer, grad_output):
         for kind, d_heads in (("query", d_q), ("key", d_k), ("value", d_v)):  # 3. QK-norm, 2. clip, projections
             inputs[kind] = _project_backward(layer, kind, getattr(call, kind), d_heads, grads)
     inputs["query"] = inputs["query"] if d_gate_query is None else inputs["query"] + d_gate_query
+    if layer.index_topk is not None:
+        grads.update(_indexer_grads(layer))  # the sparse indexer's: zeros
     grads = {name: grads[name] for name in layer.params}  # in the order of the weight layout
     return {**_fold_defaulted(inputs, c["no_key"], c["no_value"]), **extra, **grads}
 
@@ -1436,6 +1447,7 @@ class KVCache(NamedTuple):
             (with MLA (B, 1, L, 1), the latent's).
         value_scale: None, or (B, K, L, 1) float32, the scale of each slot's value per head (with
             MLA (B, 1, L, 1), the turned key part's).
+        index_key: None, or (B, L, Hi) the sparse indexer's keys (a layer with `index_topk`).
     """
 
     key: np.ndarray
@@ -1445,6 +1457,7 @@ class KVCache(NamedTuple):
     segment_ids: np.ndarray | None = None
     key_scale: np.ndarray | None = None
     value_scale: np.ndarray | None = None
+    index_key: np.ndarray | None = None
 
 
 def _init_cache(layer, batch_size, max_length, keep, dtype):
@@ -1454,7 +1467,9 @@ def _init_cache(layer, batch_size, max_length, keep, dtype):
     heads, key_width, value_width = layer._cache_layout
     dtype = np.float64 if dtype is None else dtype
     key, value = np.zeros((b, heads, length, key_width), dtype), np.zeros((b, heads, length, value_width), dtype)
-    cache = KVCache(key, value, keep.copy(), np.asarray(0))
+    index_dtype = np.float64 if np.dtype(dtype) == np.int8 else dtype  # an int8 cache keeps the indexer's keys float
+    index_key = None if layer.index_topk is None else np.zeros((b, length, layer.index_head_dim), index_dtype)
+    cache = KVCache(key, value, keep.copy(), np.asarray(0), index_key=index_key)
     return cache if key.dtype != np.int8 else _with_cache_scales(cache)  # int8: its scales (int8 section)
 
 
@@ -2004,6 +2019,192 @@ def _query_backward(layer, x, d_y, grads):
     return _linear_backward(layer, "query_a", x, d_a, grads)  # (B, T, E)
 
 
+def _query_latent(layer, query):
+    """(B, T, E) -> the sparse indexer's query input: MLA's normalized q latent (B, T, Q) with
+    `q_lora_rank`, else `query` itself."""
+    if layer.q_lora_rank is None:
+        return query
+    a = layer._project(query, "query_a")  # (B, T, E) -> (B, T, Q)
+    return rms_norm(a, layer.params["query_a_norm"], layer.latent_norm_eps)  # (B, T, Q)
+
+
+def _index_inputs(layer):
+    """What the sparse indexer reads of MLA: whether it is on, Hr where RoPE turns (else None), and
+    the width of the indexer's query input (Q with `q_lora_rank`, else E)."""
+    rope_width = None if layer.rope_theta is None or layer._latent is None else layer.qk_rope_head_dim
+    return layer._latent is not None, rope_width, layer.d_model if layer.q_lora_rank is None else layer.q_lora_rank
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: sparse indexer
+# -------------------------------------------------------------------------------------------------
+# DeepSeek Sparse Attention (DSA: DeepSeek-V3.2, GLM-MoE-DSA) on MLA, `index_topk` and the sizes after it:
+# a small indexer scores every key for each query (Ni heads of width Hi, relu, weights per head), and
+# each query attends only to its top-k allowed keys, ties ranked by the lower key index (a stable
+# sort). `topk_indices` passes another layer's selection in, `return_topk` returns the one used. The
+# indexer's keys are cached in `KVCache.index_key`; no gradient reaches the indexer through the top-k.
+
+_INDEX_NORM_EPS = 1e-6  # the indexer's key LayerNorm (transformers' `k_norm`)
+_INDEX_SIZES = ("index_topk", "index_num_heads", "index_head_dim")
+
+
+def _init_indexer(layer, index_topk, index_num_heads, index_head_dim, index_rope_interleaved):
+    """Checks the indexer's options (after every other argument), holds them as attributes and adds
+    its weights to the float layout (none without `index_topk`)."""
+    sizes = dict(zip(_INDEX_SIZES, (index_topk, index_num_heads, index_head_dim), strict=True))
+    sizes = {name: None if value is None else _positive_int(name, value) for name, value in sizes.items()}
+    layer.index_rope_interleaved = _flag("index_rope_interleaved", index_rope_interleaved)
+    latent, rope_width, layer._index_source = _index_inputs(layer)  # MLA's: on, Hr with RoPE, the query input's width
+    _check_indexer(sizes, latent, rope_width)
+    for name, value in sizes.items():
+        setattr(layer, name, value)  # layer.index_topk, layer.index_num_heads, layer.index_head_dim
+    layer._float_layout.update(_index_shapes(layer))
+
+
+def _check_indexer(sizes, latent, rope_width):
+    """The indexer's combinations: `index_topk` needs MLA and both sizes, the sizes need `index_topk`,
+    and with RoPE (of width Hr = `rope_width`) Hi >= Hr."""
+    topk = sizes["index_topk"]
+    if topk is None:
+        for name in (name for name in _INDEX_SIZES[1:] if sizes[name] is not None):
+            raise ValueError(
+                f"`{name}` needs `index_topk` (the sparse indexer). Received: {name}={sizes[name]!r}, index_topk=None"
+            )
+        return
+    if not latent:
+        raise ValueError(
+            "`index_topk` needs `kv_lora_rank` (multi-head latent attention). "
+            f"Received: index_topk={topk}, kv_lora_rank=None"
+        )
+    missing = [name for name in _INDEX_SIZES[1:] if sizes[name] is None]
+    if missing:
+        raise ValueError(
+            "`index_topk` needs `index_num_heads` and `index_head_dim`. "
+            f"Received: index_topk={topk}, {', '.join(f'{name}=None' for name in missing)}"
+        )
+    if rope_width is not None and sizes["index_head_dim"] < rope_width:
+        raise ValueError(
+            f"`index_head_dim` must be at least qk_rope_head_dim = {rope_width} with RoPE: the indexer turns its "
+            f"first Hr features. Received: index_head_dim={sizes['index_head_dim']}"
+        )
+
+
+def _index_shapes(layer):
+    """The indexer's portable weights {name: shape} (docs/SPEC.md "Sparse indexer (DSA)"), none without it."""
+    if layer.index_topk is None:
+        return {}
+    ni, hi = layer.index_num_heads, layer.index_head_dim
+    return {
+        "index_query_kernel": (layer._index_source, ni * hi),
+        "index_key_kernel": (layer.kdim, hi),
+        "index_key_norm": (hi,),
+        "index_key_norm_bias": (hi,),
+        "index_weights_kernel": (layer.d_model, ni),
+    }
+
+
+def _check_topk_indices(indices, batch_size, t):
+    """`topk_indices` as an integer (B, T, k) array."""
+    indices = np.asarray(indices)
+    if indices.ndim != 3 or indices.shape[:2] != (batch_size, t) or not np.issubdtype(indices.dtype, np.integer):
+        raise ValueError(
+            f"`topk_indices` must be an integer tensor of shape (B, T, k) with B={batch_size}, T={t}. "
+            f"Received: topk_indices.shape={indices.shape}, topk_indices.dtype={indices.dtype}"
+        )
+    return indices
+
+
+def _sparse_keep(layer, q, k, keep, call, topk_indices, return_topk):
+    """Step 5b: the selection (the layer's indexer's, or `topk_indices`) ANDed into keep, which then
+    broadcasts to (B, N, T, S); with a cache the new tokens' indexer keys written to `index_key`.
+    Returns (keep, call, selection (B, T, k) int32 with `return_topk`, else None)."""
+    (b, t), s = q.shape[0::2], k.shape[2]  # S: the keys attended (the cache's L slots)
+    if topk_indices is None and layer.index_topk is None:
+        raise ValueError("`return_topk` needs `index_topk` or `topk_indices`. Received: return_topk=True")
+    if topk_indices is not None:
+        selection = _check_topk_indices(topk_indices, b, t)
+    else:
+        ki = _index_keys(layer, call.key, call.positions)  # (B, T or S, Hi)
+        if call.cache is not None:
+            call = call._replace(cache=_write_index_cache(call.cache, ki))
+            ki = call.cache.index_key  # (B, L, Hi)
+        allowed = _full_keep(keep, t, s, call.causal, call.window, call.attention_chunk_size)  # (B|1, N|1, T, S)
+        allowed = np.broadcast_to(allowed.any(axis=1), (b, t, s))  # (B, T, S): kept for some head
+        scores = _index_scores(layer, call.query, call.positions, ki)  # (B, T, S)
+        selection = _select_topk(scores, allowed, min(layer.index_topk, s))  # (B, T, k)
+    keep = _and(keep, _selection_keep(selection, s))  # (B, N|1, T, S)
+    return keep, call, selection.astype(np.int32) if return_topk else None
+
+
+def _index_keys(layer, key, positions):
+    """(B, S, kdim) -> (B, S, Hi): the indexer's keys, LayerNorm (scale and bias) and RoPE of their
+    first Hr features."""
+    p = layer.params
+    ki = layer_norm(key @ p["index_key_kernel"], p["index_key_norm"], _INDEX_NORM_EPS) + p["index_key_norm_bias"]
+    return _turn_index(layer, ki[:, None], positions)[:, 0]  # (B, 1, S, Hi) -> (B, S, Hi)
+
+
+def _index_scores(layer, query, positions, ki):
+    """The indexer's scores (B, T, S) of (B, T, E) queries against (B, S, Hi) keys:
+    sum_n w[n] * Ni**-0.5 * relu(qi[n] . ki * Hi**-0.5), in float64."""
+    p, ni, hi = layer.params, layer.index_num_heads, layer.index_head_dim
+    source = _query_latent(layer, query)  # (B, T, Q), or (B, T, E) without `q_lora_rank`
+    b, t, _ = query.shape
+    qi = (source @ p["index_query_kernel"]).reshape(b, t, ni, hi).transpose(0, 2, 1, 3)  # -> (B, Ni, T, Hi)
+    qi = _turn_index(layer, qi, positions)  # (B, Ni, T, Hi)
+    w = (query @ p["index_weights_kernel"]) * ni**-0.5  # (B, T, E) -> (B, T, Ni)
+    dots = np.maximum(np.einsum("bnth,bsh->bnts", qi, ki) * hi**-0.5, 0.0)  # (B, Ni, T, S)
+    return np.einsum("bnts,btn->bts", dots, w)  # (B, T, S)
+
+
+def _turn_index(layer, x, positions):
+    """RoPE of the first Hr features of each indexer head of x (B, heads, T, Hi), paired by
+    `index_rope_interleaved`, times YaRN's factor; unchanged without RoPE."""
+    if layer._inv_freq is None:
+        return x
+    x = apply_rope(x, positions, layer._inv_freq, layer.index_rope_interleaved)  # (B, heads, T, Hi)
+    return scale_rotated(x, 2 * layer._inv_freq.shape[0], rope_attention_factor(layer.rope_scaling))
+
+
+def _select_topk(scores, allowed, k):
+    """The first k keys of each row ranked by score, highest first, equal scores by the lower key index,
+    disallowed keys after every allowed one: a stable sort. (B, T, S) -> (B, T, k)."""
+    ranked = np.where(allowed, scores, np.finfo(scores.dtype).min)  # (B, T, S)
+    return np.argsort(-ranked, axis=-1, kind="stable")[..., :k]  # (B, T, k)
+
+
+def _selection_keep(selection, s):
+    """(B, T, k) key indices -> (B, 1, T, S) boolean, True at the selected keys (an index outside
+    [0, S) selects nothing)."""
+    b, t, _ = selection.shape
+    keep = np.zeros((b, t, s + 1), dtype=bool)  # (B, T, S + 1): column S takes the indices out of range
+    valid = (selection >= 0) & (selection < s)
+    np.put_along_axis(keep, np.where(valid, selection, s), True, axis=-1)
+    return keep[:, None, :, :s]  # (B, 1, T, S)
+
+
+def _write_index_cache(cache, ki):
+    """A copy of the cache with the (B, T, Hi) indexer keys of the T tokens just written (positions
+    [index - T, index)) at slots position mod L of `index_key`."""
+    index, t, length = int(cache.index), ki.shape[1], cache.key.shape[2]
+    expected = (ki.shape[0], length, ki.shape[2])
+    if cache.index_key is None or tuple(np.shape(cache.index_key)) != expected:
+        shape = None if cache.index_key is None else tuple(np.shape(cache.index_key))
+        raise ValueError(
+            f"`cache.index_key` must have shape (B, L, Hi)={expected} with index_topk (make the cache with "
+            f"`init_cache`). Received: cache.index_key.shape={shape}"
+        )
+    slots = (index - t + np.arange(t)) % length  # (T,)
+    index_key = cache.index_key.copy()  # (B, L, Hi)
+    index_key[:, slots] = ki
+    return cache._replace(index_key=index_key)
+
+
+def _indexer_grads(layer):
+    """The indexer's weights' gradients: zeros (no gradient flows through the top-k)."""
+    return {name: np.zeros(shape) for name, shape in _index_shapes(layer).items()}
+
+
 # -------------------------------------------------------------------------------------------------
 # Section: speed paths
 # -------------------------------------------------------------------------------------------------
@@ -2028,7 +2229,9 @@ def _quantize(layer, mode):
     if layer.quantization_mode is not None:
         raise ValueError(f"The layer is already quantized. Received: mode={mode!r}")
     params = dict(layer.params)
-    for name in (name for name in layer.weight_shapes() if name.endswith("_kernel")):  # the gate's too with gate
+    for name in (
+        name for name in _with_scales(layer.weight_shapes()) if f"{name}_scale" in _with_scales(layer.weight_shapes())
+    ):  # the gate's too, not the indexer's
         params[name], params[f"{name}_scale"] = _quantize_kernel(params[name])
     layer.params = {name: params[name] for name in _with_scales(layer.weight_shapes())}
 
@@ -2109,7 +2312,7 @@ def _with_scales(shapes):
     scaled = {}
     for name, shape in shapes.items():
         scaled[name] = shape
-        if name.endswith("_kernel"):
+        if name.endswith("_kernel") and not name.startswith("index_"):  # the sparse indexer stays float
             scaled[f"{name}_scale"] = shape[1:]
     return scaled
 

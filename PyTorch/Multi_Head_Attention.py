@@ -93,6 +93,8 @@ class MultiHeadAttention(nn.Module):
             query projection) or Q; Hn and Hr, the features RoPE does not and does turn (H =
             Hn + Hr); Hv, a value head's width (Section: multi-head latent attention).
         latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
+        index_topk, index_num_heads, index_head_dim, index_rope_interleaved: the sparse indexer (DSA,
+            with MLA): each query attends its top-k keys by the indexer's Ni heads of width Hi.
         device, dtype: device and dtype of the parameters.
         query_scaling: None, or {"type": "temperature" or "positions", "beta": b, "floor": f}: each
             query row times 1 + b * ln(1 + floor(p / f)) (Llama 4's temperature tuning, Mistral 4's
@@ -125,6 +127,7 @@ class MultiHeadAttention(nn.Module):
         shared_kv: with `kv_shared`, a (k, v) pair of (B, K, S, H) keys and values another layer
             attended (its `return_kv`), or that layer's `KVCache` once it wrote this call's T tokens.
         return_kv: if True, also return the (k, v) the call attended (over the L slots with a cache).
+        topk_indices, return_topk: another layer's (B, T, k) selection to attend; return the one used.
 
     Returns:
         output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before
@@ -151,7 +154,7 @@ class MultiHeadAttention(nn.Module):
         qk_norm_eps=1e-6, qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False,
         kv_lora_rank=None, q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None,
         latent_norm_eps=1e-6, device=None, dtype=None, query_scaling=None, kv_shared=False, keys_as_values=False,
-        value_norm=False,
+        value_norm=False, index_topk=None, index_num_heads=None, index_head_dim=None, index_rope_interleaved=False,
     ):  # fmt: skip
         super().__init__()
         self.d_model = _positive_int("d_model", d_model)
@@ -196,13 +199,14 @@ class MultiHeadAttention(nn.Module):
         _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         self._rotary_dim = _rotary_dim(self.rope_fraction, rope_width, self.rope_theta is not None)  # None: no RoPE
         _make_weights(self, latent, variants.sinks, variants.gate, {"device": device, "dtype": dtype})
+        _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved)  # sparse indexer
         self._warned_traps, self._fused = set(), None  # mask habits warned of; q/k/v kernels kept (no_grad)
         self.reset_parameters()
 
     def forward(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
         attention_bias=None, positions=None, causal=False, return_attention=False, cache=None, mask=None,
-        segment_ids=None, key_segment_ids=None, shared_kv=None, return_kv=False,
+        segment_ids=None, key_segment_ids=None, shared_kv=None, return_kv=False, topk_indices=None, return_topk=False,
     ):  # fmt: skip
         cache = cache if shared_kv is None else _shared_cache(self, query, cache, shared_kv)  # rewound to check
         bare = key is None and value is None and attention_mask is None and mask is None and attention_bias is None
@@ -230,6 +234,8 @@ class MultiHeadAttention(nn.Module):
             q, k = _position_step(self, q, k, call, latent is None and own)  # 4. RoPE (MLA's: step 2), 4b. query scales
         if call.cache is not None:
             k, v, keep, call = _update_cache(self, call, k, v, keep, fast)  # 5. KV cache (may fold causal, window...)
+        sparse = (topk_indices, return_topk) if self.index_topk or topk_indices is not None or return_topk else ()
+        keep, call, selection = _sparse_keep(self, q, k, keep, call, *sparse) if sparse else (keep, call, None)  # 5b.
         if latent is None:  # 6. (B, N, T, H), (B, N, T, S) or None; an int8 cache: `_cache_attend`
             context, weights = (_cache_attend(self, k) if call.cache else self._attend)(q, k, v, keep, bias, call)
         else:
@@ -243,6 +249,7 @@ class MultiHeadAttention(nn.Module):
         if isinstance(query, torch.Tensor) and query.dim() == 2:  # unbatched: drop B
             output, weights = output[0], None if weights is None else weights[0]
         results = (output, weights) if call.return_attention else (output,)
+        results = results if selection is None else (*results, selection)
         results = results if call.cache is None or self.kv_shared else (*results, call.cache)  # not a shared one
         results = results if not return_kv else (*results, (k, v))
         return results[0] if len(results) == 1 else results
@@ -462,6 +469,7 @@ class _Call(NamedTuple):
     fuse: bool  # q, k and v may come from one matmul (one input; with a cache, kernels kept between steps)
     segmented: bool = False  # packed sequences: the ids folded into attention_mask (`_packed`)
     segments: tuple | None = None  # packed sequences by blocks of documents: (B, T) and (B, S) ids, the blocks
+    selection: torch.Tensor | None = None  # (B, T, k) the sparse indexer's keys, for its gathered route
 
 
 def _check_input(name, x, dim_name, dim):
@@ -1959,6 +1967,7 @@ class KVCache(NamedTuple):
             (with MLA (B, 1, L, 1), the latent's).
         value_scale: None, or (B, K, L, 1) float32, the scale of each slot's value per head (with
             MLA (B, 1, L, 1), the turned key part's).
+        index_key: None, or (B, L, Hi) the sparse indexer's keys (a layer with `index_topk`).
     """
 
     key: torch.Tensor
@@ -1968,6 +1977,7 @@ class KVCache(NamedTuple):
     segment_ids: torch.Tensor | None = None
     key_scale: torch.Tensor | None = None
     value_scale: torch.Tensor | None = None
+    index_key: torch.Tensor | None = None
 
 
 def _init_cache(layer, batch_size, max_length, *, keep=None, dtype=None):
@@ -2001,11 +2011,14 @@ def _init_cache(layer, batch_size, max_length, *, keep=None, dtype=None):
         _all_kept(keep)
         _carry(index, 0)
     dtype = torch.int8 if dtype == "int8" else dtype  # int8: the scales too (`_with_cache_scales`)
+    index_dtype = default if dtype == torch.int8 else dtype  # an int8 cache keeps the indexer's keys float
+    index_key = None if layer.index_topk is None else torch.zeros(b, length, layer.index_head_dim, dtype=index_dtype)
     key, value = (
         torch.zeros(key_shape, dtype=dtype, device=device),
         torch.zeros(value_shape, dtype=dtype, device=device),
     )
-    cache = KVCache(key, value, keep, index)
+    index_key = None if index_key is None else index_key.to(device)  # (B, L, Hi)
+    cache = KVCache(key, value, keep, index, index_key=index_key)
     return cache if dtype != torch.int8 else _with_cache_scales(cache)
 
 
@@ -2627,6 +2640,8 @@ def _attend_latent(layer, q, k, v, keep, bias, call):
     absorbed (`_attend_absorbed`) or expanded per head (`_expand_latents`), through `_attend`."""
     if k.dtype == torch.int8:
         k, v = _dequantize_cache(call.cache, k, v, q.dtype)  # an int8 cache (int8 section)
+    if call.selection is not None:  # the sparse indexer's gathered route
+        return _attend_gathered(layer, q, k, v, keep, bias, call)
     if _absorbs(layer, call, q.shape[2]):
         return _attend_absorbed(layer, q, k, v, keep, bias, call)
     k, v = _expand_latents(layer, k, v)  # (B, K, S, H), (B, K, S, Hv)
@@ -2688,6 +2703,339 @@ def _attend_absorbed(layer, q, latent, k_rope, keep, bias, call):
     context, weights = layer._attend(q, k, v, keep, bias, call)  # (B, N, T, C or C + 1)
     output = context[..., : layer.kv_lora_rank] @ w_vb.transpose(-1, -2)  # (B, N, T, C) -> (B, N, T, Hv)
     return output if b_v is None else output + context[..., layer.kv_lora_rank :] * b_v[:, None, :], weights
+
+
+def _query_latent(layer, query):
+    """(B, T, E) -> the sparse indexer's query input: MLA's normalized q latent (B, T, Q) with
+    `q_lora_rank`, else `query` itself."""
+    if layer.q_lora_rank is None:
+        return query
+    a = layer._project(query, "query_a")  # (B, T, E) -> (B, T, Q)
+    return rms_norm(a, layer.query_a_norm, layer.latent_norm_eps)  # (B, T, Q)
+
+
+def _index_inputs(layer):
+    """What the sparse indexer reads of MLA: whether it is on, Hr where RoPE turns (else None), and
+    the width of the indexer's query input (Q with `q_lora_rank`, else E)."""
+    rope_width = None if layer.rope_theta is None or layer._latent is None else layer.qk_rope_head_dim
+    return layer._latent is not None, rope_width, layer.d_model if layer.q_lora_rank is None else layer.q_lora_rank
+
+
+def _attend_gathered(layer, q, latent, k_rope, keep, bias, call):
+    """Step 6 with MLA on each query's gathered keys: per block of query rows, the k selected
+    latents and k_rope (B, Tb, k, .) meet the absorbed queries, with keep, bias, soft-capping and
+    sinks gathered alongside: (B, N, T, Hv), never a (B, N, T, S) score tensor."""
+    w_kb, w_vb, b_k, b_v = _up_projections(layer, q.dtype)  # (N, Hn, C), (N, Hv, C), (N, Hn), (N, Hv)
+    q_nope, q_rope = q.split([layer.qk_nope_head_dim, layer.qk_rope_head_dim], dim=-1)  # (B, N, T, Hn), (.., Hr)
+    keys = torch.cat([latent[:, 0], k_rope[:, 0]], dim=-1)  # (B, S, C + Hr)
+    (b, n, t, _), s, selection = q.shape, keys.shape[1], call.selection
+    width = max(n, keys.shape[-1])  # a block's scores (B, N, Tb, k) and gathered keys (B, Tb, k, C + Hr)
+    rows = max(1, _GATHER_BLOCK_SCORES // max(1, b * width * selection.shape[-1]))
+    contexts = []
+    for first in range(0, t, rows):
+        part = slice(first, min(t, first + rows))
+        index, valid = _gather_index(selection[:, part], s)  # (B, Tb, k) x 2
+        gathered = torch.gather(keys, 1, index.flatten(1)[..., None].expand(-1, -1, keys.shape[-1]))
+        gathered = gathered.view(*index.shape, -1)  # (B, Tb, k, C + Hr)
+        queries = torch.cat([q_nope[:, :, part] @ w_kb, q_rope[:, :, part]], dim=-1)  # (B, N, Tb, C + Hr)
+        scores = torch.einsum("bntd,btjd->bntj", queries, gathered).contiguous()  # (B, N, Tb, k): dense, as the
+        # softmax without autograd overwrites it (`_masked_softmax`; einsum may return a permuted view)
+        if b_k is not None:
+            scores = scores + (q_nope[:, :, part] * b_k[:, None, :]).sum(dim=-1, keepdim=True)  # a key of ones
+        weights = _gathered_weights(layer, scores * layer.scale, keep, bias, call, part, index, valid, s)
+        o_lat = torch.einsum("bntj,btjc->bntc", weights, gathered[..., : layer.kv_lora_rank])  # (B, N, Tb, C)
+        context = o_lat @ w_vb.transpose(-1, -2)  # (B, N, Tb, Hv)
+        contexts.append(context if b_v is None else context + weights.sum(-1, keepdim=True) * b_v[:, None, :])
+    return torch.cat(contexts, dim=2), None  # (B, N, T, Hv)
+
+
+# -------------------------------------------------------------------------------------------------
+# Section: sparse indexer
+# -------------------------------------------------------------------------------------------------
+# DeepSeek Sparse Attention (DSA: DeepSeek-V3.2, GLM-MoE-DSA) on MLA, `index_topk` and the sizes after it:
+# a small indexer scores every key for each query (Ni heads of width Hi, relu, weights per head), in
+# blocks of query rows, and each query attends only to its top-k allowed keys, ties ranked by the
+# lower key index (a stable sort). `topk_indices` passes another layer's selection in, `return_topk`
+# returns the one used. The selection becomes a keep ANDed into the call's (every path), or, above
+# `sparse_gather_threshold` score elements, MLA attends each query's gathered latents in blocks (no
+# (B, N, T, S) scores). The indexer's keys are cached in `KVCache.index_key`; it runs without autograd.
+
+_INDEX_NORM_EPS = 1e-6  # the indexer's key LayerNorm (transformers' `k_norm`)
+_INDEX_SIZES = ("index_topk", "index_num_heads", "index_head_dim")
+_INDEX_BLOCK_SCORES = 1 << 22  # the indexer's (B, Ni, Tb, S) per-head scores of one block of query rows
+_GATHER_BLOCK_SCORES = 1 << 22  # the gathered route's (B, N, Tb, k) scores or (B, Tb, k, C + Hr) keys of a block
+
+
+def _init_indexer(layer, index_topk, index_num_heads, index_head_dim, index_rope_interleaved):
+    """Checks the indexer's options (after every other argument), holds them as attributes and makes
+    its weights: `nn.Linear` modules `index_query`, `index_key`, `index_weights` (no bias) and the
+    parameters `index_key_norm`, `index_key_norm_bias` (all None without `index_topk`)."""
+    sizes = dict(zip(_INDEX_SIZES, (index_topk, index_num_heads, index_head_dim), strict=True))
+    sizes = {name: None if value is None else _positive_int(name, value) for name, value in sizes.items()}
+    layer.index_rope_interleaved = _flag("index_rope_interleaved", index_rope_interleaved)
+    latent, rope_width, layer._index_source = _index_inputs(layer)  # MLA's: on, Hr with RoPE, the query input's width
+    _check_indexer(sizes, latent, rope_width)
+    for name, value in sizes.items():
+        setattr(layer, name, value)  # layer.index_topk, layer.index_num_heads, layer.index_head_dim
+    shapes, weight = _index_shapes(layer), layer.output.weight  # the indexer's device and dtype: the layer's
+    factory = {"device": weight.device, "dtype": weight.dtype}
+    for kind in ("index_query", "index_key", "index_weights"):
+        d, f = shapes[f"{kind}_kernel"] if shapes else (None, None)
+        setattr(layer, kind, None if d is None else nn.Linear(d, f, bias=False, **factory))  # (F, D)
+    for name in ("index_key_norm", "index_key_norm_bias"):
+        setattr(layer, name, nn.Parameter(torch.empty(shapes[name], **factory)) if shapes else None)  # (Hi,)
+    layer.sparse_gather_threshold = _SPARSE_GATHER_THRESHOLD
+
+
+_SPARSE_GATHER_THRESHOLD = 1 << 26  # B*N*T*S score elements above which MLA attends the gathered keys
+
+
+def _check_indexer(sizes, latent, rope_width):
+    """The indexer's combinations: `index_topk` needs MLA and both sizes, the sizes need `index_topk`,
+    and with RoPE (of width Hr = `rope_width`) Hi >= Hr."""
+    topk = sizes["index_topk"]
+    if topk is None:
+        for name in (name for name in _INDEX_SIZES[1:] if sizes[name] is not None):
+            raise ValueError(
+                f"`{name}` needs `index_topk` (the sparse indexer). Received: {name}={sizes[name]!r}, index_topk=None"
+            )
+        return
+    if not latent:
+        raise ValueError(
+            "`index_topk` needs `kv_lora_rank` (multi-head latent attention). "
+            f"Received: index_topk={topk}, kv_lora_rank=None"
+        )
+    missing = [name for name in _INDEX_SIZES[1:] if sizes[name] is None]
+    if missing:
+        raise ValueError(
+            "`index_topk` needs `index_num_heads` and `index_head_dim`. "
+            f"Received: index_topk={topk}, {', '.join(f'{name}=None' for name in missing)}"
+        )
+    if rope_width is not None and sizes["index_head_dim"] < rope_width:
+        raise ValueError(
+            f"`index_head_dim` must be at least qk_rope_head_dim = {rope_width} with RoPE: the indexer turns its "
+            f"first Hr features. Received: index_head_dim={sizes['index_head_dim']}"
+        )
+
+
+def _index_shapes(layer):
+    """The indexer's portable weights {name: shape} (docs/SPEC.md "Sparse indexer (DSA)"), none without it."""
+    if layer.index_topk is None:
+        return {}
+    ni, hi = layer.index_num_heads, layer.index_head_dim
+    return {
+        "index_query_kernel": (layer._index_source, ni * hi),
+        "index_key_kernel": (layer.kdim, hi),
+        "index_key_norm": (hi,),
+        "index_key_norm_bias": (hi,),
+        "index_weights_kernel": (layer.d_model, ni),
+    }
+
+
+def _reset_indexer(layer):
+    """Glorot kernels, the key norm's scale one and bias zero (nothing without the indexer)."""
+    if layer.index_topk is None:
+        return
+    for kind in ("index_query", "index_key", "index_weights"):
+        nn.init.xavier_uniform_(getattr(layer, kind).weight)
+    nn.init.ones_(layer.index_key_norm)
+    nn.init.zeros_(layer.index_key_norm_bias)
+
+
+def _check_topk_indices(indices, batch_size, t):
+    """`topk_indices` as an integer (B, T, k) tensor."""
+    indices = torch.as_tensor(indices)
+    if indices.dim() != 3 or tuple(indices.shape[:2]) != (batch_size, t) or indices.is_floating_point():
+        raise ValueError(
+            f"`topk_indices` must be an integer tensor of shape (B, T, k) with B={batch_size}, T={t}. "
+            f"Received: topk_indices.shape={tuple(indices.shape)}, topk_indices.dtype={_dtype_name(indices.dtype)}"
+        )
+    return indices
+
+
+def _sparse_keep(layer, q, k, keep, call, topk_indices, return_topk):
+    """Step 5b: the selection (the layer's indexer's, or `topk_indices`), ANDed into keep (then
+    (B, N|1, T, S)), or kept in the call for the gathered route (`_gathers`); with a cache the new
+    tokens' indexer keys written to `index_key`. Returns (keep, call, selection (B, T, k) int32 with
+    `return_topk`, else None)."""
+    (b, t), s = q.shape[0::2], k.shape[2]  # S: the keys attended (a lean decode step's first index + T slots)
+    if topk_indices is None and layer.index_topk is None:
+        raise ValueError("`return_topk` needs `index_topk` or `topk_indices`. Received: return_topk=True")
+    if topk_indices is not None:
+        selection = _check_topk_indices(topk_indices, b, t).to(q.device)
+    else:
+        with torch.no_grad():
+            selection, call = _index_selection(layer, keep, call, s)  # (B, T, k)
+    if _gathers(layer, q, call, s):
+        call = call._replace(selection=selection)  # the gathered route reads it (`_attend_gathered`)
+    else:
+        keep = _and(keep, _selection_keep(selection, s))  # (B, N|1, T, S)
+    return keep, call, selection.to(torch.int32) if return_topk else None
+
+
+def _gathers(layer, q, call, s):
+    """The gathered route: MLA, more than `sparse_gather_threshold` score elements, no weights
+    returned, nothing dropped, float projections."""
+    dropping = layer.training and layer.dropout > 0.0
+    small = q.shape[0] * layer.num_heads * q.shape[2] * s <= layer.sparse_gather_threshold
+    latent = _index_inputs(layer)[0]
+    return not (small or dropping or call.return_attention or not latent or layer.quantization_mode)
+
+
+def _index_selection(layer, keep, call, s):
+    """The layer's own selection (B, T, k): the indexer's keys (written to the cache's `index_key`
+    with one), then each block of query rows scored, its disallowed keys ranked last, sorted."""
+    ki = _index_keys(layer, call.key, call.positions)  # (B, T or S, Hi), float32 at least
+    if call.cache is not None:
+        call = call._replace(cache=_write_index_cache(call.cache, ki.to(call.cache.index_key.dtype)))
+        ki = call.cache.index_key[:, :s].to(ki.dtype)  # (B, S, Hi): S = L, or a lean step's first slots
+    qi, w = _index_queries(layer, call.query, call.positions)  # (B, Ni, T, Hi), (B, T, Ni)
+    b, t = call.query.shape[:2]
+    k, rows = min(layer.index_topk, s), max(1, _INDEX_BLOCK_SCORES // max(1, b * layer.index_num_heads * s))
+    blocks = []
+    for first in range(0, t, rows):
+        stop = min(t, first + rows)
+        scores = _index_scores(qi[:, :, first:stop], w[:, first:stop], ki)  # (B, Tb, S)
+        allowed = _block_allowed(keep, call, first, stop, t, s)  # (B|1, Tb, S)
+        blocks.append(_select_topk(scores, allowed, k))  # (B, Tb, k)
+    return (torch.cat(blocks, dim=1) if blocks else ki.new_zeros(b, 0, k, dtype=torch.long)), call
+
+
+def _index_keys(layer, key, positions):
+    """(B, S, kdim) -> (B, S, Hi): the indexer's keys in float32 at least, LayerNorm (scale and bias)
+    and RoPE of their first Hr features."""
+    dtype = torch.promote_types(key.dtype, torch.float32)
+    ki = F.linear(key.to(dtype), layer.index_key.weight.to(dtype))  # (B, S, kdim) -> (B, S, Hi)
+    ki = layer_norm(ki, layer.index_key_norm.to(dtype), _INDEX_NORM_EPS, layer.index_key_norm_bias.to(dtype))
+    return _turn_index(layer, ki[:, None], positions)[:, 0]  # (B, 1, S, Hi) -> (B, S, Hi)
+
+
+def _index_queries(layer, query, positions):
+    """(B, T, E) -> the indexer's queries (B, Ni, T, Hi) (from MLA's normalized q latent with
+    `q_lora_rank`), turned, and its head weights times Ni**-0.5 (B, T, Ni), in float32 at least."""
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    source = _query_latent(layer, query)  # (B, T, Q), or (B, T, E) without `q_lora_rank`
+    b, t, _ = query.shape
+    qi = F.linear(source.to(dtype), layer.index_query.weight.to(dtype))  # -> (B, T, Ni*Hi)
+    qi = qi.view(b, t, layer.index_num_heads, layer.index_head_dim).transpose(1, 2)  # -> (B, Ni, T, Hi)
+    w = F.linear(query.to(dtype), layer.index_weights.weight.to(dtype)) * layer.index_num_heads**-0.5  # (B, T, Ni)
+    return _turn_index(layer, qi, positions), w
+
+
+def _index_scores(qi, w, ki):
+    """sum_n w[n] * relu(qi[n] . ki * Hi**-0.5): (B, Ni, Tb, Hi), (B, Tb, Ni), (B, S, Hi) -> (B, Tb, S)."""
+    dots = torch.relu(qi @ ki[:, None].transpose(-1, -2) * qi.shape[-1] ** -0.5)  # (B, Ni, Tb, S)
+    return torch.einsum("bnts,btn->bts", dots, w)  # (B, Tb, S)
+
+
+def _turn_index(layer, x, positions):
+    """RoPE of the first Hr features of each indexer head of x (B, heads, T, Hi), paired by
+    `index_rope_interleaved`, times YaRN's factor; unchanged without RoPE."""
+    if layer._inv_freq is None:
+        return x
+    inv_freq = layer._inv_freq.to(x.device)  # (Hr/2,) float32
+    x = apply_rope(x, positions, inv_freq, layer.index_rope_interleaved)  # (B, heads, T, Hi)
+    return scale_rotated(x, layer._rotary_dim, rope_attention_factor(layer.rope_scaling))
+
+
+def _block_allowed(keep, call, first, stop, t, s):
+    """(B|1, Tb, S): the keys query rows [first, stop) may attend for some head: `keep` and the
+    call's causal, window and chunk (bottom-right aligned)."""
+    rows = torch.arange(first, stop, device=call.query.device)[:, None] + (s - t)  # (Tb, 1) query positions
+    keys = torch.arange(s, device=call.query.device)[None, :]  # (1, S)
+    allowed = keys <= rows if call.causal else torch.ones_like(keys, dtype=torch.bool)  # (Tb, S)
+    before, after = _window_sides(call.window)
+    allowed = allowed if before is None else allowed & (keys > rows - before)
+    allowed = allowed if after is None else allowed & (keys < rows + after)
+    chunk = call.attention_chunk_size
+    allowed = allowed if chunk is None else allowed & (keys // chunk == rows // chunk)
+    if keep is None:
+        return allowed[None]  # (1, Tb, S)
+    part = keep[..., first:stop, :] if keep.shape[-2] != 1 else keep  # (B|1, N|1, Tb|1, S|1)
+    return part.any(dim=1) & allowed  # (B|1, Tb, S)
+
+
+def _select_topk(scores, allowed, k):
+    """The first k keys of each row ranked by score, highest first, equal scores by the lower key index,
+    disallowed keys after every allowed one: a stable sort (`torch.topk` promises no order for ties). In an
+    ONNX export, ONNX's TopK, which ranks equal values by the lower index (the ONNX spec; ONNX has no stable sort)."""
+    ranked = torch.where(allowed, scores, torch.finfo(scores.dtype).min)  # (B, Tb, S)
+    if torch.onnx.is_in_onnx_export():
+        return torch.topk(ranked, k, dim=-1).indices  # (B, Tb, S) -> (B, Tb, k)
+    return torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :k]  # (B, Tb, k)
+
+
+def _selection_keep(selection, s):
+    """(B, T, k) key indices -> (B, 1, T, S) boolean, True at the selected keys (an index outside
+    [0, S) selects nothing)."""
+    b, t, _ = selection.shape
+    index = torch.where((selection >= 0) & (selection < s), selection, s).long()  # (B, T, k), S: nothing
+    keep = torch.zeros(b, t, s + 1, dtype=torch.bool, device=selection.device)  # (B, T, S + 1)
+    return keep.scatter_(-1, index, True)[:, None, :, :s]  # (B, 1, T, S)
+
+
+def _write_index_cache(cache, ki):
+    """The (B, T, Hi) indexer keys of the T tokens just written (positions [index - T, index)) to
+    slots position mod L of the cache's `index_key`, in place."""
+    t, length = ki.shape[1], cache.key.shape[2]
+    expected = (ki.shape[0], length, ki.shape[2])
+    if cache.index_key is None or tuple(cache.index_key.shape) != expected:
+        shape = None if cache.index_key is None else tuple(cache.index_key.shape)
+        raise ValueError(
+            f"`cache.index_key` must have shape (B, L, Hi)={expected} with index_topk (make the cache with "
+            f"`init_cache`). Received: cache.index_key.shape={shape}"
+        )
+    slots = (cache.index - t + torch.arange(t, device=ki.device)) % length  # (T,)
+    cache.index_key.index_copy_(1, slots, ki)  # (B, L, Hi)
+    return cache
+
+
+def _gather_index(selection, s):
+    """A block's (B, Tb, k) selection -> indices clamped into [0, S) and whether each entry counts:
+    in range and not a repeat of an earlier entry of its row."""
+    index = selection.long().sort(dim=-1).values  # (B, Tb, k)
+    valid = (index >= 0) & (index < s)
+    repeat = torch.cat([torch.zeros_like(index[..., :1], dtype=torch.bool), index[..., 1:] == index[..., :-1]], -1)
+    return index.clamp(0, max(s - 1, 0)), valid & ~repeat
+
+
+def _gathered_weights(layer, scores, keep, bias, call, part, index, valid, s):
+    """The softmax of one block's gathered (B, N, Tb, k) scores, in float32 at least: soft-capping,
+    the bias and keep gathered at `index`, causal, window and chunk at the keys' positions, the sinks."""
+    b, n, tb, k = scores.shape
+    dtype = scores.dtype
+    scores = _softcap(scores.to(torch.promote_types(dtype, torch.float32)), layer.softcap)
+    take = index[:, None].expand(b, n, tb, k)  # (B, N, Tb, k)
+    if bias is not None:
+        scores = scores + _gather_rows(bias, part, take).to(scores.dtype)
+    allowed = valid[:, None] & _gathered_rule(call, part, index, s)  # (B, 1, Tb, k)
+    if keep is not None:
+        allowed = allowed & _gather_rows(keep, part, take)  # (B, N, Tb, k)
+    sinks = None if layer.sinks is None else layer.sinks.to(scores.dtype)
+    return _masked_softmax(scores, allowed, sinks).to(dtype)
+
+
+def _gather_rows(x, part, take):
+    """A (B|1, N|1, T|1, S|1) keep or bias at the block's query rows `part` and the (B, N, Tb, k) key
+    indices `take`."""
+    rows = x[..., part, :] if x.shape[-2] != 1 else x  # (B|1, N|1, Tb|1, S|1)
+    if rows.shape[-1] == 1:
+        return rows.expand(*take.shape[:-1], 1)
+    return rows.expand(*take.shape[:-1], rows.shape[-1]).gather(-1, take)  # (B, N, Tb, k)
+
+
+def _gathered_rule(call, part, index, s):
+    """(B, 1, Tb, k): causal, window and chunk of the call (bottom-right aligned) at the gathered
+    keys' positions `index` (B, Tb, k) of S keys for query rows `part`."""
+    t = call.query.shape[1]
+    rows = torch.arange(part.start, part.stop, device=index.device)[None, :, None] + (s - t)  # (1, Tb, 1)
+    allowed = index <= rows if call.causal else torch.ones_like(index, dtype=torch.bool)  # (B, Tb, k)
+    before, after = _window_sides(call.window)
+    allowed = allowed if before is None else allowed & (index > rows - before)
+    allowed = allowed if after is None else allowed & (index < rows + after)
+    chunk = call.attention_chunk_size
+    allowed = allowed if chunk is None else allowed & (index // chunk == rows // chunk)
+    return allowed[:, None]  # (B, 1, Tb, k)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -2972,7 +3320,7 @@ def _with_scales(shapes):
     scaled = {}
     for name, shape in shapes.items():
         scaled[name] = shape
-        if name.endswith("_kernel"):
+        if name.endswith("_kernel") and not name.startswith("index_"):  # the sparse indexer stays float
             scaled[f"{name}_scale"] = shape[1:]
     return scaled
 
@@ -3165,6 +3513,7 @@ def _reset_parameters(layer):
             nn.init.zeros_(norm_bias)
     if layer.sinks is not None:
         nn.init.zeros_(layer.sinks)
+    _reset_indexer(layer)
     _reset_rope(layer)
 
 
@@ -3473,6 +3822,7 @@ def _weight_shapes(layer):
         shapes = {name: shape for name, shape in shapes.items() if not name.startswith("key_norm")}
     if layer.sinks is not None:
         shapes["sinks"] = (layer.num_heads,)
+    shapes.update(_index_shapes(layer))  # the sparse indexer's
     return _with_scales(shapes) if layer.quantization_mode == "int8" else shapes
 
 
@@ -3487,6 +3837,8 @@ def _parameter(layer, name):
         "sinks",
         "query_a_norm",
         "key_value_a_norm",
+        "index_key_norm",
+        "index_key_norm_bias",
     ):
         return getattr(layer, name), False
     if name.endswith("_kernel_scale"):
@@ -3561,6 +3913,8 @@ def _non_defaults(layer):
         "gate": True if layer.gate is not None else None,
         **{name: getattr(layer, name) for name in _LATENT_SIZES},
         **{name: True for name in _SHARING_FLAGS if getattr(layer, name)},
+        **{name: getattr(layer, name) for name in _INDEX_SIZES},
+        "index_rope_interleaved": True if layer.index_rope_interleaved else None,
     }
     return {name: value for name, value in variants.items() if value is not None}
 

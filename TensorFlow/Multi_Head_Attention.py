@@ -99,6 +99,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         query_scaling: None, or {"type": "temperature" or "positions", "beta": b, "floor": f}: each
             query row times 1 + b * ln(1 + floor(p / f)) (Llama 4's temperature tuning, Mistral 4's
             `llama_4_scaling_beta`; Section: positions).
+        index_topk, index_num_heads, index_head_dim, index_rope_interleaved: the sparse indexer (DSA), off
+            while `index_topk` is None: each query attends its `index_topk` best-scored keys (its section).
 
     Call arguments:
         query: (B, T, E).
@@ -125,6 +127,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         shared_kv: with `kv_shared`, a (k, v) pair of (B, K, S, H) keys and values another layer
             attended (its `return_kv`), or that layer's `KVCache` once it wrote this call's T tokens.
         return_kv: if True, also return the (k, v) the call attended (over the L slots with a cache).
+        topk_indices, return_topk: the keys each query attends (B, T, k), given; return the selection used.
 
     Returns:
         output (B, T, E), or (output, weights) with weights (B, N, T, S) (per head, before dropout)
@@ -154,7 +157,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
         kernel_initializer="glorot_uniform", bias_initializer="zeros", query_scaling=None, kv_shared=False,
-        keys_as_values=False, value_norm=False, **kwargs,
+        keys_as_values=False, value_norm=False, index_topk=None, index_num_heads=None, index_head_dim=None,
+        index_rope_interleaved=False, **kwargs,
     ):  # fmt: skip
         _check_backend()
         super().__init__(**kwargs)
@@ -188,6 +192,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         for name, value in variants._asdict().items():
             setattr(self, name, value)
         _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
+        _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved)  # sparse indexer
         if self.rope_theta is not None:
             self._inv_freq = _inverse_frequencies(rope_fraction, rope_width, self.rope_theta, self.rope_scaling)
         self.kernel_initializer = tf.keras.initializers.get(kernel_initializer)
@@ -313,7 +318,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
     def call(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
         attention_bias=None, positions=None, causal=False, return_attention=False, training=None, value_mask=None,
-        cache=None, segment_ids=None, key_segment_ids=None, shared_kv=None, return_kv=False,
+        cache=None, segment_ids=None, key_segment_ids=None, shared_kv=None, return_kv=False, topk_indices=None,
+        return_topk=False,
     ):  # fmt: skip
         """The steps of docs/SPEC.md ("Order of the steps"); the arguments are the class's."""
         cache = cache if shared_kv is None else _shared_cache(self, query, cache, shared_kv)  # rewound to check
@@ -333,6 +339,9 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             q, k, v = _position_step(self, q, k, v, call)  # 4. RoPE (not with the sharing options: their step 2), 4b.
         if cache is not None:  # 5. KV cache: k, v (B, K, L, H); in a graph, `misfit`: whether the tokens do not fit
             k, v, keep, call, misfit = _update_cache(self, call, k, v, keep)
+        selection = None  # 5b. the sparse indexer: keep ANDed with each query's top-k keys (B, T, k)
+        if self.index_topk is not None or topk_indices is not None or return_topk:
+            keep, call, selection = _sparse_keep(self, call, keep, topk_indices, return_topk)
         if self.kv_lora_rank is None:  # 6. (B, N, T, Hv), (B, N, T, S) or None; an int8 cache: `_cache_attend`
             context, weights = (_cache_attend(self, k) if call.cache else self._attend)(q, k, v, keep, bias, call)
         else:  # 6. MLA: the latents attended, absorbed or expanded
@@ -343,8 +352,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         if cache is not None and misfit is not None:  # XLA cannot raise for a misfit: that call's output is NaN
             output = tf.where(misfit, tf.cast(np.nan, output.dtype), output)
         written = () if cache is None or self.kv_shared else (call.cache,)  # a shared cache is not returned
-        results = ((output, weights) if return_attention else (output,)) + written
-        results = results if not return_kv else (*results, (k, v))
+        results = ((output, weights) if return_attention else (output,)) + ((selection,) if return_topk else ())
+        results = (*results, *written) if not return_kv else (*results, *written, (k, v))
         return results[0] if len(results) == 1 else results
 
     def _check_call(
@@ -462,6 +471,7 @@ class _Call(NamedTuple):
     fuse: bool  # q, k and v may come from one matmul (self-attention without a cache)
     segmented: bool = False  # packed sequences: the ids folded into attention_mask (`_packed`)
     segments: tuple | None = None  # packed sequences without a cache: (B, T) and (B, S) ids, ANDed in by `_attend`
+    selection: None = None  # PyTorch only: the sparse indexer's gathered route (here always a keep)
 
 
 def _check_input(name, x, width_name, width):
@@ -1537,6 +1547,8 @@ class KVCache(NamedTuple):
             (B, 1, L, 1), the latent's); (B, 0) from `init_cache` of a float cache (None in a
             cache built by hand).
         value_scale: likewise for the values ((B, 1, L, 1) with MLA: the turned key part's).
+        index_key: (B, L, Hi), the sparse indexer's keys of each slot (`index_topk`); (B, 0, 0) from
+            `init_cache` without an indexer (None in a cache built by hand).
     """
 
     key: tf.Tensor
@@ -1546,6 +1558,7 @@ class KVCache(NamedTuple):
     segment_ids: tf.Tensor | None = None
     key_scale: tf.Tensor | None = None
     value_scale: tf.Tensor | None = None
+    index_key: tf.Tensor | None = None
 
 
 def _init_cache(layer, batch_size, max_length, keep, dtype, in_place):
@@ -1563,8 +1576,12 @@ def _init_cache(layer, batch_size, max_length, keep, dtype, in_place):
     dtype = layer.compute_dtype if dtype is None else dtype
     no_ids = tf.zeros((b, 0), tf.int32)  # segment ids: none yet (a tensor, so the cache is a nest of tensors)
     no_scales = tf.zeros((b, 0), tf.float32)  # a float cache: none
+    index_dtype = layer.compute_dtype if tf.as_dtype(dtype) == tf.int8 else dtype  # int8: the indexer's keys float
+    index_key = tf.zeros(
+        _index_cache_shape(layer, b, length), index_dtype
+    )  # the indexer's keys (B, L, Hi) or (B, 0, 0)
     cache = KVCache(tf.zeros(key_shape, dtype), tf.zeros(value_shape, dtype), keep, tf.constant(0, tf.int32), no_ids)
-    cache = cache._replace(key_scale=no_scales, value_scale=no_scales)
+    cache = cache._replace(key_scale=no_scales, value_scale=no_scales, index_key=index_key)
     cache = cache if cache.key.dtype != tf.int8 else _with_cache_scales(cache)  # int8 section
     return _as_variables(cache) if in_place else cache
 
@@ -2173,6 +2190,257 @@ def _attend_absorbed(layer, q, latent, k_rope, keep, bias, call):
 
 
 # -------------------------------------------------------------------------------------------------
+# Section: sparse indexer
+# -------------------------------------------------------------------------------------------------
+# DeepSeek Sparse Attention (DSA: DeepSeek-V3.2, GLM-MoE-DSA), on with `index_topk` k (it needs MLA):
+# a "lightning indexer" of Ni = `index_num_heads` heads of width Hi = `index_head_dim` scores every
+# key for each query, and each query attends only the k keys it scores highest among those it may
+# attend (its allowed keys):
+#     qi = x_q @ index_query_kernel                (B, T, Ni, Hi); x_q the q latent with q_lora_rank, else query
+#     ki = LayerNorm(key @ index_key_kernel)       (B, S, Hi); RoPE turns the first Hr features of qi and ki
+#     w = query @ index_weights_kernel             (B, T, Ni)
+#     score[b, t, s] = sum_n w[b, t, n] * Ni**-0.5 * relu(qi[b, t, n] . ki[b, s] * Hi**-0.5)
+# in float32 at least, outside the gradient. The tie rule: equal scores rank the lower key index
+# first (`tf.math.top_k` keeps the lower index first among equal values); disallowed keys rank last.
+# The selection is ANDed into the call's keep, so every path of step 6 attends it. The call's
+# `topk_indices` (B, T, k') passes another layer's selection instead, and `return_topk=True` returns
+# the selection used. The cache holds the indexer keys in `KVCache.index_key` (B, L, Hi).
+# `index_rope_interleaved`: False pairs feature i with i + Hr/2 (DeepSeek-V3.2), True 2i with 2i + 1
+# (GLM-MoE-DSA). The int8 mode leaves the indexer float.
+
+_INDEX_SIZES = ("index_topk", "index_num_heads", "index_head_dim")
+_INDEX_NORM_EPS = 1e-6  # the indexer keys' LayerNorm, as DeepSeek-V3.2's `k_norm`
+_INDEX_BLOCK_SCORES = 1 << 22  # the indexer's (B, Tb, Ni, S) raw scores of one block of query rows
+
+
+def _init_indexer(layer, index_topk, index_num_heads, index_head_dim, index_rope_interleaved):
+    """The constructor's indexer step (after every other argument and MLA's combinations): each size
+    None or a positive integer and the flag a bool, in that order, then their combinations
+    (`_check_indexer`); holds them as attributes (None without an indexer)."""
+    sizes = dict(zip(_INDEX_SIZES, (index_topk, index_num_heads, index_head_dim), strict=True))
+    sizes = {name: None if value is None else _positive_int(name, value) for name, value in sizes.items()}
+    layer.index_rope_interleaved = _flag("index_rope_interleaved", index_rope_interleaved)
+    _check_indexer(sizes, layer.kv_lora_rank, None if layer.rope_theta is None else layer.qk_rope_head_dim)
+    for name, value in sizes.items():
+        setattr(layer, name, value)  # layer.index_topk, layer.index_num_heads, layer.index_head_dim
+
+
+def _check_indexer(sizes, kv_lora_rank, rope_width):
+    """The indexer's combinations: `index_topk` needs MLA and both sizes, the sizes need `index_topk`,
+    and with RoPE (of width Hr = `rope_width`) Hi >= Hr."""
+    topk = sizes["index_topk"]
+    if topk is None:
+        for name in (name for name in _INDEX_SIZES[1:] if sizes[name] is not None):
+            raise ValueError(
+                f"`{name}` needs `index_topk` (the sparse indexer). Received: {name}={sizes[name]!r}, index_topk=None"
+            )
+        return
+    if kv_lora_rank is None:
+        raise ValueError(
+            "`index_topk` needs `kv_lora_rank` (multi-head latent attention). "
+            f"Received: index_topk={topk}, kv_lora_rank=None"
+        )
+    missing = [name for name in _INDEX_SIZES[1:] if sizes[name] is None]
+    if missing:
+        raise ValueError(
+            "`index_topk` needs `index_num_heads` and `index_head_dim`. "
+            f"Received: index_topk={topk}, {', '.join(f'{name}=None' for name in missing)}"
+        )
+    if rope_width is not None and sizes["index_head_dim"] < rope_width:
+        raise ValueError(
+            f"`index_head_dim` must be at least qk_rope_head_dim = {rope_width} with RoPE: the indexer turns its "
+            f"first Hr features. Received: index_head_dim={sizes['index_head_dim']}"
+        )
+
+
+def _indexer_config(layer):
+    """The indexer's keys of `get_config`, in the signature's order."""
+    return {name: getattr(layer, name) for name in (*_INDEX_SIZES, "index_rope_interleaved")}
+
+
+def _index_shapes(layer):
+    """The indexer's weights in the layout, {name: shape} (after MLA's); {} without `index_topk`."""
+    if layer.index_topk is None:
+        return {}
+    width, heads = layer.index_head_dim, layer.index_num_heads
+    reads = layer.d_model if layer.q_lora_rank is None else layer.q_lora_rank  # x_q: query, or the q latent
+    return {
+        "index_query_kernel": (reads, heads * width),
+        "index_key_kernel": (layer.kdim, width),
+        "index_key_norm": (width,),
+        "index_key_norm_bias": (width,),
+        "index_weights_kernel": (layer.d_model, heads),
+    }
+
+
+def _is_indexer_weight(name):
+    """Whether a portable weight is the indexer's (float in an int8 layer too)."""
+    return name.startswith("index_")
+
+
+def _index_cache_shape(layer, batch_size, length):
+    """`KVCache.index_key`'s shape: (B, L, Hi), or (B, 0, 0) without an indexer."""
+    return (batch_size, 0, 0) if layer.index_topk is None else (batch_size, length, layer.index_head_dim)
+
+
+def _sparse_keep(layer, call, keep, topk_indices, return_topk):
+    """Step 5b: the selection (the layer's indexer's, or `topk_indices`) ANDed into keep, which then
+    broadcasts to (B, N, T, S); with a cache the new tokens' indexer keys written to `index_key`.
+    Returns (keep, call, selection (B, T, k) int32 with `return_topk`, else None)."""
+    if topk_indices is None and layer.index_topk is None:
+        raise ValueError("`return_topk` needs `index_topk` or `topk_indices`. Received: return_topk=True")
+    b, t = tf.shape(call.query)[0], tf.shape(call.query)[1]
+    s = tf.shape(call.key)[1] if call.cache is None else _cache_length(call.cache)
+    if topk_indices is not None:
+        selection = _check_topk_indices(topk_indices, call.query)
+    else:
+        ki = _index_keys(layer, call.key, call.positions)  # (B, T or S, Hi)
+        if call.cache is not None:
+            call = call._replace(cache=_write_index_cache(call.cache, ki))
+            ki = tf.cast(tf.convert_to_tensor(call.cache.index_key), ki.dtype)  # (B, L, Hi)
+        allowed = _full_keep(keep, b, t, s, call.causal, call.window, call.attention_chunk_size)  # (B, T, S)
+        selection = _index_topk(layer, call, ki, allowed)  # (B, T, k)
+    keep = _and(keep, _selection_keep(selection, b, t, s))  # (B|1, N|1, T, S)
+    return keep, call, tf.cast(selection, tf.int32) if return_topk else None
+
+
+def _check_topk_indices(indices, query):
+    """`topk_indices` as an integer (B, T, k) tensor (dimensions unknown at trace time not checked)."""
+    indices = tf.convert_to_tensor(indices)
+    (b, t), shape = tuple(query.shape)[:2], _static_shape(indices)
+    if not indices.dtype.is_integer or shape is None or len(shape) != 3 or _differ(shape[0], b) or _differ(shape[1], t):
+        raise ValueError(
+            f"`topk_indices` must be an integer tensor of shape (B, T, k) with B={b}, T={t}. "
+            f"Received: topk_indices.shape={shape}, topk_indices.dtype={indices.dtype.name}"
+        )
+    return indices
+
+
+def _index_dtype(layer):
+    """The indexer's dtype: float32 at least, float64 in a float64 layer."""
+    return _softmax_dtype(layer.compute_dtype)
+
+
+def _index_keys(layer, key, positions):
+    """(B, S, kdim) -> (B, S, Hi): the indexer's keys, LayerNorm (scale and bias) and RoPE of their
+    first Hr features, outside the gradient."""
+    dtype = _index_dtype(layer)
+    ki = tf.matmul(tf.cast(key, dtype), tf.cast(layer.index_key_kernel, dtype))  # (B, S, kdim) -> (B, S, Hi)
+    ki = layer_norm(ki, layer.index_key_norm, _INDEX_NORM_EPS, layer.index_key_norm_bias)  # (B, S, Hi)
+    return tf.stop_gradient(_turn_index(layer, ki[:, None], positions)[:, 0])  # (B, 1, S, Hi) -> (B, S, Hi)
+
+
+def _index_queries(layer, query, positions):
+    """(B, T, E) -> the indexer's queries qi (B, Ni, T, Hi), their first Hr features turned, and the
+    heads' weights w * Ni**-0.5 (B, T, Ni), outside the gradient."""
+    dtype = _index_dtype(layer)
+    source = query if layer.q_lora_rank is None else _query_latent(layer, query)  # (B, T, E or Q)
+    qi = tf.matmul(tf.cast(source, dtype), tf.cast(layer.index_query_kernel, dtype))  # -> (B, T, Ni*Hi)
+    qi = layer._split_heads(qi, layer.index_num_heads, layer.index_head_dim)  # -> (B, Ni, T, Hi)
+    w = tf.matmul(tf.cast(query, dtype), tf.cast(layer.index_weights_kernel, dtype))  # (B, T, E) -> (B, T, Ni)
+    return tf.stop_gradient(_turn_index(layer, qi, positions)), tf.stop_gradient(w * layer.index_num_heads**-0.5)
+
+
+def _query_latent(layer, query):
+    """(B, T, E) -> (B, T, Q): MLA's normalized q latent, which the indexer's queries read."""
+    a = layer._project(query, "query_a")  # (B, T, E) -> (B, T, Q)
+    return rms_norm(a, layer.query_a_norm, layer.latent_norm_eps)  # (B, T, Q)
+
+
+def _turn_index(layer, x, positions):
+    """RoPE of the first Hr features of each indexer head of x (B, heads, T, Hi), paired by
+    `index_rope_interleaved`, times YaRN's factor; unchanged without RoPE."""
+    if layer.rope_theta is None:
+        return x
+    x = apply_rope(x, positions, layer._inv_freq, layer.index_rope_interleaved)  # (B, heads, T, Hi)
+    return scale_rotated(x, 2 * layer._inv_freq.shape[0], rope_attention_factor(layer.rope_scaling))
+
+
+def _write_index_cache(cache, ki):
+    """The cache with the (B, T, Hi) indexer keys of the T tokens just written (positions
+    [index - T, index)) at slots position mod L of `index_key` (an in-place cache's variable
+    written where it lies)."""
+    b, t, length = tf.shape(ki)[0], tf.shape(ki)[1], _cache_length(cache)
+    shape = None if cache.index_key is None else tuple(cache.index_key.shape)
+    if shape is None or len(shape) != 3 or _differ(shape[1], cache.key.shape[2]) or _differ(shape[2], ki.shape[2]):
+        raise ValueError(
+            f"`cache.index_key` must have shape (B, L, Hi)=({ki.shape[0]}, {cache.key.shape[2]}, {ki.shape[2]}) with "
+            f"index_topk (make the cache with `init_cache`). Received: cache.index_key.shape={shape}"
+        )
+    slots = tf.math.floormod(tf.convert_to_tensor(cache.index) - t + tf.range(t), length)  # (T,)
+    rows = tf.stack(tf.meshgrid(tf.range(b), slots, indexing="ij"), axis=-1)  # (B, T, 2): (b, slot)
+    ki = tf.cast(ki, cache.index_key.dtype)
+    if _is_in_place(cache):
+        cache.index_key.scatter_nd_update(rows, ki)
+        return cache
+    return cache._replace(index_key=tf.tensor_scatter_nd_update(cache.index_key, rows, ki))  # (B, L, Hi)
+
+
+def _full_keep(keep, b, t, s, causal, window, attention_chunk_size):
+    """(B, T, S): the keys each query may attend for some head: `keep` (with a cache, the cache's
+    rule already in it), `causal`, `window` and the chunk."""
+    allowed = tf.ones([b, t, s], tf.bool)
+    if keep is not None:
+        allowed = allowed & tf.reduce_any(keep, axis=1)  # (B|1, N|1, T|1, S|1) -> (B, T, S)
+    positional = _position_keep(tf.range(t) + (s - t), s, causal, window, attention_chunk_size)  # (T, S) or None
+    return allowed if positional is None else allowed & positional  # (B, T, S)
+
+
+def _index_topk(layer, call, ki, allowed):
+    """The layer's own selection (B, T, k) of k = min(index_topk, S) keys (`_select_topk`), scored in
+    blocks of query rows of about `_INDEX_BLOCK_SCORES` raw scores (B, Tb, Ni, S), each block's
+    scores ranked and dropped."""
+    qi, w = _index_queries(layer, call.query, call.positions)  # (B, Ni, T, Hi), (B, T, Ni)
+    k = tf.minimum(layer.index_topk, tf.shape(allowed)[2])
+    rows = max(1, _INDEX_BLOCK_SCORES // ((qi.shape[0] or 1) * layer.index_num_heads * (ki.shape[1] or 1)))
+    if qi.shape[2] is not None and qi.shape[2] <= rows:
+        return _select_topk(_index_scores(layer, qi, w, ki), allowed, k)
+    t = tf.shape(qi)[2]
+    count = (t + rows - 1) // rows
+    pad = count * rows - t  # the last block padded to `rows` rows (XLA's TensorArray holds equal blocks)
+    qi, w = tf.pad(qi, [[0, 0], [0, 0], [0, pad], [0, 0]]), tf.pad(w, [[0, 0], [0, pad], [0, 0]])  # T -> count*rows
+    allowed = tf.pad(allowed, [[0, 0], [0, pad], [0, 0]])  # (B, count*rows, S)
+
+    def block(i, blocks):
+        start = i * rows
+        scores = _index_scores(layer, qi[:, :, start : start + rows], w[:, start : start + rows], ki)  # (B, Tb, S)
+        return i + 1, blocks.write(
+            i, tf.transpose(_select_topk(scores, allowed[:, start : start + rows], k), [1, 0, 2])
+        )
+
+    blocks = tf.TensorArray(tf.int32, size=count)  # each (Tb, B, k)
+    _, blocks = tf.while_loop(lambda i, _: i < count, block, (0, blocks))
+    return tf.transpose(blocks.concat()[:t], [1, 0, 2])  # (count*rows, B, k) -> (B, T, k)
+
+
+def _index_scores(layer, qi, w, ki):
+    """The indexer's scores (B, T, S) of queries qi (B, Ni, T, Hi) with weights w (B, T, Ni) against
+    (B, S, Hi) keys: sum_n w[n] * relu(qi[n] . ki * Hi**-0.5)."""
+    dots = tf.nn.relu(tf.einsum("bnth,bsh->bnts", qi, ki) * layer.index_head_dim**-0.5)  # (B, Ni, T, S)
+    return tf.einsum("bnts,btn->bts", dots, w)  # (B, T, S)
+
+
+def _select_topk(scores, allowed, k):
+    """The first k keys of each row ranked by score, highest first, equal scores by the lower key
+    index, disallowed keys after every allowed one (`tf.math.top_k` keeps the lower index first
+    among equal values). (B, T, S) -> (B, T, k) int32."""
+    ranked = tf.where(allowed, scores, scores.dtype.min)  # (B, T, S)
+    return tf.math.top_k(ranked, k, sorted=True).indices  # (B, T, k)
+
+
+def _selection_keep(selection, b, t, s):
+    """(B, T, k) key indices -> (B, 1, T, S) boolean, True at the selected keys (an index outside
+    [0, S) selects nothing, duplicates count once), by one scatter of B*T*k ones."""
+    selection = tf.cast(selection, tf.int32)  # (B, T, k)
+    selection = tf.where((selection >= 0) & (selection < s), selection, s)  # out of range: column S
+    k = tf.shape(selection)[2]
+    grid = tf.meshgrid(tf.range(b), tf.range(t), tf.range(k), indexing="ij")  # 3 x (B, T, k)
+    at = tf.stack([grid[0], grid[1], selection], axis=-1)  # (B, T, k, 3): (b, t, key)
+    counts = tf.scatter_nd(at, tf.ones([b, t, k], tf.int32), [b, t, s + 1])  # (B, T, S + 1)
+    return (counts[..., :s] > 0)[:, None]  # (B, 1, T, S)
+
+
+# -------------------------------------------------------------------------------------------------
 # Section: speed paths
 # -------------------------------------------------------------------------------------------------
 # The memory-efficient path: `dot_product_attention` without the weights, a chunk of queries at a
@@ -2604,7 +2872,7 @@ def _quantize(layer, mode, config):
 def _weight_options(layer, name):
     """`add_weight` arguments of one portable weight: int8 kernels and their float scales are
     not trainable (as in Keras' int8 `Dense`)."""
-    if layer._int8 and name.endswith("_kernel"):
+    if layer._int8 and name.endswith("_kernel") and not _is_indexer_weight(name):
         return {"initializer": "zeros", "dtype": "int8", "trainable": False}
     if name.endswith("_kernel_scale"):  # read in float32 under a mixed policy too (`_int8_matmul`)
         return {"initializer": "ones", "dtype": "float32", "trainable": False, "autocast": False}
@@ -2762,7 +3030,7 @@ def _with_scales(shapes):
     scaled = {}
     for name, shape in shapes.items():
         scaled[name] = shape
-        if name.endswith("_kernel"):
+        if name.endswith("_kernel") and not _is_indexer_weight(name):
             scaled[f"{name}_scale"] = shape[1:]
     return scaled
 
@@ -2770,7 +3038,9 @@ def _with_scales(shapes):
 def _int8_problems(weights, shapes):
     """The kernels of an int8 layout that are not integers in [-127, 127]."""
     problems = []
-    for name in (name for name in shapes if name.endswith("_kernel") and name in weights):
+    for name in (
+        name for name in shapes if name.endswith("_kernel") and name in weights and not _is_indexer_weight(name)
+    ):
         value = np.asarray(weights[name])
         integral = np.issubdtype(value.dtype, np.integer)
         if not integral or (value.size and np.abs(value.astype(np.int64)).max() > _INT8_MAX):
@@ -3143,6 +3413,7 @@ def _weight_shapes(layer):
         shapes[f"{kind}_kernel"] = shape
         if kind in layer.bias:
             shapes[f"{kind}_bias"] = shape[1:]
+    shapes.update(_index_shapes(layer))  # the sparse indexer's, float in an int8 layer too
     return _with_scales(shapes) if layer._int8 else shapes
 
 
@@ -3194,6 +3465,7 @@ def _config(layer):
         "clip_qkv": layer.clip_qkv,
         "gate": layer.gate,
         **_latent_config(layer),  # MLA's sizes, after its vdim (None: its values come from `key`)
+        **_indexer_config(layer),
         "kernel_initializer": tf.keras.initializers.serialize(layer.kernel_initializer),
         "bias_initializer": tf.keras.initializers.serialize(layer.bias_initializer),
         "query_scaling": None if layer.query_scaling is None else dict(layer.query_scaling),
@@ -3219,6 +3491,7 @@ def _non_defaults(layer):
         **{name: getattr(layer, name) for name in _LATENT_SIZES},
         "query_scaling": layer.query_scaling,
         **{name: True for name in _SHARING_FLAGS if getattr(layer, name)},
+        "index_topk": layer.index_topk,
     }
     return {name: value for name, value in variants.items() if value is not None}
 

@@ -5,7 +5,9 @@ K num_kv_heads, H head_dim.
 """
 
 import dataclasses
+import functools
 import math
+from unittest import mock
 
 import numpy as np
 
@@ -491,7 +493,43 @@ MLA_CASES = [
     )
     for variant in _both_paths(case)
 ]
-REPORT_CASES = [*CASES, *MLA_CASES]  # what the parity report runs
+# The sparse indexer (DSA) on MLA: k = 4 of 16 keys, so the selection matters. `mla_indexer` (DeepSeek-V3.2's shape:
+# q_lora_rank, the indexer's RoPE half-split) runs expanded, `mla_indexer_interleaved` (GLM-MoE-DSA's interleaved
+# indexer RoPE, no q_lora_rank, a key padding mask) absorbed. Their data keeps INDEX_MARGIN (`index_seed`).
+INDEXER = (("index_topk", 4), ("index_num_heads", 2), ("index_head_dim", 8))
+INDEX_CASES = [
+    Case(
+        "mla_indexer",
+        t=16,
+        s=16,
+        self_attention=True,
+        causal=True,
+        variants=(*MLA, ("q_lora_rank", 6), ("rope_theta", 10000.0), *INDEXER),
+    ),
+    Case(
+        "mla_indexer_interleaved",
+        t=16,
+        s=16,
+        self_attention=True,
+        causal=True,
+        key_mask=True,
+        absorb=True,
+        variants=(
+            *MLA,
+            ("rope_theta", 10000.0),
+            ("rope_interleaved", True),
+            ("index_topk", 4),
+            ("index_num_heads", 3),
+            ("index_head_dim", 6),
+            ("index_rope_interleaved", True),
+        ),
+    ),
+]
+# SPEC "Sparse indexer (DSA)", Rounding: each row's k-th and (k+1)-th allowed indexer scores differ by at least this
+# fraction of the row's largest |score| (float64, NumPy), so that float32 frameworks select the same keys
+INDEX_MARGIN = 1e-3
+INDEX_SEEDS = 100  # seeds tried from the case's own before giving up
+REPORT_CASES = [*CASES, *MLA_CASES, *INDEX_CASES]  # what the parity report runs
 CASES_BY_NAME = {case.name: case for case in REPORT_CASES}
 
 
@@ -544,6 +582,13 @@ def make_data(case, seed=0):
     `attention_mask` (or None), `grad_output` and `weights` (a portable weight dict, float64
     values rounded to float32 so every framework starts from the same numbers).
     """
+    from shared_tests import numpy_runner
+
+    return _draw(case, index_seed(case, seed, _draw, numpy_runner.run) if indexed(case) else seed)
+
+
+def _draw(case, seed):
+    """make_data's dict drawn from exactly this seed."""
     rng = np.random.default_rng([seed, sum(map(ord, case.name))])
     kdim, vdim = case.kdim or case.e, case.vdim or case.e
     query = rng.normal(scale=case.scale, size=(case.b, case.t, case.e))
@@ -558,6 +603,44 @@ def make_data(case, seed=0):
         "weights": random_weights(case, rng),
         **_call_inputs(case, rng),
     }
+
+
+def indexed(case):
+    """Whether a case (or decode case) has the sparse indexer."""
+    return "index_topk" in dict(case.variants)
+
+
+@functools.cache
+def index_seed(case, seed, draw, run):
+    """The first seed from `seed` on whose data (`draw(case, seed)`) every ranking the NumPy reference
+    makes while `run(case, data)` keeps INDEX_MARGIN (docs/SPEC.md "Sparse indexer (DSA)", Rounding);
+    a case with the indexer (`indexed`)."""
+    for tried in range(seed, seed + INDEX_SEEDS):
+        if all(index_margin(*ranking) >= INDEX_MARGIN for ranking in index_rankings(case, draw(case, tried), run)):
+            return tried
+    raise ValueError(f"no seed in [{seed}, {seed + INDEX_SEEDS}) keeps INDEX_MARGIN for case {case.name}")
+
+
+def index_rankings(case, data, run):
+    """(scores (B, T, S), allowed (B, T, S), k) of every top-k the NumPy reference ranks in `run(case, data)`."""
+    from NumPy import Multi_Head_Attention as reference
+
+    with mock.patch.object(reference, "_select_topk", wraps=reference._select_topk) as select:
+        run(case, data)
+    return [called.args for called in select.call_args_list]
+
+
+def index_margin(scores, allowed, k):
+    """The smallest gap, over the rows with more than k allowed keys, between the k-th and (k+1)-th
+    allowed scores, as a fraction of the row's largest allowed |score| (inf without such a row;
+    0 where that score is 0)."""
+    ranked = -np.sort(-np.where(allowed, scores, np.finfo(scores.dtype).min), axis=-1)  # (B, T, S), highest first
+    rows = allowed.sum(axis=-1) > k  # (B, T)
+    if k >= scores.shape[-1] or not rows.any():
+        return np.inf
+    gap = (ranked[..., k - 1] - ranked[..., k])[rows]  # (rows,)
+    largest = np.abs(np.where(allowed, scores, 0.0)).max(axis=-1)[rows]  # (rows,)
+    return float(np.min(np.where(largest > 0, gap / np.where(largest > 0, largest, 1.0), 0.0)))
 
 
 def _call_inputs(case, rng):

@@ -22,6 +22,7 @@ SECTIONS = (
     "KV cache and decode steps",
     "shared keys and values",
     "multi-head latent attention",
+    "sparse indexer",
     "speed paths",
     "int8",
     "framework only",

@@ -12,7 +12,16 @@ import dataclasses
 
 import numpy as np
 
-from shared_tests.cases import INT8_CACHE_TOLERANCES, MLA, TOLERANCES, Case, random_weights
+from shared_tests.cases import (
+    INDEXER,
+    INT8_CACHE_TOLERANCES,
+    MLA,
+    TOLERANCES,
+    Case,
+    index_seed,
+    indexed,
+    random_weights,
+)
 
 # tf:in_place: a tf.function step over an in-place cache (`init_cache(..., in_place=True)`): tf.Variables written by
 # each call, the step returning only its output and weights
@@ -210,7 +219,32 @@ MLA_DECODE_CASES = [
     )
     for variant in (case, dataclasses.replace(case, name=f"{case.name}_expanded", absorb=False))
 ]
-REPORT_DECODE_CASES = [*DECODE_CASES, *MLA_DECODE_CASES]  # what the parity report runs
+# The sparse indexer's cache (`KVCache.index_key`, (B, L, Hi)): k = 4 of up to 10 slots, one case absorbed and one
+# expanded, their data keeping INDEX_MARGIN at every step (`cases.index_seed`)
+INDEX_DECODE_CASES = [
+    DecodeCase(
+        "decode_mla_indexer",
+        chunks=(6, 1, 1, 1, 1),
+        variants=(*MLA, ("q_lora_rank", 6), ("rope_theta", 10000.0), *INDEXER),
+    ),
+    DecodeCase(
+        "decode_mla_indexer_interleaved",
+        padding=(0, 3),
+        chunks=(6, 1, 1, 1),
+        positions=True,
+        absorb=False,
+        variants=(
+            *MLA,
+            ("rope_theta", 10000.0),
+            ("rope_interleaved", True),
+            ("index_topk", 4),
+            ("index_num_heads", 3),
+            ("index_head_dim", 6),
+            ("index_rope_interleaved", True),
+        ),
+    ),
+]
+REPORT_DECODE_CASES = [*DECODE_CASES, *MLA_DECODE_CASES, *INDEX_DECODE_CASES]  # what the parity report runs
 DECODE_CASES_BY_NAME = {case.name: case for case in REPORT_DECODE_CASES}
 
 
@@ -241,6 +275,13 @@ def _mask(case, rng):
 def make_decode_data(case, seed=0):
     """Seeded inputs (B, P, E) (and key/value (B, P, kdim/vdim) for cross cases), the cache's
     keep, the attention_mask over (P, L) and portable weights."""
+    from shared_tests import numpy_runner
+
+    return _draw(case, index_seed(case, seed, _draw, numpy_runner.decode) if indexed(case) else seed)
+
+
+def _draw(case, seed):
+    """make_decode_data's dict drawn from exactly this seed."""
     rng = np.random.default_rng([seed, sum(map(ord, case.name))])
     width = {"key": case.kdim or case.e, **({} if case.mla else {"value": case.vdim or case.e})}
     inputs = {"query": rng.normal(size=(case.b, case.p, case.e)).astype(np.float32)}

@@ -15,7 +15,7 @@ from PyTorch import MultiHeadAttention as TorchMultiHeadAttention
 from shared_tests import parity
 from shared_tests.calling import not_implemented
 from shared_tests.cases import TOLERANCES
-from shared_tests.decoding import DECODE_CASES, DECODE_CASES_BY_NAME, MLA_DECODE_CASES
+from shared_tests.decoding import DECODE_CASES, DECODE_CASES_BY_NAME, INDEX_DECODE_CASES, MLA_DECODE_CASES
 
 OUTPUT_TOL = TOLERANCES["float32"]["output"]
 rng = np.random.default_rng(0)
@@ -43,6 +43,17 @@ def test_mla_decode_case_in_parity(case):
     assert set(row.skipped) == {path for path in parity.DECODE_PATHS if not_implemented(case, path)}
     assert {"numpy", "torch:sdpa", "torch:explicit"} <= set(results)
     assert all(r.cache["key"].shape[1:] == (1, case.length, 8) for r in results.values())  # (B, 1, L, C)
+    assert all(int(r.cache["index"]) == case.p for r in results.values())
+
+
+@pytest.mark.parametrize("case", INDEX_DECODE_CASES, ids=lambda c: c.name)
+def test_index_decode_case_in_parity(case):
+    """The indexer's key cache on every decode path, absorbed and expanded, against the full pass
+    and the NumPy oracle (the torch:sdpa path through the gathered route)."""
+    row, results = parity.run_decode_case(case)
+    assert row.passed, row.failures
+    assert row.zeros
+    assert set(results) == set(parity.DECODE_PATHS)
     assert all(int(r.cache["index"]) == case.p for r in results.values())
 
 

@@ -301,10 +301,10 @@ def test_the_parity_options_table_names_every_option():
 @pytest.mark.parametrize("page", PAGES, ids=_page_id)
 def test_quoted_case_names_exist(page):
     """`gemma2_like`, `decode_rolling_*`, `large_scores*`: a case (or the prefix of some) of the tables."""
-    from shared_tests.cases import CASES
-    from shared_tests.decoding import DECODE_CASES
+    from shared_tests.cases import REPORT_CASES
+    from shared_tests.decoding import REPORT_DECODE_CASES
 
-    names = [case.name for case in [*CASES, *DECODE_CASES]]
+    names = [case.name for case in [*REPORT_CASES, *REPORT_DECODE_CASES]]  # the report's tables
     quoted = re.compile(r"`((?:decode_|large_scores|empty_)[a-z0-9_]*\*?|[a-z0-9_]+_like)`")
     unknown = [
         f"{_page_id(page)}:{line}: {m.group(1)}"

@@ -59,7 +59,7 @@ from interop.hf import (
     t5_position_bias,
 )
 from shared_tests import keras_ports
-from shared_tests.cases import TOLERANCES
+from shared_tests.cases import INDEX_MARGIN, TOLERANCES, index_margin, index_rankings
 from shared_tests.keras_backends import KERAS_BACKENDS, KerasBackendError
 
 OUTPUT_TOL = TOLERANCES["float32"]["output"]  # SPEC, float32 outputs: transformers' float32 module vs each layer
@@ -709,6 +709,8 @@ LATENT = {  # DeepSeek's multi-head latent attention at a tiny size, every layer
     "hidden_size": HIDDEN, "num_attention_heads": HEADS, "num_key_value_heads": HEADS, "q_lora_rank": 16,
     "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8, "first_k_dense_replace": 2,
 }  # fmt: skip
+SPARSE = {"index_topk": 4, "index_n_heads": 8, "index_head_dim": 8}  # DSA: k below the keys a row attends; 8 heads:
+# few keys whose relu scores are all 0 (ties, which transformers' topk ranks in no set order)
 LATENT_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
                "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}  # fmt: skip
 # Mistral 4's default `llama_4_scaling_beta` with a floor the prompts pass (its default, 8192, leaves the scale 1)
@@ -773,6 +775,24 @@ MLA_FAMILIES = [  # run in the files that have MLA (`kv_lora_rank`)
         "bailing_hybrid",
         _llama_like(
             "BailingHybridForCausalLM", "BailingHybridConfig", **LATENT, **TOKENS, layer_types=["full_attention"] * 2
+        ),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(  # the sparse indexer, k = 4 of up to 10 keys: its RoPE in halves, MLA's interleaved
+        "deepseek_v32",
+        _llama_like("DeepseekV32ForCausalLM", "DeepseekV32Config", **LATENT, **SPARSE),
+        "model.layers.{i}.self_attn",
+    ),
+    Family(  # the indexer's RoPE interleaved; layer 1 "shared": it attends layer 0's top-k (`topk_indices`)
+        "glm_moe_dsa",
+        _llama_like(
+            "GlmMoeDsaForCausalLM",
+            "GlmMoeDsaConfig",
+            **LATENT,
+            **SPARSE,
+            **TOKENS,
+            mlp_layer_types=["dense"] * 2,
+            indexer_types=["full", "shared"],
         ),
         "model.layers.{i}.self_attn",
     ),
@@ -878,6 +898,8 @@ def _capture(model, family, index):
 
     def take_input(_, args, kwargs):
         calls.append({"hidden": (args[0] if args else kwargs["hidden_states"]).detach().numpy().copy()})
+        if kwargs.get("prev_topk_indices") is not None:  # GLM-MoE-DSA: the previous layer's top-k
+            calls[-1]["topk"] = kwargs["prev_topk_indices"].numpy().copy()
 
     def take_output(_, args, output):
         calls[-1]["output"] = (output[0] if isinstance(output, tuple) else output).detach().numpy().copy()
@@ -893,11 +915,14 @@ def _capture(model, family, index):
             handle.remove()
 
 
-def _call_arguments(runner, model, family, mask, positions, start, stop, kwargs):
+def _call_arguments(runner, model, family, mask, positions, start, stop, kwargs, call=None):
     """The call arguments of interop.hf's docstring for the tokens [start, stop) of a (B, L) padding mask
     over the L keys (the cache's slots when decoding; L = T on a full pass); `kwargs` the port's (a NoPE
-    layer, with no `rope_theta`, takes no positions)."""
+    layer, with no `rope_theta`, takes no positions; a sparse layer without its own indexer takes the previous
+    layer's top-k the module was given as `topk_indices`)."""
     arguments = {"causal": family.causal, "key_mask": mask[:, start:stop].astype(bool)}
+    if call is not None and "topk" in call and "index_topk" not in kwargs:
+        arguments["topk_indices"] = call["topk"]
     if family.rope and "rope_theta" in kwargs:
         arguments["positions"] = positions[..., start:stop].astype(np.int64)
     if family.bias == "t5":
@@ -992,7 +1017,7 @@ def _full_pass_port(runner, family, index):
     """Layer `index`'s port and its full-pass call: kwargs, weights, the capture and the call arguments."""
     model, call, mask, positions = _full_pass(family, index)
     kwargs, weights = port_attention(family.module(model, index), _config(model))
-    arguments = _call_arguments(runner, model, family, mask, positions, 0, mask.shape[1], kwargs)
+    arguments = _call_arguments(runner, model, family, mask, positions, 0, mask.shape[1], kwargs, call)
     return kwargs, weights, call, arguments
 
 
@@ -1125,7 +1150,8 @@ def _decode_port(runner, family, index):
     steps, start = [], 0
     for call in calls[index]:
         stop = start + call["hidden"].shape[1]
-        steps.append((start, stop, call, _call_arguments(runner, model, family, mask, positions, start, stop, kwargs)))
+        arguments = _call_arguments(runner, model, family, mask, positions, start, stop, kwargs, call)
+        steps.append((start, stop, call, arguments))
         start = stop
     return kwargs, weights, mask, steps
 
@@ -1292,6 +1318,28 @@ def test_chunks_of_rows_padded_otherwise_take_the_documented_mask(framework):
     assert _max_diff(output, call["output"], rows) <= OUTPUT_TOL
 
 
+@pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"] if "NumPy" in FRAMEWORKS else [])
+def test_sparse_ports_rank_with_a_margin(name):
+    """The indexer families' inputs keep INDEX_MARGIN (docs/SPEC.md "Sparse indexer (DSA)", Rounding) at every
+    ranking of their full passes and decoding, in the NumPy reference: the selection cannot flip between it,
+    transformers' float32 topk and the other files; and the selection matters (k is below the keys of some row)."""
+    family, runner = FAMILIES_BY_NAME[name], _runner("NumPy")
+    kwargs, weights, call, arguments = _full_pass_port(runner, family, 0)
+    layer = runner.layer(kwargs, weights)
+    rankings = index_rankings(None, None, lambda *_: runner.call(layer, call["hidden"], arguments))
+    kwargs, weights, mask, steps = _decode_port(runner, family, 0)
+    layer = runner.layer(kwargs, weights)
+
+    def decode(*_):
+        cache = layer.init_cache(*mask.shape)
+        for _, _, step, step_arguments in steps:
+            _, cache = runner.call(layer, step["hidden"], step_arguments, cache)
+
+    rankings += index_rankings(None, None, decode)
+    assert min(index_margin(*ranking) for ranking in rankings) >= INDEX_MARGIN
+    assert any((allowed.sum(-1) > k).any() for _, allowed, k in rankings)
+
+
 # What each family's port carries beyond plain attention; `test_every_ported_variant_matters` removes
 # each one in turn and requires the output to move, so the comparisons above cannot pass without it.
 # (`positions` is not among them: a left-padded row's positions are its plain ones shifted by a
@@ -1308,6 +1356,8 @@ VARIANTS = {
     "kimi_linear": set(),
     "bailing_hybrid": {"rope", "rope_interleaved", "gate"},
     "longcat_flash": {"rope", "rope_interleaved"},
+    "deepseek_v32": {"rope", "rope_interleaved", "index_topk"},
+    "glm_moe_dsa": {"rope", "rope_interleaved", "index_topk", "index_rope_interleaved", "topk_indices"},
     "llama": {"rope"},
     "llama3_scaled": {"rope", "rope_scaling"},
     "llama_linear": {"rope", "rope_scaling"},
@@ -1381,6 +1431,8 @@ WITH_THE_VARIANT = {
     "qk_norm_bias": ("query_norm_bias", "key_norm_bias"),
     "sinks": ("sinks",),
     "gate": ("gate_kernel", "gate_bias"),
+    "index_topk": ("index_num_heads", "index_head_dim", "index_rope_interleaved", "index_query_kernel",
+                   "index_key_kernel", "index_key_norm", "index_key_norm_bias", "index_weights_kernel"),
 }  # fmt: skip
 
 
@@ -1396,8 +1448,8 @@ def _without(variant, kwargs, weights, arguments):
         arguments["positions"] = arguments["positions"][0]
     elif variant == "scale":
         kwargs["scale"] = (kwargs.get("head_dim") or kwargs["d_model"] // kwargs["num_heads"]) ** -0.5
-    elif variant == "attention_bias":
-        arguments.pop("attention_bias")
+    elif variant in ("attention_bias", "topk_indices"):
+        arguments.pop(variant)
     else:
         kwargs.pop(variant)
         for name in WITH_THE_VARIANT.get(variant, ()):
@@ -1424,9 +1476,12 @@ def _variants(kwargs, arguments):
             "clip_qkv",
             "gate",
             "query_scaling",
+            "index_topk",
         )
         if name in kwargs
     }
+    present |= {"index_rope_interleaved"} if kwargs.get("index_rope_interleaved") else set()
+    present |= {"topk_indices"} if "topk_indices" in arguments else set()
     present |= {"rope"} if "rope_theta" in kwargs else set()
     present |= {"attention_bias"} if "attention_bias" in arguments else set()
     if "rope_sections" in kwargs and np.all(arguments["positions"] == arguments["positions"][:1]):
@@ -1442,7 +1497,7 @@ def test_every_ported_variant_matters(name):
     for index in LAYERS:
         model, call, mask, positions = _full_pass(family, index)
         kwargs, weights = port_attention(family.module(model, index), _config(model))
-        arguments = _call_arguments(runner, model, family, mask, positions, 0, mask.shape[1], kwargs)
+        arguments = _call_arguments(runner, model, family, mask, positions, 0, mask.shape[1], kwargs, call)
         for variant in _variants(kwargs, arguments):
             kwargs_, weights_, arguments_ = _without(variant, kwargs, weights, arguments)
             output, _ = runner.call(runner.layer(kwargs_, weights_), call["hidden"], arguments_)
@@ -1514,21 +1569,6 @@ ERROR_CASES = [
         r"`module` must be a transformers attention module of one of the model types .* Received: MultiheadAttention",
     ),
     (
-        "qwen4_exp_sparse_indexer",
-        lambda: _tiny_module(
-            transformers.models.qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextAttention,
-            transformers.Qwen4ExpTextConfig,
-            **GQA,
-            indexer_n_heads=2,
-            indexer_kv_heads=1,
-            indexer_head_dim=8,
-            indexer_budget=4,
-            indexer_compress_ratio=1,
-        ),
-        r"`module` must hold an attention the layer computes: Qwen4-Exp's attention keeps only the keys its "
-        r"query-selected sparse attention indexer \(`indexer`\) picks, .* Received: model_type='qwen4_exp'",
-    ),
-    (
         "lfm3_proportional_rope",  # LFM3's full-attention layers: RoPE over (i, i + H/2) with zero frequencies
         lambda: _tiny_module(
             transformers.models.lfm3.modeling_lfm3.Lfm3Attention,
@@ -1553,29 +1593,40 @@ ERROR_CASES = [
 ]
 
 
-INDEXER = r"a learned sparse-attention indexer \(`indexer`: each query attends to its top-k keys only\)"
 INDEXED = {"index_head_dim": 8, "index_n_heads": 2, "index_topk": 16}  # GLM-5-Next's index_kpool is 16
 NOPE_INDEXED = {"glm5_next": {"qk_nope_head_dim": 8, "qk_rope_head_dim": 0}}  # GLM-5-Next's DSA layers are NoPE
-REFUSED_MLA = [  # transformers' MLA model types whose attention adds what the layer lacks: module, config, reason
-    ("deepseek_v32", "DeepseekV32Attention", "DeepseekV32Config", f"DeepSeek-V3.2's MLA adds {INDEXER}"),
-    ("glm_moe_dsa", "GlmMoeDsaAttention", "GlmMoeDsaConfig", f"GLM-MoE-DSA's MLA adds {INDEXER}"),
-    ("glm5_next", "Glm5NextTextAttention", "Glm5NextTextConfig", f"GLM-5-Next's MLA adds {INDEXER} and linear"),
-    ("mistral_large4", "MistralLarge4TextAttention", "MistralLarge4TextConfig", f"Mistral Large 4's MLA adds {INDEXER}"),
-    ("hy_v4", "HYV4Attention", "HYV4Config", f"HY-V4's MLA adds {INDEXER}, shared by its layers"),
-    ("axk2", "AXK2Attention", "AXK2Config", f"AXK2's MLA adds {INDEXER}"),
+QWEN4_INDEXER = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 4,
+                 "indexer_compress_ratio": 1}  # fmt: skip
+BEYOND = "beyond DeepSeek-V3.2's indexer: "
+REFUSED_SPARSE = [  # the families built on the sparse indexer that add more: module and config (None: the
+    # checkpoint route only), and what they add
+    ("mistral_large4", "MistralLarge4TextAttention", "MistralLarge4TextConfig",
+     r"a learned per-head query scaling by log-position \(`softmax_scaling`.*`q_input_norm`.*`kv_sharing_modes`"),
+    ("glm5_next", "Glm5NextTextAttention", "Glm5NextTextConfig", r"linear-attention layers .*`index_kpool`"),
+    ("hy_v4", "HYV4Attention", "HYV4Config", r"a per-head output gate and attention sinks on MLA with its RoPE"),
+    ("axk2", "AXK2Attention", "AXK2Config", r"a query and output gate projected from both the normalized and the raw"),
     ("dots3_note", "Dots3NoteTextAttention", "Dots3NoteTextConfig",
-     r"dots3's MLA adds an RMSNorm on the shared rotary key \(`k_rope_only_layernorm`\) and a learned sparse"),
+     r"an RMSNorm on the shared rotary key \(`k_rope_only_layernorm`\)"),
+    ("qwen4_exp", "Qwen4ExpTextAttention", "Qwen4ExpTextConfig", r"an indexer that scores blocks of keys"),
+    ("deepseek_v4", None, None, r"compressed keys \(its CSA and HCA compressors"),
+    ("minimax_m3_vl", None, None, r"an indexer that keeps blocks of `index_block_size` keys"),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("model_type", "module_class", "config_class", "reason"), REFUSED_MLA)
-def test_mla_with_more_than_mla_is_refused_with_what_it_adds(model_type, module_class, config_class, reason):
-    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    config = getattr(transformers, config_class)(**{**COMMON, **LATENT, **INDEXED, **NOPE_INDEXED.get(model_type, {})})
-    with pytest.raises(ValueError, match=rf"`module` must hold an attention the layer computes: {reason}.*"
-                       rf"Received: model_type='{model_type}'"):  # fmt: skip
-        port_attention(getattr(modeling, module_class)(config, layer_idx=0), config)
-    with pytest.raises(ValueError, match=rf"`config` must hold an attention the layer computes: {reason}"):
+@pytest.mark.parametrize(("model_type", "module_class", "config_class", "adds"), REFUSED_SPARSE,
+                         ids=[row[0] for row in REFUSED_SPARSE])  # fmt: skip
+def test_sparse_indexer_families_adding_more_are_refused_with_what_they_add(model_type, module_class, config_class,
+                                                                            adds):  # fmt: skip
+    """Each family of the issue's list beyond DeepSeek-V3.2 and GLM-MoE-DSA: refused by name, from a module (where
+    its tiny module builds) and from a checkpoint's config, with what its attention adds."""
+    reason = rf"must hold an attention the layer computes: .*{BEYOND}{adds}.*, which the layer cannot"
+    if module_class is not None:
+        modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        sizes = {**GQA, **QWEN4_INDEXER} if model_type == "qwen4_exp" else {**LATENT, **INDEXED}
+        config = getattr(transformers, config_class)(**{**COMMON, **sizes, **NOPE_INDEXED.get(model_type, {})})
+        with pytest.raises(ValueError, match=rf"`module` {reason}. Received: model_type='{model_type}'"):
+            port_attention(getattr(modeling, module_class)(config, layer_idx=0), config)
+    with pytest.raises(ValueError, match=rf"`config` {reason}. Received: model_type='{model_type}'"):
         port_checkpoint({"model_type": model_type}, {}, 0)
 
 
@@ -1820,7 +1871,6 @@ CHECKPOINT_ERRORS = [
             rf"`config` must hold an attention the layer computes: {reason} .* Received: model_type='{model_type}'",
         )
         for model_type, reason in (
-            ("qwen4_exp_text", "Qwen4-Exp's attention keeps only the keys its query-selected sparse attention"),
             ("step3p5", r"Step-3.7's attention reads its head counts, RoPE bases and partial rotary factors"),
         )
     ),
@@ -1933,7 +1983,8 @@ def _prompts():
 
 
 SWAPPED = ["llama", "gemma3", "qwen3", "phi_qk_layernorm", "qwen3_next", "qwen3_5", "lfm3", "deepseek_v3",
-           "kimi_linear", "bailing_hybrid", "longcat_flash", "llama4", "mistral4"]  # fmt: skip
+           "kimi_linear", "bailing_hybrid", "longcat_flash", "llama4", "mistral4", "deepseek_v32",
+           "glm_moe_dsa"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", SWAPPED if "PyTorch" in FRAMEWORKS else [])

@@ -44,6 +44,13 @@ def make_torch_layer(case, data, layer_class=None):
     return set_path(layer, case).eval()
 
 
+def _sparse_route(layer, explicit):
+    """The sparse indexer's routes: the gathered keys (threshold 0) on the paths that return no weights,
+    the selection's keep through the explicit softmax on `torch:explicit`."""
+    layer.sparse_gather_threshold = layer.sparse_gather_threshold if explicit else 0
+    return layer
+
+
 def _torch_inputs(case, data, requires_grad=False):
     """The case's inputs in its dtype and its other call arguments (masks in their own dtype, an
     attention_bias that requires grad), as tensors on `torch_device()`."""
@@ -64,9 +71,9 @@ def run(case, data, path, layer_class=None):
 
     if path == "torch:inference":
         return _run_inference(case, data, layer_class)
-    layer = make_torch_layer(case, data, layer_class)
-    args, kwargs = _torch_inputs(case, data, requires_grad=True)
     explicit = path == "torch:explicit"
+    layer = _sparse_route(make_torch_layer(case, data, layer_class), explicit)
+    args, kwargs = _torch_inputs(case, data, requires_grad=True)
     query, kv = by_name(args)
     with (
         mock.patch.object(Multi_Head_Attention, "_SOFTCAP_BLOCK_SCORES", SOFTCAP_BLOCK_SCORES),  # kept for backward
@@ -109,9 +116,9 @@ def decode(case, data, path):
     """A decode case on `torch:sdpa` or `torch:explicit` (weights returned), under no_grad."""
     import torch
 
-    layer = make_torch_layer(case, data)
-    dtype = getattr(torch, case.dtype)
     explicit = path == "torch:explicit"
+    layer = _sparse_route(make_torch_layer(case, data), explicit)
+    dtype = getattr(torch, case.dtype)
     cache = layer.init_cache(case.b, case.length, keep=torch.from_numpy(data["keep"]), dtype=case.cache_dtype)
     outputs, weights = [], []
     with torch.no_grad():

@@ -85,8 +85,7 @@ layers (Qwen3-Next's and Qwen3.5's linear attention, LFM3's convolutions) are re
 `layer_types` entry, and so are LFM3's full-attention layers (proportional RoPE: pairs (i, i + H/2),
 the last ones not turning) for their RoPE. Qwen3.5's interleaved multimodal RoPE is plain RoPE for
 text (its three rows of positions alike): the port takes the (B, T) text positions. Refused with
-the reason: Qwen4-Exp (its attention keeps the keys a learned sparse indexer selects) and
-Step-3.7 (its per-layer config).
+the reason: Step-3.7 (its per-layer config).
 
 Decoding: `cache = layer.init_cache(B, L)`, then `layer(x, cache=cache, causal=True,
 key_mask=<the new tokens' mask>, positions=<their position_ids>)`, one prefill and then one
@@ -103,29 +102,31 @@ per head) port as the layer's. Multi-head latent attention ports as the layer's 
 (`kv_lora_rank`, ...; YaRN's `mscale_all_dim` correction in `scale`): DeepSeek-V2, V3 and the
 families built on their attention (GLM-4-MoE-Lite, Youtu, AXK1, Mistral 4, MiniCPM3, Kimi Linear's
 NoPE MLA layers, Ling's MLA layers with their per-head output gate as `gate`, LongCat-Flash's two
-sublayers per decoder layer with their LoRA scales folded into the weights). Refused with the
-reason: Llama 4's NoPE layers' temperature tuning (and Mistral 4's `llama_4_scaling_beta`), Llama
-4's vision encoder attention (its 2-D RoPE over the image patches), GPT-2 and GPTBigCode
-cross-attention, the linear-attention layers of Kimi Linear and Ling, and the MLA model types whose
-attention adds a sparse-attention indexer or a norm the layer lacks (DeepSeek-V3.2, GLM-MoE-DSA,
-GLM-5-Next, Mistral Large 4, HY-V4, AXK2, dots3).
+sublayers per decoder layer with their LoRA scales folded into the weights). The sparse indexer
+(DSA) ports as MLA with `index_topk` (`sparse`): DeepSeek-V3.2 and GLM-MoE-DSA, whose "shared"
+layers take the previous full layer's selection as `topk_indices` (`layer(..., return_topk=True)`
+gives it). Refused with the reason: Llama 4's NoPE layers' temperature tuning (and Mistral 4's
+`llama_4_scaling_beta`), Llama 4's vision encoder attention (its 2-D RoPE over the image patches),
+GPT-2 and GPTBigCode cross-attention, the linear-attention layers of Kimi Linear and Ling, and the
+families built on the sparse indexer that add more (Mistral Large 4, GLM-5-Next, HY-V4, AXK2, dots3,
+Qwen4-Exp, DeepSeek-V4, MiniMax-M3: each with what it adds).
 
 The package: one module per family of porters, each with its refusals (`llama`: the Llama kind and Llama 4's
 text attention, its vision encoder refused; `gated`: the gated families; `latent`: multi-head latent
-attention; `shared`: Gemma 3n and Gemma 4, whose last layers share the keys and values of earlier ones
-(`kv_shared`: a shared layer's call takes them as `shared_kv`, the store layer's `return_kv` pair or its
-cache when decoding; `replace_attention` passes them); `gpt`: GPT-2, GPTBigCode, GPT-Neo, GPT-J and
-GPT-NeoX; `alibi`: Bloom, Falcon and MPT, and `alibi_positions`; `bert`: BERT and ModernBERT; `seq2seq`: T5,
-BART, Whisper and OPT, and `t5_position_bias`), and the shared pieces: `tensors` (reading tensors,
-`load_tensors`), `config` (what a config says), `registry` (the porters by model type, `register_porter`,
-`supported_modules`), `routes` (`port_attention`, `port_checkpoint`), `replace` (`replace_attention`),
-`structure` (the Llama-kind and gated modules of model types not listed, recognised by their projections,
-norms and RoPE functions, and those refused by name), `kinds` (the BART, GPT-NeoX and BERT kinds and LFM2's
-renamed Llama kind of model types not listed, recognised by their structure) and `census` (`python -m
-interop.hf.census`: every attention class of the installed transformers with its status, docs/census.md). It
-imports no framework at module level: `port_attention` reads a module's tensors through its own
-`state_dict`, `port_checkpoint` and `load_tensors` read safetensors files with NumPy, and `replace_attention`
-imports torch and the PyTorch layer when called.
+attention; `sparse`: the sparse indexer's families and refusals; `shared`: Gemma 3n and Gemma 4, whose last
+layers share the keys and values of earlier ones (`kv_shared`: a shared layer's call takes them as
+`shared_kv`, the store layer's `return_kv` pair or its cache when decoding; `replace_attention` passes them);
+`gpt`: GPT-2, GPTBigCode, GPT-Neo, GPT-J and GPT-NeoX; `alibi`: Bloom, Falcon and MPT, and `alibi_positions`;
+`bert`: BERT and ModernBERT; `seq2seq`: T5, BART, Whisper and OPT, and `t5_position_bias`), and the shared
+pieces: `tensors` (reading tensors, `load_tensors`), `config` (what a config says), `registry` (the porters by
+model type, `register_porter`, `supported_modules`), `routes` (`port_attention`, `port_checkpoint`), `replace`
+(`replace_attention`), `structure` (the Llama-kind and gated modules of model types not listed, recognised by
+their projections, norms and RoPE functions, and those refused by name), `kinds` (the BART, GPT-NeoX and BERT
+kinds and LFM2's renamed Llama kind of model types not listed, recognised by their structure) and `census`
+(`python -m interop.hf.census`: every attention class of the installed transformers with its status,
+docs/census.md). It imports no framework at module level: `port_attention` reads a module's tensors through
+its own `state_dict`, `port_checkpoint` and `load_tensors` read safetensors files with NumPy, and
+`replace_attention` imports torch and the PyTorch layer when called.
 """
 
 from .alibi import alibi_positions

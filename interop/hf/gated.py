@@ -57,10 +57,7 @@ def _refuse_layer_type(config, index):
 
 
 _GATED_REFUSED = {  # gated attention with something more that the layer does not compute
-    "qwen4_exp": "Qwen4-Exp's attention keeps only the keys its query-selected sparse attention indexer (`indexer`) "
-    "picks, a learned top-k selection per query",
     "step3p7": "Step-3.7's attention reads its head counts, RoPE bases and partial rotary factors from a per-layer "
     "config (`per_layer_config`), which no porter reads",
 }
-_GATED_REFUSED["qwen4_exp_text"] = _GATED_REFUSED["qwen4_exp"]  # its text config's model type
 _GATED_REFUSED["step3p5"] = _GATED_REFUSED["step3p7"]  # its config's model type

@@ -83,19 +83,3 @@ def _refuse_linear_layer(config, index):
             "linear_attention layers (gated delta rule with a recurrent state) are not softmax attention, which "
             f"the layer cannot compute. Received: layer {index} of type {layer_type!r}"
         )
-
-
-_INDEXER = "a learned sparse-attention indexer (`indexer`: each query attends to its top-k keys only)"
-_DOTS3 = f"an RMSNorm on the shared rotary key (`k_rope_only_layernorm`) and {_INDEXER}"
-_REFUSED = {  # MLA model types of transformers whose attention adds what the layer lacks: who, and what
-    "deepseek_v32": ("DeepSeek-V3.2", _INDEXER),
-    "glm_moe_dsa": ("GLM-MoE-DSA", _INDEXER),
-    "glm5_next": ("GLM-5-Next", f"{_INDEXER} and linear-attention layers"),
-    "glm5_next_text": ("GLM-5-Next", f"{_INDEXER} and linear-attention layers"),
-    "mistral_large4": ("Mistral Large 4", _INDEXER),
-    "mistral_large4_text": ("Mistral Large 4", _INDEXER),
-    "hy_v4": ("HY-V4", f"{_INDEXER}, shared by its layers"),
-    "axk2": ("AXK2", _INDEXER),
-    "dots3_note": ("dots3", _DOTS3),
-    "dots3_note_text": ("dots3", _DOTS3),
-}

@@ -2,6 +2,7 @@
 wrapper that takes the attention module's call (masks and KV cache included)."""
 
 import functools
+import inspect
 
 from .bert import _bert
 from .gated import _gated
@@ -12,6 +13,7 @@ from .registry import _registered
 from .routes import _layer_index, _module_porter, _transformers_model_type, port_attention
 from .seq2seq import _bart
 from .shared import _gemma_shared
+from .sparse import _sparse
 
 
 def replace_attention(model, layer_class=None):
@@ -35,7 +37,9 @@ def replace_attention(model, layer_class=None):
             `v_proj`, `out_proj`: BART, OPT, Whisper, Blenderbot, Marian, ...; their cross-attention modules,
             `encoder_attn`, stay as they are), of the GPT kind (GPT-2, GPTBigCode, GPT-Neo, GPT-J, GPT-NeoX and
             Persimmon), with multi-head latent attention (DeepSeek-V2, V3 and the MLA
-            families `port_attention` reads; the layer's cache holds the latents), or Gemma 3n and Gemma 4.
+            families `port_attention` reads; the layer's cache holds the latents), the sparse indexer's included
+            (DeepSeek-V3.2, GLM-MoE-DSA: each layer's top-k passed to the next where the model's decoder does),
+            or Gemma 3n and Gemma 4.
         layer_class: the `MultiHeadAttention` class to build (default: the one in `PyTorch/`).
 
     Returns:
@@ -76,6 +80,7 @@ def replace_attention(model, layer_class=None):
             _gpt_neox,
             _gptj,
             _gemma_shared,
+            _sparse,
         ):
             continue
         if getattr(module, "is_cross_attention", False):
@@ -120,6 +125,7 @@ def _swapped(torch, module, layer_class, bert, model_config):
     wrapper = _wrapper_class(torch)(layer, _layer_index(module), getattr(module, "is_causal", not bert))
     if getattr(module, "is_kv_shared_layer", False) or getattr(module, "store_full_length_kv", False):
         wrapper.sharing = ("reuse" if module.is_kv_shared_layer else "store", module.layer_type)
+    wrapper.passes_topk = "prev_topk_indices" in inspect.signature(module.forward).parameters  # GLM-MoE-DSA's
     if bert:
         wrapper.norm, wrapper.dropout = module.output.LayerNorm, module.output.dropout
     return wrapper
@@ -131,12 +137,15 @@ def _wrapper_class(torch):
         """A `transformers` attention module's call, computed by `layer` (`MultiHeadAttention`).
 
         BERT's residual, dropout and LayerNorm after the output projection are kept as `norm` and `dropout`.
+        With `passes_topk` (GLM-MoE-DSA's decoder passes each layer's top-k to the next), the call takes
+        `prev_topk_indices` (a layer without its own indexer attends it) and returns the selection it used third.
         """
 
         def __init__(self, layer, layer_idx, is_causal):
             super().__init__()
             self.layer, self.layer_idx, self.is_causal = layer, layer_idx, is_causal
             self.norm = self.dropout = self.sharing = None  # sharing: ("store" or "reuse", the layer type)
+            self.passes_topk = False
             self._cache = None
 
         def forward(self, hidden_states, attention_mask=None, *args, past_key_values=None, **kwargs):
@@ -153,17 +162,18 @@ def _wrapper_class(torch):
                 positions = kwargs.get("cache_position")  # (T,)
             elif positions.shape[0] != hidden_states.shape[0]:
                 positions = positions.expand(hidden_states.shape[0], -1)  # (1, T) -> (B, T)
+            sparse = self._sparse(kwargs.get("prev_topk_indices"))
             if self.sharing is not None:
                 output = self._shared(hidden_states, attention_mask, past_key_values, positions, kwargs)
             elif past_key_values is None:
-                output = self.layer(
-                    hidden_states, **self._masks(attention_mask, hidden_states, 0, None), positions=positions
-                )
+                masks = self._masks(attention_mask, hidden_states, 0, None)
+                output = self.layer(hidden_states, **masks, positions=positions, **sparse)
             else:
-                output = self._step(hidden_states, attention_mask, past_key_values, positions)
+                output = self._step(hidden_states, attention_mask, past_key_values, positions, sparse)
+            output, selection = output if sparse.get("return_topk") else (output, None)
             if self.norm is not None:
                 output = self.norm(self.dropout(output) + hidden_states)
-            return output, None
+            return (output, None, selection) if self.passes_topk else (output, None)
 
         def _shared(self, hidden_states, attention_mask, past_key_values, positions, kwargs):
             """Gemma 3n and 4: a "store" layer puts its keys and values (its cache when decoding) in the
@@ -174,7 +184,7 @@ def _wrapper_class(torch):
                 output, states[layer_type] = self.layer(hidden_states, **masks, positions=positions, return_kv=True)
                 return output
             if mode == "store":
-                output = self._step(hidden_states, attention_mask, past_key_values, positions)
+                output = self._step(hidden_states, attention_mask, past_key_values, positions, {})
                 states[layer_type] = self._cache
                 return output
             shared, t = states[layer_type], hidden_states.shape[1]
@@ -184,7 +194,15 @@ def _wrapper_class(torch):
             masks = self._masks(attention_mask, hidden_states, past, slots)
             return self.layer(hidden_states, **masks, positions=positions, shared_kv=shared)
 
-        def _step(self, hidden_states, attention_mask, past_key_values, positions):
+        def _sparse(self, previous):
+            """The call's sparse-indexer arguments: the previous layer's selection for a layer without an indexer,
+            and the selection returned where the decoder passes it on."""
+            if not self.passes_topk:
+                return {}
+            given = {} if self.layer.index_topk is not None or previous is None else {"topk_indices": previous}
+            return {**given, "return_topk": True}
+
+        def _step(self, hidden_states, attention_mask, past_key_values, positions, sparse):
             """One call with the model's cache: the layer's own cache holds the keys and values."""
             (b, t, _), past = hidden_states.shape, past_key_values.get_seq_length(self.layer_idx)
             empty = hidden_states.new_zeros(b, 1, t, 1)  # the model's cache counts the tokens only (one number each)
@@ -198,8 +216,8 @@ def _wrapper_class(torch):
                 )
             self._grow(past + t)
             masks = self._masks(attention_mask, hidden_states, past, self._cache.key.shape[2])
-            output, self._cache = self.layer(hidden_states, **masks, positions=positions, cache=self._cache)
-            return output
+            *output, self._cache = self.layer(hidden_states, **masks, positions=positions, cache=self._cache, **sparse)
+            return output if sparse.get("return_topk") else output[0]
 
         def _grow(self, length):
             """Doubles the layer's cache until it has `length` slots."""
@@ -212,8 +230,12 @@ def _wrapper_class(torch):
                 torch.cat([part, part.new_zeros(*part.shape[:2], extra, part.shape[3])], 2)
                 for part in (cache.key, cache.value)
             )  # MLA's latents (C) and rotary keys (Hr) differ
-            keep = cache.keep.new_ones(cache.keep.shape[0], extra)
-            self._cache = type(cache)(key, value, torch.cat([cache.keep, keep], 1), cache.index)
+            keep = torch.cat([cache.keep, cache.keep.new_ones(cache.keep.shape[0], extra)], 1)
+            index_key = cache.index_key  # the sparse indexer's keys (B, L, Hi), or None
+            if index_key is not None:
+                b, _, width = index_key.shape
+                index_key = torch.cat([index_key, index_key.new_zeros(b, extra, width)], 1)  # (B, L + extra, Hi)
+            self._cache = cache._replace(key=key, value=value, keep=keep, index_key=index_key)
 
         def _masks(self, attention_mask, hidden_states, past, slots):
             """The model's mask (B, 1, T, S') over the keys up to past + T, as a boolean mask over `slots` keys."""

@@ -5,9 +5,9 @@ type), with the refusals of what no porter computes."""
 from .config import _load_config
 from .gated import _GATED_REFUSED, _refuse_layer_type
 from .kinds import _kind_porter
-from .latent import _REFUSED
 from .llama import _REFUSED_CLASSES
 from .registry import _builtin, _path, _porter, _registered, supported_modules
+from .sparse import _SPARSE_REFUSED
 from .structure import _structural_porter
 from .tensors import _Prefixed, load_tensors
 
@@ -48,8 +48,8 @@ def _module_porter(module):
 
 def _refuse_variant(model_type, argument):
     """Refuses a model type whose attention holds more than the layer computes, naming what it holds."""
-    if model_type in _REFUSED:
-        reason = f"{_REFUSED[model_type][0]}'s MLA adds {_REFUSED[model_type][1]}, which the layer cannot"
+    if model_type in _SPARSE_REFUSED:
+        reason = f"{_SPARSE_REFUSED[model_type]}, which the layer cannot"
     elif model_type in _GATED_REFUSED:
         reason = _GATED_REFUSED[model_type]
     else:

@@ -1,0 +1,85 @@
+"""The learned sparse-attention indexer (DSA): DeepSeek-V3.2 and GLM-MoE-DSA ported as multi-head latent attention
+with `index_topk` (GLM-MoE-DSA's "shared" layers as MLA layers that attend the previous full layer's
+`topk_indices`), and the families built on the indexer that add more, refused by name with what they add.
+
+Legend: E hidden size, Q q_lora_rank, Ni indexer heads, Hi indexer head width.
+"""
+
+from .latent import _latent
+from .tensors import _tensor
+
+_INDEXER_SOURCES = {  # the indexer's portable weights and the `indexer` tensors they come from, transposed or not
+    "index_query_kernel": ("indexer.wq_b.weight", True),  # (Ni*Hi, Q) -> (Q, Ni*Hi)
+    "index_key_kernel": ("indexer.wk.weight", True),  # (Hi, E) -> (E, Hi)
+    "index_key_norm": ("indexer.k_norm.weight", False),  # (Hi,)
+    "index_key_norm_bias": ("indexer.k_norm.bias", False),  # (Hi,)
+    "index_weights_kernel": ("indexer.weights_proj.weight", True),  # (Ni, E) -> (E, Ni)
+}
+
+
+def _sparse(config, tensors, index, *, interleaved_indexer=False):
+    """DeepSeek Sparse Attention: DeepSeek-V3's MLA (interleaved RoPE, YaRN's mscale in the scale) and its indexer
+    (`indexer.wq_b` on the normalized q latent, `indexer.wk` and its LayerNorm `k_norm`, `indexer.weights_proj`) as
+    `index_topk`, `index_num_heads`, `index_head_dim`; the indexer's RoPE half-split (DeepSeek-V3.2) or interleaved
+    (`interleaved_indexer`: GLM-MoE-DSA). A layer without its own indexer (GLM-MoE-DSA's `indexer_types` "shared")
+    ports as MLA alone: it takes the previous full layer's selection as `topk_indices`."""
+    kwargs, weights = _latent(config, tensors, index, interleaved=True)
+    if "indexer.wq_b.weight" not in tensors:
+        _check_shared(config, index)
+        return kwargs, weights
+    for name, (source, transposed) in _INDEXER_SOURCES.items():
+        weights[name] = _tensor(tensors, source).T.copy() if transposed else _tensor(tensors, source)
+    kwargs |= {
+        "index_topk": config["index_topk"], "index_num_heads": config["index_n_heads"],
+        "index_head_dim": config["index_head_dim"], "index_rope_interleaved": interleaved_indexer,
+    }  # fmt: skip
+    return kwargs, weights
+
+
+def _check_shared(config, index):
+    """A layer without indexer tensors must be a "shared" layer of `indexer_types`."""
+    types = config.get("indexer_types")
+    kind = None if not types or index is None else types[index]
+    if kind != "shared":
+        raise ValueError(
+            "`tensors` must hold the layer's indexer (`indexer.wq_b.weight`, ...) unless `indexer_types` makes it "
+            f"a 'shared' layer (it attends the previous full layer's top-k). Received: layer {index} of type {kind!r}"
+        )
+
+
+_BEYOND = "beyond DeepSeek-V3.2's indexer"
+_SPARSE_REFUSED = {  # model types built on the sparse indexer whose attention adds what the layer lacks
+    "mistral_large4": (
+        f"Mistral Large 4's attention adds, {_BEYOND}: a learned per-head query scaling by log-position "
+        "(`softmax_scaling`: scale * log(position + 1) + bias) on the attention and on the indexer, an indexer query "
+        "read from a LayerNorm of the hidden states (`q_input_norm`), and cross-layer KV sharing (`kv_sharing_modes`)"
+    ),
+    "glm5_next": (
+        f"GLM-5-Next adds, {_BEYOND}: linear-attention layers (a recurrent state) and an indexer that scores keys "
+        "pooled in groups of `index_kpool` by a learned gate (`index_kpool_compress_gate`)"
+    ),
+    "hy_v4": (
+        f"HY-V4's attention adds, {_BEYOND}: a per-head output gate and attention sinks on MLA with its RoPE in "
+        "halves, which `interop.hf` does not port yet"
+    ),
+    "axk2": (
+        f"AXK2's attention adds, {_BEYOND}: a query and output gate projected from both the normalized and the raw "
+        "q latent (`q_gate_proj` over [q_a_layernorm(q_a), q_a])"
+    ),
+    "dots3_note": f"dots3's attention adds, {_BEYOND}: an RMSNorm on the shared rotary key (`k_rope_only_layernorm`)",
+    "qwen4_exp": (
+        f"Qwen4-Exp's attention adds, {_BEYOND}: an indexer that scores blocks of keys (mean-pooled over "
+        "`indexer_compress_ratio` tokens) and keeps whole blocks up to a token budget (`indexer_budget`)"
+    ),
+    "deepseek_v4": (
+        f"DeepSeek-V4's attention adds, {_BEYOND}: compressed keys (its CSA and HCA compressors pool blocks of "
+        "tokens) that the indexer scores"
+    ),
+    "minimax_m3_vl": (
+        f"MiniMax-M3's attention adds, {_BEYOND}: an indexer that keeps blocks of `index_block_size` keys (their "
+        "max-pooled scores' top `index_topk_blocks`, and the `index_local_blocks` before each query), one selection "
+        "per key/value head"
+    ),
+}
+for _name in ("mistral_large4", "glm5_next", "dots3_note", "qwen4_exp"):
+    _SPARSE_REFUSED[f"{_name}_text"] = _SPARSE_REFUSED[_name]  # their text configs' model types
