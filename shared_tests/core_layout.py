@@ -122,8 +122,10 @@ def readers(framework, names):
     return found
 
 
-def readers_outside(framework, names, section):
-    return [(name, line) for name, line in readers(framework, names) if section_of(framework, line) != section]
+def readers_outside(framework, names, sections):
+    """(name, line) of the functions reading `names` outside `sections` (a title or a tuple of titles)."""
+    sections = (sections,) if isinstance(sections, str) else sections
+    return [(name, line) for name, line in readers(framework, names) if section_of(framework, line) not in sections]
 
 
 def module_docstring_lines(framework):
