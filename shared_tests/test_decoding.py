@@ -323,11 +323,10 @@ def _fast_calls(case):
     """What the fast path is offered and takes in a decode case: none of its calls with a mask
     over the slots or in cross-attention (not offered); else, for each call, whether it takes it:
     every call after the first (which keeps the kernels) that ends in the cache's first lap, over
-    a float cache (an int8 cache takes the general step)."""
+    a float or an int8 cache (never with MLA)."""
     if case.mask != "none" or case.cross:
         return []
-    fast = not case.mla and case.cache_dtype is None
-    return [i > 0 and stop <= case.length and fast for i, (_, stop) in enumerate(case.spans())]
+    return [i > 0 and stop <= case.length and not case.mla for i, (_, stop) in enumerate(case.spans())]
 
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: c.name)
