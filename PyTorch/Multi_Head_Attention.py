@@ -2637,7 +2637,7 @@ def _float_blocks(x, dtype):
     `dtype`) for each block of about `_INT8_CACHE_BLOCK` elements of the B*K key/value heads (one
     head at least; a head's slots lie together in the cache). Eagerly under no_grad each block is
     cast into one buffer, reused: a block is used before the next is made."""
-    flat = x.reshape(-1, *x.shape[2:])  # (B, K, S, H) -> (B*K, S, H), a view
+    flat = x.reshape(-1, *x.shape[2:])  # (B, K, S, H) -> (B*K, S, H), a view of a cache from `init_cache`
     size = x.shape[2] * x.shape[3]  # one head's elements
     per = max(1, _INT8_CACHE_BLOCK // max(size, 1))  # heads per block
     reuse = _eager() and not torch.is_grad_enabled()  # a graph or autograd keeps each block
