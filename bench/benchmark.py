@@ -643,7 +643,8 @@ def run(args, forks):
         print(f"int8, {config.name}", file=sys.stderr, flush=True)
         int8_results[config.name] = time_int8(config, runs, args.rounds)
     print("int8 KV cache, PyTorch decoding step", file=sys.stderr, flush=True)
-    int8_cache_rows = int8_cache.int8_cache_section(INT8_CACHE_RUNS, args.rounds * 3, args.quick)
+    int8_cache_runs = 3 if args.quick else INT8_CACHE_RUNS
+    int8_cache_rows = int8_cache.int8_cache_section(int8_cache_runs, args.rounds * 3, args.quick)
     keras_config = QUICK[0] if args.quick else CONFIGS[0]
     print(f"Keras file, {keras_config.name}", file=sys.stderr, flush=True)
     keras_results = time_keras(keras_config, runs, args.rounds, forks)
@@ -749,7 +750,7 @@ def run(args, forks):
         'The int8 KV cache (`init_cache(..., dtype="int8")`, docs/SPEC.md "KV-cache decoding") against the '
         "float32 cache (bench/int8_cache.py): bytes per token, scales included, then PyTorch's T = 1 decode step "
         "(the decode fast path, under no_grad) over each, holding the same L - 1 keys and values (it writes slot "
-        f"L - 1 and attends all L), taking turns step by step in {args.rounds * 3} rounds of {INT8_CACHE_RUNS} "
+        f"L - 1 and attends all L), taking turns step by step in {args.rounds * 3} rounds of {int8_cache_runs} "
         "steps.",
         "",
         int8_cache_rows,
