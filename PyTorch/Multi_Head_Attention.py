@@ -2224,7 +2224,8 @@ def _first_slots(cache, stop):
 def _decode_step(layer, query, positions, causal, cache):
     """The decode fast path: a call that gives only the query (with `causal`, and `positions` as
     a tensor) and a cache, eagerly under no_grad, over plain projections whose q/k/v kernels the
-    layer keeps (`_kept_kernels`; never with MLA) and a cache whose index carries its value and
+    layer keeps (`_kept_kernels`; never with MLA) and a cache (of the compute dtype, or int8 with
+    its scales, `_int8_cache_fits`) whose index carries its value and
     whose T tokens fit in its first lap (`_carried_start`; an index the caller built is read
     once, `_read_index`). Those facts answer the check step's
     checks, so this returns the `_Call` that `_check_call` would give and `fast`: the kept kernels
@@ -2264,7 +2265,8 @@ def _carried_start(cache, b, t, heads, head_dim, dtype):
         return None
     length = key.shape[2]
     shapes = key.shape == value.shape == (b, heads, length, head_dim) and keep.shape == (b, length)
-    if not shapes or not key.dtype == value.dtype == dtype or keep.dtype != torch.bool:
+    dtypes = key.dtype == value.dtype == dtype or _int8_cache_fits(cache)  # an int8 cache: its scales
+    if not shapes or not dtypes or keep.dtype != torch.bool:
         return None
     start = _carried(cache.index)
     start = _read_index(cache.index) if start is None else start
@@ -3270,6 +3272,14 @@ def _check_int8_cache(cache):
             )
 
 
+def _int8_cache_fits(cache):
+    """Whether a cache passes `_check_int8_cache` (the decode fast path's check, raising nothing)."""
+    scales = (cache.key_scale, cache.value_scale)
+    shape = (*cache.key.shape[:3], 1)
+    fits = all(type(x) is torch.Tensor and x.dtype == torch.float32 and x.shape == shape for x in scales)
+    return fits and cache.key.dtype == cache.value.dtype == torch.int8
+
+
 def _write_int8_cache(cache, k, v, key_mask, start):
     """`_write_cache` for an int8 cache: the new (B, K, T, H) keys and values quantized
     (`_quantize_cache_rows`), their integers written to `key` and `value` and their scales to
@@ -3293,26 +3303,40 @@ def _dequantize_cache(cache, k, v, dtype):
 
 def _attend_int8(layer, q, k, v, keep, bias, call):
     """Step 6 over an int8 cache: q (B, N, T, H), its (B, K, S, H) integers k and v (the first S
-    slots), without a float copy of the cache: a block of slots at a time, the integers cast to
-    float, each slot's key scale multiplied into its scores after q . k and its value scale into
-    its weights before weights . v (exact algebra), the explicit softmax between, in float32 at
-    least. Returns (context (B, N, T, H), weights (B, N, T, S) or None)."""
+    slots), without a float copy of the cache: a block of key/value heads at a time, all S slots
+    of each (`_float_blocks`), each slot's key scale multiplied into its scores after q . k and
+    its value scale into its weights before weights . v (exact algebra), the explicit softmax
+    between, in float32 at least. Returns (context (B, N, T, H), weights (B, N, T, S) or None)."""
     (b, n, t, h), (heads, s), sinks = q.shape, k.shape[1:3], layer.sinks
     keep, bias = _final_masks(keep, bias, call.causal, call.window, call.attention_chunk_size, sinks, t, s, q.device)
-    dtype = torch.promote_types(q.dtype, torch.float32)
-    k_scale, v_scale = (x[:, :, :s].transpose(-1, -2) for x in (call.cache.key_scale, call.cache.value_scale))
-    step = max(1, _INT8_CACHE_BLOCK // (b * heads * h))  # slots per block
-    grouped = (q.to(dtype) * layer.scale).reshape(b, heads, n // heads * t, h)  # (B, N, T, H) -> (B, K, G*T, H)
-    blocks = [grouped @ k[:, :, i : i + step].to(dtype).transpose(-1, -2) for i in range(0, s, step)]
-    scores = (torch.cat(blocks, dim=-1) * k_scale).reshape(b, n, t, s)  # (B, K, G*T, S) -> (B, N, T, S)
+    dtype, rows = torch.promote_types(q.dtype, torch.float32), n // heads * t  # rows: G*T
+    k_scale, v_scale = (x[:, :, :s].reshape(b * heads, 1, s) for x in (call.cache.key_scale, call.cache.value_scale))
+    grouped = (q.to(dtype) * layer.scale).reshape(b * heads, rows, h)  # (B, N, T, H) -> (B*K, G*T, H)
+    blocks = [grouped[i : i + len(x)] @ x.transpose(1, 2) for i, x in _float_blocks(k, dtype)]  # (heads, G*T, S)
+    scores = (torch.cat(blocks) * k_scale).reshape(b, n, t, s)  # (B*K, G*T, S) -> (B, N, T, S)
     scores = _capped_scores(layer, scores)
     scores = scores if bias is None else scores + bias.to(dtype)  # (B, N, T, S)
     weights = _masked_softmax(scores, keep, sinks)  # (B, N, T, S)
     used = F.dropout(weights, layer.dropout, training=layer.training and layer.dropout > 0)
-    used = used.reshape(b, heads, n // heads * t, s) * v_scale  # (B, N, T, S) -> (B, K, G*T, S)
-    context = sum(used[..., i : i + step] @ v[:, :, i : i + step].to(dtype) for i in range(0, s, step))
-    context = context.reshape(b, n, t, v.shape[-1]).to(q.dtype)  # (B, K, G*T, H) -> (B, N, T, H)
+    used = used.reshape(b * heads, rows, s) * v_scale  # (B, N, T, S) -> (B*K, G*T, S)
+    context = torch.cat([used[i : i + len(x)] @ x for i, x in _float_blocks(v, dtype)])  # (B*K, G*T, H)
+    context = context.reshape(b, n, t, v.shape[-1]).to(q.dtype)  # (B*K, G*T, H) -> (B, N, T, H)
     return context, weights.to(q.dtype) if call.return_attention else None
+
+
+def _float_blocks(x, dtype):
+    """(B, K, S, H) integers (the first S slots of a cache) -> (first head, (heads, S, H) block in
+    `dtype`) for each block of about `_INT8_CACHE_BLOCK` elements of the B*K key/value heads (one
+    head at least; a head's slots lie together in the cache). Eagerly under no_grad each block is
+    cast into one buffer, reused: a block is used before the next is made."""
+    flat = x.reshape(-1, *x.shape[2:])  # (B, K, S, H) -> (B*K, S, H), a view of a cache from `init_cache`
+    size = x.shape[2] * x.shape[3]  # one head's elements
+    per = max(1, _INT8_CACHE_BLOCK // max(size, 1))  # heads per block
+    reuse = _eager() and not torch.is_grad_enabled()  # a graph or autograd keeps each block
+    buffer = x.new_empty(min(per, flat.shape[0]) * size, dtype=dtype) if reuse else None
+    for i in range(0, flat.shape[0], per):
+        block = flat[i : i + per]  # (heads, S, H)
+        yield i, block.to(dtype) if buffer is None else buffer[: block.numel()].view(block.shape).copy_(block)
 
 
 def _with_scales(shapes):

@@ -26,7 +26,18 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench import compile_time, decode_anchors, decode_pair, fresh, keras_bench, keras_decode, memory, mla, shared_cache
+from bench import (
+    compile_time,
+    decode_anchors,
+    decode_pair,
+    fresh,
+    int8_cache,
+    keras_bench,
+    keras_decode,
+    memory,
+    mla,
+    shared_cache,
+)
 from bench.timing import median_time, ratio_cell, rounds_of_times, tf_function_calls
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -86,6 +97,7 @@ DECODE_ANCHORS = [
 ]
 QUICK_DECODE_ANCHORS = [(Config("quick decode B=2 E=32 N=4 L=64", 2, 64, 32, 4), 1.3)]
 DECODE_ANCHOR_RUNS = 30  # timed steps per round (quick: 3): a step takes 0.1 to 50 ms
+INT8_CACHE_RUNS = 10  # steps per round of the int8 cache's step against the float cache's
 # TensorFlow in eager mode against tf.function, and against PyTorch: (measurement, configuration).
 MEMORY_TRAIN = Config("B=1 T=S=8192 E=256 N=4", 1, 8192, 256, 4)
 MEMORY_FORWARD = Config("B=1 T=S=32768 E=256 N=4", 1, 32768, 256, 4)
@@ -644,6 +656,9 @@ def run(args, forks):
     for config in int8_configs:
         print(f"int8, {config.name}", file=sys.stderr, flush=True)
         int8_results[config.name] = time_int8(config, runs, args.rounds)
+    print("int8 KV cache, PyTorch decoding step", file=sys.stderr, flush=True)
+    int8_cache_runs = 3 if args.quick else INT8_CACHE_RUNS
+    int8_cache_rows = int8_cache.int8_cache_section(int8_cache_runs, args.rounds * 3, args.quick)
     keras_config = QUICK[0] if args.quick else CONFIGS[0]
     print(f"Keras file, {keras_config.name}", file=sys.stderr, flush=True)
     keras_results = time_keras(keras_config, runs, args.rounds, forks)
@@ -751,6 +766,16 @@ def run(args, forks):
         "cannot be quantized). Keras' built-in is quantized the same way as ours (its EinsumDense projections).",
         "",
         *(int8_table(int8_results[config.name], config) for config in int8_configs),
+        "",
+        "## int8 KV cache",
+        "",
+        'The int8 KV cache (`init_cache(..., dtype="int8")`, docs/SPEC.md "KV-cache decoding") against the '
+        "float32 cache (bench/int8_cache.py): bytes per token, scales included, then PyTorch's T = 1 decode step "
+        "(the decode fast path, under no_grad) over each, holding the same L - 1 keys and values (it writes slot "
+        f"L - 1 and attends all L), taking turns step by step in {args.rounds * 3} rounds of {int8_cache_runs} "
+        "steps.",
+        "",
+        int8_cache_rows,
         "",
         "## The Keras 3 file on each backend",
         "",

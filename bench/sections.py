@@ -1,11 +1,11 @@
-"""Some sections of `make bench`, measured apart: `python -m bench.sections variants int8 keras memory decode mla
-shared_cache`.
+"""Some sections of `make bench`, measured apart: `python -m bench.sections variants int8 int8_cache keras memory
+decode mla shared_cache`.
 
 Each section runs the same functions as the full benchmark (bench/benchmark.py), with its
 configuration, rounds and runs, and prints its Markdown table; the whole goes to
 out/bench_sections.md (never to bench/results.md, which holds one full run). For re-measuring
-what a change touched without the hour of a full run. `--quick` runs the decode section at its
-smoke sizes.
+what a change touched without the hour of a full run. `--quick` runs the decode and int8_cache
+sections at their smoke sizes.
 """
 
 import argparse
@@ -19,6 +19,7 @@ from bench import (
     decode_pair,
     decode_rebuilt,
     fresh,
+    int8_cache,
     int8_matmul,
     keras_decode,
     memory,
@@ -41,6 +42,11 @@ def _variants(runs, rounds, forks):
 def _int8(runs, rounds, forks):
     tables = [benchmark.int8_table(benchmark.time_int8(c, runs, rounds), c) for c in benchmark.INT8_CONFIGS]
     return "\n\n".join([*tables, int8_matmul.int8_speed_table(runs, rounds)])
+
+
+def _int8_cache(runs, rounds, forks, quick=False):
+    """The int8 KV cache's bytes per token and PyTorch's decode step over it against the float cache's."""
+    return int8_cache.int8_cache_section(runs, rounds, quick)
 
 
 def _keras(runs, rounds, forks):
@@ -86,8 +92,8 @@ def _shared_cache(runs, rounds, forks):
 
 
 SECTIONS = {
-    "variants": _variants, "int8": _int8, "keras": _keras, "memory": _memory, "decode": _decode, "mla": _mla,
-    "shared_cache": _shared_cache,
+    "variants": _variants, "int8": _int8, "int8_cache": _int8_cache, "keras": _keras, "memory": _memory,
+    "decode": _decode, "mla": _mla, "shared_cache": _shared_cache,
 }  # fmt: skip
 
 
@@ -96,13 +102,13 @@ def main(argv=None):
     parser.add_argument("sections", nargs="+", choices=sorted(SECTIONS), help="the sections to measure")
     parser.add_argument("--runs", type=int, default=5, help="timed runs per round (default 5)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per comparison (default 3)")
-    parser.add_argument("--quick", action="store_true", help="the decode section at its smoke sizes")
+    parser.add_argument("--quick", action="store_true", help="the decode and int8_cache sections at their smoke sizes")
     args = parser.parse_args(argv)
     report = [f"# Benchmark sections\n\nMachine: {benchmark.machine()}. {args.rounds} rounds of {args.runs} runs."]
     with fresh.Forks() as forks:
         for name in args.sections:
             print(name, file=sys.stderr, flush=True)
-            options = {"quick": True} if args.quick and name == "decode" else {}
+            options = {"quick": True} if args.quick and name in ("decode", "int8_cache") else {}
             report += [f"## {name}", SECTIONS[name](args.runs, args.rounds, forks, **options)]
     text = "\n\n".join(report) + "\n"
     print(text)

@@ -11,7 +11,9 @@ different lengths, left-padded into one batch (the cache's `keep` hides the padd
 - with the cache: one prefill of the prompts, then one token per step;
 - without it: the full causal pass over everything so far, once per token.
 
-All four give the identical strings.
+All four give the identical strings. Then PyTorch decodes 32 tokens with the int8 KV cache
+(`init_cache(..., dtype="int8")`) and with the float cache: the same greedy tokens, while the
+top logit leads by more than the int8 cache moves any logit.
 """
 
 import os
@@ -30,6 +32,7 @@ VOCAB = len(CHARS)
 D_MODEL, HEADS, KV_HEADS, BLOCKS, CONTEXT, BATCH = 64, 4, 2, 2, 96, 32
 PROMPTS = ("Alice was", "The rabbit-hole went")
 NEW_TOKENS = 60
+INT8_TOKENS = 32  # tokens decoded with the int8 cache against the float cache
 TorchAttention, KerasAttention = load_layer("PyTorch"), load_layer("TensorFlow")
 
 
@@ -192,6 +195,30 @@ def generate(step, init_caches, prompts, new_tokens, cached):
     return [decode(row[p:]) for row, p in zip(tokens, pad, strict=True)], margin
 
 
+def int8_agreement(torch_model):
+    """Greedy decoding of INT8_TOKENS tokens with the float cache and with the int8 cache: whether
+    the strings are the same, the float run's smallest top-1 logit margin, and the largest
+    difference between the two runs' logits."""
+    logits = {None: [], "int8": []}
+
+    def run(dtype):
+        def step(tokens, pad, caches, start):
+            with torch.no_grad():
+                out, caches = torch_model(torch.from_numpy(tokens), pad, caches, start)
+            logits[dtype].append(out[:, -1].numpy())  # (B, VOCAB)
+            return out.numpy(), caches
+
+        def init(batch, length, keep):
+            keep = torch.from_numpy(keep)
+            return [b.attention.init_cache(batch, length, keep=keep, dtype=dtype) for b in torch_model.blocks]
+
+        return generate(step, init, PROMPTS, INT8_TOKENS, cached=True)
+
+    (floats, margin), (int8s, _) = run(None), run("int8")
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(logits[None], logits["int8"], strict=True))
+    return floats == int8s, margin, moved
+
+
 def main(argv=None):
     args = parse_args(__doc__, "out/generate", argv)
     torch_model = train(args.steps, args.seed)
@@ -225,6 +252,11 @@ def main(argv=None):
             print(f"    {text!r}")
     identical = len({tuple(texts) for texts, _ in results.values()}) == 1
     print(f"identical strings in all four: {identical}")
+    same, margin, moved = int8_agreement(torch_model)
+    print(
+        f"int8 KV cache, {INT8_TOKENS} tokens: the float cache's greedy tokens: {same} "
+        f"(smallest top-1 logit margin {margin:.1e}, logits moved by at most {moved:.1e})"
+    )
     return 0 if identical else 1
 
 

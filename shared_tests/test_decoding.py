@@ -334,12 +334,12 @@ def _fast_calls(case):
     """What the fast path is offered and takes in a decode case: none of its calls with a mask
     over the slots or in cross-attention (not offered); else, for each call, whether it takes it:
     every call after the first (which keeps the kernels) that ends in the cache's first lap, over
-    a float cache (an int8 cache takes the general step), never with MLA or the sharing options
-    (their steps 2 to 4 are their sections')."""
+    a float or an int8 cache, never with MLA or the sharing options (their steps 2 to 4 are their
+    sections')."""
     if case.mask != "none" or case.cross:
         return []
     sharing = any(dict(case.variants).get(name) for name in ("kv_shared", "keys_as_values", "value_norm"))
-    fast = not case.mla and case.cache_dtype is None and not sharing
+    fast = not case.mla and not sharing
     return [i > 0 and stop <= case.length and fast for i, (_, stop) in enumerate(case.spans())]
 
 

@@ -1,6 +1,7 @@
 """Smoke runs of every example and of the benchmark, a few steps each, so they cannot rot.
 Full runs and their accuracy are recorded in the README, not asserted here."""
 
+import re
 import subprocess
 import sys
 import warnings
@@ -53,6 +54,7 @@ def test_benchmark_quick_writes_results(tmp_path):
     assert "| quick B=2 T=S=32 E=32 N=4 | PyTorch | ours int8 |" in text
     assert "| 1 | MLA absorbed | 96 (5.3x less)" in text and "| 8 | MLA expanded | 96 (" in text  # (C + Hr) * 4 bytes
     assert "| quick B=2 T=S=32 E=32 N=4 | TensorFlow | keras MultiHeadAttention int8 |" in text
+    assert "| 512, 8, 8 (64) | 4096 | 1088 | 0.266 |" in text and "| quick B=2 E=32 N=4 L=64 |" in text  # int8 cache
     for backend in ("tensorflow", "jax", "torch"):  # the Keras file on every backend, and its decoding step
         assert f"| quick B=2 T=S=32 E=32 N=4 | {backend} | train step |" in text
         assert f"| B=1 L=1024 E=32 N=4, T = 1 | {backend} |" in text
@@ -87,6 +89,10 @@ def test_generate_example_gives_identical_strings(tmp_path):
     out = _run(["examples/generate.py", "--steps", SMOKE_STEPS, "--out", str(tmp_path)])
     assert out.count("'Alice was") == 4 and out.count("'The rabbit-hole went") == 4
     assert "identical strings in all four: True" in out
+    int8 = re.search(r"int8 KV cache, 32 tokens: the float cache's greedy tokens: (\w+) "
+                     r"\(smallest top-1 logit margin (\S+), logits moved by at most (\S+)\)", out)  # fmt: skip
+    same, margin, moved = int8[1], float(int8[2]), float(int8[3])
+    assert same == "True" and 0 < moved < margin / 2, int8[0]  # no logit pair can swap: not a near tie
     assert sorted(p.name for p in tmp_path.iterdir()) == ["attention_0.npz", "attention_1.npz"]
 
 

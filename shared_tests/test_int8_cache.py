@@ -128,11 +128,45 @@ def test_an_int8_cache_without_its_scales_is_refused(file):
         layer(x, causal=True, cache=cache)
 
 
-def test_the_attention_reads_the_cache_a_block_of_slots_at_a_time(monkeypatch):
-    """One slot per block (`_INT8_CACHE_BLOCK` = B*K*H) gives the numbers of one block for all."""
+def test_the_attention_reads_the_cache_a_block_of_heads_at_a_time(monkeypatch):
+    """One key/value head per block (`_INT8_CACHE_BLOCK` = 1) gives the numbers of one block for all."""
     data = make_decode_data(CASE)
     whole = torch_runner.decode(CASE, data, "torch:explicit")
-    monkeypatch.setattr(torch_file, "_INT8_CACHE_BLOCK", CASE.b * CASE.k * (CASE.e // CASE.n))
+    monkeypatch.setattr(torch_file, "_INT8_CACHE_BLOCK", 1)
     sliced = torch_runner.decode(CASE, data, "torch:explicit")
     np.testing.assert_allclose(sliced.output, whole.output, rtol=0, atol=FLOAT32)
     np.testing.assert_allclose(sliced.weights, whole.weights, rtol=0, atol=TOLERANCES["float32"]["weights"])
+
+
+def test_int8_decode_steps_take_the_fast_path_bit_for_bit(monkeypatch):
+    """Every T = 1 step over an int8 cache (grouped heads, RoPE, left padding) after the first
+    takes the decode fast path (`_decode_step`), and the outputs and the cache equal the general
+    call's (the fast path stepping aside) bit for bit."""
+    torch.manual_seed(0)
+    layer = torch_file.MultiHeadAttention(32, 4, num_kv_heads=2, rope_theta=10000.0).eval()
+    x, keep = torch.randn(2, 9, 32), torch.ones(2, 9, dtype=torch.bool)  # (B, T, E), (B, L)
+    keep[1, :2] = False  # the second row's prompt is left-padded by 2
+    real, taken = torch_file._decode_step, []
+
+    def spy(*args):
+        step = real(*args)
+        taken.append(step[0] is not None)
+        return step
+
+    def decode():
+        with torch.no_grad():
+            output, cache = layer(x[:, :4], causal=True, cache=layer.init_cache(2, 9, keep=keep, dtype="int8"))
+            outputs = [output]
+            for i in range(4, 9):
+                output, cache = layer(x[:, i : i + 1], causal=True, cache=cache)  # (B, 1, E)
+                outputs.append(output)
+        return torch.cat(outputs, dim=1), cache  # (B, T, E)
+
+    monkeypatch.setattr(torch_file, "_decode_step", spy)
+    fast, fast_cache = decode()
+    assert taken == [False] + [True] * 5  # the prompt runs the general call, which keeps the kernels
+    monkeypatch.setattr(torch_file, "_decode_step", lambda *args: (None, None))
+    general, general_cache = decode()
+    torch.testing.assert_close(fast, general, rtol=0, atol=0)
+    for name in ("key", "value", "keep", "index", "key_scale", "value_scale"):
+        torch.testing.assert_close(getattr(fast_cache, name), getattr(general_cache, name), rtol=0, atol=0)
