@@ -196,17 +196,20 @@ def generate(step, init_caches, prompts, new_tokens, cached):
 
 
 def int8_agreement(torch_model):
-    """Greedy decoding of INT8_TOKENS tokens with the float cache and with the int8 cache: whether
-    the strings are the same, the float run's smallest top-1 logit margin, and the largest
-    difference between the two runs' logits."""
-    logits = {None: [], "int8": []}
+    """Greedy decoding of INT8_TOKENS tokens with the float cache, then with the int8 cache twice:
+    on its own, and fed the float run's tokens (each step's logits compared on the same prefix).
+    Returns whether the strings are the same, the steps (of B * INT8_TOKENS) whose top-1 token is
+    the same on the same prefix, the largest top-1 margin of the float run where it is not (0 where
+    none), the float run's smallest top-1 margin and the largest logit difference on the same prefix."""
+    logits = {"float": [], "int8": [], "fed": []}
 
-    def run(dtype):
+    def run(dtype, name):
         def step(tokens, pad, caches, start):
             with torch.no_grad():
                 out, caches = torch_model(torch.from_numpy(tokens), pad, caches, start)
-            logits[dtype].append(out[:, -1].numpy())  # (B, VOCAB)
-            return out.numpy(), caches
+            logits[name].append(out[:, -1].numpy())  # (B, VOCAB)
+            fed = name == "fed"  # the float run's logits choose the next token
+            return (logits["float"][len(logits[name]) - 1][:, None] if fed else out.numpy()), caches
 
         def init(batch, length, keep):
             keep = torch.from_numpy(keep)
@@ -214,9 +217,14 @@ def int8_agreement(torch_model):
 
         return generate(step, init, PROMPTS, INT8_TOKENS, cached=True)
 
-    (floats, margin), (int8s, _) = run(None), run("int8")
-    moved = max(float(np.abs(a - b).max()) for a, b in zip(logits[None], logits["int8"], strict=True))
-    return floats == int8s, margin, moved
+    (floats, margin), (int8s, _), _ = run(None, "float"), run("int8", "int8"), run("int8", "fed")
+    float_logits, fed = np.stack(logits["float"]), np.stack(logits["fed"])  # (INT8_TOKENS, B, VOCAB)
+    same = float_logits.argmax(-1) == fed.argmax(-1)  # (INT8_TOKENS, B)
+    top = np.sort(float_logits, axis=-1)
+    gaps = top[..., -1] - top[..., -2]  # (INT8_TOKENS, B), the float run's top-1 margins
+    worst = float(gaps[~same].max()) if not same.all() else 0.0
+    moved = float(np.abs(float_logits - fed).max())
+    return floats == int8s, int(same.sum()), same.size, worst, margin, moved
 
 
 def main(argv=None):
@@ -252,10 +260,11 @@ def main(argv=None):
             print(f"    {text!r}")
     identical = len({tuple(texts) for texts, _ in results.values()}) == 1
     print(f"identical strings in all four: {identical}")
-    same, margin, moved = int8_agreement(torch_model)
+    same, agree, steps, worst, margin, moved = int8_agreement(torch_model)
     print(
-        f"int8 KV cache, {INT8_TOKENS} tokens: the float cache's greedy tokens: {same} "
-        f"(smallest top-1 logit margin {margin:.1e}, logits moved by at most {moved:.1e})"
+        f"int8 KV cache, {INT8_TOKENS} tokens: the float cache's greedy tokens: {same}; on the float cache's "
+        f"tokens the same top-1 token at {agree} of {steps} steps (where not, the top-1 logit margin is at most "
+        f"{worst:.1e}); smallest top-1 logit margin {margin:.1e}, logits moved by at most {moved:.1e}"
     )
     return 0 if identical else 1
 

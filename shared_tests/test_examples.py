@@ -89,10 +89,14 @@ def test_generate_example_gives_identical_strings(tmp_path):
     out = _run(["examples/generate.py", "--steps", SMOKE_STEPS, "--out", str(tmp_path)])
     assert out.count("'Alice was") == 4 and out.count("'The rabbit-hole went") == 4
     assert "identical strings in all four: True" in out
-    int8 = re.search(r"int8 KV cache, 32 tokens: the float cache's greedy tokens: (\w+) "
-                     r"\(smallest top-1 logit margin (\S+), logits moved by at most (\S+)\)", out)  # fmt: skip
-    same, margin, moved = int8[1], float(int8[2]), float(int8[3])
-    assert same == "True" and 0 < moved < margin / 2, int8[0]  # no logit pair can swap: not a near tie
+    int8 = re.search(
+        r"int8 KV cache, 32 tokens: the float cache's greedy tokens: (\w+); on the float cache's tokens the same "
+        r"top-1 token at (\d+) of (\d+) steps .*; smallest top-1 logit margin (\S+), logits moved by at most (\S+)",
+        out,
+    )
+    same, agree, steps, margin, moved = int8[1], int(int8[2]), int(int8[3]), float(int8[4]), float(int8[5])
+    assert same == "True" and agree == steps == 64, int8[0]
+    assert 0 < moved < margin / 2, int8[0]  # no logit pair can swap: the tokens are not a near tie's luck
     assert sorted(p.name for p in tmp_path.iterdir()) == ["attention_0.npz", "attention_1.npz"]
 
 
