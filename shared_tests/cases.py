@@ -45,9 +45,6 @@ MASK_KINDS = (
     "float64_far",  # floating float64 (B, T, S): -1e300, float32's lowest, and a row of -1e39 (below float32's range)
     "float_penalty",  # floating float32 (B, T, S) of -1e9 penalties, one row entirely -1e9 (beyond float16's range)
 )
-CALL_INPUTS = (
-    "attention_mask", "key_mask", "query_mask", "attention_bias", "positions", "segment_ids", "key_segment_ids",
-)  # beside the inputs  # fmt: skip
 LLAMA3_SCALING = {  # Llama 3.1's frequency rewrite, with a short original context so every band is taken at H = 8
     "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
@@ -584,10 +581,10 @@ def make_data(case, seed=0):
     """
     from shared_tests import numpy_runner
 
-    return _draw(case, index_seed(case, seed, _draw, numpy_runner.run) if indexed(case) else seed)
+    return draw_data(case, index_seed(case, seed, draw_data, numpy_runner.run) if indexed(case) else seed)
 
 
-def _draw(case, seed):
+def draw_data(case, seed):
     """make_data's dict drawn from exactly this seed."""
     rng = np.random.default_rng([seed, sum(map(ord, case.name))])
     kdim, vdim = case.kdim or case.e, case.vdim or case.e
@@ -679,11 +676,6 @@ def _segments(case, rng):
     if case.segments == "packed":
         return {"segment_ids": ids, "key_segment_ids": None}
     return {"segment_ids": ids, "key_segment_ids": np.sort(rng.integers(0, 3, size=(b, s)), axis=1)}
-
-
-def call_inputs(data):
-    """The call arguments beside query, key and value that a case passes (NumPy arrays)."""
-    return {name: data[name] for name in CALL_INPUTS if data.get(name) is not None}
 
 
 def random_weights(case, rng):

@@ -277,10 +277,10 @@ def make_decode_data(case, seed=0):
     keep, the attention_mask over (P, L) and portable weights."""
     from shared_tests import numpy_runner
 
-    return _draw(case, index_seed(case, seed, _draw, numpy_runner.decode) if indexed(case) else seed)
+    return _draw_decode(case, index_seed(case, seed, _draw_decode, numpy_runner.decode) if indexed(case) else seed)
 
 
-def _draw(case, seed):
+def _draw_decode(case, seed):
     """make_decode_data's dict drawn from exactly this seed."""
     rng = np.random.default_rng([seed, sum(map(ord, case.name))])
     width = {"key": case.kdim or case.e, **({} if case.mla else {"value": case.vdim or case.e})}

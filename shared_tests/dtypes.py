@@ -21,7 +21,8 @@ import tempfile
 
 import numpy as np
 
-from shared_tests.cases import FLOAT64_TOLERANCES, MLA, TOLERANCES, Case, call_inputs, make_data
+from shared_tests.call_args import call_inputs
+from shared_tests.cases import FLOAT64_TOLERANCES, MLA, TOLERANCES, Case, make_data
 from shared_tests.int8 import FLIP_SHARE, numpy_layer, one_step
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")

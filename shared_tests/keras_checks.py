@@ -769,7 +769,7 @@ def check_load(folder):
 def _int8_reference(case, data):
     """The NumPy reference quantized from the case's float weights, its int8 layout, and its output
     (the step of `one_step` is that call's)."""
-    from shared_tests.cases import call_inputs
+    from shared_tests.call_args import call_inputs
     from shared_tests.int8 import numpy_layer
 
     reference = numpy_layer(case, data["weights"])

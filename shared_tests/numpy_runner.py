@@ -6,8 +6,8 @@ in all, L cache slots.
 
 import numpy as np
 
+from shared_tests.call_args import call_inputs
 from shared_tests.calling import DecodeResult, Result, as_numpy_cache, by_name, inputs
-from shared_tests.cases import call_inputs
 from shared_tests.decoding import chunk_mask, chunk_positions, full_pass_mask
 
 

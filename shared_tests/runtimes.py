@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shared_tests.cases import CALL_INPUTS, call_inputs
+from shared_tests.call_args import CALL_INPUTS, call_inputs
 
 RUNTIME_PATHS = ("torch:onnx", "tf:onnx", "tf:litert")
 ROOT = Path(__file__).resolve().parent.parent

@@ -20,8 +20,9 @@ from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8Weig
 from NumPy import Multi_Head_Attention as numpy_file
 from PyTorch import Multi_Head_Attention as torch_file
 from shared_tests import runtimes
+from shared_tests.call_args import call_inputs
 from shared_tests.calling import set_path
-from shared_tests.cases import CASES_BY_NAME, MLA_CASES, call_inputs, make_data
+from shared_tests.cases import CASES_BY_NAME, MLA_CASES, make_data
 from shared_tests.int8 import CASE_NAMES, FLOAT32, INT8_ERROR, assert_within_a_step, one_step
 from TensorFlow import Multi_Head_Attention as tf_file
 

@@ -72,7 +72,7 @@ def test_index_cases_keep_the_margin():
     """Each row's k-th and (k+1)-th allowed scores lie INDEX_MARGIN apart in the drawn data, and the
     case's first seed (0) would not have kept it: the seed was advanced."""
     from shared_tests import numpy_runner
-    from shared_tests.cases import _draw
+    from shared_tests.cases import draw_data
 
     for case in INDEX_CASES:
         rankings = index_rankings(case, make_data(case), numpy_runner.run)
@@ -80,7 +80,7 @@ def test_index_cases_keep_the_margin():
     assert any(
         index_margin(*ranking) < INDEX_MARGIN
         for case in INDEX_CASES
-        for ranking in index_rankings(case, _draw(case, 0), numpy_runner.run)
+        for ranking in index_rankings(case, draw_data(case, 0), numpy_runner.run)
     )
 
 
@@ -126,6 +126,7 @@ def test_case_table_covers_the_issue():
         "gate",
         "keys_as_values",
         "value_norm",
+        "query_scaling",
     }  # fmt: skip (`kv_shared` needs two layers: shared_tests/test_sharing.py)
     windows = [dict(c.variants).get("window") for c in CASES]
     assert any(isinstance(w, int) for w in windows) and any(isinstance(w, tuple) for w in windows)  # both forms

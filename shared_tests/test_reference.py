@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from NumPy import MultiHeadAttention
-from shared_tests.cases import CASES, call_inputs, make_data
+from shared_tests.call_args import call_inputs
+from shared_tests.cases import CASES, make_data
 
 FLOAT64_FORWARD_TOL = 1e-12  # two float64 formulations of the same sums
 FINITE_DIFFERENCE_TOL = 1e-6  # central differences with step 1e-6 on float64

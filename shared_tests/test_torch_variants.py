@@ -26,8 +26,9 @@ from PyTorch import (
     dot_product_attention,
 )
 from shared_tests import numpy_runner
+from shared_tests.call_args import call_inputs
 from shared_tests.calling import INPUTS, by_name, inputs, set_path
-from shared_tests.cases import FLOAT64_TOLERANCES, REPORT_CASES, TOLERANCES, call_inputs, make_data
+from shared_tests.cases import FLOAT64_TOLERANCES, REPORT_CASES, TOLERANCES, make_data
 
 OUTPUT_TOL = TOLERANCES["float32"]["output"]
 WEIGHTS_TOL = TOLERANCES["float32"]["weights"]
