@@ -18,9 +18,10 @@ import math
 
 import numpy as np
 
-from shared_tests import decoding, keras_backends, runtimes
+from shared_tests import keras_backends, runtimes
 from shared_tests.cases import make_data
-from shared_tests.decoding import DECODE_PATHS, make_decode_data, query_ends
+from shared_tests.decode_masks import by_slot, query_ends, slot_positions
+from shared_tests.decoding import DECODE_PATHS, make_decode_data
 from shared_tests.frameworks import PATHS, run, run_decode
 from shared_tests.runtimes import RUNTIME_PATHS, UnsupportedCaseError
 from shared_tests.tf_runner import make_tf_layer
@@ -364,7 +365,7 @@ def _cache_diff(a, b):
 def decode_removed_positions(case, data):
     """Boolean (B, N, P, L): the slots each decoded query may not attend, computed here
     independently of the layers."""
-    held = decoding.slot_positions(case)  # (P, L): the position in each slot
+    held = slot_positions(case)  # (P, L): the position in each slot
     queries = np.arange(case.p)[:, None]  # (P, 1)
     allowed = (held >= 0) & (held <= queries if case.causal else held < query_ends(case)[:, None])  # (P, L)
     variants = dict(case.variants)
@@ -394,7 +395,7 @@ def _decode_quantity(first, second, quantity):
 def _decode_vs_full(case, result):
     """Decoded output and weights against the same path's full causal pass (its weights moved
     to the slots that held their positions)."""
-    weights = None if result.weights is None else _max_diff(result.weights, decoding.by_slot(case, result.full_weights))
+    weights = None if result.weights is None else _max_diff(result.weights, by_slot(case, result.full_weights))
     return {"output": _max_diff(result.output, result.full_output), "weights": weights}
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from shared_tests.call_args import call_inputs
 from shared_tests.calling import INPUTS, DecodeResult, Result, as_numpy_cache, set_path
-from shared_tests.decoding import chunk_mask, chunk_positions, full_pass_mask
+from shared_tests.decode_masks import chunk_mask, chunk_positions, full_pass_mask
 
 # JAX compiles every case's gradient (about a second each on the 2-core CI machine): shared_tests/test_keras.py
 # and the path checks of shared_tests/keras_checks.py run it this trimmed table; docs/testing.md lists what it

@@ -8,7 +8,7 @@ import numpy as np
 
 from shared_tests.call_args import call_inputs
 from shared_tests.calling import DecodeResult, Result, as_numpy_cache, by_name, inputs
-from shared_tests.decoding import chunk_mask, chunk_positions, full_pass_mask
+from shared_tests.decode_masks import chunk_mask, chunk_positions, full_pass_mask
 
 
 def run(case, data):

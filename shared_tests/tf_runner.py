@@ -14,7 +14,7 @@ import numpy as np
 
 from shared_tests.call_args import call_inputs
 from shared_tests.calling import INPUTS, DecodeResult, Result, as_numpy_cache, by_name, inputs, set_path
-from shared_tests.decoding import chunk_mask, chunk_positions, full_pass_mask
+from shared_tests.decode_masks import chunk_mask, chunk_positions, full_pass_mask
 
 MEMORY_EFFICIENT_CHUNK = 2  # queries per chunk on `tf:memory_efficient`: odd T leaves a padded chunk
 

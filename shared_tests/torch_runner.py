@@ -15,7 +15,7 @@ from unittest import mock
 
 from shared_tests.call_args import call_inputs
 from shared_tests.calling import INPUTS, DecodeResult, Result, as_numpy_cache, by_name, inputs, set_path
-from shared_tests.decoding import chunk_mask, chunk_positions, full_pass_mask
+from shared_tests.decode_masks import chunk_mask, chunk_positions, full_pass_mask
 
 INFERENCE_BLOCK_SCORES = 1  # scores per block on `torch:inference`: every batch element a block of its own
 SOFTCAP_BLOCK_SCORES = 1  # scores per block of the soft-capped blocks on `torch:sdpa`: each query row a block
