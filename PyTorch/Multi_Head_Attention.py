@@ -3936,6 +3936,7 @@ def _non_defaults(layer):
         "clip_qkv": layer.clip_qkv,
         "gate": True if layer.gate is not None else None,
         **{name: getattr(layer, name) for name in _LATENT_SIZES},
+        "query_scaling": layer.query_scaling,
         **{name: True for name in _SHARING_FLAGS if getattr(layer, name)},
         **{name: getattr(layer, name) for name in _INDEX_SIZES},
         "index_rope_interleaved": True if layer.index_rope_interleaved else None,

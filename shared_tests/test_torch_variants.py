@@ -1189,6 +1189,8 @@ def test_torch_export_of_a_decoding_step_with_every_variant():
         ({"scale": 1.0}, r"scale=1\.0"),
         ({"clip_qkv": 0.5}, r"clip_qkv=0\.5"),
         ({"gate": True}, r"gate=True"),
+        ({"query_scaling": {"type": "temperature", "beta": 0.1, "floor": 2}}, r"query_scaling=\{'type': 'temperature'"),
+        ({"keys_as_values": True}, r"keys_as_values=True"),
     ],
 )
 def test_to_torch_refuses_the_variants_it_cannot_hold(config, named):
