@@ -307,7 +307,7 @@ class MultiHeadAttention(keras.layers.Layer):
         if self.kv_lora_rank is None:  # 6. (B, N, T, H), (B, N, T, S) or None; an int8 cache: `_cache_attend`
             context, weights = (_cache_attend(self, k) if call.cache else self._attend)(q, k, v, keep, bias, call)
         else:
-            context, weights = _attend_latents(self, q, k, v, keep, bias, call)  # 6. MLA: (B, N, T, Hv), ...
+            context, weights = _attend_latent(self, q, k, v, keep, bias, call)  # 6. MLA: (B, N, T, Hv), ...
         if self.gate:
             context = _gate_heads(self, call, context)  # 6b. the output gate
         output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*Hv) -> (B, T, E)
@@ -2038,7 +2038,7 @@ def _project_latent(layer, call):
     return layer._split_heads(q, layer.num_heads), c[:, None], k_rope[:, None]  # (B, N, T, H), (B, 1, S, C|Hr)
 
 
-def _attend_latents(layer, q, latent, k_rope, keep, bias, call):
+def _attend_latent(layer, q, latent, k_rope, keep, bias, call):
     """Step 6 with MLA: the (B, 1, S, C) latents and (B, 1, S, Hr) k_rope attended absorbed
     (`_attend_absorbed`, where `_absorbs` says so) or expanded into per-head keys (B, K, S, H) and
     values (B, K, S, Hv) (`_expand_latents`), through `_attend`; returns (context (B, N, T, Hv),
