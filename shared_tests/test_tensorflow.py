@@ -14,6 +14,7 @@ keras = tf.keras
 OUTPUT_TOL = TOLERANCES["float32"]["output"]
 WEIGHTS_TOL = TOLERANCES["float32"]["weights"]
 GRAD_TOL = TOLERANCES["float32"]["grads"]
+SUM_TOL = 1e-5  # float32 rounding of a sum, relative to the sum of its terms' sizes
 MIXED_TOL = {"mixed_float16": TOLERANCES["float16"]["output"], "mixed_bfloat16": TOLERANCES["bfloat16"]["output"]}
 
 rng = np.random.default_rng(0)
@@ -456,22 +457,25 @@ def test_memory_efficient_path_under_xla_with_shapes_unknown_at_trace_time():
 
 
 def test_memory_efficient_dropout_drops_the_same_weights_forward_and_backward():
-    """The context is linear in v, so sum(g * context) == sum(grad_v * v) exactly when the
-    backward drops the same weights as the forward (a stateless mask per chunk and seed)."""
+    """The context is linear in v, so sum(g * context) == sum(grad_v * v) up to float32 rounding
+    when the backward drops the same weights as the forward (a stateless mask per chunk and seed).
+    The sum cancels, so the tolerance is relative to the sum of the terms' sizes, not to the sum:
+    the draw of the module's generator depends on which tests ran before in the worker."""
     import TensorFlow.Multi_Head_Attention as tf_file
 
-    q, k, v = (tf.constant(rng.normal(size=(2, 4, 7, 8)), tf.float32) for _ in range(3))
-    g = tf.constant(rng.normal(size=(2, 4, 7, 8)), tf.float32)
+    local = np.random.default_rng(7)
+    q, k, v, g = (tf.constant(local.normal(size=(2, 4, 7, 8)), tf.float32) for _ in range(4))
     seed = tf.constant([3, 4])
 
     def loss_and_grad(rate):
         with tf.GradientTape() as tape:
             tape.watch(v)
-            loss = tf.reduce_sum(g * tf_file._memory_efficient_attention(q, k, v, None, None, True, 3, rate, seed))
-        return loss, tape.gradient(loss, v)
+            terms = g * tf_file._memory_efficient_attention(q, k, v, None, None, True, 3, rate, seed)
+            loss = tf.reduce_sum(terms)
+        return loss, tape.gradient(loss, v), float(tf.reduce_sum(tf.abs(terms)))
 
-    loss, grad = loss_and_grad(0.5)
-    np.testing.assert_allclose(float(loss), float(tf.reduce_sum(grad * v)), rtol=1e-5)
+    loss, grad, size = loss_and_grad(0.5)
+    np.testing.assert_allclose(float(loss), float(tf.reduce_sum(grad * v)), rtol=0, atol=SUM_TOL * size)
     assert float(loss) != float(loss_and_grad(0.0)[0])  # something was dropped
     assert float(loss) == float(loss_and_grad(0.5)[0])  # the same seed drops the same weights
 
