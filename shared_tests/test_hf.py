@@ -1546,7 +1546,7 @@ ERROR_CASES = [
             **GQA,
             rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
         ),
-        r"`config.rope_parameters` must have rope_type 'default', 'linear', 'llama3' or 'yarn' .* "
+        r"`config.rope_parameters` must have rope_type 'default', 'linear', 'llama3', 'yarn' or 'proportional' .* "
         r"Received: rope_parameters=.*'dynamic'",
     ),
     (
@@ -1577,7 +1577,7 @@ ERROR_CASES = [
             **TOKENS,
             layer_types=["full_attention"] * 2,
         ),
-        r"`config.rope_parameters` must have rope_type 'default', 'linear', 'llama3' or 'yarn' .* "
+        r"`config.rope_parameters` must have rope_type 'default', 'linear', 'llama3', 'yarn' or 'proportional' .* "
         r"Received: rope_parameters=.*'proportional'",
     ),
     (
