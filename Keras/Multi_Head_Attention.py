@@ -1055,7 +1055,8 @@ def _packed(layer, call, segment_ids, key_segment_ids):
 #         low_freq_factor, high_freq_factor, original_max_position_embeddings) or a "yarn" dict
 #         (factor, original_max_position_embeddings, optional attention_factor, beta_fast,
 #         beta_slow, mscale, mscale_all_dim, truncate; the rotated features of q and k are
-#         also multiplied by its attention factor).
+#         also multiplied by its attention factor) or a "proportional" dict (optional factor,
+#         partial_rotary_factor: Gemma 4, LFM3; the last pairs of the R features unturned).
 #     rope_sections: None, or the numbers of rotated pairs (summing to R/2) that turn by each
 #         row of (k, B, T) `positions` in turn (Qwen2-VL's multimodal RoPE, `mrope_section`).
 # q and k are turned after QK-norm, before the cache.
@@ -1064,6 +1065,7 @@ _ROPE_SCALING = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
+    "proportional": (),
 }
 
 
@@ -1086,8 +1088,9 @@ def _rotary_dim(rope_fraction, head_dim, rope):
 
 def _check_rope_scaling(scaling):
     """`rope_scaling` as transformers writes it: None, or a dict whose `rope_type` (or `type`) is
-    'linear', 'llama3' or 'yarn', with its positive parameters (llama3: high_freq_factor above
-    low_freq_factor; yarn: see `_valid_yarn`). Returned as a copy whose NumPy scalars are Python's."""
+    'linear', 'llama3', 'yarn' or 'proportional', with its positive parameters (llama3: high_freq_factor
+    above low_freq_factor; yarn: see `_valid_yarn`; proportional: `_valid_proportional`). Returned as a
+    copy whose NumPy scalars are Python's."""
     if scaling is None:
         return None
     kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
@@ -1097,10 +1100,12 @@ def _check_rope_scaling(scaling):
         valid = scaling["high_freq_factor"] > scaling["low_freq_factor"]
     if valid and kind == "yarn":
         valid = _valid_yarn(scaling)
+    if valid and kind == "proportional":
+        valid = _valid_proportional(scaling)
     if not valid:
         raise ValueError(
-            "`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3' or 'yarn', with its "
-            f"parameters. Received: rope_scaling={scaling!r}"
+            "`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3', 'yarn' or "
+            f"'proportional', with its parameters. Received: rope_scaling={scaling!r}"
         )
     return {name: value.item() if isinstance(value, np.generic) else value for name, value in scaling.items()}
 
@@ -1130,6 +1135,14 @@ def _valid_yarn(scaling):
         return False
     truncate = isinstance(scaling.get("truncate", True), (bool, np.bool_))
     return truncate and (scaling.get("beta_fast") or 32) >= (scaling.get("beta_slow") or 1)
+
+
+def _valid_proportional(scaling):
+    """Proportional RoPE's optional parameters: `factor` None (absent) or positive,
+    `partial_rotary_factor` None (absent) or in (0, 1]."""
+    factor, fraction = scaling.get("factor"), scaling.get("partial_rotary_factor")
+    valid_factor = factor is None or _is_positive_number(factor)
+    return valid_factor and (fraction is None or (_is_positive_number(fraction) and fraction <= 1))
 
 
 def _check_positions(positions, b, t, sections=None):
@@ -1208,7 +1221,7 @@ def document_positions(segment_ids):
 
 def rope_frequencies(rotary_dim, theta, scaling=None):
     """(R/2,) float32 inverse frequencies `theta ** (-2i / R)` of RoPE, rewritten by `scaling`
-    (None, {"rope_type": "linear", "factor": f}, a "llama3" or a "yarn" dict); computed in
+    (None, {"rope_type": "linear", "factor": f}, a "llama3", "yarn" or "proportional" dict); computed in
     float64 and returned as a NumPy array (a constant of every trace)."""
     inv_freq = float(theta) ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)  # (R/2,)
     kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
@@ -1218,6 +1231,8 @@ def rope_frequencies(rotary_dim, theta, scaling=None):
         inv_freq = _llama3_frequencies(inv_freq, scaling)
     elif kind == "yarn":
         inv_freq = _yarn_frequencies(inv_freq, theta, scaling)
+    elif kind == "proportional":
+        inv_freq = _proportional_frequencies(inv_freq, scaling)
     return inv_freq.astype(np.float32)
 
 
@@ -1254,6 +1269,15 @@ def _yarn_frequencies(inv_freq, theta, scaling):
     high = high + 0.001 if high == low else high  # as transformers: no ramp of zero width
     ramp = np.clip((np.arange(rotary_dim // 2) - low) / (high - low), 0.0, 1.0)  # (R/2,), 1 = interpolated
     return inv_freq / scaling["factor"] * ramp + inv_freq * (1.0 - ramp)  # (R/2,)
+
+
+def _proportional_frequencies(inv_freq, scaling):
+    """Proportional RoPE's rewrite (transformers' `_compute_proportional_rope_parameters`: Gemma 4,
+    LFM3): the first A = int(partial_rotary_factor * R // 2) pairs keep inv_freq, the last R/2 - A
+    turn by 0 (pass unchanged), all divided by `factor` (both default to 1)."""
+    pairs = np.arange(inv_freq.shape[0])  # (R/2,)
+    turned = int((scaling.get("partial_rotary_factor") or 1.0) * (2 * inv_freq.shape[0]) // 2)
+    return np.where(pairs < turned, inv_freq, 0.0) / (scaling.get("factor") or 1.0)  # (R/2,)
 
 
 def rope_attention_factor(scaling):

@@ -110,7 +110,7 @@ class MultiHeadAttention:
         rope_theta: None (no RoPE), or the base of rotary position embeddings (e.g. 10000.0).
         rope_fraction: the share of each head's features that RoPE rotates (partial rotary).
         rope_interleaved: pair features (2i, 2i + 1) (GPT-J) instead of (i, i + R/2) (Llama).
-        rope_scaling: None, or a dict {"rope_type": "linear", "llama3" or "yarn", ...} as in
+        rope_scaling: None, or a dict {"rope_type": "linear", "llama3", "yarn" or "proportional", ...} as in
             transformers; YaRN also multiplies the rotated features of q and k by its attention factor.
         rope_sections: None, or the numbers of rotated pairs (summing to R/2) that turn by each
             row of (k, B, T) `positions` in turn (Qwen2-VL's multimodal RoPE, `mrope_section`).
@@ -953,12 +953,14 @@ def _packed(layer, call, segment_ids, key_segment_ids):
 # -------------------------------------------------------------------------------------------------
 # RoPE (`rope_theta`, `rope_fraction`, `rope_interleaved`, `rope_scaling`, `rope_sections` for multimodal
 # RoPE; `positions` in the call): the first R features of each head of q and k turn by position.
+# "proportional" `rope_scaling` (Gemma 4, LFM3) leaves the last pairs of the R features unturned.
 
 
 _ROPE_SCALING = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
+    "proportional": (),
 }
 _YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
@@ -995,9 +997,9 @@ def _rotary_dim(rope_fraction, head_dim, rope):
 
 
 def _check_rope_scaling(scaling):
-    """Checks `rope_scaling`: None or a dict whose `rope_type` (or `type`) is 'linear', 'llama3' or
-    'yarn', with its positive parameters (llama3: high_freq_factor above low_freq_factor; yarn: see
-    `_valid_yarn`)."""
+    """Checks `rope_scaling`: None or a dict whose `rope_type` (or `type`) is 'linear', 'llama3',
+    'yarn' or 'proportional', with its positive parameters (llama3: high_freq_factor above
+    low_freq_factor; yarn: see `_valid_yarn`; proportional: `_valid_proportional`)."""
     if scaling is None:
         return None
     kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
@@ -1006,10 +1008,12 @@ def _check_rope_scaling(scaling):
         valid = scaling["high_freq_factor"] > scaling["low_freq_factor"]
     if valid and kind == "yarn":
         valid = _valid_yarn(scaling)
+    if valid and kind == "proportional":
+        valid = _valid_proportional(scaling)
     if not valid:
         raise ValueError(
-            "`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3' or 'yarn', with its "
-            f"parameters. Received: rope_scaling={scaling!r}"
+            "`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3', 'yarn' or "
+            f"'proportional', with its parameters. Received: rope_scaling={scaling!r}"
         )
     return {name: value.item() if isinstance(value, np.generic) else value for name, value in scaling.items()}
 
@@ -1039,6 +1043,14 @@ def _valid_yarn(scaling):
         return False
     truncate = isinstance(scaling.get("truncate", True), (bool, np.bool_))
     return truncate and (scaling.get("beta_fast") or 32) >= (scaling.get("beta_slow") or 1)
+
+
+def _valid_proportional(scaling):
+    """Proportional RoPE's optional parameters: `factor` None (absent) or positive,
+    `partial_rotary_factor` None (absent) or in (0, 1]."""
+    factor, fraction = scaling.get("factor"), scaling.get("partial_rotary_factor")
+    valid_factor = factor is None or _is_positive_number(factor)
+    return valid_factor and (fraction is None or (_is_positive_number(fraction) and fraction <= 1))
 
 
 def _positions(layer, positions, query, key, cache):
@@ -1109,6 +1121,8 @@ def rope_frequencies(rotary_dim, theta, scaling=None):
         return _llama3_frequencies(inv_freq, scaling)
     if kind == "yarn":
         return _yarn_frequencies(inv_freq, theta, scaling)
+    if kind == "proportional":
+        return _proportional_frequencies(inv_freq, scaling)
     return inv_freq
 
 
@@ -1145,6 +1159,15 @@ def _yarn_frequencies(inv_freq, theta, scaling):
     high = high + 0.001 if high == low else high  # as transformers: no ramp of zero width
     ramp = np.clip((np.arange(rotary_dim // 2) - low) / (high - low), 0.0, 1.0)  # (R/2,), 1 = interpolated
     return inv_freq / scaling["factor"] * ramp + inv_freq * (1.0 - ramp)  # (R/2,)
+
+
+def _proportional_frequencies(inv_freq, scaling):
+    """Proportional RoPE's rewrite (transformers' `_compute_proportional_rope_parameters`: Gemma 4,
+    LFM3): the first A = int(partial_rotary_factor * R // 2) pairs keep inv_freq, the last R/2 - A
+    turn by 0 (pass unchanged), all divided by `factor` (both default to 1)."""
+    pairs = np.arange(inv_freq.shape[0])  # (R/2,)
+    turned = int((scaling.get("partial_rotary_factor") or 1.0) * (2 * inv_freq.shape[0]) // 2)
+    return np.where(pairs < turned, inv_freq, 0.0) / (scaling.get("factor") or 1.0)  # (R/2,)
 
 
 def rope_attention_factor(scaling):

@@ -76,7 +76,7 @@ class MultiHeadAttention(nn.Module):
         rope_theta: None (no RoPE) or the base of rotary position embeddings (Llama: 10000.0).
         rope_fraction: in (0, 1]: the first R = int(H * rope_fraction) features of each head turn.
         rope_interleaved: False pairs feature i with i + R/2 (Llama), True 2i with 2i + 1 (GPT-J).
-        rope_scaling: None or a `transformers` rope_scaling dict: "linear", "llama3" or "yarn".
+        rope_scaling: None or a `transformers` rope_scaling dict: "linear", "llama3", "yarn" or "proportional".
         rope_sections: None or the numbers of pairs (summing to R/2) that turn by each row of
             (k, B, T) `positions` (Qwen2-VL's multimodal RoPE).
         qk_norm: None, "head" (one scale for every head: Qwen3), "per_head" (StableLM) or "all"
@@ -1468,13 +1468,16 @@ _DOCUMENT_ROWS = 128  # queries of a block of `_document_blocks` at least, docum
 # "original_max_position_embeddings"} (Llama 3.1) or {"rope_type": "yarn", "factor",
 # "original_max_position_embeddings", optional "attention_factor", "beta_fast", "beta_slow", "mscale",
 # "mscale_all_dim", "truncate"} (gpt-oss; the rotated features of q and k are also multiplied by its
-# attention factor). With MLA RoPE turns the last Hr features of q and the key part shared by the heads.
+# attention factor) or {"rope_type": "proportional", optional "factor", "partial_rotary_factor"} (Gemma 4,
+# LFM3: the last pairs of the R features unturned). With MLA RoPE turns the last Hr features of q and the
+# key part shared by the heads.
 
 
 _ROPE_SCALING = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
+    "proportional": (),
 }
 
 
@@ -1512,15 +1515,17 @@ def _check_rope_scaling(scaling):
         return None
     kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
     parameters = _ROPE_SCALING.get(kind, ())
-    valid = bool(parameters) and all(_is_positive_number(scaling.get(name)) for name in parameters)
+    valid = kind in _ROPE_SCALING and all(_is_positive_number(scaling.get(name)) for name in parameters)
     if valid and kind == "llama3":
         valid = scaling["high_freq_factor"] > scaling["low_freq_factor"]
     if valid and kind == "yarn":
         valid = _valid_yarn(scaling)
+    if valid and kind == "proportional":
+        valid = _valid_proportional(scaling)
     if not valid:
         raise ValueError(
-            "`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3' or 'yarn', with its "
-            f"parameters. Received: rope_scaling={scaling!r}"
+            "`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3', 'yarn' or "
+            f"'proportional', with its parameters. Received: rope_scaling={scaling!r}"
         )
     return {name: value.item() if isinstance(value, np.generic) else value for name, value in scaling.items()}
 
@@ -1532,6 +1537,14 @@ def _valid_yarn(scaling):
         return False
     truncate = isinstance(scaling.get("truncate", True), (bool, np.bool_))
     return truncate and (scaling.get("beta_fast") or 32) >= (scaling.get("beta_slow") or 1)
+
+
+def _valid_proportional(scaling):
+    """Proportional RoPE's optional parameters: `factor` None (absent) or positive,
+    `partial_rotary_factor` None (absent) or in (0, 1]."""
+    factor, fraction = scaling.get("factor"), scaling.get("partial_rotary_factor")
+    valid_factor = factor is None or _is_positive_number(factor)
+    return valid_factor and (fraction is None or (_is_positive_number(fraction) and fraction <= 1))
 
 
 def _check_rope_sections(sections, rotary):
@@ -1602,7 +1615,7 @@ def document_positions(segment_ids):
 
 def rope_frequencies(rotary_dim, theta, scaling=None, *, device=None):
     """The RoPE frequencies inv_freq[i] = theta ** (-2i / R) for i in [0, R/2), rewritten by
-    `scaling` (None, or a `transformers` rope_scaling dict: "linear", "llama3" or "yarn").
+    `scaling` (None, or a `transformers` rope_scaling dict: "linear", "llama3", "yarn" or "proportional").
 
     Returns:
         inv_freq (R/2,) float32, computed in float64 and rounded once.
@@ -1616,6 +1629,8 @@ def rope_frequencies(rotary_dim, theta, scaling=None, *, device=None):
         inv_freq = _llama3_frequencies(inv_freq, scaling)
     if kind == "yarn":
         inv_freq = _yarn_frequencies(inv_freq, theta, scaling)
+    if kind == "proportional":
+        inv_freq = _proportional_frequencies(inv_freq, scaling)
     return inv_freq.float()
 
 
@@ -1653,6 +1668,15 @@ def _yarn_frequencies(inv_freq, theta, scaling):
     pairs = torch.arange(rotary_dim // 2, dtype=inv_freq.dtype, device=inv_freq.device)  # (R/2,)
     ramp = ((pairs - low) / (high - low)).clamp(0.0, 1.0)  # (R/2,), 1 = interpolated
     return inv_freq / scaling["factor"] * ramp + inv_freq * (1.0 - ramp)  # (R/2,)
+
+
+def _proportional_frequencies(inv_freq, scaling):
+    """Proportional RoPE's rewrite (transformers' `_compute_proportional_rope_parameters`: Gemma 4,
+    LFM3): the first A = int(partial_rotary_factor * R // 2) pairs keep inv_freq, the last R/2 - A
+    turn by 0 (pass unchanged), all divided by `factor` (both default to 1)."""
+    pairs = torch.arange(inv_freq.shape[0], device=inv_freq.device)  # (R/2,)
+    turned = int((scaling.get("partial_rotary_factor") or 1.0) * (2 * inv_freq.shape[0]) // 2)
+    return torch.where(pairs < turned, inv_freq, 0.0) / (scaling.get("factor") or 1.0)  # (R/2,)
 
 
 def rope_attention_factor(scaling):

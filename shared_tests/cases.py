@@ -54,6 +54,9 @@ EVERYTHING_NEW = {  # every variant of today's models on one layer (test_tensorf
     "rope_theta": 50.0, "rope_fraction": 0.75, "rope_sections": (1, 2), "qk_norm": "per_head",
     "qk_norm_type": "layer", "qk_norm_bias": True, "sinks": True, "clip_qkv": 1.0,
 }  # fmt: skip
+PROPORTIONAL_SCALING = {  # Gemma 4's full layers at H = 8, theta 100: pairs 0, 1 turn (over 1.25), pairs 2, 3 do not
+    "rope_type": "proportional", "partial_rotary_factor": 0.5, "factor": 1.25,
+}  # fmt: skip
 YARN_SCALING = {  # YaRN at H = 8, theta 10000: frequency ramp (0, 0.6, 1, 1) over the pairs, attention factor 1.14
     "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "truncate": False,
 }  # fmt: skip
@@ -300,6 +303,17 @@ CASES = [
         causal=True,
         positions="shifted",
         variants=(("rope_theta", 10000.0), ("rope_scaling", YARN_SCALING)),
+    ),
+    Case(
+        "rope_proportional_gqa",  # theta 100: the unturned pairs 2, 3 would turn by 0.08 and 0.025 per position
+        e=32,
+        k=2,
+        t=6,
+        s=6,
+        self_attention=True,
+        causal=True,
+        positions="shifted",
+        variants=(("rope_theta", 100.0), ("rope_scaling", PROPORTIONAL_SCALING)),
     ),
     # Two-sided windows, chunked attention, multimodal RoPE, LayerNorm QK-norm
     Case("window_pair", t=4, s=6, variants=(("window", (2, 2)),)),  # a band on both sides, bottom-right aligned

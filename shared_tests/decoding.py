@@ -16,6 +16,7 @@ from shared_tests.cases import (
     INDEXER,
     INT8_CACHE_TOLERANCES,
     MLA,
+    PROPORTIONAL_SCALING,
     TOLERANCES,
     Case,
     index_seed,
@@ -99,6 +100,15 @@ DECODE_CASES = [
         chunks=(5, 1, 1),
         positions=True,
         variants=(("rope_theta", 10000.0), ("rope_fraction", 0.5)),
+    ),
+    DecodeCase(
+        "decode_rope_proportional",  # Gemma 4's full layers: the last pairs of each head unturned
+        e=32,
+        k=2,
+        padding=(0, 3),
+        chunks=(5, 1, 1),
+        positions=True,
+        variants=(("rope_theta", 100.0), ("rope_scaling", PROPORTIONAL_SCALING)),
     ),
     DecodeCase("decode_window", chunks=(4, 1, 1, 1), variants=(("window", 3),)),
     # A rolling cache (window): positions past L overwrite slot p mod L; decoding past L tokens

@@ -146,6 +146,7 @@ def shrink(config):
     for value in list(vars(config).values()):
         if hasattr(value, "to_dict") and hasattr(value, "model_type"):
             shrink(value)
+    per_layer, before = _take_per_layer_config(config)
     old_layers = next((getattr(config, n) for n in LAYER_COUNTS if isinstance(getattr(config, n, None), int)), None)
     layers = layers_kept(config, old_layers)
     if isinstance(getattr(config, "num_kv_shared_layers", None), int) and config.num_kv_shared_layers and old_layers:
@@ -184,7 +185,39 @@ def shrink(config):
     if isinstance(getattr(config, "sliding_window", None), int):
         config.sliding_window = WINDOW
     _shrink_rope(config)
+    _put_per_layer_config(config, per_layer, before, layers)
     return config
+
+
+def _take_per_layer_config(config):
+    """A heterogeneous config's (Gemma 4's) per-layer overrides, taken off so that its sizes shrink as any
+    config's: ({layer index: {name: value}}, {name: the global value before shrinking})."""
+    if not getattr(config, "is_heterogeneous", False):
+        return {}, {}
+    per_layer = {int(i): dict(o) for i, o in config.to_dict().get("per_layer_config", {}).items()}
+    config.per_layer_config = None
+    names = {name for overrides in per_layer.values() for name in overrides}
+    return per_layer, {name: getattr(config, name, None) for name in names}
+
+
+def _put_per_layer_config(config, per_layer, before, layers):
+    """The overrides of the layers kept, put back with each size scaled as its global value was (Gemma 4's
+    full layers: a head twice as wide as the sliding layers' stays twice as wide)."""
+    if not per_layer:
+        return
+    scaled = {}
+    for index, overrides in per_layer.items():
+        if index < layers:
+            scaled[index] = {
+                name: _scaled(value, before[name], getattr(config, name, None)) for name, value in overrides.items()
+            }
+    config.per_layer_config = scaled
+
+
+def _scaled(value, old, new):
+    """`value` grown or shrunk as a global size went from `old` to `new` (at least 1); other values as they are."""
+    sizes = all(isinstance(v, int) and not isinstance(v, bool) for v in (value, old, new))
+    return max(1, value * new // old) if sizes and old else value
 
 
 def _aliases_query_heads(config, name):

@@ -58,12 +58,14 @@ CASES = {
     "rope_sections_sum": ({**BASE, "rope_theta": 10000.0, "rope_sections": (1, 2)}, None, r"`rope_sections` must sum to R/2 = 2, the pairs RoPE rotates \(R = int\(head_dim \* rope_fraction\) = 4\)\. Received: rope_sections=\(1, 2\)"),
     "rope_theta_negative": ({**BASE, "rope_theta": -1.0}, None, r"`rope_theta` must be None or a positive float\. Received: rope_theta=-1\.0"),
     "rope_fraction_odd": ({**BASE, "rope_theta": 10000.0, "rope_fraction": 0.25}, None, r"`rope_fraction` must be in \(0, 1\] and rotate an even number R = int\(head_dim \* rope_fraction\) >= 2 of features\. Received: rope_fraction=0\.25, head_dim=4"),
-    "rope_scaling_unknown": ({**BASE, "rope_theta": 10000.0, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, None, r"`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3' or 'yarn', with its parameters\. Received: rope_scaling="),
+    "rope_scaling_unknown": ({**BASE, "rope_theta": 10000.0, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, None, r"`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3', 'yarn' or 'proportional', with its parameters\. Received: rope_scaling="),
     "rope_scaling_llama3_bands_swapped": ({**BASE, "rope_theta": 10000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0, "original_max_position_embeddings": 64}}, None, r"`rope_scaling` must be None or a dict"),
-    "rope_scaling_yarn_missing_context": ({**BASE, "rope_theta": 10000.0, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, None, r"`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3' or 'yarn', with its parameters\. Received: rope_scaling=\{'rope_type': 'yarn', 'factor': 4\.0\}"),
+    "rope_scaling_yarn_missing_context": ({**BASE, "rope_theta": 10000.0, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, None, r"`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3', 'yarn' or 'proportional', with its parameters\. Received: rope_scaling=\{'rope_type': 'yarn', 'factor': 4\.0\}"),
     "rope_scaling_yarn_betas_swapped": ({**BASE, "rope_theta": 10000.0, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 1.0, "beta_slow": 32.0}}, None, r"`rope_scaling` must be None or a dict .* Received: rope_scaling=.*'beta_fast': 1\.0"),
     "rope_scaling_yarn_attention_factor_negative": ({**BASE, "rope_theta": 10000.0, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "attention_factor": -1.0}}, None, r"`rope_scaling` must be None or a dict .* Received: rope_scaling=.*'attention_factor': -1\.0"),
     "rope_scaling_yarn_truncate_not_bool": ({**BASE, "rope_theta": 10000.0, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "truncate": "no"}}, None, r"`rope_scaling` must be None or a dict .* Received: rope_scaling=.*'truncate': 'no'"),
+    "rope_scaling_proportional_fraction_above_one": ({**BASE, "rope_theta": 10000.0, "rope_scaling": {"rope_type": "proportional", "partial_rotary_factor": 1.5}}, None, r"`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3', 'yarn' or 'proportional', with its parameters\. Received: rope_scaling=\{'rope_type': 'proportional', 'partial_rotary_factor': 1\.5\}"),
+    "rope_scaling_proportional_factor_zero": ({**BASE, "rope_theta": 10000.0, "rope_scaling": {"rope_type": "proportional", "factor": 0}}, None, r"`rope_scaling` must be None or a dict .* Received: rope_scaling=.*'factor': 0\}"),
     "rope_scaling_missing_factor": ({**BASE, "rope_theta": 10000.0, "rope_scaling": {"rope_type": "linear"}}, None, r"`rope_scaling` must be None or a dict"),
     "qk_norm_unknown": ({**BASE, "qk_norm": "layer"}, None, r"`qk_norm` must be None, 'head', 'per_head' or 'all'\. Received: qk_norm='layer'"),
     "qk_norm_type_unknown": ({**BASE, "qk_norm": "head", "qk_norm_type": "l2"}, None, r"`qk_norm_type` must be 'rms' or 'layer'\. Received: qk_norm_type='l2'"),
@@ -268,6 +270,19 @@ def test_regression_rope_scaling_is_held_with_python_scalars():
         held = cls(**BASE, rope_theta=10000.0, rope_scaling=scaling).rope_scaling
         assert held == expected and held is not scaling, (framework, held)
         assert [type(value) for value in held.values()] == [type(value) for value in expected.values()], framework
+
+
+def test_proportional_rope_scaling_is_held_and_round_trips_through_get_config():
+    """Gemma 4's full-layer `rope_parameters` as the layers' `rope_scaling`: held with Python scalars
+    (None, an absent option, kept), `get_config` gives the dict back and `from_config` takes it."""
+    scaling = {"rope_type": "proportional", "partial_rotary_factor": np.float32(0.25), "factor": None}
+    expected = {"rope_type": "proportional", "partial_rotary_factor": 0.25, "factor": None}
+    for framework, cls in _constructors().items():
+        layer = cls(**BASE, rope_theta=100.0, rope_scaling=scaling)
+        assert layer.rope_scaling == expected and type(layer.rope_scaling["partial_rotary_factor"]) is float, framework
+        if framework in ("tf", "keras"):
+            config = layer.get_config()
+            assert config["rope_scaling"] == expected and cls.from_config(config).rope_scaling == expected, framework
 
 
 POSITIONS = {

@@ -218,6 +218,10 @@ def _bert_like(prefix):
     return getattr(transformers, f"{prefix}Model")(config)
 
 
+LFM3_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    "full_attention": {"rope_type": "proportional", "rope_theta": 100.0, "partial_rotary_factor": 0.5},
+}
 FAMILIES = [
     Family(
         "llama",
@@ -699,9 +703,10 @@ FAMILIES += [
         "model.layers.{i}.self_attn",
     ),
     Family(
-        "lfm3",  # g_proj (N, E): one gate per head
+        "lfm3",  # g_proj (N, E): one gate per head; its full-attention layer's RoPE proportional (half the pairs),
+        # at a base of 100 (LFM3's is 1e6) so that the unturned pairs would turn visibly
         _llama_like("Lfm3ForCausalLM", "Lfm3Config", **GQA, **TOKENS, sliding_window=WINDOW,
-                    layer_types=["sliding_attention"] * 2),
+                    layer_types=["sliding_attention", "full_attention"], rope_parameters=LFM3_ROPE),
         "model.layers.{i}.self_attn",
     ),
 ]  # fmt: skip
@@ -1419,7 +1424,7 @@ VARIANTS = {
     "qwen3_5": {"rope", "rope_fraction", "qk_norm", "gate"},
     "qwen3_5_moe": {"rope", "rope_fraction", "qk_norm", "gate"},
     "afmoe": {"rope", "window", "qk_norm", "gate"},
-    "lfm3": {"rope", "window", "qk_norm", "gate"},
+    "lfm3": {"rope", "window", "qk_norm", "gate", "rope_scaling"},
 }
 DIFFERS = 1e-3  # a removed variant must move the output by 100 times the tolerance at least
 
@@ -1546,7 +1551,7 @@ ERROR_CASES = [
             **GQA,
             rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
         ),
-        r"`config.rope_parameters` must have rope_type 'default', 'linear', 'llama3' or 'yarn' .* "
+        r"`config.rope_parameters` must have rope_type 'default', 'linear', 'llama3', 'yarn' or 'proportional' .* "
         r"Received: rope_parameters=.*'dynamic'",
     ),
     (
@@ -1567,18 +1572,6 @@ ERROR_CASES = [
         "unknown_module",
         lambda: torch.nn.MultiheadAttention(HIDDEN, HEADS),
         r"`module` must be a transformers attention module of one of the model types .* Received: MultiheadAttention",
-    ),
-    (
-        "lfm3_proportional_rope",  # LFM3's full-attention layers: RoPE over (i, i + H/2) with zero frequencies
-        lambda: _tiny_module(
-            transformers.models.lfm3.modeling_lfm3.Lfm3Attention,
-            transformers.Lfm3Config,
-            **GQA,
-            **TOKENS,
-            layer_types=["full_attention"] * 2,
-        ),
-        r"`config.rope_parameters` must have rope_type 'default', 'linear', 'llama3' or 'yarn' .* "
-        r"Received: rope_parameters=.*'proportional'",
     ),
     (
         "subclass_overriding_forward",

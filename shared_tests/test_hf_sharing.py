@@ -28,9 +28,9 @@ COMMON = dict(
     intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     layer_types=LAYER_TYPES, sliding_window=3, num_kv_shared_layers=2,
 )  # fmt: skip
-ROPE = {  # default RoPE on both layer types (Gemma 4's own full-layer default, "proportional", is refused)
+ROPE = {  # Gemma 4's own RoPE ("proportional" on the full layers), at a base of 100 there so its unturned pairs count
     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-    "full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+    "full_attention": {"rope_type": "proportional", "rope_theta": 100.0, "partial_rotary_factor": 0.25},
 }
 FAMILIES = {
     "gemma3n": ("Gemma3nTextConfig", "Gemma3nForCausalLM", dict(laurel_rank=4, activation_sparsity_pattern=[0.0] * 4)),
@@ -201,9 +201,13 @@ def test_ports_say_which_layers_share(family):
         assert checkpoint_kwargs == layer_kwargs and sorted(checkpoint_weights) == sorted(weights)
 
 
-def test_gemma4_proportional_rope_is_refused_with_the_reason():
+def test_gemma4_full_layers_port_their_proportional_rope():
+    """Gemma 4's default configuration: its full layers' RoPE ports as the layer's "proportional" scaling (no
+    `rope_fraction`: the pairs stay (i, i + H/2) over the whole head)."""
     config_name, model_name, options = FAMILIES["gemma4"]
     options = {name: value for name, value in options.items() if name != "rope_parameters"}  # Gemma 4's default
     model = getattr(transformers, model_name)(getattr(transformers, config_name)(**COMMON, **options))
-    with pytest.raises(ValueError, match=r"rope_type 'default', 'linear', 'llama3' or 'yarn'.*proportional"):
-        port_attention(model.model.layers[1].self_attn, model.config)
+    kwargs = [port_attention(model.model.layers[i].self_attn, model.config)[0] for i in (0, 1)]
+    assert "rope_scaling" not in kwargs[0] and kwargs[0]["rope_theta"] == 10000.0
+    assert kwargs[1]["rope_scaling"] == {"rope_type": "proportional", "partial_rotary_factor": 0.25}
+    assert kwargs[1]["rope_theta"] == 1000000.0 and "rope_fraction" not in kwargs[1]

@@ -17,6 +17,7 @@ from NumPy.Multi_Head_Attention import (
     rope_attention_factor,
     rope_frequencies,
 )
+from shared_tests.cases import CASES_BY_NAME, PROPORTIONAL_SCALING, make_data
 
 FLOAT64_TOL = 1e-12  # two float64 formulations of the same sums
 FD_STEP = 1e-6
@@ -95,6 +96,43 @@ def test_rope_frequency_scaling_as_transformers_writes_it():
             smooth = (64 / w - 1.0) / (4.0 - 1.0)
             assert llama3[i] == pytest.approx((1 - smooth) * base[i] / 8.0 + smooth * base[i], abs=FLOAT64_TOL)
     assert bands == ["high", "medium", "low", "low"]
+
+
+@pytest.mark.parametrize(
+    ("rotary", "fraction", "factor", "turned"), [(8, 0.5, 1.0, 2), (16, 0.25, 2.0, 2), (6, 0.5, 1.0, 1)]
+)
+def test_proportional_frequencies_leave_the_last_pairs_unturned(rotary, fraction, factor, turned):
+    """transformers' `_compute_proportional_rope_parameters` written out: theta ** (-2i / R) for the
+    first int(partial_rotary_factor * R // 2) pairs, 0 for the others, all over `factor`."""
+    scaling = {"rope_type": "proportional", "partial_rotary_factor": fraction, "factor": factor}
+    expected = np.zeros(rotary // 2)
+    expected[:turned] = 1.0 / 100.0 ** (np.arange(0, 2 * turned, 2) / rotary) / factor
+    np.testing.assert_allclose(rope_frequencies(rotary, 100.0, scaling), expected, rtol=FLOAT64_TOL, atol=0)
+    plain = rope_frequencies(rotary, 100.0, {"rope_type": "proportional"})  # partial_rotary_factor 1: plain RoPE
+    np.testing.assert_allclose(plain, rope_frequencies(rotary, 100.0), rtol=FLOAT64_TOL, atol=0)
+
+
+@pytest.mark.parametrize("port", ["last_pairs_turned", "rotate_half_of_the_turned_pairs"])
+def test_proportional_case_catches_a_port_that_turns_pairs_otherwise(port):
+    """The parity case `rope_proportional_gqa` draws positions far enough apart that a port turning the
+    last pairs (plain RoPE over the head, over `factor`), or one pairing only the first 2A features
+    (i, i + A) as partial rotary does, leaves its output far outside the tolerance."""
+    case = CASES_BY_NAME["rope_proportional_gqa"]
+    data = make_data(case)
+    factor = PROPORTIONAL_SCALING["factor"]
+    wrong = {
+        "last_pairs_turned": {"rope_scaling": {"rope_type": "linear", "factor": factor}},
+        "rotate_half_of_the_turned_pairs": {
+            "rope_fraction": 0.5,
+            "rope_scaling": {"rope_type": "linear", "factor": factor},
+        },
+    }[port]
+    outputs = []
+    for config in (case.config, {**case.config, **wrong}):
+        layer = MultiHeadAttention(**config)
+        layer.import_weights(data["weights"])
+        outputs.append(layer(data["query"].astype(np.float64), causal=True, positions=data["positions"]))
+    assert np.abs(outputs[0] - outputs[1]).max() > 100 * case.tolerance["output"]
 
 
 @pytest.mark.parametrize("truncate", [True, False])

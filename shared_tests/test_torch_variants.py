@@ -1211,7 +1211,7 @@ CONSTRUCTOR_ERRORS = {
     "rope_theta": ({"rope_theta": "big"}, r"`rope_theta` must be None or a positive float\. Received: rope_theta='big'"),
     "rope_fraction_odd": ({"rope_theta": 10.0, "rope_fraction": 0.375}, re.escape("`rope_fraction` must be in (0, 1] and rotate an even number R = int(head_dim * rope_fraction) >= 2 of features. Received: rope_fraction=0.375, head_dim=8")),
     "rope_fraction_above_one": ({"rope_theta": 10.0, "rope_fraction": 1.5}, r"Received: rope_fraction=1\.5, head_dim=8"),
-    "rope_scaling_type": ({"rope_theta": 10.0, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, r"`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3' or 'yarn', with its parameters\. Received: rope_scaling=\{'rope_type': 'longrope'"),
+    "rope_scaling_type": ({"rope_theta": 10.0, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, r"`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3', 'yarn' or 'proportional', with its parameters\. Received: rope_scaling=\{'rope_type': 'longrope'"),
     "rope_scaling_missing": ({"rope_theta": 10.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"Received: rope_scaling=\{'rope_type': 'llama3', 'factor': 8\.0\}"),
     "qk_norm": ({"qk_norm": "layer"}, r"`qk_norm` must be None, 'head', 'per_head' or 'all'\. Received: qk_norm='layer'"),
     "qk_norm_eps": ({"qk_norm_eps": 0.0}, r"`qk_norm_eps` must be a positive float\. Received: qk_norm_eps=0\.0"),

@@ -82,10 +82,10 @@ Gated attention (`gate=True`): Qwen3-Next's and Qwen3.5's `q_proj` yields, head 
 the gate, split into `query_kernel` and `gate_kernel`; AFMoE's `gate_proj` is `gate_kernel`; LFM3's
 `g_proj`, one gate per head, is repeated over the head's H features. Their hybrid models' other
 layers (Qwen3-Next's and Qwen3.5's linear attention, LFM3's convolutions) are refused by their
-`layer_types` entry, and so are LFM3's full-attention layers (proportional RoPE: pairs (i, i + H/2),
-the last ones not turning) for their RoPE. Qwen3.5's interleaved multimodal RoPE is plain RoPE for
-text (its three rows of positions alike): the port takes the (B, T) text positions. Refused with
-the reason: Step-3.7 (its per-layer config).
+`layer_types` entry; LFM3's full-attention layers port with their proportional RoPE (pairs
+(i, i + H/2), the last ones not turning: `rope_scaling={"rope_type": "proportional", ...}`).
+Qwen3.5's interleaved multimodal RoPE is plain RoPE for text (its three rows of positions alike):
+the port takes the (B, T) text positions. Refused with the reason: Step-3.7 (its per-layer config).
 
 Decoding: `cache = layer.init_cache(B, L)`, then `layer(x, cache=cache, causal=True,
 key_mask=<the new tokens' mask>, positions=<their position_ids>)`, one prefill and then one
@@ -94,9 +94,10 @@ models pass their bias
 over the L cache slots (`t5_position_bias(module, T, L, past_length=index)`, ALiBi over the
 positions of all L slots).
 
-RoPE scaling: `default`, `linear`, `llama3` and `yarn` (gpt-oss' default) port with their
-parameters; other types (dynamic, LongRoPE) are a `ValueError` for now. OLMo's and MPT's
-`clip_qkv` port as the layer's `clip_qkv`. QK-norms: RMSNorms (Qwen3, Gemma 3, OLMo2, Llama 4) and
+RoPE scaling: `default`, `linear`, `llama3`, `yarn` (gpt-oss' default) and `proportional` (Gemma 4's
+and LFM3's full-attention layers) port with their parameters; other types (dynamic, LongRoPE) are a
+`ValueError` for now. OLMo's and MPT's `clip_qkv` port as the layer's `clip_qkv`.
+QK-norms: RMSNorms (Qwen3, Gemma 3, OLMo2, Llama 4) and
 LayerNorms (`qk_norm_type="layer"`: Phi's one LayerNorm with a bias, StableLM's and Cohere's scale
 per head) port as the layer's. Multi-head latent attention ports as the layer's MLA
 (`kv_lora_rank`, ...; YaRN's `mscale_all_dim` correction in `scale`): DeepSeek-V2, V3 and the

@@ -10,7 +10,9 @@ _ROPE_SCALING_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
+    "proportional": (),
 }
+_PROPORTIONAL_OPTIONAL_KEYS = ("factor", "partial_rotary_factor")  # the layer's own keys: R/2 pairs, the last unturned
 _YARN_OPTIONAL_KEYS = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
@@ -97,20 +99,25 @@ def _rope_kwargs(parameters, head_dim, rotary_dim=None):
     rope_type = "default" if rope_type == "mrope" else rope_type  # Qwen2-VL's configs before transformers 5
     if rope_type != "default" and rope_type not in _ROPE_SCALING_KEYS:
         raise ValueError(
-            "`config.rope_parameters` must have rope_type 'default', 'linear', 'llama3' or 'yarn' (the layer has no "
-            f"other RoPE scaling yet). Received: rope_parameters={parameters!r}"
+            "`config.rope_parameters` must have rope_type 'default', 'linear', 'llama3', 'yarn' or 'proportional' "
+            f"(the layer has no other RoPE scaling yet). Received: rope_parameters={parameters!r}"
         )
     kwargs = {"rope_theta": float(parameters["rope_theta"])}
     # transformers rotates int(head_dim * partial_rotary_factor) features, as the layer does with `rope_fraction`.
     fraction = (
         parameters.get("partial_rotary_factor", 1.0) if rotary_dim is None else _rope_fraction(rotary_dim, head_dim)
     )
+    fraction = 1.0 if rope_type == "proportional" else fraction  # its own key: pairs (i, i + H/2) over the head
     if fraction != 1.0:
         kwargs["rope_fraction"] = float(fraction)
     if rope_type != "default":
         kwargs["rope_scaling"] = {"rope_type": rope_type} | {k: parameters[k] for k in _ROPE_SCALING_KEYS[rope_type]}
     if rope_type == "yarn":
         kwargs["rope_scaling"] |= _yarn_options(parameters)
+    if rope_type == "proportional":
+        kwargs["rope_scaling"] |= {
+            k: parameters[k] for k in _PROPORTIONAL_OPTIONAL_KEYS if parameters.get(k) is not None
+        }
     return kwargs
 
 

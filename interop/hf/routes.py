@@ -122,7 +122,7 @@ def port_attention(module, config):
     Raises:
         ValueError: for a module this converter does not know, a subclass that overrides `forward`
             or its projections, or a variant the layer cannot hold (RoPE scaling other than
-            linear, llama3 and yarn, GPT-2 cross-attention).
+            linear, llama3, yarn and proportional, GPT-2 cross-attention).
     """
     porter = _module_porter(module)
     _refuse_class(module, porter)

@@ -6,9 +6,8 @@ scale of 1 and RoPE per layer type. The last `num_kv_shared_layers` layers ("reu
 `kv_sharing_modes`) have no k_proj or v_proj: they attend the keys and values of the last earlier layer of their
 type (its "store" layer) and port as `kv_shared=True` (the call takes them through `shared_kv`; `replace_attention`
 passes them from layer to layer). Gemma 4's full-attention layers with `attention_k_eq_v` have no v_proj (the
-layer's `keys_as_values`), and their own head size and key/value heads (`per_layer_config`). Refused with the
-reason: Gemma 4's default RoPE on full-attention layers, "proportional" (the layer's RoPE scalings are linear,
-llama3 and yarn)."""
+layer's `keys_as_values`), and their own head size and key/value heads (`per_layer_config`); their RoPE, by
+default "proportional" (the last pairs of each head unturned), ports as the layer's `rope_scaling`."""
 
 from .config import _head_dim, _layer_type, _rope_kwargs, _rope_parameters, _window
 from .tensors import _bias_argument, _linear, _tensor
