@@ -3018,17 +3018,17 @@ def _gathered_write(field, new, index):
 
 
 def _dequantize_cache(cache, k, v, dtype):
-    """MLA over an int8 or fp8 cache: its (B, 1, L, C) and (B, 1, L, Hr) integers (fp8 values) times their scales, in
-    float32, cast to the compute `dtype` (MLA's attention makes per-step keys of the whole cache
-    anyway: the absorbed keys, or the expanded heads)."""
+    """MLA over an int8 or fp8 cache: its (B, 1, L, C) and (B, 1, L, Hr) integers (fp8 values)
+    times their scales, in float32, cast to the compute `dtype` (MLA's attention makes per-step keys
+    of the whole cache anyway: the absorbed keys, or the expanded heads)."""
     k = tf.cast(k, tf.float32) * tf.convert_to_tensor(cache.key_scale)  # (B, 1, L, C)
     v = tf.cast(v, tf.float32) * tf.convert_to_tensor(cache.value_scale)  # (B, 1, L, Hr)
     return tf.cast(k, dtype), tf.cast(v, dtype)
 
 
 def _attend_int8(layer, q, k, v, keep, bias, call):
-    """Step 6 over an int8 or fp8 cache: q (B, N, T, H), its (B, K, L, H) integers (fp8 values) k and v, without a float
-    copy of the cache: a block of slots at a time, the integers cast to float, each slot's key
+    """Step 6 over an int8 or fp8 cache: q (B, N, T, H), its (B, K, L, H) integers (fp8 values) k
+    and v, without a float copy of the cache: a block of slots at a time, the integers cast to float, each slot's key
     scale multiplied into its scores after q . k and its value scale into its weights before
     weights . v (exact algebra), the explicit softmax between, in float32 at least (the cache
     step folded causal, window and chunk into `keep`). Returns (context (B, N, T, H), weights
