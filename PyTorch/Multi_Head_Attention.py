@@ -3295,11 +3295,12 @@ def _write_int8_cache(cache, k, v, key_mask, start):
     """`_write_cache` for an int8 or fp8 cache: the new (B, K, T, H) keys and values quantized
     (`_quantize_cache_rows`), their integers (fp8 values) written to `key` and `value` and their
     scales to `key_scale` and `value_scale` by `_write_cache` itself (keep and index written twice,
-    the same both times). fp8 is written through uint8 views of the same bytes (PyTorch's
-    `index_copy_` has no fp8 kernel on the CPU)."""
+    the same both times). fp8 is written eagerly through uint8 views of the same bytes (PyTorch's
+    `index_copy_` has no fp8 kernel on the CPU; ONNX has no such view)."""
     (k_int, k_scale), (v_int, v_scale) = (_quantize_cache_rows(x, cache.key.dtype) for x in (k, v))
     fields = (cache.key, cache.value, k_int, v_int)
-    key, value, k_int, v_int = fields if cache.key.dtype == torch.int8 else (x.view(torch.uint8) for x in fields)
+    bits = cache.key.dtype != torch.int8 and _eager()  # fp8, eagerly: uint8 views (an export keeps fp8)
+    key, value, k_int, v_int = (x.view(torch.uint8) for x in fields) if bits else fields
     _write_cache(KVCache(key, value, cache.keep, cache.index), k_int, v_int, key_mask, start)
     scales = KVCache(cache.key_scale, cache.value_scale, cache.keep, cache.index)
     written = _write_cache(scales, k_scale, v_scale, key_mask, start)
