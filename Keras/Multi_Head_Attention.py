@@ -2877,7 +2877,8 @@ def _quantize_cache_rows(x, dtype="int8"):
     448); a row whose scale is 0 stores scale 0 and zeros."""
     x, dtype = ops.cast(x, "float32"), _dtype_name(dtype)
     top = _INT8_MAX if dtype == "int8" else _FP8_MAX
-    scale = ops.max(ops.abs(x), axis=-1, keepdims=True) / top  # (..., 1)
+    largest = ops.max(ops.abs(x), axis=-1, keepdims=True)  # (..., 1)
+    scale = largest / (largest * 0 + top)  # (..., 1); XLA would multiply by 1 / top, a constant, rounding apart
     divisor = ops.where(scale == 0, ops.ones_like(scale), scale)  # (..., 1); x is 0 (or below `top` subnormals) there
     if dtype != "int8":
         return ops.cast(ops.clip(x / divisor, -_FP8_MAX, _FP8_MAX), dtype), scale  # (..., D), (..., 1)

@@ -2957,7 +2957,8 @@ def _quantize_cache_rows(x, dtype=tf.int8):
     scale is 0 stores scale 0 and zeros."""
     x = tf.cast(x, tf.float32)
     top = _INT8_MAX if dtype == tf.int8 else _FP8_MAX
-    scale = tf.reduce_max(tf.abs(x), axis=-1, keepdims=True) / top  # (..., 1)
+    largest = tf.reduce_max(tf.abs(x), axis=-1, keepdims=True)  # (..., 1)
+    scale = largest / (largest * 0 + top)  # (..., 1); XLA would multiply by 1 / top, a constant, rounding apart
     divisor = tf.where(scale == 0, tf.ones_like(scale), scale)  # (..., 1); x is 0 (or below `top` subnormals) there
     if dtype != tf.int8:
         return tf.cast(tf.clip_by_value(x / divisor, -_FP8_MAX, _FP8_MAX), dtype), scale  # (..., D), (..., 1)

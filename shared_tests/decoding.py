@@ -13,8 +13,8 @@ import dataclasses
 import numpy as np
 
 from shared_tests.cases import (
-    INDEXER,
     FP8_CACHE_TOLERANCES,
+    INDEXER,
     INT8_CACHE_TOLERANCES,
     MLA,
     TOLERANCES,

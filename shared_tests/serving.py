@@ -70,7 +70,9 @@ SERVED_LAYERS = [
 ]
 SERVED_LAYERS_BY_NAME = {layer.name: layer for layer in SERVED_LAYERS}
 # No runtime here takes an fp8 cache's step (docs/serving.md): tested as refused, not decoded
-FP8_SERVED = ServedLayer("fp8_rolling_window", length=PROMPT, variants=(("window", PROMPT),), cache_dtype="float8_e4m3fn")
+FP8_SERVED = ServedLayer(
+    "fp8_rolling_window", length=PROMPT, variants=(("window", PROMPT),), cache_dtype="float8_e4m3fn"
+)
 
 
 def make_inputs(served, seed=0):

@@ -69,16 +69,40 @@ def test_the_same_keys_give_the_same_fp8_codes_and_scales_in_every_file():
     quantized = {
         "torch": torch_file._quantize_cache_rows(torch.from_numpy(keys), torch.float8_e4m3fn),
         "tf": tf_file._quantize_cache_rows(keys, tf_file._FP8),
+        "tf:xla": _tf_xla_rows(keys, tf_file._FP8),  # the in-place cache's write
     }
     for name, (values, given_scale) in quantized.items():
         np.testing.assert_array_equal(fp8_codes(values), codes, err_msg=name)
         np.testing.assert_array_equal(np.asarray(given_scale), scale, err_msg=name)
 
 
+def _tf_xla_rows(keys, dtype):
+    import tensorflow as tf
+
+    from TensorFlow import Multi_Head_Attention as tf_file
+
+    return tf.function(lambda x: tf_file._quantize_cache_rows(x, dtype), jit_compile=True)(keys)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+def test_the_scales_under_xla_are_numpys(dtype):
+    """XLA rewrites a division by a constant as a multiplication by its reciprocal, which rounds
+    half of the scales absmax / 448 (and 4% of absmax / 127) one ulp apart: the files divide by a
+    tensor instead, so the in-place TensorFlow cache (written under XLA) stores NumPy's scales and
+    values (the Keras file on JAX likewise: the checks `fp8_cache_values`, `int8_cache_integers`)."""
+    import tensorflow as tf
+
+    keys = np.random.default_rng(1).normal(size=(16, 4, 16, 8)).astype(np.float32)  # 1024 rows
+    values, scale = (x.numpy() for x in _tf_xla_rows(keys, tf.as_dtype(dtype)))
+    expected, expected_scale = numpy_file._quantize_cache_rows(keys, np.int8 if dtype == "int8" else np.uint8)
+    np.testing.assert_array_equal(scale, expected_scale)
+    np.testing.assert_array_equal(values if dtype == "int8" else fp8_codes(values), expected)
+
+
 def _spec_bound(case, data):
     """docs/SPEC.md's bound on |output(fp8 cache) - output(float cache)|, from the reference's float
     q, k and v of the P tokens: a feature x of a row with scale s moves by at most
-    e(x) = |x| / 16 + s / 1024; delta = scale * max over queries of sum_i |q_i| max e(k_i) moves
+    e(x) = |x| / 16 + s / 1024; delta = scale * max over query/key pairs of sum_i |q_i| e(k_i) moves
     each weight row by at most e^(2 delta) - 1 in L1, each context feature by that times max |v|
     plus max e(v), each output by that times the largest column L1 norm of the output kernel."""
     layer = numpy_file.MultiHeadAttention(**case.config)
@@ -90,7 +114,8 @@ def _spec_bound(case, data):
     def moved(y):  # (B, K, P, H): the most each feature may move
         return np.abs(y) * RELATIVE + np.abs(y).max(axis=-1, keepdims=True) / 448 * SUBNORMAL
 
-    delta = layer.scale * (np.abs(q) * moved(k).max(axis=(0, 1, 2))).sum(axis=-1).max()
+    moved_k = np.repeat(moved(k), q.shape[1] // k.shape[1], axis=1)  # (B, K, P, H) -> (B, N, P, H)
+    delta = layer.scale * np.einsum("bnth,bnsh->bnts", np.abs(q), moved_k).max()  # over query/key pairs
     weights = np.expm1(2 * delta)
     context = weights * np.abs(v).max() + moved(v).max()
     return context * np.abs(layer.params["output_kernel"]).sum(axis=0).max(), weights
