@@ -218,6 +218,39 @@ def test_fp8_decode_steps_take_the_fast_path_bit_for_bit(monkeypatch):
         torch.testing.assert_close(getattr(fast_cache, name), getattr(general_cache, name), rtol=0, atol=0)
 
 
+def test_mla_decodes_its_latent_cache_in_fp8_as_numpy():
+    """MLA's latent cache (B, 1, L, C) and (B, 1, L, Hr) in fp8, rolling, in PyTorch and TensorFlow
+    against the NumPy reference (expanded), within the parity report's fp8 tolerance between files;
+    the fp8 cache moves the output away from the float cache's (its values are what is attended)."""
+    from TensorFlow import Multi_Head_Attention as tf_file
+
+    config = dict(d_model=32, num_heads=4, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6)
+    config |= dict(rope_theta=10000.0, window=4)
+    torch.manual_seed(0)
+    x = np.random.default_rng(3).normal(size=(2, 9, 32)).astype(np.float32)  # (B, P, E)
+    layers = {"torch": torch_file.MultiHeadAttention(**config).eval()}
+    weights = layers["torch"].export_weights()
+    layers["numpy"], layers["tf"] = numpy_file.MultiHeadAttention(**config), tf_file.MultiHeadAttention(**config)
+    for name in ("numpy", "tf"):
+        layers[name].import_weights(weights)
+    layers["numpy"].absorb_latents = False  # the oracle: MLA expanded
+    given = {"numpy": x.astype(np.float64), "torch": torch.from_numpy(x), "tf": x}
+
+    def decode(name, dtype):
+        layer, inputs = layers[name], given[name]
+        cache, outputs = layer.init_cache(2, 5, dtype=dtype), []
+        with torch.no_grad():
+            for start, stop in ((0, 3), *((i, i + 1) for i in range(3, 9))):
+                output, cache = layer(inputs[:, start:stop], causal=True, cache=cache)
+                outputs.append(np.asarray(output, dtype=np.float64))
+        return np.concatenate(outputs, axis=1)  # (B, P, E)
+
+    reference = decode("numpy", "float8_e4m3fn")
+    assert np.abs(reference - decode("numpy", None)).max() > 100 * FLOAT32
+    for name in ("torch", "tf"):
+        assert np.abs(decode(name, "float8_e4m3fn") - reference).max() <= CASE.tolerance["output"], name
+
+
 def test_litert_and_tf2onnx_refuse_the_fp8_cache_step():
     """Neither converter has a float8_e4m3fn type: the fp8 cache's decode step does not convert
     (docs/serving.md; onnxruntime, which has no fp8 Transpose, refuses PyTorch's ONNX export too)."""
