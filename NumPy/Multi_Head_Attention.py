@@ -437,6 +437,8 @@ class MultiHeadAttention:
             keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
                 of different lengths). Defaults to all True.
             dtype: dtype of the keys and values; defaults to the compute dtype, float64.
+                "int8": an int8 cache, integers with a float32 scale per slot and head;
+                "float8_e4m3fn": an fp8 cache, likewise scaled (its e4m3fn codes held as uint8).
 
         Returns:
             A `KVCache` of zeros with index 0: keys and values (B, K, L, H); with MLA the latent
