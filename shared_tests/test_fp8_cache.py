@@ -181,6 +181,17 @@ def test_an_fp8_cache_without_its_scales_is_refused(file):
         layer(x, causal=True, cache=cache)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_cpu_lookup_gives_the_cast_values(dtype):
+    """`_fp8_to_float` (the attention's fp8 blocks on the CPU) gives PyTorch's cast of every code,
+    from a block that is not contiguous (the first S of L slots), into a reused buffer."""
+    codes = torch.arange(256, dtype=torch.uint8).reshape(2, 4, 32)[:, :3].view(torch.float8_e4m3fn)  # (2, 3, 32)
+    buffer, indices = torch.full((300,), 7.0, dtype=dtype), torch.empty(300, dtype=torch.long)
+    looked_up = torch_file._fp8_to_float(codes, buffer, indices)
+    torch.testing.assert_close(looked_up, codes.to(dtype), rtol=0, atol=0, equal_nan=True)
+    assert looked_up.data_ptr() == buffer.data_ptr()
+
+
 def test_fp8_decode_steps_take_the_fast_path_bit_for_bit(monkeypatch):
     """Every T = 1 step over an fp8 cache (grouped heads, RoPE, left padding, a rolling window)
     after the first takes the decode fast path (`_decode_step`) while the cache's first lap lasts,
