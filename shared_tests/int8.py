@@ -3,7 +3,8 @@ checks that run in each backend's process (shared_tests/keras_checks.py): NumPy 
 
 Numbers of int8 layers differ between files only where float noise flips the rounding of a
 token's input: the output within one quantization step of the NumPy reference's, with at most
-`FLIP_SHARE` of the outputs beyond float32's tolerance.
+`FLIP_SHARE` of the outputs beyond float32's tolerance. Also the keys of the int8 and fp8 KV
+caches' rules and their NumPy codes (`fp8_codes` reads a PyTorch tensor's bits through PyTorch).
 """
 
 import numpy as np
