@@ -1526,10 +1526,10 @@ class KVCache(NamedTuple):
         segment_ids: (B, L) int32, the document of each slot (packed sequences: written by the
             first call with `segment_ids`; a query attends only the slots of its document); (B, 0)
             from `init_cache` until then (None in a cache built by hand).
-        key_scale: with an int8 cache (`init_cache(..., dtype="int8")`: `key` and `value` hold
-            int8 integers) (B, K, L, 1) float32, the scale of each slot's key per head (with MLA
-            (B, 1, L, 1), the latent's); (B, 0) from `init_cache` of a float cache (None in a
-            cache built by hand).
+        key_scale: with an int8 or fp8 cache (`init_cache(..., dtype="int8")`: `key` and `value`
+            hold int8 integers; "float8_e4m3fn": fp8 values) (B, K, L, 1) float32, the scale of
+            each slot's key per head (with MLA (B, 1, L, 1), the latent's); (B, 0) from
+            `init_cache` of a float cache (None in a cache built by hand).
         value_scale: likewise for the values ((B, 1, L, 1) with MLA: the turned key part's).
         index_key: (B, L, Hi), the sparse indexer's keys of each slot (`index_topk`); (B, 0, 0) from
             `init_cache` without an indexer (None in a cache built by hand).
@@ -1554,7 +1554,8 @@ def _init_cache(layer, batch_size, max_length, keep, dtype):
         keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
             of different lengths). Defaults to all True.
         dtype: dtype of the keys and values; defaults to the compute dtype of the policy.
-            "int8": an int8 cache, integers with a float32 scale per slot and head.
+            "int8": an int8 cache, integers with a float32 scale per slot and head;
+            "float8_e4m3fn": an fp8 cache, likewise scaled.
 
     Returns:
         A `KVCache` of zeros with index 0 (int32); with MLA, the latent cache: `key` (B, 1, L, C)
@@ -1563,14 +1564,14 @@ def _init_cache(layer, batch_size, max_length, keep, dtype):
     b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
     keep = ops.ones((b, length), dtype="bool") if keep is None else _check_keep(keep, b, length)
     shapes = _latent_cache_shapes(layer, b, length) or ((b, layer.num_kv_heads, length, layer.head_dim),) * 2
-    dtype = layer.compute_dtype if dtype is None else dtype
-    key, value = (ops.zeros(shape, dtype) for shape in shapes)
+    dtype = _dtype_name(layer.compute_dtype if dtype is None else dtype)
+    key, value = (ops.cast(ops.zeros(shape), dtype) for shape in shapes)  # fp8: TensorFlow has no fp8 zeros
     no_ids = ops.zeros((b, 0), "int32")  # segment ids: none yet (a tensor, so the cache is a nest of tensors)
     no_scales = ops.zeros((b, 0), "float32")  # a float cache: none
-    index_dtype = layer.compute_dtype if _dtype_name(key.dtype) == "int8" else dtype  # int8: the indexer's float
+    index_dtype = layer.compute_dtype if dtype in _QUANTIZED_CACHE else dtype  # int8, fp8: the indexer's float
     index_key = ops.zeros(_index_cache_shape(layer, b, length), index_dtype)  # the indexer's keys, or (B, 0, 0)
     cache = KVCache(key, value, keep, ops.convert_to_tensor(0, "int32"), no_ids, no_scales, no_scales, index_key)
-    return cache if _dtype_name(key.dtype) != "int8" else _with_cache_scales(cache)  # int8 section
+    return cache if dtype not in _QUANTIZED_CACHE else _with_cache_scales(cache)  # int8 section (int8 and fp8)
 
 
 def _check_cache(cache, query, key, heads, head_dim, latent=None):
@@ -1606,8 +1607,8 @@ def _check_cache(cache, query, key, heads, head_dim, latent=None):
 
 
 def _check_cache_dtype(cache, dtype):
-    if _dtype_name(cache.key.dtype) == "int8":
-        return _check_int8_cache(cache)  # int8 section
+    if _dtype_name(cache.key.dtype) in _QUANTIZED_CACHE:
+        return _check_int8_cache(cache)  # int8 section (int8 and fp8)
     key, value = _dtype_name(cache.key.dtype), _dtype_name(cache.value.dtype)
     if key != dtype or value != dtype:
         raise ValueError(
@@ -1670,7 +1671,8 @@ def _update_cache(layer, call, k, v, keep):
         same, segmented = _segment_keep(layer, call, None, None)  # (B, 1, T, L)
         keep, call = _and(keep, same), call._replace(cache=segmented)
     t, index = _shape(call.query)[1], ops.convert_to_tensor(call.cache.index, "int32")  # the index before this write
-    write = _write_cache if _dtype_name(call.cache.key.dtype) != "int8" else _write_int8_cache  # int8: its section
+    quantized = _dtype_name(call.cache.key.dtype) in _QUANTIZED_CACHE
+    write = _write_int8_cache if quantized else _write_cache  # int8 and fp8: the int8 section
     cache = write(call.cache, k, v, call.key_mask) if not layer.kv_shared else _written(call.cache, t)
     folded = _cache_keep(cache.keep, index, t, call.causal, call.window, call.attention_chunk_size)  # (B, 1, T, L)
     keep = _and(keep, folded)  # (B, N, T, L), dims may be 1
@@ -1712,8 +1714,8 @@ def _cache_keep(keep, index, t, causal, window, chunk):
 
 
 def _cache_attend(layer, k):
-    """Step 6 of a call with a cache: `_attend`, or over an int8 cache `_attend_int8` (int8 section)."""
-    return layer._attend if _dtype_name(k.dtype) != "int8" else lambda *args: _attend_int8(layer, *args)
+    """Step 6 of a call with a cache: `_attend`, or over an int8 or fp8 cache `_attend_int8` (int8 section)."""
+    return layer._attend if _dtype_name(k.dtype) not in _QUANTIZED_CACHE else lambda *args: _attend_int8(layer, *args)
 
 
 def _write_cache(cache, k, v, key_mask):
@@ -2067,8 +2069,8 @@ def _attend_latent(layer, q, latent, k_rope, keep, bias, call):
     (`_attend_absorbed`, where `_absorbs` says so) or expanded into per-head keys (B, K, S, H) and
     values (B, K, S, Hv) (`_expand_latents`), through `_attend`; returns (context (B, N, T, Hv),
     weights or None)."""
-    if _dtype_name(latent.dtype) == "int8":
-        latent, k_rope = _dequantize_cache(call.cache, latent, k_rope, q.dtype)  # an int8 cache (int8 section)
+    if _dtype_name(latent.dtype) in _QUANTIZED_CACHE:
+        latent, k_rope = _dequantize_cache(call.cache, latent, k_rope, q.dtype)  # int8 or fp8 (int8 section)
     if _absorbs(layer, call, q.shape[2]):
         return _attend_absorbed(layer, q, latent, k_rope, keep, bias, call)
     k, v = _expand_latents(layer, latent, k_rope)  # (B, K, S, H), (B, K, S, Hv)
@@ -2881,52 +2883,67 @@ def _check_quantize_args(layer, mode, compute_dtype):
     super(MultiHeadAttention, layer)._check_quantize_args(mode, wide)
 
 
-# The int8 KV cache (docs/SPEC.md, "KV-cache decoding"): each slot's key and value of each head (with
-# MLA its latent and its turned key part) stored as int8 with one float32 scale, absmax / 127,
-# computed in float32. The attention reads the integers a block of slots at a time, each slot's
-# key scale multiplied into its scores and its value scale into its weights: no float copy of
-# the cache.
+# The int8 and fp8 KV caches (docs/SPEC.md, "KV-cache decoding"): each slot's key and value of each
+# head (with MLA its latent and its turned key part) stored as int8 (absmax / 127) or float8_e4m3fn
+# (absmax / 448) with one float32 scale, computed in float32. The attention reads the integers (fp8
+# values) a block of slots at a time, each slot's key scale multiplied into its scores and its value
+# scale into its weights: no float copy of the cache.
 _INT8_CACHE_BLOCK = 1 << 20  # cache elements cast to float at once by `_attend_int8`
+_FP8_MAX = 448.0  # float8_e4m3fn's largest finite value (no infinities)
+_QUANTIZED_CACHE = ("int8", "float8_e4m3fn")  # the cache dtypes that hold scales
 
 
-def _quantize_cache_rows(x):
-    """(..., D) keys or values -> (int8 integers (..., D), float32 scale (..., 1)), in float32:
-    scale = max |x| / 127 over D, integers = round(x / scale) (half to even) clipped to
-    [-127, 127]; a row whose scale is 0 stores scale 0 and integers 0."""
-    x = ops.cast(x, "float32")
-    scale = ops.max(ops.abs(x), axis=-1, keepdims=True) / _INT8_MAX  # (..., 1)
-    divisor = ops.where(scale == 0, ops.ones_like(scale), scale)  # (..., 1); x is 0 (or below 127 subnormals) there
+def _quantize_cache_rows(x, dtype="int8"):
+    """(..., D) keys or values -> (int8 integers, or with `dtype` float8_e4m3fn fp8 values (..., D),
+    float32 scale (..., 1)), in float32: scale = max |x| / 127 (fp8: / 448) over D; the integers
+    round(x / scale) (half to even) clipped to [-127, 127], the fp8 values x / scale clipped to
+    [-448, 448] and cast (round to nearest even; the backends' casts differ above 464: NaN or
+    448); a row whose scale is 0 stores scale 0 and zeros."""
+    x, dtype = ops.cast(x, "float32"), _dtype_name(dtype)
+    top = _INT8_MAX if dtype == "int8" else _FP8_MAX
+    largest = ops.max(ops.abs(x), axis=-1, keepdims=True)  # (..., 1)
+    scale = largest / (largest * 0 + top)  # (..., 1); XLA would multiply by 1 / top, a constant, rounding apart
+    divisor = ops.where(scale == 0, ops.ones_like(scale), scale)  # (..., 1); x is 0 (or below `top` subnormals) there
+    if dtype != "int8":
+        return ops.cast(ops.clip(x / divisor, -_FP8_MAX, _FP8_MAX), dtype), scale  # (..., D), (..., 1)
     integers = ops.clip(ops.round(x / divisor), -_INT8_MAX, _INT8_MAX)  # (..., D), half to even
     return ops.cast(integers, "int8"), scale
 
 
 def _with_cache_scales(cache):
-    """An int8 cache's zero scales (B, K, L, 1), one per slot and head, for its keys and values."""
+    """An int8 or fp8 cache's zero scales (B, K, L, 1), one per slot and head, for its keys and values."""
     key_scale = ops.zeros((*cache.key.shape[:3], 1), "float32")  # (B, K, L, 1)
     return cache._replace(key_scale=key_scale, value_scale=ops.zeros((*cache.value.shape[:3], 1), "float32"))
 
 
 def _check_int8_cache(cache):
-    """An int8 cache: int8 keys and values, float32 scales (B, K, L, 1) beside them."""
+    """An int8 (fp8) cache: int8 (float8_e4m3fn) keys and values, float32 scales (B, K, L, 1) beside them."""
+    kind = _dtype_name(cache.key.dtype)
     for name in ("key", "value"):
         field, scale = getattr(cache, name), getattr(cache, f"{name}_scale")
         shape, dtype = (*tuple(field.shape)[:3], 1), _dtype_name(field.dtype)
-        if dtype != "int8" or scale is None or _dtype_name(scale.dtype) != "float32" or tuple(scale.shape) != shape:
+        if dtype != kind or scale is None or _dtype_name(scale.dtype) != "float32" or tuple(scale.shape) != shape:
             received = None if scale is None else (_dtype_name(scale.dtype), tuple(scale.shape))
             raise ValueError(
-                f"An int8 `cache` must hold int8 `{name}` and a float32 `{name}_scale` of shape {shape}; "
-                "make it with `init_cache(..., dtype='int8')`. "
+                f"{'An' if kind == 'int8' else 'A'} {kind} `cache` must hold {kind} `{name}` and a float32 "
+                f"`{name}_scale` of shape {shape}; make it with `init_cache(..., dtype='{kind}')`. "
                 f"Received: cache.{name}.dtype={dtype}, cache.{name}_scale={received}"
             )
 
 
 def _write_int8_cache(cache, k, v, key_mask):
-    """`_write_cache` for an int8 cache: the new (B, K, T, H) keys and values quantized
-    (`_quantize_cache_rows`), their integers written to `key` and `value` and their scales to
-    `key_scale` and `value_scale` by `_write_cache` itself (keep and index written twice, the
-    same both times)."""
-    (k_int, k_scale), (v_int, v_scale) = _quantize_cache_rows(k), _quantize_cache_rows(v)
-    ints = _write_cache(KVCache(cache.key, cache.value, cache.keep, cache.index), k_int, v_int, key_mask)
+    """`_write_cache` for an int8 or fp8 cache: the new (B, K, T, H) keys and values quantized
+    (`_quantize_cache_rows`), their integers (fp8 values) written to `key` and `value` and their
+    scales to `key_scale` and `value_scale` by `_write_cache` itself (keep and index written twice,
+    the same both times). The fp8 values are written by a gather (`_gathered_write`): TensorFlow
+    has no fp8 scatter outside XLA, and one rule serves every backend."""
+    kind = _dtype_name(cache.key.dtype)
+    (k_int, k_scale), (v_int, v_scale) = (_quantize_cache_rows(x, kind) for x in (k, v))
+    if kind == "int8":
+        ints = _write_cache(KVCache(cache.key, cache.value, cache.keep, cache.index), k_int, v_int, key_mask)
+    else:
+        key, value = (_gathered_write(x, new, cache.index) for x, new in ((cache.key, k_int), (cache.value, v_int)))
+        ints = KVCache(key, value, cache.keep, cache.index)
     scales = KVCache(cache.key_scale, cache.value_scale, cache.keep, cache.index)
     written = _write_cache(scales, k_scale, v_scale, key_mask)
     return cache._replace(key=ints.key, value=ints.value, keep=written.keep, index=written.index)._replace(
@@ -2934,18 +2951,30 @@ def _write_int8_cache(cache, k, v, key_mask):
     )
 
 
+def _gathered_write(field, new, index):
+    """(B, K, L, H) `field` with the (B, K, T, H) `new` of positions [index, index + T) in slots
+    position mod L (the last of the T where two share a slot), by one gather from the two
+    concatenated: what `_write_cache`'s scatter writes, a new tensor as the scatter's is."""
+    t, length = _shape(new)[2], field.shape[2]
+    slots = ops.arange(length, dtype="int32")  # (L,)
+    offset = ops.mod(slots - ops.convert_to_tensor(index, "int32"), length)  # (L,), the t landing in each slot
+    last = offset + length * ops.floor_divide(t - 1 - offset, length)  # (L,), the last such t (where offset < T)
+    source = ops.where(offset < t, length + last, slots)  # (L,), the slot or the new token it takes
+    return ops.take(ops.concatenate([field, new], axis=2), source, axis=2)  # (B, K, L + T, H) -> (B, K, L, H)
+
+
 def _dequantize_cache(cache, k, v, dtype):
-    """MLA over an int8 cache: its (B, 1, L, C) and (B, 1, L, Hr) integers times their scales, in
-    float32, cast to the compute `dtype` (MLA's attention makes per-step keys of the whole cache
-    anyway: the absorbed keys, or the expanded heads)."""
+    """MLA over an int8 or fp8 cache: its (B, 1, L, C) and (B, 1, L, Hr) integers (fp8 values)
+    times their scales, in float32, cast to the compute `dtype` (MLA's attention makes per-step keys
+    of the whole cache anyway: the absorbed keys, or the expanded heads)."""
     k = ops.cast(k, "float32") * cache.key_scale  # (B, 1, L, C)
     v = ops.cast(v, "float32") * cache.value_scale  # (B, 1, L, Hr)
     return ops.cast(k, dtype), ops.cast(v, dtype)
 
 
 def _attend_int8(layer, q, k, v, keep, bias, call):
-    """Step 6 over an int8 cache: q (B, N, T, H), its (B, K, L, H) integers k and v, without a float
-    copy of the cache: a block of slots at a time, the integers cast to float, each slot's key
+    """Step 6 over an int8 or fp8 cache: q (B, N, T, H), its (B, K, L, H) integers (fp8 values) k
+    and v, without a float copy of the cache: a block of slots at a time, the integers cast to float, each slot's key
     scale multiplied into its scores after q . k and its value scale into its weights before
     weights . v (exact algebra), the explicit softmax between, in float32 at least (the cache
     step folded causal, window and chunk into `keep`). Returns (context (B, N, T, H), weights

@@ -437,6 +437,8 @@ class MultiHeadAttention:
             keep: (B, L) boolean, False for slots no query may attend (left padding of prompts
                 of different lengths). Defaults to all True.
             dtype: dtype of the keys and values; defaults to the compute dtype, float64.
+                "int8": an int8 cache, integers with a float32 scale per slot and head;
+                "float8_e4m3fn": an fp8 cache, likewise scaled (its e4m3fn codes held as uint8).
 
         Returns:
             A `KVCache` of zeros with index 0: keys and values (B, K, L, H); with MLA the latent
@@ -1488,12 +1490,13 @@ def _init_cache(layer, batch_size, max_length, keep, dtype):
     b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
     keep = np.ones((b, length), dtype=bool) if keep is None else _check_keep(keep, b, length)
     heads, key_width, value_width = layer._cache_layout
-    dtype = np.float64 if dtype is None else dtype
+    dtype = np.float64 if dtype is None else _cache_storage(dtype)  # fp8: its codes as uint8 (int8 section)
     key, value = np.zeros((b, heads, length, key_width), dtype), np.zeros((b, heads, length, value_width), dtype)
-    index_dtype = np.float64 if np.dtype(dtype) == np.int8 else dtype  # an int8 cache keeps the indexer's keys float
+    quantized = np.dtype(dtype) in _QUANTIZED_CACHE
+    index_dtype = np.float64 if quantized else dtype  # an int8 or fp8 cache keeps the indexer's keys float
     index_key = None if layer.index_topk is None else np.zeros((b, length, layer.index_head_dim), index_dtype)
     cache = KVCache(key, value, keep.copy(), np.asarray(0), index_key=index_key)
-    return cache if key.dtype != np.int8 else _with_cache_scales(cache)  # int8: its scales (int8 section)
+    return cache if not quantized else _with_cache_scales(cache)  # int8 and fp8: their scales (int8 section)
 
 
 def _check_cache(cache, query, key, heads, head_dim, latent):
@@ -1529,8 +1532,8 @@ def _check_cache(cache, query, key, heads, head_dim, latent):
 
 
 def _check_cache_dtype(cache, dtype):
-    if cache.key.dtype == np.int8:
-        return _check_int8_cache(cache)  # int8 section
+    if cache.key.dtype in _QUANTIZED_CACHE:
+        return _check_int8_cache(cache)  # int8 section (int8 and fp8)
     if cache.key.dtype != dtype or cache.value.dtype != dtype:
         raise ValueError(
             f"`cache` must hold the layer's compute dtype {np.dtype(dtype).name}; "
@@ -1610,7 +1613,8 @@ def _write_cache(cache, k, v, key_mask):
     index, t, length = int(cache.index), k.shape[2], cache.key.shape[2]
     positions = index + np.arange(t)  # (T,)
     slots = positions % length  # (T,)
-    written = {"key": k, "value": v} if cache.key.dtype != np.int8 else _quantize_cache_entries(k, v)  # int8
+    quantized = cache.key.dtype in _QUANTIZED_CACHE
+    written = _quantize_cache_entries(k, v, cache.key.dtype) if quantized else {"key": k, "value": v}  # int8 section
     fields = {name: getattr(cache, name).copy() for name in written}
     for name, new in written.items():
         fields[name][:, :, slots] = new  # (B, K, L, H) or (B, 1, L, C) and (B, 1, L, Hr); int8: scales (., 1)
@@ -1633,7 +1637,7 @@ def _update_cache(layer, call, k, v, keep):
     cache_keep = _cache_keep(cache.keep, index, t, call.causal, call.window, call.attention_chunk_size)
     keep = _and(keep, cache_keep)  # (B, N|1, T, L), dims may be 1
     call = call._replace(causal=False, window=None, attention_chunk_size=None, cache=cache)
-    k, v = (cache.key, cache.value) if cache.key.dtype != np.int8 else _dequantize_cache(cache)  # int8 section
+    k, v = (cache.key, cache.value) if cache.key.dtype not in _QUANTIZED_CACHE else _dequantize_cache(cache)  # int8
     return k, v, keep, call
 
 
@@ -2284,50 +2288,100 @@ def _int8_matmul(x, kernel, kernel_scale):
     return accumulated * (x_scale * kernel_scale.astype(np.float64))  # (B, L, F)
 
 
-# The int8 KV cache (docs/SPEC.md, "KV-cache decoding"): each slot's key and value of each head (with MLA
-# its latent and its turned key part) stored as int8 with one float32 scale, absmax / 127, computed in
-# float32. The reference attends the dequantised cache, integers * scale in float64.
-def _quantize_cache_rows(x):
-    """(..., D) keys or values -> (int8 integers (..., D), float32 scale (..., 1)), in float32:
-    scale = max |x| / 127 over D, integers = round(x / scale) (half to even) clipped to
-    [-127, 127]; a row whose scale is 0 stores scale 0 and integers 0."""
+# The int8 and fp8 KV caches (docs/SPEC.md, "KV-cache decoding"): each slot's key and value of each head
+# (with MLA its latent and its turned key part) stored as int8 (absmax / 127) or float8_e4m3fn (absmax / 448)
+# with one float32 scale, computed in float32. NumPy has no fp8 type: an fp8 cache holds each value's
+# e4m3fn code (sign, 4 exponent bits biased by 7, 3 mantissa bits) as uint8, the bits the frameworks
+# store, rounded here as their casts round. The reference attends the dequantised cache in float64.
+_FP8 = "float8_e4m3fn"
+_FP8_MAX = 448.0  # e4m3fn's largest finite value, 1.75 * 2^8 (no infinities; code 0x7F is NaN)
+_FP8_MIN_EXPONENT = -6  # the smallest normal's exponent: below it the subnormals, quantum 2^-9
+_QUANTIZED_CACHE = (np.dtype(np.int8), np.dtype(np.uint8))  # an int8 cache's integers, an fp8 cache's codes
+
+
+def _cache_storage(dtype):
+    """`init_cache`'s dtype -> the NumPy dtype its keys and values are held in: uint8 codes for
+    "float8_e4m3fn" (the name, or any dtype of that name, such as ml_dtypes'), else the dtype."""
+    return np.uint8 if str(getattr(dtype, "__name__", dtype)) == _FP8 else dtype
+
+
+def _quantize_cache_rows(x, dtype=np.int8):
+    """(..., D) keys or values -> (int8 integers, or with `dtype` uint8 the fp8 codes (..., D),
+    float32 scale (..., 1)), in float32: scale = max |x| / 127 (fp8: / 448) over D; the integers
+    round(x / scale) (half to even) clipped to [-127, 127], the codes those of x / scale clipped
+    to [-448, 448] and rounded to e4m3fn (`_fp8_codes`); a row whose scale is 0 stores scale 0
+    and zeros."""
     x = np.asarray(x, dtype=np.float32)
-    scale = np.max(np.abs(x), axis=-1, keepdims=True) / np.float32(_INT8_MAX)  # (..., 1)
-    divisor = np.where(scale == 0, np.float32(1), scale)  # (..., 1); x is 0 (or below 127 subnormals) there
+    top = _INT8_MAX if np.dtype(dtype) == np.int8 else _FP8_MAX
+    scale = np.max(np.abs(x), axis=-1, keepdims=True) / np.float32(top)  # (..., 1)
+    divisor = np.where(scale == 0, np.float32(1), scale)  # (..., 1); x is 0 (or below `top` subnormals) there
+    if np.dtype(dtype) != np.int8:
+        return _fp8_codes(np.clip(x / divisor, -_FP8_MAX, _FP8_MAX)), scale.astype(np.float32)  # (..., D), (..., 1)
     integers = np.clip(np.round(x / divisor), -_INT8_MAX, _INT8_MAX).astype(np.int8)  # (..., D)
     return integers, scale.astype(np.float32)
 
 
-def _quantize_cache_entries(k, v):
+def _fp8_codes(y):
+    """float32 y (...) in [-448, 448] -> its uint8 e4m3fn codes (...), rounded to nearest, ties to
+    even, at 3 mantissa bits: with e = max(floor(log2 |y|), -6), the quantum is 2^(e - 3) and the
+    code 8 (e + 6) + round(|y| / quantum) (a rounding up to the next power of two carries into the
+    exponent bits; e = -6 holds the subnormals too, code |y| / 2^-9), plus 128 for a negative sign
+    (-0 too, as the frameworks' casts keep it). Every step is exact in float32."""
+    magnitude = np.abs(y).astype(np.float32)  # (...)
+    exponent = np.frexp(np.maximum(magnitude, np.float32(2.0**_FP8_MIN_EXPONENT)))[1] - 1  # (...), e
+    steps = np.round(magnitude / np.ldexp(np.float32(1), exponent - 3))  # (...), |y| / quantum, half to even
+    return (8 * (exponent + 6) + steps + 128 * np.signbit(y)).astype(np.uint8)  # (...)
+
+
+def _fp8_values(codes):
+    """uint8 e4m3fn codes (...) -> their values as float64 (...): exponent bits E and mantissa bits
+    M give (8 + M) * 2^(E - 10), or M * 2^-9 where E is 0 (subnormal); the sign bit negates."""
+    codes = np.asarray(codes).astype(np.int64)  # (...)
+    exponent, mantissa = (codes >> 3) & 15, codes & 7  # (...) each
+    magnitude = np.ldexp((mantissa + 8 * (exponent > 0)).astype(np.float64), np.maximum(exponent, 1) - 10)
+    return np.where(codes >= 128, -magnitude, magnitude)  # (...)
+
+
+def _quantize_cache_entries(k, v, dtype=np.int8):
     """The (B, K, T, H) new keys and values (with MLA the latents and turned key parts) as the
-    fields of an int8 cache they are written to: integers in `key` and `value`, scales (., 1)."""
-    (key, key_scale), (value, value_scale) = _quantize_cache_rows(k), _quantize_cache_rows(v)
+    fields of an int8 (`dtype` uint8: fp8) cache they are written to: integers (codes) in `key`
+    and `value`, scales (., 1)."""
+    (key, key_scale), (value, value_scale) = _quantize_cache_rows(k, dtype), _quantize_cache_rows(v, dtype)
     return {"key": key, "value": value, "key_scale": key_scale, "value_scale": value_scale}
 
 
 def _with_cache_scales(cache):
-    """An int8 cache's zero scales (B, K, L, 1), one per slot and head, for its keys and values."""
+    """An int8 or fp8 cache's zero scales (B, K, L, 1), one per slot and head, for its keys and values."""
     key_scale = np.zeros((*cache.key.shape[:3], 1), np.float32)  # (B, K, L, 1)
     return cache._replace(key_scale=key_scale, value_scale=np.zeros((*cache.value.shape[:3], 1), np.float32))
 
 
 def _check_int8_cache(cache):
-    """An int8 cache: int8 keys and values, float32 scales (B, K, L, 1) beside them."""
+    """An int8 (fp8) cache: int8 integers (uint8 fp8 codes) for keys and values, float32 scales
+    (B, K, L, 1) beside them."""
+    dtype = cache.key.dtype
+    kind = "int8" if dtype == np.int8 else _FP8
     for name in ("key", "value"):
         field, scale = getattr(cache, name), getattr(cache, f"{name}_scale")
         shape = (*field.shape[:3], 1)
-        if field.dtype != np.int8 or scale is None or scale.dtype != np.float32 or scale.shape != shape:
+        if field.dtype != dtype or scale is None or scale.dtype != np.float32 or scale.shape != shape:
             raise ValueError(
-                f"An int8 `cache` must hold int8 `{name}` and a float32 `{name}_scale` of shape {shape}; "
-                "make it with `init_cache(..., dtype='int8')`. "
-                f"Received: cache.{name}.dtype={field.dtype.name}, cache.{name}_scale="
+                f"{'An' if kind == 'int8' else 'A'} {kind} `cache` must hold {kind} `{name}` and a float32 "
+                f"`{name}_scale` of shape {shape}; make it with `init_cache(..., dtype='{kind}')`. "
+                f"Received: cache.{name}.dtype={_cache_dtype_name(field.dtype)}, cache.{name}_scale="
                 f"{None if scale is None else (scale.dtype.name, tuple(scale.shape))}"
             )
 
 
+def _cache_dtype_name(dtype):
+    """A cache field's dtype as the SPEC names it: uint8 codes are float8_e4m3fn."""
+    return _FP8 if dtype == np.uint8 else dtype.name
+
+
 def _dequantize_cache(cache):
-    """An int8 cache's keys and values as float64, integers * scale (exact)."""
-    return cache.key * cache.key_scale.astype(np.float64), cache.value * cache.value_scale.astype(np.float64)
+    """An int8 or fp8 cache's keys and values as float64, integers (fp8 values) * scale (exact)."""
+    k, v = (x if x.dtype == np.int8 else _fp8_values(x) for x in (cache.key, cache.value))
+    return k * cache.key_scale.astype(np.float64), v * cache.value_scale.astype(np.float64)
 
 
 def _with_scales(shapes):

@@ -2014,7 +2014,8 @@ def _init_cache(layer, batch_size, max_length, *, keep=None, dtype=None):
             of different lengths). Defaults to all True.
         dtype: dtype of the keys and values; defaults to the compute dtype: autocast's where
             autocast is on for the parameters' device, else the parameters'. "int8" (or
-            `torch.int8`): an int8 cache, integers with a float32 scale per slot and head.
+            `torch.int8`): an int8 cache, integers with a float32 scale per slot and head;
+            "float8_e4m3fn" (or `torch.float8_e4m3fn`): an fp8 cache, likewise scaled.
 
     Returns:
         A `KVCache` of zeros with index 0, on the parameters' device: keys and values
@@ -2034,8 +2035,8 @@ def _init_cache(layer, batch_size, max_length, *, keep=None, dtype=None):
     if _eager() and device.type != "meta":  # checked once here, carried: a step reads no value (`_carry`)
         _all_kept(keep)
         _carry(index, 0)
-    dtype = torch.int8 if dtype == "int8" else dtype  # int8: the scales too (`_with_cache_scales`)
-    index_dtype = default if dtype == torch.int8 else dtype  # an int8 cache keeps the indexer's keys float
+    dtype = getattr(torch, dtype) if dtype in _QUANTIZED_CACHE_NAMES else dtype  # int8, fp8: scales too
+    index_dtype = default if dtype in _QUANTIZED_CACHE else dtype  # an int8 or fp8 cache keeps the indexer's float
     index_key = None if layer.index_topk is None else torch.zeros(b, length, layer.index_head_dim, dtype=index_dtype)
     key, value = (
         torch.zeros(key_shape, dtype=dtype, device=device),
@@ -2043,7 +2044,7 @@ def _init_cache(layer, batch_size, max_length, *, keep=None, dtype=None):
     )
     index_key = None if index_key is None else index_key.to(device)  # (B, L, Hi)
     cache = KVCache(key, value, keep, index, index_key=index_key)
-    return cache if dtype != torch.int8 else _with_cache_scales(cache)
+    return cache if dtype not in _QUANTIZED_CACHE else _with_cache_scales(cache)
 
 
 def _check_keep(keep, batch_size, max_length):
@@ -2096,8 +2097,8 @@ def _check_cache(cache, query, key, heads, head_dim, latent=None):
 
 
 def _check_cache_dtype(cache, dtype):
-    if cache.key.dtype == torch.int8:
-        return _check_int8_cache(cache)  # int8 section
+    if cache.key.dtype in _QUANTIZED_CACHE:
+        return _check_int8_cache(cache)  # int8 section (int8 and fp8)
     if cache.key.dtype != dtype or cache.value.dtype != dtype:
         raise ValueError(
             f"`cache` must hold the layer's compute dtype {_dtype_name(dtype)}; "
@@ -2165,7 +2166,7 @@ def _update_cache(layer, call, k, v, keep, fast=None):
         cache = segmented
     t, length, index = call.query.shape[1], cache.key.shape[2], cache.index
     start = _known_index(index) if fast is None else fast[2]
-    write = _write_cache if cache.key_scale is None else _write_int8_cache  # int8: integers and scales
+    write = _write_cache if cache.key_scale is None else _write_int8_cache  # int8, fp8: values and scales
     cache = write(cache, k, v, call.key_mask, start) if not layer.kv_shared else _written(cache, t)
     lean = keep is None and not call.return_attention  # each mask gives a keep
     if lean and start is not None and start + t <= length:  # lean: the first S = index + T slots
@@ -2180,8 +2181,8 @@ def _update_cache(layer, call, k, v, keep, fast=None):
 
 
 def _cache_attend(layer, k):
-    """Step 6 of a call with a cache: `_attend`, or over an int8 cache `_attend_int8` (int8 section)."""
-    return layer._attend if k.dtype != torch.int8 else lambda *args: _attend_int8(layer, *args)
+    """Step 6 of a call with a cache: `_attend`, or over an int8 or fp8 cache `_attend_int8` (int8 section)."""
+    return layer._attend if k.dtype not in _QUANTIZED_CACHE else lambda *args: _attend_int8(layer, *args)
 
 
 def _write_cache(cache, k, v, key_mask, start):
@@ -2248,8 +2249,8 @@ def _first_slots(cache, stop):
 def _decode_step(layer, query, positions, causal, cache):
     """The decode fast path: a call that gives only the query (with `causal`, and `positions` as
     a tensor) and a cache, eagerly under no_grad, over plain projections whose q/k/v kernels the
-    layer keeps (`_kept_kernels`; never with MLA) and a cache (of the compute dtype, or int8 with
-    its scales, `_int8_cache_fits`) whose index carries its value and
+    layer keeps (`_kept_kernels`; never with MLA) and a cache (of the compute dtype, or int8 or fp8
+    with its scales, `_int8_cache_fits`) whose index carries its value and
     whose T tokens fit in its first lap (`_carried_start`; an index the caller built is read
     once, `_read_index`). Those facts answer the check step's
     checks, so this returns the `_Call` that `_check_call` would give and `fast`: the kept kernels
@@ -2289,7 +2290,7 @@ def _carried_start(cache, b, t, heads, head_dim, dtype):
         return None
     length = key.shape[2]
     shapes = key.shape == value.shape == (b, heads, length, head_dim) and keep.shape == (b, length)
-    dtypes = key.dtype == value.dtype == dtype or _int8_cache_fits(cache)  # an int8 cache: its scales
+    dtypes = key.dtype == value.dtype == dtype or _int8_cache_fits(cache)  # an int8 or fp8 cache: its scales
     if not shapes or not dtypes or keep.dtype != torch.bool:
         return None
     start = _carried(cache.index)
@@ -2664,8 +2665,8 @@ def _project_latent(layer, call):
 def _attend_latent(layer, q, k, v, keep, bias, call):
     """Step 6 with MLA: k and v are the (B, 1, S, C) latents and (B, 1, S, Hr) k_rope, attended
     absorbed (`_attend_absorbed`) or expanded per head (`_expand_latents`), through `_attend`."""
-    if k.dtype == torch.int8:
-        k, v = _dequantize_cache(call.cache, k, v, q.dtype)  # an int8 cache (int8 section)
+    if k.dtype in _QUANTIZED_CACHE:
+        k, v = _dequantize_cache(call.cache, k, v, q.dtype)  # an int8 or fp8 cache (int8 section)
     if call.selection is not None:  # the sparse indexer's gathered route
         return _attend_gathered(layer, q, k, v, keep, bias, call)
     if _absorbs(layer, call, q.shape[2]):
@@ -3257,41 +3258,51 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-# The int8 KV cache (docs/SPEC.md, "KV-cache decoding"): each slot's key and value of each head (with
-# MLA its latent and its turned key part) stored as int8 with one float32 scale, absmax / 127,
-# computed in float32. The attention reads the integers a block of slots at a time, each slot's
-# key scale multiplied into its scores and its value scale into its weights: no float copy of
-# the cache.
+# The int8 and fp8 KV caches (docs/SPEC.md, "KV-cache decoding"): each slot's key and value of each
+# head (with MLA its latent and its turned key part) stored as int8 (absmax / 127) or float8_e4m3fn
+# (absmax / 448) with one float32 scale, computed in float32. The attention reads the integers (fp8
+# values) a block of slots at a time, each slot's key scale multiplied into its scores and its value
+# scale into its weights: no float copy of the cache.
 _INT8_CACHE_BLOCK = 1 << 20  # cache elements cast to float at once by `_attend_int8`
+_FP8_MAX = 448.0  # float8_e4m3fn's largest finite value (no infinities)
+_QUANTIZED_CACHE = (torch.int8, torch.float8_e4m3fn)  # the cache dtypes that hold scales
+_QUANTIZED_CACHE_NAMES = ("int8", "float8_e4m3fn")  # their names, as `init_cache` takes them
 
 
-def _quantize_cache_rows(x):
-    """(..., D) keys or values -> (int8 integers (..., D), float32 scale (..., 1)), in float32:
-    scale = max |x| / 127 over D, integers = round(x / scale) (half to even) clipped to
-    [-127, 127]; a row whose scale is 0 stores scale 0 and integers 0."""
+def _quantize_cache_rows(x, dtype=torch.int8):
+    """(..., D) keys or values -> (int8 integers, or with `dtype` float8_e4m3fn fp8 values (..., D),
+    float32 scale (..., 1)), in float32: scale = max |x| / 127 (fp8: / 448) over D; the integers
+    round(x / scale) (half to even) clipped to [-127, 127], the fp8 values x / scale clipped to
+    [-448, 448] and cast (round to nearest even; the clip spares CUDA's and CPU's casts their
+    overflow rules); a row whose scale is 0 stores scale 0 and zeros."""
     x = x.to(torch.float32)
-    scale = x.abs().amax(dim=-1, keepdim=True) / _INT8_MAX  # (..., 1)
-    divisor = torch.where(scale == 0, 1.0, scale)  # (..., 1); x is 0 (or below 127 subnormals) there
+    top = _INT8_MAX if dtype == torch.int8 else _FP8_MAX
+    scale = x.abs().amax(dim=-1, keepdim=True) / top  # (..., 1)
+    divisor = torch.where(scale == 0, 1.0, scale)  # (..., 1); x is 0 (or below `top` subnormals) there
+    if dtype != torch.int8:
+        return (x / divisor).clamp_(-_FP8_MAX, _FP8_MAX).to(dtype), scale  # (..., D), (..., 1)
     return torch.round(x / divisor).clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8), scale  # (..., D), (..., 1)
 
 
 def _with_cache_scales(cache):
-    """An int8 cache's zero scales (B, K, L, 1), one per slot and head, for its keys and values."""
+    """An int8 or fp8 cache's zero scales (B, K, L, 1), one per slot and head, for its keys and values."""
     key_scale = cache.key.new_zeros((*cache.key.shape[:3], 1), dtype=torch.float32)  # (B, K, L, 1)
     value_scale = cache.value.new_zeros((*cache.value.shape[:3], 1), dtype=torch.float32)  # (B, K, L, 1)
     return cache._replace(key_scale=key_scale, value_scale=value_scale)
 
 
 def _check_int8_cache(cache):
-    """An int8 cache: int8 keys and values, float32 scales (B, K, L, 1) beside them."""
+    """An int8 (fp8) cache: int8 (float8_e4m3fn) keys and values, float32 scales (B, K, L, 1) beside them."""
+    dtype = cache.key.dtype
+    kind = _dtype_name(dtype)
     for name in ("key", "value"):
         field, scale = getattr(cache, name), getattr(cache, f"{name}_scale")
         shape = (*field.shape[:3], 1)
-        if field.dtype != torch.int8 or scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != shape:
+        if field.dtype != dtype or scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != shape:
             received = None if scale is None else (_dtype_name(scale.dtype), tuple(scale.shape))
             raise ValueError(
-                f"An int8 `cache` must hold int8 `{name}` and a float32 `{name}_scale` of shape {shape}; "
-                "make it with `init_cache(..., dtype='int8')`. "
+                f"{'An' if kind == 'int8' else 'A'} {kind} `cache` must hold {kind} `{name}` and a float32 "
+                f"`{name}_scale` of shape {shape}; make it with `init_cache(..., dtype='{kind}')`. "
                 f"Received: cache.{name}.dtype={_dtype_name(field.dtype)}, cache.{name}_scale={received}"
             )
 
@@ -3301,33 +3312,37 @@ def _int8_cache_fits(cache):
     scales = (cache.key_scale, cache.value_scale)
     shape = (*cache.key.shape[:3], 1)
     fits = all(type(x) is torch.Tensor and x.dtype == torch.float32 and x.shape == shape for x in scales)
-    return fits and cache.key.dtype == cache.value.dtype == torch.int8
+    return fits and cache.key.dtype == cache.value.dtype and cache.key.dtype in _QUANTIZED_CACHE
 
 
 def _write_int8_cache(cache, k, v, key_mask, start):
-    """`_write_cache` for an int8 cache: the new (B, K, T, H) keys and values quantized
-    (`_quantize_cache_rows`), their integers written to `key` and `value` and their scales to
-    `key_scale` and `value_scale` by `_write_cache` itself (keep and index written twice, the
-    same both times)."""
-    (k_int, k_scale), (v_int, v_scale) = _quantize_cache_rows(k), _quantize_cache_rows(v)
-    _write_cache(KVCache(cache.key, cache.value, cache.keep, cache.index), k_int, v_int, key_mask, start)
+    """`_write_cache` for an int8 or fp8 cache: the new (B, K, T, H) keys and values quantized
+    (`_quantize_cache_rows`), their integers (fp8 values) written to `key` and `value` and their
+    scales to `key_scale` and `value_scale` by `_write_cache` itself (keep and index written twice,
+    the same both times). fp8 is written eagerly through uint8 views of the same bytes (PyTorch's
+    `index_copy_` has no fp8 kernel on the CPU; ONNX has no such view)."""
+    (k_int, k_scale), (v_int, v_scale) = (_quantize_cache_rows(x, cache.key.dtype) for x in (k, v))
+    fields = (cache.key, cache.value, k_int, v_int)
+    bits = cache.key.dtype != torch.int8 and _eager()  # fp8, eagerly: uint8 views (an export keeps fp8)
+    key, value, k_int, v_int = (x.view(torch.uint8) for x in fields) if bits else fields
+    _write_cache(KVCache(key, value, cache.keep, cache.index), k_int, v_int, key_mask, start)
     scales = KVCache(cache.key_scale, cache.value_scale, cache.keep, cache.index)
     written = _write_cache(scales, k_scale, v_scale, key_mask, start)
     return KVCache(cache.key, cache.value, written.keep, written.index, *cache[4:])
 
 
 def _dequantize_cache(cache, k, v, dtype):
-    """MLA over an int8 cache: its (B, 1, S, C) and (B, 1, S, Hr) integers (the first S slots)
-    times their scales, in float32, cast to the compute `dtype` (MLA's attention makes per-step keys of the whole cache
-    anyway: the absorbed keys, or the expanded heads)."""
-    s = k.shape[2]
+    """MLA over an int8 or fp8 cache: its (B, 1, S, C) and (B, 1, S, Hr) integers (fp8 values; the
+    first S slots) times their scales, in float32, cast to the compute `dtype` (MLA's attention makes
+    per-step keys of the whole cache anyway: the absorbed keys, or the expanded heads)."""
+    s, k, v = k.shape[2], k.to(torch.float32), v.to(torch.float32)  # (B, 1, S, C), (B, 1, S, Hr)
     k, v = k * cache.key_scale[:, :, :s], v * cache.value_scale[:, :, :s]  # (B, 1, S, C), (B, 1, S, Hr)
     return k.to(dtype), v.to(dtype)
 
 
 def _attend_int8(layer, q, k, v, keep, bias, call):
-    """Step 6 over an int8 cache: q (B, N, T, H), its (B, K, S, H) integers k and v (the first S
-    slots), without a float copy of the cache: a block of key/value heads at a time, all S slots
+    """Step 6 over an int8 or fp8 cache: q (B, N, T, H), its (B, K, S, H) integers (fp8 values) k
+    and v (the first S slots), without a float copy of the cache: a block of key/value heads at a time, all S slots
     of each (`_float_blocks`), each slot's key scale multiplied into its scores after q . k and
     its value scale into its weights before weights . v (exact algebra), the explicit softmax
     between, in float32 at least. Returns (context (B, N, T, H), weights (B, N, T, S) or None)."""
@@ -3349,18 +3364,39 @@ def _attend_int8(layer, q, k, v, keep, bias, call):
 
 
 def _float_blocks(x, dtype):
-    """(B, K, S, H) integers (the first S slots of a cache) -> (first head, (heads, S, H) block in
-    `dtype`) for each block of about `_INT8_CACHE_BLOCK` elements of the B*K key/value heads (one
-    head at least; a head's slots lie together in the cache). Eagerly under no_grad each block is
-    cast into one buffer, reused: a block is used before the next is made."""
+    """(B, K, S, H) integers or fp8 values (the first S slots of a cache) -> (first head, (heads,
+    S, H) block in `dtype`) for each block of about `_INT8_CACHE_BLOCK` elements of the B*K
+    key/value heads (one head at least; a head's slots lie together in the cache). Eagerly under
+    no_grad each block is cast into one buffer, reused: a block is used before the next is made
+    (fp8 on the CPU by a lookup, `_fp8_to_float`)."""
     flat = x.reshape(-1, *x.shape[2:])  # (B, K, S, H) -> (B*K, S, H), a view of a cache from `init_cache`
     size = x.shape[2] * x.shape[3]  # one head's elements
     per = max(1, _INT8_CACHE_BLOCK // max(size, 1))  # heads per block
     reuse = _eager() and not torch.is_grad_enabled()  # a graph or autograd keeps each block
     buffer = x.new_empty(min(per, flat.shape[0]) * size, dtype=dtype) if reuse else None
+    looked_up = reuse and x.dtype == torch.float8_e4m3fn and x.device.type == "cpu"
+    codes = torch.empty(buffer.shape, dtype=torch.long) if looked_up else None  # the lookup's indices
     for i in range(0, flat.shape[0], per):
         block = flat[i : i + per]  # (heads, S, H)
-        yield i, block.to(dtype) if buffer is None else buffer[: block.numel()].view(block.shape).copy_(block)
+        if buffer is None:
+            yield i, block.to(dtype)
+        else:
+            yield i, _fp8_to_float(block, buffer, codes) if looked_up else _cast_into(block, buffer)
+
+
+def _cast_into(block, buffer):
+    """A (heads, S, H) block cast into the first elements of `buffer`, viewed as the block."""
+    return buffer[: block.numel()].view(block.shape).copy_(block)
+
+
+def _fp8_to_float(block, buffer, codes):
+    """A (heads, S, H) fp8 block on the CPU into `buffer`'s dtype: its codes (uint8 views) index the
+    256 values of float8_e4m3fn (`index_select` into `buffer`), the values PyTorch's cast gives,
+    about 6 times faster than that cast, which converts element by element on the CPU."""
+    n = block.numel()
+    indices = _cast_into(block.view(torch.uint8), codes).view(-1)  # (heads*S*H,)
+    table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(buffer.dtype)  # (256,)
+    return torch.index_select(table, 0, indices, out=buffer[:n]).view(block.shape)  # (heads, S, H)
 
 
 def _with_scales(shapes):

@@ -1566,10 +1566,10 @@ class KVCache(NamedTuple):
         segment_ids: (B, L) int32, the document of each slot (packed sequences: written by the
             first call with `segment_ids`; a query attends only the slots of its document); (B, 0)
             from `init_cache` until then (None in a cache built by hand).
-        key_scale: with an int8 cache (`init_cache(..., dtype="int8")`: `key` and `value` hold
-            int8 integers) (B, K, L, 1) float32, the scale of each slot's key per head (with MLA
-            (B, 1, L, 1), the latent's); (B, 0) from `init_cache` of a float cache (None in a
-            cache built by hand).
+        key_scale: with an int8 or fp8 cache (`init_cache(..., dtype="int8")`: `key` and `value`
+            hold int8 integers; "float8_e4m3fn": fp8 values) (B, K, L, 1) float32, the scale of
+            each slot's key per head (with MLA (B, 1, L, 1), the latent's); (B, 0) from
+            `init_cache` of a float cache (None in a cache built by hand).
         value_scale: likewise for the values ((B, 1, L, 1) with MLA: the turned key part's).
         index_key: (B, L, Hi), the sparse indexer's keys of each slot (`index_topk`); (B, 0, 0) from
             `init_cache` without an indexer (None in a cache built by hand).
@@ -1590,23 +1590,25 @@ def _init_cache(layer, batch_size, max_length, keep, dtype, in_place):
     (B, 1, L, C) for the normalized latents, `value` (B, 1, L, Hr) for the rotated shared key part.
     `keep` (B, L) boolean is False for slots no query may attend (left padding of prompts of
     different lengths), all True by default; `dtype` defaults to the compute dtype of the policy
-    ("int8": integers with a float32 scale per slot and head, `_with_cache_scales`).
+    ("int8": integers with a float32 scale per slot and head, `_with_cache_scales`; "float8_e4m3fn":
+    fp8 values, likewise scaled).
     `in_place=True`: the cache's four fields are non-trainable `tf.Variable`s that each call
     writes in place, with no copy of the cache (make it outside any `tf.function`); a compiled
     step then returns only its output."""
     b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
     keep = tf.ones((b, length), dtype=tf.bool) if keep is None else _check_keep(keep, b, length)
     key_shape, value_shape = _cache_shapes(layer, b, length)
-    dtype = layer.compute_dtype if dtype is None else dtype
+    dtype = tf.as_dtype(layer.compute_dtype if dtype is None else dtype)
     no_ids = tf.zeros((b, 0), tf.int32)  # segment ids: none yet (a tensor, so the cache is a nest of tensors)
     no_scales = tf.zeros((b, 0), tf.float32)  # a float cache: none
-    index_dtype = layer.compute_dtype if tf.as_dtype(dtype) == tf.int8 else dtype  # int8: the indexer's keys float
+    index_dtype = layer.compute_dtype if dtype in _QUANTIZED_CACHE else dtype  # int8, fp8: the indexer's float
     index_key = tf.zeros(
         _index_cache_shape(layer, b, length), index_dtype
     )  # the indexer's keys (B, L, Hi) or (B, 0, 0)
-    cache = KVCache(tf.zeros(key_shape, dtype), tf.zeros(value_shape, dtype), keep, tf.constant(0, tf.int32), no_ids)
+    key, value = (tf.cast(tf.zeros(shape), dtype) for shape in (key_shape, value_shape))  # fp8 has no tf.zeros
+    cache = KVCache(key, value, keep, tf.constant(0, tf.int32), no_ids)
     cache = cache._replace(key_scale=no_scales, value_scale=no_scales, index_key=index_key)
-    cache = cache if cache.key.dtype != tf.int8 else _with_cache_scales(cache)  # int8 section
+    cache = cache if dtype not in _QUANTIZED_CACHE else _with_cache_scales(cache)  # int8 section (int8 and fp8)
     return _as_variables(cache) if in_place else cache
 
 
@@ -1631,7 +1633,8 @@ def _update_cache(layer, call, k, v, keep):
     elif _is_in_place(cache):
         cache = _write_variables(cache, k, v, call.key_mask, misfit)  # the same variables, written
     else:
-        cache = (_write_cache if cache.key.dtype != tf.int8 else _write_int8_cache)(cache, k, v, call.key_mask)
+        quantized = cache.key.dtype in _QUANTIZED_CACHE  # int8 or fp8: values and scales (int8 section)
+        cache = (_write_int8_cache if quantized else _write_cache)(cache, k, v, call.key_mask)
     positional = (call.causal, call.window, call.attention_chunk_size)
     keep = _and(keep, _cache_keep(tf.convert_to_tensor(cache.keep), index, t, *positional))  # (B, 1, T|1, L)
     k, v = tf.convert_to_tensor(cache.key), tf.convert_to_tensor(cache.value)  # (B, K, L, H), read once
@@ -1672,8 +1675,8 @@ def _check_cache(cache, query, key, heads, head_dim, latent=None):
 
 
 def _check_cache_dtype(cache, dtype):
-    if cache.key.dtype == tf.int8:
-        return _check_int8_cache(cache)  # int8 section
+    if cache.key.dtype in _QUANTIZED_CACHE:
+        return _check_int8_cache(cache)  # int8 section (int8 and fp8)
     if cache.key.dtype != dtype or cache.value.dtype != dtype:
         raise ValueError(
             f"`cache` must hold the layer's compute dtype {tf.as_dtype(dtype).name}; "
@@ -1747,8 +1750,8 @@ def _cache_keep(keep, index, t, causal, window, attention_chunk_size):
 
 
 def _cache_attend(layer, k):
-    """Step 6 of a call with a cache: `_attend`, or over an int8 cache `_attend_int8` (int8 section)."""
-    return layer._attend if k.dtype != tf.int8 else lambda *args: _attend_int8(layer, *args)
+    """Step 6 of a call with a cache: `_attend`, or over an int8 or fp8 cache `_attend_int8` (int8 section)."""
+    return layer._attend if k.dtype not in _QUANTIZED_CACHE else lambda *args: _attend_int8(layer, *args)
 
 
 def _write_cache(cache, k, v, key_mask):
@@ -1788,7 +1791,8 @@ def _write_variables(cache, k, v, key_mask, misfit):
     """`_write_cache` on an in-place cache: its variables written where they lie, with no copy of
     the cache per step; nothing is written when the tokens do not fit (`misfit`, only ever True
     under XLA). Returns the same cache."""
-    names = ("key", "value", "keep", "index") + (("key_scale", "value_scale") if cache.key.dtype == tf.int8 else ())
+    scaled = cache.key.dtype in _QUANTIZED_CACHE  # int8 or fp8
+    names = ("key", "value", "keep", "index") + (("key_scale", "value_scale") if scaled else ())
     handles = tuple(getattr(cache, name).handle for name in names)
     fields = tuple((name, getattr(cache, name).dtype, tuple(getattr(cache, name).shape)) for name in names)
     _write_compiled(handles, fields, k, v, key_mask, misfit)
@@ -1806,7 +1810,10 @@ def _write_compiled(handles, fields, k, v, key_mask, misfit):
     def write():
         pairs = zip(handles, fields, strict=True)
         read = {name: tf.raw_ops.ReadVariableOp(resource=h, dtype=d) for h, (name, d, _) in pairs}
-        written = (_write_cache if len(read) == 4 else _write_int8_cache)(KVCache(**read), k, v, key_mask)
+        cache = KVCache(**read)
+        written = (
+            _write_cache(cache, k, v, key_mask) if len(read) == 4 else _write_int8_cache(cache, k, v, key_mask, True)
+        )
         for handle, (name, _, _) in zip(handles, fields, strict=True):
             tf.raw_ops.AssignVariableOp(resource=handle, value=getattr(written, name))
         return tf.no_op()
@@ -2146,8 +2153,8 @@ def _project_latent(layer, call):
 def _attend_latent(layer, q, latent, k_rope, keep, bias, call):
     """Step 6 with MLA: k and v are the (B, 1, S, C) latents and (B, 1, S, Hr) k_rope, attended
     absorbed (`_attend_absorbed`) or up-projected to per-head keys and values (`_expand_latents`)."""
-    if latent.dtype == tf.int8:
-        latent, k_rope = _dequantize_cache(call.cache, latent, k_rope, q.dtype)  # an int8 cache (int8 section)
+    if latent.dtype in _QUANTIZED_CACHE:
+        latent, k_rope = _dequantize_cache(call.cache, latent, k_rope, q.dtype)  # int8 or fp8 (int8 section)
     if _absorbs(layer, call, q.shape[2]):
         return _attend_absorbed(layer, q, latent, k_rope, keep, bias, call)
     k, v = _expand_latents(layer, latent, k_rope)  # (B, K, S, H), (B, K, S, Hv)
@@ -2955,52 +2962,68 @@ def _check_quantize_args(layer, mode, compute_dtype):
     super(MultiHeadAttention, layer)._check_quantize_args(mode, wide)
 
 
-# The int8 KV cache (docs/SPEC.md, "KV-cache decoding"): each slot's key and value of each head (with
-# MLA its latent and its turned key part) stored as int8 with one float32 scale, absmax / 127,
-# computed in float32. The attention reads the integers a block of slots at a time, each slot's
-# key scale multiplied into its scores and its value scale into its weights: no float copy of
-# the cache.
+# The int8 and fp8 KV caches (docs/SPEC.md, "KV-cache decoding"): each slot's key and value of each
+# head (with MLA its latent and its turned key part) stored as int8 (absmax / 127) or float8_e4m3fn
+# (absmax / 448) with one float32 scale, computed in float32. The attention reads the integers (fp8
+# values) a block of slots at a time, each slot's key scale multiplied into its scores and its value
+# scale into its weights: no float copy of the cache.
 _INT8_CACHE_BLOCK = 1 << 20  # cache elements cast to float at once by `_attend_int8`
+_FP8 = tf.as_dtype("float8_e4m3fn")
+_FP8_MAX = 448.0  # float8_e4m3fn's largest finite value (no infinities)
+_QUANTIZED_CACHE = (tf.int8, _FP8)  # the cache dtypes that hold scales
 
 
-def _quantize_cache_rows(x):
-    """(..., D) keys or values -> (int8 integers (..., D), float32 scale (..., 1)), in float32:
-    scale = max |x| / 127 over D, integers = round(x / scale) (half to even) clipped to
-    [-127, 127]; a row whose scale is 0 stores scale 0 and integers 0."""
+def _quantize_cache_rows(x, dtype=tf.int8):
+    """(..., D) keys or values -> (int8 integers, or with `dtype` float8_e4m3fn fp8 values (..., D),
+    float32 scale (..., 1)), in float32: scale = max |x| / 127 (fp8: / 448) over D; the integers
+    round(x / scale) (half to even) clipped to [-127, 127], the fp8 values x / scale clipped to
+    [-448, 448] and cast (round to nearest even; TensorFlow's cast makes NaN above 464); a row whose
+    scale is 0 stores scale 0 and zeros."""
     x = tf.cast(x, tf.float32)
-    scale = tf.reduce_max(tf.abs(x), axis=-1, keepdims=True) / _INT8_MAX  # (..., 1)
-    divisor = tf.where(scale == 0, tf.ones_like(scale), scale)  # (..., 1); x is 0 (or below 127 subnormals) there
+    top = _INT8_MAX if dtype == tf.int8 else _FP8_MAX
+    largest = tf.reduce_max(tf.abs(x), axis=-1, keepdims=True)  # (..., 1)
+    scale = largest / (largest * 0 + top)  # (..., 1); XLA would multiply by 1 / top, a constant, rounding apart
+    divisor = tf.where(scale == 0, tf.ones_like(scale), scale)  # (..., 1); x is 0 (or below `top` subnormals) there
+    if dtype != tf.int8:
+        return tf.cast(tf.clip_by_value(x / divisor, -_FP8_MAX, _FP8_MAX), dtype), scale  # (..., D), (..., 1)
     integers = tf.clip_by_value(tf.round(x / divisor), -_INT8_MAX, _INT8_MAX)  # (..., D), half to even
     return tf.cast(integers, tf.int8), scale
 
 
 def _with_cache_scales(cache):
-    """An int8 cache's zero scales (B, K, L, 1), one per slot and head, for its keys and values."""
+    """An int8 or fp8 cache's zero scales (B, K, L, 1), one per slot and head, for its keys and values."""
     key_scale = tf.zeros((*cache.key.shape[:3], 1), tf.float32)  # (B, K, L, 1)
     return cache._replace(key_scale=key_scale, value_scale=tf.zeros((*cache.value.shape[:3], 1), tf.float32))
 
 
 def _check_int8_cache(cache):
-    """An int8 cache: int8 keys and values, float32 scales (B, K, L, 1) beside them."""
+    """An int8 (fp8) cache: int8 (float8_e4m3fn) keys and values, float32 scales (B, K, L, 1) beside them."""
+    dtype = cache.key.dtype
+    kind = dtype.name
     for name in ("key", "value"):
         field, scale = getattr(cache, name), getattr(cache, f"{name}_scale")
         shape = (*tuple(field.shape)[:3], 1)
-        if field.dtype != tf.int8 or scale is None or scale.dtype != tf.float32 or tuple(scale.shape) != shape:
+        if field.dtype != dtype or scale is None or scale.dtype != tf.float32 or tuple(scale.shape) != shape:
             received = None if scale is None else (scale.dtype.name, tuple(scale.shape))
             raise ValueError(
-                f"An int8 `cache` must hold int8 `{name}` and a float32 `{name}_scale` of shape {shape}; "
-                "make it with `init_cache(..., dtype='int8')`. "
+                f"{'An' if kind == 'int8' else 'A'} {kind} `cache` must hold {kind} `{name}` and a float32 "
+                f"`{name}_scale` of shape {shape}; make it with `init_cache(..., dtype='{kind}')`. "
                 f"Received: cache.{name}.dtype={field.dtype.name}, cache.{name}_scale={received}"
             )
 
 
-def _write_int8_cache(cache, k, v, key_mask):
-    """`_write_cache` for an int8 cache: the new (B, K, T, H) keys and values quantized
-    (`_quantize_cache_rows`), their integers written to `key` and `value` and their scales to
-    `key_scale` and `value_scale` by `_write_cache` itself (keep and index written twice, the
-    same both times)."""
-    (k_int, k_scale), (v_int, v_scale) = _quantize_cache_rows(k), _quantize_cache_rows(v)
-    ints = _write_cache(KVCache(cache.key, cache.value, cache.keep, cache.index), k_int, v_int, key_mask)
+def _write_int8_cache(cache, k, v, key_mask, compiled=False):
+    """`_write_cache` for an int8 or fp8 cache: the new (B, K, T, H) keys and values quantized
+    (`_quantize_cache_rows`), their integers (fp8 values) written to `key` and `value` and their
+    scales to `key_scale` and `value_scale` by `_write_cache` itself (keep and index written twice,
+    the same both times). TensorFlow has no fp8 scatter outside XLA: there the fp8 values are
+    written by a gather (`_gathered_write`), `compiled` (XLA, the in-place cache) scatters them."""
+    (k_int, k_scale), (v_int, v_scale) = (_quantize_cache_rows(x, cache.key.dtype) for x in (k, v))
+    if compiled or cache.key.dtype == tf.int8:
+        ints = _write_cache(KVCache(cache.key, cache.value, cache.keep, cache.index), k_int, v_int, key_mask)
+    else:  # fp8 outside XLA
+        key, value = (_gathered_write(x, new, cache.index) for x, new in ((cache.key, k_int), (cache.value, v_int)))
+        ints = KVCache(key, value, cache.keep, cache.index)
     scales = KVCache(cache.key_scale, cache.value_scale, cache.keep, cache.index)
     written = _write_cache(scales, k_scale, v_scale, key_mask)
     return cache._replace(key=ints.key, value=ints.value, keep=written.keep, index=written.index)._replace(
@@ -3008,18 +3031,29 @@ def _write_int8_cache(cache, k, v, key_mask):
     )
 
 
+def _gathered_write(field, new, index):
+    """(B, K, L, H) `field` with the (B, K, T, H) `new` of positions [index, index + T) in slots
+    position mod L (the last of the T where two share a slot), by one gather from the two
+    concatenated: what `_write_cache`'s scatter writes, a new tensor as the scatter's is."""
+    t, length = tf.shape(new)[2], tf.shape(field)[2]
+    offset = tf.math.floormod(tf.range(length) - index, length)  # (L,), the t whose position lands in each slot
+    last = offset + length * tf.math.floordiv(t - 1 - offset, length)  # (L,), the last such t (where offset < T)
+    source = tf.where(offset < t, length + last, tf.range(length))  # (L,), the slot or the new token it takes
+    return tf.gather(tf.concat([field, new], axis=2), source, axis=2)  # (B, K, L + T, H) -> (B, K, L, H)
+
+
 def _dequantize_cache(cache, k, v, dtype):
-    """MLA over an int8 cache: its (B, 1, L, C) and (B, 1, L, Hr) integers times their scales, in
-    float32, cast to the compute `dtype` (MLA's attention makes per-step keys of the whole cache
-    anyway: the absorbed keys, or the expanded heads)."""
+    """MLA over an int8 or fp8 cache: its (B, 1, L, C) and (B, 1, L, Hr) integers (fp8 values)
+    times their scales, in float32, cast to the compute `dtype` (MLA's attention makes per-step keys
+    of the whole cache anyway: the absorbed keys, or the expanded heads)."""
     k = tf.cast(k, tf.float32) * tf.convert_to_tensor(cache.key_scale)  # (B, 1, L, C)
     v = tf.cast(v, tf.float32) * tf.convert_to_tensor(cache.value_scale)  # (B, 1, L, Hr)
     return tf.cast(k, dtype), tf.cast(v, dtype)
 
 
 def _attend_int8(layer, q, k, v, keep, bias, call):
-    """Step 6 over an int8 cache: q (B, N, T, H), its (B, K, L, H) integers k and v, without a float
-    copy of the cache: a block of slots at a time, the integers cast to float, each slot's key
+    """Step 6 over an int8 or fp8 cache: q (B, N, T, H), its (B, K, L, H) integers (fp8 values) k
+    and v, without a float copy of the cache: a block of slots at a time, the integers cast to float, each slot's key
     scale multiplied into its scores after q . k and its value scale into its weights before
     weights . v (exact algebra), the explicit softmax between, in float32 at least (the cache
     step folded causal, window and chunk into `keep`). Returns (context (B, N, T, H), weights

@@ -769,8 +769,9 @@ def run(args, forks):
         "",
         "## int8 KV cache",
         "",
-        'The int8 KV cache (`init_cache(..., dtype="int8")`, docs/SPEC.md "KV-cache decoding") against the '
-        "float32 cache (bench/int8_cache.py): bytes per token, scales included, then PyTorch's T = 1 decode step "
+        'The int8 and fp8 KV caches (`init_cache(..., dtype="int8")`, `dtype="float8_e4m3fn"`, docs/SPEC.md '
+        '"KV-cache decoding") against the float32 cache (bench/int8_cache.py): bytes per token, scales included, '
+        "then PyTorch's T = 1 decode step "
         "(the decode fast path, under no_grad) over each, holding the same L - 1 keys and values (it writes slot "
         f"L - 1 and attends all L), taking turns step by step in {args.rounds * 3} rounds of {int8_cache_runs} "
         "steps.",

@@ -1,6 +1,7 @@
-"""The int8 KV cache (`init_cache(..., dtype="int8")`, docs/SPEC.md "KV-cache decoding") against the
-float32 cache: the bytes per token, scales included, and PyTorch's T = 1 decode step (the decode
-fast path, as a decoding loop calls it) over each, taking turns step by step in rounds.
+"""The int8 and fp8 KV caches (`init_cache(..., dtype="int8")`, `dtype="float8_e4m3fn"`, docs/SPEC.md
+"KV-cache decoding") against the float32 cache: the bytes per token, scales included, and PyTorch's
+T = 1 decode step (the decode fast path, as a decoding loop calls it) over each, the three taking
+turns step by step in rounds.
 
     python -m bench.int8_cache [--quick] [--runs 10] [--rounds 5] [--threads 1]
 
@@ -19,7 +20,7 @@ class StepConfig(NamedTuple):
     e: int
     n: int
     length: int
-    target: float  # int8 step / float32 step, at most
+    target: float  # int8 (fp8) step / float32 step, at most
 
 
 STEP_CONFIGS = (
@@ -28,7 +29,8 @@ STEP_CONFIGS = (
 )
 QUICK_STEP_CONFIGS = (StepConfig("quick B=2 E=32 N=4 L=64", 2, 32, 4, 64, 1.1),)
 BYTES_CONFIGS = ((512, 8, 8), (512, 8, 2), (1024, 8, 8))  # (E, N, K): H = 64, 64, 128
-FLOAT32, INT8 = "float32 cache", "int8 cache"
+FLOAT32, INT8, FP8 = "float32 cache", "int8 cache", "fp8 cache"
+SCALED = {INT8: "int8", FP8: "float8_e4m3fn"}  # the scaled caches: label -> `init_cache`'s dtype
 
 
 def bytes_per_token(layer, dtype):
@@ -45,22 +47,25 @@ def bytes_table(configs=BYTES_CONFIGS):
 
     lines = [
         "| E, N, K (H) | float32 cache (bytes per token) | int8 cache, scales included (bytes per token) "
-        "| int8 / float32 | goal at H >= 64 | met |",
-        "|---|---|---|---|---|---|",
+        "| fp8 cache, scales included (bytes per token) | int8 / float32 | fp8 / float32 | goal at H >= 64 | met |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for e, n, k in configs:
         layer = MultiHeadAttention(e, n, num_kv_heads=k)
-        floats, int8 = bytes_per_token(layer, torch.float32), bytes_per_token(layer, "int8")
-        ratio = int8 / floats
-        met = "yes" if ratio <= 0.3 else "no"
-        lines.append(f"| {e}, {n}, {k} ({e // n}) | {floats} | {int8} | {ratio:.3f} | <= 0.3 | {met} |")
+        floats = bytes_per_token(layer, torch.float32)
+        int8, fp8 = (bytes_per_token(layer, dtype) for dtype in SCALED.values())
+        met = "yes" if max(int8, fp8) / floats <= 0.3 else "no"
+        lines.append(
+            f"| {e}, {n}, {k} ({e // n}) | {floats} | {int8} | {fp8} | {int8 / floats:.3f} | {fp8 / floats:.3f} "
+            f"| <= 0.3 | {met} |"
+        )
     return "\n".join(lines)
 
 
 def torch_steps(config):
-    """{label: step}: one T = 1 call of the same layer over a float32 and an int8 cache holding the
-    same L - 1 keys and values (random, N(0, 1); the int8 cache their quantized integers), each
-    writing slot L - 1 and attending all L slots, every call again (the cache's index stays L - 1)."""
+    """{label: step}: one T = 1 call of the same layer over a float32, an int8 and an fp8 cache
+    holding the same L - 1 keys and values (random, N(0, 1); the int8 and fp8 caches them quantized),
+    each writing slot L - 1 and attending all L slots, every call again (the cache's index stays L - 1)."""
     import torch
 
     from PyTorch import Multi_Head_Attention as torch_file
@@ -69,17 +74,16 @@ def torch_steps(config):
     layer = torch_file.MultiHeadAttention(config.e, config.n).eval()
     shape = (config.b, config.n, config.length, config.e // config.n)  # (B, K, L, H)
     keys, values = torch.randn(shape), torch.randn(shape)
-    caches = {
-        FLOAT32: layer.init_cache(config.b, config.length),
-        INT8: layer.init_cache(config.b, config.length, dtype="int8"),
-    }
+    caches = {FLOAT32: layer.init_cache(config.b, config.length)}
+    caches |= {label: layer.init_cache(config.b, config.length, dtype=dtype) for label, dtype in SCALED.items()}
     with torch.no_grad():
         caches[FLOAT32].key.copy_(keys)
         caches[FLOAT32].value.copy_(values)
-        for name, x in (("key", keys), ("value", values)):
-            integers, scale = torch_file._quantize_cache_rows(x)  # (B, K, L, H), (B, K, L, 1)
-            getattr(caches[INT8], name).copy_(integers)
-            getattr(caches[INT8], f"{name}_scale").copy_(scale)
+        for label, (name, x) in ((label, pair) for label in SCALED for pair in (("key", keys), ("value", values))):
+            field = getattr(caches[label], name)
+            quantized, scale = torch_file._quantize_cache_rows(x, field.dtype)  # (B, K, L, H), (B, K, L, 1)
+            field.copy_(quantized)
+            getattr(caches[label], f"{name}_scale").copy_(scale)
     token = torch.randn(config.b, 1, config.e)  # (B, 1, E)
 
     def step(cache):
@@ -95,7 +99,7 @@ def torch_steps(config):
 
 
 def time_steps(config, runs, rounds):
-    """{label: [median seconds of each round]}, the two steps taking turns step by step."""
+    """{label: [median seconds of each round]}, the three steps taking turns step by step."""
     from bench.timing import rounds_of_times
 
     return rounds_of_times(torch_steps(config), runs, rounds)
@@ -104,18 +108,21 @@ def time_steps(config, runs, rounds):
 def steps_table(times, configs):
     """`times`: {config name: {label: [seconds]}}."""
     lines = [
-        "| configuration | float32 cache (ms) | int8 cache (ms) | target | int8 / float32 (spread) | met |",
-        "|---|---|---|---|---|---|",
+        "| configuration | cache | step (ms) | float32 step (ms) | target | / float32 (spread) | met |",
+        "|---|---|---|---|---|---|---|",
     ]
     for config in configs:
-        floats, int8 = times[config.name][FLOAT32], times[config.name][INT8]
-        ratios = [a / b for a, b in zip(int8, floats, strict=True)]
-        median = statistics.median(ratios)
-        lines.append(
-            f"| {config.name} | {statistics.median(floats) * 1e3:.3f} | {statistics.median(int8) * 1e3:.3f} "
-            f"| <= {config.target}x | **{median:.2f}x** ({min(ratios):.2f}-{max(ratios):.2f}) "
-            f"| {'yes' if median <= config.target else 'no'} |"
-        )
+        floats = times[config.name][FLOAT32]
+        for label in SCALED:
+            scaled = times[config.name][label]
+            ratios = [a / b for a, b in zip(scaled, floats, strict=True)]
+            median = statistics.median(ratios)
+            lines.append(
+                f"| {config.name} | {label} | {statistics.median(scaled) * 1e3:.3f} "
+                f"| {statistics.median(floats) * 1e3:.3f} | <= {config.target}x "
+                f"| **{median:.2f}x** ({min(ratios):.2f}-{max(ratios):.2f}) "
+                f"| {'yes' if median <= config.target else 'no'} |"
+            )
     return "\n".join(lines)
 
 

@@ -82,9 +82,19 @@ def by_name(args):
 
 def as_numpy_cache(cache, to_numpy):
     """A cache's key, value, keep and index as NumPy arrays (`to_numpy` converts one tensor); an
-    int8 cache's keys and values dequantised (integers * scales, float64)."""
+    int8 or fp8 cache's keys and values dequantised (integers or fp8 values * scales, float64; the
+    NumPy file's fp8 codes decoded)."""
     arrays = {name: to_numpy(getattr(cache, name)) for name in ("key", "value", "keep", "index")}
-    if arrays["key"].dtype == np.int8:
+    scales = getattr(cache, "key_scale", None)
+    if scales is not None and len(scales.shape) == 4:  # (B, K, L, 1): a scaled cache; (B, 0) or None: float
         for name in ("key", "value"):
-            arrays[name] = arrays[name] * np.asarray(to_numpy(getattr(cache, f"{name}_scale")), np.float64)
+            values = _fp8_values(arrays[name]) if arrays[name].dtype == np.uint8 else arrays[name]
+            arrays[name] = values * np.asarray(to_numpy(getattr(cache, f"{name}_scale")), np.float64)
     return arrays
+
+
+def _fp8_values(codes):
+    """The NumPy file's fp8 cache: its uint8 e4m3fn codes as float64 values."""
+    from NumPy import Multi_Head_Attention as numpy_file
+
+    return numpy_file._fp8_values(codes)

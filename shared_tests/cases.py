@@ -25,6 +25,10 @@ TOLERANCES = {
 # N(0, 1)); "cache": one quantization step of a dequantized key or value (the files may round a key a few ulps
 # apart to neighbouring integers).
 INT8_CACHE_TOLERANCES = {"output": 2e-2, "weights": 2e-2, "cache": 3e-2}
+# The fp8 (float8_e4m3fn) KV cache likewise, its keys and values rounded to 3 mantissa bits (|dk| <= |k| / 16);
+# "cache": one quantum of the largest fp8 value, 32 scales (absmax / 14), where the files round a key a few ulps
+# apart to neighbouring fp8 values.
+FP8_CACHE_TOLERANCES = {"output": 0.1, "weights": 5e-2, "cache": 0.25}
 FLOAT64_TOLERANCES = {
     "plain": {"output": 1e-12, "weights": 1e-12, "grads": 1e-11},
     "rope": TOLERANCES["float32"],

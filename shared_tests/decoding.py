@@ -13,6 +13,7 @@ import dataclasses
 import numpy as np
 
 from shared_tests.cases import (
+    FP8_CACHE_TOLERANCES,
     INDEXER,
     INT8_CACHE_TOLERANCES,
     MLA,
@@ -52,7 +53,7 @@ class DecodeCase:
     positions: bool | str = False  # True: RoPE positions that skip the left padding (as transformers counts them);
     # "sections": those positions times 1, 2, ... k, one row per section of `rope_sections` (k, B, P)
     absorb: bool | None = None  # MLA: the layers' `absorb_latents` (None: absorbed, T <= 8 here; NumPy expands)
-    cache_dtype: str | None = None  # `init_cache(..., dtype=...)`: "int8" for the int8 cache
+    cache_dtype: str | None = None  # `init_cache(..., dtype=...)`: "int8" or "float8_e4m3fn" for a scaled cache
 
     @property
     def p(self):
@@ -67,7 +68,8 @@ class DecodeCase:
 
     @property
     def tolerance(self):
-        return INT8_CACHE_TOLERANCES if self.cache_dtype == "int8" else TOLERANCES[self.dtype]
+        scaled = {"int8": INT8_CACHE_TOLERANCES, "float8_e4m3fn": FP8_CACHE_TOLERANCES}
+        return scaled.get(self.cache_dtype, TOLERANCES[self.dtype])
 
     def spans(self):
         """(start, stop) of each chunk."""
@@ -173,6 +175,16 @@ DECODE_CASES = [
         positions=True,
         variants=(("rope_theta", 10000.0), ("window", 3)),
         cache_dtype="int8",
+    ),
+    DecodeCase(  # the fp8 cache likewise, held to the SPEC's fp8 cache bound
+        "decode_fp8_cache",
+        length=5,
+        k=2,
+        padding=(0, 2),
+        chunks=(3, 1, 2, 1, 1, 1),
+        positions=True,
+        variants=(("rope_theta", 10000.0), ("window", 3)),
+        cache_dtype="float8_e4m3fn",
     ),
     DecodeCase(
         "decode_query_scaling_temperature",  # Llama 4's NoPE layers: q times 1 + 0.5 ln(1 + floor((i + t + 1) / 2))

@@ -3,7 +3,8 @@ checks that run in each backend's process (shared_tests/keras_checks.py): NumPy 
 
 Numbers of int8 layers differ between files only where float noise flips the rounding of a
 token's input: the output within one quantization step of the NumPy reference's, with at most
-`FLIP_SHARE` of the outputs beyond float32's tolerance.
+`FLIP_SHARE` of the outputs beyond float32's tolerance. Also the keys of the int8 and fp8 KV
+caches' rules and their NumPy codes (`fp8_codes` reads a PyTorch tensor's bits through PyTorch).
 """
 
 import numpy as np
@@ -71,3 +72,41 @@ def reference_cache_integers(keys):
     from NumPy import Multi_Head_Attention as numpy_file
 
     return numpy_file._quantize_cache_rows(keys)
+
+
+def fp8_cache_keys():
+    """(2, 2, 4, 8) float32 keys for the fp8 KV cache's rule: random rows, a row whose scale is
+    exactly 1 (max |x| = 448) holding ties between neighbouring e4m3fn values in several binades
+    (rounded to the even mantissa) and subnormals (below 2^-6), a row of tiny values beside one
+    large (subnormal codes after scaling), a row of zeros (scale 0, codes 0) and negative zeros."""
+    keys = np.random.default_rng(9).normal(scale=3.0, size=(2, 2, 4, 8)).astype(np.float32)
+    keys[0, 0, 0] = FP8_TIED_ROW_KEYS
+    keys[0, 1, 2] = [5.0, 1e-4, -3e-4, 2e-3, -0.011, 0.0, -0.0, 0.02]
+    keys[1, 1, 3] = 0.0
+    keys[1, 0, 1, :2] = -0.0
+    return keys
+
+
+# ties between neighbours: 1.0625 (1 | 1.125), 1.1875 (1.125 | 1.25), 17 (16 | 18), 2^-10 (0 | 2^-9),
+# 3 * 2^-10 (2^-9 | 2^-8), 432 (416 | 448)
+FP8_TIED_ROW_KEYS = [448.0, 1.0625, 1.1875, -17.0, 2.0**-10, -3 * 2.0**-10, 432.0, -448.0]
+FP8_TIED_ROW = [448.0, 1.0, 1.25, -16.0, 0.0, -(2.0**-8), 448.0, -448.0]  # their fp8 values at scale 1
+
+
+def reference_fp8_codes(keys):
+    """The NumPy file's fp8 cache codes (uint8) and scales of `keys`."""
+    from NumPy import Multi_Head_Attention as numpy_file
+
+    return numpy_file._quantize_cache_rows(keys, np.uint8)
+
+
+def fp8_codes(values):
+    """A framework's fp8 tensor (PyTorch, TensorFlow, JAX) -> its uint8 e4m3fn codes, bit for bit
+    (a view: -0 stays 0x80)."""
+    if type(values).__module__.startswith("torch"):
+        import torch
+
+        return values.view(torch.uint8).cpu().numpy()
+    array = np.asarray(values)
+    assert array.dtype.name == "float8_e4m3fn", array.dtype
+    return array.view(np.uint8)

@@ -1067,6 +1067,26 @@ def check_int8_cache_integers():
         raise AssertionError("int8 cache scales differ from NumPy's")
 
 
+def check_fp8_cache_values():
+    """The fp8 KV cache's rule (docs/SPEC.md, "KV-cache decoding"): the same keys give exactly the
+    NumPy file's e4m3fn codes (bit for bit, -0 included) and scales (shared_tests/test_fp8_cache.py
+    holds the other files to it)."""
+    from keras import ops
+
+    from Keras import Multi_Head_Attention as keras_file
+    from shared_tests.int8 import fp8_cache_keys, fp8_codes, reference_fp8_codes
+
+    values, scale = keras_file._quantize_cache_rows(fp8_cache_keys(), "float8_e4m3fn")
+    expected_codes, expected_scale = reference_fp8_codes(fp8_cache_keys())
+    if keras_file._dtype_name(values.dtype) != "float8_e4m3fn":
+        raise AssertionError(f"fp8 cache values are {values.dtype}")
+    if not np.array_equal(fp8_codes(values), expected_codes):
+        raise AssertionError(f"fp8 cache codes differ from NumPy's: {fp8_codes(values)[0, 0, 0]}")
+    scale = ops.convert_to_numpy(scale)
+    if scale.dtype != np.float32 or not np.array_equal(scale, expected_scale):
+        raise AssertionError("fp8 cache scales differ from NumPy's")
+
+
 def check_sharing():
     """Shared keys and values (shared_tests/sharing.py): Gemma 3n's and Gemma 4's producers hand their keys
     and values to a `kv_shared` layer, as a pair in a full pass and as their cache when decoding, as NumPy's."""
@@ -1103,6 +1123,7 @@ CHECKS = {
     "int8_fit": check_int8_fit,
     "int8_layout_checks": check_int8_layout_checks,
     "int8_cache_integers": check_int8_cache_integers,
+    "fp8_cache_values": check_fp8_cache_values,
     "save": check_save,
     "load": check_load,
     "save_int8": check_save_int8,

@@ -30,12 +30,13 @@ JAX_CASES = (
 
 
 def _to_numpy(x):
+    import keras
     from keras import ops
 
-    array = ops.convert_to_numpy(x)
-    return (
-        array.astype(np.float64) if np.issubdtype(array.dtype, np.floating) or array.dtype.name == "bfloat16" else array
-    )
+    x = ops.cast(x, "float32") if keras.backend.standardize_dtype(x.dtype) == "float8_e4m3fn" else x  # exact
+    array = ops.convert_to_numpy(x)  # (torch has no NumPy fp8)
+    narrow = array.dtype.name in ("bfloat16", "float8_e4m3fn")  # ml_dtypes' floats: not np.floating
+    return array.astype(np.float64) if np.issubdtype(array.dtype, np.floating) or narrow else array
 
 
 def _tensor(x, dtype=None):

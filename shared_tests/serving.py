@@ -43,16 +43,16 @@ class ServedLayer:
     e: int = 32
     n: int = 4
     k: int = 2
-    cache_dtype: str | None = None  # `init_cache(..., dtype=...)`: "int8" for the int8 cache
+    cache_dtype: str | None = None  # `init_cache(..., dtype=...)`: "int8" or "float8_e4m3fn" for a scaled cache
 
     @property
     def cache_inputs(self):
         """The names of the cache's tensors that go in and come back out."""
-        return INT8_CACHE_INPUTS if self.cache_dtype == "int8" else CACHE_INPUTS
+        return INT8_CACHE_INPUTS if self.cache_dtype is not None else CACHE_INPUTS
 
     @property
     def tolerance(self):
-        return INT8_STEP_TOLERANCE if self.cache_dtype == "int8" else STEP_TOLERANCE
+        return INT8_STEP_TOLERANCE if self.cache_dtype is not None else STEP_TOLERANCE
 
     @property
     def config(self):
@@ -69,6 +69,10 @@ SERVED_LAYERS = [
     ServedLayer("int8_rolling_window", length=PROMPT, variants=(("window", PROMPT),), cache_dtype="int8"),
 ]
 SERVED_LAYERS_BY_NAME = {layer.name: layer for layer in SERVED_LAYERS}
+# No runtime here takes an fp8 cache's step (docs/serving.md): tested as refused, not decoded
+FP8_SERVED = ServedLayer(
+    "fp8_rolling_window", length=PROMPT, variants=(("window", PROMPT),), cache_dtype="float8_e4m3fn"
+)
 
 
 def make_inputs(served, seed=0):

@@ -28,6 +28,7 @@ CHECKS = (
 )  # fmt: skip
 INT8_CHECKS = ("int8_parity", "int8_model_quantize", "int8_decoding", "int8_fit", "int8_layout_checks")
 INT8_CHECKS += ("int8_cache_integers",)  # the int8 KV cache's integers: exactly NumPy's
+INT8_CHECKS += ("fp8_cache_values",)  # the fp8 KV cache's values: NumPy's codes, bit for bit
 
 
 def _tables(backend):
