@@ -18,9 +18,10 @@ The math, for query head n (which reads key/value head n // (N // K)):
     context[n] = weights[n] @ v[n // G]                         (B, N, T, H)
     output = concat_heads(context) @ output_kernel + output_bias
 
-Where things are: first the core, the plain layer (`MultiHeadAttention.call` reads as the steps of
-docs/SPEC.md, "Order of the steps", each option's step behind a one-line guard), then one section
-per option family, each with its checks, weights, steps and fast paths:
+Where things are: first the core, the plain layer: the functions a plain call enters (`dot_product_attention`
+among them), then `MultiHeadAttention`, whose `call` reads as the steps of docs/SPEC.md ("Order of
+the steps"), each option's step behind a one-line guard; then one section per option family,
+each with its checks, weights, steps and fast paths:
     score modifiers            scale, softcap, window, attention chunks, sinks, ALiBi, attention_bias, segment ids
     positions                  RoPE: frequencies, scalings, multimodal sections
     QK-norm, clip_qkv and the gate
@@ -98,25 +99,20 @@ def dot_product_attention(
     matmul = _matmul if dtype == "float64" else ops.matmul  # float64 kept where Keras would narrow it
     t, s = (x.shape[2] if x.shape[2] is not None else ops.shape(x)[2] for x in (q, k))  # static where known
     if causal:
-        causal_keep = causal_mask(t, s)  # (T, S)
-        keep = causal_keep if keep is None else ops.logical_and(keep, causal_keep)  # (B, N, T, S), dims may be 1
+        keep = causal_mask(t, s) if keep is None else ops.logical_and(keep, causal_mask(t, s))  # dims may be 1
     if window is not None or attention_chunk_size is not None:
         keep = _fold_masks(keep, window, attention_chunk_size, t, s)  # (B, N, T, S), dims may be 1
     groups = q.shape[1] // k.shape[1]
     k = ops.repeat(k, groups, axis=1) if groups > 1 else k  # (B, K, S, H) -> (B, N, S, H)
     v = ops.repeat(v, groups, axis=1) if groups > 1 else v  # (B, K, S, H) -> (B, N, S, H)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    q = q * ops.convert_to_tensor(scale, q.dtype)  # the (B, N, T, H) queries scaled in their dtype, not the scores
+    q = q * ops.convert_to_tensor(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, q.dtype)  # not the scores
     scores = ops.cast(matmul(q, ops.swapaxes(k, -1, -2)), dtype)  # (B, N, T, S)
-    if softcap is not None:
-        scores = _softcap(scores, softcap)
+    scores = scores if softcap is None else _softcap(scores, softcap)
     if bias is not None:
         bias = ops.cast(bias, dtype)
-        bias = bias if keep is None or sinks is not None else _centre_rows(bias, keep)
-        scores = scores + bias  # (B, N, T, S)
+        scores = scores + (bias if keep is None or sinks is not None else _centre_rows(bias, keep))  # (B, N, T, S)
     weights = ops.cast(_masked_softmax(scores, keep, sinks), q.dtype)  # (B, N, T, S)
-    dropped = weights if dropout is None else dropout(weights)
-    context = matmul(dropped, v)  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
+    context = matmul(weights if dropout is None else dropout(weights), v)  # (B, N, T, S) @ (B, N, S, H)
     return context, weights
 
 
@@ -1543,6 +1539,16 @@ class KVCache(NamedTuple):
     key_scale: Any = None
     value_scale: Any = None
     index_key: Any = None
+
+
+def _results(output, weights, cache, return_attention, kv=None, selection=None):
+    """output, (output, weights), (output, cache) or (output, weights, cache); the sparse indexer's
+    selection before the cache where `return_topk` gives one; then `kv` if given."""
+    results = (output, weights) if return_attention else (output,)
+    results = results if selection is None else (*results, selection)
+    results = results if cache is None else (*results, cache)
+    results = results if kv is None else (*results, kv)
+    return results[0] if len(results) == 1 else results
 
 
 def _init_cache(layer, batch_size, max_length, keep, dtype):
@@ -3371,16 +3377,6 @@ class _Call(NamedTuple):
     segmented: bool = False  # packed sequences: the ids folded into attention_mask (`_packed`)
     segments: tuple | None = None  # packed sequences without a cache: (B, T) and (B, S) ids, ANDed in by `_attend`
     selection: None = None  # PyTorch only: the sparse indexer's gathered route (here always a keep)
-
-
-def _results(output, weights, cache, return_attention, kv=None, selection=None):
-    """output, (output, weights), (output, cache) or (output, weights, cache); the sparse indexer's
-    selection before the cache where `return_topk` gives one; then `kv` if given."""
-    results = (output, weights) if return_attention else (output,)
-    results = results if selection is None else (*results, selection)
-    results = results if cache is None else (*results, cache)
-    results = results if kv is None else (*results, kv)
-    return results[0] if len(results) == 1 else results
 
 
 def _check_lengths(query, key, value):

@@ -22,9 +22,9 @@ The math, for query head n (which reads key/value head n // (N // K)):
     gate = sigmoid(query @ gate_kernel + gate_bias)             (B, T, N*H), with `gate` only
     output = concat_heads(context * gate) @ output_kernel + output_bias
 
-Where things are: the core, the plain layer (`MultiHeadAttention`, whose `__call__` reads as the
-steps of a call, and `dot_product_attention`), ends by line 500. Then one section per option
-family, in this order:
+Where things are: first the core, the plain layer: the functions a plain call enters (`dot_product_attention`
+among them), then `MultiHeadAttention`, whose `__call__` reads as the steps of docs/SPEC.md ("Order of
+the steps"), each option's step behind a one-line guard; then one section per option family, in this order:
     backward                            `backward`, the gradients of the last call
     score modifiers                     scale, softcap, window, chunk, sinks, ALiBi, attention bias;
                                         the masks (`causal_mask`, ...) and segment ids combined into keep and bias
@@ -54,6 +54,7 @@ _PROJECTIONS = ("query", "key", "value", "output", "gate")  # the names `bias` t
 # -------------------------------------------------------------------------------------------------
 # Core: the plain layer
 # -------------------------------------------------------------------------------------------------
+# The functions a plain call enters, then the class; each option's code is in its section below.
 
 
 class AttentionMaskWarning(UserWarning):
@@ -83,6 +84,59 @@ class _Call(NamedTuple):
     segmented: bool = False  # packed sequences: the ids folded into attention_mask (`_packed`)
     segments: None = None  # PyTorch, TensorFlow and Keras only: packed ids their paths read (here always folded)
     selection: np.ndarray | None = None  # the sparse indexer's gathered route (PyTorch); the reference masks
+
+
+def _check_input(name, x, width_name, width):
+    """Checks one (B, L, width) input and returns it as an array."""
+    x = np.asarray(x)
+    if not np.issubdtype(x.dtype, np.floating):
+        raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={x.dtype.name}")
+    letter = "T" if name == "query" else "S"
+    if x.ndim != 3 or x.shape[-1] != width:
+        raise ValueError(
+            f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
+            f"Received: {name}.shape={tuple(x.shape)}"
+        )
+    return x
+
+
+def dot_product_attention(
+    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, attention_chunk_size=None,
+    sinks=None,
+):  # fmt: skip
+    """Pure attention on split heads, q (B, N, T, H), k and v (B, K, S, H) with K dividing N:
+    returns context (B, N, T, H) and weights (B, N, T, S), exactly 0 where not kept. `keep` (True
+    = attend) and `bias` (float, added to the soft-capped scores) broadcast to (B, N, T, S);
+    `scale` defaults to 1 / sqrt(H); `causal` and the score modifiers (`softcap`, `window`,
+    `attention_chunk_size`, (N,) `sinks`) act as the layer's arguments of those names."""
+    t, s = q.shape[2], k.shape[2]
+    keep = np.ones((1, 1, t, s), dtype=bool) if keep is None else keep  # (B, N, T, S), dims may be 1
+    if causal or window is not None or attention_chunk_size is not None:
+        keep = _full_keep(keep, t, s, causal, window, attention_chunk_size)
+    groups = q.shape[1] // k.shape[1]
+    k = np.repeat(k, groups, axis=1)  # (B, K, S, H) -> (B, N, S, H)
+    v = np.repeat(v, groups, axis=1)  # (B, K, S, H) -> (B, N, S, H)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = q @ k.swapaxes(-1, -2) * scale  # (B, N, T, S)
+    scores = scores if softcap is None else _softcap(scores, softcap)
+    bias = bias if bias is None or sinks is not None else _centre_rows(bias, keep)  # with sinks the level matters
+    scores = scores if bias is None else scores + bias  # (B, N, T, S)
+    weights = _masked_softmax(scores, keep, sinks)  # (B, N, T, S)
+    return weights @ v, weights  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
+
+
+def _masked_softmax(scores, keep, sinks=None):
+    """Softmax over S (with one `sinks` logit per head in its denominator) with every position not
+    kept at weight exactly 0 (rows with no key are all 0)."""
+    lowest = np.finfo(scores.dtype).min
+    scores = np.where(keep, scores, lowest)  # (B, N, T, S)
+    top = scores.max(axis=-1, keepdims=True, initial=lowest)  # (B, N, T, 1); `initial`: S may be 0
+    sink = None if sinks is None else sinks[None, :, None, None]  # (1, N, 1, 1)
+    top = top if sink is None else np.maximum(top, sink)
+    exp = np.exp(scores - top)  # (B, N, T, S)
+    total = exp.sum(axis=-1, keepdims=True)  # (B, N, T, 1)
+    total = total if sink is None else total + np.exp(sink - top)  # the sink joins the denominator
+    return np.where(keep, exp / total, 0.0)  # (B, N, T, S), rows with no key are all 0
 
 
 class MultiHeadAttention:
@@ -282,19 +336,20 @@ class MultiHeadAttention:
             k, v, keep, call = _update_cache(self, call, k, v, keep)  # 5. KV cache, keep over its L slots
         sparse = (topk_indices, return_topk) if self.index_topk or topk_indices is not None or return_topk else ()
         keep, call, selection = _sparse_keep(self, q, k, keep, call, *sparse) if sparse else (keep, call, None)  # 5b.
-        context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S)
+        if self._latent is None:
+            context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S)
+        else:
+            context, weights = _attend_latent(self, q, k, v, keep, bias, call)  # 6. MLA: expanded or absorbed
         gated, gate = (context, None) if not self.gate else _gate_heads(self, call, context)  # 6b. output gate
         merged = self._merge_heads(gated)  # 7. (B, N, T, H) -> (B, T, N*H)
         output = self._project(merged, "output")  # 7. (B, T, N*H) -> (B, T, E)
-        bias_shape = None if attention_bias is None else np.shape(attention_bias)
-        saved = dict(call=call, no_key=key is None, no_value=value is None, bias_shape=bias_shape, q=q, k=k, v=v)
+        saved = dict(call=call, no_key=key is None, no_value=value is None, given_bias=attention_bias, q=q, k=k, v=v)
         saved.update(keep=keep, weights=weights, context=context, gate=gate, merged=merged)
         self._saved = None if call.cache is not None else saved  # what `backward` reads (its section)
-        results = (output, weights) if call.return_attention else (output,)
-        results = results if selection is None else (*results, selection)
-        results = results if call.cache is None or self.kv_shared else (*results, call.cache)  # not a shared one
-        results = results if not return_kv else (*results, (k, v))
-        return results[0] if len(results) == 1 else results
+        cache = call.cache if not self.kv_shared else None  # a shared cache is not returned
+        if call.return_attention or cache is not None or return_kv or selection is not None:
+            return _results(output, weights, cache, call.return_attention, (k, v) if return_kv else None, selection)
+        return output
 
     def _check_call(
         self, query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
@@ -382,13 +437,6 @@ class MultiHeadAttention:
         return x.transpose(0, 2, 1, 3).reshape(b, length, heads * h)
 
     def _attend(self, q, k, v, keep, bias, call):
-        """Step 6: `dot_product_attention` with the layer's variants; with MLA (its section) k and v
-        are the (B, 1, S, C) latents and (B, 1, S, Hr) k_rope, attended expanded or absorbed."""
-        if self._latent is not None:
-            return _attend_latent(self, q, k, v, keep, bias, call)
-        return self._attend_heads(q, k, v, keep, bias, call)
-
-    def _attend_heads(self, q, k, v, keep, bias, call):
         """Step 6 on split heads: `dot_product_attention` with the layer's variants."""
         return dot_product_attention(
             q, k, v, keep, bias, call.causal, scale=self.scale, softcap=self.softcap, window=call.window,
@@ -460,59 +508,6 @@ class MultiHeadAttention:
         return _backward(self, grad_output)
 
 
-def _check_input(name, x, width_name, width):
-    """Checks one (B, L, width) input and returns it as an array."""
-    x = np.asarray(x)
-    if not np.issubdtype(x.dtype, np.floating):
-        raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={x.dtype.name}")
-    letter = "T" if name == "query" else "S"
-    if x.ndim != 3 or x.shape[-1] != width:
-        raise ValueError(
-            f"`{name}` must have shape (B, {letter}, {width_name}) with {width_name}={width}. "
-            f"Received: {name}.shape={tuple(x.shape)}"
-        )
-    return x
-
-
-def dot_product_attention(
-    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, attention_chunk_size=None,
-    sinks=None,
-):  # fmt: skip
-    """Pure attention on split heads, q (B, N, T, H), k and v (B, K, S, H) with K dividing N:
-    returns context (B, N, T, H) and weights (B, N, T, S), exactly 0 where not kept. `keep` (True
-    = attend) and `bias` (float, added to the soft-capped scores) broadcast to (B, N, T, S);
-    `scale` defaults to 1 / sqrt(H); `causal` and the score modifiers (`softcap`, `window`,
-    `attention_chunk_size`, (N,) `sinks`) act as the layer's arguments of those names."""
-    t, s = q.shape[2], k.shape[2]
-    keep = np.ones((1, 1, t, s), dtype=bool) if keep is None else keep  # (B, N, T, S), dims may be 1
-    if causal or window is not None or attention_chunk_size is not None:
-        keep = _full_keep(keep, t, s, causal, window, attention_chunk_size)
-    groups = q.shape[1] // k.shape[1]
-    k = np.repeat(k, groups, axis=1)  # (B, K, S, H) -> (B, N, S, H)
-    v = np.repeat(v, groups, axis=1)  # (B, K, S, H) -> (B, N, S, H)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = q @ k.swapaxes(-1, -2) * scale  # (B, N, T, S)
-    scores = scores if softcap is None else _softcap(scores, softcap)
-    bias = bias if bias is None or sinks is not None else _centre_rows(bias, keep)  # with sinks the level matters
-    scores = scores if bias is None else scores + bias  # (B, N, T, S)
-    weights = _masked_softmax(scores, keep, sinks)  # (B, N, T, S)
-    return weights @ v, weights  # (B, N, T, S) @ (B, N, S, H) -> (B, N, T, H)
-
-
-def _masked_softmax(scores, keep, sinks=None):
-    """Softmax over S (with one `sinks` logit per head in its denominator) with every position not
-    kept at weight exactly 0 (rows with no key are all 0)."""
-    lowest = np.finfo(scores.dtype).min
-    scores = np.where(keep, scores, lowest)  # (B, N, T, S)
-    top = scores.max(axis=-1, keepdims=True, initial=lowest)  # (B, N, T, 1); `initial`: S may be 0
-    sink = None if sinks is None else sinks[None, :, None, None]  # (1, N, 1, 1)
-    top = top if sink is None else np.maximum(top, sink)
-    exp = np.exp(scores - top)  # (B, N, T, S)
-    total = exp.sum(axis=-1, keepdims=True)  # (B, N, T, 1)
-    total = total if sink is None else total + np.exp(sink - top)  # the sink joins the denominator
-    return np.where(keep, exp / total, 0.0)  # (B, N, T, S), rows with no key are all 0
-
-
 # -------------------------------------------------------------------------------------------------
 # Section: backward
 # -------------------------------------------------------------------------------------------------
@@ -539,7 +534,8 @@ def _backward(layer, grad_output):
     keep = _full_keep(c["keep"], q.shape[2], k.shape[2], call.causal, call.window, call.attention_chunk_size)
     d_q, d_k, d_v, d_biased, d_sinks = _attention_backward(layer, d_context, q, k, v, keep, c["weights"])  # 6.
     d_q = d_q if layer.query_scaling is None else d_q * _query_scales(layer, call)  # 4b. query scales
-    extra = {} if c["bias_shape"] is None else {"attention_bias": _sum_to_shape(d_biased, c["bias_shape"])}
+    given = c["given_bias"]  # the call's `attention_bias` as given: its gradient takes its shape
+    extra = {} if given is None else {"attention_bias": _sum_to_shape(d_biased, np.shape(given))}
     grads.update({} if d_sinks is None else {"sinks": d_sinks})
     if layer._latent is not None:
         inputs = _latent_backward(layer, call, c["k"], d_q, d_k, d_v, grads)
@@ -1485,6 +1481,16 @@ class KVCache(NamedTuple):
     index_key: np.ndarray | None = None
 
 
+def _results(output, weights, cache, return_attention, kv=None, selection=None):
+    """output, (output, weights), (output, cache) or (output, weights, cache); the sparse indexer's
+    selection before the cache where `return_topk` gives one; then `kv` if given."""
+    results = (output, weights) if return_attention else (output,)
+    results = results if selection is None else (*results, selection)
+    results = results if cache is None else (*results, cache)
+    results = results if kv is None else (*results, kv)
+    return results[0] if len(results) == 1 else results
+
+
 def _init_cache(layer, batch_size, max_length, keep, dtype):
     """`init_cache`: an empty `KVCache`, keys and values (B, K, L, H), or MLA's latent cache."""
     b, length = _positive_int("batch_size", batch_size), _positive_int("max_length", max_length)
@@ -1955,7 +1961,7 @@ def _attend_latent(layer, q, latent, k_rope, keep, bias, call):
     if _absorbs(layer, call, q.shape[2]):
         return _attend_absorbed(layer, q, latent, k_rope, keep, bias, call)
     k, v = _expand_latents(layer, latent, k_rope)  # (B, K, S, H), (B, K, S, Hv)
-    return layer._attend_heads(q, k, v, keep, bias, call)
+    return layer._attend(q, k, v, keep, bias, call)
 
 
 def _absorbs(layer, call, t):
@@ -2006,7 +2012,7 @@ def _attend_absorbed(layer, q, latent, k_rope, keep, bias, call):
         queries.append(np.einsum("bnth,nh->bnt", q_nope, b_k)[..., None])  # (B, N, T, 1)
         keys.append(np.ones((*k_rope.shape[:3], 1)))  # (B, 1, S, 1)
     q_abs, k_abs = np.concatenate(queries, axis=-1), np.concatenate(keys, axis=-1)  # (B, N, T, .), (B, 1, S, .)
-    o_lat, weights = layer._attend_heads(q_abs, k_abs, latent, keep, bias, call)  # (B, N, T, C)
+    o_lat, weights = layer._attend(q_abs, k_abs, latent, keep, bias, call)  # (B, N, T, C)
     context = np.einsum("bntc,cnv->bntv", o_lat, w_vb)  # (B, N, T, C) -> (B, N, T, Hv)
     if b_v is not None:
         context = context + weights.sum(axis=-1, keepdims=True) * b_v[None, :, None, :]  # (B, N, T, Hv)

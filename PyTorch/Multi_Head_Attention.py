@@ -18,13 +18,14 @@ The math, for query head n (which reads key/value head n // (N // K)):
     gate = sigmoid(query @ gate_kernel + gate_bias)             (B, T, N*H), with `gate` only
     output = concat_heads(context * gate) @ output_kernel + output_bias
 
-Where things are: first the core, the plain layer (`MultiHeadAttention`, whose `forward` reads
-as the steps of a call, each option behind a one-line guard, and the functions a plain call runs);
-then one section per option family, each with its checks, weights, steps and fast paths, in this
-order: score modifiers (scale, soft-capping, window, chunk, sinks, ALiBi, the masks, segment ids and the
-attention bias, `dot_product_attention`), positions (RoPE), QK-norm, clip_qkv and the gate, KV
-cache and decode steps, multi-head latent attention (MLA), speed paths, int8, framework only
-(tensor parallelism, autocast, hooks, mask habits), converters (portable weights, nn.MultiheadAttention).
+Where things are: first the core, the plain layer: the functions a plain call enters (`_sdpa_attention`
+among them), then `MultiHeadAttention`, whose `forward` reads as the steps of docs/SPEC.md ("Order of
+the steps"), each option's step behind a one-line guard; then one section per option family,
+each with its checks, weights, steps and fast paths, in this order: score modifiers (scale,
+soft-capping, window, chunk, sinks, ALiBi, the masks, segment ids and the attention bias,
+`dot_product_attention`), positions (RoPE), QK-norm, clip_qkv and the gate, KV cache and decode
+steps, multi-head latent attention (MLA), speed paths, int8, framework only (tensor parallelism,
+autocast, hooks, mask habits), converters (portable weights, nn.MultiheadAttention).
 """
 
 import itertools
@@ -47,12 +48,61 @@ _PROJECTIONS = ("query", "key", "value", "output", "gate")  # the names `bias` t
 # -------------------------------------------------------------------------------------------------
 # Core: the plain layer
 # -------------------------------------------------------------------------------------------------
+# The functions a plain call enters, then the class; each option's code is in its section below.
 
 
 class AttentionMaskWarning(UserWarning):
     """A mask whose values read like another library's convention (nn.MultiheadAttention's True =
     ignore, Keras' 0/1 floats): the layer computes what docs/SPEC.md says all the same, and warns
     once per layer. `warnings.simplefilter("error", AttentionMaskWarning)` makes it an error."""
+
+
+def _check_input(name, x, dim_name, dim):
+    """Checks one (B, L, dim) floating input."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"`{name}` must be a floating tensor. Received: {name} of type {type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={_dtype_name(x.dtype)}")
+    if x.dim() != 3 or x.shape[-1] != dim:
+        letter = "T" if name == "query" else "S"
+        raise ValueError(
+            f"`{name}` must have shape (B, {letter}, {dim_name}) with {dim_name}={dim}. "
+            f"Received: {name}.shape={tuple(x.shape)}"
+        )
+    return x
+
+
+def _plain_linear(module, kind=nn.Linear):
+    """Whether `module` computes exactly F.linear(x, weight, bias) (`_int8_linear` for Int8Linear):
+    a `kind` itself (not a subclass, LoRA wrapper, quantized or FSDP2-sharded module) with no hooks
+    of its own (`_own_hooks`: tensor parallelism, pruning) nor for every module (`_global_hooks`)."""
+    if type(module) is not kind:
+        return False
+    own = module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+    state = torch.nn.modules.module
+    every = state._global_forward_hooks or state._global_forward_pre_hooks or state._global_backward_hooks
+    return not (own or every or state._global_backward_pre_hooks)
+
+
+def _sdpa_attention(q, k, v, keep, bias, dropout, scale, is_causal=False, sinks=None):
+    """SDPA with a finite additive mask (`is_causal`: no mask and T == S), rows with no key left 0."""
+    if sinks is not None:
+        return _sdpa_with_sinks(q, k, v, keep, bias, dropout, scale, is_causal, sinks)
+    if v.shape[-1] < q.shape[-1]:  # MLA's narrower values (its section)
+        return _sdpa_narrow_values(q, k, v, keep, bias, dropout, scale, is_causal)
+    masked, gqa = keep is not None or bias is not None, False
+    if q.shape[1] != k.shape[1]:  # grouped heads
+        k, v, gqa = _sdpa_heads(q, k, v, masked)
+    options = {"dropout_p": dropout, "scale": scale, "enable_gqa": gqa}
+    if not masked:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, **options)
+    additive = torch.zeros((), dtype=q.dtype, device=q.device) if bias is None else _in_dtype(bias, q.dtype)
+    if keep is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=additive, **options)
+    has_key = keep.any(dim=-1, keepdim=True)  # (B, N, T, 1), dims may be 1
+    additive = torch.where(keep | ~has_key, additive, torch.finfo(q.dtype).min)  # (B, N, T, S), dims may be 1
+    context = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, **options)
+    return torch.where(has_key, context, 0.0)  # (B, N, T, H), rows with no key are all 0
 
 
 class MultiHeadAttention(nn.Module):
@@ -218,9 +268,8 @@ class MultiHeadAttention(nn.Module):
                 return_attention, cache, mask,
             )  # 1. defaults and checks  # fmt: skip
         call = call if segment_ids is None is key_segment_ids else _packed(self, call, segment_ids, key_segment_ids)
-        masked = call.attention_mask is not None or call.attention_bias is not None
-        masked = masked or call.key_mask is not None or call.query_mask is not None
-        keep, bias = self._masks(call) if masked else (None, None)  # 1. (B|1, N|1, T|1, S|1) keep and bias
+        masks = (call.attention_mask, call.attention_bias, call.key_mask, call.query_mask)
+        keep, bias = self._masks(call) if any(m is not None for m in masks) else (None, None)  # 1. keep and bias
         latent, own = self._latent, not self._sharing  # MLA (its section) takes steps 2, 4 and 6 its own way
         if latent is None:  # 2. (B, N, T, H), (B, K, S, H) x 2; with the sharing options 2 to 4 (their section)
             q, k, v = self._project_qkv(call, fast) if own else _project_sharing(self, call, shared_kv)
@@ -248,11 +297,10 @@ class MultiHeadAttention(nn.Module):
             output = _no_room_as_nan(self, call, output)
         if isinstance(query, torch.Tensor) and query.dim() == 2:  # unbatched: drop B
             output, weights = output[0], None if weights is None else weights[0]
-        results = (output, weights) if call.return_attention else (output,)
-        results = results if selection is None else (*results, selection)
-        results = results if call.cache is None or self.kv_shared else (*results, call.cache)  # not a shared one
-        results = results if not return_kv else (*results, (k, v))
-        return results[0] if len(results) == 1 else results
+        cache = call.cache if not self.kv_shared else None  # a shared cache is not returned
+        if call.return_attention or cache is not None or return_kv or selection is not None:
+            return _results(output, weights, cache, call.return_attention, (k, v) if return_kv else None, selection)
+        return output
 
     def _check_call(
         self, query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
@@ -390,8 +438,7 @@ class MultiHeadAttention(nn.Module):
             return _attend_explicit(self, q, k, v, keep, bias, call)
         dropout = self.dropout if self.training else 0.0
         (t, s), sinks = (q.shape[2], k.shape[2]), self.sinks
-        masked = keep is not None or bias is not None or call.window is not None
-        masked = masked or call.attention_chunk_size is not None
+        masked = any(x is not None for x in (keep, bias, call.window, call.attention_chunk_size))
         if call.causal and not masked and t == s:
             return _sdpa_attention(q, k, v, None, None, dropout, self.scale, True, sinks), None  # (B, N, T, H)
         if masked or call.causal:
@@ -470,57 +517,6 @@ class _Call(NamedTuple):
     segmented: bool = False  # packed sequences: the ids folded into attention_mask (`_packed`)
     segments: tuple | None = None  # packed sequences by blocks of documents: (B, T) and (B, S) ids, the blocks
     selection: torch.Tensor | None = None  # (B, T, k) the sparse indexer's keys, for its gathered route
-
-
-def _check_input(name, x, dim_name, dim):
-    """Checks one (B, L, dim) floating input."""
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"`{name}` must be a floating tensor. Received: {name} of type {type(x).__name__}")
-    if not x.is_floating_point():
-        raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={_dtype_name(x.dtype)}")
-    if x.dim() != 3 or x.shape[-1] != dim:
-        letter = "T" if name == "query" else "S"
-        raise ValueError(
-            f"`{name}` must have shape (B, {letter}, {dim_name}) with {dim_name}={dim}. "
-            f"Received: {name}.shape={tuple(x.shape)}"
-        )
-    return x
-
-
-def _plain_linear(module, kind=nn.Linear):
-    """Whether `module` computes exactly F.linear(x, weight, bias) (`_int8_linear` for Int8Linear):
-    a `kind` itself (not a subclass, LoRA wrapper, quantized or FSDP2-sharded module) with no hooks
-    of its own (`_own_hooks`: tensor parallelism, pruning) nor for every module (`_global_hooks`)."""
-    if type(module) is not kind:
-        return False
-    own = module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
-    state = torch.nn.modules.module
-    every = state._global_forward_hooks or state._global_forward_pre_hooks or state._global_backward_hooks
-    return not (own or every or state._global_backward_pre_hooks)
-
-
-def _sdpa_attention(q, k, v, keep, bias, dropout, scale, is_causal=False, sinks=None):
-    """SDPA with a finite additive mask (`is_causal`: no mask and T == S), rows with no key left 0;
-    MLA's narrower values padded to q's width (the fused kernels want one head width)."""
-    if sinks is not None:
-        return _sdpa_with_sinks(q, k, v, keep, bias, dropout, scale, is_causal, sinks)
-    if v.shape[-1] < q.shape[-1]:
-        width = v.shape[-1]
-        v = F.pad(v, (0, q.shape[-1] - width))  # (B, K, S, Hv) -> (B, K, S, H)
-        return _sdpa_attention(q, k, v, keep, bias, dropout, scale, is_causal)[..., :width]  # (B, N, T, Hv)
-    masked, gqa = keep is not None or bias is not None, False
-    if q.shape[1] != k.shape[1]:  # grouped heads
-        k, v, gqa = _sdpa_heads(q, k, v, masked)
-    options = {"dropout_p": dropout, "scale": scale, "enable_gqa": gqa}
-    if not masked:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, **options)
-    additive = torch.zeros((), dtype=q.dtype, device=q.device) if bias is None else _in_dtype(bias, q.dtype)
-    if keep is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=additive, **options)
-    has_key = keep.any(dim=-1, keepdim=True)  # (B, N, T, 1), dims may be 1
-    additive = torch.where(keep | ~has_key, additive, torch.finfo(q.dtype).min)  # (B, N, T, S), dims may be 1
-    context = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, **options)
-    return torch.where(has_key, context, 0.0)  # (B, N, T, H), rows with no key are all 0
 
 
 # -------------------------------------------------------------------------------------------------
@@ -2004,6 +2000,16 @@ class KVCache(NamedTuple):
     index_key: torch.Tensor | None = None
 
 
+def _results(output, weights, cache, return_attention, kv=None, selection=None):
+    """output, (output, weights), (output, cache) or (output, weights, cache); the sparse indexer's
+    selection before the cache where `return_topk` gives one; then `kv` if given."""
+    results = (output, weights) if return_attention else (output,)
+    results = results if selection is None else (*results, selection)
+    results = results if cache is None else (*results, cache)
+    results = results if kv is None else (*results, kv)
+    return results[0] if len(results) == 1 else results
+
+
 def _init_cache(layer, batch_size, max_length, *, keep=None, dtype=None):
     """An empty `KVCache` for decoding `batch_size` sequences of up to `max_length` tokens.
 
@@ -2505,6 +2511,14 @@ class _Latent(NamedTuple):
     qk_nope_head_dim: int  # Hn
     qk_rope_head_dim: int  # Hr
     v_head_dim: int  # Hv
+
+
+def _sdpa_narrow_values(q, k, v, keep, bias, dropout, scale, is_causal):
+    """`_sdpa_attention` with MLA's values narrower than q (Hv < H): padded to q's width, since the
+    fused kernels want one head width, and the context cut back."""
+    width = v.shape[-1]
+    v = F.pad(v, (0, q.shape[-1] - width))  # (B, K, S, Hv) -> (B, K, S, H)
+    return _sdpa_attention(q, k, v, keep, bias, dropout, scale, is_causal)[..., :width]  # (B, N, T, Hv)
 
 
 def _check_latent(kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim):

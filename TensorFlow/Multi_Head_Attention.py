@@ -17,13 +17,14 @@ The math, for query head n (which reads key/value head n // (N // K)):
     context[n] = weights[n] @ v[n // G]                         (B, N, T, H)
     output = concat_heads(context) @ output_kernel + output_bias
 
-Where things are: the core first (the plain layer: the class, `call`, the checks of a call, the
-projections, `dot_product_attention`, the heads merged and the output projection), then one section
-per option family, in this order: score modifiers (scale, softcap, window, attention chunks, sinks,
-ALiBi, attention_bias, the masks, segment ids), positions (RoPE), QK-norm, clip_qkv and the gate, KV cache and
-decode steps, multi-head latent attention (MLA), speed paths (the memory-efficient path), int8,
-framework only (Keras conventions, XLA, the masks' habits), converters (the portable weights' layout
-and import, Keras config, from_keras / to_keras).
+Where things are: first the core, the plain layer: the functions a plain call enters (`dot_product_attention`
+among them), then `MultiHeadAttention`, whose `call` reads as the steps of docs/SPEC.md ("Order of
+the steps"), each option's step behind a one-line guard; then one section per option family, in this
+order: score modifiers (scale, softcap, window, attention chunks, sinks, ALiBi, attention_bias, the
+masks, segment ids), positions (RoPE), QK-norm, clip_qkv and the gate, KV cache and decode steps,
+multi-head latent attention (MLA), speed paths (the memory-efficient path), int8, framework only
+(Keras conventions, XLA, the masks' habits), converters (the portable weights' layout and import,
+Keras config, from_keras / to_keras).
 """
 
 import functools
@@ -45,10 +46,63 @@ _ATTRIBUTES = {"sinks": "sink_logits"}  # portable weight name -> layer attribut
 # -------------------------------------------------------------------------------------------------
 # Core: the plain layer
 # -------------------------------------------------------------------------------------------------
+# The functions a plain call enters, then the class; each option's code is in its section below.
+
+
 class AttentionMaskWarning(UserWarning):
     """A mask whose values read like another library's convention (nn.MultiheadAttention's True =
     ignore, Keras' 0/1 floats): the layer computes what docs/SPEC.md says all the same, and warns
     once per layer. `warnings.simplefilter("error", AttentionMaskWarning)` makes it an error."""
+
+
+def _check_input(name, x, width_name, width):
+    """Checks one (B, L, width) input; dimensions unknown at trace time are not checked."""
+    x = tf.convert_to_tensor(x)
+    if not x.dtype.is_floating:
+        raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={x.dtype.name}")
+    shape = tuple(x.shape) if x.shape.rank is not None else None
+    if shape is not None and (len(shape) != 3 or shape[-1] not in (None, width)):
+        raise ValueError(
+            f"`{name}` must have shape (B, {'T' if name == 'query' else 'S'}, {width_name}) with {width_name}={width}. "
+            f"Received: {name}.shape={shape}"
+        )
+    return x
+
+
+def _project_fused(layer, x):
+    """Self-attention: q, k and v (B, T, heads*H) from one matmul over the concatenated projections."""
+    nh, kh = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+    return tf.split(layer._project(x, "query", "key", "value"), [nh, kh, kh], axis=-1)  # (B, T, N*H + 2*K*H)
+
+
+def dot_product_attention(
+    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, attention_chunk_size=None,
+    sinks=None, dropout=None,
+):  # fmt: skip
+    """Pure attention on split heads q (B, N, T, H), k and v (B, K, S, H), K dividing N: (context
+    (B, N, T, H), weights (B, N, T, S), exactly 0 where not kept). `keep` (boolean, True = attend)
+    and `bias` (floating, added to the soft-capped scores) are None or broadcast to (B, N, T, S);
+    `causal`, `scale` (None: 1 / sqrt(H)), `softcap`, `window`, `attention_chunk_size` and `sinks`
+    ((N,) logits) as the layer's; `dropout`: None or a callable on the weights before their sum."""
+    t, s = tf.shape(q)[2], tf.shape(k)[2]
+    if window is not None or attention_chunk_size is not None:  # causal too, in one (T, S) keep
+        keep = _and(keep, _position_keep(tf.range(t) + (s - t), s, causal, window, attention_chunk_size))
+    elif causal:  # `causal_mask(t, s)`, (T, S); keep's dims may be 1
+        keep = _and(keep, tf.range(s)[None, :] <= (tf.range(t) + (s - t))[:, None])
+    groups = q.shape[1] // k.shape[1]
+    k = tf.repeat(k, groups, axis=1) if groups > 1 else k  # (B, K, S, H) -> (B, N, S, H)
+    v = tf.repeat(v, groups, axis=1) if groups > 1 else v  # (B, K, S, H) -> (B, N, S, H)
+    dtype = tf.float64 if q.dtype == tf.float64 else tf.float32  # the softmax's, float32 at least (`_softmax_dtype`)
+    q = q * tf.constant(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, q.dtype)  # not the scores (rounding)
+    scores = tf.cast(tf.matmul(q, k, transpose_b=True), dtype)  # (B, N, T, S)
+    scores = scores if softcap is None else _softcap(scores, softcap)
+    if bias is not None:
+        bias = tf.cast(bias, dtype)
+        scores = scores + (bias if sinks is not None else _centre_rows(bias, keep))  # (B, N, T, S)
+    plain = keep is None and sinks is None
+    weights = tf.cast(tf.nn.softmax(scores, axis=-1) if plain else _masked_softmax(scores, keep, sinks), q.dtype)
+    context = tf.matmul(weights if dropout is None else dropout(weights), v)  # (B, N, T, S) @ (B, N, S, H)
+    return context, weights
 
 
 @tf.keras.utils.register_keras_serializable(package="MultiHeadAttentionReference")
@@ -199,96 +253,9 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         self.bias_initializer = tf.keras.initializers.get(bias_initializer)
         _keras_conventions(self)  # masking, inputs as given, the Dropout sublayer (framework only)
 
-    def build(self, query_shape=None, value_shape=None, key_shape=None):
-        """Creates the portable weights; every shape is known from the constructor. The optional shapes
-        are Keras' convention, in its order, checked as the call checks its inputs (`_check_shapes`)."""
-        _check_shapes(self, query_shape, value_shape, key_shape)
-        for name, shape in self.weight_shapes().items():
-            variable = self.add_weight(name=name, shape=shape, **_weight_options(self, name))
-            setattr(self, _ATTRIBUTES.get(name, name), variable)
-        self._is_quantized = self._int8  # Keras' flag: an int8 layer (a loaded `.keras` file) is not quantized again
-        self._dropout_layer.build(None)
-        self.built = True
-
-    def get_config(self):
-        return {**super().get_config(), **_config(self)}
-
-    def weight_shapes(self):
-        """The portable layout: {name: shape}, in its order (`_weight_shapes`, docs/SPEC.md "Weights")."""
-        return _weight_shapes(self)
-
-    def export_weights(self):
-        """Returns the portable weights: a dict of NumPy arrays (see docs/SPEC.md)."""
-        if not self.built:
-            self.build()
-        return {name: self._variable(name).numpy().copy() for name in self.weight_shapes()}
-
-    def import_weights(self, weights):
-        """Loads portable weights; strict and atomic (a ValueError lists every problem). An int8
-        layout (with `<kind>_kernel_scale`) quantizes a float layer first; an int8 layer takes only one."""
-        _import_weights(self, weights)
-
-    def _variable(self, name):
-        """The variable of one portable weight (`sinks` is held as `sink_logits`)."""
-        return getattr(self, _ATTRIBUTES.get(name, name))
-
-    def quantize(self, mode=None, type_check=True, config=None):
-        """Quantizes the projections to int8 as Keras' `Dense.quantize("int8")` does (`_quantize`): `mode`
-        "int8", `type_check` unused (Keras' signature), `config` None or Keras' default int8 config."""
-        _quantize(self, mode, config)
-
-    def _check_quantize_args(self, mode, compute_dtype):
-        _check_quantize_args(self, mode, compute_dtype)  # Keras' checks; float16 computes int8 too
-
-    @property
-    def _latent(self):
-        """The MLA sizes as a `_Latent`, or None without `kv_lora_rank`."""
-        return _latent_of(self)
-
-    @property
-    def _projection_names(self):
-        """The names of the layer's projections, in the layout's order (MLA's, the gate's with `gate`)."""
-        kinds = _projection_kinds(_projections(_latent_of(self)), self.gate)
-        return tuple(kind for kind in kinds if kind not in _absent_projections(self))  # shared keys and values
-
-    @property
-    def _int8(self):
-        """Whether the projections are int8: the dtype policy is "int8_from_..." (Keras 3 only)."""
-        return getattr(self, "quantization_mode", None) == "int8"
-
-    def _int8_call(self, *args, **kwargs):
-        """Keras' entry for an int8 policy: `call`, whose projections read the int8 variables."""
-        return self.call(*args, **kwargs)
-
-    def init_cache(self, batch_size, max_length, *, keep=None, dtype=None, in_place=False):
-        """An empty `KVCache` for decoding `batch_size` (B) sequences of up to `max_length` (L) tokens;
-        `keep` (B, L) False for slots no query may attend, `dtype` the cache's, `in_place` a cache of
-        variables written in place (`_init_cache`)."""
-        return _init_cache(self, batch_size, max_length, keep, dtype, in_place)
-
-    @classmethod
-    def from_keras(cls, layer, *, window=None):
-        """Builds a layer with the weights of a built `keras.layers.MultiHeadAttention` or
-        `keras.layers.GroupQueryAttention` (`_from_keras`; `window`: `(W, W)` for its `sliding_window` W)."""
-        return _from_keras(cls, layer, window)
-
-    def to_keras(self):
-        """Returns a built `keras.layers.MultiHeadAttention` (K == N) or `keras.layers.GroupQueryAttention`
-        (K < N) holding these weights (`_to_keras`)."""
-        return _to_keras(self)
-
     def compute_mask(self, query, previous_mask=None):
         """The output carries the query's mask."""
         return previous_mask
-
-    def compute_output_shape(self, query_shape, value_shape=None, key_shape=None):
-        """(B, T, E), whatever S is; shapes in Keras' order (query, value, key), checked as in `build`."""
-        query_shape = _check_shapes(self, query_shape, value_shape, key_shape)
-        return (query_shape[0], query_shape[1], self.d_model)
-
-    def compute_output_spec(self, *args, **kwargs):
-        """Traces `call` on symbolic inputs: a functional model gets every check (`_output_spec`)."""
-        return _output_spec(self, *args, **kwargs)
 
     def __call__(self, *args, mask=None, **kwargs):
         """`mask=` moved into `attention_mask`; then what a cast would hide: inputs of different dtypes,
@@ -351,10 +318,10 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*Hv) -> (B, T, E)
         if cache is not None and misfit is not None:  # XLA cannot raise for a misfit: that call's output is NaN
             output = tf.where(misfit, tf.cast(np.nan, output.dtype), output)
-        written = () if cache is None or self.kv_shared else (call.cache,)  # a shared cache is not returned
-        results = ((output, weights) if return_attention else (output,)) + ((selection,) if return_topk else ())
-        results = (*results, *written) if not return_kv else (*results, *written, (k, v))
-        return results[0] if len(results) == 1 else results
+        cache, selection = call.cache if not self.kv_shared else None, selection if return_topk else None
+        if return_attention or cache is not None or return_kv or return_topk:  # a shared cache is not returned
+            return _results(output, weights, cache, return_attention, (k, v) if return_kv else None, selection)
+        return output
 
     def _check_call(
         self, query, key, value, attention_mask, key_mask, query_mask, attention_bias, positions, causal,
@@ -450,6 +417,93 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             dropout=functools.partial(self._dropout_layer, training=call.training) if dropout else None,
         )  # fmt: skip
 
+    def build(self, query_shape=None, value_shape=None, key_shape=None):
+        """Creates the portable weights; every shape is known from the constructor. The optional shapes
+        are Keras' convention, in its order, checked as the call checks its inputs (`_check_shapes`)."""
+        _check_shapes(self, query_shape, value_shape, key_shape)
+        for name, shape in self.weight_shapes().items():
+            variable = self.add_weight(name=name, shape=shape, **_weight_options(self, name))
+            setattr(self, _ATTRIBUTES.get(name, name), variable)
+        self._is_quantized = self._int8  # Keras' flag: an int8 layer (a loaded `.keras` file) is not quantized again
+        self._dropout_layer.build(None)
+        self.built = True
+
+    def get_config(self):
+        return {**super().get_config(), **_config(self)}
+
+    def weight_shapes(self):
+        """The portable layout: {name: shape}, in its order (`_weight_shapes`, docs/SPEC.md "Weights")."""
+        return _weight_shapes(self)
+
+    def export_weights(self):
+        """Returns the portable weights: a dict of NumPy arrays (see docs/SPEC.md)."""
+        if not self.built:
+            self.build()
+        return {name: self._variable(name).numpy().copy() for name in self.weight_shapes()}
+
+    def import_weights(self, weights):
+        """Loads portable weights; strict and atomic (a ValueError lists every problem). An int8
+        layout (with `<kind>_kernel_scale`) quantizes a float layer first; an int8 layer takes only one."""
+        _import_weights(self, weights)
+
+    def _variable(self, name):
+        """The variable of one portable weight (`sinks` is held as `sink_logits`)."""
+        return getattr(self, _ATTRIBUTES.get(name, name))
+
+    def quantize(self, mode=None, type_check=True, config=None):
+        """Quantizes the projections to int8 as Keras' `Dense.quantize("int8")` does (`_quantize`): `mode`
+        "int8", `type_check` unused (Keras' signature), `config` None or Keras' default int8 config."""
+        _quantize(self, mode, config)
+
+    def _check_quantize_args(self, mode, compute_dtype):
+        _check_quantize_args(self, mode, compute_dtype)  # Keras' checks; float16 computes int8 too
+
+    @property
+    def _latent(self):
+        """The MLA sizes as a `_Latent`, or None without `kv_lora_rank`."""
+        return _latent_of(self)
+
+    @property
+    def _projection_names(self):
+        """The names of the layer's projections, in the layout's order (MLA's, the gate's with `gate`)."""
+        kinds = _projection_kinds(_projections(_latent_of(self)), self.gate)
+        return tuple(kind for kind in kinds if kind not in _absent_projections(self))  # shared keys and values
+
+    @property
+    def _int8(self):
+        """Whether the projections are int8: the dtype policy is "int8_from_..." (Keras 3 only)."""
+        return getattr(self, "quantization_mode", None) == "int8"
+
+    def _int8_call(self, *args, **kwargs):
+        """Keras' entry for an int8 policy: `call`, whose projections read the int8 variables."""
+        return self.call(*args, **kwargs)
+
+    def init_cache(self, batch_size, max_length, *, keep=None, dtype=None, in_place=False):
+        """An empty `KVCache` for decoding `batch_size` (B) sequences of up to `max_length` (L) tokens;
+        `keep` (B, L) False for slots no query may attend, `dtype` the cache's, `in_place` a cache of
+        variables written in place (`_init_cache`)."""
+        return _init_cache(self, batch_size, max_length, keep, dtype, in_place)
+
+    @classmethod
+    def from_keras(cls, layer, *, window=None):
+        """Builds a layer with the weights of a built `keras.layers.MultiHeadAttention` or
+        `keras.layers.GroupQueryAttention` (`_from_keras`; `window`: `(W, W)` for its `sliding_window` W)."""
+        return _from_keras(cls, layer, window)
+
+    def to_keras(self):
+        """Returns a built `keras.layers.MultiHeadAttention` (K == N) or `keras.layers.GroupQueryAttention`
+        (K < N) holding these weights (`_to_keras`)."""
+        return _to_keras(self)
+
+    def compute_output_shape(self, query_shape, value_shape=None, key_shape=None):
+        """(B, T, E), whatever S is; shapes in Keras' order (query, value, key), checked as in `build`."""
+        query_shape = _check_shapes(self, query_shape, value_shape, key_shape)
+        return (query_shape[0], query_shape[1], self.d_model)
+
+    def compute_output_spec(self, *args, **kwargs):
+        """Traces `call` on symbolic inputs: a functional model gets every check (`_output_spec`)."""
+        return _output_spec(self, *args, **kwargs)
+
 
 class _Call(NamedTuple):
     """A call's arguments, checked and defaulted by `_check_call` (docs/SPEC.md, "Call")."""
@@ -472,64 +526,6 @@ class _Call(NamedTuple):
     segmented: bool = False  # packed sequences: the ids folded into attention_mask (`_packed`)
     segments: tuple | None = None  # packed sequences without a cache: (B, T) and (B, S) ids, ANDed in by `_attend`
     selection: None = None  # PyTorch only: the sparse indexer's gathered route (here always a keep)
-
-
-def _check_input(name, x, width_name, width):
-    """Checks one (B, L, width) input; dimensions unknown at trace time are not checked."""
-    x = tf.convert_to_tensor(x)
-    if not x.dtype.is_floating:
-        raise ValueError(f"`{name}` must be a floating tensor. Received: {name}.dtype={x.dtype.name}")
-    shape = tuple(x.shape) if x.shape.rank is not None else None
-    if shape is not None and (len(shape) != 3 or shape[-1] not in (None, width)):
-        raise ValueError(
-            f"`{name}` must have shape (B, {'T' if name == 'query' else 'S'}, {width_name}) with {width_name}={width}. "
-            f"Received: {name}.shape={shape}"
-        )
-    return x
-
-
-def _project_fused(layer, x):
-    """Self-attention: q, k and v (B, T, heads*H) from one matmul over the concatenated projections."""
-    nh, kh = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
-    return tf.split(layer._project(x, "query", "key", "value"), [nh, kh, kh], axis=-1)  # (B, T, N*H + 2*K*H)
-
-
-def dot_product_attention(
-    q, k, v, keep=None, bias=None, causal=False, *, scale=None, softcap=None, window=None, attention_chunk_size=None,
-    sinks=None, dropout=None,
-):  # fmt: skip
-    """Pure attention on split heads, the explicit formula: context (B, N, T, H) and weights (B, N, T, S),
-    exactly 0 where not kept.
-
-    Args:
-        q, k, v: (B, N, T, H) queries; (B, K, S, H) keys and values, K dividing N.
-        keep, bias: None, or a boolean (True where a query may attend a key) / a float added to the
-            (soft-capped) scores, broadcasting to (B, N, T, S).
-        causal: if True, query t keeps key s only if s <= t + (S - T).
-        scale: the factor of the scores; None is 1 / sqrt(H). softcap: None or c: scores -> c * tanh(scores / c).
-        window: None, W or (W_before, W_after): query t keeps key s only if s > t + (S - T) - W_before (and
-            s < t + (S - T) + W_after); attention_chunk_size: None or C: only if s // C == (t + (S - T)) // C.
-        sinks: None or (N,) logits in the softmax's denominator; dropout: None or a callable on the weights.
-    """
-    t, s = tf.shape(q)[2], tf.shape(k)[2]
-    if window is not None or attention_chunk_size is not None:  # causal too, in one (T, S) keep
-        keep = _and(keep, _position_keep(tf.range(t) + (s - t), s, causal, window, attention_chunk_size))
-    elif causal:  # `causal_mask(t, s)`, (T, S); keep's dims may be 1
-        keep = _and(keep, tf.range(s)[None, :] <= (tf.range(t) + (s - t))[:, None])
-    groups = q.shape[1] // k.shape[1]
-    k = tf.repeat(k, groups, axis=1) if groups > 1 else k  # (B, K, S, H) -> (B, N, S, H)
-    v = tf.repeat(v, groups, axis=1) if groups > 1 else v  # (B, K, S, H) -> (B, N, S, H)
-    dtype = tf.float64 if q.dtype == tf.float64 else tf.float32  # the softmax's, float32 at least (`_softmax_dtype`)
-    q = q * tf.constant(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, q.dtype)  # not the scores (rounding)
-    scores = tf.cast(tf.matmul(q, k, transpose_b=True), dtype)  # (B, N, T, S)
-    scores = scores if softcap is None else _softcap(scores, softcap)
-    if bias is not None:
-        bias = tf.cast(bias, dtype)
-        scores = scores + (bias if sinks is not None else _centre_rows(bias, keep))  # (B, N, T, S)
-    plain = keep is None and sinks is None
-    weights = tf.cast(tf.nn.softmax(scores, axis=-1) if plain else _masked_softmax(scores, keep, sinks), q.dtype)
-    context = tf.matmul(weights if dropout is None else dropout(weights), v)  # (B, N, T, S) @ (B, N, S, H)
-    return context, weights
 
 
 # -------------------------------------------------------------------------------------------------
@@ -1583,6 +1579,16 @@ class KVCache(NamedTuple):
     key_scale: tf.Tensor | None = None
     value_scale: tf.Tensor | None = None
     index_key: tf.Tensor | None = None
+
+
+def _results(output, weights, cache, return_attention, kv=None, selection=None):
+    """output, (output, weights), (output, cache) or (output, weights, cache); the sparse indexer's
+    selection before the cache where `return_topk` gives one; then `kv` if given."""
+    results = (output, weights) if return_attention else (output,)
+    results = results if selection is None else (*results, selection)
+    results = results if cache is None else (*results, cache)
+    results = results if kv is None else (*results, kv)
+    return results[0] if len(results) == 1 else results
 
 
 def _init_cache(layer, batch_size, max_length, keep, dtype, in_place):
