@@ -37,6 +37,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 __all__ = ["AttentionMaskWarning", "Int8Linear", "KVCache", "MultiHeadAttention", "alibi_bias", "document_positions"]
@@ -1389,17 +1390,17 @@ def _attend_documents(layer, q, k, v, keep, bias, call):
     and `window` go on to the block where its last query and last key keep the call's alignment
     (S - T); else they, as the attention chunk always, are folded into the block's keep. Rows
     that no block reaches (no key of their document) are 0, as rows with no key. q, k and v are
-    cut with one `split` each where the parts do not overlap (`_parts`), and the context joined
-    with one `cat`: the backward adds no (B, N, T, H) tensor a block."""
+    cut with one `split` each where the parts do not overlap (`_parts`): the backward adds no
+    (B, N, T, H) tensor a block. Under autograd each block is recomputed in the backward
+    (`_attend_block`) and the outputs are joined by `_Joined`: the context is kept once."""
     t, s = q.shape[2], k.shape[2]
     ids, key_ids, groups = call.segments  # (B, T), (B, S), the blocks
     single = len(groups) == 1  # all rows' ids alike: the blocks cut every row at once
     rows = zip(*(x.split(1) for x in (q, k, v)), strict=True) if not single else [(q, k, v)]  # (1|B, N|K, T|S, H) each
-    contexts = []
+    outs, places = [], []
     for (batch, blocks), (q_row, k_row, v_row) in zip(groups, rows, strict=True):
         queries = _parts(q_row, [block[:2] for block in blocks])  # (1|B, N, tq, H) each
         keys, values = (_parts(x, [block[2:4] for block in blocks]) for x in (k_row, v_row))  # (1|B, K, S', H) each
-        pieces, done = [], 0
         for (top, end, start, stop, mixed), *block in zip(blocks, queries, keys, values, strict=True):
             part = (batch, slice(top, end), start, stop)
             block_keep, block_bias = _block_of(keep, part), _block_of(bias, part)  # (r|1, N|1, tq|1, S'|1)
@@ -1410,13 +1411,42 @@ def _attend_documents(layer, q, k, v, keep, bias, call):
             if stop - end != s - t or call.attention_chunk_size is not None:
                 rules = _block_rules(call.causal, call.window, call.attention_chunk_size, part, t, s, q.device)
                 block_keep, sub = _and(block_keep, rules), sub._replace(causal=False, window=None)  # (tq, S') rules
-            out, _ = layer._attend(*block, block_keep, block_bias, sub)  # (r, N, tq, Hv)
-            pieces += [out.new_zeros(*out.shape[:2], top - done, out.shape[-1])] if top > done else []
-            pieces, done = [*pieces, out], end
-        rest = q_row.new_zeros(*q_row.shape[:2], t - done, v.shape[-1])  # (r, N, T - done, Hv): no key
-        pieces = [piece.transpose(1, 2) for piece in [*pieces, rest]]  # (r, tq, N, Hv) each, SDPA's layout
-        contexts.append(torch.cat(pieces, dim=1).transpose(1, 2) if len(pieces) > 1 else rest)  # (r, N, T, Hv)
-    return torch.cat(contexts) if len(contexts) > 1 else contexts[0], None  # (B, N, T, Hv)
+            outs.append(_attend_block(layer, block, block_keep, block_bias, sub))  # (r, N, tq, Hv)
+            places.append((batch, top, end))
+    shape = (q.shape[0], q.shape[1], t, v.shape[-1])  # (B, N, T, Hv)
+    return (_Joined.apply(shape, places, *outs) if outs else q.new_zeros(shape)), None  # (B, N, T, Hv)
+
+
+def _attend_block(layer, block, keep, bias, call):
+    """One block's `_attend` -> (r, N, tq, Hv). Under autograd it runs again in the backward
+    (`torch.utils.checkpoint`): its output is kept once, in the joined context, not a second
+    time for its own backward."""
+    if not torch.is_grad_enabled():
+        return layer._attend(*block, keep, bias, call)[0]
+    attend = torch.utils.checkpoint.checkpoint  # no dropout here (`_by_documents`): no random state to keep
+    return attend(layer._attend, *block, keep, bias, call, use_reentrant=False, preserve_rng_state=False)[0]
+
+
+class _Joined(torch.autograd.Function):
+    """The context of `_attend_documents`: each block's (r, N, tq, Hv) output written into its
+    rows of one (B, N, T, Hv) tensor in SDPA's (B, T, N, Hv) layout, 0 where no block is. The
+    backward hands each block its own copy of its rows' gradient: the (B, T, N, Hv) gradient is
+    freed before the blocks' backward, each copy after its block's."""
+
+    @staticmethod
+    def forward(ctx, shape, places, *outs):
+        b, n, t, hv = shape
+        joined = outs[0].new_zeros(b, t, n, hv)  # (B, T, N, Hv)
+        for (batch, top, end), out in zip(places, outs, strict=True):
+            joined[batch, top:end] = out.transpose(1, 2)  # (r, N, tq, Hv) -> (r, tq, N, Hv)
+        ctx.places = places
+        return joined.transpose(1, 2)  # (B, T, N, Hv) -> (B, N, T, Hv)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.transpose(1, 2)  # (B, N, T, Hv) -> (B, T, N, Hv)
+        parts = (grad[batch, top:end].clone().transpose(1, 2) for batch, top, end in ctx.places)  # (r, N, tq, Hv)
+        return None, None, *parts
 
 
 def _parts(x, spans):

@@ -252,6 +252,32 @@ def test_torch_document_blocks_equal_the_dense_keep(monkeypatch, rows):
     assert len(entered) == 4
 
 
+def test_torch_packed_backward_keeps_the_context_once(monkeypatch):
+    """A PyTorch training call in blocks of documents (one document a block) keeps for its
+    backward, besides its inputs and weights, only the q, k and v projections (each block's
+    parts of them, read again when the block runs again in the backward) and the joined
+    (B, T, N*H) context that the output projection reads: no block's output or log-sum-exp, no
+    (B, 1, T, S) keep (docs/SPEC.md, "Packed sequences"). Key given apart: no fused q/k/v."""
+    import torch
+
+    torch_module = importlib.import_module("PyTorch.Multi_Head_Attention")
+    monkeypatch.setattr(torch_module, "_DOCUMENT_ROWS", 1)
+    torch.manual_seed(0)
+    layer = torch_module.MultiHeadAttention(E, N, num_kv_heads=K)
+    ids = torch.as_tensor(_ids())  # (B, T)
+    x, key = torch.randn(*ids.shape, E, requires_grad=True), torch.randn(*ids.shape, E)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        output = layer(x, key, causal=True, segment_ids=ids)
+    given = {t.untyped_storage().data_ptr() for t in (x, key, *layer.parameters())}
+    kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+    kept = sorted(nbytes for pointer, nbytes in kept.items() if pointer not in given)
+    heads = ids.numel() * E * 4  # (B, T, N*H) float32: q, and the context
+    assert kept == [heads * K // N] * 2 + [heads] * 2  # k and v, then q and the context
+    output.sum().backward()
+    assert x.grad is not None and all(p.grad is not None for p in layer.parameters())
+
+
 def test_tensorflow_chunks_over_documents_equal_the_dense_mask(monkeypatch):
     """The TensorFlow file's memory-efficient path with `segment_ids`, each chunk of queries over
     the keys of its documents only (outside XLA) or over all keys with its own keep of the ids
