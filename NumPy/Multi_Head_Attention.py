@@ -142,7 +142,7 @@ class MultiHeadAttention:
         latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
         index_topk, index_num_heads, index_head_dim, index_rope_interleaved: the sparse indexer (DSA,
             with MLA): each query attends its top-k keys by the indexer's Ni heads of width Hi.
-        index_query_norm: if True, the indexer's queries read a LayerNorm of their input (Mistral Large 4).
+        index_query_input_norm: if True, the indexer's queries read a LayerNorm of their input (Mistral Large 4).
         seed: seed for the Glorot uniform initialisation of the kernels (biases start at 0).
         query_scaling: None, or {"type": "temperature" or "positions", "beta": b, "floor": f}: each
             query row times 1 + b * ln(1 + floor(p / f)) (Llama 4's temperature tuning, Mistral 4's
@@ -207,7 +207,7 @@ class MultiHeadAttention:
         qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
         seed=None, query_scaling=None, kv_shared=False, keys_as_values=False, value_norm=False, index_topk=None,
-        index_num_heads=None, index_head_dim=None, index_rope_interleaved=False, index_query_norm=False,
+        index_num_heads=None, index_head_dim=None, index_rope_interleaved=False, index_query_input_norm=False,
     ):  # fmt: skip
         self.d_model = _positive_int("d_model", d_model)
         self.num_heads = _positive_int("num_heads", num_heads)
@@ -250,7 +250,7 @@ class MultiHeadAttention:
         _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         self._float_layout = _float_shapes(self) if latent is None else _latent_shapes(self)  # {name: shape}
         self._float_layout.update(_query_scaling_shapes(self))  # learned query scales (positions)
-        _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_norm)
+        _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
         self._inv_freq = None  # (R/2,), computed once
         if self.rope_theta is not None:
             rotary_dim = _rotary_dim(rope_fraction, rope_width, True)
@@ -2087,24 +2087,26 @@ def _index_inputs(layer):
 # each query attends only to its top-k allowed keys, ties ranked by the lower key index (a stable
 # sort). `topk_indices` passes another layer's selection in, `return_topk` returns the one used. The
 # indexer's keys are cached in `KVCache.index_key`; no gradient reaches the indexer through the top-k.
-# Mistral Large 4's indexer: a LayerNorm of the query input (`index_query_norm`) and, with the learned
+# Mistral Large 4's indexer: a LayerNorm of the query input (`index_query_input_norm`) and, with the learned
 # `query_scaling`, its queries scaled per indexer head by their own learned weights.
 
 _INDEX_NORM_EPS = 1e-6  # the indexer's key LayerNorm (transformers' `k_norm`)
 _INDEX_SIZES = ("index_topk", "index_num_heads", "index_head_dim")
 
 
-def _init_indexer(layer, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_norm):
+def _init_indexer(layer, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm):
     """Checks the indexer's options (after every other argument), holds them as attributes and adds
     its weights to the float layout (none without `index_topk`)."""
     sizes = dict(zip(_INDEX_SIZES, (index_topk, index_num_heads, index_head_dim), strict=True))
     sizes = {name: None if value is None else _positive_int(name, value) for name, value in sizes.items()}
     layer.index_rope_interleaved = _flag("index_rope_interleaved", index_rope_interleaved)
-    layer.index_query_norm = _flag("index_query_norm", index_query_norm)
+    layer.index_query_input_norm = _flag("index_query_input_norm", index_query_input_norm)
     latent, rope_width, layer._index_source = _index_inputs(layer)  # MLA's: on, Hr with RoPE, the query input's width
     _check_indexer(sizes, latent, rope_width)
-    if layer.index_query_norm and sizes["index_topk"] is None:
-        raise ValueError("`index_query_norm` needs `index_topk` (the sparse indexer). Received: index_query_norm=True")
+    if layer.index_query_input_norm and sizes["index_topk"] is None:
+        raise ValueError(
+            "`index_query_input_norm` needs `index_topk` (the sparse indexer). Received: index_query_input_norm=True"
+        )
     for name, value in sizes.items():
         setattr(layer, name, value)  # layer.index_topk, layer.index_num_heads, layer.index_head_dim
     layer._float_layout.update(_index_shapes(layer))
@@ -2144,7 +2146,7 @@ def _index_shapes(layer):
         return {}
     ni, hi = layer.index_num_heads, layer.index_head_dim
     shapes = {"index_query_norm": (layer._index_source,), "index_query_norm_bias": (layer._index_source,)}
-    shapes = shapes if layer.index_query_norm else {}
+    shapes = shapes if layer.index_query_input_norm else {}
     shapes |= {
         "index_query_kernel": (layer._index_source, ni * hi),
         "index_key_kernel": (layer.kdim, hi),
@@ -2211,7 +2213,7 @@ def _index_scores(layer, query, positions, ki):
     sum_n w[n] * Ni**-0.5 * relu(qi[n] . ki * Hi**-0.5), in float64."""
     p, ni, hi = layer.params, layer.index_num_heads, layer.index_head_dim
     source = _query_latent(layer, query)  # (B, T, Q), or (B, T, E) without `q_lora_rank`
-    if layer.index_query_norm:
+    if layer.index_query_input_norm:
         source = layer_norm(source, p["index_query_norm"], _INDEX_NORM_EPS) + p["index_query_norm_bias"]
     b, t, _ = query.shape
     qi = (source @ p["index_query_kernel"]).reshape(b, t, ni, hi).transpose(0, 2, 1, 3)  # -> (B, Ni, T, Hi)
