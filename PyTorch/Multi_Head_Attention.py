@@ -1804,8 +1804,8 @@ def _check_query_scaling(scaling, rope_sections):
     if scaling is None:
         return None
     learned = isinstance(scaling, dict) and scaling == {"type": "learned"}
-    valid = learned or isinstance(scaling, dict) and set(scaling) == {"type", "beta", "floor"}
-    valid = valid and (learned or scaling["type"] in _QUERY_SCALING_TYPES and _is_positive_number(scaling["floor"]))
+    valid = learned or (isinstance(scaling, dict) and set(scaling) == {"type", "beta", "floor"})
+    valid = valid and (learned or (scaling["type"] in _QUERY_SCALING_TYPES and _is_positive_number(scaling["floor"])))
     if not valid or not (learned or _is_finite_number(scaling["beta"])):
         raise ValueError(
             "`query_scaling` must be None, {'type': 'learned'} or a dict {'type': 'temperature' or 'positions', "

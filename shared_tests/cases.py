@@ -5,7 +5,6 @@ K num_kv_heads, H head_dim.
 """
 
 import dataclasses
-import functools
 import math
 from unittest import mock
 
