@@ -249,7 +249,6 @@ class MultiHeadAttention:
         self.absorb_latents = None  # MLA: None (absorbed with a cache and T <= 8), True or False
         _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         self._float_layout = _float_shapes(self) if latent is None else _latent_shapes(self)  # {name: shape}
-        self._float_layout.update(_query_scaling_shapes(self))  # learned query scales (positions)
         _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
         self._inv_freq = None  # (R/2,), computed once
         if self.rope_theta is not None:
@@ -2096,7 +2095,7 @@ _INDEX_SIZES = ("index_topk", "index_num_heads", "index_head_dim")
 
 def _init_indexer(layer, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm):
     """Checks the indexer's options (after every other argument), holds them as attributes and adds
-    its weights to the float layout (none without `index_topk`)."""
+    the learned query scaling's weights, then its own, to the float layout (none without `index_topk`)."""
     sizes = dict(zip(_INDEX_SIZES, (index_topk, index_num_heads, index_head_dim), strict=True))
     sizes = {name: None if value is None else _positive_int(name, value) for name, value in sizes.items()}
     layer.index_rope_interleaved = _flag("index_rope_interleaved", index_rope_interleaved)
@@ -2109,6 +2108,7 @@ def _init_indexer(layer, index_topk, index_num_heads, index_head_dim, index_rope
         )
     for name, value in sizes.items():
         setattr(layer, name, value)  # layer.index_topk, layer.index_num_heads, layer.index_head_dim
+    layer._float_layout.update(_query_scaling_shapes(layer))  # the learned query scaling's (section: positions)
     layer._float_layout.update(_index_shapes(layer))
 
 
