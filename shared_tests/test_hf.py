@@ -715,6 +715,17 @@ LATENT_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "origi
                "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}  # fmt: skip
 # Mistral 4's default `llama_4_scaling_beta` with a floor the prompts pass (its default, 8192, leaves the scale 1)
 MISTRAL4_SCALING = {"llama_4_scaling_beta": 0.1, "original_max_position_embeddings": FLOOR}
+MISTRAL_LARGE4 = {  # LATENT without a q latent, every layer with RoPE and its own latent KV (the ported kinds)
+    **{name: value for name, value in LATENT.items() if name != "q_lora_rank"}, **SPARSE, **TOKENS,
+    "mlp_layer_types": ["dense"] * 2, "indexer_types": ["full", "shared"], "no_rope_layers": [1, 1],
+}  # fmt: skip
+
+
+def _mistral_large4_text():
+    """Mistral Large 4's text model (it has no causal language model of its own), at its default YaRN."""
+    return transformers.MistralLarge4TextModel(transformers.MistralLarge4TextConfig(**COMMON, **MISTRAL_LARGE4))
+
+
 MLA_FAMILIES = [  # run in the files that have MLA (`kv_lora_rank`)
     Family(
         "deepseek_v3", _llama_like("DeepseekV3ForCausalLM", "DeepseekV3Config", **LATENT), "model.layers.{i}.self_attn"
@@ -795,6 +806,11 @@ MLA_FAMILIES = [  # run in the files that have MLA (`kv_lora_rank`)
             indexer_types=["full", "shared"],
         ),
         "model.layers.{i}.self_attn",
+    ),
+    Family(  # no q latent, learned log-position query scales, the indexer's query LayerNorm; layer 1 "shared"
+        "mistral_large4",
+        _mistral_large4_text,
+        "layers.{i}.self_attn",
     ),
     Family(  # two attention sublayers per decoder layer (one decoder layer here), the LoRA scales
         "longcat_flash",
@@ -1358,6 +1374,15 @@ VARIANTS = {
     "longcat_flash": {"rope", "rope_interleaved"},
     "deepseek_v32": {"rope", "rope_interleaved", "index_topk"},
     "glm_moe_dsa": {"rope", "rope_interleaved", "index_topk", "index_rope_interleaved", "topk_indices"},
+    "mistral_large4": {
+        "rope",
+        "rope_interleaved",
+        "rope_scaling",
+        "query_scaling",
+        "index_topk",
+        "index_rope_interleaved",
+        "topk_indices",
+    },  # fmt: skip
     "llama": {"rope"},
     "llama3_scaled": {"rope", "rope_scaling"},
     "llama_linear": {"rope", "rope_scaling"},
@@ -1432,7 +1457,11 @@ WITH_THE_VARIANT = {
     "sinks": ("sinks",),
     "gate": ("gate_kernel", "gate_bias"),
     "index_topk": ("index_num_heads", "index_head_dim", "index_rope_interleaved", "index_query_kernel",
-                   "index_key_kernel", "index_key_norm", "index_key_norm_bias", "index_weights_kernel"),
+                   "index_key_kernel", "index_key_norm", "index_key_norm_bias", "index_weights_kernel",
+                   "index_query_input_norm", "index_query_norm", "index_query_norm_bias",
+                   "index_query_scaling_scale", "index_query_scaling_bias"),
+    "query_scaling": ("query_scaling_scale", "query_scaling_bias", "index_query_scaling_scale",
+                      "index_query_scaling_bias"),
 }  # fmt: skip
 
 

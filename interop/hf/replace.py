@@ -13,7 +13,7 @@ from .registry import _registered
 from .routes import _layer_index, _module_porter, _transformers_model_type, port_attention
 from .seq2seq import _bart
 from .shared import _gemma_shared
-from .sparse import _sparse
+from .sparse import _mistral_large4, _sparse
 
 
 def replace_attention(model, layer_class=None):
@@ -81,6 +81,7 @@ def replace_attention(model, layer_class=None):
             _gptj,
             _gemma_shared,
             _sparse,
+            _mistral_large4,
         ):
             continue
         if getattr(module, "is_cross_attention", False):
