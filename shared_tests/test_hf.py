@@ -718,11 +718,14 @@ MISTRAL4_SCALING = {"llama_4_scaling_beta": 0.1, "original_max_position_embeddin
 MISTRAL_LARGE4 = {  # LATENT without a q latent, every layer with RoPE and its own latent KV (the ported kinds)
     **{name: value for name, value in LATENT.items() if name != "q_lora_rank"}, **SPARSE, **TOKENS,
     "mlp_layer_types": ["dense"] * 2, "indexer_types": ["full", "shared"], "no_rope_layers": [1, 1],
+    "index_n_heads": 6, "index_head_dim": 4,  # every indexer feature turned (its pairing shows); inputs keep the margin
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                        "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 1.0},  # its YaRN, the prompts past 16
 }  # fmt: skip
 
 
 def _mistral_large4_text():
-    """Mistral Large 4's text model (it has no causal language model of its own), at its default YaRN."""
+    """Mistral Large 4's text model (it has no causal language model of its own)."""
     return transformers.MistralLarge4TextModel(transformers.MistralLarge4TextConfig(**COMMON, **MISTRAL_LARGE4))
 
 
@@ -1334,7 +1337,7 @@ def test_chunks_of_rows_padded_otherwise_take_the_documented_mask(framework):
     assert _max_diff(output, call["output"], rows) <= OUTPUT_TOL
 
 
-@pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"] if "NumPy" in FRAMEWORKS else [])
+@pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa", "mistral_large4"] if "NumPy" in FRAMEWORKS else [])
 def test_sparse_ports_rank_with_a_margin(name):
     """The indexer families' inputs keep INDEX_MARGIN (docs/SPEC.md "Sparse indexer (DSA)", Rounding) at every
     ranking of their full passes and decoding, in the NumPy reference: the selection cannot flip between it,
@@ -1382,7 +1385,7 @@ VARIANTS = {
         "index_topk",
         "index_rope_interleaved",
         "topk_indices",
-    },  # fmt: skip
+    },
     "llama": {"rope"},
     "llama3_scaled": {"rope", "rope_scaling"},
     "llama_linear": {"rope", "rope_scaling"},
@@ -1629,8 +1632,6 @@ QWEN4_INDEXER = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim"
 BEYOND = "beyond DeepSeek-V3.2's indexer: "
 REFUSED_SPARSE = [  # the families built on the sparse indexer that add more: module and config (None: the
     # checkpoint route only), and what they add
-    ("mistral_large4", "MistralLarge4TextAttention", "MistralLarge4TextConfig",
-     r"a learned per-head query scaling by log-position \(`softmax_scaling`.*`q_input_norm`.*`kv_sharing_modes`"),
     ("glm5_next", "Glm5NextTextAttention", "Glm5NextTextConfig", r"linear-attention layers .*`index_kpool`"),
     ("hy_v4", "HYV4Attention", "HYV4Config", r"a per-head output gate and attention sinks on MLA with its RoPE"),
     ("axk2", "AXK2Attention", "AXK2Config", r"a query and output gate projected from both the normalized and the raw"),
@@ -1646,7 +1647,7 @@ REFUSED_SPARSE = [  # the families built on the sparse indexer that add more: mo
                          ids=[row[0] for row in REFUSED_SPARSE])  # fmt: skip
 def test_sparse_indexer_families_adding_more_are_refused_with_what_they_add(model_type, module_class, config_class,
                                                                             adds):  # fmt: skip
-    """Each family of the issue's list beyond DeepSeek-V3.2 and GLM-MoE-DSA: refused by name, from a module (where
+    """Each family of the issue's list beyond DeepSeek-V3.2, GLM-MoE-DSA and Mistral Large 4: refused by name, from a module (where
     its tiny module builds) and from a checkpoint's config, with what its attention adds."""
     reason = rf"must hold an attention the layer computes: .*{BEYOND}{adds}.*, which the layer cannot"
     if module_class is not None:

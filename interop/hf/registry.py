@@ -94,8 +94,8 @@ _BUILTIN = {
     "gemma4_unified_text": _family(_gemma_shared, _LAYERS),
     "deepseek_v32": _family(_sparse, _LAYERS),
     "glm_moe_dsa": _family(_sparse, _LAYERS, interleaved_indexer=True),
-    "mistral_large4": _family(_mistral_large4, _LAYERS),
-    "mistral_large4_text": _family(_mistral_large4, _LAYERS),
+    "mistral_large4": _family(_mistral_large4, "layers.{i}.attention"),  # its checkpoints' names
+    "mistral_large4_text": _family(_mistral_large4, "layers.{i}.attention"),
     "longcat_flash": _family(
         _latent, lambda i: f"layers.{i // 2}.self_attn.{i % 2}", interleaved=True, lora_scales=True
     ),

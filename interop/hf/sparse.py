@@ -5,6 +5,8 @@ latent attention with `index_topk` (the "shared" layers as MLA layers that atten
 Legend: E hidden size, Q q_lora_rank, Ni indexer heads, Hi indexer head width.
 """
 
+import re
+
 from .latent import _latent
 from .tensors import _tensor
 
@@ -40,8 +42,10 @@ def _mistral_large4(config, tensors, index):
     """Mistral Large 4: GLM-MoE-DSA's attention without a q latent (`q_proj`), the learned log-position scaling of
     the queries (`softmax_scaling`: `query_scaling={"type": "learned"}`) and of the indexer's, whose queries read
     a LayerNorm of the hidden states (`indexer.q_input_norm`: `index_query_input_norm`). Its NoPE layers
-    (`no_rope_layers`) and cross-layer KV sharing (`kv_source_layers`) are refused with why."""
+    (`no_rope_layers`) and cross-layer KV sharing (`kv_source_layers`) are refused with why. Its checkpoints'
+    native names (`attention.wq`, `wkv_a_with_mqa`, `ssmax_scaling.s`, ...) read as transformers' own."""
     _check_mistral_large4_layer(config, index)
+    tensors = {_transformers_name(name): tensors[name] for name in tensors}
     kwargs, weights = _sparse(config, tensors, index, interleaved_indexer=True)
     kwargs["latent_norm_eps"] = float(config["rms_norm_eps"])  # its `kv_a_layernorm` reads the config's epsilon
     kwargs["query_scaling"] = {"type": "learned"}
@@ -58,6 +62,20 @@ def _mistral_large4(config, tensors, index):
         }
     weights |= {name: _tensor(tensors, source) for name, source in sources.items()}  # (N,), (E,) or (Ni,)
     return kwargs, weights
+
+
+_NATIVE_NAMES = (  # Mistral's checkpoint names of the attention's tensors -> transformers' (its conversion mapping)
+    (r"^wq\.", "q_proj."), (r"^wkv_a_with_mqa\.", "kv_a_proj_with_mqa."), (r"^wkv_b\.", "kv_b_proj."),
+    (r"^kv_a_norm\.", "kv_a_layernorm."), (r"^wo\.", "o_proj."), (r"ssmax_scaling\.s$", "softmax_scaling.scale"),
+    (r"ssmax_scaling\.b$", "softmax_scaling.bias"),
+)  # fmt: skip
+
+
+def _transformers_name(name):
+    """A tensor's name in transformers' module, from Mistral's checkpoint name or already transformers'."""
+    for pattern, replacement in _NATIVE_NAMES:
+        name = re.sub(pattern, replacement, name)
+    return name
 
 
 def _check_mistral_large4_layer(config, index):
