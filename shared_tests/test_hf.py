@@ -729,6 +729,16 @@ def _mistral_large4_text():
     return transformers.MistralLarge4TextModel(transformers.MistralLarge4TextConfig(**COMMON, **MISTRAL_LARGE4))
 
 
+def _mistral_large4_generation():
+    """Mistral Large 4's model with a language-model head (and its vision tower, a tiny Pixtral, unused)."""
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 28, "patch_size": 14, "head_dim": 8}  # fmt: skip
+    text = {**COMMON, **MISTRAL_LARGE4}
+    return transformers.MistralLarge4ForConditionalGeneration(
+        transformers.MistralLarge4Config(text_config=text, vision_config=vision)
+    )
+
+
 MLA_FAMILIES = [  # run in the files that have MLA (`kv_lora_rank`)
     Family(
         "deepseek_v3", _llama_like("DeepseekV3ForCausalLM", "DeepseekV3Config", **LATENT), "model.layers.{i}.self_attn"
@@ -824,6 +834,9 @@ MLA_FAMILIES = [  # run in the files that have MLA (`kv_lora_rank`)
 ]
 FAMILIES += MLA_FAMILIES
 FAMILIES_BY_NAME = {family.name: family for family in FAMILIES}
+FAMILIES_BY_NAME["mistral_large4_generation"] = Family(  # its language model (a tiny Pixtral beside): generate
+    "mistral_large4_generation", _mistral_large4_generation, "model.language_model.layers.{i}.self_attn"
+)
 LAYERS = (0, 1)  # every family alternates or repeats its layer types within two layers
 
 
@@ -2014,7 +2027,7 @@ def _prompts():
 
 SWAPPED = ["llama", "gemma3", "qwen3", "phi_qk_layernorm", "qwen3_next", "qwen3_5", "lfm3", "deepseek_v3",
            "kimi_linear", "bailing_hybrid", "longcat_flash", "llama4", "mistral4", "deepseek_v32",
-           "glm_moe_dsa"]  # fmt: skip
+           "glm_moe_dsa", "mistral_large4_generation"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", SWAPPED if "PyTorch" in FRAMEWORKS else [])
