@@ -1422,7 +1422,7 @@ def _query_scales(layer, q, call):
 def _learned_scales(scale, bias, positions, dtype):
     """The learned factor scale[n] * ln(1 + p) + bias[n] of head n at (B|1, T) float positions, in `dtype` as
     transformers computes it (ln(1 + p) in float32 at least, then cast): (B|1, heads, T, 1)."""
-    logs = ops.cast(ops.log1p(positions), dtype)  # (B|1, T)
+    logs = ops.cast(ops.log(1.0 + positions), dtype)  # (B|1, T): ln(1 + p), as transformers (no Log1p op in ONNX)
     scale, bias = ops.cast(scale, dtype), ops.cast(bias, dtype)  # (heads,)
     return scale[None, :, None, None] * logs[:, None, :, None] + bias[None, :, None, None]  # (B|1, heads, T, 1)
 

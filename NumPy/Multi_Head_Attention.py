@@ -1312,7 +1312,7 @@ def _scaling_positions(layer, call):
 
 def _learned_scales(scale, bias, positions):
     """The learned factor scale[n] * ln(1 + p) + bias[n] of head n at (B|1, T) positions: (B|1, heads, T, 1)."""
-    logs = np.log1p(positions)[:, None, :, None]  # (B|1, T) -> (B|1, 1, T, 1)
+    logs = np.log(1.0 + positions)[:, None, :, None]  # (B|1, T) -> (B|1, 1, T, 1)
     return scale[None, :, None, None] * logs + bias[None, :, None, None]  # (B|1, heads, T, 1)
 
 
@@ -1323,7 +1323,7 @@ def _query_scaling_backward(layer, call, d_q, grads):
         unscaled = copy.copy(layer)  # the same weights, without step 4b
         unscaled.query_scaling = None
         d_scales = (d_q * unscaled._project_qkv(call)[0]).sum(axis=-1)  # (B, N, T, H) -> (B, N, T)
-        logs = np.log1p(_scaling_positions(layer, call))[:, None, :]  # (B|1, T) -> (B|1, 1, T)
+        logs = np.log(1.0 + _scaling_positions(layer, call))[:, None, :]  # (B|1, T) -> (B|1, 1, T)
         grads["query_scaling_scale"] = (d_scales * logs).sum(axis=(0, 2))  # (N,)
         grads["query_scaling_bias"] = d_scales.sum(axis=(0, 2))  # (N,)
     return d_q * _query_scales(layer, call)

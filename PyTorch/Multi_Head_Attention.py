@@ -1876,7 +1876,7 @@ def _query_scales(layer, q, call):
 def _learned_scales(scale, bias, positions, dtype):
     """The learned factor scale[n] * ln(1 + p) + bias[n] of head n at (B|1, T) positions, in `dtype` as
     transformers computes it (ln(1 + p) in float32 at least, then cast): (B|1, heads, T, 1)."""
-    logs = torch.log1p(positions.to(torch.promote_types(positions.dtype, torch.float32))).to(dtype)  # (B|1, T)
+    logs = torch.log(1.0 + positions.to(torch.promote_types(positions.dtype, torch.float32))).to(dtype)  # (B|1, T)
     scale, bias = scale.to(dtype), bias.to(dtype)  # (heads,)
     return scale[None, :, None, None] * logs[:, None, :, None] + bias[None, :, None, None]  # (B|1, heads, T, 1)
 
