@@ -1033,6 +1033,7 @@ PACKAGE_NAMES = {
     "qwen2_5_vl",
     "qwen3_5",
     "qwen3_5_moe",
+    "mistral_large4",  # its language model's config is `mistral_large4_text` (its head: mistral_large4_generation)
 }  # where a transformers package's name is not its config's model type
 
 
