@@ -1674,6 +1674,31 @@ def test_sparse_indexer_families_adding_more_are_refused_with_what_they_add(mode
         port_checkpoint({"model_type": model_type}, {}, 0)
 
 
+@pytest.mark.parametrize(
+    ("config", "layers", "message"),
+    [
+        ({"no_rope_layers": [1, 0]}, (1,), r"NoPE layers \(`no_rope_layers`\) scale their queries by `position_ids`"),
+        ({"kv_source_layers": [0, 0]}, (0, 1), r"cross-layer KV sharing \(`kv_source_layers`: a layer attends"),
+    ],
+    ids=["nope", "kv_sharing"],
+)
+def test_mistral_large4_refuses_its_nope_and_kv_sharing_layers(config, layers, message):
+    """Mistral Large 4's layers the port cannot compute are refused with why, from a module and from a
+    checkpoint's config (the layer sharing its cache: 0, the source, and 1, which attends it)."""
+    config = transformers.MistralLarge4TextConfig(**COMMON, **{**MISTRAL_LARGE4, **config})
+    model = transformers.MistralLarge4TextModel(config)
+    reason = rf"`module` must hold an attention the layer computes: Mistral Large 4's {message}"
+    for index in layers:
+        with pytest.raises(ValueError, match=reason):
+            port_attention(model.layers[index].self_attn, config)
+    with pytest.raises(ValueError, match=reason):
+        port_checkpoint(
+            config.to_dict(),
+            {f"layers.1.attention.{n}": t for n, t in model.layers[1].self_attn.state_dict().items()},
+            1,
+        )
+
+
 @pytest.mark.parametrize(("name", "config_class"), [("kimi_linear", "KimiLinearConfig"),
                                                     ("bailing_hybrid", "BailingHybridConfig")])  # fmt: skip
 def test_linear_attention_layers_of_mla_hybrids_are_refused_by_name(name, config_class):
