@@ -159,11 +159,13 @@ class MultiHeadAttention(keras.layers.Layer):
             multi-head latent attention, off while `kv_lora_rank` is None (its section).
         index_topk, index_num_heads, index_head_dim, index_rope_interleaved: the sparse indexer (DSA),
             off while `index_topk` is None: each query attends its top-k keys (its section).
+        index_query_input_norm: if True, the indexer's queries read a LayerNorm of their input (Mistral Large 4).
         kernel_initializer: initializer of the kernels.
         bias_initializer: initializer of the biases.
         query_scaling: None, or {"type": "temperature" or "positions", "beta": b, "floor": f}: each
             query row times 1 + b * ln(1 + floor(p / f)) (Llama 4's temperature tuning, Mistral 4's
-            `llama_4_scaling_beta`; the section "positions").
+            `llama_4_scaling_beta`), or {"type": "learned"}: query head n times s_n * ln(1 + p) + b_n,
+            learned (Mistral Large 4's `softmax_scaling`; the section "positions").
         kv_shared: if True, the layer has no key or value projections: every call takes another
             layer's keys and values through `shared_kv` (Gemma 3n's and Gemma 4's shared layers).
         keys_as_values: if True, no value projection: v is the key projection before QK-norm and RoPE (Gemma 4).
@@ -224,7 +226,7 @@ class MultiHeadAttention(keras.layers.Layer):
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
         kernel_initializer="glorot_uniform", bias_initializer="zeros", query_scaling=None, kv_shared=False,
         keys_as_values=False, value_norm=False, index_topk=None, index_num_heads=None, index_head_dim=None,
-        index_rope_interleaved=False, **kwargs,
+        index_rope_interleaved=False, index_query_input_norm=False, **kwargs,
     ):  # fmt: skip
         super().__init__(**kwargs)
         self.d_model = _positive_int("d_model", d_model)
@@ -258,7 +260,7 @@ class MultiHeadAttention(keras.layers.Layer):
             setattr(self, name, None if latent is None else getattr(latent, name))
         self.query_scaling = _check_query_scaling(query_scaling, self.rope_sections)  # its section: positions
         _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
-        _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved)  # sparse indexer
+        _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
         if self.rope_theta is not None:
             rotary = _rotary_dim(self.rope_fraction, rope_width, True)
             frequencies = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,) NumPy
@@ -1368,30 +1370,43 @@ def _on_pairs(first, second, interleaved):
 # 1 + beta * ln(1 + floor(p / floor)). "temperature" (Llama 4's attention temperature tuning) counts p = i + t + 1
 # from the cache's index i (0 without a cache), the same for every row, left padding included; "positions"
 # (Mistral 4's and Ministral 3's `llama_4_scaling_beta`) reads the (B, T) RoPE positions (`positions`, by default
-# i + t). A constant per query row, so q's gradient is scaled by it too.
+# i + t). A constant per query row, so q's gradient is scaled by it too. "learned" (Mistral Large 4's
+# `softmax_scaling`) multiplies query head n by query_scaling_scale[n] * ln(1 + p) + query_scaling_bias[n], p read
+# as "positions" reads it; its two (N,) weights have gradients.
 
 
 _QUERY_SCALING_TYPES = ("temperature", "positions")
 
 
 def _check_query_scaling(scaling, rope_sections):
-    """`query_scaling`: None or {"type": "temperature" or "positions", "beta": a finite number, "floor": a
-    positive number}, held with float numbers; "positions" reads one row of positions (not `rope_sections`)."""
+    """`query_scaling`: None, {"type": "learned"} or {"type": "temperature" or "positions", "beta": a finite
+    number, "floor": a positive number}, held with float numbers; "positions" and "learned" read one row of
+    positions (not `rope_sections`)."""
     if scaling is None:
         return None
-    valid = isinstance(scaling, dict) and set(scaling) == {"type", "beta", "floor"}
-    valid = valid and scaling["type"] in _QUERY_SCALING_TYPES and _is_positive_number(scaling["floor"])
-    if not valid or not _is_finite_number(scaling["beta"]):
+    learned = isinstance(scaling, dict) and scaling == {"type": "learned"}
+    valid = learned or (isinstance(scaling, dict) and set(scaling) == {"type", "beta", "floor"})
+    valid = valid and (learned or (scaling["type"] in _QUERY_SCALING_TYPES and _is_positive_number(scaling["floor"])))
+    if not valid or not (learned or _is_finite_number(scaling["beta"])):
         raise ValueError(
-            "`query_scaling` must be None or a dict {'type': 'temperature' or 'positions', 'beta': a finite "
-            f"number, 'floor': a positive number}}. Received: query_scaling={scaling!r}"
+            "`query_scaling` must be None, {'type': 'learned'} or a dict {'type': 'temperature' or 'positions', "
+            f"'beta': a finite number, 'floor': a positive number}}. Received: query_scaling={scaling!r}"
         )
-    if scaling["type"] == "positions" and rope_sections is not None:
+    if scaling["type"] != "temperature" and rope_sections is not None:
         raise ValueError(
-            "`query_scaling` of type 'positions' reads one row of positions, not the (k, B, T) of `rope_sections`. "
-            f"Received: query_scaling={scaling!r}, rope_sections={rope_sections!r}"
+            f"`query_scaling` of type {scaling['type']!r} reads one row of positions, not the (k, B, T) of "
+            f"`rope_sections`. Received: query_scaling={scaling!r}, rope_sections={rope_sections!r}"
         )
+    if learned:
+        return {"type": "learned"}
     return {"type": scaling["type"], "beta": float(scaling["beta"]), "floor": float(scaling["floor"])}
+
+
+def _query_scaling_shapes(layer):
+    """The learned scaling's portable weights {name: shape}: (N,) `query_scaling_scale` and `query_scaling_bias`."""
+    if layer.query_scaling is None or layer.query_scaling["type"] != "learned":
+        return {}
+    return {"query_scaling_scale": (layer.num_heads,), "query_scaling_bias": (layer.num_heads,)}
 
 
 def _is_finite_number(value):
@@ -1412,14 +1427,24 @@ def _query_scales(layer, q, call):
     floor)), computed in float32 (float64 for a float64 q) as transformers does, in q's dtype."""
     scaling = layer.query_scaling
     dtype = "float64" if keras.backend.standardize_dtype(q.dtype) == "float64" else "float32"
-    if scaling["type"] == "positions" and call.positions is not None:
+    if scaling["type"] != "temperature" and call.positions is not None:
         positions = ops.cast(call.positions, dtype)  # (B|1, T)
     else:
         start = 0 if call.cache is None else ops.convert_to_tensor(call.cache.index, "int32")
         steps = ops.cast(start + ops.arange(_shape(q)[2], dtype="int32"), dtype)  # (T,)
         positions = (steps + float(scaling["type"] == "temperature"))[None]  # (1, T)
+    if scaling["type"] == "learned":
+        return _learned_scales(layer.query_scaling_scale, layer.query_scaling_bias, positions, q.dtype)
     scales = 1.0 + scaling["beta"] * ops.log(1.0 + ops.floor(positions / scaling["floor"]))  # (B|1, T)
     return ops.cast(scales, q.dtype)[:, None, :, None]  # (B|1, T) -> (B|1, 1, T, 1)
+
+
+def _learned_scales(scale, bias, positions, dtype):
+    """The learned factor scale[n] * ln(1 + p) + bias[n] of head n at (B|1, T) float positions, in `dtype` as
+    transformers computes it (ln(1 + p) in float32 at least, then cast): (B|1, heads, T, 1)."""
+    logs = ops.cast(ops.log(1.0 + positions), dtype)  # (B|1, T): ln(1 + p), as transformers (no Log1p op in ONNX)
+    scale, bias = ops.cast(scale, dtype), ops.cast(bias, dtype)  # (heads,)
+    return scale[None, :, None, None] * logs[:, None, :, None] + bias[None, :, None, None]  # (B|1, heads, T, 1)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -2173,14 +2198,19 @@ _INDEX_NORM_EPS = 1e-6  # the indexer's key LayerNorm (transformers' `k_norm`)
 _INDEX_BLOCK_SCORES = 1 << 22  # the indexer's (B, Ni, Tb, S) raw scores of one block of query rows
 
 
-def _init_indexer(layer, index_topk, index_num_heads, index_head_dim, index_rope_interleaved):
+def _init_indexer(layer, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm):
     """The constructor's indexer step (after every other argument and MLA's combinations): each size
     None or a positive integer and the flag a bool, in that order, then their combinations
     (`_check_indexer`); holds them as attributes (None without an indexer)."""
     sizes = dict(zip(_INDEX_SIZES, (index_topk, index_num_heads, index_head_dim), strict=True))
     sizes = {name: None if value is None else _positive_int(name, value) for name, value in sizes.items()}
     layer.index_rope_interleaved = _flag("index_rope_interleaved", index_rope_interleaved)
+    layer.index_query_input_norm = _flag("index_query_input_norm", index_query_input_norm)
     _check_indexer(sizes, layer.kv_lora_rank, None if layer.rope_theta is None else layer.qk_rope_head_dim)
+    if layer.index_query_input_norm and sizes["index_topk"] is None:
+        raise ValueError(
+            "`index_query_input_norm` needs `index_topk` (the sparse indexer). Received: index_query_input_norm=True"
+        )
     for name, value in sizes.items():
         setattr(layer, name, value)  # layer.index_topk, layer.index_num_heads, layer.index_head_dim
 
@@ -2219,13 +2249,17 @@ def _index_shapes(layer):
         return {}
     ni, hi = layer.index_num_heads, layer.index_head_dim
     source = layer.d_model if layer.q_lora_rank is None else layer.q_lora_rank  # x_q: query, or the q latent
-    return {
+    shapes = {"index_query_norm": (source,), "index_query_norm_bias": (source,)} if layer.index_query_input_norm else {}
+    shapes |= {
         "index_query_kernel": (source, ni * hi),
         "index_key_kernel": (layer.kdim, hi),
         "index_key_norm": (hi,),
         "index_key_norm_bias": (hi,),
         "index_weights_kernel": (layer.d_model, ni),
     }
+    learned = layer.query_scaling is not None and layer.query_scaling["type"] == "learned"
+    n = ni
+    return shapes | ({"index_query_scaling_scale": (n,), "index_query_scaling_bias": (n,)} if learned else {})
 
 
 def _is_indexer_weight(name):
@@ -2280,13 +2314,30 @@ def _index_keys(layer, key, positions):
     return ops.stop_gradient(_turn_index(layer, ki[:, None], positions)[:, 0])  # (B, 1, S, Hi) -> (B, S, Hi)
 
 
-def _index_queries(layer, query, positions):
-    """(B, T, E) -> the indexer's queries qi (B, Ni, T, Hi), their first Hr features turned, and the
-    heads' weights w * Ni**-0.5 (B, T, Ni), outside the gradient."""
+def _index_positions(call):
+    """The (B|1, T) float positions of the indexer's queries: the call's RoPE positions, else i + t from the
+    cache's index i before the call (the call's cache is the written one, its index i + T)."""
+    if call.positions is not None:
+        return ops.cast(call.positions, "float32")  # (B, T)
+    t = _shape(call.query)[1]
+    start = 0 if call.cache is None else ops.convert_to_tensor(call.cache.index, "int32") - t
+    return ops.cast(start + ops.arange(t, dtype="int32"), "float32")[None]  # (1, T)
+
+
+def _index_queries(layer, query, positions, scaling_positions):
+    """(B, T, E) -> the indexer's queries qi (B, Ni, T, Hi) (their input LayerNorm-ed with
+    `index_query_input_norm`, scaled by the learned scaling at (B|1, T) `scaling_positions`), their first Hr
+    features turned, and the heads' weights w * Ni**-0.5 (B, T, Ni), outside the gradient."""
     dtype = _softmax_dtype(layer.compute_dtype)
     source = query if layer.q_lora_rank is None else _query_latent(layer, query)  # (B, T, E or Q)
+    if layer.index_query_input_norm:
+        scale, bias = ops.cast(layer.index_query_norm, dtype), ops.cast(layer.index_query_norm_bias, dtype)
+        source = layer_norm(ops.cast(source, dtype), scale, _INDEX_NORM_EPS, bias)  # (B, T, E or Q)
     qi = _matmul(ops.cast(source, dtype), ops.cast(layer.index_query_kernel, dtype))  # -> (B, T, Ni*Hi)
     qi = layer._split_heads(qi, layer.index_num_heads, layer.index_head_dim)  # -> (B, Ni, T, Hi)
+    if "index_query_scaling_scale" in _index_shapes(layer):
+        scale, bias = layer.index_query_scaling_scale, layer.index_query_scaling_bias
+        qi = qi * _learned_scales(scale, bias, ops.cast(scaling_positions, dtype), dtype)  # (B, Ni, T, Hi)
     w = _matmul(ops.cast(query, dtype), ops.cast(layer.index_weights_kernel, dtype))  # (B, T, E) -> (B, T, Ni)
     w = w * ops.convert_to_tensor(layer.index_num_heads**-0.5, dtype)
     return ops.stop_gradient(_turn_index(layer, qi, positions)), ops.stop_gradient(w)
@@ -2340,7 +2391,7 @@ def _index_topk(layer, call, ki, allowed):
     """The layer's own selection (B, T, k) of k = min(index_topk, S) keys (`_select_topk`), scored in
     blocks of query rows of about `_INDEX_BLOCK_SCORES` raw scores (B, Ni, Tb, S) where the shapes
     are known at trace time, each block's scores ranked and dropped (`_loop`)."""
-    qi, w = _index_queries(layer, call.query, call.positions)  # (B, Ni, T, Hi), (B, T, Ni)
+    qi, w = _index_queries(layer, call.query, call.positions, _index_positions(call))  # (B, Ni, T, Hi), (B, T, Ni)
     (b, _, t, _), s = tuple(qi.shape), allowed.shape[2]
     if not _known(b, t, s) or b * layer.index_num_heads * t * s <= _INDEX_BLOCK_SCORES:
         k = min(layer.index_topk, s) if _known(s) else ops.minimum(layer.index_topk, _shape(allowed)[2])
@@ -3517,10 +3568,10 @@ def _projection_kinds(projections, gate):
 
 def _initializer(layer, name):
     """Kernels and biases from the layer's initializers; QK-norm scales of one, QK-norm biases
-    and sinks of zero."""
-    if name.endswith("_norm"):
+    and sinks of zero; the learned query scaling's scales zero and biases one (each factor 1)."""
+    if name.endswith(("_norm", "_scaling_bias")):
         return keras.initializers.Ones()
-    if name == "sinks" or name.endswith("_norm_bias"):
+    if name == "sinks" or name.endswith(("_norm_bias", "_scaling_scale")):
         return keras.initializers.Zeros()
     initializer = layer.kernel_initializer if name.endswith("_kernel") else layer.bias_initializer
     return initializer.__class__.from_config(initializer.get_config())  # a fresh instance for each weight
@@ -3661,6 +3712,7 @@ def _non_defaults(layer):
         "query_scaling": layer.query_scaling is None,
         **{name: not getattr(layer, name) for name in _SHARING_FLAGS},
         "index_topk": layer.index_topk is None,
+        "index_query_input_norm": not layer.index_query_input_norm,
     }
     return {name: getattr(layer, name) for name, default in plain.items() if not default}
 
@@ -3816,6 +3868,7 @@ def _weight_shapes(layer):
         shapes[f"{kind}_kernel"] = shape
         if kind in layer.bias:
             shapes[f"{kind}_bias"] = shape[1:]
+    shapes.update(_query_scaling_shapes(layer))  # the learned query scaling's
     shapes.update(_index_shapes(layer))  # the sparse indexer's, float in an int8 layer too
     return _with_scales(shapes) if layer._int8 else shapes
 
@@ -3845,7 +3898,7 @@ def _import_weights(layer, weights):
 _CONFIG_NAMES = (
     "d_model", "num_heads", "num_kv_heads", "head_dim", "kdim", "vdim", "dropout", "bias", *_Variants._fields[:-1],
     *_LATENT_SIZES, "latent_norm_eps", "kernel_initializer", "bias_initializer", "query_scaling", "kv_shared",
-    "keys_as_values", "value_norm", *_INDEX_SIZES, "index_rope_interleaved",
+    "keys_as_values", "value_norm", *_INDEX_SIZES, "index_rope_interleaved", "index_query_input_norm",
 )  # get_config's entries past the base layer's, in the constructor's order  # fmt: skip
 
 

@@ -38,6 +38,7 @@ the steps"), each option's step behind a one-line guard; then one section per op
     converters                          the portable weight layout (`import_weights`)
 """
 
+import copy
 import math
 import sys
 import warnings
@@ -195,10 +196,12 @@ class MultiHeadAttention:
         latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
         index_topk, index_num_heads, index_head_dim, index_rope_interleaved: the sparse indexer (DSA,
             with MLA): each query attends its top-k keys by the indexer's Ni heads of width Hi.
+        index_query_input_norm: if True, the indexer's queries read a LayerNorm of their input (Mistral Large 4).
         seed: seed for the Glorot uniform initialisation of the kernels (biases start at 0).
         query_scaling: None, or {"type": "temperature" or "positions", "beta": b, "floor": f}: each
             query row times 1 + b * ln(1 + floor(p / f)) (Llama 4's temperature tuning, Mistral 4's
-            `llama_4_scaling_beta`; the section "positions").
+            `llama_4_scaling_beta`), or {"type": "learned"}: query head n times s_n * ln(1 + p) + b_n,
+            learned (Mistral Large 4's `softmax_scaling`; the section "positions").
         kv_shared: if True, the layer has no key or value projections: every call takes another
             layer's keys and values through `shared_kv` (Gemma 3n's and Gemma 4's shared layers).
         keys_as_values: if True, no value projection: v is the key projection before QK-norm and RoPE (Gemma 4).
@@ -258,7 +261,7 @@ class MultiHeadAttention:
         qk_norm_type="rms", qk_norm_bias=False, sinks=False, clip_qkv=None, gate=False, kv_lora_rank=None,
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
         seed=None, query_scaling=None, kv_shared=False, keys_as_values=False, value_norm=False, index_topk=None,
-        index_num_heads=None, index_head_dim=None, index_rope_interleaved=False,
+        index_num_heads=None, index_head_dim=None, index_rope_interleaved=False, index_query_input_norm=False,
     ):  # fmt: skip
         self.d_model = _positive_int("d_model", d_model)
         self.num_heads = _positive_int("num_heads", num_heads)
@@ -300,7 +303,7 @@ class MultiHeadAttention:
         self.absorb_latents = None  # MLA: None (absorbed with a cache and T <= 8), True or False
         _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         self._float_layout = _float_shapes(self) if latent is None else _latent_shapes(self)  # {name: shape}
-        _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved)  # sparse indexer
+        _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
         self._inv_freq = None  # (R/2,), computed once
         if self.rope_theta is not None:
             rotary_dim = _rotary_dim(rope_fraction, rope_width, True)
@@ -533,7 +536,7 @@ def _backward(layer, grad_output):
         k, v = _expand_latents(layer, k, v)  # MLA: the expanded keys and values
     keep = _full_keep(c["keep"], q.shape[2], k.shape[2], call.causal, call.window, call.attention_chunk_size)
     d_q, d_k, d_v, d_biased, d_sinks = _attention_backward(layer, d_context, q, k, v, keep, c["weights"])  # 6.
-    d_q = d_q if layer.query_scaling is None else d_q * _query_scales(layer, call)  # 4b. query scales
+    d_q = d_q if layer.query_scaling is None else _query_scaling_backward(layer, call, d_q, grads)  # 4b.
     given = c["given_bias"]  # the call's `attention_bias` as given: its gradient takes its shape
     extra = {} if given is None else {"attention_bias": _sum_to_shape(d_biased, np.shape(given))}
     grads.update({} if d_sinks is None else {"sinks": d_sinks})
@@ -1257,30 +1260,43 @@ def _turn_back(layer, d, positions):
 # 1 + beta * ln(1 + floor(p / floor)). "temperature" (Llama 4's attention temperature tuning) counts p = i + t + 1
 # from the cache's index i (0 without a cache), the same for every row, left padding included; "positions"
 # (Mistral 4's and Ministral 3's `llama_4_scaling_beta`) reads the (B, T) RoPE positions (`positions`, by default
-# i + t). A constant per query row, so q's gradient is scaled by it too.
+# i + t). A constant per query row, so q's gradient is scaled by it too. "learned" (Mistral Large 4's
+# `softmax_scaling`) multiplies query head n by query_scaling_scale[n] * ln(1 + p) + query_scaling_bias[n], p read
+# as "positions" reads it; its two (N,) weights have gradients.
 
 
 _QUERY_SCALING_TYPES = ("temperature", "positions")
 
 
 def _check_query_scaling(scaling, rope_sections):
-    """`query_scaling`: None or {"type": "temperature" or "positions", "beta": a finite number, "floor": a
-    positive number}, held with float numbers; "positions" reads one row of positions (not `rope_sections`)."""
+    """`query_scaling`: None, {"type": "learned"} or {"type": "temperature" or "positions", "beta": a finite
+    number, "floor": a positive number}, held with float numbers; "positions" and "learned" read one row of
+    positions (not `rope_sections`)."""
     if scaling is None:
         return None
-    valid = isinstance(scaling, dict) and set(scaling) == {"type", "beta", "floor"}
-    valid = valid and scaling["type"] in _QUERY_SCALING_TYPES and _is_positive_number(scaling["floor"])
-    if not valid or not _is_finite_number(scaling["beta"]):
+    learned = isinstance(scaling, dict) and scaling == {"type": "learned"}
+    valid = learned or (isinstance(scaling, dict) and set(scaling) == {"type", "beta", "floor"})
+    valid = valid and (learned or (scaling["type"] in _QUERY_SCALING_TYPES and _is_positive_number(scaling["floor"])))
+    if not valid or not (learned or _is_finite_number(scaling["beta"])):
         raise ValueError(
-            "`query_scaling` must be None or a dict {'type': 'temperature' or 'positions', 'beta': a finite "
-            f"number, 'floor': a positive number}}. Received: query_scaling={scaling!r}"
+            "`query_scaling` must be None, {'type': 'learned'} or a dict {'type': 'temperature' or 'positions', "
+            f"'beta': a finite number, 'floor': a positive number}}. Received: query_scaling={scaling!r}"
         )
-    if scaling["type"] == "positions" and rope_sections is not None:
+    if scaling["type"] != "temperature" and rope_sections is not None:
         raise ValueError(
-            "`query_scaling` of type 'positions' reads one row of positions, not the (k, B, T) of `rope_sections`. "
-            f"Received: query_scaling={scaling!r}, rope_sections={rope_sections!r}"
+            f"`query_scaling` of type {scaling['type']!r} reads one row of positions, not the (k, B, T) of "
+            f"`rope_sections`. Received: query_scaling={scaling!r}, rope_sections={rope_sections!r}"
         )
+    if learned:
+        return {"type": "learned"}
     return {"type": scaling["type"], "beta": float(scaling["beta"]), "floor": float(scaling["floor"])}
+
+
+def _query_scaling_shapes(layer):
+    """The learned scaling's portable weights {name: shape}: (N,) `query_scaling_scale` and `query_scaling_bias`."""
+    if layer.query_scaling is None or layer.query_scaling["type"] != "learned":
+        return {}
+    return {"query_scaling_scale": (layer.num_heads,), "query_scaling_bias": (layer.num_heads,)}
 
 
 def _is_finite_number(value):
@@ -1296,15 +1312,42 @@ def _position_step(layer, q, k, call):
 
 
 def _query_scales(layer, call):
-    """Step 4b: the (B|1, 1, T, 1) factor of each query row, 1 + beta * ln(1 + floor(p / floor))."""
-    scaling, t = layer.query_scaling, call.query.shape[1]
-    index = 0 if call.cache is None else int(call.cache.index)
-    if scaling["type"] == "positions" and call.positions is not None:
-        positions = call.positions  # (B, T)
-    else:
-        positions = (index + np.arange(t) + (scaling["type"] == "temperature"))[None]  # (1, T)
+    """Step 4b: the (B|1, 1, T, 1) factor of each query row, 1 + beta * ln(1 + floor(p / floor)), or
+    the learned (B|1, N, T, 1) factor of each query head and row."""
+    scaling, positions = layer.query_scaling, _scaling_positions(layer, call)  # (B|1, T)
+    if scaling["type"] == "learned":
+        p = layer.params
+        return _learned_scales(p["query_scaling_scale"], p["query_scaling_bias"], positions)  # (B|1, N, T, 1)
     scales = 1.0 + scaling["beta"] * np.log(1.0 + np.floor(positions / scaling["floor"]))  # (B|1, T)
     return scales[:, None, :, None]  # (B|1, T) -> (B|1, 1, T, 1)
+
+
+def _scaling_positions(layer, call):
+    """The (B|1, T) positions p of step 4b: the call's RoPE positions ("positions", "learned"), else
+    i + t (+ 1 for "temperature") from the cache's index i before the call."""
+    if layer.query_scaling["type"] != "temperature" and call.positions is not None:
+        return call.positions  # (B, T)
+    index = 0 if call.cache is None else int(call.cache.index)
+    return (index + np.arange(call.query.shape[1]) + (layer.query_scaling["type"] == "temperature"))[None]  # (1, T)
+
+
+def _learned_scales(scale, bias, positions):
+    """The learned factor scale[n] * ln(1 + p) + bias[n] of head n at (B|1, T) positions: (B|1, heads, T, 1)."""
+    logs = np.log(1.0 + positions)[:, None, :, None]  # (B|1, T) -> (B|1, 1, T, 1)
+    return scale[None, :, None, None] * logs + bias[None, :, None, None]  # (B|1, heads, T, 1)
+
+
+def _query_scaling_backward(layer, call, d_q, grads):
+    """Step 4b in reverse: q's gradient times its factor; with "learned", the gradients of its (N,)
+    weights (from the queries before the step, recomputed by steps 2 to 4) added to `grads`."""
+    if layer.query_scaling["type"] == "learned":
+        unscaled = copy.copy(layer)  # the same weights, without step 4b
+        unscaled.query_scaling = None
+        d_scales = (d_q * unscaled._project_qkv(call)[0]).sum(axis=-1)  # (B, N, T, H) -> (B, N, T)
+        logs = np.log(1.0 + _scaling_positions(layer, call))[:, None, :]  # (B|1, T) -> (B|1, 1, T)
+        grads["query_scaling_scale"] = (d_scales * logs).sum(axis=(0, 2))  # (N,)
+        grads["query_scaling_bias"] = d_scales.sum(axis=(0, 2))  # (N,)
+    return d_q * _query_scales(layer, call)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -2076,21 +2119,29 @@ def _index_inputs(layer):
 # each query attends only to its top-k allowed keys, ties ranked by the lower key index (a stable
 # sort). `topk_indices` passes another layer's selection in, `return_topk` returns the one used. The
 # indexer's keys are cached in `KVCache.index_key`; no gradient reaches the indexer through the top-k.
+# Mistral Large 4's indexer: a LayerNorm of the query input (`index_query_input_norm`) and, with the learned
+# `query_scaling`, its queries scaled per indexer head by their own learned weights.
 
 _INDEX_NORM_EPS = 1e-6  # the indexer's key LayerNorm (transformers' `k_norm`)
 _INDEX_SIZES = ("index_topk", "index_num_heads", "index_head_dim")
 
 
-def _init_indexer(layer, index_topk, index_num_heads, index_head_dim, index_rope_interleaved):
+def _init_indexer(layer, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm):
     """Checks the indexer's options (after every other argument), holds them as attributes and adds
-    its weights to the float layout (none without `index_topk`)."""
+    the learned query scaling's weights, then its own, to the float layout (none without `index_topk`)."""
     sizes = dict(zip(_INDEX_SIZES, (index_topk, index_num_heads, index_head_dim), strict=True))
     sizes = {name: None if value is None else _positive_int(name, value) for name, value in sizes.items()}
     layer.index_rope_interleaved = _flag("index_rope_interleaved", index_rope_interleaved)
+    layer.index_query_input_norm = _flag("index_query_input_norm", index_query_input_norm)
     latent, rope_width, layer._index_source = _index_inputs(layer)  # MLA's: on, Hr with RoPE, the query input's width
     _check_indexer(sizes, latent, rope_width)
+    if layer.index_query_input_norm and sizes["index_topk"] is None:
+        raise ValueError(
+            "`index_query_input_norm` needs `index_topk` (the sparse indexer). Received: index_query_input_norm=True"
+        )
     for name, value in sizes.items():
         setattr(layer, name, value)  # layer.index_topk, layer.index_num_heads, layer.index_head_dim
+    layer._float_layout.update(_query_scaling_shapes(layer))  # the learned query scaling's (section: positions)
     layer._float_layout.update(_index_shapes(layer))
 
 
@@ -2127,13 +2178,17 @@ def _index_shapes(layer):
     if layer.index_topk is None:
         return {}
     ni, hi = layer.index_num_heads, layer.index_head_dim
-    return {
+    shapes = {"index_query_norm": (layer._index_source,), "index_query_norm_bias": (layer._index_source,)}
+    shapes = shapes if layer.index_query_input_norm else {}
+    shapes |= {
         "index_query_kernel": (layer._index_source, ni * hi),
         "index_key_kernel": (layer.kdim, hi),
         "index_key_norm": (hi,),
         "index_key_norm_bias": (hi,),
         "index_weights_kernel": (layer.d_model, ni),
     }
+    learned = layer.query_scaling is not None and layer.query_scaling["type"] == "learned"
+    return shapes | ({"index_query_scaling_scale": (ni,), "index_query_scaling_bias": (ni,)} if learned else {})
 
 
 def _check_topk_indices(indices, batch_size, t):
@@ -2163,7 +2218,7 @@ def _sparse_keep(layer, q, k, keep, call, topk_indices, return_topk):
             ki = call.cache.index_key  # (B, L, Hi)
         allowed = _full_keep(keep, t, s, call.causal, call.window, call.attention_chunk_size)  # (B|1, N|1, T, S)
         allowed = np.broadcast_to(allowed.any(axis=1), (b, t, s))  # (B, T, S): kept for some head
-        scores = _index_scores(layer, call.query, call.positions, ki)  # (B, T, S)
+        scores = _index_scores(layer, call.query, _index_positions(call), ki)  # (B, T, S)
         selection = _select_topk(scores, allowed, min(layer.index_topk, s))  # (B, T, k)
     keep = _and(keep, _selection_keep(selection, s))  # (B, N|1, T, S)
     return keep, call, selection.astype(np.int32) if return_topk else None
@@ -2177,13 +2232,26 @@ def _index_keys(layer, key, positions):
     return _turn_index(layer, ki[:, None], positions)[:, 0]  # (B, 1, S, Hi) -> (B, S, Hi)
 
 
+def _index_positions(call):
+    """The (B|1, T) positions of the indexer's queries: the call's RoPE positions, else i + t from the
+    cache's index i before the call (the call's cache is the written one, its index i + T)."""
+    if call.positions is not None:
+        return call.positions  # (B, T)
+    t = call.query.shape[1]
+    return ((0 if call.cache is None else int(call.cache.index) - t) + np.arange(t))[None]  # (1, T)
+
+
 def _index_scores(layer, query, positions, ki):
-    """The indexer's scores (B, T, S) of (B, T, E) queries against (B, S, Hi) keys:
+    """The indexer's scores (B, T, S) of (B, T, E) queries against (B, S, Hi) keys at (B|1, T) positions:
     sum_n w[n] * Ni**-0.5 * relu(qi[n] . ki * Hi**-0.5), in float64."""
     p, ni, hi = layer.params, layer.index_num_heads, layer.index_head_dim
     source = _query_latent(layer, query)  # (B, T, Q), or (B, T, E) without `q_lora_rank`
+    if layer.index_query_input_norm:
+        source = layer_norm(source, p["index_query_norm"], _INDEX_NORM_EPS) + p["index_query_norm_bias"]
     b, t, _ = query.shape
     qi = (source @ p["index_query_kernel"]).reshape(b, t, ni, hi).transpose(0, 2, 1, 3)  # -> (B, Ni, T, Hi)
+    if "index_query_scaling_scale" in p:
+        qi = qi * _learned_scales(p["index_query_scaling_scale"], p["index_query_scaling_bias"], positions)
     qi = _turn_index(layer, qi, positions)  # (B, Ni, T, Hi)
     w = (query @ p["index_weights_kernel"]) * ni**-0.5  # (B, T, E) -> (B, T, Ni)
     dots = np.maximum(np.einsum("bnth,bsh->bnts", qi, ki) * hi**-0.5, 0.0)  # (B, Ni, T, S)
@@ -2524,10 +2592,11 @@ def _glorot_uniform(rng, fan_in, fan_out):
 
 
 def _initial_value(rng, name, shape):
-    """Glorot uniform kernels, zero biases and sink logits, QK-norm scales of one."""
+    """Glorot uniform kernels, zero biases and sink logits, QK-norm scales of one; the learned query
+    scaling's scales zero and biases one (each factor 1)."""
     if name.endswith("_kernel"):
         return _glorot_uniform(rng, *shape)
-    return np.ones(shape) if name.endswith("_norm") else np.zeros(shape)
+    return np.ones(shape) if name.endswith(("_norm", "_scaling_bias")) else np.zeros(shape)
 
 
 _EMPTY_MASK = (

@@ -146,10 +146,12 @@ class MultiHeadAttention(nn.Module):
         latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
         index_topk, index_num_heads, index_head_dim, index_rope_interleaved: the sparse indexer (DSA,
             with MLA): each query attends its top-k keys by the indexer's Ni heads of width Hi.
+        index_query_input_norm: if True, the indexer's queries read a LayerNorm of their input (Mistral Large 4).
         device, dtype: device and dtype of the parameters.
         query_scaling: None, or {"type": "temperature" or "positions", "beta": b, "floor": f}: each
             query row times 1 + b * ln(1 + floor(p / f)) (Llama 4's temperature tuning, Mistral 4's
-            `llama_4_scaling_beta`; Section: positions).
+            `llama_4_scaling_beta`), or {"type": "learned"}: query head n times s_n * ln(1 + p) + b_n,
+            learned (Mistral Large 4's `softmax_scaling`; Section: positions).
         kv_shared: if True, the layer has no key or value projections: every call takes another
             layer's keys and values through `shared_kv` (Gemma 3n's and Gemma 4's shared layers).
         keys_as_values: if True, no value projection: v is the key projection before QK-norm and RoPE (Gemma 4).
@@ -206,6 +208,7 @@ class MultiHeadAttention(nn.Module):
         kv_lora_rank=None, q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None,
         latent_norm_eps=1e-6, device=None, dtype=None, query_scaling=None, kv_shared=False, keys_as_values=False,
         value_norm=False, index_topk=None, index_num_heads=None, index_head_dim=None, index_rope_interleaved=False,
+        index_query_input_norm=False,
     ):  # fmt: skip
         super().__init__()
         self.d_model = _positive_int("d_model", d_model)
@@ -250,7 +253,8 @@ class MultiHeadAttention(nn.Module):
         _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         self._rotary_dim = _rotary_dim(self.rope_fraction, rope_width, self.rope_theta is not None)  # None: no RoPE
         _make_weights(self, latent, variants.sinks, variants.gate, {"device": device, "dtype": dtype})
-        _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved)  # sparse indexer
+        _make_query_scaling(self)  # learned query scales (positions)
+        _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
         self._warned_traps, self._fused = set(), None  # mask habits warned of; q/k/v kernels kept (no_grad)
         self.reset_parameters()
 
@@ -1835,30 +1839,58 @@ class _Turn(torch.autograd.Function):
 # 1 + beta * ln(1 + floor(p / floor)). "temperature" (Llama 4's attention temperature tuning) counts p = i + t + 1
 # from the cache's index i (0 without a cache), the same for every row, left padding included; "positions"
 # (Mistral 4's and Ministral 3's `llama_4_scaling_beta`) reads the (B, T) RoPE positions (`positions`, by default
-# i + t). A constant per query row, so q's gradient is scaled by it too.
+# i + t). A constant per query row, so q's gradient is scaled by it too. "learned" (Mistral Large 4's
+# `softmax_scaling`) multiplies query head n by query_scaling_scale[n] * ln(1 + p) + query_scaling_bias[n], p read
+# as "positions" reads it; its two (N,) parameters have gradients.
 
 
 _QUERY_SCALING_TYPES = ("temperature", "positions")
 
 
 def _check_query_scaling(scaling, rope_sections):
-    """`query_scaling`: None or {"type": "temperature" or "positions", "beta": a finite number, "floor": a
-    positive number}, held with float numbers; "positions" reads one row of positions (not `rope_sections`)."""
+    """`query_scaling`: None, {"type": "learned"} or {"type": "temperature" or "positions", "beta": a finite
+    number, "floor": a positive number}, held with float numbers; "positions" and "learned" read one row of
+    positions (not `rope_sections`)."""
     if scaling is None:
         return None
-    valid = isinstance(scaling, dict) and set(scaling) == {"type", "beta", "floor"}
-    valid = valid and scaling["type"] in _QUERY_SCALING_TYPES and _is_positive_number(scaling["floor"])
-    if not valid or not _is_finite_number(scaling["beta"]):
+    learned = isinstance(scaling, dict) and scaling == {"type": "learned"}
+    valid = learned or (isinstance(scaling, dict) and set(scaling) == {"type", "beta", "floor"})
+    valid = valid and (learned or (scaling["type"] in _QUERY_SCALING_TYPES and _is_positive_number(scaling["floor"])))
+    if not valid or not (learned or _is_finite_number(scaling["beta"])):
         raise ValueError(
-            "`query_scaling` must be None or a dict {'type': 'temperature' or 'positions', 'beta': a finite "
-            f"number, 'floor': a positive number}}. Received: query_scaling={scaling!r}"
+            "`query_scaling` must be None, {'type': 'learned'} or a dict {'type': 'temperature' or 'positions', "
+            f"'beta': a finite number, 'floor': a positive number}}. Received: query_scaling={scaling!r}"
         )
-    if scaling["type"] == "positions" and rope_sections is not None:
+    if scaling["type"] != "temperature" and rope_sections is not None:
         raise ValueError(
-            "`query_scaling` of type 'positions' reads one row of positions, not the (k, B, T) of `rope_sections`. "
-            f"Received: query_scaling={scaling!r}, rope_sections={rope_sections!r}"
+            f"`query_scaling` of type {scaling['type']!r} reads one row of positions, not the (k, B, T) of "
+            f"`rope_sections`. Received: query_scaling={scaling!r}, rope_sections={rope_sections!r}"
         )
+    if learned:
+        return {"type": "learned"}
     return {"type": scaling["type"], "beta": float(scaling["beta"]), "floor": float(scaling["floor"])}
+
+
+def _query_scaling_shapes(layer):
+    """The learned scaling's portable weights {name: shape}: (N,) `query_scaling_scale` and `query_scaling_bias`."""
+    if layer.query_scaling is None or layer.query_scaling["type"] != "learned":
+        return {}
+    return {"query_scaling_scale": (layer.num_heads,), "query_scaling_bias": (layer.num_heads,)}
+
+
+def _make_query_scaling(layer):
+    """The learned scaling's (N,) parameters `query_scaling_scale` and `query_scaling_bias` (None without it),
+    on the layer's device and dtype."""
+    shapes, weight = _query_scaling_shapes(layer), layer.output.weight
+    for name in ("query_scaling_scale", "query_scaling_bias"):
+        value = torch.empty(shapes[name], device=weight.device, dtype=weight.dtype) if shapes else None
+        setattr(layer, name, None if value is None else nn.Parameter(value))  # (N,)
+
+
+def _reset_vectors(layer, names):
+    """Each parameter of `names` the layer has: ones for a norm's scale and a learned scaling's bias, else zeros."""
+    for name in (name for name in names if getattr(layer, name, None) is not None):
+        (nn.init.ones_ if name.endswith(("_norm", "_scaling_bias")) else nn.init.zeros_)(getattr(layer, name))
 
 
 def _is_finite_number(value):
@@ -1879,14 +1911,24 @@ def _query_scales(layer, q, call):
     floor)), computed in float32 (float64 for a float64 q) as transformers does, in q's dtype."""
     scaling, t = layer.query_scaling, q.shape[2]
     dtype = torch.promote_types(q.dtype, torch.float32)
-    if scaling["type"] == "positions" and call.positions is not None:
+    if scaling["type"] != "temperature" and call.positions is not None:
         positions = call.positions.to(dtype)  # (B, T)
     else:
         start = 0 if call.cache is None else call.cache.index
         steps = start + torch.arange(t, device=q.device) + int(scaling["type"] == "temperature")  # (T,)
         positions = steps.to(dtype)[None]  # (1, T)
+    if scaling["type"] == "learned":
+        return _learned_scales(layer.query_scaling_scale, layer.query_scaling_bias, positions, q.dtype)
     scales = 1.0 + scaling["beta"] * torch.log(1.0 + torch.floor(positions / scaling["floor"]))  # (B|1, T)
     return scales.to(q.dtype)[:, None, :, None]  # (B|1, T) -> (B|1, 1, T, 1)
+
+
+def _learned_scales(scale, bias, positions, dtype):
+    """The learned factor scale[n] * ln(1 + p) + bias[n] of head n at (B|1, T) positions, in `dtype` as
+    transformers computes it (ln(1 + p) in float32 at least, then cast): (B|1, heads, T, 1)."""
+    logs = torch.log(1.0 + positions.to(torch.promote_types(positions.dtype, torch.float32))).to(dtype)  # (B|1, T)
+    scale, bias = scale.to(dtype), bias.to(dtype)  # (heads,)
+    return scale[None, :, None, None] * logs[:, None, :, None] + bias[None, :, None, None]  # (B|1, heads, T, 1)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -2830,6 +2872,8 @@ def _attend_gathered(layer, q, latent, k_rope, keep, bias, call):
 # returns the one used. The selection becomes a keep ANDed into the call's (every path), or, above
 # `sparse_gather_threshold` score elements, MLA attends each query's gathered latents in blocks (no
 # (B, N, T, S) scores). The indexer's keys are cached in `KVCache.index_key`; it runs without autograd.
+# Mistral Large 4's indexer: a LayerNorm of the query input (`index_query_input_norm`) and, with the learned
+# `query_scaling`, its queries scaled per indexer head by their own learned parameters.
 
 _INDEX_NORM_EPS = 1e-6  # the indexer's key LayerNorm (transformers' `k_norm`)
 _INDEX_SIZES = ("index_topk", "index_num_heads", "index_head_dim")
@@ -2837,15 +2881,21 @@ _INDEX_BLOCK_SCORES = 1 << 22  # the indexer's (B, Ni, Tb, S) per-head scores of
 _GATHER_BLOCK_SCORES = 1 << 22  # the gathered route's (B, N, Tb, k) scores or (B, Tb, k, C + Hr) keys of a block
 
 
-def _init_indexer(layer, index_topk, index_num_heads, index_head_dim, index_rope_interleaved):
+def _init_indexer(layer, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm):
     """Checks the indexer's options (after every other argument), holds them as attributes and makes
     its weights: `nn.Linear` modules `index_query`, `index_key`, `index_weights` (no bias) and the
-    parameters `index_key_norm`, `index_key_norm_bias` (all None without `index_topk`)."""
+    parameters `index_key_norm`, `index_key_norm_bias` (all None without `index_topk`), and those of
+    `_INDEX_VECTORS` it has (None otherwise)."""
     sizes = dict(zip(_INDEX_SIZES, (index_topk, index_num_heads, index_head_dim), strict=True))
     sizes = {name: None if value is None else _positive_int(name, value) for name, value in sizes.items()}
     layer.index_rope_interleaved = _flag("index_rope_interleaved", index_rope_interleaved)
+    layer.index_query_input_norm = _flag("index_query_input_norm", index_query_input_norm)
     latent, rope_width, layer._index_source = _index_inputs(layer)  # MLA's: on, Hr with RoPE, the query input's width
     _check_indexer(sizes, latent, rope_width)
+    if layer.index_query_input_norm and sizes["index_topk"] is None:
+        raise ValueError(
+            "`index_query_input_norm` needs `index_topk` (the sparse indexer). Received: index_query_input_norm=True"
+        )
     for name, value in sizes.items():
         setattr(layer, name, value)  # layer.index_topk, layer.index_num_heads, layer.index_head_dim
     shapes, weight = _index_shapes(layer), layer.output.weight  # the indexer's device and dtype: the layer's
@@ -2853,9 +2903,14 @@ def _init_indexer(layer, index_topk, index_num_heads, index_head_dim, index_rope
     for kind in ("index_query", "index_key", "index_weights"):
         d, f = shapes[f"{kind}_kernel"] if shapes else (None, None)
         setattr(layer, kind, None if d is None else nn.Linear(d, f, bias=False, **factory))  # (F, D)
-    for name in ("index_key_norm", "index_key_norm_bias"):
-        setattr(layer, name, nn.Parameter(torch.empty(shapes[name], **factory)) if shapes else None)  # (Hi,)
+    for name in ("index_key_norm", "index_key_norm_bias", *_INDEX_VECTORS):
+        setattr(layer, name, nn.Parameter(torch.empty(shapes[name], **factory)) if name in shapes else None)  # (Hi,)
     layer.sparse_gather_threshold = _SPARSE_GATHER_THRESHOLD
+
+
+_INDEX_VECTORS = (  # Mistral Large 4's: the query input's LayerNorm (E or Q), the learned scaling (Ni)
+    "index_query_norm", "index_query_norm_bias", "index_query_scaling_scale", "index_query_scaling_bias",
+)  # fmt: skip
 
 
 _SPARSE_GATHER_THRESHOLD = 1 << 26  # B*N*T*S score elements above which MLA attends the gathered keys
@@ -2894,13 +2949,17 @@ def _index_shapes(layer):
     if layer.index_topk is None:
         return {}
     ni, hi = layer.index_num_heads, layer.index_head_dim
-    return {
+    shapes = {"index_query_norm": (layer._index_source,), "index_query_norm_bias": (layer._index_source,)}
+    shapes = shapes if layer.index_query_input_norm else {}
+    shapes |= {
         "index_query_kernel": (layer._index_source, ni * hi),
         "index_key_kernel": (layer.kdim, hi),
         "index_key_norm": (hi,),
         "index_key_norm_bias": (hi,),
         "index_weights_kernel": (layer.d_model, ni),
     }
+    learned = layer.query_scaling is not None and layer.query_scaling["type"] == "learned"
+    return shapes | ({"index_query_scaling_scale": (ni,), "index_query_scaling_bias": (ni,)} if learned else {})
 
 
 def _reset_indexer(layer):
@@ -2911,6 +2970,7 @@ def _reset_indexer(layer):
         nn.init.xavier_uniform_(getattr(layer, kind).weight)
     nn.init.ones_(layer.index_key_norm)
     nn.init.zeros_(layer.index_key_norm_bias)
+    _reset_vectors(layer, _INDEX_VECTORS)
 
 
 def _check_topk_indices(indices, batch_size, t):
@@ -2960,7 +3020,7 @@ def _index_selection(layer, keep, call, s):
     if call.cache is not None:
         call = call._replace(cache=_write_index_cache(call.cache, ki.to(call.cache.index_key.dtype)))
         ki = call.cache.index_key[:, :s].to(ki.dtype)  # (B, S, Hi): S = L, or a lean step's first slots
-    qi, w = _index_queries(layer, call.query, call.positions)  # (B, Ni, T, Hi), (B, T, Ni)
+    qi, w = _index_queries(layer, call.query, call.positions, _index_positions(call))  # (B, Ni, T, Hi), (B, T, Ni)
     b, t = call.query.shape[:2]
     k, rows = min(layer.index_topk, s), max(1, _INDEX_BLOCK_SCORES // max(1, b * layer.index_num_heads * s))
     blocks = []
@@ -2981,14 +3041,32 @@ def _index_keys(layer, key, positions):
     return _turn_index(layer, ki[:, None], positions)[:, 0]  # (B, 1, S, Hi) -> (B, S, Hi)
 
 
-def _index_queries(layer, query, positions):
+def _index_positions(call):
+    """The (B|1, T) positions of the indexer's queries: the call's RoPE positions, else i + t from the
+    cache's index i before the call (the call's cache is the written one, its index i + T)."""
+    if call.positions is not None:
+        return call.positions  # (B, T)
+    t = call.query.shape[1]
+    start = 0 if call.cache is None else call.cache.index - t
+    return (start + torch.arange(t, device=call.query.device))[None]  # (1, T)
+
+
+def _index_queries(layer, query, positions, scaling_positions):
     """(B, T, E) -> the indexer's queries (B, Ni, T, Hi) (from MLA's normalized q latent with
-    `q_lora_rank`), turned, and its head weights times Ni**-0.5 (B, T, Ni), in float32 at least."""
+    `q_lora_rank`, LayerNorm-ed with `index_query_input_norm`), scaled by the learned scaling at (B|1, T)
+    `scaling_positions`, turned, and its head weights times Ni**-0.5 (B, T, Ni), in float32 at least."""
     dtype = torch.promote_types(query.dtype, torch.float32)
     source = _query_latent(layer, query)  # (B, T, Q), or (B, T, E) without `q_lora_rank`
+    if layer.index_query_input_norm:
+        source = layer_norm(
+            source.to(dtype), layer.index_query_norm.to(dtype), _INDEX_NORM_EPS, layer.index_query_norm_bias.to(dtype)
+        )  # (B, T, Q or E)
     b, t, _ = query.shape
     qi = F.linear(source.to(dtype), layer.index_query.weight.to(dtype))  # -> (B, T, Ni*Hi)
     qi = qi.view(b, t, layer.index_num_heads, layer.index_head_dim).transpose(1, 2)  # -> (B, Ni, T, Hi)
+    if layer.index_query_scaling_scale is not None:
+        scale, bias = layer.index_query_scaling_scale, layer.index_query_scaling_bias
+        qi = qi * _learned_scales(scale, bias, scaling_positions, dtype)  # (B, Ni, T, Hi)
     w = F.linear(query.to(dtype), layer.index_weights.weight.to(dtype)) * layer.index_num_heads**-0.5  # (B, T, Ni)
     return _turn_index(layer, qi, positions), w
 
@@ -3641,6 +3719,7 @@ def _reset_parameters(layer):
             nn.init.zeros_(norm_bias)
     if layer.sinks is not None:
         nn.init.zeros_(layer.sinks)
+    _reset_vectors(layer, ("query_scaling_scale", "query_scaling_bias"))
     _reset_indexer(layer)
     _reset_rope(layer)
 
@@ -3950,6 +4029,7 @@ def _weight_shapes(layer):
         shapes = {name: shape for name, shape in shapes.items() if not name.startswith("key_norm")}
     if layer.sinks is not None:
         shapes["sinks"] = (layer.num_heads,)
+    shapes.update(_query_scaling_shapes(layer))  # the learned query scaling's
     shapes.update(_index_shapes(layer))  # the sparse indexer's
     return _with_scales(shapes) if layer.quantization_mode == "int8" else shapes
 
@@ -3967,6 +4047,9 @@ def _parameter(layer, name):
         "key_value_a_norm",
         "index_key_norm",
         "index_key_norm_bias",
+        "query_scaling_scale",
+        "query_scaling_bias",
+        *_INDEX_VECTORS,
     ):
         return getattr(layer, name), False
     if name.endswith("_kernel_scale"):
@@ -4044,6 +4127,7 @@ def _non_defaults(layer):
         **{name: True for name in _SHARING_FLAGS if getattr(layer, name)},
         **{name: getattr(layer, name) for name in _INDEX_SIZES},
         "index_rope_interleaved": True if layer.index_rope_interleaved else None,
+        "index_query_input_norm": True if layer.index_query_input_norm else None,
     }
     return {name: value for name, value in variants.items() if value is not None}
 

@@ -152,9 +152,11 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         latent_norm_eps: the epsilon of MLA's RMSNorms of the latents.
         query_scaling: None, or {"type": "temperature" or "positions", "beta": b, "floor": f}: each
             query row times 1 + b * ln(1 + floor(p / f)) (Llama 4's temperature tuning, Mistral 4's
-            `llama_4_scaling_beta`; Section: positions).
+            `llama_4_scaling_beta`), or {"type": "learned"}: query head n times s_n * ln(1 + p) + b_n,
+            learned (Mistral Large 4's `softmax_scaling`; Section: positions).
         index_topk, index_num_heads, index_head_dim, index_rope_interleaved: the sparse indexer (DSA), off
             while `index_topk` is None: each query attends its `index_topk` best-scored keys (its section).
+        index_query_input_norm: if True, the indexer's queries read a LayerNorm of their input (Mistral Large 4).
 
     Call arguments:
         query: (B, T, E).
@@ -212,7 +214,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
         kernel_initializer="glorot_uniform", bias_initializer="zeros", query_scaling=None, kv_shared=False,
         keys_as_values=False, value_norm=False, index_topk=None, index_num_heads=None, index_head_dim=None,
-        index_rope_interleaved=False, **kwargs,
+        index_rope_interleaved=False, index_query_input_norm=False, **kwargs,
     ):  # fmt: skip
         _check_backend()
         super().__init__(**kwargs)
@@ -246,7 +248,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         for name, value in variants._asdict().items():
             setattr(self, name, value)
         _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
-        _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved)  # sparse indexer
+        _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
         if self.rope_theta is not None:
             self._inv_freq = _inverse_frequencies(rope_fraction, rope_width, self.rope_theta, self.rope_scaling)
         self.kernel_initializer = tf.keras.initializers.get(kernel_initializer)
@@ -1401,30 +1403,43 @@ def _swap_pairs(x, interleaved):
 # 1 + beta * ln(1 + floor(p / floor)). "temperature" (Llama 4's attention temperature tuning) counts p = i + t + 1
 # from the cache's index i (0 without a cache), the same for every row, left padding included; "positions"
 # (Mistral 4's and Ministral 3's `llama_4_scaling_beta`) reads the (B, T) RoPE positions (`positions`, by default
-# i + t). A constant per query row, so q's gradient is scaled by it too.
+# i + t). A constant per query row, so q's gradient is scaled by it too. "learned" (Mistral Large 4's
+# `softmax_scaling`) multiplies query head n by query_scaling_scale[n] * ln(1 + p) + query_scaling_bias[n], p read
+# as "positions" reads it; its two (N,) weights have gradients.
 
 
 _QUERY_SCALING_TYPES = ("temperature", "positions")
 
 
 def _check_query_scaling(scaling, rope_sections):
-    """`query_scaling`: None or {"type": "temperature" or "positions", "beta": a finite number, "floor": a
-    positive number}, held with float numbers; "positions" reads one row of positions (not `rope_sections`)."""
+    """`query_scaling`: None, {"type": "learned"} or {"type": "temperature" or "positions", "beta": a finite
+    number, "floor": a positive number}, held with float numbers; "positions" and "learned" read one row of
+    positions (not `rope_sections`)."""
     if scaling is None:
         return None
-    valid = isinstance(scaling, dict) and set(scaling) == {"type", "beta", "floor"}
-    valid = valid and scaling["type"] in _QUERY_SCALING_TYPES and _is_positive_number(scaling["floor"])
-    if not valid or not _is_finite_number(scaling["beta"]):
+    learned = isinstance(scaling, dict) and scaling == {"type": "learned"}
+    valid = learned or (isinstance(scaling, dict) and set(scaling) == {"type", "beta", "floor"})
+    valid = valid and (learned or (scaling["type"] in _QUERY_SCALING_TYPES and _is_positive_number(scaling["floor"])))
+    if not valid or not (learned or _is_finite_number(scaling["beta"])):
         raise ValueError(
-            "`query_scaling` must be None or a dict {'type': 'temperature' or 'positions', 'beta': a finite "
-            f"number, 'floor': a positive number}}. Received: query_scaling={scaling!r}"
+            "`query_scaling` must be None, {'type': 'learned'} or a dict {'type': 'temperature' or 'positions', "
+            f"'beta': a finite number, 'floor': a positive number}}. Received: query_scaling={scaling!r}"
         )
-    if scaling["type"] == "positions" and rope_sections is not None:
+    if scaling["type"] != "temperature" and rope_sections is not None:
         raise ValueError(
-            "`query_scaling` of type 'positions' reads one row of positions, not the (k, B, T) of `rope_sections`. "
-            f"Received: query_scaling={scaling!r}, rope_sections={rope_sections!r}"
+            f"`query_scaling` of type {scaling['type']!r} reads one row of positions, not the (k, B, T) of "
+            f"`rope_sections`. Received: query_scaling={scaling!r}, rope_sections={rope_sections!r}"
         )
+    if learned:
+        return {"type": "learned"}
     return {"type": scaling["type"], "beta": float(scaling["beta"]), "floor": float(scaling["floor"])}
+
+
+def _query_scaling_shapes(layer):
+    """The learned scaling's portable weights {name: shape}: (N,) `query_scaling_scale` and `query_scaling_bias`."""
+    if layer.query_scaling is None or layer.query_scaling["type"] != "learned":
+        return {}
+    return {"query_scaling_scale": (layer.num_heads,), "query_scaling_bias": (layer.num_heads,)}
 
 
 def _is_finite_number(value):
@@ -1444,14 +1459,24 @@ def _query_scales(layer, q, call):
     floor)), computed in float32 (float64 for a float64 q) as transformers does, in q's dtype."""
     scaling = layer.query_scaling
     dtype = tf.float64 if q.dtype == tf.float64 else tf.float32
-    if scaling["type"] == "positions" and call.positions is not None:
+    if scaling["type"] != "temperature" and call.positions is not None:
         positions = tf.cast(call.positions, dtype)  # (B|1, T)
     else:
         start = 0 if call.cache is None else tf.convert_to_tensor(call.cache.index)
         steps = tf.cast(start + tf.range(tf.shape(q)[2]), dtype)  # (T,)
         positions = (steps + float(scaling["type"] == "temperature"))[None]  # (1, T)
+    if scaling["type"] == "learned":
+        return _learned_scales(layer.query_scaling_scale, layer.query_scaling_bias, positions, q.dtype)
     scales = 1.0 + scaling["beta"] * tf.math.log(1.0 + tf.floor(positions / scaling["floor"]))  # (B|1, T)
     return tf.cast(scales, q.dtype)[:, None, :, None]  # (B|1, T) -> (B|1, 1, T, 1)
+
+
+def _learned_scales(scale, bias, positions, dtype):
+    """The learned factor scale[n] * ln(1 + p) + bias[n] of head n at (B|1, T) float positions, in `dtype` as
+    transformers computes it (ln(1 + p) in float32 at least, then cast): (B|1, heads, T, 1)."""
+    logs = tf.cast(tf.math.log(1.0 + positions), dtype)  # (B|1, T): ln(1 + p), as transformers (no Log1p op in ONNX)
+    scale, bias = tf.cast(scale, dtype), tf.cast(bias, dtype)  # (heads,)
+    return scale[None, :, None, None] * logs[:, None, :, None] + bias[None, :, None, None]  # (B|1, heads, T, 1)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -2250,14 +2275,19 @@ _INDEX_NORM_EPS = 1e-6  # the indexer keys' LayerNorm, as DeepSeek-V3.2's `k_nor
 _INDEX_BLOCK_SCORES = 1 << 22  # the indexer's (B, Tb, Ni, S) raw scores of one block of query rows
 
 
-def _init_indexer(layer, index_topk, index_num_heads, index_head_dim, index_rope_interleaved):
+def _init_indexer(layer, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm):
     """The constructor's indexer step (after every other argument and MLA's combinations): each size
     None or a positive integer and the flag a bool, in that order, then their combinations
     (`_check_indexer`); holds them as attributes (None without an indexer)."""
     sizes = dict(zip(_INDEX_SIZES, (index_topk, index_num_heads, index_head_dim), strict=True))
     sizes = {name: None if value is None else _positive_int(name, value) for name, value in sizes.items()}
     layer.index_rope_interleaved = _flag("index_rope_interleaved", index_rope_interleaved)
+    layer.index_query_input_norm = _flag("index_query_input_norm", index_query_input_norm)
     _check_indexer(sizes, layer.kv_lora_rank, None if layer.rope_theta is None else layer.qk_rope_head_dim)
+    if layer.index_query_input_norm and sizes["index_topk"] is None:
+        raise ValueError(
+            "`index_query_input_norm` needs `index_topk` (the sparse indexer). Received: index_query_input_norm=True"
+        )
     for name, value in sizes.items():
         setattr(layer, name, value)  # layer.index_topk, layer.index_num_heads, layer.index_head_dim
 
@@ -2292,7 +2322,7 @@ def _check_indexer(sizes, kv_lora_rank, rope_width):
 
 def _indexer_config(layer):
     """The indexer's keys of `get_config`, in the signature's order."""
-    return {name: getattr(layer, name) for name in (*_INDEX_SIZES, "index_rope_interleaved")}
+    return {name: getattr(layer, name) for name in (*_INDEX_SIZES, "index_rope_interleaved", "index_query_input_norm")}
 
 
 def _index_shapes(layer):
@@ -2301,13 +2331,17 @@ def _index_shapes(layer):
         return {}
     width, heads = layer.index_head_dim, layer.index_num_heads
     reads = layer.d_model if layer.q_lora_rank is None else layer.q_lora_rank  # x_q: query, or the q latent
-    return {
+    shapes = {"index_query_norm": (reads,), "index_query_norm_bias": (reads,)} if layer.index_query_input_norm else {}
+    shapes |= {
         "index_query_kernel": (reads, heads * width),
         "index_key_kernel": (layer.kdim, width),
         "index_key_norm": (width,),
         "index_key_norm_bias": (width,),
         "index_weights_kernel": (layer.d_model, heads),
     }
+    learned = layer.query_scaling is not None and layer.query_scaling["type"] == "learned"
+    n = heads
+    return shapes | ({"index_query_scaling_scale": (n,), "index_query_scaling_bias": (n,)} if learned else {})
 
 
 def _is_indexer_weight(name):
@@ -2367,13 +2401,30 @@ def _index_keys(layer, key, positions):
     return tf.stop_gradient(_turn_index(layer, ki[:, None], positions)[:, 0])  # (B, 1, S, Hi) -> (B, S, Hi)
 
 
-def _index_queries(layer, query, positions):
-    """(B, T, E) -> the indexer's queries qi (B, Ni, T, Hi), their first Hr features turned, and the
-    heads' weights w * Ni**-0.5 (B, T, Ni), outside the gradient."""
+def _index_positions(call):
+    """The (B|1, T) float positions of the indexer's queries: the call's RoPE positions, else i + t from the
+    cache's index i before the call (the call's cache is the written one, its index i + T)."""
+    if call.positions is not None:
+        return tf.cast(call.positions, "float32")  # (B, T)
+    t = tf.shape(call.query)[1]
+    start = 0 if call.cache is None else tf.convert_to_tensor(call.cache.index) - t
+    return tf.cast(start + tf.range(t), "float32")[None]  # (1, T)
+
+
+def _index_queries(layer, query, positions, scaling_positions):
+    """(B, T, E) -> the indexer's queries qi (B, Ni, T, Hi) (their input LayerNorm-ed with
+    `index_query_input_norm`, scaled by the learned scaling at (B|1, T) `scaling_positions`), their first Hr
+    features turned, and the heads' weights w * Ni**-0.5 (B, T, Ni), outside the gradient."""
     dtype = _index_dtype(layer)
     source = query if layer.q_lora_rank is None else _query_latent(layer, query)  # (B, T, E or Q)
+    if layer.index_query_input_norm:
+        scale, bias = tf.cast(layer.index_query_norm, dtype), tf.cast(layer.index_query_norm_bias, dtype)
+        source = layer_norm(tf.cast(source, dtype), scale, _INDEX_NORM_EPS, bias)  # (B, T, E or Q)
     qi = tf.matmul(tf.cast(source, dtype), tf.cast(layer.index_query_kernel, dtype))  # -> (B, T, Ni*Hi)
     qi = layer._split_heads(qi, layer.index_num_heads, layer.index_head_dim)  # -> (B, Ni, T, Hi)
+    if "index_query_scaling_scale" in _index_shapes(layer):
+        scale, bias = layer.index_query_scaling_scale, layer.index_query_scaling_bias
+        qi = qi * _learned_scales(scale, bias, tf.cast(scaling_positions, dtype), dtype)  # (B, Ni, T, Hi)
     w = tf.matmul(tf.cast(query, dtype), tf.cast(layer.index_weights_kernel, dtype))  # (B, T, E) -> (B, T, Ni)
     return tf.stop_gradient(_turn_index(layer, qi, positions)), tf.stop_gradient(w * layer.index_num_heads**-0.5)
 
@@ -2427,7 +2478,7 @@ def _index_topk(layer, call, ki, allowed):
     """The layer's own selection (B, T, k) of k = min(index_topk, S) keys (`_select_topk`), scored in
     blocks of query rows of about `_INDEX_BLOCK_SCORES` raw scores (B, Tb, Ni, S), each block's
     scores ranked and dropped."""
-    qi, w = _index_queries(layer, call.query, call.positions)  # (B, Ni, T, Hi), (B, T, Ni)
+    qi, w = _index_queries(layer, call.query, call.positions, _index_positions(call))  # (B, Ni, T, Hi), (B, T, Ni)
     k = tf.minimum(layer.index_topk, tf.shape(allowed)[2])
     rows = max(1, _INDEX_BLOCK_SCORES // ((qi.shape[0] or 1) * layer.index_num_heads * (ki.shape[1] or 1)))
     if qi.shape[2] is not None and qi.shape[2] <= rows:
@@ -3393,10 +3444,10 @@ def _check_shapes(layer, query_shape, value_shape, key_shape):
 
 def _initializer(layer, name):
     """Kernels and biases from the layer's initializers; QK-norm scales of one, QK-norm biases
-    and sinks of zero."""
-    if name.endswith("_norm"):
+    and sinks of zero; the learned query scaling's scales zero and biases one (each factor 1)."""
+    if name.endswith(("_norm", "_scaling_bias")):
         return tf.keras.initializers.Ones()
-    if name.endswith("_norm_bias") or name == "sinks":
+    if name.endswith(("_norm_bias", "_scaling_scale")) or name == "sinks":
         return tf.keras.initializers.Zeros()
     initializer = layer.kernel_initializer if name.endswith("_kernel") else layer.bias_initializer
     return initializer.__class__.from_config(initializer.get_config())  # a fresh instance: legacy Keras repeats
@@ -3477,6 +3528,7 @@ def _weight_shapes(layer):
         shapes[f"{kind}_kernel"] = shape
         if kind in layer.bias:
             shapes[f"{kind}_bias"] = shape[1:]
+    shapes.update(_query_scaling_shapes(layer))  # the learned query scaling's
     shapes.update(_index_shapes(layer))  # the sparse indexer's, float in an int8 layer too
     return _with_scales(shapes) if layer._int8 else shapes
 
@@ -3556,6 +3608,7 @@ def _non_defaults(layer):
         "query_scaling": layer.query_scaling,
         **{name: True for name in _SHARING_FLAGS if getattr(layer, name)},
         "index_topk": layer.index_topk,
+        "index_query_input_norm": True if layer.index_query_input_norm else None,
     }
     return {name: value for name, value in variants.items() if value is not None}
 

@@ -540,6 +540,9 @@ MLA_ERRORS = {
     "mla_clip_qkv": ({**MLA_BASE, "clip_qkv": 1.0}, None, r"`clip_qkv` is not supported with `kv_lora_rank`: MLA has no q, k and v to clamp\. Received: clip_qkv=1\.0"),
     "mla_rope_fraction": ({**MLA_BASE, "rope_theta": 100.0, "rope_fraction": 0.5, "qk_rope_head_dim": 4}, None, r"`rope_fraction` is not supported with `kv_lora_rank`: RoPE turns all Hr features\. Received: rope_fraction=0\.5"),
     "mla_value_not_key": (MLA_BASE, {"query": X, "key": Y, "value": Y.copy()}, r"`value` must be None or `key` itself with `kv_lora_rank`: MLA reads keys and values from `key`\. Received: a value other than key"),
+    "learned_query_scaling_with_beta": ({**BASE, "query_scaling": {"type": "learned", "beta": 1.0}}, None, r"`query_scaling` must be None, \{'type': 'learned'\} or a dict \{'type': 'temperature' or 'positions', 'beta': a finite number, 'floor': a positive number\}\. Received: query_scaling=\{'type': 'learned', 'beta': 1\.0\}"),
+    "learned_query_scaling_sections": ({**BASE, "rope_theta": 10.0, "rope_sections": (1, 1), "query_scaling": {"type": "learned"}}, None, r"`query_scaling` of type 'learned' reads one row of positions, not the \(k, B, T\) of `rope_sections`\. Received: query_scaling=\{'type': 'learned'\}, rope_sections=\(1, 1\)"),
+    "index_query_input_norm_without_index_topk": ({**MLA_BASE, "index_query_input_norm": True}, None, r"`index_query_input_norm` needs `index_topk` \(the sparse indexer\)\. Received: index_query_input_norm=True"),
 }  # fmt: skip
 
 

@@ -720,6 +720,30 @@ LATENT_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "origi
                "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}  # fmt: skip
 # Mistral 4's default `llama_4_scaling_beta` with a floor the prompts pass (its default, 8192, leaves the scale 1)
 MISTRAL4_SCALING = {"llama_4_scaling_beta": 0.1, "original_max_position_embeddings": FLOOR}
+MISTRAL_LARGE4 = {  # LATENT without a q latent, every layer with RoPE and its own latent KV (the ported kinds)
+    **{name: value for name, value in LATENT.items() if name != "q_lora_rank"}, **SPARSE, **TOKENS,
+    "mlp_layer_types": ["dense"] * 2, "indexer_types": ["full", "shared"], "no_rope_layers": [1, 1],
+    "index_n_heads": 6, "index_head_dim": 4,  # every indexer feature turned (its pairing shows); inputs keep the margin
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                        "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 1.0},  # its YaRN, the prompts past 16
+}  # fmt: skip
+
+
+def _mistral_large4_text():
+    """Mistral Large 4's text model (it has no causal language model of its own)."""
+    return transformers.MistralLarge4TextModel(transformers.MistralLarge4TextConfig(**COMMON, **MISTRAL_LARGE4))
+
+
+def _mistral_large4_generation():
+    """Mistral Large 4's model with a language-model head (and its vision tower, a tiny Pixtral, unused)."""
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 28, "patch_size": 14, "head_dim": 8}  # fmt: skip
+    text = {**COMMON, **MISTRAL_LARGE4}
+    return transformers.MistralLarge4ForConditionalGeneration(
+        transformers.MistralLarge4Config(text_config=text, vision_config=vision)
+    )
+
+
 MLA_FAMILIES = [  # run in the files that have MLA (`kv_lora_rank`)
     Family(
         "deepseek_v3", _llama_like("DeepseekV3ForCausalLM", "DeepseekV3Config", **LATENT), "model.layers.{i}.self_attn"
@@ -801,6 +825,11 @@ MLA_FAMILIES = [  # run in the files that have MLA (`kv_lora_rank`)
         ),
         "model.layers.{i}.self_attn",
     ),
+    Family(  # no q latent, learned log-position query scales, the indexer's query LayerNorm; layer 1 "shared"
+        "mistral_large4",
+        _mistral_large4_text,
+        "layers.{i}.self_attn",
+    ),
     Family(  # two attention sublayers per decoder layer (one decoder layer here), the LoRA scales
         "longcat_flash",
         _llama_like("LongcatFlashForCausalLM", "LongcatFlashConfig", **LATENT, **TOKENS, head_dim=4),
@@ -810,6 +839,9 @@ MLA_FAMILIES = [  # run in the files that have MLA (`kv_lora_rank`)
 ]
 FAMILIES += MLA_FAMILIES
 FAMILIES_BY_NAME = {family.name: family for family in FAMILIES}
+FAMILIES_BY_NAME["mistral_large4_generation"] = Family(  # its language model (a tiny Pixtral beside): generate
+    "mistral_large4_generation", _mistral_large4_generation, "model.language_model.layers.{i}.self_attn"
+)
 LAYERS = (0, 1)  # every family alternates or repeats its layer types within two layers
 
 
@@ -1006,6 +1038,7 @@ PACKAGE_NAMES = {
     "qwen2_5_vl",
     "qwen3_5",
     "qwen3_5_moe",
+    "mistral_large4",  # its language model's config is `mistral_large4_text` (its head: mistral_large4_generation)
 }  # where a transformers package's name is not its config's model type
 
 
@@ -1323,7 +1356,7 @@ def test_chunks_of_rows_padded_otherwise_take_the_documented_mask(framework):
     assert _max_diff(output, call["output"], rows) <= OUTPUT_TOL
 
 
-@pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"] if "NumPy" in FRAMEWORKS else [])
+@pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa", "mistral_large4"] if "NumPy" in FRAMEWORKS else [])
 def test_sparse_ports_rank_with_a_margin(name):
     """The indexer families' inputs keep INDEX_MARGIN (docs/SPEC.md "Sparse indexer (DSA)", Rounding) at every
     ranking of their full passes and decoding, in the NumPy reference: the selection cannot flip between it,
@@ -1363,6 +1396,15 @@ VARIANTS = {
     "longcat_flash": {"rope", "rope_interleaved"},
     "deepseek_v32": {"rope", "rope_interleaved", "index_topk"},
     "glm_moe_dsa": {"rope", "rope_interleaved", "index_topk", "index_rope_interleaved", "topk_indices"},
+    "mistral_large4": {
+        "rope",
+        "rope_interleaved",
+        "rope_scaling",
+        "query_scaling",
+        "index_topk",
+        "index_rope_interleaved",
+        "topk_indices",
+    },
     "llama": {"rope"},
     "llama3_scaled": {"rope", "rope_scaling"},
     "llama_linear": {"rope", "rope_scaling"},
@@ -1437,7 +1479,11 @@ WITH_THE_VARIANT = {
     "sinks": ("sinks",),
     "gate": ("gate_kernel", "gate_bias"),
     "index_topk": ("index_num_heads", "index_head_dim", "index_rope_interleaved", "index_query_kernel",
-                   "index_key_kernel", "index_key_norm", "index_key_norm_bias", "index_weights_kernel"),
+                   "index_key_kernel", "index_key_norm", "index_key_norm_bias", "index_weights_kernel",
+                   "index_query_input_norm", "index_query_norm", "index_query_norm_bias",
+                   "index_query_scaling_scale", "index_query_scaling_bias"),
+    "query_scaling": ("query_scaling_scale", "query_scaling_bias", "index_query_scaling_scale",
+                      "index_query_scaling_bias"),
 }  # fmt: skip
 
 
@@ -1593,8 +1639,6 @@ QWEN4_INDEXER = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim"
 BEYOND = "beyond DeepSeek-V3.2's indexer: "
 REFUSED_SPARSE = [  # the families built on the sparse indexer that add more: module and config (None: the
     # checkpoint route only), and what they add
-    ("mistral_large4", "MistralLarge4TextAttention", "MistralLarge4TextConfig",
-     r"a learned per-head query scaling by log-position \(`softmax_scaling`.*`q_input_norm`.*`kv_sharing_modes`"),
     ("glm5_next", "Glm5NextTextAttention", "Glm5NextTextConfig", r"linear-attention layers .*`index_kpool`"),
     ("hy_v4", "HYV4Attention", "HYV4Config", r"a per-head output gate and attention sinks on MLA with its RoPE"),
     ("axk2", "AXK2Attention", "AXK2Config", r"a query and output gate projected from both the normalized and the raw"),
@@ -1610,7 +1654,7 @@ REFUSED_SPARSE = [  # the families built on the sparse indexer that add more: mo
                          ids=[row[0] for row in REFUSED_SPARSE])  # fmt: skip
 def test_sparse_indexer_families_adding_more_are_refused_with_what_they_add(model_type, module_class, config_class,
                                                                             adds):  # fmt: skip
-    """Each family of the issue's list beyond DeepSeek-V3.2 and GLM-MoE-DSA: refused by name, from a module (where
+    """Each family of the issue's list beyond DeepSeek-V3.2, GLM-MoE-DSA and Mistral Large 4: refused by name, from a module (where
     its tiny module builds) and from a checkpoint's config, with what its attention adds."""
     reason = rf"must hold an attention the layer computes: .*{BEYOND}{adds}.*, which the layer cannot"
     if module_class is not None:
@@ -1621,6 +1665,31 @@ def test_sparse_indexer_families_adding_more_are_refused_with_what_they_add(mode
             port_attention(getattr(modeling, module_class)(config, layer_idx=0), config)
     with pytest.raises(ValueError, match=rf"`config` {reason}. Received: model_type='{model_type}'"):
         port_checkpoint({"model_type": model_type}, {}, 0)
+
+
+@pytest.mark.parametrize(
+    ("config", "layers", "message"),
+    [
+        ({"no_rope_layers": [1, 0]}, (1,), r"NoPE layers \(`no_rope_layers`\) scale their queries by `position_ids`"),
+        ({"kv_source_layers": [0, 0]}, (0, 1), r"cross-layer KV sharing \(`kv_source_layers`: a layer attends"),
+    ],
+    ids=["nope", "kv_sharing"],
+)
+def test_mistral_large4_refuses_its_nope_and_kv_sharing_layers(config, layers, message):
+    """Mistral Large 4's layers the port cannot compute are refused with why, from a module and from a
+    checkpoint's config (the layer sharing its cache: 0, the source, and 1, which attends it)."""
+    config = transformers.MistralLarge4TextConfig(**COMMON, **{**MISTRAL_LARGE4, **config})
+    model = transformers.MistralLarge4TextModel(config)
+    reason = rf"`module` must hold an attention the layer computes: Mistral Large 4's {message}"
+    for index in layers:
+        with pytest.raises(ValueError, match=reason):
+            port_attention(model.layers[index].self_attn, config)
+    with pytest.raises(ValueError, match=reason):
+        port_checkpoint(
+            config.to_dict(),
+            {f"layers.1.attention.{n}": t for n, t in model.layers[1].self_attn.state_dict().items()},
+            1,
+        )
 
 
 @pytest.mark.parametrize(("name", "config_class"), [("kimi_linear", "KimiLinearConfig"),
@@ -1977,7 +2046,7 @@ def _prompts():
 
 SWAPPED = ["llama", "gemma3", "qwen3", "phi_qk_layernorm", "qwen3_next", "qwen3_5", "lfm3", "deepseek_v3",
            "kimi_linear", "bailing_hybrid", "longcat_flash", "llama4", "mistral4", "deepseek_v32",
-           "glm_moe_dsa"]  # fmt: skip
+           "glm_moe_dsa", "mistral_large4_generation"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", SWAPPED if "PyTorch" in FRAMEWORKS else [])

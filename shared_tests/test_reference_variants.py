@@ -952,3 +952,51 @@ def test_mla_decoding_equals_the_full_causal_pass(absorb, config, length, chunks
     got = np.concatenate(outputs, axis=1)
     np.testing.assert_allclose(got[1, 2:], expected[1, 2:], atol=FLOAT64_TOL)
     np.testing.assert_allclose(got[0], expected[0], atol=FLOAT64_TOL)
+
+
+LEARNED = {"type": "learned"}  # Mistral Large 4's per-head log-position query scaling
+LEARNED_INDEXER = dict(  # MLA with the indexer, its query input LayerNorm and (with LEARNED) its scaling
+    kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=5, rope_theta=10000.0, rope_interleaved=True,
+    index_topk=3, index_num_heads=3, index_head_dim=6, index_rope_interleaved=True, index_query_input_norm=True,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("options", [{"rope_theta": 100.0}, {}, LEARNED_INDEXER], ids=["rope", "nope", "indexer"])
+def test_learned_query_scaling_backward_matches_finite_differences(options):
+    """The learned factors' (N,) weights and the query get their gradients at shifted positions (at i + t
+    without RoPE); the indexer's weights get zeros (its selection is a mask)."""
+    layer = _perturbed(MultiHeadAttention(E, N, query_scaling=LEARNED, seed=0, **options))
+    x, upstream = _x(1), _x(2)
+    call = {"positions": np.arange(T) + np.array([[0], [4]])} if "rope_theta" in options else {}
+    names = ("query_scaling_scale", "query_scaling_bias", "query_kernel")
+    grads = _finite_differences(
+        layer, lambda: layer(x, causal=True, **call), upstream, {"query": x} | {n: layer.params[n] for n in names}
+    )
+    assert all(not grads[name].any() for name in grads if name.startswith("index_"))
+    assert np.abs(grads["query_scaling_scale"]).min() > 0 and np.abs(grads["query_scaling_bias"]).min() > 0
+
+
+def test_learned_query_scaling_starts_at_a_factor_of_one():
+    """Initial scales 0 and biases 1 (transformers' too): the layer computes what it computes without it."""
+    scaled = MultiHeadAttention(E, N, query_scaling=LEARNED, seed=0, **LEARNED_INDEXER)
+    plain = MultiHeadAttention(E, N, seed=0, **{**LEARNED_INDEXER})
+    weights = scaled.export_weights()
+    assert not weights["query_scaling_scale"].any() and (weights["query_scaling_bias"] == 1).all()
+    plain.import_weights({name: w for name, w in weights.items() if "scaling" not in name})
+    x = _x(1)
+    np.testing.assert_allclose(scaled(x, causal=True), plain(x, causal=True), atol=FLOAT64_TOL)
+    weights["query_scaling_bias"] = weights["query_scaling_bias"] * 2.0
+    scaled.import_weights(weights)
+    assert np.abs(scaled(x, causal=True) - plain(x, causal=True)).max() > 1e-3
+
+
+def test_learned_index_scaling_and_query_norm_change_the_selection():
+    """The indexer's own learned factors and its query input LayerNorm take part in the ranking."""
+    layer = _perturbed(MultiHeadAttention(E, N, query_scaling=LEARNED, seed=0, **LEARNED_INDEXER))
+    x, weights = _x(1, (B, 12, E)), layer.export_weights()
+    selection = layer(x, causal=True, return_topk=True)[1]
+    for name in ("index_query_scaling_scale", "index_query_norm", "index_query_norm_bias"):
+        moved = dict(weights, **{name: -3.0 * weights[name]})
+        layer.import_weights(moved)
+        assert not np.array_equal(layer(x, causal=True, return_topk=True)[1], selection), name
+    layer.import_weights(weights)

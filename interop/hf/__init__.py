@@ -104,13 +104,14 @@ per head) port as the layer's. Multi-head latent attention ports as the layer's 
 families built on their attention (GLM-4-MoE-Lite, Youtu, AXK1, Mistral 4, MiniCPM3, Kimi Linear's
 NoPE MLA layers, Ling's MLA layers with their per-head output gate as `gate`, LongCat-Flash's two
 sublayers per decoder layer with their LoRA scales folded into the weights). The sparse indexer
-(DSA) ports as MLA with `index_topk` (`sparse`): DeepSeek-V3.2 and GLM-MoE-DSA, whose "shared"
-layers take the previous full layer's selection as `topk_indices` (`layer(..., return_topk=True)`
-gives it). Refused with the reason: Llama 4's NoPE layers' temperature tuning (and Mistral 4's
+(DSA) ports as MLA with `index_topk` (`sparse`): DeepSeek-V3.2, GLM-MoE-DSA and Mistral Large 4
+(its learned query scaling and indexer query norm; its NoPE layers and KV sharing refused), whose
+"shared" layers take the previous full layer's selection as `topk_indices` (`layer(...,
+return_topk=True)` gives it). Refused with the reason: Llama 4's NoPE layers' temperature tuning (and Mistral 4's
 `llama_4_scaling_beta`), Llama 4's vision encoder attention (its 2-D RoPE over the image patches),
 GPT-2 and GPTBigCode cross-attention, the linear-attention layers of Kimi Linear and Ling, and the
-families built on the sparse indexer that add more (Mistral Large 4, GLM-5-Next, HY-V4, AXK2, dots3,
-Qwen4-Exp, DeepSeek-V4, MiniMax-M3: each with what it adds).
+families built on the sparse indexer that add more (GLM-5-Next, HY-V4, AXK2, dots3, Qwen4-Exp,
+DeepSeek-V4, MiniMax-M3: each with what it adds).
 
 The package: one module per family of porters, each with its refusals (`llama`: the Llama kind and Llama 4's
 text attention, its vision encoder refused; `gated`: the gated families; `latent`: multi-head latent

@@ -9,7 +9,7 @@ from .latent import _latent
 from .llama import _llama4, _rotary
 from .seq2seq import _bart, _t5
 from .shared import _gemma_shared
-from .sparse import _sparse
+from .sparse import _mistral_large4, _sparse
 
 
 def _family(porter, path, **options):
@@ -94,6 +94,8 @@ _BUILTIN = {
     "gemma4_unified_text": _family(_gemma_shared, _LAYERS),
     "deepseek_v32": _family(_sparse, _LAYERS),
     "glm_moe_dsa": _family(_sparse, _LAYERS, interleaved_indexer=True),
+    "mistral_large4": _family(_mistral_large4, "layers.{i}.attention"),  # its checkpoints' names
+    "mistral_large4_text": _family(_mistral_large4, "layers.{i}.attention"),
     "longcat_flash": _family(
         _latent, lambda i: f"layers.{i // 2}.self_attn.{i % 2}", interleaved=True, lora_scales=True
     ),

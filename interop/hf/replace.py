@@ -13,7 +13,7 @@ from .registry import _registered
 from .routes import _layer_index, _module_porter, _transformers_model_type, port_attention
 from .seq2seq import _bart
 from .shared import _gemma_shared
-from .sparse import _sparse
+from .sparse import _mistral_large4, _sparse
 
 
 def replace_attention(model, layer_class=None):
@@ -38,8 +38,9 @@ def replace_attention(model, layer_class=None):
             `encoder_attn`, stay as they are), of the GPT kind (GPT-2, GPTBigCode, GPT-Neo, GPT-J, GPT-NeoX and
             Persimmon), with multi-head latent attention (DeepSeek-V2, V3 and the MLA
             families `port_attention` reads; the layer's cache holds the latents), the sparse indexer's included
-            (DeepSeek-V3.2, GLM-MoE-DSA: each layer's top-k passed to the next where the model's decoder does),
-            or Gemma 3n and Gemma 4.
+            (DeepSeek-V3.2, GLM-MoE-DSA, Mistral Large 4: each layer's top-k passed to the next where the model's
+            decoder does), or Gemma 3n and Gemma 4. A multimodal model's vision encoder (`vision_tower`) stays as
+            it is.
         layer_class: the `MultiHeadAttention` class to build (default: the one in `PyTorch/`).
 
     Returns:
@@ -60,7 +61,7 @@ def replace_attention(model, layer_class=None):
     for name, module in list(model.named_modules()):
         if any(name.startswith(done + ".") for done in replaced) or not type(module).__name__.endswith(_ATTENTION):
             continue
-        if name.rpartition(".")[2] in _CROSS:
+        if name.rpartition(".")[2] in _CROSS or _TOWER in name.split("."):
             continue
         if _transformers_model_type(type(module)) is None and not any(
             _registered(c.__name__) is not None for c in type(module).__mro__
@@ -81,6 +82,7 @@ def replace_attention(model, layer_class=None):
             _gptj,
             _gemma_shared,
             _sparse,
+            _mistral_large4,
         ):
             continue
         if getattr(module, "is_cross_attention", False):
@@ -99,6 +101,7 @@ def replace_attention(model, layer_class=None):
 
 _ATTENTION = ("Attention", "MLA")  # the endings of the attention modules' class names (LongCat's LongcatFlashMLA)
 _CROSS = ("encoder_attn",)  # the BART kind's cross-attention modules: their class is the self-attention's
+_TOWER = "vision_tower"  # a multimodal model's vision encoder (Mistral Large 4's Pixtral): not swapped
 _CROSS_ARGUMENTS = ("key_value_states", "encoder_hidden_states")  # a cross-attention call's keys and values
 
 

@@ -1,9 +1,11 @@
-"""The learned sparse-attention indexer (DSA): DeepSeek-V3.2 and GLM-MoE-DSA ported as multi-head latent attention
-with `index_topk` (GLM-MoE-DSA's "shared" layers as MLA layers that attend the previous full layer's
+"""The learned sparse-attention indexer (DSA): DeepSeek-V3.2, GLM-MoE-DSA and Mistral Large 4 ported as multi-head
+latent attention with `index_topk` (the "shared" layers as MLA layers that attend the previous full layer's
 `topk_indices`), and the families built on the indexer that add more, refused by name with what they add.
 
 Legend: E hidden size, Q q_lora_rank, Ni indexer heads, Hi indexer head width.
 """
+
+import re
 
 from .latent import _latent
 from .tensors import _tensor
@@ -36,6 +38,67 @@ def _sparse(config, tensors, index, *, interleaved_indexer=False):
     return kwargs, weights
 
 
+def _mistral_large4(config, tensors, index):
+    """Mistral Large 4: GLM-MoE-DSA's attention without a q latent (`q_proj`), the learned log-position scaling of
+    the queries (`softmax_scaling`: `query_scaling={"type": "learned"}`) and of the indexer's, whose queries read
+    a LayerNorm of the hidden states (`indexer.q_input_norm`: `index_query_input_norm`). Its NoPE layers
+    (`no_rope_layers`) and cross-layer KV sharing (`kv_source_layers`) are refused with why. Its checkpoints'
+    native names (`attention.wq`, `wkv_a_with_mqa`, `ssmax_scaling.s`, ...) read as transformers' own."""
+    _check_mistral_large4_layer(config, index)
+    tensors = {_transformers_name(name): tensors[name] for name in tensors}
+    kwargs, weights = _sparse(config, tensors, index, interleaved_indexer=True)
+    kwargs["latent_norm_eps"] = float(config["rms_norm_eps"])  # its `kv_a_layernorm` reads the config's epsilon
+    kwargs["query_scaling"] = {"type": "learned"}
+    sources = {"query_scaling_scale": "softmax_scaling.scale", "query_scaling_bias": "softmax_scaling.bias"}
+    if "indexer.wq_b.weight" in tensors:
+        kwargs["index_query_input_norm"] = True
+        sources |= {
+            "index_query_norm": "indexer.q_input_norm.weight",
+            "index_query_norm_bias": "indexer.q_input_norm.bias",
+        }
+        sources |= {
+            "index_query_scaling_scale": "indexer.softmax_scaling.scale",
+            "index_query_scaling_bias": "indexer.softmax_scaling.bias",
+        }
+    weights |= {name: _tensor(tensors, source) for name, source in sources.items()}  # (N,), (E,) or (Ni,)
+    return kwargs, weights
+
+
+_NATIVE_NAMES = (  # Mistral's checkpoint names of the attention's tensors -> transformers' (its conversion mapping)
+    (r"^wq\.", "q_proj."), (r"^wkv_a_with_mqa\.", "kv_a_proj_with_mqa."), (r"^wkv_b\.", "kv_b_proj."),
+    (r"^kv_a_norm\.", "kv_a_layernorm."), (r"^wo\.", "o_proj."), (r"ssmax_scaling\.s$", "softmax_scaling.scale"),
+    (r"ssmax_scaling\.b$", "softmax_scaling.bias"),
+)  # fmt: skip
+
+
+def _transformers_name(name):
+    """A tensor's name in transformers' module, from Mistral's checkpoint name or already transformers'."""
+    for pattern, replacement in _NATIVE_NAMES:
+        name = re.sub(pattern, replacement, name)
+    return name
+
+
+def _check_mistral_large4_layer(config, index):
+    """Refuses a NoPE layer (its query scaling reads `position_ids`, which the layer takes with RoPE only) and a
+    layer that shares its latent KV cache with another (`kv_source_layers`)."""
+    layer = 0 if index is None else index
+    sources = config.get("kv_source_layers") or []
+    sharing = layer < len(sources) and (sources[layer] != layer or sources.count(layer) > 1)
+    if sharing:
+        raise ValueError(
+            "`module` must hold an attention the layer computes: Mistral Large 4's cross-layer KV sharing "
+            "(`kv_source_layers`: a layer attends the latent cache of an earlier one) is not ported. "
+            f"Received: layer {index}, kv_source_layers={sources}"
+        )
+    no_rope = config.get("no_rope_layers") or []
+    if layer < len(no_rope) and not no_rope[layer]:
+        raise ValueError(
+            "`module` must hold an attention the layer computes: Mistral Large 4's NoPE layers (`no_rope_layers`) "
+            "scale their queries by `position_ids`, which the layer reads only with RoPE. "
+            f"Received: layer {index} of no_rope_layers={no_rope}"
+        )
+
+
 def _check_shared(config, index):
     """A layer without indexer tensors must be a "shared" layer of `indexer_types`."""
     types = config.get("indexer_types")
@@ -49,11 +112,6 @@ def _check_shared(config, index):
 
 _BEYOND = "beyond DeepSeek-V3.2's indexer"
 _SPARSE_REFUSED = {  # model types built on the sparse indexer whose attention adds what the layer lacks
-    "mistral_large4": (
-        f"Mistral Large 4's attention adds, {_BEYOND}: a learned per-head query scaling by log-position "
-        "(`softmax_scaling`: scale * log(position + 1) + bias) on the attention and on the indexer, an indexer query "
-        "read from a LayerNorm of the hidden states (`q_input_norm`), and cross-layer KV sharing (`kv_sharing_modes`)"
-    ),
     "glm5_next": (
         f"GLM-5-Next adds, {_BEYOND}: linear-attention layers (a recurrent state) and an indexer that scores keys "
         "pooled in groups of `index_kpool` by a learned gate (`index_kpool_compress_gate`)"
@@ -81,5 +139,5 @@ _SPARSE_REFUSED = {  # model types built on the sparse indexer whose attention a
         "per key/value head"
     ),
 }
-for _name in ("mistral_large4", "glm5_next", "dots3_note", "qwen4_exp"):
+for _name in ("glm5_next", "dots3_note", "qwen4_exp"):
     _SPARSE_REFUSED[f"{_name}_text"] = _SPARSE_REFUSED[_name]  # their text configs' model types
