@@ -2103,3 +2103,20 @@ def test_replace_attention_refuses_a_model_it_cannot_swap():
     with pytest.raises(ValueError, match=r"`model` must rotate by one row of positions: .* Received: Qwen2VLAttention"):
         replace_attention(model)
     assert type(model.layers[0].self_attn).__name__ == "Qwen2VLAttention"  # refused before any swap
+
+
+def test_regression_mistral_large4_learned_rope_factors_were_ported_as_zero():
+    """LeRoPE's `rotary_emb.alpha` (outside the attention modules) scales each pair's frequency by exp(alpha): the
+    port used to drop it silently. `replace_attention` and `port_checkpoint` refuse a model or checkpoint where it
+    is not 0, and take the ones at 0 (transformers' initial value)."""
+    model = _mistral_large4_text()
+    config = model.config.to_dict()
+    layer = {f"layers.0.attention.{n}": t.detach().numpy() for n, t in model.layers[0].self_attn.state_dict().items()}
+    port_checkpoint(config, {**layer, "lerope.alpha": np.zeros(4, np.float32)}, 0)
+    with pytest.raises(ValueError, match=r"^`tensors` must hold LeRoPE's learned frequency factors at 0 .* Received: "
+                       r"lerope\.alpha with 1 nonzero entries$"):  # fmt: skip
+        port_checkpoint(config, {**layer, "lerope.alpha": np.array([0, 0.5, 0, 0], np.float32)}, 0)
+    with torch.no_grad():
+        model.rotary_emb.alpha[1] = 0.5
+    with pytest.raises(ValueError, match=r"^`model` must hold LeRoPE's .* Received: rotary_emb\.alpha with 1 nonzero"):
+        replace_attention(model)

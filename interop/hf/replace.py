@@ -13,7 +13,7 @@ from .registry import _registered
 from .routes import _layer_index, _module_porter, _transformers_model_type, port_attention
 from .seq2seq import _bart
 from .shared import _gemma_shared
-from .sparse import _mistral_large4, _sparse
+from .sparse import _LEARNED_FREQUENCIES, _mistral_large4, _refuse_learned_frequencies, _sparse
 
 
 def replace_attention(model, layer_class=None):
@@ -48,7 +48,8 @@ def replace_attention(model, layer_class=None):
 
     Raises:
         ValueError: for a model with no attention module of these kinds, a module `port_attention` refuses,
-            or Qwen2-VL's multimodal RoPE (its modules never see their (3, B, T) positions).
+            Qwen2-VL's multimodal RoPE (its modules never see their (3, B, T) positions), or Mistral Large 4's
+            LeRoPE factors (`rotary_emb.alpha`) other than 0.
     """
     import torch
 
@@ -56,6 +57,10 @@ def replace_attention(model, layer_class=None):
         from PyTorch import Multi_Head_Attention as layer_file
 
         layer_class = layer_file.MultiHeadAttention
+    learned = (
+        (n, b.detach().float().cpu().numpy()) for n, b in model.named_buffers() if n.endswith(_LEARNED_FREQUENCIES)
+    )
+    _refuse_learned_frequencies("model", learned)  # Mistral Large 4's LeRoPE: the port holds for alpha = 0
     _set_eager(model)
     replaced = []
     for name, module in list(model.named_modules()):

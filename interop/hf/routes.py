@@ -7,7 +7,7 @@ from .gated import _GATED_REFUSED, _refuse_layer_type
 from .kinds import _kind_porter
 from .llama import _REFUSED_CLASSES
 from .registry import _builtin, _path, _porter, _registered, supported_modules
-from .sparse import _SPARSE_REFUSED
+from .sparse import _LEARNED_FREQUENCIES, _SPARSE_REFUSED, _refuse_learned_frequencies
 from .structure import _structural_porter
 from .tensors import _Prefixed, load_tensors
 
@@ -160,6 +160,7 @@ def port_checkpoint(config, tensors, layer_index, *, prefix=None):
         )
     _refuse_layer_type(config, layer_index)  # before looking for an attention module it does not have
     tensors = load_tensors(tensors)
+    _refuse_learned_frequencies("tensors", ((n, tensors[n]) for n in tensors if n.endswith(_LEARNED_FREQUENCIES)))
     if prefix is None:
         prefix = _find_prefix(tensors, _path(model_type, layer_index))
     return porter(config, _Prefixed(tensors, prefix.rstrip(".") + "."), layer_index)

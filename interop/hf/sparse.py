@@ -7,6 +7,8 @@ Legend: E hidden size, Q q_lora_rank, Ni indexer heads, Hi indexer head width.
 
 import re
 
+import numpy as np
+
 from .latent import _latent
 from .tensors import _tensor
 
@@ -141,3 +143,19 @@ _SPARSE_REFUSED = {  # model types built on the sparse indexer whose attention a
 }
 for _name in ("glm5_next", "dots3_note", "qwen4_exp"):
     _SPARSE_REFUSED[f"{_name}_text"] = _SPARSE_REFUSED[_name]  # their text configs' model types
+
+
+_LEARNED_FREQUENCIES = ("rotary_emb.alpha", "lerope.alpha")  # Mistral Large 4's LeRoPE (its checkpoints: `lerope`)
+
+
+def _refuse_learned_frequencies(argument, named):
+    """Mistral Large 4's LeRoPE turns pair i by inv_freq[i] * exp(alpha[i]), `alpha` learned and held by the model's
+    rotary embedding, outside the attention module: the port holds for alpha = 0 (transformers' initial value) only.
+    `named`: (name, array) pairs of the model's buffers or of the checkpoint's tensors."""
+    for name, value in named:
+        if name.endswith(_LEARNED_FREQUENCIES) and np.any(np.asarray(value) != 0):
+            raise ValueError(
+                f"`{argument}` must hold LeRoPE's learned frequency factors at 0 (Mistral Large 4's "
+                "`rotary_emb.alpha`): the layer turns each pair by its RoPE frequency alone, not times "
+                f"exp(alpha). Received: {name} with {int(np.count_nonzero(np.asarray(value)))} nonzero entries"
+            )
