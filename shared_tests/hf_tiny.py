@@ -9,6 +9,11 @@ kept; a sliding window of 3), seeded, float32, in eval mode, its parameters move
 (norm scales away from 1, biases away from 0) so that each ported variant matters. A family whose tiny model
 cannot be built raises `NotBuiltError` with why.
 
+`text_decoder_families()` lists the model types with no `*ForCausalLM` class whose modeling module defines a
+text decoder of its own (a `*TextModel` class taking `past_key_values`, its config's model type `<type>_text`:
+the language model of a vision-language model): their tiny model is that text model alone, shrunk the same
+way, under a linear head to the vocabulary (`TextDecoderLM`), so that the same check runs on it.
+
 `check_replaced(model)` copies the model, runs `replace_attention` on the copy and requires, on a left-padded
 batch, the logits of the real tokens within `LOGITS_TOL` (scaled by the logits' spread where it is above 1),
 and greedy `generate`'s tokens, compared step by step while the reference's top logit leads the next by
@@ -86,6 +91,82 @@ def causal_lm_class(model_type):
     if cls is None:
         raise KeyError(f"no *ForCausalLM class in transformers.models.{model_type}")
     return cls
+
+
+@functools.cache
+def text_decoder_families():
+    """{model_type: (modeling module name, *TextModel class name)} of the model types with no `*ForCausalLM`
+    class that define a text decoder: a `*TextModel` class whose forward takes `past_key_values` and whose config's
+    model type is `<something>_text` (the language model of a vision-language model)."""
+    import transformers.models
+
+    causal, found = causal_lm_families(), {}
+    for package in pkgutil.iter_modules(transformers.models.__path__):
+        cls = None if package.name in causal else _text_decoder_class(package.name)
+        if cls is not None:
+            found[package.name] = (cls.__module__, cls.__name__)
+    return found
+
+
+def _text_decoder_class(model_type):
+    """The first `*TextModel` decoder class its modeling modules define, else None."""
+    for module in _modeling_modules(model_type):
+        try:
+            imported = importlib.import_module(module)
+        except Exception:  # a modeling module that needs a package not installed
+            continue
+        for name, value in vars(imported).items():
+            if (
+                name.endswith("TextModel")
+                and inspect.isclass(value)
+                and value.__module__ == imported.__name__
+                and str(getattr(getattr(value, "config_class", None), "model_type", "")).endswith("_text")
+                and "past_key_values" in inspect.signature(value.forward).parameters
+            ):
+                return value
+    return None
+
+
+def model_class(model_type):
+    """The class the family's tiny model is built from: its `*ForCausalLM` class, else its text decoder's."""
+    if model_type in text_decoder_families():
+        return _text_decoder_class(model_type)
+    return causal_lm_class(model_type)
+
+
+@functools.cache
+def _text_decoder_lm(decoder_class):
+    """`TextDecoderLM` of `decoder_class`: a causal language model made of the text decoder and a linear head."""
+    import torch
+    from transformers import GenerationMixin, PreTrainedModel
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    class TextDecoderLM(PreTrainedModel, GenerationMixin):
+        """A text decoder (`model`) under a linear head to the vocabulary (`lm_head`): logits and `generate`."""
+
+        config_class = decoder_class.config_class
+        base_model_prefix = "model"
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = decoder_class(config)
+            self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.post_init()
+
+        def forward(self, input_ids=None, attention_mask=None, past_key_values=None, use_cache=None, **kwargs):
+            kwargs.pop("logits_to_keep", None)
+            states = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                **kwargs,
+            )
+            logits = self.lm_head(states.last_hidden_state)  # (B, T, E) -> (B, T, vocabulary)
+            return CausalLMOutputWithPast(logits=logits, past_key_values=states.past_key_values)
+
+    TextDecoderLM.__name__ = TextDecoderLM.__qualname__ = f"{decoder_class.__name__}LM"
+    return TextDecoderLM
 
 
 _SIZES = {
@@ -244,10 +325,12 @@ def tiny_model(model_type):
     """The family's tiny random model (float32, eval mode), or `NotBuiltError` with why."""
     import torch
 
-    cls = causal_lm_class(model_type)
+    cls = model_class(model_type)
     try:
         config = shrink(cls.config_class())
         torch.manual_seed(SEED)
+        if model_type in text_decoder_families():
+            cls = _text_decoder_lm(cls)
         model = cls(config).float().eval()
     except Exception as error:
         raise NotBuiltError(f"{type(error).__name__}: {_first_line(error)}") from error

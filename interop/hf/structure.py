@@ -185,6 +185,13 @@ def _structural_porter(module, model_type):
     rotates = _rotates(module, model_type)
     if not rotates:
         options["rope"] = "never"
+    if rotates and _multimodal_rope(type(module).__module__):
+        _refuse(
+            module,
+            model_type,
+            "is turned by a multimodal RoPE (a rotary embedding of its modeling module reads `mrope_section`: its "
+            "model rotates by (3, B, T) positions, which a structural port does not read)",
+        )
     attributes = _attributes(module)
 
     def port(config, tensors, index):
@@ -211,6 +218,16 @@ def _structural_porter(module, model_type):
     port.family = _rotary if gate is None else _gated
     port.__doc__ = f"{type(module).__name__}, recognised as the Llama kind by its structure"
     return port
+
+
+def _multimodal_rope(module_name):
+    """Whether a rotary embedding class of the modeling module reads `mrope_section` (Qwen2-VL's multimodal RoPE,
+    its sections or transformers' default ones): read from the classes' source."""
+    module = sys.modules.get(module_name) or importlib.import_module(module_name)
+    return any(
+        name.endswith("RotaryEmbedding") and inspect.isclass(value) and "mrope_section" in inspect.getsource(value)
+        for name, value in vars(module).items()
+    )
 
 
 def _rotates(module, model_type):
