@@ -238,6 +238,7 @@ def shrink(config):
     for name, value in list(vars(config).items()):  # per-layer lists cut to the layers kept
         if old_layers and isinstance(value, list | tuple) and len(value) == old_layers and layers < old_layers:
             setattr(config, name, type(value)(value[:layers]))
+    _hybrid_attention(config, layers)
     if hasattr(config, "head_dim") and getattr(config, "head_dim", 0) is None:  # derived from the others
         set_field(config, "head_dim", HEAD_DIM)
     for name, size in _SIZES.items():
@@ -249,6 +250,7 @@ def shrink(config):
     for name in _KV_HEADS:
         if isinstance(getattr(config, name, None), int) and not _aliases_query_heads(config, name):
             set_field(config, name, KV_HEADS)
+    _mamba_heads(config)
     _even_rotary(config)
     if isinstance(getattr(config, "kv_lora_rank", None), int) and hasattr(config, "head_dim"):
         fraction = _rotary_fraction(config) or 1.0  # Mistral 4: RoPE turns head_dim * 0.5 = qk_rope_head_dim
@@ -266,6 +268,34 @@ def shrink(config):
         config.sliding_window = WINDOW
     _shrink_rope(config)
     return config
+
+
+_ATTENTION_KINDS = ("full_attention", "sliding_attention", "attention")
+_OTHER_KIND = {"lfm2_moe": "conv"}  # a hybrid whose default configuration leaves `layer_types` None: its other kind
+
+
+def _hybrid_attention(config, layers):
+    """A hybrid whose default configuration has no attention layer (Bamba's `attn_layer_indices` None, Granite-MoE-
+    Hybrid's layers all Mamba, LFM2-MoE's `layer_types` None) gets one, its last layer, as its published
+    configurations have: else the attention class under test is not in the model."""
+    if "attn_layer_indices" in vars(config) and not config.attn_layer_indices:
+        config.attn_layer_indices = [layers - 1]
+    types = vars(config).get("layer_types")
+    if isinstance(types, list) and "linear_attention" in types and not set(types) & set(_ATTENTION_KINDS):
+        config.layer_types = [*types[:-1], "full_attention"]
+    if types is None and "layer_types" in vars(config) and config.model_type in _OTHER_KIND:
+        config.layer_types = [_OTHER_KIND[config.model_type]] * (layers - 1) + ["full_attention"]
+
+
+def _mamba_heads(config):
+    """Mamba heads that tile the shrunk hidden size, where the default configuration derived their width from the
+    default one (Bamba's `mamba_d_head`, "auto" at construction): 8 heads of `mamba_expand * hidden_size / 8`."""
+    names = ("mamba_n_heads", "mamba_d_head", "mamba_expand", "hidden_size")
+    heads, width, expand, hidden = (getattr(config, n, None) for n in names)
+    if getattr(config, "mamba_d_ssm", None) is not None:  # Falcon-H1: the heads tile `mamba_d_ssm`, set apart
+        return
+    if all(isinstance(v, int) for v in (heads, width, expand, hidden)) and heads * width != expand * hidden:
+        config.mamba_n_heads, config.mamba_d_head = 8, expand * config.hidden_size // 8
 
 
 def _aliases_query_heads(config, name):

@@ -306,8 +306,11 @@ def _check_gate(module, model_type, gate):
 
 def _layer_theta(module, model_type, config, index):
     """Granite-SWA's `layer_rope_theta`: layer `index`'s RoPE base, 0 for a NoPE layer (its model passes no
-    `position_embeddings` there); a config without it is refused."""
+    `position_embeddings` there); Granite-MoE-Hybrid's `position_embedding_type`: "rope" in every layer, else
+    none; a config with neither is refused."""
     thetas = config.get("layer_rope_theta")
+    if thetas is None and "position_embedding_type" in config:  # Granite-MoE-Hybrid: RoPE in every layer, or none
+        return config, "all" if config["position_embedding_type"] == "rope" else "never"
     if not isinstance(thetas, list | tuple) or index is None:
         _refuse(
             module,
