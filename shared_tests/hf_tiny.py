@@ -97,7 +97,7 @@ def causal_lm_class(model_type):
 def text_decoder_families():
     """{model_type: (modeling module name, *TextModel class name)} of the model types with no `*ForCausalLM`
     class that define a text decoder: a `*TextModel` class whose forward takes `past_key_values` and whose config's
-    model type is `<something>_text` (the language model of a vision-language model)."""
+    model type is `<model type>_text` (the language model of a vision-language model)."""
     import transformers.models
 
     causal, found = causal_lm_families(), {}
@@ -120,7 +120,7 @@ def _text_decoder_class(model_type):
                 name.endswith("TextModel")
                 and inspect.isclass(value)
                 and value.__module__ == imported.__name__
-                and str(getattr(getattr(value, "config_class", None), "model_type", "")).endswith("_text")
+                and getattr(getattr(value, "config_class", None), "model_type", None) == f"{model_type}_text"
                 and "past_key_values" in inspect.signature(value.forward).parameters
             ):
                 return value

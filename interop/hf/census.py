@@ -241,9 +241,9 @@ def census(model_types=None):
             failed = None
         causal = _in_scope(model_type)
         proof = _proof(model_type) if causal else None
-        if proof is not None and proof[0] == "ported":  # the tiny model built and passed: its classes too
-            ports, failed = {**_TINY_PORTS[model_type], **ports}, None  # (a hybrid's attention, where the
-            # default configuration has Mamba layers only: `hf_tiny` gives the tiny model one)
+        if model_type in _TINY_PORTS:  # the tiny model built: its classes where the meta model has none (a
+            ports, failed = {**_TINY_PORTS[model_type], **ports}, None  # hybrid's attention, which `hf_tiny`
+            # adds where the default configuration has Mamba layers only) or failed to build
         if causal:
             families.append((model_type, cls.__name__, *proof))
         for name in names:

@@ -87,8 +87,9 @@ _REPEAT = (  # the interleaved RoPE's cos and sin, each frequency repeated for i
     "cos = cos[..., :cos.shape[-1] // 2].repeat_interleave(2, dim=-1)",
     "sin = sin[..., :sin.shape[-1] // 2].repeat_interleave(2, dim=-1)",
 )
-_ROTATIONS = (  # the rotation over the whole head, or over its first `rotary_dim` features (partial RoPE)
-    ("q_embed = q * cos + rotate_half(q) * sin", "k_embed = k * cos + rotate_half(k) * sin"),
+_RETURN = "return (q_embed, k_embed)"
+_ROTATIONS = (  # the rotation over the whole head, or over its first `rotary_dim` features (partial RoPE), returned
+    ("q_embed = q * cos + rotate_half(q) * sin", "k_embed = k * cos + rotate_half(k) * sin", _RETURN),
     (
         "rotary_dim = cos.shape[-1]",
         "q_rot, q_pass = (q[..., :rotary_dim], q[..., rotary_dim:])",
@@ -97,6 +98,15 @@ _ROTATIONS = (  # the rotation over the whole head, or over its first `rotary_di
         "k_embed = k_rot * cos + rotate_half(k_rot) * sin",
         "q_embed = torch.cat([q_embed, q_pass], dim=-1)",
         "k_embed = torch.cat([k_embed, k_pass], dim=-1)",
+        _RETURN,
+    ),
+    (  # Nemotron's partial RoPE: the same, its names shorter and the halves joined in the return
+        "rot_dim = cos.shape[-1]",
+        "q, q_pass = (q[..., :rot_dim], q[..., rot_dim:])",
+        "k, k_pass = (k[..., :rot_dim], k[..., rot_dim:])",
+        "q_embed = q * cos + rotate_half(q) * sin",
+        "k_embed = k * cos + rotate_half(k) * sin",
+        "return (torch.cat((q_embed, q_pass), dim=-1), torch.cat((k_embed, k_pass), dim=-1))",
     ),
 )
 
@@ -123,7 +133,7 @@ def _rope_pattern(module_name):
         if tuple(rest[:2]) != _REPEAT:
             return None
         rest = rest[2:]
-    if tuple(rest[:-1]) not in _ROTATIONS or rest[-1] != "return (q_embed, k_embed)":
+    if tuple(rest) not in _ROTATIONS:
         return None
     return interleaved
 
