@@ -277,7 +277,8 @@ _OTHER_KIND = {"lfm2_moe": "conv"}  # a hybrid whose default configuration leave
 def _hybrid_attention(config, layers):
     """A hybrid whose default configuration has no attention layer (Bamba's `attn_layer_indices` None, Granite-MoE-
     Hybrid's layers all Mamba, LFM2-MoE's `layer_types` None) gets one, its last layer, as its published
-    configurations have: else the attention class under test is not in the model."""
+    configurations have: else the attention class under test is not in the model. MLP kinds left None (that the
+    model reads per layer) are a dense layer, then mixtures of experts."""
     if "attn_layer_indices" in vars(config) and not config.attn_layer_indices:
         config.attn_layer_indices = [layers - 1]
     types = vars(config).get("layer_types")
@@ -285,6 +286,8 @@ def _hybrid_attention(config, layers):
         config.layer_types = [*types[:-1], "full_attention"]
     if types is None and "layer_types" in vars(config) and config.model_type in _OTHER_KIND:
         config.layer_types = [_OTHER_KIND[config.model_type]] * (layers - 1) + ["full_attention"]
+    if "mlp_layer_types" in vars(config) and config.mlp_layer_types is None:  # DeepSeek-OCR 2's text decoder
+        config.mlp_layer_types = ["dense"] + ["sparse"] * (layers - 1)
 
 
 def _mamba_heads(config):

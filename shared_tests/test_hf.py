@@ -448,6 +448,22 @@ FAMILIES = [
         "transformer.h.{i}.attn",
     ),
     Family(
+        "codegen",
+        lambda: transformers.CodeGenForCausalLM(
+            transformers.CodeGenConfig(
+                n_embd=HIDDEN,
+                n_head=HEADS,  # a multiple of the 4 shards of its fused projection
+                n_layer=2,
+                rotary_dim=4,
+                vocab_size=VOCAB,
+                n_positions=64,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        ),
+        "transformer.h.{i}.attn",
+    ),
+    Family(
         "gpt_oss",
         _llama_like(
             "GptOssForCausalLM",
@@ -1379,6 +1395,7 @@ VARIANTS = {
     "gpt_neox": {"rope", "rope_fraction"},
     "phi": {"rope", "rope_fraction"},
     "gptj": {"rope", "rope_fraction", "rope_interleaved"},
+    "codegen": {"rope", "rope_fraction", "rope_interleaved"},
     "gpt_oss": {"rope", "window", "sinks", "rope_scaling"},
     "t5_encoder": {"scale", "attention_bias"},
     "t5_decoder": {"scale", "attention_bias"},

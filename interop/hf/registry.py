@@ -4,7 +4,7 @@ checkpoints), and those registered with `register_porter`."""
 from .alibi import _bloom, _falcon, _mpt
 from .bert import _bert, _modernbert
 from .gated import _gated
-from .gpt import _gpt2, _gpt_bigcode, _gpt_neo, _gpt_neox, _gptj
+from .gpt import _codegen, _gpt2, _gpt_bigcode, _gpt_neo, _gpt_neox, _gptj
 from .latent import _latent
 from .llama import _llama4, _rotary
 from .seq2seq import _bart, _t5
@@ -52,6 +52,7 @@ _BUILTIN = {
     "smollm3": _family(_rotary, _LAYERS, rope="no_rope_layers"),
     "glm4": _family(_rotary, _LAYERS, interleaved=True),
     "gptj": _family(_gptj, "h.{i}.attn"),
+    "codegen": _family(_codegen, "h.{i}.attn"),
     "gpt_neox": _family(_gpt_neox, "layers.{i}.attention"),
     "gpt2": _family(_gpt2, "h.{i}.attn"),
     "gpt_bigcode": _family(_gpt_bigcode, "h.{i}.attn"),

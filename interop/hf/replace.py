@@ -6,7 +6,7 @@ import inspect
 
 from .bert import _bert
 from .gated import _gated
-from .gpt import _gpt2, _gpt_bigcode, _gpt_neo, _gpt_neox, _gptj
+from .gpt import _codegen, _gpt2, _gpt_bigcode, _gpt_neo, _gpt_neox, _gptj
 from .latent import _latent
 from .llama import _llama4, _rotary
 from .registry import _registered
@@ -35,8 +35,8 @@ def replace_attention(model, layer_class=None):
             AFMoE and LFM3, whose other layers (linear attention, convolutions) stay as they are), of the BERT kind
             (BERT, RoBERTa, XLM-RoBERTa and the copies of BERT's attention), of the BART kind (`q_proj`, `k_proj`,
             `v_proj`, `out_proj`: BART, OPT, Whisper, Blenderbot, Marian, ...; their cross-attention modules,
-            `encoder_attn`, stay as they are), of the GPT kind (GPT-2, GPTBigCode, GPT-Neo, GPT-J, GPT-NeoX and
-            Persimmon), with multi-head latent attention (DeepSeek-V2, V3 and the MLA
+            `encoder_attn`, stay as they are), of the GPT kind (GPT-2, GPTBigCode, GPT-Neo, GPT-J, CodeGen, GPT-NeoX
+            and Persimmon), with multi-head latent attention (DeepSeek-V2, V3 and the MLA
             families `port_attention` reads; the layer's cache holds the latents), the sparse indexer's included
             (DeepSeek-V3.2, GLM-MoE-DSA: each layer's top-k passed to the next where the model's decoder does),
             or Gemma 3n and Gemma 4.
@@ -79,6 +79,7 @@ def replace_attention(model, layer_class=None):
             _gpt_neo,
             _gpt_neox,
             _gptj,
+            _codegen,
             _gemma_shared,
             _sparse,
         ):
