@@ -52,7 +52,6 @@ _BUILTIN = {
     "smollm3": _family(_rotary, _LAYERS, rope="no_rope_layers"),
     "glm4": _family(_rotary, _LAYERS, interleaved=True),
     "gptj": _family(_gptj, "h.{i}.attn"),
-    "codegen": _family(_codegen, "h.{i}.attn"),
     "gpt_neox": _family(_gpt_neox, "layers.{i}.attention"),
     "gpt2": _family(_gpt2, "h.{i}.attn"),
     "gpt_bigcode": _family(_gpt_bigcode, "h.{i}.attn"),
@@ -98,6 +97,7 @@ _BUILTIN = {
     "longcat_flash": _family(
         _latent, lambda i: f"layers.{i // 2}.self_attn.{i % 2}", interleaved=True, lora_scales=True
     ),
+    "codegen": _family(_codegen, "h.{i}.attn"),  # last: the refusals that list these keep their first 400 characters
 }
 _REGISTERED = {}
 
