@@ -234,7 +234,7 @@ def shrink(config):
         config.num_kv_shared_layers = 2
     for name in LAYER_COUNTS:
         if isinstance(getattr(config, name, None), int):
-            setattr(config, name, layers)
+            set_field(config, name, layers)  # ProphetNet: its total refuses, its encoder and decoder counts follow
     for name, value in list(vars(config).items()):  # per-layer lists cut to the layers kept
         if old_layers and isinstance(value, list | tuple) and len(value) == old_layers and layers < old_layers:
             setattr(config, name, type(value)(value[:layers]))
