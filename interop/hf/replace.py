@@ -39,7 +39,8 @@ def replace_attention(model, layer_class=None):
             and Persimmon), with multi-head latent attention (DeepSeek-V2, V3 and the MLA
             families `port_attention` reads; the layer's cache holds the latents), the sparse indexer's included
             (DeepSeek-V3.2, GLM-MoE-DSA: each layer's top-k passed to the next where the model's decoder does),
-            or Gemma 3n and Gemma 4.
+            or Gemma 3n and Gemma 4. A hybrid's linear-attention layers (`layer_types[i]` "linear_attention":
+            Kimi Linear's, Ling's, MiniMax's) stay as they are.
         layer_class: the `MultiHeadAttention` class to build (default: the one in `PyTorch/`).
 
     Returns:
@@ -65,6 +66,8 @@ def replace_attention(model, layer_class=None):
         if _transformers_model_type(type(module)) is None and not any(
             _registered(c.__name__) is not None for c in type(module).__mro__
         ):
+            continue
+        if _linear_layer(module, model.config):
             continue
         family = getattr(_module_porter(module), "family", None)
         if family not in (
@@ -101,6 +104,18 @@ def replace_attention(model, layer_class=None):
 _ATTENTION = ("Attention", "MLA")  # the endings of the attention modules' class names (LongCat's LongcatFlashMLA)
 _CROSS = ("encoder_attn",)  # the BART kind's cross-attention modules: their class is the self-attention's
 _CROSS_ARGUMENTS = ("key_value_states", "encoder_hidden_states")  # a cross-attention call's keys and values
+
+
+def _linear_layer(module, config):
+    """Whether the module is a hybrid's linear-attention layer (`layer_types[i]` is "linear_attention": a
+    recurrence, not softmax attention: Kimi Linear's, Ling's, MiniMax's lightning attention), which stays as it is."""
+    index, types = _layer_index(module), getattr(config.get_text_config(), "layer_types", None)
+    return (
+        isinstance(types, list | tuple)
+        and index is not None
+        and index < len(types)
+        and types[index] == ("linear_attention")
+    )
 
 
 def _set_eager(model):
