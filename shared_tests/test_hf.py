@@ -1650,8 +1650,8 @@ def test_sparse_indexer_families_adding_more_are_refused_with_what_they_add(mode
 @pytest.mark.parametrize(("name", "config_class"), [("kimi_linear", "KimiLinearConfig"),
                                                     ("bailing_hybrid", "BailingHybridConfig")])  # fmt: skip
 def test_linear_attention_layers_of_mla_hybrids_are_refused_by_name(name, config_class):
-    """Kimi Linear's and Ling's MLA layers port; their linear-attention layers are refused by their type, and so is
-    `replace_attention` of a model that holds them."""
+    """Kimi Linear's and Ling's MLA layers port; their linear-attention layers are refused by their type, and
+    `replace_attention` leaves them as they are (the MLA layer swapped)."""
     config = getattr(transformers, config_class)(
         **COMMON, **LATENT, **TOKENS, layer_types=["linear_attention", "full_attention"]
     )
@@ -1663,8 +1663,9 @@ def test_linear_attention_layers_of_mla_hybrids_are_refused_by_name(name, config
     with pytest.raises(ValueError, match=message):
         port_attention(model.model.layers[0].self_attn, config)
     port_attention(model.model.layers[1].self_attn, config)  # the MLA layer ports
-    with pytest.raises(ValueError, match=message):
-        replace_attention(model)
+    linear = model.model.layers[0].self_attn
+    assert [name.split(".")[2] for name in replace_attention(model)] == ["1"]
+    assert model.model.layers[0].self_attn is linear
 
 
 def test_default_configurations_scale_the_queries_by_position():
