@@ -398,8 +398,9 @@ def prompts(vocab=VOCAB):
 
 
 def check_replaced(model):
-    """Raises `AssertionError` where the replaced model differs, `ValueError` where `replace_attention` refuses;
-    returns what was compared ({"logits": max difference, "tokens": steps compared, "replaced": names})."""
+    """Raises `AssertionError` where the replaced model differs, `ValueError` where `replace_attention` (or the
+    swapped module, called) refuses, `NotBuiltError` where the model itself cannot run the prompts; returns what
+    was compared ({"logits": max difference, "tokens": steps compared, "replaced": names})."""
     import torch
 
     from interop.hf import replace_attention
@@ -409,14 +410,16 @@ def check_replaced(model):
     ids, mask = prompts(min(VOCAB, model.config.get_text_config().vocab_size))
     rows = mask.bool().numpy()
     with torch.no_grad():
-        theirs, mine = (m(input_ids=ids, attention_mask=mask).logits.float().numpy() for m in (model, ours))
+        theirs = _reference(lambda: model(input_ids=ids, attention_mask=mask).logits.float().numpy())
+        mine = ours(input_ids=ids, attention_mask=mask).logits.float().numpy()
     tolerance = LOGITS_TOL * max(1.0, float(theirs[rows].std()))
     difference = float(np.abs(mine[rows] - theirs[rows]).max())
     assert difference <= tolerance, f"logits differ by {difference:.3g} (tolerance {tolerance:.3g})"
     settings = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": 0, "eos_token_id": None}
     settings |= {"output_logits": True, "return_dict_in_generate": True}
     with torch.no_grad():
-        reference, result = (m.generate(input_ids=ids, attention_mask=mask, **settings) for m in (model, ours))
+        reference = _reference(lambda: model.generate(input_ids=ids, attention_mask=mask, **settings))
+        result = ours.generate(input_ids=ids, attention_mask=mask, **settings)
     compared = 0
     for step, logits in enumerate(reference.logits):
         top = torch.topk(logits.float(), 2, dim=-1).values
@@ -426,3 +429,12 @@ def check_replaced(model):
         assert torch.equal(result.sequences[:, column], reference.sequences[:, column]), f"tokens differ at {step}"
         compared += 1
     return {"logits": difference, "tokens": compared, "replaced": replaced}
+
+
+def _reference(run):
+    """`run()` on the model as transformers built it: an error there is the family's (`NotBuiltError`), never a
+    refusal of the port."""
+    try:
+        return run()
+    except Exception as error:
+        raise NotBuiltError(f"the model itself raised {type(error).__name__}: {_first_line(error)}") from error
