@@ -9,6 +9,11 @@ kept; a sliding window of 3), seeded, float32, in eval mode, its parameters move
 (norm scales away from 1, biases away from 0) so that each ported variant matters. A family whose tiny model
 cannot be built raises `NotBuiltError` with why.
 
+`text_decoder_families()` lists the model types with no `*ForCausalLM` class whose modeling module defines a
+text decoder of its own (a `*TextModel` class taking `past_key_values`, its config's model type `<type>_text`:
+the language model of a vision-language model): their tiny model is that text model alone, shrunk the same
+way, under a linear head to the vocabulary (`TextDecoderLM`), so that the same check runs on it.
+
 `check_replaced(model)` copies the model, runs `replace_attention` on the copy and requires, on a left-padded
 batch, the logits of the real tokens within `LOGITS_TOL` (scaled by the logits' spread where it is above 1),
 and greedy `generate`'s tokens, compared step by step while the reference's top logit leads the next by
@@ -88,6 +93,82 @@ def causal_lm_class(model_type):
     return cls
 
 
+@functools.cache
+def text_decoder_families():
+    """{model_type: (modeling module name, *TextModel class name)} of the model types with no `*ForCausalLM`
+    class that define a text decoder: a `*TextModel` class whose forward takes `past_key_values` and whose config's
+    model type is `<model type>_text` (the language model of a vision-language model)."""
+    import transformers.models
+
+    causal, found = causal_lm_families(), {}
+    for package in pkgutil.iter_modules(transformers.models.__path__):
+        cls = None if package.name in causal else _text_decoder_class(package.name)
+        if cls is not None:
+            found[package.name] = (cls.__module__, cls.__name__)
+    return found
+
+
+def _text_decoder_class(model_type):
+    """The first `*TextModel` decoder class its modeling modules define, else None."""
+    for module in _modeling_modules(model_type):
+        try:
+            imported = importlib.import_module(module)
+        except Exception:  # a modeling module that needs a package not installed
+            continue
+        for name, value in vars(imported).items():
+            if (
+                name.endswith("TextModel")
+                and inspect.isclass(value)
+                and value.__module__ == imported.__name__
+                and getattr(getattr(value, "config_class", None), "model_type", None) == f"{model_type}_text"
+                and "past_key_values" in inspect.signature(value.forward).parameters
+            ):
+                return value
+    return None
+
+
+def model_class(model_type):
+    """The class the family's tiny model is built from: its `*ForCausalLM` class, else its text decoder's."""
+    if model_type in text_decoder_families():
+        return _text_decoder_class(model_type)
+    return causal_lm_class(model_type)
+
+
+@functools.cache
+def _text_decoder_lm(decoder_class):
+    """`TextDecoderLM` of `decoder_class`: a causal language model made of the text decoder and a linear head."""
+    import torch
+    from transformers import GenerationMixin, PreTrainedModel
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    class TextDecoderLM(PreTrainedModel, GenerationMixin):
+        """A text decoder (`model`) under a linear head to the vocabulary (`lm_head`): logits and `generate`."""
+
+        config_class = decoder_class.config_class
+        base_model_prefix = "model"
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = decoder_class(config)
+            self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.post_init()
+
+        def forward(self, input_ids=None, attention_mask=None, past_key_values=None, use_cache=None, **kwargs):
+            kwargs.pop("logits_to_keep", None)
+            states = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                **kwargs,
+            )
+            logits = self.lm_head(states.last_hidden_state)  # (B, T, E) -> (B, T, vocabulary)
+            return CausalLMOutputWithPast(logits=logits, past_key_values=states.past_key_values)
+
+    TextDecoderLM.__name__ = TextDecoderLM.__qualname__ = f"{decoder_class.__name__}LM"
+    return TextDecoderLM
+
+
 _SIZES = {
     "hidden_size": HIDDEN,
     "d_model": HIDDEN,
@@ -154,10 +235,11 @@ def shrink(config):
         config.num_kv_shared_layers = 2
     for name in LAYER_COUNTS:
         if isinstance(getattr(config, name, None), int):
-            setattr(config, name, layers)
+            set_field(config, name, layers)  # ProphetNet: its total refuses, its encoder and decoder counts follow
     for name, value in list(vars(config).items()):  # per-layer lists cut to the layers kept
         if old_layers and isinstance(value, list | tuple) and len(value) == old_layers and layers < old_layers:
             setattr(config, name, type(value)(value[:layers]))
+    _hybrid_attention(config, layers)
     if hasattr(config, "head_dim") and getattr(config, "head_dim", 0) is None:  # derived from the others
         set_field(config, "head_dim", HEAD_DIM)
     for name, size in _SIZES.items():
@@ -169,6 +251,7 @@ def shrink(config):
     for name in _KV_HEADS:
         if isinstance(getattr(config, name, None), int) and not _aliases_query_heads(config, name):
             set_field(config, name, KV_HEADS)
+    _mamba_heads(config)
     _even_rotary(config)
     if isinstance(getattr(config, "kv_lora_rank", None), int) and hasattr(config, "head_dim"):
         fraction = _rotary_fraction(config) or 1.0  # Mistral 4: RoPE turns head_dim * 0.5 = qk_rope_head_dim
@@ -218,6 +301,37 @@ def _scaled(value, old, new):
     """`value` grown or shrunk as a global size went from `old` to `new` (at least 1); other values as they are."""
     sizes = all(isinstance(v, int) and not isinstance(v, bool) for v in (value, old, new))
     return max(1, value * new // old) if sizes and old else value
+
+
+_ATTENTION_KINDS = ("full_attention", "sliding_attention", "attention")
+_OTHER_KIND = {"lfm2_moe": "conv"}  # a hybrid whose default configuration leaves `layer_types` None: its other kind
+
+
+def _hybrid_attention(config, layers):
+    """A hybrid whose default configuration has no attention layer (Bamba's `attn_layer_indices` None, Granite-MoE-
+    Hybrid's layers all Mamba, LFM2-MoE's `layer_types` None) gets one, its last layer, as its published
+    configurations have: else the attention class under test is not in the model. MLP kinds left None (that the
+    model reads per layer) are a dense layer, then mixtures of experts."""
+    if "attn_layer_indices" in vars(config) and not config.attn_layer_indices:
+        config.attn_layer_indices = [layers - 1]
+    types = vars(config).get("layer_types")
+    if isinstance(types, list) and "linear_attention" in types and not set(types) & set(_ATTENTION_KINDS):
+        config.layer_types = [*types[:-1], "full_attention"]
+    if types is None and "layer_types" in vars(config) and config.model_type in _OTHER_KIND:
+        config.layer_types = [_OTHER_KIND[config.model_type]] * (layers - 1) + ["full_attention"]
+    if "mlp_layer_types" in vars(config) and config.mlp_layer_types is None:  # DeepSeek-OCR 2's text decoder
+        config.mlp_layer_types = ["dense"] + ["sparse"] * (layers - 1)
+
+
+def _mamba_heads(config):
+    """Mamba heads that tile the shrunk hidden size, where the default configuration derived their width from the
+    default one (Bamba's `mamba_d_head`, "auto" at construction): 8 heads of `mamba_expand * hidden_size / 8`."""
+    names = ("mamba_n_heads", "mamba_d_head", "mamba_expand", "hidden_size")
+    heads, width, expand, hidden = (getattr(config, n, None) for n in names)
+    if getattr(config, "mamba_d_ssm", None) is not None:  # Falcon-H1: the heads tile `mamba_d_ssm`, set apart
+        return
+    if all(isinstance(v, int) for v in (heads, width, expand, hidden)) and heads * width != expand * hidden:
+        config.mamba_n_heads, config.mamba_d_head = 8, expand * config.hidden_size // 8
 
 
 def _aliases_query_heads(config, name):
@@ -277,10 +391,12 @@ def tiny_model(model_type):
     """The family's tiny random model (float32, eval mode), or `NotBuiltError` with why."""
     import torch
 
-    cls = causal_lm_class(model_type)
+    cls = model_class(model_type)
     try:
         config = shrink(cls.config_class())
         torch.manual_seed(SEED)
+        if model_type in text_decoder_families():
+            cls = _text_decoder_lm(cls)
         model = cls(config).float().eval()
     except Exception as error:
         raise NotBuiltError(f"{type(error).__name__}: {_first_line(error)}") from error
@@ -315,8 +431,9 @@ def prompts(vocab=VOCAB):
 
 
 def check_replaced(model):
-    """Raises `AssertionError` where the replaced model differs, `ValueError` where `replace_attention` refuses;
-    returns what was compared ({"logits": max difference, "tokens": steps compared, "replaced": names})."""
+    """Raises `AssertionError` where the replaced model differs, `ValueError` where `replace_attention` (or the
+    swapped module, called) refuses, `NotBuiltError` where the model itself cannot run the prompts; returns what
+    was compared ({"logits": max difference, "tokens": steps compared, "replaced": names})."""
     import torch
 
     from interop.hf import replace_attention
@@ -326,14 +443,16 @@ def check_replaced(model):
     ids, mask = prompts(min(VOCAB, model.config.get_text_config().vocab_size))
     rows = mask.bool().numpy()
     with torch.no_grad():
-        theirs, mine = (m(input_ids=ids, attention_mask=mask).logits.float().numpy() for m in (model, ours))
+        theirs = _reference(lambda: model(input_ids=ids, attention_mask=mask).logits.float().numpy())
+        mine = ours(input_ids=ids, attention_mask=mask).logits.float().numpy()
     tolerance = LOGITS_TOL * max(1.0, float(theirs[rows].std()))
     difference = float(np.abs(mine[rows] - theirs[rows]).max())
     assert difference <= tolerance, f"logits differ by {difference:.3g} (tolerance {tolerance:.3g})"
     settings = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": 0, "eos_token_id": None}
     settings |= {"output_logits": True, "return_dict_in_generate": True}
     with torch.no_grad():
-        reference, result = (m.generate(input_ids=ids, attention_mask=mask, **settings) for m in (model, ours))
+        reference = _reference(lambda: model.generate(input_ids=ids, attention_mask=mask, **settings))
+        result = ours.generate(input_ids=ids, attention_mask=mask, **settings)
     compared = 0
     for step, logits in enumerate(reference.logits):
         top = torch.topk(logits.float(), 2, dim=-1).values
@@ -343,3 +462,12 @@ def check_replaced(model):
         assert torch.equal(result.sequences[:, column], reference.sequences[:, column]), f"tokens differ at {step}"
         compared += 1
     return {"logits": difference, "tokens": compared, "replaced": replaced}
+
+
+def _reference(run):
+    """`run()` on the model as transformers built it: an error there is the family's (`NotBuiltError`), never a
+    refusal of the port."""
+    try:
+        return run()
+    except Exception as error:
+        raise NotBuiltError(f"the model itself raised {type(error).__name__}: {_first_line(error)}") from error

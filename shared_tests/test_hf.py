@@ -452,6 +452,22 @@ FAMILIES = [
         "transformer.h.{i}.attn",
     ),
     Family(
+        "codegen",
+        lambda: transformers.CodeGenForCausalLM(
+            transformers.CodeGenConfig(
+                n_embd=HIDDEN,
+                n_head=HEADS,  # a multiple of the 4 shards of its fused projection
+                n_layer=2,
+                rotary_dim=4,
+                vocab_size=VOCAB,
+                n_positions=64,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        ),
+        "transformer.h.{i}.attn",
+    ),
+    Family(
         "gpt_oss",
         _llama_like(
             "GptOssForCausalLM",
@@ -1426,6 +1442,7 @@ VARIANTS = {
     "gpt_neox": {"rope", "rope_fraction"},
     "phi": {"rope", "rope_fraction"},
     "gptj": {"rope", "rope_fraction", "rope_interleaved"},
+    "codegen": {"rope", "rope_fraction", "rope_interleaved"},
     "gpt_oss": {"rope", "window", "sinks", "rope_scaling"},
     "t5_encoder": {"scale", "attention_bias"},
     "t5_decoder": {"scale", "attention_bias"},
@@ -1695,8 +1712,8 @@ def test_mistral_large4_refuses_its_nope_and_kv_sharing_layers(config, layers, m
 @pytest.mark.parametrize(("name", "config_class"), [("kimi_linear", "KimiLinearConfig"),
                                                     ("bailing_hybrid", "BailingHybridConfig")])  # fmt: skip
 def test_linear_attention_layers_of_mla_hybrids_are_refused_by_name(name, config_class):
-    """Kimi Linear's and Ling's MLA layers port; their linear-attention layers are refused by their type, and so is
-    `replace_attention` of a model that holds them."""
+    """Kimi Linear's and Ling's MLA layers port; their linear-attention layers are refused by their type, and
+    `replace_attention` leaves them as they are (the MLA layer swapped)."""
     config = getattr(transformers, config_class)(
         **COMMON, **LATENT, **TOKENS, layer_types=["linear_attention", "full_attention"]
     )
@@ -1708,8 +1725,9 @@ def test_linear_attention_layers_of_mla_hybrids_are_refused_by_name(name, config
     with pytest.raises(ValueError, match=message):
         port_attention(model.model.layers[0].self_attn, config)
     port_attention(model.model.layers[1].self_attn, config)  # the MLA layer ports
-    with pytest.raises(ValueError, match=message):
-        replace_attention(model)
+    linear = model.model.layers[0].self_attn
+    assert [name.split(".")[2] for name in replace_attention(model)] == ["1"]
+    assert model.model.layers[0].self_attn is linear
 
 
 def test_default_configurations_scale_the_queries_by_position():

@@ -1,5 +1,6 @@
 """The generated proof of the census (docs/census.md, `python -m interop.hf.census`): every model type with a
-`*ForCausalLM` class is built as a tiny random model shrunk from its default configuration
+`*ForCausalLM` class, or a text decoder of its own (a vision-language model's `*TextModel`, under a linear head),
+is built as a tiny random model shrunk from its default configuration
 (`shared_tests/hf_tiny.py`) and gets the verdict the census prints: `ported` keeps its logits within 1e-4 on
 a left-padded batch and its greedy tokens (where the reference's top logit leads by a margin) after
 `replace_attention`; `refused` raises the `ValueError` whose message the census prints; `not built` fails to
@@ -36,6 +37,9 @@ SAMPLE = {  # a spread over the porters: listed families, and each kind of struc
     "persimmon",  # by structure: the GPT-NeoX kind with per-head LayerNorms
     "kosmos2",  # refused: a LayerNorm inside the attention (`inner_attn_ln`)
     "rembert",  # refused: the BERT kind's structure with a forward of its own
+    "codegen",  # the listed GPT kind: GPT-J's attention, a fused projection of 4 shards
+    "molmo2",  # a vision-language model's text decoder alone, under a linear head
+    "cosmos3_edge",  # refused: a text decoder turned by a multimodal RoPE (`mrope_section`)
 }
 CLASSES, FAMILIES = census.read_table()
 VERDICTS = {model_type: (verdict, detail) for model_type, _, verdict, detail in FAMILIES}

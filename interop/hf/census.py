@@ -11,6 +11,10 @@ ends in `Attention` or `MLA`. Each gets one status:
   test of `shared_tests/test_hf_families.py` (a tiny random model of the family, `replace_attention`, the same
   logits and greedy tokens), whose id is printed; the model types without a `*ForCausalLM` class that
   `interop.hf` lists (BERT, T5, ...) are checked by `shared_tests/test_hf.py`, named likewise;
+  a model type without a `*ForCausalLM` class that defines a text decoder of its own (the `*TextModel` of a
+  vision-language model, `hf_tiny.text_decoder_families()`) is in scope through it: its tiny model is that text
+  decoder alone under a linear head, given the same generated test; its classes outside the text decoder
+  (vision, audio, projectors) are out of scope;
 - `refused`: `port_attention` or `replace_attention` raises a `ValueError`; its message is the reason;
 - `out of scope`: not a decoder's self-attention, with its kind: vision, audio, cross-attention, or a model
   type with no causal language model that `interop.hf` does not list;
@@ -97,8 +101,8 @@ def _model_class(model_type):
     """The family's `*ForCausalLM` class, else its base model class (for a listed model type), else None."""
     from shared_tests import hf_tiny
 
-    if model_type in hf_tiny.causal_lm_families():
-        return hf_tiny.causal_lm_class(model_type)
+    if _in_scope(model_type):
+        return hf_tiny.model_class(model_type)
     if model_type not in _BUILTIN:
         return None
     for module in _modeling_modules(model_type):
@@ -112,6 +116,13 @@ def _model_class(model_type):
             ):
                 return value
     return None
+
+
+def _in_scope(model_type):
+    """Whether the model type has a `*ForCausalLM` class or a text decoder of its own: the generated test's."""
+    from shared_tests import hf_tiny
+
+    return model_type in hf_tiny.causal_lm_families() or model_type in hf_tiny.text_decoder_families()
 
 
 def _meta_ports(cls):
@@ -228,10 +239,11 @@ def census(model_types=None):
             ports, failed = {}, f"{cls.__name__} on the meta device: {type(error).__name__}: {_reason(error)}"
         else:
             failed = None
-        causal = model_type in hf_tiny.causal_lm_families()
+        causal = _in_scope(model_type)
         proof = _proof(model_type) if causal else None
-        if failed is not None and proof is not None and proof[0] == "ported":  # the tiny model built and passed
-            ports, failed = _TINY_PORTS[model_type], None
+        if model_type in _TINY_PORTS:  # the tiny model built: its classes where the meta model has none (a
+            ports, failed = {**_TINY_PORTS[model_type], **ports}, None  # hybrid's attention, which `hf_tiny`
+            # adds where the default configuration has Mamba layers only) or failed to build
         if causal:
             families.append((model_type, cls.__name__, *proof))
         for name in names:
@@ -250,6 +262,8 @@ def _status(model_type, name, ports, failed, proof, causal, cls):
             return "out of scope", kind
         if failed is not None:
             return "not built", failed
+        if not cls.__name__.endswith("ForCausalLM") and causal:  # a text decoder's model type: not in it
+            return "out of scope", f"not in its text decoder {cls.__name__}, the model tested"
         return "not built", f"not in the model {cls.__name__} builds from its default configuration"
     status, detail = ports[name]
     if kind is not None and status == "refused":

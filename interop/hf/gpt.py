@@ -1,4 +1,5 @@
-"""The GPT kind: GPT-2 and GPTBigCode (a fused `c_attn`), GPT-Neo, GPT-J and GPT-NeoX."""
+"""The GPT kind: GPT-2 and GPTBigCode (a fused `c_attn`), GPT-Neo, GPT-J, CodeGen (GPT-J with a fused
+`qkv_proj`) and GPT-NeoX."""
 
 from .config import _rope_kwargs, _rope_parameters
 from .tensors import _blocks, _per_head, _Prefixed, _separate_projections, _split_fused, _tensor
@@ -12,6 +13,20 @@ def _gptj(config, tensors, index):
     kwargs |= {"scale": float(head_dim**-0.5), "rope_interleaved": True}
     kwargs |= _rope_kwargs({"rope_theta": 10000.0}, head_dim, config.get("rotary_dim") or head_dim)
     return kwargs, weights
+
+
+_CODEGEN_SHARDS = 4  # CodeGen's `mp_num`: its fused projection holds 4 model-parallel shards
+
+
+def _codegen(config, tensors, index):
+    """CodeGen: GPT-J's attention with one fused `qkv_proj` (3E, E) of 4 shards, each [query | value | key] for
+    a quarter of the heads; read apart into GPT-J's projections."""
+    width = config["n_embd"]
+    fused = _tensor(tensors, "qkv_proj.weight")  # (3E, E)
+    shards = fused.reshape(_CODEGEN_SHARDS, 3, width // _CODEGEN_SHARDS, width)  # (3E, E) -> (4, 3, E / 4, E)
+    query, value, key = (shards[:, part].reshape(width, width) for part in range(3))  # (4, E / 4, E) -> (E, E)
+    parts = {"q_proj.weight": query, "k_proj.weight": key, "v_proj.weight": value}
+    return _gptj(config, parts | {"out_proj.weight": _tensor(tensors, "out_proj.weight")}, index)
 
 
 def _gpt_neox(config, tensors, index):

@@ -4,7 +4,7 @@ checkpoints), and those registered with `register_porter`."""
 from .alibi import _bloom, _falcon, _mpt
 from .bert import _bert, _modernbert
 from .gated import _gated
-from .gpt import _gpt2, _gpt_bigcode, _gpt_neo, _gpt_neox, _gptj
+from .gpt import _codegen, _gpt2, _gpt_bigcode, _gpt_neo, _gpt_neox, _gptj
 from .latent import _latent
 from .llama import _llama4, _rotary
 from .seq2seq import _bart, _t5
@@ -99,6 +99,7 @@ _BUILTIN = {
     "longcat_flash": _family(
         _latent, lambda i: f"layers.{i // 2}.self_attn.{i % 2}", interleaved=True, lora_scales=True
     ),
+    "codegen": _family(_codegen, "h.{i}.attn"),  # last: the refusals that list these keep their first 400 characters
 }
 _REGISTERED = {}
 

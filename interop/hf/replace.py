@@ -6,7 +6,7 @@ import inspect
 
 from .bert import _bert
 from .gated import _gated
-from .gpt import _gpt2, _gpt_bigcode, _gpt_neo, _gpt_neox, _gptj
+from .gpt import _codegen, _gpt2, _gpt_bigcode, _gpt_neo, _gpt_neox, _gptj
 from .latent import _latent
 from .llama import _llama4, _rotary
 from .registry import _registered
@@ -35,12 +35,13 @@ def replace_attention(model, layer_class=None):
             AFMoE and LFM3, whose other layers (linear attention, convolutions) stay as they are), of the BERT kind
             (BERT, RoBERTa, XLM-RoBERTa and the copies of BERT's attention), of the BART kind (`q_proj`, `k_proj`,
             `v_proj`, `out_proj`: BART, OPT, Whisper, Blenderbot, Marian, ...; their cross-attention modules,
-            `encoder_attn`, stay as they are), of the GPT kind (GPT-2, GPTBigCode, GPT-Neo, GPT-J, GPT-NeoX and
-            Persimmon), with multi-head latent attention (DeepSeek-V2, V3 and the MLA
+            `encoder_attn`, stay as they are), of the GPT kind (GPT-2, GPTBigCode, GPT-Neo, GPT-J, CodeGen, GPT-NeoX
+            and Persimmon), with multi-head latent attention (DeepSeek-V2, V3 and the MLA
             families `port_attention` reads; the layer's cache holds the latents), the sparse indexer's included
             (DeepSeek-V3.2, GLM-MoE-DSA, Mistral Large 4: each layer's top-k passed to the next where the model's
             decoder does), or Gemma 3n and Gemma 4. A multimodal model's vision encoder (`vision_tower`) stays as
-            it is.
+            it is, and so do a hybrid's linear-attention layers (`layer_types[i]` "linear_attention": Kimi
+            Linear's, Ling's, MiniMax's).
         layer_class: the `MultiHeadAttention` class to build (default: the one in `PyTorch/`).
 
     Returns:
@@ -72,6 +73,8 @@ def replace_attention(model, layer_class=None):
             _registered(c.__name__) is not None for c in type(module).__mro__
         ):
             continue
+        if _linear_layer(module, model.config):
+            continue
         family = getattr(_module_porter(module), "family", None)
         if family not in (
             _rotary,
@@ -85,6 +88,7 @@ def replace_attention(model, layer_class=None):
             _gpt_neo,
             _gpt_neox,
             _gptj,
+            _codegen,
             _gemma_shared,
             _sparse,
             _mistral_large4,
@@ -108,6 +112,18 @@ _ATTENTION = ("Attention", "MLA")  # the endings of the attention modules' class
 _CROSS = ("encoder_attn",)  # the BART kind's cross-attention modules: their class is the self-attention's
 _TOWER = "vision_tower"  # a multimodal model's vision encoder (Mistral Large 4's Pixtral): not swapped
 _CROSS_ARGUMENTS = ("key_value_states", "encoder_hidden_states")  # a cross-attention call's keys and values
+
+
+def _linear_layer(module, config):
+    """Whether the module is a hybrid's linear-attention layer (`layer_types[i]` is "linear_attention": a
+    recurrence, not softmax attention: Kimi Linear's, Ling's, MiniMax's lightning attention), which stays as it is."""
+    index, types = _layer_index(module), getattr(config.get_text_config(), "layer_types", None)
+    return (
+        isinstance(types, list | tuple)
+        and index is not None
+        and index < len(types)
+        and types[index] == ("linear_attention")
+    )
 
 
 def _set_eager(model):

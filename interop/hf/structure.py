@@ -87,8 +87,9 @@ _REPEAT = (  # the interleaved RoPE's cos and sin, each frequency repeated for i
     "cos = cos[..., :cos.shape[-1] // 2].repeat_interleave(2, dim=-1)",
     "sin = sin[..., :sin.shape[-1] // 2].repeat_interleave(2, dim=-1)",
 )
-_ROTATIONS = (  # the rotation over the whole head, or over its first `rotary_dim` features (partial RoPE)
-    ("q_embed = q * cos + rotate_half(q) * sin", "k_embed = k * cos + rotate_half(k) * sin"),
+_RETURN = "return (q_embed, k_embed)"
+_ROTATIONS = (  # the rotation over the whole head, or over its first `rotary_dim` features (partial RoPE), returned
+    ("q_embed = q * cos + rotate_half(q) * sin", "k_embed = k * cos + rotate_half(k) * sin", _RETURN),
     (
         "rotary_dim = cos.shape[-1]",
         "q_rot, q_pass = (q[..., :rotary_dim], q[..., rotary_dim:])",
@@ -97,6 +98,15 @@ _ROTATIONS = (  # the rotation over the whole head, or over its first `rotary_di
         "k_embed = k_rot * cos + rotate_half(k_rot) * sin",
         "q_embed = torch.cat([q_embed, q_pass], dim=-1)",
         "k_embed = torch.cat([k_embed, k_pass], dim=-1)",
+        _RETURN,
+    ),
+    (  # Nemotron's partial RoPE: the same, its names shorter and the halves joined in the return
+        "rot_dim = cos.shape[-1]",
+        "q, q_pass = (q[..., :rot_dim], q[..., rot_dim:])",
+        "k, k_pass = (k[..., :rot_dim], k[..., rot_dim:])",
+        "q_embed = q * cos + rotate_half(q) * sin",
+        "k_embed = k * cos + rotate_half(k) * sin",
+        "return (torch.cat((q_embed, q_pass), dim=-1), torch.cat((k_embed, k_pass), dim=-1))",
     ),
 )
 
@@ -123,7 +133,7 @@ def _rope_pattern(module_name):
         if tuple(rest[:2]) != _REPEAT:
             return None
         rest = rest[2:]
-    if tuple(rest[:-1]) not in _ROTATIONS or rest[-1] != "return (q_embed, k_embed)":
+    if tuple(rest) not in _ROTATIONS:
         return None
     return interleaved
 
@@ -185,6 +195,13 @@ def _structural_porter(module, model_type):
     rotates = _rotates(module, model_type)
     if not rotates:
         options["rope"] = "never"
+    if rotates and _multimodal_rope(type(module).__module__):
+        _refuse(
+            module,
+            model_type,
+            "is turned by a multimodal RoPE (a rotary embedding of its modeling module reads `mrope_section`: its "
+            "model rotates by (3, B, T) positions, which a structural port does not read)",
+        )
     attributes = _attributes(module)
 
     def port(config, tensors, index):
@@ -211,6 +228,16 @@ def _structural_porter(module, model_type):
     port.family = _rotary if gate is None else _gated
     port.__doc__ = f"{type(module).__name__}, recognised as the Llama kind by its structure"
     return port
+
+
+def _multimodal_rope(module_name):
+    """Whether a rotary embedding class of the modeling module reads `mrope_section` (Qwen2-VL's multimodal RoPE,
+    its sections or transformers' default ones): read from the classes' source."""
+    module = sys.modules.get(module_name) or importlib.import_module(module_name)
+    return any(
+        name.endswith("RotaryEmbedding") and inspect.isclass(value) and "mrope_section" in inspect.getsource(value)
+        for name, value in vars(module).items()
+    )
 
 
 def _rotates(module, model_type):
@@ -289,8 +316,11 @@ def _check_gate(module, model_type, gate):
 
 def _layer_theta(module, model_type, config, index):
     """Granite-SWA's `layer_rope_theta`: layer `index`'s RoPE base, 0 for a NoPE layer (its model passes no
-    `position_embeddings` there); a config without it is refused."""
+    `position_embeddings` there); Granite-MoE-Hybrid's `position_embedding_type`: "rope" in every layer, else
+    none; a config with neither is refused."""
     thetas = config.get("layer_rope_theta")
+    if thetas is None and "position_embedding_type" in config:  # Granite-MoE-Hybrid: RoPE in every layer, or none
+        return config, "all" if config["position_embedding_type"] == "rope" else "never"
     if not isinstance(thetas, list | tuple) or index is None:
         _refuse(
             module,
