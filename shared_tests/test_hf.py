@@ -1395,6 +1395,32 @@ def test_sparse_ports_rank_with_a_margin(name):
     assert any((allowed.sum(-1) > k).any() for _, allowed, k in rankings)
 
 
+@pytest.mark.parametrize("framework", [name for name in ("NumPy", "PyTorch") if name in FRAMEWORKS])
+def test_mistral_large4_nope_indexer_selects_as_transformers(framework):
+    """A NoPE layer's indexer ported with its zero rotary part (`interop/hf/sparse.py` `_nope_indexer`: its added
+    key features at the others' mean and every feature times c before the LayerNorm, the score scale restored)
+    selects transformers' keys: each real row's top-k of its allowed keys is the module's `indexer`'s, on the full
+    pass with left padding, and the selection matters (some row allows more than k keys)."""
+    family, runner = FAMILIES_BY_NAME["mistral_large4_nope"], _runner(framework)
+    kwargs, weights, call, arguments = _full_pass_port(runner, family, 0)
+    model, _, mask, positions = _full_pass(family, 0)
+    ids = np.random.default_rng(SEED).integers(1, VOCAB, size=mask.shape)
+    theirs = []
+    hook = model.layers[0].self_attn.indexer.register_forward_hook(lambda *hooked: theirs.append(hooked[2].numpy()))
+    with torch.no_grad():
+        model(**_model_arguments(family, ids, mask, positions))
+    hook.remove()
+    arguments = {name: runner.tensor(v) if isinstance(v, np.ndarray) else v for name, v in arguments.items()}
+    with torch.no_grad():
+        _, ours = runner.layer(kwargs, weights)(runner.tensor(call["hidden"]), **arguments, return_topk=True)
+    ours, k = np.asarray(ours), kwargs["index_topk"]
+    allowed = np.cumsum(mask, axis=1)  # (B, T): the real keys up to each query
+    assert (allowed[mask.astype(bool)] > k).any()
+    for b, t in zip(*np.nonzero(mask), strict=True):
+        m = min(k, allowed[b, t])
+        assert set(ours[b, t, :m]) == set(theirs[0][b, t, :m]), (b, t)
+
+
 # What each family's port carries beyond plain attention; `test_every_ported_variant_matters` removes
 # each one in turn and requires the output to move, so the comparisons above cannot pass without it.
 # (`positions` is not among them: a left-padded row's positions are its plain ones shifted by a
