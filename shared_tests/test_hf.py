@@ -736,13 +736,14 @@ LATENT_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "origi
                "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}  # fmt: skip
 # Mistral 4's default `llama_4_scaling_beta` with a floor the prompts pass (its default, 8192, leaves the scale 1)
 MISTRAL4_SCALING = {"llama_4_scaling_beta": 0.1, "original_max_position_embeddings": FLOOR}
-MISTRAL_LARGE4 = {  # LATENT without a q latent, every layer with RoPE and its own latent KV (the ported kinds)
+MISTRAL_LARGE4 = {  # LATENT without a q latent, every layer its own latent KV; layer 1 NoPE, "shared" (no indexer)
     **{name: value for name, value in LATENT.items() if name != "q_lora_rank"}, **SPARSE, **TOKENS,
-    "mlp_layer_types": ["dense"] * 2, "indexer_types": ["full", "shared"], "no_rope_layers": [1, 1],
+    "mlp_layer_types": ["dense"] * 2, "indexer_types": ["full", "shared"], "no_rope_layers": [1, 0],
     "index_n_heads": 6, "index_head_dim": 4,  # every indexer feature turned (its pairing shows); inputs keep the margin
     "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
                         "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 1.0},  # its YaRN, the prompts past 16
 }  # fmt: skip
+MISTRAL_LARGE4_NOPE = {"no_rope_layers": [0, 1], "indexer_types": ["full", "full"]}  # its default: NoPE every 4th
 
 
 def _mistral_large4_text():
@@ -750,11 +751,20 @@ def _mistral_large4_text():
     return transformers.MistralLarge4TextModel(transformers.MistralLarge4TextConfig(**COMMON, **MISTRAL_LARGE4))
 
 
+def _mistral_large4_nope_text():
+    """Mistral Large 4's text model with a NoPE layer (0) before a RoPE one (1), each with its own indexer."""
+    config = {**COMMON, **MISTRAL_LARGE4, **MISTRAL_LARGE4_NOPE}
+    return transformers.MistralLarge4TextModel(transformers.MistralLarge4TextConfig(**config))
+
+
 def _mistral_large4_generation():
-    """Mistral Large 4's model with a language-model head (and its vision tower, a tiny Pixtral, unused)."""
+    """Mistral Large 4's model with a language-model head (and its vision tower, a tiny Pixtral, unused): a NoPE
+    layer before a RoPE one, each with its own indexer as by default (`_mistral_large4_nope_text`). Not a "shared"
+    layer after the NoPE one: a token repeated in the prompts gives the NoPE layer 0 the same indexer key twice, an
+    exact tie that transformers' topk ranks in no set order, which a layer attending that selection would show."""
     vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
               "image_size": 28, "patch_size": 14, "head_dim": 8}  # fmt: skip
-    text = {**COMMON, **MISTRAL_LARGE4}
+    text = {**COMMON, **MISTRAL_LARGE4, **MISTRAL_LARGE4_NOPE}
     return transformers.MistralLarge4ForConditionalGeneration(
         transformers.MistralLarge4Config(text_config=text, vision_config=vision)
     )
@@ -841,9 +851,14 @@ MLA_FAMILIES = [  # run in the files that have MLA (`kv_lora_rank`)
         ),
         "model.layers.{i}.self_attn",
     ),
-    Family(  # no q latent, learned log-position query scales, the indexer's query LayerNorm; layer 1 "shared"
+    Family(  # no q latent, learned log-position query scales, the indexer's query LayerNorm; layer 1 "shared" and NoPE
         "mistral_large4",
         _mistral_large4_text,
+        "layers.{i}.self_attn",
+    ),
+    Family(  # its NoPE layer (0: queries and keys unturned, its indexer's too) before a RoPE one
+        "mistral_large4_nope",
+        _mistral_large4_nope_text,
         "layers.{i}.self_attn",
     ),
     Family(  # two attention sublayers per decoder layer (one decoder layer here), the LoRA scales
@@ -1372,7 +1387,9 @@ def test_chunks_of_rows_padded_otherwise_take_the_documented_mask(framework):
     assert _max_diff(output, call["output"], rows) <= OUTPUT_TOL
 
 
-@pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa", "mistral_large4"] if "NumPy" in FRAMEWORKS else [])
+@pytest.mark.parametrize(
+    "name", ["deepseek_v32", "glm_moe_dsa", "mistral_large4", "mistral_large4_nope"] if "NumPy" in FRAMEWORKS else []
+)
 def test_sparse_ports_rank_with_a_margin(name):
     """The indexer families' inputs keep INDEX_MARGIN (docs/SPEC.md "Sparse indexer (DSA)", Rounding) at every
     ranking of their full passes and decoding, in the NumPy reference: the selection cannot flip between it,
@@ -1392,6 +1409,32 @@ def test_sparse_ports_rank_with_a_margin(name):
     rankings += index_rankings(None, None, decode)
     assert min(index_margin(*ranking) for ranking in rankings) >= INDEX_MARGIN
     assert any((allowed.sum(-1) > k).any() for _, allowed, k in rankings)
+
+
+@pytest.mark.parametrize("framework", [name for name in ("NumPy", "PyTorch") if name in FRAMEWORKS])
+def test_mistral_large4_nope_indexer_selects_as_transformers(framework):
+    """A NoPE layer's indexer ported with its zero rotary part (`interop/hf/sparse.py` `_nope_indexer`: its added
+    key features at the others' mean and every feature times c before the LayerNorm, the score scale restored)
+    selects transformers' keys: each real row's top-k of its allowed keys is the module's `indexer`'s, on the full
+    pass with left padding, and the selection matters (some row allows more than k keys)."""
+    family, runner = FAMILIES_BY_NAME["mistral_large4_nope"], _runner(framework)
+    kwargs, weights, call, arguments = _full_pass_port(runner, family, 0)
+    model, _, mask, positions = _full_pass(family, 0)
+    ids = np.random.default_rng(SEED).integers(1, VOCAB, size=mask.shape)
+    theirs = []
+    hook = model.layers[0].self_attn.indexer.register_forward_hook(lambda *hooked: theirs.append(hooked[2].numpy()))
+    with torch.no_grad():
+        model(**_model_arguments(family, ids, mask, positions))
+    hook.remove()
+    arguments = {name: runner.tensor(v) if isinstance(v, np.ndarray) else v for name, v in arguments.items()}
+    with torch.no_grad():
+        _, ours = runner.layer(kwargs, weights)(runner.tensor(call["hidden"]), **arguments, return_topk=True)
+    ours, k = np.asarray(ours), kwargs["index_topk"]
+    allowed = np.cumsum(mask, axis=1)  # (B, T): the real keys up to each query
+    assert (allowed[mask.astype(bool)] > k).any()
+    for b, t in zip(*np.nonzero(mask), strict=True):
+        m = min(k, allowed[b, t])
+        assert set(ours[b, t, :m]) == set(theirs[0][b, t, :m]), (b, t)
 
 
 # What each family's port carries beyond plain attention; `test_every_ported_variant_matters` removes
@@ -1420,6 +1463,16 @@ VARIANTS = {
         "index_topk",
         "index_rope_interleaved",
         "topk_indices",
+        "scale",
+    },
+    "mistral_large4_nope": {  # its NoPE layer's `scale` is transformers' 1/sqrt(Hn + Hr), not the padded width's
+        "rope",
+        "rope_interleaved",
+        "rope_scaling",
+        "query_scaling",
+        "index_topk",
+        "index_rope_interleaved",
+        "scale",
     },
     "llama": {"rope"},
     "llama3_scaled": {"rope", "rope_scaling"},
@@ -1515,7 +1568,7 @@ def _without(variant, kwargs, weights, arguments):
         kwargs.pop(variant)
         arguments["positions"] = arguments["positions"][0]
     elif variant == "scale":
-        kwargs["scale"] = (kwargs.get("head_dim") or kwargs["d_model"] // kwargs["num_heads"]) ** -0.5
+        kwargs["scale"] = _head_width(kwargs) ** -0.5
     elif variant in ("attention_bias", "topk_indices"):
         arguments.pop(variant)
     else:
@@ -1554,8 +1607,13 @@ def _variants(kwargs, arguments):
     present |= {"attention_bias"} if "attention_bias" in arguments else set()
     if "rope_sections" in kwargs and np.all(arguments["positions"] == arguments["positions"][:1]):
         present.discard("rope_sections")  # rows alike: the sections turn as plain RoPE does, with or without them
-    head_dim = kwargs.get("head_dim") or kwargs["d_model"] // kwargs["num_heads"]
-    return present | ({"scale"} if not np.isclose(kwargs["scale"], head_dim**-0.5) else set())
+    return present | ({"scale"} if not np.isclose(kwargs["scale"], _head_width(kwargs) ** -0.5) else set())
+
+
+def _head_width(kwargs):
+    """The width H whose 1/sqrt(H) is the layer's default scale: `head_dim`, Hn + Hr with MLA, else E / N."""
+    latent = kwargs.get("qk_nope_head_dim", 0) + kwargs.get("qk_rope_head_dim", 0)
+    return kwargs.get("head_dim") or latent or kwargs["d_model"] // kwargs["num_heads"]
 
 
 @pytest.mark.parametrize("name", [family.name for family in FAMILIES] if "NumPy" in FRAMEWORKS else [])
@@ -1684,17 +1742,12 @@ def test_sparse_indexer_families_adding_more_are_refused_with_what_they_add(mode
         port_checkpoint({"model_type": model_type}, {}, 0)
 
 
-@pytest.mark.parametrize(
-    ("config", "layers", "message"),
-    [
-        ({"no_rope_layers": [1, 0]}, (1,), r"NoPE layers \(`no_rope_layers`\) scale their queries by `position_ids`"),
-        ({"kv_source_layers": [0, 0]}, (0, 1), r"cross-layer KV sharing \(`kv_source_layers`: a layer attends"),
-    ],
-    ids=["nope", "kv_sharing"],
-)
-def test_mistral_large4_refuses_its_nope_and_kv_sharing_layers(config, layers, message):
-    """Mistral Large 4's layers the port cannot compute are refused with why, from a module and from a
-    checkpoint's config (the layer sharing its cache: 0, the source, and 1, which attends it)."""
+def test_mistral_large4_refuses_its_kv_sharing_layers():
+    """Mistral Large 4's cross-layer KV sharing is refused with why, from a module and from a checkpoint's config
+    (the layer sharing its cache: 0, the source, and 1, which attends it). Its NoPE layers port
+    (`mistral_large4_nope`)."""
+    config, layers = {"kv_source_layers": [0, 0]}, (0, 1)
+    message = r"cross-layer KV sharing \(`kv_source_layers`: a layer attends"
     config = transformers.MistralLarge4TextConfig(**COMMON, **{**MISTRAL_LARGE4, **config})
     model = transformers.MistralLarge4TextModel(config)
     reason = rf"`module` must hold an attention the layer computes: Mistral Large 4's {message}"

@@ -105,7 +105,8 @@ families built on their attention (GLM-4-MoE-Lite, Youtu, AXK1, Mistral 4, MiniC
 NoPE MLA layers, Ling's MLA layers with their per-head output gate as `gate`, LongCat-Flash's two
 sublayers per decoder layer with their LoRA scales folded into the weights). The sparse indexer
 (DSA) ports as MLA with `index_topk` (`sparse`): DeepSeek-V3.2, GLM-MoE-DSA and Mistral Large 4
-(its learned query scaling and indexer query norm; its NoPE layers and KV sharing refused), whose
+(its learned query scaling and indexer query norm; its NoPE layers with a zero rotary part of two
+features; its KV sharing refused), whose
 "shared" layers take the previous full layer's selection as `topk_indices` (`layer(...,
 return_topk=True)` gives it). Refused with the reason: Llama 4's NoPE layers' temperature tuning (and Mistral 4's
 `llama_4_scaling_beta`), Llama 4's vision encoder attention (its 2-D RoPE over the image patches),

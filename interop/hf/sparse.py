@@ -2,7 +2,8 @@
 latent attention with `index_topk` (the "shared" layers as MLA layers that attend the previous full layer's
 `topk_indices`), and the families built on the indexer that add more, refused by name with what they add.
 
-Legend: E hidden size, Q q_lora_rank, Ni indexer heads, Hi indexer head width.
+Legend: E hidden size, Q q_lora_rank, Ni indexer heads, Hi indexer head width, N heads, C kv_lora_rank,
+Hn + Hr a NoPE layer's query and key width, Hp the zero rotary part it ports with.
 """
 
 import re
@@ -44,11 +45,14 @@ def _mistral_large4(config, tensors, index):
     """Mistral Large 4: GLM-MoE-DSA's attention without a q latent (`q_proj`), the learned log-position scaling of
     the queries (`softmax_scaling`: `query_scaling={"type": "learned"}`) and of the indexer's, whose queries read
     a LayerNorm of the hidden states (`indexer.q_input_norm`: `index_query_input_norm`). Its NoPE layers
-    (`no_rope_layers`) and cross-layer KV sharing (`kv_source_layers`) are refused with why. Its checkpoints'
+    (`no_rope_layers`) port with a zero rotary part (`_nope_padded`); its cross-layer KV sharing (`kv_source_layers`)
+    is refused with why. Its checkpoints'
     native names (`attention.wq`, `wkv_a_with_mqa`, `ssmax_scaling.s`, ...) read as transformers' own."""
     _check_mistral_large4_layer(config, index)
     tensors = {_transformers_name(name): tensors[name] for name in tensors}
     kwargs, weights = _sparse(config, tensors, index, interleaved_indexer=True)
+    if _is_nope_layer(config, index):
+        kwargs, weights = _nope_padded(config, kwargs, weights)
     kwargs["latent_norm_eps"] = float(config["rms_norm_eps"])  # its `kv_a_layernorm` reads the config's epsilon
     kwargs["query_scaling"] = {"type": "learned"}
     sources = {"query_scaling_scale": "softmax_scaling.scale", "query_scaling_bias": "softmax_scaling.bias"}
@@ -81,8 +85,7 @@ def _transformers_name(name):
 
 
 def _check_mistral_large4_layer(config, index):
-    """Refuses a NoPE layer (its query scaling reads `position_ids`, which the layer takes with RoPE only) and a
-    layer that shares its latent KV cache with another (`kv_source_layers`)."""
+    """Refuses a layer that shares its latent KV cache with another (`kv_source_layers`)."""
     layer = 0 if index is None else index
     sources = config.get("kv_source_layers") or []
     sharing = layer < len(sources) and (sources[layer] != layer or sources.count(layer) > 1)
@@ -92,13 +95,66 @@ def _check_mistral_large4_layer(config, index):
             "(`kv_source_layers`: a layer attends the latent cache of an earlier one) is not ported. "
             f"Received: layer {index}, kv_source_layers={sources}"
         )
+
+
+_NOPE_ROPE_WIDTH = 2  # the zero rotary part a NoPE layer ports with (Hr: the fewest features RoPE turns, one pair)
+
+
+def _is_nope_layer(config, index):
+    """Whether Mistral Large 4's layer `index` has no RoPE (`no_rope_layers[index] == 0`)."""
     no_rope = config.get("no_rope_layers") or []
-    if layer < len(no_rope) and not no_rope[layer]:
-        raise ValueError(
-            "`module` must hold an attention the layer computes: Mistral Large 4's NoPE layers (`no_rope_layers`) "
-            "scale their queries by `position_ids`, which the layer reads only with RoPE. "
-            f"Received: layer {index} of no_rope_layers={no_rope}"
-        )
+    layer = 0 if index is None else index
+    return layer < len(no_rope) and not no_rope[layer]
+
+
+def _nope_padded(config, kwargs, weights):
+    """A NoPE layer as the layer's MLA with RoPE whose turned part is zero: its queries (Hn + Hr wide, all unturned)
+    as the layer's nope part, a zero rotary part of `_NOPE_ROPE_WIDTH` Hp features (zero query columns, zero shared
+    key columns of `key_value_a`: a turned zero stays zero and adds nothing to a score), `scale` as transformers'
+    (the port's, from Hn + Hr). Its learned query scaling reads `positions`, which the layer takes with RoPE, as
+    transformers' reads `position_ids`. Its indexer, which turns nothing, likewise (`_nope_indexer`)."""
+    heads, hp = config["num_attention_heads"], _NOPE_ROPE_WIDTH
+    width = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]  # transformers' NoPE query and key width
+    weights = dict(weights)
+    for name in ("query_kernel", "query_bias"):
+        if name in weights:  # (..., N*(Hn + Hr)) -> (..., N*(Hn + Hr + Hp)): zeros after each head's features
+            weights[name] = _pad_heads(weights[name], heads, (0, hp))
+    for name in ("key_value_a_kernel", "key_value_a_bias"):
+        if name in weights:  # (..., C) -> (..., C + Hp): the shared rotary key, zero
+            weights[name] = _pad_heads(weights[name], 1, (0, hp))
+    kwargs = kwargs | {"qk_nope_head_dim": width, "qk_rope_head_dim": hp}
+    if "index_topk" in kwargs:
+        kwargs, weights = _nope_indexer(kwargs, weights)
+    return kwargs, weights
+
+
+def _nope_indexer(kwargs, weights):
+    """A NoPE layer's indexer (Hi features, none turned) as the layer's, which turns its first Hp: Hi + Hp features,
+    the first Hp zero in every query. Its keys' LayerNorm over Hi + Hp features gives transformers' over Hi exactly
+    when the Hp key features equal the Hi features' mean and every feature is scaled by c = sqrt((Hi + Hp) / Hi)
+    (the mean is c*m, the variance the Hi features' own), the norm's scale divided by c; the query kernel times c
+    restores the score scale Hi**-0.5 from the layer's (Hi + Hp)**-0.5, so the scores, not only their ranking, are
+    transformers'."""
+    hi, heads, hp = kwargs["index_head_dim"], kwargs["index_num_heads"], _NOPE_ROPE_WIDTH
+    c = np.float32(np.sqrt((hi + hp) / hi))
+    key = weights["index_key_kernel"]  # (E, Hi)
+    mean = np.repeat(key.mean(axis=1, keepdims=True), hp, axis=1)  # (E, Hp): the key features' mean, Hp times
+    weights = weights | {
+        "index_query_kernel": _pad_heads(
+            weights["index_query_kernel"] * c, heads, (hp, 0)
+        ),  # (E, Ni*Hi) -> (E, Ni*(Hp + Hi))
+        "index_key_kernel": np.concatenate([mean, key], axis=1) * c,  # (E, Hi) -> (E, Hp + Hi)
+        "index_key_norm": np.pad(weights["index_key_norm"] / c, (hp, 0)),  # (Hi,) -> (Hp + Hi,)
+        "index_key_norm_bias": np.pad(weights["index_key_norm_bias"], (hp, 0)),  # (Hi,) -> (Hp + Hi,)
+    }
+    return kwargs | {"index_head_dim": hi + hp}, weights
+
+
+def _pad_heads(x, heads, sides):
+    """(..., heads*W) -> (..., heads*(before + W + after)): zeros on each side of every head's W features."""
+    split = x.reshape(*x.shape[:-1], heads, -1)  # (..., heads*W) -> (..., heads, W)
+    padded = np.pad(split, [(0, 0)] * (split.ndim - 1) + [sides])  # -> (..., heads, before + W + after)
+    return padded.reshape(*x.shape[:-1], -1).astype(x.dtype)  # -> (..., heads*(before + W + after))
 
 
 def _check_shared(config, index):
