@@ -54,7 +54,8 @@ def test_benchmark_quick_writes_results(tmp_path):
     assert "| quick B=2 T=S=32 E=32 N=4 | PyTorch | ours int8 |" in text
     assert "| 1 | MLA absorbed | 96 (5.3x less)" in text and "| 8 | MLA expanded | 96 (" in text  # (C + Hr) * 4 bytes
     assert "| quick B=2 T=S=32 E=32 N=4 | TensorFlow | keras MultiHeadAttention int8 |" in text
-    assert "| 512, 8, 8 (64) | 4096 | 1088 | 1088 | 0.266 | 0.266 |" in text and "| quick B=2 E=32 N=4 L=64 |" in text  # int8 cache
+    assert "| 512, 8, 8 (64) | 4096 | 1088 | 1088 | 0.266 | 0.266 |" in text  # the int8 and fp8 caches' bytes
+    assert "| quick B=2 E=32 N=4 L=64 |" in text  # their step
     for backend in ("tensorflow", "jax", "torch"):  # the Keras file on every backend, and its decoding step
         assert f"| quick B=2 T=S=32 E=32 N=4 | {backend} | train step |" in text
         assert f"| B=1 L=1024 E=32 N=4, T = 1 | {backend} |" in text
