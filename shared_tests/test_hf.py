@@ -2191,3 +2191,22 @@ def test_regression_mistral_large4_learned_rope_factors_were_ported_as_zero():
         model.rotary_emb.alpha[1] = 0.5
     with pytest.raises(ValueError, match=r"^`model` must hold LeRoPE's .* Received: rotary_emb\.alpha with 1 nonzero"):
         replace_attention(model)
+
+
+@pytest.mark.parametrize("name", ["gptj", "gpt_neox"] if "PyTorch" in FRAMEWORKS else [])
+def test_regression_gpt_kind_generate_after_replace_attention_ignored_the_cache(name):
+    """GPT-J's, CodeGen's, GPT-Neo's, GPT-NeoX's and GPTBigCode's blocks pass the model's cache as `layer_past`,
+    which the swapped module used to drop: `generate` then ran the whole prefix at every step (the same tokens,
+    no cache). Each swapped module now decodes with its layer's own cache, and the tokens and logits still match."""
+    model, ours = _swapped(name)
+    ids, mask = _prompts()
+    settings = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": 0, "eos_token_id": None}
+    theirs, mine = (
+        m.generate(input_ids=ids, attention_mask=mask, output_logits=True, return_dict_in_generate=True, **settings)
+        for m in (model, ours)
+    )
+    tolerance = OUTPUT_TOL * max(1.0, float(torch.stack(theirs.logits).std()))  # as in the test above
+    assert torch.equal(mine.sequences, theirs.sequences)
+    assert max(float((a - b).abs().max()) for a, b in zip(mine.logits, theirs.logits, strict=True)) <= tolerance
+    wrappers = [m for m in ours.modules() if hasattr(m, "_cache") and hasattr(m, "layer")]
+    assert wrappers and all(int(w._cache.index) == ids.shape[1] + NEW_TOKENS - 1 for w in wrappers)

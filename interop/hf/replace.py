@@ -178,6 +178,7 @@ def _wrapper_class(torch):
                 raise ValueError(
                     f"`{crossed[0]}` must be None: the replaced module computes self-attention. Received: a tensor"
                 )
+            past_key_values = kwargs.pop("layer_past", None) if past_key_values is None else past_key_values  # GPT kind
             past_key_values = getattr(past_key_values, "self_attention_cache", past_key_values)  # EncoderDecoderCache
             positions = kwargs.get("position_ids")
             if self.layer.rope_theta is None:
