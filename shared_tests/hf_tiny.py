@@ -59,20 +59,23 @@ def causal_lm_families():
 @functools.cache
 def _causal_lm_class(model_type):
     """The first `*ForCausalLM` class its modeling modules define, else None (reads that package only)."""
+    for name, value in _defined_classes(model_type):
+        if name.endswith("ForCausalLM") and not name.startswith("Auto"):  # transformers.models.auto: the factory
+            return value
+    return None
+
+
+def _defined_classes(model_type):
+    """(name, class) of each class the package's modeling modules define, module by module, in definition order
+    (a modeling module that needs a package not installed is skipped)."""
     for module in _modeling_modules(model_type):
         try:
             imported = importlib.import_module(module)
         except Exception:  # a modeling module that needs a package not installed
             continue
         for name, value in vars(imported).items():
-            if (
-                name.endswith("ForCausalLM")
-                and not name.startswith("Auto")  # transformers.models.auto: the factory, not a family
-                and inspect.isclass(value)
-                and value.__module__ == imported.__name__
-            ):
-                return value
-    return None
+            if inspect.isclass(value) and value.__module__ == imported.__name__:
+                yield name, value
 
 
 def _modeling_modules(package):
@@ -110,20 +113,13 @@ def text_decoder_families():
 
 def _text_decoder_class(model_type):
     """The first `*TextModel` decoder class its modeling modules define, else None."""
-    for module in _modeling_modules(model_type):
-        try:
-            imported = importlib.import_module(module)
-        except Exception:  # a modeling module that needs a package not installed
-            continue
-        for name, value in vars(imported).items():
-            if (
-                name.endswith("TextModel")
-                and inspect.isclass(value)
-                and value.__module__ == imported.__name__
-                and getattr(getattr(value, "config_class", None), "model_type", None) == f"{model_type}_text"
-                and "past_key_values" in inspect.signature(value.forward).parameters
-            ):
-                return value
+    for name, value in _defined_classes(model_type):
+        if (
+            name.endswith("TextModel")
+            and getattr(getattr(value, "config_class", None), "model_type", None) == f"{model_type}_text"
+            and "past_key_values" in inspect.signature(value.forward).parameters
+        ):
+            return value
     return None
 
 
