@@ -511,6 +511,15 @@ MLA_CASES = [
 # q_lora_rank, the indexer's RoPE half-split) runs expanded, `mla_indexer_interleaved` (GLM-MoE-DSA's interleaved
 # indexer RoPE, no q_lora_rank, a key padding mask) absorbed. Their data keeps INDEX_MARGIN (`index_seed`).
 INDEXER = (("index_topk", 4), ("index_num_heads", 2), ("index_head_dim", 8))
+INTERLEAVED_INDEXED = (  # GLM-MoE-DSA's and Mistral Large 4's shape: interleaved RoPE and indexer RoPE, no q latent
+    *MLA,
+    ("rope_theta", 10000.0),
+    ("rope_interleaved", True),
+    ("index_topk", 4),
+    ("index_num_heads", 3),
+    ("index_head_dim", 6),
+    ("index_rope_interleaved", True),
+)
 INDEX_CASES = [
     Case(
         "mla_indexer",
@@ -528,15 +537,7 @@ INDEX_CASES = [
         causal=True,
         key_mask=True,
         absorb=True,
-        variants=(
-            *MLA,
-            ("rope_theta", 10000.0),
-            ("rope_interleaved", True),
-            ("index_topk", 4),
-            ("index_num_heads", 3),
-            ("index_head_dim", 6),
-            ("index_rope_interleaved", True),
-        ),
+        variants=INTERLEAVED_INDEXED,
     ),
     Case(
         "mla_indexer_learned_scaling",  # Mistral Large 4: learned log-position query scales, the indexer's query norm
@@ -545,17 +546,7 @@ INDEX_CASES = [
         self_attention=True,
         causal=True,
         positions="shifted",
-        variants=(
-            *MLA,
-            ("rope_theta", 10000.0),
-            ("rope_interleaved", True),
-            ("index_topk", 4),
-            ("index_num_heads", 3),
-            ("index_head_dim", 6),
-            ("index_rope_interleaved", True),
-            ("query_scaling", {"type": "learned"}),
-            ("index_query_input_norm", True),
-        ),
+        variants=(*INTERLEAVED_INDEXED, ("query_scaling", {"type": "learned"}), ("index_query_input_norm", True)),
     ),
 ]
 # SPEC "Sparse indexer (DSA)", Rounding: each row's k-th and (k+1)-th allowed indexer scores differ by at least this
