@@ -9,8 +9,6 @@ parity report's `decode_fp8_cache` runs the case on every path.
 Legend: B batch, K num_kv_heads, L cache slots, T tokens, H head_dim.
 """
 
-import dataclasses
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -18,7 +16,8 @@ import torch
 
 from NumPy import Multi_Head_Attention as numpy_file
 from PyTorch import Multi_Head_Attention as torch_file
-from shared_tests import numpy_runner, serving, tf_runner, torch_runner
+from shared_tests import serving
+from shared_tests.cache_bounds import check_decoding_within_bound, reference_qkv
 from shared_tests.cases import TOLERANCES
 from shared_tests.decoding import DECODE_CASES_BY_NAME, make_decode_data
 from shared_tests.int8 import FP8_TIED_ROW, fp8_cache_keys, fp8_codes, reference_fp8_codes
@@ -105,11 +104,7 @@ def _spec_bound(case, data):
     e(x) = |x| / 16 + s / 1024; delta = scale * max over query/key pairs of sum_i |q_i| e(k_i) moves
     each weight row by at most e^(2 delta) - 1 in L1, each context feature by that times max |v|
     plus max e(v), each output by that times the largest column L1 norm of the output kernel."""
-    layer = numpy_file.MultiHeadAttention(**case.config)
-    layer.import_weights(data["weights"])
-    x = data["inputs"]["query"].astype(np.float64)
-    call = layer._check_call(x, None, None, None, None, None, None, data["positions"], True, False, None, None)
-    q, k, v = layer._project_qkv(call)  # (B, N, P, H), (B, K, P, H) x 2
+    layer, q, k, v = reference_qkv(case, data)  # (B, N, P, H), (B, K, P, H) x 2
 
     def moved(y):  # (B, K, P, H): the most each feature may move
         return np.abs(y) * RELATIVE + np.abs(y).max(axis=-1, keepdims=True) / 448 * SUBNORMAL
@@ -124,21 +119,7 @@ def _spec_bound(case, data):
 def test_fp8_decoding_stays_within_the_spec_bound_of_the_float_cache():
     data = make_decode_data(CASE)
     bound, weights_bound = _spec_bound(CASE, data)
-    floats = dataclasses.replace(CASE, cache_dtype=None)
-    runs = {
-        "numpy": lambda case: numpy_runner.decode(case, data),
-        "torch": lambda case: torch_runner.decode(case, data, "torch:explicit"),
-        "tf": lambda case: tf_runner.decode(case, data, "tf:eager"),
-    }
-    outputs = {}
-    for name, run in runs.items():
-        fp8, float_ = run(CASE), run(floats)
-        error = np.abs(fp8.output - float_.output).max()
-        assert 0 < error <= bound + FLOAT32, name  # > 0: the fp8 values are what is attended
-        assert np.abs(fp8.weights - float_.weights).max() <= weights_bound + FLOAT32, name
-        outputs[name] = fp8.output
-    for name in ("torch", "tf"):
-        assert np.abs(outputs[name] - outputs["numpy"]).max() <= 2 * bound + FLOAT32, name
+    check_decoding_within_bound(CASE, data, bound, weights_bound)
 
 
 @pytest.mark.parametrize("file", ["numpy", "torch", "tf"])

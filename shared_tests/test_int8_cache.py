@@ -8,15 +8,14 @@ runs the case on every path.
 Legend: B batch, K num_kv_heads, L cache slots, T tokens, H head_dim, C kv_lora_rank, Hr qk_rope_head_dim.
 """
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
 
 from NumPy import Multi_Head_Attention as numpy_file
 from PyTorch import Multi_Head_Attention as torch_file
-from shared_tests import numpy_runner, tf_runner, torch_runner
+from shared_tests import torch_runner
+from shared_tests.cache_bounds import check_decoding_within_bound, reference_qkv
 from shared_tests.cases import TOLERANCES
 from shared_tests.decoding import DECODE_CASES_BY_NAME, make_decode_data
 from shared_tests.int8 import TIED_ROW, cache_keys, reference_cache_integers
@@ -54,11 +53,7 @@ def _spec_bound(case, data):
     float q, k and v of the P tokens: delta = scale * max ||q||_1 * max s_k / 2 moves each weight
     row by at most e^(2 delta) - 1 in L1, each context feature by that times max |v| plus
     max s_v / 2, each output by that times the largest column L1 norm of the output kernel."""
-    layer = numpy_file.MultiHeadAttention(**case.config)
-    layer.import_weights(data["weights"])
-    x = data["inputs"]["query"].astype(np.float64)
-    call = layer._check_call(x, None, None, None, None, None, None, data["positions"], True, False, None, None)
-    q, k, v = layer._project_qkv(call)  # (B, N, P, H), (B, K, P, H) x 2
+    layer, q, k, v = reference_qkv(case, data)  # (B, N, P, H), (B, K, P, H) x 2
     k_scale, v_scale = (np.abs(y).max(axis=-1).max() / 127 for y in (k, v))
     delta = layer.scale * np.abs(q).sum(axis=-1).max() * k_scale / 2
     weights = np.expm1(2 * delta)
@@ -69,21 +64,7 @@ def _spec_bound(case, data):
 def test_int8_decoding_stays_within_the_spec_bound_of_the_float_cache():
     data = make_decode_data(CASE)
     bound, weights_bound = _spec_bound(CASE, data)
-    floats = dataclasses.replace(CASE, cache_dtype=None)
-    runs = {
-        "numpy": lambda case: numpy_runner.decode(case, data),
-        "torch": lambda case: torch_runner.decode(case, data, "torch:explicit"),
-        "tf": lambda case: tf_runner.decode(case, data, "tf:eager"),
-    }
-    outputs = {}
-    for name, run in runs.items():
-        int8, float_ = run(CASE), run(floats)
-        error = np.abs(int8.output - float_.output).max()
-        assert 0 < error <= bound + FLOAT32, name  # > 0: the integers are what is attended
-        assert np.abs(int8.weights - float_.weights).max() <= weights_bound + FLOAT32, name
-        outputs[name] = int8.output
-    for name in ("torch", "tf"):
-        assert np.abs(outputs[name] - outputs["numpy"]).max() <= 2 * bound + FLOAT32, name
+    check_decoding_within_bound(CASE, data, bound, weights_bound)
 
 
 @pytest.mark.parametrize(
