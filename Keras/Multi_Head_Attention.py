@@ -1639,7 +1639,7 @@ def _check_cache(cache, query, key, heads, head_dim, latent=None):
 
 def _check_cache_dtype(cache, dtype):
     if _dtype_name(cache.key.dtype) in _QUANTIZED_CACHE:
-        return _check_int8_cache(cache)  # int8 section (int8 and fp8)
+        return _check_quantized_cache(cache)  # int8 section (int8 and fp8)
     key, value = _dtype_name(cache.key.dtype), _dtype_name(cache.value.dtype)
     if key != dtype or value != dtype:
         raise ValueError(
@@ -1703,7 +1703,7 @@ def _update_cache(layer, call, k, v, keep):
         keep, call = _and(keep, same), call._replace(cache=segmented)
     t, index = _shape(call.query)[1], ops.convert_to_tensor(call.cache.index, "int32")  # the index before this write
     quantized = _dtype_name(call.cache.key.dtype) in _QUANTIZED_CACHE
-    write = _write_int8_cache if quantized else _write_cache  # int8 and fp8: the int8 section
+    write = _write_quantized_cache if quantized else _write_cache  # int8 and fp8: the int8 section
     cache = write(call.cache, k, v, call.key_mask) if not layer.kv_shared else _written(call.cache, t)
     folded = _cache_keep(cache.keep, index, t, call.causal, call.window, call.attention_chunk_size)  # (B, 1, T, L)
     keep = _and(keep, folded)  # (B, N, T, L), dims may be 1
@@ -1745,8 +1745,10 @@ def _cache_keep(keep, index, t, causal, window, chunk):
 
 
 def _cache_attend(layer, k):
-    """Step 6 of a call with a cache: `_attend`, or over an int8 or fp8 cache `_attend_int8` (int8 section)."""
-    return layer._attend if _dtype_name(k.dtype) not in _QUANTIZED_CACHE else lambda *args: _attend_int8(layer, *args)
+    """Step 6 of a call with a cache: `_attend`, or over an int8 or fp8 cache `_attend_quantized` (int8 section)."""
+    return (
+        layer._attend if _dtype_name(k.dtype) not in _QUANTIZED_CACHE else lambda *args: _attend_quantized(layer, *args)
+    )
 
 
 def _write_cache(cache, k, v, key_mask):
@@ -2945,7 +2947,7 @@ def _check_quantize_args(layer, mode, compute_dtype):
 # (absmax / 448) with one float32 scale, computed in float32. The attention reads the integers (fp8
 # values) a block of slots at a time, each slot's key scale multiplied into its scores and its value
 # scale into its weights: no float copy of the cache.
-_INT8_CACHE_BLOCK = 1 << 20  # cache elements cast to float at once by `_attend_int8`
+_QUANTIZED_CACHE_BLOCK = 1 << 20  # cache elements cast to float at once by `_attend_quantized`
 _FP8_MAX = 448.0  # float8_e4m3fn's largest finite value (no infinities)
 _QUANTIZED_CACHE = ("int8", "float8_e4m3fn")  # the cache dtypes that hold scales
 
@@ -2973,7 +2975,7 @@ def _with_cache_scales(cache):
     return cache._replace(key_scale=key_scale, value_scale=ops.zeros((*cache.value.shape[:3], 1), "float32"))
 
 
-def _check_int8_cache(cache):
+def _check_quantized_cache(cache):
     """An int8 (fp8) cache: int8 (float8_e4m3fn) keys and values, float32 scales (B, K, L, 1) beside them."""
     kind = _dtype_name(cache.key.dtype)
     for name in ("key", "value"):
@@ -2988,7 +2990,7 @@ def _check_int8_cache(cache):
             )
 
 
-def _write_int8_cache(cache, k, v, key_mask):
+def _write_quantized_cache(cache, k, v, key_mask):
     """`_write_cache` for an int8 or fp8 cache: the new (B, K, T, H) keys and values quantized
     (`_quantize_cache_rows`), their integers (fp8 values) written to `key` and `value` and their
     scales to `key_scale` and `value_scale` by `_write_cache` itself (keep and index written twice,
@@ -3029,7 +3031,7 @@ def _dequantize_cache(cache, k, v, dtype):
     return ops.cast(k, dtype), ops.cast(v, dtype)
 
 
-def _attend_int8(layer, q, k, v, keep, bias, call):
+def _attend_quantized(layer, q, k, v, keep, bias, call):
     """Step 6 over an int8 or fp8 cache: q (B, N, T, H), its (B, K, L, H) integers (fp8 values) k
     and v, without a float copy of the cache: a block of slots at a time, the integers cast to float, each slot's key
     scale multiplied into its scores after q . k and its value scale into its weights before
@@ -3043,7 +3045,7 @@ def _attend_int8(layer, q, k, v, keep, bias, call):
     k_scale, v_scale = (
         ops.cast(ops.swapaxes(x, -1, -2), dtype) for x in (call.cache.key_scale, call.cache.value_scale)
     )
-    step = max(1, _INT8_CACHE_BLOCK // ((q.shape[0] or 1) * heads * h))  # slots per block
+    step = max(1, _QUANTIZED_CACHE_BLOCK // ((q.shape[0] or 1) * heads * h))  # slots per block
     spans = [(i, i + step) for i in range(0, length, step)] if isinstance(length, int) else [(0, None)]
     grouped = ops.reshape(ops.cast(q, dtype) * layer.scale, (b, heads, -1, h))  # (B, N, T, H) -> (B, K, G*T, H)
     blocks = [matmul(grouped, ops.swapaxes(ops.cast(k[:, :, i:j], dtype), -1, -2)) for i, j in spans]

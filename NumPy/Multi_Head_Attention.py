@@ -1582,7 +1582,7 @@ def _check_cache(cache, query, key, heads, head_dim, latent):
 
 def _check_cache_dtype(cache, dtype):
     if cache.key.dtype in _QUANTIZED_CACHE:
-        return _check_int8_cache(cache)  # int8 section (int8 and fp8)
+        return _check_quantized_cache(cache)  # int8 section (int8 and fp8)
     if cache.key.dtype != dtype or cache.value.dtype != dtype:
         raise ValueError(
             f"`cache` must hold the layer's compute dtype {np.dtype(dtype).name}; "
@@ -2430,7 +2430,7 @@ def _with_cache_scales(cache):
     return cache._replace(key_scale=key_scale, value_scale=np.zeros((*cache.value.shape[:3], 1), np.float32))
 
 
-def _check_int8_cache(cache):
+def _check_quantized_cache(cache):
     """An int8 (fp8) cache: int8 integers (uint8 fp8 codes) for keys and values, float32 scales
     (B, K, L, 1) beside them."""
     dtype = cache.key.dtype

@@ -2176,7 +2176,7 @@ def _check_cache(cache, query, key, heads, head_dim, latent=None):
 
 def _check_cache_dtype(cache, dtype):
     if cache.key.dtype in _QUANTIZED_CACHE:
-        return _check_int8_cache(cache)  # int8 section (int8 and fp8)
+        return _check_quantized_cache(cache)  # int8 section (int8 and fp8)
     if cache.key.dtype != dtype or cache.value.dtype != dtype:
         raise ValueError(
             f"`cache` must hold the layer's compute dtype {_dtype_name(dtype)}; "
@@ -2244,7 +2244,7 @@ def _update_cache(layer, call, k, v, keep, fast=None):
         cache = segmented
     t, length, index = call.query.shape[1], cache.key.shape[2], cache.index
     start = _known_index(index) if fast is None else fast[2]
-    write = _write_cache if cache.key_scale is None else _write_int8_cache  # int8, fp8: values and scales
+    write = _write_cache if cache.key_scale is None else _write_quantized_cache  # int8, fp8: values and scales
     cache = write(cache, k, v, call.key_mask, start) if not layer.kv_shared else _written(cache, t)
     lean = keep is None and not call.return_attention  # each mask gives a keep
     if lean and start is not None and start + t <= length:  # lean: the first S = index + T slots
@@ -2259,8 +2259,8 @@ def _update_cache(layer, call, k, v, keep, fast=None):
 
 
 def _cache_attend(layer, k):
-    """Step 6 of a call with a cache: `_attend`, or over an int8 or fp8 cache `_attend_int8` (int8 section)."""
-    return layer._attend if k.dtype not in _QUANTIZED_CACHE else lambda *args: _attend_int8(layer, *args)
+    """Step 6 of a call with a cache: `_attend`, or over an int8 or fp8 cache `_attend_quantized` (int8 section)."""
+    return layer._attend if k.dtype not in _QUANTIZED_CACHE else lambda *args: _attend_quantized(layer, *args)
 
 
 def _write_cache(cache, k, v, key_mask, start):
@@ -2328,7 +2328,7 @@ def _decode_step(layer, query, positions, causal, cache):
     """The decode fast path: a call that gives only the query (with `causal`, and `positions` as
     a tensor) and a cache, eagerly under no_grad, over plain projections whose q/k/v kernels the
     layer keeps (`_kept_kernels`; never with MLA) and a cache (of the compute dtype, or int8 or fp8
-    with its scales, `_int8_cache_fits`) whose index carries its value and
+    with its scales, `_quantized_cache_fits`) whose index carries its value and
     whose T tokens fit in its first lap (`_carried_start`; an index the caller built is read
     once, `_read_index`). Those facts answer the check step's
     checks, so this returns the `_Call` that `_check_call` would give and `fast`: the kept kernels
@@ -2368,7 +2368,7 @@ def _carried_start(cache, b, t, heads, head_dim, dtype):
         return None
     length = key.shape[2]
     shapes = key.shape == value.shape == (b, heads, length, head_dim) and keep.shape == (b, length)
-    dtypes = key.dtype == value.dtype == dtype or _int8_cache_fits(cache)  # an int8 or fp8 cache: its scales
+    dtypes = key.dtype == value.dtype == dtype or _quantized_cache_fits(cache)  # an int8 or fp8 cache: its scales
     if not shapes or not dtypes or keep.dtype != torch.bool:
         return None
     start = _carried(cache.index)
@@ -3385,7 +3385,7 @@ class Int8Linear(nn.Module):
 # (absmax / 448) with one float32 scale, computed in float32. The attention reads the integers (fp8
 # values) a block of slots at a time, each slot's key scale multiplied into its scores and its value
 # scale into its weights: no float copy of the cache.
-_INT8_CACHE_BLOCK = 1 << 20  # cache elements cast to float at once by `_attend_int8`
+_QUANTIZED_CACHE_BLOCK = 1 << 20  # cache elements cast to float at once by `_attend_quantized`
 _FP8_MAX = 448.0  # float8_e4m3fn's largest finite value (no infinities)
 _QUANTIZED_CACHE = (torch.int8, torch.float8_e4m3fn)  # the cache dtypes that hold scales
 _QUANTIZED_CACHE_NAMES = ("int8", "float8_e4m3fn")  # their names, as `init_cache` takes them
@@ -3413,7 +3413,7 @@ def _with_cache_scales(cache):
     return cache._replace(key_scale=key_scale, value_scale=value_scale)
 
 
-def _check_int8_cache(cache):
+def _check_quantized_cache(cache):
     """An int8 (fp8) cache: int8 (float8_e4m3fn) keys and values, float32 scales (B, K, L, 1) beside them."""
     dtype = cache.key.dtype
     kind = _dtype_name(dtype)
@@ -3429,15 +3429,15 @@ def _check_int8_cache(cache):
             )
 
 
-def _int8_cache_fits(cache):
-    """Whether a cache passes `_check_int8_cache` (the decode fast path's check, raising nothing)."""
+def _quantized_cache_fits(cache):
+    """Whether a cache passes `_check_quantized_cache` (the decode fast path's check, raising nothing)."""
     scales = (cache.key_scale, cache.value_scale)
     shape = (*cache.key.shape[:3], 1)
     fits = all(type(x) is torch.Tensor and x.dtype == torch.float32 and x.shape == shape for x in scales)
     return fits and cache.key.dtype == cache.value.dtype and cache.key.dtype in _QUANTIZED_CACHE
 
 
-def _write_int8_cache(cache, k, v, key_mask, start):
+def _write_quantized_cache(cache, k, v, key_mask, start):
     """`_write_cache` for an int8 or fp8 cache: the new (B, K, T, H) keys and values quantized
     (`_quantize_cache_rows`), their integers (fp8 values) written to `key` and `value` and their
     scales to `key_scale` and `value_scale` by `_write_cache` itself (keep and index written twice,
@@ -3462,7 +3462,7 @@ def _dequantize_cache(cache, k, v, dtype):
     return k.to(dtype), v.to(dtype)
 
 
-def _attend_int8(layer, q, k, v, keep, bias, call):
+def _attend_quantized(layer, q, k, v, keep, bias, call):
     """Step 6 over an int8 or fp8 cache: q (B, N, T, H), its (B, K, S, H) integers (fp8 values) k
     and v (the first S slots), without a float copy of the cache: a block of key/value heads at a time, all S slots
     of each (`_float_blocks`), each slot's key scale multiplied into its scores after q . k and
@@ -3487,13 +3487,13 @@ def _attend_int8(layer, q, k, v, keep, bias, call):
 
 def _float_blocks(x, dtype):
     """(B, K, S, H) integers or fp8 values (the first S slots of a cache) -> (first head, (heads,
-    S, H) block in `dtype`) for each block of about `_INT8_CACHE_BLOCK` elements of the B*K
+    S, H) block in `dtype`) for each block of about `_QUANTIZED_CACHE_BLOCK` elements of the B*K
     key/value heads (one head at least; a head's slots lie together in the cache). Eagerly under
     no_grad each block is cast into one buffer, reused: a block is used before the next is made
     (fp8 on the CPU by a lookup, `_fp8_to_float`)."""
     flat = x.reshape(-1, *x.shape[2:])  # (B, K, S, H) -> (B*K, S, H), a view of a cache from `init_cache`
     size = x.shape[2] * x.shape[3]  # one head's elements
-    per = max(1, _INT8_CACHE_BLOCK // max(size, 1))  # heads per block
+    per = max(1, _QUANTIZED_CACHE_BLOCK // max(size, 1))  # heads per block
     reuse = _eager() and not torch.is_grad_enabled()  # a graph or autograd keeps each block
     buffer = x.new_empty(min(per, flat.shape[0]) * size, dtype=dtype) if reuse else None
     looked_up = reuse and x.dtype == torch.float8_e4m3fn and x.device.type == "cpu"

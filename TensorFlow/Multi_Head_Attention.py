@@ -1665,7 +1665,7 @@ def _update_cache(layer, call, k, v, keep):
         cache = _write_variables(cache, k, v, call.key_mask, misfit)  # the same variables, written
     else:
         quantized = cache.key.dtype in _QUANTIZED_CACHE  # int8 or fp8: values and scales (int8 section)
-        cache = (_write_int8_cache if quantized else _write_cache)(cache, k, v, call.key_mask)
+        cache = (_write_quantized_cache if quantized else _write_cache)(cache, k, v, call.key_mask)
     positional = (call.causal, call.window, call.attention_chunk_size)
     keep = _and(keep, _cache_keep(tf.convert_to_tensor(cache.keep), index, t, *positional))  # (B, 1, T|1, L)
     k, v = tf.convert_to_tensor(cache.key), tf.convert_to_tensor(cache.value)  # (B, K, L, H), read once
@@ -1707,7 +1707,7 @@ def _check_cache(cache, query, key, heads, head_dim, latent=None):
 
 def _check_cache_dtype(cache, dtype):
     if cache.key.dtype in _QUANTIZED_CACHE:
-        return _check_int8_cache(cache)  # int8 section (int8 and fp8)
+        return _check_quantized_cache(cache)  # int8 section (int8 and fp8)
     if cache.key.dtype != dtype or cache.value.dtype != dtype:
         raise ValueError(
             f"`cache` must hold the layer's compute dtype {tf.as_dtype(dtype).name}; "
@@ -1781,8 +1781,8 @@ def _cache_keep(keep, index, t, causal, window, attention_chunk_size):
 
 
 def _cache_attend(layer, k):
-    """Step 6 of a call with a cache: `_attend`, or over an int8 or fp8 cache `_attend_int8` (int8 section)."""
-    return layer._attend if k.dtype not in _QUANTIZED_CACHE else lambda *args: _attend_int8(layer, *args)
+    """Step 6 of a call with a cache: `_attend`, or over an int8 or fp8 cache `_attend_quantized` (int8 section)."""
+    return layer._attend if k.dtype not in _QUANTIZED_CACHE else lambda *args: _attend_quantized(layer, *args)
 
 
 def _write_cache(cache, k, v, key_mask):
@@ -1843,7 +1843,9 @@ def _write_compiled(handles, fields, k, v, key_mask, misfit):
         read = {name: tf.raw_ops.ReadVariableOp(resource=h, dtype=d) for h, (name, d, _) in pairs}
         cache = KVCache(**read)
         written = (
-            _write_cache(cache, k, v, key_mask) if len(read) == 4 else _write_int8_cache(cache, k, v, key_mask, True)
+            _write_cache(cache, k, v, key_mask)
+            if len(read) == 4
+            else _write_quantized_cache(cache, k, v, key_mask, True)
         )
         for handle, (name, _, _) in zip(handles, fields, strict=True):
             tf.raw_ops.AssignVariableOp(resource=handle, value=getattr(written, name))
@@ -2387,15 +2389,10 @@ def _check_topk_indices(indices, query):
     return indices
 
 
-def _index_dtype(layer):
-    """The indexer's dtype: float32 at least, float64 in a float64 layer."""
-    return _softmax_dtype(layer.compute_dtype)
-
-
 def _index_keys(layer, key, positions):
     """(B, S, kdim) -> (B, S, Hi): the indexer's keys, LayerNorm (scale and bias) and RoPE of their
     first Hr features, outside the gradient."""
-    dtype = _index_dtype(layer)
+    dtype = _softmax_dtype(layer.compute_dtype)
     ki = tf.matmul(tf.cast(key, dtype), tf.cast(layer.index_key_kernel, dtype))  # (B, S, kdim) -> (B, S, Hi)
     ki = layer_norm(ki, layer.index_key_norm, _INDEX_NORM_EPS, layer.index_key_norm_bias)  # (B, S, Hi)
     return tf.stop_gradient(_turn_index(layer, ki[:, None], positions)[:, 0])  # (B, 1, S, Hi) -> (B, S, Hi)
@@ -2415,7 +2412,7 @@ def _index_queries(layer, query, positions, scaling_positions):
     """(B, T, E) -> the indexer's queries qi (B, Ni, T, Hi) (their input LayerNorm-ed with
     `index_query_input_norm`, scaled by the learned scaling at (B|1, T) `scaling_positions`), their first Hr
     features turned, and the heads' weights w * Ni**-0.5 (B, T, Ni), outside the gradient."""
-    dtype = _index_dtype(layer)
+    dtype = _softmax_dtype(layer.compute_dtype)
     source = query if layer.q_lora_rank is None else _query_latent(layer, query)  # (B, T, E or Q)
     if layer.index_query_input_norm:
         scale, bias = tf.cast(layer.index_query_norm, dtype), tf.cast(layer.index_query_norm_bias, dtype)
@@ -3024,7 +3021,7 @@ def _check_quantize_args(layer, mode, compute_dtype):
 # (absmax / 448) with one float32 scale, computed in float32. The attention reads the integers (fp8
 # values) a block of slots at a time, each slot's key scale multiplied into its scores and its value
 # scale into its weights: no float copy of the cache.
-_INT8_CACHE_BLOCK = 1 << 20  # cache elements cast to float at once by `_attend_int8`
+_QUANTIZED_CACHE_BLOCK = 1 << 20  # cache elements cast to float at once by `_attend_quantized`
 _FP8 = tf.as_dtype("float8_e4m3fn")
 _FP8_MAX = 448.0  # float8_e4m3fn's largest finite value (no infinities)
 _QUANTIZED_CACHE = (tf.int8, _FP8)  # the cache dtypes that hold scales
@@ -3053,7 +3050,7 @@ def _with_cache_scales(cache):
     return cache._replace(key_scale=key_scale, value_scale=tf.zeros((*cache.value.shape[:3], 1), tf.float32))
 
 
-def _check_int8_cache(cache):
+def _check_quantized_cache(cache):
     """An int8 (fp8) cache: int8 (float8_e4m3fn) keys and values, float32 scales (B, K, L, 1) beside them."""
     dtype = cache.key.dtype
     kind = dtype.name
@@ -3069,7 +3066,7 @@ def _check_int8_cache(cache):
             )
 
 
-def _write_int8_cache(cache, k, v, key_mask, compiled=False):
+def _write_quantized_cache(cache, k, v, key_mask, compiled=False):
     """`_write_cache` for an int8 or fp8 cache: the new (B, K, T, H) keys and values quantized
     (`_quantize_cache_rows`), their integers (fp8 values) written to `key` and `value` and their
     scales to `key_scale` and `value_scale` by `_write_cache` itself (keep and index written twice,
@@ -3108,7 +3105,7 @@ def _dequantize_cache(cache, k, v, dtype):
     return tf.cast(k, dtype), tf.cast(v, dtype)
 
 
-def _attend_int8(layer, q, k, v, keep, bias, call):
+def _attend_quantized(layer, q, k, v, keep, bias, call):
     """Step 6 over an int8 or fp8 cache: q (B, N, T, H), its (B, K, L, H) integers (fp8 values) k
     and v, without a float copy of the cache: a block of slots at a time, the integers cast to float, each slot's key
     scale multiplied into its scores after q . k and its value scale into its weights before
@@ -3121,7 +3118,7 @@ def _attend_int8(layer, q, k, v, keep, bias, call):
     sinks = layer.sink_logits if layer.sinks else None
     scales = (tf.convert_to_tensor(x) for x in (call.cache.key_scale, call.cache.value_scale))
     k_scale, v_scale = (tf.cast(tf.transpose(x, (0, 1, 3, 2)), dtype) for x in scales)  # (B, K, 1, L) each
-    length, step = k.shape[2], max(1, _INT8_CACHE_BLOCK // ((q.shape[0] or 1) * heads * h))  # slots per block
+    length, step = k.shape[2], max(1, _QUANTIZED_CACHE_BLOCK // ((q.shape[0] or 1) * heads * h))  # slots per block
     spans = [(0, None)] if length is None else [(i, i + step) for i in range(0, length, step)]  # L unknown: one
     grouped = tf.reshape(tf.cast(q, dtype) * layer.scale, (b, heads, -1, h))  # (B, N, T, H) -> (B, K, G*T, H)
     blocks = [tf.matmul(grouped, tf.cast(k[:, :, i:j], dtype), transpose_b=True) for i, j in spans]

@@ -110,10 +110,10 @@ def test_an_int8_cache_without_its_scales_is_refused(file):
 
 
 def test_the_attention_reads_the_cache_a_block_of_heads_at_a_time(monkeypatch):
-    """One key/value head per block (`_INT8_CACHE_BLOCK` = 1) gives the numbers of one block for all."""
+    """One key/value head per block (`_QUANTIZED_CACHE_BLOCK` = 1) gives the numbers of one block for all."""
     data = make_decode_data(CASE)
     whole = torch_runner.decode(CASE, data, "torch:explicit")
-    monkeypatch.setattr(torch_file, "_INT8_CACHE_BLOCK", 1)
+    monkeypatch.setattr(torch_file, "_QUANTIZED_CACHE_BLOCK", 1)
     sliced = torch_runner.decode(CASE, data, "torch:explicit")
     np.testing.assert_allclose(sliced.output, whole.output, rtol=0, atol=FLOAT32)
     np.testing.assert_allclose(sliced.weights, whole.weights, rtol=0, atol=TOLERANCES["float32"]["weights"])
