@@ -10,7 +10,9 @@ Each loop starts with L - 33 tokens in the cache and decodes 32 tokens one at a 
 - TensorFlow ours exported through the TFLite converter and run in LiteRT's interpreter
   (set_tensor, invoke, get_tensor per step), as docs/serving.md exports it;
 - the floors: each TensorFlow runtime running a step that only doubles x (B, 1, E), with the same
-  inputs and outputs as the step (the cache passed through).
+  inputs and outputs as the step (the cache passed through); and the attention alone over the
+  in-place cache's variables (x read as the query's heads, `softmax(q k^T / sqrt(H)) v`: no
+  projection, mask or cache write), the least a step computes, in tf.function and in XLA.
 
 `python -m bench.tf_serving_step [--rounds R]` prints the table.
 
@@ -34,7 +36,15 @@ TF_ROWS = (
     "TensorFlow tf.function, in-place cache",
     "TensorFlow XLA, in-place cache",
 )
-FLOORS = ("tf.function, x * 2", "XLA, x * 2", "LiteRT, x * 2", "tf.function, x * 2, x alone", "XLA, x * 2, x alone")
+FLOORS = (
+    "tf.function, x * 2",
+    "XLA, x * 2",
+    "LiteRT, x * 2",
+    "tf.function, x * 2, x alone",
+    "XLA, x * 2, x alone",
+    "tf.function, attention alone",
+    "XLA, attention alone",
+)
 
 
 def _inputs(config):
@@ -101,9 +111,10 @@ def _tf_step(layer, config, jit_compile):
 
 def _tf_in_place_steps(layer, prompt, config):
     """The step with the in-place cache (`init_cache(..., in_place=True)`, docs/serving.md) as a
-    `tf.function` of x alone, in tf.function and in XLA, the floors of x alone, and the cache's
-    index to set back before each loop. (The TFLite converter does not convert this step: the
-    cache's variables are written inside a `tf.cond`, which it cannot functionalize.)"""
+    `tf.function` of x alone, in tf.function and in XLA, the floors of x alone (x * 2, the attention
+    alone over the cache), and the cache's index to set back before each loop. (The TFLite
+    converter does not convert this step: the cache's variables are written inside a `tf.cond`,
+    which it cannot functionalize.)"""
     import tensorflow as tf
 
     _, cache = layer(prompt, causal=True, cache=layer.init_cache(config.b, config.t, in_place=True))
@@ -115,8 +126,15 @@ def _tf_in_place_steps(layer, prompt, config):
     def floor(x):
         return (x * 2.0,)
 
+    def attention(x):
+        q = tf.transpose(tf.reshape(x, (config.b, 1, config.n, -1)), (0, 2, 1, 3))  # (B, 1, E) -> (B, N, 1, H)
+        scores = tf.matmul(q, cache.key, transpose_b=True) * q.shape[-1] ** -0.5  # (B, N, 1, L)
+        return (tf.matmul(tf.nn.softmax(scores), cache.value),)  # (B, N, 1, H)
+
     functions = [
-        tf.function(fn, input_signature=signature, jit_compile=jit) for jit in (False, True) for fn in (step, floor)
+        tf.function(fn, input_signature=signature, jit_compile=jit)
+        for jit in (False, True)
+        for fn in (step, floor, attention)
     ]
     return functions, cache.index, int(cache.index.numpy())
 
@@ -166,9 +184,8 @@ def tf_times(name, b, t, e, n, rounds):
     initial = [np.asarray(a) for a in (filled.key, filled.value, filled.keep, filled.index)]
     step, floor = _tf_step(layer, config, jit_compile=False)
     xla_step, xla_floor = _tf_step(layer, config, jit_compile=True)
-    (in_place, in_place_floor, in_place_xla, in_place_xla_floor), index, start = _tf_in_place_steps(
-        MultiHeadAttention(e, n), prompt, config
-    )
+    functions, index, start = _tf_in_place_steps(MultiHeadAttention(e, n), prompt, config)
+    in_place, in_place_floor, in_place_attention, in_place_xla, in_place_xla_floor, in_place_xla_attention = functions
     runtimes = {
         TF_ROWS[0]: step,
         TF_ROWS[1]: xla_step,
@@ -180,10 +197,12 @@ def tf_times(name, b, t, e, n, rounds):
         FLOORS[2]: _litert(floor, layer),
         FLOORS[3]: in_place_floor,
         FLOORS[4]: in_place_xla_floor,
+        FLOORS[5]: in_place_attention,
+        FLOORS[6]: in_place_xla_attention,
     }
 
     def loop_of(run, label):
-        alone = "in-place" in label or "alone" in label  # the step of x alone
+        alone = "in-place" in label or "alone" in label  # the step of x alone (the cache in variables)
         first = [] if alone else [tf.constant(a) for a in initial] if "LiteRT" not in label else initial
         xs = list(steps) if "LiteRT" in label else [tf.constant(x) for x in steps]
 
