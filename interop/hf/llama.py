@@ -15,7 +15,8 @@ def _rotary(
     RoPE from the config (`interleaved`: Cohere and GLM pair features 2i and 2i + 1; `scale`: the config
     key of a scale other than 1 / sqrt(H); `rope`: "all", "sliding" (Cohere2) or "no_rope_layers" (SmolLM3)
     for the layers that rotate; `norm`: the QK-norm of `q_norm`, "rms" or "layer" (Cohere); `mrope`: Qwen2-VL's
-    multimodal RoPE, `mrope_section`; `norm_options`: the QK-norm's `norm_eps` and `norm_offset` where the module
+    multimodal RoPE, `mrope_section` (True: Qwen2-VL's default sections (16, 24, 24) where the config names none;
+    a tuple: that family's default); `norm_options`: the QK-norm's `norm_eps` and `norm_offset` where the module
     says them, `interop.hf.structure`)."""
     head_dim, num_heads = _head_dim(config), config["num_attention_heads"]
     num_kv_heads = config.get("num_key_value_heads") or num_heads
@@ -33,8 +34,9 @@ def _rotary(
         kwargs |= _rope_kwargs(parameters, head_dim)
         if interleaved:
             kwargs["rope_interleaved"] = True
-        if mrope:  # transformers' default sections where the config names none
-            kwargs["rope_sections"] = tuple(int(n) for n in parameters.get("mrope_section", (16, 24, 24)))
+        if mrope:  # the rotary embedding's default sections where the config names none
+            default = (16, 24, 24) if mrope is True else mrope
+            kwargs["rope_sections"] = tuple(int(n) for n in parameters.get("mrope_section", default))
     window = _window(config, index)
     if window is not None:
         kwargs["window"] = window

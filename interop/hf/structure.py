@@ -195,13 +195,16 @@ def _structural_porter(module, model_type):
     rotates = _rotates(module, model_type)
     if not rotates:
         options["rope"] = "never"
-    if rotates and _multimodal_rope(type(module).__module__):
+    sections = _multimodal_rope(type(module).__module__) if rotates else None
+    if sections == ():
         _refuse(
             module,
             model_type,
-            "is turned by a multimodal RoPE (a rotary embedding of its modeling module reads `mrope_section`: its "
-            "model rotates by (3, B, T) positions, which a structural port does not read)",
+            "is turned by a multimodal RoPE other than Qwen2-VL's sections (its rotary embedding reads "
+            "`mrope_section`, its `forward` and `recomposition_frequencies` not Qwen2-VL's)",
         )
+    if sections is not None:
+        options["mrope"] = sections
     attributes = _attributes(module)
 
     def port(config, tensors, index):
@@ -231,13 +234,36 @@ def _structural_porter(module, model_type):
 
 
 def _multimodal_rope(module_name):
-    """Whether a rotary embedding class of the modeling module reads `mrope_section` (Qwen2-VL's multimodal RoPE,
-    its sections or transformers' default ones): read from the classes' source."""
+    """The default sections of the modeling module's multimodal RoPE (a rotary embedding class that reads
+    `mrope_section`) when it is Qwen2-VL's kind (contiguous sections, pairs in halves: its `forward` and
+    `recomposition_frequencies` the same text as `_SECTIONS`'), `()` for another kind, None without one: read
+    from the classes' source."""
     module = sys.modules.get(module_name) or importlib.import_module(module_name)
-    return any(
-        name.endswith("RotaryEmbedding") and inspect.isclass(value) and "mrope_section" in inspect.getsource(value)
+    rotary = [
+        value
         for name, value in vars(module).items()
-    )
+        if name.endswith("RotaryEmbedding") and inspect.isclass(value) and "mrope_section" in inspect.getsource(value)
+    ]
+    if not rotary:
+        return None
+    texts = {(" | ".join(_statements(c.forward)), " | ".join(_statements(c.recomposition_frequencies))) for c in rotary}
+    default = re.search(r'get\("mrope_section", \[([\d, ]+)\]\)', inspect.getsource(rotary[0]))
+    if any(f != _SECTIONS[0] or r not in _SECTIONS[1] for f, r in texts) or default is None:
+        return ()
+    return tuple(int(n) for n in default.group(1).split(","))
+
+
+_SECTIONS = (  # Qwen2-VL's multimodal RoPE: its rotary embedding's `forward`, and `recomposition_frequencies` texts
+    "position_ids = position_ids.expand(3, -1, -1) | "
+    "freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float) | "
+    "cos = freqs.cos() * self.attention_scaling | sin = freqs.sin() * self.attention_scaling | "
+    "sin = self.recomposition_frequencies(sin) | cos = self.recomposition_frequencies(cos) | "
+    "return (cos.to(dtype=x.dtype), sin.to(dtype=x.dtype))",
+    {  # sections of pairs in order, row i % 3 for section i; cos and sin repeated over the two halves
+        "freq = torch.cat([m[i % 3] for i, m in enumerate(freq.split(self.mrope_section, dim=-1))], dim=-1) | " + ending
+        for ending in ("return torch.cat((freq, freq), dim=-1)", "return torch.cat([freq, freq], dim=-1)")
+    },
+)
 
 
 def _rotates(module, model_type):
