@@ -138,6 +138,7 @@ def test_ministral3_scales_its_queries_by_position_past_the_floor():
 MROPE_FAMILIES = (  # one family per kind of multimodal RoPE that `replace_attention` ports
     "qwen2_vl",  # Qwen2-VL's contiguous sections over the whole head, listed
     "glm4v_moe",  # the same sections over a partial head (half the features turn), by structure
+    "glm4v",  # the same sections, the features paired interleaved (cos and sin repeated pairwise), by structure
 )
 
 

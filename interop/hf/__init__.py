@@ -49,7 +49,8 @@ These call arguments reproduce them (`attention_mask` is the model's (B, S) 0/1 
   rotary embedding reads, one row per section (`generate` passes (4, B, T): the text positions,
   then these three; for text alone the three rows are the text positions); `replace_attention` hands
   them to the swapped layers from a forward pre-hook on the model's `rotary_emb`. The same kind
-  recognised by structure ports likewise (Qwen2.5-Omni's thinker, GLM-4V-MoE, GLM-Image, PaddleOCR-VL).
+  recognised by structure ports likewise (Qwen2.5-Omni's thinker, GLM-4V-MoE, GLM-Image, PaddleOCR-VL; GLM-4V
+  and GLM-OCR with `rope_interleaved`).
 - Gemma 3n and Gemma 4 (`interop.hf.shared`): as Llama, and a shared layer (`kv_shared`) also
   `shared_kv=` its store layer's `(k, v)` (that layer's call with `return_kv=True`) or, decoding, its cache.
 - GPT-2, GPT-Neo, GPTBigCode, OPT, the BART and Whisper decoders' self-attention (and the BART kind's):
