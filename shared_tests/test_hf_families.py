@@ -40,7 +40,7 @@ SAMPLE = {  # a spread over the porters: listed families, and each kind of struc
     "rembert",  # refused: the BERT kind's structure with a forward of its own
     "codegen",  # the listed GPT kind: GPT-J's attention, a fused projection of 4 shards
     "molmo2",  # a vision-language model's text decoder alone, under a linear head
-    "cosmos3_edge",  # refused: a text decoder turned by a multimodal RoPE (`mrope_section`)
+    "cosmos3_edge",  # by structure: a text decoder turned by Qwen3-VL's multimodal RoPE (the pairs dealt in turn)
 }
 CLASSES, FAMILIES = census.read_table()
 VERDICTS = {model_type: (verdict, detail) for model_type, _, verdict, detail in FAMILIES}
@@ -139,6 +139,7 @@ MROPE_FAMILIES = (  # one family per kind of multimodal RoPE that `replace_atten
     "qwen2_vl",  # Qwen2-VL's contiguous sections over the whole head, listed
     "glm4v_moe",  # the same sections over a partial head (half the features turn), by structure
     "glm4v",  # the same sections, the features paired interleaved (cos and sin repeated pairwise), by structure
+    "qwen3_vl",  # Qwen3-VL's: the pairs dealt to the rows in turn (`rope_sections_interleaved`), by structure
 )
 
 

@@ -27,7 +27,9 @@ def replace_attention(model, layer_class=None):
     cache, is not. The model is switched to the "eager" attention implementation, whose masks are
     always materialized. Gemma 3n's and Gemma 4's layers share keys and values through the model's
     `shared_kv_states`: a "store" layer's wrapper puts its (k, v) there (`return_kv`), or its cache when
-    decoding, and a "reuse" layer's (`kv_shared`) passes them to its layer as `shared_kv`.
+    decoding, and a "reuse" layer's (`kv_shared`) passes them to its layer as `shared_kv`. A multimodal RoPE's
+    layers (`rope_sections`: Qwen2-VL, Qwen3-VL, GLM-4V, ...) take the (3, B, T) positions the model's rotary
+    embedding (`rotary_emb`) is called with, kept by a forward pre-hook on it (the modules get cos and sin).
 
     Args:
         model: a `transformers` PyTorch model of the Llama kind (the families with `q_proj`, `k_proj`,
@@ -200,6 +202,8 @@ def _wrapper_class(torch):
         BERT's residual, dropout and LayerNorm after the output projection are kept as `norm` and `dropout`.
         With `passes_topk` (GLM-MoE-DSA's decoder passes each layer's top-k to the next), the call takes
         `prev_topk_indices` (a layer without its own indexer attends it) and returns the selection it used third.
+        With `rope_rows` (a multimodal RoPE), the positions are the (3, B, T) rows the model's rotary embedding
+        was last called with (`_RopeRows`), not the call's `position_ids`.
         """
 
         def __init__(self, layer, layer_idx, is_causal):

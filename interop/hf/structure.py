@@ -29,10 +29,7 @@ _ALLOWED = {"q_norm", "k_norm", "rotary_emb", "attention_dropout", "dropout", "a
 _GATES = ("g_proj", "gate_proj")
 _ROPE_EXTRA = {"ernie4_5": True}  # GLM's pairing over the whole head, in float32 (the generated test proves it)
 
-_REFUSED = {  # the Llama kind by structure, computing something else: what it adds
-    "qwen3_vl": "Qwen3-VL's text attention turns its features by interleaved multimodal RoPE (`mrope_section`)",
-    "qwen3_vl_moe": "Qwen3-VL-MoE's text attention turns its features by interleaved multimodal RoPE (`mrope_section`)",
-}
+_REFUSED = {}  # the Llama kind by structure, computing something else: what it adds (none at present)
 
 
 def _normalized(function):
@@ -211,7 +208,7 @@ def _structural_porter(module, model_type):
             "`mrope_section`, its `forward` and `recomposition_frequencies` not Qwen2-VL's)",
         )
     if rotates and mrope:
-        options["mrope"] = mrope[0]
+        options["mrope"], options["mrope_interleaved"] = mrope[0], mrope[2]
     attributes = _attributes(module)
 
     def port(config, tensors, index):
@@ -242,9 +239,10 @@ def _structural_porter(module, model_type):
 
 def _multimodal_rope(module_name):
     """The modeling module's multimodal RoPE (a rotary embedding class that reads `mrope_section`) when it is
-    Qwen2-VL's kind (contiguous sections of pairs: its `forward` and `recomposition_frequencies` the same text
-    as `_SECTIONS`'): (its default sections, whether it repeats cos and sin pairwise (GLM-4V's interleaved pairs)
-    rather than over the two halves); `()` for another kind, None without one: read from the classes' source."""
+    Qwen2-VL's kind or Qwen3-VL's (its `forward` and `recomposition_frequencies` the same text as `_SECTIONS`'):
+    (its default sections, whether it repeats cos and sin pairwise (GLM-4V's interleaved pairs) rather than over
+    the two halves, whether it deals the pairs to the rows in turn (Qwen3-VL's) rather than in runs); `()` for
+    another kind, None without one: read from the classes' source."""
     module = sys.modules.get(module_name) or importlib.import_module(module_name)
     rotary = [
         value
@@ -255,10 +253,10 @@ def _multimodal_rope(module_name):
         return None
     texts = {(" | ".join(_statements(c.forward)), " | ".join(_statements(c.recomposition_frequencies))) for c in rotary}
     default = re.search(r'get\("mrope_section", \[([\d, ]+)\]\)', inspect.getsource(rotary[0]))
-    repeated = {_SECTIONS[1].get(r) for _, r in texts}
-    if any(f != _SECTIONS[0] for f, _ in texts) or len(repeated) != 1 or None in repeated or default is None:
+    kinds = {_SECTIONS[1].get(r) for _, r in texts}
+    if any(f != _SECTIONS[0] for f, _ in texts) or len(kinds) != 1 or None in kinds or default is None:
         return ()
-    return tuple(int(n) for n in default.group(1).split(",")), repeated.pop()
+    return tuple(int(n) for n in default.group(1).split(",")), *kinds.pop()
 
 
 _SECTIONS = (  # Qwen2-VL's multimodal RoPE: its rotary embedding's `forward`; `recomposition_frequencies`: repeated
@@ -267,14 +265,19 @@ _SECTIONS = (  # Qwen2-VL's multimodal RoPE: its rotary embedding's `forward`; `
     "cos = freqs.cos() * self.attention_scaling | sin = freqs.sin() * self.attention_scaling | "
     "sin = self.recomposition_frequencies(sin) | cos = self.recomposition_frequencies(cos) | "
     "return (cos.to(dtype=x.dtype), sin.to(dtype=x.dtype))",
-    {  # sections of pairs in order, row i % 3 for section i; cos and sin over the two halves, or pairwise
-        "freq = torch.cat([m[i % 3] for i, m in enumerate(freq.split(self.mrope_section, dim=-1))], dim=-1) | "
-        + ending: repeated
-        for ending, repeated in (
-            ("return torch.cat((freq, freq), dim=-1)", False),
-            ("return torch.cat([freq, freq], dim=-1)", False),
-            ("return freq.repeat_interleave(2, dim=-1)", True),
-        )
+    {  # (cos and sin repeated pairwise, not over the two halves; the pairs dealt to the rows in turn)
+        **{  # sections of pairs in runs, row i % 3 for section i
+            "freq = torch.cat([m[i % 3] for i, m in enumerate(freq.split(self.mrope_section, dim=-1))], dim=-1) | "
+            + ending: (repeated, False)
+            for ending, repeated in (
+                ("return torch.cat((freq, freq), dim=-1)", False),
+                ("return torch.cat([freq, freq], dim=-1)", False),
+                ("return freq.repeat_interleave(2, dim=-1)", True),
+            )
+        },
+        "freqs_thw = freq[0] | for dim, offset in enumerate((1, 2), start=1):     length = self.mrope_section[dim] * "
+        "3     idx = slice(offset, length, 3)     freqs_thw[..., idx] = freq[dim, ..., idx] | "
+        "return torch.cat((freqs_thw, freqs_thw), dim=-1)": (False, True),  # Qwen3-VL's, dealt in turn
     },
 )
 
