@@ -153,6 +153,8 @@ class MultiHeadAttention(keras.layers.Layer):
             default (`scale`: 1 / sqrt(H)); the section "score modifiers" says what each does.
         rope_theta, rope_fraction, rope_interleaved, rope_scaling, rope_sections: RoPE, off while
             `rope_theta` is None (the section "positions").
+        rope_sections_interleaved: if True, the sections' pairs are dealt in turn (Qwen3-VL's
+            `mrope_interleaved`): pair i by row i % k while i < k * rope_sections[i % k], else row 0.
         qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, clip_qkv, gate: the section "QK-norm,
             clip_qkv and the gate".
         kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, latent_norm_eps:
@@ -226,7 +228,7 @@ class MultiHeadAttention(keras.layers.Layer):
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
         kernel_initializer="glorot_uniform", bias_initializer="zeros", query_scaling=None, kv_shared=False,
         keys_as_values=False, value_norm=False, index_topk=None, index_num_heads=None, index_head_dim=None,
-        index_rope_interleaved=False, index_query_input_norm=False, **kwargs,
+        index_rope_interleaved=False, index_query_input_norm=False, rope_sections_interleaved=False, **kwargs,
     ):  # fmt: skip
         super().__init__(**kwargs)
         self.d_model = _positive_int("d_model", d_model)
@@ -261,6 +263,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self.query_scaling = _check_query_scaling(query_scaling, self.rope_sections)  # its section: positions
         _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
+        self.rope_sections_interleaved = _flag("rope_sections_interleaved", rope_sections_interleaved)  # positions
         if self.rope_theta is not None:
             rotary = _rotary_dim(self.rope_fraction, rope_width, True)
             frequencies = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,) NumPy
@@ -1202,7 +1205,8 @@ def _rotate(layer, q, k, v, positions):
 def _rotate_heads(layer, x, positions):
     """x (B, heads, T, W) with its first R features turned, times YaRN's attention factor."""
     inv_freq = layer._inv_freq
-    x = apply_rope(x, positions, inv_freq, layer.rope_interleaved, layer.rope_sections)
+    sections = layer.rope_sections, layer.rope_sections_interleaved  # multimodal RoPE: sections (or None), their layout
+    x = apply_rope(x, positions, inv_freq, layer.rope_interleaved, *sections)
     return scale_rotated(x, 2 * len(inv_freq), rope_attention_factor(layer.rope_scaling))
 
 
@@ -1307,20 +1311,27 @@ def scale_rotated(x, rotary_dim, factor):
     return ops.concatenate([x[..., :rotary_dim] * factor, x[..., rotary_dim:]], axis=-1)  # (B, heads, T, H)
 
 
-def rope_angles(positions, inv_freq, sections=None):
-    """(B|1, T, R/2) float32 angles of RoPE: positions times `inv_freq`; with `rope_sections`,
-    the pairs of section j turn by row j of the (k, B|1, T) positions."""
+def rope_angles(positions, inv_freq, sections=None, sections_interleaved=False):
+    """(B, T, R/2) float32 angles: (B, T) positions times the (R/2,) inv_freq; with `sections`
+    (multimodal RoPE) pair i turns by positions[j] * inv_freq[i] from (k, B, T) positions, j its
+    row (`_section_rows`: runs of the sections' sizes, or dealt in turn with `sections_interleaved`)."""
     if sections is None:
         return ops.cast(positions, "float32")[..., None] * ops.convert_to_tensor(inv_freq, "float32")  # (B, T, R/2)
-    parts = np.split(np.asarray(inv_freq), np.cumsum(sections)[:-1])  # k pieces of inv_freq, one per section
-    angles = [
-        ops.cast(positions[j], "float32")[..., None] * ops.convert_to_tensor(part, "float32")
-        for j, part in enumerate(parts)
-    ]  # (B|1, T, pairs of section j) each
-    return ops.concatenate(angles, axis=-1)  # (B|1, T, R/2)
+    rows = ops.take(positions, _section_rows(sections, sections_interleaved), axis=0)  # (k, B|1, T) -> (R/2, B|1, T)
+    return ops.cast(ops.transpose(rows, (1, 2, 0)), "float32") * ops.convert_to_tensor(inv_freq, "float32")
 
 
-def apply_rope(x, positions, inv_freq, interleaved, sections=None):
+def _section_rows(sections, interleaved):
+    """The row of (k, B, T) positions that turns each of the R/2 pairs: row j turns a run of
+    `sections[j]` pairs, in order; `interleaved` (Qwen3-VL) deals them in turn: pair i by row
+    i % k while i < k * sections[i % k], else by row 0."""
+    k = len(sections)
+    if not interleaved:
+        return [j for j, size in enumerate(sections) for _ in range(size)]
+    return [i % k if i < k * sections[i % k] else 0 for i in range(sum(sections))]
+
+
+def apply_rope(x, positions, inv_freq, interleaved, sections=None, sections_interleaved=False):
     """Rotates the first R = 2 * len(inv_freq) features of each head of x.
 
     Args:
@@ -1332,12 +1343,15 @@ def apply_rope(x, positions, inv_freq, interleaved, sections=None):
             2i + 1 (GPT-J).
         sections: None, or the numbers of pairs (summing to R/2) turned by each row of
             `positions` in turn (multimodal RoPE).
+        sections_interleaved: if True, the sections' pairs are dealt in turn (`_section_rows`,
+            Qwen3-VL), not in runs.
 
     Returns:
         x rotated, in its dtype; the angles and their cos and sin are float32.
     """
     rotary_dim = 2 * len(inv_freq)
-    angles = rope_angles(positions, inv_freq, sections)[:, None]  # (B, T, R/2) -> (B, 1, T, R/2)
+    angles = rope_angles(positions, inv_freq, sections, sections_interleaved)  # (B, T, R/2)
+    angles = angles[:, None]  # (B, T, R/2) -> (B, 1, T, R/2)
     dtype = _softmax_dtype(x.dtype)
     cos, sin = ops.cast(ops.cos(angles), dtype), ops.cast(ops.sin(angles), dtype)  # (B, 1, T, R/2)
     rotary = ops.cast(x[..., :rotary_dim], dtype)  # (B, heads, T, R)
@@ -3704,6 +3718,7 @@ def _non_defaults(layer):
         **_score_modifiers_at_default(layer),  # scale, softcap, window, attention_chunk_size
         "rope_theta": layer.rope_theta is None,
         "rope_sections": layer.rope_sections is None or layer.rope_theta is None,
+        "rope_sections_interleaved": not layer.rope_sections_interleaved or layer.rope_sections is None,
         "qk_norm": layer.qk_norm is None,
         "qk_norm_type": layer.qk_norm_type == "rms" or layer.qk_norm is None,
         "qk_norm_bias": not layer.qk_norm_bias or layer.qk_norm is None,
@@ -3901,6 +3916,7 @@ _CONFIG_NAMES = (
     "d_model", "num_heads", "num_kv_heads", "head_dim", "kdim", "vdim", "dropout", "bias", *_Variants._fields[:-1],
     *_LATENT_SIZES, "latent_norm_eps", "kernel_initializer", "bias_initializer", "query_scaling", "kv_shared",
     "keys_as_values", "value_norm", *_INDEX_SIZES, "index_rope_interleaved", "index_query_input_norm",
+    "rope_sections_interleaved",
 )  # get_config's entries past the base layer's, in the constructor's order  # fmt: skip
 
 

@@ -169,6 +169,8 @@ class MultiHeadAttention:
             transformers; YaRN also multiplies the rotated features of q and k by its attention factor.
         rope_sections: None, or the numbers of rotated pairs (summing to R/2) that turn by each
             row of (k, B, T) `positions` in turn (Qwen2-VL's multimodal RoPE, `mrope_section`).
+        rope_sections_interleaved: if True, the sections' pairs are dealt in turn (Qwen3-VL's
+            `mrope_interleaved`): pair i by row i % k while i < k * rope_sections[i % k], else row 0.
         qk_norm: None, "head" (each head of q and k normalized, one scale shared by the heads:
             Qwen3), "per_head" (each head with its own scale: StableLM, Cohere) or "all" (over all
             heads: OLMo2); its scales are the weights `query_norm` and `key_norm`.
@@ -262,6 +264,7 @@ class MultiHeadAttention:
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
         seed=None, query_scaling=None, kv_shared=False, keys_as_values=False, value_norm=False, index_topk=None,
         index_num_heads=None, index_head_dim=None, index_rope_interleaved=False, index_query_input_norm=False,
+        rope_sections_interleaved=False,
     ):  # fmt: skip
         self.d_model = _positive_int("d_model", d_model)
         self.num_heads = _positive_int("num_heads", num_heads)
@@ -304,10 +307,7 @@ class MultiHeadAttention:
         _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         self._float_layout = _float_shapes(self) if latent is None else _latent_shapes(self)  # {name: shape}
         _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
-        self._inv_freq = None  # (R/2,), computed once
-        if self.rope_theta is not None:
-            rotary_dim = _rotary_dim(rope_fraction, rope_width, True)
-            self._inv_freq = rope_frequencies(rotary_dim, self.rope_theta, self.rope_scaling)
+        _init_rope(self, rope_width, rope_fraction, rope_sections_interleaved)  # self._inv_freq, ... (positions)
         rng = np.random.default_rng(seed)
         self.params = {}  # `weight_shapes` reads it (int8)
         self.params.update({name: _initial_value(rng, name, shape) for name, shape in self.weight_shapes().items()})
@@ -983,6 +983,16 @@ def _check_rope(rope_width, rope_theta, rope_fraction, rope_scaling, rope_sectio
     }
 
 
+def _init_rope(layer, rope_width, rope_fraction, rope_sections_interleaved):
+    """`rope_sections_interleaved`, checked, and the RoPE frequencies `_inv_freq` ((R/2,), computed
+    once; None without RoPE) of heads `rope_width` wide."""
+    layer.rope_sections_interleaved = _flag("rope_sections_interleaved", rope_sections_interleaved)
+    layer._inv_freq = None
+    if layer.rope_theta is not None:
+        rotary_dim = _rotary_dim(rope_fraction, rope_width, True)
+        layer._inv_freq = rope_frequencies(rotary_dim, layer.rope_theta, layer.rope_scaling)
+
+
 def _rotary_dim(rope_fraction, head_dim, rope):
     """R = int(H * rope_fraction), the rotated features of each head (None without RoPE).
     `rope_fraction` is checked whether or not RoPE is on: a Python or NumPy number in (0, 1];
@@ -1200,23 +1210,33 @@ def scale_rotated(x, rotary_dim, factor):
     return np.concatenate([x[..., :rotary_dim] * factor, x[..., rotary_dim:]], axis=-1)  # (B, heads, T, H)
 
 
-def rope_angles(positions, inv_freq, sections=None):
-    """(B, T, R/2) angles: (B, T) positions times the (R/2,) inv_freq; with `sections` (multimodal
-    RoPE) the pairs are split, in order, into sections of those sizes, and pair i of section j
-    turns by positions[j] * inv_freq[i], from (k, B, T) positions."""
+def rope_angles(positions, inv_freq, sections=None, sections_interleaved=False):
+    """(B, T, R/2) angles: (B, T) positions times the (R/2,) inv_freq; with `sections`
+    (multimodal RoPE) pair i turns by positions[j] * inv_freq[i] from (k, B, T) positions, j its
+    row (`_section_rows`: runs of the sections' sizes, or dealt in turn with `sections_interleaved`)."""
     if sections is None:
         return positions[..., None] * inv_freq  # (B, T, 1) * (R/2,) -> (B, T, R/2)
-    bounds = np.cumsum(sections)[:-1]  # where each section after the first starts
-    parts = np.split(inv_freq, bounds)  # k pieces of inv_freq, one per section
-    angles = [rows[..., None] * part for rows, part in zip(positions, parts, strict=True)]  # k x (B, T, section)
-    return np.concatenate(angles, axis=-1)  # (B, T, R/2)
+    rows = positions[_section_rows(sections, sections_interleaved)]  # (k, B, T) -> (R/2, B, T)
+    return np.moveaxis(rows, 0, -1) * inv_freq  # (R/2, B, T) -> (B, T, R/2)
 
 
-def apply_rope(x, positions, inv_freq, interleaved, sections=None):
+def _section_rows(sections, interleaved):
+    """The row of (k, B, T) positions that turns each of the R/2 pairs: row j turns a run of
+    `sections[j]` pairs, in order; `interleaved` (Qwen3-VL) deals them in turn: pair i by row
+    i % k while i < k * sections[i % k], else by row 0."""
+    k = len(sections)
+    if not interleaved:
+        return [j for j, size in enumerate(sections) for _ in range(size)]
+    return [i % k if i < k * sections[i % k] else 0 for i in range(sum(sections))]
+
+
+def apply_rope(x, positions, inv_freq, interleaved, sections=None, sections_interleaved=False):
     """Rotates the first R = 2 * len(inv_freq) features of each head of x (B, heads, T, H) by the
-    angles positions * inv_freq (per section with `sections`, see `rope_angles`); `interleaved`
+    angles positions * inv_freq (per section with `sections` and `sections_interleaved`, see
+    `rope_angles`); `interleaved`
     pairs features (2i, 2i + 1), else (i, i + R/2)."""
-    angles = rope_angles(positions, inv_freq, sections)[:, None]  # (B, T, R/2) -> (B, 1, T, R/2)
+    angles = rope_angles(positions, inv_freq, sections, sections_interleaved)  # (B, T, R/2)
+    angles = angles[:, None]  # (B, T, R/2) -> (B, 1, T, R/2)
     cos, sin = np.cos(angles), np.sin(angles)
     r = 2 * inv_freq.shape[0]
     rotated, rest = x[..., :r], x[..., r:]  # (B, heads, T, R), (B, heads, T, H - R)
@@ -1237,23 +1257,24 @@ def _rotate(layer, q, k, positions):
 
 def _turn(layer, x, positions):
     """RoPE of the first R features of each head of x (B, heads, T, H), times YaRN's factor."""
-    x = apply_rope(x, positions, layer._inv_freq, layer.rope_interleaved, layer.rope_sections)  # (B, heads, T, H)
+    sections = layer.rope_sections, layer.rope_sections_interleaved  # multimodal RoPE: sections (or None), their layout
+    x = apply_rope(x, positions, layer._inv_freq, layer.rope_interleaved, *sections)  # (B, heads, T, H)
     return scale_rotated(x, 2 * layer._inv_freq.shape[0], rope_attention_factor(layer.rope_scaling))
 
 
-def _rope_backward(d, positions, inv_freq, interleaved, factor, sections):
+def _rope_backward(d, positions, inv_freq, interleaved, factor, sections, sections_interleaved=False):
     """Step 4 backward: RoPE is a rotation (times YaRN's factor): its backward scales, turns back
     (each section by its own rows of positions)."""
     d = scale_rotated(d, 2 * inv_freq.shape[0], factor)
-    return apply_rope(d, -positions, inv_freq, interleaved, sections)
+    return apply_rope(d, -positions, inv_freq, interleaved, sections, sections_interleaved)
 
 
 def _turn_back(layer, d, positions):
     """Step 4 backward for a gradient (B, heads, T, H) of turned features (unchanged without RoPE)."""
     if layer._inv_freq is None:
         return d
-    factor = rope_attention_factor(layer.rope_scaling)
-    return _rope_backward(d, positions, layer._inv_freq, layer.rope_interleaved, factor, layer.rope_sections)
+    factor, sections = rope_attention_factor(layer.rope_scaling), (layer.rope_sections, layer.rope_sections_interleaved)
+    return _rope_backward(d, positions, layer._inv_freq, layer.rope_interleaved, factor, *sections)
 
 
 # Queries scaled by position (`query_scaling`, docs/SPEC.md "Queries scaled by position"): each query row times

@@ -130,6 +130,8 @@ class MultiHeadAttention(nn.Module):
         rope_scaling: None or a `transformers` rope_scaling dict: "linear", "llama3", "yarn" or "proportional".
         rope_sections: None or the numbers of pairs (summing to R/2) that turn by each row of
             (k, B, T) `positions` (Qwen2-VL's multimodal RoPE).
+        rope_sections_interleaved: if True, the sections' pairs are dealt in turn (Qwen3-VL's
+            `mrope_interleaved`): pair i by row i % k while i < k * rope_sections[i % k], else row 0.
         qk_norm: None, "head" (one scale for every head: Qwen3), "per_head" (StableLM) or "all"
             (over all heads: OLMo2): q and k normalized by the weights `query_norm`, `key_norm`.
         qk_norm_eps, qk_norm_type, qk_norm_bias: that norm's epsilon, "rms" or "layer" (LayerNorm),
@@ -208,7 +210,7 @@ class MultiHeadAttention(nn.Module):
         kv_lora_rank=None, q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None,
         latent_norm_eps=1e-6, device=None, dtype=None, query_scaling=None, kv_shared=False, keys_as_values=False,
         value_norm=False, index_topk=None, index_num_heads=None, index_head_dim=None, index_rope_interleaved=False,
-        index_query_input_norm=False,
+        index_query_input_norm=False, rope_sections_interleaved=False,
     ):  # fmt: skip
         super().__init__()
         self.d_model = _positive_int("d_model", d_model)
@@ -255,6 +257,7 @@ class MultiHeadAttention(nn.Module):
         _make_weights(self, latent, variants.sinks, variants.gate, {"device": device, "dtype": dtype})
         _make_query_scaling(self)  # learned query scales (positions)
         _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
+        self.rope_sections_interleaved = _flag("rope_sections_interleaved", rope_sections_interleaved)  # positions
         self._warned_traps, self._fused = set(), None  # mask habits warned of; q/k/v kernels kept (no_grad)
         self.reset_parameters()
 
@@ -1746,7 +1749,8 @@ def _rotate(layer, q, k, positions):
 def _turn_heads(layer, x, positions):
     """RoPE of the first R features of each head of x (B, heads, T, H), times YaRN's factor."""
     inv_freq = layer._inv_freq.to(x.device)  # (R/2,) float32
-    x = apply_rope(x, positions, inv_freq, layer.rope_interleaved, layer.rope_sections)  # (B, heads, T, H)
+    sections = layer.rope_sections, layer.rope_sections_interleaved  # multimodal RoPE: sections (or None), their layout
+    x = apply_rope(x, positions, inv_freq, layer.rope_interleaved, *sections)  # (B, heads, T, H)
     return scale_rotated(x, layer._rotary_dim, rope_attention_factor(layer.rope_scaling))
 
 
@@ -1759,7 +1763,7 @@ def scale_rotated(x, rotary_dim, factor):
     return torch.cat((x[..., :rotary_dim] * factor, x[..., rotary_dim:]), dim=-1)  # (B, heads, T, H)
 
 
-def apply_rope(x, positions, inv_freq, interleaved, sections=None):
+def apply_rope(x, positions, inv_freq, interleaved, sections=None, sections_interleaved=False):
     """Rotary position embeddings: turns the first R = 2 * len(inv_freq) features of each head.
 
     Args:
@@ -1770,27 +1774,40 @@ def apply_rope(x, positions, inv_freq, interleaved, sections=None):
             True pairs features 2i and 2i + 1 (GPT-J).
         sections: None, or k numbers of pairs summing to R/2 (multimodal RoPE, Qwen2-VL): the
             pairs of section j turn by the positions of row j.
+        sections_interleaved: if True, the sections' pairs are dealt in turn (`_section_rows`,
+            Qwen3-VL), not in runs.
 
     Returns:
         x with each pair (x1, x2) at position p turned to (x1 cos - x2 sin, x2 cos + x1 sin) by the
         angle p * inv_freq[i] (computed in float32), cast back to x's dtype; the other H - R
         features unchanged.
     """
-    angles = rope_angles(positions, inv_freq, sections)[:, :, None, :]  # (B, T, R/2) -> (B, T, 1, R/2)
+    angles = rope_angles(positions, inv_freq, sections, sections_interleaved)  # (B, T, R/2)
+    angles = angles[:, :, None, :]  # (B, T, R/2) -> (B, T, 1, R/2)
     cos, sin = angles.cos(), angles.sin()  # (B, T, 1, R/2)
     cos, sin = _on_pairs(cos, cos, interleaved), _on_pairs(-sin, sin, interleaved)  # (B, T, 1, R)
     x = x.transpose(1, 2)  # (B, heads, T, H) -> (B, T, heads, H), the projections' memory order
     return _Turn.apply(x, cos, sin, interleaved).transpose(1, 2)  # -> (B, heads, T, H)
 
 
-def rope_angles(positions, inv_freq, sections=None):
+def rope_angles(positions, inv_freq, sections=None, sections_interleaved=False):
     """(B, T, R/2) float32 angles: (B, T) positions times the (R/2,) inv_freq; with `sections`
-    (multimodal RoPE) the pairs are split, in order, into sections of those sizes, and pair i of
-    section j turns by positions[j] * inv_freq[i], from (k, B, T) positions."""
+    (multimodal RoPE) pair i turns by positions[j] * inv_freq[i] from (k, B, T) positions, j its
+    row (`_section_rows`: runs of the sections' sizes, or dealt in turn with `sections_interleaved`)."""
     if sections is None:
         return positions[:, :, None].float() * inv_freq  # (B, T, 1) * (R/2,) -> (B, T, R/2)
-    rows = zip(positions.unbind(0), inv_freq.split(sections), strict=True)  # k x ((B, T), (R_j/2,))
-    return torch.cat([row[:, :, None].float() * part for row, part in rows], dim=-1)  # -> (B, T, R/2)
+    index = torch.tensor(_section_rows(sections, sections_interleaved), device=positions.device)  # (R/2,)
+    return positions.index_select(0, index).permute(1, 2, 0).float() * inv_freq  # (k, B, T) -> (B, T, R/2)
+
+
+def _section_rows(sections, interleaved):
+    """The row of (k, B, T) positions that turns each of the R/2 pairs: row j turns a run of
+    `sections[j]` pairs, in order; `interleaved` (Qwen3-VL) deals them in turn: pair i by row
+    i % k while i < k * sections[i % k], else by row 0."""
+    k = len(sections)
+    if not interleaved:
+        return [j for j, size in enumerate(sections) for _ in range(size)]
+    return [i % k if i < k * sections[i % k] else 0 for i in range(sum(sections))]
 
 
 def _turn(x, cos, sin, interleaved):
@@ -4116,6 +4133,7 @@ def _non_defaults(layer):
         **_score_settings(layer),
         "rope_theta": layer.rope_theta,
         "rope_sections": layer.rope_sections if layer.rope_theta is not None else None,
+        "rope_sections_interleaved": True if layer.rope_sections_interleaved and layer.rope_sections else None,
         "qk_norm": layer.qk_norm,
         "qk_norm_type": layer.qk_norm_type if layer.qk_norm is not None and layer.qk_norm_type != "rms" else None,
         "qk_norm_bias": True if layer.qk_norm is not None and layer.qk_norm_bias else None,

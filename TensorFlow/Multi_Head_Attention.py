@@ -140,6 +140,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         rope_interleaved: False pairs feature i with i + R/2; True pairs 2i and 2i + 1.
         rope_scaling: None, {"rope_type": "linear", "factor": f}, a "llama3", "yarn" or "proportional" dict.
         rope_sections: None, or the rotated pairs (summing to R/2) turned by each row of (k, B, T) `positions`.
+        rope_sections_interleaved: if True, the sections' pairs are dealt in turn (Qwen3-VL's
+            `mrope_interleaved`): pair i by row i % k while i < k * rope_sections[i % k], else row 0.
         qk_norm: None, "head" (Qwen3), "per_head" (StableLM, Cohere) or "all" (OLMo2): q's and k's norm.
         qk_norm_eps, qk_norm_type ("rms" or "layer"), qk_norm_bias (a learned bias: Phi): that norm's.
         sinks: if True, one learned logit per query head in the softmax's denominator.
@@ -214,7 +216,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
         kernel_initializer="glorot_uniform", bias_initializer="zeros", query_scaling=None, kv_shared=False,
         keys_as_values=False, value_norm=False, index_topk=None, index_num_heads=None, index_head_dim=None,
-        index_rope_interleaved=False, index_query_input_norm=False, **kwargs,
+        index_rope_interleaved=False, index_query_input_norm=False, rope_sections_interleaved=False, **kwargs,
     ):  # fmt: skip
         _check_backend()
         super().__init__(**kwargs)
@@ -249,6 +251,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             setattr(self, name, value)
         _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
+        self.rope_sections_interleaved = _flag("rope_sections_interleaved", rope_sections_interleaved)  # positions
         if self.rope_theta is not None:
             self._inv_freq = _inverse_frequencies(rope_fraction, rope_width, self.rope_theta, self.rope_scaling)
         self.kernel_initializer = tf.keras.initializers.get(kernel_initializer)
@@ -1213,7 +1216,8 @@ def _rotate(layer, q, k, v, positions):
 def _turn_heads(layer, x, positions):
     """x (B, heads, T, W) with its first R features turned, times YaRN's attention factor."""
     inv_freq = layer._inv_freq
-    x = apply_rope(x, positions, inv_freq, layer.rope_interleaved, layer.rope_sections)
+    sections = layer.rope_sections, layer.rope_sections_interleaved  # multimodal RoPE: sections (or None), their layout
+    x = apply_rope(x, positions, inv_freq, layer.rope_interleaved, *sections)
     return scale_rotated(x, 2 * inv_freq.shape[0], rope_attention_factor(layer.rope_scaling))
 
 
@@ -1326,7 +1330,7 @@ def scale_rotated(x, rotary_dim, factor):
     return tf.concat([x[..., :rotary_dim] * factor, x[..., rotary_dim:]], axis=-1)  # (B, heads, T, H)
 
 
-def apply_rope(x, positions, inv_freq, interleaved, sections=None):
+def apply_rope(x, positions, inv_freq, interleaved, sections=None, sections_interleaved=False):
     """Rotates the first R = 2 * len(inv_freq) features of each head of x.
 
     Args:
@@ -1337,13 +1341,16 @@ def apply_rope(x, positions, inv_freq, interleaved, sections=None):
             2i + 1 (GPT-J).
         sections: None, or k numbers of pairs summing to R/2 (multimodal RoPE): the pairs of
             section j turn by the positions of row j.
+        sections_interleaved: if True, the sections' pairs are dealt in turn (`_section_rows`,
+            Qwen3-VL), not in runs.
 
     Returns:
         x rotated, in its dtype; the angles and their cos and sin are float32.
     """
     inv_freq = tf.convert_to_tensor(inv_freq, tf.float32)
     rotary_dim = 2 * inv_freq.shape[0]
-    angles = tf.expand_dims(rope_angles(positions, inv_freq, sections), 1)  # (B, T, R/2) -> (B, 1, T, R/2)
+    angles = rope_angles(positions, inv_freq, sections, sections_interleaved)  # (B, T, R/2)
+    angles = tf.expand_dims(angles, 1)  # (B, T, R/2) -> (B, 1, T, R/2)
     dtype = _softmax_dtype(x.dtype)
     cos, sin = tf.cast(tf.cos(angles), dtype), tf.cast(tf.sin(angles), dtype)  # (B, 1, T, R/2)
     cos, sin = _on_pairs(cos, cos, interleaved), _on_pairs(-sin, sin, interleaved)  # (B, 1, T, R)
@@ -1354,17 +1361,25 @@ def apply_rope(x, positions, inv_freq, interleaved, sections=None):
     return tf.concat([turned, x[..., rotary_dim:]], axis=-1)  # (B, heads, T, H)
 
 
-def rope_angles(positions, inv_freq, sections=None):
+def rope_angles(positions, inv_freq, sections=None, sections_interleaved=False):
     """(B, T, R/2) float32 angles: (B, T) positions times the (R/2,) inv_freq; with `sections`
-    (multimodal RoPE) the pairs are split, in order, into sections of those sizes, and pair i of
-    section j turns by positions[j] * inv_freq[i], from (k, B, T) positions."""
+    (multimodal RoPE) pair i turns by positions[j] * inv_freq[i] from (k, B, T) positions, j its
+    row (`_section_rows`: runs of the sections' sizes, or dealt in turn with `sections_interleaved`)."""
     positions, inv_freq = tf.cast(positions, tf.float32), tf.convert_to_tensor(inv_freq, tf.float32)
     if sections is None:
         return tf.expand_dims(positions, -1) * inv_freq  # (B, T, 1) * (R/2,) -> (B, T, R/2)
-    parts = tf.split(inv_freq, list(sections))  # k pieces of inv_freq, one per section
-    rows = tf.unstack(positions, len(sections))  # k x (B, T)
-    angles = [tf.expand_dims(row, -1) * part for row, part in zip(rows, parts, strict=True)]  # k x (B, T, section)
-    return tf.concat(angles, axis=-1)  # (B, T, R/2)
+    rows = tf.gather(positions, _section_rows(sections, sections_interleaved))  # (k, B, T) -> (R/2, B, T)
+    return tf.transpose(rows, [1, 2, 0]) * inv_freq  # (R/2, B, T) -> (B, T, R/2)
+
+
+def _section_rows(sections, interleaved):
+    """The row of (k, B, T) positions that turns each of the R/2 pairs: row j turns a run of
+    `sections[j]` pairs, in order; `interleaved` (Qwen3-VL) deals them in turn: pair i by row
+    i % k while i < k * sections[i % k], else by row 0."""
+    k = len(sections)
+    if not interleaved:
+        return [j for j, size in enumerate(sections) for _ in range(size)]
+    return [i % k if i < k * sections[i % k] else 0 for i in range(sum(sections))]
 
 
 def _turn(x, cos, sin, interleaved):
@@ -3583,6 +3598,7 @@ def _config(layer):
         "bias_initializer": tf.keras.initializers.serialize(layer.bias_initializer),
         "query_scaling": None if layer.query_scaling is None else dict(layer.query_scaling),
         **{name: getattr(layer, name) for name in _SHARING_FLAGS},
+        "rope_sections_interleaved": layer.rope_sections_interleaved,
     }
     return config | _latent_config(layer, vdim_only=True)  # the key keeps its place
 
@@ -3595,6 +3611,7 @@ def _non_defaults(layer):
         **_score_settings(layer),
         "rope_theta": layer.rope_theta,
         "rope_sections": layer.rope_sections if layer.rope_theta is not None else None,
+        "rope_sections_interleaved": True if layer.rope_sections_interleaved and layer.rope_sections else None,
         "qk_norm": layer.qk_norm,
         "qk_norm_type": layer.qk_norm_type if layer.qk_norm is not None and layer.qk_norm_type != "rms" else None,
         "qk_norm_bias": True if layer.qk_norm is not None and layer.qk_norm_bias else None,

@@ -405,6 +405,15 @@ CASES = [
         variants=(("rope_theta", 1000000.0), ("rope_sections", (2, 1, 1))),
     ),
     Case(
+        "qwen3_vl_like",  # Qwen3-VL's multimodal RoPE: the sections' pairs dealt to the rows in turn
+        e=32,
+        k=2,
+        self_attention=True,
+        causal=True,
+        positions="sections",
+        variants=(("rope_theta", 10000.0), ("rope_sections", (2, 1, 1)), ("rope_sections_interleaved", True)),
+    ),
+    Case(
         "float16_new_variants",
         dtype="float16",
         e=32,

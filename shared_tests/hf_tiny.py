@@ -27,6 +27,7 @@ import functools
 import importlib
 import inspect
 import pkgutil
+import re
 
 import numpy as np
 
@@ -383,13 +384,28 @@ def _shrink_rope(config):
             entry["mrope_section"] = scaled
 
 
+def _named_sections(config, cls):
+    """The config with its multimodal RoPE's default sections written in (`mrope_section`, read from the rotary
+    embedding of `cls`'s modeling module), so that `_shrink_rope` cuts them to the tiny head, as the config's own."""
+    parameters = getattr(config, "rope_parameters", None)
+    source = "".join(
+        inspect.getsource(value)
+        for name, value in vars(importlib.import_module(cls.__module__)).items()
+        if name.endswith("RotaryEmbedding") and inspect.isclass(value)
+    )
+    default = re.search(r'get\("mrope_section", \[([\d, ]+)\]\)', source)
+    if isinstance(parameters, dict) and default is not None and not parameters.get("mrope_section"):
+        parameters["mrope_section"] = [int(n) for n in default.group(1).split(",")]
+    return config
+
+
 def tiny_model(model_type):
     """The family's tiny random model (float32, eval mode), or `NotBuiltError` with why."""
     import torch
 
     cls = model_class(model_type)
     try:
-        config = shrink(cls.config_class())
+        config = shrink(_named_sections(cls.config_class(), cls))
         torch.manual_seed(SEED)
         if model_type in text_decoder_families():
             cls = _text_decoder_lm(cls)

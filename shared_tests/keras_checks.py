@@ -467,7 +467,8 @@ def check_attention_chunk():
 def check_rope_sections():
     """`rope_sections` (multimodal RoPE): with (k, B, T) positions the outputs, weights and
     gradients equal NumPy's (also with rope_fraction, interleaved pairs and YaRN); one row of
-    positions for every section is plain RoPE; decoding with (k, B, 1) positions (each step under
+    positions for every section is plain RoPE, and the pairs dealt to the rows in turn
+    (`rope_sections_interleaved`) too; decoding with (k, B, 1) positions (each step under
     `jax.jit` on JAX) and in `ops.while_loop` equals the full pass; `.keras` keeps the sections."""
     import keras
     from keras import ops
@@ -486,6 +487,9 @@ def check_rope_sections():
         (Case("mrope_yarn", e=32, t=5, s=5, variants=(
             ("rope_theta", 10000.0), ("rope_scaling", YARN_SCALING), ("rope_sections", (2, 2)),
         )), 2),
+        (Case("mrope_dealt", e=32, t=5, s=5, causal=True, variants=(
+            ("rope_theta", 100.0), ("rope_sections", (2, 1, 1)), ("rope_sections_interleaved", True),
+        )), 3),
     )  # fmt: skip
     for case, k in cases:
         data = make_data(case)
@@ -512,6 +516,8 @@ def check_rope_sections():
     _close(_while_loop_decode(layer, x, sections), full, "M-RoPE while_loop decoding", 1e-5)
     _close(_while_loop_decode(layer, x), plain(x, causal=True), "M-RoPE while_loop decoding, default positions", 1e-5)
     assert layer.get_config()["rope_sections"] == [1, 1] and layer.rope_sections == (1, 1)
+    dealt = _layer(num_kv_heads=2, rope_theta=100.0, rope_sections=(1, 1), rope_sections_interleaved=True)
+    assert type(dealt).from_config(dealt.get_config()).rope_sections_interleaved is True
     _saves_and_loads(layer, ops.convert_to_tensor(x), "rope sections")
 
 

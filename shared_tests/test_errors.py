@@ -56,6 +56,7 @@ CASES = {
     "rope_sections_int": ({**BASE, "rope_theta": 10000.0, "rope_sections": 2}, None, r"`rope_sections` must be None or a list or tuple of positive integers\. Received: rope_sections=2"),
     "rope_sections_zero_without_rope": ({**BASE, "rope_sections": (2, 0)}, None, r"`rope_sections` must be None or a list or tuple of positive integers\. Received: rope_sections=\(2, 0\)"),
     "rope_sections_sum": ({**BASE, "rope_theta": 10000.0, "rope_sections": (1, 2)}, None, r"`rope_sections` must sum to R/2 = 2, the pairs RoPE rotates \(R = int\(head_dim \* rope_fraction\) = 4\)\. Received: rope_sections=\(1, 2\)"),
+    "rope_sections_interleaved_int": ({**BASE, "rope_theta": 10000.0, "rope_sections": (1, 1), "rope_sections_interleaved": 1}, None, r"`rope_sections_interleaved` must be True or False\. Received: rope_sections_interleaved=1"),
     "rope_theta_negative": ({**BASE, "rope_theta": -1.0}, None, r"`rope_theta` must be None or a positive float\. Received: rope_theta=-1\.0"),
     "rope_fraction_odd": ({**BASE, "rope_theta": 10000.0, "rope_fraction": 0.25}, None, r"`rope_fraction` must be in \(0, 1\] and rotate an even number R = int\(head_dim \* rope_fraction\) >= 2 of features\. Received: rope_fraction=0\.25, head_dim=4"),
     "rope_scaling_unknown": ({**BASE, "rope_theta": 10000.0, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, None, r"`rope_scaling` must be None or a dict whose rope_type is 'linear', 'llama3', 'yarn' or 'proportional', with its parameters\. Received: rope_scaling="),

@@ -2171,7 +2171,9 @@ def test_replace_attention_refuses_a_model_it_cannot_swap():
     with pytest.raises(ValueError, match=r"`model` must hold attention modules of the Llama kind .* Received: Bloom"):
         replace_attention(copy.deepcopy(_model("bloom")))  # ALiBi: its bias is not the module's to build
     model = copy.deepcopy(_model("qwen2_vl"))
-    with pytest.raises(ValueError, match=r"`model` must rotate by one row of positions: .* Received: Qwen2VLAttention"):
+    with pytest.raises(ValueError, match=r"`model` must hold the rotary embedding \(`rotary_emb`\) of its multimodal "
+                       r"RoPE above its attention modules: .* Received: none above layers\.0\.self_attn$"):  # fmt: skip
+        del model.rotary_emb  # where the (3, B, T) positions come from
         replace_attention(model)
     assert type(model.layers[0].self_attn).__name__ == "Qwen2VLAttention"  # refused before any swap
 

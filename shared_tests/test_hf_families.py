@@ -11,6 +11,7 @@ sinks, NoPE layers, interleaved RoPE, refusals); `HF_FAMILIES=all` runs every fa
 that the committed census is what `interop.hf.census` computes now (the long mode: docs/testing.md).
 """
 
+import copy
 import os
 import warnings
 
@@ -39,7 +40,7 @@ SAMPLE = {  # a spread over the porters: listed families, and each kind of struc
     "rembert",  # refused: the BERT kind's structure with a forward of its own
     "codegen",  # the listed GPT kind: GPT-J's attention, a fused projection of 4 shards
     "molmo2",  # a vision-language model's text decoder alone, under a linear head
-    "cosmos3_edge",  # refused: a text decoder turned by a multimodal RoPE (`mrope_section`)
+    "cosmos3_edge",  # by structure: a text decoder turned by Qwen3-VL's multimodal RoPE (the pairs dealt in turn)
 }
 CLASSES, FAMILIES = census.read_table()
 VERDICTS = {model_type: (verdict, detail) for model_type, _, verdict, detail in FAMILIES}
@@ -132,3 +133,55 @@ def test_ministral3_scales_its_queries_by_position_past_the_floor():
     torch.manual_seed(hf_tiny.SEED)
     result = hf_tiny.check_replaced(cls(config).float().eval())
     assert result["replaced"] and result["tokens"] > 0
+
+
+MROPE_FAMILIES = (  # one family per kind of multimodal RoPE that `replace_attention` ports
+    "qwen2_vl",  # Qwen2-VL's contiguous sections over the whole head, listed
+    "glm4v_moe",  # the same sections over a partial head (half the features turn), by structure
+    "glm4v",  # the same sections, the features paired interleaved (cos and sin repeated pairwise), by structure
+    "qwen3_vl",  # Qwen3-VL's: the pairs dealt to the rows in turn (`rope_sections_interleaved`), by structure
+)
+
+
+def _distinct_rows(mask):
+    """(3, B, T) positions whose rows differ, as an image's tokens get: the text positions of the left-padded rows
+    (`cumsum(mask) - 1`), then their height and width rows offset from them."""
+    import torch
+
+    text = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
+    return torch.stack([text, text + 37 * (text % 3), 2 * text + 500 * (text % 2)])  # (B, T) -> (3, B, T)
+
+
+@pytest.mark.parametrize("model_type", MROPE_FAMILIES)
+def test_multimodal_rope_rows_reach_the_replaced_layers(model_type):
+    """The text decoder called with (3, B, T) positions whose rows differ (which a text-only test cannot tell
+    from one row): after `replace_attention` its logits on a left-padded batch, then those of one decoding step
+    with the model's cache, are transformers' within `hf_tiny.LOGITS_TOL`."""
+    from interop.hf import replace_attention
+
+    model = hf_tiny.tiny_model(model_type)
+    ours = copy.deepcopy(model)
+    replace_attention(ours)
+    ids, mask = hf_tiny.prompts()
+    theirs, mine = (_prefill_step_full(run, ids, mask, _distinct_rows(mask)) for run in (model, ours))
+    for reference, replaced in zip(theirs, mine, strict=True):
+        difference = float((replaced - reference).abs().max())
+        assert difference <= hf_tiny.LOGITS_TOL * max(1.0, float(reference.std())), difference
+
+
+def _prefill_step_full(model, ids, mask, positions):
+    """The logits of the real tokens of a full pass, and of the last token decoded after a prefill of the others
+    with the model's cache, each called with its (3, B, T) `positions`."""
+    import torch
+
+    with torch.no_grad():
+        prefill = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[..., :-1])
+        step = model(
+            input_ids=ids[:, -1:],
+            attention_mask=mask,
+            position_ids=positions[..., -1:],
+            past_key_values=prefill.past_key_values,
+            use_cache=True,
+        )
+        full = model(input_ids=ids, attention_mask=mask, position_ids=positions)
+    return full.logits[mask.bool()], step.logits[:, -1]  # (real tokens, vocabulary), (B, vocabulary)

@@ -117,6 +117,7 @@ def test_case_table_covers_the_issue():
         "rope_interleaved",
         "rope_scaling",
         "rope_sections",
+        "rope_sections_interleaved",
         "qk_norm",
         "qk_norm_eps",
         "qk_norm_type",

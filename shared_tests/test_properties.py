@@ -465,6 +465,7 @@ ARGUMENT_VALUES = {  # valid and invalid values of each constructor argument, in
     "rope_theta": [None, 10.0, np.float32(10.0), 100, 0.0, -1.0, "10"],
     "rope_fraction": [1.0, 0.5, np.float32(0.5), 1, 0.25, 1.5, 0.0, None, True, "1"],
     "rope_interleaved": [False, True, np.bool_(True), 1, None, "yes"],
+    "rope_sections_interleaved": [False, True, np.bool_(True), 1, None],
     "rope_scaling": [
         None, LINEAR, ROPE_SCALINGS[2], ROPE_SCALINGS[3], {**YARN, "truncate": "no"}, {**YARN, "beta_slow": 64.0},
         {"rope_type": "dynamic", "factor": 2.0}, {"type": "linear", "factor": np.float32(2.0)}, {"rope_type": "linear"},
@@ -481,7 +482,7 @@ ARGUMENT_VALUES = {  # valid and invalid values of each constructor argument, in
 ATTRIBUTES = (
     "d_model", "num_heads", "num_kv_heads", "head_dim", "kdim", "vdim", "dropout", "bias", "scale", "softcap", "window",
     "attention_chunk_size", "rope_theta", "rope_fraction", "rope_interleaved", "rope_scaling", "rope_sections", "qk_norm",
-    "qk_norm_eps", "qk_norm_type", "qk_norm_bias", "clip_qkv",
+    "qk_norm_eps", "qk_norm_type", "qk_norm_bias", "clip_qkv", "rope_sections_interleaved",
 )  # fmt: skip
 
 

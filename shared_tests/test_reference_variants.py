@@ -14,6 +14,7 @@ from NumPy.Multi_Head_Attention import (
     alibi_bias,
     apply_rope,
     dot_product_attention,
+    rope_angles,
     rope_attention_factor,
     rope_frequencies,
 )
@@ -549,17 +550,24 @@ def _mrope_positions(seed=0):
     return np.random.default_rng(seed).integers(0, 50, size=(3, B, T))
 
 
+SECTION_ROWS = {False: [0, 1, 1, 2], True: [0, 1, 2, 0]}  # the row of each pair for sections (1, 2, 1): runs, dealt
+
+
+@pytest.mark.parametrize("dealt", [False, True])
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_rope_sections_turn_each_pair_by_its_sections_row(interleaved):
-    """Pair i of section j, read as a complex number, is multiplied by exp(i * positions[j] * inv_freq[i])."""
+def test_rope_sections_turn_each_pair_by_its_sections_row(interleaved, dealt):
+    """Pair i of section j, read as a complex number, is multiplied by exp(i * positions[j] * inv_freq[i]); with
+    `rope_sections_interleaved` the pairs are dealt to the rows in turn (pair i by row i % 3 while
+    i < 3 * sections[i % 3], else row 0)."""
     positions = _mrope_positions()
     layer = MultiHeadAttention(
-        E, N, head_dim=8, rope_theta=100.0, rope_sections=[1, 2, 1], rope_interleaved=interleaved, seed=0
-    )
-    assert layer.rope_sections == (1, 2, 1)
+        E, N, head_dim=8, rope_theta=100.0, rope_sections=[1, 2, 1], rope_interleaved=interleaved, seed=0,
+        rope_sections_interleaved=dealt,
+    )  # fmt: skip
+    assert layer.rope_sections == (1, 2, 1) and layer.rope_sections_interleaved is dealt
     w, x = layer.export_weights(), _x()
     inv_freq = rope_frequencies(8, 100.0)  # (4,)
-    row = np.array([0, 1, 1, 2])  # the section of each pair
+    row = np.array(SECTION_ROWS[dealt])  # the row of each pair
     angles = positions[row].transpose(1, 2, 0) * inv_freq  # (B, T, 4): pair i by positions[row[i]]
 
     def turned(y):
@@ -577,6 +585,34 @@ def test_rope_sections_turn_each_pair_by_its_sections_row(interleaved):
     k = turned(x @ w["key_kernel"] + w["key_bias"])
     _, weights = layer(x, positions=positions, return_attention=True)
     np.testing.assert_allclose(weights, _softmax(q @ k.swapaxes(-1, -2) / math.sqrt(8)), atol=FLOAT64_TOL)
+
+
+@pytest.mark.parametrize("sections", [(2, 1, 1), (4, 2, 2), (24, 20, 20)])
+def test_interleaved_rope_sections_are_qwen3_vls_frequencies(sections):
+    """`rope_sections_interleaved`'s angles are those of Qwen3-VL's `recomposition_frequencies` (transformers
+    5.23, transcribed): row 0's, overwritten by row d's at pairs d, d + 3, ... below 3 * sections[d], d = 1, 2."""
+    positions = np.random.default_rng(0).integers(0, 50, size=(3, B, T))
+    inv_freq = rope_frequencies(2 * sum(sections), 100.0)  # (R/2,)
+    freq = positions[..., None] * inv_freq  # (3, B, T, R/2)
+    expected = freq[0].copy()
+    for d in (1, 2):
+        expected[..., d : 3 * sections[d] : 3] = freq[d, ..., d : 3 * sections[d] : 3]
+    np.testing.assert_array_equal(rope_angles(positions, inv_freq, sections, True), expected)
+    assert not np.array_equal(rope_angles(positions, inv_freq, sections), expected)  # the runs differ
+
+
+def test_interleaved_sections_gradients_match_finite_differences():
+    """The backward turns each pair back by the row that turned it: sections (2, 1, 1) dealt in turn give rows
+    0, 1, 2, 0 to the 4 pairs, where the runs give 0, 0, 1, 2."""
+    layer = MultiHeadAttention(
+        8, 2, head_dim=8, rope_theta=100.0, rope_sections=(2, 1, 1), rope_sections_interleaved=True, seed=0
+    )
+    layer, x, upstream = _perturbed(layer), _x(1, (B, 4, 8)), _x(2, (B, 4, 8))
+    positions = np.random.default_rng(4).integers(0, 30, size=(3, B, 4))
+    grads = _finite_differences(
+        layer, lambda: layer(x, positions=positions, causal=True), upstream, {"query": x, **layer.params}
+    )
+    assert grads.keys() == {"query", *layer.params}
 
 
 def test_rope_sections_with_one_row_everywhere_are_plain_rope():

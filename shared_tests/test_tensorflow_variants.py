@@ -1008,6 +1008,15 @@ def test_dot_product_attention_new_masks_match_the_formula(variant):
     _close(context, expected, OUTPUT_TOL)
 
 
+def test_rope_sections_interleaved_survives_get_config():
+    layer = MultiHeadAttention(
+        E, N, rope_theta=100.0, head_dim=8, rope_sections=[2, 1, 1], rope_sections_interleaved=True
+    )
+    assert layer.get_config()["rope_sections_interleaved"] is True
+    assert MultiHeadAttention.from_config(layer.get_config()).rope_sections_interleaved is True
+    assert MultiHeadAttention(E, N).get_config()["rope_sections_interleaved"] is False
+
+
 def test_rope_sections_with_one_row_are_plain_rope_and_rows_turn_their_pairs():
     plain = _layer({"rope_theta": 100.0, "head_dim": 8})
     sections = MultiHeadAttention(E, N, rope_theta=100.0, head_dim=8, rope_sections=[1, 3])

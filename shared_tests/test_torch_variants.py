@@ -1428,6 +1428,7 @@ NEW_VARIANTS = {
     "chunk": {"attention_chunk_size": 4},
     "chunk_window_pair": {"attention_chunk_size": 4, "window": (2, 3)},
     "mrope": {"rope_theta": 100.0, "rope_sections": (1, 2, 1)},
+    "mrope_dealt": {"rope_theta": 100.0, "rope_sections": (2, 1, 1), "rope_sections_interleaved": True},  # Qwen3-VL
     "mrope_partial_interleaved_yarn": {
         "rope_theta": 100.0,
         "rope_fraction": 0.5,
@@ -1558,7 +1559,7 @@ def test_new_norm_weights_get_gradients():
         assert torch.isfinite(grad).all() and (grad.abs().sum(-1) > 0).all(), name
 
 
-DECODE_VARIANTS = ["window_pair", "chunk", "chunk_window_pair", "mrope", "everything_new"]
+DECODE_VARIANTS = ["window_pair", "chunk", "chunk_window_pair", "mrope", "mrope_dealt", "everything_new"]
 
 
 def _decode_steps(layer, x, chunks, length, causal, positions=None, return_attention=False, cache=None):

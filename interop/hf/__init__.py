@@ -47,7 +47,11 @@ These call arguments reproduce them (`attention_mask` is the model's (B, S) 0/1 
   layers, Kimi Linear's MLA layers) takes no `positions`.
   Qwen2-VL's and Qwen2.5-VL's multimodal RoPE (`rope_sections`) takes the (3, B, T) positions its
   rotary embedding reads, one row per section (`generate` passes (4, B, T): the text positions,
-  then these three; for text alone the three rows are the text positions).
+  then these three; for text alone the three rows are the text positions); `replace_attention` hands
+  them to the swapped layers from a forward pre-hook on the model's `rotary_emb`. The same kind
+  recognised by structure ports likewise (Qwen2.5-Omni's thinker, GLM-4V-MoE, GLM-Image, PaddleOCR-VL; GLM-4V
+  and GLM-OCR with `rope_interleaved`), and so does Qwen3-VL's, its pairs dealt to the rows in turn
+  (`rope_sections_interleaved`: Qwen3-VL and its MoE, Qwen3-Omni's thinker, Cosmos 3 Edge).
 - Gemma 3n and Gemma 4 (`interop.hf.shared`): as Llama, and a shared layer (`kv_shared`) also
   `shared_kv=` its store layer's `(k, v)` (that layer's call with `return_kv=True`) or, decoding, its cache.
 - GPT-2, GPT-Neo, GPTBigCode, OPT, the BART and Whisper decoders' self-attention (and the BART kind's):

@@ -9,14 +9,17 @@ from .tensors import _blocks, _separate_projections, _split_fused, _tensor
 
 
 def _rotary(
-    config, tensors, index, *, interleaved=False, scale=None, rope="all", norm="rms", mrope=False, **norm_options
-):
+    config, tensors, index, *, interleaved=False, scale=None, rope="all", norm="rms", mrope=False,
+    mrope_interleaved=False, **norm_options,
+):  # fmt: skip
     """Llama and its descendants: q_proj, k_proj, v_proj and o_proj (Phi: dense; Phi3: a fused qkv_proj),
     RoPE from the config (`interleaved`: Cohere and GLM pair features 2i and 2i + 1; `scale`: the config
     key of a scale other than 1 / sqrt(H); `rope`: "all", "sliding" (Cohere2) or "no_rope_layers" (SmolLM3)
     for the layers that rotate; `norm`: the QK-norm of `q_norm`, "rms" or "layer" (Cohere); `mrope`: Qwen2-VL's
-    multimodal RoPE, `mrope_section`; `norm_options`: the QK-norm's `norm_eps` and `norm_offset` where the module
-    says them, `interop.hf.structure`)."""
+    multimodal RoPE, `mrope_section` (True: Qwen2-VL's default sections (16, 24, 24) where the config names none;
+    a tuple: that family's default; `mrope_interleaved`: Qwen3-VL's, the pairs dealt to the rows in turn, also
+    where the config's `mrope_interleaved` says so); `norm_options`: the QK-norm's `norm_eps` and `norm_offset`
+    where the module says them, `interop.hf.structure`)."""
     head_dim, num_heads = _head_dim(config), config["num_attention_heads"]
     num_kv_heads = config.get("num_key_value_heads") or num_heads
     if "qkv_proj.weight" in tensors:  # Phi3
@@ -33,8 +36,11 @@ def _rotary(
         kwargs |= _rope_kwargs(parameters, head_dim)
         if interleaved:
             kwargs["rope_interleaved"] = True
-        if mrope:  # transformers' default sections where the config names none
-            kwargs["rope_sections"] = tuple(int(n) for n in parameters.get("mrope_section", (16, 24, 24)))
+        if mrope:  # the rotary embedding's default sections where the config names none
+            default = (16, 24, 24) if mrope is True else mrope
+            kwargs["rope_sections"] = tuple(int(n) for n in parameters.get("mrope_section", default))
+            if mrope_interleaved or parameters.get("mrope_interleaved"):  # Qwen3-VL's: the pairs dealt in turn
+                kwargs["rope_sections_interleaved"] = True
     window = _window(config, index)
     if window is not None:
         kwargs["window"] = window

@@ -27,7 +27,9 @@ def replace_attention(model, layer_class=None):
     cache, is not. The model is switched to the "eager" attention implementation, whose masks are
     always materialized. Gemma 3n's and Gemma 4's layers share keys and values through the model's
     `shared_kv_states`: a "store" layer's wrapper puts its (k, v) there (`return_kv`), or its cache when
-    decoding, and a "reuse" layer's (`kv_shared`) passes them to its layer as `shared_kv`.
+    decoding, and a "reuse" layer's (`kv_shared`) passes them to its layer as `shared_kv`. A multimodal RoPE's
+    layers (`rope_sections`: Qwen2-VL, Qwen3-VL, GLM-4V, ...) take the (3, B, T) positions the model's rotary
+    embedding (`rotary_emb`) is called with, kept by a forward pre-hook on it (the modules get cos and sin).
 
     Args:
         model: a `transformers` PyTorch model of the Llama kind (the families with `q_proj`, `k_proj`,
@@ -49,7 +51,7 @@ def replace_attention(model, layer_class=None):
 
     Raises:
         ValueError: for a model with no attention module of these kinds, a module `port_attention` refuses,
-            Qwen2-VL's multimodal RoPE (its modules never see their (3, B, T) positions), or Mistral Large 4's
+            a multimodal RoPE with no rotary embedding (`rotary_emb`) above the modules, or Mistral Large 4's
             LeRoPE factors (`rotary_emb.alpha`) other than 0.
     """
     import torch
@@ -63,7 +65,7 @@ def replace_attention(model, layer_class=None):
     )
     _refuse_learned_frequencies("model", learned)  # Mistral Large 4's LeRoPE: the port holds for alpha = 0
     _set_eager(model)
-    replaced = []
+    replaced, wrappers = [], {}
     for name, module in list(model.named_modules()):
         if any(name.startswith(done + ".") for done in replaced) or not type(module).__name__.endswith(_ATTENTION):
             continue
@@ -96,10 +98,12 @@ def replace_attention(model, layer_class=None):
             continue
         if getattr(module, "is_cross_attention", False):
             raise ValueError(f"`model` must have self-attention only: `{name}` is a cross-attention. Received: {name}")
-        wrapper = _swapped(torch, module, layer_class, family is _bert, model.config)
+        wrappers[name] = _swapped(torch, module, layer_class, family is _bert, model.config)
+        replaced.append(name)
+    _hook_rope_rows(torch, model, wrappers)
+    for name, wrapper in wrappers.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, wrapper)
-        replaced.append(name)
     if not replaced:
         raise ValueError(
             "`model` must hold attention modules of the Llama kind (q_proj, k_proj, v_proj, o_proj), of the BERT "
@@ -126,6 +130,46 @@ def _linear_layer(module, config):
     )
 
 
+def _hook_rope_rows(torch, model, wrappers):
+    """Hands the (3, B, T) positions of a multimodal RoPE (`rope_sections`) to the swapped layers (`wrappers`, by
+    the names of the modules they replace): a forward pre-hook on the rotary embedding (`rotary_emb`) of the
+    nearest module above them keeps the `position_ids` it is called with (the model calls it before its layers),
+    which the wrappers read (`rope_rows`)."""
+    hooks = {}
+    for name, wrapper in wrappers.items():
+        if wrapper.layer.rope_sections is None or wrapper.layer.rope_theta is None:
+            continue
+        parts = name.split(".")
+        owners = (model.get_submodule(".".join(parts[:n])) for n in range(len(parts) - 1, -1, -1))
+        rotaries = (getattr(o, "rotary_emb", None) for o in owners)
+        rotary = next((r for r in rotaries if isinstance(r, torch.nn.Module)), None)
+        if rotary is None:
+            raise ValueError(
+                "`model` must hold the rotary embedding (`rotary_emb`) of its multimodal RoPE above its attention "
+                f"modules: it computes their (3, B, T) positions. Received: none above {name}"
+            )
+        wrapper.rope_rows = hooks.setdefault(id(rotary), (rotary, _RopeRows()))[1]
+    for rotary, rows in hooks.values():
+        rotary.register_forward_pre_hook(rows, with_kwargs=True)
+
+
+class _RopeRows:
+    """A forward pre-hook of a rotary embedding (`rotary_emb(x, position_ids)`): keeps `position_ids`, read by
+    the swapped layers below it as (3, B, T) (`positions`). A callable object, so that a deep copy of the model
+    copies it with the wrappers that read it."""
+
+    def __init__(self):
+        self.position_ids = None
+
+    def __call__(self, module, args, kwargs):
+        self.position_ids = kwargs["position_ids"] if "position_ids" in kwargs else args[1]
+
+    def positions(self, batch, length):
+        """The (3, B, T) positions: `position_ids` (3, B, T), (1, B, T) or (B, T), broadcast as the rotary
+        embedding does (`position_ids.expand(3, -1, -1)`) and to the batch."""
+        return self.position_ids.expand(3, batch, length)  # (B, T) or (1|3, 1|B, T) -> (3, B, T)
+
+
 def _set_eager(model):
     for config in (getattr(model, "config", None), *(m.config for m in model.modules() if hasattr(m, "config"))):
         if config is not None and hasattr(config, "_attn_implementation"):
@@ -137,11 +181,6 @@ def _swapped(torch, module, layer_class, bert, model_config):
     config = getattr(module, "config", None) or getattr(getattr(module, "self", None), "config", None)
     config = config or model_config  # a hybrid's linear-attention module holds none (its refusal reads it)
     kwargs, weights = port_attention(module, config)
-    if "rope_sections" in kwargs:
-        raise ValueError(
-            "`model` must rotate by one row of positions: the (3, B, T) positions of Qwen2-VL's multimodal RoPE "
-            f"do not reach its attention modules (they get cos and sin). Received: {type(module).__name__}"
-        )
     parameter = next(module.parameters())
     layer = layer_class(**kwargs)
     layer.import_weights(weights)
@@ -163,6 +202,8 @@ def _wrapper_class(torch):
         BERT's residual, dropout and LayerNorm after the output projection are kept as `norm` and `dropout`.
         With `passes_topk` (GLM-MoE-DSA's decoder passes each layer's top-k to the next), the call takes
         `prev_topk_indices` (a layer without its own indexer attends it) and returns the selection it used third.
+        With `rope_rows` (a multimodal RoPE), the positions are the (3, B, T) rows the model's rotary embedding
+        was last called with (`_RopeRows`), not the call's `position_ids`.
         """
 
         def __init__(self, layer, layer_idx, is_causal):
@@ -170,6 +211,7 @@ def _wrapper_class(torch):
             self.layer, self.layer_idx, self.is_causal = layer, layer_idx, is_causal
             self.norm = self.dropout = self.sharing = None  # sharing: ("store" or "reuse", the layer type)
             self.passes_topk = False
+            self.rope_rows = None  # a multimodal RoPE's (3, B, T) positions, from the model's rotary embedding
             self._cache = None
 
         def forward(self, hidden_states, attention_mask=None, *args, past_key_values=None, **kwargs):
@@ -183,6 +225,8 @@ def _wrapper_class(torch):
             positions = kwargs.get("position_ids")
             if self.layer.rope_theta is None:
                 positions = None
+            elif self.rope_rows is not None:
+                positions = self.rope_rows.positions(*hidden_states.shape[:2])  # (3, B, T)
             elif positions is None:
                 positions = kwargs.get("cache_position")  # (T,)
             elif positions.shape[0] != hidden_states.shape[0]:

@@ -29,10 +29,7 @@ _ALLOWED = {"q_norm", "k_norm", "rotary_emb", "attention_dropout", "dropout", "a
 _GATES = ("g_proj", "gate_proj")
 _ROPE_EXTRA = {"ernie4_5": True}  # GLM's pairing over the whole head, in float32 (the generated test proves it)
 
-_REFUSED = {  # the Llama kind by structure, computing something else: what it adds
-    "qwen3_vl": "Qwen3-VL's text attention turns its features by interleaved multimodal RoPE (`mrope_section`)",
-    "qwen3_vl_moe": "Qwen3-VL-MoE's text attention turns its features by interleaved multimodal RoPE (`mrope_section`)",
-}
+_REFUSED = {}  # the Llama kind by structure, computing something else: what it adds (none at present)
 
 
 def _normalized(function):
@@ -111,25 +108,29 @@ _ROTATIONS = (  # the rotation over the whole head, or over its first `rotary_di
 )
 
 
-def _rope_pattern(module_name):
+def _rope_pattern(module_name, repeated=False):
     """Where the RoPE functions' text differs from every listed family's: interleaved or in halves, read from
-    `rotate_half` and `apply_rotary_pos_emb` when they hold nothing but the rotation (over the whole head, or its
-    first features with partial RoPE; cos and sin repeated pairwise for the interleaved one; casts to float32 and
-    back aside); None otherwise."""
+    `rotate_half` (or GLM-4V's `rotate_half_llm`, the one `apply_rotary_pos_emb` calls) and `apply_rotary_pos_emb`
+    when they hold nothing but the rotation (over the whole head, or its first features with partial RoPE; cos
+    and sin repeated pairwise for the interleaved one, by it or, `repeated`, by the rotary embedding; casts to
+    float32 and back aside); None otherwise."""
     module = sys.modules[module_name]
-    rotate, apply = getattr(module, "rotate_half", None), getattr(module, "apply_rotary_pos_emb", None)
-    if rotate is None or apply is None:
+    apply = getattr(module, "apply_rotary_pos_emb", None)
+    if apply is None:
         return None
-    interleaved = _PAIRS.get(" | ".join(_statements(rotate)))
     statements = [
         re.sub(r"\.float\(\)|\.to\(\w+\)", "", s)
         for s in _statements(apply)
         if "dtype" not in s or s.startswith("return")
     ]
-    if interleaved is None or tuple(statements[:2]) != _UNSQUEEZE:
+    helper = "rotate_half_llm" if any("rotate_half_llm(" in s for s in statements) else "rotate_half"
+    rotate = getattr(module, helper, None)
+    statements = [s.replace("rotate_half_llm(", "rotate_half(") for s in statements]
+    interleaved = None if rotate is None else _PAIRS.get(" | ".join(_statements(rotate)))
+    if interleaved is None or tuple(statements[:2]) != _UNSQUEEZE or (repeated and not interleaved):
         return None
     rest = statements[2:]
-    if interleaved:
+    if interleaved and not repeated:
         if tuple(rest[:2]) != _REPEAT:
             return None
         rest = rest[2:]
@@ -186,7 +187,11 @@ def _structural_porter(module, model_type):
     extra += [n for n, _ in module.named_buffers(recurse=False)]
     if extra:
         _refuse(module, model_type, "adds " + ", ".join(f"`{n}`" for n in extra) + ", which no porter reads")
-    interleaved = _rope_kinds().get(_rope_key(type(module).__module__), _rope_pattern(type(module).__module__))
+    mrope = _multimodal_rope(type(module).__module__)
+    if mrope and mrope[1]:  # cos and sin repeated pairwise by the rotary embedding: interleaved pairs only
+        interleaved = _rope_pattern(type(module).__module__, repeated=True)
+    else:
+        interleaved = _rope_kinds().get(_rope_key(type(module).__module__), _rope_pattern(type(module).__module__))
     if interleaved is None:
         _refuse(module, model_type, "applies a RoPE (`apply_rotary_pos_emb`) that is not one a listed family has")
     if gate is not None:
@@ -195,13 +200,15 @@ def _structural_porter(module, model_type):
     rotates = _rotates(module, model_type)
     if not rotates:
         options["rope"] = "never"
-    if rotates and _multimodal_rope(type(module).__module__):
+    if rotates and mrope == ():
         _refuse(
             module,
             model_type,
-            "is turned by a multimodal RoPE (a rotary embedding of its modeling module reads `mrope_section`: its "
-            "model rotates by (3, B, T) positions, which a structural port does not read)",
+            "is turned by a multimodal RoPE other than Qwen2-VL's sections (its rotary embedding reads "
+            "`mrope_section`, its `forward` and `recomposition_frequencies` not Qwen2-VL's)",
         )
+    if rotates and mrope:
+        options["mrope"], options["mrope_interleaved"] = mrope[0], mrope[2]
     attributes = _attributes(module)
 
     def port(config, tensors, index):
@@ -231,13 +238,48 @@ def _structural_porter(module, model_type):
 
 
 def _multimodal_rope(module_name):
-    """Whether a rotary embedding class of the modeling module reads `mrope_section` (Qwen2-VL's multimodal RoPE,
-    its sections or transformers' default ones): read from the classes' source."""
+    """The modeling module's multimodal RoPE (a rotary embedding class that reads `mrope_section`) when it is
+    Qwen2-VL's kind or Qwen3-VL's (its `forward` and `recomposition_frequencies` the same text as `_SECTIONS`'):
+    (its default sections, whether it repeats cos and sin pairwise (GLM-4V's interleaved pairs) rather than over
+    the two halves, whether it deals the pairs to the rows in turn (Qwen3-VL's) rather than in runs); `()` for
+    another kind, None without one: read from the classes' source."""
     module = sys.modules.get(module_name) or importlib.import_module(module_name)
-    return any(
-        name.endswith("RotaryEmbedding") and inspect.isclass(value) and "mrope_section" in inspect.getsource(value)
+    rotary = [
+        value
         for name, value in vars(module).items()
-    )
+        if name.endswith("RotaryEmbedding") and inspect.isclass(value) and "mrope_section" in inspect.getsource(value)
+    ]
+    if not rotary:
+        return None
+    texts = {(" | ".join(_statements(c.forward)), " | ".join(_statements(c.recomposition_frequencies))) for c in rotary}
+    default = re.search(r'get\("mrope_section", \[([\d, ]+)\]\)', inspect.getsource(rotary[0]))
+    kinds = {_SECTIONS[1].get(r) for _, r in texts}
+    if any(f != _SECTIONS[0] for f, _ in texts) or len(kinds) != 1 or None in kinds or default is None:
+        return ()
+    return tuple(int(n) for n in default.group(1).split(",")), *kinds.pop()
+
+
+_SECTIONS = (  # Qwen2-VL's multimodal RoPE: its rotary embedding's `forward`; `recomposition_frequencies`: repeated
+    "position_ids = position_ids.expand(3, -1, -1) | "
+    "freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float) | "
+    "cos = freqs.cos() * self.attention_scaling | sin = freqs.sin() * self.attention_scaling | "
+    "sin = self.recomposition_frequencies(sin) | cos = self.recomposition_frequencies(cos) | "
+    "return (cos.to(dtype=x.dtype), sin.to(dtype=x.dtype))",
+    {  # (cos and sin repeated pairwise, not over the two halves; the pairs dealt to the rows in turn)
+        **{  # sections of pairs in runs, row i % 3 for section i
+            "freq = torch.cat([m[i % 3] for i, m in enumerate(freq.split(self.mrope_section, dim=-1))], dim=-1) | "
+            + ending: (repeated, False)
+            for ending, repeated in (
+                ("return torch.cat((freq, freq), dim=-1)", False),
+                ("return torch.cat([freq, freq], dim=-1)", False),
+                ("return freq.repeat_interleave(2, dim=-1)", True),
+            )
+        },
+        "freqs_thw = freq[0] | for dim, offset in enumerate((1, 2), start=1):     length = self.mrope_section[dim] * "
+        "3     idx = slice(offset, length, 3)     freqs_thw[..., idx] = freq[dim, ..., idx] | "
+        "return torch.cat((freqs_thw, freqs_thw), dim=-1)": (False, True),  # Qwen3-VL's, dealt in turn
+    },
+)
 
 
 def _rotates(module, model_type):
