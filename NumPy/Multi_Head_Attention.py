@@ -206,6 +206,8 @@ class MultiHeadAttention:
             layer's keys and values through `shared_kv` (Gemma 3n's and Gemma 4's shared layers).
         keys_as_values: if True, no value projection: v is the key projection before QK-norm and RoPE (Gemma 4).
         value_norm: if True, each value head is RMS-normalized without a scale (eps `qk_norm_eps`; Gemma 3n, 4).
+        output_norm, output_norm_eps: None, "rms" or "layer": a norm of the merged heads before the output
+            projection (weights `context_norm`, and `context_norm_bias` with "layer"; BitNet, Kosmos-2).
 
     Call arguments:
         query: (B, T, E).
@@ -262,6 +264,7 @@ class MultiHeadAttention:
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
         seed=None, query_scaling=None, kv_shared=False, keys_as_values=False, value_norm=False, index_topk=None,
         index_num_heads=None, index_head_dim=None, index_rope_interleaved=False, index_query_input_norm=False,
+        output_norm=None, output_norm_eps=1e-6,
     ):  # fmt: skip
         self.d_model = _positive_int("d_model", d_model)
         self.num_heads = _positive_int("num_heads", num_heads)
@@ -304,6 +307,7 @@ class MultiHeadAttention:
         _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         self._float_layout = _float_shapes(self) if latent is None else _latent_shapes(self)  # {name: shape}
         _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
+        _init_output_norm(self, output_norm, output_norm_eps)  # self.output_norm, ... (section: QK-norm)
         self._inv_freq = None  # (R/2,), computed once
         if self.rope_theta is not None:
             rotary_dim = _rotary_dim(rope_fraction, rope_width, True)
@@ -311,8 +315,7 @@ class MultiHeadAttention:
         rng = np.random.default_rng(seed)
         self.params = {}  # `weight_shapes` reads it (int8)
         self.params.update({name: _initial_value(rng, name, shape) for name, shape in self.weight_shapes().items()})
-        self._saved = None  # what `backward` needs from the last call without a cache
-        self._warned_traps = set()  # the mask habits warned of, once each
+        self._saved, self._warned_traps = None, set()  # what `backward` needs from the last call; habits warned of
 
     # The steps of a call (docs/SPEC.md, "Order of the steps"), one line each in `__call__` (2 to 4 in
     # `_project_qkv`), each option behind a one-line guard (its functions are in its section):
@@ -320,7 +323,7 @@ class MultiHeadAttention:
     #     2. projections          3. QK-norm of q and k        4. RoPE of q and k at `positions`
     #     5. cache write          6. scores * scale, soft-capping, + bias, keys removed by keep,
     #                                causal, window and chunk, softmax with the sinks, weighted sum of v
-    #     6b. output gate         7. heads merged and the output projection
+    #     6b. output gate         7. heads merged (their norm with `output_norm`) and the output projection
     def __call__(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
         attention_bias=None, positions=None, causal=False, return_attention=False, cache=None, mask=None,
@@ -345,6 +348,7 @@ class MultiHeadAttention:
             context, weights = _attend_latent(self, q, k, v, keep, bias, call)  # 6. MLA: expanded or absorbed
         gated, gate = (context, None) if not self.gate else _gate_heads(self, call, context)  # 6b. output gate
         merged = self._merge_heads(gated)  # 7. (B, N, T, H) -> (B, T, N*H)
+        merged = merged if self.output_norm is None else _normalize_context(self, merged)  # 7. the output norm
         output = self._project(merged, "output")  # 7. (B, T, N*H) -> (B, T, E)
         saved = dict(call=call, no_key=key is None, no_value=value is None, given_bias=attention_bias, q=q, k=k, v=v)
         saved.update(keep=keep, weights=weights, context=context, gate=gate, merged=merged)
@@ -530,6 +534,8 @@ def _backward(layer, grad_output):
     width = c["merged"].shape[-1] // layer.num_heads  # H (Hv with MLA)
     grads, d_context = _output_backward(g, c["merged"], layer.params["output_kernel"], layer.num_heads, width)
     d_gate_query = None
+    if layer.output_norm is not None:
+        d_context = _context_norm_backward(layer, d_context, grads)  # 7. the output norm
     if c["gate"] is not None:
         d_context, d_gate_query = _gate_backward(layer, d_context, grads)  # 6b. output gate
     if layer._latent is not None:
@@ -1356,7 +1362,8 @@ def _query_scaling_backward(layer, call, d_q, grads):
 # `qk_norm` (RMSNorm or LayerNorm, `qk_norm_type`, of q and k per head, with a scale per head, or over all
 # heads; a bias with `qk_norm_bias`), `clip_qkv` (q, k and v clamped to [-c, c] right after their
 # projections: OLMo, DBRX, MPT) and `gate` (each head's result times sigmoid(query @ gate_kernel +
-# gate_bias): Keras' `use_gate`, Qwen3-Next).
+# gate_bias): Keras' `use_gate`, Qwen3-Next); `output_norm` (RMSNorm or LayerNorm of the merged heads
+# before the output projection, weights `context_norm` and `context_norm_bias`: BitNet, Kosmos-2).
 
 
 def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
@@ -1372,6 +1379,26 @@ def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
     clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
     qk_norm_type = str(qk_norm_type)  # np.str_ held as str
     return {"qk_norm": qk_norm, "qk_norm_eps": qk_norm_eps, "qk_norm_type": qk_norm_type, "clip_qkv": clip_qkv}
+
+
+def _init_output_norm(layer, output_norm, output_norm_eps):
+    """Checks `output_norm` and `output_norm_eps` (after every other argument), holds them as attributes and
+    adds `context_norm` (and `context_norm_bias` with "layer"), (N*Hv,) each, to the float layout."""
+    if output_norm not in (None, "rms", "layer"):
+        raise ValueError(f"`output_norm` must be None, 'rms' or 'layer'. Received: output_norm={output_norm!r}")
+    layer.output_norm = None if output_norm is None else str(output_norm)  # np.str_ held as str
+    layer.output_norm_eps = _positive_float("output_norm_eps", output_norm_eps)
+    width = layer._float_layout["output_kernel"][0]  # N*Hv
+    names = () if output_norm is None else ("context_norm", "context_norm_bias")[: 1 + (output_norm == "layer")]
+    layer._float_layout.update({name: (width,) for name in names})
+
+
+def _normalize_context(layer, merged):
+    """Step 7, `output_norm`: RMSNorm or LayerNorm of the (B, T, N*Hv) merged heads over all their features,
+    times `context_norm`, plus `context_norm_bias` with LayerNorm."""
+    if layer.output_norm == "rms":
+        return rms_norm(merged, layer.params["context_norm"], layer.output_norm_eps)
+    return layer_norm(merged, layer.params["context_norm"], layer.output_norm_eps) + layer.params["context_norm_bias"]
 
 
 def _sigmoid(x):
@@ -1470,6 +1497,19 @@ def _layer_norm_backward(x, scale, eps, grad):
     g = grad * scale
     mean_g = np.mean(g, axis=-1, keepdims=True)
     return (g - mean_g - normed * np.mean(g * normed, axis=-1, keepdims=True)) / std, d_scale
+
+
+def _context_norm_backward(layer, d_context, grads):
+    """Step 7 backward of `output_norm` from the (B, N, T, Hv) gradient of the normalized heads: adds the
+    gradients of `context_norm` (and `context_norm_bias`) to `grads`, returns the heads' before the norm."""
+    c = layer._saved
+    gated = c["context"] if c["gate"] is None else c["context"] * c["gate"]  # (B, N, T, Hv), recomputed
+    merged, grad = layer._merge_heads(gated), layer._merge_heads(d_context)  # -> (B, T, N*Hv)
+    backward = _layer_norm_backward if layer.output_norm == "layer" else _rms_norm_backward
+    d_merged, grads["context_norm"] = backward(merged, layer.params["context_norm"], layer.output_norm_eps, grad)
+    grads.update({"context_norm_bias": grad.sum(axis=(0, 1))} if layer.output_norm == "layer" else {})
+    b, t, width = merged.shape
+    return d_merged.reshape(b, t, layer.num_heads, width // layer.num_heads).transpose(0, 2, 1, 3)  # -> (B, N, T, Hv)
 
 
 def _gate_backward(layer, d_gated, grads):

@@ -156,6 +156,8 @@ class MultiHeadAttention(nn.Module):
             layer's keys and values through `shared_kv` (Gemma 3n's and Gemma 4's shared layers).
         keys_as_values: if True, no value projection: v is the key projection before QK-norm and RoPE (Gemma 4).
         value_norm: if True, each value head is RMS-normalized without a scale (eps `qk_norm_eps`; Gemma 3n, 4).
+        output_norm, output_norm_eps: None, "rms" or "layer": a norm of the merged heads before the output
+            projection (weights `context_norm`, and `context_norm_bias` with "layer"; BitNet, Kosmos-2).
 
     Call arguments:
         query: (B, T, E), or unbatched (T, E).
@@ -208,7 +210,7 @@ class MultiHeadAttention(nn.Module):
         kv_lora_rank=None, q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None,
         latent_norm_eps=1e-6, device=None, dtype=None, query_scaling=None, kv_shared=False, keys_as_values=False,
         value_norm=False, index_topk=None, index_num_heads=None, index_head_dim=None, index_rope_interleaved=False,
-        index_query_input_norm=False,
+        index_query_input_norm=False, output_norm=None, output_norm_eps=1e-6,
     ):  # fmt: skip
         super().__init__()
         self.d_model = _positive_int("d_model", d_model)
@@ -255,6 +257,7 @@ class MultiHeadAttention(nn.Module):
         _make_weights(self, latent, variants.sinks, variants.gate, {"device": device, "dtype": dtype})
         _make_query_scaling(self)  # learned query scales (positions)
         _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
+        _init_output_norm(self, output_norm, output_norm_eps)  # self.output_norm, ... (section: QK-norm)
         self._warned_traps, self._fused = set(), None  # mask habits warned of; q/k/v kernels kept (no_grad)
         self.reset_parameters()
 
@@ -297,6 +300,7 @@ class MultiHeadAttention(nn.Module):
         if self.gate is not None:
             context = _gate_heads(self, call, context)  # 6b. output gate
         merged = self._merge_heads(context)  # (B, N, T, H) -> (B, T, N*H)
+        merged = merged if self.output_norm is None else _normalize_context(self, merged)  # 7. the output norm
         output = self._project(merged, "output") if fast is None else F.linear(merged, *fast[1])  # 7. (B, T, E)
         if call.cache is not None and fast is None and torch.compiler.is_compiling():  # no room: NaN (cannot raise)
             output = _no_room_as_nan(self, call, output)
@@ -1936,7 +1940,9 @@ def _learned_scales(scale, bias, positions, dtype):
 # -------------------------------------------------------------------------------------------------
 # `qk_norm` (RMSNorm or LayerNorm, `qk_norm_bias`: Qwen3, OLMo2, StableLM, Phi), `clip_qkv` (q, k
 # and v clamped after the projections: OLMo, DBRX, MPT) and `gate` (each head's result times
-# sigmoid(query @ gate_kernel + gate_bias): Keras' `use_gate`, Qwen3-Next).
+# sigmoid(query @ gate_kernel + gate_bias): Keras' `use_gate`, Qwen3-Next); `output_norm` (RMSNorm or
+# LayerNorm of the merged heads before the output projection, weights `context_norm` and `context_norm_bias`:
+# BitNet, Kosmos-2).
 
 
 def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
@@ -1950,6 +1956,38 @@ def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
         raise ValueError(f"`qk_norm_type` must be 'rms' or 'layer'. Received: qk_norm_type={qk_norm_type!r}")
     clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
     return qk_norm, qk_norm_eps, str(qk_norm_type), clip_qkv
+
+
+_CONTEXT_NORMS = ("context_norm", "context_norm_bias")  # `output_norm`'s weights, (N*Hv,) each
+
+
+def _init_output_norm(layer, output_norm, output_norm_eps):
+    """Checks `output_norm` and `output_norm_eps` (after every other argument), holds them as attributes and
+    makes `context_norm` (and `context_norm_bias` with "layer"), (N*Hv,) each on the layer's device and dtype,
+    uninitialized (None where absent)."""
+    if output_norm not in (None, "rms", "layer"):
+        raise ValueError(f"`output_norm` must be None, 'rms' or 'layer'. Received: output_norm={output_norm!r}")
+    layer.output_norm = None if output_norm is None else str(output_norm)  # np.str_ held as str
+    layer.output_norm_eps = _positive_float("output_norm_eps", output_norm_eps)
+    shapes, weight = _context_norm_shapes(layer), layer.output.weight
+    for name in _CONTEXT_NORMS:
+        value = torch.empty(shapes[name], device=weight.device, dtype=weight.dtype) if name in shapes else None
+        setattr(layer, name, None if value is None else nn.Parameter(value))  # (N*Hv,)
+
+
+def _context_norm_shapes(layer):
+    """`output_norm`'s portable weights {name: shape}: (N*Hv,) `context_norm`, and `context_norm_bias` with "layer"."""
+    if layer.output_norm is None:
+        return {}
+    width = (layer.output.in_features,)  # N*Hv
+    return {"context_norm": width} | ({"context_norm_bias": width} if layer.output_norm == "layer" else {})
+
+
+def _normalize_context(layer, merged):
+    """Step 7, `output_norm`: RMSNorm or LayerNorm of the (B, T, N*Hv) merged heads over all their features,
+    times `context_norm`, plus `context_norm_bias` with LayerNorm."""
+    norm = rms_norm if layer.output_norm == "rms" else layer_norm
+    return norm(merged, layer.context_norm, layer.output_norm_eps, layer.context_norm_bias)
 
 
 def _clip(layer, x):
@@ -3719,7 +3757,7 @@ def _reset_parameters(layer):
             nn.init.zeros_(norm_bias)
     if layer.sinks is not None:
         nn.init.zeros_(layer.sinks)
-    _reset_vectors(layer, ("query_scaling_scale", "query_scaling_bias"))
+    _reset_vectors(layer, ("query_scaling_scale", "query_scaling_bias", *_CONTEXT_NORMS))
     _reset_indexer(layer)
     _reset_rope(layer)
 
@@ -3889,6 +3927,11 @@ def _check_local_heads(layer, q, k, attention_mask, attention_bias):
             f"ranks ({local} of {layer.num_heads} heads on this rank), nor can `qk_norm='per_head'`. "
             f"Received: sinks={layer.sinks is not None}, qk_norm={layer.qk_norm!r}"
         )
+    if layer.output_norm is not None:
+        raise ValueError(
+            "`output_norm` normalizes over every head and cannot be split across tensor-parallel ranks "
+            f"({local} of {layer.num_heads} heads on this rank). Received: output_norm={layer.output_norm!r}"
+        )
 
 
 _EMPTY_MASK = (
@@ -4031,6 +4074,7 @@ def _weight_shapes(layer):
         shapes["sinks"] = (layer.num_heads,)
     shapes.update(_query_scaling_shapes(layer))  # the learned query scaling's
     shapes.update(_index_shapes(layer))  # the sparse indexer's
+    shapes.update(_context_norm_shapes(layer))  # `output_norm`'s
     return _with_scales(shapes) if layer.quantization_mode == "int8" else shapes
 
 
@@ -4050,6 +4094,7 @@ def _parameter(layer, name):
         "query_scaling_scale",
         "query_scaling_bias",
         *_INDEX_VECTORS,
+        *_CONTEXT_NORMS,
     ):
         return getattr(layer, name), False
     if name.endswith("_kernel_scale"):
@@ -4128,6 +4173,7 @@ def _non_defaults(layer):
         **{name: getattr(layer, name) for name in _INDEX_SIZES},
         "index_rope_interleaved": True if layer.index_rope_interleaved else None,
         "index_query_input_norm": True if layer.index_query_input_norm else None,
+        "output_norm": layer.output_norm,
     }
     return {name: value for name, value in variants.items() if value is not None}
 
