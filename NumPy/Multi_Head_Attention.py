@@ -1388,9 +1388,15 @@ def _init_output_norm(layer, output_norm, output_norm_eps):
         raise ValueError(f"`output_norm` must be None, 'rms' or 'layer'. Received: output_norm={output_norm!r}")
     layer.output_norm = None if output_norm is None else str(output_norm)  # np.str_ held as str
     layer.output_norm_eps = _positive_float("output_norm_eps", output_norm_eps)
-    width = layer._float_layout["output_kernel"][0]  # N*Hv
-    names = () if output_norm is None else ("context_norm", "context_norm_bias")[: 1 + (output_norm == "layer")]
-    layer._float_layout.update({name: (width,) for name in names})
+    layer._float_layout.update(_context_norm_shapes(layer))
+
+
+def _context_norm_shapes(layer):
+    """`output_norm`'s portable weights {name: shape}: (N*Hv,) `context_norm`, and `context_norm_bias` with "layer"."""
+    if layer.output_norm is None:
+        return {}
+    width = (layer._float_layout["output_kernel"][0],)  # N*Hv
+    return {"context_norm": width} | ({"context_norm_bias": width} if layer.output_norm == "layer" else {})
 
 
 def _normalize_context(layer, merged):
