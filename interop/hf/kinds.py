@@ -31,6 +31,7 @@ import textwrap
 from .bert import _bert
 from .gpt import _gpt_neox
 from .llama import _qk_layernorm, _rotary
+from .norms import _output_norm_options, _with_output_norm
 from .seq2seq import _bart
 from .structure import (
     _attributes,
@@ -96,7 +97,8 @@ def _kind_porter(module, model_type):
 
 def _bart_kind(module, model_type, children):
     """BART's `q_proj`, `k_proj`, `v_proj`, `out_proj`: read with `_bart`, its heads and scale from the module."""
-    _check_children(module, model_type, children, dict.fromkeys(_BART, _LINEAR))
+    norm, norm_options = _output_norm_options(module, functools.partial(_refuse, module, model_type), "out_proj")
+    _check_children(module, model_type, children, dict.fromkeys(_BART, _LINEAR) | ({norm: None} if norm else {}))
     query, key, value, output = (children[name] for name in _BART)
     widths = {query.in_features, key.in_features, value.in_features, output.out_features}
     if len(widths) > 1 or len({query.out_features, key.out_features, value.out_features}) > 1:
@@ -108,7 +110,7 @@ def _bart_kind(module, model_type, children):
             f"{value.in_features} -> {value.out_features})",
         )
     reads, arguments = _forward_reads(type(module))
-    unknown = sorted(reads - _BART_READS) + sorted(arguments - _BART_ARGUMENTS)
+    unknown = sorted(reads - _BART_READS - {norm}) + sorted(arguments - _BART_ARGUMENTS)
     if unknown:
         _refuse(module, model_type, "reads " + ", ".join(f"`{n}`" for n in unknown) + " in its forward")
     num_heads = int(getattr(module, "num_heads", 0) or query.out_features // module.head_dim)
@@ -119,6 +121,8 @@ def _bart_kind(module, model_type, children):
         if "attn_prompt" in arguments and config.get("use_prompt"):
             _refuse(module, model_type, "prepends learned prompt keys and values (`use_prompt`)")
         kwargs, weights = _bart(sizes, tensors, index)
+        if norm is not None:  # Kosmos-2's `inner_attn_ln` (`interop.hf.norms`)
+            kwargs, weights = _with_output_norm(kwargs, weights, tensors, norm, norm_options)
         return kwargs | {"scale": scale}, weights
 
     port.family, port.__doc__ = _bart, f"{type(module).__name__}, recognised as the BART kind by its structure"

@@ -23,6 +23,7 @@ import textwrap
 from .config import _position_scaling, _rope_parameters
 from .gated import _gated
 from .llama import _rotary
+from .norms import _output_norm_options, _with_output_norm
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _ALLOWED = {"q_norm", "k_norm", "rotary_emb", "attention_dropout", "dropout", "attn_dropout", "resid_dropout"}
@@ -181,7 +182,8 @@ def _structural_porter(module, model_type):
         _refuse(module, model_type, "is not causal (`is_causal`): not a decoder's self-attention")
     scaled = _check_queries(module, model_type)
     gate = next((name for name in _GATES if name in children), None)
-    extra = [n for n in children if n not in (*_PROJECTIONS, *_ALLOWED, gate) and not _is_dropout(children[n])]
+    norm, norm_options = _output_norm_options(module, functools.partial(_refuse, module, model_type), "o_proj")
+    extra = [n for n in children if n not in (*_PROJECTIONS, *_ALLOWED, gate, norm) and not _is_dropout(children[n])]
     extra += [n for n, _ in module.named_parameters(recurse=False) if n != "sinks"]
     extra += [n for n, _ in module.named_buffers(recurse=False)]
     if extra:
@@ -221,6 +223,8 @@ def _structural_porter(module, model_type):
         else:
             kwargs, weights = _gated(config, tensors, index, gate=gate, **layer_options)
         kwargs["scale"] = attributes["scale"]
+        if norm is not None:  # BitNet's `attn_sub_norm` (`interop.hf.norms`)
+            kwargs, weights = _with_output_norm(kwargs, weights, tensors, norm, norm_options)
         if scaled and _position_scaling(_rope_parameters(config, None)) is not None:
             kwargs["query_scaling"] = _position_scaling(_rope_parameters(config, None))
         return kwargs, weights

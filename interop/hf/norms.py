@@ -1,0 +1,78 @@
+"""The norm some attention modules apply to their merged heads before the output projection, which the layer
+computes as `output_norm`: BitNet's `attn_sub_norm` (an RMSNorm, the Llama kind otherwise) and Kosmos-2's
+`inner_attn_ln` (Magneto's sub-LayerNorm, the BART kind otherwise).
+
+What is read, never computed (no numeric probe): the norm's class (an RMSNorm of `weight` or of `1 + weight`, or a
+LayerNorm) and eps, and the module's forward, which must assign the norm of a name and pass that name, next, to the
+output projection (`attn_output = self.attn_sub_norm(attn_output)`, then `self.o_proj(attn_output)`).
+"""
+
+import ast
+import inspect
+import re
+import textwrap
+
+import numpy as np
+
+from .tensors import _tensor
+
+OUTPUT_NORMS = ("attn_sub_norm", "inner_attn_ln")  # the children read as `output_norm`
+_EPS = ("variance_epsilon", "eps")
+
+
+def _output_norm_options(module, refuse, output):
+    """(the name of the module's output norm, {"output_norm": ..., "output_norm_eps": ..., "norm_offset": ...}), or
+    (None, {}) where it has none; `refuse(what)` raises the family's refusal; `output`: its output projection."""
+    children = dict(module.named_children())
+    name = next((n for n in OUTPUT_NORMS if children.get(n) is not None), None)
+    if name is None:
+        return None, {}
+    norm = children[name]
+    names = {n for n, _ in norm.named_parameters()}
+    eps = next((getattr(norm, a) for a in _EPS if isinstance(getattr(norm, a, None), float)), None)
+    if eps is None or not names <= {"weight", "bias"} or "weight" not in names or list(norm.children()):
+        refuse(f"normalizes its merged heads with {type(norm).__name__} (`{name}`), which no porter reads")
+    if not _normalizes_before(type(module).forward, name, output):
+        refuse(f"applies `{name}` elsewhere than to its merged heads right before `{output}`, which no porter reads")
+    source = inspect.getsource(type(norm))
+    if "LayerNorm" in type(norm).__name__ or "layer_norm" in source:
+        return name, {"output_norm": "layer", "output_norm_eps": eps, "norm_offset": False}
+    if "bias" in names or ("rsqrt" not in source and "pow(2)" not in source):
+        refuse(f"normalizes its merged heads with {type(norm).__name__} (`{name}`), which no porter reads")
+    offset = bool(re.search(r"\(\s*1(\.0)?\s*\+\s*self\.weight", source))
+    return name, {"output_norm": "rms", "output_norm_eps": eps, "norm_offset": offset}
+
+
+def _normalizes_before(forward, name, output):
+    """Whether `forward` assigns `x = self.<name>(x)` and the next statement that reads x is `self.<output>(x)`."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    statements = [node for node in ast.walk(tree) if isinstance(node, ast.stmt) and not hasattr(node, "body")]
+    statements.sort(key=lambda node: node.lineno)
+    for i, node in enumerate(statements):
+        variable = _self_call_of(node, name)
+        if variable is None:
+            continue
+        later = [s for s in statements[i + 1 :] if any(getattr(n, "id", None) == variable for n in ast.walk(s))]
+        return bool(later) and _self_call_of(later[0], output) == variable
+    return False
+
+
+def _self_call_of(node, attribute):
+    """The name x of a statement `... = self.<attribute>(x)`, else None."""
+    call = getattr(node, "value", None)
+    if not (isinstance(node, ast.Assign) and isinstance(call, ast.Call) and len(call.args) == 1):
+        return None
+    function, argument = call.func, call.args[0]
+    called = isinstance(function, ast.Attribute) and function.attr == attribute
+    return getattr(argument, "id", None) if called and getattr(function.value, "id", None) == "self" else None
+
+
+def _with_output_norm(kwargs, weights, tensors, name, options):
+    """The port's kwargs and weights with the output norm `name`: `output_norm`, its eps, `context_norm` (1 + weight
+    for an RMSNorm of 1 + weight) and, for a LayerNorm, `context_norm_bias` (zeros where it has none)."""
+    scale = _tensor(tensors, f"{name}.weight")  # (N*Hv,)
+    weights["context_norm"] = scale + 1.0 if options["norm_offset"] else scale
+    if options["output_norm"] == "layer":
+        bias = f"{name}.bias"
+        weights["context_norm_bias"] = _tensor(tensors, bias) if bias in tensors else np.zeros_like(scale)
+    return kwargs | {"output_norm": options["output_norm"], "output_norm_eps": options["output_norm_eps"]}, weights
