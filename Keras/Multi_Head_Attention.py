@@ -153,8 +153,8 @@ class MultiHeadAttention(keras.layers.Layer):
             default (`scale`: 1 / sqrt(H)); the section "score modifiers" says what each does.
         rope_theta, rope_fraction, rope_interleaved, rope_scaling, rope_sections: RoPE, off while
             `rope_theta` is None (the section "positions").
-        qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, clip_qkv, gate, output_norm, output_norm_eps: the
-            section "QK-norm, clip_qkv and the gate".
+        qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, clip_qkv, gate, output_norm, output_norm_eps,
+            qk_norm_after_rope: the section "QK-norm, clip_qkv and the gate".
         kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, latent_norm_eps:
             multi-head latent attention, off while `kv_lora_rank` is None (its section).
         index_topk, index_num_heads, index_head_dim, index_rope_interleaved: the sparse indexer (DSA),
@@ -226,7 +226,8 @@ class MultiHeadAttention(keras.layers.Layer):
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
         kernel_initializer="glorot_uniform", bias_initializer="zeros", query_scaling=None, kv_shared=False,
         keys_as_values=False, value_norm=False, index_topk=None, index_num_heads=None, index_head_dim=None,
-        index_rope_interleaved=False, index_query_input_norm=False, output_norm=None, output_norm_eps=1e-6, **kwargs,
+        index_rope_interleaved=False, index_query_input_norm=False, output_norm=None, output_norm_eps=1e-6,
+        qk_norm_after_rope=False, **kwargs,
     ):  # fmt: skip
         super().__init__(**kwargs)
         self.d_model = _positive_int("d_model", d_model)
@@ -261,7 +262,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self.query_scaling = _check_query_scaling(query_scaling, self.rope_sections)  # its section: positions
         _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
-        _init_output_norm(self, output_norm, output_norm_eps)  # self.output_norm, ... (section: QK-norm)
+        _init_output_norm(self, output_norm, output_norm_eps, qk_norm_after_rope)  # section: QK-norm
         if self.rope_theta is not None:
             rotary = _rotary_dim(self.rope_fraction, rope_width, True)
             frequencies = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,) NumPy
@@ -294,8 +295,8 @@ class MultiHeadAttention(keras.layers.Layer):
             q, k, v = self._project_qkv(call) if not self._sharing else _project_sharing(self, call, shared_kv)  # 2-4.
         else:
             q, k, v = _project_latent(self, call)  # 2. MLA: q, c (B, 1, S, C), k_rope (B, 1, S, Hr)
-        if self.qk_norm is not None and not self._sharing:
-            q, k = _normalize_qk(self, q, k)  # 3. QK-norm
+        if self.qk_norm is not None and not self._sharing and not self._qk_norm_late:
+            q, k = _normalize_qk(self, q, k)  # 3. QK-norm (in step 4 after RoPE with `qk_norm_after_rope`)
         if self.query_scaling is not None or (self.rope_theta is not None and not self._sharing):  # 4. RoPE, 4b.
             q, k, v = _position_step(self, q, k, v, call, _rotate if self.kv_lora_rank is None else _rotate_latent)
         if call.cache is not None:
@@ -1422,6 +1423,7 @@ def _position_step(layer, q, k, v, call, rotate):
     times its scale."""
     if layer.rope_theta is not None:
         q, k, v = rotate(layer, q, k, v, call.positions)  # 4. RoPE
+        q, k = _normalize_qk(layer, q, k) if layer._qk_norm_late else (q, k)  # 4. QK-norm after RoPE
     return (q, k, v) if layer.query_scaling is None else (q * _query_scales(layer, q, call), k, v)
 
 
@@ -1470,6 +1472,8 @@ def _learned_scales(scale, bias, positions, dtype):
 #         (B, T, N*Hv) over all their features, before the output projection; its scale is the weight
 #         `context_norm`, its bias `context_norm_bias` (BitNet's `attn_sub_norm`, Kosmos-2's `inner_attn_ln`).
 #     output_norm_eps: the epsilon of that norm.
+#     qk_norm_after_rope: if True, QK-norm normalizes q and k after RoPE (in step 4) instead of before it (step 3):
+#         HunYuan's `query_layernorm` and `key_layernorm`; no effect without `qk_norm` or RoPE.
 
 
 def rms_norm(x, scale, eps, bias=None):
@@ -1491,13 +1495,21 @@ def layer_norm(x, scale, eps, bias=None):
     return ops.cast(_add(y, None if bias is None else ops.cast(bias, dtype)), x.dtype)
 
 
-def _init_output_norm(layer, output_norm, output_norm_eps):
-    """Checks `output_norm` and `output_norm_eps` (after every other argument) and holds them as attributes;
-    `build` makes their weights (`_context_norm_shapes`)."""
+def _init_output_norm(layer, output_norm, output_norm_eps, qk_norm_after_rope):
+    """Checks `output_norm`, `output_norm_eps` and `qk_norm_after_rope` (after every other argument) and holds
+    them as attributes (`_qk_norm_late`: QK-norm runs after RoPE, in step 4, where both are on); `build` makes
+    the output norm's weights (`_context_norm_shapes`)."""
     if output_norm not in (None, "rms", "layer"):
         raise ValueError(f"`output_norm` must be None, 'rms' or 'layer'. Received: output_norm={output_norm!r}")
     layer.output_norm = None if output_norm is None else str(output_norm)  # np.str_ held as str
     layer.output_norm_eps = _positive_float("output_norm_eps", output_norm_eps)
+    layer.qk_norm_after_rope = _flag("qk_norm_after_rope", qk_norm_after_rope)
+    layer._qk_norm_late = layer.qk_norm_after_rope and layer.qk_norm is not None and layer.rope_theta is not None
+    if layer._qk_norm_late and layer._sharing:
+        raise ValueError(
+            "`qk_norm_after_rope` must be False with `kv_shared`, `keys_as_values` or `value_norm` (their keys are "
+            "normalized before RoPE by their producer's order). Received: qk_norm_after_rope=True"
+        )
 
 
 def _context_norm_shapes(layer):
@@ -3748,6 +3760,7 @@ def _non_defaults(layer):
         "index_topk": layer.index_topk is None,
         "index_query_input_norm": not layer.index_query_input_norm,
         "output_norm": layer.output_norm is None,
+        "qk_norm_after_rope": not layer._qk_norm_late,
     }
     return {name: getattr(layer, name) for name, default in plain.items() if not default}
 
@@ -3935,7 +3948,7 @@ _CONFIG_NAMES = (
     "d_model", "num_heads", "num_kv_heads", "head_dim", "kdim", "vdim", "dropout", "bias", *_Variants._fields[:-1],
     *_LATENT_SIZES, "latent_norm_eps", "kernel_initializer", "bias_initializer", "query_scaling", "kv_shared",
     "keys_as_values", "value_norm", *_INDEX_SIZES, "index_rope_interleaved", "index_query_input_norm", "output_norm",
-    "output_norm_eps",
+    "output_norm_eps", "qk_norm_after_rope",
 )  # get_config's entries past the base layer's, in the constructor's order  # fmt: skip
 
 

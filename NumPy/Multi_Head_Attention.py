@@ -208,6 +208,7 @@ class MultiHeadAttention:
         value_norm: if True, each value head is RMS-normalized without a scale (eps `qk_norm_eps`; Gemma 3n, 4).
         output_norm, output_norm_eps: None, "rms" or "layer": a norm of the merged heads before the output
             projection (weights `context_norm`, and `context_norm_bias` with "layer"; BitNet, Kosmos-2).
+        qk_norm_after_rope: if True, QK-norm normalizes q and k after RoPE instead of before (HunYuan).
 
     Call arguments:
         query: (B, T, E).
@@ -264,7 +265,7 @@ class MultiHeadAttention:
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
         seed=None, query_scaling=None, kv_shared=False, keys_as_values=False, value_norm=False, index_topk=None,
         index_num_heads=None, index_head_dim=None, index_rope_interleaved=False, index_query_input_norm=False,
-        output_norm=None, output_norm_eps=1e-6,
+        output_norm=None, output_norm_eps=1e-6, qk_norm_after_rope=False,
     ):  # fmt: skip
         self.d_model = _positive_int("d_model", d_model)
         self.num_heads = _positive_int("num_heads", num_heads)
@@ -307,7 +308,7 @@ class MultiHeadAttention:
         _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         self._float_layout = _float_shapes(self) if latent is None else _latent_shapes(self)  # {name: shape}
         _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
-        _init_output_norm(self, output_norm, output_norm_eps)  # self.output_norm, ... (section: QK-norm)
+        _init_output_norm(self, output_norm, output_norm_eps, qk_norm_after_rope)  # section: QK-norm
         self._inv_freq = None  # (R/2,), computed once
         if self.rope_theta is not None:
             rotary_dim = _rotary_dim(rope_fraction, rope_width, True)
@@ -421,8 +422,8 @@ class MultiHeadAttention:
         if self.clip_qkv is not None:
             q, k, v = (_clip(self, y) for y in (q, k, v))
         q, k, v = self._split_heads(q), self._split_heads(k), self._split_heads(v)
-        if self.qk_norm is not None:
-            q, k = _normalize_qk(self, q, k)  # 3. QK-norm
+        if self.qk_norm is not None and not self._qk_norm_late:
+            q, k = _normalize_qk(self, q, k)  # 3. QK-norm (in step 4 after RoPE with `qk_norm_after_rope`)
         if self.rope_theta is not None or self.query_scaling is not None:
             q, k = _position_step(self, q, k, call)  # 4. RoPE, 4b. each query row times its scale
         return q, k, v
@@ -551,6 +552,8 @@ def _backward(layer, grad_output):
     elif layer._sharing:
         inputs = _sharing_backward(layer, call, d_q, d_k, d_v, grads, extra)  # their section
     else:
+        if layer._qk_norm_late:
+            d_q, d_k = _late_qk_norm_backward(layer, call, d_q, d_k, grads)  # 4. QK-norm after RoPE
         if layer._inv_freq is not None:
             d_q, d_k = (_turn_back(layer, d, call.positions) for d in (d_q, d_k))  # 4. RoPE
         inputs = {}
@@ -623,7 +626,7 @@ def _project_backward(layer, kind, x, d_heads, grads, d_clamped=None):
     clamped projection from another use of it (keys as values), is added after the norm's."""
     d_y = layer._merge_heads(d_heads)  # (B, heads, L, H) -> (B, L, heads*H)
     y = layer._project(x, kind)  # (B, L, heads*H), the projection before the clamp, recomputed
-    if kind != "value" and layer.qk_norm is not None:
+    if kind != "value" and layer.qk_norm is not None and not layer._qk_norm_late:
         d_y = _qk_norm_backward(layer, kind, _clip(layer, y), d_y, grads)  # at the clamped projection
     d_y = d_y if d_clamped is None else d_y + d_clamped
     if layer.clip_qkv is not None:  # the clamp's gradient: 1 within [-c, c] (bounds included), 0 outside
@@ -1314,6 +1317,7 @@ def _position_step(layer, q, k, call):
     """Steps 4 and 4b: RoPE of q (B, N, T, H) and k (B, K, T, H), then each query row times its scale."""
     if layer.rope_theta is not None:
         q, k = _rotate(layer, q, k, call.positions)  # 4. RoPE
+        q, k = _normalize_qk(layer, q, k) if layer._qk_norm_late else (q, k)  # 4. QK-norm after RoPE
     return (q, k) if layer.query_scaling is None else (q * _query_scales(layer, call), k)
 
 
@@ -1381,13 +1385,21 @@ def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
     return {"qk_norm": qk_norm, "qk_norm_eps": qk_norm_eps, "qk_norm_type": qk_norm_type, "clip_qkv": clip_qkv}
 
 
-def _init_output_norm(layer, output_norm, output_norm_eps):
-    """Checks `output_norm` and `output_norm_eps` (after every other argument), holds them as attributes and
-    adds `context_norm` (and `context_norm_bias` with "layer"), (N*Hv,) each, to the float layout."""
+def _init_output_norm(layer, output_norm, output_norm_eps, qk_norm_after_rope):
+    """Checks `output_norm`, `output_norm_eps` and `qk_norm_after_rope` (after every other argument) and holds
+    them as attributes (`_qk_norm_late`: QK-norm runs after RoPE, in step 4, where both are on); adds `context_norm`
+    (and `context_norm_bias` with "layer"), (N*Hv,) each, to the float layout."""
     if output_norm not in (None, "rms", "layer"):
         raise ValueError(f"`output_norm` must be None, 'rms' or 'layer'. Received: output_norm={output_norm!r}")
     layer.output_norm = None if output_norm is None else str(output_norm)  # np.str_ held as str
     layer.output_norm_eps = _positive_float("output_norm_eps", output_norm_eps)
+    layer.qk_norm_after_rope = _flag("qk_norm_after_rope", qk_norm_after_rope)
+    layer._qk_norm_late = layer.qk_norm_after_rope and layer.qk_norm is not None and layer.rope_theta is not None
+    if layer._qk_norm_late and layer._sharing:
+        raise ValueError(
+            "`qk_norm_after_rope` must be False with `kv_shared`, `keys_as_values` or `value_norm` (their keys are "
+            "normalized before RoPE by their producer's order). Received: qk_norm_after_rope=True"
+        )
     layer._float_layout.update(_context_norm_shapes(layer))
 
 
@@ -1481,6 +1493,16 @@ def _qk_norm_backward(layer, kind, y, d_y, grads):
     if layer.qk_norm_bias:
         grads[f"{kind}_norm_bias"] = grad.reshape(-1, *scale.shape).sum(axis=0).reshape(-1)  # the bias: summed
     return d_by_norm.reshape(y.shape)  # -> (B, L, heads*H)
+
+
+def _late_qk_norm_backward(layer, call, d_q, d_k, grads):
+    """Step 4 backward of QK-norm after RoPE (`qk_norm_after_rope`) from the (B, heads, L, H) gradients of the
+    normalized q and k: adds the norms' gradients to `grads`, returns those of the turned q and k."""
+    q, k = (layer._split_heads(_clip(layer, layer._project(getattr(call, kind), kind))) for kind in ("query", "key"))
+    q, k = _rotate(layer, q, k, call.positions)  # (B, heads, L, H): the turned q and k, recomputed
+    d_q = _qk_norm_backward(layer, "query", layer._merge_heads(q), layer._merge_heads(d_q), grads)  # (B, T, N*H)
+    d_k = _qk_norm_backward(layer, "key", layer._merge_heads(k), layer._merge_heads(d_k), grads)  # (B, S, K*H)
+    return layer._split_heads(d_q), layer._split_heads(d_k)  # -> (B, heads, L, H)
 
 
 def _rms_norm_backward(x, scale, eps, grad):

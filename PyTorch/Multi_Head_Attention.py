@@ -158,6 +158,7 @@ class MultiHeadAttention(nn.Module):
         value_norm: if True, each value head is RMS-normalized without a scale (eps `qk_norm_eps`; Gemma 3n, 4).
         output_norm, output_norm_eps: None, "rms" or "layer": a norm of the merged heads before the output
             projection (weights `context_norm`, and `context_norm_bias` with "layer"; BitNet, Kosmos-2).
+        qk_norm_after_rope: if True, QK-norm normalizes q and k after RoPE instead of before (HunYuan).
 
     Call arguments:
         query: (B, T, E), or unbatched (T, E).
@@ -210,7 +211,7 @@ class MultiHeadAttention(nn.Module):
         kv_lora_rank=None, q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None,
         latent_norm_eps=1e-6, device=None, dtype=None, query_scaling=None, kv_shared=False, keys_as_values=False,
         value_norm=False, index_topk=None, index_num_heads=None, index_head_dim=None, index_rope_interleaved=False,
-        index_query_input_norm=False, output_norm=None, output_norm_eps=1e-6,
+        index_query_input_norm=False, output_norm=None, output_norm_eps=1e-6, qk_norm_after_rope=False,
     ):  # fmt: skip
         super().__init__()
         self.d_model = _positive_int("d_model", d_model)
@@ -257,7 +258,7 @@ class MultiHeadAttention(nn.Module):
         _make_weights(self, latent, variants.sinks, variants.gate, {"device": device, "dtype": dtype})
         _make_query_scaling(self)  # learned query scales (positions)
         _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
-        _init_output_norm(self, output_norm, output_norm_eps)  # self.output_norm, ... (section: QK-norm)
+        _init_output_norm(self, output_norm, output_norm_eps, qk_norm_after_rope)  # section: QK-norm
         self._warned_traps, self._fused = set(), None  # mask habits warned of; q/k/v kernels kept (no_grad)
         self.reset_parameters()
 
@@ -285,8 +286,8 @@ class MultiHeadAttention(nn.Module):
             q, k, v = _project_latent(self, call)  # 2. and 4. MLA: q, the latents and the turned k_rope
         if self.clip_qkv is not None and own:
             q, k, v = _clip(self, q), _clip(self, k), _clip(self, v)  # 2. clamped
-        if self.qk_norm is not None and own:
-            q, k = _normalize_qk(self, q, k)  # 3. QK-norm
+        if self.qk_norm is not None and own and not self._qk_norm_late:
+            q, k = _normalize_qk(self, q, k)  # 3. QK-norm (in step 4 after RoPE with `qk_norm_after_rope`)
         if self.query_scaling is not None or (self.rope_theta is not None and latent is None and own):
             q, k = _position_step(self, q, k, call, latent is None and own)  # 4. RoPE (MLA's: step 2), 4b. query scales
         if call.cache is not None:
@@ -1907,6 +1908,7 @@ def _position_step(layer, q, k, call, rotate):
     then each query row times its scale."""
     if rotate and layer.rope_theta is not None:
         q, k = _rotate(layer, q, k, call.positions)  # 4. RoPE
+        q, k = _normalize_qk(layer, q, k) if layer._qk_norm_late else (q, k)  # 4. QK-norm after RoPE
     return (q, k) if layer.query_scaling is None else (q * _query_scales(layer, q, call), k)
 
 
@@ -1961,14 +1963,22 @@ def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
 _CONTEXT_NORMS = ("context_norm", "context_norm_bias")  # `output_norm`'s weights, (N*Hv,) each
 
 
-def _init_output_norm(layer, output_norm, output_norm_eps):
-    """Checks `output_norm` and `output_norm_eps` (after every other argument), holds them as attributes and
-    makes `context_norm` (and `context_norm_bias` with "layer"), (N*Hv,) each on the layer's device and dtype,
+def _init_output_norm(layer, output_norm, output_norm_eps, qk_norm_after_rope):
+    """Checks `output_norm`, `output_norm_eps` and `qk_norm_after_rope` (after every other argument) and holds
+    them as attributes (`_qk_norm_late`: QK-norm runs after RoPE, in step 4, where both are on); makes
+    `context_norm` (and `context_norm_bias` with "layer"), (N*Hv,) each on the layer's device and dtype,
     uninitialized (None where absent)."""
     if output_norm not in (None, "rms", "layer"):
         raise ValueError(f"`output_norm` must be None, 'rms' or 'layer'. Received: output_norm={output_norm!r}")
     layer.output_norm = None if output_norm is None else str(output_norm)  # np.str_ held as str
     layer.output_norm_eps = _positive_float("output_norm_eps", output_norm_eps)
+    layer.qk_norm_after_rope = _flag("qk_norm_after_rope", qk_norm_after_rope)
+    layer._qk_norm_late = layer.qk_norm_after_rope and layer.qk_norm is not None and layer.rope_theta is not None
+    if layer._qk_norm_late and layer._sharing:
+        raise ValueError(
+            "`qk_norm_after_rope` must be False with `kv_shared`, `keys_as_values` or `value_norm` (their keys are "
+            "normalized before RoPE by their producer's order). Received: qk_norm_after_rope=True"
+        )
     shapes, weight = _context_norm_shapes(layer), layer.output.weight
     for name in _CONTEXT_NORMS:
         value = torch.empty(shapes[name], device=weight.device, dtype=weight.dtype) if name in shapes else None
@@ -4174,6 +4184,7 @@ def _non_defaults(layer):
         "index_rope_interleaved": True if layer.index_rope_interleaved else None,
         "index_query_input_norm": True if layer.index_query_input_norm else None,
         "output_norm": layer.output_norm,
+        "qk_norm_after_rope": True if layer._qk_norm_late else None,
     }
     return {name: value for name, value in variants.items() if value is not None}
 

@@ -129,6 +129,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         value_norm: if True, each value head is RMS-normalized without a scale (eps `qk_norm_eps`; Gemma 3n, 4).
         output_norm, output_norm_eps: None, "rms" or "layer": a norm of the merged heads before the output
             projection (weights `context_norm`, and `context_norm_bias` with "layer"; BitNet, Kosmos-2).
+        qk_norm_after_rope: if True, QK-norm normalizes q and k after RoPE instead of before (HunYuan).
         **kwargs: base layer arguments (`name`, `dtype` policy, ...).
         The options, each off by default, each in full in its section of this file (score modifiers,
         positions, QK-norm, clip_qkv and the gate, multi-head latent attention):
@@ -216,7 +217,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
         kernel_initializer="glorot_uniform", bias_initializer="zeros", query_scaling=None, kv_shared=False,
         keys_as_values=False, value_norm=False, index_topk=None, index_num_heads=None, index_head_dim=None,
-        index_rope_interleaved=False, index_query_input_norm=False, output_norm=None, output_norm_eps=1e-6, **kwargs,
+        index_rope_interleaved=False, index_query_input_norm=False, output_norm=None, output_norm_eps=1e-6,
+        qk_norm_after_rope=False, **kwargs,
     ):  # fmt: skip
         _check_backend()
         super().__init__(**kwargs)
@@ -251,7 +253,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             setattr(self, name, value)
         _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
-        _init_output_norm(self, output_norm, output_norm_eps)  # self.output_norm, ... (section: QK-norm)
+        _init_output_norm(self, output_norm, output_norm_eps, qk_norm_after_rope)  # section: QK-norm
         if self.rope_theta is not None:
             self._inv_freq = _inverse_frequencies(rope_fraction, rope_width, self.rope_theta, self.rope_scaling)
         self.kernel_initializer = tf.keras.initializers.get(kernel_initializer)
@@ -305,7 +307,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             keep, bias = _masks(self, call)  # keep (B|1, N|1, T|1, S|1), rank-4 biases
         # 2. q (B, N, T, H), k and v (B, K, S, H); MLA: q, the latents c (B, 1, S, C) and k_rope (B, 1, S, Hr)
         q, k, v = self._project_qkv(call, shared_kv) if self.kv_lora_rank is None else _project_latent(self, call)
-        if self.qk_norm is not None and not self._sharing:  # 3. QK-norm
+        if self.qk_norm is not None and not self._sharing and not self._qk_norm_late:  # 3. QK-norm (or in step 4)
             q, k = _normalize_qk(self, q, k)
         if self.query_scaling is not None or (self.rope_theta is not None and not self._sharing):
             q, k, v = _position_step(self, q, k, v, call)  # 4. RoPE (not with the sharing options: their step 2), 4b.
@@ -1456,6 +1458,7 @@ def _position_step(layer, q, k, v, call):
     """Steps 4 and 4b: RoPE of q and k (MLA's in `_rotate`), then each query row times its scale."""
     if layer.rope_theta is not None:
         q, k, v = _rotate(layer, q, k, v, call.positions)  # 4. RoPE
+        q, k = _normalize_qk(layer, q, k) if layer._qk_norm_late else (q, k)  # 4. QK-norm after RoPE
     return (q, k, v) if layer.query_scaling is None else (q * _query_scales(layer, q, call), k, v)
 
 
@@ -1512,13 +1515,21 @@ def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
     return {"qk_norm": qk_norm, "qk_norm_eps": qk_norm_eps, "qk_norm_type": str(qk_norm_type), "clip_qkv": clip_qkv}
 
 
-def _init_output_norm(layer, output_norm, output_norm_eps):
-    """Checks `output_norm` and `output_norm_eps` (after every other argument) and holds them as attributes;
-    `build` makes their weights (`_context_norm_shapes`)."""
+def _init_output_norm(layer, output_norm, output_norm_eps, qk_norm_after_rope):
+    """Checks `output_norm`, `output_norm_eps` and `qk_norm_after_rope` (after every other argument) and holds
+    them as attributes (`_qk_norm_late`: QK-norm runs after RoPE, in step 4, where both are on); `build` makes
+    the output norm's weights (`_context_norm_shapes`)."""
     if output_norm not in (None, "rms", "layer"):
         raise ValueError(f"`output_norm` must be None, 'rms' or 'layer'. Received: output_norm={output_norm!r}")
     layer.output_norm = None if output_norm is None else str(output_norm)  # np.str_ held as str
     layer.output_norm_eps = _positive_float("output_norm_eps", output_norm_eps)
+    layer.qk_norm_after_rope = _flag("qk_norm_after_rope", qk_norm_after_rope)
+    layer._qk_norm_late = layer.qk_norm_after_rope and layer.qk_norm is not None and layer.rope_theta is not None
+    if layer._qk_norm_late and layer._sharing:
+        raise ValueError(
+            "`qk_norm_after_rope` must be False with `kv_shared`, `keys_as_values` or `value_norm` (their keys are "
+            "normalized before RoPE by their producer's order). Received: qk_norm_after_rope=True"
+        )
 
 
 def _context_norm_shapes(layer):
@@ -3620,6 +3631,7 @@ def _config(layer):
         **{name: getattr(layer, name) for name in _SHARING_FLAGS},
         "output_norm": layer.output_norm,
         "output_norm_eps": layer.output_norm_eps,
+        "qk_norm_after_rope": layer.qk_norm_after_rope,
     }
     return config | _latent_config(layer, vdim_only=True)  # the key keeps its place
 
@@ -3644,6 +3656,7 @@ def _non_defaults(layer):
         "index_topk": layer.index_topk,
         "index_query_input_norm": True if layer.index_query_input_norm else None,
         "output_norm": layer.output_norm,
+        "qk_norm_after_rope": True if layer._qk_norm_late else None,
     }
     return {name: value for name, value in variants.items() if value is not None}
 

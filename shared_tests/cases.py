@@ -230,6 +230,15 @@ CASES = [
         variants=(("qk_norm", "all"), ("qk_norm_eps", 1e-5), ("output_norm", "rms")),
     ),
     Case(
+        "qk_norm_after_rope",  # HunYuan's QK-norm of the turned heads (query_layernorm, key_layernorm)
+        e=32,
+        k=2,
+        self_attention=True,
+        causal=True,
+        positions="shifted",
+        variants=(("rope_theta", 100.0), ("qk_norm", "head"), ("qk_norm_after_rope", True)),
+    ),
+    Case(
         "output_norm_layer_gated",  # Kosmos-2's LayerNorm (with its bias) of the merged heads, after the gate
         k=2,
         self_attention=True,

@@ -164,6 +164,14 @@ DECODE_CASES = [
         chunks=(3, 1, 1),
         variants=(("qk_norm", "per_head"), ("qk_norm_type", "layer"), ("qk_norm_bias", True), ("output_norm", "layer")),
     ),
+    DecodeCase(
+        "decode_qk_norm_after_rope",  # HunYuan's order: RoPE, then QK-norm, before the cache write
+        k=2,
+        padding=(0, 2),
+        chunks=(3, 1, 1),
+        positions=True,
+        variants=(("rope_theta", 100.0), ("qk_norm", "head"), ("qk_norm_after_rope", True)),
+    ),
     DecodeCase("decode_gate", k=2, padding=(0, 2), chunks=(3, 1, 1, 1), variants=(("gate", True),)),
     # The int8 cache (rolling, left padding, GQA, RoPE), held to the SPEC's int8 cache bound
     DecodeCase(
