@@ -1,6 +1,7 @@
-"""The norm some attention modules apply to their merged heads before the output projection, which the layer
-computes as `output_norm`: BitNet's `attn_sub_norm` (an RMSNorm, the Llama kind otherwise) and Kosmos-2's
-`inner_attn_ln` (Magneto's sub-LayerNorm, the BART kind otherwise).
+"""The norms some attention modules place where the Llama and BART kinds have none: a norm of the merged heads
+before the output projection, which the layer computes as `output_norm` (BitNet's `attn_sub_norm`, an RMSNorm, the
+Llama kind otherwise; Kosmos-2's `inner_attn_ln`, Magneto's sub-LayerNorm, the BART kind otherwise), and HunYuan's
+QK-norms under other names (`query_layernorm`, `key_layernorm`), applied after RoPE (`qk_norm_after_rope`).
 
 What is read, never computed (no numeric probe): the norm's class (an RMSNorm of `weight` or of `1 + weight`, or a
 LayerNorm) and eps, and the module's forward, which must assign the norm of a name and pass that name, next, to the
@@ -17,6 +18,7 @@ import numpy as np
 from .tensors import _tensor
 
 OUTPUT_NORMS = ("attn_sub_norm", "inner_attn_ln")  # the children read as `output_norm`
+QK_NORM_NAMES = {"query_layernorm": "q_norm", "key_layernorm": "k_norm"}  # HunYuan's: the Llama kind's names
 _EPS = ("variance_epsilon", "eps")
 
 
@@ -76,3 +78,30 @@ def _with_output_norm(kwargs, weights, tensors, name, options):
         bias = f"{name}.bias"
         weights["context_norm_bias"] = _tensor(tensors, bias) if bias in tensors else np.zeros_like(scale)
     return kwargs | {"output_norm": options["output_norm"], "output_norm_eps": options["output_norm_eps"]}, weights
+
+
+def _renamed_qk_norms(module, children):
+    """(the children with HunYuan's QK-norm names as the Llama kind's, whether its forward applies them after
+    RoPE); the children as they are, and False, where it has neither name."""
+    if not set(QK_NORM_NAMES) & set(children):
+        return children, False
+    renamed = {QK_NORM_NAMES.get(name, name): child for name, child in children.items()}
+    return renamed, _called_after(type(module).forward, "query_layernorm", "apply_rotary_pos_emb")
+
+
+def _called_after(forward, attribute, function):
+    """Whether `forward` calls `self.<attribute>` only on lines after its first call of `function`."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)]
+    norms = [n.lineno for n in calls if isinstance(n.func, ast.Attribute) and n.func.attr == attribute]
+    turns = [n.lineno for n in calls if getattr(n.func, "id", None) == function]
+    return bool(norms and turns) and min(norms) > min(turns)
+
+
+def _renamed_tensors(tensors):
+    """The module's tensors with HunYuan's QK-norm names as the Llama kind's (`q_norm.weight`, ...)."""
+    renamed = {}
+    for name, value in tensors.items():
+        head, _, tail = name.partition(".")
+        renamed[f"{QK_NORM_NAMES.get(head, head)}.{tail}" if tail else name] = value
+    return renamed

@@ -23,7 +23,7 @@ import textwrap
 from .config import _position_scaling, _rope_parameters
 from .gated import _gated
 from .llama import _rotary
-from .norms import _output_norm_options, _with_output_norm
+from .norms import _output_norm_options, _renamed_qk_norms, _renamed_tensors, _with_output_norm
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _ALLOWED = {"q_norm", "k_norm", "rotary_emb", "attention_dropout", "dropout", "attn_dropout", "resid_dropout"}
@@ -165,7 +165,7 @@ def _structural_porter(module, model_type):
             f"`module` must hold an attention the layer computes: {_REFUSED[model_type]}, which the layer cannot. "
             f"Received: model_type={model_type!r}"
         )
-    children = dict(module.named_children())
+    children, after_rope = _renamed_qk_norms(module, dict(module.named_children()))  # HunYuan's `query_layernorm`
     missing = [name for name in _PROJECTIONS if name not in children]
     if missing:
         return None
@@ -207,7 +207,7 @@ def _structural_porter(module, model_type):
     attributes = _attributes(module)
 
     def port(config, tensors, index):
-        config = {**config, **attributes["config"]}
+        config, tensors = {**config, **attributes["config"]}, _renamed_tensors(tensors)
         if config.get("hidden_size") != children["q_proj"].in_features:
             _refuse(
                 module,
@@ -225,6 +225,8 @@ def _structural_porter(module, model_type):
         kwargs["scale"] = attributes["scale"]
         if norm is not None:  # BitNet's `attn_sub_norm` (`interop.hf.norms`)
             kwargs, weights = _with_output_norm(kwargs, weights, tensors, norm, norm_options)
+        if after_rope and "qk_norm" in kwargs and "rope_theta" in kwargs:  # HunYuan's QK-norm of the turned heads
+            kwargs["qk_norm_after_rope"] = True
         if scaled and _position_scaling(_rope_parameters(config, None)) is not None:
             kwargs["query_scaling"] = _position_scaling(_rope_parameters(config, None))
         return kwargs, weights

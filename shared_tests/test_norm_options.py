@@ -1,9 +1,11 @@
-"""The output norm (`output_norm`, docs/SPEC.md): its weights in the portable layout of the four files (with MLA
-too), their initial values, `get_config` and a `.keras` file round trip, the NumPy oracle's value of a row with no
-key; and the porter's reading of a module's norm (`interop/hf/norms.py`): the forward must apply it to the merged
-heads right before the output projection. The parity table's `output_norm_layer_gated` and `qk_norm_all` compare
-the four files on every path, `decode_qk_norm_layer` decoding (the Keras file on the TensorFlow backend here;
-test_keras.py runs the case table on the others)."""
+"""The output norm (`output_norm`) and QK-norm after RoPE (`qk_norm_after_rope`), docs/SPEC.md: the output
+norm's weights in the portable layout of the four files (with MLA too), their initial values, `get_config` and a
+`.keras` file round trip, the NumPy oracle's value of a row with no key; `qk_norm_after_rope` changes the output
+only where QK-norm and RoPE are on, and is refused with the sharing options; and the porters' reading of a module's
+norms (`interop/hf/norms.py`): the output norm applied to the merged heads right before the output projection,
+HunYuan's QK-norms after RoPE. The parity table's `output_norm_layer_gated`, `qk_norm_all` and `qk_norm_after_rope`
+compare the four files on every path, `decode_qk_norm_layer` and `decode_qk_norm_after_rope` decoding (the Keras
+file on the TensorFlow backend here; test_keras.py runs the case table on the others)."""
 
 import numpy as np
 import pytest
@@ -156,3 +158,71 @@ def test_the_porter_refuses_a_norm_applied_elsewhere_or_of_another_class():
         _output_norm_options(before(nn.LayerNorm(8)), _refuse, "o_proj")
     with pytest.raises(ValueError, match=r"^normalizes its merged heads with GroupNorm \(`attn_sub_norm`\)"):
         _output_norm_options(attention(nn.GroupNorm(2, 8)), _refuse, "o_proj")
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch", "tf", "keras"])
+def test_qk_norm_after_rope_acts_only_with_qk_norm_and_rope(framework):
+    cls = _constructors()[framework]
+    x = np.random.default_rng(3).normal(size=(2, 4, 8)).astype(np.float32)
+    rng = np.random.default_rng(4)
+    for options, changes in (
+        ({"qk_norm": "head", "rope_theta": 100.0}, True),
+        ({"qk_norm": "head"}, False),
+        ({"rope_theta": 100.0}, False),
+    ):
+        before, after = cls(8, 2, **options), cls(8, 2, qk_norm_after_rope=True, **options)
+        weights = {name: value + rng.normal(size=value.shape) for name, value in before.export_weights().items()}
+        before.import_weights(weights)
+        after.import_weights(weights)
+        outputs = [np.asarray(_numpy(layer(_tensor(framework, x), causal=True))) for layer in (before, after)]
+        assert bool(np.abs(outputs[0] - outputs[1]).max() > 0.01) is changes, (framework, options)
+
+
+def test_qk_norm_after_rope_is_refused_with_the_sharing_options():
+    for framework, cls in _constructors().items():
+        with pytest.raises(ValueError, match=r"^`qk_norm_after_rope` must be False with `kv_shared`, `keys_as_values`"):
+            cls(8, 2, qk_norm="head", rope_theta=100.0, value_norm=True, qk_norm_after_rope=True)
+        assert cls(8, 2, value_norm=True, qk_norm_after_rope=True).qk_norm_after_rope, (
+            framework
+        )  # no QK-norm: no effect
+
+
+def _tensor(framework, x):
+    if framework == "torch":
+        import torch
+
+        return torch.from_numpy(x)
+    return x
+
+
+def _numpy(y):
+    return y.detach().numpy() if hasattr(y, "detach") else y
+
+
+def test_the_porter_reads_hunyuans_qk_norms_and_their_order():
+    from interop.hf.norms import _renamed_qk_norms, _renamed_tensors
+
+    _, _, _, nn = _modules()
+
+    class After(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.query_layernorm, self.key_layernorm = nn.Linear(8, 8), nn.Identity(), nn.Identity()
+
+        def forward(self, q, k, cos, sin):
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)  # noqa: F821 (read as text, never run)
+            return self.query_layernorm(q), self.key_layernorm(k)
+
+    class Before(After):
+        def forward(self, q, k, cos, sin):
+            q, k = self.query_layernorm(q), self.key_layernorm(k)
+            return apply_rotary_pos_emb(q, k, cos, sin)  # noqa: F821
+
+    for cls, after in ((After, True), (Before, False)):
+        module = cls()
+        children, late = _renamed_qk_norms(module, dict(module.named_children()))
+        assert (sorted(children), late) == (["k_norm", "q_norm", "q_proj"], after)
+    assert _renamed_qk_norms(module, {"q_norm": None}) == ({"q_norm": None}, False)
+    assert list(_renamed_tensors({"query_layernorm.weight": 1, "key_layernorm.weight": 2, "sinks": 3})) == [
+        "q_norm.weight", "k_norm.weight", "sinks",
+    ]  # fmt: skip
