@@ -226,3 +226,22 @@ def test_the_porter_reads_hunyuans_qk_norms_and_their_order():
     assert list(_renamed_tensors({"query_layernorm.weight": 1, "key_layernorm.weight": 2, "sinks": 3})) == [
         "q_norm.weight", "k_norm.weight", "sinks",
     ]  # fmt: skip
+
+
+def test_a_pre_ln_bert_attention_ports_the_attention_of_its_normalized_input():
+    """RoBERTa-PreLayerNorm's attention is its LayerNorm, BERT's attention and the residual: `port_attention`
+    ports the attention, so the module's output is x + layer(LayerNorm(x)) (dropout off)."""
+    import torch
+
+    from interop.hf import port_attention
+    from shared_tests import hf_tiny
+
+    model = hf_tiny.tiny_model("roberta_prelayernorm")
+    module = next(m for m in model.modules() if type(m).__name__ == "RobertaPreLayerNormAttention")
+    kwargs, weights = port_attention(module, model.config)
+    layer = NumpyMultiHeadAttention(**kwargs)
+    layer.import_weights(weights)
+    x = torch.randn(2, 5, kwargs["d_model"], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, normed = module(x)[0].numpy(), module.LayerNorm(x).double().numpy()
+    np.testing.assert_allclose(x.double().numpy() + layer(normed), expected, atol=OUTPUT_TOL, rtol=0)

@@ -1,7 +1,9 @@
 """The norms some attention modules place where the Llama and BART kinds have none: a norm of the merged heads
 before the output projection, which the layer computes as `output_norm` (BitNet's `attn_sub_norm`, an RMSNorm, the
 Llama kind otherwise; Kosmos-2's `inner_attn_ln`, Magneto's sub-LayerNorm, the BART kind otherwise), and HunYuan's
-QK-norms under other names (`query_layernorm`, `key_layernorm`), applied after RoPE (`qk_norm_after_rope`).
+QK-norms under other names (`query_layernorm`, `key_layernorm`), applied after RoPE (`qk_norm_after_rope`); and the
+pre-LN copies of BERT's attention (RoBERTa-PreLayerNorm's `LayerNorm`, XLM-RoBERTa-XL's `self_attn_layer_norm`), whose
+LayerNorm of the input stays out of the layer, as BERT's LayerNorm after the residual does.
 
 What is read, never computed (no numeric probe): the norm's class (an RMSNorm of `weight` or of `1 + weight`, or a
 LayerNorm) and eps, and the module's forward, which must assign the norm of a name and pass that name, next, to the
@@ -105,3 +107,42 @@ def _renamed_tensors(tensors):
         head, _, tail = name.partition(".")
         renamed[f"{QK_NORM_NAMES.get(head, head)}.{tail}" if tail else name] = value
     return renamed
+
+
+INPUT_NORMS = ("LayerNorm", "self_attn_layer_norm", "ln")  # a pre-LN BERT attention's LayerNorm of its input
+_PRE_LN_FORWARDS = (  # RoBERTa-PreLayerNorm's: the pre-LN copies' module and output forwards, as text
+    "transformers.models.roberta_prelayernorm.modeling_roberta_prelayernorm",
+    "RobertaPreLayerNormAttention",
+    "RobertaPreLayerNormSelfOutput",
+)
+
+
+def _input_norm(module):
+    """The name of a BERT-kind module's LayerNorm of its input (a child of the module itself), else None."""
+    children = dict(module.named_children())
+    return next((name for name in INPUT_NORMS if type(children.get(name)).__name__ == "LayerNorm"), None)
+
+
+def _pre_ln_mismatch(module, name):
+    """None where the pre-LN module's forward and its `output`'s are RoBERTa-PreLayerNorm's (the LayerNorm `name`
+    and the normalized states' name aside), else the class whose forward differs."""
+    import importlib
+
+    reference = importlib.import_module(_PRE_LN_FORWARDS[0])
+    attention, output = (getattr(reference, cls) for cls in _PRE_LN_FORWARDS[1:])
+    if _text(type(module).forward, name) != _text(attention.forward, "LayerNorm"):
+        return type(module).__name__
+    if _text(type(module.output).forward, None) != _text(output.forward, None):
+        return type(module.output).__name__
+    return None
+
+
+def _text(function, norm):
+    """A forward's statements as text, the LayerNorm `self.<norm>` and the name it assigns renamed alike."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
+    statements = [node for node in tree.body if not isinstance(node, ast.Expr)]  # no docstring
+    text = "\n".join(ast.unparse(node) for node in statements)
+    first = statements[0] if norm is not None else None
+    if isinstance(first, ast.Assign) and _self_call_of(first, norm) is not None:
+        text = re.sub(rf"\b{first.targets[0].id}\b", "normed", text)
+    return text if norm is None else text.replace(f"self.{norm}(", "self.NORM(")
