@@ -38,6 +38,7 @@ SAMPLE = {  # a spread over the porters: listed families, and each kind of struc
     "kosmos2",  # by structure: the BART kind with a LayerNorm of the merged heads (`inner_attn_ln`: `output_norm`)
     "bitnet",  # by structure: the Llama kind with an RMSNorm of the merged heads (`attn_sub_norm`: `output_norm`)
     "xlm_roberta_xl",  # by structure: a pre-LN copy of BERT's attention (its LayerNorm of the input stays out)
+    "megatron_bert",  # by structure: a pre-LN copy with forwards of its own text (Megatron-BERT's)
     "hunyuan_v1_dense",  # by structure: QK-norms named `query_layernorm`, applied after RoPE (`qk_norm_after_rope`)
     "rembert",  # refused: the BERT kind's structure with a forward of its own
     "codegen",  # the listed GPT kind: GPT-J's attention, a fused projection of 4 shards

@@ -245,3 +245,24 @@ def test_a_pre_ln_bert_attention_ports_the_attention_of_its_normalized_input():
     with torch.no_grad():
         expected, normed = module(x)[0].numpy(), module.LayerNorm(x).double().numpy()
     np.testing.assert_allclose(x.double().numpy() + layer(normed), expected, atol=OUTPUT_TOL, rtol=0)
+
+
+def test_a_pre_ln_module_with_another_forward_is_not_read():
+    import torch
+
+    from interop.hf.norms import _input_norm, _pre_ln_forwards
+    from shared_tests import hf_tiny
+
+    model = hf_tiny.tiny_model("xlm_roberta_xl")
+    module = next(m for m in model.modules() if type(m).__name__ == "XLMRobertaXLAttention")
+    assert _input_norm(module) == "self_attn_layer_norm" and _pre_ln_forwards(module, "self_attn_layer_norm")
+
+    class Scaled(type(module)):
+        def forward(self, hidden_states, attention_mask=None, **kwargs):
+            intermediate = self.self_attn_layer_norm(hidden_states) * 2.0
+            attention_output, attn_weights = self.self(intermediate, attention_mask=attention_mask, **kwargs)
+            return self.output(attention_output, hidden_states), attn_weights
+
+    module.__class__ = Scaled
+    assert not _pre_ln_forwards(module, "self_attn_layer_norm")
+    assert _input_norm(torch.nn.Module()) is None

@@ -31,7 +31,7 @@ import textwrap
 from .bert import _bert
 from .gpt import _gpt_neox
 from .llama import _qk_layernorm, _rotary
-from .norms import _input_norm, _output_norm_options, _pre_ln_mismatch, _with_output_norm
+from .norms import _input_norm, _output_norm_options, _pre_ln_forwards, _with_output_norm
 from .seq2seq import _bart
 from .structure import (
     _attributes,
@@ -131,21 +131,17 @@ def _bart_kind(module, model_type, children):
 
 def _bert_kind(module, model_type, children):
     """BERT's `BertAttention`: `self.query/key/value`, `output.dense` and its LayerNorm, with BERT's forwards; or a
-    pre-LN copy: a LayerNorm of the input in the module, `output.dense` and the residual, with RoBERTa-PreLayerNorm's
-    forwards around BERT's `self` (`interop.hf.norms`)."""
+    pre-LN copy: a LayerNorm of the input in the module, `output.dense` and the residual, with the forwards of
+    RoBERTa-PreLayerNorm (around BERT's `self`) or Megatron-BERT (`interop.hf.norms`)."""
     pre = _input_norm(module)
     _check_children(module, model_type, children, _BERT[""] | ({pre: "LayerNorm"} if pre else {}))
     for name in ("self", "output"):
         child, expected = children[name], _BERT[name] if not pre or name == "self" else {"dense": _LINEAR}
         _check_children(child, model_type, dict(child.named_children()), expected, f"`{name}` ")
-    references = _bert_forwards()
-    other = _pre_ln_mismatch(module, pre) if pre else None
-    if other is not None:
-        _refuse(module, model_type, f"computes {other} with a forward of its own, not RoBERTa-PreLayerNorm's")
-    for part, reference in zip((module, children["self"], children["output"]), references, strict=True):
-        if pre and part is not children["self"]:
-            continue  # a pre-LN copy's module and output forwards: RoBERTa-PreLayerNorm's, checked above
-        if _normalized(type(part).forward) != _normalized(reference.forward):
+    if pre and not _pre_ln_forwards(module, pre):
+        _refuse(module, model_type, "computes a pre-LN attention with forwards of its own, not a known pre-LN copy's")
+    for part, reference in zip((module, children["self"], children["output"]), _bert_forwards(), strict=True):
+        if not pre and _normalized(type(part).forward) != _normalized(reference.forward):
             _refuse(
                 module,
                 model_type,

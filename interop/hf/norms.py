@@ -2,7 +2,8 @@
 before the output projection, which the layer computes as `output_norm` (BitNet's `attn_sub_norm`, an RMSNorm, the
 Llama kind otherwise; Kosmos-2's `inner_attn_ln`, Magneto's sub-LayerNorm, the BART kind otherwise), and HunYuan's
 QK-norms under other names (`query_layernorm`, `key_layernorm`), applied after RoPE (`qk_norm_after_rope`); and the
-pre-LN copies of BERT's attention (RoBERTa-PreLayerNorm's `LayerNorm`, XLM-RoBERTa-XL's `self_attn_layer_norm`), whose
+pre-LN copies of BERT's attention (RoBERTa-PreLayerNorm's `LayerNorm`, XLM-RoBERTa-XL's `self_attn_layer_norm`,
+Megatron-BERT's `ln`), whose
 LayerNorm of the input stays out of the layer, as BERT's LayerNorm after the residual does.
 
 What is read, never computed (no numeric probe): the norm's class (an RMSNorm of `weight` or of `1 + weight`, or a
@@ -110,10 +111,15 @@ def _renamed_tensors(tensors):
 
 
 INPUT_NORMS = ("LayerNorm", "self_attn_layer_norm", "ln")  # a pre-LN BERT attention's LayerNorm of its input
-_PRE_LN_FORWARDS = (  # RoBERTa-PreLayerNorm's: the pre-LN copies' module and output forwards, as text
-    "transformers.models.roberta_prelayernorm.modeling_roberta_prelayernorm",
-    "RobertaPreLayerNormAttention",
-    "RobertaPreLayerNormSelfOutput",
+_PRE_LN_FORWARDS = (  # the pre-LN copies' module, `self` and `output` forwards, as text: (module, its classes)
+    (
+        "transformers.models.roberta_prelayernorm.modeling_roberta_prelayernorm",
+        ("RobertaPreLayerNormAttention", "RobertaPreLayerNormSelfAttention", "RobertaPreLayerNormSelfOutput"),
+    ),  # its `self` is BERT's text (XLM-RoBERTa-XL's too)
+    (
+        "transformers.models.megatron_bert.modeling_megatron_bert",
+        ("MegatronBertAttention", "MegatronBertSelfAttention", "MegatronBertSelfOutput"),
+    ),
 )
 
 
@@ -123,18 +129,27 @@ def _input_norm(module):
     return next((name for name in INPUT_NORMS if type(children.get(name)).__name__ == "LayerNorm"), None)
 
 
-def _pre_ln_mismatch(module, name):
-    """None where the pre-LN module's forward and its `output`'s are RoBERTa-PreLayerNorm's (the LayerNorm `name`
-    and the normalized states' name aside), else the class whose forward differs."""
+def _pre_ln_forwards(module, name):
+    """Whether the pre-LN module's forward, its `self`'s and its `output`'s are, as text, those of a known pre-LN
+    copy of BERT's attention (`_PRE_LN_FORWARDS`; the LayerNorm `name` and the normalized states' name aside)."""
     import importlib
 
-    reference = importlib.import_module(_PRE_LN_FORWARDS[0])
-    attention, output = (getattr(reference, cls) for cls in _PRE_LN_FORWARDS[1:])
-    if _text(type(module).forward, name) != _text(attention.forward, "LayerNorm"):
-        return type(module).__name__
-    if _text(type(module.output).forward, None) != _text(output.forward, None):
-        return type(module.output).__name__
-    return None
+    parts = (module, module.self, module.output)
+    for source, classes in _PRE_LN_FORWARDS:
+        references = [getattr(importlib.import_module(source), cls) for cls in classes]
+        norms = (name, None, None), (_norm_of(references[0]), None, None)
+        if all(
+            _text(type(part).forward, mine) == _text(reference.forward, theirs)
+            for part, reference, mine, theirs in zip(parts, references, *norms, strict=True)
+        ):
+            return True
+    return False
+
+
+def _norm_of(attention):
+    """The name of a reference pre-LN attention class's LayerNorm of its input, read from its forward's first line."""
+    first = ast.parse(textwrap.dedent(inspect.getsource(attention.forward))).body[0].body[0]
+    return first.value.func.attr
 
 
 def _text(function, norm):
