@@ -262,7 +262,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self.query_scaling = _check_query_scaling(query_scaling, self.rope_sections)  # its section: positions
         _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
-        _init_output_norm(self, output_norm, output_norm_eps, qk_norm_after_rope)  # section: QK-norm
+        _init_norm_options(self, output_norm, output_norm_eps, qk_norm_after_rope)  # section: QK-norm
         if self.rope_theta is not None:
             rotary = _rotary_dim(self.rope_fraction, rope_width, True)
             frequencies = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,) NumPy
@@ -1495,7 +1495,7 @@ def layer_norm(x, scale, eps, bias=None):
     return ops.cast(_add(y, None if bias is None else ops.cast(bias, dtype)), x.dtype)
 
 
-def _init_output_norm(layer, output_norm, output_norm_eps, qk_norm_after_rope):
+def _init_norm_options(layer, output_norm, output_norm_eps, qk_norm_after_rope):
     """Checks `output_norm`, `output_norm_eps` and `qk_norm_after_rope` (after every other argument) and holds
     them as attributes (`_qk_norm_late`: QK-norm runs after RoPE, in step 4, where both are on); `build` makes
     the output norm's weights (`_context_norm_shapes`)."""

@@ -308,7 +308,7 @@ class MultiHeadAttention:
         _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         self._float_layout = _float_shapes(self) if latent is None else _latent_shapes(self)  # {name: shape}
         _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
-        _init_output_norm(self, output_norm, output_norm_eps, qk_norm_after_rope)  # section: QK-norm
+        _init_norm_options(self, output_norm, output_norm_eps, qk_norm_after_rope)  # section: QK-norm
         self._inv_freq = None  # (R/2,), computed once
         if self.rope_theta is not None:
             rotary_dim = _rotary_dim(rope_fraction, rope_width, True)
@@ -1367,7 +1367,8 @@ def _query_scaling_backward(layer, call, d_q, grads):
 # heads; a bias with `qk_norm_bias`), `clip_qkv` (q, k and v clamped to [-c, c] right after their
 # projections: OLMo, DBRX, MPT) and `gate` (each head's result times sigmoid(query @ gate_kernel +
 # gate_bias): Keras' `use_gate`, Qwen3-Next); `output_norm` (RMSNorm or LayerNorm of the merged heads
-# before the output projection, weights `context_norm` and `context_norm_bias`: BitNet, Kosmos-2).
+# before the output projection, weights `context_norm` and `context_norm_bias`: BitNet, Kosmos-2);
+# `qk_norm_after_rope` (QK-norm of the turned q and k, in step 4: HunYuan).
 
 
 def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
@@ -1385,7 +1386,7 @@ def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
     return {"qk_norm": qk_norm, "qk_norm_eps": qk_norm_eps, "qk_norm_type": qk_norm_type, "clip_qkv": clip_qkv}
 
 
-def _init_output_norm(layer, output_norm, output_norm_eps, qk_norm_after_rope):
+def _init_norm_options(layer, output_norm, output_norm_eps, qk_norm_after_rope):
     """Checks `output_norm`, `output_norm_eps` and `qk_norm_after_rope` (after every other argument) and holds
     them as attributes (`_qk_norm_late`: QK-norm runs after RoPE, in step 4, where both are on); adds `context_norm`
     (and `context_norm_bias` with "layer"), (N*Hv,) each, to the float layout."""

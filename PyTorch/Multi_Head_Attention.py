@@ -258,7 +258,7 @@ class MultiHeadAttention(nn.Module):
         _make_weights(self, latent, variants.sinks, variants.gate, {"device": device, "dtype": dtype})
         _make_query_scaling(self)  # learned query scales (positions)
         _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
-        _init_output_norm(self, output_norm, output_norm_eps, qk_norm_after_rope)  # section: QK-norm
+        _init_norm_options(self, output_norm, output_norm_eps, qk_norm_after_rope)  # section: QK-norm
         self._warned_traps, self._fused = set(), None  # mask habits warned of; q/k/v kernels kept (no_grad)
         self.reset_parameters()
 
@@ -1944,7 +1944,7 @@ def _learned_scales(scale, bias, positions, dtype):
 # and v clamped after the projections: OLMo, DBRX, MPT) and `gate` (each head's result times
 # sigmoid(query @ gate_kernel + gate_bias): Keras' `use_gate`, Qwen3-Next); `output_norm` (RMSNorm or
 # LayerNorm of the merged heads before the output projection, weights `context_norm` and `context_norm_bias`:
-# BitNet, Kosmos-2).
+# BitNet, Kosmos-2); `qk_norm_after_rope` (QK-norm of the turned q and k, in step 4: HunYuan).
 
 
 def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
@@ -1963,7 +1963,7 @@ def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
 _CONTEXT_NORMS = ("context_norm", "context_norm_bias")  # `output_norm`'s weights, (N*Hv,) each
 
 
-def _init_output_norm(layer, output_norm, output_norm_eps, qk_norm_after_rope):
+def _init_norm_options(layer, output_norm, output_norm_eps, qk_norm_after_rope):
     """Checks `output_norm`, `output_norm_eps` and `qk_norm_after_rope` (after every other argument) and holds
     them as attributes (`_qk_norm_late`: QK-norm runs after RoPE, in step 4, where both are on); makes
     `context_norm` (and `context_norm_bias` with "layer"), (N*Hv,) each on the layer's device and dtype,

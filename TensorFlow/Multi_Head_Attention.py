@@ -253,7 +253,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             setattr(self, name, value)
         _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
-        _init_output_norm(self, output_norm, output_norm_eps, qk_norm_after_rope)  # section: QK-norm
+        _init_norm_options(self, output_norm, output_norm_eps, qk_norm_after_rope)  # section: QK-norm
         if self.rope_theta is not None:
             self._inv_freq = _inverse_frequencies(rope_fraction, rope_width, self.rope_theta, self.rope_scaling)
         self.kernel_initializer = tf.keras.initializers.get(kernel_initializer)
@@ -1499,7 +1499,8 @@ def _learned_scales(scale, bias, positions, dtype):
 # gate = sigmoid(query @ gate_kernel + gate_bias), (B, T, N*Hv), feature by feature, before the heads
 # are merged: output = concat_heads(context * gate) @ output_kernel + output_bias; Keras' `use_gate`,
 # Qwen3-Next, Qwen3.5), step 6b; `output_norm` (RMSNorm or LayerNorm of the merged heads before the output
-# projection, weights `context_norm` and `context_norm_bias`: BitNet, Kosmos-2), step 7.
+# projection, weights `context_norm` and `context_norm_bias`: BitNet, Kosmos-2), step 7; `qk_norm_after_rope`
+# (QK-norm of the turned q and k: HunYuan), step 4.
 
 
 def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
@@ -1515,7 +1516,7 @@ def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
     return {"qk_norm": qk_norm, "qk_norm_eps": qk_norm_eps, "qk_norm_type": str(qk_norm_type), "clip_qkv": clip_qkv}
 
 
-def _init_output_norm(layer, output_norm, output_norm_eps, qk_norm_after_rope):
+def _init_norm_options(layer, output_norm, output_norm_eps, qk_norm_after_rope):
     """Checks `output_norm`, `output_norm_eps` and `qk_norm_after_rope` (after every other argument) and holds
     them as attributes (`_qk_norm_late`: QK-norm runs after RoPE, in step 4, where both are on); `build` makes
     the output norm's weights (`_context_norm_shapes`)."""
