@@ -155,8 +155,8 @@ class MultiHeadAttention(keras.layers.Layer):
             `rope_theta` is None (the section "positions").
         rope_sections_interleaved: if True, the sections' pairs are dealt in turn (Qwen3-VL's
             `mrope_interleaved`): pair i by row i % k while i < k * rope_sections[i % k], else row 0.
-        qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, clip_qkv, gate: the section "QK-norm,
-            clip_qkv and the gate".
+        qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, clip_qkv, gate, output_norm, output_norm_eps,
+            qk_norm_after_rope: the section "QK-norm, clip_qkv and the gate".
         kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, latent_norm_eps:
             multi-head latent attention, off while `kv_lora_rank` is None (its section).
         index_topk, index_num_heads, index_head_dim, index_rope_interleaved: the sparse indexer (DSA),
@@ -228,7 +228,8 @@ class MultiHeadAttention(keras.layers.Layer):
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
         kernel_initializer="glorot_uniform", bias_initializer="zeros", query_scaling=None, kv_shared=False,
         keys_as_values=False, value_norm=False, index_topk=None, index_num_heads=None, index_head_dim=None,
-        index_rope_interleaved=False, index_query_input_norm=False, rope_sections_interleaved=False, **kwargs,
+        index_rope_interleaved=False, index_query_input_norm=False, rope_sections_interleaved=False, output_norm=None,
+        output_norm_eps=1e-6, qk_norm_after_rope=False, **kwargs,
     ):  # fmt: skip
         super().__init__(**kwargs)
         self.d_model = _positive_int("d_model", d_model)
@@ -264,6 +265,7 @@ class MultiHeadAttention(keras.layers.Layer):
         _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
         self.rope_sections_interleaved = _flag("rope_sections_interleaved", rope_sections_interleaved)  # positions
+        _init_norm_options(self, output_norm, output_norm_eps, qk_norm_after_rope)  # section: QK-norm
         if self.rope_theta is not None:
             rotary = _rotary_dim(self.rope_fraction, rope_width, True)
             frequencies = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,) NumPy
@@ -296,8 +298,8 @@ class MultiHeadAttention(keras.layers.Layer):
             q, k, v = self._project_qkv(call) if not self._sharing else _project_sharing(self, call, shared_kv)  # 2-4.
         else:
             q, k, v = _project_latent(self, call)  # 2. MLA: q, c (B, 1, S, C), k_rope (B, 1, S, Hr)
-        if self.qk_norm is not None and not self._sharing:
-            q, k = _normalize_qk(self, q, k)  # 3. QK-norm
+        if self.qk_norm is not None and not self._sharing and not self._qk_norm_late:
+            q, k = _normalize_qk(self, q, k)  # 3. QK-norm (in step 4 after RoPE with `qk_norm_after_rope`)
         if self.query_scaling is not None or (self.rope_theta is not None and not self._sharing):  # 4. RoPE, 4b.
             q, k, v = _position_step(self, q, k, v, call, _rotate if self.kv_lora_rank is None else _rotate_latent)
         if call.cache is not None:
@@ -311,7 +313,9 @@ class MultiHeadAttention(keras.layers.Layer):
             context, weights = _attend_latent(self, q, k, v, keep, bias, call)  # 6. MLA: (B, N, T, Hv), ...
         if self.gate:
             context = _gate_heads(self, call, context)  # 6b. the output gate
-        output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*Hv) -> (B, T, E)
+        merged = self._merge_heads(context)  # 7. (B, N, T, Hv) -> (B, T, N*Hv)
+        merged = merged if self.output_norm is None else _normalize_context(self, merged)  # 7. the output norm
+        output = self._project(merged, "output")  # 7. (B, T, N*Hv) -> (B, T, E)
         cache, selection = call.cache if not self.kv_shared else None, selection if return_topk else None
         if call.return_attention or cache is not None or return_kv or return_topk:  # a shared cache is not returned
             return _results(output, weights, cache, call.return_attention, (k, v) if return_kv else None, selection)
@@ -1433,6 +1437,7 @@ def _position_step(layer, q, k, v, call, rotate):
     times its scale."""
     if layer.rope_theta is not None:
         q, k, v = rotate(layer, q, k, v, call.positions)  # 4. RoPE
+        q, k = _normalize_qk(layer, q, k) if layer._qk_norm_late else (q, k)  # 4. QK-norm after RoPE
     return (q, k, v) if layer.query_scaling is None else (q * _query_scales(layer, q, call), k, v)
 
 
@@ -1477,6 +1482,12 @@ def _learned_scales(scale, bias, positions, dtype):
 #     gate: if True, each head's attention result is multiplied, feature by feature, by
 #         sigmoid(query @ gate_kernel + gate_bias), (B, T, N*H), before the heads are merged
 #         (Keras' `use_gate`, Qwen3-Next, Qwen3.5).
+#     output_norm: None, "rms" (RMSNorm) or "layer" (LayerNorm with a bias): a norm of the merged heads,
+#         (B, T, N*Hv) over all their features, before the output projection; its scale is the weight
+#         `context_norm`, its bias `context_norm_bias` (BitNet's `attn_sub_norm`, Kosmos-2's `inner_attn_ln`).
+#     output_norm_eps: the epsilon of that norm.
+#     qk_norm_after_rope: if True, QK-norm normalizes q and k after RoPE (in step 4) instead of before it (step 3):
+#         HunYuan's `query_layernorm` and `key_layernorm`; no effect without `qk_norm` or RoPE.
 
 
 def rms_norm(x, scale, eps, bias=None):
@@ -1496,6 +1507,39 @@ def layer_norm(x, scale, eps, bias=None):
     y = y - _mean(y)
     y = y * ops.rsqrt(_mean(ops.square(y)) + eps) * ops.cast(scale, dtype)
     return ops.cast(_add(y, None if bias is None else ops.cast(bias, dtype)), x.dtype)
+
+
+def _init_norm_options(layer, output_norm, output_norm_eps, qk_norm_after_rope):
+    """Checks `output_norm`, `output_norm_eps` and `qk_norm_after_rope` (after every other argument) and holds
+    them as attributes (`_qk_norm_late`: QK-norm runs after RoPE, in step 4, where both are on); `build` makes
+    the output norm's weights (`_context_norm_shapes`)."""
+    if output_norm not in (None, "rms", "layer"):
+        raise ValueError(f"`output_norm` must be None, 'rms' or 'layer'. Received: output_norm={output_norm!r}")
+    layer.output_norm = None if output_norm is None else str(output_norm)  # np.str_ held as str
+    layer.output_norm_eps = _positive_float("output_norm_eps", output_norm_eps)
+    layer.qk_norm_after_rope = _flag("qk_norm_after_rope", qk_norm_after_rope)
+    layer._qk_norm_late = layer.qk_norm_after_rope and layer.qk_norm is not None and layer.rope_theta is not None
+    if layer._qk_norm_late and layer._sharing:
+        raise ValueError(
+            "`qk_norm_after_rope` must be False with `kv_shared`, `keys_as_values` or `value_norm` (their keys are "
+            "normalized before RoPE by their producer's order). Received: qk_norm_after_rope=True"
+        )
+
+
+def _context_norm_shapes(layer):
+    """`output_norm`'s portable weights {name: shape}: (N*Hv,) `context_norm`, and `context_norm_bias` with "layer"."""
+    if layer.output_norm is None:
+        return {}
+    width = (layer.num_heads * (layer.v_head_dim or layer.head_dim),)  # N*Hv (Hv = H without MLA)
+    return {"context_norm": width} | ({"context_norm_bias": width} if layer.output_norm == "layer" else {})
+
+
+def _normalize_context(layer, merged):
+    """Step 7, `output_norm`: RMSNorm or LayerNorm of the (B, T, N*Hv) merged heads over all their features,
+    times `context_norm`, plus `context_norm_bias` with LayerNorm."""
+    norm = rms_norm if layer.output_norm == "rms" else layer_norm
+    bias = layer.context_norm_bias if layer.output_norm == "layer" else None
+    return norm(merged, layer.context_norm, layer.output_norm_eps, bias)
 
 
 def _clip(layer, x):
@@ -3309,6 +3353,8 @@ _HEAD_AXES = {
     "sinks": ("N",),
     "gate_kernel": (None, "N"),
     "gate_bias": ("N",),
+    "context_norm": ("N",),  # (N*Hv,): the output norm's, over every head
+    "context_norm_bias": ("N",),
     "query_a_kernel": (None, None),  # MLA: the latents are shared by every head
     "query_a_bias": (None,),
     "query_a_norm": (None,),
@@ -3730,6 +3776,8 @@ def _non_defaults(layer):
         **{name: not getattr(layer, name) for name in _SHARING_FLAGS},
         "index_topk": layer.index_topk is None,
         "index_query_input_norm": not layer.index_query_input_norm,
+        "output_norm": layer.output_norm is None,
+        "qk_norm_after_rope": not layer._qk_norm_late,
     }
     return {name: getattr(layer, name) for name, default in plain.items() if not default}
 
@@ -3887,6 +3935,7 @@ def _weight_shapes(layer):
             shapes[f"{kind}_bias"] = shape[1:]
     shapes.update(_query_scaling_shapes(layer))  # the learned query scaling's
     shapes.update(_index_shapes(layer))  # the sparse indexer's, float in an int8 layer too
+    shapes.update(_context_norm_shapes(layer))  # `output_norm`'s
     return _with_scales(shapes) if layer._int8 else shapes
 
 
@@ -3916,7 +3965,7 @@ _CONFIG_NAMES = (
     "d_model", "num_heads", "num_kv_heads", "head_dim", "kdim", "vdim", "dropout", "bias", *_Variants._fields[:-1],
     *_LATENT_SIZES, "latent_norm_eps", "kernel_initializer", "bias_initializer", "query_scaling", "kv_shared",
     "keys_as_values", "value_norm", *_INDEX_SIZES, "index_rope_interleaved", "index_query_input_norm",
-    "rope_sections_interleaved",
+    "rope_sections_interleaved", "output_norm", "output_norm_eps", "qk_norm_after_rope",
 )  # get_config's entries past the base layer's, in the constructor's order  # fmt: skip
 
 

@@ -208,6 +208,9 @@ class MultiHeadAttention:
             layer's keys and values through `shared_kv` (Gemma 3n's and Gemma 4's shared layers).
         keys_as_values: if True, no value projection: v is the key projection before QK-norm and RoPE (Gemma 4).
         value_norm: if True, each value head is RMS-normalized without a scale (eps `qk_norm_eps`; Gemma 3n, 4).
+        output_norm, output_norm_eps: None, "rms" or "layer": a norm of the merged heads before the output
+            projection (weights `context_norm`, and `context_norm_bias` with "layer"; BitNet, Kosmos-2).
+        qk_norm_after_rope: if True, QK-norm normalizes q and k after RoPE instead of before (HunYuan).
 
     Call arguments:
         query: (B, T, E).
@@ -264,7 +267,7 @@ class MultiHeadAttention:
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
         seed=None, query_scaling=None, kv_shared=False, keys_as_values=False, value_norm=False, index_topk=None,
         index_num_heads=None, index_head_dim=None, index_rope_interleaved=False, index_query_input_norm=False,
-        rope_sections_interleaved=False,
+        rope_sections_interleaved=False, output_norm=None, output_norm_eps=1e-6, qk_norm_after_rope=False,
     ):  # fmt: skip
         self.d_model = _positive_int("d_model", d_model)
         self.num_heads = _positive_int("num_heads", num_heads)
@@ -307,12 +310,12 @@ class MultiHeadAttention:
         _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         self._float_layout = _float_shapes(self) if latent is None else _latent_shapes(self)  # {name: shape}
         _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
+        _init_norm_options(self, output_norm, output_norm_eps, qk_norm_after_rope)  # section: QK-norm
         _init_rope(self, rope_width, rope_fraction, rope_sections_interleaved)  # self._inv_freq, ... (positions)
         rng = np.random.default_rng(seed)
         self.params = {}  # `weight_shapes` reads it (int8)
         self.params.update({name: _initial_value(rng, name, shape) for name, shape in self.weight_shapes().items()})
-        self._saved = None  # what `backward` needs from the last call without a cache
-        self._warned_traps = set()  # the mask habits warned of, once each
+        self._saved, self._warned_traps = None, set()  # what `backward` needs from the last call; habits warned of
 
     # The steps of a call (docs/SPEC.md, "Order of the steps"), one line each in `__call__` (2 to 4 in
     # `_project_qkv`), each option behind a one-line guard (its functions are in its section):
@@ -320,7 +323,7 @@ class MultiHeadAttention:
     #     2. projections          3. QK-norm of q and k        4. RoPE of q and k at `positions`
     #     5. cache write          6. scores * scale, soft-capping, + bias, keys removed by keep,
     #                                causal, window and chunk, softmax with the sinks, weighted sum of v
-    #     6b. output gate         7. heads merged and the output projection
+    #     6b. output gate         7. heads merged (their norm with `output_norm`) and the output projection
     def __call__(
         self, query, key=None, value=None, attention_mask=None, *, key_mask=None, query_mask=None,
         attention_bias=None, positions=None, causal=False, return_attention=False, cache=None, mask=None,
@@ -345,6 +348,7 @@ class MultiHeadAttention:
             context, weights = _attend_latent(self, q, k, v, keep, bias, call)  # 6. MLA: expanded or absorbed
         gated, gate = (context, None) if not self.gate else _gate_heads(self, call, context)  # 6b. output gate
         merged = self._merge_heads(gated)  # 7. (B, N, T, H) -> (B, T, N*H)
+        merged = merged if self.output_norm is None else _normalize_context(self, merged)  # 7. the output norm
         output = self._project(merged, "output")  # 7. (B, T, N*H) -> (B, T, E)
         saved = dict(call=call, no_key=key is None, no_value=value is None, given_bias=attention_bias, q=q, k=k, v=v)
         saved.update(keep=keep, weights=weights, context=context, gate=gate, merged=merged)
@@ -417,8 +421,8 @@ class MultiHeadAttention:
         if self.clip_qkv is not None:
             q, k, v = (_clip(self, y) for y in (q, k, v))
         q, k, v = self._split_heads(q), self._split_heads(k), self._split_heads(v)
-        if self.qk_norm is not None:
-            q, k = _normalize_qk(self, q, k)  # 3. QK-norm
+        if self.qk_norm is not None and not self._qk_norm_late:
+            q, k = _normalize_qk(self, q, k)  # 3. QK-norm (in step 4 after RoPE with `qk_norm_after_rope`)
         if self.rope_theta is not None or self.query_scaling is not None:
             q, k = _position_step(self, q, k, call)  # 4. RoPE, 4b. each query row times its scale
         return q, k, v
@@ -530,6 +534,8 @@ def _backward(layer, grad_output):
     width = c["merged"].shape[-1] // layer.num_heads  # H (Hv with MLA)
     grads, d_context = _output_backward(g, c["merged"], layer.params["output_kernel"], layer.num_heads, width)
     d_gate_query = None
+    if layer.output_norm is not None:
+        d_context = _context_norm_backward(layer, d_context, grads)  # 7. the output norm
     if c["gate"] is not None:
         d_context, d_gate_query = _gate_backward(layer, d_context, grads)  # 6b. output gate
     if layer._latent is not None:
@@ -545,6 +551,8 @@ def _backward(layer, grad_output):
     elif layer._sharing:
         inputs = _sharing_backward(layer, call, d_q, d_k, d_v, grads, extra)  # their section
     else:
+        if layer._qk_norm_late:
+            d_q, d_k = _late_qk_norm_backward(layer, call, d_q, d_k, grads)  # 4. QK-norm after RoPE
         if layer._inv_freq is not None:
             d_q, d_k = (_turn_back(layer, d, call.positions) for d in (d_q, d_k))  # 4. RoPE
         inputs = {}
@@ -617,7 +625,7 @@ def _project_backward(layer, kind, x, d_heads, grads, d_clamped=None):
     clamped projection from another use of it (keys as values), is added after the norm's."""
     d_y = layer._merge_heads(d_heads)  # (B, heads, L, H) -> (B, L, heads*H)
     y = layer._project(x, kind)  # (B, L, heads*H), the projection before the clamp, recomputed
-    if kind != "value" and layer.qk_norm is not None:
+    if kind != "value" and layer.qk_norm is not None and not layer._qk_norm_late:
         d_y = _qk_norm_backward(layer, kind, _clip(layer, y), d_y, grads)  # at the clamped projection
     d_y = d_y if d_clamped is None else d_y + d_clamped
     if layer.clip_qkv is not None:  # the clamp's gradient: 1 within [-c, c] (bounds included), 0 outside
@@ -1329,6 +1337,7 @@ def _position_step(layer, q, k, call):
     """Steps 4 and 4b: RoPE of q (B, N, T, H) and k (B, K, T, H), then each query row times its scale."""
     if layer.rope_theta is not None:
         q, k = _rotate(layer, q, k, call.positions)  # 4. RoPE
+        q, k = _normalize_qk(layer, q, k) if layer._qk_norm_late else (q, k)  # 4. QK-norm after RoPE
     return (q, k) if layer.query_scaling is None else (q * _query_scales(layer, call), k)
 
 
@@ -1377,7 +1386,9 @@ def _query_scaling_backward(layer, call, d_q, grads):
 # `qk_norm` (RMSNorm or LayerNorm, `qk_norm_type`, of q and k per head, with a scale per head, or over all
 # heads; a bias with `qk_norm_bias`), `clip_qkv` (q, k and v clamped to [-c, c] right after their
 # projections: OLMo, DBRX, MPT) and `gate` (each head's result times sigmoid(query @ gate_kernel +
-# gate_bias): Keras' `use_gate`, Qwen3-Next).
+# gate_bias): Keras' `use_gate`, Qwen3-Next); `output_norm` (RMSNorm or LayerNorm of the merged heads
+# before the output projection, weights `context_norm` and `context_norm_bias`: BitNet, Kosmos-2);
+# `qk_norm_after_rope` (QK-norm of the turned q and k, in step 4: HunYuan).
 
 
 def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
@@ -1393,6 +1404,40 @@ def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
     clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
     qk_norm_type = str(qk_norm_type)  # np.str_ held as str
     return {"qk_norm": qk_norm, "qk_norm_eps": qk_norm_eps, "qk_norm_type": qk_norm_type, "clip_qkv": clip_qkv}
+
+
+def _init_norm_options(layer, output_norm, output_norm_eps, qk_norm_after_rope):
+    """Checks `output_norm`, `output_norm_eps` and `qk_norm_after_rope` (after every other argument) and holds
+    them as attributes (`_qk_norm_late`: QK-norm runs after RoPE, in step 4, where both are on); adds `context_norm`
+    (and `context_norm_bias` with "layer"), (N*Hv,) each, to the float layout."""
+    if output_norm not in (None, "rms", "layer"):
+        raise ValueError(f"`output_norm` must be None, 'rms' or 'layer'. Received: output_norm={output_norm!r}")
+    layer.output_norm = None if output_norm is None else str(output_norm)  # np.str_ held as str
+    layer.output_norm_eps = _positive_float("output_norm_eps", output_norm_eps)
+    layer.qk_norm_after_rope = _flag("qk_norm_after_rope", qk_norm_after_rope)
+    layer._qk_norm_late = layer.qk_norm_after_rope and layer.qk_norm is not None and layer.rope_theta is not None
+    if layer._qk_norm_late and layer._sharing:
+        raise ValueError(
+            "`qk_norm_after_rope` must be False with `kv_shared`, `keys_as_values` or `value_norm` (their keys are "
+            "normalized before RoPE by their producer's order). Received: qk_norm_after_rope=True"
+        )
+    layer._float_layout.update(_context_norm_shapes(layer))
+
+
+def _context_norm_shapes(layer):
+    """`output_norm`'s portable weights {name: shape}: (N*Hv,) `context_norm`, and `context_norm_bias` with "layer"."""
+    if layer.output_norm is None:
+        return {}
+    width = (layer._float_layout["output_kernel"][0],)  # N*Hv
+    return {"context_norm": width} | ({"context_norm_bias": width} if layer.output_norm == "layer" else {})
+
+
+def _normalize_context(layer, merged):
+    """Step 7, `output_norm`: RMSNorm or LayerNorm of the (B, T, N*Hv) merged heads over all their features,
+    times `context_norm`, plus `context_norm_bias` with LayerNorm."""
+    if layer.output_norm == "rms":
+        return rms_norm(merged, layer.params["context_norm"], layer.output_norm_eps)
+    return layer_norm(merged, layer.params["context_norm"], layer.output_norm_eps) + layer.params["context_norm_bias"]
 
 
 def _sigmoid(x):
@@ -1471,6 +1516,16 @@ def _qk_norm_backward(layer, kind, y, d_y, grads):
     return d_by_norm.reshape(y.shape)  # -> (B, L, heads*H)
 
 
+def _late_qk_norm_backward(layer, call, d_q, d_k, grads):
+    """Step 4 backward of QK-norm after RoPE (`qk_norm_after_rope`) from the (B, heads, L, H) gradients of the
+    normalized q and k: adds the norms' gradients to `grads`, returns those of the turned q and k."""
+    q, k = (layer._split_heads(_clip(layer, layer._project(getattr(call, kind), kind))) for kind in ("query", "key"))
+    q, k = _rotate(layer, q, k, call.positions)  # (B, heads, L, H): the turned q and k, recomputed
+    d_q = _qk_norm_backward(layer, "query", layer._merge_heads(q), layer._merge_heads(d_q), grads)  # (B, T, N*H)
+    d_k = _qk_norm_backward(layer, "key", layer._merge_heads(k), layer._merge_heads(d_k), grads)  # (B, S, K*H)
+    return layer._split_heads(d_q), layer._split_heads(d_k)  # -> (B, heads, L, H)
+
+
 def _rms_norm_backward(x, scale, eps, grad):
     """Gradients of rms_norm(x, scale, eps) for the upstream `grad`: (d_x, d_scale), d_scale
     summed to the shape of `scale`, which broadcasts against x's trailing axes."""
@@ -1491,6 +1546,19 @@ def _layer_norm_backward(x, scale, eps, grad):
     g = grad * scale
     mean_g = np.mean(g, axis=-1, keepdims=True)
     return (g - mean_g - normed * np.mean(g * normed, axis=-1, keepdims=True)) / std, d_scale
+
+
+def _context_norm_backward(layer, d_context, grads):
+    """Step 7 backward of `output_norm` from the (B, N, T, Hv) gradient of the normalized heads: adds the
+    gradients of `context_norm` (and `context_norm_bias`) to `grads`, returns the heads' before the norm."""
+    c = layer._saved
+    gated = c["context"] if c["gate"] is None else c["context"] * c["gate"]  # (B, N, T, Hv), recomputed
+    merged, grad = layer._merge_heads(gated), layer._merge_heads(d_context)  # -> (B, T, N*Hv)
+    backward = _layer_norm_backward if layer.output_norm == "layer" else _rms_norm_backward
+    d_merged, grads["context_norm"] = backward(merged, layer.params["context_norm"], layer.output_norm_eps, grad)
+    grads.update({"context_norm_bias": grad.sum(axis=(0, 1))} if layer.output_norm == "layer" else {})
+    b, t, width = merged.shape
+    return d_merged.reshape(b, t, layer.num_heads, width // layer.num_heads).transpose(0, 2, 1, 3)  # -> (B, N, T, Hv)
 
 
 def _gate_backward(layer, d_gated, grads):

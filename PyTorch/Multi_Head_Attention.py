@@ -158,6 +158,9 @@ class MultiHeadAttention(nn.Module):
             layer's keys and values through `shared_kv` (Gemma 3n's and Gemma 4's shared layers).
         keys_as_values: if True, no value projection: v is the key projection before QK-norm and RoPE (Gemma 4).
         value_norm: if True, each value head is RMS-normalized without a scale (eps `qk_norm_eps`; Gemma 3n, 4).
+        output_norm, output_norm_eps: None, "rms" or "layer": a norm of the merged heads before the output
+            projection (weights `context_norm`, and `context_norm_bias` with "layer"; BitNet, Kosmos-2).
+        qk_norm_after_rope: if True, QK-norm normalizes q and k after RoPE instead of before (HunYuan).
 
     Call arguments:
         query: (B, T, E), or unbatched (T, E).
@@ -210,7 +213,8 @@ class MultiHeadAttention(nn.Module):
         kv_lora_rank=None, q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None,
         latent_norm_eps=1e-6, device=None, dtype=None, query_scaling=None, kv_shared=False, keys_as_values=False,
         value_norm=False, index_topk=None, index_num_heads=None, index_head_dim=None, index_rope_interleaved=False,
-        index_query_input_norm=False, rope_sections_interleaved=False,
+        index_query_input_norm=False, rope_sections_interleaved=False, output_norm=None, output_norm_eps=1e-6,
+        qk_norm_after_rope=False,
     ):  # fmt: skip
         super().__init__()
         self.d_model = _positive_int("d_model", d_model)
@@ -258,6 +262,7 @@ class MultiHeadAttention(nn.Module):
         _make_query_scaling(self)  # learned query scales (positions)
         _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
         self.rope_sections_interleaved = _flag("rope_sections_interleaved", rope_sections_interleaved)  # positions
+        _init_norm_options(self, output_norm, output_norm_eps, qk_norm_after_rope)  # section: QK-norm
         self._warned_traps, self._fused = set(), None  # mask habits warned of; q/k/v kernels kept (no_grad)
         self.reset_parameters()
 
@@ -285,8 +290,8 @@ class MultiHeadAttention(nn.Module):
             q, k, v = _project_latent(self, call)  # 2. and 4. MLA: q, the latents and the turned k_rope
         if self.clip_qkv is not None and own:
             q, k, v = _clip(self, q), _clip(self, k), _clip(self, v)  # 2. clamped
-        if self.qk_norm is not None and own:
-            q, k = _normalize_qk(self, q, k)  # 3. QK-norm
+        if self.qk_norm is not None and own and not self._qk_norm_late:
+            q, k = _normalize_qk(self, q, k)  # 3. QK-norm (in step 4 after RoPE with `qk_norm_after_rope`)
         if self.query_scaling is not None or (self.rope_theta is not None and latent is None and own):
             q, k = _position_step(self, q, k, call, latent is None and own)  # 4. RoPE (MLA's: step 2), 4b. query scales
         if call.cache is not None:
@@ -300,6 +305,7 @@ class MultiHeadAttention(nn.Module):
         if self.gate is not None:
             context = _gate_heads(self, call, context)  # 6b. output gate
         merged = self._merge_heads(context)  # (B, N, T, H) -> (B, T, N*H)
+        merged = merged if self.output_norm is None else _normalize_context(self, merged)  # 7. the output norm
         output = self._project(merged, "output") if fast is None else F.linear(merged, *fast[1])  # 7. (B, T, E)
         if call.cache is not None and fast is None and torch.compiler.is_compiling():  # no room: NaN (cannot raise)
             output = _no_room_as_nan(self, call, output)
@@ -1920,6 +1926,7 @@ def _position_step(layer, q, k, call, rotate):
     then each query row times its scale."""
     if rotate and layer.rope_theta is not None:
         q, k = _rotate(layer, q, k, call.positions)  # 4. RoPE
+        q, k = _normalize_qk(layer, q, k) if layer._qk_norm_late else (q, k)  # 4. QK-norm after RoPE
     return (q, k) if layer.query_scaling is None else (q * _query_scales(layer, q, call), k)
 
 
@@ -1953,7 +1960,9 @@ def _learned_scales(scale, bias, positions, dtype):
 # -------------------------------------------------------------------------------------------------
 # `qk_norm` (RMSNorm or LayerNorm, `qk_norm_bias`: Qwen3, OLMo2, StableLM, Phi), `clip_qkv` (q, k
 # and v clamped after the projections: OLMo, DBRX, MPT) and `gate` (each head's result times
-# sigmoid(query @ gate_kernel + gate_bias): Keras' `use_gate`, Qwen3-Next).
+# sigmoid(query @ gate_kernel + gate_bias): Keras' `use_gate`, Qwen3-Next); `output_norm` (RMSNorm or
+# LayerNorm of the merged heads before the output projection, weights `context_norm` and `context_norm_bias`:
+# BitNet, Kosmos-2); `qk_norm_after_rope` (QK-norm of the turned q and k, in step 4: HunYuan).
 
 
 def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
@@ -1967,6 +1976,46 @@ def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
         raise ValueError(f"`qk_norm_type` must be 'rms' or 'layer'. Received: qk_norm_type={qk_norm_type!r}")
     clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
     return qk_norm, qk_norm_eps, str(qk_norm_type), clip_qkv
+
+
+_CONTEXT_NORMS = ("context_norm", "context_norm_bias")  # `output_norm`'s weights, (N*Hv,) each
+
+
+def _init_norm_options(layer, output_norm, output_norm_eps, qk_norm_after_rope):
+    """Checks `output_norm`, `output_norm_eps` and `qk_norm_after_rope` (after every other argument) and holds
+    them as attributes (`_qk_norm_late`: QK-norm runs after RoPE, in step 4, where both are on); makes
+    `context_norm` (and `context_norm_bias` with "layer"), (N*Hv,) each on the layer's device and dtype,
+    uninitialized (None where absent)."""
+    if output_norm not in (None, "rms", "layer"):
+        raise ValueError(f"`output_norm` must be None, 'rms' or 'layer'. Received: output_norm={output_norm!r}")
+    layer.output_norm = None if output_norm is None else str(output_norm)  # np.str_ held as str
+    layer.output_norm_eps = _positive_float("output_norm_eps", output_norm_eps)
+    layer.qk_norm_after_rope = _flag("qk_norm_after_rope", qk_norm_after_rope)
+    layer._qk_norm_late = layer.qk_norm_after_rope and layer.qk_norm is not None and layer.rope_theta is not None
+    if layer._qk_norm_late and layer._sharing:
+        raise ValueError(
+            "`qk_norm_after_rope` must be False with `kv_shared`, `keys_as_values` or `value_norm` (their keys are "
+            "normalized before RoPE by their producer's order). Received: qk_norm_after_rope=True"
+        )
+    shapes, weight = _context_norm_shapes(layer), layer.output.weight
+    for name in _CONTEXT_NORMS:
+        value = torch.empty(shapes[name], device=weight.device, dtype=weight.dtype) if name in shapes else None
+        setattr(layer, name, None if value is None else nn.Parameter(value))  # (N*Hv,)
+
+
+def _context_norm_shapes(layer):
+    """`output_norm`'s portable weights {name: shape}: (N*Hv,) `context_norm`, and `context_norm_bias` with "layer"."""
+    if layer.output_norm is None:
+        return {}
+    width = (layer.output.in_features,)  # N*Hv
+    return {"context_norm": width} | ({"context_norm_bias": width} if layer.output_norm == "layer" else {})
+
+
+def _normalize_context(layer, merged):
+    """Step 7, `output_norm`: RMSNorm or LayerNorm of the (B, T, N*Hv) merged heads over all their features,
+    times `context_norm`, plus `context_norm_bias` with LayerNorm."""
+    norm = rms_norm if layer.output_norm == "rms" else layer_norm
+    return norm(merged, layer.context_norm, layer.output_norm_eps, layer.context_norm_bias)
 
 
 def _clip(layer, x):
@@ -3736,7 +3785,7 @@ def _reset_parameters(layer):
             nn.init.zeros_(norm_bias)
     if layer.sinks is not None:
         nn.init.zeros_(layer.sinks)
-    _reset_vectors(layer, ("query_scaling_scale", "query_scaling_bias"))
+    _reset_vectors(layer, ("query_scaling_scale", "query_scaling_bias", *_CONTEXT_NORMS))
     _reset_indexer(layer)
     _reset_rope(layer)
 
@@ -3906,6 +3955,11 @@ def _check_local_heads(layer, q, k, attention_mask, attention_bias):
             f"ranks ({local} of {layer.num_heads} heads on this rank), nor can `qk_norm='per_head'`. "
             f"Received: sinks={layer.sinks is not None}, qk_norm={layer.qk_norm!r}"
         )
+    if layer.output_norm is not None:
+        raise ValueError(
+            "`output_norm` normalizes over every head and cannot be split across tensor-parallel ranks "
+            f"({local} of {layer.num_heads} heads on this rank). Received: output_norm={layer.output_norm!r}"
+        )
 
 
 _EMPTY_MASK = (
@@ -4048,6 +4102,7 @@ def _weight_shapes(layer):
         shapes["sinks"] = (layer.num_heads,)
     shapes.update(_query_scaling_shapes(layer))  # the learned query scaling's
     shapes.update(_index_shapes(layer))  # the sparse indexer's
+    shapes.update(_context_norm_shapes(layer))  # `output_norm`'s
     return _with_scales(shapes) if layer.quantization_mode == "int8" else shapes
 
 
@@ -4067,6 +4122,7 @@ def _parameter(layer, name):
         "query_scaling_scale",
         "query_scaling_bias",
         *_INDEX_VECTORS,
+        *_CONTEXT_NORMS,
     ):
         return getattr(layer, name), False
     if name.endswith("_kernel_scale"):
@@ -4146,6 +4202,8 @@ def _non_defaults(layer):
         **{name: getattr(layer, name) for name in _INDEX_SIZES},
         "index_rope_interleaved": True if layer.index_rope_interleaved else None,
         "index_query_input_norm": True if layer.index_query_input_norm else None,
+        "output_norm": layer.output_norm,
+        "qk_norm_after_rope": True if layer._qk_norm_late else None,
     }
     return {name: value for name, value in variants.items() if value is not None}
 

@@ -127,6 +127,9 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             layer's keys and values through `shared_kv` (Gemma 3n's and Gemma 4's shared layers).
         keys_as_values: if True, no value projection: v is the key projection before QK-norm and RoPE (Gemma 4).
         value_norm: if True, each value head is RMS-normalized without a scale (eps `qk_norm_eps`; Gemma 3n, 4).
+        output_norm, output_norm_eps: None, "rms" or "layer": a norm of the merged heads before the output
+            projection (weights `context_norm`, and `context_norm_bias` with "layer"; BitNet, Kosmos-2).
+        qk_norm_after_rope: if True, QK-norm normalizes q and k after RoPE instead of before (HunYuan).
         **kwargs: base layer arguments (`name`, `dtype` policy, ...).
         The options, each off by default, each in full in its section of this file (score modifiers,
         positions, QK-norm, clip_qkv and the gate, multi-head latent attention):
@@ -216,7 +219,8 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
         kernel_initializer="glorot_uniform", bias_initializer="zeros", query_scaling=None, kv_shared=False,
         keys_as_values=False, value_norm=False, index_topk=None, index_num_heads=None, index_head_dim=None,
-        index_rope_interleaved=False, index_query_input_norm=False, rope_sections_interleaved=False, **kwargs,
+        index_rope_interleaved=False, index_query_input_norm=False, rope_sections_interleaved=False, output_norm=None,
+        output_norm_eps=1e-6, qk_norm_after_rope=False, **kwargs,
     ):  # fmt: skip
         _check_backend()
         super().__init__(**kwargs)
@@ -252,6 +256,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
         self.rope_sections_interleaved = _flag("rope_sections_interleaved", rope_sections_interleaved)  # positions
+        _init_norm_options(self, output_norm, output_norm_eps, qk_norm_after_rope)  # section: QK-norm
         if self.rope_theta is not None:
             self._inv_freq = _inverse_frequencies(rope_fraction, rope_width, self.rope_theta, self.rope_scaling)
         self.kernel_initializer = tf.keras.initializers.get(kernel_initializer)
@@ -305,7 +310,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             keep, bias = _masks(self, call)  # keep (B|1, N|1, T|1, S|1), rank-4 biases
         # 2. q (B, N, T, H), k and v (B, K, S, H); MLA: q, the latents c (B, 1, S, C) and k_rope (B, 1, S, Hr)
         q, k, v = self._project_qkv(call, shared_kv) if self.kv_lora_rank is None else _project_latent(self, call)
-        if self.qk_norm is not None and not self._sharing:  # 3. QK-norm
+        if self.qk_norm is not None and not self._sharing and not self._qk_norm_late:  # 3. QK-norm (or in step 4)
             q, k = _normalize_qk(self, q, k)
         if self.query_scaling is not None or (self.rope_theta is not None and not self._sharing):
             q, k, v = _position_step(self, q, k, v, call)  # 4. RoPE (not with the sharing options: their step 2), 4b.
@@ -320,7 +325,9 @@ class MultiHeadAttention(tf.keras.layers.Layer):
             context, weights = _attend_latent(self, q, k, v, keep, bias, call)
         if self.gate:  # 6b. the output gate, (B, N, T, Hv)
             context = _gate_heads(self, call, context)
-        output = self._project(self._merge_heads(context), "output")  # 7. (B, T, N*Hv) -> (B, T, E)
+        merged = self._merge_heads(context)  # 7. (B, N, T, Hv) -> (B, T, N*Hv)
+        merged = merged if self.output_norm is None else _normalize_context(self, merged)  # 7. the output norm
+        output = self._project(merged, "output")  # 7. (B, T, N*Hv) -> (B, T, E)
         if cache is not None and misfit is not None:  # XLA cannot raise for a misfit: that call's output is NaN
             output = tf.where(misfit, tf.cast(np.nan, output.dtype), output)
         cache, selection = call.cache if not self.kv_shared else None, selection if return_topk else None
@@ -1466,6 +1473,7 @@ def _position_step(layer, q, k, v, call):
     """Steps 4 and 4b: RoPE of q and k (MLA's in `_rotate`), then each query row times its scale."""
     if layer.rope_theta is not None:
         q, k, v = _rotate(layer, q, k, v, call.positions)  # 4. RoPE
+        q, k = _normalize_qk(layer, q, k) if layer._qk_norm_late else (q, k)  # 4. QK-norm after RoPE
     return (q, k, v) if layer.query_scaling is None else (q * _query_scales(layer, q, call), k, v)
 
 
@@ -1505,7 +1513,9 @@ def _learned_scales(scale, bias, positions, dtype):
 # and the cache: OLMo, DBRX, MPT), step 2; `gate` (each head's result times
 # gate = sigmoid(query @ gate_kernel + gate_bias), (B, T, N*Hv), feature by feature, before the heads
 # are merged: output = concat_heads(context * gate) @ output_kernel + output_bias; Keras' `use_gate`,
-# Qwen3-Next, Qwen3.5), step 6b.
+# Qwen3-Next, Qwen3.5), step 6b; `output_norm` (RMSNorm or LayerNorm of the merged heads before the output
+# projection, weights `context_norm` and `context_norm_bias`: BitNet, Kosmos-2), step 7; `qk_norm_after_rope`
+# (QK-norm of the turned q and k: HunYuan), step 4.
 
 
 def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
@@ -1519,6 +1529,39 @@ def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
         raise ValueError(f"`qk_norm_type` must be 'rms' or 'layer'. Received: qk_norm_type={qk_norm_type!r}")
     clip_qkv = _positive_float("clip_qkv", clip_qkv, optional=True)
     return {"qk_norm": qk_norm, "qk_norm_eps": qk_norm_eps, "qk_norm_type": str(qk_norm_type), "clip_qkv": clip_qkv}
+
+
+def _init_norm_options(layer, output_norm, output_norm_eps, qk_norm_after_rope):
+    """Checks `output_norm`, `output_norm_eps` and `qk_norm_after_rope` (after every other argument) and holds
+    them as attributes (`_qk_norm_late`: QK-norm runs after RoPE, in step 4, where both are on); `build` makes
+    the output norm's weights (`_context_norm_shapes`)."""
+    if output_norm not in (None, "rms", "layer"):
+        raise ValueError(f"`output_norm` must be None, 'rms' or 'layer'. Received: output_norm={output_norm!r}")
+    layer.output_norm = None if output_norm is None else str(output_norm)  # np.str_ held as str
+    layer.output_norm_eps = _positive_float("output_norm_eps", output_norm_eps)
+    layer.qk_norm_after_rope = _flag("qk_norm_after_rope", qk_norm_after_rope)
+    layer._qk_norm_late = layer.qk_norm_after_rope and layer.qk_norm is not None and layer.rope_theta is not None
+    if layer._qk_norm_late and layer._sharing:
+        raise ValueError(
+            "`qk_norm_after_rope` must be False with `kv_shared`, `keys_as_values` or `value_norm` (their keys are "
+            "normalized before RoPE by their producer's order). Received: qk_norm_after_rope=True"
+        )
+
+
+def _context_norm_shapes(layer):
+    """`output_norm`'s portable weights {name: shape}: (N*Hv,) `context_norm`, and `context_norm_bias` with "layer"."""
+    if layer.output_norm is None:
+        return {}
+    width = (_kernel_shapes(layer)["output"][0],)  # N*Hv
+    return {"context_norm": width} | ({"context_norm_bias": width} if layer.output_norm == "layer" else {})
+
+
+def _normalize_context(layer, merged):
+    """Step 7, `output_norm`: RMSNorm or LayerNorm of the (B, T, N*Hv) merged heads over all their features,
+    times `context_norm`, plus `context_norm_bias` with LayerNorm."""
+    norm = rms_norm if layer.output_norm == "rms" else layer_norm
+    bias = layer.context_norm_bias if layer.output_norm == "layer" else None
+    return norm(merged, layer.context_norm, layer.output_norm_eps, bias)
 
 
 def _clip(layer, x):
@@ -3542,6 +3585,7 @@ def _weight_shapes(layer):
             shapes[f"{kind}_bias"] = shape[1:]
     shapes.update(_query_scaling_shapes(layer))  # the learned query scaling's
     shapes.update(_index_shapes(layer))  # the sparse indexer's, float in an int8 layer too
+    shapes.update(_context_norm_shapes(layer))  # `output_norm`'s
     return _with_scales(shapes) if layer._int8 else shapes
 
 
@@ -3599,6 +3643,9 @@ def _config(layer):
         "query_scaling": None if layer.query_scaling is None else dict(layer.query_scaling),
         **{name: getattr(layer, name) for name in _SHARING_FLAGS},
         "rope_sections_interleaved": layer.rope_sections_interleaved,
+        "output_norm": layer.output_norm,
+        "output_norm_eps": layer.output_norm_eps,
+        "qk_norm_after_rope": layer.qk_norm_after_rope,
     }
     return config | _latent_config(layer, vdim_only=True)  # the key keeps its place
 
@@ -3623,6 +3670,8 @@ def _non_defaults(layer):
         **{name: True for name in _SHARING_FLAGS if getattr(layer, name)},
         "index_topk": layer.index_topk,
         "index_query_input_norm": True if layer.index_query_input_norm else None,
+        "output_norm": layer.output_norm,
+        "qk_norm_after_rope": True if layer._qk_norm_late else None,
     }
     return {name: value for name, value in variants.items() if value is not None}
 

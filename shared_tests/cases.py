@@ -222,7 +222,30 @@ CASES = [
         variants=(("rope_theta", 10000.0), ("rope_scaling", {"rope_type": "linear", "factor": 2.0})),
     ),
     Case("qk_norm_head_gqa", k=2, self_attention=True, causal=True, variants=(("qk_norm", "head"),)),
-    Case("qk_norm_all", t=4, s=6, k=2, variants=(("qk_norm", "all"), ("qk_norm_eps", 1e-5))),
+    Case(
+        "qk_norm_all",  # with BitNet's output norm (an RMSNorm of the merged heads before the output projection)
+        t=4,
+        s=6,
+        k=2,
+        variants=(("qk_norm", "all"), ("qk_norm_eps", 1e-5), ("output_norm", "rms")),
+    ),
+    Case(
+        "qk_norm_after_rope",  # HunYuan's QK-norm of the turned heads (query_layernorm, key_layernorm)
+        e=32,
+        k=2,
+        self_attention=True,
+        causal=True,
+        positions="shifted",
+        variants=(("rope_theta", 100.0), ("qk_norm", "head"), ("qk_norm_after_rope", True)),
+    ),
+    Case(
+        "output_norm_layer_gated",  # Kosmos-2's LayerNorm (with its bias) of the merged heads, after the gate
+        k=2,
+        self_attention=True,
+        causal=True,
+        mask="rows_masked",
+        variants=(("output_norm", "layer"), ("output_norm_eps", 1e-5), ("gate", True)),
+    ),
     Case("sinks_rows_masked", t=4, s=6, mask="rows_masked", variants=(("sinks", True),)),
     Case("sinks_gqa_causal", k=2, self_attention=True, causal=True, variants=(("sinks", True),)),
     Case("clip_qkv", t=4, s=6, k=2, mask="bool_bts", variants=(("clip_qkv", 0.5),)),  # ~60% of q, k, v clamped

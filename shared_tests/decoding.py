@@ -159,10 +159,18 @@ DECODE_CASES = [
         variants=(("rope_theta", 10000.0), ("rope_sections", (2, 1, 1))),
     ),
     DecodeCase(
-        "decode_qk_norm_layer",
+        "decode_qk_norm_layer",  # with Kosmos-2's output norm (a LayerNorm of the merged heads)
         k=2,
         chunks=(3, 1, 1),
-        variants=(("qk_norm", "per_head"), ("qk_norm_type", "layer"), ("qk_norm_bias", True)),
+        variants=(("qk_norm", "per_head"), ("qk_norm_type", "layer"), ("qk_norm_bias", True), ("output_norm", "layer")),
+    ),
+    DecodeCase(
+        "decode_qk_norm_after_rope",  # HunYuan's order: RoPE, then QK-norm, before the cache write
+        k=2,
+        padding=(0, 2),
+        chunks=(3, 1, 1),
+        positions=True,
+        variants=(("rope_theta", 100.0), ("qk_norm", "head"), ("qk_norm_after_rope", True)),
     ),
     DecodeCase("decode_gate", k=2, padding=(0, 2), chunks=(3, 1, 1, 1), variants=(("gate", True),)),
     # The int8 cache (rolling, left padding, GQA, RoPE), held to the SPEC's int8 cache bound

@@ -174,6 +174,7 @@ def _tensor_parallel_errors(mesh):
         "mqa_on_two_ranks": ({"d_model": 8, "num_heads": 4, "num_kv_heads": 1}, {}),
         "sinks": ({"d_model": 8, "num_heads": 4, "sinks": True}, {}),
         "qk_norm_all": ({"d_model": 8, "num_heads": 4, "qk_norm": "all"}, {}),
+        "output_norm": ({"d_model": 8, "num_heads": 4, "output_norm": "rms"}, {}),
     }
     for name, (config, kwargs) in cases.items():
         layer = parallelize_module(MultiHeadAttention(**config), mesh, _tp_plan())

@@ -90,6 +90,10 @@ def test_tensor_parallel_refuses_what_it_cannot_split(torch_ranks):
                 "`sinks` and `qk_norm='all'` hold numbers of every head and cannot be split across tensor-parallel "
                 "ranks (2 of 4 heads on this rank)"
             ), errors[name]
+        assert errors["output_norm"] == (
+            "`output_norm` normalizes over every head and cannot be split across tensor-parallel ranks "
+            "(2 of 4 heads on this rank). Received: output_norm='rms'"
+        )
         assert errors["mqa_on_two_ranks"].startswith(
             "Each tensor-parallel rank must hold whole heads: `num_heads` and `num_kv_heads` must be divisible by "
             "the number of ranks. Received: num_heads=4, num_kv_heads=1, head_dim=2, a projection 1 wide on this rank"

@@ -108,6 +108,12 @@ CASES = {
     "order_rope_interleaved_before_sinks": ({**BASE, "sinks": 1, "rope_interleaved": 0}, None, r"`rope_interleaved` must be True or False\. Received: rope_interleaved=0"),
     "gate_not_bool": ({**BASE, "gate": 1}, None, r"`gate` must be True or False\. Received: gate=1"),
     "order_sinks_before_gate": ({**BASE, "gate": None, "sinks": 0}, None, r"`sinks` must be True or False\. Received: sinks=0"),
+    "output_norm_unknown": ({**BASE, "output_norm": "group"}, None, r"^`output_norm` must be None, 'rms' or 'layer'\. Received: output_norm='group'$"),
+    "output_norm_eps_zero_without_output_norm": ({**BASE, "output_norm_eps": 0.0}, None, r"^`output_norm_eps` must be a positive float\. Received: output_norm_eps=0\.0$"),
+    "order_output_norm_after_the_indexer": ({**BASE, "output_norm": 1, "index_num_heads": 2}, None, r"^`index_num_heads` needs `index_topk`"),
+    "order_output_norm_before_output_norm_eps": ({**BASE, "output_norm_eps": -1, "output_norm": True}, None, r"^`output_norm` must be None, 'rms' or 'layer'\. Received: output_norm=True$"),
+    "qk_norm_after_rope_not_bool": ({**BASE, "qk_norm_after_rope": 1}, None, r"^`qk_norm_after_rope` must be True or False\. Received: qk_norm_after_rope=1$"),
+    "order_output_norm_eps_before_qk_norm_after_rope": ({**BASE, "qk_norm_after_rope": 1, "output_norm_eps": 0}, None, r"^`output_norm_eps` must be a positive float"),
     "order_dropout_before_bias": ({**BASE, "bias": None, "dropout": None}, None, r"`dropout` must be in \[0, 1\)\. Received: dropout=None"),
     # The new call arguments
     "mixed_input_dtypes": (BASE, {"query": X, "key": Y.astype(np.float16), "value": Y.astype(np.float16)}, r"`query`, `key` and `value` must have the same dtype\. Received: query\.dtype=float32, key\.dtype=float16, value\.dtype=float16"),
@@ -222,6 +228,10 @@ ACCEPTED_ARGUMENTS = {
          "qk_norm_type": "layer", "qk_norm_bias": True},
     ),
     "rope_sections_without_rope": ({**BASE, "rope_sections": (5, 7)}, {"rope_sections": (5, 7), "rope_theta": None}),
+    "output_norm_numpy_scalars": (
+        {**BASE, "output_norm": np.str_("layer"), "output_norm_eps": np.float32(1e-5)},
+        {"output_norm": "layer", "output_norm_eps": float(np.float32(1e-5))},
+    ),
     "bias_frozenset": ({**BASE, "bias": frozenset({"value", "query"})}, {"bias": ("query", "value")}),
     "bias_list_with_duplicates": ({**BASE, "bias": ["output", "key", "output"]}, {"bias": ("key", "output")}),
     "bias_empty_tuple": ({**BASE, "bias": ()}, {"bias": ()}),

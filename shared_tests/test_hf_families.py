@@ -36,7 +36,11 @@ SAMPLE = {  # a spread over the porters: listed families, and each kind of struc
     "camembert",  # by structure: the BERT kind, BERT's forwards
     "gpt_neox",  # the listed GPT kind, swapped by replace_attention
     "persimmon",  # by structure: the GPT-NeoX kind with per-head LayerNorms
-    "kosmos2",  # refused: a LayerNorm inside the attention (`inner_attn_ln`)
+    "kosmos2",  # by structure: the BART kind with a LayerNorm of the merged heads (`inner_attn_ln`: `output_norm`)
+    "bitnet",  # by structure: the Llama kind with an RMSNorm of the merged heads (`attn_sub_norm`: `output_norm`)
+    "xlm_roberta_xl",  # by structure: a pre-LN copy of BERT's attention (its LayerNorm of the input stays out)
+    "megatron_bert",  # by structure: a pre-LN copy with forwards of its own text (Megatron-BERT's)
+    "hunyuan_v1_dense",  # by structure: QK-norms named `query_layernorm`, applied after RoPE (`qk_norm_after_rope`)
     "rembert",  # refused: the BERT kind's structure with a forward of its own
     "codegen",  # the listed GPT kind: GPT-J's attention, a fused projection of 4 shards
     "molmo2",  # a vision-language model's text decoder alone, under a linear head

@@ -128,6 +128,9 @@ def test_case_table_covers_the_issue():
         "keys_as_values",
         "value_norm",
         "query_scaling",
+        "output_norm",
+        "output_norm_eps",
+        "qk_norm_after_rope",
     }  # fmt: skip (`kv_shared` needs two layers: shared_tests/test_sharing.py)
     windows = [dict(c.variants).get("window") for c in CASES]
     assert any(isinstance(w, int) for w in windows) and any(isinstance(w, tuple) for w in windows)  # both forms

@@ -26,9 +26,12 @@ refused unless a porter is registered for its class name with `register_porter`.
 
 Only what is attention is ported: the q/k/v projections (their biases where the module has
 them), QK-norm, RoPE, the softmax scale, soft-capping, the sliding window, chunked attention,
-sinks, the output gate and the output projection. Residual connections, dropout and the layer norms around the
-module stay in the model (BERT's module adds the residual and a LayerNorm after `output.dense`;
-Bloom's adds the residual after `dense`: the layer's output is the output of that dense projection).
+sinks, the output gate, a norm of the merged heads (BitNet's, Kosmos-2's) and the output projection. Residual
+connections, dropout and the layer norms around the attention stay in the model (BERT's module adds the residual and
+a LayerNorm after `output.dense`; its pre-LN copies, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL and Megatron-BERT,
+normalize their input first: the layer's input is the normalized states, and `replace_attention` applies that
+LayerNorm before it; Bloom's adds the residual after `dense`: the layer's output is the output of that dense
+projection).
 
 Legend: B batch size, T query length, S key length, E hidden size, N query heads,
 K key/value heads, H head dimension.

@@ -31,6 +31,7 @@ import textwrap
 from .bert import _bert
 from .gpt import _gpt_neox
 from .llama import _qk_layernorm, _rotary
+from .norms import _input_norm, _output_norm_options, _pre_ln_forwards, _with_output_norm
 from .seq2seq import _bart
 from .structure import (
     _attributes,
@@ -96,7 +97,8 @@ def _kind_porter(module, model_type):
 
 def _bart_kind(module, model_type, children):
     """BART's `q_proj`, `k_proj`, `v_proj`, `out_proj`: read with `_bart`, its heads and scale from the module."""
-    _check_children(module, model_type, children, dict.fromkeys(_BART, _LINEAR))
+    norm, norm_options = _output_norm_options(module, functools.partial(_refuse, module, model_type), "out_proj")
+    _check_children(module, model_type, children, dict.fromkeys(_BART, _LINEAR) | ({norm: None} if norm else {}))
     query, key, value, output = (children[name] for name in _BART)
     widths = {query.in_features, key.in_features, value.in_features, output.out_features}
     if len(widths) > 1 or len({query.out_features, key.out_features, value.out_features}) > 1:
@@ -108,7 +110,7 @@ def _bart_kind(module, model_type, children):
             f"{value.in_features} -> {value.out_features})",
         )
     reads, arguments = _forward_reads(type(module))
-    unknown = sorted(reads - _BART_READS) + sorted(arguments - _BART_ARGUMENTS)
+    unknown = sorted(reads - _BART_READS - {norm}) + sorted(arguments - _BART_ARGUMENTS)
     if unknown:
         _refuse(module, model_type, "reads " + ", ".join(f"`{n}`" for n in unknown) + " in its forward")
     num_heads = int(getattr(module, "num_heads", 0) or query.out_features // module.head_dim)
@@ -119,6 +121,8 @@ def _bart_kind(module, model_type, children):
         if "attn_prompt" in arguments and config.get("use_prompt"):
             _refuse(module, model_type, "prepends learned prompt keys and values (`use_prompt`)")
         kwargs, weights = _bart(sizes, tensors, index)
+        if norm is not None:  # Kosmos-2's `inner_attn_ln` (`interop.hf.norms`)
+            kwargs, weights = _with_output_norm(kwargs, weights, tensors, norm, norm_options)
         return kwargs | {"scale": scale}, weights
 
     port.family, port.__doc__ = _bart, f"{type(module).__name__}, recognised as the BART kind by its structure"
@@ -126,14 +130,18 @@ def _bart_kind(module, model_type, children):
 
 
 def _bert_kind(module, model_type, children):
-    """BERT's `BertAttention`: `self.query/key/value`, `output.dense` and its LayerNorm, with BERT's forwards."""
-    _check_children(module, model_type, children, _BERT[""])
+    """BERT's `BertAttention`: `self.query/key/value`, `output.dense` and its LayerNorm, with BERT's forwards; or a
+    pre-LN copy: a LayerNorm of the input in the module, `output.dense` and the residual, with the forwards of
+    RoBERTa-PreLayerNorm (around BERT's `self`) or Megatron-BERT (`interop.hf.norms`)."""
+    pre = _input_norm(module)
+    _check_children(module, model_type, children, _BERT[""] | ({pre: "LayerNorm"} if pre else {}))
     for name in ("self", "output"):
-        child = children[name]
-        _check_children(child, model_type, dict(child.named_children()), _BERT[name], f"`{name}` ")
-    references = _bert_forwards()
-    for part, reference in zip((module, children["self"], children["output"]), references, strict=True):
-        if _normalized(type(part).forward) != _normalized(reference.forward):
+        child, expected = children[name], _BERT[name] if not pre or name == "self" else {"dense": _LINEAR}
+        _check_children(child, model_type, dict(child.named_children()), expected, f"`{name}` ")
+    if pre and not _pre_ln_forwards(module, pre):
+        _refuse(module, model_type, "computes a pre-LN attention with forwards of its own, not a known pre-LN copy's")
+    for part, reference in zip((module, children["self"], children["output"]), _bert_forwards(), strict=True):
+        if not pre and _normalized(type(part).forward) != _normalized(reference.forward):
             _refuse(
                 module,
                 model_type,

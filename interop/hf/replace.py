@@ -9,6 +9,7 @@ from .gated import _gated
 from .gpt import _codegen, _gpt2, _gpt_bigcode, _gpt_neo, _gpt_neox, _gptj
 from .latent import _latent
 from .llama import _llama4, _rotary
+from .norms import _input_norm
 from .registry import _registered
 from .routes import _layer_index, _module_porter, _transformers_model_type, port_attention
 from .seq2seq import _bart
@@ -189,8 +190,10 @@ def _swapped(torch, module, layer_class, bert, model_config):
     if getattr(module, "is_kv_shared_layer", False) or getattr(module, "store_full_length_kv", False):
         wrapper.sharing = ("reuse" if module.is_kv_shared_layer else "store", module.layer_type)
     wrapper.passes_topk = "prev_topk_indices" in inspect.signature(module.forward).parameters  # GLM-MoE-DSA's
-    if bert:
-        wrapper.norm, wrapper.dropout = module.output.LayerNorm, module.output.dropout
+    if bert:  # BERT's LayerNorm after the residual, or a pre-LN copy's of the input (`interop.hf.norms`)
+        wrapper.norm, wrapper.dropout = getattr(module.output, "LayerNorm", torch.nn.Identity()), module.output.dropout
+        pre = _input_norm(module)
+        wrapper.input_norm = None if pre is None else getattr(module, pre)
     return wrapper
 
 
@@ -199,7 +202,8 @@ def _wrapper_class(torch):
     class SwappedAttention(torch.nn.Module):
         """A `transformers` attention module's call, computed by `layer` (`MultiHeadAttention`).
 
-        BERT's residual, dropout and LayerNorm after the output projection are kept as `norm` and `dropout`.
+        BERT's residual, dropout and LayerNorm after the output projection are kept as `norm` and `dropout`; a
+        pre-LN copy's LayerNorm of the input as `input_norm` (the layer attends the normalized states).
         With `passes_topk` (GLM-MoE-DSA's decoder passes each layer's top-k to the next), the call takes
         `prev_topk_indices` (a layer without its own indexer attends it) and returns the selection it used third.
         With `rope_rows` (a multimodal RoPE), the positions are the (3, B, T) rows the model's rotary embedding
@@ -209,7 +213,7 @@ def _wrapper_class(torch):
         def __init__(self, layer, layer_idx, is_causal):
             super().__init__()
             self.layer, self.layer_idx, self.is_causal = layer, layer_idx, is_causal
-            self.norm = self.dropout = self.sharing = None  # sharing: ("store" or "reuse", the layer type)
+            self.norm = self.dropout = self.sharing = self.input_norm = None  # sharing: ("store" or "reuse", type)
             self.passes_topk = False
             self.rope_rows = None  # a multimodal RoPE's (3, B, T) positions, from the model's rotary embedding
             self._cache = None
@@ -232,6 +236,8 @@ def _wrapper_class(torch):
             elif positions.shape[0] != hidden_states.shape[0]:
                 positions = positions.expand(hidden_states.shape[0], -1)  # (1, T) -> (B, T)
             sparse = self._sparse(kwargs.get("prev_topk_indices"))
+            residual = hidden_states  # a pre-LN copy of BERT's attends its normalized states, adds the states
+            hidden_states = hidden_states if self.input_norm is None else self.input_norm(hidden_states)
             if self.sharing is not None:
                 output = self._shared(hidden_states, attention_mask, past_key_values, positions, kwargs)
             elif past_key_values is None:
@@ -241,7 +247,7 @@ def _wrapper_class(torch):
                 output = self._step(hidden_states, attention_mask, past_key_values, positions, sparse)
             output, selection = output if sparse.get("return_topk") else (output, None)
             if self.norm is not None:
-                output = self.norm(self.dropout(output) + hidden_states)
+                output = self.norm(self.dropout(output) + residual)
             return (output, None, selection) if self.passes_topk else (output, None)
 
         def _shared(self, hidden_states, attention_mask, past_key_values, positions, kwargs):

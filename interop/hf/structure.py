@@ -23,6 +23,7 @@ import textwrap
 from .config import _position_scaling, _rope_parameters
 from .gated import _gated
 from .llama import _rotary
+from .norms import _output_norm_options, _renamed_qk_norms, _renamed_tensors, _with_output_norm
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _ALLOWED = {"q_norm", "k_norm", "rotary_emb", "attention_dropout", "dropout", "attn_dropout", "resid_dropout"}
@@ -165,7 +166,7 @@ def _structural_porter(module, model_type):
             f"`module` must hold an attention the layer computes: {_REFUSED[model_type]}, which the layer cannot. "
             f"Received: model_type={model_type!r}"
         )
-    children = dict(module.named_children())
+    children, after_rope = _renamed_qk_norms(module, dict(module.named_children()))  # HunYuan's `query_layernorm`
     missing = [name for name in _PROJECTIONS if name not in children]
     if missing:
         return None
@@ -182,7 +183,8 @@ def _structural_porter(module, model_type):
         _refuse(module, model_type, "is not causal (`is_causal`): not a decoder's self-attention")
     scaled = _check_queries(module, model_type)
     gate = next((name for name in _GATES if name in children), None)
-    extra = [n for n in children if n not in (*_PROJECTIONS, *_ALLOWED, gate) and not _is_dropout(children[n])]
+    norm, norm_options = _output_norm_options(module, functools.partial(_refuse, module, model_type), "o_proj")
+    extra = [n for n in children if n not in (*_PROJECTIONS, *_ALLOWED, gate, norm) and not _is_dropout(children[n])]
     extra += [n for n, _ in module.named_parameters(recurse=False) if n != "sinks"]
     extra += [n for n, _ in module.named_buffers(recurse=False)]
     if extra:
@@ -212,7 +214,7 @@ def _structural_porter(module, model_type):
     attributes = _attributes(module)
 
     def port(config, tensors, index):
-        config = {**config, **attributes["config"]}
+        config, tensors = {**config, **attributes["config"]}, _renamed_tensors(tensors)
         if config.get("hidden_size") != children["q_proj"].in_features:
             _refuse(
                 module,
@@ -228,6 +230,10 @@ def _structural_porter(module, model_type):
         else:
             kwargs, weights = _gated(config, tensors, index, gate=gate, **layer_options)
         kwargs["scale"] = attributes["scale"]
+        if norm is not None:  # BitNet's `attn_sub_norm` (`interop.hf.norms`)
+            kwargs, weights = _with_output_norm(kwargs, weights, tensors, norm, norm_options)
+        if after_rope and "qk_norm" in kwargs and "rope_theta" in kwargs:  # HunYuan's QK-norm of the turned heads
+            kwargs["qk_norm_after_rope"] = True
         if scaled and _position_scaling(_rope_parameters(config, None)) is not None:
             kwargs["query_scaling"] = _position_scaling(_rope_parameters(config, None))
         return kwargs, weights
