@@ -155,6 +155,7 @@ class MultiHeadAttention(keras.layers.Layer):
             `rope_theta` is None (the section "positions").
         qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, clip_qkv, gate: the section "QK-norm,
             clip_qkv and the gate".
+        gate_activation: "sigmoid" (default) or "softplus" (Laguna): the gate's function of its projection.
         kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, latent_norm_eps:
             multi-head latent attention, off while `kv_lora_rank` is None (its section).
         index_topk, index_num_heads, index_head_dim, index_rope_interleaved: the sparse indexer (DSA),
@@ -226,7 +227,7 @@ class MultiHeadAttention(keras.layers.Layer):
         q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None, latent_norm_eps=1e-6,
         kernel_initializer="glorot_uniform", bias_initializer="zeros", query_scaling=None, kv_shared=False,
         keys_as_values=False, value_norm=False, index_topk=None, index_num_heads=None, index_head_dim=None,
-        index_rope_interleaved=False, index_query_input_norm=False, **kwargs,
+        index_rope_interleaved=False, index_query_input_norm=False, gate_activation="sigmoid", **kwargs,
     ):  # fmt: skip
         super().__init__(**kwargs)
         self.d_model = _positive_int("d_model", d_model)
@@ -261,6 +262,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self.query_scaling = _check_query_scaling(query_scaling, self.rope_sections)  # its section: positions
         _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
+        self.gate_activation = _check_gate_activation(gate_activation)  # its section: the gate
         if self.rope_theta is not None:
             rotary = _rotary_dim(self.rope_fraction, rope_width, True)
             frequencies = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,) NumPy
@@ -1463,6 +1465,10 @@ def _learned_scales(scale, bias, positions, dtype):
 #     gate: if True, each head's attention result is multiplied, feature by feature, by
 #         sigmoid(query @ gate_kernel + gate_bias), (B, T, N*H), before the heads are merged
 #         (Keras' `use_gate`, Qwen3-Next, Qwen3.5).
+#     gate_activation: "sigmoid" (default) or "softplus" (Laguna): the gate's function of its
+#         projection (the last constructor argument).
+
+_GATE_ACTIVATIONS = ("sigmoid", "softplus")  # the values `gate_activation` takes
 
 
 def rms_norm(x, scale, eps, bias=None):
@@ -1482,6 +1488,15 @@ def layer_norm(x, scale, eps, bias=None):
     y = y - _mean(y)
     y = y * ops.rsqrt(_mean(ops.square(y)) + eps) * ops.cast(scale, dtype)
     return ops.cast(_add(y, None if bias is None else ops.cast(bias, dtype)), x.dtype)
+
+
+def _check_gate_activation(gate_activation):
+    """Checks `gate_activation` (held as a str; it has no effect without `gate`)."""
+    if not isinstance(gate_activation, str) or gate_activation not in _GATE_ACTIVATIONS:
+        raise ValueError(
+            f"`gate_activation` must be 'sigmoid' or 'softplus'. Received: gate_activation={gate_activation!r}"
+        )
+    return str(gate_activation)  # np.str_ held as str
 
 
 def _clip(layer, x):
@@ -1514,8 +1529,9 @@ def _norm(layer, x, kind, heads):
 
 def _gate_heads(layer, call, context):
     """Step 6b: the (B, N, T, Hv) attention result times sigmoid(query @ gate_kernel + gate_bias)
-    split into heads (Hv = H without MLA)."""
-    gate = ops.sigmoid(layer._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
+    (softplus with `gate_activation="softplus"`) split into heads (Hv = H without MLA)."""
+    activation = ops.softplus if layer.gate_activation == "softplus" else ops.sigmoid
+    gate = activation(layer._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
     return context * layer._split_heads(gate, layer.num_heads, context.shape[-1])  # -> (B, N, T, Hv)
 
 
@@ -3710,6 +3726,7 @@ def _non_defaults(layer):
         "sinks": not layer.sinks,
         "clip_qkv": layer.clip_qkv is None,
         "gate": not layer.gate,
+        "gate_activation": layer.gate_activation == "sigmoid" or not layer.gate,
         **{name: getattr(layer, name) is None for name in _LATENT_SIZES},
         "query_scaling": layer.query_scaling is None,
         **{name: not getattr(layer, name) for name in _SHARING_FLAGS},
@@ -3726,7 +3743,7 @@ def _check_keras_can_hold(layer):
         received = ", ".join(f"{name}={value!r}" for name, value in held.items())
         raise ValueError(
             "`to_keras` needs a layer the Keras built-ins can hold: all the biases or none, the default "
-            "scale, and no softcap, window, attention chunks, RoPE, QK-norm, sinks, clip_qkv or MLA. "
+            "scale, and no softcap, window, attention chunks, RoPE, QK-norm, sinks, clip_qkv, softplus gate or MLA. "
             f"Received: {received}"
         )
     if getattr(layer, "quantization_mode", None) is not None:  # legacy Keras has no quantization
@@ -3901,6 +3918,7 @@ _CONFIG_NAMES = (
     "d_model", "num_heads", "num_kv_heads", "head_dim", "kdim", "vdim", "dropout", "bias", *_Variants._fields[:-1],
     *_LATENT_SIZES, "latent_norm_eps", "kernel_initializer", "bias_initializer", "query_scaling", "kv_shared",
     "keys_as_values", "value_norm", *_INDEX_SIZES, "index_rope_interleaved", "index_query_input_norm",
+    "gate_activation",
 )  # get_config's entries past the base layer's, in the constructor's order  # fmt: skip
 
 
