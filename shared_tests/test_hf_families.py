@@ -29,7 +29,7 @@ SAMPLE = {  # a spread over the porters: listed families, and each kind of struc
     "jamba",  # by structure: no RoPE, a hybrid with Mamba layers
     "afmoe",  # listed gated
     "diffllama",  # refused with what it adds (its lambdas and group norm)
-    "laguna",  # refused: a softplus gate
+    "laguna",  # by structure: a softplus gate, one per head
     "biogpt",  # by structure: the BART kind, BART's forward
     "xglm",  # by structure: the BART kind, a forward of its own (scale folded into the queries)
     "camembert",  # by structure: the BERT kind, BERT's forwards
@@ -132,3 +132,24 @@ def test_ministral3_scales_its_queries_by_position_past_the_floor():
     torch.manual_seed(hf_tiny.SEED)
     result = hf_tiny.check_replaced(cls(config).float().eval())
     assert result["replaced"] and result["tokens"] > 0
+
+
+def test_a_gate_of_another_function_than_sigmoid_or_softplus_is_refused():
+    """The structural port reads the gate's function from the forward's source: Laguna's softplus is the layer's
+    `gate_activation="softplus"`, a sigmoid the default, anything else a `ValueError` naming it."""
+    import torch
+
+    from interop.hf import structure
+
+    class TanhGated(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.g_proj = torch.nn.Linear(4, 4)
+
+        def forward(self, hidden_states):
+            return torch.tanh(self.g_proj(hidden_states))
+
+    laguna = hf_tiny.tiny_model("laguna").model.layers[0].self_attn
+    assert structure._check_gate(laguna, "laguna", "g_proj") == "softplus"
+    with pytest.raises(ValueError, match=r"gates its heads with torch\.tanh of `g_proj`, where the layer's gate is a"):
+        structure._check_gate(TanhGated(), "tanh_gated", "g_proj")

@@ -27,6 +27,7 @@ from .llama import _rotary
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _ALLOWED = {"q_norm", "k_norm", "rotary_emb", "attention_dropout", "dropout", "attn_dropout", "resid_dropout"}
 _GATES = ("g_proj", "gate_proj")
+_GATE_ACTIVATIONS = ("sigmoid", "softplus")  # the layer's `gate_activation`s
 _ROPE_EXTRA = {"ernie4_5": True}  # GLM's pairing over the whole head, in float32 (the generated test proves it)
 
 _REFUSED = {  # the Llama kind by structure, computing something else: what it adds
@@ -189,9 +190,9 @@ def _structural_porter(module, model_type):
     interleaved = _rope_kinds().get(_rope_key(type(module).__module__), _rope_pattern(type(module).__module__))
     if interleaved is None:
         _refuse(module, model_type, "applies a RoPE (`apply_rotary_pos_emb`) that is not one a listed family has")
-    if gate is not None:
-        _check_gate(module, model_type, gate)
     options = {"interleaved": interleaved, **_norm_options(module, model_type, children)}
+    if gate is not None:
+        options["activation"] = _check_gate(module, model_type, gate)
     rotates = _rotates(module, model_type)
     if not rotates:
         options["rope"] = "never"
@@ -303,15 +304,18 @@ def _scales_by_position(node):
 
 
 def _check_gate(module, model_type, gate):
-    """The gate must be a sigmoid of its projection, as the layer's is: read from the forward's source."""
+    """The gate's function of its projection, read from the forward's source: "sigmoid", or "softplus" (Laguna's
+    `F.softplus(self.g_proj(...))`), the layer's `gate_activation`; any other is refused."""
     source = inspect.getsource(type(module).forward)
     applied = re.findall(r"([\w.]+)\(\s*self\." + gate + r"\(", source)
-    if applied and not all(name.endswith("sigmoid") for name in applied):
+    kinds = {next((kind for kind in _GATE_ACTIVATIONS if name.endswith(kind)), name) for name in applied}
+    if len(kinds) > 1 or not kinds <= set(_GATE_ACTIVATIONS):
         _refuse(
             module,
             model_type,
-            f"gates its heads with {', '.join(applied)} of `{gate}`, where the layer's gate is a sigmoid",
+            f"gates its heads with {', '.join(applied)} of `{gate}`, where the layer's gate is a sigmoid or a softplus",
         )
+    return kinds.pop() if kinds else "sigmoid"
 
 
 def _layer_theta(module, model_type, config, index):
