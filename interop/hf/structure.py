@@ -38,6 +38,14 @@ _ROPE_EXTRA = {"ernie4_5": True}  # GLM's pairing over the whole head, in float3
 _REFUSED = {  # the Llama kind by structure, computing something else: what it adds
     "qwen3_vl": "Qwen3-VL's text attention turns its features by interleaved multimodal RoPE (`mrope_section`)",
     "qwen3_vl_moe": "Qwen3-VL-MoE's text attention turns its features by interleaved multimodal RoPE (`mrope_section`)",
+    "beam": "Beam's full-attention layers are NoPE and multiply their queries by "
+    "(1 + (position_ids + 1) / 2048) ** 0.1 (`attention_scaling`, by each row's `position_ids`), a factor no "
+    "`query_scaling` type computes, and a layer without RoPE takes no `positions` (its gate, a sigmoid with a "
+    "per-head `gate_bias`, would port: the bias repeated over each head's features)",
+    "zamba2": "Zamba2's shared attention reads the hidden states concatenated with the embeddings "
+    "(`attention_hidden_size`, twice the hidden size) and writes the hidden size, where the layer's query input is "
+    "as wide as its output (`d_model`), and one module serves every hybrid layer (its forward takes `layer_idx`: "
+    "one cache slot per depth, and per-depth LoRA adapters with `use_shared_attention_adapter`)",
 }
 
 
