@@ -157,6 +157,7 @@ class MultiHeadAttention(keras.layers.Layer):
             `mrope_interleaved`): pair i by row i % k while i < k * rope_sections[i % k], else row 0.
         qk_norm, qk_norm_eps, qk_norm_type, qk_norm_bias, clip_qkv, gate, output_norm, output_norm_eps,
             qk_norm_after_rope: the section "QK-norm, clip_qkv and the gate".
+        gate_activation: "sigmoid" (default) or "softplus" (Laguna): the gate's function of its projection.
         kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, latent_norm_eps:
             multi-head latent attention, off while `kv_lora_rank` is None (its section).
         index_topk, index_num_heads, index_head_dim, index_rope_interleaved: the sparse indexer (DSA),
@@ -229,7 +230,7 @@ class MultiHeadAttention(keras.layers.Layer):
         kernel_initializer="glorot_uniform", bias_initializer="zeros", query_scaling=None, kv_shared=False,
         keys_as_values=False, value_norm=False, index_topk=None, index_num_heads=None, index_head_dim=None,
         index_rope_interleaved=False, index_query_input_norm=False, rope_sections_interleaved=False, output_norm=None,
-        output_norm_eps=1e-6, qk_norm_after_rope=False, **kwargs,
+        output_norm_eps=1e-6, qk_norm_after_rope=False, gate_activation="sigmoid", **kwargs,
     ):  # fmt: skip
         super().__init__(**kwargs)
         self.d_model = _positive_int("d_model", d_model)
@@ -266,6 +267,7 @@ class MultiHeadAttention(keras.layers.Layer):
         _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
         self.rope_sections_interleaved = _flag("rope_sections_interleaved", rope_sections_interleaved)  # positions
         _init_norm_options(self, output_norm, output_norm_eps, qk_norm_after_rope)  # section: QK-norm
+        self.gate_activation = _check_gate_activation(gate_activation)  # its section: the gate
         if self.rope_theta is not None:
             rotary = _rotary_dim(self.rope_fraction, rope_width, True)
             frequencies = rope_frequencies(rotary, self.rope_theta, self.rope_scaling)  # (R/2,) NumPy
@@ -1488,6 +1490,10 @@ def _learned_scales(scale, bias, positions, dtype):
 #     output_norm_eps: the epsilon of that norm.
 #     qk_norm_after_rope: if True, QK-norm normalizes q and k after RoPE (in step 4) instead of before it (step 3):
 #         HunYuan's `query_layernorm` and `key_layernorm`; no effect without `qk_norm` or RoPE.
+#     gate_activation: "sigmoid" (default) or "softplus" (Laguna): the gate's function of its
+#         projection (the last constructor argument).
+
+_GATE_ACTIVATIONS = ("sigmoid", "softplus")  # the values `gate_activation` takes
 
 
 def rms_norm(x, scale, eps, bias=None):
@@ -1542,6 +1548,15 @@ def _normalize_context(layer, merged):
     return norm(merged, layer.context_norm, layer.output_norm_eps, bias)
 
 
+def _check_gate_activation(gate_activation):
+    """Checks `gate_activation` (held as a str; it has no effect without `gate`)."""
+    if not isinstance(gate_activation, str) or gate_activation not in _GATE_ACTIVATIONS:
+        raise ValueError(
+            f"`gate_activation` must be 'sigmoid' or 'softplus'. Received: gate_activation={gate_activation!r}"
+        )
+    return str(gate_activation)  # np.str_ held as str
+
+
 def _clip(layer, x):
     """`clip_qkv`: x clamped to [-c, c] (unchanged when None), with the clamp's gradient, 1 within
     [-c, c] (bounds included) and 0 outside, on every backend (JAX's `clip` gives 0.5 at a bound)."""
@@ -1572,8 +1587,9 @@ def _norm(layer, x, kind, heads):
 
 def _gate_heads(layer, call, context):
     """Step 6b: the (B, N, T, Hv) attention result times sigmoid(query @ gate_kernel + gate_bias)
-    split into heads (Hv = H without MLA)."""
-    gate = ops.sigmoid(layer._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
+    (softplus with `gate_activation="softplus"`) split into heads (Hv = H without MLA)."""
+    activation = ops.softplus if layer.gate_activation == "softplus" else ops.sigmoid
+    gate = activation(layer._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
     return context * layer._split_heads(gate, layer.num_heads, context.shape[-1])  # -> (B, N, T, Hv)
 
 
@@ -3771,6 +3787,7 @@ def _non_defaults(layer):
         "sinks": not layer.sinks,
         "clip_qkv": layer.clip_qkv is None,
         "gate": not layer.gate,
+        "gate_activation": layer.gate_activation == "sigmoid" or not layer.gate,
         **{name: getattr(layer, name) is None for name in _LATENT_SIZES},
         "query_scaling": layer.query_scaling is None,
         **{name: not getattr(layer, name) for name in _SHARING_FLAGS},
@@ -3789,7 +3806,7 @@ def _check_keras_can_hold(layer):
         received = ", ".join(f"{name}={value!r}" for name, value in held.items())
         raise ValueError(
             "`to_keras` needs a layer the Keras built-ins can hold: all the biases or none, the default "
-            "scale, and no softcap, window, attention chunks, RoPE, QK-norm, sinks, clip_qkv or MLA. "
+            "scale, and no softcap, window, attention chunks, RoPE, QK-norm, sinks, clip_qkv, softplus gate or MLA. "
             f"Received: {received}"
         )
     if getattr(layer, "quantization_mode", None) is not None:  # legacy Keras has no quantization
@@ -3965,7 +3982,7 @@ _CONFIG_NAMES = (
     "d_model", "num_heads", "num_kv_heads", "head_dim", "kdim", "vdim", "dropout", "bias", *_Variants._fields[:-1],
     *_LATENT_SIZES, "latent_norm_eps", "kernel_initializer", "bias_initializer", "query_scaling", "kv_shared",
     "keys_as_values", "value_norm", *_INDEX_SIZES, "index_rope_interleaved", "index_query_input_norm",
-    "rope_sections_interleaved", "output_norm", "output_norm_eps", "qk_norm_after_rope",
+    "rope_sections_interleaved", "output_norm", "output_norm_eps", "qk_norm_after_rope", "gate_activation",
 )  # get_config's entries past the base layer's, in the constructor's order  # fmt: skip
 
 

@@ -20,6 +20,7 @@ The math, for query head n (which reads key/value head n // (N // K)):
     weights = softmax(scores where kept, else lowest finite)    zeroed where not kept
     context[n] = weights[n] @ v[n // G]                         (B, N, T, H)
     gate = sigmoid(query @ gate_kernel + gate_bias)             (B, T, N*H), with `gate` only
+                                                                (softplus with gate_activation="softplus")
     output = concat_heads(context * gate) @ output_kernel + output_bias
 
 Where things are: first the core, the plain layer: the functions a plain call enters (`dot_product_attention`
@@ -185,6 +186,7 @@ class MultiHeadAttention:
         gate: if True, each head's attention result is multiplied, feature by feature, by
             sigmoid(query @ gate_kernel + gate_bias) before the heads are merged (Keras'
             `use_gate`, Qwen3-Next, Qwen3.5).
+        gate_activation: "sigmoid" (default) or "softplus" (Laguna): the gate's function of its projection.
         kv_lora_rank: None, or C: multi-head latent attention (MLA, DeepSeek-V2/V3): keys and
             values come from one latent c = RMSNorm(first C features of key @ key_value_a_kernel)
             per token, expanded per head by `key_value_b_kernel`; the cache holds c and the
@@ -268,6 +270,7 @@ class MultiHeadAttention:
         seed=None, query_scaling=None, kv_shared=False, keys_as_values=False, value_norm=False, index_topk=None,
         index_num_heads=None, index_head_dim=None, index_rope_interleaved=False, index_query_input_norm=False,
         rope_sections_interleaved=False, output_norm=None, output_norm_eps=1e-6, qk_norm_after_rope=False,
+        gate_activation="sigmoid",
     ):  # fmt: skip
         self.d_model = _positive_int("d_model", d_model)
         self.num_heads = _positive_int("num_heads", num_heads)
@@ -310,8 +313,9 @@ class MultiHeadAttention:
         _check_sharing(self, latent, kv_shared, keys_as_values, value_norm)  # self.kv_shared, ... (their section)
         self._float_layout = _float_shapes(self) if latent is None else _latent_shapes(self)  # {name: shape}
         _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
-        _init_norm_options(self, output_norm, output_norm_eps, qk_norm_after_rope)  # section: QK-norm
         _init_rope(self, rope_width, rope_fraction, rope_sections_interleaved)  # self._inv_freq, ... (positions)
+        _init_norm_options(self, output_norm, output_norm_eps, qk_norm_after_rope)  # section: QK-norm
+        self.gate_activation = _check_gate_activation(gate_activation)  # its section: the gate
         rng = np.random.default_rng(seed)
         self.params = {}  # `weight_shapes` reads it (int8)
         self.params.update({name: _initial_value(rng, name, shape) for name, shape in self.weight_shapes().items()})
@@ -1386,9 +1390,13 @@ def _query_scaling_backward(layer, call, d_q, grads):
 # `qk_norm` (RMSNorm or LayerNorm, `qk_norm_type`, of q and k per head, with a scale per head, or over all
 # heads; a bias with `qk_norm_bias`), `clip_qkv` (q, k and v clamped to [-c, c] right after their
 # projections: OLMo, DBRX, MPT) and `gate` (each head's result times sigmoid(query @ gate_kernel +
-# gate_bias): Keras' `use_gate`, Qwen3-Next); `output_norm` (RMSNorm or LayerNorm of the merged heads
+# gate_bias): Keras' `use_gate`, Qwen3-Next; softplus
+# instead with `gate_activation="softplus"`: Laguna); `output_norm` (RMSNorm or LayerNorm of the merged heads
 # before the output projection, weights `context_norm` and `context_norm_bias`: BitNet, Kosmos-2);
 # `qk_norm_after_rope` (QK-norm of the turned q and k, in step 4: HunYuan).
+
+
+_GATE_ACTIVATIONS = ("sigmoid", "softplus")  # the values `gate_activation` takes
 
 
 def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
@@ -1440,9 +1448,23 @@ def _normalize_context(layer, merged):
     return layer_norm(merged, layer.params["context_norm"], layer.output_norm_eps) + layer.params["context_norm_bias"]
 
 
+def _check_gate_activation(gate_activation):
+    """Checks `gate_activation` (held as a str; it has no effect without `gate`)."""
+    if not isinstance(gate_activation, str) or gate_activation not in _GATE_ACTIVATIONS:
+        raise ValueError(
+            f"`gate_activation` must be 'sigmoid' or 'softplus'. Received: gate_activation={gate_activation!r}"
+        )
+    return str(gate_activation)  # np.str_ held as str
+
+
 def _sigmoid(x):
     """1 / (1 + exp(-x)), without overflow for large |x|."""
     return np.exp(-np.logaddexp(0.0, -x))
+
+
+def _softplus(x):
+    """ln(1 + exp(x)), without overflow for large x."""
+    return np.logaddexp(0.0, x)
 
 
 def rms_norm(x, scale, eps):
@@ -1494,9 +1516,10 @@ def _clip(layer, y):
 
 def _gate_heads(layer, call, context):
     """Step 6b: the (B, N, T, Hv) attention result times sigmoid(query @ gate_kernel + gate_bias)
-    split into heads (Hv = H without MLA); returns (gated result, gate). `__call__` runs it with
-    `gate` only."""
-    gate = _sigmoid(layer._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
+    (softplus with `gate_activation="softplus"`) split into heads (Hv = H without MLA); returns
+    (gated result, gate). `__call__` runs it with `gate` only."""
+    activation = _softplus if layer.gate_activation == "softplus" else _sigmoid
+    gate = activation(layer._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
     b, t, _ = gate.shape
     gate = gate.reshape(b, t, layer.num_heads, context.shape[-1]).transpose(0, 2, 1, 3)  # -> (B, N, T, Hv)
     return context * gate, gate
@@ -1567,7 +1590,8 @@ def _gate_backward(layer, d_gated, grads):
     (B, T, E) gradient through the gate); `backward` runs it with `gate` only."""
     c = layer._saved
     gate, query = c["gate"], c["call"].query
-    d_logits = layer._merge_heads(d_gated * c["context"] * gate * (1.0 - gate))  # sigmoid', (B, T, N*H)
+    slope = -np.expm1(-gate) if layer.gate_activation == "softplus" else gate * (1.0 - gate)  # softplus' = sigmoid
+    d_logits = layer._merge_heads(d_gated * c["context"] * slope)  # (B, N, T, H) -> (B, T, N*H)
     grads["gate_kernel"] = np.einsum("bte,btm->em", query, d_logits)
     grads["gate_bias"] = d_logits.sum(axis=(0, 1))
     return d_gated * gate, d_logits @ layer.params["gate_kernel"].T  # (B, N, T, H), (B, T, N*H) -> (B, T, E)

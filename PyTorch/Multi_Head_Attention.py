@@ -16,6 +16,7 @@ The math, for query head n (which reads key/value head n // (N // K)):
     weights = softmax(scores where kept, else lowest finite)    zeroed where not kept
     context[n] = weights[n] @ v[n // G]                         (B, N, T, H)
     gate = sigmoid(query @ gate_kernel + gate_bias)             (B, T, N*H), with `gate` only
+                                                                (softplus with gate_activation="softplus")
     output = concat_heads(context * gate) @ output_kernel + output_bias
 
 Where things are: first the core, the plain layer: the functions a plain call enters (`_sdpa_attention`
@@ -141,6 +142,7 @@ class MultiHeadAttention(nn.Module):
         clip_qkv: None or c > 0: q, k and v clamped to [-c, c] after their projections (OLMo).
         gate: if True, each head's result times sigmoid(query @ gate_kernel + gate_bias) before
             the heads are merged (Keras' `use_gate`, Qwen3-Next); the `nn.Linear` `gate`.
+        gate_activation: "sigmoid" (default) or "softplus" (Laguna): the gate's function of its projection.
         kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim: multi-head
             latent attention (MLA, DeepSeek-V2/V3): None or C, the latent's width; None (a plain
             query projection) or Q; Hn and Hr, the features RoPE does not and does turn (H =
@@ -214,7 +216,7 @@ class MultiHeadAttention(nn.Module):
         latent_norm_eps=1e-6, device=None, dtype=None, query_scaling=None, kv_shared=False, keys_as_values=False,
         value_norm=False, index_topk=None, index_num_heads=None, index_head_dim=None, index_rope_interleaved=False,
         index_query_input_norm=False, rope_sections_interleaved=False, output_norm=None, output_norm_eps=1e-6,
-        qk_norm_after_rope=False,
+        qk_norm_after_rope=False, gate_activation="sigmoid",
     ):  # fmt: skip
         super().__init__()
         self.d_model = _positive_int("d_model", d_model)
@@ -263,6 +265,7 @@ class MultiHeadAttention(nn.Module):
         _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
         self.rope_sections_interleaved = _flag("rope_sections_interleaved", rope_sections_interleaved)  # positions
         _init_norm_options(self, output_norm, output_norm_eps, qk_norm_after_rope)  # section: QK-norm
+        self.gate_activation = _check_gate_activation(gate_activation)  # its section: the gate
         self._warned_traps, self._fused = set(), None  # mask habits warned of; q/k/v kernels kept (no_grad)
         self.reset_parameters()
 
@@ -1960,9 +1963,13 @@ def _learned_scales(scale, bias, positions, dtype):
 # -------------------------------------------------------------------------------------------------
 # `qk_norm` (RMSNorm or LayerNorm, `qk_norm_bias`: Qwen3, OLMo2, StableLM, Phi), `clip_qkv` (q, k
 # and v clamped after the projections: OLMo, DBRX, MPT) and `gate` (each head's result times
-# sigmoid(query @ gate_kernel + gate_bias): Keras' `use_gate`, Qwen3-Next); `output_norm` (RMSNorm or
+# sigmoid(query @ gate_kernel + gate_bias): Keras' `use_gate`, Qwen3-Next; softplus instead with
+# `gate_activation="softplus"`: Laguna); `output_norm` (RMSNorm or
 # LayerNorm of the merged heads before the output projection, weights `context_norm` and `context_norm_bias`:
 # BitNet, Kosmos-2); `qk_norm_after_rope` (QK-norm of the turned q and k, in step 4: HunYuan).
+
+
+_GATE_ACTIVATIONS = ("sigmoid", "softplus")  # the values `gate_activation` takes
 
 
 def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
@@ -2016,6 +2023,15 @@ def _normalize_context(layer, merged):
     times `context_norm`, plus `context_norm_bias` with LayerNorm."""
     norm = rms_norm if layer.output_norm == "rms" else layer_norm
     return norm(merged, layer.context_norm, layer.output_norm_eps, layer.context_norm_bias)
+
+
+def _check_gate_activation(gate_activation):
+    """Checks `gate_activation` (held as a str; it has no effect without `gate`)."""
+    if not isinstance(gate_activation, str) or gate_activation not in _GATE_ACTIVATIONS:
+        raise ValueError(
+            f"`gate_activation` must be 'sigmoid' or 'softplus'. Received: gate_activation={gate_activation!r}"
+        )
+    return str(gate_activation)  # np.str_ held as str
 
 
 def _clip(layer, x):
@@ -2085,10 +2101,12 @@ def _norm_per_head(norm, x, scale, eps, bias):
 
 def _gate_heads(layer, call, context):
     """Step 6b: the (B, N, T, Hv) attention result times sigmoid(query @ gate_kernel + gate_bias)
-    split into heads (unchanged without `gate`; Hv = H without MLA)."""
+    (softplus with `gate_activation="softplus"`) split into heads (unchanged without `gate`; Hv = H
+    without MLA)."""
     if layer.gate is None:
         return context
-    gate = torch.sigmoid(layer._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
+    activation = F.softplus if layer.gate_activation == "softplus" else torch.sigmoid
+    gate = activation(layer._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
     return context * gate.unflatten(-1, (-1, context.shape[-1])).transpose(1, 2)  # -> (B, N, T, Hv)
 
 
@@ -4196,6 +4214,9 @@ def _non_defaults(layer):
         "sinks": True if layer.sinks is not None else None,
         "clip_qkv": layer.clip_qkv,
         "gate": True if layer.gate is not None else None,
+        "gate_activation": layer.gate_activation
+        if layer.gate is not None and layer.gate_activation != "sigmoid"
+        else None,
         **{name: getattr(layer, name) for name in _LATENT_SIZES},
         "query_scaling": layer.query_scaling,
         **{name: True for name in _SHARING_FLAGS if getattr(layer, name)},

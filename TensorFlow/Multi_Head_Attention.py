@@ -150,6 +150,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         sinks: if True, one learned logit per query head in the softmax's denominator.
         clip_qkv: None or c > 0: q, k and v clamped to [-c, c] after their projections (OLMo, DBRX, MPT).
         gate: if True, each head's result times sigmoid(query @ gate_kernel + gate_bias) (Qwen3-Next).
+        gate_activation: "sigmoid" (default) or "softplus" (Laguna): the gate's function of its projection.
         kv_lora_rank: None, or C: multi-head latent attention (DeepSeek-V2/V3), keys and values from
             `key` through a latent of C features; `value` must be None or `key` itself.
         q_lora_rank: None (a plain query projection), or Q: the query through a latent of Q features.
@@ -220,7 +221,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         kernel_initializer="glorot_uniform", bias_initializer="zeros", query_scaling=None, kv_shared=False,
         keys_as_values=False, value_norm=False, index_topk=None, index_num_heads=None, index_head_dim=None,
         index_rope_interleaved=False, index_query_input_norm=False, rope_sections_interleaved=False, output_norm=None,
-        output_norm_eps=1e-6, qk_norm_after_rope=False, **kwargs,
+        output_norm_eps=1e-6, qk_norm_after_rope=False, gate_activation="sigmoid", **kwargs,
     ):  # fmt: skip
         _check_backend()
         super().__init__(**kwargs)
@@ -257,6 +258,7 @@ class MultiHeadAttention(tf.keras.layers.Layer):
         _init_indexer(self, index_topk, index_num_heads, index_head_dim, index_rope_interleaved, index_query_input_norm)
         self.rope_sections_interleaved = _flag("rope_sections_interleaved", rope_sections_interleaved)  # positions
         _init_norm_options(self, output_norm, output_norm_eps, qk_norm_after_rope)  # section: QK-norm
+        self.gate_activation = _check_gate_activation(gate_activation)  # its section: the gate
         if self.rope_theta is not None:
             self._inv_freq = _inverse_frequencies(rope_fraction, rope_width, self.rope_theta, self.rope_scaling)
         self.kernel_initializer = tf.keras.initializers.get(kernel_initializer)
@@ -1513,9 +1515,13 @@ def _learned_scales(scale, bias, positions, dtype):
 # and the cache: OLMo, DBRX, MPT), step 2; `gate` (each head's result times
 # gate = sigmoid(query @ gate_kernel + gate_bias), (B, T, N*Hv), feature by feature, before the heads
 # are merged: output = concat_heads(context * gate) @ output_kernel + output_bias; Keras' `use_gate`,
-# Qwen3-Next, Qwen3.5), step 6b; `output_norm` (RMSNorm or LayerNorm of the merged heads before the output
-# projection, weights `context_norm` and `context_norm_bias`: BitNet, Kosmos-2), step 7; `qk_norm_after_rope`
-# (QK-norm of the turned q and k: HunYuan), step 4.
+# Qwen3-Next, Qwen3.5; softplus instead of sigmoid with `gate_activation="softplus"`: Laguna), step 6b;
+# `output_norm` (RMSNorm or LayerNorm of the merged heads before the output projection, weights `context_norm`
+# and `context_norm_bias`: BitNet, Kosmos-2), step 7; `qk_norm_after_rope` (QK-norm of the turned q and k:
+# HunYuan), step 4.
+
+
+_GATE_ACTIVATIONS = ("sigmoid", "softplus")  # the values `gate_activation` takes
 
 
 def _check_norms(qk_norm, qk_norm_eps, qk_norm_type, clip_qkv):
@@ -1562,6 +1568,15 @@ def _normalize_context(layer, merged):
     norm = rms_norm if layer.output_norm == "rms" else layer_norm
     bias = layer.context_norm_bias if layer.output_norm == "layer" else None
     return norm(merged, layer.context_norm, layer.output_norm_eps, bias)
+
+
+def _check_gate_activation(gate_activation):
+    """Checks `gate_activation` (held as a str; it has no effect without `gate`)."""
+    if not isinstance(gate_activation, str) or gate_activation not in _GATE_ACTIVATIONS:
+        raise ValueError(
+            f"`gate_activation` must be 'sigmoid' or 'softplus'. Received: gate_activation={gate_activation!r}"
+        )
+    return str(gate_activation)  # np.str_ held as str
 
 
 def _clip(layer, x):
@@ -1613,10 +1628,12 @@ def layer_norm(x, scale, eps, bias=None):
 
 def _gate_heads(layer, call, context):
     """Step 6b: the (B, N, T, Hv) attention result times sigmoid(query @ gate_kernel + gate_bias)
-    split into heads (unchanged without `gate`; Hv = H without MLA)."""
+    (softplus with `gate_activation="softplus"`) split into heads (unchanged without `gate`; Hv = H
+    without MLA)."""
     if not layer.gate:
         return context
-    gate = tf.sigmoid(layer._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
+    activation = tf.nn.softplus if layer.gate_activation == "softplus" else tf.sigmoid
+    gate = activation(layer._project(call.query, "gate"))  # (B, T, E) -> (B, T, N*Hv)
     return context * layer._split_heads(gate, layer.num_heads, context.shape[-1])  # -> (B, N, T, Hv)
 
 
@@ -3646,6 +3663,7 @@ def _config(layer):
         "output_norm": layer.output_norm,
         "output_norm_eps": layer.output_norm_eps,
         "qk_norm_after_rope": layer.qk_norm_after_rope,
+        "gate_activation": layer.gate_activation,
     }
     return config | _latent_config(layer, vdim_only=True)  # the key keeps its place
 
@@ -3665,6 +3683,7 @@ def _non_defaults(layer):
         "sinks": True if layer.sinks else None,
         "clip_qkv": layer.clip_qkv,
         "gate": True if layer.gate else None,
+        "gate_activation": layer.gate_activation if layer.gate and layer.gate_activation != "sigmoid" else None,
         **{name: getattr(layer, name) for name in _LATENT_SIZES},
         "query_scaling": layer.query_scaling,
         **{name: True for name in _SHARING_FLAGS if getattr(layer, name)},
@@ -3760,7 +3779,7 @@ def _check_keras_can_hold(layer):
         received = ", ".join(f"{name}={getattr(layer, name)!r}" for name in held)
         raise ValueError(
             "`to_keras` needs a layer the Keras built-ins can hold: all the biases or none, the default "
-            "scale, and no softcap, window, attention chunks, RoPE, QK-norm, sinks, clip_qkv or MLA. "
+            "scale, and no softcap, window, attention chunks, RoPE, QK-norm, sinks, clip_qkv, softplus gate or MLA. "
             f"Received: {received}"
         )
     if getattr(layer, "quantization_mode", None) is not None:  # legacy Keras has no quantization

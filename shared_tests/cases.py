@@ -476,6 +476,15 @@ CASES = [
         bias=False,
         variants=(("gate", True), ("rope_theta", 10000.0), ("rope_fraction", 0.5), ("qk_norm", "head")),
     ),
+    Case(  # Laguna's gate: softplus of its projection, no bias
+        "laguna_like",
+        k=2,
+        self_attention=True,
+        causal=True,
+        query_mask=True,
+        bias=False,
+        variants=(("gate", True), ("gate_activation", "softplus"), ("rope_theta", 10000.0), ("qk_norm", "head")),
+    ),
 ]
 
 

@@ -214,7 +214,7 @@ DECODE_CASES = [
         length=4,
         chunks=(2,) + (1,) * 6,
         bias=False,
-        variants=(("gate", True), ("rope_theta", 10000.0), ("window", 3)),
+        variants=(("gate", True), ("gate_activation", "softplus"), ("rope_theta", 10000.0), ("window", 3)),
     ),
 ]
 

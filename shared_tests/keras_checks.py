@@ -168,7 +168,7 @@ def check_mask_warnings():
 def check_builtins():
     """`from_keras` of the built-ins (MultiHeadAttention, GroupQueryAttention, with `use_gate` with
     and without `use_bias`) gives their outputs, and `to_keras` gives this layer's, called in Keras'
-    order (query, value, key)."""
+    order (query, value, key); a softplus gate, which the built-ins' sigmoid gate cannot hold, is refused."""
     import keras
 
     from Keras import MultiHeadAttention
@@ -186,6 +186,12 @@ def check_builtins():
     for layer in (_layer(), _layer(num_kv_heads=2), _layer(gate=True), _layer(num_kv_heads=2, gate=True, bias=False)):
         what = f"to_keras() with K={layer.num_kv_heads}, gate={layer.gate}"
         _close(layer.to_keras()(x, kv, kv), layer(x, kv, kv), what)
+    try:
+        _layer(gate=True, gate_activation="softplus").to_keras()
+    except ValueError as error:
+        assert "Received: gate_activation='softplus'" in str(error), f"softplus gate to_keras: {error}"
+    else:
+        raise AssertionError("to_keras took a softplus gate, which the Keras built-ins cannot hold")
 
 
 def check_while_loop_decode():

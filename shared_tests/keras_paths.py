@@ -25,7 +25,7 @@ from shared_tests.decode_masks import chunk_mask, chunk_positions, full_pass_mas
 JAX_CASES = (
     "kdim_vdim", "mask_float_inf_row", "mask_float64_far", "rows_fully_masked", "bfloat16_gqa_masked",
     "attention_bias_bts_causal", "gemma2_like", "gpt_oss_like", "rope_yarn_gqa", "qk_norm_all",
-    "clip_qkv_qk_norm_rope", "qwen3_next_like",
+    "clip_qkv_qk_norm_rope", "qwen3_next_like", "laguna_like",
 )  # fmt: skip
 
 

@@ -114,6 +114,9 @@ CASES = {
     "order_output_norm_before_output_norm_eps": ({**BASE, "output_norm_eps": -1, "output_norm": True}, None, r"^`output_norm` must be None, 'rms' or 'layer'\. Received: output_norm=True$"),
     "qk_norm_after_rope_not_bool": ({**BASE, "qk_norm_after_rope": 1}, None, r"^`qk_norm_after_rope` must be True or False\. Received: qk_norm_after_rope=1$"),
     "order_output_norm_eps_before_qk_norm_after_rope": ({**BASE, "qk_norm_after_rope": 1, "output_norm_eps": 0}, None, r"^`output_norm_eps` must be a positive float"),
+    "gate_activation_unknown": ({**BASE, "gate": True, "gate_activation": "relu"}, None, r"`gate_activation` must be 'sigmoid' or 'softplus'\. Received: gate_activation='relu'"),
+    "gate_activation_not_str": ({**BASE, "gate": True, "gate_activation": None}, None, r"`gate_activation` must be 'sigmoid' or 'softplus'\. Received: gate_activation=None"),
+    "order_gate_before_gate_activation": ({**BASE, "gate": 1, "gate_activation": "x"}, None, r"`gate` must be True or False\. Received: gate=1"),
     "order_dropout_before_bias": ({**BASE, "bias": None, "dropout": None}, None, r"`dropout` must be in \[0, 1\)\. Received: dropout=None"),
     # The new call arguments
     "mixed_input_dtypes": (BASE, {"query": X, "key": Y.astype(np.float16), "value": Y.astype(np.float16)}, r"`query`, `key` and `value` must have the same dtype\. Received: query\.dtype=float32, key\.dtype=float16, value\.dtype=float16"),
@@ -237,6 +240,8 @@ ACCEPTED_ARGUMENTS = {
     "bias_empty_tuple": ({**BASE, "bias": ()}, {"bias": ()}),
     "bias_names_the_gate": ({**BASE, "gate": np.bool_(True), "bias": ["gate", "query"]}, {"bias": ("query", "gate")}),
     "bias_true_of_a_gated_layer": ({**BASE, "gate": True}, {"bias": ("query", "key", "value", "output", "gate")}),
+    "gate_activation_numpy_str": ({**BASE, "gate": True, "gate_activation": np.str_("softplus")}, {"gate_activation": "softplus"}),
+    "gate_activation_held_without_gate": ({**BASE, "gate_activation": "softplus"}, {"gate_activation": "softplus"}),
     # a variant switched off: its arguments are checked on their own, never against the others
     "rope_fraction_odd_without_rope": ({**BASE, "rope_fraction": 0.25}, {"rope_fraction": 0.25, "rope_theta": None}),
 }  # fmt: skip

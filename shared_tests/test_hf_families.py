@@ -30,7 +30,8 @@ SAMPLE = {  # a spread over the porters: listed families, and each kind of struc
     "jamba",  # by structure: no RoPE, a hybrid with Mamba layers
     "afmoe",  # listed gated
     "diffllama",  # refused with what it adds (its lambdas and group norm)
-    "laguna",  # refused: a softplus gate
+    "laguna",  # by structure: a softplus gate, one per head
+    "mimo_v2_flash",  # by structure: value heads narrower than the key heads (widened with zeros), values scaled
     "biogpt",  # by structure: the BART kind, BART's forward
     "xglm",  # by structure: the BART kind, a forward of its own (scale folded into the queries)
     "camembert",  # by structure: the BERT kind, BERT's forwards
@@ -189,3 +190,46 @@ def _prefill_step_full(model, ids, mask, positions):
         )
         full = model(input_ids=ids, attention_mask=mask, position_ids=positions)
     return full.logits[mask.bool()], step.logits[:, -1]  # (real tokens, vocabulary), (B, vocabulary)
+
+
+def test_a_gate_of_another_function_than_sigmoid_or_softplus_is_refused():
+    """The structural port reads the gate's function from the forward's source: Laguna's softplus is the layer's
+    `gate_activation="softplus"`, a sigmoid the default, anything else a `ValueError` naming it."""
+    import torch
+
+    from interop.hf import structure
+
+    class TanhGated(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.g_proj = torch.nn.Linear(4, 4)
+
+        def forward(self, hidden_states):
+            return torch.tanh(self.g_proj(hidden_states))
+
+    laguna = hf_tiny.tiny_model("laguna").model.layers[0].self_attn
+    assert structure._check_gate(laguna, "laguna", "g_proj") == "softplus"
+    with pytest.raises(ValueError, match=r"gates its heads with torch\.tanh of `g_proj`, where the layer's gate is a"):
+        structure._check_gate(TanhGated(), "tanh_gated", "g_proj")
+
+
+def test_value_heads_wider_than_the_key_heads_are_refused():
+    """Narrower value heads port widened with zeros (MiMo-V2-Flash, in `SAMPLE`); wider ones would need the keys
+    widened, which changes their QK-norm and RoPE, and are refused with the widths."""
+    import torch
+
+    from interop.hf import structure
+
+    class WideValues(torch.nn.Module):
+        head_dim = 4
+
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+            self.v_proj, self.o_proj = torch.nn.Linear(8, 6), torch.nn.Linear(12, 8)
+
+    module = WideValues()
+    with pytest.raises(
+        ValueError, match=r"has value heads wider than its key heads.*`v_proj` 6, `k_proj` 4, `o_proj` 12"
+    ):
+        structure._value_head_dim(module, "wide_values", dict(module.named_children()))

@@ -30,6 +30,7 @@ CONFIGS = {
     "head_dim": ({"head_dim": 3, "num_kv_heads": 2}, 8, 0),
     "dropout": ({"dropout": 0.5}, 8, 1),
     "gate": ({"gate": True, "num_kv_heads": 2}, 10, 0),
+    "gate_softplus": ({"gate": True, "gate_activation": "softplus", "bias": False}, 5, 0),
 }
 
 

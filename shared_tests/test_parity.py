@@ -125,6 +125,7 @@ def test_case_table_covers_the_issue():
         "sinks",
         "clip_qkv",
         "gate",
+        "gate_activation",
         "keys_as_values",
         "value_norm",
         "query_scaling",

@@ -106,7 +106,7 @@ FD_CASES = [c for c in FLOAT32_CASES if c.name in {
     "rope_partial_gqa", "rope_interleaved", "rope_llama3", "rope_linear_cross", "qk_norm_head_gqa", "qk_norm_all",
     "sinks_rows_masked", "sinks_gqa_causal", "gemma2_like", "gemma3_like", "gpt_oss_like", "t5_like", "clip_qkv",
     "clip_qkv_qk_norm_rope", "gate_mha", "gate_gqa_causal_padding", "output_norm_layer_gated",
-    "qk_norm_after_rope",
+    "qk_norm_after_rope", "laguna_like",
 }]  # fmt: skip
 
 

@@ -1088,8 +1088,9 @@ def test_new_weight_layout_order_initial_values_and_config():
         {"attention_chunk_size": 4},
         {"qk_norm": "per_head"},
         {"qk_norm": "head", "qk_norm_type": "layer"},
+        {"gate": True, "gate_activation": "softplus"},
     ],
-    ids=["window_pair", "chunk", "per_head", "layer_norm"],
+    ids=["window_pair", "chunk", "per_head", "layer_norm", "softplus_gate"],
 )
 def test_to_keras_refuses_the_new_variants(config):
     with pytest.raises(ValueError, match=r"^`to_keras` needs a layer the Keras built-ins can hold.*Received: "):

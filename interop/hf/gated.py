@@ -8,12 +8,14 @@ from .llama import _rotary
 from .tensors import _tensor
 
 
-def _gated(config, tensors, index, *, gate, rope="all", **rotary_options):
+def _gated(config, tensors, index, *, gate, rope="all", activation="sigmoid", **rotary_options):
     """Attention with an output gate, sigmoid(hidden @ gate_kernel) times each head's result before `o_proj`
     (`_rotary` for the rest). `gate`: "q_proj" (Qwen3-Next, Qwen3.5: `q_proj` yields, head by head, H query
-    features and then H gate features), "gate_proj" (AFMoE: an (N*H, E) projection) or "g_proj" (LFM3: one gate
-    per head, (N, E), the same for each of its H features). Layers that are not attention (Qwen3-Next's and
-    Qwen3.5's linear attention, LFM3's convolutions) are refused by name."""
+    features and then H gate features), "gate_proj" (AFMoE: an (N*H, E) projection) or "g_proj" (LFM3, Laguna:
+    one gate per head, (N, E), the same for each of its H features; Laguna's per feature, (N*H, E), with
+    `gating="per-feature"`). `activation`: "sigmoid", or "softplus" (Laguna), the layer's `gate_activation`.
+    Layers that are not attention (Qwen3-Next's and Qwen3.5's linear attention, LFM3's convolutions) are
+    refused by name."""
     _refuse_layer_type(config, index)
     if "rms_norm_eps" not in config and "norm_eps" in config:  # LFM3's name for it (`attribute_map`)
         config = {**config, "rms_norm_eps": config["norm_eps"]}
@@ -39,6 +41,7 @@ def _gated(config, tensors, index, *, gate, rope="all", **rotary_options):
         weights["gate_bias"] = _tensor(tensors, f"{gate}.bias")
         names = (*names, "gate")
     kwargs["bias"] = True if names == (*_PROJECTION_NAMES, "gate") else tuple(names) or False
+    kwargs |= {} if activation == "sigmoid" else {"gate_activation": activation}
     return kwargs | {"gate": True}, weights
 
 

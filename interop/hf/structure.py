@@ -2,7 +2,9 @@
 the Llama kind (`_rotary`), or gated (`_gated`), when it holds what they read and nothing else.
 
 What is read, never computed (no numeric probe): the module's children and parameters (`q_proj`, `k_proj`,
-`v_proj`, `o_proj` as `nn.Linear`; optional `q_norm` and `k_norm`, `sinks`, a gate `g_proj` or `gate_proj`;
+`v_proj`, `o_proj` as `nn.Linear`, value heads as wide as the key heads or narrower (widened with zeros, the
+values times the module's `v_scale` where its forward multiplies them by it); optional `q_norm` and `k_norm`,
+`sinks`, a gate `g_proj` or `gate_proj` (a sigmoid or a softplus of it);
 dropout and a rotary embedding held by the module), its attributes (`is_causal`, `head_dim`, `scaling`,
 `sliding_window`), the class of its norms (an RMSNorm of weight, of 1 + weight, or a LayerNorm, and their
 eps), and the source of the RoPE its modeling module applies (`apply_rotary_pos_emb` and `rotate_half`, the
@@ -20,17 +22,30 @@ import re
 import sys
 import textwrap
 
+import numpy as np
+
 from .config import _position_scaling, _rope_parameters
 from .gated import _gated
 from .llama import _rotary
 from .norms import _output_norm_options, _renamed_qk_norms, _renamed_tensors, _with_output_norm
+from .tensors import _tensor
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _ALLOWED = {"q_norm", "k_norm", "rotary_emb", "attention_dropout", "dropout", "attn_dropout", "resid_dropout"}
 _GATES = ("g_proj", "gate_proj")
+_GATE_ACTIVATIONS = ("sigmoid", "softplus")  # the layer's `gate_activation`s
 _ROPE_EXTRA = {"ernie4_5": True}  # GLM's pairing over the whole head, in float32 (the generated test proves it)
 
-_REFUSED = {}  # the Llama kind by structure, computing something else: what it adds (none at present)
+_REFUSED = {  # the Llama kind by structure, computing something else: what it adds
+    "beam": "Beam's full-attention layers are NoPE and multiply their queries by "
+    "(1 + (position_ids + 1) / 2048) ** 0.1 (`attention_scaling`, by each row's `position_ids`), a factor no "
+    "`query_scaling` type computes, and a layer without RoPE takes no `positions` (its gate, a sigmoid with a "
+    "per-head `gate_bias`, would port: the bias repeated over each head's features)",
+    "zamba2": "Zamba2's shared attention reads the hidden states concatenated with the embeddings "
+    "(`attention_hidden_size`, twice the hidden size) and writes the hidden size, where the layer's query input is "
+    "as wide as its output (`d_model`), and one module serves every hybrid layer (its forward takes `layer_idx`: "
+    "one cache slot per depth, and per-depth LoRA adapters with `use_shared_attention_adapter`)",
+}
 
 
 def _normalized(function):
@@ -172,13 +187,7 @@ def _structural_porter(module, model_type):
         return None
     if any(type(children[name]).__name__ != "Linear" for name in _PROJECTIONS):
         _refuse(module, model_type, "has projections other than nn.Linear")
-    if children["v_proj"].out_features != children["k_proj"].out_features:
-        _refuse(
-            module,
-            model_type,
-            "has value heads of another width than its key heads (`v_proj` "
-            f"{children['v_proj'].out_features}, `k_proj` {children['k_proj'].out_features} features)",
-        )
+    value_dim = _value_head_dim(module, model_type, children)
     if getattr(module, "is_causal", None) is not True:
         _refuse(module, model_type, "is not causal (`is_causal`): not a decoder's self-attention")
     scaled = _check_queries(module, model_type)
@@ -196,9 +205,9 @@ def _structural_porter(module, model_type):
         interleaved = _rope_kinds().get(_rope_key(type(module).__module__), _rope_pattern(type(module).__module__))
     if interleaved is None:
         _refuse(module, model_type, "applies a RoPE (`apply_rotary_pos_emb`) that is not one a listed family has")
-    if gate is not None:
-        _check_gate(module, model_type, gate)
     options = {"interleaved": interleaved, **_norm_options(module, model_type, children)}
+    if gate is not None:
+        options["activation"] = _check_gate(module, model_type, gate)
     rotates = _rotates(module, model_type)
     if not rotates:
         options["rope"] = "never"
@@ -223,6 +232,8 @@ def _structural_porter(module, model_type):
                 f"hidden size {config.get('hidden_size')} (another stream concatenated to the hidden states)",
             )
         layer_options = dict(options)
+        if value_dim is not None:
+            tensors = _widened_values(tensors, attributes["config"], *value_dim)
         if rotates == "layer_rope_theta":
             config, layer_options["rope"] = _layer_theta(module, model_type, config, index)
         if gate is None:
@@ -241,6 +252,53 @@ def _structural_porter(module, model_type):
     port.family = _rotary if gate is None else _gated
     port.__doc__ = f"{type(module).__name__}, recognised as the Llama kind by its structure"
     return port
+
+
+def _value_head_dim(module, model_type, children):
+    """None where the value heads are as wide as the key heads and the forward does not scale them; else (Hv, the
+    values' factor, the module's `v_scale` where the forward multiplies them by it) of value heads as wide as the
+    key heads or narrower (MiMo-V2-Flash: `v_head_dim` 128 of 192, its values times `v_scale`), which port widened
+    with zeros (`_widened_values`); wider value heads are refused."""
+    head_dim = int(getattr(module, "head_dim", 0))
+    v_out, k_out, o_in = (
+        children["v_proj"].out_features,
+        children["k_proj"].out_features,
+        children["o_proj"].in_features,
+    )
+    source = inspect.getsource(type(module).forward)
+    scale = float(getattr(module, "v_scale", 1.0)) if re.search(r"\*\s*self\.v_scale\b", source) else 1.0
+    if v_out == k_out and scale == 1.0:
+        return None
+    kv_heads, heads = (k_out // head_dim, children["q_proj"].out_features // head_dim) if head_dim else (0, 0)
+    value_dim = v_out // kv_heads if kv_heads else 0
+    if not value_dim or value_dim > head_dim or v_out != kv_heads * value_dim or o_in != heads * value_dim:
+        _refuse(
+            module,
+            model_type,
+            "has value heads wider than its key heads, or of no whole width (`v_proj` "
+            f"{v_out}, `k_proj` {k_out}, `o_proj` {o_in} features, `head_dim` {head_dim}): only narrower value "
+            "heads port (widened with zeros)",
+        )
+    return value_dim, scale
+
+
+def _widened_values(tensors, config, value_dim, scale):
+    """The value projection (K*Hv, E) and the output projection (E, N*Hv) of value heads narrower than the key
+    heads, widened to H features a head: each value head's Hv features times `scale` (the module's `v_scale`),
+    then H - Hv features of zeros, which attend to zeros and meet zero rows of the output kernel, so the output
+    is exactly the narrow heads'."""
+    head_dim, heads, kv_heads = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+    tensors = dict(tensors)
+    for name, count in (("v_proj.weight", kv_heads), ("v_proj.bias", kv_heads)):
+        if name in tensors:
+            value = _tensor(tensors, name) * np.float32(scale)  # (K*Hv, E) or (K*Hv,)
+            value = value.reshape(count, value_dim, *value.shape[1:])  # (K, Hv, ...)
+            padding = [(0, 0), (0, head_dim - value_dim)] + [(0, 0)] * (value.ndim - 2)
+            tensors[name] = np.pad(value, padding).reshape(count * head_dim, *value.shape[2:])  # (K*H, ...)
+    output = _tensor(tensors, "o_proj.weight")  # (E, N*Hv)
+    output = output.reshape(output.shape[0], heads, value_dim)  # (E, N, Hv)
+    tensors["o_proj.weight"] = np.pad(output, [(0, 0), (0, 0), (0, head_dim - value_dim)]).reshape(-1, heads * head_dim)
+    return tensors
 
 
 def _multimodal_rope(module_name):
@@ -351,15 +409,18 @@ def _scales_by_position(node):
 
 
 def _check_gate(module, model_type, gate):
-    """The gate must be a sigmoid of its projection, as the layer's is: read from the forward's source."""
+    """The gate's function of its projection, read from the forward's source: "sigmoid", or "softplus" (Laguna's
+    `F.softplus(self.g_proj(...))`), the layer's `gate_activation`; any other is refused."""
     source = inspect.getsource(type(module).forward)
     applied = re.findall(r"([\w.]+)\(\s*self\." + gate + r"\(", source)
-    if applied and not all(name.endswith("sigmoid") for name in applied):
+    kinds = {next((kind for kind in _GATE_ACTIVATIONS if name.endswith(kind)), name) for name in applied}
+    if len(kinds) > 1 or not kinds <= set(_GATE_ACTIVATIONS):
         _refuse(
             module,
             model_type,
-            f"gates its heads with {', '.join(applied)} of `{gate}`, where the layer's gate is a sigmoid",
+            f"gates its heads with {', '.join(applied)} of `{gate}`, where the layer's gate is a sigmoid or a softplus",
         )
+    return kinds.pop() if kinds else "sigmoid"
 
 
 def _layer_theta(module, model_type, config, index):
