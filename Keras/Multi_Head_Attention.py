@@ -306,15 +306,13 @@ class MultiHeadAttention(keras.layers.Layer):
             q, k, v = _position_step(self, q, k, v, call, _rotate if self.kv_lora_rank is None else _rotate_latent)
         if call.cache is not None:
             k, v, keep, call = _update_cache(self, call, k, v, keep)  # 5. the cache (then over its L slots)
-        selection = None  # 5b. the sparse indexer: keep ANDed with each query's top-k keys (B, T, k)
-        if self.index_topk is not None or topk_indices is not None or return_topk:
-            keep, call, selection = _sparse_keep(self, call, keep, topk_indices, return_topk)
+        sparse = (topk_indices, return_topk) if self.index_topk or topk_indices is not None or return_topk else ()
+        keep, call, selection = _sparse_keep(self, call, keep, *sparse) if sparse else (keep, call, None)  # 5b. top-k
         if self.kv_lora_rank is None:  # 6. (B, N, T, H), (B, N, T, S) or None; an int8 cache: `_cache_attend`
             context, weights = (_cache_attend(self, k) if call.cache else self._attend)(q, k, v, keep, bias, call)
         else:
             context, weights = _attend_latent(self, q, k, v, keep, bias, call)  # 6. MLA: (B, N, T, Hv), ...
-        if self.gate:
-            context = _gate_heads(self, call, context)  # 6b. the output gate
+        context = context if not self.gate else _gate_heads(self, call, context)  # 6b. the output gate
         merged = self._merge_heads(context)  # 7. (B, N, T, Hv) -> (B, T, N*Hv)
         merged = merged if self.output_norm is None else _normalize_context(self, merged)  # 7. the output norm
         output = self._project(merged, "output")  # 7. (B, T, N*Hv) -> (B, T, E)

@@ -346,10 +346,8 @@ class MultiHeadAttention:
             k, v, keep, call = _update_cache(self, call, k, v, keep)  # 5. KV cache, keep over its L slots
         sparse = (topk_indices, return_topk) if self.index_topk or topk_indices is not None or return_topk else ()
         keep, call, selection = _sparse_keep(self, q, k, keep, call, *sparse) if sparse else (keep, call, None)  # 5b.
-        if self._latent is None:
-            context, weights = self._attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S)
-        else:
-            context, weights = _attend_latent(self, q, k, v, keep, bias, call)  # 6. MLA: expanded or absorbed
+        attend = self._attend if self._latent is None else lambda *args: _attend_latent(self, *args)  # MLA: 6.
+        context, weights = attend(q, k, v, keep, bias, call)  # 6. (B, N, T, H), (B, N, T, S)
         gated, gate = (context, None) if not self.gate else _gate_heads(self, call, context)  # 6b. output gate
         merged = self._merge_heads(gated)  # 7. (B, N, T, H) -> (B, T, N*H)
         merged = merged if self.output_norm is None else _normalize_context(self, merged)  # 7. the output norm
