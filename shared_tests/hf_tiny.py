@@ -264,8 +264,22 @@ def shrink(config):
     if isinstance(getattr(config, "sliding_window", None), int):
         config.sliding_window = WINDOW
     _shrink_rope(config)
+    _published_fields(config)
     _put_per_layer_config(config, per_layer, before, layers)
     return config
+
+
+DBRX_CLIP = 8.0  # DBRX's published `clip_qkv` (its forward clamps by it: None fails)
+
+
+def _published_fields(config):
+    """Fields a default configuration leaves unset where its model needs them, set as its published
+    configurations hold them: DBRX's `attn_config.rope_theta` (its attention stores it, and rotates by
+    `rope_parameters`) and `attn_config.clip_qkv`."""
+    attention = getattr(config, "attn_config", None)
+    if config.model_type == "dbrx" and hasattr(attention, "to_dict"):
+        attention.rope_theta = config.rope_parameters["rope_theta"]
+        attention.clip_qkv = attention.clip_qkv or DBRX_CLIP
 
 
 def _take_per_layer_config(config):

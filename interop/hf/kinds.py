@@ -11,6 +11,9 @@ What is read, never computed (no numeric probe):
   its softmax scale is its `scaling` attribute (folded into the queries or given to the attention function);
 - the Llama kind under LFM2's names (`out_proj`, `q_layernorm`, `k_layernorm`) or ModernBERT-Decoder's (`Wo`): read as
   `interop.hf.structure` reads the Llama kind (its RMSNorms, the RoPE its modeling module applies), renamed;
+- the Llama kind with DBRX's fused `Wqkv` (rows [q | k | v]) and `out_proj`, clamped by its `clip_qkv`: its heads,
+  key/value heads and scale from the module's attributes, the attributes its forward reads those of DBRX's
+  (`_FUSED_READS`), the RoPE its modeling module applies read as `interop.hf.structure` reads the Llama kind's;
 - the GPT-NeoX kind (Persimmon): a fused `query_key_value` (per head [q | k | v]) and `dense`, optional
   LayerNorms over each head's features (`q_layernorm`, `k_layernorm`), dropout, `is_causal`, and the RoPE in
   halves its modeling module applies (`interop.hf.structure._rope_pattern`);
@@ -91,6 +94,8 @@ def _kind_porter(module, model_type):
         return _bert_kind(module, model_type, children)
     if {"query_key_value", "dense"} <= set(children):
         return _neox_kind(module, model_type, children)
+    if {"Wqkv", "out_proj"} <= set(children):
+        return _fused_llama(module, model_type, children)
     return None
 
 
@@ -184,6 +189,56 @@ def _renamed_llama(module, model_type, children):
 
     port.family, port.__doc__ = _rotary, f"{type(module).__name__}, recognised as the Llama kind by its structure"
     return port
+
+
+_FUSED_READS = {  # the attributes a forward of the Llama kind with a fused `Wqkv` may read (DBRX's)
+    "Wqkv",
+    "out_proj",
+    "clip_qkv",
+    "config",
+    "head_dim",
+    "hidden_size",
+    "layer_idx",
+    "num_key_value_heads",
+    "scaling",
+    "training",
+    "attention_dropout",
+}
+
+
+def _fused_llama(module, model_type, children):
+    """DBRX's fused `Wqkv` (rows [q | k | v]: `hidden_size`, then `num_key_value_heads * head_dim` twice) and
+    `out_proj`, q, k and v clamped to [-clip_qkv, clip_qkv] (the fused projection's clamp, element by element),
+    read with `_rotary` as Phi3's fused `qkv_proj`."""
+    _check_children(module, model_type, children, {"Wqkv": _LINEAR, "out_proj": _LINEAR})
+    if getattr(module, "is_causal", None) is not True:
+        _refuse(module, model_type, "does not set `is_causal = True`: not known as a decoder's self-attention")
+    reads, _ = _forward_reads(type(module))
+    if reads - _FUSED_READS:
+        _refuse(
+            module, model_type, "reads " + ", ".join(f"`{n}`" for n in sorted(reads - _FUSED_READS)) + " in its forward"
+        )
+    interleaved = _rope_kinds().get(_rope_key(type(module).__module__), _rope_pattern(type(module).__module__))
+    if interleaved is None or _rotates(module, model_type) is not True:
+        _refuse(module, model_type, "applies a RoPE (`apply_rotary_pos_emb`) that is not one a listed family has")
+    head_dim, kv_heads = int(module.head_dim), int(module.num_key_value_heads)
+    sizes = {"hidden_size": children["Wqkv"].in_features, "head_dim": head_dim, "num_key_value_heads": kv_heads}
+    sizes["num_attention_heads"] = int(module.hidden_size) // head_dim
+    if children["Wqkv"].out_features != (sizes["num_attention_heads"] + 2 * kv_heads) * head_dim:
+        _refuse(module, model_type, f"has a fused `Wqkv` of {children['Wqkv'].out_features} rows, not [q / k / v]")
+    clip = {"clip_qkv": module.clip_qkv} if getattr(module, "clip_qkv", None) is not None else {}
+    scale = float(module.scaling)
+
+    def port(config, tensors, index):
+        renamed = {f"{_FUSED_NAMES.get(n.partition('.')[0])}.{n.partition('.')[2]}": tensors[n] for n in tensors}
+        kwargs, weights = _rotary({**config, **sizes, **clip}, renamed, index, interleaved=interleaved)
+        return kwargs | {"scale": scale}, weights
+
+    port.family, port.__doc__ = _rotary, f"{type(module).__name__}, recognised as the Llama kind with a fused `Wqkv`"
+    return port
+
+
+_FUSED_NAMES = {"Wqkv": "qkv_proj", "out_proj": "o_proj"}  # DBRX's names: Phi3's fused projection's
 
 
 def _neox_kind(module, model_type, children):
