@@ -404,6 +404,7 @@ def tiny_model(model_type):
     cls = model_class(model_type)
     try:
         config = shrink(cls.config_class())
+        _ungrouped_heads(config, cls)
         torch.manual_seed(SEED)
         if model_type in text_decoder_families():
             cls = _text_decoder_lm(cls)
@@ -411,6 +412,22 @@ def tiny_model(model_type):
     except Exception as error:
         raise NotBuiltError(f"{type(error).__name__}: {_first_line(error)}") from error
     return perturbed(model)
+
+
+def _ungrouped_heads(config, cls):
+    """As many key/value heads as query heads where the model's modeling module defines an eager attention that
+    never repeats key/value heads (UnlimitedOCR's text decoder: no `repeat_kv` in its `eager_attention_forward` nor
+    its attention classes): the published configurations have as many, the grouped tiny one would not run."""
+    module = inspect.getmodule(cls)
+    eager = getattr(module, "eager_attention_forward", None)
+    if eager is None or eager.__module__ != module.__name__:
+        return
+    attentions = [v for n, v in vars(module).items() if inspect.isclass(v) and n.endswith("Attention")]
+    if any("repeat_kv" in inspect.getsource(f) for f in (eager, *attentions)):
+        return
+    for name in _KV_HEADS:
+        if isinstance(getattr(config, name, None), int):
+            set_field(config, name, config.num_attention_heads)
 
 
 def perturbed(model):

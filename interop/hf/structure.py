@@ -32,6 +32,8 @@ _ROPE_EXTRA = {"ernie4_5": True}  # GLM's pairing over the whole head, in float3
 _REFUSED = {  # the Llama kind by structure, computing something else: what it adds
     "qwen3_vl": "Qwen3-VL's text attention turns its features by interleaved multimodal RoPE (`mrope_section`)",
     "qwen3_vl_moe": "Qwen3-VL-MoE's text attention turns its features by interleaved multimodal RoPE (`mrope_section`)",
+    "unlimited_ocr": "UnlimitedOCR's text layers are reference sliding attention (`reference_sliding_attention`: each "
+    "token sees the last `sliding_window` tokens and every prompt token), a mask the layer's window cannot express",
 }
 
 
