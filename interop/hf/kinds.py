@@ -14,6 +14,8 @@ What is read, never computed (no numeric probe):
 - the Llama kind with DBRX's fused `Wqkv` (rows [q | k | v]) and `out_proj`, clamped by its `clip_qkv`: its heads,
   key/value heads and scale from the module's attributes, the attributes its forward reads those of DBRX's
   (`_FUSED_READS`), the RoPE its modeling module applies read as `interop.hf.structure` reads the Llama kind's;
+- Phi3's fused `qkv_proj` and `o_proj` (Phi-4-multimodal's text attention): the module's forward and its modeling
+  module's RoPE functions are, as text, Phi3's own (`interop.hf.structure._normalized`), read with Phi3's porter;
 - the GPT-NeoX kind (Persimmon): a fused `query_key_value` (per head [q | k | v]) and `dense`, optional
   LayerNorms over each head's features (`q_layernorm`, `k_layernorm`), dropout, `is_causal`, and the RoPE in
   halves its modeling module applies (`interop.hf.structure._rope_pattern`);
@@ -96,7 +98,23 @@ def _kind_porter(module, model_type):
         return _neox_kind(module, model_type, children)
     if {"Wqkv", "out_proj"} <= set(children):
         return _fused_llama(module, model_type, children)
+    if {"qkv_proj", "o_proj"} <= set(children):
+        return _phi3_copy(module, model_type, children)
     return None
+
+
+def _phi3_copy(module, model_type, children):
+    """Phi3's attention as another family copies it (Phi-4-multimodal's): `qkv_proj` and `o_proj`, Phi3's forward and
+    RoPE functions as text; read with Phi3's porter."""
+    _check_children(module, model_type, children, {"qkv_proj": _LINEAR, "o_proj": _LINEAR})
+    phi3 = importlib.import_module("transformers.models.phi3.modeling_phi3")
+    if _normalized(type(module).forward) != _normalized(phi3.Phi3Attention.forward) or _rope_key(
+        type(module).__module__
+    ) != _rope_key(phi3.__name__):
+        _refuse(module, model_type, "holds a fused `qkv_proj` with a forward or RoPE other than Phi3's")
+    port = functools.partial(_rotary)
+    port.family, port.__doc__ = _rotary, f"{type(module).__name__}, recognised as Phi3's attention by its text"
+    return port
 
 
 def _bart_kind(module, model_type, children):
