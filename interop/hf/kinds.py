@@ -24,6 +24,7 @@ What is read, never computed (no numeric probe):
   `self` and `output` are, as text, BERT's own (`interop.hf.structure._normalized`): the copies transformers
   keeps of BERT's attention.
 
+A module that holds `query`, `key` and `value` only (BERT's `self`, alone) is refused as a part of its attention.
 Anything else is refused by name; `shared_tests/test_hf_families.py` is the proof of each family.
 """
 
@@ -100,6 +101,13 @@ def _kind_porter(module, model_type):
         return _fused_llama(module, model_type, children)
     if {"qkv_proj", "o_proj"} <= set(children):
         return _phi3_copy(module, model_type, children)
+    if {n for n, child in children.items() if not _is_dropout(child)} == set(_BERT["self"]):
+        _refuse(
+            module,
+            model_type,
+            "holds `query`, `key` and `value` and no output projection: the self-attention part of a BERT-kind "
+            "attention, which a porter reads whole, with its output (`dense`, `LayerNorm`)",
+        )
     return None
 
 

@@ -8,7 +8,9 @@ dropout and a rotary embedding held by the module), its attributes (`is_causal`,
 eps), and the source of the RoPE its modeling module applies (`apply_rotary_pos_emb` and `rotate_half`, the
 same text as a listed family's, which says whether the features pair in halves or interleaved). Anything else
 the module holds is refused by name. A family that has this structure but computes something else is refused
-by name in `_REFUSED` with what it adds; `shared_tests/test_hf_families.py` is the proof of each.
+by name in `_REFUSED` with what it adds, and an attention class that computes something else than softmax
+attention over projected queries, keys and values (linear attention, block-sparse attention, a mixture of attention
+experts, ...) in `_ADDS`; `shared_tests/test_hf_families.py` is the proof of each.
 """
 
 import ast
@@ -34,6 +36,27 @@ _REFUSED = {  # the Llama kind by structure, computing something else: what it a
     "qwen3_vl_moe": "Qwen3-VL-MoE's text attention turns its features by interleaved multimodal RoPE (`mrope_section`)",
     "unlimited_ocr": "UnlimitedOCR's text layers are reference sliding attention (`reference_sliding_attention`: each "
     "token sees the last `sliding_window` tokens and every prompt token), a mask the layer's window cannot express",
+}
+
+
+_ADDS = {  # attention classes that compute something other than softmax attention over projected q, k, v: what
+    "BigBirdBlockSparseAttention": "BigBird's block-sparse attention (`attention_type` 'block_sparse'): each block of "
+    "queries sees a window of key blocks, the global blocks and `num_random_blocks` random blocks",
+    "CpmAntAttention": "CPM-Ant's attention adds to its scores a learned relative position bias by segment and "
+    "distance bucket (`CpmAntSegmentPositionEmbedding`) that its model computes",
+    "JetMoeAttention": "JetMoE's attention is a mixture of attention experts: each token's queries and outputs come "
+    "from its top `num_experts_per_tok` experts (`experts`, routed), its keys and values from a shared `kv_proj`",
+    "MiniMaxLightningAttention": "MiniMax's lightning attention is a linear attention with a per-head exponential "
+    "decay (a recurrent state), not softmax attention",
+    "ProphetNetNgramSelfAttention": "ProphetNet's n-gram self-attention runs `ngram` predicting streams beside the "
+    "main stream, with learned relative position buckets (`num_buckets`)",
+    "ProphetNetAttention": "ProphetNetAttention is ProphetNet's encoder attention and its decoder's cross-attention "
+    "(keys and values from the encoder); its causal decoder's self-attention is the n-gram one",
+    "RwkvSelfAttention": "RWKV's time mixing is a linear recurrence (WKV) with a learned time decay and time-first "
+    "bonus, not softmax attention",
+    "ZayaAttention": "ZAYA's compressed convolutional attention mixes its queries and keys by causal 1D "
+    "convolutions with residual projections, and takes half its values from a delayed recurrent state "
+    "(`ZayaCCAProjection`)",
 }
 
 
@@ -161,6 +184,11 @@ def _refuse(module, model_type, what):
 def _structural_porter(module, model_type):
     """The porter of an attention module of an unlisted model type, recognised by its structure, or a
     `ValueError` naming what it holds that no porter reads."""
+    if type(module).__name__ in _ADDS:
+        raise ValueError(
+            f"`module` must hold an attention the layer computes: {_ADDS[type(module).__name__]}, which the layer "
+            f"cannot. Received: {type(module).__name__}"
+        )
     if model_type in _REFUSED:
         raise ValueError(
             f"`module` must hold an attention the layer computes: {_REFUSED[model_type]}, which the layer cannot. "
