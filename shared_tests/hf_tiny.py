@@ -203,6 +203,11 @@ _UNSET = {  # fields a default configuration leaves None where its model needs a
     "num_experts_per_tok": 2,
     "n_routed_experts": 4,
     "n_shared_experts": 1,
+    "indexer_n_heads": 2,  # Qwen4-Exp's indexer: its default layers are indexed, its sizes left None
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": HEAD_DIM,
+    "indexer_budget": 4,
+    "indexer_compress_ratio": 2,
 }
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
 _TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
