@@ -378,15 +378,15 @@ def set_field(config, name, value):
 
 
 def layers_kept(config, old_layers):
-    """Enough layers to hold each kind of layer of `layer_types` (at least 2), at most 4, else 2."""
+    """Enough layers to hold each kind of layer of `layer_types` (at least 2), and two `hybrid` layers where there is
+    one (Zamba's hybrid layers share one transformer, whose weights tie across them), at most 8, else 2."""
     if not old_layers:
         return 2
     types = getattr(config, "layer_types", None)
     if isinstance(types, list | tuple) and types:
-        wanted = set(types)
-        for n in range(2, min(old_layers, 8) + 1):
-            if set(types[:n]) == wanted:
-                return n
+        wanted, sizes = set(types), range(2, min(old_layers, 8) + 1)
+        kept = [n for n in sizes if set(types[:n]) == wanted]
+        return next((n for n in kept if list(types[:n]).count("hybrid") != 1), kept[0] if kept else min(old_layers, 2))
     return min(old_layers, 2)
 
 

@@ -216,15 +216,15 @@ def _structural_porter(module, model_type):
     extra += [n for n, _ in module.named_buffers(recurse=False)]
     if extra:
         _refuse(module, model_type, "adds " + ", ".join(f"`{n}`" for n in extra) + ", which no porter reads")
+    rotates = _rotates(module, model_type)
     interleaved = _rope_kinds().get(_rope_key(type(module).__module__), _rope_pattern(type(module).__module__))
-    if interleaved is None:
+    if interleaved is None and rotates:
         _refuse(module, model_type, "applies a RoPE (`apply_rotary_pos_emb`) that is not one a listed family has")
     if gate is not None:
         _check_gate(module, model_type, gate)
-    options = {"interleaved": interleaved, **_norm_options(module, model_type, children)}
-    rotates = _rotates(module, model_type)
+    options = {"interleaved": bool(interleaved), **_norm_options(module, model_type, children)}
     if not rotates:
-        options["rope"] = "never"
+        options["rope"] = "never"  # no RoPE: the modeling module's RoPE functions, if any, are not read
     if rotates and _multimodal_rope(type(module).__module__):
         _refuse(
             module,
