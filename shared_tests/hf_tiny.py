@@ -237,6 +237,9 @@ def shrink(config):
     for name in LAYER_COUNTS:
         if isinstance(getattr(config, name, None), int):
             set_field(config, name, layers)  # ProphetNet: its total refuses, its encoder and decoder counts follow
+    if isinstance(getattr(config, "num_layers_per_stack", None), int):  # HRM-Text: its total counts the stacks' calls
+        config.num_layers_per_stack = layers
+        config.num_hidden_layers = layers * config.H_cycles * (config.L_cycles + 1)
     for name, value in list(vars(config).items()):  # per-layer lists cut to the layers kept
         if old_layers and isinstance(value, list | tuple) and len(value) == old_layers and layers < old_layers:
             setattr(config, name, type(value)(value[:layers]))

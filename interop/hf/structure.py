@@ -44,6 +44,9 @@ _ADDS = {  # attention classes that compute something other than softmax attenti
     "queries sees a window of key blocks, the global blocks and `num_random_blocks` random blocks",
     "CpmAntAttention": "CPM-Ant's attention adds to its scores a learned relative position bias by segment and "
     "distance bucket (`CpmAntSegmentPositionEmbedding`) that its model computes",
+    "HrmTextAttention": "HRM-Text calls each attention module again and again in one step (its H and L stacks recur "
+    "`H_cycles` x (`L_cycles` + 1) times, each call with a cache slot of its own, `cycle_offset`), and its prompt "
+    "tokens attend both ways (`prefix_lm`)",
     "JetMoeAttention": "JetMoE's attention is a mixture of attention experts: each token's queries and outputs come "
     "from its top `num_experts_per_tok` experts (`experts`, routed), its keys and values from a shared `kv_proj`",
     "MiniMaxLightningAttention": "MiniMax's lightning attention is a linear attention with a per-head exponential "
