@@ -256,6 +256,7 @@ def shrink(config):
         if isinstance(getattr(config, name, None), int) and not _aliases_query_heads(config, name):
             set_field(config, name, KV_HEADS)
     _mamba_heads(config)
+    _unset_experts(config)
     _even_rotary(config)
     if isinstance(getattr(config, "kv_lora_rank", None), int) and hasattr(config, "head_dim"):
         fraction = _rotary_fraction(config) or 1.0  # Mistral 4: RoPE turns head_dim * 0.5 = qk_rope_head_dim
@@ -350,6 +351,13 @@ def _mamba_heads(config):
         return
     if all(isinstance(v, int) for v in (heads, width, expand, hidden)) and heads * width != expand * hidden:
         config.mamba_n_heads, config.mamba_d_head = 8, expand * config.hidden_size // 8
+
+
+def _unset_experts(config):
+    """Experts where the default configuration leaves their sizes None and its layers build them anyway (DiffusionGemma:
+    a router and experts in every layer, no `enable_moe_block` to turn them off as Gemma 4 has)."""
+    if "top_k_experts" in vars(config) and config.top_k_experts is None and "enable_moe_block" not in vars(config):
+        config.num_experts, config.top_k_experts, config.moe_intermediate_size = 4, 2, 32
 
 
 def _aliases_query_heads(config, name):
