@@ -272,23 +272,27 @@ def shrink(config):
             setattr(config, name, [t for t in value if t < VOCAB] or [0])
     if isinstance(getattr(config, "sliding_window", None), int):
         config.sliding_window = WINDOW
-    _shrink_rope(config)
     _published_fields(config)
+    _shrink_rope(config)
     _put_per_layer_config(config, per_layer, before, layers)
     return config
 
 
 DBRX_CLIP = 8.0  # DBRX's published `clip_qkv` (its forward clamps by it: None fails)
+ERNIE_VL_SECTIONS = (22, 22, 20)  # ERNIE-4.5-VL's rotary embedding's `mrope_section` where the config names none
 
 
 def _published_fields(config):
     """Fields a default configuration leaves unset where its model needs them, set as its published
     configurations hold them: DBRX's `attn_config.rope_theta` (its attention stores it, and rotates by
-    `rope_parameters`) and `attn_config.clip_qkv`."""
+    `rope_parameters`) and `attn_config.clip_qkv`; ERNIE-4.5-VL's `mrope_section` (its rotary embedding's default,
+    written out so that `_shrink_rope` cuts it to the tiny head)."""
     attention = getattr(config, "attn_config", None)
     if config.model_type == "dbrx" and hasattr(attention, "to_dict"):
         attention.rope_theta = config.rope_parameters["rope_theta"]
         attention.clip_qkv = attention.clip_qkv or DBRX_CLIP
+    if config.model_type.startswith("ernie4_5_vl_moe") and isinstance(config.rope_parameters, dict):
+        config.rope_parameters.setdefault("mrope_section", list(ERNIE_VL_SECTIONS))
 
 
 def _take_per_layer_config(config):
