@@ -286,13 +286,16 @@ def _published_fields(config):
     """Fields a default configuration leaves unset where its model needs them, set as its published
     configurations hold them: DBRX's `attn_config.rope_theta` (its attention stores it, and rotates by
     `rope_parameters`) and `attn_config.clip_qkv`; ERNIE-4.5-VL's `mrope_section` (its rotary embedding's default,
-    written out so that `_shrink_rope` cuts it to the tiny head)."""
+    written out so that `_shrink_rope` cuts it to the tiny head); Cohere-Compass's RoPE parameters per layer type
+    (its rotary embedding reads one entry per kind of layer, its default configuration holds none)."""
     attention = getattr(config, "attn_config", None)
     if config.model_type == "dbrx" and hasattr(attention, "to_dict"):
         attention.rope_theta = config.rope_parameters["rope_theta"]
         attention.clip_qkv = attention.clip_qkv or DBRX_CLIP
     if config.model_type.startswith("ernie4_5_vl_moe") and isinstance(config.rope_parameters, dict):
         config.rope_parameters.setdefault("mrope_section", list(ERNIE_VL_SECTIONS))
+    if config.model_type.startswith("cohere_compass") and config.rope_parameters == {}:
+        config.rope_parameters = {kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in config.layer_types}
 
 
 def _take_per_layer_config(config):
