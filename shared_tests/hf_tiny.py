@@ -144,6 +144,7 @@ def _text_decoder_lm(decoder_class):
         base_model_prefix = "model"
 
         def __init__(self, config):
+            config.is_encoder_decoder = False  # the text decoder alone (PP-FormulaNet's: no encoder states)
             super().__init__(config)
             self.model = decoder_class(config)
             self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
