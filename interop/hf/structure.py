@@ -22,7 +22,7 @@ import re
 import sys
 import textwrap
 
-from .config import _position_scaling, _rope_parameters
+from .config import _layer_type, _position_scaling, _rope_parameters
 from .gated import _gated
 from .llama import _rotary
 
@@ -347,13 +347,21 @@ def _check_gate(module, model_type, gate):
         )
 
 
+_POSITIONS_BY_THETA = {"olmo_hybrid": "full_attention"}  # the layer type its model passes RoPE to, with a rope_theta
+
+
 def _layer_theta(module, model_type, config, index):
     """Granite-SWA's `layer_rope_theta`: layer `index`'s RoPE base, 0 for a NoPE layer (its model passes no
     `position_embeddings` there); Granite-MoE-Hybrid's `position_embedding_type`: "rope" in every layer, else
-    none; a config with neither is refused."""
+    none; OLMo-Hybrid's `rope_parameters`: RoPE in its `full_attention` layers where they hold a `rope_theta`, none
+    where it is None (its released checkpoints); a config with none of these is refused."""
     thetas = config.get("layer_rope_theta")
     if thetas is None and "position_embedding_type" in config:  # Granite-MoE-Hybrid: RoPE in every layer, or none
         return config, "all" if config["position_embedding_type"] == "rope" else "never"
+    if thetas is None and model_type in _POSITIONS_BY_THETA:  # its model builds a rotary embedding with a theta only
+        theta = _rope_parameters(config, None).get("rope_theta")
+        rotates = theta is not None and _layer_type(config, index) == _POSITIONS_BY_THETA[model_type]
+        return config, "all" if rotates else "never"
     if not isinstance(thetas, list | tuple) or index is None:
         _refuse(
             module,
