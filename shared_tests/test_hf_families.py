@@ -132,3 +132,40 @@ def test_ministral3_scales_its_queries_by_position_past_the_floor():
     torch.manual_seed(hf_tiny.SEED)
     result = hf_tiny.check_replaced(cls(config).float().eval())
     assert result["replaced"] and result["tokens"] > 0
+
+
+DBRX_TIGHT_CLIP = 0.05  # below the tiny model's q, k and v magnitudes: the clamp binds
+
+
+def _tiny_from_config(model_type, **overrides):
+    """The family's tiny model from its default configuration with `overrides`, shrunk, seeded and perturbed."""
+    import torch
+
+    cls = hf_tiny.causal_lm_class(model_type)
+    config = hf_tiny.shrink(cls.config_class(**overrides))
+    torch.manual_seed(hf_tiny.SEED)
+    return hf_tiny.perturbed(cls(config).float().eval())
+
+
+def test_dbrx_clamps_queries_keys_and_values_by_clip_qkv():
+    """DBRX's fused `Wqkv` clamped to [-clip_qkv, clip_qkv] (a clip that binds: the logits move with it) ports as the
+    layer's `clip_qkv`: the replaced model keeps its logits and tokens."""
+    import torch
+
+    ids, mask = hf_tiny.prompts()
+    models = {clip: _tiny_from_config("dbrx", attn_config={"clip_qkv": clip}) for clip in (8.0, DBRX_TIGHT_CLIP)}
+    with torch.no_grad():
+        loose, tight = (models[c](input_ids=ids, attention_mask=mask).logits for c in (8.0, DBRX_TIGHT_CLIP))
+    assert not torch.allclose(loose, tight, atol=hf_tiny.LOGITS_TOL)
+    result = hf_tiny.check_replaced(models[DBRX_TIGHT_CLIP])
+    assert result["replaced"] and result["tokens"] > 0
+
+
+def test_olmo_hybrid_without_a_rope_theta_applies_no_rope():
+    """OLMo-Hybrid's released configurations hold `rope_theta` None: its model builds no rotary embedding and its
+    attention layers turn nothing, which the port reads from the config: the replaced model keeps its logits and
+    tokens (the default configuration's theta, RoPE on its full-attention layers, is the generated test's)."""
+    model = _tiny_from_config("olmo_hybrid", rope_parameters={"rope_type": "default", "rope_theta": None})
+    assert model.model.rotary_emb is None
+    result = hf_tiny.check_replaced(model)
+    assert result["replaced"] and result["tokens"] > 0
