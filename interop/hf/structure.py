@@ -55,6 +55,9 @@ _ADDS = {  # attention classes that compute something other than softmax attenti
     "main stream, with learned relative position buckets (`num_buckets`)",
     "ProphetNetAttention": "ProphetNetAttention is ProphetNet's encoder attention and its decoder's cross-attention "
     "(keys and values from the encoder); its causal decoder's self-attention is the n-gram one",
+    "RoFormerAttention": "RoFormer's BERT-kind attention turns its queries and keys (its values too with "
+    "`rotary_value`) by a rotary embedding its model computes from sinusoids (`sinusoidal_pos`), which the BERT kind's "
+    "port does not rotate",
     "RwkvSelfAttention": "RWKV's time mixing is a linear recurrence (WKV) with a learned time decay and time-first "
     "bonus, not softmax attention",
     "ZayaAttention": "ZAYA's compressed convolutional attention mixes its queries and keys by causal 1D "
