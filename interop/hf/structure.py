@@ -35,7 +35,7 @@ _REFUSED = {  # the Llama kind by structure, computing something else: what it a
     "qwen3_vl": "Qwen3-VL's text attention turns its features by interleaved multimodal RoPE (`mrope_section`)",
     "qwen3_vl_moe": "Qwen3-VL-MoE's text attention turns its features by interleaved multimodal RoPE (`mrope_section`)",
     "unlimited_ocr": "UnlimitedOCR's text layers are reference sliding attention (`reference_sliding_attention`: each "
-    "token sees the last `sliding_window` tokens and every prompt token), a mask the layer's window cannot express",
+    "token sees the last `sliding_window` tokens and every prompt token)",
 }
 
 
@@ -57,7 +57,7 @@ _ADDS = {  # attention classes that compute something other than softmax attenti
     "(keys and values from the encoder); its causal decoder's self-attention is the n-gram one",
     "RoFormerAttention": "RoFormer's BERT-kind attention turns its queries and keys (its values too with "
     "`rotary_value`) by a rotary embedding its model computes from sinusoids (`sinusoidal_pos`), which the BERT kind's "
-    "port does not rotate",
+    "port does not read",
     "RwkvSelfAttention": "RWKV's time mixing is a linear recurrence (WKV) with a learned time decay and time-first "
     "bonus, not softmax attention",
     "ZayaAttention": "ZAYA's compressed convolutional attention mixes its queries and keys by causal 1D "
@@ -192,8 +192,8 @@ def _structural_porter(module, model_type):
     `ValueError` naming what it holds that no porter reads."""
     if type(module).__name__ in _ADDS:
         raise ValueError(
-            f"`module` must hold an attention the layer computes: {_ADDS[type(module).__name__]}, which the layer "
-            f"cannot. Received: {type(module).__name__}"
+            f"`module` must hold an attention the layer computes: {_ADDS[type(module).__name__]}. "
+            f"Received: {type(module).__name__}"
         )
     if model_type in _REFUSED:
         raise ValueError(
