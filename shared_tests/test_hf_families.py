@@ -36,7 +36,8 @@ SAMPLE = {  # a spread over the porters: listed families, and each kind of struc
     "gpt_neox",  # the listed GPT kind, swapped by replace_attention
     "persimmon",  # by structure: the GPT-NeoX kind with per-head LayerNorms
     "kosmos2",  # refused: a LayerNorm inside the attention (`inner_attn_ln`)
-    "rembert",  # refused: the BERT kind's structure with a forward of its own
+    "rembert",  # by structure: the BERT kind, forwards of its own that compute BERT's (`_BERT_REWRITTEN`)
+    "roformer",  # refused by class with what it adds (`_ADDS`): a rotary embedding inside the BERT kind
     "codegen",  # the listed GPT kind: GPT-J's attention, a fused projection of 4 shards
     "molmo2",  # a vision-language model's text decoder alone, under a linear head
     "cosmos3_edge",  # refused: a text decoder turned by a multimodal RoPE (`mrope_section`)
