@@ -121,7 +121,10 @@ def _phi3_copy(module, model_type, children):
         type(module).__module__
     ) != _rope_key(phi3.__name__):
         _refuse(module, model_type, "holds a fused `qkv_proj` with a forward or RoPE other than Phi3's")
-    port = functools.partial(_rotary)
+
+    def port(config, tensors, index):
+        return _rotary(config, tensors, index)
+
     port.family, port.__doc__ = _rotary, f"{type(module).__name__}, recognised as Phi3's attention by its text"
     return port
 
