@@ -5,7 +5,8 @@ default configuration, and the check that `replace_attention` keeps what they co
 class per model type: the first in its modeling module). `tiny_model(model_type)` builds one: the default
 config of the class's `config_class`, shrunk (`shrink`: 2 to 4 layers, hidden size 64, 4 query heads of 16,
 2 key/value heads, a vocabulary of 128, small experts and latents; every per-layer list cut to the layers
-kept; a sliding window of 3), seeded, float32, in eval mode, its parameters moved off their initial values
+kept; a sliding window of 3; what the default leaves unset where its model needs it, set as its published
+configurations have it), seeded, float32, in eval mode, its parameters moved off their initial values
 (norm scales away from 1, biases away from 0) so that each ported variant matters. A family whose tiny model
 cannot be built raises `NotBuiltError` with why.
 
