@@ -3,7 +3,7 @@ default configuration, and the check that `replace_attention` keeps what they co
 
 `causal_lm_families()` lists the model types of the installed `transformers` with a `*ForCausalLM` class (one
 class per model type: the first in its modeling module). `tiny_model(model_type)` builds one: the default
-config of the class's `config_class`, shrunk (`shrink`: 2 to 4 layers, hidden size 64, 4 query heads of 16,
+config of the class's `config_class`, shrunk (`shrink`: 2 to 8 layers, hidden size 64, 4 query heads of 16,
 2 key/value heads, a vocabulary of 128, small experts and latents; every per-layer list cut to the layers
 kept; a sliding window of 3; what the default leaves unset where its model needs it, set as its published
 configurations have it), seeded, float32, in eval mode, its parameters moved off their initial values
