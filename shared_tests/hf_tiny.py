@@ -3,9 +3,10 @@ default configuration, and the check that `replace_attention` keeps what they co
 
 `causal_lm_families()` lists the model types of the installed `transformers` with a `*ForCausalLM` class (one
 class per model type: the first in its modeling module). `tiny_model(model_type)` builds one: the default
-config of the class's `config_class`, shrunk (`shrink`: 2 to 4 layers, hidden size 64, 4 query heads of 16,
+config of the class's `config_class`, shrunk (`shrink`: 2 to 8 layers, hidden size 64, 4 query heads of 16,
 2 key/value heads, a vocabulary of 128, small experts and latents; every per-layer list cut to the layers
-kept; a sliding window of 3), seeded, float32, in eval mode, its parameters moved off their initial values
+kept; a sliding window of 3; what the default leaves unset where its model needs it, set as its published
+configurations have it), seeded, float32, in eval mode, its parameters moved off their initial values
 (norm scales away from 1, biases away from 0) so that each ported variant matters. A family whose tiny model
 cannot be built raises `NotBuiltError` with why.
 
@@ -145,6 +146,7 @@ def _text_decoder_lm(decoder_class):
         base_model_prefix = "model"
 
         def __init__(self, config):
+            config.is_encoder_decoder = False  # the text decoder alone (PP-FormulaNet's: no encoder states)
             super().__init__(config)
             self.model = decoder_class(config)
             self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -204,6 +206,11 @@ _UNSET = {  # fields a default configuration leaves None where its model needs a
     "num_experts_per_tok": 2,
     "n_routed_experts": 4,
     "n_shared_experts": 1,
+    "indexer_n_heads": 2,  # Qwen4-Exp's indexer: its default layers are indexed, its sizes left None
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": HEAD_DIM,
+    "indexer_budget": 4,
+    "indexer_compress_ratio": 2,
 }
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
 _TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
@@ -233,6 +240,9 @@ def shrink(config):
     for name in LAYER_COUNTS:
         if isinstance(getattr(config, name, None), int):
             set_field(config, name, layers)  # ProphetNet: its total refuses, its encoder and decoder counts follow
+    if isinstance(getattr(config, "num_layers_per_stack", None), int):  # HRM-Text: its total counts the stacks' calls
+        config.num_layers_per_stack = layers
+        config.num_hidden_layers = layers * config.H_cycles * (config.L_cycles + 1)
     for name, value in list(vars(config).items()):  # per-layer lists cut to the layers kept
         if old_layers and isinstance(value, list | tuple) and len(value) == old_layers and layers < old_layers:
             setattr(config, name, type(value)(value[:layers]))
@@ -249,6 +259,7 @@ def shrink(config):
         if isinstance(getattr(config, name, None), int) and not _aliases_query_heads(config, name):
             set_field(config, name, KV_HEADS)
     _mamba_heads(config)
+    _unset_experts(config)
     _even_rotary(config)
     if isinstance(getattr(config, "kv_lora_rank", None), int) and hasattr(config, "head_dim"):
         fraction = _rotary_fraction(config) or 1.0  # Mistral 4: RoPE turns head_dim * 0.5 = qk_rope_head_dim
@@ -264,9 +275,30 @@ def shrink(config):
             setattr(config, name, [t for t in value if t < VOCAB] or [0])
     if isinstance(getattr(config, "sliding_window", None), int):
         config.sliding_window = WINDOW
+    _published_fields(config)
     _shrink_rope(config)
     _put_per_layer_config(config, per_layer, before, layers)
     return config
+
+
+DBRX_CLIP = 8.0  # DBRX's published `clip_qkv` (its forward clamps by it: None fails)
+ERNIE_VL_SECTIONS = (22, 22, 20)  # ERNIE-4.5-VL's rotary embedding's `mrope_section` where the config names none
+
+
+def _published_fields(config):
+    """Fields a default configuration leaves unset where its model needs them, set as its published
+    configurations hold them: DBRX's `attn_config.rope_theta` (its attention stores it, and rotates by
+    `rope_parameters`) and `attn_config.clip_qkv`; ERNIE-4.5-VL's `mrope_section` (its rotary embedding's default,
+    written out so that `_shrink_rope` cuts it to the tiny head); Cohere-Compass's RoPE parameters per layer type
+    (its rotary embedding reads one entry per kind of layer, its default configuration holds none)."""
+    attention = getattr(config, "attn_config", None)
+    if config.model_type == "dbrx" and hasattr(attention, "to_dict"):
+        attention.rope_theta = config.rope_parameters["rope_theta"]
+        attention.clip_qkv = attention.clip_qkv or DBRX_CLIP
+    if config.model_type.startswith("ernie4_5_vl_moe") and isinstance(config.rope_parameters, dict):
+        config.rope_parameters.setdefault("mrope_section", list(ERNIE_VL_SECTIONS))
+    if config.model_type.startswith("cohere_compass") and set(config.rope_parameters) <= {"mrope_section"}:
+        config.rope_parameters = {kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in config.layer_types}
 
 
 def _take_per_layer_config(config):
@@ -331,6 +363,13 @@ def _mamba_heads(config):
         config.mamba_n_heads, config.mamba_d_head = 8, expand * config.hidden_size // 8
 
 
+def _unset_experts(config):
+    """Experts where the default configuration leaves their sizes None and its layers build them anyway (DiffusionGemma:
+    a router and experts in every layer, no `enable_moe_block` to turn them off as Gemma 4 has)."""
+    if "top_k_experts" in vars(config) and config.top_k_experts is None and "enable_moe_block" not in vars(config):
+        config.num_experts, config.top_k_experts, config.moe_intermediate_size = 4, 2, 32
+
+
 def _aliases_query_heads(config, name):
     """Whether a key/value head count is another name of a query head count (Whisper's `num_key_value_heads`
     for `encoder_attention_heads`): the query heads stay as `_SIZES` sets them."""
@@ -360,15 +399,15 @@ def set_field(config, name, value):
 
 
 def layers_kept(config, old_layers):
-    """Enough layers to hold each kind of layer of `layer_types` (at least 2), at most 4, else 2."""
+    """Enough layers to hold each kind of layer of `layer_types` (at least 2), and two `hybrid` layers where there is
+    one (Zamba's hybrid layers share one transformer, whose weights tie across them), at most 8, else 2."""
     if not old_layers:
         return 2
     types = getattr(config, "layer_types", None)
     if isinstance(types, list | tuple) and types:
-        wanted = set(types)
-        for n in range(2, min(old_layers, 8) + 1):
-            if set(types[:n]) == wanted:
-                return n
+        wanted, sizes = set(types), range(2, min(old_layers, 8) + 1)
+        kept = [n for n in sizes if set(types[:n]) == wanted]
+        return next((n for n in kept if list(types[:n]).count("hybrid") != 1), kept[0] if kept else min(old_layers, 2))
     return min(old_layers, 2)
 
 
@@ -406,6 +445,7 @@ def tiny_model(model_type):
     cls = model_class(model_type)
     try:
         config = shrink(_named_sections(cls.config_class(), cls))
+        _ungrouped_heads(config, cls)
         torch.manual_seed(SEED)
         if model_type in text_decoder_families():
             cls = _text_decoder_lm(cls)
@@ -413,6 +453,22 @@ def tiny_model(model_type):
     except Exception as error:
         raise NotBuiltError(f"{type(error).__name__}: {_first_line(error)}") from error
     return perturbed(model)
+
+
+def _ungrouped_heads(config, cls):
+    """As many key/value heads as query heads where the model's modeling module defines an eager attention that
+    never repeats key/value heads (UnlimitedOCR's text decoder: no `repeat_kv` in its `eager_attention_forward` nor
+    its attention classes): the published configurations have as many, the grouped tiny one would not run."""
+    module = inspect.getmodule(cls)
+    eager = getattr(module, "eager_attention_forward", None)
+    if eager is None or eager.__module__ != module.__name__:
+        return
+    attentions = [v for n, v in vars(module).items() if inspect.isclass(v) and n.endswith("Attention")]
+    if any("repeat_kv" in inspect.getsource(f) for f in (eager, *attentions)):
+        return
+    for name in _KV_HEADS:
+        if isinstance(getattr(config, name, None), int):
+            set_field(config, name, config.num_attention_heads)
 
 
 def perturbed(model):
@@ -457,6 +513,11 @@ def check_replaced(model):
     with torch.no_grad():
         theirs = _reference(lambda: model(input_ids=ids, attention_mask=mask).logits.float().numpy())
         mine = ours(input_ids=ids, attention_mask=mask).logits.float().numpy()
+    if theirs.shape[:2] != ids.shape:  # CSM's depth decoder: a logit per codebook after the backbone's, not per token
+        raise NotBuiltError(
+            f"the model's logits cover {tuple(theirs.shape[:2])} (batch, positions) of the prompts' "
+            f"{tuple(ids.shape)}: not one logit per token, which the generated test compares"
+        )
     tolerance = LOGITS_TOL * max(1.0, float(theirs[rows].std()))
     difference = float(np.abs(mine[rows] - theirs[rows]).max())
     assert difference <= tolerance, f"logits differ by {difference:.3g} (tolerance {tolerance:.3g})"

@@ -42,7 +42,8 @@ SAMPLE = {  # a spread over the porters: listed families, and each kind of struc
     "xlm_roberta_xl",  # by structure: a pre-LN copy of BERT's attention (its LayerNorm of the input stays out)
     "megatron_bert",  # by structure: a pre-LN copy with forwards of its own text (Megatron-BERT's)
     "hunyuan_v1_dense",  # by structure: QK-norms named `query_layernorm`, applied after RoPE (`qk_norm_after_rope`)
-    "rembert",  # refused: the BERT kind's structure with a forward of its own
+    "rembert",  # by structure: the BERT kind, forwards of its own that compute BERT's (`_BERT_REWRITTEN`)
+    "roformer",  # refused by class with what it adds (`_ADDS`): a rotary embedding inside the BERT kind
     "codegen",  # the listed GPT kind: GPT-J's attention, a fused projection of 4 shards
     "molmo2",  # a vision-language model's text decoder alone, under a linear head
     "cosmos3_edge",  # by structure: a text decoder turned by Qwen3-VL's multimodal RoPE (the pairs dealt in turn)
@@ -233,3 +234,40 @@ def test_value_heads_wider_than_the_key_heads_are_refused():
         ValueError, match=r"has value heads wider than its key heads.*`v_proj` 6, `k_proj` 4, `o_proj` 12"
     ):
         structure._value_head_dim(module, "wide_values", dict(module.named_children()))
+
+
+DBRX_TIGHT_CLIP = 0.05  # below the tiny model's q, k and v magnitudes: the clamp binds
+
+
+def _tiny_from_config(model_type, **overrides):
+    """The family's tiny model from its default configuration with `overrides`, shrunk, seeded and perturbed."""
+    import torch
+
+    cls = hf_tiny.causal_lm_class(model_type)
+    config = hf_tiny.shrink(cls.config_class(**overrides))
+    torch.manual_seed(hf_tiny.SEED)
+    return hf_tiny.perturbed(cls(config).float().eval())
+
+
+def test_dbrx_clamps_queries_keys_and_values_by_clip_qkv():
+    """DBRX's fused `Wqkv` clamped to [-clip_qkv, clip_qkv] (a clip that binds: the logits move with it) ports as the
+    layer's `clip_qkv`: the replaced model keeps its logits and tokens."""
+    import torch
+
+    ids, mask = hf_tiny.prompts()
+    models = {clip: _tiny_from_config("dbrx", attn_config={"clip_qkv": clip}) for clip in (8.0, DBRX_TIGHT_CLIP)}
+    with torch.no_grad():
+        loose, tight = (models[c](input_ids=ids, attention_mask=mask).logits for c in (8.0, DBRX_TIGHT_CLIP))
+    assert not torch.allclose(loose, tight, atol=hf_tiny.LOGITS_TOL)
+    result = hf_tiny.check_replaced(models[DBRX_TIGHT_CLIP])
+    assert result["replaced"] and result["tokens"] > 0
+
+
+def test_olmo_hybrid_without_a_rope_theta_applies_no_rope():
+    """OLMo-Hybrid's released configurations hold `rope_theta` None: its model builds no rotary embedding and its
+    attention layers turn nothing, which the port reads from the config: the replaced model keeps its logits and
+    tokens (the default configuration's theta, RoPE on its full-attention layers, is the generated test's)."""
+    model = _tiny_from_config("olmo_hybrid", rope_parameters={"rope_type": "default", "rope_theta": None})
+    assert model.model.rotary_emb is None
+    result = hf_tiny.check_replaced(model)
+    assert result["replaced"] and result["tokens"] > 0

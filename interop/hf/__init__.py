@@ -103,7 +103,7 @@ positions of all L slots).
 
 RoPE scaling: `default`, `linear`, `llama3`, `yarn` (gpt-oss' default) and `proportional` (Gemma 4's
 and LFM3's full-attention layers) port with their parameters; other types (dynamic, LongRoPE) are a
-`ValueError` for now. OLMo's and MPT's `clip_qkv` port as the layer's `clip_qkv`.
+`ValueError` for now. OLMo's, MPT's and DBRX's `clip_qkv` port as the layer's `clip_qkv`.
 QK-norms: RMSNorms (Qwen3, Gemma 3, OLMo2, Llama 4) and
 LayerNorms (`qk_norm_type="layer"`: Phi's one LayerNorm with a bias, StableLM's and Cohere's scale
 per head) port as the layer's. Multi-head latent attention ports as the layer's MLA

@@ -190,6 +190,7 @@ def _reason(error):
 
 
 _TINY_PORTS = {}  # {model type: _ports_of(its tiny model)}, where its default configuration does not build
+_SWAPPED = {}  # {model type: the attention classes `replace_attention` swapped in its tiny model}, where it passed
 
 
 def _proof(model_type):
@@ -203,13 +204,14 @@ def _proof(model_type):
         return "not built", f"its tiny model: {error}"
     _TINY_PORTS[model_type] = _ports_of(model)
     try:
-        hf_tiny.check_replaced(model)
+        replaced = hf_tiny.check_replaced(model)["replaced"]
     except ValueError as error:
         return "refused", _reason(error)
     except AssertionError as error:
         return "computes otherwise", _reason(error)
     except Exception as error:
         return "not built", f"its tiny model's forward or generate raised {type(error).__name__}: {_reason(error)}"
+    _SWAPPED[model_type] = {type(model.get_submodule(name)).__name__ for name in replaced}
     return "ported", None
 
 
@@ -272,6 +274,8 @@ def _status(model_type, name, ports, failed, proof, causal, cls):
         return status, detail
     if not causal or (model_type in _BUILTIN and proof[1] and proof[1].startswith(_NOT_SWAPPED)):
         return "ported", f"{detail}; {LISTED_TEST}"  # a listed family `replace_attention` does not swap
+    if proof[0] == "ported" and kind is not None and name not in _SWAPPED[model_type]:
+        return "out of scope", kind  # a multimodal model's encoder the generated test leaves as it is
     if proof[0] == "ported":
         return "ported", f"{detail}; {TEST.format(model_type)}"
     if proof[0] == "computes otherwise":

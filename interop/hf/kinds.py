@@ -11,14 +11,21 @@ What is read, never computed (no numeric probe):
   its softmax scale is its `scaling` attribute (folded into the queries or given to the attention function);
 - the Llama kind under LFM2's names (`out_proj`, `q_layernorm`, `k_layernorm`) or ModernBERT-Decoder's (`Wo`): read as
   `interop.hf.structure` reads the Llama kind (its RMSNorms, the RoPE its modeling module applies), renamed;
+- the Llama kind with DBRX's fused `Wqkv` (rows [q | k | v]) and `out_proj`, clamped by its `clip_qkv`: its heads,
+  key/value heads and scale from the module's attributes, the attributes its forward reads those of DBRX's
+  (`_FUSED_READS`), the RoPE its modeling module applies read as `interop.hf.structure` reads the Llama kind's;
+- Phi3's fused `qkv_proj` and `o_proj` (Phi-4-multimodal's text attention): the module's forward and its modeling
+  module's RoPE functions are, as text, Phi3's own (`interop.hf.structure._normalized`), read with Phi3's porter;
 - the GPT-NeoX kind (Persimmon): a fused `query_key_value` (per head [q | k | v]) and `dense`, optional
   LayerNorms over each head's features (`q_layernorm`, `k_layernorm`), dropout, `is_causal`, and the RoPE in
   halves its modeling module applies (`interop.hf.structure._rope_pattern`);
 - the BERT kind (CamemBERT, Data2Vec-Text, ELECTRA, ERNIE, RoCBert, ...): the module holds `self` (`query`,
   `key`, `value`) and `output` (`dense`, `LayerNorm`, dropout) and nothing else, and the forwards of the module,
   `self` and `output` are, as text, BERT's own (`interop.hf.structure._normalized`): the copies transformers
-  keeps of BERT's attention.
+  keeps of BERT's attention, and the families of `_BERT_REWRITTEN`, whose forwards compute the same in other words
+  (each proven by the generated test).
 
+A module that holds `query`, `key` and `value` only (BERT's `self`, alone) is refused as a part of its attention.
 Anything else is refused by name; `shared_tests/test_hf_families.py` is the proof of each family.
 """
 
@@ -92,7 +99,35 @@ def _kind_porter(module, model_type):
         return _bert_kind(module, model_type, children)
     if {"query_key_value", "dense"} <= set(children):
         return _neox_kind(module, model_type, children)
+    if {"Wqkv", "out_proj"} <= set(children):
+        return _fused_llama(module, model_type, children)
+    if {"qkv_proj", "o_proj"} <= set(children):
+        return _phi3_copy(module, model_type, children)
+    if {n for n, child in children.items() if not _is_dropout(child)} == set(_BERT["self"]):
+        _refuse(
+            module,
+            model_type,
+            "holds `query`, `key` and `value` and no output projection: the self-attention part of a BERT-kind "
+            "attention, which a porter reads whole, with its output (`dense`, `LayerNorm`)",
+        )
     return None
+
+
+def _phi3_copy(module, model_type, children):
+    """Phi3's attention as another family copies it (Phi-4-multimodal's): `qkv_proj` and `o_proj`, Phi3's forward and
+    RoPE functions as text; read with Phi3's porter."""
+    _check_children(module, model_type, children, {"qkv_proj": _LINEAR, "o_proj": _LINEAR})
+    phi3 = importlib.import_module("transformers.models.phi3.modeling_phi3")
+    if _normalized(type(module).forward) != _normalized(phi3.Phi3Attention.forward) or _rope_key(
+        type(module).__module__
+    ) != _rope_key(phi3.__name__):
+        _refuse(module, model_type, "holds a fused `qkv_proj` with a forward or RoPE other than Phi3's")
+
+    def port(config, tensors, index):
+        return _rotary(config, tensors, index)
+
+    port.family, port.__doc__ = _rotary, f"{type(module).__name__}, recognised as Phi3's attention by its text"
+    return port
 
 
 def _bart_kind(module, model_type, children):
@@ -129,6 +164,11 @@ def _bart_kind(module, model_type, children):
     return port
 
 
+_BERT_REWRITTEN = {  # BERT-kind families whose forwards differ from BERT's as text but compute what they compute
+    "rembert": "RemBERT's eager forwards (scores / sqrt(H), the mask added, softmax, its output BERT's SelfOutput)",
+}
+
+
 def _bert_kind(module, model_type, children):
     """BERT's `BertAttention`: `self.query/key/value`, `output.dense` and its LayerNorm, with BERT's forwards; or a
     pre-LN copy: a LayerNorm of the input in the module, `output.dense` and the residual, with the forwards of
@@ -141,7 +181,8 @@ def _bert_kind(module, model_type, children):
     if pre and not _pre_ln_forwards(module, pre):
         _refuse(module, model_type, "computes a pre-LN attention with forwards of its own, not a known pre-LN copy's")
     for part, reference in zip((module, children["self"], children["output"]), _bert_forwards(), strict=True):
-        if not pre and _normalized(type(part).forward) != _normalized(reference.forward):
+        rewritten = pre or model_type in _BERT_REWRITTEN  # forwards of their own, checked above or by the test
+        if not rewritten and _normalized(type(part).forward) != _normalized(reference.forward):
             _refuse(
                 module,
                 model_type,
@@ -192,6 +233,56 @@ def _renamed_llama(module, model_type, children):
 
     port.family, port.__doc__ = _rotary, f"{type(module).__name__}, recognised as the Llama kind by its structure"
     return port
+
+
+_FUSED_READS = {  # the attributes a forward of the Llama kind with a fused `Wqkv` may read (DBRX's)
+    "Wqkv",
+    "out_proj",
+    "clip_qkv",
+    "config",
+    "head_dim",
+    "hidden_size",
+    "layer_idx",
+    "num_key_value_heads",
+    "scaling",
+    "training",
+    "attention_dropout",
+}
+
+
+def _fused_llama(module, model_type, children):
+    """DBRX's fused `Wqkv` (rows [q | k | v]: `hidden_size`, then `num_key_value_heads * head_dim` twice) and
+    `out_proj`, q, k and v clamped to [-clip_qkv, clip_qkv] (the fused projection's clamp, element by element),
+    read with `_rotary` as Phi3's fused `qkv_proj`."""
+    _check_children(module, model_type, children, {"Wqkv": _LINEAR, "out_proj": _LINEAR})
+    if getattr(module, "is_causal", None) is not True:
+        _refuse(module, model_type, "does not set `is_causal = True`: not known as a decoder's self-attention")
+    reads, _ = _forward_reads(type(module))
+    if reads - _FUSED_READS:
+        _refuse(
+            module, model_type, "reads " + ", ".join(f"`{n}`" for n in sorted(reads - _FUSED_READS)) + " in its forward"
+        )
+    interleaved = _rope_kinds().get(_rope_key(type(module).__module__), _rope_pattern(type(module).__module__))
+    if interleaved is None or _rotates(module, model_type) is not True:
+        _refuse(module, model_type, "applies a RoPE (`apply_rotary_pos_emb`) that is not one a listed family has")
+    head_dim, kv_heads = int(module.head_dim), int(module.num_key_value_heads)
+    sizes = {"hidden_size": children["Wqkv"].in_features, "head_dim": head_dim, "num_key_value_heads": kv_heads}
+    sizes["num_attention_heads"] = int(module.hidden_size) // head_dim
+    if children["Wqkv"].out_features != (sizes["num_attention_heads"] + 2 * kv_heads) * head_dim:
+        _refuse(module, model_type, f"has a fused `Wqkv` of {children['Wqkv'].out_features} rows, not [q / k / v]")
+    clip = {"clip_qkv": module.clip_qkv} if getattr(module, "clip_qkv", None) is not None else {}
+    scale = float(module.scaling)
+
+    def port(config, tensors, index):
+        renamed = {f"{_FUSED_NAMES.get(n.partition('.')[0])}.{n.partition('.')[2]}": tensors[n] for n in tensors}
+        kwargs, weights = _rotary({**config, **sizes, **clip}, renamed, index, interleaved=interleaved)
+        return kwargs | {"scale": scale}, weights
+
+    port.family, port.__doc__ = _rotary, f"{type(module).__name__}, recognised as the Llama kind with a fused `Wqkv`"
+    return port
+
+
+_FUSED_NAMES = {"Wqkv": "qkv_proj", "out_proj": "o_proj"}  # DBRX's names: Phi3's fused projection's
 
 
 def _neox_kind(module, model_type, children):

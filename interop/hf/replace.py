@@ -42,9 +42,9 @@ def replace_attention(model, layer_class=None):
             and Persimmon), with multi-head latent attention (DeepSeek-V2, V3 and the MLA
             families `port_attention` reads; the layer's cache holds the latents), the sparse indexer's included
             (DeepSeek-V3.2, GLM-MoE-DSA, Mistral Large 4: each layer's top-k passed to the next where the model's
-            decoder does), or Gemma 3n and Gemma 4. A multimodal model's vision encoder (`vision_tower`) stays as
-            it is, and so do a hybrid's linear-attention layers (`layer_types[i]` "linear_attention": Kimi
-            Linear's, Ling's, MiniMax's).
+            decoder does), or Gemma 3n and Gemma 4. A multimodal model's encoders (`vision_tower`, Phi-4-multimodal's
+            `embed_tokens_extend`) stay as they are, and so do a hybrid's linear-attention layers (`layer_types[i]`
+            "linear_attention": Kimi Linear's, Ling's, MiniMax's).
         layer_class: the `MultiHeadAttention` class to build (default: the one in `PyTorch/`).
 
     Returns:
@@ -70,7 +70,7 @@ def replace_attention(model, layer_class=None):
     for name, module in list(model.named_modules()):
         if any(name.startswith(done + ".") for done in replaced) or not type(module).__name__.endswith(_ATTENTION):
             continue
-        if name.rpartition(".")[2] in _CROSS or _TOWER in name.split("."):
+        if name.rpartition(".")[2] in _CROSS or set(_TOWERS) & set(name.split(".")):
             continue
         if _transformers_model_type(type(module)) is None and not any(
             _registered(c.__name__) is not None for c in type(module).__mro__
@@ -115,7 +115,10 @@ def replace_attention(model, layer_class=None):
 
 _ATTENTION = ("Attention", "MLA")  # the endings of the attention modules' class names (LongCat's LongcatFlashMLA)
 _CROSS = ("encoder_attn",)  # the BART kind's cross-attention modules: their class is the self-attention's
-_TOWER = "vision_tower"  # a multimodal model's vision encoder (Mistral Large 4's Pixtral): not swapped
+_TOWERS = (  # a multimodal model's encoders, not swapped: Mistral Large 4's Pixtral, Phi-4-multimodal's image and
+    "vision_tower",  # audio encoders (inside its token embedding)
+    "embed_tokens_extend",
+)
 _CROSS_ARGUMENTS = ("key_value_states", "encoder_hidden_states")  # a cross-attention call's keys and values
 
 

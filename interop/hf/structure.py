@@ -10,7 +10,9 @@ dropout and a rotary embedding held by the module), its attributes (`is_causal`,
 eps), and the source of the RoPE its modeling module applies (`apply_rotary_pos_emb` and `rotate_half`, the
 same text as a listed family's, which says whether the features pair in halves or interleaved). Anything else
 the module holds is refused by name. A family that has this structure but computes something else is refused
-by name in `_REFUSED` with what it adds; `shared_tests/test_hf_families.py` is the proof of each.
+by name in `_REFUSED` with what it adds, and an attention class that computes something else than softmax
+attention over projected queries, keys and values (linear attention, block-sparse attention, a mixture of attention
+experts, ...) in `_ADDS`; `shared_tests/test_hf_families.py` is the proof of each.
 """
 
 import ast
@@ -24,7 +26,7 @@ import textwrap
 
 import numpy as np
 
-from .config import _position_scaling, _rope_parameters
+from .config import _layer_type, _position_scaling, _rope_parameters
 from .gated import _gated
 from .llama import _rotary
 from .norms import _output_norm_options, _renamed_qk_norms, _renamed_tensors, _with_output_norm
@@ -45,6 +47,35 @@ _REFUSED = {  # the Llama kind by structure, computing something else: what it a
     "(`attention_hidden_size`, twice the hidden size) and writes the hidden size, where the layer's query input is "
     "as wide as its output (`d_model`), and one module serves every hybrid layer (its forward takes `layer_idx`: "
     "one cache slot per depth, and per-depth LoRA adapters with `use_shared_attention_adapter`)",
+    "unlimited_ocr": "UnlimitedOCR's text layers are reference sliding attention (`reference_sliding_attention`: each "
+    "token sees the last `sliding_window` tokens and every prompt token)",
+}
+
+
+_ADDS = {  # attention classes that compute something other than softmax attention over projected q, k, v: what
+    "BigBirdBlockSparseAttention": "BigBird's block-sparse attention (`attention_type` 'block_sparse'): each block of "
+    "queries sees a window of key blocks, the global blocks and `num_random_blocks` random blocks",
+    "CpmAntAttention": "CPM-Ant's attention adds to its scores a learned relative position bias by segment and "
+    "distance bucket (`CpmAntSegmentPositionEmbedding`) that its model computes",
+    "HrmTextAttention": "HRM-Text calls each attention module again and again in one step (its H and L stacks recur "
+    "`H_cycles` x (`L_cycles` + 1) times, each call with a cache slot of its own, `cycle_offset`), and its prompt "
+    "tokens attend both ways (`prefix_lm`)",
+    "JetMoeAttention": "JetMoE's attention is a mixture of attention experts: each token's queries and outputs come "
+    "from its top `num_experts_per_tok` experts (`experts`, routed), its keys and values from a shared `kv_proj`",
+    "MiniMaxLightningAttention": "MiniMax's lightning attention is a linear attention with a per-head exponential "
+    "decay (a recurrent state), not softmax attention",
+    "ProphetNetNgramSelfAttention": "ProphetNet's n-gram self-attention runs `ngram` predicting streams beside the "
+    "main stream, with learned relative position buckets (`num_buckets`)",
+    "ProphetNetAttention": "ProphetNetAttention is ProphetNet's encoder attention and its decoder's cross-attention "
+    "(keys and values from the encoder); its causal decoder's self-attention is the n-gram one",
+    "RoFormerAttention": "RoFormer's BERT-kind attention turns its queries and keys (its values too with "
+    "`rotary_value`) by a rotary embedding its model computes from sinusoids (`sinusoidal_pos`), which the BERT kind's "
+    "port does not read",
+    "RwkvSelfAttention": "RWKV's time mixing is a linear recurrence (WKV) with a learned time decay and time-first "
+    "bonus, not softmax attention",
+    "ZayaAttention": "ZAYA's compressed convolutional attention mixes its queries and keys by causal 1D "
+    "convolutions with residual projections, and takes half its values from a delayed recurrent state "
+    "(`ZayaCCAProjection`)",
 }
 
 
@@ -176,6 +207,11 @@ def _refuse(module, model_type, what):
 def _structural_porter(module, model_type):
     """The porter of an attention module of an unlisted model type, recognised by its structure, or a
     `ValueError` naming what it holds that no porter reads."""
+    if type(module).__name__ in _ADDS:
+        raise ValueError(
+            f"`module` must hold an attention the layer computes: {_ADDS[type(module).__name__]}. "
+            f"Received: {type(module).__name__}"
+        )
     if model_type in _REFUSED:
         raise ValueError(
             f"`module` must hold an attention the layer computes: {_REFUSED[model_type]}, which the layer cannot. "
@@ -198,19 +234,19 @@ def _structural_porter(module, model_type):
     extra += [n for n, _ in module.named_buffers(recurse=False)]
     if extra:
         _refuse(module, model_type, "adds " + ", ".join(f"`{n}`" for n in extra) + ", which no porter reads")
+    rotates = _rotates(module, model_type)
     mrope = _multimodal_rope(type(module).__module__)
     if mrope and mrope[1]:  # cos and sin repeated pairwise by the rotary embedding: interleaved pairs only
         interleaved = _rope_pattern(type(module).__module__, repeated=True)
     else:
         interleaved = _rope_kinds().get(_rope_key(type(module).__module__), _rope_pattern(type(module).__module__))
-    if interleaved is None:
+    if interleaved is None and rotates:
         _refuse(module, model_type, "applies a RoPE (`apply_rotary_pos_emb`) that is not one a listed family has")
-    options = {"interleaved": interleaved, **_norm_options(module, model_type, children)}
+    options = {"interleaved": bool(interleaved), **_norm_options(module, model_type, children)}
     if gate is not None:
         options["activation"] = _check_gate(module, model_type, gate)
-    rotates = _rotates(module, model_type)
     if not rotates:
-        options["rope"] = "never"
+        options["rope"] = "never"  # no RoPE: the modeling module's RoPE functions, if any, are not read
     if rotates and mrope == ():
         _refuse(
             module,
@@ -423,13 +459,21 @@ def _check_gate(module, model_type, gate):
     return kinds.pop() if kinds else "sigmoid"
 
 
+_POSITIONS_BY_THETA = {"olmo_hybrid": "full_attention"}  # the layer type its model passes RoPE to, with a rope_theta
+
+
 def _layer_theta(module, model_type, config, index):
     """Granite-SWA's `layer_rope_theta`: layer `index`'s RoPE base, 0 for a NoPE layer (its model passes no
     `position_embeddings` there); Granite-MoE-Hybrid's `position_embedding_type`: "rope" in every layer, else
-    none; a config with neither is refused."""
+    none; OLMo-Hybrid's `rope_parameters`: RoPE in its `full_attention` layers where they hold a `rope_theta`, none
+    where it is None (its released checkpoints); a config with none of these is refused."""
     thetas = config.get("layer_rope_theta")
     if thetas is None and "position_embedding_type" in config:  # Granite-MoE-Hybrid: RoPE in every layer, or none
         return config, "all" if config["position_embedding_type"] == "rope" else "never"
+    if thetas is None and model_type in _POSITIONS_BY_THETA:  # its model builds a rotary embedding with a theta only
+        theta = _rope_parameters(config, None).get("rope_theta")
+        rotates = theta is not None and _layer_type(config, index) == _POSITIONS_BY_THETA[model_type]
+        return config, "all" if rotates else "never"
     if not isinstance(thetas, list | tuple) or index is None:
         _refuse(
             module,
