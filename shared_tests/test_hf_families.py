@@ -271,3 +271,15 @@ def test_olmo_hybrid_without_a_rope_theta_applies_no_rope():
     assert model.model.rotary_emb is None
     result = hf_tiny.check_replaced(model)
     assert result["replaced"] and result["tokens"] > 0
+
+
+PORTER_MODULE_LINES_MAX = 500  # the longest a module of the `interop.hf` package may be
+
+
+def test_no_porter_module_is_longer_than_500_lines():
+    """Each module of `interop/hf` (the porters, the census, `replace_attention`) reads in one sitting."""
+    from pathlib import Path
+
+    package = Path(census.__file__).parent
+    lengths = {path.name: len(path.read_text().splitlines()) for path in package.glob("*.py")}
+    assert max(lengths.values()) <= PORTER_MODULE_LINES_MAX, lengths
