@@ -1388,9 +1388,9 @@ def _query_scaling_backward(layer, call, d_q, grads):
 # `qk_norm` (RMSNorm or LayerNorm, `qk_norm_type`, of q and k per head, with a scale per head, or over all
 # heads; a bias with `qk_norm_bias`), `clip_qkv` (q, k and v clamped to [-c, c] right after their
 # projections: OLMo, DBRX, MPT) and `gate` (each head's result times sigmoid(query @ gate_kernel +
-# gate_bias): Keras' `use_gate`, Qwen3-Next; softplus
-# instead with `gate_activation="softplus"`: Laguna); `output_norm` (RMSNorm or LayerNorm of the merged heads
-# before the output projection, weights `context_norm` and `context_norm_bias`: BitNet, Kosmos-2);
+# gate_bias): Keras' `use_gate`, Qwen3-Next; softplus instead with `gate_activation="softplus"`:
+# Laguna); `output_norm` (RMSNorm or LayerNorm of the merged heads before the output projection,
+# weights `context_norm` and `context_norm_bias`: BitNet, Kosmos-2);
 # `qk_norm_after_rope` (QK-norm of the turned q and k, in step 4: HunYuan).
 
 

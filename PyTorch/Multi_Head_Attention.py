@@ -1964,9 +1964,9 @@ def _learned_scales(scale, bias, positions, dtype):
 # `qk_norm` (RMSNorm or LayerNorm, `qk_norm_bias`: Qwen3, OLMo2, StableLM, Phi), `clip_qkv` (q, k
 # and v clamped after the projections: OLMo, DBRX, MPT) and `gate` (each head's result times
 # sigmoid(query @ gate_kernel + gate_bias): Keras' `use_gate`, Qwen3-Next; softplus instead with
-# `gate_activation="softplus"`: Laguna); `output_norm` (RMSNorm or
-# LayerNorm of the merged heads before the output projection, weights `context_norm` and `context_norm_bias`:
-# BitNet, Kosmos-2); `qk_norm_after_rope` (QK-norm of the turned q and k, in step 4: HunYuan).
+# `gate_activation="softplus"`: Laguna); `output_norm` (RMSNorm or LayerNorm of the merged heads before
+# the output projection, weights `context_norm` and `context_norm_bias`: BitNet, Kosmos-2);
+# `qk_norm_after_rope` (QK-norm of the turned q and k, in step 4: HunYuan).
 
 
 _GATE_ACTIVATIONS = ("sigmoid", "softplus")  # the values `gate_activation` takes
