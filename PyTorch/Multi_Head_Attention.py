@@ -906,7 +906,11 @@ def _attention_in_blocks(q, k, v, keep, bias, dropout, scale, softcap, sinks):
 
 _BLOCK_SCORES = 1 << 21  # scores in one block of `_attention_in_blocks`: 8 MiB of float32
 _SOFTCAP_BLOCK_SCORES = 1 << 20  # scores in one block of `_Softcapped`: 4 MiB of float32
-_SOFTCAP_TILES = {"forward": (512, 512), "backward": (256, 256)}  # (query rows, keys) of a tile of `_SoftcappedTiles`
+_SOFTCAP_TILES = {  # (query rows, keys) of a tile of `_SoftcappedTiles`, chosen by `bench.softcap_paths`
+    "forward": (512, 512),
+    "causal forward": (256, 256),  # smaller tiles skip more of the keys above the diagonal
+    "backward": (256, 256),
+}
 
 
 def _score_blocks(b, n, t, s, causal, window):
@@ -1107,7 +1111,7 @@ class _SoftcappedTiles(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, keep, bias, sinks, scale, softcap, shift, causal, window, whole):
         (b, n, t, _), s, wide = q.shape, k.shape[2], torch.promote_types(q.dtype, torch.float32)
-        blocks = _key_tiles(b, t, s, causal, window, _SOFTCAP_TILES["forward"])
+        blocks = _key_tiles(b, t, s, causal, window, _SOFTCAP_TILES["causal forward" if causal else "forward"])
         q_scaled, k_wide, v_wide = q.to(wide) * (scale / softcap), k.to(wide), v.to(wide)  # (B, N, T|S, H|Hv)
         sums = q.new_zeros(b, n, t, v.shape[-1], dtype=wide)  # (B, N, T, Hv): the weighted values
         totals = q.new_zeros(b, n, t, 1, dtype=wide)  # (B, N, T, 1): the weights' sums

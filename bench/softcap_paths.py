@@ -32,9 +32,10 @@ def _patched(fn, name, value):
 
 
 def tile_sizes(text):
-    """ "512x512/256x256" -> {"forward": (512, 512), "backward": (256, 256)}; one size sets both."""
-    sizes = [tuple(int(x) for x in half.split("x")) for half in text.split("/")]
-    return {"forward": sizes[0], "backward": sizes[-1]}
+    """ "512x512/256x256/256x256" -> {"forward": (512, 512), "causal forward": (256, 256), "backward": (256, 256)};
+    two sizes set the forwards and the backward, one size all three."""
+    sizes = [tuple(int(x) for x in part.split("x")) for part in text.split("/")]
+    return {"forward": sizes[0], "causal forward": sizes[1 if len(sizes) == 3 else 0], "backward": sizes[-1]}
 
 
 def time_paths(configs, runs, rounds, tiles=()):
@@ -77,7 +78,10 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5, help="rounds per comparison (default 5)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's own)")
     parser.add_argument(
-        "--tiles", nargs="*", default=[], help="more tile sizes, e.g. 512x512/256x256 (forward/backward)"
+        "--tiles",
+        nargs="*",
+        default=[],
+        help="more tile sizes: forwards/backward (512x512/256x256) or forward/causal forward/backward",
     )
     parser.add_argument("--quick", action="store_true", help="the smoke size only")
     args = parser.parse_args(argv)

@@ -25,7 +25,7 @@ from PyTorch import (
     alibi_bias,
     dot_product_attention,
 )
-from shared_tests import numpy_runner
+from shared_tests import numpy_runner, torch_runner
 from shared_tests.call_args import call_inputs
 from shared_tests.calling import INPUTS, by_name, inputs, set_path
 from shared_tests.cases import FLOAT64_TOLERANCES, REPORT_CASES, TOLERANCES, make_data
@@ -487,14 +487,14 @@ def _float64_run(case, data):
 
 def _softcap_path(monkeypatch, path):
     """Sends soft-capping without returned weights down `path` at a tiny size and counts its calls:
-    "tiles" (`_SoftcappedTiles`, tiles of 2 query rows and 3 keys forward, 3 and 2 backward:
-    several a row, the last ones partial) or "blocks" (`_Softcapped`, which runs where no one shift fits the cap: each query
+    "tiles" (`_SoftcappedTiles`, `torch_runner.SOFTCAP_TILES`: tiles of 2 query rows and 3 keys forward, 3 and 2
+    causal and backward: several a row, the last ones partial) or "blocks" (`_Softcapped`, which runs where no one shift fits the cap: each query
     row a block of its own)."""
     if path == "blocks":
         monkeypatch.setattr(Multi_Head_Attention, "_cap_shift", lambda softcap, dtype: None)
         monkeypatch.setattr(Multi_Head_Attention, "_SOFTCAP_BLOCK_SCORES", 1)
         return CountingApply(monkeypatch, Multi_Head_Attention._Softcapped)
-    monkeypatch.setattr(Multi_Head_Attention, "_SOFTCAP_TILES", {"forward": (2, 3), "backward": (3, 2)})
+    monkeypatch.setattr(Multi_Head_Attention, "_SOFTCAP_TILES", torch_runner.SOFTCAP_TILES)
     return CountingApply(monkeypatch, Multi_Head_Attention._SoftcappedTiles)
 
 

@@ -19,7 +19,7 @@ from shared_tests.decode_masks import chunk_mask, chunk_positions, full_pass_mas
 
 INFERENCE_BLOCK_SCORES = 1  # scores per block on `torch:inference`: every batch element a block of its own
 SOFTCAP_BLOCK_SCORES = 1  # scores per block of the soft-capped blocks on `torch:sdpa`: each query row a block
-SOFTCAP_TILES = {"forward": (2, 3), "backward": (3, 2)}  # (rows, keys) per soft-capped tile on `torch:sdpa`
+SOFTCAP_TILES = {"forward": (2, 3), "causal forward": (3, 2), "backward": (3, 2)}  # rows, keys a tile: `torch:sdpa`
 
 
 def torch_device():
