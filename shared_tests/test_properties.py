@@ -167,6 +167,9 @@ def layer_configs(draw):
         "sinks": draw(st.sampled_from([False, True, np.bool_(True)])),
         "clip_qkv": draw(st.sampled_from([None, 0.5, np.float32(2.0)])),
         "gate": draw(st.sampled_from([False, True, np.bool_(True)])),
+        "gate_activation": draw(st.sampled_from(["sigmoid", "softplus"])),
+        "output_norm": draw(st.sampled_from([None, None, "rms", "layer"])),
+        "qk_norm_after_rope": draw(st.booleans()),
     }
     if isinstance(config["bias"], type):  # a collection of some of the projections' names
         config["bias"] = config["bias"](draw(st.lists(st.sampled_from(PROJECTIONS), max_size=5)))
@@ -180,6 +183,7 @@ def layer_configs(draw):
         pairs = int(head_dim * config["rope_fraction"]) // 2
         if pairs and draw(st.booleans()):  # multimodal RoPE: the pairs cut into sections
             config["rope_sections"] = (1,) * pairs if draw(st.booleans()) else [pairs]
+            config["rope_sections_interleaved"] = draw(st.booleans())
     return config
 
 
@@ -478,11 +482,16 @@ ARGUMENT_VALUES = {  # valid and invalid values of each constructor argument, in
     "sinks": [False, True, np.bool_(False), 0, None],
     "clip_qkv": [None, 0.5, np.float64(0.5), 1, np.int64(2), 0.0, -1.0, True, np.inf, "1"],
     "gate": [False, True, np.bool_(True), 1, None],
+    "gate_activation": ["sigmoid", "softplus", np.str_("softplus"), "relu", None],
+    "output_norm": [None, "rms", "layer", np.str_("rms"), "group", True],
+    "output_norm_eps": [1e-6, np.float32(1e-5), 0.0, None],
+    "qk_norm_after_rope": [False, True, np.bool_(True), 1, None],
 }  # fmt: skip
 ATTRIBUTES = (
     "d_model", "num_heads", "num_kv_heads", "head_dim", "kdim", "vdim", "dropout", "bias", "scale", "softcap", "window",
     "attention_chunk_size", "rope_theta", "rope_fraction", "rope_interleaved", "rope_scaling", "rope_sections", "qk_norm",
-    "qk_norm_eps", "qk_norm_type", "qk_norm_bias", "clip_qkv", "rope_sections_interleaved",
+    "qk_norm_eps", "qk_norm_type", "qk_norm_bias", "clip_qkv", "rope_sections_interleaved", "gate_activation",
+    "output_norm", "output_norm_eps", "qk_norm_after_rope",
 )  # fmt: skip
 
 
