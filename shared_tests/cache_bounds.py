@@ -46,3 +46,25 @@ def check_decoding_within_bound(case, data, bound, weights_bound):
         outputs[name] = quantized.output
     for name in ("torch", "tf"):
         assert np.abs(outputs[name] - outputs["numpy"]).max() <= 2 * bound + FLOAT32, name
+
+
+def cache_without_a_scale(file, dtype):
+    """A layer of `file` ("numpy", "torch" or "tf"), its (2, 3, 16) input and an int8 or fp8 (`dtype`) cache
+    (B = 2, L = 5) missing a scale: NumPy's and TensorFlow's without `key_scale`, PyTorch's with a `value_scale`
+    of the wrong shape."""
+    x = np.random.default_rng(0).normal(size=(2, 3, 16))
+    if file == "numpy":
+        layer = numpy_file.MultiHeadAttention(16, 4, seed=0)
+        return layer, x, layer.init_cache(2, 5, dtype=dtype)._replace(key_scale=None)
+    if file == "torch":
+        import torch
+
+        from PyTorch import Multi_Head_Attention as torch_file
+
+        layer = torch_file.MultiHeadAttention(16, 4)
+        cache = layer.init_cache(2, 5, dtype=dtype)._replace(value_scale=torch.zeros(2, 4, 5))
+        return layer, torch.from_numpy(x).float(), cache
+    from TensorFlow import Multi_Head_Attention as tf_file
+
+    layer = tf_file.MultiHeadAttention(16, 4)
+    return layer, x.astype(np.float32), layer.init_cache(2, 5, dtype=dtype)._replace(key_scale=None)

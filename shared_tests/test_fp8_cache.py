@@ -17,7 +17,7 @@ import torch
 from NumPy import Multi_Head_Attention as numpy_file
 from PyTorch import Multi_Head_Attention as torch_file
 from shared_tests import serving
-from shared_tests.cache_bounds import check_decoding_within_bound, reference_qkv
+from shared_tests.cache_bounds import cache_without_a_scale, check_decoding_within_bound, reference_qkv
 from shared_tests.cases import TOLERANCES
 from shared_tests.decoding import DECODE_CASES_BY_NAME, make_decode_data
 from shared_tests.int8 import FP8_TIED_ROW, fp8_cache_keys, fp8_codes, reference_fp8_codes
@@ -142,18 +142,7 @@ def test_bytes_per_token_are_the_int8_caches(file):
 
 @pytest.mark.parametrize("file", ["numpy", "torch", "tf"])
 def test_an_fp8_cache_without_its_scales_is_refused(file):
-    x = np.random.default_rng(0).normal(size=(2, 3, 16))
-    if file == "numpy":
-        layer = numpy_file.MultiHeadAttention(16, 4, seed=0)
-        cache = layer.init_cache(2, 5, dtype="float8_e4m3fn")._replace(key_scale=None)
-    elif file == "torch":
-        layer, x = torch_file.MultiHeadAttention(16, 4), torch.from_numpy(x).float()
-        cache = layer.init_cache(2, 5, dtype="float8_e4m3fn")._replace(value_scale=torch.zeros(2, 4, 5))
-    else:
-        from TensorFlow import Multi_Head_Attention as tf_file
-
-        layer, x = tf_file.MultiHeadAttention(16, 4), x.astype(np.float32)
-        cache = layer.init_cache(2, 5, dtype="float8_e4m3fn")._replace(key_scale=None)
+    layer, x, cache = cache_without_a_scale(file, "float8_e4m3fn")
     with pytest.raises(
         ValueError,
         match=r"A float8_e4m3fn `cache` must hold float8_e4m3fn `(key|value)` and a float32 `\1_scale` of shape "

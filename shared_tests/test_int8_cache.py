@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from NumPy import Multi_Head_Attention as numpy_file
 from PyTorch import Multi_Head_Attention as torch_file
 from shared_tests import torch_runner
-from shared_tests.cache_bounds import check_decoding_within_bound, reference_qkv
+from shared_tests.cache_bounds import cache_without_a_scale, check_decoding_within_bound, reference_qkv
 from shared_tests.cases import TOLERANCES
 from shared_tests.decoding import DECODE_CASES_BY_NAME, make_decode_data
 from shared_tests.int8 import TIED_ROW, cache_keys, reference_cache_integers
@@ -90,18 +89,7 @@ def test_bytes_per_token(config, per_token):
 
 @pytest.mark.parametrize("file", ["numpy", "torch", "tf"])
 def test_an_int8_cache_without_its_scales_is_refused(file):
-    x = np.random.default_rng(0).normal(size=(2, 3, 16))
-    if file == "numpy":
-        layer = numpy_file.MultiHeadAttention(16, 4, seed=0)
-        cache = layer.init_cache(2, 5, dtype="int8")._replace(key_scale=None)
-    elif file == "torch":
-        layer, x = torch_file.MultiHeadAttention(16, 4), torch.from_numpy(x).float()
-        cache = layer.init_cache(2, 5, dtype="int8")._replace(value_scale=torch.zeros(2, 4, 5))
-    else:
-        from TensorFlow import Multi_Head_Attention as tf_file
-
-        layer, x = tf_file.MultiHeadAttention(16, 4), x.astype(np.float32)
-        cache = layer.init_cache(2, 5, dtype="int8")._replace(key_scale=None)
+    layer, x, cache = cache_without_a_scale(file, "int8")
     with pytest.raises(
         ValueError,
         match=r"An int8 `cache` must hold int8 `(key|value)` and a float32 `\1_scale` of shape \(2, 4, 5, 1\)",
