@@ -68,3 +68,33 @@ def cache_without_a_scale(file, dtype):
 
     layer = tf_file.MultiHeadAttention(16, 4)
     return layer, x.astype(np.float32), layer.init_cache(2, 5, dtype=dtype)._replace(key_scale=None)
+
+
+def fast_and_general_decodes(monkeypatch, layer, x, init_cache):
+    """A PyTorch layer's prompt x[:, :4] then one step per token of the (B, T, E) `x`, on a cache from
+    `init_cache()`: first with the decode fast path spied on, then with it stepping aside. Returns whether each
+    call took the fast path, and the two runs' (B, T, E) outputs and last caches."""
+    import torch
+
+    from PyTorch import Multi_Head_Attention as torch_file
+
+    real, taken = torch_file._decode_step, []
+
+    def spy(*args):
+        step = real(*args)
+        taken.append(step[0] is not None)
+        return step
+
+    def decode():
+        with torch.no_grad():
+            output, cache = layer(x[:, :4], causal=True, cache=init_cache())
+            outputs = [output]
+            for i in range(4, x.shape[1]):
+                output, cache = layer(x[:, i : i + 1], causal=True, cache=cache)  # (B, 1, E)
+                outputs.append(output)
+        return torch.cat(outputs, dim=1), cache  # (B, T, E)
+
+    monkeypatch.setattr(torch_file, "_decode_step", spy)
+    fast = decode()
+    monkeypatch.setattr(torch_file, "_decode_step", lambda *args: (None, None))
+    return taken, fast, decode()

@@ -9,6 +9,8 @@ parity report's `decode_fp8_cache` runs the case on every path.
 Legend: B batch, K num_kv_heads, L cache slots, T tokens, H head_dim.
 """
 
+import functools
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -17,7 +19,12 @@ import torch
 from NumPy import Multi_Head_Attention as numpy_file
 from PyTorch import Multi_Head_Attention as torch_file
 from shared_tests import serving
-from shared_tests.cache_bounds import cache_without_a_scale, check_decoding_within_bound, reference_qkv
+from shared_tests.cache_bounds import (
+    cache_without_a_scale,
+    check_decoding_within_bound,
+    fast_and_general_decodes,
+    reference_qkv,
+)
 from shared_tests.cases import TOLERANCES
 from shared_tests.decoding import DECODE_CASES_BY_NAME, make_decode_data
 from shared_tests.int8 import FP8_TIED_ROW, fp8_cache_keys, fp8_codes, reference_fp8_codes
@@ -170,28 +177,9 @@ def test_fp8_decode_steps_take_the_fast_path_bit_for_bit(monkeypatch):
     layer = torch_file.MultiHeadAttention(32, 4, num_kv_heads=2, rope_theta=10000.0, window=4).eval()
     x, keep = torch.randn(2, 9, 32), torch.ones(2, 6, dtype=torch.bool)  # (B, T, E), (B, L)
     keep[1, :2] = False  # the second row's prompt is left-padded by 2
-    real, taken = torch_file._decode_step, []
-
-    def spy(*args):
-        step = real(*args)
-        taken.append(step[0] is not None)
-        return step
-
-    def decode():
-        with torch.no_grad():
-            cache = layer.init_cache(2, 6, keep=keep, dtype="float8_e4m3fn")
-            output, cache = layer(x[:, :4], causal=True, cache=cache)
-            outputs = [output]
-            for i in range(4, 9):
-                output, cache = layer(x[:, i : i + 1], causal=True, cache=cache)  # (B, 1, E)
-                outputs.append(output)
-        return torch.cat(outputs, dim=1), cache  # (B, T, E)
-
-    monkeypatch.setattr(torch_file, "_decode_step", spy)
-    fast, fast_cache = decode()
+    init_cache = functools.partial(layer.init_cache, 2, 6, keep=keep, dtype="float8_e4m3fn")
+    taken, (fast, fast_cache), (general, general_cache) = fast_and_general_decodes(monkeypatch, layer, x, init_cache)
     assert taken == [False, True, True, False, False, False]  # slots 4 and 5, then the cache wraps
-    monkeypatch.setattr(torch_file, "_decode_step", lambda *args: (None, None))
-    general, general_cache = decode()
     torch.testing.assert_close(fast, general, rtol=0, atol=0)
     for name in ("key", "value"):
         np.testing.assert_array_equal(fp8_codes(getattr(fast_cache, name)), fp8_codes(getattr(general_cache, name)))

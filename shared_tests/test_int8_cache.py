@@ -8,13 +8,20 @@ runs the case on every path.
 Legend: B batch, K num_kv_heads, L cache slots, T tokens, H head_dim, C kv_lora_rank, Hr qk_rope_head_dim.
 """
 
+import functools
+
 import numpy as np
 import pytest
 import torch
 
 from PyTorch import Multi_Head_Attention as torch_file
 from shared_tests import torch_runner
-from shared_tests.cache_bounds import cache_without_a_scale, check_decoding_within_bound, reference_qkv
+from shared_tests.cache_bounds import (
+    cache_without_a_scale,
+    check_decoding_within_bound,
+    fast_and_general_decodes,
+    reference_qkv,
+)
 from shared_tests.cases import TOLERANCES
 from shared_tests.decoding import DECODE_CASES_BY_NAME, make_decode_data
 from shared_tests.int8 import TIED_ROW, cache_keys, reference_cache_integers
@@ -115,27 +122,9 @@ def test_int8_decode_steps_take_the_fast_path_bit_for_bit(monkeypatch):
     layer = torch_file.MultiHeadAttention(32, 4, num_kv_heads=2, rope_theta=10000.0).eval()
     x, keep = torch.randn(2, 9, 32), torch.ones(2, 9, dtype=torch.bool)  # (B, T, E), (B, L)
     keep[1, :2] = False  # the second row's prompt is left-padded by 2
-    real, taken = torch_file._decode_step, []
-
-    def spy(*args):
-        step = real(*args)
-        taken.append(step[0] is not None)
-        return step
-
-    def decode():
-        with torch.no_grad():
-            output, cache = layer(x[:, :4], causal=True, cache=layer.init_cache(2, 9, keep=keep, dtype="int8"))
-            outputs = [output]
-            for i in range(4, 9):
-                output, cache = layer(x[:, i : i + 1], causal=True, cache=cache)  # (B, 1, E)
-                outputs.append(output)
-        return torch.cat(outputs, dim=1), cache  # (B, T, E)
-
-    monkeypatch.setattr(torch_file, "_decode_step", spy)
-    fast, fast_cache = decode()
+    init_cache = functools.partial(layer.init_cache, 2, 9, keep=keep, dtype="int8")
+    taken, (fast, fast_cache), (general, general_cache) = fast_and_general_decodes(monkeypatch, layer, x, init_cache)
     assert taken == [False] + [True] * 5  # the prompt runs the general call, which keeps the kernels
-    monkeypatch.setattr(torch_file, "_decode_step", lambda *args: (None, None))
-    general, general_cache = decode()
     torch.testing.assert_close(fast, general, rtol=0, atol=0)
     for name in ("key", "value", "keep", "index", "key_scale", "value_scale"):
         torch.testing.assert_close(getattr(fast_cache, name), getattr(general_cache, name), rtol=0, atol=0)
