@@ -28,7 +28,6 @@ import functools
 import importlib
 import inspect
 import pkgutil
-import re
 
 import numpy as np
 
@@ -426,15 +425,17 @@ def _shrink_rope(config):
 def _named_sections(config, cls):
     """The config with its multimodal RoPE's default sections written in (`mrope_section`, read from the rotary
     embedding of `cls`'s modeling module), so that `_shrink_rope` cuts them to the tiny head, as the config's own."""
+    from interop.hf import structure
+
     parameters = getattr(config, "rope_parameters", None)
     source = "".join(
         inspect.getsource(value)
         for name, value in vars(importlib.import_module(cls.__module__)).items()
         if name.endswith("RotaryEmbedding") and inspect.isclass(value)
     )
-    default = re.search(r'get\("mrope_section", \[([\d, ]+)\]\)', source)
+    default = structure._default_sections(source)
     if isinstance(parameters, dict) and default is not None and not parameters.get("mrope_section"):
-        parameters["mrope_section"] = [int(n) for n in default.group(1).split(",")]
+        parameters["mrope_section"] = list(default)
     return config
 
 

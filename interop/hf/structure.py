@@ -313,11 +313,17 @@ def _multimodal_rope(module_name):
     if not rotary:
         return None
     texts = {(" | ".join(_statements(c.forward)), " | ".join(_statements(c.recomposition_frequencies))) for c in rotary}
-    default = re.search(r'get\("mrope_section", \[([\d, ]+)\]\)', inspect.getsource(rotary[0]))
+    default = _default_sections(inspect.getsource(rotary[0]))
     kinds = {_SECTIONS[1].get(r) for _, r in texts}
     if any(f != _SECTIONS[0] for f, _ in texts) or len(kinds) != 1 or None in kinds or default is None:
         return ()
-    return tuple(int(n) for n in default.group(1).split(",")), *kinds.pop()
+    return default, *kinds.pop()
+
+
+def _default_sections(source):
+    """The default sections a rotary embedding's `source` reads (`.get("mrope_section", [16, 24, 24])`), or None."""
+    default = re.search(r'get\("mrope_section", \[([\d, ]+)\]\)', source)
+    return None if default is None else tuple(int(n) for n in default.group(1).split(","))
 
 
 _SECTIONS = (  # Qwen2-VL's multimodal RoPE: its rotary embedding's `forward`; `recomposition_frequencies`: repeated
