@@ -33,19 +33,34 @@ def _output_norm_options(module, refuse, output):
     if name is None:
         return None, {}
     norm = children[name]
-    names = {n for n, _ in norm.named_parameters()}
-    eps = next((getattr(norm, a) for a in _EPS if isinstance(getattr(norm, a, None), float)), None)
-    if eps is None or not names <= {"weight", "bias"} or "weight" not in names or list(norm.children()):
-        refuse(f"normalizes its merged heads with {type(norm).__name__} (`{name}`), which no porter reads")
+    unread = f"normalizes its merged heads with {type(norm).__name__} (`{name}`), which no porter reads"
+    names, eps = _norm_parameters(norm, refuse, unread, needs_weight=True)
     if not _normalizes_before(type(module).forward, name, output):
         refuse(f"applies `{name}` elsewhere than to its merged heads right before `{output}`, which no porter reads")
+    kind, offset = _norm_kind(norm, names, refuse, unread)
+    return name, {"output_norm": kind, "output_norm_eps": eps, "norm_offset": offset}
+
+
+def _norm_parameters(norm, refuse, unread, needs_weight=False):
+    """The names of a norm module's parameters and its eps; `refuse(unread)` unless it holds a float eps, no
+    parameter but `weight` and `bias` (`weight` with `needs_weight`) and no child."""
+    names = {n for n, _ in norm.named_parameters()}
+    eps = next((getattr(norm, a) for a in _EPS if isinstance(getattr(norm, a, None), float)), None)
+    missing = needs_weight and "weight" not in names
+    if eps is None or not names <= {"weight", "bias"} or missing or list(norm.children()):
+        refuse(unread)
+    return names, eps
+
+
+def _norm_kind(norm, names, refuse, unread):
+    """("layer", False) for a LayerNorm, ("rms", whether it scales by 1 + weight) for an RMSNorm without a bias, read
+    from its class's source; `refuse(unread)` for another."""
     source = inspect.getsource(type(norm))
     if "LayerNorm" in type(norm).__name__ or "layer_norm" in source:
-        return name, {"output_norm": "layer", "output_norm_eps": eps, "norm_offset": False}
+        return "layer", False
     if "bias" in names or ("rsqrt" not in source and "pow(2)" not in source):
-        refuse(f"normalizes its merged heads with {type(norm).__name__} (`{name}`), which no porter reads")
-    offset = bool(re.search(r"\(\s*1(\.0)?\s*\+\s*self\.weight", source))
-    return name, {"output_norm": "rms", "output_norm_eps": eps, "norm_offset": offset}
+        refuse(unread)
+    return "rms", bool(re.search(r"\(\s*1(\.0)?\s*\+\s*self\.weight", source))
 
 
 def _normalizes_before(forward, name, output):

@@ -29,7 +29,14 @@ import numpy as np
 from .config import _layer_type, _position_scaling, _rope_parameters
 from .gated import _gated
 from .llama import _rotary
-from .norms import _output_norm_options, _renamed_qk_norms, _renamed_tensors, _with_output_norm
+from .norms import (
+    _norm_kind,
+    _norm_parameters,
+    _output_norm_options,
+    _renamed_qk_norms,
+    _renamed_tensors,
+    _with_output_norm,
+)
 from .refused import _ADDS, _REFUSED
 from .tensors import _tensor
 
@@ -459,9 +466,6 @@ def _is_dropout(child):
     return type(child).__name__ == "Dropout" or type(child).__name__ == "Identity"
 
 
-_EPS = ("variance_epsilon", "eps")
-
-
 def _norm_options(module, model_type, children):
     """The QK-norm's kind: an RMSNorm of `weight` or of `1 + weight`, or a LayerNorm; its eps."""
     norm = children.get("q_norm")
@@ -469,17 +473,11 @@ def _norm_options(module, model_type, children):
         return {}
     if type(norm).__name__ == "Identity":
         return {}
-    source = inspect.getsource(type(norm))
-    names = {n for n, _ in norm.named_parameters()}
-    eps = next((getattr(norm, a) for a in _EPS if isinstance(getattr(norm, a, None), float)), None)
-    if eps is None or not names <= {"weight", "bias"} or list(norm.children()):
-        _refuse(module, model_type, f"normalizes its queries with {type(norm).__name__}, which no porter reads")
-    if "LayerNorm" in type(norm).__name__ or "layer_norm" in source:
-        return {"norm": "layer", "norm_eps": eps}
-    if "bias" in names or ("rsqrt" not in source and "pow(2)" not in source):
-        _refuse(module, model_type, f"normalizes its queries with {type(norm).__name__}, which no porter reads")
-    offset = bool(re.search(r"\(\s*1(\.0)?\s*\+\s*self\.weight", source))
-    return {"norm_eps": eps, "norm_offset": offset}
+    refuse = functools.partial(_refuse, module, model_type)
+    unread = f"normalizes its queries with {type(norm).__name__}, which no porter reads"
+    names, eps = _norm_parameters(norm, refuse, unread)
+    kind, offset = _norm_kind(norm, names, refuse, unread)
+    return {"norm": "layer", "norm_eps": eps} if kind == "layer" else {"norm_eps": eps, "norm_offset": offset}
 
 
 def _attributes(module):
