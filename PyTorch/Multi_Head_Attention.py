@@ -1075,23 +1075,29 @@ def _key_tiles(b, t, s, causal, window, size):
     return blocks
 
 
-def _tile_tanh(queries, keys):
-    """A tile's tanh(scores / softcap), a new (r*N, tq, S') tensor; `queries` (r*N, tq, H) are q
-    times scale / softcap, `keys` (r*N, S', H)."""
-    return torch.bmm(queries, keys.transpose(1, 2)).tanh_()  # (r*N, tq, H) @ (r*N, H, S') -> (r*N, tq, S')
+_LOG2E = 1 / math.log(2)  # exp(x) = exp2(x * _LOG2E)
 
 
-def _tile_weights(tanh, softcap, keep, bias, offset, part, heads, out=None):
-    """exp(softcap * tanh + bias - offset) of a tile's tanh(scores / softcap) (r*N, tq, S'), in
-    `out` (`tanh` itself where it is not needed again) or a new tensor, 0 at every key not kept;
-    `offset` is a number or (r*N, tq, 1), `part` the tile as `_block_of` reads it, and `keep` None
-    where the tile is whole. The cap and the offset are one pass (`torch.add` with `alpha`); the
-    keys not kept are zeroed after the exp (an exp of the lowest float ran ten times slower than
-    of a score)."""
-    weights = torch.add(-offset, tanh, alpha=softcap, out=out)  # (r*N, tq, S')
+def _tile_sigmoid(queries, keys):
+    """A tile's sigmoid(2 * scores / softcap), a new (r*N, tq, S') tensor: tanh(scores / softcap)
+    is 2 * sigmoid - 1, and torch's CPU sigmoid runs several times faster than its tanh
+    (docs/benchmark.md, "Soft-capping in PyTorch"); `queries` (r*N, tq, H) are q times
+    2 * scale / softcap, `keys` (r*N, S', H)."""
+    return torch.bmm(queries, keys.transpose(1, 2)).sigmoid_()  # (r*N, tq, H) @ (r*N, H, S') -> (r*N, tq, S')
+
+
+def _tile_weights(sigmoid, softcap, keep, bias, offset, part, heads, out=None):
+    """exp(softcap * tanh + bias - offset) of a tile's sigmoid(2 * scores / softcap) (r*N, tq, S')
+    (tanh = 2 * sigmoid - 1), in `out` (`sigmoid` itself where it is not needed again) or a new
+    tensor, 0 at every key not kept; `offset` is a number or (r*N, tq, 1), `part` the tile as
+    `_block_of` reads it, and `keep` None where the tile is whole. The cap and the offset are one
+    pass (`torch.add` with `alpha`), the exp an exp2 of the exponent times log2(e) (torch's CPU
+    exp2 runs several times faster than its exp); the keys not kept are zeroed after the exp2 (an
+    exp of the lowest float ran ten times slower than of a score)."""
+    weights = torch.add(-(softcap + offset) * _LOG2E, sigmoid, alpha=2 * softcap * _LOG2E, out=out)  # (r*N, tq, S')
     if bias is not None:
-        weights.unflatten(0, (-1, heads)).add_(_block_of(bias, part))  # (r, N, tq, S'), a view
-    weights.exp_()  # (r*N, tq, S')
+        weights.unflatten(0, (-1, heads)).add_(_block_of(bias, part), alpha=_LOG2E)  # (r, N, tq, S'), a view
+    weights.exp2_()  # (r*N, tq, S')
     mask = _block_of(keep, part)  # (r, N, tq, S'), dims may be 1
     if mask is not None:
         weights.unflatten(0, (-1, heads)).masked_fill_(~mask, 0.0)
@@ -1112,7 +1118,7 @@ class _SoftcappedTiles(torch.autograd.Function):
     def forward(ctx, q, k, v, keep, bias, sinks, scale, softcap, shift, causal, window, whole):
         (b, n, t, _), s, wide = q.shape, k.shape[2], torch.promote_types(q.dtype, torch.float32)
         blocks = _key_tiles(b, t, s, causal, window, _SOFTCAP_TILES["causal forward" if causal else "forward"])
-        q_scaled, k_wide, v_wide = q.to(wide) * (scale / softcap), k.to(wide), v.to(wide)  # (B, N, T|S, H|Hv)
+        q_scaled, k_wide, v_wide = q.to(wide) * (2 * scale / softcap), k.to(wide), v.to(wide)  # (B, N, T|S, H|Hv)
         sums = q.new_zeros(b, n, t, v.shape[-1], dtype=wide)  # (B, N, T, Hv): the weighted values
         totals = q.new_zeros(b, n, t, 1, dtype=wide)  # (B, N, T, 1): the weights' sums
         for block in blocks:
@@ -1123,8 +1129,8 @@ class _SoftcappedTiles(torch.autograd.Function):
                 start, end, kept = tile
                 keys, values = (x[batch, :, start:end].flatten(0, 1) for x in (k_wide, v_wide))  # (r*N, S', .)
                 mask, part = None if kept and whole else keep, (batch, rows, start, end)
-                tanh = _tile_tanh(queries, keys)  # (r*N, tq, S')
-                weights = _tile_weights(tanh, softcap, mask, bias, shift, part, n, out=tanh)  # (r*N, tq, S')
+                sigmoid = _tile_sigmoid(queries, keys)  # (r*N, tq, S')
+                weights = _tile_weights(sigmoid, softcap, mask, bias, shift, part, n, out=sigmoid)  # (r*N, tq, S')
                 out.baddbmm_(weights, values)  # (r*N, tq, S') @ (r*N, S', Hv)
                 total += weights.sum(dim=-1, keepdim=True)  # (r*N, tq, 1)
         empty = totals == 0  # (B, N, T, 1): rows that see no key
@@ -1148,7 +1154,7 @@ class _SoftcappedTiles(torch.autograd.Function):
         blocks = _key_tiles(b, t, s, causal, window, _SOFTCAP_TILES["backward"])
         low, wide = q.dtype, torch.promote_types(q.dtype, torch.float32)
         q, k, v, grad = (x.to(wide).contiguous() for x in (q, k, v, grad))  # (B, N, T|S, H|Hv)
-        q_scaled = q * (scale / softcap)  # (B, N, T, H)
+        q_scaled = q * (2 * scale / softcap)  # (B, N, T, H)
         grad_q, grad_k, grad_v = (torch.zeros_like(x) for x in (q, k, v))
         needs_bias = bias is not None and ctx.needs_input_grad[4]
         grad_bias = q.new_zeros(_as_4d(bias).shape) if needs_bias else None  # (B, N, T, S), dims may be 1
@@ -1162,16 +1168,16 @@ class _SoftcappedTiles(torch.autograd.Function):
                 start, end, kept = tile
                 keys, values = k[batch, :, start:end].flatten(0, 1), v[batch, :, start:end].flatten(0, 1)
                 mask, part = None if kept and whole else keep, (batch, rows, start, end)
-                tanh = _tile_tanh(scaled, keys)  # (r*N, tq, S')
-                weights = _tile_weights(tanh, softcap, mask, bias, offset, part, n)  # (r*N, tq, S')
+                sigmoid = _tile_sigmoid(scaled, keys)  # (r*N, tq, S')
+                weights = _tile_weights(sigmoid, softcap, mask, bias, offset, part, n)  # (r*N, tq, S')
                 grad_v[batch, :, start:end].flatten(0, 1).baddbmm_(weights.transpose(1, 2), grads)  # (r*N, S', Hv)
                 capped = torch.baddbmm(minus_rowsum, grads, values.transpose(1, 2)).mul_(weights)  # (r*N, tq, S')
                 if grad_bias is not None:
                     tile_grad = _block_of(grad_bias, part)  # (r, N, tq, S'), dims may be 1
                     tile_grad += capped.unflatten(0, (-1, n)).sum_to_size(tile_grad.shape)
-                scores = capped.addcmul_(capped, tanh.mul_(tanh), value=-1)  # times 1 - tanh^2
-                grad_queries.baddbmm_(scores, keys, alpha=scale)  # (r*N, tq, H)
-                grad_k[batch, :, start:end].flatten(0, 1).baddbmm_(scores.transpose(1, 2), queries, alpha=scale)
+                scores = capped.mul_(sigmoid.addcmul_(sigmoid, sigmoid, value=-1))  # times (1 - tanh^2) / 4
+                grad_queries.baddbmm_(scores, keys, alpha=4 * scale)  # (r*N, tq, H)
+                grad_k[batch, :, start:end].flatten(0, 1).baddbmm_(scores.transpose(1, 2), queries, alpha=4 * scale)
         grad_sinks = None
         if sinks is not None and ctx.needs_input_grad[5]:
             sink_weight = (sinks.to(wide) - lse).exp()  # (B, N, T, 1)
