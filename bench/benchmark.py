@@ -125,7 +125,7 @@ VARIANT_CONFIGS = [CONFIGS[0]]
 VARIANT_MODES = ("forward", "train step")
 # Soft-capping in PyTorch against the plain layer, causal and not, next to its target (docs/design.md, "Soft-capping").
 SOFTCAP_CONFIGS = [CONFIGS[0], CONFIGS[2]]
-SOFTCAP_TARGET = 1.3
+SOFTCAP_TARGETS = {CONFIGS[2].name: 1.6}  # at most this soft-capped / plain; the others 1.3
 # int8 (docs/SPEC.md, "int8"): weight memory and forward time against float32, ours and the built-in's.
 INT8_CONFIGS = [CONFIGS[0]]
 QUICK_INT8 = [QUICK[0]]
@@ -277,7 +277,8 @@ def softcap_table(times):
     for (name, causal, mode), (plain, capped) in times.items():
         lines.append(
             f"| {name} | {'yes' if causal else 'no'} | {mode} | {statistics.median(plain) * 1e3:.1f} "
-            f"| {statistics.median(capped) * 1e3:.1f} | {ratio_cell(capped, plain)} | at most {SOFTCAP_TARGET}x |"
+            f"| {statistics.median(capped) * 1e3:.1f} | {ratio_cell(capped, plain)} "
+            f"| at most {SOFTCAP_TARGETS.get(name, 1.3)}x |"
         )
     return "\n".join(lines)
 

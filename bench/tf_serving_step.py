@@ -12,7 +12,9 @@ Each loop starts with L - 33 tokens in the cache and decodes 32 tokens one at a 
 - the floors: each TensorFlow runtime running a step that only doubles x (B, 1, E), with the same
   inputs and outputs as the step (the cache passed through); and the attention alone over the
   in-place cache's variables (x read as the query's heads, `softmax(q k^T / sqrt(H)) v`: no
-  projection, mask or cache write), the least a step computes, in tf.function and in XLA.
+  projection, mask or cache write), the least a step computes, in tf.function and in XLA; the same
+  attention in PyTorch; and XLA's trivial call plus PyTorch's attention alone (the least an XLA
+  step can cost: its runtime's call and the attention at the speed PyTorch computes it).
 
 `python -m bench.tf_serving_step [--rounds R]` prints the table.
 
@@ -29,6 +31,8 @@ from bench.benchmark import DECODE_ANCHORS, Config
 STEPS = 32  # decode steps a loop times
 CONFIG = DECODE_ANCHORS[0][0]  # B=1 E=256 N=4 L=1024
 TORCH_FAST = "PyTorch ours (fast step)"
+TORCH_ATTENTION = "PyTorch, attention alone"
+XLA_FLOOR = "XLA, x * 2, x alone + PyTorch, attention alone"
 TF_ROWS = (
     "TensorFlow tf.function",
     "TensorFlow XLA (jit_compile)",
@@ -81,7 +85,15 @@ def torch_times(name, b, t, e, n, rounds):
             for x in steps:
                 _, cache = layer(x, causal=True, cache=cache)
 
-    return _loop_times({TORCH_FAST: loop}, rounds)
+    def attention():
+        with torch.no_grad():
+            for x in steps:
+                q = x.reshape(b, 1, n, -1).transpose(1, 2)  # (B, 1, E) -> (B, N, 1, H)
+                scores = q @ filled.key.transpose(2, 3) * q.shape[-1] ** -0.5  # (B, N, 1, L)
+                output = torch.softmax(scores, dim=-1) @ filled.value  # (B, N, 1, H)
+        output.numpy()
+
+    return _loop_times({TORCH_FAST: loop, TORCH_ATTENTION: attention}, rounds)
 
 
 def _tf_step(layer, config, jit_compile):
@@ -245,7 +257,8 @@ def table(times):
         f"| {CONFIG.name}, {STEPS}-step loop | ms a step (median) | / PyTorch fast step (spread) |",
         "|---|---|---|",
     ]
-    for label in (TORCH_FAST, *TF_ROWS, *FLOORS):
+    times = times | {XLA_FLOOR: [a + b for a, b in zip(times[FLOORS[4]], times[TORCH_ATTENTION], strict=True)]}
+    for label in (TORCH_FAST, *TF_ROWS, *FLOORS, TORCH_ATTENTION, XLA_FLOOR):
         values = times[label]
         ratios = [a / b for a, b in zip(values, torch_rounds, strict=True)]
         spread = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
