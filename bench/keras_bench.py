@@ -21,7 +21,8 @@ MODES = ("forward", "forward+weights", "train step")
 DECODE_WIDTH, DECODE_HEADS, DECODE_LENGTH = 256, 4, 1024  # the decoding step: E (at most), N, L
 
 
-def _calls_jax(layer, x, ours):
+def _calls_jax(layer, x, ours, **options):
+    """`options`: more arguments of our layer's call (`causal`)."""
     import jax
     import jax.numpy as jnp
 
@@ -29,7 +30,7 @@ def _calls_jax(layer, x, ours):
     fixed = [v.value for v in layer.non_trainable_variables]
 
     def forward(weights, trainable, training=False):
-        kwargs = {"return_attention": weights} if ours else {"return_attention_scores": weights}
+        kwargs = {"return_attention": weights, **options} if ours else {"return_attention_scores": weights}
         args = (x,) if ours else (x, x)
         result, _ = layer.stateless_call(trainable, fixed, *args, training=training, **kwargs)
         return result
@@ -44,21 +45,21 @@ def _calls_jax(layer, x, ours):
     }
 
 
-def _calls_tensorflow(layer, x, ours):
+def _calls_tensorflow(layer, x, ours, **options):
     def forward(weights, training=False):
         if ours:
-            return layer(x, return_attention=weights, training=training)
+            return layer(x, return_attention=weights, training=training, **options)
         return layer(x, x, return_attention_scores=weights, training=training)
 
     return tf_function_calls(forward, layer)
 
 
-def _calls_torch(layer, x, ours):
+def _calls_torch(layer, x, ours, **options):
     import torch
 
     def forward(weights, training=False):
         if ours:
-            return layer(x, return_attention=weights, training=training)
+            return layer(x, return_attention=weights, training=training, **options)
         return layer(x, x, return_attention_scores=weights, training=training)
 
     def inference(weights):
@@ -105,6 +106,9 @@ def _decode_step(layer, backend, b, length, e):
     return eager
 
 
+CALLS = {"jax": _calls_jax, "tensorflow": _calls_tensorflow, "torch": _calls_torch}  # by backend
+
+
 def measure(backend, b, t, e, n, runs, rounds):
     """{mode: {"ours": [...], "builtin": [...]}} and {"decode": {"ours": [...]}}, seconds per round."""
     os.environ["KERAS_BACKEND"] = backend
@@ -118,7 +122,7 @@ def measure(backend, b, t, e, n, runs, rounds):
     ours(x)
     builtin = ours.to_keras()
     builtin(x, x)
-    build = {"jax": _calls_jax, "tensorflow": _calls_tensorflow, "torch": _calls_torch}[backend]
+    build = CALLS[backend]
     calls = {"ours": build(ours, x, True), "builtin": build(builtin, x, False)}
     results = {}
     for mode in MODES:
