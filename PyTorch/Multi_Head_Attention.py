@@ -1076,25 +1076,29 @@ def _key_tiles(b, t, s, causal, window, size):
 
 
 _LOG2E = 1 / math.log(2)  # exp(x) = exp2(x * _LOG2E)
+_TANH_ARGUMENT = 40.0  # 2x is clamped to [-40, 40] in `_tile_tanh`: tanh(20) rounds to 1 in float32 and float64
 
 
-def _tile_sigmoid(queries, keys):
-    """A tile's sigmoid(2 * scores / softcap), a new (r*N, tq, S') tensor: tanh(scores / softcap)
-    is 2 * sigmoid - 1, and torch's CPU sigmoid runs several times faster than its tanh
-    (docs/benchmark.md, "Soft-capping in PyTorch"); `queries` (r*N, tq, H) are q times
+def _tile_expm1(queries, keys):
+    """A tile's expm1(2x) of x = scores / softcap, a new (r*N, tq, S') tensor, 2x clamped to
+    [-40, 40]: tanh(x) is expm1(2x) / (expm1(2x) + 2), which torch's CPU kernels compute about
+    twice as fast as its `tanh` (docs/benchmark.md, "Soft-capping in PyTorch") and, unlike
+    2 * sigmoid(2x) - 1, with tanh's relative precision near 0. `queries` (r*N, tq, H) are q times
     2 * scale / softcap, `keys` (r*N, S', H)."""
-    return torch.bmm(queries, keys.transpose(1, 2)).sigmoid_()  # (r*N, tq, H) @ (r*N, H, S') -> (r*N, tq, S')
+    doubled = torch.bmm(queries, keys.transpose(1, 2))  # (r*N, tq, H) @ (r*N, H, S') -> (r*N, tq, S'), 2x
+    return doubled.clamp_(-_TANH_ARGUMENT, _TANH_ARGUMENT).expm1_()  # (r*N, tq, S'), in place
 
 
-def _tile_weights(sigmoid, softcap, keep, bias, offset, part, heads, out=None):
-    """exp(softcap * tanh + bias - offset) of a tile's sigmoid(2 * scores / softcap) (r*N, tq, S')
-    (tanh = 2 * sigmoid - 1), in `out` (`sigmoid` itself where it is not needed again) or a new
+def _tile_weights(grown, softcap, keep, bias, offset, part, heads, out=None):
+    """exp(softcap * tanh + bias - offset) of a tile's expm1(2 * scores / softcap) (r*N, tq, S')
+    (tanh = grown / (grown + 2)), in `out` (`grown` itself where it is not needed again) or a new
     tensor, 0 at every key not kept; `offset` is a number or (r*N, tq, 1), `part` the tile as
-    `_block_of` reads it, and `keep` None where the tile is whole. The cap and the offset are one
-    pass (`torch.add` with `alpha`), the exp an exp2 of the exponent times log2(e) (torch's CPU
-    exp2 runs several times faster than its exp); the keys not kept are zeroed after the exp2 (an
-    exp of the lowest float ran ten times slower than of a score)."""
-    weights = torch.add(-(softcap + offset) * _LOG2E, sigmoid, alpha=2 * softcap * _LOG2E, out=out)  # (r*N, tq, S')
+    `_block_of` reads it, and `keep` None where the tile is whole. The tanh, the cap and the offset
+    are one pass (`torch.addcdiv`), the exp an exp2 of the exponent times log2(e) (torch's CPU
+    `exp2` runs about four times faster than its `exp`); the keys not kept are zeroed after the
+    exp2 (an exp of the lowest float ran ten times slower than of a score)."""
+    start = torch.as_tensor(-offset * _LOG2E, dtype=grown.dtype, device=grown.device)  # () or (r*N, tq, 1)
+    weights = torch.addcdiv(start, grown, grown + 2, value=softcap * _LOG2E, out=out)  # (r*N, tq, S')
     if bias is not None:
         weights.unflatten(0, (-1, heads)).add_(_block_of(bias, part), alpha=_LOG2E)  # (r, N, tq, S'), a view
     weights.exp2_()  # (r*N, tq, S')
@@ -1129,8 +1133,8 @@ class _SoftcappedTiles(torch.autograd.Function):
                 start, end, kept = tile
                 keys, values = (x[batch, :, start:end].flatten(0, 1) for x in (k_wide, v_wide))  # (r*N, S', .)
                 mask, part = None if kept and whole else keep, (batch, rows, start, end)
-                sigmoid = _tile_sigmoid(queries, keys)  # (r*N, tq, S')
-                weights = _tile_weights(sigmoid, softcap, mask, bias, shift, part, n, out=sigmoid)  # (r*N, tq, S')
+                grown = _tile_expm1(queries, keys)  # (r*N, tq, S')
+                weights = _tile_weights(grown, softcap, mask, bias, shift, part, n, out=grown)  # (r*N, tq, S')
                 out.baddbmm_(weights, values)  # (r*N, tq, S') @ (r*N, S', Hv)
                 total += weights.sum(dim=-1, keepdim=True)  # (r*N, tq, 1)
         empty = totals == 0  # (B, N, T, 1): rows that see no key
@@ -1168,16 +1172,17 @@ class _SoftcappedTiles(torch.autograd.Function):
                 start, end, kept = tile
                 keys, values = k[batch, :, start:end].flatten(0, 1), v[batch, :, start:end].flatten(0, 1)
                 mask, part = None if kept and whole else keep, (batch, rows, start, end)
-                sigmoid = _tile_sigmoid(scaled, keys)  # (r*N, tq, S')
-                weights = _tile_weights(sigmoid, softcap, mask, bias, offset, part, n)  # (r*N, tq, S')
+                grown = _tile_expm1(scaled, keys)  # (r*N, tq, S')
+                weights = _tile_weights(grown, softcap, mask, bias, offset, part, n)  # (r*N, tq, S')
+                tanh = grown.div_(grown + 2)  # (r*N, tq, S')
                 grad_v[batch, :, start:end].flatten(0, 1).baddbmm_(weights.transpose(1, 2), grads)  # (r*N, S', Hv)
                 capped = torch.baddbmm(minus_rowsum, grads, values.transpose(1, 2)).mul_(weights)  # (r*N, tq, S')
                 if grad_bias is not None:
                     tile_grad = _block_of(grad_bias, part)  # (r, N, tq, S'), dims may be 1
                     tile_grad += capped.unflatten(0, (-1, n)).sum_to_size(tile_grad.shape)
-                scores = capped.mul_(sigmoid.addcmul_(sigmoid, sigmoid, value=-1))  # times (1 - tanh^2) / 4
-                grad_queries.baddbmm_(scores, keys, alpha=4 * scale)  # (r*N, tq, H)
-                grad_k[batch, :, start:end].flatten(0, 1).baddbmm_(scores.transpose(1, 2), queries, alpha=4 * scale)
+                scores = capped.addcmul_(capped, tanh.mul_(tanh), value=-1)  # times 1 - tanh^2
+                grad_queries.baddbmm_(scores, keys, alpha=scale)  # (r*N, tq, H)
+                grad_k[batch, :, start:end].flatten(0, 1).baddbmm_(scores.transpose(1, 2), queries, alpha=scale)
         grad_sinks = None
         if sinks is not None and ctx.needs_input_grad[5]:
             sink_weight = (sinks.to(wide) - lse).exp()  # (B, N, T, 1)
