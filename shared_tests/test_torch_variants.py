@@ -622,6 +622,23 @@ def test_softcap_takes_the_tiles_where_one_shift_fits_the_cap(softcap, dtype, pa
     torch.testing.assert_close(grads[0], grads[1], atol=GRADS_TOL, rtol=0)
 
 
+@pytest.mark.parametrize("softcap", [50.0, 62.0])
+def test_regression_softcapped_tiles_keep_tanh_precise_near_zero(softcap, monkeypatch):
+    """Regression: the tiles' tanh taken as 2 * sigmoid(2x) - 1 held tanh only to an absolute 6e-8
+    near 0, which moved every capped score by about softcap * 1.2e-7: float32 rows of two keys
+    with moderate scores came up to 3e-5 from the float64 softmax, over the output tolerance.
+    Through expm1 (`_tile_expm1`) the error is the tanh path's, 1.3e-6 and 2.6e-6 here (the sigmoid: 1.7e-5 and 2.5e-5)."""
+    ran = CountingApply(monkeypatch, Multi_Head_Attention._SoftcappedTiles)
+    g = torch.Generator().manual_seed(43)
+    q, k = (torch.randn(8, N, length, 64, generator=g) * 0.3 for length in (16, 2))
+    v = torch.randn(8, N, 2, 64, generator=g) * 2
+    output = _softcapped(q, k, v, None, None, False, None, None, 0.125, softcap, None)
+    scores = q.double() @ k.double().transpose(-1, -2) * 0.125
+    expected = torch.softmax(softcap * torch.tanh(scores / softcap), dim=-1) @ v.double()
+    assert ran.calls == 1
+    torch.testing.assert_close(output.double(), expected, atol=OUTPUT_TOL, rtol=0)
+
+
 def test_softcapped_tiles_centre_a_large_bias_beside_sinks():
     """Regression: the tiles' one shift bounds the capped scores only with each row's bias
     centred; sinks keep a softmax from being shift-invariant, so the centring moves the sink
