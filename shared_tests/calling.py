@@ -39,6 +39,22 @@ class DecodeResult:
     full_weights: np.ndarray  # (B, N, P, P)
 
 
+def layer_classes():
+    """{framework: the `MultiHeadAttention` class of its layer file} for `torch`, `tf`, `keras`
+    and `numpy`; TensorFlow and Keras imported on the call."""
+    from Keras import MultiHeadAttention as KerasMultiHeadAttention
+    from NumPy import MultiHeadAttention as NumpyMultiHeadAttention
+    from PyTorch import MultiHeadAttention as TorchMultiHeadAttention
+    from TensorFlow import MultiHeadAttention as TFMultiHeadAttention
+
+    return {
+        "torch": TorchMultiHeadAttention,
+        "tf": TFMultiHeadAttention,
+        "keras": KerasMultiHeadAttention,
+        "numpy": NumpyMultiHeadAttention,
+    }
+
+
 @functools.cache
 def layer_source(folder):
     """The text of `<folder>/Multi_Head_Attention.py`."""

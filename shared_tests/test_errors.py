@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from NumPy import MultiHeadAttention as NumpyMultiHeadAttention
+from shared_tests.calling import layer_classes
 from shared_tests.cases import TOLERANCES
 
 OUTPUT_TOL = TOLERANCES["float32"]["output"]
@@ -247,26 +248,13 @@ ACCEPTED_ARGUMENTS = {
 }  # fmt: skip
 
 
-def _constructors():
-    from Keras import MultiHeadAttention as KerasMultiHeadAttention
-    from PyTorch import MultiHeadAttention as TorchMultiHeadAttention
-    from TensorFlow import MultiHeadAttention as TFMultiHeadAttention
-
-    return {
-        "torch": TorchMultiHeadAttention,
-        "tf": TFMultiHeadAttention,
-        "keras": KerasMultiHeadAttention,
-        "numpy": NumpyMultiHeadAttention,
-    }
-
-
 @pytest.mark.parametrize("name", sorted(ACCEPTED_ARGUMENTS))
 def test_python_and_numpy_arguments_are_accepted_alike(name):
     """Regression D7 (YaRN's `truncate=np.bool_(False)` was refused by PyTorch only), and the rule
     of docs/SPEC.md "Argument types": Python and NumPy scalars alike, a bool or a list, tuple or
     set for `bias`, and a switched-off variant's arguments checked on their own."""
     kwargs, expected = ACCEPTED_ARGUMENTS[name]
-    for framework, cls in _constructors().items():
+    for framework, cls in layer_classes().items():
         layer = cls(**kwargs)
         got = {attribute: getattr(layer, attribute) for attribute in expected}
         if framework == "torch" and "sinks" in got:  # the PyTorch layer holds the sink logits as `sinks`
@@ -282,7 +270,7 @@ def test_regression_rope_scaling_is_held_with_python_scalars():
                "beta_fast": np.int32(16), "truncate": np.bool_(False)}  # fmt: skip
     expected = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16,
                 "truncate": False}  # fmt: skip
-    for framework, cls in _constructors().items():
+    for framework, cls in layer_classes().items():
         held = cls(**BASE, rope_theta=10000.0, rope_scaling=scaling).rope_scaling
         assert held == expected and held is not scaling, (framework, held)
         assert [type(value) for value in held.values()] == [type(value) for value in expected.values()], framework
@@ -293,7 +281,7 @@ def test_proportional_rope_scaling_is_held_and_round_trips_through_get_config():
     (None, an absent option, kept), `get_config` gives the dict back and `from_config` takes it."""
     scaling = {"rope_type": "proportional", "partial_rotary_factor": np.float32(0.25), "factor": None}
     expected = {"rope_type": "proportional", "partial_rotary_factor": 0.25, "factor": None}
-    for framework, cls in _constructors().items():
+    for framework, cls in layer_classes().items():
         layer = cls(**BASE, rope_theta=100.0, rope_scaling=scaling)
         assert layer.rope_scaling == expected and type(layer.rope_scaling["partial_rotary_factor"]) is float, framework
         if framework in ("tf", "keras"):
@@ -508,7 +496,7 @@ def _layers():
     config = {"d_model": 8, "num_heads": 4, "num_kv_heads": 2}
     return {
         framework: cls(**config, seed=0) if framework == "numpy" else cls(**config)
-        for framework, cls in _constructors().items()
+        for framework, cls in layer_classes().items()
     }
 
 

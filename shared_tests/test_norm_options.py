@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from NumPy import MultiHeadAttention as NumpyMultiHeadAttention
+from shared_tests.calling import layer_classes
 from shared_tests.cases import TOLERANCES
 
 FLOAT64_TOL = 1e-12
@@ -28,24 +29,11 @@ LAYOUTS = {  # constructor arguments: the output norm's weights and their (N*Hv,
 }
 
 
-def _constructors():
-    from Keras import MultiHeadAttention as KerasMultiHeadAttention
-    from PyTorch import MultiHeadAttention as TorchMultiHeadAttention
-    from TensorFlow import MultiHeadAttention as TFMultiHeadAttention
-
-    return {
-        "numpy": NumpyMultiHeadAttention,
-        "torch": TorchMultiHeadAttention,
-        "tf": TFMultiHeadAttention,
-        "keras": KerasMultiHeadAttention,
-    }
-
-
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_weights_come_last_in_the_layout_starting_at_one_and_zero(name):
     kwargs, expected = LAYOUTS[name]
     plain = NumpyMultiHeadAttention(8, 2, **{k: v for k, v in kwargs.items() if not k.startswith("output_norm")})
-    for framework, cls in _constructors().items():
+    for framework, cls in layer_classes().items():
         layer = cls(8, 2, **kwargs)
         shapes = layer.weight_shapes()
         assert list(shapes)[len(shapes) - len(expected) :] == list(expected), framework
@@ -57,7 +45,7 @@ def test_weights_come_last_in_the_layout_starting_at_one_and_zero(name):
 
 @pytest.mark.parametrize("framework", ["tf", "keras"])
 def test_config_round_trip(framework):
-    cls = _constructors()[framework]
+    cls = layer_classes()[framework]
     layer = cls(8, 2, output_norm="layer", output_norm_eps=1e-5)
     config = layer.get_config()
     assert (config["output_norm"], config["output_norm_eps"]) == ("layer", 1e-5)
@@ -162,7 +150,7 @@ def test_the_porter_refuses_a_norm_applied_elsewhere_or_of_another_class():
 
 @pytest.mark.parametrize("framework", ["numpy", "torch", "tf", "keras"])
 def test_qk_norm_after_rope_acts_only_with_qk_norm_and_rope(framework):
-    cls = _constructors()[framework]
+    cls = layer_classes()[framework]
     x = np.random.default_rng(3).normal(size=(2, 4, 8)).astype(np.float32)
     rng = np.random.default_rng(4)
     for options, changes in (
@@ -179,7 +167,7 @@ def test_qk_norm_after_rope_acts_only_with_qk_norm_and_rope(framework):
 
 
 def test_qk_norm_after_rope_is_refused_with_the_sharing_options():
-    for framework, cls in _constructors().items():
+    for framework, cls in layer_classes().items():
         with pytest.raises(ValueError, match=r"^`qk_norm_after_rope` must be False with `kv_shared`, `keys_as_values`"):
             cls(8, 2, qk_norm="head", rope_theta=100.0, value_norm=True, qk_norm_after_rope=True)
         assert cls(8, 2, value_norm=True, qk_norm_after_rope=True).qk_norm_after_rope, (
